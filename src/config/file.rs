@@ -1,0 +1,106 @@
+//! The file layer of the configuration: the TOML schema exactly as the
+//! controller writes it.
+//!
+//! These types only describe the *shape* of the file. Numbers are kept wide
+//! (`i64`) and addresses as strings so that a bad value reaches
+//! [`super::validate`], which reports every problem at once with its key path
+//! and line, instead of serde stopping at the first one. Every value carries
+//! its [`Spanned`] position for that purpose.
+//!
+//! Unknown keys are not rejected here: the loader collects all of them with
+//! `serde_ignored` and reports them together with the other problems. Required keys are
+//! `Option` here for the same reason: a missing one is one problem among many.
+
+use serde::Deserialize;
+use toml::Spanned;
+
+/// The whole file.
+#[derive(Debug, Default, Deserialize)]
+pub struct FileConfig {
+    /// `[admin]`: the metrics and status listener.
+    #[serde(default)]
+    pub admin: FileAdmin,
+    /// `[proxy]`: process-wide forwarding settings.
+    #[serde(default)]
+    pub proxy: FileProxy,
+    /// `[[load_balancer]]`: one per Kubernetes `LoadBalancer` service.
+    #[serde(default, rename = "load_balancer")]
+    pub load_balancers: Vec<Spanned<FileLoadBalancer>>,
+}
+
+/// `[admin]`.
+#[derive(Debug, Default, Deserialize)]
+pub struct FileAdmin {
+    /// Address of the admin HTTP server; default `127.0.0.1:9901`.
+    pub listen: Option<Spanned<String>>,
+}
+
+/// `[proxy]`.
+#[derive(Debug, Default, Deserialize)]
+pub struct FileProxy {
+    /// `listen(2)` backlog of every VIP listener.
+    pub backlog: Option<Spanned<i64>>,
+    /// How long removed listeners and a stopping daemon wait for open connections.
+    pub drain_timeout_seconds: Option<Spanned<i64>>,
+    /// Cap on concurrently forwarded connections (each holds two descriptors).
+    pub max_connections: Option<Spanned<i64>>,
+}
+
+/// `[[load_balancer]]`: mirrors Harvester's `LoadBalancer` object.
+#[derive(Debug, Deserialize)]
+pub struct FileLoadBalancer {
+    /// `<namespace>/<service>`, unique in the file.
+    pub name: Option<Spanned<String>>,
+    /// Guest cluster that owns the load balancer.
+    pub cluster: Option<Spanned<String>>,
+    /// The virtual IP the listeners bind to.
+    pub vip: Option<Spanned<String>>,
+    /// `pool` or `dhcp`.
+    pub ipam: Option<Spanned<String>>,
+    /// Node addresses of the guest cluster.
+    #[serde(default)]
+    pub backends: Vec<Spanned<String>>,
+    /// Picking algorithm name.
+    pub algorithm: Option<Spanned<String>>,
+    /// `healthy` or `unhealthy`: state of a backend before its first probe.
+    pub initial_state: Option<Spanned<String>>,
+    /// Timeout of one connect attempt to a backend, in milliseconds.
+    pub connect_timeout_ms: Option<Spanned<i64>>,
+    /// How many backends one client connection may try.
+    pub connect_attempts: Option<Spanned<i64>>,
+    /// Close a connection after this long without a byte either way.
+    pub idle_timeout_seconds: Option<Spanned<i64>>,
+    /// `[[load_balancer.listener]]`.
+    #[serde(default, rename = "listener")]
+    pub listeners: Vec<Spanned<FileListener>>,
+    /// `[load_balancer.health_check]`.
+    pub health_check: Option<Spanned<FileHealthCheck>>,
+}
+
+/// `[[load_balancer.listener]]`: VIP port -> service nodeport.
+#[derive(Debug, Deserialize)]
+pub struct FileListener {
+    /// Name of the port in the service.
+    pub name: Option<Spanned<String>>,
+    /// Port on the VIP.
+    pub port: Option<Spanned<i64>>,
+    /// The nodeport on every backend.
+    pub backend_port: Option<Spanned<i64>>,
+    /// Only `tcp` for now.
+    pub protocol: Option<Spanned<String>>,
+}
+
+/// `[load_balancer.health_check]`: Harvester's `healthcheck-*` annotations.
+#[derive(Debug, Deserialize)]
+pub struct FileHealthCheck {
+    /// `healthcheck-port`.
+    pub port: Option<Spanned<i64>>,
+    /// `healthcheck-success-threshold`.
+    pub success_threshold: Option<Spanned<i64>>,
+    /// `healthcheck-failure-threshold`.
+    pub failure_threshold: Option<Spanned<i64>>,
+    /// `healthcheck-periodseconds`.
+    pub period_seconds: Option<Spanned<i64>>,
+    /// `healthcheck-timeoutseconds`.
+    pub timeout_seconds: Option<Spanned<i64>>,
+}

@@ -1,0 +1,223 @@
+//! Configuration: the controller's contract, read from one TOML file.
+//!
+//! Two layers, as in sozu and linkerd: [`file`] holds the serde types that
+//! mirror the file; [`validate`] checks all of it in one pass and builds the
+//! runtime types below (`Duration`, `NonZeroU32`, `IpAddr`…). Once a
+//! [`Config`] exists it is valid, and nothing downstream checks it again.
+//!
+//! This module does no I/O beyond reading the file, so `harvester-lb check`,
+//! the daemon's start and every reload share exactly the same verdict.
+
+mod error;
+mod file;
+mod validate;
+
+use std::net::{IpAddr, SocketAddr};
+use std::num::{NonZeroU32, NonZeroUsize};
+use std::path::Path;
+use std::time::Duration;
+
+pub use error::{ConfigError, Problem};
+
+/// Where the daemon looks for its configuration unless told otherwise.
+pub const DEFAULT_PATH: &str = "/etc/harvester-lb/config.toml";
+
+/// The largest config file accepted. A thousand load balancers take well under
+/// one MiB; anything near this is a mistake (or an attack) worth naming.
+pub const MAX_FILE_BYTES: u64 = 16 * 1024 * 1024;
+
+/// A validated configuration.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Config {
+    /// The admin HTTP server.
+    pub admin: AdminSettings,
+    /// Process-wide forwarding settings.
+    pub proxy: ProxySettings,
+    /// Every load balancer, in file order; names are unique.
+    pub load_balancers: Vec<LoadBalancerSpec>,
+}
+
+/// `[admin]`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AdminSettings {
+    /// Where `/metrics`, `/healthz`, `/readyz`, `/status` and `/reload` are served.
+    pub listen: SocketAddr,
+}
+
+/// `[proxy]`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ProxySettings {
+    /// `listen(2)` backlog of each VIP listener (the kernel caps it at `somaxconn`).
+    pub backlog: u32,
+    /// How long a removed listener, a removed backend or a stopping daemon lets
+    /// open connections run before closing them.
+    pub drain_timeout: Duration,
+    /// Cap on concurrently forwarded connections; `None` = derived from the
+    /// process's open-file limit at start.
+    pub max_connections: Option<NonZeroUsize>,
+}
+
+/// One Kubernetes `LoadBalancer` service.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LoadBalancerSpec {
+    /// `<namespace>/<service>`; unique; the key that survives reloads.
+    pub name: String,
+    /// Guest cluster that owns this load balancer; a label on every metric.
+    pub cluster: String,
+    /// The virtual IP every listener binds to.
+    pub vip: IpAddr,
+    /// How the controller obtained the VIP (informational for now).
+    pub ipam: Ipam,
+    /// Node addresses, in file order, without duplicates.
+    pub backends: Vec<IpAddr>,
+    /// How a backend is picked for a new connection.
+    pub algorithm: Algorithm,
+    /// The state of a backend before its first probe completes.
+    pub initial_state: InitialState,
+    /// Timeout of one connect attempt to a backend.
+    pub connect_timeout: Duration,
+    /// How many distinct backends one client connection may try; `None` = all eligible.
+    pub connect_attempts: Option<NonZeroU32>,
+    /// A connection with no byte moving either way for this long is closed.
+    pub idle_timeout: Duration,
+    /// VIP port -> nodeport mappings.
+    pub listeners: Vec<ListenerSpec>,
+    /// Active health checking; `None` = every backend always eligible.
+    pub health_check: Option<HealthCheckSpec>,
+}
+
+impl LoadBalancerSpec {
+    /// The socket address a listener of this load balancer binds.
+    pub fn listen_addr(&self, listener: &ListenerSpec) -> SocketAddr {
+        SocketAddr::new(self.vip, listener.port)
+    }
+}
+
+/// `[[load_balancer.listener]]`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ListenerSpec {
+    /// The service port's name.
+    pub name: String,
+    /// Port on the VIP.
+    pub port: u16,
+    /// The service's nodeport on every backend.
+    pub backend_port: u16,
+    /// Transport; a seam for UDP listeners.
+    pub protocol: Protocol,
+}
+
+/// `[load_balancer.health_check]`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct HealthCheckSpec {
+    /// What one probe does; a seam for kube-proxy's HTTP `healthCheckNodePort`.
+    pub check: CheckKind,
+    /// Port probed on each backend.
+    pub port: u16,
+    /// Consecutive successes before a backend takes traffic.
+    pub success_threshold: NonZeroU32,
+    /// Consecutive failures before it stops taking traffic.
+    pub failure_threshold: NonZeroU32,
+    /// Time between the starts of two probes of one backend.
+    pub period: Duration,
+    /// Timeout of one probe; never longer than `period`.
+    pub timeout: Duration,
+}
+
+/// How the VIP was obtained. Harvester forbids changing it after creation; the
+/// data plane records it and shows it in `/status`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Ipam {
+    /// From an IP pool.
+    Pool,
+    /// Leased by DHCP.
+    Dhcp,
+}
+
+/// Picking algorithm of a load balancer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Algorithm {
+    /// Each new connection goes to the next eligible backend.
+    RoundRobin,
+    /// The eligible backend with the fewest open connections (ties: file order).
+    LeastConnections,
+    /// Rendezvous hash of the client IP: a client sticks to one backend, and
+    /// only clients of a backend that leaves are moved.
+    SourceIp,
+}
+
+/// Transport of a listener.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Protocol {
+    /// TCP, forwarded byte for byte.
+    Tcp,
+}
+
+/// The kind of a health probe.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum CheckKind {
+    /// A TCP connect that completes within the timeout.
+    TcpConnect,
+}
+
+/// State of a backend before its first probe result.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum InitialState {
+    /// Takes traffic at once (HAProxy's and Pingora's choice; see the README).
+    Healthy,
+    /// Takes traffic after `success_threshold` successful probes.
+    Unhealthy,
+}
+
+/// A valid configuration and the warnings that came with it.
+#[derive(Debug, Clone)]
+pub struct Loaded {
+    /// The configuration to run.
+    pub config: Config,
+    /// Things that are allowed but probably not meant (e.g. no backends).
+    pub warnings: Vec<Problem>,
+}
+
+/// Reads and validates the file at `path`.
+///
+/// Every failure names the file; a file with several problems reports all of
+/// them, each with its line and key path.
+pub fn load(path: &Path) -> Result<Loaded, ConfigError> {
+    let shown = path.display().to_string();
+    let meta = std::fs::metadata(path).map_err(|source| ConfigError::Read {
+        path: shown.clone(),
+        source,
+    })?;
+    if meta.is_dir() {
+        return Err(ConfigError::IsDirectory { path: shown });
+    }
+    if meta.len() > MAX_FILE_BYTES {
+        return Err(ConfigError::TooLarge {
+            path: shown,
+            size: meta.len(),
+        });
+    }
+    let bytes = std::fs::read(path).map_err(|source| ConfigError::Read {
+        path: shown.clone(),
+        source,
+    })?;
+    // The file may have grown between stat and read.
+    if bytes.len() as u64 > MAX_FILE_BYTES {
+        return Err(ConfigError::TooLarge {
+            path: shown,
+            size: bytes.len() as u64,
+        });
+    }
+    let text = String::from_utf8(bytes).map_err(|e| ConfigError::NotUtf8 {
+        path: shown.clone(),
+        offset: e.utf8_error().valid_up_to(),
+    })?;
+    parse(&text).map_err(|problems| ConfigError::Invalid {
+        path: shown,
+        problems,
+    })
+}
+
+/// Validates a config held in memory; the problems carry lines of `text`.
+pub fn parse(text: &str) -> Result<Loaded, Vec<Problem>> {
+    validate::parse(text)
+}

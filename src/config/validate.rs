@@ -1,0 +1,635 @@
+//! One pass from the file layer to the runtime types, collecting every problem.
+//!
+//! Harvester's defaults live here as named constants, so the README, the
+//! example config and the code cannot disagree silently (the tests load the
+//! example and compare).
+
+use std::collections::{HashMap, HashSet};
+use std::net::{IpAddr, SocketAddr};
+use std::num::{NonZeroU32, NonZeroUsize};
+use std::ops::Range;
+use std::time::Duration;
+
+use toml::Spanned;
+use toml::de::{DeTable, DeValue};
+
+use super::file::{FileConfig, FileHealthCheck, FileListener, FileLoadBalancer};
+use super::*;
+
+/// Default admin listener: loopback only, so metrics are not exposed by accident.
+pub const DEFAULT_ADMIN_LISTEN: &str = "127.0.0.1:9901";
+/// Default `listen(2)` backlog (the kernel caps it at `net.core.somaxconn`).
+pub const DEFAULT_BACKLOG: i64 = 4096;
+/// Default drain timeout, seconds.
+pub const DEFAULT_DRAIN_TIMEOUT_SECONDS: i64 = 30;
+/// Default guest cluster name, as in Harvester's cloud provider.
+pub const DEFAULT_CLUSTER: &str = "kubernetes";
+/// Default connect timeout to a backend, milliseconds.
+pub const DEFAULT_CONNECT_TIMEOUT_MS: i64 = 3000;
+/// Default idle timeout, seconds (one hour).
+pub const DEFAULT_IDLE_TIMEOUT_SECONDS: i64 = 3600;
+/// Harvester's `healthcheck-success-threshold` default.
+pub const DEFAULT_SUCCESS_THRESHOLD: i64 = 1;
+/// Harvester's `healthcheck-failure-threshold` default.
+pub const DEFAULT_FAILURE_THRESHOLD: i64 = 3;
+/// Harvester's `healthcheck-periodseconds` default.
+pub const DEFAULT_PERIOD_SECONDS: i64 = 5;
+/// Harvester's `healthcheck-timeoutseconds` default.
+pub const DEFAULT_TIMEOUT_SECONDS: i64 = 3;
+
+/// Upper bound on any duration key, so a typo such as an extra zero does not
+/// overflow arithmetic downstream: one year.
+const MAX_SECONDS: i64 = 365 * 24 * 3600;
+
+pub(super) fn parse(text: &str) -> Result<Loaded, Vec<Problem>> {
+    let lines = LineIndex::new(text);
+    let root = DeTable::parse(text).map_err(|e| vec![lines.toml_error(&e)])?;
+
+    let mut unknown: Vec<Vec<String>> = Vec::new();
+    let deserializer = toml::de::Deserializer::from(root.clone());
+    let file: FileConfig = serde_ignored::deserialize(deserializer, |path| {
+        unknown.push(segments(&path));
+    })
+    .map_err(|e| vec![lines.toml_error(&e)])?;
+
+    let mut v = Validator {
+        lines: &lines,
+        problems: Vec::new(),
+        warnings: Vec::new(),
+    };
+    for path in unknown {
+        let span = span_of(root.get_ref(), &path);
+        v.problem(span, &display_path(&path), "unknown key".to_string());
+    }
+    let config = v.config(&file);
+    if v.problems.is_empty() {
+        Ok(Loaded {
+            config,
+            warnings: v.warnings,
+        })
+    } else {
+        v.problems.sort_by_key(|p| p.line.unwrap_or(usize::MAX));
+        Err(v.problems)
+    }
+}
+
+/// Turns serde_ignored's path into plain key segments, dropping the wrapper
+/// levels that `Spanned` and `Option` add.
+fn segments(path: &serde_ignored::Path<'_>) -> Vec<String> {
+    use serde_ignored::Path;
+    let mut out = match path {
+        Path::Root => return Vec::new(),
+        Path::Seq { parent, .. }
+        | Path::Map { parent, .. }
+        | Path::Some { parent }
+        | Path::NewtypeStruct { parent }
+        | Path::NewtypeVariant { parent } => segments(parent),
+    };
+    match path {
+        Path::Seq { index, .. } => out.push(index.to_string()),
+        Path::Map { key, .. } if !key.starts_with("$__serde_spanned") => out.push(key.clone()),
+        _ => {}
+    }
+    out
+}
+
+/// `["load_balancer", "0", "listener", "1", "prot"]` -> `load_balancer[0].listener[1].prot`.
+fn display_path(segments: &[String]) -> String {
+    let mut out = String::new();
+    for segment in segments {
+        if segment.parse::<usize>().is_ok() {
+            out.push_str(&format!("[{segment}]"));
+        } else {
+            if !out.is_empty() {
+                out.push('.');
+            }
+            out.push_str(segment);
+        }
+    }
+    out
+}
+
+/// Finds where a key path sits in the parsed document (the key's own span).
+fn span_of(table: &DeTable<'_>, segments: &[String]) -> Option<Range<usize>> {
+    let (first, rest) = segments.split_first()?;
+    let (key, value) = table.iter().find(|(k, _)| k.get_ref().as_ref() == first)?;
+    let mut value = value;
+    let mut rest = rest;
+    let mut span = key.span();
+    loop {
+        match (value.get_ref(), rest.split_first()) {
+            (_, None) => return Some(span),
+            (DeValue::Table(t), Some(_)) => return span_of(t, rest).or(Some(span)),
+            (DeValue::Array(items), Some((index, tail))) => {
+                let item = items.get(index.parse::<usize>().ok()?)?;
+                span = item.span();
+                value = item;
+                rest = tail;
+            }
+            _ => return Some(span),
+        }
+    }
+}
+
+/// Byte offset -> 1-based line number.
+struct LineIndex {
+    starts: Vec<usize>,
+}
+
+impl LineIndex {
+    fn new(text: &str) -> Self {
+        let mut starts = vec![0];
+        starts.extend(text.match_indices('\n').map(|(i, _)| i + 1));
+        Self { starts }
+    }
+
+    fn line(&self, offset: usize) -> usize {
+        self.starts.partition_point(|&s| s <= offset)
+    }
+
+    fn toml_error(&self, e: &toml::de::Error) -> Problem {
+        Problem {
+            line: e.span().map(|s| self.line(s.start)),
+            key: String::new(),
+            message: e.message().trim_end().to_string(),
+        }
+    }
+}
+
+struct Validator<'a> {
+    lines: &'a LineIndex,
+    problems: Vec<Problem>,
+    warnings: Vec<Problem>,
+}
+
+impl Validator<'_> {
+    fn problem(&mut self, span: Option<Range<usize>>, key: &str, message: String) {
+        self.problems.push(Problem {
+            line: span.map(|s| self.lines.line(s.start)),
+            key: key.to_string(),
+            message,
+        });
+    }
+
+    fn warning(&mut self, span: Option<Range<usize>>, key: &str, message: String) {
+        self.warnings.push(Problem {
+            line: span.map(|s| self.lines.line(s.start)),
+            key: key.to_string(),
+            message,
+        });
+    }
+
+    fn config(&mut self, file: &FileConfig) -> Config {
+        let admin_listen = match &file.admin.listen {
+            None => DEFAULT_ADMIN_LISTEN.parse().expect("default admin address parses"),
+            Some(s) => s.get_ref().parse::<SocketAddr>().unwrap_or_else(|_| {
+                self.problem(
+                    Some(s.span()),
+                    "admin.listen",
+                    format!(
+                        "{:?} is not a socket address; write IP:PORT, e.g. \"127.0.0.1:9901\" or \"[::1]:9901\"",
+                        s.get_ref()
+                    ),
+                );
+                DEFAULT_ADMIN_LISTEN.parse().expect("default admin address parses")
+            }),
+        };
+        let backlog = self.int(
+            &file.proxy.backlog,
+            "proxy.backlog",
+            DEFAULT_BACKLOG,
+            1,
+            65535,
+        );
+        let drain = self.int(
+            &file.proxy.drain_timeout_seconds,
+            "proxy.drain_timeout_seconds",
+            DEFAULT_DRAIN_TIMEOUT_SECONDS,
+            0,
+            MAX_SECONDS,
+        );
+        let max_connections = file.proxy.max_connections.as_ref().map(|_| {
+            self.int(
+                &file.proxy.max_connections,
+                "proxy.max_connections",
+                1,
+                1,
+                10_000_000,
+            )
+        });
+
+        let mut names: HashMap<String, usize> = HashMap::new();
+        let mut addresses: HashMap<SocketAddr, String> = HashMap::new();
+        let mut load_balancers = Vec::new();
+        for (i, lb) in file.load_balancers.iter().enumerate() {
+            let key = format!("load_balancer[{i}]");
+            if let Some(spec) = self.load_balancer(&key, lb, &mut names, &mut addresses) {
+                load_balancers.push(spec);
+            }
+        }
+        Config {
+            admin: AdminSettings {
+                listen: admin_listen,
+            },
+            proxy: ProxySettings {
+                backlog: backlog as u32,
+                drain_timeout: Duration::from_secs(drain as u64),
+                max_connections: max_connections
+                    .and_then(|n| NonZeroUsize::new(usize::try_from(n).unwrap_or(1))),
+            },
+            load_balancers,
+        }
+    }
+
+    /// Checks `[[load_balancer]]`; `None` when it is too broken to build.
+    fn load_balancer(
+        &mut self,
+        key: &str,
+        lb: &Spanned<FileLoadBalancer>,
+        names: &mut HashMap<String, usize>,
+        addresses: &mut HashMap<SocketAddr, String>,
+    ) -> Option<LoadBalancerSpec> {
+        let table_span = lb.span();
+        let lb = lb.get_ref();
+        let name = match &lb.name {
+            None => {
+                self.problem(
+                    Some(table_span.clone()),
+                    key,
+                    "missing key `name` (the controller writes <namespace>/<service>)".into(),
+                );
+                None
+            }
+            Some(n) if n.get_ref().trim().is_empty() => {
+                self.problem(
+                    Some(n.span()),
+                    &format!("{key}.name"),
+                    "must not be empty".into(),
+                );
+                None
+            }
+            Some(n) => {
+                if let Some(first) =
+                    names.insert(n.get_ref().clone(), self.lines.line(n.span().start))
+                {
+                    self.problem(
+                        Some(n.span()),
+                        &format!("{key}.name"),
+                        format!(
+                            "duplicate load balancer name {:?} (first used on line {first}); names must be unique",
+                            n.get_ref()
+                        ),
+                    );
+                }
+                Some(n.get_ref().clone())
+            }
+        };
+        let cluster = match &lb.cluster {
+            None => DEFAULT_CLUSTER.to_string(),
+            Some(c) if c.get_ref().trim().is_empty() => {
+                self.problem(
+                    Some(c.span()),
+                    &format!("{key}.cluster"),
+                    "must not be empty".into(),
+                );
+                String::new()
+            }
+            Some(c) => c.get_ref().clone(),
+        };
+        let vip = match &lb.vip {
+            None => {
+                self.problem(
+                    Some(table_span.clone()),
+                    key,
+                    "missing key `vip` (the load balancer's IP address)".into(),
+                );
+                None
+            }
+            Some(v) => self.ip(v, &format!("{key}.vip")),
+        };
+        let ipam = self.choice(
+            &lb.ipam,
+            &format!("{key}.ipam"),
+            &[("pool", Ipam::Pool), ("dhcp", Ipam::Dhcp)],
+            Ipam::Pool,
+        );
+        let algorithm = self.choice(
+            &lb.algorithm,
+            &format!("{key}.algorithm"),
+            &[
+                ("round_robin", Algorithm::RoundRobin),
+                ("least_connections", Algorithm::LeastConnections),
+                ("source_ip", Algorithm::SourceIp),
+            ],
+            Algorithm::RoundRobin,
+        );
+        let initial_state = self.choice(
+            &lb.initial_state,
+            &format!("{key}.initial_state"),
+            &[
+                ("healthy", InitialState::Healthy),
+                ("unhealthy", InitialState::Unhealthy),
+            ],
+            InitialState::Healthy,
+        );
+        let connect_timeout_ms = self.int(
+            &lb.connect_timeout_ms,
+            &format!("{key}.connect_timeout_ms"),
+            DEFAULT_CONNECT_TIMEOUT_MS,
+            1,
+            MAX_SECONDS * 1000,
+        );
+        let connect_attempts = lb.connect_attempts.as_ref().map(|_| {
+            self.int(
+                &lb.connect_attempts,
+                &format!("{key}.connect_attempts"),
+                1,
+                1,
+                1_000_000,
+            )
+        });
+        let idle_timeout = self.int(
+            &lb.idle_timeout_seconds,
+            &format!("{key}.idle_timeout_seconds"),
+            DEFAULT_IDLE_TIMEOUT_SECONDS,
+            1,
+            MAX_SECONDS,
+        );
+
+        let mut backends = Vec::new();
+        let mut seen = HashSet::new();
+        for (i, b) in lb.backends.iter().enumerate() {
+            let bkey = format!("{key}.backends[{i}]");
+            if let Some(ip) = self.ip(b, &bkey) {
+                if seen.insert(ip) {
+                    backends.push(ip);
+                } else {
+                    self.problem(
+                        Some(b.span()),
+                        &bkey,
+                        format!("backend {ip} is listed twice"),
+                    );
+                }
+            }
+        }
+        if lb.backends.is_empty() {
+            self.warning(
+                Some(table_span.clone()),
+                &format!("{key}.backends"),
+                "no backends: every connection to this load balancer will be refused".into(),
+            );
+        }
+
+        let mut listeners = Vec::new();
+        let mut listener_names = HashSet::new();
+        if lb.listeners.is_empty() {
+            self.warning(
+                Some(table_span.clone()),
+                &format!("{key}.listener"),
+                "no listeners: this load balancer accepts nothing".into(),
+            );
+        }
+        for (i, l) in lb.listeners.iter().enumerate() {
+            let lkey = format!("{key}.listener[{i}]");
+            if let Some(spec) = self.listener(&lkey, l, &mut listener_names) {
+                if let (Some(vip), Some(lb_name)) = (vip, &name) {
+                    let addr = SocketAddr::new(vip, spec.port);
+                    if let Some(owner) = addresses.get(&addr) {
+                        self.problem(
+                            l.get_ref().port.as_ref().map(|p| p.span()),
+                            &format!("{lkey}.port"),
+                            format!("{addr} is already a listener of load balancer {owner:?}; one VIP:port can serve only one listener"),
+                        );
+                    } else {
+                        addresses.insert(addr, format!("{lb_name}/{}", spec.name));
+                    }
+                }
+                listeners.push(spec);
+            }
+        }
+
+        let health_check = lb
+            .health_check
+            .as_ref()
+            .and_then(|hc| self.health_check(&format!("{key}.health_check"), hc));
+
+        Some(LoadBalancerSpec {
+            name: name?,
+            cluster,
+            vip: vip?,
+            ipam,
+            backends,
+            algorithm,
+            initial_state,
+            connect_timeout: Duration::from_millis(connect_timeout_ms as u64),
+            connect_attempts: connect_attempts.and_then(|n| NonZeroU32::new(n as u32)),
+            idle_timeout: Duration::from_secs(idle_timeout as u64),
+            listeners,
+            health_check,
+        })
+    }
+
+    fn listener(
+        &mut self,
+        key: &str,
+        l: &Spanned<FileListener>,
+        names: &mut HashSet<String>,
+    ) -> Option<ListenerSpec> {
+        let span = l.span();
+        let l = l.get_ref();
+        let name = match &l.name {
+            None => {
+                self.problem(
+                    Some(span.clone()),
+                    key,
+                    "missing key `name` (the service port's name)".into(),
+                );
+                None
+            }
+            Some(n) => {
+                if !names.insert(n.get_ref().clone()) {
+                    self.problem(
+                        Some(n.span()),
+                        &format!("{key}.name"),
+                        format!(
+                            "duplicate listener name {:?} in this load balancer",
+                            n.get_ref()
+                        ),
+                    );
+                }
+                Some(n.get_ref().clone())
+            }
+        };
+        let port = self.required_port(&l.port, span.clone(), key, "port", "the port on the VIP");
+        let backend_port = self.required_port(
+            &l.backend_port,
+            span,
+            key,
+            "backend_port",
+            "the service's nodeport on every backend",
+        );
+        let protocol = self.choice(
+            &l.protocol,
+            &format!("{key}.protocol"),
+            &[("tcp", Protocol::Tcp)],
+            Protocol::Tcp,
+        );
+        Some(ListenerSpec {
+            name: name?,
+            port: port?,
+            backend_port: backend_port?,
+            protocol,
+        })
+    }
+
+    fn health_check(
+        &mut self,
+        key: &str,
+        hc: &Spanned<FileHealthCheck>,
+    ) -> Option<HealthCheckSpec> {
+        let span = hc.span();
+        let hc = hc.get_ref();
+        let port = self.required_port(
+            &hc.port,
+            span,
+            key,
+            "port",
+            "the port probed on each backend, usually the nodeport",
+        );
+        let success = self.int(
+            &hc.success_threshold,
+            &format!("{key}.success_threshold"),
+            DEFAULT_SUCCESS_THRESHOLD,
+            1,
+            1000,
+        );
+        let failure = self.int(
+            &hc.failure_threshold,
+            &format!("{key}.failure_threshold"),
+            DEFAULT_FAILURE_THRESHOLD,
+            1,
+            1000,
+        );
+        let period = self.int(
+            &hc.period_seconds,
+            &format!("{key}.period_seconds"),
+            DEFAULT_PERIOD_SECONDS,
+            1,
+            MAX_SECONDS,
+        );
+        let timeout = self.int(
+            &hc.timeout_seconds,
+            &format!("{key}.timeout_seconds"),
+            DEFAULT_TIMEOUT_SECONDS,
+            1,
+            MAX_SECONDS,
+        );
+        if timeout > period {
+            self.problem(
+                hc.timeout_seconds.as_ref().map(|t| t.span()),
+                &format!("{key}.timeout_seconds"),
+                format!("{timeout} s is longer than period_seconds ({period} s); a probe must end before the next one starts"),
+            );
+        }
+        Some(HealthCheckSpec {
+            check: CheckKind::TcpConnect,
+            port: port?,
+            success_threshold: NonZeroU32::new(success as u32)?,
+            failure_threshold: NonZeroU32::new(failure as u32)?,
+            period: Duration::from_secs(period as u64),
+            timeout: Duration::from_secs(timeout as u64),
+        })
+    }
+
+    fn required_port(
+        &mut self,
+        value: &Option<Spanned<i64>>,
+        table_span: Range<usize>,
+        table_key: &str,
+        name: &str,
+        meaning: &str,
+    ) -> Option<u16> {
+        match value {
+            None => {
+                self.problem(
+                    Some(table_span),
+                    table_key,
+                    format!("missing key `{name}` ({meaning})"),
+                );
+                None
+            }
+            Some(_) => {
+                let n = self.int(value, &format!("{table_key}.{name}"), 0, 1, 65535);
+                u16::try_from(n).ok().filter(|&p| p != 0)
+            }
+        }
+    }
+
+    /// An integer key in `min..=max`; `default` when absent (and after a problem).
+    fn int(
+        &mut self,
+        value: &Option<Spanned<i64>>,
+        key: &str,
+        default: i64,
+        min: i64,
+        max: i64,
+    ) -> i64 {
+        let Some(v) = value else { return default };
+        let n = *v.get_ref();
+        if (min..=max).contains(&n) {
+            n
+        } else {
+            let what = if key.ends_with("port") {
+                "a port"
+            } else {
+                "the value"
+            };
+            self.problem(
+                Some(v.span()),
+                key,
+                format!("{n} is out of range; {what} must be in {min}..={max}"),
+            );
+            // Returning 0 makes a required value (a port) fail to build, and
+            // a defaulted one harmlessly fall back: either way the problem is reported.
+            if key.ends_with("port") { 0 } else { default }
+        }
+    }
+
+    fn ip(&mut self, value: &Spanned<String>, key: &str) -> Option<IpAddr> {
+        match value.get_ref().parse::<IpAddr>() {
+            Ok(ip) => Some(ip),
+            Err(_) => {
+                self.problem(
+                    Some(value.span()),
+                    key,
+                    format!("{:?} is not an IPv4 or IPv6 address", value.get_ref()),
+                );
+                None
+            }
+        }
+    }
+
+    fn choice<T: Copy>(
+        &mut self,
+        value: &Option<Spanned<String>>,
+        key: &str,
+        allowed: &[(&str, T)],
+        default: T,
+    ) -> T {
+        let Some(v) = value else { return default };
+        if let Some((_, t)) = allowed.iter().find(|(name, _)| *name == v.get_ref()) {
+            return *t;
+        }
+        let names: Vec<String> = allowed.iter().map(|(n, _)| format!("{n:?}")).collect();
+        self.problem(
+            Some(v.span()),
+            key,
+            format!(
+                "{:?} is not supported; use one of {}",
+                v.get_ref(),
+                names.join(", ")
+            ),
+        );
+        default
+    }
+}

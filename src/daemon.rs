@@ -1,0 +1,605 @@
+//! The running daemon: turns a [`Config`] into listeners, load balancers and
+//! probe loops, and every later config into the smallest change that gets there.
+//!
+//! Applying a config is a diff keyed by what survives a reload:
+//! load balancers by name, backends by address within their load balancer,
+//! listeners by VIP:port. What stays keeps its socket, health state and
+//! counters; what goes drains; what comes starts. The first config is the
+//! diff from nothing, so start-up and reload are one code path.
+
+use std::collections::HashMap;
+use std::net::{IpAddr, SocketAddr};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use serde::Serialize;
+use tokio::sync::Semaphore;
+use tokio_util::task::TaskTracker;
+
+use crate::balancer::{Backend, BackendMetrics, LoadBalancer, Settings};
+use crate::config::{Algorithm, Config, Ipam, ListenerSpec, LoadBalancerSpec};
+use crate::health::prober::{Prober, TargetStatus};
+use crate::health::{Health, HealthState};
+use crate::metrics::{self as names, Metrics};
+use crate::proxy::{self, Listener, ListenerMetrics, Route};
+
+/// The daemon's live state, shared by the reload path, the admin server and
+/// the signal handlers.
+pub struct Daemon {
+    metrics: Arc<Metrics>,
+    prober: Prober,
+    /// Process-wide cap on forwarded connections.
+    limit: Arc<Semaphore>,
+    /// Everything a reload changes; locked only by reload, status and shutdown.
+    state: Mutex<State>,
+    /// Drains of removed listeners still running, awaited at shutdown.
+    drains: TaskTracker,
+}
+
+#[derive(Default)]
+struct State {
+    config: Option<Config>,
+    load_balancers: HashMap<String, LbEntry>,
+    listeners: HashMap<SocketAddr, ListenerEntry>,
+}
+
+struct LbEntry {
+    lb: Arc<LoadBalancer>,
+    spec: LoadBalancerSpec,
+    backends: HashMap<IpAddr, Arc<Backend>>,
+}
+
+struct ListenerEntry {
+    load_balancer: String,
+    spec: ListenerSpec,
+    socket: Result<Listener, String>,
+    up: metrics::Gauge,
+}
+
+/// What a call to [`Daemon::apply`] changed, for the log.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct ApplyReport {
+    /// Listeners bound now.
+    pub listeners_bound: usize,
+    /// Listeners whose socket could not be bound (see `/status`).
+    pub listeners_failed: usize,
+    /// Listeners removed and draining.
+    pub listeners_removed: usize,
+    /// Load balancers added.
+    pub load_balancers_added: usize,
+    /// Load balancers removed.
+    pub load_balancers_removed: usize,
+}
+
+impl Daemon {
+    /// A daemon with nothing configured. `max_connections` caps forwarded
+    /// connections across all listeners.
+    pub fn new(metrics: Arc<Metrics>, max_connections: usize) -> Arc<Self> {
+        Arc::new(Self {
+            metrics,
+            prober: Prober::new(),
+            limit: Arc::new(Semaphore::new(max_connections.min(Semaphore::MAX_PERMITS))),
+            state: Mutex::new(State::default()),
+            drains: TaskTracker::new(),
+        })
+    }
+
+    /// The metric registry.
+    pub fn metrics(&self) -> &Arc<Metrics> {
+        &self.metrics
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Makes `config` the one in force, changing only what differs.
+    pub fn apply(&self, config: Config) -> ApplyReport {
+        let mut st = self.lock();
+        let mut report = ApplyReport::default();
+        let drain = config.proxy.drain_timeout;
+
+        // Load balancers first: listeners need their `Arc<LoadBalancer>`.
+        for spec in &config.load_balancers {
+            let recreate = st
+                .load_balancers
+                .get(&spec.name)
+                .is_some_and(|e| e.spec.cluster != spec.cluster);
+            if recreate && let Some(old) = st.load_balancers.remove(&spec.name) {
+                self.retire_load_balancer(old, drain);
+            }
+            match st.load_balancers.get_mut(&spec.name) {
+                Some(entry) => self.update_load_balancer(entry, spec, drain),
+                None => {
+                    let entry = self.new_load_balancer(spec);
+                    st.load_balancers.insert(spec.name.clone(), entry);
+                    report.load_balancers_added += 1;
+                }
+            }
+        }
+        let wanted: std::collections::HashSet<&str> = config
+            .load_balancers
+            .iter()
+            .map(|l| l.name.as_str())
+            .collect();
+        let gone: Vec<String> = st
+            .load_balancers
+            .keys()
+            .filter(|n| !wanted.contains(n.as_str()))
+            .cloned()
+            .collect();
+        for name in gone {
+            if let Some(entry) = st.load_balancers.remove(&name) {
+                self.retire_load_balancer(entry, drain);
+                report.load_balancers_removed += 1;
+            }
+        }
+
+        // Listeners: keep sockets that stay, bind new ones, drain removed ones.
+        let mut desired: HashMap<SocketAddr, (&LoadBalancerSpec, &ListenerSpec)> = HashMap::new();
+        for lb in &config.load_balancers {
+            for l in &lb.listeners {
+                desired.insert(lb.listen_addr(l), (lb, l));
+            }
+        }
+        let removed: Vec<SocketAddr> = st
+            .listeners
+            .keys()
+            .filter(|a| !desired.contains_key(a))
+            .copied()
+            .collect();
+        for addr in removed {
+            if let Some(entry) = st.listeners.remove(&addr) {
+                entry.up.set(0.0);
+                if let Ok(listener) = entry.socket {
+                    self.drain_in_background(listener, drain);
+                }
+                report.listeners_removed += 1;
+            }
+        }
+        for (addr, (lb_spec, l_spec)) in desired {
+            let lb = Arc::clone(&st.load_balancers[&lb_spec.name].lb);
+            let route = self.route(&lb, l_spec);
+            let labels = listener_labels(&lb, l_spec);
+            match st.listeners.get_mut(&addr) {
+                Some(ListenerEntry {
+                    socket: Ok(listener),
+                    load_balancer,
+                    spec,
+                    ..
+                }) => {
+                    listener.set_route(route);
+                    *load_balancer = lb_spec.name.clone();
+                    *spec = l_spec.clone();
+                }
+                _ => {
+                    let up = self.metrics.gauge(names::LISTENER_UP, &labels);
+                    let socket = self.start_listener(addr, route, config.proxy.backlog);
+                    up.set(if socket.is_ok() { 1.0 } else { 0.0 });
+                    st.listeners.insert(
+                        addr,
+                        ListenerEntry {
+                            load_balancer: lb_spec.name.clone(),
+                            spec: l_spec.clone(),
+                            socket,
+                            up,
+                        },
+                    );
+                }
+            }
+        }
+        for entry in st.listeners.values() {
+            if entry.socket.is_ok() {
+                report.listeners_bound += 1;
+            } else {
+                report.listeners_failed += 1;
+            }
+        }
+        self.metrics
+            .gauge(names::CONFIG_LOAD_BALANCERS, &[])
+            .set(config.load_balancers.len() as f64);
+        st.config = Some(config);
+        report
+    }
+
+    /// Tries again to bind listeners that failed (address in use, say).
+    /// Returns how many are bound now.
+    pub fn retry_failed_listeners(&self) -> usize {
+        let mut st = self.lock();
+        let backlog = st.config.as_ref().map_or(1024, |c| c.proxy.backlog);
+        let failed: Vec<SocketAddr> = st
+            .listeners
+            .iter()
+            .filter(|(_, e)| e.socket.is_err())
+            .map(|(a, _)| *a)
+            .collect();
+        let mut fixed = 0;
+        for addr in failed {
+            let Some(lb) = st
+                .listeners
+                .get(&addr)
+                .and_then(|e| st.load_balancers.get(&e.load_balancer))
+                .map(|e| Arc::clone(&e.lb))
+            else {
+                continue;
+            };
+            let entry = st.listeners.get_mut(&addr).expect("key from the same map");
+            let route = self.route(&lb, &entry.spec);
+            if let Ok(listener) = self.start_listener(addr, route, backlog) {
+                entry.socket = Ok(listener);
+                entry.up.set(1.0);
+                fixed += 1;
+            }
+        }
+        fixed
+    }
+
+    /// Whether a config is in force and every listener is bound.
+    pub fn is_ready(&self) -> bool {
+        let st = self.lock();
+        st.config.is_some() && st.listeners.values().all(|e| e.socket.is_ok())
+    }
+
+    /// Listeners whose socket is not bound, with the reason.
+    pub fn failed_listeners(&self) -> Vec<(SocketAddr, String)> {
+        let st = self.lock();
+        st.listeners
+            .iter()
+            .filter_map(|(a, e)| e.socket.as_ref().err().map(|err| (*a, err.clone())))
+            .collect()
+    }
+
+    /// Stops accepting everywhere, stops probing, and waits up to the drain
+    /// timeout for open connections before closing them. Returns how many
+    /// connections the timeout cut.
+    pub async fn shutdown(&self) -> usize {
+        let (listeners, drain) = {
+            let mut st = self.lock();
+            let drain = st
+                .config
+                .as_ref()
+                .map_or(Duration::from_secs(30), |c| c.proxy.drain_timeout);
+            let listeners: Vec<Listener> = st
+                .listeners
+                .drain()
+                .filter_map(|(_, e)| {
+                    e.up.set(0.0);
+                    e.socket.ok()
+                })
+                .collect();
+            (listeners, drain)
+        };
+        self.prober.stop_all();
+        let drains = listeners.into_iter().map(|l| l.drain(drain));
+        let cut: usize = futures_sum(drains).await;
+        self.drains.close();
+        self.drains.wait().await;
+        cut
+    }
+
+    fn new_load_balancer(&self, spec: &LoadBalancerSpec) -> LbEntry {
+        let healthy_at_start = spec.health_check.is_none()
+            || spec.initial_state == crate::config::InitialState::Healthy;
+        let backends: HashMap<IpAddr, Arc<Backend>> = spec
+            .backends
+            .iter()
+            .map(|ip| (*ip, self.new_backend(spec, *ip, healthy_at_start)))
+            .collect();
+        let members = spec
+            .backends
+            .iter()
+            .map(|ip| Arc::clone(&backends[ip]))
+            .collect();
+        let lb = LoadBalancer::new(
+            spec.name.clone(),
+            spec.cluster.clone(),
+            Settings::from(spec),
+            members,
+            &self.metrics,
+        );
+        let entry = LbEntry {
+            lb,
+            spec: spec.clone(),
+            backends,
+        };
+        self.ensure_probes(&entry, spec);
+        entry
+    }
+
+    fn update_load_balancer(&self, entry: &mut LbEntry, spec: &LoadBalancerSpec, drain: Duration) {
+        let healthy_at_start = spec.health_check.is_none()
+            || spec.initial_state == crate::config::InitialState::Healthy;
+        let mut backends = HashMap::new();
+        for ip in &spec.backends {
+            let backend = match entry.backends.remove(ip) {
+                Some(b) => b,
+                None => self.new_backend(spec, *ip, healthy_at_start),
+            };
+            backends.insert(*ip, backend);
+        }
+        for (ip, gone) in std::mem::replace(&mut entry.backends, backends) {
+            self.prober.remove(&(spec.name.clone(), ip));
+            retire_after(gone, drain, &self.drains);
+        }
+        if spec.health_check.is_none() {
+            // Health checking switched off: every backend is eligible again.
+            for backend in entry.backends.values() {
+                self.prober.remove(&(spec.name.clone(), backend.addr));
+                backend.set_healthy(true);
+            }
+        }
+        entry.spec = spec.clone();
+        self.ensure_probes(entry, spec);
+        let members = spec
+            .backends
+            .iter()
+            .map(|ip| Arc::clone(&entry.backends[ip]))
+            .collect();
+        entry.lb.replace(Settings::from(spec), members);
+    }
+
+    fn ensure_probes(&self, entry: &LbEntry, spec: &LoadBalancerSpec) {
+        let Some(hc) = &spec.health_check else { return };
+        for ip in &spec.backends {
+            let backend = &entry.backends[ip];
+            let key = (spec.name.clone(), *ip);
+            if self.prober.get(&key).is_none() {
+                // A backend gaining a health check starts from the initial state.
+                let initial = HealthState::new(spec.initial_state);
+                backend.set_healthy(initial.status == Health::Healthy);
+                self.prober
+                    .ensure(&entry.lb, backend, hc, initial, &self.metrics);
+            } else {
+                self.prober.ensure(
+                    &entry.lb,
+                    backend,
+                    hc,
+                    HealthState::new(spec.initial_state),
+                    &self.metrics,
+                );
+            }
+        }
+    }
+
+    fn retire_load_balancer(&self, entry: LbEntry, drain: Duration) {
+        for (ip, backend) in entry.backends {
+            self.prober.remove(&(entry.spec.name.clone(), ip));
+            retire_after(backend, drain, &self.drains);
+        }
+    }
+
+    fn new_backend(&self, spec: &LoadBalancerSpec, ip: IpAddr, healthy: bool) -> Arc<Backend> {
+        let labels = [
+            ("cluster", spec.cluster.clone()),
+            ("load_balancer", spec.name.clone()),
+            ("backend", ip.to_string()),
+        ];
+        Backend::with_metrics(ip, healthy, BackendMetrics::new(&self.metrics, &labels))
+    }
+
+    fn route(&self, lb: &Arc<LoadBalancer>, spec: &ListenerSpec) -> Route {
+        Route {
+            lb: Arc::clone(lb),
+            listener: spec.name.clone(),
+            backend_port: spec.backend_port,
+            metrics: ListenerMetrics::new(&self.metrics, &listener_labels(lb, spec)),
+        }
+    }
+
+    fn start_listener(
+        &self,
+        addr: SocketAddr,
+        route: Route,
+        backlog: u32,
+    ) -> Result<Listener, String> {
+        match proxy::bind(addr, backlog) {
+            Ok(socket) => {
+                tracing::info!(listen = %addr, load_balancer = %route.lb.name, listener = %route.listener, "listening");
+                Ok(Listener::start(
+                    socket,
+                    route,
+                    Arc::clone(&self.limit),
+                    &self.metrics,
+                ))
+            }
+            Err(e) => {
+                let reason = format!("cannot bind {addr}: {e}");
+                tracing::error!(listen = %addr, load_balancer = %route.lb.name, listener = %route.listener, error = %e, "cannot bind listener; other listeners are unaffected");
+                Err(reason)
+            }
+        }
+    }
+
+    fn drain_in_background(&self, listener: Listener, drain: Duration) {
+        let addr = listener.addr;
+        tracing::info!(listen = %addr, open = listener.open_connections(), ?drain, "listener removed: draining");
+        self.drains.spawn(async move {
+            let cut = listener.drain(drain).await;
+            tracing::info!(listen = %addr, closed_by_timeout = cut, "listener drained");
+        });
+    }
+
+    /// The JSON document served at `/status`.
+    pub fn status(&self) -> StatusDoc {
+        let st = self.lock();
+        let mut load_balancers = Vec::new();
+        let specs = st
+            .config
+            .as_ref()
+            .map(|c| c.load_balancers.as_slice())
+            .unwrap_or(&[]);
+        for spec in specs {
+            let Some(entry) = st.load_balancers.get(&spec.name) else {
+                continue;
+            };
+            let eligible = entry.lb.snapshot().eligible.len();
+            let listeners = spec
+                .listeners
+                .iter()
+                .map(|l| {
+                    let addr = spec.listen_addr(l);
+                    let le = st.listeners.get(&addr);
+                    ListenerStatus {
+                        name: l.name.clone(),
+                        address: addr,
+                        backend_port: l.backend_port,
+                        protocol: "tcp",
+                        state: match le.map(|e| &e.socket) {
+                            Some(Ok(_)) => "listening",
+                            _ => "failed",
+                        },
+                        error: le.and_then(|e| e.socket.as_ref().err().cloned()),
+                        active_connections: le
+                            .and_then(|e| e.socket.as_ref().ok())
+                            .map_or(0, |s| s.open_connections()),
+                    }
+                })
+                .collect();
+            let backends = spec
+                .backends
+                .iter()
+                .map(|ip| {
+                    let b = &entry.backends[ip];
+                    let probe = self
+                        .prober
+                        .get(&(spec.name.clone(), *ip))
+                        .map(|t| t.status());
+                    BackendStatus {
+                        address: *ip,
+                        health: if b.is_healthy() {
+                            Health::Healthy
+                        } else {
+                            Health::Unhealthy
+                        },
+                        active_connections: b.active_connections(),
+                        probe,
+                    }
+                })
+                .collect();
+            load_balancers.push(LoadBalancerStatus {
+                name: spec.name.clone(),
+                cluster: spec.cluster.clone(),
+                vip: spec.vip,
+                ipam: match spec.ipam {
+                    Ipam::Pool => "pool",
+                    Ipam::Dhcp => "dhcp",
+                },
+                algorithm: match spec.algorithm {
+                    Algorithm::RoundRobin => "round_robin",
+                    Algorithm::LeastConnections => "least_connections",
+                    Algorithm::SourceIp => "source_ip",
+                },
+                health_check: spec.health_check.is_some(),
+                eligible_backends: eligible,
+                listeners,
+                backends,
+            });
+        }
+        StatusDoc {
+            ready: st.config.is_some() && st.listeners.values().all(|e| e.socket.is_ok()),
+            load_balancers,
+        }
+    }
+}
+
+fn listener_labels(lb: &LoadBalancer, spec: &ListenerSpec) -> [(&'static str, String); 3] {
+    [
+        ("cluster", lb.cluster.clone()),
+        ("load_balancer", lb.name.clone()),
+        ("listener", spec.name.clone()),
+    ]
+}
+
+/// Closes a removed backend's connections once `drain` has passed.
+fn retire_after(backend: Arc<Backend>, drain: Duration, tracker: &TaskTracker) {
+    if backend.active_connections() == 0 {
+        backend.retire();
+        return;
+    }
+    tracker.spawn(async move {
+        let deadline = tokio::time::Instant::now() + drain;
+        // Poll the count rather than hold a waker per connection: removal is rare.
+        while backend.active_connections() > 0 && tokio::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(100).min(drain)).await;
+        }
+        backend.retire();
+    });
+}
+
+async fn futures_sum<F: std::future::Future<Output = usize> + Send + 'static>(
+    futures: impl Iterator<Item = F>,
+) -> usize {
+    let mut set = tokio::task::JoinSet::new();
+    for f in futures {
+        set.spawn(f);
+    }
+    let mut total = 0;
+    while let Some(r) = set.join_next().await {
+        total += r.unwrap_or(0);
+    }
+    total
+}
+
+/// `/status`: the whole picture an on-call engineer needs.
+#[derive(Debug, Serialize)]
+pub struct StatusDoc {
+    /// Same as `/readyz`.
+    pub ready: bool,
+    /// Every load balancer in config order.
+    pub load_balancers: Vec<LoadBalancerStatus>,
+}
+
+/// One load balancer in `/status`.
+#[derive(Debug, Serialize)]
+pub struct LoadBalancerStatus {
+    /// `<namespace>/<service>`.
+    pub name: String,
+    /// Owning guest cluster.
+    pub cluster: String,
+    /// The VIP.
+    pub vip: IpAddr,
+    /// `pool` or `dhcp`.
+    pub ipam: &'static str,
+    /// Picking algorithm.
+    pub algorithm: &'static str,
+    /// Whether backends are health checked.
+    pub health_check: bool,
+    /// Backends taking new connections now.
+    pub eligible_backends: usize,
+    /// Listeners.
+    pub listeners: Vec<ListenerStatus>,
+    /// Backends.
+    pub backends: Vec<BackendStatus>,
+}
+
+/// One listener in `/status`.
+#[derive(Debug, Serialize)]
+pub struct ListenerStatus {
+    /// Name in the config.
+    pub name: String,
+    /// VIP:port.
+    pub address: SocketAddr,
+    /// Nodeport.
+    pub backend_port: u16,
+    /// Transport.
+    pub protocol: &'static str,
+    /// `listening` or `failed`.
+    pub state: &'static str,
+    /// Why it failed to bind.
+    pub error: Option<String>,
+    /// Connections open through it.
+    pub active_connections: usize,
+}
+
+/// One backend in `/status`.
+#[derive(Debug, Serialize)]
+pub struct BackendStatus {
+    /// Node address.
+    pub address: IpAddr,
+    /// Whether it takes new connections.
+    pub health: Health,
+    /// Connections open to it.
+    pub active_connections: usize,
+    /// Health-check detail; absent without a health check.
+    pub probe: Option<TargetStatus>,
+}

@@ -1,0 +1,88 @@
+//! What one probe does. [`CheckKind`] is the seam: today a TCP connect, next
+//! an HTTP GET of kube-proxy's `healthCheckNodePort` for
+//! `externalTrafficPolicy: Local`; the prober does not care which.
+
+use std::io;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use socket2::SockRef;
+use tokio::net::TcpSocket;
+use tokio::time::Instant;
+
+use crate::config::CheckKind;
+
+/// How a probe ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Outcome {
+    /// The check passed.
+    Ok,
+    /// The backend actively refused (RST): a failure at once.
+    Refused,
+    /// No answer within the timeout.
+    Timeout,
+    /// Any other failure (unreachable, reset…), with the OS's words.
+    Error(String),
+}
+
+impl Outcome {
+    /// Whether this counts as a success.
+    pub fn is_success(&self) -> bool {
+        matches!(self, Outcome::Ok)
+    }
+
+    /// The `result` label value and the `reason` in transition logs.
+    pub fn label(&self) -> &'static str {
+        match self {
+            Outcome::Ok => "ok",
+            Outcome::Refused => "refused",
+            Outcome::Timeout => "timeout",
+            Outcome::Error(_) => "error",
+        }
+    }
+
+    /// A human description for `/status`'s `last_error`.
+    pub fn describe(&self) -> Option<String> {
+        match self {
+            Outcome::Ok => None,
+            Outcome::Refused => Some("connection refused".into()),
+            Outcome::Timeout => Some("timed out".into()),
+            Outcome::Error(e) => Some(e.clone()),
+        }
+    }
+}
+
+/// Runs one probe of `kind` against `target`, bounded by `timeout`.
+/// Returns the outcome and how long it took.
+pub async fn probe(kind: CheckKind, target: SocketAddr, timeout: Duration) -> (Outcome, Duration) {
+    let started = Instant::now();
+    let outcome = match kind {
+        CheckKind::TcpConnect => tcp_connect(target, timeout).await,
+    };
+    (outcome, started.elapsed())
+}
+
+async fn tcp_connect(target: SocketAddr, timeout: Duration) -> Outcome {
+    let socket = match new_probe_socket(target) {
+        Ok(s) => s,
+        Err(e) => return Outcome::Error(format!("cannot create probe socket: {e}")),
+    };
+    match tokio::time::timeout(timeout, socket.connect(target)).await {
+        // Dropping the stream closes it; SO_LINGER 0 makes that a reset, so
+        // no probe leaves a TIME_WAIT socket behind on the host.
+        Ok(Ok(_stream)) => Outcome::Ok,
+        Ok(Err(e)) if e.kind() == io::ErrorKind::ConnectionRefused => Outcome::Refused,
+        Ok(Err(e)) => Outcome::Error(e.to_string()),
+        Err(_) => Outcome::Timeout,
+    }
+}
+
+fn new_probe_socket(target: SocketAddr) -> io::Result<TcpSocket> {
+    let socket = if target.is_ipv4() {
+        TcpSocket::new_v4()?
+    } else {
+        TcpSocket::new_v6()?
+    };
+    SockRef::from(&socket).set_linger(Some(Duration::ZERO))?;
+    Ok(socket)
+}

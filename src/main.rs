@@ -1,0 +1,220 @@
+//! The `harvester-lb` command: `run`, `check`, `reload`. Thin by design; the
+//! daemon lives in the library.
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::{Parser, Subcommand, ValueEnum};
+
+use harvester_lb::config;
+
+/// Exit code for an unusable config (sysexits' EX_CONFIG). The systemd unit
+/// lists it in `RestartPreventExitStatus=` so a bad file does not restart-loop.
+const EXIT_CONFIG: u8 = 78;
+/// Exit code when the daemon could not start for another reason.
+const EXIT_START: u8 = 1;
+
+/// TCP load balancer with active health checks for Harvester guest-cluster
+/// LoadBalancer services.
+#[derive(Parser)]
+#[command(version, about, long_about = None)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+    /// Log format on stderr (journald captures it).
+    #[arg(long, value_enum, global = true, default_value_t = LogFormat::Text)]
+    log_format: LogFormat,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run the daemon: listen on every VIP, probe every backend, forward.
+    ///
+    /// Reloads on SIGHUP, on `POST /reload` to the admin API and when the
+    /// config file changes. SIGTERM or SIGINT drains open connections (up to
+    /// proxy.drain_timeout_seconds) and exits 0; a second signal exits at once.
+    Run {
+        /// The config file.
+        #[arg(long, short, default_value = config::DEFAULT_PATH)]
+        config: PathBuf,
+        /// Do not watch the config file for changes.
+        #[arg(long)]
+        no_watch: bool,
+    },
+    /// Validate a config file: print every problem and exit non-zero, or exit 0.
+    Check {
+        /// The config file.
+        #[arg(long, short, default_value = config::DEFAULT_PATH)]
+        config: PathBuf,
+    },
+    /// Ask the running daemon to reload its config (POST /reload on the admin
+    /// listener named in the config) and print the outcome.
+    Reload {
+        /// The config file (its `admin.listen` is where the daemon listens).
+        #[arg(long, short, default_value = config::DEFAULT_PATH)]
+        config: PathBuf,
+    },
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum LogFormat {
+    Text,
+    Json,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    init_tracing(cli.log_format);
+    match cli.command {
+        Command::Check { config } => check(&config),
+        Command::Reload { config } => reload(&config),
+        Command::Run { config, no_watch } => run(config, no_watch),
+    }
+}
+
+fn init_tracing(format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("HARVESTER_LB_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match format {
+        LogFormat::Text => builder.init(),
+        LogFormat::Json => builder.json().init(),
+    }
+}
+
+fn check(path: &Path) -> ExitCode {
+    match config::load(path) {
+        Ok(loaded) => {
+            for w in &loaded.warnings {
+                eprintln!("warning: {w}");
+            }
+            let c = &loaded.config;
+            let listeners: usize = c.load_balancers.iter().map(|l| l.listeners.len()).sum();
+            println!(
+                "config {} is valid: {} load balancers, {} listeners",
+                path.display(),
+                c.load_balancers.len(),
+                listeners
+            );
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("{e}");
+            ExitCode::from(EXIT_CONFIG)
+        }
+    }
+}
+
+fn reload(path: &Path) -> ExitCode {
+    // Read only admin.listen; the daemon validates the whole file itself.
+    let admin = match config::load(path) {
+        Ok(l) => l.config.admin.listen,
+        Err(e) => {
+            eprintln!("{e}");
+            return ExitCode::from(EXIT_CONFIG);
+        }
+    };
+    let result = (|| -> std::io::Result<String> {
+        let mut s = TcpStream::connect_timeout(&admin, Duration::from_secs(5))?;
+        s.set_read_timeout(Some(Duration::from_secs(60)))?;
+        write!(
+            s,
+            "POST /reload HTTP/1.1\r\nHost: {admin}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+        )?;
+        let mut response = String::new();
+        s.read_to_string(&mut response)?;
+        Ok(response)
+    })();
+    match result {
+        Ok(response) => {
+            let ok = response.starts_with("HTTP/1.1 200");
+            let body = response.split("\r\n\r\n").nth(1).unwrap_or("").trim_end();
+            if ok {
+                println!("{body}");
+                ExitCode::SUCCESS
+            } else {
+                eprintln!("{body}");
+                ExitCode::from(EXIT_CONFIG)
+            }
+        }
+        Err(e) => {
+            eprintln!("cannot reach the daemon's admin API at {admin}: {e}");
+            ExitCode::from(EXIT_START)
+        }
+    }
+}
+
+fn run(config: PathBuf, no_watch: bool) -> ExitCode {
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("cannot start the async runtime: {e}");
+            return ExitCode::from(EXIT_START);
+        }
+    };
+    runtime.block_on(async move {
+        let mut options = harvester_lb::Options::new(config);
+        if no_watch {
+            options.watch_interval = None;
+        }
+        let server = match harvester_lb::start(options).await {
+            Ok(s) => s,
+            Err(e) => {
+                let code = match e {
+                    harvester_lb::StartError::Config(_) => EXIT_CONFIG,
+                    _ => EXIT_START,
+                };
+                tracing::error!("{e}");
+                return ExitCode::from(code);
+            }
+        };
+        tracing::info!(admin = %server.admin_addr(), "harvester-lb running");
+        if let Err(e) = wait_for_stop(&server).await {
+            tracing::error!("cannot install signal handlers: {e}");
+            return ExitCode::from(EXIT_START);
+        }
+        // A second SIGTERM/SIGINT during the drain exits at once.
+        tokio::spawn(async {
+            use tokio::signal::unix::{SignalKind, signal};
+            if let (Ok(mut term), Ok(mut int)) = (
+                signal(SignalKind::terminate()),
+                signal(SignalKind::interrupt()),
+            ) {
+                tokio::select! { _ = term.recv() => {}, _ = int.recv() => {} }
+                tracing::warn!("second stop signal: exiting without waiting for connections");
+                std::process::exit(1);
+            }
+        });
+        server.shutdown().await;
+        ExitCode::SUCCESS
+    })
+}
+
+/// Serves SIGHUP as reloads until SIGTERM or SIGINT arrives.
+async fn wait_for_stop(server: &harvester_lb::Server) -> std::io::Result<()> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut hup = signal(SignalKind::hangup())?;
+    let mut term = signal(SignalKind::terminate())?;
+    let mut int = signal(SignalKind::interrupt())?;
+    loop {
+        tokio::select! {
+            _ = term.recv() => return Ok(()),
+            _ = int.recv() => return Ok(()),
+            _ = hup.recv() => {
+                let sender = server.reload_sender();
+                // Do not wait here: a storm of SIGHUPs queues reloads, it does not block stop.
+                tokio::spawn(async move {
+                    let _ = harvester_lb::request_reload(&sender).await;
+                });
+            }
+        }
+    }
+}

@@ -1,0 +1,48 @@
+//! The two small things the standard library does not expose and the daemon
+//! needs from the kernel: the raw monotonic clock (for systemd) and raising
+//! the open-file limit. `unsafe` is confined to these calls.
+
+#![allow(unsafe_code)]
+
+use std::io;
+use std::time::Duration;
+
+/// `CLOCK_MONOTONIC` now, which `std::time::Instant` uses but does not expose.
+pub fn monotonic_now() -> Duration {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `ts` is a valid, writable timespec.
+    let rc = unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    if rc != 0 {
+        return Duration::ZERO;
+    }
+    Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
+}
+
+/// Raises the soft open-file limit to the hard one (as nginx's
+/// `worker_rlimit_nofile` and the Go runtime do) and returns the soft limit
+/// now in force. Every forwarded connection needs descriptors; the hard limit
+/// is the operator's decision (`LimitNOFILE=`), the soft one is an accident.
+pub fn raise_open_file_limit() -> io::Result<u64> {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: `lim` is a valid, writable rlimit.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    if lim.rlim_cur < lim.rlim_max {
+        let raised = libc::rlimit {
+            rlim_cur: lim.rlim_max,
+            rlim_max: lim.rlim_max,
+        };
+        // SAFETY: `raised` is a valid rlimit that only lifts the soft limit.
+        if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &raised) } == 0 {
+            lim.rlim_cur = lim.rlim_max;
+        }
+    }
+    Ok(lim.rlim_cur)
+}

@@ -1,0 +1,225 @@
+//! One client connection: pick, connect with retry, copy, account.
+//!
+//! The forwarder reads the load balancer's snapshot once, so a connection sees
+//! one consistent healthy set even if the prober swaps a new one meanwhile.
+//! A client that cannot be given a backend is closed at once with a reset —
+//! never left hanging and never passed to anything else on the host.
+
+use std::io;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use metrics::{Counter, Gauge};
+use socket2::{SockRef, TcpKeepalive};
+use tokio::net::{TcpSocket, TcpStream};
+use tokio::sync::OwnedSemaphorePermit;
+use tokio_util::sync::CancellationToken;
+
+use super::copy::{self, ByteCounters, Ended};
+use crate::balancer::{Backend, LoadBalancer};
+use crate::metrics::{self as names, Metrics};
+
+/// TCP keepalive on both legs: a peer that vanished without a FIN (a node VM
+/// powered off, a cut link) is found within about a minute, not hours.
+const KEEPALIVE_TIME: Duration = Duration::from_secs(30);
+const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(10);
+const KEEPALIVE_RETRIES: u32 = 3;
+
+/// What a listener forwards to. Swapped as a whole on reload, so a
+/// connection always sees one load balancer and one nodeport that belong together.
+pub struct Route {
+    /// The load balancer whose snapshot is read.
+    pub lb: Arc<LoadBalancer>,
+    /// The listener's name in the config.
+    pub listener: String,
+    /// The nodeport on every backend.
+    pub backend_port: u16,
+    /// This listener's metric handles.
+    pub metrics: ListenerMetrics,
+}
+
+/// Metric handles of one listener.
+pub struct ListenerMetrics {
+    accepted: Counter,
+    no_backend: Counter,
+    connect_refused: Counter,
+    connect_timeout: Counter,
+    connect_error: Counter,
+    active: Gauge,
+    client_to_backend: Counter,
+    backend_to_client: Counter,
+}
+
+impl ListenerMetrics {
+    /// Handles labelled with the listener's identity.
+    pub fn new(metrics: &Metrics, labels: &[(&'static str, String)]) -> Self {
+        let with = |name: &'static str, k: &'static str, v: &str| {
+            let mut l = labels.to_vec();
+            l.push((k, v.to_string()));
+            metrics.counter(name, &l)
+        };
+        Self {
+            accepted: metrics.counter(names::CONNECTIONS_ACCEPTED, labels),
+            no_backend: with(names::CONNECTIONS_FAILED, "reason", "no_backend"),
+            connect_refused: with(names::CONNECTIONS_FAILED, "reason", "connect_refused"),
+            connect_timeout: with(names::CONNECTIONS_FAILED, "reason", "connect_timeout"),
+            connect_error: with(names::CONNECTIONS_FAILED, "reason", "connect_error"),
+            active: metrics.gauge(names::CONNECTIONS_ACTIVE, labels),
+            client_to_backend: with(names::BYTES, "direction", "client_to_backend"),
+            backend_to_client: with(names::BYTES, "direction", "backend_to_client"),
+        }
+    }
+}
+
+/// Why a connect attempt failed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ConnectFailure {
+    Refused,
+    Timeout,
+    Other,
+}
+
+/// Serves one accepted client until it is done. `close_now` is cancelled
+/// when the listener's drain time is over; `_permit` holds a slot of the
+/// process-wide connection limit for the connection's lifetime.
+pub async fn serve(
+    client: TcpStream,
+    peer: SocketAddr,
+    route: Arc<Route>,
+    close_now: CancellationToken,
+    _permit: OwnedSemaphorePermit,
+) {
+    let m = &route.metrics;
+    m.accepted.increment(1);
+    set_options_or_warn(&client);
+
+    let snapshot = route.lb.snapshot_full();
+    let mut last_failure = None;
+    let mut connected = None;
+    for backend in snapshot.candidates(peer.ip(), route.lb.cursor()) {
+        let addr = SocketAddr::new(backend.addr, route.backend_port);
+        match connect(addr, snapshot.settings.connect_timeout).await {
+            Ok(stream) => {
+                connected = Some((stream, Arc::clone(backend)));
+                break;
+            }
+            Err((failure, e)) => {
+                count_attempt_failure(backend, failure);
+                tracing::debug!(backend = %addr, error = %e, "connect to backend failed; trying the next one");
+                last_failure = Some(failure);
+            }
+        }
+    }
+    let idle_timeout = snapshot.settings.idle_timeout;
+    drop(snapshot);
+
+    let Some((server, backend)) = connected else {
+        match last_failure {
+            None => m.no_backend.increment(1),
+            Some(ConnectFailure::Refused) => m.connect_refused.increment(1),
+            Some(ConnectFailure::Timeout) => m.connect_timeout.increment(1),
+            Some(ConnectFailure::Other) => m.connect_error.increment(1),
+        }
+        tracing::debug!(
+            reason = ?last_failure,
+            "no backend could take the connection; resetting the client"
+        );
+        reset(&client);
+        return;
+    };
+
+    let _backend_count = backend.connection_opened();
+    m.active.increment(1);
+    let ended = tokio::select! {
+        ended = copy::bidirectional(
+            &client,
+            &server,
+            idle_timeout,
+            ByteCounters {
+                client_to_backend: &m.client_to_backend,
+                backend_to_client: &m.backend_to_client,
+            },
+        ) => ended,
+        _ = close_now.cancelled() => {
+            tracing::debug!("drain timeout: closing connection");
+            Ended::Completed
+        }
+        _ = backend.retired() => {
+            tracing::debug!("backend removed and drained: closing connection");
+            Ended::Completed
+        }
+    };
+    m.active.decrement(1);
+    match ended {
+        Ended::Completed => {}
+        Ended::IdleTimeout => tracing::debug!(?idle_timeout, "idle timeout: closing connection"),
+        Ended::Failed(e) => {
+            tracing::debug!(error = %e, "connection failed; resetting both sides");
+            // Pass the abort on: a client must not take a cut-off response
+            // for a complete one.
+            reset(&client);
+            reset(&server);
+        }
+    }
+}
+
+async fn connect(
+    addr: SocketAddr,
+    timeout: Duration,
+) -> Result<TcpStream, (ConnectFailure, io::Error)> {
+    let socket = if addr.is_ipv4() {
+        TcpSocket::new_v4()
+    } else {
+        TcpSocket::new_v6()
+    }
+    .map_err(|e| (ConnectFailure::Other, e))?;
+    match tokio::time::timeout(timeout, socket.connect(addr)).await {
+        Ok(Ok(stream)) => {
+            set_options_or_warn(&stream);
+            Ok(stream)
+        }
+        Ok(Err(e)) if e.kind() == io::ErrorKind::ConnectionRefused => {
+            Err((ConnectFailure::Refused, e))
+        }
+        Ok(Err(e)) => Err((ConnectFailure::Other, e)),
+        Err(_) => Err((
+            ConnectFailure::Timeout,
+            io::Error::new(
+                io::ErrorKind::TimedOut,
+                format!("no answer within {timeout:?}"),
+            ),
+        )),
+    }
+}
+
+fn count_attempt_failure(backend: &Backend, failure: ConnectFailure) {
+    let m = backend.metrics();
+    match failure {
+        ConnectFailure::Refused => m.connect_refused.increment(1),
+        ConnectFailure::Timeout => m.connect_timeout.increment(1),
+        ConnectFailure::Other => m.connect_error.increment(1),
+    }
+}
+
+/// `TCP_NODELAY` (forward small writes at once) and keepalive. A failure
+/// costs efficiency, not correctness: warn and go on.
+fn set_options_or_warn(stream: &TcpStream) {
+    if let Err(e) = stream.set_nodelay(true) {
+        tracing::warn!(error = %e, "cannot set TCP_NODELAY");
+    }
+    let keepalive = TcpKeepalive::new()
+        .with_time(KEEPALIVE_TIME)
+        .with_interval(KEEPALIVE_INTERVAL)
+        .with_retries(KEEPALIVE_RETRIES);
+    if let Err(e) = SockRef::from(stream).set_tcp_keepalive(&keepalive) {
+        tracing::warn!(error = %e, "cannot set TCP keepalive");
+    }
+}
+
+/// Makes the coming close a reset (`SO_LINGER` 0).
+fn reset(stream: &TcpStream) {
+    if let Err(e) = SockRef::from(stream).set_linger(Some(Duration::ZERO)) {
+        tracing::debug!(error = %e, "cannot set SO_LINGER");
+    }
+}
