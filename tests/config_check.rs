@@ -1,0 +1,282 @@
+//! Config validation as the operator sees it: every problem at once, each
+//! with its line, key path and what is allowed; `harvester-lb check` exit
+//! codes; and every shipped example loads.
+
+mod support;
+
+use harvester_lb::config::{self, Algorithm, InitialState, Problem};
+use support::run_cli;
+
+fn problems(text: &str) -> Vec<Problem> {
+    match config::parse(text) {
+        Ok(_) => panic!("config should be invalid:\n{text}"),
+        Err(p) => p,
+    }
+}
+
+fn rendered(text: &str) -> String {
+    problems(text)
+        .iter()
+        .map(|p| p.to_string())
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+const GOOD: &str = r#"
+[[load_balancer]]
+name = "default/nginx"
+vip = "192.0.2.10"
+backends = ["198.51.100.11", "198.51.100.12"]
+  [[load_balancer.listener]]
+  name = "http"
+  port = 80
+  backend_port = 30080
+  [load_balancer.health_check]
+  port = 30080
+"#;
+
+#[test]
+fn defaults_are_harvesters() {
+    let loaded = config::parse(GOOD).expect("valid");
+    let c = &loaded.config;
+    assert_eq!(c.admin.listen.to_string(), "127.0.0.1:9901");
+    let lb = &c.load_balancers[0];
+    assert_eq!(lb.cluster, "kubernetes");
+    assert_eq!(lb.algorithm, Algorithm::RoundRobin);
+    assert_eq!(lb.initial_state, InitialState::Healthy);
+    assert_eq!(lb.connect_timeout.as_millis(), 3000);
+    assert_eq!(lb.idle_timeout.as_secs(), 3600);
+    let hc = lb.health_check.as_ref().unwrap();
+    assert_eq!(hc.success_threshold.get(), 1);
+    assert_eq!(hc.failure_threshold.get(), 3);
+    assert_eq!(hc.period.as_secs(), 5);
+    assert_eq!(hc.timeout.as_secs(), 3);
+    assert!(loaded.warnings.is_empty());
+}
+
+#[test]
+fn every_unknown_key_is_reported_with_its_line() {
+    let text = r#"
+[admin]
+listen = "127.0.0.1:9901"
+lisen = "oops"
+
+[[load_balancer]]
+name = "a"
+vip = "192.0.2.1"
+backends = ["198.51.100.1"]
+algoritm = "round_robin"
+  [[load_balancer.listener]]
+  name = "http"
+  port = 80
+  backend_port = 30080
+  prot = "tcp"
+"#;
+    let p = problems(text);
+    let keys: Vec<(Option<usize>, &str)> = p.iter().map(|p| (p.line, p.key.as_str())).collect();
+    assert_eq!(
+        keys,
+        vec![
+            (Some(4), "admin.lisen"),
+            (Some(10), "load_balancer[0].algoritm"),
+            (Some(15), "load_balancer[0].listener[0].prot"),
+        ]
+    );
+    assert!(p.iter().all(|p| p.message == "unknown key"));
+}
+
+#[test]
+fn semantic_problems_are_all_reported_at_once() {
+    let text = r#"
+[[load_balancer]]
+name = "dup"
+vip = "192.0.2.300"
+backends = ["198.51.100.1", "not-an-ip", "198.51.100.1"]
+algorithm = "random"
+ipam = "static"
+  [[load_balancer.listener]]
+  name = "http"
+  port = 0
+  backend_port = 70000
+  protocol = "udp"
+  [load_balancer.health_check]
+  port = 30080
+  success_threshold = 0
+  failure_threshold = -1
+  period_seconds = 2
+  timeout_seconds = 5
+
+[[load_balancer]]
+name = "dup"
+vip = "192.0.2.1"
+backends = ["198.51.100.1"]
+  [[load_balancer.listener]]
+  name = "a"
+  port = 80
+  backend_port = 30080
+  [[load_balancer.listener]]
+  name = "a"
+  port = 81
+  backend_port = 30081
+
+[[load_balancer]]
+name = "other"
+vip = "192.0.2.1"
+backends = ["198.51.100.1"]
+  [[load_balancer.listener]]
+  name = "http"
+  port = 80
+  backend_port = 30080
+  [load_balancer.health_check]
+  period_seconds = 0
+"#;
+    let out = rendered(text);
+    let expected = [
+        "line 4: load_balancer[0].vip: \"192.0.2.300\" is not an IPv4 or IPv6 address",
+        "line 5: load_balancer[0].backends[1]: \"not-an-ip\" is not an IPv4 or IPv6 address",
+        "line 5: load_balancer[0].backends[2]: backend 198.51.100.1 is listed twice",
+        "line 6: load_balancer[0].algorithm: \"random\" is not supported; use one of \"round_robin\", \"least_connections\", \"source_ip\"",
+        "line 7: load_balancer[0].ipam: \"static\" is not supported; use one of \"pool\", \"dhcp\"",
+        "line 10: load_balancer[0].listener[0].port: 0 is out of range; a port must be in 1..=65535",
+        "line 11: load_balancer[0].listener[0].backend_port: 70000 is out of range; a port must be in 1..=65535",
+        "line 12: load_balancer[0].listener[0].protocol: \"udp\" is not supported; use one of \"tcp\"",
+        "line 15: load_balancer[0].health_check.success_threshold: 0 is out of range; the value must be in 1..=1000",
+        "line 16: load_balancer[0].health_check.failure_threshold: -1 is out of range; the value must be in 1..=1000",
+        "line 18: load_balancer[0].health_check.timeout_seconds: 5 s is longer than period_seconds (2 s); a probe must end before the next one starts",
+        "line 21: load_balancer[1].name: duplicate load balancer name \"dup\" (first used on line 3); names must be unique",
+        "line 29: load_balancer[1].listener[1].name: duplicate listener name \"a\" in this load balancer",
+        "load_balancer[2].listener[0].port: 192.0.2.1:80 is already a listener of load balancer \"dup/a\"; one VIP:port can serve only one listener",
+        "load_balancer[2].health_check: missing key `port`",
+        "load_balancer[2].health_check.period_seconds: 0 is out of range; the value must be in 1..=31536000",
+    ];
+    for e in expected {
+        assert!(out.contains(e), "missing problem:\n  {e}\nin:\n{out}");
+    }
+    assert_eq!(
+        out.lines().count(),
+        expected.len(),
+        "unexpected extra problems:\n{out}"
+    );
+}
+
+#[test]
+fn syntax_and_type_errors_name_the_line() {
+    let p = problems("[[load_balancer]]\nname = \"a\"\nvip = \n");
+    assert_eq!(p.len(), 1);
+    assert_eq!(p[0].line, Some(3), "{p:?}");
+
+    let p = problems(
+        "[[load_balancer]]\nname = \"a\"\nvip = \"192.0.2.1\"\nbackends = \"198.51.100.1\"\n",
+    );
+    assert_eq!(p.len(), 1);
+    assert_eq!(p[0].line, Some(4), "{p:?}");
+    assert!(
+        p[0].message.contains("sequence") || p[0].message.contains("array"),
+        "{p:?}"
+    );
+}
+
+#[test]
+fn missing_required_keys_are_named() {
+    let out = rendered(
+        "[[load_balancer]]\nbackends = []\n  [[load_balancer.listener]]\n  name = \"x\"\n",
+    );
+    assert!(
+        out.contains("load_balancer[0]: missing key `name`"),
+        "{out}"
+    );
+    assert!(out.contains("load_balancer[0]: missing key `vip`"), "{out}");
+    assert!(
+        out.contains("load_balancer[0].listener[0]: missing key `port`"),
+        "{out}"
+    );
+    assert!(
+        out.contains("load_balancer[0].listener[0]: missing key `backend_port`"),
+        "{out}"
+    );
+}
+
+#[test]
+fn an_empty_backend_list_is_a_warning_not_an_error() {
+    let text = GOOD.replace(
+        r#"backends = ["198.51.100.11", "198.51.100.12"]"#,
+        "backends = []",
+    );
+    let loaded = config::parse(&text).expect("valid with a warning");
+    assert_eq!(loaded.warnings.len(), 1);
+    assert!(
+        loaded.warnings[0]
+            .to_string()
+            .contains("every connection to this load balancer will be refused")
+    );
+}
+
+#[test]
+fn ipv6_addresses_are_accepted() {
+    let text = GOOD.replace("192.0.2.10", "2001:db8::10").replace(
+        r#"["198.51.100.11", "198.51.100.12"]"#,
+        r#"["2001:db8::11", "198.51.100.12"]"#,
+    );
+    let loaded = config::parse(&text).expect("valid");
+    assert!(loaded.config.load_balancers[0].vip.is_ipv6());
+}
+
+#[test]
+fn check_command_exit_codes_and_messages() {
+    let net = support::Subnet::new();
+    let good = net.write("good.toml", GOOD);
+    let (code, out, _) = run_cli(&["check", "--config", good.to_str().unwrap()]);
+    assert_eq!(code, 0);
+    assert!(
+        out.contains("is valid: 1 load balancers, 1 listeners"),
+        "{out}"
+    );
+
+    let bad = net.write("bad.toml", &GOOD.replace("port = 80\n", "port = 99999\n"));
+    let (code, _, err) = run_cli(&["check", "--config", bad.to_str().unwrap()]);
+    assert_eq!(code, 78);
+    assert!(err.contains("is invalid (1 problem)"), "{err}");
+    assert!(
+        err.contains("line 8: load_balancer[0].listener[0].port: 99999 is out of range"),
+        "{err}"
+    );
+
+    let (code, _, err) = run_cli(&["check", "--config", "/nonexistent/harvester-lb.toml"]);
+    assert_eq!(code, 78);
+    assert!(
+        err.contains("cannot read config file /nonexistent/harvester-lb.toml"),
+        "{err}"
+    );
+
+    let (code, _, err) = run_cli(&["check", "--config", net.dir().to_str().unwrap()]);
+    assert_eq!(code, 78);
+    assert!(err.contains("is a directory"), "{err}");
+
+    let binary = net.dir().join("binary.toml");
+    std::fs::write(&binary, b"name = \"\xff\xfe\"\n").unwrap();
+    let (code, _, err) = run_cli(&["check", "--config", binary.to_str().unwrap()]);
+    assert_eq!(code, 78);
+    assert!(err.contains("not valid UTF-8"), "{err}");
+}
+
+#[test]
+fn every_shipped_example_config_is_valid() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("config");
+    let mut checked = 0;
+    for entry in std::fs::read_dir(&dir).expect("config/ exists") {
+        let path = entry.unwrap().path();
+        if path.extension().is_some_and(|e| e == "toml") {
+            let loaded = config::load(&path).unwrap_or_else(|e| panic!("{e}"));
+            assert!(
+                !loaded.config.load_balancers.is_empty(),
+                "{} has no load balancer",
+                path.display()
+            );
+            checked += 1;
+        }
+    }
+    assert!(
+        checked >= 2,
+        "expected the reference and the loopback example, found {checked}"
+    );
+}

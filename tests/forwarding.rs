@@ -1,0 +1,584 @@
+//! The data plane end to end on loopback: real daemon, real backends, real
+//! sockets. Each test owns a 127.A.B.0/24 (see `support`).
+
+mod support;
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use support::*;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+const LB: &str = "default/web";
+
+/// A config with one load balancer on `.1:8080` forwarding to `backends` on port 30080.
+fn config(net: &Subnet, backends: &[u8], extra_lb: &str, health: Option<&str>) -> String {
+    let backends: Vec<String> = backends
+        .iter()
+        .map(|h| format!("{:?}", net.ip_str(*h)))
+        .collect();
+    let mut c = format!(
+        r#"
+[admin]
+listen = "{admin}:9901"
+
+[[load_balancer]]
+name = "{LB}"
+vip = "{vip}"
+backends = [{backends}]
+{extra_lb}
+
+  [[load_balancer.listener]]
+  name = "http"
+  port = 8080
+  backend_port = 30080
+"#,
+        admin = net.ip_str(250),
+        vip = net.ip_str(1),
+        backends = backends.join(", "),
+    );
+    if let Some(h) = health {
+        c.push_str(&format!(
+            "\n  [load_balancer.health_check]\n  port = 30080\n{h}\n"
+        ));
+    }
+    c
+}
+
+fn vip(net: &Subnet) -> SocketAddr {
+    SocketAddr::new(net.ip(1), 8080)
+}
+
+fn backend_addr(net: &Subnet, host: u8) -> SocketAddr {
+    SocketAddr::new(net.ip(host), 30080)
+}
+
+/// Connects to the VIP and asserts the load balancer closes the connection
+/// (EOF or reset) within `within`, without data. The reset may already be
+/// seen by `connect` itself: the daemon can reset before the client looks.
+async fn assert_refused_quickly(vip: SocketAddr, within: Duration) {
+    match TcpStream::connect(vip).await {
+        Ok(s) => assert_closed_quickly(s, within).await,
+        Err(e) => assert_eq!(e.kind(), std::io::ErrorKind::ConnectionReset, "{e}"),
+    }
+}
+
+/// Asserts the connection is closed (EOF or reset) within `within`, without data.
+async fn assert_closed_quickly(mut s: TcpStream, within: Duration) {
+    let mut buf = [0u8; 16];
+    match tokio::time::timeout(within, s.read(&mut buf)).await {
+        Ok(Ok(0)) | Ok(Err(_)) => {}
+        Ok(Ok(n)) => panic!("expected a closed connection, got {n} bytes"),
+        Err(_) => panic!("connection still open after {within:?}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn round_robin_spreads_connections_evenly() {
+    let net = Subnet::new();
+    let _b: Vec<Backend> = futures_start(&net, &[11, 12, 13], Behaviour::NameThenEcho).await;
+    let d = Daemon::start(&net, &config(&net, &[11, 12, 13], "", None)).await;
+
+    let mut counts: HashMap<String, usize> = HashMap::new();
+    for _ in 0..300 {
+        let name = whoami(vip(&net)).await.expect("forwarded");
+        *counts.entry(name).or_default() += 1;
+    }
+    assert_eq!(counts.len(), 3, "{counts:?}");
+    for (name, n) in &counts {
+        assert_eq!(
+            *n, 100,
+            "round robin over 3 backends, 300 connections: {name} got {n}"
+        );
+    }
+    assert_eq!(
+        d.metric(&format!("harvester_lb_connections_accepted_total{{cluster=\"kubernetes\",load_balancer=\"{LB}\",listener=\"http\"}}"))
+            .await,
+        300.0
+    );
+    d.stop().await;
+}
+
+async fn futures_start(net: &Subnet, hosts: &[u8], behaviour: Behaviour) -> Vec<Backend> {
+    let mut v = Vec::new();
+    for h in hosts {
+        v.push(Backend::start(backend_addr(net, *h), behaviour).await);
+    }
+    v
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_backend_is_taken_out_after_its_failure_threshold_and_returns_after_its_success_threshold()
+ {
+    let net = Subnet::new();
+    let a = Backend::start(backend_addr(&net, 11), Behaviour::NameThenEcho).await;
+    let b = Backend::start(backend_addr(&net, 12), Behaviour::NameThenEcho).await;
+    let health = "  period_seconds = 1\n  timeout_seconds = 1\n  failure_threshold = 2\n  success_threshold = 2";
+    let d = Daemon::start(&net, &config(&net, &[11, 12], "", Some(health))).await;
+    let (ip_a, ip_b) = (net.ip_str(11), net.ip_str(12));
+
+    // Both healthy and both taking traffic.
+    d.wait_health(LB, &ip_b, "healthy", Duration::from_secs(5))
+        .await;
+    let mut seen = HashMap::<String, usize>::new();
+    for _ in 0..10 {
+        *seen.entry(whoami(vip(&net)).await.unwrap()).or_default() += 1;
+    }
+    assert_eq!(seen.len(), 2, "{seen:?}");
+
+    // Kill B: it goes down after exactly failure_threshold failures.
+    b.stop();
+    let down = d
+        .wait_health(LB, &ip_b, "unhealthy", Duration::from_secs(6))
+        .await;
+    assert!(
+        down["probe"]["consecutive_failures"].as_u64().unwrap() >= 2,
+        "{down}"
+    );
+    assert_eq!(down["probe"]["last_result"], "refused");
+    for _ in 0..20 {
+        assert_eq!(
+            whoami(vip(&net)).await.unwrap(),
+            ip_a,
+            "traffic must avoid the unhealthy backend"
+        );
+    }
+    assert_eq!(
+        d.metric(&format!(
+            "harvester_lb_backend_up{{cluster=\"kubernetes\",load_balancer=\"{LB}\",backend=\"{ip_b}\"}}"
+        ))
+        .await,
+        0.0
+    );
+
+    // Bring B back: healthy again only after success_threshold successes.
+    let _b2 = Backend::start(backend_addr(&net, 12), Behaviour::NameThenEcho).await;
+    let up = d
+        .wait_health(LB, &ip_b, "healthy", Duration::from_secs(6))
+        .await;
+    assert!(
+        up["probe"]["consecutive_successes"].as_u64().unwrap() >= 2,
+        "{up}"
+    );
+    let mut back = false;
+    for _ in 0..10 {
+        back |= whoami(vip(&net)).await.unwrap() == ip_b;
+    }
+    assert!(back, "traffic returns to the recovered backend");
+    let transitions = d
+        .metric(&format!(
+            "harvester_lb_health_transitions_total{{cluster=\"kubernetes\",load_balancer=\"{LB}\",backend=\"{ip_b}\",to=\"down\"}}"
+        ))
+        .await;
+    assert_eq!(transitions, 1.0);
+    drop(a);
+    d.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn initial_state_unhealthy_waits_for_success_threshold() {
+    let net = Subnet::new();
+    let _a = Backend::start(backend_addr(&net, 11), Behaviour::NameThenEcho).await;
+    let health = "  period_seconds = 1\n  timeout_seconds = 1\n  success_threshold = 2";
+    let d = Daemon::start(
+        &net,
+        &config(&net, &[11], "initial_state = \"unhealthy\"", Some(health)),
+    )
+    .await;
+    // Before the second successful probe, nothing is eligible: the client is refused.
+    let first = d.backend_status(LB, &net.ip_str(11)).await;
+    if first["health"] == "unhealthy" {
+        assert_refused_quickly(vip(&net), Duration::from_secs(2)).await;
+    }
+    let up = d
+        .wait_health(LB, &net.ip_str(11), "healthy", Duration::from_secs(5))
+        .await;
+    assert_eq!(up["probe"]["consecutive_successes"], 2);
+    assert_eq!(whoami(vip(&net)).await.unwrap(), net.ip_str(11));
+    d.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refusing_backend_costs_the_client_nothing() {
+    let net = Subnet::new();
+    // .11 has nothing listening (refuses); .12 works. No health check.
+    let _b = Backend::start(backend_addr(&net, 12), Behaviour::NameThenEcho).await;
+    let d = Daemon::start(&net, &config(&net, &[11, 12], "", None)).await;
+    for _ in 0..40 {
+        assert_eq!(
+            whoami(vip(&net))
+                .await
+                .expect("retried onto the live backend"),
+            net.ip_str(12)
+        );
+    }
+    let refused = d
+        .metric(&format!(
+            "harvester_lb_backend_connect_failures_total{{cluster=\"kubernetes\",load_balancer=\"{LB}\",backend=\"{}\",reason=\"connect_refused\"}}",
+            net.ip_str(11)
+        ))
+        .await;
+    assert_eq!(
+        refused, 20.0,
+        "round robin sends every other connection to the refusing backend first"
+    );
+    d.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_backend_that_accepts_nothing_times_out_and_the_next_one_serves() {
+    let net = Subnet::new();
+    let hole = BlackHole::new(backend_addr(&net, 11));
+    let _b = Backend::start(backend_addr(&net, 12), Behaviour::NameThenEcho).await;
+    let d = Daemon::start(
+        &net,
+        &config(&net, &[11, 12], "connect_timeout_ms = 300", None),
+    )
+    .await;
+    for _ in 0..4 {
+        assert_eq!(
+            whoami(vip(&net)).await.expect("retried after the timeout"),
+            net.ip_str(12)
+        );
+    }
+    let timeouts = d
+        .metric(&format!(
+            "harvester_lb_backend_connect_failures_total{{cluster=\"kubernetes\",load_balancer=\"{LB}\",backend=\"{}\",reason=\"connect_timeout\"}}",
+            net.ip_str(11)
+        ))
+        .await;
+    assert_eq!(timeouts, 2.0);
+    drop(hole);
+    d.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn when_every_backend_times_out_the_client_is_closed_and_counted() {
+    let net = Subnet::new();
+    let _hole = BlackHole::new(backend_addr(&net, 11));
+    let d = Daemon::start(&net, &config(&net, &[11], "connect_timeout_ms = 200", None)).await;
+    assert_refused_quickly(vip(&net), Duration::from_secs(3)).await;
+    let failed = d
+        .metric(&format!(
+            "harvester_lb_connections_failed_total{{cluster=\"kubernetes\",load_balancer=\"{LB}\",listener=\"http\",reason=\"connect_timeout\"}}"
+        ))
+        .await;
+    assert_eq!(failed, 1.0);
+    d.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_eligible_backend_closes_the_client_at_once() {
+    let net = Subnet::new();
+    // Nothing listens on the backend: the health check marks it down.
+    let health = "  period_seconds = 1\n  timeout_seconds = 1\n  failure_threshold = 1";
+    let d = Daemon::start(&net, &config(&net, &[11], "", Some(health))).await;
+    d.wait_health(LB, &net.ip_str(11), "unhealthy", Duration::from_secs(5))
+        .await;
+    let started = tokio::time::Instant::now();
+    assert_refused_quickly(vip(&net), Duration::from_secs(1)).await;
+    let took = started.elapsed();
+    let no_backend = d
+        .metric(&format!(
+            "harvester_lb_connections_failed_total{{cluster=\"kubernetes\",load_balancer=\"{LB}\",listener=\"http\",reason=\"no_backend\"}}"
+        ))
+        .await;
+    assert_eq!(no_backend, 1.0);
+    assert_eq!(
+        d.metric(&format!(
+            "harvester_lb_no_eligible_backend{{cluster=\"kubernetes\",load_balancer=\"{LB}\"}}"
+        ))
+        .await,
+        1.0
+    );
+    // The daemon itself is fine.
+    assert_eq!(d.get("/readyz").await.0, 200);
+    println!("no-backend close took {took:?}");
+    d.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_empty_backend_list_refuses_every_client() {
+    let net = Subnet::new();
+    let d = Daemon::start(&net, &config(&net, &[], "", None)).await;
+    for _ in 0..3 {
+        assert_refused_quickly(vip(&net), Duration::from_secs(1)).await;
+    }
+    d.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn half_close_delivers_the_whole_response() {
+    let net = Subnet::new();
+    let _b = Backend::start(backend_addr(&net, 11), Behaviour::CountThenAnswer).await;
+    let d = Daemon::start(&net, &config(&net, &[11], "", None)).await;
+    let mut s = TcpStream::connect(vip(&net)).await.unwrap();
+    let body = vec![7u8; 300_000];
+    s.write_all(&body).await.unwrap();
+    s.shutdown().await.unwrap(); // our write side only
+    let mut answer = String::new();
+    tokio::time::timeout(Duration::from_secs(10), s.read_to_string(&mut answer))
+        .await
+        .expect("answer within 10 s")
+        .expect("read answer");
+    assert_eq!(answer, "got 300000 bytes\n");
+    d.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sixty_four_mebibytes_each_way_arrive_byte_exact() {
+    const TOTAL: usize = 64 * 1024 * 1024;
+    const BLOCK: usize = 64 * 1024;
+    let net = Subnet::new();
+    let _b = Backend::start(backend_addr(&net, 11), Behaviour::Echo).await;
+    let d = Daemon::start(&net, &config(&net, &[11], "", None)).await;
+    let s = TcpStream::connect(vip(&net)).await.unwrap();
+    let (mut rd, mut wr) = s.into_split();
+    let writer = tokio::spawn(async move {
+        let mut p = Pattern::new(42);
+        let mut block = vec![0u8; BLOCK];
+        for _ in 0..TOTAL / BLOCK {
+            p.fill(&mut block);
+            wr.write_all(&block).await.unwrap();
+        }
+        wr.shutdown().await.unwrap();
+    });
+    let reader = tokio::spawn(async move {
+        let mut p = Pattern::new(42);
+        let mut expected = vec![0u8; BLOCK];
+        let mut got = vec![0u8; BLOCK];
+        let mut total = 0usize;
+        for _ in 0..TOTAL / BLOCK {
+            rd.read_exact(&mut got).await.unwrap();
+            p.fill(&mut expected);
+            assert!(got == expected, "mismatch in block at offset {total}");
+            total += BLOCK;
+        }
+        let mut rest = Vec::new();
+        rd.read_to_end(&mut rest).await.unwrap();
+        assert!(rest.is_empty(), "{} bytes too many", rest.len());
+        total
+    });
+    let total = tokio::time::timeout(Duration::from_secs(120), async {
+        writer.await.unwrap();
+        reader.await.unwrap()
+    })
+    .await
+    .expect("transfer within 120 s");
+    assert_eq!(total, TOTAL);
+    let lbl = format!("cluster=\"kubernetes\",load_balancer=\"{LB}\",listener=\"http\"");
+    let up = d
+        .metric(&format!(
+            "harvester_lb_bytes_total{{{lbl},direction=\"client_to_backend\"}}"
+        ))
+        .await;
+    let down = d
+        .metric(&format!(
+            "harvester_lb_bytes_total{{{lbl},direction=\"backend_to_client\"}}"
+        ))
+        .await;
+    assert_eq!(up, TOTAL as f64);
+    assert_eq!(down, TOTAL as f64);
+    d.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn least_connections_sends_new_clients_to_the_idlest_backend() {
+    let net = Subnet::new();
+    let _b = futures_start(&net, &[11, 12], Behaviour::NameThenEcho).await;
+    let d = Daemon::start(
+        &net,
+        &config(&net, &[11, 12], "algorithm = \"least_connections\"", None),
+    )
+    .await;
+    // Hold two connections; wherever they land, the next ones must balance the load.
+    let mut held = Vec::new();
+    let mut per_backend = HashMap::<String, usize>::new();
+    for _ in 0..6 {
+        let mut s = TcpStream::connect(vip(&net)).await.unwrap();
+        let name = read_line(&mut s).await.unwrap();
+        *per_backend.entry(name).or_default() += 1;
+        held.push(s);
+    }
+    assert_eq!(
+        per_backend.values().copied().collect::<Vec<_>>(),
+        vec![3, 3],
+        "{per_backend:?}"
+    );
+    d.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn source_ip_keeps_each_client_on_one_backend() {
+    let net = Subnet::new();
+    let _b = futures_start(&net, &[11, 12, 13], Behaviour::NameThenEcho).await;
+    let d = Daemon::start(
+        &net,
+        &config(&net, &[11, 12, 13], "algorithm = \"source_ip\"", None),
+    )
+    .await;
+    let mut used = std::collections::HashSet::new();
+    for client in 100..130u8 {
+        let mut names = std::collections::HashSet::new();
+        for _ in 0..5 {
+            let mut s = connect_from(net.ip(client), vip(&net)).await.unwrap();
+            names.insert(read_line(&mut s).await.unwrap());
+        }
+        assert_eq!(
+            names.len(),
+            1,
+            "client .{client} moved between backends: {names:?}"
+        );
+        used.extend(names);
+    }
+    assert_eq!(used.len(), 3, "30 clients spread over all 3 backends");
+    d.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_listener_that_cannot_bind_fails_alone_and_readyz_says_why() {
+    let net = Subnet::new();
+    let _b = Backend::start(backend_addr(&net, 11), Behaviour::NameThenEcho).await;
+    // Something else already listens on the second VIP's port.
+    let squatter = std::net::TcpListener::bind((net.ip(2), 8080)).unwrap();
+    let mut cfg = config(&net, &[11], "", None);
+    cfg.push_str(&format!(
+        "\n[[load_balancer]]\nname = \"default/other\"\nvip = \"{}\"\nbackends = [\"{}\"]\n  [[load_balancer.listener]]\n  name = \"http\"\n  port = 8080\n  backend_port = 30080\n",
+        net.ip_str(2),
+        net.ip_str(11)
+    ));
+    let d = Daemon::start(&net, &cfg).await;
+    let (code, body) = d.get("/readyz").await;
+    assert_eq!(code, 503);
+    assert!(
+        body.contains(&format!("{}:8080", net.ip_str(2))) && body.contains("in use"),
+        "{body}"
+    );
+    // The other listener works.
+    assert_eq!(whoami(vip(&net)).await.unwrap(), net.ip_str(11));
+    let status = d.status().await;
+    assert_eq!(
+        status["load_balancers"][1]["listeners"][0]["state"],
+        "failed"
+    );
+    // Once the port is free, the daemon binds it by itself.
+    drop(squatter);
+    wait_for(
+        Duration::from_secs(6),
+        "the listener to be bound on retry",
+        || async { (d.get("/readyz").await.0 == 200).then_some(()) },
+    )
+    .await;
+    d.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn admin_endpoints_answer_and_reject_what_they_should() {
+    let net = Subnet::new();
+    let d = Daemon::start(&net, &config(&net, &[11], "", None)).await;
+    assert_eq!(d.get("/healthz").await, (200, "ok\n".to_string()));
+    assert_eq!(d.get("/readyz").await.0, 200);
+    assert_eq!(d.get("/nope").await.0, 404);
+    assert_eq!(http(d.admin, "DELETE", "/metrics").await.0, 405);
+    assert_eq!(http(d.admin, "GET", "/reload").await.0, 405);
+    let status = d.status().await;
+    assert_eq!(status["ready"], true);
+    let lb = &status["load_balancers"][0];
+    assert_eq!(lb["name"], LB);
+    assert_eq!(lb["ipam"], "pool");
+    assert_eq!(lb["listeners"][0]["state"], "listening");
+    assert_eq!(lb["backends"][0]["address"], net.ip_str(11));
+    d.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_carry_the_documented_names_and_pass_promtool() {
+    let net = Subnet::new();
+    let _b = Backend::start(backend_addr(&net, 11), Behaviour::NameThenEcho).await;
+    let health = "  period_seconds = 1\n  timeout_seconds = 1";
+    let d = Daemon::start(&net, &config(&net, &[11, 12], "", Some(health))).await;
+    // Traffic and probes so every family has samples.
+    d.wait_health(LB, &net.ip_str(12), "unhealthy", Duration::from_secs(8))
+        .await;
+    whoami(vip(&net)).await.unwrap();
+    let (code, body) = d.get("/metrics").await;
+    assert_eq!(code, 200);
+    for name in [
+        "harvester_lb_connections_accepted_total",
+        "harvester_lb_connections_failed_total",
+        "harvester_lb_connections_active",
+        "harvester_lb_bytes_total",
+        "harvester_lb_backend_connect_failures_total",
+        "harvester_lb_backend_connections_active",
+        "harvester_lb_backend_up",
+        "harvester_lb_health_checks_total",
+        "harvester_lb_health_check_duration_seconds_bucket",
+        "harvester_lb_health_transitions_total",
+        "harvester_lb_no_eligible_backend",
+        "harvester_lb_listener_up",
+        "harvester_lb_config_load_balancers",
+        "harvester_lb_config_last_reload_successful",
+        "harvester_lb_config_last_reload_success_timestamp_seconds",
+        "harvester_lb_config_reloads_total",
+        "harvester_lb_build_info",
+    ] {
+        assert!(
+            body.lines().any(|l| l.starts_with(name)
+                && (l[name.len()..].starts_with('{') || l[name.len()..].starts_with(' '))),
+            "metric {name} missing from /metrics:\n{body}"
+        );
+        assert!(
+            body.contains(&format!("# HELP {}", name.trim_end_matches("_bucket"))),
+            "no HELP for {name}"
+        );
+    }
+    let ok = metric_value(
+        &body,
+        &format!(
+            "harvester_lb_health_checks_total{{cluster=\"kubernetes\",load_balancer=\"{LB}\",backend=\"{}\",result=\"ok\"}}",
+            net.ip_str(11)
+        ),
+    );
+    assert!(ok >= 1.0, "probes of the live backend are counted as ok");
+
+    // promtool is the arbiter of the exposition format; CI installs it.
+    match std::process::Command::new("promtool")
+        .args(["check", "metrics"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+    {
+        Ok(mut child) => {
+            use std::io::Write;
+            child
+                .stdin
+                .take()
+                .unwrap()
+                .write_all(body.as_bytes())
+                .unwrap();
+            let out = child.wait_with_output().unwrap();
+            let said = format!(
+                "{}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+            assert!(
+                out.status.success() && said.trim().is_empty(),
+                "promtool check metrics complained:\n{said}"
+            );
+        }
+        Err(e) => {
+            assert!(
+                std::env::var_os("CI").is_none(),
+                "promtool is required in CI: {e}"
+            );
+            eprintln!(
+                "SKIPPED promtool check: promtool not installed ({e}); apt-get install prometheus"
+            );
+        }
+    }
+    d.stop().await;
+}

@@ -1,0 +1,475 @@
+//! Test support: loopback subnets of our own, real backends of every kind a
+//! load balancer meets, the daemon started in-process, and polling helpers.
+//!
+//! Every address is inside 127.0.0.0/8. Each test takes its own /24 there
+//! (`127.A.B.0/24`), so tests run in parallel — threads or processes — on fixed
+//! ports without colliding, and backends on one port are told apart by address.
+
+#![allow(dead_code)]
+
+use std::future::Future;
+use std::io::{Read, Write};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
+use std::time::Duration;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpSocket, TcpStream};
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+
+/// A /24 inside 127.0.0.0/8 that belongs to one test for its lifetime.
+pub struct Subnet {
+    a: u8,
+    b: u8,
+    /// Held to claim the subnet; other tests see the port in use and move on.
+    _claim: std::net::TcpListener,
+    dir: PathBuf,
+}
+
+static NEXT: AtomicU32 = AtomicU32::new(0);
+
+impl Subnet {
+    /// Claims a free subnet.
+    pub fn new() -> Self {
+        let pid = std::process::id();
+        for _ in 0..500 {
+            let n = (pid
+                .wrapping_mul(17)
+                .wrapping_add(NEXT.fetch_add(1, Ordering::Relaxed)))
+                % (200 * 250);
+            let (a, b) = (20 + (n / 250) as u8, (n % 250) as u8);
+            let claim_addr = SocketAddr::from(([127, a, b, 254], 65000));
+            if let Ok(claim) = std::net::TcpListener::bind(claim_addr) {
+                let dir = std::env::temp_dir().join(format!("hlb-test-{a}-{b}-{pid}"));
+                let _ = std::fs::remove_dir_all(&dir);
+                std::fs::create_dir_all(&dir).expect("create test dir");
+                return Self {
+                    a,
+                    b,
+                    _claim: claim,
+                    dir,
+                };
+            }
+        }
+        panic!("no free 127.x.y.0/24 test subnet after 500 tries");
+    }
+
+    /// `127.A.B.host`.
+    pub fn ip(&self, host: u8) -> IpAddr {
+        IpAddr::V4(Ipv4Addr::new(127, self.a, self.b, host))
+    }
+
+    /// `127.A.B.host` as a string, for configs.
+    pub fn ip_str(&self, host: u8) -> String {
+        self.ip(host).to_string()
+    }
+
+    /// A scratch directory for this test's files.
+    pub fn dir(&self) -> &PathBuf {
+        &self.dir
+    }
+
+    /// Writes `text` to `name` in the test directory and returns the path.
+    pub fn write(&self, name: &str, text: &str) -> PathBuf {
+        let path = self.dir.join(name);
+        std::fs::write(&path, text).expect("write test file");
+        path
+    }
+}
+
+impl Drop for Subnet {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// Polls `check` every 20 ms until it returns `Some`, or panics with `what`
+/// after `timeout`.
+pub async fn wait_for<T, F, Fut>(timeout: Duration, what: &str, mut check: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Option<T>>,
+{
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(v) = check().await {
+            return v;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "timed out after {timeout:?} waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// What a test backend does with each connection.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Behaviour {
+    /// Writes its name and a newline, then echoes until EOF, then closes.
+    NameThenEcho,
+    /// Echoes until EOF, then shuts down its write side.
+    Echo,
+    /// Reads until EOF, then answers `got N bytes\n` and closes (half-close).
+    CountThenAnswer,
+    /// Accepts and holds the connection without reading or writing.
+    Hold,
+}
+
+/// A real TCP backend on a loopback address.
+pub struct Backend {
+    /// Where it listens.
+    pub addr: SocketAddr,
+    /// Connections accepted so far.
+    pub accepted: Arc<AtomicUsize>,
+    task: JoinHandle<()>,
+}
+
+impl Backend {
+    /// Starts a backend on `addr` with `behaviour`; its name is its IP.
+    pub async fn start(addr: SocketAddr, behaviour: Behaviour) -> Self {
+        let listener = TcpListener::bind(addr)
+            .await
+            .unwrap_or_else(|e| panic!("bind backend {addr}: {e}"));
+        let accepted = Arc::new(AtomicUsize::new(0));
+        let count = Arc::clone(&accepted);
+        let name = addr.ip().to_string();
+        let task = tokio::spawn(async move {
+            let mut held = Vec::new();
+            loop {
+                let Ok((mut s, _)) = listener.accept().await else {
+                    continue;
+                };
+                count.fetch_add(1, Ordering::SeqCst);
+                if behaviour == Behaviour::Hold {
+                    held.push(s);
+                    continue;
+                }
+                let name = name.clone();
+                tokio::spawn(async move {
+                    let _ = serve(&mut s, behaviour, &name).await;
+                });
+            }
+        });
+        Self {
+            addr,
+            accepted,
+            task,
+        }
+    }
+
+    /// Stops listening: new connections are refused.
+    pub fn stop(self) {
+        self.task.abort();
+    }
+}
+
+impl Drop for Backend {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+async fn serve(s: &mut TcpStream, behaviour: Behaviour, name: &str) -> std::io::Result<()> {
+    let mut buf = vec![0u8; 64 * 1024];
+    match behaviour {
+        Behaviour::NameThenEcho | Behaviour::Echo => {
+            if behaviour == Behaviour::NameThenEcho {
+                s.write_all(format!("{name}\n").as_bytes()).await?;
+            }
+            loop {
+                let n = s.read(&mut buf).await?;
+                if n == 0 {
+                    s.shutdown().await?;
+                    return Ok(());
+                }
+                s.write_all(&buf[..n]).await?;
+            }
+        }
+        Behaviour::CountThenAnswer => {
+            let mut total = 0usize;
+            loop {
+                let n = s.read(&mut buf).await?;
+                if n == 0 {
+                    break;
+                }
+                total += n;
+            }
+            s.write_all(format!("got {total} bytes\n").as_bytes())
+                .await?;
+            s.shutdown().await
+        }
+        Behaviour::Hold => Ok(()),
+    }
+}
+
+/// A listener that completes no handshake: its accept queue is full and the
+/// kernel drops further SYNs, so a connect to it times out — the loopback
+/// stand-in for a node that hangs.
+pub struct BlackHole {
+    /// Where it "listens".
+    pub addr: SocketAddr,
+    _socket: socket2::Socket,
+    _fillers: Vec<std::net::TcpStream>,
+}
+
+impl BlackHole {
+    /// Creates the black hole on `addr`.
+    pub fn new(addr: SocketAddr) -> Self {
+        use socket2::{Domain, Socket, Type};
+        let socket = Socket::new(Domain::IPV4, Type::STREAM, None).expect("socket");
+        socket.bind(&addr.into()).expect("bind black hole");
+        socket.listen(0).expect("listen");
+        // Fill the accept queue (backlog 0 still admits one or two).
+        let mut fillers = Vec::new();
+        for _ in 0..4 {
+            let s = Socket::new(Domain::IPV4, Type::STREAM, None).expect("socket");
+            s.set_nonblocking(true).expect("nonblocking");
+            let _ = s.connect(&addr.into());
+            fillers.push(std::net::TcpStream::from(s));
+        }
+        // Give the handshakes that will complete time to land in the queue, checked by a probe that must time out.
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        loop {
+            let probe = std::net::TcpStream::connect_timeout(&addr, Duration::from_millis(200));
+            if probe.is_err() {
+                break;
+            }
+            fillers.push(probe.expect("checked"));
+            assert!(
+                std::time::Instant::now() < deadline,
+                "black hole at {addr} keeps accepting"
+            );
+        }
+        Self {
+            addr,
+            _socket: socket,
+            _fillers: fillers,
+        }
+    }
+}
+
+/// The daemon running in this process.
+pub struct Daemon {
+    /// The running server.
+    pub server: Option<harvester_lb::Server>,
+    /// The admin address.
+    pub admin: SocketAddr,
+    /// The config file.
+    pub config: PathBuf,
+}
+
+impl Daemon {
+    /// Writes `config` to the subnet's directory and starts the daemon on it,
+    /// without file watching (tests reload explicitly unless they test watching).
+    pub async fn start(net: &Subnet, config: &str) -> Self {
+        Self::start_with(net, config, None).await
+    }
+
+    /// As [`Daemon::start`], with a file-watch interval.
+    pub async fn start_with(net: &Subnet, config: &str, watch: Option<Duration>) -> Self {
+        let path = net.write("config.toml", config);
+        let mut options = harvester_lb::Options::new(&path);
+        options.watch_interval = watch;
+        let server = harvester_lb::start(options)
+            .await
+            .unwrap_or_else(|e| panic!("daemon start: {e}"));
+        let admin = server.admin_addr();
+        Self {
+            server: Some(server),
+            admin,
+            config: path,
+        }
+    }
+
+    /// The server.
+    pub fn server(&self) -> &harvester_lb::Server {
+        self.server.as_ref().expect("running")
+    }
+
+    /// GETs an admin path; returns status code and body.
+    pub async fn get(&self, path: &str) -> (u16, String) {
+        http(self.admin, "GET", path).await
+    }
+
+    /// `/status` as JSON.
+    pub async fn status(&self) -> serde_json::Value {
+        let (code, body) = self.get("/status").await;
+        assert_eq!(code, 200, "/status: {body}");
+        serde_json::from_str(&body).expect("/status is JSON")
+    }
+
+    /// The backend object `ip` of load balancer `lb` in `/status`.
+    pub async fn backend_status(&self, lb: &str, ip: &str) -> serde_json::Value {
+        let status = self.status().await;
+        status["load_balancers"]
+            .as_array()
+            .expect("load_balancers")
+            .iter()
+            .find(|l| l["name"] == lb)
+            .unwrap_or_else(|| panic!("no load balancer {lb} in /status"))["backends"]
+            .as_array()
+            .expect("backends")
+            .iter()
+            .find(|b| b["address"] == ip)
+            .unwrap_or_else(|| panic!("no backend {ip} in {lb}"))
+            .clone()
+    }
+
+    /// Waits until backend `ip` of `lb` reports `health`.
+    pub async fn wait_health(
+        &self,
+        lb: &str,
+        ip: &str,
+        health: &str,
+        timeout: Duration,
+    ) -> serde_json::Value {
+        wait_for(
+            timeout,
+            &format!("{lb} backend {ip} to be {health}"),
+            || async {
+                let b = self.backend_status(lb, ip).await;
+                (b["health"] == health).then_some(b)
+            },
+        )
+        .await
+    }
+
+    /// The value of the metric sample whose line starts with `prefix`
+    /// (name plus labels, as rendered), or 0 if absent.
+    pub async fn metric(&self, prefix: &str) -> f64 {
+        let (_, body) = self.get("/metrics").await;
+        metric_value(&body, prefix)
+    }
+
+    /// Stops the daemon, draining, and returns how many connections the drain timeout cut.
+    pub async fn stop(mut self) -> usize {
+        self.server.take().expect("running").shutdown().await
+    }
+}
+
+/// The value of the first sample line starting with `prefix`, or 0.
+pub fn metric_value(body: &str, prefix: &str) -> f64 {
+    body.lines()
+        .find(|l| l.starts_with(prefix))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0.0)
+}
+
+/// One HTTP/1.1 request with `Connection: close`; returns status and body.
+pub async fn http(addr: SocketAddr, method: &str, path: &str) -> (u16, String) {
+    let mut s = TcpStream::connect(addr)
+        .await
+        .unwrap_or_else(|e| panic!("connect admin {addr}: {e}"));
+    let req = format!(
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+    );
+    s.write_all(req.as_bytes()).await.expect("send request");
+    let mut raw = Vec::new();
+    tokio::time::timeout(Duration::from_secs(30), s.read_to_end(&mut raw))
+        .await
+        .expect("admin answers within 30 s")
+        .expect("read response");
+    let text = String::from_utf8_lossy(&raw).to_string();
+    let code = text.get(9..12).and_then(|c| c.parse().ok()).unwrap_or(0);
+    let body = text
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_string())
+        .unwrap_or_default();
+    (code, body)
+}
+
+/// Connects to `vip` from the local address `from` (any port).
+pub async fn connect_from(from: IpAddr, vip: SocketAddr) -> std::io::Result<TcpStream> {
+    let socket = TcpSocket::new_v4()?;
+    socket.bind(SocketAddr::new(from, 0))?;
+    socket.connect(vip).await
+}
+
+/// Opens a connection through the load balancer and reads the backend's
+/// name line (for `NameThenEcho` backends).
+pub async fn whoami(vip: SocketAddr) -> std::io::Result<String> {
+    let mut s = TcpStream::connect(vip).await?;
+    read_line(&mut s).await
+}
+
+/// Reads one line (without the newline) within 5 s.
+pub async fn read_line(s: &mut TcpStream) -> std::io::Result<String> {
+    let mut line = Vec::new();
+    let mut byte = [0u8; 1];
+    tokio::time::timeout(Duration::from_secs(5), async {
+        loop {
+            let n = s.read(&mut byte).await?;
+            if n == 0 {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::UnexpectedEof,
+                    "closed before a full line",
+                ));
+            }
+            if byte[0] == b'\n' {
+                return Ok(());
+            }
+            line.push(byte[0]);
+        }
+    })
+    .await
+    .map_err(|_| std::io::Error::new(std::io::ErrorKind::TimedOut, "no line within 5 s"))??;
+    Ok(String::from_utf8_lossy(&line).to_string())
+}
+
+/// Runs the `harvester-lb` binary with `args`; returns exit code, stdout, stderr.
+pub fn run_cli(args: &[&str]) -> (i32, String, String) {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_harvester-lb"))
+        .args(args)
+        .output()
+        .expect("run harvester-lb");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).to_string(),
+        String::from_utf8_lossy(&out.stderr).to_string(),
+    )
+}
+
+/// A blocking HTTP GET for use from non-async code; returns status and body.
+pub fn http_blocking(addr: SocketAddr, path: &str) -> std::io::Result<(u16, String)> {
+    let mut s = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(2))?;
+    s.set_read_timeout(Some(Duration::from_secs(10)))?;
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    )?;
+    let mut text = String::new();
+    s.read_to_string(&mut text)?;
+    let code = text.get(9..12).and_then(|c| c.parse().ok()).unwrap_or(0);
+    let body = text
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_string())
+        .unwrap_or_default();
+    Ok((code, body))
+}
+
+/// A deterministic byte stream (xorshift), so both ends can check every byte
+/// without storing it.
+pub struct Pattern(u64);
+
+impl Pattern {
+    /// A stream seeded with `seed`.
+    pub fn new(seed: u64) -> Self {
+        Self(seed.max(1))
+    }
+
+    /// Fills `buf` with the next bytes.
+    pub fn fill(&mut self, buf: &mut [u8]) {
+        for chunk in buf.chunks_mut(8) {
+            self.0 ^= self.0 << 13;
+            self.0 ^= self.0 >> 7;
+            self.0 ^= self.0 << 17;
+            let bytes = self.0.to_le_bytes();
+            chunk.copy_from_slice(&bytes[..chunk.len()]);
+        }
+    }
+}
