@@ -27,6 +27,7 @@ pub mod admin;
 pub mod balancer;
 pub mod config;
 pub mod daemon;
+pub mod demo;
 pub mod health;
 pub mod metrics;
 pub mod os;

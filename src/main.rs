@@ -50,6 +50,13 @@ enum Command {
         #[arg(long, short, default_value = config::DEFAULT_PATH)]
         config: PathBuf,
     },
+    /// Show the whole job on loopback: start demo nodes for the config's
+    /// backends, run the daemon, stop a node and watch it taken out and back.
+    Demo {
+        /// A config whose addresses are all on loopback.
+        #[arg(long, short, default_value = "config/loopback.toml")]
+        config: PathBuf,
+    },
     /// Ask the running daemon to reload its config (POST /reload on the admin
     /// listener named in the config) and print the outcome.
     Reload {
@@ -72,6 +79,7 @@ fn main() -> ExitCode {
         Command::Check { config } => check(&config),
         Command::Reload { config } => reload(&config),
         Command::Run { config, no_watch } => run(config, no_watch),
+        Command::Demo { config } => demo(&config),
     }
 }
 
@@ -80,7 +88,8 @@ fn init_tracing(format: LogFormat) {
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr);
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()));
     match format {
         LogFormat::Text => builder.init(),
         LogFormat::Json => builder.json().init(),
@@ -106,6 +115,26 @@ fn check(path: &Path) -> ExitCode {
         Err(e) => {
             eprintln!("{e}");
             ExitCode::from(EXIT_CONFIG)
+        }
+    }
+}
+
+fn demo(path: &Path) -> ExitCode {
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("cannot start the async runtime: {e}");
+            return ExitCode::from(EXIT_START);
+        }
+    };
+    match runtime.block_on(harvester_lb::demo::run(path)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("demo failed: {e}");
+            ExitCode::from(EXIT_START)
         }
     }
 }

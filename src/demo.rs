@@ -1,0 +1,177 @@
+//! `harvester-lb demo`: the whole job on loopback in one command, for a
+//! newcomer. It starts a tiny backend on every node address of the config,
+//! runs the real daemon, shows where connections land, stops one node, waits
+//! for the health check to take it out, and brings it back.
+//!
+//! It only ever talks to the loopback addresses in the config it is given and
+//! refuses any other.
+
+use std::collections::BTreeMap;
+use std::net::{IpAddr, SocketAddr};
+use std::path::Path;
+use std::time::Duration;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::task::JoinHandle;
+
+use crate::config::{self, LoadBalancerSpec};
+use crate::health::Health;
+
+/// Runs the demo on the config at `path` (its first load balancer with a
+/// health check). Returns a message for the operator on failure.
+pub async fn run(path: &Path) -> Result<(), String> {
+    let loaded = config::load(path).map_err(|e| e.to_string())?;
+    let lb = loaded
+        .config
+        .load_balancers
+        .iter()
+        .find(|l| l.health_check.is_some() && !l.listeners.is_empty() && !l.backends.is_empty())
+        .ok_or("the demo needs a load balancer with backends, a listener and a health check")?
+        .clone();
+    let all_loopback = std::iter::once(lb.vip)
+        .chain(lb.backends.iter().copied())
+        .all(|ip| ip.is_loopback());
+    if !all_loopback {
+        return Err(
+            "the demo only runs on loopback addresses (127.0.0.0/8, ::1); try config/loopback.toml"
+                .into(),
+        );
+    }
+    let listener = &lb.listeners[0];
+    let vip = lb.listen_addr(listener);
+    let health_port = lb.health_check.as_ref().map(|h| h.port);
+
+    let mut nodes: BTreeMap<IpAddr, Vec<JoinHandle<()>>> = BTreeMap::new();
+    for ip in &lb.backends {
+        nodes.insert(
+            *ip,
+            start_node(*ip, listener.backend_port, health_port).await?,
+        );
+    }
+    println!(
+        "started {} demo nodes on port {}: {:?}",
+        nodes.len(),
+        listener.backend_port,
+        lb.backends
+    );
+
+    let server = crate::start(crate::Options {
+        config_path: path.to_path_buf(),
+        watch_interval: None,
+    })
+    .await
+    .map_err(|e| e.to_string())?;
+    println!(
+        "harvester-lb is listening on {vip}; admin API on http://{}/status\n",
+        server.admin_addr()
+    );
+
+    let spread = |label: &'static str| async move {
+        let mut counts: BTreeMap<String, usize> = BTreeMap::new();
+        for _ in 0..12 {
+            let who = ask(vip).await.unwrap_or_else(|e| format!("(failed: {e})"));
+            *counts.entry(who).or_default() += 1;
+        }
+        println!("{label}: 12 connections to {vip} landed on {counts:?}");
+    };
+    spread("all nodes up").await;
+
+    let victim = lb.backends[0];
+    for task in nodes.remove(&victim).unwrap_or_default() {
+        task.abort();
+    }
+    let hc = lb.health_check.as_ref().expect("checked above");
+    println!(
+        "\nstopped node {victim}; the health check marks it down after {} failed probes ({} s apart)...",
+        hc.failure_threshold,
+        hc.period.as_secs()
+    );
+    wait_health(&server, &lb, victim, Health::Unhealthy).await?;
+    spread("node down").await;
+
+    nodes.insert(
+        victim,
+        start_node(victim, listener.backend_port, health_port).await?,
+    );
+    println!(
+        "\nrestarted node {victim}; waiting for {} successful probe(s)...",
+        hc.success_threshold
+    );
+    wait_health(&server, &lb, victim, Health::Healthy).await?;
+    spread("node back").await;
+
+    println!(
+        "\nthe same is in the metrics: curl http://{}/metrics | grep harvester_lb_health_transitions",
+        server.admin_addr()
+    );
+    server.shutdown().await;
+    Ok(())
+}
+
+/// Starts a node: a server on the nodeport (and the health port) that
+/// answers each connection with its own address.
+async fn start_node(
+    ip: IpAddr,
+    port: u16,
+    health_port: Option<u16>,
+) -> Result<Vec<JoinHandle<()>>, String> {
+    let mut ports = vec![port];
+    if let Some(h) = health_port.filter(|h| *h != port) {
+        ports.push(h);
+    }
+    let mut tasks = Vec::new();
+    for p in ports {
+        let addr = SocketAddr::new(ip, p);
+        let listener = TcpListener::bind(addr)
+            .await
+            .map_err(|e| format!("cannot start demo node on {addr}: {e}"))?;
+        tasks.push(tokio::spawn(async move {
+            while let Ok((mut s, _)) = listener.accept().await {
+                let _ = s.write_all(format!("{ip}\n").as_bytes()).await;
+            }
+        }));
+    }
+    Ok(tasks)
+}
+
+async fn ask(vip: SocketAddr) -> std::io::Result<String> {
+    let mut s = TcpStream::connect(vip).await?;
+    let mut out = String::new();
+    tokio::time::timeout(Duration::from_secs(5), s.read_to_string(&mut out))
+        .await
+        .map_err(|_| std::io::Error::new(std::io::ErrorKind::TimedOut, "no answer"))??;
+    if out.is_empty() {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::ConnectionAborted,
+            "closed",
+        ));
+    }
+    Ok(out.trim().to_string())
+}
+
+async fn wait_health(
+    server: &crate::Server,
+    lb: &LoadBalancerSpec,
+    ip: IpAddr,
+    want: Health,
+) -> Result<(), String> {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let status = server.daemon().status();
+        let now = status
+            .load_balancers
+            .iter()
+            .find(|l| l.name == lb.name)
+            .and_then(|l| l.backends.iter().find(|b| b.address == ip))
+            .map(|b| b.health);
+        if now == Some(want) {
+            println!("node {ip} is {want}");
+            return Ok(());
+        }
+        if tokio::time::Instant::now() > deadline {
+            return Err(format!("node {ip} did not become {want} within 60 s"));
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
