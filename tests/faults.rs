@@ -1,0 +1,49 @@
+//! Faults on real test hosts: the real daemon in a network namespace, nodes
+//! and clients in others, faults made with nftables, link state and process
+//! kills. See `tests/netns/mod.rs` for the bed and `tests/netns/FAILURES.md`
+//! for the figures these tests print.
+//!
+//! Every test skips with a printed reason unless run as root with iproute2
+//! and nftables. Run: `cargo test --test faults -- --nocapture`.
+
+#[path = "netns/mod.rs"]
+mod netns;
+
+#[path = "netns/t_detect.rs"]
+mod t_detect;
+#[path = "netns/t_hostile.rs"]
+mod t_hostile;
+#[path = "netns/t_transfer.rs"]
+mod t_transfer;
+
+/// Not a test of its own: the body of the backend *process* that
+/// `t_transfer` kills. It serves only when started with `HLB_HELPER_LISTEN`.
+#[test]
+fn helper_echo_process() {
+    let Ok(listen) = std::env::var("HLB_HELPER_LISTEN") else {
+        return;
+    };
+    let name = std::env::var("HLB_HELPER_NAME").unwrap_or_default();
+    let l = std::net::TcpListener::bind(&listen).expect("helper bind");
+    println!("helper listening on {listen}");
+    for s in l.incoming() {
+        let Ok(mut s) = s else { continue };
+        let name = name.clone();
+        std::thread::spawn(move || {
+            use std::io::{Read, Write};
+            let _ = s.write_all(format!("{name}\n").as_bytes());
+            let mut buf = [0u8; 16 * 1024];
+            loop {
+                match s.read(&mut buf) {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => {
+                        if s.write_all(&buf[..n]).is_err() {
+                            break;
+                        }
+                    }
+                }
+            }
+            let _ = s.shutdown(std::net::Shutdown::Write);
+        });
+    }
+}

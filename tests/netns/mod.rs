@@ -1,0 +1,729 @@
+//! The fault test bed: real test hosts in Linux network namespaces.
+//!
+//! One [`Bed`] per test builds, with `ip` and `nft` only:
+//!
+//! ```text
+//!   client ns (198.51.100.2) ─┐
+//!   lb ns (198.51.100.3 + VIPs .10/.11, the real daemon) ─┤ bridge ns: br0
+//!   node ns 1..N (198.51.100.21..) ─┘
+//! ```
+//!
+//! Every namespace is new and named after the test and this process, so tests
+//! run in parallel (threads or processes) with the same addresses: the
+//! 198.51.100.0/24 documentation range exists only on the bed's own bridge.
+//! Nothing is added to the host's namespace, and the only traffic is between
+//! the bed's namespaces (plus 127.0.0.1 inside the load-balancer namespace for
+//! the admin API). [`Bed`]'s `Drop` kills the daemon and deletes every
+//! namespace, so a failing or panicking test leaves nothing behind.
+//!
+//! Test code runs in the host namespace; a socket is created inside a
+//! namespace by a short-lived thread that `setns(2)`s there, and then used from
+//! the test's runtime like any other socket (a socket keeps its namespace).
+
+#![allow(dead_code, unsafe_code)]
+
+pub mod peers;
+
+use std::io::{Read, Write};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+/// Address of the client host.
+pub const CLIENT_IP: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 2);
+/// Address of the load-balancer host itself.
+pub const LB_IP: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 3);
+/// First VIP (held by the load-balancer host).
+pub const VIP: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 10);
+/// Second VIP.
+pub const VIP2: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 11);
+/// Port of the daemon's admin API, on 127.0.0.1 inside the load-balancer namespace.
+pub const ADMIN_PORT: u16 = 9901;
+/// The service's nodeport on every node.
+pub const NODEPORT: u16 = 30080;
+/// The health-check port on every node (kube-proxy's healthz port).
+pub const HEALTH_PORT: u16 = 10256;
+
+/// Address of node `i` (1-based): 198.51.100.(20 + i).
+pub fn node_ip(i: usize) -> Ipv4Addr {
+    Ipv4Addr::new(198, 51, 100, 20 + i as u8)
+}
+
+/// Why namespace tests cannot run here, if they cannot.
+pub fn skip_reason() -> Option<String> {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        return Some("not running as root".into());
+    }
+    match Command::new("ip").args(["netns", "list"]).output() {
+        Ok(o) if o.status.success() => {}
+        Ok(o) => {
+            return Some(format!(
+                "`ip netns list` failed: {}",
+                String::from_utf8_lossy(&o.stderr).trim()
+            ));
+        }
+        Err(e) => return Some(format!("`ip` (iproute2) is not available: {e}")),
+    }
+    match Command::new("nft").arg("--version").output() {
+        Ok(o) if o.status.success() => None,
+        _ => Some("`nft` (nftables) is not available".into()),
+    }
+}
+
+/// Returns from the test with a printed reason when namespaces cannot be made.
+#[macro_export]
+macro_rules! require_netns {
+    () => {
+        if let Some(why) = $crate::netns::skip_reason() {
+            eprintln!(
+                "SKIPPED {}: needs root and iproute2/nftables for network namespaces ({why})",
+                module_path!()
+            );
+            return;
+        }
+    };
+}
+
+/// Runs `f` on a new thread inside namespace `ns` and returns its result.
+pub fn in_ns<T: Send + 'static>(ns: &str, f: impl FnOnce() -> T + Send + 'static) -> T {
+    let path = format!("/run/netns/{ns}");
+    std::thread::spawn(move || {
+        let file = std::fs::File::open(&path).unwrap_or_else(|e| panic!("open {path}: {e}"));
+        // SAFETY: setns on a valid namespace descriptor; only this thread moves.
+        let rc = unsafe { libc::setns(file.as_raw_fd(), libc::CLONE_NEWNET) };
+        assert_eq!(rc, 0, "setns {path}: {}", std::io::Error::last_os_error());
+        f()
+    })
+    .join()
+    .expect("namespace thread panicked")
+}
+
+/// A network namespace of the bed.
+#[derive(Clone, Debug)]
+pub struct Ns {
+    /// Its name under /run/netns.
+    pub name: String,
+}
+
+impl Ns {
+    /// A listening socket on `addr` inside this namespace (on the caller's runtime).
+    pub fn listen(&self, addr: SocketAddr) -> tokio::net::TcpListener {
+        let l = in_ns(&self.name, move || {
+            let s = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None)?;
+            s.set_reuse_address(true)?;
+            s.bind(&addr.into())?;
+            s.listen(4096)?;
+            s.set_nonblocking(true)?;
+            Ok::<_, std::io::Error>(std::net::TcpListener::from(s))
+        })
+        .unwrap_or_else(|e| panic!("listen on {addr} in {}: {e}", self.name));
+        tokio::net::TcpListener::from_std(l).expect("register listener")
+    }
+
+    /// An unconnected TCP socket inside this namespace.
+    pub fn socket(&self) -> std::io::Result<tokio::net::TcpSocket> {
+        let s = in_ns(&self.name, || {
+            let s = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None)?;
+            s.set_nonblocking(true)?;
+            Ok::<_, std::io::Error>(std::net::TcpStream::from(s))
+        })?;
+        Ok(tokio::net::TcpSocket::from_std_stream(s))
+    }
+
+    /// Connects from this namespace to `addr`, failing after `timeout`.
+    pub async fn connect(
+        &self,
+        addr: SocketAddr,
+        timeout: Duration,
+    ) -> std::io::Result<tokio::net::TcpStream> {
+        let s = self.socket()?;
+        match tokio::time::timeout(timeout, s.connect(addr)).await {
+            Ok(r) => r,
+            Err(_) => Err(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!("connect to {addr} timed out after {timeout:?}"),
+            )),
+        }
+    }
+
+    /// Many sockets at once (one thread hop instead of one per socket).
+    pub fn sockets(&self, n: usize) -> std::io::Result<Vec<tokio::net::TcpSocket>> {
+        let v = in_ns(&self.name, move || {
+            (0..n)
+                .map(|_| {
+                    let s =
+                        socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None)?;
+                    s.set_nonblocking(true)?;
+                    Ok::<_, std::io::Error>(std::net::TcpStream::from(s))
+                })
+                .collect::<std::io::Result<Vec<_>>>()
+        })?;
+        Ok(v.into_iter()
+            .map(tokio::net::TcpSocket::from_std_stream)
+            .collect())
+    }
+
+    /// `ip -n <ns> <args>`, panicking with the output on failure.
+    pub fn ip(&self, args: &[&str]) {
+        let mut full = vec!["-n", &self.name];
+        full.extend_from_slice(args);
+        run("ip", &full, None);
+    }
+
+    /// Loads an nft ruleset inside this namespace.
+    pub fn nft(&self, rules: &str) {
+        run(
+            "ip",
+            &["netns", "exec", &self.name, "nft", "-f", "-"],
+            Some(rules),
+        );
+    }
+}
+
+/// Runs a command, panicking with its output if it fails.
+pub fn run(cmd: &str, args: &[&str], stdin: Option<&str>) {
+    let mut c = Command::new(cmd);
+    c.args(args)
+        .stdin(if stdin.is_some() {
+            Stdio::piped()
+        } else {
+            Stdio::null()
+        })
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    let mut child = c
+        .spawn()
+        .unwrap_or_else(|e| panic!("cannot run {cmd}: {e}"));
+    if let Some(input) = stdin {
+        child
+            .stdin
+            .take()
+            .expect("piped")
+            .write_all(input.as_bytes())
+            .expect("write stdin");
+    }
+    let out = child.wait_with_output().expect("wait");
+    assert!(
+        out.status.success(),
+        "{cmd} {args:?} failed: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+static SEQ: AtomicU32 = AtomicU32::new(0);
+
+/// The namespaces, bridge and daemon of one test.
+pub struct Bed {
+    /// Short unique tag of this bed (namespace name prefix).
+    pub tag: String,
+    /// The bridge's namespace.
+    pub bridge: Ns,
+    /// The client host.
+    pub client: Ns,
+    /// The load-balancer host.
+    pub lb: Ns,
+    /// The nodes, `nodes[0]` is node 1.
+    pub nodes: Vec<Ns>,
+    /// Scratch directory (configs, daemon logs).
+    pub dir: PathBuf,
+    created: Vec<String>,
+    daemon: Option<DaemonProc>,
+}
+
+impl Bed {
+    /// Builds the bed for test `test` with `n` nodes.
+    pub fn new(test: &str, n: usize) -> Bed {
+        assert!((1..=9).contains(&n), "1..=9 nodes");
+        let tag = format!(
+            "hlb{}-{}-{}",
+            std::process::id(),
+            SEQ.fetch_add(1, Ordering::Relaxed),
+            test
+        );
+        let dir = std::env::temp_dir().join(&tag);
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("scratch dir");
+        let mut bed = Bed {
+            bridge: Ns {
+                name: format!("{tag}-br"),
+            },
+            client: Ns {
+                name: format!("{tag}-c"),
+            },
+            lb: Ns {
+                name: format!("{tag}-lb"),
+            },
+            nodes: (1..=n)
+                .map(|i| Ns {
+                    name: format!("{tag}-n{i}"),
+                })
+                .collect(),
+            tag,
+            dir,
+            created: Vec::new(),
+            daemon: None,
+        };
+        // From here on, Drop cleans up whatever was made.
+        bed.add_ns(&bed.bridge.name.clone());
+        bed.bridge.ip(&["link", "add", "br0", "type", "bridge"]);
+        bed.bridge.ip(&["link", "set", "br0", "up"]);
+        let mut hosts = vec![
+            (bed.client.clone(), CLIENT_IP, vec![]),
+            (bed.lb.clone(), LB_IP, vec![VIP, VIP2]),
+        ];
+        for (i, node) in bed.nodes.iter().enumerate() {
+            hosts.push((node.clone(), node_ip(i + 1), vec![]));
+        }
+        for (k, (ns, ip, extra)) in hosts.into_iter().enumerate() {
+            bed.add_ns(&ns.name);
+            let port = format!("v{k}");
+            bed.bridge.ip(&[
+                "link", "add", &port, "type", "veth", "peer", "name", "eth0", "netns", &ns.name,
+            ]);
+            bed.bridge
+                .ip(&["link", "set", &port, "master", "br0", "up"]);
+            ns.ip(&["link", "set", "lo", "up"]);
+            ns.ip(&["addr", "add", &format!("{ip}/24"), "dev", "eth0"]);
+            for e in extra {
+                ns.ip(&["addr", "add", &format!("{e}/32"), "dev", "eth0"]);
+            }
+            ns.ip(&["link", "set", "eth0", "up"]);
+        }
+        bed
+    }
+
+    fn add_ns(&mut self, name: &str) {
+        run("ip", &["netns", "add", name], None);
+        self.created.push(name.to_string());
+    }
+
+    /// Node `i` (1-based).
+    pub fn node(&self, i: usize) -> &Ns {
+        &self.nodes[i - 1]
+    }
+
+    /// The bridge port of node `i` (1-based): client is v0, lb v1, nodes v2...
+    fn node_port_name(i: usize) -> String {
+        format!("v{}", i + 1)
+    }
+
+    /// Cuts node `i`'s link (its bridge port goes down: packets vanish).
+    pub fn cut_link(&self, i: usize) {
+        self.bridge
+            .ip(&["link", "set", &Self::node_port_name(i), "down"]);
+    }
+
+    /// Restores node `i`'s link.
+    pub fn restore_link(&self, i: usize) {
+        self.bridge
+            .ip(&["link", "set", &Self::node_port_name(i), "up"]);
+    }
+
+    /// Node `i` silently drops every TCP packet to `ports` (a hung node VM).
+    pub fn blackhole(&self, i: usize, ports: &[u16]) {
+        let ports: Vec<String> = ports.iter().map(|p| p.to_string()).collect();
+        self.node(i).nft(&format!(
+            "table inet fault {{\n chain input {{ type filter hook input priority 0; policy accept;\n  tcp dport {{ {} }} drop\n }}\n}}\n",
+            ports.join(", ")
+        ));
+    }
+
+    /// Node `i` answers a SYN to `port` with a TCP reset (no matter what listens).
+    pub fn reject_with_reset(&self, i: usize, port: u16) {
+        self.node(i).nft(&format!(
+            "table inet fault {{\n chain input {{ type filter hook input priority 0; policy accept;\n  tcp dport {port} reject with tcp reset\n }}\n}}\n"
+        ));
+    }
+
+    /// Node `i` drops `percent`% of its packets, both ways, at random.
+    pub fn packet_loss(&self, i: usize, percent: u32) {
+        self.node(i).nft(&format!(
+            "table inet fault {{\n chain input {{ type filter hook input priority 0; policy accept;\n  numgen random mod 100 < {percent} drop\n }}\n chain output {{ type filter hook output priority 0; policy accept;\n  numgen random mod 100 < {percent} drop\n }}\n}}\n"
+        ));
+    }
+
+    /// Removes every fault rule of node `i`.
+    pub fn heal(&self, i: usize) {
+        self.node(i).nft("delete table inet fault\n");
+    }
+
+    /// Writes the config and starts the real daemon in the load-balancer
+    /// namespace; waits (with a deadline) until its admin API answers.
+    pub async fn start_daemon(&mut self, config: &str) -> &DaemonProc {
+        self.start_daemon_with(config, None).await
+    }
+
+    /// As [`Bed::start_daemon`], with the daemon's open-file limit (soft and
+    /// hard) set to `nofile`.
+    pub async fn start_daemon_with(&mut self, config: &str, nofile: Option<u64>) -> &DaemonProc {
+        let path = self.write("config.toml", config);
+        let d = DaemonProc::spawn(&self.lb, &path, &self.dir.join("daemon.log"), nofile);
+        self.daemon = Some(d);
+        let d = self.daemon.as_ref().expect("just set");
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            if let Ok((200, _)) = d.get("/healthz").await {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "daemon admin API did not answer within 10s; log:\n{}",
+                d.log_tail(40)
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        d
+    }
+
+    /// The running daemon.
+    pub fn daemon(&self) -> &DaemonProc {
+        self.daemon.as_ref().expect("daemon started")
+    }
+
+    /// Takes the daemon out of the bed (to stop it by hand).
+    pub fn take_daemon(&mut self) -> DaemonProc {
+        self.daemon.take().expect("daemon started")
+    }
+
+    /// Writes a file into the scratch directory.
+    pub fn write(&self, name: &str, text: &str) -> PathBuf {
+        let p = self.dir.join(name);
+        std::fs::write(&p, text).expect("write scratch file");
+        p
+    }
+}
+
+impl Drop for Bed {
+    fn drop(&mut self) {
+        if let Some(d) = self.daemon.take() {
+            if std::thread::panicking() {
+                eprintln!(
+                    "--- daemon log of {} (last lines) ---\n{}",
+                    self.tag,
+                    d.log_tail(60)
+                );
+            }
+            drop(d);
+        }
+        for ns in self.created.iter().rev() {
+            let _ = Command::new("ip")
+                .args(["netns", "del", ns])
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .status();
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// The real daemon, running as a child process in the load-balancer namespace.
+pub struct DaemonProc {
+    child: Child,
+    /// Namespace it runs in (for the admin client).
+    pub ns: Ns,
+    log: PathBuf,
+    /// The config file it was started with.
+    pub config: PathBuf,
+}
+
+impl DaemonProc {
+    fn spawn(ns: &Ns, config: &Path, log: &Path, nofile: Option<u64>) -> DaemonProc {
+        use std::os::unix::process::CommandExt;
+        let logf = std::fs::File::create(log).expect("daemon log");
+        let mut c = Command::new("ip");
+        c.args([
+            "netns",
+            "exec",
+            &ns.name,
+            env!("CARGO_BIN_EXE_harvester-lb"),
+        ])
+        .args(["run", "--no-watch", "--config"])
+        .arg(config)
+        .env("HARVESTER_LB_LOG", "info")
+        .stdin(Stdio::null())
+        .stdout(logf.try_clone().expect("dup log"))
+        .stderr(logf);
+        if let Some(n) = nofile {
+            // SAFETY: setrlimit is async-signal-safe; nothing else runs here.
+            unsafe {
+                c.pre_exec(move || {
+                    let lim = libc::rlimit {
+                        rlim_cur: n,
+                        rlim_max: n,
+                    };
+                    if libc::setrlimit(libc::RLIMIT_NOFILE, &lim) != 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    Ok(())
+                });
+            }
+        }
+        let child = c.spawn().expect("spawn daemon");
+        DaemonProc {
+            child,
+            ns: ns.clone(),
+            log: log.to_path_buf(),
+            config: config.to_path_buf(),
+        }
+    }
+
+    /// The daemon's pid (`ip netns exec` execs it in place).
+    pub fn pid(&self) -> i32 {
+        self.child.id() as i32
+    }
+
+    /// Sends `sig` to the daemon.
+    pub fn signal(&self, sig: i32) {
+        // SAFETY: kill(2) on our own child's pid.
+        unsafe {
+            libc::kill(self.pid(), sig);
+        }
+    }
+
+    /// Whether it still runs; `Some(code)` once it exited.
+    pub fn exited(&mut self) -> Option<std::process::ExitStatus> {
+        self.child.try_wait().expect("try_wait")
+    }
+
+    /// Waits (polling) up to `timeout` for the daemon to exit.
+    pub async fn wait_exit(&mut self, timeout: Duration) -> Option<std::process::ExitStatus> {
+        let deadline = Instant::now() + timeout;
+        while Instant::now() < deadline {
+            if let Some(s) = self.exited() {
+                return Some(s);
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        None
+    }
+
+    /// The last `n` lines of its log.
+    pub fn log_tail(&self, n: usize) -> String {
+        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
+        let lines: Vec<&str> = text.lines().collect();
+        lines[lines.len().saturating_sub(n)..].join("\n")
+    }
+
+    /// Its whole log.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// One HTTP request to the admin API: (status, body).
+    pub async fn request(&self, method: &str, path: &str) -> std::io::Result<(u16, String)> {
+        let addr = SocketAddr::from(([127, 0, 0, 1], ADMIN_PORT));
+        let mut s = self.ns.connect(addr, Duration::from_secs(2)).await?;
+        let req = format!(
+            "{method} {path} HTTP/1.1\r\nHost: admin\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+        );
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        s.write_all(req.as_bytes()).await?;
+        let mut buf = Vec::new();
+        tokio::time::timeout(Duration::from_secs(10), s.read_to_end(&mut buf))
+            .await
+            .map_err(|_| std::io::Error::new(std::io::ErrorKind::TimedOut, "admin read"))??;
+        let text = String::from_utf8_lossy(&buf).to_string();
+        let status = text
+            .split(' ')
+            .nth(1)
+            .and_then(|c| c.parse().ok())
+            .unwrap_or(0);
+        let body = text.split("\r\n\r\n").nth(1).unwrap_or("").to_string();
+        Ok((status, body))
+    }
+
+    /// `GET path`.
+    pub async fn get(&self, path: &str) -> std::io::Result<(u16, String)> {
+        self.request("GET", path).await
+    }
+
+    /// `/status` as JSON.
+    pub async fn status(&self) -> serde_json::Value {
+        let (code, body) = self.get("/status").await.expect("GET /status");
+        assert_eq!(code, 200, "/status: {body}");
+        serde_json::from_str(&body).expect("/status is JSON")
+    }
+
+    /// The `/status` entry of backend `ip` of load balancer `lb`.
+    pub async fn backend(&self, lb: &str, ip: Ipv4Addr) -> serde_json::Value {
+        backend_of(&self.status().await, lb, ip)
+    }
+
+    /// `/metrics` text.
+    pub async fn metrics(&self) -> String {
+        let (code, body) = self.get("/metrics").await.expect("GET /metrics");
+        assert_eq!(code, 200);
+        body
+    }
+
+    /// Polls `/status` until backend `ip` of `lb` has `health`; returns how long it took.
+    pub async fn wait_health(
+        &self,
+        lb: &str,
+        ip: Ipv4Addr,
+        health: &str,
+        timeout: Duration,
+    ) -> Duration {
+        let start = Instant::now();
+        loop {
+            let b = self.backend(lb, ip).await;
+            if b["health"] == health {
+                return start.elapsed();
+            }
+            assert!(
+                start.elapsed() < timeout,
+                "backend {ip} of {lb} not {health} within {timeout:?}: {b}"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// CPU time (user + system) the daemon has used.
+    pub fn cpu_time(&self) -> Duration {
+        proc_cpu_time(self.pid())
+    }
+
+    /// Resident memory of the daemon, in KiB.
+    pub fn rss_kib(&self) -> u64 {
+        proc_rss_kib(self.pid())
+    }
+
+    /// Open descriptors of the daemon.
+    pub fn open_fds(&self) -> usize {
+        std::fs::read_dir(format!("/proc/{}/fd", self.pid()))
+            .map(|d| d.count())
+            .unwrap_or(0)
+    }
+}
+
+impl Drop for DaemonProc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The `/status` entry of backend `ip` of load balancer `lb`.
+pub fn backend_of(status: &serde_json::Value, lb: &str, ip: Ipv4Addr) -> serde_json::Value {
+    let lbs = status["load_balancers"].as_array().expect("load_balancers");
+    let l = lbs
+        .iter()
+        .find(|l| l["name"] == lb)
+        .unwrap_or_else(|| panic!("no load balancer {lb} in {status}"));
+    l["backends"]
+        .as_array()
+        .expect("backends")
+        .iter()
+        .find(|b| b["address"] == ip.to_string())
+        .unwrap_or_else(|| panic!("no backend {ip} in {l}"))
+        .clone()
+}
+
+/// Sum of the samples of metric `name` whose labels include every `labels` pair.
+pub fn metric(text: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter(|l| {
+            l.strip_prefix(name)
+                .is_some_and(|rest| rest.starts_with('{') || rest.starts_with(' '))
+        })
+        .filter(|l| {
+            labels
+                .iter()
+                .all(|(k, v)| l.contains(&format!("{k}=\"{v}\"")))
+        })
+        .filter_map(|l| l.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok()))
+        .sum()
+}
+
+/// CPU time (user + system) of process `pid`.
+pub fn proc_cpu_time(pid: i32) -> Duration {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    // Fields after the command's closing parenthesis; utime and stime are 14 and 15.
+    let after = stat.rsplit_once(')').map_or("", |(_, r)| r);
+    let f: Vec<&str> = after.split_whitespace().collect();
+    let ticks: u64 = f.get(11).and_then(|v| v.parse().ok()).unwrap_or(0)
+        + f.get(12).and_then(|v| v.parse().ok()).unwrap_or(0);
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as u64;
+    Duration::from_millis(ticks * 1000 / hz)
+}
+
+/// Resident memory of process `pid`, in KiB.
+pub fn proc_rss_kib(pid: i32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0)
+}
+
+/// A config with `lbs` (each a `[[load_balancer]]` body without its header).
+pub fn config(proxy: &str, lbs: &[String]) -> String {
+    let mut c = format!("[admin]\nlisten = \"127.0.0.1:{ADMIN_PORT}\"\n\n[proxy]\n{proxy}\n");
+    for lb in lbs {
+        c.push_str("\n[[load_balancer]]\n");
+        c.push_str(lb);
+        c.push('\n');
+    }
+    c
+}
+
+/// A load balancer `name` on `vip:80` -> `nodes` (1-based) at [`NODEPORT`], probed on
+/// [`HEALTH_PORT`]; `extra` adds top-level keys, `health` the health-check keys.
+pub fn lb(name: &str, vip: Ipv4Addr, nodes: &[usize], extra: &str, health: Option<&str>) -> String {
+    let backends: Vec<String> = nodes
+        .iter()
+        .map(|i| format!("\"{}\"", node_ip(*i)))
+        .collect();
+    let mut s = format!(
+        "name = \"{name}\"\nvip = \"{vip}\"\nbackends = [{}]\n{extra}\n  [[load_balancer.listener]]\n  name = \"tcp\"\n  port = 80\n  backend_port = {NODEPORT}\n",
+        backends.join(", ")
+    );
+    if let Some(h) = health {
+        s.push_str(&format!(
+            "  [load_balancer.health_check]\n  port = {HEALTH_PORT}\n{h}\n"
+        ));
+    }
+    s
+}
+
+/// Polls `f` every 20 ms until it returns `Some`, panicking with `what` after `timeout`.
+pub async fn wait_for<T, Fut: std::future::Future<Output = Option<T>>>(
+    timeout: Duration,
+    what: &str,
+    mut f: impl FnMut() -> Fut,
+) -> T {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(v) = f().await {
+            return v;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "timed out after {timeout:?} waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Address `ip:port`.
+pub fn sa(ip: Ipv4Addr, port: u16) -> SocketAddr {
+    SocketAddr::new(IpAddr::V4(ip), port)
+}
+
+/// Reads a whole file, for reports.
+pub fn read_to_string(p: &Path) -> String {
+    let mut s = String::new();
+    if let Ok(mut f) = std::fs::File::open(p) {
+        let _ = f.read_to_string(&mut s);
+    }
+    s
+}

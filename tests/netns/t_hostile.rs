@@ -1,0 +1,1 @@
+//! Hostile clients and descriptor exhaustion.

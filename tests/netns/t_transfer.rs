@@ -1,0 +1,1 @@
+//! Transfers: node death mid-transfer, integrity under concurrency.
