@@ -129,7 +129,11 @@ async fn route(
                 text(StatusCode::OK, "ready\n")
             } else {
                 let failed = daemon.failed_listeners();
-                let mut body = String::from("not ready\n");
+                let mut body = String::from(if daemon.is_stopping() {
+                    "stopping\n"
+                } else {
+                    "not ready\n"
+                });
                 for (addr, why) in failed {
                     body.push_str(&format!("listener {addr}: {why}\n"));
                 }

@@ -9,11 +9,13 @@
 
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use serde::Serialize;
 use tokio::sync::Semaphore;
+use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::balancer::{Backend, BackendMetrics, LoadBalancer, Settings};
@@ -34,6 +36,12 @@ pub struct Daemon {
     state: Mutex<State>,
     /// Drains of removed listeners still running, awaited at shutdown.
     drains: TaskTracker,
+    /// Set when shutdown begins: `/readyz` turns 503 so a front end stops
+    /// sending here while open connections drain.
+    stopping: AtomicBool,
+    /// Cancelled at shutdown once listeners have drained: removed backends
+    /// still waiting out their drain time are retired at once.
+    retire_now: CancellationToken,
 }
 
 #[derive(Default)]
@@ -81,6 +89,8 @@ impl Daemon {
             limit: Arc::new(Semaphore::new(max_connections.min(Semaphore::MAX_PERMITS))),
             state: Mutex::new(State::default()),
             drains: TaskTracker::new(),
+            stopping: AtomicBool::new(false),
+            retire_now: CancellationToken::new(),
         })
     }
 
@@ -236,8 +246,16 @@ impl Daemon {
 
     /// Whether a config is in force and every listener is bound.
     pub fn is_ready(&self) -> bool {
+        if self.is_stopping() {
+            return false;
+        }
         let st = self.lock();
         st.config.is_some() && st.listeners.values().all(|e| e.socket.is_ok())
+    }
+
+    /// Whether shutdown has begun.
+    pub fn is_stopping(&self) -> bool {
+        self.stopping.load(Ordering::Acquire)
     }
 
     /// Listeners whose socket is not bound, with the reason.
@@ -253,6 +271,7 @@ impl Daemon {
     /// timeout for open connections before closing them. Returns how many
     /// connections the timeout cut.
     pub async fn shutdown(&self) -> usize {
+        self.stopping.store(true, Ordering::Release);
         let (listeners, drain) = {
             let mut st = self.lock();
             let drain = st
@@ -272,6 +291,7 @@ impl Daemon {
         self.prober.stop_all();
         let drains = listeners.into_iter().map(|l| l.drain(drain));
         let cut: usize = futures_sum(drains).await;
+        self.retire_now.cancel();
         self.drains.close();
         self.drains.wait().await;
         cut
@@ -319,7 +339,7 @@ impl Daemon {
         }
         for (ip, gone) in std::mem::replace(&mut entry.backends, backends) {
             self.prober.remove(&(spec.name.clone(), ip));
-            retire_after(gone, drain, &self.drains);
+            retire_after(gone, drain, &self.drains, self.retire_now.clone());
         }
         if spec.health_check.is_none() {
             // Health checking switched off: every backend is eligible again.
@@ -364,7 +384,7 @@ impl Daemon {
     fn retire_load_balancer(&self, entry: LbEntry, drain: Duration) {
         for (ip, backend) in entry.backends {
             self.prober.remove(&(entry.spec.name.clone(), ip));
-            retire_after(backend, drain, &self.drains);
+            retire_after(backend, drain, &self.drains, self.retire_now.clone());
         }
     }
 
@@ -496,7 +516,9 @@ impl Daemon {
             });
         }
         StatusDoc {
-            ready: st.config.is_some() && st.listeners.values().all(|e| e.socket.is_ok()),
+            ready: !self.is_stopping()
+                && st.config.is_some()
+                && st.listeners.values().all(|e| e.socket.is_ok()),
             load_balancers,
         }
     }
@@ -510,17 +532,22 @@ fn listener_labels(lb: &LoadBalancer, spec: &ListenerSpec) -> [(&'static str, St
     ]
 }
 
-/// Closes a removed backend's connections once `drain` has passed.
-fn retire_after(backend: Arc<Backend>, drain: Duration, tracker: &TaskTracker) {
-    if backend.active_connections() == 0 {
-        backend.retire();
-        return;
-    }
+/// Closes a removed backend's connections once `drain` has passed (or at
+/// shutdown, after the listeners have drained).
+///
+/// It always waits the full drain time, even when no connection is open
+/// now: a client that picked this backend from the previous snapshot may
+/// still be connecting, and it deserves the same drain as everyone else.
+fn retire_after(
+    backend: Arc<Backend>,
+    drain: Duration,
+    tracker: &TaskTracker,
+    shutdown: CancellationToken,
+) {
     tracker.spawn(async move {
-        let deadline = tokio::time::Instant::now() + drain;
-        // Poll the count rather than hold a waker per connection: removal is rare.
-        while backend.active_connections() > 0 && tokio::time::Instant::now() < deadline {
-            tokio::time::sleep(Duration::from_millis(100).min(drain)).await;
+        tokio::select! {
+            _ = tokio::time::sleep(drain) => {}
+            _ = shutdown.cancelled() => {}
         }
         backend.retire();
     });

@@ -206,43 +206,64 @@ fn run(config: PathBuf, no_watch: bool) -> ExitCode {
             }
         };
         tracing::info!(admin = %server.admin_addr(), "harvester-lb running");
-        if let Err(e) = wait_for_stop(&server).await {
-            tracing::error!("cannot install signal handlers: {e}");
-            return ExitCode::from(EXIT_START);
-        }
-        // A second SIGTERM/SIGINT during the drain exits at once.
-        tokio::spawn(async {
-            use tokio::signal::unix::{SignalKind, signal};
-            if let (Ok(mut term), Ok(mut int)) = (
-                signal(SignalKind::terminate()),
-                signal(SignalKind::interrupt()),
-            ) {
-                tokio::select! { _ = term.recv() => {}, _ = int.recv() => {} }
-                tracing::warn!("second stop signal: exiting without waiting for connections");
-                std::process::exit(1);
+        // Install every handler before serving, so no signal falls between two handlers.
+        let mut signals = match Signals::new() {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::error!("cannot install signal handlers: {e}");
+                return ExitCode::from(EXIT_START);
             }
+        };
+        signals.serve_until_stop(&server).await;
+        // A second SIGTERM/SIGINT during the drain exits at once.
+        tokio::spawn(async move {
+            signals.stop().await;
+            tracing::warn!("second stop signal: exiting without waiting for connections");
+            std::process::exit(1);
         });
         server.shutdown().await;
         ExitCode::SUCCESS
     })
 }
 
-/// Serves SIGHUP as reloads until SIGTERM or SIGINT arrives.
-async fn wait_for_stop(server: &harvester_lb::Server) -> std::io::Result<()> {
-    use tokio::signal::unix::{SignalKind, signal};
-    let mut hup = signal(SignalKind::hangup())?;
-    let mut term = signal(SignalKind::terminate())?;
-    let mut int = signal(SignalKind::interrupt())?;
-    loop {
+/// The signals the daemon answers.
+struct Signals {
+    hup: tokio::signal::unix::Signal,
+    term: tokio::signal::unix::Signal,
+    int: tokio::signal::unix::Signal,
+}
+
+impl Signals {
+    fn new() -> std::io::Result<Self> {
+        use tokio::signal::unix::{SignalKind, signal};
+        Ok(Self {
+            hup: signal(SignalKind::hangup())?,
+            term: signal(SignalKind::terminate())?,
+            int: signal(SignalKind::interrupt())?,
+        })
+    }
+
+    /// Resolves at the next SIGTERM or SIGINT.
+    async fn stop(&mut self) {
         tokio::select! {
-            _ = term.recv() => return Ok(()),
-            _ = int.recv() => return Ok(()),
-            _ = hup.recv() => {
-                let sender = server.reload_sender();
-                // Do not wait here: a storm of SIGHUPs queues reloads, it does not block stop.
-                tokio::spawn(async move {
-                    let _ = harvester_lb::request_reload(&sender).await;
-                });
+            _ = self.term.recv() => {}
+            _ = self.int.recv() => {}
+        }
+    }
+
+    /// Serves SIGHUP as reloads until SIGTERM or SIGINT arrives.
+    async fn serve_until_stop(&mut self, server: &harvester_lb::Server) {
+        loop {
+            tokio::select! {
+                _ = self.term.recv() => return,
+                _ = self.int.recv() => return,
+                _ = self.hup.recv() => {
+                    let sender = server.reload_sender();
+                    // Do not wait here: a storm of SIGHUPs queues reloads, it does not block stop.
+                    tokio::spawn(async move {
+                        let _ = harvester_lb::request_reload(&sender).await;
+                    });
+                }
             }
         }
     }

@@ -1,0 +1,518 @@
+//! Live reconfiguration and the process lifecycle: reload as a diff under
+//! load, a broken file on reload, drain on removal and on SIGTERM, the file
+//! watch, SIGHUP.
+
+mod support;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::Duration;
+
+use support::*;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+const STABLE: &str = "default/stable";
+
+/// The stable load balancer on `.1:8080` with `backends`, health checked,
+/// plus `churn` extra load balancers on `.2:9000+i`.
+fn config(net: &Subnet, backends: &[u8], churn: &[u16], drain_seconds: u64) -> String {
+    let list = |hosts: &[u8]| {
+        hosts
+            .iter()
+            .map(|h| format!("{:?}", net.ip_str(*h)))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let mut c = format!(
+        r#"
+[admin]
+listen = "{admin}:9901"
+
+[proxy]
+drain_timeout_seconds = {drain_seconds}
+
+[[load_balancer]]
+name = "{STABLE}"
+vip = "{vip}"
+backends = [{backends}]
+  [[load_balancer.listener]]
+  name = "echo"
+  port = 8080
+  backend_port = 30080
+  [load_balancer.health_check]
+  port = 30080
+  period_seconds = 1
+  timeout_seconds = 1
+  failure_threshold = 2
+"#,
+        admin = net.ip_str(250),
+        vip = net.ip_str(1),
+        backends = list(backends),
+    );
+    for i in churn {
+        c.push_str(&format!(
+            r#"
+[[load_balancer]]
+name = "churn/{i}"
+vip = "{vip}"
+backends = [{backends}]
+  [[load_balancer.listener]]
+  name = "echo"
+  port = {port}
+  backend_port = 30080
+"#,
+            vip = net.ip_str(2),
+            backends = list(&[11, 12]),
+            port = 9000 + i,
+        ));
+    }
+    c
+}
+
+fn stable_vip(net: &Subnet) -> SocketAddr {
+    SocketAddr::new(net.ip(1), 8080)
+}
+
+/// Writes a line and expects it echoed back within 5 s.
+async fn echo_once(s: &mut TcpStream, line: &str) -> std::io::Result<()> {
+    s.write_all(format!("{line}\n").as_bytes()).await?;
+    let got = read_line(s).await?;
+    if got == line {
+        Ok(())
+    } else {
+        Err(std::io::Error::other(format!(
+            "echoed {got:?}, sent {line:?}"
+        )))
+    }
+}
+
+fn transitions(body: &str, ip: &str) -> (f64, f64) {
+    let l = format!("cluster=\"kubernetes\",load_balancer=\"{STABLE}\",backend=\"{ip}\"");
+    (
+        metric_value(
+            body,
+            &format!("harvester_lb_health_transitions_total{{{l},to=\"up\"}}"),
+        ),
+        metric_value(
+            body,
+            &format!("harvester_lb_health_transitions_total{{{l},to=\"down\"}}"),
+        ),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hundred_reloads_under_load_cut_nothing_refuse_nothing_and_keep_health_state() {
+    let net = Subnet::new();
+    let _nodes = [
+        Backend::start(SocketAddr::new(net.ip(11), 30080), Behaviour::NameThenEcho).await,
+        Backend::start(SocketAddr::new(net.ip(12), 30080), Behaviour::NameThenEcho).await,
+        Backend::start(SocketAddr::new(net.ip(14), 30080), Behaviour::NameThenEcho).await,
+    ];
+    // .13 has nothing listening: it goes down and must stay down, without a
+    // second "down" transition that a reset state would cause.
+    let d = Daemon::start(&net, &config(&net, &[11, 12, 13], &[], 30)).await;
+    d.wait_health(STABLE, &net.ip_str(13), "unhealthy", Duration::from_secs(6))
+        .await;
+    d.wait_health(STABLE, &net.ip_str(11), "healthy", Duration::from_secs(6))
+        .await;
+    let (_, body) = d.get("/metrics").await;
+    let before: Vec<(f64, f64)> = [11, 12, 13]
+        .iter()
+        .map(|h| transitions(&body, &net.ip_str(*h)))
+        .collect();
+    assert_eq!(before[2], (0.0, 1.0));
+
+    // Established connections, each checked after every few reloads.
+    let mut established = Vec::new();
+    for _ in 0..20 {
+        let mut s = TcpStream::connect(stable_vip(&net)).await.unwrap();
+        read_line(&mut s).await.unwrap();
+        established.push(s);
+    }
+
+    // New connections opened continuously while reloading.
+    let stop = Arc::new(AtomicBool::new(false));
+    let (opened, failed) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+    let churner = {
+        let (stop, opened, failed, vip) = (
+            Arc::clone(&stop),
+            Arc::clone(&opened),
+            Arc::clone(&failed),
+            stable_vip(&net),
+        );
+        tokio::spawn(async move {
+            // Bounded: at most 20,000 connections or until told to stop.
+            for _ in 0..20_000 {
+                if stop.load(Ordering::Relaxed) {
+                    break;
+                }
+                match whoami(vip).await {
+                    Ok(_) => opened.fetch_add(1, Ordering::Relaxed),
+                    Err(e) => {
+                        eprintln!("new connection failed: {e}");
+                        failed.fetch_add(1, Ordering::Relaxed)
+                    }
+                };
+            }
+        })
+    };
+
+    for i in 0..100u16 {
+        // Add and remove load balancers and a backend (.14) of the stable one.
+        let churn: Vec<u16> = (0..(i % 7))
+            .map(|k| (i + k) % 10)
+            .collect::<std::collections::BTreeSet<_>>()
+            .into_iter()
+            .collect();
+        let backends: &[u8] = if i % 2 == 0 {
+            &[11, 12, 13, 14]
+        } else {
+            &[11, 12, 13]
+        };
+        std::fs::write(&d.config, config(&net, backends, &churn, 30)).unwrap();
+        d.server()
+            .reload()
+            .await
+            .unwrap_or_else(|e| panic!("reload {i} failed: {e}"));
+        if i % 10 == 9 {
+            for (k, s) in established.iter_mut().enumerate() {
+                echo_once(s, &format!("reload {i} conn {k}"))
+                    .await
+                    .unwrap_or_else(|e| {
+                        panic!("established connection {k} cut by reload {i}: {e}")
+                    });
+            }
+        }
+    }
+    stop.store(true, Ordering::Relaxed);
+    churner.await.unwrap();
+
+    assert!(
+        opened.load(Ordering::Relaxed) > 100,
+        "the load kept running: {} connections",
+        opened.load(Ordering::Relaxed)
+    );
+    assert_eq!(
+        failed.load(Ordering::Relaxed),
+        0,
+        "new connections to the unchanged listener failed during reloads"
+    );
+    for (k, s) in established.iter_mut().enumerate() {
+        echo_once(s, "after all reloads")
+            .await
+            .unwrap_or_else(|e| panic!("established connection {k} cut: {e}"));
+    }
+    let (_, body) = d.get("/metrics").await;
+    let after: Vec<(f64, f64)> = [11, 12, 13]
+        .iter()
+        .map(|h| transitions(&body, &net.ip_str(*h)))
+        .collect();
+    assert_eq!(
+        before, after,
+        "health state of untouched backends was reset by a reload"
+    );
+    assert_eq!(
+        metric_value(
+            &body,
+            "harvester_lb_config_reloads_total{result=\"success\"}"
+        ),
+        101.0
+    );
+    let b13 = d.backend_status(STABLE, &net.ip_str(13)).await;
+    assert_eq!(b13["health"], "unhealthy");
+    assert!(
+        b13["probe"]["consecutive_failures"].as_u64().unwrap() >= 2,
+        "{b13}"
+    );
+    println!(
+        "100 reloads: {} new connections, 0 failed; 20 established connections intact",
+        opened.load(Ordering::Relaxed)
+    );
+    drop(established);
+    d.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broken_config_on_reload_leaves_the_running_one_serving() {
+    let net = Subnet::new();
+    let _n = Backend::start(SocketAddr::new(net.ip(11), 30080), Behaviour::NameThenEcho).await;
+    let good = config(&net, &[11], &[], 30);
+    let d = Daemon::start(&net, &good).await;
+    assert_eq!(whoami(stable_vip(&net)).await.unwrap(), net.ip_str(11));
+
+    for (broken, expect) in [
+        (
+            good.replace("port = 8080", "port = 80800"),
+            "80800 is out of range",
+        ),
+        (good.replace("[proxy]", "[proxy"), "line"),
+        ("\u{0}\u{1}garbage = = =".to_string(), "line"),
+        (
+            good.replace("name = \"echo\"", "name = \"echo\"\n  surprise = 1"),
+            "unknown key",
+        ),
+    ] {
+        std::fs::write(&d.config, &broken).unwrap();
+        let err = d
+            .server()
+            .reload()
+            .await
+            .expect_err("broken config must be rejected");
+        assert!(err.contains(expect), "{err}");
+        assert_eq!(
+            whoami(stable_vip(&net)).await.unwrap(),
+            net.ip_str(11),
+            "old config still serves"
+        );
+        assert_eq!(
+            d.metric("harvester_lb_config_last_reload_successful").await,
+            0.0
+        );
+    }
+    // The admin endpoint says the same, with 422.
+    let (code, body) = http(d.admin, "POST", "/reload").await;
+    assert_eq!(code, 422, "{body}");
+    assert_eq!(
+        d.metric("harvester_lb_config_reloads_total{result=\"failure\"}")
+            .await,
+        5.0
+    );
+    let ok_at = d
+        .metric("harvester_lb_config_last_reload_success_timestamp_seconds")
+        .await;
+    assert!(ok_at > 1.6e9, "timestamp of the initial load: {ok_at}");
+
+    std::fs::write(&d.config, &good).unwrap();
+    let (code, body) = http(d.admin, "POST", "/reload").await;
+    assert_eq!(code, 200, "{body}");
+    assert_eq!(
+        d.metric("harvester_lb_config_last_reload_successful").await,
+        1.0
+    );
+    d.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_removed_listener_stops_accepting_at_once_and_drains_its_connections() {
+    let net = Subnet::new();
+    let _n = Backend::start(SocketAddr::new(net.ip(11), 30080), Behaviour::NameThenEcho).await;
+    let d = Daemon::start(&net, &config(&net, &[11], &[3], 2)).await;
+    let churn_vip = SocketAddr::new(net.ip(2), 9003);
+    let mut open = TcpStream::connect(churn_vip).await.unwrap();
+    read_line(&mut open).await.unwrap();
+
+    std::fs::write(&d.config, config(&net, &[11], &[], 2)).unwrap();
+    d.server().reload().await.unwrap();
+    let removed_at = tokio::time::Instant::now();
+    // New clients are refused by the kernel: the socket is closed.
+    wait_for(
+        Duration::from_secs(2),
+        "the removed listener to refuse",
+        || async { TcpStream::connect(churn_vip).await.is_err().then_some(()) },
+    )
+    .await;
+    // The open connection keeps working during the drain...
+    echo_once(&mut open, "still here")
+        .await
+        .expect("open connection works during drain");
+    // ...and is closed when the drain timeout (2 s) is over.
+    let mut buf = [0u8; 8];
+    let r = tokio::time::timeout(Duration::from_secs(8), open.read(&mut buf))
+        .await
+        .expect("closed within the drain timeout");
+    assert!(matches!(r, Ok(0) | Err(_)), "{r:?}");
+    let took = removed_at.elapsed();
+    assert!(
+        took >= Duration::from_millis(1500),
+        "closed before the drain timeout: {took:?}"
+    );
+    d.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replacing_the_file_by_rename_triggers_a_reload() {
+    let net = Subnet::new();
+    let _n = Backend::start(SocketAddr::new(net.ip(11), 30080), Behaviour::NameThenEcho).await;
+    let d = Daemon::start_with(
+        &net,
+        &config(&net, &[11], &[], 30),
+        Some(Duration::from_millis(100)),
+    )
+    .await;
+    assert!(
+        TcpStream::connect(SocketAddr::new(net.ip(2), 9005))
+            .await
+            .is_err()
+    );
+    // As a controller does: write a new file beside it, rename it over.
+    let tmp = net.write("config.toml.tmp", &config(&net, &[11], &[5], 30));
+    std::fs::rename(&tmp, &d.config).unwrap();
+    wait_for(
+        Duration::from_secs(5),
+        "the watched file to be reloaded",
+        || async { whoami(SocketAddr::new(net.ip(2), 9005)).await.ok() },
+    )
+    .await;
+    assert_eq!(
+        d.metric("harvester_lb_config_reloads_total{result=\"success\"}")
+            .await,
+        2.0
+    );
+    d.stop().await;
+}
+
+/// The real binary, for signals and exit codes.
+struct Process {
+    child: std::process::Child,
+}
+
+impl Process {
+    fn start(config: &std::path::Path) -> Self {
+        let child = std::process::Command::new(env!("CARGO_BIN_EXE_harvester-lb"))
+            .args(["run", "--no-watch", "--config", config.to_str().unwrap()])
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("spawn harvester-lb");
+        Self { child }
+    }
+
+    fn signal(&self, sig: i32) {
+        let rc = unsafe_kill(self.child.id() as i32, sig);
+        assert_eq!(rc, 0, "kill failed");
+    }
+
+    async fn wait_exit(&mut self, within: Duration) -> i32 {
+        wait_for(within, "the process to exit", || {
+            let r = self.child.try_wait().expect("try_wait");
+            async move { r.map(|s| s.code().unwrap_or(-1)) }
+        })
+        .await
+    }
+}
+
+impl Drop for Process {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+#[allow(unsafe_code)]
+fn unsafe_kill(pid: i32, sig: i32) -> i32 {
+    // SAFETY: kill(2) with a pid we spawned and own.
+    unsafe { libc::kill(pid, sig) }
+}
+
+async fn wait_ready(admin: SocketAddr) {
+    wait_for(
+        Duration::from_secs(20),
+        "the daemon to be ready",
+        || async move {
+            tokio::task::spawn_blocking(move || http_blocking(admin, "/readyz"))
+                .await
+                .unwrap()
+                .ok()
+                .filter(|(c, _)| *c == 200)
+                .map(|_| ())
+        },
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_drains_open_connections_then_exits_zero() {
+    let net = Subnet::new();
+    let _n = Backend::start(SocketAddr::new(net.ip(11), 30080), Behaviour::NameThenEcho).await;
+    let path = net.write("config.toml", &config(&net, &[11], &[], 2));
+    let mut p = Process::start(&path);
+    let admin = SocketAddr::new(net.ip(250), 9901);
+    wait_ready(admin).await;
+
+    let mut open = TcpStream::connect(stable_vip(&net)).await.unwrap();
+    read_line(&mut open).await.unwrap();
+    p.signal(libc::SIGTERM);
+    let signalled = tokio::time::Instant::now();
+    wait_for(
+        Duration::from_secs(3),
+        "the listener to stop accepting",
+        || async {
+            TcpStream::connect(stable_vip(&net))
+                .await
+                .is_err()
+                .then_some(())
+        },
+    )
+    .await;
+    echo_once(&mut open, "draining")
+        .await
+        .expect("open connection keeps working during drain");
+    let code = p.wait_exit(Duration::from_secs(10)).await;
+    assert_eq!(code, 0);
+    assert!(
+        signalled.elapsed() >= Duration::from_millis(1500),
+        "exited before the drain timeout with a connection open"
+    );
+    let mut buf = [0u8; 8];
+    let r = tokio::time::timeout(Duration::from_secs(2), open.read(&mut buf))
+        .await
+        .expect("connection closed");
+    assert!(matches!(r, Ok(0) | Err(_)), "{r:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_without_open_connections_exits_at_once_and_a_second_signal_does_not_wait() {
+    let net = Subnet::new();
+    let _n = Backend::start(SocketAddr::new(net.ip(11), 30080), Behaviour::NameThenEcho).await;
+    let path = net.write("config.toml", &config(&net, &[11], &[], 30));
+
+    let mut p = Process::start(&path);
+    let admin = SocketAddr::new(net.ip(250), 9901);
+    wait_ready(admin).await;
+    p.signal(libc::SIGTERM);
+    assert_eq!(
+        p.wait_exit(Duration::from_secs(5)).await,
+        0,
+        "nothing to drain: exit 0 well before the 30 s drain timeout"
+    );
+
+    // A connection holds the drain open for 30 s; the second signal cuts it short.
+    let mut p = Process::start(&path);
+    wait_ready(admin).await;
+    let mut open = TcpStream::connect(stable_vip(&net)).await.unwrap();
+    read_line(&mut open).await.unwrap();
+    p.signal(libc::SIGTERM);
+    wait_for(Duration::from_secs(3), "the drain to begin", || async {
+        TcpStream::connect(stable_vip(&net))
+            .await
+            .is_err()
+            .then_some(())
+    })
+    .await;
+    p.signal(libc::SIGTERM);
+    assert_eq!(p.wait_exit(Duration::from_secs(5)).await, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sighup_reloads_the_file() {
+    let net = Subnet::new();
+    let _n = Backend::start(SocketAddr::new(net.ip(11), 30080), Behaviour::NameThenEcho).await;
+    let path = net.write("config.toml", &config(&net, &[11], &[], 30));
+    let p = Process::start(&path);
+    let admin = SocketAddr::new(net.ip(250), 9901);
+    wait_ready(admin).await;
+    std::fs::write(&path, config(&net, &[11], &[7], 30)).unwrap();
+    p.signal(libc::SIGHUP);
+    wait_for(
+        Duration::from_secs(5),
+        "SIGHUP to apply the new listener",
+        || async { whoami(SocketAddr::new(net.ip(2), 9007)).await.ok() },
+    )
+    .await;
+    // `harvester-lb reload` does the same through the admin API.
+    std::fs::write(&path, config(&net, &[11], &[], 30)).unwrap();
+    let (code, out, err) = run_cli(&["reload", "--config", path.to_str().unwrap()]);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(out.contains("1 removed"), "{out}");
+}
