@@ -516,3 +516,148 @@ async fn sighup_reloads_the_file() {
     assert_eq!(code, 0, "{out}{err}");
     assert!(out.contains("1 removed"), "{out}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn changed_health_check_parameters_apply_to_the_next_probe_and_keep_the_state() {
+    let net = Subnet::new();
+    let _n = Backend::start(SocketAddr::new(net.ip(11), 30080), Behaviour::NameThenEcho).await;
+    let base = config(&net, &[11, 13], &[], 30);
+    let d = Daemon::start(&net, &base).await;
+    let down = d
+        .wait_health(STABLE, &net.ip_str(13), "unhealthy", Duration::from_secs(6))
+        .await;
+    let failures_before = down["probe"]["consecutive_failures"].as_u64().unwrap();
+    let probes_before = down["probe"]["probes"].as_u64().unwrap();
+
+    // Raise the thresholds: the run of failures goes on from where it was.
+    std::fs::write(
+        &d.config,
+        base.replace(
+            "failure_threshold = 2",
+            "failure_threshold = 5\n  success_threshold = 3",
+        ),
+    )
+    .unwrap();
+    d.server().reload().await.unwrap();
+    let after = wait_for(Duration::from_secs(5), "another probe of .13", || async {
+        let b = d.backend_status(STABLE, &net.ip_str(13)).await;
+        (b["probe"]["probes"].as_u64().unwrap() > probes_before).then_some(b)
+    })
+    .await;
+    assert_eq!(after["health"], "unhealthy");
+    assert!(
+        after["probe"]["consecutive_failures"].as_u64().unwrap() > failures_before,
+        "state was reset by the reload: {after}"
+    );
+
+    // The new success threshold is in force: .13 comes back after exactly 3 successes.
+    let _n13 = Backend::start(SocketAddr::new(net.ip(13), 30080), Behaviour::NameThenEcho).await;
+    let up = d
+        .wait_health(STABLE, &net.ip_str(13), "healthy", Duration::from_secs(8))
+        .await;
+    assert_eq!(up["probe"]["consecutive_successes"], 3, "{up}");
+    d.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_removed_backend_stops_being_probed_and_its_connections_drain() {
+    let net = Subnet::new();
+    let _n11 = Backend::start(SocketAddr::new(net.ip(11), 30080), Behaviour::NameThenEcho).await;
+    let _n12 = Backend::start(SocketAddr::new(net.ip(12), 30080), Behaviour::NameThenEcho).await;
+    let d = Daemon::start(&net, &config(&net, &[12], &[], 2)).await;
+    let mut open = TcpStream::connect(stable_vip(&net)).await.unwrap();
+    assert_eq!(read_line(&mut open).await.unwrap(), net.ip_str(12));
+
+    std::fs::write(&d.config, config(&net, &[11], &[], 2)).unwrap();
+    d.server().reload().await.unwrap();
+    let removed_at = tokio::time::Instant::now();
+    // New connections go to .11 only; .12 is gone from /status.
+    assert_eq!(whoami(stable_vip(&net)).await.unwrap(), net.ip_str(11));
+    let status = d.status().await;
+    let backends = status["load_balancers"][0]["backends"].as_array().unwrap();
+    assert_eq!(backends.len(), 1);
+    // Its probes stop.
+    let checks = |body: &str| -> f64 {
+        let l = format!(
+            "cluster=\"kubernetes\",load_balancer=\"{STABLE}\",backend=\"{}\",result=\"ok\"",
+            net.ip_str(12)
+        );
+        metric_value(body, &format!("harvester_lb_health_checks_total{{{l}}}"))
+    };
+    let first = checks(&d.get("/metrics").await.1);
+    // The open connection keeps working during the drain time...
+    echo_once(&mut open, "still served")
+        .await
+        .expect("open connection to a removed backend continues");
+    // ...and is closed when it is over.
+    let mut buf = [0u8; 8];
+    let r = tokio::time::timeout(Duration::from_secs(8), open.read(&mut buf))
+        .await
+        .expect("closed after the drain timeout");
+    assert!(matches!(r, Ok(0) | Err(_)), "{r:?}");
+    assert!(removed_at.elapsed() >= Duration::from_millis(1500));
+    assert_eq!(
+        checks(&d.get("/metrics").await.1),
+        first,
+        "a removed backend is still probed"
+    );
+    d.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn systemd_hears_ready_reloading_and_stopping() {
+    use std::os::unix::net::UnixDatagram;
+    let net = Subnet::new();
+    let _n = Backend::start(SocketAddr::new(net.ip(11), 30080), Behaviour::NameThenEcho).await;
+    let path = net.write("config.toml", &config(&net, &[11], &[], 30));
+    let socket_path = net.dir().join("notify.sock");
+    let socket = UnixDatagram::bind(&socket_path).unwrap();
+    socket
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    let child = std::process::Command::new(env!("CARGO_BIN_EXE_harvester-lb"))
+        .args(["run", "--no-watch", "--config", path.to_str().unwrap()])
+        .env("NOTIFY_SOCKET", &socket_path)
+        .env("WATCHDOG_USEC", "400000")
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut p = Process { child };
+    let next = move |socket: &UnixDatagram| -> String {
+        let mut buf = [0u8; 512];
+        let n = socket.recv(&mut buf).expect("a notification within 10 s");
+        String::from_utf8_lossy(&buf[..n]).to_string()
+    };
+    // Skip watchdog pings, which may come at any time.
+    let next_state = |socket: &UnixDatagram| loop {
+        let m = next(socket);
+        if m != "WATCHDOG=1" {
+            return m;
+        }
+    };
+    let ready = next_state(&socket);
+    assert!(ready.starts_with("READY=1"), "{ready}");
+    // Listeners are bound by the time READY=1 is sent.
+    assert_eq!(whoami(stable_vip(&net)).await.unwrap(), net.ip_str(11));
+    p.signal(libc::SIGHUP);
+    let reloading = next_state(&socket);
+    assert!(
+        reloading.starts_with("RELOADING=1\nMONOTONIC_USEC="),
+        "{reloading}"
+    );
+    assert!(next_state(&socket).starts_with("READY=1"));
+    // WatchdogSec=0.4 s: a ping every 0.2 s.
+    let mut pings = 0;
+    for _ in 0..50 {
+        if next(&socket) == "WATCHDOG=1" {
+            pings += 1;
+            if pings == 3 {
+                break;
+            }
+        }
+    }
+    assert_eq!(pings, 3, "watchdog pings");
+    p.signal(libc::SIGTERM);
+    assert_eq!(next_state(&socket), "STOPPING=1");
+    assert_eq!(p.wait_exit(Duration::from_secs(5)).await, 0);
+}
