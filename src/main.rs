@@ -119,16 +119,21 @@ fn check(path: &Path) -> ExitCode {
     }
 }
 
-fn demo(path: &Path) -> ExitCode {
-    let runtime = match tokio::runtime::Builder::new_multi_thread()
+/// The multi-threaded tokio runtime (one worker per core).
+fn runtime() -> Result<tokio::runtime::Runtime, ExitCode> {
+    tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
-    {
-        Ok(r) => r,
-        Err(e) => {
+        .map_err(|e| {
             eprintln!("cannot start the async runtime: {e}");
-            return ExitCode::from(EXIT_START);
-        }
+            ExitCode::from(EXIT_START)
+        })
+}
+
+fn demo(path: &Path) -> ExitCode {
+    let runtime = match runtime() {
+        Ok(r) => r,
+        Err(code) => return code,
     };
     match runtime.block_on(harvester_lb::demo::run(path)) {
         Ok(()) => ExitCode::SUCCESS,
@@ -179,15 +184,9 @@ fn reload(path: &Path) -> ExitCode {
 }
 
 fn run(config: PathBuf, no_watch: bool) -> ExitCode {
-    let runtime = match tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-    {
+    let runtime = match runtime() {
         Ok(r) => r,
-        Err(e) => {
-            eprintln!("cannot start the async runtime: {e}");
-            return ExitCode::from(EXIT_START);
-        }
+        Err(code) => return code,
     };
     runtime.block_on(async move {
         let mut options = harvester_lb::Options::new(config);

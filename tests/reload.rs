@@ -370,8 +370,13 @@ struct Process {
 
 impl Process {
     fn start(config: &std::path::Path) -> Self {
+        Self::start_with_env(config, &[])
+    }
+
+    fn start_with_env(config: &std::path::Path, env: &[(&str, &std::ffi::OsStr)]) -> Self {
         let child = std::process::Command::new(env!("CARGO_BIN_EXE_harvester-lb"))
             .args(["run", "--no-watch", "--config", config.to_str().unwrap()])
+            .envs(env.iter().copied())
             .stderr(std::process::Stdio::null())
             .spawn()
             .expect("spawn harvester-lb");
@@ -615,14 +620,13 @@ async fn systemd_hears_ready_reloading_and_stopping() {
     socket
         .set_read_timeout(Some(Duration::from_secs(10)))
         .unwrap();
-    let child = std::process::Command::new(env!("CARGO_BIN_EXE_harvester-lb"))
-        .args(["run", "--no-watch", "--config", path.to_str().unwrap()])
-        .env("NOTIFY_SOCKET", &socket_path)
-        .env("WATCHDOG_USEC", "400000")
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
-    let mut p = Process { child };
+    let mut p = Process::start_with_env(
+        &path,
+        &[
+            ("NOTIFY_SOCKET", socket_path.as_os_str()),
+            ("WATCHDOG_USEC", std::ffi::OsStr::new("400000")),
+        ],
+    );
     let next = move |socket: &UnixDatagram| -> String {
         let mut buf = [0u8; 512];
         let n = socket.recv(&mut buf).expect("a notification within 10 s");
