@@ -582,3 +582,63 @@ async fn metrics_carry_the_documented_names_and_pass_promtool() {
     }
     d.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ipv6_vip_forwards_to_ipv6_and_ipv4_backends() {
+    let net = Subnet::new();
+    // ::1 is a single address: take free ports from the kernel.
+    let free_port = || {
+        std::net::TcpListener::bind("[::1]:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port()
+    };
+    let (vip_port, node_port) = (free_port(), free_port());
+    let v6 = Backend::start(
+        SocketAddr::from((std::net::Ipv6Addr::LOCALHOST, node_port)),
+        Behaviour::NameThenEcho,
+    )
+    .await;
+    let v4 = Backend::start(
+        SocketAddr::new(net.ip(11), node_port),
+        Behaviour::NameThenEcho,
+    )
+    .await;
+    let cfg = format!(
+        r#"
+[admin]
+listen = "{admin}:9901"
+[[load_balancer]]
+name = "default/v6"
+vip = "::1"
+backends = ["::1", "{v4}"]
+  [[load_balancer.listener]]
+  name = "http"
+  port = {vip_port}
+  backend_port = {node_port}
+  [load_balancer.health_check]
+  port = {node_port}
+  period_seconds = 1
+  timeout_seconds = 1
+"#,
+        admin = net.ip_str(250),
+        v4 = net.ip_str(11),
+    );
+    let d = Daemon::start(&net, &cfg).await;
+    let vip = SocketAddr::from((std::net::Ipv6Addr::LOCALHOST, vip_port));
+    let mut names = std::collections::HashSet::new();
+    for _ in 0..4 {
+        names.insert(whoami(vip).await.unwrap());
+    }
+    assert_eq!(
+        names,
+        ["::1".to_string(), net.ip_str(11)].into_iter().collect()
+    );
+    wait_for(Duration::from_secs(5), "an ok probe of ::1", || async {
+        (d.backend_status("default/v6", "::1").await["probe"]["last_result"] == "ok").then_some(())
+    })
+    .await;
+    drop((v6, v4));
+    d.stop().await;
+}
