@@ -642,3 +642,36 @@ backends = ["::1", "{v4}"]
     drop((v6, v4));
     d.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_connections_are_closed_after_the_idle_timeout_and_busy_ones_are_not() {
+    let net = Subnet::new();
+    let _b = Backend::start(backend_addr(&net, 11), Behaviour::NameThenEcho).await;
+    let d = Daemon::start(&net, &config(&net, &[11], "idle_timeout_seconds = 1", None)).await;
+    let mut idle = TcpStream::connect(vip(&net)).await.unwrap();
+    let mut busy = TcpStream::connect(vip(&net)).await.unwrap();
+    read_line(&mut idle).await.unwrap();
+    read_line(&mut busy).await.unwrap();
+    let started = tokio::time::Instant::now();
+    // Keep `busy` talking every 300 ms for 2.5 s; `idle` says nothing.
+    for i in 0..8 {
+        busy.write_all(format!("ping {i}\n").as_bytes())
+            .await
+            .unwrap();
+        assert_eq!(
+            read_line(&mut busy)
+                .await
+                .expect("busy connection stays open"),
+            format!("ping {i}")
+        );
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    let mut buf = [0u8; 8];
+    let r = tokio::time::timeout(Duration::from_millis(100), idle.read(&mut buf)).await;
+    assert!(
+        matches!(r, Ok(Ok(0)) | Ok(Err(_))),
+        "idle connection still open after {:?}: {r:?}",
+        started.elapsed()
+    );
+    d.stop().await;
+}
