@@ -673,5 +673,6 @@ async fn idle_connections_are_closed_after_the_idle_timeout_and_busy_ones_are_no
         "idle connection still open after {:?}: {r:?}",
         started.elapsed()
     );
+    drop(busy);
     d.stop().await;
 }
