@@ -407,6 +407,7 @@ async fn least_connections_sends_new_clients_to_the_idlest_backend() {
         vec![3, 3],
         "{per_backend:?}"
     );
+    drop(held);
     d.stop().await;
 }
 
