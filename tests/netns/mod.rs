@@ -340,10 +340,10 @@ impl Bed {
         ));
     }
 
-    /// Node `i` drops `percent`% of its packets, both ways, at random.
+    /// Node `i` drops `percent`% of the packets on its link, both ways, at random.
     pub fn packet_loss(&self, i: usize, percent: u32) {
         self.node(i).nft(&format!(
-            "table inet fault {{\n chain input {{ type filter hook input priority 0; policy accept;\n  numgen random mod 100 < {percent} drop\n }}\n chain output {{ type filter hook output priority 0; policy accept;\n  numgen random mod 100 < {percent} drop\n }}\n}}\n"
+            "table inet fault {{\n chain input {{ type filter hook input priority 0; policy accept;\n  iifname \"eth0\" numgen random mod 100 < {percent} drop\n }}\n chain output {{ type filter hook output priority 0; policy accept;\n  oifname \"eth0\" numgen random mod 100 < {percent} drop\n }}\n}}\n"
         ));
     }
 
@@ -417,7 +417,9 @@ impl Drop for Bed {
                 .stderr(Stdio::null())
                 .status();
         }
-        let _ = std::fs::remove_dir_all(&self.dir);
+        if std::env::var_os("HLB_TEST_KEEP_DIR").is_none() {
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
     }
 }
 

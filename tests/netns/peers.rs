@@ -126,6 +126,14 @@ impl Node {
         }));
     }
 
+    /// Closes the nodeport's listening socket (new connections are refused);
+    /// connections already open go on.
+    pub fn close_nodeport_listener(&mut self) {
+        if let Some(h) = self.nodeport.take() {
+            h.abort();
+        }
+    }
+
     /// Stops the nodeport service and drops every open connection at once, as
     /// the kernel does when the process holding them dies.
     pub fn kill_nodeport(&mut self) {
@@ -234,6 +242,8 @@ pub struct Tally {
     pub ok: std::collections::BTreeMap<String, usize>,
     /// Failed exchanges with their error.
     pub failed: Vec<String>,
+    /// The slowest exchange.
+    pub slowest: Duration,
 }
 
 impl Tally {
@@ -260,6 +270,18 @@ pub fn load(
     max: usize,
     stop: Arc<std::sync::atomic::AtomicBool>,
 ) -> JoinHandle<Tally> {
+    load_with(client, vip, workers, max, stop, Duration::from_secs(10))
+}
+
+/// As [`load`], with each exchange bounded by `deadline`.
+pub fn load_with(
+    client: &Ns,
+    vip: SocketAddr,
+    workers: usize,
+    max: usize,
+    stop: Arc<std::sync::atomic::AtomicBool>,
+    deadline: Duration,
+) -> JoinHandle<Tally> {
     let client = client.clone();
     tokio::spawn(async move {
         let tally = Arc::new(Mutex::new(Tally::default()));
@@ -274,8 +296,13 @@ pub fn load(
             );
             set.spawn(async move {
                 while !stop.load(Ordering::Relaxed) && count.fetch_add(1, Ordering::Relaxed) < max {
-                    let e = exchange(&client, vip, 512, Duration::from_secs(10)).await;
-                    tally.lock().unwrap().add(e);
+                    let started = Instant::now();
+                    let e = exchange(&client, vip, 512, deadline).await;
+                    {
+                        let mut t = tally.lock().unwrap();
+                        t.slowest = t.slowest.max(started.elapsed());
+                        t.add(e);
+                    }
                     // Pace a little so a run is many exchanges spread in time.
                     tokio::time::sleep(Duration::from_millis(5)).await;
                 }

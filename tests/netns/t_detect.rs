@@ -6,7 +6,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use crate::netns::peers::{Exchange, Node, Service, Tally, exchange, load, time_to_refusal};
+use crate::netns::peers::{
+    Exchange, Node, Service, Tally, exchange, load, load_with, time_to_refusal,
+};
 use crate::netns::{
     Bed, HEALTH_PORT, NODEPORT, VIP, VIP2, backend_of, config, lb, metric, node_ip, sa,
 };
@@ -449,4 +451,540 @@ async fn netns_all_nodes_down_refuses_fast_and_recovers() {
         ),
         0.0
     );
+}
+
+/// One probe seen in `/status`.
+#[derive(Debug, Clone)]
+struct Seen {
+    probes: u64,
+    result: String,
+    status: String,
+    successes: u64,
+    failures: u64,
+}
+
+/// Every probe of some backends, as `/status` showed them, and `/metrics`
+/// taken at the first and the last observation.
+struct Recording {
+    seen: Vec<Vec<Seen>>,
+    metrics_first: String,
+    metrics_last: String,
+}
+
+/// Records every probe of some backends by polling `/status` (every 20 ms,
+/// 50 times per period), until `stop`. The first and last observations are
+/// taken together with `/metrics`, in a moment with no probe in between, so
+/// counters and replay cover exactly the same probes.
+fn record_probes(
+    d: &crate::netns::DaemonProc,
+    targets: Vec<(&'static str, std::net::Ipv4Addr)>,
+    stop: Arc<AtomicBool>,
+) -> tokio::task::JoinHandle<Recording> {
+    let view = DaemonView { ns: d.ns.clone() };
+    tokio::spawn(async move {
+        let mut seen: Vec<Vec<Seen>> = vec![Vec::new(); targets.len()];
+        let observe = |st: &serde_json::Value, seen: &mut Vec<Vec<Seen>>| {
+            for (k, (lbn, ip)) in targets.iter().enumerate() {
+                let p = &backend_of(st, lbn, *ip)["probe"];
+                let s = Seen {
+                    probes: p["probes"].as_u64().unwrap_or(0),
+                    result: p["last_result"].as_str().unwrap_or("").to_string(),
+                    status: p["status"].as_str().unwrap_or("").to_string(),
+                    successes: p["consecutive_successes"].as_u64().unwrap_or(0),
+                    failures: p["consecutive_failures"].as_u64().unwrap_or(0),
+                };
+                if seen[k].last().is_none_or(|l| l.probes != s.probes) {
+                    seen[k].push(s);
+                }
+            }
+        };
+        let (st, metrics_first) = view.consistent().await;
+        observe(&st, &mut seen);
+        while !stop.load(Ordering::Relaxed) {
+            if let Some(st) = view.json("/status").await {
+                observe(&st, &mut seen);
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let (st, metrics_last) = view.consistent().await;
+        observe(&st, &mut seen);
+        Recording {
+            seen,
+            metrics_first,
+            metrics_last,
+        }
+    })
+}
+
+/// A minimal admin client usable from a spawned task.
+struct DaemonView {
+    ns: crate::netns::Ns,
+}
+
+impl DaemonView {
+    async fn get(&self, path: &str) -> Option<String> {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let addr = sa(std::net::Ipv4Addr::LOCALHOST, crate::netns::ADMIN_PORT);
+        let mut s = self.ns.connect(addr, Duration::from_secs(2)).await.ok()?;
+        s.write_all(
+            format!("GET {path} HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n").as_bytes(),
+        )
+        .await
+        .ok()?;
+        let mut buf = Vec::new();
+        tokio::time::timeout(Duration::from_secs(5), s.read_to_end(&mut buf))
+            .await
+            .ok()?
+            .ok()?;
+        let text = String::from_utf8_lossy(&buf);
+        Some(text.split("\r\n\r\n").nth(1)?.to_string())
+    }
+
+    async fn json(&self, path: &str) -> Option<serde_json::Value> {
+        serde_json::from_str(&self.get(path).await?).ok()
+    }
+
+    /// `/status` and `/metrics` with no probe finishing in between (the
+    /// total probe count is the same before and after the metrics).
+    async fn consistent(&self) -> (serde_json::Value, String) {
+        let total = |st: &serde_json::Value| -> u64 {
+            st["load_balancers"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .flat_map(|l| l["backends"].as_array().into_iter().flatten())
+                .map(|b| b["probe"]["probes"].as_u64().unwrap_or(0))
+                .sum()
+        };
+        for _ in 0..100 {
+            let (Some(a), Some(m), Some(b)) = (
+                self.json("/status").await,
+                self.get("/metrics").await,
+                self.json("/status").await,
+            ) else {
+                continue;
+            };
+            if total(&a) == total(&b) {
+                return (b, m);
+            }
+        }
+        panic!("no quiet moment between probes in 100 tries");
+    }
+}
+
+/// Replays the recorded results through the threshold rule and checks that
+/// every recorded verdict is the one the rule gives. Returns (transitions to
+/// down, transitions to up, failed probes, probes checked, gaps).
+fn replay(
+    seen: &[Seen],
+    success_threshold: u64,
+    failure_threshold: u64,
+) -> (u64, u64, u64, u64, u64) {
+    let (mut down, mut up, mut failed, mut checked, mut gaps) = (0, 0, 0, 0, 0);
+    for w in seen.windows(2) {
+        let (prev, cur) = (&w[0], &w[1]);
+        // Results of the probes since `prev`: a timed-out probe is followed at
+        // once by the next, so the recorder can see two at a time. The
+        // consecutive counters of `cur` say what the last ones were.
+        let k = cur.probes.saturating_sub(prev.probes);
+        let last_ok = cur.result == "ok";
+        let run = if last_ok { cur.successes } else { cur.failures };
+        let results: Vec<bool> = if k == 1 {
+            vec![last_ok]
+        } else if k >= 2 && run + 1 >= k {
+            (0..k)
+                .map(|j| if j + run >= k { last_ok } else { !last_ok })
+                .collect()
+        } else {
+            gaps += 1; // cannot tell: resynchronise on what /status says
+            continue;
+        };
+        let (mut s, mut f) = (prev.successes, prev.failures);
+        let mut status = prev.status.clone();
+        for ok in results {
+            checked += 1;
+            if ok {
+                s += 1;
+                f = 0;
+                if status == "unhealthy" && s >= success_threshold {
+                    status = "healthy".into();
+                    up += 1;
+                }
+            } else {
+                failed += 1;
+                f += 1;
+                s = 0;
+                if status == "healthy" && f >= failure_threshold {
+                    status = "unhealthy".into();
+                    down += 1;
+                }
+            }
+        }
+        assert_eq!(
+            (status.as_str(), s, f),
+            (cur.status.as_str(), cur.successes, cur.failures),
+            "verdict after probe {} ({}) is not the threshold rule's (from {prev:?})",
+            cur.probes,
+            cur.result
+        );
+    }
+    (down, up, failed, checked, gaps)
+}
+
+fn transitions(m: &str, lbn: &str, ip: std::net::Ipv4Addr) -> (f64, f64) {
+    let ip = ip.to_string();
+    let t = |to| {
+        metric(
+            m,
+            "harvester_lb_health_transitions_total",
+            &[("load_balancer", lbn), ("backend", &ip), ("to", to)],
+        )
+    };
+    (t("down"), t("up"))
+}
+
+/// Fault 5: node 2 flaps: down 3.5 s, up 3.5 s, three times, plus two
+/// glitches shorter than a period.
+///
+/// Asserts: every verdict the daemon reached is the one the thresholds give
+/// for the probe results it saw (replayed probe by probe); exactly three
+/// transitions each way; glitches cause none; each flip is seen within
+/// threshold x period; clients never fail (refused nodeport is retried).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn netns_flapping_node_transitions_follow_thresholds_exactly() {
+    require_netns!();
+    let mut bed = Bed::new("fl", 2);
+    let _n1 = Node::start(&bed, 1, Service::NameThenEcho);
+    let mut n2 = Node::start(&bed, 2, Service::NameThenEcho);
+    let h = "  period_seconds = 1\n  timeout_seconds = 1\n  success_threshold = 2\n  failure_threshold = 2";
+    let cfg = config(
+        "drain_timeout_seconds = 1",
+        &[lb("f5/flap", VIP, &[1, 2], "", Some(h))],
+    );
+    bed.start_daemon(&cfg).await;
+    let d = bed.daemon();
+    // Start from a settled state: a few probes done.
+    wait_probes(d, "f5/flap", 2, 2).await;
+    let stop = Arc::new(AtomicBool::new(false));
+    let rec = record_probes(d, vec![("f5/flap", node_ip(2))], Arc::clone(&stop));
+    let clients = load(&bed.client, sa(VIP, 80), 2, 100_000, Arc::clone(&stop));
+
+    let mut down_times = Vec::new();
+    let mut up_times = Vec::new();
+    for cycle in 0..3 {
+        let t = Instant::now();
+        n2.stop_health();
+        n2.close_nodeport_listener();
+        down_times.push(
+            d.wait_health("f5/flap", node_ip(2), "unhealthy", Duration::from_secs(5))
+                .await,
+        );
+        sleep_until(t + Duration::from_millis(3500)).await;
+        let t = Instant::now();
+        n2.start_health();
+        n2.start_nodeport(Service::NameThenEcho);
+        up_times.push(
+            d.wait_health("f5/flap", node_ip(2), "healthy", Duration::from_secs(5))
+                .await,
+        );
+        sleep_until(t + Duration::from_millis(3500)).await;
+        if cycle < 2 {
+            // A glitch: shorter than one period, so at most one probe fails.
+            n2.stop_health();
+            tokio::time::sleep(Duration::from_millis(400)).await;
+            n2.start_health();
+            tokio::time::sleep(Duration::from_millis(1600)).await;
+        }
+    }
+    // Two more periods so the last probes are recorded.
+    tokio::time::sleep(Duration::from_millis(2100)).await;
+    stop.store(true, Ordering::Relaxed);
+    let rec = rec.await.unwrap();
+    let tally = clients.await.unwrap();
+    let before = transitions(&rec.metrics_first, "f5/flap", node_ip(2));
+    let after = transitions(&rec.metrics_last, "f5/flap", node_ip(2));
+    let (down, up, failed, checked, gaps) = replay(&rec.seen[0], 2, 2);
+    println!(
+        "FIGURE fault5 flapping: {checked} probes replayed ({failed} failed, {gaps} missed by the recorder): rule gives {down} down / {up} up, daemon counted {} down / {} up; flips seen after {:?} (down) and {:?} (up); clients {} ok / {} failed",
+        after.0 - before.0,
+        after.1 - before.1,
+        down_times,
+        up_times,
+        tally.ok_total(),
+        tally.failed.len()
+    );
+    assert_eq!((after.0 - before.0, after.1 - before.1), (3.0, 3.0));
+    assert_eq!(
+        (down, up),
+        (3, 3),
+        "the replayed rule must give the same transitions"
+    );
+    assert!(checked >= 20, "too few probes recorded: {checked}");
+    assert!(gaps <= 2, "recorder missed {gaps} probes");
+    for t in down_times.iter().chain(&up_times) {
+        assert!(
+            *t <= Duration::from_millis(2400),
+            "a flip took {t:?}: over threshold x period"
+        );
+    }
+    assert!(
+        tally.failed.is_empty(),
+        "clients failed: {:?}",
+        tally.failed
+    );
+}
+
+async fn sleep_until(t: Instant) {
+    tokio::time::sleep_until(t.into()).await;
+}
+
+/// Waits until every backend of `lbn` has had at least `min` probes.
+async fn wait_probes(d: &crate::netns::DaemonProc, lbn: &str, n: usize, min: u64) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let st = d.status().await;
+        if (1..=n)
+            .all(|i| backend_of(&st, lbn, node_ip(i))["probe"]["probes"].as_u64() >= Some(min))
+        {
+            return;
+        }
+        assert!(Instant::now() < deadline, "probes did not run: {st}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// A relay in node `i`'s namespace: listens on the node's nodeport and
+/// forwards to `127.0.0.1:target` there, holding every chunk for `delay` in
+/// each direction (one-way latency; throughput is kept).
+fn delaying_relay(
+    bed: &Bed,
+    i: usize,
+    target: u16,
+    delay: Duration,
+) -> tokio::task::JoinHandle<()> {
+    let ns = bed.node(i).clone();
+    let l = ns.listen(sa(node_ip(i), NODEPORT));
+    tokio::spawn(async move {
+        loop {
+            let Ok((inbound, _)) = l.accept().await else {
+                continue;
+            };
+            let ns = ns.clone();
+            tokio::spawn(async move {
+                let Ok(outbound) = ns
+                    .connect(
+                        sa(std::net::Ipv4Addr::LOCALHOST, target),
+                        Duration::from_secs(2),
+                    )
+                    .await
+                else {
+                    return;
+                };
+                let (ir, iw) = inbound.into_split();
+                let (or, ow) = outbound.into_split();
+                tokio::join!(delayed_pipe(ir, ow, delay), delayed_pipe(or, iw, delay));
+            });
+        }
+    })
+}
+
+async fn delayed_pipe(
+    mut r: tokio::net::tcp::OwnedReadHalf,
+    mut w: tokio::net::tcp::OwnedWriteHalf,
+    delay: Duration,
+) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let (tx, mut rx) = tokio::sync::mpsc::channel::<(tokio::time::Instant, Vec<u8>)>(64);
+    let reader = async move {
+        let mut buf = vec![0u8; 16 * 1024];
+        loop {
+            match r.read(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => {
+                    let at = tokio::time::Instant::now() + delay;
+                    if tx.send((at, buf[..n].to_vec())).await.is_err() {
+                        break;
+                    }
+                }
+            }
+        }
+    };
+    let writer = async move {
+        while let Some((at, data)) = rx.recv().await {
+            tokio::time::sleep_until(at).await;
+            if w.write_all(&data).await.is_err() {
+                return;
+            }
+        }
+        tokio::time::sleep(delay).await; // the FIN is delayed too
+        let _ = w.shutdown().await;
+    };
+    tokio::join!(reader, writer);
+}
+
+/// Fault 4: 5% packet loss on both nodes (nft, both directions) and 50 ms
+/// one-way delay on the nodeport path (a relay).
+///
+/// Asserts: for both a tolerant (failure_threshold 3) and a twitchy
+/// (failure_threshold 1) load balancer, every recorded verdict is the one the
+/// thresholds give for the probe results (so any flapping is exactly what the
+/// thresholds allow, and the daemon's transition counters agree); the tolerant
+/// one flaps no more than the twitchy one; clients see no failure and the
+/// delay is really on the path.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn netns_lossy_slow_path_probes_follow_thresholds() {
+    require_netns!();
+    let mut bed = Bed::new("ls", 2);
+    // The real service listens on 127.0.0.1:30081 in each node; the relay
+    // on the node address adds the delay.
+    let mut services = Vec::new();
+    let mut relays = Vec::new();
+    let mut healths = Vec::new();
+    for i in 1..=2 {
+        let l = bed
+            .node(i)
+            .listen(sa(std::net::Ipv4Addr::LOCALHOST, NODEPORT + 1));
+        let name = format!("n{i}\n");
+        services.push(tokio::spawn(async move {
+            loop {
+                let Ok((mut s, _)) = l.accept().await else {
+                    continue;
+                };
+                let name = name.clone();
+                tokio::spawn(async move {
+                    use tokio::io::AsyncWriteExt;
+                    let _ = s.write_all(name.as_bytes()).await;
+                    let (mut r, mut w) = s.split();
+                    let _ = tokio::io::copy(&mut r, &mut w).await;
+                    let _ = w.shutdown().await;
+                });
+            }
+        }));
+        relays.push(delaying_relay(
+            &bed,
+            i,
+            NODEPORT + 1,
+            Duration::from_millis(50),
+        ));
+        let hl = bed.node(i).listen(sa(node_ip(i), HEALTH_PORT));
+        healths.push(tokio::spawn(crate::netns::peers::accept_forever(hl)));
+    }
+    let tolerant = "  period_seconds = 1\n  timeout_seconds = 1\n  success_threshold = 1\n  failure_threshold = 3";
+    let twitchy = "  period_seconds = 1\n  timeout_seconds = 1\n  success_threshold = 1\n  failure_threshold = 1";
+    let cfg = config(
+        "drain_timeout_seconds = 1",
+        &[
+            lb("f4/tolerant", VIP, &[1, 2], "", Some(tolerant)),
+            lb("f4/twitchy", VIP2, &[1, 2], "", Some(twitchy)),
+        ],
+    );
+    bed.start_daemon(&cfg).await;
+    let d = bed.daemon();
+    wait_probes(d, "f4/tolerant", 2, 1).await;
+    let rtt_clean = {
+        let t = Instant::now();
+        assert!(matches!(
+            exchange(&bed.client, sa(VIP, 80), 64, Duration::from_secs(5)).await,
+            Exchange::Ok(_)
+        ));
+        t.elapsed()
+    };
+    bed.packet_loss(1, 5);
+    bed.packet_loss(2, 5);
+    let stop = Arc::new(AtomicBool::new(false));
+    let targets = vec![
+        ("f4/tolerant", node_ip(1)),
+        ("f4/tolerant", node_ip(2)),
+        ("f4/twitchy", node_ip(1)),
+        ("f4/twitchy", node_ip(2)),
+    ];
+    let rec = record_probes(d, targets.clone(), Arc::clone(&stop));
+    // TCP recovers every loss, at the price of retransmission timeouts (3 s
+    // after a retransmitted SYN): a client may wait long, but must not fail.
+    let slow = Duration::from_secs(40);
+    let c1 = load_with(
+        &bed.client,
+        sa(VIP, 80),
+        3,
+        100_000,
+        Arc::clone(&stop),
+        slow,
+    );
+    let c2 = load_with(
+        &bed.client,
+        sa(VIP2, 80),
+        3,
+        100_000,
+        Arc::clone(&stop),
+        slow,
+    );
+    tokio::time::sleep(Duration::from_secs(25)).await; // the observation window
+    stop.store(true, Ordering::Relaxed);
+    let rec = rec.await.unwrap();
+    let (seen, m0, m1) = (&rec.seen, &rec.metrics_first, &rec.metrics_last);
+    let (t1, t2) = (c1.await.unwrap(), c2.await.unwrap());
+    let mut flaps = [0.0, 0.0];
+    for (k, (lbn, ip)) in targets.iter().enumerate() {
+        let thr = if lbn.ends_with("tolerant") { 3 } else { 1 };
+        let (down, up, failed, checked, gaps) = replay(&seen[k], 1, thr);
+        let (b, a) = (transitions(m0, lbn, *ip), transitions(m1, lbn, *ip));
+        println!(
+            "FIGURE fault4 loss+delay: {lbn} node {ip}: {checked} probes, {failed} failed; transitions {down} down / {up} up (daemon counted {} / {}); {gaps} probes missed by the recorder",
+            a.0 - b.0,
+            a.1 - b.1
+        );
+        assert!(
+            checked >= 15,
+            "too few probes recorded for {lbn} {ip}: {checked}"
+        );
+        if gaps == 0 {
+            assert_eq!((a.0 - b.0, a.1 - b.1), (down as f64, up as f64));
+        }
+        flaps[usize::from(thr == 1)] += a.0 - b.0;
+    }
+    let mut rtts = Vec::new();
+    for _ in 0..5 {
+        let t = Instant::now();
+        let e = exchange(&bed.client, sa(VIP, 80), 64, Duration::from_secs(10)).await;
+        if matches!(e, Exchange::Ok(_)) {
+            rtts.push(t.elapsed());
+        }
+    }
+    rtts.sort();
+    println!(
+        "FIGURE fault4 loss+delay: clients tolerant lb {} ok / {} failed, twitchy lb {} ok / {} failed {:?}; exchange time {:?} clean, median {:?} with loss+delay, slowest {:?}",
+        t1.ok_total(),
+        t1.failed.len(),
+        t2.ok_total(),
+        t2.failed.len(),
+        t1.failed
+            .iter()
+            .chain(&t2.failed)
+            .take(4)
+            .collect::<Vec<_>>(),
+        rtt_clean,
+        rtts.get(rtts.len() / 2),
+        t1.slowest.max(t2.slowest)
+    );
+    assert!(
+        flaps[0] <= flaps[1],
+        "failure_threshold 3 flapped more than 1: {flaps:?}"
+    );
+    assert!(
+        t1.failed.is_empty(),
+        "tolerant lb clients failed: {:?}",
+        t1.failed
+    );
+    assert!(
+        t2.failed.is_empty(),
+        "twitchy lb clients failed: {:?}",
+        t2.failed
+    );
+    assert!(t1.ok_total() >= 50 && t2.ok_total() >= 50);
+    assert!(
+        rtts.first()
+            .is_some_and(|r| *r >= Duration::from_millis(100)),
+        "the 2 x 50 ms relay delay is not on the path: {rtts:?}"
+    );
+    drop((services, relays, healths));
 }
