@@ -1,0 +1,150 @@
+//! Micro-benchmarks of the hot-path pieces: picking a backend from the healthy
+//! set under each algorithm, and publishing a new healthy set while readers
+//! pick. `cargo bench --bench balancer`.
+
+use std::hint::black_box;
+use std::net::{IpAddr, Ipv4Addr};
+use std::num::NonZeroU32;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Duration;
+
+use criterion::{BenchmarkId, Criterion, criterion_group, criterion_main};
+
+use harvester_lb::balancer::{Backend, LoadBalancer, Settings};
+use harvester_lb::config::Algorithm;
+use harvester_lb::metrics::Metrics;
+
+fn lb(algorithm: Algorithm, n: usize) -> (Arc<LoadBalancer>, Vec<Arc<Backend>>) {
+    let members: Vec<Arc<Backend>> = (0..n)
+        .map(|i| {
+            Backend::new(
+                IpAddr::V4(Ipv4Addr::new(10, 0, (i / 250) as u8, (i % 250 + 1) as u8)),
+                true,
+            )
+        })
+        .collect();
+    let settings = Settings {
+        algorithm,
+        connect_timeout: Duration::from_secs(3),
+        connect_attempts: NonZeroU32::new(3),
+        idle_timeout: Duration::from_secs(3600),
+    };
+    let metrics = Metrics::new();
+    let lb = LoadBalancer::new(
+        "bench/lb".into(),
+        "kubernetes".into(),
+        settings,
+        members.clone(),
+        &metrics,
+    );
+    (lb, members)
+}
+
+const ALGORITHMS: [(Algorithm, &str); 3] = [
+    (Algorithm::RoundRobin, "round_robin"),
+    (Algorithm::LeastConnections, "least_connections"),
+    (Algorithm::SourceIp, "source_ip"),
+];
+
+/// One pick as the forwarder does it: load the snapshot, take the first
+/// candidate.
+fn pick(c: &mut Criterion) {
+    let mut g = c.benchmark_group("pick");
+    for n in [3usize, 16, 100] {
+        for (algorithm, name) in ALGORITHMS {
+            let (lb, _members) = lb(algorithm, n);
+            let mut client = 0u32;
+            g.bench_with_input(BenchmarkId::new(name, n), &n, |b, _| {
+                b.iter(|| {
+                    client = client.wrapping_add(0x9e37_79b9);
+                    let ip = IpAddr::V4(Ipv4Addr::from(client));
+                    let snap = lb.snapshot();
+                    let first = snap.candidates(black_box(ip), lb.cursor()).next();
+                    black_box(first.map(|b| b.addr))
+                })
+            });
+        }
+    }
+    g.finish();
+}
+
+/// Publishing a new healthy set (one backend flips) with and without a reader
+/// thread picking in a loop meanwhile, and picks while a writer publishes.
+fn publish(c: &mut Criterion) {
+    let mut g = c.benchmark_group("publish");
+    for n in [3usize, 100] {
+        let (lb, members) = lb(Algorithm::RoundRobin, n);
+        let mut flip = false;
+        g.bench_with_input(BenchmarkId::new("alone", n), &n, |b, _| {
+            b.iter(|| {
+                flip = !flip;
+                members[0].set_healthy(flip);
+                lb.publish();
+            })
+        });
+        members[0].set_healthy(true);
+        lb.publish();
+
+        // A reader thread picking as fast as it can while we publish.
+        let stop = Arc::new(AtomicBool::new(false));
+        let picks = Arc::new(AtomicU64::new(0));
+        let reader = {
+            let (lb, stop, picks) = (Arc::clone(&lb), Arc::clone(&stop), Arc::clone(&picks));
+            std::thread::spawn(move || {
+                let ip = IpAddr::V4(Ipv4Addr::LOCALHOST);
+                let mut k = 0u64;
+                while !stop.load(Ordering::Relaxed) && k < 2_000_000_000 {
+                    let snap = lb.snapshot();
+                    black_box(snap.candidates(ip, lb.cursor()).next().map(|b| b.addr));
+                    k += 1;
+                }
+                picks.store(k, Ordering::Relaxed);
+            })
+        };
+        g.bench_with_input(BenchmarkId::new("with_reader", n), &n, |b, _| {
+            b.iter(|| {
+                flip = !flip;
+                members[0].set_healthy(flip);
+                lb.publish();
+            })
+        });
+        stop.store(true, Ordering::Relaxed);
+        let _ = reader.join();
+        members[0].set_healthy(true);
+        lb.publish();
+
+        // Picks while a writer thread publishes as fast as it can.
+        let stop = Arc::new(AtomicBool::new(false));
+        let writer = {
+            let (lb, members, stop) = (Arc::clone(&lb), members.clone(), Arc::clone(&stop));
+            std::thread::spawn(move || {
+                let mut k = 0u64;
+                while !stop.load(Ordering::Relaxed) && k < 200_000_000 {
+                    members[0].set_healthy(k.is_multiple_of(2));
+                    lb.publish();
+                    k += 1;
+                }
+            })
+        };
+        let ip = IpAddr::V4(Ipv4Addr::LOCALHOST);
+        g.bench_with_input(BenchmarkId::new("pick_while_publishing", n), &n, |b, _| {
+            b.iter(|| {
+                let snap = lb.snapshot();
+                black_box(snap.candidates(ip, lb.cursor()).next().map(|b| b.addr))
+            })
+        });
+        stop.store(true, Ordering::Relaxed);
+        let _ = writer.join();
+    }
+    g.finish();
+}
+
+criterion_group! {
+    name = benches;
+    config = Criterion::default()
+        .warm_up_time(Duration::from_millis(500))
+        .measurement_time(Duration::from_secs(2));
+    targets = pick, publish
+}
+criterion_main!(benches);
