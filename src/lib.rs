@@ -233,7 +233,7 @@ async fn main_loop(
         tokio::select! {
             _ = stop.cancelled() => return,
             Some(reply) = reload_rx.recv() => {
-                let outcome = reload(&options, &daemon);
+                let outcome = reload(&options, &daemon, ready_sent);
                 let _ = reply.send(outcome);
             }
             Some(()) = changed_rx.recv() => {
@@ -257,8 +257,13 @@ async fn main_loop(
 }
 
 /// Loads and applies the config file; a bad file leaves everything as it was.
-fn reload(options: &Options, daemon: &Daemon) -> Result<String, String> {
-    systemd::notify_reloading();
+/// `ready_sent`: whether systemd has been told READY=1 yet; before that, a
+/// reload must not announce readiness (the main loop does, once every
+/// listener is bound).
+fn reload(options: &Options, daemon: &Daemon, ready_sent: bool) -> Result<String, String> {
+    if ready_sent {
+        systemd::notify_reloading();
+    }
     let started = tokio::time::Instant::now();
     let result = match config::load(&options.config_path) {
         Ok(loaded) => {
@@ -284,8 +289,21 @@ fn reload(options: &Options, daemon: &Daemon) -> Result<String, String> {
         }
     };
     record_reload(daemon.metrics(), result.is_ok());
-    systemd::notify("READY=1\nSTATUS=serving");
+    if ready_sent {
+        systemd::notify(&format!("READY=1\nSTATUS={}", status_line(daemon)));
+    }
     result
+}
+
+/// systemd's one-line status: serving, or which listeners are not bound.
+fn status_line(daemon: &Daemon) -> String {
+    let failed = daemon.failed_listeners();
+    if failed.is_empty() {
+        "serving".to_string()
+    } else {
+        let list: Vec<String> = failed.iter().map(|(addr, _)| addr.to_string()).collect();
+        format!("serving; not bound (see /readyz): {}", list.join(", "))
+    }
 }
 
 fn record_reload(metrics: &Metrics, ok: bool) {

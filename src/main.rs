@@ -189,6 +189,15 @@ fn run(config: PathBuf, no_watch: bool) -> ExitCode {
         Err(code) => return code,
     };
     runtime.block_on(async move {
+        // Install every handler before anything can tell systemd READY=1:
+        // a SIGHUP must never meet the default action (which exits).
+        let mut signals = match Signals::new() {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::error!("cannot install signal handlers: {e}");
+                return ExitCode::from(EXIT_START);
+            }
+        };
         let mut options = harvester_lb::Options::new(config);
         if no_watch {
             options.watch_interval = None;
@@ -205,14 +214,6 @@ fn run(config: PathBuf, no_watch: bool) -> ExitCode {
             }
         };
         tracing::info!(admin = %server.admin_addr(), "harvester-lb running");
-        // Install every handler before serving, so no signal falls between two handlers.
-        let mut signals = match Signals::new() {
-            Ok(s) => s,
-            Err(e) => {
-                tracing::error!("cannot install signal handlers: {e}");
-                return ExitCode::from(EXIT_START);
-            }
-        };
         signals.serve_until_stop(&server).await;
         // A second SIGTERM/SIGINT during the drain exits at once.
         tokio::spawn(async move {

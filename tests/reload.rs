@@ -665,3 +665,19 @@ async fn systemd_hears_ready_reloading_and_stopping() {
     assert_eq!(next_state(&socket), "STOPPING=1");
     assert_eq!(p.wait_exit(Duration::from_secs(5)).await, 0);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stop_reports_the_connections_the_drain_timeout_cut() {
+    let net = Subnet::new();
+    let _n = Backend::start(SocketAddr::new(net.ip(11), 30080), Behaviour::NameThenEcho).await;
+    let d = Daemon::start(&net, &config(&net, &[11], &[], 1)).await;
+    let mut open = TcpStream::connect(stable_vip(&net)).await.unwrap();
+    read_line(&mut open).await.unwrap();
+    let started = tokio::time::Instant::now();
+    assert_eq!(
+        d.stop().await,
+        1,
+        "one connection was open past the drain timeout"
+    );
+    assert!(started.elapsed() >= Duration::from_millis(900));
+}
