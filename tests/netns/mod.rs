@@ -385,6 +385,11 @@ impl Bed {
         self.daemon.as_ref().expect("daemon started")
     }
 
+    /// The running daemon, mutably (to wait for its exit).
+    pub fn daemon_mut(&mut self) -> &mut DaemonProc {
+        self.daemon.as_mut().expect("daemon started")
+    }
+
     /// Takes the daemon out of the bed (to stop it by hand).
     pub fn take_daemon(&mut self) -> DaemonProc {
         self.daemon.take().expect("daemon started")
