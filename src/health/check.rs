@@ -23,9 +23,17 @@ pub enum Outcome {
     Timeout,
     /// Any other failure (unreachable, reset…), with the OS's words.
     Error(String),
+    /// No probe was sent: this process is out of descriptors or socket
+    /// memory. Says nothing about the backend, so it changes no verdict.
+    Skipped(String),
 }
 
 impl Outcome {
+    /// Whether the probe says anything about the backend.
+    pub fn is_conclusive(&self) -> bool {
+        !matches!(self, Outcome::Skipped(_))
+    }
+
     /// Whether this counts as a success.
     pub fn is_success(&self) -> bool {
         matches!(self, Outcome::Ok)
@@ -38,6 +46,7 @@ impl Outcome {
             Outcome::Refused => "refused",
             Outcome::Timeout => "timeout",
             Outcome::Error(_) => "error",
+            Outcome::Skipped(_) => "skipped",
         }
     }
 
@@ -47,7 +56,7 @@ impl Outcome {
             Outcome::Ok => None,
             Outcome::Refused => Some("connection refused".into()),
             Outcome::Timeout => Some("timed out".into()),
-            Outcome::Error(e) => Some(e.clone()),
+            Outcome::Error(e) | Outcome::Skipped(e) => Some(e.clone()),
         }
     }
 }
@@ -65,6 +74,9 @@ pub async fn probe(kind: CheckKind, target: SocketAddr, timeout: Duration) -> (O
 async fn tcp_connect(target: SocketAddr, timeout: Duration) -> Outcome {
     let socket = match new_probe_socket(target) {
         Ok(s) => s,
+        Err(e) if crate::proxy::forward::is_local_shortage(&e) => {
+            return Outcome::Skipped(format!("cannot create probe socket: {e}"));
+        }
         Err(e) => return Outcome::Error(format!("cannot create probe socket: {e}")),
     };
     match tokio::time::timeout(timeout, socket.connect(target)).await {

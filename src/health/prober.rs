@@ -123,7 +123,7 @@ pub struct TargetStatus {
     /// Verdict and consecutive counts.
     #[serde(flatten)]
     pub health: HealthState,
-    /// Result of the last probe (`ok`, `refused`, `timeout`, `error`), if any yet.
+    /// Result of the last probe (`ok`, `refused`, `timeout`, `error`, `skipped`), if any yet.
     pub last_result: Option<&'static str>,
     /// Why the last probe failed, if it did.
     pub last_error: Option<String>,
@@ -138,6 +138,7 @@ struct TargetMetrics {
     refused: Counter,
     timeout: Counter,
     error: Counter,
+    skipped: Counter,
     duration: Histogram,
     to_up: Counter,
     to_down: Counter,
@@ -160,6 +161,7 @@ impl TargetMetrics {
             refused: with("result", "refused", names::HEALTH_CHECKS),
             timeout: with("result", "timeout", names::HEALTH_CHECKS),
             error: with("result", "error", names::HEALTH_CHECKS),
+            skipped: with("result", "skipped", names::HEALTH_CHECKS),
             duration: metrics.histogram(names::HEALTH_CHECK_DURATION, &base),
             to_up: with("to", "up", names::HEALTH_TRANSITIONS),
             to_down: with("to", "down", names::HEALTH_TRANSITIONS),
@@ -256,6 +258,7 @@ impl Target {
             Outcome::Refused => &self.metrics.refused,
             Outcome::Timeout => &self.metrics.timeout,
             Outcome::Error(_) => &self.metrics.error,
+            Outcome::Skipped(_) => &self.metrics.skipped,
         }
         .increment(1);
         let thresholds = Thresholds {
@@ -271,7 +274,11 @@ impl Target {
                 .duration_since(SystemTime::UNIX_EPOCH)
                 .ok()
                 .map(|d| d.as_secs_f64());
-            st.health.observe(outcome.is_success(), thresholds)
+            if outcome.is_conclusive() {
+                st.health.observe(outcome.is_success(), thresholds)
+            } else {
+                None
+            }
         };
         if let Some(t) = transition {
             // Stop before publishing if the loop was stopped meanwhile: a

@@ -23,6 +23,12 @@ use super::splice::{CHUNK, PipePool};
 
 static PIPES: PipePool = PipePool::new();
 
+/// Closes the spare pipes of the pool (they hold descriptors a new
+/// connection may need); returns how many were closed.
+pub fn release_spare_pipes() -> usize {
+    PIPES.release_spare()
+}
+
 /// How a forwarded connection ended.
 #[derive(Debug)]
 pub enum Ended {
@@ -110,7 +116,18 @@ async fn one_way(
 ) -> io::Result<()> {
     loop {
         src.readable().await?;
-        let pipe = PIPES.take()?;
+        let pipe = match PIPES.take() {
+            Ok(p) => p,
+            Err(e) if super::forward::is_local_shortage(&e) => {
+                // No descriptor for a pipe: move what is there through user
+                // memory instead of failing a connection that is fine.
+                if copy_through_buffer(src, dst, bytes, activity).await? {
+                    return shutdown_write(dst);
+                }
+                continue;
+            }
+            Err(e) => return Err(e),
+        };
         loop {
             let n = match src.try_io(Interest::READABLE, || {
                 pipe.fill_from(src.as_raw_fd(), CHUNK)
@@ -140,6 +157,37 @@ async fn one_way(
             activity.touch();
         }
         PIPES.give_back(pipe);
+    }
+}
+
+/// Copies what `src` holds now to `dst` through a small heap buffer (the
+/// fallback when no pipe can be had); `Ok(true)` at end of stream.
+async fn copy_through_buffer(
+    src: &TcpStream,
+    dst: &TcpStream,
+    bytes: &Counter,
+    activity: &Activity,
+) -> io::Result<bool> {
+    let mut buf = vec![0u8; 16 * 1024];
+    loop {
+        let n = match src.try_read(&mut buf) {
+            Ok(0) => return Ok(true),
+            Ok(n) => n,
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(false),
+            Err(e) => return Err(e),
+        };
+        let mut off = 0;
+        while off < n {
+            dst.writable().await?;
+            match dst.try_write(&buf[off..n]) {
+                Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+                Ok(m) => off += m,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                Err(e) => return Err(e),
+            }
+        }
+        bytes.increment(n as u64);
+        activity.touch();
     }
 }
 

@@ -78,6 +78,8 @@ enum ConnectFailure {
     Refused,
     Timeout,
     Other,
+    /// This process is out of descriptors or socket memory.
+    Local,
 }
 
 /// Serves one accepted client until it is done. `close_now` is cancelled
@@ -106,8 +108,13 @@ pub async fn serve(
             }
             Err((failure, e)) => {
                 count_attempt_failure(backend, failure);
-                tracing::debug!(backend = %addr, error = %e, "connect to backend failed; trying the next one");
                 last_failure = Some(failure);
+                if failure == ConnectFailure::Local {
+                    // Every other backend would need a socket too.
+                    tracing::warn!(error = %e, "no socket for a backend connection; resetting the client");
+                    break;
+                }
+                tracing::debug!(backend = %addr, error = %e, "connect to backend failed; trying the next one");
             }
         }
     }
@@ -119,7 +126,7 @@ pub async fn serve(
             None => m.no_backend.increment(1),
             Some(ConnectFailure::Refused) => m.connect_refused.increment(1),
             Some(ConnectFailure::Timeout) => m.connect_timeout.increment(1),
-            Some(ConnectFailure::Other) => m.connect_error.increment(1),
+            Some(ConnectFailure::Other | ConnectFailure::Local) => m.connect_error.increment(1),
         }
         tracing::debug!(
             reason = ?last_failure,
@@ -168,13 +175,11 @@ async fn connect(
     addr: SocketAddr,
     timeout: Duration,
 ) -> Result<TcpStream, (ConnectFailure, io::Error)> {
-    let socket = if addr.is_ipv4() {
-        TcpSocket::new_v4()
-    } else {
-        TcpSocket::new_v6()
-    }
-    .map_err(|e| (ConnectFailure::Other, e))?;
-    match tokio::time::timeout(timeout, socket.connect(addr)).await {
+    let deadline = tokio::time::Instant::now() + timeout;
+    let socket = new_socket(addr, deadline)
+        .await
+        .map_err(|e| (ConnectFailure::Local, e))?;
+    match tokio::time::timeout_at(deadline, socket.connect(addr)).await {
         Ok(Ok(stream)) => {
             set_options_or_warn(&stream);
             Ok(stream)
@@ -193,12 +198,51 @@ async fn connect(
     }
 }
 
+/// How long to wait before trying again to get a socket when the process is
+/// out of descriptors or socket memory.
+const LOCAL_SHORTAGE_RETRY: Duration = Duration::from_millis(20);
+
+/// The socket for a backend connection. Running out of descriptors (or of
+/// socket memory) is the daemon's own shortage, not the backend's, and the
+/// client is already accepted: wait for one to free up until `deadline`
+/// rather than reset the client at once.
+async fn new_socket(addr: SocketAddr, deadline: tokio::time::Instant) -> io::Result<TcpSocket> {
+    loop {
+        let r = if addr.is_ipv4() {
+            TcpSocket::new_v4()
+        } else {
+            TcpSocket::new_v6()
+        };
+        match r {
+            Err(e)
+                if is_local_shortage(&e)
+                    && tokio::time::Instant::now() + LOCAL_SHORTAGE_RETRY < deadline =>
+            {
+                if copy::release_spare_pipes() == 0 {
+                    tokio::time::sleep(LOCAL_SHORTAGE_RETRY).await;
+                }
+            }
+            r => return r,
+        }
+    }
+}
+
+/// Whether `e` says the process or host ran out of descriptors or memory.
+pub(crate) fn is_local_shortage(e: &io::Error) -> bool {
+    matches!(
+        e.raw_os_error(),
+        Some(libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM)
+    )
+}
+
 fn count_attempt_failure(backend: &Backend, failure: ConnectFailure) {
     let m = backend.metrics();
     match failure {
         ConnectFailure::Refused => m.connect_refused.increment(1),
         ConnectFailure::Timeout => m.connect_timeout.increment(1),
         ConnectFailure::Other => m.connect_error.increment(1),
+        // Not the backend's fault: not counted against it.
+        ConnectFailure::Local => {}
     }
 }
 

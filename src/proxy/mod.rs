@@ -206,6 +206,8 @@ async fn accept_loop(
                 };
                 counter.increment(1);
                 if back_off {
+                    // Spare pipes hold descriptors: give them back first.
+                    copy::release_spare_pipes();
                     // Warn at most once a second: this can happen thousands of times.
                     let now = tokio::time::Instant::now();
                     if last_warning.is_none_or(|t| now.duration_since(t) >= Duration::from_secs(1))

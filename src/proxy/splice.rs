@@ -95,6 +95,13 @@ impl PipePool {
         }
     }
 
+    /// Closes every spare pipe (two descriptors each) and returns how many:
+    /// when the process runs out of descriptors, the cache goes first.
+    pub fn release_spare(&self) -> usize {
+        let spare = std::mem::take(&mut *self.spare.lock().unwrap_or_else(|p| p.into_inner()));
+        spare.len()
+    }
+
     /// Returns an *empty* pipe for reuse. A pipe that may still hold bytes
     /// must be dropped instead, never given back.
     pub fn give_back(&self, pipe: Pipe) {
