@@ -204,9 +204,11 @@ async fn netns_descriptor_exhaustion_backs_off_and_resumes() {
         slowest < Duration::from_secs(1),
         "service resumed only after {slowest:?}"
     );
+    // The shortage shows in accept(2) or, when accept got the last
+    // descriptor, in the backend socket; either way it is logged.
     assert!(
-        emfile >= 1.0,
-        "no EMFILE seen: the test did not exhaust fds"
+        log.contains("Too many open files"),
+        "no EMFILE seen: the test did not exhaust descriptors"
     );
     let max_errors = window.as_secs_f64() / 0.05 * 1.5 + 10.0;
     assert!(
@@ -222,7 +224,6 @@ async fn netns_descriptor_exhaustion_backs_off_and_resumes() {
         downs, 0.0,
         "backends marked down for the daemon's own descriptor shortage: {st}"
     );
-    assert!(log.contains("accept failed"), "the shortage must be logged");
 }
 
 /// Fault 8a: 3000 clients connect and send nothing.
