@@ -78,7 +78,11 @@ fn main() -> ExitCode {
     match cli.command {
         Command::Check { config } => check(&config),
         Command::Reload { config } => reload(&config),
-        Command::Run { config, no_watch } => run(config, no_watch),
+        Command::Run { config, no_watch } => {
+            // Before anything slow: a SIGHUP during start-up must not kill it.
+            harvester_lb::os::ignore_hangup_until_handled();
+            run(config, no_watch)
+        }
         Command::Demo { config } => demo(&config),
     }
 }

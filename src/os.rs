@@ -46,3 +46,15 @@ pub fn raise_open_file_limit() -> io::Result<u64> {
     }
     Ok(lim.rlim_cur)
 }
+
+/// Ignores `SIGHUP` until the daemon installs its reload handler. The default
+/// action of `SIGHUP` is to exit, and a reload (`systemctl reload`, a
+/// controller's `kill -HUP`) can come while the process is still starting:
+/// it must never kill it. Call first thing in `main`.
+pub fn ignore_hangup_until_handled() {
+    // SAFETY: setting a signal's disposition to SIG_IGN has no preconditions;
+    // the handler installed later replaces it.
+    unsafe {
+        libc::signal(libc::SIGHUP, libc::SIG_IGN);
+    }
+}
