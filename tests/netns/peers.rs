@@ -309,8 +309,7 @@ pub fn load_with(
             });
         }
         while set.join_next().await.is_some() {}
-        let t = tally.lock().unwrap().clone();
-        t
+        tally.lock().unwrap().clone()
     })
 }
 

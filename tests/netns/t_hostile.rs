@@ -194,7 +194,7 @@ async fn netns_descriptor_exhaustion_backs_off_and_resumes() {
         &[("load_balancer", "f7/fds"), ("to", "down")],
     );
     println!(
-        "FIGURE fault7 fd exhaustion: limit 200 fds ({base_fds} at start, {fds_full} when full); held {n_served} clients, {n_waiting} waited in the backlog; {emfile} EMFILE accept errors, daemon CPU {cpu:?} over {window:?}; {broken} held connections broke; waiting clients all served {slowest:?} after descriptors freed ({not_served:?} not served); health transitions to down: {downs}"
+        "FIGURE fault7 fd exhaustion: limit 200 fds ({base_fds} at start, {fds_full} when full); held {n_served} clients, {n_waiting} waited (in the backlog, or accepted and waiting for a descriptor); {emfile} EMFILE accept errors, daemon CPU {cpu:?} over {window:?}; {broken} held connections broke; waiting clients all served {slowest:?} after descriptors freed ({not_served:?} not served); health transitions to down: {downs}"
     );
     assert!(
         not_served.is_empty(),
