@@ -218,12 +218,24 @@ async fn new_socket(addr: SocketAddr, deadline: tokio::time::Instant) -> io::Res
                 if is_local_shortage(&e)
                     && tokio::time::Instant::now() + LOCAL_SHORTAGE_RETRY < deadline =>
             {
+                warn_shortage(&e);
                 if copy::release_spare_pipes() == 0 {
                     tokio::time::sleep(LOCAL_SHORTAGE_RETRY).await;
                 }
             }
             r => return r,
         }
+    }
+}
+
+/// Logs a descriptor shortage at most once a second (it can hit every
+/// connection at once).
+fn warn_shortage(e: &io::Error) {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static LAST: AtomicU64 = AtomicU64::new(0);
+    let now = crate::os::monotonic_now().as_secs() + 1;
+    if LAST.swap(now, Ordering::Relaxed) != now {
+        tracing::warn!(error = %e, "no socket for a backend connection; the client waits until one frees up (up to connect_timeout)");
     }
 }
 
