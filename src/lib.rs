@@ -194,14 +194,18 @@ pub async fn request_reload(sender: &mpsc::Sender<ReloadRequest>) -> Result<Stri
 }
 
 /// The process-wide connection cap: the config's, or what the open-file
-/// limit allows (a connection holds two sockets and, while data moves, up to
-/// two pipes).
+/// limit allows. A connection holds two sockets and, while bytes move, a pipe
+/// (two more) per busy direction; an idle one holds only its sockets. Three
+/// descriptors per connection is the budget; 256 are kept for the daemon
+/// itself and 512 for the pool of spare pipes (256 pipes). Under a burst
+/// that still runs short, a connection copies through a small buffer
+/// instead of a pipe and accepts back off (see "Failure behaviour").
 fn connection_limit(config: &Config) -> usize {
     if let Some(n) = config.proxy.max_connections {
         return n.get();
     }
     let files = os::raise_open_file_limit().unwrap_or(1024);
-    (files.saturating_sub(256) / 3).max(16) as usize
+    (files.saturating_sub(256 + 512) / 3).max(16) as usize
 }
 
 async fn main_loop(

@@ -177,6 +177,16 @@ fn syntax_and_type_errors_name_the_line() {
 }
 
 #[test]
+fn an_empty_file_is_rejected_but_an_explicitly_empty_config_is_not() {
+    for empty in ["", "\n  \n"] {
+        let p = problems(empty);
+        assert!(p[0].message.contains("the file is empty"), "{p:?}");
+    }
+    let loaded = config::parse("load_balancer = []\n").expect("explicitly empty");
+    assert!(loaded.config.load_balancers.is_empty());
+}
+
+#[test]
 fn missing_required_keys_are_named() {
     let out = rendered(
         "[[load_balancer]]\nbackends = []\n  [[load_balancer.listener]]\n  name = \"x\"\n",

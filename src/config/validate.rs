@@ -43,14 +43,28 @@ const MAX_SECONDS: i64 = 365 * 24 * 3600;
 
 pub(super) fn parse(text: &str) -> Result<Loaded, Vec<Problem>> {
     let lines = LineIndex::new(text);
-    let root = DeTable::parse(text).map_err(|e| vec![lines.toml_error(&e)])?;
+    if text.trim().is_empty() {
+        // Most likely a truncated write; running it would drain every service.
+        return Err(vec![Problem {
+            line: None,
+            key: String::new(),
+            message: "the file is empty (a truncated write?); to run with no load balancers on purpose, write `load_balancer = []`".into(),
+        }]);
+    }
+    let root = DeTable::parse(text).map_err(|e| vec![lines.toml_error(&e, String::new())])?;
 
     let mut unknown: Vec<Vec<String>> = Vec::new();
     let deserializer = toml::de::Deserializer::from(root.clone());
     let file: FileConfig = serde_ignored::deserialize(deserializer, |path| {
         unknown.push(segments(&path));
     })
-    .map_err(|e| vec![lines.toml_error(&e)])?;
+    .map_err(|e| {
+        let key = e
+            .span()
+            .map(|span| display_path(&path_at(root.get_ref(), span.start)))
+            .unwrap_or_default();
+        vec![lines.toml_error(&e, key)]
+    })?;
 
     let mut v = Validator {
         lines: &lines,
@@ -131,6 +145,36 @@ fn span_of(table: &DeTable<'_>, segments: &[String]) -> Option<Range<usize>> {
     }
 }
 
+/// The key path of the value at byte `offset` (the innermost one), for
+/// naming the key of a type error.
+fn path_at(table: &DeTable<'_>, offset: usize) -> Vec<String> {
+    let mut path = Vec::new();
+    let Some((key, value)) = table
+        .iter()
+        .find(|(k, v)| v.span().contains(&offset) || k.span().contains(&offset))
+    else {
+        return path;
+    };
+    path.push(key.get_ref().to_string());
+    match value.get_ref() {
+        DeValue::Table(t) => path.extend(path_at(t, offset)),
+        DeValue::Array(items) => {
+            if let Some((i, item)) = items
+                .iter()
+                .enumerate()
+                .find(|(_, it)| it.span().contains(&offset))
+            {
+                path.push(i.to_string());
+                if let DeValue::Table(t) = item.get_ref() {
+                    path.extend(path_at(t, offset));
+                }
+            }
+        }
+        _ => {}
+    }
+    path
+}
+
 /// Byte offset -> 1-based line number.
 struct LineIndex {
     starts: Vec<usize>,
@@ -147,10 +191,10 @@ impl LineIndex {
         self.starts.partition_point(|&s| s <= offset)
     }
 
-    fn toml_error(&self, e: &toml::de::Error) -> Problem {
+    fn toml_error(&self, e: &toml::de::Error, key: String) -> Problem {
         Problem {
             line: e.span().map(|s| self.line(s.start)),
-            key: String::new(),
+            key,
             message: e.message().trim_end().to_string(),
         }
     }

@@ -25,6 +25,10 @@ use crate::metrics::{self as names, Metrics};
 const KEEPALIVE_TIME: Duration = Duration::from_secs(30);
 const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(10);
 const KEEPALIVE_RETRIES: u32 = 3;
+/// `TCP_USER_TIMEOUT` on both legs: data unacknowledged this long (a link cut
+/// mid-transfer, a node VM frozen) aborts the connection, instead of TCP's
+/// retransmission limit of about 15 minutes. Equal to the keepalive budget.
+const USER_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// What a listener forwards to. Swapped as a whole on reload, so a
 /// connection always sees one load balancer and one nodeport that belong together.
@@ -94,7 +98,8 @@ pub async fn serve(
 ) {
     let m = &route.metrics;
     m.accepted.increment(1);
-    set_options_or_warn(&client);
+    // TCP_NODELAY, keepalive and TCP_USER_TIMEOUT came with the accept:
+    // Linux copies them from the listening socket (see `proxy::bind`).
 
     let snapshot = route.lb.snapshot_full();
     let mut last_failure = None;
@@ -179,11 +184,9 @@ async fn connect(
     let socket = new_socket(addr, deadline)
         .await
         .map_err(|e| (ConnectFailure::Local, e))?;
+    set_options_or_warn(SockRef::from(&socket));
     match tokio::time::timeout_at(deadline, socket.connect(addr)).await {
-        Ok(Ok(stream)) => {
-            set_options_or_warn(&stream);
-            Ok(stream)
-        }
+        Ok(Ok(stream)) => Ok(stream),
         Ok(Err(e)) if e.kind() == io::ErrorKind::ConnectionRefused => {
             Err((ConnectFailure::Refused, e))
         }
@@ -258,18 +261,23 @@ fn count_attempt_failure(backend: &Backend, failure: ConnectFailure) {
     }
 }
 
-/// `TCP_NODELAY` (forward small writes at once) and keepalive. A failure
-/// costs efficiency, not correctness: warn and go on.
-fn set_options_or_warn(stream: &TcpStream) {
-    if let Err(e) = stream.set_nodelay(true) {
+/// `TCP_NODELAY` (forward small writes at once), keepalive and
+/// `TCP_USER_TIMEOUT`, on a backend socket before it connects or on a
+/// listening socket (accepted sockets inherit them). A failure costs
+/// efficiency, not correctness: warn and go on.
+pub(crate) fn set_options_or_warn(socket: SockRef<'_>) {
+    if let Err(e) = socket.set_tcp_nodelay(true) {
         tracing::warn!(error = %e, "cannot set TCP_NODELAY");
     }
     let keepalive = TcpKeepalive::new()
         .with_time(KEEPALIVE_TIME)
         .with_interval(KEEPALIVE_INTERVAL)
         .with_retries(KEEPALIVE_RETRIES);
-    if let Err(e) = SockRef::from(stream).set_tcp_keepalive(&keepalive) {
+    if let Err(e) = socket.set_tcp_keepalive(&keepalive) {
         tracing::warn!(error = %e, "cannot set TCP keepalive");
+    }
+    if let Err(e) = socket.set_tcp_user_timeout(Some(USER_TIMEOUT)) {
+        tracing::warn!(error = %e, "cannot set TCP_USER_TIMEOUT");
     }
 }
 

@@ -50,6 +50,9 @@ pub fn bind(addr: SocketAddr, backlog: u32) -> io::Result<TcpListener> {
     } else {
         socket.set_freebind_v4(true)?;
     }
+    // Accepted sockets inherit TCP_NODELAY, keepalive and TCP_USER_TIMEOUT
+    // from here: set once per listener, not per connection.
+    forward::set_options_or_warn(socket2::SockRef::from(&socket));
     socket.bind(&addr.into())?;
     socket.listen(backlog.min(i32::MAX as u32) as i32)?;
     TcpListener::from_std(socket.into())
