@@ -180,9 +180,13 @@ pub enum Exchange {
 /// One short client exchange through `vip`: connect, read the node's name,
 /// send `len` bytes, half-close, and check the echo. `deadline` bounds it all.
 pub async fn exchange(client: &Ns, vip: SocketAddr, len: usize, deadline: Duration) -> Exchange {
+    // The node that answered, once known: a failure after that point is a
+    // connection cut while it was open, which no connect retry can rescue.
+    let mut served_by = None;
     let f = async {
         let mut s = client.connect(vip, deadline).await?;
         let name = read_line(&mut s).await?;
+        served_by = Some(name.clone());
         let payload: Vec<u8> = (0..len).map(|i| (i * 7 + len) as u8).collect();
         let (mut r, mut w) = s.split();
         let send = async {
@@ -203,12 +207,21 @@ pub async fn exchange(client: &Ns, vip: SocketAddr, len: usize, deadline: Durati
         }
         Ok::<_, std::io::Error>(name)
     };
-    match tokio::time::timeout(deadline, f).await {
+    let outcome = tokio::time::timeout(deadline, f).await;
+    let failed = |e: String| match &served_by {
+        Some(node) => Exchange::Failed(format!("{CUT_ON}{node}: {e}")),
+        None => Exchange::Failed(e),
+    };
+    match outcome {
         Ok(Ok(name)) => Exchange::Ok(name),
-        Ok(Err(e)) => Exchange::Failed(e.to_string()),
-        Err(_) => Exchange::Failed(format!("exchange timed out after {deadline:?}")),
+        Ok(Err(e)) => failed(e.to_string()),
+        Err(_) => failed(format!("exchange timed out after {deadline:?}")),
     }
 }
+
+/// How the error of an exchange that failed after a node had answered
+/// begins: `"cut on n2: ..."`.
+pub const CUT_ON: &str = "cut on ";
 
 /// Reads one `\n`-terminated line, byte by byte (so nothing after it is consumed).
 pub async fn read_line(s: &mut TcpStream) -> std::io::Result<String> {
@@ -250,6 +263,25 @@ impl Tally {
     /// Successful exchanges.
     pub fn ok_total(&self) -> usize {
         self.ok.values().sum()
+    }
+
+    /// Failed exchanges that were cut after node `name` had answered (the
+    /// connection to it was open when the fault began).
+    pub fn cut_on(&self, name: &str) -> usize {
+        let prefix = format!("{CUT_ON}{name}:");
+        self.failed
+            .iter()
+            .filter(|e| e.starts_with(&prefix))
+            .count()
+    }
+
+    /// Failed exchanges that never reached a node: the ones the load
+    /// balancer's connect retry is responsible for.
+    pub fn failed_before_a_node(&self) -> Vec<&String> {
+        self.failed
+            .iter()
+            .filter(|e| !e.starts_with(CUT_ON))
+            .collect()
     }
 
     /// Records one exchange.
