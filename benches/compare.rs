@@ -343,7 +343,7 @@ fn haproxy_config() -> String {
     format!(
         r#"global
   nbthread 1
-  maxconn 9000
+  maxconn 7000
   log stderr format short local0 err
 
 defaults

@@ -1,16 +1,21 @@
 //! Copying both ways between a client and a backend until both are done.
 //!
-//! Each direction waits for its source to be readable, borrows a pipe, splices
-//! as long as data comes, and gives the pipe back before waiting again. End of
+//! Each direction waits for its source to be readable. Small messages (a
+//! read that does not fill the 16 KiB scratch buffer) go through one `recv`
+//! and one `send` with the worker thread's buffer; a direction that fills it
+//! is bulk and from then on borrows a pipe, splices as long as data comes,
+//! and gives the pipe back before waiting again. Either way nothing is held
+//! while a connection waits: an idle connection costs its sockets. End of
 //! stream on one side becomes a write shutdown on the other (half-close), so a
 //! client that has finished sending still receives the whole response. An
 //! error on either side ends both at once. A connection with no byte moving
 //! either way for the idle timeout is closed.
 
-use std::io;
+use std::cell::RefCell;
+use std::io::{self, Read};
 use std::net::Shutdown;
 use std::os::fd::AsRawFd;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use metrics::Counter;
@@ -19,7 +24,7 @@ use tokio::io::Interest;
 use tokio::net::TcpStream;
 use tokio::time::Instant;
 
-use super::splice::{CHUNK, PipePool};
+use super::splice::{CHUNK, Pipe, PipePool};
 
 static PIPES: PipePool = PipePool::new();
 
@@ -48,10 +53,13 @@ pub struct ByteCounters<'a> {
     pub backend_to_client: &'a Counter,
 }
 
-/// Last time a byte moved, as milliseconds since `base` (on tokio's clock).
+/// What the two directions of one connection share: the last time a byte
+/// moved, as milliseconds since `base` (on tokio's clock), and whether one
+/// direction has already reached its end.
 struct Activity {
     base: Instant,
     last_ms: AtomicU64,
+    one_way_done: AtomicBool,
 }
 
 impl Activity {
@@ -59,7 +67,17 @@ impl Activity {
         Self {
             base: Instant::now(),
             last_ms: AtomicU64::new(0),
+            one_way_done: AtomicBool::new(false),
         }
+    }
+
+    /// Records that one direction reached end of stream; true if the other
+    /// one already had. Then the connection is over and both sockets close
+    /// right away: the close sends the FIN, so no `shutdown` is needed (the
+    /// peer's receive queue is empty, having sent its own FIN, so the close
+    /// is clean, not a reset). One system call less per connection.
+    fn finish_one_way(&self) -> bool {
+        self.one_way_done.swap(true, Ordering::Relaxed)
     }
 
     fn touch(&self) {
@@ -107,81 +125,158 @@ async fn idle(activity: &Activity, timeout: Duration) {
     }
 }
 
+/// Bytes read per `recv` in copy mode. A read that fills it marks the
+/// direction as bulk and moves it to `splice(2)` for the rest of the
+/// connection (HAProxy's `splice-auto` does the same).
+const SCRATCH: usize = 16 * 1024;
+
+thread_local! {
+    /// The copy-mode buffer of this worker thread. It is only borrowed inside
+    /// one synchronous step, never across an await, so connections hold no
+    /// buffer while they wait: an idle connection costs its sockets only.
+    static BUF: RefCell<Box<[u8]>> = RefCell::new(vec![0u8; SCRATCH].into_boxed_slice());
+}
+
+/// What one synchronous copy-mode step did.
+enum Step {
+    /// End of stream from `src`.
+    Eof,
+    /// Nothing to read now.
+    Drained,
+    /// `n` bytes read and all sent.
+    Sent(usize),
+    /// `n` bytes read; the tail that `dst` could not take yet.
+    Blocked(usize, Vec<u8>),
+}
+
+/// Reads from `src` into `buf`. A short read empties the receive queue, so
+/// it also clears tokio's readiness, as `EAGAIN` would, without the extra
+/// `recv` that would only say so. The readiness cleared is the one observed
+/// before the read: data arriving after it has raised a new event, so no
+/// wake-up is lost. `Ok(None)`: nothing to read now.
+fn read_some(src: &TcpStream, buf: &mut [u8]) -> io::Result<Option<usize>> {
+    let mut got = None;
+    let r = src.try_io(Interest::READABLE, || {
+        let n = (&*SockRef::from(src)).read(buf)?;
+        got = Some(n);
+        if n > 0 && n < buf.len() {
+            Err(io::ErrorKind::WouldBlock.into())
+        } else {
+            Ok(n)
+        }
+    });
+    match (got, r) {
+        (Some(n), _) => Ok(Some(n)),
+        (None, Err(e)) if e.kind() == io::ErrorKind::WouldBlock => Ok(None),
+        (None, Err(e)) => Err(e),
+        (None, Ok(n)) => Ok(Some(n)),
+    }
+}
+
 /// Copies `src` to `dst` until `src` ends, then shuts down `dst`'s write side.
+///
+/// Small messages go through one `recv` into the thread's scratch buffer and
+/// one `send`; once a read fills the buffer the direction is bulk and moves
+/// to zero-copy `splice(2)` through a pooled pipe for the rest of the
+/// connection. When no pipe can be had (the process is out of descriptors)
+/// the bytes keep moving through the buffer instead of failing a connection
+/// that is fine.
 async fn one_way(
     src: &TcpStream,
     dst: &TcpStream,
     bytes: &Counter,
     activity: &Activity,
 ) -> io::Result<()> {
+    let mut bulk = false;
     loop {
         src.readable().await?;
-        let pipe = match PIPES.take() {
-            Ok(p) => p,
-            Err(e) if super::forward::is_local_shortage(&e) => {
-                // No descriptor for a pipe: move what is there through user
-                // memory instead of failing a connection that is fine.
-                if copy_through_buffer(src, dst, bytes, activity).await? {
-                    return shutdown_write(dst);
-                }
-                continue;
-            }
-            Err(e) => return Err(e),
-        };
-        loop {
-            let n = match src.try_io(Interest::READABLE, || {
-                pipe.fill_from(src.as_raw_fd(), CHUNK)
-            }) {
-                Ok(0) => {
+        if bulk {
+            match PIPES.take() {
+                Ok(pipe) => {
+                    let more = splice_while_readable(src, dst, &pipe, bytes, activity).await?;
+                    // Only an empty pipe goes back (an error above drops it).
                     PIPES.give_back(pipe);
-                    return shutdown_write(dst);
+                    if !more {
+                        return end_of_stream(dst, activity);
+                    }
+                    continue;
                 }
-                Ok(n) => n,
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
-                // The pipe may hold nothing, but an error path is rare: drop it.
+                Err(e) if super::forward::is_local_shortage(&e) => {}
                 Err(e) => return Err(e),
-            };
-            let mut left = n;
-            while left > 0 {
-                dst.writable().await?;
-                match dst.try_io(Interest::WRITABLE, || {
-                    pipe.drain_into(dst.as_raw_fd(), left)
-                }) {
-                    Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
-                    Ok(m) => left -= m,
-                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
-                    Err(e) => return Err(e),
-                }
             }
-            bytes.increment(n as u64);
-            activity.touch();
         }
-        PIPES.give_back(pipe);
+        let step = BUF.with_borrow_mut(|buf| -> io::Result<Step> {
+            let n = match read_some(src, buf)? {
+                Some(0) => return Ok(Step::Eof),
+                Some(n) => n,
+                None => return Ok(Step::Drained),
+            };
+            match dst.try_write(&buf[..n]) {
+                Ok(m) if m == n => Ok(Step::Sent(n)),
+                Ok(m) => Ok(Step::Blocked(n, buf[m..n].to_vec())),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    Ok(Step::Blocked(n, buf[..n].to_vec()))
+                }
+                Err(e) => Err(e),
+            }
+        })?;
+        let n = match step {
+            Step::Eof => return end_of_stream(dst, activity),
+            Step::Drained => continue,
+            Step::Sent(n) => n,
+            Step::Blocked(n, tail) => {
+                write_all(dst, &tail).await?;
+                n
+            }
+        };
+        bytes.increment(n as u64);
+        activity.touch();
+        bulk |= n == SCRATCH;
     }
 }
 
-/// Copies what `src` holds now to `dst` through a small heap buffer (the
-/// fallback when no pipe can be had); `Ok(true)` at end of stream.
-async fn copy_through_buffer(
+/// Writes all of `data` to `dst`, waiting for room as needed.
+async fn write_all(dst: &TcpStream, mut data: &[u8]) -> io::Result<()> {
+    while !data.is_empty() {
+        dst.writable().await?;
+        match dst.try_write(data) {
+            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+            Ok(m) => data = &data[m..],
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+/// The bulk mode of [`one_way`]: splices from `src` through `pipe` into
+/// `dst` for as long as `src` has data. Returns with the pipe empty:
+/// `Ok(true)` when `src` has nothing more for now, `Ok(false)` at its end of
+/// stream. The pipe is held only while data is in flight.
+async fn splice_while_readable(
     src: &TcpStream,
     dst: &TcpStream,
+    pipe: &Pipe,
     bytes: &Counter,
     activity: &Activity,
 ) -> io::Result<bool> {
-    let mut buf = vec![0u8; 16 * 1024];
     loop {
-        let n = match src.try_read(&mut buf) {
-            Ok(0) => return Ok(true),
+        let n = match src.try_io(Interest::READABLE, || {
+            pipe.fill_from(src.as_raw_fd(), CHUNK)
+        }) {
+            Ok(0) => return Ok(false),
             Ok(n) => n,
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(false),
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(true),
             Err(e) => return Err(e),
         };
-        let mut off = 0;
-        while off < n {
+        let mut left = n;
+        while left > 0 {
             dst.writable().await?;
-            match dst.try_write(&buf[off..n]) {
+            match dst.try_io(Interest::WRITABLE, || {
+                pipe.drain_into(dst.as_raw_fd(), left)
+            }) {
                 Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
-                Ok(m) => off += m,
+                Ok(m) => left -= m,
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
                 Err(e) => return Err(e),
             }
@@ -189,6 +284,16 @@ async fn copy_through_buffer(
         bytes.increment(n as u64);
         activity.touch();
     }
+}
+
+/// `src` has ended: pass the end on to `dst` as a write shutdown (a
+/// half-close), unless the other direction has ended too and the close that
+/// follows at once sends the FIN anyway.
+fn end_of_stream(dst: &TcpStream, activity: &Activity) -> io::Result<()> {
+    if activity.finish_one_way() {
+        return Ok(());
+    }
+    shutdown_write(dst)
 }
 
 fn shutdown_write(stream: &TcpStream) -> io::Result<()> {

@@ -11,8 +11,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use metrics::{Counter, Gauge};
-use socket2::{SockRef, TcpKeepalive};
-use tokio::net::{TcpSocket, TcpStream};
+use socket2::{Domain, SockRef, Socket, TcpKeepalive, Type};
+use tokio::io::Interest;
+use tokio::net::TcpStream;
 use tokio::sync::OwnedSemaphorePermit;
 use tokio_util::sync::CancellationToken;
 
@@ -24,10 +25,11 @@ use crate::metrics::{self as names, Metrics};
 /// powered off, a cut link) is found within about a minute, not hours.
 const KEEPALIVE_TIME: Duration = Duration::from_secs(30);
 const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(10);
-const KEEPALIVE_RETRIES: u32 = 3;
 /// `TCP_USER_TIMEOUT` on both legs: data unacknowledged this long (a link cut
 /// mid-transfer, a node VM frozen) aborts the connection, instead of TCP's
-/// retransmission limit of about 15 minutes. Equal to the keepalive budget.
+/// retransmission limit of about 15 minutes. On Linux it also decides when
+/// unanswered keepalive probes give up (it overrides `TCP_KEEPCNT`, so that
+/// option is not set): idle 30 s, then probes every 10 s, abort at 60 s.
 const USER_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// What a listener forwards to. Swapped as a whole on reload, so a
@@ -176,6 +178,12 @@ pub async fn serve(
     }
 }
 
+/// Connects to `addr` within `timeout`.
+///
+/// The socket is made with socket2 and connected without blocking; success
+/// is the writable event alone. A failed connect always raises `EPOLLERR`
+/// (and `EPOLLHUP`), so the pending error is read (`SO_ERROR`) only on that
+/// path: a successful connect costs no `getsockopt`, as in HAProxy.
 async fn connect(
     addr: SocketAddr,
     timeout: Duration,
@@ -185,12 +193,33 @@ async fn connect(
         .await
         .map_err(|e| (ConnectFailure::Local, e))?;
     set_options_or_warn(SockRef::from(&socket));
-    match tokio::time::timeout_at(deadline, socket.connect(addr)).await {
-        Ok(Ok(stream)) => Ok(stream),
-        Ok(Err(e)) if e.kind() == io::ErrorKind::ConnectionRefused => {
-            Err((ConnectFailure::Refused, e))
-        }
-        Ok(Err(e)) => Err((ConnectFailure::Other, e)),
+    let failed = |e: io::Error| {
+        let kind = match e.raw_os_error() {
+            Some(libc::ECONNREFUSED) => ConnectFailure::Refused,
+            Some(libc::ETIMEDOUT) => ConnectFailure::Timeout,
+            _ => ConnectFailure::Other,
+        };
+        (kind, e)
+    };
+    match socket.connect(&addr.into()) {
+        Ok(()) => {}
+        Err(e) if e.raw_os_error() == Some(libc::EINPROGRESS) => {}
+        Err(e) => return Err(failed(e)),
+    }
+    let stream = TcpStream::from_std(socket.into()).map_err(|e| (ConnectFailure::Local, e))?;
+    let ready =
+        tokio::time::timeout_at(deadline, stream.ready(Interest::WRITABLE | Interest::ERROR));
+    match ready.await {
+        Ok(Ok(r)) if !(r.is_error() || r.is_write_closed()) => Ok(stream),
+        Ok(Ok(_)) => Err(failed(stream.take_error().ok().flatten().unwrap_or_else(
+            || {
+                io::Error::new(
+                    io::ErrorKind::ConnectionAborted,
+                    "connection closed while connecting",
+                )
+            },
+        ))),
+        Ok(Err(e)) => Err(failed(e)),
         Err(_) => Err((
             ConnectFailure::Timeout,
             io::Error::new(
@@ -209,14 +238,10 @@ const LOCAL_SHORTAGE_RETRY: Duration = Duration::from_millis(20);
 /// socket memory) is the daemon's own shortage, not the backend's, and the
 /// client is already accepted: wait for one to free up until `deadline`
 /// rather than reset the client at once.
-async fn new_socket(addr: SocketAddr, deadline: tokio::time::Instant) -> io::Result<TcpSocket> {
+async fn new_socket(addr: SocketAddr, deadline: tokio::time::Instant) -> io::Result<Socket> {
     loop {
-        let r = if addr.is_ipv4() {
-            TcpSocket::new_v4()
-        } else {
-            TcpSocket::new_v6()
-        };
-        match r {
+        // Non-blocking and close-on-exec from the start (one system call).
+        match Socket::new(Domain::for_address(addr), Type::STREAM.nonblocking(), None) {
             Err(e)
                 if is_local_shortage(&e)
                     && tokio::time::Instant::now() + LOCAL_SHORTAGE_RETRY < deadline =>
@@ -271,8 +296,7 @@ pub(crate) fn set_options_or_warn(socket: SockRef<'_>) {
     }
     let keepalive = TcpKeepalive::new()
         .with_time(KEEPALIVE_TIME)
-        .with_interval(KEEPALIVE_INTERVAL)
-        .with_retries(KEEPALIVE_RETRIES);
+        .with_interval(KEEPALIVE_INTERVAL);
     if let Err(e) = socket.set_tcp_keepalive(&keepalive) {
         tracing::warn!(error = %e, "cannot set TCP keepalive");
     }
