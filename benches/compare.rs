@@ -844,9 +844,11 @@ fn probe_ip(i: usize) -> Ipv4Addr {
     Ipv4Addr::new(127, 250, (i / 250) as u8, (i % 250 + 1) as u8)
 }
 
-/// Listens on every target address and records when each probe arrives.
+/// Listens on every target address. Both probers check the way HAProxy
+/// does (SYN, SYN-ACK, reset: the target never accepts), so a probe is seen
+/// by capturing SYNs (see [`SynCapture`]), not by accepting; the accept loop
+/// only keeps the queues empty for a prober that completes handshakes.
 struct ProbeTargets {
-    arrivals: Arc<Mutex<Vec<Vec<Instant>>>>,
     rt: Option<tokio::runtime::Runtime>,
 }
 
@@ -857,51 +859,22 @@ impl ProbeTargets {
             .enable_all()
             .build()
             .expect("runtime");
-        let arrivals = Arc::new(Mutex::new(vec![Vec::new(); n]));
         for i in 0..n {
             let addr = sa(probe_ip(i), PROBE_PORT);
             let std_l = std::net::TcpListener::bind(addr)
                 .unwrap_or_else(|e| panic!("bind probe target {addr}: {e}"));
             std_l.set_nonblocking(true).expect("nonblocking");
-            let arrivals = Arc::clone(&arrivals);
             rt.spawn(async move {
                 let l = tokio::net::TcpListener::from_std(std_l).expect("tokio listener");
                 loop {
                     match l.accept().await {
-                        Ok((s, _)) => {
-                            let now = Instant::now();
-                            drop(s);
-                            let mut a = arrivals.lock().unwrap_or_else(|p| p.into_inner());
-                            if a[i].len() < 10_000 {
-                                a[i].push(now);
-                            }
-                        }
+                        Ok((s, _)) => drop(s),
                         Err(_) => tokio::time::sleep(Duration::from_millis(10)).await,
                     }
                 }
             });
         }
-        ProbeTargets {
-            arrivals,
-            rt: Some(rt),
-        }
-    }
-
-    fn clear(&self) {
-        for a in self
-            .arrivals
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .iter_mut()
-        {
-            a.clear();
-        }
-    }
-
-    fn take(&self) -> Vec<Vec<Instant>> {
-        let mut a = self.arrivals.lock().unwrap_or_else(|p| p.into_inner());
-        let n = a.len();
-        std::mem::replace(&mut *a, vec![Vec::new(); n])
+        ProbeTargets { rt: Some(rt) }
     }
 }
 
@@ -910,6 +883,102 @@ impl Drop for ProbeTargets {
         if let Some(rt) = self.rt.take() {
             rt.shutdown_background();
         }
+    }
+}
+
+/// `tcpdump` on the loopback interface recording when each target receives
+/// a SYN (seconds, kernel timestamps). Runs only in its own window: the
+/// capture's per-packet cost lands on the sending process, so the CPU
+/// window runs without it.
+struct SynCapture {
+    proc: Proc,
+    arrivals: Arc<Mutex<Vec<Vec<f64>>>>,
+    reader: Option<std::thread::JoinHandle<()>>,
+}
+
+impl SynCapture {
+    fn start(n: usize, work: &Path) -> SynCapture {
+        let log = work.join("tcpdump.log");
+        let filter = format!(
+            "dst port {PROBE_PORT} and dst net 127.250.0.0/16 and tcp[tcpflags] & (tcp-syn|tcp-ack) == tcp-syn"
+        );
+        let mut cmd = Command::new("tcpdump");
+        cmd.args([
+            "-i",
+            "lo",
+            "-n",
+            "-tt",
+            "-q",
+            "-l",
+            "--immediate-mode",
+            "-B",
+            "16384",
+            "-s",
+            "96",
+        ])
+        .arg(&filter);
+        let out = std::fs::File::create(&log).expect("create log");
+        let child = cmd
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(out)
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot start tcpdump: {e}"));
+        let mut proc = Proc {
+            name: "tcpdump".into(),
+            child,
+        };
+        let stdout = proc.child.stdout.take().expect("tcpdump stdout");
+        let arrivals = Arc::new(Mutex::new(vec![Vec::new(); n]));
+        let sink = Arc::clone(&arrivals);
+        let reader = std::thread::spawn(move || {
+            use std::io::BufRead;
+            for line in std::io::BufReader::new(stdout).lines() {
+                let Ok(line) = line else { break };
+                // "1795335728.251234 IP 127.0.0.1.40000 > 127.250.3.17.30999: tcp 0"
+                let mut f = line.split_whitespace();
+                let (Some(ts), Some(dst)) = (f.next(), f.nth(3)) else {
+                    continue;
+                };
+                let (Ok(ts), Some((ip, _port))) = (
+                    ts.parse::<f64>(),
+                    dst.trim_end_matches(':').rsplit_once('.'),
+                ) else {
+                    continue;
+                };
+                let Ok(ip) = ip.parse::<Ipv4Addr>() else {
+                    continue;
+                };
+                let [_, _, c, d] = ip.octets();
+                let i = c as usize * 250 + d as usize - 1;
+                let mut a = sink.lock().unwrap_or_else(|p| p.into_inner());
+                if i < a.len() && a[i].len() < 10_000 {
+                    a[i].push(ts);
+                }
+            }
+        });
+        // tcpdump says "listening on lo" once the capture is in place.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline
+            && !std::fs::read_to_string(&log).is_ok_and(|l| l.contains("listening on"))
+        {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        SynCapture {
+            proc,
+            arrivals,
+            reader: Some(reader),
+        }
+    }
+
+    /// Stops the capture; the SYN times of each target, in order.
+    fn finish(mut self) -> Vec<Vec<f64>> {
+        signal(self.proc.pid(), libc::SIGINT);
+        if let Some(r) = self.reader.take() {
+            let _ = r.join();
+        }
+        let mut a = self.arrivals.lock().unwrap_or_else(|p| p.into_inner());
+        std::mem::take(&mut *a)
     }
 }
 
@@ -941,7 +1010,7 @@ fn haproxy_probe_config(n: usize) -> String {
 }
 
 fn health_scenario(o: &Opts, res: &mut Results) {
-    let targets = ProbeTargets::start(o.probe_targets);
+    let _targets = ProbeTargets::start(o.probe_targets);
     let warmup = Duration::from_secs(if o.smoke { 2 } else { 4 });
     let window = Duration::from_secs(o.probe_window);
     let mut who = vec![Target::Hlb];
@@ -970,13 +1039,16 @@ fn health_scenario(o: &Opts, res: &mut Results) {
             }
         };
         std::thread::sleep(warmup);
-        targets.clear();
         let cpu0 = cpu_seconds_tree(proc.pid());
         let t0 = Instant::now();
         std::thread::sleep(window);
         let cpu1 = cpu_seconds_tree(proc.pid());
         let wall = t0.elapsed().as_secs_f64();
-        let arrivals = targets.take();
+        let capture = SynCapture::start(o.probe_targets, &o.work);
+        let c0 = Instant::now();
+        std::thread::sleep(window);
+        let capture_wall = c0.elapsed().as_secs_f64();
+        let arrivals = capture.finish();
         drop(proc);
         let cpu_pct = (cpu1 - cpu0) / wall * 100.0;
         // Lateness two ways, in ms: (a) each gap between two probes of one
@@ -993,17 +1065,17 @@ fn health_scenario(o: &Opts, res: &mut Results) {
                 continue;
             }
             for w in a.windows(2) {
-                gaps.push((w[1] - w[0]).as_secs_f64() * 1000.0 - 1000.0);
+                gaps.push((w[1] - w[0]) * 1000.0 - 1000.0);
             }
             let offs: Vec<f64> = a
                 .iter()
                 .enumerate()
-                .map(|(k, t)| (*t - a[0]).as_secs_f64() * 1000.0 - k as f64 * 1000.0)
+                .map(|(k, t)| (*t - a[0]) * 1000.0 - k as f64 * 1000.0)
                 .collect();
             let min = offs.iter().copied().fold(f64::INFINITY, f64::min);
             anchored.extend(offs.iter().map(|x| x - min));
         }
-        let rate = probes as f64 / wall;
+        let rate = probes as f64 / capture_wall;
         let p99_gap = percentile(&mut gaps, 99.0);
         let max_gap = gaps.last().copied().unwrap_or(f64::NAN);
         let p99_anch = percentile(&mut anchored, 99.0);
@@ -1245,7 +1317,7 @@ fn main() {
     let o = parse_opts();
     let needs_peers = !o.smoke;
     let mut missing = Vec::new();
-    for tool in ["iperf3", "wrk"] {
+    for tool in ["iperf3", "wrk", "tcpdump"] {
         if !which(tool) {
             missing.push(tool);
         }

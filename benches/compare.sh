@@ -15,6 +15,7 @@ for a in "$@"; do [[ $a == --smoke ]] && smoke=1; done
 need=()
 command -v iperf3 >/dev/null || need+=(iperf3)
 command -v wrk >/dev/null || need+=(wrk)
+command -v tcpdump >/dev/null || need+=(tcpdump)
 if ((smoke == 0)); then
   command -v haproxy >/dev/null || need+=(haproxy)
   command -v nginx >/dev/null || need+=(nginx)

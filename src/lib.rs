@@ -30,6 +30,7 @@ pub mod daemon;
 pub mod demo;
 pub mod health;
 pub mod metrics;
+pub mod net;
 pub mod os;
 pub mod proxy;
 pub mod systemd;

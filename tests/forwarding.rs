@@ -177,6 +177,44 @@ async fn a_killed_backend_is_taken_out_after_its_failure_threshold_and_returns_a
     d.stop().await;
 }
 
+/// A TCP probe is the handshake alone, as HAProxy's: the backend's kernel
+/// answers the SYN, the daemon resets, and the application behind the
+/// health port never sees a connection, while an answering port still
+/// counts as a success and a closed one as refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_probe_is_a_handshake_the_backend_application_never_accepts() {
+    let net = Subnet::new();
+    let _b = Backend::start(backend_addr(&net, 11), Behaviour::NameThenEcho).await;
+    let health_port = Backend::start(SocketAddr::new(net.ip(11), 30081), Behaviour::Hold).await;
+    let cfg = config(&net, &[11], "", None)
+        + "\n  [load_balancer.health_check]\n  port = 30081\n  period_seconds = 1\n  timeout_seconds = 1\n";
+    let d = Daemon::start(&net, &cfg).await;
+    let ip = net.ip_str(11);
+    let b = wait_for(
+        Duration::from_secs(10),
+        "three successful probes",
+        || async {
+            let b = d.backend_status(LB, &ip).await;
+            (b["probe"]["consecutive_successes"].as_u64() >= Some(3)).then_some(b)
+        },
+    )
+    .await;
+    assert_eq!(b["health"], "healthy", "{b}");
+    assert_eq!(
+        health_port
+            .accepted
+            .load(std::sync::atomic::Ordering::SeqCst),
+        0,
+        "the application behind the health port accepted a probe"
+    );
+    health_port.stop();
+    let down = d
+        .wait_health(LB, &ip, "unhealthy", Duration::from_secs(10))
+        .await;
+    assert_eq!(down["probe"]["last_result"], "refused", "{down}");
+    d.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn initial_state_unhealthy_waits_for_success_threshold() {
     let net = Subnet::new();

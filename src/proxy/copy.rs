@@ -201,7 +201,7 @@ async fn one_way(
                     }
                     continue;
                 }
-                Err(e) if super::forward::is_local_shortage(&e) => {}
+                Err(e) if crate::net::is_local_shortage(&e) => {}
                 Err(e) => return Err(e),
             }
         }

@@ -11,8 +11,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use metrics::{Counter, Gauge};
-use socket2::{Domain, SockRef, Socket, TcpKeepalive, Type};
-use tokio::io::Interest;
+use socket2::{SockRef, Socket, TcpKeepalive};
 use tokio::net::TcpStream;
 use tokio::sync::OwnedSemaphorePermit;
 use tokio_util::sync::CancellationToken;
@@ -20,6 +19,7 @@ use tokio_util::sync::CancellationToken;
 use super::copy::{self, ByteCounters, Ended};
 use crate::balancer::{Backend, LoadBalancer};
 use crate::metrics::{self as names, Metrics};
+use crate::net;
 
 /// TCP keepalive on both legs: a peer that vanished without a FIN (a node VM
 /// powered off, a cut link) is found within about a minute, not hours.
@@ -178,12 +178,7 @@ pub async fn serve(
     }
 }
 
-/// Connects to `addr` within `timeout`.
-///
-/// The socket is made with socket2 and connected without blocking; success
-/// is the writable event alone. A failed connect always raises `EPOLLERR`
-/// (and `EPOLLHUP`), so the pending error is read (`SO_ERROR`) only on that
-/// path: a successful connect costs no `getsockopt`, as in HAProxy.
+/// Connects to `addr` within `timeout` (see [`net::connect`]).
 async fn connect(
     addr: SocketAddr,
     timeout: Duration,
@@ -193,33 +188,14 @@ async fn connect(
         .await
         .map_err(|e| (ConnectFailure::Local, e))?;
     set_options_or_warn(SockRef::from(&socket));
-    let failed = |e: io::Error| {
-        let kind = match e.raw_os_error() {
-            Some(libc::ECONNREFUSED) => ConnectFailure::Refused,
-            Some(libc::ETIMEDOUT) => ConnectFailure::Timeout,
-            _ => ConnectFailure::Other,
-        };
-        (kind, e)
-    };
-    match socket.connect(&addr.into()) {
-        Ok(()) => {}
-        Err(e) if e.raw_os_error() == Some(libc::EINPROGRESS) => {}
-        Err(e) => return Err(failed(e)),
-    }
-    let stream = TcpStream::from_std(socket.into()).map_err(|e| (ConnectFailure::Local, e))?;
-    let ready =
-        tokio::time::timeout_at(deadline, stream.ready(Interest::WRITABLE | Interest::ERROR));
-    match ready.await {
-        Ok(Ok(r)) if !(r.is_error() || r.is_write_closed()) => Ok(stream),
-        Ok(Ok(_)) => Err(failed(stream.take_error().ok().flatten().unwrap_or_else(
-            || {
-                io::Error::new(
-                    io::ErrorKind::ConnectionAborted,
-                    "connection closed while connecting",
-                )
-            },
-        ))),
-        Ok(Err(e)) => Err(failed(e)),
+    match tokio::time::timeout_at(deadline, net::connect(socket, addr)).await {
+        Ok(Ok(stream)) => Ok(stream),
+        Ok(Err(e)) if e.kind() == io::ErrorKind::ConnectionRefused => {
+            Err((ConnectFailure::Refused, e))
+        }
+        Ok(Err(e)) if e.kind() == io::ErrorKind::TimedOut => Err((ConnectFailure::Timeout, e)),
+        Ok(Err(e)) if net::is_local_shortage(&e) => Err((ConnectFailure::Local, e)),
+        Ok(Err(e)) => Err((ConnectFailure::Other, e)),
         Err(_) => Err((
             ConnectFailure::Timeout,
             io::Error::new(
@@ -240,10 +216,9 @@ const LOCAL_SHORTAGE_RETRY: Duration = Duration::from_millis(20);
 /// rather than reset the client at once.
 async fn new_socket(addr: SocketAddr, deadline: tokio::time::Instant) -> io::Result<Socket> {
     loop {
-        // Non-blocking and close-on-exec from the start (one system call).
-        match Socket::new(Domain::for_address(addr), Type::STREAM.nonblocking(), None) {
+        match net::tcp_socket_for(addr) {
             Err(e)
-                if is_local_shortage(&e)
+                if net::is_local_shortage(&e)
                     && tokio::time::Instant::now() + LOCAL_SHORTAGE_RETRY < deadline =>
             {
                 warn_shortage(&e);
@@ -265,14 +240,6 @@ fn warn_shortage(e: &io::Error) {
     if LAST.swap(now, Ordering::Relaxed) != now {
         tracing::warn!(error = %e, "no socket for a backend connection; the client waits until one frees up (up to connect_timeout)");
     }
-}
-
-/// Whether `e` says the process or host ran out of descriptors or memory.
-pub(crate) fn is_local_shortage(e: &io::Error) -> bool {
-    matches!(
-        e.raw_os_error(),
-        Some(libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM)
-    )
 }
 
 fn count_attempt_failure(backend: &Backend, failure: ConnectFailure) {

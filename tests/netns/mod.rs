@@ -340,6 +340,17 @@ impl Bed {
         ));
     }
 
+    /// Node `i` answers a new connection (a SYN) to `port` with a reset,
+    /// as a closed port does; connections already open, and ones its kernel
+    /// completed a moment before and has yet to hand to the application, go
+    /// on. (Closing the listening socket instead would also reset those
+    /// queued connections: the accept-then-reset fault, a different one.)
+    pub fn refuse_new_connections(&self, i: usize, port: u16) {
+        self.node(i).nft(&format!(
+            "table inet fault {{\n chain input {{ type filter hook input priority 0; policy accept;\n  tcp dport {port} tcp flags & (syn | ack) == syn reject with tcp reset\n }}\n}}\n"
+        ));
+    }
+
     /// Node `i` drops `percent`% of the packets on its link, both ways, at random.
     pub fn packet_loss(&self, i: usize, percent: u32) {
         self.node(i).nft(&format!(

@@ -126,14 +126,6 @@ impl Node {
         }));
     }
 
-    /// Closes the nodeport's listening socket (new connections are refused);
-    /// connections already open go on.
-    pub fn close_nodeport_listener(&mut self) {
-        if let Some(h) = self.nodeport.take() {
-            h.abort();
-        }
-    }
-
     /// Stops the nodeport service and drops every open connection at once, as
     /// the kernel does when the process holding them dies.
     pub fn kill_nodeport(&mut self) {

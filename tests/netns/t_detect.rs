@@ -660,7 +660,8 @@ fn transitions(m: &str, lbn: &str, ip: std::net::Ipv4Addr) -> (f64, f64) {
 }
 
 /// Fault 5: node 2 flaps: down 3.5 s, up 3.5 s, three times, plus two
-/// glitches shorter than a period.
+/// glitches shorter than a period. Down means its health listener is closed
+/// and its nodeport refuses new connections.
 ///
 /// Asserts: every verdict the daemon reached is the one the thresholds give
 /// for the probe results it saw (replayed probe by probe); exactly three
@@ -690,7 +691,7 @@ async fn netns_flapping_node_transitions_follow_thresholds_exactly() {
     for cycle in 0..3 {
         let t = Instant::now();
         n2.stop_health();
-        n2.close_nodeport_listener();
+        bed.refuse_new_connections(2, NODEPORT);
         down_times.push(
             d.wait_health("f5/flap", node_ip(2), "unhealthy", Duration::from_secs(5))
                 .await,
@@ -698,7 +699,7 @@ async fn netns_flapping_node_transitions_follow_thresholds_exactly() {
         sleep_until(t + Duration::from_millis(3500)).await;
         let t = Instant::now();
         n2.start_health();
-        n2.start_nodeport(Service::NameThenEcho);
+        bed.heal(2);
         up_times.push(
             d.wait_health("f5/flap", node_ip(2), "healthy", Duration::from_secs(5))
                 .await,
