@@ -4,7 +4,8 @@
 //!
 //! Every address is in 127.0.0.0/8. Everything started here is stopped by pid
 //! (on drop, so a panic stops it too). Every loop is bounded in count and time.
-//! See `benches/README.md` for the scenarios and the latest table.
+//! The README's "Benchmarks" section describes the scenarios and carries the
+//! latest table.
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -695,7 +696,14 @@ fn wrk_ms(v: &str) -> f64 {
     }
 }
 
-fn traffic_scenarios(o: &Opts, res: &mut Results) {
+/// CPU seconds used so far by each proxy's process tree.
+fn proxy_cpu(pids: &[(Target, i32)], target: Target) -> Option<f64> {
+    pids.iter()
+        .find(|(t, _)| *t == target)
+        .map(|(_, pid)| cpu_seconds_tree(*pid))
+}
+
+fn traffic_scenarios(o: &Opts, res: &mut Results, pids: &[(Target, i32)]) {
     let d = o.duration;
     res.commands.insert(
         "throughput".into(),
@@ -728,6 +736,7 @@ fn traffic_scenarios(o: &Opts, res: &mut Results) {
                 let outcome = match *test {
                     "rps" | "cps" => {
                         let close = *test == "cps";
+                        let cpu0 = proxy_cpu(pids, target);
                         wrk(target, close, d).map(|r| {
                             let (scen, unit) = if close {
                                 ("3 new connections", "conn/s")
@@ -735,6 +744,15 @@ fn traffic_scenarios(o: &Opts, res: &mut Results) {
                                 ("2 kept-alive requests", "req/s")
                             };
                             res.add(scen, unit, target, r.rate);
+                            // Proxy CPU per request: what a request costs,
+                            // whatever the scheduler did with the 2 cores.
+                            if let (Some(c0), Some(c1)) = (cpu0, proxy_cpu(pids, target))
+                                && r.rate > 0.0
+                            {
+                                // wrk's rate is its requests over its d seconds.
+                                let per = (c1 - c0) * 1e6 / (r.rate * d as f64);
+                                res.add(scen, "proxy CPU µs per request", target, per);
+                            }
                             res.add(scen, "p50 ms", target, r.p50_ms);
                             res.add(scen, "p99 ms", target, r.p99_ms);
                             res.add(scen, "errors", target, r.errors as f64);
@@ -1271,11 +1289,11 @@ fn fmt_num(v: f64) -> String {
 }
 
 fn table(res: &Results, targets: &[Target]) -> String {
-    let mut rows: BTreeMap<(String, String), BTreeMap<Target, f64>> = BTreeMap::new();
+    let mut rows: BTreeMap<(String, String), BTreeMap<Target, &Vec<f64>>> = BTreeMap::new();
     for ((scen, metric, t), v) in &res.samples {
         rows.entry((scen.clone(), metric.clone()))
             .or_default()
-            .insert(*t, median(v));
+            .insert(*t, v);
     }
     let all = [Target::Direct, Target::Hlb, Target::Haproxy, Target::Nginx];
     let shown: Vec<Target> = all
@@ -1292,14 +1310,38 @@ fn table(res: &Results, targets: &[Target]) -> String {
         s.push_str("---:|");
     }
     s.push('\n');
-    let ratio = |m: &BTreeMap<Target, f64>, a: Target, b: Target| match (m.get(&a), m.get(&b)) {
-        (Some(x), Some(y)) if *y != 0.0 && !x.is_nan() && !y.is_nan() => format!("{:.2}x", x / y),
-        _ => "–".into(),
+    let ratio = |m: &BTreeMap<Target, &Vec<f64>>, a: Target, b: Target| {
+        let (Some(x), Some(y)) = (m.get(&a), m.get(&b)) else {
+            return "–".into();
+        };
+        // Rounds interleave the targets, so the ratio within one round
+        // cancels the machine's drift between rounds: the median of the
+        // per-round ratios, when both have every round.
+        let r = if x.len() == y.len() {
+            median(
+                &x.iter()
+                    .zip(y.iter())
+                    .filter(|(_, b)| **b != 0.0)
+                    .map(|(a, b)| a / b)
+                    .collect::<Vec<_>>(),
+            )
+        } else {
+            median(x) / median(y)
+        };
+        if r.is_finite() {
+            format!("{r:.2}x")
+        } else {
+            "–".into()
+        }
     };
     for ((scen, metric), m) in &rows {
         let _ = write!(s, "| {scen} | {metric} |");
         for t in &shown {
-            let _ = write!(s, " {} |", m.get(t).map_or("–".into(), |v| fmt_num(*v)));
+            let _ = write!(
+                s,
+                " {} |",
+                m.get(t).map_or("–".into(), |v| fmt_num(median(v)))
+            );
         }
         let _ = writeln!(
             s,
@@ -1405,7 +1447,8 @@ fn main() {
         }
         // Let the first health checks pass everywhere.
         std::thread::sleep(Duration::from_millis(1500));
-        traffic_scenarios(&o, &mut res);
+        let pids: Vec<(Target, i32)> = procs.iter().map(|(t, p)| (*t, p.pid())).collect();
+        traffic_scenarios(&o, &mut res, &pids);
         if o.scenarios.iter().any(|s| s == "idle") {
             idle_scenario(&o, &mut res, &mut procs);
         }
