@@ -401,10 +401,9 @@ fn start_hlb(work: &Path, name: &str, config: &str, admin: SocketAddr) -> Proc {
     let path = work.join(format!("{name}.toml"));
     std::fs::write(&path, config).expect("write config");
     let mut cmd = Command::new(HLB_BIN);
-    cmd.args(["run", "--no-watch", "--config"])
+    // One thread, like HAProxy's nbthread 1 and nginx's one worker.
+    cmd.args(["run", "--no-watch", "--threads", "1", "--config"])
         .arg(&path)
-        // One worker thread, like HAProxy's nbthread 1 and nginx's one worker.
-        .env("TOKIO_WORKER_THREADS", "1")
         .env("HARVESTER_LB_LOG", "warn");
     let p = Proc::spawn(name, &mut cmd, &work.join(format!("{name}.log")));
     wait_http_ok(admin, "/readyz", Duration::from_secs(60));

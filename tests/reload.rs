@@ -363,7 +363,7 @@ async fn replacing_the_file_by_rename_triggers_a_reload() {
     d.stop().await;
 }
 
-/// The real binary, for signals and exit codes.
+/// The real binary, for signals and exit codes, on one thread.
 struct Process {
     child: std::process::Child,
 }
@@ -375,7 +375,16 @@ impl Process {
 
     fn start_with_env(config: &std::path::Path, env: &[(&str, &std::ffi::OsStr)]) -> Self {
         let child = std::process::Command::new(env!("CARGO_BIN_EXE_harvester-lb"))
-            .args(["run", "--no-watch", "--config", config.to_str().unwrap()])
+            // One thread (tokio's current-thread runtime): the in-process
+            // tests and tests/bad_input.rs run the multi-threaded one.
+            .args([
+                "run",
+                "--no-watch",
+                "--threads",
+                "1",
+                "--config",
+                config.to_str().unwrap(),
+            ])
             .envs(env.iter().copied())
             .stderr(std::process::Stdio::null())
             .spawn()
