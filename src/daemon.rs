@@ -208,6 +208,9 @@ impl Daemon {
         self.metrics
             .gauge(names::CONFIG_LOAD_BALANCERS, &[])
             .set(config.load_balancers.len() as f64);
+        self.metrics
+            .gauge(names::HEALTH_CHECK_STREAMS, &[])
+            .set(self.prober.streams() as f64);
         st.config = Some(config);
         report
     }

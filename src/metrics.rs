@@ -45,6 +45,9 @@ pub const ACCEPT_ERRORS: &str = "harvester_lb_accept_errors_total";
 pub const CONNECTION_LIMIT_REACHED: &str = "harvester_lb_connection_limit_reached_total";
 /// Gauge: load balancers in the config in force.
 pub const CONFIG_LOAD_BALANCERS: &str = "harvester_lb_config_load_balancers";
+/// Gauge: distinct health probes sent each period (shared by every load
+/// balancer that checks the same address and port the same way).
+pub const HEALTH_CHECK_STREAMS: &str = "harvester_lb_health_check_streams";
 /// Gauge: 1 when the last reload succeeded.
 pub const CONFIG_LAST_RELOAD_SUCCESSFUL: &str = "harvester_lb_config_last_reload_successful";
 /// Gauge: Unix time of the last successful (re)load.
@@ -162,6 +165,10 @@ impl Metrics {
             (
                 CONFIG_LOAD_BALANCERS,
                 "Load balancers in the configuration in force.",
+            ),
+            (
+                HEALTH_CHECK_STREAMS,
+                "Distinct health probes sent each period, shared by the load balancers that check the same address and port alike.",
             ),
             (
                 CONFIG_LAST_RELOAD_SUCCESSFUL,

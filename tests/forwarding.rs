@@ -215,6 +215,92 @@ async fn a_probe_is_a_handshake_the_backend_application_never_accepts() {
     d.stop().await;
 }
 
+/// Two load balancers check the same nodes the same way (the common case:
+/// every service probes kube-proxy's health port): one probe per node per
+/// period serves both, and each judges it with its own thresholds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn load_balancers_checking_the_same_port_share_one_probe_and_keep_their_own_verdicts() {
+    let net = Subnet::new();
+    let _b = Backend::start(backend_addr(&net, 11), Behaviour::NameThenEcho).await;
+    let health = Backend::start(SocketAddr::new(net.ip(11), 30081), Behaviour::Hold).await;
+    let lb = |name: &str, vip: u8, failure: u32| {
+        format!(
+            r#"
+[[load_balancer]]
+name = "{name}"
+vip = "{vip}"
+backends = ["{node}"]
+  [[load_balancer.listener]]
+  name = "http"
+  port = 8080
+  backend_port = 30080
+  [load_balancer.health_check]
+  port = 30081
+  period_seconds = 1
+  timeout_seconds = 1
+  failure_threshold = {failure}
+"#,
+            vip = net.ip_str(vip),
+            node = net.ip_str(11),
+        )
+    };
+    let cfg = format!("[admin]\nlisten = \"{}:9901\"\n", net.ip_str(250))
+        + &lb("a/quick", 1, 1)
+        + &lb("b/patient", 2, 3);
+    let d = Daemon::start(&net, &cfg).await;
+    let ip = net.ip_str(11);
+    assert_eq!(d.metric("harvester_lb_health_check_streams").await, 1.0);
+    // Both take every result of the one stream: same probe times, same counts.
+    let (a, b) = wait_for(Duration::from_secs(10), "two shared probes", || async {
+        let a = d.backend_status("a/quick", &ip).await;
+        let b = d.backend_status("b/patient", &ip).await;
+        let (pa, pb) = (&a["probe"], &b["probe"]);
+        (pa["probes"].as_u64() >= Some(2)
+            && pa["probes"] == pb["probes"]
+            && pa["last_probe_unix"] == pb["last_probe_unix"])
+            .then_some((a, b))
+    })
+    .await;
+    assert_eq!(a["health"], "healthy", "{a}");
+    assert_eq!(b["health"], "healthy", "{b}");
+
+    health.stop();
+    let a = d
+        .wait_health("a/quick", &ip, "unhealthy", Duration::from_secs(5))
+        .await;
+    let b = d.backend_status("b/patient", &ip).await;
+    assert_eq!(b["health"], "healthy", "failure_threshold 3 after {a}: {b}");
+    assert!(b["probe"]["consecutive_failures"].as_u64() < Some(3), "{b}");
+    let b = d
+        .wait_health("b/patient", &ip, "unhealthy", Duration::from_secs(6))
+        .await;
+    assert_eq!(b["probe"]["consecutive_failures"], 3, "{b}");
+
+    // A reload that drops one of them leaves the stream to the other; one
+    // that drops the last check stops it.
+    let admin = SocketAddr::new(net.ip(250), 9901);
+    let head = format!("[admin]\nlisten = \"{}:9901\"\n", net.ip_str(250));
+    net.write("config.toml", &(head.clone() + &lb("a/quick", 1, 1)));
+    let (code, body) = http(admin, "POST", "/reload").await;
+    assert_eq!(code, 200, "reload: {body}");
+    let seen = d.backend_status("a/quick", &ip).await["probe"]["probes"]
+        .as_u64()
+        .unwrap();
+    wait_for(Duration::from_secs(5), "a/quick still probed", || async {
+        let n = d.backend_status("a/quick", &ip).await["probe"]["probes"].as_u64();
+        (n > Some(seen)).then_some(())
+    })
+    .await;
+    assert_eq!(d.metric("harvester_lb_health_check_streams").await, 1.0);
+    let unchecked = lb("a/quick", 1, 1);
+    let unchecked = &unchecked[..unchecked.find("  [load_balancer.health_check]").unwrap()];
+    net.write("config.toml", &(head + unchecked));
+    let (code, body) = http(admin, "POST", "/reload").await;
+    assert_eq!(code, 200, "reload: {body}");
+    assert_eq!(d.metric("harvester_lb_health_check_streams").await, 0.0);
+    d.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn initial_state_unhealthy_waits_for_success_threshold() {
     let net = Subnet::new();

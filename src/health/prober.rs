@@ -1,11 +1,17 @@
-//! The prober: one probe loop per (load balancer, backend), shared by all of
-//! that load balancer's listeners.
+//! The prober: one probe stream per distinct check (backend address, health
+//! port, check kind, period, timeout), shared by every load balancer and
+//! listener whose backends use it. Forty `LoadBalancer` services that all
+//! probe kube-proxy's health port on the same three nodes cost three probes
+//! a period, not a hundred and twenty.
 //!
-//! A loop probes at once when it starts, then at a per-target phase within the
-//! period (a stable hash of the target), then once a period: a thousand
-//! targets added by one reload do not keep firing in the same millisecond.
-//! Parameters can change under a running loop (reload) and take effect on the
-//! next probe; the health state is kept. The prober never touches the
+//! Each load balancer keeps its own verdict per backend ([`Target`]): the
+//! thresholds may differ, so each applies its own to the shared results.
+//! A stream probes at once when it starts, then at a per-address phase
+//! within the period (a stable hash), then once a period: a thousand targets
+//! added by one reload do not keep firing in the same millisecond. A load
+//! balancer that joins a stream already running takes its verdicts from the
+//! stream's next probe. Changed parameters move a target to the stream of
+//! its new parameters, its health state kept. The prober never touches the
 //! forwarder except through [`LoadBalancer::publish`], one atomic swap.
 
 use std::net::SocketAddr;
@@ -23,16 +29,37 @@ use super::check::{self, Outcome};
 use super::{Health, HealthState, Thresholds};
 use crate::balancer::select::{hash_ip, mix64};
 use crate::balancer::{Backend, LoadBalancer};
-use crate::config::HealthCheckSpec;
+use crate::config::{CheckKind, HealthCheckSpec};
 use crate::metrics::{self as names, Metrics};
 
 /// What identifies a probe target: the load balancer's name and the backend's address.
 pub type TargetKey = (String, std::net::IpAddr);
 
-/// All running probe loops.
+/// What makes two checks one: the same probe, sent as often, waited for as long.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+struct StreamKey {
+    addr: SocketAddr,
+    check: CheckKind,
+    period: Duration,
+    timeout: Duration,
+}
+
+impl StreamKey {
+    fn new(ip: std::net::IpAddr, spec: &HealthCheckSpec) -> Self {
+        Self {
+            addr: SocketAddr::new(ip, spec.port),
+            check: spec.check,
+            period: spec.period,
+            timeout: spec.timeout,
+        }
+    }
+}
+
+/// All targets, and the probe streams that feed them.
 #[derive(Default)]
 pub struct Prober {
     targets: DashMap<TargetKey, Arc<Target>>,
+    streams: DashMap<StreamKey, Arc<Stream>>,
 }
 
 impl Prober {
@@ -46,8 +73,8 @@ impl Prober {
         self.targets.get(key).map(|t| Arc::clone(&t))
     }
 
-    /// Starts probing `backend` of `lb`, or updates the parameters of the loop
-    /// already probing it (effective on its next probe, state kept).
+    /// Starts probing `backend` of `lb`, or updates the parameters of the
+    /// target already probing it (effective on its next probe, state kept).
     pub fn ensure(
         &self,
         lb: &Arc<LoadBalancer>,
@@ -57,13 +84,18 @@ impl Prober {
         metrics: &Metrics,
     ) -> Arc<Target> {
         let key = (lb.name.clone(), backend.addr);
-        if let Some(existing) = self.targets.get(&key)
-            && Arc::ptr_eq(&existing.backend, backend)
-        {
+        let existing = self.get(&key);
+        if let Some(existing) = existing.filter(|t| Arc::ptr_eq(&t.backend, backend)) {
             existing.spec.store(Arc::new(spec.clone()));
-            return Arc::clone(&existing);
+            let to = StreamKey::new(backend.addr, spec);
+            let from = std::mem::replace(&mut *existing.lock_stream(), to);
+            if from != to {
+                self.unsubscribe(from, &existing);
+                self.subscribe(to, &existing);
+            }
+            return existing;
         }
-        let target = Target::spawn(
+        let target = Target::new(
             Arc::clone(lb),
             Arc::clone(backend),
             spec.clone(),
@@ -71,34 +103,160 @@ impl Prober {
             metrics,
         );
         if let Some(old) = self.targets.insert(key, Arc::clone(&target)) {
-            old.stop();
+            self.retire(&old);
         }
+        let stream = *target.lock_stream();
+        self.subscribe(stream, &target);
         target
     }
 
     /// Stops probing `key`.
     pub fn remove(&self, key: &TargetKey) {
         if let Some((_, target)) = self.targets.remove(key) {
-            target.stop();
+            self.retire(&target);
         }
     }
 
-    /// Stops every loop (shutdown).
+    /// Stops every stream (shutdown).
     pub fn stop_all(&self) {
         for t in self.targets.iter() {
-            t.stop();
+            t.stop.cancel();
         }
         self.targets.clear();
+        for s in self.streams.iter() {
+            s.stop.cancel();
+        }
+        self.streams.clear();
     }
 
-    /// Number of running loops.
+    /// Number of targets (load balancer, backend) with a verdict.
     pub fn len(&self) -> usize {
         self.targets.len()
     }
 
-    /// Whether no loop runs.
+    /// Whether no target is probed.
     pub fn is_empty(&self) -> bool {
         self.targets.is_empty()
+    }
+
+    /// Number of probe streams running: distinct checks actually sent.
+    pub fn streams(&self) -> usize {
+        self.streams.len()
+    }
+
+    fn retire(&self, target: &Arc<Target>) {
+        target.stop.cancel();
+        let key = *target.lock_stream();
+        self.unsubscribe(key, target);
+    }
+
+    /// Adds `target` to the stream of `key`, starting the stream (which
+    /// probes at once) if none runs.
+    fn subscribe(&self, key: StreamKey, target: &Arc<Target>) {
+        match self.streams.entry(key) {
+            dashmap::Entry::Occupied(e) => {
+                e.get().subscribers.rcu(|subs| {
+                    let mut v = Vec::clone(subs);
+                    v.push(Arc::clone(target));
+                    v
+                });
+            }
+            // The first subscriber is in place before the first probe.
+            dashmap::Entry::Vacant(e) => {
+                e.insert(Stream::spawn(key, Arc::clone(target)));
+            }
+        }
+    }
+
+    /// Takes `target` off the stream of `key`; a stream left with no
+    /// subscriber stops.
+    fn unsubscribe(&self, key: StreamKey, target: &Arc<Target>) {
+        let Some(stream) = self.get_stream(&key) else {
+            return;
+        };
+        stream.subscribers.rcu(|subs| {
+            subs.iter()
+                .filter(|t| !Arc::ptr_eq(t, target))
+                .cloned()
+                .collect::<Vec<_>>()
+        });
+        if stream.subscribers.load().is_empty() {
+            stream.stop.cancel();
+            self.streams.remove_if(&key, |_, s| Arc::ptr_eq(s, &stream));
+        }
+    }
+
+    fn get_stream(&self, key: &StreamKey) -> Option<Arc<Stream>> {
+        self.streams.get(key).map(|s| Arc::clone(&s))
+    }
+}
+
+/// One probe sent every period to one address, its result handed to every
+/// subscribed target.
+struct Stream {
+    key: StreamKey,
+    /// Who takes the results; swapped whole when a target joins or leaves.
+    subscribers: ArcSwap<Vec<Arc<Target>>>,
+    /// Ends the loop.
+    stop: CancellationToken,
+}
+
+impl Stream {
+    fn spawn(key: StreamKey, first: Arc<Target>) -> Arc<Self> {
+        let stream = Arc::new(Self {
+            key,
+            subscribers: ArcSwap::from_pointee(vec![first]),
+            stop: CancellationToken::new(),
+        });
+        tokio::spawn(Arc::clone(&stream).run());
+        stream
+    }
+
+    /// Fraction of the period (in (0, 1]) at which this stream's second
+    /// probe fires; stable per address so restarts keep the spread.
+    fn phase(&self) -> f64 {
+        let mut h = hash_ip(self.key.addr.ip());
+        h = mix64(h ^ u64::from(self.key.addr.port()));
+        ((h % 1000) + 1) as f64 / 1000.0
+    }
+
+    async fn run(self: Arc<Self>) {
+        let phase = self.phase();
+        let StreamKey {
+            addr,
+            check,
+            period,
+            timeout,
+        } = self.key;
+        let mut next = Instant::now();
+        let mut first = true;
+        loop {
+            tokio::select! {
+                _ = self.stop.cancelled() => return,
+                _ = tokio::time::sleep_until(next) => {}
+            }
+            let started = Instant::now();
+            let at = SystemTime::now();
+            let (outcome, took) = tokio::select! {
+                _ = self.stop.cancelled() => return,
+                r = check::probe(check, addr, timeout) => r,
+            };
+            for target in self.subscribers.load().iter() {
+                target.record(addr, at, &outcome, took);
+            }
+            next = if first {
+                first = false;
+                started + period.mul_f64(phase)
+            } else {
+                next + period
+            };
+            // A stream that fell behind (suspended host) resumes from now
+            // instead of firing a burst of late probes.
+            let now = Instant::now();
+            if next < now {
+                next = now;
+            }
+        }
     }
 }
 
@@ -108,11 +266,14 @@ pub struct Target {
     pub backend: Arc<Backend>,
     /// The load balancer to republish on a transition.
     lb: Arc<LoadBalancer>,
-    /// Parameters in force; swapped on reload, read before every probe.
+    /// Parameters in force (its thresholds judge each result); swapped on reload.
     spec: ArcSwap<HealthCheckSpec>,
-    /// Verdict and last result, for the loop and `/status`.
+    /// The stream this target takes its results from.
+    stream: Mutex<StreamKey>,
+    /// Verdict and last result, for `/status`.
     state: Mutex<TargetStatus>,
-    /// Ends the loop.
+    /// Set when the target is removed: a result still in flight must not
+    /// flip a backend that lives on elsewhere.
     stop: CancellationToken,
     metrics: TargetMetrics,
 }
@@ -170,15 +331,16 @@ impl TargetMetrics {
 }
 
 impl Target {
-    fn spawn(
+    fn new(
         lb: Arc<LoadBalancer>,
         backend: Arc<Backend>,
         spec: HealthCheckSpec,
         initial: HealthState,
         metrics: &Metrics,
     ) -> Arc<Self> {
-        let target = Arc::new(Self {
+        Arc::new(Self {
             metrics: TargetMetrics::new(metrics, &lb, &backend),
+            stream: Mutex::new(StreamKey::new(backend.addr, &spec)),
             backend,
             lb,
             spec: ArcSwap::from_pointee(spec),
@@ -190,9 +352,7 @@ impl Target {
                 probes: 0,
             }),
             stop: CancellationToken::new(),
-        });
-        tokio::spawn(Arc::clone(&target).run());
-        target
+        })
     }
 
     /// A copy of the current status.
@@ -200,58 +360,18 @@ impl Target {
         self.lock().clone()
     }
 
-    /// Ends the probe loop (the backend or its health check was removed).
-    pub fn stop(&self) {
-        self.stop.cancel();
-    }
-
     fn lock(&self) -> std::sync::MutexGuard<'_, TargetStatus> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Fraction of the period (in (0, 1]) at which this target's second probe
-    /// fires; stable per target so restarts keep the spread.
-    fn phase(&self) -> f64 {
-        let mut h = hash_ip(self.backend.addr);
-        for b in self.lb.name.bytes() {
-            h = mix64(h ^ u64::from(b));
-        }
-        ((h % 1000) + 1) as f64 / 1000.0
+    fn lock_stream(&self) -> std::sync::MutexGuard<'_, StreamKey> {
+        self.stream.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    async fn run(self: Arc<Self>) {
-        let phase = self.phase();
-        let mut next = Instant::now();
-        let mut first = true;
-        loop {
-            tokio::select! {
-                _ = self.stop.cancelled() => return,
-                _ = tokio::time::sleep_until(next) => {}
-            }
-            let started = Instant::now();
-            let spec = self.spec.load_full();
-            let addr = SocketAddr::new(self.backend.addr, spec.port);
-            let (outcome, took) = tokio::select! {
-                _ = self.stop.cancelled() => return,
-                r = check::probe(spec.check, addr, spec.timeout) => r,
-            };
-            self.record(&spec, addr, outcome, took);
-            next = if first {
-                first = false;
-                started + spec.period.mul_f64(phase)
-            } else {
-                next + spec.period
-            };
-            // A loop that fell behind (suspended host, changed period) resumes
-            // from now instead of firing a burst of late probes.
-            let now = Instant::now();
-            if next < now {
-                next = now;
-            }
-        }
-    }
-
-    fn record(&self, spec: &HealthCheckSpec, addr: SocketAddr, outcome: Outcome, took: Duration) {
+    /// Takes one result of the shared probe (sent at `at`) and judges it
+    /// with this load balancer's thresholds.
+    fn record(&self, addr: SocketAddr, at: SystemTime, outcome: &Outcome, took: Duration) {
+        let spec = self.spec.load();
         self.metrics.duration.record(took.as_secs_f64());
         match outcome {
             Outcome::Ok => &self.metrics.ok,
@@ -270,7 +390,7 @@ impl Target {
             st.probes += 1;
             st.last_result = Some(outcome.label());
             st.last_error = outcome.describe();
-            st.last_probe_unix = SystemTime::now()
+            st.last_probe_unix = at
                 .duration_since(SystemTime::UNIX_EPOCH)
                 .ok()
                 .map(|d| d.as_secs_f64());
@@ -281,8 +401,8 @@ impl Target {
             }
         };
         if let Some(t) = transition {
-            // Stop before publishing if the loop was stopped meanwhile: a
-            // removed target must not flip a backend that lives on elsewhere.
+            // Stop before publishing if the target was removed meanwhile: it
+            // must not flip a backend that lives on elsewhere.
             if self.stop.is_cancelled() {
                 return;
             }
