@@ -1,5 +1,5 @@
 //! The running daemon: turns a [`Config`] into listeners, load balancers and
-//! probe loops, and every later config into the smallest change that gets there.
+//! probe streams, and every later config into the smallest change that gets there.
 //!
 //! Applying a config is a diff keyed by what survives a reload:
 //! load balancers by name, backends by address within their load balancer,
