@@ -451,6 +451,135 @@ async fn half_close_delivers_the_whole_response() {
     d.stop().await;
 }
 
+/// Segments this socket has received so far (`tcpi_segs_in` of `TCP_INFO`)
+/// and bytes it has sent that are not acknowledged yet.
+fn segments_in_and_unacked(s: &TcpStream) -> (u32, u32) {
+    use std::os::fd::AsRawFd;
+    // SAFETY: an all-zero tcp_info is valid; getsockopt writes at most `len`
+    // bytes into it and the descriptor is open for the call.
+    #[allow(unsafe_code)]
+    let info = unsafe {
+        let mut info: libc::tcp_info = std::mem::zeroed();
+        let mut len = std::mem::size_of::<libc::tcp_info>() as libc::socklen_t;
+        let rc = libc::getsockopt(
+            s.as_raw_fd(),
+            libc::IPPROTO_TCP,
+            libc::TCP_INFO,
+            (&mut info as *mut libc::tcp_info).cast(),
+            &mut len,
+        );
+        assert_eq!(rc, 0, "TCP_INFO: {}", std::io::Error::last_os_error());
+        info
+    };
+    (info.tcpi_segs_in, info.tcpi_unacked)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_last_bytes_and_the_end_of_stream_reach_the_client_in_one_segment() {
+    // A backend whose answer and FIN arrive together (as from a server that
+    // writes its answer and closes) should cost the client one segment, as
+    // through HAProxy: not one for the data and one for the FIN, each
+    // acknowledged on its own.
+    let net = Subnet::new();
+    let listener = tokio::net::TcpListener::bind(backend_addr(&net, 11))
+        .await
+        .unwrap();
+    let (answer_now, answer) = tokio::sync::oneshot::channel::<()>();
+    let backend = tokio::spawn(async move {
+        let (mut s, _) = listener.accept().await.unwrap();
+        let mut req = [0u8; 5];
+        s.read_exact(&mut req).await.unwrap();
+        answer.await.unwrap();
+        // Data and FIN in one segment: MSG_MORE holds the data for the FIN.
+        let sock = socket2::SockRef::from(&s);
+        assert_eq!(sock.send_with_flags(b"answer\n", libc::MSG_MORE).unwrap(), 7);
+        sock.shutdown(std::net::Shutdown::Write).unwrap();
+        let mut rest = Vec::new();
+        s.read_to_end(&mut rest).await.unwrap();
+    });
+    let d = Daemon::start(&net, &config(&net, &[11], "", None)).await;
+    let mut s = TcpStream::connect(vip(&net)).await.unwrap();
+    s.write_all(b"hello").await.unwrap();
+    // Once the request is acknowledged nothing else is due to the client
+    // until the answer.
+    let before = wait_for(Duration::from_secs(5), "the request's ACK", || async {
+        let (segs, unacked) = segments_in_and_unacked(&s);
+        (unacked == 0).then_some(segs)
+    })
+    .await;
+    answer_now.send(()).unwrap();
+    let mut got = String::new();
+    tokio::time::timeout(Duration::from_secs(5), s.read_to_string(&mut got))
+        .await
+        .expect("answer and end of stream within 5 s")
+        .unwrap();
+    assert_eq!(got, "answer\n");
+    let (after, _) = segments_in_and_unacked(&s);
+    assert_eq!(
+        after - before,
+        1,
+        "segments that carried the answer and the FIN to the client"
+    );
+    drop(s);
+    tokio::time::timeout(Duration::from_secs(5), backend)
+        .await
+        .expect("backend sees the end of stream")
+        .unwrap();
+    d.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_backend_that_resets_after_its_answer_resets_the_client_too() {
+    // The answer and the reset arrive close together, in either order with
+    // the daemon's wake-up: every client must see the reset after the data,
+    // never a clean end of stream the backend did not send.
+    const ROUNDS: usize = 30;
+    let net = Subnet::new();
+    let listener = tokio::net::TcpListener::bind(backend_addr(&net, 11))
+        .await
+        .unwrap();
+    let backend = tokio::spawn(async move {
+        for _ in 0..ROUNDS {
+            let (mut s, _) = listener.accept().await.unwrap();
+            let mut req = [0u8; 5];
+            s.read_exact(&mut req).await.unwrap();
+            s.write_all(b"answer\n").await.unwrap();
+            socket2::SockRef::from(&s)
+                .set_linger(Some(Duration::ZERO))
+                .unwrap();
+            drop(s);
+        }
+    });
+    let d = Daemon::start(&net, &config(&net, &[11], "", None)).await;
+    for round in 0..ROUNDS {
+        let mut s = TcpStream::connect(vip(&net)).await.unwrap();
+        s.write_all(b"hello").await.unwrap();
+        let mut got = Vec::new();
+        let mut buf = [0u8; 64];
+        let end = tokio::time::timeout(Duration::from_secs(5), async {
+            loop {
+                match s.read(&mut buf).await {
+                    Ok(0) => return Ok(()),
+                    Ok(n) => got.extend_from_slice(&buf[..n]),
+                    Err(e) => return Err(e),
+                }
+            }
+        })
+        .await
+        .expect("the connection ends within 5 s");
+        assert!(
+            matches!(&end, Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset),
+            "round {round}: the client saw {end:?} after {got:?}, not a reset"
+        );
+        assert!(
+            got.is_empty() || got == b"answer\n",
+            "round {round}: {got:?}"
+        );
+    }
+    backend.await.unwrap();
+    d.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sixty_four_mebibytes_each_way_arrive_byte_exact() {
     const TOTAL: usize = 64 * 1024 * 1024;

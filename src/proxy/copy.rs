@@ -7,8 +7,10 @@
 //! and gives the pipe back before waiting again. Either way nothing is held
 //! while a connection waits: an idle connection costs its sockets. End of
 //! stream on one side becomes a write shutdown on the other (half-close), so a
-//! client that has finished sending still receives the whole response. An
-//! error on either side ends both at once. A connection with no byte moving
+//! client that has finished sending still receives the whole response. When
+//! the source's FIN is already queued behind the data just read, that data
+//! and the FIN leave together in one segment, with no `recv` to learn of the
+//! end (see [`fin_queued`]). An error on either side ends both at once. A connection with no byte moving
 //! either way for the idle timeout is closed.
 
 use std::cell::RefCell;
@@ -20,7 +22,7 @@ use std::time::Duration;
 
 use metrics::Counter;
 use socket2::SockRef;
-use tokio::io::Interest;
+use tokio::io::{Interest, Ready};
 use tokio::net::TcpStream;
 use tokio::time::Instant;
 
@@ -143,10 +145,10 @@ enum Step {
     Eof,
     /// Nothing to read now.
     Drained,
-    /// `n` bytes read and all sent.
-    Sent(usize),
+    /// `n` bytes read and all sent; `last`: they were the last of `src`.
+    Sent { n: usize, last: bool },
     /// `n` bytes read; the tail that `dst` could not take yet.
-    Blocked(usize, Vec<u8>),
+    Blocked { n: usize, tail: Vec<u8>, last: bool },
 }
 
 /// Reads from `src` into `buf`. A short read empties the receive queue, so
@@ -189,7 +191,7 @@ async fn one_way(
 ) -> io::Result<()> {
     let mut bulk = false;
     loop {
-        src.readable().await?;
+        let ready = src.ready(Interest::READABLE | Interest::ERROR).await?;
         if bulk {
             match PIPES.take() {
                 Ok(pipe) => {
@@ -205,34 +207,77 @@ async fn one_way(
                 Err(e) => return Err(e),
             }
         }
+        let fin_queued = fin_queued(ready);
         let step = BUF.with_borrow_mut(|buf| -> io::Result<Step> {
             let n = match read_some(src, buf)? {
                 Some(0) => return Ok(Step::Eof),
                 Some(n) => n,
                 None => return Ok(Step::Drained),
             };
-            match dst.try_write(&buf[..n]) {
-                Ok(m) if m == n => Ok(Step::Sent(n)),
-                Ok(m) => Ok(Step::Blocked(n, buf[m..n].to_vec())),
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                    Ok(Step::Blocked(n, buf[..n].to_vec()))
-                }
+            // A short read drained the receive queue up to the FIN.
+            let last = fin_queued && n < buf.len();
+            match send(dst, &buf[..n], last) {
+                Ok(m) if m == n => Ok(Step::Sent { n, last }),
+                Ok(m) => Ok(Step::Blocked {
+                    n,
+                    tail: buf[m..n].to_vec(),
+                    last,
+                }),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(Step::Blocked {
+                    n,
+                    tail: buf[..n].to_vec(),
+                    last,
+                }),
                 Err(e) => Err(e),
             }
         })?;
-        let n = match step {
+        let (n, last) = match step {
             Step::Eof => return end_of_stream(dst, activity),
             Step::Drained => continue,
-            Step::Sent(n) => n,
-            Step::Blocked(n, tail) => {
+            Step::Sent { n, last } => (n, last),
+            Step::Blocked { n, tail, last } => {
                 write_all(dst, &tail).await?;
-                n
+                (n, last)
             }
         };
         bytes.increment(n as u64);
         activity.touch();
+        if last {
+            return last_data_sent(dst, activity);
+        }
         bulk |= n == SCRATCH;
     }
+}
+
+/// Whether `src`'s peer has sent its FIN and no reset: everything still in
+/// the receive queue is then the last of this direction. Linux raises
+/// `EPOLLRDHUP` only for a FIN taken in sequence, so all the data before it
+/// is already queued; a reset raises `EPOLLERR` with it, and is left to the
+/// read to report.
+fn fin_queued(ready: Ready) -> bool {
+    ready.is_read_closed() && !ready.is_error()
+}
+
+/// Sends `data` to `dst`. With `last`, `MSG_MORE` holds it back for the FIN
+/// that [`last_data_sent`] queues right after, so the last bytes and the
+/// end of stream leave in one segment (as HAProxy does): one packet less
+/// each way, and no separate ACK for the data.
+fn send(dst: &TcpStream, data: &[u8], last: bool) -> io::Result<usize> {
+    if !last {
+        return dst.try_write(data);
+    }
+    dst.try_io(Interest::WRITABLE, || {
+        SockRef::from(dst).send_with_flags(data, libc::MSG_MORE)
+    })
+}
+
+/// The last bytes of `src` are sent: end `dst`'s write side now, without the
+/// `recv` that would only return the end of stream. The shutdown is made even
+/// when the other direction has ended too, because it is what pushes the
+/// data held back by `MSG_MORE`, with the FIN.
+fn last_data_sent(dst: &TcpStream, activity: &Activity) -> io::Result<()> {
+    activity.finish_one_way();
+    shutdown_write(dst)
 }
 
 /// Writes all of `data` to `dst`, waiting for room as needed.
