@@ -131,6 +131,9 @@ pub async fn start(options: Options) -> Result<Server, StartError> {
         reload_tx.clone(),
         admin_stop.clone(),
     ));
+    tokio::spawn(
+        Arc::clone(&metrics).fold_histograms_every(metrics::HISTOGRAM_FOLD_PERIOD, stop.clone()),
+    );
     let main_loop = tokio::spawn(main_loop(
         options,
         Arc::clone(&daemon),

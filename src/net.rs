@@ -32,9 +32,19 @@ pub async fn connect(socket: Socket, addr: SocketAddr) -> io::Result<TcpStream> 
         Err(e) => return Err(e),
     }
     let stream = TcpStream::from_std(socket.into())?;
+    handshake_done(&stream).await?;
+    Ok(stream)
+}
+
+/// Waits until the handshake of `stream` (connecting, and registered since
+/// its `connect`, so no readiness is left from an earlier connection) is
+/// done or has failed. Success is the writable event alone; a failed
+/// connect raises `EPOLLERR` and `EPOLLHUP`, and only then is its error read
+/// (`SO_ERROR`).
+pub async fn handshake_done(stream: &TcpStream) -> io::Result<()> {
     let ready = stream.ready(Interest::WRITABLE | Interest::ERROR).await?;
     if !(ready.is_error() || ready.is_write_closed()) {
-        return Ok(stream);
+        return Ok(());
     }
     Err(stream.take_error()?.unwrap_or_else(|| {
         io::Error::new(

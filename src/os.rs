@@ -1,10 +1,12 @@
-//! The two small things the standard library does not expose and the daemon
-//! needs from the kernel: the raw monotonic clock (for systemd) and raising
-//! the open-file limit. `unsafe` is confined to these calls.
+//! The few small things the standard library does not expose and the daemon
+//! needs from the kernel: the raw monotonic clock (for systemd), raising the
+//! open-file limit, and dissolving a TCP connection while keeping its socket.
+//! `unsafe` is confined to these calls.
 
 #![allow(unsafe_code)]
 
 use std::io;
+use std::os::fd::RawFd;
 use std::time::Duration;
 
 /// `CLOCK_MONOTONIC` now, which `std::time::Instant` uses but does not expose.
@@ -56,5 +58,27 @@ pub fn ignore_hangup_until_handled() {
     // the handler installed later replaces it.
     unsafe {
         libc::signal(libc::SIGHUP, libc::SIG_IGN);
+    }
+}
+
+/// `connect(fd, AF_UNSPEC)`: on Linux this dissolves a TCP socket's
+/// connection (a reset if it was established, nothing sent if the handshake
+/// was still pending) and leaves the socket unconnected, ready for another
+/// `connect`, its options and its registration with epoll kept.
+pub fn tcp_disconnect(fd: RawFd) -> io::Result<()> {
+    // SAFETY: an all-zero sockaddr is valid and has sa_family AF_UNSPEC; the
+    // kernel reads only its family from it.
+    let rc = unsafe {
+        let unspec: libc::sockaddr = std::mem::zeroed();
+        libc::connect(
+            fd,
+            &unspec,
+            std::mem::size_of::<libc::sockaddr>() as libc::socklen_t,
+        )
+    };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
     }
 }

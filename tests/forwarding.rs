@@ -492,7 +492,10 @@ async fn the_last_bytes_and_the_end_of_stream_reach_the_client_in_one_segment() 
         answer.await.unwrap();
         // Data and FIN in one segment: MSG_MORE holds the data for the FIN.
         let sock = socket2::SockRef::from(&s);
-        assert_eq!(sock.send_with_flags(b"answer\n", libc::MSG_MORE).unwrap(), 7);
+        assert_eq!(
+            sock.send_with_flags(b"answer\n", libc::MSG_MORE).unwrap(),
+            7
+        );
         sock.shutdown(std::net::Shutdown::Write).unwrap();
         let mut rest = Vec::new();
         s.read_to_end(&mut rest).await.unwrap();

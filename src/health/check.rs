@@ -6,7 +6,11 @@ use std::io;
 use std::net::SocketAddr;
 use std::time::Duration;
 
+use std::os::fd::AsRawFd;
+use std::sync::Mutex;
+
 use socket2::Socket;
+use tokio::net::TcpStream;
 use tokio::time::Instant;
 
 use crate::config::CheckKind;
@@ -61,50 +65,173 @@ impl Outcome {
     }
 }
 
-/// Runs one probe of `kind` against `target`, bounded by `timeout`.
-/// Returns the outcome and how long it took.
-pub async fn probe(kind: CheckKind, target: SocketAddr, timeout: Duration) -> (Outcome, Duration) {
+/// Runs one probe of `kind` against `target`, bounded by `timeout`, with a
+/// socket from `sockets`. Returns the outcome and how long it took.
+pub async fn probe(
+    kind: CheckKind,
+    target: SocketAddr,
+    timeout: Duration,
+    sockets: &ProbeSockets,
+) -> (Outcome, Duration) {
     let started = Instant::now();
     let outcome = match kind {
-        CheckKind::TcpConnect => tcp_connect(target, timeout).await,
+        CheckKind::TcpConnect => tcp_connect(target, timeout, sockets).await,
     };
     (outcome, started.elapsed())
 }
 
 /// A TCP check the way HAProxy does a plain one: the handshake is the
 /// check. `TCP_QUICKACK` is off, so the kernel holds back the last ACK of the
-/// handshake, and the socket is closed with a reset (`SO_LINGER` 0) as soon
-/// as the SYN-ACK arrives. The backend's listening socket answered, which is
-/// all a connect can prove; the node's application never sees a connection
-/// (no accept, no log line, no `TIME_WAIT` on either host), and each probe
-/// costs three packets instead of five.
-async fn tcp_connect(target: SocketAddr, timeout: Duration) -> Outcome {
-    let socket = match new_probe_socket(target) {
+/// handshake, and the connection is reset as soon as the SYN-ACK arrives.
+/// The backend's listening socket answered, which is all a connect can
+/// prove; the node's application never sees a connection (no accept, no log
+/// line, no `TIME_WAIT` on either host), and each probe costs three packets
+/// instead of five.
+async fn tcp_connect(target: SocketAddr, timeout: Duration, sockets: &ProbeSockets) -> Outcome {
+    let socket = match sockets.take(target) {
         Ok(s) => s,
         Err(e) if net::is_local_shortage(&e) => {
             return Outcome::Skipped(format!("cannot create probe socket: {e}"));
         }
         Err(e) => return Outcome::Error(format!("cannot create probe socket: {e}")),
     };
-    match tokio::time::timeout(timeout, net::connect(socket, target)).await {
-        // Dropping the stream closes it with a reset.
-        Ok(Ok(_stream)) => Outcome::Ok,
-        Ok(Err(e)) if e.kind() == io::ErrorKind::ConnectionRefused => Outcome::Refused,
-        Ok(Err(e)) if net::is_local_shortage(&e) => {
-            Outcome::Skipped(format!("cannot connect probe socket: {e}"))
-        }
-        Ok(Err(e)) => Outcome::Error(e.to_string()),
-        Err(_) => Outcome::Timeout,
-    }
-}
-
-fn new_probe_socket(target: SocketAddr) -> io::Result<Socket> {
-    let socket = net::tcp_socket_for(target)?;
-    socket.set_linger(Some(Duration::ZERO))?;
-    // Only saves the handshake's last ACK: a probe that works without it
-    // must not fail for it.
+    // The kernel forgets this setting when a connection is dissolved: set it
+    // for every probe. It only saves the handshake's last ACK, so a probe
+    // that works without it must not fail for it.
     if let Err(e) = socket.set_tcp_quickack(false) {
         tracing::debug!(error = %e, "cannot turn TCP_QUICKACK off on a probe socket");
     }
-    Ok(socket)
+    match socket.connect(&target.into()) {
+        Ok(()) => {}
+        Err(e) if e.raw_os_error() == Some(libc::EINPROGRESS) => {}
+        Err(e) => {
+            sockets.give_back(socket, target);
+            return classify(e);
+        }
+    }
+    // Registered for this probe only: tokio's readiness of a socket never
+    // forgets a hang-up, which every dissolved connection leaves behind.
+    let stream = match TcpStream::from_std(std::net::TcpStream::from(socket)) {
+        Ok(s) => s,
+        Err(e) => return classify(e),
+    };
+    let outcome = match tokio::time::timeout(timeout, net::handshake_done(&stream)).await {
+        Ok(Ok(())) => Outcome::Ok,
+        Ok(Err(e)) => classify(e),
+        Err(_) => Outcome::Timeout,
+    };
+    if let Ok(socket) = stream.into_std() {
+        sockets.give_back(Socket::from(socket), target);
+    }
+    outcome
+}
+
+fn classify(e: io::Error) -> Outcome {
+    if e.kind() == io::ErrorKind::ConnectionRefused {
+        Outcome::Refused
+    } else if net::is_local_shortage(&e) {
+        Outcome::Skipped(format!("cannot connect probe socket: {e}"))
+    } else {
+        Outcome::Error(e.to_string())
+    }
+}
+
+/// Idle probe sockets kept per address family, at most this many each:
+/// more than the probes a host ever has in flight at once.
+const MAX_IDLE: usize = 256;
+
+/// Probe sockets kept from one probe to the next.
+///
+/// A probe's socket is not closed after its check: `connect(AF_UNSPEC)`
+/// resets the connection (or abandons a handshake that timed out) and leaves
+/// the socket unconnected, its options set, for the next probe to connect
+/// anywhere. That saves a `socket`, a `setsockopt` and a `close` per probe,
+/// and the kernel's making and tearing down of a socket and its file (see
+/// the README's "Health checking" for what it saves). A socket in doubt is
+/// closed instead, with a reset (`SO_LINGER` 0).
+#[derive(Default)]
+pub struct ProbeSockets {
+    idle: Mutex<[Vec<Socket>; 2]>,
+}
+
+impl ProbeSockets {
+    /// An empty set; sockets are made as probes need them.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// An unconnected socket for `target`'s family: a kept one, or a new one.
+    fn take(&self, target: SocketAddr) -> io::Result<Socket> {
+        let kept = self.lock()[family(target)].pop();
+        match kept {
+            Some(socket) => Ok(socket),
+            None => {
+                let socket = net::tcp_socket_for(target)?;
+                socket.set_linger(Some(Duration::ZERO))?;
+                Ok(socket)
+            }
+        }
+    }
+
+    /// Dissolves whatever connection `socket` (taken for `target`) has and
+    /// keeps it for the next probe; closes it if it cannot be dissolved or
+    /// enough are kept.
+    fn give_back(&self, socket: Socket, target: SocketAddr) {
+        if let Err(e) = crate::os::tcp_disconnect(socket.as_raw_fd()) {
+            tracing::debug!(error = %e, "cannot dissolve a probe connection; closing its socket");
+            return;
+        }
+        let mut idle = self.lock();
+        let kept = &mut idle[family(target)];
+        if kept.len() < MAX_IDLE {
+            kept.push(socket);
+        }
+    }
+
+    /// How many sockets are kept now.
+    pub fn idle(&self) -> usize {
+        self.lock().iter().map(Vec::len).sum()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, [Vec<Socket>; 2]> {
+        self.idle.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+fn family(target: SocketAddr) -> usize {
+    usize::from(target.is_ipv6())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn one_socket_serves_probe_after_probe_and_the_target_never_sees_a_connection() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        listener.set_nonblocking(true).unwrap();
+        let up = listener.local_addr().unwrap();
+        let down = {
+            let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+            closed.local_addr().unwrap()
+        };
+        let sockets = ProbeSockets::new();
+        let timeout = Duration::from_secs(5);
+        for round in 0..20 {
+            let (outcome, _) = probe(CheckKind::TcpConnect, up, timeout, &sockets).await;
+            assert_eq!(outcome, Outcome::Ok, "round {round}, open port");
+            let (outcome, _) = probe(CheckKind::TcpConnect, down, timeout, &sockets).await;
+            assert_eq!(outcome, Outcome::Refused, "round {round}, closed port");
+            assert_eq!(sockets.idle(), 1, "round {round}: sockets kept");
+        }
+        // Every handshake was reset before its last ACK, the reused socket's
+        // included: nothing ever reached the accept queue.
+        let accepted = listener.accept();
+        assert!(
+            accepted
+                .as_ref()
+                .is_err_and(|e| e.kind() == io::ErrorKind::WouldBlock),
+            "the target accepted {accepted:?}"
+        );
+    }
 }

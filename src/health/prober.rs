@@ -25,7 +25,7 @@ use serde::Serialize;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use super::check::{self, Outcome};
+use super::check::{self, Outcome, ProbeSockets};
 use super::{Health, HealthState, Thresholds};
 use crate::balancer::select::{hash_ip, mix64};
 use crate::balancer::{Backend, LoadBalancer};
@@ -60,6 +60,8 @@ impl StreamKey {
 pub struct Prober {
     targets: DashMap<TargetKey, Arc<Target>>,
     streams: DashMap<StreamKey, Arc<Stream>>,
+    /// Sockets every stream's probes share, kept between probes.
+    sockets: Arc<ProbeSockets>,
 }
 
 impl Prober {
@@ -163,7 +165,11 @@ impl Prober {
             }
             // The first subscriber is in place before the first probe.
             dashmap::Entry::Vacant(e) => {
-                e.insert(Stream::spawn(key, Arc::clone(target)));
+                e.insert(Stream::spawn(
+                    key,
+                    Arc::clone(target),
+                    Arc::clone(&self.sockets),
+                ));
             }
         }
     }
@@ -199,14 +205,17 @@ struct Stream {
     subscribers: ArcSwap<Vec<Arc<Target>>>,
     /// Ends the loop.
     stop: CancellationToken,
+    /// Where its probes take their sockets from.
+    sockets: Arc<ProbeSockets>,
 }
 
 impl Stream {
-    fn spawn(key: StreamKey, first: Arc<Target>) -> Arc<Self> {
+    fn spawn(key: StreamKey, first: Arc<Target>, sockets: Arc<ProbeSockets>) -> Arc<Self> {
         let stream = Arc::new(Self {
             key,
             subscribers: ArcSwap::from_pointee(vec![first]),
             stop: CancellationToken::new(),
+            sockets,
         });
         tokio::spawn(Arc::clone(&stream).run());
         stream
@@ -239,7 +248,7 @@ impl Stream {
             let at = SystemTime::now();
             let (outcome, took) = tokio::select! {
                 _ = self.stop.cancelled() => return,
-                r = check::probe(check, addr, timeout) => r,
+                r = check::probe(check, addr, timeout, &self.sockets) => r,
             };
             for target in self.subscribers.load().iter() {
                 target.record(addr, at, &outcome, took);
