@@ -127,6 +127,10 @@ async fn idle(activity: &Activity, timeout: Duration) {
     }
 }
 
+/// What a direction waits for on its source: data, its end, or an error.
+/// `ERROR` tells a reset from a FIN (see [`fin_queued`]).
+const SOURCE: Interest = Interest::READABLE.add(Interest::ERROR);
+
 /// Bytes read per `recv` in copy mode. A read that fills it marks the
 /// direction as bulk and moves it to `splice(2)` for the rest of the
 /// connection (HAProxy's `splice-auto` does the same).
@@ -191,7 +195,16 @@ async fn one_way(
 ) -> io::Result<()> {
     let mut bulk = false;
     loop {
-        let ready = src.ready(Interest::READABLE | Interest::ERROR).await?;
+        let ready = src.ready(SOURCE).await?;
+        if ready.is_error() && !(ready.is_readable() || ready.is_read_closed()) {
+            // An error raised alone: no read would be tried on it (tokio
+            // reads on READABLE only), so take it here, or clear it.
+            if let Some(e) = src.take_error()? {
+                return Err(e);
+            }
+            clear_error(src);
+            continue;
+        }
         if bulk {
             match PIPES.take() {
                 Ok(pipe) => {
@@ -247,6 +260,15 @@ async fn one_way(
         }
         bulk |= n == SCRATCH;
     }
+}
+
+/// Forgets an `ERROR` readiness that carried no pending error (only the
+/// error queue, which this socket does not use), so it cannot wake the
+/// direction again.
+fn clear_error(src: &TcpStream) {
+    let _ = src.try_io(Interest::ERROR, || -> io::Result<()> {
+        Err(io::ErrorKind::WouldBlock.into())
+    });
 }
 
 /// Whether `src`'s peer has sent its FIN and no reset: everything still in
