@@ -724,7 +724,7 @@ fn run_order<T: Copy>(targets: &[T], round: usize) -> Vec<T> {
             }
         })
         .collect();
-    let rows = if n % 2 == 0 { n } else { 2 * n };
+    let rows = if n.is_multiple_of(2) { n } else { 2 * n };
     let r = round % rows;
     let mut order: Vec<T> = first.iter().map(|&j| targets[(j + r) % n]).collect();
     if r >= n {
