@@ -206,32 +206,92 @@ fn family(target: SocketAddr) -> usize {
 mod tests {
     use super::*;
 
-    #[tokio::test]
-    async fn one_socket_serves_probe_after_probe_and_the_target_never_sees_a_connection() {
-        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    /// A listening port and a closed one on `ip`.
+    fn open_and_closed(ip: &str) -> (std::net::TcpListener, SocketAddr) {
+        let listener = std::net::TcpListener::bind((ip, 0)).unwrap();
         listener.set_nonblocking(true).unwrap();
-        let up = listener.local_addr().unwrap();
-        let down = {
-            let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-            closed.local_addr().unwrap()
-        };
+        let closed = std::net::TcpListener::bind((ip, 0)).unwrap();
+        let down = closed.local_addr().unwrap();
+        (listener, down)
+    }
+
+    #[tokio::test]
+    async fn one_socket_per_family_serves_probe_after_probe_and_the_target_never_sees_a_connection()
+    {
+        let targets = [open_and_closed("127.0.0.1"), open_and_closed("::1")];
         let sockets = ProbeSockets::new();
         let timeout = Duration::from_secs(5);
         for round in 0..20 {
-            let (outcome, _) = probe(CheckKind::TcpConnect, up, timeout, &sockets).await;
-            assert_eq!(outcome, Outcome::Ok, "round {round}, open port");
-            let (outcome, _) = probe(CheckKind::TcpConnect, down, timeout, &sockets).await;
-            assert_eq!(outcome, Outcome::Refused, "round {round}, closed port");
-            assert_eq!(sockets.idle(), 1, "round {round}: sockets kept");
+            for (listener, down) in &targets {
+                let up = listener.local_addr().unwrap();
+                let (outcome, _) = probe(CheckKind::TcpConnect, up, timeout, &sockets).await;
+                assert_eq!(outcome, Outcome::Ok, "round {round}, open port {up}");
+                let (outcome, _) = probe(CheckKind::TcpConnect, *down, timeout, &sockets).await;
+                assert_eq!(
+                    outcome,
+                    Outcome::Refused,
+                    "round {round}, closed port {down}"
+                );
+            }
+            assert_eq!(sockets.idle(), 2, "round {round}: sockets kept");
         }
-        // Every handshake was reset before its last ACK, the reused socket's
-        // included: nothing ever reached the accept queue.
-        let accepted = listener.accept();
-        assert!(
-            accepted
-                .as_ref()
-                .is_err_and(|e| e.kind() == io::ErrorKind::WouldBlock),
-            "the target accepted {accepted:?}"
-        );
+        // Every handshake was reset before its last ACK, the reused sockets'
+        // included: nothing ever reached an accept queue.
+        for (listener, _) in &targets {
+            let accepted = listener.accept();
+            assert!(
+                accepted
+                    .as_ref()
+                    .is_err_and(|e| e.kind() == io::ErrorKind::WouldBlock),
+                "the target accepted {accepted:?}"
+            );
+        }
+    }
+
+    #[tokio::test]
+    async fn a_socket_whose_probe_timed_out_serves_the_next_probe() {
+        // A listener with a full accept queue: the kernel drops further
+        // SYNs, so a handshake with it times out.
+        let hole = Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
+        hole.bind(&"127.0.0.1:0".parse::<SocketAddr>().unwrap().into())
+            .unwrap();
+        hole.listen(0).unwrap();
+        let silent = hole.local_addr().unwrap().as_socket().unwrap();
+        let mut fillers = Vec::new();
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        while let Ok(s) = std::net::TcpStream::connect_timeout(&silent, Duration::from_millis(200))
+        {
+            fillers.push(s);
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{silent} keeps accepting"
+            );
+        }
+        let (listener, _) = open_and_closed("127.0.0.1");
+        let up = listener.local_addr().unwrap();
+        let sockets = ProbeSockets::new();
+        for round in 0..3 {
+            let (outcome, took) = probe(
+                CheckKind::TcpConnect,
+                silent,
+                Duration::from_millis(300),
+                &sockets,
+            )
+            .await;
+            assert_eq!(outcome, Outcome::Timeout, "round {round}, after {took:?}");
+            assert_eq!(
+                sockets.idle(),
+                1,
+                "round {round}: the abandoned socket is kept"
+            );
+            let (outcome, _) =
+                probe(CheckKind::TcpConnect, up, Duration::from_secs(5), &sockets).await;
+            assert_eq!(
+                outcome,
+                Outcome::Ok,
+                "round {round}: the kept socket connects anew"
+            );
+            assert_eq!(sockets.idle(), 1, "round {round}");
+        }
     }
 }
