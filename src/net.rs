@@ -26,14 +26,19 @@ pub fn tcp_socket_for(addr: SocketAddr) -> io::Result<Socket> {
 /// HAProxy. Connection refused comes back as
 /// [`io::ErrorKind::ConnectionRefused`].
 pub async fn connect(socket: Socket, addr: SocketAddr) -> io::Result<TcpStream> {
-    match socket.connect(&addr.into()) {
-        Ok(()) => {}
-        Err(e) if e.raw_os_error() == Some(libc::EINPROGRESS) => {}
-        Err(e) => return Err(e),
-    }
+    start_connect(&socket, addr)?;
     let stream = TcpStream::from_std(socket.into())?;
     handshake_done(&stream).await?;
     Ok(stream)
+}
+
+/// Starts connecting the non-blocking `socket` to `addr`: `Ok` once the SYN
+/// is on its way (`EINPROGRESS`) or the connect is already done.
+pub fn start_connect(socket: &Socket, addr: SocketAddr) -> io::Result<()> {
+    match socket.connect(&addr.into()) {
+        Err(e) if e.raw_os_error() == Some(libc::EINPROGRESS) => Ok(()),
+        r => r,
+    }
 }
 
 /// Waits until the handshake of `stream` (connecting, and registered since

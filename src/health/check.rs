@@ -101,13 +101,9 @@ async fn tcp_connect(target: SocketAddr, timeout: Duration, sockets: &ProbeSocke
     if let Err(e) = socket.set_tcp_quickack(false) {
         tracing::debug!(error = %e, "cannot turn TCP_QUICKACK off on a probe socket");
     }
-    match socket.connect(&target.into()) {
-        Ok(()) => {}
-        Err(e) if e.raw_os_error() == Some(libc::EINPROGRESS) => {}
-        Err(e) => {
-            sockets.give_back(socket, target);
-            return classify(e);
-        }
+    if let Err(e) = net::start_connect(&socket, target) {
+        sockets.give_back(socket, target);
+        return classify(e);
     }
     // Registered for this probe only: tokio's readiness of a socket never
     // forgets a hang-up, which every dissolved connection leaves behind.
