@@ -13,7 +13,7 @@ use criterion::{BenchmarkId, Criterion, criterion_group, criterion_main};
 
 use harvester_lb::balancer::{Backend, LoadBalancer, Settings};
 use harvester_lb::config::Algorithm;
-use harvester_lb::metrics::Metrics;
+use harvester_lb::metrics::LbStats;
 
 fn lb(algorithm: Algorithm, n: usize) -> (Arc<LoadBalancer>, Vec<Arc<Backend>>) {
     let members: Vec<Arc<Backend>> = (0..n)
@@ -30,13 +30,12 @@ fn lb(algorithm: Algorithm, n: usize) -> (Arc<LoadBalancer>, Vec<Arc<Backend>>) 
         connect_attempts: NonZeroU32::new(3),
         idle_timeout: Duration::from_secs(3600),
     };
-    let metrics = Metrics::new();
     let lb = LoadBalancer::new(
         "bench/lb".into(),
         "kubernetes".into(),
         settings,
         members.clone(),
-        &metrics,
+        LbStats::detached(),
     );
     (lb, members)
 }

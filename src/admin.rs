@@ -10,7 +10,7 @@ use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::Duration;
 
-use http_body_util::Full;
+use http_body_util::{Either, Full};
 use hyper::body::{Bytes, Incoming};
 use hyper::header::{ALLOW, CONTENT_TYPE};
 use hyper::{Method, Request, Response, StatusCode};
@@ -20,6 +20,10 @@ use tokio::sync::{Semaphore, mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 
 use crate::daemon::Daemon;
+use crate::metrics::exposition::ExpositionBody;
+
+/// A response body: a short text or JSON, or `/metrics` written as it is sent.
+type Body = Either<Full<Bytes>, ExpositionBody>;
 
 /// Admin connections served at once; more wait in the kernel's backlog.
 const MAX_CONNECTIONS: usize = 64;
@@ -86,7 +90,7 @@ async fn route(
     req: Request<Incoming>,
     daemon: &Daemon,
     reload: &mpsc::Sender<ReloadRequest>,
-) -> Response<Full<Bytes>> {
+) -> Response<Body> {
     let path = req.uri().path();
     let allowed: &str = match path {
         "/metrics" | "/healthz" | "/readyz" | "/status" => "GET, HEAD",
@@ -114,7 +118,8 @@ async fn route(
     }
     match path {
         "/metrics" => {
-            let mut resp = Response::new(Full::new(Bytes::from(daemon.metrics().render())));
+            let body = ExpositionBody::from(daemon.metrics().exposition());
+            let mut resp = Response::new(Either::Right(body));
             resp.headers_mut().insert(
                 CONTENT_TYPE,
                 "text/plain; version=0.0.4; charset=utf-8"
@@ -143,7 +148,7 @@ async fn route(
         "/status" => {
             let body = serde_json::to_vec_pretty(&daemon.status())
                 .unwrap_or_else(|e| format!("{{\"error\":\"{e}\"}}").into_bytes());
-            let mut resp = Response::new(Full::new(Bytes::from(body)));
+            let mut resp = Response::new(Either::Left(Full::new(Bytes::from(body))));
             resp.headers_mut().insert(
                 CONTENT_TYPE,
                 "application/json".parse().expect("static header value"),
@@ -167,8 +172,8 @@ async fn route(
     }
 }
 
-fn text(status: StatusCode, body: &str) -> Response<Full<Bytes>> {
-    let mut resp = Response::new(Full::new(Bytes::from(body.to_string())));
+fn text(status: StatusCode, body: &str) -> Response<Body> {
+    let mut resp = Response::new(Either::Left(Full::new(Bytes::from(body.to_string()))));
     *resp.status_mut() = status;
     resp.headers_mut().insert(
         CONTENT_TYPE,

@@ -18,12 +18,12 @@ use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use crate::balancer::{Backend, BackendMetrics, LoadBalancer, Settings};
+use crate::balancer::{Backend, LoadBalancer, Settings};
 use crate::config::{Algorithm, Config, Ipam, ListenerSpec, LoadBalancerSpec};
 use crate::health::prober::{Prober, TargetStatus};
 use crate::health::{Health, HealthState};
-use crate::metrics::{self as names, Metrics};
-use crate::proxy::{self, Listener, ListenerMetrics, Route};
+use crate::metrics::{ListenerStats, Metrics};
+use crate::proxy::{self, Listener, Route};
 
 /// The daemon's live state, shared by the reload path, the admin server and
 /// the signal handlers.
@@ -61,7 +61,8 @@ struct ListenerEntry {
     load_balancer: String,
     spec: ListenerSpec,
     socket: Result<Listener, String>,
-    up: metrics::Gauge,
+    /// The numbers of the listener it serves now (`listener_up`).
+    stats: Arc<ListenerStats>,
 }
 
 /// What a call to [`Daemon::apply`] changed, for the log.
@@ -160,7 +161,7 @@ impl Daemon {
             .collect();
         for addr in removed {
             if let Some(entry) = st.listeners.remove(&addr) {
-                entry.up.set(0.0);
+                entry.stats.up.clear();
                 if let Ok(listener) = entry.socket {
                     self.drain_in_background(listener, drain);
                 }
@@ -170,35 +171,41 @@ impl Daemon {
         for (addr, (lb_spec, l_spec)) in desired {
             let lb = Arc::clone(&st.load_balancers[&lb_spec.name].lb);
             let route = self.route(&lb, l_spec);
-            let labels = listener_labels(&lb, l_spec);
+            let stats = Arc::clone(&route.stats);
             match st.listeners.get_mut(&addr) {
                 Some(ListenerEntry {
                     socket: Ok(listener),
                     load_balancer,
                     spec,
-                    ..
+                    stats: serving,
                 }) => {
                     listener.set_route(route);
                     *load_balancer = lb_spec.name.clone();
                     *spec = l_spec.clone();
+                    if !Arc::ptr_eq(serving, &stats) {
+                        // Renamed, or now another load balancer's.
+                        serving.up.clear();
+                        *serving = stats;
+                    }
                 }
                 _ => {
-                    let up = self.metrics.gauge(names::LISTENER_UP, &labels);
                     let socket = self.start_listener(addr, route, config.proxy.backlog);
-                    up.set(if socket.is_ok() { 1.0 } else { 0.0 });
                     st.listeners.insert(
                         addr,
                         ListenerEntry {
                             load_balancer: lb_spec.name.clone(),
                             spec: l_spec.clone(),
                             socket,
-                            up,
+                            stats,
                         },
                     );
                 }
             }
         }
+        // After every removal above: a listener's identity may have moved
+        // to another VIP:port, whose entry must not be cleared after it is set.
         for entry in st.listeners.values() {
+            entry.stats.up.set(entry.socket.is_ok());
             if entry.socket.is_ok() {
                 report.listeners_bound += 1;
             } else {
@@ -206,11 +213,9 @@ impl Daemon {
             }
         }
         self.metrics
-            .gauge(names::CONFIG_LOAD_BALANCERS, &[])
-            .set(config.load_balancers.len() as f64);
+            .set_config_in_force(config.load_balancers.len(), self.prober.streams());
         self.metrics
-            .gauge(names::HEALTH_CHECK_STREAMS, &[])
-            .set(self.prober.streams() as f64);
+            .set_per_backend_health_check_duration(config.metrics.per_backend_health_check_duration);
         st.config = Some(config);
         report
     }
@@ -240,7 +245,7 @@ impl Daemon {
             let route = self.route(&lb, &entry.spec);
             if let Ok(listener) = self.start_listener(addr, route, backlog) {
                 entry.socket = Ok(listener);
-                entry.up.set(1.0);
+                entry.stats.up.set(true);
                 fixed += 1;
             }
         }
@@ -285,7 +290,7 @@ impl Daemon {
                 .listeners
                 .drain()
                 .filter_map(|(_, e)| {
-                    e.up.set(0.0);
+                    e.stats.up.set(false);
                     e.socket.ok()
                 })
                 .collect();
@@ -303,10 +308,14 @@ impl Daemon {
     fn new_load_balancer(&self, spec: &LoadBalancerSpec) -> LbEntry {
         let healthy_at_start = spec.health_check.is_none()
             || spec.initial_state == crate::config::InitialState::Healthy;
+        let stats = self.metrics.load_balancer(&spec.cluster, &spec.name);
         let backends: HashMap<IpAddr, Arc<Backend>> = spec
             .backends
             .iter()
-            .map(|ip| (*ip, self.new_backend(spec, *ip, healthy_at_start)))
+            .map(|ip| {
+                let backend = Backend::with_stats(*ip, healthy_at_start, stats.backend(*ip));
+                (*ip, backend)
+            })
             .collect();
         let members = spec
             .backends
@@ -318,7 +327,7 @@ impl Daemon {
             spec.cluster.clone(),
             Settings::from(spec),
             members,
-            &self.metrics,
+            stats,
         );
         let entry = LbEntry {
             lb,
@@ -336,12 +345,15 @@ impl Daemon {
         for ip in &spec.backends {
             let backend = match entry.backends.remove(ip) {
                 Some(b) => b,
-                None => self.new_backend(spec, *ip, healthy_at_start),
+                None => {
+                    Backend::with_stats(*ip, healthy_at_start, entry.lb.stats().backend(*ip))
+                }
             };
             backends.insert(*ip, backend);
         }
         for (ip, gone) in std::mem::replace(&mut entry.backends, backends) {
             self.prober.remove(&(spec.name.clone(), ip));
+            gone.leave();
             retire_after(gone, drain, &self.drains, self.retire_now.clone());
         }
         if spec.health_check.is_none() {
@@ -370,34 +382,25 @@ impl Daemon {
                 // A backend gaining a health check starts from the initial state.
                 let initial = HealthState::new(spec.initial_state);
                 backend.set_healthy(initial.status == Health::Healthy);
-                self.prober
-                    .ensure(&entry.lb, backend, hc, initial, &self.metrics);
+                self.prober.ensure(&entry.lb, backend, hc, initial);
             } else {
                 self.prober.ensure(
                     &entry.lb,
                     backend,
                     hc,
                     HealthState::new(spec.initial_state),
-                    &self.metrics,
                 );
             }
         }
     }
 
     fn retire_load_balancer(&self, entry: LbEntry, drain: Duration) {
+        entry.lb.leave();
         for (ip, backend) in entry.backends {
             self.prober.remove(&(entry.spec.name.clone(), ip));
+            backend.leave();
             retire_after(backend, drain, &self.drains, self.retire_now.clone());
         }
-    }
-
-    fn new_backend(&self, spec: &LoadBalancerSpec, ip: IpAddr, healthy: bool) -> Arc<Backend> {
-        let labels = [
-            ("cluster", spec.cluster.clone()),
-            ("load_balancer", spec.name.clone()),
-            ("backend", ip.to_string()),
-        ];
-        Backend::with_metrics(ip, healthy, BackendMetrics::new(&self.metrics, &labels))
     }
 
     fn route(&self, lb: &Arc<LoadBalancer>, spec: &ListenerSpec) -> Route {
@@ -405,7 +408,7 @@ impl Daemon {
             lb: Arc::clone(lb),
             listener: spec.name.clone(),
             backend_port: spec.backend_port,
-            metrics: ListenerMetrics::new(&self.metrics, &listener_labels(lb, spec)),
+            stats: lb.stats().listener(&spec.name),
         }
     }
 
@@ -418,12 +421,7 @@ impl Daemon {
         match proxy::bind(addr, backlog) {
             Ok(socket) => {
                 tracing::info!(listen = %addr, load_balancer = %route.lb.name, listener = %route.listener, "listening");
-                Ok(Listener::start(
-                    socket,
-                    route,
-                    Arc::clone(&self.limit),
-                    &self.metrics,
-                ))
+                Ok(Listener::start(socket, route, Arc::clone(&self.limit)))
             }
             Err(e) => {
                 let reason = format!("cannot bind {addr}: {e}");
@@ -525,14 +523,6 @@ impl Daemon {
             load_balancers,
         }
     }
-}
-
-fn listener_labels(lb: &LoadBalancer, spec: &ListenerSpec) -> [(&'static str, String); 3] {
-    [
-        ("cluster", lb.cluster.clone()),
-        ("load_balancer", lb.name.clone()),
-        ("listener", spec.name.clone()),
-    ]
 }
 
 /// Closes a removed backend's connections once `drain` has passed (or at

@@ -824,11 +824,23 @@ async fn metrics_carry_the_documented_names_and_pass_promtool() {
     let net = Subnet::new();
     let _b = Backend::start(backend_addr(&net, 11), Behaviour::NameThenEcho).await;
     let health = "  period_seconds = 1\n  timeout_seconds = 1";
-    let d = Daemon::start(&net, &config(&net, &[11, 12], "", Some(health))).await;
-    // Traffic and probes so every family has samples.
+    let mut cfg = config(&net, &[11, 12], "", Some(health));
+    cfg.push_str(&format!(
+        "\n[[load_balancer]]\nname = \"default/empty\"\nvip = \"{}\"\nbackends = []\n  [[load_balancer.listener]]\n  name = \"http\"\n  port = 8080\n  backend_port = 30080\n",
+        net.ip_str(2)
+    ));
+    let d = Daemon::start(&net, &cfg).await;
+    // Every outcome-split family appears at its first event: make one each.
+    // Round robin starts one of two clients on the dead .12 (its third
+    // failed probe, which takes it out, is a second away): a refused connect.
+    for _ in 0..2 {
+        assert_eq!(whoami(vip(&net)).await.unwrap(), net.ip_str(11));
+    }
+    // No backend at all: a failed client connection.
+    assert_refused_quickly(SocketAddr::new(net.ip(2), 8080), Duration::from_secs(2)).await;
+    // A transition.
     d.wait_health(LB, &net.ip_str(12), "unhealthy", Duration::from_secs(8))
         .await;
-    whoami(vip(&net)).await.unwrap();
     let (code, body) = d.get("/metrics").await;
     assert_eq!(code, 200);
     for name in [

@@ -598,7 +598,17 @@ async fn a_removed_backend_stops_being_probed_and_its_connections_drain() {
         );
         metric_value(body, &format!("harvester_lb_health_checks_total{{{l}}}"))
     };
-    let first = checks(&d.get("/metrics").await.1);
+    let metrics = d.get("/metrics").await.1;
+    let first = checks(&metrics);
+    // Its state series went with the reload; its counters stay while it drains.
+    let labels = format!("load_balancer=\"{STABLE}\",backend=\"{}\"", net.ip_str(12));
+    assert!(
+        !metrics
+            .lines()
+            .any(|l| l.starts_with("harvester_lb_backend_up") && l.contains(&labels)),
+        "a removed backend still reports backend_up:\n{metrics}"
+    );
+    assert!(first >= 1.0, "its probe count stays while it drains:\n{metrics}");
     // The open connection keeps working during the drain time...
     echo_once(&mut open, "still served")
         .await
@@ -610,11 +620,19 @@ async fn a_removed_backend_stops_being_probed_and_its_connections_drain() {
         .expect("closed after the drain timeout");
     assert!(matches!(r, Ok(0) | Err(_)), "{r:?}");
     assert!(removed_at.elapsed() >= Duration::from_millis(1500));
-    assert_eq!(
-        checks(&d.get("/metrics").await.1),
-        first,
-        "a removed backend is still probed"
-    );
+    // Drained: every series of it is gone (a probe after removal would
+    // have raised the count before that).
+    let body = wait_for(
+        Duration::from_secs(5),
+        "the removed backend's series to go once it has drained",
+        || async {
+            let body = d.get("/metrics").await.1;
+            let gone = !body.lines().any(|l| l.contains(&labels));
+            gone.then_some(body)
+        },
+    )
+    .await;
+    assert_eq!(checks(&body), 0.0);
     d.stop().await;
 }
 

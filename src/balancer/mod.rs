@@ -18,11 +18,10 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
-use metrics::{Counter, Gauge};
 use tokio_util::sync::CancellationToken;
 
 use crate::config::{Algorithm, LoadBalancerSpec};
-use crate::metrics::{self as names, Metrics};
+use crate::metrics::{BackendStats, LbStats};
 
 /// One backend node of one load balancer, shared by its listeners, the prober
 /// and every connection open to it.
@@ -33,72 +32,35 @@ pub struct Backend {
     pub(crate) addr_hash: u64,
     /// Last verdict of the health checker (always true without health checks).
     healthy: AtomicBool,
+    /// Whether it is a member of its load balancer in the config in force;
+    /// once removed, it no longer reports `backend_up`.
+    member: AtomicBool,
     /// Connections open to this backend now (least-connections, `/status`).
     active: AtomicUsize,
     /// Cancelled when the backend has been removed and its drain time is up:
     /// connections still open to it then close.
     retired: CancellationToken,
-    /// Metric handles, labelled with this backend.
-    metrics: BackendMetrics,
-}
-
-/// Metric handles of one backend.
-pub struct BackendMetrics {
-    up: Gauge,
-    active: Gauge,
-    /// Failed connect attempts, by reason.
-    pub connect_refused: Counter,
-    /// Connect attempts that timed out.
-    pub connect_timeout: Counter,
-    /// Connect attempts that failed otherwise (unreachable, reset…).
-    pub connect_error: Counter,
-}
-
-impl BackendMetrics {
-    /// Handles registered in `metrics` with the given identity labels.
-    pub fn new(metrics: &Metrics, labels: &[(&'static str, String)]) -> Self {
-        let with_reason = |reason: &str| {
-            let mut l = labels.to_vec();
-            l.push(("reason", reason.to_string()));
-            metrics.counter(names::BACKEND_CONNECT_FAILURES, &l)
-        };
-        Self {
-            up: metrics.gauge(names::BACKEND_UP, labels),
-            active: metrics.gauge(names::BACKEND_CONNECTIONS_ACTIVE, labels),
-            connect_refused: with_reason("connect_refused"),
-            connect_timeout: with_reason("connect_timeout"),
-            connect_error: with_reason("connect_error"),
-        }
-    }
-
-    /// Handles that record nothing (unit tests, benchmarks).
-    pub fn noop() -> Self {
-        Self {
-            up: Gauge::noop(),
-            active: Gauge::noop(),
-            connect_refused: Counter::noop(),
-            connect_timeout: Counter::noop(),
-            connect_error: Counter::noop(),
-        }
-    }
+    /// Its numbers, labelled with its load balancer and address.
+    stats: Arc<BackendStats>,
 }
 
 impl Backend {
-    /// A backend without metrics, for tests and benchmarks.
+    /// A backend whose numbers nobody renders, for tests and benchmarks.
     pub fn new(addr: IpAddr, healthy: bool) -> Arc<Self> {
-        Self::with_metrics(addr, healthy, BackendMetrics::noop())
+        Self::with_stats(addr, healthy, LbStats::detached().backend(addr))
     }
 
-    /// A backend reporting to the given metric handles.
-    pub fn with_metrics(addr: IpAddr, healthy: bool, metrics: BackendMetrics) -> Arc<Self> {
-        metrics.up.set(if healthy { 1.0 } else { 0.0 });
+    /// A backend reporting to `stats`.
+    pub fn with_stats(addr: IpAddr, healthy: bool, stats: Arc<BackendStats>) -> Arc<Self> {
+        stats.up.set(healthy);
         Arc::new(Self {
             addr,
             addr_hash: select::hash_ip(addr),
             healthy: AtomicBool::new(healthy),
+            member: AtomicBool::new(true),
             active: AtomicUsize::new(0),
             retired: CancellationToken::new(),
-            metrics,
+            stats,
         })
     }
 
@@ -111,7 +73,9 @@ impl Backend {
     /// snapshot afterwards.
     pub fn set_healthy(&self, healthy: bool) {
         self.healthy.store(healthy, Ordering::Release);
-        self.metrics.up.set(if healthy { 1.0 } else { 0.0 });
+        if self.member.load(Ordering::Acquire) {
+            self.stats.up.set(healthy);
+        }
     }
 
     /// Connections open to it now.
@@ -122,15 +86,22 @@ impl Backend {
     /// Counts a connection for as long as the returned guard lives.
     pub fn connection_opened(self: &Arc<Self>) -> ConnectionGuard {
         self.active.fetch_add(1, Ordering::Relaxed);
-        self.metrics.active.increment(1.0);
+        self.stats.active.increment();
         ConnectionGuard {
             backend: Arc::clone(self),
         }
     }
 
-    /// The metric handles of this backend.
-    pub fn metrics(&self) -> &BackendMetrics {
-        &self.metrics
+    /// Its numbers.
+    pub fn stats(&self) -> &BackendStats {
+        &self.stats
+    }
+
+    /// Marks it removed from its load balancer: its `backend_up` series goes
+    /// now; its other series stay while its connections drain.
+    pub fn leave(&self) {
+        self.member.store(false, Ordering::Release);
+        self.stats.up.clear();
     }
 
     /// Resolves when the backend has been removed and its drain time is over.
@@ -140,7 +111,6 @@ impl Backend {
 
     /// Closes every connection still open to this removed backend.
     pub fn retire(&self) {
-        self.metrics.up.set(0.0);
         self.retired.cancel();
     }
 }
@@ -153,7 +123,7 @@ pub struct ConnectionGuard {
 impl Drop for ConnectionGuard {
     fn drop(&mut self) {
         self.backend.active.fetch_sub(1, Ordering::Relaxed);
-        self.backend.metrics.active.decrement(1.0);
+        self.backend.stats.active.decrement();
     }
 }
 
@@ -224,8 +194,8 @@ pub struct LoadBalancer {
     cursor: AtomicUsize,
     /// Writers' state; readers never touch it.
     inner: Mutex<Inner>,
-    no_backend: Gauge,
-    no_backend_events: Counter,
+    /// Its numbers (`no_eligible_backend`).
+    stats: Arc<LbStats>,
 }
 
 struct Inner {
@@ -233,6 +203,9 @@ struct Inner {
     settings: Settings,
     /// Whether the last published snapshot had no eligible backend.
     none_eligible: Option<bool>,
+    /// Removed from the config in force: it no longer reports
+    /// `no_eligible_backend`.
+    left: bool,
 }
 
 impl LoadBalancer {
@@ -242,12 +215,8 @@ impl LoadBalancer {
         cluster: String,
         settings: Settings,
         members: Vec<Arc<Backend>>,
-        metrics: &Metrics,
+        stats: Arc<LbStats>,
     ) -> Arc<Self> {
-        let labels = [
-            ("cluster", cluster.clone()),
-            ("load_balancer", name.clone()),
-        ];
         let lb = Arc::new(Self {
             snapshot: ArcSwap::from_pointee(Snapshot {
                 eligible: Vec::new(),
@@ -258,9 +227,9 @@ impl LoadBalancer {
                 members,
                 settings,
                 none_eligible: None,
+                left: false,
             }),
-            no_backend: metrics.gauge(names::NO_ELIGIBLE_BACKEND, &labels),
-            no_backend_events: metrics.counter(names::NO_ELIGIBLE_BACKEND_EVENTS, &labels),
+            stats,
             name,
             cluster,
         });
@@ -296,6 +265,19 @@ impl LoadBalancer {
         self.publish_locked(&mut inner);
     }
 
+    /// Marks it removed from the config in force: its `no_eligible_backend`
+    /// series goes now; its counters stay while its connections drain.
+    pub fn leave(&self) {
+        let mut inner = self.lock();
+        inner.left = true;
+        self.stats.no_backend.clear();
+    }
+
+    /// Its numbers.
+    pub fn stats(&self) -> &Arc<LbStats> {
+        &self.stats
+    }
+
     /// Rebuilds the snapshot from the members' health and swaps it in. Called
     /// after a health transition; cheap, and only writers pay for it.
     pub fn publish(&self) {
@@ -325,7 +307,7 @@ impl LoadBalancer {
                     members = inner.members.len(),
                     "no eligible backend: new connections are refused until one is healthy"
                 );
-                self.no_backend_events.increment(1);
+                self.stats.no_backend_events.increment(1);
             } else if inner.none_eligible == Some(true) {
                 tracing::info!(
                     load_balancer = %self.name,
@@ -334,8 +316,10 @@ impl LoadBalancer {
                     "eligible backends again: accepting connections"
                 );
             }
-            self.no_backend.set(if none { 1.0 } else { 0.0 });
             inner.none_eligible = Some(none);
+        }
+        if !inner.left {
+            self.stats.no_backend.set(none);
         }
         self.snapshot.store(Arc::new(Snapshot {
             eligible,
@@ -359,7 +343,7 @@ mod tests {
 
     #[test]
     fn only_healthy_members_are_eligible_and_flips_publish() {
-        let metrics = Metrics::new();
+        let metrics = crate::metrics::Metrics::new();
         let a = Backend::new(IpAddr::from([10, 0, 0, 1]), true);
         let b = Backend::new(IpAddr::from([10, 0, 0, 2]), false);
         let lb = LoadBalancer::new(
@@ -367,7 +351,7 @@ mod tests {
             "c".into(),
             settings(None),
             vec![a.clone(), b.clone()],
-            &metrics,
+            metrics.load_balancer("c", "ns/svc"),
         );
         assert_eq!(lb.snapshot().eligible.len(), 1);
         b.set_healthy(true);
@@ -382,7 +366,6 @@ mod tests {
 
     #[test]
     fn candidates_are_distinct_and_bounded_by_attempts() {
-        let metrics = Metrics::new();
         let members: Vec<_> = (1..=4)
             .map(|i| Backend::new(IpAddr::from([10, 0, 0, i]), true))
             .collect();
@@ -391,7 +374,7 @@ mod tests {
             "c".into(),
             settings(None),
             members.clone(),
-            &metrics,
+            LbStats::detached(),
         );
         let client = IpAddr::from([192, 0, 2, 9]);
         let all: Vec<IpAddr> = lb

@@ -23,6 +23,9 @@ pub struct FileConfig {
     /// `[proxy]`: process-wide forwarding settings.
     #[serde(default)]
     pub proxy: FileProxy,
+    /// `[metrics]`: what `/metrics` exposes beyond the default series.
+    #[serde(default)]
+    pub metrics: FileMetrics,
     /// `[[load_balancer]]`: one per Kubernetes `LoadBalancer` service.
     #[serde(default, rename = "load_balancer")]
     pub load_balancers: Vec<Spanned<FileLoadBalancer>>,
@@ -33,6 +36,13 @@ pub struct FileConfig {
 pub struct FileAdmin {
     /// Address of the admin HTTP server; default `127.0.0.1:9901`.
     pub listen: Option<Spanned<String>>,
+}
+
+/// `[metrics]`.
+#[derive(Debug, Default, Deserialize)]
+pub struct FileMetrics {
+    /// One probe-duration histogram per backend instead of one for the daemon.
+    pub per_backend_health_check_duration: Option<Spanned<bool>>,
 }
 
 /// `[proxy]`.

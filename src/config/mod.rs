@@ -33,6 +33,8 @@ pub struct Config {
     pub admin: AdminSettings,
     /// Process-wide forwarding settings.
     pub proxy: ProxySettings,
+    /// What `/metrics` exposes beyond the default series.
+    pub metrics: MetricsSettings,
     /// Every load balancer, in file order; names are unique.
     pub load_balancers: Vec<LoadBalancerSpec>,
 }
@@ -42,6 +44,14 @@ pub struct Config {
 pub struct AdminSettings {
     /// Where `/metrics`, `/healthz`, `/readyz`, `/status` and `/reload` are served.
     pub listen: SocketAddr,
+}
+
+/// `[metrics]`: the opt-in series, each costly at scale.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct MetricsSettings {
+    /// `harvester_lb_health_check_duration_seconds` per backend (19 series
+    /// each) instead of one histogram for the whole daemon.
+    pub per_backend_health_check_duration: bool,
 }
 
 /// `[proxy]`.

@@ -281,6 +281,13 @@ impl Validator<'_> {
                 max_connections: max_connections
                     .and_then(|n| NonZeroUsize::new(usize::try_from(n).unwrap_or(1))),
             },
+            metrics: MetricsSettings {
+                per_backend_health_check_duration: file
+                    .metrics
+                    .per_backend_health_check_duration
+                    .as_ref()
+                    .is_some_and(|v| *v.get_ref()),
+            },
             load_balancers,
         }
     }

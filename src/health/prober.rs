@@ -20,7 +20,6 @@ use std::time::{Duration, SystemTime};
 
 use arc_swap::ArcSwap;
 use dashmap::DashMap;
-use metrics::{Counter, Histogram};
 use serde::Serialize;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -30,7 +29,6 @@ use super::{Health, HealthState, Thresholds};
 use crate::balancer::select::{hash_ip, mix64};
 use crate::balancer::{Backend, LoadBalancer};
 use crate::config::{CheckKind, HealthCheckSpec};
-use crate::metrics::{self as names, Metrics};
 
 /// What identifies a probe target: the load balancer's name and the backend's address.
 pub type TargetKey = (String, std::net::IpAddr);
@@ -83,7 +81,6 @@ impl Prober {
         backend: &Arc<Backend>,
         spec: &HealthCheckSpec,
         initial: HealthState,
-        metrics: &Metrics,
     ) -> Arc<Target> {
         let key = (lb.name.clone(), backend.addr);
         let existing = self.get(&key);
@@ -102,7 +99,6 @@ impl Prober {
             Arc::clone(backend),
             spec.clone(),
             initial,
-            metrics,
         );
         if let Some(old) = self.targets.insert(key, Arc::clone(&target)) {
             self.retire(&old);
@@ -284,7 +280,6 @@ pub struct Target {
     /// Set when the target is removed: a result still in flight must not
     /// flip a backend that lives on elsewhere.
     stop: CancellationToken,
-    metrics: TargetMetrics,
 }
 
 /// What `/status` shows of a target.
@@ -303,52 +298,14 @@ pub struct TargetStatus {
     pub probes: u64,
 }
 
-struct TargetMetrics {
-    ok: Counter,
-    refused: Counter,
-    timeout: Counter,
-    error: Counter,
-    skipped: Counter,
-    duration: Histogram,
-    to_up: Counter,
-    to_down: Counter,
-}
-
-impl TargetMetrics {
-    fn new(metrics: &Metrics, lb: &LoadBalancer, backend: &Backend) -> Self {
-        let base = [
-            ("cluster", lb.cluster.clone()),
-            ("load_balancer", lb.name.clone()),
-            ("backend", backend.addr.to_string()),
-        ];
-        let with = |k: &'static str, v: &str, name: &'static str| {
-            let mut l = base.to_vec();
-            l.push((k, v.to_string()));
-            metrics.counter(name, &l)
-        };
-        Self {
-            ok: with("result", "ok", names::HEALTH_CHECKS),
-            refused: with("result", "refused", names::HEALTH_CHECKS),
-            timeout: with("result", "timeout", names::HEALTH_CHECKS),
-            error: with("result", "error", names::HEALTH_CHECKS),
-            skipped: with("result", "skipped", names::HEALTH_CHECKS),
-            duration: metrics.histogram(names::HEALTH_CHECK_DURATION, &base),
-            to_up: with("to", "up", names::HEALTH_TRANSITIONS),
-            to_down: with("to", "down", names::HEALTH_TRANSITIONS),
-        }
-    }
-}
-
 impl Target {
     fn new(
         lb: Arc<LoadBalancer>,
         backend: Arc<Backend>,
         spec: HealthCheckSpec,
         initial: HealthState,
-        metrics: &Metrics,
     ) -> Arc<Self> {
         Arc::new(Self {
-            metrics: TargetMetrics::new(metrics, &lb, &backend),
             stream: Mutex::new(StreamKey::new(backend.addr, &spec)),
             backend,
             lb,
@@ -381,15 +338,15 @@ impl Target {
     /// with this load balancer's thresholds.
     fn record(&self, addr: SocketAddr, at: SystemTime, outcome: &Outcome, took: Duration) {
         let spec = self.spec.load();
-        self.metrics.duration.record(took.as_secs_f64());
-        match outcome {
-            Outcome::Ok => &self.metrics.ok,
-            Outcome::Refused => &self.metrics.refused,
-            Outcome::Timeout => &self.metrics.timeout,
-            Outcome::Error(_) => &self.metrics.error,
-            Outcome::Skipped(_) => &self.metrics.skipped,
-        }
-        .increment(1);
+        // Indices into `CHECK_RESULTS`.
+        let result = match outcome {
+            Outcome::Ok => 0,
+            Outcome::Refused => 1,
+            Outcome::Timeout => 2,
+            Outcome::Error(_) => 3,
+            Outcome::Skipped(_) => 4,
+        };
+        self.backend.stats().record_probe(result, took);
         let thresholds = Thresholds {
             success: spec.success_threshold,
             failure: spec.failure_threshold,
@@ -417,10 +374,9 @@ impl Target {
             }
             self.backend.set_healthy(t.to == Health::Healthy);
             self.lb.publish();
-            match t.to {
-                Health::Healthy => self.metrics.to_up.increment(1),
-                Health::Unhealthy => self.metrics.to_down.increment(1),
-            }
+            self.backend
+                .stats()
+                .record_transition(t.to == Health::Healthy);
             tracing::info!(
                 load_balancer = %self.lb.name,
                 cluster = %self.lb.cluster,

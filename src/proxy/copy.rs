@@ -20,7 +20,7 @@ use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
-use metrics::Counter;
+use crate::metrics::Counter;
 use socket2::SockRef;
 use tokio::io::{Interest, Ready};
 use tokio::net::TcpStream;

@@ -10,7 +10,6 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use metrics::{Counter, Gauge};
 use socket2::{SockRef, Socket, TcpKeepalive};
 use tokio::net::TcpStream;
 use tokio::sync::OwnedSemaphorePermit;
@@ -18,7 +17,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::copy::{self, ByteCounters, Ended};
 use crate::balancer::{Backend, LoadBalancer};
-use crate::metrics::{self as names, Metrics};
+use crate::metrics::ListenerStats;
 use crate::net;
 
 /// TCP keepalive on both legs: a peer that vanished without a FIN (a node VM
@@ -41,41 +40,8 @@ pub struct Route {
     pub listener: String,
     /// The nodeport on every backend.
     pub backend_port: u16,
-    /// This listener's metric handles.
-    pub metrics: ListenerMetrics,
-}
-
-/// Metric handles of one listener.
-pub struct ListenerMetrics {
-    accepted: Counter,
-    no_backend: Counter,
-    connect_refused: Counter,
-    connect_timeout: Counter,
-    connect_error: Counter,
-    active: Gauge,
-    client_to_backend: Counter,
-    backend_to_client: Counter,
-}
-
-impl ListenerMetrics {
-    /// Handles labelled with the listener's identity.
-    pub fn new(metrics: &Metrics, labels: &[(&'static str, String)]) -> Self {
-        let with = |name: &'static str, k: &'static str, v: &str| {
-            let mut l = labels.to_vec();
-            l.push((k, v.to_string()));
-            metrics.counter(name, &l)
-        };
-        Self {
-            accepted: metrics.counter(names::CONNECTIONS_ACCEPTED, labels),
-            no_backend: with(names::CONNECTIONS_FAILED, "reason", "no_backend"),
-            connect_refused: with(names::CONNECTIONS_FAILED, "reason", "connect_refused"),
-            connect_timeout: with(names::CONNECTIONS_FAILED, "reason", "connect_timeout"),
-            connect_error: with(names::CONNECTIONS_FAILED, "reason", "connect_error"),
-            active: metrics.gauge(names::CONNECTIONS_ACTIVE, labels),
-            client_to_backend: with(names::BYTES, "direction", "client_to_backend"),
-            backend_to_client: with(names::BYTES, "direction", "backend_to_client"),
-        }
-    }
+    /// This listener's numbers.
+    pub stats: Arc<ListenerStats>,
 }
 
 /// Why a connect attempt failed.
@@ -98,7 +64,7 @@ pub async fn serve(
     close_now: CancellationToken,
     _permit: OwnedSemaphorePermit,
 ) {
-    let m = &route.metrics;
+    let m = &route.stats;
     m.accepted.increment(1);
     // TCP_NODELAY, keepalive and TCP_USER_TIMEOUT came with the accept:
     // Linux copies them from the listening socket (see `proxy::bind`).
@@ -129,12 +95,14 @@ pub async fn serve(
     drop(snapshot);
 
     let Some((server, backend)) = connected else {
-        match last_failure {
-            None => m.no_backend.increment(1),
-            Some(ConnectFailure::Refused) => m.connect_refused.increment(1),
-            Some(ConnectFailure::Timeout) => m.connect_timeout.increment(1),
-            Some(ConnectFailure::Other | ConnectFailure::Local) => m.connect_error.increment(1),
-        }
+        // Indices into `FAILED_REASONS`.
+        let reason = match last_failure {
+            None => 0,
+            Some(ConnectFailure::Refused) => 1,
+            Some(ConnectFailure::Timeout) => 2,
+            Some(ConnectFailure::Other | ConnectFailure::Local) => 3,
+        };
+        m.failed[reason].increment(1);
         tracing::debug!(
             reason = ?last_failure,
             "no backend could take the connection; resetting the client"
@@ -144,7 +112,7 @@ pub async fn serve(
     };
 
     let _backend_count = backend.connection_opened();
-    m.active.increment(1);
+    m.active.increment();
     let ended = tokio::select! {
         ended = copy::bidirectional(
             &client,
@@ -164,7 +132,7 @@ pub async fn serve(
             Ended::Completed
         }
     };
-    m.active.decrement(1);
+    m.active.decrement();
     match ended {
         Ended::Completed => {}
         Ended::IdleTimeout => tracing::debug!(?idle_timeout, "idle timeout: closing connection"),
@@ -243,14 +211,15 @@ fn warn_shortage(e: &io::Error) {
 }
 
 fn count_attempt_failure(backend: &Backend, failure: ConnectFailure) {
-    let m = backend.metrics();
-    match failure {
-        ConnectFailure::Refused => m.connect_refused.increment(1),
-        ConnectFailure::Timeout => m.connect_timeout.increment(1),
-        ConnectFailure::Other => m.connect_error.increment(1),
+    // Indices into `CONNECT_FAILURE_REASONS`.
+    let reason = match failure {
+        ConnectFailure::Refused => 0,
+        ConnectFailure::Timeout => 1,
+        ConnectFailure::Other => 2,
         // Not the backend's fault: not counted against it.
-        ConnectFailure::Local => {}
-    }
+        ConnectFailure::Local => return,
+    };
+    backend.stats().connect_failures[reason].increment(1);
 }
 
 /// `TCP_NODELAY` (forward small writes at once), keepalive and

@@ -20,7 +20,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
-use metrics::Counter;
 use socket2::{Domain, Socket, Type};
 use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
@@ -28,9 +27,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::Instrument;
 
-pub use forward::{ListenerMetrics, Route};
-
-use crate::metrics::{self as names, Metrics};
+pub use forward::Route;
 
 /// How long the accept loop pauses when the process or system is out of
 /// descriptors or memory, so it does not spin while connections close.
@@ -58,30 +55,6 @@ pub fn bind(addr: SocketAddr, backlog: u32) -> io::Result<TcpListener> {
     TcpListener::from_std(socket.into())
 }
 
-/// Errors of `accept(2)` counted by kind.
-struct AcceptErrors {
-    out_of_descriptors: Counter,
-    out_of_memory: Counter,
-    other: Counter,
-    limit_reached: Counter,
-}
-
-impl AcceptErrors {
-    fn new(metrics: &Metrics, labels: &[(&'static str, String)]) -> Self {
-        let with = |kind: &str| {
-            let mut l = labels.to_vec();
-            l.push(("kind", kind.to_string()));
-            metrics.counter(names::ACCEPT_ERRORS, &l)
-        };
-        Self {
-            out_of_descriptors: with("out_of_descriptors"),
-            out_of_memory: with("out_of_memory"),
-            other: with("other"),
-            limit_reached: metrics.counter(names::CONNECTION_LIMIT_REACHED, labels),
-        }
-    }
-}
-
 /// A running listener: its accept loop and the connections it accepted.
 pub struct Listener {
     /// The VIP:port it is bound to.
@@ -99,16 +72,10 @@ pub struct Listener {
 impl Listener {
     /// Starts accepting on `socket`, forwarding along `route`. `limit` caps
     /// connections across all listeners of the process.
-    pub fn start(
-        socket: TcpListener,
-        route: Route,
-        limit: Arc<Semaphore>,
-        metrics: &Metrics,
-    ) -> Self {
+    pub fn start(socket: TcpListener, route: Route, limit: Arc<Semaphore>) -> Self {
         let addr = socket
             .local_addr()
             .unwrap_or_else(|_| "0.0.0.0:0".parse().expect("literal"));
-        let errors = AcceptErrors::new(metrics, &[("listen", addr.to_string())]);
         let listener = Self {
             addr,
             route: Arc::new(ArcSwap::from_pointee(route)),
@@ -124,7 +91,6 @@ impl Listener {
                 listener.close_now.clone(),
                 listener.connections.clone(),
                 limit,
-                errors,
             )
             .instrument(tracing::info_span!("listener", listen = %addr)),
         );
@@ -172,14 +138,13 @@ async fn accept_loop(
     close_now: CancellationToken,
     connections: TaskTracker,
     limit: Arc<Semaphore>,
-    errors: AcceptErrors,
 ) {
     let mut last_warning: Option<tokio::time::Instant> = None;
     loop {
         let permit = match Arc::clone(&limit).try_acquire_owned() {
             Ok(p) => p,
             Err(_) => {
-                errors.limit_reached.increment(1);
+                route.load().stats.limit_reached.increment(1);
                 tokio::select! {
                     _ = stop.cancelled() => return,
                     p = Arc::clone(&limit).acquire_owned() => match p {
@@ -202,12 +167,13 @@ async fn accept_loop(
                 );
             }
             Err(e) => {
-                let (counter, back_off) = match e.raw_os_error() {
-                    Some(libc::EMFILE) | Some(libc::ENFILE) => (&errors.out_of_descriptors, true),
-                    Some(libc::ENOBUFS) | Some(libc::ENOMEM) => (&errors.out_of_memory, true),
-                    _ => (&errors.other, false),
+                // Indices into `ACCEPT_ERROR_KINDS`.
+                let (kind, back_off) = match e.raw_os_error() {
+                    Some(libc::EMFILE) | Some(libc::ENFILE) => (0, true),
+                    Some(libc::ENOBUFS) | Some(libc::ENOMEM) => (1, true),
+                    _ => (2, false),
                 };
-                counter.increment(1);
+                route.load().stats.accept_errors[kind].increment(1);
                 if back_off {
                     // Spare pipes hold descriptors: give them back first.
                     copy::release_spare_pipes();

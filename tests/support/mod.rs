@@ -374,13 +374,39 @@ pub async fn http(addr: SocketAddr, method: &str, path: &str) -> (u16, String) {
         .await
         .expect("admin answers within 30 s")
         .expect("read response");
-    let text = String::from_utf8_lossy(&raw).to_string();
+    split_response(&String::from_utf8_lossy(&raw))
+}
+
+/// Status and body of a whole HTTP/1.1 response; a chunked body (a long
+/// `/metrics`) is joined.
+pub fn split_response(text: &str) -> (u16, String) {
     let code = text.get(9..12).and_then(|c| c.parse().ok()).unwrap_or(0);
-    let body = text
-        .split_once("\r\n\r\n")
-        .map(|(_, b)| b.to_string())
-        .unwrap_or_default();
+    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((text, ""));
+    let chunked = head
+        .lines()
+        .any(|l| l.eq_ignore_ascii_case("transfer-encoding: chunked"));
+    let body = if chunked {
+        dechunk(body)
+    } else {
+        body.to_string()
+    };
     (code, body)
+}
+
+/// The payload of a `Transfer-Encoding: chunked` body.
+fn dechunk(mut body: &str) -> String {
+    let mut out = String::new();
+    while let Some((size, rest)) = body.split_once("\r\n") {
+        let Ok(n) = usize::from_str_radix(size.trim(), 16) else {
+            panic!("bad chunk size line {size:?}");
+        };
+        if n == 0 {
+            break;
+        }
+        out.push_str(&rest[..n]);
+        body = rest[n..].strip_prefix("\r\n").expect("CRLF after a chunk");
+    }
+    out
 }
 
 /// Connects to `vip` from the local address `from` (any port).
@@ -444,12 +470,7 @@ pub fn http_blocking(addr: SocketAddr, path: &str) -> std::io::Result<(u16, Stri
     )?;
     let mut text = String::new();
     s.read_to_string(&mut text)?;
-    let code = text.get(9..12).and_then(|c| c.parse().ok()).unwrap_or(0);
-    let body = text
-        .split_once("\r\n\r\n")
-        .map(|(_, b)| b.to_string())
-        .unwrap_or_default();
-    Ok((code, body))
+    Ok(split_response(&text))
 }
 
 /// A deterministic byte stream (xorshift), so both ends can check every byte

@@ -1,0 +1,454 @@
+//! The Prometheus text exposition (format 0.0.4), written from the live
+//! objects at scrape time, a chunk at a time.
+//!
+//! A scrape first takes a snapshot of which objects are live (one pointer
+//! each, sorted by their labels, so the output is stable and diffable), then
+//! writes one family at a time across all of them: every family's samples
+//! stay together, as the format requires. The admin server sends each chunk
+//! as it is written, so a scrape of 30,000 backends holds a chunk of text in
+//! memory, not all of it, and the data plane gets the threads back between
+//! chunks.
+
+use std::io::Write;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::task::{Context, Poll};
+
+use hyper::body::{Body, Bytes, Frame, SizeHint};
+
+use super::names::{self, Family};
+use super::stats::{
+    ACCEPT_ERROR_KINDS, BackendStats, CHECK_RESULTS, CONNECT_FAILURE_REASONS, Counter,
+    FAILED_REASONS, Histogram, LbStats, ListenerStats, PROBE_BUCKETS,
+};
+use super::Metrics;
+
+/// One load balancer's live objects at the start of a scrape.
+struct LbSnapshot {
+    lb: Arc<LbStats>,
+    listeners: Vec<Arc<ListenerStats>>,
+    backends: Vec<Arc<BackendStats>>,
+}
+
+/// What one step of a scrape writes: one family, over one kind of object.
+enum Step {
+    /// The daemon-wide families (a handful of lines).
+    Daemon,
+    Lb(&'static Family, fn(&mut Out<'_>, &LbStats)),
+    Listener(&'static Family, fn(&mut Out<'_>, &ListenerStats)),
+    Backend(&'static Family, fn(&mut Out<'_>, &BackendStats)),
+}
+
+const STEPS: &[Step] = &[
+    Step::Daemon,
+    Step::Lb(&names::NO_ELIGIBLE_BACKEND, |o, lb| {
+        if let Some(v) = lb.no_backend.get() {
+            o.sample("", |b| lb_labels(b, lb), u64::from(v));
+        }
+    }),
+    Step::Lb(&names::NO_ELIGIBLE_BACKEND_EVENTS, |o, lb| {
+        o.sample("", |b| lb_labels(b, lb), lb.no_backend_events.get());
+    }),
+    Step::Listener(&names::LISTENER_UP, |o, l| {
+        if let Some(v) = l.up.get() {
+            o.sample("", |b| listener_labels(b, l), u64::from(v));
+        }
+    }),
+    Step::Listener(&names::CONNECTIONS_ACCEPTED, |o, l| {
+        o.sample("", |b| listener_labels(b, l), l.accepted.get());
+    }),
+    Step::Listener(&names::CONNECTIONS_FAILED, |o, l| {
+        o.outcomes(&l.failed, &FAILED_REASONS, "reason", |b| listener_labels(b, l));
+    }),
+    Step::Listener(&names::CONNECTIONS_ACTIVE, |o, l| {
+        o.sample("", |b| listener_labels(b, l), l.active.get());
+    }),
+    Step::Listener(&names::BYTES, |o, l| {
+        let sides = [
+            ("client_to_backend", &l.client_to_backend),
+            ("backend_to_client", &l.backend_to_client),
+        ];
+        for (direction, c) in sides {
+            o.sample(
+                "",
+                |b| {
+                    listener_labels(b, l);
+                    label(b, "direction", direction);
+                },
+                c.get(),
+            );
+        }
+    }),
+    Step::Listener(&names::ACCEPT_ERRORS, |o, l| {
+        o.outcomes(&l.accept_errors, &ACCEPT_ERROR_KINDS, "kind", |b| {
+            listener_labels(b, l)
+        });
+    }),
+    Step::Listener(&names::CONNECTION_LIMIT_REACHED, |o, l| {
+        if l.limit_reached.get() > 0 {
+            o.sample("", |b| listener_labels(b, l), l.limit_reached.get());
+        }
+    }),
+    Step::Backend(&names::BACKEND_UP, |o, be| {
+        if let Some(v) = be.up.get() {
+            o.sample("", |b| backend_labels(b, be), u64::from(v));
+        }
+    }),
+    Step::Backend(&names::BACKEND_CONNECTIONS_ACTIVE, |o, be| {
+        o.sample("", |b| backend_labels(b, be), be.active.get());
+    }),
+    Step::Backend(&names::BACKEND_CONNECT_FAILURES, |o, be| {
+        o.outcomes(&be.connect_failures, &CONNECT_FAILURE_REASONS, "reason", |b| {
+            backend_labels(b, be)
+        });
+    }),
+    Step::Backend(&names::HEALTH_CHECKS, |o, be| {
+        o.outcomes(&be.checks, &CHECK_RESULTS, "result", |b| backend_labels(b, be));
+    }),
+    Step::Backend(&names::HEALTH_TRANSITIONS, |o, be| {
+        o.outcomes(&be.transitions, &["up", "down"], "to", |b| {
+            backend_labels(b, be)
+        });
+    }),
+    Step::Backend(&names::HEALTH_CHECK_DURATION, |o, be| {
+        if let Some(h) = be.duration.get() {
+            o.histogram(h, |b| backend_labels(b, be));
+        }
+    }),
+];
+
+/// One scrape in progress.
+pub struct Exposition {
+    metrics: Arc<Metrics>,
+    lbs: Vec<LbSnapshot>,
+    /// Index into [`STEPS`].
+    step: usize,
+    /// Next load balancer of the step.
+    next_lb: usize,
+    /// Whether the step's family has had its `# HELP`/`# TYPE` lines.
+    headed: bool,
+}
+
+impl Exposition {
+    /// A scrape of everything live now.
+    pub(crate) fn new(metrics: Arc<Metrics>) -> Self {
+        let mut lbs: Vec<LbSnapshot> = metrics
+            .live_load_balancers()
+            .into_iter()
+            .map(|lb| {
+                let mut listeners = super::stats::live(&lb.listeners);
+                listeners.sort_by(|a, b| a.name.cmp(&b.name));
+                let mut backends = super::stats::live(&lb.backends);
+                backends.sort_by_key(|b| b.addr);
+                LbSnapshot {
+                    lb,
+                    listeners,
+                    backends,
+                }
+            })
+            .collect();
+        lbs.sort_by(|a, b| (&a.lb.cluster, &a.lb.name).cmp(&(&b.lb.cluster, &b.lb.name)));
+        Self {
+            metrics,
+            lbs,
+            step: 0,
+            next_lb: 0,
+            headed: false,
+        }
+    }
+
+    /// Appends to `buf` until it holds at least `target` bytes or the
+    /// exposition is complete. Returns whether anything is left to write.
+    pub fn fill(&mut self, buf: &mut Vec<u8>, target: usize) -> bool {
+        while self.step < STEPS.len() {
+            if buf.len() >= target {
+                return true;
+            }
+            let step = &STEPS[self.step];
+            if let Step::Daemon = step {
+                self.daemon(buf);
+                self.next_step();
+                continue;
+            }
+            let Some(snap) = self.lbs.get(self.next_lb) else {
+                self.next_step();
+                continue;
+            };
+            self.next_lb += 1;
+            let (family, headed) = (step_family(step), &mut self.headed);
+            let mut out = Out {
+                buf,
+                family,
+                headed,
+            };
+            match step {
+                Step::Daemon => {}
+                Step::Lb(_, write) => write(&mut out, &snap.lb),
+                Step::Listener(_, write) => snap.listeners.iter().for_each(|l| write(&mut out, l)),
+                Step::Backend(_, write) => snap.backends.iter().for_each(|b| write(&mut out, b)),
+            }
+        }
+        false
+    }
+
+    fn next_step(&mut self) {
+        self.step += 1;
+        self.next_lb = 0;
+        self.headed = false;
+    }
+
+    /// The daemon-wide families.
+    fn daemon(&self, buf: &mut Vec<u8>) {
+        let m = &self.metrics;
+        let gauge = |buf: &mut Vec<u8>, family: &'static Family, value: &dyn Display| {
+            let mut headed = false;
+            Out {
+                buf,
+                family,
+                headed: &mut headed,
+            }
+            .sample("", |_| {}, value);
+        };
+        let load = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
+        gauge(buf, &names::CONFIG_LOAD_BALANCERS, &load(&m.config_load_balancers));
+        gauge(buf, &names::HEALTH_CHECK_STREAMS, &load(&m.health_check_streams));
+        gauge(
+            buf,
+            &names::CONFIG_LAST_RELOAD_SUCCESSFUL,
+            &u64::from(m.last_reload_ok.load(Ordering::Relaxed)),
+        );
+        gauge(
+            buf,
+            &names::CONFIG_LAST_RELOAD_SUCCESS_TIMESTAMP,
+            &f64::from_bits(load(&m.last_success)),
+        );
+        let mut headed = false;
+        let mut out = Out {
+            buf,
+            family: &names::CONFIG_RELOADS,
+            headed: &mut headed,
+        };
+        for (result, c) in [("success", &m.reloads_ok), ("failure", &m.reloads_failed)] {
+            out.sample("", |b| label_first(b, "result", result), c.get());
+        }
+        let mut headed = false;
+        Out {
+            buf,
+            family: &names::BUILD_INFO,
+            headed: &mut headed,
+        }
+        .sample(
+            "",
+            |b| label_first(b, "version", env!("CARGO_PKG_VERSION")),
+            1u64,
+        );
+        // With per-backend histograms on, the same family carries those
+        // instead: a daemon-wide one beside them would be counted twice by
+        // any sum over the family.
+        if !m.per_backend_durations.load(Ordering::Relaxed) {
+            let mut headed = false;
+            Out {
+                buf,
+                family: &names::HEALTH_CHECK_DURATION,
+                headed: &mut headed,
+            }
+            .histogram(&m.probe_duration, |_| {});
+        }
+    }
+}
+
+fn step_family(step: &Step) -> &'static Family {
+    match step {
+        Step::Daemon => &names::BUILD_INFO,
+        Step::Lb(f, _) | Step::Listener(f, _) | Step::Backend(f, _) => f,
+    }
+}
+
+use std::fmt::Display;
+
+/// Writes samples of one family, its header before the first.
+struct Out<'a> {
+    buf: &'a mut Vec<u8>,
+    family: &'static Family,
+    headed: &'a mut bool,
+}
+
+impl Out<'_> {
+    /// `name<suffix>{labels} value`; `labels` writes `k="v"` pairs
+    /// separated by commas, or nothing.
+    fn sample(&mut self, suffix: &str, labels: impl FnOnce(&mut Vec<u8>), value: impl Display) {
+        if !*self.headed {
+            self.family.write_header(self.buf);
+            *self.headed = true;
+        }
+        self.buf.extend_from_slice(self.family.name.as_bytes());
+        self.buf.extend_from_slice(suffix.as_bytes());
+        let start = self.buf.len();
+        self.buf.push(b'{');
+        labels(self.buf);
+        if self.buf.len() == start + 1 {
+            self.buf.truncate(start);
+        } else {
+            self.buf.push(b'}');
+        }
+        let _ = writeln!(self.buf, " {value}");
+    }
+
+    /// One sample per outcome that has happened at least once.
+    fn outcomes(
+        &mut self,
+        counters: &[Counter],
+        values: &[&str],
+        key: &str,
+        labels: impl Fn(&mut Vec<u8>),
+    ) {
+        for (c, v) in counters.iter().zip(values) {
+            let n = c.get();
+            if n > 0 {
+                self.sample(
+                    "",
+                    |b| {
+                        labels(b);
+                        label(b, key, v);
+                    },
+                    n,
+                );
+            }
+        }
+    }
+
+    /// `_bucket` per bound and `+Inf`, then `_sum` and `_count`.
+    fn histogram(&mut self, h: &Histogram, labels: impl Fn(&mut Vec<u8>)) {
+        let (cumulative, sum) = h.read();
+        let bounds = PROBE_BUCKETS.iter().map(|le| le.to_string());
+        for (le, n) in bounds
+            .chain(std::iter::once("+Inf".to_string()))
+            .zip(cumulative)
+        {
+            self.sample(
+                "_bucket",
+                |b| {
+                    labels(b);
+                    label(b, "le", &le);
+                },
+                n,
+            );
+        }
+        self.sample("_sum", &labels, sum);
+        self.sample("_count", &labels, cumulative[PROBE_BUCKETS.len()]);
+    }
+}
+
+/// `k="v"`, preceded by a comma unless it is the first label.
+fn label(buf: &mut Vec<u8>, key: &str, value: &str) {
+    if buf.last() != Some(&b'{') {
+        buf.push(b',');
+    }
+    label_first(buf, key, value);
+}
+
+/// `k="v"` with the value escaped as the format requires.
+fn label_first(buf: &mut Vec<u8>, key: &str, value: &str) {
+    buf.extend_from_slice(key.as_bytes());
+    buf.extend_from_slice(b"=\"");
+    for byte in value.bytes() {
+        match byte {
+            b'\\' => buf.extend_from_slice(b"\\\\"),
+            b'"' => buf.extend_from_slice(b"\\\""),
+            b'\n' => buf.extend_from_slice(b"\\n"),
+            _ => buf.push(byte),
+        }
+    }
+    buf.push(b'"');
+}
+
+fn lb_labels(buf: &mut Vec<u8>, lb: &LbStats) {
+    label_first(buf, "cluster", &lb.cluster);
+    label(buf, "load_balancer", &lb.name);
+}
+
+fn listener_labels(buf: &mut Vec<u8>, l: &ListenerStats) {
+    lb_labels(buf, &l.lb);
+    label(buf, "listener", &l.name);
+}
+
+fn backend_labels(buf: &mut Vec<u8>, be: &BackendStats) {
+    lb_labels(buf, &be.lb);
+    let mut ip = [0u8; 48];
+    let n = {
+        let mut cursor = std::io::Cursor::new(&mut ip[..]);
+        let _ = write!(cursor, "{}", be.addr);
+        cursor.position() as usize
+    };
+    label(
+        buf,
+        "backend",
+        std::str::from_utf8(&ip[..n]).unwrap_or_default(),
+    );
+}
+
+/// How much text one chunk of a scrape holds before it is sent.
+const CHUNK: usize = 64 * 1024;
+
+/// The body of a `/metrics` response: the first chunk is written at once,
+/// each poll after it writes the next. An exposition that fits in one chunk
+/// goes out with a `Content-Length`; a longer one is sent chunked while it
+/// is being written.
+pub struct ExpositionBody {
+    /// Written and not sent yet.
+    ready: Option<Bytes>,
+    /// What is left to write; `None` once all of it is.
+    rest: Option<Exposition>,
+}
+
+impl From<Exposition> for ExpositionBody {
+    fn from(mut e: Exposition) -> Self {
+        let (first, more) = next_chunk(&mut e);
+        Self {
+            ready: Some(first),
+            rest: more.then_some(e),
+        }
+    }
+}
+
+/// The next chunk, and whether more follows.
+fn next_chunk(e: &mut Exposition) -> (Bytes, bool) {
+    let mut buf = Vec::with_capacity(CHUNK + CHUNK / 4);
+    let more = e.fill(&mut buf, CHUNK);
+    (Bytes::from(buf), more)
+}
+
+impl Body for ExpositionBody {
+    type Data = Bytes;
+    type Error = std::convert::Infallible;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        _cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+        if let Some(chunk) = self.ready.take() {
+            return Poll::Ready(Some(Ok(Frame::data(chunk))));
+        }
+        let Some(e) = self.rest.as_mut() else {
+            return Poll::Ready(None);
+        };
+        let (chunk, more) = next_chunk(e);
+        if !more {
+            self.rest = None;
+        }
+        Poll::Ready(Some(Ok(Frame::data(chunk))))
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.ready.is_none() && self.rest.is_none()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match (&self.ready, &self.rest) {
+            (Some(chunk), None) => SizeHint::with_exact(chunk.len() as u64),
+            (None, None) => SizeHint::with_exact(0),
+            _ => SizeHint::default(),
+        }
+    }
+}

@@ -1,0 +1,200 @@
+//! Every metric family the daemon exposes: name, type and help text, each
+//! written once here so the README's metrics reference, the code and
+//! `promtool check metrics` agree.
+
+/// The Prometheus type of a family.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    /// Only goes up (and restarts from 0 when its object is created anew).
+    Counter,
+    /// Goes up and down.
+    Gauge,
+    /// Buckets, sum and count.
+    Histogram,
+}
+
+impl Kind {
+    fn as_str(self) -> &'static str {
+        match self {
+            Kind::Counter => "counter",
+            Kind::Gauge => "gauge",
+            Kind::Histogram => "histogram",
+        }
+    }
+}
+
+/// One metric family: what `# HELP` and `# TYPE` say about it.
+#[derive(Debug)]
+pub struct Family {
+    /// The full name (counters end in `_total`; a histogram's samples add
+    /// `_bucket`, `_sum` and `_count`).
+    pub name: &'static str,
+    /// Counter, gauge or histogram.
+    pub kind: Kind,
+    /// One sentence for `# HELP`.
+    pub help: &'static str,
+}
+
+impl Family {
+    const fn new(name: &'static str, kind: Kind, help: &'static str) -> Self {
+        Self { name, kind, help }
+    }
+
+    /// The `# HELP` and `# TYPE` lines.
+    pub(crate) fn write_header(&self, out: &mut Vec<u8>) {
+        for part in [
+            "# HELP ",
+            self.name,
+            " ",
+            self.help,
+            "\n# TYPE ",
+            self.name,
+            " ",
+            self.kind.as_str(),
+            "\n",
+        ] {
+            out.extend_from_slice(part.as_bytes());
+        }
+    }
+}
+
+use Kind::{Counter, Gauge, Histogram};
+
+// Per load balancer: labels `cluster`, `load_balancer`.
+
+/// 1 while a load balancer has no eligible backend and refuses clients.
+pub static NO_ELIGIBLE_BACKEND: Family = Family::new(
+    "harvester_lb_no_eligible_backend",
+    Gauge,
+    "1 while the load balancer has no eligible backend and refuses clients.",
+);
+/// Times a load balancer entered the no-eligible-backend state.
+pub static NO_ELIGIBLE_BACKEND_EVENTS: Family = Family::new(
+    "harvester_lb_no_eligible_backend_events_total",
+    Counter,
+    "Times the load balancer was left with no eligible backend.",
+);
+
+// Per listener: labels `cluster`, `load_balancer`, `listener`.
+
+/// 1 when a listener's socket is bound and accepting, 0 when binding failed.
+pub static LISTENER_UP: Family = Family::new(
+    "harvester_lb_listener_up",
+    Gauge,
+    "1 when the listener's socket is bound and accepting, 0 when it could not be bound.",
+);
+/// Client connections accepted on a listener.
+pub static CONNECTIONS_ACCEPTED: Family = Family::new(
+    "harvester_lb_connections_accepted_total",
+    Counter,
+    "Client connections accepted on the listener.",
+);
+/// Client connections that could not be forwarded, by `reason`.
+pub static CONNECTIONS_FAILED: Family = Family::new(
+    "harvester_lb_connections_failed_total",
+    Counter,
+    "Client connections closed without reaching a backend, by reason of the last attempt.",
+);
+/// Client connections being forwarded now, per listener.
+pub static CONNECTIONS_ACTIVE: Family = Family::new(
+    "harvester_lb_connections_active",
+    Gauge,
+    "Client connections being forwarded now.",
+);
+/// Bytes forwarded, by `direction`.
+pub static BYTES: Family = Family::new(
+    "harvester_lb_bytes_total",
+    Counter,
+    "Bytes forwarded, by direction.",
+);
+/// Errors from `accept(2)`, by `kind`.
+pub static ACCEPT_ERRORS: Family = Family::new(
+    "harvester_lb_accept_errors_total",
+    Counter,
+    "Errors returned by accept(2) on the listener, by kind.",
+);
+/// Accepts delayed because `proxy.max_connections` was reached.
+pub static CONNECTION_LIMIT_REACHED: Family = Family::new(
+    "harvester_lb_connection_limit_reached_total",
+    Counter,
+    "Accepts on the listener delayed because proxy.max_connections was reached.",
+);
+
+// Per backend: labels `cluster`, `load_balancer`, `backend`.
+
+/// 1 when a backend is eligible for new connections, else 0.
+pub static BACKEND_UP: Family = Family::new(
+    "harvester_lb_backend_up",
+    Gauge,
+    "1 when the backend is eligible for new connections, 0 when not.",
+);
+/// Connections open to a backend now.
+pub static BACKEND_CONNECTIONS_ACTIVE: Family = Family::new(
+    "harvester_lb_backend_connections_active",
+    Gauge,
+    "Connections open to the backend now.",
+);
+/// Failed connect attempts to one backend, by `reason`.
+pub static BACKEND_CONNECT_FAILURES: Family = Family::new(
+    "harvester_lb_backend_connect_failures_total",
+    Counter,
+    "Failed connect attempts to the backend (retries included), by reason.",
+);
+/// Health probes, by `result`.
+pub static HEALTH_CHECKS: Family = Family::new(
+    "harvester_lb_health_checks_total",
+    Counter,
+    "Health probes of the backend, by result.",
+);
+/// Health state changes of a backend, by `to`.
+pub static HEALTH_TRANSITIONS: Family = Family::new(
+    "harvester_lb_health_transitions_total",
+    Counter,
+    "Health state changes of the backend, by new state.",
+);
+/// Duration of health probes: one histogram for the daemon, or one per
+/// backend when `metrics.per_backend_health_check_duration` is set.
+pub static HEALTH_CHECK_DURATION: Family = Family::new(
+    "harvester_lb_health_check_duration_seconds",
+    Histogram,
+    "Duration of one health probe.",
+);
+
+// Per process: no labels unless named.
+
+/// Load balancers in the config in force.
+pub static CONFIG_LOAD_BALANCERS: Family = Family::new(
+    "harvester_lb_config_load_balancers",
+    Gauge,
+    "Load balancers in the configuration in force.",
+);
+/// Distinct health probes sent each period.
+pub static HEALTH_CHECK_STREAMS: Family = Family::new(
+    "harvester_lb_health_check_streams",
+    Gauge,
+    "Distinct health probes sent each period, shared by the load balancers that check the same address and port alike.",
+);
+/// 1 when the last (re)load succeeded.
+pub static CONFIG_LAST_RELOAD_SUCCESSFUL: Family = Family::new(
+    "harvester_lb_config_last_reload_successful",
+    Gauge,
+    "1 when the last configuration reload succeeded.",
+);
+/// Unix time of the last successful (re)load.
+pub static CONFIG_LAST_RELOAD_SUCCESS_TIMESTAMP: Family = Family::new(
+    "harvester_lb_config_last_reload_success_timestamp_seconds",
+    Gauge,
+    "Unix time of the last successful configuration load.",
+);
+/// Reloads, by `result`.
+pub static CONFIG_RELOADS: Family = Family::new(
+    "harvester_lb_config_reloads_total",
+    Counter,
+    "Configuration (re)loads, the initial load included, by result.",
+);
+/// Build information, value 1, with a `version` label.
+pub static BUILD_INFO: Family = Family::new(
+    "harvester_lb_build_info",
+    Gauge,
+    "Build information; the value is always 1.",
+);

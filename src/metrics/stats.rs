@@ -1,0 +1,334 @@
+//! The numbers each live object keeps: plain atomics inside the object,
+//! labelled by the object's own identity.
+//!
+//! There is one stats object per identity (a load balancer by cluster and
+//! name, a listener by its name within the load balancer, a backend by its
+//! address within the load balancer), found through [`Metrics`] while it
+//! lives. Whoever serves that identity holds an `Arc` to it: the load
+//! balancer, a listener's route, a backend, and through them every open
+//! connection. When the last holder goes, the stats go, and their series
+//! with them: nothing is kept for an object that no longer exists. A name
+//! that returns while its predecessor is still draining finds the same
+//! stats, so its counters continue and no series is exposed twice.
+
+use std::collections::HashMap;
+use std::net::IpAddr;
+use std::sync::atomic::{AtomicI64, AtomicU8, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
+use std::time::Duration;
+
+use super::Metrics;
+
+/// A monotonic count.
+#[derive(Debug, Default)]
+pub struct Counter(AtomicU64);
+
+impl Counter {
+    /// Adds `n`.
+    pub fn increment(&self, n: u64) {
+        self.0.fetch_add(n, Ordering::Relaxed);
+    }
+
+    /// The count now.
+    pub fn get(&self) -> u64 {
+        self.0.load(Ordering::Relaxed)
+    }
+}
+
+/// A value that goes up and down (open connections).
+#[derive(Debug, Default)]
+pub struct Gauge(AtomicI64);
+
+impl Gauge {
+    /// One more.
+    pub fn increment(&self) {
+        self.0.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// One fewer.
+    pub fn decrement(&self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+
+    /// The value now.
+    pub fn get(&self) -> i64 {
+        self.0.load(Ordering::Relaxed)
+    }
+}
+
+/// A 0/1 gauge that exists only while its object is in the config in force
+/// (`backend_up`, `listener_up`, `no_eligible_backend`): a removed backend
+/// must not keep reporting that it is down and fire alerts.
+#[derive(Debug, Default)]
+pub struct Presence(AtomicU8);
+
+const ABSENT: u8 = 0;
+const FALSE: u8 = 1;
+const TRUE: u8 = 2;
+
+impl Presence {
+    /// Present with this value.
+    pub fn set(&self, value: bool) {
+        self.0
+            .store(if value { TRUE } else { FALSE }, Ordering::Relaxed);
+    }
+
+    /// Absent: the object left the config in force.
+    pub fn clear(&self) {
+        self.0.store(ABSENT, Ordering::Relaxed);
+    }
+
+    /// `None` while absent.
+    pub fn get(&self) -> Option<bool> {
+        match self.0.load(Ordering::Relaxed) {
+            ABSENT => None,
+            v => Some(v == TRUE),
+        }
+    }
+}
+
+/// Upper bounds of the probe-duration buckets, in seconds: from a loopback
+/// connect (~50 µs) to the longest sensible timeout.
+pub const PROBE_BUCKETS: [f64; 16] = [
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+    5.0, 10.0,
+];
+
+/// A fixed-bucket histogram of durations: one atomic add per bucket hit, no
+/// sample kept, so it costs the same whether anybody scrapes or not.
+#[derive(Debug, Default)]
+pub struct Histogram {
+    /// Non-cumulative counts; the last slot is above the last bound (`+Inf`).
+    buckets: [AtomicU64; PROBE_BUCKETS.len() + 1],
+    sum_nanos: AtomicU64,
+}
+
+impl Histogram {
+    /// Counts one observation.
+    pub fn record(&self, d: Duration) {
+        let secs = d.as_secs_f64();
+        let slot = PROBE_BUCKETS
+            .iter()
+            .position(|&le| secs <= le)
+            .unwrap_or(PROBE_BUCKETS.len());
+        self.buckets[slot].fetch_add(1, Ordering::Relaxed);
+        let nanos = u64::try_from(d.as_nanos()).unwrap_or(u64::MAX);
+        self.sum_nanos.fetch_add(nanos, Ordering::Relaxed);
+    }
+
+    /// Cumulative bucket counts (the last is the total count) and the sum in seconds.
+    pub fn read(&self) -> ([u64; PROBE_BUCKETS.len() + 1], f64) {
+        let mut out = [0; PROBE_BUCKETS.len() + 1];
+        let mut total = 0;
+        for (o, b) in out.iter_mut().zip(&self.buckets) {
+            total += b.load(Ordering::Relaxed);
+            *o = total;
+        }
+        (
+            out,
+            self.sum_nanos.load(Ordering::Relaxed) as f64 / 1e9,
+        )
+    }
+}
+
+/// A map from an identity to the live stats object of that identity.
+pub(crate) type Live<K, V> = Mutex<HashMap<K, Weak<V>>>;
+
+fn lock<K, V>(m: &Live<K, V>) -> std::sync::MutexGuard<'_, HashMap<K, Weak<V>>> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// The live object of `key`, or a new one made by `make` and registered.
+pub(crate) fn get_or_insert<K: std::hash::Hash + Eq, V>(
+    map: &Live<K, V>,
+    key: K,
+    make: impl FnOnce() -> V,
+) -> Arc<V> {
+    let mut m = lock(map);
+    if let Some(live) = m.get(&key).and_then(Weak::upgrade) {
+        return live;
+    }
+    let new = Arc::new(make());
+    m.insert(key, Arc::downgrade(&new));
+    new
+}
+
+/// Forgets `key` if it still names `this` (a successor registered after
+/// `this` began to drop keeps its entry).
+pub(crate) fn forget<K: std::hash::Hash + Eq, V>(map: &Live<K, V>, key: &K, this: *const V) {
+    let mut m = lock(map);
+    if m.get(key).is_some_and(|w| std::ptr::eq(w.as_ptr(), this)) {
+        m.remove(key);
+    }
+}
+
+/// Every live object of `map`. The caller drops them after the lock is
+/// released (dropping the last `Arc` takes the lock again).
+pub(crate) fn live<K, V>(map: &Live<K, V>) -> Vec<Arc<V>> {
+    lock(map).values().filter_map(Weak::upgrade).collect()
+}
+
+/// One load balancer's numbers, and the registry of its listeners and backends.
+pub struct LbStats {
+    /// Where it is registered; `None` for stats nobody renders (tests, benches).
+    pub(crate) registry: Option<Arc<Metrics>>,
+    /// Label `cluster`.
+    pub cluster: Box<str>,
+    /// Label `load_balancer`.
+    pub name: Box<str>,
+    /// `no_eligible_backend`.
+    pub no_backend: Presence,
+    /// `no_eligible_backend_events_total`.
+    pub no_backend_events: Counter,
+    pub(crate) listeners: Live<Box<str>, ListenerStats>,
+    pub(crate) backends: Live<IpAddr, BackendStats>,
+}
+
+impl LbStats {
+    pub(crate) fn new(registry: Option<Arc<Metrics>>, cluster: &str, name: &str) -> Self {
+        Self {
+            registry,
+            cluster: cluster.into(),
+            name: name.into(),
+            no_backend: Presence::default(),
+            no_backend_events: Counter::default(),
+            listeners: Live::default(),
+            backends: Live::default(),
+        }
+    }
+
+    /// Stats that belong to no registry and are never rendered: for unit
+    /// tests and benchmarks that build a load balancer by hand.
+    pub fn detached() -> Arc<Self> {
+        Arc::new(Self::new(None, "", ""))
+    }
+
+    /// The stats of listener `name` of this load balancer.
+    pub fn listener(self: &Arc<Self>, name: &str) -> Arc<ListenerStats> {
+        get_or_insert(&self.listeners, name.into(), || ListenerStats {
+            lb: Arc::clone(self),
+            name: name.into(),
+            up: Presence::default(),
+            accepted: Counter::default(),
+            failed: Default::default(),
+            active: Gauge::default(),
+            client_to_backend: Counter::default(),
+            backend_to_client: Counter::default(),
+            accept_errors: Default::default(),
+            limit_reached: Counter::default(),
+        })
+    }
+
+    /// The stats of backend `addr` of this load balancer.
+    pub fn backend(self: &Arc<Self>, addr: IpAddr) -> Arc<BackendStats> {
+        get_or_insert(&self.backends, addr, || BackendStats {
+            lb: Arc::clone(self),
+            addr,
+            up: Presence::default(),
+            active: Gauge::default(),
+            connect_failures: Default::default(),
+            checks: Default::default(),
+            transitions: Default::default(),
+            duration: OnceLock::new(),
+        })
+    }
+}
+
+impl Drop for LbStats {
+    fn drop(&mut self) {
+        if let Some(registry) = &self.registry {
+            registry.forget_load_balancer(self);
+        }
+    }
+}
+
+/// Why a client connection got no backend (`connections_failed_total{reason}`).
+pub const FAILED_REASONS: [&str; 4] = [
+    "no_backend",
+    "connect_refused",
+    "connect_timeout",
+    "connect_error",
+];
+/// `accept_errors_total{kind}`.
+pub const ACCEPT_ERROR_KINDS: [&str; 3] = ["out_of_descriptors", "out_of_memory", "other"];
+/// `backend_connect_failures_total{reason}`.
+pub const CONNECT_FAILURE_REASONS: [&str; 3] =
+    ["connect_refused", "connect_timeout", "connect_error"];
+/// `health_checks_total{result}`, in the order of [`BackendStats::checks`].
+pub const CHECK_RESULTS: [&str; 5] = ["ok", "refused", "timeout", "error", "skipped"];
+
+/// One listener's numbers.
+pub struct ListenerStats {
+    /// Its load balancer (labels `cluster`, `load_balancer`).
+    pub lb: Arc<LbStats>,
+    /// Label `listener`.
+    pub name: Box<str>,
+    /// `listener_up`.
+    pub up: Presence,
+    /// `connections_accepted_total`.
+    pub accepted: Counter,
+    /// `connections_failed_total`, by [`FAILED_REASONS`].
+    pub failed: [Counter; 4],
+    /// `connections_active`.
+    pub active: Gauge,
+    /// `bytes_total{direction="client_to_backend"}`.
+    pub client_to_backend: Counter,
+    /// `bytes_total{direction="backend_to_client"}`.
+    pub backend_to_client: Counter,
+    /// `accept_errors_total`, by [`ACCEPT_ERROR_KINDS`].
+    pub accept_errors: [Counter; 3],
+    /// `connection_limit_reached_total`.
+    pub limit_reached: Counter,
+}
+
+impl Drop for ListenerStats {
+    fn drop(&mut self) {
+        forget(&self.lb.listeners, &self.name, self);
+    }
+}
+
+/// One backend's numbers, for one load balancer.
+pub struct BackendStats {
+    /// Its load balancer (labels `cluster`, `load_balancer`).
+    pub lb: Arc<LbStats>,
+    /// Label `backend`.
+    pub addr: IpAddr,
+    /// `backend_up`.
+    pub up: Presence,
+    /// `backend_connections_active`.
+    pub active: Gauge,
+    /// `backend_connect_failures_total`, by [`CONNECT_FAILURE_REASONS`].
+    pub connect_failures: [Counter; 3],
+    /// `health_checks_total`, by [`CHECK_RESULTS`].
+    pub checks: [Counter; 5],
+    /// `health_transitions_total{to="up"}` and `{to="down"}`.
+    pub transitions: [Counter; 2],
+    /// Its own probe-duration histogram, made at the first probe after
+    /// `metrics.per_backend_health_check_duration` was switched on.
+    pub(crate) duration: OnceLock<Box<Histogram>>,
+}
+
+impl BackendStats {
+    /// Counts one probe: its result (an index into [`CHECK_RESULTS`]) and duration.
+    pub fn record_probe(&self, result: usize, took: Duration) {
+        self.checks[result].increment(1);
+        let Some(registry) = &self.lb.registry else {
+            return;
+        };
+        registry.probe_duration.record(took);
+        if registry.per_backend_durations.load(Ordering::Relaxed) {
+            self.duration.get_or_init(Box::default).record(took);
+        }
+    }
+
+    /// Counts a health transition.
+    pub fn record_transition(&self, to_up: bool) {
+        self.transitions[usize::from(!to_up)].increment(1);
+    }
+}
+
+impl Drop for BackendStats {
+    fn drop(&mut self) {
+        forget(&self.lb.backends, &self.addr, self);
+    }
+}

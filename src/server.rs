@@ -1,0 +1,279 @@
+//! The daemon's life: start (load the config, bind the admin API, apply),
+//! the main loop (reloads from signals, the admin API and the file watch;
+//! listener retries; the systemd watchdog), and shutdown with drain.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::net::TcpListener;
+use tokio::sync::{mpsc, oneshot};
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+use crate::admin::ReloadRequest;
+use crate::config::{self, Config, ConfigError};
+use crate::daemon::Daemon;
+use crate::metrics::Metrics;
+use crate::{admin, os, systemd, watch};
+
+/// How to run the daemon.
+#[derive(Debug, Clone)]
+pub struct Options {
+    /// The config file.
+    pub config_path: PathBuf,
+    /// How often the file is checked for changes; `None` disables watching
+    /// (reload then only by `SIGHUP` or `POST /reload`).
+    pub watch_interval: Option<Duration>,
+}
+
+impl Options {
+    /// Options for `path` with the default file watch (every 500 ms).
+    pub fn new(path: impl Into<PathBuf>) -> Self {
+        Self {
+            config_path: path.into(),
+            watch_interval: Some(Duration::from_millis(500)),
+        }
+    }
+}
+
+/// Why the daemon could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    /// The config could not be used; nothing was bound.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// The admin listener could not be bound.
+    #[error("cannot bind the admin listener {addr} (admin.listen): {source}")]
+    AdminBind {
+        /// The address from `admin.listen`.
+        addr: SocketAddr,
+        /// What the OS said.
+        source: std::io::Error,
+    },
+}
+
+/// A running daemon.
+pub struct Server {
+    daemon: Arc<Daemon>,
+    admin_addr: SocketAddr,
+    reload: mpsc::Sender<ReloadRequest>,
+    stop: CancellationToken,
+    admin_stop: CancellationToken,
+    main_loop: JoinHandle<()>,
+}
+
+/// Loads the config, binds the admin listener and every VIP listener, and
+/// starts probing. Returns once the first config is in force (a listener that
+/// cannot bind is reported in `/readyz` and retried; it does not fail start).
+pub async fn start(options: Options) -> Result<Server, StartError> {
+    let loaded = config::load(&options.config_path)?;
+    for w in &loaded.warnings {
+        tracing::warn!(config = %options.config_path.display(), "{w}");
+    }
+    let config = loaded.config;
+    let admin_addr = config.admin.listen;
+    let admin_socket =
+        TcpListener::bind(admin_addr)
+            .await
+            .map_err(|source| StartError::AdminBind {
+                addr: admin_addr,
+                source,
+            })?;
+    let admin_addr = admin_socket.local_addr().unwrap_or(admin_addr);
+
+    let metrics = Metrics::new();
+    let daemon = Daemon::new(Arc::clone(&metrics), connection_limit(&config));
+    let report = daemon.apply(config);
+    tracing::info!(?report, config = %options.config_path.display(), "config applied");
+    metrics.record_reload(true);
+
+    let (reload_tx, reload_rx) = mpsc::channel::<ReloadRequest>(16);
+    let stop = CancellationToken::new();
+    let admin_stop = CancellationToken::new();
+    tokio::spawn(admin::serve(
+        admin_socket,
+        Arc::clone(&daemon),
+        reload_tx.clone(),
+        admin_stop.clone(),
+    ));
+    let main_loop = tokio::spawn(main_loop(
+        options,
+        Arc::clone(&daemon),
+        reload_tx.clone(),
+        reload_rx,
+        stop.clone(),
+    ));
+    Ok(Server {
+        daemon,
+        admin_addr,
+        reload: reload_tx,
+        stop,
+        admin_stop,
+        main_loop,
+    })
+}
+
+impl Server {
+    /// Where the admin API listens (the real port when `admin.listen` used port 0).
+    pub fn admin_addr(&self) -> SocketAddr {
+        self.admin_addr
+    }
+
+    /// The running daemon.
+    pub fn daemon(&self) -> &Arc<Daemon> {
+        &self.daemon
+    }
+
+    /// Re-reads the config file and applies it; `Err` carries every problem,
+    /// and then the running config is untouched.
+    pub async fn reload(&self) -> Result<String, String> {
+        request_reload(&self.reload).await
+    }
+
+    /// A sender that triggers reloads (for signal handlers).
+    pub fn reload_sender(&self) -> mpsc::Sender<ReloadRequest> {
+        self.reload.clone()
+    }
+
+    /// Stops accepting, drains open connections up to the drain timeout, and
+    /// stops. Returns how many connections the timeout cut.
+    pub async fn shutdown(self) -> usize {
+        self.stop.cancel();
+        let _ = self.main_loop.await;
+        systemd::notify("STOPPING=1");
+        tracing::info!("stopping: no new connections; draining open ones");
+        let cut = self.daemon.shutdown().await;
+        self.admin_stop.cancel();
+        tracing::info!(closed_by_timeout = cut, "stopped");
+        cut
+    }
+}
+
+/// Sends a reload request and waits for its outcome.
+pub async fn request_reload(sender: &mpsc::Sender<ReloadRequest>) -> Result<String, String> {
+    let (tx, rx) = oneshot::channel();
+    sender
+        .send(tx)
+        .await
+        .map_err(|_| "the daemon is stopping".to_string())?;
+    rx.await.map_err(|_| "the daemon is stopping".to_string())?
+}
+
+/// The process-wide connection cap: the config's, or what the open-file
+/// limit allows. A connection holds two sockets and, while bytes move, a pipe
+/// (two more) per busy direction; an idle one holds only its sockets. Three
+/// descriptors per connection is the budget; 256 are kept for the daemon
+/// itself and 512 for the pool of spare pipes (256 pipes). Under a burst
+/// that still runs short, a connection copies through a small buffer
+/// instead of a pipe and accepts back off (see "Failure behaviour").
+fn connection_limit(config: &Config) -> usize {
+    if let Some(n) = config.proxy.max_connections {
+        return n.get();
+    }
+    let files = os::raise_open_file_limit().unwrap_or(1024);
+    (files.saturating_sub(256 + 512) / 3).max(16) as usize
+}
+
+async fn main_loop(
+    options: Options,
+    daemon: Arc<Daemon>,
+    reload_tx: mpsc::Sender<ReloadRequest>,
+    mut reload_rx: mpsc::Receiver<ReloadRequest>,
+    stop: CancellationToken,
+) {
+    let (changed_tx, mut changed_rx) = mpsc::channel(1);
+    if let Some(interval) = options.watch_interval {
+        tokio::spawn(watch::watch(
+            options.config_path.clone(),
+            interval,
+            changed_tx,
+            stop.clone(),
+        ));
+    }
+    let mut retry = tokio::time::interval(Duration::from_secs(2));
+    retry.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let watchdog = systemd::watchdog_interval();
+    let mut watchdog_tick = tokio::time::interval(watchdog.unwrap_or(Duration::from_secs(3600)));
+    let mut ready_sent = false;
+    if daemon.is_ready() {
+        systemd::notify("READY=1\nSTATUS=serving");
+        ready_sent = true;
+    }
+    loop {
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            Some(reply) = reload_rx.recv() => {
+                let outcome = reload(&options, &daemon, ready_sent);
+                let _ = reply.send(outcome);
+            }
+            Some(()) = changed_rx.recv() => {
+                tracing::info!(config = %options.config_path.display(), "config file changed on disk");
+                // Go through the channel so watch and signal reloads are serialised.
+                let tx = reload_tx.clone();
+                tokio::spawn(async move { let _ = request_reload(&tx).await; });
+            }
+            _ = retry.tick() => {
+                if !daemon.failed_listeners().is_empty() && daemon.retry_failed_listeners() > 0 {
+                    tracing::info!("listeners bound on retry");
+                }
+                if !ready_sent && daemon.is_ready() {
+                    systemd::notify("READY=1\nSTATUS=serving");
+                    ready_sent = true;
+                }
+            }
+            _ = watchdog_tick.tick(), if watchdog.is_some() => systemd::notify("WATCHDOG=1"),
+        }
+    }
+}
+
+/// Loads and applies the config file; a bad file leaves everything as it was.
+/// `ready_sent`: whether systemd has been told READY=1 yet; before that, a
+/// reload must not announce readiness (the main loop does, once every
+/// listener is bound).
+fn reload(options: &Options, daemon: &Daemon, ready_sent: bool) -> Result<String, String> {
+    if ready_sent {
+        systemd::notify_reloading();
+    }
+    let started = tokio::time::Instant::now();
+    let result = match config::load(&options.config_path) {
+        Ok(loaded) => {
+            for w in &loaded.warnings {
+                tracing::warn!(config = %options.config_path.display(), "{w}");
+            }
+            let report = daemon.apply(loaded.config);
+            let summary = format!(
+                "reloaded in {:?}: {} listeners bound, {} failed, {} removed; {} load balancers added, {} removed",
+                started.elapsed(),
+                report.listeners_bound,
+                report.listeners_failed,
+                report.listeners_removed,
+                report.load_balancers_added,
+                report.load_balancers_removed
+            );
+            tracing::info!(?report, elapsed = ?started.elapsed(), "config reloaded");
+            Ok(summary)
+        }
+        Err(e) => {
+            tracing::error!("reload rejected, the running config stays in force: {e}");
+            Err(e.to_string())
+        }
+    };
+    daemon.metrics().record_reload(result.is_ok());
+    if ready_sent {
+        systemd::notify(&format!("READY=1\nSTATUS={}", status_line(daemon)));
+    }
+    result
+}
+
+/// systemd's one-line status: serving, or which listeners are not bound.
+fn status_line(daemon: &Daemon) -> String {
+    let failed = daemon.failed_listeners();
+    if failed.is_empty() {
+        "serving".to_string()
+    } else {
+        let list: Vec<String> = failed.iter().map(|(addr, _)| addr.to_string()).collect();
+        format!("serving; not bound (see /readyz): {}", list.join(", "))
+    }
+}
