@@ -120,6 +120,8 @@ impl Daemon {
                 self.retire_load_balancer(old, drain);
             }
             match st.load_balancers.get_mut(&spec.name) {
+                // Unchanged: nothing to do (most of a reload, at scale).
+                Some(entry) if entry.spec == *spec => {}
                 Some(entry) => self.update_load_balancer(entry, spec, drain),
                 None => {
                     let entry = self.new_load_balancer(spec);
@@ -170,6 +172,18 @@ impl Daemon {
         }
         for (addr, (lb_spec, l_spec)) in desired {
             let lb = Arc::clone(&st.load_balancers[&lb_spec.name].lb);
+            if let Some(ListenerEntry {
+                socket: Ok(listener),
+                load_balancer,
+                spec,
+                ..
+            }) = st.listeners.get(&addr)
+                && *load_balancer == lb_spec.name
+                && spec == l_spec
+                && Arc::ptr_eq(&listener.route().lb, &lb)
+            {
+                continue; // The same route would be built again.
+            }
             let route = self.route(&lb, l_spec);
             let stats = Arc::clone(&route.stats);
             match st.listeners.get_mut(&addr) {
@@ -214,8 +228,9 @@ impl Daemon {
         }
         self.metrics
             .set_config_in_force(config.load_balancers.len(), self.prober.streams());
-        self.metrics
-            .set_per_backend_health_check_duration(config.metrics.per_backend_health_check_duration);
+        self.metrics.set_per_backend_health_check_duration(
+            config.metrics.per_backend_health_check_duration,
+        );
         st.config = Some(config);
         report
     }
@@ -345,9 +360,7 @@ impl Daemon {
         for ip in &spec.backends {
             let backend = match entry.backends.remove(ip) {
                 Some(b) => b,
-                None => {
-                    Backend::with_stats(*ip, healthy_at_start, entry.lb.stats().backend(*ip))
-                }
+                None => Backend::with_stats(*ip, healthy_at_start, entry.lb.stats().backend(*ip)),
             };
             backends.insert(*ip, backend);
         }
@@ -384,12 +397,8 @@ impl Daemon {
                 backend.set_healthy(initial.status == Health::Healthy);
                 self.prober.ensure(&entry.lb, backend, hc, initial);
             } else {
-                self.prober.ensure(
-                    &entry.lb,
-                    backend,
-                    hc,
-                    HealthState::new(spec.initial_state),
-                );
+                self.prober
+                    .ensure(&entry.lb, backend, hc, HealthState::new(spec.initial_state));
             }
         }
     }

@@ -239,12 +239,13 @@ fn reload(options: &Options, daemon: &Daemon, ready_sent: bool) -> Result<String
     let started = tokio::time::Instant::now();
     let result = match config::load(&options.config_path) {
         Ok(loaded) => {
+            let parsed = started.elapsed();
             for w in &loaded.warnings {
                 tracing::warn!(config = %options.config_path.display(), "{w}");
             }
             let report = daemon.apply(loaded.config);
             let summary = format!(
-                "reloaded in {:?}: {} listeners bound, {} failed, {} removed; {} load balancers added, {} removed",
+                "reloaded in {:?} (read and validated in {parsed:?}): {} listeners bound, {} failed, {} removed; {} load balancers added, {} removed",
                 started.elapsed(),
                 report.listeners_bound,
                 report.listeners_failed,

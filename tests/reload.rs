@@ -608,7 +608,10 @@ async fn a_removed_backend_stops_being_probed_and_its_connections_drain() {
             .any(|l| l.starts_with("harvester_lb_backend_up") && l.contains(&labels)),
         "a removed backend still reports backend_up:\n{metrics}"
     );
-    assert!(first >= 1.0, "its probe count stays while it drains:\n{metrics}");
+    assert!(
+        first >= 1.0,
+        "its probe count stays while it drains:\n{metrics}"
+    );
     // The open connection keeps working during the drain time...
     echo_once(&mut open, "still served")
         .await

@@ -51,18 +51,22 @@ pub(super) fn parse(text: &str) -> Result<Loaded, Vec<Problem>> {
             message: "the file is empty (a truncated write?); to run with no load balancers on purpose, write `load_balancer = []`".into(),
         }]);
     }
-    let root = DeTable::parse(text).map_err(|e| vec![lines.toml_error(&e, String::new())])?;
+    let parse = || DeTable::parse(text).map_err(|e| vec![lines.toml_error(&e, String::new())]);
+    let root = parse()?;
 
+    // The document is deserialized from the parsed tree itself, not a copy
+    // (a copy cost a tenth of a 10,000-load-balancer reload); the rare
+    // broken file is parsed a second time to find where its problems are.
     let mut unknown: Vec<Vec<String>> = Vec::new();
-    let deserializer = toml::de::Deserializer::from(root.clone());
+    let deserializer = toml::de::Deserializer::from(root);
     let file: FileConfig = serde_ignored::deserialize(deserializer, |path| {
         unknown.push(segments(&path));
     })
     .map_err(|e| {
-        let key = e
-            .span()
-            .map(|span| display_path(&path_at(root.get_ref(), span.start)))
-            .unwrap_or_default();
+        let key = match (e.span(), parse()) {
+            (Some(span), Ok(root)) => display_path(&path_at(root.get_ref(), span.start)),
+            _ => String::new(),
+        };
         vec![lines.toml_error(&e, key)]
     })?;
 
@@ -71,8 +75,13 @@ pub(super) fn parse(text: &str) -> Result<Loaded, Vec<Problem>> {
         problems: Vec::new(),
         warnings: Vec::new(),
     };
+    let root = if unknown.is_empty() {
+        None
+    } else {
+        parse().ok()
+    };
     for path in unknown {
-        let span = span_of(root.get_ref(), &path);
+        let span = root.as_ref().and_then(|r| span_of(r.get_ref(), &path));
         v.problem(span, &display_path(&path), "unknown key".to_string());
     }
     let config = v.config(&file);

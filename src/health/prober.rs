@@ -94,12 +94,7 @@ impl Prober {
             }
             return existing;
         }
-        let target = Target::new(
-            Arc::clone(lb),
-            Arc::clone(backend),
-            spec.clone(),
-            initial,
-        );
+        let target = Target::new(Arc::clone(lb), Arc::clone(backend), spec.clone(), initial);
         if let Some(old) = self.targets.insert(key, Arc::clone(&target)) {
             self.retire(&old);
         }

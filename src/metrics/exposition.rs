@@ -17,12 +17,12 @@ use std::task::{Context, Poll};
 
 use hyper::body::{Body, Bytes, Frame, SizeHint};
 
+use super::Metrics;
 use super::names::{self, Family};
 use super::stats::{
     ACCEPT_ERROR_KINDS, BackendStats, CHECK_RESULTS, CONNECT_FAILURE_REASONS, Counter,
     FAILED_REASONS, Histogram, LbStats, ListenerStats, PROBE_BUCKETS,
 };
-use super::Metrics;
 
 /// One load balancer's live objects at the start of a scrape.
 struct LbSnapshot {
@@ -59,7 +59,9 @@ const STEPS: &[Step] = &[
         o.sample("", |b| listener_labels(b, l), l.accepted.get());
     }),
     Step::Listener(&names::CONNECTIONS_FAILED, |o, l| {
-        o.outcomes(&l.failed, &FAILED_REASONS, "reason", |b| listener_labels(b, l));
+        o.outcomes(&l.failed, &FAILED_REASONS, "reason", |b| {
+            listener_labels(b, l)
+        });
     }),
     Step::Listener(&names::CONNECTIONS_ACTIVE, |o, l| {
         o.sample("", |b| listener_labels(b, l), l.active.get());
@@ -99,12 +101,17 @@ const STEPS: &[Step] = &[
         o.sample("", |b| backend_labels(b, be), be.active.get());
     }),
     Step::Backend(&names::BACKEND_CONNECT_FAILURES, |o, be| {
-        o.outcomes(&be.connect_failures, &CONNECT_FAILURE_REASONS, "reason", |b| {
-            backend_labels(b, be)
-        });
+        o.outcomes(
+            &be.connect_failures,
+            &CONNECT_FAILURE_REASONS,
+            "reason",
+            |b| backend_labels(b, be),
+        );
     }),
     Step::Backend(&names::HEALTH_CHECKS, |o, be| {
-        o.outcomes(&be.checks, &CHECK_RESULTS, "result", |b| backend_labels(b, be));
+        o.outcomes(&be.checks, &CHECK_RESULTS, "result", |b| {
+            backend_labels(b, be)
+        });
     }),
     Step::Backend(&names::HEALTH_TRANSITIONS, |o, be| {
         o.outcomes(&be.transitions, &["up", "down"], "to", |b| {
@@ -211,8 +218,16 @@ impl Exposition {
             .sample("", |_| {}, value);
         };
         let load = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
-        gauge(buf, &names::CONFIG_LOAD_BALANCERS, &load(&m.config_load_balancers));
-        gauge(buf, &names::HEALTH_CHECK_STREAMS, &load(&m.health_check_streams));
+        gauge(
+            buf,
+            &names::CONFIG_LOAD_BALANCERS,
+            &load(&m.config_load_balancers),
+        );
+        gauge(
+            buf,
+            &names::HEALTH_CHECK_STREAMS,
+            &load(&m.health_check_streams),
+        );
         gauge(
             buf,
             &names::CONFIG_LAST_RELOAD_SUCCESSFUL,

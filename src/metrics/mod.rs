@@ -28,8 +28,8 @@ pub mod exposition;
 pub mod names;
 pub mod stats;
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::SystemTime;
 
 pub use exposition::Exposition;

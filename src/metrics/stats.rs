@@ -124,10 +124,7 @@ impl Histogram {
             total += b.load(Ordering::Relaxed);
             *o = total;
         }
-        (
-            out,
-            self.sum_nanos.load(Ordering::Relaxed) as f64 / 1e9,
-        )
+        (out, self.sum_nanos.load(Ordering::Relaxed) as f64 / 1e9)
     }
 }
 
