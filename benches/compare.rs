@@ -35,6 +35,17 @@ const ADMIN_PORT: u16 = 19901;
 const PROBE_PORT: u16 = 30999;
 /// Reload: load balancer i listens on 127.253.(i / 250).(i % 250 + 1):HTTP_PORT.
 const RELOAD_MARKER: Ipv4Addr = Ipv4Addr::new(127, 253, 100, 1);
+/// Scale: load balancer i listens on 127.247.(i / 250).(i % 250 + 1):SCALE_PORT
+/// and forwards to HTTP_PORT on its backends 127.(244 + j).(i / 250).(i % 250 + 1),
+/// j = 0..3, which are checked on SCALE_PROBE_PORT: one address per backend,
+/// the three backend /16s together one /14 for the capture filter.
+const SCALE_PORT: u16 = 18090;
+const SCALE_PROBE_PORT: u16 = 30998;
+/// The load balancer that reloads of the scale scenario add and remove; its
+/// index is past every other one (`--scale-lbs` stays below it).
+const SCALE_MARKER: usize = 63_999;
+/// Harvester's default check period (healthcheck-periodseconds), seconds.
+const SCALE_PERIOD: u64 = 5;
 
 const NGINX_STREAM_MODULE: &str = "/usr/lib/nginx/modules/ngx_stream_module.so";
 
@@ -53,16 +64,29 @@ struct Opts {
     probe_window: u64,
     reloads: usize,
     reload_lbs: usize,
+    scale_lbs: usize,
+    scale_window: u64,
+    scale_reloads: usize,
     work: PathBuf,
 }
 
-const ALL_SCENARIOS: [&str; 6] = ["throughput", "rps", "cps", "idle", "health", "reload"];
+const ALL_SCENARIOS: [&str; 7] = [
+    "throughput",
+    "rps",
+    "cps",
+    "idle",
+    "health",
+    "reload",
+    "scale",
+];
 
 fn usage() -> ! {
     eprintln!(
         "usage: compare [--smoke] [--json FILE] [--rounds N] [--duration SECONDS]\n\
-         \x20              [--only throughput,rps,cps,idle,health,reload]\n\
-         --smoke: every scenario about a second, against harvester-lb alone; exits non-zero on failure"
+         \x20              [--only throughput,rps,cps,idle,health,reload,scale] [--scale-lbs N]\n\
+         --smoke: every scenario about a second (scale: 500 load balancers, ~25 s), against harvester-lb alone; exits non-zero on failure\n\
+         --scale-lbs: load balancers of 3 backends in the scale scenario (default 10000, at most {})",
+        SCALE_MARKER - 1
     );
     std::process::exit(2)
 }
@@ -74,6 +98,7 @@ fn parse_opts() -> Opts {
     let mut rounds = None;
     let mut duration = None;
     let mut only: Option<Vec<String>> = None;
+    let mut scale_lbs = None;
     while let Some(a) = args.next() {
         match a.as_str() {
             "--bench" => {} // passed by `cargo bench`
@@ -81,6 +106,13 @@ fn parse_opts() -> Opts {
             "--json" => json = Some(PathBuf::from(args.next().unwrap_or_else(|| usage()))),
             "--rounds" => rounds = args.next().and_then(|v| v.parse().ok()),
             "--duration" => duration = args.next().and_then(|v| v.parse().ok()),
+            "--scale-lbs" => {
+                let n = args.next().and_then(|v| v.parse::<usize>().ok());
+                match n {
+                    Some(n) if (1..SCALE_MARKER).contains(&n) => scale_lbs = Some(n),
+                    _ => usage(),
+                }
+            }
             "--only" => {
                 only = Some(
                     args.next()
@@ -126,6 +158,9 @@ fn parse_opts() -> Opts {
         probe_window: if smoke { 2 } else { 20 },
         reloads: if smoke { 3 } else { 20 },
         reload_lbs: 1000,
+        scale_lbs: scale_lbs.unwrap_or(if smoke { 500 } else { 10_000 }),
+        scale_window: if smoke { 5 } else { 20 },
+        scale_reloads: if smoke { 3 } else { 10 },
         work,
     }
 }
@@ -223,14 +258,42 @@ fn signal(pid: i32, sig: i32) {
 }
 
 fn wait_port(addr: SocketAddr, what: &str) {
-    let deadline = Instant::now() + Duration::from_secs(20);
+    if !try_wait_port(addr, Duration::from_secs(20)) {
+        panic!("{what} is not listening on {addr} after 20 s");
+    }
+}
+
+/// Whether `addr` accepts a connection within `limit`.
+fn try_wait_port(addr: SocketAddr, limit: Duration) -> bool {
+    let deadline = Instant::now() + limit;
     while Instant::now() < deadline {
         if TcpStream::connect_timeout(&addr, Duration::from_millis(200)).is_ok() {
-            return;
+            return true;
         }
         std::thread::sleep(Duration::from_millis(50));
     }
-    panic!("{what} is not listening on {addr} after 20 s");
+    false
+}
+
+/// A listening socket of the bench (backends, probe targets), backlog 4096.
+/// On the unspecified address it is tied to `lo` (SO_BINDTODEVICE), so it
+/// answers for every address in 127.0.0.0/8 with one descriptor and for
+/// nothing outside loopback.
+fn bench_listener(addr: SocketAddr) -> std::net::TcpListener {
+    use socket2::{Domain, Protocol, Socket, Type};
+    let s =
+        Socket::new(Domain::for_address(addr), Type::STREAM, Some(Protocol::TCP)).expect("socket");
+    s.set_reuse_address(true).expect("reuseaddr");
+    if addr.ip().is_unspecified()
+        && let Err(e) = s.bind_device(Some(b"lo"))
+    {
+        eprintln!("note: cannot tie {addr} to lo ({e}); it listens on every interface");
+    }
+    s.bind(&addr.into())
+        .unwrap_or_else(|e| panic!("bind {addr}: {e}"));
+    s.listen(4096).expect("listen");
+    s.set_nonblocking(true).expect("nonblocking");
+    s.into()
 }
 
 fn sa(ip: Ipv4Addr, port: u16) -> SocketAddr {
@@ -425,8 +488,14 @@ fn wait_http_ok(addr: SocketAddr, path: &str, limit: Duration) {
 }
 
 fn http_get(addr: SocketAddr, path: &str) -> std::io::Result<String> {
+    http_get_within(addr, path, Duration::from_secs(5))
+}
+
+/// [`http_get`] waiting up to `limit` for each read: a scrape at scale is
+/// rendered whole before its first byte leaves.
+fn http_get_within(addr: SocketAddr, path: &str, limit: Duration) -> std::io::Result<String> {
     let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(2))?;
-    s.set_read_timeout(Some(Duration::from_secs(5)))?;
+    s.set_read_timeout(Some(limit))?;
     write!(
         s,
         "GET {path} HTTP/1.1\r\nHost: bench\r\nConnection: close\r\n\r\n"
@@ -444,17 +513,16 @@ const KEEPALIVE_RESPONSE: &[u8] =
 const CLOSE_RESPONSE: &[u8] = b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: 3\r\nConnection: close\r\n\r\nok\n";
 
 /// Answers every request with a 3-byte 200, on one thread; honours
-/// `Connection: close`. Never returns.
+/// `Connection: close`. On `0.0.0.0` it serves every loopback address (the
+/// scale scenario's 30,000 backends, see [`bench_listener`]). Never returns.
 fn serve_http(addr: SocketAddr) -> ! {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .expect("runtime");
     rt.block_on(async move {
-        let socket = tokio::net::TcpSocket::new_v4().expect("socket");
-        socket.set_reuseaddr(true).expect("reuseaddr");
-        socket.bind(addr).expect("bind http backend");
-        let listener = socket.listen(4096).expect("listen");
+        let listener =
+            tokio::net::TcpListener::from_std(bench_listener(addr)).expect("tokio listener");
         loop {
             if let Ok((s, _)) = listener.accept().await {
                 tokio::spawn(http_conn(s));
@@ -899,28 +967,49 @@ struct ProbeTargets {
 }
 
 impl ProbeTargets {
+    /// One listener per target, on `probe_ip(i)`.
     fn start(n: usize) -> ProbeTargets {
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(1)
-            .enable_all()
-            .build()
-            .expect("runtime");
+        let t = ProbeTargets::empty();
         for i in 0..n {
             let addr = sa(probe_ip(i), PROBE_PORT);
             let std_l = std::net::TcpListener::bind(addr)
                 .unwrap_or_else(|e| panic!("bind probe target {addr}: {e}"));
             std_l.set_nonblocking(true).expect("nonblocking");
-            rt.spawn(async move {
-                let l = tokio::net::TcpListener::from_std(std_l).expect("tokio listener");
-                loop {
-                    match l.accept().await {
-                        Ok((s, _)) => drop(s),
-                        Err(_) => tokio::time::sleep(Duration::from_millis(10)).await,
-                    }
-                }
-            });
+            t.serve(std_l);
         }
+        t
+    }
+
+    /// One listener on `0.0.0.0:port`, tied to `lo`: every loopback address is
+    /// a target. The scale scenario's 30,000 targets would not fit the
+    /// open-file limit as listeners of their own.
+    fn loopback(port: u16) -> ProbeTargets {
+        let t = ProbeTargets::empty();
+        t.serve(bench_listener(sa(Ipv4Addr::UNSPECIFIED, port)));
+        t
+    }
+
+    fn empty() -> ProbeTargets {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .expect("runtime");
         ProbeTargets { rt: Some(rt) }
+    }
+
+    /// Accepts and drops on `std_l` (non-blocking) until dropped.
+    fn serve(&self, std_l: std::net::TcpListener) {
+        let rt = self.rt.as_ref().expect("runtime");
+        rt.spawn(async move {
+            let l = tokio::net::TcpListener::from_std(std_l).expect("tokio listener");
+            loop {
+                match l.accept().await {
+                    Ok((s, _)) => drop(s),
+                    Err(_) => tokio::time::sleep(Duration::from_millis(10)).await,
+                }
+            }
+        });
     }
 }
 
@@ -935,7 +1024,8 @@ impl Drop for ProbeTargets {
 /// `tcpdump` on the loopback interface recording when each target receives
 /// a SYN (seconds, kernel timestamps). Runs only in its own window: the
 /// capture's per-packet cost lands on the sending process, so the CPU
-/// window runs without it.
+/// window runs without it. Targets are the SYNs to `port` in `net`; `index`
+/// numbers them (0..n; None: not a target).
 struct SynCapture {
     proc: Proc,
     arrivals: Arc<Mutex<Vec<Vec<f64>>>>,
@@ -943,10 +1033,16 @@ struct SynCapture {
 }
 
 impl SynCapture {
-    fn start(n: usize, work: &Path) -> SynCapture {
+    fn start(
+        n: usize,
+        work: &Path,
+        port: u16,
+        net: &str,
+        index: impl Fn(Ipv4Addr) -> Option<usize> + Send + 'static,
+    ) -> SynCapture {
         let log = work.join("tcpdump.log");
         let filter = format!(
-            "dst port {PROBE_PORT} and dst net 127.250.0.0/16 and tcp[tcpflags] & (tcp-syn|tcp-ack) == tcp-syn"
+            "dst port {port} and dst net {net} and tcp[tcpflags] & (tcp-syn|tcp-ack) == tcp-syn"
         );
         let mut cmd = Command::new("tcpdump");
         cmd.args([
@@ -992,11 +1088,9 @@ impl SynCapture {
                 ) else {
                     continue;
                 };
-                let Ok(ip) = ip.parse::<Ipv4Addr>() else {
+                let Some(i) = ip.parse::<Ipv4Addr>().ok().and_then(&index) else {
                     continue;
                 };
-                let [_, _, c, d] = ip.octets();
-                let i = c as usize * 250 + d as usize - 1;
                 let mut a = sink.lock().unwrap_or_else(|p| p.into_inner());
                 if i < a.len() && a[i].len() < 10_000 {
                     a[i].push(ts);
@@ -1090,7 +1184,16 @@ fn health_scenario(o: &Opts, res: &mut Results) {
         std::thread::sleep(window);
         let cpu1 = cpu_seconds_tree(proc.pid());
         let wall = t0.elapsed().as_secs_f64();
-        let capture = SynCapture::start(o.probe_targets, &o.work);
+        let capture = SynCapture::start(
+            o.probe_targets,
+            &o.work,
+            PROBE_PORT,
+            "127.250.0.0/16",
+            |ip| {
+                let [_, _, c, d] = ip.octets();
+                Some(c as usize * 250 + (d as usize).checked_sub(1)?)
+            },
+        );
         let c0 = Instant::now();
         std::thread::sleep(window);
         let capture_wall = c0.elapsed().as_secs_f64();
@@ -1189,25 +1292,102 @@ fn reload_scenario(o: &Opts, res: &mut Results) {
         &configs[0],
         sa(HLB_IP, ADMIN_PORT + 2),
     );
-    // Load: 4 client threads, each a new connection and one request at a time,
-    // spread over 10 of the load balancers.
+    // Spread over 10 of the load balancers.
+    let run = reloads_under_load(
+        res,
+        &proc,
+        &path,
+        &configs,
+        sa(RELOAD_MARKER, HTTP_PORT),
+        o.reloads,
+        &format!("reload ({n} LBs)"),
+        move |k| sa(reload_lb_ip((k * 97) % 1000 % n.max(1)), HTTP_PORT),
+    );
+    drop(proc);
+    let (med, p99, max) = run.stats();
+    let scen = format!("6 reload ({n} LBs, {} SIGHUPs)", o.reloads);
+    let scen = scen.as_str();
+    res.add(scen, "SIGHUP→in force ms (median)", Target::Hlb, med);
+    res.add(scen, "SIGHUP→in force ms (max)", Target::Hlb, max);
+    res.add(scen, "failed client conns", Target::Hlb, run.failed as f64);
+    res.add(scen, "ok client conns", Target::Hlb, run.ok as f64);
+    res.extra.insert(
+        "reload".into(),
+        json!({"load_balancers": n, "reloads": o.reloads, "times_ms": run.times_ms, "median_ms": med,
+               "p99_ms": p99, "max_ms": max, "client_ok": run.ok, "client_failed": run.failed,
+               "first_errors": run.first_errors}),
+    );
+    run.check(res, "reload");
+}
+
+/// What [`reloads_under_load`] saw.
+struct ReloadRun {
+    /// SIGHUP to the marker load balancer's change in force, per reload.
+    times_ms: Vec<f64>,
+    ok: u64,
+    failed: u64,
+    first_errors: Vec<String>,
+}
+
+impl ReloadRun {
+    /// Median, p99 and max of the reload times, ms.
+    fn stats(&self) -> (f64, f64, f64) {
+        let mut sorted = self.times_ms.clone();
+        let p99 = percentile(&mut sorted, 99.0);
+        let max = sorted.last().copied().unwrap_or(f64::NAN);
+        (median(&self.times_ms), p99, max)
+    }
+
+    /// Any failed client connection is a failure of the run, and so is none
+    /// succeeding.
+    fn check(&self, res: &mut Results, what: &str) {
+        if self.failed > 0 {
+            res.fail(format!(
+                "{what}: {} client connections failed during reloads",
+                self.failed
+            ));
+        }
+        if self.ok == 0 {
+            res.fail(format!("{what}: no client connection succeeded"));
+        }
+    }
+}
+
+/// `reloads` SIGHUPs to `proc`, each after writing the next of `configs`
+/// (without, then with, the load balancer on `marker`) to its config file
+/// `path`; each timed until `marker` accepts or refuses as the new config
+/// says. Meanwhile 4 client threads make one request per new connection,
+/// to `client(k)` for k = thread, thread + 4, ...
+#[allow(clippy::too_many_arguments)]
+fn reloads_under_load(
+    res: &mut Results,
+    proc: &Proc,
+    path: &Path,
+    configs: &[String; 2],
+    marker: SocketAddr,
+    reloads: usize,
+    what: &str,
+    client: impl Fn(usize) -> SocketAddr + Send + Sync + 'static,
+) -> ReloadRun {
+    let client = Arc::new(client);
     let stop = Arc::new(AtomicBool::new(false));
     let ok = Arc::new(AtomicU64::new(0));
     let failed = Arc::new(AtomicU64::new(0));
     let first_errors = Arc::new(Mutex::new(Vec::<String>::new()));
     let clients: Vec<_> = (0..4)
         .map(|t| {
-            let (stop, ok, failed, errs) = (
+            let (stop, ok, failed, errs, client) = (
                 Arc::clone(&stop),
                 Arc::clone(&ok),
                 Arc::clone(&failed),
                 Arc::clone(&first_errors),
+                Arc::clone(&client),
             );
             std::thread::spawn(move || {
                 let deadline = Instant::now() + Duration::from_secs(600);
                 let mut k = t;
                 while !stop.load(Ordering::Relaxed) && Instant::now() < deadline {
-                    let addr = sa(reload_lb_ip((k * 97) % 1000 % n.max(1)), HTTP_PORT);
+                    let addr = client(k);
                     k += 4;
                     match http_get(addr, "/") {
                         Ok(r) if r.starts_with("HTTP/1.1 200") => {
@@ -1226,11 +1406,10 @@ fn reload_scenario(o: &Opts, res: &mut Results) {
         })
         .collect();
     std::thread::sleep(Duration::from_millis(500));
-    let marker = sa(RELOAD_MARKER, HTTP_PORT);
     let mut times = Vec::new();
-    for r in 0..o.reloads {
+    for r in 0..reloads {
         let with_marker = r % 2 == 0;
-        std::fs::write(&path, &configs[usize::from(with_marker)]).expect("write config");
+        std::fs::write(path, &configs[usize::from(with_marker)]).expect("write config");
         let t0 = Instant::now();
         signal(proc.pid(), libc::SIGHUP);
         let limit = Duration::from_secs(30);
@@ -1245,13 +1424,12 @@ fn reload_scenario(o: &Opts, res: &mut Results) {
         }
         let ms = t0.elapsed().as_secs_f64() * 1000.0;
         if !in_force {
-            res.fail(format!("reload {r}: not in force after {limit:?}"));
+            res.fail(format!("{what} {r}: not in force after {limit:?}"));
         }
         times.push(ms);
         eprintln!(
-            "reload {} ({} LBs{}): {ms:.1} ms",
+            "{what} {}{}: {ms:.1} ms",
             r + 1,
-            n,
             if with_marker { " + marker" } else { "" }
         );
         std::thread::sleep(Duration::from_millis(300));
@@ -1261,36 +1439,450 @@ fn reload_scenario(o: &Opts, res: &mut Results) {
     for c in clients {
         let _ = c.join();
     }
-    drop(proc);
-    let failed = failed.load(Ordering::Relaxed);
-    let ok = ok.load(Ordering::Relaxed);
-    let mut sorted = times.clone();
-    let med = median(&times);
-    let p99 = percentile(&mut sorted, 99.0);
-    let max = sorted.last().copied().unwrap_or(f64::NAN);
+    let run = ReloadRun {
+        times_ms: times,
+        ok: ok.load(Ordering::Relaxed),
+        failed: failed.load(Ordering::Relaxed),
+        first_errors: std::mem::take(&mut *first_errors.lock().unwrap_or_else(|p| p.into_inner())),
+    };
+    let (med, _, max) = run.stats();
     eprintln!(
-        "reload: median {med:.1} ms, max {max:.1} ms; client requests ok {ok}, failed {failed}"
+        "{what}: median {med:.1} ms, max {max:.1} ms; client requests ok {}, failed {}",
+        run.ok, run.failed
     );
-    let scen = format!("6 reload ({n} LBs, {} SIGHUPs)", o.reloads);
+    run
+}
+
+// ---------------------------------------------------------------------------
+// Scenario 7: scale
+
+fn scale_vip(i: usize) -> Ipv4Addr {
+    Ipv4Addr::new(127, 247, (i / 250) as u8, (i % 250 + 1) as u8)
+}
+
+fn scale_backend(i: usize, j: usize) -> Ipv4Addr {
+    Ipv4Addr::new(127, 244 + j as u8, (i / 250) as u8, (i % 250 + 1) as u8)
+}
+
+/// The capture's number of backend `j` of load balancer `i`: `j * n + i`.
+fn scale_target_index(ip: Ipv4Addr, n: usize) -> Option<usize> {
+    let [_, b, c, d] = ip.octets();
+    let j = usize::from(b.checked_sub(244)?);
+    let i = usize::from(c) * 250 + usize::from(d).checked_sub(1)?;
+    (j < 3 && i < n).then_some(j * n + i)
+}
+
+/// harvester-lb config of the scale scenario: `n` load balancers the way the
+/// Harvester controller writes them (namespaced names, 20 guest clusters,
+/// one listener, 3 nodes, the default 5 s check), plus the marker one that
+/// reloads add and remove. `max_connections = 2000`: 10,000 listeners plus
+/// up to three descriptors per connection stay under the open-file limit of
+/// 20,000.
+fn hlb_scale_config(n: usize, marker: bool) -> String {
+    let mut s = format!(
+        "[admin]\nlisten = \"{HLB_IP}:{}\"\n[proxy]\nmax_connections = 2000\n",
+        ADMIN_PORT + 3
+    );
+    for i in (0..n).chain(marker.then_some(SCALE_MARKER)) {
+        let name = if i == SCALE_MARKER {
+            "bench/marker".to_string()
+        } else {
+            format!("ns-{}/svc-{i}", i % 50)
+        };
+        let _ = write!(
+            s,
+            "[[load_balancer]]\nname = \"{name}\"\ncluster = \"guest-{}\"\nvip = \"{}\"\nbackends = [\"{}\", \"{}\", \"{}\"]\n  [[load_balancer.listener]]\n  name = \"http\"\n  port = {SCALE_PORT}\n  backend_port = {HTTP_PORT}\n  [load_balancer.health_check]\n  port = {SCALE_PROBE_PORT}\n  period_seconds = {SCALE_PERIOD}\n  timeout_seconds = 3\n",
+            i % 20,
+            scale_vip(i),
+            scale_backend(i, 0),
+            scale_backend(i, 1),
+            scale_backend(i, 2)
+        );
+    }
+    s
+}
+
+/// HAProxy config of the same load balancers: a `listen` section (frontend
+/// and backend in one) each, HAProxy's default TCP check of the same port
+/// every 5 s, timing out with the connect timeout (3 s) and with the same
+/// thresholds; one thread as in the health scenario, `maxconn` as
+/// harvester-lb's `max_connections`. The Prometheus exporter (when built in)
+/// has a frontend of its own, bound last: once it accepts, every listener is.
+/// `no strict-limits`: HAProxy reserves a descriptor per listener and per
+/// check besides two per connection (54,014 here) and by default refuses to
+/// start when the hard limit (20,000) is lower; the checks are short-lived,
+/// so it runs well within the limit it gets.
+fn haproxy_scale_config(n: usize, promex: bool) -> String {
+    let mut s = String::from(
+        "global\n  nbthread 1\n  maxconn 2000\n  no strict-limits\n  log stderr format short local0 err\ndefaults\n  mode tcp\n  timeout connect 3s\n  timeout client 1h\n  timeout server 1h\n",
+    );
+    for i in 0..n {
+        let _ = write!(
+            s,
+            "listen ns-{}_svc-{i}\n  bind {}:{SCALE_PORT}\n  default-server check port {SCALE_PROBE_PORT} inter {SCALE_PERIOD}s fall 3 rise 1\n",
+            i % 50,
+            scale_vip(i)
+        );
+        for j in 0..3 {
+            let _ = writeln!(s, "  server b{j} {}:{HTTP_PORT}", scale_backend(i, j));
+        }
+    }
+    let _ = write!(
+        s,
+        "frontend stats\n  bind {HAPROXY_IP}:{}\n  timeout client 30s\n",
+        ADMIN_PORT + 3
+    );
+    if promex {
+        s.push_str(
+            "  mode http\n  http-request use-service prometheus-exporter if { path /metrics }\n",
+        );
+    }
+    s
+}
+
+/// A proxy of the scale scenario at rest: resident memory after two probe
+/// periods; its CPU over a window; then the probes it sends, counted by
+/// their SYNs in a second window (the capture's cost lands on the sender,
+/// so it stays out of the CPU window, as in the health scenario).
+struct AtRest {
+    rss: u64,
+    cpu_s: f64,
+    cpu_wall_s: f64,
+    probes: usize,
+    capture_wall_s: f64,
+    unprobed: usize,
+}
+
+impl AtRest {
+    fn measure(o: &Opts, pid: i32) -> AtRest {
+        let n = o.scale_lbs;
+        std::thread::sleep(Duration::from_secs(2 * SCALE_PERIOD));
+        let rss = rss_tree(pid);
+        let window = Duration::from_secs(o.scale_window);
+        let cpu0 = cpu_seconds_tree(pid);
+        let t0 = Instant::now();
+        std::thread::sleep(window);
+        let cpu_s = cpu_seconds_tree(pid) - cpu0;
+        let cpu_wall_s = t0.elapsed().as_secs_f64();
+        let capture = SynCapture::start(
+            3 * n,
+            &o.work,
+            SCALE_PROBE_PORT,
+            "127.244.0.0/14",
+            move |ip| scale_target_index(ip, n),
+        );
+        let c0 = Instant::now();
+        std::thread::sleep(window);
+        let capture_wall_s = c0.elapsed().as_secs_f64();
+        let arrivals = capture.finish();
+        AtRest {
+            rss,
+            cpu_s,
+            cpu_wall_s,
+            probes: arrivals.iter().map(Vec::len).sum(),
+            capture_wall_s,
+            unprobed: arrivals.iter().filter(|a| a.is_empty()).count(),
+        }
+    }
+
+    fn probes_per_s(&self) -> f64 {
+        self.probes as f64 / self.capture_wall_s
+    }
+
+    /// CPU per probe, µs: the CPU window's seconds over the probes the
+    /// captured rate puts in it.
+    fn cpu_per_probe_us(&self) -> f64 {
+        self.cpu_s * 1e6 / (self.probes_per_s() * self.cpu_wall_s)
+    }
+}
+
+/// One GET of `path`: wall time, the body's lines, samples (lines that are
+/// not comments) and bytes, and how much the process tree grew over it (RSS
+/// right after the last byte minus right before the request).
+struct Scrape {
+    ms: f64,
+    lines: usize,
+    samples: usize,
+    bytes: usize,
+    rss_growth: i64,
+}
+
+fn scrape(addr: SocketAddr, path: &str, pid: i32) -> Result<Scrape, String> {
+    let before = rss_tree(pid);
+    let t0 = Instant::now();
+    let resp = http_get_within(addr, path, Duration::from_secs(120))
+        .map_err(|e| format!("GET {path}: {e}"))?;
+    let ms = t0.elapsed().as_secs_f64() * 1000.0;
+    let after = rss_tree(pid);
+    let body = http_body(&resp)
+        .ok_or_else(|| format!("GET {path}: {}", resp.lines().next().unwrap_or("no answer")))?;
+    Ok(Scrape {
+        ms,
+        lines: body.lines().count(),
+        samples: body
+            .lines()
+            .filter(|l| !l.is_empty() && !l.starts_with('#'))
+            .count(),
+        bytes: body.len(),
+        rss_growth: after as i64 - before as i64,
+    })
+}
+
+/// The body of a 200 answer to [`http_get`], de-chunked (HAProxy's exporter
+/// sends chunks, harvester-lb a length); None for any other answer.
+fn http_body(resp: &str) -> Option<String> {
+    let (head, body) = resp.split_once("\r\n\r\n")?;
+    if !head.starts_with("HTTP/1.1 200") && !head.starts_with("HTTP/1.0 200") {
+        return None;
+    }
+    if !head
+        .to_ascii_lowercase()
+        .contains("transfer-encoding: chunked")
+    {
+        return Some(body.to_string());
+    }
+    let mut out = String::with_capacity(body.len());
+    let mut rest = body;
+    // Bounded: every turn consumes a size line.
+    loop {
+        let (size, after) = rest.split_once("\r\n")?;
+        let size = usize::from_str_radix(size.split(';').next()?.trim(), 16).ok()?;
+        if size == 0 {
+            return Some(out);
+        }
+        out.push_str(after.get(..size)?);
+        rest = after.get(size..)?.strip_prefix("\r\n")?;
+    }
+}
+
+/// The rows both proxies have; their figures as JSON.
+fn scale_rows(
+    res: &mut Results,
+    scen: &str,
+    target: Target,
+    ready_s: f64,
+    rest: &AtRest,
+    scrapes: &[Scrape],
+    backends: usize,
+) -> Value {
+    let kib = |b: f64| b / 1024.0;
+    res.add(scen, "start → ready s", target, ready_s);
+    res.add(scen, "RSS MiB at rest", target, kib(kib(rest.rss as f64)));
+    res.add(
+        scen,
+        "RSS KiB per backend at rest",
+        target,
+        kib(rest.rss as f64) / backends as f64,
+    );
+    res.add(
+        scen,
+        "probes/s (SYNs captured)",
+        target,
+        rest.probes_per_s(),
+    );
+    res.add(
+        scen,
+        "probe CPU µs per probe",
+        target,
+        rest.cpu_per_probe_us(),
+    );
+    for (k, sc) in scrapes.iter().enumerate() {
+        res.add(scen, &format!("scrape {} ms", k + 1), target, sc.ms);
+        res.add(
+            scen,
+            &format!("scrape {} RSS growth KiB", k + 1),
+            target,
+            kib(sc.rss_growth as f64),
+        );
+    }
+    if let Some(sc) = scrapes.last() {
+        res.add(scen, "scrape lines", target, sc.lines as f64);
+        res.add(scen, "scrape bytes", target, sc.bytes as f64);
+    }
+    eprintln!(
+        "scale {}: ready in {ready_s:.2} s, RSS {:.1} MiB ({:.2} KiB per backend), {:.0} probes/s ({} of {backends} targets unprobed in {:.0} s), {:.1} µs CPU per probe; scrapes {}",
+        target.name(),
+        kib(kib(rest.rss as f64)),
+        kib(rest.rss as f64) / backends as f64,
+        rest.probes_per_s(),
+        rest.unprobed,
+        rest.capture_wall_s,
+        rest.cpu_per_probe_us(),
+        scrapes
+            .iter()
+            .map(|s| format!(
+                "{:.0} ms, {} lines, {} bytes, RSS {:+.0} KiB",
+                s.ms,
+                s.lines,
+                s.bytes,
+                kib(s.rss_growth as f64)
+            ))
+            .collect::<Vec<_>>()
+            .join("; ")
+    );
+    json!({"ready_s": ready_s, "rss_bytes": rest.rss, "rss_kib_per_backend": kib(rest.rss as f64) / backends as f64,
+           "cpu_window_s": rest.cpu_wall_s, "cpu_s": rest.cpu_s, "capture_window_s": rest.capture_wall_s,
+           "probes_captured": rest.probes, "probes_per_s": rest.probes_per_s(),
+           "unprobed_targets": rest.unprobed, "cpu_us_per_probe": rest.cpu_per_probe_us(),
+           "scrapes": scrapes.iter().map(|s| json!({"ms": s.ms, "lines": s.lines, "samples": s.samples,
+               "bytes": s.bytes, "rss_growth_bytes": s.rss_growth})).collect::<Vec<_>>()})
+}
+
+/// Scale: `--scale-lbs` load balancers (10,000) of 3 backends each, checked
+/// every 5 s, at rest, scraped, and (harvester-lb) reloaded under load.
+/// Backends are served by the HTTP backend on `0.0.0.0` and probed on one
+/// listener on `0.0.0.0`, both tied to `lo`: 30,000 addresses, a handful of
+/// descriptors next to the daemon's 10,000 listeners under the open-file
+/// limit of 20,000.
+fn scale_scenario(o: &Opts, res: &mut Results) {
+    let n = o.scale_lbs;
+    let backends = 3 * n;
+    let scen = format!("7 scale ({n} LBs × 3 backends)");
     let scen = scen.as_str();
+    let _targets = ProbeTargets::loopback(SCALE_PROBE_PORT);
+    let mut extra = serde_json::Map::new();
+    extra.insert("load_balancers".into(), json!(n));
+    extra.insert("backends".into(), json!(backends));
+    extra.insert("period_s".into(), json!(SCALE_PERIOD));
+    extra.insert(
+        "probes_per_s_scheduled".into(),
+        json!(backends as f64 / SCALE_PERIOD as f64),
+    );
+    res.commands.insert(
+        "scale".into(),
+        format!(
+            "{n} load balancers x 3 backends, checked every {SCALE_PERIOD} s: harvester-lb run --threads 1; haproxy -db (nbthread 1)"
+        ),
+    );
+
+    let configs = [hlb_scale_config(n, false), hlb_scale_config(n, true)];
+    let admin = sa(HLB_IP, ADMIN_PORT + 3);
+    let t0 = Instant::now();
+    let mut proc = start_hlb(&o.work, "hlb-scale", &configs[0], admin);
+    let ready_s = t0.elapsed().as_secs_f64();
+    let rest = AtRest::measure(o, proc.pid());
+    if rest.probes == 0 {
+        res.fail("scale: no probe of harvester-lb captured".into());
+    }
+    let mut scrapes = Vec::new();
+    for k in 1..=2 {
+        match scrape(admin, "/metrics", proc.pid()) {
+            Ok(s) => scrapes.push(s),
+            Err(e) => res.fail(format!("scale: harvester-lb scrape {k}: {e}")),
+        }
+    }
+    match scrape(admin, "/status", proc.pid()) {
+        Ok(s) => {
+            res.add(scen, "/status bytes", Target::Hlb, s.bytes as f64);
+            extra.insert("hlb_status_bytes".into(), json!(s.bytes));
+        }
+        Err(e) => res.fail(format!("scale: harvester-lb {e}")),
+    }
+    let mut hlb = scale_rows(res, scen, Target::Hlb, ready_s, &rest, &scrapes, backends);
+    // The issue's yardstick for the probe cost: the health scenario's cost
+    // per probe at 5,000 targets, when it ran in this run.
+    if let Some(h) = res.extra.get("health").and_then(|h| h.get("harvester-lb"))
+        && let (Some(pct), Some(rate)) = (
+            h.get("cpu_percent_of_one_core").and_then(Value::as_f64),
+            h.get("probes_per_s").and_then(Value::as_f64),
+        )
+    {
+        let at_5000 = pct * 1e4 / rate;
+        eprintln!(
+            "scale harvester-lb: {:.1} µs CPU per probe; {at_5000:.1} µs at {} targets (health scenario)",
+            rest.cpu_per_probe_us(),
+            o.probe_targets
+        );
+        hlb["health_scenario_cpu_us_per_probe"] = json!(at_5000);
+    }
+    // Clients spread over every load balancer.
+    let run = reloads_under_load(
+        res,
+        &proc,
+        &o.work.join("hlb-scale.toml"),
+        &configs,
+        sa(scale_vip(SCALE_MARKER), SCALE_PORT),
+        o.scale_reloads,
+        &format!("scale reload ({n} LBs)"),
+        move |k| sa(scale_vip(k * 7919 % n), SCALE_PORT),
+    );
+    if !proc.alive() {
+        res.fail("scale: harvester-lb exited during the run".into());
+    }
+    drop(proc);
+    let (med, p99, max) = run.stats();
     res.add(scen, "SIGHUP→in force ms (median)", Target::Hlb, med);
     res.add(scen, "SIGHUP→in force ms (max)", Target::Hlb, max);
-    res.add(scen, "failed client conns", Target::Hlb, failed as f64);
-    res.add(scen, "ok client conns", Target::Hlb, ok as f64);
-    res.extra.insert(
-        "reload".into(),
-        json!({"load_balancers": n, "reloads": o.reloads, "times_ms": times, "median_ms": med,
-               "p99_ms": p99, "max_ms": max, "client_ok": ok, "client_failed": failed,
-               "first_errors": *first_errors.lock().unwrap_or_else(|p| p.into_inner())}),
-    );
-    if failed > 0 {
-        res.fail(format!(
-            "reload: {failed} client connections failed during reloads"
-        ));
+    res.add(scen, "failed client conns", Target::Hlb, run.failed as f64);
+    res.add(scen, "ok client conns", Target::Hlb, run.ok as f64);
+    hlb["reload"] = json!({"reloads": o.scale_reloads, "times_ms": run.times_ms, "median_ms": med,
+        "p99_ms": p99, "max_ms": max, "client_ok": run.ok, "client_failed": run.failed,
+        "first_errors": run.first_errors});
+    run.check(res, "scale reload");
+    extra.insert(Target::Hlb.name().into(), hlb);
+
+    // HAProxy, after harvester-lb has stopped, for reference. Its reload is
+    // left out: it starts a new process (`-sf`), another model than a
+    // running daemon taking a new config. nginx is left out of the whole
+    // scenario: open-source nginx has no active health checks.
+    if o.targets.contains(&Target::Haproxy) {
+        let promex = sh("haproxy -vv 2>&1").contains("prometheus-exporter");
+        if !promex {
+            eprintln!("scale: this HAProxy has no Prometheus exporter; no scrape rows for it");
+        }
+        let cfg = o.work.join("haproxy-scale.cfg");
+        std::fs::write(&cfg, haproxy_scale_config(n, promex)).expect("write");
+        let log = o.work.join("haproxy-scale.log");
+        let stats = sa(HAPROXY_IP, ADMIN_PORT + 3);
+        let t0 = Instant::now();
+        let mut proc = Proc::spawn(
+            "haproxy-scale",
+            Command::new("haproxy").arg("-db").arg("-f").arg(&cfg),
+            &log,
+        );
+        if try_wait_port(stats, Duration::from_secs(120)) {
+            let ready_s = t0.elapsed().as_secs_f64();
+            let rest = AtRest::measure(o, proc.pid());
+            let mut scrapes = Vec::new();
+            for k in 1..=2 {
+                if !promex {
+                    break;
+                }
+                match scrape(stats, "/metrics", proc.pid()) {
+                    Ok(s) => scrapes.push(s),
+                    Err(e) => res.fail(format!("scale: haproxy scrape {k}: {e}")),
+                }
+            }
+            let v = scale_rows(
+                res,
+                scen,
+                Target::Haproxy,
+                ready_s,
+                &rest,
+                &scrapes,
+                backends,
+            );
+            extra.insert(Target::Haproxy.name().into(), v);
+            if !proc.alive() {
+                res.fail("scale: haproxy exited during the run".into());
+            }
+        } else {
+            res.fail(format!(
+                "scale: haproxy not listening on {stats} after 120 s"
+            ));
+        }
+        drop(proc);
+        // What HAProxy said about the config (descriptor limits, say).
+        let said = std::fs::read_to_string(&log).unwrap_or_default();
+        for line in said
+            .lines()
+            .filter(|l| l.contains("ALERT") || l.contains("WARNING"))
+            .take(5)
+        {
+            eprintln!("haproxy-scale: {line}");
+        }
     }
-    if ok == 0 {
-        res.fail("reload: no client connection succeeded".into());
-    }
+    res.extra.insert("scale".into(), Value::Object(extra));
 }
 
 // ---------------------------------------------------------------------------
@@ -1503,6 +2095,20 @@ fn main() {
         );
         wait_port(sa(BACKEND_IP, HTTP_PORT), "http backend");
         reload_scenario(&o, &mut res);
+        drop(http_backend);
+    }
+    if o.scenarios.iter().any(|s| s == "scale") {
+        // On 0.0.0.0, tied to lo: the backend of every scale backend address.
+        let exe = std::env::current_exe().expect("current exe");
+        let http_backend = Proc::spawn(
+            "http-backend",
+            Command::new(&exe)
+                .arg("--serve-http")
+                .arg(sa(Ipv4Addr::UNSPECIFIED, HTTP_PORT).to_string()),
+            &o.work.join("http-backend-scale.log"),
+        );
+        wait_port(sa(scale_backend(0, 0), HTTP_PORT), "http backend");
+        scale_scenario(&o, &mut res);
         drop(http_backend);
     }
 

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One command for the comparison of harvester-lb with HAProxy and nginx:
 #   benches/compare.sh [--json FILE] [--rounds N] [--duration S] [--only LIST]
+#                      [--scale-lbs N]          # scale scenario size (10000)
 #   benches/compare.sh --smoke [--json FILE]   # CI: harvester-lb alone, ~1 min
+# LIST: throughput,rps,cps,idle,health,reload,scale (default: all).
 # Installs what is missing from Debian packages, builds harvester-lb in
 # release mode (cargo bench's profile) and runs benches/compare.rs.
 # CARGO_TARGET_DIR is honoured; CARGO_PROFILE (default: bench) may be set to
