@@ -1014,3 +1014,56 @@ async fn idle_connections_are_closed_after_the_idle_timeout_and_busy_ones_are_no
     drop(busy);
     d.stop().await;
 }
+
+/// `proxy.max_connections` caps connections, not listeners: with more
+/// listeners than slots, every listener still serves (a slot is taken after
+/// an accept, never held by an idle listener), and a client over the cap
+/// is served as soon as a slot frees.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn more_listeners_than_connection_slots_all_serve() {
+    let net = Subnet::new();
+    let _b = Backend::start(backend_addr(&net, 11), Behaviour::NameThenEcho).await;
+    let mut cfg = format!(
+        "[admin]\nlisten = \"{}:9901\"\n[proxy]\nmax_connections = 2\n",
+        net.ip_str(250)
+    );
+    let vips: Vec<SocketAddr> = (1..=5).map(|h| SocketAddr::new(net.ip(h), 8080)).collect();
+    for (i, v) in vips.iter().enumerate() {
+        cfg.push_str(&format!(
+            "[[load_balancer]]\nname = \"default/lb-{i}\"\nvip = \"{}\"\nbackends = [\"{}\"]\n  [[load_balancer.listener]]\n  name = \"http\"\n  port = 8080\n  backend_port = 30080\n",
+            v.ip(),
+            net.ip_str(11)
+        ));
+    }
+    let d = Daemon::start(&net, &cfg).await;
+    // Each listener in turn, one connection at a time: all five serve.
+    for v in &vips {
+        let name = tokio::time::timeout(Duration::from_secs(10), whoami(*v))
+            .await
+            .unwrap_or_else(|_| panic!("listener {v} never served a client"));
+        assert_eq!(name.unwrap(), net.ip_str(11));
+    }
+    // Two held connections fill the cap; a third client waits for a slot...
+    let mut held = Vec::new();
+    for v in &vips[..2] {
+        let mut s = TcpStream::connect(v).await.unwrap();
+        assert_eq!(read_line(&mut s).await.unwrap(), net.ip_str(11));
+        held.push(s);
+    }
+    let mut waiting = TcpStream::connect(vips[4]).await.unwrap();
+    wait_for(Duration::from_secs(10), "the capped accept to be counted", || async {
+        let n = d
+            .metric("harvester_lb_connection_limit_reached_total{cluster=\"kubernetes\",load_balancer=\"default/lb-4\",listener=\"http\"}")
+            .await;
+        (n >= 1.0).then_some(())
+    })
+    .await;
+    // ...and is served once one is closed.
+    drop(held.pop());
+    let name = tokio::time::timeout(Duration::from_secs(10), read_line(&mut waiting))
+        .await
+        .expect("the waiting client is served when a slot frees");
+    assert_eq!(name.unwrap(), net.ip_str(11));
+    drop((held, waiting));
+    d.stop().await;
+}

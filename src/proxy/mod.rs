@@ -141,25 +141,30 @@ async fn accept_loop(
 ) {
     let mut last_warning: Option<tokio::time::Instant> = None;
     loop {
-        let permit = match Arc::clone(&limit).try_acquire_owned() {
-            Ok(p) => p,
-            Err(_) => {
-                route.load().stats.limit_reached.increment(1);
-                tokio::select! {
-                    _ = stop.cancelled() => return,
-                    p = Arc::clone(&limit).acquire_owned() => match p {
-                        Ok(p) => p,
-                        Err(_) => return, // semaphore closed: process is stopping
-                    },
-                }
-            }
-        };
         let accepted = tokio::select! {
             _ = stop.cancelled() => return,
             r = socket.accept() => r,
         };
         match accepted {
             Ok((stream, peer)) => {
+                // The slot is taken after the accept, never held while
+                // waiting for one: with more listeners than slots, idle
+                // listeners holding slots would starve the busy ones.
+                let permit = match Arc::clone(&limit).try_acquire_owned() {
+                    Ok(p) => p,
+                    Err(_) => {
+                        // At the cap: this client waits here for a slot,
+                        // the ones behind it in the kernel's backlog.
+                        route.load().stats.limit_reached.increment(1);
+                        tokio::select! {
+                            _ = stop.cancelled() => return,
+                            p = Arc::clone(&limit).acquire_owned() => match p {
+                                Ok(p) => p,
+                                Err(_) => return, // semaphore closed: process is stopping
+                            },
+                        }
+                    }
+                };
                 let route = route.load_full();
                 let span = tracing::debug_span!("conn", client = %peer);
                 connections.spawn(
