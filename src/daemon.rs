@@ -51,9 +51,10 @@ struct State {
     listeners: HashMap<SocketAddr, ListenerEntry>,
 }
 
+/// A load balancer in force. Its spec is the one in `State::config` (kept
+/// once: at 10,000 load balancers a second copy cost 9 MB).
 struct LbEntry {
     lb: Arc<LoadBalancer>,
-    spec: LoadBalancerSpec,
     backends: HashMap<IpAddr, Arc<Backend>>,
 }
 
@@ -109,19 +110,23 @@ impl Daemon {
         let mut st = self.lock();
         let mut report = ApplyReport::default();
         let drain = config.proxy.drain_timeout;
+        let old_config = st.config.take();
+        let in_force: HashMap<&str, &LoadBalancerSpec> = old_config
+            .iter()
+            .flat_map(|c| &c.load_balancers)
+            .map(|spec| (spec.name.as_str(), spec))
+            .collect();
 
         // Load balancers first: listeners need their `Arc<LoadBalancer>`.
         for spec in &config.load_balancers {
-            let recreate = st
-                .load_balancers
-                .get(&spec.name)
-                .is_some_and(|e| e.spec.cluster != spec.cluster);
+            let old = in_force.get(spec.name.as_str()).copied();
+            let recreate = old.is_some_and(|o| o.cluster != spec.cluster);
             if recreate && let Some(old) = st.load_balancers.remove(&spec.name) {
                 self.retire_load_balancer(old, drain);
             }
             match st.load_balancers.get_mut(&spec.name) {
                 // Unchanged: nothing to do (most of a reload, at scale).
-                Some(entry) if entry.spec == *spec => {}
+                Some(_) if old == Some(spec) => {}
                 Some(entry) => self.update_load_balancer(entry, spec, drain),
                 None => {
                     let entry = self.new_load_balancer(spec);
@@ -346,7 +351,6 @@ impl Daemon {
         );
         let entry = LbEntry {
             lb,
-            spec: spec.clone(),
             backends,
         };
         self.ensure_probes(&entry, spec);
@@ -376,7 +380,6 @@ impl Daemon {
                 backend.set_healthy(true);
             }
         }
-        entry.spec = spec.clone();
         self.ensure_probes(entry, spec);
         let members = spec
             .backends
@@ -406,7 +409,7 @@ impl Daemon {
     fn retire_load_balancer(&self, entry: LbEntry, drain: Duration) {
         entry.lb.leave();
         for (ip, backend) in entry.backends {
-            self.prober.remove(&(entry.spec.name.clone(), ip));
+            self.prober.remove(&(entry.lb.name.clone(), ip));
             backend.leave();
             retire_after(backend, drain, &self.drains, self.retire_now.clone());
         }

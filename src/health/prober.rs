@@ -237,9 +237,13 @@ impl Stream {
             }
             let started = Instant::now();
             let at = SystemTime::now();
+            // Boxed: a probe in flight is large, and only a few are in flight
+            // at once; kept inline it would sit in every idle stream's task
+            // (measured: 1.16 KB per stream, 35 MB at 30,000 backends).
+            let probe = Box::pin(check::probe(check, addr, timeout, &self.sockets));
             let (outcome, took) = tokio::select! {
                 _ = self.stop.cancelled() => return,
-                r = check::probe(check, addr, timeout, &self.sockets) => r,
+                r = probe => r,
             };
             for target in self.subscribers.load().iter() {
                 target.record(addr, at, &outcome, took);
