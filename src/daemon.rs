@@ -349,10 +349,7 @@ impl Daemon {
             members,
             stats,
         );
-        let entry = LbEntry {
-            lb,
-            backends,
-        };
+        let entry = LbEntry { lb, backends };
         self.ensure_probes(&entry, spec);
         entry
     }
