@@ -9,6 +9,7 @@
 //! memory, not all of it, and the data plane gets the threads back between
 //! chunks.
 
+use std::fmt::Display;
 use std::io::Write;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -279,8 +280,6 @@ fn step_family(step: &Step) -> &'static Family {
         Step::Lb(f, _) | Step::Listener(f, _) | Step::Backend(f, _) => f,
     }
 }
-
-use std::fmt::Display;
 
 /// Writes samples of one family, its header before the first.
 struct Out<'a> {
