@@ -581,6 +581,19 @@ async fn a_removed_backend_stops_being_probed_and_its_connections_drain() {
     let d = Daemon::start(&net, &config(&net, &[12], &[], 2)).await;
     let mut open = TcpStream::connect(stable_vip(&net)).await.unwrap();
     assert_eq!(read_line(&mut open).await.unwrap(), net.ip_str(12));
+    let checks = |body: &str| -> f64 {
+        let l = format!(
+            "cluster=\"kubernetes\",load_balancer=\"{STABLE}\",backend=\"{}\",result=\"ok\"",
+            net.ip_str(12)
+        );
+        metric_value(body, &format!("harvester_lb_health_checks_total{{{l}}}"))
+    };
+    // A backend starts eligible and its first probe lands somewhere in the
+    // first period: wait for one, so that there is a count to outlive it.
+    wait_for(Duration::from_secs(5), ".12 to have been probed", || async {
+        (checks(&d.get("/metrics").await.1) >= 1.0).then_some(())
+    })
+    .await;
 
     std::fs::write(&d.config, config(&net, &[11], &[], 2)).unwrap();
     d.server().reload().await.unwrap();
@@ -591,13 +604,6 @@ async fn a_removed_backend_stops_being_probed_and_its_connections_drain() {
     let backends = status["load_balancers"][0]["backends"].as_array().unwrap();
     assert_eq!(backends.len(), 1);
     // Its probes stop.
-    let checks = |body: &str| -> f64 {
-        let l = format!(
-            "cluster=\"kubernetes\",load_balancer=\"{STABLE}\",backend=\"{}\",result=\"ok\"",
-            net.ip_str(12)
-        );
-        metric_value(body, &format!("harvester_lb_health_checks_total{{{l}}}"))
-    };
     let metrics = d.get("/metrics").await.1;
     let first = checks(&metrics);
     // Its state series went with the reload; its counters stay while it drains.
