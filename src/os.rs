@@ -49,6 +49,16 @@ pub fn raise_open_file_limit() -> io::Result<u64> {
     Ok(lim.rlim_cur)
 }
 
+/// The soft open-file limit in force, if it can be read.
+pub fn open_file_limit() -> Option<u64> {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: `lim` is a valid, writable rlimit.
+    (unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } == 0).then_some(lim.rlim_cur)
+}
+
 /// Ignores `SIGHUP` until the daemon installs its reload handler. The default
 /// action of `SIGHUP` is to exit, and a reload (`systemctl reload`, a
 /// controller's `kill -HUP`) can come while the process is still starting:

@@ -590,9 +590,11 @@ async fn a_removed_backend_stops_being_probed_and_its_connections_drain() {
     };
     // A backend starts eligible and its first probe lands somewhere in the
     // first period: wait for one, so that there is a count to outlive it.
-    wait_for(Duration::from_secs(5), ".12 to have been probed", || async {
-        (checks(&d.get("/metrics").await.1) >= 1.0).then_some(())
-    })
+    wait_for(
+        Duration::from_secs(5),
+        ".12 to have been probed",
+        || async { (checks(&d.get("/metrics").await.1) >= 1.0).then_some(()) },
+    )
     .await;
 
     std::fs::write(&d.config, config(&net, &[11], &[], 2)).unwrap();

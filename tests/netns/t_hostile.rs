@@ -7,7 +7,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
 use crate::netns::peers::{Exchange, Node, Service, exchange, read_line};
-use crate::netns::{Bed, VIP, config, lb, metric, node_ip, sa};
+use crate::netns::{Bed, VIP, config, lb, metric, node_ip, sa, wait_for};
 use crate::require_netns;
 
 const HEALTH: &str =
@@ -392,4 +392,107 @@ async fn netns_client_reset_mid_stream() {
     assert!(gone < Duration::from_secs(1), "released after {gone:?}");
     assert_eq!(n1.accepted.load(Ordering::Relaxed), 2);
     let _ = node_ip(1);
+}
+
+/// Fault 9: 150 backends hang (every probe to them times out) and the
+/// daemon has 128 descriptors. Probes in flight are bounded (an eighth of
+/// the limit, at least 64), so the hung backends never take the
+/// descriptors that clients and the admin API need; each still gets its
+/// verdict, only later than with a probe per backend in flight at once.
+///
+/// Asserts: the daemon's descriptors stay well under its limit throughout;
+/// every client exchange through the one live node succeeds; `/status`
+/// answers; every hung backend is probed and marked down.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn netns_hung_backends_never_take_the_clients_descriptors() {
+    require_netns!();
+    const HUNG: u8 = 150;
+    let mut bed = Bed::new("probes", 2);
+    let _n1 = Node::start(&bed, 1, Service::NameThenEcho);
+    // Node 2 answers ARP for 150 more addresses and drops every packet to
+    // the health port: 150 backends whose probes hang for the whole timeout.
+    let hung: Vec<std::net::Ipv4Addr> = (0..HUNG)
+        .map(|k| std::net::Ipv4Addr::new(198, 51, 100, 100 + k))
+        .collect();
+    let batch: String = hung
+        .iter()
+        .map(|ip| format!("addr add {ip}/32 dev eth0\n"))
+        .collect();
+    let batch_file = bed.write("aliases.batch", &batch);
+    bed.node(2)
+        .ip(&["-batch", batch_file.to_str().expect("utf-8 path")]);
+    bed.blackhole(2, &[crate::netns::HEALTH_PORT]);
+    let backends: Vec<String> = std::iter::once(node_ip(1))
+        .chain(hung.iter().copied())
+        .map(|ip| format!("\"{ip}\""))
+        .collect();
+    let cfg = format!(
+        "[admin]\nlisten = \"127.0.0.1:{admin}\"\n\n[[load_balancer]]\nname = \"f9/hung\"\nvip = \"{VIP}\"\nbackends = [{backends}]\ninitial_state = \"unhealthy\"\n  [[load_balancer.listener]]\n  name = \"tcp\"\n  port = 80\n  backend_port = {nodeport}\n  [load_balancer.health_check]\n  port = {health}\n  period_seconds = 1\n  timeout_seconds = 1\n  failure_threshold = 2\n",
+        admin = crate::netns::ADMIN_PORT,
+        backends = backends.join(", "),
+        nodeport = crate::netns::NODEPORT,
+        health = crate::netns::HEALTH_PORT,
+    );
+    const LIMIT: u64 = 128;
+    bed.start_daemon_with(&cfg, Some(LIMIT)).await;
+    bed.daemon()
+        .wait_health("f9/hung", node_ip(1), "healthy", Duration::from_secs(10))
+        .await;
+
+    // Clients meanwhile, and the daemon's descriptors sampled between them.
+    let started = Instant::now();
+    let mut most_fds = 0;
+    let mut failed = Vec::new();
+    let mut exchanges = 0;
+    while started.elapsed() < Duration::from_secs(4) && exchanges < 400 {
+        most_fds = most_fds.max(bed.daemon().open_fds());
+        if let Exchange::Failed(e) =
+            exchange(&bed.client, sa(VIP, 80), 256, Duration::from_secs(5)).await
+        {
+            failed.push(e);
+        }
+        exchanges += 1;
+    }
+    // Every hung backend gets its verdict.
+    let down = wait_for(
+        Duration::from_secs(30),
+        "every hung backend to be probed and found down",
+        || async {
+            let st = bed.daemon().status().await;
+            let lb = st["load_balancers"]
+                .as_array()?
+                .iter()
+                .find(|l| l["name"] == "f9/hung")?
+                .clone();
+            let probed_down = lb["backends"]
+                .as_array()?
+                .iter()
+                .filter(|b| {
+                    b["health"] == "unhealthy"
+                        && b["probe"]["last_result"] == "timeout"
+                        && b["probe"]["probes"].as_u64() >= Some(2)
+                })
+                .count();
+            (probed_down >= usize::from(HUNG)).then_some(probed_down)
+        },
+    )
+    .await;
+    let timeouts = metric(
+        &bed.daemon().metrics().await,
+        "harvester_lb_health_checks_total",
+        &[("load_balancer", "f9/hung"), ("result", "timeout")],
+    );
+    println!(
+        "FIGURE fault9 hung backends: {HUNG} backends whose probes time out, limit {LIMIT} descriptors: at most {most_fds} open; {exchanges} client exchanges, {} failed; {down} hung backends probed and down ({timeouts} probe timeouts counted) {:?} after start",
+        failed.len(),
+        started.elapsed(),
+    );
+    assert!(failed.is_empty(), "clients failed: {failed:?}");
+    assert!(exchanges >= 10, "only {exchanges} exchanges in 4 s");
+    // 64 probes in flight, the listener, the admin API, the runtime and a
+    // client: far from 128. A probe per hung backend would need 150.
+    assert!(
+        most_fds < 110,
+        "{most_fds} descriptors open: probes are not bounded"
+    );
 }
