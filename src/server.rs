@@ -205,7 +205,7 @@ async fn main_loop(
         tokio::select! {
             _ = stop.cancelled() => return,
             Some(reply) = reload_rx.recv() => {
-                let outcome = reload(&options, &daemon, ready_sent);
+                let outcome = reload(&options, &daemon, ready_sent).await;
                 let _ = reply.send(outcome);
             }
             Some(()) = changed_rx.recv() => {
@@ -232,12 +232,22 @@ async fn main_loop(
 /// `ready_sent`: whether systemd has been told READY=1 yet; before that, a
 /// reload must not announce readiness (the main loop does, once every
 /// listener is bound).
-fn reload(options: &Options, daemon: &Daemon, ready_sent: bool) -> Result<String, String> {
+///
+/// The file is read, parsed and validated on a blocking thread: at 10,000
+/// load balancers that is ~100 ms of CPU, which on a runtime worker would
+/// stall every connection that worker serves (all of them with `--threads
+/// 1`). Only the apply, a diff of what changed, runs on the runtime.
+async fn reload(options: &Options, daemon: &Daemon, ready_sent: bool) -> Result<String, String> {
     if ready_sent {
         systemd::notify_reloading();
     }
     let started = tokio::time::Instant::now();
-    let result = match config::load(&options.config_path) {
+    let path = options.config_path.clone();
+    let loaded = tokio::task::spawn_blocking(move || config::load(&path))
+        .await
+        .map_err(|e| format!("the config loader stopped: {e}"))
+        .and_then(|r| r.map_err(|e| e.to_string()));
+    let result = match loaded {
         Ok(loaded) => {
             let parsed = started.elapsed();
             for w in &loaded.warnings {
@@ -258,7 +268,7 @@ fn reload(options: &Options, daemon: &Daemon, ready_sent: bool) -> Result<String
         }
         Err(e) => {
             tracing::error!("reload rejected, the running config stays in force: {e}");
-            Err(e.to_string())
+            Err(e)
         }
     };
     daemon.metrics().record_reload(result.is_ok());

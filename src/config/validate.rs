@@ -4,6 +4,7 @@
 //! example config and the code cannot disagree silently (the tests load the
 //! example and compare).
 
+use std::fmt;
 use std::collections::{HashMap, HashSet};
 use std::net::{IpAddr, SocketAddr};
 use std::num::{NonZeroU32, NonZeroUsize};
@@ -249,14 +250,14 @@ impl Validator<'_> {
         };
         let backlog = self.int(
             &file.proxy.backlog,
-            "proxy.backlog",
+            format_args!("proxy.backlog"),
             DEFAULT_BACKLOG,
             1,
             65535,
         );
         let drain = self.int(
             &file.proxy.drain_timeout_seconds,
-            "proxy.drain_timeout_seconds",
+            format_args!("proxy.drain_timeout_seconds"),
             DEFAULT_DRAIN_TIMEOUT_SECONDS,
             0,
             MAX_SECONDS,
@@ -264,7 +265,7 @@ impl Validator<'_> {
         let max_connections = file.proxy.max_connections.as_ref().map(|_| {
             self.int(
                 &file.proxy.max_connections,
-                "proxy.max_connections",
+                format_args!("proxy.max_connections"),
                 1,
                 1,
                 10_000_000,
@@ -365,17 +366,17 @@ impl Validator<'_> {
                 );
                 None
             }
-            Some(v) => self.ip(v, &format!("{key}.vip")),
+            Some(v) => self.ip(v, format_args!("{key}.vip")),
         };
         let ipam = self.choice(
             &lb.ipam,
-            &format!("{key}.ipam"),
+            format_args!("{key}.ipam"),
             &[("pool", Ipam::Pool), ("dhcp", Ipam::Dhcp)],
             Ipam::Pool,
         );
         let algorithm = self.choice(
             &lb.algorithm,
-            &format!("{key}.algorithm"),
+            format_args!("{key}.algorithm"),
             &[
                 ("round_robin", Algorithm::RoundRobin),
                 ("least_connections", Algorithm::LeastConnections),
@@ -385,7 +386,7 @@ impl Validator<'_> {
         );
         let initial_state = self.choice(
             &lb.initial_state,
-            &format!("{key}.initial_state"),
+            format_args!("{key}.initial_state"),
             &[
                 ("healthy", InitialState::Healthy),
                 ("unhealthy", InitialState::Unhealthy),
@@ -394,7 +395,7 @@ impl Validator<'_> {
         );
         let connect_timeout_ms = self.int(
             &lb.connect_timeout_ms,
-            &format!("{key}.connect_timeout_ms"),
+            format_args!("{key}.connect_timeout_ms"),
             DEFAULT_CONNECT_TIMEOUT_MS,
             1,
             MAX_SECONDS * 1000,
@@ -402,7 +403,7 @@ impl Validator<'_> {
         let connect_attempts = lb.connect_attempts.as_ref().map(|_| {
             self.int(
                 &lb.connect_attempts,
-                &format!("{key}.connect_attempts"),
+                format_args!("{key}.connect_attempts"),
                 1,
                 1,
                 1_000_000,
@@ -410,7 +411,7 @@ impl Validator<'_> {
         });
         let idle_timeout = self.int(
             &lb.idle_timeout_seconds,
-            &format!("{key}.idle_timeout_seconds"),
+            format_args!("{key}.idle_timeout_seconds"),
             DEFAULT_IDLE_TIMEOUT_SECONDS,
             1,
             MAX_SECONDS,
@@ -419,14 +420,13 @@ impl Validator<'_> {
         let mut backends = Vec::new();
         let mut seen = HashSet::new();
         for (i, b) in lb.backends.iter().enumerate() {
-            let bkey = format!("{key}.backends[{i}]");
-            if let Some(ip) = self.ip(b, &bkey) {
+            if let Some(ip) = self.ip(b, format_args!("{key}.backends[{i}]")) {
                 if seen.insert(ip) {
                     backends.push(ip);
                 } else {
                     self.problem(
                         Some(b.span()),
-                        &bkey,
+                        &format!("{key}.backends[{i}]"),
                         format!("backend {ip} is listed twice"),
                     );
                 }
@@ -530,7 +530,7 @@ impl Validator<'_> {
         );
         let protocol = self.choice(
             &l.protocol,
-            &format!("{key}.protocol"),
+            format_args!("{key}.protocol"),
             &[("tcp", Protocol::Tcp)],
             Protocol::Tcp,
         );
@@ -558,28 +558,28 @@ impl Validator<'_> {
         );
         let success = self.int(
             &hc.success_threshold,
-            &format!("{key}.success_threshold"),
+            format_args!("{key}.success_threshold"),
             DEFAULT_SUCCESS_THRESHOLD,
             1,
             1000,
         );
         let failure = self.int(
             &hc.failure_threshold,
-            &format!("{key}.failure_threshold"),
+            format_args!("{key}.failure_threshold"),
             DEFAULT_FAILURE_THRESHOLD,
             1,
             1000,
         );
         let period = self.int(
             &hc.period_seconds,
-            &format!("{key}.period_seconds"),
+            format_args!("{key}.period_seconds"),
             DEFAULT_PERIOD_SECONDS,
             1,
             MAX_SECONDS,
         );
         let timeout = self.int(
             &hc.timeout_seconds,
-            &format!("{key}.timeout_seconds"),
+            format_args!("{key}.timeout_seconds"),
             DEFAULT_TIMEOUT_SECONDS,
             1,
             MAX_SECONDS,
@@ -619,7 +619,7 @@ impl Validator<'_> {
                 None
             }
             Some(_) => {
-                let n = self.int(value, &format!("{table_key}.{name}"), 0, 1, 65535);
+                let n = self.int(value, format_args!("{table_key}.{name}"), 0, 1, 65535);
                 u16::try_from(n).ok().filter(|&p| p != 0)
             }
         }
@@ -629,7 +629,7 @@ impl Validator<'_> {
     fn int(
         &mut self,
         value: &Option<Spanned<i64>>,
-        key: &str,
+        key: fmt::Arguments<'_>,
         default: i64,
         min: i64,
         max: i64,
@@ -639,6 +639,7 @@ impl Validator<'_> {
         if (min..=max).contains(&n) {
             n
         } else {
+            let key = key.to_string();
             let what = if key.ends_with("port") {
                 "a port"
             } else {
@@ -646,7 +647,7 @@ impl Validator<'_> {
             };
             self.problem(
                 Some(v.span()),
-                key,
+                &key,
                 format!("{n} is out of range; {what} must be in {min}..={max}"),
             );
             // Returning 0 makes a required value (a port) fail to build, and
@@ -655,13 +656,13 @@ impl Validator<'_> {
         }
     }
 
-    fn ip(&mut self, value: &Spanned<String>, key: &str) -> Option<IpAddr> {
+    fn ip(&mut self, value: &Spanned<String>, key: fmt::Arguments<'_>) -> Option<IpAddr> {
         match value.get_ref().parse::<IpAddr>() {
             Ok(ip) => Some(ip),
             Err(_) => {
                 self.problem(
                     Some(value.span()),
-                    key,
+                    &key.to_string(),
                     format!("{:?} is not an IPv4 or IPv6 address", value.get_ref()),
                 );
                 None
@@ -672,7 +673,7 @@ impl Validator<'_> {
     fn choice<T: Copy>(
         &mut self,
         value: &Option<Spanned<String>>,
-        key: &str,
+        key: fmt::Arguments<'_>,
         allowed: &[(&str, T)],
         default: T,
     ) -> T {
@@ -683,7 +684,7 @@ impl Validator<'_> {
         let names: Vec<String> = allowed.iter().map(|(n, _)| format!("{n:?}")).collect();
         self.problem(
             Some(v.span()),
-            key,
+            &key.to_string(),
             format!(
                 "{:?} is not supported; use one of {}",
                 v.get_ref(),
