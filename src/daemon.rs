@@ -418,6 +418,7 @@ impl Daemon {
             listener: spec.name.clone(),
             backend_port: spec.backend_port,
             stats: lb.stats().listener(&spec.name),
+            proxy_protocol: spec.proxy_protocol,
         }
     }
 

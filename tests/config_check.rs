@@ -290,3 +290,27 @@ fn every_shipped_example_config_is_valid() {
         "expected the reference and the loopback example, found {checked}"
     );
 }
+
+#[test]
+fn proxy_protocol_takes_v1_or_v2_only() {
+    let text = r#"
+[[load_balancer]]
+name = "pp"
+vip = "192.0.2.1"
+backends = ["198.51.100.1"]
+  [[load_balancer.listener]]
+  name = "http"
+  port = 80
+  backend_port = 30080
+  proxy_protocol = "v3"
+  [[load_balancer.listener]]
+  name = "https"
+  port = 443
+  backend_port = 30443
+  proxy_protocol = "v2"
+"#;
+    assert_eq!(
+        rendered(text),
+        "line 10: load_balancer[0].listener[0].proxy_protocol: \"v3\" is not supported; use one of \"v1\", \"v2\""
+    );
+}

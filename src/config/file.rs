@@ -98,6 +98,8 @@ pub struct FileListener {
     pub backend_port: Option<Spanned<i64>>,
     /// Only `tcp` for now.
     pub protocol: Option<Spanned<String>>,
+    /// `v1` or `v2`: a PROXY protocol header to the backend before the client's bytes.
+    pub proxy_protocol: Option<Spanned<String>>,
 }
 
 /// `[load_balancer.health_check]`: Harvester's `healthcheck-*` annotations.

@@ -114,6 +114,8 @@ pub struct ListenerSpec {
     pub backend_port: u16,
     /// Transport; a seam for UDP listeners.
     pub protocol: Protocol,
+    /// The PROXY protocol header sent to the backend first, if any.
+    pub proxy_protocol: Option<ProxyProtocol>,
 }
 
 /// `[load_balancer.health_check]`.
@@ -160,6 +162,17 @@ pub enum Algorithm {
 pub enum Protocol {
     /// TCP, forwarded byte for byte.
     Tcp,
+}
+
+/// The PROXY protocol version a listener speaks to its backends
+/// (HAProxy's `send-proxy` / `send-proxy-v2`): the client's address and
+/// port and the VIP's reach the node, which would otherwise see the host's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ProxyProtocol {
+    /// The text header (`PROXY TCP4 <client> <vip> <cport> <vport>\r\n`).
+    V1,
+    /// The binary header.
+    V2,
 }
 
 /// The kind of a health probe.

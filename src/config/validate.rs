@@ -4,8 +4,8 @@
 //! example config and the code cannot disagree silently (the tests load the
 //! example and compare).
 
-use std::fmt;
 use std::collections::{HashMap, HashSet};
+use std::fmt;
 use std::net::{IpAddr, SocketAddr};
 use std::num::{NonZeroU32, NonZeroUsize};
 use std::ops::Range;
@@ -534,11 +534,21 @@ impl Validator<'_> {
             &[("tcp", Protocol::Tcp)],
             Protocol::Tcp,
         );
+        let proxy_protocol = self.choice(
+            &l.proxy_protocol,
+            format_args!("{key}.proxy_protocol"),
+            &[
+                ("v1", Some(ProxyProtocol::V1)),
+                ("v2", Some(ProxyProtocol::V2)),
+            ],
+            None,
+        );
         Some(ListenerSpec {
             name: name?,
             port: port?,
             backend_port: backend_port?,
             protocol,
+            proxy_protocol,
         })
     }
 

@@ -16,7 +16,9 @@ use tokio::sync::OwnedSemaphorePermit;
 use tokio_util::sync::CancellationToken;
 
 use super::copy::{self, ByteCounters, Ended};
+use super::proxy_protocol;
 use crate::balancer::{Backend, LoadBalancer};
+use crate::config::ProxyProtocol;
 use crate::metrics::ListenerStats;
 use crate::net;
 
@@ -42,6 +44,8 @@ pub struct Route {
     pub backend_port: u16,
     /// This listener's numbers.
     pub stats: Arc<ListenerStats>,
+    /// The PROXY protocol header to send the backend first, if any.
+    pub proxy_protocol: Option<ProxyProtocol>,
 }
 
 /// Why a connect attempt failed.
@@ -112,6 +116,25 @@ pub async fn serve(
     };
 
     let _backend_count = backend.connection_opened();
+    if let Some(version) = route.proxy_protocol {
+        let sent = match client.local_addr() {
+            Ok(vip) => {
+                let header = proxy_protocol::header(version, peer, vip);
+                proxy_protocol::send(&server, &client, header).await
+            }
+            Err(e) => Err(e),
+        };
+        match sent {
+            Ok(first) => m.client_to_backend.increment(first as u64),
+            Err(e) => {
+                tracing::debug!(error = %e, "cannot send the PROXY header; resetting both sides");
+                m.failed[3].increment(1); // connect_error: the backend took no header
+                reset(&client);
+                reset(&server);
+                return;
+            }
+        }
+    }
     m.active.increment();
     let ended = tokio::select! {
         ended = copy::bidirectional(

@@ -12,6 +12,7 @@
 
 pub mod copy;
 pub mod forward;
+pub mod proxy_protocol;
 pub mod splice;
 
 use std::io;

@@ -411,7 +411,11 @@ fn dechunk(mut body: &str) -> String {
 
 /// Connects to `vip` from the local address `from` (any port).
 pub async fn connect_from(from: IpAddr, vip: SocketAddr) -> std::io::Result<TcpStream> {
-    let socket = TcpSocket::new_v4()?;
+    let socket = if from.is_ipv6() {
+        TcpSocket::new_v6()?
+    } else {
+        TcpSocket::new_v4()?
+    };
     socket.bind(SocketAddr::new(from, 0))?;
     socket.connect(vip).await
 }
