@@ -29,6 +29,7 @@ fn lb(algorithm: Algorithm, n: usize) -> (Arc<LoadBalancer>, Vec<Arc<Backend>>) 
         connect_timeout: Duration::from_secs(3),
         connect_attempts: NonZeroU32::new(3),
         idle_timeout: Duration::from_secs(3600),
+        affinity_timeout: None,
     };
     let lb = LoadBalancer::new(
         "bench/lb".into(),
@@ -59,13 +60,94 @@ fn pick(c: &mut Criterion) {
                     client = client.wrapping_add(0x9e37_79b9);
                     let ip = IpAddr::V4(Ipv4Addr::from(client));
                     let snap = lb.snapshot();
-                    let first = snap.candidates(black_box(ip), lb.cursor()).next();
+                    let first = snap.candidates(black_box(ip), lb.cursor(), None).next();
                     black_box(first.map(|b| b.addr))
                 })
             });
         }
     }
     g.finish();
+}
+
+/// A pick with `session_affinity = "client_ip"`: the table lookup, then the
+/// candidates with the remembered backend first. `hit`: a client among
+/// 100,000 remembered ones; `miss`: a client never seen (the lookup that
+/// finds nothing, before the algorithm picks).
+fn pick_with_affinity(c: &mut Criterion) {
+    use harvester_lb::balancer::AffinityBudget;
+    use harvester_lb::balancer::affinity::now_secs;
+    // What an entry costs: resident memory before and after a million.
+    {
+        let (lb, members) = lb(Algorithm::RoundRobin, 3);
+        lb.configure_affinity(true, &AffinityBudget::new(1_000_000));
+        let table = lb.affinity().expect("affinity on");
+        let before = rss_bytes();
+        let now = now_secs();
+        for k in 0..1_000_000u32 {
+            let client = IpAddr::V4(Ipv4Addr::from(0x0b00_0000 + k));
+            table.remember(client, members[k as usize % 3].addr, now);
+        }
+        let after = rss_bytes();
+        println!(
+            "affinity memory: {} entries, RSS +{:.1} MiB, {:.0} bytes per entry",
+            table.len(),
+            (after - before) as f64 / (1 << 20) as f64,
+            (after - before) as f64 / table.len() as f64
+        );
+    }
+    let mut g = c.benchmark_group("pick_affinity");
+    let timeout = Duration::from_secs(10_800);
+    for n in [3usize, 16] {
+        let (lb, members) = lb(Algorithm::RoundRobin, n);
+        lb.configure_affinity(true, &AffinityBudget::new(1_000_000));
+        let table = lb.affinity().expect("affinity on");
+        let now = now_secs();
+        const KNOWN: u32 = 100_000;
+        for k in 0..KNOWN {
+            let client = IpAddr::V4(Ipv4Addr::from(0x0a00_0000 + k));
+            table.remember(client, members[k as usize % n].addr, now);
+        }
+        let mut k = 0u32;
+        g.bench_with_input(BenchmarkId::new("hit", n), &n, |b, _| {
+            b.iter(|| {
+                k = (k + 7919) % KNOWN;
+                let client = IpAddr::V4(Ipv4Addr::from(0x0a00_0000 + k));
+                let sticky = table.lookup(black_box(client), timeout, now);
+                let snap = lb.snapshot();
+                black_box(
+                    snap.candidates(client, lb.cursor(), sticky)
+                        .next()
+                        .map(|b| b.addr),
+                )
+            })
+        });
+        let mut m = 0u32;
+        g.bench_with_input(BenchmarkId::new("miss", n), &n, |b, _| {
+            b.iter(|| {
+                m = m.wrapping_add(0x9e37_79b9) | 0x8000_0000;
+                let client = IpAddr::V4(Ipv4Addr::from(m));
+                let sticky = table.lookup(black_box(client), timeout, now);
+                let snap = lb.snapshot();
+                black_box(
+                    snap.candidates(client, lb.cursor(), sticky)
+                        .next()
+                        .map(|b| b.addr),
+                )
+            })
+        });
+    }
+    g.finish();
+}
+
+/// Resident memory of this process, from `/proc/self/statm`.
+fn rss_bytes() -> i64 {
+    let statm = std::fs::read_to_string("/proc/self/statm").unwrap_or_default();
+    let pages: i64 = statm
+        .split_whitespace()
+        .nth(1)
+        .and_then(|p| p.parse().ok())
+        .unwrap_or(0);
+    pages * 4096
 }
 
 /// Publishing a new healthy set (one backend flips) with and without a reader
@@ -95,7 +177,11 @@ fn publish(c: &mut Criterion) {
                 let mut k = 0u64;
                 while !stop.load(Ordering::Relaxed) && k < 2_000_000_000 {
                     let snap = lb.snapshot();
-                    black_box(snap.candidates(ip, lb.cursor()).next().map(|b| b.addr));
+                    black_box(
+                        snap.candidates(ip, lb.cursor(), None)
+                            .next()
+                            .map(|b| b.addr),
+                    );
                     k += 1;
                 }
                 picks.store(k, Ordering::Relaxed);
@@ -130,7 +216,11 @@ fn publish(c: &mut Criterion) {
         g.bench_with_input(BenchmarkId::new("pick_while_publishing", n), &n, |b, _| {
             b.iter(|| {
                 let snap = lb.snapshot();
-                black_box(snap.candidates(ip, lb.cursor()).next().map(|b| b.addr))
+                black_box(
+                    snap.candidates(ip, lb.cursor(), None)
+                        .next()
+                        .map(|b| b.addr),
+                )
             })
         });
         stop.store(true, Ordering::Relaxed);
@@ -144,6 +234,6 @@ criterion_group! {
     config = Criterion::default()
         .warm_up_time(Duration::from_millis(500))
         .measurement_time(Duration::from_secs(2));
-    targets = pick, publish
+    targets = pick, pick_with_affinity, publish
 }
 criterion_main!(benches);

@@ -18,7 +18,7 @@ use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use crate::balancer::{Backend, LoadBalancer, Settings};
+use crate::balancer::{AffinityBudget, Backend, LoadBalancer, Settings, affinity};
 use crate::config::{Algorithm, Config, Ipam, ListenerSpec, LoadBalancerSpec};
 use crate::health::prober::{Prober, TargetStatus};
 use crate::health::{Health, HealthState};
@@ -42,6 +42,9 @@ pub struct Daemon {
     /// Cancelled at shutdown once listeners have drained: removed backends
     /// still waiting out their drain time are retired at once.
     retire_now: CancellationToken,
+    /// The bound on client-affinity entries, shared by every load balancer
+    /// (`proxy.max_affinity_entries`).
+    affinity: Arc<AffinityBudget>,
 }
 
 #[derive(Default)]
@@ -93,6 +96,7 @@ impl Daemon {
             drains: TaskTracker::new(),
             stopping: AtomicBool::new(false),
             retire_now: CancellationToken::new(),
+            affinity: AffinityBudget::new(0),
         })
     }
 
@@ -110,6 +114,7 @@ impl Daemon {
         let mut st = self.lock();
         let mut report = ApplyReport::default();
         let drain = config.proxy.drain_timeout;
+        self.affinity.set_max(config.proxy.max_affinity_entries);
         let old_config = st.config.take();
         let in_force: HashMap<&str, &LoadBalancerSpec> = old_config
             .iter()
@@ -325,6 +330,32 @@ impl Daemon {
         cut
     }
 
+    /// Drops client-affinity entries older than their load balancer's
+    /// timeout, on a blocking thread (a million entries take tens of
+    /// milliseconds). The main loop calls it every few seconds.
+    pub fn sweep_affinity(&self) {
+        let tables: Vec<(Arc<LoadBalancer>, Duration)> = self
+            .lock()
+            .load_balancers
+            .values()
+            .filter_map(|e| {
+                let timeout = e.lb.snapshot().settings.affinity_timeout?;
+                e.lb.affinity().map(|_| (Arc::clone(&e.lb), timeout))
+            })
+            .collect();
+        if tables.is_empty() {
+            return;
+        }
+        tokio::task::spawn_blocking(move || {
+            let now = affinity::now_secs();
+            for (lb, timeout) in tables {
+                if let Some(table) = lb.affinity() {
+                    table.sweep(timeout, now);
+                }
+            }
+        });
+    }
+
     fn new_load_balancer(&self, spec: &LoadBalancerSpec) -> LbEntry {
         let healthy_at_start = spec.health_check.is_none()
             || spec.initial_state == crate::config::InitialState::Healthy;
@@ -349,6 +380,7 @@ impl Daemon {
             members,
             stats,
         );
+        lb.configure_affinity(spec.affinity_timeout.is_some(), &self.affinity);
         let entry = LbEntry { lb, backends };
         self.ensure_probes(&entry, spec);
         entry
@@ -383,6 +415,9 @@ impl Daemon {
             .iter()
             .map(|ip| Arc::clone(&entry.backends[ip]))
             .collect();
+        entry
+            .lb
+            .configure_affinity(spec.affinity_timeout.is_some(), &self.affinity);
         entry.lb.replace(Settings::from(spec), members);
     }
 

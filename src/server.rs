@@ -194,6 +194,8 @@ async fn main_loop(
     }
     let mut retry = tokio::time::interval(Duration::from_secs(2));
     retry.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut sweep = tokio::time::interval(AFFINITY_SWEEP);
+    sweep.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let watchdog = systemd::watchdog_interval();
     let mut watchdog_tick = tokio::time::interval(watchdog.unwrap_or(Duration::from_secs(3600)));
     let mut ready_sent = false;
@@ -224,9 +226,15 @@ async fn main_loop(
                 }
             }
             _ = watchdog_tick.tick(), if watchdog.is_some() => systemd::notify("WATCHDOG=1"),
+            _ = sweep.tick() => daemon.sweep_affinity(),
         }
     }
 }
+
+/// How often expired client-affinity entries are dropped: an entry outlives
+/// its timeout by at most this much (memory, never behaviour: an expired
+/// entry is ignored at once).
+const AFFINITY_SWEEP: Duration = Duration::from_secs(10);
 
 /// Loads and applies the config file; a bad file leaves everything as it was.
 /// `ready_sent`: whether systemd has been told READY=1 yet; before that, a

@@ -314,3 +314,45 @@ backends = ["198.51.100.1"]
         "line 10: load_balancer[0].listener[0].proxy_protocol: \"v3\" is not supported; use one of \"v1\", \"v2\""
     );
 }
+
+#[test]
+fn session_affinity_keys_are_checked() {
+    let text = r#"
+[proxy]
+max_affinity_entries = -1
+
+[[load_balancer]]
+name = "a"
+vip = "192.0.2.1"
+backends = ["198.51.100.1"]
+session_affinity = "cookie"
+affinity_timeout_seconds = 86401
+  [[load_balancer.listener]]
+  name = "http"
+  port = 80
+  backend_port = 30080
+"#;
+    assert_eq!(
+        rendered(text),
+        [
+            "line 3: proxy.max_affinity_entries: -1 is out of range; the value must be in 0..=100000000",
+            "line 9: load_balancer[0].session_affinity: \"cookie\" is not supported; use one of \"none\", \"client_ip\"",
+            "line 10: load_balancer[0].affinity_timeout_seconds: 86401 is out of range; the value must be in 1..=86400",
+        ]
+        .join("\n")
+    );
+    // A timeout without client_ip affinity does nothing: a warning.
+    let text = GOOD.replace(
+        "[[load_balancer]]\n",
+        "[[load_balancer]]\naffinity_timeout_seconds = 60\n",
+    );
+    let loaded = config::parse(&text).expect("valid with a warning");
+    assert_eq!(loaded.warnings.len(), 1, "{:?}", loaded.warnings);
+    assert!(
+        loaded.warnings[0].to_string().contains(
+            "affinity_timeout_seconds: has no effect without session_affinity = \"client_ip\""
+        ),
+        "{}",
+        loaded.warnings[0]
+    );
+}

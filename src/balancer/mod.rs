@@ -8,18 +8,22 @@
 //! Everything a pick needs (eligible backends, algorithm, timeouts) is in the
 //! one snapshot, so a reader can never see a new algorithm with an old set —
 //! Pingora keeps these in separate swaps and notes the gap; we close it.
+//! Client affinity ([`affinity`]) only chooses which eligible backend
+//! comes first; it never makes an ineligible one a candidate.
 
+pub mod affinity;
 pub mod select;
 
 use std::net::IpAddr;
 use std::num::NonZeroU32;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
 use tokio_util::sync::CancellationToken;
 
+pub use self::affinity::{AffinityBudget, AffinityTable};
 use crate::config::{Algorithm, LoadBalancerSpec};
 use crate::metrics::{BackendStats, LbStats};
 
@@ -138,6 +142,8 @@ pub struct Settings {
     pub connect_attempts: Option<NonZeroU32>,
     /// Close a connection after this long without traffic.
     pub idle_timeout: Duration,
+    /// Client affinity: how long a client keeps its backend; `None` = off.
+    pub affinity_timeout: Option<Duration>,
 }
 
 impl From<&LoadBalancerSpec> for Settings {
@@ -147,6 +153,7 @@ impl From<&LoadBalancerSpec> for Settings {
             connect_timeout: spec.connect_timeout,
             connect_attempts: spec.connect_attempts,
             idle_timeout: spec.idle_timeout,
+            affinity_timeout: spec.affinity_timeout,
         }
     }
 }
@@ -162,16 +169,22 @@ pub struct Snapshot {
 impl Snapshot {
     /// Backends to try for one client, best first: at most
     /// `connect_attempts`, never the same one twice. Empty when none is eligible.
+    /// `preferred` (the client's affinity) goes first if it is eligible;
+    /// otherwise the algorithm picks.
     pub fn candidates<'a>(
         &'a self,
         client: IpAddr,
         cursor: &AtomicUsize,
+        preferred: Option<IpAddr>,
     ) -> impl Iterator<Item = &'a Arc<Backend>> + 'a {
         let n = self.eligible.len();
-        let start = if n == 0 {
-            0
-        } else {
-            select::first_candidate(self.settings.algorithm, &self.eligible, client, cursor)
+        let sticky = preferred.and_then(|ip| self.eligible.iter().position(|b| b.addr == ip));
+        let start = match sticky {
+            _ if n == 0 => 0,
+            Some(i) => i,
+            None => {
+                select::first_candidate(self.settings.algorithm, &self.eligible, client, cursor)
+            }
         };
         let attempts = self
             .settings
@@ -196,6 +209,9 @@ pub struct LoadBalancer {
     inner: Mutex<Inner>,
     /// Its numbers (`no_eligible_backend`).
     stats: Arc<LbStats>,
+    /// Client affinity entries, made when affinity is first switched on
+    /// (most load balancers never pay for a table).
+    affinity: OnceLock<AffinityTable>,
 }
 
 struct Inner {
@@ -232,9 +248,31 @@ impl LoadBalancer {
             stats,
             name,
             cluster,
+            affinity: OnceLock::new(),
         });
         lb.publish();
         lb
+    }
+
+    /// Its client-affinity table, if affinity was ever switched on. The
+    /// forwarder uses it only while the snapshot's settings have a timeout.
+    pub fn affinity(&self) -> Option<&AffinityTable> {
+        self.affinity.get()
+    }
+
+    /// Switches client affinity on (entries drawn from `budget`) or off
+    /// (entries dropped), as the settings in force say.
+    pub fn configure_affinity(&self, on: bool, budget: &Arc<AffinityBudget>) {
+        if on {
+            self.affinity
+                .get_or_init(|| AffinityTable::new(Arc::clone(budget), Arc::clone(&self.stats)));
+            self.stats.affinity_enabled.store(true, Ordering::Relaxed);
+        } else {
+            self.stats.affinity_enabled.store(false, Ordering::Relaxed);
+            if let Some(table) = self.affinity.get() {
+                table.clear();
+            }
+        }
     }
 
     /// The snapshot in force: one atomic load.
@@ -338,6 +376,7 @@ mod tests {
             connect_timeout: Duration::from_secs(1),
             connect_attempts: attempts.and_then(NonZeroU32::new),
             idle_timeout: Duration::from_secs(60),
+            affinity_timeout: None,
         }
     }
 
@@ -379,7 +418,7 @@ mod tests {
         let client = IpAddr::from([192, 0, 2, 9]);
         let all: Vec<IpAddr> = lb
             .snapshot()
-            .candidates(client, lb.cursor())
+            .candidates(client, lb.cursor(), None)
             .map(|b| b.addr)
             .collect();
         assert_eq!(all.len(), 4);
@@ -388,6 +427,9 @@ mod tests {
         sorted.dedup();
         assert_eq!(sorted.len(), 4);
         lb.replace(settings(Some(2)), members);
-        assert_eq!(lb.snapshot().candidates(client, lb.cursor()).count(), 2);
+        assert_eq!(
+            lb.snapshot().candidates(client, lb.cursor(), None).count(),
+            2
+        );
     }
 }

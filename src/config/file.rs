@@ -54,6 +54,8 @@ pub struct FileProxy {
     pub drain_timeout_seconds: Option<Spanned<i64>>,
     /// Cap on concurrently forwarded connections (each holds two descriptors).
     pub max_connections: Option<Spanned<i64>>,
+    /// Cap on client-affinity entries across all load balancers.
+    pub max_affinity_entries: Option<Spanned<i64>>,
 }
 
 /// `[[load_balancer]]`: mirrors Harvester's `LoadBalancer` object.
@@ -80,6 +82,10 @@ pub struct FileLoadBalancer {
     pub connect_attempts: Option<Spanned<i64>>,
     /// Close a connection after this long without a byte either way.
     pub idle_timeout_seconds: Option<Spanned<i64>>,
+    /// `none` or `client_ip`: the Service's `sessionAffinity`.
+    pub session_affinity: Option<Spanned<String>>,
+    /// The Service's `sessionAffinityConfig.clientIP.timeoutSeconds`.
+    pub affinity_timeout_seconds: Option<Spanned<i64>>,
     /// `[[load_balancer.listener]]`.
     #[serde(default, rename = "listener")]
     pub listeners: Vec<Spanned<FileListener>>,

@@ -65,6 +65,8 @@ pub struct ProxySettings {
     /// Cap on concurrently forwarded connections; `None` = derived from the
     /// process's open-file limit at start.
     pub max_connections: Option<NonZeroUsize>,
+    /// Cap on client-affinity entries, all load balancers together.
+    pub max_affinity_entries: usize,
 }
 
 /// One Kubernetes `LoadBalancer` service.
@@ -90,6 +92,9 @@ pub struct LoadBalancerSpec {
     pub connect_attempts: Option<NonZeroU32>,
     /// A connection with no byte moving either way for this long is closed.
     pub idle_timeout: Duration,
+    /// `sessionAffinity: ClientIP`: how long a client keeps its backend after
+    /// its last connection; `None` = no affinity.
+    pub affinity_timeout: Option<Duration>,
     /// VIP port -> nodeport mappings.
     pub listeners: Vec<ListenerSpec>,
     /// Active health checking; `None` = every backend always eligible.

@@ -29,6 +29,13 @@ pub const DEFAULT_CLUSTER: &str = "kubernetes";
 pub const DEFAULT_CONNECT_TIMEOUT_MS: i64 = 3000;
 /// Default idle timeout, seconds (one hour).
 pub const DEFAULT_IDLE_TIMEOUT_SECONDS: i64 = 3600;
+/// Kubernetes' default `sessionAffinityConfig.clientIP.timeoutSeconds` (three hours).
+pub const DEFAULT_AFFINITY_TIMEOUT_SECONDS: i64 = 10_800;
+/// Kubernetes' upper bound on that timeout (one day).
+pub const MAX_AFFINITY_TIMEOUT_SECONDS: i64 = 86_400;
+/// Default bound on client-affinity entries, all load balancers together
+/// (about 90 MiB at the measured 94 bytes per entry; see the README).
+pub const DEFAULT_MAX_AFFINITY_ENTRIES: i64 = 1_000_000;
 /// Harvester's `healthcheck-success-threshold` default.
 pub const DEFAULT_SUCCESS_THRESHOLD: i64 = 1;
 /// Harvester's `healthcheck-failure-threshold` default.
@@ -272,6 +279,14 @@ impl Validator<'_> {
             )
         });
 
+        let max_affinity_entries = self.int(
+            &file.proxy.max_affinity_entries,
+            format_args!("proxy.max_affinity_entries"),
+            DEFAULT_MAX_AFFINITY_ENTRIES,
+            0,
+            100_000_000,
+        );
+
         let mut names: HashMap<String, usize> = HashMap::new();
         let mut addresses: HashMap<SocketAddr, String> = HashMap::new();
         let mut load_balancers = Vec::new();
@@ -290,6 +305,7 @@ impl Validator<'_> {
                 drain_timeout: Duration::from_secs(drain as u64),
                 max_connections: max_connections
                     .and_then(|n| NonZeroUsize::new(usize::try_from(n).unwrap_or(1))),
+                max_affinity_entries: usize::try_from(max_affinity_entries).unwrap_or(0),
             },
             metrics: MetricsSettings {
                 per_backend_health_check_duration: file
@@ -417,6 +433,27 @@ impl Validator<'_> {
             MAX_SECONDS,
         );
 
+        let affinity = self.choice(
+            &lb.session_affinity,
+            format_args!("{key}.session_affinity"),
+            &[("none", false), ("client_ip", true)],
+            false,
+        );
+        let affinity_timeout = self.int(
+            &lb.affinity_timeout_seconds,
+            format_args!("{key}.affinity_timeout_seconds"),
+            DEFAULT_AFFINITY_TIMEOUT_SECONDS,
+            1,
+            MAX_AFFINITY_TIMEOUT_SECONDS,
+        );
+        if !affinity && let Some(t) = &lb.affinity_timeout_seconds {
+            self.warning(
+                Some(t.span()),
+                &format!("{key}.affinity_timeout_seconds"),
+                "has no effect without session_affinity = \"client_ip\"".into(),
+            );
+        }
+
         let mut backends = Vec::new();
         let mut seen = HashSet::new();
         for (i, b) in lb.backends.iter().enumerate() {
@@ -484,6 +521,7 @@ impl Validator<'_> {
             connect_timeout: Duration::from_millis(connect_timeout_ms as u64),
             connect_attempts: connect_attempts.and_then(|n| NonZeroU32::new(n as u32)),
             idle_timeout: Duration::from_secs(idle_timeout as u64),
+            affinity_timeout: affinity.then(|| Duration::from_secs(affinity_timeout as u64)),
             listeners,
             health_check,
         })

@@ -51,6 +51,17 @@ const STEPS: &[Step] = &[
     Step::Lb(&names::NO_ELIGIBLE_BACKEND_EVENTS, |o, lb| {
         o.sample("", |b| lb_labels(b, lb), lb.no_backend_events.get());
     }),
+    Step::Lb(&names::AFFINITY_ENTRIES, |o, lb| {
+        if lb.affinity_enabled.load(Ordering::Relaxed) {
+            o.sample("", |b| lb_labels(b, lb), lb.affinity_entries.get());
+        }
+    }),
+    Step::Lb(&names::AFFINITY_TABLE_FULL, |o, lb| {
+        let full = lb.affinity_full.get();
+        if full > 0 {
+            o.sample("", |b| lb_labels(b, lb), full);
+        }
+    }),
     Step::Listener(&names::LISTENER_UP, |o, l| {
         if let Some(v) = l.up.get() {
             o.sample("", |b| listener_labels(b, l), u64::from(v));

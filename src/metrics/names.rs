@@ -75,6 +75,19 @@ pub static NO_ELIGIBLE_BACKEND_EVENTS: Family = Family::new(
     "Times the load balancer was left with no eligible backend.",
 );
 
+/// Clients remembered by a load balancer with `session_affinity = "client_ip"`.
+pub static AFFINITY_ENTRIES: Family = Family::new(
+    "harvester_lb_affinity_entries",
+    Gauge,
+    "Client addresses the load balancer remembers a backend for (session_affinity = client_ip).",
+);
+/// Clients not remembered because `proxy.max_affinity_entries` was reached.
+pub static AFFINITY_TABLE_FULL: Family = Family::new(
+    "harvester_lb_affinity_table_full_total",
+    Counter,
+    "New clients served without affinity because proxy.max_affinity_entries was reached.",
+);
+
 // Per listener: labels `cluster`, `load_balancer`, `listener`.
 
 /// 1 when a listener's socket is bound and accepting, 0 when binding failed.

@@ -13,7 +13,7 @@
 
 use std::collections::HashMap;
 use std::net::IpAddr;
-use std::sync::atomic::{AtomicI64, AtomicU8, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU8, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::Duration;
 
@@ -48,6 +48,11 @@ impl Gauge {
     /// One fewer.
     pub fn decrement(&self) {
         self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+    /// `n` fewer.
+    pub fn subtract(&self, n: u64) {
+        self.0
+            .fetch_sub(i64::try_from(n).unwrap_or(i64::MAX), Ordering::Relaxed);
     }
 
     /// The value now.
@@ -177,6 +182,12 @@ pub struct LbStats {
     pub no_backend: Presence,
     /// `no_eligible_backend_events_total`.
     pub no_backend_events: Counter,
+    /// Whether client affinity is on: `affinity_entries` is exposed only then.
+    pub affinity_enabled: AtomicBool,
+    /// `affinity_entries`.
+    pub affinity_entries: Gauge,
+    /// `affinity_table_full_total`.
+    pub affinity_full: Counter,
     pub(crate) listeners: Live<Box<str>, ListenerStats>,
     pub(crate) backends: Live<IpAddr, BackendStats>,
 }
@@ -189,6 +200,9 @@ impl LbStats {
             name: name.into(),
             no_backend: Presence::default(),
             no_backend_events: Counter::default(),
+            affinity_enabled: AtomicBool::new(false),
+            affinity_entries: Gauge::default(),
+            affinity_full: Counter::default(),
             listeners: Live::default(),
             backends: Live::default(),
         }

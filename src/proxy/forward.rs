@@ -17,7 +17,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::copy::{self, ByteCounters, Ended};
 use super::proxy_protocol;
-use crate::balancer::{Backend, LoadBalancer};
+use crate::balancer::{Backend, LoadBalancer, affinity};
 use crate::config::ProxyProtocol;
 use crate::metrics::ListenerStats;
 use crate::net;
@@ -74,9 +74,17 @@ pub async fn serve(
     // Linux copies them from the listening socket (see `proxy::bind`).
 
     let snapshot = route.lb.snapshot_full();
+    // Client affinity: the backend this client was given last, if recent.
+    let client_ip = peer.ip().to_canonical();
+    let affinity = snapshot
+        .settings
+        .affinity_timeout
+        .and_then(|timeout| route.lb.affinity().map(|table| (table, timeout)));
+    let now = affinity.map_or(0, |_| affinity::now_secs());
+    let sticky = affinity.and_then(|(table, timeout)| table.lookup(client_ip, timeout, now));
     let mut last_failure = None;
     let mut connected = None;
-    for backend in snapshot.candidates(peer.ip(), route.lb.cursor()) {
+    for backend in snapshot.candidates(peer.ip(), route.lb.cursor(), sticky) {
         let addr = SocketAddr::new(backend.addr, route.backend_port);
         match connect(addr, snapshot.settings.connect_timeout).await {
             Ok(stream) => {
@@ -115,6 +123,11 @@ pub async fn serve(
         return;
     };
 
+    if let Some((table, _)) = affinity
+        && sticky != Some(backend.addr)
+    {
+        table.remember(client_ip, backend.addr, now);
+    }
     let _backend_count = backend.connection_opened();
     if let Some(version) = route.proxy_protocol {
         let sent = match client.local_addr() {

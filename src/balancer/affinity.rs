@@ -1,0 +1,223 @@
+//! `sessionAffinity: ClientIP`: which backend each client address was given,
+//! so that its next connections go there too.
+//!
+//! A client keeps its backend while that backend is eligible and the client
+//! was seen within the timeout (Kubernetes' `timeoutSeconds`). A client whose
+//! backend is no longer eligible is picked again by the load balancer's
+//! algorithm and keeps the new one. The table belongs to the load balancer,
+//! so entries survive every reload that keeps it.
+//!
+//! The table is a concurrent map; a client that already has a fresh entry
+//! costs one shard read lock and, once per second at most, one atomic store.
+//! All tables together hold at most [`AffinityBudget`]'s entries
+//! (`proxy.max_affinity_entries`): past that, new clients are served but not
+//! remembered, and counted. Expired entries are swept by the daemon.
+
+use std::net::IpAddr;
+use std::sync::Arc;
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
+use std::time::Duration;
+
+use dashmap::DashMap;
+
+use crate::metrics::LbStats;
+
+/// Seconds since this process first asked: a coarse monotonic clock that
+/// fits an entry's last-seen time in four bytes.
+pub fn now_secs() -> u32 {
+    static START: OnceLock<std::time::Instant> = OnceLock::new();
+    let start = *START.get_or_init(std::time::Instant::now);
+    u32::try_from(start.elapsed().as_secs()).unwrap_or(u32::MAX)
+}
+
+/// The process-wide bound on affinity entries, shared by every table.
+#[derive(Debug)]
+pub struct AffinityBudget {
+    max: AtomicUsize,
+    used: AtomicUsize,
+}
+
+impl AffinityBudget {
+    /// A budget of `max` entries.
+    pub fn new(max: usize) -> Arc<Self> {
+        Arc::new(Self {
+            max: AtomicUsize::new(max),
+            used: AtomicUsize::new(0),
+        })
+    }
+
+    /// Changes the bound (a reload); entries over a lowered bound stay until
+    /// they expire, and no new ones are made meanwhile.
+    pub fn set_max(&self, max: usize) {
+        self.max.store(max, Ordering::Relaxed);
+    }
+
+    /// Entries held now, in all tables.
+    pub fn used(&self) -> usize {
+        self.used.load(Ordering::Relaxed)
+    }
+
+    fn take(&self) -> bool {
+        self.used
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < self.max.load(Ordering::Relaxed)).then_some(n + 1)
+            })
+            .is_ok()
+    }
+
+    fn give_back(&self, n: usize) {
+        self.used.fetch_sub(n, Ordering::AcqRel);
+    }
+}
+
+/// One remembered client: its backend and when it last connected.
+#[derive(Debug)]
+struct Entry {
+    backend: IpAddr,
+    last_seen: AtomicU32,
+}
+
+/// One load balancer's affinity entries.
+pub struct AffinityTable {
+    entries: DashMap<IpAddr, Entry>,
+    budget: Arc<AffinityBudget>,
+    /// Its load balancer's numbers (`affinity_entries`, `affinity_table_full_total`).
+    stats: Arc<LbStats>,
+}
+
+impl AffinityTable {
+    /// An empty table drawing on `budget`.
+    pub fn new(budget: Arc<AffinityBudget>, stats: Arc<LbStats>) -> Self {
+        Self {
+            entries: DashMap::new(),
+            budget,
+            stats,
+        }
+    }
+
+    /// The backend `client` was given, if it was seen within `timeout`;
+    /// marks it seen now.
+    pub fn lookup(&self, client: IpAddr, timeout: Duration, now: u32) -> Option<IpAddr> {
+        let entry = self.entries.get(&client)?;
+        let seen = entry.last_seen.load(Ordering::Relaxed);
+        if u64::from(now.saturating_sub(seen)) > timeout.as_secs() {
+            return None;
+        }
+        if seen != now {
+            entry.last_seen.store(now, Ordering::Relaxed);
+        }
+        Some(entry.backend)
+    }
+
+    /// Remembers that `client` was given `backend` now.
+    pub fn remember(&self, client: IpAddr, backend: IpAddr, now: u32) {
+        if let Some(mut entry) = self.entries.get_mut(&client) {
+            entry.backend = backend;
+            entry.last_seen.store(now, Ordering::Relaxed);
+            return;
+        }
+        if !self.budget.take() {
+            self.stats.affinity_full.increment(1);
+            return;
+        }
+        let fresh = Entry {
+            backend,
+            last_seen: AtomicU32::new(now),
+        };
+        if self.entries.insert(client, fresh).is_some() {
+            // Another connection of the same client got there first.
+            self.budget.give_back(1);
+        } else {
+            self.stats.affinity_entries.increment();
+        }
+    }
+
+    /// Drops the entries not seen within `timeout`; returns how many went.
+    pub fn sweep(&self, timeout: Duration, now: u32) -> usize {
+        let before = self.entries.len();
+        self.entries.retain(|_, e| {
+            u64::from(now.saturating_sub(e.last_seen.load(Ordering::Relaxed))) <= timeout.as_secs()
+        });
+        let gone = before.saturating_sub(self.entries.len());
+        self.forget(gone);
+        gone
+    }
+
+    /// Drops every entry (affinity switched off).
+    pub fn clear(&self) {
+        let n = self.entries.len();
+        self.entries.clear();
+        self.forget(n);
+    }
+
+    /// Entries held now.
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// Whether the table is empty.
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    fn forget(&self, n: usize) {
+        self.budget.give_back(n);
+        self.stats.affinity_entries.subtract(n as u64);
+    }
+}
+
+impl Drop for AffinityTable {
+    fn drop(&mut self) {
+        self.budget.give_back(self.entries.len());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ip(s: &str) -> IpAddr {
+        s.parse().unwrap()
+    }
+
+    #[test]
+    fn a_client_keeps_its_backend_within_the_timeout() {
+        let t = AffinityTable::new(AffinityBudget::new(10), LbStats::detached());
+        let timeout = Duration::from_secs(10);
+        t.remember(ip("10.0.0.1"), ip("192.0.2.1"), 100);
+        assert_eq!(
+            t.lookup(ip("10.0.0.1"), timeout, 105),
+            Some(ip("192.0.2.1"))
+        );
+        // Seen at 105: still fresh at 115, gone at 116.
+        assert_eq!(
+            t.lookup(ip("10.0.0.1"), timeout, 115),
+            Some(ip("192.0.2.1"))
+        );
+        assert_eq!(t.lookup(ip("10.0.0.1"), timeout, 126), None);
+        assert_eq!(t.lookup(ip("10.0.0.2"), timeout, 100), None);
+    }
+
+    #[test]
+    fn the_budget_bounds_all_tables_and_sweeps_give_it_back() {
+        let budget = AffinityBudget::new(3);
+        let a = AffinityTable::new(Arc::clone(&budget), LbStats::detached());
+        let b = AffinityTable::new(Arc::clone(&budget), LbStats::detached());
+        a.remember(ip("10.0.0.1"), ip("192.0.2.1"), 0);
+        a.remember(ip("10.0.0.2"), ip("192.0.2.1"), 50);
+        b.remember(ip("10.0.0.3"), ip("192.0.2.1"), 0);
+        b.remember(ip("10.0.0.4"), ip("192.0.2.1"), 0);
+        assert_eq!((a.len(), b.len(), budget.used()), (2, 1, 3));
+        assert_eq!(b.stats.affinity_full.get(), 1);
+        // A known client moves without taking more budget.
+        a.remember(ip("10.0.0.1"), ip("192.0.2.2"), 1);
+        assert_eq!(budget.used(), 3);
+        assert_eq!(a.sweep(Duration::from_secs(10), 55), 1);
+        assert_eq!(budget.used(), 2);
+        drop(b);
+        assert_eq!(budget.used(), 1);
+        a.clear();
+        assert_eq!(budget.used(), 0);
+    }
+}
