@@ -462,3 +462,71 @@ fn bad_http_check_values_are_all_named_with_what_is_allowed() {
     assert_eq!(p[0].line, Some(13));
     assert!(p[0].message.contains("expected a sequence"), "{p:?}");
 }
+
+#[test]
+fn hostile_http_check_values_are_rejected_or_accepted_never_a_panic() {
+    let values = [
+        "\"\"",
+        "\"/\"",
+        "\"//\"",
+        "\"/\\u0000\"",
+        "\"/\\u007f\"",
+        "\"/\\u202e\"",
+        "\"/%\"",
+        "99999999999999999999",
+        "-1",
+        "1e400",
+        "nan",
+        "true",
+        "[]",
+        "[[]]",
+        "[{}]",
+        "{}",
+        "[\"-\"]",
+        "[\"200-\"]",
+        "[\"-200\"]",
+        "[\"200-399-500\"]",
+        "[\" 200 - 399 \"]",
+        "[\"0200\"]",
+        "[\"+200\"]",
+        "[\"２００\"]",
+        "[200.0]",
+        "[65736]",
+        "[-200]",
+        "[9223372036854775807]",
+        "[1979-05-27T07:32:00Z]",
+    ];
+    let long = format!("\"/{}\"", "a".repeat(100_000));
+    let mut checked = 0;
+    for key in ["path", "host", "expect_status", "kind"] {
+        for value in values.iter().copied().chain([long.as_str()]) {
+            let text = with_check(&format!("  kind = \"http\"\n  {key} = {value}\n"));
+            let text = if key == "kind" {
+                text.replace("  kind = \"http\"\n", "")
+            } else {
+                text
+            };
+            match std::panic::catch_unwind(|| config::parse(&text)) {
+                Ok(Ok(_)) => {}
+                Ok(Err(p)) => assert!(!p.is_empty(), "{key} = {value}: rejected without a problem"),
+                Err(_) => panic!("config::parse panicked on {key} = {value}"),
+            }
+            checked += 1;
+        }
+    }
+    assert_eq!(checked, 4 * (values.len() + 1));
+    // The spaced range is accepted as the range it plainly means.
+    let loaded = config::parse(&with_check(
+        "  kind = \"http\"\n  expect_status = [\" 200 - 399 \"]\n",
+    ))
+    .expect("valid");
+    let CheckKind::Http(http) = &loaded.config.load_balancers[0]
+        .health_check
+        .as_ref()
+        .unwrap()
+        .check
+    else {
+        panic!("not HTTP")
+    };
+    assert_eq!(http.expect_status.to_string(), "200-399");
+}

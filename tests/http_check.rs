@@ -667,3 +667,45 @@ async fn nginx_answering_503_from_one_location_and_200_from_another_is_judged_by
     assert!(!access.contains("\" 499 "), "{access}");
     drop(nginx);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_from_tcp_to_http_moves_the_node_to_the_http_probe_and_back() {
+    let net = Subnet::new();
+    // kube-proxy listens on every node, endpoint or not: the TCP handshake
+    // succeeds where the HTTP answer is 503.
+    let nodes = nodes(&net, &[11], Answer::NotReady).await;
+    let lb = "default/web";
+    let ip = net.ip_str(11);
+    let http_cfg = config(&net, &[(lb, 1, 8080, &[11], "  failure_threshold = 1\n")]);
+    let tcp = http_cfg.replace("  kind = \"http\"\n", "  kind = \"tcp\"\n");
+    let d = Daemon::start(&net, &tcp).await;
+    wait_for(Duration::from_secs(5), "an ok TCP probe", || async {
+        (d.backend_status(lb, &ip).await["probe"]["last_result"] == "ok").then_some(())
+    })
+    .await;
+    assert!(
+        nodes[0].1.requests().is_empty(),
+        "a TCP probe sends nothing"
+    );
+    let reload = |text: String| {
+        let d = &d;
+        async move {
+            std::fs::write(&d.config, text).unwrap();
+            let (code, body) = http(d.admin, "POST", "/reload").await;
+            assert_eq!(code, 200, "{body}");
+        }
+    };
+    reload(http_cfg.clone()).await;
+    let b = d
+        .wait_health(lb, &ip, "unhealthy", Duration::from_secs(5))
+        .await;
+    assert_eq!(b["probe"]["last_result"], "http_status", "{b}");
+    assert_eq!(d.metric("harvester_lb_health_check_streams").await, 1.0);
+    reload(tcp).await;
+    let b = d
+        .wait_health(lb, &ip, "healthy", Duration::from_secs(5))
+        .await;
+    assert_eq!(b["probe"]["last_result"], "ok", "{b}");
+    assert_eq!(d.metric("harvester_lb_health_check_streams").await, 1.0);
+    d.stop().await;
+}
