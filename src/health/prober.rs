@@ -1,5 +1,6 @@
 //! The prober: one probe stream per distinct check (backend address, health
-//! port, check kind, period, timeout), shared by every load balancer and
+//! port, check kind with an HTTP check's path, host and expected statuses,
+//! period, timeout), shared by every load balancer and
 //! listener whose backends use it. Forty `LoadBalancer` services that all
 //! probe kube-proxy's health port on the same three nodes cost three probes
 //! a period, not a hundred and twenty.
