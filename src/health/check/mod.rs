@@ -1,6 +1,6 @@
 //! What one probe does. [`CheckKind`] is the seam, matched here once: a TCP
-//! handshake ([`tcp`]) or an HTTP `GET` of kube-proxy's `healthCheckNodePort`
-//! for `externalTrafficPolicy: Local` ([`http`]). The prober does not care
+//! handshake (`tcp.rs`) or an HTTP `GET` of kube-proxy's `healthCheckNodePort`
+//! for `externalTrafficPolicy: Local` (`http.rs`). The prober does not care
 //! which: it gets an [`Outcome`] and a duration either way.
 
 mod http;
