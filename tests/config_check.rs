@@ -4,7 +4,7 @@
 
 mod support;
 
-use harvester_lb::config::{self, Algorithm, InitialState, Problem};
+use harvester_lb::config::{self, Algorithm, CheckKind, InitialState, Problem};
 use support::run_cli;
 
 fn problems(text: &str) -> Vec<Problem> {
@@ -355,4 +355,220 @@ affinity_timeout_seconds = 86401
         "{}",
         loaded.warnings[0]
     );
+}
+
+/// `GOOD` with its health check's body replaced by `lines`.
+fn with_check(lines: &str) -> String {
+    GOOD.replace("  port = 30080\n", &format!("  port = 10256\n{lines}"))
+}
+
+#[test]
+fn an_http_check_takes_kube_proxys_defaults() {
+    let loaded = config::parse(&with_check("  kind = \"http\"\n")).expect("valid");
+    let hc = loaded.config.load_balancers[0]
+        .health_check
+        .clone()
+        .unwrap();
+    let CheckKind::Http(http) = &hc.check else {
+        panic!("not an HTTP check: {hc:?}")
+    };
+    assert_eq!(hc.port, 10256);
+    assert_eq!(http.path, "/healthz");
+    assert_eq!(http.host, None);
+    assert_eq!(http.expect_status.to_string(), "200");
+
+    let loaded = config::parse(&with_check(
+        "  kind = \"http\"\n  path = \"/livez?verbose=1\"\n  host = \"[fd00::1]:10256\"\n  expect_status = [204, \"200-202\", 203]\n",
+    ))
+    .expect("valid");
+    let hc = loaded.config.load_balancers[0]
+        .health_check
+        .clone()
+        .unwrap();
+    let CheckKind::Http(http) = &hc.check else {
+        panic!("not an HTTP check: {hc:?}")
+    };
+    assert_eq!(http.path, "/livez?verbose=1");
+    assert_eq!(http.host.as_deref(), Some("[fd00::1]:10256"));
+    assert_eq!(http.expect_status.to_string(), "200-204");
+
+    // However the statuses are written, the same set is the same check
+    // (and so the same probe stream).
+    let one = config::parse(&with_check(
+        "  kind = \"http\"\n  expect_status = [200, 201]\n",
+    ))
+    .unwrap();
+    let other = config::parse(&with_check(
+        "  kind = \"http\"\n  expect_status = [\"200-201\"]\n",
+    ))
+    .unwrap();
+    assert_eq!(
+        one.config.load_balancers[0].health_check,
+        other.config.load_balancers[0].health_check
+    );
+
+    let tcp = config::parse(GOOD).unwrap();
+    assert_eq!(
+        tcp.config.load_balancers[0]
+            .health_check
+            .as_ref()
+            .unwrap()
+            .check,
+        CheckKind::TcpConnect
+    );
+    let tcp = config::parse(&with_check("  kind = \"tcp\"\n")).unwrap();
+    assert_eq!(
+        tcp.config.load_balancers[0]
+            .health_check
+            .as_ref()
+            .unwrap()
+            .check,
+        CheckKind::TcpConnect
+    );
+}
+
+#[test]
+fn http_only_keys_on_a_tcp_check_are_named() {
+    let out = rendered(&with_check(
+        "  path = \"/healthz\"\n  expect_status = [200]\n  host = \"x\"\n",
+    ));
+    let expected = [
+        "line 12: load_balancer[0].health_check.path: applies only to kind = \"http\" (this check is kind = \"tcp\", the default); remove it or set kind = \"http\"",
+        "line 13: load_balancer[0].health_check.expect_status: applies only to kind = \"http\" (this check is kind = \"tcp\", the default); remove it or set kind = \"http\"",
+        "line 14: load_balancer[0].health_check.host: applies only to kind = \"http\" (this check is kind = \"tcp\", the default); remove it or set kind = \"http\"",
+    ];
+    assert_eq!(out, expected.join("\n"));
+
+    let out = rendered(&with_check("  kind = \"tcp\"\n  path = \"/healthz\"\n"));
+    assert_eq!(
+        out,
+        "line 13: load_balancer[0].health_check.path: applies only to kind = \"http\" (this check is kind = \"tcp\"); remove it or set kind = \"http\""
+    );
+}
+
+#[test]
+fn bad_http_check_values_are_all_named_with_what_is_allowed() {
+    let out = rendered(&with_check(concat!(
+        "  kind = \"http\"\n",
+        "  path = \"healthz\"\n",
+        "  host = \"node 1\"\n",
+        "  expect_status = [200, 600, \"399-200\", \"2xx\", true, 99]\n",
+    )));
+    let expected = [
+        "line 13: load_balancer[0].health_check.path: \"healthz\" is not a valid path; it must start with \"/\", e.g. \"/healthz\"",
+        "line 14: load_balancer[0].health_check.host: \"node 1\" is not a valid Host header: it contains a space at byte 4; write a host name or address with an optional :port, e.g. \"node-1.example:10256\" or \"[fd00::1]:10256\"",
+        "line 15: load_balancer[0].health_check.expect_status[1]: 600 is out of range; a status code must be in 100..=599",
+        "line 15: load_balancer[0].health_check.expect_status[2]: \"399-200\" is not a status range; write \"FROM-TO\" with codes in 100..=599 and FROM <= TO, e.g. \"200-399\"",
+        "line 15: load_balancer[0].health_check.expect_status[3]: \"2xx\" is not a status range; write \"FROM-TO\" with codes in 100..=599 and FROM <= TO, e.g. \"200-399\"",
+        "line 15: load_balancer[0].health_check.expect_status[4]: true (a boolean) is not a status; write an integer code such as 200 or a string range such as \"200-399\"",
+        "line 15: load_balancer[0].health_check.expect_status[5]: 99 is out of range; a status code must be in 100..=599",
+    ];
+    assert_eq!(out, expected.join("\n"));
+
+    let out = rendered(&with_check("  kind = \"grpc\"\n"));
+    assert_eq!(
+        out,
+        "line 12: load_balancer[0].health_check.kind: \"grpc\" is not supported; use one of \"tcp\", \"http\""
+    );
+
+    let out = rendered(&with_check(concat!(
+        "  kind = \"http\"\n",
+        "  path = \"/a b\\u0007\"\n",
+        "  host = \"\"\n",
+        "  expect_status = []\n",
+    )));
+    let expected = [
+        "line 13: load_balancer[0].health_check.path: \"/a b\\u{7}\" is not a valid path: it contains a space at byte 2; only visible ASCII is allowed (percent-encode the rest, e.g. %20 for a space)",
+        "line 14: load_balancer[0].health_check.host: must not be empty; leave the key out to send the backend's address and port",
+        "line 15: load_balancer[0].health_check.expect_status: the list is empty; give the statuses that mean healthy, e.g. [200] or [\"200-399\"]",
+    ];
+    assert_eq!(out, expected.join("\n"));
+
+    let out = rendered(&with_check("  kind = \"http\"\n  path = \"/héalthz\"\n"));
+    assert!(
+        out.ends_with("it contains the non-ASCII character 'é' at byte 2; only visible ASCII is allowed (percent-encode the rest, e.g. %20 for a space)"),
+        "{out}"
+    );
+    let out = rendered(&with_check(
+        "  kind = \"http\"\n  path = \"/x\\r\\nHost: evil\"\n",
+    ));
+    assert!(
+        out.contains("a control character ('\\r') at byte 2"),
+        "{out}"
+    );
+
+    // Not a list at all: the parser's words, with the line (type errors
+    // carry no key path yet, for any key: see `path_at`).
+    let p = problems(&with_check("  kind = \"http\"\n  expect_status = 200\n"));
+    assert_eq!(p.len(), 1, "{p:?}");
+    assert_eq!(p[0].line, Some(13));
+    assert!(p[0].message.contains("expected a sequence"), "{p:?}");
+}
+
+#[test]
+fn hostile_http_check_values_are_rejected_or_accepted_never_a_panic() {
+    let values = [
+        "\"\"",
+        "\"/\"",
+        "\"//\"",
+        "\"/\\u0000\"",
+        "\"/\\u007f\"",
+        "\"/\\u202e\"",
+        "\"/%\"",
+        "99999999999999999999",
+        "-1",
+        "1e400",
+        "nan",
+        "true",
+        "[]",
+        "[[]]",
+        "[{}]",
+        "{}",
+        "[\"-\"]",
+        "[\"200-\"]",
+        "[\"-200\"]",
+        "[\"200-399-500\"]",
+        "[\" 200 - 399 \"]",
+        "[\"0200\"]",
+        "[\"+200\"]",
+        "[\"２００\"]",
+        "[200.0]",
+        "[65736]",
+        "[-200]",
+        "[9223372036854775807]",
+        "[1979-05-27T07:32:00Z]",
+    ];
+    let long = format!("\"/{}\"", "a".repeat(100_000));
+    let mut checked = 0;
+    for key in ["path", "host", "expect_status", "kind"] {
+        for value in values.iter().copied().chain([long.as_str()]) {
+            let text = with_check(&format!("  kind = \"http\"\n  {key} = {value}\n"));
+            let text = if key == "kind" {
+                text.replace("  kind = \"http\"\n", "")
+            } else {
+                text
+            };
+            match std::panic::catch_unwind(|| config::parse(&text)) {
+                Ok(Ok(_)) => {}
+                Ok(Err(p)) => assert!(!p.is_empty(), "{key} = {value}: rejected without a problem"),
+                Err(_) => panic!("config::parse panicked on {key} = {value}"),
+            }
+            checked += 1;
+        }
+    }
+    assert_eq!(checked, 4 * (values.len() + 1));
+    // The spaced range is accepted as the range it plainly means.
+    let loaded = config::parse(&with_check(
+        "  kind = \"http\"\n  expect_status = [\" 200 - 399 \"]\n",
+    ))
+    .expect("valid");
+    let CheckKind::Http(http) = &loaded.config.load_balancers[0]
+        .health_check
+        .as_ref()
+        .unwrap()
+        .check
+    else {
+        panic!("not HTTP")
+    };
+    assert_eq!(http.expect_status.to_string(), "200-399");
 }

@@ -89,7 +89,7 @@ fn nginx(net: &Subnet, listen: &[SocketAddr]) -> Peer {
         .map(|a| format!("    listen {a} proxy_protocol;\n"))
         .collect();
     let conf = format!(
-        "daemon off;\nworker_processes 1;\npid {d}/nginx.pid;\nerror_log {d}/error.log;\nevents {{ worker_connections 64; }}\nhttp {{\n  access_log off;\n  client_body_temp_path {d}/body;\n  proxy_temp_path {d}/proxy;\n  fastcgi_temp_path {d}/fastcgi;\n  uwsgi_temp_path {d}/uwsgi;\n  scgi_temp_path {d}/scgi;\n  server {{\n{listens}    location / {{ return 200 \"$proxy_protocol_addr:$proxy_protocol_port\\n\"; }}\n  }}\n}}\n"
+        "daemon off;\nmaster_process off;\nworker_processes 1;\npid {d}/nginx.pid;\nerror_log {d}/error.log;\nevents {{ worker_connections 64; }}\nhttp {{\n  access_log off;\n  client_body_temp_path {d}/body;\n  proxy_temp_path {d}/proxy;\n  fastcgi_temp_path {d}/fastcgi;\n  uwsgi_temp_path {d}/uwsgi;\n  scgi_temp_path {d}/scgi;\n  server {{\n{listens}    location / {{ return 200 \"$proxy_protocol_addr:$proxy_protocol_port\\n\"; }}\n  }}\n}}\n"
     );
     let path = dir.join("nginx.conf");
     std::fs::write(&path, conf).unwrap();

@@ -121,4 +121,14 @@ pub struct FileHealthCheck {
     pub period_seconds: Option<Spanned<i64>>,
     /// `healthcheck-timeoutseconds`.
     pub timeout_seconds: Option<Spanned<i64>>,
+    /// `tcp` (default) or `http`.
+    pub kind: Option<Spanned<String>>,
+    /// `http` only: the request path.
+    pub path: Option<Spanned<String>>,
+    /// `http` only: statuses that mean healthy, each an integer code or a
+    /// string range; kept as raw values so a wrong item is named, not a
+    /// serde message about an untagged enum.
+    pub expect_status: Option<Spanned<Vec<Spanned<toml::Value>>>>,
+    /// `http` only: the `Host` header.
+    pub host: Option<Spanned<String>>,
 }

@@ -12,9 +12,11 @@ mod error;
 mod file;
 mod validate;
 
+use std::fmt;
 use std::net::{IpAddr, SocketAddr};
 use std::num::{NonZeroU32, NonZeroUsize};
 use std::path::Path;
+use std::sync::Arc;
 use std::time::Duration;
 
 pub use error::{ConfigError, Problem};
@@ -126,7 +128,8 @@ pub struct ListenerSpec {
 /// `[load_balancer.health_check]`.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct HealthCheckSpec {
-    /// What one probe does; a seam for kube-proxy's HTTP `healthCheckNodePort`.
+    /// What one probe does: a TCP handshake, or an HTTP `GET` of
+    /// kube-proxy's `healthCheckNodePort`.
     pub check: CheckKind,
     /// Port probed on each backend.
     pub port: u16,
@@ -180,11 +183,83 @@ pub enum ProxyProtocol {
     V2,
 }
 
-/// The kind of a health probe.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+/// The kind of a health probe, and everything that makes two probes of one
+/// address and port the same: it is part of the key under which the prober
+/// shares one probe stream between load balancers.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub enum CheckKind {
-    /// A TCP connect that completes within the timeout.
+    /// A TCP connect that completes within the timeout (`kind = "tcp"`).
     TcpConnect,
+    /// One HTTP/1.1 `GET` whose status must be expected (`kind = "http"`),
+    /// as kube-proxy's `healthCheckNodePort` answers for
+    /// `externalTrafficPolicy: Local`. Behind an `Arc` so that the prober's
+    /// stream key stays cheap to clone and hash.
+    Http(Arc<HttpCheck>),
+}
+
+/// What an HTTP probe asks and what answer counts as healthy.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct HttpCheck {
+    /// Request target: starts with `/`, visible ASCII only (validated).
+    pub path: String,
+    /// The `Host` header; `None` = the probed address and port
+    /// (`10.0.0.1:10256`, `[fd00::1]:10256`), as curl would send it.
+    pub host: Option<String>,
+    /// The statuses that mean healthy.
+    pub expect_status: StatusSet,
+}
+
+/// A set of HTTP status codes, kept as sorted, merged, inclusive ranges so
+/// that `[200, 201]` and `["200-201"]` are one probe (and one stream).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct StatusSet(Vec<(u16, u16)>);
+
+impl StatusSet {
+    /// The set of the inclusive ranges given (in any order, overlapping or not).
+    pub fn new(ranges: impl IntoIterator<Item = (u16, u16)>) -> Self {
+        let mut ranges: Vec<(u16, u16)> = ranges
+            .into_iter()
+            .map(|(a, b)| (a.min(b), a.max(b)))
+            .collect();
+        ranges.sort_unstable();
+        let mut merged: Vec<(u16, u16)> = Vec::with_capacity(ranges.len());
+        for (from, to) in ranges {
+            match merged.last_mut() {
+                Some(last) if u32::from(from) <= u32::from(last.1) + 1 => last.1 = last.1.max(to),
+                _ => merged.push((from, to)),
+            }
+        }
+        Self(merged)
+    }
+
+    /// Whether `status` is in the set.
+    pub fn contains(&self, status: u16) -> bool {
+        self.0
+            .iter()
+            .any(|&(from, to)| (from..=to).contains(&status))
+    }
+
+    /// The merged ranges, lowest first.
+    pub fn ranges(&self) -> &[(u16, u16)] {
+        &self.0
+    }
+}
+
+impl fmt::Display for StatusSet {
+    /// `200`, `200-399`, `200, 204, 300-399`: as an operator would write it.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for (i, &(from, to)) in self.0.iter().enumerate() {
+            if i > 0 {
+                f.write_str(", ")?;
+            }
+            if from == to {
+                write!(f, "{from}")?;
+            } else {
+                write!(f, "{from}-{to}")?;
+            }
+        }
+        Ok(())
+    }
 }
 
 /// State of a backend before its first probe result.
@@ -248,4 +323,21 @@ pub fn load(path: &Path) -> Result<Loaded, ConfigError> {
 /// Validates a config held in memory; the problems carry lines of `text`.
 pub fn parse(text: &str) -> Result<Loaded, Vec<Problem>> {
     validate::parse(text)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_status_set_is_the_same_however_it_was_written() {
+        let a = StatusSet::new([(200, 200), (201, 201), (300, 399), (204, 204)]);
+        let b = StatusSet::new([(300, 399), (200, 201), (204, 204)]);
+        assert_eq!(a, b);
+        assert_eq!(a.to_string(), "200-201, 204, 300-399");
+        assert!(a.contains(201) && a.contains(204) && a.contains(399));
+        assert!(!a.contains(202) && !a.contains(400) && !a.contains(503));
+        let merged = StatusSet::new([(200, 299), (250, 350), (351, 351)]);
+        assert_eq!(merged.ranges(), &[(200, 351)]);
+    }
 }

@@ -1,5 +1,6 @@
 //! The prober: one probe stream per distinct check (backend address, health
-//! port, check kind, period, timeout), shared by every load balancer and
+//! port, check kind with an HTTP check's path, host and expected statuses,
+//! period, timeout), shared by every load balancer and
 //! listener whose backends use it. Forty `LoadBalancer` services that all
 //! probe kube-proxy's health port on the same three nodes cost three probes
 //! a period, not a hundred and twenty.
@@ -38,7 +39,9 @@ use crate::config::{CheckKind, HealthCheckSpec};
 pub type TargetKey = (String, std::net::IpAddr);
 
 /// What makes two checks one: the same probe, sent as often, waited for as long.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+/// Not `Copy` since HTTP checks carry a path; their details sit behind an
+/// `Arc`, so a clone is still a reference count.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 struct StreamKey {
     addr: SocketAddr,
     check: CheckKind,
@@ -50,7 +53,7 @@ impl StreamKey {
     fn new(ip: std::net::IpAddr, spec: &HealthCheckSpec) -> Self {
         Self {
             addr: SocketAddr::new(ip, spec.port),
-            check: spec.check,
+            check: spec.check.clone(),
             period: spec.period,
             timeout: spec.timeout,
         }
@@ -95,7 +98,7 @@ impl Prober {
         if let Some(existing) = existing.filter(|t| Arc::ptr_eq(&t.backend, backend)) {
             existing.spec.store(Arc::new(spec.clone()));
             let to = StreamKey::new(backend.addr, spec);
-            let from = std::mem::replace(&mut *existing.lock_stream(), to);
+            let from = std::mem::replace(&mut *existing.lock_stream(), to.clone());
             if from != to {
                 self.unsubscribe(from, &existing);
                 self.subscribe(to, &existing);
@@ -106,7 +109,7 @@ impl Prober {
         if let Some(old) = self.targets.insert(key, Arc::clone(&target)) {
             self.retire(&old);
         }
-        let stream = *target.lock_stream();
+        let stream = target.lock_stream().clone();
         self.subscribe(stream, &target);
         target
     }
@@ -148,14 +151,14 @@ impl Prober {
 
     fn retire(&self, target: &Arc<Target>) {
         target.stop.cancel();
-        let key = *target.lock_stream();
+        let key = target.lock_stream().clone();
         self.unsubscribe(key, target);
     }
 
     /// Adds `target` to the stream of `key`, starting the stream (which
     /// probes at once) if none runs.
     fn subscribe(&self, key: StreamKey, target: &Arc<Target>) {
-        match self.streams.entry(key) {
+        match self.streams.entry(key.clone()) {
             dashmap::Entry::Occupied(e) => {
                 e.get().subscribers.rcu(|subs| {
                     let mut v = Vec::clone(subs);
@@ -277,7 +280,7 @@ impl Stream {
     async fn probe(self: Arc<Self>, sockets: Arc<ProbeSockets>) {
         let StreamKey {
             addr,
-            check,
+            ref check,
             timeout,
             ..
         } = self.key;
@@ -410,6 +413,20 @@ async fn schedule(
     }
 }
 
+/// The index of `outcome`'s `result` label in `CHECK_RESULTS` (the
+/// counters of `health_checks_total`).
+fn result_index(outcome: &Outcome) -> usize {
+    match outcome {
+        Outcome::Ok => 0,
+        Outcome::Refused => 1,
+        Outcome::Timeout => 2,
+        Outcome::Error(_) => 3,
+        Outcome::Skipped(_) => 4,
+        Outcome::HttpStatus { .. } => 5,
+        Outcome::HttpError(_) => 6,
+    }
+}
+
 /// One backend being probed for one load balancer.
 pub struct Target {
     /// The backend whose eligibility this loop decides.
@@ -433,7 +450,8 @@ pub struct TargetStatus {
     /// Verdict and consecutive counts.
     #[serde(flatten)]
     pub health: HealthState,
-    /// Result of the last probe (`ok`, `refused`, `timeout`, `error`, `skipped`), if any yet.
+    /// Result of the last probe (`ok`, `refused`, `timeout`, `error`,
+    /// `skipped`, `http_status`, `http_error`), if any yet.
     pub last_result: Option<&'static str>,
     /// Why the last probe failed, if it did.
     pub last_error: Option<String>,
@@ -483,15 +501,9 @@ impl Target {
     /// with this load balancer's thresholds.
     fn record(&self, addr: SocketAddr, at: SystemTime, outcome: &Outcome, took: Duration) {
         let spec = self.spec.load();
-        // Indices into `CHECK_RESULTS`.
-        let result = match outcome {
-            Outcome::Ok => 0,
-            Outcome::Refused => 1,
-            Outcome::Timeout => 2,
-            Outcome::Error(_) => 3,
-            Outcome::Skipped(_) => 4,
-        };
-        self.backend.stats().record_probe(result, took);
+        self.backend
+            .stats()
+            .record_probe(result_index(outcome), took);
         let thresholds = Thresholds {
             success: spec.success_threshold,
             failure: spec.failure_threshold,
@@ -531,6 +543,36 @@ impl Target {
                 reason = outcome.label(),
                 error = outcome.describe().unwrap_or_default(),
                 "backend health changed"
+            );
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::metrics::stats::CHECK_RESULTS;
+
+    #[test]
+    fn every_outcome_counts_under_its_own_result_label() {
+        let outcomes = [
+            Outcome::Ok,
+            Outcome::Refused,
+            Outcome::Timeout,
+            Outcome::Error("e".into()),
+            Outcome::Skipped("s".into()),
+            Outcome::HttpStatus {
+                status: 503,
+                detail: "d".into(),
+            },
+            Outcome::HttpError("h".into()),
+        ];
+        assert_eq!(outcomes.len(), CHECK_RESULTS.len());
+        for outcome in &outcomes {
+            assert_eq!(
+                CHECK_RESULTS[result_index(outcome)],
+                outcome.label(),
+                "{outcome:?}"
             );
         }
     }

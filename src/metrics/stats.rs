@@ -266,7 +266,15 @@ pub const ACCEPT_ERROR_KINDS: [&str; 3] = ["out_of_descriptors", "out_of_memory"
 pub const CONNECT_FAILURE_REASONS: [&str; 3] =
     ["connect_refused", "connect_timeout", "connect_error"];
 /// `health_checks_total{result}`, in the order of [`BackendStats::checks`].
-pub const CHECK_RESULTS: [&str; 5] = ["ok", "refused", "timeout", "error", "skipped"];
+pub const CHECK_RESULTS: [&str; 7] = [
+    "ok",
+    "refused",
+    "timeout",
+    "error",
+    "skipped",
+    "http_status",
+    "http_error",
+];
 
 /// One listener's numbers.
 pub struct ListenerStats {
@@ -311,7 +319,7 @@ pub struct BackendStats {
     /// `backend_connect_failures_total`, by [`CONNECT_FAILURE_REASONS`].
     pub connect_failures: [Counter; 3],
     /// `health_checks_total`, by [`CHECK_RESULTS`].
-    pub checks: [Counter; 5],
+    pub checks: [Counter; CHECK_RESULTS.len()],
     /// `health_transitions_total{to="up"}` and `{to="down"}`.
     pub transitions: [Counter; 2],
     /// Its own probe-duration histogram, made at the first probe after
