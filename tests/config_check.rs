@@ -572,3 +572,24 @@ fn hostile_http_check_values_are_rejected_or_accepted_never_a_panic() {
     };
     assert_eq!(http.expect_status.to_string(), "200-399");
 }
+
+#[test]
+fn send_proxy_belongs_to_http_checks() {
+    let text = r#"
+[[load_balancer]]
+name = "a"
+vip = "192.0.2.1"
+backends = ["198.51.100.1"]
+  [[load_balancer.listener]]
+  name = "http"
+  port = 80
+  backend_port = 30080
+  [load_balancer.health_check]
+  port = 30080
+  send_proxy = true
+"#;
+    assert_eq!(
+        rendered(text),
+        "line 12: load_balancer[0].health_check.send_proxy: applies only to kind = \"http\" (this check is kind = \"tcp\", the default); remove it or set kind = \"http\""
+    );
+}

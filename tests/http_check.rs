@@ -709,3 +709,74 @@ async fn a_reload_from_tcp_to_http_moves_the_node_to_the_http_probe_and_back() {
     assert_eq!(d.metric("harvester_lb_health_check_streams").await, 1.0);
     d.stop().await;
 }
+
+/// An ingress that takes nothing without a PROXY header (nginx `listen …
+/// proxy_protocol`, as ingress-nginx with `use-proxy-protocol`): its health
+/// endpoint is healthy only to a check with `send_proxy = true`, which sends
+/// a v2 `LOCAL` header first.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn send_proxy_reaches_a_health_endpoint_that_requires_the_header() {
+    let net = Subnet::new();
+    let health = SocketAddr::new(net.ip(11), HEALTH_PORT);
+    let server = format!(
+        r#"server {{
+        listen {health} proxy_protocol;
+        location = /healthz {{ return 200 'ok'; }}
+    }}"#
+    );
+    let Some(nginx) = Nginx::start(net.dir(), &server) else {
+        println!(
+            "SKIPPED: nginx is not installed (.ci/run installs it); this test needs a real nginx"
+        );
+        return;
+    };
+    wait_for(Duration::from_secs(10), "nginx to listen", || async {
+        TcpStream::connect(health).await.ok().map(|_| ())
+    })
+    .await;
+    let _node = Backend::start(SocketAddr::new(net.ip(11), 30080), Behaviour::NameThenEcho).await;
+    let cfg = config(
+        &net,
+        &[
+            (
+                "default/with-header",
+                1,
+                8080,
+                &[11],
+                "  send_proxy = true\n  failure_threshold = 1\n",
+            ),
+            (
+                "default/without",
+                2,
+                8080,
+                &[11],
+                "  failure_threshold = 1\n",
+            ),
+        ],
+    );
+    let d = Daemon::start(&net, &cfg).await;
+    let ip = net.ip_str(11);
+    let without = d
+        .wait_health("default/without", &ip, "unhealthy", Duration::from_secs(5))
+        .await;
+    assert_eq!(without["probe"]["last_result"], "http_error", "{without}");
+    let with = wait_for(
+        Duration::from_secs(5),
+        "ok probes with the header",
+        || async {
+            let b = d.backend_status("default/with-header", &ip).await;
+            (b["probe"]["last_result"] == "ok" && b["probe"]["probes"].as_u64() >= Some(2))
+                .then_some(b)
+        },
+    )
+    .await;
+    assert_eq!(
+        with["health"],
+        "healthy",
+        "{with}\nnginx log:\n{}",
+        nginx.log()
+    );
+    // The two checks differ only in the header: two probe streams.
+    assert_eq!(d.metric("harvester_lb_health_check_streams").await, 2.0);
+    d.stop().await;
+}

@@ -131,4 +131,6 @@ pub struct FileHealthCheck {
     pub expect_status: Option<Spanned<Vec<Spanned<toml::Value>>>>,
     /// `http` only: the `Host` header.
     pub host: Option<Spanned<String>>,
+    /// `http` only: a PROXY protocol v2 `LOCAL` header before the request.
+    pub send_proxy: Option<Spanned<bool>>,
 }

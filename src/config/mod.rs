@@ -207,6 +207,10 @@ pub struct HttpCheck {
     pub host: Option<String>,
     /// The statuses that mean healthy.
     pub expect_status: StatusSet,
+    /// Send a PROXY protocol v2 header with the `LOCAL` command first, for
+    /// a node whose server accepts nothing without one (ingress-nginx with
+    /// `use-proxy-protocol`), as HAProxy's `check-send-proxy` does.
+    pub send_proxy: bool,
 }
 
 /// A set of HTTP status codes, kept as sorted, merged, inclusive ranges so

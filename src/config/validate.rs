@@ -668,6 +668,7 @@ impl Validator<'_> {
             ("path", hc.path.as_ref().map(|v| v.span())),
             ("expect_status", hc.expect_status.as_ref().map(|v| v.span())),
             ("host", hc.host.as_ref().map(|v| v.span())),
+            ("send_proxy", hc.send_proxy.as_ref().map(|v| v.span())),
         ];
         let kind = hc.kind.as_ref().map(|k| k.get_ref().as_str());
         match kind {
@@ -722,6 +723,7 @@ impl Validator<'_> {
                     path: path?,
                     host: host?,
                     expect_status: expect_status?,
+                    send_proxy: hc.send_proxy.as_ref().is_some_and(|v| *v.get_ref()),
                 })))
             }
             Some(other) => {

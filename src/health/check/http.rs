@@ -35,8 +35,25 @@ const MAX_HEADERS: usize = 64;
 /// close. Past this the probe closes anyway (the verdict is already known).
 const MAX_DRAIN_BYTES: usize = 64 * 1024;
 
-/// The request line and headers sent, exactly; nothing else is sent.
-pub fn request(check: &HttpCheck, target: SocketAddr) -> String {
+/// The PROXY protocol v2 header a probe sends first with `send_proxy`: the
+/// `LOCAL` command, no addresses (the connection is the load balancer's
+/// own, and the node is to use its real endpoints). Sent in the same write
+/// as the request.
+pub fn local_proxy_header() -> Vec<u8> {
+    use ppp::v2::{Addresses, Builder, Command, Protocol, Version};
+    Builder::with_addresses(
+        Version::Two | Command::Local,
+        Protocol::Unspecified,
+        Addresses::Unspecified,
+    )
+    .build()
+    // Only a payload over 64 KiB can fail; this one is empty.
+    .unwrap_or_default()
+}
+
+/// The request line and headers sent, exactly; with `send_proxy` the
+/// PROXY header goes before them and nothing else is sent.
+pub fn request_head(check: &HttpCheck, target: SocketAddr) -> String {
     // `SocketAddr`'s display puts an IPv6 address in brackets, as a Host
     // header needs it.
     let host = match &check.host {
@@ -75,13 +92,13 @@ pub(super) async fn get(
         Err(_) => return (Outcome::Timeout, Instant::now()),
     };
     let mut buf = vec![0u8; MAX_HEAD_BYTES];
-    let request = request(check, target);
-    let exchange = exchange(
-        &mut stream,
-        request.as_bytes(),
-        &mut buf,
-        &check.expect_status,
-    );
+    let mut request = if check.send_proxy {
+        local_proxy_header()
+    } else {
+        Vec::new()
+    };
+    request.extend_from_slice(request_head(check, target).as_bytes());
+    let exchange = exchange(&mut stream, &request, &mut buf, &check.expect_status);
     let (outcome, answered) = match timeout_at(deadline, exchange).await {
         Ok(result) => result,
         Err(_) => (Outcome::Timeout, false),
@@ -217,6 +234,7 @@ mod tests {
             path: path.into(),
             host: host.map(Into::into),
             expect_status: StatusSet::new(expect.iter().copied()),
+            send_proxy: false,
         }))
     }
 
@@ -291,8 +309,9 @@ mod tests {
             path: "/healthz".into(),
             host: None,
             expect_status: StatusSet::new([(200, 200)]),
+            send_proxy: false,
         };
-        let req = request(&c, "[::1]:10256".parse().unwrap());
+        let req = request_head(&c, "[::1]:10256".parse().unwrap());
         assert!(req.contains("\r\nHost: [::1]:10256\r\n"), "{req}");
     }
 
