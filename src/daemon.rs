@@ -19,7 +19,9 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::balancer::{AffinityBudget, Backend, LoadBalancer, Settings, affinity};
-use crate::config::{Algorithm, Config, Ipam, ListenerSpec, LoadBalancerSpec};
+use crate::config::{
+    Algorithm, CheckKind, Config, Ipam, ListenerSpec, LoadBalancerSpec, ProxyProtocol,
+};
 use crate::health::prober::{Prober, TargetStatus};
 use crate::health::{Health, HealthState};
 use crate::metrics::{ListenerStats, Metrics};
@@ -510,6 +512,10 @@ impl Daemon {
                         address: addr,
                         backend_port: l.backend_port,
                         protocol: "tcp",
+                        proxy_protocol: l.proxy_protocol.map(|v| match v {
+                            ProxyProtocol::V1 => "v1",
+                            ProxyProtocol::V2 => "v2",
+                        }),
                         state: match le.map(|e| &e.socket) {
                             Some(Ok(_)) => "listening",
                             _ => "failed",
@@ -556,6 +562,19 @@ impl Daemon {
                     Algorithm::SourceIp => "source_ip",
                 },
                 health_check: spec.health_check.is_some(),
+                health_check_kind: spec.health_check.as_ref().map(|hc| match hc.check {
+                    CheckKind::TcpConnect => "tcp",
+                    CheckKind::Http(_) => "http",
+                }),
+                session_affinity: if spec.affinity_timeout.is_some() {
+                    "client_ip"
+                } else {
+                    "none"
+                },
+                affinity_entries: spec
+                    .affinity_timeout
+                    .and(entry.lb.affinity())
+                    .map(|table| table.len()),
                 eligible_backends: eligible,
                 listeners,
                 backends,
@@ -629,6 +648,12 @@ pub struct LoadBalancerStatus {
     pub algorithm: &'static str,
     /// Whether backends are health checked.
     pub health_check: bool,
+    /// `tcp` or `http`, when they are.
+    pub health_check_kind: Option<&'static str>,
+    /// `none` or `client_ip`.
+    pub session_affinity: &'static str,
+    /// Clients remembered, with `client_ip` affinity.
+    pub affinity_entries: Option<usize>,
     /// Backends taking new connections now.
     pub eligible_backends: usize,
     /// Listeners.
@@ -648,6 +673,8 @@ pub struct ListenerStatus {
     pub backend_port: u16,
     /// Transport.
     pub protocol: &'static str,
+    /// `v1` or `v2` when a PROXY protocol header goes to the backends.
+    pub proxy_protocol: Option<&'static str>,
     /// `listening` or `failed`.
     pub state: &'static str,
     /// Why it failed to bind.

@@ -89,6 +89,12 @@ async fn a_client_keeps_its_backend_until_it_goes_down_then_keeps_the_new_one() 
     let distinct: HashSet<&String> = first.iter().collect();
     assert!(distinct.len() >= 2, "six clients all on {first:?}");
     assert_eq!(d.metric("harvester_lb_affinity_entries{").await, 6.0);
+    let status = d.status().await;
+    assert_eq!(status["load_balancers"][0]["session_affinity"], "client_ip");
+    assert_eq!(
+        status["load_balancers"][0]["affinity_entries"], 6,
+        "{status}"
+    );
 
     // Client .101's backend goes down: it moves, and stays on the new one,
     // even when the old one comes back.

@@ -321,6 +321,11 @@ async fn a_reload_turns_the_header_off_for_new_connections_only() {
     };
     let vip = SocketAddr::new(net.ip(1), 8080);
     let d = Daemon::start(&net, &config("  proxy_protocol = \"v1\"\n")).await;
+    let status = d.status().await;
+    assert_eq!(
+        status["load_balancers"][0]["listeners"][0]["proxy_protocol"],
+        "v1"
+    );
     let mut open = connect_from(net.ip(101), vip).await.unwrap();
     let me = open.local_addr().unwrap();
     let first = read_crlf_line(&mut open).await;

@@ -1,7 +1,7 @@
 //! Configuration: the controller's contract, read from one TOML file.
 //!
 //! Two layers, as in sozu and linkerd: [`file`] holds the serde types that
-//! mirror the file; [`validate`] checks all of it in one pass and builds the
+//! mirror the file; `validate` checks all of it in one pass and builds the
 //! runtime types below (`Duration`, `NonZeroU32`, `IpAddr`…). Once a
 //! [`Config`] exists it is valid, and nothing downstream checks it again.
 //!

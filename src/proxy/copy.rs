@@ -10,7 +10,7 @@
 //! client that has finished sending still receives the whole response. When
 //! the source's FIN is already queued behind the data just read, that data
 //! and the FIN leave together in one segment, with no `recv` to learn of the
-//! end (see [`fin_queued`]). An error on either side ends both at once. A connection with no byte moving
+//! end (see `fin_queued`). An error on either side ends both at once. A connection with no byte moving
 //! either way for the idle timeout is closed.
 
 use std::cell::RefCell;

@@ -131,34 +131,47 @@ async fn exchange(
         );
     }
     let mut filled = 0;
+    // Set when bytes after a 1xx interim head are still to be parsed.
+    let mut pending = false;
     loop {
-        let n = match stream.read(&mut buf[filled..]).await {
-            Ok(n) => n,
-            Err(e) => {
-                let outcome = Outcome::HttpError(format!(
-                    "connection failed after {filled} bytes of the answer, before a complete response head: {e}"
-                ));
+        if !pending {
+            let n = match stream.read(&mut buf[filled..]).await {
+                Ok(n) => n,
+                Err(e) => {
+                    let outcome = Outcome::HttpError(format!(
+                        "connection failed after {filled} bytes of the answer, before a complete response head: {e}"
+                    ));
+                    return (outcome, false);
+                }
+            };
+            if n == 0 {
+                let outcome = Outcome::HttpError(if filled == 0 {
+                    "connection closed before a status line".into()
+                } else {
+                    format!(
+                        "connection closed before the end of the response head (after {filled} bytes: {})",
+                        excerpt(&buf[..filled])
+                    )
+                });
                 return (outcome, false);
             }
-        };
-        if n == 0 {
-            let outcome = Outcome::HttpError(if filled == 0 {
-                "connection closed before a status line".into()
-            } else {
-                format!(
-                    "connection closed before the end of the response head (after {filled} bytes: {})",
-                    excerpt(&buf[..filled])
-                )
-            });
-            return (outcome, false);
+            filled += n;
         }
-        filled += n;
+        pending = false;
         let mut headers = [httparse::EMPTY_HEADER; MAX_HEADERS];
         let mut response = httparse::Response::new(&mut headers);
         match response.parse(&buf[..filled]) {
-            Ok(httparse::Status::Complete(_)) => {
+            Ok(httparse::Status::Complete(len)) => {
                 // A complete head always has a code.
                 let status = response.code.unwrap_or(0);
+                if (100..200).contains(&status) && status != 101 {
+                    // An interim answer (100 Continue, 103 Early Hints): the
+                    // verdict is in the final one that follows.
+                    buf.copy_within(len..filled, 0);
+                    filled -= len;
+                    pending = filled > 0;
+                    continue;
+                }
                 if expect.contains(status) {
                     return (Outcome::Ok, true);
                 }
@@ -301,6 +314,35 @@ mod tests {
             "{got}"
         );
         assert_eq!(sockets.idle(), 0, "HTTP probes take no kept socket");
+    }
+
+    #[tokio::test]
+    async fn an_interim_answer_is_skipped_and_the_final_one_judged() {
+        let sockets = ProbeSockets::new();
+        let t = Duration::from_secs(5);
+        // 103 Early Hints in the same segment as the final 503.
+        let (addr, server) = one_answer(
+            "127.0.0.1",
+            b"HTTP/1.1 103 Early Hints\r\nLink: </a.css>\r\n\r\nHTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\n\r\n",
+        )
+        .await;
+        let (outcome, _) = probe(&check("/healthz", None, &[(200, 200)]), addr, t, &sockets).await;
+        assert_eq!(
+            outcome,
+            Outcome::HttpStatus {
+                status: 503,
+                detail: "HTTP status 503 Service Unavailable; expected 200".into()
+            }
+        );
+        server.await.unwrap();
+        // 100 Continue alone, then the server closes: no final answer.
+        let (addr, server) = one_answer("127.0.0.1", b"HTTP/1.1 100 Continue\r\n\r\n").await;
+        let (outcome, _) = probe(&check("/healthz", None, &[(100, 599)]), addr, t, &sockets).await;
+        assert_eq!(
+            outcome,
+            Outcome::HttpError("connection closed before a status line".into())
+        );
+        server.await.unwrap();
     }
 
     #[tokio::test]
