@@ -252,6 +252,37 @@ fn bad_files(env: &Env) -> Vec<(&'static str, PathBuf, &'static str)> {
         .concat(),
         "UTF-8",
     );
+    // A hostile or careless controller (issue 9, part 7).
+    add(
+        "forwards-to-itself.toml",
+        good.replace("backend_port = 30080", "backend_port = 8080")
+            .as_bytes(),
+        "would forward to itself",
+    );
+    add(
+        "wildcard-vip.toml",
+        good.replacen(&format!("vip = \"{}\"", env.ip), "vip = \"0.0.0.0\"", 1)
+            .as_bytes(),
+        "cannot be a VIP: it is the unspecified address",
+    );
+    add(
+        "broadcast-backend.toml",
+        good.replace(
+            &format!("backends = [\"{}\"]", env.ip),
+            "backends = [\"255.255.255.255\"]",
+        )
+        .as_bytes(),
+        "cannot be a backend: it is the broadcast address",
+    );
+    add(
+        "mapped-duplicate.toml",
+        good.replace(
+            &format!("backends = [\"{}\"]", env.ip),
+            &format!("backends = [\"{0}\", \"::ffff:{0}\"]", env.ip),
+        )
+        .as_bytes(),
+        "listed twice",
+    );
     // 100 MB: a sparse file, so the test writes nothing.
     let big = env.path("huge-100MB.toml");
     let f = std::fs::File::create(&big).unwrap();

@@ -4,8 +4,8 @@
 //! example config and the code cannot disagree silently (the tests load the
 //! example and compare).
 
-use std::fmt;
 use std::collections::{HashMap, HashSet};
+use std::fmt;
 use std::net::{IpAddr, SocketAddr};
 use std::num::{NonZeroU32, NonZeroUsize};
 use std::ops::Range;
@@ -75,6 +75,7 @@ pub(super) fn parse(text: &str) -> Result<Loaded, Vec<Problem>> {
         lines: &lines,
         problems: Vec::new(),
         warnings: Vec::new(),
+        targets: Vec::new(),
     };
     let root = if unknown.is_empty() {
         None
@@ -214,6 +215,34 @@ struct Validator<'a> {
     lines: &'a LineIndex,
     problems: Vec<Problem>,
     warnings: Vec<Problem>,
+    /// Where each load balancer forwards, for the loop check once every
+    /// listener of the file is known.
+    targets: Vec<ForwardTargets>,
+}
+
+/// A listener's place in the file, to name it in a problem found elsewhere.
+struct ListenerPlace {
+    /// `<load balancer>/<listener>`.
+    name: String,
+    /// Its key path, e.g. `load_balancer[0].listener[1]`.
+    key: String,
+}
+
+/// One load balancer's valid backends and listener nodeports.
+struct ForwardTargets {
+    /// `load_balancer[i]`.
+    key: String,
+    /// Backend address, its index in `backends` and its place in the file.
+    backends: Vec<(IpAddr, usize, Range<usize>)>,
+    /// A listener's `backend_port` and the listener's index.
+    ports: Vec<(u16, usize)>,
+}
+
+/// What an address is for, to say why a special address cannot be it.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Role {
+    Vip,
+    Backend,
 }
 
 impl Validator<'_> {
@@ -273,7 +302,7 @@ impl Validator<'_> {
         });
 
         let mut names: HashMap<String, usize> = HashMap::new();
-        let mut addresses: HashMap<SocketAddr, String> = HashMap::new();
+        let mut addresses: HashMap<SocketAddr, ListenerPlace> = HashMap::new();
         let mut load_balancers = Vec::new();
         for (i, lb) in file.load_balancers.iter().enumerate() {
             let key = format!("load_balancer[{i}]");
@@ -281,6 +310,8 @@ impl Validator<'_> {
                 load_balancers.push(spec);
             }
         }
+        // Only now is every VIP:port of the file known.
+        self.forwarding_loops(&addresses);
         Config {
             admin: AdminSettings {
                 listen: admin_listen,
@@ -308,7 +339,7 @@ impl Validator<'_> {
         key: &str,
         lb: &Spanned<FileLoadBalancer>,
         names: &mut HashMap<String, usize>,
-        addresses: &mut HashMap<SocketAddr, String>,
+        addresses: &mut HashMap<SocketAddr, ListenerPlace>,
     ) -> Option<LoadBalancerSpec> {
         let table_span = lb.span();
         let lb = lb.get_ref();
@@ -366,7 +397,9 @@ impl Validator<'_> {
                 );
                 None
             }
-            Some(v) => self.ip(v, format_args!("{key}.vip")),
+            Some(v) => self
+                .ip(v, format_args!("{key}.vip"))
+                .filter(|ip| self.unicast(*ip, v, &format!("{key}.vip"), Role::Vip)),
         };
         let ipam = self.choice(
             &lb.ipam,
@@ -418,18 +451,32 @@ impl Validator<'_> {
         );
 
         let mut backends = Vec::new();
+        let mut backend_places = Vec::new();
         let mut seen = HashSet::new();
         for (i, b) in lb.backends.iter().enumerate() {
-            if let Some(ip) = self.ip(b, format_args!("{key}.backends[{i}]")) {
-                if seen.insert(ip) {
-                    backends.push(ip);
+            let bkey = format!("{key}.backends[{i}]");
+            let Some(ip) = self.ip(b, format_args!("{bkey}")) else {
+                continue;
+            };
+            if !self.unicast(ip, b, &bkey, Role::Backend) {
+                continue;
+            }
+            if seen.insert(ip) {
+                backends.push(ip);
+                backend_places.push((ip, i, b.span()));
+            } else {
+                // Name the written form when it was normalised: the
+                // operator looks for the text, not for 127.0.18.2.
+                let written = if b.get_ref() == &ip.to_string() {
+                    String::new()
                 } else {
-                    self.problem(
-                        Some(b.span()),
-                        &format!("{key}.backends[{i}]"),
-                        format!("backend {ip} is listed twice"),
-                    );
-                }
+                    format!(" ({:?} is its IPv4-mapped IPv6 form)", b.get_ref())
+                };
+                self.problem(
+                    Some(b.span()),
+                    &bkey,
+                    format!("backend {ip} is listed twice{written}"),
+                );
             }
         }
         if lb.backends.is_empty() {
@@ -449,6 +496,7 @@ impl Validator<'_> {
                 "no listeners: this load balancer accepts nothing".into(),
             );
         }
+        let mut backend_ports = Vec::new();
         for (i, l) in lb.listeners.iter().enumerate() {
             let lkey = format!("{key}.listener[{i}]");
             if let Some(spec) = self.listener(&lkey, l, &mut listener_names) {
@@ -458,15 +506,30 @@ impl Validator<'_> {
                         self.problem(
                             l.get_ref().port.as_ref().map(|p| p.span()),
                             &format!("{lkey}.port"),
-                            format!("{addr} is already a listener of load balancer {owner:?}; one VIP:port can serve only one listener"),
+                            format!(
+                                "{addr} is already a listener of load balancer {:?}; one VIP:port can serve only one listener",
+                                owner.name
+                            ),
                         );
                     } else {
-                        addresses.insert(addr, format!("{lb_name}/{}", spec.name));
+                        addresses.insert(
+                            addr,
+                            ListenerPlace {
+                                name: format!("{lb_name}/{}", spec.name),
+                                key: lkey.clone(),
+                            },
+                        );
                     }
                 }
+                backend_ports.push((spec.backend_port, i));
                 listeners.push(spec);
             }
         }
+        self.targets.push(ForwardTargets {
+            key: key.to_string(),
+            backends: backend_places,
+            ports: backend_ports,
+        });
 
         let health_check = lb
             .health_check
@@ -656,9 +719,12 @@ impl Validator<'_> {
         }
     }
 
+    /// An IP address, IPv4-mapped IPv6 (`::ffff:a.b.c.d`) written as the
+    /// IPv4 address it is: one node is one address everywhere (duplicates,
+    /// `/status`, metric labels), whichever way the controller wrote it.
     fn ip(&mut self, value: &Spanned<String>, key: fmt::Arguments<'_>) -> Option<IpAddr> {
         match value.get_ref().parse::<IpAddr>() {
-            Ok(ip) => Some(ip),
+            Ok(ip) => Some(ip.to_canonical()),
             Err(_) => {
                 self.problem(
                     Some(value.span()),
@@ -666,6 +732,69 @@ impl Validator<'_> {
                     format!("{:?} is not an IPv4 or IPv6 address", value.get_ref()),
                 );
                 None
+            }
+        }
+    }
+
+    /// Whether `ip` can be one node's or one VIP's address: not the
+    /// unspecified address (a VIP there binds every address of the host, a
+    /// backend there is this host), not multicast, not the IPv4 broadcast.
+    fn unicast(&mut self, ip: IpAddr, value: &Spanned<String>, key: &str, role: Role) -> bool {
+        let what = if ip.is_unspecified() {
+            match role {
+                Role::Vip => {
+                    "the unspecified address: the listeners would bind every address of this host. Harvester writes it for a DHCP VIP, which this daemon does not lease yet; give the VIP's own address"
+                }
+                Role::Backend => {
+                    "the unspecified address, which connects to this host itself; give the node's own address"
+                }
+            }
+        } else if ip.is_multicast() {
+            "a multicast address; TCP needs one unicast address"
+        } else if ip == IpAddr::V4(std::net::Ipv4Addr::BROADCAST) {
+            "the broadcast address; TCP needs one unicast address"
+        } else {
+            return true;
+        };
+        let role = match role {
+            Role::Vip => "a VIP",
+            Role::Backend => "a backend",
+        };
+        self.problem(
+            Some(value.span()),
+            key,
+            format!("{:?} cannot be {role}: it is {what}", value.get_ref()),
+        );
+        false
+    }
+
+    /// A backend at one of this daemon's own VIP:ports (its own load
+    /// balancer's or another's) would send each client connection back
+    /// into the daemon, which forwards it again, until `proxy.max_connections`
+    /// is used up by one client and every other service starves. Each such
+    /// backend is named with the listener it would reach.
+    fn forwarding_loops(&mut self, listeners: &HashMap<SocketAddr, ListenerPlace>) {
+        let targets = std::mem::take(&mut self.targets);
+        for lb in &targets {
+            for (ip, i, span) in &lb.backends {
+                let mut reported = HashSet::new();
+                for (port, k) in &lb.ports {
+                    let addr = SocketAddr::new(*ip, *port);
+                    let Some(place) = listeners.get(&addr) else {
+                        continue;
+                    };
+                    if !reported.insert(*port) {
+                        continue; // Two listeners with one nodeport: one problem.
+                    }
+                    self.problem(
+                        Some(span.clone()),
+                        &format!("{}.backends[{i}]", lb.key),
+                        format!(
+                            "backend {ip} on {}.listener[{k}].backend_port {port} is {addr}, the VIP:port of {} ({:?}): the daemon would forward to itself, and one client connection would loop through it until proxy.max_connections is used up; a backend must be a node, not a VIP:port of this daemon",
+                            lb.key, place.key, place.name
+                        ),
+                    );
+                }
             }
         }
     }
