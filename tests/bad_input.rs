@@ -99,10 +99,16 @@ struct Daemon {
 
 impl Daemon {
     fn spawn(env: &Env, config: &Path) -> Daemon {
+        Daemon::spawn_with(env, config, &["--no-watch"])
+    }
+
+    fn spawn_with(env: &Env, config: &Path, flags: &[&str]) -> Daemon {
         let log = env.path("daemon.log");
         let f = std::fs::File::create(&log).unwrap();
         let child = Command::new(BIN)
-            .args(["run", "--no-watch", "--config"])
+            .arg("run")
+            .args(flags)
+            .arg("--config")
             .arg(config)
             .stdin(Stdio::null())
             .stdout(f.try_clone().unwrap())
@@ -734,4 +740,78 @@ fn config_parser_never_panics_on_generated_input() {
         started.elapsed()
     );
     assert!(ok + rejected >= 2_000);
+}
+
+/// The config file deleted under a running daemon that watches it: one
+/// warning (not one per check), the running config keeps serving, `/status`
+/// says the file is missing; when it comes back it is loaded and the
+/// warning is cleared.
+#[test]
+fn a_deleted_config_file_warns_once_keeps_serving_and_reloads_when_back() {
+    let env = Env::new("deleted");
+    env.echo_backend();
+    let cfg = env.path("config.toml");
+    std::fs::write(&cfg, env.config("")).unwrap();
+    let d = Daemon::spawn_with(&env, &cfg, &[]);
+    d.wait_ready(&env);
+    through_vip(&env);
+    let status = || -> serde_json::Value {
+        let (_, resp) = get(&env, "/status");
+        serde_json::from_str(resp.split("\r\n\r\n").nth(1).unwrap_or("")).expect("status JSON")
+    };
+    let before = status();
+    assert_eq!(before["config"]["path"], cfg.display().to_string());
+    assert!(before["config"]["problem"].is_null(), "{before}");
+
+    std::fs::remove_file(&cfg).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let seen = loop {
+        let s = status();
+        if !s["config"]["problem"].is_null() {
+            break s;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "/status never said the file is missing: {s}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let problem = seen["config"]["problem"].as_str().unwrap();
+    assert!(problem.contains("the file is missing"), "{problem}");
+    assert!(problem.contains("stays in force"), "{problem}");
+    assert!(seen["config"]["missing_since_unix"].as_f64().unwrap() > 0.0);
+
+    // Six more checks of the file (500 ms apart) while it stays missing:
+    // the VIP serves, /status still says so, and the log has one warning.
+    let until = Instant::now() + Duration::from_secs(3);
+    while Instant::now() < until {
+        through_vip(&env);
+        assert!(!status()["config"]["problem"].is_null());
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let warnings = d.log().matches("config file is missing").count();
+    assert_eq!(warnings, 1, "one warning per disappearance:\n{}", d.log());
+
+    // Back (written elsewhere and renamed in, as a controller does).
+    let tmp = env.path("config.toml.tmp");
+    std::fs::write(&tmp, env.config("")).unwrap();
+    std::fs::rename(&tmp, &cfg).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let (_, m) = get(&env, "/metrics");
+        let reloaded = m.contains("harvester_lb_config_reloads_total{result=\"success\"} 2");
+        if reloaded && status()["config"]["problem"].is_null() {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the returned file was not reloaded:\n{}",
+            d.log()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(status()["config"]["missing_since_unix"].is_null());
+    assert!(d.log().contains("config file is back"), "{}", d.log());
+    through_vip(&env);
+    assert!(!d.log().contains("panicked"));
 }
