@@ -12,7 +12,7 @@ use std::time::Duration;
 use criterion::{BenchmarkId, Criterion, criterion_group, criterion_main};
 
 use harvester_lb::balancer::{Backend, LoadBalancer, Settings};
-use harvester_lb::config::Algorithm;
+use harvester_lb::config::{Algorithm, SourceRanges};
 use harvester_lb::metrics::LbStats;
 
 fn lb(algorithm: Algorithm, n: usize) -> (Arc<LoadBalancer>, Vec<Arc<Backend>>) {
@@ -29,6 +29,7 @@ fn lb(algorithm: Algorithm, n: usize) -> (Arc<LoadBalancer>, Vec<Arc<Backend>>) 
         connect_timeout: Duration::from_secs(3),
         connect_attempts: NonZeroU32::new(3),
         idle_timeout: Duration::from_secs(3600),
+        source_ranges: SourceRanges::everyone(),
     };
     let lb = LoadBalancer::new(
         "bench/lb".into(),

@@ -544,6 +544,12 @@ impl Daemon {
                     Algorithm::SourceIp => "source_ip",
                 },
                 health_check: spec.health_check.is_some(),
+                source_ranges: spec
+                    .source_ranges
+                    .ranges()
+                    .iter()
+                    .map(|n| n.to_string())
+                    .collect(),
                 eligible_backends: eligible,
                 listeners,
                 backends,
@@ -643,6 +649,9 @@ pub struct LoadBalancerStatus {
     pub algorithm: &'static str,
     /// Whether backends are health checked.
     pub health_check: bool,
+    /// The clients served (`source_ranges`, normalised); absent: everyone.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub source_ranges: Vec<String>,
     /// Backends taking new connections now.
     pub eligible_backends: usize,
     /// Listeners.

@@ -395,3 +395,91 @@ fn ipv4_mapped_addresses_are_the_ipv4_address() {
     assert_eq!(lb.backends[1].to_string(), "198.51.100.12");
     assert!(lb.backends.iter().all(|b| b.is_ipv4()));
 }
+
+/// `source_ranges`: each entry a CIDR with no host bits and a prefix length
+/// in range; every problem named with its key path and value.
+#[test]
+fn source_ranges_are_cidrs_without_host_bits() {
+    let with = |list: &str| {
+        GOOD.replace(
+            "backends = [",
+            &format!("source_ranges = [{list}]\nbackends = ["),
+        )
+    };
+    let out = rendered(&with(
+        r#""10.0.0.1/8", "10.0.0.0/33", "2001:db8::/129", "10.0.0.0", "nope/8", "10.0.0.0/+8", "10.0.0.0/", "2001:db8::1/32", "192.0.2.0/24""#,
+    ));
+    let expected = [
+        "line 5: load_balancer[0].source_ranges[0]: \"10.0.0.1/8\" has host bits set; did you mean \"10.0.0.0/8\"?",
+        "line 5: load_balancer[0].source_ranges[1]: \"10.0.0.0/33\" has prefix length \"33\"; an IPv4 prefix length must be in 0..=32",
+        "line 5: load_balancer[0].source_ranges[2]: \"2001:db8::/129\" has prefix length \"129\"; an IPv6 prefix length must be in 0..=128",
+        "line 5: load_balancer[0].source_ranges[3]: \"10.0.0.0\" is not a CIDR range; write ADDRESS/PREFIX",
+        "line 5: load_balancer[0].source_ranges[4]: \"nope/8\" is not a CIDR range: \"nope\" is not an IPv4 or IPv6 address",
+        "line 5: load_balancer[0].source_ranges[5]: \"10.0.0.0/+8\" has prefix length \"+8\"",
+        "line 5: load_balancer[0].source_ranges[6]: \"10.0.0.0/\" has prefix length \"\"",
+        "line 5: load_balancer[0].source_ranges[7]: \"2001:db8::1/32\" has host bits set; did you mean \"2001:db8::/32\"?",
+    ];
+    for e in expected {
+        assert!(out.contains(e), "missing problem:\n  {e}\nin:\n{out}");
+    }
+    assert_eq!(out.lines().count(), expected.len(), "{out}");
+
+    let loaded = config::parse(&with(
+        r#""192.0.2.0/24", "2001:db8::/32", "::ffff:198.51.100.0/120", "0.0.0.0/0""#,
+    ))
+    .expect("valid");
+    let r = &loaded.config.load_balancers[0].source_ranges;
+    let shown: Vec<String> = r.ranges().iter().map(|n| n.to_string()).collect();
+    assert_eq!(
+        shown,
+        [
+            "192.0.2.0/24",
+            "2001:db8::/32",
+            "198.51.100.0/24",
+            "0.0.0.0/0"
+        ]
+    );
+    assert!(r.allows("203.0.113.1".parse().unwrap()));
+    assert!(!r.allows("2001:db9::1".parse().unwrap()));
+    assert!(loaded.warnings.is_empty(), "{:?}", loaded.warnings);
+
+    // Absent or empty: everyone.
+    for text in [GOOD.to_string(), with("")] {
+        let loaded = config::parse(&text).expect("valid");
+        assert!(loaded.config.load_balancers[0].source_ranges.is_everyone());
+    }
+}
+
+/// At most 1,000 ranges per load balancer; ranges of only the other family
+/// than the VIP's refuse everyone, which is allowed with a warning.
+#[test]
+fn source_ranges_are_bounded_and_a_list_that_refuses_everyone_is_a_warning() {
+    let list: Vec<String> = (0..1001)
+        .map(|i| format!("\"10.{}.{}.0/24\"", i / 256, i % 256))
+        .collect();
+    let text = GOOD.replace(
+        "backends = [",
+        &format!("source_ranges = [{}]\nbackends = [", list.join(", ")),
+    );
+    let out = rendered(&text);
+    assert_eq!(
+        out,
+        "line 5: load_balancer[0].source_ranges: 1001 ranges; at most 1000 are allowed per load balancer (aggregate neighbouring ranges into shorter prefixes)"
+    );
+    let list = list[..1000].join(", ");
+    let text = GOOD.replace(
+        "backends = [",
+        &format!("source_ranges = [{list}]\nbackends = ["),
+    );
+    config::parse(&text).expect("1,000 ranges are allowed");
+
+    let text = GOOD.replace(
+        "backends = [",
+        "source_ranges = [\"2001:db8::/32\"]\nbackends = [",
+    );
+    let loaded = config::parse(&text).expect("valid with a warning");
+    assert_eq!(
+        loaded.warnings[0].to_string(),
+        "line 5: load_balancer[0].source_ranges: no IPv4 range for the IPv4 VIP 192.0.2.10: every client will be refused"
+    );
+}

@@ -20,7 +20,7 @@ use std::time::Duration;
 use arc_swap::ArcSwap;
 use tokio_util::sync::CancellationToken;
 
-use crate::config::{Algorithm, LoadBalancerSpec};
+use crate::config::{Algorithm, LoadBalancerSpec, SourceRanges};
 use crate::metrics::{BackendStats, LbStats};
 
 /// One backend node of one load balancer, shared by its listeners, the prober
@@ -138,6 +138,10 @@ pub struct Settings {
     pub connect_attempts: Option<NonZeroU32>,
     /// Close a connection after this long without traffic.
     pub idle_timeout: Duration,
+    /// The clients served; the accept loop resets the others before it
+    /// takes a connection slot. Here, in the snapshot, so a reload changes
+    /// it like any other setting: one swap, no lock on the accept path.
+    pub source_ranges: SourceRanges,
 }
 
 impl From<&LoadBalancerSpec> for Settings {
@@ -147,6 +151,7 @@ impl From<&LoadBalancerSpec> for Settings {
             connect_timeout: spec.connect_timeout,
             connect_attempts: spec.connect_attempts,
             idle_timeout: spec.idle_timeout,
+            source_ranges: spec.source_ranges.clone(),
         }
     }
 }
@@ -338,6 +343,7 @@ mod tests {
             connect_timeout: Duration::from_secs(1),
             connect_attempts: attempts.and_then(NonZeroU32::new),
             idle_timeout: Duration::from_secs(60),
+            source_ranges: SourceRanges::everyone(),
         }
     }
 

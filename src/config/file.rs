@@ -80,6 +80,9 @@ pub struct FileLoadBalancer {
     pub connect_attempts: Option<Spanned<i64>>,
     /// Close a connection after this long without a byte either way.
     pub idle_timeout_seconds: Option<Spanned<i64>>,
+    /// `loadBalancerSourceRanges`: CIDRs of the clients served; empty: everyone.
+    #[serde(default)]
+    pub source_ranges: Vec<Spanned<String>>,
     /// `[[load_balancer.listener]]`.
     #[serde(default, rename = "listener")]
     pub listeners: Vec<Spanned<FileListener>>,
