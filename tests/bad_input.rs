@@ -656,7 +656,7 @@ fn sighup_storms_at_startup_and_during_drain() {
 fn config_parser_never_panics_on_generated_input() {
     let env = Env::new("prop");
     let base = env.config(
-        "algorithm = \"least_connections\"\nconnect_attempts = 2\ninitial_state = \"unhealthy\"",
+        "algorithm = \"least_connections\"\nconnect_attempts = 2\ninitial_state = \"unhealthy\"\nsource_ranges = [\"127.0.0.0/8\", \"::ffff:10.0.0.0/104\", \"2001:db8::/32\"]",
     );
     assert!(
         harvester_lb::config::parse(&base).is_ok(),
