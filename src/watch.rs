@@ -92,3 +92,47 @@ pub async fn watch(
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An event within `within`, or `None`.
+    async fn next(rx: &mut mpsc::Receiver<Event>, within: Duration) -> Option<Event> {
+        tokio::time::timeout(within, rx.recv()).await.ok().flatten()
+    }
+
+    /// A deleted file is reported once however many checks follow, and its
+    /// return is a change. (Real time with a 10 ms interval: the crate
+    /// does not build tokio's paused clock.)
+    #[tokio::test]
+    async fn a_missing_file_is_reported_once_and_its_return_is_a_change() {
+        let dir = std::env::temp_dir().join(format!("hlb-watch-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("config.toml");
+        std::fs::write(&path, "load_balancer = []\n").unwrap();
+        let (tx, mut rx) = mpsc::channel(4);
+        let stop = CancellationToken::new();
+        let interval = Duration::from_millis(10);
+        tokio::spawn(watch(path.clone(), interval, tx, stop.clone()));
+        // An event comes within 5 s; absence is judged over 30 checks.
+        let soon = Duration::from_secs(5);
+        let quiet = interval * 30;
+
+        std::fs::remove_file(&path).unwrap();
+        assert_eq!(next(&mut rx, soon).await, Some(Event::Missing));
+        // 30 more checks while it stays gone: nothing more.
+        assert_eq!(next(&mut rx, quiet).await, None);
+
+        std::fs::write(&path, "load_balancer = []\n").unwrap();
+        assert_eq!(next(&mut rx, soon).await, Some(Event::Changed));
+        assert_eq!(next(&mut rx, quiet).await, None);
+
+        // Gone again: reported again, once.
+        std::fs::remove_file(&path).unwrap();
+        assert_eq!(next(&mut rx, soon).await, Some(Event::Missing));
+        assert_eq!(next(&mut rx, quiet).await, None);
+        stop.cancel();
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}

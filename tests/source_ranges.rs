@@ -222,3 +222,30 @@ source_ranges = [{ranges}]
     assert_eq!(node.accepted.load(Ordering::SeqCst), 1);
     d.stop().await;
 }
+
+/// At `proxy.max_connections`, an in-range client waits for a slot, but a
+/// client outside the ranges is reset at once: the check comes before the
+/// slot, so outsiders can neither take slots nor queue behind them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rejected_client_takes_no_connection_slot() {
+    let net = Subnet::new();
+    let _node = Backend::start(SocketAddr::new(net.ip(11), 30080), Behaviour::NameThenEcho).await;
+    let cfg = config(&net, Some(&format!("\"{}/32\"", net.ip_str(100)))).replace(
+        "[[load_balancer]]",
+        "[proxy]\nmax_connections = 1\n\n[[load_balancer]]",
+    );
+    let d = Daemon::start(&net, &cfg).await;
+    let held = expect_served(&net, net.ip(100), vip(&net)).await;
+    for _ in 0..3 {
+        expect_rejected(net.ip(200), vip(&net)).await;
+    }
+    assert_eq!(d.metric(REJECTED).await, 3.0);
+    let limit = "harvester_lb_connection_limit_reached_total{cluster=\"kubernetes\",load_balancer=\"default/web\",listener=\"http\"}";
+    assert_eq!(
+        d.metric(limit).await,
+        0.0,
+        "no rejected client waited for a slot"
+    );
+    drop(held);
+    d.stop().await;
+}
