@@ -76,7 +76,6 @@ pub(super) fn parse(text: &str) -> Result<Loaded, Vec<Problem>> {
         lines: &lines,
         problems: Vec::new(),
         warnings: Vec::new(),
-        targets: Vec::new(),
     };
     let root = if unknown.is_empty() {
         None
@@ -216,27 +215,16 @@ struct Validator<'a> {
     lines: &'a LineIndex,
     problems: Vec<Problem>,
     warnings: Vec<Problem>,
-    /// Where each load balancer forwards, for the loop check once every
-    /// listener of the file is known.
-    targets: Vec<ForwardTargets>,
 }
 
 /// A listener's place in the file, to name it in a problem found elsewhere.
 struct ListenerPlace {
     /// `<load balancer>/<listener>`.
     name: String,
-    /// Its key path, e.g. `load_balancer[0].listener[1]`.
-    key: String,
-}
-
-/// One load balancer's valid backends and listener nodeports.
-struct ForwardTargets {
-    /// `load_balancer[i]`.
-    key: String,
-    /// Backend address, its index in `backends` and its place in the file.
-    backends: Vec<(IpAddr, usize, Range<usize>)>,
-    /// A listener's `backend_port` and the listener's index.
-    ports: Vec<(u16, usize)>,
+    /// Index of its load balancer.
+    lb: usize,
+    /// Its index in the load balancer's `listener` list.
+    index: usize,
 }
 
 /// What an address is for, to say why a special address cannot be it.
@@ -305,14 +293,17 @@ impl Validator<'_> {
         let mut names: HashMap<String, usize> = HashMap::new();
         let mut addresses: HashMap<SocketAddr, ListenerPlace> = HashMap::new();
         let mut load_balancers = Vec::new();
+        // The file index of each spec, to name a backend found later.
+        let mut file_index = Vec::with_capacity(file.load_balancers.len());
         for (i, lb) in file.load_balancers.iter().enumerate() {
             let key = format!("load_balancer[{i}]");
-            if let Some(spec) = self.load_balancer(&key, lb, &mut names, &mut addresses) {
+            if let Some(spec) = self.load_balancer(i, &key, lb, &mut names, &mut addresses) {
                 load_balancers.push(spec);
+                file_index.push(i);
             }
         }
         // Only now is every VIP:port of the file known.
-        self.forwarding_loops(&addresses);
+        self.forwarding_loops(file, &load_balancers, &file_index, &addresses);
         Config {
             admin: AdminSettings {
                 listen: admin_listen,
@@ -337,6 +328,7 @@ impl Validator<'_> {
     /// Checks `[[load_balancer]]`; `None` when it is too broken to build.
     fn load_balancer(
         &mut self,
+        lb_index: usize,
         key: &str,
         lb: &Spanned<FileLoadBalancer>,
         names: &mut HashMap<String, usize>,
@@ -400,7 +392,7 @@ impl Validator<'_> {
             }
             Some(v) => self
                 .ip(v, format_args!("{key}.vip"))
-                .filter(|ip| self.unicast(*ip, v, &format!("{key}.vip"), Role::Vip)),
+                .filter(|ip| self.unicast(*ip, v, format_args!("{key}.vip"), Role::Vip)),
         };
         let ipam = self.choice(
             &lb.ipam,
@@ -452,19 +444,16 @@ impl Validator<'_> {
         );
 
         let mut backends = Vec::new();
-        let mut backend_places = Vec::new();
         let mut seen = HashSet::new();
         for (i, b) in lb.backends.iter().enumerate() {
-            let bkey = format!("{key}.backends[{i}]");
-            let Some(ip) = self.ip(b, format_args!("{bkey}")) else {
+            let Some(ip) = self.ip(b, format_args!("{key}.backends[{i}]")) else {
                 continue;
             };
-            if !self.unicast(ip, b, &bkey, Role::Backend) {
+            if !self.unicast(ip, b, format_args!("{key}.backends[{i}]"), Role::Backend) {
                 continue;
             }
             if seen.insert(ip) {
                 backends.push(ip);
-                backend_places.push((ip, i, b.span()));
             } else {
                 // Name the written form when it was normalised: the
                 // operator looks for the text, not for 127.0.18.2.
@@ -475,7 +464,7 @@ impl Validator<'_> {
                 };
                 self.problem(
                     Some(b.span()),
-                    &bkey,
+                    &format!("{key}.backends[{i}]"),
                     format!("backend {ip} is listed twice{written}"),
                 );
             }
@@ -497,7 +486,6 @@ impl Validator<'_> {
                 "no listeners: this load balancer accepts nothing".into(),
             );
         }
-        let mut backend_ports = Vec::new();
         for (i, l) in lb.listeners.iter().enumerate() {
             let lkey = format!("{key}.listener[{i}]");
             if let Some(spec) = self.listener(&lkey, l, &mut listener_names) {
@@ -517,20 +505,15 @@ impl Validator<'_> {
                             addr,
                             ListenerPlace {
                                 name: format!("{lb_name}/{}", spec.name),
-                                key: lkey.clone(),
+                                lb: lb_index,
+                                index: i,
                             },
                         );
                     }
                 }
-                backend_ports.push((spec.backend_port, i));
                 listeners.push(spec);
             }
         }
-        self.targets.push(ForwardTargets {
-            key: key.to_string(),
-            backends: backend_places,
-            ports: backend_ports,
-        });
 
         let health_check = lb
             .health_check
@@ -577,7 +560,7 @@ impl Validator<'_> {
         }
         let mut nets = Vec::with_capacity(values.len());
         for (j, v) in values.iter().enumerate() {
-            if let Some(net) = self.cidr(v, &format!("{key}.source_ranges[{j}]")) {
+            if let Some(net) = self.cidr(v, format_args!("{key}.source_ranges[{j}]")) {
                 nets.push(net);
             }
         }
@@ -600,10 +583,14 @@ impl Validator<'_> {
     /// One CIDR range, `ADDRESS/PREFIX`, the address with no host bits set.
     /// An IPv4-mapped IPv6 range (`::ffff:10.0.0.0/104`) is the IPv4 range it
     /// covers: clients are judged by their IPv4 form.
-    fn cidr(&mut self, value: &Spanned<String>, key: &str) -> Option<IpNet> {
+    fn cidr(&mut self, value: &Spanned<String>, key: fmt::Arguments<'_>) -> Option<IpNet> {
         let text = value.get_ref();
         let fail = |v: &mut Self, why: String| {
-            v.problem(Some(value.span()), key, format!("{text:?} {why}"));
+            v.problem(
+                Some(value.span()),
+                &key.to_string(),
+                format!("{text:?} {why}"),
+            );
             None
         };
         let Some((addr, len)) = text.split_once('/') else {
@@ -841,7 +828,13 @@ impl Validator<'_> {
     /// Whether `ip` can be one node's or one VIP's address: not the
     /// unspecified address (a VIP there binds every address of the host, a
     /// backend there is this host), not multicast, not the IPv4 broadcast.
-    fn unicast(&mut self, ip: IpAddr, value: &Spanned<String>, key: &str, role: Role) -> bool {
+    fn unicast(
+        &mut self,
+        ip: IpAddr,
+        value: &Spanned<String>,
+        key: fmt::Arguments<'_>,
+        role: Role,
+    ) -> bool {
         let what = if ip.is_unspecified() {
             match role {
                 Role::Vip => {
@@ -864,7 +857,7 @@ impl Validator<'_> {
         };
         self.problem(
             Some(value.span()),
-            key,
+            &key.to_string(),
             format!("{:?} cannot be {role}: it is {what}", value.get_ref()),
         );
         false
@@ -875,25 +868,56 @@ impl Validator<'_> {
     /// into the daemon, which forwards it again, until `proxy.max_connections`
     /// is used up by one client and every other service starves. Each such
     /// backend is named with the listener it would reach.
-    fn forwarding_loops(&mut self, listeners: &HashMap<SocketAddr, ListenerPlace>) {
-        let targets = std::mem::take(&mut self.targets);
-        for lb in &targets {
-            for (ip, i, span) in &lb.backends {
-                let mut reported = HashSet::new();
-                for (port, k) in &lb.ports {
-                    let addr = SocketAddr::new(*ip, *port);
+    ///
+    /// It runs over the built specs, so a valid file costs one map lookup per
+    /// backend and listener and no memory; the backend's key path and line
+    /// are looked up in the file only for a problem.
+    fn forwarding_loops(
+        &mut self,
+        file: &FileConfig,
+        specs: &[LoadBalancerSpec],
+        file_index: &[usize],
+        listeners: &HashMap<SocketAddr, ListenerPlace>,
+    ) {
+        for (spec, &i) in specs.iter().zip(file_index) {
+            for ip in &spec.backends {
+                for (k, l) in spec.listeners.iter().enumerate() {
+                    let addr = SocketAddr::new(*ip, l.backend_port);
                     let Some(place) = listeners.get(&addr) else {
                         continue;
                     };
-                    if !reported.insert(*port) {
+                    if spec.listeners[..k]
+                        .iter()
+                        .any(|e| e.backend_port == l.backend_port)
+                    {
                         continue; // Two listeners with one nodeport: one problem.
                     }
+                    // The first entry that is this address, however written.
+                    let written = file.load_balancers[i]
+                        .get_ref()
+                        .backends
+                        .iter()
+                        .enumerate()
+                        .find(|(_, b)| {
+                            b.get_ref().parse::<IpAddr>().ok().map(|a| a.to_canonical())
+                                == Some(*ip)
+                        });
+                    let (j, span) = written.map_or((0, None), |(j, b)| (j, Some(b.span())));
+                    // The listener's index in the file (the spec skips invalid ones).
+                    let k = file.load_balancers[i]
+                        .get_ref()
+                        .listeners
+                        .iter()
+                        .position(|fl| {
+                            fl.get_ref().name.as_ref().map(|n| n.get_ref()) == Some(&l.name)
+                        })
+                        .unwrap_or(k);
                     self.problem(
-                        Some(span.clone()),
-                        &format!("{}.backends[{i}]", lb.key),
+                        span,
+                        &format!("load_balancer[{i}].backends[{j}]"),
                         format!(
-                            "backend {ip} on {}.listener[{k}].backend_port {port} is {addr}, the VIP:port of {} ({:?}): the daemon would forward to itself, and one client connection would loop through it until proxy.max_connections is used up; a backend must be a node, not a VIP:port of this daemon",
-                            lb.key, place.key, place.name
+                            "backend {ip} on load_balancer[{i}].listener[{k}].backend_port {} is {addr}, the VIP:port of load_balancer[{}].listener[{}] ({:?}): the daemon would forward to itself, and one client connection would loop through it until proxy.max_connections is used up; a backend must be a node, not a VIP:port of this daemon",
+                            l.backend_port, place.lb, place.index, place.name
                         ),
                     );
                 }
