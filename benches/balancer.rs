@@ -1,18 +1,20 @@
 //! Micro-benchmarks of the hot-path pieces: picking a backend from the healthy
-//! set under each algorithm, and publishing a new healthy set while readers
-//! pick. `cargo bench --bench balancer`.
+//! set under each algorithm, publishing a new healthy set while readers
+//! pick, and the accept path's `source_ranges` check with 1,000 ranges.
+//! `cargo bench --bench balancer`.
 
 use std::hint::black_box;
-use std::net::{IpAddr, Ipv4Addr};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::num::NonZeroU32;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use criterion::{BenchmarkId, Criterion, criterion_group, criterion_main};
+use ipnet::IpNet;
 
 use harvester_lb::balancer::{Backend, LoadBalancer, Settings};
-use harvester_lb::config::Algorithm;
+use harvester_lb::config::{Algorithm, SourceRanges};
 use harvester_lb::metrics::LbStats;
 
 fn lb(algorithm: Algorithm, n: usize) -> (Arc<LoadBalancer>, Vec<Arc<Backend>>) {
@@ -30,6 +32,7 @@ fn lb(algorithm: Algorithm, n: usize) -> (Arc<LoadBalancer>, Vec<Arc<Backend>>) 
         connect_attempts: NonZeroU32::new(3),
         idle_timeout: Duration::from_secs(3600),
         affinity_timeout: None,
+        source_ranges: SourceRanges::everyone(),
     };
     let lb = LoadBalancer::new(
         "bench/lb".into(),
@@ -229,11 +232,69 @@ fn publish(c: &mut Criterion) {
     g.finish();
 }
 
+/// 1,000 distinct ranges (the most one load balancer may have) spread over
+/// the address space, prefixes /16 to /32, of `family` (4 or 6).
+fn thousand_ranges(family: u8) -> SourceRanges {
+    let nets = (0..1000u32)
+        .map(|i| {
+            let x = i.wrapping_mul(2_654_435_761);
+            let len = (16 + i % 17) as u8;
+            let net = if family == 4 {
+                IpNet::new(IpAddr::V4(Ipv4Addr::from(x)), len)
+            } else {
+                let a = (u128::from(x) << 96) | u128::from(i);
+                IpNet::new(IpAddr::V6(Ipv6Addr::from(a)), len + 16)
+            };
+            net.expect("valid prefix").trunc()
+        })
+        .collect();
+    SourceRanges::new(nets)
+}
+
+/// The accept-path check of `source_ranges`: one snapshot load and a binary
+/// search of the merged intervals, with 1,000 ranges, for clients inside
+/// and outside them; and with no ranges (everyone) as the baseline.
+fn source_ranges(c: &mut Criterion) {
+    let mut g = c.benchmark_group("source_ranges");
+    let clients_v4: Vec<IpAddr> = (0..1024u32)
+        .map(|i| IpAddr::V4(Ipv4Addr::from(i.wrapping_mul(0x9e37_79b9))))
+        .collect();
+    let clients_v6: Vec<IpAddr> = (0..1024u32)
+        .map(|i| {
+            IpAddr::V6(Ipv6Addr::from(
+                (u128::from(i.wrapping_mul(2_654_435_761)) << 96) | 7,
+            ))
+        })
+        .collect();
+    let cases = [
+        ("everyone_v4", SourceRanges::everyone(), &clients_v4),
+        ("1000_v4", thousand_ranges(4), &clients_v4),
+        ("1000_v6", thousand_ranges(6), &clients_v6),
+    ];
+    for (name, ranges, clients) in cases {
+        let inside = clients.iter().filter(|ip| ranges.allows(**ip)).count();
+        let (lb, _members) = lb(Algorithm::RoundRobin, 3);
+        let mut settings = lb.snapshot().settings.clone();
+        settings.source_ranges = ranges;
+        lb.replace(settings, lb.members());
+        let mut k = 0usize;
+        g.bench_function(BenchmarkId::new("accept_check", name), |b| {
+            b.iter(|| {
+                k = (k + 1) & 1023;
+                let snap = lb.snapshot();
+                black_box(snap.settings.source_ranges.allows(black_box(clients[k])))
+            })
+        });
+        eprintln!("source_ranges/{name}: {inside} of 1024 clients inside");
+    }
+    g.finish();
+}
+
 criterion_group! {
     name = benches;
     config = Criterion::default()
         .warm_up_time(Duration::from_millis(500))
         .measurement_time(Duration::from_secs(2));
-    targets = pick, pick_with_affinity, publish
+    targets = pick, pick_with_affinity, publish, source_ranges
 }
 criterion_main!(benches);

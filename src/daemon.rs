@@ -9,9 +9,10 @@
 
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use serde::Serialize;
 use tokio::sync::Semaphore;
@@ -54,6 +55,10 @@ struct State {
     config: Option<Config>,
     load_balancers: HashMap<String, LbEntry>,
     listeners: HashMap<SocketAddr, ListenerEntry>,
+    /// Where the config in force came from (`/status`).
+    file: Option<PathBuf>,
+    /// Since when the file is gone while the daemon runs on what it read.
+    file_missing_since: Option<SystemTime>,
 }
 
 /// A load balancer in force. Its spec is the one in `State::config` (kept
@@ -245,6 +250,25 @@ impl Daemon {
         );
         st.config = Some(config);
         report
+    }
+
+    /// Records the path of the config file, for `/status`.
+    pub fn set_config_file(&self, path: &Path) {
+        self.lock().file = Some(path.to_path_buf());
+    }
+
+    /// Records that the config file has gone (`true`) or is back (`false`);
+    /// `/status` says so while it is gone. Returns whether it was missing
+    /// before this call.
+    pub fn set_config_file_missing(&self, missing: bool) -> bool {
+        let mut st = self.lock();
+        let was = st.file_missing_since.is_some();
+        if !missing {
+            st.file_missing_since = None;
+        } else if !was {
+            st.file_missing_since = Some(SystemTime::now());
+        }
+        was
     }
 
     /// Tries again to bind listeners that failed (address in use, say).
@@ -575,16 +599,33 @@ impl Daemon {
                     .affinity_timeout
                     .and(entry.lb.affinity())
                     .map(|table| table.len()),
+                source_ranges: spec
+                    .source_ranges
+                    .ranges()
+                    .iter()
+                    .map(|n| n.to_string())
+                    .collect(),
                 eligible_backends: eligible,
                 listeners,
                 backends,
             });
         }
+        let missing_since_unix = st.file_missing_since.map(|t| {
+            t.duration_since(SystemTime::UNIX_EPOCH)
+                .map_or(0.0, |d| d.as_secs_f64())
+        });
         StatusDoc {
             ready: !self.is_stopping()
                 && st.config.is_some()
                 && st.listeners.values().all(|e| e.socket.is_ok()),
             load_balancers,
+            config: ConfigStatus {
+                path: st.file.as_ref().map(|p| p.display().to_string()),
+                problem: missing_since_unix.map(|_| {
+                    "the file is missing (deleted or renamed away); the config read before stays in force until it reappears".to_string()
+                }),
+                missing_since_unix,
+            },
         }
     }
 }
@@ -631,6 +672,21 @@ pub struct StatusDoc {
     pub ready: bool,
     /// Every load balancer in config order.
     pub load_balancers: Vec<LoadBalancerStatus>,
+    /// The config file, and what is wrong with it while the daemon runs on
+    /// what it read before.
+    pub config: ConfigStatus,
+}
+
+/// The config file in `/status`: an on-call engineer must see that the
+/// daemon serves a config whose file is gone, which nothing else shows.
+#[derive(Debug, Serialize)]
+pub struct ConfigStatus {
+    /// The file's path (absent for a daemon started without one).
+    pub path: Option<String>,
+    /// What is wrong with the file now; `null` when nothing is.
+    pub problem: Option<String>,
+    /// Since when the file is missing, Unix seconds; `null` while it exists.
+    pub missing_since_unix: Option<f64>,
 }
 
 /// One load balancer in `/status`.
@@ -654,6 +710,9 @@ pub struct LoadBalancerStatus {
     pub session_affinity: &'static str,
     /// Clients remembered, with `client_ip` affinity.
     pub affinity_entries: Option<usize>,
+    /// The clients served (`source_ranges`, normalised); absent: everyone.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub source_ranges: Vec<String>,
     /// Backends taking new connections now.
     pub eligible_backends: usize,
     /// Listeners.

@@ -85,6 +85,7 @@ pub async fn start(options: Options) -> Result<Server, StartError> {
 
     let metrics = Metrics::new();
     let daemon = Daemon::new(Arc::clone(&metrics), connection_limit(&config));
+    daemon.set_config_file(&options.config_path);
     let report = daemon.apply(config);
     tracing::info!(?report, config = %options.config_path.display(), "config applied");
     metrics.record_reload(true);
@@ -210,12 +211,26 @@ async fn main_loop(
                 let outcome = reload(&options, &daemon, ready_sent).await;
                 let _ = reply.send(outcome);
             }
-            Some(()) = changed_rx.recv() => {
-                tracing::info!(config = %options.config_path.display(), "config file changed on disk");
-                // Go through the channel so watch and signal reloads are serialised.
-                let tx = reload_tx.clone();
-                tokio::spawn(async move { let _ = request_reload(&tx).await; });
-            }
+            Some(event) = changed_rx.recv() => match event {
+                watch::Event::Changed => {
+                    if daemon.set_config_file_missing(false) {
+                        tracing::info!(config = %options.config_path.display(), "config file is back; reloading it");
+                    } else {
+                        tracing::info!(config = %options.config_path.display(), "config file changed on disk");
+                    }
+                    // Go through the channel so watch and signal reloads are serialised.
+                    let tx = reload_tx.clone();
+                    tokio::spawn(async move { let _ = request_reload(&tx).await; });
+                }
+                watch::Event::Missing => {
+                    // Once per disappearance: the watch reports it once.
+                    daemon.set_config_file_missing(true);
+                    tracing::warn!(
+                        config = %options.config_path.display(),
+                        "config file is missing (deleted or renamed away); the running config stays in force, and the file is loaded again when it reappears"
+                    );
+                }
+            },
             _ = retry.tick() => {
                 if !daemon.failed_listeners().is_empty() && daemon.retry_failed_listeners() > 0 {
                     tracing::info!("listeners bound on retry");
@@ -262,6 +277,9 @@ async fn reload(options: &Options, daemon: &Daemon, ready_sent: bool) -> Result<
                 tracing::warn!(config = %options.config_path.display(), "{w}");
             }
             let report = daemon.apply(loaded.config);
+            // It was read just now, so it is not missing (whatever the watch
+            // has seen yet).
+            daemon.set_config_file_missing(false);
             let summary = format!(
                 "reloaded in {:?} (read and validated in {parsed:?}): {} listeners bound, {} failed, {} removed; {} load balancers added, {} removed",
                 started.elapsed(),

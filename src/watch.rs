@@ -6,6 +6,8 @@
 //! an inotify watch on the file would lose track after the first rename. A
 //! change is reported only once the file has stayed the same for one more
 //! interval, which debounces bursts of writes and never reads a half-written file.
+//! A file that disappears is reported once (not at every check), and its
+//! return is a change like any other.
 
 use std::path::PathBuf;
 use std::time::{Duration, SystemTime};
@@ -35,15 +37,29 @@ fn version(path: &std::path::Path) -> Option<Version> {
     })
 }
 
-/// Sends `()` on `changed` each time the file at `path` has changed and
-/// settled, until `stop` is cancelled.
+/// What the watch saw.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Event {
+    /// The file changed (or came back after it was missing) and settled.
+    Changed,
+    /// The file is gone (deleted, or renamed away). Sent once per
+    /// disappearance, not at every check: the daemon warns once and keeps
+    /// the config in force.
+    Missing,
+}
+
+/// Sends an [`Event`] on `changed` each time the file at `path` has changed
+/// and settled, or has gone, until `stop` is cancelled.
 pub async fn watch(
     path: PathBuf,
     interval: Duration,
-    changed: mpsc::Sender<()>,
+    changed: mpsc::Sender<Event>,
     stop: CancellationToken,
 ) {
     let mut applied = version(&path);
+    // Whether `Missing` was sent for the absence in `applied` (a file gone
+    // before the first check is reported too).
+    let mut missing_reported = false;
     let mut pending: Option<Option<Version>> = None;
     let mut ticker = tokio::time::interval(interval);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -53,19 +69,70 @@ pub async fn watch(
             _ = ticker.tick() => {}
         }
         let now = version(&path);
+        let differs = now != applied || (now.is_none() && !missing_reported);
         match &pending {
             // Settled: the same as one interval ago, and not what was applied.
             Some(seen) if *seen == now => {
                 pending = None;
-                if now != applied && now.is_some() {
+                if differs {
+                    let event = if now.is_some() {
+                        Event::Changed
+                    } else {
+                        Event::Missing
+                    };
+                    missing_reported = now.is_none();
                     applied = now;
-                    if changed.send(()).await.is_err() {
+                    if changed.send(event).await.is_err() {
                         return;
                     }
                 }
             }
-            _ if now != applied => pending = Some(now),
+            _ if differs => pending = Some(now),
             _ => pending = None,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An event within `within`, or `None`.
+    async fn next(rx: &mut mpsc::Receiver<Event>, within: Duration) -> Option<Event> {
+        tokio::time::timeout(within, rx.recv()).await.ok().flatten()
+    }
+
+    /// A deleted file is reported once however many checks follow, and its
+    /// return is a change. (Real time with a 10 ms interval: the crate
+    /// does not build tokio's paused clock.)
+    #[tokio::test]
+    async fn a_missing_file_is_reported_once_and_its_return_is_a_change() {
+        let dir = std::env::temp_dir().join(format!("hlb-watch-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("config.toml");
+        std::fs::write(&path, "load_balancer = []\n").unwrap();
+        let (tx, mut rx) = mpsc::channel(4);
+        let stop = CancellationToken::new();
+        let interval = Duration::from_millis(10);
+        tokio::spawn(watch(path.clone(), interval, tx, stop.clone()));
+        // An event comes within 5 s; absence is judged over 30 checks.
+        let soon = Duration::from_secs(5);
+        let quiet = interval * 30;
+
+        std::fs::remove_file(&path).unwrap();
+        assert_eq!(next(&mut rx, soon).await, Some(Event::Missing));
+        // 30 more checks while it stays gone: nothing more.
+        assert_eq!(next(&mut rx, quiet).await, None);
+
+        std::fs::write(&path, "load_balancer = []\n").unwrap();
+        assert_eq!(next(&mut rx, soon).await, Some(Event::Changed));
+        assert_eq!(next(&mut rx, quiet).await, None);
+
+        // Gone again: reported again, once.
+        std::fs::remove_file(&path).unwrap();
+        assert_eq!(next(&mut rx, soon).await, Some(Event::Missing));
+        assert_eq!(next(&mut rx, quiet).await, None);
+        stop.cancel();
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -99,10 +99,16 @@ struct Daemon {
 
 impl Daemon {
     fn spawn(env: &Env, config: &Path) -> Daemon {
+        Daemon::spawn_with(env, config, &["--no-watch"])
+    }
+
+    fn spawn_with(env: &Env, config: &Path, flags: &[&str]) -> Daemon {
         let log = env.path("daemon.log");
         let f = std::fs::File::create(&log).unwrap();
         let child = Command::new(BIN)
-            .args(["run", "--no-watch", "--config"])
+            .arg("run")
+            .args(flags)
+            .arg("--config")
             .arg(config)
             .stdin(Stdio::null())
             .stdout(f.try_clone().unwrap())
@@ -251,6 +257,37 @@ fn bad_files(env: &Env) -> Vec<(&'static str, PathBuf, &'static str)> {
         ]
         .concat(),
         "UTF-8",
+    );
+    // A hostile or careless controller (issue 9, part 7).
+    add(
+        "forwards-to-itself.toml",
+        good.replace("backend_port = 30080", "backend_port = 8080")
+            .as_bytes(),
+        "would forward to itself",
+    );
+    add(
+        "wildcard-vip.toml",
+        good.replacen(&format!("vip = \"{}\"", env.ip), "vip = \"0.0.0.0\"", 1)
+            .as_bytes(),
+        "cannot be a VIP: it is the unspecified address",
+    );
+    add(
+        "broadcast-backend.toml",
+        good.replace(
+            &format!("backends = [\"{}\"]", env.ip),
+            "backends = [\"255.255.255.255\"]",
+        )
+        .as_bytes(),
+        "cannot be a backend: it is the broadcast address",
+    );
+    add(
+        "mapped-duplicate.toml",
+        good.replace(
+            &format!("backends = [\"{}\"]", env.ip),
+            &format!("backends = [\"{0}\", \"::ffff:{0}\"]", env.ip),
+        )
+        .as_bytes(),
+        "listed twice",
     );
     // 100 MB: a sparse file, so the test writes nothing.
     let big = env.path("huge-100MB.toml");
@@ -619,7 +656,7 @@ fn sighup_storms_at_startup_and_during_drain() {
 fn config_parser_never_panics_on_generated_input() {
     let env = Env::new("prop");
     let base = env.config(
-        "algorithm = \"least_connections\"\nconnect_attempts = 2\ninitial_state = \"unhealthy\"",
+        "algorithm = \"least_connections\"\nconnect_attempts = 2\ninitial_state = \"unhealthy\"\nsource_ranges = [\"127.0.0.0/8\", \"::ffff:10.0.0.0/104\", \"2001:db8::/32\"]",
     );
     assert!(
         harvester_lb::config::parse(&base).is_ok(),
@@ -703,4 +740,78 @@ fn config_parser_never_panics_on_generated_input() {
         started.elapsed()
     );
     assert!(ok + rejected >= 2_000);
+}
+
+/// The config file deleted under a running daemon that watches it: one
+/// warning (not one per check), the running config keeps serving, `/status`
+/// says the file is missing; when it comes back it is loaded and the
+/// warning is cleared.
+#[test]
+fn a_deleted_config_file_warns_once_keeps_serving_and_reloads_when_back() {
+    let env = Env::new("deleted");
+    env.echo_backend();
+    let cfg = env.path("config.toml");
+    std::fs::write(&cfg, env.config("")).unwrap();
+    let d = Daemon::spawn_with(&env, &cfg, &[]);
+    d.wait_ready(&env);
+    through_vip(&env);
+    let status = || -> serde_json::Value {
+        let (_, resp) = get(&env, "/status");
+        serde_json::from_str(resp.split("\r\n\r\n").nth(1).unwrap_or("")).expect("status JSON")
+    };
+    let before = status();
+    assert_eq!(before["config"]["path"], cfg.display().to_string());
+    assert!(before["config"]["problem"].is_null(), "{before}");
+
+    std::fs::remove_file(&cfg).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let seen = loop {
+        let s = status();
+        if !s["config"]["problem"].is_null() {
+            break s;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "/status never said the file is missing: {s}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let problem = seen["config"]["problem"].as_str().unwrap();
+    assert!(problem.contains("the file is missing"), "{problem}");
+    assert!(problem.contains("stays in force"), "{problem}");
+    assert!(seen["config"]["missing_since_unix"].as_f64().unwrap() > 0.0);
+
+    // Six more checks of the file (500 ms apart) while it stays missing:
+    // the VIP serves, /status still says so, and the log has one warning.
+    let until = Instant::now() + Duration::from_secs(3);
+    while Instant::now() < until {
+        through_vip(&env);
+        assert!(!status()["config"]["problem"].is_null());
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let warnings = d.log().matches("config file is missing").count();
+    assert_eq!(warnings, 1, "one warning per disappearance:\n{}", d.log());
+
+    // Back (written elsewhere and renamed in, as a controller does).
+    let tmp = env.path("config.toml.tmp");
+    std::fs::write(&tmp, env.config("")).unwrap();
+    std::fs::rename(&tmp, &cfg).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let (_, m) = get(&env, "/metrics");
+        let reloaded = m.contains("harvester_lb_config_reloads_total{result=\"success\"} 2");
+        if reloaded && status()["config"]["problem"].is_null() {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the returned file was not reloaded:\n{}",
+            d.log()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(status()["config"]["missing_since_unix"].is_null());
+    assert!(d.log().contains("config file is back"), "{}", d.log());
+    through_vip(&env);
+    assert!(!d.log().contains("panicked"));
 }

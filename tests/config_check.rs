@@ -593,3 +593,196 @@ backends = ["198.51.100.1"]
         "line 12: load_balancer[0].health_check.send_proxy: applies only to kind = \"http\" (this check is kind = \"tcp\", the default); remove it or set kind = \"http\""
     );
 }
+
+/// A backend at a VIP:port of this daemon (its own load balancer's, or
+/// another's) would send each client back into the daemon until the
+/// connection cap: rejected, naming the backend and the listener it reaches.
+#[test]
+fn a_backend_that_is_a_vip_port_of_this_daemon_is_rejected_naming_both_ends() {
+    let text = r#"
+[[load_balancer]]
+name = "default/self"
+vip = "192.0.2.10"
+backends = ["198.51.100.11", "192.0.2.10"]
+  [[load_balancer.listener]]
+  name = "http"
+  port = 80
+  backend_port = 80
+
+[[load_balancer]]
+name = "default/other"
+vip = "192.0.2.20"
+backends = ["::ffff:192.0.2.10", "192.0.2.21"]
+  [[load_balancer.listener]]
+  name = "web"
+  port = 8080
+  backend_port = 80
+"#;
+    let out = rendered(text);
+    let expected = [
+        "line 5: load_balancer[0].backends[1]: backend 192.0.2.10 on load_balancer[0].listener[0].backend_port 80 is 192.0.2.10:80, the VIP:port of load_balancer[0].listener[0] (\"default/self/http\"): the daemon would forward to itself",
+        "line 14: load_balancer[1].backends[0]: backend 192.0.2.10 on load_balancer[1].listener[0].backend_port 80 is 192.0.2.10:80, the VIP:port of load_balancer[0].listener[0] (\"default/self/http\"): the daemon would forward to itself",
+    ];
+    for e in expected {
+        assert!(out.contains(e), "missing problem:\n  {e}\nin:\n{out}");
+    }
+    assert_eq!(out.lines().count(), 2, "{out}");
+
+    // The VIP on another port, or another address on the VIP's port, is fine.
+    let fine = text
+        .replace("backend_port = 80\n\n", "backend_port = 30080\n\n")
+        .replace(
+            "\"::ffff:192.0.2.10\", \"192.0.2.21\"",
+            "\"192.0.2.11\", \"192.0.2.21\"",
+        );
+    config::parse(&fine).unwrap_or_else(|p| panic!("{p:?}"));
+}
+
+/// The wildcard binds every address of the host and a backend there is the
+/// host itself; multicast and broadcast are no TCP peer at all.
+#[test]
+fn unspecified_multicast_and_broadcast_addresses_are_rejected() {
+    for (vip, what) in [
+        (
+            "0.0.0.0",
+            "the unspecified address: the listeners would bind every address of this host. Harvester writes it for a DHCP VIP, which this daemon does not lease yet",
+        ),
+        ("::", "the unspecified address"),
+        ("::ffff:0.0.0.0", "the unspecified address"),
+        ("224.0.0.1", "a multicast address"),
+        ("ff02::1", "a multicast address"),
+        ("255.255.255.255", "the broadcast address"),
+    ] {
+        let out = rendered(&GOOD.replace("192.0.2.10", vip));
+        let e = format!("line 4: load_balancer[0].vip: {vip:?} cannot be a VIP: it is {what}");
+        assert!(out.contains(&e), "missing:\n  {e}\nin:\n{out}");
+        assert_eq!(out.lines().count(), 1, "{out}");
+    }
+    for (backend, what) in [
+        (
+            "0.0.0.0",
+            "the unspecified address, which connects to this host itself",
+        ),
+        ("::", "the unspecified address"),
+        ("239.1.2.3", "a multicast address"),
+        ("255.255.255.255", "the broadcast address"),
+    ] {
+        let out = rendered(&GOOD.replace("198.51.100.12", backend));
+        let e = format!(
+            "line 5: load_balancer[0].backends[1]: {backend:?} cannot be a backend: it is {what}"
+        );
+        assert!(out.contains(&e), "missing:\n  {e}\nin:\n{out}");
+        assert_eq!(out.lines().count(), 1, "{out}");
+    }
+}
+
+/// `::ffff:127.0.18.2` is 127.0.18.2: one node, shown in its IPv4 form.
+#[test]
+fn ipv4_mapped_addresses_are_the_ipv4_address() {
+    let out = rendered(&GOOD.replace(
+        r#"["198.51.100.11", "198.51.100.12"]"#,
+        r#"["127.0.18.2", "::ffff:127.0.18.2"]"#,
+    ));
+    assert_eq!(
+        out,
+        "line 5: load_balancer[0].backends[1]: backend 127.0.18.2 is listed twice (\"::ffff:127.0.18.2\" is its IPv4-mapped IPv6 form)"
+    );
+    let loaded = config::parse(
+        &GOOD
+            .replace("192.0.2.10", "::ffff:192.0.2.10")
+            .replace("198.51.100.12", "::FFFF:198.51.100.12"),
+    )
+    .expect("valid");
+    let lb = &loaded.config.load_balancers[0];
+    assert_eq!(lb.vip.to_string(), "192.0.2.10");
+    assert_eq!(lb.backends[1].to_string(), "198.51.100.12");
+    assert!(lb.backends.iter().all(|b| b.is_ipv4()));
+}
+
+/// `source_ranges`: each entry a CIDR with no host bits and a prefix length
+/// in range; every problem named with its key path and value.
+#[test]
+fn source_ranges_are_cidrs_without_host_bits() {
+    let with = |list: &str| {
+        GOOD.replace(
+            "backends = [",
+            &format!("source_ranges = [{list}]\nbackends = ["),
+        )
+    };
+    let out = rendered(&with(
+        r#""10.0.0.1/8", "10.0.0.0/33", "2001:db8::/129", "10.0.0.0", "nope/8", "10.0.0.0/+8", "10.0.0.0/", "2001:db8::1/32", "192.0.2.0/24""#,
+    ));
+    let expected = [
+        "line 5: load_balancer[0].source_ranges[0]: \"10.0.0.1/8\" has host bits set; did you mean \"10.0.0.0/8\"?",
+        "line 5: load_balancer[0].source_ranges[1]: \"10.0.0.0/33\" has prefix length \"33\"; an IPv4 prefix length must be in 0..=32",
+        "line 5: load_balancer[0].source_ranges[2]: \"2001:db8::/129\" has prefix length \"129\"; an IPv6 prefix length must be in 0..=128",
+        "line 5: load_balancer[0].source_ranges[3]: \"10.0.0.0\" is not a CIDR range; write ADDRESS/PREFIX",
+        "line 5: load_balancer[0].source_ranges[4]: \"nope/8\" is not a CIDR range: \"nope\" is not an IPv4 or IPv6 address",
+        "line 5: load_balancer[0].source_ranges[5]: \"10.0.0.0/+8\" has prefix length \"+8\"",
+        "line 5: load_balancer[0].source_ranges[6]: \"10.0.0.0/\" has prefix length \"\"",
+        "line 5: load_balancer[0].source_ranges[7]: \"2001:db8::1/32\" has host bits set; did you mean \"2001:db8::/32\"?",
+    ];
+    for e in expected {
+        assert!(out.contains(e), "missing problem:\n  {e}\nin:\n{out}");
+    }
+    assert_eq!(out.lines().count(), expected.len(), "{out}");
+
+    let loaded = config::parse(&with(
+        r#""192.0.2.0/24", "2001:db8::/32", "::ffff:198.51.100.0/120", "0.0.0.0/0""#,
+    ))
+    .expect("valid");
+    let r = &loaded.config.load_balancers[0].source_ranges;
+    let shown: Vec<String> = r.ranges().iter().map(|n| n.to_string()).collect();
+    assert_eq!(
+        shown,
+        [
+            "192.0.2.0/24",
+            "2001:db8::/32",
+            "198.51.100.0/24",
+            "0.0.0.0/0"
+        ]
+    );
+    assert!(r.allows("203.0.113.1".parse().unwrap()));
+    assert!(!r.allows("2001:db9::1".parse().unwrap()));
+    assert!(loaded.warnings.is_empty(), "{:?}", loaded.warnings);
+
+    // Absent or empty: everyone.
+    for text in [GOOD.to_string(), with("")] {
+        let loaded = config::parse(&text).expect("valid");
+        assert!(loaded.config.load_balancers[0].source_ranges.is_everyone());
+    }
+}
+
+/// At most 1,000 ranges per load balancer; ranges of only the other family
+/// than the VIP's refuse everyone, which is allowed with a warning.
+#[test]
+fn source_ranges_are_bounded_and_a_list_that_refuses_everyone_is_a_warning() {
+    let list: Vec<String> = (0..1001)
+        .map(|i| format!("\"10.{}.{}.0/24\"", i / 256, i % 256))
+        .collect();
+    let text = GOOD.replace(
+        "backends = [",
+        &format!("source_ranges = [{}]\nbackends = [", list.join(", ")),
+    );
+    let out = rendered(&text);
+    assert_eq!(
+        out,
+        "line 5: load_balancer[0].source_ranges: 1001 ranges; at most 1000 are allowed per load balancer (aggregate neighbouring ranges into shorter prefixes)"
+    );
+    let list = list[..1000].join(", ");
+    let text = GOOD.replace(
+        "backends = [",
+        &format!("source_ranges = [{list}]\nbackends = ["),
+    );
+    config::parse(&text).expect("1,000 ranges are allowed");
+
+    let text = GOOD.replace(
+        "backends = [",
+        "source_ranges = [\"2001:db8::/32\"]\nbackends = [",
+    );
+    let loaded = config::parse(&text).expect("valid with a warning");
+    assert_eq!(
+        loaded.warnings[0].to_string(),
+        "line 5: load_balancer[0].source_ranges: no IPv4 range for the IPv4 VIP 192.0.2.10: every client will be refused"
+    );
+}

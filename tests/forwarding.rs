@@ -829,8 +829,15 @@ async fn metrics_carry_the_documented_names_and_pass_promtool() {
         "\n[[load_balancer]]\nname = \"default/empty\"\nvip = \"{}\"\nbackends = []\n  [[load_balancer.listener]]\n  name = \"http\"\n  port = 8080\n  backend_port = 30080\n",
         net.ip_str(2)
     ));
+    cfg.push_str(&format!(
+        "\n[[load_balancer]]\nname = \"default/ranged\"\nvip = \"{}\"\nbackends = [\"{}\"]\nsource_ranges = [\"192.0.2.0/24\"]\n  [[load_balancer.listener]]\n  name = \"http\"\n  port = 8080\n  backend_port = 30080\n",
+        net.ip_str(3),
+        net.ip_str(11)
+    ));
     let d = Daemon::start(&net, &cfg).await;
     // Every outcome-split family appears at its first event: make one each.
+    // A client outside source_ranges: a rejected connection.
+    assert_refused_quickly(SocketAddr::new(net.ip(3), 8080), Duration::from_secs(2)).await;
     // Round robin starts one of two clients on the dead .12 (its third
     // failed probe, which takes it out, is a second away): a refused connect.
     for _ in 0..2 {
@@ -846,6 +853,7 @@ async fn metrics_carry_the_documented_names_and_pass_promtool() {
     for name in [
         "harvester_lb_connections_accepted_total",
         "harvester_lb_connections_failed_total",
+        "harvester_lb_connections_rejected_total",
         "harvester_lb_connections_active",
         "harvester_lb_bytes_total",
         "harvester_lb_backend_connect_failures_total",

@@ -24,7 +24,7 @@ use arc_swap::ArcSwap;
 use tokio_util::sync::CancellationToken;
 
 pub use self::affinity::{AffinityBudget, AffinityTable};
-use crate::config::{Algorithm, LoadBalancerSpec};
+use crate::config::{Algorithm, LoadBalancerSpec, SourceRanges};
 use crate::metrics::{BackendStats, LbStats};
 
 /// One backend node of one load balancer, shared by its listeners, the prober
@@ -144,6 +144,10 @@ pub struct Settings {
     pub idle_timeout: Duration,
     /// Client affinity: how long a client keeps its backend; `None` = off.
     pub affinity_timeout: Option<Duration>,
+    /// The clients served; the accept loop resets the others before it
+    /// takes a connection slot. Here, in the snapshot, so a reload changes
+    /// it like any other setting: one swap, no lock on the accept path.
+    pub source_ranges: SourceRanges,
 }
 
 impl From<&LoadBalancerSpec> for Settings {
@@ -154,6 +158,7 @@ impl From<&LoadBalancerSpec> for Settings {
             connect_attempts: spec.connect_attempts,
             idle_timeout: spec.idle_timeout,
             affinity_timeout: spec.affinity_timeout,
+            source_ranges: spec.source_ranges.clone(),
         }
     }
 }
@@ -377,6 +382,7 @@ mod tests {
             connect_attempts: attempts.and_then(NonZeroU32::new),
             idle_timeout: Duration::from_secs(60),
             affinity_timeout: None,
+            source_ranges: SourceRanges::everyone(),
         }
     }
 

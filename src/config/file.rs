@@ -86,6 +86,9 @@ pub struct FileLoadBalancer {
     pub session_affinity: Option<Spanned<String>>,
     /// The Service's `sessionAffinityConfig.clientIP.timeoutSeconds`.
     pub affinity_timeout_seconds: Option<Spanned<i64>>,
+    /// `loadBalancerSourceRanges`: CIDRs of the clients served; empty: everyone.
+    #[serde(default)]
+    pub source_ranges: Vec<Spanned<String>>,
     /// `[[load_balancer.listener]]`.
     #[serde(default, rename = "listener")]
     pub listeners: Vec<Spanned<FileListener>>,

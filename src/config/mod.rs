@@ -10,6 +10,7 @@
 
 mod error;
 mod file;
+mod ranges;
 mod validate;
 
 use std::fmt;
@@ -20,6 +21,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 pub use error::{ConfigError, Problem};
+pub use ranges::{MAX_SOURCE_RANGES, SourceRanges};
 
 /// Where the daemon looks for its configuration unless told otherwise.
 pub const DEFAULT_PATH: &str = "/etc/harvester-lb/config.toml";
@@ -101,6 +103,9 @@ pub struct LoadBalancerSpec {
     pub listeners: Vec<ListenerSpec>,
     /// Active health checking; `None` = every backend always eligible.
     pub health_check: Option<HealthCheckSpec>,
+    /// The clients it serves (`loadBalancerSourceRanges`); others are reset
+    /// at accept.
+    pub source_ranges: SourceRanges,
 }
 
 impl LoadBalancerSpec {

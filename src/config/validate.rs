@@ -11,6 +11,7 @@ use std::num::{NonZeroU32, NonZeroUsize};
 use std::ops::Range;
 use std::time::Duration;
 
+use ipnet::{IpNet, Ipv4Net};
 use toml::Spanned;
 use toml::de::{DeTable, DeValue};
 
@@ -235,6 +236,23 @@ struct Validator<'a> {
     warnings: Vec<Problem>,
 }
 
+/// A listener's place in the file, to name it in a problem found elsewhere.
+struct ListenerPlace {
+    /// `<load balancer>/<listener>`.
+    name: String,
+    /// Index of its load balancer.
+    lb: usize,
+    /// Its index in the load balancer's `listener` list.
+    index: usize,
+}
+
+/// What an address is for, to say why a special address cannot be it.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Role {
+    Vip,
+    Backend,
+}
+
 impl Validator<'_> {
     fn problem(&mut self, span: Option<Range<usize>>, key: &str, message: String) {
         self.problems.push(Problem {
@@ -300,14 +318,19 @@ impl Validator<'_> {
         );
 
         let mut names: HashMap<String, usize> = HashMap::new();
-        let mut addresses: HashMap<SocketAddr, String> = HashMap::new();
+        let mut addresses: HashMap<SocketAddr, ListenerPlace> = HashMap::new();
         let mut load_balancers = Vec::new();
+        // The file index of each spec, to name a backend found later.
+        let mut file_index = Vec::with_capacity(file.load_balancers.len());
         for (i, lb) in file.load_balancers.iter().enumerate() {
             let key = format!("load_balancer[{i}]");
-            if let Some(spec) = self.load_balancer(&key, lb, &mut names, &mut addresses) {
+            if let Some(spec) = self.load_balancer(i, &key, lb, &mut names, &mut addresses) {
                 load_balancers.push(spec);
+                file_index.push(i);
             }
         }
+        // Only now is every VIP:port of the file known.
+        self.forwarding_loops(file, &load_balancers, &file_index, &addresses);
         Config {
             admin: AdminSettings {
                 listen: admin_listen,
@@ -333,10 +356,11 @@ impl Validator<'_> {
     /// Checks `[[load_balancer]]`; `None` when it is too broken to build.
     fn load_balancer(
         &mut self,
+        lb_index: usize,
         key: &str,
         lb: &Spanned<FileLoadBalancer>,
         names: &mut HashMap<String, usize>,
-        addresses: &mut HashMap<SocketAddr, String>,
+        addresses: &mut HashMap<SocketAddr, ListenerPlace>,
     ) -> Option<LoadBalancerSpec> {
         let table_span = lb.span();
         let lb = lb.get_ref();
@@ -394,7 +418,9 @@ impl Validator<'_> {
                 );
                 None
             }
-            Some(v) => self.ip(v, format_args!("{key}.vip")),
+            Some(v) => self
+                .ip(v, format_args!("{key}.vip"))
+                .filter(|ip| self.unicast(*ip, v, format_args!("{key}.vip"), Role::Vip)),
         };
         let ipam = self.choice(
             &lb.ipam,
@@ -469,16 +495,27 @@ impl Validator<'_> {
         let mut backends = Vec::new();
         let mut seen = HashSet::new();
         for (i, b) in lb.backends.iter().enumerate() {
-            if let Some(ip) = self.ip(b, format_args!("{key}.backends[{i}]")) {
-                if seen.insert(ip) {
-                    backends.push(ip);
+            let Some(ip) = self.ip(b, format_args!("{key}.backends[{i}]")) else {
+                continue;
+            };
+            if !self.unicast(ip, b, format_args!("{key}.backends[{i}]"), Role::Backend) {
+                continue;
+            }
+            if seen.insert(ip) {
+                backends.push(ip);
+            } else {
+                // Name the written form when it was normalised: the
+                // operator looks for the text, not for 127.0.18.2.
+                let written = if b.get_ref() == &ip.to_string() {
+                    String::new()
                 } else {
-                    self.problem(
-                        Some(b.span()),
-                        &format!("{key}.backends[{i}]"),
-                        format!("backend {ip} is listed twice"),
-                    );
-                }
+                    format!(" ({:?} is its IPv4-mapped IPv6 form)", b.get_ref())
+                };
+                self.problem(
+                    Some(b.span()),
+                    &format!("{key}.backends[{i}]"),
+                    format!("backend {ip} is listed twice{written}"),
+                );
             }
         }
         if lb.backends.is_empty() {
@@ -507,10 +544,20 @@ impl Validator<'_> {
                         self.problem(
                             l.get_ref().port.as_ref().map(|p| p.span()),
                             &format!("{lkey}.port"),
-                            format!("{addr} is already a listener of load balancer {owner:?}; one VIP:port can serve only one listener"),
+                            format!(
+                                "{addr} is already a listener of load balancer {:?}; one VIP:port can serve only one listener",
+                                owner.name
+                            ),
                         );
                     } else {
-                        addresses.insert(addr, format!("{lb_name}/{}", spec.name));
+                        addresses.insert(
+                            addr,
+                            ListenerPlace {
+                                name: format!("{lb_name}/{}", spec.name),
+                                lb: lb_index,
+                                index: i,
+                            },
+                        );
                     }
                 }
                 listeners.push(spec);
@@ -521,6 +568,7 @@ impl Validator<'_> {
             .health_check
             .as_ref()
             .and_then(|hc| self.health_check(&format!("{key}.health_check"), hc));
+        let source_ranges = self.source_ranges(key, table_span.clone(), &lb.source_ranges, vip);
 
         Some(LoadBalancerSpec {
             name: name?,
@@ -536,7 +584,111 @@ impl Validator<'_> {
             affinity_timeout: affinity.then(|| Duration::from_secs(affinity_timeout as u64)),
             listeners,
             health_check,
+            source_ranges,
         })
+    }
+
+    /// `source_ranges`: every entry a CIDR without host bits, at most
+    /// [`MAX_SOURCE_RANGES`]. A list with no range of the VIP's family
+    /// refuses every client: allowed (it may be on purpose), with a warning.
+    fn source_ranges(
+        &mut self,
+        key: &str,
+        table_span: Range<usize>,
+        values: &[Spanned<String>],
+        vip: Option<IpAddr>,
+    ) -> SourceRanges {
+        if values.len() > MAX_SOURCE_RANGES {
+            self.problem(
+                Some(values[MAX_SOURCE_RANGES].span()),
+                &format!("{key}.source_ranges"),
+                format!(
+                    "{} ranges; at most {MAX_SOURCE_RANGES} are allowed per load balancer (aggregate neighbouring ranges into shorter prefixes)",
+                    values.len()
+                ),
+            );
+        }
+        let mut nets = Vec::with_capacity(values.len());
+        for (j, v) in values.iter().enumerate() {
+            if let Some(net) = self.cidr(v, format_args!("{key}.source_ranges[{j}]")) {
+                nets.push(net);
+            }
+        }
+        let ranges = SourceRanges::new(nets);
+        if let Some(vip) = vip
+            && !ranges.has_family_of(vip)
+        {
+            let family = if vip.is_ipv4() { "IPv4" } else { "IPv6" };
+            self.warning(
+                Some(values.first().map_or(table_span, |v| v.span())),
+                &format!("{key}.source_ranges"),
+                format!(
+                    "no {family} range for the {family} VIP {vip}: every client will be refused"
+                ),
+            );
+        }
+        ranges
+    }
+
+    /// One CIDR range, `ADDRESS/PREFIX`, the address with no host bits set.
+    /// An IPv4-mapped IPv6 range (`::ffff:10.0.0.0/104`) is the IPv4 range it
+    /// covers: clients are judged by their IPv4 form.
+    fn cidr(&mut self, value: &Spanned<String>, key: fmt::Arguments<'_>) -> Option<IpNet> {
+        let text = value.get_ref();
+        let fail = |v: &mut Self, why: String| {
+            v.problem(
+                Some(value.span()),
+                &key.to_string(),
+                format!("{text:?} {why}"),
+            );
+            None
+        };
+        let Some((addr, len)) = text.split_once('/') else {
+            return fail(
+                self,
+                "is not a CIDR range; write ADDRESS/PREFIX, e.g. \"203.0.113.0/24\" or \"2001:db8::/32\" (one address is ADDRESS/32 or ADDRESS/128)".into(),
+            );
+        };
+        let Ok(ip) = addr.parse::<IpAddr>() else {
+            return fail(
+                self,
+                format!("is not a CIDR range: {addr:?} is not an IPv4 or IPv6 address"),
+            );
+        };
+        let (family, max) = if ip.is_ipv4() {
+            ("IPv4", 32)
+        } else {
+            ("IPv6", 128)
+        };
+        let prefix = Some(len)
+            .filter(|l| !l.is_empty() && l.bytes().all(|b| b.is_ascii_digit()))
+            .and_then(|l| l.parse::<u8>().ok())
+            .filter(|&l| l <= max);
+        let Some(prefix) = prefix else {
+            return fail(
+                self,
+                format!(
+                    "has prefix length {len:?}; an {family} prefix length must be in 0..={max}"
+                ),
+            );
+        };
+        let net = IpNet::new(ip, prefix).ok()?;
+        if net.trunc() != net {
+            return fail(
+                self,
+                format!(
+                    "has host bits set; did you mean \"{}\"? (a range is written with its first address)",
+                    net.trunc()
+                ),
+            );
+        }
+        if let IpNet::V6(v6) = net
+            && v6.prefix_len() >= 96
+            && let Some(v4) = v6.network().to_ipv4_mapped()
+        {
+            return Ipv4Net::new(v4, v6.prefix_len() - 96).ok().map(IpNet::V4);
+        }
+        Some(net)
     }
 
     fn listener(
@@ -841,9 +993,12 @@ impl Validator<'_> {
         }
     }
 
+    /// An IP address, IPv4-mapped IPv6 (`::ffff:a.b.c.d`) written as the
+    /// IPv4 address it is: one node is one address everywhere (duplicates,
+    /// `/status`, metric labels), whichever way the controller wrote it.
     fn ip(&mut self, value: &Spanned<String>, key: fmt::Arguments<'_>) -> Option<IpAddr> {
         match value.get_ref().parse::<IpAddr>() {
-            Ok(ip) => Some(ip),
+            Ok(ip) => Some(ip.to_canonical()),
             Err(_) => {
                 self.problem(
                     Some(value.span()),
@@ -851,6 +1006,106 @@ impl Validator<'_> {
                     format!("{:?} is not an IPv4 or IPv6 address", value.get_ref()),
                 );
                 None
+            }
+        }
+    }
+
+    /// Whether `ip` can be one node's or one VIP's address: not the
+    /// unspecified address (a VIP there binds every address of the host, a
+    /// backend there is this host), not multicast, not the IPv4 broadcast.
+    fn unicast(
+        &mut self,
+        ip: IpAddr,
+        value: &Spanned<String>,
+        key: fmt::Arguments<'_>,
+        role: Role,
+    ) -> bool {
+        let what = if ip.is_unspecified() {
+            match role {
+                Role::Vip => {
+                    "the unspecified address: the listeners would bind every address of this host. Harvester writes it for a DHCP VIP, which this daemon does not lease yet; give the VIP's own address"
+                }
+                Role::Backend => {
+                    "the unspecified address, which connects to this host itself; give the node's own address"
+                }
+            }
+        } else if ip.is_multicast() {
+            "a multicast address; TCP needs one unicast address"
+        } else if ip == IpAddr::V4(std::net::Ipv4Addr::BROADCAST) {
+            "the broadcast address; TCP needs one unicast address"
+        } else {
+            return true;
+        };
+        let role = match role {
+            Role::Vip => "a VIP",
+            Role::Backend => "a backend",
+        };
+        self.problem(
+            Some(value.span()),
+            &key.to_string(),
+            format!("{:?} cannot be {role}: it is {what}", value.get_ref()),
+        );
+        false
+    }
+
+    /// A backend at one of this daemon's own VIP:ports (its own load
+    /// balancer's or another's) would send each client connection back
+    /// into the daemon, which forwards it again, until `proxy.max_connections`
+    /// is used up by one client and every other service starves. Each such
+    /// backend is named with the listener it would reach.
+    ///
+    /// It runs over the built specs, so a valid file costs one map lookup per
+    /// backend and listener and no memory; the backend's key path and line
+    /// are looked up in the file only for a problem.
+    fn forwarding_loops(
+        &mut self,
+        file: &FileConfig,
+        specs: &[LoadBalancerSpec],
+        file_index: &[usize],
+        listeners: &HashMap<SocketAddr, ListenerPlace>,
+    ) {
+        for (spec, &i) in specs.iter().zip(file_index) {
+            for ip in &spec.backends {
+                for (k, l) in spec.listeners.iter().enumerate() {
+                    let addr = SocketAddr::new(*ip, l.backend_port);
+                    let Some(place) = listeners.get(&addr) else {
+                        continue;
+                    };
+                    if spec.listeners[..k]
+                        .iter()
+                        .any(|e| e.backend_port == l.backend_port)
+                    {
+                        continue; // Two listeners with one nodeport: one problem.
+                    }
+                    // The first entry that is this address, however written.
+                    let written = file.load_balancers[i]
+                        .get_ref()
+                        .backends
+                        .iter()
+                        .enumerate()
+                        .find(|(_, b)| {
+                            b.get_ref().parse::<IpAddr>().ok().map(|a| a.to_canonical())
+                                == Some(*ip)
+                        });
+                    let (j, span) = written.map_or((0, None), |(j, b)| (j, Some(b.span())));
+                    // The listener's index in the file (the spec skips invalid ones).
+                    let k = file.load_balancers[i]
+                        .get_ref()
+                        .listeners
+                        .iter()
+                        .position(|fl| {
+                            fl.get_ref().name.as_ref().map(|n| n.get_ref()) == Some(&l.name)
+                        })
+                        .unwrap_or(k);
+                    self.problem(
+                        span,
+                        &format!("load_balancer[{i}].backends[{j}]"),
+                        format!(
+                            "backend {ip} on load_balancer[{i}].listener[{k}].backend_port {} is {addr}, the VIP:port of load_balancer[{}].listener[{}] ({:?}): the daemon would forward to itself, and one client connection would loop through it until proxy.max_connections is used up; a backend must be a node, not a VIP:port of this daemon",
+                            l.backend_port, place.lb, place.index, place.name
+                        ),
+                    );
+                }
             }
         }
     }

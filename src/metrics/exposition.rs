@@ -22,7 +22,7 @@ use super::Metrics;
 use super::names::{self, Family};
 use super::stats::{
     ACCEPT_ERROR_KINDS, BackendStats, CHECK_RESULTS, CONNECT_FAILURE_REASONS, Counter,
-    FAILED_REASONS, Histogram, LbStats, ListenerStats, PROBE_BUCKETS,
+    FAILED_REASONS, Histogram, LbStats, ListenerStats, PROBE_BUCKETS, REJECTED_REASONS,
 };
 
 /// One load balancer's live objects at the start of a scrape.
@@ -72,6 +72,11 @@ const STEPS: &[Step] = &[
     }),
     Step::Listener(&names::CONNECTIONS_FAILED, |o, l| {
         o.outcomes(&l.failed, &FAILED_REASONS, "reason", |b| {
+            listener_labels(b, l)
+        });
+    }),
+    Step::Listener(&names::CONNECTIONS_REJECTED, |o, l| {
+        o.outcomes(&l.rejected, &REJECTED_REASONS, "reason", |b| {
             listener_labels(b, l)
         });
     }),

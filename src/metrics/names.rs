@@ -108,6 +108,12 @@ pub static CONNECTIONS_FAILED: Family = Family::new(
     Counter,
     "Client connections closed without reaching a backend, by reason of the last attempt.",
 );
+/// Client connections refused by policy right after accept, by `reason`.
+pub static CONNECTIONS_REJECTED: Family = Family::new(
+    "harvester_lb_connections_rejected_total",
+    Counter,
+    "Client connections reset right after accept by the load balancer's policy (reason source_range: the client is outside source_ranges), before any backend connect.",
+);
 /// Client connections being forwarded now, per listener.
 pub static CONNECTIONS_ACTIVE: Family = Family::new(
     "harvester_lb_connections_active",

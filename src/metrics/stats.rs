@@ -222,6 +222,7 @@ impl LbStats {
             up: Presence::default(),
             accepted: Counter::default(),
             failed: Default::default(),
+            rejected: Default::default(),
             active: Gauge::default(),
             client_to_backend: Counter::default(),
             backend_to_client: Counter::default(),
@@ -260,6 +261,8 @@ pub const FAILED_REASONS: [&str; 4] = [
     "connect_timeout",
     "connect_error",
 ];
+/// Why a client was refused at accept (`connections_rejected_total{reason}`).
+pub const REJECTED_REASONS: [&str; 1] = ["source_range"];
 /// `accept_errors_total{kind}`.
 pub const ACCEPT_ERROR_KINDS: [&str; 3] = ["out_of_descriptors", "out_of_memory", "other"];
 /// `backend_connect_failures_total{reason}`.
@@ -288,6 +291,8 @@ pub struct ListenerStats {
     pub accepted: Counter,
     /// `connections_failed_total`, by [`FAILED_REASONS`].
     pub failed: [Counter; 4],
+    /// `connections_rejected_total`, by [`REJECTED_REASONS`].
+    pub rejected: [Counter; 1],
     /// `connections_active`.
     pub active: Gauge,
     /// `bytes_total{direction="client_to_backend"}`.

@@ -277,8 +277,9 @@ pub(crate) fn set_options_or_warn(socket: SockRef<'_>) {
     }
 }
 
-/// Makes the coming close a reset (`SO_LINGER` 0).
-fn reset(stream: &TcpStream) {
+/// Makes the coming close a reset (`SO_LINGER` 0): a refused client must
+/// not take a clean end of stream for an answer.
+pub(crate) fn reset(stream: &TcpStream) {
     if let Err(e) = SockRef::from(stream).set_linger(Some(Duration::ZERO)) {
         tracing::debug!(error = %e, "cannot set SO_LINGER");
     }

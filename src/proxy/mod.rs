@@ -148,6 +148,25 @@ async fn accept_loop(
         };
         match accepted {
             Ok((stream, peer)) => {
+                // `source_ranges` first: a client outside them is reset
+                // before it can take a connection slot, a task or a backend
+                // connect (one atomic load of the snapshot and a binary search).
+                {
+                    let current = route.load();
+                    if !current
+                        .lb
+                        .snapshot()
+                        .settings
+                        .source_ranges
+                        .allows(peer.ip())
+                    {
+                        // Index into `REJECTED_REASONS`.
+                        current.stats.rejected[0].increment(1);
+                        tracing::debug!(client = %peer, "client outside source_ranges: reset");
+                        forward::reset(&stream);
+                        continue;
+                    }
+                }
                 // The slot is taken after the accept, never held while
                 // waiting for one: with more listeners than slots, idle
                 // listeners holding slots would starve the busy ones.
