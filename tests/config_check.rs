@@ -170,10 +170,8 @@ fn syntax_and_type_errors_name_the_line() {
     );
     assert_eq!(p.len(), 1);
     assert_eq!(p[0].line, Some(4), "{p:?}");
-    assert!(
-        p[0].message.contains("sequence") || p[0].message.contains("array"),
-        "{p:?}"
-    );
+    assert_eq!(p[0].key, "load_balancer[0].backends", "{p:?}");
+    assert!(p[0].message.contains("expected a list"), "{p:?}");
 }
 
 #[test]
@@ -497,12 +495,12 @@ fn bad_http_check_values_are_all_named_with_what_is_allowed() {
         "{out}"
     );
 
-    // Not a list at all: the parser's words, with the line (type errors
-    // carry no key path yet, for any key: see `path_at`).
+    // Not a list at all: the parser's words, with the line and the key.
     let p = problems(&with_check("  kind = \"http\"\n  expect_status = 200\n"));
     assert_eq!(p.len(), 1, "{p:?}");
     assert_eq!(p[0].line, Some(13));
-    assert!(p[0].message.contains("expected a sequence"), "{p:?}");
+    assert_eq!(p[0].key, "load_balancer[0].health_check.expect_status");
+    assert!(p[0].message.contains("expected a list ([...])"), "{p:?}");
 }
 
 #[test]
@@ -785,4 +783,26 @@ fn source_ranges_are_bounded_and_a_list_that_refuses_everyone_is_a_warning() {
         loaded.warnings[0].to_string(),
         "line 5: load_balancer[0].source_ranges: no IPv4 range for the IPv4 VIP 192.0.2.10: every client will be refused"
     );
+}
+
+/// A value of the wrong type is named by its key path, in plain words.
+#[test]
+fn a_value_of_the_wrong_type_names_its_key() {
+    let cases = [
+        (
+            "[admin]\nlisten = 5\n",
+            "line 2: admin.listen: invalid type: integer `5`, expected a string",
+        ),
+        (
+            "[[load_balancer]]\nname = \"a\"\nvip = \"192.0.2.1\"\n  [[load_balancer.listener]]\n  name = \"h\"\n  port = \"80\"\n",
+            "line 6: load_balancer[0].listener[0].port: invalid type: string \"80\", expected an integer",
+        ),
+        (
+            "[metrics]\nper_backend_health_check_duration = \"yes\"\n",
+            "line 2: metrics.per_backend_health_check_duration: invalid type: string \"yes\", expected true or false",
+        ),
+    ];
+    for (text, want) in cases {
+        assert_eq!(rendered(text), want);
+    }
 }

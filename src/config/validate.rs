@@ -178,31 +178,42 @@ fn span_of(table: &DeTable<'_>, segments: &[String]) -> Option<Range<usize>> {
 /// The key path of the value at byte `offset` (the innermost one), for
 /// naming the key of a type error.
 fn path_at(table: &DeTable<'_>, offset: usize) -> Vec<String> {
-    let mut path = Vec::new();
-    let Some((key, value)) = table
-        .iter()
-        .find(|(k, v)| v.span().contains(&offset) || k.span().contains(&offset))
-    else {
-        return path;
-    };
-    path.push(key.get_ref().to_string());
-    match value.get_ref() {
-        DeValue::Table(t) => path.extend(path_at(t, offset)),
-        DeValue::Array(items) => {
-            if let Some((i, item)) = items
-                .iter()
-                .enumerate()
-                .find(|(_, it)| it.span().contains(&offset))
-            {
-                path.push(i.to_string());
-                if let DeValue::Table(t) = item.get_ref() {
-                    path.extend(path_at(t, offset));
+    find_path(table, offset).unwrap_or_default()
+}
+
+/// Depth first: a `[table]`'s own span covers only its header, so every
+/// table is searched, not only the one whose span holds `offset`.
+fn find_path(table: &DeTable<'_>, offset: usize) -> Option<Vec<String>> {
+    for (key, value) in table.iter() {
+        let here = value.span().contains(&offset) || key.span().contains(&offset);
+        let deeper = match value.get_ref() {
+            DeValue::Table(t) => find_path(t, offset),
+            DeValue::Array(items) => items.iter().enumerate().find_map(|(i, item)| {
+                let inner = match item.get_ref() {
+                    DeValue::Table(t) => find_path(t, offset),
+                    _ => None,
+                };
+                match inner {
+                    Some(mut rest) => {
+                        rest.insert(0, i.to_string());
+                        Some(rest)
+                    }
+                    None if item.span().contains(&offset) => Some(vec![i.to_string()]),
+                    None => None,
                 }
+            }),
+            _ => None,
+        };
+        match deeper {
+            Some(mut rest) => {
+                rest.insert(0, key.get_ref().to_string());
+                return Some(rest);
             }
+            None if here => return Some(vec![key.get_ref().to_string()]),
+            None => {}
         }
-        _ => {}
     }
-    path
+    None
 }
 
 /// Byte offset -> 1-based line number.
@@ -225,9 +236,18 @@ impl LineIndex {
         Problem {
             line: e.span().map(|s| self.line(s.start)),
             key,
-            message: e.message().trim_end().to_string(),
+            message: plain_types(e.message().trim_end()),
         }
     }
+}
+
+/// serde's type names in an operator's words: `expected i64` becomes
+/// `expected an integer`, `a sequence` a list.
+fn plain_types(message: &str) -> String {
+    message
+        .replace("expected i64", "expected an integer")
+        .replace("expected a sequence", "expected a list ([...])")
+        .replace("expected a boolean", "expected true or false")
 }
 
 struct Validator<'a> {
