@@ -36,6 +36,9 @@ pub struct FileConfig {
 pub struct FileAdmin {
     /// Address of the admin HTTP server; default `127.0.0.1:9901`.
     pub listen: Option<Spanned<String>>,
+    /// Path of the Unix socket that serves the state-changing endpoints;
+    /// default `/run/harvester-lb/admin.sock`.
+    pub socket: Option<Spanned<String>>,
 }
 
 /// `[metrics]`.
@@ -89,6 +92,9 @@ pub struct FileLoadBalancer {
     /// `loadBalancerSourceRanges`: CIDRs of the clients served; empty: everyone.
     #[serde(default)]
     pub source_ranges: Vec<Spanned<String>>,
+    /// `keep` or `close`: what happens to open connections of a backend the
+    /// health check marks down.
+    pub on_backend_down: Option<Spanned<String>>,
     /// `[[load_balancer.listener]]`.
     #[serde(default, rename = "listener")]
     pub listeners: Vec<Spanned<FileListener>>,

@@ -16,7 +16,7 @@ mod validate;
 use std::fmt;
 use std::net::{IpAddr, SocketAddr};
 use std::num::{NonZeroU32, NonZeroUsize};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -48,6 +48,11 @@ pub struct Config {
 pub struct AdminSettings {
     /// Where `/metrics`, `/healthz`, `/readyz`, `/status` and `/reload` are served.
     pub listen: SocketAddr,
+    /// The Unix socket that also serves the state-changing endpoints
+    /// (`POST /backends/state`). A Unix socket because its file mode decides
+    /// who may drain a backend; the TCP listener is open to every process on
+    /// the host, `hostNetwork` pods included.
+    pub socket: PathBuf,
 }
 
 /// `[metrics]`: the opt-in series, each costly at scale.
@@ -99,6 +104,8 @@ pub struct LoadBalancerSpec {
     /// `sessionAffinity: ClientIP`: how long a client keeps its backend after
     /// its last connection; `None` = no affinity.
     pub affinity_timeout: Option<Duration>,
+    /// What happens to open connections of a backend the health check marks down.
+    pub on_backend_down: OnBackendDown,
     /// VIP port -> nodeport mappings.
     pub listeners: Vec<ListenerSpec>,
     /// Active health checking; `None` = every backend always eligible.
@@ -168,6 +175,20 @@ pub enum Algorithm {
     /// Rendezvous hash of the client IP: a client sticks to one backend, and
     /// only clients of a backend that leaves are moved.
     SourceIp,
+}
+
+/// What happens to the connections open to a backend when its health check
+/// marks it down (HAProxy's `on-marked-down`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum OnBackendDown {
+    /// They continue (the default): a node that fails its probe may still
+    /// serve the connections it has, and they end on their own if it cannot.
+    #[default]
+    Keep,
+    /// They are closed with a reset at once (HAProxy's
+    /// `on-marked-down shutdown-sessions`): clients reconnect and are sent to
+    /// an eligible backend instead of waiting on a dead one.
+    Close,
 }
 
 /// Transport of a listener.

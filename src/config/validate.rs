@@ -9,6 +9,7 @@ use std::fmt;
 use std::net::{IpAddr, SocketAddr};
 use std::num::{NonZeroU32, NonZeroUsize};
 use std::ops::Range;
+use std::path::PathBuf;
 use std::time::Duration;
 
 use ipnet::{IpNet, Ipv4Net};
@@ -20,6 +21,12 @@ use super::*;
 
 /// Default admin listener: loopback only, so metrics are not exposed by accident.
 pub const DEFAULT_ADMIN_LISTEN: &str = "127.0.0.1:9901";
+/// Default admin socket, in the directory the systemd unit's
+/// `RuntimeDirectory=harvester-lb` creates (mode 0700).
+pub const DEFAULT_ADMIN_SOCKET: &str = "/run/harvester-lb/admin.sock";
+/// Longest Unix socket path the kernel takes (`sun_path` is 108 bytes with
+/// its terminating NUL).
+const MAX_SOCKET_PATH_BYTES: usize = 107;
 /// Default `listen(2)` backlog (the kernel caps it at `net.core.somaxconn`).
 pub const DEFAULT_BACKLOG: i64 = 4096;
 /// Default drain timeout, seconds.
@@ -305,6 +312,28 @@ impl Validator<'_> {
                 DEFAULT_ADMIN_LISTEN.parse().expect("default admin address parses")
             }),
         };
+        let admin_socket = match &file.admin.socket {
+            None => PathBuf::from(DEFAULT_ADMIN_SOCKET),
+            Some(s) => {
+                let path = s.get_ref();
+                let problem = if !path.starts_with('/') {
+                    Some("is not an absolute path; write e.g. \"/run/harvester-lb/admin.sock\"".to_string())
+                } else if path.len() > MAX_SOCKET_PATH_BYTES {
+                    Some(format!(
+                        "is {} bytes long; a Unix socket path takes at most {MAX_SOCKET_PATH_BYTES}",
+                        path.len()
+                    ))
+                } else if path.ends_with('/') || path.contains('\0') {
+                    Some("is not a file path (it ends with \"/\" or holds a NUL byte)".to_string())
+                } else {
+                    None
+                };
+                if let Some(p) = problem {
+                    self.problem(Some(s.span()), "admin.socket", format!("{path:?} {p}"));
+                }
+                PathBuf::from(path)
+            }
+        };
         let backlog = self.int(
             &file.proxy.backlog,
             format_args!("proxy.backlog"),
@@ -354,6 +383,7 @@ impl Validator<'_> {
         Config {
             admin: AdminSettings {
                 listen: admin_listen,
+                socket: admin_socket,
             },
             proxy: ProxySettings {
                 backlog: backlog as u32,
@@ -512,6 +542,23 @@ impl Validator<'_> {
             );
         }
 
+        let on_backend_down = self.choice(
+            &lb.on_backend_down,
+            format_args!("{key}.on_backend_down"),
+            &[("keep", OnBackendDown::Keep), ("close", OnBackendDown::Close)],
+            OnBackendDown::Keep,
+        );
+        if on_backend_down == OnBackendDown::Close
+            && lb.health_check.is_none()
+            && let Some(v) = &lb.on_backend_down
+        {
+            self.warning(
+                Some(v.span()),
+                &format!("{key}.on_backend_down"),
+                "has no effect without a health_check: no backend is ever marked down".into(),
+            );
+        }
+
         let mut backends = Vec::new();
         let mut seen = HashSet::new();
         for (i, b) in lb.backends.iter().enumerate() {
@@ -602,6 +649,7 @@ impl Validator<'_> {
             connect_attempts: connect_attempts.and_then(|n| NonZeroU32::new(n as u32)),
             idle_timeout: Duration::from_secs(idle_timeout as u64),
             affinity_timeout: affinity.then(|| Duration::from_secs(affinity_timeout as u64)),
+            on_backend_down,
             listeners,
             health_check,
             source_ranges,
