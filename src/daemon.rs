@@ -19,7 +19,7 @@ use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use crate::balancer::{AffinityBudget, Backend, LoadBalancer, Settings, affinity};
+use crate::balancer::{AdminState, AffinityBudget, Backend, LoadBalancer, Settings, affinity};
 use crate::config::{
     Algorithm, CheckKind, Config, Ipam, ListenerSpec, LoadBalancerSpec, ProxyProtocol,
 };
@@ -356,6 +356,61 @@ impl Daemon {
         cut
     }
 
+    /// Sets the operator's state of backend `addr` of load balancer
+    /// `load_balancer` (`POST /backends/state`) and publishes the new
+    /// eligible set. `maint` takes the backend off its probe stream; leaving
+    /// `maint` puts it back, starting from the load balancer's
+    /// `initial_state` (its last verdict is stale by then), and probed at
+    /// once or by the stream's next probe. Applied under the reload lock, so
+    /// a concurrent reload sees it before or after, never half.
+    pub fn set_admin_state(
+        &self,
+        load_balancer: &str,
+        addr: IpAddr,
+        state: AdminState,
+    ) -> Result<AdminStateChange, AdminStateError> {
+        let st = self.lock();
+        let entry = st
+            .load_balancers
+            .get(load_balancer)
+            .ok_or_else(|| AdminStateError::UnknownLoadBalancer(load_balancer.to_string()))?;
+        let backend = entry
+            .backends
+            .get(&addr)
+            .ok_or_else(|| AdminStateError::NotAMember {
+                load_balancer: load_balancer.to_string(),
+                backend: addr,
+            })?;
+        let previous = backend.set_admin_state(state);
+        let spec = st
+            .config
+            .as_ref()
+            .and_then(|c| c.load_balancers.iter().find(|l| l.name == load_balancer));
+        let key = (load_balancer.to_string(), addr);
+        match (previous, state) {
+            (AdminState::Maint, AdminState::Maint) => {}
+            (_, AdminState::Maint) => self.prober.remove(&key),
+            (AdminState::Maint, _) => {
+                if let Some(spec) = spec {
+                    self.ensure_probes(entry, spec);
+                }
+            }
+            _ => {}
+        }
+        entry.lb.publish();
+        if previous != state {
+            tracing::info!(
+                load_balancer,
+                backend = %addr,
+                from = %previous,
+                to = %state,
+                open = backend.active_connections(),
+                "backend admin state changed"
+            );
+        }
+        Ok(AdminStateChange { previous, state })
+    }
+
     /// Drops client-affinity entries older than their load balancer's
     /// timeout, on a blocking thread (a million entries take tens of
     /// milliseconds). The main loop calls it every few seconds.
@@ -451,6 +506,10 @@ impl Daemon {
         let Some(hc) = &spec.health_check else { return };
         for ip in &spec.backends {
             let backend = &entry.backends[ip];
+            if backend.admin_state() == AdminState::Maint {
+                // Not probed while in maintenance; probing resumes when it leaves.
+                continue;
+            }
             let key = (spec.name.clone(), *ip);
             if self.prober.get(&key).is_none() {
                 // A backend gaining a health check starts from the initial state.
@@ -567,6 +626,8 @@ impl Daemon {
                         } else {
                             Health::Unhealthy
                         },
+                        admin_state: b.admin_state(),
+                        eligible: b.is_eligible(),
                         active_connections: b.active_connections(),
                         probe,
                     }
@@ -628,6 +689,34 @@ impl Daemon {
             },
         }
     }
+}
+
+/// What [`Daemon::set_admin_state`] changed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct AdminStateChange {
+    /// The state before.
+    pub previous: AdminState,
+    /// The state now.
+    pub state: AdminState,
+}
+
+/// Why an admin state could not be set: the request names something the
+/// config in force does not have.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum AdminStateError {
+    /// No load balancer of that name is in force.
+    #[error("unknown load balancer {0:?}; /status lists the load balancers in force")]
+    UnknownLoadBalancer(String),
+    /// The address is not one of its backends.
+    #[error(
+        "{backend} is not a backend of load balancer {load_balancer:?}; /status lists its backends"
+    )]
+    NotAMember {
+        /// The load balancer named.
+        load_balancer: String,
+        /// The address named.
+        backend: IpAddr,
+    },
 }
 
 /// Closes a removed backend's connections once `drain` has passed (or at
@@ -747,8 +836,12 @@ pub struct ListenerStatus {
 pub struct BackendStatus {
     /// Node address.
     pub address: IpAddr,
-    /// Whether it takes new connections.
+    /// The health checker's verdict (the last one before `maint`).
     pub health: Health,
+    /// The operator's state: `ready`, `drain` or `maint`.
+    pub admin_state: AdminState,
+    /// Whether it takes new connections: healthy and `ready`.
+    pub eligible: bool,
     /// Connections open to it.
     pub active_connections: usize,
     /// Health-check detail; absent without a health check.

@@ -10,13 +10,17 @@
 //! Pingora keeps these in separate swaps and notes the gap; we close it.
 //! Client affinity ([`affinity`]) only chooses which eligible backend
 //! comes first; it never makes an ineligible one a candidate.
+//!
+//! Eligible = healthy *and* [`AdminState::Ready`], as Pingora's `ready =
+//! healthy and enabled`: an operator drains a backend without lying about
+//! its health, and the health checker never undoes a drain.
 
 pub mod affinity;
 pub mod select;
 
 use std::net::IpAddr;
 use std::num::NonZeroU32;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
@@ -24,8 +28,56 @@ use arc_swap::ArcSwap;
 use tokio_util::sync::CancellationToken;
 
 pub use self::affinity::{AffinityBudget, AffinityTable};
-use crate::config::{Algorithm, LoadBalancerSpec, SourceRanges};
+use crate::config::{Algorithm, LoadBalancerSpec, OnBackendDown, SourceRanges};
 use crate::metrics::{BackendStats, LbStats};
+
+/// The operator's state of a backend, apart from its health (HAProxy's
+/// `set server state`). Kept in the backend, so it survives every reload
+/// that keeps the backend, and only those: a restart starts `ready`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum AdminState {
+    /// Takes new connections while healthy (the default).
+    Ready,
+    /// No new connections; open ones continue; still probed, so its health
+    /// is known when it comes back.
+    Drain,
+    /// No new connections; open ones continue; not probed (the node may be
+    /// down for work, and its failures are nobody's alert).
+    Maint,
+}
+
+impl AdminState {
+    /// Every state, in the order of their index.
+    pub const ALL: [AdminState; 3] = [AdminState::Ready, AdminState::Drain, AdminState::Maint];
+
+    /// The name used in the API, `/status` and the metric label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            AdminState::Ready => "ready",
+            AdminState::Drain => "drain",
+            AdminState::Maint => "maint",
+        }
+    }
+
+    /// The state named `name` (`ready`, `drain` or `maint`).
+    pub fn parse(name: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|s| s.as_str() == name)
+    }
+
+    fn from_index(i: u8) -> Self {
+        Self::ALL
+            .get(usize::from(i))
+            .copied()
+            .unwrap_or(AdminState::Ready)
+    }
+}
+
+impl std::fmt::Display for AdminState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
 
 /// One backend node of one load balancer, shared by its listeners, the prober
 /// and every connection open to it.
@@ -36,6 +88,13 @@ pub struct Backend {
     pub(crate) addr_hash: u64,
     /// Last verdict of the health checker (always true without health checks).
     healthy: AtomicBool,
+    /// The operator's [`AdminState`], as its index in [`AdminState::ALL`].
+    admin_state: AtomicU8,
+    /// Cancelled (and replaced) when the health check marks the backend
+    /// down under `on_backend_down = "close"`: the connections open to it
+    /// then are reset. A fresh token afterwards, so connections made once it
+    /// is back are not cut by the old event.
+    marked_down: ArcSwap<CancellationToken>,
     /// Whether it is a member of its load balancer in the config in force;
     /// once removed, it no longer reports `backend_up`.
     member: AtomicBool,
@@ -57,10 +116,13 @@ impl Backend {
     /// A backend reporting to `stats`.
     pub fn with_stats(addr: IpAddr, healthy: bool, stats: Arc<BackendStats>) -> Arc<Self> {
         stats.up.set(healthy);
+        stats.admin_state.store(0, Ordering::Relaxed);
         Arc::new(Self {
             addr,
             addr_hash: select::hash_ip(addr),
             healthy: AtomicBool::new(healthy),
+            admin_state: AtomicU8::new(0),
+            marked_down: ArcSwap::from_pointee(CancellationToken::new()),
             member: AtomicBool::new(true),
             active: AtomicUsize::new(0),
             retired: CancellationToken::new(),
@@ -80,6 +142,41 @@ impl Backend {
         if self.member.load(Ordering::Acquire) {
             self.stats.up.set(healthy);
         }
+    }
+
+    /// The operator's state.
+    pub fn admin_state(&self) -> AdminState {
+        AdminState::from_index(self.admin_state.load(Ordering::Acquire))
+    }
+
+    /// Sets the operator's state and returns the previous one. The caller
+    /// publishes a new snapshot afterwards.
+    pub fn set_admin_state(&self, state: AdminState) -> AdminState {
+        let i = AdminState::ALL
+            .iter()
+            .position(|s| *s == state)
+            .unwrap_or(0) as u8;
+        let before = AdminState::from_index(self.admin_state.swap(i, Ordering::AcqRel));
+        self.stats.admin_state.store(i, Ordering::Relaxed);
+        before
+    }
+
+    /// Whether it takes new connections: healthy and `ready`.
+    pub fn is_eligible(&self) -> bool {
+        self.is_healthy() && self.admin_state() == AdminState::Ready
+    }
+
+    /// What a connection to it selects on to learn that it was marked down
+    /// under `on_backend_down = "close"`. Taken once the connection is up.
+    pub fn marked_down_signal(&self) -> CancellationToken {
+        CancellationToken::clone(&self.marked_down.load())
+    }
+
+    /// Resets every connection open to it now (it was marked down under
+    /// `on_backend_down = "close"`); later connections get a fresh signal.
+    pub fn close_connections(&self) {
+        let old = self.marked_down.swap(Arc::new(CancellationToken::new()));
+        old.cancel();
     }
 
     /// Connections open to it now.
@@ -148,6 +245,8 @@ pub struct Settings {
     /// takes a connection slot. Here, in the snapshot, so a reload changes
     /// it like any other setting: one swap, no lock on the accept path.
     pub source_ranges: SourceRanges,
+    /// Whether connections open to a backend marked down are reset.
+    pub on_backend_down: OnBackendDown,
 }
 
 impl From<&LoadBalancerSpec> for Settings {
@@ -159,6 +258,7 @@ impl From<&LoadBalancerSpec> for Settings {
             idle_timeout: spec.idle_timeout,
             affinity_timeout: spec.affinity_timeout,
             source_ranges: spec.source_ranges.clone(),
+            on_backend_down: spec.on_backend_down,
         }
     }
 }
@@ -321,6 +421,17 @@ impl LoadBalancer {
         &self.stats
     }
 
+    /// The health checker marked `backend` down: with `on_backend_down =
+    /// "close"` in force, the connections open to it are reset now.
+    /// Returns whether they were.
+    pub fn backend_marked_down(&self, backend: &Backend) -> bool {
+        let close = self.lock().settings.on_backend_down == OnBackendDown::Close;
+        if close {
+            backend.close_connections();
+        }
+        close
+    }
+
     /// Rebuilds the snapshot from the members' health and swaps it in. Called
     /// after a health transition; cheap, and only writers pay for it.
     pub fn publish(&self) {
@@ -338,7 +449,7 @@ impl LoadBalancer {
         let eligible: Vec<Arc<Backend>> = inner
             .members
             .iter()
-            .filter(|b| b.is_healthy())
+            .filter(|b| b.is_eligible())
             .cloned()
             .collect();
         let none = eligible.is_empty();
@@ -348,7 +459,7 @@ impl LoadBalancer {
                     load_balancer = %self.name,
                     cluster = %self.cluster,
                     members = inner.members.len(),
-                    "no eligible backend: new connections are refused until one is healthy"
+                    "no eligible backend: new connections are refused until one is healthy and ready"
                 );
                 self.stats.no_backend_events.increment(1);
             } else if inner.none_eligible == Some(true) {
@@ -383,6 +494,7 @@ mod tests {
             idle_timeout: Duration::from_secs(60),
             affinity_timeout: None,
             source_ranges: SourceRanges::everyone(),
+            on_backend_down: OnBackendDown::Keep,
         }
     }
 

@@ -317,7 +317,10 @@ impl Validator<'_> {
             Some(s) => {
                 let path = s.get_ref();
                 let problem = if !path.starts_with('/') {
-                    Some("is not an absolute path; write e.g. \"/run/harvester-lb/admin.sock\"".to_string())
+                    Some(
+                        "is not an absolute path; write e.g. \"/run/harvester-lb/admin.sock\""
+                            .to_string(),
+                    )
                 } else if path.len() > MAX_SOCKET_PATH_BYTES {
                     Some(format!(
                         "is {} bytes long; a Unix socket path takes at most {MAX_SOCKET_PATH_BYTES}",
@@ -545,7 +548,10 @@ impl Validator<'_> {
         let on_backend_down = self.choice(
             &lb.on_backend_down,
             format_args!("{key}.on_backend_down"),
-            &[("keep", OnBackendDown::Keep), ("close", OnBackendDown::Close)],
+            &[
+                ("keep", OnBackendDown::Keep),
+                ("close", OnBackendDown::Close),
+            ],
             OnBackendDown::Keep,
         );
         if on_backend_down == OnBackendDown::Close

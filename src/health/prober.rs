@@ -531,6 +531,19 @@ impl Target {
             }
             self.backend.set_healthy(t.to == Health::Healthy);
             self.lb.publish();
+            // After the publish: no new connection goes there while the
+            // open ones are reset.
+            let closed = t.to == Health::Unhealthy
+                && self.lb.backend_marked_down(&self.backend)
+                && self.backend.active_connections() > 0;
+            if closed {
+                tracing::info!(
+                    load_balancer = %self.lb.name,
+                    backend = %addr,
+                    open = self.backend.active_connections(),
+                    "on_backend_down = close: resetting the connections open to the backend"
+                );
+            }
             self.backend
                 .stats()
                 .record_transition(t.to == Health::Healthy);

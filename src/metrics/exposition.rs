@@ -21,8 +21,9 @@ use hyper::body::{Body, Bytes, Frame, SizeHint};
 use super::Metrics;
 use super::names::{self, Family};
 use super::stats::{
-    ACCEPT_ERROR_KINDS, BackendStats, CHECK_RESULTS, CONNECT_FAILURE_REASONS, Counter,
-    FAILED_REASONS, Histogram, LbStats, ListenerStats, PROBE_BUCKETS, REJECTED_REASONS,
+    ACCEPT_ERROR_KINDS, ADMIN_STATES, BackendStats, CHECK_RESULTS, CLOSED_REASONS,
+    CONNECT_FAILURE_REASONS, Counter, FAILED_REASONS, Histogram, LbStats, ListenerStats,
+    PROBE_BUCKETS, REJECTED_REASONS,
 };
 
 /// One load balancer's live objects at the start of a scrape.
@@ -116,6 +117,28 @@ const STEPS: &[Step] = &[
     }),
     Step::Backend(&names::BACKEND_CONNECTIONS_ACTIVE, |o, be| {
         o.sample("", |b| backend_labels(b, be), be.active.get());
+    }),
+    Step::Backend(&names::BACKEND_ADMIN_STATE, |o, be| {
+        // A state series, present while the backend is a member (as `backend_up`).
+        if be.up.get().is_some() {
+            let state = ADMIN_STATES
+                .get(usize::from(be.admin_state.load(Ordering::Relaxed)))
+                .copied()
+                .unwrap_or("ready");
+            o.sample(
+                "",
+                |b| {
+                    backend_labels(b, be);
+                    label(b, "state", state);
+                },
+                1,
+            );
+        }
+    }),
+    Step::Backend(&names::BACKEND_CONNECTIONS_CLOSED, |o, be| {
+        o.outcomes(&be.closed, &CLOSED_REASONS, "reason", |b| {
+            backend_labels(b, be)
+        });
     }),
     Step::Backend(&names::BACKEND_CONNECT_FAILURES, |o, be| {
         o.outcomes(

@@ -153,6 +153,18 @@ pub static BACKEND_CONNECTIONS_ACTIVE: Family = Family::new(
     Gauge,
     "Connections open to the backend now.",
 );
+/// The operator's state of a backend: one series, `state` = the current one.
+pub static BACKEND_ADMIN_STATE: Family = Family::new(
+    "harvester_lb_backend_admin_state",
+    Gauge,
+    "The operator's state of the backend (ready, drain or maint) in the state label; the value is always 1.",
+);
+/// Open connections the daemon closed, by `reason`.
+pub static BACKEND_CONNECTIONS_CLOSED: Family = Family::new(
+    "harvester_lb_backend_connections_closed_total",
+    Counter,
+    "Open connections to the backend closed by the daemon, by reason (marked_down: on_backend_down = close).",
+);
 /// Failed connect attempts to one backend, by `reason`.
 pub static BACKEND_CONNECT_FAILURES: Family = Family::new(
     "harvester_lb_backend_connect_failures_total",

@@ -241,6 +241,8 @@ impl LbStats {
             connect_failures: Default::default(),
             checks: Default::default(),
             transitions: Default::default(),
+            admin_state: AtomicU8::new(0),
+            closed: Default::default(),
             duration: OnceLock::new(),
         })
     }
@@ -278,6 +280,14 @@ pub const CHECK_RESULTS: [&str; 7] = [
     "http_status",
     "http_error",
 ];
+
+/// The `state` label of `backend_admin_state`, by index: the names of
+/// `AdminState::ALL` (a balancer test keeps the two in step).
+pub const ADMIN_STATES: [&str; 3] = ["ready", "drain", "maint"];
+
+/// `backend_connections_closed_total{reason}`, in the order of
+/// [`BackendStats::closed`].
+pub const CLOSED_REASONS: [&str; 1] = ["marked_down"];
 
 /// One listener's numbers.
 pub struct ListenerStats {
@@ -327,6 +337,12 @@ pub struct BackendStats {
     pub checks: [Counter; CHECK_RESULTS.len()],
     /// `health_transitions_total{to="up"}` and `{to="down"}`.
     pub transitions: [Counter; 2],
+    /// `backend_admin_state{state}`: the index of the operator's state in
+    /// `AdminState::ALL` (`ready`, `drain`, `maint`).
+    pub admin_state: AtomicU8,
+    /// `backend_connections_closed_total`, by [`CLOSED_REASONS`]: open
+    /// connections the daemon closed because of the backend's state.
+    pub closed: [Counter; CLOSED_REASONS.len()],
     /// Its own probe-duration histogram, made at the first probe after
     /// `metrics.per_backend_health_check_duration` was switched on.
     pub(crate) duration: OnceLock<Box<Histogram>>,

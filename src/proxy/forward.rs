@@ -148,6 +148,9 @@ pub async fn serve(
             }
         }
     }
+    // Taken now, after the connect: a mark-down before this point already
+    // kept the backend out of later snapshots.
+    let marked_down = backend.marked_down_signal();
     m.active.increment();
     let ended = tokio::select! {
         ended = copy::bidirectional(
@@ -165,6 +168,13 @@ pub async fn serve(
         }
         _ = backend.retired() => {
             tracing::debug!("backend removed and drained: closing connection");
+            Ended::Completed
+        }
+        _ = marked_down.cancelled() => {
+            tracing::debug!(backend = %backend.addr, "backend marked down (on_backend_down = close): resetting both sides");
+            backend.stats().closed[0].increment(1); // CLOSED_REASONS: marked_down
+            reset(&client);
+            reset(&server);
             Ended::Completed
         }
     };
