@@ -56,9 +56,13 @@ pub async fn run(path: &Path) -> Result<(), String> {
         lb.backends
     );
 
+    // A socket of its own: the demo must not take (or trip over) the one a
+    // daemon installed on this host serves.
+    let socket_dir = std::env::temp_dir().join(format!("harvester-lb-demo-{}", std::process::id()));
     let server = crate::start(crate::Options {
         config_path: path.to_path_buf(),
         watch_interval: None,
+        admin_socket: Some(socket_dir.join("admin.sock")),
     })
     .await
     .map_err(|e| e.to_string())?;
@@ -106,6 +110,7 @@ pub async fn run(path: &Path) -> Result<(), String> {
         server.admin_addr()
     );
     server.shutdown().await;
+    let _ = std::fs::remove_dir(&socket_dir); // Emptied by the shutdown; best effort.
     Ok(())
 }
 

@@ -1,5 +1,5 @@
-//! The `harvester-lb` command: `run`, `check`, `reload`. Thin by design; the
-//! daemon lives in the library.
+//! The `harvester-lb` command: `run`, `check`, `reload`, `backend`, `demo`.
+//! Thin by design; the daemon and the admin client live in the library.
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
@@ -20,8 +20,14 @@ static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 /// Exit code for an unusable config (sysexits' EX_CONFIG). The systemd unit
 /// lists it in `RestartPreventExitStatus=` so a bad file does not restart-loop.
 const EXIT_CONFIG: u8 = 78;
-/// Exit code when the daemon could not start for another reason.
+/// Exit code when the daemon could not start for another reason, or refused
+/// a request.
 const EXIT_START: u8 = 1;
+/// Exit code when the daemon cannot be reached (sysexits' EX_UNAVAILABLE).
+const EXIT_UNAVAILABLE: u8 = 69;
+/// How long the CLI waits for the daemon's answer (a reload of a large file
+/// takes a fraction of a second; a wedged daemon must not hang the caller).
+const ANSWER_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// TCP load balancer with active health checks for Harvester guest-cluster
 /// LoadBalancer services.
@@ -68,13 +74,61 @@ enum Command {
         #[arg(long, short, default_value = "config/loopback.toml")]
         config: PathBuf,
     },
-    /// Ask the running daemon to reload its config (POST /reload on the admin
-    /// listener named in the config) and print the outcome.
+    /// Ask the running daemon to reload its config and print the outcome.
+    ///
+    /// POST /reload on the admin socket named in the config (admin.socket)
+    /// when it exists, else on the admin listener (admin.listen).
     Reload {
-        /// The config file (its `admin.listen` is where the daemon listens).
+        /// The config file (its `admin.socket` and `admin.listen` are where
+        /// the daemon listens).
         #[arg(long, short, default_value = config::DEFAULT_PATH)]
         config: PathBuf,
     },
+    /// Set the operator's state of one backend of one load balancer:
+    /// `drain` (no new connections, open ones continue, still probed),
+    /// `maint` (the same, and not probed) or `ready` (back in service).
+    ///
+    /// Talks to the daemon's admin socket (POST /backends/state); needs the
+    /// rights to open it (root, or the daemon's own user). The state lasts
+    /// until changed or the daemon restarts.
+    Backend {
+        /// The state to set.
+        #[arg(value_enum)]
+        state: BackendState,
+        /// The load balancer, `<namespace>/<service>`.
+        #[arg(long = "lb", value_name = "NAME")]
+        load_balancer: String,
+        /// The backend's address, as in the config.
+        #[arg(value_name = "ADDRESS")]
+        address: String,
+        /// The admin socket. Default: the config's admin.socket.
+        #[arg(long, value_name = "PATH")]
+        socket: Option<PathBuf>,
+        /// The config file whose admin.socket is used when --socket is not given.
+        #[arg(long, short, default_value = config::DEFAULT_PATH)]
+        config: PathBuf,
+    },
+}
+
+/// The operator states `harvester-lb backend` sets.
+#[derive(Clone, Copy, ValueEnum)]
+enum BackendState {
+    /// Back in service (once healthy).
+    Ready,
+    /// No new connections; open ones continue; still probed.
+    Drain,
+    /// No new connections; open ones continue; not probed.
+    Maint,
+}
+
+impl BackendState {
+    fn as_str(self) -> &'static str {
+        match self {
+            BackendState::Ready => "ready",
+            BackendState::Drain => "drain",
+            BackendState::Maint => "maint",
+        }
+    }
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -89,6 +143,13 @@ fn main() -> ExitCode {
     match cli.command {
         Command::Check { config } => check(&config),
         Command::Reload { config } => reload(&config),
+        Command::Backend {
+            state,
+            load_balancer,
+            address,
+            socket,
+            config,
+        } => backend(state, &load_balancer, &address, socket, &config),
         Command::Run {
             config,
             no_watch,
@@ -172,15 +233,127 @@ fn demo(path: &Path) -> ExitCode {
     }
 }
 
+/// Sends one request to the admin socket on a one-thread runtime.
+fn socket_request(
+    socket: &Path,
+    method: hyper::Method,
+    path: &str,
+    body: String,
+) -> std::io::Result<(hyper::StatusCode, String)> {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    runtime.block_on(harvester_lb::admin::socket_request(
+        socket,
+        method,
+        path,
+        body,
+        ANSWER_TIMEOUT,
+    ))
+}
+
+/// Why the admin socket could not be reached, in the operator's terms.
+fn unreachable(socket: &Path, e: &std::io::Error) -> String {
+    let shown = socket.display();
+    match e.kind() {
+        std::io::ErrorKind::NotFound => format!(
+            "no admin socket at {shown}: the daemon is not running, or its admin.socket differs (pass --socket PATH or --config FILE)"
+        ),
+        std::io::ErrorKind::ConnectionRefused => format!(
+            "nothing answers on the admin socket {shown} (a stale file): the daemon is not running, or its admin.socket differs"
+        ),
+        std::io::ErrorKind::PermissionDenied => format!(
+            "permission denied on the admin socket {shown}: it is mode 0600 in a 0700 directory; run as root"
+        ),
+        _ => format!("cannot reach the daemon's admin socket {shown}: {e}"),
+    }
+}
+
+fn backend(
+    state: BackendState,
+    load_balancer: &str,
+    address: &str,
+    socket: Option<PathBuf>,
+    config_path: &Path,
+) -> ExitCode {
+    // The config is read only for admin.socket; a missing or broken file
+    // means the default path (the daemon would not run on a broken one).
+    let socket = socket.unwrap_or_else(|| {
+        config::load(config_path).map_or_else(
+            |_| PathBuf::from(config::DEFAULT_ADMIN_SOCKET),
+            |l| l.config.admin.socket,
+        )
+    });
+    let body = serde_json::json!({
+        "load_balancer": load_balancer,
+        "backend": address,
+        "state": state.as_str(),
+    })
+    .to_string();
+    match socket_request(&socket, hyper::Method::POST, "/backends/state", body) {
+        Ok((status, body)) => {
+            let answer: serde_json::Value = serde_json::from_str(&body).unwrap_or_default();
+            if status.is_success() {
+                println!(
+                    "{load_balancer} backend {}: {} -> {}",
+                    answer["backend"].as_str().unwrap_or(address),
+                    answer["previous_state"].as_str().unwrap_or("?"),
+                    answer["state"].as_str().unwrap_or(state.as_str()),
+                );
+                ExitCode::SUCCESS
+            } else {
+                let message = answer["error"].as_str().unwrap_or(body.trim_end());
+                eprintln!("the daemon refused: {message} (HTTP {status})");
+                ExitCode::from(EXIT_START)
+            }
+        }
+        Err(e) => {
+            eprintln!("{}", unreachable(&socket, &e));
+            ExitCode::from(EXIT_UNAVAILABLE)
+        }
+    }
+}
+
 fn reload(path: &Path) -> ExitCode {
-    // Read only admin.listen; the daemon validates the whole file itself.
-    let admin = match config::load(path) {
-        Ok(l) => l.config.admin.listen,
+    // Read only admin.socket and admin.listen; the daemon validates the
+    // whole file itself.
+    let (admin, socket) = match config::load(path) {
+        Ok(l) => (l.config.admin.listen, l.config.admin.socket),
         Err(e) => {
             eprintln!("{e}");
             return ExitCode::from(EXIT_CONFIG);
         }
     };
+    // The socket first: it answers only the daemon that owns it. A missing
+    // or stale one (an older daemon without it) falls back to TCP.
+    if socket.exists() {
+        match socket_request(&socket, hyper::Method::POST, "/reload", String::new()) {
+            Ok((status, body)) => {
+                return if status.is_success() {
+                    println!("{}", body.trim_end());
+                    ExitCode::SUCCESS
+                } else {
+                    eprintln!("{}", body.trim_end());
+                    ExitCode::from(EXIT_CONFIG)
+                };
+            }
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::NotFound
+                        | std::io::ErrorKind::ConnectionRefused
+                        | std::io::ErrorKind::PermissionDenied
+                ) =>
+            {
+                eprintln!("{}; trying admin.listen {admin}", unreachable(&socket, &e));
+            }
+            Err(e) => {
+                // Reached, then lost: the reload may have run; do not send a second.
+                eprintln!("{}", unreachable(&socket, &e));
+                return ExitCode::from(EXIT_START);
+            }
+        }
+    }
     let result = (|| -> std::io::Result<String> {
         let mut s = TcpStream::connect_timeout(&admin, Duration::from_secs(5))?;
         s.set_read_timeout(Some(Duration::from_secs(60)))?;

@@ -26,14 +26,20 @@ pub struct Options {
     /// How often the file is checked for changes; `None` disables watching
     /// (reload then only by `SIGHUP` or `POST /reload`).
     pub watch_interval: Option<Duration>,
+    /// Where the admin Unix socket goes instead of the config's
+    /// `admin.socket`: for the demo and tests, which run beside other
+    /// daemons and must not take `/run/harvester-lb/admin.sock`.
+    pub admin_socket: Option<PathBuf>,
 }
 
 impl Options {
-    /// Options for `path` with the default file watch (every 500 ms).
+    /// Options for `path` with the default file watch (every 500 ms) and the
+    /// admin socket the config names.
     pub fn new(path: impl Into<PathBuf>) -> Self {
         Self {
             config_path: path.into(),
             watch_interval: Some(Duration::from_millis(500)),
+            admin_socket: None,
         }
     }
 }
@@ -52,15 +58,22 @@ pub enum StartError {
         /// What the OS said.
         source: std::io::Error,
     },
+    /// The admin Unix socket could not be set up.
+    #[error(transparent)]
+    AdminSocket(#[from] admin::SocketError),
 }
 
 /// A running daemon.
 pub struct Server {
     daemon: Arc<Daemon>,
     admin_addr: SocketAddr,
+    admin_socket: PathBuf,
     reload: mpsc::Sender<ReloadRequest>,
     stop: CancellationToken,
     admin_stop: CancellationToken,
+    /// Serves the admin socket; awaited at shutdown, so its file is gone
+    /// when `shutdown` returns.
+    socket_task: JoinHandle<()>,
     main_loop: JoinHandle<()>,
 }
 
@@ -82,6 +95,12 @@ pub async fn start(options: Options) -> Result<Server, StartError> {
                 source,
             })?;
     let admin_addr = admin_socket.local_addr().unwrap_or(admin_addr);
+    // Bound once, like admin.listen: a change of admin.socket needs a restart.
+    let unix_path = options
+        .admin_socket
+        .clone()
+        .unwrap_or_else(|| config.admin.socket.clone());
+    let unix_socket = admin::AdminSocket::bind(&unix_path)?;
 
     let metrics = Metrics::new();
     let daemon = Daemon::new(Arc::clone(&metrics), connection_limit(&config));
@@ -99,6 +118,12 @@ pub async fn start(options: Options) -> Result<Server, StartError> {
         reload_tx.clone(),
         admin_stop.clone(),
     ));
+    let socket_task = tokio::spawn(admin::serve_socket(
+        unix_socket,
+        Arc::clone(&daemon),
+        reload_tx.clone(),
+        admin_stop.clone(),
+    ));
     let main_loop = tokio::spawn(main_loop(
         options,
         Arc::clone(&daemon),
@@ -109,9 +134,11 @@ pub async fn start(options: Options) -> Result<Server, StartError> {
     Ok(Server {
         daemon,
         admin_addr,
+        admin_socket: unix_path,
         reload: reload_tx,
         stop,
         admin_stop,
+        socket_task,
         main_loop,
     })
 }
@@ -120,6 +147,11 @@ impl Server {
     /// Where the admin API listens (the real port when `admin.listen` used port 0).
     pub fn admin_addr(&self) -> SocketAddr {
         self.admin_addr
+    }
+
+    /// Where the admin Unix socket is (state changes are served only there).
+    pub fn admin_socket(&self) -> &std::path::Path {
+        &self.admin_socket
     }
 
     /// The running daemon.
@@ -147,6 +179,9 @@ impl Server {
         tracing::info!("stopping: no new connections; draining open ones");
         let cut = self.daemon.shutdown().await;
         self.admin_stop.cancel();
+        if let Err(e) = self.socket_task.await {
+            tracing::warn!(error = %e, "the admin socket task ended abnormally");
+        }
         tracing::info!(closed_by_timeout = cut, "stopped");
         cut
     }

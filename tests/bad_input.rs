@@ -60,8 +60,9 @@ impl Env {
     /// A valid config: VIP :8080 -> this address :30080, with a health check.
     fn config(&self, extra_lb: &str) -> String {
         format!(
-            "[admin]\nlisten = \"{admin}\"\n[proxy]\ndrain_timeout_seconds = 5\n\n[[load_balancer]]\nname = \"bad/input\"\nvip = \"{ip}\"\nbackends = [\"{ip}\"]\n{extra_lb}\n  [[load_balancer.listener]]\n  name = \"tcp\"\n  port = 8080\n  backend_port = 30080\n  [load_balancer.health_check]\n  port = 30080\n  period_seconds = 1\n  timeout_seconds = 1\n",
+            "[admin]\nlisten = \"{admin}\"\nsocket = {socket:?}\n[proxy]\ndrain_timeout_seconds = 5\n\n[[load_balancer]]\nname = \"bad/input\"\nvip = \"{ip}\"\nbackends = [\"{ip}\"]\n{extra_lb}\n  [[load_balancer.listener]]\n  name = \"tcp\"\n  port = 8080\n  backend_port = 30080\n  [load_balancer.health_check]\n  port = 30080\n  period_seconds = 1\n  timeout_seconds = 1\n",
             admin = self.admin(),
+            socket = self.dir.join("admin.sock"),
             ip = self.ip
         )
     }
@@ -226,7 +227,7 @@ fn bad_files(env: &Env) -> Vec<(&'static str, PathBuf, &'static str)> {
     add(
         "wrong-type.toml",
         good.replace("port = 8080", "port = \"eighty\"").as_bytes(),
-        "line 13",
+        "line 14",
     );
     add(
         "huge-values.toml",
@@ -235,7 +236,7 @@ fn bad_files(env: &Env) -> Vec<(&'static str, PathBuf, &'static str)> {
             "period_seconds = 99999999999999999999",
         )
         .as_bytes(),
-        "line 17",
+        "line 18",
     );
     add(
         "huge-int.toml",

@@ -29,6 +29,7 @@ fn config(net: &Subnet, backends: &[u8], churn: &[u16], drain_seconds: u64) -> S
         r#"
 [admin]
 listen = "{admin}:9901"
+socket = {socket:?}
 
 [proxy]
 drain_timeout_seconds = {drain_seconds}
@@ -48,6 +49,7 @@ backends = [{backends}]
   failure_threshold = 2
 "#,
         admin = net.ip_str(250),
+        socket = net.dir().join("admin.sock"),
         vip = net.ip_str(1),
         backends = list(backends),
     );

@@ -22,6 +22,7 @@ use std::time::Duration;
 
 pub use error::{ConfigError, Problem};
 pub use ranges::{MAX_SOURCE_RANGES, SourceRanges};
+pub use validate::DEFAULT_ADMIN_SOCKET;
 
 /// Where the daemon looks for its configuration unless told otherwise.
 pub const DEFAULT_PATH: &str = "/etc/harvester-lb/config.toml";

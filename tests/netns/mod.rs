@@ -372,7 +372,15 @@ impl Bed {
     /// As [`Bed::start_daemon`], with the daemon's open-file limit (soft and
     /// hard) set to `nofile`.
     pub async fn start_daemon_with(&mut self, config: &str, nofile: Option<u64>) -> &DaemonProc {
-        let path = self.write("config.toml", config);
+        // The admin socket in the bed's directory: beds run side by side
+        // and share the file system, so none may take /run/harvester-lb.
+        let config = if config.contains("[admin]\n") && !config.contains("socket =") {
+            let socket = format!("[admin]\nsocket = {:?}\n", self.dir.join("admin.sock"));
+            config.replacen("[admin]\n", &socket, 1)
+        } else {
+            config.to_string()
+        };
+        let path = self.write("config.toml", &config);
         let d = DaemonProc::spawn(&self.lb, &path, &self.dir.join("daemon.log"), nofile);
         self.daemon = Some(d);
         let d = self.daemon.as_ref().expect("just set");

@@ -260,6 +260,8 @@ pub struct Daemon {
     pub admin: SocketAddr,
     /// The config file.
     pub config: PathBuf,
+    /// The admin Unix socket (state changes are served only there).
+    pub socket: PathBuf,
 }
 
 impl Daemon {
@@ -274,14 +276,22 @@ impl Daemon {
         let path = net.write("config.toml", config);
         let mut options = harvester_lb::Options::new(&path);
         options.watch_interval = watch;
+        // The admin socket in the test's own directory, unless the test's
+        // config names one itself: tests run side by side, and none may take
+        // /run/harvester-lb/admin.sock.
+        if !config.contains("socket =") {
+            options.admin_socket = Some(net.dir().join("admin.sock"));
+        }
         let server = harvester_lb::start(options)
             .await
             .unwrap_or_else(|e| panic!("daemon start: {e}"));
         let admin = server.admin_addr();
+        let socket = server.admin_socket().to_path_buf();
         Self {
             server: Some(server),
             admin,
             config: path,
+            socket,
         }
     }
 
@@ -349,6 +359,53 @@ impl Daemon {
     pub async fn stop(mut self) -> usize {
         self.server.take().expect("running").shutdown().await
     }
+}
+
+/// One HTTP/1.1 request with `Connection: close` and a body over the Unix
+/// socket at `socket`; returns status and body.
+pub async fn http_unix(
+    socket: &std::path::Path,
+    method: &str,
+    path: &str,
+    body: &str,
+) -> (u16, String) {
+    let mut s = tokio::net::UnixStream::connect(socket)
+        .await
+        .unwrap_or_else(|e| panic!("connect admin socket {}: {e}", socket.display()));
+    let req = format!(
+        "{method} {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    s.write_all(req.as_bytes()).await.expect("send request");
+    let mut raw = Vec::new();
+    tokio::time::timeout(Duration::from_secs(30), s.read_to_end(&mut raw))
+        .await
+        .expect("admin socket answers within 30 s")
+        .expect("read response");
+    split_response(&String::from_utf8_lossy(&raw))
+}
+
+/// One HTTP/1.1 request with a body over TCP; returns status and body.
+pub async fn http_with_body(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    body: &str,
+) -> (u16, String) {
+    let mut s = TcpStream::connect(addr)
+        .await
+        .unwrap_or_else(|e| panic!("connect admin {addr}: {e}"));
+    let req = format!(
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    s.write_all(req.as_bytes()).await.expect("send request");
+    let mut raw = Vec::new();
+    tokio::time::timeout(Duration::from_secs(30), s.read_to_end(&mut raw))
+        .await
+        .expect("admin answers within 30 s")
+        .expect("read response");
+    split_response(&String::from_utf8_lossy(&raw))
 }
 
 /// The value of the first sample line starting with `prefix`, or 0.
