@@ -33,6 +33,7 @@ fn lb(algorithm: Algorithm, n: usize) -> (Arc<LoadBalancer>, Vec<Arc<Backend>>) 
         idle_timeout: Duration::from_secs(3600),
         affinity_timeout: None,
         source_ranges: SourceRanges::everyone(),
+        on_backend_down: Default::default(),
     };
     let lb = LoadBalancer::new(
         "bench/lb".into(),

@@ -550,4 +550,71 @@ mod tests {
             2
         );
     }
+
+    #[test]
+    fn eligible_means_healthy_and_ready_and_affinity_never_overrides_it() {
+        let a = Backend::new(IpAddr::from([10, 0, 0, 1]), true);
+        let b = Backend::new(IpAddr::from([10, 0, 0, 2]), true);
+        let lb = LoadBalancer::new(
+            "a".into(),
+            "c".into(),
+            settings(None),
+            vec![a.clone(), b.clone()],
+            LbStats::detached(),
+        );
+        assert_eq!(a.set_admin_state(AdminState::Drain), AdminState::Ready);
+        lb.publish();
+        assert!(a.is_healthy() && !a.is_eligible());
+        let client = IpAddr::from([192, 0, 2, 9]);
+        // The client's remembered backend is drained: the pick goes elsewhere.
+        for _ in 0..4 {
+            let first = lb
+                .snapshot()
+                .candidates(client, lb.cursor(), Some(a.addr))
+                .next()
+                .map(|b| b.addr);
+            assert_eq!(first, Some(b.addr));
+        }
+        a.set_admin_state(AdminState::Maint);
+        b.set_healthy(false);
+        lb.publish();
+        assert!(lb.snapshot().eligible.is_empty());
+        a.set_admin_state(AdminState::Ready);
+        lb.publish();
+        assert_eq!(lb.snapshot().eligible.len(), 1);
+    }
+
+    #[test]
+    fn a_mark_down_closes_only_under_close_and_only_once() {
+        let a = Backend::new(IpAddr::from([10, 0, 0, 1]), true);
+        let lb = LoadBalancer::new(
+            "a".into(),
+            "c".into(),
+            settings(None),
+            vec![a.clone()],
+            LbStats::detached(),
+        );
+        let before = a.marked_down_signal();
+        assert!(!lb.backend_marked_down(&a), "keep is the default");
+        assert!(!before.is_cancelled());
+        let mut close = settings(None);
+        close.on_backend_down = OnBackendDown::Close;
+        lb.replace(close, vec![a.clone()]);
+        assert!(lb.backend_marked_down(&a));
+        assert!(before.is_cancelled(), "connections open then are closed");
+        assert!(
+            !a.marked_down_signal().is_cancelled(),
+            "later ones get a fresh signal"
+        );
+    }
+
+    #[test]
+    fn admin_state_names_match_the_metric_labels() {
+        let names: Vec<&str> = AdminState::ALL.iter().map(|s| s.as_str()).collect();
+        assert_eq!(names, crate::metrics::stats::ADMIN_STATES);
+        for s in AdminState::ALL {
+            assert_eq!(AdminState::parse(s.as_str()), Some(s));
+        }
+        assert_eq!(AdminState::parse("READY"), None);
+    }
 }
