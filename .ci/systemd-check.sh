@@ -167,6 +167,7 @@ else
     cat >"$work/config.toml" <<TOML
 [admin]
 listen = "127.0.0.1:$admin_port"
+socket = "$work/admin.sock"
 [proxy]
 drain_timeout_seconds = 1
 [[load_balancer]]
@@ -205,13 +206,18 @@ TOML
     printf 'GET /healthz HTTP/1.0\r\n\r\n' >&3
     timeout 5 cat <&3 >/dev/null || true
     exec 3>&-
+    # Through the admin socket (bind, chmod and rename of the socket at start
+    # are in run.trace): a reload, and a backend state change there and back.
     strace -f -qq -o "$work/reload.trace" "$bin" reload --config "$work/config.toml" >/dev/null || true
+    strace -f -qq -o "$work/backend.trace" "$bin" backend drain --lb ci/systemd-check 127.0.0.1 --config "$work/config.toml" >/dev/null ||
+        { cat "$work/run.log"; fail "harvester-lb backend drain failed against the admin socket"; }
+    "$bin" backend ready --lb ci/systemd-check 127.0.0.1 --config "$work/config.toml" >/dev/null
     kill -HUP "$daemon"
     sleep 1.2
     kill -TERM "$daemon"
     wait "$tracer" || { cat "$work/run.log"; fail "the daemon did not exit 0 on SIGTERM"; }
     tracer=
-    cat "$work/run.trace" "$work/reload.trace" | grep -oE '^[0-9]+ +[a-z_0-9]+\(' |
+    cat "$work/run.trace" "$work/reload.trace" "$work/backend.trace" | grep -oE '^[0-9]+ +[a-z_0-9]+\(' |
         sed -E 's/^[0-9]+ +//; s/\($//' | sort -u >"$work/used.txt"
     blocked=$(comm -23 "$work/used.txt" "$work/allowed.txt")
     if [[ -n $blocked ]]; then
