@@ -4,7 +4,7 @@
 
 mod support;
 
-use harvester_lb::config::{self, Algorithm, CheckKind, InitialState, Problem};
+use harvester_lb::config::{self, Algorithm, CheckKind, InitialState, OnBackendDown, Problem};
 use support::run_cli;
 
 fn problems(text: &str) -> Vec<Problem> {
@@ -352,6 +352,57 @@ affinity_timeout_seconds = 86401
         ),
         "{}",
         loaded.warnings[0]
+    );
+}
+
+#[test]
+fn admin_socket_and_on_backend_down_are_checked() {
+    let loaded = config::parse(GOOD).expect("valid");
+    assert_eq!(
+        loaded.config.admin.socket.to_str(),
+        Some("/run/harvester-lb/admin.sock")
+    );
+    assert_eq!(
+        loaded.config.load_balancers[0].on_backend_down,
+        OnBackendDown::Keep
+    );
+    let text = GOOD.replace(
+        "[[load_balancer]]\n",
+        "[[load_balancer]]\non_backend_down = \"close\"\n",
+    );
+    let loaded = config::parse(&text).expect("valid");
+    assert_eq!(
+        loaded.config.load_balancers[0].on_backend_down,
+        OnBackendDown::Close
+    );
+
+    let long = format!("/{}", "s".repeat(120));
+    let text = concat!(
+        "[admin]\nsocket = \"admin.sock\"\n[proxy]\n[[load_balancer]]\nname = \"a\"\nvip = \"192.0.2.1\"\nbackends = [\"198.51.100.1\"]\non_backend_down = \"shutdown\"\n"
+    );
+    assert_eq!(
+        rendered(text),
+        [
+            "line 2: admin.socket: \"admin.sock\" is not an absolute path; write e.g. \"/run/harvester-lb/admin.sock\"",
+            "line 8: load_balancer[0].on_backend_down: \"shutdown\" is not supported; use one of \"keep\", \"close\"",
+        ]
+        .join("\n")
+    );
+    let text = format!("[admin]\nsocket = {long:?}\n");
+    assert!(
+        rendered(&text).contains("is 121 bytes long; a Unix socket path takes at most 107"),
+        "{}",
+        rendered(&text)
+    );
+    // close without a health check does nothing: a warning.
+    let text = "[[load_balancer]]\nname = \"a\"\nvip = \"192.0.2.1\"\nbackends = [\"198.51.100.1\"]\non_backend_down = \"close\"\n";
+    let loaded = config::parse(text).expect("valid with a warning");
+    assert!(
+        loaded.warnings.iter().any(|w| w
+            .to_string()
+            .contains("on_backend_down: has no effect without a health_check")),
+        "{:?}",
+        loaded.warnings
     );
 }
 
