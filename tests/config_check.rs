@@ -377,9 +377,7 @@ fn admin_socket_and_on_backend_down_are_checked() {
     );
 
     let long = format!("/{}", "s".repeat(120));
-    let text = concat!(
-        "[admin]\nsocket = \"admin.sock\"\n[proxy]\n[[load_balancer]]\nname = \"a\"\nvip = \"192.0.2.1\"\nbackends = [\"198.51.100.1\"]\non_backend_down = \"shutdown\"\n"
-    );
+    let text = "[admin]\nsocket = \"admin.sock\"\n[proxy]\n[[load_balancer]]\nname = \"a\"\nvip = \"192.0.2.1\"\nbackends = [\"198.51.100.1\"]\non_backend_down = \"shutdown\"\n";
     assert_eq!(
         rendered(text),
         [
