@@ -398,6 +398,11 @@ impl Daemon {
             _ => {}
         }
         entry.lb.publish();
+        if let Some(config) = &st.config {
+            // maint may have stopped a probe stream, leaving it started one.
+            self.metrics
+                .set_config_in_force(config.load_balancers.len(), self.prober.streams());
+        }
         if previous != state {
             tracing::info!(
                 load_balancer,

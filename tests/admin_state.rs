@@ -84,6 +84,37 @@ async fn cli(args: Vec<String>) -> (i32, String, String) {
     .expect("CLI thread")
 }
 
+/// `promtool check metrics` reports nothing on `body` (skipped if promtool is missing).
+fn promtool_accepts(body: &str) {
+    use std::io::Write;
+    let Ok(mut child) = std::process::Command::new("promtool")
+        .args(["check", "metrics"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+    else {
+        eprintln!("promtool not installed: exposition format not checked");
+        return;
+    };
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(body.as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    let said = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        out.status.success() && said.trim().is_empty(),
+        "promtool: {said}"
+    );
+}
+
 /// Opens a connection through `vip` and reads the backend's name line.
 async fn open(vip: SocketAddr) -> (TcpStream, String) {
     let mut s = TcpStream::connect(vip).await.expect("connect VIP");
@@ -153,6 +184,7 @@ async fn marked_down_with_close_resets_open_connections_and_keep_leaves_them() {
         ),
         "keep closes nothing, so its series is absent"
     );
+    promtool_accepts(&metrics);
 
     // Applied by reload: keep becomes close. The next mark-down resets its connections.
     let health = Backend::start(health_port(&net, 11), Behaviour::Echo).await;
@@ -279,6 +311,7 @@ async fn drain_stops_new_connections_open_ones_continue_and_ready_restores() {
         seen |= open(vip(&net, 1)).await.1 == a;
     }
     assert!(seen, "ready restores the backend");
+    drop(held);
     d.stop().await;
 }
 
