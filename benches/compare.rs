@@ -462,6 +462,14 @@ stream {{
 
 fn start_hlb(work: &Path, name: &str, config: &str, admin: SocketAddr) -> Proc {
     let path = work.join(format!("{name}.toml"));
+    // The admin socket in the bench's directory: a harvester-lb serving
+    // this host keeps /run/harvester-lb/admin.sock, and a bench daemon
+    // must neither take it nor fail on it.
+    let socket = format!(
+        "[admin]\nsocket = {:?}\n",
+        work.join(format!("{name}.sock"))
+    );
+    let config = config.replacen("[admin]\n", &socket, 1);
     std::fs::write(&path, config).expect("write config");
     let mut cmd = Command::new(HLB_BIN);
     // One thread, like HAProxy's nbthread 1 and nginx's one worker.
