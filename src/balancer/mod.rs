@@ -24,7 +24,7 @@ use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
-use arc_swap::ArcSwap;
+use arc_swap::{ArcSwap, ArcSwapOption};
 use tokio_util::sync::CancellationToken;
 
 pub use self::affinity::{AffinityBudget, AffinityTable};
@@ -90,11 +90,12 @@ pub struct Backend {
     healthy: AtomicBool,
     /// The operator's [`AdminState`], as its index in [`AdminState::ALL`].
     admin_state: AtomicU8,
-    /// Cancelled (and replaced) when the health check marks the backend
+    /// Cancelled (and dropped) when the health check marks the backend
     /// down under `on_backend_down = "close"`: the connections open to it
-    /// then are reset. A fresh token afterwards, so connections made once it
-    /// is back are not cut by the old event.
-    marked_down: ArcSwap<CancellationToken>,
+    /// then are reset. Made by the first connection that needs it, so a
+    /// backend that carries none costs no token (~130 bytes, at 30,000
+    /// backends 4 MB); connections made after the event get a fresh one.
+    marked_down: ArcSwapOption<CancellationToken>,
     /// Whether it is a member of its load balancer in the config in force;
     /// once removed, it no longer reports `backend_up`.
     member: AtomicBool,
@@ -122,7 +123,7 @@ impl Backend {
             addr_hash: select::hash_ip(addr),
             healthy: AtomicBool::new(healthy),
             admin_state: AtomicU8::new(0),
-            marked_down: ArcSwap::from_pointee(CancellationToken::new()),
+            marked_down: ArcSwapOption::empty(),
             member: AtomicBool::new(true),
             active: AtomicUsize::new(0),
             retired: CancellationToken::new(),
@@ -169,14 +170,26 @@ impl Backend {
     /// What a connection to it selects on to learn that it was marked down
     /// under `on_backend_down = "close"`. Taken once the connection is up.
     pub fn marked_down_signal(&self) -> CancellationToken {
-        CancellationToken::clone(&self.marked_down.load())
+        if let Some(token) = self.marked_down.load_full() {
+            return CancellationToken::clone(&token);
+        }
+        let fresh = Arc::new(CancellationToken::new());
+        // Two first connections at once: both end up with the one stored.
+        let prev = self
+            .marked_down
+            .compare_and_swap(&None::<Arc<CancellationToken>>, Some(Arc::clone(&fresh)));
+        match &*prev {
+            Some(token) => CancellationToken::clone(token),
+            None => CancellationToken::clone(&fresh),
+        }
     }
 
     /// Resets every connection open to it now (it was marked down under
     /// `on_backend_down = "close"`); later connections get a fresh signal.
     pub fn close_connections(&self) {
-        let old = self.marked_down.swap(Arc::new(CancellationToken::new()));
-        old.cancel();
+        if let Some(old) = self.marked_down.swap(None) {
+            old.cancel();
+        }
     }
 
     /// Connections open to it now.
