@@ -84,37 +84,6 @@ async fn cli(args: Vec<String>) -> (i32, String, String) {
     .expect("CLI thread")
 }
 
-/// `promtool check metrics` reports nothing on `body` (skipped if promtool is missing).
-fn promtool_accepts(body: &str) {
-    use std::io::Write;
-    let Ok(mut child) = std::process::Command::new("promtool")
-        .args(["check", "metrics"])
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-    else {
-        eprintln!("promtool not installed: exposition format not checked");
-        return;
-    };
-    child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(body.as_bytes())
-        .unwrap();
-    let out = child.wait_with_output().unwrap();
-    let said = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert!(
-        out.status.success() && said.trim().is_empty(),
-        "promtool: {said}"
-    );
-}
-
 /// Opens a connection through `vip` and reads the backend's name line.
 async fn open(vip: SocketAddr) -> (TcpStream, String) {
     let mut s = TcpStream::connect(vip).await.expect("connect VIP");
