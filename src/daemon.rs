@@ -123,7 +123,10 @@ impl Daemon {
         let drain = config.proxy.drain_timeout;
         self.affinity.set_max(config.proxy.max_affinity_entries);
         let old_config = st.config.take();
-        let in_force: HashMap<&str, &LoadBalancerSpec> = old_config
+        // A spec reused from the last file is the same `Arc`, and `Arc`'s
+        // equality compares pointers first: unchanged load balancers cost
+        // no field-by-field comparison.
+        let in_force: HashMap<&str, &Arc<LoadBalancerSpec>> = old_config
             .iter()
             .flat_map(|c| &c.load_balancers)
             .map(|spec| (spec.name.as_str(), spec))

@@ -81,7 +81,8 @@ pub struct Server {
 /// starts probing. Returns once the first config is in force (a listener that
 /// cannot bind is reported in `/readyz` and retried; it does not fail start).
 pub async fn start(options: Options) -> Result<Server, StartError> {
-    let loaded = config::load(&options.config_path)?;
+    let mut loader = config::Loader::new();
+    let loaded = loader.load(&options.config_path)?;
     for w in &loaded.warnings {
         tracing::warn!(config = %options.config_path.display(), "{w}");
     }
@@ -126,6 +127,7 @@ pub async fn start(options: Options) -> Result<Server, StartError> {
     ));
     let main_loop = tokio::spawn(main_loop(
         options,
+        loader,
         Arc::clone(&daemon),
         reload_tx.clone(),
         reload_rx,
@@ -214,6 +216,7 @@ fn connection_limit(config: &Config) -> usize {
 
 async fn main_loop(
     options: Options,
+    loader: config::Loader,
     daemon: Arc<Daemon>,
     reload_tx: mpsc::Sender<ReloadRequest>,
     mut reload_rx: mpsc::Receiver<ReloadRequest>,
@@ -234,6 +237,9 @@ async fn main_loop(
     sweep.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let watchdog = systemd::watchdog_interval();
     let mut watchdog_tick = tokio::time::interval(watchdog.unwrap_or(Duration::from_secs(3600)));
+    // Reloads are serial (this loop), but each runs on a blocking thread
+    // that takes the loader along.
+    let loader = Arc::new(std::sync::Mutex::new(loader));
     let mut ready_sent = false;
     if daemon.is_ready() {
         systemd::notify("READY=1\nSTATUS=serving");
@@ -243,7 +249,7 @@ async fn main_loop(
         tokio::select! {
             _ = stop.cancelled() => return,
             Some(reply) = reload_rx.recv() => {
-                let outcome = reload(&options, &daemon, ready_sent).await;
+                let outcome = reload(&options, &loader, &daemon, ready_sent).await;
                 let _ = reply.send(outcome);
             }
             Some(event) = changed_rx.recv() => match event {
@@ -295,29 +301,43 @@ const AFFINITY_SWEEP: Duration = Duration::from_secs(10);
 /// load balancers that is ~100 ms of CPU, which on a runtime worker would
 /// stall every connection that worker serves (all of them with `--threads
 /// 1`). Only the apply, a diff of what changed, runs on the runtime.
-async fn reload(options: &Options, daemon: &Daemon, ready_sent: bool) -> Result<String, String> {
+async fn reload(
+    options: &Options,
+    loader: &Arc<std::sync::Mutex<config::Loader>>,
+    daemon: &Daemon,
+    ready_sent: bool,
+) -> Result<String, String> {
     if ready_sent {
         systemd::notify_reloading();
     }
     let started = tokio::time::Instant::now();
     let path = options.config_path.clone();
-    let loaded = tokio::task::spawn_blocking(move || config::load(&path))
-        .await
-        .map_err(|e| format!("the config loader stopped: {e}"))
-        .and_then(|r| r.map_err(|e| e.to_string()));
+    let loader = Arc::clone(loader);
+    let loaded = tokio::task::spawn_blocking(move || {
+        loader
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .load(&path)
+    })
+    .await
+    .map_err(|e| format!("the config loader stopped: {e}"))
+    .and_then(|r| r.map_err(|e| e.to_string()));
     let result = match loaded {
         Ok(loaded) => {
             let parsed = started.elapsed();
             for w in &loaded.warnings {
                 tracing::warn!(config = %options.config_path.display(), "{w}");
             }
+            let total = loaded.config.load_balancers.len();
             let report = daemon.apply(loaded.config);
             // It was read just now, so it is not missing (whatever the watch
             // has seen yet).
             daemon.set_config_file_missing(false);
             let summary = format!(
-                "reloaded in {:?} (read and validated in {parsed:?}): {} listeners bound, {} failed, {} removed; {} load balancers added, {} removed",
+                "reloaded in {:?} (read and validated in {parsed:?}, {} of {} load balancers unchanged and not parsed again): {} listeners bound, {} failed, {} removed; {} load balancers added, {} removed",
                 started.elapsed(),
+                loaded.reused,
+                total,
                 report.listeners_bound,
                 report.listeners_failed,
                 report.listeners_removed,

@@ -41,7 +41,7 @@ pub struct Config {
     /// What `/metrics` exposes beyond the default series.
     pub metrics: MetricsSettings,
     /// Every load balancer, in file order; names are unique.
-    pub load_balancers: Vec<LoadBalancerSpec>,
+    pub load_balancers: Vec<Arc<LoadBalancerSpec>>,
 }
 
 /// `[admin]`.
@@ -309,6 +309,9 @@ pub struct Loaded {
     pub config: Config,
     /// Things that are allowed but probably not meant (e.g. no backends).
     pub warnings: Vec<Problem>,
+    /// How many load balancers were taken unchanged from the last file a
+    /// [`Loader`] read, without parsing their tables again.
+    pub reused: usize,
 }
 
 /// Reads and validates the file at `path`.
@@ -316,6 +319,54 @@ pub struct Loaded {
 /// Every failure names the file; a file with several problems reports all of
 /// them, each with its line and key path.
 pub fn load(path: &Path) -> Result<Loaded, ConfigError> {
+    let text = read(path)?;
+    parse(&text).map_err(|problems| ConfigError::Invalid {
+        path: path.display().to_string(),
+        problems,
+    })
+}
+
+/// Reads the file again and again, as the daemon does at every reload,
+/// parsing only the `[[load_balancer]]` tables whose text changed since the
+/// last read. The verdict is always [`load`]'s: a table is reused only if
+/// the new file is valid with it, and a broken file is read in full so its
+/// problems are reported exactly as `check` reports them.
+///
+/// Keeps the text of the last good file's tables (about its size in memory)
+/// and shares their specs with the [`Config`] it returned.
+#[derive(Debug, Default)]
+pub struct Loader {
+    known: validate::Known,
+}
+
+impl Loader {
+    /// A loader that remembers nothing yet.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Reads and validates the file at `path`, like [`load`].
+    pub fn load(&mut self, path: &Path) -> Result<Loaded, ConfigError> {
+        let text = read(path)?;
+        self.parse(&text).map_err(|problems| ConfigError::Invalid {
+            path: path.display().to_string(),
+            problems,
+        })
+    }
+
+    /// Validates a config held in memory, like [`parse`].
+    pub fn parse(&mut self, text: &str) -> Result<Loaded, Vec<Problem>> {
+        validate::parse_reusing(text, &mut self.known)
+    }
+
+    /// How many load balancers of the last good file it remembers.
+    pub fn remembered(&self) -> usize {
+        self.known.len()
+    }
+}
+
+/// The file's text, refused if it is a directory, too large or not UTF-8.
+fn read(path: &Path) -> Result<String, ConfigError> {
     let shown = path.display().to_string();
     let meta = std::fs::metadata(path).map_err(|source| ConfigError::Read {
         path: shown.clone(),
@@ -341,13 +392,9 @@ pub fn load(path: &Path) -> Result<Loaded, ConfigError> {
             size: bytes.len() as u64,
         });
     }
-    let text = String::from_utf8(bytes).map_err(|e| ConfigError::NotUtf8 {
-        path: shown.clone(),
-        offset: e.utf8_error().valid_up_to(),
-    })?;
-    parse(&text).map_err(|problems| ConfigError::Invalid {
+    String::from_utf8(bytes).map_err(|e| ConfigError::NotUtf8 {
         path: shown,
-        problems,
+        offset: e.utf8_error().valid_up_to(),
     })
 }
 

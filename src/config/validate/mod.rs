@@ -24,11 +24,14 @@ use toml::de::{DeTable, DeValue};
 use super::file::{FileConfig, FileHealthCheck, FileListener, FileLoadBalancer};
 use super::*;
 
+mod cross;
 mod health;
 mod locate;
+mod reuse;
 mod source_ranges;
 
 use locate::{LineIndex, display_path, path_at, segments, span_of};
+pub(crate) use reuse::{Known, parse_reusing};
 
 /// Default admin listener: loopback only, so metrics are not exposed by accident.
 pub const DEFAULT_ADMIN_LISTEN: &str = "127.0.0.1:9901";
@@ -128,6 +131,7 @@ pub(super) fn parse(text: &str) -> Result<Loaded, Vec<Problem>> {
         Ok(Loaded {
             config,
             warnings: v.warnings,
+            reused: 0,
         })
     } else {
         v.problems.sort_by_key(|p| p.line.unwrap_or(usize::MAX));
@@ -139,16 +143,6 @@ struct Validator<'a> {
     lines: &'a LineIndex,
     problems: Vec<Problem>,
     warnings: Vec<Problem>,
-}
-
-/// A listener's place in the file, to name it in a problem found elsewhere.
-struct ListenerPlace {
-    /// `<load balancer>/<listener>`.
-    name: String,
-    /// Index of its load balancer.
-    lb: usize,
-    /// Its index in the load balancer's `listener` list.
-    index: usize,
 }
 
 /// What an address is for, to say why a special address cannot be it.
@@ -247,20 +241,19 @@ impl Validator<'_> {
             100_000_000,
         );
 
-        let mut names: HashMap<String, usize> = HashMap::new();
-        let mut addresses: HashMap<SocketAddr, ListenerPlace> = HashMap::new();
-        let mut load_balancers = Vec::new();
-        // The file index of each spec, to name a backend found later.
-        let mut file_index = Vec::with_capacity(file.load_balancers.len());
+        let mut specs = Vec::with_capacity(file.load_balancers.len());
         for (i, lb) in file.load_balancers.iter().enumerate() {
-            let key = format!("load_balancer[{i}]");
-            if let Some(spec) = self.load_balancer(i, &key, lb, &mut names, &mut addresses) {
-                load_balancers.push(spec);
-                file_index.push(i);
-            }
+            specs.push(self.load_balancer(&format!("load_balancer[{i}]"), lb));
         }
-        // Only now is every VIP:port of the file known.
-        self.forwarding_loops(file, &load_balancers, &file_index, &addresses);
+        let names: Vec<Option<&str>> = file
+            .load_balancers
+            .iter()
+            .map(|lb| valid_name(lb.get_ref()))
+            .collect();
+        let built: Vec<Option<&LoadBalancerSpec>> = specs.iter().map(Option::as_ref).collect();
+        let found = cross::conflicts(&names, &built);
+        self.report_conflicts(file, &specs, found);
+        let load_balancers = specs.into_iter().flatten().map(Arc::new).collect();
         Config {
             admin: AdminSettings {
                 listen: admin_listen,
@@ -287,11 +280,8 @@ impl Validator<'_> {
     /// Checks `[[load_balancer]]`; `None` when it is too broken to build.
     fn load_balancer(
         &mut self,
-        lb_index: usize,
         key: &str,
         lb: &Spanned<FileLoadBalancer>,
-        names: &mut HashMap<String, usize>,
-        addresses: &mut HashMap<SocketAddr, ListenerPlace>,
     ) -> Option<LoadBalancerSpec> {
         let table_span = lb.span();
         let lb = lb.get_ref();
@@ -312,21 +302,7 @@ impl Validator<'_> {
                 );
                 None
             }
-            Some(n) => {
-                if let Some(first) =
-                    names.insert(n.get_ref().clone(), self.lines.line(n.span().start))
-                {
-                    self.problem(
-                        Some(n.span()),
-                        &format!("{key}.name"),
-                        format!(
-                            "duplicate load balancer name {:?} (first used on line {first}); names must be unique",
-                            n.get_ref()
-                        ),
-                    );
-                }
-                Some(n.get_ref().clone())
-            }
+            Some(n) => Some(n.get_ref().clone()),
         };
         let cluster = match &lb.cluster {
             None => DEFAULT_CLUSTER.to_string(),
@@ -489,28 +465,6 @@ impl Validator<'_> {
         for (i, l) in lb.listeners.iter().enumerate() {
             let lkey = format!("{key}.listener[{i}]");
             if let Some(spec) = self.listener(&lkey, l, &mut listener_names) {
-                if let (Some(vip), Some(lb_name)) = (vip, &name) {
-                    let addr = SocketAddr::new(vip, spec.port);
-                    if let Some(owner) = addresses.get(&addr) {
-                        self.problem(
-                            l.get_ref().port.as_ref().map(|p| p.span()),
-                            &format!("{lkey}.port"),
-                            format!(
-                                "{addr} is already a listener of load balancer {:?}; one VIP:port can serve only one listener",
-                                owner.name
-                            ),
-                        );
-                    } else {
-                        addresses.insert(
-                            addr,
-                            ListenerPlace {
-                                name: format!("{lb_name}/{}", spec.name),
-                                lb: lb_index,
-                                index: i,
-                            },
-                        );
-                    }
-                }
                 listeners.push(spec);
             }
         }
@@ -713,68 +667,6 @@ impl Validator<'_> {
         false
     }
 
-    /// A backend at one of this daemon's own VIP:ports (its own load
-    /// balancer's or another's) would send each client connection back
-    /// into the daemon, which forwards it again, until `proxy.max_connections`
-    /// is used up by one client and every other service starves. Each such
-    /// backend is named with the listener it would reach.
-    ///
-    /// It runs over the built specs, so a valid file costs one map lookup per
-    /// backend and listener and no memory; the backend's key path and line
-    /// are looked up in the file only for a problem.
-    fn forwarding_loops(
-        &mut self,
-        file: &FileConfig,
-        specs: &[LoadBalancerSpec],
-        file_index: &[usize],
-        listeners: &HashMap<SocketAddr, ListenerPlace>,
-    ) {
-        for (spec, &i) in specs.iter().zip(file_index) {
-            for ip in &spec.backends {
-                for (k, l) in spec.listeners.iter().enumerate() {
-                    let addr = SocketAddr::new(*ip, l.backend_port);
-                    let Some(place) = listeners.get(&addr) else {
-                        continue;
-                    };
-                    if spec.listeners[..k]
-                        .iter()
-                        .any(|e| e.backend_port == l.backend_port)
-                    {
-                        continue; // Two listeners with one nodeport: one problem.
-                    }
-                    // The first entry that is this address, however written.
-                    let written = file.load_balancers[i]
-                        .get_ref()
-                        .backends
-                        .iter()
-                        .enumerate()
-                        .find(|(_, b)| {
-                            b.get_ref().parse::<IpAddr>().ok().map(|a| a.to_canonical())
-                                == Some(*ip)
-                        });
-                    let (j, span) = written.map_or((0, None), |(j, b)| (j, Some(b.span())));
-                    // The listener's index in the file (the spec skips invalid ones).
-                    let k = file.load_balancers[i]
-                        .get_ref()
-                        .listeners
-                        .iter()
-                        .position(|fl| {
-                            fl.get_ref().name.as_ref().map(|n| n.get_ref()) == Some(&l.name)
-                        })
-                        .unwrap_or(k);
-                    self.problem(
-                        span,
-                        &format!("load_balancer[{i}].backends[{j}]"),
-                        format!(
-                            "backend {ip} on load_balancer[{i}].listener[{k}].backend_port {} is {addr}, the VIP:port of load_balancer[{}].listener[{}] ({:?}): the daemon would forward to itself, and one client connection would loop through it until proxy.max_connections is used up; a backend must be a node, not a VIP:port of this daemon",
-                            l.backend_port, place.lb, place.index, place.name
-                        ),
-                    );
-                }
-            }
-        }
-    }
-
     fn choice<T: Copy>(
         &mut self,
         value: &Option<Spanned<String>>,
@@ -798,4 +690,13 @@ impl Validator<'_> {
         );
         default
     }
+}
+
+/// A load balancer's name if it has a usable one: the key duplicate names
+/// are found by, whether or not the rest of the table is valid.
+fn valid_name(lb: &FileLoadBalancer) -> Option<&str> {
+    lb.name
+        .as_ref()
+        .map(|n| n.get_ref().as_str())
+        .filter(|n| !n.trim().is_empty())
 }

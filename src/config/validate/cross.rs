@@ -1,0 +1,178 @@
+//! The rules that span load balancers: names are unique, one VIP:port has
+//! one listener, and no backend is one of this daemon's own VIP:ports.
+//!
+//! They are found from the built specs alone ([`conflicts`]), so that a
+//! reload which reuses the unchanged load balancers of the last file
+//! ([`crate::config::Loader`]) is held to exactly the rules a full read is.
+//! Where a conflict is in the file is looked up only when there is one.
+
+use super::*;
+
+/// One broken cross-load-balancer rule. Load balancers are named by their
+/// index in the file, listeners by their index in the spec.
+#[derive(Debug)]
+pub(super) enum Conflict {
+    /// Two load balancers with one name.
+    Name { first: usize, again: usize },
+    /// Two listeners on one VIP:port.
+    Address {
+        addr: SocketAddr,
+        first: (usize, usize),
+        again: (usize, usize),
+    },
+    /// A backend whose nodeport is a VIP:port of this daemon: each client
+    /// connection would come back into the daemon and be forwarded again.
+    Loop {
+        lb: usize,
+        backend: IpAddr,
+        listener: usize,
+        target: (usize, usize),
+    },
+}
+
+/// Every conflict among the load balancers of one file. `names[i]` and
+/// `specs[i]` are the file's `load_balancer[i]`: its name if it has a valid
+/// one, its spec if it could be built.
+///
+/// A valid file costs one map insert per load balancer and listener and one
+/// lookup per backend and listener.
+pub(super) fn conflicts(
+    names: &[Option<&str>],
+    specs: &[Option<&LoadBalancerSpec>],
+) -> Vec<Conflict> {
+    let mut found = Vec::new();
+    let mut first_named: HashMap<&str, usize> = HashMap::with_capacity(names.len());
+    for (i, name) in names.iter().enumerate() {
+        if let Some(name) = name
+            && let Some(&first) = first_named.get(name)
+        {
+            found.push(Conflict::Name { first, again: i });
+        } else if let Some(name) = name {
+            first_named.insert(name, i);
+        }
+    }
+    let mut addresses: HashMap<SocketAddr, (usize, usize)> = HashMap::with_capacity(specs.len());
+    for (i, spec) in specs.iter().enumerate() {
+        let Some(spec) = spec else { continue };
+        for (k, l) in spec.listeners.iter().enumerate() {
+            let addr = spec.listen_addr(l);
+            match addresses.get(&addr) {
+                Some(&first) => found.push(Conflict::Address {
+                    addr,
+                    first,
+                    again: (i, k),
+                }),
+                None => {
+                    addresses.insert(addr, (i, k));
+                }
+            }
+        }
+    }
+    // Only now is every VIP:port of the file known.
+    for (i, spec) in specs.iter().enumerate() {
+        let Some(spec) = spec else { continue };
+        for &backend in &spec.backends {
+            for (k, l) in spec.listeners.iter().enumerate() {
+                let Some(&target) = addresses.get(&SocketAddr::new(backend, l.backend_port)) else {
+                    continue;
+                };
+                if spec.listeners[..k]
+                    .iter()
+                    .any(|e| e.backend_port == l.backend_port)
+                {
+                    continue; // Two listeners with one nodeport: one problem.
+                }
+                found.push(Conflict::Loop {
+                    lb: i,
+                    backend,
+                    listener: k,
+                    target,
+                });
+            }
+        }
+    }
+    found
+}
+
+impl Validator<'_> {
+    /// Reports each conflict at its place in `file`.
+    pub(super) fn report_conflicts(
+        &mut self,
+        file: &FileConfig,
+        specs: &[Option<LoadBalancerSpec>],
+        conflicts: Vec<Conflict>,
+    ) {
+        let spec = |i: usize| specs[i].as_ref().expect("a conflict names built specs");
+        let file_lb = |i: usize| file.load_balancers[i].get_ref();
+        // The listener's index in the file (the spec skips invalid ones).
+        let file_listener = |i: usize, k: usize| {
+            let name = &spec(i).listeners[k].name;
+            file_lb(i)
+                .listeners
+                .iter()
+                .position(|fl| fl.get_ref().name.as_ref().map(|n| n.get_ref()) == Some(name))
+                .unwrap_or(k)
+        };
+        let listener_name =
+            |(i, k): (usize, usize)| format!("{}/{}", spec(i).name, spec(i).listeners[k].name);
+        for conflict in conflicts {
+            match conflict {
+                Conflict::Name { first, again: i } => {
+                    let (Some(first), Some(name)) = (&file_lb(first).name, &file_lb(i).name) else {
+                        continue;
+                    };
+                    let first_line = self.lines.line(first.span().start);
+                    self.problem(
+                        Some(name.span()),
+                        &format!("load_balancer[{i}].name"),
+                        format!(
+                            "duplicate load balancer name {:?} (first used on line {first_line}); names must be unique",
+                            name.get_ref()
+                        ),
+                    );
+                }
+                Conflict::Address { addr, first, again } => {
+                    let (i, k) = (again.0, file_listener(again.0, again.1));
+                    self.problem(
+                        file_lb(i).listeners[k]
+                            .get_ref()
+                            .port
+                            .as_ref()
+                            .map(|p| p.span()),
+                        &format!("load_balancer[{i}].listener[{k}].port"),
+                        format!(
+                            "{addr} is already a listener of load balancer {:?}; one VIP:port can serve only one listener",
+                            listener_name(first)
+                        ),
+                    );
+                }
+                Conflict::Loop {
+                    lb: i,
+                    backend,
+                    listener,
+                    target,
+                } => {
+                    // The first entry that is this address, however written.
+                    let written = file_lb(i).backends.iter().enumerate().find(|(_, b)| {
+                        b.get_ref().parse::<IpAddr>().ok().map(|a| a.to_canonical())
+                            == Some(backend)
+                    });
+                    let (j, span) = written.map_or((0, None), |(j, b)| (j, Some(b.span())));
+                    let backend_port = spec(i).listeners[listener].backend_port;
+                    self.problem(
+                        span,
+                        &format!("load_balancer[{i}].backends[{j}]"),
+                        format!(
+                            "backend {backend} on load_balancer[{i}].listener[{}].backend_port {backend_port} is {}, the VIP:port of load_balancer[{}].listener[{}] ({:?}): the daemon would forward to itself, and one client connection would loop through it until proxy.max_connections is used up; a backend must be a node, not a VIP:port of this daemon",
+                            file_listener(i, listener),
+                            SocketAddr::new(backend, backend_port),
+                            target.0,
+                            file_listener(target.0, target.1),
+                            listener_name(target)
+                        ),
+                    );
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,218 @@
+//! Reading a file one `[[load_balancer]]` table at a time, and taking the
+//! tables whose text has not changed since the last read as they were.
+//!
+//! A controller rewrites the whole file for every change of one Service. At
+//! 10,000 load balancers a full parse and validation is ~100 ms of CPU and
+//! ~80 MB of transient tree, paid on every reload; here a reload parses only
+//! the tables that changed, and the rest cost a hash lookup of their text.
+//!
+//! The file is cut before each line that is exactly a `[[load_balancer]]`
+//! header (indentation and a trailing comment allowed). Everything before
+//! the first one (`[admin]`, `[proxy]`, `[metrics]`) is read as a document
+//! of its own, and each piece as a document holding one load balancer. The
+//! cut is only trusted when it cannot have changed the meaning: each piece
+//! must parse on its own and hold exactly what it should, with no unknown
+//! key, no problem, and no conflict across load balancers ([`cross`]). A
+//! line that looks like a header inside a multi-line string or array leaves
+//! the piece before it unterminated, so it fails to parse. Anything else,
+//! including every broken file, takes the full read of [`super::parse`],
+//! whose verdict and messages are the ones the operator sees.
+
+use super::*;
+
+/// What the last read file's load balancers were, by the exact text of
+/// their table.
+#[derive(Debug, Default)]
+pub(crate) struct Known {
+    by_text: HashMap<Box<str>, Arc<LoadBalancerSpec>>,
+}
+
+impl Known {
+    /// How many load balancers are remembered.
+    pub(crate) fn len(&self) -> usize {
+        self.by_text.len()
+    }
+}
+
+/// Like [`super::parse`], reusing `known` and replacing it with this file's
+/// tables when the file is read piecewise.
+pub(crate) fn parse_reusing(text: &str, known: &mut Known) -> Result<Loaded, Vec<Problem>> {
+    if let Some(loaded) = piecewise(text, known) {
+        return Ok(loaded);
+    }
+    let loaded = parse(text)?;
+    // Valid, but not cut as expected (e.g. `[proxy]` after the load
+    // balancers): nothing of the last file can be matched any more.
+    known.by_text = HashMap::new();
+    Ok(loaded)
+}
+
+/// The piecewise read; `None` whenever the full read must decide.
+fn piecewise(text: &str, known: &mut Known) -> Option<Loaded> {
+    let (preamble, pieces) = cut(text);
+    if pieces.is_empty() {
+        return None; // Nothing to reuse; the full read is as fast.
+    }
+    let preamble_lines = LineIndex::new(preamble);
+    let mut v = Validator {
+        lines: &preamble_lines,
+        problems: Vec::new(),
+        warnings: Vec::new(),
+    };
+    let mut config = v.config(&document(preamble, false)?);
+    if !v.problems.is_empty() {
+        return None;
+    }
+    let mut warnings = v.warnings;
+    let mut next = HashMap::with_capacity(pieces.len());
+    let mut specs = Vec::with_capacity(pieces.len());
+    let mut reused = 0;
+    for (i, piece) in pieces.iter().enumerate() {
+        let spec = match known.by_text.get(piece.text) {
+            Some(spec) => {
+                reused += 1;
+                Arc::clone(spec)
+            }
+            None => {
+                let file = document(piece.text, true)?;
+                let [lb] = file.load_balancers.as_slice() else {
+                    return None;
+                };
+                let lines = LineIndex::new(piece.text);
+                let mut v = Validator {
+                    lines: &lines,
+                    problems: Vec::new(),
+                    warnings: Vec::new(),
+                };
+                let spec = v.load_balancer(&format!("load_balancer[{i}]"), lb);
+                if !v.problems.is_empty() {
+                    return None;
+                }
+                let spec = Arc::new(spec?);
+                if !v.warnings.is_empty() {
+                    // Warnings are told on every read, so a table that has
+                    // some is read again each time rather than remembered.
+                    for mut w in v.warnings {
+                        w.line = w.line.map(|l| l + piece.first_line - 1);
+                        warnings.push(w);
+                    }
+                    specs.push(spec);
+                    continue;
+                }
+                spec
+            }
+        };
+        next.insert(Box::from(piece.text), Arc::clone(&spec));
+        specs.push(spec);
+    }
+    let names: Vec<Option<&str>> = specs.iter().map(|s| Some(s.name.as_str())).collect();
+    let built: Vec<Option<&LoadBalancerSpec>> = specs.iter().map(|s| Some(&**s)).collect();
+    if !cross::conflicts(&names, &built).is_empty() {
+        return None;
+    }
+    config.load_balancers = specs;
+    known.by_text = next;
+    Some(Loaded {
+        config,
+        warnings,
+        reused,
+    })
+}
+
+/// One `[[load_balancer]]` table's text, from its header line to the next.
+struct Piece<'a> {
+    text: &'a str,
+    /// Its header's line in the whole file, 1-based.
+    first_line: usize,
+}
+
+/// Cuts `text` before every `[[load_balancer]]` header line.
+fn cut(text: &str) -> (&str, Vec<Piece<'_>>) {
+    let mut starts = Vec::new();
+    let mut offset = 0;
+    for (n, line) in text.split_inclusive('\n').enumerate() {
+        if is_header(line) {
+            starts.push((offset, n + 1));
+        }
+        offset += line.len();
+    }
+    let Some(&(first, _)) = starts.first() else {
+        return (text, Vec::new());
+    };
+    let ends = starts.iter().skip(1).map(|&(o, _)| o).chain([text.len()]);
+    let pieces = starts
+        .iter()
+        .zip(ends)
+        .map(|(&(start, first_line), end)| Piece {
+            text: &text[start..end],
+            first_line,
+        })
+        .collect();
+    (&text[..first], pieces)
+}
+
+/// `[[load_balancer]]`, indented or not, with nothing after it but a comment.
+fn is_header(line: &str) -> bool {
+    line.trim_start()
+        .strip_prefix("[[load_balancer]]")
+        .is_some_and(|rest| {
+            let rest = rest.trim();
+            rest.is_empty() || rest.starts_with('#')
+        })
+}
+
+/// One piece as the file layer: `None` on a syntax or type error, an
+/// unknown key, or a top-level key the piece should not have (a load
+/// balancer in the preamble; anything but one in a table's piece).
+fn document(text: &str, load_balancer: bool) -> Option<FileConfig> {
+    let root = DeTable::parse(text).ok()?;
+    let only_load_balancers = root
+        .get_ref()
+        .keys()
+        .all(|k| k.get_ref() == "load_balancer");
+    let has_load_balancers = root
+        .get_ref()
+        .keys()
+        .any(|k| k.get_ref() == "load_balancer");
+    let expected = if load_balancer {
+        has_load_balancers && only_load_balancers
+    } else {
+        !has_load_balancers
+    };
+    if !expected {
+        return None;
+    }
+    let mut unknown = false;
+    let file: FileConfig =
+        serde_ignored::deserialize(toml::de::Deserializer::from(root), |_| unknown = true).ok()?;
+    (!unknown).then_some(file)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn headers_are_whole_lines() {
+        assert!(is_header("[[load_balancer]]\n"));
+        assert!(is_header("  [[load_balancer]]  # svc a\n"));
+        assert!(!is_header("[[load_balancer.listener]]\n"));
+        assert!(!is_header("[[load_balancer]] x = 1\n"));
+        assert!(!is_header("# [[load_balancer]]\n"));
+    }
+
+    #[test]
+    fn a_file_is_cut_before_each_header() {
+        let text = "[proxy]\nbacklog = 1\n[[load_balancer]]\nname = \"a\"\n\n[[load_balancer]]\nname = \"b\"";
+        let (preamble, pieces) = cut(text);
+        assert_eq!(preamble, "[proxy]\nbacklog = 1\n");
+        let got: Vec<(&str, usize)> = pieces.iter().map(|p| (p.text, p.first_line)).collect();
+        assert_eq!(
+            got,
+            [
+                ("[[load_balancer]]\nname = \"a\"\n\n", 3),
+                ("[[load_balancer]]\nname = \"b\"", 6)
+            ]
+        );
+    }
+}
