@@ -17,6 +17,8 @@
 //! * [`daemon`]: applies a config as a diff (start-up and reload alike).
 //! * [`server`]: the daemon's life: start, the reload loop, the systemd watchdog, drain.
 //! * [`admin`], [`metrics`], [`systemd`]: how operators and machines see it.
+//! * [`import`]: Harvester's `LoadBalancer` objects (and v0.1.x guest
+//!   `Service`s) to a config file; beside `check`, it reads only `config`.
 //!
 //! [`start`] runs the whole daemon on an already validated path; tests start it
 //! in-process on loopback addresses they choose.
@@ -30,6 +32,7 @@ pub mod config;
 pub mod daemon;
 pub mod demo;
 pub mod health;
+pub mod import;
 pub mod metrics;
 pub mod net;
 pub mod os;

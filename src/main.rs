@@ -1,4 +1,5 @@
-//! The `harvester-lb` command: `run`, `check`, `reload`, `backend`, `demo`.
+//! The `harvester-lb` command: `run`, `check`, `reload`, `backend`,
+//! `import`, `demo`.
 //! Thin by design; the daemon and the admin client live in the library.
 
 use std::io::{Read, Write};
@@ -108,6 +109,34 @@ enum Command {
         #[arg(long, short, default_value = config::DEFAULT_PATH)]
         config: PathBuf,
     },
+    /// Write the config from Harvester's objects, as `kubectl get … -o json`
+    /// or `-o yaml` prints them: `LoadBalancer`s (loadbalancer.harvesterhci.io
+    /// v1beta1 or v1alpha1), or a guest cluster's `Service`s of type
+    /// LoadBalancer with its `Node`s (with --cluster).
+    ///
+    /// Prints the config on stdout, or with --write replaces PATH through a
+    /// temporary file validated as `check` does (exit 78 and nothing written
+    /// if it is invalid). Anything that cannot be imported is named on
+    /// stderr; --strict makes that an error (exit 65).
+    Import {
+        /// Files to read (one object, a List, or several YAML documents
+        /// each); none or `-`: standard input.
+        #[arg(value_name = "FILE")]
+        inputs: Vec<PathBuf>,
+        /// The guest cluster the Services and Nodes come from.
+        #[arg(long, value_name = "NAME")]
+        cluster: Option<String>,
+        /// Replace this config file (validated first) instead of printing.
+        #[arg(long, value_name = "PATH")]
+        write: Option<PathBuf>,
+        /// Fail (and write nothing) if any object or listener is skipped.
+        #[arg(long)]
+        strict: bool,
+        /// A TOML file with this host's [admin], [proxy] and [metrics]
+        /// settings, copied above the load balancers.
+        #[arg(long, value_name = "PATH")]
+        base: Option<PathBuf>,
+    },
 }
 
 /// The operator states `harvester-lb backend` sets.
@@ -160,6 +189,19 @@ fn main() -> ExitCode {
             run(config, no_watch, threads)
         }
         Command::Demo { config } => demo(&config),
+        Command::Import {
+            inputs,
+            cluster,
+            write,
+            strict,
+            base,
+        } => ExitCode::from(harvester_lb::import::command(&harvester_lb::import::Args {
+            inputs,
+            cluster,
+            write,
+            strict,
+            base,
+        })),
     }
 }
 
