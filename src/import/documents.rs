@@ -131,7 +131,54 @@ fn json_documents(source: &Source, text: &str) -> Result<Vec<Value>, DocumentErr
         })
 }
 
+/// Deeper flow nesting (`[[[…`) than any Kubernetes object has. libyaml
+/// parses the whole nest before serde's recursion limit can stop it, in
+/// time that grows with the square of the depth (100,000 levels: over a
+/// minute), so a deeper one is refused before it is parsed.
+const MAX_FLOW_DEPTH: usize = 512;
+
+/// The deepest `[`/`{` nesting outside quotes and comments, and where it
+/// passed [`MAX_FLOW_DEPTH`] (1-based line), if it did.
+fn too_deep(text: &str) -> Option<usize> {
+    let (mut depth, mut line) = (0usize, 1usize);
+    let mut quote: Option<char> = None;
+    let mut comment = false;
+    let mut previous = ' ';
+    for c in text.chars() {
+        match (quote, c) {
+            (_, '\n') => {
+                line += 1;
+                comment = false;
+            }
+            _ if comment => {}
+            (Some(q), c) if c == q => quote = None,
+            (Some(_), _) => {}
+            (None, '"' | '\'') => quote = Some(c),
+            (None, '#') if previous.is_whitespace() => comment = true,
+            (None, '[' | '{') => {
+                depth += 1;
+                if depth > MAX_FLOW_DEPTH {
+                    return Some(line);
+                }
+            }
+            (None, ']' | '}') => depth = depth.saturating_sub(1),
+            _ => {}
+        }
+        previous = c;
+    }
+    None
+}
+
 fn yaml_documents(source: &Source) -> Result<Vec<Value>, DocumentError> {
+    if let Some(line) = too_deep(&source.text) {
+        return Err(DocumentError::Yaml {
+            source_name: source.name.clone(),
+            document: 1,
+            message: format!(
+                "nested deeper than {MAX_FLOW_DEPTH} levels at line {line}; no Kubernetes object is"
+            ),
+        });
+    }
     let mut docs = Vec::new();
     for (i, doc) in serde_yaml_ng::Deserializer::from_str(&source.text).enumerate() {
         let value = Value::deserialize(doc).map_err(|e| DocumentError::Yaml {
@@ -250,6 +297,14 @@ mod tests {
         .unwrap();
         assert_eq!(objs.len(), 2);
         assert_eq!(objs[1].name(), "b");
+    }
+
+    #[test]
+    fn flow_nesting_is_bounded_outside_quotes_and_comments() {
+        let deep = format!("a: {}", "[".repeat(MAX_FLOW_DEPTH + 1));
+        assert_eq!(too_deep(&deep), Some(1));
+        let quoted = format!("a: \"{}\" # {}\nb: 1", "[".repeat(2000), "{".repeat(2000));
+        assert_eq!(too_deep(&quoted), None);
     }
 
     #[test]

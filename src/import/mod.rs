@@ -233,19 +233,22 @@ pub fn import(sources: &[Source], options: &Options) -> Result<Imported, ImportE
             }
         };
         mapped.lb.normalise();
+        notes.extend(mapped.notes.iter().map(|n| format!("{object}: {n}")));
+        if mapped.lb.listeners.is_empty() {
+            // One line for the object: what was left out is why nothing is left.
+            let mut why = mapped.skipped_parts;
+            why.push("no listener left that can be served: not imported".into());
+            skipped.push(Skip {
+                object,
+                reason: why.join("; "),
+            });
+            continue;
+        }
         for reason in mapped.skipped_parts {
             skipped.push(Skip {
                 object: object.clone(),
                 reason,
             });
-        }
-        notes.extend(mapped.notes.iter().map(|n| format!("{object}: {n}")));
-        if mapped.lb.listeners.is_empty() {
-            skipped.push(Skip {
-                object,
-                reason: "no listener that can be served: not imported".into(),
-            });
-            continue;
         }
         let mut alone = String::new();
         mapped.lb.write_toml(&mut alone);
@@ -412,17 +415,17 @@ pub fn command(args: &Args) -> u8 {
     for path in inputs {
         match read_source(path) {
             Ok(s) => sources.push(s),
-            Err(message) => {
+            Err((code, message)) => {
                 eprintln!("harvester-lb import: {message}");
-                return EXIT_NO_INPUT;
+                return code;
             }
         }
     }
     let base = match args.base.as_deref().map(read_source).transpose() {
         Ok(b) => b,
-        Err(message) => {
+        Err((code, message)) => {
             eprintln!("harvester-lb import: --base: {message}");
-            return EXIT_NO_INPUT;
+            return code;
         }
     };
     let options = Options {
@@ -489,32 +492,40 @@ pub fn command(args: &Args) -> u8 {
 }
 
 /// Reads a file (or standard input for `-`) whole, at most
-/// [`MAX_INPUT_BYTES`], as UTF-8.
-fn read_source(path: &Path) -> Result<Source, String> {
+/// [`MAX_INPUT_BYTES`], as UTF-8; an error comes with its exit code.
+fn read_source(path: &Path) -> Result<Source, (u8, String)> {
     let (name, mut reader): (String, Box<dyn Read>) = if path == Path::new("-") {
         ("standard input".into(), Box::new(std::io::stdin().lock()))
     } else {
         let shown = path.display().to_string();
         if path.is_dir() {
-            return Err(format!("{shown} is a directory; give a file"));
+            return Err((
+                EXIT_NO_INPUT,
+                format!("{shown} is a directory; give a file"),
+            ));
         }
-        let file = std::fs::File::open(path).map_err(|e| format!("cannot read {shown}: {e}"))?;
+        let file = std::fs::File::open(path)
+            .map_err(|e| (EXIT_NO_INPUT, format!("cannot read {shown}: {e}")))?;
         (shown, Box::new(file))
     };
     let mut bytes = Vec::new();
     (&mut reader)
         .take(MAX_INPUT_BYTES as u64 + 1)
         .read_to_end(&mut bytes)
-        .map_err(|e| format!("cannot read {name}: {e}"))?;
+        .map_err(|e| (EXIT_NO_INPUT, format!("cannot read {name}: {e}")))?;
     if bytes.len() > MAX_INPUT_BYTES {
-        return Err(format!(
-            "{name} is larger than {MAX_INPUT_BYTES} bytes; split the input"
+        return Err((
+            EXIT_DATA,
+            format!("{name} is larger than {MAX_INPUT_BYTES} bytes; split the input"),
         ));
     }
     let text = String::from_utf8(bytes).map_err(|e| {
-        format!(
-            "{name} is not UTF-8 text (first bad byte at offset {})",
-            e.utf8_error().valid_up_to()
+        (
+            EXIT_DATA,
+            format!(
+                "{name} is not UTF-8 text (first bad byte at offset {})",
+                e.utf8_error().valid_up_to()
+            ),
         )
     })?;
     Ok(Source { name, text })

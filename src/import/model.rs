@@ -162,9 +162,26 @@ impl Lb {
     }
 }
 
-/// A TOML basic string, escaped by the `toml` crate.
+/// A one-line TOML basic string (the `toml` crate would write a value with
+/// a newline as a multi-line string, breaking the one-key-a-line layout).
 fn quote(s: &str) -> String {
-    toml::Value::String(s.to_string()).to_string()
+    let mut out = String::with_capacity(s.len() + 2);
+    out.push('"');
+    for c in s.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            '\n' => out.push_str("\\n"),
+            '\t' => out.push_str("\\t"),
+            '\r' => out.push_str("\\r"),
+            c if c.is_control() => {
+                let _ = write!(out, "\\u{:04X}", u32::from(c));
+            }
+            c => out.push(c),
+        }
+    }
+    out.push('"');
+    out
 }
 
 /// A comment line's text with nothing that could end the comment.
@@ -180,7 +197,12 @@ mod tests {
 
     #[test]
     fn names_with_quotes_and_newlines_stay_one_toml_string() {
-        assert_eq!(quote("a\"b\nc"), r#""a\"b\nc""#);
+        for name in ["a\"b\nc", "back\\slash", "bell\u{7}", "ünïcödé"] {
+            let line = format!("k = {}", quote(name));
+            assert!(!line.contains('\n'), "{line}");
+            let parsed: toml::Table = line.parse().expect("valid TOML");
+            assert_eq!(parsed["k"].as_str(), Some(name));
+        }
         assert_eq!(comment_safe("x\ny"), "x y");
     }
 }
