@@ -133,6 +133,41 @@ for line in "${exec_lines[@]}"; do
     fi
 done
 
+# --- 3b. the import service and timer ---------------------------------------------
+# The oneshot import (kubectl | harvester-lb import --write) and its timer:
+# verify must be silent, and the harvester-lb command line inside the
+# shell pipeline must be accepted by the binary.
+for extra in harvester-lb-import.service harvester-lb-import.timer; do
+    [[ -f $repo/systemd/$extra ]] || fail "systemd/$extra not found"
+    cp "$repo/systemd/$extra" "$root/etc/systemd/system/$extra"
+done
+shell=$(sed -n -E 's/^ExecStart=([^[:space:]]+).*/\1/p' "$repo/systemd/harvester-lb-import.service")
+[[ $shell == /* && -x $shell ]] || fail "harvester-lb-import.service: ExecStart= $shell is not an executable on this host"
+install -D -m 0755 "$shell" "$root$shell"
+for extra in harvester-lb-import.service harvester-lb-import.timer; do
+    step "systemd-analyze verify $extra"
+    out=$(systemd-analyze verify --root="$root" "$extra" 2>&1) || { echo "$out"; fail "systemd-analyze verify $extra exited non-zero"; }
+    if [[ -n $out ]]; then
+        echo "$out"
+        echo "systemd-check: FAIL: systemd-analyze verify $extra printed the above (it must print nothing)" >&2
+        status=1
+    else
+        echo "clean"
+    fi
+done
+import_cmd=$(grep -oE "$exec_path import [^'|]*" "$repo/systemd/harvester-lb-import.service" | head -n1)
+[[ -n $import_cmd ]] || fail "harvester-lb-import.service does not run '$exec_path import'"
+read -r -a argv <<<"$import_cmd"
+if out=$("$bin" "${argv[@]:1}" --help 2>&1); then
+    echo "harvester-lb-import.service: ok (${argv[*]:1})"
+else
+    echo "$out" | head -n 20
+    echo "systemd-check: FAIL: harvester-lb-import.service's '${argv[*]}' is not accepted by the binary" >&2
+    status=1
+fi
+timer_unit=$(sed -n -E 's/^Unit=(.*)/\1/p' "$repo/systemd/harvester-lb-import.timer")
+[[ -z $timer_unit || $timer_unit == harvester-lb-import.service ]] || fail "harvester-lb-import.timer starts $timer_unit"
+
 # --- 4. the syscall filter lets the daemon do its job ---------------------------
 # Expands @groups recursively as this systemd version defines them.
 expand_group() {
