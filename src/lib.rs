@@ -17,6 +17,7 @@
 //! * [`daemon`]: applies a config as a diff (start-up and reload alike).
 //! * [`server`]: the daemon's life: start, the reload loop, the systemd watchdog, drain.
 //! * [`admin`], [`metrics`], [`systemd`]: how operators and machines see it.
+//! * [`status_table`]: `/status` as a terminal table (`harvester-lb status`).
 //! * [`import`]: Harvester's `LoadBalancer` objects (and v0.1.x guest
 //!   `Service`s) to a config file; beside `check`, it reads only `config`.
 //!
@@ -38,6 +39,7 @@ pub mod net;
 pub mod os;
 pub mod proxy;
 pub mod server;
+pub mod status_table;
 pub mod systemd;
 mod watch;
 

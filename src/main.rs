@@ -1,5 +1,5 @@
 //! The `harvester-lb` command: `run`, `check`, `reload`, `backend`,
-//! `import`, `demo`.
+//! `status`, `import`, `demo`.
 //! Thin by design; the daemon and the admin client live in the library.
 
 use std::io::{Read, Write};
@@ -109,6 +109,20 @@ enum Command {
         #[arg(long, short, default_value = config::DEFAULT_PATH)]
         config: PathBuf,
     },
+    /// Show the running daemon's load balancers, listeners and backends as
+    /// a table (health, operator state, consecutive counts, last probe and
+    /// its age, connections), like `haproxy show stat` or `ipvsadm -L -n`.
+    ///
+    /// GET /status on the admin socket of the config (admin.socket) when it
+    /// can be opened, else on admin.listen.
+    Status {
+        /// The config file (its `admin.socket` and `admin.listen`).
+        #[arg(long, short, default_value = config::DEFAULT_PATH)]
+        config: PathBuf,
+        /// Print the daemon's JSON as it is.
+        #[arg(long)]
+        json: bool,
+    },
     /// Write the config from Harvester's objects, as `kubectl get … -o json`
     /// or `-o yaml` prints them: `LoadBalancer`s (loadbalancer.harvesterhci.io
     /// v1beta1 or v1alpha1), or a guest cluster's `Service`s of type
@@ -189,6 +203,7 @@ fn main() -> ExitCode {
             run(config, no_watch, threads)
         }
         Command::Demo { config } => demo(&config),
+        Command::Status { config, json } => status(&config, json),
         Command::Import {
             inputs,
             cluster,
@@ -352,6 +367,40 @@ fn backend(
         Err(e) => {
             eprintln!("{}", unreachable(&socket, &e));
             ExitCode::from(EXIT_UNAVAILABLE)
+        }
+    }
+}
+
+fn status(path: &Path, json: bool) -> ExitCode {
+    let (admin, socket) = match config::load(path) {
+        Ok(l) => (l.config.admin.listen, l.config.admin.socket),
+        Err(e) => {
+            eprintln!("{e}");
+            return ExitCode::from(EXIT_CONFIG);
+        }
+    };
+    let body = match harvester_lb::status_table::fetch(admin, &socket) {
+        Ok(b) => b,
+        Err(message) => {
+            eprintln!("{message}");
+            return ExitCode::from(EXIT_UNAVAILABLE);
+        }
+    };
+    if json {
+        println!("{}", body.trim_end());
+        return ExitCode::SUCCESS;
+    }
+    match serde_json::from_str(&body) {
+        Ok(doc) => {
+            let now = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0.0, |d| d.as_secs_f64());
+            print!("{}", harvester_lb::status_table::render(&doc, now));
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("the daemon's /status is not JSON ({e})");
+            ExitCode::from(EXIT_START)
         }
     }
 }

@@ -1,0 +1,261 @@
+//! `harvester-lb status`: the daemon's `/status` as a table for a terminal,
+//! as `haproxy`'s `show stat` or `ipvsadm -L -n` show theirs: each load
+//! balancer with its VIP, its listeners, and each backend's health, operator
+//! state, consecutive counts, last probe result and age, and open
+//! connections.
+//!
+//! It only renders the JSON the daemon serves (read from the admin socket
+//! or `admin.listen`, as `reload` reaches the daemon); it computes nothing
+//! the daemon did not say, so the table and `--json` never disagree.
+
+use std::fmt::Write as _;
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::path::Path;
+use std::time::Duration;
+
+use serde_json::Value;
+
+/// How long `status` waits for the daemon.
+const TIMEOUT: Duration = Duration::from_secs(10);
+
+/// `GET /status` from the daemon: on the admin socket when it exists and
+/// can be opened, else on `admin.listen` (read-only, open to any local
+/// user). Returns the JSON text, or why the daemon could not be asked.
+pub fn fetch(listen: SocketAddr, socket: &Path) -> Result<String, String> {
+    if socket.exists() {
+        let answer = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .and_then(|rt| {
+                rt.block_on(crate::admin::socket_request(
+                    socket,
+                    hyper::Method::GET,
+                    "/status",
+                    String::new(),
+                    TIMEOUT,
+                ))
+            });
+        match answer {
+            Ok((code, body)) if code.is_success() => return Ok(body),
+            Ok((code, body)) => {
+                return Err(format!("/status answered {code}: {}", body.trim_end()));
+            }
+            // Not ours to open (mode 0600) or stale: the TCP listener serves /status too.
+            Err(_) => {}
+        }
+    }
+    let result = (|| -> std::io::Result<String> {
+        let mut s = TcpStream::connect_timeout(&listen, TIMEOUT)?;
+        s.set_read_timeout(Some(TIMEOUT))?;
+        // HTTP/1.0: the answer is the body up to the close, never chunked.
+        write!(s, "GET /status HTTP/1.0\r\nHost: {listen}\r\n\r\n")?;
+        let mut response = String::new();
+        s.read_to_string(&mut response)?;
+        Ok(response)
+    })();
+    let response = result.map_err(|e| {
+        format!(
+            "cannot reach the daemon's admin API at {listen} (nor its admin socket {}): {e}",
+            socket.display()
+        )
+    })?;
+    let (head, body) = response.split_once("\r\n\r\n").unwrap_or((&response, ""));
+    if head.split_whitespace().nth(1) == Some("200") {
+        Ok(body.to_string())
+    } else {
+        Err(format!(
+            "/status at {listen} answered: {}",
+            head.lines().next().unwrap_or("nothing")
+        ))
+    }
+}
+
+/// Renders `/status` (as JSON text) as tables; `now_unix` ages the probes.
+pub fn render(status: &Value, now_unix: f64) -> String {
+    let mut out = String::new();
+    let text = |v: &Value| match v {
+        Value::Null => "-".to_string(),
+        Value::String(s) => s.clone(),
+        other => other.to_string(),
+    };
+    let ready = status["ready"].as_bool().unwrap_or(false);
+    let _ = writeln!(
+        out,
+        "daemon: {}{}",
+        if ready { "ready" } else { "NOT READY" },
+        match status["config"]["problem"].as_str() {
+            Some(p) => format!("; config: {p}"),
+            None => String::new(),
+        }
+    );
+    let empty = Vec::new();
+    let lbs = status["load_balancers"].as_array().unwrap_or(&empty);
+    if lbs.is_empty() {
+        let _ = writeln!(out, "no load balancers");
+    }
+    for lb in lbs {
+        let backends = lb["backends"].as_array().unwrap_or(&empty);
+        let _ = writeln!(out);
+        let mut head = vec![
+            row(&[
+                "LOAD BALANCER",
+                "CLUSTER",
+                "VIP",
+                "IPAM",
+                "ALGORITHM",
+                "CHECK",
+                "AFFINITY",
+                "ELIGIBLE",
+            ]),
+            vec![
+                text(&lb["name"]),
+                text(&lb["cluster"]),
+                text(&lb["vip"]),
+                text(&lb["ipam"]),
+                text(&lb["algorithm"]),
+                text(&lb["health_check_kind"]),
+                text(&lb["session_affinity"]),
+                format!("{}/{}", text(&lb["eligible_backends"]), backends.len()),
+            ],
+        ];
+        table(&mut out, "", &mut head);
+        let mut listeners = vec![row(&[
+            "LISTENER",
+            "ADDRESS",
+            "BACKEND PORT",
+            "PROTO",
+            "STATE",
+            "CONNS",
+            "ERROR",
+        ])];
+        for l in lb["listeners"].as_array().unwrap_or(&empty) {
+            listeners.push(vec![
+                text(&l["name"]),
+                text(&l["address"]),
+                text(&l["backend_port"]),
+                text(&l["protocol"]),
+                text(&l["state"]),
+                text(&l["active_connections"]),
+                text(&l["error"]),
+            ]);
+        }
+        table(&mut out, "  ", &mut listeners);
+        let mut rows = vec![row(&[
+            "BACKEND",
+            "HEALTH",
+            "ADMIN",
+            "ELIGIBLE",
+            "OK RUN",
+            "FAIL RUN",
+            "LAST",
+            "AGE",
+            "PROBES",
+            "CONNS",
+            "LAST ERROR",
+        ])];
+        for b in backends {
+            let p = &b["probe"];
+            let age = p["last_probe_unix"].as_f64().map_or("-".to_string(), |t| {
+                format!("{:.1}s", (now_unix - t).max(0.0))
+            });
+            rows.push(vec![
+                text(&b["address"]),
+                text(&b["health"]),
+                text(&b["admin_state"]),
+                if b["eligible"].as_bool() == Some(true) {
+                    "yes"
+                } else {
+                    "no"
+                }
+                .to_string(),
+                text(&p["consecutive_successes"]),
+                text(&p["consecutive_failures"]),
+                text(&p["last_result"]),
+                age,
+                text(&p["probes"]),
+                text(&b["active_connections"]),
+                text(&p["last_error"]),
+            ]);
+        }
+        table(&mut out, "  ", &mut rows);
+    }
+    out
+}
+
+fn row(cells: &[&str]) -> Vec<String> {
+    cells.iter().map(|c| c.to_string()).collect()
+}
+
+/// Appends rows with every column as wide as its widest cell; trailing
+/// spaces trimmed.
+fn table(out: &mut String, indent: &str, rows: &mut [Vec<String>]) {
+    let columns = rows.iter().map(Vec::len).max().unwrap_or(0);
+    let widths: Vec<usize> = (0..columns)
+        .map(|c| {
+            rows.iter()
+                .filter_map(|r| r.get(c))
+                .map(|s| s.chars().count())
+                .max()
+                .unwrap_or(0)
+        })
+        .collect();
+    for r in rows.iter() {
+        let mut line = indent.to_string();
+        for (c, cell) in r.iter().enumerate() {
+            let _ = write!(line, "{cell:<w$}  ", w = widths[c]);
+        }
+        let _ = writeln!(out, "{}", line.trim_end());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_backend_row_shows_health_admin_state_counts_and_age() {
+        let status = serde_json::json!({
+            "ready": true,
+            "config": {"path": "/etc/x", "problem": null, "missing_since_unix": null},
+            "load_balancers": [{
+                "name": "default/web", "cluster": "prod", "vip": "10.0.0.10", "ipam": "pool",
+                "algorithm": "round_robin", "health_check": true, "health_check_kind": "tcp",
+                "session_affinity": "none", "eligible_backends": 1,
+                "listeners": [{"name": "http", "address": "10.0.0.10:80", "backend_port": 30080,
+                    "protocol": "tcp", "proxy_protocol": null, "state": "listening", "error": null,
+                    "active_connections": 3}],
+                "backends": [{"address": "10.0.0.1", "health": "unhealthy", "admin_state": "drain",
+                    "eligible": false, "active_connections": 2,
+                    "probe": {"status": "unhealthy", "consecutive_successes": 0, "consecutive_failures": 4,
+                        "last_result": "refused", "last_error": "connection refused",
+                        "last_probe_unix": 100.0, "probes": 9}}]
+            }]
+        });
+        let text = render(&status, 102.5);
+        assert!(text.starts_with("daemon: ready\n"), "{text}");
+        let line = text
+            .lines()
+            .find(|l| l.contains("10.0.0.1 "))
+            .expect("backend row");
+        let cells: Vec<&str> = line.split_whitespace().collect();
+        assert_eq!(
+            cells,
+            [
+                "10.0.0.1",
+                "unhealthy",
+                "drain",
+                "no",
+                "0",
+                "4",
+                "refused",
+                "2.5s",
+                "9",
+                "2",
+                "connection",
+                "refused"
+            ]
+        );
+        assert!(text.contains("  http      10.0.0.10:80  30080"), "{text}");
+    }
+}

@@ -1,0 +1,146 @@
+//! `harvester-lb status` against a running daemon: the table shows each
+//! backend's health, operator state, runs and last probe; `--json` is the
+//! daemon's `/status`; the admin socket is used when it can be opened, the
+//! TCP listener otherwise; an unreachable daemon is exit 69.
+
+mod support;
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use support::{Backend, Behaviour, Daemon, Subnet, run_cli};
+
+async fn cli(args: Vec<String>) -> (i32, String, String) {
+    tokio::task::spawn_blocking(move || {
+        let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+        run_cli(&refs)
+    })
+    .await
+    .expect("cli thread")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_table_shows_what_status_says_through_the_socket_or_tcp() {
+    let net = Subnet::new();
+    let socket = net.dir().join("admin.sock");
+    let config = format!(
+        r#"[admin]
+listen = "{admin}:9901"
+socket = "{socket}"
+[[load_balancer]]
+name = "default/web"
+cluster = "prod"
+vip = "{vip}"
+backends = ["{up}", "{down}"]
+  [[load_balancer.listener]]
+  name = "http"
+  port = 8080
+  backend_port = 30080
+  [load_balancer.health_check]
+  port = 30080
+  failure_threshold = 1
+  period_seconds = 1
+  timeout_seconds = 1
+"#,
+        admin = net.ip_str(250),
+        socket = socket.display(),
+        vip = net.ip_str(100),
+        up = net.ip_str(1),
+        down = net.ip_str(2),
+    );
+    let backend = Backend::start(SocketAddr::new(net.ip(1), 30080), Behaviour::NameThenEcho).await;
+    let daemon = Daemon::start(&net, &config).await;
+    daemon
+        .wait_health(
+            "default/web",
+            &net.ip_str(2),
+            "unhealthy",
+            Duration::from_secs(10),
+        )
+        .await;
+    let path = daemon.config.to_str().unwrap().to_string();
+
+    let (code, table, stderr) = cli(vec!["status".into(), "--config".into(), path.clone()]).await;
+    assert_eq!(code, 0, "{stderr}");
+    assert!(table.starts_with("daemon: ready\n"), "{table}");
+    let header = table
+        .lines()
+        .find(|l| l.starts_with("default/web"))
+        .expect("lb row");
+    assert!(
+        header.contains(&net.ip_str(100)) && header.contains("1/2"),
+        "{table}"
+    );
+    let down = table
+        .lines()
+        .find(|l| l.trim_start().starts_with(&format!("{} ", net.ip_str(2))))
+        .expect("down backend row");
+    let cells: Vec<&str> = down.split_whitespace().collect();
+    assert_eq!(&cells[1..4], ["unhealthy", "ready", "no"], "{down}");
+    assert_eq!(cells[6], "refused", "{down}");
+    assert!(cells[7].ends_with('s'), "an age: {down}");
+    let listener = table
+        .lines()
+        .find(|l| l.contains("listening"))
+        .expect("listener row");
+    assert!(
+        listener.contains(&format!("{}:8080", net.ip_str(100))),
+        "{table}"
+    );
+
+    // --json is the daemon's /status.
+    let (code, json, _) = cli(vec![
+        "status".into(),
+        "--json".into(),
+        "--config".into(),
+        path,
+    ])
+    .await;
+    assert_eq!(code, 0);
+    let doc: serde_json::Value = serde_json::from_str(&json).expect("JSON");
+    assert_eq!(doc["load_balancers"][0]["name"], "default/web");
+
+    // Without a socket to open: admin.listen answers.
+    let no_socket = net.write(
+        "tcp-only.toml",
+        &config.replace(
+            &socket.display().to_string(),
+            "/nonexistent/harvester-lb.sock",
+        ),
+    );
+    let (code, table, stderr) = cli(vec![
+        "status".into(),
+        "-c".into(),
+        no_socket.to_str().unwrap().into(),
+    ])
+    .await;
+    assert_eq!(code, 0, "{stderr}");
+    assert!(table.contains("default/web"), "{table}");
+
+    // Nobody there: 69, naming where it asked.
+    let nowhere = net.write(
+        "nowhere.toml",
+        &config
+            .replace(
+                &socket.display().to_string(),
+                "/nonexistent/harvester-lb.sock",
+            )
+            .replace(
+                &format!("{}:9901", net.ip_str(250)),
+                &format!("{}:9901", net.ip_str(249)),
+            ),
+    );
+    let (code, _, stderr) = cli(vec![
+        "status".into(),
+        "-c".into(),
+        nowhere.to_str().unwrap().into(),
+    ])
+    .await;
+    assert_eq!(code, 69, "{stderr}");
+    assert!(
+        stderr.contains("cannot reach the daemon's admin API"),
+        "{stderr}"
+    );
+    daemon.stop().await;
+    backend.stop();
+}
