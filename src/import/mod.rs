@@ -100,7 +100,7 @@ pub struct Options {
 /// Something not imported, and why.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Skip {
-    /// The object, as [`documents::Object::describe`] names it.
+    /// The object: its version, kind, name and where it was found.
     pub object: String,
     /// Why, naming the field.
     pub reason: String,
