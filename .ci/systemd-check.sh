@@ -116,6 +116,36 @@ else
     echo "exposure $score <= $max_exposure"
 fi
 
+# --- 2b. opt-in drop-ins -------------------------------------------------------------
+# Each drop-in in systemd/harvester-lb.service.d/ (privileges the VIP
+# features need) is verified and scored together with the unit, then
+# removed again so the steps below see the unit as shipped.
+max_dropin_exposure=${MAX_DROPIN_EXPOSURE:-3.0}
+for dropin in "$repo"/systemd/harvester-lb.service.d/*.conf; do
+    [[ -f $dropin ]] || continue
+    name=$(basename "$dropin")
+    step "drop-in $name: verify and security"
+    mkdir -p "$root/etc/systemd/system/$unit.d"
+    cp "$dropin" "$root/etc/systemd/system/$unit.d/$name"
+    out=$(systemd-analyze verify --root="$root" "$unit" 2>&1) || { echo "$out"; fail "verify with $name exited non-zero"; }
+    if [[ -n $out ]]; then
+        echo "$out"
+        echo "systemd-check: FAIL: verify with $name printed the above" >&2
+        status=1
+    fi
+    sec=$(systemd-analyze security --offline=true --no-pager --root="$root" "$unit" 2>&1) || true
+    dscore=$(grep -E 'Overall exposure level for ' <<<"$sec" | tail -n1 | sed -n -E 's/.*: ([0-9]+(\.[0-9]+)?) .*/\1/p')
+    [[ -n $dscore ]] || fail "could not read the exposure score with $name"
+    if awk -v s="$dscore" -v m="$max_dropin_exposure" 'BEGIN { exit !(s > m) }'; then
+        grep -E '✗' <<<"$sec" || true
+        echo "systemd-check: FAIL: exposure with $name is $dscore, above $max_dropin_exposure" >&2
+        status=1
+    else
+        echo "exposure with $name: $dscore <= $max_dropin_exposure (unit alone: $score)"
+    fi
+    rm -rf "$root/etc/systemd/system/$unit.d"
+done
+
 # --- 3. the binary accepts the unit's command lines ------------------------------
 step "Exec*= command lines against $bin"
 for line in "${exec_lines[@]}"; do

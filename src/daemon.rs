@@ -27,6 +27,7 @@ use crate::health::prober::{Prober, TargetStatus};
 use crate::health::{Health, HealthState};
 use crate::metrics::{ListenerStats, Metrics};
 use crate::proxy::{self, Listener, Route};
+use crate::vip::isolate::{Isolation, IsolationStatus};
 
 /// The daemon's live state, shared by the reload path, the admin server and
 /// the signal handlers.
@@ -48,6 +49,9 @@ pub struct Daemon {
     /// The bound on client-affinity entries, shared by every load balancer
     /// (`proxy.max_affinity_entries`).
     affinity: Arc<AffinityBudget>,
+    /// The nftables table that keeps the VIPs to their listeners' ports
+    /// (`vip.isolate`); written by the server, beside each apply.
+    isolation: Arc<Isolation>,
 }
 
 #[derive(Default)]
@@ -104,7 +108,14 @@ impl Daemon {
             stopping: AtomicBool::new(false),
             retire_now: CancellationToken::new(),
             affinity: AffinityBudget::new(0),
+            isolation: Arc::new(Isolation::new()),
         })
+    }
+
+    /// The VIP isolation table's owner. It runs `nft`, so the server calls
+    /// it on a blocking thread, and at stop.
+    pub fn isolation(&self) -> &Arc<Isolation> {
+        &self.isolation
     }
 
     /// The metric registry.
@@ -695,6 +706,7 @@ impl Daemon {
                 }),
                 missing_since_unix,
             },
+            vip_isolation: self.isolation.status(),
         }
     }
 }
@@ -772,6 +784,8 @@ pub struct StatusDoc {
     /// The config file, and what is wrong with it while the daemon runs on
     /// what it read before.
     pub config: ConfigStatus,
+    /// `vip.isolate`: whether the table is in force, and how large.
+    pub vip_isolation: IsolationStatus,
 }
 
 /// The config file in `/status`: an on-call engineer must see that the

@@ -16,6 +16,7 @@
 //! * [`proxy`]: listeners, accept, connect with retry, zero-copy forwarding.
 //! * [`daemon`]: applies a config as a diff (start-up and reload alike).
 //! * [`server`]: the daemon's life: start, the reload loop, the systemd watchdog, drain.
+//! * [`vip`]: the VIPs themselves: only their listeners' ports answer.
 //! * [`admin`], [`metrics`], [`systemd`]: how operators and machines see it.
 //! * [`status_table`]: `/status` as a terminal table (`harvester-lb status`).
 //! * [`import`]: Harvester's `LoadBalancer` objects (and v0.1.x guest
@@ -41,6 +42,7 @@ pub mod proxy;
 pub mod server;
 pub mod status_table;
 pub mod systemd;
+pub mod vip;
 mod watch;
 
 pub use server::{Options, Server, StartError, request_reload, start};

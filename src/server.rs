@@ -16,6 +16,7 @@ use crate::admin::ReloadRequest;
 use crate::config::{self, Config, ConfigError};
 use crate::daemon::Daemon;
 use crate::metrics::Metrics;
+use crate::vip::isolate::IsolationError;
 use crate::{admin, os, systemd, watch};
 
 /// How to run the daemon.
@@ -50,6 +51,10 @@ pub enum StartError {
     /// The config could not be used; nothing was bound.
     #[error(transparent)]
     Config(#[from] ConfigError),
+    /// `vip.isolate` is on and its table could not be written; nothing
+    /// was bound, so no VIP serves without the isolation asked for.
+    #[error("vip.isolate: {0}")]
+    Isolation(#[from] IsolationError),
     /// The admin listener could not be bound.
     #[error("cannot bind the admin listener {addr} (admin.listen): {source}")]
     AdminBind {
@@ -87,6 +92,20 @@ pub async fn start(options: Options) -> Result<Server, StartError> {
         tracing::warn!(config = %options.config_path.display(), "{w}");
     }
     let config = loaded.config;
+    let metrics = Metrics::new();
+    let daemon = Daemon::new(Arc::clone(&metrics), connection_limit(&config));
+    // Before anything binds: a VIP must not serve, even for a moment,
+    // without the isolation its config asks for, and a daemon that cannot
+    // write it must leave nothing behind (no admin socket either).
+    let isolation = Arc::clone(daemon.isolation());
+    let (config, isolated) = tokio::task::spawn_blocking(move || {
+        let result = isolation.reconcile(&config);
+        (config, result)
+    })
+    .await
+    .expect("the isolation writer does not panic");
+    metrics.set_vip_isolation(config.vip.isolate.then_some(true));
+    isolated?;
     let admin_addr = config.admin.listen;
     let admin_socket =
         TcpListener::bind(admin_addr)
@@ -103,8 +122,6 @@ pub async fn start(options: Options) -> Result<Server, StartError> {
         .unwrap_or_else(|| config.admin.socket.clone());
     let unix_socket = admin::AdminSocket::bind(&unix_path)?;
 
-    let metrics = Metrics::new();
-    let daemon = Daemon::new(Arc::clone(&metrics), connection_limit(&config));
     daemon.set_config_file(&options.config_path);
     let report = daemon.apply(config);
     tracing::info!(?report, config = %options.config_path.display(), "config applied");
@@ -180,6 +197,12 @@ impl Server {
         systemd::notify("STOPPING=1");
         tracing::info!("stopping: no new connections; draining open ones");
         let cut = self.daemon.shutdown().await;
+        let isolation = Arc::clone(self.daemon.isolation());
+        match tokio::task::spawn_blocking(move || isolation.remove()).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => tracing::error!("at stop: {e}"),
+            Err(e) => tracing::error!("at stop: the isolation writer ended abnormally: {e}"),
+        }
         self.admin_stop.cancel();
         if let Err(e) = self.socket_task.await {
             tracing::warn!(error = %e, "the admin socket task ended abnormally");
@@ -313,18 +336,31 @@ async fn reload(
     let started = tokio::time::Instant::now();
     let path = options.config_path.clone();
     let loader = Arc::clone(loader);
+    let isolation = Arc::clone(daemon.isolation());
     let loaded = tokio::task::spawn_blocking(move || {
-        loader
+        let loaded = loader
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .load(&path)
+            .load(&path)?;
+        // The table follows the new config before its listeners change. A
+        // failure leaves the kernel's table as it was (one transaction) and
+        // does not stop the reload: it is logged, in /status and a metric.
+        let isolated = isolation.reconcile(&loaded.config);
+        Ok::<_, config::ConfigError>((loaded, isolated))
     })
     .await
     .map_err(|e| format!("the config loader stopped: {e}"))
     .and_then(|r| r.map_err(|e| e.to_string()));
     let result = match loaded {
-        Ok(loaded) => {
+        Ok((loaded, isolated)) => {
             let parsed = started.elapsed();
+            let vip = loaded.config.vip;
+            daemon
+                .metrics()
+                .set_vip_isolation(vip.isolate.then_some(isolated.is_ok()));
+            if let Err(e) = &isolated {
+                tracing::error!(config = %options.config_path.display(), "vip.isolate: {e}");
+            }
             for w in &loaded.warnings {
                 tracing::warn!(config = %options.config_path.display(), "{w}");
             }
@@ -343,7 +379,10 @@ async fn reload(
                 report.listeners_removed,
                 report.load_balancers_added,
                 report.load_balancers_removed
-            );
+            ) + &isolated
+                .err()
+                .map(|e| format!("; vip.isolate failed: {e}"))
+                .unwrap_or_default();
             tracing::info!(?report, elapsed = ?started.elapsed(), "config reloaded");
             Ok(summary)
         }

@@ -15,6 +15,8 @@ mod t_detect;
 mod t_hostile;
 #[path = "netns/t_transfer.rs"]
 mod t_transfer;
+#[path = "netns/t_vip.rs"]
+mod t_vip;
 
 /// Not a test of its own: the body of the backend *process* that
 /// `t_transfer` kills. It serves only when started with `HLB_HELPER_LISTEN`.

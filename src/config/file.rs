@@ -26,6 +26,9 @@ pub struct FileConfig {
     /// `[metrics]`: what `/metrics` exposes beyond the default series.
     #[serde(default)]
     pub metrics: FileMetrics,
+    /// `[vip]`: what the daemon does to the VIPs themselves.
+    #[serde(default)]
+    pub vip: FileVip,
     /// `[[load_balancer]]`: one per Kubernetes `LoadBalancer` service.
     #[serde(default, rename = "load_balancer")]
     pub load_balancers: Vec<Spanned<FileLoadBalancer>>,
@@ -46,6 +49,15 @@ pub struct FileAdmin {
 pub struct FileMetrics {
     /// One probe-duration histogram per backend instead of one for the daemon.
     pub per_backend_health_check_duration: Option<Spanned<bool>>,
+}
+
+/// `[vip]`.
+#[derive(Debug, Default, Deserialize)]
+pub struct FileVip {
+    /// Only the listeners' ports answer on a VIP (an nftables table).
+    pub isolate: Option<Spanned<bool>>,
+    /// `drop` or `reject`: what the other traffic to a VIP meets.
+    pub isolate_action: Option<Spanned<String>>,
 }
 
 /// `[proxy]`.

@@ -40,6 +40,8 @@ pub struct Config {
     pub proxy: ProxySettings,
     /// What `/metrics` exposes beyond the default series.
     pub metrics: MetricsSettings,
+    /// What the daemon does to the VIPs themselves.
+    pub vip: VipSettings,
     /// Every load balancer, in file order; names are unique.
     pub load_balancers: Vec<Arc<LoadBalancerSpec>>,
 }
@@ -62,6 +64,28 @@ pub struct MetricsSettings {
     /// `harvester_lb_health_check_duration_seconds` per backend (19 series
     /// each) instead of one histogram for the whole daemon.
     pub per_backend_health_check_duration: bool,
+}
+
+/// `[vip]`: the VIPs' own protection on this host.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct VipSettings {
+    /// Let traffic to a VIP reach only its listeners' ports: without it,
+    /// every service the host runs on a wildcard address (the kubelet, SSH,
+    /// the Kubernetes API) answers on every VIP too.
+    pub isolate: bool,
+    /// What happens to the rest of the traffic addressed to a VIP.
+    pub isolate_action: IsolateAction,
+}
+
+/// How a packet to a VIP's closed port is refused.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum IsolateAction {
+    /// Silently: a scanner learns nothing, a client waits for its timeout.
+    #[default]
+    Drop,
+    /// A TCP reset (ICMP port unreachable for other protocols): a client
+    /// fails at once, as if nothing listened.
+    Reject,
 }
 
 /// `[proxy]`.

@@ -278,6 +278,10 @@ impl Exposition {
             &names::CONFIG_LAST_RELOAD_SUCCESS_TIMESTAMP,
             &f64::from_bits(load(&m.last_success)),
         );
+        match m.vip_isolation.load(Ordering::Relaxed) {
+            0 => {}
+            v => gauge(buf, &names::VIP_ISOLATION_UP, &u64::from(v == 1)),
+        }
         let mut headed = false;
         let mut out = Out {
             buf,

@@ -53,6 +53,9 @@ pub struct Metrics {
     last_success: AtomicU64,
     config_load_balancers: AtomicU64,
     health_check_streams: AtomicU64,
+    /// `vip.isolate`: 0 off (no series), 1 the table is in force, 2 the
+    /// last write of it failed.
+    pub(crate) vip_isolation: std::sync::atomic::AtomicU8,
 }
 
 impl Metrics {
@@ -99,6 +102,17 @@ impl Metrics {
             .store(load_balancers as u64, Ordering::Relaxed);
         self.health_check_streams
             .store(health_check_streams as u64, Ordering::Relaxed);
+    }
+
+    /// Records the VIP isolation's state: `None` when it is off, else
+    /// whether the table of the config in force is written.
+    pub fn set_vip_isolation(&self, in_force: Option<bool>) {
+        let v = match in_force {
+            None => 0,
+            Some(true) => 1,
+            Some(false) => 2,
+        };
+        self.vip_isolation.store(v, Ordering::Relaxed);
     }
 
     /// Switches per-backend probe-duration histograms on or off.

@@ -217,6 +217,13 @@ pub static CONFIG_LAST_RELOAD_SUCCESS_TIMESTAMP: Family = Family::new(
     Gauge,
     "Unix time of the last successful configuration load.",
 );
+/// `vip.isolate`: 1 when the nftables table of the config in force is
+/// written, 0 when writing it failed; absent when isolation is off.
+pub static VIP_ISOLATION_UP: Family = Family::new(
+    "harvester_lb_vip_isolation_up",
+    Gauge,
+    "1 when the VIP isolation table of the configuration in force is in the kernel, 0 when writing it failed.",
+);
 /// Reloads, by `result`.
 pub static CONFIG_RELOADS: Family = Family::new(
     "harvester_lb_config_reloads_total",

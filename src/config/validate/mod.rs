@@ -241,6 +241,28 @@ impl Validator<'_> {
             100_000_000,
         );
 
+        let vip = VipSettings {
+            isolate: file.vip.isolate.as_ref().is_some_and(|v| *v.get_ref()),
+            isolate_action: self.choice(
+                &file.vip.isolate_action,
+                format_args!("vip.isolate_action"),
+                &[
+                    ("drop", IsolateAction::Drop),
+                    ("reject", IsolateAction::Reject),
+                ],
+                IsolateAction::Drop,
+            ),
+        };
+        if !vip.isolate
+            && let Some(a) = &file.vip.isolate_action
+        {
+            self.warning(
+                Some(a.span()),
+                "vip.isolate_action",
+                "has no effect without vip.isolate = true".into(),
+            );
+        }
+
         let mut specs = Vec::with_capacity(file.load_balancers.len());
         for (i, lb) in file.load_balancers.iter().enumerate() {
             specs.push(self.load_balancer(&format!("load_balancer[{i}]"), lb));
@@ -273,6 +295,7 @@ impl Validator<'_> {
                     .as_ref()
                     .is_some_and(|v| *v.get_ref()),
             },
+            vip,
             load_balancers,
         }
     }

@@ -1,0 +1,433 @@
+//! VIP isolation: one nftables table that lets traffic addressed to a VIP
+//! reach only the ports of that VIP's listeners.
+//!
+//! A VIP is one more address of the host, so every service the host runs on
+//! a wildcard address (SSH on `0.0.0.0:22`, the Kubernetes API on `:6443`,
+//! the kubelet) also answers on every VIP, to every client of every guest
+//! cluster (harvester#3132, #6934). With `vip.isolate = true` the daemon owns
+//! the table `inet harvester_lb`:
+//!
+//! ```text
+//! table inet harvester_lb {
+//!   set vips4 { type ipv4_addr; elements = { VIP, … } }
+//!   set open4 { type ipv4_addr . inet_proto . inet_service; elements = { VIP . tcp . PORT, … } }
+//!   (and vips6, open6)
+//!   chain input {
+//!     type filter hook input priority filter; policy accept;
+//!     ip daddr . meta l4proto . th dport @open4 accept
+//!     meta l4proto { icmp, ipv6-icmp } accept      # ping, PMTU, neighbour discovery
+//!     ip daddr @vips4 drop                         # or: reject (a TCP reset)
+//!   }
+//! }
+//! ```
+//!
+//! Traffic to any other address of the host never matches. The chain only
+//! drops: its `accept` lets a packet go on to the host's other tables, so a
+//! firewall of the host still applies to the open ports.
+//!
+//! The table is written whole in one `nft` transaction (create if missing,
+//! delete, create with its contents), so there is never a moment with half
+//! a table or none: at start (replacing whatever a crashed daemon left), at
+//! every reload whose VIPs or ports changed, and deleted at a clean stop. A
+//! crash leaves it in place, so nothing opens up while systemd restarts the
+//! daemon.
+//!
+//! It is applied through the `nftables` crate, which builds nft's JSON
+//! schema as typed values and runs `nft -j -f -`: the kernel's own
+//! userspace tool, present on every host that has nftables, and the one an
+//! operator uses to inspect the result (`nft list table inet harvester_lb`).
+
+use std::borrow::Cow;
+use std::collections::BTreeSet;
+use std::net::IpAddr;
+use std::sync::Mutex;
+use std::time::SystemTime;
+
+use nftables::expr::{Expression, Meta, MetaKey, NamedExpression, Payload, PayloadField, SetItem};
+use nftables::schema::{
+    Chain, NfCmd, NfListObject, NfObject, Nftables, Rule, Set, SetType, SetTypeValue, Table,
+};
+use nftables::stmt::{Match, Operator, Reject, RejectType, Statement};
+use nftables::types::{NfChainPolicy, NfChainType, NfFamily, NfHook, RejectCode};
+
+use crate::config::{Config, IsolateAction, Protocol, VipSettings};
+
+/// The table's name, in family `inet`.
+pub const TABLE: &str = "harvester_lb";
+
+/// What the table lets through: every VIP, and each VIP's listener ports.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Openings {
+    vips: BTreeSet<IpAddr>,
+    /// VIP, nft's protocol name, port.
+    open: BTreeSet<(IpAddr, &'static str, u16)>,
+}
+
+impl Openings {
+    /// The VIPs and listener ports of `config`.
+    pub fn of(config: &Config) -> Self {
+        let mut o = Self::default();
+        for lb in &config.load_balancers {
+            o.vips.insert(lb.vip);
+            for l in &lb.listeners {
+                o.open.insert((lb.vip, protocol_name(l.protocol), l.port));
+            }
+        }
+        o
+    }
+
+    /// How many VIPs are guarded.
+    pub fn vips(&self) -> usize {
+        self.vips.len()
+    }
+
+    /// How many VIP:port:protocol openings there are.
+    pub fn ports(&self) -> usize {
+        self.open.len()
+    }
+}
+
+/// Why the table could not be written or removed.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "could not {what} the nftables table inet {TABLE}: {detail} (it needs the `nft` command and CAP_NET_ADMIN: see systemd/vip.conf)"
+)]
+pub struct IsolationError {
+    what: &'static str,
+    detail: String,
+}
+
+/// Runs one `nft -j -f -` transaction. (The crate's own runner lets nft's
+/// stderr through to ours, so its error would not say why; this one keeps it.)
+fn nft(what: &'static str, batch: &Nftables<'_>) -> Result<(), IsolationError> {
+    use std::io::Write;
+    use std::process::{Command, Stdio};
+    let fail = |detail: String| IsolationError { what, detail };
+    let json = serde_json::to_vec(batch).map_err(|e| fail(format!("cannot encode it: {e}")))?;
+    let mut child = Command::new("nft")
+        .args(["-j", "-f", "-"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(|e| fail(format!("cannot run `nft`: {e}")))?;
+    let written = child.stdin.take().map(|mut stdin| stdin.write_all(&json));
+    let out = child
+        .wait_with_output()
+        .map_err(|e| fail(format!("`nft` did not finish: {e}")))?;
+    if out.status.success() {
+        return Ok(());
+    }
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let said = stderr.trim();
+    Err(fail(match (said.is_empty(), written) {
+        (false, _) => format!("nft: {said}"),
+        (true, Some(Err(e))) => format!("nft exited with {} (writing to it: {e})", out.status),
+        (true, _) => format!("nft exited with {}", out.status),
+    }))
+}
+
+/// What `/status` shows of the isolation.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct IsolationStatus {
+    /// `vip.isolate`.
+    pub enabled: bool,
+    /// `inet harvester_lb`.
+    pub table: String,
+    /// Whether the table of the config in force is in the kernel.
+    pub in_force: bool,
+    /// `drop` or `reject`.
+    pub action: &'static str,
+    /// VIPs guarded.
+    pub vips: usize,
+    /// VIP:port:protocol openings.
+    pub open_ports: usize,
+    /// Unix time the table was last written.
+    pub applied_unix: Option<u64>,
+    /// The last failure to write it, if the last attempt failed.
+    pub error: Option<String>,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    /// What the kernel has, as far as this process wrote it.
+    applied: Option<(Openings, IsolateAction)>,
+    applied_at: Option<SystemTime>,
+    settings: VipSettings,
+    error: Option<String>,
+}
+
+/// The daemon's side of the table: what it last wrote, and writing it.
+#[derive(Debug, Default)]
+pub struct Isolation {
+    state: Mutex<State>,
+}
+
+impl Isolation {
+    /// Nothing written yet.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Makes the kernel's table match `config`: written whole when the VIPs,
+    /// ports or action changed (or at the first call, replacing a table a
+    /// crashed daemon left), deleted when isolation was turned off.
+    /// Blocking: it runs `nft`.
+    pub fn reconcile(&self, config: &Config) -> Result<(), IsolationError> {
+        let mut st = self.lock();
+        st.settings = config.vip;
+        let result = if config.vip.isolate {
+            let wanted = (Openings::of(config), config.vip.isolate_action);
+            if st.applied.as_ref() == Some(&wanted) {
+                return Ok(());
+            }
+            let ruleset = ruleset(&wanted.0, wanted.1);
+            nft("write", &ruleset).map(|()| {
+                st.applied = Some(wanted);
+                st.applied_at = Some(SystemTime::now());
+            })
+        } else if st.applied.take().is_some() {
+            delete().map(|()| st.applied_at = None)
+        } else {
+            Ok(())
+        };
+        st.error = result.as_ref().err().map(ToString::to_string);
+        result
+    }
+
+    /// Deletes the table if this process wrote it (a clean stop).
+    pub fn remove(&self) -> Result<(), IsolationError> {
+        let mut st = self.lock();
+        if st.applied.take().is_none() {
+            return Ok(());
+        }
+        st.applied_at = None;
+        delete()
+    }
+
+    /// Whether the last write succeeded (1 when isolation is off).
+    pub fn healthy(&self) -> bool {
+        self.lock().error.is_none()
+    }
+
+    /// For `/status`.
+    pub fn status(&self) -> IsolationStatus {
+        let st = self.lock();
+        let (vips, open_ports) = st
+            .applied
+            .as_ref()
+            .map_or((0, 0), |(o, _)| (o.vips(), o.ports()));
+        IsolationStatus {
+            enabled: st.settings.isolate,
+            table: format!("inet {TABLE}"),
+            in_force: st.applied.is_some(),
+            action: match st.settings.isolate_action {
+                IsolateAction::Drop => "drop",
+                IsolateAction::Reject => "reject",
+            },
+            vips,
+            open_ports,
+            applied_unix: st
+                .applied_at
+                .and_then(|t| t.duration_since(SystemTime::UNIX_EPOCH).ok())
+                .map(|d| d.as_secs()),
+            error: st.error.clone(),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+fn delete() -> Result<(), IsolationError> {
+    // "add" first, so that deleting a table that is already gone succeeds.
+    let batch = Nftables {
+        objects: Cow::Owned(vec![
+            NfObject::CmdObject(NfCmd::Add(NfListObject::Table(table()))),
+            NfObject::CmdObject(NfCmd::Delete(NfListObject::Table(table()))),
+        ]),
+    };
+    nft("delete", &batch)
+}
+
+fn table() -> Table<'static> {
+    Table {
+        family: NfFamily::INet,
+        name: TABLE.into(),
+        handle: None,
+    }
+}
+
+/// The whole table as one transaction: create it if missing, delete it,
+/// and create it again with its sets, chain and rules.
+pub fn ruleset(openings: &Openings, action: IsolateAction) -> Nftables<'static> {
+    let mut cmds = vec![
+        NfCmd::Add(NfListObject::Table(table())),
+        NfCmd::Delete(NfListObject::Table(table())),
+        NfCmd::Add(NfListObject::Table(table())),
+    ];
+    for (name, ty, elements) in [
+        ("vips4", vips_type(false), vip_elements(openings, false)),
+        ("vips6", vips_type(true), vip_elements(openings, true)),
+        ("open4", open_type(false), open_elements(openings, false)),
+        ("open6", open_type(true), open_elements(openings, true)),
+    ] {
+        cmds.push(NfCmd::Add(NfListObject::Set(Box::new(Set {
+            family: NfFamily::INet,
+            table: TABLE.into(),
+            name: name.into(),
+            set_type: ty,
+            elem: (!elements.is_empty()).then(|| Cow::Owned(elements)),
+            ..Set::default()
+        }))));
+    }
+    cmds.push(NfCmd::Add(NfListObject::Chain(Chain {
+        family: NfFamily::INet,
+        table: TABLE.into(),
+        name: "input".into(),
+        _type: Some(NfChainType::Filter),
+        hook: Some(NfHook::Input),
+        prio: Some(0),
+        policy: Some(NfChainPolicy::Accept),
+        ..Chain::default()
+    })));
+    let mut rules: Vec<Vec<Statement<'static>>> = Vec::new();
+    for v6 in [false, true] {
+        rules.push(vec![
+            Statement::Match(Match {
+                left: Expression::Named(NamedExpression::Concat(vec![
+                    daddr(v6),
+                    Expression::Named(NamedExpression::Meta(Meta {
+                        key: MetaKey::L4proto,
+                    })),
+                    payload("th", "dport"),
+                ])),
+                right: Expression::String(if v6 { "@open6" } else { "@open4" }.into()),
+                op: Operator::EQ,
+            }),
+            Statement::Accept(None),
+        ]);
+    }
+    rules.push(vec![
+        Statement::Match(Match {
+            left: Expression::Named(NamedExpression::Meta(Meta {
+                key: MetaKey::L4proto,
+            })),
+            right: Expression::Named(NamedExpression::Set(vec![
+                SetItem::Element(Expression::String("icmp".into())),
+                SetItem::Element(Expression::String("ipv6-icmp".into())),
+            ])),
+            op: Operator::EQ,
+        }),
+        Statement::Accept(None),
+    ]);
+    for v6 in [false, true] {
+        let to_vip = Statement::Match(Match {
+            left: daddr(v6),
+            right: Expression::String(if v6 { "@vips6" } else { "@vips4" }.into()),
+            op: Operator::EQ,
+        });
+        match action {
+            IsolateAction::Drop => rules.push(vec![to_vip, Statement::Drop(None)]),
+            IsolateAction::Reject => {
+                rules.push(vec![
+                    to_vip.clone(),
+                    Statement::Match(Match {
+                        left: Expression::Named(NamedExpression::Meta(Meta {
+                            key: MetaKey::L4proto,
+                        })),
+                        right: Expression::String("tcp".into()),
+                        op: Operator::EQ,
+                    }),
+                    Statement::Reject(Some(Reject::new(Some(RejectType::TCPReset), None))),
+                ]);
+                rules.push(vec![
+                    to_vip,
+                    Statement::Reject(Some(Reject::new(
+                        Some(RejectType::ICMPX),
+                        Some(RejectCode::PortUnreach),
+                    ))),
+                ]);
+            }
+        }
+    }
+    for expr in rules {
+        cmds.push(NfCmd::Add(NfListObject::Rule(Rule {
+            family: NfFamily::INet,
+            table: TABLE.into(),
+            chain: "input".into(),
+            expr: Cow::Owned(expr),
+            handle: None,
+            index: None,
+            comment: None,
+        })));
+    }
+    Nftables {
+        objects: Cow::Owned(cmds.into_iter().map(NfObject::CmdObject).collect()),
+    }
+}
+
+fn payload(protocol: &'static str, field: &'static str) -> Expression<'static> {
+    Expression::Named(NamedExpression::Payload(Payload::PayloadField(
+        PayloadField {
+            protocol: protocol.into(),
+            field: field.into(),
+        },
+    )))
+}
+
+fn daddr(v6: bool) -> Expression<'static> {
+    payload(if v6 { "ip6" } else { "ip" }, "daddr")
+}
+
+fn vips_type(v6: bool) -> SetTypeValue<'static> {
+    SetTypeValue::Single(if v6 {
+        SetType::Ipv6Addr
+    } else {
+        SetType::Ipv4Addr
+    })
+}
+
+fn open_type(v6: bool) -> SetTypeValue<'static> {
+    SetTypeValue::Concatenated(Cow::Owned(vec![
+        if v6 {
+            SetType::Ipv6Addr
+        } else {
+            SetType::Ipv4Addr
+        },
+        SetType::InetProto,
+        SetType::InetService,
+    ]))
+}
+
+fn vip_elements(o: &Openings, v6: bool) -> Vec<Expression<'static>> {
+    o.vips
+        .iter()
+        .filter(|ip| ip.is_ipv6() == v6)
+        .map(|ip| Expression::String(ip.to_string().into()))
+        .collect()
+}
+
+fn open_elements(o: &Openings, v6: bool) -> Vec<Expression<'static>> {
+    o.open
+        .iter()
+        .filter(|(ip, _, _)| ip.is_ipv6() == v6)
+        .map(|(ip, protocol, port)| {
+            Expression::Named(NamedExpression::Concat(vec![
+                Expression::String(ip.to_string().into()),
+                Expression::String((*protocol).into()),
+                Expression::Number(u32::from(*port)),
+            ]))
+        })
+        .collect()
+}
+
+/// nft's name of a listener's protocol.
+fn protocol_name(p: Protocol) -> &'static str {
+    match p {
+        Protocol::Tcp => "tcp",
+    }
+}
