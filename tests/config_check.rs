@@ -146,7 +146,6 @@ backends = ["198.51.100.1"]
         "line 21: load_balancer[1].name: duplicate load balancer name \"dup\" (first used on line 3); names must be unique",
         "line 29: load_balancer[1].listener[1].name: duplicate listener name \"a\" in this load balancer",
         "load_balancer[2].listener[0].port: 192.0.2.1:80 is already a listener of load balancer \"dup/a\"; one VIP:port can serve only one listener",
-        "load_balancer[2].health_check: missing key `port`",
         "load_balancer[2].health_check.period_seconds: 0 is out of range; the value must be in 1..=31536000",
     ];
     for e in expected {
@@ -419,7 +418,7 @@ fn an_http_check_takes_kube_proxys_defaults() {
     let CheckKind::Http(http) = &hc.check else {
         panic!("not an HTTP check: {hc:?}")
     };
-    assert_eq!(hc.port, 10256);
+    assert_eq!(hc.port, Some(10256));
     assert_eq!(http.path, "/healthz");
     assert_eq!(http.host, None);
     assert_eq!(http.expect_status.to_string(), "200");
