@@ -65,7 +65,9 @@ fn pick(c: &mut Criterion) {
                     client = client.wrapping_add(0x9e37_79b9);
                     let ip = IpAddr::V4(Ipv4Addr::from(client));
                     let snap = lb.snapshot();
-                    let first = snap.candidates(black_box(ip), lb.cursor(), None, 30080).next();
+                    let first = snap
+                        .candidates(black_box(ip), lb.cursor(), None, 30080)
+                        .next();
                     black_box(first.map(|b| b.addr))
                 })
             });

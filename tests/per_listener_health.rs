@@ -67,10 +67,14 @@ async fn port_status(d: &Daemon, ip: &str, backend_port: u16) -> serde_json::Val
 
 /// Waits until backend `ip` is `health` on `backend_port`.
 async fn wait_port(d: &Daemon, ip: &str, backend_port: u16, health: &str) -> serde_json::Value {
-    wait_for(WAIT, &format!("{ip}:{backend_port} to be {health}"), || async {
-        let p = port_status(d, ip, backend_port).await;
-        (p["health"] == health).then_some(p)
-    })
+    wait_for(
+        WAIT,
+        &format!("{ip}:{backend_port} to be {health}"),
+        || async {
+            let p = port_status(d, ip, backend_port).await;
+            (p["health"] == health).then_some(p)
+        },
+    )
     .await
 }
 
@@ -113,7 +117,10 @@ async fn a_dead_nodeport_takes_the_node_off_that_listener_only() {
     assert_eq!(whole["eligible"], true, "it still serves http");
     assert!(whole["probe"].is_null(), "each port has its own probe");
     let status = d.status().await;
-    assert_eq!(status["load_balancers"][0]["health_check_per_listener"], true);
+    assert_eq!(
+        status["load_balancers"][0]["health_check_per_listener"],
+        true
+    );
     assert!(status["load_balancers"][0]["health_check_port"].is_null());
     assert_eq!(listener_eligible(&d, "http").await, 2);
     assert_eq!(listener_eligible(&d, "https").await, 1);
@@ -183,7 +190,10 @@ async fn a_given_port_keeps_one_verdict_for_every_listener() {
     assert_eq!(listener_eligible(&d, "https").await, 1);
     let status = d.status().await;
     assert_eq!(status["load_balancers"][0]["health_check_port"], HTTPS);
-    assert_eq!(status["load_balancers"][0]["health_check_per_listener"], false);
+    assert_eq!(
+        status["load_balancers"][0]["health_check_per_listener"],
+        false
+    );
     for name in names(vip(&net, 8080), 6).await {
         assert_eq!(name, a, "one verdict: .12 serves no listener");
     }
@@ -230,7 +240,10 @@ async fn reload_switches_between_one_verdict_and_per_listener_keeping_kept_state
         "config.toml",
         &config(&net, &[11, 12], None, "connect_timeout_ms = 2000"),
     );
-    d.server().reload().await.expect("reload keeping the targets");
+    d.server()
+        .reload()
+        .await
+        .expect("reload keeping the targets");
     let kept = port_status(&d, &b, HTTP).await;
     assert!(
         kept["probe"]["probes"].as_u64().expect("probes") >= probes_before,
@@ -252,7 +265,10 @@ async fn reload_switches_between_one_verdict_and_per_listener_keeping_kept_state
         assert_eq!(name, a);
     }
     let (_, metrics) = d.get("/metrics").await;
-    assert!(!metrics.contains("harvester_lb_backend_port_up"), "{metrics}");
+    assert!(
+        !metrics.contains("harvester_lb_backend_port_up"),
+        "{metrics}"
+    );
     promtool_accepts(&metrics);
     d.stop().await;
 }
@@ -372,7 +388,9 @@ async fn a_connection_still_connecting_when_its_backend_is_marked_down_goes_else
     );
     assert_eq!(d.metric(&timeouts).await, 0.0, "abandoned, not timed out");
     if !was_eligible {
-        eprintln!("NOTE: .12 was marked down before the clients were accepted; the hang was not exercised");
+        eprintln!(
+            "NOTE: .12 was marked down before the clients were accepted; the hang was not exercised"
+        );
     }
     d.stop().await;
 }

@@ -256,9 +256,9 @@ impl Backend {
                     })
             })
             .collect();
-        self.stats
-            .ports
-            .store(Some(Arc::new(cells.iter().map(|c| Arc::clone(&c.stats)).collect())));
+        self.stats.ports.store(Some(Arc::new(
+            cells.iter().map(|c| Arc::clone(&c.stats)).collect(),
+        )));
         let all = cells.iter().all(|c| c.is_healthy());
         self.ports.store(Some(Arc::new(cells)));
         self.set_healthy(all);
@@ -793,7 +793,9 @@ mod tests {
         assert_eq!(sorted.len(), 4);
         lb.replace(settings(Some(2)), members);
         assert_eq!(
-            lb.snapshot().candidates(client, lb.cursor(), None, 80).count(),
+            lb.snapshot()
+                .candidates(client, lb.cursor(), None, 80)
+                .count(),
             2
         );
     }
@@ -852,6 +854,93 @@ mod tests {
         assert!(
             !a.marked_down_signal(80).is_cancelled(),
             "later ones get a fresh signal"
+        );
+    }
+
+    #[test]
+    fn per_port_verdicts_give_each_port_its_own_list_and_close_only_that_port() {
+        let a = Backend::new(IpAddr::from([10, 0, 0, 1]), true);
+        let b = Backend::new(IpAddr::from([10, 0, 0, 2]), true);
+        for backend in [&a, &b] {
+            backend.set_checked_ports(&[80, 443], true);
+        }
+        let mut per_port = settings(None);
+        per_port.on_backend_down = OnBackendDown::Close;
+        per_port.checked_ports = Some(Arc::from(&[80u16, 443][..]));
+        let lb = LoadBalancer::new(
+            "a".into(),
+            "c".into(),
+            per_port.clone(),
+            vec![a.clone(), b.clone()],
+            LbStats::detached(),
+        );
+        let http = b.marked_down_signal(80);
+        let https = b.marked_down_signal(443);
+        let cell = b.port_health(443).expect("a cell per checked port");
+        b.set_port_healthy(&cell, false);
+        lb.publish();
+        assert!(lb.backend_marked_down(&b, Some(443)));
+        assert!(https.is_cancelled() && !http.is_cancelled());
+
+        let snap = lb.snapshot();
+        let on = |port| -> Vec<IpAddr> { snap.eligible_for(port).iter().map(|b| b.addr).collect() };
+        assert_eq!(on(80), vec![a.addr, b.addr]);
+        assert_eq!(on(443), vec![a.addr]);
+        assert_eq!(
+            on(8080),
+            vec![a.addr, b.addr],
+            "an unknown port: every backend eligible somewhere"
+        );
+        assert!(!b.is_healthy() && b.is_eligible() && !b.is_eligible_on(443));
+        let client = IpAddr::from([192, 0, 2, 9]);
+        for _ in 0..4 {
+            let first = snap
+                .candidates(client, lb.cursor(), Some(b.addr), 443)
+                .next();
+            assert_eq!(
+                first.map(|x| x.addr),
+                Some(a.addr),
+                "affinity never overrides a port's verdict"
+            );
+        }
+        drop(snap);
+
+        // A reload keeping port 443 keeps its verdict; a new port starts healthy.
+        b.set_checked_ports(&[443, 8443], true);
+        assert!(Arc::ptr_eq(&cell, &b.port_health(443).expect("kept")));
+        assert_eq!(b.checked_ports(), vec![443, 8443]);
+        assert!(!b.is_healthy_on(443) && b.is_healthy_on(8443));
+        // Back to one verdict: no cells, no per-port lists.
+        b.set_checked_ports(&[], true);
+        b.set_healthy(true);
+        lb.replace(settings(None), vec![a.clone(), b.clone()]);
+        assert!(lb.snapshot().by_port.is_empty());
+        assert_eq!(lb.snapshot().eligible_for(443).len(), 2);
+    }
+
+    #[test]
+    fn a_port_with_no_backend_is_no_eligible_backend() {
+        let metrics = crate::metrics::Metrics::new();
+        let a = Backend::new(IpAddr::from([10, 0, 0, 1]), true);
+        a.set_checked_ports(&[80, 443], true);
+        let mut per_port = settings(None);
+        per_port.checked_ports = Some(Arc::from(&[80u16, 443][..]));
+        let lb = LoadBalancer::new(
+            "ns/svc".into(),
+            "c".into(),
+            per_port,
+            vec![a.clone()],
+            metrics.load_balancer("c", "ns/svc"),
+        );
+        a.set_port_healthy(&a.port_health(443).expect("cell"), false);
+        lb.publish();
+        assert_eq!(lb.snapshot().eligible.len(), 1, "it still serves port 80");
+        let text = metrics.render();
+        assert!(
+            text.contains(
+                "harvester_lb_no_eligible_backend{cluster=\"c\",load_balancer=\"ns/svc\"} 1"
+            ),
+            "{text}"
         );
     }
 

@@ -16,7 +16,13 @@ impl Validator<'_> {
         let port = match &hc.port {
             None => Some(None),
             Some(_) => self
-                .required_port(&hc.port, span, key, "port", "the port probed on each backend")
+                .required_port(
+                    &hc.port,
+                    span,
+                    key,
+                    "port",
+                    "the port probed on each backend",
+                )
                 .map(Some),
         };
         let success = self.int(
