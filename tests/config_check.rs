@@ -854,3 +854,27 @@ fn a_value_of_the_wrong_type_names_its_key() {
         assert_eq!(rendered(text), want);
     }
 }
+
+#[test]
+fn a_health_check_without_port_checks_each_listeners_backend_port() {
+    // Two listeners on one nodeport and one on another: two ports checked.
+    let text = GOOD.replace("  port = 30080\n", "").replace(
+        "[load_balancer.health_check]",
+        "[[load_balancer.listener]]\n  name = \"alt\"\n  port = 81\n  backend_port = 30080\n  [[load_balancer.listener]]\n  name = \"tls\"\n  port = 443\n  backend_port = 30443\n  [load_balancer.health_check]",
+    );
+    let loaded = config::parse(&text).unwrap_or_else(|p| panic!("valid: {p:?}\n{text}"));
+    let lb = &loaded.config.load_balancers[0];
+    assert_eq!(lb.health_check.as_ref().unwrap().port, None);
+    assert_eq!(lb.checked_ports(), vec![30080, 30443]);
+    // With a port: one verdict, no port checked alone.
+    let given = config::parse(GOOD).expect("valid");
+    assert!(given.config.load_balancers[0].checked_ports().is_empty());
+    // A port given is still checked, and named.
+    let out = rendered(&GOOD.replace("  port = 30080\n", "  port = 0\n"));
+    assert!(
+        out.contains(
+            "load_balancer[0].health_check.port: 0 is out of range; a port must be in 1..=65535"
+        ),
+        "{out}"
+    );
+}
