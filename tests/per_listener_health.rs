@@ -10,7 +10,7 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use support::*;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::AsyncReadExt;
 use tokio::net::TcpStream;
 
 const LB: &str = "default/web";
@@ -42,6 +42,16 @@ fn vip(net: &Subnet, port: u16) -> SocketAddr {
 
 fn node(net: &Subnet, host: u8, port: u16) -> SocketAddr {
     SocketAddr::new(net.ip(host), port)
+}
+
+/// The fleet of most tests: `.11` serves both nodeports, `.12` only http
+/// (nothing listens on its 30443).
+async fn nodes(net: &Subnet) -> Vec<Backend> {
+    vec![
+        Backend::start(node(net, 11, HTTP), Behaviour::NameThenEcho).await,
+        Backend::start(node(net, 11, HTTPS), Behaviour::NameThenEcho).await,
+        Backend::start(node(net, 12, HTTP), Behaviour::NameThenEcho).await,
+    ]
 }
 
 /// The backends the next `n` connections through `vip` reach.
@@ -98,10 +108,8 @@ fn labels(ip: &str) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dead_nodeport_takes_the_node_off_that_listener_only() {
     let net = Subnet::new();
-    let _a80 = Backend::start(node(&net, 11, HTTP), Behaviour::NameThenEcho).await;
-    let _a443 = Backend::start(node(&net, 11, HTTPS), Behaviour::NameThenEcho).await;
-    let _b80 = Backend::start(node(&net, 12, HTTP), Behaviour::NameThenEcho).await;
     // .12 has nothing on 30443: its https nodeport is dead.
+    let _nodes = nodes(&net).await;
     let d = Daemon::start(&net, &config(&net, &[11, 12], None, "")).await;
     let (a, b) = (net.ip_str(11), net.ip_str(12));
 
@@ -177,9 +185,7 @@ async fn a_dead_nodeport_takes_the_node_off_that_listener_only() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_given_port_keeps_one_verdict_for_every_listener() {
     let net = Subnet::new();
-    let _a80 = Backend::start(node(&net, 11, HTTP), Behaviour::NameThenEcho).await;
-    let _a443 = Backend::start(node(&net, 11, HTTPS), Behaviour::NameThenEcho).await;
-    let _b80 = Backend::start(node(&net, 12, HTTP), Behaviour::NameThenEcho).await;
+    let _nodes = nodes(&net).await;
     // The check's port is 30443, dead on .12: .12 is down for both listeners.
     let d = Daemon::start(&net, &config(&net, &[11, 12], Some(HTTPS), "")).await;
     let (a, b) = (net.ip_str(11), net.ip_str(12));
@@ -208,9 +214,7 @@ async fn a_given_port_keeps_one_verdict_for_every_listener() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reload_switches_between_one_verdict_and_per_listener_keeping_kept_state() {
     let net = Subnet::new();
-    let _a80 = Backend::start(node(&net, 11, HTTP), Behaviour::NameThenEcho).await;
-    let _a443 = Backend::start(node(&net, 11, HTTPS), Behaviour::NameThenEcho).await;
-    let _b80 = Backend::start(node(&net, 12, HTTP), Behaviour::NameThenEcho).await;
+    let _nodes = nodes(&net).await;
     let d = Daemon::start(&net, &config(&net, &[11, 12], Some(HTTPS), "")).await;
     let (a, b) = (net.ip_str(11), net.ip_str(12));
     d.wait_health(LB, &b, "unhealthy", WAIT).await;
@@ -271,14 +275,6 @@ async fn reload_switches_between_one_verdict_and_per_listener_keeping_kept_state
     );
     promtool_accepts(&metrics);
     d.stop().await;
-}
-
-/// Whether `s` still forwards: one round trip through the echo.
-async fn still_echoes(s: &mut TcpStream) -> bool {
-    if s.write_all(b"ping\n").await.is_err() {
-        return false;
-    }
-    matches!(read_line(s).await, Ok(l) if l == "ping")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
