@@ -34,6 +34,7 @@ fn lb(algorithm: Algorithm, n: usize) -> (Arc<LoadBalancer>, Vec<Arc<Backend>>) 
         affinity_timeout: None,
         source_ranges: SourceRanges::everyone(),
         on_backend_down: Default::default(),
+        checked_ports: None,
     };
     let lb = LoadBalancer::new(
         "bench/lb".into(),
@@ -64,7 +65,9 @@ fn pick(c: &mut Criterion) {
                     client = client.wrapping_add(0x9e37_79b9);
                     let ip = IpAddr::V4(Ipv4Addr::from(client));
                     let snap = lb.snapshot();
-                    let first = snap.candidates(black_box(ip), lb.cursor(), None).next();
+                    let first = snap
+                        .candidates(black_box(ip), lb.cursor(), None, 30080)
+                        .next();
                     black_box(first.map(|b| b.addr))
                 })
             });
@@ -119,7 +122,7 @@ fn pick_with_affinity(c: &mut Criterion) {
                 let sticky = table.lookup(black_box(client), timeout, now);
                 let snap = lb.snapshot();
                 black_box(
-                    snap.candidates(client, lb.cursor(), sticky)
+                    snap.candidates(client, lb.cursor(), sticky, 30080)
                         .next()
                         .map(|b| b.addr),
                 )
@@ -133,7 +136,7 @@ fn pick_with_affinity(c: &mut Criterion) {
                 let sticky = table.lookup(black_box(client), timeout, now);
                 let snap = lb.snapshot();
                 black_box(
-                    snap.candidates(client, lb.cursor(), sticky)
+                    snap.candidates(client, lb.cursor(), sticky, 30080)
                         .next()
                         .map(|b| b.addr),
                 )
@@ -182,7 +185,7 @@ fn publish(c: &mut Criterion) {
                 while !stop.load(Ordering::Relaxed) && k < 2_000_000_000 {
                     let snap = lb.snapshot();
                     black_box(
-                        snap.candidates(ip, lb.cursor(), None)
+                        snap.candidates(ip, lb.cursor(), None, 30080)
                             .next()
                             .map(|b| b.addr),
                     );
@@ -221,7 +224,7 @@ fn publish(c: &mut Criterion) {
             b.iter(|| {
                 let snap = lb.snapshot();
                 black_box(
-                    snap.candidates(ip, lb.cursor(), None)
+                    snap.candidates(ip, lb.cursor(), None, 30080)
                         .next()
                         .map(|b| b.addr),
                 )

@@ -400,10 +400,9 @@ impl Daemon {
             .config
             .as_ref()
             .and_then(|c| c.load_balancers.iter().find(|l| l.name == load_balancer));
-        let key = (load_balancer.to_string(), addr);
         match (previous, state) {
             (AdminState::Maint, AdminState::Maint) => {}
-            (_, AdminState::Maint) => self.prober.remove(&key),
+            (_, AdminState::Maint) => self.stop_probing(load_balancer, backend),
             (AdminState::Maint, _) => {
                 if let Some(spec) = spec {
                     self.ensure_probes(entry, spec);
@@ -460,11 +459,13 @@ impl Daemon {
         let healthy_at_start = spec.health_check.is_none()
             || spec.initial_state == crate::config::InitialState::Healthy;
         let stats = self.metrics.load_balancer(&spec.cluster, &spec.name);
+        let ports = spec.checked_ports();
         let backends: HashMap<IpAddr, Arc<Backend>> = spec
             .backends
             .iter()
             .map(|ip| {
                 let backend = Backend::with_stats(*ip, healthy_at_start, stats.backend(*ip));
+                backend.set_checked_ports(&ports, healthy_at_start);
                 (*ip, backend)
             })
             .collect();
@@ -497,16 +498,34 @@ impl Daemon {
             };
             backends.insert(*ip, backend);
         }
-        for (ip, gone) in std::mem::replace(&mut entry.backends, backends) {
-            self.prober.remove(&(spec.name.clone(), ip));
+        for (_, gone) in std::mem::replace(&mut entry.backends, backends) {
+            self.stop_probing(&spec.name, &gone);
             gone.leave();
             retire_after(gone, drain, &self.drains, self.retire_now.clone());
         }
         if spec.health_check.is_none() {
             // Health checking switched off: every backend is eligible again.
             for backend in entry.backends.values() {
-                self.prober.remove(&(spec.name.clone(), backend.addr));
+                self.stop_probing(&spec.name, backend);
+                backend.set_checked_ports(&[], true);
                 backend.set_healthy(true);
+            }
+        } else {
+            // Targets the new check no longer has go; the rest keep their
+            // state. A switch between one verdict per backend and one per
+            // port starts the new targets from `initial_state`.
+            let ports = spec.checked_ports();
+            for backend in entry.backends.values() {
+                let name = &spec.name;
+                if !ports.is_empty() {
+                    self.prober.remove(&(name.clone(), backend.addr, None));
+                }
+                for old in backend.checked_ports() {
+                    if !ports.contains(&old) {
+                        self.prober.remove(&(name.clone(), backend.addr, Some(old)));
+                    }
+                }
+                backend.set_checked_ports(&ports, healthy_at_start);
             }
         }
         self.ensure_probes(entry, spec);
@@ -529,23 +548,47 @@ impl Daemon {
                 // Not probed while in maintenance; probing resumes when it leaves.
                 continue;
             }
-            let key = (spec.name.clone(), *ip);
-            if self.prober.get(&key).is_none() {
-                // A backend gaining a health check starts from the initial state.
-                let initial = HealthState::new(spec.initial_state);
-                backend.set_healthy(initial.status == Health::Healthy);
-                self.prober.ensure(&entry.lb, backend, hc, initial);
-            } else {
+            let initial = HealthState::new(spec.initial_state);
+            let healthy = initial.status == Health::Healthy;
+            if let Some(port) = hc.port {
+                let key = (spec.name.clone(), *ip, None);
+                if self.prober.get(&key).is_none() {
+                    // A backend gaining a health check starts from the initial state.
+                    backend.set_healthy(healthy);
+                }
                 self.prober
-                    .ensure(&entry.lb, backend, hc, HealthState::new(spec.initial_state));
+                    .ensure(&entry.lb, backend, None, port, hc, initial);
+                continue;
             }
+            // No `port`: each listener's nodeport is judged on its own.
+            for port in backend.checked_ports() {
+                let Some(cell) = backend.port_health(port) else {
+                    continue;
+                };
+                let key = (spec.name.clone(), *ip, Some(port));
+                if self.prober.get(&key).is_none() {
+                    backend.set_port_healthy(&cell, healthy);
+                }
+                self.prober
+                    .ensure(&entry.lb, backend, Some(&cell), port, hc, initial);
+            }
+        }
+    }
+
+    /// Stops every probe target of `backend` of load balancer `lb`: the
+    /// backend's own and each of its ports'.
+    fn stop_probing(&self, lb: &str, backend: &Backend) {
+        self.prober.remove(&(lb.to_string(), backend.addr, None));
+        for port in backend.checked_ports() {
+            self.prober
+                .remove(&(lb.to_string(), backend.addr, Some(port)));
         }
     }
 
     fn retire_load_balancer(&self, entry: LbEntry, drain: Duration) {
         entry.lb.leave();
-        for (ip, backend) in entry.backends {
-            self.prober.remove(&(entry.lb.name.clone(), ip));
+        for (_, backend) in entry.backends {
+            self.stop_probing(&entry.lb.name, &backend);
             backend.leave();
             retire_after(backend, drain, &self.drains, self.retire_now.clone());
         }
@@ -602,7 +645,8 @@ impl Daemon {
             let Some(entry) = st.load_balancers.get(&spec.name) else {
                 continue;
             };
-            let eligible = entry.lb.snapshot().eligible.len();
+            let snapshot = entry.lb.snapshot();
+            let eligible = snapshot.eligible.len();
             let listeners = spec
                 .listeners
                 .iter()
@@ -626,6 +670,7 @@ impl Daemon {
                         active_connections: le
                             .and_then(|e| e.socket.as_ref().ok())
                             .map_or(0, |s| s.open_connections()),
+                        eligible_backends: snapshot.eligible_for(l.backend_port).len(),
                     }
                 })
                 .collect();
@@ -636,19 +681,35 @@ impl Daemon {
                     let b = &entry.backends[ip];
                     let probe = self
                         .prober
-                        .get(&(spec.name.clone(), *ip))
+                        .get(&(spec.name.clone(), *ip, None))
                         .map(|t| t.status());
+                    let ports = b
+                        .checked_ports()
+                        .into_iter()
+                        .map(|port| PortStatus {
+                            backend_port: port,
+                            listeners: spec
+                                .listeners
+                                .iter()
+                                .filter(|l| l.backend_port == port)
+                                .map(|l| l.name.clone())
+                                .collect(),
+                            health: health_of(b.is_healthy_on(port)),
+                            eligible: b.is_eligible_on(port),
+                            probe: self
+                                .prober
+                                .get(&(spec.name.clone(), *ip, Some(port)))
+                                .map(|t| t.status()),
+                        })
+                        .collect();
                     BackendStatus {
                         address: *ip,
-                        health: if b.is_healthy() {
-                            Health::Healthy
-                        } else {
-                            Health::Unhealthy
-                        },
+                        health: health_of(b.is_healthy()),
                         admin_state: b.admin_state(),
                         eligible: b.is_eligible(),
                         active_connections: b.active_connections(),
                         probe,
+                        ports,
                     }
                 })
                 .collect();
@@ -666,6 +727,11 @@ impl Daemon {
                     Algorithm::SourceIp => "source_ip",
                 },
                 health_check: spec.health_check.is_some(),
+                health_check_port: spec.health_check.as_ref().and_then(|hc| hc.port),
+                health_check_per_listener: spec
+                    .health_check
+                    .as_ref()
+                    .is_some_and(|hc| hc.port.is_none()),
                 health_check_kind: spec.health_check.as_ref().map(|hc| match hc.check {
                     CheckKind::TcpConnect => "tcp",
                     CheckKind::Http(_) => "http",
@@ -815,6 +881,12 @@ pub struct LoadBalancerStatus {
     pub algorithm: &'static str,
     /// Whether backends are health checked.
     pub health_check: bool,
+    /// The port probed on every backend for all listeners (one verdict per
+    /// backend), when the check names one.
+    pub health_check_port: Option<u16>,
+    /// Whether each listener's `backend_port` is checked and judged on its
+    /// own (a check without `port`): see each backend's `ports`.
+    pub health_check_per_listener: bool,
     /// `tcp` or `http`, when they are.
     pub health_check_kind: Option<&'static str>,
     /// `none` or `client_ip`.
@@ -824,7 +896,8 @@ pub struct LoadBalancerStatus {
     /// The clients served (`source_ranges`, normalised); absent: everyone.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub source_ranges: Vec<String>,
-    /// Backends taking new connections now.
+    /// Backends taking new connections now (with per-listener checks, on
+    /// at least one listener; each listener has its own count).
     pub eligible_backends: usize,
     /// Listeners.
     pub listeners: Vec<ListenerStatus>,
@@ -851,6 +924,9 @@ pub struct ListenerStatus {
     pub error: Option<String>,
     /// Connections open through it.
     pub active_connections: usize,
+    /// Backends its new connections may go to now: healthy on its
+    /// `backend_port` (or on the check's port) and `ready`.
+    pub eligible_backends: usize,
 }
 
 /// One backend in `/status`.
@@ -858,14 +934,44 @@ pub struct ListenerStatus {
 pub struct BackendStatus {
     /// Node address.
     pub address: IpAddr,
-    /// The health checker's verdict (the last one before `maint`).
+    /// The health checker's verdict (the last one before `maint`); with
+    /// per-listener checks, `healthy` only while every port is.
     pub health: Health,
     /// The operator's state: `ready`, `drain` or `maint`.
     pub admin_state: AdminState,
-    /// Whether it takes new connections: healthy and `ready`.
+    /// Whether it takes new connections: healthy and `ready`; with
+    /// per-listener checks, for at least one listener (`ports` says which).
     pub eligible: bool,
     /// Connections open to it.
     pub active_connections: usize,
-    /// Health-check detail; absent without a health check.
+    /// Health-check detail; absent without a health check, and with
+    /// per-listener checks (each port has its own).
     pub probe: Option<TargetStatus>,
+    /// Per-listener checks only: the verdict on each listener's nodeport.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub ports: Vec<PortStatus>,
+}
+
+/// One backend port in `/status`, for a health check without `port`: the
+/// port's own verdict decides whether the listeners on it use the backend.
+#[derive(Debug, Serialize)]
+pub struct PortStatus {
+    /// The nodeport.
+    pub backend_port: u16,
+    /// The listeners forwarding to it.
+    pub listeners: Vec<String>,
+    /// The verdict on this port.
+    pub health: Health,
+    /// Whether those listeners' new connections may go to the backend.
+    pub eligible: bool,
+    /// Health-check detail; absent while the backend is in `maint`.
+    pub probe: Option<TargetStatus>,
+}
+
+fn health_of(healthy: bool) -> Health {
+    if healthy {
+        Health::Healthy
+    } else {
+        Health::Unhealthy
+    }
 }

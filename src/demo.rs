@@ -40,7 +40,7 @@ pub async fn run(path: &Path) -> Result<(), String> {
     }
     let listener = &lb.listeners[0];
     let vip = lb.listen_addr(listener);
-    let health_port = lb.health_check.as_ref().map(|h| h.port);
+    let health_port = lb.health_check.as_ref().and_then(|h| h.port);
 
     let mut nodes: BTreeMap<IpAddr, Vec<JoinHandle<()>>> = BTreeMap::new();
     for ip in &lb.backends {

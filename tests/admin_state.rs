@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use support::*;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::AsyncReadExt;
 use tokio::net::TcpStream;
 
 const LB: &str = "default/web";
@@ -89,14 +89,6 @@ async fn open(vip: SocketAddr) -> (TcpStream, String) {
     let mut s = TcpStream::connect(vip).await.expect("connect VIP");
     let name = read_line(&mut s).await.expect("name line");
     (s, name)
-}
-
-/// Whether `s` still forwards: one round trip through the echo.
-async fn still_echoes(s: &mut TcpStream) -> bool {
-    if s.write_all(b"ping\n").await.is_err() {
-        return false;
-    }
-    matches!(read_line(s).await, Ok(l) if l == "ping")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

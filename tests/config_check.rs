@@ -146,7 +146,6 @@ backends = ["198.51.100.1"]
         "line 21: load_balancer[1].name: duplicate load balancer name \"dup\" (first used on line 3); names must be unique",
         "line 29: load_balancer[1].listener[1].name: duplicate listener name \"a\" in this load balancer",
         "load_balancer[2].listener[0].port: 192.0.2.1:80 is already a listener of load balancer \"dup/a\"; one VIP:port can serve only one listener",
-        "load_balancer[2].health_check: missing key `port`",
         "load_balancer[2].health_check.period_seconds: 0 is out of range; the value must be in 1..=31536000",
     ];
     for e in expected {
@@ -419,7 +418,7 @@ fn an_http_check_takes_kube_proxys_defaults() {
     let CheckKind::Http(http) = &hc.check else {
         panic!("not an HTTP check: {hc:?}")
     };
-    assert_eq!(hc.port, 10256);
+    assert_eq!(hc.port, Some(10256));
     assert_eq!(http.path, "/healthz");
     assert_eq!(http.host, None);
     assert_eq!(http.expect_status.to_string(), "200");
@@ -854,4 +853,28 @@ fn a_value_of_the_wrong_type_names_its_key() {
     for (text, want) in cases {
         assert_eq!(rendered(text), want);
     }
+}
+
+#[test]
+fn a_health_check_without_port_checks_each_listeners_backend_port() {
+    // Two listeners on one nodeport and one on another: two ports checked.
+    let text = GOOD.replace("  port = 30080\n", "").replace(
+        "[load_balancer.health_check]",
+        "[[load_balancer.listener]]\n  name = \"alt\"\n  port = 81\n  backend_port = 30080\n  [[load_balancer.listener]]\n  name = \"tls\"\n  port = 443\n  backend_port = 30443\n  [load_balancer.health_check]",
+    );
+    let loaded = config::parse(&text).unwrap_or_else(|p| panic!("valid: {p:?}\n{text}"));
+    let lb = &loaded.config.load_balancers[0];
+    assert_eq!(lb.health_check.as_ref().unwrap().port, None);
+    assert_eq!(lb.checked_ports(), vec![30080, 30443]);
+    // With a port: one verdict, no port checked alone.
+    let given = config::parse(GOOD).expect("valid");
+    assert!(given.config.load_balancers[0].checked_ports().is_empty());
+    // A port given is still checked, and named.
+    let out = rendered(&GOOD.replace("  port = 30080\n", "  port = 0\n"));
+    assert!(
+        out.contains(
+            "load_balancer[0].health_check.port: 0 is out of range; a port must be in 1..=65535"
+        ),
+        "{out}"
+    );
 }

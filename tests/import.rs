@@ -132,7 +132,7 @@ async fn fixtures_become_a_config_that_check_accepts_and_the_daemon_forwards_wit
             hc.success_threshold.get(),
             hc.failure_threshold.get()
         ),
-        (30080, 2, 3)
+        (Some(30080), 2, 3)
     );
     assert_eq!((hc.period.as_secs(), hc.timeout.as_secs()), (5, 2));
     // DHCP: 0.0.0.0 allocated, the leased address in status.address.
@@ -146,7 +146,7 @@ async fn fixtures_become_a_config_that_check_accepts_and_the_daemon_forwards_wit
     // Guest Service: healthcheck-port 8080 is the service port, probed at its nodePort.
     let shop = lb("apps/shop");
     assert_eq!(shop.cluster, "guest");
-    assert_eq!(shop.health_check.as_ref().unwrap().port, 30880);
+    assert_eq!(shop.health_check.as_ref().unwrap().port, Some(30880));
     assert_eq!(
         shop.backends,
         vec![net.ip(1), net.ip(2)],
@@ -161,7 +161,7 @@ async fn fixtures_become_a_config_that_check_accepts_and_the_daemon_forwards_wit
         ihc.check,
         harvester_lb::config::CheckKind::Http(_)
     ));
-    assert_eq!(ihc.port, 32100);
+    assert_eq!(ihc.port, Some(32100));
     assert_eq!(ingress.listeners[0].name, "tcp-8443");
 
     // The daemon runs it: real backends on the nodeports, clients through the VIPs.

@@ -14,6 +14,13 @@
 //! Eligible = healthy *and* [`AdminState::Ready`], as Pingora's `ready =
 //! healthy and enabled`: an operator drains a backend without lying about
 //! its health, and the health checker never undoes a drain.
+//!
+//! Health is one verdict per backend when the health check names a port
+//! (the common case, which costs no per-port state), or one per backend
+//! *port* ([`PortHealth`]) when it does not: each listener's nodeport is
+//! then checked on its own and the snapshot holds an eligible list per
+//! backend port, so a node whose `https` nodeport is dead still serves
+//! `http`. The operator's state stays one per backend address.
 
 pub mod affinity;
 pub mod select;
@@ -29,7 +36,66 @@ use tokio_util::sync::CancellationToken;
 
 pub use self::affinity::{AffinityBudget, AffinityTable};
 use crate::config::{Algorithm, LoadBalancerSpec, OnBackendDown, SourceRanges};
+use crate::metrics::stats::PortStats;
 use crate::metrics::{BackendStats, LbStats};
+
+/// The signal that resets the connections open to a backend (or to one of
+/// its ports) when the health check marks it down under
+/// `on_backend_down = "close"`. Made by the first connection that needs it,
+/// so a backend that carries none costs no token (~130 bytes, at 30,000
+/// backends 4 MB); connections made after a mark-down get a fresh one.
+#[derive(Default)]
+struct DownSignal(ArcSwapOption<CancellationToken>);
+
+impl DownSignal {
+    /// The token a connection selects on.
+    fn get(&self) -> CancellationToken {
+        if let Some(token) = self.0.load_full() {
+            return CancellationToken::clone(&token);
+        }
+        let fresh = Arc::new(CancellationToken::new());
+        // Two first connections at once: both end up with the one stored.
+        let prev = self
+            .0
+            .compare_and_swap(&None::<Arc<CancellationToken>>, Some(Arc::clone(&fresh)));
+        match &*prev {
+            Some(token) => CancellationToken::clone(token),
+            None => CancellationToken::clone(&fresh),
+        }
+    }
+
+    /// Cancels the token of every connection that took it; later ones get
+    /// a fresh one.
+    fn fire(&self) {
+        if let Some(old) = self.0.swap(None) {
+            old.cancel();
+        }
+    }
+}
+
+/// The health of one backend on one of its nodeports, kept only for a load
+/// balancer whose health check has no `port` (each listener's
+/// `backend_port` is then checked and judged on its own). Kept across
+/// reloads that keep the backend and the port, like the backend itself.
+pub struct PortHealth {
+    /// The nodeport: one or more listeners' `backend_port`.
+    pub port: u16,
+    /// The verdict on this port.
+    healthy: AtomicBool,
+    /// Resets the connections made to this port when it is marked down
+    /// (`on_backend_down = "close"`); connections of the backend's other
+    /// ports keep going.
+    marked_down: DownSignal,
+    /// `backend_port_up`.
+    stats: Arc<PortStats>,
+}
+
+impl PortHealth {
+    /// Whether the health checker last found this port healthy.
+    pub fn is_healthy(&self) -> bool {
+        self.healthy.load(Ordering::SeqCst)
+    }
+}
 
 /// The operator's state of a backend, apart from its health (HAProxy's
 /// `set server state`). Kept in the backend, so it survives every reload
@@ -90,12 +156,14 @@ pub struct Backend {
     healthy: AtomicBool,
     /// The operator's [`AdminState`], as its index in [`AdminState::ALL`].
     admin_state: AtomicU8,
-    /// Cancelled (and dropped) when the health check marks the backend
-    /// down under `on_backend_down = "close"`: the connections open to it
-    /// then are reset. Made by the first connection that needs it, so a
-    /// backend that carries none costs no token (~130 bytes, at 30,000
-    /// backends 4 MB); connections made after the event get a fresh one.
-    marked_down: ArcSwapOption<CancellationToken>,
+    /// Fired when the health check marks the backend down under
+    /// `on_backend_down = "close"`: the connections open to it then are
+    /// reset (with per-port checks, each port has its own).
+    marked_down: DownSignal,
+    /// Per-port verdicts, only while its load balancer checks each
+    /// listener's backend port on its own; empty (no allocation) otherwise.
+    /// With them, `healthy` is their conjunction.
+    ports: ArcSwapOption<Vec<Arc<PortHealth>>>,
     /// Whether it is a member of its load balancer in the config in force;
     /// once removed, it no longer reports `backend_up`.
     member: AtomicBool,
@@ -123,7 +191,8 @@ impl Backend {
             addr_hash: select::hash_ip(addr),
             healthy: AtomicBool::new(healthy),
             admin_state: AtomicU8::new(0),
-            marked_down: ArcSwapOption::empty(),
+            marked_down: DownSignal::default(),
+            ports: ArcSwapOption::empty(),
             member: AtomicBool::new(true),
             active: AtomicUsize::new(0),
             retired: CancellationToken::new(),
@@ -131,18 +200,119 @@ impl Backend {
         })
     }
 
-    /// Whether the health checker last found it healthy.
+    /// Whether the health checker last found it healthy; with per-port
+    /// checks, healthy on every port checked.
     pub fn is_healthy(&self) -> bool {
-        self.healthy.load(Ordering::Acquire)
+        self.healthy.load(Ordering::SeqCst)
     }
 
     /// Records the health checker's verdict. The caller publishes a new
     /// snapshot afterwards.
     pub fn set_healthy(&self, healthy: bool) {
-        self.healthy.store(healthy, Ordering::Release);
+        self.healthy.store(healthy, Ordering::SeqCst);
         if self.member.load(Ordering::Acquire) {
             self.stats.up.set(healthy);
         }
+    }
+
+    /// Makes its ports checked one by one `ports` (sorted, distinct), or
+    /// none (one verdict for the backend). A port kept keeps its verdict;
+    /// a new one starts `healthy`. The caller publishes afterwards.
+    pub fn set_checked_ports(&self, ports: &[u16], healthy: bool) {
+        let old = self.ports.load_full();
+        if ports.is_empty() {
+            if old.is_some() {
+                self.ports.store(None);
+                self.stats.ports.store(None);
+            }
+            return;
+        }
+        let same = old
+            .as_ref()
+            .is_some_and(|o| o.iter().map(|c| c.port).eq(ports.iter().copied()));
+        if same {
+            return;
+        }
+        let member = self.member.load(Ordering::Acquire);
+        let cells: Vec<Arc<PortHealth>> = ports
+            .iter()
+            .map(|&port| {
+                old.as_ref()
+                    .and_then(|o| o.iter().find(|c| c.port == port).cloned())
+                    .unwrap_or_else(|| {
+                        let stats = Arc::new(PortStats {
+                            port,
+                            up: Default::default(),
+                        });
+                        if member {
+                            stats.up.set(healthy);
+                        }
+                        Arc::new(PortHealth {
+                            port,
+                            healthy: AtomicBool::new(healthy),
+                            marked_down: DownSignal::default(),
+                            stats,
+                        })
+                    })
+            })
+            .collect();
+        self.stats.ports.store(Some(Arc::new(
+            cells.iter().map(|c| Arc::clone(&c.stats)).collect(),
+        )));
+        let all = cells.iter().all(|c| c.is_healthy());
+        self.ports.store(Some(Arc::new(cells)));
+        self.set_healthy(all);
+    }
+
+    /// The ports checked one by one (empty with one verdict per backend).
+    pub fn checked_ports(&self) -> Vec<u16> {
+        self.ports
+            .load()
+            .as_ref()
+            .map_or_else(Vec::new, |cells| cells.iter().map(|c| c.port).collect())
+    }
+
+    /// The verdict on `port`, when ports are checked one by one.
+    pub fn port_health(&self, port: u16) -> Option<Arc<PortHealth>> {
+        self.ports
+            .load()
+            .as_ref()
+            .and_then(|cells| cells.iter().find(|c| c.port == port).cloned())
+    }
+
+    /// Records the health checker's verdict on one port; the backend is
+    /// healthy while every port is. The caller publishes afterwards.
+    pub fn set_port_healthy(&self, cell: &PortHealth, healthy: bool) {
+        cell.healthy.store(healthy, Ordering::SeqCst);
+        let member = self.member.load(Ordering::Acquire);
+        if member {
+            cell.stats.up.set(healthy);
+        }
+        // Two ports flipping at once both read both verdicts (SeqCst), so
+        // the last to finish leaves the true conjunction.
+        let all = self
+            .ports
+            .load()
+            .as_ref()
+            .is_none_or(|cells| cells.iter().all(|c| c.is_healthy()));
+        self.set_healthy(all);
+    }
+
+    /// Whether the backend is healthy for connections to `port`: that
+    /// port's verdict with per-port checks, else the backend's.
+    pub fn is_healthy_on(&self, port: u16) -> bool {
+        match &*self.ports.load() {
+            Some(cells) => cells
+                .iter()
+                .find(|c| c.port == port)
+                .map_or_else(|| self.is_healthy(), |c| c.is_healthy()),
+            None => self.is_healthy(),
+        }
+    }
+
+    /// Whether it takes new connections to `port`: healthy there and `ready`.
+    pub fn is_eligible_on(&self, port: u16) -> bool {
+        self.admin_state() == AdminState::Ready && self.is_healthy_on(port)
     }
 
     /// The operator's state.
@@ -162,33 +332,37 @@ impl Backend {
         before
     }
 
-    /// Whether it takes new connections: healthy and `ready`.
+    /// Whether it takes new connections: healthy and `ready`; with per-port
+    /// checks, healthy on at least one port (the listeners of its other
+    /// ports do not pick it: see [`Snapshot::eligible_for`]).
     pub fn is_eligible(&self) -> bool {
-        self.is_healthy() && self.admin_state() == AdminState::Ready
+        if self.admin_state() != AdminState::Ready {
+            return false;
+        }
+        match &*self.ports.load() {
+            Some(cells) => cells.iter().any(|c| c.is_healthy()),
+            None => self.is_healthy(),
+        }
     }
 
-    /// What a connection to it selects on to learn that it was marked down
-    /// under `on_backend_down = "close"`. Taken once the connection is up.
-    pub fn marked_down_signal(&self) -> CancellationToken {
-        if let Some(token) = self.marked_down.load_full() {
-            return CancellationToken::clone(&token);
-        }
-        let fresh = Arc::new(CancellationToken::new());
-        // Two first connections at once: both end up with the one stored.
-        let prev = self
-            .marked_down
-            .compare_and_swap(&None::<Arc<CancellationToken>>, Some(Arc::clone(&fresh)));
-        match &*prev {
-            Some(token) => CancellationToken::clone(token),
-            None => CancellationToken::clone(&fresh),
+    /// What a connection to its `port` selects on to learn that it was
+    /// marked down under `on_backend_down = "close"`: the port's signal with
+    /// per-port checks, else the backend's. Taken before the connect, so a
+    /// mark-down while the connection is still being made counts too.
+    pub fn marked_down_signal(&self, port: u16) -> CancellationToken {
+        match self.port_health(port) {
+            Some(cell) => cell.marked_down.get(),
+            None => self.marked_down.get(),
         }
     }
 
     /// Resets every connection open to it now (it was marked down under
-    /// `on_backend_down = "close"`); later connections get a fresh signal.
-    pub fn close_connections(&self) {
-        if let Some(old) = self.marked_down.swap(None) {
-            old.cancel();
+    /// `on_backend_down = "close"`), or only those to `port` when that port
+    /// alone was marked down; later connections get a fresh signal.
+    pub fn close_connections(&self, port: Option<u16>) {
+        match port.and_then(|p| self.port_health(p)) {
+            Some(cell) => cell.marked_down.fire(),
+            None => self.marked_down.fire(),
         }
     }
 
@@ -216,6 +390,11 @@ impl Backend {
     pub fn leave(&self) {
         self.member.store(false, Ordering::Release);
         self.stats.up.clear();
+        if let Some(cells) = &*self.ports.load() {
+            for c in cells.iter() {
+                c.stats.up.clear();
+            }
+        }
     }
 
     /// Resolves when the backend has been removed and its drain time is over.
@@ -260,6 +439,10 @@ pub struct Settings {
     pub source_ranges: SourceRanges,
     /// Whether connections open to a backend marked down are reset.
     pub on_backend_down: OnBackendDown,
+    /// The backend ports judged one by one (a health check without
+    /// `port`): the snapshot then holds an eligible list for each. `None`
+    /// (the common case, no allocation): one verdict per backend.
+    pub checked_ports: Option<Arc<[u16]>>,
 }
 
 impl From<&LoadBalancerSpec> for Settings {
@@ -272,43 +455,68 @@ impl From<&LoadBalancerSpec> for Settings {
             affinity_timeout: spec.affinity_timeout,
             source_ranges: spec.source_ranges.clone(),
             on_backend_down: spec.on_backend_down,
+            checked_ports: Some(spec.checked_ports())
+                .filter(|p| !p.is_empty())
+                .map(Arc::from),
         }
     }
 }
 
 /// Everything one pick needs, published as a unit.
 pub struct Snapshot {
-    /// Backends taking new connections, in config order.
+    /// Backends taking new connections, in config order; with per-port
+    /// checks, those taking connections on at least one port.
     pub eligible: Vec<Arc<Backend>>,
+    /// With per-port checks, the backends taking connections on each
+    /// checked port (sorted by port); empty otherwise.
+    pub by_port: Box<[(u16, Vec<Arc<Backend>>)]>,
     /// The settings in force.
     pub settings: Settings,
 }
 
 impl Snapshot {
-    /// Backends to try for one client, best first: at most
-    /// `connect_attempts`, never the same one twice. Empty when none is eligible.
-    /// `preferred` (the client's affinity) goes first if it is eligible;
-    /// otherwise the algorithm picks.
+    /// The backends that take new connections to `backend_port` (a
+    /// listener's nodeport). With one verdict per backend that is every
+    /// eligible one. A port with no list of its own (a listener whose
+    /// nodeport a reload has just changed, still on its old route for a
+    /// moment) gets every backend eligible on some port: connect retry
+    /// covers that moment, where an empty list would refuse clients.
+    #[inline]
+    pub fn eligible_for(&self, backend_port: u16) -> &[Arc<Backend>] {
+        if self.by_port.is_empty() {
+            return &self.eligible;
+        }
+        self.by_port
+            .iter()
+            .find(|(p, _)| *p == backend_port)
+            .map_or(&self.eligible, |(_, list)| list)
+    }
+
+    /// Backends to try for one client of a listener whose nodeport is
+    /// `backend_port`, best first: at most `connect_attempts`, never the
+    /// same one twice. Empty when none is eligible. `preferred` (the
+    /// client's affinity) goes first if it is eligible; otherwise the
+    /// algorithm picks.
     pub fn candidates<'a>(
         &'a self,
         client: IpAddr,
         cursor: &AtomicUsize,
         preferred: Option<IpAddr>,
+        backend_port: u16,
     ) -> impl Iterator<Item = &'a Arc<Backend>> + 'a {
-        let n = self.eligible.len();
-        let sticky = preferred.and_then(|ip| self.eligible.iter().position(|b| b.addr == ip));
+        let eligible = self.eligible_for(backend_port);
+        let n = eligible.len();
+        let sticky = preferred.and_then(|ip| eligible.iter().position(|b| b.addr == ip));
         let start = match sticky {
             _ if n == 0 => 0,
             Some(i) => i,
-            None => {
-                select::first_candidate(self.settings.algorithm, &self.eligible, client, cursor)
-            }
+            None => select::first_candidate(self.settings.algorithm, eligible, client, cursor),
         };
         let attempts = self
             .settings
             .connect_attempts
             .map_or(n, |a| n.min(a.get() as usize));
-        (0..attempts).map(move |k| &self.eligible[(start + k) % n])
+        (0..attempts).map(move |k| &eligible[(start + k) % n])
     }
 }
 
@@ -354,6 +562,7 @@ impl LoadBalancer {
         let lb = Arc::new(Self {
             snapshot: ArcSwap::from_pointee(Snapshot {
                 eligible: Vec::new(),
+                by_port: Box::default(),
                 settings: settings.clone(),
             }),
             cursor: AtomicUsize::new(0),
@@ -434,13 +643,14 @@ impl LoadBalancer {
         &self.stats
     }
 
-    /// The health checker marked `backend` down: with `on_backend_down =
-    /// "close"` in force, the connections open to it are reset now.
-    /// Returns whether they were.
-    pub fn backend_marked_down(&self, backend: &Backend) -> bool {
+    /// The health checker marked `backend` down (on `port` alone, with
+    /// per-port checks): with `on_backend_down = "close"` in force, the
+    /// connections open to it (to that port) are reset now. Returns
+    /// whether they were.
+    pub fn backend_marked_down(&self, backend: &Backend, port: Option<u16>) -> bool {
         let close = self.lock().settings.on_backend_down == OnBackendDown::Close;
         if close {
-            backend.close_connections();
+            backend.close_connections(port);
         }
         close
     }
@@ -465,13 +675,35 @@ impl LoadBalancer {
             .filter(|b| b.is_eligible())
             .cloned()
             .collect();
-        let none = eligible.is_empty();
+        let ports = inner.settings.checked_ports.as_deref().unwrap_or(&[]);
+        let by_port: Box<[(u16, Vec<Arc<Backend>>)]> = ports
+            .iter()
+            .map(|&port| {
+                let list = inner
+                    .members
+                    .iter()
+                    .filter(|b| b.is_eligible_on(port))
+                    .cloned()
+                    .collect();
+                (port, list)
+            })
+            .collect();
+        // With per-port checks, a listener whose port has no backend
+        // refuses its clients even while the others serve: that is the
+        // state to announce (and `no_eligible_backend` shows).
+        let starved: Vec<u16> = by_port
+            .iter()
+            .filter(|(_, list)| list.is_empty())
+            .map(|(port, _)| *port)
+            .collect();
+        let none = eligible.is_empty() || !starved.is_empty();
         if inner.none_eligible != Some(none) {
             if none {
                 tracing::warn!(
                     load_balancer = %self.name,
                     cluster = %self.cluster,
                     members = inner.members.len(),
+                    backend_ports = ?starved,
                     "no eligible backend: new connections are refused until one is healthy and ready"
                 );
                 self.stats.no_backend_events.increment(1);
@@ -490,6 +722,7 @@ impl LoadBalancer {
         }
         self.snapshot.store(Arc::new(Snapshot {
             eligible,
+            by_port,
             settings: inner.settings.clone(),
         }));
     }
@@ -508,6 +741,7 @@ mod tests {
             affinity_timeout: None,
             source_ranges: SourceRanges::everyone(),
             on_backend_down: OnBackendDown::Keep,
+            checked_ports: None,
         }
     }
 
@@ -549,7 +783,7 @@ mod tests {
         let client = IpAddr::from([192, 0, 2, 9]);
         let all: Vec<IpAddr> = lb
             .snapshot()
-            .candidates(client, lb.cursor(), None)
+            .candidates(client, lb.cursor(), None, 80)
             .map(|b| b.addr)
             .collect();
         assert_eq!(all.len(), 4);
@@ -559,7 +793,9 @@ mod tests {
         assert_eq!(sorted.len(), 4);
         lb.replace(settings(Some(2)), members);
         assert_eq!(
-            lb.snapshot().candidates(client, lb.cursor(), None).count(),
+            lb.snapshot()
+                .candidates(client, lb.cursor(), None, 80)
+                .count(),
             2
         );
     }
@@ -583,7 +819,7 @@ mod tests {
         for _ in 0..4 {
             let first = lb
                 .snapshot()
-                .candidates(client, lb.cursor(), Some(a.addr))
+                .candidates(client, lb.cursor(), Some(a.addr), 80)
                 .next()
                 .map(|b| b.addr);
             assert_eq!(first, Some(b.addr));
@@ -607,17 +843,104 @@ mod tests {
             vec![a.clone()],
             LbStats::detached(),
         );
-        let before = a.marked_down_signal();
-        assert!(!lb.backend_marked_down(&a), "keep is the default");
+        let before = a.marked_down_signal(80);
+        assert!(!lb.backend_marked_down(&a, None), "keep is the default");
         assert!(!before.is_cancelled());
         let mut close = settings(None);
         close.on_backend_down = OnBackendDown::Close;
         lb.replace(close, vec![a.clone()]);
-        assert!(lb.backend_marked_down(&a));
+        assert!(lb.backend_marked_down(&a, None));
         assert!(before.is_cancelled(), "connections open then are closed");
         assert!(
-            !a.marked_down_signal().is_cancelled(),
+            !a.marked_down_signal(80).is_cancelled(),
             "later ones get a fresh signal"
+        );
+    }
+
+    #[test]
+    fn per_port_verdicts_give_each_port_its_own_list_and_close_only_that_port() {
+        let a = Backend::new(IpAddr::from([10, 0, 0, 1]), true);
+        let b = Backend::new(IpAddr::from([10, 0, 0, 2]), true);
+        for backend in [&a, &b] {
+            backend.set_checked_ports(&[80, 443], true);
+        }
+        let mut per_port = settings(None);
+        per_port.on_backend_down = OnBackendDown::Close;
+        per_port.checked_ports = Some(Arc::from(&[80u16, 443][..]));
+        let lb = LoadBalancer::new(
+            "a".into(),
+            "c".into(),
+            per_port.clone(),
+            vec![a.clone(), b.clone()],
+            LbStats::detached(),
+        );
+        let http = b.marked_down_signal(80);
+        let https = b.marked_down_signal(443);
+        let cell = b.port_health(443).expect("a cell per checked port");
+        b.set_port_healthy(&cell, false);
+        lb.publish();
+        assert!(lb.backend_marked_down(&b, Some(443)));
+        assert!(https.is_cancelled() && !http.is_cancelled());
+
+        let snap = lb.snapshot();
+        let on = |port| -> Vec<IpAddr> { snap.eligible_for(port).iter().map(|b| b.addr).collect() };
+        assert_eq!(on(80), vec![a.addr, b.addr]);
+        assert_eq!(on(443), vec![a.addr]);
+        assert_eq!(
+            on(8080),
+            vec![a.addr, b.addr],
+            "an unknown port: every backend eligible somewhere"
+        );
+        assert!(!b.is_healthy() && b.is_eligible() && !b.is_eligible_on(443));
+        let client = IpAddr::from([192, 0, 2, 9]);
+        for _ in 0..4 {
+            let first = snap
+                .candidates(client, lb.cursor(), Some(b.addr), 443)
+                .next();
+            assert_eq!(
+                first.map(|x| x.addr),
+                Some(a.addr),
+                "affinity never overrides a port's verdict"
+            );
+        }
+        drop(snap);
+
+        // A reload keeping port 443 keeps its verdict; a new port starts healthy.
+        b.set_checked_ports(&[443, 8443], true);
+        assert!(Arc::ptr_eq(&cell, &b.port_health(443).expect("kept")));
+        assert_eq!(b.checked_ports(), vec![443, 8443]);
+        assert!(!b.is_healthy_on(443) && b.is_healthy_on(8443));
+        // Back to one verdict: no cells, no per-port lists.
+        b.set_checked_ports(&[], true);
+        b.set_healthy(true);
+        lb.replace(settings(None), vec![a.clone(), b.clone()]);
+        assert!(lb.snapshot().by_port.is_empty());
+        assert_eq!(lb.snapshot().eligible_for(443).len(), 2);
+    }
+
+    #[test]
+    fn a_port_with_no_backend_is_no_eligible_backend() {
+        let metrics = crate::metrics::Metrics::new();
+        let a = Backend::new(IpAddr::from([10, 0, 0, 1]), true);
+        a.set_checked_ports(&[80, 443], true);
+        let mut per_port = settings(None);
+        per_port.checked_ports = Some(Arc::from(&[80u16, 443][..]));
+        let lb = LoadBalancer::new(
+            "ns/svc".into(),
+            "c".into(),
+            per_port,
+            vec![a.clone()],
+            metrics.load_balancer("c", "ns/svc"),
+        );
+        a.set_port_healthy(&a.port_health(443).expect("cell"), false);
+        lb.publish();
+        assert_eq!(lb.snapshot().eligible.len(), 1, "it still serves port 80");
+        let text = metrics.render();
+        assert!(
+            text.contains(
+                "harvester_lb_no_eligible_backend{cluster=\"c\",load_balancer=\"ns/svc\"} 1"
+            ),
+            "{text}"
         );
     }
 

@@ -145,6 +145,23 @@ impl LoadBalancerSpec {
     pub fn listen_addr(&self, listener: &ListenerSpec) -> SocketAddr {
         SocketAddr::new(self.vip, listener.port)
     }
+
+    /// The backend ports checked one by one, sorted and distinct: its
+    /// listeners' `backend_port`s when the health check has no `port`
+    /// (per-listener eligibility); empty when the check has a `port` or
+    /// there is no check (one verdict per backend, or none). Two listeners
+    /// with one nodeport share one verdict: it is one socket on the node.
+    pub fn checked_ports(&self) -> Vec<u16> {
+        match &self.health_check {
+            Some(hc) if hc.port.is_none() => {
+                let mut ports: Vec<u16> = self.listeners.iter().map(|l| l.backend_port).collect();
+                ports.sort_unstable();
+                ports.dedup();
+                ports
+            }
+            _ => Vec::new(),
+        }
+    }
 }
 
 /// `[[load_balancer.listener]]`.
@@ -168,8 +185,12 @@ pub struct HealthCheckSpec {
     /// What one probe does: a TCP handshake, or an HTTP `GET` of
     /// kube-proxy's `healthCheckNodePort`.
     pub check: CheckKind,
-    /// Port probed on each backend.
-    pub port: u16,
+    /// Port probed on each backend, one verdict for all its listeners
+    /// (`healthcheck-port`, the cloud provider's guest-cluster model);
+    /// `None` = each listener's own `backend_port` is probed and a backend
+    /// is eligible per listener (Harvester's `LoadBalancer` v1beta1, where
+    /// the health port is a listener's backend port).
+    pub port: Option<u16>,
     /// Consecutive successes before a backend takes traffic.
     pub success_threshold: NonZeroU32,
     /// Consecutive failures before it stops taking traffic.

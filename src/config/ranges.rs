@@ -62,14 +62,21 @@ impl SourceRanges {
         })))
     }
 
-    /// Whether `client` may connect. An IPv4-mapped IPv6 address (an IPv6
-    /// socket seeing an IPv4 client) is judged as the IPv4 address it is.
+    /// Whether `client` may connect. An IPv4-mapped IPv6 address (a
+    /// dual-stack socket seeing an IPv4 client) is served when an IPv4
+    /// range holds the IPv4 address it is, or an IPv6 range holds its
+    /// mapped form (`::/0` covers every address a dual-stack socket can
+    /// see, as with HAProxy's `src` ACL). A plain IPv4 client is judged by
+    /// the IPv4 ranges alone, as Kubernetes judges each family by its own.
     #[inline]
     pub fn allows(&self, client: IpAddr) -> bool {
         let Some(r) = &self.0 else { return true };
-        match client.to_canonical() {
+        match client {
             IpAddr::V4(a) => contains(&r.v4, u32::from(a)),
-            IpAddr::V6(a) => contains(&r.v6, u128::from(a)),
+            IpAddr::V6(a) => match a.to_ipv4_mapped() {
+                Some(v4) => contains(&r.v4, u32::from(v4)) || contains(&r.v6, u128::from(a)),
+                None => contains(&r.v6, u128::from(a)),
+            },
         }
     }
 
@@ -205,6 +212,19 @@ mod tests {
         assert_eq!(r.ranges().len(), 6, "the written list is kept for /status");
         let all = ranges(&["0.0.0.0/0", "::/0"]);
         assert!(all.allows(ip("255.255.255.255")) && all.allows(ip("ffff::")));
+    }
+
+    #[test]
+    fn a_mapped_client_is_served_by_its_ipv4_range_or_an_ipv6_range_holding_its_mapped_form() {
+        let mapped = ip("::ffff:192.0.2.7");
+        assert!(
+            ranges(&["::/0"]).allows(mapped),
+            "::/0 holds every mapped address"
+        );
+        assert!(ranges(&["192.0.2.0/24"]).allows(mapped));
+        assert!(!ranges(&["198.51.100.0/24", "2001:db8::/32"]).allows(mapped));
+        // A plain IPv4 client is judged by IPv4 ranges only.
+        assert!(!ranges(&["::/0"]).allows(ip("192.0.2.7")));
     }
 
     #[test]

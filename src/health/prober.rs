@@ -7,6 +7,9 @@
 //!
 //! Each load balancer keeps its own verdict per backend ([`Target`]): the
 //! thresholds may differ, so each applies its own to the shared results.
+//! A health check without `port` has one target per backend *and* listener
+//! nodeport, each deciding that port's eligibility alone; they share streams
+//! with every other check of the same node, port and parameters.
 //! A stream probes at once when it starts, then at a per-address phase
 //! within the period (a stable hash), then once a period: a thousand targets
 //! added by one reload do not keep firing in the same millisecond. A load
@@ -32,11 +35,14 @@ use tokio_util::sync::CancellationToken;
 use super::check::{self, Outcome, ProbeSockets};
 use super::{Health, HealthState, Thresholds};
 use crate::balancer::select::{hash_ip, mix64};
-use crate::balancer::{Backend, LoadBalancer};
+use crate::balancer::{Backend, LoadBalancer, PortHealth};
 use crate::config::{CheckKind, HealthCheckSpec};
 
-/// What identifies a probe target: the load balancer's name and the backend's address.
-pub type TargetKey = (String, std::net::IpAddr);
+/// What identifies a probe target: the load balancer's name, the backend's
+/// address, and the backend port it judges alone (`None`: one verdict for
+/// the backend, whatever port the check probes, so a changed `port` keeps
+/// the state).
+pub type TargetKey = (String, std::net::IpAddr, Option<u16>);
 
 /// What makes two checks one: the same probe, sent as often, waited for as long.
 /// Not `Copy` since HTTP checks carry a path; their details sit behind an
@@ -50,9 +56,9 @@ struct StreamKey {
 }
 
 impl StreamKey {
-    fn new(ip: std::net::IpAddr, spec: &HealthCheckSpec) -> Self {
+    fn new(addr: SocketAddr, spec: &HealthCheckSpec) -> Self {
         Self {
-            addr: SocketAddr::new(ip, spec.port),
+            addr,
             check: spec.check.clone(),
             period: spec.period,
             timeout: spec.timeout,
@@ -84,20 +90,31 @@ impl Prober {
         self.targets.get(key).map(|t| Arc::clone(&t))
     }
 
-    /// Starts probing `backend` of `lb`, or updates the parameters of the
-    /// target already probing it (effective on its next probe, state kept).
+    /// Starts probing `backend` of `lb` on `port`, or updates the parameters
+    /// of the target already probing it (effective on its next probe, state
+    /// kept). With `cell`, the target judges that port of the backend alone
+    /// (a health check without `port`); without, the whole backend.
     pub fn ensure(
         &self,
         lb: &Arc<LoadBalancer>,
         backend: &Arc<Backend>,
+        cell: Option<&Arc<PortHealth>>,
+        port: u16,
         spec: &HealthCheckSpec,
         initial: HealthState,
     ) -> Arc<Target> {
-        let key = (lb.name.clone(), backend.addr);
+        let key = (lb.name.clone(), backend.addr, cell.map(|c| c.port));
         let existing = self.get(&key);
-        if let Some(existing) = existing.filter(|t| Arc::ptr_eq(&t.backend, backend)) {
+        let same_cell = |t: &Arc<Target>| match (&t.cell, cell) {
+            (None, None) => true,
+            (Some(a), Some(b)) => Arc::ptr_eq(a, b),
+            _ => false,
+        };
+        if let Some(existing) =
+            existing.filter(|t| Arc::ptr_eq(&t.backend, backend) && same_cell(t))
+        {
             existing.spec.store(Arc::new(spec.clone()));
-            let to = StreamKey::new(backend.addr, spec);
+            let to = StreamKey::new(SocketAddr::new(backend.addr, port), spec);
             let from = std::mem::replace(&mut *existing.lock_stream(), to.clone());
             if from != to {
                 self.unsubscribe(from, &existing);
@@ -105,7 +122,14 @@ impl Prober {
             }
             return existing;
         }
-        let target = Target::new(Arc::clone(lb), Arc::clone(backend), spec.clone(), initial);
+        let target = Target::new(
+            Arc::clone(lb),
+            Arc::clone(backend),
+            cell.cloned(),
+            SocketAddr::new(backend.addr, port),
+            spec.clone(),
+            initial,
+        );
         if let Some(old) = self.targets.insert(key, Arc::clone(&target)) {
             self.retire(&old);
         }
@@ -134,7 +158,7 @@ impl Prober {
         self.stop.cancel();
     }
 
-    /// Number of targets (load balancer, backend) with a verdict.
+    /// Number of targets (load balancer, backend, port judged alone) with a verdict.
     pub fn len(&self) -> usize {
         self.targets.len()
     }
@@ -431,6 +455,9 @@ fn result_index(outcome: &Outcome) -> usize {
 pub struct Target {
     /// The backend whose eligibility this loop decides.
     pub backend: Arc<Backend>,
+    /// The backend port it decides alone (a health check without `port`);
+    /// `None`: it decides for the whole backend.
+    cell: Option<Arc<PortHealth>>,
     /// The load balancer to republish on a transition.
     lb: Arc<LoadBalancer>,
     /// Parameters in force (its thresholds judge each result); swapped on reload.
@@ -465,12 +492,15 @@ impl Target {
     fn new(
         lb: Arc<LoadBalancer>,
         backend: Arc<Backend>,
+        cell: Option<Arc<PortHealth>>,
+        addr: SocketAddr,
         spec: HealthCheckSpec,
         initial: HealthState,
     ) -> Arc<Self> {
         Arc::new(Self {
-            stream: Mutex::new(StreamKey::new(backend.addr, &spec)),
+            stream: Mutex::new(StreamKey::new(addr, &spec)),
             backend,
+            cell,
             lb,
             spec: ArcSwap::from_pointee(spec),
             state: Mutex::new(TargetStatus {
@@ -529,19 +559,25 @@ impl Target {
             if self.stop.is_cancelled() {
                 return;
             }
-            self.backend.set_healthy(t.to == Health::Healthy);
+            let up = t.to == Health::Healthy;
+            match &self.cell {
+                Some(cell) => self.backend.set_port_healthy(cell, up),
+                None => self.backend.set_healthy(up),
+            }
             self.lb.publish();
             // After the publish: no new connection goes there while the
             // open ones are reset.
-            let closed = t.to == Health::Unhealthy
-                && self.lb.backend_marked_down(&self.backend)
+            let port = self.cell.as_ref().map(|c| c.port);
+            let closed = !up
+                && self.lb.backend_marked_down(&self.backend, port)
                 && self.backend.active_connections() > 0;
             if closed {
                 tracing::info!(
                     load_balancer = %self.lb.name,
                     backend = %addr,
                     open = self.backend.active_connections(),
-                    "on_backend_down = close: resetting the connections open to the backend"
+                    "on_backend_down = close: resetting the connections open to the backend{}",
+                    if port.is_some() { " port" } else { "" }
                 );
             }
             self.backend

@@ -115,6 +115,23 @@ const STEPS: &[Step] = &[
             o.sample("", |b| backend_labels(b, be), u64::from(v));
         }
     }),
+    Step::Backend(&names::BACKEND_PORT_UP, |o, be| {
+        if let Some(ports) = &*be.ports.load() {
+            for p in ports.iter() {
+                if let Some(v) = p.up.get() {
+                    let port = p.port.to_string();
+                    o.sample(
+                        "",
+                        |b| {
+                            backend_labels(b, be);
+                            label(b, "backend_port", &port);
+                        },
+                        u64::from(v),
+                    );
+                }
+            }
+        }
+    }),
     Step::Backend(&names::BACKEND_CONNECTIONS_ACTIVE, |o, be| {
         o.sample("", |b| backend_labels(b, be), be.active.get());
     }),

@@ -141,11 +141,19 @@ pub static CONNECTION_LIMIT_REACHED: Family = Family::new(
 
 // Per backend: labels `cluster`, `load_balancer`, `backend`.
 
-/// 1 when a backend is eligible for new connections, else 0.
+/// 1 when a backend's health check finds it healthy, else 0.
 pub static BACKEND_UP: Family = Family::new(
     "harvester_lb_backend_up",
     Gauge,
-    "1 when the backend is eligible for new connections, 0 when not.",
+    "1 when the health check finds the backend healthy (on every checked backend port, for per-listener checks), 0 when not.",
+);
+/// Per-listener checks only (a health check without `port`): 1 when the
+/// backend's nodeport `backend_port` is healthy, else 0. Labels `cluster`,
+/// `load_balancer`, `backend`, `backend_port`.
+pub static BACKEND_PORT_UP: Family = Family::new(
+    "harvester_lb_backend_port_up",
+    Gauge,
+    "Per-listener health checks only: 1 when the backend's backend_port answers its check, 0 when not.",
 );
 /// Connections open to a backend now.
 pub static BACKEND_CONNECTIONS_ACTIVE: Family = Family::new(

@@ -17,6 +17,8 @@ use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU8, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::Duration;
 
+use arc_swap::ArcSwapOption;
+
 use super::Metrics;
 
 /// A monotonic count.
@@ -244,6 +246,7 @@ impl LbStats {
             admin_state: AtomicU8::new(0),
             closed: Default::default(),
             duration: OnceLock::new(),
+            ports: ArcSwapOption::empty(),
         })
     }
 }
@@ -346,6 +349,20 @@ pub struct BackendStats {
     /// Its own probe-duration histogram, made at the first probe after
     /// `metrics.per_backend_health_check_duration` was switched on.
     pub(crate) duration: OnceLock<Box<Histogram>>,
+    /// `backend_port_up`, one per checked port, only while its load
+    /// balancer checks each listener's backend port on its own: a pointer
+    /// that stays empty (no allocation) in the common case of one verdict.
+    pub ports: ArcSwapOption<Vec<Arc<PortStats>>>,
+}
+
+/// The health of one backend on one nodeport (`backend_port_up`), for a
+/// load balancer whose health check has no `port`.
+#[derive(Debug)]
+pub struct PortStats {
+    /// Label `backend_port`.
+    pub port: u16,
+    /// `backend_port_up`; absent once the port or the backend left the config.
+    pub up: Presence,
 }
 
 impl BackendStats {

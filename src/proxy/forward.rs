@@ -18,7 +18,7 @@ use tokio_util::sync::CancellationToken;
 use super::copy::{self, ByteCounters, Ended};
 use super::proxy_protocol;
 use crate::balancer::{Backend, LoadBalancer, affinity};
-use crate::config::ProxyProtocol;
+use crate::config::{OnBackendDown, ProxyProtocol};
 use crate::metrics::ListenerStats;
 use crate::net;
 
@@ -84,11 +84,30 @@ pub async fn serve(
     let sticky = affinity.and_then(|(table, timeout)| table.lookup(client_ip, timeout, now));
     let mut last_failure = None;
     let mut connected = None;
-    for backend in snapshot.candidates(peer.ip(), route.lb.cursor(), sticky) {
-        let addr = SocketAddr::new(backend.addr, route.backend_port);
-        match connect(addr, snapshot.settings.connect_timeout).await {
+    let close_on_down = snapshot.settings.on_backend_down == OnBackendDown::Close;
+    let port = route.backend_port;
+    for backend in snapshot.candidates(peer.ip(), route.lb.cursor(), sticky, port) {
+        let addr = SocketAddr::new(backend.addr, port);
+        // Taken before the connect: a mark-down under `on_backend_down =
+        // "close"` while this connection is still being made resets it
+        // too, and one between the snapshot and here is seen below.
+        let marked_down = backend.marked_down_signal(port);
+        if close_on_down && !backend.is_healthy_on(port) {
+            tracing::debug!(backend = %addr, "backend marked down since the pick; trying the next one");
+            continue;
+        }
+        let attempt = tokio::select! {
+            r = connect(addr, snapshot.settings.connect_timeout) => r,
+            _ = marked_down.cancelled() => {
+                // No byte has reached the backend: the client can still
+                // be served by another one.
+                tracing::debug!(backend = %addr, "backend marked down while connecting; trying the next one");
+                continue;
+            }
+        };
+        match attempt {
             Ok(stream) => {
-                connected = Some((stream, Arc::clone(backend)));
+                connected = Some((stream, Arc::clone(backend), marked_down));
                 break;
             }
             Err((failure, e)) => {
@@ -106,7 +125,7 @@ pub async fn serve(
     let idle_timeout = snapshot.settings.idle_timeout;
     drop(snapshot);
 
-    let Some((server, backend)) = connected else {
+    let Some((server, backend, marked_down)) = connected else {
         // Indices into `FAILED_REASONS`.
         let reason = match last_failure {
             None => 0,
@@ -148,9 +167,6 @@ pub async fn serve(
             }
         }
     }
-    // Taken now, after the connect: a mark-down before this point already
-    // kept the backend out of later snapshots.
-    let marked_down = backend.marked_down_signal();
     m.active.increment();
     let ended = tokio::select! {
         ended = copy::bidirectional(

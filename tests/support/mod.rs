@@ -513,6 +513,14 @@ pub async fn read_line(s: &mut TcpStream) -> std::io::Result<String> {
     Ok(String::from_utf8_lossy(&line).to_string())
 }
 
+/// Whether `s` still forwards: one round trip through an echoing backend.
+pub async fn still_echoes(s: &mut TcpStream) -> bool {
+    if s.write_all(b"ping\n").await.is_err() {
+        return false;
+    }
+    matches!(read_line(s).await, Ok(l) if l == "ping")
+}
+
 /// Runs the `harvester-lb` binary with `args`; returns exit code, stdout, stderr.
 pub fn run_cli(args: &[&str]) -> (i32, String, String) {
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_harvester-lb"))

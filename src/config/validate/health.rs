@@ -11,13 +11,20 @@ impl Validator<'_> {
     ) -> Option<HealthCheckSpec> {
         let span = hc.span();
         let hc = hc.get_ref();
-        let port = self.required_port(
-            &hc.port,
-            span,
-            key,
-            "port",
-            "the port probed on each backend, usually the nodeport",
-        );
+        // Absent: each listener's own backend_port is probed (per-listener
+        // eligibility). `required_port` also checks the range of a present one.
+        let port = match &hc.port {
+            None => Some(None),
+            Some(_) => self
+                .required_port(
+                    &hc.port,
+                    span,
+                    key,
+                    "port",
+                    "the port probed on each backend",
+                )
+                .map(Some),
+        };
         let success = self.int(
             &hc.success_threshold,
             format_args!("{key}.success_threshold"),
