@@ -11,6 +11,8 @@ mod netns;
 
 #[path = "netns/t_detect.rs"]
 mod t_detect;
+#[path = "netns/t_failover.rs"]
+mod t_failover;
 #[path = "netns/t_hostile.rs"]
 mod t_hostile;
 #[path = "netns/t_transfer.rs"]

@@ -297,6 +297,32 @@ impl Bed {
         bed
     }
 
+    /// Adds one more host on the bridge (for tests with several
+    /// load-balancer hosts): namespace `<tag>-<suffix>` with `ip/24` on its
+    /// `eth0`, wired to the bridge port `h<suffix>`, returned with the host.
+    pub fn add_host(&mut self, suffix: &str, ip: Ipv4Addr) -> (Ns, String) {
+        let ns = Ns {
+            name: format!("{}-{suffix}", self.tag),
+        };
+        let port = format!("h{suffix}");
+        self.add_ns(&ns.name);
+        self.bridge.ip(&[
+            "link", "add", &port, "type", "veth", "peer", "name", "eth0", "netns", &ns.name,
+        ]);
+        self.bridge
+            .ip(&["link", "set", &port, "master", "br0", "up"]);
+        ns.ip(&["link", "set", "lo", "up"]);
+        ns.ip(&["addr", "add", &format!("{ip}/24"), "dev", "eth0"]);
+        ns.ip(&["link", "set", "eth0", "up"]);
+        (ns, port)
+    }
+
+    /// Takes bridge port `port` down (the host behind it vanishes) or up.
+    pub fn set_port(&self, port: &str, up: bool) {
+        self.bridge
+            .ip(&["link", "set", port, if up { "up" } else { "down" }]);
+    }
+
     fn add_ns(&mut self, name: &str) {
         run("ip", &["netns", "add", name], None);
         self.created.push(name.to_string());
@@ -458,7 +484,10 @@ pub struct DaemonProc {
 }
 
 impl DaemonProc {
-    fn spawn(ns: &Ns, config: &Path, log: &Path, nofile: Option<u64>) -> DaemonProc {
+    /// Starts the daemon in `ns` with `config`, logging to `log`. Beds
+    /// start theirs with [`Bed::start_daemon`]; tests with several
+    /// load-balancer hosts start the others with this.
+    pub fn spawn(ns: &Ns, config: &Path, log: &Path, nofile: Option<u64>) -> DaemonProc {
         use std::os::unix::process::CommandExt;
         let logf = std::fs::File::create(log).expect("daemon log");
         let mut c = Command::new("ip");

@@ -1,0 +1,437 @@
+//! Failover across hosts with keepalived: two load-balancer hosts, each
+//! with the real daemon and a real keepalived, the same nodes behind them,
+//! and a client making new connections all the while.
+//!
+//! Host A is VRRP master of VIP1, host B of VIP2 (active/active); each
+//! daemon serves both VIPs all the time (it binds with `IP_FREEBIND`, so
+//! the backup is warm). Each test breaks host A one way and measures how
+//! long new connections to VIP1 fail, and checks that a connection through
+//! VIP2, on host B, is untouched.
+
+use std::net::{Ipv4Addr, SocketAddr};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+use crate::netns::peers::{Exchange, Node, Service, exchange, read_line};
+use crate::netns::{Bed, DaemonProc, Ns, config, lb, sa, wait_for};
+use crate::require_netns;
+
+const VIP1: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 12);
+const VIP2: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 13);
+const HOST_A: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 4);
+const HOST_B: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 5);
+
+/// Whether keepalived can run here; CI must have it (`.ci/run` installs it).
+fn keepalived_missing() -> bool {
+    let missing = Command::new("keepalived")
+        .arg("--version")
+        .output()
+        .map_or(true, |o| !o.status.success());
+    if missing {
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "keepalived is missing under CI (Debian package keepalived)"
+        );
+        eprintln!("SKIPPED: keepalived is not installed (Debian package keepalived)");
+    }
+    missing
+}
+
+/// keepalived in one namespace, stopped (SIGTERM, then SIGKILL) on drop.
+struct Keepalived {
+    child: Child,
+    vrrp_pid: PathBuf,
+    log: PathBuf,
+}
+
+impl Keepalived {
+    fn start(bed: &Bed, ns: &Ns, name: &str, priorities: (u8, u8), advert: &str) -> Self {
+        let conf = bed.write(
+            &format!("keepalived-{name}.conf"),
+            &keepalived_conf(name, priorities, advert),
+        );
+        let log = bed.dir.join(format!("keepalived-{name}.log"));
+        let vrrp_pid = bed.dir.join(format!("keepalived-{name}-vrrp.pid"));
+        let logf = std::fs::File::create(&log).expect("keepalived log");
+        let child = Command::new("ip")
+            .args(["netns", "exec", &ns.name, "keepalived"])
+            .args([
+                "--dont-fork",
+                "--log-console",
+                "--log-detail",
+                "--no-syslog",
+                "--vrrp",
+            ])
+            .arg("--use-file")
+            .arg(&conf)
+            .arg("--pid")
+            .arg(bed.dir.join(format!("keepalived-{name}.pid")))
+            .arg("--vrrp_pid")
+            .arg(&vrrp_pid)
+            .stdin(Stdio::null())
+            .stdout(logf.try_clone().expect("dup log"))
+            .stderr(logf)
+            .spawn()
+            .expect("spawn keepalived (Debian package keepalived)");
+        Keepalived {
+            child,
+            vrrp_pid,
+            log,
+        }
+    }
+
+    fn signal(&self, sig: i32) {
+        // SAFETY: kill(2) on our own child's pid.
+        unsafe {
+            libc::kill(self.child.id() as i32, sig);
+        }
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+}
+
+impl Drop for Keepalived {
+    fn drop(&mut self) {
+        self.signal(libc::SIGTERM);
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        // The VRRP child, should it outlive its parent.
+        if let Some(pid) = std::fs::read_to_string(&self.vrrp_pid)
+            .ok()
+            .and_then(|p| p.trim().parse::<i32>().ok())
+        {
+            // SAFETY: kill(2); a stale pid file names a process that is gone.
+            unsafe {
+                libc::kill(pid, libc::SIGKILL);
+            }
+        }
+    }
+}
+
+/// The shipped example's shape (`config/keepalived/keepalived.conf`), with
+/// this host's priorities and advertisement interval (sub-second ones need
+/// VRRP version 3): the tracked script polls the daemon's `/readyz`.
+fn keepalived_conf(name: &str, (vip1_priority, vip2_priority): (u8, u8), advert: &str) -> String {
+    let version = if advert.contains('.') {
+        "  vrrp_version 3\n"
+    } else {
+        ""
+    };
+    let instance = |n: u8, vip: Ipv4Addr, priority: u8| {
+        format!(
+            "vrrp_instance VIP{n} {{\n  state BACKUP\n  interface eth0\n  virtual_router_id {}\n  priority {priority}\n  advert_int {advert}\n  virtual_ipaddress {{\n    {vip}/32 dev eth0\n  }}\n  track_script {{\n    harvester_lb_ready\n  }}\n}}\n",
+            50 + n
+        )
+    };
+    format!(
+        "global_defs {{\n  router_id {name}\n  enable_script_security\n  script_user root\n{version}}}\n{}\n{}{}",
+        shipped_readyz_script(),
+        instance(1, VIP1, vip1_priority),
+        instance(2, VIP2, vip2_priority)
+    )
+}
+
+/// The shipped example's `vrrp_script` block, verbatim: what the tests
+/// measure is what operators install.
+fn shipped_readyz_script() -> String {
+    let example = std::fs::read_to_string(EXAMPLE).expect("the shipped keepalived example");
+    let start = example
+        .find("vrrp_script harvester_lb_ready {")
+        .expect("the example has the readyz script");
+    let end = start
+        + example[start..]
+            .find("\n}\n")
+            .expect("the script block ends")
+        + 3;
+    example[start..end].to_string()
+}
+
+const EXAMPLE: &str = concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/config/keepalived/keepalived.conf"
+);
+
+#[test]
+fn the_shipped_keepalived_example_passes_keepalived_s_config_test() {
+    if keepalived_missing() {
+        return;
+    }
+    let out = Command::new("keepalived")
+        .args(["--config-test", "--use-file", EXAMPLE])
+        .output()
+        .expect("run keepalived --config-test");
+    assert!(
+        out.status.success() && out.stderr.is_empty() && out.stdout.is_empty(),
+        "keepalived rejects {EXAMPLE}: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// Whether `ns` holds `vip` on its eth0.
+fn holds(ns: &Ns, vip: Ipv4Addr) -> bool {
+    Command::new("ip")
+        .args(["-n", &ns.name, "-4", "-o", "addr", "show", "dev", "eth0"])
+        .output()
+        .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).contains(&format!("{vip}/32")))
+}
+
+/// Two load-balancer hosts, each with a daemon (serving VIP1 and VIP2) and
+/// keepalived (A master of VIP1, B of VIP2), two nodes behind them.
+struct Pair {
+    bed: Bed,
+    a: Ns,
+    a_port: String,
+    b: Ns,
+    daemon_a: Option<DaemonProc>,
+    _daemon_b: DaemonProc,
+    keepalived_a: Option<Keepalived>,
+    keepalived_b: Keepalived,
+    _nodes: Vec<Node>,
+    advert: &'static str,
+}
+
+impl Pair {
+    async fn new(test: &str, advert: &'static str) -> Pair {
+        let mut bed = Bed::new(test, 2);
+        let nodes = vec![
+            Node::start(&bed, 1, Service::NameThenEcho),
+            Node::start(&bed, 2, Service::NameThenEcho),
+        ];
+        let (a, a_port) = bed.add_host("a", HOST_A);
+        let (b, _) = bed.add_host("b", HOST_B);
+        let daemon = |bed: &Bed, ns: &Ns, name: &str| {
+            let socket = bed.dir.join(format!("admin-{name}.sock"));
+            let text = config(
+                "",
+                &[
+                    lb("default/vip1", VIP1, &[1, 2], "", None),
+                    lb("default/vip2", VIP2, &[1, 2], "", None),
+                ],
+            )
+            .replacen("[admin]\n", &format!("[admin]\nsocket = {socket:?}\n"), 1);
+            let path = bed.write(&format!("config-{name}.toml"), &text);
+            DaemonProc::spawn(ns, &path, &bed.dir.join(format!("daemon-{name}.log")), None)
+        };
+        let daemon_a = daemon(&bed, &a, "a");
+        let daemon_b = daemon(&bed, &b, "b");
+        for d in [&daemon_a, &daemon_b] {
+            wait_for(Duration::from_secs(10), "daemon ready", || async {
+                matches!(d.get("/readyz").await, Ok((200, _))).then_some(())
+            })
+            .await;
+        }
+        let keepalived_a = Keepalived::start(&bed, &a, "a", (150, 100), advert);
+        let keepalived_b = Keepalived::start(&bed, &b, "b", (100, 150), advert);
+        let pair = Pair {
+            bed,
+            a,
+            a_port,
+            b,
+            daemon_a: Some(daemon_a),
+            _daemon_b: daemon_b,
+            keepalived_a: Some(keepalived_a),
+            keepalived_b,
+            _nodes: nodes,
+            advert,
+        };
+        // VRRP settles: each VIP on its master only, and both serve.
+        wait_for(Duration::from_secs(30), "VRRP masters elected", || async {
+            (holds(&pair.a, VIP1)
+                && !holds(&pair.b, VIP1)
+                && holds(&pair.b, VIP2)
+                && !holds(&pair.a, VIP2))
+            .then_some(())
+        })
+        .await;
+        for vip in [VIP1, VIP2] {
+            wait_for(Duration::from_secs(20), "the VIP serves", || async {
+                let e = exchange(&pair.bed.client, sa(vip, 80), 64, Duration::from_secs(2)).await;
+                matches!(e, Exchange::Ok(_)).then_some(())
+            })
+            .await;
+        }
+        pair
+    }
+
+    fn logs(&self) -> String {
+        format!(
+            "--- keepalived a ---\n{}\n--- keepalived b ---\n{}",
+            self.keepalived_a
+                .as_ref()
+                .map(Keepalived::log)
+                .unwrap_or_default(),
+            self.keepalived_b.log()
+        )
+    }
+}
+
+/// New connections to `vip` every 50 ms until stopped (or 60 s): each
+/// exchange's start time and whether it was served.
+fn watch(
+    client: Ns,
+    vip: SocketAddr,
+    stop: Arc<AtomicBool>,
+) -> tokio::task::JoinHandle<Vec<(Instant, bool)>> {
+    tokio::spawn(async move {
+        let mut seen = Vec::new();
+        let mut tick = tokio::time::interval(Duration::from_millis(50));
+        let end = Instant::now() + Duration::from_secs(60);
+        while !stop.load(Ordering::Relaxed) && Instant::now() < end {
+            tick.tick().await;
+            let t = Instant::now();
+            let e = exchange(&client, vip, 64, Duration::from_millis(700)).await;
+            seen.push((t, matches!(e, Exchange::Ok(_))));
+        }
+        seen
+    })
+}
+
+/// A connection through VIP2 (host B) opened before the fault.
+async fn long_connection(bed: &Bed) -> tokio::net::TcpStream {
+    let mut s = bed
+        .client
+        .connect(sa(VIP2, 80), Duration::from_secs(5))
+        .await
+        .expect("connect through VIP2");
+    let name = read_line(&mut s).await.expect("node name");
+    assert!(name.starts_with('n'), "{name}");
+    s
+}
+
+async fn still_echoes(s: &mut tokio::net::TcpStream) -> bool {
+    let f = async {
+        s.write_all(b"still there?").await?;
+        let mut buf = [0u8; 12];
+        s.read_exact(&mut buf).await?;
+        Ok::<_, std::io::Error>(&buf == b"still there?")
+    };
+    matches!(
+        tokio::time::timeout(Duration::from_secs(5), f).await,
+        Ok(Ok(true))
+    )
+}
+
+/// Breaks host A with `fault` while a client connects to VIP1 every 50 ms;
+/// prints how long new connections failed and how many.
+async fn failover(pair: &mut Pair, what: &str, fault: impl FnOnce(&mut Pair)) {
+    let mut long = long_connection(&pair.bed).await;
+    let stop = Arc::new(AtomicBool::new(false));
+    let seen = watch(pair.bed.client.clone(), sa(VIP1, 80), Arc::clone(&stop));
+    // A second of service before the fault.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let at = Instant::now();
+    fault(pair);
+    wait_for(Duration::from_secs(20), "VIP1 moved to host B", || async {
+        holds(&pair.b, VIP1).then_some(())
+    })
+    .await;
+    // Served again for a while after the move.
+    let served_again = wait_for(
+        Duration::from_secs(20),
+        "VIP1 serves from host B",
+        || async {
+            let e = exchange(&pair.bed.client, sa(VIP1, 80), 64, Duration::from_secs(2)).await;
+            matches!(e, Exchange::Ok(_)).then_some(Instant::now())
+        },
+    )
+    .await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    stop.store(true, Ordering::Relaxed);
+    let seen = seen.await.expect("watcher");
+    let after: Vec<&(Instant, bool)> = seen.iter().filter(|(t, _)| *t >= at).collect();
+    let failed = after.iter().filter(|(_, ok)| !ok).count();
+    let last_failure = after.iter().filter(|(_, ok)| !ok).map(|(t, _)| *t).max();
+    let outage = match last_failure {
+        None => Duration::ZERO,
+        Some(last) => after
+            .iter()
+            .find(|(t, ok)| *ok && *t > last)
+            .map_or(served_again - at, |(t, _)| *t - at),
+    };
+    assert!(
+        seen.iter().filter(|(t, ok)| *t < at && *ok).count() >= 5,
+        "VIP1 served before the fault: {seen:?}\n{}",
+        pair.logs()
+    );
+    assert!(
+        still_echoes(&mut long).await,
+        "the connection through VIP2 on host B was disturbed by {what}"
+    );
+    eprintln!(
+        "FIGURE failover {what}: new connections to the VIP failed for {:.2} s, {failed} of {} failed (advert_int {}, client every 50 ms)",
+        outage.as_secs_f64(),
+        after.len(),
+        pair.advert
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn netns_keepalived_failover_when_the_daemon_dies() {
+    require_netns!();
+    if keepalived_missing() {
+        return;
+    }
+    let mut pair = Pair::new("fodaemon", "1").await;
+    failover(&mut pair, "daemon killed (SIGKILL)", |p| {
+        if let Some(d) = p.daemon_a.take() {
+            d.signal(libc::SIGKILL);
+        }
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn netns_keepalived_failover_when_the_host_link_is_cut() {
+    require_netns!();
+    if keepalived_missing() {
+        return;
+    }
+    let mut pair = Pair::new("folink", "1").await;
+    failover(&mut pair, "host link cut", |p| {
+        p.bed.set_port(&p.a_port, false)
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn netns_keepalived_failover_when_keepalived_stops() {
+    require_netns!();
+    if keepalived_missing() {
+        return;
+    }
+    let mut pair = Pair::new("fokeep", "1").await;
+    failover(&mut pair, "keepalived stopped (SIGTERM)", |p| {
+        if let Some(k) = p.keepalived_a.take() {
+            drop(k); // SIGTERM: it gives VIP1 up with a priority-0 advert.
+        }
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn netns_keepalived_failover_when_the_host_link_is_cut_with_half_second_adverts() {
+    require_netns!();
+    if keepalived_missing() {
+        return;
+    }
+    let mut pair = Pair::new("folink5", "0.5").await;
+    failover(&mut pair, "host link cut", |p| {
+        p.bed.set_port(&p.a_port, false)
+    })
+    .await;
+}
