@@ -280,19 +280,7 @@ impl Bed {
             hosts.push((node.clone(), node_ip(i + 1), vec![]));
         }
         for (k, (ns, ip, extra)) in hosts.into_iter().enumerate() {
-            bed.add_ns(&ns.name);
-            let port = format!("v{k}");
-            bed.bridge.ip(&[
-                "link", "add", &port, "type", "veth", "peer", "name", "eth0", "netns", &ns.name,
-            ]);
-            bed.bridge
-                .ip(&["link", "set", &port, "master", "br0", "up"]);
-            ns.ip(&["link", "set", "lo", "up"]);
-            ns.ip(&["addr", "add", &format!("{ip}/24"), "dev", "eth0"]);
-            for e in extra {
-                ns.ip(&["addr", "add", &format!("{e}/32"), "dev", "eth0"]);
-            }
-            ns.ip(&["link", "set", "eth0", "up"]);
+            bed.wire(&ns, &format!("v{k}"), ip, &extra);
         }
         bed
     }
@@ -305,16 +293,25 @@ impl Bed {
             name: format!("{}-{suffix}", self.tag),
         };
         let port = format!("h{suffix}");
+        self.wire(&ns, &port, ip, &[]);
+        (ns, port)
+    }
+
+    /// Makes namespace `ns` a host on the bridge: its `eth0` (the peer of
+    /// bridge port `port`) with `ip/24` and each of `extra` as a /32.
+    fn wire(&mut self, ns: &Ns, port: &str, ip: Ipv4Addr, extra: &[Ipv4Addr]) {
         self.add_ns(&ns.name);
         self.bridge.ip(&[
-            "link", "add", &port, "type", "veth", "peer", "name", "eth0", "netns", &ns.name,
+            "link", "add", port, "type", "veth", "peer", "name", "eth0", "netns", &ns.name,
         ]);
         self.bridge
-            .ip(&["link", "set", &port, "master", "br0", "up"]);
+            .ip(&["link", "set", port, "master", "br0", "up"]);
         ns.ip(&["link", "set", "lo", "up"]);
         ns.ip(&["addr", "add", &format!("{ip}/24"), "dev", "eth0"]);
+        for e in extra {
+            ns.ip(&["addr", "add", &format!("{e}/32"), "dev", "eth0"]);
+        }
         ns.ip(&["link", "set", "eth0", "up"]);
-        (ns, port)
     }
 
     /// Takes bridge port `port` down (the host behind it vanishes) or up.
