@@ -11,7 +11,7 @@ use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, SystemTime};
 
 use serde::Serialize;
@@ -28,6 +28,7 @@ use crate::health::{Health, HealthState};
 use crate::metrics::{ListenerStats, Metrics};
 use crate::proxy::{self, Listener, Route};
 use crate::vip::isolate::{Isolation, IsolationStatus};
+use crate::vip::dhcp::{Leases, Want};
 
 /// The daemon's live state, shared by the reload path, the admin server and
 /// the signal handlers.
@@ -52,6 +53,12 @@ pub struct Daemon {
     /// The nftables table that keeps the VIPs to their listeners' ports
     /// (`vip.isolate`); written by the server, beside each apply.
     isolation: Arc<Isolation>,
+    /// The DHCP clients of `ipam = "dhcp"` load balancers.
+    leases: Leases,
+    /// Set once the task that re-applies the config on lease changes runs.
+    lease_watcher: AtomicBool,
+    /// This daemon, for that task (which must not keep it alive).
+    me: Weak<Daemon>,
 }
 
 #[derive(Default)]
@@ -99,7 +106,7 @@ impl Daemon {
     /// A daemon with nothing configured. `max_connections` caps forwarded
     /// connections across all listeners.
     pub fn new(metrics: Arc<Metrics>, max_connections: usize) -> Arc<Self> {
-        Arc::new(Self {
+        Arc::new_cyclic(|me| Self {
             metrics,
             prober: Prober::new(),
             limit: Arc::new(Semaphore::new(max_connections.min(Semaphore::MAX_PERMITS))),
@@ -109,6 +116,9 @@ impl Daemon {
             retire_now: CancellationToken::new(),
             affinity: AffinityBudget::new(0),
             isolation: Arc::new(Isolation::new()),
+            leases: Leases::new(),
+            lease_watcher: AtomicBool::new(false),
+            me: me.clone(),
         })
     }
 
@@ -130,6 +140,70 @@ impl Daemon {
     /// Makes `config` the one in force, changing only what differs.
     pub fn apply(&self, config: Config) -> ApplyReport {
         let mut st = self.lock();
+        self.apply_locked(&mut st, config)
+    }
+
+    /// Applies the config in force again with the DHCP leases as they are
+    /// now: a VIP leased, changed or lost re-binds its listeners.
+    pub fn reapply_leases(&self) {
+        if self.is_stopping() {
+            return;
+        }
+        let mut st = self.lock();
+        let Some(config) = st.config.clone() else {
+            return;
+        };
+        let report = self.apply_locked(&mut st, config);
+        tracing::info!(?report, "applied the DHCP lease change");
+    }
+
+    /// Starts and stops DHCP clients to match `config` and puts each leased
+    /// address in place of its load balancer's `0.0.0.0` VIP (back to
+    /// `0.0.0.0` while unleased: its listeners are then not bound).
+    fn lease_vips(&self, mut config: Config) -> Config {
+        let wanted: Vec<Want> = config
+            .load_balancers
+            .iter()
+            .filter_map(|lb| {
+                lb.dhcp.as_ref().map(|d| Want {
+                    name: lb.name.clone(),
+                    cluster: lb.cluster.clone(),
+                    spec: d.clone(),
+                })
+            })
+            .collect();
+        if wanted.is_empty() && self.leases.is_empty() {
+            return config;
+        }
+        self.leases
+            .reconcile(&wanted, &config.dhcp.state_directory);
+        if !self.lease_watcher.swap(true, Ordering::AcqRel) {
+            let changed = self.leases.changed();
+            let me = self.me.clone();
+            tokio::spawn(async move {
+                loop {
+                    changed.notified().await;
+                    let Some(daemon) = me.upgrade() else { return };
+                    daemon.reapply_leases();
+                }
+            });
+        }
+        for spec in &mut config.load_balancers {
+            if spec.dhcp.is_some() {
+                let vip = self
+                    .leases
+                    .address(&spec.name)
+                    .map_or(IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED), IpAddr::V4);
+                if spec.vip != vip {
+                    Arc::make_mut(spec).vip = vip;
+                }
+            }
+        }
+        config
+    }
+
+    fn apply_locked(&self, st: &mut State, config: Config) -> ApplyReport {
+        let config = self.lease_vips(config);
         let mut report = ApplyReport::default();
         let drain = config.proxy.drain_timeout;
         self.affinity.set_max(config.proxy.max_affinity_entries);
@@ -179,9 +253,19 @@ impl Daemon {
             }
         }
 
+        for spec in config.load_balancers.iter().filter(|l| l.dhcp.is_some()) {
+            if let Some(entry) = st.load_balancers.get(&spec.name) {
+                entry.lb.stats().set_lease(self.leases.stats(&spec.name));
+            }
+        }
+
         // Listeners: keep sockets that stay, bind new ones, drain removed ones.
         let mut desired: HashMap<SocketAddr, (&LoadBalancerSpec, &ListenerSpec)> = HashMap::new();
         for lb in &config.load_balancers {
+            if lb.vip.is_unspecified() {
+                // A DHCP VIP not leased yet: nothing to bind.
+                continue;
+            }
             for l in &lb.listeners {
                 desired.insert(lb.listen_addr(l), (lb, l));
             }
@@ -364,6 +448,8 @@ impl Daemon {
         self.prober.stop_all();
         let drains = listeners.into_iter().map(|l| l.drain(drain));
         let cut: usize = futures_sum(drains).await;
+        // After the drain: releasing takes the VIP off the host.
+        self.leases.shutdown().await;
         self.retire_now.cancel();
         self.drains.close();
         self.drains.wait().await;
@@ -664,6 +750,7 @@ impl Daemon {
                         }),
                         state: match le.map(|e| &e.socket) {
                             Some(Ok(_)) => "listening",
+                            None if spec.vip.is_unspecified() => "waiting_for_lease",
                             _ => "failed",
                         },
                         error: le.and_then(|e| e.socket.as_ref().err().cloned()),
@@ -752,6 +839,24 @@ impl Daemon {
                     .map(|n| n.to_string())
                     .collect(),
                 eligible_backends: eligible,
+                dhcp: spec.dhcp.as_ref().map(|d| {
+                    let lease = self.leases.stats(&spec.name);
+                    LeaseStatus {
+                        interface: self.leases.interface(&spec.name).unwrap_or_default(),
+                        parent: d.interface.clone(),
+                        mac: crate::vip::dhcp::state::colons(d.mac),
+                        hostname: d.hostname.clone(),
+                        state: lease.as_ref().map_or("init", |l| l.phase_name()),
+                        address: lease.as_ref().and_then(|l| l.address()),
+                        server: lease.as_ref().and_then(|l| l.server()),
+                        expires_unix: lease.as_ref().and_then(|l| l.expiry_unix()),
+                        renew_at_unix: lease.as_ref().and_then(|l| l.renew_at_unix()),
+                        leases_acquired: lease.as_ref().map_or(0, |l| l.acquired.get()),
+                        renewals: lease.as_ref().map_or(0, |l| l.renewals.get()),
+                        naks: lease.as_ref().map_or(0, |l| l.naks.get()),
+                        address_changes: lease.as_ref().map_or(0, |l| l.address_changes.get()),
+                    }
+                }),
                 listeners,
                 backends,
             });
@@ -899,10 +1004,46 @@ pub struct LoadBalancerStatus {
     /// Backends taking new connections now (with per-listener checks, on
     /// at least one listener; each listener has its own count).
     pub eligible_backends: usize,
+    /// The VIP's DHCP lease (`ipam = "dhcp"` only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub dhcp: Option<LeaseStatus>,
     /// Listeners.
     pub listeners: Vec<ListenerStatus>,
     /// Backends.
     pub backends: Vec<BackendStatus>,
+}
+
+/// A DHCP lease in `/status`: what an on-call engineer needs to tell a
+/// VIP that is not leased yet from one that is lost or about to expire.
+#[derive(Debug, Serialize)]
+pub struct LeaseStatus {
+    /// The macvlan interface the lease is held on.
+    pub interface: String,
+    /// The host interface it is made on.
+    pub parent: String,
+    /// The client's MAC address.
+    pub mac: String,
+    /// The hostname option sent.
+    pub hostname: String,
+    /// `init`, `selecting`, `requesting`, `rebooting`, `bound`, `renewing`
+    /// or `rebinding`.
+    pub state: &'static str,
+    /// The leased address (the VIP); `null` without a lease.
+    pub address: Option<std::net::Ipv4Addr>,
+    /// The server that leased it.
+    pub server: Option<std::net::Ipv4Addr>,
+    /// When the lease expires unless renewed, Unix seconds.
+    pub expires_unix: Option<f64>,
+    /// When it is renewed (T1), Unix seconds.
+    pub renew_at_unix: Option<f64>,
+    /// Leases obtained.
+    pub leases_acquired: u64,
+    /// Leases extended.
+    pub renewals: u64,
+    /// NAKs taken.
+    pub naks: u64,
+    /// Times the VIP was lost or changed.
+    pub address_changes: u64,
 }
 
 /// One listener in `/status`.

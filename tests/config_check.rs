@@ -691,7 +691,7 @@ fn unspecified_multicast_and_broadcast_addresses_are_rejected() {
     for (vip, what) in [
         (
             "0.0.0.0",
-            "the unspecified address: the listeners would bind every address of this host. Harvester writes it for a DHCP VIP, which this daemon does not lease yet",
+            "the unspecified address: the listeners would bind every address of this host. Harvester writes it for a DHCP VIP: set ipam = \"dhcp\"",
         ),
         ("::", "the unspecified address"),
         ("::ffff:0.0.0.0", "the unspecified address"),

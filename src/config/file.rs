@@ -29,6 +29,9 @@ pub struct FileConfig {
     /// `[vip]`: what the daemon does to the VIPs themselves.
     #[serde(default)]
     pub vip: FileVip,
+    /// `[dhcp]`: where leases of `ipam = "dhcp"` load balancers are kept.
+    #[serde(default)]
+    pub dhcp: FileDhcpSettings,
     /// `[[load_balancer]]`: one per Kubernetes `LoadBalancer` service.
     #[serde(default, rename = "load_balancer")]
     pub load_balancers: Vec<Spanned<FileLoadBalancer>>,
@@ -42,6 +45,14 @@ pub struct FileAdmin {
     /// Path of the Unix socket that serves the state-changing endpoints;
     /// default `/run/harvester-lb/admin.sock`.
     pub socket: Option<Spanned<String>>,
+}
+
+/// `[dhcp]`: process-wide settings of the DHCP client.
+#[derive(Debug, Default, Deserialize)]
+pub struct FileDhcpSettings {
+    /// Directory of the lease state files; default `$STATE_DIRECTORY`
+    /// (systemd's `StateDirectory=`), else `/var/lib/harvester-lb`.
+    pub state_directory: Option<Spanned<String>>,
 }
 
 /// `[metrics]`.
@@ -112,6 +123,23 @@ pub struct FileLoadBalancer {
     pub listeners: Vec<Spanned<FileListener>>,
     /// `[load_balancer.health_check]`.
     pub health_check: Option<Spanned<FileHealthCheck>>,
+    /// `[load_balancer.dhcp]`: where and as whom the VIP is leased
+    /// (`ipam = "dhcp"` only).
+    pub dhcp: Option<Spanned<FileDhcp>>,
+}
+
+/// `[load_balancer.dhcp]`.
+#[derive(Debug, Deserialize)]
+pub struct FileDhcp {
+    /// The host interface the macvlan interface is made on.
+    pub interface: Option<Spanned<String>>,
+    /// A fixed MAC address; default: derived from the name and cluster.
+    pub mac: Option<Spanned<String>>,
+    /// The hostname option sent; default: derived from the name and cluster.
+    pub hostname: Option<Spanned<String>>,
+    /// DHCP servers whose offers are taken; empty: any server.
+    #[serde(default)]
+    pub servers: Vec<Spanned<String>>,
 }
 
 /// `[[load_balancer.listener]]`: VIP port -> service nodeport.

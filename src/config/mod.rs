@@ -42,6 +42,8 @@ pub struct Config {
     pub metrics: MetricsSettings,
     /// What the daemon does to the VIPs themselves.
     pub vip: VipSettings,
+    /// Process-wide settings of the DHCP client (`[dhcp]`).
+    pub dhcp: DhcpSettings,
     /// Every load balancer, in file order; names are unique.
     pub load_balancers: Vec<Arc<LoadBalancerSpec>>,
 }
@@ -88,6 +90,34 @@ pub enum IsolateAction {
     Reject,
 }
 
+/// `[dhcp]`: where the DHCP client keeps its leases, so that a restarted
+/// daemon asks for the address it had (INIT-REBOOT) instead of a new one.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DhcpSettings {
+    /// One JSON file per load balancer with `ipam = "dhcp"`.
+    pub state_directory: PathBuf,
+}
+
+/// `[load_balancer.dhcp]`: how the VIP of an `ipam = "dhcp"` load balancer
+/// is leased. Everything here is part of the client's identity: a change
+/// releases the old lease and starts a new client.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct DhcpSpec {
+    /// The host interface the macvlan interface is created on.
+    pub interface: String,
+    /// The macvlan interface's MAC address and the DHCP client hardware
+    /// address: stable, so a restart (or another host taking over with the
+    /// same config) asks for the same lease.
+    pub mac: [u8; 6],
+    /// Sent as option 12 (the server may register it in DNS; Harvester #7561).
+    pub hostname: String,
+    /// Servers whose offers and answers are taken; empty: any server.
+    pub servers: Vec<std::net::Ipv4Addr>,
+    /// The address to ask for when no lease was kept (the `vip` the
+    /// controller wrote, if it was not `0.0.0.0`).
+    pub requested: Option<std::net::Ipv4Addr>,
+}
+
 /// `[proxy]`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ProxySettings {
@@ -110,10 +140,15 @@ pub struct LoadBalancerSpec {
     pub name: String,
     /// Guest cluster that owns this load balancer; a label on every metric.
     pub cluster: String,
-    /// The virtual IP every listener binds to.
+    /// The virtual IP every listener binds to. With `ipam = "dhcp"` it is
+    /// `0.0.0.0` in a loaded config, and the daemon puts the leased address
+    /// in its place (listeners of an unleased VIP are not bound).
     pub vip: IpAddr,
-    /// How the controller obtained the VIP (informational for now).
+    /// How the VIP is obtained: from the controller's pool, or leased by
+    /// this daemon.
     pub ipam: Ipam,
+    /// How the VIP is leased; `Some` exactly when `ipam` is `Dhcp`.
+    pub dhcp: Option<DhcpSpec>,
     /// Node addresses, in file order, without duplicates.
     pub backends: Vec<IpAddr>,
     /// How a backend is picked for a new connection.
@@ -201,13 +236,12 @@ pub struct HealthCheckSpec {
     pub timeout: Duration,
 }
 
-/// How the VIP was obtained. Harvester forbids changing it after creation; the
-/// data plane records it and shows it in `/status`.
+/// How the VIP is obtained. Harvester forbids changing it after creation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Ipam {
     /// From an IP pool.
     Pool,
-    /// Leased by DHCP.
+    /// Leased by this daemon over DHCP (`[load_balancer.dhcp]`).
     Dhcp,
 }
 

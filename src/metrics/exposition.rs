@@ -22,7 +22,8 @@ use super::Metrics;
 use super::names::{self, Family};
 use super::stats::{
     ACCEPT_ERROR_KINDS, ADMIN_STATES, BackendStats, CHECK_RESULTS, CLOSED_REASONS,
-    CONNECT_FAILURE_REASONS, Counter, FAILED_REASONS, Histogram, LbStats, ListenerStats,
+    CONNECT_FAILURE_REASONS, Counter, FAILED_REASONS, Histogram, IGNORED_REASONS, LbStats,
+    ListenerStats,
     PROBE_BUCKETS, REJECTED_REASONS,
 };
 
@@ -51,6 +52,63 @@ const STEPS: &[Step] = &[
     }),
     Step::Lb(&names::NO_ELIGIBLE_BACKEND_EVENTS, |o, lb| {
         o.sample("", |b| lb_labels(b, lb), lb.no_backend_events.get());
+    }),
+    Step::Lb(&names::DHCP_LEASE_STATE, |o, lb| {
+        if let Some(l) = lb.lease() {
+            o.sample(
+                "",
+                |b| {
+                    lb_labels(b, lb);
+                    label(b, "state", l.phase_name());
+                },
+                1,
+            );
+        }
+    }),
+    Step::Lb(&names::DHCP_LEASE_INFO, |o, lb| {
+        if let Some(l) = lb.lease()
+            && let (Some(address), Some(server)) = (l.address(), l.server())
+        {
+            o.sample(
+                "",
+                |b| {
+                    lb_labels(b, lb);
+                    label(b, "address", &address.to_string());
+                    label(b, "server", &server.to_string());
+                },
+                1,
+            );
+        }
+    }),
+    Step::Lb(&names::DHCP_LEASE_EXPIRY, |o, lb| {
+        if let Some(e) = lb.lease().and_then(|l| l.expiry_unix()) {
+            o.sample("", |b| lb_labels(b, lb), e);
+        }
+    }),
+    Step::Lb(&names::DHCP_LEASES_ACQUIRED, |o, lb| {
+        if let Some(l) = lb.lease() {
+            o.sample("", |b| lb_labels(b, lb), l.acquired.get());
+        }
+    }),
+    Step::Lb(&names::DHCP_RENEWALS, |o, lb| {
+        if let Some(l) = lb.lease() {
+            o.sample("", |b| lb_labels(b, lb), l.renewals.get());
+        }
+    }),
+    Step::Lb(&names::DHCP_NAKS, |o, lb| {
+        if let Some(l) = lb.lease() {
+            o.sample("", |b| lb_labels(b, lb), l.naks.get());
+        }
+    }),
+    Step::Lb(&names::DHCP_ADDRESS_CHANGES, |o, lb| {
+        if let Some(l) = lb.lease() {
+            o.sample("", |b| lb_labels(b, lb), l.address_changes.get());
+        }
+    }),
+    Step::Lb(&names::DHCP_PACKETS_IGNORED, |o, lb| {
+        if let Some(l) = lb.lease() {
+            o.outcomes(&l.ignored, &IGNORED_REASONS, "reason", |b| lb_labels(b, lb));
+        }
     }),
     Step::Lb(&names::AFFINITY_ENTRIES, |o, lb| {
         if lb.affinity_enabled.load(Ordering::Relaxed) {

@@ -33,7 +33,9 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::SystemTime;
 
 pub use exposition::Exposition;
-pub use stats::{BackendStats, Counter, Gauge, Histogram, LbStats, ListenerStats, Presence};
+pub use stats::{
+    BackendStats, Counter, Gauge, Histogram, LbStats, LeaseStats, ListenerStats, Presence,
+};
 
 use stats::Live;
 

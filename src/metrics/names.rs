@@ -75,6 +75,55 @@ pub static NO_ELIGIBLE_BACKEND_EVENTS: Family = Family::new(
     "Times the load balancer was left with no eligible backend.",
 );
 
+/// The DHCP client's phase, one series with value 1 (`ipam = "dhcp"` only).
+pub static DHCP_LEASE_STATE: Family = Family::new(
+    "harvester_lb_dhcp_lease_state",
+    Gauge,
+    "The DHCP client's state for the VIP (label state), value 1; ipam = dhcp only.",
+);
+/// The lease in force: address and server as labels, value 1.
+pub static DHCP_LEASE_INFO: Family = Family::new(
+    "harvester_lb_dhcp_lease_info",
+    Gauge,
+    "The VIP's DHCP lease in force (labels address, server), value 1; absent without a lease.",
+);
+/// When the lease in force expires.
+pub static DHCP_LEASE_EXPIRY: Family = Family::new(
+    "harvester_lb_dhcp_lease_expiry_timestamp_seconds",
+    Gauge,
+    "Unix time at which the VIP's DHCP lease expires unless renewed.",
+);
+/// Leases obtained by DISCOVER or INIT-REBOOT.
+pub static DHCP_LEASES_ACQUIRED: Family = Family::new(
+    "harvester_lb_dhcp_leases_acquired_total",
+    Counter,
+    "DHCP leases obtained for the VIP (DISCOVER..ACK or INIT-REBOOT).",
+);
+/// Leases extended by RENEW or REBIND.
+pub static DHCP_RENEWALS: Family = Family::new(
+    "harvester_lb_dhcp_renewals_total",
+    Counter,
+    "DHCP leases of the VIP extended by a RENEW or REBIND.",
+);
+/// NAKs taken.
+pub static DHCP_NAKS: Family = Family::new(
+    "harvester_lb_dhcp_naks_total",
+    Counter,
+    "DHCPNAKs taken for the VIP (each starts the lease over).",
+);
+/// Times the VIP was lost or changed.
+pub static DHCP_ADDRESS_CHANGES: Family = Family::new(
+    "harvester_lb_dhcp_address_changes_total",
+    Counter,
+    "Times the VIP's leased address was lost or replaced (NAK, expiry, a new address).",
+);
+/// DHCP packets ignored, by reason.
+pub static DHCP_PACKETS_IGNORED: Family = Family::new(
+    "harvester_lb_dhcp_packets_ignored_total",
+    Counter,
+    "DHCP packets ignored (label reason: malformed, xid, chaddr, rogue, unexpected).",
+);
+
 /// Clients remembered by a load balancer with `session_affinity = "client_ip"`.
 pub static AFFINITY_ENTRIES: Family = Family::new(
     "harvester_lb_affinity_entries",

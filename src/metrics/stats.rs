@@ -13,7 +13,7 @@
 
 use std::collections::HashMap;
 use std::net::IpAddr;
-use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU8, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU8, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::Duration;
 
@@ -192,6 +192,8 @@ pub struct LbStats {
     pub affinity_full: Counter,
     pub(crate) listeners: Live<Box<str>, ListenerStats>,
     pub(crate) backends: Live<IpAddr, BackendStats>,
+    /// The VIP's DHCP lease, for a load balancer with `ipam = "dhcp"`.
+    pub dhcp: std::sync::Mutex<Option<Arc<LeaseStats>>>,
 }
 
 impl LbStats {
@@ -207,7 +209,18 @@ impl LbStats {
             affinity_full: Counter::default(),
             listeners: Live::default(),
             backends: Live::default(),
+            dhcp: std::sync::Mutex::new(None),
         }
+    }
+
+    /// The lease numbers of this load balancer's VIP, if it is leased.
+    pub fn lease(&self) -> Option<Arc<LeaseStats>> {
+        self.dhcp.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// Attaches (or detaches) the lease numbers shown with this load balancer.
+    pub fn set_lease(&self, lease: Option<Arc<LeaseStats>>) {
+        *self.dhcp.lock().unwrap_or_else(|p| p.into_inner()) = lease;
     }
 
     /// Stats that belong to no registry and are never rendered: for unit
@@ -387,5 +400,89 @@ impl BackendStats {
 impl Drop for BackendStats {
     fn drop(&mut self) {
         forget(&self.lb.backends, &self.addr, self);
+    }
+}
+
+/// The DHCP client's phases, as `harvester_lb_dhcp_lease_state{state}` and
+/// `/status` name them (RFC 2131's states, lower case).
+pub const LEASE_PHASES: [&str; 7] = [
+    "init",
+    "selecting",
+    "requesting",
+    "rebooting",
+    "bound",
+    "renewing",
+    "rebinding",
+];
+/// Why a DHCP packet was ignored (`harvester_lb_dhcp_packets_ignored_total{reason}`).
+pub const IGNORED_REASONS: [&str; 5] = ["malformed", "xid", "chaddr", "rogue", "unexpected"];
+
+/// One DHCP client's numbers: written by the client as its lease changes,
+/// read by scrapes and `/status`. The lease itself is a few atomics, so a
+/// reader never waits on the client; a reader may see the address of a
+/// new lease with the expiry of the old one for an instant, never a torn value.
+#[derive(Debug, Default)]
+pub struct LeaseStats {
+    /// Index into [`LEASE_PHASES`].
+    pub phase: AtomicU8,
+    /// The leased address (`u32` of the IPv4 address); 0 = none.
+    pub address: AtomicU32,
+    /// Its prefix length (from the subnet mask option).
+    pub prefix: AtomicU8,
+    /// The server that granted it; 0 = none.
+    pub server: AtomicU32,
+    /// When the lease expires, Unix seconds as `f64` bits; 0 = no lease.
+    pub expiry: AtomicU64,
+    /// When it is renewed (T1), Unix seconds as `f64` bits.
+    pub renew_at: AtomicU64,
+    /// Leases obtained (DISCOVER..ACK or INIT-REBOOT).
+    pub acquired: Counter,
+    /// Leases extended (RENEW or REBIND answered with an ACK).
+    pub renewals: Counter,
+    /// NAKs taken from a server.
+    pub naks: Counter,
+    /// Times the VIP was lost or changed (NAK, expiry, a new address).
+    pub address_changes: Counter,
+    /// Packets ignored, by [`IGNORED_REASONS`].
+    pub ignored: [Counter; IGNORED_REASONS.len()],
+    /// Packets that could not be sent (the interface gone, say).
+    pub send_errors: Counter,
+}
+
+impl LeaseStats {
+    /// The leased address, if there is one.
+    pub fn address(&self) -> Option<std::net::Ipv4Addr> {
+        match self.address.load(Ordering::Acquire) {
+            0 => None,
+            a => Some(a.into()),
+        }
+    }
+
+    /// The server of the lease, if there is one.
+    pub fn server(&self) -> Option<std::net::Ipv4Addr> {
+        match self.server.load(Ordering::Relaxed) {
+            0 => None,
+            a => Some(a.into()),
+        }
+    }
+
+    /// The phase's name.
+    pub fn phase_name(&self) -> &'static str {
+        LEASE_PHASES
+            .get(usize::from(self.phase.load(Ordering::Relaxed)))
+            .copied()
+            .unwrap_or("init")
+    }
+
+    /// Lease expiry, Unix seconds; `None` without a lease.
+    pub fn expiry_unix(&self) -> Option<f64> {
+        let v = f64::from_bits(self.expiry.load(Ordering::Relaxed));
+        (v > 0.0 && self.address().is_some()).then_some(v)
+    }
+
+    /// Next renewal (T1), Unix seconds; `None` without a lease.
+    pub fn renew_at_unix(&self) -> Option<f64> {
+        let v = f64::from_bits(self.renew_at.load(Ordering::Relaxed));
+        (v > 0.0 && self.address().is_some()).then_some(v)
     }
 }

@@ -1,8 +1,12 @@
 //! The VIPs themselves, beyond listening on them: who may reach what on a
-//! VIP ([`isolate`]).
+//! VIP ([`isolate`]), and the lease of a VIP the daemon obtains itself over
+//! DHCP ([`dhcp`]).
 //!
 //! Listeners bind with `IP_FREEBIND`, so the daemon never needs the VIP to
 //! be up, and whichever host holds it (keepalived, kube-vip) the daemon is
-//! the same: listeners bound, probes running, healthy sets current.
+//! the same: listeners bound, probes running, healthy sets current. The
+//! daemon drives this module; nothing here touches forwarding, and nothing
+//! here calls up into the daemon (a lease change is announced on a `Notify`).
 
+pub mod dhcp;
 pub mod isolate;

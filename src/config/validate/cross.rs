@@ -54,6 +54,10 @@ pub(super) fn conflicts(
     let mut addresses: HashMap<SocketAddr, (usize, usize)> = HashMap::with_capacity(specs.len());
     for (i, spec) in specs.iter().enumerate() {
         let Some(spec) = spec else { continue };
+        if spec.vip.is_unspecified() {
+            // Leased later (`ipam = "dhcp"`): no address to collide on yet.
+            continue;
+        }
         for (k, l) in spec.listeners.iter().enumerate() {
             let addr = spec.listen_addr(l);
             match addresses.get(&addr) {

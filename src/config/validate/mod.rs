@@ -25,6 +25,7 @@ use super::file::{FileConfig, FileHealthCheck, FileListener, FileLoadBalancer};
 use super::*;
 
 mod cross;
+mod dhcp;
 mod health;
 mod locate;
 mod reuse;
@@ -263,6 +264,8 @@ impl Validator<'_> {
             );
         }
 
+        let dhcp = self.dhcp_settings(&file.dhcp);
+
         let mut specs = Vec::with_capacity(file.load_balancers.len());
         for (i, lb) in file.load_balancers.iter().enumerate() {
             specs.push(self.load_balancer(&format!("load_balancer[{i}]"), lb));
@@ -296,6 +299,7 @@ impl Validator<'_> {
                     .is_some_and(|v| *v.get_ref()),
             },
             vip,
+            dhcp,
             load_balancers,
         }
     }
@@ -339,25 +343,29 @@ impl Validator<'_> {
             }
             Some(c) => c.get_ref().clone(),
         };
-        let vip = match &lb.vip {
-            None => {
-                self.problem(
-                    Some(table_span.clone()),
-                    key,
-                    "missing key `vip` (the load balancer's IP address)".into(),
-                );
-                None
-            }
-            Some(v) => self
-                .ip(v, format_args!("{key}.vip"))
-                .filter(|ip| self.unicast(*ip, v, format_args!("{key}.vip"), Role::Vip)),
-        };
         let ipam = self.choice(
             &lb.ipam,
             format_args!("{key}.ipam"),
             &[("pool", Ipam::Pool), ("dhcp", Ipam::Dhcp)],
             Ipam::Pool,
         );
+        let vip = match (&lb.vip, ipam) {
+            // Leased: `vip` is absent or what Harvester writes before a
+            // lease (`0.0.0.0`); any other address is the one to ask for.
+            (_, Ipam::Dhcp) => Some(IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED)),
+            (None, Ipam::Pool) => {
+                self.problem(
+                    Some(table_span.clone()),
+                    key,
+                    "missing key `vip` (the load balancer's IP address; or ipam = \"dhcp\" to lease one)".into(),
+                );
+                None
+            }
+            (Some(v), Ipam::Pool) => self
+                .ip(v, format_args!("{key}.vip"))
+                .filter(|ip| self.unicast(*ip, v, format_args!("{key}.vip"), Role::Vip)),
+        };
+        let dhcp = self.dhcp(key, table_span.clone(), lb, ipam);
         let algorithm = self.choice(
             &lb.algorithm,
             format_args!("{key}.algorithm"),
@@ -503,6 +511,10 @@ impl Validator<'_> {
             cluster,
             vip: vip?,
             ipam,
+            dhcp: match ipam {
+                Ipam::Dhcp => Some(dhcp?),
+                Ipam::Pool => None,
+            },
             backends,
             algorithm,
             initial_state,
@@ -665,7 +677,7 @@ impl Validator<'_> {
         let what = if ip.is_unspecified() {
             match role {
                 Role::Vip => {
-                    "the unspecified address: the listeners would bind every address of this host. Harvester writes it for a DHCP VIP, which this daemon does not lease yet; give the VIP's own address"
+                    "the unspecified address: the listeners would bind every address of this host. Harvester writes it for a DHCP VIP: set ipam = \"dhcp\" and a [load_balancer.dhcp] table to lease one, or give the VIP's own address"
                 }
                 Role::Backend => {
                     "the unspecified address, which connects to this host itself; give the node's own address"

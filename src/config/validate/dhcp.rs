@@ -1,0 +1,307 @@
+//! `ipam = "dhcp"`: the `[load_balancer.dhcp]` table and the process-wide
+//! `[dhcp]` table.
+//!
+//! The client's identity (MAC address, hostname) is settled here, once: a
+//! derived MAC depends only on the load balancer's name and cluster, so
+//! every start of every version of the daemon asks the DHCP server for the
+//! same lease.
+
+use std::net::Ipv4Addr;
+
+use super::super::file::{FileDhcp, FileDhcpSettings};
+use super::*;
+
+/// Where lease state files go when neither `[dhcp] state_directory` nor
+/// systemd's `$STATE_DIRECTORY` says otherwise.
+pub const DEFAULT_STATE_DIRECTORY: &str = "/var/lib/harvester-lb";
+/// Longest interface name the kernel takes (`IFNAMSIZ` less its NUL).
+const MAX_IFNAME_BYTES: usize = 15;
+/// Longest hostname option accepted: one DNS label.
+const MAX_HOSTNAME_BYTES: usize = 63;
+
+impl Validator<'_> {
+    /// `[dhcp]`.
+    pub(super) fn dhcp_settings(&mut self, file: &FileDhcpSettings) -> DhcpSettings {
+        let state_directory = match &file.state_directory {
+            Some(s) => {
+                if !s.get_ref().starts_with('/') || s.get_ref().contains('\0') {
+                    self.problem(
+                        Some(s.span()),
+                        "dhcp.state_directory",
+                        format!(
+                            "{:?} is not an absolute directory path; write e.g. \"/var/lib/harvester-lb\"",
+                            s.get_ref()
+                        ),
+                    );
+                }
+                PathBuf::from(s.get_ref())
+            }
+            None => std::env::var_os("STATE_DIRECTORY")
+                // systemd passes a colon-separated list; the first is ours.
+                .and_then(|v| {
+                    v.to_str()
+                        .and_then(|v| v.split(':').next())
+                        .filter(|v| v.starts_with('/'))
+                        .map(PathBuf::from)
+                })
+                .unwrap_or_else(|| PathBuf::from(DEFAULT_STATE_DIRECTORY)),
+        };
+        DhcpSettings { state_directory }
+    }
+
+    /// `[load_balancer.dhcp]` of load balancer `key`; `None` when `ipam`
+    /// is not `dhcp` (after reporting a table that should not be there) or
+    /// the table is unusable.
+    pub(super) fn dhcp(
+        &mut self,
+        key: &str,
+        table_span: Range<usize>,
+        lb: &FileLoadBalancer,
+        ipam: Ipam,
+    ) -> Option<DhcpSpec> {
+        let table = match (&lb.dhcp, ipam) {
+            (None, Ipam::Pool) => return None,
+            (Some(t), Ipam::Pool) => {
+                self.problem(
+                    Some(t.span()),
+                    &format!("{key}.dhcp"),
+                    "is only used with ipam = \"dhcp\"; remove it or set ipam = \"dhcp\"".into(),
+                );
+                return None;
+            }
+            (None, Ipam::Dhcp) => {
+                self.problem(
+                    Some(table_span),
+                    key,
+                    "ipam = \"dhcp\" needs a [load_balancer.dhcp] table naming the host interface to lease on, e.g. interface = \"eth0\"".into(),
+                );
+                return None;
+            }
+            (Some(t), Ipam::Dhcp) => t,
+        };
+        let span = table.span();
+        let d: &FileDhcp = table.get_ref();
+        let dkey = format!("{key}.dhcp");
+        let requested = match &lb.vip {
+            None => None,
+            Some(v) => match v.get_ref().parse::<IpAddr>().map(|ip| ip.to_canonical()) {
+                Ok(IpAddr::V4(ip)) if ip.is_unspecified() => None,
+                Ok(IpAddr::V4(ip)) if !ip.is_multicast() && !ip.is_broadcast() => Some(ip),
+                _ => {
+                    self.problem(
+                        Some(v.span()),
+                        &format!("{key}.vip"),
+                        format!(
+                            "{:?} cannot be asked for over DHCPv4; with ipam = \"dhcp\" leave vip out, write \"0.0.0.0\", or give the unicast IPv4 address to ask for",
+                            v.get_ref()
+                        ),
+                    );
+                    None
+                }
+            },
+        };
+        let interface = match &d.interface {
+            None => {
+                self.problem(
+                    Some(span.clone()),
+                    &dkey,
+                    "missing key `interface` (the host interface the VIP is leased on, e.g. \"eth0\")".into(),
+                );
+                None
+            }
+            Some(i) => {
+                let name = i.get_ref();
+                let bad = name.is_empty()
+                    || name.len() > MAX_IFNAME_BYTES
+                    || name == "."
+                    || name == ".."
+                    || name
+                        .chars()
+                        .any(|c| c == '/' || c == ':' || c.is_whitespace() || c.is_control());
+                if bad {
+                    self.problem(
+                        Some(i.span()),
+                        &format!("{dkey}.interface"),
+                        format!(
+                            "{name:?} is not an interface name (1..={MAX_IFNAME_BYTES} bytes, no '/', ':' or spaces)"
+                        ),
+                    );
+                    None
+                } else {
+                    Some(name.clone())
+                }
+            }
+        };
+        let identity = format!(
+            "{}/{}",
+            lb.cluster
+                .as_ref()
+                .map_or(DEFAULT_CLUSTER, |c| c.get_ref().as_str()),
+            lb.name.as_ref().map_or("", |n| n.get_ref().as_str())
+        );
+        let mac = match &d.mac {
+            None => Some(derived_mac(&identity)),
+            Some(m) => {
+                let parsed = parse_mac(m.get_ref());
+                match parsed {
+                    Some(mac) if mac[0] & 1 == 0 && mac != [0; 6] => Some(mac),
+                    Some(_) => {
+                        self.problem(
+                            Some(m.span()),
+                            &format!("{dkey}.mac"),
+                            format!(
+                                "{:?} is a multicast or all-zero address; a client needs a unicast MAC (the low bit of the first byte clear), e.g. \"02:00:00:00:00:01\"",
+                                m.get_ref()
+                            ),
+                        );
+                        None
+                    }
+                    None => {
+                        self.problem(
+                            Some(m.span()),
+                            &format!("{dkey}.mac"),
+                            format!(
+                                "{:?} is not a MAC address; write six hex bytes separated by ':', e.g. \"02:00:00:00:00:01\"",
+                                m.get_ref()
+                            ),
+                        );
+                        None
+                    }
+                }
+            }
+        };
+        let hostname = match &d.hostname {
+            None => derived_hostname(&identity),
+            Some(h) => {
+                let name = h.get_ref();
+                let ok = !name.is_empty()
+                    && name.len() <= MAX_HOSTNAME_BYTES
+                    && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '-')
+                    && !name.starts_with('-')
+                    && !name.ends_with('-');
+                if !ok {
+                    self.problem(
+                        Some(h.span()),
+                        &format!("{dkey}.hostname"),
+                        format!(
+                            "{name:?} is not a host name: 1..={MAX_HOSTNAME_BYTES} letters, digits and '-', not starting or ending with '-'"
+                        ),
+                    );
+                }
+                name.clone()
+            }
+        };
+        let mut servers = Vec::new();
+        for (i, s) in d.servers.iter().enumerate() {
+            match s.get_ref().parse::<Ipv4Addr>() {
+                Ok(ip) if !ip.is_unspecified() && !ip.is_multicast() && !ip.is_broadcast() => {
+                    servers.push(ip)
+                }
+                _ => self.problem(
+                    Some(s.span()),
+                    &format!("{dkey}.servers[{i}]"),
+                    format!(
+                        "{:?} is not a unicast IPv4 address (a DHCP server's identifier)",
+                        s.get_ref()
+                    ),
+                ),
+            }
+        }
+        Some(DhcpSpec {
+            interface: interface?,
+            mac: mac?,
+            hostname,
+            servers,
+            requested,
+        })
+    }
+}
+
+/// `aa:bb:cc:dd:ee:ff` (or with `-`), case-insensitive.
+fn parse_mac(text: &str) -> Option<[u8; 6]> {
+    let mut mac = [0u8; 6];
+    let mut parts = text.split([':', '-']);
+    for byte in &mut mac {
+        let p = parts.next()?;
+        if p.len() != 2 {
+            return None;
+        }
+        *byte = u8::from_str_radix(p, 16).ok()?;
+    }
+    parts.next().is_none().then_some(mac)
+}
+
+/// FNV-1a, 64 bits: fixed by its definition, unlike `std`'s hashers, so a
+/// derived MAC is the same in every build of the daemon.
+fn fnv1a(text: &str) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in text.bytes() {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    h
+}
+
+/// A locally administered unicast MAC from `<cluster>/<name>`.
+pub fn derived_mac(identity: &str) -> [u8; 6] {
+    let h = fnv1a(identity).to_be_bytes();
+    // 0x02 set: locally administered; 0x01 clear: unicast.
+    [(h[0] & 0xfc) | 0x02, h[1], h[2], h[3], h[4], h[5]]
+}
+
+/// `<cluster>-<namespace>-<service>` as one DNS label: other characters
+/// become `-`, and a long name is cut and given a hash suffix so that two
+/// long names stay distinct.
+fn derived_hostname(identity: &str) -> String {
+    let mut s: String = identity
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() {
+                c.to_ascii_lowercase()
+            } else {
+                '-'
+            }
+        })
+        .collect();
+    if s.len() > MAX_HOSTNAME_BYTES {
+        let suffix = format!("-{:08x}", fnv1a(identity) as u32);
+        s.truncate(MAX_HOSTNAME_BYTES - suffix.len());
+        s.push_str(&suffix);
+    }
+    let s = s.trim_matches('-').to_string();
+    if s.is_empty() { "harvester-lb".into() } else { s }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn derived_mac_is_stable_unicast_and_local() {
+        let a = derived_mac("kubernetes/default/web");
+        assert_eq!(a, derived_mac("kubernetes/default/web"));
+        assert_ne!(a, derived_mac("kubernetes/default/web2"));
+        assert_eq!(a[0] & 0x03, 0x02, "{a:02x?}");
+        // Pinned: a change here changes every operator's lease.
+        assert_eq!(fnv1a("a"), 0xaf63_dc4c_8601_ec8c);
+    }
+
+    #[test]
+    fn macs_parse_strictly() {
+        assert_eq!(
+            parse_mac("02:AB:cd:00:00:01"),
+            Some([2, 0xab, 0xcd, 0, 0, 1])
+        );
+        for bad in ["", "02:ab", "02:ab:cd:00:00:01:02", "2:ab:cd:0:0:1", "zz:00:00:00:00:00"] {
+            assert_eq!(parse_mac(bad), None, "{bad}");
+        }
+    }
+
+    #[test]
+    fn hostnames_are_one_label() {
+        assert_eq!(derived_hostname("kubernetes/default/web"), "kubernetes-default-web");
+        let long = derived_hostname(&format!("c/ns/{}", "x".repeat(100)));
+        assert!(long.len() <= MAX_HOSTNAME_BYTES, "{long}");
+        assert_ne!(long, derived_hostname(&format!("c/ns/{}y", "x".repeat(100))));
+    }
+}

@@ -1,0 +1,176 @@
+//! `ipam = "dhcp"`: the daemon leases the VIP.
+//!
+//! Each such load balancer gets a DHCPv4 client of its own ([`client`],
+//! the state machine; [`run`], its driver) on a macvlan interface of its
+//! own ([`link`]) with a stable MAC address, so the lease is the load
+//! balancer's, survives restarts ([`state`]) and goes with it (RELEASE).
+//! [`Leases`] keeps one client per load balancer in step with the config;
+//! the daemon reads each lease's address from it, puts it in place of the
+//! `0.0.0.0` VIP, and re-applies the config whenever [`Leases::changed`]
+//! is notified.
+//!
+//! Never: a panic or a change of VIP on a packet that is not the answer to
+//! the client's own request (see [`client`]).
+
+pub mod client;
+pub mod link;
+pub mod run;
+pub mod socket;
+pub mod state;
+pub mod wire;
+
+use std::collections::HashMap;
+use std::net::Ipv4Addr;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime};
+
+use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use crate::config::DhcpSpec;
+use crate::metrics::LeaseStats;
+
+/// How long a clean stop waits for RELEASEs and interface removals.
+const STOP_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// One load balancer that wants a lease.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Want {
+    /// Its name.
+    pub name: String,
+    /// Its cluster.
+    pub cluster: String,
+    /// Its `[load_balancer.dhcp]`.
+    pub spec: DhcpSpec,
+}
+
+struct Running {
+    want: Want,
+    state_dir: PathBuf,
+    stats: Arc<LeaseStats>,
+    stop: CancellationToken,
+    ending: Arc<run::Ending>,
+}
+
+/// The running clients, by load balancer name.
+#[derive(Default)]
+pub struct Leases {
+    running: Mutex<HashMap<String, Running>>,
+    changed: Arc<Notify>,
+    tasks: TaskTracker,
+}
+
+impl Leases {
+    /// No clients.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Notified whenever a VIP is leased, changes or is lost.
+    pub fn changed(&self) -> Arc<Notify> {
+        Arc::clone(&self.changed)
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Running>> {
+        self.running.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Whether any client runs (a config without DHCP then costs nothing).
+    pub fn is_empty(&self) -> bool {
+        self.lock().is_empty()
+    }
+
+    /// Runs exactly one client per `wanted`: starts the new ones, and stops
+    /// (with a RELEASE) those no longer wanted or whose identity changed.
+    /// Must be called inside the tokio runtime.
+    pub fn reconcile(&self, wanted: &[Want], state_dir: &Path) {
+        let mut running = self.lock();
+        let gone: Vec<String> = running
+            .iter()
+            .filter(|(name, r)| {
+                !wanted
+                    .iter()
+                    .any(|w| &w.name == *name && *w == r.want && r.state_dir == state_dir)
+            })
+            .map(|(n, _)| n.clone())
+            .collect();
+        for name in gone {
+            if let Some(r) = running.remove(&name) {
+                tracing::info!(load_balancer = %name, "DHCP client stopping: load balancer removed or its [load_balancer.dhcp] changed");
+                r.ending
+                    .removed
+                    .store(true, std::sync::atomic::Ordering::Release);
+                r.stop.cancel();
+            }
+        }
+        for w in wanted {
+            if running.contains_key(&w.name) {
+                continue;
+            }
+            let stats = Arc::new(LeaseStats::default());
+            let stop = CancellationToken::new();
+            let ending = Arc::new(run::Ending::default());
+            let ctx = run::Ctx {
+                name: w.name.clone(),
+                cluster: w.cluster.clone(),
+                spec: w.spec.clone(),
+                state_file: state::path(state_dir, w.spec.mac),
+                stats: Arc::clone(&stats),
+                changed: Arc::clone(&self.changed),
+            };
+            self.tasks
+                .spawn(run::run(ctx, stop.clone(), Arc::clone(&ending)));
+            running.insert(
+                w.name.clone(),
+                Running {
+                    want: w.clone(),
+                    state_dir: state_dir.to_path_buf(),
+                    stats,
+                    stop,
+                    ending,
+                },
+            );
+        }
+    }
+
+    /// The leased address of load balancer `name`, if it has one now.
+    pub fn address(&self, name: &str) -> Option<Ipv4Addr> {
+        self.lock().get(name).and_then(|r| r.stats.address())
+    }
+
+    /// The lease numbers of load balancer `name`.
+    pub fn stats(&self, name: &str) -> Option<Arc<LeaseStats>> {
+        self.lock().get(name).map(|r| Arc::clone(&r.stats))
+    }
+
+    /// The macvlan interface of load balancer `name`.
+    pub fn interface(&self, name: &str) -> Option<String> {
+        self.lock()
+            .get(name)
+            .map(|r| link::name_for(r.want.spec.mac))
+    }
+
+    /// Clean stop: every client releases its lease (kept on disk for the
+    /// next start's INIT-REBOOT) and removes its interface; waits up to
+    /// five seconds.
+    pub async fn shutdown(&self) {
+        for (_, r) in self.lock().drain() {
+            r.stop.cancel();
+        }
+        self.tasks.close();
+        if tokio::time::timeout(STOP_TIMEOUT, self.tasks.wait())
+            .await
+            .is_err()
+        {
+            tracing::warn!("DHCP clients did not finish releasing within 5 s");
+        }
+    }
+}
+
+/// `t` as Unix seconds.
+pub(crate) fn unix_now(t: SystemTime) -> f64 {
+    t.duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
+}
