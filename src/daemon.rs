@@ -175,8 +175,7 @@ impl Daemon {
         if wanted.is_empty() && self.leases.is_empty() {
             return config;
         }
-        self.leases
-            .reconcile(&wanted, &config.dhcp.state_directory);
+        self.leases.reconcile(&wanted, &config.dhcp.state_directory);
         if !self.lease_watcher.swap(true, Ordering::AcqRel) {
             let changed = self.leases.changed();
             let me = self.me.clone();

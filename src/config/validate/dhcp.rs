@@ -269,7 +269,11 @@ fn derived_hostname(identity: &str) -> String {
         s.push_str(&suffix);
     }
     let s = s.trim_matches('-').to_string();
-    if s.is_empty() { "harvester-lb".into() } else { s }
+    if s.is_empty() {
+        "harvester-lb".into()
+    } else {
+        s
+    }
 }
 
 #[cfg(test)]
@@ -292,16 +296,28 @@ mod tests {
             parse_mac("02:AB:cd:00:00:01"),
             Some([2, 0xab, 0xcd, 0, 0, 1])
         );
-        for bad in ["", "02:ab", "02:ab:cd:00:00:01:02", "2:ab:cd:0:0:1", "zz:00:00:00:00:00"] {
+        for bad in [
+            "",
+            "02:ab",
+            "02:ab:cd:00:00:01:02",
+            "2:ab:cd:0:0:1",
+            "zz:00:00:00:00:00",
+        ] {
             assert_eq!(parse_mac(bad), None, "{bad}");
         }
     }
 
     #[test]
     fn hostnames_are_one_label() {
-        assert_eq!(derived_hostname("kubernetes/default/web"), "kubernetes-default-web");
+        assert_eq!(
+            derived_hostname("kubernetes/default/web"),
+            "kubernetes-default-web"
+        );
         let long = derived_hostname(&format!("c/ns/{}", "x".repeat(100)));
         assert!(long.len() <= MAX_HOSTNAME_BYTES, "{long}");
-        assert_ne!(long, derived_hostname(&format!("c/ns/{}y", "x".repeat(100))));
+        assert_ne!(
+            long,
+            derived_hostname(&format!("c/ns/{}y", "x".repeat(100)))
+        );
     }
 }

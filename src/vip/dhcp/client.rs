@@ -248,7 +248,9 @@ impl Client {
                     self.restart(now, &mut out);
                 } else if let Some((address, server)) = self.offer {
                     self.tries += 1;
-                    out.push(Output::Broadcast(self.send(Request::Select { address, server })));
+                    out.push(Output::Broadcast(
+                        self.send(Request::Select { address, server }),
+                    ));
                     self.deadline = now + self.backoff();
                 }
             }
@@ -364,7 +366,10 @@ impl Client {
                 })));
                 self.deadline = now + self.backoff();
             }
-            (Phase::Requesting | Phase::Rebooting | Phase::Renewing | Phase::Rebinding, ReplyKind::Ack) => {
+            (
+                Phase::Requesting | Phase::Rebooting | Phase::Renewing | Phase::Rebinding,
+                ReplyKind::Ack,
+            ) => {
                 let lease = self.lease_from(&reply, now).ok_or(Ignored::Rogue)?;
                 if self.phase == Phase::Requesting
                     && self.offer.is_some_and(|(_, s)| Some(s) != reply.server)
@@ -389,7 +394,10 @@ impl Client {
                 self.deadline = lease.since + lease.t1;
                 out.push(Output::Leased { lease, renewed });
             }
-            (Phase::Requesting | Phase::Rebooting | Phase::Renewing | Phase::Rebinding, ReplyKind::Nak) => {
+            (
+                Phase::Requesting | Phase::Rebooting | Phase::Renewing | Phase::Rebinding,
+                ReplyKind::Nak,
+            ) => {
                 let expected = match self.phase {
                     Phase::Requesting => self.offer.map(|(_, s)| s),
                     Phase::Renewing => self.lease.map(|l| l.server),
@@ -465,6 +473,11 @@ impl Client {
 /// [`MIN_RENEW_RETRANSMIT`] (an eighth of the lease for short leases) and
 /// never past the phase's end.
 pub fn renew_wait(left: Duration, lease: Duration) -> Duration {
-    let floor = MIN_RENEW_RETRANSMIT.min(lease / 8).max(Duration::from_millis(500));
-    (left / 2).max(floor).min(left).max(Duration::from_millis(1))
+    let floor = MIN_RENEW_RETRANSMIT
+        .min(lease / 8)
+        .max(Duration::from_millis(500));
+    (left / 2)
+        .max(floor)
+        .min(left)
+        .max(Duration::from_millis(1))
 }

@@ -247,7 +247,8 @@ impl Net for HostNet {
                 .add_address(a, prefix)
                 .await
                 .map_err(|e| e.to_string())?;
-            self.leased = Some(socket::on_address(a).map_err(|e| format!("cannot bind {a}:68: {e}"))?);
+            self.leased =
+                Some(socket::on_address(a).map_err(|e| format!("cannot bind {a}:68: {e}"))?);
         }
         Ok(())
     }

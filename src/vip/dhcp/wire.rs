@@ -10,8 +10,8 @@ use std::net::Ipv4Addr;
 use std::time::Duration;
 
 use dhcproto::v4::{
-    Decodable, Decoder, DhcpOption, Encodable, Encoder, Flags, HType, Message, MessageType,
-    Opcode, OptionCode,
+    Decodable, Decoder, DhcpOption, Encodable, Encoder, Flags, HType, Message, MessageType, Opcode,
+    OptionCode,
 };
 
 /// The DHCP server port.
@@ -188,9 +188,9 @@ pub fn parse(bytes: &[u8]) -> Result<Reply, NotReply> {
     let mut chaddr = [0u8; 6];
     chaddr.copy_from_slice(&msg.chaddr()[..6]);
     let secs = |code| match msg.opts().get(code) {
-        Some(DhcpOption::AddressLeaseTime(s) | DhcpOption::Renewal(s) | DhcpOption::Rebinding(s)) => {
-            Some(Duration::from_secs(u64::from(*s)).min(MAX_LEASE))
-        }
+        Some(
+            DhcpOption::AddressLeaseTime(s) | DhcpOption::Renewal(s) | DhcpOption::Rebinding(s),
+        ) => Some(Duration::from_secs(u64::from(*s)).min(MAX_LEASE)),
         _ => None,
     };
     let server = match msg.opts().get(OptionCode::ServerIdentifier) {
@@ -309,7 +309,14 @@ mod tests {
         assert_eq!(m.ciaddr(), a);
         assert!(!m.flags().broadcast());
         assert!(m.opts().get(OptionCode::ServerIdentifier).is_none());
-        let m = decode_request(&build(&id(), 9, Request::Release { address: a, server: s }));
+        let m = decode_request(&build(
+            &id(),
+            9,
+            Request::Release {
+                address: a,
+                server: s,
+            },
+        ));
         assert_eq!(m.opts().msg_type(), Some(MessageType::Release));
         assert_eq!(
             m.opts().get(OptionCode::ServerIdentifier),
@@ -321,8 +328,15 @@ mod tests {
     fn a_reply_round_trips() {
         let a = Ipv4Addr::new(198, 51, 100, 150);
         let s = Ipv4Addr::new(198, 51, 100, 2);
-        let r = parse(&server_reply(ReplyKind::Ack, 5, [2, 0, 0, 0, 0, 1], a, s, Some(120)))
-            .expect("parses");
+        let r = parse(&server_reply(
+            ReplyKind::Ack,
+            5,
+            [2, 0, 0, 0, 0, 1],
+            a,
+            s,
+            Some(120),
+        ))
+        .expect("parses");
         assert_eq!(r.kind, ReplyKind::Ack);
         assert_eq!(r.address, a);
         assert_eq!(r.server, Some(s));

@@ -1,0 +1,298 @@
+//! `ipam = "dhcp"` against a real DHCP server: dnsmasq in the client
+//! namespace of the test bed, the real daemon in the load-balancer
+//! namespace leasing its VIP on a macvlan interface of `eth0`.
+//!
+//! One test walks the whole life of a lease, because each step needs the
+//! one before (and a lease costs seconds): obtained and forwarded; renewed
+//! at T1; dnsmasq restarted with its lease file (renewal goes on); dnsmasq
+//! restarted without it and with another range (the renewal is NAKed and a
+//! new VIP is leased, listeners move); the daemon stopped (RELEASE) and
+//! started again (INIT-REBOOT gets the same address); the load balancer
+//! removed (RELEASE, interface and state file gone). dnsmasq's shortest
+//! lease is 2 minutes; options 58/59 bring T1/T2 down to 6 s/9 s.
+//!
+//! Skips with a printed reason without root, iproute2/nftables or dnsmasq.
+//! Run: `cargo test --test dhcp -- --nocapture` (prints the timings).
+
+#[path = "netns/mod.rs"]
+mod netns;
+
+use std::net::Ipv4Addr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use netns::peers::{Node, Service};
+use netns::{Bed, Ns, sa, wait_for};
+use tokio::io::AsyncReadExt;
+
+const T1: u32 = 6;
+const T2: u32 = 9;
+
+/// dnsmasq serving DHCP on the client namespace's `eth0`.
+struct Dnsmasq {
+    child: Child,
+    log: PathBuf,
+    leases: PathBuf,
+}
+
+impl Dnsmasq {
+    fn start(ns: &Ns, dir: &Path, range: (u8, u8)) -> Dnsmasq {
+        let log = dir.join("dnsmasq.log");
+        let leases = dir.join("dnsmasq.leases");
+        let child = Command::new("ip")
+            .args(["netns", "exec", &ns.name, "dnsmasq", "-k"])
+            .args([
+                "--conf-file=/dev/null",
+                "--port=0",
+                "--interface=eth0",
+                "--bind-interfaces",
+                "--user=root",
+                "--log-dhcp",
+                "--dhcp-authoritative",
+                &format!(
+                    "--dhcp-range=198.51.100.{},198.51.100.{},255.255.255.0,2m",
+                    range.0, range.1
+                ),
+                &format!("--dhcp-option=58,{T1}"),
+                &format!("--dhcp-option=59,{T2}"),
+                &format!("--dhcp-leasefile={}", leases.display()),
+                &format!("--log-facility={}", log.display()),
+                &format!("--pid-file={}", dir.join("dnsmasq.pid").display()),
+            ])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawn dnsmasq");
+        Dnsmasq { child, log, leases }
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    fn count(&self, needle: &str) -> usize {
+        self.log().lines().filter(|l| l.contains(needle)).count()
+    }
+
+    fn stop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Dnsmasq {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+fn dnsmasq_missing() -> bool {
+    Command::new("dnsmasq")
+        .arg("--version")
+        .output()
+        .map_or(true, |o| !o.status.success())
+}
+
+fn config(bed: &Bed, with_lb: bool) -> String {
+    let mut c = format!(
+        "[admin]\nlisten = \"127.0.0.1:{}\"\n\n[proxy]\ndrain_timeout_seconds = 1\n\n[dhcp]\nstate_directory = {:?}\n",
+        netns::ADMIN_PORT,
+        bed.dir.join("state")
+    );
+    if with_lb {
+        c.push_str(&format!(
+            "\n[[load_balancer]]\nname = \"default/web\"\nipam = \"dhcp\"\nvip = \"0.0.0.0\"\nbackends = [\"{}\"]\n  [[load_balancer.listener]]\n  name = \"tcp\"\n  port = 80\n  backend_port = {}\n  [load_balancer.dhcp]\n  interface = \"eth0\"\n",
+            netns::node_ip(1),
+            netns::NODEPORT
+        ));
+    }
+    c
+}
+
+/// The lease in `/status` once it is bound with renewals >= `renewals`
+/// and naks >= `naks`.
+async fn lease(bed: &Bed, renewals: u64, naks: u64, within: Duration) -> serde_json::Value {
+    let d = bed.daemon();
+    wait_for(within, "a bound DHCP lease", || async {
+        let s = d.status().await;
+        let l = s["load_balancers"][0]["dhcp"].clone();
+        (l["state"] == "bound"
+            && l["address"].is_string()
+            && l["renewals"].as_u64() >= Some(renewals)
+            && l["naks"].as_u64() >= Some(naks)
+            && s["load_balancers"][0]["listeners"][0]["state"] == "listening")
+            .then_some(l)
+    })
+    .await
+}
+
+fn address(lease: &serde_json::Value) -> Ipv4Addr {
+    lease["address"]
+        .as_str()
+        .and_then(|a| a.parse().ok())
+        .unwrap_or_else(|| panic!("no address in {lease}"))
+}
+
+/// One connection from the client to `vip:80`, which node 1 answers "n1".
+async fn forwarded(bed: &Bed, vip: Ipv4Addr) -> bool {
+    let Ok(mut s) = bed
+        .client
+        .connect(sa(vip, 80), Duration::from_secs(2))
+        .await
+    else {
+        return false;
+    };
+    let mut buf = [0u8; 3];
+    matches!(
+        tokio::time::timeout(Duration::from_secs(2), s.read_exact(&mut buf)).await,
+        Ok(Ok(_))
+    ) && &buf == b"n1\n"
+}
+
+async fn eventually_forwarded(bed: &Bed, vip: Ipv4Addr) {
+    wait_for(
+        Duration::from_secs(10),
+        &format!("traffic to {vip} forwarded"),
+        || async { forwarded(bed, vip).await.then_some(()) },
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lease_renew_nak_reboot_release_against_dnsmasq() {
+    require_netns!();
+    if dnsmasq_missing() {
+        eprintln!("SKIPPED: dnsmasq is not installed (Debian package dnsmasq-base)");
+        return;
+    }
+    let mut bed = Bed::new("dhcp", 1);
+    let _node = Node::start(&bed, 1, Service::NameThenEcho);
+    let mut dnsmasq = Dnsmasq::start(&bed.client, &bed.dir, (150, 160));
+
+    // Lease obtained; traffic to it forwarded.
+    let started = Instant::now();
+    bed.start_daemon(&config(&bed, true)).await;
+    let first = lease(&bed, 0, 0, Duration::from_secs(30)).await;
+    let leased_in = started.elapsed();
+    let vip = address(&first);
+    assert!((150..=160).contains(&vip.octets()[3]), "{first}");
+    assert_eq!(first["server"], netns::CLIENT_IP.to_string(), "{first}");
+    eventually_forwarded(&bed, vip).await;
+    let metrics = bed.daemon().metrics().await;
+    assert_eq!(
+        netns::metric(
+            &metrics,
+            "harvester_lb_dhcp_lease_info",
+            &[("address", &vip.to_string())]
+        ),
+        1.0,
+        "{metrics}"
+    );
+    assert!(
+        dnsmasq.log().contains("kubernetes-default-web"),
+        "hostname option sent:\n{}",
+        dnsmasq.log()
+    );
+
+    // Renewed at T1, unicast to the server, same address.
+    let t = Instant::now();
+    let renewed = lease(&bed, 1, 0, Duration::from_secs(u64::from(T2) + 10)).await;
+    let renewed_in = t.elapsed();
+    assert_eq!(address(&renewed), vip);
+
+    // dnsmasq restarted with its lease file: the next renewal is ACKed.
+    dnsmasq.stop();
+    let mut dnsmasq = Dnsmasq::start(&bed.client, &bed.dir, (150, 160));
+    let after = lease(&bed, 2, 0, Duration::from_secs(u64::from(T2) + 10)).await;
+    assert_eq!(address(&after), vip, "same lease after a dnsmasq restart");
+    assert!(forwarded(&bed, vip).await);
+
+    // dnsmasq restarted without its lease file and with another range: the
+    // renewal is NAKed, and the VIP moves to a new lease.
+    dnsmasq.stop();
+    let _ = std::fs::remove_file(&dnsmasq.leases);
+    let t = Instant::now();
+    let mut dnsmasq = Dnsmasq::start(&bed.client, &bed.dir, (170, 180));
+    let moved = lease(&bed, 0, 1, Duration::from_secs(u64::from(T2) + 20)).await;
+    let moved_in = t.elapsed();
+    let vip2 = address(&moved);
+    assert!((170..=180).contains(&vip2.octets()[3]), "{moved}");
+    eventually_forwarded(&bed, vip2).await;
+    assert!(!forwarded(&bed, vip).await, "the old VIP no longer serves");
+    let log = bed.daemon().log();
+    assert!(
+        log.contains("VIP lease lost") && log.contains("WARN"),
+        "{log}"
+    );
+
+    // Daemon stopped cleanly (RELEASE) and started again: INIT-REBOOT asks
+    // for, and gets, the same address.
+    let releases = dnsmasq.count("DHCPRELEASE");
+    let mut d = bed.take_daemon();
+    d.signal(libc::SIGTERM);
+    assert!(
+        d.wait_exit(Duration::from_secs(15)).await.is_some(),
+        "daemon stopped"
+    );
+    drop(d);
+    wait_for(
+        Duration::from_secs(5),
+        "DHCPRELEASE at a clean stop",
+        || async { (dnsmasq.count("DHCPRELEASE") > releases).then_some(()) },
+    )
+    .await;
+    let discovers = dnsmasq.count("DHCPDISCOVER");
+    let t = Instant::now();
+    bed.start_daemon(&config(&bed, true)).await;
+    let rebooted = lease(&bed, 0, 0, Duration::from_secs(30)).await;
+    let rebooted_in = t.elapsed();
+    assert_eq!(address(&rebooted), vip2, "INIT-REBOOT kept the address");
+    assert_eq!(
+        dnsmasq.count("DHCPDISCOVER"),
+        discovers,
+        "no DISCOVER after a restart"
+    );
+    eventually_forwarded(&bed, vip2).await;
+
+    // The load balancer removed: RELEASE, interface and state file gone.
+    let releases = dnsmasq.count("DHCPRELEASE");
+    let path = bed.write("config.toml", &config(&bed, false));
+    assert_eq!(path, bed.daemon().config);
+    bed.daemon().signal(libc::SIGHUP);
+    wait_for(
+        Duration::from_secs(10),
+        "DHCPRELEASE at removal",
+        || async { (dnsmasq.count("DHCPRELEASE") > releases).then_some(()) },
+    )
+    .await;
+    wait_for(
+        Duration::from_secs(10),
+        "the state file removed",
+        || async {
+            std::fs::read_dir(bed.dir.join("state"))
+                .map(|d| d.count() == 0)
+                .unwrap_or(true)
+                .then_some(())
+        },
+    )
+    .await;
+    wait_for(
+        Duration::from_secs(5),
+        "the macvlan interface removed",
+        || async {
+            let out = Command::new("ip")
+                .args(["-n", &bed.lb.name, "-o", "link", "show", "type", "macvlan"])
+                .output()
+                .ok()?;
+            out.stdout.is_empty().then_some(())
+        },
+    )
+    .await;
+    assert!(!forwarded(&bed, vip2).await);
+
+    println!(
+        "DHCP timings: leased {leased_in:?} after start; renewed {renewed_in:?} after the lease (T1 = {T1} s); new lease {moved_in:?} after dnsmasq came back without its leases (next T1 + NAK + DISCOVER); INIT-REBOOT lease {rebooted_in:?} after restart"
+    );
+}
