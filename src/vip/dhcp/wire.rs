@@ -170,8 +170,62 @@ pub enum NotReply {
     Unexpected,
 }
 
+/// Options whose length `dhcproto` checks only with `debug_assert!` (a
+/// debug build panics on a wrong one, a release build reads past it), with
+/// the lengths allowed. Found by the property test below.
+const FIXED_LENGTHS: [(u8, fn(usize) -> bool); 7] = [
+    (80, |l| l == 0),
+    (81, |l| l >= 3),
+    (94, |l| l == 3),
+    (152, |l| l == 4),
+    (153, |l| l == 4),
+    (154, |l| l == 4),
+    (155, |l| l == 4),
+];
+
+/// Whether every option in `area` (a TLV stream) that `dhcproto` trusts
+/// the length of has a valid one. Also learns whether option 52 moves
+/// options into `sname`/`file`.
+fn lengths_ok(area: &[u8], overload: &mut u8) -> bool {
+    let mut i = 0;
+    while i < area.len() {
+        let code = area[i];
+        match code {
+            0 => {
+                i += 1;
+                continue;
+            }
+            255 => return true,
+            _ => {}
+        }
+        let Some(&len) = area.get(i + 1) else {
+            return true; // Truncated: the decoder reports it.
+        };
+        let len = usize::from(len);
+        if code == 52 && len == 1 {
+            *overload = area.get(i + 2).copied().unwrap_or(0);
+        }
+        if FIXED_LENGTHS.iter().any(|(c, ok)| *c == code && !ok(len)) {
+            return false;
+        }
+        i += 2 + len;
+    }
+    true
+}
+
 /// Decodes `bytes`. Never panics.
 pub fn parse(bytes: &[u8]) -> Result<Reply, NotReply> {
+    // The fixed header is 236 bytes and the magic cookie 4.
+    let mut overload = 0;
+    if bytes.len() > 240 && !lengths_ok(&bytes[240..], &mut overload) {
+        return Err(NotReply::Malformed);
+    }
+    if overload & 1 != 0 && !lengths_ok(&bytes[108..236], &mut 0) {
+        return Err(NotReply::Malformed);
+    }
+    if overload & 2 != 0 && !lengths_ok(&bytes[44..108], &mut 0) {
+        return Err(NotReply::Malformed);
+    }
     let msg = Message::decode(&mut Decoder::new(bytes)).map_err(|_| NotReply::Malformed)?;
     if msg.htype() != HType::Eth || msg.hlen() != 6 || msg.chaddr().len() < 6 {
         return Err(NotReply::Malformed);
@@ -372,7 +426,17 @@ mod tests {
         for len in 0..=valid.len() {
             let _ = parse(&valid[..len]);
         }
-        for _ in 0..20_000 {
+        for _ in 0..50_000 {
+            // Options appended at random after a valid header.
+            let mut v = valid[..240].to_vec();
+            for _ in 0..(next() % 8) {
+                let code = (next() % 256) as u8;
+                let len = (next() % 8) as u8;
+                v.push(code);
+                v.push(len);
+                v.extend((0..len).map(|_| next() as u8));
+            }
+            let _ = parse(&v);
             let mut v = valid.clone();
             for _ in 0..(next() % 4 + 1) {
                 let i = (next() as usize) % v.len();
