@@ -878,3 +878,118 @@ fn a_health_check_without_port_checks_each_listeners_backend_port() {
         "{out}"
     );
 }
+
+const DHCP: &str = r#"
+[[load_balancer]]
+name = "default/web"
+ipam = "dhcp"
+vip = "0.0.0.0"
+backends = ["198.51.100.11"]
+  [[load_balancer.listener]]
+  name = "http"
+  port = 80
+  backend_port = 30080
+  [load_balancer.dhcp]
+  interface = "eth0"
+"#;
+
+fn valid(text: &str) -> config::Config {
+    config::parse(text)
+        .unwrap_or_else(|p| panic!("should be valid: {p:?}\n{text}"))
+        .config
+}
+
+#[test]
+fn a_dhcp_load_balancer_is_valid_without_an_address() {
+    let c = valid(DHCP);
+    let lb = &c.load_balancers[0];
+    assert!(lb.vip.is_unspecified());
+    let d = lb.dhcp.as_ref().expect("dhcp spec");
+    assert_eq!(d.interface, "eth0");
+    assert_eq!(d.hostname, "kubernetes-default-web");
+    assert_eq!(d.mac[0] & 3, 2, "locally administered unicast");
+    // Stable: the same name and cluster give the same MAC.
+    assert_eq!(valid(DHCP).load_balancers[0].dhcp.as_ref().unwrap().mac, d.mac);
+    valid(&DHCP.replace("vip = \"0.0.0.0\"\n", ""));
+    // Two unleased VIPs on the same port do not collide.
+    valid(&format!("{DHCP}{}", DHCP.replace("default/web", "default/api")));
+    let c = valid(&DHCP.replace(
+        "interface = \"eth0\"",
+        "interface = \"eth0\"\n  mac = \"02:00:5e:00:00:01\"\n  hostname = \"web-vip\"\n  servers = [\"198.51.100.2\"]",
+    ));
+    let d = c.load_balancers[0].dhcp.as_ref().unwrap();
+    assert_eq!(d.mac, [2, 0, 0x5e, 0, 0, 1]);
+    assert_eq!(d.hostname, "web-vip");
+    assert_eq!(d.servers, vec![std::net::Ipv4Addr::new(198, 51, 100, 2)]);
+    // A VIP given with ipam = "dhcp" is the address asked for.
+    let c = valid(&DHCP.replace("0.0.0.0", "198.51.100.150"));
+    assert_eq!(
+        c.load_balancers[0].dhcp.as_ref().unwrap().requested,
+        Some(std::net::Ipv4Addr::new(198, 51, 100, 150))
+    );
+}
+
+#[test]
+fn bad_dhcp_keys_are_named() {
+    for (from, to, e) in [
+        (
+            "  [load_balancer.dhcp]\n  interface = \"eth0\"\n",
+            "",
+            "line 2: load_balancer[0]: ipam = \"dhcp\" needs a [load_balancer.dhcp] table",
+        ),
+        (
+            "interface = \"eth0\"",
+            "interface = \"a/b\"",
+            "line 12: load_balancer[0].dhcp.interface: \"a/b\" is not an interface name",
+        ),
+        (
+            "interface = \"eth0\"",
+            "mac = \"02:00:00:00:00:01\"",
+            "load_balancer[0].dhcp: missing key `interface`",
+        ),
+        (
+            "interface = \"eth0\"",
+            "interface = \"eth0\"\n  mac = \"01:00:5e:00:00:01\"",
+            "line 13: load_balancer[0].dhcp.mac: \"01:00:5e:00:00:01\" is a multicast or all-zero address",
+        ),
+        (
+            "interface = \"eth0\"",
+            "interface = \"eth0\"\n  mac = \"02:00:5e\"",
+            "line 13: load_balancer[0].dhcp.mac: \"02:00:5e\" is not a MAC address",
+        ),
+        (
+            "interface = \"eth0\"",
+            "interface = \"eth0\"\n  hostname = \"-web\"",
+            "line 13: load_balancer[0].dhcp.hostname: \"-web\" is not a host name",
+        ),
+        (
+            "interface = \"eth0\"",
+            "interface = \"eth0\"\n  servers = [\"nope\"]",
+            "line 13: load_balancer[0].dhcp.servers[0]: \"nope\" is not a unicast IPv4 address",
+        ),
+        (
+            "interface = \"eth0\"",
+            "interface = \"eth0\"\n  lease = 5",
+            "line 13: load_balancer[0].dhcp.lease: unknown key",
+        ),
+        (
+            "vip = \"0.0.0.0\"",
+            "vip = \"2001:db8::1\"",
+            "line 5: load_balancer[0].vip: \"2001:db8::1\" cannot be asked for over DHCPv4",
+        ),
+        (
+            "ipam = \"dhcp\"",
+            "ipam = \"pool\"",
+            "load_balancer[0].dhcp: is only used with ipam = \"dhcp\"",
+        ),
+    ] {
+        let text = DHCP.replace(from, to);
+        let out = rendered(&text);
+        assert!(out.contains(e), "missing:\n  {e}\nin:\n{out}\nfor:\n{text}");
+    }
+    let out = rendered(&format!("[dhcp]\nstate_directory = \"relative\"\n{DHCP}"));
+    assert!(
+        out.contains("line 2: dhcp.state_directory: \"relative\" is not an absolute directory path"),
+        "{out}"
+    );
+}
