@@ -909,10 +909,16 @@ fn a_dhcp_load_balancer_is_valid_without_an_address() {
     assert_eq!(d.hostname, "kubernetes-default-web");
     assert_eq!(d.mac[0] & 3, 2, "locally administered unicast");
     // Stable: the same name and cluster give the same MAC.
-    assert_eq!(valid(DHCP).load_balancers[0].dhcp.as_ref().unwrap().mac, d.mac);
+    assert_eq!(
+        valid(DHCP).load_balancers[0].dhcp.as_ref().unwrap().mac,
+        d.mac
+    );
     valid(&DHCP.replace("vip = \"0.0.0.0\"\n", ""));
     // Two unleased VIPs on the same port do not collide.
-    valid(&format!("{DHCP}{}", DHCP.replace("default/web", "default/api")));
+    valid(&format!(
+        "{DHCP}{}",
+        DHCP.replace("default/web", "default/api")
+    ));
     let c = valid(&DHCP.replace(
         "interface = \"eth0\"",
         "interface = \"eth0\"\n  mac = \"02:00:5e:00:00:01\"\n  hostname = \"web-vip\"\n  servers = [\"198.51.100.2\"]",
@@ -989,7 +995,9 @@ fn bad_dhcp_keys_are_named() {
     }
     let out = rendered(&format!("[dhcp]\nstate_directory = \"relative\"\n{DHCP}"));
     assert!(
-        out.contains("line 2: dhcp.state_directory: \"relative\" is not an absolute directory path"),
+        out.contains(
+            "line 2: dhcp.state_directory: \"relative\" is not an absolute directory path"
+        ),
         "{out}"
     );
 }

@@ -214,7 +214,7 @@ async fn lease_renew_nak_reboot_release_against_dnsmasq() {
     dnsmasq.stop();
     let _ = std::fs::remove_file(&dnsmasq.leases);
     let t = Instant::now();
-    let mut dnsmasq = Dnsmasq::start(&bed.client, &bed.dir, (170, 180));
+    let dnsmasq = Dnsmasq::start(&bed.client, &bed.dir, (170, 180));
     let moved = lease(&bed, 0, 1, Duration::from_secs(u64::from(T2) + 20)).await;
     let moved_in = t.elapsed();
     let vip2 = address(&moved);

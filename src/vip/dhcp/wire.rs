@@ -170,10 +170,13 @@ pub enum NotReply {
     Unexpected,
 }
 
+/// Whether an option length is valid for its code.
+type LengthRule = fn(usize) -> bool;
+
 /// Options whose length `dhcproto` checks only with `debug_assert!` (a
 /// debug build panics on a wrong one, a release build reads past it), with
 /// the lengths allowed. Found by the property test below.
-const FIXED_LENGTHS: [(u8, fn(usize) -> bool); 7] = [
+const FIXED_LENGTHS: [(u8, LengthRule); 7] = [
     (80, |l| l == 0),
     (81, |l| l >= 3),
     (94, |l| l == 3),
