@@ -27,8 +27,8 @@ use crate::health::prober::{Prober, TargetStatus};
 use crate::health::{Health, HealthState};
 use crate::metrics::{ListenerStats, Metrics};
 use crate::proxy::{self, Listener, Route};
-use crate::vip::isolate::{Isolation, IsolationStatus};
 use crate::vip::dhcp::{Leases, Want};
+use crate::vip::isolate::{Isolation, IsolationStatus};
 
 /// The daemon's live state, shared by the reload path, the admin server and
 /// the signal handlers.

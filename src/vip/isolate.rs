@@ -68,6 +68,11 @@ impl Openings {
     pub fn of(config: &Config) -> Self {
         let mut o = Self::default();
         for lb in &config.load_balancers {
+            if lb.vip.is_unspecified() {
+                // `ipam = "dhcp"`: no address in the file (see README,
+                // "Leased VIPs": a leased VIP is not isolated yet).
+                continue;
+            }
             o.vips.insert(lb.vip);
             for l in &lb.listeners {
                 o.open.insert((lb.vip, protocol_name(l.protocol), l.port));
