@@ -933,6 +933,14 @@ fn a_dhcp_load_balancer_is_valid_without_an_address() {
         c.load_balancers[0].dhcp.as_ref().unwrap().requested,
         Some(std::net::Ipv4Addr::new(198, 51, 100, 150))
     );
+    // Without the table, a DHCP VIP is leased elsewhere: its address is
+    // given and used as it is (`harvester-lb import` writes these).
+    let elsewhere = DHCP
+        .replace("0.0.0.0", "198.51.100.150")
+        .replace("  [load_balancer.dhcp]\n  interface = \"eth0\"\n", "");
+    let c = valid(&elsewhere);
+    assert_eq!(c.load_balancers[0].vip.to_string(), "198.51.100.150");
+    assert!(c.load_balancers[0].dhcp.is_none());
 }
 
 #[test]
@@ -941,7 +949,7 @@ fn bad_dhcp_keys_are_named() {
         (
             "  [load_balancer.dhcp]\n  interface = \"eth0\"\n",
             "",
-            "line 2: load_balancer[0]: ipam = \"dhcp\" needs a [load_balancer.dhcp] table",
+            "line 5: load_balancer[0].vip: \"0.0.0.0\" cannot be a VIP: it is the unspecified address: the listeners would bind every address of this host. Harvester writes it for a DHCP VIP: set ipam = \"dhcp\" and a [load_balancer.dhcp] table to lease one",
         ),
         (
             "interface = \"eth0\"",

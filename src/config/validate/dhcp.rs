@@ -49,13 +49,11 @@ impl Validator<'_> {
         DhcpSettings { state_directory }
     }
 
-    /// `[load_balancer.dhcp]` of load balancer `key`; `None` when `ipam`
-    /// is not `dhcp` (after reporting a table that should not be there) or
-    /// the table is unusable.
+    /// `[load_balancer.dhcp]` of load balancer `key`; `None` when there is
+    /// none (a table without `ipam = "dhcp"` is reported) or it is unusable.
     pub(super) fn dhcp(
         &mut self,
         key: &str,
-        table_span: Range<usize>,
         lb: &FileLoadBalancer,
         ipam: Ipam,
     ) -> Option<DhcpSpec> {
@@ -69,14 +67,8 @@ impl Validator<'_> {
                 );
                 return None;
             }
-            (None, Ipam::Dhcp) => {
-                self.problem(
-                    Some(table_span),
-                    key,
-                    "ipam = \"dhcp\" needs a [load_balancer.dhcp] table naming the host interface to lease on, e.g. interface = \"eth0\"".into(),
-                );
-                return None;
-            }
+            // Leased elsewhere: `vip` is checked as a pool VIP.
+            (None, Ipam::Dhcp) => return None,
             (Some(t), Ipam::Dhcp) => t,
         };
         let span = table.span();

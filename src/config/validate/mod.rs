@@ -349,23 +349,27 @@ impl Validator<'_> {
             &[("pool", Ipam::Pool), ("dhcp", Ipam::Dhcp)],
             Ipam::Pool,
         );
-        let vip = match (&lb.vip, ipam) {
-            // Leased: `vip` is absent or what Harvester writes before a
-            // lease (`0.0.0.0`); any other address is the one to ask for.
-            (_, Ipam::Dhcp) => Some(IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED)),
-            (None, Ipam::Pool) => {
+        // Leased by this daemon: `ipam = "dhcp"` with a `[load_balancer.dhcp]`
+        // table. Without the table a DHCP VIP is leased elsewhere (as
+        // before this daemon could lease) and `vip` must be its address.
+        let leased = ipam == Ipam::Dhcp && lb.dhcp.is_some();
+        let vip = match (&lb.vip, leased) {
+            // `vip` is absent or what Harvester writes before a lease
+            // (`0.0.0.0`); any other address is the one to ask for.
+            (_, true) => Some(IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED)),
+            (None, false) => {
                 self.problem(
                     Some(table_span.clone()),
                     key,
-                    "missing key `vip` (the load balancer's IP address; or ipam = \"dhcp\" to lease one)".into(),
+                    "missing key `vip` (the load balancer's IP address; or ipam = \"dhcp\" and a [load_balancer.dhcp] table to lease one)".into(),
                 );
                 None
             }
-            (Some(v), Ipam::Pool) => self
+            (Some(v), false) => self
                 .ip(v, format_args!("{key}.vip"))
                 .filter(|ip| self.unicast(*ip, v, format_args!("{key}.vip"), Role::Vip)),
         };
-        let dhcp = self.dhcp(key, table_span.clone(), lb, ipam);
+        let dhcp = self.dhcp(key, lb, ipam);
         let algorithm = self.choice(
             &lb.algorithm,
             format_args!("{key}.algorithm"),
@@ -511,10 +515,7 @@ impl Validator<'_> {
             cluster,
             vip: vip?,
             ipam,
-            dhcp: match ipam {
-                Ipam::Dhcp => Some(dhcp?),
-                Ipam::Pool => None,
-            },
+            dhcp: if leased { Some(dhcp?) } else { None },
             backends,
             algorithm,
             initial_state,
