@@ -155,6 +155,30 @@ impl Daemon {
         };
         let report = self.apply_locked(&mut st, config);
         tracing::info!(?report, "applied the DHCP lease change");
+        // The isolation table follows the leased address (it runs `nft`).
+        // Config and leases are read when the write runs, so writes that
+        // run out of order still end with the latest.
+        if st.config.as_ref().is_some_and(|c| c.vip.isolate) {
+            let me = self.me.clone();
+            tokio::task::spawn_blocking(move || {
+                let Some(daemon) = me.upgrade() else { return };
+                let Some(config) = daemon.lock().config.clone() else {
+                    return;
+                };
+                let leased = daemon.leased_vips();
+                let result = daemon.isolation.reconcile(&config, &leased);
+                let metrics = &daemon.metrics;
+                if let Err(e) = &result {
+                    tracing::error!("vip.isolate, after a DHCP lease change: {e}");
+                }
+                metrics.set_vip_isolation(Some(result.is_ok()));
+            });
+        }
+    }
+
+    /// The VIPs leased by DHCP now, by load balancer name.
+    pub fn leased_vips(&self) -> HashMap<String, IpAddr> {
+        self.leases.addresses()
     }
 
     /// Starts and stops DHCP clients to match `config` and puts each leased

@@ -99,7 +99,8 @@ pub async fn start(options: Options) -> Result<Server, StartError> {
     // write it must leave nothing behind (no admin socket either).
     let isolation = Arc::clone(daemon.isolation());
     let (config, isolated) = tokio::task::spawn_blocking(move || {
-        let result = isolation.reconcile(&config);
+        // No lease exists yet: a leased VIP joins the table when it comes.
+        let result = isolation.reconcile(&config, &Default::default());
         (config, result)
     })
     .await
@@ -337,6 +338,7 @@ async fn reload(
     let path = options.config_path.clone();
     let loader = Arc::clone(loader);
     let isolation = Arc::clone(daemon.isolation());
+    let leased = daemon.leased_vips();
     let loaded = tokio::task::spawn_blocking(move || {
         let loaded = loader
             .lock()
@@ -345,7 +347,7 @@ async fn reload(
         // The table follows the new config before its listeners change. A
         // failure leaves the kernel's table as it was (one transaction) and
         // does not stop the reload: it is logged, in /status and a metric.
-        let isolated = isolation.reconcile(&loaded.config);
+        let isolated = isolation.reconcile(&loaded.config, &leased);
         Ok::<_, config::ConfigError>((loaded, isolated))
     })
     .await

@@ -296,3 +296,57 @@ async fn lease_renew_nak_reboot_release_against_dnsmasq() {
         "DHCP timings: leased {leased_in:?} after start; renewed {renewed_in:?} after the lease (T1 = {T1} s); new lease {moved_in:?} after dnsmasq came back without its leases (next T1 + NAK + DISCOVER); INIT-REBOOT lease {rebooted_in:?} after restart"
     );
 }
+
+/// A leased VIP is isolated like any other: once the lease is bound, only
+/// its listener's port answers on it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leased_vip_is_isolated_once_it_is_leased() {
+    require_netns!();
+    if dnsmasq_missing() {
+        eprintln!("SKIPPED: dnsmasq is not installed (Debian package dnsmasq-base)");
+        return;
+    }
+    let mut bed = Bed::new("dhcpiso", 1);
+    let _node = Node::start(&bed, 1, Service::NameThenEcho);
+    let _dnsmasq = Dnsmasq::start(&bed.client, &bed.dir, (150, 160));
+    // The host's SSH, on its wildcard address.
+    let ssh = bed.lb.listen(sa(Ipv4Addr::UNSPECIFIED, 22));
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = ssh.accept().await {
+            use tokio::io::AsyncWriteExt;
+            let _ = s.write_all(b"SSH-2.0\n").await;
+        }
+    });
+    let text = config(&bed, true).replacen("[dhcp]\n", "[vip]\nisolate = true\n\n[dhcp]\n", 1);
+    bed.start_daemon(&text).await;
+    let vip = address(&lease(&bed, 0, 0, Duration::from_secs(30)).await);
+    eventually_forwarded(&bed, vip).await;
+    let status = wait_for(
+        Duration::from_secs(10),
+        "the leased VIP in the table",
+        || async {
+            let s = bed.daemon().status().await;
+            (s["vip_isolation"]["vips"] == 1).then_some(s)
+        },
+    )
+    .await;
+    assert_eq!(status["vip_isolation"]["open_ports"], 1, "{status}");
+    // Dropped: the connect times out instead of reaching SSH.
+    let ssh_through_vip = bed
+        .client
+        .connect(sa(vip, 22), Duration::from_secs(1))
+        .await;
+    assert!(
+        ssh_through_vip
+            .as_ref()
+            .is_err_and(|e| e.kind() == std::io::ErrorKind::TimedOut),
+        "the host's SSH through the leased VIP: {ssh_through_vip:?}"
+    );
+    // The host's own address still has it.
+    assert!(
+        bed.client
+            .connect(sa(netns::LB_IP, 22), Duration::from_secs(2))
+            .await
+            .is_ok()
+    );
+}

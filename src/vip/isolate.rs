@@ -38,7 +38,7 @@
 //! operator uses to inspect the result (`nft list table inet harvester_lb`).
 
 use std::borrow::Cow;
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashMap};
 use std::net::IpAddr;
 use std::sync::Mutex;
 use std::time::SystemTime;
@@ -64,18 +64,25 @@ pub struct Openings {
 }
 
 impl Openings {
-    /// The VIPs and listener ports of `config`.
-    pub fn of(config: &Config) -> Self {
+    /// The VIPs and listener ports of `config`. A load balancer that
+    /// leases its VIP (`[load_balancer.dhcp]`) is guarded at its address in
+    /// `leased`, and not at all until it has one.
+    pub fn of(config: &Config, leased: &HashMap<String, IpAddr>) -> Self {
         let mut o = Self::default();
         for lb in &config.load_balancers {
-            if lb.vip.is_unspecified() {
-                // `ipam = "dhcp"`: no address in the file (see README,
-                // "Leased VIPs": a leased VIP is not isolated yet).
+            let vip = match &lb.dhcp {
+                Some(_) => match leased.get(&lb.name) {
+                    Some(ip) => *ip,
+                    None => continue,
+                },
+                None => lb.vip,
+            };
+            if vip.is_unspecified() {
                 continue;
             }
-            o.vips.insert(lb.vip);
+            o.vips.insert(vip);
             for l in &lb.listeners {
-                o.open.insert((lb.vip, protocol_name(l.protocol), l.port));
+                o.open.insert((vip, protocol_name(l.protocol), l.port));
             }
         }
         o
@@ -178,11 +185,15 @@ impl Isolation {
     /// ports or action changed (or at the first call, replacing a table a
     /// crashed daemon left), deleted when isolation was turned off.
     /// Blocking: it runs `nft`.
-    pub fn reconcile(&self, config: &Config) -> Result<(), IsolationError> {
+    pub fn reconcile(
+        &self,
+        config: &Config,
+        leased: &HashMap<String, IpAddr>,
+    ) -> Result<(), IsolationError> {
         let mut st = self.lock();
         st.settings = config.vip;
         let result = if config.vip.isolate {
-            let wanted = (Openings::of(config), config.vip.isolate_action);
+            let wanted = (Openings::of(config, leased), config.vip.isolate_action);
             if st.applied.as_ref() == Some(&wanted) {
                 return Ok(());
             }

@@ -20,7 +20,7 @@ pub mod state;
 pub mod wire;
 
 use std::collections::HashMap;
-use std::net::Ipv4Addr;
+use std::net::{IpAddr, Ipv4Addr};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
@@ -138,6 +138,14 @@ impl Leases {
     /// The leased address of load balancer `name`, if it has one now.
     pub fn address(&self, name: &str) -> Option<Ipv4Addr> {
         self.lock().get(name).and_then(|r| r.stats.address())
+    }
+
+    /// Every leased address now, by load balancer name.
+    pub fn addresses(&self) -> HashMap<String, IpAddr> {
+        self.lock()
+            .iter()
+            .filter_map(|(name, r)| r.stats.address().map(|a| (name.clone(), IpAddr::V4(a))))
+            .collect()
     }
 
     /// The lease numbers of load balancer `name`.
