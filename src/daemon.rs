@@ -3,14 +3,14 @@
 //!
 //! Applying a config is a diff keyed by what survives a reload:
 //! load balancers by name, backends by address within their load balancer,
-//! listeners by VIP:port. What stays keeps its socket, health state and
+//! listeners by VIP:port and protocol. What stays keeps its socket, health state and
 //! counters; what goes drains; what comes starts. The first config is the
 //! diff from nothing, so start-up and reload are one code path.
 
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, SystemTime};
 
@@ -21,14 +21,15 @@ use tokio_util::task::TaskTracker;
 
 use crate::balancer::{AdminState, AffinityBudget, Backend, LoadBalancer, Settings, affinity};
 use crate::config::{
-    Algorithm, CheckKind, Config, Ipam, ListenerSpec, LoadBalancerSpec, ProxyProtocol,
+    Algorithm, CheckKind, Config, Ipam, ListenerSpec, LoadBalancerSpec, Protocol, ProxyProtocol,
 };
 use crate::health::prober::{Prober, TargetStatus};
 use crate::health::{Health, HealthState};
 use crate::metrics::{ListenerStats, Metrics};
-use crate::proxy::{self, Listener, Route};
 use crate::vip::dhcp::{Leases, Want};
 use crate::vip::isolate::{Isolation, IsolationStatus};
+use crate::proxy::udp::{self, FlowBudget};
+use crate::proxy::{self, Listener, Route, Running};
 
 /// The daemon's live state, shared by the reload path, the admin server and
 /// the signal handlers.
@@ -59,13 +60,22 @@ pub struct Daemon {
     lease_watcher: AtomicBool,
     /// This daemon, for that task (which must not keep it alive).
     me: Weak<Daemon>,
+    /// The bound on UDP flows, shared by every UDP listener
+    /// (`proxy.max_udp_flows`).
+    udp_flows: Arc<FlowBudget>,
+    /// `proxy.max_udp_flows_per_source`, for listeners started later.
+    udp_per_source: AtomicUsize,
 }
+
+/// A listener's identity across reloads: one VIP:port may carry one TCP
+/// and one UDP listener.
+type ListenerKey = (SocketAddr, Protocol);
 
 #[derive(Default)]
 struct State {
     config: Option<Config>,
     load_balancers: HashMap<String, LbEntry>,
-    listeners: HashMap<SocketAddr, ListenerEntry>,
+    listeners: HashMap<ListenerKey, ListenerEntry>,
     /// Where the config in force came from (`/status`).
     file: Option<PathBuf>,
     /// Since when the file is gone while the daemon runs on what it read.
@@ -82,7 +92,7 @@ struct LbEntry {
 struct ListenerEntry {
     load_balancer: String,
     spec: ListenerSpec,
-    socket: Result<Listener, String>,
+    socket: Result<Running, String>,
     /// The numbers of the listener it serves now (`listener_up`).
     stats: Arc<ListenerStats>,
 }
@@ -119,6 +129,8 @@ impl Daemon {
             leases: Leases::new(),
             lease_watcher: AtomicBool::new(false),
             me: me.clone(),
+            udp_flows: FlowBudget::new(0),
+            udp_per_source: AtomicUsize::new(1),
         })
     }
 
@@ -230,6 +242,12 @@ impl Daemon {
         let mut report = ApplyReport::default();
         let drain = config.proxy.drain_timeout;
         self.affinity.set_max(config.proxy.max_affinity_entries);
+        self.udp_flows.set_max(config.proxy.max_udp_flows.map_or_else(
+            || udp::default_max_flows(crate::os::open_file_limit().unwrap_or(1024)),
+            |n| n.get(),
+        ));
+        let per_source = config.proxy.max_udp_flows_per_source.get();
+        self.udp_per_source.store(per_source, Ordering::Relaxed);
         let old_config = st.config.take();
         // A spec reused from the last file is the same `Arc`, and `Arc`'s
         // equality compares pointers first: unchanged load balancers cost
@@ -283,17 +301,17 @@ impl Daemon {
         }
 
         // Listeners: keep sockets that stay, bind new ones, drain removed ones.
-        let mut desired: HashMap<SocketAddr, (&LoadBalancerSpec, &ListenerSpec)> = HashMap::new();
+        let mut desired: HashMap<ListenerKey, (&LoadBalancerSpec, &ListenerSpec)> = HashMap::new();
         for lb in &config.load_balancers {
             if lb.vip.is_unspecified() {
                 // A DHCP VIP not leased yet: nothing to bind.
                 continue;
             }
             for l in &lb.listeners {
-                desired.insert(lb.listen_addr(l), (lb, l));
+                desired.insert((lb.listen_addr(l), l.protocol), (lb, l));
             }
         }
-        let removed: Vec<SocketAddr> = st
+        let removed: Vec<ListenerKey> = st
             .listeners
             .keys()
             .filter(|a| !desired.contains_key(a))
@@ -319,7 +337,11 @@ impl Daemon {
                 && *load_balancer == lb_spec.name
                 && spec == l_spec
                 && Arc::ptr_eq(&listener.route().lb, &lb)
+                && listener.udp_settings().is_none_or(|u| u == lb_spec.udp)
             {
+                if let Ok(Running::Udp(l)) = &st.listeners[&addr].socket {
+                    l.set_per_source(per_source);
+                }
                 continue; // The same route would be built again.
             }
             let route = self.route(&lb, l_spec);
@@ -331,7 +353,13 @@ impl Daemon {
                     spec,
                     stats: serving,
                 }) => {
-                    listener.set_route(route);
+                    match listener {
+                        Running::Tcp(l) => l.set_route(route),
+                        Running::Udp(l) => {
+                            l.set_route(route, lb_spec.udp);
+                            l.set_per_source(per_source);
+                        }
+                    }
                     *load_balancer = lb_spec.name.clone();
                     *spec = l_spec.clone();
                     if !Arc::ptr_eq(serving, &stats) {
@@ -341,7 +369,7 @@ impl Daemon {
                     }
                 }
                 _ => {
-                    let socket = self.start_listener(addr, route, config.proxy.backlog);
+                    let socket = self.start_listener(addr, route, lb_spec, config.proxy.backlog);
                     st.listeners.insert(
                         addr,
                         ListenerEntry {
@@ -397,7 +425,7 @@ impl Daemon {
     pub fn retry_failed_listeners(&self) -> usize {
         let mut st = self.lock();
         let backlog = st.config.as_ref().map_or(1024, |c| c.proxy.backlog);
-        let failed: Vec<SocketAddr> = st
+        let failed: Vec<ListenerKey> = st
             .listeners
             .iter()
             .filter(|(_, e)| e.socket.is_err())
@@ -413,9 +441,17 @@ impl Daemon {
             else {
                 continue;
             };
+            let Some(lb_spec) = st
+                .config
+                .as_ref()
+                .and_then(|c| c.load_balancers.iter().find(|s| s.name == lb.name))
+                .cloned()
+            else {
+                continue;
+            };
             let entry = st.listeners.get_mut(&addr).expect("key from the same map");
             let route = self.route(&lb, &entry.spec);
-            if let Ok(listener) = self.start_listener(addr, route, backlog) {
+            if let Ok(listener) = self.start_listener(addr, route, &lb_spec, backlog) {
                 entry.socket = Ok(listener);
                 entry.stats.up.set(true);
                 fixed += 1;
@@ -443,7 +479,7 @@ impl Daemon {
         let st = self.lock();
         st.listeners
             .iter()
-            .filter_map(|(a, e)| e.socket.as_ref().err().map(|err| (*a, err.clone())))
+            .filter_map(|(a, e)| e.socket.as_ref().err().map(|err| (a.0, err.clone())))
             .collect()
     }
 
@@ -458,7 +494,7 @@ impl Daemon {
                 .config
                 .as_ref()
                 .map_or(Duration::from_secs(30), |c| c.proxy.drain_timeout);
-            let listeners: Vec<Listener> = st
+            let listeners: Vec<Running> = st
                 .listeners
                 .drain()
                 .filter_map(|(_, e)| {
@@ -715,25 +751,43 @@ impl Daemon {
 
     fn start_listener(
         &self,
-        addr: SocketAddr,
+        (addr, protocol): ListenerKey,
         route: Route,
+        lb_spec: &LoadBalancerSpec,
         backlog: u32,
-    ) -> Result<Listener, String> {
-        match proxy::bind(addr, backlog) {
-            Ok(socket) => {
-                tracing::info!(listen = %addr, load_balancer = %route.lb.name, listener = %route.listener, "listening");
-                Ok(Listener::start(socket, route, Arc::clone(&self.limit)))
+    ) -> Result<Running, String> {
+        let (lb_name, name) = (route.lb.name.clone(), route.listener.clone());
+        let bound = match protocol {
+            Protocol::Tcp => proxy::bind(addr, backlog)
+                .map(|socket| Running::Tcp(Listener::start(socket, route, Arc::clone(&self.limit)))),
+            Protocol::Udp => udp::bind(addr).map(|socket| {
+                Running::Udp(udp::UdpListener::start(
+                    socket,
+                    route,
+                    lb_spec.udp,
+                    Arc::clone(&self.udp_flows),
+                    self.udp_per_source.load(Ordering::Relaxed),
+                ))
+            }),
+        };
+        match bound {
+            Ok(listener) => {
+                tracing::info!(listen = %addr, %protocol, load_balancer = %lb_name, listener = %name, "listening");
+                Ok(listener)
             }
             Err(e) => {
-                let reason = format!("cannot bind {addr}: {e}");
-                tracing::error!(listen = %addr, load_balancer = %route.lb.name, listener = %route.listener, error = %e, "cannot bind listener; other listeners are unaffected");
+                let reason = format!("cannot bind {addr}/{protocol}: {e}");
+                tracing::error!(listen = %addr, %protocol, load_balancer = %lb_name, listener = %name, error = %e, "cannot bind listener; other listeners are unaffected");
                 Err(reason)
             }
         }
     }
 
-    fn drain_in_background(&self, listener: Listener, drain: Duration) {
-        let addr = listener.addr;
+    fn drain_in_background(&self, listener: Running, drain: Duration) {
+        let addr = match &listener {
+            Running::Tcp(l) => l.addr,
+            Running::Udp(l) => l.addr,
+        };
         tracing::info!(listen = %addr, open = listener.open_connections(), ?drain, "listener removed: draining");
         self.drains.spawn(async move {
             let cut = listener.drain(drain).await;
@@ -756,17 +810,35 @@ impl Daemon {
             };
             let snapshot = entry.lb.snapshot();
             let eligible = snapshot.eligible.len();
+            // UDP flows per backend, all UDP listeners of this load balancer.
+            let mut udp_flows: Option<HashMap<IpAddr, usize>> = None;
+            for l in spec.listeners.iter().filter(|l| l.protocol == Protocol::Udp) {
+                let counts = udp_flows.get_or_insert_with(HashMap::new);
+                if let Some(Ok(running)) = st
+                    .listeners
+                    .get(&(spec.listen_addr(l), l.protocol))
+                    .map(|e| &e.socket)
+                {
+                    for (ip, s) in running.route().stats.udp().backends() {
+                        *counts.entry(ip).or_insert(0) +=
+                            usize::try_from(s.flows_active.get()).unwrap_or(0);
+                    }
+                }
+            }
             let listeners = spec
                 .listeners
                 .iter()
                 .map(|l| {
                     let addr = spec.listen_addr(l);
-                    let le = st.listeners.get(&addr);
+                    let le = st.listeners.get(&(addr, l.protocol));
+                    let open = le
+                        .and_then(|e| e.socket.as_ref().ok())
+                        .map_or(0, |s| s.open_connections());
                     ListenerStatus {
                         name: l.name.clone(),
                         address: addr,
                         backend_port: l.backend_port,
-                        protocol: "tcp",
+                        protocol: l.protocol.as_str(),
                         proxy_protocol: l.proxy_protocol.map(|v| match v {
                             ProxyProtocol::V1 => "v1",
                             ProxyProtocol::V2 => "v2",
@@ -777,9 +849,8 @@ impl Daemon {
                             _ => "failed",
                         },
                         error: le.and_then(|e| e.socket.as_ref().err().cloned()),
-                        active_connections: le
-                            .and_then(|e| e.socket.as_ref().ok())
-                            .map_or(0, |s| s.open_connections()),
+                        active_connections: if l.protocol == Protocol::Tcp { open } else { 0 },
+                        active_flows: (l.protocol == Protocol::Udp).then_some(open),
                         eligible_backends: snapshot.eligible_for(l.backend_port).len(),
                     }
                 })
@@ -818,6 +889,9 @@ impl Daemon {
                         admin_state: b.admin_state(),
                         eligible: b.is_eligible(),
                         active_connections: b.active_connections(),
+                        active_flows: udp_flows
+                            .as_ref()
+                            .map(|m| m.get(ip).copied().unwrap_or(0)),
                         probe,
                         ports,
                     }
@@ -1086,11 +1160,14 @@ pub struct ListenerStatus {
     pub state: &'static str,
     /// Why it failed to bind.
     pub error: Option<String>,
-    /// Connections open through it.
+    /// Connections open through it (0 for a UDP listener).
     pub active_connections: usize,
     /// Backends its new connections may go to now: healthy on its
     /// `backend_port` (or on the check's port) and `ready`.
     pub eligible_backends: usize,
+    /// UDP flows open through it; absent for a TCP listener.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub active_flows: Option<usize>,
 }
 
 /// One backend in `/status`.
@@ -1106,8 +1183,13 @@ pub struct BackendStatus {
     /// Whether it takes new connections: healthy and `ready`; with
     /// per-listener checks, for at least one listener (`ports` says which).
     pub eligible: bool,
-    /// Connections open to it.
+    /// Connections open to it (its UDP flows included: least_connections
+    /// weighs both).
     pub active_connections: usize,
+    /// UDP flows open to it through the UDP listeners; absent when its load
+    /// balancer has none.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub active_flows: Option<usize>,
     /// Health-check detail; absent without a health check, and with
     /// per-listener checks (each port has its own).
     pub probe: Option<TargetStatus>,

@@ -82,6 +82,10 @@ pub struct FileProxy {
     pub max_connections: Option<Spanned<i64>>,
     /// Cap on client-affinity entries across all load balancers.
     pub max_affinity_entries: Option<Spanned<i64>>,
+    /// Cap on UDP flows, all UDP listeners together (each holds a socket).
+    pub max_udp_flows: Option<Spanned<i64>>,
+    /// Cap on the UDP flows of one client address on one listener.
+    pub max_udp_flows_per_source: Option<Spanned<i64>>,
 }
 
 /// `[[load_balancer]]`: mirrors Harvester's `LoadBalancer` object.
@@ -118,6 +122,11 @@ pub struct FileLoadBalancer {
     /// `keep` or `close`: what happens to open connections of a backend the
     /// health check marks down.
     pub on_backend_down: Option<Spanned<String>>,
+    /// A UDP flow ends after this long without a datagram either way.
+    pub udp_idle_timeout_seconds: Option<Spanned<i64>>,
+    /// A UDP flow ends once each client datagram had this many answers
+    /// (nginx's `proxy_responses`).
+    pub udp_responses: Option<Spanned<i64>>,
     /// `[[load_balancer.listener]]`.
     #[serde(default, rename = "listener")]
     pub listeners: Vec<Spanned<FileListener>>,
@@ -151,7 +160,7 @@ pub struct FileListener {
     pub port: Option<Spanned<i64>>,
     /// The nodeport on every backend.
     pub backend_port: Option<Spanned<i64>>,
-    /// Only `tcp` for now.
+    /// `tcp` (default) or `udp`.
     pub protocol: Option<Spanned<String>>,
     /// `v1` or `v2`: a PROXY protocol header to the backend before the client's bytes.
     pub proxy_protocol: Option<Spanned<String>>,

@@ -131,6 +131,12 @@ pub struct ProxySettings {
     pub max_connections: Option<NonZeroUsize>,
     /// Cap on client-affinity entries, all load balancers together.
     pub max_affinity_entries: usize,
+    /// Cap on UDP flows, all UDP listeners together; `None` = derived from
+    /// the open-file limit at start (each flow holds one socket).
+    pub max_udp_flows: Option<NonZeroUsize>,
+    /// Cap on the flows of one client IP address on one UDP listener, so a
+    /// client that floods new source ports fills only its share of the table.
+    pub max_udp_flows_per_source: NonZeroUsize,
 }
 
 /// One Kubernetes `LoadBalancer` service.
@@ -173,6 +179,22 @@ pub struct LoadBalancerSpec {
     /// The clients it serves (`loadBalancerSourceRanges`); others are reset
     /// at accept.
     pub source_ranges: SourceRanges,
+    /// How its UDP listeners end flows; here, per load balancer, because a
+    /// DNS service and a game service behind one daemon want different ones.
+    pub udp: UdpSettings,
+}
+
+/// How a load balancer's UDP listeners end their flows. UDP has no
+/// connection close, so the only ends are silence and a known answer count.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct UdpSettings {
+    /// A flow with no datagram either way for this long ends (default 60 s,
+    /// like common conntrack setups).
+    pub idle_timeout: Duration,
+    /// A flow ends once every client datagram had this many answers
+    /// (nginx's `proxy_responses`; 1 for DNS frees the flow at the answer);
+    /// `None` = only the idle timeout ends it.
+    pub responses: Option<NonZeroU32>,
 }
 
 impl LoadBalancerSpec {
@@ -186,10 +208,18 @@ impl LoadBalancerSpec {
     /// (per-listener eligibility); empty when the check has a `port` or
     /// there is no check (one verdict per backend, or none). Two listeners
     /// with one nodeport share one verdict: it is one socket on the node.
+    /// Only TCP listeners' nodeports: a UDP port answers no handshake, so a
+    /// UDP listener uses the verdict of a TCP listener on its nodeport, or
+    /// else the backends eligible on any checked port.
     pub fn checked_ports(&self) -> Vec<u16> {
         match &self.health_check {
             Some(hc) if hc.port.is_none() => {
-                let mut ports: Vec<u16> = self.listeners.iter().map(|l| l.backend_port).collect();
+                let mut ports: Vec<u16> = self
+                    .listeners
+                    .iter()
+                    .filter(|l| l.protocol == Protocol::Tcp)
+                    .map(|l| l.backend_port)
+                    .collect();
                 ports.sort_unstable();
                 ports.dedup();
                 ports
@@ -208,7 +238,7 @@ pub struct ListenerSpec {
     pub port: u16,
     /// The service's nodeport on every backend.
     pub backend_port: u16,
-    /// Transport; a seam for UDP listeners.
+    /// Transport: one VIP:port may have one TCP and one UDP listener.
     pub protocol: Protocol,
     /// The PROXY protocol header sent to the backend first, if any.
     pub proxy_protocol: Option<ProxyProtocol>,
@@ -271,11 +301,30 @@ pub enum OnBackendDown {
     Close,
 }
 
-/// Transport of a listener.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// Transport of a listener: part of a listener's identity, with the VIP
+/// and port, so DNS can serve 53/tcp and 53/udp on one VIP.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Protocol {
     /// TCP, forwarded byte for byte.
     Tcp,
+    /// UDP, forwarded datagram by datagram along per-client flows.
+    Udp,
+}
+
+impl Protocol {
+    /// The name used in the config, `/status` and logs.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Protocol::Tcp => "tcp",
+            Protocol::Udp => "udp",
+        }
+    }
+}
+
+impl fmt::Display for Protocol {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
 }
 
 /// The PROXY protocol version a listener speaks to its backends

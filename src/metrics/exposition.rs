@@ -23,7 +23,7 @@ use super::names::{self, Family};
 use super::stats::{
     ACCEPT_ERROR_KINDS, ADMIN_STATES, BackendStats, CHECK_RESULTS, CLOSED_REASONS,
     CONNECT_FAILURE_REASONS, Counter, FAILED_REASONS, Histogram, IGNORED_REASONS, LbStats,
-    ListenerStats, PROBE_BUCKETS, REJECTED_REASONS,
+    ListenerStats, PROBE_BUCKETS, REJECTED_REASONS, UDP_DATAGRAM_DROP_REASONS, UDP_FLOW_DROP_REASONS,
 };
 
 /// One load balancer's live objects at the start of a scrape.
@@ -126,9 +126,15 @@ const STEPS: &[Step] = &[
         }
     }),
     Step::Listener(&names::CONNECTIONS_ACCEPTED, |o, l| {
+        if l.udp.get().is_some() {
+            return;
+        }
         o.sample("", |b| listener_labels(b, l), l.accepted.get());
     }),
     Step::Listener(&names::CONNECTIONS_FAILED, |o, l| {
+        if l.udp.get().is_some() {
+            return;
+        }
         o.outcomes(&l.failed, &FAILED_REASONS, "reason", |b| {
             listener_labels(b, l)
         });
@@ -139,6 +145,9 @@ const STEPS: &[Step] = &[
         });
     }),
     Step::Listener(&names::CONNECTIONS_ACTIVE, |o, l| {
+        if l.udp.get().is_some() {
+            return;
+        }
         o.sample("", |b| listener_labels(b, l), l.active.get());
     }),
     Step::Listener(&names::BYTES, |o, l| {
@@ -165,6 +174,66 @@ const STEPS: &[Step] = &[
     Step::Listener(&names::CONNECTION_LIMIT_REACHED, |o, l| {
         if l.limit_reached.get() > 0 {
             o.sample("", |b| listener_labels(b, l), l.limit_reached.get());
+        }
+    }),
+    Step::Listener(&names::UDP_DATAGRAMS, |o, l| {
+        let Some(u) = l.udp.get() else { return };
+        let sides = [("client_to_backend", 0), ("backend_to_client", 1)];
+        for (direction, i) in sides {
+            o.sample(
+                "",
+                |b| {
+                    listener_labels(b, l);
+                    label(b, "direction", direction);
+                },
+                u.datagrams[i].get(),
+            );
+        }
+    }),
+    Step::Listener(&names::UDP_DATAGRAMS_DROPPED, |o, l| {
+        if let Some(u) = l.udp.get() {
+            o.outcomes(
+                &u.datagrams_dropped,
+                &UDP_DATAGRAM_DROP_REASONS,
+                "reason",
+                |b| listener_labels(b, l),
+            );
+        }
+    }),
+    Step::Listener(&names::UDP_FLOWS_ACTIVE, |o, l| {
+        if let Some(u) = l.udp.get() {
+            o.sample("", |b| listener_labels(b, l), u.flows_active.get());
+        }
+    }),
+    Step::Listener(&names::UDP_FLOWS_CREATED, |o, l| {
+        if let Some(u) = l.udp.get() {
+            o.sample("", |b| listener_labels(b, l), u.flows_created.get());
+        }
+    }),
+    Step::Listener(&names::UDP_FLOWS_DROPPED, |o, l| {
+        if let Some(u) = l.udp.get() {
+            o.outcomes(&u.flows_dropped, &UDP_FLOW_DROP_REASONS, "reason", |b| {
+                listener_labels(b, l)
+            });
+        }
+    }),
+    Step::Listener(&names::UDP_BACKEND_FLOWS_ACTIVE, |o, l| {
+        let Some(u) = l.udp.get() else { return };
+        for (ip, be) in u.backends() {
+            o.sample(
+                "",
+                |b| udp_backend_labels(b, l, ip),
+                be.flows_active.get(),
+            );
+        }
+    }),
+    Step::Listener(&names::UDP_BACKEND_ICMP_ERRORS, |o, l| {
+        let Some(u) = l.udp.get() else { return };
+        for (ip, be) in u.backends() {
+            let n = be.icmp_errors.get();
+            if n > 0 {
+                o.sample("", |b| udp_backend_labels(b, l, ip), n);
+            }
         }
     }),
     Step::Backend(&names::BACKEND_UP, |o, be| {
@@ -506,10 +575,20 @@ fn listener_labels(buf: &mut Vec<u8>, l: &ListenerStats) {
 
 fn backend_labels(buf: &mut Vec<u8>, be: &BackendStats) {
     lb_labels(buf, &be.lb);
+    ip_label(buf, be.addr);
+}
+
+fn udp_backend_labels(buf: &mut Vec<u8>, l: &ListenerStats, addr: std::net::IpAddr) {
+    listener_labels(buf, l);
+    ip_label(buf, addr);
+}
+
+/// `backend="<addr>"`, formatted without an allocation.
+fn ip_label(buf: &mut Vec<u8>, addr: std::net::IpAddr) {
     let mut ip = [0u8; 48];
     let n = {
         let mut cursor = std::io::Cursor::new(&mut ip[..]);
-        let _ = write!(cursor, "{}", be.addr);
+        let _ = write!(cursor, "{addr}");
         cursor.position() as usize
     };
     label(

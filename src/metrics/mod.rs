@@ -35,6 +35,7 @@ use std::time::SystemTime;
 pub use exposition::Exposition;
 pub use stats::{
     BackendStats, Counter, Gauge, Histogram, LbStats, LeaseStats, ListenerStats, Presence,
+    UdpBackendStats, UdpStats,
 };
 
 use stats::Live;

@@ -188,6 +188,52 @@ pub static CONNECTION_LIMIT_REACHED: Family = Family::new(
     "Accepts on the listener delayed because proxy.max_connections was reached.",
 );
 
+// Per UDP listener: labels `cluster`, `load_balancer`, `listener`; present
+// only for UDP listeners (which have none of the connection families).
+
+/// Datagrams forwarded by a UDP listener, by `direction`.
+pub static UDP_DATAGRAMS: Family = Family::new(
+    "harvester_lb_udp_datagrams_total",
+    Counter,
+    "Datagrams forwarded by the UDP listener, by direction.",
+);
+/// Datagrams a UDP listener dropped, by `reason`.
+pub static UDP_DATAGRAMS_DROPPED: Family = Family::new(
+    "harvester_lb_udp_datagrams_dropped_total",
+    Counter,
+    "Datagrams the UDP listener dropped, by reason (source_range, too_large, send_failed).",
+);
+/// UDP flows open now.
+pub static UDP_FLOWS_ACTIVE: Family = Family::new(
+    "harvester_lb_udp_flows_active",
+    Gauge,
+    "UDP flows (client address to backend) open now.",
+);
+/// UDP flows made.
+pub static UDP_FLOWS_CREATED: Family = Family::new(
+    "harvester_lb_udp_flows_created_total",
+    Counter,
+    "UDP flows made, re-picks after a backend left or refused included.",
+);
+/// New UDP flows refused, by `reason`.
+pub static UDP_FLOWS_DROPPED: Family = Family::new(
+    "harvester_lb_udp_flows_dropped_total",
+    Counter,
+    "New UDP flows refused (their datagram dropped), by reason (table_full, source_limit, no_backend, no_socket).",
+);
+/// UDP flows open to a backend now; labels add `backend`.
+pub static UDP_BACKEND_FLOWS_ACTIVE: Family = Family::new(
+    "harvester_lb_udp_backend_flows_active",
+    Gauge,
+    "UDP flows of the listener open to the backend now.",
+);
+/// ICMP errors (port unreachable) from a backend; labels add `backend`.
+pub static UDP_BACKEND_ICMP_ERRORS: Family = Family::new(
+    "harvester_lb_udp_backend_icmp_errors_total",
+    Counter,
+    "ICMP errors (port unreachable: ECONNREFUSED on the flow's socket) from the backend; the flow is re-picked.",
+);
+
 // Per backend: labels `cluster`, `load_balancer`, `backend`.
 
 /// 1 when a backend's health check finds it healthy, else 0.

@@ -243,6 +243,7 @@ impl LbStats {
             backend_to_client: Counter::default(),
             accept_errors: Default::default(),
             limit_reached: Counter::default(),
+            udp: OnceLock::new(),
         })
     }
 
@@ -329,6 +330,75 @@ pub struct ListenerStats {
     pub accept_errors: [Counter; 3],
     /// `connection_limit_reached_total`.
     pub limit_reached: Counter,
+    /// A UDP listener's numbers, made when a UDP listener first serves this
+    /// identity: a TCP listener pays one pointer-sized slot, not the table.
+    pub udp: OnceLock<Box<UdpStats>>,
+}
+
+impl ListenerStats {
+    /// The UDP numbers of this listener (made at the first call).
+    pub fn udp(&self) -> &UdpStats {
+        self.udp.get_or_init(Box::default)
+    }
+}
+
+/// `udp_datagrams_dropped_total{reason}`, in the order of [`UdpStats::datagrams_dropped`].
+pub const UDP_DATAGRAM_DROP_REASONS: [&str; 3] = ["source_range", "too_large", "send_failed"];
+/// `udp_flows_dropped_total{reason}`, in the order of [`UdpStats::flows_dropped`].
+pub const UDP_FLOW_DROP_REASONS: [&str; 4] =
+    ["table_full", "source_limit", "no_backend", "no_socket"];
+
+/// One UDP listener's numbers.
+#[derive(Debug, Default)]
+pub struct UdpStats {
+    /// `udp_datagrams_total`: client to backend, backend to client.
+    pub datagrams: [Counter; 2],
+    /// `udp_datagrams_dropped_total`, by [`UDP_DATAGRAM_DROP_REASONS`].
+    pub datagrams_dropped: [Counter; UDP_DATAGRAM_DROP_REASONS.len()],
+    /// `udp_flows_active`.
+    pub flows_active: Gauge,
+    /// `udp_flows_created_total`.
+    pub flows_created: Counter,
+    /// `udp_flows_dropped_total`, by [`UDP_FLOW_DROP_REASONS`].
+    pub flows_dropped: [Counter; UDP_FLOW_DROP_REASONS.len()],
+    /// Per backend: made at a backend's first flow, forgotten by the
+    /// listener once the backend has left and its last flow ended, so a
+    /// removed backend's series go.
+    pub backends: Mutex<HashMap<IpAddr, Arc<UdpBackendStats>>>,
+}
+
+impl UdpStats {
+    /// The numbers of `backend` on this listener.
+    pub fn backend(&self, backend: IpAddr) -> Arc<UdpBackendStats> {
+        let mut map = self.backends.lock().unwrap_or_else(|p| p.into_inner());
+        Arc::clone(
+            map.entry(backend)
+                .or_insert_with(|| Arc::new(UdpBackendStats::default())),
+        )
+    }
+
+    /// Drops the entries `keep` rejects whose backend has no flow open.
+    pub fn retain_backends(&self, keep: impl Fn(IpAddr) -> bool) {
+        let mut map = self.backends.lock().unwrap_or_else(|p| p.into_inner());
+        map.retain(|ip, s| keep(*ip) || s.flows_active.get() > 0);
+    }
+
+    /// The per-backend numbers now, by address (for a scrape and `/status`).
+    pub fn backends(&self) -> Vec<(IpAddr, Arc<UdpBackendStats>)> {
+        let map = self.backends.lock().unwrap_or_else(|p| p.into_inner());
+        let mut v: Vec<_> = map.iter().map(|(ip, s)| (*ip, Arc::clone(s))).collect();
+        v.sort_by_key(|(ip, _)| *ip);
+        v
+    }
+}
+
+/// One backend's numbers on one UDP listener.
+#[derive(Debug, Default)]
+pub struct UdpBackendStats {
+    /// `udp_backend_flows_active`.
+    pub flows_active: Gauge,
+    /// `udp_backend_icmp_errors_total`.
+    pub icmp_errors: Counter,
 }
 
 impl Drop for ListenerStats {

@@ -1,9 +1,10 @@
 //! The forwarder: a listening socket per VIP:port, its accept loop, and the
 //! connections it serves.
 //!
-//! [`Protocol`](crate::config::Protocol) is the seam for other transports: a
-//! UDP listener would be a sibling of [`Listener`] reading the same
-//! load-balancer snapshot.
+//! [`Protocol`](crate::config::Protocol) is the seam for other transports:
+//! a UDP listener ([`udp::UdpListener`]) is a sibling of [`Listener`]
+//! reading the same load-balancer snapshot; [`Running`] is either, as the
+//! daemon keeps them.
 //!
 //! The accept loop never exits on an error: out of descriptors it backs off
 //! briefly and goes on (tokio's proxy example stops the whole server there).
@@ -14,6 +15,7 @@ pub mod copy;
 pub mod forward;
 pub mod proxy_protocol;
 pub mod splice;
+pub mod udp;
 
 use std::io;
 use std::net::SocketAddr;
@@ -129,6 +131,51 @@ impl Listener {
         self.close_now.cancel();
         self.connections.wait().await;
         cut
+    }
+}
+
+/// A bound listener of either transport: what the daemon keeps per
+/// (VIP:port, protocol), so the diff on reload is one code path for both.
+pub enum Running {
+    /// A TCP listener and its connections.
+    Tcp(Listener),
+    /// A UDP listener and its flows.
+    Udp(udp::UdpListener),
+}
+
+impl Running {
+    /// The route in force.
+    pub fn route(&self) -> Arc<Route> {
+        match self {
+            Running::Tcp(l) => l.route(),
+            Running::Udp(l) => l.route(),
+        }
+    }
+
+    /// Connections open through a TCP listener; flows of a UDP one.
+    pub fn open_connections(&self) -> usize {
+        match self {
+            Running::Tcp(l) => l.open_connections(),
+            Running::Udp(l) => l.flows(),
+        }
+    }
+
+    /// The flow rules of a UDP listener; `None` for TCP.
+    pub fn udp_settings(&self) -> Option<crate::config::UdpSettings> {
+        match self {
+            Running::Tcp(_) => None,
+            Running::Udp(l) => Some(l.settings()),
+        }
+    }
+
+    /// Removes the listener: TCP drains for up to `timeout`; UDP has no
+    /// connection to drain and stops at once. Returns how many connections
+    /// or flows were cut.
+    pub async fn drain(self, timeout: Duration) -> usize {
+        match self {
+            Running::Tcp(l) => l.drain(timeout).await,
+            Running::Udp(l) => l.stop().await,
+        }
     }
 }
 

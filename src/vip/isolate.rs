@@ -445,5 +445,6 @@ fn open_elements(o: &Openings, v6: bool) -> Vec<Expression<'static>> {
 fn protocol_name(p: Protocol) -> &'static str {
     match p {
         Protocol::Tcp => "tcp",
+        Protocol::Udp => "udp",
     }
 }

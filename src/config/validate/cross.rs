@@ -1,5 +1,6 @@
 //! The rules that span load balancers: names are unique, one VIP:port has
-//! one listener, and no backend is one of this daemon's own VIP:ports.
+//! one listener per protocol, and no backend is one of this daemon's own
+//! VIP:ports.
 //!
 //! They are found from the built specs alone ([`conflicts`]), so that a
 //! reload which reuses the unchanged load balancers of the last file
@@ -14,9 +15,10 @@ use super::*;
 pub(super) enum Conflict {
     /// Two load balancers with one name.
     Name { first: usize, again: usize },
-    /// Two listeners on one VIP:port.
+    /// Two listeners on one VIP:port and protocol.
     Address {
         addr: SocketAddr,
+        protocol: Protocol,
         first: (usize, usize),
         again: (usize, usize),
     },
@@ -51,7 +53,9 @@ pub(super) fn conflicts(
             first_named.insert(name, i);
         }
     }
-    let mut addresses: HashMap<SocketAddr, (usize, usize)> = HashMap::with_capacity(specs.len());
+    // One TCP and one UDP listener may share a VIP:port (DNS on 53/tcp and 53/udp).
+    let mut addresses: HashMap<(SocketAddr, Protocol), (usize, usize)> =
+        HashMap::with_capacity(specs.len());
     for (i, spec) in specs.iter().enumerate() {
         let Some(spec) = spec else { continue };
         if spec.vip.is_unspecified() {
@@ -60,14 +64,15 @@ pub(super) fn conflicts(
         }
         for (k, l) in spec.listeners.iter().enumerate() {
             let addr = spec.listen_addr(l);
-            match addresses.get(&addr) {
+            match addresses.get(&(addr, l.protocol)) {
                 Some(&first) => found.push(Conflict::Address {
                     addr,
+                    protocol: l.protocol,
                     first,
                     again: (i, k),
                 }),
                 None => {
-                    addresses.insert(addr, (i, k));
+                    addresses.insert((addr, l.protocol), (i, k));
                 }
             }
         }
@@ -77,12 +82,13 @@ pub(super) fn conflicts(
         let Some(spec) = spec else { continue };
         for &backend in &spec.backends {
             for (k, l) in spec.listeners.iter().enumerate() {
-                let Some(&target) = addresses.get(&SocketAddr::new(backend, l.backend_port)) else {
+                let nodeport = (SocketAddr::new(backend, l.backend_port), l.protocol);
+                let Some(&target) = addresses.get(&nodeport) else {
                     continue;
                 };
                 if spec.listeners[..k]
                     .iter()
-                    .any(|e| e.backend_port == l.backend_port)
+                    .any(|e| e.backend_port == l.backend_port && e.protocol == l.protocol)
                 {
                     continue; // Two listeners with one nodeport: one problem.
                 }
@@ -135,7 +141,12 @@ impl Validator<'_> {
                         ),
                     );
                 }
-                Conflict::Address { addr, first, again } => {
+                Conflict::Address {
+                    addr,
+                    protocol,
+                    first,
+                    again,
+                } => {
                     let (i, k) = (again.0, file_listener(again.0, again.1));
                     self.problem(
                         file_lb(i).listeners[k]
@@ -145,7 +156,7 @@ impl Validator<'_> {
                             .map(|p| p.span()),
                         &format!("load_balancer[{i}].listener[{k}].port"),
                         format!(
-                            "{addr} is already a listener of load balancer {:?}; one VIP:port can serve only one listener",
+                            "{addr}/{protocol} is already a listener of load balancer {:?}; one VIP:port can serve one TCP and one UDP listener",
                             listener_name(first)
                         ),
                     );

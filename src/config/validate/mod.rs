@@ -59,6 +59,14 @@ pub const MAX_AFFINITY_TIMEOUT_SECONDS: i64 = 86_400;
 /// Default bound on client-affinity entries, all load balancers together
 /// (about 90 MiB at the measured 94 bytes per entry; see the README).
 pub const DEFAULT_MAX_AFFINITY_ENTRIES: i64 = 1_000_000;
+/// Default idle timeout of a UDP flow, seconds (as common conntrack setups).
+pub const DEFAULT_UDP_IDLE_TIMEOUT_SECONDS: i64 = 60;
+/// Default cap on one client address's flows on one UDP listener: a client
+/// flooding new source ports fills this much of the flow table, no more.
+pub const DEFAULT_MAX_UDP_FLOWS_PER_SOURCE: i64 = 1024;
+/// Upper bound on `udp_responses`: more answers per datagram than any
+/// protocol sends is a typo.
+const MAX_UDP_RESPONSES: i64 = 65_535;
 /// Harvester's `healthcheck-success-threshold` default.
 pub const DEFAULT_SUCCESS_THRESHOLD: i64 = 1;
 /// Harvester's `healthcheck-failure-threshold` default.
@@ -263,6 +271,22 @@ impl Validator<'_> {
                 "has no effect without vip.isolate = true".into(),
             );
         }
+        let max_udp_flows = file.proxy.max_udp_flows.as_ref().map(|_| {
+            self.int(
+                &file.proxy.max_udp_flows,
+                format_args!("proxy.max_udp_flows"),
+                1,
+                1,
+                10_000_000,
+            )
+        });
+        let max_udp_flows_per_source = self.int(
+            &file.proxy.max_udp_flows_per_source,
+            format_args!("proxy.max_udp_flows_per_source"),
+            DEFAULT_MAX_UDP_FLOWS_PER_SOURCE,
+            1,
+            10_000_000,
+        );
 
         let dhcp = self.dhcp_settings(&file.dhcp);
 
@@ -290,6 +314,12 @@ impl Validator<'_> {
                 max_connections: max_connections
                     .and_then(|n| NonZeroUsize::new(usize::try_from(n).unwrap_or(1))),
                 max_affinity_entries: usize::try_from(max_affinity_entries).unwrap_or(0),
+                max_udp_flows: max_udp_flows
+                    .and_then(|n| NonZeroUsize::new(usize::try_from(n).unwrap_or(1))),
+                max_udp_flows_per_source: NonZeroUsize::new(
+                    usize::try_from(max_udp_flows_per_source).unwrap_or(1),
+                )
+                .unwrap_or(NonZeroUsize::MIN),
             },
             metrics: MetricsSettings {
                 per_backend_health_check_duration: file
@@ -509,6 +539,22 @@ impl Validator<'_> {
             .as_ref()
             .and_then(|hc| self.health_check(&format!("{key}.health_check"), hc));
         let source_ranges = self.source_ranges(key, table_span.clone(), &lb.source_ranges, vip);
+        let udp_idle_timeout = self.int(
+            &lb.udp_idle_timeout_seconds,
+            format_args!("{key}.udp_idle_timeout_seconds"),
+            DEFAULT_UDP_IDLE_TIMEOUT_SECONDS,
+            1,
+            MAX_SECONDS,
+        );
+        let udp_responses = lb.udp_responses.as_ref().map(|_| {
+            self.int(
+                &lb.udp_responses,
+                format_args!("{key}.udp_responses"),
+                1,
+                1,
+                MAX_UDP_RESPONSES,
+            )
+        });
 
         Some(LoadBalancerSpec {
             name: name?,
@@ -527,6 +573,10 @@ impl Validator<'_> {
             listeners,
             health_check,
             source_ranges,
+            udp: UdpSettings {
+                idle_timeout: Duration::from_secs(udp_idle_timeout as u64),
+                responses: udp_responses.and_then(|n| NonZeroU32::new(n as u32)),
+            },
         })
     }
 
@@ -572,7 +622,7 @@ impl Validator<'_> {
         let protocol = self.choice(
             &l.protocol,
             format_args!("{key}.protocol"),
-            &[("tcp", Protocol::Tcp)],
+            &[("tcp", Protocol::Tcp), ("udp", Protocol::Udp)],
             Protocol::Tcp,
         );
         let proxy_protocol = self.choice(
@@ -584,6 +634,19 @@ impl Validator<'_> {
             ],
             None,
         );
+        if protocol == Protocol::Udp
+            && proxy_protocol.is_some()
+            && let Some(v) = &l.proxy_protocol
+        {
+            self.problem(
+                Some(v.span()),
+                &format!("{key}.proxy_protocol"),
+                format!(
+                    "{:?} cannot be sent on a UDP listener: a PROXY protocol header starts a TCP stream, and a datagram carrying one would be garbage to the node; remove it, or use protocol = \"tcp\"",
+                    v.get_ref()
+                ),
+            );
+        }
         Some(ListenerSpec {
             name: name?,
             port: port?,

@@ -1,0 +1,269 @@
+//! The bounds on UDP flows: one budget for the whole process
+//! (`proxy.max_udp_flows`, every flow holds a socket) and, per listener, a
+//! table from client address to flow that also counts flows per client IP
+//! (`proxy.max_udp_flows_per_source`).
+//!
+//! A table never grows past its bounds: a flow that does not fit is refused
+//! (its datagram dropped and counted), never queued. The table's lock is
+//! held for a map operation only, never across I/O.
+
+use std::collections::HashMap;
+use std::collections::hash_map::Entry;
+use std::hash::Hash;
+use std::net::{IpAddr, SocketAddr};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+/// The process-wide bound on UDP flows, shared by every UDP listener.
+#[derive(Debug)]
+pub struct FlowBudget {
+    /// `proxy.max_udp_flows`; changed on reload, taking effect for new flows.
+    max: AtomicUsize,
+    /// Flows open now, all listeners together.
+    used: AtomicUsize,
+}
+
+impl FlowBudget {
+    /// A budget of `max` flows.
+    pub fn new(max: usize) -> Arc<Self> {
+        Arc::new(Self {
+            max: AtomicUsize::new(max),
+            used: AtomicUsize::new(0),
+        })
+    }
+
+    /// Sets the bound (a reload); flows already open above it stay until they end.
+    pub fn set_max(&self, max: usize) {
+        self.max.store(max, Ordering::Relaxed);
+    }
+
+    /// Flows open now.
+    pub fn used(&self) -> usize {
+        self.used.load(Ordering::Relaxed)
+    }
+
+    /// Takes one slot if one is free.
+    fn take(&self) -> bool {
+        let max = self.max.load(Ordering::Relaxed);
+        self.used
+            .fetch_update(Ordering::AcqRel, Ordering::Relaxed, |u| {
+                (u < max).then_some(u + 1)
+            })
+            .is_ok()
+    }
+
+    /// Gives one slot back.
+    fn give_back(&self) {
+        let _ = self
+            .used
+            .fetch_update(Ordering::AcqRel, Ordering::Relaxed, |u| u.checked_sub(1));
+    }
+}
+
+/// The default `proxy.max_udp_flows` for an open-file limit: a third of
+/// what is left after the daemon's own reserve, as for TCP connections (a
+/// flow holds one socket, a TCP connection two: together they stay within
+/// the limit).
+pub fn default_max_flows(open_files: u64) -> usize {
+    (open_files.saturating_sub(256 + 512) / 3).max(16) as usize
+}
+
+/// Why a new flow was not admitted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refusal {
+    /// `proxy.max_udp_flows` flows are open.
+    TableFull,
+    /// This client IP has `proxy.max_udp_flows_per_source` flows on this listener.
+    SourceLimit,
+}
+
+/// One listener's flows by client address, and their count per client IP.
+/// Generic over the flow type so the bounds are tested without sockets.
+pub struct FlowTable<F> {
+    inner: Mutex<Inner<F>>,
+    budget: Arc<FlowBudget>,
+}
+
+struct Inner<F> {
+    flows: HashMap<SocketAddr, Arc<F>>,
+    per_source: HashMap<IpAddr, usize>,
+}
+
+impl<F> FlowTable<F> {
+    /// An empty table drawing on `budget`.
+    pub fn new(budget: Arc<FlowBudget>) -> Self {
+        Self {
+            inner: Mutex::new(Inner {
+                flows: HashMap::new(),
+                per_source: HashMap::new(),
+            }),
+            budget,
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner<F>> {
+        // Every write below is complete before anything can panic.
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The flow of `client`, if one is open.
+    pub fn get(&self, client: &SocketAddr) -> Option<Arc<F>> {
+        self.lock().flows.get(client).cloned()
+    }
+
+    /// Flows open now.
+    pub fn len(&self) -> usize {
+        self.lock().flows.len()
+    }
+
+    /// Whether no flow is open.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Admits a new flow of `client` made by `make` if it fits both bounds
+    /// and `client` has none. `make` runs outside the lock only in the sense
+    /// that it must not block: it makes a socket, nothing more.
+    pub fn insert(
+        &self,
+        client: SocketAddr,
+        per_source_max: usize,
+        make: impl FnOnce() -> Option<Arc<F>>,
+    ) -> Result<Option<Arc<F>>, Refusal> {
+        let mut inner = self.lock();
+        let source = client.ip().to_canonical();
+        let count = inner.per_source.get(&source).copied().unwrap_or(0);
+        if count >= per_source_max {
+            return Err(Refusal::SourceLimit);
+        }
+        if !self.budget.take() {
+            return Err(Refusal::TableFull);
+        }
+        let Some(flow) = make() else {
+            self.budget.give_back();
+            return Ok(None);
+        };
+        match inner.flows.entry(client) {
+            Entry::Occupied(_) => {
+                // The caller removes the old flow first; keep the old one.
+                self.budget.give_back();
+                return Ok(None);
+            }
+            Entry::Vacant(v) => {
+                v.insert(Arc::clone(&flow));
+            }
+        }
+        *inner.per_source.entry(source).or_insert(0) += 1;
+        Ok(Some(flow))
+    }
+
+    /// Removes `client`'s entry if it is `flow`, giving its slots back.
+    /// Returns whether it was removed (so exactly one caller accounts for it).
+    pub fn remove(&self, client: &SocketAddr, flow: &Arc<F>) -> bool {
+        let mut inner = self.lock();
+        let Some(current) = inner.flows.get(client) else {
+            return false;
+        };
+        if !Arc::ptr_eq(current, flow) {
+            return false;
+        }
+        inner.flows.remove(client);
+        decrement(&mut inner.per_source, client.ip().to_canonical());
+        self.budget.give_back();
+        true
+    }
+
+    /// Every flow open now (to end them all when the listener stops).
+    pub fn all(&self) -> Vec<Arc<F>> {
+        self.lock().flows.values().cloned().collect()
+    }
+}
+
+fn decrement<K: Hash + Eq>(map: &mut HashMap<K, usize>, key: K) {
+    if let Entry::Occupied(mut e) = map.entry(key) {
+        if *e.get() <= 1 {
+            e.remove();
+        } else {
+            *e.get_mut() -= 1;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn addr(ip: [u8; 4], port: u16) -> SocketAddr {
+        SocketAddr::from((ip, port))
+    }
+
+    #[test]
+    fn the_budget_and_the_per_source_cap_bound_the_table() {
+        let budget = FlowBudget::new(5);
+        let a: FlowTable<u32> = FlowTable::new(Arc::clone(&budget));
+        let b: FlowTable<u32> = FlowTable::new(Arc::clone(&budget));
+        // One source floods ports: it gets its share (2), no more.
+        for port in 1..=2 {
+            assert!(matches!(
+                a.insert(addr([10, 0, 0, 1], port), 2, || Some(Arc::new(0))),
+                Ok(Some(_))
+            ));
+        }
+        assert_eq!(
+            a.insert(addr([10, 0, 0, 1], 3), 2, || Some(Arc::new(0)))
+                .err(),
+            Some(Refusal::SourceLimit)
+        );
+        // Other sources, on another listener too, fill the process budget.
+        for i in 2..=4 {
+            assert!(
+                b.insert(addr([10, 0, 0, i], 1), 2, || Some(Arc::new(0)))
+                    .is_ok()
+            );
+        }
+        assert_eq!(budget.used(), 5);
+        assert_eq!(
+            b.insert(addr([10, 0, 0, 9], 1), 2, || Some(Arc::new(0)))
+                .err(),
+            Some(Refusal::TableFull)
+        );
+        // A flow that ends frees its slot and its source's share.
+        let f = a.get(&addr([10, 0, 0, 1], 1)).expect("open");
+        assert!(a.remove(&addr([10, 0, 0, 1], 1), &f));
+        assert!(!a.remove(&addr([10, 0, 0, 1], 1), &f), "exactly once");
+        assert_eq!(budget.used(), 4);
+        assert!(
+            a.insert(addr([10, 0, 0, 1], 7), 2, || Some(Arc::new(0)))
+                .is_ok()
+        );
+        // A socket that cannot be made takes no slot.
+        assert!(matches!(
+            b.insert(addr([10, 0, 0, 8], 1), 2, || None),
+            Err(Refusal::TableFull)
+        ));
+        budget.set_max(10);
+        assert!(matches!(
+            b.insert(addr([10, 0, 0, 8], 1), 2, || None),
+            Ok(None)
+        ));
+        assert_eq!(budget.used(), 5);
+    }
+
+    #[test]
+    fn ipv4_mapped_clients_share_their_ipv4_share() {
+        let table: FlowTable<u32> = FlowTable::new(FlowBudget::new(100));
+        let v4: SocketAddr = "10.0.0.1:1".parse().unwrap();
+        let mapped: SocketAddr = "[::ffff:10.0.0.1]:2".parse().unwrap();
+        assert!(table.insert(v4, 1, || Some(Arc::new(0))).is_ok());
+        assert_eq!(
+            table.insert(mapped, 1, || Some(Arc::new(0))).err(),
+            Some(Refusal::SourceLimit)
+        );
+    }
+
+    #[test]
+    fn the_default_bound_follows_the_open_file_limit() {
+        assert_eq!(default_max_flows(20_000), 6410);
+        assert_eq!(default_max_flows(100), 16);
+    }
+}
