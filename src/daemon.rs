@@ -242,10 +242,11 @@ impl Daemon {
         let mut report = ApplyReport::default();
         let drain = config.proxy.drain_timeout;
         self.affinity.set_max(config.proxy.max_affinity_entries);
-        self.udp_flows.set_max(config.proxy.max_udp_flows.map_or_else(
-            || udp::default_max_flows(crate::os::open_file_limit().unwrap_or(1024)),
-            |n| n.get(),
-        ));
+        self.udp_flows
+            .set_max(config.proxy.max_udp_flows.map_or_else(
+                || udp::default_max_flows(crate::os::open_file_limit().unwrap_or(1024)),
+                |n| n.get(),
+            ));
         let per_source = config.proxy.max_udp_flows_per_source.get();
         self.udp_per_source.store(per_source, Ordering::Relaxed);
         let old_config = st.config.take();
@@ -758,8 +759,9 @@ impl Daemon {
     ) -> Result<Running, String> {
         let (lb_name, name) = (route.lb.name.clone(), route.listener.clone());
         let bound = match protocol {
-            Protocol::Tcp => proxy::bind(addr, backlog)
-                .map(|socket| Running::Tcp(Listener::start(socket, route, Arc::clone(&self.limit)))),
+            Protocol::Tcp => proxy::bind(addr, backlog).map(|socket| {
+                Running::Tcp(Listener::start(socket, route, Arc::clone(&self.limit)))
+            }),
             Protocol::Udp => udp::bind(addr).map(|socket| {
                 Running::Udp(udp::UdpListener::start(
                     socket,
@@ -812,7 +814,11 @@ impl Daemon {
             let eligible = snapshot.eligible.len();
             // UDP flows per backend, all UDP listeners of this load balancer.
             let mut udp_flows: Option<HashMap<IpAddr, usize>> = None;
-            for l in spec.listeners.iter().filter(|l| l.protocol == Protocol::Udp) {
+            for l in spec
+                .listeners
+                .iter()
+                .filter(|l| l.protocol == Protocol::Udp)
+            {
                 let counts = udp_flows.get_or_insert_with(HashMap::new);
                 if let Some(Ok(running)) = st
                     .listeners
@@ -889,9 +895,7 @@ impl Daemon {
                         admin_state: b.admin_state(),
                         eligible: b.is_eligible(),
                         active_connections: b.active_connections(),
-                        active_flows: udp_flows
-                            .as_ref()
-                            .map(|m| m.get(ip).copied().unwrap_or(0)),
+                        active_flows: udp_flows.as_ref().map(|m| m.get(ip).copied().unwrap_or(0)),
                         probe,
                         ports,
                     }

@@ -220,11 +220,7 @@ const STEPS: &[Step] = &[
     Step::Listener(&names::UDP_BACKEND_FLOWS_ACTIVE, |o, l| {
         let Some(u) = l.udp.get() else { return };
         for (ip, be) in u.backends() {
-            o.sample(
-                "",
-                |b| udp_backend_labels(b, l, ip),
-                be.flows_active.get(),
-            );
+            o.sample("", |b| udp_backend_labels(b, l, ip), be.flows_active.get());
         }
     }),
     Step::Listener(&names::UDP_BACKEND_ICMP_ERRORS, |o, l| {

@@ -31,7 +31,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
-use socket2::{Domain, Socket, Type};
+use socket2::{Domain, SockRef, Socket, Type};
 use tokio::net::UdpSocket;
 use tokio::sync::Notify;
 use tokio::time::Instant;
@@ -352,7 +352,10 @@ enum Sent {
 
 fn send(flow: &Flow, datagram: &[u8], route: &UdpRoute) -> Sent {
     let udp = route.route.stats.udp();
-    match flow.socket.try_send(datagram) {
+    // Straight to the kernel: tokio's `try_send` answers `WouldBlock` on a
+    // socket whose first readiness event has not been polled yet, which a
+    // new flow's socket never has.
+    match SockRef::from(&flow.socket).send(datagram) {
         Ok(n) => {
             udp.datagrams[0].increment(1);
             route.route.stats.client_to_backend.increment(n as u64);
@@ -548,7 +551,9 @@ fn relay_answers(shared: &Shared, flow: &Flow, close_when_answered: bool) -> boo
                         .store(now_ms(shared.epoch), Ordering::Relaxed);
                     let route = shared.route.load();
                     let udp = route.route.stats.udp();
-                    match shared.socket.try_send_to(&buf[..n], flow.client) {
+                    // As in `send`: one system call, whatever tokio last saw.
+                    let to = socket2::SockAddr::from(flow.client);
+                    match SockRef::from(&shared.socket).send_to(&buf[..n], &to) {
                         Ok(sent) => {
                             udp.datagrams[1].increment(1);
                             route.route.stats.backend_to_client.increment(sent as u64);
