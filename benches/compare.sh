@@ -3,7 +3,7 @@
 #   benches/compare.sh [--json FILE] [--rounds N] [--duration S] [--only LIST]
 #                      [--scale-lbs N]          # scale scenario size (10000)
 #   benches/compare.sh --smoke [--json FILE]   # CI: harvester-lb alone, ~1 min
-# LIST: throughput,rps,cps,idle,health,reload,scale (default: all).
+# LIST: throughput,rps,cps,idle,health,reload,scale,udp (default: all).
 # Installs what is missing from Debian packages, builds harvester-lb in
 # release mode (cargo bench's profile) and runs benches/compare.rs.
 # CARGO_TARGET_DIR is honoured; CARGO_PROFILE (default: bench) may be set to
@@ -18,6 +18,9 @@ need=()
 command -v iperf3 >/dev/null || need+=(iperf3)
 command -v wrk >/dev/null || need+=(wrk)
 command -v tcpdump >/dev/null || need+=(tcpdump)
+# The UDP scenario: dnsmasq is the DNS backend, dnsperf the load.
+command -v dnsmasq >/dev/null || need+=(dnsmasq-base)
+command -v dnsperf >/dev/null || need+=(dnsperf)
 if ((smoke == 0)); then
   command -v haproxy >/dev/null || need+=(haproxy)
   command -v nginx >/dev/null || need+=(nginx)
