@@ -464,6 +464,21 @@ stream {{
     )
 }
 
+/// nginx with `config` written to `<name>.conf` in `work`, logging to `<name>.log`.
+fn spawn_nginx(work: &Path, name: &str, config: &str) -> Proc {
+    let cfg = work.join(format!("{name}.conf"));
+    std::fs::write(&cfg, config).expect("write nginx config");
+    Proc::spawn(
+        name,
+        Command::new("nginx")
+            .arg("-p")
+            .arg(work)
+            .arg("-c")
+            .arg(&cfg),
+        &work.join(format!("{name}.log")),
+    )
+}
+
 fn start_hlb(work: &Path, name: &str, config: &str, admin: SocketAddr) -> Proc {
     let path = work.join(format!("{name}.toml"));
     // The admin socket in the bench's directory: a harvester-lb serving
@@ -2000,7 +2015,17 @@ fn dnsperf_cmd(target: Target, queries: &Path, secs: u64) -> Command {
     cmd.args(["-s", &target.ip().to_string(), "-p", &DNS_PORT.to_string()])
         .arg("-d")
         .arg(queries)
-        .args(["-l", &secs.to_string(), "-c", "10", "-q", "100", "-t", "2", "-v"]);
+        .args([
+            "-l",
+            &secs.to_string(),
+            "-c",
+            "10",
+            "-q",
+            "100",
+            "-t",
+            "2",
+            "-v",
+        ]);
     cmd
 }
 
@@ -2091,22 +2116,17 @@ fn udp_scenario(o: &Opts, res: &mut Results) {
     }
     let mut procs: Vec<(Target, Proc)> = vec![(
         Target::Hlb,
-        start_hlb(&o.work, "hlb-udp", &hlb_udp_config(), sa(HLB_IP, ADMIN_PORT)),
+        start_hlb(
+            &o.work,
+            "hlb-udp",
+            &hlb_udp_config(),
+            sa(HLB_IP, ADMIN_PORT),
+        ),
     )];
     if o.targets.contains(&Target::Nginx) {
-        let cfg = o.work.join("nginx-udp.conf");
-        std::fs::write(&cfg, nginx_udp_config(&o.work)).expect("write");
         procs.push((
             Target::Nginx,
-            Proc::spawn(
-                "nginx-udp",
-                Command::new("nginx")
-                    .arg("-p")
-                    .arg(&o.work)
-                    .arg("-c")
-                    .arg(&cfg),
-                &o.work.join("nginx-udp.log"),
-            ),
+            spawn_nginx(&o.work, "nginx-udp", &nginx_udp_config(&o.work)),
         ));
     }
     let mut targets = vec![Target::Hlb];
@@ -2124,7 +2144,11 @@ fn udp_scenario(o: &Opts, res: &mut Results) {
     }
     res.commands.insert(
         "udp".into(),
-        format!("{:?}", dnsperf_cmd(Target::Hlb, Path::new("QUERIES"), o.duration)).replace('"', ""),
+        format!(
+            "{:?}",
+            dnsperf_cmd(Target::Hlb, Path::new("QUERIES"), o.duration)
+        )
+        .replace('"', ""),
     );
     let pids: Vec<(Target, i32)> = procs.iter().map(|(t, p)| (*t, p.pid())).collect();
     for round in 0..o.rounds {
@@ -2163,7 +2187,12 @@ fn udp_scenario(o: &Opts, res: &mut Results) {
         }
         // The target of the issue: harvester-lb's rate over nginx's, per round.
         if let (Some(h), Some(n)) = (qps_round.get(&Target::Hlb), qps_round.get(&Target::Nginx)) {
-            res.add(SCEN, "queries/s hlb / nginx (per round)", Target::Hlb, h / n);
+            res.add(
+                SCEN,
+                "queries/s hlb / nginx (per round)",
+                Target::Hlb,
+                h / n,
+            );
         }
     }
     for (t, p) in procs.iter_mut() {
@@ -2178,7 +2207,9 @@ fn udp_scenario(o: &Opts, res: &mut Results) {
             .get(&(SCEN.to_string(), "lost queries".to_string(), Target::Hlb))
             .map_or(0.0, |v| v.iter().sum());
         if lost > 0.0 {
-            res.fail(format!("udp smoke: {lost} queries lost through harvester-lb"));
+            res.fail(format!(
+                "udp smoke: {lost} queries lost through harvester-lb"
+            ));
         }
     }
 }
@@ -2344,19 +2375,9 @@ fn main() {
             wait_port(sa(HAPROXY_IP, HTTP_PORT), "haproxy");
         }
         if o.targets.contains(&Target::Nginx) {
-            let cfg = o.work.join("nginx.conf");
-            std::fs::write(&cfg, nginx_config(&o.work)).expect("write");
             procs.push((
                 Target::Nginx,
-                Proc::spawn(
-                    "nginx",
-                    Command::new("nginx")
-                        .arg("-p")
-                        .arg(&o.work)
-                        .arg("-c")
-                        .arg(&cfg),
-                    &o.work.join("nginx.log"),
-                ),
+                spawn_nginx(&o.work, "nginx", &nginx_config(&o.work)),
             ));
             wait_port(sa(NGINX_IP, HTTP_PORT), "nginx");
         }

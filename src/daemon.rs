@@ -22,6 +22,7 @@ use tokio_util::task::TaskTracker;
 use crate::balancer::{AdminState, AffinityBudget, Backend, LoadBalancer, Settings, affinity};
 use crate::config::{
     Algorithm, CheckKind, Config, Ipam, ListenerSpec, LoadBalancerSpec, Protocol, ProxyProtocol,
+    UdpSettings,
 };
 use crate::health::prober::{Prober, TargetStatus};
 use crate::health::{Health, HealthState};
@@ -370,7 +371,8 @@ impl Daemon {
                     }
                 }
                 _ => {
-                    let socket = self.start_listener(addr, route, lb_spec, config.proxy.backlog);
+                    let socket =
+                        self.start_listener(addr, route, lb_spec.udp, config.proxy.backlog);
                     st.listeners.insert(
                         addr,
                         ListenerEntry {
@@ -442,17 +444,17 @@ impl Daemon {
             else {
                 continue;
             };
-            let Some(lb_spec) = st
+            let Some(udp) = st
                 .config
                 .as_ref()
                 .and_then(|c| c.load_balancers.iter().find(|s| s.name == lb.name))
-                .cloned()
+                .map(|s| s.udp)
             else {
                 continue;
             };
             let entry = st.listeners.get_mut(&addr).expect("key from the same map");
             let route = self.route(&lb, &entry.spec);
-            if let Ok(listener) = self.start_listener(addr, route, &lb_spec, backlog) {
+            if let Ok(listener) = self.start_listener(addr, route, udp, backlog) {
                 entry.socket = Ok(listener);
                 entry.stats.up.set(true);
                 fixed += 1;
@@ -754,7 +756,7 @@ impl Daemon {
         &self,
         (addr, protocol): ListenerKey,
         route: Route,
-        lb_spec: &LoadBalancerSpec,
+        udp: UdpSettings,
         backlog: u32,
     ) -> Result<Running, String> {
         let (lb_name, name) = (route.lb.name.clone(), route.listener.clone());
@@ -766,7 +768,7 @@ impl Daemon {
                 Running::Udp(udp::UdpListener::start(
                     socket,
                     route,
-                    lb_spec.udp,
+                    udp,
                     Arc::clone(&self.udp_flows),
                     self.udp_per_source.load(Ordering::Relaxed),
                 ))

@@ -498,6 +498,80 @@ async fn a_port_unreachable_backend_moves_the_flow_and_is_counted() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flow_whose_backend_is_removed_or_drained_moves_at_its_next_datagram() {
+    let net = Subnet::new();
+    let _a = UdpServer::start(SocketAddr::new(net.ip(11), 30700), "a").await;
+    let _b = UdpServer::start(SocketAddr::new(net.ip(12), 30700), "b").await;
+    let _c = UdpServer::start(SocketAddr::new(net.ip(13), 30700), "c").await;
+    let d = Daemon::start(&net, &echo_config(&net, &[11, 12, 13], "", "")).await;
+    let vip = SocketAddr::new(net.ip(1), 7000);
+    let client = UdpSocket::bind(SocketAddr::new(net.ip(100), 0))
+        .await
+        .unwrap();
+    let ask_who = || async {
+        who(&ask(&client, vip, b"q", Duration::from_secs(2))
+            .await
+            .expect("answered"))
+    };
+    let first = ask_who().await;
+    assert_eq!(ask_who().await, first, "a flow keeps its backend");
+    let host = |name: &str| match name {
+        "a" => 11u8,
+        "b" => 12,
+        _ => 13,
+    };
+    // Drained: the very next datagram goes elsewhere, and stays there.
+    let (code, body) = http_unix(
+        &d.socket,
+        "POST",
+        "/backends/state",
+        &format!(
+            r#"{{"load_balancer":"default/udp","backend":"{}","state":"drain"}}"#,
+            net.ip_str(host(&first))
+        ),
+    )
+    .await;
+    assert_eq!(code, 200, "{body}");
+    let second = ask_who().await;
+    assert_ne!(second, first, "no datagram to a drained backend");
+    assert_eq!(ask_who().await, second);
+    // Removed by a reload: the same.
+    let rest: Vec<u8> = [11u8, 12, 13]
+        .into_iter()
+        .filter(|h| *h != host(&second))
+        .collect();
+    std::fs::write(&d.config, echo_config(&net, &rest, "", "")).unwrap();
+    let (code, body) = http(d.admin, "POST", "/reload").await;
+    assert_eq!(code, 200, "{body}");
+    let third = ask_who().await;
+    assert_ne!(third, second, "no datagram to a removed backend");
+    d.stop().await;
+}
+
+/// One client socket on each of `sources`, on a port of its own.
+async fn clients_on(sources: &[IpAddr]) -> Vec<UdpSocket> {
+    let mut v = Vec::new();
+    for ip in sources {
+        v.push(UdpSocket::bind(SocketAddr::new(*ip, 0)).await.unwrap());
+    }
+    v
+}
+
+/// How many of `clients` get an answer to one datagram (300 ms each).
+async fn answered(clients: &[UdpSocket], vip: SocketAddr) -> usize {
+    let mut n = 0;
+    for c in clients {
+        if ask(c, vip, b"hello", Duration::from_millis(300))
+            .await
+            .is_some()
+        {
+            n += 1;
+        }
+    }
+    n
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_flow_table_is_bounded_and_serves_again_when_flows_expire() {
     let net = Subnet::new();
     let _a = UdpServer::start(SocketAddr::new(net.ip(11), 30700), "a").await;
@@ -515,24 +589,12 @@ async fn the_flow_table_is_bounded_and_serves_again_when_flows_expire() {
     let labels = "cluster=\"kubernetes\",load_balancer=\"default/udp\",listener=\"game\"";
 
     // One source floods ports: two flows, the rest dropped as its share.
-    let mut flood = Vec::new();
-    for _ in 0..4 {
-        flood.push(
-            UdpSocket::bind(SocketAddr::new(net.ip(100), 0))
-                .await
-                .unwrap(),
-        );
-    }
-    let mut served = 0;
-    for s in &flood {
-        if ask(s, vip, b"f", Duration::from_millis(300))
-            .await
-            .is_some()
-        {
-            served += 1;
-        }
-    }
-    assert_eq!(served, 2, "one source gets its share, no more");
+    let flood = clients_on(&[net.ip(100); 4]).await;
+    assert_eq!(
+        answered(&flood, vip).await,
+        2,
+        "one source gets its share, no more"
+    );
     let share = d
         .metric(&format!(
             "harvester_lb_udp_flows_dropped_total{{{labels},reason=\"source_limit\"}}"
@@ -542,24 +604,13 @@ async fn the_flow_table_is_bounded_and_serves_again_when_flows_expire() {
 
     // More client addresses than the table holds: the excess is dropped
     // and counted; the table never holds more than its bound.
-    let mut clients = Vec::new();
-    for h in 101..=106u8 {
-        clients.push(
-            UdpSocket::bind(SocketAddr::new(net.ip(h), 0))
-                .await
-                .unwrap(),
-        );
-    }
-    let mut served = 0;
-    for s in &clients {
-        if ask(s, vip, b"c", Duration::from_millis(300))
-            .await
-            .is_some()
-        {
-            served += 1;
-        }
-    }
-    assert_eq!(served, 2, "two slots were left of four");
+    let sources: Vec<IpAddr> = (101..=106u8).map(|h| net.ip(h)).collect();
+    let clients = clients_on(&sources).await;
+    assert_eq!(
+        answered(&clients, vip).await,
+        2,
+        "two slots were left of four"
+    );
     let full = d
         .metric(&format!(
             "harvester_lb_udp_flows_dropped_total{{{labels},reason=\"table_full\"}}"
