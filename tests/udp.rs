@@ -683,6 +683,43 @@ async fn datagrams_of_every_size_up_to_65507_bytes_are_forwarded_whole() {
     d.stop().await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ipv6_flows_answer_from_the_vip() {
+    let net = Subnet::new();
+    // ::1 is shared by every test process: ports the kernel hands out.
+    let free_port = || {
+        std::net::UdpSocket::bind("[::1]:0")
+            .and_then(|s| s.local_addr())
+            .map(|a| a.port())
+            .expect("an IPv6 loopback port")
+    };
+    let (vip_port, backend_port) = (free_port(), free_port());
+    let backend = SocketAddr::new("::1".parse().unwrap(), backend_port);
+    let _echo = echo_server(backend).await;
+    let config = format!(
+        r#"
+[admin]
+listen = "{admin}:9901"
+[[load_balancer]]
+name = "default/v6"
+vip = "::1"
+backends = ["::1"]
+  [[load_balancer.listener]]
+  name = "v6"
+  port = {vip_port}
+  backend_port = {backend_port}
+  protocol = "udp"
+"#,
+        admin = net.ip_str(250)
+    );
+    let d = Daemon::start(&net, &config).await;
+    let vip = SocketAddr::new("::1".parse().unwrap(), vip_port);
+    let client = UdpSocket::bind("[::1]:0").await.unwrap();
+    let answer = ask(&client, vip, b"over IPv6", Duration::from_secs(2)).await;
+    assert_eq!(answer.as_deref(), Some(&b"over IPv6"[..]));
+    d.stop().await;
+}
+
 #[test]
 fn udp_keys_are_validated_with_their_key_paths() {
     let base = |listeners: &str, extra: &str| {
