@@ -747,7 +747,10 @@ impl Daemon {
             lb: Arc::clone(lb),
             listener: spec.name.clone(),
             backend_port: spec.backend_port,
-            stats: lb.stats().listener(&spec.name),
+            stats: match spec.protocol {
+                Protocol::Tcp => lb.stats().listener(&spec.name),
+                Protocol::Udp => lb.stats().udp_listener(&spec.name),
+            },
             proxy_protocol: spec.proxy_protocol,
         }
     }

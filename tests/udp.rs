@@ -222,6 +222,17 @@ async fn dns_through_the_vip_is_answered_from_the_vip_spread_and_survives_a_stop
         &format!("harvester_lb_udp_flows_created_total{{{labels}}}"),
     );
     assert!(created >= 12.0, "one flow per query: {created}");
+    let bytes = metric_value(
+        &metrics,
+        &format!("harvester_lb_udp_bytes_total{{{labels},direction=\"backend_to_client\"}}"),
+    );
+    assert!(bytes >= 12.0 * 40.0, "answer bytes counted: {bytes}");
+    assert!(
+        !metrics.contains(&format!(
+            "harvester_lb_connections_accepted_total{{{labels}}}"
+        )),
+        "a UDP listener has no connection series"
+    );
     promtool_accepts(&metrics);
 
     // udp_responses = 1: every flow ended at its answer.

@@ -151,6 +151,9 @@ const STEPS: &[Step] = &[
         o.sample("", |b| listener_labels(b, l), l.active.get());
     }),
     Step::Listener(&names::BYTES, |o, l| {
+        if l.udp.get().is_some() {
+            return;
+        }
         let sides = [
             ("client_to_backend", &l.client_to_backend),
             ("backend_to_client", &l.backend_to_client),
@@ -187,6 +190,20 @@ const STEPS: &[Step] = &[
                     label(b, "direction", direction);
                 },
                 u.datagrams[i].get(),
+            );
+        }
+    }),
+    Step::Listener(&names::UDP_BYTES, |o, l| {
+        let Some(u) = l.udp.get() else { return };
+        let sides = [("client_to_backend", 0), ("backend_to_client", 1)];
+        for (direction, i) in sides {
+            o.sample(
+                "",
+                |b| {
+                    listener_labels(b, l);
+                    label(b, "direction", direction);
+                },
+                u.bytes[i].get(),
             );
         }
     }),

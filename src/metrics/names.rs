@@ -197,6 +197,12 @@ pub static UDP_DATAGRAMS: Family = Family::new(
     Counter,
     "Datagrams forwarded by the UDP listener, by direction.",
 );
+/// Payload bytes forwarded by a UDP listener, by `direction`.
+pub static UDP_BYTES: Family = Family::new(
+    "harvester_lb_udp_bytes_total",
+    Counter,
+    "Datagram payload bytes forwarded by the UDP listener, by direction.",
+);
 /// Datagrams a UDP listener dropped, by `reason`.
 pub static UDP_DATAGRAMS_DROPPED: Family = Family::new(
     "harvester_lb_udp_datagrams_dropped_total",

@@ -190,7 +190,9 @@ pub struct LbStats {
     pub affinity_entries: Gauge,
     /// `affinity_table_full_total`.
     pub affinity_full: Counter,
-    pub(crate) listeners: Live<Box<str>, ListenerStats>,
+    /// By name and whether it is a UDP listener: a listener that changes
+    /// protocol gets fresh numbers, never the other kind's.
+    pub(crate) listeners: Live<(Box<str>, bool), ListenerStats>,
     pub(crate) backends: Live<IpAddr, BackendStats>,
     /// The VIP's DHCP lease, for a load balancer with `ipam = "dhcp"`.
     pub dhcp: std::sync::Mutex<Option<Arc<LeaseStats>>>,
@@ -229,9 +231,19 @@ impl LbStats {
         Arc::new(Self::new(None, "", ""))
     }
 
-    /// The stats of listener `name` of this load balancer.
+    /// The stats of TCP listener `name` of this load balancer.
     pub fn listener(self: &Arc<Self>, name: &str) -> Arc<ListenerStats> {
-        get_or_insert(&self.listeners, name.into(), || ListenerStats {
+        self.listener_of(name, false)
+    }
+
+    /// The stats of UDP listener `name` of this load balancer: the same
+    /// numbers as a TCP listener's, plus [`UdpStats`].
+    pub fn udp_listener(self: &Arc<Self>, name: &str) -> Arc<ListenerStats> {
+        self.listener_of(name, true)
+    }
+
+    fn listener_of(self: &Arc<Self>, name: &str, udp: bool) -> Arc<ListenerStats> {
+        get_or_insert(&self.listeners, (name.into(), udp), || ListenerStats {
             lb: Arc::clone(self),
             name: name.into(),
             up: Presence::default(),
@@ -243,7 +255,11 @@ impl LbStats {
             backend_to_client: Counter::default(),
             accept_errors: Default::default(),
             limit_reached: Counter::default(),
-            udp: OnceLock::new(),
+            udp: if udp {
+                OnceLock::from(Box::default())
+            } else {
+                OnceLock::new()
+            },
         })
     }
 
@@ -330,13 +346,15 @@ pub struct ListenerStats {
     pub accept_errors: [Counter; 3],
     /// `connection_limit_reached_total`.
     pub limit_reached: Counter,
-    /// A UDP listener's numbers, made when a UDP listener first serves this
-    /// identity: a TCP listener pays one pointer-sized slot, not the table.
+    /// A UDP listener's numbers, set when the stats are made for one
+    /// ([`LbStats::udp_listener`]): a TCP listener pays one pointer-sized
+    /// slot, not the table.
     pub udp: OnceLock<Box<UdpStats>>,
 }
 
 impl ListenerStats {
-    /// The UDP numbers of this listener (made at the first call).
+    /// The UDP numbers of this listener (made at the first call, for
+    /// stats that were not made as a UDP listener's).
     pub fn udp(&self) -> &UdpStats {
         self.udp.get_or_init(Box::default)
     }
@@ -353,6 +371,10 @@ pub const UDP_FLOW_DROP_REASONS: [&str; 4] =
 pub struct UdpStats {
     /// `udp_datagrams_total`: client to backend, backend to client.
     pub datagrams: [Counter; 2],
+    /// `udp_bytes_total`: client to backend, backend to client (a family of
+    /// its own, so a TCP and a UDP listener of one name never write the
+    /// same series while one of them drains).
+    pub bytes: [Counter; 2],
     /// `udp_datagrams_dropped_total`, by [`UDP_DATAGRAM_DROP_REASONS`].
     pub datagrams_dropped: [Counter; UDP_DATAGRAM_DROP_REASONS.len()],
     /// `udp_flows_active`.
@@ -403,7 +425,8 @@ pub struct UdpBackendStats {
 
 impl Drop for ListenerStats {
     fn drop(&mut self) {
-        forget(&self.lb.listeners, &self.name, self);
+        let key = (self.name.clone(), self.udp.get().is_some());
+        forget(&self.lb.listeners, &key, self);
     }
 }
 

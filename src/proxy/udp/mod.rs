@@ -358,7 +358,7 @@ fn send(flow: &Flow, datagram: &[u8], route: &UdpRoute) -> Sent {
     match SockRef::from(&flow.socket).send(datagram) {
         Ok(n) => {
             udp.datagrams[0].increment(1);
-            route.route.stats.client_to_backend.increment(n as u64);
+            udp.bytes[0].increment(n as u64);
             Sent::Ok
         }
         Err(e) if e.raw_os_error() == Some(libc::ECONNREFUSED) => {
@@ -556,7 +556,7 @@ fn relay_answers(shared: &Shared, flow: &Flow, close_when_answered: bool) -> boo
                     match SockRef::from(&shared.socket).send_to(&buf[..n], &to) {
                         Ok(sent) => {
                             udp.datagrams[1].increment(1);
-                            route.route.stats.backend_to_client.increment(sent as u64);
+                            udp.bytes[1].increment(sent as u64);
                         }
                         Err(e) => {
                             // Too large for the client's family (an IPv6
