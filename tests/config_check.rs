@@ -145,7 +145,7 @@ backends = ["198.51.100.1"]
         "line 18: load_balancer[0].health_check.timeout_seconds: 5 s is longer than period_seconds (2 s); a probe must end before the next one starts",
         "line 21: load_balancer[1].name: duplicate load balancer name \"dup\" (first used on line 3); names must be unique",
         "line 29: load_balancer[1].listener[1].name: duplicate listener name \"a\" in this load balancer",
-        "load_balancer[2].listener[0].port: 192.0.2.1:80 is already a listener of load balancer \"dup/a\"; one VIP:port can serve only one listener",
+        "load_balancer[2].listener[0].port: 192.0.2.1:80/tcp is already a listener of load balancer \"dup/a\"; one VIP:port can serve one TCP and one UDP listener",
         "load_balancer[2].health_check.period_seconds: 0 is out of range; the value must be in 1..=31536000",
     ];
     for e in expected {
