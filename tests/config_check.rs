@@ -98,7 +98,7 @@ ipam = "static"
   name = "http"
   port = 0
   backend_port = 70000
-  protocol = "udp"
+  protocol = "sctp"
   [load_balancer.health_check]
   port = 30080
   success_threshold = 0
@@ -139,7 +139,7 @@ backends = ["198.51.100.1"]
         "line 7: load_balancer[0].ipam: \"static\" is not supported; use one of \"pool\", \"dhcp\"",
         "line 10: load_balancer[0].listener[0].port: 0 is out of range; a port must be in 1..=65535",
         "line 11: load_balancer[0].listener[0].backend_port: 70000 is out of range; a port must be in 1..=65535",
-        "line 12: load_balancer[0].listener[0].protocol: \"udp\" is not supported; use one of \"tcp\"",
+        "line 12: load_balancer[0].listener[0].protocol: \"sctp\" is not supported; use one of \"tcp\", \"udp\"",
         "line 15: load_balancer[0].health_check.success_threshold: 0 is out of range; the value must be in 1..=1000",
         "line 16: load_balancer[0].health_check.failure_threshold: -1 is out of range; the value must be in 1..=1000",
         "line 18: load_balancer[0].health_check.timeout_seconds: 5 s is longer than period_seconds (2 s); a probe must end before the next one starts",
