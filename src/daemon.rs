@@ -27,10 +27,11 @@ use crate::config::{
 use crate::health::prober::{Prober, TargetStatus};
 use crate::health::{Health, HealthState};
 use crate::metrics::{ListenerStats, Metrics};
-use crate::vip::dhcp::{Leases, Want};
-use crate::vip::isolate::{Isolation, IsolationStatus};
 use crate::proxy::udp::{self, FlowBudget};
 use crate::proxy::{self, Listener, Route, Running};
+use crate::vip::dhcp::{Leases, Want};
+use crate::vip::isolate::{Isolation, IsolationStatus};
+use crate::vip::isolate::{Isolation, IsolationStatus};
 
 /// The daemon's live state, shared by the reload path, the admin server and
 /// the signal handlers.

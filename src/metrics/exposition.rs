@@ -23,7 +23,8 @@ use super::names::{self, Family};
 use super::stats::{
     ACCEPT_ERROR_KINDS, ADMIN_STATES, BackendStats, CHECK_RESULTS, CLOSED_REASONS,
     CONNECT_FAILURE_REASONS, Counter, FAILED_REASONS, Histogram, IGNORED_REASONS, LbStats,
-    ListenerStats, PROBE_BUCKETS, REJECTED_REASONS, UDP_DATAGRAM_DROP_REASONS, UDP_FLOW_DROP_REASONS,
+    ListenerStats, PROBE_BUCKETS, REJECTED_REASONS, UDP_DATAGRAM_DROP_REASONS,
+    UDP_FLOW_DROP_REASONS,
 };
 
 /// One load balancer's live objects at the start of a scrape.
