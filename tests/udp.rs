@@ -799,6 +799,40 @@ fn udp_keys_are_validated_with_their_key_paths() {
     );
 }
 
+#[test]
+fn per_listener_checks_probe_tcp_nodeports_only() {
+    let text = |listeners: &str| {
+        format!(
+            "[[load_balancer]]\nname = \"a/b\"\nvip = \"127.0.9.1\"\nbackends = [\"127.0.9.11\"]\n{listeners}[load_balancer.health_check]\nperiod_seconds = 1\ntimeout_seconds = 1\n"
+        )
+    };
+    let l = |name: &str, port: u16, proto: &str| {
+        format!(
+            "[[load_balancer.listener]]\nname = \"{name}\"\nport = 53\nbackend_port = {port}\nprotocol = \"{proto}\"\n"
+        )
+    };
+    // A UDP nodeport answers no handshake: only the TCP listener's is checked.
+    let mixed = harvester_lb::config::parse(&text(&format!(
+        "{}{}",
+        l("dns", 30053, "udp"),
+        l("dns-tcp", 30054, "tcp")
+    )))
+    .expect("valid");
+    assert_eq!(mixed.config.load_balancers[0].checked_ports(), vec![30054]);
+    assert!(mixed.warnings.is_empty());
+    // Only UDP listeners and no check port: nothing could be checked; said so.
+    let only_udp = harvester_lb::config::parse(&text(&l("dns", 30053, "udp"))).expect("valid");
+    assert!(only_udp.config.load_balancers[0].checked_ports().is_empty());
+    let warned: Vec<String> = only_udp.warnings.iter().map(|w| w.to_string()).collect();
+    assert!(
+        warned
+            .iter()
+            .any(|w| w.contains("load_balancer[0].health_check.port")
+                && w.contains("only UDP listeners")),
+        "{warned:?}"
+    );
+}
+
 /// Property: whatever is done to a config with UDP listeners, `parse`
 /// never panics, and what it accepts holds the UDP rules (one listener per
 /// VIP, port and protocol; no PROXY header on UDP).

@@ -538,6 +538,17 @@ impl Validator<'_> {
             .health_check
             .as_ref()
             .and_then(|hc| self.health_check(&format!("{key}.health_check"), hc));
+        if let (Some(hc), Some(written)) = (&health_check, &lb.health_check)
+            && hc.port.is_none()
+            && !listeners.is_empty()
+            && listeners.iter().all(|l| l.protocol == Protocol::Udp)
+        {
+            self.warning(
+                Some(written.span()),
+                &format!("{key}.health_check.port"),
+                "missing: without it each TCP listener's nodeport is checked, and this load balancer has only UDP listeners (a UDP port answers no handshake), so nothing is checked and every backend stays in its initial state; give a TCP port of the node (a DNS server answers TCP on its port)".into(),
+            );
+        }
         let source_ranges = self.source_ranges(key, table_span.clone(), &lb.source_ranges, vip);
         let udp_idle_timeout = self.int(
             &lb.udp_idle_timeout_seconds,
