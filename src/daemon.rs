@@ -31,7 +31,6 @@ use crate::proxy::udp::{self, FlowBudget};
 use crate::proxy::{self, Listener, Route, Running};
 use crate::vip::dhcp::{Leases, Want};
 use crate::vip::isolate::{Isolation, IsolationStatus};
-use crate::vip::isolate::{Isolation, IsolationStatus};
 
 /// The daemon's live state, shared by the reload path, the admin server and
 /// the signal handlers.
