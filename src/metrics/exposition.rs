@@ -155,20 +155,7 @@ const STEPS: &[Step] = &[
         if l.udp.get().is_some() {
             return;
         }
-        let sides = [
-            ("client_to_backend", &l.client_to_backend),
-            ("backend_to_client", &l.backend_to_client),
-        ];
-        for (direction, c) in sides {
-            o.sample(
-                "",
-                |b| {
-                    listener_labels(b, l);
-                    label(b, "direction", direction);
-                },
-                c.get(),
-            );
-        }
+        o.directions(l, [&l.client_to_backend, &l.backend_to_client]);
     }),
     Step::Listener(&names::ACCEPT_ERRORS, |o, l| {
         o.outcomes(&l.accept_errors, &ACCEPT_ERROR_KINDS, "kind", |b| {
@@ -181,31 +168,13 @@ const STEPS: &[Step] = &[
         }
     }),
     Step::Listener(&names::UDP_DATAGRAMS, |o, l| {
-        let Some(u) = l.udp.get() else { return };
-        let sides = [("client_to_backend", 0), ("backend_to_client", 1)];
-        for (direction, i) in sides {
-            o.sample(
-                "",
-                |b| {
-                    listener_labels(b, l);
-                    label(b, "direction", direction);
-                },
-                u.datagrams[i].get(),
-            );
+        if let Some(u) = l.udp.get() {
+            o.directions(l, [&u.datagrams[0], &u.datagrams[1]]);
         }
     }),
     Step::Listener(&names::UDP_BYTES, |o, l| {
-        let Some(u) = l.udp.get() else { return };
-        let sides = [("client_to_backend", 0), ("backend_to_client", 1)];
-        for (direction, i) in sides {
-            o.sample(
-                "",
-                |b| {
-                    listener_labels(b, l);
-                    label(b, "direction", direction);
-                },
-                u.bytes[i].get(),
-            );
+        if let Some(u) = l.udp.get() {
+            o.directions(l, [&u.bytes[0], &u.bytes[1]]);
         }
     }),
     Step::Listener(&names::UDP_DATAGRAMS_DROPPED, |o, l| {
@@ -507,6 +476,22 @@ impl Out<'_> {
             self.buf.push(b'}');
         }
         let _ = writeln!(self.buf, " {value}");
+    }
+
+    /// A listener's pair of counters by `direction`: client to backend,
+    /// then backend to client.
+    fn directions(&mut self, l: &ListenerStats, counters: [&Counter; 2]) {
+        let sides = ["client_to_backend", "backend_to_client"];
+        for (direction, c) in sides.into_iter().zip(counters) {
+            self.sample(
+                "",
+                |b| {
+                    listener_labels(b, l);
+                    label(b, "direction", direction);
+                },
+                c.get(),
+            );
+        }
     }
 
     /// One sample per outcome that has happened at least once.
