@@ -1,0 +1,443 @@
+//! Applying a config: the diff of load balancers, backends, probes and
+//! listeners, and the retirement of what a reload removed.
+
+use super::*;
+
+impl Daemon {
+    /// Makes `config` the one in force, changing only what differs.
+    pub fn apply(&self, config: Config) -> ApplyReport {
+        let mut st = self.lock();
+        self.apply_locked(&mut st, config)
+    }
+
+    pub(super) fn apply_locked(&self, st: &mut State, config: Config) -> ApplyReport {
+        let config = self.lease_vips(config);
+        let mut report = ApplyReport::default();
+        let drain = config.proxy.drain_timeout;
+        self.affinity.set_max(config.proxy.max_affinity_entries);
+        self.udp_flows
+            .set_max(config.proxy.max_udp_flows.map_or_else(
+                || udp::default_max_flows(crate::os::open_file_limit().unwrap_or(1024)),
+                |n| n.get(),
+            ));
+        let per_source = config.proxy.max_udp_flows_per_source.get();
+        self.udp_per_source.store(per_source, Ordering::Relaxed);
+        let old_config = st.config.take();
+        // A spec reused from the last file is the same `Arc`, and `Arc`'s
+        // equality compares pointers first: unchanged load balancers cost
+        // no field-by-field comparison.
+        let in_force: HashMap<&str, &Arc<LoadBalancerSpec>> = old_config
+            .iter()
+            .flat_map(|c| &c.load_balancers)
+            .map(|spec| (spec.name.as_str(), spec))
+            .collect();
+
+        // Load balancers first: listeners need their `Arc<LoadBalancer>`.
+        for spec in &config.load_balancers {
+            let old = in_force.get(spec.name.as_str()).copied();
+            let recreate = old.is_some_and(|o| o.cluster != spec.cluster);
+            if recreate && let Some(old) = st.load_balancers.remove(&spec.name) {
+                self.retire_load_balancer(old, drain);
+            }
+            match st.load_balancers.get_mut(&spec.name) {
+                // Unchanged: nothing to do (most of a reload, at scale).
+                Some(_) if old == Some(spec) => {}
+                Some(entry) => self.update_load_balancer(entry, spec, drain),
+                None => {
+                    let entry = self.new_load_balancer(spec);
+                    st.load_balancers.insert(spec.name.clone(), entry);
+                    report.load_balancers_added += 1;
+                }
+            }
+        }
+        let wanted: std::collections::HashSet<&str> = config
+            .load_balancers
+            .iter()
+            .map(|l| l.name.as_str())
+            .collect();
+        let gone: Vec<String> = st
+            .load_balancers
+            .keys()
+            .filter(|n| !wanted.contains(n.as_str()))
+            .cloned()
+            .collect();
+        for name in gone {
+            if let Some(entry) = st.load_balancers.remove(&name) {
+                self.retire_load_balancer(entry, drain);
+                report.load_balancers_removed += 1;
+            }
+        }
+
+        for spec in config.load_balancers.iter().filter(|l| l.dhcp.is_some()) {
+            if let Some(entry) = st.load_balancers.get(&spec.name) {
+                entry.lb.stats().set_lease(self.leases.stats(&spec.name));
+            }
+        }
+
+        // Listeners: keep sockets that stay, bind new ones, drain removed ones.
+        let mut desired: HashMap<ListenerKey, (&LoadBalancerSpec, &ListenerSpec)> = HashMap::new();
+        for lb in &config.load_balancers {
+            if lb.vip.is_unspecified() {
+                // A DHCP VIP not leased yet: nothing to bind.
+                continue;
+            }
+            for l in &lb.listeners {
+                desired.insert((lb.listen_addr(l), l.protocol), (lb, l));
+            }
+        }
+        let removed: Vec<ListenerKey> = st
+            .listeners
+            .keys()
+            .filter(|a| !desired.contains_key(a))
+            .copied()
+            .collect();
+        for addr in removed {
+            if let Some(entry) = st.listeners.remove(&addr) {
+                entry.stats.up.clear();
+                if let Ok(listener) = entry.socket {
+                    self.drain_in_background(listener, drain);
+                }
+                report.listeners_removed += 1;
+            }
+        }
+        for (addr, (lb_spec, l_spec)) in desired {
+            let lb = Arc::clone(&st.load_balancers[&lb_spec.name].lb);
+            if let Some(ListenerEntry {
+                socket: Ok(listener),
+                load_balancer,
+                spec,
+                ..
+            }) = st.listeners.get(&addr)
+                && *load_balancer == lb_spec.name
+                && spec == l_spec
+                && Arc::ptr_eq(&listener.route().lb, &lb)
+                && listener.udp_settings().is_none_or(|u| u == lb_spec.udp)
+            {
+                if let Ok(Running::Udp(l)) = &st.listeners[&addr].socket {
+                    l.set_per_source(per_source);
+                }
+                continue; // The same route would be built again.
+            }
+            let route = self.route(&lb, l_spec);
+            let stats = Arc::clone(&route.stats);
+            match st.listeners.get_mut(&addr) {
+                Some(ListenerEntry {
+                    socket: Ok(listener),
+                    load_balancer,
+                    spec,
+                    stats: serving,
+                }) => {
+                    match listener {
+                        Running::Tcp(l) => l.set_route(route),
+                        Running::Udp(l) => {
+                            l.set_route(route, lb_spec.udp);
+                            l.set_per_source(per_source);
+                        }
+                    }
+                    *load_balancer = lb_spec.name.clone();
+                    *spec = l_spec.clone();
+                    if !Arc::ptr_eq(serving, &stats) {
+                        // Renamed, or now another load balancer's.
+                        serving.up.clear();
+                        *serving = stats;
+                    }
+                }
+                _ => {
+                    let socket =
+                        self.start_listener(addr, route, lb_spec.udp, config.proxy.backlog);
+                    st.listeners.insert(
+                        addr,
+                        ListenerEntry {
+                            load_balancer: lb_spec.name.clone(),
+                            spec: l_spec.clone(),
+                            socket,
+                            stats,
+                        },
+                    );
+                }
+            }
+        }
+        // After every removal above: a listener's identity may have moved
+        // to another VIP:port, whose entry must not be cleared after it is set.
+        for entry in st.listeners.values() {
+            entry.stats.up.set(entry.socket.is_ok());
+            if entry.socket.is_ok() {
+                report.listeners_bound += 1;
+            } else {
+                report.listeners_failed += 1;
+            }
+        }
+        self.metrics
+            .set_config_in_force(config.load_balancers.len(), self.prober.streams());
+        self.metrics.set_per_backend_health_check_duration(
+            config.metrics.per_backend_health_check_duration,
+        );
+        st.config = Some(config);
+        report
+    }
+
+    /// Tries again to bind listeners that failed (address in use, say).
+    /// Returns how many are bound now.
+    pub fn retry_failed_listeners(&self) -> usize {
+        let mut st = self.lock();
+        let backlog = st.config.as_ref().map_or(1024, |c| c.proxy.backlog);
+        let failed: Vec<ListenerKey> = st
+            .listeners
+            .iter()
+            .filter(|(_, e)| e.socket.is_err())
+            .map(|(a, _)| *a)
+            .collect();
+        let mut fixed = 0;
+        for addr in failed {
+            let Some(lb) = st
+                .listeners
+                .get(&addr)
+                .and_then(|e| st.load_balancers.get(&e.load_balancer))
+                .map(|e| Arc::clone(&e.lb))
+            else {
+                continue;
+            };
+            let Some(udp) = st
+                .config
+                .as_ref()
+                .and_then(|c| c.load_balancers.iter().find(|s| s.name == lb.name))
+                .map(|s| s.udp)
+            else {
+                continue;
+            };
+            let entry = st.listeners.get_mut(&addr).expect("key from the same map");
+            let route = self.route(&lb, &entry.spec);
+            if let Ok(listener) = self.start_listener(addr, route, udp, backlog) {
+                entry.socket = Ok(listener);
+                entry.stats.up.set(true);
+                fixed += 1;
+            }
+        }
+        fixed
+    }
+
+    pub(super) fn new_load_balancer(&self, spec: &LoadBalancerSpec) -> LbEntry {
+        let healthy_at_start = spec.health_check.is_none()
+            || spec.initial_state == crate::config::InitialState::Healthy;
+        let stats = self.metrics.load_balancer(&spec.cluster, &spec.name);
+        let ports = spec.checked_ports();
+        let backends: HashMap<IpAddr, Arc<Backend>> = spec
+            .backends
+            .iter()
+            .map(|ip| {
+                let backend = Backend::with_stats(*ip, healthy_at_start, stats.backend(*ip));
+                backend.set_checked_ports(&ports, healthy_at_start);
+                (*ip, backend)
+            })
+            .collect();
+        let members = spec
+            .backends
+            .iter()
+            .map(|ip| Arc::clone(&backends[ip]))
+            .collect();
+        let lb = LoadBalancer::new(
+            spec.name.clone(),
+            spec.cluster.clone(),
+            Settings::from(spec),
+            members,
+            stats,
+        );
+        lb.configure_affinity(spec.affinity_timeout.is_some(), &self.affinity);
+        let entry = LbEntry { lb, backends };
+        self.ensure_probes(&entry, spec);
+        entry
+    }
+
+    pub(super) fn update_load_balancer(
+        &self,
+        entry: &mut LbEntry,
+        spec: &LoadBalancerSpec,
+        drain: Duration,
+    ) {
+        let healthy_at_start = spec.health_check.is_none()
+            || spec.initial_state == crate::config::InitialState::Healthy;
+        let mut backends = HashMap::new();
+        for ip in &spec.backends {
+            let backend = match entry.backends.remove(ip) {
+                Some(b) => b,
+                None => Backend::with_stats(*ip, healthy_at_start, entry.lb.stats().backend(*ip)),
+            };
+            backends.insert(*ip, backend);
+        }
+        for (_, gone) in std::mem::replace(&mut entry.backends, backends) {
+            self.stop_probing(&spec.name, &gone);
+            gone.leave();
+            retire_after(gone, drain, &self.drains, self.retire_now.clone());
+        }
+        if spec.health_check.is_none() {
+            // Health checking switched off: every backend is eligible again.
+            for backend in entry.backends.values() {
+                self.stop_probing(&spec.name, backend);
+                backend.set_checked_ports(&[], true);
+                backend.set_healthy(true);
+            }
+        } else {
+            // Targets the new check no longer has go; the rest keep their
+            // state. A switch between one verdict per backend and one per
+            // port starts the new targets from `initial_state`.
+            let ports = spec.checked_ports();
+            for backend in entry.backends.values() {
+                let name = &spec.name;
+                if !ports.is_empty() {
+                    self.prober.remove(&(name.clone(), backend.addr, None));
+                }
+                for old in backend.checked_ports() {
+                    if !ports.contains(&old) {
+                        self.prober.remove(&(name.clone(), backend.addr, Some(old)));
+                    }
+                }
+                backend.set_checked_ports(&ports, healthy_at_start);
+            }
+        }
+        self.ensure_probes(entry, spec);
+        let members = spec
+            .backends
+            .iter()
+            .map(|ip| Arc::clone(&entry.backends[ip]))
+            .collect();
+        entry
+            .lb
+            .configure_affinity(spec.affinity_timeout.is_some(), &self.affinity);
+        entry.lb.replace(Settings::from(spec), members);
+    }
+
+    pub(super) fn ensure_probes(&self, entry: &LbEntry, spec: &LoadBalancerSpec) {
+        let Some(hc) = &spec.health_check else { return };
+        for ip in &spec.backends {
+            let backend = &entry.backends[ip];
+            if backend.admin_state() == AdminState::Maint {
+                // Not probed while in maintenance; probing resumes when it leaves.
+                continue;
+            }
+            let initial = HealthState::new(spec.initial_state);
+            let healthy = initial.status == Health::Healthy;
+            if let Some(port) = hc.port {
+                let key = (spec.name.clone(), *ip, None);
+                if self.prober.get(&key).is_none() {
+                    // A backend gaining a health check starts from the initial state.
+                    backend.set_healthy(healthy);
+                }
+                self.prober
+                    .ensure(&entry.lb, backend, None, port, hc, initial);
+                continue;
+            }
+            // No `port`: each listener's nodeport is judged on its own.
+            for port in backend.checked_ports() {
+                let Some(cell) = backend.port_health(port) else {
+                    continue;
+                };
+                let key = (spec.name.clone(), *ip, Some(port));
+                if self.prober.get(&key).is_none() {
+                    backend.set_port_healthy(&cell, healthy);
+                }
+                self.prober
+                    .ensure(&entry.lb, backend, Some(&cell), port, hc, initial);
+            }
+        }
+    }
+
+    /// Stops every probe target of `backend` of load balancer `lb`: the
+    /// backend's own and each of its ports'.
+    pub(super) fn stop_probing(&self, lb: &str, backend: &Backend) {
+        self.prober.remove(&(lb.to_string(), backend.addr, None));
+        for port in backend.checked_ports() {
+            self.prober
+                .remove(&(lb.to_string(), backend.addr, Some(port)));
+        }
+    }
+
+    pub(super) fn retire_load_balancer(&self, entry: LbEntry, drain: Duration) {
+        entry.lb.leave();
+        for (_, backend) in entry.backends {
+            self.stop_probing(&entry.lb.name, &backend);
+            backend.leave();
+            retire_after(backend, drain, &self.drains, self.retire_now.clone());
+        }
+    }
+
+    pub(super) fn route(&self, lb: &Arc<LoadBalancer>, spec: &ListenerSpec) -> Route {
+        Route {
+            lb: Arc::clone(lb),
+            listener: spec.name.clone(),
+            backend_port: spec.backend_port,
+            stats: match spec.protocol {
+                Protocol::Tcp => lb.stats().listener(&spec.name),
+                Protocol::Udp => lb.stats().udp_listener(&spec.name),
+            },
+            proxy_protocol: spec.proxy_protocol,
+        }
+    }
+
+    pub(super) fn start_listener(
+        &self,
+        (addr, protocol): ListenerKey,
+        route: Route,
+        udp: UdpSettings,
+        backlog: u32,
+    ) -> Result<Running, String> {
+        let (lb_name, name) = (route.lb.name.clone(), route.listener.clone());
+        let bound = match protocol {
+            Protocol::Tcp => proxy::bind(addr, backlog).map(|socket| {
+                Running::Tcp(Listener::start(socket, route, Arc::clone(&self.limit)))
+            }),
+            Protocol::Udp => udp::bind(addr).map(|socket| {
+                Running::Udp(udp::UdpListener::start(
+                    socket,
+                    route,
+                    udp,
+                    Arc::clone(&self.udp_flows),
+                    self.udp_per_source.load(Ordering::Relaxed),
+                ))
+            }),
+        };
+        match bound {
+            Ok(listener) => {
+                tracing::info!(listen = %addr, %protocol, load_balancer = %lb_name, listener = %name, "listening");
+                Ok(listener)
+            }
+            Err(e) => {
+                let reason = format!("cannot bind {addr}/{protocol}: {e}");
+                tracing::error!(listen = %addr, %protocol, load_balancer = %lb_name, listener = %name, error = %e, "cannot bind listener; other listeners are unaffected");
+                Err(reason)
+            }
+        }
+    }
+
+    pub(super) fn drain_in_background(&self, listener: Running, drain: Duration) {
+        let addr = match &listener {
+            Running::Tcp(l) => l.addr,
+            Running::Udp(l) => l.addr,
+        };
+        tracing::info!(listen = %addr, open = listener.open_connections(), ?drain, "listener removed: draining");
+        self.drains.spawn(async move {
+            let cut = listener.drain(drain).await;
+            tracing::info!(listen = %addr, closed_by_timeout = cut, "listener drained");
+        });
+    }
+}
+
+/// Closes a removed backend's connections once `drain` has passed (or at
+/// shutdown, after the listeners have drained).
+///
+/// It always waits the full drain time, even when no connection is open
+/// now: a client that picked this backend from the previous snapshot may
+/// still be connecting, and it deserves the same drain as everyone else.
+fn retire_after(
+    backend: Arc<Backend>,
+    drain: Duration,
+    tracker: &TaskTracker,
+    shutdown: CancellationToken,
+) {
+    tracker.spawn(async move {
+        tokio::select! {
+            _ = tokio::time::sleep(drain) => {}
+            _ = shutdown.cancelled() => {}
+        }
+        backend.retire();
+    });
+}

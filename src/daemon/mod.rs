@@ -1,0 +1,277 @@
+//! The running daemon: turns a [`Config`] into listeners, load balancers and
+//! probe streams, and every later config into the smallest change that gets there.
+//!
+//! Applying a config is a diff keyed by what survives a reload:
+//! load balancers by name, backends by address within their load balancer,
+//! listeners by VIP:port and protocol. What stays keeps its socket, health state and
+//! counters; what goes drains; what comes starts. The first config is the
+//! diff from nothing, so start-up and reload are one code path.
+
+use std::collections::HashMap;
+use std::net::{IpAddr, SocketAddr};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, SystemTime};
+
+use serde::Serialize;
+use tokio::sync::Semaphore;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use crate::balancer::{AdminState, AffinityBudget, Backend, LoadBalancer, Settings, affinity};
+use crate::config::{
+    Algorithm, CheckKind, Config, Ipam, ListenerSpec, LoadBalancerSpec, Protocol, ProxyProtocol,
+    UdpSettings,
+};
+use crate::health::prober::{Prober, TargetStatus};
+use crate::health::{Health, HealthState};
+use crate::metrics::{ListenerStats, Metrics};
+use crate::proxy::udp::{self, FlowBudget};
+use crate::proxy::{self, Listener, Route, Running};
+use crate::vip::dhcp::{Leases, Want};
+use crate::vip::isolate::{Isolation, IsolationStatus};
+
+mod admin_state;
+mod apply;
+mod leases;
+mod status;
+
+pub use admin_state::{AdminStateChange, AdminStateError};
+pub use status::{
+    BackendStatus, ConfigStatus, LeaseStatus, ListenerStatus, LoadBalancerStatus, PortStatus,
+    StatusDoc,
+};
+
+/// The daemon's live state, shared by the reload path, the admin server and
+/// the signal handlers.
+pub struct Daemon {
+    metrics: Arc<Metrics>,
+    prober: Prober,
+    /// Process-wide cap on forwarded connections.
+    limit: Arc<Semaphore>,
+    /// Everything a reload changes; locked only by reload, status and shutdown.
+    state: Mutex<State>,
+    /// Drains of removed listeners still running, awaited at shutdown.
+    drains: TaskTracker,
+    /// Set when shutdown begins: `/readyz` turns 503 so a front end stops
+    /// sending here while open connections drain.
+    stopping: AtomicBool,
+    /// Cancelled at shutdown once listeners have drained: removed backends
+    /// still waiting out their drain time are retired at once.
+    retire_now: CancellationToken,
+    /// The bound on client-affinity entries, shared by every load balancer
+    /// (`proxy.max_affinity_entries`).
+    affinity: Arc<AffinityBudget>,
+    /// The nftables table that keeps the VIPs to their listeners' ports
+    /// (`vip.isolate`); written by the server, beside each apply.
+    isolation: Arc<Isolation>,
+    /// The DHCP clients of `ipam = "dhcp"` load balancers.
+    leases: Leases,
+    /// Set once the task that re-applies the config on lease changes runs.
+    lease_watcher: AtomicBool,
+    /// This daemon, for that task (which must not keep it alive).
+    me: Weak<Daemon>,
+    /// The bound on UDP flows, shared by every UDP listener
+    /// (`proxy.max_udp_flows`).
+    udp_flows: Arc<FlowBudget>,
+    /// `proxy.max_udp_flows_per_source`, for listeners started later.
+    udp_per_source: AtomicUsize,
+}
+
+/// A listener's identity across reloads: one VIP:port may carry one TCP
+/// and one UDP listener.
+type ListenerKey = (SocketAddr, Protocol);
+
+#[derive(Default)]
+struct State {
+    config: Option<Config>,
+    load_balancers: HashMap<String, LbEntry>,
+    listeners: HashMap<ListenerKey, ListenerEntry>,
+    /// Where the config in force came from (`/status`).
+    file: Option<PathBuf>,
+    /// Since when the file is gone while the daemon runs on what it read.
+    file_missing_since: Option<SystemTime>,
+}
+
+/// A load balancer in force. Its spec is the one in `State::config` (kept
+/// once: at 10,000 load balancers a second copy cost 9 MB).
+struct LbEntry {
+    lb: Arc<LoadBalancer>,
+    backends: HashMap<IpAddr, Arc<Backend>>,
+}
+
+struct ListenerEntry {
+    load_balancer: String,
+    spec: ListenerSpec,
+    socket: Result<Running, String>,
+    /// The numbers of the listener it serves now (`listener_up`).
+    stats: Arc<ListenerStats>,
+}
+
+/// What a call to [`Daemon::apply`] changed, for the log.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct ApplyReport {
+    /// Listeners bound now.
+    pub listeners_bound: usize,
+    /// Listeners whose socket could not be bound (see `/status`).
+    pub listeners_failed: usize,
+    /// Listeners removed and draining.
+    pub listeners_removed: usize,
+    /// Load balancers added.
+    pub load_balancers_added: usize,
+    /// Load balancers removed.
+    pub load_balancers_removed: usize,
+}
+
+impl Daemon {
+    /// A daemon with nothing configured. `max_connections` caps forwarded
+    /// connections across all listeners.
+    pub fn new(metrics: Arc<Metrics>, max_connections: usize) -> Arc<Self> {
+        Arc::new_cyclic(|me| Self {
+            metrics,
+            prober: Prober::new(),
+            limit: Arc::new(Semaphore::new(max_connections.min(Semaphore::MAX_PERMITS))),
+            state: Mutex::new(State::default()),
+            drains: TaskTracker::new(),
+            stopping: AtomicBool::new(false),
+            retire_now: CancellationToken::new(),
+            affinity: AffinityBudget::new(0),
+            isolation: Arc::new(Isolation::new()),
+            leases: Leases::new(),
+            lease_watcher: AtomicBool::new(false),
+            me: me.clone(),
+            udp_flows: FlowBudget::new(0),
+            udp_per_source: AtomicUsize::new(1),
+        })
+    }
+
+    /// The VIP isolation table's owner. It runs `nft`, so the server calls
+    /// it on a blocking thread, and at stop.
+    pub fn isolation(&self) -> &Arc<Isolation> {
+        &self.isolation
+    }
+
+    /// The metric registry.
+    pub fn metrics(&self) -> &Arc<Metrics> {
+        &self.metrics
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Records the path of the config file, for `/status`.
+    pub fn set_config_file(&self, path: &Path) {
+        self.lock().file = Some(path.to_path_buf());
+    }
+
+    /// Records that the config file has gone (`true`) or is back (`false`);
+    /// `/status` says so while it is gone. Returns whether it was missing
+    /// before this call.
+    pub fn set_config_file_missing(&self, missing: bool) -> bool {
+        let mut st = self.lock();
+        let was = st.file_missing_since.is_some();
+        if !missing {
+            st.file_missing_since = None;
+        } else if !was {
+            st.file_missing_since = Some(SystemTime::now());
+        }
+        was
+    }
+
+    /// Whether a config is in force and every listener is bound.
+    pub fn is_ready(&self) -> bool {
+        if self.is_stopping() {
+            return false;
+        }
+        let st = self.lock();
+        st.config.is_some() && st.listeners.values().all(|e| e.socket.is_ok())
+    }
+
+    /// Whether shutdown has begun.
+    pub fn is_stopping(&self) -> bool {
+        self.stopping.load(Ordering::Acquire)
+    }
+
+    /// Listeners whose socket is not bound, with the reason.
+    pub fn failed_listeners(&self) -> Vec<(SocketAddr, String)> {
+        let st = self.lock();
+        st.listeners
+            .iter()
+            .filter_map(|(a, e)| e.socket.as_ref().err().map(|err| (a.0, err.clone())))
+            .collect()
+    }
+
+    /// Stops accepting everywhere, stops probing, and waits up to the drain
+    /// timeout for open connections before closing them. Returns how many
+    /// connections the timeout cut.
+    pub async fn shutdown(&self) -> usize {
+        self.stopping.store(true, Ordering::Release);
+        let (listeners, drain) = {
+            let mut st = self.lock();
+            let drain = st
+                .config
+                .as_ref()
+                .map_or(Duration::from_secs(30), |c| c.proxy.drain_timeout);
+            let listeners: Vec<Running> = st
+                .listeners
+                .drain()
+                .filter_map(|(_, e)| {
+                    e.stats.up.set(false);
+                    e.socket.ok()
+                })
+                .collect();
+            (listeners, drain)
+        };
+        self.prober.stop_all();
+        let drains = listeners.into_iter().map(|l| l.drain(drain));
+        let cut: usize = futures_sum(drains).await;
+        // After the drain: releasing takes the VIP off the host.
+        self.leases.shutdown().await;
+        self.retire_now.cancel();
+        self.drains.close();
+        self.drains.wait().await;
+        cut
+    }
+
+    /// Drops client-affinity entries older than their load balancer's
+    /// timeout, on a blocking thread (a million entries take tens of
+    /// milliseconds). The main loop calls it every few seconds.
+    pub fn sweep_affinity(&self) {
+        let tables: Vec<(Arc<LoadBalancer>, Duration)> = self
+            .lock()
+            .load_balancers
+            .values()
+            .filter_map(|e| {
+                let timeout = e.lb.snapshot().settings.affinity_timeout?;
+                e.lb.affinity().map(|_| (Arc::clone(&e.lb), timeout))
+            })
+            .collect();
+        if tables.is_empty() {
+            return;
+        }
+        tokio::task::spawn_blocking(move || {
+            let now = affinity::now_secs();
+            for (lb, timeout) in tables {
+                if let Some(table) = lb.affinity() {
+                    table.sweep(timeout, now);
+                }
+            }
+        });
+    }
+}
+
+async fn futures_sum<F: std::future::Future<Output = usize> + Send + 'static>(
+    futures: impl Iterator<Item = F>,
+) -> usize {
+    let mut set = tokio::task::JoinSet::new();
+    for f in futures {
+        set.spawn(f);
+    }
+    let mut total = 0;
+    while let Some(r) = set.join_next().await {
+        total += r.unwrap_or(0);
+    }
+    total
+}

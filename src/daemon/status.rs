@@ -1,0 +1,371 @@
+//! `/status`: the whole picture an on-call engineer needs, built from the
+//! live state under one lock.
+
+use super::*;
+
+impl Daemon {
+    /// The JSON document served at `/status`.
+    pub fn status(&self) -> StatusDoc {
+        let st = self.lock();
+        let mut load_balancers = Vec::new();
+        let specs = st
+            .config
+            .as_ref()
+            .map(|c| c.load_balancers.as_slice())
+            .unwrap_or(&[]);
+        for spec in specs {
+            let Some(entry) = st.load_balancers.get(&spec.name) else {
+                continue;
+            };
+            let snapshot = entry.lb.snapshot();
+            let eligible = snapshot.eligible.len();
+            // UDP flows per backend, all UDP listeners of this load balancer.
+            let mut udp_flows: Option<HashMap<IpAddr, usize>> = None;
+            for l in spec
+                .listeners
+                .iter()
+                .filter(|l| l.protocol == Protocol::Udp)
+            {
+                let counts = udp_flows.get_or_insert_with(HashMap::new);
+                if let Some(Ok(running)) = st
+                    .listeners
+                    .get(&(spec.listen_addr(l), l.protocol))
+                    .map(|e| &e.socket)
+                {
+                    for (ip, s) in running.route().stats.udp().backends() {
+                        *counts.entry(ip).or_insert(0) +=
+                            usize::try_from(s.flows_active.get()).unwrap_or(0);
+                    }
+                }
+            }
+            let listeners = spec
+                .listeners
+                .iter()
+                .map(|l| {
+                    let addr = spec.listen_addr(l);
+                    let le = st.listeners.get(&(addr, l.protocol));
+                    let open = le
+                        .and_then(|e| e.socket.as_ref().ok())
+                        .map_or(0, |s| s.open_connections());
+                    ListenerStatus {
+                        name: l.name.clone(),
+                        address: addr,
+                        backend_port: l.backend_port,
+                        protocol: l.protocol.as_str(),
+                        proxy_protocol: l.proxy_protocol.map(|v| match v {
+                            ProxyProtocol::V1 => "v1",
+                            ProxyProtocol::V2 => "v2",
+                        }),
+                        state: match le.map(|e| &e.socket) {
+                            Some(Ok(_)) => "listening",
+                            None if spec.vip.is_unspecified() => "waiting_for_lease",
+                            _ => "failed",
+                        },
+                        error: le.and_then(|e| e.socket.as_ref().err().cloned()),
+                        active_connections: if l.protocol == Protocol::Tcp { open } else { 0 },
+                        active_flows: (l.protocol == Protocol::Udp).then_some(open),
+                        eligible_backends: snapshot.eligible_for(l.backend_port).len(),
+                    }
+                })
+                .collect();
+            let backends = spec
+                .backends
+                .iter()
+                .map(|ip| {
+                    let b = &entry.backends[ip];
+                    let probe = self
+                        .prober
+                        .get(&(spec.name.clone(), *ip, None))
+                        .map(|t| t.status());
+                    let ports = b
+                        .checked_ports()
+                        .into_iter()
+                        .map(|port| PortStatus {
+                            backend_port: port,
+                            listeners: spec
+                                .listeners
+                                .iter()
+                                .filter(|l| l.backend_port == port)
+                                .map(|l| l.name.clone())
+                                .collect(),
+                            health: health_of(b.is_healthy_on(port)),
+                            eligible: b.is_eligible_on(port),
+                            probe: self
+                                .prober
+                                .get(&(spec.name.clone(), *ip, Some(port)))
+                                .map(|t| t.status()),
+                        })
+                        .collect();
+                    BackendStatus {
+                        address: *ip,
+                        health: health_of(b.is_healthy()),
+                        admin_state: b.admin_state(),
+                        eligible: b.is_eligible(),
+                        active_connections: b.active_connections(),
+                        active_flows: udp_flows.as_ref().map(|m| m.get(ip).copied().unwrap_or(0)),
+                        probe,
+                        ports,
+                    }
+                })
+                .collect();
+            load_balancers.push(LoadBalancerStatus {
+                name: spec.name.clone(),
+                cluster: spec.cluster.clone(),
+                vip: spec.vip,
+                ipam: match spec.ipam {
+                    Ipam::Pool => "pool",
+                    Ipam::Dhcp => "dhcp",
+                },
+                algorithm: match spec.algorithm {
+                    Algorithm::RoundRobin => "round_robin",
+                    Algorithm::LeastConnections => "least_connections",
+                    Algorithm::SourceIp => "source_ip",
+                },
+                health_check: spec.health_check.is_some(),
+                health_check_port: spec.health_check.as_ref().and_then(|hc| hc.port),
+                health_check_per_listener: spec
+                    .health_check
+                    .as_ref()
+                    .is_some_and(|hc| hc.port.is_none()),
+                health_check_kind: spec.health_check.as_ref().map(|hc| match hc.check {
+                    CheckKind::TcpConnect => "tcp",
+                    CheckKind::Http(_) => "http",
+                }),
+                session_affinity: if spec.affinity_timeout.is_some() {
+                    "client_ip"
+                } else {
+                    "none"
+                },
+                affinity_entries: spec
+                    .affinity_timeout
+                    .and(entry.lb.affinity())
+                    .map(|table| table.len()),
+                source_ranges: spec
+                    .source_ranges
+                    .ranges()
+                    .iter()
+                    .map(|n| n.to_string())
+                    .collect(),
+                eligible_backends: eligible,
+                dhcp: spec.dhcp.as_ref().map(|d| {
+                    let lease = self.leases.stats(&spec.name);
+                    LeaseStatus {
+                        interface: self.leases.interface(&spec.name).unwrap_or_default(),
+                        parent: d.interface.clone(),
+                        mac: crate::vip::dhcp::state::colons(d.mac),
+                        hostname: d.hostname.clone(),
+                        state: lease.as_ref().map_or("init", |l| l.phase_name()),
+                        address: lease.as_ref().and_then(|l| l.address()),
+                        server: lease.as_ref().and_then(|l| l.server()),
+                        expires_unix: lease.as_ref().and_then(|l| l.expiry_unix()),
+                        renew_at_unix: lease.as_ref().and_then(|l| l.renew_at_unix()),
+                        leases_acquired: lease.as_ref().map_or(0, |l| l.acquired.get()),
+                        renewals: lease.as_ref().map_or(0, |l| l.renewals.get()),
+                        naks: lease.as_ref().map_or(0, |l| l.naks.get()),
+                        address_changes: lease.as_ref().map_or(0, |l| l.address_changes.get()),
+                    }
+                }),
+                listeners,
+                backends,
+            });
+        }
+        let missing_since_unix = st.file_missing_since.map(|t| {
+            t.duration_since(SystemTime::UNIX_EPOCH)
+                .map_or(0.0, |d| d.as_secs_f64())
+        });
+        StatusDoc {
+            ready: !self.is_stopping()
+                && st.config.is_some()
+                && st.listeners.values().all(|e| e.socket.is_ok()),
+            load_balancers,
+            config: ConfigStatus {
+                path: st.file.as_ref().map(|p| p.display().to_string()),
+                problem: missing_since_unix.map(|_| {
+                    "the file is missing (deleted or renamed away); the config read before stays in force until it reappears".to_string()
+                }),
+                missing_since_unix,
+            },
+            vip_isolation: self.isolation.status(),
+        }
+    }
+}
+
+/// `/status`: the whole picture an on-call engineer needs.
+#[derive(Debug, Serialize)]
+pub struct StatusDoc {
+    /// Same as `/readyz`.
+    pub ready: bool,
+    /// Every load balancer in config order.
+    pub load_balancers: Vec<LoadBalancerStatus>,
+    /// The config file, and what is wrong with it while the daemon runs on
+    /// what it read before.
+    pub config: ConfigStatus,
+    /// `vip.isolate`: whether the table is in force, and how large.
+    pub vip_isolation: IsolationStatus,
+}
+
+/// The config file in `/status`: an on-call engineer must see that the
+/// daemon serves a config whose file is gone, which nothing else shows.
+#[derive(Debug, Serialize)]
+pub struct ConfigStatus {
+    /// The file's path (absent for a daemon started without one).
+    pub path: Option<String>,
+    /// What is wrong with the file now; `null` when nothing is.
+    pub problem: Option<String>,
+    /// Since when the file is missing, Unix seconds; `null` while it exists.
+    pub missing_since_unix: Option<f64>,
+}
+
+/// One load balancer in `/status`.
+#[derive(Debug, Serialize)]
+pub struct LoadBalancerStatus {
+    /// `<namespace>/<service>`.
+    pub name: String,
+    /// Owning guest cluster.
+    pub cluster: String,
+    /// The VIP.
+    pub vip: IpAddr,
+    /// `pool` or `dhcp`.
+    pub ipam: &'static str,
+    /// Picking algorithm.
+    pub algorithm: &'static str,
+    /// Whether backends are health checked.
+    pub health_check: bool,
+    /// The port probed on every backend for all listeners (one verdict per
+    /// backend), when the check names one.
+    pub health_check_port: Option<u16>,
+    /// Whether each listener's `backend_port` is checked and judged on its
+    /// own (a check without `port`): see each backend's `ports`.
+    pub health_check_per_listener: bool,
+    /// `tcp` or `http`, when they are.
+    pub health_check_kind: Option<&'static str>,
+    /// `none` or `client_ip`.
+    pub session_affinity: &'static str,
+    /// Clients remembered, with `client_ip` affinity.
+    pub affinity_entries: Option<usize>,
+    /// The clients served (`source_ranges`, normalised); absent: everyone.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub source_ranges: Vec<String>,
+    /// Backends taking new connections now (with per-listener checks, on
+    /// at least one listener; each listener has its own count).
+    pub eligible_backends: usize,
+    /// The VIP's DHCP lease (`ipam = "dhcp"` only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub dhcp: Option<LeaseStatus>,
+    /// Listeners.
+    pub listeners: Vec<ListenerStatus>,
+    /// Backends.
+    pub backends: Vec<BackendStatus>,
+}
+
+/// A DHCP lease in `/status`: what an on-call engineer needs to tell a
+/// VIP that is not leased yet from one that is lost or about to expire.
+#[derive(Debug, Serialize)]
+pub struct LeaseStatus {
+    /// The macvlan interface the lease is held on.
+    pub interface: String,
+    /// The host interface it is made on.
+    pub parent: String,
+    /// The client's MAC address.
+    pub mac: String,
+    /// The hostname option sent.
+    pub hostname: String,
+    /// `init`, `selecting`, `requesting`, `rebooting`, `bound`, `renewing`
+    /// or `rebinding`.
+    pub state: &'static str,
+    /// The leased address (the VIP); `null` without a lease.
+    pub address: Option<std::net::Ipv4Addr>,
+    /// The server that leased it.
+    pub server: Option<std::net::Ipv4Addr>,
+    /// When the lease expires unless renewed, Unix seconds.
+    pub expires_unix: Option<f64>,
+    /// When it is renewed (T1), Unix seconds.
+    pub renew_at_unix: Option<f64>,
+    /// Leases obtained.
+    pub leases_acquired: u64,
+    /// Leases extended.
+    pub renewals: u64,
+    /// NAKs taken.
+    pub naks: u64,
+    /// Times the VIP was lost or changed.
+    pub address_changes: u64,
+}
+
+/// One listener in `/status`.
+#[derive(Debug, Serialize)]
+pub struct ListenerStatus {
+    /// Name in the config.
+    pub name: String,
+    /// VIP:port.
+    pub address: SocketAddr,
+    /// Nodeport.
+    pub backend_port: u16,
+    /// Transport.
+    pub protocol: &'static str,
+    /// `v1` or `v2` when a PROXY protocol header goes to the backends.
+    pub proxy_protocol: Option<&'static str>,
+    /// `listening` or `failed`.
+    pub state: &'static str,
+    /// Why it failed to bind.
+    pub error: Option<String>,
+    /// Connections open through it (0 for a UDP listener).
+    pub active_connections: usize,
+    /// Backends its new connections may go to now: healthy on its
+    /// `backend_port` (or on the check's port) and `ready`.
+    pub eligible_backends: usize,
+    /// UDP flows open through it; absent for a TCP listener.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub active_flows: Option<usize>,
+}
+
+/// One backend in `/status`.
+#[derive(Debug, Serialize)]
+pub struct BackendStatus {
+    /// Node address.
+    pub address: IpAddr,
+    /// The health checker's verdict (the last one before `maint`); with
+    /// per-listener checks, `healthy` only while every port is.
+    pub health: Health,
+    /// The operator's state: `ready`, `drain` or `maint`.
+    pub admin_state: AdminState,
+    /// Whether it takes new connections: healthy and `ready`; with
+    /// per-listener checks, for at least one listener (`ports` says which).
+    pub eligible: bool,
+    /// Connections open to it (its UDP flows included: least_connections
+    /// weighs both).
+    pub active_connections: usize,
+    /// UDP flows open to it through the UDP listeners; absent when its load
+    /// balancer has none.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub active_flows: Option<usize>,
+    /// Health-check detail; absent without a health check, and with
+    /// per-listener checks (each port has its own).
+    pub probe: Option<TargetStatus>,
+    /// Per-listener checks only: the verdict on each listener's nodeport.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub ports: Vec<PortStatus>,
+}
+
+/// One backend port in `/status`, for a health check without `port`: the
+/// port's own verdict decides whether the listeners on it use the backend.
+#[derive(Debug, Serialize)]
+pub struct PortStatus {
+    /// The nodeport.
+    pub backend_port: u16,
+    /// The listeners forwarding to it.
+    pub listeners: Vec<String>,
+    /// The verdict on this port.
+    pub health: Health,
+    /// Whether those listeners' new connections may go to the backend.
+    pub eligible: bool,
+    /// Health-check detail; absent while the backend is in `maint`.
+    pub probe: Option<TargetStatus>,
+}
+
+fn health_of(healthy: bool) -> Health {
+    if healthy {
+        Health::Healthy
+    } else {
+        Health::Unhealthy
+    }
+}
