@@ -17,10 +17,10 @@ use tokio_util::sync::CancellationToken;
 
 use super::copy::{self, ByteCounters, Ended};
 use super::proxy_protocol;
-use crate::balancer::{Backend, LoadBalancer, affinity};
-use crate::config::{OnBackendDown, ProxyProtocol};
-use crate::metrics::ListenerStats;
+use crate::balancer::{Backend, affinity};
+use crate::config::OnBackendDown;
 use crate::net;
+use crate::proxy::Route;
 
 /// TCP keepalive on both legs: a peer that vanished without a FIN (a node VM
 /// powered off, a cut link) is found within about a minute, not hours.
@@ -32,21 +32,6 @@ const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(10);
 /// unanswered keepalive probes give up (it overrides `TCP_KEEPCNT`, so that
 /// option is not set): idle 30 s, then probes every 10 s, abort at 60 s.
 const USER_TIMEOUT: Duration = Duration::from_secs(60);
-
-/// What a listener forwards to. Swapped as a whole on reload, so a
-/// connection always sees one load balancer and one nodeport that belong together.
-pub struct Route {
-    /// The load balancer whose snapshot is read.
-    pub lb: Arc<LoadBalancer>,
-    /// The listener's name in the config.
-    pub listener: String,
-    /// The nodeport on every backend.
-    pub backend_port: u16,
-    /// This listener's numbers.
-    pub stats: Arc<ListenerStats>,
-    /// The PROXY protocol header to send the backend first, if any.
-    pub proxy_protocol: Option<ProxyProtocol>,
-}
 
 /// Why a connect attempt failed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -71,7 +56,7 @@ pub async fn serve(
     let m = &route.stats;
     m.accepted.increment(1);
     // TCP_NODELAY, keepalive and TCP_USER_TIMEOUT came with the accept:
-    // Linux copies them from the listening socket (see `proxy::bind`).
+    // Linux copies them from the listening socket (see `proxy::tcp::bind`).
 
     let snapshot = route.lb.snapshot_full();
     // Client affinity: the backend this client was given last, if recent.

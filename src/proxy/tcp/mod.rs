@@ -1,0 +1,219 @@
+//! TCP listeners: a listening socket per VIP:port, its accept loop, and the
+//! connections it serves (connect with retry, the PROXY protocol header,
+//! zero-copy forwarding).
+//!
+//! The accept loop never exits on an error: out of descriptors it backs off
+//! briefly and goes on (tokio's proxy example stops the whole server there).
+//! A listener keeps its socket for its whole life; a reload only swaps its
+//! [`Route`], so no connection is refused during a reload.
+
+pub mod copy;
+pub mod forward;
+pub mod proxy_protocol;
+pub mod splice;
+
+use std::io;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+use socket2::{Domain, Socket, Type};
+use tokio::net::TcpListener;
+use tokio::sync::Semaphore;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use tracing::Instrument;
+
+use super::Route;
+
+/// How long the accept loop pauses when the process or system is out of
+/// descriptors or memory, so it does not spin while connections close.
+const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
+
+/// Opens a listening socket on `addr`.
+///
+/// `IP_FREEBIND` lets the daemon bind a VIP that keepalived or kube-vip has not
+/// moved onto this host yet; `SO_REUSEADDR` lets a restarted daemon bind while
+/// old connections are in `TIME_WAIT`.
+pub fn bind(addr: SocketAddr, backlog: u32) -> io::Result<TcpListener> {
+    let socket = Socket::new(Domain::for_address(addr), Type::STREAM.nonblocking(), None)?;
+    socket.set_reuse_address(true)?;
+    if addr.is_ipv6() {
+        socket.set_only_v6(true)?;
+        socket.set_freebind_v6(true)?;
+    } else {
+        socket.set_freebind_v4(true)?;
+    }
+    // Accepted sockets inherit TCP_NODELAY, keepalive and TCP_USER_TIMEOUT
+    // from here: set once per listener, not per connection.
+    forward::set_options_or_warn(socket2::SockRef::from(&socket));
+    socket.bind(&addr.into())?;
+    socket.listen(backlog.min(i32::MAX as u32) as i32)?;
+    TcpListener::from_std(socket.into())
+}
+
+/// A running listener: its accept loop and the connections it accepted.
+pub struct Listener {
+    /// The VIP:port it is bound to.
+    pub addr: SocketAddr,
+    /// Where new connections go; swapped on reload.
+    route: Arc<ArcSwap<Route>>,
+    /// Ends the accept loop (and closes the listening socket).
+    stop_accepting: CancellationToken,
+    /// Closes the connections still open (drain time over).
+    close_now: CancellationToken,
+    /// The connection tasks, to wait for them on drain.
+    connections: TaskTracker,
+}
+
+impl Listener {
+    /// Starts accepting on `socket`, forwarding along `route`. `limit` caps
+    /// connections across all listeners of the process.
+    pub fn start(socket: TcpListener, route: Route, limit: Arc<Semaphore>) -> Self {
+        let addr = socket
+            .local_addr()
+            .unwrap_or_else(|_| "0.0.0.0:0".parse().expect("literal"));
+        let listener = Self {
+            addr,
+            route: Arc::new(ArcSwap::from_pointee(route)),
+            stop_accepting: CancellationToken::new(),
+            close_now: CancellationToken::new(),
+            connections: TaskTracker::new(),
+        };
+        tokio::spawn(
+            accept_loop(
+                socket,
+                Arc::clone(&listener.route),
+                listener.stop_accepting.clone(),
+                listener.close_now.clone(),
+                listener.connections.clone(),
+                limit,
+            )
+            .instrument(tracing::info_span!("listener", listen = %addr)),
+        );
+        listener
+    }
+
+    /// Sends new connections along `route` from now on; open ones keep theirs.
+    pub fn set_route(&self, route: Route) {
+        self.route.store(Arc::new(route));
+    }
+
+    /// The route in force.
+    pub fn route(&self) -> Arc<Route> {
+        self.route.load_full()
+    }
+
+    /// Connections open now.
+    pub fn open_connections(&self) -> usize {
+        self.connections.len()
+    }
+
+    /// Stops accepting at once (the socket closes, so new clients are refused
+    /// by the kernel), lets open connections finish for up to `timeout`, then
+    /// closes the rest. Returns how many were closed by the timeout.
+    pub async fn drain(self, timeout: Duration) -> usize {
+        self.stop_accepting.cancel();
+        self.connections.close();
+        if tokio::time::timeout(timeout, self.connections.wait())
+            .await
+            .is_ok()
+        {
+            return 0;
+        }
+        let cut = self.connections.len();
+        self.close_now.cancel();
+        self.connections.wait().await;
+        cut
+    }
+}
+
+async fn accept_loop(
+    socket: TcpListener,
+    route: Arc<ArcSwap<Route>>,
+    stop: CancellationToken,
+    close_now: CancellationToken,
+    connections: TaskTracker,
+    limit: Arc<Semaphore>,
+) {
+    let mut last_warning: Option<tokio::time::Instant> = None;
+    loop {
+        let accepted = tokio::select! {
+            _ = stop.cancelled() => return,
+            r = socket.accept() => r,
+        };
+        match accepted {
+            Ok((stream, peer)) => {
+                // `source_ranges` first: a client outside them is reset
+                // before it can take a connection slot, a task or a backend
+                // connect (one atomic load of the snapshot and a binary search).
+                {
+                    let current = route.load();
+                    if !current
+                        .lb
+                        .snapshot()
+                        .settings
+                        .source_ranges
+                        .allows(peer.ip())
+                    {
+                        // Index into `REJECTED_REASONS`.
+                        current.stats.rejected[0].increment(1);
+                        tracing::debug!(client = %peer, "client outside source_ranges: reset");
+                        forward::reset(&stream);
+                        continue;
+                    }
+                }
+                // The slot is taken after the accept, never held while
+                // waiting for one: with more listeners than slots, idle
+                // listeners holding slots would starve the busy ones.
+                let permit = match Arc::clone(&limit).try_acquire_owned() {
+                    Ok(p) => p,
+                    Err(_) => {
+                        // At the cap: this client waits here for a slot,
+                        // the ones behind it in the kernel's backlog.
+                        route.load().stats.limit_reached.increment(1);
+                        tokio::select! {
+                            _ = stop.cancelled() => return,
+                            p = Arc::clone(&limit).acquire_owned() => match p {
+                                Ok(p) => p,
+                                Err(_) => return, // semaphore closed: process is stopping
+                            },
+                        }
+                    }
+                };
+                let route = route.load_full();
+                let span = tracing::debug_span!("conn", client = %peer);
+                connections.spawn(
+                    forward::serve(stream, peer, route, close_now.clone(), permit).instrument(span),
+                );
+            }
+            Err(e) => {
+                // Indices into `ACCEPT_ERROR_KINDS`.
+                let (kind, back_off) = match e.raw_os_error() {
+                    Some(libc::EMFILE) | Some(libc::ENFILE) => (0, true),
+                    Some(libc::ENOBUFS) | Some(libc::ENOMEM) => (1, true),
+                    _ => (2, false),
+                };
+                route.load().stats.accept_errors[kind].increment(1);
+                if back_off {
+                    // Spare pipes hold descriptors: give them back first.
+                    copy::release_spare_pipes();
+                    // Warn at most once a second: this can happen thousands of times.
+                    let now = tokio::time::Instant::now();
+                    if last_warning.is_none_or(|t| now.duration_since(t) >= Duration::from_secs(1))
+                    {
+                        tracing::warn!(error = %e, "accept failed; backing off until resources free up");
+                        last_warning = Some(now);
+                    }
+                    tokio::select! {
+                        _ = stop.cancelled() => return,
+                        _ = tokio::time::sleep(ACCEPT_BACKOFF) => {}
+                    }
+                } else {
+                    tracing::debug!(error = %e, "accept failed (client gone before accept)");
+                }
+            }
+        }
+    }
+}
