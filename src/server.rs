@@ -93,7 +93,9 @@ pub async fn start(options: Options) -> Result<Server, StartError> {
     }
     let config = loaded.config;
     let metrics = Metrics::new();
-    let daemon = Daemon::new(Arc::clone(&metrics), connection_limit(&config));
+    let limit = connection_limit(&config);
+    metrics.set_connection_limit(limit);
+    let daemon = Daemon::new(Arc::clone(&metrics), limit);
     // Before anything binds: a VIP must not serve, even for a moment,
     // without the isolation its config asks for, and a daemon that cannot
     // write it must leave nothing behind (no admin socket either).

@@ -408,6 +408,20 @@ impl Exposition {
             0 => {}
             v => gauge(buf, &names::VIP_ISOLATION_UP, &u64::from(v == 1)),
         }
+        let limit = load(&m.connection_limit);
+        if limit > 0 {
+            gauge(buf, &names::CONNECTIONS_LIMIT, &limit);
+        }
+        // Counted at each scrape, as the process collectors of Prometheus'
+        // client libraries do: one directory read of /proc/self/fd.
+        if let Ok(fds) = std::fs::read_dir("/proc/self/fd") {
+            // The directory's own descriptor is one of them.
+            let open = fds.count().saturating_sub(1);
+            gauge(buf, &names::PROCESS_OPEN_FDS, &open);
+        }
+        if let Some(max) = crate::os::open_file_limit() {
+            gauge(buf, &names::PROCESS_MAX_FDS, &max);
+        }
         let mut headed = false;
         let mut out = Out {
             buf,

@@ -59,6 +59,8 @@ pub struct Metrics {
     /// `vip.isolate`: 0 off (no series), 1 the table is in force, 2 the
     /// last write of it failed.
     pub(crate) vip_isolation: std::sync::atomic::AtomicU8,
+    /// The connection cap in force (0: not set yet, not exported).
+    connection_limit: AtomicU64,
 }
 
 impl Metrics {
@@ -116,6 +118,12 @@ impl Metrics {
             Some(false) => 2,
         };
         self.vip_isolation.store(v, Ordering::Relaxed);
+    }
+
+    /// Records the connection cap in force (set once at start: changing
+    /// `proxy.max_connections` needs a restart).
+    pub fn set_connection_limit(&self, limit: usize) {
+        self.connection_limit.store(limit as u64, Ordering::Relaxed);
     }
 
     /// Switches per-backend probe-duration histograms on or off.

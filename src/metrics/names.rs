@@ -339,6 +339,27 @@ pub static CONFIG_RELOADS: Family = Family::new(
     Counter,
     "Configuration (re)loads, the initial load included, by result.",
 );
+/// The connection cap in force (`proxy.max_connections`, or what the
+/// open-file limit allows): what `connections_active` summed over every
+/// listener is measured against.
+pub static CONNECTIONS_LIMIT: Family = Family::new(
+    "harvester_lb_connections_limit",
+    Gauge,
+    "The cap on forwarded connections across all listeners (proxy.max_connections, or what the open-file limit allows).",
+);
+/// Descriptors the process holds now (the name every Prometheus client's
+/// process collector uses, so existing descriptor alerts apply as they are).
+pub static PROCESS_OPEN_FDS: Family = Family::new(
+    "process_open_fds",
+    Gauge,
+    "Number of open file descriptors.",
+);
+/// The soft open-file limit in force.
+pub static PROCESS_MAX_FDS: Family = Family::new(
+    "process_max_fds",
+    Gauge,
+    "Maximum number of open file descriptors.",
+);
 /// Build information, value 1, with a `version` label.
 pub static BUILD_INFO: Family = Family::new(
     "harvester_lb_build_info",
