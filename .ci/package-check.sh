@@ -1,0 +1,218 @@
+#!/usr/bin/env bash
+# Builds the host package (an RPM, with cargo-generate-rpm from the
+# metadata in Cargo.toml) and checks it with rpm itself (Debian's `rpm`):
+#
+#   1. `rpm -qip`: name, version (Cargo.toml's), release, architecture,
+#      license and summary;
+#   2. `rpm -qlp`: exactly the expected files, with their modes and owner;
+#      the config is the one %config(noreplace) file;
+#   3. every file in the payload is byte for byte its source in the tree;
+#   4. the package's drop-ins run the unit's own command lines, with
+#      /usr/local/bin changed to /usr/bin and nothing else;
+#   5. the units as installed (unit + package drop-in, binary at /usr/bin)
+#      pass `systemd-analyze verify` silently, and the installed binary
+#      accepts the installed example config (`harvester-lb check`);
+#   6. install, upgrade and removal with `rpm --root` into a scratch root:
+#      an edited config survives the upgrade untouched and is kept as
+#      .rpmsave on removal; the scriptlets parse (`sh -n`).
+#
+# Usage: bash .ci/package-check.sh
+# Env:   HARVESTER_LB_BIN  package this binary instead of `cargo build --release`
+#        CARGO_TARGET_DIR  honoured when building
+#        KEEP_RPM=DIR      copy the built RPM to DIR
+set -euo pipefail
+
+repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$repo"
+# The version CI installs; the metadata keys used in Cargo.toml are this
+# version's (`cargo install` builds it once, ~/.cargo/bin keeps it).
+generate_rpm_version=0.21.1
+
+fail() { echo "package-check: FAIL: $*" >&2; exit 1; }
+step() { echo "== $*"; }
+
+# --- tools ---------------------------------------------------------------------
+if ! command -v rpm >/dev/null 2>&1; then
+    step "rpm missing: installing Debian's rpm package"
+    command -v apt-get >/dev/null 2>&1 || fail "rpm not found and no apt-get to install it"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends rpm >/dev/null
+fi
+if ! cargo generate-rpm --version >/dev/null 2>&1; then
+    step "cargo install cargo-generate-rpm $generate_rpm_version"
+    cargo install cargo-generate-rpm --locked --version "$generate_rpm_version" --quiet
+fi
+echo "$(rpm --version), $(cargo generate-rpm --version)"
+
+# --- the binary ------------------------------------------------------------------
+target=${CARGO_TARGET_DIR:-$repo/target}
+work=$(mktemp -d "${TMPDIR:-/tmp}/package-check.XXXXXX")
+trap 'rm -rf "$work"' EXIT
+if [[ -n ${HARVESTER_LB_BIN:-} ]]; then
+    # cargo-generate-rpm takes target/release/ from --target-dir.
+    target=$work/target
+    install -D -m 0755 "$HARVESTER_LB_BIN" "$target/release/harvester-lb"
+else
+    step "cargo build --release (no-op when up to date)"
+    cargo build --release --locked --quiet --bin harvester-lb
+fi
+bin=$target/release/harvester-lb
+[[ -x $bin ]] || fail "$bin is missing"
+
+# --- build ---------------------------------------------------------------------------
+step "cargo generate-rpm"
+# xz: every rpm that SUSE has shipped reads it (zstd payloads need a newer
+# rpm than some SLE releases have). File times from the last commit, so the
+# same commit gives the same package.
+source_date=$(git -C "$repo" log -1 --format=%ct 2>/dev/null || date +%s)
+mkdir -p "$work/out"
+cargo generate-rpm --target-dir "$target" --payload-compress xz \
+    --source-date "$source_date" -o "$work/out/" >/dev/null
+rpms=("$work"/out/*.rpm)
+((${#rpms[@]} == 1)) || fail "expected one RPM, got: ${rpms[*]}"
+pkg=${rpms[0]}
+echo "$(basename "$pkg"): $(stat -c %s "$pkg") bytes"
+[[ -z ${KEEP_RPM:-} ]] || cp "$pkg" "$KEEP_RPM/"
+
+status=0
+bad() { echo "package-check: FAIL: $*" >&2; status=1; }
+
+# --- 1. metadata -------------------------------------------------------------------
+step "rpm -qip"
+rpm -qip "$pkg" 2>/dev/null
+version=$(sed -n -E '0,/^version = "(.*)"/s//\1/p' Cargo.toml)
+arch=$(uname -m)
+q() { rpm -qp --qf "$1" "$pkg" 2>/dev/null; }
+[[ $(q '%{NAME}') == harvester-lb ]] || bad "Name is $(q '%{NAME}')"
+[[ $(q '%{VERSION}') == "$version" ]] || bad "Version is $(q '%{VERSION}'), Cargo.toml says $version"
+[[ $(q '%{RELEASE}') == 1 ]] || bad "Release is $(q '%{RELEASE}')"
+[[ $(q '%{ARCH}') == "$arch" ]] || bad "Architecture is $(q '%{ARCH}'), this machine is $arch"
+[[ -n $(q '%{LICENSE}') ]] || bad "no License"
+[[ $(q '%{SUMMARY}') == *Harvester* ]] || bad "Summary is '$(q '%{SUMMARY}')'"
+q '%{REQUIRENAME}\n' >/dev/null
+rpm -qp --requires "$pkg" 2>/dev/null | grep -q '^libc.so.6' || bad "no automatic libc requirement (auto-req did not run)"
+
+# --- 2. files ----------------------------------------------------------------------
+step "rpm -qlp"
+# dest <- source, for every file the package must hold.
+declare -A source_of=(
+    [/usr/bin/harvester-lb]=$bin
+    [/etc/harvester-lb/config.toml]=config/harvester-lb.toml
+    [/usr/lib/systemd/system/harvester-lb.service]=systemd/harvester-lb.service
+    [/usr/lib/systemd/system/harvester-lb.service.d/10-package.conf]=packaging/systemd/harvester-lb.service.d/10-package.conf
+    [/usr/lib/systemd/system/harvester-lb-import.service]=systemd/harvester-lb-import.service
+    [/usr/lib/systemd/system/harvester-lb-import.service.d/10-package.conf]=packaging/systemd/harvester-lb-import.service.d/10-package.conf
+    [/usr/lib/systemd/system/harvester-lb-import.timer]=systemd/harvester-lb-import.timer
+    [/usr/share/harvester-lb/prometheus/harvester-lb.rules.yml]=config/prometheus/harvester-lb.rules.yml
+    [/usr/share/harvester-lb/grafana/harvester-lb.json]=config/grafana/harvester-lb.json
+    [/usr/share/doc/harvester-lb/README.md]=README.md
+)
+# The opt-in drop-ins (extra privileges), shipped as examples, not enabled.
+for dropin in systemd/harvester-lb.service.d/*.conf; do
+    [[ -f $dropin ]] || continue
+    source_of[/usr/share/harvester-lb/systemd/harvester-lb.service.d/$(basename "$dropin")]=$dropin
+done
+expected=$(printf '%s\n' "${!source_of[@]}" | sort)
+listed=$(rpm -qlp "$pkg" 2>/dev/null | sort)
+rpm -qlvp "$pkg" 2>/dev/null
+if [[ $listed != "$expected" ]]; then
+    diff <(echo "$expected") <(echo "$listed") || true
+    bad "the package's files differ from the expected list (< expected, > packaged)"
+fi
+while read -r mode _ owner group _ _ _ _ path; do
+    want=-rw-r--r--
+    [[ $path == /usr/bin/* ]] && want=-rwxr-xr-x
+    [[ $mode == "$want" && $owner == root && $group == root ]] || bad "$path is $mode $owner:$group, want $want root:root"
+done < <(rpm -qlvp "$pkg" 2>/dev/null)
+configs=$(rpm -qp --qf '[%{FILENAMES} %{FILEFLAGS:fflags}\n]' "$pkg" 2>/dev/null | awk '$2 ~ /c/')
+[[ $configs == "/etc/harvester-lb/config.toml cn" ]] ||
+    bad "the one config file must be /etc/harvester-lb/config.toml, %config(noreplace) (flags cn); got: $configs"
+
+# --- 3. payload = sources ------------------------------------------------------------
+step "payload against the tree"
+mkdir -p "$work/root"
+rpm2archive - <"$pkg" | tar -xzf - -C "$work/root"
+for dest in "${!source_of[@]}"; do
+    cmp -s "$work/root$dest" "${source_of[$dest]}" || bad "$dest is not ${source_of[$dest]}"
+done
+echo "${#source_of[@]} files, each identical to its source"
+
+# --- 4. the package's drop-ins run the unit's command lines -----------------------
+step "drop-ins against the units"
+for unit in harvester-lb.service harvester-lb-import.service; do
+    want=$(grep -E '^Exec[A-Za-z]+=' "systemd/$unit" | sed 's#/usr/local/bin/harvester-lb#/usr/bin/harvester-lb#g')
+    got=$(grep -E '^Exec[A-Za-z]+=.' "packaging/systemd/$unit.d/10-package.conf")
+    if [[ $want != "$got" ]]; then
+        diff <(echo "$want") <(echo "$got") || true
+        bad "packaging/systemd/$unit.d/10-package.conf does not match systemd/$unit's Exec lines (< unit with /usr/bin, > drop-in)"
+    fi
+    grep -v '^#' "packaging/systemd/$unit.d/10-package.conf" | grep -q '/usr/local/' && bad "$unit's package drop-in still names /usr/local"
+done
+echo "ok"
+
+# --- 5. the units as installed -----------------------------------------------------
+if command -v systemd-analyze >/dev/null 2>&1; then
+    step "systemd-analyze verify, units as the package installs them"
+    host_units=
+    for d in /usr/lib/systemd/system /lib/systemd/system; do
+        if [[ -f $d/multi-user.target ]]; then host_units=$d; break; fi
+    done
+    [[ -n $host_units ]] || fail "no system unit directory with multi-user.target on this host"
+    # The host's units (network-online.target & co) beside the package's.
+    cp -an "$host_units/." "$work/root/usr/lib/systemd/system/"
+    install -D -m 0755 /bin/bash "$work/root/bin/bash"
+    for unit in harvester-lb.service harvester-lb-import.service harvester-lb-import.timer; do
+        out=$(systemd-analyze verify --root="$work/root" "$unit" 2>&1) || { echo "$out"; bad "verify $unit exited non-zero"; continue; }
+        if [[ -n $out ]]; then
+            echo "$out"
+            bad "systemd-analyze verify $unit printed the above"
+        else
+            echo "$unit: clean"
+        fi
+    done
+    # The drop-in is in force: the unit's ExecStart is /usr/bin's.
+    exec_start=$(systemd-analyze cat-config --root="$work/root" systemd/system/harvester-lb.service 2>/dev/null |
+        grep -E '^ExecStart=.' | tail -n1 || true)
+    if [[ $exec_start != "ExecStart=/usr/bin/harvester-lb "* ]]; then
+        bad "the last ExecStart= in force is '$exec_start', not /usr/bin/harvester-lb's"
+    else
+        echo "in force: $exec_start"
+    fi
+else
+    echo "skipped systemd-analyze verify: systemd-analyze missing"
+fi
+step "the installed binary checks the installed config"
+"$work/root/usr/bin/harvester-lb" check --config "$work/root/etc/harvester-lb/config.toml" ||
+    bad "harvester-lb check rejects the packaged /etc/harvester-lb/config.toml"
+
+# --- 6. install, upgrade, remove ---------------------------------------------------------
+step "rpm --root: install, edit the config, upgrade, remove"
+for s in post_install pre_uninstall post_uninstall; do
+    sh -n "packaging/rpm/$s.sh" || bad "packaging/rpm/$s.sh does not parse"
+done
+rpm -qp --scripts "$pkg" 2>/dev/null | grep -q 'try-restart harvester-lb.service' || bad "the %postun scriptlet is not in the package"
+# A second package, release 2 of the same version, to upgrade to.
+cargo generate-rpm --target-dir "$target" --payload-compress xz --source-date "$source_date" \
+    -s 'release = "2"' -o "$work/upgrade.rpm" >/dev/null
+sys=$work/sysroot
+mkdir -p "$sys"
+rpmq() { rpm --root "$sys" --dbpath /var/lib/rpm "$@" 2>&1 | grep -v -e 'use Alien' -e 'know what you are doing' || true; }
+# --nodeps: the scratch root has no libc package; --noscripts: no systemd in it.
+rpmq --initdb
+rpmq -i --nodeps --noscripts "$pkg"
+[[ -x $sys/usr/bin/harvester-lb ]] || bad "install: no /usr/bin/harvester-lb"
+echo '# edited on this host' >>"$sys/etc/harvester-lb/config.toml"
+edited=$(sha256sum <"$sys/etc/harvester-lb/config.toml")
+rpmq -U --nodeps --noscripts "$work/upgrade.rpm"
+[[ $(rpm --root "$sys" --dbpath /var/lib/rpm -q harvester-lb 2>/dev/null) == harvester-lb-$version-2.* ]] || bad "the upgrade did not install release 2"
+[[ $(sha256sum <"$sys/etc/harvester-lb/config.toml") == "$edited" ]] || bad "the upgrade changed the edited config"
+echo "upgrade: the edited config.toml kept"
+rpmq -e --nodeps --noscripts harvester-lb
+[[ ! -e $sys/usr/bin/harvester-lb ]] || bad "remove: /usr/bin/harvester-lb is still there"
+[[ -f $sys/etc/harvester-lb/config.toml.rpmsave ]] || bad "remove: the edited config was not kept as config.toml.rpmsave"
+echo "remove: files gone, the edited config kept as config.toml.rpmsave"
+
+if ((status == 0)); then
+    echo "package-check: OK ($(basename "$pkg"))"
+fi
+exit "$status"
