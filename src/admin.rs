@@ -223,7 +223,13 @@ async fn route(
     }
     match path {
         "/metrics" => {
-            let body = ExpositionBody::from(daemon.metrics().exposition());
+            // Counting descriptors can take a while on older kernels: on a
+            // blocking thread, not on a worker the data plane shares.
+            let open_fds = tokio::task::spawn_blocking(crate::os::open_fds)
+                .await
+                .ok()
+                .flatten();
+            let body = ExpositionBody::from(daemon.metrics().exposition().with_open_fds(open_fds));
             let mut resp = Response::new(Either::Right(body));
             resp.headers_mut().insert(
                 CONTENT_TYPE,

@@ -59,6 +59,22 @@ pub fn open_file_limit() -> Option<u64> {
     (unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } == 0).then_some(lim.rlim_cur)
 }
 
+/// Descriptors this process holds. Linux 6.2 and later report the count
+/// as the size of `/proc/self/fd` (one `stat`, ~30 µs at 18,000
+/// descriptors); older kernels report 0, and the directory is counted
+/// instead, which costs about 3 µs per descriptor: call it off the data
+/// plane's threads (`spawn_blocking`).
+pub fn open_fds() -> Option<u64> {
+    let dir = std::path::Path::new("/proc/self/fd");
+    match std::fs::metadata(dir) {
+        Ok(m) if m.len() > 0 => Some(m.len()),
+        // The directory's own descriptor is one of the entries.
+        _ => std::fs::read_dir(dir)
+            .ok()
+            .map(|d| (d.count() as u64).saturating_sub(1)),
+    }
+}
+
 /// Ignores `SIGHUP` until the daemon installs its reload handler. The default
 /// action of `SIGHUP` is to exit, and a reload (`systemctl reload`, a
 /// controller's `kill -HUP`) can come while the process is still starting:

@@ -380,7 +380,15 @@ async fn every_dashboard_query_returns_data_from_a_real_prometheus() {
             );
         }
     }
-    assert!(exposition.contains("# HELP process_open_fds"));
+    // The descriptor gauges are this (test) process's own, and plausible.
+    let open = support::metric_value(&exposition, "process_open_fds ");
+    let max = support::metric_value(&exposition, "process_max_fds ");
+    assert!(
+        open >= 10.0 && open < max,
+        "process_open_fds {open}, process_max_fds {max}"
+    );
+    let limit = support::metric_value(&exposition, "harvester_lb_connections_limit ");
+    assert!(limit >= 16.0, "harvester_lb_connections_limit {limit}");
 
     // Traffic until the queries are answered: forwarded, refused by the
     // backend, without a backend, outside the source ranges.

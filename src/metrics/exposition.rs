@@ -301,6 +301,9 @@ pub struct Exposition {
     next_lb: usize,
     /// Whether the step's family has had its `# HELP`/`# TYPE` lines.
     headed: bool,
+    /// `process_open_fds`, counted before the scrape (see
+    /// [`Exposition::with_open_fds`]); not exported when unknown.
+    open_fds: Option<u64>,
 }
 
 impl Exposition {
@@ -328,7 +331,16 @@ impl Exposition {
             step: 0,
             next_lb: 0,
             headed: false,
+            open_fds: None,
         }
+    }
+
+    /// Exports `process_open_fds` as `open_fds`. The count is taken by the
+    /// caller, off the data plane's threads: on kernels before 6.2 it reads
+    /// the whole of `/proc/self/fd` ([`crate::os::open_fds`]).
+    pub fn with_open_fds(mut self, open_fds: Option<u64>) -> Self {
+        self.open_fds = open_fds;
+        self
     }
 
     /// Appends to `buf` until it holds at least `target` bytes or the
@@ -412,11 +424,7 @@ impl Exposition {
         if limit > 0 {
             gauge(buf, &names::CONNECTIONS_LIMIT, &limit);
         }
-        // Counted at each scrape, as the process collectors of Prometheus'
-        // client libraries do: one directory read of /proc/self/fd.
-        if let Ok(fds) = std::fs::read_dir("/proc/self/fd") {
-            // The directory's own descriptor is one of them.
-            let open = fds.count().saturating_sub(1);
+        if let Some(open) = self.open_fds {
             gauge(buf, &names::PROCESS_OPEN_FDS, &open);
         }
         if let Some(max) = crate::os::open_file_limit() {
