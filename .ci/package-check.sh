@@ -112,6 +112,11 @@ for dropin in systemd/harvester-lb.service.d/*.conf; do
     [[ -f $dropin ]] || continue
     source_of[/usr/share/harvester-lb/systemd/harvester-lb.service.d/$(basename "$dropin")]=$dropin
 done
+# Examples: the keepalived configuration for failover across hosts.
+for example in config/keepalived/*; do
+    [[ -f $example ]] || continue
+    source_of[/usr/share/harvester-lb/keepalived/$(basename "$example")]=$example
+done
 expected=$(printf '%s\n' "${!source_of[@]}" | sort)
 listed=$(rpm -qlp "$pkg" 2>/dev/null | sort)
 rpm -qlvp "$pkg" 2>/dev/null
