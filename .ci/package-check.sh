@@ -14,7 +14,9 @@
 #      accepts the installed example config (`harvester-lb check`);
 #   6. install, upgrade and removal with `rpm --root` into a scratch root:
 #      an edited config survives the upgrade untouched and is kept as
-#      .rpmsave on removal; the scriptlets parse (`sh -n`).
+#      .rpmsave on removal; the scriptlets parse (`sh -n`);
+#   7. the same package as a .deb (cargo-deb, `dpkg-deb -I/-c`): the same
+#      files, the config the one conffile, the maintainer scripts in it.
 #
 # Usage: bash .ci/package-check.sh
 # Env:   HARVESTER_LB_BIN  package this binary instead of `cargo build --release`
@@ -27,6 +29,7 @@ cd "$repo"
 # The version CI installs; the metadata keys used in Cargo.toml are this
 # version's (`cargo install` builds it once, ~/.cargo/bin keeps it).
 generate_rpm_version=0.21.1
+cargo_deb_version=3.8.0
 
 fail() { echo "package-check: FAIL: $*" >&2; exit 1; }
 step() { echo "== $*"; }
@@ -42,7 +45,11 @@ if ! cargo generate-rpm --version >/dev/null 2>&1; then
     step "cargo install cargo-generate-rpm $generate_rpm_version"
     cargo install cargo-generate-rpm --locked --version "$generate_rpm_version" --quiet
 fi
-echo "$(rpm --version), $(cargo generate-rpm --version)"
+if ! cargo deb --version >/dev/null 2>&1; then
+    step "cargo install cargo-deb $cargo_deb_version"
+    cargo install cargo-deb --locked --version "$cargo_deb_version" --quiet
+fi
+echo "$(rpm --version), $(cargo generate-rpm --version), $(cargo deb --version)"
 
 # --- the binary ------------------------------------------------------------------
 target=${CARGO_TARGET_DIR:-$repo/target}
@@ -217,7 +224,47 @@ rpmq -e --nodeps --noscripts harvester-lb
 [[ -f $sys/etc/harvester-lb/config.toml.rpmsave ]] || bad "remove: the edited config was not kept as config.toml.rpmsave"
 echo "remove: files gone, the edited config kept as config.toml.rpmsave"
 
+# --- 7. the .deb ---------------------------------------------------------------------------
+step "cargo deb"
+mkdir -p "$work/deb"
+# cargo-deb takes target/release/ from CARGO_TARGET_DIR.
+deb_log=$work/cargo-deb.log
+SOURCE_DATE_EPOCH=$source_date CARGO_TARGET_DIR=$target cargo deb --no-build -o "$work/deb/" >"$deb_log" 2>&1 ||
+    { cat "$deb_log"; fail "cargo deb failed"; }
+debs=("$work"/deb/*.deb)
+((${#debs[@]} == 1)) || fail "expected one .deb, got: ${debs[*]}"
+deb=${debs[0]}
+[[ -z ${KEEP_RPM:-} ]] || cp "$deb" "$KEEP_RPM/"
+dpkg-deb -I "$deb"
+field() { dpkg-deb -f "$deb" "$1"; }
+[[ $(field Package) == harvester-lb ]] || bad "deb Package is $(field Package)"
+[[ $(field Version) == "$version-1" ]] || bad "deb Version is $(field Version), want $version-1"
+[[ $(field Architecture) == "$(dpkg --print-architecture)" ]] || bad "deb Architecture is $(field Architecture)"
+[[ $(field Depends) == *libc6* ]] || bad "deb Depends is '$(field Depends)' (no automatic libc6)"
+# The RPM's files, and the copyright file Debian requires.
+deb_files=$(dpkg-deb -c "$deb" | awk '$1 !~ /^d/ { sub(/^\./, "", $6); print $6 }' | sort)
+deb_expected=$(printf '%s\n' "${!source_of[@]}" /usr/share/doc/harvester-lb/copyright | sort)
+if [[ $deb_files != "$deb_expected" ]]; then
+    diff <(echo "$deb_expected") <(echo "$deb_files") || true
+    bad "the .deb's files differ from the RPM's (< expected, > packaged)"
+fi
+[[ $(dpkg-deb --info "$deb" conffiles) == /etc/harvester-lb/config.toml ]] ||
+    bad "the .deb's conffiles are '$(dpkg-deb --info "$deb" conffiles)', want /etc/harvester-lb/config.toml"
+mkdir -p "$work/debroot"
+dpkg-deb -x "$deb" "$work/debroot"
+for dest in "${!source_of[@]}"; do
+    # cargo-deb strips the binary: that one must run, the rest be their sources.
+    [[ $dest == /usr/bin/harvester-lb ]] && continue
+    cmp -s "$work/debroot$dest" "${source_of[$dest]}" || bad "deb: $dest is not ${source_of[$dest]}"
+done
+"$work/debroot/usr/bin/harvester-lb" --version >/dev/null || bad "deb: the packaged binary does not run"
+for s in postinst prerm postrm; do
+    [[ $(dpkg-deb --info "$deb" "$s") == "$(cat "packaging/deb/$s")" ]] || bad "deb: $s is not packaging/deb/$s"
+    sh -n "packaging/deb/$s" || bad "packaging/deb/$s does not parse"
+done
+echo "$(basename "$deb"): $(stat -c %s "$deb") bytes, files, conffile and scripts as expected"
+
 if ((status == 0)); then
-    echo "package-check: OK ($(basename "$pkg"))"
+    echo "package-check: OK ($(basename "$pkg"), $(basename "$deb"))"
 fi
 exit "$status"
