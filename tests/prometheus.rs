@@ -6,8 +6,8 @@
 //!   rules name is one the daemon exports;
 //! * a real Prometheus server (Debian's `prometheus` package) on loopback,
 //!   with a temporary storage directory and a 1 s scrape interval, scrapes
-//!   a running daemon that forwards, refuses, rejects and marks a backend
-//!   down; every query of every dashboard panel and variable must return
+//!   a running daemon that forwards TCP and UDP, refuses, rejects and marks
+//!   a backend down; every query of every dashboard panel and variable must return
 //!   data, and every rule of the rules file must evaluate without error.
 //!
 //! CI (`CI` set) must have promtool and prometheus; elsewhere a missing tool
@@ -329,20 +329,28 @@ fn config(net: &Subnet) -> String {
             backends.join(", ")
         )
     };
+    // A UDP listener beside the TCP one (after the health check table is
+    // fine: it is one more of the load balancer's listeners).
+    let udp = "  [[load_balancer.listener]]\n  name = \"dns\"\n  port = 8053\n  backend_port = 30053\n  protocol = \"udp\"\n";
     let check = |port: u16| {
         format!(
             "  [load_balancer.health_check]\n  port = {port}\n  period_seconds = 1\n  timeout_seconds = 1\n  failure_threshold = 1\n"
         )
     };
     let mut c = format!("[admin]\nlisten = \"{}:9901\"\n", net.ip_str(250));
-    // Forwards to .11; .13 has no listener: marked down (a transition).
+    // Forwards to .11 (TCP and UDP); .13 has no listener: marked down (a
+    // transition).
     c.push_str(&lb("default/web", 1, &[11, 13], ""));
     c.push_str(&check(30080));
-    // .12 answers its health port but refuses the nodeport: connect failures.
+    c.push_str(udp);
+    // .12 answers its health port but refuses the nodeport: connect
+    // failures; nothing on its UDP port either: ICMP errors.
     c.push_str(&lb("default/refusing", 2, &[12], ""));
     c.push_str(&check(30081));
-    // No backend at all: clients fail with no_backend.
+    c.push_str(udp);
+    // No backend at all: clients fail with no_backend, UDP flows too.
     c.push_str(&lb("default/empty", 3, &[], ""));
+    c.push_str(udp);
     // Every client here is outside the source ranges: rejected.
     // A per-listener check (no port): backend_port_up.
     c.push_str(&lb("default/per-port", 5, &[11], ""));
@@ -353,6 +361,7 @@ fn config(net: &Subnet) -> String {
         &[11],
         "source_ranges = [\"192.0.2.0/24\"]",
     ));
+    c.push_str(udp);
     c
 }
 
@@ -366,6 +375,17 @@ async fn every_dashboard_query_returns_data_from_a_real_prometheus() {
     let _web = Backend::start(SocketAddr::new(net.ip(11), 30080), Behaviour::NameThenEcho).await;
     let _health_only =
         Backend::start(SocketAddr::new(net.ip(12), 30081), Behaviour::NameThenEcho).await;
+    let udp_echo = {
+        let socket = tokio::net::UdpSocket::bind(SocketAddr::new(net.ip(11), 30053))
+            .await
+            .expect("bind the UDP backend");
+        tokio::spawn(async move {
+            let mut buf = [0u8; 2048];
+            while let Ok((n, from)) = socket.recv_from(&mut buf).await {
+                let _ = socket.send_to(&buf[..n], from).await;
+            }
+        })
+    };
     let daemon = Daemon::start(&net, &config(&net)).await;
     let prometheus = Prometheus::start(&net, daemon.admin);
 
@@ -396,8 +416,20 @@ async fn every_dashboard_query_returns_data_from_a_real_prometheus() {
     let traffic = {
         let stop = Arc::clone(&stop);
         let vips: Vec<SocketAddr> = (1..=5).map(|h| SocketAddr::new(net.ip(h), 8080)).collect();
+        let client_ip = net.ip(200);
         tokio::spawn(async move {
+            let udp = tokio::net::UdpSocket::bind(SocketAddr::new(client_ip, 0))
+                .await
+                .expect("bind the UDP client");
+            let mut buf = [0u8; 2048];
             while !stop.load(Ordering::Relaxed) {
+                // UDP: answered through default/web, refused by .12,
+                // dropped without a backend or outside the source ranges.
+                for vip in &vips[..4] {
+                    let _ = udp.send_to(b"query", SocketAddr::new(vip.ip(), 8053)).await;
+                }
+                let _ =
+                    tokio::time::timeout(Duration::from_millis(200), udp.recv_from(&mut buf)).await;
                 if let Ok(mut s) = tokio::net::TcpStream::connect(vips[0]).await {
                     let _ = s.write_all(b"hello through the load balancer\n").await;
                 }
@@ -502,6 +534,7 @@ async fn every_dashboard_query_returns_data_from_a_real_prometheus() {
 
     stop.store(true, Ordering::Relaxed);
     traffic.await.expect("traffic task");
+    udp_echo.abort();
     drop(prometheus);
     daemon.stop().await;
 }
