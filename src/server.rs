@@ -87,6 +87,8 @@ pub struct Server {
 /// cannot bind is reported in `/readyz` and retried; it does not fail start).
 pub async fn start(options: Options) -> Result<Server, StartError> {
     let mut loader = config::Loader::new();
+    // Before the read: a change after this point is seen by the watch.
+    let watched = watch::version(&options.config_path);
     let loaded = loader.load(&options.config_path)?;
     for w in &loaded.warnings {
         tracing::warn!(config = %options.config_path.display(), "{w}");
@@ -147,6 +149,7 @@ pub async fn start(options: Options) -> Result<Server, StartError> {
     ));
     let main_loop = tokio::spawn(main_loop(
         options,
+        watched,
         loader,
         Arc::clone(&daemon),
         reload_tx.clone(),
@@ -242,6 +245,7 @@ fn connection_limit(config: &Config) -> usize {
 
 async fn main_loop(
     options: Options,
+    watched: Option<watch::Version>,
     loader: config::Loader,
     daemon: Arc<Daemon>,
     reload_tx: mpsc::Sender<ReloadRequest>,
@@ -252,6 +256,7 @@ async fn main_loop(
     if let Some(interval) = options.watch_interval {
         tokio::spawn(watch::watch(
             options.config_path.clone(),
+            watched,
             interval,
             changed_tx,
             stop.clone(),

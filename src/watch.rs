@@ -17,7 +17,7 @@ use tokio_util::sync::CancellationToken;
 
 /// What identifies one version of the file.
 #[derive(Debug, Clone, PartialEq, Eq)]
-struct Version {
+pub(crate) struct Version {
     inode: u64,
     device: u64,
     len: u64,
@@ -25,7 +25,7 @@ struct Version {
     changed_nanos: i64,
 }
 
-fn version(path: &std::path::Path) -> Option<Version> {
+pub(crate) fn version(path: &std::path::Path) -> Option<Version> {
     use std::os::unix::fs::MetadataExt;
     let m = std::fs::metadata(path).ok()?;
     Some(Version {
@@ -49,14 +49,18 @@ pub enum Event {
 }
 
 /// Sends an [`Event`] on `changed` each time the file at `path` has changed
-/// and settled, or has gone, until `stop` is cancelled.
+/// and settled, or has gone, until `stop` is cancelled. `loaded` is the
+/// version taken just before the daemon read the file: a change made
+/// between that read and this task's first check is a change too (taking
+/// the first version here instead missed it whenever the task started late).
 pub async fn watch(
     path: PathBuf,
+    loaded: Option<Version>,
     interval: Duration,
     changed: mpsc::Sender<Event>,
     stop: CancellationToken,
 ) {
-    let mut applied = version(&path);
+    let mut applied = loaded;
     // Whether `Missing` was sent for the absence in `applied` (a file gone
     // before the first check is reported too).
     let mut missing_reported = false;
@@ -114,7 +118,13 @@ mod tests {
         let (tx, mut rx) = mpsc::channel(4);
         let stop = CancellationToken::new();
         let interval = Duration::from_millis(10);
-        tokio::spawn(watch(path.clone(), interval, tx, stop.clone()));
+        tokio::spawn(watch(
+            path.clone(),
+            version(&path),
+            interval,
+            tx,
+            stop.clone(),
+        ));
         // An event comes within 5 s; absence is judged over 30 checks.
         let soon = Duration::from_secs(5);
         let quiet = interval * 30;
@@ -132,6 +142,37 @@ mod tests {
         std::fs::remove_file(&path).unwrap();
         assert_eq!(next(&mut rx, soon).await, Some(Event::Missing));
         assert_eq!(next(&mut rx, quiet).await, None);
+        stop.cancel();
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// A rename over the file between the daemon's read and the watch's
+    /// first check is still a change (the flake of
+    /// `reload::replacing_the_file_by_rename_triggers_a_reload`, whose
+    /// watch task started after the test had already renamed).
+    #[tokio::test]
+    async fn a_change_before_the_first_check_is_not_missed() {
+        let dir = std::env::temp_dir().join(format!("hlb-watch-early-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("config.toml");
+        std::fs::write(&path, "load_balancer = []\n").unwrap();
+        let loaded = version(&path);
+        let tmp = dir.join("config.toml.tmp");
+        std::fs::write(&tmp, "load_balancer = []\n# new\n").unwrap();
+        std::fs::rename(&tmp, &path).unwrap();
+        let (tx, mut rx) = mpsc::channel(4);
+        let stop = CancellationToken::new();
+        tokio::spawn(watch(
+            path.clone(),
+            loaded,
+            Duration::from_millis(10),
+            tx,
+            stop.clone(),
+        ));
+        assert_eq!(
+            next(&mut rx, Duration::from_secs(5)).await,
+            Some(Event::Changed)
+        );
         stop.cancel();
         let _ = std::fs::remove_dir_all(&dir);
     }
