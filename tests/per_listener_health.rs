@@ -390,3 +390,40 @@ async fn a_connection_still_connecting_when_its_backend_is_marked_down_goes_else
     }
     d.stop().await;
 }
+
+/// The same on IPv6: the VIP and the node are `::1`, whose https nodeport
+/// is dead. Its http listener keeps serving; its https listener has no
+/// eligible backend.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn per_listener_verdicts_hold_on_ipv6() {
+    let net = Subnet::new();
+    // ::1 is a single address: take free ports from the kernel.
+    let free_port = || {
+        std::net::TcpListener::bind("[::1]:0")
+            .and_then(|l| l.local_addr())
+            .map(|a| a.port())
+            .expect("a free port on ::1")
+    };
+    let (vip_http, vip_https, node_http, node_https) =
+        (free_port(), free_port(), free_port(), free_port());
+    let v6 = |port| SocketAddr::from((std::net::Ipv6Addr::LOCALHOST, port));
+    let _node = Backend::start(v6(node_http), Behaviour::NameThenEcho).await;
+    let text = format!(
+        "[admin]\nlisten = \"{admin}:9901\"\n\n[[load_balancer]]\nname = \"{LB}\"\nvip = \"::1\"\nbackends = [\"::1\"]\n  [[load_balancer.listener]]\n  name = \"http\"\n  port = {vip_http}\n  backend_port = {node_http}\n  [[load_balancer.listener]]\n  name = \"https\"\n  port = {vip_https}\n  backend_port = {node_https}\n  [load_balancer.health_check]\n  period_seconds = 1\n  timeout_seconds = 1\n  failure_threshold = 1\n",
+        admin = net.ip_str(250),
+    );
+    let d = Daemon::start(&net, &text).await;
+    wait_port(&d, "::1", node_https, "unhealthy").await;
+    wait_port(&d, "::1", node_http, "healthy").await;
+    assert_eq!(listener_eligible(&d, "http").await, 1);
+    assert_eq!(listener_eligible(&d, "https").await, 0);
+    assert!(
+        whoami(v6(vip_http)).await.is_ok(),
+        "http through [::1] serves"
+    );
+    assert!(
+        whoami(v6(vip_https)).await.is_err(),
+        "https through [::1] has no eligible backend"
+    );
+    d.stop().await;
+}
