@@ -13,6 +13,7 @@
 //! * [`config`]: schema, Harvester's defaults, validation; pure.
 //! * [`health`]: probes and the per-backend state machine.
 //! * [`balancer`]: the healthy set swapped atomically, and the picking algorithms.
+//! * [`budget`]: one bound shared by many tables (affinity entries, UDP flows).
 //! * [`proxy`]: listeners, accept, connect with retry, zero-copy forwarding.
 //! * [`daemon`]: applies a config as a diff (start-up and reload alike).
 //! * [`server`]: the daemon's life: start, the reload loop, the systemd watchdog, drain.
@@ -30,6 +31,7 @@
 
 pub mod admin;
 pub mod balancer;
+pub mod budget;
 pub mod config;
 pub mod daemon;
 pub mod demo;

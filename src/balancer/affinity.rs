@@ -16,7 +16,7 @@
 use std::net::IpAddr;
 use std::sync::Arc;
 use std::sync::OnceLock;
-use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 use dashmap::DashMap;
@@ -32,44 +32,7 @@ pub fn now_secs() -> u32 {
 }
 
 /// The process-wide bound on affinity entries, shared by every table.
-#[derive(Debug)]
-pub struct AffinityBudget {
-    max: AtomicUsize,
-    used: AtomicUsize,
-}
-
-impl AffinityBudget {
-    /// A budget of `max` entries.
-    pub fn new(max: usize) -> Arc<Self> {
-        Arc::new(Self {
-            max: AtomicUsize::new(max),
-            used: AtomicUsize::new(0),
-        })
-    }
-
-    /// Changes the bound (a reload); entries over a lowered bound stay until
-    /// they expire, and no new ones are made meanwhile.
-    pub fn set_max(&self, max: usize) {
-        self.max.store(max, Ordering::Relaxed);
-    }
-
-    /// Entries held now, in all tables.
-    pub fn used(&self) -> usize {
-        self.used.load(Ordering::Relaxed)
-    }
-
-    fn take(&self) -> bool {
-        self.used
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
-                (n < self.max.load(Ordering::Relaxed)).then_some(n + 1)
-            })
-            .is_ok()
-    }
-
-    fn give_back(&self, n: usize) {
-        self.used.fetch_sub(n, Ordering::AcqRel);
-    }
-}
+pub type AffinityBudget = crate::budget::Budget;
 
 /// One remembered client: its backend and when it last connected.
 #[derive(Debug)]

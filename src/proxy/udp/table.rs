@@ -11,54 +11,11 @@ use std::collections::HashMap;
 use std::collections::hash_map::Entry;
 use std::hash::Hash;
 use std::net::{IpAddr, SocketAddr};
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
-/// The process-wide bound on UDP flows, shared by every UDP listener.
-#[derive(Debug)]
-pub struct FlowBudget {
-    /// `proxy.max_udp_flows`; changed on reload, taking effect for new flows.
-    max: AtomicUsize,
-    /// Flows open now, all listeners together.
-    used: AtomicUsize,
-}
-
-impl FlowBudget {
-    /// A budget of `max` flows.
-    pub fn new(max: usize) -> Arc<Self> {
-        Arc::new(Self {
-            max: AtomicUsize::new(max),
-            used: AtomicUsize::new(0),
-        })
-    }
-
-    /// Sets the bound (a reload); flows already open above it stay until they end.
-    pub fn set_max(&self, max: usize) {
-        self.max.store(max, Ordering::Relaxed);
-    }
-
-    /// Flows open now.
-    pub fn used(&self) -> usize {
-        self.used.load(Ordering::Relaxed)
-    }
-
-    /// Takes one slot if one is free.
-    fn take(&self) -> bool {
-        let max = self.max.load(Ordering::Relaxed);
-        self.used
-            .fetch_update(Ordering::AcqRel, Ordering::Relaxed, |u| {
-                (u < max).then_some(u + 1)
-            })
-            .is_ok()
-    }
-
-    /// Gives one slot back.
-    fn give_back(&self) {
-        let _ = self
-            .used
-            .fetch_update(Ordering::AcqRel, Ordering::Relaxed, |u| u.checked_sub(1));
-    }
-}
+/// The process-wide bound on UDP flows (`proxy.max_udp_flows`, every flow
+/// holds a socket), shared by every UDP listener.
+pub type FlowBudget = crate::budget::Budget;
 
 /// The default `proxy.max_udp_flows` for an open-file limit: a third of
 /// what is left after the daemon's own reserve, as for TCP connections (a
@@ -140,13 +97,13 @@ impl<F> FlowTable<F> {
             return Err(Refusal::TableFull);
         }
         let Some(flow) = make() else {
-            self.budget.give_back();
+            self.budget.give_back(1);
             return Ok(None);
         };
         match inner.flows.entry(client) {
             Entry::Occupied(_) => {
                 // The caller removes the old flow first; keep the old one.
-                self.budget.give_back();
+                self.budget.give_back(1);
                 return Ok(None);
             }
             Entry::Vacant(v) => {
@@ -169,7 +126,7 @@ impl<F> FlowTable<F> {
         }
         inner.flows.remove(client);
         decrement(&mut inner.per_source, client.ip().to_canonical());
-        self.budget.give_back();
+        self.budget.give_back(1);
         true
     }
 
