@@ -49,6 +49,14 @@ pub fn raise_open_file_limit() -> io::Result<u64> {
     Ok(lim.rlim_cur)
 }
 
+/// Connections (or UDP flows) an open-file limit allows by default: a
+/// third of what is left once 256 descriptors are kept for the daemon
+/// itself and 512 for the pool of spare pipes. A TCP connection holds two
+/// sockets and, while bytes move, a pipe; a flow one socket.
+pub fn connections_for(open_files: u64) -> usize {
+    (open_files.saturating_sub(256 + 512) / 3).max(16) as usize
+}
+
 /// The soft open-file limit in force, if it can be read.
 pub fn open_file_limit() -> Option<u64> {
     let mut lim = libc::rlimit {

@@ -239,8 +239,7 @@ fn connection_limit(config: &Config) -> usize {
     if let Some(n) = config.proxy.max_connections {
         return n.get();
     }
-    let files = os::raise_open_file_limit().unwrap_or(1024);
-    (files.saturating_sub(256 + 512) / 3).max(16) as usize
+    os::connections_for(os::raise_open_file_limit().unwrap_or(1024))
 }
 
 async fn main_loop(

@@ -22,7 +22,7 @@ pub type FlowBudget = crate::budget::Budget;
 /// flow holds one socket, a TCP connection two: together they stay within
 /// the limit).
 pub fn default_max_flows(open_files: u64) -> usize {
-    (open_files.saturating_sub(256 + 512) / 3).max(16) as usize
+    crate::os::connections_for(open_files)
 }
 
 /// Why a new flow was not admitted.
