@@ -896,15 +896,7 @@ async fn metrics_carry_the_documented_names_and_pass_promtool() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ipv6_vip_forwards_to_ipv6_and_ipv4_backends() {
     let net = Subnet::new();
-    // ::1 is a single address: take free ports from the kernel.
-    let free_port = || {
-        std::net::TcpListener::bind("[::1]:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port()
-    };
-    let (vip_port, node_port) = (free_port(), free_port());
+    let (vip_port, node_port) = (free_port_v6(), free_port_v6());
     let v6 = Backend::start(
         SocketAddr::from((std::net::Ipv6Addr::LOCALHOST, node_port)),
         Behaviour::NameThenEcho,

@@ -381,12 +381,7 @@ async fn the_path_and_host_arrive_as_configured_and_the_default_host_is_the_node
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_ipv6_node_is_asked_with_its_bracketed_address_as_host() {
     let net = Subnet::new();
-    // ::1 is a single address: take a free port from the kernel.
-    let port = std::net::TcpListener::bind("[::1]:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let port = free_port_v6();
     let server = HealthServer::start(
         SocketAddr::from((std::net::Ipv6Addr::LOCALHOST, port)),
         Answer::NotReady,

@@ -397,15 +397,12 @@ async fn a_connection_still_connecting_when_its_backend_is_marked_down_goes_else
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn per_listener_verdicts_hold_on_ipv6() {
     let net = Subnet::new();
-    // ::1 is a single address: take free ports from the kernel.
-    let free_port = || {
-        std::net::TcpListener::bind("[::1]:0")
-            .and_then(|l| l.local_addr())
-            .map(|a| a.port())
-            .expect("a free port on ::1")
-    };
-    let (vip_http, vip_https, node_http, node_https) =
-        (free_port(), free_port(), free_port(), free_port());
+    let (vip_http, vip_https, node_http, node_https) = (
+        free_port_v6(),
+        free_port_v6(),
+        free_port_v6(),
+        free_port_v6(),
+    );
     let v6 = |port| SocketAddr::from((std::net::Ipv6Addr::LOCALHOST, port));
     let _node = Backend::start(v6(node_http), Behaviour::NameThenEcho).await;
     let text = format!(

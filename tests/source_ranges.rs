@@ -170,15 +170,7 @@ async fn ipv6_clients_are_judged_by_ipv6_ranges() {
     };
     drop(probe);
     let net = Subnet::new();
-    // ::1 is a single address: take free ports from the kernel.
-    let free_port = || {
-        std::net::TcpListener::bind("[::1]:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port()
-    };
-    let (vip_port, node_port) = (free_port(), free_port());
+    let (vip_port, node_port) = (free_port_v6(), free_port_v6());
     let node = Backend::start(
         SocketAddr::from((Ipv6Addr::LOCALHOST, node_port)),
         Behaviour::NameThenEcho,

@@ -482,6 +482,15 @@ pub async fn connect_from(from: IpAddr, vip: SocketAddr) -> std::io::Result<TcpS
     socket.connect(vip).await
 }
 
+/// A port free on `::1` now. `::1` is a single address, so IPv6 tests
+/// cannot claim a subnet of their own: they take free ports from the kernel.
+pub fn free_port_v6() -> u16 {
+    std::net::TcpListener::bind("[::1]:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free port on ::1")
+}
+
 /// Opens a connection through the load balancer and reads the backend's
 /// name line (for `NameThenEcho` backends).
 pub async fn whoami(vip: SocketAddr) -> std::io::Result<String> {
