@@ -280,25 +280,41 @@ impl Pair {
     }
 }
 
-/// New connections to `vip` every 50 ms until stopped (or 60 s): each
-/// exchange's start time and whether it was served.
+/// Each exchange of the watcher: when it started, and whether it was served.
+type Seen = Arc<std::sync::Mutex<Vec<(Instant, bool)>>>;
+
+/// New connections to `vip` every 50 ms until stopped (or 60 s), recorded
+/// in `seen` as they end.
 fn watch(
     client: Ns,
     vip: SocketAddr,
     stop: Arc<AtomicBool>,
-) -> tokio::task::JoinHandle<Vec<(Instant, bool)>> {
+    seen: Seen,
+) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
-        let mut seen = Vec::new();
         let mut tick = tokio::time::interval(Duration::from_millis(50));
         let end = Instant::now() + Duration::from_secs(60);
         while !stop.load(Ordering::Relaxed) && Instant::now() < end {
             tick.tick().await;
             let t = Instant::now();
             let e = exchange(&client, vip, 64, Duration::from_millis(700)).await;
-            seen.push((t, matches!(e, Exchange::Ok(_))));
+            seen.lock().unwrap().push((t, matches!(e, Exchange::Ok(_))));
         }
-        seen
     })
+}
+
+/// Waits until the watcher has seen `n` served exchanges that started after `since`.
+async fn served_since(seen: &Seen, since: Instant, n: usize, what: &str) {
+    wait_for(Duration::from_secs(20), what, || async {
+        let count = seen
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|(t, ok)| *t >= since && *ok)
+            .count();
+        (count >= n).then_some(())
+    })
+    .await;
 }
 
 /// A connection through VIP2 (host B) opened before the fault.
@@ -331,9 +347,15 @@ async fn still_echoes(s: &mut tokio::net::TcpStream) -> bool {
 async fn failover(pair: &mut Pair, what: &str, fault: impl FnOnce(&mut Pair)) {
     let mut long = long_connection(&pair.bed).await;
     let stop = Arc::new(AtomicBool::new(false));
-    let seen = watch(pair.bed.client.clone(), sa(VIP1, 80), Arc::clone(&stop));
-    // A second of service before the fault.
-    tokio::time::sleep(Duration::from_secs(1)).await;
+    let seen: Seen = Arc::default();
+    let started = Instant::now();
+    let watcher = watch(
+        pair.bed.client.clone(),
+        sa(VIP1, 80),
+        Arc::clone(&stop),
+        Arc::clone(&seen),
+    );
+    served_since(&seen, started, 5, "VIP1 served before the fault").await;
     let at = Instant::now();
     fault(pair);
     wait_for(Duration::from_secs(20), "VIP1 moved to host B", || async {
@@ -350,9 +372,11 @@ async fn failover(pair: &mut Pair, what: &str, fault: impl FnOnce(&mut Pair)) {
         },
     )
     .await;
-    tokio::time::sleep(Duration::from_secs(1)).await;
+    // The watcher itself sees the service back, several times over.
+    served_since(&seen, served_again, 5, "the watcher served after the move").await;
     stop.store(true, Ordering::Relaxed);
-    let seen = seen.await.expect("watcher");
+    watcher.await.expect("watcher");
+    let seen = std::mem::take(&mut *seen.lock().unwrap());
     let after: Vec<&(Instant, bool)> = seen.iter().filter(|(t, _)| *t >= at).collect();
     let failed = after.iter().filter(|(_, ok)| !ok).count();
     let last_failure = after.iter().filter(|(_, ok)| !ok).map(|(t, _)| *t).max();
