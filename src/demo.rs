@@ -63,6 +63,7 @@ pub async fn run(path: &Path) -> Result<(), String> {
         config_path: path.to_path_buf(),
         watch_interval: None,
         admin_socket: Some(socket_dir.join("admin.sock")),
+        workers: crate::workers::Workers::here(),
     })
     .await
     .map_err(|e| e.to_string())?;

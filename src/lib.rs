@@ -17,6 +17,7 @@
 //! * [`proxy`]: listeners, accept, connect with retry, zero-copy forwarding.
 //! * [`daemon`]: applies a config as a diff (start-up and reload alike).
 //! * [`server`]: the daemon's life: start, the reload loop, the systemd watchdog, drain.
+//! * [`workers`]: the threads TCP connections run on (thread per core or work stealing).
 //! * [`vip`]: the VIPs themselves: only their listeners' ports answer.
 //! * [`admin`], [`metrics`], [`systemd`]: how operators and machines see it.
 //! * [`status_table`]: `/status` as a terminal table (`harvester-lb status`).
@@ -46,5 +47,6 @@ pub mod status_table;
 pub mod systemd;
 pub mod vip;
 mod watch;
+pub mod workers;
 
 pub use server::{Options, Server, StartError, request_reload, start};

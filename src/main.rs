@@ -11,6 +11,7 @@ use std::time::Duration;
 use clap::{Parser, Subcommand, ValueEnum};
 
 use harvester_lb::config;
+use harvester_lb::workers::{WorkerThreads, Workers};
 
 /// mimalloc instead of glibc's malloc: a reload of 10,000 load balancers
 /// allocates ~80 MB for a moment, which glibc kept (RSS +125 MB after three
@@ -58,9 +59,16 @@ enum Command {
         no_watch: bool,
         /// Worker threads for the data plane, prober and admin API (like
         /// HAProxy's nbthread). 1 runs everything on one thread with no
-        /// cross-thread scheduling at all. Default: one per core.
+        /// cross-thread scheduling at all. Default: one per core (the CPUs
+        /// this process may run on).
         #[arg(long, value_name = "N")]
         threads: Option<std::num::NonZeroUsize>,
+        /// How connections are spread over the threads: thread-per-core
+        /// (one listening socket per thread per VIP:port, a connection
+        /// stays on the thread that accepted it) or work-stealing (one
+        /// socket, tokio moves tasks to idle threads).
+        #[arg(long, value_enum, default_value_t = Scheduler::ThreadPerCore)]
+        scheduler: Scheduler,
     },
     /// Validate a config file: print every problem and exit non-zero, or exit 0.
     Check {
@@ -174,6 +182,13 @@ impl BackendState {
     }
 }
 
+/// See `harvester_lb::workers`.
+#[derive(Clone, Copy, ValueEnum)]
+enum Scheduler {
+    ThreadPerCore,
+    WorkStealing,
+}
+
 #[derive(Clone, Copy, ValueEnum)]
 enum LogFormat {
     Text,
@@ -197,10 +212,11 @@ fn main() -> ExitCode {
             config,
             no_watch,
             threads,
+            scheduler,
         } => {
             // Before anything slow: a SIGHUP during start-up must not kill it.
             harvester_lb::os::ignore_hangup_until_handled();
-            run(config, no_watch, threads)
+            run(config, no_watch, threads, scheduler)
         }
         Command::Demo { config } => demo(&config),
         Command::Status { config, json } => status(&config, json),
@@ -256,29 +272,61 @@ fn check(path: &Path) -> ExitCode {
     }
 }
 
-/// The tokio runtime: `threads` workers (default: one per core). One thread
-/// is tokio's current-thread runtime, which skips the multi-threaded
-/// scheduler's cross-thread bookkeeping: measured about 6% more kept-alive
-/// requests per second than a multi-threaded runtime of one worker.
-fn runtime(threads: Option<std::num::NonZeroUsize>) -> Result<tokio::runtime::Runtime, ExitCode> {
-    let mut builder = match threads.map(std::num::NonZeroUsize::get) {
-        Some(1) => tokio::runtime::Builder::new_current_thread(),
-        Some(n) => {
-            let mut b = tokio::runtime::Builder::new_multi_thread();
-            b.worker_threads(n);
-            b
+/// The runtime `run` blocks on, and the threads beside it.
+struct Runtimes {
+    main: tokio::runtime::Runtime,
+    /// Thread per core: the other threads' runtimes (none with one thread).
+    extra: Option<WorkerThreads>,
+}
+
+impl Runtimes {
+    /// `threads` threads in all (default: one per core). One thread is
+    /// tokio's current-thread runtime either way, which skips the
+    /// multi-threaded scheduler's cross-thread bookkeeping: measured about
+    /// 6% more kept-alive requests per second than a multi-threaded runtime
+    /// of one worker.
+    fn new(
+        threads: Option<std::num::NonZeroUsize>,
+        scheduler: Scheduler,
+    ) -> Result<Self, ExitCode> {
+        let threads = threads
+            .or_else(|| std::thread::available_parallelism().ok())
+            .map_or(1, std::num::NonZeroUsize::get);
+        let started = match scheduler {
+            Scheduler::WorkStealing if threads > 1 => tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(threads)
+                .enable_all()
+                .build()
+                .map(|main| Self { main, extra: None }),
+            _ => tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .and_then(|main| {
+                    let extra = WorkerThreads::start(threads - 1)?;
+                    Ok(Self {
+                        main,
+                        extra: Some(extra),
+                    })
+                }),
+        };
+        started.map_err(|e| {
+            eprintln!("cannot start the async runtime: {e}");
+            ExitCode::from(EXIT_START)
+        })
+    }
+
+    /// The runtimes TCP listeners accept on.
+    fn workers(&self) -> Workers {
+        match &self.extra {
+            Some(extra) => extra.workers(self.main.handle().clone()),
+            None => Workers::here(),
         }
-        None => tokio::runtime::Builder::new_multi_thread(),
-    };
-    builder.enable_all().build().map_err(|e| {
-        eprintln!("cannot start the async runtime: {e}");
-        ExitCode::from(EXIT_START)
-    })
+    }
 }
 
 fn demo(path: &Path) -> ExitCode {
-    let runtime = match runtime(None) {
-        Ok(r) => r,
+    let runtime = match Runtimes::new(None, Scheduler::WorkStealing) {
+        Ok(r) => r.main,
         Err(code) => return code,
     };
     match runtime.block_on(harvester_lb::demo::run(path)) {
@@ -475,12 +523,19 @@ fn reload(path: &Path) -> ExitCode {
     }
 }
 
-fn run(config: PathBuf, no_watch: bool, threads: Option<std::num::NonZeroUsize>) -> ExitCode {
-    let runtime = match runtime(threads) {
+fn run(
+    config: PathBuf,
+    no_watch: bool,
+    threads: Option<std::num::NonZeroUsize>,
+    scheduler: Scheduler,
+) -> ExitCode {
+    let runtimes = match Runtimes::new(threads, scheduler) {
         Ok(r) => r,
         Err(code) => return code,
     };
-    runtime.block_on(async move {
+    let workers = runtimes.workers();
+    // The worker threads stop when `runtimes` drops, after the drain.
+    runtimes.main.block_on(async move {
         // Install every handler before anything can tell systemd READY=1:
         // a SIGHUP must never meet the default action (which exits).
         let mut signals = match Signals::new() {
@@ -491,6 +546,7 @@ fn run(config: PathBuf, no_watch: bool, threads: Option<std::num::NonZeroUsize>)
             }
         };
         let mut options = harvester_lb::Options::new(config);
+        options.workers = workers;
         if no_watch {
             options.watch_interval = None;
         }

@@ -17,6 +17,7 @@ use crate::config::{self, Config, ConfigError};
 use crate::daemon::Daemon;
 use crate::metrics::Metrics;
 use crate::vip::isolate::IsolationError;
+use crate::workers::Workers;
 use crate::{admin, os, systemd, watch};
 
 /// How to run the daemon.
@@ -31,6 +32,9 @@ pub struct Options {
     /// `admin.socket`: for the demo and tests, which run beside other
     /// daemons and must not take `/run/harvester-lb/admin.sock`.
     pub admin_socket: Option<PathBuf>,
+    /// The runtimes TCP listeners accept on: by default the one `start`
+    /// runs on (see [`crate::workers`]).
+    pub workers: Workers,
 }
 
 impl Options {
@@ -41,6 +45,7 @@ impl Options {
             config_path: path.into(),
             watch_interval: Some(Duration::from_millis(500)),
             admin_socket: None,
+            workers: Workers::here(),
         }
     }
 }
@@ -97,7 +102,7 @@ pub async fn start(options: Options) -> Result<Server, StartError> {
     let metrics = Metrics::new();
     let limit = connection_limit(&config);
     metrics.set_connection_limit(limit);
-    let daemon = Daemon::new(Arc::clone(&metrics), limit);
+    let daemon = Daemon::new(Arc::clone(&metrics), limit, options.workers.clone());
     // Before anything binds: a VIP must not serve, even for a moment,
     // without the isolation its config asks for, and a daemon that cannot
     // write it must leave nothing behind (no admin socket either).

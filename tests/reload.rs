@@ -14,6 +14,9 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
 const STABLE: &str = "default/stable";
+/// The binary on one thread (tokio's current-thread runtime): the
+/// in-process tests run a multi-threaded one, tests/threads.rs the others.
+const ONE_THREAD: &[&str] = &["--threads", "1"];
 
 /// The stable load balancer on `.1:8080` with `backends`, health checked,
 /// plus `churn` extra load balancers on `.2:9000+i`.
@@ -365,84 +368,12 @@ async fn replacing_the_file_by_rename_triggers_a_reload() {
     d.stop().await;
 }
 
-/// The real binary, for signals and exit codes, on one thread.
-struct Process {
-    child: std::process::Child,
-}
-
-impl Process {
-    fn start(config: &std::path::Path) -> Self {
-        Self::start_with_env(config, &[])
-    }
-
-    fn start_with_env(config: &std::path::Path, env: &[(&str, &std::ffi::OsStr)]) -> Self {
-        let child = std::process::Command::new(env!("CARGO_BIN_EXE_harvester-lb"))
-            // One thread (tokio's current-thread runtime): the in-process
-            // tests and tests/bad_input.rs run the multi-threaded one.
-            .args([
-                "run",
-                "--no-watch",
-                "--threads",
-                "1",
-                "--config",
-                config.to_str().unwrap(),
-            ])
-            .envs(env.iter().copied())
-            .stderr(std::process::Stdio::null())
-            .spawn()
-            .expect("spawn harvester-lb");
-        Self { child }
-    }
-
-    fn signal(&self, sig: i32) {
-        let rc = unsafe_kill(self.child.id() as i32, sig);
-        assert_eq!(rc, 0, "kill failed");
-    }
-
-    async fn wait_exit(&mut self, within: Duration) -> i32 {
-        wait_for(within, "the process to exit", || {
-            let r = self.child.try_wait().expect("try_wait");
-            async move { r.map(|s| s.code().unwrap_or(-1)) }
-        })
-        .await
-    }
-}
-
-impl Drop for Process {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-#[allow(unsafe_code)]
-fn unsafe_kill(pid: i32, sig: i32) -> i32 {
-    // SAFETY: kill(2) with a pid we spawned and own.
-    unsafe { libc::kill(pid, sig) }
-}
-
-async fn wait_ready(admin: SocketAddr) {
-    wait_for(
-        Duration::from_secs(20),
-        "the daemon to be ready",
-        || async move {
-            tokio::task::spawn_blocking(move || http_blocking(admin, "/readyz"))
-                .await
-                .unwrap()
-                .ok()
-                .filter(|(c, _)| *c == 200)
-                .map(|_| ())
-        },
-    )
-    .await;
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_drains_open_connections_then_exits_zero() {
     let net = Subnet::new();
     let _n = Backend::start(SocketAddr::new(net.ip(11), 30080), Behaviour::NameThenEcho).await;
     let path = net.write("config.toml", &config(&net, &[11], &[], 2));
-    let mut p = Process::start(&path);
+    let mut p = Process::start(&path, ONE_THREAD);
     let admin = SocketAddr::new(net.ip(250), 9901);
     wait_ready(admin).await;
 
@@ -483,7 +414,7 @@ async fn sigterm_without_open_connections_exits_at_once_and_a_second_signal_does
     let _n = Backend::start(SocketAddr::new(net.ip(11), 30080), Behaviour::NameThenEcho).await;
     let path = net.write("config.toml", &config(&net, &[11], &[], 30));
 
-    let mut p = Process::start(&path);
+    let mut p = Process::start(&path, ONE_THREAD);
     let admin = SocketAddr::new(net.ip(250), 9901);
     wait_ready(admin).await;
     p.signal(libc::SIGTERM);
@@ -494,7 +425,7 @@ async fn sigterm_without_open_connections_exits_at_once_and_a_second_signal_does
     );
 
     // A connection holds the drain open for 30 s; the second signal cuts it short.
-    let mut p = Process::start(&path);
+    let mut p = Process::start(&path, ONE_THREAD);
     wait_ready(admin).await;
     let mut open = TcpStream::connect(stable_vip(&net)).await.unwrap();
     read_line(&mut open).await.unwrap();
@@ -515,7 +446,7 @@ async fn sighup_reloads_the_file() {
     let net = Subnet::new();
     let _n = Backend::start(SocketAddr::new(net.ip(11), 30080), Behaviour::NameThenEcho).await;
     let path = net.write("config.toml", &config(&net, &[11], &[], 30));
-    let p = Process::start(&path);
+    let p = Process::start(&path, ONE_THREAD);
     let admin = SocketAddr::new(net.ip(250), 9901);
     wait_ready(admin).await;
     std::fs::write(&path, config(&net, &[11], &[7], 30)).unwrap();
@@ -662,6 +593,7 @@ async fn systemd_hears_ready_reloading_and_stopping() {
         .unwrap();
     let mut p = Process::start_with_env(
         &path,
+        ONE_THREAD,
         &[
             ("NOTIFY_SOCKET", socket_path.as_os_str()),
             ("WATCHDOG_USEC", std::ffi::OsStr::new("400000")),
@@ -752,7 +684,7 @@ async fn churned_load_balancers_leave_no_series_and_no_memory_behind() {
             )
     };
     let path = net.write("config.toml", &churned(0));
-    let process = Process::start(&path);
+    let process = Process::start(&path, ONE_THREAD);
     let admin = SocketAddr::new(net.ip(250), 9901);
     let pid = process.child.id();
     wait_ready(admin).await;

@@ -31,6 +31,7 @@ use crate::proxy::udp::{self, FlowBudget};
 use crate::proxy::{self, Listener, Route, Running};
 use crate::vip::dhcp::{Leases, Want};
 use crate::vip::isolate::{Isolation, IsolationStatus};
+use crate::workers::Workers;
 
 mod admin_state;
 mod apply;
@@ -50,6 +51,8 @@ pub struct Daemon {
     prober: Prober,
     /// Process-wide cap on forwarded connections.
     limit: Arc<Semaphore>,
+    /// The runtimes TCP listeners accept on.
+    workers: Workers,
     /// Everything a reload changes; locked only by reload, status and shutdown.
     state: Mutex<State>,
     /// Drains of removed listeners still running, awaited at shutdown.
@@ -126,12 +129,13 @@ pub struct ApplyReport {
 
 impl Daemon {
     /// A daemon with nothing configured. `max_connections` caps forwarded
-    /// connections across all listeners.
-    pub fn new(metrics: Arc<Metrics>, max_connections: usize) -> Arc<Self> {
+    /// connections across all listeners; TCP listeners accept on `workers`.
+    pub fn new(metrics: Arc<Metrics>, max_connections: usize, workers: Workers) -> Arc<Self> {
         Arc::new_cyclic(|me| Self {
             metrics,
             prober: Prober::new(),
             limit: Arc::new(Semaphore::new(max_connections.min(Semaphore::MAX_PERMITS))),
+            workers,
             state: Mutex::new(State::default()),
             drains: TaskTracker::new(),
             stopping: AtomicBool::new(false),

@@ -620,3 +620,74 @@ pub fn promtool_accepts(body: &str) {
         "promtool check metrics complained:\n{said}"
     );
 }
+
+/// The real binary (`harvester-lb run --no-watch`), for signals, exit codes
+/// and its threads; killed when dropped.
+pub struct Process {
+    /// The running daemon.
+    pub child: std::process::Child,
+}
+
+impl Process {
+    /// Starts it on `config` with `args` after `run` (`--threads 1`...).
+    pub fn start(config: &std::path::Path, args: &[&str]) -> Self {
+        Self::start_with_env(config, args, &[])
+    }
+
+    /// As [`Process::start`], with extra environment variables.
+    pub fn start_with_env(
+        config: &std::path::Path,
+        args: &[&str],
+        env: &[(&str, &std::ffi::OsStr)],
+    ) -> Self {
+        let child = std::process::Command::new(env!("CARGO_BIN_EXE_harvester-lb"))
+            .args(["run", "--no-watch", "--config", config.to_str().unwrap()])
+            .args(args)
+            .envs(env.iter().copied())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("spawn harvester-lb");
+        Self { child }
+    }
+
+    /// Sends `sig` to it.
+    pub fn signal(&self, sig: i32) {
+        #[allow(unsafe_code)]
+        // SAFETY: kill(2) with a pid we spawned and own.
+        let rc = unsafe { libc::kill(self.child.id() as i32, sig) };
+        assert_eq!(rc, 0, "kill failed");
+    }
+
+    /// Its exit code, once it exits within `within`.
+    pub async fn wait_exit(&mut self, within: Duration) -> i32 {
+        wait_for(within, "the process to exit", || {
+            let r = self.child.try_wait().expect("try_wait");
+            async move { r.map(|s| s.code().unwrap_or(-1)) }
+        })
+        .await
+    }
+}
+
+impl Drop for Process {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Waits until `/readyz` on `admin` answers 200.
+pub async fn wait_ready(admin: SocketAddr) {
+    wait_for(
+        Duration::from_secs(20),
+        "the daemon to be ready",
+        || async move {
+            tokio::task::spawn_blocking(move || http_blocking(admin, "/readyz"))
+                .await
+                .unwrap()
+                .ok()
+                .filter(|(c, _)| *c == 200)
+                .map(|_| ())
+        },
+    )
+    .await;
+}

@@ -4,7 +4,8 @@
 //!
 //! The accept loop never exits on an error: out of descriptors it backs off
 //! briefly and goes on (tokio's proxy example stops the whole server there).
-//! A listener keeps its socket for its whole life; a reload only swaps its
+//! A listener keeps its sockets for its whole life (one, or one per thread
+//! with the thread-per-core design of [`crate::workers`]); a reload only swaps its
 //! [`Route`], so no connection is refused during a reload.
 
 pub mod copy;
@@ -26,19 +27,37 @@ use tokio_util::task::TaskTracker;
 use tracing::Instrument;
 
 use super::Route;
+use crate::workers::Workers;
 
 /// How long the accept loop pauses when the process or system is out of
 /// descriptors or memory, so it does not spin while connections close.
 const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
 
-/// Opens a listening socket on `addr`.
+/// Opens the listening sockets of `addr`: `count` of them, one per runtime
+/// of [`Workers`], each with its own accept queue of `backlog`.
 ///
 /// `IP_FREEBIND` lets the daemon bind a VIP that keepalived or kube-vip has not
 /// moved onto this host yet; `SO_REUSEADDR` lets a restarted daemon bind while
-/// old connections are in `TIME_WAIT`.
-pub fn bind(addr: SocketAddr, backlog: u32) -> io::Result<TcpListener> {
+/// old connections are in `TIME_WAIT`. More than one socket takes
+/// `SO_REUSEPORT`, so the kernel spreads new connections among them; one
+/// socket does not, so a port held by another process is an error, not a
+/// share.
+pub fn bind(
+    addr: SocketAddr,
+    backlog: u32,
+    count: usize,
+) -> io::Result<Vec<std::net::TcpListener>> {
+    (0..count.max(1))
+        .map(|_| bind_one(addr, backlog, count > 1))
+        .collect()
+}
+
+fn bind_one(addr: SocketAddr, backlog: u32, reuse_port: bool) -> io::Result<std::net::TcpListener> {
     let socket = Socket::new(Domain::for_address(addr), Type::STREAM.nonblocking(), None)?;
     socket.set_reuse_address(true)?;
+    if reuse_port {
+        socket.set_reuse_port(true)?;
+    }
     if addr.is_ipv6() {
         socket.set_only_v6(true)?;
         socket.set_freebind_v6(true)?;
@@ -50,7 +69,7 @@ pub fn bind(addr: SocketAddr, backlog: u32) -> io::Result<TcpListener> {
     forward::set_options_or_warn(socket2::SockRef::from(&socket));
     socket.bind(&addr.into())?;
     socket.listen(backlog.min(i32::MAX as u32) as i32)?;
-    TcpListener::from_std(socket.into())
+    Ok(socket.into())
 }
 
 /// A running listener: its accept loop and the connections it accepted.
@@ -68,12 +87,35 @@ pub struct Listener {
 }
 
 impl Listener {
-    /// Starts accepting on `socket`, forwarding along `route`. `limit` caps
-    /// connections across all listeners of the process.
-    pub fn start(socket: TcpListener, route: Route, limit: Arc<Semaphore>) -> Self {
-        let addr = socket
-            .local_addr()
-            .unwrap_or_else(|_| "0.0.0.0:0".parse().expect("literal"));
+    /// Starts accepting on `sockets` (from [`bind`]), socket `i` on
+    /// runtime `i` of `workers`, forwarding along `route`. `limit` caps
+    /// connections across all listeners of the process. Fails only if a
+    /// socket cannot join its runtime's reactor (out of memory or
+    /// descriptors); the sockets are closed then.
+    pub fn start(
+        sockets: Vec<std::net::TcpListener>,
+        workers: &Workers,
+        route: Route,
+        limit: Arc<Semaphore>,
+    ) -> io::Result<Self> {
+        let addr = sockets
+            .first()
+            .and_then(|s| s.local_addr().ok())
+            .unwrap_or_else(|| "0.0.0.0:0".parse().expect("literal"));
+        // Every socket joins its runtime's reactor before any accept loop
+        // starts, so a failure leaves nothing running.
+        let sockets = sockets
+            .into_iter()
+            .enumerate()
+            .map(|(i, socket)| {
+                let runtime = workers.runtime(i);
+                let joined = {
+                    let _in = runtime.enter();
+                    TcpListener::from_std(socket)
+                };
+                joined.map(|socket| (runtime, socket))
+            })
+            .collect::<io::Result<Vec<_>>>()?;
         let listener = Self {
             addr,
             route: Arc::new(ArcSwap::from_pointee(route)),
@@ -81,18 +123,20 @@ impl Listener {
             close_now: CancellationToken::new(),
             connections: TaskTracker::new(),
         };
-        tokio::spawn(
-            accept_loop(
-                socket,
-                Arc::clone(&listener.route),
-                listener.stop_accepting.clone(),
-                listener.close_now.clone(),
-                listener.connections.clone(),
-                limit,
-            )
-            .instrument(tracing::info_span!("listener", listen = %addr)),
-        );
-        listener
+        for (runtime, socket) in sockets {
+            runtime.spawn(
+                accept_loop(
+                    socket,
+                    Arc::clone(&listener.route),
+                    listener.stop_accepting.clone(),
+                    listener.close_now.clone(),
+                    listener.connections.clone(),
+                    Arc::clone(&limit),
+                )
+                .instrument(tracing::info_span!("listener", listen = %addr)),
+            );
+        }
+        Ok(listener)
     }
 
     /// Sends new connections along `route` from now on; open ones keep theirs.

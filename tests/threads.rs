@@ -1,0 +1,165 @@
+//! The real binary on more than one thread: the thread-per-core design (one
+//! `SO_REUSEPORT` socket per thread per VIP:port, the default) and tokio's
+//! work-stealing runtime (one socket). Sockets are counted in
+//! `/proc/net/tcp`, as `ss -ltn` would show them to an operator.
+
+mod support;
+
+use std::net::{IpAddr, SocketAddr};
+use std::time::Duration;
+
+use support::*;
+use tokio::net::TcpStream;
+
+const LB: &str = "default/threads";
+
+fn config(net: &Subnet, port: u16) -> String {
+    format!(
+        r#"[admin]
+listen = "{admin}:9901"
+socket = "{socket}"
+[proxy]
+drain_timeout_seconds = 1
+[[load_balancer]]
+name = "{LB}"
+vip = "{vip}"
+backends = ["{node}"]
+  [[load_balancer.listener]]
+  name = "echo"
+  port = {port}
+  backend_port = 30080
+"#,
+        admin = net.ip_str(1),
+        socket = net.dir().join("admin.sock").display(),
+        vip = net.ip_str(2),
+        node = net.ip_str(11),
+    )
+}
+
+/// Listening TCP sockets on `addr` (IPv4), from `/proc/net/tcp`.
+fn listening_sockets(addr: SocketAddr) -> usize {
+    let IpAddr::V4(ip) = addr.ip() else {
+        panic!("IPv4 only")
+    };
+    // The kernel prints the address as the 32-bit word in host order.
+    let local = format!(
+        "{:08X}:{:04X}",
+        u32::from_ne_bytes(ip.octets()),
+        addr.port()
+    );
+    std::fs::read_to_string("/proc/net/tcp")
+        .expect("read /proc/net/tcp")
+        .lines()
+        .skip(1)
+        .filter(|l| {
+            let mut fields = l.split_whitespace();
+            let local_field = fields.nth(1);
+            let state = fields.nth(1);
+            local_field == Some(local.as_str()) && state == Some("0A")
+        })
+        .count()
+}
+
+async fn wait_sockets(addr: SocketAddr, want: usize) {
+    wait_for(
+        Duration::from_secs(10),
+        &format!("{want} listening sockets on {addr}"),
+        || async move { (listening_sockets(addr) == want).then_some(()) },
+    )
+    .await;
+}
+
+/// Connects `count` times, one connection after another (each from a new
+/// port, so the kernel's hash spreads them over the sockets), and checks each
+/// is forwarded to the node.
+async fn each_forwarded(net: &Subnet, vip: SocketAddr, count: usize) {
+    for i in 0..count {
+        let who = tokio::time::timeout(Duration::from_secs(10), whoami(vip))
+            .await
+            .unwrap_or_else(|_| panic!("connection {i} through {vip} not served in 10 s"))
+            .unwrap_or_else(|e| panic!("connection {i} through {vip}: {e}"));
+        assert_eq!(who, net.ip_str(11), "connection {i}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn thread_per_core_gives_each_thread_a_socket_and_every_one_serves() {
+    let net = Subnet::new();
+    let _node = Backend::start(SocketAddr::new(net.ip(11), 30080), Behaviour::NameThenEcho).await;
+    let path = net.write("config.toml", &config(&net, 8080));
+    let mut p = Process::start(&path, &["--threads", "3"]);
+    wait_ready(SocketAddr::new(net.ip(1), 9901)).await;
+    let vip = SocketAddr::new(net.ip(2), 8080);
+    wait_sockets(vip, 3).await;
+
+    // 120 connections: were one thread's accept loop not running, the
+    // third or so hashed to its socket would wait unaccepted (the chance
+    // that none lands there is (2/3)^120, about 1e-21).
+    each_forwarded(&net, vip, 120).await;
+
+    // A connection open across a reload that moves the listener keeps
+    // working; the old port's sockets all close, the new port gets three.
+    let mut open = TcpStream::connect(vip).await.unwrap();
+    assert_eq!(read_line(&mut open).await.unwrap(), net.ip_str(11));
+    std::fs::write(&path, config(&net, 8081)).unwrap();
+    p.signal(libc::SIGHUP);
+    let moved = SocketAddr::new(net.ip(2), 8081);
+    wait_sockets(moved, 3).await;
+    wait_sockets(vip, 0).await;
+    assert!(
+        TcpStream::connect(vip).await.is_err(),
+        "the removed port still accepts"
+    );
+    assert!(still_echoes(&mut open).await, "the open connection broke");
+    each_forwarded(&net, moved, 30).await;
+
+    // SIGTERM: every socket closes, the open connection is cut after the
+    // 1 s drain, and the process exits 0 (its threads joined).
+    p.signal(libc::SIGTERM);
+    assert_eq!(p.wait_exit(Duration::from_secs(15)).await, 0);
+    assert_eq!(listening_sockets(moved), 0);
+    assert!(!still_echoes(&mut open).await, "open after the drain");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_port_held_by_another_socket_is_not_shared() {
+    // SO_REUSEPORT must not let the daemon join a socket it does not own:
+    // the holder here has no SO_REUSEPORT, so the bind fails and /readyz
+    // says so, as with one thread.
+    let net = Subnet::new();
+    let vip = SocketAddr::new(net.ip(2), 8080);
+    let holder = std::net::TcpListener::bind(vip).unwrap();
+    let path = net.write("config.toml", &config(&net, 8080));
+    let _p = Process::start(&path, &["--threads", "2"]);
+    let admin = SocketAddr::new(net.ip(1), 9901);
+    let body = wait_for(Duration::from_secs(20), "/readyz to answer", || async {
+        tokio::task::spawn_blocking(move || http_blocking(admin, "/readyz"))
+            .await
+            .unwrap()
+            .ok()
+    })
+    .await;
+    assert_eq!(body.0, 503, "{}", body.1);
+    assert!(body.1.contains(&vip.to_string()), "{}", body.1);
+    assert_eq!(listening_sockets(vip), 1, "only the holder listens");
+    drop(holder);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn work_stealing_and_one_thread_listen_on_one_socket() {
+    let net = Subnet::new();
+    let _node = Backend::start(SocketAddr::new(net.ip(11), 30080), Behaviour::NameThenEcho).await;
+    let path = net.write("config.toml", &config(&net, 8080));
+    let vip = SocketAddr::new(net.ip(2), 8080);
+    for args in [
+        &["--threads", "2", "--scheduler", "work-stealing"][..],
+        &["--threads", "1"][..],
+    ] {
+        let mut p = Process::start(&path, args);
+        wait_ready(SocketAddr::new(net.ip(1), 9901)).await;
+        wait_sockets(vip, 1).await;
+        each_forwarded(&net, vip, 20).await;
+        p.signal(libc::SIGTERM);
+        assert_eq!(p.wait_exit(Duration::from_secs(15)).await, 0, "{args:?}");
+    }
+}
