@@ -10,6 +10,8 @@
 //!   client's address and port, and a connection lives and ends on the
 //!   thread that accepted it: no task moves between threads and no wake-up
 //!   crosses one (nginx's `reuseport`, HAProxy's `shards by-thread`).
+//!   With thousands of listeners, past a budget of descriptors, a listener
+//!   gets one socket on one thread instead ([`Workers::place`]).
 //! * **Work stealing**: tokio's multi-thread runtime, one socket per
 //!   VIP:port; idle threads take tasks from busy ones. [`Workers::here`]
 //!   says "accept on the runtime that starts the listener".
@@ -18,16 +20,27 @@
 
 use std::io;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::thread::JoinHandle;
 
 use tokio::runtime::Handle;
 use tokio_util::sync::CancellationToken;
 
-/// The runtimes a TCP listener accepts on: one socket each. Cheap to clone.
+/// Where TCP listeners accept: the runtime that starts each one, or a set
+/// of per-thread runtimes. Cheap to clone.
 #[derive(Clone, Default, Debug)]
 pub struct Workers {
-    /// Empty: the runtime that starts the listener (work stealing, tests).
-    runtimes: Arc<[Handle]>,
+    /// `None`: the runtime that starts the listener (work stealing, tests).
+    per_thread: Option<Arc<PerThread>>,
+}
+
+#[derive(Debug)]
+struct PerThread {
+    runtimes: Box<[Handle]>,
+    /// The runtime the next single-socket listener goes to.
+    next: AtomicUsize,
+    /// Sockets beyond the first of each listener, bound now.
+    extra_sockets: AtomicUsize,
 }
 
 impl Workers {
@@ -36,17 +49,81 @@ impl Workers {
         Self::default()
     }
 
-    /// How many sockets each TCP listener binds: one per runtime.
-    pub fn sockets_per_listener(&self) -> usize {
-        self.runtimes.len().max(1)
+    /// Decides where a new listener accepts. Call from inside a runtime
+    /// (`here` means that one).
+    ///
+    /// A listener gets one socket per thread while the sockets beyond the
+    /// first of each listener stay within [`extra_socket_budget`]; past it
+    /// (thousands of VIPs) it gets one socket on one thread, each in turn:
+    /// many listeners spread the load over the threads by themselves, and a
+    /// socket per thread for each would cost listeners × threads
+    /// descriptors.
+    pub fn place(&self) -> Placement {
+        self.place_within(extra_socket_budget(crate::os::open_file_limit()))
     }
 
-    /// The runtime of socket `i` (0..[`Self::sockets_per_listener`]).
-    /// Call from inside a runtime: `here` means that one.
-    pub fn runtime(&self, i: usize) -> Handle {
-        match self.runtimes.get(i) {
-            Some(h) => h.clone(),
-            None => Handle::current(),
+    fn place_within(&self, budget: usize) -> Placement {
+        let Some(shared) = &self.per_thread else {
+            return Placement {
+                runtimes: vec![Handle::current()],
+                extra: None,
+            };
+        };
+        let n = shared.runtimes.len();
+        let taken =
+            shared
+                .extra_sockets
+                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |bound| {
+                    (bound + n - 1 <= budget).then_some(bound + n - 1)
+                });
+        if n > 1 && taken.is_ok() {
+            return Placement {
+                runtimes: shared.runtimes.to_vec(),
+                extra: Some(Arc::clone(shared)),
+            };
+        }
+        let i = shared.next.fetch_add(1, Ordering::Relaxed) % n;
+        Placement {
+            runtimes: vec![shared.runtimes[i].clone()],
+            extra: None,
+        }
+    }
+}
+
+/// How many sockets beyond the first of each listener may be bound: an
+/// eighth of the open-file limit, between 256 and 16,384 (each is a
+/// descriptor and a listening socket's kernel memory).
+pub fn extra_socket_budget(open_file_limit: Option<u64>) -> usize {
+    (open_file_limit.unwrap_or(1024) / 8).clamp(256, 16_384) as usize
+}
+
+/// Where one TCP listener accepts: one socket per runtime listed. Gives its
+/// share of the socket budget back when dropped (with the listener).
+#[derive(Debug)]
+pub struct Placement {
+    runtimes: Vec<Handle>,
+    /// Set when this placement took extra sockets from the budget.
+    extra: Option<Arc<PerThread>>,
+}
+
+impl Placement {
+    /// How many sockets to bind.
+    pub fn sockets(&self) -> usize {
+        self.runtimes.len()
+    }
+
+    /// The runtime of socket `i`.
+    pub fn runtime(&self, i: usize) -> &Handle {
+        &self.runtimes[i]
+    }
+}
+
+impl Drop for Placement {
+    fn drop(&mut self) {
+        if let Some(shared) = &self.extra {
+            shared
+                .extra_sockets
+                .fetch_sub(self.runtimes.len() - 1, Ordering::Relaxed);
         }
     }
 }
@@ -89,7 +166,11 @@ impl WorkerThreads {
         all.push(main);
         all.extend(self.runtimes.iter().cloned());
         Workers {
-            runtimes: all.into(),
+            per_thread: Some(Arc::new(PerThread {
+                runtimes: all.into(),
+                next: AtomicUsize::new(0),
+                extra_sockets: AtomicUsize::new(0),
+            })),
         }
     }
 
@@ -111,5 +192,50 @@ impl Drop for WorkerThreads {
     /// Every return path of `run` stops the threads, errors included.
     fn drop(&mut self) {
         self.shut_down();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn listeners_get_a_socket_per_thread_until_the_budget_then_one_each_in_turn() {
+        let main = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        let threads = WorkerThreads::start(2).unwrap();
+        let workers = threads.workers(main.handle().clone());
+        let ids = |p: &Placement| -> Vec<tokio::runtime::Id> {
+            (0..p.sockets()).map(|i| p.runtime(i).id()).collect()
+        };
+        let all = ids(&workers.place_within(4));
+        assert_eq!(all.len(), 3);
+        assert_eq!(all[0], main.handle().id(), "the main runtime is the first");
+
+        // Budget 4: two listeners of 3 sockets take 2 extra each.
+        let first = workers.place_within(4);
+        let second = workers.place_within(4);
+        assert_eq!((first.sockets(), second.sockets()), (3, 3));
+        // Past it, one socket each, on the runtimes in turn.
+        let singles: Vec<_> = (0..4).map(|_| workers.place_within(4)).collect();
+        let turn: Vec<_> = singles.iter().map(|p| ids(p)[0]).collect();
+        assert!(singles.iter().all(|p| p.sockets() == 1));
+        assert_eq!(turn[0], turn[3]);
+        assert_ne!(turn[0], turn[1]);
+        assert_ne!(turn[1], turn[2]);
+        assert_ne!(turn[0], turn[2]);
+        // A listener gone gives its extra sockets back.
+        drop(first);
+        assert_eq!(workers.place_within(4).sockets(), 3);
+        threads.stop();
+    }
+
+    #[test]
+    fn the_budget_is_an_eighth_of_the_descriptors_within_bounds() {
+        assert_eq!(extra_socket_budget(Some(20_000)), 2_500);
+        assert_eq!(extra_socket_budget(Some(1024)), 256);
+        assert_eq!(extra_socket_budget(None), 256);
+        assert_eq!(extra_socket_budget(Some(1_048_576)), 16_384);
     }
 }

@@ -382,11 +382,14 @@ impl Daemon {
     ) -> Result<Running, String> {
         let (lb_name, name) = (route.lb.name.clone(), route.listener.clone());
         let bound = match protocol {
-            Protocol::Tcp => proxy::bind(addr, backlog, self.workers.sockets_per_listener())
-                .and_then(|sockets| {
-                    Listener::start(sockets, &self.workers, route, Arc::clone(&self.limit))
-                })
-                .map(Running::Tcp),
+            Protocol::Tcp => {
+                let placement = self.workers.place();
+                proxy::bind(addr, backlog, placement.sockets())
+                    .and_then(|sockets| {
+                        Listener::start(sockets, placement, route, Arc::clone(&self.limit))
+                    })
+                    .map(Running::Tcp)
+            }
             Protocol::Udp => udp::bind(addr).map(|socket| {
                 Running::Udp(udp::UdpListener::start(
                     socket,

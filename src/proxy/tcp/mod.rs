@@ -27,14 +27,14 @@ use tokio_util::task::TaskTracker;
 use tracing::Instrument;
 
 use super::Route;
-use crate::workers::Workers;
+use crate::workers::Placement;
 
 /// How long the accept loop pauses when the process or system is out of
 /// descriptors or memory, so it does not spin while connections close.
 const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
 
 /// Opens the listening sockets of `addr`: `count` of them, one per runtime
-/// of [`Workers`], each with its own accept queue of `backlog`.
+/// of a [`Placement`], each with its own accept queue of `backlog`.
 ///
 /// `IP_FREEBIND` lets the daemon bind a VIP that keepalived or kube-vip has not
 /// moved onto this host yet; `SO_REUSEADDR` lets a restarted daemon bind while
@@ -76,6 +76,8 @@ fn bind_one(addr: SocketAddr, backlog: u32, reuse_port: bool) -> io::Result<std:
 pub struct Listener {
     /// The VIP:port it is bound to.
     pub addr: SocketAddr,
+    /// Its share of the socket budget, given back with the listener.
+    _placement: Placement,
     /// Where new connections go; swapped on reload.
     route: Arc<ArcSwap<Route>>,
     /// Ends the accept loop (and closes the listening socket).
@@ -88,13 +90,13 @@ pub struct Listener {
 
 impl Listener {
     /// Starts accepting on `sockets` (from [`bind`]), socket `i` on
-    /// runtime `i` of `workers`, forwarding along `route`. `limit` caps
+    /// runtime `i` of `placement`, forwarding along `route`. `limit` caps
     /// connections across all listeners of the process. Fails only if a
     /// socket cannot join its runtime's reactor (out of memory or
     /// descriptors); the sockets are closed then.
     pub fn start(
         sockets: Vec<std::net::TcpListener>,
-        workers: &Workers,
+        placement: Placement,
         route: Route,
         limit: Arc<Semaphore>,
     ) -> io::Result<Self> {
@@ -108,7 +110,7 @@ impl Listener {
             .into_iter()
             .enumerate()
             .map(|(i, socket)| {
-                let runtime = workers.runtime(i);
+                let runtime = placement.runtime(i).clone();
                 let joined = {
                     let _in = runtime.enter();
                     TcpListener::from_std(socket)
@@ -118,6 +120,7 @@ impl Listener {
             .collect::<io::Result<Vec<_>>>()?;
         let listener = Self {
             addr,
+            _placement: placement,
             route: Arc::new(ArcSwap::from_pointee(route)),
             stop_accepting: CancellationToken::new(),
             close_now: CancellationToken::new(),
