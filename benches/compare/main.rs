@@ -1,20 +1,25 @@
-//! Side-by-side comparison of harvester-lb with HAProxy and nginx (stream) on
-//! loopback: `cargo bench --bench compare -- [--smoke] [--json FILE]`, usually
-//! through `benches/compare.sh`, which installs the peers first.
+//! Side-by-side comparison of harvester-lb with HAProxy, nginx (stream) and
+//! the kernel's own forwarding (nftables DNAT, as kube-proxy forwards a
+//! Service) on loopback: `cargo bench --bench compare -- [--smoke] [--json
+//! FILE]`, usually through `benches/compare.sh`, which installs the peers
+//! first.
 //!
-//! Every address is in 127.0.0.0/8. Everything started here is stopped by pid
-//! (on drop, so a panic stops it too). Every loop is bounded in count and time.
-//! The README's "Benchmarks" section describes the scenarios and carries the
-//! latest table.
+//! Every address is in 127.0.0.0/8. Everything started here is stopped by
+//! pid (on drop, so a panic stops it too); what is changed on the host (an
+//! nftables table, conntrack sysctls) is undone on drop and on SIGINT or
+//! SIGTERM ([`host`]). Every loop is bounded in count and time. The README's
+//! "Benchmarks" section describes the scenarios and carries the latest
+//! table.
 //!
 //! Where things are: this file reads the options and runs the scenarios in
 //! order; [`targets`] has the targets, the processes and the traffic
 //! scenarios' proxy configs; [`scenarios`] one module per scenario;
 //! [`table`] the results and the Markdown table; [`order`] the balanced run
-//! order; [`backend`] the tiny HTTP backend; [`util`] and [`procfs`] small
-//! helpers.
+//! order; [`host`] the host changes and their undoing; [`backend`] the tiny
+//! HTTP backend; [`util`] and [`procfs`] small helpers.
 
 mod backend;
+mod host;
 mod order;
 mod procfs;
 mod scenarios;
@@ -28,12 +33,12 @@ use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 
+use crate::host::KernelDnat;
 use crate::scenarios::scale::{SCALE_MARKER, scale_backend};
+use crate::scenarios::traffic::Block;
 use crate::table::{Results, median};
 use crate::targets::{
-    ADMIN_PORT, BACKEND_IP, HAPROXY_IP, HLB_IP, HTTP_PORT, IPERF_PORT, NGINX_IP,
-    NGINX_STREAM_MODULE, Proc, Target, haproxy_config, hlb_config, nginx_config, spawn_nginx,
-    start_hlb,
+    BACKEND_IP, HTTP_PORT, HlbRun, IPERF_PORT, NGINX_STREAM_MODULE, Proc, Target, start_proxies,
 };
 use crate::util::{sa, sh, wait_port, which};
 
@@ -47,6 +52,13 @@ struct Opts {
     duration: u64,
     targets: Vec<Target>,
     scenarios: Vec<String>,
+    /// The thread counts of the traffic scenarios (throughput, rps, cps,
+    /// idle): each runs once per count, every proxy with that many threads
+    /// or worker processes.
+    threads: Vec<usize>,
+    /// Appended to every `harvester-lb run` (the `HLB_ARGS` environment
+    /// variable, split at whitespace), e.g. to A/B a runtime option.
+    hlb_args: Vec<String>,
     idle_conns: usize,
     probe_targets: usize,
     probe_window: u64,
@@ -59,6 +71,14 @@ struct Opts {
 }
 
 impl Opts {
+    /// How this run starts harvester-lb.
+    fn hlb(&self) -> HlbRun<'_> {
+        HlbRun {
+            work: &self.work,
+            extra_args: &self.hlb_args,
+        }
+    }
+
     fn wants(&self, scenario: &str) -> bool {
         self.scenarios.iter().any(|s| s == scenario)
     }
@@ -77,10 +97,14 @@ const ALL_SCENARIOS: [&str; 8] = [
 
 fn usage() -> ! {
     eprintln!(
-        "usage: compare [--smoke] [--json FILE] [--rounds N] [--duration SECONDS]\n\
+        "usage: compare [--smoke] [--json FILE] [--rounds N] [--duration SECONDS] [--threads LIST]\n\
          \x20              [--only throughput,rps,cps,idle,health,reload,scale,udp] [--scale-lbs N]\n\
-         --smoke: every scenario about a second (scale: 500 load balancers, ~25 s), against harvester-lb alone; exits non-zero on failure\n\
-         --scale-lbs: load balancers of 3 backends in the scale scenario (default 10000, at most {})",
+         --smoke: every scenario about a second (scale: 500 load balancers, ~25 s), against harvester-lb\n\
+         \x20        and the kernel target alone; a second thread count only in rps and cps; exits\n\
+         \x20        non-zero on failure\n\
+         --threads: thread counts of the traffic scenarios (throughput, rps, cps, idle), default 1,2\n\
+         --scale-lbs: load balancers of 3 backends in the scale scenario (default 10000, at most {})\n\
+         HLB_ARGS (environment): extra arguments appended to every `harvester-lb run`",
         SCALE_MARKER - 1
     );
     std::process::exit(2)
@@ -94,6 +118,7 @@ fn parse_opts() -> Opts {
     let mut duration = None;
     let mut only: Option<Vec<String>> = None;
     let mut scale_lbs = None;
+    let mut threads: Option<Vec<usize>> = None;
     while let Some(a) = args.next() {
         match a.as_str() {
             "--bench" => {} // passed by `cargo bench`
@@ -105,6 +130,18 @@ fn parse_opts() -> Opts {
                 let n = args.next().and_then(|v| v.parse::<usize>().ok());
                 match n {
                     Some(n) if (1..SCALE_MARKER).contains(&n) => scale_lbs = Some(n),
+                    _ => usage(),
+                }
+            }
+            "--threads" => {
+                let list: Option<Vec<usize>> = args
+                    .next()
+                    .unwrap_or_else(|| usage())
+                    .split(',')
+                    .map(|t| t.trim().parse().ok().filter(|n| (1..=64).contains(n)))
+                    .collect();
+                match list {
+                    Some(l) if !l.is_empty() => threads = Some(l),
                     _ => usage(),
                 }
             }
@@ -143,11 +180,23 @@ fn parse_opts() -> Opts {
         rounds: rounds.unwrap_or(if smoke { 1 } else { 3 }),
         duration: duration.unwrap_or(if smoke { 1 } else { 5 }),
         targets: if smoke {
-            vec![Target::Hlb]
+            vec![Target::Kernel, Target::Hlb]
         } else {
-            vec![Target::Direct, Target::Hlb, Target::Haproxy, Target::Nginx]
+            vec![
+                Target::Direct,
+                Target::Kernel,
+                Target::Hlb,
+                Target::Haproxy,
+                Target::Nginx,
+            ]
         },
         scenarios,
+        threads: threads.unwrap_or_else(|| vec![1, 2]),
+        hlb_args: std::env::var("HLB_ARGS")
+            .unwrap_or_default()
+            .split_whitespace()
+            .map(str::to_string)
+            .collect(),
         idle_conns: 5000,
         probe_targets: 5000,
         probe_window: if smoke { 2 } else { 20 },
@@ -173,9 +222,16 @@ fn spawn_http_backend(o: &Opts, addr: &str, log: &str) -> Proc {
     )
 }
 
-/// Scenarios 1–4: the backends and the proxies are started once for all
-/// of them.
-fn traffic(o: &Opts, res: &mut Results) {
+/// Scenarios 1–4, once per thread count: the backends stay up throughout;
+/// the proxies are started with each count's threads and stopped after it.
+///
+/// The targets without a process run in every block too: direct, because
+/// the per-round ratios against it need it in the same rounds; the kernel
+/// (which has no threads to set) for the same reason, and because it is
+/// cheap. The smoke run proves each path once and keeps to its time: the
+/// first block as a full run has it, with the kernel; later blocks only
+/// the request scenarios (rps, cps) of harvester-lb.
+fn traffic_blocks(o: &Opts, res: &mut Results, kernel: Option<&KernelDnat>) {
     let http_backend = spawn_http_backend(
         o,
         &sa(BACKEND_IP, HTTP_PORT).to_string(),
@@ -194,50 +250,52 @@ fn traffic(o: &Opts, res: &mut Results) {
     );
     wait_port(sa(BACKEND_IP, HTTP_PORT), "http backend");
     wait_port(sa(BACKEND_IP, IPERF_PORT), "iperf3 server");
-    let mut procs: Vec<(Target, Proc)> = Vec::new();
-    procs.push((
-        Target::Hlb,
-        start_hlb(&o.work, "hlb", &hlb_config(), sa(HLB_IP, ADMIN_PORT)),
-    ));
-    if o.targets.contains(&Target::Haproxy) {
-        let cfg = o.work.join("haproxy.cfg");
-        std::fs::write(&cfg, haproxy_config()).expect("write");
-        procs.push((
-            Target::Haproxy,
-            Proc::spawn(
-                "haproxy",
-                Command::new("haproxy").arg("-db").arg("-f").arg(&cfg),
-                &o.work.join("haproxy.log"),
-            ),
-        ));
-        wait_port(sa(HAPROXY_IP, HTTP_PORT), "haproxy");
-    }
-    if o.targets.contains(&Target::Nginx) {
-        procs.push((
-            Target::Nginx,
-            spawn_nginx(&o.work, "nginx", &nginx_config(&o.work)),
-        ));
-        wait_port(sa(NGINX_IP, HTTP_PORT), "nginx");
-    }
-    // Let the first health checks pass everywhere.
-    std::thread::sleep(Duration::from_millis(1500));
-    let pids: Vec<(Target, i32)> = procs.iter().map(|(t, p)| (*t, p.pid())).collect();
-    scenarios::traffic::traffic_scenarios(o, res, &pids);
-    if o.wants("idle") {
-        scenarios::idle::idle_scenario(o, res, &mut procs);
-    }
-    for (t, p) in procs.iter_mut() {
-        if !p.alive() {
-            res.fail(format!("{} exited during the run", t.name()));
+    for (k, &threads) in o.threads.iter().enumerate() {
+        let later_smoke = o.smoke && k > 0;
+        let mut procs = start_proxies(&o.hlb(), &o.targets, threads);
+        // Let the first health checks pass everywhere.
+        std::thread::sleep(Duration::from_millis(1500));
+        let pids: Vec<(Target, i32)> = procs.iter().map(|(t, p)| (*t, p.pid())).collect();
+        let targets: Vec<Target> = o
+            .targets
+            .iter()
+            .copied()
+            .filter(|t| !(later_smoke && *t == Target::Kernel))
+            .collect();
+        let traffic: Vec<&str> = ["throughput", "rps", "cps"]
+            .into_iter()
+            .filter(|s| o.wants(s) && !(later_smoke && *s == "throughput"))
+            .collect();
+        if !traffic.is_empty() {
+            let block = Block {
+                targets: &targets,
+                pids: &pids,
+                threads,
+                kernel,
+                scenarios: &traffic,
+            };
+            scenarios::traffic::traffic_scenarios(o, res, &block);
+        }
+        if o.wants("idle") && !later_smoke {
+            scenarios::idle::idle_scenario(o, res, &mut procs, threads);
+        }
+        for (t, p) in procs.iter_mut() {
+            if !p.alive() {
+                res.fail(format!(
+                    "{} ({threads} threads) exited during the run",
+                    t.name()
+                ));
+            }
         }
     }
-    drop(procs);
     drop(iperf_server);
     drop(http_backend);
 }
 
 fn main() {
-    let o = parse_opts();
+    // First, before any thread: Ctrl-C must still undo the host changes.
+    host::undo_on_signal();
+    let mut o = parse_opts();
     let needs_peers = !o.smoke;
     let mut missing = Vec::new();
     for tool in ["iperf3", "wrk", "tcpdump"] {
@@ -267,9 +325,30 @@ fn main() {
     let want_traffic = ["throughput", "rps", "cps", "idle"]
         .iter()
         .any(|s| o.wants(s));
-    // Backends and proxies for scenarios 1–4.
+    // The kernel target: only in the traffic scenarios, and only where
+    // nftables can be used; otherwise it is left out with a note.
+    let kernel = if want_traffic && o.targets.contains(&Target::Kernel) {
+        match KernelDnat::prepare() {
+            Ok(k) => Some(k),
+            Err(e) => {
+                eprintln!("note: no kernel target: {e}");
+                None
+            }
+        }
+    } else {
+        None
+    };
+    if kernel.is_none() {
+        o.targets.retain(|t| *t != Target::Kernel);
+    }
+    // The smoke run's single 1 s run cannot fill the conntrack table.
+    let conntrack = if kernel.is_some() && o.wants("cps") && !o.smoke {
+        host::conntrack_room()
+    } else {
+        Vec::new()
+    };
     if want_traffic {
-        traffic(&o, &mut res);
+        traffic_blocks(&o, &mut res, kernel.as_ref());
     }
     if o.wants("udp") {
         scenarios::udp::udp_scenario(&o, &mut res);
@@ -308,19 +387,29 @@ fn main() {
         sh("ulimit -n")
     );
     let versions = format!(
-        "haproxy {}; nginx {}; iperf3 {}; wrk {}",
+        "haproxy {}; nginx {}; iperf3 {}; wrk {}; nft {}",
         sh("haproxy -v 2>/dev/null | head -1 | awk '{print $3}'"),
         sh("nginx -v 2>&1 | sed 's/.*nginx\\///'"),
         sh("iperf3 --version 2>/dev/null | head -1 | awk '{print $2}'"),
         sh("wrk -v 2>&1 | head -1 | awk '{print $2}'"),
+        sh("nft --version 2>/dev/null | awk '{print $2}'"),
     );
     let command: Vec<String> = std::env::args().collect();
     let tbl = table::table(&res, &o.targets);
+    let threads: Vec<String> = o.threads.iter().map(|t| t.to_string()).collect();
     println!(
-        "\nharvester-lb comparison, {date}\nmachine: {machine}\nversions: {versions}\nrounds {}, {} s per run; medians over rounds; one worker thread/process each; 2 cores shared by load generator, proxy and backend\n",
-        o.rounds, o.duration
+        "\nharvester-lb comparison, {date}\nmachine: {machine}\nversions: {versions}\nrounds {}, {} s per run; medians over rounds; traffic scenarios with {} thread(s)/worker(s) per proxy, the others with one; 2 cores shared by load generator, proxy and backend{}\n",
+        o.rounds,
+        o.duration,
+        threads.join(" and "),
+        if o.hlb_args.is_empty() {
+            String::new()
+        } else {
+            format!("; HLB_ARGS: {}", o.hlb_args.join(" "))
+        }
     );
     println!("{tbl}");
+    println!("{}", table::notes(&o.targets));
     let samples: Vec<Value> = res
         .samples
         .iter()
@@ -336,6 +425,9 @@ fn main() {
         "smoke": o.smoke,
         "rounds": o.rounds,
         "duration_s": o.duration,
+        "threads": o.threads,
+        "hlb_args": o.hlb_args,
+        "targets": o.targets.iter().map(|t| t.name()).collect::<Vec<_>>(),
         "elapsed_s": started.elapsed().as_secs_f64(),
         "commands": res.commands,
         "results": samples,
@@ -352,6 +444,8 @@ fn main() {
         .unwrap_or_else(|e| panic!("cannot write {}: {e}", o.json.display()));
     println!("raw results: {}", o.json.display());
     let _ = std::fs::remove_dir_all(&o.work);
+    // Undo the host changes before exit(), which runs no destructors.
+    drop(conntrack);
     if !res.failures.is_empty() {
         eprintln!("{} failure(s):", res.failures.len());
         for f in &res.failures {

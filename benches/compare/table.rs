@@ -14,7 +14,7 @@ use crate::targets::Target;
 pub struct Results {
     /// (scenario, metric, target) -> samples, one per round.
     pub samples: BTreeMap<(String, String, Target), Vec<f64>>,
-    /// Scenario-specific extra results (health, reload, idle).
+    /// Scenario-specific extra results (health, reload, idle, kernel).
     pub extra: serde_json::Map<String, Value>,
     /// Commands run, for the README.
     pub commands: BTreeMap<String, String>,
@@ -70,8 +70,63 @@ fn fmt_num(v: f64) -> String {
     }
 }
 
+/// The rows whose ratios carry the spread of the per-round ratios: the
+/// rates and what they cost, the figures a claim against a peer rests on.
+/// A claimed gap means something only when it is wider than this spread.
+fn shows_spread(metric: &str) -> bool {
+    metric.starts_with("Gbit/s")
+        || metric.starts_with("proxy CPU")
+        || ["req/s", "conn/s", "queries/s"].contains(&metric)
+}
+
+/// The ratio columns, numerator over denominator.
+const RATIOS: [(Target, Target); 5] = [
+    (Target::Hlb, Target::Haproxy),
+    (Target::Hlb, Target::Direct),
+    (Target::Hlb, Target::Kernel),
+    (Target::Nginx, Target::Haproxy),
+    (Target::Nginx, Target::Direct),
+];
+
+/// The ratio of `a` to `b` in one row: the median of the per-round ratios
+/// when both have every round (rounds interleave the targets, so the ratio
+/// within one round cancels the machine's drift between rounds), with their
+/// min–max when `spread` and there are two rounds or more; otherwise the
+/// ratio of the medians.
+fn ratio(m: &BTreeMap<Target, &Vec<f64>>, a: Target, b: Target, spread: bool) -> String {
+    let (Some(x), Some(y)) = (m.get(&a), m.get(&b)) else {
+        return "–".into();
+    };
+    if x.len() != y.len() {
+        let r = median(x) / median(y);
+        return if r.is_finite() {
+            format!("{r:.2}x")
+        } else {
+            "–".into()
+        };
+    }
+    let per_round: Vec<f64> = x
+        .iter()
+        .zip(y.iter())
+        .filter(|(_, b)| **b != 0.0)
+        .map(|(a, b)| a / b)
+        .filter(|r| r.is_finite())
+        .collect();
+    let r = median(&per_round);
+    if !r.is_finite() {
+        return "–".into();
+    }
+    let lo = per_round.iter().copied().fold(f64::INFINITY, f64::min);
+    let hi = per_round.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    if spread && per_round.len() >= 2 {
+        format!("{r:.2}x ({lo:.2}–{hi:.2})")
+    } else {
+        format!("{r:.2}x")
+    }
+}
+
 /// The Markdown table: one row per (scenario, metric), the median of each
-/// target's rounds, then the ratio columns.
+/// target's rounds, then the ratio columns (see [`ratio`]).
 pub fn table(res: &Results, targets: &[Target]) -> String {
     let mut rows: BTreeMap<(String, String), BTreeMap<Target, &Vec<f64>>> = BTreeMap::new();
     for ((scen, metric, t), v) in &res.samples {
@@ -79,8 +134,7 @@ pub fn table(res: &Results, targets: &[Target]) -> String {
             .or_default()
             .insert(*t, v);
     }
-    let all = [Target::Direct, Target::Hlb, Target::Haproxy, Target::Nginx];
-    let shown: Vec<Target> = all
+    let shown: Vec<Target> = Target::ALL
         .iter()
         .copied()
         .filter(|t| targets.contains(t) || *t == Target::Hlb)
@@ -89,35 +143,14 @@ pub fn table(res: &Results, targets: &[Target]) -> String {
     for t in &shown {
         let _ = write!(s, " {} |", t.name());
     }
-    s.push_str(" hlb / haproxy | hlb / direct | nginx / haproxy | nginx / direct |\n|---|---|");
-    for _ in 0..shown.len() + 4 {
+    for (a, b) in RATIOS {
+        let _ = write!(s, " {} / {} |", a.short(), b.short());
+    }
+    s.push_str("\n|---|---|");
+    for _ in 0..shown.len() + RATIOS.len() {
         s.push_str("---:|");
     }
     s.push('\n');
-    let ratio = |m: &BTreeMap<Target, &Vec<f64>>, a: Target, b: Target| {
-        let (Some(x), Some(y)) = (m.get(&a), m.get(&b)) else {
-            return "–".into();
-        };
-        // Rounds interleave the targets, so the ratio within one round
-        // cancels the machine's drift between rounds: the median of the
-        // per-round ratios, when both have every round.
-        let r = if x.len() == y.len() {
-            median(
-                &x.iter()
-                    .zip(y.iter())
-                    .filter(|(_, b)| **b != 0.0)
-                    .map(|(a, b)| a / b)
-                    .collect::<Vec<_>>(),
-            )
-        } else {
-            median(x) / median(y)
-        };
-        if r.is_finite() {
-            format!("{r:.2}x")
-        } else {
-            "–".into()
-        }
-    };
     for ((scen, metric), m) in &rows {
         let _ = write!(s, "| {scen} | {metric} |");
         for t in &shown {
@@ -127,13 +160,23 @@ pub fn table(res: &Results, targets: &[Target]) -> String {
                 m.get(t).map_or("–".into(), |v| fmt_num(median(v)))
             );
         }
-        let _ = writeln!(
-            s,
-            " {} | {} | {} | {} |",
-            ratio(m, Target::Hlb, Target::Haproxy),
-            ratio(m, Target::Hlb, Target::Direct),
-            ratio(m, Target::Nginx, Target::Haproxy),
-            ratio(m, Target::Nginx, Target::Direct)
+        for (a, b) in RATIOS {
+            let _ = write!(s, " {} |", ratio(m, a, b, shows_spread(metric)));
+        }
+        s.push('\n');
+    }
+    s
+}
+
+/// What a reader of the table needs to know about its empty cells and
+/// brackets.
+pub fn notes(targets: &[Target]) -> String {
+    let mut s = String::from(
+        "Ratios of rates and CPU: median of the per-round ratios (min–max over the rounds).\n",
+    );
+    if targets.contains(&Target::Kernel) {
+        s.push_str(
+            "kernel: nftables DNAT in the output hook, no process of its own: its forwarding is softirq time on the client's and the backend's threads, so its CPU and RSS cells are –.\n",
         );
     }
     s

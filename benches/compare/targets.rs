@@ -8,7 +8,7 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use crate::util::{signal, wait_http_ok};
+use crate::util::{sa, signal, wait_http_ok, wait_port};
 
 /// The harvester-lb binary Cargo built for this bench (release profile).
 const HLB_BIN: &str = env!("CARGO_BIN_EXE_harvester-lb");
@@ -18,6 +18,9 @@ pub const BACKEND_IP: Ipv4Addr = Ipv4Addr::new(127, 252, 0, 1);
 pub const HLB_IP: Ipv4Addr = Ipv4Addr::new(127, 252, 0, 2);
 pub const HAPROXY_IP: Ipv4Addr = Ipv4Addr::new(127, 252, 0, 3);
 pub const NGINX_IP: Ipv4Addr = Ipv4Addr::new(127, 252, 0, 4);
+/// The kernel target's VIP: DNAT to BACKEND_IP on the same ports (see
+/// [`crate::host::KernelDnat`]).
+pub const KERNEL_IP: Ipv4Addr = Ipv4Addr::new(127, 252, 0, 5);
 /// Ports, the same on the backend and on every proxy.
 pub const IPERF_PORT: u16 = 15201;
 pub const HTTP_PORT: u16 = 18080;
@@ -29,24 +32,46 @@ pub const NGINX_STREAM_MODULE: &str = "/usr/lib/nginx/modules/ngx_stream_module.
 pub enum Target {
     /// The backend itself: what the client and backend do without a proxy.
     Direct,
+    /// The kernel forwarding on its own (nftables DNAT, as kube-proxy does a
+    /// Service): the floor a user-space proxy is measured against.
+    Kernel,
     Hlb,
     Haproxy,
     Nginx,
 }
 
 impl Target {
+    /// Every target, in the table's column order.
+    pub const ALL: [Target; 5] = [
+        Target::Direct,
+        Target::Kernel,
+        Target::Hlb,
+        Target::Haproxy,
+        Target::Nginx,
+    ];
+
     pub fn name(self) -> &'static str {
         match self {
             Target::Direct => "direct",
+            Target::Kernel => "kernel",
             Target::Hlb => "harvester-lb",
             Target::Haproxy => "haproxy",
             Target::Nginx => "nginx",
         }
     }
 
+    /// The name in the ratio columns' headers.
+    pub fn short(self) -> &'static str {
+        match self {
+            Target::Hlb => "hlb",
+            t => t.name(),
+        }
+    }
+
     pub fn ip(self) -> Ipv4Addr {
         match self {
             Target::Direct => BACKEND_IP,
+            Target::Kernel => KERNEL_IP,
             Target::Hlb => HLB_IP,
             Target::Haproxy => HAPROXY_IP,
             Target::Nginx => NGINX_IP,
@@ -108,11 +133,16 @@ impl Drop for Proc {
     }
 }
 
+/// "1 thread", "2 threads": the suffix of the traffic scenarios' rows.
+pub fn threads_label(threads: usize) -> String {
+    format!("{threads} thread{}", if threads == 1 { "" } else { "s" })
+}
+
 // ---------------------------------------------------------------------------
 // The traffic scenarios' proxies (throughput, rps, cps, idle)
 
 /// harvester-lb config: one load balancer on HLB_IP with both listeners.
-pub fn hlb_config() -> String {
+fn hlb_config() -> String {
     format!(
         r#"[admin]
 listen = "{HLB_IP}:{ADMIN_PORT}"
@@ -140,12 +170,12 @@ algorithm = "round_robin"
     )
 }
 
-/// HAProxy on one thread, TCP mode, splice when it pays, the same health
-/// check as harvester-lb's.
-pub fn haproxy_config() -> String {
+/// HAProxy with `threads` threads (`nbthread`), TCP mode, splice when it
+/// pays, the same health check as harvester-lb's.
+fn haproxy_config(threads: usize) -> String {
     format!(
         r#"global
-  nbthread 1
+  nbthread {threads}
   maxconn 7000
   log stderr format short local0 err
 
@@ -172,13 +202,13 @@ backend http
     )
 }
 
-/// nginx's stream module with one worker process.
-pub fn nginx_config(work: &Path) -> String {
+/// nginx's stream module with `threads` worker processes.
+fn nginx_config(work: &Path, threads: usize) -> String {
     let w = work.display();
     format!(
         r#"load_module {NGINX_STREAM_MODULE};
 daemon off;
-worker_processes 1;
+worker_processes {threads};
 worker_rlimit_nofile 19000;
 pid {w}/nginx.pid;
 error_log {w}/nginx-error.log warn;
@@ -215,25 +245,67 @@ pub fn spawn_nginx(work: &Path, name: &str, config: &str) -> Proc {
     )
 }
 
-/// harvester-lb on `config` (written to `<name>.toml` in `work`); returns
-/// once `admin` answers `/readyz`.
-pub fn start_hlb(work: &Path, name: &str, config: &str, admin: SocketAddr) -> Proc {
-    let path = work.join(format!("{name}.toml"));
-    // The admin socket in the bench's directory: a harvester-lb serving
-    // this host keeps /run/harvester-lb/admin.sock, and a bench daemon
-    // must neither take it nor fail on it.
-    let socket = format!(
-        "[admin]\nsocket = {:?}\n",
-        work.join(format!("{name}.sock"))
-    );
-    let config = config.replacen("[admin]\n", &socket, 1);
-    std::fs::write(&path, config).expect("write config");
-    let mut cmd = Command::new(HLB_BIN);
-    // One thread, like HAProxy's nbthread 1 and nginx's one worker.
-    cmd.args(["run", "--no-watch", "--threads", "1", "--config"])
-        .arg(&path)
-        .env("HARVESTER_LB_LOG", "warn");
-    let p = Proc::spawn(name, &mut cmd, &work.join(format!("{name}.log")));
-    wait_http_ok(admin, "/readyz", Duration::from_secs(60));
-    p
+/// How harvester-lb runs: `harvester-lb run --threads N`, plus whatever
+/// `HLB_ARGS` adds (space-separated, appended; e.g. a runtime flag to A/B).
+pub struct HlbRun<'a> {
+    pub work: &'a Path,
+    pub extra_args: &'a [String],
+}
+
+impl HlbRun<'_> {
+    /// harvester-lb on `config` (written to `<name>.toml`) with `threads`
+    /// worker threads; returns once `admin` answers `/readyz`.
+    pub fn start(&self, name: &str, config: &str, admin: SocketAddr, threads: usize) -> Proc {
+        let path = self.work.join(format!("{name}.toml"));
+        // The admin socket in the bench's directory: a harvester-lb serving
+        // this host keeps /run/harvester-lb/admin.sock, and a bench daemon
+        // must neither take it nor fail on it.
+        let socket = format!(
+            "[admin]\nsocket = {:?}\n",
+            self.work.join(format!("{name}.sock"))
+        );
+        let config = config.replacen("[admin]\n", &socket, 1);
+        std::fs::write(&path, config).expect("write config");
+        let mut cmd = Command::new(HLB_BIN);
+        cmd.args(["run", "--no-watch", "--threads", &threads.to_string()])
+            .arg("--config")
+            .arg(&path)
+            .args(self.extra_args)
+            .env("HARVESTER_LB_LOG", "warn");
+        let p = Proc::spawn(name, &mut cmd, &self.work.join(format!("{name}.log")));
+        wait_http_ok(admin, "/readyz", Duration::from_secs(60));
+        p
+    }
+}
+
+/// The proxies of the traffic scenarios among `targets`, each with
+/// `threads` threads or worker processes, listening when this returns.
+pub fn start_proxies(hlb: &HlbRun, targets: &[Target], threads: usize) -> Vec<(Target, Proc)> {
+    let work = hlb.work;
+    let mut procs: Vec<(Target, Proc)> = Vec::new();
+    procs.push((
+        Target::Hlb,
+        hlb.start("hlb", &hlb_config(), sa(HLB_IP, ADMIN_PORT), threads),
+    ));
+    if targets.contains(&Target::Haproxy) {
+        let cfg = work.join("haproxy.cfg");
+        std::fs::write(&cfg, haproxy_config(threads)).expect("write");
+        procs.push((
+            Target::Haproxy,
+            Proc::spawn(
+                "haproxy",
+                Command::new("haproxy").arg("-db").arg("-f").arg(&cfg),
+                &work.join("haproxy.log"),
+            ),
+        ));
+        wait_port(sa(HAPROXY_IP, HTTP_PORT), "haproxy");
+    }
+    if targets.contains(&Target::Nginx) {
+        procs.push((
+            Target::Nginx,
+            spawn_nginx(work, "nginx", &nginx_config(work, threads)),
+        ));
+        wait_port(sa(NGINX_IP, HTTP_PORT), "nginx");
+    }
+    procs
 }

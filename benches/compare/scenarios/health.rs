@@ -14,7 +14,7 @@ use super::probes::{ProbeTargets, SynCapture};
 use crate::Opts;
 use crate::procfs::cpu_seconds_tree;
 use crate::table::{Results, percentile};
-use crate::targets::{ADMIN_PORT, HAPROXY_IP, HLB_IP, Proc, Target, start_hlb};
+use crate::targets::{ADMIN_PORT, HAPROXY_IP, HLB_IP, Proc, Target};
 use crate::util::{sa, wait_port};
 
 /// Targets are 127.250.(i / 250).(i % 250 + 1):PROBE_PORT.
@@ -62,11 +62,11 @@ pub fn health_scenario(o: &Opts, res: &mut Results) {
     let mut extra = serde_json::Map::new();
     for target in who {
         let proc = match target {
-            Target::Hlb => start_hlb(
-                &o.work,
+            Target::Hlb => o.hlb().start(
                 "hlb-probes",
                 &hlb_probe_config(o.probe_targets),
                 sa(HLB_IP, ADMIN_PORT + 1),
+                1,
             ),
             _ => {
                 let cfg = o.work.join("haproxy-probes.cfg");

@@ -9,14 +9,16 @@ use std::time::{Duration, Instant};
 use crate::Opts;
 use crate::procfs::rss_tree;
 use crate::table::Results;
-use crate::targets::{HTTP_PORT, Proc, Target};
+use crate::targets::{HTTP_PORT, Proc, Target, threads_label};
 use crate::util::sa;
 
-pub fn idle_scenario(o: &Opts, res: &mut Results, procs: &mut [(Target, Proc)]) {
+/// Every proxy in `procs` (each running `threads` threads) in turn; the rows
+/// are "4 idle connections (N threads)". Targets without a process (direct,
+/// kernel) have no memory of their own to measure and are not in `procs`.
+pub fn idle_scenario(o: &Opts, res: &mut Results, procs: &mut [(Target, Proc)], threads: usize) {
+    let scen = format!("4 idle connections ({})", threads_label(threads));
+    let scen = scen.as_str();
     for (target, proc) in procs.iter_mut() {
-        if *target == Target::Direct {
-            continue;
-        }
         let pid = proc.pid();
         let before = rss_tree(pid);
         let addr = sa(target.ip(), HTTP_PORT);
@@ -48,8 +50,9 @@ pub fn idle_scenario(o: &Opts, res: &mut Results, procs: &mut [(Target, Proc)]) 
         drop(conns);
         let per_conn = (after as f64 - before as f64) / opened.max(1) as f64;
         eprintln!(
-            "idle {}: {opened} connections, RSS {:.1} -> {:.1} MiB, {per_conn:.0} B/conn, forwarding {:?}",
+            "idle {} ({}): {opened} connections, RSS {:.1} -> {:.1} MiB, {per_conn:.0} B/conn, forwarding {:?}",
             target.name(),
+            threads_label(threads),
             before as f64 / 1048576.0,
             after as f64 / 1048576.0,
             alive
@@ -60,13 +63,8 @@ pub fn idle_scenario(o: &Opts, res: &mut Results, procs: &mut [(Target, Proc)]) 
                 target.name()
             ));
         }
-        res.add("4 idle connections", "RSS B/conn", *target, per_conn);
-        res.add(
-            "4 idle connections",
-            "RSS MiB at 5k",
-            *target,
-            after as f64 / 1048576.0,
-        );
+        res.add(scen, "RSS B/conn", *target, per_conn);
+        res.add(scen, "RSS MiB at 5k", *target, after as f64 / 1048576.0);
         // Give the proxies time to close their backend legs before the next one.
         std::thread::sleep(Duration::from_secs(2));
     }

@@ -13,7 +13,7 @@ use serde_json::json;
 
 use crate::Opts;
 use crate::table::{Results, median, percentile};
-use crate::targets::{ADMIN_PORT, BACKEND_IP, HLB_IP, HTTP_PORT, Proc, Target, start_hlb};
+use crate::targets::{ADMIN_PORT, BACKEND_IP, HLB_IP, HTTP_PORT, Proc, Target};
 use crate::util::{http_get, sa, signal};
 
 /// Load balancer i listens on 127.253.(i / 250).(i % 250 + 1):HTTP_PORT;
@@ -48,12 +48,9 @@ pub fn reload_scenario(o: &Opts, res: &mut Results) {
     let n = o.reload_lbs;
     let path = o.work.join("hlb-reload.toml");
     let configs = [hlb_reload_config(n, false), hlb_reload_config(n, true)];
-    let proc = start_hlb(
-        &o.work,
-        "hlb-reload",
-        &configs[0],
-        sa(HLB_IP, ADMIN_PORT + 2),
-    );
+    let proc = o
+        .hlb()
+        .start("hlb-reload", &configs[0], sa(HLB_IP, ADMIN_PORT + 2), 1);
     // Spread over 10 of the load balancers.
     let run = reloads_under_load(
         res,

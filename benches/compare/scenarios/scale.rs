@@ -14,7 +14,7 @@ use super::reload::reloads_under_load;
 use crate::Opts;
 use crate::procfs::{cpu_seconds_tree, rss_tree};
 use crate::table::Results;
-use crate::targets::{ADMIN_PORT, HAPROXY_IP, HLB_IP, HTTP_PORT, Proc, Target, start_hlb};
+use crate::targets::{ADMIN_PORT, HAPROXY_IP, HLB_IP, HTTP_PORT, Proc, Target};
 use crate::util::{http_body, http_get_within, sa, sh, try_wait_port};
 
 /// Load balancer i listens on 127.247.(i / 250).(i % 250 + 1):SCALE_PORT
@@ -304,7 +304,7 @@ pub fn scale_scenario(o: &Opts, res: &mut Results) {
     let configs = [hlb_scale_config(n, false), hlb_scale_config(n, true)];
     let admin = sa(HLB_IP, ADMIN_PORT + 3);
     let t0 = Instant::now();
-    let mut proc = start_hlb(&o.work, "hlb-scale", &configs[0], admin);
+    let mut proc = o.hlb().start("hlb-scale", &configs[0], admin, 1);
     let ready_s = t0.elapsed().as_secs_f64();
     let rest = AtRest::measure(o, proc.pid());
     if rest.probes == 0 {

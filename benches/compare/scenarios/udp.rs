@@ -13,7 +13,6 @@ use crate::order::run_order;
 use crate::table::{Results, percentile};
 use crate::targets::{
     ADMIN_PORT, BACKEND_IP, HLB_IP, NGINX_IP, NGINX_STREAM_MODULE, Proc, Target, spawn_nginx,
-    start_hlb,
 };
 use crate::util::{run_with_timeout, sa, which};
 
@@ -218,12 +217,8 @@ pub fn udp_scenario(o: &Opts, res: &mut Results) {
     }
     let mut procs: Vec<(Target, Proc)> = vec![(
         Target::Hlb,
-        start_hlb(
-            &o.work,
-            "hlb-udp",
-            &hlb_udp_config(),
-            sa(HLB_IP, ADMIN_PORT),
-        ),
+        o.hlb()
+            .start("hlb-udp", &hlb_udp_config(), sa(HLB_IP, ADMIN_PORT), 1),
     )];
     if o.targets.contains(&Target::Nginx) {
         procs.push((
