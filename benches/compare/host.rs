@@ -3,9 +3,8 @@
 //! it needs. Each change is a guard that undoes it when dropped (so a panic
 //! undoes it too) and is also written in a registry, which a signal thread
 //! empties on SIGINT or SIGTERM (Ctrl-C ends a process without running its
-//! destructors). The proxies and backends are not in it: they are children
-//! in our process group, which Ctrl-C reaches as well, and [`crate::targets::Proc`]
-//! stops them on every other path.
+//! destructors). The processes the bench starts are in it too, so a SIGTERM
+//! to the bench alone stops them as [`crate::targets::Proc`]'s drop would.
 
 use std::io::Write as _;
 use std::process::{Command, Stdio};
@@ -13,7 +12,7 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use crate::targets::{BACKEND_IP, HTTP_PORT, IPERF_PORT, KERNEL_IP};
-use crate::util::{sa, try_wait_port, which};
+use crate::util::{sa, signal, try_wait_port, which};
 
 /// One change to undo.
 #[derive(Clone, PartialEq, Eq, Debug)]
@@ -22,6 +21,8 @@ enum Undo {
     NftTable(&'static str),
     /// Write the old value back to the `/proc/sys` path.
     Sysctl(String, String),
+    /// SIGTERM to a child we started and have not reaped.
+    Stop(i32),
 }
 
 impl Undo {
@@ -42,6 +43,7 @@ impl Undo {
                     eprintln!("WARNING: cannot restore {path} to {old}: {e}");
                 }
             }
+            Undo::Stop(pid) => signal(*pid, libc::SIGTERM),
         }
     }
 }
@@ -51,6 +53,18 @@ static IN_FORCE: Mutex<Vec<Undo>> = Mutex::new(Vec::new());
 
 fn register(u: Undo) {
     IN_FORCE.lock().unwrap_or_else(|p| p.into_inner()).push(u);
+}
+
+/// Registers a child the signal thread must stop; [`forget_child`] when it
+/// is being stopped (before it is reaped, so its pid cannot be reused while
+/// registered).
+pub fn track_child(pid: i32) {
+    register(Undo::Stop(pid));
+}
+
+pub fn forget_child(pid: i32) {
+    let mut reg = IN_FORCE.lock().unwrap_or_else(|p| p.into_inner());
+    reg.retain(|u| *u != Undo::Stop(pid));
 }
 
 /// Undoes `u` and takes it out of the registry (if the signal thread has
@@ -110,7 +124,10 @@ pub fn undo_on_signal() {
         for u in reg.iter().rev() {
             u.run();
         }
-        eprintln!("signal {sig}: {} host change(s) undone; exiting", reg.len());
+        eprintln!(
+            "signal {sig}: {} process(es) stopped or host change(s) undone; exiting",
+            reg.len()
+        );
         std::process::exit(128 + sig);
     });
 }

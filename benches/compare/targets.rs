@@ -95,6 +95,7 @@ impl Proc {
             .stderr(err)
             .spawn()
             .unwrap_or_else(|e| panic!("cannot start {name}: {e} ({cmd:?})"));
+        crate::host::track_child(child.id() as i32);
         Proc {
             name: name.to_string(),
             child,
@@ -112,6 +113,7 @@ impl Proc {
 
 impl Drop for Proc {
     fn drop(&mut self) {
+        crate::host::forget_child(self.pid());
         if !self.alive() {
             return;
         }

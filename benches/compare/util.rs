@@ -151,6 +151,8 @@ pub fn run_with_timeout(cmd: &mut Command, limit: Duration) -> Option<String> {
         .spawn()
         .ok()?;
     let pid = child.id() as i32;
+    // A load generator is stopped on SIGINT/SIGTERM like the proxies.
+    crate::host::track_child(pid);
     let done = Arc::new(AtomicBool::new(false));
     let watchdog = {
         let done = Arc::clone(&done);
@@ -169,6 +171,7 @@ pub fn run_with_timeout(cmd: &mut Command, limit: Duration) -> Option<String> {
         })
     };
     let out = child.wait_with_output().ok();
+    crate::host::forget_child(pid);
     done.store(true, Ordering::Relaxed);
     let _ = watchdog.join();
     let out = out?;
