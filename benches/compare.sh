@@ -1,9 +1,17 @@
 #!/usr/bin/env bash
-# One command for the comparison of harvester-lb with HAProxy and nginx:
+# One command for the comparison of harvester-lb with HAProxy, nginx and the
+# kernel's own forwarding (nftables DNAT, as kube-proxy forwards a Service):
 #   benches/compare.sh [--json FILE] [--rounds N] [--duration S] [--only LIST]
+#                      [--threads T1,T2]        # traffic scenarios' threads (1,2)
 #                      [--scale-lbs N]          # scale scenario size (10000)
-#   benches/compare.sh --smoke [--json FILE]   # CI: harvester-lb alone, ~1 min
+#   benches/compare.sh --smoke [--json FILE]   # CI: harvester-lb (1 and 2 threads)
+#                                              # and the kernel target, ~1 min
 # LIST: throughput,rps,cps,idle,health,reload,scale,udp (default: all).
+# HLB_ARGS="..." is appended to every `harvester-lb run` (e.g. to A/B a
+# runtime option). The kernel target needs root and nft; without them it is
+# left out with a note. It changes the host only while it runs (its own
+# nftables table, conntrack's TIME_WAIT timeout and maximum) and undoes it
+# on exit, on panic and on Ctrl-C.
 # Installs what is missing from Debian packages, builds harvester-lb in
 # release mode (cargo bench's profile) and runs benches/compare.rs.
 # CARGO_TARGET_DIR is honoured; CARGO_PROFILE (default: bench) may be set to
@@ -21,6 +29,10 @@ command -v tcpdump >/dev/null || need+=(tcpdump)
 # The UDP scenario: dnsmasq is the DNS backend, dnsperf the load.
 command -v dnsmasq >/dev/null || need+=(dnsmasq-base)
 command -v dnsperf >/dev/null || need+=(dnsperf)
+# The kernel target's DNAT; only root may use it.
+if [[ $(id -u) == 0 ]]; then
+  command -v nft >/dev/null || need+=(nftables)
+fi
 if ((smoke == 0)); then
   command -v haproxy >/dev/null || need+=(haproxy)
   command -v nginx >/dev/null || need+=(nginx)

@@ -1,0 +1,313 @@
+//! What the bench measures against: the [`Target`]s, the processes it
+//! starts for them ([`Proc`], stopped by pid), and each proxy's config for
+//! the traffic scenarios. Scenario-specific configs (health, reload, scale,
+//! udp) live with their scenario.
+
+use std::net::{Ipv4Addr, SocketAddr};
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use crate::util::{sa, signal, wait_http_ok, wait_port};
+
+/// The harvester-lb binary Cargo built for this bench (release profile).
+const HLB_BIN: &str = env!("CARGO_BIN_EXE_harvester-lb");
+
+/// Addresses: one per role, all on loopback, so every proxy uses the same ports.
+pub const BACKEND_IP: Ipv4Addr = Ipv4Addr::new(127, 252, 0, 1);
+pub const HLB_IP: Ipv4Addr = Ipv4Addr::new(127, 252, 0, 2);
+pub const HAPROXY_IP: Ipv4Addr = Ipv4Addr::new(127, 252, 0, 3);
+pub const NGINX_IP: Ipv4Addr = Ipv4Addr::new(127, 252, 0, 4);
+/// The kernel target's VIP: DNAT to BACKEND_IP on the same ports (see
+/// [`crate::host::KernelDnat`]).
+pub const KERNEL_IP: Ipv4Addr = Ipv4Addr::new(127, 252, 0, 5);
+/// Ports, the same on the backend and on every proxy.
+pub const IPERF_PORT: u16 = 15201;
+pub const HTTP_PORT: u16 = 18080;
+pub const ADMIN_PORT: u16 = 19901;
+
+pub const NGINX_STREAM_MODULE: &str = "/usr/lib/nginx/modules/ngx_stream_module.so";
+
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Debug)]
+pub enum Target {
+    /// The backend itself: what the client and backend do without a proxy.
+    Direct,
+    /// The kernel forwarding on its own (nftables DNAT, as kube-proxy does a
+    /// Service): the floor a user-space proxy is measured against.
+    Kernel,
+    Hlb,
+    Haproxy,
+    Nginx,
+}
+
+impl Target {
+    /// Every target, in the table's column order.
+    pub const ALL: [Target; 5] = [
+        Target::Direct,
+        Target::Kernel,
+        Target::Hlb,
+        Target::Haproxy,
+        Target::Nginx,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Target::Direct => "direct",
+            Target::Kernel => "kernel",
+            Target::Hlb => "harvester-lb",
+            Target::Haproxy => "haproxy",
+            Target::Nginx => "nginx",
+        }
+    }
+
+    /// The name in the ratio columns' headers.
+    pub fn short(self) -> &'static str {
+        match self {
+            Target::Hlb => "hlb",
+            t => t.name(),
+        }
+    }
+
+    pub fn ip(self) -> Ipv4Addr {
+        match self {
+            Target::Direct => BACKEND_IP,
+            Target::Kernel => KERNEL_IP,
+            Target::Hlb => HLB_IP,
+            Target::Haproxy => HAPROXY_IP,
+            Target::Nginx => NGINX_IP,
+        }
+    }
+}
+
+/// A process we started; stopped by pid (SIGTERM, then SIGKILL) when dropped.
+pub struct Proc {
+    pub name: String,
+    pub child: std::process::Child,
+}
+
+impl Proc {
+    pub fn spawn(name: &str, cmd: &mut Command, log: &Path) -> Proc {
+        let out = std::fs::File::create(log).expect("create log");
+        let err = out.try_clone().expect("clone log");
+        let child = cmd
+            .stdin(Stdio::null())
+            .stdout(out)
+            .stderr(err)
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot start {name}: {e} ({cmd:?})"));
+        crate::host::track_child(child.id() as i32);
+        Proc {
+            name: name.to_string(),
+            child,
+        }
+    }
+
+    pub fn pid(&self) -> i32 {
+        self.child.id() as i32
+    }
+
+    pub fn alive(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(None))
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        crate::host::forget_child(self.pid());
+        if !self.alive() {
+            return;
+        }
+        signal(self.pid(), libc::SIGTERM);
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while Instant::now() < deadline {
+            if !self.alive() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        eprintln!(
+            "{} (pid {}) did not stop on SIGTERM; killing",
+            self.name,
+            self.pid()
+        );
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// "1 thread", "2 threads": the suffix of the traffic scenarios' rows.
+pub fn threads_label(threads: usize) -> String {
+    format!("{threads} thread{}", if threads == 1 { "" } else { "s" })
+}
+
+// ---------------------------------------------------------------------------
+// The traffic scenarios' proxies (throughput, rps, cps, idle)
+
+/// harvester-lb config: one load balancer on HLB_IP with both listeners.
+fn hlb_config() -> String {
+    format!(
+        r#"[admin]
+listen = "{HLB_IP}:{ADMIN_PORT}"
+[proxy]
+backlog = 4096
+max_connections = 15000
+[[load_balancer]]
+name = "bench/main"
+vip = "{HLB_IP}"
+backends = ["{BACKEND_IP}"]
+algorithm = "round_robin"
+  [[load_balancer.listener]]
+  name = "iperf"
+  port = {IPERF_PORT}
+  backend_port = {IPERF_PORT}
+  [[load_balancer.listener]]
+  name = "http"
+  port = {HTTP_PORT}
+  backend_port = {HTTP_PORT}
+  [load_balancer.health_check]
+  port = {HTTP_PORT}
+  period_seconds = 1
+  timeout_seconds = 1
+"#
+    )
+}
+
+/// HAProxy with `threads` threads (`nbthread`), TCP mode, splice when it
+/// pays, the same health check as harvester-lb's.
+fn haproxy_config(threads: usize) -> String {
+    format!(
+        r#"global
+  nbthread {threads}
+  maxconn 7000
+  log stderr format short local0 err
+
+defaults
+  mode tcp
+  option splice-auto
+  timeout connect 3s
+  timeout client 1h
+  timeout server 1h
+  default-server check port {HTTP_PORT} inter 1s fall 3 rise 1
+
+frontend iperf
+  bind {HAPROXY_IP}:{IPERF_PORT} backlog 4096
+  default_backend iperf
+backend iperf
+  server b1 {BACKEND_IP}:{IPERF_PORT}
+
+frontend http
+  bind {HAPROXY_IP}:{HTTP_PORT} backlog 4096
+  default_backend http
+backend http
+  server b1 {BACKEND_IP}:{HTTP_PORT}
+"#
+    )
+}
+
+/// nginx's stream module with `threads` worker processes.
+fn nginx_config(work: &Path, threads: usize) -> String {
+    let w = work.display();
+    format!(
+        r#"load_module {NGINX_STREAM_MODULE};
+daemon off;
+worker_processes {threads};
+worker_rlimit_nofile 19000;
+pid {w}/nginx.pid;
+error_log {w}/nginx-error.log warn;
+events {{
+  worker_connections 12000;
+}}
+stream {{
+  server {{
+    listen {NGINX_IP}:{IPERF_PORT} backlog=4096;
+    proxy_pass {BACKEND_IP}:{IPERF_PORT};
+  }}
+  server {{
+    listen {NGINX_IP}:{HTTP_PORT} backlog=4096;
+    proxy_pass {BACKEND_IP}:{HTTP_PORT};
+    proxy_timeout 1h;
+  }}
+}}
+"#
+    )
+}
+
+/// nginx with `config` written to `<name>.conf` in `work`, logging to `<name>.log`.
+pub fn spawn_nginx(work: &Path, name: &str, config: &str) -> Proc {
+    let cfg = work.join(format!("{name}.conf"));
+    std::fs::write(&cfg, config).expect("write nginx config");
+    Proc::spawn(
+        name,
+        Command::new("nginx")
+            .arg("-p")
+            .arg(work)
+            .arg("-c")
+            .arg(&cfg),
+        &work.join(format!("{name}.log")),
+    )
+}
+
+/// How harvester-lb runs: `harvester-lb run --threads N`, plus whatever
+/// `HLB_ARGS` adds (space-separated, appended; e.g. a runtime flag to A/B).
+pub struct HlbRun<'a> {
+    pub work: &'a Path,
+    pub extra_args: &'a [String],
+}
+
+impl HlbRun<'_> {
+    /// harvester-lb on `config` (written to `<name>.toml`) with `threads`
+    /// worker threads; returns once `admin` answers `/readyz`.
+    pub fn start(&self, name: &str, config: &str, admin: SocketAddr, threads: usize) -> Proc {
+        let path = self.work.join(format!("{name}.toml"));
+        // The admin socket in the bench's directory: a harvester-lb serving
+        // this host keeps /run/harvester-lb/admin.sock, and a bench daemon
+        // must neither take it nor fail on it.
+        let socket = format!(
+            "[admin]\nsocket = {:?}\n",
+            self.work.join(format!("{name}.sock"))
+        );
+        let config = config.replacen("[admin]\n", &socket, 1);
+        std::fs::write(&path, config).expect("write config");
+        let mut cmd = Command::new(HLB_BIN);
+        cmd.args(["run", "--no-watch", "--threads", &threads.to_string()])
+            .arg("--config")
+            .arg(&path)
+            .args(self.extra_args)
+            .env("HARVESTER_LB_LOG", "warn");
+        let p = Proc::spawn(name, &mut cmd, &self.work.join(format!("{name}.log")));
+        wait_http_ok(admin, "/readyz", Duration::from_secs(60));
+        p
+    }
+}
+
+/// The proxies of the traffic scenarios among `targets`, each with
+/// `threads` threads or worker processes, listening when this returns.
+pub fn start_proxies(hlb: &HlbRun, targets: &[Target], threads: usize) -> Vec<(Target, Proc)> {
+    let work = hlb.work;
+    let mut procs: Vec<(Target, Proc)> = Vec::new();
+    procs.push((
+        Target::Hlb,
+        hlb.start("hlb", &hlb_config(), sa(HLB_IP, ADMIN_PORT), threads),
+    ));
+    if targets.contains(&Target::Haproxy) {
+        let cfg = work.join("haproxy.cfg");
+        std::fs::write(&cfg, haproxy_config(threads)).expect("write");
+        procs.push((
+            Target::Haproxy,
+            Proc::spawn(
+                "haproxy",
+                Command::new("haproxy").arg("-db").arg("-f").arg(&cfg),
+                &work.join("haproxy.log"),
+            ),
+        ));
+        wait_port(sa(HAPROXY_IP, HTTP_PORT), "haproxy");
+    }
+    if targets.contains(&Target::Nginx) {
+        procs.push((
+            Target::Nginx,
+            spawn_nginx(work, "nginx", &nginx_config(work, threads)),
+        ));
+        wait_port(sa(NGINX_IP, HTTP_PORT), "nginx");
+    }
+    procs
+}
