@@ -8,10 +8,25 @@
 # counts every system call of the proxy meanwhile. Loopback only
 # (127.0.50.0/24).
 #
+# TCP segments per request are the `nstat` delta of TcpOutSegs over the wrk
+# run, divided by its requests: every segment on every leg (wrk to proxy,
+# proxy to backend, and back), each counted once. The script runs itself in
+# a network namespace of its own (`unshare --net`), so the counters hold this
+# bench's segments alone, not those of whatever else the host is doing.
+#
+# HLB_LISTENER adds lines to harvester-lb's listener, to count what an
+# option changes: HLB_LISTENER='defer_accept_seconds = 5' benches/syscalls.sh
+#
 # Usage: benches/syscalls.sh [SECONDS]   (default 3; needs root for strace
-# -p, and strace, wrk, nginx with libnginx-mod-stream, haproxy)
+# -p and unshare, and strace, wrk, nginx with libnginx-mod-stream, haproxy,
+# nstat)
 set -euo pipefail
 secs=${1:-3}
+if [[ -z ${HLB_SYSCALLS_NETNS:-} ]]; then
+    command -v unshare >/dev/null || { echo "syscalls.sh: unshare is missing" >&2; exit 1; }
+    HLB_SYSCALLS_NETNS=1 exec unshare --net -- "$BASH" "${BASH_SOURCE[0]}" "$@"
+fi
+ip link set lo up
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 work=$(mktemp -d "${TMPDIR:-/tmp}/hlb-syscalls.XXXXXX")
 pids=()
@@ -22,7 +37,7 @@ cleanup() {
 }
 trap cleanup EXIT
 
-for tool in strace wrk nginx haproxy curl; do
+for tool in strace wrk nginx haproxy curl nstat; do
     command -v "$tool" >/dev/null || { echo "syscalls.sh: $tool is missing" >&2; exit 1; }
 done
 (cd "$repo" && cargo build --release --quiet --bin harvester-lb)
@@ -48,6 +63,7 @@ backends = ["$backend"]
   name = "http"
   port = 18080
   backend_port = 18080
+  ${HLB_LISTENER:-}
 EOF
 cat >"$work/haproxy.cfg" <<EOF
 global
@@ -89,18 +105,23 @@ measure() {
     [[ $mode == close ]] && header=(-H "Connection: close")
     strace -c -f -p "$proxy" -o "$work/$name.$mode.strace" 2>/dev/null & local tracer=$!
     sleep 0.5
-    local out requests
+    local out requests segs_before segs_after
+    segs_before=$(out_segs)
     out=$(wrk -t1 -c10 -d"${secs}s" "${header[@]}" "http://$ip:18080/" 2>&1)
+    segs_after=$(out_segs)
     requests=$(awk '/requests in/ {print $1}' <<<"$out")
     kill -INT "$tracer"; wait "$tracer" 2>/dev/null || true
     kill "$proxy"; wait "$proxy" 2>/dev/null || true
-    awk -v r="$requests" -v n="$name" -v m="$mode" '
+    awk -v r="$requests" -v n="$name" -v m="$mode" -v segs=$((segs_after - segs_before)) '
         NR > 2 && $NF != "total" && $4 ~ /^[0-9]+$/ { total += $4; if ($4 / r >= 0.05) calls = calls sprintf(" %s %.2f", $NF, $4 / r) }
-        END { printf "| %s | %s | %d | %.2f |%s |\n", n, m, r, total / r, calls }' "$work/$name.$mode.strace"
+        END { printf "| %s | %s | %d | %.2f | %.2f |%s |\n", n, m, r, segs / r, total / r, calls }' "$work/$name.$mode.strace"
 }
 
-echo "| proxy | request | requests | system calls per request | of which (>= 0.05) |"
-echo "|---|---|---:|---:|---|"
+# out_segs: TCP segments sent in this namespace so far (absolute, not reset).
+out_segs() { nstat -az TcpOutSegs | awk '$1 == "TcpOutSegs" { print $2 }'; }
+
+echo "| proxy | request | requests | TCP segments per request | system calls per request | of which (>= 0.05) |"
+echo "|---|---|---:|---:|---:|---|"
 for mode in close keep; do
     measure harvester-lb 127.0.50.1 "$mode" -- "$hlb" run --config "$work/hlb.toml" --no-watch --threads 1
     measure haproxy 127.0.50.3 "$mode" -- haproxy -db -f "$work/haproxy.cfg"
