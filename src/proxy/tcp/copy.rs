@@ -92,13 +92,25 @@ impl Activity {
     }
 }
 
+/// Something to do once if the connection lasts `after`, on the timer the
+/// idle timeout already keeps (no timer of its own). The forwarder sets the
+/// backend leg's keepalive and `TCP_USER_TIMEOUT` this way: a connection
+/// shorter than that never needs them, and does not pay their system calls.
+pub struct Later<F: FnOnce()> {
+    /// How long after the copy starts.
+    pub after: Duration,
+    /// What to do then.
+    pub run: F,
+}
+
 /// Forwards bytes both ways until both directions end, one fails, or the
-/// connection is idle for `idle_timeout`.
+/// connection is idle for `idle_timeout`; runs `later` if it lasts that long.
 pub async fn bidirectional(
     client: &TcpStream,
     backend: &TcpStream,
     idle_timeout: Duration,
     counters: ByteCounters<'_>,
+    later: Later<impl FnOnce()>,
 ) -> Ended {
     let activity = Activity::new();
     let both = async {
@@ -112,18 +124,30 @@ pub async fn bidirectional(
             Ok(_) => Ended::Completed,
             Err(e) => Ended::Failed(e),
         },
-        _ = idle(&activity, idle_timeout) => Ended::IdleTimeout,
+        _ = idle(&activity, idle_timeout, later) => Ended::IdleTimeout,
     }
 }
 
-/// Resolves once nothing has moved for `timeout`.
-async fn idle(activity: &Activity, timeout: Duration) {
+/// Resolves once nothing has moved for `timeout`; on the way, runs `later`
+/// once it is due (if the connection is not idle before).
+async fn idle(activity: &Activity, timeout: Duration, later: Later<impl FnOnce()>) {
+    let later_at = activity.base + later.after;
+    let mut later = Some(later);
     loop {
         let deadline = activity.last() + timeout;
-        if Instant::now() >= deadline {
+        let now = Instant::now();
+        if let Some(due) = later.take_if(|_| now >= later_at) {
+            (due.run)();
+        }
+        if now >= deadline {
             return;
         }
-        tokio::time::sleep_until(deadline).await;
+        let wake = if later.is_some() {
+            deadline.min(later_at)
+        } else {
+            deadline
+        };
+        tokio::time::sleep_until(wake).await;
     }
 }
 
