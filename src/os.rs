@@ -1,6 +1,7 @@
 //! The few small things the standard library does not expose and the daemon
 //! needs from the kernel: the raw monotonic clock (for systemd), raising the
-//! open-file limit, and dissolving a TCP connection while keeping its socket.
+//! open-file limit, dissolving a TCP connection while keeping its socket, and
+//! `TCP_DEFER_ACCEPT` (which `socket2` does not wrap).
 //! `unsafe` is confined to these calls.
 
 #![allow(unsafe_code)]
@@ -108,6 +109,32 @@ pub fn tcp_disconnect(fd: RawFd) -> io::Result<()> {
             fd,
             &unspec,
             std::mem::size_of::<libc::sockaddr>() as libc::socklen_t,
+        )
+    };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}
+
+/// `TCP_DEFER_ACCEPT` on the listening socket `fd`: the kernel completes a
+/// handshake but hands the connection to `accept` only once the client's
+/// first bytes arrive, or once about `seconds` have passed (the kernel rounds
+/// up to its SYN-ACK retransmission schedule: 1, 3, 7, 15, 31 s…). `0` turns it
+/// off; it can change on a listening socket at any time and applies to the
+/// handshakes from then on.
+pub fn set_tcp_defer_accept(fd: RawFd, seconds: u32) -> io::Result<()> {
+    let value = libc::c_int::try_from(seconds).unwrap_or(libc::c_int::MAX);
+    // SAFETY: `value` is a valid c_int for the duration of the call, and its
+    // size is the length passed.
+    let rc = unsafe {
+        libc::setsockopt(
+            fd,
+            libc::IPPROTO_TCP,
+            libc::TCP_DEFER_ACCEPT,
+            (&value as *const libc::c_int).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
         )
     };
     if rc == 0 {

@@ -1009,3 +1009,42 @@ fn bad_dhcp_keys_are_named() {
         "{out}"
     );
 }
+
+/// `defer_accept_seconds` is a TCP listener's: on a UDP listener, and out
+/// of 1..=600, it is an error naming the key; on a TCP listener it is taken.
+#[test]
+fn defer_accept_seconds_is_checked() {
+    let text = |protocol: &str, value: i64| {
+        format!(
+            r#"
+[[load_balancer]]
+name = "da"
+vip = "192.0.2.1"
+backends = ["198.51.100.1"]
+  [[load_balancer.listener]]
+  name = "dns"
+  port = 53
+  backend_port = 30053
+  protocol = "{protocol}"
+  defer_accept_seconds = {value}
+"#
+        )
+    };
+    assert_eq!(
+        rendered(&text("udp", 5)),
+        "line 11: load_balancer[0].listener[0].defer_accept_seconds: applies to TCP listeners only: a UDP listener has no handshake to defer; remove it, or use protocol = \"tcp\""
+    );
+    assert_eq!(
+        rendered(&text("tcp", 0)),
+        "line 11: load_balancer[0].listener[0].defer_accept_seconds: 0 is out of range; the value must be in 1..=600"
+    );
+    assert_eq!(
+        rendered(&text("tcp", 601)),
+        "line 11: load_balancer[0].listener[0].defer_accept_seconds: 601 is out of range; the value must be in 1..=600"
+    );
+    let config = config::parse(&text("tcp", 5)).expect("valid");
+    assert_eq!(
+        config.config.load_balancers[0].listeners[0].defer_accept,
+        Some(std::time::Duration::from_secs(5))
+    );
+}

@@ -164,6 +164,8 @@ pub struct FileListener {
     pub protocol: Option<Spanned<String>>,
     /// `v1` or `v2`: a PROXY protocol header to the backend before the client's bytes.
     pub proxy_protocol: Option<Spanned<String>>,
+    /// `TCP_DEFER_ACCEPT` on the listening socket, in seconds; absent: off.
+    pub defer_accept_seconds: Option<Spanned<i64>>,
 }
 
 /// `[load_balancer.health_check]`: Harvester's `healthcheck-*` annotations.

@@ -242,6 +242,12 @@ pub struct ListenerSpec {
     pub protocol: Protocol,
     /// The PROXY protocol header sent to the backend first, if any.
     pub proxy_protocol: Option<ProxyProtocol>,
+    /// `TCP_DEFER_ACCEPT` (`defer_accept_seconds`): the kernel hands a
+    /// client over only once its first bytes have arrived, or after this
+    /// long; `None` (the default) hands it over at the handshake. TCP
+    /// listeners only. Wrong for protocols where the server speaks first
+    /// (SMTP, MySQL, SSH): their clients wait this long for a greeting.
+    pub defer_accept: Option<Duration>,
 }
 
 /// `[load_balancer.health_check]`.

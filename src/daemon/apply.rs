@@ -2,6 +2,7 @@
 //! listeners, and the retirement of what a reload removed.
 
 use super::*;
+use crate::proxy::tcp::listen_options::ListenerOptions;
 
 impl Daemon {
     /// Makes `config` the one in force, changing only what differs.
@@ -128,7 +129,13 @@ impl Daemon {
                     stats: serving,
                 }) => {
                     match listener {
-                        Running::Tcp(l) => l.set_route(route),
+                        Running::Tcp(l) => {
+                            l.set_route(route);
+                            let options = ListenerOptions::of(l_spec);
+                            if options != ListenerOptions::of(spec) {
+                                l.set_options(&options);
+                            }
+                        }
                         Running::Udp(l) => {
                             l.set_route(route, lb_spec.udp);
                             l.set_per_source(per_source);
@@ -143,8 +150,13 @@ impl Daemon {
                     }
                 }
                 _ => {
-                    let socket =
-                        self.start_listener(addr, route, lb_spec.udp, config.proxy.backlog);
+                    let socket = self.start_listener(
+                        addr,
+                        route,
+                        ListenerOptions::of(l_spec),
+                        lb_spec.udp,
+                        config.proxy.backlog,
+                    );
                     st.listeners.insert(
                         addr,
                         ListenerEntry {
@@ -207,7 +219,8 @@ impl Daemon {
             };
             let entry = st.listeners.get_mut(&addr).expect("key from the same map");
             let route = self.route(&lb, &entry.spec);
-            if let Ok(listener) = self.start_listener(addr, route, udp, backlog) {
+            let options = ListenerOptions::of(&entry.spec);
+            if let Ok(listener) = self.start_listener(addr, route, options, udp, backlog) {
                 entry.socket = Ok(listener);
                 entry.stats.up.set(true);
                 fixed += 1;
@@ -377,6 +390,7 @@ impl Daemon {
         &self,
         (addr, protocol): ListenerKey,
         route: Route,
+        options: ListenerOptions,
         udp: UdpSettings,
         backlog: u32,
     ) -> Result<Running, String> {
@@ -386,6 +400,17 @@ impl Daemon {
                 let placement = self.workers.place();
                 proxy::bind(addr, backlog, placement.sockets())
                     .and_then(|sockets| {
+                        // Before the first accept, so no client slips
+                        // through without them. Warned, not fatal: the
+                        // listener serves either way, as the kernel's
+                        // defaults would have it.
+                        if options != ListenerOptions::default() {
+                            for socket in &sockets {
+                                if let Err(e) = options.apply(socket) {
+                                    tracing::warn!(listen = %addr, error = %e, "listener options not set");
+                                }
+                            }
+                        }
                         Listener::start(sockets, placement, route, Arc::clone(&self.limit))
                     })
                     .map(Running::Tcp)

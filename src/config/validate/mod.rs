@@ -44,6 +44,11 @@ pub const DEFAULT_ADMIN_SOCKET: &str = "/run/harvester-lb/admin.sock";
 const MAX_SOCKET_PATH_BYTES: usize = 107;
 /// Default `listen(2)` backlog (the kernel caps it at `net.core.somaxconn`).
 pub const DEFAULT_BACKLOG: i64 = 4096;
+/// Upper bound of `listener.defer_accept_seconds`: ten minutes. The kernel
+/// turns the value into SYN-ACK retransmissions (1, 3, 7, 15, 31, 63 s…), and
+/// a client that has said nothing for longer is better handed over (and
+/// timed out by the backend) than held in the handshake queue.
+pub const MAX_DEFER_ACCEPT_SECONDS: i64 = 600;
 /// Default drain timeout, seconds.
 pub const DEFAULT_DRAIN_TIMEOUT_SECONDS: i64 = 30;
 /// Default guest cluster name, as in Harvester's cloud provider.
@@ -658,12 +663,34 @@ impl Validator<'_> {
                 ),
             );
         }
+        let defer_accept = match &l.defer_accept_seconds {
+            None => None,
+            Some(v) if protocol == Protocol::Udp => {
+                self.problem(
+                    Some(v.span()),
+                    &format!("{key}.defer_accept_seconds"),
+                    "applies to TCP listeners only: a UDP listener has no handshake to defer; remove it, or use protocol = \"tcp\"".into(),
+                );
+                None
+            }
+            Some(_) => {
+                let secs = self.int(
+                    &l.defer_accept_seconds,
+                    format_args!("{key}.defer_accept_seconds"),
+                    0,
+                    1,
+                    MAX_DEFER_ACCEPT_SECONDS,
+                );
+                (secs > 0).then(|| Duration::from_secs(secs as u64))
+            }
+        };
         Some(ListenerSpec {
             name: name?,
             port: port?,
             backend_port: backend_port?,
             protocol,
             proxy_protocol,
+            defer_accept,
         })
     }
 

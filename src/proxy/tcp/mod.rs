@@ -10,12 +10,13 @@
 
 pub mod copy;
 pub mod forward;
+pub mod listen_options;
 pub mod proxy_protocol;
 pub mod splice;
 
 use std::io;
 use std::net::SocketAddr;
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
@@ -86,6 +87,9 @@ pub struct Listener {
     close_now: CancellationToken,
     /// The connection tasks, to wait for them on drain.
     connections: TaskTracker,
+    /// The listening sockets, to change their options on reload; the accept
+    /// loops own them, so they close when the loops end, not when this does.
+    sockets: Vec<Weak<TcpListener>>,
 }
 
 impl Listener {
@@ -115,10 +119,11 @@ impl Listener {
                     let _in = runtime.enter();
                     TcpListener::from_std(socket)
                 };
-                joined.map(|socket| (runtime, socket))
+                joined.map(|socket| (runtime, Arc::new(socket)))
             })
             .collect::<io::Result<Vec<_>>>()?;
         let listener = Self {
+            sockets: sockets.iter().map(|(_, s)| Arc::downgrade(s)).collect(),
             addr,
             _placement: placement,
             route: Arc::new(ArcSwap::from_pointee(route)),
@@ -140,6 +145,18 @@ impl Listener {
             );
         }
         Ok(listener)
+    }
+
+    /// Sets the operator's socket options (`defer_accept_seconds`) on the
+    /// live listening sockets: a reload changes them in place, without a
+    /// rebind, for the handshakes from then on. A failure is logged: the
+    /// socket keeps serving with the options it had.
+    pub fn set_options(&self, options: &listen_options::ListenerOptions) {
+        for socket in self.sockets.iter().filter_map(Weak::upgrade) {
+            if let Err(e) = options.apply(&*socket) {
+                tracing::warn!(listen = %self.addr, error = %e, "listener options not changed");
+            }
+        }
     }
 
     /// Sends new connections along `route` from now on; open ones keep theirs.
@@ -177,7 +194,7 @@ impl Listener {
 }
 
 async fn accept_loop(
-    socket: TcpListener,
+    socket: Arc<TcpListener>,
     route: Arc<ArcSwap<Route>>,
     stop: CancellationToken,
     close_now: CancellationToken,
@@ -236,7 +253,8 @@ async fn accept_loop(
                 let route = route.load_full();
                 let span = tracing::debug_span!("conn", client = %peer);
                 connections.spawn(
-                    forward::serve(stream, peer, vip, route, close_now.clone(), permit).instrument(span),
+                    forward::serve(stream, peer, vip, route, close_now.clone(), permit)
+                        .instrument(span),
                 );
             }
             Err(e) => {
