@@ -14,6 +14,11 @@
 # a network namespace of its own (`unshare --net`), so the counters hold this
 # bench's segments alone, not those of whatever else the host is doing.
 #
+# strace slows the proxy enough that a client's request is always queued
+# before the proxy's first read, so wake-ups that find nothing (EAGAIN) show
+# only at full speed: count them with tracepoints instead, e.g.
+# perf stat -e syscalls:sys_exit_recvfrom --filter 'ret == -11' -p PID
+#
 # HLB_LISTENER adds lines to harvester-lb's listener, to count what an
 # option changes: HLB_LISTENER='defer_accept_seconds = 5' benches/syscalls.sh
 #
