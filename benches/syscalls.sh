@@ -15,9 +15,10 @@
 # bench's segments alone, not those of whatever else the host is doing.
 #
 # strace slows the proxy enough that a client's request is always queued
-# before the proxy's first read, so wake-ups that find nothing (EAGAIN) show
-# only at full speed: count them with tracepoints instead, e.g.
-# perf stat -e syscalls:sys_exit_recvfrom --filter 'ret == -11' -p PID
+# before the proxy's first read, so calls that find nothing (EAGAIN: a
+# wake-up or a guess without work) show only at full speed. A second wrk run
+# per line counts with tracepoints instead (`perf stat`, no ptrace): every
+# system call, and the EAGAIN returns of the calls that move data or accept.
 #
 # HLB_LISTENER adds lines to harvester-lb's listener, to count what an
 # option changes: HLB_LISTENER='defer_accept_seconds = 5' benches/syscalls.sh
@@ -42,7 +43,7 @@ cleanup() {
 }
 trap cleanup EXIT
 
-for tool in strace wrk nginx haproxy curl nstat; do
+for tool in strace wrk nginx haproxy curl nstat perf; do
     command -v "$tool" >/dev/null || { echo "syscalls.sh: $tool is missing" >&2; exit 1; }
 done
 (cd "$repo" && cargo build --release --quiet --bin harvester-lb)
@@ -116,17 +117,33 @@ measure() {
     segs_after=$(out_segs)
     requests=$(awk '/requests in/ {print $1}' <<<"$out")
     kill -INT "$tracer"; wait "$tracer" 2>/dev/null || true
+    # The same load at full speed, counted by tracepoints.
+    local eagain=() call
+    for call in recvfrom read readv sendto write writev accept4 splice; do
+        eagain+=(-e "syscalls:sys_exit_$call" --filter 'ret == -11')
+    done
+    perf stat -x, -e 'syscalls:sys_enter_*' "${eagain[@]}" -p "$proxy" -o "$work/$name.$mode.perf" & tracer=$!
+    sleep 0.5
+    out=$(wrk -t1 -c10 -d"${secs}s" "${header[@]}" "http://$ip:18080/" 2>&1)
+    local fast
+    fast=$(awk '/requests in/ {print $1}' <<<"$out")
+    kill -INT "$tracer"; wait "$tracer" 2>/dev/null || true
     kill "$proxy"; wait "$proxy" 2>/dev/null || true
-    awk -v r="$requests" -v n="$name" -v m="$mode" -v segs=$((segs_after - segs_before)) '
+    local perf
+    perf=$(awk -F, -v r="$fast" '
+        $1 ~ /^[0-9]+$/ && $3 ~ /sys_enter_/ { all += $1 }
+        $1 ~ /^[0-9]+$/ && $3 ~ /sys_exit_/ { again += $1 }
+        END { printf "%.2f | %.2f", all / r, again / r }' "$work/$name.$mode.perf")
+    awk -v r="$requests" -v n="$name" -v m="$mode" -v segs=$((segs_after - segs_before)) -v perf="$perf" '
         NR > 2 && $NF != "total" && $4 ~ /^[0-9]+$/ { total += $4; if ($4 / r >= 0.05) calls = calls sprintf(" %s %.2f", $NF, $4 / r) }
-        END { printf "| %s | %s | %d | %.2f | %.2f |%s |\n", n, m, r, segs / r, total / r, calls }' "$work/$name.$mode.strace"
+        END { printf "| %s | %s | %d | %.2f | %.2f |%s | %s |\n", n, m, r, segs / r, total / r, calls, perf }' "$work/$name.$mode.strace"
 }
 
 # out_segs: TCP segments sent in this namespace so far (absolute, not reset).
 out_segs() { nstat -az TcpOutSegs | awk '$1 == "TcpOutSegs" { print $2 }'; }
 
-echo "| proxy | request | requests | TCP segments per request | system calls per request | of which (>= 0.05) |"
-echo "|---|---|---:|---:|---:|---|"
+echo "| proxy | request | requests | TCP segments per request | system calls per request | of which (>= 0.05) | at full speed (perf): calls | of which EAGAIN |"
+echo "|---|---|---:|---:|---:|---|---:|---:|"
 for mode in close keep; do
     measure harvester-lb 127.0.50.1 "$mode" -- "$hlb" run --config "$work/hlb.toml" --no-watch --threads 1
     measure haproxy 127.0.50.3 "$mode" -- haproxy -db -f "$work/haproxy.cfg"
