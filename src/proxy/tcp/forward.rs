@@ -55,15 +55,12 @@ enum ConnectFailure {
     Local,
 }
 
-/// Serves one accepted client until it is done. `vip` is the client
-/// socket's local address when the caller knows it (the listener's own
-/// address), so the PROXY header costs no `getsockname`; `close_now` is
-/// cancelled when the listener's drain time is over; `_permit` holds a slot
-/// of the process-wide connection limit for the connection's lifetime.
+/// Serves one accepted client until it is done. `close_now` is cancelled
+/// when the listener's drain time is over; `_permit` holds a slot of the
+/// process-wide connection limit for the connection's lifetime.
 pub async fn serve(
     client: TcpStream,
     peer: SocketAddr,
-    vip: Option<SocketAddr>,
     route: Arc<Route>,
     close_now: CancellationToken,
     _permit: OwnedSemaphorePermit,
@@ -149,7 +146,7 @@ pub async fn serve(
     }
     let _backend_count = backend.connection_opened();
     if let Some(version) = route.proxy_protocol {
-        let sent = match vip.map_or_else(|| client.local_addr(), Ok) {
+        let sent = match client.local_addr() {
             Ok(vip) => {
                 let header = proxy_protocol::header(version, peer, vip);
                 proxy_protocol::send(&server, &client, header).await

@@ -202,10 +202,6 @@ async fn accept_loop(
     limit: Arc<Semaphore>,
 ) {
     let mut last_warning: Option<tokio::time::Instant> = None;
-    // Every accepted socket's local address: the listener is bound to one
-    // VIP and port (never a wildcard), so the PROXY header needs no
-    // `getsockname` per connection.
-    let vip = socket.local_addr().ok();
     loop {
         let accepted = tokio::select! {
             _ = stop.cancelled() => return,
@@ -253,8 +249,7 @@ async fn accept_loop(
                 let route = route.load_full();
                 let span = tracing::debug_span!("conn", client = %peer);
                 connections.spawn(
-                    forward::serve(stream, peer, vip, route, close_now.clone(), permit)
-                        .instrument(span),
+                    forward::serve(stream, peer, route, close_now.clone(), permit).instrument(span),
                 );
             }
             Err(e) => {
