@@ -1,6 +1,6 @@
 //! The real binary on more than one thread: the thread-per-core design (one
-//! `SO_REUSEPORT` socket per thread per VIP:port, the default) and tokio's
-//! work-stealing runtime (one socket). Sockets are counted in
+//! `SO_REUSEPORT` socket per thread per VIP:port) and tokio's work-stealing
+//! runtime (one socket, the default). Sockets are counted in
 //! `/proc/net/tcp`, as `ss -ltn` would show them to an operator.
 
 mod support;
@@ -87,7 +87,7 @@ async fn thread_per_core_gives_each_thread_a_socket_and_every_one_serves() {
     let net = Subnet::new();
     let _node = Backend::start(SocketAddr::new(net.ip(11), 30080), Behaviour::NameThenEcho).await;
     let path = net.write("config.toml", &config(&net, 8080));
-    let mut p = Process::start(&path, &["--threads", "3"]);
+    let mut p = Process::start(&path, &["--threads", "3", "--scheduler", "thread-per-core"]);
     wait_ready(SocketAddr::new(net.ip(1), 9901)).await;
     let vip = SocketAddr::new(net.ip(2), 8080);
     wait_sockets(vip, 3).await;
@@ -130,7 +130,7 @@ async fn a_port_held_by_another_socket_is_not_shared() {
     let vip = SocketAddr::new(net.ip(2), 8080);
     let holder = std::net::TcpListener::bind(vip).unwrap();
     let path = net.write("config.toml", &config(&net, 8080));
-    let _p = Process::start(&path, &["--threads", "2"]);
+    let _p = Process::start(&path, &["--threads", "2", "--scheduler", "thread-per-core"]);
     let admin = SocketAddr::new(net.ip(1), 9901);
     let body = wait_for(Duration::from_secs(20), "/readyz to answer", || async {
         tokio::task::spawn_blocking(move || http_blocking(admin, "/readyz"))
@@ -146,14 +146,15 @@ async fn a_port_held_by_another_socket_is_not_shared() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn work_stealing_and_one_thread_listen_on_one_socket() {
+async fn work_stealing_the_default_and_one_thread_listen_on_one_socket() {
     let net = Subnet::new();
     let _node = Backend::start(SocketAddr::new(net.ip(11), 30080), Behaviour::NameThenEcho).await;
     let path = net.write("config.toml", &config(&net, 8080));
     let vip = SocketAddr::new(net.ip(2), 8080);
     for args in [
+        &["--threads", "2"][..],
         &["--threads", "2", "--scheduler", "work-stealing"][..],
-        &["--threads", "1"][..],
+        &["--threads", "1", "--scheduler", "thread-per-core"][..],
     ] {
         let mut p = Process::start(&path, args);
         wait_ready(SocketAddr::new(net.ip(1), 9901)).await;

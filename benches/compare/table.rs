@@ -92,11 +92,16 @@ const RATIOS: [(Target, Target); 5] = [
 /// when both have every round (rounds interleave the targets, so the ratio
 /// within one round cancels the machine's drift between rounds), with their
 /// min–max when `spread` and there are two rounds or more; otherwise the
-/// ratio of the medians.
+/// ratio of the medians. "–" when `b`'s median is zero.
 fn ratio(m: &BTreeMap<Target, &Vec<f64>>, a: Target, b: Target, spread: bool) -> String {
     let (Some(x), Some(y)) = (m.get(&a), m.get(&b)) else {
         return "–".into();
     };
+    // Against a median of zero (errors, lost queries: mostly-zero counts)
+    // a ratio of the few non-zero rounds would mislead.
+    if median(y) == 0.0 {
+        return "–".into();
+    }
     if x.len() != y.len() {
         let r = median(x) / median(y);
         return if r.is_finite() {
