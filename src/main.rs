@@ -67,7 +67,7 @@ enum Command {
         /// socket per VIP:port, tokio moves tasks to idle threads) or
         /// thread-per-core (one listening socket per thread per VIP:port, a
         /// connection stays on the thread that accepted it). Level on rates
-        /// in the benchmarks; work stealing had the lower tail latency.
+        /// and tail latency in the benchmarks; work stealing binds fewer sockets.
         #[arg(long, value_enum, default_value_t = Scheduler::WorkStealing)]
         scheduler: Scheduler,
     },

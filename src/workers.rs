@@ -1,8 +1,8 @@
 //! The threads that accept and serve TCP connections.
 //!
 //! Two designs, chosen by `harvester-lb run --scheduler` (work stealing by
-//! default: level on rates in the benchmarks, lower tail latency on a
-//! machine whose cores the proxy shares):
+//! default: the two are level in the benchmarks, and it binds one socket per
+//! VIP:port):
 //!
 //! * **Thread per core** ([`WorkerThreads`]): one tokio current-thread
 //!   runtime per thread; the main thread's runtime, which also runs the

@@ -40,7 +40,7 @@ use crate::table::{Results, median};
 use crate::targets::{
     BACKEND_IP, HTTP_PORT, HlbRun, IPERF_PORT, NGINX_STREAM_MODULE, Proc, Target, start_proxies,
 };
-use crate::util::{sa, sh, wait_port, which};
+use crate::util::{sa, sh, wait_http_ok, wait_port, which};
 
 // ---------------------------------------------------------------------------
 // Options
@@ -253,8 +253,11 @@ fn traffic_blocks(o: &Opts, res: &mut Results, kernel: Option<&KernelDnat>) {
     for (k, &threads) in o.threads.iter().enumerate() {
         let later_smoke = o.smoke && k > 0;
         let mut procs = start_proxies(&o.hlb(), &o.targets, threads);
-        // Let the first health checks pass everywhere.
-        std::thread::sleep(Duration::from_millis(1500));
+        // Every proxy forwards before the first run: a request through
+        // each answers 200 (the kernel target's table comes with its runs).
+        for (t, _) in &procs {
+            wait_http_ok(sa(t.ip(), HTTP_PORT), "/", Duration::from_secs(10));
+        }
         let pids: Vec<(Target, i32)> = procs.iter().map(|(t, p)| (*t, p.pid())).collect();
         let targets: Vec<Target> = o
             .targets
