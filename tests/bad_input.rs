@@ -3,12 +3,17 @@
 //! HTTP clients, and signal storms at awkward moments. The real binary runs
 //! as a child process; every address is inside 127.0.0.0/8.
 
+#[path = "support/skip.rs"]
+mod skip;
+
 use std::io::{Read, Write};
 use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
+
+use skip::skip_or_fail;
 
 const BIN: &str = env!("CARGO_BIN_EXE_harvester-lb");
 const EXIT_CONFIG: i32 = 78;
@@ -376,13 +381,19 @@ fn check_rejects_an_unreadable_file() {
     let out = match c.output() {
         Ok(o) => o,
         Err(e) => {
-            eprintln!("SKIPPED unreadable-file check: cannot run the binary as nobody: {e}");
+            skip_or_fail(
+                "unreadable-file check",
+                &format!("cannot run the binary as nobody: {e}"),
+            );
             return;
         }
     };
     let err = String::from_utf8_lossy(&out.stderr);
     if err.contains("Permission denied") && !err.contains("secret.toml") {
-        eprintln!("SKIPPED unreadable-file check: nobody cannot run the binary here: {err}");
+        skip_or_fail(
+            "unreadable-file check",
+            &format!("nobody cannot run the binary here: {err}"),
+        );
         return;
     }
     assert_eq!(out.status.code(), Some(EXIT_CONFIG), "{err}");
