@@ -34,6 +34,7 @@ fn lb(algorithm: Algorithm, n: usize) -> (Arc<LoadBalancer>, Vec<Arc<Backend>>) 
         affinity_timeout: None,
         source_ranges: SourceRanges::everyone(),
         on_backend_down: Default::default(),
+        log_connections: Default::default(),
         checked_ports: None,
     };
     let lb = LoadBalancer::new(

@@ -36,7 +36,7 @@ use arc_swap::ArcSwap;
 
 pub use self::affinity::{AffinityBudget, AffinityTable};
 pub use self::backend::{AdminState, Backend, ConnectionGuard, PortHealth};
-use crate::config::{Algorithm, LoadBalancerSpec, OnBackendDown, SourceRanges};
+use crate::config::{Algorithm, LoadBalancerSpec, LogConnections, OnBackendDown, SourceRanges};
 use crate::metrics::LbStats;
 
 /// Per-load-balancer forwarding settings that can change on reload.
@@ -58,6 +58,8 @@ pub struct Settings {
     pub source_ranges: SourceRanges,
     /// Whether connections open to a backend marked down are reset.
     pub on_backend_down: OnBackendDown,
+    /// Which connections get a line in the connection log.
+    pub log_connections: LogConnections,
     /// The backend ports judged one by one (a health check without
     /// `port`): the snapshot then holds an eligible list for each. `None`
     /// (the common case, no allocation): one verdict per backend.
@@ -74,6 +76,7 @@ impl From<&LoadBalancerSpec> for Settings {
             affinity_timeout: spec.affinity_timeout,
             source_ranges: spec.source_ranges.clone(),
             on_backend_down: spec.on_backend_down,
+            log_connections: spec.log_connections,
             checked_ports: Some(spec.checked_ports())
                 .filter(|p| !p.is_empty())
                 .map(Arc::from),
@@ -360,6 +363,7 @@ mod tests {
             affinity_timeout: None,
             source_ranges: SourceRanges::everyone(),
             on_backend_down: OnBackendDown::Keep,
+            log_connections: LogConnections::None,
             checked_ports: None,
         }
     }

@@ -32,6 +32,9 @@ pub struct FileConfig {
     /// `[dhcp]`: where leases of `ipam = "dhcp"` load balancers are kept.
     #[serde(default)]
     pub dhcp: FileDhcpSettings,
+    /// `[log]`: what the daemon writes to its log beyond its own events.
+    #[serde(default)]
+    pub log: FileLog,
     /// `[[load_balancer]]`: one per Kubernetes `LoadBalancer` service.
     #[serde(default, rename = "load_balancer")]
     pub load_balancers: Vec<Spanned<FileLoadBalancer>>,
@@ -53,6 +56,13 @@ pub struct FileDhcpSettings {
     /// Directory of the lease state files; default `$STATE_DIRECTORY`
     /// (systemd's `StateDirectory=`), else `/var/lib/harvester-lb`.
     pub state_directory: Option<Spanned<String>>,
+}
+
+/// `[log]`.
+#[derive(Debug, Default, Deserialize)]
+pub struct FileLog {
+    /// Cap on connection log lines, all load balancers together.
+    pub max_connection_lines_per_second: Option<Spanned<i64>>,
 }
 
 /// `[metrics]`.
@@ -122,6 +132,8 @@ pub struct FileLoadBalancer {
     /// `keep` or `close`: what happens to open connections of a backend the
     /// health check marks down.
     pub on_backend_down: Option<Spanned<String>>,
+    /// `none`, `errors` or `all`: which connections get a line in the log.
+    pub log_connections: Option<Spanned<String>>,
     /// A UDP flow ends after this long without a datagram either way.
     pub udp_idle_timeout_seconds: Option<Spanned<i64>>,
     /// A UDP flow ends once each client datagram had this many answers

@@ -44,6 +44,8 @@ pub struct Config {
     pub vip: VipSettings,
     /// Process-wide settings of the DHCP client (`[dhcp]`).
     pub dhcp: DhcpSettings,
+    /// The connection log's process-wide bound (`[log]`).
+    pub log: LogSettings,
     /// Every load balancer, in file order; names are unique.
     pub load_balancers: Vec<Arc<LoadBalancerSpec>>,
 }
@@ -118,6 +120,31 @@ pub struct DhcpSpec {
     pub requested: Option<std::net::Ipv4Addr>,
 }
 
+/// `[log]`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LogSettings {
+    /// Connection log lines written per second at most, all load balancers
+    /// together (a burst of one second's worth is let through); the excess
+    /// is counted, not written, so a flood of failing clients cannot flood
+    /// the journal (whose own rate limit would drop the daemon's other
+    /// messages with them) or slow the forwarder. Default 1000.
+    pub max_connection_lines_per_second: NonZeroU32,
+}
+
+/// Which connections of a load balancer get a line in the connection log
+/// (`log_connections`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum LogConnections {
+    /// None (the default): the log says nothing per connection.
+    #[default]
+    None,
+    /// Every connection that did not end with both sides closing normally:
+    /// refused, failed, reset, timed out, drained, cut.
+    Errors,
+    /// Every connection.
+    All,
+}
+
 /// `[proxy]`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ProxySettings {
@@ -172,6 +199,8 @@ pub struct LoadBalancerSpec {
     pub affinity_timeout: Option<Duration>,
     /// What happens to open connections of a backend the health check marks down.
     pub on_backend_down: OnBackendDown,
+    /// Which of its connections get a line in the connection log.
+    pub log_connections: LogConnections,
     /// VIP port -> nodeport mappings.
     pub listeners: Vec<ListenerSpec>,
     /// Active health checking; `None` = every backend always eligible.

@@ -23,6 +23,7 @@ impl Daemon {
             ));
         let per_source = config.proxy.max_udp_flows_per_source.get();
         self.udp_per_source.store(per_source, Ordering::Relaxed);
+        crate::proxy::log::set_max_lines_per_second(config.log.max_connection_lines_per_second);
         let old_config = st.config.take();
         // A spec reused from the last file is the same `Arc`, and `Arc`'s
         // equality compares pointers first: unchanged load balancers cost

@@ -430,6 +430,11 @@ impl Exposition {
         if let Some(max) = crate::os::open_file_limit() {
             gauge(buf, &names::PROCESS_MAX_FDS, &max);
         }
+        gauge(
+            buf,
+            &names::CONNECTION_LOG_LINES_DROPPED,
+            &super::CONNECTION_LOG_LINES_DROPPED.get(),
+        );
         let mut headed = false;
         let mut out = Out {
             buf,

@@ -40,6 +40,12 @@ pub use stats::{
 
 use stats::Live;
 
+/// Connection log lines not written because `log.max_connection_lines_per_second`
+/// was reached (`harvester_lb_connection_log_lines_dropped_total`). A
+/// process-wide count, as the bound is: the forwarder adds to it without a
+/// reference to the registry.
+pub static CONNECTION_LOG_LINES_DROPPED: Counter = Counter::new();
+
 /// Where the live objects' stats are, and the daemon-wide numbers.
 #[derive(Default)]
 pub struct Metrics {

@@ -333,6 +333,13 @@ pub static VIP_ISOLATION_UP: Family = Family::new(
     Gauge,
     "1 when the VIP isolation table of the configuration in force is in the kernel, 0 when writing it failed.",
 );
+/// Connection log lines dropped by the rate bound (see
+/// `crate::metrics::CONNECTION_LOG_LINES_DROPPED`).
+pub static CONNECTION_LOG_LINES_DROPPED: Family = Family::new(
+    "harvester_lb_connection_log_lines_dropped_total",
+    Counter,
+    "Connection log lines not written because log.max_connection_lines_per_second was reached.",
+);
 /// Reloads, by `result`.
 pub static CONFIG_RELOADS: Family = Family::new(
     "harvester_lb_config_reloads_total",

@@ -26,6 +26,11 @@ use super::Metrics;
 pub struct Counter(AtomicU64);
 
 impl Counter {
+    /// Zero, for a `static` (a count that belongs to no object).
+    pub const fn new() -> Self {
+        Self(AtomicU64::new(0))
+    }
+
     /// Adds `n`.
     pub fn increment(&self, n: u64) {
         self.0.fetch_add(n, Ordering::Relaxed);

@@ -6,6 +6,7 @@
 //! read the same load-balancer snapshot through a [`Route`]; [`Running`] is
 //! either, as the daemon keeps them.
 
+pub mod log;
 pub mod route;
 pub mod tcp;
 pub mod udp;

@@ -69,6 +69,10 @@ pub const DEFAULT_UDP_IDLE_TIMEOUT_SECONDS: i64 = 60;
 /// Default cap on one client address's flows on one UDP listener: a client
 /// flooding new source ports fills this much of the flow table, no more.
 pub const DEFAULT_MAX_UDP_FLOWS_PER_SOURCE: i64 = 1024;
+/// `log.max_connection_lines_per_second` when unset: a busy load balancer
+/// logging every connection is cut here, below journald's default
+/// `RateLimitBurst` (10,000 in 30 s) only over a burst.
+pub const DEFAULT_MAX_CONNECTION_LINES_PER_SECOND: i64 = 1000;
 /// Upper bound on `udp_responses`: more answers per datagram than any
 /// protocol sends is a typo.
 const MAX_UDP_RESPONSES: i64 = 65_535;
@@ -294,6 +298,13 @@ impl Validator<'_> {
         );
 
         let dhcp = self.dhcp_settings(&file.dhcp);
+        let max_connection_lines = self.int(
+            &file.log.max_connection_lines_per_second,
+            format_args!("log.max_connection_lines_per_second"),
+            DEFAULT_MAX_CONNECTION_LINES_PER_SECOND,
+            1,
+            1_000_000,
+        );
 
         let mut specs = Vec::with_capacity(file.load_balancers.len());
         for (i, lb) in file.load_balancers.iter().enumerate() {
@@ -335,6 +346,10 @@ impl Validator<'_> {
             },
             vip,
             dhcp,
+            log: LogSettings {
+                max_connection_lines_per_second: NonZeroU32::new(max_connection_lines as u32)
+                    .unwrap_or(NonZeroU32::MIN),
+            },
             load_balancers,
         }
     }
@@ -489,6 +504,17 @@ impl Validator<'_> {
             );
         }
 
+        let log_connections = self.choice(
+            &lb.log_connections,
+            format_args!("{key}.log_connections"),
+            &[
+                ("none", LogConnections::None),
+                ("errors", LogConnections::Errors),
+                ("all", LogConnections::All),
+            ],
+            LogConnections::None,
+        );
+
         let mut backends = Vec::new();
         let mut seen = HashSet::new();
         for (i, b) in lb.backends.iter().enumerate() {
@@ -586,6 +612,7 @@ impl Validator<'_> {
             idle_timeout: Duration::from_secs(idle_timeout as u64),
             affinity_timeout: affinity.then(|| Duration::from_secs(affinity_timeout as u64)),
             on_backend_down,
+            log_connections,
             listeners,
             health_check,
             source_ranges,

@@ -43,8 +43,18 @@ pub enum Ended {
     Completed,
     /// Nothing moved for the idle timeout.
     IdleTimeout,
-    /// A socket error (reset, broken pipe…) on either side.
-    Failed(io::Error),
+    /// A socket error (reset, broken pipe…) on the socket of `Peer`: the
+    /// connection log tells a client's reset from a backend's by it.
+    Failed(Peer, io::Error),
+}
+
+/// One of the two sockets of a forwarded connection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Peer {
+    /// The client's socket.
+    Client,
+    /// The backend's socket.
+    Backend,
 }
 
 /// The counters a copy adds its bytes to.
@@ -53,6 +63,52 @@ pub struct ByteCounters<'a> {
     pub client_to_backend: &'a Counter,
     /// Bytes from the backend to the client.
     pub backend_to_client: &'a Counter,
+    /// This connection's bytes each way, for its log line.
+    pub moved: &'a Moved,
+}
+
+/// The bytes one connection moved each way. Kept outside the copy, so a
+/// connection cut before its copy ends (drain, backend marked down) still
+/// reports them. One writer per direction: a plain store, no
+/// read-modify-write.
+#[derive(Debug, Default)]
+pub struct Moved {
+    /// Client to backend.
+    pub client_to_backend: AtomicU64,
+    /// Backend to client.
+    pub backend_to_client: AtomicU64,
+}
+
+/// Where one direction adds the bytes it moved: the listener's counter
+/// and this connection's count.
+#[derive(Clone, Copy)]
+struct Tally<'a> {
+    total: &'a Counter,
+    this: &'a AtomicU64,
+}
+
+impl Tally<'_> {
+    fn add(self, n: usize) {
+        self.total.increment(n as u64);
+        let now = self.this.load(Ordering::Relaxed);
+        self.this.store(now + n as u64, Ordering::Relaxed);
+    }
+}
+
+/// Which socket of a direction an error came from.
+#[derive(Clone, Copy)]
+enum End {
+    /// The one read from.
+    Src,
+    /// The one written to.
+    Dst,
+}
+
+/// An error of one direction, with the socket it came from.
+type DirError = (End, io::Error);
+
+fn at(end: End) -> impl FnOnce(io::Error) -> DirError {
+    move |e| (end, e)
 }
 
 /// What the two directions of one connection share: the last time a byte
@@ -113,16 +169,38 @@ pub async fn bidirectional(
     later: Later<impl FnOnce()>,
 ) -> Ended {
     let activity = Activity::new();
+    let up = Tally {
+        total: counters.client_to_backend,
+        this: &counters.moved.client_to_backend,
+    };
+    let down = Tally {
+        total: counters.backend_to_client,
+        this: &counters.moved.backend_to_client,
+    };
     let both = async {
         tokio::try_join!(
-            one_way(client, backend, counters.client_to_backend, &activity),
-            one_way(backend, client, counters.backend_to_client, &activity),
+            async {
+                one_way(client, backend, up, &activity)
+                    .await
+                    .map_err(|(end, e)| match end {
+                        End::Src => (Peer::Client, e),
+                        End::Dst => (Peer::Backend, e),
+                    })
+            },
+            async {
+                one_way(backend, client, down, &activity)
+                    .await
+                    .map_err(|(end, e)| match end {
+                        End::Src => (Peer::Backend, e),
+                        End::Dst => (Peer::Client, e),
+                    })
+            },
         )
     };
     tokio::select! {
         r = both => match r {
             Ok(_) => Ended::Completed,
-            Err(e) => Ended::Failed(e),
+            Err((peer, e)) => Ended::Failed(peer, e),
         },
         _ = idle(&activity, idle_timeout, later) => Ended::IdleTimeout,
     }
@@ -214,17 +292,17 @@ fn read_some(src: &TcpStream, buf: &mut [u8]) -> io::Result<Option<usize>> {
 async fn one_way(
     src: &TcpStream,
     dst: &TcpStream,
-    bytes: &Counter,
+    bytes: Tally<'_>,
     activity: &Activity,
-) -> io::Result<()> {
+) -> Result<(), DirError> {
     let mut bulk = false;
     loop {
-        let ready = src.ready(SOURCE).await?;
+        let ready = src.ready(SOURCE).await.map_err(at(End::Src))?;
         if ready.is_error() && !(ready.is_readable() || ready.is_read_closed()) {
             // An error raised alone: no read would be tried on it (tokio
             // reads on READABLE only), so take it here, or clear it.
-            if let Some(e) = src.take_error()? {
-                return Err(e);
+            if let Some(e) = src.take_error().map_err(at(End::Src))? {
+                return Err((End::Src, e));
             }
             clear_error(src);
             continue;
@@ -236,17 +314,19 @@ async fn one_way(
                     // Only an empty pipe goes back (an error above drops it).
                     PIPES.give_back(pipe);
                     if !more {
-                        return end_of_stream(dst, activity);
+                        return end_of_stream(dst, activity).map_err(at(End::Dst));
                     }
                     continue;
                 }
                 Err(e) if crate::net::is_local_shortage(&e) => {}
-                Err(e) => return Err(e),
+                // No pipe for another reason: the daemon's, counted against
+                // the source, whose data could not move.
+                Err(e) => return Err((End::Src, e)),
             }
         }
         let fin_queued = fin_queued(ready);
-        let step = BUF.with_borrow_mut(|buf| -> io::Result<Step> {
-            let n = match read_some(src, buf)? {
+        let step = BUF.with_borrow_mut(|buf| -> Result<Step, DirError> {
+            let n = match read_some(src, buf).map_err(at(End::Src))? {
                 Some(0) => return Ok(Step::Eof),
                 Some(n) => n,
                 None => return Ok(Step::Drained),
@@ -265,22 +345,22 @@ async fn one_way(
                     tail: buf[..n].to_vec(),
                     last,
                 }),
-                Err(e) => Err(e),
+                Err(e) => Err((End::Dst, e)),
             }
         })?;
         let (n, last) = match step {
-            Step::Eof => return end_of_stream(dst, activity),
+            Step::Eof => return end_of_stream(dst, activity).map_err(at(End::Dst)),
             Step::Drained => continue,
             Step::Sent { n, last } => (n, last),
             Step::Blocked { n, tail, last } => {
-                write_all(dst, &tail).await?;
+                write_all(dst, &tail).await.map_err(at(End::Dst))?;
                 (n, last)
             }
         };
-        bytes.increment(n as u64);
+        bytes.add(n);
         activity.touch();
         if last {
-            return last_data_sent(dst, activity);
+            return last_data_sent(dst, activity).map_err(at(End::Dst));
         }
         bulk |= n == SCRATCH;
     }
@@ -348,9 +428,9 @@ async fn splice_while_readable(
     src: &TcpStream,
     dst: &TcpStream,
     pipe: &Pipe,
-    bytes: &Counter,
+    bytes: Tally<'_>,
     activity: &Activity,
-) -> io::Result<bool> {
+) -> Result<bool, DirError> {
     loop {
         let n = match src.try_io(Interest::READABLE, || {
             pipe.fill_from(src.as_raw_fd(), CHUNK)
@@ -358,21 +438,21 @@ async fn splice_while_readable(
             Ok(0) => return Ok(false),
             Ok(n) => n,
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(true),
-            Err(e) => return Err(e),
+            Err(e) => return Err((End::Src, e)),
         };
         let mut left = n;
         while left > 0 {
-            dst.writable().await?;
+            dst.writable().await.map_err(at(End::Dst))?;
             match dst.try_io(Interest::WRITABLE, || {
                 pipe.drain_into(dst.as_raw_fd(), left)
             }) {
-                Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+                Ok(0) => return Err((End::Dst, io::ErrorKind::WriteZero.into())),
                 Ok(m) => left -= m,
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
-                Err(e) => return Err(e),
+                Err(e) => return Err((End::Dst, e)),
             }
         }
-        bytes.increment(n as u64);
+        bytes.add(n);
         activity.touch();
     }
 }

@@ -15,12 +15,13 @@ use tokio::net::TcpStream;
 use tokio::sync::OwnedSemaphorePermit;
 use tokio_util::sync::CancellationToken;
 
-use super::copy::{self, ByteCounters, Ended};
+use super::copy::{self, ByteCounters, Ended, Moved, Peer};
 use super::proxy_protocol;
 use crate::balancer::{Backend, affinity};
 use crate::config::OnBackendDown;
 use crate::net;
 use crate::proxy::Route;
+use crate::proxy::log::{AttemptFailure, Bytes, Origin, Record, Termination};
 
 /// TCP keepalive on both legs: a peer that vanished without a FIN (a node VM
 /// powered off, a cut link) is found within about a minute, not hours.
@@ -71,6 +72,7 @@ pub async fn serve(
     // Linux copies them from the listening socket (see `proxy::tcp::bind`).
 
     let snapshot = route.lb.snapshot_full();
+    let mut record = Record::start(snapshot.settings.log_connections, peer);
     // Client affinity: the backend this client was given last, if recent.
     let client_ip = peer.ip().to_canonical();
     let affinity = snapshot
@@ -91,6 +93,7 @@ pub async fn serve(
         let marked_down = backend.marked_down_signal(port);
         if close_on_down && !backend.is_healthy_on(port) {
             tracing::debug!(backend = %addr, "backend marked down since the pick; trying the next one");
+            record.failed(addr, AttemptFailure::MarkedDown);
             continue;
         }
         let attempt = tokio::select! {
@@ -99,16 +102,19 @@ pub async fn serve(
                 // No byte has reached the backend: the client can still
                 // be served by another one.
                 tracing::debug!(backend = %addr, "backend marked down while connecting; trying the next one");
+                record.failed(addr, AttemptFailure::MarkedDown);
                 continue;
             }
         };
         match attempt {
             Ok(stream) => {
+                record.connected(addr);
                 connected = Some((stream, Arc::clone(backend), marked_down));
                 break;
             }
             Err((failure, e)) => {
                 count_attempt_failure(backend, failure);
+                record.failed(addr, failure.into());
                 last_failure = Some(failure);
                 if failure == ConnectFailure::Local {
                     // Every other backend would need a socket too.
@@ -136,6 +142,12 @@ pub async fn serve(
             "no backend could take the connection; resetting the client"
         );
         reset(&client);
+        // Nothing tried: none was eligible (or all were marked down since).
+        let state = match last_failure {
+            None => Termination::NoBackend,
+            Some(_) => Termination::ConnectFailed,
+        };
+        log_end(record, state, &route, &client, None);
         return;
     };
 
@@ -160,11 +172,13 @@ pub async fn serve(
                 m.failed[3].increment(1); // connect_error: the backend took no header
                 reset(&client);
                 reset(&server);
+                log_end(record, Termination::BackendReset, &route, &client, None);
                 return;
             }
         }
     }
     m.active.increment();
+    let moved = Moved::default();
     let ended = tokio::select! {
         ended = copy::bidirectional(
             &client,
@@ -173,40 +187,92 @@ pub async fn serve(
             ByteCounters {
                 client_to_backend: &m.client_to_backend,
                 backend_to_client: &m.backend_to_client,
+                moved: &moved,
             },
             copy::Later {
                 after: LIVENESS_AFTER,
                 run: || set_liveness_or_warn(&SockRef::from(&server)),
             },
-        ) => ended,
+        ) => Cut::Copy(ended),
         _ = close_now.cancelled() => {
             tracing::debug!("drain timeout: closing connection");
-            Ended::Completed
+            Cut::Drained
         }
         _ = backend.retired() => {
             tracing::debug!("backend removed and drained: closing connection");
-            Ended::Completed
+            Cut::Drained
         }
         _ = marked_down.cancelled() => {
             tracing::debug!(backend = %backend.addr, "backend marked down (on_backend_down = close): resetting both sides");
             backend.stats().closed[0].increment(1); // CLOSED_REASONS: marked_down
             reset(&client);
             reset(&server);
-            Ended::Completed
+            Cut::BackendDown
         }
     };
     m.active.decrement();
-    match ended {
-        Ended::Completed => {}
-        Ended::IdleTimeout => tracing::debug!(?idle_timeout, "idle timeout: closing connection"),
-        Ended::Failed(e) => {
-            tracing::debug!(error = %e, "connection failed; resetting both sides");
+    let state = match ended {
+        Cut::Drained => Termination::Drained,
+        Cut::BackendDown => Termination::BackendDown,
+        Cut::Copy(Ended::Completed) => Termination::Closed,
+        Cut::Copy(Ended::IdleTimeout) => {
+            tracing::debug!(?idle_timeout, "idle timeout: closing connection");
+            Termination::IdleTimeout
+        }
+        Cut::Copy(Ended::Failed(peer, e)) => {
+            tracing::debug!(error = %e, ?peer, "connection failed; resetting both sides");
             // Pass the abort on: a client must not take a cut-off response
             // for a complete one.
             reset(&client);
             reset(&server);
+            match peer {
+                Peer::Client => Termination::ClientReset,
+                Peer::Backend => Termination::BackendReset,
+            }
         }
+    };
+    log_end(record, state, &route, &client, Some(&moved));
+}
+
+/// Writes the line of a client refused at accept (`state` says why), if
+/// its load balancer logs connections.
+pub(crate) fn log_refused(route: &Route, client: &TcpStream, peer: SocketAddr, state: Termination) {
+    let mode = route.lb.snapshot().settings.log_connections;
+    log_end(Record::start(mode, peer), state, route, client, None);
+}
+
+/// How the copy of a connection ended: on its own, or cut by the daemon.
+enum Cut {
+    Copy(Ended),
+    /// The drain time of its listener or backend ran out.
+    Drained,
+    /// Its backend was marked down under `on_backend_down = "close"`.
+    BackendDown,
+}
+
+/// Writes the connection's log line, if its load balancer logs it (the
+/// VIP is asked of the socket only then).
+fn log_end(
+    record: Record,
+    state: Termination,
+    route: &Route,
+    client: &TcpStream,
+    moved: Option<&Moved>,
+) {
+    if !record.is_on() {
+        return;
     }
+    let bytes = moved.map_or(Bytes::default(), |m| Bytes {
+        client_to_backend: m.client_to_backend.load(std::sync::atomic::Ordering::Relaxed),
+        backend_to_client: m.backend_to_client.load(std::sync::atomic::Ordering::Relaxed),
+    });
+    let origin = Origin {
+        load_balancer: &route.lb.name,
+        cluster: &route.lb.cluster,
+        listener: &route.listener,
+        vip: client.local_addr().ok(),
+    };
+    record.finish(state, &origin, bytes, false);
 }
 
 /// Connects to `addr` within `timeout` (see [`net::connect`]).
@@ -272,6 +338,17 @@ fn warn_shortage(e: &io::Error) {
     let now = crate::os::monotonic_now().as_secs() + 1;
     if LAST.swap(now, Ordering::Relaxed) != now {
         tracing::warn!(error = %e, "no socket for a backend connection; the client waits until one frees up (up to connect_timeout)");
+    }
+}
+
+impl From<ConnectFailure> for AttemptFailure {
+    fn from(f: ConnectFailure) -> Self {
+        match f {
+            ConnectFailure::Refused => AttemptFailure::Refused,
+            ConnectFailure::Timeout => AttemptFailure::Timeout,
+            ConnectFailure::Other => AttemptFailure::Error,
+            ConnectFailure::Local => AttemptFailure::NoSocket,
+        }
     }
 }
 
@@ -355,9 +432,11 @@ mod tests {
     #[tokio::test]
     async fn liveness_is_set_only_on_a_connection_that_lasts() {
         let counters = (Counter::default(), Counter::default());
+        let moved = Moved::default();
         let byte_counters = || ByteCounters {
             client_to_backend: &counters.0,
             backend_to_client: &counters.1,
+            moved: &moved,
         };
 
         // Short: both peers end at once; `later` is far off.
@@ -378,7 +457,7 @@ mod tests {
         )
         .await;
         assert!(
-            matches!(ended, Ended::Completed | Ended::Failed(_)),
+            matches!(ended, Ended::Completed | Ended::Failed(..)),
             "{ended:?}"
         );
         assert_eq!(

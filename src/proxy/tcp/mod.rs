@@ -28,6 +28,7 @@ use tokio_util::task::TaskTracker;
 use tracing::Instrument;
 
 use super::Route;
+use super::log::Termination::SourceRefused;
 use crate::workers::Placement;
 
 /// How long the accept loop pauses when the process or system is out of
@@ -225,6 +226,7 @@ async fn accept_loop(
                         current.stats.rejected[0].increment(1);
                         tracing::debug!(client = %peer, "client outside source_ranges: reset");
                         forward::reset(&stream);
+                        forward::log_refused(&current, &stream, peer, SourceRefused);
                         continue;
                     }
                 }
