@@ -402,7 +402,10 @@ mod tests {
         let b = LineBudget::new(10);
         let taken = (0..100).filter(|_| b.take_at(0)).count();
         assert_eq!(taken, 10, "one second's worth at once");
-        assert!(!b.take_at(SECOND_NS / 20), "nothing more half an interval on");
+        assert!(
+            !b.take_at(SECOND_NS / 20),
+            "nothing more half an interval on"
+        );
         assert!(b.take_at(SECOND_NS / 10), "one more an interval later");
         assert!(!b.take_at(SECOND_NS / 10));
         // After a long quiet spell the burst is back, not more.

@@ -263,8 +263,12 @@ fn log_end(
         return;
     }
     let bytes = moved.map_or(Bytes::default(), |m| Bytes {
-        client_to_backend: m.client_to_backend.load(std::sync::atomic::Ordering::Relaxed),
-        backend_to_client: m.backend_to_client.load(std::sync::atomic::Ordering::Relaxed),
+        client_to_backend: m
+            .client_to_backend
+            .load(std::sync::atomic::Ordering::Relaxed),
+        backend_to_client: m
+            .backend_to_client
+            .load(std::sync::atomic::Ordering::Relaxed),
     });
     let origin = Origin {
         load_balancer: &route.lb.name,

@@ -1,0 +1,554 @@
+//! The connection log (`log_connections`) from the outside: the real
+//! binary, its stderr read line by line, real clients and backends that
+//! cause each termination state (a backend that resets, one that refuses,
+//! a black hole, a drain, a source range, a dead pool, a health check that
+//! fails under an open connection), and the fields of each line asserted.
+
+mod support;
+
+use std::io::BufRead;
+use std::net::SocketAddr;
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use serde_json::Value;
+use support::*;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+const LB: &str = "default/web";
+const WAIT: Duration = Duration::from_secs(20);
+
+/// The real daemon with its stderr captured.
+struct Logged {
+    child: Child,
+    lines: Arc<Mutex<Vec<String>>>,
+    admin: SocketAddr,
+}
+
+impl Logged {
+    /// Starts `harvester-lb run` on `config` with `--log-format format` and
+    /// waits until it is ready.
+    async fn start(net: &Subnet, config: &str, format: &str) -> Self {
+        let path = net.write("config.toml", config);
+        let mut child = Command::new(env!("CARGO_BIN_EXE_harvester-lb"))
+            .args(["--log-format", format, "run", "--no-watch", "--config"])
+            .arg(&path)
+            .stderr(Stdio::piped())
+            .stdout(Stdio::null())
+            .spawn()
+            .expect("spawn harvester-lb");
+        let stderr = child.stderr.take().expect("piped");
+        let lines = Arc::new(Mutex::new(Vec::new()));
+        let sink = Arc::clone(&lines);
+        std::thread::spawn(move || {
+            for line in std::io::BufReader::new(stderr).lines() {
+                let Ok(line) = line else { return };
+                sink.lock().unwrap().push(line);
+            }
+        });
+        let admin = SocketAddr::new(net.ip(250), 9901);
+        wait_ready(admin).await;
+        Self {
+            child,
+            lines,
+            admin,
+        }
+    }
+
+    /// Every connection line so far, parsed (JSON format).
+    fn connection_lines(&self) -> Vec<Value> {
+        self.lines
+            .lock()
+            .unwrap()
+            .iter()
+            .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+            .filter(|v| v["target"] == "harvester_lb::connection")
+            .map(|v| v["fields"].clone())
+            .collect()
+    }
+
+    /// Waits for the connection line of client `client`.
+    async fn line_of(&self, client: SocketAddr) -> Value {
+        let want = client.to_string();
+        wait_for(WAIT, &format!("the connection line of {want}"), || {
+            let found = self
+                .connection_lines()
+                .into_iter()
+                .find(|l| l["client"] == want.as_str());
+            async move { found }
+        })
+        .await
+    }
+
+    /// Every stderr line so far, raw.
+    fn raw(&self) -> Vec<String> {
+        self.lines.lock().unwrap().clone()
+    }
+
+    fn signal(&self, sig: i32) {
+        #[allow(unsafe_code)]
+        // SAFETY: kill(2) with a pid we spawned and own.
+        let rc = unsafe { libc::kill(self.child.id() as i32, sig) };
+        assert_eq!(rc, 0);
+    }
+}
+
+impl Drop for Logged {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// One load balancer `LB` on `.1:8080` -> `backends` on port 30080, with
+/// `extra` lines in its table and `top` before it.
+fn config(net: &Subnet, top: &str, backends: &[u8], extra: &str) -> String {
+    let backends: Vec<String> = backends
+        .iter()
+        .map(|h| format!("{:?}", net.ip_str(*h)))
+        .collect();
+    format!(
+        r#"
+[admin]
+listen = "{admin}:9901"
+socket = {socket:?}
+{top}
+
+[[load_balancer]]
+name = "{LB}"
+cluster = "guest"
+vip = "{vip}"
+backends = [{backends}]
+{extra}
+  [[load_balancer.listener]]
+  name = "http"
+  port = 8080
+  backend_port = 30080
+"#,
+        admin = net.ip_str(250),
+        socket = net.dir().join("admin.sock"),
+        vip = net.ip_str(1),
+        backends = backends.join(", "),
+    )
+}
+
+fn vip(net: &Subnet) -> SocketAddr {
+    SocketAddr::new(net.ip(1), 8080)
+}
+
+fn node(net: &Subnet, host: u8) -> SocketAddr {
+    SocketAddr::new(net.ip(host), 30080)
+}
+
+/// A client from `.100` that has read the backend's name line.
+async fn served_client(net: &Subnet) -> TcpStream {
+    let mut s = connect_from(net.ip(100), vip(net)).await.expect("connect");
+    let name = read_line(&mut s).await.expect("served");
+    assert_eq!(name, net.ip_str(11));
+    s
+}
+
+/// Reads until the stream ends; whether it ended with a reset.
+async fn ends_with_reset(s: &mut TcpStream) -> bool {
+    let mut buf = [0u8; 1024];
+    loop {
+        match tokio::time::timeout(WAIT, s.read(&mut buf)).await {
+            Err(_) => panic!("the client's connection did not end"),
+            Ok(Ok(0)) => return false,
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => {
+                assert_eq!(e.kind(), std::io::ErrorKind::ConnectionReset, "{e}");
+                return true;
+            }
+        }
+    }
+}
+
+/// A connection that both sides close: every field of the line.
+#[tokio::test]
+async fn a_normal_close_names_everything() {
+    let net = Subnet::new();
+    let _b = Backend::start(node(&net, 11), Behaviour::NameThenEcho).await;
+    let d = Logged::start(
+        &net,
+        &config(&net, "", &[11], "log_connections = \"all\""),
+        "json",
+    )
+    .await;
+    let mut s = served_client(&net).await;
+    let me = s.local_addr().unwrap();
+    s.write_all(b"hello").await.unwrap();
+    s.shutdown().await.unwrap();
+    assert!(!ends_with_reset(&mut s).await);
+    let line = d.line_of(me).await;
+    assert_eq!(line["message"], "connection");
+    assert_eq!(line["state"], "closed");
+    assert_eq!(line["vip"], vip(&net).to_string());
+    assert_eq!(line["load_balancer"], LB);
+    assert_eq!(line["cluster"], "guest");
+    assert_eq!(line["listener"], "http");
+    assert_eq!(line["backend"], node(&net, 11).to_string());
+    assert_eq!(line["tried"], "-");
+    assert_eq!(line["bytes_from_client"], 5);
+    let name_line = net.ip_str(11).len() as u64 + 1;
+    assert_eq!(line["bytes_from_backend"], name_line + 5);
+    let connect = line["connect_ms"].as_i64().expect("connect_ms");
+    let duration = line["duration_ms"].as_i64().expect("duration_ms");
+    assert!(connect >= 0 && connect <= duration, "{line}");
+    let accepted = line["accepted"].as_str().expect("accepted");
+    assert!(
+        accepted.len() == 24 && accepted.ends_with('Z') && accepted.as_bytes()[10] == b'T',
+        "accepted is RFC 3339 UTC: {accepted}"
+    );
+}
+
+/// `"errors"` leaves out a normal close and writes a client's reset.
+#[tokio::test]
+async fn a_client_reset_is_logged_and_a_normal_close_is_not() {
+    let net = Subnet::new();
+    let _b = Backend::start(node(&net, 11), Behaviour::NameThenEcho).await;
+    let d = Logged::start(
+        &net,
+        &config(&net, "", &[11], "log_connections = \"errors\""),
+        "json",
+    )
+    .await;
+    let mut normal = served_client(&net).await;
+    let normal_addr = normal.local_addr().unwrap();
+    normal.shutdown().await.unwrap();
+    assert!(!ends_with_reset(&mut normal).await);
+    drop(normal);
+
+    let mut s = served_client(&net).await;
+    let me = s.local_addr().unwrap();
+    s.write_all(b"abc").await.unwrap();
+    let mut echo = [0u8; 3];
+    s.read_exact(&mut echo).await.unwrap();
+    socket2::SockRef::from(&s)
+        .set_linger(Some(Duration::ZERO))
+        .unwrap();
+    drop(s);
+    let line = d.line_of(me).await;
+    assert_eq!(line["state"], "client_reset");
+    assert_eq!(line["backend"], node(&net, 11).to_string());
+    assert_eq!(line["bytes_from_client"], 3);
+    // Lines are written as connections end; the normal one ended first.
+    assert!(
+        !d.connection_lines()
+            .iter()
+            .any(|l| l["client"] == normal_addr.to_string().as_str()),
+        "a normal close was logged under \"errors\""
+    );
+}
+
+/// A backend that resets its connection.
+#[tokio::test]
+async fn a_backend_reset() {
+    let net = Subnet::new();
+    let backend = TcpListener::bind(node(&net, 11)).await.unwrap();
+    let resetter = tokio::spawn(async move {
+        let (mut s, _) = backend.accept().await.unwrap();
+        let mut buf = [0u8; 4];
+        s.read_exact(&mut buf).await.unwrap();
+        socket2::SockRef::from(&s)
+            .set_linger(Some(Duration::ZERO))
+            .unwrap();
+        drop(s);
+    });
+    let d = Logged::start(
+        &net,
+        &config(&net, "", &[11], "log_connections = \"errors\""),
+        "json",
+    )
+    .await;
+    let mut s = connect_from(net.ip(100), vip(&net)).await.unwrap();
+    let me = s.local_addr().unwrap();
+    s.write_all(b"ping").await.unwrap();
+    assert!(ends_with_reset(&mut s).await, "the reset is passed on");
+    resetter.await.unwrap();
+    let line = d.line_of(me).await;
+    assert_eq!(line["state"], "backend_reset");
+    assert_eq!(line["backend"], node(&net, 11).to_string());
+    assert_eq!(line["bytes_from_client"], 4);
+    assert_eq!(line["bytes_from_backend"], 0);
+}
+
+/// Nothing moves for `idle_timeout_seconds`.
+#[tokio::test]
+async fn an_idle_timeout() {
+    let net = Subnet::new();
+    let _b = Backend::start(node(&net, 11), Behaviour::Hold).await;
+    let d = Logged::start(
+        &net,
+        &config(
+            &net,
+            "",
+            &[11],
+            "log_connections = \"errors\"\nidle_timeout_seconds = 1",
+        ),
+        "json",
+    )
+    .await;
+    let mut s = connect_from(net.ip(100), vip(&net)).await.unwrap();
+    let me = s.local_addr().unwrap();
+    let line = d.line_of(me).await;
+    assert_eq!(line["state"], "idle_timeout");
+    assert!(line["duration_ms"].as_u64().unwrap() >= 1000, "{line}");
+    assert!(!ends_with_reset(&mut s).await);
+}
+
+/// A stopping daemon whose drain time runs out cuts the connection.
+#[tokio::test]
+async fn a_drain_that_runs_out() {
+    let net = Subnet::new();
+    let _b = Backend::start(node(&net, 11), Behaviour::NameThenEcho).await;
+    let d = Logged::start(
+        &net,
+        &config(
+            &net,
+            "[proxy]\ndrain_timeout_seconds = 0",
+            &[11],
+            "log_connections = \"errors\"",
+        ),
+        "json",
+    )
+    .await;
+    let s = served_client(&net).await;
+    let me = s.local_addr().unwrap();
+    d.signal(libc::SIGTERM);
+    let line = d.line_of(me).await;
+    assert_eq!(line["state"], "drained");
+    assert_eq!(line["backend"], node(&net, 11).to_string());
+}
+
+/// `on_backend_down = "close"`: the health check fails under an open
+/// connection.
+#[tokio::test]
+async fn a_backend_marked_down() {
+    let net = Subnet::new();
+    let _b = Backend::start(node(&net, 11), Behaviour::NameThenEcho).await;
+    let health = TcpListener::bind(SocketAddr::new(net.ip(11), 30081))
+        .await
+        .unwrap();
+    let health_task = tokio::spawn(async move {
+        loop {
+            let _ = health.accept().await;
+        }
+    });
+    let d = Logged::start(
+        &net,
+        &config(
+            &net,
+            "",
+            &[11],
+            "log_connections = \"errors\"\non_backend_down = \"close\"\n  [load_balancer.health_check]\n  port = 30081\n  period_seconds = 1\n  timeout_seconds = 1\n  failure_threshold = 1\n",
+        ),
+        "json",
+    )
+    .await;
+    let mut s = served_client(&net).await;
+    let me = s.local_addr().unwrap();
+    health_task.abort();
+    let _ = health_task.await;
+    assert!(ends_with_reset(&mut s).await);
+    let line = d.line_of(me).await;
+    assert_eq!(line["state"], "backend_down");
+    assert_eq!(line["backend"], node(&net, 11).to_string());
+}
+
+/// A client outside `source_ranges` is reset at accept.
+#[tokio::test]
+async fn a_client_outside_source_ranges() {
+    let net = Subnet::new();
+    let _b = Backend::start(node(&net, 11), Behaviour::NameThenEcho).await;
+    let ranges = format!(
+        "log_connections = \"errors\"\nsource_ranges = [\"{}/32\"]",
+        net.ip_str(100)
+    );
+    let d = Logged::start(&net, &config(&net, "", &[11], &ranges), "json").await;
+    let s = match connect_from(net.ip(101), vip(&net)).await {
+        Ok(s) => s,
+        Err(e) => panic!("the handshake completes before the reset: {e}"),
+    };
+    let me = s.local_addr().unwrap();
+    let line = d.line_of(me).await;
+    assert_eq!(line["state"], "source_refused");
+    assert_eq!(line["backend"], "-");
+    assert_eq!(line["vip"], vip(&net).to_string());
+}
+
+/// Every backend is down: nothing to try.
+#[tokio::test]
+async fn no_eligible_backend() {
+    let net = Subnet::new();
+    let d = Logged::start(
+        &net,
+        &config(
+            &net,
+            "",
+            &[11, 12],
+            "log_connections = \"errors\"\ninitial_state = \"unhealthy\"\n  [load_balancer.health_check]\n  port = 30081\n  period_seconds = 1\n  timeout_seconds = 1\n",
+        ),
+        "json",
+    )
+    .await;
+    let mut s = connect_from(net.ip(100), vip(&net)).await.unwrap();
+    let me = s.local_addr().unwrap();
+    assert!(ends_with_reset(&mut s).await);
+    let line = d.line_of(me).await;
+    assert_eq!(line["state"], "no_backend");
+    assert_eq!(line["backend"], "-");
+    assert_eq!(line["tried"], "-");
+}
+
+/// One backend refuses, the other never answers: both are named with why.
+#[tokio::test]
+async fn connect_failed_on_every_backend() {
+    let net = Subnet::new();
+    let _hole = BlackHole::new(node(&net, 12));
+    let d = Logged::start(
+        &net,
+        &config(
+            &net,
+            "",
+            &[11, 12],
+            "log_connections = \"errors\"\nconnect_timeout_ms = 300",
+        ),
+        "json",
+    )
+    .await;
+    let mut s = connect_from(net.ip(100), vip(&net)).await.unwrap();
+    let me = s.local_addr().unwrap();
+    assert!(ends_with_reset(&mut s).await);
+    let line = d.line_of(me).await;
+    assert_eq!(line["state"], "connect_failed");
+    assert_eq!(line["backend"], "-");
+    let tried = line["tried"].as_str().unwrap();
+    let mut parts: Vec<&str> = tried.split(',').collect();
+    parts.sort_unstable();
+    assert_eq!(
+        parts,
+        [
+            format!("{}/refused", node(&net, 11)),
+            format!("{}/timeout", node(&net, 12))
+        ],
+        "{line}"
+    );
+    assert_eq!(line["connect_ms"], -1);
+}
+
+/// A backend that refuses before one that takes the connection: the line
+/// names both.
+#[tokio::test]
+async fn a_retry_names_the_backend_tried_before() {
+    let net = Subnet::new();
+    let _b = Backend::start(node(&net, 12), Behaviour::Echo).await;
+    let d = Logged::start(
+        &net,
+        &config(
+            &net,
+            "",
+            &[11, 12],
+            "log_connections = \"all\"\nalgorithm = \"round_robin\"",
+        ),
+        "json",
+    )
+    .await;
+    // Round robin starts the two clients on different backends: one of
+    // them tries .11 first.
+    let mut seen_retry = false;
+    for _ in 0..2 {
+        let mut s = connect_from(net.ip(100), vip(&net)).await.unwrap();
+        let me = s.local_addr().unwrap();
+        s.write_all(b"x").await.unwrap();
+        s.shutdown().await.unwrap();
+        assert!(!ends_with_reset(&mut s).await);
+        let line = d.line_of(me).await;
+        assert_eq!(line["state"], "closed");
+        assert_eq!(line["backend"], node(&net, 12).to_string());
+        if line["tried"] != "-" {
+            assert_eq!(line["tried"], format!("{}/refused", node(&net, 11)));
+            seen_retry = true;
+        }
+    }
+    assert!(
+        seen_retry,
+        "no client was sent to the refusing backend first"
+    );
+}
+
+/// Past `max_connection_lines_per_second` lines are counted, not written.
+#[tokio::test]
+async fn lines_past_the_bound_are_counted_not_written() {
+    let net = Subnet::new();
+    let ranges = format!(
+        "log_connections = \"errors\"\nsource_ranges = [\"{}/32\"]",
+        net.ip_str(100)
+    );
+    let d = Logged::start(
+        &net,
+        &config(
+            &net,
+            "[log]\nmax_connection_lines_per_second = 1",
+            &[11],
+            &ranges,
+        ),
+        "json",
+    )
+    .await;
+    const CLIENTS: usize = 20;
+    for _ in 0..CLIENTS {
+        if let Ok(mut s) = connect_from(net.ip(101), vip(&net)).await {
+            let _ = ends_with_reset(&mut s).await;
+        }
+    }
+    let admin = d.admin;
+    let dropped = wait_for(WAIT, "every refusal to be written or counted", || {
+        let written = d.connection_lines().len();
+        async move {
+            let (_, body) = http(admin, "GET", "/metrics").await;
+            let dropped =
+                metric_value(&body, "harvester_lb_connection_log_lines_dropped_total") as usize;
+            (written + dropped == CLIENTS).then_some(dropped)
+        }
+    })
+    .await;
+    assert!(dropped > 0, "20 refusals fit a budget of one a second");
+}
+
+/// Text format: a name with a newline or an escape sequence cannot forge
+/// a line or colour the terminal.
+#[tokio::test]
+async fn hostile_names_stay_on_one_line_in_text() {
+    let net = Subnet::new();
+    let _b = Backend::start(node(&net, 11), Behaviour::NameThenEcho).await;
+    let text = config(&net, "", &[11], "log_connections = \"all\"").replace(
+        "cluster = \"guest\"",
+        "cluster = \"guest\\nFORGED state=closed\\u001b[31m\"",
+    );
+    let d = Logged::start(&net, &text, "text").await;
+    let mut s = served_client(&net).await;
+    let me = s.local_addr().unwrap().to_string();
+    s.shutdown().await.unwrap();
+    assert!(!ends_with_reset(&mut s).await);
+    let line = wait_for(WAIT, "the text line", || {
+        let found = d
+            .raw()
+            .into_iter()
+            .find(|l| l.contains("harvester_lb::connection") && l.contains(&me));
+        async move { found }
+    })
+    .await;
+    assert!(
+        line.contains(r#"cluster="guest\nFORGED state=closed\u{1b}[31m""#),
+        "{line}"
+    );
+    assert!(!line.contains('\u{1b}'), "{line:?}");
+    assert!(
+        !d.raw().iter().any(|l| l.starts_with("FORGED")),
+        "a name forged a line"
+    );
+    assert!(line.contains("state=closed") && line.contains(&format!("client={me}")));
+}
