@@ -552,3 +552,115 @@ async fn hostile_names_stay_on_one_line_in_text() {
     );
     assert!(line.contains("state=closed") && line.contains(&format!("client={me}")));
 }
+
+/// `config` with a UDP listener instead of the TCP one.
+fn udp_config(net: &Subnet, top: &str, extra: &str) -> String {
+    config(net, top, &[11], extra).replace(
+        "backend_port = 30080\n",
+        "backend_port = 30080\n  protocol = \"udp\"\n",
+    )
+}
+
+/// A UDP backend on `.11:30080` that echoes each datagram if `answer`.
+async fn udp_backend(net: &Subnet, answer: bool) -> tokio::task::JoinHandle<()> {
+    let socket = tokio::net::UdpSocket::bind(node(net, 11)).await.unwrap();
+    tokio::spawn(async move {
+        let mut buf = [0u8; 2048];
+        while let Ok((n, from)) = socket.recv_from(&mut buf).await {
+            if answer {
+                let _ = socket.send_to(&buf[..n], from).await;
+            }
+        }
+    })
+}
+
+async fn udp_client(net: &Subnet) -> tokio::net::UdpSocket {
+    let s = tokio::net::UdpSocket::bind(SocketAddr::new(net.ip(100), 0))
+        .await
+        .unwrap();
+    s.connect(vip(net)).await.unwrap();
+    s
+}
+
+/// A flow closed by its answer (`udp_responses = 1`), as DNS's.
+#[tokio::test]
+async fn a_udp_flow_answered() {
+    let net = Subnet::new();
+    let backend = udp_backend(&net, true).await;
+    let d = Logged::start(
+        &net,
+        &udp_config(&net, "", "log_connections = \"all\"\nudp_responses = 1"),
+        "json",
+    )
+    .await;
+    let c = udp_client(&net).await;
+    c.send(b"query").await.unwrap();
+    let mut buf = [0u8; 64];
+    let n = tokio::time::timeout(WAIT, c.recv(&mut buf))
+        .await
+        .expect("answered")
+        .unwrap();
+    assert_eq!(&buf[..n], b"query");
+    let line = d.line_of(c.local_addr().unwrap()).await;
+    assert_eq!(line["state"], "answered");
+    assert_eq!(line["protocol"], "udp");
+    assert_eq!(line["backend"], node(&net, 11).to_string());
+    assert_eq!(line["bytes_from_client"], 5);
+    assert_eq!(line["bytes_from_backend"], 5);
+    backend.abort();
+}
+
+/// A flow never answered ends idle, and `"errors"` writes it (an answered
+/// flow that ends idle is a normal end for UDP).
+#[tokio::test]
+async fn a_udp_flow_never_answered() {
+    let net = Subnet::new();
+    let backend = udp_backend(&net, false).await;
+    let d = Logged::start(
+        &net,
+        &udp_config(
+            &net,
+            "",
+            "log_connections = \"errors\"\nudp_idle_timeout_seconds = 1",
+        ),
+        "json",
+    )
+    .await;
+    let c = udp_client(&net).await;
+    c.send(b"hello?").await.unwrap();
+    let line = d.line_of(c.local_addr().unwrap()).await;
+    assert_eq!(line["state"], "idle");
+    assert_eq!(line["bytes_from_client"], 6);
+    assert_eq!(line["bytes_from_backend"], 0);
+    backend.abort();
+}
+
+/// No room in the flow table: the datagram's line says so.
+#[tokio::test]
+async fn a_udp_flow_table_full() {
+    let net = Subnet::new();
+    let backend = udp_backend(&net, true).await;
+    let d = Logged::start(
+        &net,
+        &udp_config(
+            &net,
+            "[proxy]\nmax_udp_flows = 1",
+            "log_connections = \"errors\"",
+        ),
+        "json",
+    )
+    .await;
+    let first = udp_client(&net).await;
+    first.send(b"one").await.unwrap();
+    let mut buf = [0u8; 64];
+    tokio::time::timeout(WAIT, first.recv(&mut buf))
+        .await
+        .expect("the first flow is served")
+        .unwrap();
+    let second = udp_client(&net).await;
+    second.send(b"two").await.unwrap();
+    let line = d.line_of(second.local_addr().unwrap()).await;
+    assert_eq!(line["state"], "table_full");
+    assert_eq!(line["backend"], "-");
+    backend.abort();
+}

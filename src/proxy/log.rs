@@ -167,9 +167,11 @@ pub struct Origin<'a> {
     pub listener: &'a str,
     /// The VIP:port the client connected to, if known.
     pub vip: Option<SocketAddr>,
+    /// `tcp` or `udp`.
+    pub protocol: &'static str,
 }
 
-/// The bytes a connection moved each way.
+/// The bytes a connection (or a flow's datagrams) moved each way.
 #[derive(Debug, Default, Clone, Copy)]
 pub struct Bytes {
     /// Client to backend.
@@ -218,8 +220,8 @@ impl Record {
     /// Writes the line, if the mode wants this `state` and the budget has
     /// room; counts it as dropped if not. `answered`: for UDP, whether the
     /// backend answered at all.
-    pub fn finish(self, state: Termination, origin: &Origin<'_>, bytes: Bytes, answered: bool) {
-        let Some(r) = self.0 else { return };
+    pub fn finish(&self, state: Termination, origin: &Origin<'_>, bytes: Bytes, answered: bool) {
+        let Some(r) = &self.0 else { return };
         if r.mode == LogConnections::Errors && !state.is_error(answered) {
             return;
         }
@@ -238,6 +240,7 @@ impl Record {
         tracing::info!(
             target: TARGET,
             state = %state,
+            protocol = origin.protocol,
             client = %r.client,
             vip = %vip,
             load_balancer = origin.load_balancer,

@@ -275,6 +275,7 @@ fn log_end(
         cluster: &route.lb.cluster,
         listener: &route.listener,
         vip: client.local_addr().ok(),
+        protocol: "tcp",
     };
     record.finish(state, &origin, bytes, false);
 }

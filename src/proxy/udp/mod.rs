@@ -46,6 +46,7 @@ use super::Route;
 use crate::balancer::{Backend, ConnectionGuard, LoadBalancer, affinity};
 use crate::config::UdpSettings;
 use crate::metrics::stats::UdpBackendStats;
+use crate::proxy::log::{AttemptFailure, Bytes, Origin, Record, Termination};
 
 /// The largest UDP payload over IPv4 (65,535 − 8 − 20). Every datagram up
 /// to it is forwarded whole.
@@ -128,6 +129,14 @@ struct Flow {
     /// Wakes the task when someone else closed the flow.
     closed: Notify,
     backend_stats: Arc<UdpBackendStats>,
+    /// Its connection log line, written when it ends (empty when its load
+    /// balancer logs nothing).
+    record: Record,
+    /// Payload bytes client to backend and back, and whether the backend
+    /// answered at all, for that line.
+    bytes_up: AtomicU64,
+    bytes_down: AtomicU64,
+    answered: AtomicBool,
     /// Counts the flow with the backend's connections (least_connections,
     /// `/status`) for as long as the flow lives.
     _guard: ConnectionGuard,
@@ -267,6 +276,7 @@ async fn receive_loop(shared: Arc<Shared>, tasks: TaskTracker) {
     for flow in shared.table.all() {
         if flow.state.close() {
             retire(&shared, &flow, true);
+            log_flow_end(&shared, &flow, Termination::Drained);
         }
     }
 }
@@ -313,6 +323,12 @@ fn forward(shared: &Arc<Shared>, tasks: &TaskTracker, datagram: &[u8], client: S
         // Closed, refused, or its backend left: a new flow replaces it.
         if flow.state.close() {
             retire(shared, &flow, true);
+            let state = if flow.refused.load(Ordering::Acquire) {
+                Termination::BackendReset
+            } else {
+                Termination::BackendDown
+            };
+            log_flow_end(shared, &flow, state);
         } else {
             // Closed by its task a moment ago; the task retires it.
             shared.table.remove(&flow.client, &flow);
@@ -359,6 +375,7 @@ fn send(flow: &Flow, datagram: &[u8], route: &UdpRoute) -> Sent {
         Ok(n) => {
             udp.datagrams[0].increment(1);
             udp.bytes[0].increment(n as u64);
+            flow.bytes_up.fetch_add(n as u64, Ordering::Relaxed);
             Sent::Ok
         }
         Err(e) if e.raw_os_error() == Some(libc::ECONNREFUSED) => {
@@ -394,8 +411,15 @@ fn new_flow(
     let lb = &route.route.lb;
     let snapshot = lb.snapshot();
     let client_ip = client.ip().to_canonical();
+    let log = snapshot.settings.log_connections;
     if !snapshot.settings.source_ranges.allows(client.ip()) {
         udp.datagrams_dropped[0].increment(1);
+        refused(
+            shared,
+            route,
+            Record::start(log, client),
+            Termination::SourceRefused,
+        );
         return None;
     }
     let affinity = snapshot
@@ -416,12 +440,19 @@ fn new_flow(
     };
     let Some(backend) = backend else {
         udp.flows_dropped[2].increment(1);
+        refused(
+            shared,
+            route,
+            Record::start(log, client),
+            Termination::NoBackend,
+        );
         return None;
     };
     drop(snapshot);
     let target = SocketAddr::new(backend.addr, route.route.backend_port);
     let per_source = shared.per_source.load(Ordering::Relaxed) as usize;
     let mut socket_error = None;
+    let mut record = Record::start(log, client);
     let admitted = shared.table.insert(client, per_source, || {
         let socket = match connect(target) {
             Ok(s) => s,
@@ -430,8 +461,14 @@ fn new_flow(
                 return None;
             }
         };
+        let mut flow_record = Record::start(log, client);
+        flow_record.connected(target);
         Some(Arc::new(Flow {
             client,
+            record: flow_record,
+            bytes_up: AtomicU64::new(0),
+            bytes_down: AtomicU64::new(0),
+            answered: AtomicBool::new(false),
             lb: Arc::clone(lb),
             socket,
             state: FlowState::default(),
@@ -460,6 +497,8 @@ fn new_flow(
             if let Some(e) = socket_error {
                 tracing::debug!(client = %client, backend = %target, error = %e, "no socket for a UDP flow; datagram dropped");
             }
+            record.failed(target, AttemptFailure::NoSocket);
+            refused(shared, route, record, Termination::ConnectFailed);
             None
         }
         Err(refusal) => {
@@ -468,9 +507,48 @@ fn new_flow(
                 Refusal::SourceLimit => 1,
             };
             udp.flows_dropped[reason].increment(1);
+            refused(shared, route, record, Termination::TableFull);
             None
         }
     }
+}
+
+/// Writes the line of a datagram whose flow could not be made (`state`
+/// says why), if the load balancer logs connections.
+fn refused(shared: &Shared, route: &UdpRoute, record: Record, state: Termination) {
+    if !record.is_on() {
+        return;
+    }
+    let origin = Origin {
+        load_balancer: &route.route.lb.name,
+        cluster: &route.route.lb.cluster,
+        listener: &route.route.listener,
+        vip: shared.socket.local_addr().ok(),
+        protocol: "udp",
+    };
+    record.finish(state, &origin, Bytes::default(), false);
+}
+
+/// Writes the line of a flow that ended (`state` says how), if its load
+/// balancer logs connections.
+fn log_flow_end(shared: &Shared, flow: &Flow, state: Termination) {
+    if !flow.record.is_on() {
+        return;
+    }
+    let route = shared.route.load();
+    let origin = Origin {
+        load_balancer: &flow.lb.name,
+        cluster: &flow.lb.cluster,
+        listener: &route.route.listener,
+        vip: shared.socket.local_addr().ok(),
+        protocol: "udp",
+    };
+    let bytes = Bytes {
+        client_to_backend: flow.bytes_up.load(Ordering::Relaxed),
+        backend_to_client: flow.bytes_down.load(Ordering::Relaxed),
+    };
+    let answered = flow.answered.load(Ordering::Relaxed);
+    flow.record.finish(state, &origin, bytes, answered);
 }
 
 /// A socket connected to `target`: it receives only that backend's
@@ -513,6 +591,7 @@ async fn run_flow(shared: Arc<Shared>, flow: Arc<Flow>) {
             _ = shared.stop.cancelled() => {
                 if flow.state.close() {
                     retire(&shared, &flow, false);
+                    log_flow_end(&shared, &flow, Termination::Drained);
                 }
                 return;
             }
@@ -520,6 +599,7 @@ async fn run_flow(shared: Arc<Shared>, flow: Arc<Flow>) {
                 let last_now = flow.last_seen.load(Ordering::Relaxed);
                 if last_now == last && flow.state.close_if_unchanged(seen) {
                     retire(&shared, &flow, false);
+                    log_flow_end(&shared, &flow, Termination::Idle);
                     return;
                 }
             }
@@ -529,6 +609,7 @@ async fn run_flow(shared: Arc<Shared>, flow: Arc<Flow>) {
                 }
                 if relay_answers(&shared, &flow, close_when_answered) {
                     retire(&shared, &flow, false);
+                    log_flow_end(&shared, &flow, Termination::Answered);
                     return;
                 }
             }
@@ -549,6 +630,7 @@ fn relay_answers(shared: &Shared, flow: &Flow, close_when_answered: bool) -> boo
                 Ok(n) => {
                     flow.last_seen
                         .store(now_ms(shared.epoch), Ordering::Relaxed);
+                    flow.answered.store(true, Ordering::Relaxed);
                     let route = shared.route.load();
                     let udp = route.route.stats.udp();
                     // As in `send`: one system call, whatever tokio last saw.
@@ -557,6 +639,7 @@ fn relay_answers(shared: &Shared, flow: &Flow, close_when_answered: bool) -> boo
                         Ok(sent) => {
                             udp.datagrams[1].increment(1);
                             udp.bytes[1].increment(sent as u64);
+                            flow.bytes_down.fetch_add(sent as u64, Ordering::Relaxed);
                         }
                         Err(e) => {
                             // Too large for the client's family (an IPv6
