@@ -57,6 +57,11 @@ impl Logged {
         }
     }
 
+    /// [`Logged::start`] with `--log-format json`.
+    async fn json(net: &Subnet, config: &str) -> Self {
+        Self::start(net, config, "json").await
+    }
+
     /// Every connection line so far, parsed (JSON format).
     fn connection_lines(&self) -> Vec<Value> {
         self.lines
@@ -171,12 +176,7 @@ async fn ends_with_reset(s: &mut TcpStream) -> bool {
 async fn a_normal_close_names_everything() {
     let net = Subnet::new();
     let _b = Backend::start(node(&net, 11), Behaviour::NameThenEcho).await;
-    let d = Logged::start(
-        &net,
-        &config(&net, "", &[11], "log_connections = \"all\""),
-        "json",
-    )
-    .await;
+    let d = Logged::json(&net, &config(&net, "", &[11], "log_connections = \"all\"")).await;
     let mut s = served_client(&net).await;
     let me = s.local_addr().unwrap();
     s.write_all(b"hello").await.unwrap();
@@ -209,10 +209,9 @@ async fn a_normal_close_names_everything() {
 async fn a_client_reset_is_logged_and_a_normal_close_is_not() {
     let net = Subnet::new();
     let _b = Backend::start(node(&net, 11), Behaviour::NameThenEcho).await;
-    let d = Logged::start(
+    let d = Logged::json(
         &net,
         &config(&net, "", &[11], "log_connections = \"errors\""),
-        "json",
     )
     .await;
     let mut normal = served_client(&net).await;
@@ -257,10 +256,9 @@ async fn a_backend_reset() {
             .unwrap();
         drop(s);
     });
-    let d = Logged::start(
+    let d = Logged::json(
         &net,
         &config(&net, "", &[11], "log_connections = \"errors\""),
-        "json",
     )
     .await;
     let mut s = connect_from(net.ip(100), vip(&net)).await.unwrap();
@@ -280,7 +278,7 @@ async fn a_backend_reset() {
 async fn an_idle_timeout() {
     let net = Subnet::new();
     let _b = Backend::start(node(&net, 11), Behaviour::Hold).await;
-    let d = Logged::start(
+    let d = Logged::json(
         &net,
         &config(
             &net,
@@ -288,7 +286,6 @@ async fn an_idle_timeout() {
             &[11],
             "log_connections = \"errors\"\nidle_timeout_seconds = 1",
         ),
-        "json",
     )
     .await;
     let mut s = connect_from(net.ip(100), vip(&net)).await.unwrap();
@@ -304,7 +301,7 @@ async fn an_idle_timeout() {
 async fn a_drain_that_runs_out() {
     let net = Subnet::new();
     let _b = Backend::start(node(&net, 11), Behaviour::NameThenEcho).await;
-    let d = Logged::start(
+    let d = Logged::json(
         &net,
         &config(
             &net,
@@ -312,7 +309,6 @@ async fn a_drain_that_runs_out() {
             &[11],
             "log_connections = \"errors\"",
         ),
-        "json",
     )
     .await;
     let s = served_client(&net).await;
@@ -337,16 +333,13 @@ async fn a_backend_marked_down() {
             let _ = health.accept().await;
         }
     });
-    let d = Logged::start(
-        &net,
+    let d = Logged::json(&net,
         &config(
             &net,
             "",
             &[11],
             "log_connections = \"errors\"\non_backend_down = \"close\"\n  [load_balancer.health_check]\n  port = 30081\n  period_seconds = 1\n  timeout_seconds = 1\n  failure_threshold = 1\n",
-        ),
-        "json",
-    )
+        ))
     .await;
     let mut s = served_client(&net).await;
     let me = s.local_addr().unwrap();
@@ -367,7 +360,7 @@ async fn a_client_outside_source_ranges() {
         "log_connections = \"errors\"\nsource_ranges = [\"{}/32\"]",
         net.ip_str(100)
     );
-    let d = Logged::start(&net, &config(&net, "", &[11], &ranges), "json").await;
+    let d = Logged::json(&net, &config(&net, "", &[11], &ranges)).await;
     let s = match connect_from(net.ip(101), vip(&net)).await {
         Ok(s) => s,
         Err(e) => panic!("the handshake completes before the reset: {e}"),
@@ -383,16 +376,13 @@ async fn a_client_outside_source_ranges() {
 #[tokio::test]
 async fn no_eligible_backend() {
     let net = Subnet::new();
-    let d = Logged::start(
-        &net,
+    let d = Logged::json(&net,
         &config(
             &net,
             "",
             &[11, 12],
             "log_connections = \"errors\"\ninitial_state = \"unhealthy\"\n  [load_balancer.health_check]\n  port = 30081\n  period_seconds = 1\n  timeout_seconds = 1\n",
-        ),
-        "json",
-    )
+        ))
     .await;
     let mut s = connect_from(net.ip(100), vip(&net)).await.unwrap();
     let me = s.local_addr().unwrap();
@@ -408,7 +398,7 @@ async fn no_eligible_backend() {
 async fn connect_failed_on_every_backend() {
     let net = Subnet::new();
     let _hole = BlackHole::new(node(&net, 12));
-    let d = Logged::start(
+    let d = Logged::json(
         &net,
         &config(
             &net,
@@ -416,7 +406,6 @@ async fn connect_failed_on_every_backend() {
             &[11, 12],
             "log_connections = \"errors\"\nconnect_timeout_ms = 300",
         ),
-        "json",
     )
     .await;
     let mut s = connect_from(net.ip(100), vip(&net)).await.unwrap();
@@ -445,7 +434,7 @@ async fn connect_failed_on_every_backend() {
 async fn a_retry_names_the_backend_tried_before() {
     let net = Subnet::new();
     let _b = Backend::start(node(&net, 12), Behaviour::Echo).await;
-    let d = Logged::start(
+    let d = Logged::json(
         &net,
         &config(
             &net,
@@ -453,7 +442,6 @@ async fn a_retry_names_the_backend_tried_before() {
             &[11, 12],
             "log_connections = \"all\"\nalgorithm = \"round_robin\"",
         ),
-        "json",
     )
     .await;
     // Round robin starts the two clients on different backends: one of
@@ -487,7 +475,7 @@ async fn lines_past_the_bound_are_counted_not_written() {
         "log_connections = \"errors\"\nsource_ranges = [\"{}/32\"]",
         net.ip_str(100)
     );
-    let d = Logged::start(
+    let d = Logged::json(
         &net,
         &config(
             &net,
@@ -495,7 +483,6 @@ async fn lines_past_the_bound_are_counted_not_written() {
             &[11],
             &ranges,
         ),
-        "json",
     )
     .await;
     const CLIENTS: usize = 20;
@@ -587,10 +574,9 @@ async fn udp_client(net: &Subnet) -> tokio::net::UdpSocket {
 async fn a_udp_flow_answered() {
     let net = Subnet::new();
     let backend = udp_backend(&net, true).await;
-    let d = Logged::start(
+    let d = Logged::json(
         &net,
         &udp_config(&net, "", "log_connections = \"all\"\nudp_responses = 1"),
-        "json",
     )
     .await;
     let c = udp_client(&net).await;
@@ -616,14 +602,13 @@ async fn a_udp_flow_answered() {
 async fn a_udp_flow_never_answered() {
     let net = Subnet::new();
     let backend = udp_backend(&net, false).await;
-    let d = Logged::start(
+    let d = Logged::json(
         &net,
         &udp_config(
             &net,
             "",
             "log_connections = \"errors\"\nudp_idle_timeout_seconds = 1",
         ),
-        "json",
     )
     .await;
     let c = udp_client(&net).await;
@@ -640,14 +625,13 @@ async fn a_udp_flow_never_answered() {
 async fn a_udp_flow_table_full() {
     let net = Subnet::new();
     let backend = udp_backend(&net, true).await;
-    let d = Logged::start(
+    let d = Logged::json(
         &net,
         &udp_config(
             &net,
             "[proxy]\nmax_udp_flows = 1",
             "log_connections = \"errors\"",
         ),
-        "json",
     )
     .await;
     let first = udp_client(&net).await;

@@ -179,22 +179,20 @@ pub async fn bidirectional(
     };
     let both = async {
         tokio::try_join!(
-            async {
-                one_way(client, backend, up, &activity)
-                    .await
-                    .map_err(|(end, e)| match end {
-                        End::Src => (Peer::Client, e),
-                        End::Dst => (Peer::Backend, e),
-                    })
-            },
-            async {
-                one_way(backend, client, down, &activity)
-                    .await
-                    .map_err(|(end, e)| match end {
-                        End::Src => (Peer::Backend, e),
-                        End::Dst => (Peer::Client, e),
-                    })
-            },
+            from_to(
+                client,
+                backend,
+                up,
+                &activity,
+                [Peer::Client, Peer::Backend]
+            ),
+            from_to(
+                backend,
+                client,
+                down,
+                &activity,
+                [Peer::Backend, Peer::Client]
+            ),
         )
     };
     tokio::select! {
@@ -204,6 +202,23 @@ pub async fn bidirectional(
         },
         _ = idle(&activity, idle_timeout, later) => Ended::IdleTimeout,
     }
+}
+
+/// [`one_way`] from `src` to `dst`, whose peers are `peers` (source,
+/// destination): an error names the peer whose socket failed.
+async fn from_to(
+    src: &TcpStream,
+    dst: &TcpStream,
+    bytes: Tally<'_>,
+    activity: &Activity,
+    [from, to]: [Peer; 2],
+) -> Result<(), (Peer, io::Error)> {
+    one_way(src, dst, bytes, activity)
+        .await
+        .map_err(|(end, e)| match end {
+            End::Src => (from, e),
+            End::Dst => (to, e),
+        })
 }
 
 /// Resolves once nothing has moved for `timeout`; on the way, runs `later`
