@@ -144,11 +144,22 @@ pub fn threads_label(threads: usize) -> String {
 // The traffic scenarios' proxies (throughput, rps, cps, idle)
 
 /// harvester-lb config: one load balancer on HLB_IP with both listeners.
+/// `HLB_LOG_CONNECTIONS` (environment: `none`, `errors`, `all`) sets its
+/// `log_connections`, to measure the connection log's cost; its lines go
+/// to `hlb.log` in the work directory, as the daemon's stderr.
+/// `HLB_LOG_LINES_PER_SECOND` sets `[log] max_connection_lines_per_second`.
 fn hlb_config() -> String {
+    let log = std::env::var("HLB_LOG_CONNECTIONS").map_or(String::new(), |mode| {
+        format!("log_connections = {mode:?}\n")
+    });
+    // `HLB_LOG_LINES_PER_SECOND`: its bound (`[log]`), default 1000.
+    let lines = std::env::var("HLB_LOG_LINES_PER_SECOND").map_or(String::new(), |n| {
+        format!("[log]\nmax_connection_lines_per_second = {n}\n")
+    });
     format!(
         r#"[admin]
 listen = "{HLB_IP}:{ADMIN_PORT}"
-[proxy]
+{lines}[proxy]
 backlog = 4096
 max_connections = 15000
 [[load_balancer]]
@@ -156,7 +167,7 @@ name = "bench/main"
 vip = "{HLB_IP}"
 backends = ["{BACKEND_IP}"]
 algorithm = "round_robin"
-  [[load_balancer.listener]]
+{log}  [[load_balancer.listener]]
   name = "iperf"
   port = {IPERF_PORT}
   backend_port = {IPERF_PORT}
@@ -273,7 +284,8 @@ impl HlbRun<'_> {
             .arg("--config")
             .arg(&path)
             .args(self.extra_args)
-            .env("HARVESTER_LB_LOG", "warn");
+            // Connection log lines (info) pass when a config asks for them.
+            .env("HARVESTER_LB_LOG", "warn,harvester_lb::connection=info");
         let p = Proc::spawn(name, &mut cmd, &self.work.join(format!("{name}.log")));
         wait_http_ok(admin, "/readyz", Duration::from_secs(60));
         p

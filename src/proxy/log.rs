@@ -217,14 +217,23 @@ impl Record {
         }
     }
 
-    /// Writes the line, if the mode wants this `state` and the budget has
-    /// room; counts it as dropped if not. `answered`: for UDP, whether the
-    /// backend answered at all.
+    /// Whether a line is written for an end in `state` (the budget aside):
+    /// the caller gathers what only a line needs (the VIP, one system call)
+    /// only then. `answered`: for UDP, whether the backend answered at all.
+    pub fn wants(&self, state: Termination, answered: bool) -> bool {
+        match &self.0 {
+            None => false,
+            Some(r) => r.mode == LogConnections::All || state.is_error(answered),
+        }
+    }
+
+    /// Writes the line, if [`wants`](Self::wants) says so and the budget
+    /// has room; counts it as dropped if not.
     pub fn finish(&self, state: Termination, origin: &Origin<'_>, bytes: Bytes, answered: bool) {
-        let Some(r) = &self.0 else { return };
-        if r.mode == LogConnections::Errors && !state.is_error(answered) {
+        if !self.wants(state, answered) {
             return;
         }
+        let Some(r) = &self.0 else { return };
         if !BUDGET.take() {
             CONNECTION_LOG_LINES_DROPPED.increment(1);
             return;

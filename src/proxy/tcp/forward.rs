@@ -259,7 +259,7 @@ fn log_end(
     client: &TcpStream,
     moved: Option<&Moved>,
 ) {
-    if !record.is_on() {
+    if !record.wants(state, false) {
         return;
     }
     let bytes = moved.map_or(Bytes::default(), |m| Bytes {

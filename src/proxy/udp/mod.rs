@@ -516,7 +516,7 @@ fn new_flow(
 /// Writes the line of a datagram whose flow could not be made (`state`
 /// says why), if the load balancer logs connections.
 fn refused(shared: &Shared, route: &UdpRoute, record: Record, state: Termination) {
-    if !record.is_on() {
+    if !record.wants(state, false) {
         return;
     }
     let origin = Origin {
@@ -532,7 +532,8 @@ fn refused(shared: &Shared, route: &UdpRoute, record: Record, state: Termination
 /// Writes the line of a flow that ended (`state` says how), if its load
 /// balancer logs connections.
 fn log_flow_end(shared: &Shared, flow: &Flow, state: Termination) {
-    if !flow.record.is_on() {
+    let answered = flow.answered.load(Ordering::Relaxed);
+    if !flow.record.wants(state, answered) {
         return;
     }
     let route = shared.route.load();
@@ -547,7 +548,6 @@ fn log_flow_end(shared: &Shared, flow: &Flow, state: Termination) {
         client_to_backend: flow.bytes_up.load(Ordering::Relaxed),
         backend_to_client: flow.bytes_down.load(Ordering::Relaxed),
     };
-    let answered = flow.answered.load(Ordering::Relaxed);
     flow.record.finish(state, &origin, bytes, answered);
 }
 
