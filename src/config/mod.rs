@@ -22,7 +22,10 @@ use std::time::Duration;
 
 pub use error::{ConfigError, Problem};
 pub use ranges::{MAX_SOURCE_RANGES, SourceRanges};
-pub use validate::DEFAULT_ADMIN_SOCKET;
+pub use validate::{
+    Conflict, DEFAULT_ADMIN_SOCKET, MAX_CLUSTER_BYTES, MAX_LISTENER_NAME_BYTES, MAX_NAME_BYTES,
+    conflicts,
+};
 
 /// Where the daemon looks for its configuration unless told otherwise.
 pub const DEFAULT_PATH: &str = "/etc/harvester-lb/config.toml";

@@ -28,10 +28,13 @@ mod cross;
 mod dhcp;
 mod health;
 mod locate;
+mod names;
 mod reuse;
 mod source_ranges;
 
 use locate::{LineIndex, display_path, path_at, segments, span_of};
+pub use names::{MAX_CLUSTER_BYTES, MAX_LISTENER_NAME_BYTES, MAX_NAME_BYTES};
+pub use cross::Conflict;
 pub(crate) use reuse::{Known, parse_reusing};
 
 /// Default admin listener: loopback only, so metrics are not exposed by accident.
@@ -305,8 +308,8 @@ impl Validator<'_> {
             .map(|lb| valid_name(lb.get_ref()))
             .collect();
         let built: Vec<Option<&LoadBalancerSpec>> = specs.iter().map(Option::as_ref).collect();
-        let found = cross::conflicts(&names, &built);
-        self.report_conflicts(file, &specs, found);
+        let found = cross::conflicts(admin_listen, &names, &built);
+        self.report_conflicts(admin_listen, file, &specs, found);
         let load_balancers = specs.into_iter().flatten().map(Arc::new).collect();
         Config {
             admin: AdminSettings {
@@ -364,7 +367,9 @@ impl Validator<'_> {
                 );
                 None
             }
-            Some(n) => Some(n.get_ref().clone()),
+            Some(n) => self
+                .bounded_name(n, &format!("{key}.name"), MAX_NAME_BYTES)
+                .then(|| n.get_ref().clone()),
         };
         let cluster = match &lb.cluster {
             None => DEFAULT_CLUSTER.to_string(),
@@ -376,7 +381,10 @@ impl Validator<'_> {
                 );
                 String::new()
             }
-            Some(c) => c.get_ref().clone(),
+            Some(c) => {
+                self.bounded_name(c, &format!("{key}.cluster"), MAX_CLUSTER_BYTES);
+                c.get_ref().clone()
+            }
         };
         let ipam = self.choice(
             &lb.ipam,
@@ -614,6 +622,7 @@ impl Validator<'_> {
                 None
             }
             Some(n) => {
+                self.bounded_name(n, &format!("{key}.name"), MAX_LISTENER_NAME_BYTES);
                 if !names.insert(n.get_ref().clone()) {
                     self.problem(
                         Some(n.span()),
@@ -768,7 +777,9 @@ impl Validator<'_> {
 
     /// Whether `ip` can be one node's or one VIP's address: not the
     /// unspecified address (a VIP there binds every address of the host, a
-    /// backend there is this host), not multicast, not the IPv4 broadcast.
+    /// backend there is this host), not multicast, not the IPv4 broadcast,
+    /// not the cloud metadata address, not class E. Loopback stays legal:
+    /// the file is trusted, and tests and the demo run on it.
     fn unicast(
         &mut self,
         ip: IpAddr,
@@ -789,6 +800,10 @@ impl Validator<'_> {
             "a multicast address; TCP needs one unicast address"
         } else if ip == IpAddr::V4(std::net::Ipv4Addr::BROADCAST) {
             "the broadcast address; TCP needs one unicast address"
+        } else if is_metadata(ip) {
+            "the cloud metadata address (instance credentials and configuration are served there); no node or VIP has it"
+        } else if matches!(ip, IpAddr::V4(v4) if v4.octets()[0] >= 240) {
+            "in 240.0.0.0/4 (class E, reserved): no host has it, and Linux routes it on some hosts only"
         } else {
             return true;
         };
@@ -829,11 +844,28 @@ impl Validator<'_> {
     }
 }
 
+/// Every conflict among `lbs` as one file: the rules that span load
+/// balancers, with `admin` as `admin.listen`. Indices are into `lbs`.
+pub fn conflicts(admin: SocketAddr, lbs: &[&LoadBalancerSpec]) -> Vec<Conflict> {
+    let names: Vec<Option<&str>> = lbs.iter().map(|l| Some(l.name.as_str())).collect();
+    let specs: Vec<Option<&LoadBalancerSpec>> = lbs.iter().map(|l| Some(*l)).collect();
+    cross::conflicts(admin, &names, &specs)
+}
+
+/// The link-local address clouds serve instance metadata on (IPv4, and
+/// AWS's IPv6 one): never a node's or a VIP's, and a config naming it would
+/// forward clients to this host's credentials.
+fn is_metadata(ip: IpAddr) -> bool {
+    const V4: IpAddr = IpAddr::V4(std::net::Ipv4Addr::new(169, 254, 169, 254));
+    const V6: IpAddr = IpAddr::V6(std::net::Ipv6Addr::new(0xfd00, 0xec2, 0, 0, 0, 0, 0, 0x254));
+    ip == V4 || ip == V6
+}
+
 /// A load balancer's name if it has a usable one: the key duplicate names
 /// are found by, whether or not the rest of the table is valid.
 fn valid_name(lb: &FileLoadBalancer) -> Option<&str> {
     lb.name
         .as_ref()
         .map(|n| n.get_ref().as_str())
-        .filter(|n| !n.trim().is_empty())
+        .filter(|n| !n.trim().is_empty() && names::name_problem(n, MAX_NAME_BYTES).is_none())
 }

@@ -107,7 +107,7 @@ fn piecewise(text: &str, known: &mut Known) -> Option<Loaded> {
     }
     let names: Vec<Option<&str>> = specs.iter().map(|s| Some(s.name.as_str())).collect();
     let built: Vec<Option<&LoadBalancerSpec>> = specs.iter().map(|s| Some(&**s)).collect();
-    if !cross::conflicts(&names, &built).is_empty() {
+    if !cross::conflicts(config.admin.listen, &names, &built).is_empty() {
         return None;
     }
     config.load_balancers = specs;
