@@ -140,7 +140,10 @@ enum Command {
     /// Prints the config on stdout, or with --write replaces PATH through a
     /// temporary file validated as `check` does (exit 78 and nothing written
     /// if it is invalid). Anything that cannot be imported is named on
-    /// stderr; --strict makes that an error (exit 65).
+    /// stderr and the rest is written (exit 3); --strict makes that an
+    /// error (exit 65). An address of this host as a VIP or backend skips
+    /// its object; --write never empties the file or removes more than half
+    /// of it without --allow-removals (exit 77).
     Import {
         /// Files to read (one object, a List, or several YAML documents
         /// each); none or `-`: standard input.
@@ -159,6 +162,15 @@ enum Command {
         /// settings, copied above the load balancers.
         #[arg(long, value_name = "PATH")]
         base: Option<PathBuf>,
+        /// Let --write empty a non-empty config or remove more than half of
+        /// its load balancers (refused otherwise: exit 77, nothing written).
+        #[arg(long)]
+        allow_removals: bool,
+        /// Let loopback addresses (127.0.0.0/8, ::1) be VIPs and backends:
+        /// for tests and demos on one machine only; never with a guest
+        /// cluster's objects, which could then reach this host's services.
+        #[arg(long)]
+        allow_loopback: bool,
     },
 }
 
@@ -227,12 +239,16 @@ fn main() -> ExitCode {
             write,
             strict,
             base,
+            allow_removals,
+            allow_loopback,
         } => ExitCode::from(harvester_lb::import::command(&harvester_lb::import::Args {
             inputs,
             cluster,
             write,
             strict,
             base,
+            allow_removals,
+            allow_loopback,
         })),
     }
 }
