@@ -145,7 +145,15 @@ mod tests {
             let ip: IpAddr = refused.parse().unwrap();
             assert!(host_address(ip, false).is_some(), "{refused} passed");
         }
-        for node in ["10.0.0.1", "192.168.1.2", "172.16.0.9", "2001:db8::1", "fd00::1", "fec0::1", "100.64.0.1"] {
+        for node in [
+            "10.0.0.1",
+            "192.168.1.2",
+            "172.16.0.9",
+            "2001:db8::1",
+            "fd00::1",
+            "fec0::1",
+            "100.64.0.1",
+        ] {
             assert_eq!(host_address(node.parse().unwrap(), false), None, "{node}");
         }
         assert_eq!(host_address("127.0.0.1".parse().unwrap(), true), None);
@@ -157,7 +165,10 @@ mod tests {
         let set = |n: &[&str]| n.iter().map(|s| s.to_string()).collect::<BTreeSet<_>>();
         assert!(removals(&set(&[]), &set(&[])).is_none());
         assert!(removals(&set(&["a"]), &set(&[])).is_some());
-        assert!(removals(&set(&["a", "b"]), &set(&["a"])).is_none(), "exactly half");
+        assert!(
+            removals(&set(&["a", "b"]), &set(&["a"])).is_none(),
+            "exactly half"
+        );
         assert!(removals(&set(&["a", "b", "c"]), &set(&["a"])).is_some());
         assert!(removals(&set(&["a", "b", "c"]), &set(&["a", "b", "x", "y"])).is_none());
         assert!(removals(&set(&["a"]), &set(&["b"])).is_some());

@@ -709,7 +709,10 @@ pub fn command(args: &Args) -> u8 {
     }
     match write_validated(target, &imported.text) {
         Ok(WriteOutcome::Written) => {
-            eprintln!("harvester-lb import: wrote {} ({summary})", target.display());
+            eprintln!(
+                "harvester-lb import: wrote {} ({summary})",
+                target.display()
+            );
             done
         }
         Ok(WriteOutcome::Unchanged) => {

@@ -32,9 +32,9 @@ mod names;
 mod reuse;
 mod source_ranges;
 
+pub use cross::Conflict;
 use locate::{LineIndex, display_path, path_at, segments, span_of};
 pub use names::{MAX_CLUSTER_BYTES, MAX_LISTENER_NAME_BYTES, MAX_NAME_BYTES};
-pub use cross::Conflict;
 pub(crate) use reuse::{Known, parse_reusing};
 
 /// Default admin listener: loopback only, so metrics are not exposed by accident.

@@ -63,7 +63,12 @@ mod tests {
         assert_eq!(name_problem(&at_limit, MAX_NAME_BYTES), None);
         let long = name_problem(&format!("{at_limit}x"), MAX_NAME_BYTES).unwrap();
         assert!(long.contains("318 bytes long"), "{long}");
-        for (bad, code) in [("a\nb", "U+000A"), ("a\u{1b}[8m", "U+001B"), ("a\u{7f}", "U+007F"), ("a\u{85}", "U+0085")] {
+        for (bad, code) in [
+            ("a\nb", "U+000A"),
+            ("a\u{1b}[8m", "U+001B"),
+            ("a\u{7f}", "U+007F"),
+            ("a\u{85}", "U+0085"),
+        ] {
             let p = name_problem(bad, MAX_NAME_BYTES).unwrap();
             assert!(p.contains(code), "{p}");
             assert!(!p.contains(bad), "the message repeats the name: {p}");
