@@ -87,7 +87,7 @@ enum Command {
     /// POST /reload on the admin socket named in the config (admin.socket),
     /// and only there: admin.listen is open to every local user, so an
     /// answer from it proves nothing (exit 69 when the socket cannot be
-    /// reached; `systemctl reload` sends SIGHUP instead).
+    /// reached; `systemctl kill -s HUP harvester-lb` reloads without it).
     Reload {
         /// The config file (its `admin.socket` is where the daemon listens).
         #[arg(long, short, default_value = config::DEFAULT_PATH)]
@@ -487,7 +487,7 @@ fn reload(path: &Path) -> ExitCode {
         }
         Err(e) => {
             eprintln!(
-                "{}; not reloaded (reload is asked only on the admin socket, never on admin.listen, which any local user could answer; `systemctl reload harvester-lb` sends SIGHUP instead)",
+                "{}; not reloaded (reload is asked only on the admin socket, never on admin.listen, which any local user could answer; SIGHUP reloads without it: `systemctl kill -s HUP harvester-lb`)",
                 unreachable(&socket, &e)
             );
             ExitCode::from(EXIT_UNAVAILABLE)
