@@ -301,7 +301,7 @@ async fn main_loop(
         tokio::select! {
             _ = stop.cancelled() => return,
             Some(reply) = reload_rx.recv() => {
-                let outcome = reload(&options, &loader, &daemon, ready_sent).await;
+                let outcome = reload(&options, &loader, &daemon, ready_sent, &stop).await;
                 let _ = reply.send(outcome);
             }
             Some(event) = changed_rx.recv() => match event {
@@ -381,6 +381,7 @@ async fn reload(
     loader: &Arc<std::sync::Mutex<config::Loader>>,
     daemon: &Daemon,
     ready_sent: bool,
+    stop: &CancellationToken,
 ) -> Result<String, String> {
     if ready_sent {
         systemd::notify_reloading();
@@ -390,20 +391,32 @@ async fn reload(
     let loader = Arc::clone(loader);
     let isolation = Arc::clone(daemon.isolation());
     let leased = daemon.leased_vips();
-    let loaded = tokio::task::spawn_blocking(move || {
-        let loaded = loader
+    // The read alone is given up at stop: the file is a regular one read
+    // with a bound (`config::read_regular_file`), but a hung file system
+    // must still not hold SIGTERM. The isolation below is never cut short.
+    let read = tokio::task::spawn_blocking(move || {
+        loader
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .load(&path)?;
-        // The table follows the new config before its listeners change. A
-        // failure leaves the kernel's table as it was (one transaction) and
-        // does not stop the reload: it is logged, in /status and a metric.
-        let isolated = isolation.reconcile(&loaded.config, &leased);
-        Ok::<_, config::ConfigError>((loaded, isolated))
-    })
-    .await
-    .map_err(|e| format!("the config loader stopped: {e}"))
-    .and_then(|r| r.map_err(|e| e.to_string()));
+            .load(&path)
+    });
+    let read = tokio::select! {
+        read = read => read,
+        _ = stop.cancelled() => return Err("the daemon is stopping".to_string()),
+    };
+    let loaded = match read {
+        Err(e) => Err(format!("the config loader stopped: {e}")),
+        Ok(Err(e)) => Err(e.to_string()),
+        Ok(Ok(loaded)) => tokio::task::spawn_blocking(move || {
+            // The table follows the new config before its listeners change. A
+            // failure leaves the kernel's table as it was (one transaction) and
+            // does not stop the reload: it is logged, in /status and a metric.
+            let isolated = isolation.reconcile(&loaded.config, &leased);
+            (loaded, isolated)
+        })
+        .await
+        .map_err(|e| format!("the VIP isolation writer stopped: {e}")),
+    };
     let result = match loaded {
         Ok((loaded, isolated)) => {
             let parsed = started.elapsed();

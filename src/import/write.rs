@@ -102,7 +102,11 @@ pub fn write_validated(target: &Path, text: &str) -> Result<WriteOutcome, WriteE
             source,
         });
     }
-    if fs::read(target).is_ok_and(|old| old == text.as_bytes()) {
+    // Only a regular file can be unchanged; whatever else is at PATH (a
+    // FIFO would block a plain read) is replaced by the rename.
+    if config::read_regular_file(target, config::MAX_FILE_BYTES)
+        .is_ok_and(|old| old == text.as_bytes())
+    {
         return Ok(WriteOutcome::Unchanged);
     }
     fs::rename(&temp.path, target).map_err(io(target))?;
