@@ -367,4 +367,10 @@ async fn netns_a_second_daemon_cannot_touch_the_first_ones_table_and_a_changed_t
             .await
             .contains("harvester_lb_vip_isolation_up 1")
     );
+
+    // A table nobody touched is never "repaired": over more than one check
+    // period (10 s) the count stays. (Not a synchronisation: a check the
+    // load delays only makes this assert less, never fail wrongly.)
+    tokio::time::sleep(Duration::from_secs(12)).await;
+    assert_eq!(repairs(&bed).await, 2.0, "a repair of an untouched table");
 }
