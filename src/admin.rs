@@ -18,7 +18,7 @@
 use std::convert::Infallible;
 use std::io;
 use std::net::IpAddr;
-use std::os::unix::fs::{DirBuilderExt, FileTypeExt, MetadataExt, PermissionsExt};
+use std::os::unix::fs::{DirBuilderExt, FileTypeExt, MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
@@ -397,6 +397,27 @@ pub enum SocketError {
         "admin.socket {0}: a file that is not a socket is in the way; remove it or set another admin.socket"
     )]
     NotASocket(PathBuf),
+    /// A directory on the way to the socket, or the socket file itself,
+    /// belongs to another user or lets others write into it: that user
+    /// could replace the socket with one of their own, and the operator's
+    /// `backend drain` would be answered by them.
+    #[error(
+        "admin.socket {socket}: {what} {path} is {why} (owner uid {owner}, mode {mode:04o}); another user could replace the socket and answer for the daemon. Use a directory owned by root (or the daemon's own user) that only its owner can write, such as /run/harvester-lb (systemd's RuntimeDirectory=)"
+    )]
+    Untrusted {
+        /// The socket's path.
+        socket: PathBuf,
+        /// "its directory", "the directory above it" or "the socket file".
+        what: &'static str,
+        /// The directory or file at fault.
+        path: PathBuf,
+        /// What is wrong with it.
+        why: &'static str,
+        /// Its owner.
+        owner: u32,
+        /// Its permission bits (with the sticky bit).
+        mode: u32,
+    },
     /// Creating, binding or securing the socket failed.
     #[error("admin.socket {path}: cannot {what}: {source}")]
     Io {
@@ -409,6 +430,98 @@ pub enum SocketError {
     },
 }
 
+/// Who may own the admin socket's directories for the daemon: root and the
+/// daemon's own user.
+pub fn daemon_trusts(uid: u32) -> bool {
+    uid == 0 || uid == crate::os::effective_uid()
+}
+
+/// systemd's range of `DynamicUser=` ids (the shipped unit runs the daemon
+/// as one, and `RuntimeDirectory=` gives that user `/run/harvester-lb`).
+const DYNAMIC_USERS: std::ops::RangeInclusive<u32> = 61184..=65519;
+
+/// Who may own the admin socket and its directories for the CLI: root, the
+/// caller, and a systemd dynamic user (the daemon under the shipped unit);
+/// no ordinary account.
+pub fn client_trusts(uid: u32) -> bool {
+    daemon_trusts(uid) || DYNAMIC_USERS.contains(&uid)
+}
+
+/// Refuses an admin socket that another user could replace: each directory
+/// from the socket's own up to `/` must be owned by a user `trusts` and be
+/// writable by nobody else (group- or world-writable only with the sticky
+/// bit, as `/tmp`, where no one may rename another's file); the socket file,
+/// if it exists, must be owned by a user `trusts`. Directories that do not
+/// exist yet are skipped (the daemon creates them, 0700, as its own).
+/// Symbolic links are resolved first, so the directories checked are the
+/// ones the socket is really in. A check, not a lock: it cannot stop root
+/// from changing the modes afterwards, which root may do anyway.
+pub fn check_socket_trust(socket: &Path, trusts: impl Fn(u32) -> bool) -> Result<(), SocketError> {
+    let untrusted = |what, path: &Path, why, meta: &std::fs::Metadata| SocketError::Untrusted {
+        socket: socket.to_path_buf(),
+        what,
+        path: path.to_path_buf(),
+        why,
+        owner: meta.uid(),
+        mode: meta.mode() & 0o7777,
+    };
+    let io_err = |what: &'static str| {
+        let path = socket.to_path_buf();
+        move |source| SocketError::Io { path, what, source }
+    };
+    match std::fs::symlink_metadata(socket) {
+        Ok(meta) if !trusts(meta.uid()) => {
+            return Err(untrusted(
+                "the socket file",
+                socket,
+                "owned by another user",
+                &meta,
+            ));
+        }
+        Ok(_) => {}
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+        Err(e) => return Err(io_err("inspect the socket file")(e)),
+    }
+    let parent = match socket.parent().filter(|p| !p.as_os_str().is_empty()) {
+        Some(p) => p.to_path_buf(),
+        None => PathBuf::from("."),
+    };
+    // The deepest directory that exists, with its links resolved.
+    let mut dir = parent.as_path();
+    let real = loop {
+        match std::fs::canonicalize(dir) {
+            Ok(real) => break real,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => match dir.parent() {
+                Some(up) if !up.as_os_str().is_empty() => dir = up,
+                _ => {
+                    break std::env::current_dir().map_err(io_err("find the current directory"))?;
+                }
+            },
+            Err(e) => return Err(io_err("inspect its directory")(e)),
+        }
+    };
+    for (i, d) in real.ancestors().enumerate() {
+        let meta = std::fs::metadata(d).map_err(io_err("inspect its directory"))?;
+        let what = if i == 0 && dir == parent {
+            "its directory"
+        } else {
+            "the directory above it"
+        };
+        if !trusts(meta.uid()) {
+            return Err(untrusted(what, d, "owned by another user", &meta));
+        }
+        if meta.mode() & 0o022 != 0 && meta.mode() & 0o1000 == 0 {
+            return Err(untrusted(
+                what,
+                d,
+                "writable by group or others without the sticky bit",
+                &meta,
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// The admin Unix socket, bound, mode 0600. Its file is removed when it is
 /// dropped, unless another process has replaced it meanwhile.
 pub struct AdminSocket {
@@ -416,6 +529,8 @@ pub struct AdminSocket {
     path: PathBuf,
     /// Device and inode of the socket file we made, to remove only ours.
     id: (u64, u64),
+    /// `<socket>.lock`, locked (`flock`) while this process runs.
+    _lock: std::fs::File,
 }
 
 impl AdminSocket {
@@ -432,6 +547,7 @@ impl AdminSocket {
             let path = path.to_path_buf();
             move |source| SocketError::Io { path, what, source }
         };
+        check_socket_trust(path, daemon_trusts)?;
         if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty())
             && !parent.exists()
         {
@@ -440,6 +556,31 @@ impl AdminSocket {
                 .mode(0o700)
                 .create(parent)
                 .map_err(io_err("create its directory"))?;
+        }
+        // One daemon per socket, decided by the kernel rather than by who
+        // answers: the lock is held until the process ends, however it
+        // ends. The file stays (removing it would let two daemons lock two
+        // different files of one name).
+        let mut lock_path = path.as_os_str().to_owned();
+        lock_path.push(".lock");
+        let lock = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .mode(0o600)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+            .open(&lock_path)
+            .map_err(io_err("open its lock file (the socket's path with .lock)"))?;
+        match lock.try_lock() {
+            Ok(()) => {}
+            Err(std::fs::TryLockError::WouldBlock) => {
+                return Err(SocketError::InUse(path.to_path_buf()));
+            }
+            Err(std::fs::TryLockError::Error(e)) => {
+                return Err(io_err("lock its lock file (the socket's path with .lock)")(
+                    e,
+                ));
+            }
         }
         match std::fs::symlink_metadata(path) {
             Ok(meta) if meta.file_type().is_socket() => {
@@ -475,6 +616,7 @@ impl AdminSocket {
             listener,
             path: path.to_path_buf(),
             id: (meta.dev(), meta.ino()),
+            _lock: lock,
         })
     }
 
@@ -509,7 +651,9 @@ fn text(status: StatusCode, body: &str) -> Response<Body> {
 /// One request to the admin API over its Unix socket (the CLI's way in):
 /// HTTP/1.1 through hyper's client on a tokio `UnixStream`. Returns the
 /// status and body; an `Err` means the daemon could not be reached or
-/// stopped answering within `timeout`.
+/// stopped answering within `timeout`, or that the socket is not to be
+/// trusted ([`check_socket_trust`] with [`client_trusts`]: kind `Other`,
+/// a [`SocketError`] inside), and then nothing was sent.
 pub async fn socket_request(
     socket: &Path,
     method: Method,
@@ -517,6 +661,11 @@ pub async fn socket_request(
     body: String,
     timeout: Duration,
 ) -> io::Result<(StatusCode, String)> {
+    // A socket another user could have put there is not the daemon's.
+    check_socket_trust(socket, client_trusts).map_err(|e| match e {
+        SocketError::Io { source, .. } => source,
+        untrusted => io::Error::other(untrusted),
+    })?;
     let exchange = async {
         let stream = tokio::net::UnixStream::connect(socket).await?;
         let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))

@@ -38,6 +38,7 @@ pub mod daemon;
 pub mod demo;
 pub mod health;
 pub mod import;
+pub mod kernel;
 pub mod metrics;
 pub mod net;
 pub mod os;

@@ -2,8 +2,6 @@
 //! `status`, `import`, `demo`.
 //! Thin by design; the daemon and the admin client live in the library.
 
-use std::io::{Read, Write};
-use std::net::TcpStream;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Duration;
@@ -86,11 +84,12 @@ enum Command {
     },
     /// Ask the running daemon to reload its config and print the outcome.
     ///
-    /// POST /reload on the admin socket named in the config (admin.socket)
-    /// when it exists, else on the admin listener (admin.listen).
+    /// POST /reload on the admin socket named in the config (admin.socket),
+    /// and only there: admin.listen is open to every local user, so an
+    /// answer from it proves nothing (exit 69 when the socket cannot be
+    /// reached; `systemctl kill -s HUP harvester-lb` reloads without it).
     Reload {
-        /// The config file (its `admin.socket` and `admin.listen` are where
-        /// the daemon listens).
+        /// The config file (its `admin.socket` is where the daemon listens).
         #[arg(long, short, default_value = config::DEFAULT_PATH)]
         config: PathBuf,
     },
@@ -387,7 +386,13 @@ fn unreachable(socket: &Path, e: &std::io::Error) -> String {
         std::io::ErrorKind::PermissionDenied => format!(
             "permission denied on the admin socket {shown}: it is mode 0600 in a 0700 directory; run as root"
         ),
-        _ => format!("cannot reach the daemon's admin socket {shown}: {e}"),
+        _ => match e
+            .get_ref()
+            .and_then(|inner| inner.downcast_ref::<harvester_lb::admin::SocketError>())
+        {
+            Some(untrusted) => format!("{untrusted}; nothing was sent"),
+            None => format!("cannot reach the daemon's admin socket {shown}: {e}"),
+        },
     }
 }
 
@@ -445,7 +450,12 @@ fn status(path: &Path, json: bool) -> ExitCode {
         }
     };
     let body = match harvester_lb::status_table::fetch(admin, &socket) {
-        Ok(b) => b,
+        Ok((b, note)) => {
+            if let Some(note) = note {
+                eprintln!("note: {note}");
+            }
+            b
+        }
         Err(message) => {
             eprintln!("{message}");
             return ExitCode::from(EXIT_UNAVAILABLE);
@@ -471,71 +481,32 @@ fn status(path: &Path, json: bool) -> ExitCode {
 }
 
 fn reload(path: &Path) -> ExitCode {
-    // Read only admin.socket and admin.listen; the daemon validates the
-    // whole file itself.
-    let (admin, socket) = match config::load(path) {
-        Ok(l) => (l.config.admin.listen, l.config.admin.socket),
+    // Read only admin.socket; the daemon validates the whole file itself.
+    let socket = match config::load(path) {
+        Ok(l) => l.config.admin.socket,
         Err(e) => {
             eprintln!("{e}");
             return ExitCode::from(EXIT_CONFIG);
         }
     };
-    // The socket first: it answers only the daemon that owns it. A missing
-    // or stale one (an older daemon without it) falls back to TCP.
-    if socket.exists() {
-        match socket_request(&socket, hyper::Method::POST, "/reload", String::new()) {
-            Ok((status, body)) => {
-                return if status.is_success() {
-                    println!("{}", body.trim_end());
-                    ExitCode::SUCCESS
-                } else {
-                    eprintln!("{}", body.trim_end());
-                    ExitCode::from(EXIT_CONFIG)
-                };
-            }
-            Err(e)
-                if matches!(
-                    e.kind(),
-                    std::io::ErrorKind::NotFound
-                        | std::io::ErrorKind::ConnectionRefused
-                        | std::io::ErrorKind::PermissionDenied
-                ) =>
-            {
-                eprintln!("{}; trying admin.listen {admin}", unreachable(&socket, &e));
-            }
-            Err(e) => {
-                // Reached, then lost: the reload may have run; do not send a second.
-                eprintln!("{}", unreachable(&socket, &e));
-                return ExitCode::from(EXIT_START);
-            }
-        }
-    }
-    let result = (|| -> std::io::Result<String> {
-        let mut s = TcpStream::connect_timeout(&admin, Duration::from_secs(5))?;
-        s.set_read_timeout(Some(Duration::from_secs(60)))?;
-        write!(
-            s,
-            "POST /reload HTTP/1.1\r\nHost: {admin}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
-        )?;
-        let mut response = String::new();
-        s.read_to_string(&mut response)?;
-        Ok(response)
-    })();
-    match result {
-        Ok(response) => {
-            let ok = response.starts_with("HTTP/1.1 200");
-            let body = response.split("\r\n\r\n").nth(1).unwrap_or("").trim_end();
-            if ok {
-                println!("{body}");
+    // Only the socket, never admin.listen: any local user can bind that
+    // port before the daemon does and answer "reloaded" for it.
+    match socket_request(&socket, hyper::Method::POST, "/reload", String::new()) {
+        Ok((status, body)) => {
+            if status.is_success() {
+                println!("{}", body.trim_end());
                 ExitCode::SUCCESS
             } else {
-                eprintln!("{body}");
+                eprintln!("{}", body.trim_end());
                 ExitCode::from(EXIT_CONFIG)
             }
         }
         Err(e) => {
-            eprintln!("cannot reach the daemon's admin API at {admin}: {e}");
-            ExitCode::from(EXIT_START)
+            eprintln!(
+                "{}; not reloaded (reload is asked only on the admin socket, never on admin.listen, which any local user could answer; SIGHUP reloads without it: `systemctl kill -s HUP harvester-lb`)",
+                unreachable(&socket, &e)
+            );
+            ExitCode::from(EXIT_UNAVAILABLE)
         }
     }
 }

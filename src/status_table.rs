@@ -19,32 +19,54 @@ use serde_json::Value;
 /// How long `status` waits for the daemon.
 const TIMEOUT: Duration = Duration::from_secs(10);
 
-/// `GET /status` from the daemon: on the admin socket when it exists and
-/// can be opened, else on `admin.listen` (read-only, open to any local
-/// user). Returns the JSON text, or why the daemon could not be asked.
-pub fn fetch(listen: SocketAddr, socket: &Path) -> Result<String, String> {
-    if socket.exists() {
-        let answer = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .and_then(|rt| {
-                rt.block_on(crate::admin::socket_request(
-                    socket,
-                    hyper::Method::GET,
-                    "/status",
-                    String::new(),
-                    TIMEOUT,
-                ))
-            });
-        match answer {
-            Ok((code, body)) if code.is_success() => return Ok(body),
-            Ok((code, body)) => {
-                return Err(format!("/status answered {code}: {}", body.trim_end()));
-            }
-            // Not ours to open (mode 0600) or stale: the TCP listener serves /status too.
-            Err(_) => {}
+/// `GET /status` from the daemon: on the admin socket when it can be
+/// opened, else on `admin.listen` (read-only, open to any local user).
+/// Returns the JSON text and, when it came from `admin.listen`, a note
+/// saying so and why (for stderr: whoever binds that port first could have
+/// answered); or why the daemon could not be asked. A socket that is not
+/// to be trusted (another user could have put it there) is an error, not
+/// a reason to ask TCP instead.
+pub fn fetch(listen: SocketAddr, socket: &Path) -> Result<(String, Option<String>), String> {
+    let answer = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .and_then(|rt| {
+            rt.block_on(crate::admin::socket_request(
+                socket,
+                hyper::Method::GET,
+                "/status",
+                String::new(),
+                TIMEOUT,
+            ))
+        });
+    let why = match answer {
+        Ok((code, body)) if code.is_success() => return Ok((body, None)),
+        Ok((code, body)) => {
+            return Err(format!("/status answered {code}: {}", body.trim_end()));
         }
-    }
+        // Absent, stale, or not ours to open (mode 0600): the TCP listener
+        // serves /status too.
+        Err(e)
+            if matches!(
+                e.kind(),
+                std::io::ErrorKind::NotFound
+                    | std::io::ErrorKind::ConnectionRefused
+                    | std::io::ErrorKind::PermissionDenied
+            ) =>
+        {
+            e
+        }
+        Err(e) => {
+            return Err(format!(
+                "cannot use the admin socket {}: {e}",
+                socket.display()
+            ));
+        }
+    };
+    let note = format!(
+        "read from admin.listen {listen} (open to every local user), not the admin socket {} ({why})",
+        socket.display()
+    );
     let result = (|| -> std::io::Result<String> {
         let mut s = TcpStream::connect_timeout(&listen, TIMEOUT)?;
         s.set_read_timeout(Some(TIMEOUT))?;
@@ -62,7 +84,7 @@ pub fn fetch(listen: SocketAddr, socket: &Path) -> Result<String, String> {
     })?;
     let (head, body) = response.split_once("\r\n\r\n").unwrap_or((&response, ""));
     if head.split_whitespace().nth(1) == Some("200") {
-        Ok(body.to_string())
+        Ok((body.to_string(), Some(note)))
     } else {
         Err(format!(
             "/status at {listen} answered: {}",

@@ -986,7 +986,7 @@ fn a_value_of_the_wrong_type_names_its_key() {
             "line 2: admin.listen: invalid type: integer `5`, expected a string",
         ),
         (
-            "[[load_balancer]]\nname = \"a\"\nvip = \"192.0.2.1\"\n  [[load_balancer.listener]]\n  name = \"h\"\n  port = \"80\"\n",
+            "[[load_balancer]]\nname = \"a\"\nvip = \"192.0.2.1\"\n  [[load_balancer.listener]]\n  name = \"h\"\n  port = \"80\"\n  backend_port = 30080\n",
             "line 6: load_balancer[0].listener[0].port: invalid type: string \"80\", expected an integer",
         ),
         (
@@ -1191,4 +1191,112 @@ backends = ["198.51.100.1"]
         config.config.load_balancers[0].listeners[0].defer_accept,
         Some(std::time::Duration::from_secs(5))
     );
+}
+
+/// A type error no longer hides the rest (issue 19, item 13): `port = 80.0`
+/// in one load balancer, a second type error in another, an unknown key,
+/// and an ordinary validation problem in a third are reported together,
+/// sorted by line, each with its key path; a removed key is not reported
+/// again as missing.
+#[test]
+fn type_errors_are_reported_with_every_other_problem() {
+    let text = r#"[proxy]
+backlog = "many"
+
+[[load_balancer]]
+name = "ns/a"
+vip = "192.0.2.1"
+backends = ["198.51.100.1"]
+  [[load_balancer.listener]]
+  name = "http"
+  port = 80.0
+  backend_port = 30080
+
+[[load_balancer]]
+name = "ns/b"
+vip = "192.0.2.300"
+backends = ["198.51.100.1"]
+  [[load_balancer.listener]]
+  name = "http"
+  port = 80
+  backend_port = 30080
+
+[[load_balancer]]
+name = "ns/c"
+vip = "192.0.2.3"
+backends = ["198.51.100.1", 7]
+idle_timeout_seconds = true
+colour = "blue"
+  [[load_balancer.listener]]
+  name = "http"
+  port = 80
+  backend_port = 30080
+  [load_balancer.health_check]
+  period_seconds = "5s"
+"#;
+    let got = rendered(text);
+    let want = [
+        "line 2: proxy.backlog: invalid type: string \"many\", expected an integer",
+        "line 10: load_balancer[0].listener[0].port: invalid type: floating point `80.0`, expected an integer",
+        "line 15: load_balancer[1].vip: \"192.0.2.300\" is not an IPv4 or IPv6 address",
+        "line 25: load_balancer[2].backends[1]: invalid type: integer `7`, expected a string",
+        "line 26: load_balancer[2].idle_timeout_seconds: invalid type: boolean `true`, expected an integer",
+        "line 27: load_balancer[2].colour: unknown key",
+        "line 33: load_balancer[2].health_check.period_seconds: invalid type: string \"5s\", expected an integer",
+    ]
+    .join("\n");
+    assert_eq!(got, want);
+    // `check` says the same, all at once, and exits 78.
+    let dir = std::env::temp_dir().join(format!("hlb-types-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("config.toml");
+    std::fs::write(&path, text).unwrap();
+    let (code, _, stderr) = run_cli(&["check", "--config", path.to_str().unwrap()]);
+    assert_eq!(code, 78, "{stderr}");
+    assert!(stderr.contains("(7 problems)"), "{stderr}");
+    for line in want.lines() {
+        assert!(stderr.contains(line), "{line:?} missing from:\n{stderr}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    // A syntax error is still the first one only (the parser stops there).
+    let p = problems("[proxy]\nbacklog = \n[[load_balancer]]\nname = \n");
+    assert_eq!(p.len(), 1, "{p:?}");
+    assert_eq!(p[0].line, Some(2), "{p:?}");
+}
+
+/// A file full of type errors is read with bounded work: at most 16 are
+/// looked for in one table and 100 in the file, and the operator is told
+/// that more may follow.
+#[test]
+fn the_search_for_type_errors_is_bounded() {
+    let mut text = String::new();
+    for i in 0..150 {
+        text.push_str(&format!(
+            "[[load_balancer]]\nname = \"ns/{i}\"\nvip = \"192.0.2.1\"\nidle_timeout_seconds = 1.5\n"
+        ));
+    }
+    let p = problems(&text);
+    assert_eq!(p.len(), 101, "{p:?}");
+    assert!(
+        p[..100]
+            .iter()
+            .all(|p| p.message.contains("expected an integer"))
+    );
+    assert_eq!(p[99].key, "load_balancer[99].idle_timeout_seconds");
+    assert!(
+        p[100]
+            .message
+            .contains("more values of the wrong type may follow"),
+        "{p:?}"
+    );
+
+    let mut one = String::from("[[load_balancer]]\nname = \"ns/a\"\nvip = \"192.0.2.1\"\n");
+    for i in 0..40 {
+        one.push_str(&format!(
+            "[[load_balancer.listener]]\nname = \"l{i}\"\nport = 1.5\nbackend_port = 1\n"
+        ));
+    }
+    let p = problems(&one);
+    assert_eq!(p.len(), 17, "{p:?}");
+    assert!(p[16].message.contains("at most 16"), "{p:?}");
 }

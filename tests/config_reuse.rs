@@ -211,6 +211,11 @@ fn random_edits_of_a_file_never_change_the_verdict() {
         "]",
         "# comment",
         "",
+        // Type errors, each now read piece by piece in the full read.
+        "port = 80.0",
+        "backends = [\"127.10.0.1\", 7]",
+        "name = 5",
+        "load_balancer = 1",
     ];
     let base = file(6);
     let base_lines: Vec<&str> = base.lines().collect();

@@ -164,7 +164,10 @@ async fn eventually_forwarded(bed: &Bed, vip: Ipv4Addr) {
 async fn lease_renew_nak_reboot_release_against_dnsmasq() {
     require_netns!();
     if dnsmasq_missing() {
-        eprintln!("SKIPPED: dnsmasq is not installed (Debian package dnsmasq-base)");
+        netns::skip_or_fail(
+            module_path!(),
+            "dnsmasq is not installed (Debian package dnsmasq-base)",
+        );
         return;
     }
     let mut bed = Bed::new("dhcp", 1);
@@ -303,7 +306,10 @@ async fn lease_renew_nak_reboot_release_against_dnsmasq() {
 async fn a_leased_vip_is_isolated_once_it_is_leased() {
     require_netns!();
     if dnsmasq_missing() {
-        eprintln!("SKIPPED: dnsmasq is not installed (Debian package dnsmasq-base)");
+        netns::skip_or_fail(
+            module_path!(),
+            "dnsmasq is not installed (Debian package dnsmasq-base)",
+        );
         return;
     }
     let mut bed = Bed::new("dhcpiso", 1);

@@ -590,8 +590,9 @@ async fn nginx_answering_503_from_one_location_and_200_from_another_is_judged_by
     }}"#
     );
     let Some(nginx) = Nginx::start(net.dir(), &server) else {
-        println!(
-            "SKIPPED: nginx is not installed (.ci/run installs it); this test needs a real nginx"
+        skip_or_fail(
+            "nginx health check",
+            "nginx is not installed (.ci/run installs it); this test needs a real nginx",
         );
         return;
     };
@@ -720,8 +721,9 @@ async fn send_proxy_reaches_a_health_endpoint_that_requires_the_header() {
     }}"#
     );
     let Some(nginx) = Nginx::start(net.dir(), &server) else {
-        println!(
-            "SKIPPED: nginx is not installed (.ci/run installs it); this test needs a real nginx"
+        skip_or_fail(
+            "nginx health check",
+            "nginx is not installed (.ci/run installs it); this test needs a real nginx",
         );
         return;
     };

@@ -154,7 +154,10 @@ fn listener(name: &str, port: u16, backend_port: u16, version: &str) -> String {
 async fn nginx_and_haproxy_see_the_client_address_for_v1_and_v2() {
     for binary in ["nginx", "haproxy"] {
         if !installed(binary) {
-            println!("SKIP: {binary} is not installed (.ci/run installs it)");
+            skip_or_fail(
+                "proxy protocol consumers",
+                &format!("{binary} is not installed (.ci/run installs it)"),
+            );
             return;
         }
     }
@@ -165,7 +168,7 @@ async fn nginx_and_haproxy_see_the_client_address_for_v1_and_v2() {
     // VIP ports for nginx (v1) and HAProxy (v2) on ::1, and their own ports.
     let ipv6 = free_ports_v6(4);
     if ipv6.is_none() {
-        println!("SKIP (IPv6 part): ::1 is not available here");
+        skip_or_fail("proxy protocol over IPv6", "::1 is not available here");
     }
     let mut nginx_listen = vec![nginx_at];
     let mut haproxy_listen = vec![haproxy_at];

@@ -161,7 +161,10 @@ const TCP_CHECK: &str = r#"
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dns_through_the_vip_is_answered_from_the_vip_spread_and_survives_a_stopped_server() {
     if !have("dnsmasq") || !have("dig") {
-        eprintln!("SKIP: dnsmasq or dig missing (apt-get install dnsmasq-base bind9-dnsutils)");
+        skip_or_fail(
+            "dns through the vip",
+            "dnsmasq or dig missing (apt-get install dnsmasq-base bind9-dnsutils)",
+        );
         return;
     }
     let net = Subnet::new();

@@ -5,12 +5,14 @@
 //! runtime types below (`Duration`, `NonZeroU32`, `IpAddr`…). Once a
 //! [`Config`] exists it is valid, and nothing downstream checks it again.
 //!
-//! This module does no I/O beyond reading the file, so `harvester-lb check`,
+//! This module does no I/O beyond reading the file ([`read_regular_file`]:
+//! a regular file of at most [`MAX_FILE_BYTES`], never a FIFO or a device), so `harvester-lb check`,
 //! the daemon's start and every reload share exactly the same verdict.
 
 mod error;
 mod file;
 mod ranges;
+mod read;
 mod validate;
 
 use std::fmt;
@@ -22,6 +24,7 @@ use std::time::Duration;
 
 pub use error::{ConfigError, Problem};
 pub use ranges::{MAX_SOURCE_RANGES, SourceRanges};
+pub use read::{FileKind, ReadError, read_regular_file};
 pub use validate::{
     Conflict, DEFAULT_ADMIN_SOCKET, MAX_CLUSTER_BYTES, MAX_LISTENER_NAME_BYTES, MAX_NAME_BYTES,
     conflicts,
@@ -502,33 +505,24 @@ impl Loader {
     }
 }
 
-/// The file's text, refused if it is a directory, too large or not UTF-8.
+/// The file's text, refused if it is not a regular file (a FIFO, a device,
+/// a directory), larger than [`MAX_FILE_BYTES`] or not UTF-8.
 fn read(path: &Path) -> Result<String, ConfigError> {
     let shown = path.display().to_string();
-    let meta = std::fs::metadata(path).map_err(|source| ConfigError::Read {
-        path: shown.clone(),
-        source,
+    let bytes = read_regular_file(path, MAX_FILE_BYTES).map_err(|e| match e {
+        ReadError::Io(source) => ConfigError::Read {
+            path: shown.clone(),
+            source,
+        },
+        ReadError::NotRegular(kind) => ConfigError::NotRegular {
+            path: shown.clone(),
+            kind,
+        },
+        ReadError::TooLarge { size, .. } => ConfigError::TooLarge {
+            path: shown.clone(),
+            size,
+        },
     })?;
-    if meta.is_dir() {
-        return Err(ConfigError::IsDirectory { path: shown });
-    }
-    if meta.len() > MAX_FILE_BYTES {
-        return Err(ConfigError::TooLarge {
-            path: shown,
-            size: meta.len(),
-        });
-    }
-    let bytes = std::fs::read(path).map_err(|source| ConfigError::Read {
-        path: shown.clone(),
-        source,
-    })?;
-    // The file may have grown between stat and read.
-    if bytes.len() as u64 > MAX_FILE_BYTES {
-        return Err(ConfigError::TooLarge {
-            path: shown,
-            size: bytes.len() as u64,
-        });
-    }
     String::from_utf8(bytes).map_err(|e| ConfigError::NotUtf8 {
         path: shown,
         offset: e.utf8_error().valid_up_to(),

@@ -28,12 +28,10 @@ impl Daemon {
                     return;
                 };
                 let leased = daemon.leased_vips();
-                let result = daemon.isolation.reconcile(&config, &leased);
-                let metrics = &daemon.metrics;
-                if let Err(e) = &result {
+                // It sets vip_isolation_up itself.
+                if let Err(e) = daemon.isolation.reconcile(&config, &leased) {
                     tracing::error!("vip.isolate, after a DHCP lease change: {e}");
                 }
-                metrics.set_vip_isolation(Some(result.is_ok()));
             });
         }
     }

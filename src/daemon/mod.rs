@@ -131,6 +131,7 @@ impl Daemon {
     /// A daemon with nothing configured. `max_connections` caps forwarded
     /// connections across all listeners; TCP listeners accept on `workers`.
     pub fn new(metrics: Arc<Metrics>, max_connections: usize, workers: Workers) -> Arc<Self> {
+        let isolation = Arc::new(Isolation::new(Arc::clone(&metrics)));
         Arc::new_cyclic(|me| Self {
             metrics,
             prober: Prober::new(),
@@ -141,7 +142,7 @@ impl Daemon {
             stopping: AtomicBool::new(false),
             retire_now: CancellationToken::new(),
             affinity: AffinityBudget::new(0),
-            isolation: Arc::new(Isolation::new()),
+            isolation,
             leases: Leases::new(),
             lease_watcher: AtomicBool::new(false),
             me: me.clone(),

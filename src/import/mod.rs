@@ -733,33 +733,46 @@ pub fn command(args: &Args) -> u8 {
 }
 
 /// Reads a file (or standard input for `-`) whole, at most
-/// [`MAX_INPUT_BYTES`], as UTF-8; an error comes with its exit code.
+/// [`MAX_INPUT_BYTES`], as UTF-8; an error comes with its exit code. A path
+/// must name a regular file ([`config::read_regular_file`], as the config
+/// itself): a FIFO there would hang an import run by a timer for good; a
+/// pipe is given as `-`.
 fn read_source(path: &Path) -> Result<Source, (u8, String)> {
-    let (name, mut reader): (String, Box<dyn Read>) = if path == Path::new("-") {
-        ("standard input".into(), Box::new(std::io::stdin().lock()))
-    } else {
-        let shown = path.display().to_string();
-        if path.is_dir() {
-            return Err((
-                EXIT_NO_INPUT,
-                format!("{shown} is a directory; give a file"),
-            ));
-        }
-        let file = std::fs::File::open(path)
-            .map_err(|e| (EXIT_NO_INPUT, format!("cannot read {shown}: {e}")))?;
-        (shown, Box::new(file))
-    };
-    let mut bytes = Vec::new();
-    (&mut reader)
-        .take(MAX_INPUT_BYTES as u64 + 1)
-        .read_to_end(&mut bytes)
-        .map_err(|e| (EXIT_NO_INPUT, format!("cannot read {name}: {e}")))?;
-    if bytes.len() > MAX_INPUT_BYTES {
-        return Err((
+    let too_large = |name: &str| {
+        (
             EXIT_DATA,
             format!("{name} is larger than {MAX_INPUT_BYTES} bytes; split the input"),
-        ));
-    }
+        )
+    };
+    let (name, bytes) = if path == Path::new("-") {
+        let name = "standard input".to_string();
+        let mut bytes = Vec::new();
+        std::io::stdin()
+            .lock()
+            .take(MAX_INPUT_BYTES as u64 + 1)
+            .read_to_end(&mut bytes)
+            .map_err(|e| (EXIT_NO_INPUT, format!("cannot read {name}: {e}")))?;
+        if bytes.len() > MAX_INPUT_BYTES {
+            return Err(too_large(&name));
+        }
+        (name, bytes)
+    } else {
+        let name = path.display().to_string();
+        let bytes = match config::read_regular_file(path, MAX_INPUT_BYTES as u64) {
+            Ok(bytes) => bytes,
+            Err(config::ReadError::Io(e)) => {
+                return Err((EXIT_NO_INPUT, format!("cannot read {name}: {e}")));
+            }
+            Err(e @ config::ReadError::NotRegular(_)) => {
+                return Err((
+                    EXIT_NO_INPUT,
+                    format!("{name} {e}; give a file, or `-` for standard input"),
+                ));
+            }
+            Err(config::ReadError::TooLarge { .. }) => return Err(too_large(&name)),
+        };
+        (name, bytes)
+    };
     let text = String::from_utf8(bytes).map_err(|e| {
         (
             EXIT_DATA,

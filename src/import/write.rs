@@ -119,6 +119,8 @@ pub fn write_validated(target: &Path, text: &str) -> Result<WriteOutcome, WriteE
             source,
         });
     }
+    // Only a regular file can be unchanged; whatever else is at PATH (a
+    // FIFO would block a plain read) is replaced by the rename.
     if existing(target).is_some_and(|old| old == text) {
         return Ok(WriteOutcome::Unchanged);
     }
@@ -136,19 +138,6 @@ pub fn write_validated(target: &Path, text: &str) -> Result<WriteOutcome, WriteE
 /// FIFO, which would block the read, nor a device) of at most the config's
 /// size limit, in UTF-8; `None` otherwise.
 pub(super) fn existing(path: &Path) -> Option<String> {
-    use std::io::Read;
-    // Asked of the path first: opening a FIFO to read waits for a writer.
-    if !fs::metadata(path).ok()?.is_file() {
-        return None;
-    }
-    let file = File::open(path).ok()?;
-    let meta = file.metadata().ok()?;
-    if !meta.is_file() || meta.len() > config::MAX_FILE_BYTES {
-        return None;
-    }
-    let mut bytes = Vec::new();
-    file.take(config::MAX_FILE_BYTES + 1)
-        .read_to_end(&mut bytes)
-        .ok()?;
+    let bytes = config::read_regular_file(path, config::MAX_FILE_BYTES).ok()?;
     String::from_utf8(bytes).ok()
 }

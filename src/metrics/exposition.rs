@@ -418,7 +418,14 @@ impl Exposition {
         );
         match m.vip_isolation.load(Ordering::Relaxed) {
             0 => {}
-            v => gauge(buf, &names::VIP_ISOLATION_UP, &u64::from(v == 1)),
+            v => {
+                gauge(buf, &names::VIP_ISOLATION_UP, &u64::from(v == 1));
+                gauge(
+                    buf,
+                    &names::VIP_ISOLATION_REPAIRS,
+                    &m.vip_isolation_repairs.get(),
+                );
+            }
         }
         let limit = load(&m.connection_limit);
         if limit > 0 {

@@ -59,6 +59,8 @@ pub struct Metrics {
     /// `vip.isolate`: 0 off (no series), 1 the table is in force, 2 the
     /// last write of it failed.
     pub(crate) vip_isolation: std::sync::atomic::AtomicU8,
+    /// `vip.isolate`: repairs of a table another process changed.
+    pub(crate) vip_isolation_repairs: Counter,
     /// The connection cap in force (0: not set yet, not exported).
     connection_limit: AtomicU64,
 }
@@ -118,6 +120,12 @@ impl Metrics {
             Some(false) => 2,
         };
         self.vip_isolation.store(v, Ordering::Relaxed);
+    }
+
+    /// Counts one repair of the VIP isolation table (found changed in the
+    /// kernel and written again).
+    pub fn record_vip_isolation_repair(&self) {
+        self.vip_isolation_repairs.increment(1);
     }
 
     /// Records the connection cap in force (set once at start: changing

@@ -326,12 +326,22 @@ pub static CONFIG_LAST_RELOAD_SUCCESS_TIMESTAMP: Family = Family::new(
     Gauge,
     "Unix time of the last successful configuration load.",
 );
-/// `vip.isolate`: 1 when the nftables table of the config in force is
-/// written, 0 when writing it failed; absent when isolation is off.
+/// `vip.isolate`: 1 when the nftables table in the kernel is the one the
+/// config in force asks for (as last read back), 0 when writing it failed
+/// or the kernel's differs and could not be repaired; absent when isolation
+/// is off.
 pub static VIP_ISOLATION_UP: Family = Family::new(
     "harvester_lb_vip_isolation_up",
     Gauge,
-    "1 when the VIP isolation table of the configuration in force is in the kernel, 0 when writing it failed.",
+    "1 when the VIP isolation table in the kernel is the one of the configuration in force, 0 when writing it failed or it differs and could not be repaired.",
+);
+/// `vip.isolate`: times the table was found changed or gone in the kernel
+/// (another process wrote it: a second daemon, `nft flush ruleset`) and
+/// written again; each is logged at warn with what differed.
+pub static VIP_ISOLATION_REPAIRS: Family = Family::new(
+    "harvester_lb_vip_isolation_repairs_total",
+    Counter,
+    "Times the VIP isolation table was found changed or removed in the kernel by another process and written again.",
 );
 /// Reloads, by `result`.
 pub static CONFIG_RELOADS: Family = Family::new(

@@ -23,6 +23,9 @@
 #![allow(dead_code, unsafe_code)]
 
 pub mod peers;
+#[path = "../support/skip.rs"]
+mod skip;
+pub use skip::skip_or_fail;
 
 use std::io::{Read, Write};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
@@ -79,9 +82,9 @@ pub fn skip_reason() -> Option<String> {
 macro_rules! require_netns {
     () => {
         if let Some(why) = $crate::netns::skip_reason() {
-            eprintln!(
-                "SKIPPED {}: needs root and iproute2/nftables for network namespaces ({why})",
-                module_path!()
+            $crate::netns::skip_or_fail(
+                module_path!(),
+                &format!("needs root and iproute2/nftables for network namespaces ({why})"),
             );
             return;
         }

@@ -19,7 +19,7 @@ use std::time::Duration;
 
 use ipnet::{IpNet, Ipv4Net};
 use toml::Spanned;
-use toml::de::{DeTable, DeValue};
+use toml::de::{DeArray, DeTable, DeValue};
 
 use super::file::{FileConfig, FileHealthCheck, FileListener, FileLoadBalancer};
 use super::*;
@@ -31,6 +31,7 @@ mod locate;
 mod names;
 mod reuse;
 mod source_ranges;
+mod types;
 
 pub use cross::Conflict;
 use locate::{LineIndex, display_path, path_at, segments, span_of};
@@ -115,35 +116,44 @@ pub(super) fn parse(text: &str) -> Result<Loaded, Vec<Problem>> {
 
     // The document is deserialized from the parsed tree itself, not a copy
     // (a copy cost a tenth of a 10,000-load-balancer reload); the rare
-    // broken file is parsed a second time to find where its problems are.
+    // broken file is parsed again to find where its problems are, and one
+    // with a type error is read piece by piece to find all of them.
     let mut unknown: Vec<Vec<String>> = Vec::new();
     let deserializer = toml::de::Deserializer::from(root);
-    let file: FileConfig = serde_ignored::deserialize(deserializer, |path| {
+    let typed = match serde_ignored::deserialize(deserializer, |path| {
         unknown.push(segments(&path));
-    })
-    .map_err(|e| {
-        let key = match (e.span(), parse()) {
-            (Some(span), Ok(root)) => display_path(&path_at(root.get_ref(), span.start)),
-            _ => String::new(),
-        };
-        vec![lines.toml_error(&e, key)]
-    })?;
+    }) {
+        Ok(file) => types::Typed {
+            file,
+            problems: Vec::new(),
+            removed: HashSet::new(),
+            unknown,
+        },
+        Err(e) => {
+            let key = match (e.span(), parse()) {
+                (Some(span), Ok(root)) => display_path(&path_at(root.get_ref(), span.start)),
+                _ => String::new(),
+            };
+            types::each_piece(text, &lines, lines.toml_error(&e, key))
+        }
+    };
 
     let mut v = Validator {
         lines: &lines,
-        problems: Vec::new(),
+        problems: typed.problems,
         warnings: Vec::new(),
+        removed: typed.removed,
     };
-    let root = if unknown.is_empty() {
+    let root = if typed.unknown.is_empty() {
         None
     } else {
         parse().ok()
     };
-    for path in unknown {
+    for path in typed.unknown {
         let span = root.as_ref().and_then(|r| span_of(r.get_ref(), &path));
         v.problem(span, &display_path(&path), "unknown key".to_string());
     }
-    let config = v.config(&file);
+    let config = v.config(&typed.file);
     if v.problems.is_empty() {
         Ok(Loaded {
             config,
@@ -160,6 +170,9 @@ struct Validator<'a> {
     lines: &'a LineIndex,
     problems: Vec<Problem>,
     warnings: Vec<Problem>,
+    /// Key paths of values removed for a type error ([`types`]): already
+    /// reported, so not reported again as missing.
+    removed: HashSet<String>,
 }
 
 /// What an address is for, to say why a special address cannot be it.
@@ -176,6 +189,14 @@ impl Validator<'_> {
             key: key.to_string(),
             message,
         });
+    }
+
+    /// A required key that is absent: `table` is the table's key path and
+    /// `span` its place; `what` says what the key is for.
+    fn missing(&mut self, span: Range<usize>, table: &str, name: &str, what: &str) {
+        if !self.removed.contains(&format!("{table}.{name}")) {
+            self.problem(Some(span), table, format!("missing key `{name}` ({what})"));
+        }
     }
 
     fn warning(&mut self, span: Option<Range<usize>>, key: &str, message: String) {
@@ -352,10 +373,11 @@ impl Validator<'_> {
         let lb = lb.get_ref();
         let name = match &lb.name {
             None => {
-                self.problem(
-                    Some(table_span.clone()),
+                self.missing(
+                    table_span.clone(),
                     key,
-                    "missing key `name` (the controller writes <namespace>/<service>)".into(),
+                    "name",
+                    "the controller writes <namespace>/<service>",
                 );
                 None
             }
@@ -401,10 +423,11 @@ impl Validator<'_> {
             // (`0.0.0.0`); any other address is the one to ask for.
             (_, true) => Some(IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED)),
             (None, false) => {
-                self.problem(
-                    Some(table_span.clone()),
+                self.missing(
+                    table_span.clone(),
                     key,
-                    "missing key `vip` (the load balancer's IP address; or ipam = \"dhcp\" and a [load_balancer.dhcp] table to lease one)".into(),
+                    "vip",
+                    "the load balancer's IP address; or ipam = \"dhcp\" and a [load_balancer.dhcp] table to lease one",
                 );
                 None
             }
@@ -614,11 +637,7 @@ impl Validator<'_> {
         let l = l.get_ref();
         let name = match &l.name {
             None => {
-                self.problem(
-                    Some(span.clone()),
-                    key,
-                    "missing key `name` (the service port's name)".into(),
-                );
+                self.missing(span.clone(), key, "name", "the service port's name");
                 None
             }
             Some(n) => {
@@ -713,11 +732,7 @@ impl Validator<'_> {
     ) -> Option<u16> {
         match value {
             None => {
-                self.problem(
-                    Some(table_span),
-                    table_key,
-                    format!("missing key `{name}` ({meaning})"),
-                );
+                self.missing(table_span, table_key, name, meaning);
                 None
             }
             Some(_) => {

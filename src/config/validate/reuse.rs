@@ -58,6 +58,7 @@ fn piecewise(text: &str, known: &mut Known) -> Option<Loaded> {
         lines: &preamble_lines,
         problems: Vec::new(),
         warnings: Vec::new(),
+        removed: HashSet::new(),
     };
     let mut config = v.config(&document(preamble, false)?);
     if !v.problems.is_empty() {
@@ -83,6 +84,7 @@ fn piecewise(text: &str, known: &mut Known) -> Option<Loaded> {
                     lines: &lines,
                     problems: Vec::new(),
                     warnings: Vec::new(),
+                    removed: HashSet::new(),
                 };
                 let spec = v.load_balancer(&format!("load_balancer[{i}]"), lb);
                 if !v.problems.is_empty() {

@@ -43,18 +43,39 @@ const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
 /// `SO_REUSEPORT`, so the kernel spreads new connections among them; one
 /// socket does not, so a port held by another process is an error, not a
 /// share.
+///
+/// `SO_REUSEPORT` would also join a group another process of the same user
+/// already listens in (the kernel would then split the VIP's connections
+/// with it), so before binding more than one socket a plain socket, without
+/// `SO_REUSEPORT`, is bound to `addr` and closed: any listener there, with
+/// the option or without, makes it fail with `EADDRINUSE`, the very error
+/// one socket meets. What remains is a window of a few system calls between
+/// the probe and our sockets in which another process of the same user
+/// could bind with `SO_REUSEPORT` first; a process of another user cannot
+/// join at all (the kernel requires one effective uid in a group).
 pub fn bind(
     addr: SocketAddr,
     backlog: u32,
     count: usize,
 ) -> io::Result<Vec<std::net::TcpListener>> {
+    if count > 1 {
+        drop(unshared(addr)?);
+    }
     (0..count.max(1))
         .map(|_| bind_one(addr, backlog, count > 1))
         .collect()
 }
 
-fn bind_one(addr: SocketAddr, backlog: u32, reuse_port: bool) -> io::Result<std::net::TcpListener> {
+/// A socket bound to `addr` as one listener's socket would be (without
+/// `SO_REUSEPORT`): it fails where `addr` is taken.
+fn unshared(addr: SocketAddr) -> io::Result<Socket> {
     let socket = Socket::new(Domain::for_address(addr), Type::STREAM.nonblocking(), None)?;
+    prepare(&socket, addr, false)?;
+    socket.bind(&addr.into())?;
+    Ok(socket)
+}
+
+fn prepare(socket: &Socket, addr: SocketAddr, reuse_port: bool) -> io::Result<()> {
     socket.set_reuse_address(true)?;
     if reuse_port {
         socket.set_reuse_port(true)?;
@@ -65,6 +86,12 @@ fn bind_one(addr: SocketAddr, backlog: u32, reuse_port: bool) -> io::Result<std:
     } else {
         socket.set_freebind_v4(true)?;
     }
+    Ok(())
+}
+
+fn bind_one(addr: SocketAddr, backlog: u32, reuse_port: bool) -> io::Result<std::net::TcpListener> {
+    let socket = Socket::new(Domain::for_address(addr), Type::STREAM.nonblocking(), None)?;
+    prepare(&socket, addr, reuse_port)?;
     // Accepted sockets inherit TCP_NODELAY, keepalive and TCP_USER_TIMEOUT
     // from here: set once per listener, not per connection.
     forward::set_options_or_warn(socket2::SockRef::from(&socket));
