@@ -969,3 +969,50 @@ fn output_over_the_size_limit_skips_the_largest_object_and_writes_the_rest() {
         .collect();
     assert_eq!(names, ["ns/small-a", "ns/small-b"]);
 }
+
+#[test]
+fn an_over_long_or_control_character_name_skips_that_object_by_name() {
+    let net = Subnet::new();
+    let huge = "c".repeat(250_000);
+    let mut long_cluster = lb_object("long-cluster", "10.99.0.11", 80, 30080, &["10.99.1.1"]);
+    long_cluster["metadata"]["annotations"] =
+        serde_json::json!({ "loadbalancer.harvesterhci.io/cluster": huge });
+    let mut long_listener = lb_object("long-listener", "10.99.0.12", 80, 30080, &["10.99.1.1"]);
+    long_listener["spec"]["listeners"][0]["name"] = Value::String("l".repeat(64));
+    let objects = vec![
+        lb_object("good", "10.99.0.10", 80, 30080, &["10.99.1.1"]),
+        long_cluster,
+        long_listener,
+        lb_object(&"n".repeat(254), "10.99.0.13", 80, 30080, &["10.99.1.1"]),
+        lb_object(
+            "forged\nharvester-lb import: wrote",
+            "10.99.0.14",
+            80,
+            30080,
+            &["10.99.1.1"],
+        ),
+        lb_object("hidden\u{1b}[8m", "10.99.0.15", 80, 30080, &["10.99.1.1"]),
+    ];
+    let (code, stdout, stderr) = import_objects(&net, &objects, &[]);
+    assert_eq!(code, 3, "{stderr}");
+    let names: Vec<String> = lbs_of(&stdout).into_iter().map(|(n, _)| n).collect();
+    assert_eq!(names, ["ns/good"], "{stderr}");
+    let skips = skip_lines(&stderr);
+    assert_eq!(skips.len(), 5, "{stderr}");
+    for said in [
+        "LoadBalancer ns/long-cluster (",
+        "cluster: is 250000 bytes long; at most 253",
+        "LoadBalancer ns/long-listener (",
+        "listener[0].name: is 64 bytes long; at most 63",
+        "metadata.name is 254 bytes long; Kubernetes allows at most 253",
+        "LoadBalancer ns/forged\\nharvester-lb import: wrote (",
+        "holds the control character U+000A",
+        "LoadBalancer ns/hidden\\u{1b}[8m (",
+        "holds the control character U+001B",
+    ] {
+        assert!(stderr.contains(said), "wanted {said:?}:\n{stderr}");
+    }
+    // One line per skip, none of them huge, nothing raw.
+    assert!(!stderr.contains('\u{1b}'), "{stderr}");
+    assert!(stderr.len() < 8_000, "stderr is {} bytes", stderr.len());
+}
