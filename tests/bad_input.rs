@@ -295,6 +295,35 @@ fn bad_files(env: &Env) -> Vec<(&'static str, PathBuf, &'static str)> {
         .as_bytes(),
         "listed twice",
     );
+    // Issue 19: the host's own services and names that forge log lines.
+    add(
+        "metadata-backend.toml",
+        good.replace(
+            &format!("backends = [\"{}\"]", env.ip),
+            "backends = [\"169.254.169.254\"]",
+        )
+        .as_bytes(),
+        "cannot be a backend: it is the cloud metadata address",
+    );
+    add(
+        "backend-on-admin.toml",
+        good.replace(
+            "backend_port = 30080",
+            &format!("backend_port = {}", env.admin().port()),
+        )
+        .replace(
+            &format!("backends = [\"{}\"]", env.ip),
+            &format!("backends = [\"{}\"]", env.admin().ip()),
+        )
+        .as_bytes(),
+        "reaches admin.listen",
+    );
+    add(
+        "control-character-name.toml",
+        good.replace("name = \"bad/input\"", "name = \"bad/in\\u001b[8mput\"")
+            .as_bytes(),
+        "holds the control character U+001B",
+    );
     // 100 MB: a sparse file, so the test writes nothing.
     let big = env.path("huge-100MB.toml");
     let f = std::fs::File::create(&big).unwrap();
