@@ -659,6 +659,12 @@ fn one_bad_node_is_skipped_by_name_and_the_services_keep_the_others() {
             "255.255.255.255",
             "in 240.0.0.0/4 (class E and the broadcast address)",
         ),
+        // Not an address at all: named too, never a note.
+        (
+            "bad-text",
+            "node-9.local",
+            "\"node-9.local\" is not an IPv4 or IPv6 address",
+        ),
     ]
     .into_iter()
     .enumerate()
@@ -672,7 +678,8 @@ fn one_bad_node_is_skipped_by_name_and_the_services_keep_the_others() {
             skips
                 .iter()
                 .any(|l| l.contains(&format!("skipped v1 Node {name} ("))
-                    && l.contains(&format!("InternalIP {ip} is {why}"))),
+                    && l.contains(why)
+                    && l.contains("this Node is no backend of any load balancer")),
             "{name} not named:\n{stderr}"
         );
         assert!(

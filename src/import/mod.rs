@@ -219,7 +219,13 @@ pub fn import(sources: &[Source], options: &Options) -> Result<Imported, ImportE
                         ),
                     }),
                 },
-                Err(reason) => notes.push(format!("{}: {reason}", obj.describe())),
+                Err(service::NoBackend::Normal(reason)) => {
+                    notes.push(format!("{}: {reason}", obj.describe()))
+                }
+                Err(service::NoBackend::Bad(reason)) => skipped.push(Skip {
+                    object: obj.describe(),
+                    reason: format!("{reason}; this Node is no backend of any load balancer"),
+                }),
             },
             (_, kind) => skipped.push(Skip {
                 object: obj.describe(),
