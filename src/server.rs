@@ -18,7 +18,7 @@ use crate::daemon::Daemon;
 use crate::metrics::Metrics;
 use crate::vip::isolate::IsolationError;
 use crate::workers::Workers;
-use crate::{admin, kernel, os, systemd, watch};
+use crate::{admin, os, owned, systemd, watch};
 
 /// How to run the daemon.
 #[derive(Debug, Clone)]
@@ -114,7 +114,7 @@ pub async fn start(options: Options) -> Result<Server, StartError> {
     let daemon = Daemon::new(Arc::clone(&metrics), limit, options.workers.clone());
     // Every single-instance resource before any kernel object: a second
     // daemon (an operator trying a file by hand) must fail here, before it
-    // could replace the first one's isolation table (see `kernel`).
+    // could replace the first one's isolation table (see `owned`).
     let admin_addr = config.admin.listen;
     let admin_socket =
         TcpListener::bind(admin_addr)
@@ -340,11 +340,11 @@ async fn main_loop(
 }
 
 /// Reads the kernel objects the daemon owns back every
-/// [`kernel::CHECK_INTERVAL`] and repairs what another process changed
-/// (see [`crate::kernel`]); until `stop`. One check at a time, each on a
+/// [`owned::CHECK_INTERVAL`] and repairs what another process changed
+/// (see [`crate::owned`]); until `stop`. One check at a time, each on a
 /// blocking thread (it runs `nft`).
 async fn check_kernel_objects(daemon: Arc<Daemon>, stop: CancellationToken) {
-    let mut tick = tokio::time::interval(kernel::CHECK_INTERVAL);
+    let mut tick = tokio::time::interval(owned::CHECK_INTERVAL);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     tick.tick().await; // The first tick is now: start has just written them.
     loop {
