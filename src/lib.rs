@@ -33,6 +33,7 @@
 pub mod admin;
 pub mod balancer;
 pub mod budget;
+pub mod log_limit;
 pub mod config;
 pub mod daemon;
 pub mod demo;
@@ -45,6 +46,7 @@ pub mod proxy;
 pub mod server;
 pub mod status_table;
 pub mod systemd;
+pub mod text;
 pub mod vip;
 mod watch;
 pub mod workers;

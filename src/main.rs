@@ -11,6 +11,7 @@ use std::time::Duration;
 use clap::{Parser, Subcommand, ValueEnum};
 
 use harvester_lb::config;
+use tracing_subscriber::field::MakeExt as _;
 use harvester_lb::workers::{WorkerThreads, Workers};
 
 /// mimalloc instead of glibc's malloc: a reload of 10,000 load balancers
@@ -245,7 +246,21 @@ fn init_tracing(format: LogFormat) {
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()));
     match format {
-        LogFormat::Text => builder.init(),
+        // Every field and message through `text::escape`: a name from an
+        // object that holds `\n` or `ESC[8m` cannot forge a line or hide
+        // one (the stock text format writes `%name` fields raw). JSON
+        // needs none: serde_json escapes control characters itself.
+        LogFormat::Text => builder
+            .fmt_fields(
+                tracing_subscriber::fmt::format::debug_fn(|w, field, value| {
+                    if field.name() != "message" {
+                        write!(w, "{}=", field.name())?;
+                    }
+                    harvester_lb::text::write_escaped(w, &format!("{value:?}"))
+                })
+                .delimited(" "),
+            )
+            .init(),
         LogFormat::Json => builder.json().init(),
     }
 }
