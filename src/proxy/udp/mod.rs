@@ -422,7 +422,7 @@ fn new_flow(
     let target = SocketAddr::new(backend.addr, route.route.backend_port);
     let per_source = shared.per_source.load(Ordering::Relaxed) as usize;
     let mut socket_error = None;
-    let admitted = shared.table.insert(client, per_source, || {
+    let admitted = shared.table.insert(client, per_source, lb.udp_flows(), || {
         let socket = match connect(target) {
             Ok(s) => s,
             Err(e) => {
@@ -466,6 +466,7 @@ fn new_flow(
             let reason = match refusal {
                 Refusal::TableFull => 0,
                 Refusal::SourceLimit => 1,
+                Refusal::LoadBalancerLimit => 4,
             };
             udp.flows_dropped[reason].increment(1);
             None
