@@ -414,3 +414,145 @@ async fn a_hostile_name_cannot_forge_or_hide_a_log_line() {
     );
 }
 
+
+/// A network namespace this test made, with the daemon run in it; both go
+/// when dropped.
+struct Netns {
+    name: String,
+    daemon: Option<Child>,
+}
+
+impl Netns {
+    fn ip(&self, args: &[&str]) {
+        let out = Command::new("ip")
+            .args(["-n", &self.name])
+            .args(args)
+            .output()
+            .expect("run ip");
+        assert!(
+            out.status.success(),
+            "ip {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+
+    /// Runs `f` on a thread inside the namespace (sockets it makes stay there).
+    fn run<T: Send + 'static>(&self, f: impl FnOnce() -> T + Send + 'static) -> T {
+        let path = format!("/run/netns/{}", self.name);
+        std::thread::spawn(move || {
+            use std::os::fd::AsRawFd;
+            let file = std::fs::File::open(&path).expect("open the namespace");
+            #[allow(unsafe_code)]
+            // SAFETY: setns(2) on a valid namespace descriptor; only this
+            // thread moves.
+            let rc = unsafe { libc::setns(file.as_raw_fd(), libc::CLONE_NEWNET) };
+            assert_eq!(rc, 0, "setns: {}", std::io::Error::last_os_error());
+            f()
+        })
+        .join()
+        .expect("namespace thread")
+    }
+}
+
+impl Drop for Netns {
+    fn drop(&mut self) {
+        if let Some(mut d) = self.daemon.take() {
+            let _ = d.kill();
+            let _ = d.wait();
+        }
+        let _ = Command::new("ip")
+            .args(["netns", "delete", &self.name])
+            .status();
+    }
+}
+
+/// Eight IPv6 addresses of one /64 are one source for
+/// `proxy.max_udp_flows_per_source` (2 here): two get flows, six are
+/// dropped as `source_limit`, and an address of another /64 still gets
+/// its own. Counted per address, the eight took eight slots of the flow
+/// table that every UDP listener shares. Runs the real daemon in a
+/// network namespace this test makes, where the addresses live on `lo`.
+#[test]
+fn ipv6_sources_are_counted_per_64() {
+    #[allow(unsafe_code)]
+    // SAFETY: geteuid has no preconditions.
+    let root = unsafe { libc::geteuid() } == 0;
+    if !root || Command::new("ip").args(["netns", "list"]).output().is_err() {
+        eprintln!("SKIPPED: needs root and iproute2 for a network namespace");
+        return;
+    }
+    let net = Subnet::new();
+    let mut ns = Netns {
+        name: format!("hlb-t64-{}", std::process::id()),
+        daemon: None,
+    };
+    let _ = Command::new("ip").args(["netns", "delete", &ns.name]).status();
+    let made = Command::new("ip")
+        .args(["netns", "add", &ns.name])
+        .status()
+        .expect("ip netns add");
+    assert!(made.success());
+    ns.ip(&["link", "set", "lo", "up"]);
+    let clients: Vec<String> = (1..=8).map(|i| format!("2001:db8:64:1::{i}")).collect();
+    let other = "2001:db8:64:2::1";
+    for a in clients
+        .iter()
+        .map(String::as_str)
+        .chain([other, "2001:db8:99::1", "2001:db8:98::1"])
+    {
+        ns.ip(&["-6", "addr", "add", &format!("{a}/128"), "dev", "lo", "nodad"]);
+    }
+    let path = net.write(
+        "config.toml",
+        &format!(
+            "[admin]\nlisten = \"127.0.0.1:9901\"\nsocket = \"{}\"\n[proxy]\nmax_udp_flows_per_source = 2\n\
+             [[load_balancer]]\nname = \"default/dns\"\nvip = \"2001:db8:99::1\"\nbackends = [\"2001:db8:98::1\"]\n\
+             \x20 [[load_balancer.listener]]\n  name = \"dns\"\n  port = 53\n  backend_port = 30053\n  protocol = \"udp\"\n",
+            net.dir().join("admin.sock").display()
+        ),
+    );
+    // The backend: echoes every datagram, on a thread of its own.
+    let backend = ns.run(|| std::net::UdpSocket::bind("[2001:db8:98::1]:30053").unwrap());
+    std::thread::spawn(move || {
+        let mut buf = [0u8; 512];
+        while let Ok((n, from)) = backend.recv_from(&mut buf) {
+            let _ = backend.send_to(&buf[..n], from);
+        }
+    });
+    ns.daemon = Some(
+        Command::new("ip")
+            .args(["netns", "exec", &ns.name, env!("CARGO_BIN_EXE_harvester-lb")])
+            .args(["run", "--no-watch", "--config", path.to_str().unwrap()])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawn the daemon in the namespace"),
+    );
+    let (answered, other_answered, dropped) = ns.run(move || {
+        let admin: SocketAddr = "127.0.0.1:9901".parse().unwrap();
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while !matches!(http_blocking(admin, "/readyz"), Ok((200, _))) {
+            assert!(std::time::Instant::now() < deadline, "daemon not ready");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let vip: SocketAddr = "[2001:db8:99::1]:53".parse().unwrap();
+        let ask = |from: &str| {
+            let s = std::net::UdpSocket::bind(format!("[{from}]:0")).unwrap();
+            s.set_read_timeout(Some(Duration::from_secs(1))).unwrap();
+            s.send_to(b"query", vip).unwrap();
+            let mut buf = [0u8; 64];
+            matches!(s.recv_from(&mut buf), Ok((5, f)) if f == vip)
+        };
+        let answered = clients.iter().filter(|c| ask(c)).count();
+        let other_answered = ask(other);
+        let (_, body) = http_blocking(admin, "/metrics").unwrap();
+        let dropped = metric_value(
+            &body,
+            "harvester_lb_udp_flows_dropped_total{cluster=\"kubernetes\",load_balancer=\"default/dns\",listener=\"dns\",reason=\"source_limit\"}",
+        );
+        (answered, other_answered, dropped)
+    });
+    assert_eq!(answered, 2, "one /64 is one source");
+    assert!(other_answered, "another /64 is another source");
+    assert_eq!(dropped, 6.0);
+}
