@@ -114,12 +114,15 @@ impl<F> FlowTable<F> {
         if count >= per_source_max {
             return Err(Refusal::SourceLimit);
         }
-        if !lb.take() {
-            return Err(Refusal::LoadBalancerLimit);
-        }
+        // The process's bound first: a full table is said as such even
+        // when the load balancer's share is the whole table (one load
+        // balancer).
         if !self.budget.take() {
-            lb.give_back(1);
             return Err(Refusal::TableFull);
+        }
+        if !lb.take() {
+            self.budget.give_back(1);
+            return Err(Refusal::LoadBalancerLimit);
         }
         let give_back = || {
             self.budget.give_back(1);
@@ -310,7 +313,7 @@ mod tests {
                 .err(),
             Some(Refusal::TableFull)
         );
-        assert_eq!(b_lb.used(), 7, "a flow refused by the process gives its share back");
+        assert_eq!(b_lb.used(), 7, "a flow refused by the process takes no share");
         let f = a.get(&addr([10, 0, 0, 1], 1)).expect("open");
         assert!(a.remove(&addr([10, 0, 0, 1], 1), &f));
         assert_eq!((a_lb.used(), global.used()), (2, 9));
