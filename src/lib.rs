@@ -33,12 +33,12 @@
 pub mod admin;
 pub mod balancer;
 pub mod budget;
-pub mod log_limit;
 pub mod config;
 pub mod daemon;
 pub mod demo;
 pub mod health;
 pub mod import;
+pub mod log_limit;
 pub mod metrics;
 pub mod net;
 pub mod os;

@@ -11,8 +11,8 @@ use std::time::Duration;
 use clap::{Parser, Subcommand, ValueEnum};
 
 use harvester_lb::config;
-use tracing_subscriber::field::MakeExt as _;
 use harvester_lb::workers::{WorkerThreads, Workers};
+use tracing_subscriber::field::MakeExt as _;
 
 /// mimalloc instead of glibc's malloc: a reload of 10,000 load balancers
 /// allocates ~80 MB for a moment, which glibc kept (RSS +125 MB after three

@@ -288,9 +288,15 @@ mod tests {
         );
         assert!(text.contains("default/web\\nFAKE ROW\\x1b[8m"), "{text}");
         assert!(text.contains("h\\rttp"), "{text}");
-        assert!(text.starts_with("daemon: NOT READY; config: bad\\nfile\\x1b[2J\n"), "{text}");
+        assert!(
+            text.starts_with("daemon: NOT READY; config: bad\\nfile\\x1b[2J\n"),
+            "{text}"
+        );
         assert!(!text.lines().any(|l| l.starts_with("FAKE ROW")), "{text}");
         let backend = text.lines().find(|l| l.contains("10.0.0.1 ")).expect("row");
-        assert!(backend.contains("unhealthy") && backend.ends_with("refused\\x1b[8m"), "{backend}");
+        assert!(
+            backend.contains("unhealthy") && backend.ends_with("refused\\x1b[8m"),
+            "{backend}"
+        );
     }
 }

@@ -19,10 +19,7 @@ use tokio::net::{TcpStream, UdpSocket};
 /// listener on port 8080 to `.11:30080`; `proxy` goes into `[proxy]`,
 /// `extra[i]` into load balancer `i`.
 fn tcp_config(net: &Subnet, proxy: &str, extra: &[&str]) -> String {
-    let mut cfg = format!(
-        "{}[proxy]\n{proxy}\n",
-        admin(net)
-    );
+    let mut cfg = format!("{}[proxy]\n{proxy}\n", admin(net));
     for (i, extra) in extra.iter().enumerate() {
         cfg.push_str(&format!(
             "[[load_balancer]]\nname = \"default/lb-{i}\"\nvip = \"{}\"\nbackends = [\"{}\"]\n{extra}\n  [[load_balancer.listener]]\n  name = \"http\"\n  port = 8080\n  backend_port = 30080\n",
@@ -103,9 +100,11 @@ async fn one_load_balancer_full_of_idle_connections_does_not_starve_another() {
 
     // A connection of the first that closes gives its slot back.
     drop(held.pop());
-    let name = wait_for(Duration::from_secs(10), "a freed slot to serve again", || async {
-        whoami(first).await.ok()
-    })
+    let name = wait_for(
+        Duration::from_secs(10),
+        "a freed slot to serve again",
+        || async { whoami(first).await.ok() },
+    )
     .await;
     assert_eq!(name, net.ip_str(11));
     drop((held, other));
@@ -193,19 +192,26 @@ async fn one_load_balancer_cannot_take_the_whole_udp_flow_table() {
     let mut answered = 0;
     let mut clients = Vec::new();
     for h in 100..106u8 {
-        let c = UdpSocket::bind(SocketAddr::new(net.ip(h), 0)).await.unwrap();
+        let c = UdpSocket::bind(SocketAddr::new(net.ip(h), 0))
+            .await
+            .unwrap();
         if udp_answered(&c, first).await {
             answered += 1;
         }
         clients.push(c);
     }
-    assert_eq!(answered, 2, "the first load balancer gets its share, no more");
+    assert_eq!(
+        answered, 2,
+        "the first load balancer gets its share, no more"
+    );
     let dropped = d
         .metric("harvester_lb_udp_flows_dropped_total{cluster=\"kubernetes\",load_balancer=\"default/udp-0\",listener=\"game\",reason=\"load_balancer_limit\"}")
         .await;
     assert_eq!(dropped, 4.0);
     for h in 110..112u8 {
-        let c = UdpSocket::bind(SocketAddr::new(net.ip(h), 0)).await.unwrap();
+        let c = UdpSocket::bind(SocketAddr::new(net.ip(h), 0))
+            .await
+            .unwrap();
         assert!(
             udp_answered(&c, second).await,
             "the second load balancer still gets flows"
@@ -328,11 +334,7 @@ async fn two_hundred_unbindable_listeners_log_a_bounded_number_of_lines() {
 async fn a_cap_derived_from_a_small_open_file_limit_is_said() {
     let net = Subnet::new();
     let path = net.write("config.toml", &tcp_config(&net, "", &[""]));
-    let daemon = Logged::start(
-        &["prlimit", "--nofile=256:256"],
-        &path,
-        &[],
-    );
+    let daemon = Logged::start(&["prlimit", "--nofile=256:256"], &path, &[]);
     let line = daemon
         .line_with(&["open-file limit is 256"], Duration::from_secs(30))
         .await;
@@ -378,7 +380,9 @@ async fn a_hostile_name_cannot_forge_or_hide_a_log_line() {
         .line_with(&["listening", "FORGED"], Duration::from_secs(30))
         .await;
     assert!(
-        line.contains("load_balancer=default/web\\nFORGED ERROR harvester_lb: all backends down\\x1b[8m"),
+        line.contains(
+            "load_balancer=default/web\\nFORGED ERROR harvester_lb: all backends down\\x1b[8m"
+        ),
         "{line}"
     );
     let lines = text.lines();
@@ -394,11 +398,7 @@ async fn a_hostile_name_cannot_forge_or_hide_a_log_line() {
     );
     drop(text);
 
-    let json = Logged::start(
-        &[],
-        &path,
-        &["--log-format", "json"],
-    );
+    let json = Logged::start(&[], &path, &["--log-format", "json"]);
     json.line_with(&["listening", "FORGED"], Duration::from_secs(30))
         .await;
     let named: Vec<serde_json::Value> = json
@@ -413,7 +413,6 @@ async fn a_hostile_name_cannot_forge_or_hide_a_log_line() {
         "the JSON log keeps the name exact"
     );
 }
-
 
 /// A network namespace this test made, with the daemon run in it; both go
 /// when dropped.
@@ -486,7 +485,9 @@ fn ipv6_sources_are_counted_per_64() {
         name: format!("hlb-t64-{}", std::process::id()),
         daemon: None,
     };
-    let _ = Command::new("ip").args(["netns", "delete", &ns.name]).status();
+    let _ = Command::new("ip")
+        .args(["netns", "delete", &ns.name])
+        .status();
     let made = Command::new("ip")
         .args(["netns", "add", &ns.name])
         .status()
@@ -500,7 +501,15 @@ fn ipv6_sources_are_counted_per_64() {
         .map(String::as_str)
         .chain([other, "2001:db8:99::1", "2001:db8:98::1"])
     {
-        ns.ip(&["-6", "addr", "add", &format!("{a}/128"), "dev", "lo", "nodad"]);
+        ns.ip(&[
+            "-6",
+            "addr",
+            "add",
+            &format!("{a}/128"),
+            "dev",
+            "lo",
+            "nodad",
+        ]);
     }
     let path = net.write(
         "config.toml",
@@ -521,7 +530,12 @@ fn ipv6_sources_are_counted_per_64() {
     });
     ns.daemon = Some(
         Command::new("ip")
-            .args(["netns", "exec", &ns.name, env!("CARGO_BIN_EXE_harvester-lb")])
+            .args([
+                "netns",
+                "exec",
+                &ns.name,
+                env!("CARGO_BIN_EXE_harvester-lb"),
+            ])
             .args(["run", "--no-watch", "--config", path.to_str().unwrap()])
             .stdout(Stdio::null())
             .stderr(Stdio::null())
@@ -555,4 +569,61 @@ fn ipv6_sources_are_counted_per_64() {
     assert_eq!(answered, 2, "one /64 is one source");
     assert!(other_answered, "another /64 is another source");
     assert_eq!(dropped, 6.0);
+}
+
+/// Reaching a cap and leaving it again are said: a load balancer's share
+/// (warn, with its name) and `proxy.max_connections` (warn, then info once
+/// connections close), from the real binary.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reaching_and_leaving_a_connection_cap_is_logged() {
+    let net = Subnet::new();
+    let _b = Backend::start(SocketAddr::new(net.ip(11), 30080), Behaviour::NameThenEcho).await;
+    // Three load balancers, 2 slots: a share of 1 each.
+    let path = net.write(
+        "config.toml",
+        &tcp_config(&net, "max_connections = 2", &["", "", ""]),
+    );
+    let daemon = Logged::start(&[], &path, &[]);
+    wait_ready(SocketAddr::new(net.ip(250), 9901)).await;
+    let vip = |i: u8| SocketAddr::new(net.ip(1 + i), 8080);
+
+    let mut first = TcpStream::connect(vip(0)).await.unwrap();
+    assert_eq!(read_line(&mut first).await.unwrap(), net.ip_str(11));
+    assert!(refused(vip(0)).await);
+    let line = daemon
+        .line_with(&["reached its connection cap"], Duration::from_secs(10))
+        .await;
+    assert!(
+        line.contains("WARN")
+            && line.contains("default/lb-0")
+            && line.contains("max_connections=1"),
+        "{line}"
+    );
+
+    let mut second = TcpStream::connect(vip(1)).await.unwrap();
+    assert_eq!(read_line(&mut second).await.unwrap(), net.ip_str(11));
+    // Both process slots held: the third load balancer's client waits.
+    let mut waiting = TcpStream::connect(vip(2)).await.unwrap();
+    let line = daemon
+        .line_with(&["proxy.max_connections reached"], Duration::from_secs(10))
+        .await;
+    assert!(
+        line.contains("WARN") && line.contains("max_connections=2"),
+        "{line}"
+    );
+    drop(first);
+    assert_eq!(read_line(&mut waiting).await.unwrap(), net.ip_str(11));
+    drop((second, waiting));
+    daemon
+        .line_with(
+            &["back under proxy.max_connections"],
+            Duration::from_secs(10),
+        )
+        .await;
+    daemon
+        .line_with(
+            &["default/lb-0", "back under its connection cap"],
+            Duration::from_secs(10),
+        )
+        .await;
 }

@@ -134,8 +134,9 @@ pub struct ProxySettings {
     /// Cap on UDP flows, all UDP listeners together; `None` = derived from
     /// the open-file limit at start (each flow holds one socket).
     pub max_udp_flows: Option<NonZeroUsize>,
-    /// Cap on the flows of one client IP address on one UDP listener, so a
-    /// client that floods new source ports fills only its share of the table.
+    /// Cap on the flows of one source (an IPv4 address, an IPv6 /64) on one
+    /// UDP listener, so a client that floods new source ports or addresses
+    /// fills only its share of the table.
     pub max_udp_flows_per_source: NonZeroUsize,
 }
 

@@ -26,8 +26,8 @@ use crate::config::{
 use crate::health::prober::{Prober, TargetStatus};
 use crate::health::{Health, HealthState};
 use crate::metrics::{ListenerStats, Metrics};
-use crate::proxy::udp::{self, FlowBudget};
 use crate::proxy::tcp::ConnectionLimit;
+use crate::proxy::udp::{self, FlowBudget};
 use crate::proxy::{self, Listener, Route, Running};
 use crate::vip::dhcp::{Leases, Want};
 use crate::vip::isolate::{Isolation, IsolationStatus};

@@ -108,7 +108,8 @@ impl Drop for Held {
     fn drop(&mut self) {
         drop(self.lb_slot.take());
         if self.lb.connections().note_release()
-            && let Verdict::Write { suppressed } = CAP_LOG.check((Some(self.lb.name.clone()), false))
+            && let Verdict::Write { suppressed } =
+                CAP_LOG.check((Some(self.lb.name.clone()), false))
         {
             tracing::info!(
                 load_balancer = %self.lb.name,

@@ -10,7 +10,8 @@
 //! they come from the address the client wrote to, as DNS resolvers check.
 //!
 //! What this module must never do: grow without bound (the [`table`] refuses
-//! flows past `proxy.max_udp_flows` and the per-source share), hold a buffer
+//! flows past `proxy.max_udp_flows`, the load balancer's share and the
+//! per-source share), hold a buffer
 //! for an idle flow (answers are read into the worker thread's scratch
 //! buffer only once the socket is readable), or cut a datagram (the
 //! buffers hold the largest UDP payload there is).
@@ -135,7 +136,8 @@ struct Flow {
 
 impl UdpListener {
     /// Starts serving `socket` along `route` with the flow rules `settings`;
-    /// flows are bounded by `budget` and `per_source` per client IP.
+    /// flows are bounded by `budget`, the load balancer's share and
+    /// `per_source` per source (IPv4 address, IPv6 /64).
     pub fn start(
         socket: UdpSocket,
         route: Route,

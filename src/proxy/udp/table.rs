@@ -44,9 +44,7 @@ pub enum Refusal {
 /// address (IPv4-mapped IPv6 included), or its IPv6 /64.
 pub fn source_key(ip: IpAddr) -> IpAddr {
     match ip.to_canonical() {
-        IpAddr::V6(v6) => IpAddr::V6(Ipv6Addr::from(
-            u128::from(v6) & !((1u128 << 64) - 1),
-        )),
+        IpAddr::V6(v6) => IpAddr::V6(Ipv6Addr::from(u128::from(v6) & !((1u128 << 64) - 1))),
         v4 => v4,
     }
 }
@@ -167,7 +165,11 @@ impl<F> FlowTable<F> {
 
     /// Every flow open now (to end them all when the listener stops).
     pub fn all(&self) -> Vec<Arc<F>> {
-        self.lock().flows.values().map(|(f, _)| Arc::clone(f)).collect()
+        self.lock()
+            .flows
+            .values()
+            .map(|(f, _)| Arc::clone(f))
+            .collect()
     }
 }
 
@@ -296,7 +298,10 @@ mod tests {
         let a: FlowTable<u32> = FlowTable::new(Arc::clone(&global));
         let b: FlowTable<u32> = FlowTable::new(Arc::clone(&global));
         for i in 1..=3 {
-            assert!(a.insert(addr([10, 0, 0, i], 1), 9, &a_lb, || Some(Arc::new(0))).is_ok());
+            assert!(
+                a.insert(addr([10, 0, 0, i], 1), 9, &a_lb, || Some(Arc::new(0)))
+                    .is_ok()
+            );
         }
         assert_eq!(
             a.insert(addr([10, 0, 0, 4], 1), 9, &a_lb, || Some(Arc::new(0)))
@@ -306,14 +311,21 @@ mod tests {
         assert_eq!(global.used(), 3, "a refused flow takes no process slot");
         // The other load balancer fills what is left of the process's.
         for i in 1..=7 {
-            assert!(b.insert(addr([10, 0, 1, i], 1), 9, &b_lb, || Some(Arc::new(0))).is_ok());
+            assert!(
+                b.insert(addr([10, 0, 1, i], 1), 9, &b_lb, || Some(Arc::new(0)))
+                    .is_ok()
+            );
         }
         assert_eq!(
             b.insert(addr([10, 0, 1, 8], 1), 9, &b_lb, || Some(Arc::new(0)))
                 .err(),
             Some(Refusal::TableFull)
         );
-        assert_eq!(b_lb.used(), 7, "a flow refused by the process takes no share");
+        assert_eq!(
+            b_lb.used(),
+            7,
+            "a flow refused by the process takes no share"
+        );
         let f = a.get(&addr([10, 0, 0, 1], 1)).expect("open");
         assert!(a.remove(&addr([10, 0, 0, 1], 1), &f));
         assert_eq!((a_lb.used(), global.used()), (2, 9));
