@@ -193,8 +193,9 @@ pub struct LoadBalancerSpec {
 }
 
 /// A load balancer's default share of a process-wide cap (`proxy.max_connections`,
-/// `proxy.max_udp_flows`) when its own is not set: the whole cap when it is
-/// the only load balancer, else half of it, rounded up. No one tenant can
+/// `proxy.max_udp_flows`) when its own is not set, given how many load
+/// balancers have listeners of that protocol: the whole cap when it is the
+/// only one, else half of it, rounded up. No one tenant can
 /// then hold every slot and starve the others (150 idle connections to one
 /// VIP no longer refuse every other VIP), while a busy tenant can still use
 /// far more than an even split when the others are quiet. An explicit

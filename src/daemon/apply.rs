@@ -73,23 +73,33 @@ impl Daemon {
 
         // Each load balancer's share of the process-wide caps, so one
         // tenant cannot hold every slot (`config::default_share`).
-        let count = config.load_balancers.len();
+        // A share is split among the load balancers that can use it: those
+        // with a listener of its protocol.
+        let serving = |protocol: Protocol| {
+            config
+                .load_balancers
+                .iter()
+                .filter(|lb| lb.listeners.iter().any(|l| l.protocol == protocol))
+                .count()
+        };
+        let (tcp_count, udp_count) = (serving(Protocol::Tcp), serving(Protocol::Udp));
+        let share = |own: Option<std::num::NonZeroUsize>, global: usize, count: usize| {
+            own.map_or_else(
+                || crate::config::default_share(global, count),
+                |n| n.get().min(global),
+            )
+        };
         for spec in &config.load_balancers {
             if let Some(entry) = st.load_balancers.get(&spec.name) {
-                let share = |own: Option<std::num::NonZeroUsize>, global: usize| {
-                    own.map_or_else(
-                        || crate::config::default_share(global, count),
-                        |n| n.get().min(global),
-                    )
-                };
-                entry
-                    .lb
-                    .connections()
-                    .set_max(share(spec.max_connections, self.limit.max()));
+                entry.lb.connections().set_max(share(
+                    spec.max_connections,
+                    self.limit.max(),
+                    tcp_count,
+                ));
                 entry
                     .lb
                     .udp_flows()
-                    .set_max(share(spec.max_udp_flows, global_flows));
+                    .set_max(share(spec.max_udp_flows, global_flows, udp_count));
             }
         }
 

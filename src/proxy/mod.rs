@@ -10,8 +10,19 @@ pub mod route;
 pub mod tcp;
 pub mod udp;
 
-use std::sync::Arc;
+use std::sync::{Arc, LazyLock};
 use std::time::Duration;
+
+use crate::log_limit::LogLimit;
+
+/// Which cap a log line is about: a load balancer's name and `"tcp"` or
+/// `"udp"` (`None`: the process-wide connection cap), and whether it was
+/// reached (`true`) or left.
+pub(crate) type CapCause = (Option<(String, &'static str)>, bool);
+
+/// Log lines about caps (connections, UDP flows), a few per minute each.
+pub(crate) static CAP_LOG: LazyLock<LogLimit<CapCause>> =
+    LazyLock::new(|| LogLimit::new(2, Duration::from_secs(60)));
 
 pub use route::Route;
 pub use tcp::{Listener, bind};

@@ -17,7 +17,7 @@ pub mod splice;
 use std::io;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, LazyLock, Weak};
+use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
@@ -28,9 +28,10 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::Instrument;
 
+use super::CAP_LOG;
 use super::Route;
 use crate::budget::Slot;
-use crate::log_limit::{LogLimit, Verdict, left_out};
+use crate::log_limit::{Verdict, left_out};
 use crate::workers::Placement;
 
 /// The process-wide cap on forwarded connections (`proxy.max_connections`):
@@ -89,11 +90,6 @@ impl ConnectionLimit {
     }
 }
 
-/// Log lines about caps: per load balancer (`None`: the process-wide cap)
-/// and direction (`true`: reached), a few per minute.
-static CAP_LOG: LazyLock<LogLimit<(Option<String>, bool)>> =
-    LazyLock::new(|| LogLimit::new(2, Duration::from_secs(60)));
-
 /// What one connection holds of the caps: a slot of its load balancer's
 /// and one of the process's. Dropping it gives both back and says when a
 /// cap that was reached is left.
@@ -109,7 +105,7 @@ impl Drop for Held {
         drop(self.lb_slot.take());
         if self.lb.connections().note_release()
             && let Verdict::Write { suppressed } =
-                CAP_LOG.check((Some(self.lb.name.clone()), false))
+                CAP_LOG.check((Some((self.lb.name.clone(), "tcp")), false))
         {
             tracing::info!(
                 load_balancer = %self.lb.name,
@@ -332,7 +328,7 @@ async fn accept_loop(
                     route.load().stats.rejected[1].increment(1);
                     if lb.connections().note_full()
                         && let Verdict::Write { suppressed } =
-                            CAP_LOG.check((Some(lb.name.clone()), true))
+                            CAP_LOG.check((Some((lb.name.clone(), "tcp")), true))
                     {
                         tracing::warn!(
                             load_balancer = %lb.name,
