@@ -17,7 +17,7 @@ pub mod splice;
 use std::io;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Weak};
+use std::sync::{Arc, LazyLock, Weak};
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
@@ -31,7 +31,7 @@ use tracing::Instrument;
 use super::CAP_LOG;
 use super::Route;
 use crate::budget::Slot;
-use crate::log_limit::{Verdict, left_out};
+use crate::log_limit::{LogLimit, Verdict, left_out};
 use crate::workers::Placement;
 
 /// The process-wide cap on forwarded connections (`proxy.max_connections`):
@@ -118,6 +118,11 @@ impl Drop for Held {
         self.limit.note_release();
     }
 }
+
+/// Accept failures that back off, one line a second per cause (errno) for
+/// the whole process.
+static ACCEPT_LOG: LazyLock<LogLimit<Option<i32>>> =
+    LazyLock::new(|| LogLimit::new(1, Duration::from_secs(1)));
 
 /// How long the accept loop pauses when the process or system is out of
 /// descriptors or memory, so it does not spin while connections close.
@@ -291,7 +296,6 @@ async fn accept_loop(
     connections: TaskTracker,
     limit: Arc<ConnectionLimit>,
 ) {
-    let mut last_warning: Option<tokio::time::Instant> = None;
     loop {
         let accepted = tokio::select! {
             _ = stop.cancelled() => return,
@@ -383,12 +387,15 @@ async fn accept_loop(
                 if back_off {
                     // Spare pipes hold descriptors: give them back first.
                     copy::release_spare_pipes();
-                    // Warn at most once a second: this can happen thousands of times.
-                    let now = tokio::time::Instant::now();
-                    if last_warning.is_none_or(|t| now.duration_since(t) >= Duration::from_secs(1))
-                    {
-                        tracing::warn!(error = %e, "accept failed; backing off until resources free up");
-                        last_warning = Some(now);
+                    // Warn at most once a second per cause, across every
+                    // listener: out of descriptors, 2,000 listeners fail
+                    // together, 20 times a second each.
+                    if let Verdict::Write { suppressed } = ACCEPT_LOG.check(e.raw_os_error()) {
+                        tracing::warn!(
+                            error = %e,
+                            "accept failed; backing off until resources free up{}",
+                            left_out(suppressed)
+                        );
                     }
                     tokio::select! {
                         _ = stop.cancelled() => return,
