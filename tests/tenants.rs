@@ -598,9 +598,7 @@ async fn reaching_and_leaving_a_connection_cap_is_logged() {
         .line_with(&["reached its connection cap"], Duration::from_secs(10))
         .await;
     assert!(
-        line.contains("WARN")
-            && line.contains("default/lb-0")
-            && line.contains("max_connections=1"),
+        line.contains("WARN") && line.contains("default/lb-0") && line.contains("cap=1"),
         "{line}"
     );
 

@@ -28,8 +28,8 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::Instrument;
 
-use super::CAP_LOG;
 use super::Route;
+use super::{CAP_LOG, Cap, note_lb_cap};
 use crate::budget::Slot;
 use crate::log_limit::{LogLimit, Verdict, left_out};
 use crate::workers::Placement;
@@ -103,17 +103,7 @@ pub struct Held {
 impl Drop for Held {
     fn drop(&mut self) {
         drop(self.lb_slot.take());
-        if self.lb.connections().note_release()
-            && let Verdict::Write { suppressed } =
-                CAP_LOG.check((Some((self.lb.name.clone(), "tcp")), false))
-        {
-            tracing::info!(
-                load_balancer = %self.lb.name,
-                max_connections = self.lb.connections().max(),
-                "load balancer back under its connection cap{}",
-                left_out(suppressed)
-            );
-        }
+        note_lb_cap(&self.lb, Cap::Connections, false);
         drop(self.permit.take());
         self.limit.note_release();
     }
@@ -330,17 +320,7 @@ async fn accept_loop(
                 let Some(lb_slot) = Slot::take(lb.connections()) else {
                     // Index into `REJECTED_REASONS`.
                     route.load().stats.rejected[1].increment(1);
-                    if lb.connections().note_full()
-                        && let Verdict::Write { suppressed } =
-                            CAP_LOG.check((Some((lb.name.clone(), "tcp")), true))
-                    {
-                        tracing::warn!(
-                            load_balancer = %lb.name,
-                            max_connections = lb.connections().max(),
-                            "load balancer reached its connection cap: its new connections are reset until some close (other load balancers are unaffected){}",
-                            left_out(suppressed)
-                        );
-                    }
+                    note_lb_cap(&lb, Cap::Connections, true);
                     tracing::debug!(client = %peer, "load balancer at its connection cap: reset");
                     forward::reset(&stream);
                     continue;

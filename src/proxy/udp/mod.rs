@@ -43,11 +43,9 @@ use tracing::Instrument;
 use self::flow::FlowState;
 pub use self::table::{FlowBudget, default_max_flows};
 use self::table::{FlowTable, Refusal};
-use super::CAP_LOG;
-use super::Route;
+use super::{Cap, Route, note_lb_cap};
 use crate::balancer::{Backend, ConnectionGuard, LoadBalancer, affinity};
 use crate::config::UdpSettings;
-use crate::log_limit::{Verdict, left_out};
 use crate::metrics::stats::UdpBackendStats;
 
 /// The largest UDP payload over IPv4 (65,535 − 8 − 20). Every datagram up
@@ -471,17 +469,7 @@ fn new_flow(
                 Refusal::TableFull => 0,
                 Refusal::SourceLimit => 1,
                 Refusal::LoadBalancerLimit => {
-                    if lb.udp_flows().note_full()
-                        && let Verdict::Write { suppressed } =
-                            CAP_LOG.check((Some((lb.name.clone(), "udp")), true))
-                    {
-                        tracing::warn!(
-                            load_balancer = %lb.name,
-                            max_udp_flows = lb.udp_flows().max(),
-                            "load balancer reached its UDP flow cap: datagrams of new flows are dropped until some end (other load balancers are unaffected){}",
-                            left_out(suppressed)
-                        );
-                    }
+                    note_lb_cap(lb, Cap::UdpFlows, true);
                     4
                 }
             };
@@ -503,18 +491,7 @@ fn connect(target: SocketAddr) -> io::Result<UdpSocket> {
 /// caller that closed it calls this), and wakes its task if `wake`.
 fn retire(shared: &Shared, flow: &Arc<Flow>, wake: bool) {
     shared.table.remove(&flow.client, flow);
-    let lb = &flow.lb;
-    if lb.udp_flows().note_release()
-        && let Verdict::Write { suppressed } =
-            CAP_LOG.check((Some((lb.name.clone(), "udp")), false))
-    {
-        tracing::info!(
-            load_balancer = %lb.name,
-            max_udp_flows = lb.udp_flows().max(),
-            "load balancer back under its UDP flow cap{}",
-            left_out(suppressed)
-        );
-    }
+    note_lb_cap(&flow.lb, Cap::UdpFlows, false);
     let route = shared.route.load();
     route.route.stats.udp().flows_active.decrement();
     flow.backend_stats.flows_active.decrement();
