@@ -261,8 +261,27 @@ fn connection_limit(config: &Config) -> usize {
     if let Some(n) = config.proxy.max_connections {
         return n.get();
     }
-    os::connections_for(os::raise_open_file_limit().unwrap_or(1024))
+    let open_files = os::raise_open_file_limit().unwrap_or(1024);
+    let limit = os::connections_for(open_files);
+    if limit < SMALL_DERIVED_CAP {
+        tracing::warn!(
+            open_file_limit = open_files,
+            max_connections = limit,
+            "the open-file limit is {open_files}, so at most {limit} connections are forwarded at once{}: raise the unit's LimitNOFILE= (e.g. LimitNOFILE=1048576; `ulimit -n` by hand), or set proxy.max_connections",
+            if config.proxy.max_udp_flows.is_none() {
+                " (and as many UDP flows)"
+            } else {
+                ""
+            }
+        );
+    }
+    limit
 }
+
+/// Below this, a connection cap derived from the open-file limit is said
+/// at start (a warning): under 1,024 concurrent connections is a limit an
+/// operator did not mean (e.g. `ulimit -n 256` gives 16).
+const SMALL_DERIVED_CAP: usize = 1024;
 
 async fn main_loop(
     options: Options,
@@ -446,7 +465,18 @@ async fn reload(
                 .err()
                 .map(|e| format!("; vip.isolate failed: {e}"))
                 .unwrap_or_default();
-            tracing::info!(?report, elapsed = ?started.elapsed(), "config reloaded");
+            if total == 0 && report.load_balancers_removed > 0 {
+                // Rarely meant: a controller bug or a truncated file
+                // unbinds every VIP of the host.
+                tracing::warn!(
+                    ?report,
+                    config = %options.config_path.display(),
+                    "config reloaded with no load balancer: all {} load balancers in force were removed and their listeners drain",
+                    report.load_balancers_removed
+                );
+            } else {
+                tracing::info!(?report, elapsed = ?started.elapsed(), "config reloaded");
+            }
             Ok(summary)
         }
         Err(e) => {

@@ -36,6 +36,7 @@ use arc_swap::ArcSwap;
 
 pub use self::affinity::{AffinityBudget, AffinityTable};
 pub use self::backend::{AdminState, Backend, ConnectionGuard, PortHealth};
+use crate::budget::Budget;
 use crate::config::{Algorithm, LoadBalancerSpec, OnBackendDown, SourceRanges};
 use crate::metrics::LbStats;
 
@@ -157,6 +158,11 @@ pub struct LoadBalancer {
     /// Client affinity entries, made when affinity is first switched on
     /// (most load balancers never pay for a table).
     affinity: OnceLock<AffinityTable>,
+    /// Its share of the process-wide connection cap: every TCP connection
+    /// of its listeners holds a slot; set by the daemon at each apply.
+    connections: Arc<Budget>,
+    /// Its share of the process-wide UDP flow bound, likewise.
+    udp_flows: Arc<Budget>,
 }
 
 struct Inner {
@@ -195,6 +201,8 @@ impl LoadBalancer {
             name,
             cluster,
             affinity: OnceLock::new(),
+            connections: Budget::new(usize::MAX),
+            udp_flows: Budget::new(usize::MAX),
         });
         lb.publish();
         lb
@@ -219,6 +227,17 @@ impl LoadBalancer {
                 table.clear();
             }
         }
+    }
+
+    /// Its cap on TCP connections (all its listeners): a connection
+    /// holds a [`Slot`](crate::budget::Slot) of it.
+    pub fn connections(&self) -> &Arc<Budget> {
+        &self.connections
+    }
+
+    /// Its cap on UDP flows (all its listeners).
+    pub fn udp_flows(&self) -> &Arc<Budget> {
+        &self.udp_flows
     }
 
     /// The snapshot in force: one atomic load.

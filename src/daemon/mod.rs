@@ -15,7 +15,6 @@ use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, SystemTime};
 
 use serde::Serialize;
-use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
@@ -27,6 +26,7 @@ use crate::config::{
 use crate::health::prober::{Prober, TargetStatus};
 use crate::health::{Health, HealthState};
 use crate::metrics::{ListenerStats, Metrics};
+use crate::proxy::tcp::ConnectionLimit;
 use crate::proxy::udp::{self, FlowBudget};
 use crate::proxy::{self, Listener, Route, Running};
 use crate::vip::dhcp::{Leases, Want};
@@ -50,7 +50,7 @@ pub struct Daemon {
     metrics: Arc<Metrics>,
     prober: Prober,
     /// Process-wide cap on forwarded connections.
-    limit: Arc<Semaphore>,
+    limit: Arc<ConnectionLimit>,
     /// The runtimes TCP listeners accept on.
     workers: Workers,
     /// Everything a reload changes; locked only by reload, status and shutdown.
@@ -80,6 +80,10 @@ pub struct Daemon {
     udp_flows: Arc<FlowBudget>,
     /// `proxy.max_udp_flows_per_source`, for listeners started later.
     udp_per_source: AtomicUsize,
+    /// Bind failures, rate limited per cause (`EADDRINUSE`, ...): 2,000
+    /// listeners that cannot bind, retried every 2 s, are a few lines a
+    /// minute and a count, not 1,000 lines a second.
+    bind_log: crate::log_limit::LogLimit<Option<i32>>,
 }
 
 /// A listener's identity across reloads: one VIP:port may carry one TCP
@@ -135,7 +139,7 @@ impl Daemon {
         Arc::new_cyclic(|me| Self {
             metrics,
             prober: Prober::new(),
-            limit: Arc::new(Semaphore::new(max_connections.min(Semaphore::MAX_PERMITS))),
+            limit: ConnectionLimit::new(max_connections),
             workers,
             state: Mutex::new(State::default()),
             drains: TaskTracker::new(),
@@ -148,6 +152,7 @@ impl Daemon {
             me: me.clone(),
             udp_flows: FlowBudget::new(0),
             udp_per_source: AtomicUsize::new(1),
+            bind_log: crate::log_limit::LogLimit::new(5, Duration::from_secs(60)),
         })
     }
 
