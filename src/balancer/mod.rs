@@ -33,6 +33,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
+use tokio_util::sync::CancellationToken;
 
 pub use self::affinity::{AffinityBudget, AffinityTable};
 pub use self::backend::{AdminState, Backend, ConnectionGuard, PortHealth};
@@ -157,6 +158,10 @@ pub struct LoadBalancer {
     /// Client affinity entries, made when affinity is first switched on
     /// (most load balancers never pay for a table).
     affinity: OnceLock<AffinityTable>,
+    /// Cancelled when the last holder lets it go (the config, every
+    /// listener's route, every connection and probe): a removed load
+    /// balancer's backends and numbers need not wait out the drain time.
+    released: CancellationToken,
 }
 
 struct Inner {
@@ -167,6 +172,12 @@ struct Inner {
     /// Removed from the config in force: it no longer reports
     /// `no_eligible_backend`.
     left: bool,
+}
+
+impl Drop for LoadBalancer {
+    fn drop(&mut self) {
+        self.released.cancel();
+    }
 }
 
 impl LoadBalancer {
@@ -195,6 +206,7 @@ impl LoadBalancer {
             name,
             cluster,
             affinity: OnceLock::new(),
+            released: CancellationToken::new(),
         });
         lb.publish();
         lb
@@ -260,6 +272,12 @@ impl LoadBalancer {
     /// Its numbers.
     pub fn stats(&self) -> &Arc<LbStats> {
         &self.stats
+    }
+
+    /// Resolves once this load balancer is dropped: nothing forwards
+    /// through it or probes for it any more.
+    pub fn released(&self) -> impl std::future::Future<Output = ()> + Send + 'static {
+        self.released.clone().cancelled_owned()
     }
 
     /// The health checker marked `backend` down (on `port` alone, with
