@@ -873,3 +873,35 @@ pub async fn socket_request(
             ))
         })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn readyz_query_names_vips_in_every_spelling_and_refuses_the_rest() {
+        let v4: IpAddr = "192.168.0.201".parse().unwrap();
+        let v6: IpAddr = "fd00::201".parse().unwrap();
+        assert_eq!(readyz_vips(""), Ok(vec![]));
+        assert_eq!(readyz_vips("vip=192.168.0.201"), Ok(vec![v4]));
+        // IPv4-mapped is the IPv4 VIP, as in the config.
+        assert_eq!(readyz_vips("vip=::ffff:192.168.0.201"), Ok(vec![v4]));
+        for spelled in [
+            "vip=fd00::201",
+            "vip=[fd00::201]",
+            "vip=%5Bfd00%3A%3A201%5D",
+        ] {
+            assert_eq!(readyz_vips(spelled), Ok(vec![v6]), "{spelled}");
+        }
+        assert_eq!(
+            readyz_vips("vip=192.168.0.201&vip=fd00::201"),
+            Ok(vec![v4, v6])
+        );
+        for bad in ["vip=", "vip=0.0.0.0", "vip=::", "vip=10.0.0.300", "vip=%ZZ"] {
+            let e = readyz_vips(bad).unwrap_err();
+            assert!(e.contains("is not a VIP address"), "{bad}: {e}");
+        }
+        let e = readyz_vips("vip=192.168.0.201&host=x").unwrap_err();
+        assert!(e.contains("\"host\"") && e.contains("vip=ADDRESS"), "{e}");
+    }
+}

@@ -42,6 +42,17 @@ async fn probe(admin: SocketAddr, path: &str) -> Option<(u16, String)> {
         .ok()
 }
 
+/// How many of `n` `/readyz` probes on admin.listen answered 200 within 1 s.
+async fn ready_answers(admin: SocketAddr, n: usize) -> usize {
+    let mut answered = 0;
+    for _ in 0..n {
+        if let Some((200, _)) = probe(admin, "/readyz").await {
+            answered += 1;
+        }
+    }
+    answered
+}
+
 /// A local user's idle connections to `admin`: `n` of them, each opened
 /// again as soon as the daemon closes it (up to `rounds` times), none ever
 /// sending a byte, until `stop`. Returns how many connections were opened.
@@ -94,12 +105,7 @@ async fn readyz_answers_every_probe_while_a_local_user_floods_the_admin_port() {
     })
     .await;
 
-    let mut answered = 0;
-    for _ in 0..20 {
-        if let Some((200, _)) = probe(d.admin, "/readyz").await {
-            answered += 1;
-        }
-    }
+    let answered = ready_answers(d.admin, 20).await;
     assert_eq!(
         answered, 20,
         "/readyz answered 200 within 1 s to {answered} of 20 probes under 150 idle connections"
@@ -115,12 +121,7 @@ async fn readyz_answers_every_probe_while_a_local_user_floods_the_admin_port() {
             held.push(s);
         }
     }
-    let mut answered = 0;
-    for _ in 0..20 {
-        if let Some((200, _)) = probe(d.admin, "/readyz").await {
-            answered += 1;
-        }
-    }
+    let answered = ready_answers(d.admin, 20).await;
     assert_eq!(
         answered, 20,
         "/readyz answered 200 within 1 s to {answered} of 20 probes under 400 idle connections"
