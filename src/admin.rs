@@ -50,8 +50,10 @@ type Body = Either<Full<Bytes>, ExpositionBody>;
 /// newcomer sheds the connection that has waited longest without a request
 /// in service (one still sending its head, or idle between requests, or
 /// waiting for a slot): idle connections from a local user can never keep
-/// a probe out, and the daemon's descriptors stay bounded.
-const MAX_OPEN: usize = 256;
+/// a probe out, and the daemon's descriptors stay bounded (both listeners
+/// together within the 256 that `os::connections_for` keeps for the daemon
+/// itself). Twice [`MAX_SERVING`], so half of them can always be shed.
+const MAX_OPEN: usize = 128;
 /// Requests other than `/healthz` and `/readyz` in service at once, their
 /// responses' bodies included (a stalled reader of `/metrics` holds one);
 /// more wait for a slot. Health answers take none: they are a few bytes
