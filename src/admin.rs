@@ -11,9 +11,12 @@
 //! loopback.
 //!
 //! It runs on its own listener, bounded in every way a hostile or broken
-//! client could push it (connections, header size, time to send headers), and
-//! it never blocks the forwarder: the only shared things it touches are the
-//! metric registry and a short read of the daemon's state.
+//! client could push it (connections, header size, time to send headers,
+//! time to serve a request), and it never blocks the forwarder: the only
+//! shared things it touches are the metric registry and a short read of the
+//! daemon's state. `/healthz` and `/readyz` must answer whatever any local
+//! user does to `admin.listen` (keepalived moves VIPs on them): they need
+//! no slot, and idle connections are shed for newcomers at the cap.
 
 use std::collections::BTreeMap;
 use std::convert::Infallible;
