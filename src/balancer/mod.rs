@@ -33,6 +33,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
+use tokio_util::sync::CancellationToken;
 
 pub use self::affinity::{AffinityBudget, AffinityTable};
 pub use self::backend::{AdminState, Backend, ConnectionGuard, PortHealth};
@@ -163,6 +164,10 @@ pub struct LoadBalancer {
     connections: Arc<Budget>,
     /// Its share of the process-wide UDP flow bound, likewise.
     udp_flows: Arc<Budget>,
+    /// Cancelled when the last holder lets it go (the config, every
+    /// listener's route, every connection and probe): a removed load
+    /// balancer's backends and numbers need not wait out the drain time.
+    released: CancellationToken,
 }
 
 struct Inner {
@@ -173,6 +178,12 @@ struct Inner {
     /// Removed from the config in force: it no longer reports
     /// `no_eligible_backend`.
     left: bool,
+}
+
+impl Drop for LoadBalancer {
+    fn drop(&mut self) {
+        self.released.cancel();
+    }
 }
 
 impl LoadBalancer {
@@ -203,6 +214,7 @@ impl LoadBalancer {
             affinity: OnceLock::new(),
             connections: Budget::new(usize::MAX),
             udp_flows: Budget::new(usize::MAX),
+            released: CancellationToken::new(),
         });
         lb.publish();
         lb
@@ -279,6 +291,12 @@ impl LoadBalancer {
     /// Its numbers.
     pub fn stats(&self) -> &Arc<LbStats> {
         &self.stats
+    }
+
+    /// Resolves once this load balancer is dropped: nothing forwards
+    /// through it or probes for it any more.
+    pub fn released(&self) -> impl std::future::Future<Output = ()> + Send + 'static {
+        self.released.clone().cancelled_owned()
     }
 
     /// The health checker marked `backend` down (on `port` alone, with

@@ -314,7 +314,13 @@ impl Daemon {
         for (_, gone) in std::mem::replace(&mut entry.backends, backends) {
             self.stop_probing(&spec.name, &gone);
             gone.leave();
-            retire_after(gone, drain, &self.drains, self.retire_now.clone());
+            retire_after(
+                gone,
+                drain,
+                entry.lb.released(),
+                &self.drains,
+                self.retire_now.clone(),
+            );
         }
         if spec.health_check.is_none() {
             // Health checking switched off: every backend is eligible again.
@@ -398,12 +404,24 @@ impl Daemon {
         }
     }
 
+    /// Takes a removed load balancer out of service. Its backends (and
+    /// with them the last of its series) are retired once nothing holds
+    /// the load balancer any more: at once when no connection is open
+    /// through it, when the last one closes, or when the drain time is up,
+    /// whichever comes first. A client still connecting through it holds
+    /// its route, so it is never cut short by this.
     pub(super) fn retire_load_balancer(&self, entry: LbEntry, drain: Duration) {
         entry.lb.leave();
         for (_, backend) in entry.backends {
             self.stop_probing(&entry.lb.name, &backend);
             backend.leave();
-            retire_after(backend, drain, &self.drains, self.retire_now.clone());
+            retire_after(
+                backend,
+                drain,
+                entry.lb.released(),
+                &self.drains,
+                self.retire_now.clone(),
+            );
         }
     }
 
@@ -498,20 +516,23 @@ impl Daemon {
 }
 
 /// Closes a removed backend's connections once `drain` has passed (or at
-/// shutdown, after the listeners have drained).
+/// shutdown, after the listeners have drained, or once its load balancer
+/// is released: then no connection through it can be open any more).
 ///
-/// It always waits the full drain time, even when no connection is open
+/// Otherwise it waits the full drain time, even when no connection is open
 /// now: a client that picked this backend from the previous snapshot may
 /// still be connecting, and it deserves the same drain as everyone else.
 fn retire_after(
     backend: Arc<Backend>,
     drain: Duration,
+    released: impl std::future::Future<Output = ()> + Send + 'static,
     tracker: &TaskTracker,
     shutdown: CancellationToken,
 ) {
     tracker.spawn(async move {
         tokio::select! {
             _ = tokio::time::sleep(drain) => {}
+            _ = released => {}
             _ = shutdown.cancelled() => {}
         }
         backend.retire();

@@ -36,9 +36,11 @@ use crate::workers::Workers;
 mod admin_state;
 mod apply;
 mod leases;
+mod readiness;
 mod status;
 
 pub use admin_state::{AdminStateChange, AdminStateError};
+pub use readiness::{UnboundListener, VipNotReady};
 pub use status::{
     BackendStatus, ConfigStatus, LeaseStatus, ListenerStatus, LoadBalancerStatus, PortStatus,
     StatusDoc,
@@ -190,7 +192,8 @@ impl Daemon {
         was
     }
 
-    /// Whether a config is in force and every listener is bound.
+    /// Whether a config is in force and every listener is bound, whatever
+    /// its VIP (`/readyz`); [`Daemon::vips_ready`] asks about some VIPs.
     pub fn is_ready(&self) -> bool {
         if self.is_stopping() {
             return false;

@@ -357,6 +357,12 @@ pub static CONNECTIONS_LIMIT: Family = Family::new(
     Gauge,
     "The cap on forwarded connections across all listeners (proxy.max_connections, or what the open-file limit allows).",
 );
+/// Admin connections closed to make room for a newcomer.
+pub static ADMIN_CONNECTIONS_SHED: Family = Family::new(
+    "harvester_lb_admin_connections_shed_total",
+    Counter,
+    "Admin connections (admin.listen or admin.socket) closed to make room for a newcomer: at the cap, the one idle longest without a request in service.",
+);
 /// Descriptors the process holds now (the name every Prometheus client's
 /// process collector uses, so existing descriptor alerts apply as they are).
 pub static PROCESS_OPEN_FDS: Family = Family::new(
