@@ -14,7 +14,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::admin::ReloadRequest;
 use crate::config::{self, Config, ConfigError};
-use crate::daemon::Daemon;
+use crate::daemon::{Daemon, log_applied};
 use crate::metrics::Metrics;
 use crate::vip::isolate::IsolationError;
 use crate::workers::Workers;
@@ -150,7 +150,7 @@ pub async fn start(options: Options) -> Result<Server, StartError> {
 
     daemon.set_config_file(&options.config_path);
     let report = daemon.apply(config);
-    tracing::info!(?report, config = %options.config_path.display(), "config applied");
+    log_applied!(tracing::Level::INFO, report, config = %options.config_path.display(), "config applied");
     metrics.record_reload(true);
 
     let (reload_tx, reload_rx) = mpsc::channel::<ReloadRequest>(16);
@@ -468,14 +468,20 @@ async fn reload(
             if total == 0 && report.load_balancers_removed > 0 {
                 // Rarely meant: a controller bug or a truncated file
                 // unbinds every VIP of the host.
-                tracing::warn!(
-                    ?report,
+                log_applied!(
+                    tracing::Level::WARN,
+                    report,
                     config = %options.config_path.display(),
                     "config reloaded with no load balancer: all {} load balancers in force were removed and their listeners drain",
                     report.load_balancers_removed
                 );
             } else {
-                tracing::info!(?report, elapsed = ?started.elapsed(), "config reloaded");
+                log_applied!(
+                    tracing::Level::INFO,
+                    report,
+                    elapsed_ms = started.elapsed().as_millis() as u64,
+                    "config reloaded"
+                );
             }
             Ok(summary)
         }

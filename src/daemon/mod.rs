@@ -118,6 +118,26 @@ struct ListenerEntry {
     stats: Arc<ListenerStats>,
 }
 
+/// Logs an [`ApplyReport`] at `$level` with each count as a field of its
+/// own (`listeners_bound=3 listeners_failed=0 …`), which an operator reads
+/// and journald filters on, instead of one `Debug` struct; the rest of the
+/// arguments are the event's other fields and message.
+macro_rules! log_applied {
+    ($level:expr, $report:expr, $($rest:tt)*) => {{
+        let r: &$crate::daemon::ApplyReport = &$report;
+        tracing::event!(
+            $level,
+            listeners_bound = r.listeners_bound,
+            listeners_failed = r.listeners_failed,
+            listeners_removed = r.listeners_removed,
+            load_balancers_added = r.load_balancers_added,
+            load_balancers_removed = r.load_balancers_removed,
+            $($rest)*
+        )
+    }};
+}
+pub(crate) use log_applied;
+
 /// What a call to [`Daemon::apply`] changed, for the log.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct ApplyReport {
