@@ -10,6 +10,7 @@ use clap::{Parser, Subcommand, ValueEnum};
 
 use harvester_lb::config;
 use harvester_lb::workers::{WorkerThreads, Workers};
+use tracing_subscriber::field::MakeExt as _;
 
 /// mimalloc instead of glibc's malloc: a reload of 10,000 load balancers
 /// allocates ~80 MB for a moment, which glibc kept (RSS +125 MB after three
@@ -260,7 +261,21 @@ fn init_tracing(format: LogFormat) {
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()));
     match format {
-        LogFormat::Text => builder.init(),
+        // Every field and message through `text::escape`: a name from an
+        // object that holds `\n` or `ESC[8m` cannot forge a line or hide
+        // one (the stock text format writes `%name` fields raw). JSON
+        // needs none: serde_json escapes control characters itself.
+        LogFormat::Text => builder
+            .fmt_fields(
+                tracing_subscriber::fmt::format::debug_fn(|w, field, value| {
+                    if field.name() != "message" {
+                        write!(w, "{}=", field.name())?;
+                    }
+                    harvester_lb::text::write_escaped(w, &format!("{value:?}"))
+                })
+                .delimited(" "),
+            )
+            .init(),
         LogFormat::Json => builder.json().init(),
     }
 }

@@ -14,11 +14,11 @@ use tokio_util::sync::CancellationToken;
 
 use crate::admin::ReloadRequest;
 use crate::config::{self, Config, ConfigError};
-use crate::daemon::Daemon;
+use crate::daemon::{Daemon, log_applied};
 use crate::metrics::Metrics;
 use crate::vip::isolate::IsolationError;
 use crate::workers::Workers;
-use crate::{admin, kernel, os, systemd, watch};
+use crate::{admin, os, owned, systemd, watch};
 
 /// How to run the daemon.
 #[derive(Debug, Clone)]
@@ -114,7 +114,7 @@ pub async fn start(options: Options) -> Result<Server, StartError> {
     let daemon = Daemon::new(Arc::clone(&metrics), limit, options.workers.clone());
     // Every single-instance resource before any kernel object: a second
     // daemon (an operator trying a file by hand) must fail here, before it
-    // could replace the first one's isolation table (see `kernel`).
+    // could replace the first one's isolation table (see `owned`).
     let admin_addr = config.admin.listen;
     let admin_socket =
         TcpListener::bind(admin_addr)
@@ -150,7 +150,7 @@ pub async fn start(options: Options) -> Result<Server, StartError> {
 
     daemon.set_config_file(&options.config_path);
     let report = daemon.apply(config);
-    tracing::info!(?report, config = %options.config_path.display(), "config applied");
+    log_applied!(tracing::Level::INFO, report, config = %options.config_path.display(), "config applied");
     metrics.record_reload(true);
 
     let (reload_tx, reload_rx) = mpsc::channel::<ReloadRequest>(16);
@@ -261,8 +261,27 @@ fn connection_limit(config: &Config) -> usize {
     if let Some(n) = config.proxy.max_connections {
         return n.get();
     }
-    os::connections_for(os::raise_open_file_limit().unwrap_or(1024))
+    let open_files = os::raise_open_file_limit().unwrap_or(1024);
+    let limit = os::connections_for(open_files);
+    if limit < SMALL_DERIVED_CAP {
+        tracing::warn!(
+            open_file_limit = open_files,
+            max_connections = limit,
+            "the open-file limit is {open_files}, so at most {limit} connections are forwarded at once{}: raise the unit's LimitNOFILE= (e.g. LimitNOFILE=1048576; `ulimit -n` by hand), or set proxy.max_connections",
+            if config.proxy.max_udp_flows.is_none() {
+                " (and as many UDP flows)"
+            } else {
+                ""
+            }
+        );
+    }
+    limit
 }
+
+/// Below this, a connection cap derived from the open-file limit is said
+/// at start (a warning): under 1,024 concurrent connections is a limit an
+/// operator did not mean (e.g. `ulimit -n 256` gives 16).
+const SMALL_DERIVED_CAP: usize = 1024;
 
 async fn main_loop(
     options: Options,
@@ -340,11 +359,11 @@ async fn main_loop(
 }
 
 /// Reads the kernel objects the daemon owns back every
-/// [`kernel::CHECK_INTERVAL`] and repairs what another process changed
-/// (see [`crate::kernel`]); until `stop`. One check at a time, each on a
+/// [`owned::CHECK_INTERVAL`] and repairs what another process changed
+/// (see [`crate::owned`]); until `stop`. One check at a time, each on a
 /// blocking thread (it runs `nft`).
 async fn check_kernel_objects(daemon: Arc<Daemon>, stop: CancellationToken) {
-    let mut tick = tokio::time::interval(kernel::CHECK_INTERVAL);
+    let mut tick = tokio::time::interval(owned::CHECK_INTERVAL);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     tick.tick().await; // The first tick is now: start has just written them.
     loop {
@@ -446,7 +465,24 @@ async fn reload(
                 .err()
                 .map(|e| format!("; vip.isolate failed: {e}"))
                 .unwrap_or_default();
-            tracing::info!(?report, elapsed = ?started.elapsed(), "config reloaded");
+            if total == 0 && report.load_balancers_removed > 0 {
+                // Rarely meant: a controller bug or a truncated file
+                // unbinds every VIP of the host.
+                log_applied!(
+                    tracing::Level::WARN,
+                    report,
+                    config = %options.config_path.display(),
+                    "config reloaded with no load balancer: all {} load balancers in force were removed and their listeners drain",
+                    report.load_balancers_removed
+                );
+            } else {
+                log_applied!(
+                    tracing::Level::INFO,
+                    report,
+                    elapsed_ms = started.elapsed().as_millis() as u64,
+                    "config reloaded"
+                );
+            }
             Ok(summary)
         }
         Err(e) => {

@@ -140,8 +140,9 @@ pub struct ProxySettings {
     /// Cap on UDP flows, all UDP listeners together; `None` = derived from
     /// the open-file limit at start (each flow holds one socket).
     pub max_udp_flows: Option<NonZeroUsize>,
-    /// Cap on the flows of one client IP address on one UDP listener, so a
-    /// client that floods new source ports fills only its share of the table.
+    /// Cap on the flows of one source (an IPv4 address, an IPv6 /64) on one
+    /// UDP listener, so a client that floods new source ports or addresses
+    /// fills only its share of the table.
     pub max_udp_flows_per_source: NonZeroUsize,
 }
 
@@ -188,6 +189,29 @@ pub struct LoadBalancerSpec {
     /// How its UDP listeners end flows; here, per load balancer, because a
     /// DNS service and a game service behind one daemon want different ones.
     pub udp: UdpSettings,
+    /// Cap on its concurrent TCP connections, all its listeners together;
+    /// `None`: its default share of `proxy.max_connections` (see
+    /// [`default_share`]).
+    pub max_connections: Option<NonZeroUsize>,
+    /// Cap on its UDP flows, all its listeners together; `None`: its
+    /// default share of `proxy.max_udp_flows`.
+    pub max_udp_flows: Option<NonZeroUsize>,
+}
+
+/// A load balancer's default share of a process-wide cap (`proxy.max_connections`,
+/// `proxy.max_udp_flows`) when its own is not set, given how many load
+/// balancers have listeners of that protocol: the whole cap when it is the
+/// only one, else half of it, rounded up. No one tenant can
+/// then hold every slot and starve the others (150 idle connections to one
+/// VIP no longer refuse every other VIP), while a busy tenant can still use
+/// far more than an even split when the others are quiet. An explicit
+/// per-load-balancer cap is used as it is, never above the process-wide one.
+pub fn default_share(global: usize, load_balancers: usize) -> usize {
+    if load_balancers <= 1 {
+        global
+    } else {
+        global.div_ceil(2).max(1)
+    }
 }
 
 /// How a load balancer's UDP listeners end their flows. UDP has no

@@ -16,7 +16,11 @@ impl Daemon {
             return;
         };
         let report = self.apply_locked(&mut st, config);
-        tracing::info!(?report, "applied the DHCP lease change");
+        super::log_applied!(
+            tracing::Level::INFO,
+            report,
+            "applied the DHCP lease change"
+        );
         // The isolation table follows the leased address (it runs `nft`).
         // Config and leases are read when the write runs, so writes that
         // run out of order still end with the latest.

@@ -449,6 +449,13 @@ impl Exposition {
         let mut headed = false;
         Out {
             buf,
+            family: &names::ADMIN_CONNECTIONS_SHED,
+            headed: &mut headed,
+        }
+        .sample("", |_| {}, m.admin_shed.get());
+        let mut headed = false;
+        Out {
+            buf,
             family: &names::BUILD_INFO,
             headed: &mut headed,
         }

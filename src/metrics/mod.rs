@@ -63,6 +63,8 @@ pub struct Metrics {
     pub(crate) vip_isolation_repairs: Counter,
     /// The connection cap in force (0: not set yet, not exported).
     connection_limit: AtomicU64,
+    /// `admin_connections_shed_total`.
+    admin_shed: Counter,
 }
 
 impl Metrics {
@@ -132,6 +134,11 @@ impl Metrics {
     /// `proxy.max_connections` needs a restart).
     pub fn set_connection_limit(&self, limit: usize) {
         self.connection_limit.store(limit as u64, Ordering::Relaxed);
+    }
+
+    /// Counts an admin connection shed to make room for a newcomer.
+    pub fn record_admin_connection_shed(&self) {
+        self.admin_shed.increment(1);
     }
 
     /// Switches per-backend probe-duration histograms on or off.

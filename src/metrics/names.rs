@@ -161,7 +161,7 @@ pub static CONNECTIONS_FAILED: Family = Family::new(
 pub static CONNECTIONS_REJECTED: Family = Family::new(
     "harvester_lb_connections_rejected_total",
     Counter,
-    "Client connections reset right after accept by the load balancer's policy (reason source_range: the client is outside source_ranges), before any backend connect.",
+    "Client connections reset right after accept by the load balancer's policy (reason source_range: the client is outside source_ranges; load_balancer_limit: the load balancer holds its share of connections, its max_connections), before any backend connect.",
 );
 /// Client connections being forwarded now, per listener.
 pub static CONNECTIONS_ACTIVE: Family = Family::new(
@@ -225,7 +225,7 @@ pub static UDP_FLOWS_CREATED: Family = Family::new(
 pub static UDP_FLOWS_DROPPED: Family = Family::new(
     "harvester_lb_udp_flows_dropped_total",
     Counter,
-    "New UDP flows refused (their datagram dropped), by reason (table_full, source_limit, no_backend, no_socket).",
+    "New UDP flows refused (their datagram dropped), by reason (table_full, source_limit, no_backend, no_socket, load_balancer_limit: the load balancer holds its share of proxy.max_udp_flows).",
 );
 /// UDP flows open to a backend now; labels add `backend`.
 pub static UDP_BACKEND_FLOWS_ACTIVE: Family = Family::new(
@@ -356,6 +356,12 @@ pub static CONNECTIONS_LIMIT: Family = Family::new(
     "harvester_lb_connections_limit",
     Gauge,
     "The cap on forwarded connections across all listeners (proxy.max_connections, or what the open-file limit allows).",
+);
+/// Admin connections closed to make room for a newcomer.
+pub static ADMIN_CONNECTIONS_SHED: Family = Family::new(
+    "harvester_lb_admin_connections_shed_total",
+    Counter,
+    "Admin connections (admin.listen or admin.socket) closed to make room for a newcomer: at the cap, the one idle longest without a request in service.",
 );
 /// Descriptors the process holds now (the name every Prometheus client's
 /// process collector uses, so existing descriptor alerts apply as they are).

@@ -32,9 +32,9 @@
 //! crash leaves it in place, so nothing opens up while systemd restarts the
 //! daemon.
 //!
-//! The daemon owns the table (see [`crate::kernel`]): it keeps what the
+//! The daemon owns the table (see [`crate::owned`]): it keeps what the
 //! kernel listed right after its write, and at every reload and every
-//! [`crate::kernel::CHECK_INTERVAL`] reads the table back; one that another
+//! [`crate::owned::CHECK_INTERVAL`] reads the table back; one that another
 //! process changed or deleted (a second daemon started by hand, `nft flush
 //! ruleset`) is written again whole, logged at warn with what differed and
 //! counted (`vip_isolation_repairs_total`). `vip_isolation_up` is 1 only
@@ -59,8 +59,8 @@ use nftables::stmt::{Match, Operator, Reject, RejectType, Statement};
 use nftables::types::{NfChainPolicy, NfChainType, NfFamily, NfHook, RejectCode};
 
 use crate::config::{Config, IsolateAction, Protocol, VipSettings};
-use crate::kernel::{Checked, Fingerprint, Guard, Owned};
 use crate::metrics::Metrics;
+use crate::owned::{Checked, Fingerprint, Guard, Owned};
 
 /// The table's name, in family `inet`.
 pub const TABLE: &str = "harvester_lb";

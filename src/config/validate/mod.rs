@@ -602,6 +602,24 @@ impl Validator<'_> {
                 MAX_UDP_RESPONSES,
             )
         });
+        let max_connections = lb.max_connections.as_ref().map(|_| {
+            self.int(
+                &lb.max_connections,
+                format_args!("{key}.max_connections"),
+                1,
+                1,
+                10_000_000,
+            )
+        });
+        let max_udp_flows = lb.max_udp_flows.as_ref().map(|_| {
+            self.int(
+                &lb.max_udp_flows,
+                format_args!("{key}.max_udp_flows"),
+                1,
+                1,
+                10_000_000,
+            )
+        });
 
         Some(LoadBalancerSpec {
             name: name?,
@@ -624,6 +642,10 @@ impl Validator<'_> {
                 idle_timeout: Duration::from_secs(udp_idle_timeout as u64),
                 responses: udp_responses.and_then(|n| NonZeroU32::new(n as u32)),
             },
+            max_connections: max_connections
+                .and_then(|n| NonZeroUsize::new(usize::try_from(n).unwrap_or(1))),
+            max_udp_flows: max_udp_flows
+                .and_then(|n| NonZeroUsize::new(usize::try_from(n).unwrap_or(1))),
         })
     }
 
