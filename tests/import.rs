@@ -1014,7 +1014,7 @@ fn an_over_long_or_control_character_name_skips_that_object_by_name() {
         "metadata.name is 254 bytes long; Kubernetes allows at most 253",
         "LoadBalancer ns/forged\\nharvester-lb import: wrote (",
         "holds the control character U+000A",
-        "LoadBalancer ns/hidden\\u{1b}[8m (",
+        "LoadBalancer ns/hidden\\x1b[8m (",
         "holds the control character U+001B",
     ] {
         assert!(stderr.contains(said), "wanted {said:?}:\n{stderr}");

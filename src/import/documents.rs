@@ -82,19 +82,14 @@ const MAX_SHOWN_NAME: usize = 253;
 /// A name from an object as messages show it: control characters escaped
 /// (a `\n` would forge a line of the log), cut past [`MAX_SHOWN_NAME`].
 fn shown(name: &str) -> String {
-    let mut out = String::new();
-    for (n, c) in name.chars().enumerate() {
-        if n == MAX_SHOWN_NAME {
-            out.push_str(&format!("... ({} bytes)", name.len()));
-            break;
-        }
-        if c.is_control() {
-            out.extend(c.escape_default());
-        } else {
-            out.push(c);
-        }
+    match name.char_indices().nth(MAX_SHOWN_NAME) {
+        Some((cut, _)) => format!(
+            "{}... ({} bytes)",
+            crate::text::escape(&name[..cut]),
+            name.len()
+        ),
+        None => crate::text::escape(name).into_owned(),
     }
-    out
 }
 
 /// Input that is neither JSON nor YAML, or not Kubernetes objects.
