@@ -280,8 +280,8 @@ fn the_same_objects_in_any_order_and_split_give_the_same_bytes() {
     let objs = objects(&net);
     let options = Options {
         cluster: Some("guest".into()),
-        base: None,
         allow_loopback: true,
+        ..Options::default()
     };
     let run = |parts: [Vec<Value>; 3], formats: [usize; 3]| {
         let sources: Vec<Source> = (0..3)
@@ -940,6 +940,33 @@ fn one_object_that_conflicts_with_others_is_skipped_and_the_rest_written() {
     );
     let (code, stdout, stderr) = run_cli(&["check", "--config", t]);
     assert_eq!(code, 0, "{stdout}{stderr}");
+}
+
+#[test]
+fn a_new_object_on_a_vip_port_held_in_the_config_in_force_is_skipped_and_the_holder_stays() {
+    let net = Subnet::new();
+    let target = net.dir().join("config.toml");
+    let t = target.to_str().unwrap();
+    let tenant = lb_object("tenant", "10.99.0.20", 80, 30080, &["10.99.1.1"]);
+    let other = lb_object("other", "10.99.0.21", 80, 30080, &["10.99.1.2"]);
+    let (code, _, stderr) = import_objects(&net, &[tenant.clone(), other.clone()], &["--write", t]);
+    assert_eq!(code, 0, "{stderr}");
+    // Another tenant's object claims tenant's VIP:port: were both skipped,
+    // it would take tenant's VIP off the host.
+    let intruder = lb_object("intruder", "10.99.0.20", 80, 30081, &["10.99.1.3"]);
+    let (code, _, stderr) = import_objects(&net, &[intruder, tenant, other], &["--write", t]);
+    assert_eq!(code, 3, "{stderr}");
+    let text = std::fs::read_to_string(&target).unwrap();
+    let names: Vec<String> = lbs_of(&text).into_iter().map(|(n, _)| n).collect();
+    assert_eq!(names, ["ns/other", "ns/tenant"], "{stderr}");
+    let skips = skip_lines(&stderr);
+    assert_eq!(skips.len(), 1, "{stderr}");
+    assert!(
+        skips[0].contains("LoadBalancer ns/intruder (")
+            && skips[0].contains("LoadBalancer ns/tenant (")
+            && skips[0].contains("holds that VIP:port in the config in force"),
+        "{stderr}"
+    );
 }
 
 #[test]

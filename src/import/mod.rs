@@ -115,6 +115,38 @@ pub struct Options {
     /// for tests and demos on one machine only, since an object could then
     /// forward a VIP to this host's own services.
     pub allow_loopback: bool,
+    /// Who holds each VIP:port in the file that `--write` replaces: when a
+    /// new object claims a VIP:port that a load balancer of the current
+    /// file holds, the holder keeps it and only the newcomer is skipped, so
+    /// one tenant's object cannot take another's VIP off the host.
+    pub holders: Holders,
+}
+
+/// The load balancer that holds each VIP:port and protocol in a config
+/// file (the one in force), by name.
+#[derive(Debug, Clone, Default)]
+pub struct Holders(std::collections::HashMap<(SocketAddr, config::Protocol), String>);
+
+impl Holders {
+    /// The holders of the config in `text`; none when it does not parse
+    /// (then every clash skips both sides, as with no file).
+    pub fn of_config_text(text: &str) -> Self {
+        let mut held = std::collections::HashMap::new();
+        if let Ok(loaded) = config::parse(text) {
+            for lb in &loaded.config.load_balancers {
+                for l in &lb.listeners {
+                    let addr = SocketAddr::new(lb.vip.to_canonical(), l.port);
+                    held.insert((addr, l.protocol), lb.name.clone());
+                }
+            }
+        }
+        Self(held)
+    }
+
+    fn holder(&self, addr: SocketAddr, protocol: config::Protocol) -> Option<&str> {
+        let addr = SocketAddr::new(addr.ip().to_canonical(), addr.port());
+        self.0.get(&(addr, protocol)).map(String::as_str)
+    }
 }
 
 /// Something not imported, and why.
@@ -349,7 +381,12 @@ pub fn import(sources: &[Source], options: &Options) -> Result<Imported, ImportE
         }
     }
 
-    skip_conflicts(&mut lbs, admin_listen(options), &mut skipped);
+    skip_conflicts(
+        &mut lbs,
+        admin_listen(options),
+        &options.holders,
+        &mut skipped,
+    );
     let text = fit(sources, options, &mut lbs, objects.len(), &mut skipped)?;
     let models: Vec<model::Lb> = lbs.iter().map(|e| e.lb.clone()).collect();
     if let Err(problems) = config::parse(&text) {
@@ -392,7 +429,12 @@ fn admin_listen(options: &Options) -> SocketAddr {
 /// (both of two on one VIP:port, one whose backend is a VIP:port of the
 /// file or `admin.listen`), with the config's own rules, until none is
 /// left: one object cannot block every other tenant's update.
-fn skip_conflicts(lbs: &mut Vec<Entry>, admin: SocketAddr, skipped: &mut Vec<Skip>) {
+fn skip_conflicts(
+    lbs: &mut Vec<Entry>,
+    admin: SocketAddr,
+    holders: &Holders,
+    skipped: &mut Vec<Skip>,
+) {
     loop {
         let specs: Vec<&LoadBalancerSpec> = lbs.iter().map(|e| &*e.spec).collect();
         let found = config::conflicts(admin, &specs);
@@ -401,9 +443,14 @@ fn skip_conflicts(lbs: &mut Vec<Entry>, admin: SocketAddr, skipped: &mut Vec<Ski
         }
         let mut out: BTreeMap<usize, String> = BTreeMap::new();
         for conflict in &found {
-            for i in conflict.offenders() {
+            let held = held_by(conflict, lbs, holders);
+            let offenders = match held {
+                Some(holder) => vec![newcomer(conflict, holder)],
+                None => conflict.offenders(),
+            };
+            for i in offenders {
                 out.entry(i)
-                    .or_insert_with(|| conflict_reason(conflict, i, lbs, admin));
+                    .or_insert_with(|| conflict_reason(conflict, i, lbs, admin, held));
             }
         }
         for (i, reason) in out.into_iter().rev() {
@@ -416,8 +463,47 @@ fn skip_conflicts(lbs: &mut Vec<Entry>, admin: SocketAddr, skipped: &mut Vec<Ski
     }
 }
 
-/// Why load balancer `i` goes for `conflict`, naming the other object.
-fn conflict_reason(conflict: &Conflict, i: usize, lbs: &[Entry], admin: SocketAddr) -> String {
+/// In a clash of two load balancers on one VIP:port, the one (by index)
+/// that holds it in the current file while the other does not.
+fn held_by(conflict: &Conflict, lbs: &[Entry], holders: &Holders) -> Option<usize> {
+    let Conflict::Address {
+        addr,
+        protocol,
+        first,
+        again,
+    } = *conflict
+    else {
+        return None;
+    };
+    let holder = holders.holder(addr, protocol)?;
+    match (
+        lbs[first.0].lb.name == holder,
+        lbs[again.0].lb.name == holder,
+    ) {
+        (true, false) => Some(first.0),
+        (false, true) => Some(again.0),
+        _ => None,
+    }
+}
+
+/// The other side of a two-sided `conflict` from `holder`.
+fn newcomer(conflict: &Conflict, holder: usize) -> usize {
+    match *conflict {
+        Conflict::Address { first, again, .. } if first.0 == holder => again.0,
+        Conflict::Address { first, .. } => first.0,
+        _ => holder,
+    }
+}
+
+/// Why load balancer `i` goes for `conflict`, naming the other object;
+/// `held`: the other one holds the VIP:port in the current file and stays.
+fn conflict_reason(
+    conflict: &Conflict,
+    i: usize,
+    lbs: &[Entry],
+    admin: SocketAddr,
+    held: Option<usize>,
+) -> String {
     let listener = |(lb, k): (usize, usize)| &lbs[lb].spec.listeners[k];
     match *conflict {
         Conflict::Name { first, again } => {
@@ -438,6 +524,14 @@ fn conflict_reason(conflict: &Conflict, i: usize, lbs: &[Entry], admin: SocketAd
             } else {
                 (again, first)
             };
+            if held == Some(other.0) {
+                return format!(
+                    "listener {:?} on {addr}/{protocol}: {} holds that VIP:port in the config in force (listener {:?}) and keeps it; not imported",
+                    listener(mine).name,
+                    lbs[other.0].object,
+                    listener(other).name
+                );
+            }
             format!(
                 "listener {:?} on {addr}/{protocol}: {} claims that VIP:port too (listener {:?}); two objects on one VIP:port: neither is imported",
                 listener(mine).name,
@@ -650,10 +744,17 @@ pub fn command(args: &Args) -> u8 {
             return code;
         }
     };
+    let holders = args
+        .write
+        .as_deref()
+        .and_then(write::existing)
+        .map(|text| Holders::of_config_text(&text))
+        .unwrap_or_default();
     let options = Options {
         cluster: args.cluster.clone(),
         base,
         allow_loopback: args.allow_loopback,
+        holders,
     };
     let imported = match import(&sources, &options) {
         Ok(i) => i,
