@@ -94,7 +94,7 @@ q() { rpm -qp --qf "$1" "$pkg" 2>/dev/null; }
 [[ $(q '%{VERSION}') == "$version" ]] || bad "Version is $(q '%{VERSION}'), Cargo.toml says $version"
 [[ $(q '%{RELEASE}') == 1 ]] || bad "Release is $(q '%{RELEASE}')"
 [[ $(q '%{ARCH}') == "$arch" ]] || bad "Architecture is $(q '%{ARCH}'), this machine is $arch"
-[[ -n $(q '%{LICENSE}') ]] || bad "no License"
+[[ $(q '%{LICENSE}') == Apache-2.0 ]] || bad "License is '$(q '%{LICENSE}')', want Apache-2.0"
 [[ $(q '%{SUMMARY}') == *Harvester* ]] || bad "Summary is '$(q '%{SUMMARY}')'"
 q '%{REQUIRENAME}\n' >/dev/null
 rpm -qp --requires "$pkg" 2>/dev/null | grep -q '^libc.so.6' || bad "no automatic libc requirement (auto-req did not run)"
@@ -113,6 +113,7 @@ declare -A source_of=(
     [/usr/share/harvester-lb/prometheus/harvester-lb.rules.yml]=config/prometheus/harvester-lb.rules.yml
     [/usr/share/harvester-lb/grafana/harvester-lb.json]=config/grafana/harvester-lb.json
     [/usr/share/doc/harvester-lb/README.md]=README.md
+    [/usr/share/licenses/harvester-lb/LICENSE]=LICENSE
 )
 # The opt-in drop-ins (extra privileges), shipped as examples, not enabled.
 for dropin in systemd/harvester-lb.service.d/*.conf; do
@@ -243,7 +244,9 @@ field() { dpkg-deb -f "$deb" "$1"; }
 [[ $(field Depends) == *libc6* ]] || bad "deb Depends is '$(field Depends)' (no automatic libc6)"
 # The RPM's files, and the copyright file Debian requires.
 deb_files=$(dpkg-deb -c "$deb" | awk '$1 !~ /^d/ { sub(/^\./, "", $6); print $6 }' | sort)
-deb_expected=$(printf '%s\n' "${!source_of[@]}" /usr/share/doc/harvester-lb/copyright | sort)
+# Debian keeps the license text in copyright, not under /usr/share/licenses.
+deb_expected=$(printf '%s\n' "${!source_of[@]}" /usr/share/doc/harvester-lb/copyright |
+    grep -v '^/usr/share/licenses/' | sort)
 if [[ $deb_files != "$deb_expected" ]]; then
     diff <(echo "$deb_expected") <(echo "$deb_files") || true
     bad "the .deb's files differ from the RPM's (< expected, > packaged)"
@@ -254,10 +257,14 @@ mkdir -p "$work/debroot"
 dpkg-deb -x "$deb" "$work/debroot"
 for dest in "${!source_of[@]}"; do
     # cargo-deb strips the binary: that one must run, the rest be their sources.
-    [[ $dest == /usr/bin/harvester-lb ]] && continue
+    [[ $dest == /usr/bin/harvester-lb || $dest == /usr/share/licenses/* ]] && continue
     cmp -s "$work/debroot$dest" "${source_of[$dest]}" || bad "deb: $dest is not ${source_of[$dest]}"
 done
 "$work/debroot/usr/bin/harvester-lb" --version >/dev/null || bad "deb: the packaged binary does not run"
+grep -q 'Apache License' "$work/debroot/usr/share/doc/harvester-lb/copyright" ||
+    bad "deb: the copyright file does not carry the Apache-2.0 text"
+grep -q '^License: Apache-2.0' "$work/debroot/usr/share/doc/harvester-lb/copyright" ||
+    bad "deb: the copyright file names no Apache-2.0 license"
 for s in postinst prerm postrm; do
     [[ $(dpkg-deb --info "$deb" "$s") == "$(cat "packaging/deb/$s")" ]] || bad "deb: $s is not packaging/deb/$s"
     sh -n "packaging/deb/$s" || bad "packaging/deb/$s does not parse"

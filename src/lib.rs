@@ -19,6 +19,8 @@
 //! * [`server`]: the daemon's life: start, the reload loop, the systemd watchdog, drain.
 //! * [`workers`]: the threads TCP connections run on (thread per core or work stealing).
 //! * [`vip`]: the VIPs themselves: only their listeners' ports answer.
+//! * [`owned`]: kernel objects the daemon owns (the isolation table), read
+//!   back and repaired when another process changed them.
 //! * [`admin`], [`metrics`], [`systemd`]: how operators and machines see it.
 //! * [`status_table`]: `/status` as a terminal table (`harvester-lb status`).
 //! * [`import`]: Harvester's `LoadBalancer` objects (and v0.1.x guest
@@ -38,13 +40,16 @@ pub mod daemon;
 pub mod demo;
 pub mod health;
 pub mod import;
+pub mod log_limit;
 pub mod metrics;
 pub mod net;
 pub mod os;
+pub mod owned;
 pub mod proxy;
 pub mod server;
 pub mod status_table;
 pub mod systemd;
+pub mod text;
 pub mod vip;
 mod watch;
 pub mod workers;

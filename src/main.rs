@@ -2,8 +2,6 @@
 //! `status`, `import`, `demo`.
 //! Thin by design; the daemon and the admin client live in the library.
 
-use std::io::{Read, Write};
-use std::net::TcpStream;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Duration;
@@ -12,6 +10,7 @@ use clap::{Parser, Subcommand, ValueEnum};
 
 use harvester_lb::config;
 use harvester_lb::workers::{WorkerThreads, Workers};
+use tracing_subscriber::field::MakeExt as _;
 
 /// mimalloc instead of glibc's malloc: a reload of 10,000 load balancers
 /// allocates ~80 MB for a moment, which glibc kept (RSS +125 MB after three
@@ -86,11 +85,12 @@ enum Command {
     },
     /// Ask the running daemon to reload its config and print the outcome.
     ///
-    /// POST /reload on the admin socket named in the config (admin.socket)
-    /// when it exists, else on the admin listener (admin.listen).
+    /// POST /reload on the admin socket named in the config (admin.socket),
+    /// and only there: admin.listen is open to every local user, so an
+    /// answer from it proves nothing (exit 69 when the socket cannot be
+    /// reached; `systemctl kill -s HUP harvester-lb` reloads without it).
     Reload {
-        /// The config file (its `admin.socket` and `admin.listen` are where
-        /// the daemon listens).
+        /// The config file (its `admin.socket` is where the daemon listens).
         #[arg(long, short, default_value = config::DEFAULT_PATH)]
         config: PathBuf,
     },
@@ -140,7 +140,10 @@ enum Command {
     /// Prints the config on stdout, or with --write replaces PATH through a
     /// temporary file validated as `check` does (exit 78 and nothing written
     /// if it is invalid). Anything that cannot be imported is named on
-    /// stderr; --strict makes that an error (exit 65).
+    /// stderr and the rest is written (exit 3); --strict makes that an
+    /// error (exit 65). An address of this host as a VIP or backend skips
+    /// its object; --write never empties the file or removes more than half
+    /// of it without --allow-removals (exit 77).
     Import {
         /// Files to read (one object, a List, or several YAML documents
         /// each); none or `-`: standard input.
@@ -159,6 +162,15 @@ enum Command {
         /// settings, copied above the load balancers.
         #[arg(long, value_name = "PATH")]
         base: Option<PathBuf>,
+        /// Let --write empty a non-empty config or remove more than half of
+        /// its load balancers (refused otherwise: exit 77, nothing written).
+        #[arg(long)]
+        allow_removals: bool,
+        /// Let loopback addresses (127.0.0.0/8, ::1) be VIPs and backends:
+        /// for tests and demos on one machine only; never with a guest
+        /// cluster's objects, which could then reach this host's services.
+        #[arg(long)]
+        allow_loopback: bool,
     },
 }
 
@@ -227,12 +239,16 @@ fn main() -> ExitCode {
             write,
             strict,
             base,
+            allow_removals,
+            allow_loopback,
         } => ExitCode::from(harvester_lb::import::command(&harvester_lb::import::Args {
             inputs,
             cluster,
             write,
             strict,
             base,
+            allow_removals,
+            allow_loopback,
         })),
     }
 }
@@ -245,7 +261,23 @@ fn init_tracing(format: LogFormat) {
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()));
     match format {
-        LogFormat::Text => builder.init(),
+        // Every field and message through `text::escape`: a name from an
+        // object that holds `\n` or `ESC[8m` cannot forge a line or hide
+        // one (the stock text format writes `%name` fields raw). JSON
+        // needs none: serde_json escapes control characters itself.
+        LogFormat::Text => builder
+            .fmt_fields(
+                tracing_subscriber::fmt::format::debug_fn(|w, field, value| {
+                    if field.name() != "message" {
+                        write!(w, "{}=", field.name())?;
+                    }
+                    // Control characters only: a string field's `Debug`
+                    // form has its quotes and backslashes escaped already.
+                    harvester_lb::text::write_controls_escaped(w, &format!("{value:?}"))
+                })
+                .delimited(" "),
+            )
+            .init(),
         LogFormat::Json => builder.json().init(),
     }
 }
@@ -371,7 +403,13 @@ fn unreachable(socket: &Path, e: &std::io::Error) -> String {
         std::io::ErrorKind::PermissionDenied => format!(
             "permission denied on the admin socket {shown}: it is mode 0600 in a 0700 directory; run as root"
         ),
-        _ => format!("cannot reach the daemon's admin socket {shown}: {e}"),
+        _ => match e
+            .get_ref()
+            .and_then(|inner| inner.downcast_ref::<harvester_lb::admin::SocketError>())
+        {
+            Some(untrusted) => format!("{untrusted}; nothing was sent"),
+            None => format!("cannot reach the daemon's admin socket {shown}: {e}"),
+        },
     }
 }
 
@@ -429,7 +467,12 @@ fn status(path: &Path, json: bool) -> ExitCode {
         }
     };
     let body = match harvester_lb::status_table::fetch(admin, &socket) {
-        Ok(b) => b,
+        Ok((b, note)) => {
+            if let Some(note) = note {
+                eprintln!("note: {note}");
+            }
+            b
+        }
         Err(message) => {
             eprintln!("{message}");
             return ExitCode::from(EXIT_UNAVAILABLE);
@@ -455,71 +498,32 @@ fn status(path: &Path, json: bool) -> ExitCode {
 }
 
 fn reload(path: &Path) -> ExitCode {
-    // Read only admin.socket and admin.listen; the daemon validates the
-    // whole file itself.
-    let (admin, socket) = match config::load(path) {
-        Ok(l) => (l.config.admin.listen, l.config.admin.socket),
+    // Read only admin.socket; the daemon validates the whole file itself.
+    let socket = match config::load(path) {
+        Ok(l) => l.config.admin.socket,
         Err(e) => {
             eprintln!("{e}");
             return ExitCode::from(EXIT_CONFIG);
         }
     };
-    // The socket first: it answers only the daemon that owns it. A missing
-    // or stale one (an older daemon without it) falls back to TCP.
-    if socket.exists() {
-        match socket_request(&socket, hyper::Method::POST, "/reload", String::new()) {
-            Ok((status, body)) => {
-                return if status.is_success() {
-                    println!("{}", body.trim_end());
-                    ExitCode::SUCCESS
-                } else {
-                    eprintln!("{}", body.trim_end());
-                    ExitCode::from(EXIT_CONFIG)
-                };
-            }
-            Err(e)
-                if matches!(
-                    e.kind(),
-                    std::io::ErrorKind::NotFound
-                        | std::io::ErrorKind::ConnectionRefused
-                        | std::io::ErrorKind::PermissionDenied
-                ) =>
-            {
-                eprintln!("{}; trying admin.listen {admin}", unreachable(&socket, &e));
-            }
-            Err(e) => {
-                // Reached, then lost: the reload may have run; do not send a second.
-                eprintln!("{}", unreachable(&socket, &e));
-                return ExitCode::from(EXIT_START);
-            }
-        }
-    }
-    let result = (|| -> std::io::Result<String> {
-        let mut s = TcpStream::connect_timeout(&admin, Duration::from_secs(5))?;
-        s.set_read_timeout(Some(Duration::from_secs(60)))?;
-        write!(
-            s,
-            "POST /reload HTTP/1.1\r\nHost: {admin}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
-        )?;
-        let mut response = String::new();
-        s.read_to_string(&mut response)?;
-        Ok(response)
-    })();
-    match result {
-        Ok(response) => {
-            let ok = response.starts_with("HTTP/1.1 200");
-            let body = response.split("\r\n\r\n").nth(1).unwrap_or("").trim_end();
-            if ok {
-                println!("{body}");
+    // Only the socket, never admin.listen: any local user can bind that
+    // port before the daemon does and answer "reloaded" for it.
+    match socket_request(&socket, hyper::Method::POST, "/reload", String::new()) {
+        Ok((status, body)) => {
+            if status.is_success() {
+                println!("{}", body.trim_end());
                 ExitCode::SUCCESS
             } else {
-                eprintln!("{body}");
+                eprintln!("{}", body.trim_end());
                 ExitCode::from(EXIT_CONFIG)
             }
         }
         Err(e) => {
-            eprintln!("cannot reach the daemon's admin API at {admin}: {e}");
-            ExitCode::from(EXIT_START)
+            eprintln!(
+                "{}; not reloaded (reload is asked only on the admin socket, never on admin.listen, which any local user could answer; SIGHUP reloads without it: `systemctl kill -s HUP harvester-lb`)",
+                unreachable(&socket, &e)
+            );
+            ExitCode::from(EXIT_UNAVAILABLE)
         }
     }
 }

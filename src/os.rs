@@ -96,6 +96,54 @@ pub fn ignore_hangup_until_handled() {
     }
 }
 
+/// The process's effective user id: whose files and directories it may
+/// trust (the admin socket's directory, see `admin`).
+pub fn effective_uid() -> u32 {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    unsafe { libc::geteuid() }
+}
+
+/// The user that owns a TCP socket listening where `addr` would bind (the
+/// same address, or the wildcard of its family, on its port), as
+/// `/proc/net/tcp` and `/proc/net/tcp6` tell; `None` when none is seen
+/// (or `/proc` cannot be read). For error messages: it names who took a
+/// port the daemon needs.
+pub fn tcp_listener_owner(addr: std::net::SocketAddr) -> Option<u32> {
+    use std::net::IpAddr;
+    // The kernel prints each 32-bit word of the address in host order.
+    let hex = |ip: IpAddr| -> String {
+        let octets: Vec<u8> = match ip {
+            IpAddr::V4(v4) => v4.octets().to_vec(),
+            IpAddr::V6(v6) => v6.octets().to_vec(),
+        };
+        octets
+            .chunks(4)
+            .map(|w| format!("{:08X}", u32::from_ne_bytes([w[0], w[1], w[2], w[3]])))
+            .collect()
+    };
+    let unspecified = match addr.ip() {
+        IpAddr::V4(_) => IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED),
+        IpAddr::V6(_) => IpAddr::V6(std::net::Ipv6Addr::UNSPECIFIED),
+    };
+    let wanted = [
+        format!("{}:{:04X}", hex(addr.ip()), addr.port()),
+        format!("{}:{:04X}", hex(unspecified), addr.port()),
+    ];
+    let table = if addr.is_ipv4() {
+        "/proc/net/tcp"
+    } else {
+        "/proc/net/tcp6"
+    };
+    let text = std::fs::read_to_string(table).ok()?;
+    text.lines().skip(1).find_map(|line| {
+        let f: Vec<&str> = line.split_whitespace().collect();
+        // sl local rem st tx:rx tr:when retrnsmt uid ...
+        (f.len() > 7 && f[3] == "0A" && wanted.iter().any(|w| w == f[1]))
+            .then(|| f[7].parse().ok())
+            .flatten()
+    })
+}
+
 /// `connect(fd, AF_UNSPEC)`: on Linux this dissolves a TCP socket's
 /// connection (a reset if it was established, nothing sent if the handshake
 /// was still pending) and leaves the socket unconnected, ready for another

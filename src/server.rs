@@ -14,11 +14,11 @@ use tokio_util::sync::CancellationToken;
 
 use crate::admin::ReloadRequest;
 use crate::config::{self, Config, ConfigError};
-use crate::daemon::Daemon;
+use crate::daemon::{Daemon, log_applied};
 use crate::metrics::Metrics;
 use crate::vip::isolate::IsolationError;
 use crate::workers::Workers;
-use crate::{admin, os, systemd, watch};
+use crate::{admin, os, owned, systemd, watch};
 
 /// How to run the daemon.
 #[derive(Debug, Clone)]
@@ -56,17 +56,26 @@ pub enum StartError {
     /// The config could not be used; nothing was bound.
     #[error(transparent)]
     Config(#[from] ConfigError),
-    /// `vip.isolate` is on and its table could not be written; nothing
-    /// was bound, so no VIP serves without the isolation asked for.
+    /// `vip.isolate` is on and its table could not be written; no VIP
+    /// listener was bound (so none serves without the isolation asked for),
+    /// and the admin listeners taken before it are closed again.
     #[error("vip.isolate: {0}")]
     Isolation(#[from] IsolationError),
-    /// The admin listener could not be bound.
-    #[error("cannot bind the admin listener {addr} (admin.listen): {source}")]
+    /// The admin listener could not be bound. The daemon does not start
+    /// without it: whatever holds the port would answer `/readyz` and
+    /// `/status` in its name (a keepalived check would believe it).
+    #[error(
+        "cannot bind the admin listener {addr} (admin.listen): {source}{}; the daemon does not start without its admin API, since whatever holds the port would answer /readyz and /status for it: stop that process (`ss -ltnp 'sport = :{}'` names it) or set admin.listen to a free address",
+        holder.map(|uid| format!(" (a socket of uid {uid} listens there)")).unwrap_or_default(),
+        addr.port()
+    )]
     AdminBind {
         /// The address from `admin.listen`.
         addr: SocketAddr,
         /// What the OS said.
         source: std::io::Error,
+        /// The user whose socket listens there, when `/proc` tells.
+        holder: Option<u32>,
     },
     /// The admin Unix socket could not be set up.
     #[error(transparent)]
@@ -103,9 +112,32 @@ pub async fn start(options: Options) -> Result<Server, StartError> {
     let limit = connection_limit(&config);
     metrics.set_connection_limit(limit);
     let daemon = Daemon::new(Arc::clone(&metrics), limit, options.workers.clone());
-    // Before anything binds: a VIP must not serve, even for a moment,
-    // without the isolation its config asks for, and a daemon that cannot
-    // write it must leave nothing behind (no admin socket either).
+    // Every single-instance resource before any kernel object: a second
+    // daemon (an operator trying a file by hand) must fail here, before it
+    // could replace the first one's isolation table (see `owned`).
+    let admin_addr = config.admin.listen;
+    let admin_socket =
+        TcpListener::bind(admin_addr)
+            .await
+            .map_err(|source| StartError::AdminBind {
+                addr: admin_addr,
+                holder: (source.kind() == std::io::ErrorKind::AddrInUse)
+                    .then(|| os::tcp_listener_owner(admin_addr))
+                    .flatten(),
+                source,
+            })?;
+    let admin_addr = admin_socket.local_addr().unwrap_or(admin_addr);
+    // Bound once, like admin.listen: a change of admin.socket needs a restart.
+    // Locked (a file beside it), so two daemons never both take it.
+    let unix_path = options
+        .admin_socket
+        .clone()
+        .unwrap_or_else(|| config.admin.socket.clone());
+    let unix_socket = admin::AdminSocket::bind(&unix_path)?;
+    // Before any VIP listener binds: a VIP must not serve, even for a
+    // moment, without the isolation its config asks for. A failure leaves
+    // the kernel's table as it was (one nft transaction) and drops the admin
+    // listeners: nothing is left behind.
     let isolation = Arc::clone(daemon.isolation());
     let (config, isolated) = tokio::task::spawn_blocking(move || {
         // No lease exists yet: a leased VIP joins the table when it comes.
@@ -114,27 +146,11 @@ pub async fn start(options: Options) -> Result<Server, StartError> {
     })
     .await
     .expect("the isolation writer does not panic");
-    metrics.set_vip_isolation(config.vip.isolate.then_some(true));
     isolated?;
-    let admin_addr = config.admin.listen;
-    let admin_socket =
-        TcpListener::bind(admin_addr)
-            .await
-            .map_err(|source| StartError::AdminBind {
-                addr: admin_addr,
-                source,
-            })?;
-    let admin_addr = admin_socket.local_addr().unwrap_or(admin_addr);
-    // Bound once, like admin.listen: a change of admin.socket needs a restart.
-    let unix_path = options
-        .admin_socket
-        .clone()
-        .unwrap_or_else(|| config.admin.socket.clone());
-    let unix_socket = admin::AdminSocket::bind(&unix_path)?;
 
     daemon.set_config_file(&options.config_path);
     let report = daemon.apply(config);
-    tracing::info!(?report, config = %options.config_path.display(), "config applied");
+    log_applied!(tracing::Level::INFO, report, config = %options.config_path.display(), "config applied");
     metrics.record_reload(true);
 
     let (reload_tx, reload_rx) = mpsc::channel::<ReloadRequest>(16);
@@ -152,6 +168,7 @@ pub async fn start(options: Options) -> Result<Server, StartError> {
         reload_tx.clone(),
         admin_stop.clone(),
     ));
+    tokio::spawn(check_kernel_objects(Arc::clone(&daemon), stop.clone()));
     let main_loop = tokio::spawn(main_loop(
         options,
         watched,
@@ -244,8 +261,27 @@ fn connection_limit(config: &Config) -> usize {
     if let Some(n) = config.proxy.max_connections {
         return n.get();
     }
-    os::connections_for(os::raise_open_file_limit().unwrap_or(1024))
+    let open_files = os::raise_open_file_limit().unwrap_or(1024);
+    let limit = os::connections_for(open_files);
+    if limit < SMALL_DERIVED_CAP {
+        tracing::warn!(
+            open_file_limit = open_files,
+            max_connections = limit,
+            "the open-file limit is {open_files}, so at most {limit} connections are forwarded at once{}: raise the unit's LimitNOFILE= (e.g. LimitNOFILE=1048576; `ulimit -n` by hand), or set proxy.max_connections",
+            if config.proxy.max_udp_flows.is_none() {
+                " (and as many UDP flows)"
+            } else {
+                ""
+            }
+        );
+    }
+    limit
 }
+
+/// Below this, a connection cap derived from the open-file limit is said
+/// at start (a warning): under 1,024 concurrent connections is a limit an
+/// operator did not mean (e.g. `ulimit -n 256` gives 16).
+const SMALL_DERIVED_CAP: usize = 1024;
 
 async fn main_loop(
     options: Options,
@@ -284,7 +320,7 @@ async fn main_loop(
         tokio::select! {
             _ = stop.cancelled() => return,
             Some(reply) = reload_rx.recv() => {
-                let outcome = reload(&options, &loader, &daemon, ready_sent).await;
+                let outcome = reload(&options, &loader, &daemon, ready_sent, &stop).await;
                 let _ = reply.send(outcome);
             }
             Some(event) = changed_rx.recv() => match event {
@@ -322,6 +358,29 @@ async fn main_loop(
     }
 }
 
+/// Reads the kernel objects the daemon owns back every
+/// [`owned::CHECK_INTERVAL`] and repairs what another process changed
+/// (see [`crate::owned`]); until `stop`. One check at a time, each on a
+/// blocking thread (it runs `nft`).
+async fn check_kernel_objects(daemon: Arc<Daemon>, stop: CancellationToken) {
+    let mut tick = tokio::time::interval(owned::CHECK_INTERVAL);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    tick.tick().await; // The first tick is now: start has just written them.
+    loop {
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = tick.tick() => {}
+        }
+        let isolation = Arc::clone(daemon.isolation());
+        match tokio::task::spawn_blocking(move || isolation.check()).await {
+            Ok(Ok(())) => {}
+            // vip_isolation_up is 0 and /status says why; the next check tries again.
+            Ok(Err(e)) => tracing::error!("vip.isolate, periodic check: {e}"),
+            Err(e) => tracing::error!("vip.isolate: the periodic check ended abnormally: {e}"),
+        }
+    }
+}
+
 /// How often expired client-affinity entries are dropped: an entry outlives
 /// its timeout by at most this much (memory, never behaviour: an expired
 /// entry is ignored at once).
@@ -341,6 +400,7 @@ async fn reload(
     loader: &Arc<std::sync::Mutex<config::Loader>>,
     daemon: &Daemon,
     ready_sent: bool,
+    stop: &CancellationToken,
 ) -> Result<String, String> {
     if ready_sent {
         systemd::notify_reloading();
@@ -350,27 +410,36 @@ async fn reload(
     let loader = Arc::clone(loader);
     let isolation = Arc::clone(daemon.isolation());
     let leased = daemon.leased_vips();
-    let loaded = tokio::task::spawn_blocking(move || {
-        let loaded = loader
+    // The read alone is given up at stop: the file is a regular one read
+    // with a bound (`config::read_regular_file`), but a hung file system
+    // must still not hold SIGTERM. The isolation below is never cut short.
+    let read = tokio::task::spawn_blocking(move || {
+        loader
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .load(&path)?;
-        // The table follows the new config before its listeners change. A
-        // failure leaves the kernel's table as it was (one transaction) and
-        // does not stop the reload: it is logged, in /status and a metric.
-        let isolated = isolation.reconcile(&loaded.config, &leased);
-        Ok::<_, config::ConfigError>((loaded, isolated))
-    })
-    .await
-    .map_err(|e| format!("the config loader stopped: {e}"))
-    .and_then(|r| r.map_err(|e| e.to_string()));
+            .load(&path)
+    });
+    let read = tokio::select! {
+        read = read => read,
+        _ = stop.cancelled() => return Err("the daemon is stopping".to_string()),
+    };
+    let loaded = match read {
+        Err(e) => Err(format!("the config loader stopped: {e}")),
+        Ok(Err(e)) => Err(e.to_string()),
+        Ok(Ok(loaded)) => tokio::task::spawn_blocking(move || {
+            // The table follows the new config before its listeners change. A
+            // failure leaves the kernel's table as it was (one transaction) and
+            // does not stop the reload: it is logged, in /status and a metric.
+            let isolated = isolation.reconcile(&loaded.config, &leased);
+            (loaded, isolated)
+        })
+        .await
+        .map_err(|e| format!("the VIP isolation writer stopped: {e}")),
+    };
     let result = match loaded {
         Ok((loaded, isolated)) => {
             let parsed = started.elapsed();
-            let vip = loaded.config.vip;
-            daemon
-                .metrics()
-                .set_vip_isolation(vip.isolate.then_some(isolated.is_ok()));
+            // The isolation has set vip_isolation_up itself.
             if let Err(e) = &isolated {
                 tracing::error!(config = %options.config_path.display(), "vip.isolate: {e}");
             }
@@ -396,7 +465,24 @@ async fn reload(
                 .err()
                 .map(|e| format!("; vip.isolate failed: {e}"))
                 .unwrap_or_default();
-            tracing::info!(?report, elapsed = ?started.elapsed(), "config reloaded");
+            if total == 0 && report.load_balancers_removed > 0 {
+                // Rarely meant: a controller bug or a truncated file
+                // unbinds every VIP of the host.
+                log_applied!(
+                    tracing::Level::WARN,
+                    report,
+                    config = %options.config_path.display(),
+                    "config reloaded with no load balancer: all {} load balancers in force were removed and their listeners drain",
+                    report.load_balancers_removed
+                );
+            } else {
+                log_applied!(
+                    tracing::Level::INFO,
+                    report,
+                    elapsed_ms = started.elapsed().as_millis() as u64,
+                    "config reloaded"
+                );
+            }
             Ok(summary)
         }
         Err(e) => {

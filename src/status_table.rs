@@ -19,32 +19,54 @@ use serde_json::Value;
 /// How long `status` waits for the daemon.
 const TIMEOUT: Duration = Duration::from_secs(10);
 
-/// `GET /status` from the daemon: on the admin socket when it exists and
-/// can be opened, else on `admin.listen` (read-only, open to any local
-/// user). Returns the JSON text, or why the daemon could not be asked.
-pub fn fetch(listen: SocketAddr, socket: &Path) -> Result<String, String> {
-    if socket.exists() {
-        let answer = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .and_then(|rt| {
-                rt.block_on(crate::admin::socket_request(
-                    socket,
-                    hyper::Method::GET,
-                    "/status",
-                    String::new(),
-                    TIMEOUT,
-                ))
-            });
-        match answer {
-            Ok((code, body)) if code.is_success() => return Ok(body),
-            Ok((code, body)) => {
-                return Err(format!("/status answered {code}: {}", body.trim_end()));
-            }
-            // Not ours to open (mode 0600) or stale: the TCP listener serves /status too.
-            Err(_) => {}
+/// `GET /status` from the daemon: on the admin socket when it can be
+/// opened, else on `admin.listen` (read-only, open to any local user).
+/// Returns the JSON text and, when it came from `admin.listen`, a note
+/// saying so and why (for stderr: whoever binds that port first could have
+/// answered); or why the daemon could not be asked. A socket that is not
+/// to be trusted (another user could have put it there) is an error, not
+/// a reason to ask TCP instead.
+pub fn fetch(listen: SocketAddr, socket: &Path) -> Result<(String, Option<String>), String> {
+    let answer = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .and_then(|rt| {
+            rt.block_on(crate::admin::socket_request(
+                socket,
+                hyper::Method::GET,
+                "/status",
+                String::new(),
+                TIMEOUT,
+            ))
+        });
+    let why = match answer {
+        Ok((code, body)) if code.is_success() => return Ok((body, None)),
+        Ok((code, body)) => {
+            return Err(format!("/status answered {code}: {}", body.trim_end()));
         }
-    }
+        // Absent, stale, or not ours to open (mode 0600): the TCP listener
+        // serves /status too.
+        Err(e)
+            if matches!(
+                e.kind(),
+                std::io::ErrorKind::NotFound
+                    | std::io::ErrorKind::ConnectionRefused
+                    | std::io::ErrorKind::PermissionDenied
+            ) =>
+        {
+            e
+        }
+        Err(e) => {
+            return Err(format!(
+                "cannot use the admin socket {}: {e}",
+                socket.display()
+            ));
+        }
+    };
+    let note = format!(
+        "read from admin.listen {listen} (open to every local user), not the admin socket {} ({why})",
+        socket.display()
+    );
     let result = (|| -> std::io::Result<String> {
         let mut s = TcpStream::connect_timeout(&listen, TIMEOUT)?;
         s.set_read_timeout(Some(TIMEOUT))?;
@@ -62,7 +84,7 @@ pub fn fetch(listen: SocketAddr, socket: &Path) -> Result<String, String> {
     })?;
     let (head, body) = response.split_once("\r\n\r\n").unwrap_or((&response, ""));
     if head.split_whitespace().nth(1) == Some("200") {
-        Ok(body.to_string())
+        Ok((body.to_string(), Some(note)))
     } else {
         Err(format!(
             "/status at {listen} answered: {}",
@@ -74,10 +96,12 @@ pub fn fetch(listen: SocketAddr, socket: &Path) -> Result<String, String> {
 /// Renders `/status` (as JSON text) as tables; `now_unix` ages the probes.
 pub fn render(status: &Value, now_unix: f64) -> String {
     let mut out = String::new();
+    // Every cell through `text::escape`: a name holding `\n` or `ESC[8m`
+    // (from a guest cluster's objects) cannot add a row or hide one.
     let text = |v: &Value| match v {
         Value::Null => "-".to_string(),
-        Value::String(s) => s.clone(),
-        other => other.to_string(),
+        Value::String(s) => crate::text::escape(s).into_owned(),
+        other => crate::text::escape(&other.to_string()).into_owned(),
     };
     let ready = status["ready"].as_bool().unwrap_or(false);
     let _ = writeln!(
@@ -85,7 +109,7 @@ pub fn render(status: &Value, now_unix: f64) -> String {
         "daemon: {}{}",
         if ready { "ready" } else { "NOT READY" },
         match status["config"]["problem"].as_str() {
-            Some(p) => format!("; config: {p}"),
+            Some(p) => format!("; config: {}", crate::text::escape(p)),
             None => String::new(),
         }
     );
@@ -257,5 +281,44 @@ mod tests {
             ]
         );
         assert!(text.contains("  http      10.0.0.10:80  30080"), "{text}");
+    }
+
+    #[test]
+    fn hostile_names_cannot_add_or_hide_rows() {
+        let status = serde_json::json!({
+            "ready": false,
+            "config": {"path": "/etc/x", "problem": "bad\nfile\u{1b}[2J", "missing_since_unix": null},
+            "load_balancers": [{
+                "name": "default/web\nFAKE ROW\u{1b}[8m", "cluster": "c\u{1b}]0;title\u{7}",
+                "vip": "10.0.0.10", "ipam": "pool",
+                "algorithm": "round_robin", "health_check": true, "health_check_kind": "tcp",
+                "session_affinity": "none", "eligible_backends": 0,
+                "listeners": [{"name": "h\rttp", "address": "10.0.0.10:80", "backend_port": 30080,
+                    "protocol": "tcp", "proxy_protocol": null, "state": "failed",
+                    "error": "cannot bind\n\u{9b}8m", "active_connections": 0}],
+                "backends": [{"address": "10.0.0.1", "health": "unhealthy", "admin_state": "ready",
+                    "eligible": false, "active_connections": 0,
+                    "probe": {"status": "unhealthy", "consecutive_successes": 0, "consecutive_failures": 4,
+                        "last_result": "refused", "last_error": "refused\u{1b}[8m",
+                        "last_probe_unix": 100.0, "probes": 9}}]
+            }]
+        });
+        let text = render(&status, 102.5);
+        assert!(
+            !text.chars().any(|c| c.is_control() && c != '\n'),
+            "no control character but the row ends: {text:?}"
+        );
+        assert!(text.contains("default/web\\nFAKE ROW\\x1b[8m"), "{text}");
+        assert!(text.contains("h\\rttp"), "{text}");
+        assert!(
+            text.starts_with("daemon: NOT READY; config: bad\\nfile\\x1b[2J\n"),
+            "{text}"
+        );
+        assert!(!text.lines().any(|l| l.starts_with("FAKE ROW")), "{text}");
+        let backend = text.lines().find(|l| l.contains("10.0.0.1 ")).expect("row");
+        assert!(
+            backend.contains("unhealthy") && backend.ends_with("refused\\x1b[8m"),
+            "{backend}"
+        );
     }
 }

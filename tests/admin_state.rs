@@ -616,3 +616,188 @@ async fn a_live_socket_is_never_taken_and_a_stale_one_is_replaced() {
     assert_eq!(std::fs::read_to_string(&plain).unwrap(), "keep me");
     d.stop().await;
 }
+
+/// A squatter on `addr` that answers every request "200 reloaded", as a
+/// local user who bound admin.listen before the daemon could.
+fn squat(addr: SocketAddr) -> std::net::TcpListener {
+    let squatter = std::net::TcpListener::bind(addr).expect("squat admin.listen");
+    let serving = squatter.try_clone().unwrap();
+    std::thread::spawn(move || {
+        for s in serving.incoming().take(16) {
+            let Ok(mut s) = s else { continue };
+            use std::io::{Read, Write};
+            let mut buf = [0u8; 4096];
+            let _ = s.set_read_timeout(Some(Duration::from_secs(5)));
+            let _ = s.read(&mut buf);
+            let _ = s.write_all(
+                b"HTTP/1.1 200 OK\r\nContent-Length: 9\r\nConnection: close\r\n\r\nreloaded\n",
+            );
+        }
+    });
+    squatter
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_squatted_admin_port_neither_starts_the_daemon_nor_answers_the_cli() {
+    let net = Subnet::new();
+    let addr = SocketAddr::new(net.ip(250), 9901);
+    let _squatter = squat(addr);
+    let cfg = admin(&net) + &lb(&net, LB, 1, &[11], "", false);
+    let path = net.write("config.toml", &cfg);
+
+    // The daemon refuses to start, naming the port, who holds it and the fix.
+    let err = match harvester_lb::start(harvester_lb::Options::new(&path)).await {
+        Ok(_) => panic!("started beside a squatter on admin.listen"),
+        Err(e) => e.to_string(),
+    };
+    assert!(
+        err.contains(&addr.to_string())
+            && err.contains(&format!("a socket of uid {} listens there", {
+                #[allow(unsafe_code)]
+                // SAFETY: geteuid has no preconditions.
+                unsafe {
+                    libc::geteuid()
+                }
+            }))
+            && err.contains("set admin.listen to a free address"),
+        "{err}"
+    );
+    assert!(!socket_path(&net).exists(), "the admin socket was left");
+
+    // `reload` never takes the squatter's answer: no socket, no success.
+    let (code, out, err) = cli(vec![
+        "reload".into(),
+        "--config".into(),
+        path.display().to_string(),
+    ])
+    .await;
+    assert_eq!(code, 69, "{out} {err}");
+    assert!(
+        !out.contains("reloaded"),
+        "the squatter's answer was printed: {out}"
+    );
+    assert!(
+        err.contains(&socket_path(&net).display().to_string())
+            && err.contains("never on admin.listen"),
+        "{err}"
+    );
+}
+
+/// A directory owned by uid 65534 (another user), mode `mode`.
+fn foreign_dir(net: &Subnet, name: &str, owner: u32, mode: u32) -> PathBuf {
+    let dir = net.dir().join(name);
+    std::fs::create_dir_all(&dir).unwrap();
+    std::os::unix::fs::chown(&dir, Some(owner), Some(owner)).expect("chown (tests run as root)");
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(mode)).unwrap();
+    dir
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_admin_socket_another_user_could_replace_is_refused_by_daemon_and_cli() {
+    #[allow(unsafe_code)]
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        skip_or_fail(
+            "an_admin_socket_another_user_could_replace_is_refused_by_daemon_and_cli",
+            "chown to another user needs root",
+        );
+        return;
+    }
+    let net = Subnet::new();
+    // Owned by another user; and root's, but writable by everyone (no sticky bit).
+    for (dir, says) in [
+        (
+            foreign_dir(&net, "nobody", 65534, 0o700),
+            "owned by another user (owner uid 65534, mode 0700)",
+        ),
+        (
+            foreign_dir(&net, "open", 0, 0o777),
+            "writable by group or others without the sticky bit (owner uid 0, mode 0777)",
+        ),
+    ] {
+        let socket = dir.join("admin.sock");
+        let cfg = format!(
+            "[admin]\nlisten = \"{}:9901\"\nsocket = {socket:?}\n",
+            net.ip_str(250)
+        ) + &lb(&net, LB, 1, &[11], "", false);
+        let path = net.write("config.toml", &cfg);
+        let err = match harvester_lb::start(harvester_lb::Options::new(&path)).await {
+            Ok(_) => panic!("started with its admin socket in {}", dir.display()),
+            Err(e) => e.to_string(),
+        };
+        assert!(
+            err.contains(&dir.display().to_string())
+                && err.contains(says)
+                && err.contains("/run/harvester-lb"),
+            "{err}"
+        );
+
+        // The other user's own socket there, answering success to anything:
+        // the CLI must not send to it, nor print a success.
+        let fake = std::os::unix::net::UnixListener::bind(&socket).unwrap();
+        let answered = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let seen = std::sync::Arc::clone(&answered);
+        fake.set_nonblocking(true).unwrap();
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let stopped = std::sync::Arc::clone(&stop);
+        let server = std::thread::spawn(move || {
+            use std::io::{Read, Write};
+            while !stopped.load(std::sync::atomic::Ordering::Relaxed) {
+                match fake.accept() {
+                    Ok((mut s, _)) => {
+                        seen.store(true, std::sync::atomic::Ordering::Relaxed);
+                        let _ = s.set_nonblocking(false);
+                        let mut buf = [0u8; 4096];
+                        let _ = s.read(&mut buf);
+                        let body = r#"{"backend":"x","state":"drain","previous_state":"ready"}"#;
+                        let _ = write!(
+                            s,
+                            "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                            body.len()
+                        );
+                    }
+                    Err(_) => std::thread::sleep(Duration::from_millis(10)),
+                }
+            }
+        });
+        for args in [
+            vec![
+                "backend".to_string(),
+                "drain".into(),
+                "--lb".into(),
+                LB.into(),
+                net.ip_str(11),
+                "--socket".into(),
+                socket.display().to_string(),
+            ],
+            vec![
+                "reload".to_string(),
+                "--config".into(),
+                path.display().to_string(),
+            ],
+            vec![
+                "status".to_string(),
+                "--config".into(),
+                path.display().to_string(),
+            ],
+        ] {
+            let (code, out, err) = cli(args.clone()).await;
+            assert_ne!(code, 0, "{args:?}: {out}");
+            assert!(
+                !out.contains("drain") && !out.contains("reloaded"),
+                "{args:?}: {out}"
+            );
+            assert!(err.contains(says), "{args:?}: {err}");
+            assert!(
+                args[0] == "status" || err.contains("nothing was sent"),
+                "{args:?}: {err}"
+            );
+        }
+        assert!(
+            !answered.load(std::sync::atomic::Ordering::Relaxed),
+            "the CLI connected to the other user's socket"
+        );
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        server.join().unwrap();
+    }
+}

@@ -295,6 +295,35 @@ fn bad_files(env: &Env) -> Vec<(&'static str, PathBuf, &'static str)> {
         .as_bytes(),
         "listed twice",
     );
+    // Issue 19: the host's own services and names that forge log lines.
+    add(
+        "metadata-backend.toml",
+        good.replace(
+            &format!("backends = [\"{}\"]", env.ip),
+            "backends = [\"169.254.169.254\"]",
+        )
+        .as_bytes(),
+        "cannot be a backend: it is the cloud metadata address",
+    );
+    add(
+        "backend-on-admin.toml",
+        good.replace(
+            "backend_port = 30080",
+            &format!("backend_port = {}", env.admin().port()),
+        )
+        .replace(
+            &format!("backends = [\"{}\"]", env.ip),
+            &format!("backends = [\"{}\"]", env.admin().ip()),
+        )
+        .as_bytes(),
+        "reaches admin.listen",
+    );
+    add(
+        "control-character-name.toml",
+        good.replace("name = \"bad/input\"", "name = \"bad/in\\u001b[8mput\"")
+            .as_bytes(),
+        "holds the control character U+001B",
+    );
     // 100 MB: a sparse file, so the test writes nothing.
     let big = env.path("huge-100MB.toml");
     let f = std::fs::File::create(&big).unwrap();
@@ -825,5 +854,151 @@ fn a_deleted_config_file_warns_once_keeps_serving_and_reloads_when_back() {
     assert!(status()["config"]["missing_since_unix"].is_null());
     assert!(d.log().contains("config file is back"), "{}", d.log());
     through_vip(&env);
+    assert!(!d.log().contains("panicked"));
+}
+
+/// Makes a FIFO at `path`.
+fn mkfifo(path: &Path) {
+    let status = Command::new("mkfifo").arg(path).status().expect("mkfifo");
+    assert!(status.success(), "mkfifo {}", path.display());
+}
+
+/// Runs `harvester-lb ARGS`, killed if it has not ended within 20 s (a
+/// wedged read would hang forever); its exit code and stderr.
+fn run_bounded(args: &[&std::ffi::OsStr]) -> (Option<i32>, String) {
+    let mut child = Command::new(BIN)
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("harvester-lb {args:?} still running after 20 s");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let mut err = String::new();
+    child
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut err)
+        .unwrap();
+    (status.code(), err)
+}
+
+/// A FIFO or a device at the config path: `check` and `run` refuse it at
+/// once, naming the path and what it is, instead of waiting for a writer
+/// (FIFO) or reading until memory runs out (`/dev/zero`). The same for
+/// `import`'s inputs and `--base`, and `import --write` over a FIFO.
+#[test]
+fn a_fifo_or_a_device_is_refused_promptly_by_check_run_and_import() {
+    let env = Env::new("fifo-check");
+    let fifo = env.path("config.fifo");
+    mkfifo(&fifo);
+    let zero = PathBuf::from("/dev/zero");
+    for (path, what) in [
+        (&fifo, "is a FIFO (named pipe), not a regular file"),
+        (&zero, "is a character device, not a regular file"),
+    ] {
+        for command in ["check", "run"] {
+            let (code, err) = run_bounded(
+                &[
+                    command.as_ref(),
+                    "--no-watch".as_ref(),
+                    "--config".as_ref(),
+                    path.as_os_str(),
+                ]
+                .into_iter()
+                .filter(|a| command == "run" || *a != "--no-watch")
+                .collect::<Vec<_>>(),
+            );
+            assert_eq!(code, Some(EXIT_CONFIG), "{command} {path:?}: {err}");
+            assert!(
+                err.contains(&path.display().to_string()) && err.contains(what),
+                "{command} {path:?}: {err}"
+            );
+        }
+        // import: an input, and --base.
+        let (code, err) = run_bounded(&["import".as_ref(), path.as_os_str()]);
+        assert_eq!(code, Some(66), "import {path:?}: {err}");
+        assert!(err.contains(what), "import {path:?}: {err}");
+        let (code, err) = run_bounded(&[
+            "import".as_ref(),
+            "--base".as_ref(),
+            path.as_os_str(),
+            "-".as_ref(),
+        ]);
+        assert_eq!(code, Some(66), "import --base {path:?}: {err}");
+        assert!(err.contains(what), "import --base {path:?}: {err}");
+    }
+    // --write over a FIFO: replaced by the new file, not read.
+    let input = env.path("lbs.json");
+    std::fs::write(&input, r#"{"apiVersion":"v1","kind":"List","items":[]}"#).unwrap();
+    let (code, err) = run_bounded(&[
+        "import".as_ref(),
+        "--write".as_ref(),
+        fifo.as_os_str(),
+        input.as_os_str(),
+    ]);
+    assert!(!err.contains("panicked"), "{err}");
+    assert_eq!(code, Some(0), "import --write over a FIFO: {err}");
+    assert!(std::fs::metadata(&fifo).unwrap().is_file());
+}
+
+/// The daemon's config path replaced by a FIFO: the watch's reload, SIGHUP
+/// and `POST /reload` are each refused with the reason logged, the VIP keeps
+/// forwarding, and SIGTERM still stops the daemon at once with exit 0.
+#[test]
+fn a_fifo_at_the_config_path_never_wedges_reloads_or_stop() {
+    let env = Env::new("fifo-run");
+    env.echo_backend();
+    let cfg = env.path("config.toml");
+    std::fs::write(&cfg, env.config("")).unwrap();
+    let mut d = Daemon::spawn_with(&env, &cfg, &[]);
+    d.wait_ready(&env);
+    through_vip(&env);
+
+    std::fs::remove_file(&cfg).unwrap();
+    mkfifo(&cfg);
+    let refusal = "is a FIFO (named pipe), not a regular file";
+    // The watch notices the new file and reloads it: refused, and logged.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !d.log().contains(refusal) {
+        assert!(
+            Instant::now() < deadline,
+            "the watch's reload of the FIFO was never refused:\n{}",
+            d.log()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let (code, resp) = http(
+        env.admin(),
+        "POST /reload HTTP/1.1\r\nHost: a\r\nContent-Length: 0\r\nConnection: close\r\n\r\n",
+    )
+    .expect("POST /reload answers");
+    assert_eq!(code, 422, "{resp}");
+    assert!(resp.contains(refusal), "{resp}");
+    d.signal(libc::SIGHUP);
+    through_vip(&env);
+    let (code, _) = get(&env, "/readyz");
+    assert_eq!(code, 200);
+
+    d.signal(libc::SIGTERM);
+    let status = d.wait_exit(Duration::from_secs(20));
+    assert_eq!(
+        status.and_then(|s| s.code()),
+        Some(0),
+        "SIGTERM did not stop the daemon with exit 0:\n{}",
+        d.log()
+    );
     assert!(!d.log().contains("panicked"));
 }

@@ -722,6 +722,150 @@ fn unspecified_multicast_and_broadcast_addresses_are_rejected() {
     }
 }
 
+/// The cloud metadata address and class E are refused outright, as VIP and
+/// as backend; loopback stays legal (the file is trusted; tests and the
+/// demo run on it).
+#[test]
+fn the_metadata_address_and_class_e_are_rejected_and_loopback_is_not() {
+    for (addr, what) in [
+        ("169.254.169.254", "the cloud metadata address"),
+        ("fd00:ec2::254", "the cloud metadata address"),
+        ("240.0.0.1", "in 240.0.0.0/4 (class E, reserved)"),
+        ("250.1.2.3", "in 240.0.0.0/4 (class E, reserved)"),
+    ] {
+        let out = rendered(&GOOD.replace("192.0.2.10", addr));
+        let e = format!("line 4: load_balancer[0].vip: {addr:?} cannot be a VIP: it is {what}");
+        assert!(out.contains(&e), "missing:\n  {e}\nin:\n{out}");
+        let out = rendered(&GOOD.replace("198.51.100.12", addr));
+        let e = format!(
+            "line 5: load_balancer[0].backends[1]: {addr:?} cannot be a backend: it is {what}"
+        );
+        assert!(out.contains(&e), "missing:\n  {e}\nin:\n{out}");
+    }
+    let loopback = GOOD
+        .replace("192.0.2.10", "127.0.0.10")
+        .replace("198.51.100.12", "::1");
+    assert!(config::parse(&loopback).is_ok());
+}
+
+/// A listener on admin.listen could not bind (or would answer in the admin
+/// API's place); a backend on it would hand the admin API to the VIP's
+/// clients. Both are refused, by `check` and on reload alike.
+#[test]
+fn a_vip_port_or_a_backend_on_admin_listen_is_rejected() {
+    let with_admin = |listen: &str, text: &str| format!("[admin]\nlisten = \"{listen}\"\n{text}");
+    // The VIP:port is admin.listen.
+    let out = rendered(&with_admin("192.0.2.10:80", GOOD));
+    assert!(
+        out.contains(
+            "load_balancer[0].listener[0].port: 192.0.2.10:80 is admin.listen (192.0.2.10:80)"
+        ),
+        "{out}"
+    );
+    // A wildcard admin.listen takes every address of the host, the VIP's too.
+    let out = rendered(&with_admin("0.0.0.0:80", GOOD));
+    assert!(out.contains("is admin.listen (0.0.0.0:80)"), "{out}");
+    // A backend's nodeport is admin.listen, directly or through the wildcard.
+    for (listen, backend) in [
+        ("198.51.100.12:30080", "198.51.100.12"),
+        ("127.0.0.1:30080", "127.0.0.1"),
+        ("0.0.0.0:30080", "127.0.0.5"),
+        ("[::]:30080", "::1"),
+    ] {
+        let text = with_admin(listen, &GOOD.replace("198.51.100.12", backend));
+        let out = rendered(&text);
+        assert!(
+            out.contains(&format!(
+                "load_balancer[0].backends[1]: backend {backend} on load_balancer[0].listener[0].backend_port 30080 reaches admin.listen ({listen})"
+            )),
+            "{listen} / {backend}:\n{out}"
+        );
+    }
+    // Another port, another address, or a UDP listener: no conflict.
+    for listen in ["192.0.2.10:81", "198.51.100.11:30081", "127.0.0.1:9901"] {
+        assert!(config::parse(&with_admin(listen, GOOD)).is_ok(), "{listen}");
+    }
+    let udp = GOOD
+        .replace(
+            "backend_port = 30080",
+            "backend_port = 30080\n  protocol = \"udp\"",
+        )
+        .replace("  [load_balancer.health_check]\n  port = 30080\n", "");
+    assert!(config::parse(&with_admin("192.0.2.10:80", &udp)).is_ok());
+
+    // `check` says so and exits 78.
+    let dir = std::env::temp_dir().join(format!("hlb-admin-clash-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("c.toml");
+    std::fs::write(&path, with_admin("192.0.2.10:80", GOOD)).unwrap();
+    let (code, stdout, stderr) = run_cli(&["check", "--config", path.to_str().unwrap()]);
+    let _ = std::fs::remove_dir_all(&dir);
+    assert_eq!(code, 78, "{stdout}{stderr}");
+    assert!(
+        format!("{stdout}{stderr}").contains("is admin.listen (192.0.2.10:80)"),
+        "{stdout}{stderr}"
+    );
+}
+
+/// Names reach logs, metric labels and the status table: bounded to
+/// Kubernetes' limits, no control characters, and never repeated in the
+/// message that refuses them.
+#[test]
+fn names_are_bounded_and_free_of_control_characters() {
+    let long_name = format!("{}/{}", "n".repeat(63), "a".repeat(254));
+    let long_cluster = "c".repeat(254);
+    let long_listener = "l".repeat(64);
+    let cases = [
+        (
+            GOOD.replace("default/nginx", &long_name),
+            "load_balancer[0].name: is 318 bytes long; at most 317",
+        ),
+        (
+            GOOD.replace(
+                "name = \"default/nginx\"",
+                &format!("name = \"default/nginx\"\ncluster = \"{long_cluster}\""),
+            ),
+            "load_balancer[0].cluster: is 254 bytes long; at most 253",
+        ),
+        (
+            GOOD.replace("name = \"http\"", &format!("name = \"{long_listener}\"")),
+            "load_balancer[0].listener[0].name: is 64 bytes long; at most 63",
+        ),
+        (
+            GOOD.replace("default/nginx", "default/ng\\ninx"),
+            "load_balancer[0].name: holds the control character U+000A",
+        ),
+        (
+            GOOD.replace(
+                "name = \"default/nginx\"",
+                "name = \"default/nginx\"\ncluster = \"a\\u001b[8mb\"",
+            ),
+            "load_balancer[0].cluster: holds the control character U+001B",
+        ),
+        (
+            GOOD.replace("name = \"http\"", "name = \"ht\\u007ftp\""),
+            "load_balancer[0].listener[0].name: holds the control character U+007F",
+        ),
+        (
+            GOOD.replace("name = \"http\"", "name = \"ht\\u0085tp\""),
+            "load_balancer[0].listener[0].name: holds the control character U+0085",
+        ),
+    ];
+    for (text, said) in cases {
+        let out = rendered(&text);
+        assert!(out.contains(said), "wanted {said:?} in:\n{out}");
+        assert!(out.len() < 400, "the message repeats the name:\n{out}");
+    }
+    // At the limits: accepted.
+    let at_limit = GOOD
+        .replace(
+            "default/nginx",
+            &format!("{}/{}", "n".repeat(63), "a".repeat(253)),
+        )
+        .replace("name = \"http\"", &format!("name = \"{}\"", "l".repeat(63)));
+    assert!(config::parse(&at_limit).is_ok());
+}
+
 /// `::ffff:127.0.18.2` is 127.0.18.2: one node, shown in its IPv4 form.
 #[test]
 fn ipv4_mapped_addresses_are_the_ipv4_address() {
@@ -842,7 +986,7 @@ fn a_value_of_the_wrong_type_names_its_key() {
             "line 2: admin.listen: invalid type: integer `5`, expected a string",
         ),
         (
-            "[[load_balancer]]\nname = \"a\"\nvip = \"192.0.2.1\"\n  [[load_balancer.listener]]\n  name = \"h\"\n  port = \"80\"\n",
+            "[[load_balancer]]\nname = \"a\"\nvip = \"192.0.2.1\"\n  [[load_balancer.listener]]\n  name = \"h\"\n  port = \"80\"\n  backend_port = 30080\n",
             "line 6: load_balancer[0].listener[0].port: invalid type: string \"80\", expected an integer",
         ),
         (
@@ -1047,4 +1191,112 @@ backends = ["198.51.100.1"]
         config.config.load_balancers[0].listeners[0].defer_accept,
         Some(std::time::Duration::from_secs(5))
     );
+}
+
+/// A type error no longer hides the rest (issue 19, item 13): `port = 80.0`
+/// in one load balancer, a second type error in another, an unknown key,
+/// and an ordinary validation problem in a third are reported together,
+/// sorted by line, each with its key path; a removed key is not reported
+/// again as missing.
+#[test]
+fn type_errors_are_reported_with_every_other_problem() {
+    let text = r#"[proxy]
+backlog = "many"
+
+[[load_balancer]]
+name = "ns/a"
+vip = "192.0.2.1"
+backends = ["198.51.100.1"]
+  [[load_balancer.listener]]
+  name = "http"
+  port = 80.0
+  backend_port = 30080
+
+[[load_balancer]]
+name = "ns/b"
+vip = "192.0.2.300"
+backends = ["198.51.100.1"]
+  [[load_balancer.listener]]
+  name = "http"
+  port = 80
+  backend_port = 30080
+
+[[load_balancer]]
+name = "ns/c"
+vip = "192.0.2.3"
+backends = ["198.51.100.1", 7]
+idle_timeout_seconds = true
+colour = "blue"
+  [[load_balancer.listener]]
+  name = "http"
+  port = 80
+  backend_port = 30080
+  [load_balancer.health_check]
+  period_seconds = "5s"
+"#;
+    let got = rendered(text);
+    let want = [
+        "line 2: proxy.backlog: invalid type: string \"many\", expected an integer",
+        "line 10: load_balancer[0].listener[0].port: invalid type: floating point `80.0`, expected an integer",
+        "line 15: load_balancer[1].vip: \"192.0.2.300\" is not an IPv4 or IPv6 address",
+        "line 25: load_balancer[2].backends[1]: invalid type: integer `7`, expected a string",
+        "line 26: load_balancer[2].idle_timeout_seconds: invalid type: boolean `true`, expected an integer",
+        "line 27: load_balancer[2].colour: unknown key",
+        "line 33: load_balancer[2].health_check.period_seconds: invalid type: string \"5s\", expected an integer",
+    ]
+    .join("\n");
+    assert_eq!(got, want);
+    // `check` says the same, all at once, and exits 78.
+    let dir = std::env::temp_dir().join(format!("hlb-types-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("config.toml");
+    std::fs::write(&path, text).unwrap();
+    let (code, _, stderr) = run_cli(&["check", "--config", path.to_str().unwrap()]);
+    assert_eq!(code, 78, "{stderr}");
+    assert!(stderr.contains("(7 problems)"), "{stderr}");
+    for line in want.lines() {
+        assert!(stderr.contains(line), "{line:?} missing from:\n{stderr}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    // A syntax error is still the first one only (the parser stops there).
+    let p = problems("[proxy]\nbacklog = \n[[load_balancer]]\nname = \n");
+    assert_eq!(p.len(), 1, "{p:?}");
+    assert_eq!(p[0].line, Some(2), "{p:?}");
+}
+
+/// A file full of type errors is read with bounded work: at most 16 are
+/// looked for in one table and 100 in the file, and the operator is told
+/// that more may follow.
+#[test]
+fn the_search_for_type_errors_is_bounded() {
+    let mut text = String::new();
+    for i in 0..150 {
+        text.push_str(&format!(
+            "[[load_balancer]]\nname = \"ns/{i}\"\nvip = \"192.0.2.1\"\nidle_timeout_seconds = 1.5\n"
+        ));
+    }
+    let p = problems(&text);
+    assert_eq!(p.len(), 101, "{p:?}");
+    assert!(
+        p[..100]
+            .iter()
+            .all(|p| p.message.contains("expected an integer"))
+    );
+    assert_eq!(p[99].key, "load_balancer[99].idle_timeout_seconds");
+    assert!(
+        p[100]
+            .message
+            .contains("more values of the wrong type may follow"),
+        "{p:?}"
+    );
+
+    let mut one = String::from("[[load_balancer]]\nname = \"ns/a\"\nvip = \"192.0.2.1\"\n");
+    for i in 0..40 {
+        one.push_str(&format!(
+            "[[load_balancer.listener]]\nname = \"l{i}\"\nport = 1.5\nbackend_port = 1\n"
+        ));
+    }
+    let p = problems(&one);
+    assert_eq!(p.len(), 17, "{p:?}");
+    assert!(p[16].message.contains("at most 16"), "{p:?}");
 }

@@ -90,7 +90,11 @@ fn conflicts_with_unchanged_tables_are_found_as_a_full_read_finds_them() {
             .replace("backend_port = 30080", "backend_port = 8080")
             .replace("\"127.10.0.99\"", "\"127.20.0.2\"")
     );
-    for text in [dup_name, dup_addr, looping] {
+    // The tables unchanged, admin.listen moved onto one's VIP:port, or
+    // onto a backend's nodeport: the piecewise read must see it too.
+    let admin_on_vip = base.replace("127.0.0.1:0", "127.20.0.2:8080");
+    let admin_on_backend = base.replace("127.0.0.1:0", "127.10.0.1:30080");
+    for text in [dup_name, dup_addr, looping, admin_on_vip, admin_on_backend] {
         let verdict = verdict(loader.parse(&text));
         assert!(verdict.is_err(), "accepted:\n{text}");
         same_verdict(&mut loader, &text);
@@ -207,6 +211,11 @@ fn random_edits_of_a_file_never_change_the_verdict() {
         "]",
         "# comment",
         "",
+        // Type errors, each now read piece by piece in the full read.
+        "port = 80.0",
+        "backends = [\"127.10.0.1\", 7]",
+        "name = 5",
+        "load_balancer = 1",
     ];
     let base = file(6);
     let base_lines: Vec<&str> = base.lines().collect();

@@ -372,6 +372,33 @@ async fn a_client_outside_source_ranges() {
     assert_eq!(line["vip"], vip(&net).to_string());
 }
 
+/// The load balancer's own share of connections is full: the next client
+/// is reset and its line says why.
+#[tokio::test]
+async fn a_load_balancer_at_its_connection_share() {
+    let net = Subnet::new();
+    let _b = Backend::start(node(&net, 11), Behaviour::NameThenEcho).await;
+    let d = Logged::json(
+        &net,
+        &config(
+            &net,
+            "",
+            &[11],
+            "log_connections = \"errors\"\nmax_connections = 1",
+        ),
+    )
+    .await;
+    let mut first = connect_from(net.ip(100), vip(&net)).await.unwrap();
+    assert_eq!(read_line(&mut first).await.unwrap(), net.ip_str(11));
+    let mut s = connect_from(net.ip(101), vip(&net)).await.unwrap();
+    let me = s.local_addr().unwrap();
+    assert!(ends_with_reset(&mut s).await);
+    let line = d.line_of(me).await;
+    assert_eq!(line["state"], "connection_cap");
+    assert_eq!(line["backend"], "-");
+    assert_eq!(line["load_balancer"], LB);
+}
+
 /// Every backend is down: nothing to try.
 #[tokio::test]
 async fn no_eligible_backend() {
@@ -509,11 +536,14 @@ async fn lines_past_the_bound_are_counted_not_written() {
 /// a line or colour the terminal.
 #[tokio::test]
 async fn hostile_names_stay_on_one_line_in_text() {
+    // `check` refuses control characters in names, so what a name can
+    // still hold is a quote: it must not close the field and let the rest
+    // pass for fields of their own (`state=closed` here).
     let net = Subnet::new();
     let _b = Backend::start(node(&net, 11), Behaviour::NameThenEcho).await;
     let text = config(&net, "", &[11], "log_connections = \"all\"").replace(
         "cluster = \"guest\"",
-        "cluster = \"guest\\nFORGED state=closed\\u001b[31m\"",
+        "cluster = 'guest\\\" FORGED=1 state=closed'",
     );
     let d = Logged::start(&net, &text, "text").await;
     let mut s = served_client(&net).await;
@@ -529,14 +559,10 @@ async fn hostile_names_stay_on_one_line_in_text() {
     })
     .await;
     assert!(
-        line.contains(r#"cluster="guest\nFORGED state=closed\u{1b}[31m""#),
+        line.contains(r#"cluster="guest\\\" FORGED=1 state=closed""#),
         "{line}"
     );
-    assert!(!line.contains('\u{1b}'), "{line:?}");
-    assert!(
-        !d.raw().iter().any(|l| l.starts_with("FORGED")),
-        "a name forged a line"
-    );
+    assert_eq!(line.matches("state=").count(), 2, "{line}");
     assert!(line.contains("state=closed") && line.contains(&format!("client={me}")));
 }
 

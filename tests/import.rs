@@ -64,12 +64,20 @@ async fn fixtures_become_a_config_that_check_accepts_and_the_daemon_forwards_wit
         &format!("[admin]\nlisten = \"{}:9901\"\n", net.ip_str(250)),
     );
     let target = net.dir().join("config.toml");
-    let mut a = args(&paths, &["--cluster", "guest", "--write"]);
+    let mut a = args(
+        &paths,
+        &["--cluster", "guest", "--allow-loopback", "--write"],
+    );
     let (target_s, base_s) = (target.to_str().unwrap(), base.to_str().unwrap());
     a.extend([target_s, "--base", base_s]);
     let (code, _, stderr) = run_cli(&a);
-    assert_eq!(code, 0, "import failed:\n{stderr}");
+    // Written, with skips (each named below): exit 3.
+    assert_eq!(code, 3, "import failed:\n{stderr}");
     assert!(stderr.contains("wrote "), "{stderr}");
+    assert!(
+        stderr.contains("(6 load balancers; 3 skipped, each named above)"),
+        "{stderr}"
+    );
     // Every object not imported is named, with why.
     for expected in [
         "skipped v1 ConfigMap default/not-a-load-balancer",
@@ -272,7 +280,8 @@ fn the_same_objects_in_any_order_and_split_give_the_same_bytes() {
     let objs = objects(&net);
     let options = Options {
         cluster: Some("guest".into()),
-        base: None,
+        allow_loopback: true,
+        ..Options::default()
     };
     let run = |parts: [Vec<Value>; 3], formats: [usize; 3]| {
         let sources: Vec<Source> = (0..3)
@@ -337,7 +346,11 @@ fn one_name_from_objects_that_differ_imports_neither() {
         name: "s".into(),
         text: format!("{}\n{}\n", lb("127.0.0.10"), lb("127.0.0.11")),
     }];
-    let out = import::import(&sources, &Options::default()).expect("import");
+    let options = Options {
+        allow_loopback: true,
+        ..Options::default()
+    };
+    let out = import::import(&sources, &options).expect("import");
     assert_eq!(out.load_balancers, 0);
     assert_eq!(out.skipped.len(), 2, "{:?}", out.skipped);
     assert!(
@@ -357,10 +370,12 @@ fn one_lb(name: &str, port: &str, vip: &str, backends: &str) -> String {
         .replace("BACKENDS", backends)
 }
 
+/// Runs `import` on `text`, whose addresses are on this test's loopback
+/// subnet (`--allow-loopback`).
 fn import_text(net: &Subnet, text: &[u8], extra: &[&str]) -> (i32, String, String) {
     let path = net.dir().join("input");
     std::fs::write(&path, text).unwrap();
-    let mut a = vec!["import", path.to_str().unwrap()];
+    let mut a = vec!["import", path.to_str().unwrap(), "--allow-loopback"];
     a.extend_from_slice(extra);
     run_cli(&a)
 }
@@ -415,12 +430,12 @@ fn bad_input_is_named_with_a_distinct_exit_code_and_never_panics() {
         ),
         (
             one_lb("b4", "8080", "224.0.0.1", ""),
-            "vip: \"224.0.0.1\" cannot be a VIP: it is a multicast address",
+            "VIP 224.0.0.1 is a multicast address, not one node; not imported",
         ),
     ] {
         let text = format!("{good}\n{bad}\n");
         let (code, stdout, stderr) = import_text(&net, text.as_bytes(), &[]);
-        assert_eq!(code, 0, "{stderr}");
+        assert_eq!(code, 3, "{stderr}");
         assert!(stderr.contains(said), "wanted {said:?} in:\n{stderr}");
         assert!(
             stdout.contains("name = \"ns/good\"") && !stdout.contains("ns/b"),
@@ -471,7 +486,7 @@ fn write_replaces_the_file_only_with_a_valid_config_and_leaves_equal_bytes_alone
     let (code, _, stderr) = import_text(&net, one.as_bytes(), &["--write", t]);
     assert_eq!(code, 0, "{stderr}");
     assert!(
-        stderr.contains(&format!("wrote {t} (1 load balancers)")),
+        stderr.contains(&format!("wrote {t} (1 load balancers; 0 skipped)")),
         "{stderr}"
     );
     let before = std::fs::read(&target).unwrap();
@@ -490,19 +505,19 @@ fn write_replaces_the_file_only_with_a_valid_config_and_leaves_equal_bytes_alone
         mtime
     );
 
-    // Two load balancers on one VIP:port: each is fine alone, the file is
-    // not. Exit 78, the old file stays, no temporary file is left.
-    let clash = format!(
-        "{one}\n{}\n",
-        one_lb("b", "8080", &net.ip_str(10), &backends)
+    // Settings of the --base that the config refuses: exit 78, the old
+    // file stays, no temporary file is left.
+    let bad_base = net.write("bad-base.toml", "[proxy]\nbacklog = 0\n");
+    let (code, _, stderr) = import_text(
+        &net,
+        one.as_bytes(),
+        &["--write", t, "--base", bad_base.to_str().unwrap()],
     );
-    let (code, _, stderr) = import_text(&net, clash.as_bytes(), &["--write", t]);
     assert_eq!(code, 78, "{stderr}");
     assert!(
-        stderr.contains("the imported config is invalid"),
+        stderr.contains("the imported config is invalid") && stderr.contains("proxy.backlog"),
         "{stderr}"
     );
-    assert!(stderr.contains("load balancer \"ns/b\""), "{stderr}");
     assert_eq!(std::fs::read(&target).unwrap(), before);
     let leftovers: Vec<_> = std::fs::read_dir(net.dir())
         .unwrap()
@@ -538,4 +553,500 @@ fn write_replaces_the_file_only_with_a_valid_config_and_leaves_equal_bytes_alone
     );
     assert_eq!(code, 73, "{stderr}");
     assert!(stderr.contains("cannot write"), "{stderr}");
+}
+
+// ---- Hostile and careless objects (issue 19) -------------------------------
+// These run no daemon and send no traffic: the addresses are documentation
+// and private ones the import only writes down.
+
+/// A `LoadBalancer` v1beta1 object: `ns/NAME` on `vip`, one TCP listener
+/// `port` -> `backend_port`, with `backends`.
+fn lb_object(name: &str, vip: &str, port: u16, backend_port: u16, backends: &[&str]) -> Value {
+    serde_json::json!({
+        "apiVersion": "loadbalancer.harvesterhci.io/v1beta1",
+        "kind": "LoadBalancer",
+        "metadata": {"name": name, "namespace": "ns"},
+        "spec": {"listeners": [{"name": "web", "port": port, "protocol": "TCP", "backendPort": backend_port}]},
+        "status": {"allocatedAddress": {"ip": vip}, "backendServers": backends},
+    })
+}
+
+/// A guest `Service` of type `LoadBalancer`: `apps/NAME` on `vip`, 80 -> 30080.
+fn service(name: &str, vip: &str) -> Value {
+    serde_json::json!({
+        "apiVersion": "v1", "kind": "Service",
+        "metadata": {"name": name, "namespace": "apps"},
+        "spec": {"type": "LoadBalancer", "ports": [{"name": "http", "port": 80, "protocol": "TCP", "nodePort": 30080}]},
+        "status": {"loadBalancer": {"ingress": [{"ip": vip}]}},
+    })
+}
+
+/// A guest `Node` with one `InternalIP`.
+fn node(name: &str, ip: &str) -> Value {
+    serde_json::json!({
+        "apiVersion": "v1", "kind": "Node",
+        "metadata": {"name": name},
+        "status": {"addresses": [{"type": "InternalIP", "address": ip}]},
+    })
+}
+
+/// Runs `import` on `objects` (a kubectl List) with `extra` arguments.
+fn import_objects(net: &Subnet, objects: &[Value], extra: &[&str]) -> (i32, String, String) {
+    let list = serde_json::json!({"apiVersion": "v1", "kind": "List", "items": objects});
+    let path = net.dir().join("objects.json");
+    std::fs::write(&path, list.to_string()).unwrap();
+    let mut a = vec!["import", path.to_str().unwrap()];
+    a.extend_from_slice(extra);
+    run_cli(&a)
+}
+
+/// The names and backends of the load balancers of a config text.
+fn lbs_of(text: &str) -> Vec<(String, Vec<String>)> {
+    let config = harvester_lb::config::parse(text)
+        .expect("valid config")
+        .config;
+    config
+        .load_balancers
+        .iter()
+        .map(|l| {
+            (
+                l.name.clone(),
+                l.backends.iter().map(|b| b.to_string()).collect(),
+            )
+        })
+        .collect()
+}
+
+fn skip_lines(stderr: &str) -> Vec<&str> {
+    stderr
+        .lines()
+        .filter(|l| l.starts_with("harvester-lb import: skipped "))
+        .collect()
+}
+
+#[test]
+fn one_bad_node_is_skipped_by_name_and_the_services_keep_the_others() {
+    let net = Subnet::new();
+    let target = net.dir().join("config.toml");
+    let t = target.to_str().unwrap();
+    let mut objects = vec![
+        service("shop", "10.99.0.101"),
+        service("blog", "10.99.0.102"),
+        node("node-1", "10.99.1.1"),
+        node("node-2", "10.99.1.2"),
+    ];
+    let (code, _, stderr) = import_objects(&net, &objects, &["--cluster", "guest", "--write", t]);
+    assert_eq!(code, 0, "{stderr}");
+    let good = vec![
+        (
+            "apps/blog".to_string(),
+            vec!["10.99.1.1".to_string(), "10.99.1.2".to_string()],
+        ),
+        (
+            "apps/shop".to_string(),
+            vec!["10.99.1.1".to_string(), "10.99.1.2".to_string()],
+        ),
+    ];
+    assert_eq!(lbs_of(&std::fs::read_to_string(&target).unwrap()), good);
+
+    // Nodes whose InternalIP no node can have: each skipped by name, and
+    // every Service imported with the other nodes.
+    for (n, (name, ip, why)) in [
+        ("bad-zero", "0.0.0.0", "the unspecified address"),
+        ("bad-multicast", "224.0.0.5", "a multicast address"),
+        (
+            "bad-broadcast",
+            "255.255.255.255",
+            "in 240.0.0.0/4 (class E and the broadcast address)",
+        ),
+        // Not an address at all: named too, never a note.
+        (
+            "bad-text",
+            "node-9.local",
+            "\"node-9.local\" is not an IPv4 or IPv6 address",
+        ),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        objects.push(node(name, ip));
+        let (code, _, stderr) =
+            import_objects(&net, &objects, &["--cluster", "guest", "--write", t]);
+        assert_eq!(code, 3, "written with skips:\n{stderr}");
+        let skips = skip_lines(&stderr);
+        assert!(
+            skips
+                .iter()
+                .any(|l| l.contains(&format!("skipped v1 Node {name} ("))
+                    && l.contains(why)
+                    && l.contains("this Node is no backend of any load balancer")),
+            "{name} not named:\n{stderr}"
+        );
+        assert!(
+            !skips.iter().any(|l| l.contains("Service")),
+            "a Service was blamed:\n{stderr}"
+        );
+        assert!(
+            stderr.contains(&format!("(2 load balancers; {} skipped", n + 1)),
+            "{stderr}"
+        );
+        assert_eq!(lbs_of(&std::fs::read_to_string(&target).unwrap()), good);
+    }
+}
+
+#[test]
+fn write_never_empties_the_config_or_removes_more_than_half_without_allow_removals() {
+    let net = Subnet::new();
+    let target = net.dir().join("config.toml");
+    let t = target.to_str().unwrap();
+    let nodes = [node("node-1", "10.99.1.1")];
+    let with = |names: &[&str]| -> Vec<Value> {
+        let mut o: Vec<Value> = names
+            .iter()
+            .enumerate()
+            .map(|(i, n)| service(n, &format!("10.99.0.{}", 101 + i)))
+            .collect();
+        o.extend(nodes.iter().cloned());
+        o
+    };
+    let write = |objects: &[Value], extra: &[&str]| {
+        let mut a = vec!["--cluster", "guest", "--write", t];
+        a.extend_from_slice(extra);
+        import_objects(&net, objects, &a)
+    };
+    let (code, _, stderr) = write(&with(&["a", "b", "c", "d"]), &[]);
+    assert_eq!(code, 0, "{stderr}");
+    let four = std::fs::read(&target).unwrap();
+
+    // Nothing left (an empty kubectl answer, or every Service skipped): 77,
+    // nothing written, the reason on stderr.
+    for (objects, said) in [
+        (Vec::new(), "would remove all 4 of the current file"),
+        (
+            with(&["a"]),
+            "would remove 3 of the current file's 4 load balancers, more than half",
+        ),
+        (
+            with(&["x", "y", "z"]),
+            "would remove 4 of the current file's 4",
+        ),
+    ] {
+        let (code, stdout, stderr) = write(&objects, &[]);
+        assert_eq!(code, 77, "{stderr}");
+        assert!(stderr.contains(said), "wanted {said:?}:\n{stderr}");
+        assert!(
+            stderr.contains("--allow-removals") && stderr.contains("was not changed"),
+            "{stderr}"
+        );
+        assert!(stdout.is_empty());
+        assert_eq!(std::fs::read(&target).unwrap(), four);
+    }
+    // Exactly half may go.
+    let (code, _, stderr) = write(&with(&["a", "b"]), &[]);
+    assert_eq!(code, 0, "{stderr}");
+    assert_eq!(lbs_of(&std::fs::read_to_string(&target).unwrap()).len(), 2);
+    // --allow-removals: meant, so done.
+    let (code, _, stderr) = write(&[], &["--allow-removals"]);
+    assert_eq!(code, 0, "{stderr}");
+    assert_eq!(lbs_of(&std::fs::read_to_string(&target).unwrap()).len(), 0);
+    // From an empty config anything may be written; printing is never guarded.
+    let (code, _, stderr) = write(&with(&["a"]), &[]);
+    assert_eq!(code, 0, "{stderr}");
+    let (code, stdout, stderr) = import_objects(&net, &[], &[]);
+    assert_eq!(code, 0, "{stderr}");
+    assert!(harvester_lb::config::parse(&stdout).is_ok(), "{stdout}");
+}
+
+#[test]
+fn addresses_of_this_host_are_refused_as_vip_or_backend_naming_the_object() {
+    let net = Subnet::new();
+    let good = lb_object("good", "10.99.0.10", 80, 30080, &["10.99.1.1"]);
+    let hostile = [
+        (
+            "lo-vip",
+            "127.0.0.1",
+            "10.99.1.1",
+            "VIP 127.0.0.1 is a loopback address",
+        ),
+        (
+            "lo-backend",
+            "10.99.0.11",
+            "127.0.0.1",
+            "backend 127.0.0.1 is a loopback address",
+        ),
+        (
+            "lo-mapped",
+            "10.99.0.12",
+            "::ffff:127.0.0.2",
+            "backend 127.0.0.2 is a loopback address",
+        ),
+        (
+            "lo6",
+            "10.99.0.13",
+            "::1",
+            "backend ::1 is a loopback address",
+        ),
+        (
+            "metadata",
+            "10.99.0.14",
+            "169.254.169.254",
+            "backend 169.254.169.254 is link-local",
+        ),
+        (
+            "ll6",
+            "10.99.0.15",
+            "fe80::1",
+            "backend fe80::1 is link-local",
+        ),
+        (
+            "this-net",
+            "0.1.2.3",
+            "10.99.1.1",
+            "VIP 0.1.2.3 is in 0.0.0.0/8",
+        ),
+        (
+            "class-e",
+            "10.99.0.16",
+            "240.0.0.1",
+            "backend 240.0.0.1 is in 240.0.0.0/4",
+        ),
+    ];
+    let mut objects = vec![good];
+    for (name, vip, backend, _) in hostile {
+        objects.push(lb_object(name, vip, 80, 30080, &[backend]));
+    }
+    let (code, stdout, stderr) = import_objects(&net, &objects, &[]);
+    assert_eq!(code, 3, "{stderr}");
+    assert_eq!(
+        lbs_of(&stdout),
+        vec![("ns/good".to_string(), vec!["10.99.1.1".to_string()])]
+    );
+    let skips = skip_lines(&stderr);
+    assert_eq!(skips.len(), hostile.len(), "{stderr}");
+    for (name, _, _, said) in hostile {
+        assert!(
+            skips
+                .iter()
+                .any(|l| l.contains(&format!("LoadBalancer ns/{name} (")) && l.contains(said)),
+            "{name}: wanted {said:?}:\n{stderr}"
+        );
+    }
+    // --allow-loopback (tests, a demo on one machine): loopback passes, the
+    // rest never.
+    let (code, stdout, stderr) = import_objects(&net, &objects, &["--allow-loopback"]);
+    assert_eq!(code, 3, "{stderr}");
+    let names: Vec<String> = lbs_of(&stdout).into_iter().map(|(n, _)| n).collect();
+    assert_eq!(
+        names,
+        [
+            "ns/good",
+            "ns/lo-backend",
+            "ns/lo-mapped",
+            "ns/lo-vip",
+            "ns/lo6"
+        ]
+    );
+
+    // A guest cluster's Service status and Node addresses, the same.
+    let objects = vec![
+        service("good", "10.99.0.101"),
+        service("lo", "127.0.0.1"),
+        service("metadata", "169.254.169.254"),
+        node("node-1", "10.99.1.1"),
+        node("sneaky", "127.0.0.1"),
+        node("imds", "169.254.169.254"),
+    ];
+    let (code, stdout, stderr) = import_objects(&net, &objects, &["--cluster", "guest"]);
+    assert_eq!(code, 3, "{stderr}");
+    assert_eq!(
+        lbs_of(&stdout),
+        vec![("apps/good".to_string(), vec!["10.99.1.1".to_string()])]
+    );
+    for said in [
+        "skipped v1 Service apps/lo (",
+        "VIP 127.0.0.1 is a loopback address",
+        "skipped v1 Service apps/metadata (",
+        "VIP 169.254.169.254 is link-local",
+        "skipped v1 Node sneaky (",
+        "InternalIP 127.0.0.1 is a loopback address",
+        "skipped v1 Node imds (",
+    ] {
+        assert!(stderr.contains(said), "wanted {said:?}:\n{stderr}");
+    }
+}
+
+#[test]
+fn one_object_that_conflicts_with_others_is_skipped_and_the_rest_written() {
+    let net = Subnet::new();
+    let target = net.dir().join("config.toml");
+    let t = target.to_str().unwrap();
+    // The wildcard: every address of this host, its VIPs too.
+    let base = net.write("base.toml", "[admin]\nlisten = \"0.0.0.0:9901\"\n");
+    let objects = vec![
+        lb_object("a", "10.99.0.10", 80, 30080, &["10.99.1.1"]),
+        // Two objects on one VIP:port: neither can be chosen whatever the order.
+        lb_object("x", "10.99.0.20", 80, 30080, &["10.99.1.1"]),
+        lb_object("y", "10.99.0.20", 80, 30081, &["10.99.1.2"]),
+        // A backend that is a's VIP:port: the daemon would forward to itself.
+        lb_object("loop", "10.99.0.21", 80, 80, &["10.99.0.10"]),
+        // admin.listen as a VIP:port, and as a backend's nodeport.
+        lb_object("admin-vip", "10.99.0.30", 9901, 30080, &["10.99.1.1"]),
+        lb_object("admin-backend", "10.99.0.22", 80, 9901, &["10.99.0.11"]),
+        lb_object("b", "10.99.0.11", 80, 30080, &["10.99.1.1"]),
+    ];
+    let (code, _, stderr) = import_objects(
+        &net,
+        &objects,
+        &["--base", base.to_str().unwrap(), "--write", t],
+    );
+    assert_eq!(code, 3, "{stderr}");
+    let text = std::fs::read_to_string(&target).unwrap();
+    let names: Vec<String> = lbs_of(&text).into_iter().map(|(n, _)| n).collect();
+    assert_eq!(names, ["ns/a", "ns/b"], "{stderr}");
+    let skips = skip_lines(&stderr);
+    assert_eq!(skips.len(), 5, "{stderr}");
+    for (name, said) in [
+        (
+            "x",
+            "on 10.99.0.20:80/tcp: loadbalancer.harvesterhci.io/v1beta1 LoadBalancer ns/y (",
+        ),
+        (
+            "y",
+            "on 10.99.0.20:80/tcp: loadbalancer.harvesterhci.io/v1beta1 LoadBalancer ns/x (",
+        ),
+        (
+            "loop",
+            "backend 10.99.0.10:80 (listener \"web\") is the VIP:port of loadbalancer.harvesterhci.io/v1beta1 LoadBalancer ns/a (",
+        ),
+        (
+            "admin-vip",
+            "on 10.99.0.30:9901 is this host's admin.listen (0.0.0.0:9901)",
+        ),
+        (
+            "admin-backend",
+            "backend 10.99.0.11:9901 (listener \"web\") reaches this host's admin.listen (0.0.0.0:9901)",
+        ),
+    ] {
+        assert!(
+            skips
+                .iter()
+                .any(|l| l.contains(&format!("LoadBalancer ns/{name} (")) && l.contains(said)),
+            "{name}: wanted {said:?}:\n{stderr}"
+        );
+    }
+    assert!(
+        stderr.contains("(2 load balancers; 5 skipped, each named above)"),
+        "{stderr}"
+    );
+    let (code, stdout, stderr) = run_cli(&["check", "--config", t]);
+    assert_eq!(code, 0, "{stdout}{stderr}");
+}
+
+#[test]
+fn a_new_object_on_a_vip_port_held_in_the_config_in_force_is_skipped_and_the_holder_stays() {
+    let net = Subnet::new();
+    let target = net.dir().join("config.toml");
+    let t = target.to_str().unwrap();
+    let tenant = lb_object("tenant", "10.99.0.20", 80, 30080, &["10.99.1.1"]);
+    let other = lb_object("other", "10.99.0.21", 80, 30080, &["10.99.1.2"]);
+    let (code, _, stderr) = import_objects(&net, &[tenant.clone(), other.clone()], &["--write", t]);
+    assert_eq!(code, 0, "{stderr}");
+    // Another tenant's object claims tenant's VIP:port: were both skipped,
+    // it would take tenant's VIP off the host.
+    let intruder = lb_object("intruder", "10.99.0.20", 80, 30081, &["10.99.1.3"]);
+    let (code, _, stderr) = import_objects(&net, &[intruder, tenant, other], &["--write", t]);
+    assert_eq!(code, 3, "{stderr}");
+    let text = std::fs::read_to_string(&target).unwrap();
+    let names: Vec<String> = lbs_of(&text).into_iter().map(|(n, _)| n).collect();
+    assert_eq!(names, ["ns/other", "ns/tenant"], "{stderr}");
+    let skips = skip_lines(&stderr);
+    assert_eq!(skips.len(), 1, "{stderr}");
+    assert!(
+        skips[0].contains("LoadBalancer ns/intruder (")
+            && skips[0].contains("LoadBalancer ns/tenant (")
+            && skips[0].contains("holds that VIP:port in the config in force"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn output_over_the_size_limit_skips_the_largest_object_and_writes_the_rest() {
+    let net = Subnet::new();
+    let target = net.dir().join("config.toml");
+    let t = target.to_str().unwrap();
+    // One object with 900,000 backends (about 19 MiB of TOML), two small ones.
+    let backends: Vec<String> = (0..900_000u32)
+        .map(|i| format!("2001:db8::{:x}:{:x}", i >> 16, i & 0xffff))
+        .collect();
+    let backends: Vec<&str> = backends.iter().map(String::as_str).collect();
+    let objects = vec![
+        lb_object("small-a", "10.99.0.10", 80, 30080, &["10.99.1.1"]),
+        lb_object("huge", "10.99.0.11", 80, 30080, &backends),
+        lb_object("small-b", "10.99.0.12", 80, 30080, &["10.99.1.2"]),
+    ];
+    let (code, _, stderr) = import_objects(&net, &objects, &["--write", t]);
+    assert_eq!(code, 3, "{stderr}");
+    let skips = skip_lines(&stderr);
+    assert_eq!(skips.len(), 1, "{stderr}");
+    assert!(
+        skips[0].contains("LoadBalancer ns/huge (")
+            && skips[0].contains("over the 16777216-byte limit of a config file"),
+        "{stderr}"
+    );
+    assert!(
+        !stderr.contains(".import-"),
+        "a temporary file named:\n{stderr}"
+    );
+    let names: Vec<String> = lbs_of(&std::fs::read_to_string(&target).unwrap())
+        .into_iter()
+        .map(|(n, _)| n)
+        .collect();
+    assert_eq!(names, ["ns/small-a", "ns/small-b"]);
+}
+
+#[test]
+fn an_over_long_or_control_character_name_skips_that_object_by_name() {
+    let net = Subnet::new();
+    let huge = "c".repeat(250_000);
+    let mut long_cluster = lb_object("long-cluster", "10.99.0.11", 80, 30080, &["10.99.1.1"]);
+    long_cluster["metadata"]["annotations"] =
+        serde_json::json!({ "loadbalancer.harvesterhci.io/cluster": huge });
+    let mut long_listener = lb_object("long-listener", "10.99.0.12", 80, 30080, &["10.99.1.1"]);
+    long_listener["spec"]["listeners"][0]["name"] = Value::String("l".repeat(64));
+    let objects = vec![
+        lb_object("good", "10.99.0.10", 80, 30080, &["10.99.1.1"]),
+        long_cluster,
+        long_listener,
+        lb_object(&"n".repeat(254), "10.99.0.13", 80, 30080, &["10.99.1.1"]),
+        lb_object(
+            "forged\nharvester-lb import: wrote",
+            "10.99.0.14",
+            80,
+            30080,
+            &["10.99.1.1"],
+        ),
+        lb_object("hidden\u{1b}[8m", "10.99.0.15", 80, 30080, &["10.99.1.1"]),
+    ];
+    let (code, stdout, stderr) = import_objects(&net, &objects, &[]);
+    assert_eq!(code, 3, "{stderr}");
+    let names: Vec<String> = lbs_of(&stdout).into_iter().map(|(n, _)| n).collect();
+    assert_eq!(names, ["ns/good"], "{stderr}");
+    let skips = skip_lines(&stderr);
+    assert_eq!(skips.len(), 5, "{stderr}");
+    for said in [
+        "LoadBalancer ns/long-cluster (",
+        "cluster: is 250000 bytes long; at most 253",
+        "LoadBalancer ns/long-listener (",
+        "listener[0].name: is 64 bytes long; at most 63",
+        "metadata.name is 254 bytes long; Kubernetes allows at most 253",
+        "LoadBalancer ns/forged\\nharvester-lb import: wrote (",
+        "holds the control character U+000A",
+        "LoadBalancer ns/hidden\\x1b[8m (",
+        "holds the control character U+001B",
+    ] {
+        assert!(stderr.contains(said), "wanted {said:?}:\n{stderr}");
+    }
+    // One line per skip, none of them huge, nothing raw.
+    assert!(!stderr.contains('\u{1b}'), "{stderr}");
+    assert!(stderr.len() < 8_000, "stderr is {} bytes", stderr.len());
 }

@@ -336,6 +336,82 @@ async fn a_removed_listener_stops_accepting_at_once_and_drains_its_connections()
     d.stop().await;
 }
 
+/// Two health-checked load balancers removed by one reload, with a drain
+/// time of 120 s: the one with no connection open leaves `/metrics` at
+/// once (it used to stay the whole drain time); the one with a connection
+/// open keeps its series while the connection works, and they go as soon
+/// as it closes, not at the end of the drain time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_removed_load_balancer_s_series_go_as_soon_as_its_last_connection_has() {
+    let net = Subnet::new();
+    let _n = Backend::start(SocketAddr::new(net.ip(11), 30080), Behaviour::NameThenEcho).await;
+    let base = config(&net, &[11], &[], 120);
+    let removed = |name: &str, port: u16| {
+        format!(
+            "\n[[load_balancer]]\nname = \"{name}\"\nvip = \"{}\"\nbackends = [\"{}\"]\n  [[load_balancer.listener]]\n  name = \"echo\"\n  port = {port}\n  backend_port = 30080\n  [load_balancer.health_check]\n  port = 30080\n  period_seconds = 1\n  timeout_seconds = 1\n",
+            net.ip_str(2),
+            net.ip_str(11),
+        )
+    };
+    let d = Daemon::start(
+        &net,
+        &(base.clone() + &removed("gone/idle", 9001) + &removed("gone/busy", 9002)),
+    )
+    .await;
+    let mut open = TcpStream::connect(SocketAddr::new(net.ip(2), 9002))
+        .await
+        .unwrap();
+    assert_eq!(read_line(&mut open).await.unwrap(), net.ip_str(11));
+    let has = |body: &str, lb: &str| {
+        let label = format!("load_balancer=\"{lb}\"");
+        body.lines().any(|l| l.contains(&label))
+    };
+    // Both probed, so each has counters that could outlive it.
+    wait_for(Duration::from_secs(10), "both probed", || async {
+        let body = d.get("/metrics").await.1;
+        let probed = |lb: &str| {
+            body.lines().any(|l| {
+                l.starts_with("harvester_lb_health_checks_total")
+                    && l.contains(&format!("load_balancer=\"{lb}\""))
+            })
+        };
+        (probed("gone/idle") && probed("gone/busy")).then_some(())
+    })
+    .await;
+
+    std::fs::write(&d.config, &base).unwrap();
+    d.server().reload().await.unwrap();
+    // Nothing open through gone/idle: its series go at once (a deadline
+    // far below the 120 s drain time).
+    let body = wait_for(
+        Duration::from_secs(10),
+        "gone/idle's series to leave /metrics",
+        || async {
+            let body = d.get("/metrics").await.1;
+            (!has(&body, "gone/idle")).then_some(body)
+        },
+    )
+    .await;
+    assert!(
+        has(&body, "gone/busy"),
+        "gone/busy keeps its counters while its connection is open:\n{body}"
+    );
+    echo_once(&mut open, "still served")
+        .await
+        .expect("the open connection through a removed load balancer continues");
+    assert!(has(&d.get("/metrics").await.1, "gone/busy"));
+    // Its last connection closes: its series go with it.
+    drop(open);
+    wait_for(
+        Duration::from_secs(10),
+        "gone/busy's series to leave /metrics once its connection closed",
+        || async { (!has(&d.get("/metrics").await.1, "gone/busy")).then_some(()) },
+    )
+    .await;
+    assert_eq!(d.get("/readyz").await.0, 200);
+    d.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replacing_the_file_by_rename_triggers_a_reload() {
     let net = Subnet::new();

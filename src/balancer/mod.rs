@@ -33,9 +33,11 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
+use tokio_util::sync::CancellationToken;
 
 pub use self::affinity::{AffinityBudget, AffinityTable};
 pub use self::backend::{AdminState, Backend, ConnectionGuard, PortHealth};
+use crate::budget::Budget;
 use crate::config::{Algorithm, LoadBalancerSpec, LogConnections, OnBackendDown, SourceRanges};
 use crate::metrics::LbStats;
 
@@ -160,6 +162,15 @@ pub struct LoadBalancer {
     /// Client affinity entries, made when affinity is first switched on
     /// (most load balancers never pay for a table).
     affinity: OnceLock<AffinityTable>,
+    /// Its share of the process-wide connection cap: every TCP connection
+    /// of its listeners holds a slot; set by the daemon at each apply.
+    connections: Arc<Budget>,
+    /// Its share of the process-wide UDP flow bound, likewise.
+    udp_flows: Arc<Budget>,
+    /// Cancelled when the last holder lets it go (the config, every
+    /// listener's route, every connection and probe): a removed load
+    /// balancer's backends and numbers need not wait out the drain time.
+    released: CancellationToken,
 }
 
 struct Inner {
@@ -170,6 +181,12 @@ struct Inner {
     /// Removed from the config in force: it no longer reports
     /// `no_eligible_backend`.
     left: bool,
+}
+
+impl Drop for LoadBalancer {
+    fn drop(&mut self) {
+        self.released.cancel();
+    }
 }
 
 impl LoadBalancer {
@@ -198,6 +215,9 @@ impl LoadBalancer {
             name,
             cluster,
             affinity: OnceLock::new(),
+            connections: Budget::new(usize::MAX),
+            udp_flows: Budget::new(usize::MAX),
+            released: CancellationToken::new(),
         });
         lb.publish();
         lb
@@ -222,6 +242,17 @@ impl LoadBalancer {
                 table.clear();
             }
         }
+    }
+
+    /// Its cap on TCP connections (all its listeners): a connection
+    /// holds a [`Slot`](crate::budget::Slot) of it.
+    pub fn connections(&self) -> &Arc<Budget> {
+        &self.connections
+    }
+
+    /// Its cap on UDP flows (all its listeners).
+    pub fn udp_flows(&self) -> &Arc<Budget> {
+        &self.udp_flows
     }
 
     /// The snapshot in force: one atomic load.
@@ -263,6 +294,12 @@ impl LoadBalancer {
     /// Its numbers.
     pub fn stats(&self) -> &Arc<LbStats> {
         &self.stats
+    }
+
+    /// Resolves once this load balancer is dropped: nothing forwards
+    /// through it or probes for it any more.
+    pub fn released(&self) -> impl std::future::Future<Output = ()> + Send + 'static {
+        self.released.clone().cancelled_owned()
     }
 
     /// The health checker marked `backend` down (on `port` alone, with

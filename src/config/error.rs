@@ -38,11 +38,14 @@ pub enum ConfigError {
         /// What the OS said.
         source: std::io::Error,
     },
-    /// The path names a directory.
-    #[error("config path {path} is a directory; give the path of the TOML file")]
-    IsDirectory {
+    /// The path names something other than a regular file (a directory, a
+    /// FIFO, a device): refused without waiting on it or reading it.
+    #[error("config path {path} is {kind}, not a regular file; give the path of the TOML file")]
+    NotRegular {
         /// The path.
         path: String,
+        /// What it is.
+        kind: super::FileKind,
     },
     /// The file is larger than [`super::MAX_FILE_BYTES`].
     #[error(

@@ -139,6 +139,11 @@ pub struct FileLoadBalancer {
     /// A UDP flow ends once each client datagram had this many answers
     /// (nginx's `proxy_responses`).
     pub udp_responses: Option<Spanned<i64>>,
+    /// Cap on this load balancer's concurrent TCP connections (its share
+    /// of `proxy.max_connections`).
+    pub max_connections: Option<Spanned<i64>>,
+    /// Cap on this load balancer's UDP flows (its share of `proxy.max_udp_flows`).
+    pub max_udp_flows: Option<Spanned<i64>>,
     /// `[[load_balancer.listener]]`.
     #[serde(default, rename = "listener")]
     pub listeners: Vec<Spanned<FileListener>>,

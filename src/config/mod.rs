@@ -5,12 +5,14 @@
 //! runtime types below (`Duration`, `NonZeroU32`, `IpAddr`…). Once a
 //! [`Config`] exists it is valid, and nothing downstream checks it again.
 //!
-//! This module does no I/O beyond reading the file, so `harvester-lb check`,
+//! This module does no I/O beyond reading the file ([`read_regular_file`]:
+//! a regular file of at most [`MAX_FILE_BYTES`], never a FIFO or a device), so `harvester-lb check`,
 //! the daemon's start and every reload share exactly the same verdict.
 
 mod error;
 mod file;
 mod ranges;
+mod read;
 mod validate;
 
 use std::fmt;
@@ -22,7 +24,11 @@ use std::time::Duration;
 
 pub use error::{ConfigError, Problem};
 pub use ranges::{MAX_SOURCE_RANGES, SourceRanges};
-pub use validate::DEFAULT_ADMIN_SOCKET;
+pub use read::{FileKind, ReadError, read_regular_file};
+pub use validate::{
+    Conflict, DEFAULT_ADMIN_SOCKET, MAX_CLUSTER_BYTES, MAX_LISTENER_NAME_BYTES, MAX_NAME_BYTES,
+    conflicts,
+};
 
 /// Where the daemon looks for its configuration unless told otherwise.
 pub const DEFAULT_PATH: &str = "/etc/harvester-lb/config.toml";
@@ -161,8 +167,9 @@ pub struct ProxySettings {
     /// Cap on UDP flows, all UDP listeners together; `None` = derived from
     /// the open-file limit at start (each flow holds one socket).
     pub max_udp_flows: Option<NonZeroUsize>,
-    /// Cap on the flows of one client IP address on one UDP listener, so a
-    /// client that floods new source ports fills only its share of the table.
+    /// Cap on the flows of one source (an IPv4 address, an IPv6 /64) on one
+    /// UDP listener, so a client that floods new source ports or addresses
+    /// fills only its share of the table.
     pub max_udp_flows_per_source: NonZeroUsize,
 }
 
@@ -211,6 +218,29 @@ pub struct LoadBalancerSpec {
     /// How its UDP listeners end flows; here, per load balancer, because a
     /// DNS service and a game service behind one daemon want different ones.
     pub udp: UdpSettings,
+    /// Cap on its concurrent TCP connections, all its listeners together;
+    /// `None`: its default share of `proxy.max_connections` (see
+    /// [`default_share`]).
+    pub max_connections: Option<NonZeroUsize>,
+    /// Cap on its UDP flows, all its listeners together; `None`: its
+    /// default share of `proxy.max_udp_flows`.
+    pub max_udp_flows: Option<NonZeroUsize>,
+}
+
+/// A load balancer's default share of a process-wide cap (`proxy.max_connections`,
+/// `proxy.max_udp_flows`) when its own is not set, given how many load
+/// balancers have listeners of that protocol: the whole cap when it is the
+/// only one, else half of it, rounded up. No one tenant can
+/// then hold every slot and starve the others (150 idle connections to one
+/// VIP no longer refuse every other VIP), while a busy tenant can still use
+/// far more than an even split when the others are quiet. An explicit
+/// per-load-balancer cap is used as it is, never above the process-wide one.
+pub fn default_share(global: usize, load_balancers: usize) -> usize {
+    if load_balancers <= 1 {
+        global
+    } else {
+        global.div_ceil(2).max(1)
+    }
 }
 
 /// How a load balancer's UDP listeners end their flows. UDP has no
@@ -528,33 +558,24 @@ impl Loader {
     }
 }
 
-/// The file's text, refused if it is a directory, too large or not UTF-8.
+/// The file's text, refused if it is not a regular file (a FIFO, a device,
+/// a directory), larger than [`MAX_FILE_BYTES`] or not UTF-8.
 fn read(path: &Path) -> Result<String, ConfigError> {
     let shown = path.display().to_string();
-    let meta = std::fs::metadata(path).map_err(|source| ConfigError::Read {
-        path: shown.clone(),
-        source,
+    let bytes = read_regular_file(path, MAX_FILE_BYTES).map_err(|e| match e {
+        ReadError::Io(source) => ConfigError::Read {
+            path: shown.clone(),
+            source,
+        },
+        ReadError::NotRegular(kind) => ConfigError::NotRegular {
+            path: shown.clone(),
+            kind,
+        },
+        ReadError::TooLarge { size, .. } => ConfigError::TooLarge {
+            path: shown.clone(),
+            size,
+        },
     })?;
-    if meta.is_dir() {
-        return Err(ConfigError::IsDirectory { path: shown });
-    }
-    if meta.len() > MAX_FILE_BYTES {
-        return Err(ConfigError::TooLarge {
-            path: shown,
-            size: meta.len(),
-        });
-    }
-    let bytes = std::fs::read(path).map_err(|source| ConfigError::Read {
-        path: shown.clone(),
-        source,
-    })?;
-    // The file may have grown between stat and read.
-    if bytes.len() as u64 > MAX_FILE_BYTES {
-        return Err(ConfigError::TooLarge {
-            path: shown,
-            size: bytes.len() as u64,
-        });
-    }
     String::from_utf8(bytes).map_err(|e| ConfigError::NotUtf8 {
         path: shown,
         offset: e.utf8_error().valid_up_to(),

@@ -2,6 +2,7 @@
 //! listeners, and the retirement of what a reload removed.
 
 use super::*;
+use crate::log_limit::{Verdict, left_out};
 use crate::proxy::tcp::listen_options::ListenerOptions;
 
 impl Daemon {
@@ -21,6 +22,7 @@ impl Daemon {
                 || udp::default_max_flows(crate::os::open_file_limit().unwrap_or(1024)),
                 |n| n.get(),
             ));
+        let global_flows = self.udp_flows.max();
         let per_source = config.proxy.max_udp_flows_per_source.get();
         self.udp_per_source.store(per_source, Ordering::Relaxed);
         crate::proxy::log::set_max_lines_per_second(config.log.max_connection_lines_per_second);
@@ -67,6 +69,38 @@ impl Daemon {
             if let Some(entry) = st.load_balancers.remove(&name) {
                 self.retire_load_balancer(entry, drain);
                 report.load_balancers_removed += 1;
+            }
+        }
+
+        // Each load balancer's share of the process-wide caps, so one
+        // tenant cannot hold every slot (`config::default_share`).
+        // A share is split among the load balancers that can use it: those
+        // with a listener of its protocol.
+        let serving = |protocol: Protocol| {
+            config
+                .load_balancers
+                .iter()
+                .filter(|lb| lb.listeners.iter().any(|l| l.protocol == protocol))
+                .count()
+        };
+        let (tcp_count, udp_count) = (serving(Protocol::Tcp), serving(Protocol::Udp));
+        let share = |own: Option<std::num::NonZeroUsize>, global: usize, count: usize| {
+            own.map_or_else(
+                || crate::config::default_share(global, count),
+                |n| n.get().min(global),
+            )
+        };
+        for spec in &config.load_balancers {
+            if let Some(entry) = st.load_balancers.get(&spec.name) {
+                entry.lb.connections().set_max(share(
+                    spec.max_connections,
+                    self.limit.max(),
+                    tcp_count,
+                ));
+                entry
+                    .lb
+                    .udp_flows()
+                    .set_max(share(spec.max_udp_flows, global_flows, udp_count));
             }
         }
 
@@ -281,7 +315,13 @@ impl Daemon {
         for (_, gone) in std::mem::replace(&mut entry.backends, backends) {
             self.stop_probing(&spec.name, &gone);
             gone.leave();
-            retire_after(gone, drain, &self.drains, self.retire_now.clone());
+            retire_after(
+                gone,
+                drain,
+                entry.lb.released(),
+                &self.drains,
+                self.retire_now.clone(),
+            );
         }
         if spec.health_check.is_none() {
             // Health checking switched off: every backend is eligible again.
@@ -365,12 +405,24 @@ impl Daemon {
         }
     }
 
+    /// Takes a removed load balancer out of service. Its backends (and
+    /// with them the last of its series) are retired once nothing holds
+    /// the load balancer any more: at once when no connection is open
+    /// through it, when the last one closes, or when the drain time is up,
+    /// whichever comes first. A client still connecting through it holds
+    /// its route, so it is never cut short by this.
     pub(super) fn retire_load_balancer(&self, entry: LbEntry, drain: Duration) {
         entry.lb.leave();
         for (_, backend) in entry.backends {
             self.stop_probing(&entry.lb.name, &backend);
             backend.leave();
-            retire_after(backend, drain, &self.drains, self.retire_now.clone());
+            retire_after(
+                backend,
+                drain,
+                entry.lb.released(),
+                &self.drains,
+                self.retire_now.clone(),
+            );
         }
     }
 
@@ -433,7 +485,19 @@ impl Daemon {
             }
             Err(e) => {
                 let reason = format!("cannot bind {addr}/{protocol}: {e}");
-                tracing::error!(listen = %addr, %protocol, load_balancer = %lb_name, listener = %name, error = %e, "cannot bind listener; other listeners are unaffected");
+                // Per cause, a few lines a minute: every failed listener is
+                // in `/status` and `/readyz`, and retried every 2 s.
+                if let Verdict::Write { suppressed } = self.bind_log.check(e.raw_os_error()) {
+                    tracing::error!(
+                        listen = %addr,
+                        %protocol,
+                        load_balancer = %lb_name,
+                        listener = %name,
+                        error = %e,
+                        "cannot bind listener; other listeners are unaffected, it is retried every 2 s, /status lists every one not bound{}",
+                        left_out(suppressed)
+                    );
+                }
                 Err(reason)
             }
         }
@@ -453,20 +517,23 @@ impl Daemon {
 }
 
 /// Closes a removed backend's connections once `drain` has passed (or at
-/// shutdown, after the listeners have drained).
+/// shutdown, after the listeners have drained, or once its load balancer
+/// is released: then no connection through it can be open any more).
 ///
-/// It always waits the full drain time, even when no connection is open
+/// Otherwise it waits the full drain time, even when no connection is open
 /// now: a client that picked this backend from the previous snapshot may
 /// still be connecting, and it deserves the same drain as everyone else.
 fn retire_after(
     backend: Arc<Backend>,
     drain: Duration,
+    released: impl std::future::Future<Output = ()> + Send + 'static,
     tracker: &TaskTracker,
     shutdown: CancellationToken,
 ) {
     tracker.spawn(async move {
         tokio::select! {
             _ = tokio::time::sleep(drain) => {}
+            _ = released => {}
             _ = shutdown.cancelled() => {}
         }
         backend.retire();

@@ -16,7 +16,11 @@ impl Daemon {
             return;
         };
         let report = self.apply_locked(&mut st, config);
-        tracing::info!(?report, "applied the DHCP lease change");
+        super::log_applied!(
+            tracing::Level::INFO,
+            report,
+            "applied the DHCP lease change"
+        );
         // The isolation table follows the leased address (it runs `nft`).
         // Config and leases are read when the write runs, so writes that
         // run out of order still end with the latest.
@@ -28,12 +32,10 @@ impl Daemon {
                     return;
                 };
                 let leased = daemon.leased_vips();
-                let result = daemon.isolation.reconcile(&config, &leased);
-                let metrics = &daemon.metrics;
-                if let Err(e) = &result {
+                // It sets vip_isolation_up itself.
+                if let Err(e) = daemon.isolation.reconcile(&config, &leased) {
                     tracing::error!("vip.isolate, after a DHCP lease change: {e}");
                 }
-                metrics.set_vip_isolation(Some(result.is_ok()));
             });
         }
     }

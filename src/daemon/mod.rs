@@ -15,7 +15,6 @@ use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, SystemTime};
 
 use serde::Serialize;
-use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
@@ -27,6 +26,7 @@ use crate::config::{
 use crate::health::prober::{Prober, TargetStatus};
 use crate::health::{Health, HealthState};
 use crate::metrics::{ListenerStats, Metrics};
+use crate::proxy::tcp::ConnectionLimit;
 use crate::proxy::udp::{self, FlowBudget};
 use crate::proxy::{self, Listener, Route, Running};
 use crate::vip::dhcp::{Leases, Want};
@@ -36,9 +36,11 @@ use crate::workers::Workers;
 mod admin_state;
 mod apply;
 mod leases;
+mod readiness;
 mod status;
 
 pub use admin_state::{AdminStateChange, AdminStateError};
+pub use readiness::{UnboundListener, VipNotReady};
 pub use status::{
     BackendStatus, ConfigStatus, LeaseStatus, ListenerStatus, LoadBalancerStatus, PortStatus,
     StatusDoc,
@@ -50,7 +52,7 @@ pub struct Daemon {
     metrics: Arc<Metrics>,
     prober: Prober,
     /// Process-wide cap on forwarded connections.
-    limit: Arc<Semaphore>,
+    limit: Arc<ConnectionLimit>,
     /// The runtimes TCP listeners accept on.
     workers: Workers,
     /// Everything a reload changes; locked only by reload, status and shutdown.
@@ -80,6 +82,10 @@ pub struct Daemon {
     udp_flows: Arc<FlowBudget>,
     /// `proxy.max_udp_flows_per_source`, for listeners started later.
     udp_per_source: AtomicUsize,
+    /// Bind failures, rate limited per cause (`EADDRINUSE`, ...): 2,000
+    /// listeners that cannot bind, retried every 2 s, are a few lines a
+    /// minute and a count, not 1,000 lines a second.
+    bind_log: crate::log_limit::LogLimit<Option<i32>>,
 }
 
 /// A listener's identity across reloads: one VIP:port may carry one TCP
@@ -112,6 +118,26 @@ struct ListenerEntry {
     stats: Arc<ListenerStats>,
 }
 
+/// Logs an [`ApplyReport`] at `$level` with each count as a field of its
+/// own (`listeners_bound=3 listeners_failed=0 …`), which an operator reads
+/// and journald filters on, instead of one `Debug` struct; the rest of the
+/// arguments are the event's other fields and message.
+macro_rules! log_applied {
+    ($level:expr, $report:expr, $($rest:tt)*) => {{
+        let r: &$crate::daemon::ApplyReport = &$report;
+        tracing::event!(
+            $level,
+            listeners_bound = r.listeners_bound,
+            listeners_failed = r.listeners_failed,
+            listeners_removed = r.listeners_removed,
+            load_balancers_added = r.load_balancers_added,
+            load_balancers_removed = r.load_balancers_removed,
+            $($rest)*
+        )
+    }};
+}
+pub(crate) use log_applied;
+
 /// What a call to [`Daemon::apply`] changed, for the log.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct ApplyReport {
@@ -131,22 +157,24 @@ impl Daemon {
     /// A daemon with nothing configured. `max_connections` caps forwarded
     /// connections across all listeners; TCP listeners accept on `workers`.
     pub fn new(metrics: Arc<Metrics>, max_connections: usize, workers: Workers) -> Arc<Self> {
+        let isolation = Arc::new(Isolation::new(Arc::clone(&metrics)));
         Arc::new_cyclic(|me| Self {
             metrics,
             prober: Prober::new(),
-            limit: Arc::new(Semaphore::new(max_connections.min(Semaphore::MAX_PERMITS))),
+            limit: ConnectionLimit::new(max_connections),
             workers,
             state: Mutex::new(State::default()),
             drains: TaskTracker::new(),
             stopping: AtomicBool::new(false),
             retire_now: CancellationToken::new(),
             affinity: AffinityBudget::new(0),
-            isolation: Arc::new(Isolation::new()),
+            isolation,
             leases: Leases::new(),
             lease_watcher: AtomicBool::new(false),
             me: me.clone(),
             udp_flows: FlowBudget::new(0),
             udp_per_source: AtomicUsize::new(1),
+            bind_log: crate::log_limit::LogLimit::new(5, Duration::from_secs(60)),
         })
     }
 
@@ -184,7 +212,8 @@ impl Daemon {
         was
     }
 
-    /// Whether a config is in force and every listener is bound.
+    /// Whether a config is in force and every listener is bound, whatever
+    /// its VIP (`/readyz`); [`Daemon::vips_ready`] asks about some VIPs.
     pub fn is_ready(&self) -> bool {
         if self.is_stopping() {
             return false;

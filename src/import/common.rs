@@ -111,6 +111,16 @@ pub struct Parts {
 pub fn lb_name(meta: &At<'_>) -> Result<String, Reason> {
     let name = meta.get("name").str()?.filter(|s| !s.is_empty());
     let namespace = meta.get("namespace").str()?.filter(|s| !s.is_empty());
+    // Kubernetes' own limits: a namespace is a DNS label, a name a DNS
+    // subdomain; an API server stores nothing longer.
+    for (field, value, max) in [("namespace", namespace, 63), ("name", name, 253)] {
+        if let Some(v) = value.filter(|v| v.len() > max) {
+            return Err(format!(
+                "metadata.{field} is {} bytes long; Kubernetes allows at most {max}",
+                v.len()
+            ));
+        }
+    }
     match (namespace, name) {
         (Some(ns), Some(name)) => Ok(format!("{ns}/{name}")),
         (None, _) => Err(

@@ -49,8 +49,10 @@ impl Object {
     pub fn name(&self) -> String {
         let meta = &self.value["metadata"];
         match (meta["namespace"].as_str(), meta["name"].as_str()) {
-            (Some(ns), Some(name)) if !ns.is_empty() => format!("{ns}/{name}"),
-            (_, Some(name)) => name.to_string(),
+            (Some(ns), Some(name)) if !ns.is_empty() => {
+                format!("{}/{}", shown(ns), shown(name))
+            }
+            (_, Some(name)) => shown(name),
             _ => "(no name)".to_string(),
         }
     }
@@ -58,17 +60,35 @@ impl Object {
     /// How skip lines and errors name it: `v1beta1 LoadBalancer default/web
     /// (lbs.yaml, document 2)`.
     pub fn describe(&self) -> String {
-        let version = self.api_version();
+        let version = shown(self.api_version());
         let kind = if self.kind().is_empty() {
-            "(no kind)"
+            "(no kind)".to_string()
         } else {
-            self.kind()
+            shown(self.kind())
         };
         if version.is_empty() {
             format!("{kind} {} ({})", self.name(), self.place)
         } else {
             format!("{version} {kind} {} ({})", self.name(), self.place)
         }
+    }
+}
+
+/// The longest name shown whole in a message: Kubernetes' own limit for
+/// an object name. A longer one (which no API server accepts) is cut, so
+/// one object cannot make every skip line 250 KB.
+const MAX_SHOWN_NAME: usize = 253;
+
+/// A name from an object as messages show it: control characters escaped
+/// (a `\n` would forge a line of the log), cut past [`MAX_SHOWN_NAME`].
+fn shown(name: &str) -> String {
+    match name.char_indices().nth(MAX_SHOWN_NAME) {
+        Some((cut, _)) => format!(
+            "{}... ({} bytes)",
+            crate::text::escape(&name[..cut]),
+            name.len()
+        ),
+        None => crate::text::escape(name).into_owned(),
     }
 }
 

@@ -11,31 +11,43 @@
 //! Nothing is dropped without a word: an object or a listener that cannot
 //! be mapped is named on stderr with the reason (`--strict` makes that an
 //! error). Each load balancer is validated on its own with the config's own
-//! rules, so one bad object is skipped rather than blocking the others; the
-//! whole file is validated again, since some rules span load balancers
-//! (one VIP:port, one listener). The output depends only on the set of
-//! objects, not their order: load balancers sorted by name, lists sorted.
+//! rules, so one bad object is skipped rather than blocking the others; so
+//! is each `Node`, and each object that breaks a rule spanning load
+//! balancers (one VIP:port, a backend that is a VIP:port or
+//! `admin.listen`), and the largest ones if the file would exceed the
+//! config's size limit. Objects are untrusted: an address of this host as
+//! a VIP or backend skips the object ([`guard`]). The whole file is
+//! validated again before it is shown or written. The output depends only
+//! on the set of objects, not their order: load balancers sorted by name,
+//! lists sorted.
 
 mod common;
 mod documents;
 mod fields;
+mod guard;
 mod model;
 mod service;
 mod v1alpha1;
 mod v1beta1;
 mod write;
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::io::Read;
-use std::net::IpAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
-use crate::config::{self, Problem};
+use crate::config::{self, Conflict, LoadBalancerSpec, Problem};
 
 pub use documents::{DocumentError, MAX_INPUT_BYTES, Source};
 pub use write::{WriteError, WriteOutcome, write_validated};
 
+/// Exit code: the config was printed or written (or left unchanged), but
+/// some objects or listeners were skipped, each named on stderr. Not an
+/// error (an object waiting for its address is skipped until it has one):
+/// the shipped unit takes it as success (`SuccessExitStatus=3`).
+pub const EXIT_SKIPPED: u8 = 3;
 /// Exit code: the command line is wrong (sysexits' EX_USAGE).
 pub const EXIT_USAGE: u8 = 64;
 /// Exit code: the input is not Kubernetes objects, or `--strict` found
@@ -45,6 +57,10 @@ pub const EXIT_DATA: u8 = 65;
 pub const EXIT_NO_INPUT: u8 = 66;
 /// Exit code: `--write` could not create or rename its file (EX_CANTCREAT).
 pub const EXIT_CANT_CREATE: u8 = 73;
+/// Exit code: `--write` would empty a non-empty config, or remove more
+/// than half of its load balancers, without `--allow-removals`; nothing
+/// was written (EX_NOPERM).
+pub const EXIT_REMOVALS: u8 = 77;
 /// Exit code: the result (or the `--base` file) is not a valid config;
 /// nothing was written (EX_CONFIG, as `check`).
 pub const EXIT_CONFIG: u8 = 78;
@@ -95,6 +111,42 @@ pub struct Options {
     /// Config text written before the load balancers (`--base`): the
     /// `[admin]`, `[proxy]` and `[metrics]` settings of this host.
     pub base: Option<Source>,
+    /// Let loopback addresses be VIPs and backends (`--allow-loopback`):
+    /// for tests and demos on one machine only, since an object could then
+    /// forward a VIP to this host's own services.
+    pub allow_loopback: bool,
+    /// Who holds each VIP:port in the file that `--write` replaces: when a
+    /// new object claims a VIP:port that a load balancer of the current
+    /// file holds, the holder keeps it and only the newcomer is skipped, so
+    /// one tenant's object cannot take another's VIP off the host.
+    pub holders: Holders,
+}
+
+/// The load balancer that holds each VIP:port and protocol in a config
+/// file (the one in force), by name.
+#[derive(Debug, Clone, Default)]
+pub struct Holders(std::collections::HashMap<(SocketAddr, config::Protocol), String>);
+
+impl Holders {
+    /// The holders of the config in `text`; none when it does not parse
+    /// (then every clash skips both sides, as with no file).
+    pub fn of_config_text(text: &str) -> Self {
+        let mut held = std::collections::HashMap::new();
+        if let Ok(loaded) = config::parse(text) {
+            for lb in &loaded.config.load_balancers {
+                for l in &lb.listeners {
+                    let addr = SocketAddr::new(lb.vip.to_canonical(), l.port);
+                    held.insert((addr, l.protocol), lb.name.clone());
+                }
+            }
+        }
+        Self(held)
+    }
+
+    fn holder(&self, addr: SocketAddr, protocol: config::Protocol) -> Option<&str> {
+        let addr = SocketAddr::new(addr.ip().to_canonical(), addr.port());
+        self.0.get(&(addr, protocol)).map(String::as_str)
+    }
 }
 
 /// Something not imported, and why.
@@ -119,6 +171,8 @@ pub struct Imported {
     pub text: String,
     /// Load balancers in it.
     pub load_balancers: usize,
+    /// Their names, for the removal guard of `--write`.
+    pub names: BTreeSet<String>,
     /// Objects and parts of objects not imported.
     pub skipped: Vec<Skip>,
     /// How some things were mapped (not errors).
@@ -183,9 +237,27 @@ pub fn import(sources: &[Source], options: &Options) -> Result<Imported, ImportE
             )),
             ("v1", "Service") if service::is_load_balancer(obj) => services.push(obj),
             ("v1", "Service") => other_services += 1,
+            // Each Node is judged alone: one bad address skips that Node,
+            // never the Services it would have been a backend of.
             ("v1", "Node") => match service::node_addresses(obj) {
-                Ok(addrs) => nodes.extend(addrs),
-                Err(reason) => notes.push(format!("{}: {reason}", obj.describe())),
+                Ok(addrs) => match addrs.iter().find_map(|&ip| {
+                    guard::host_address(ip, options.allow_loopback).map(|why| (ip, why))
+                }) {
+                    None => nodes.extend(addrs),
+                    Some((ip, why)) => skipped.push(Skip {
+                        object: obj.describe(),
+                        reason: format!(
+                            "status.addresses: InternalIP {ip} is {why}; this Node is no backend of any load balancer"
+                        ),
+                    }),
+                },
+                Err(service::NoBackend::Normal(reason)) => {
+                    notes.push(format!("{}: {reason}", obj.describe()))
+                }
+                Err(service::NoBackend::Bad(reason)) => skipped.push(Skip {
+                    object: obj.describe(),
+                    reason: format!("{reason}; this Node is no backend of any load balancer"),
+                }),
             },
             (_, kind) => skipped.push(Skip {
                 object: obj.describe(),
@@ -222,7 +294,7 @@ pub fn import(sources: &[Source], options: &Options) -> Result<Imported, ImportE
     }
 
     // Each load balancer alone against the config's rules.
-    let mut by_name: BTreeMap<String, Vec<(String, model::Lb)>> = BTreeMap::new();
+    let mut by_name: BTreeMap<String, Vec<Entry>> = BTreeMap::new();
     let mut warnings = Vec::new();
     for (object, result) in results {
         let mut mapped = match result {
@@ -233,6 +305,10 @@ pub fn import(sources: &[Source], options: &Options) -> Result<Imported, ImportE
             }
         };
         mapped.lb.normalise();
+        if let Some(reason) = guard::lb_addresses(&mapped.lb, options.allow_loopback) {
+            skipped.push(Skip { object, reason });
+            continue;
+        }
         notes.extend(mapped.notes.iter().map(|n| format!("{object}: {n}")));
         if mapped.lb.listeners.is_empty() {
             // One line for the object: what was left out is why nothing is left.
@@ -260,10 +336,17 @@ pub fn import(sources: &[Source], options: &Options) -> Result<Imported, ImportE
                         .iter()
                         .map(|w| format!("{object}: {}", without_index(w))),
                 );
+                let Some(spec) = loaded.config.load_balancers.into_iter().next() else {
+                    continue; // A valid one-table file has its table.
+                };
                 by_name
                     .entry(mapped.lb.name.clone())
                     .or_default()
-                    .push((object, mapped.lb));
+                    .push(Entry {
+                        object,
+                        lb: mapped.lb,
+                        spec,
+                    });
             }
             Err(problems) => skipped.push(Skip {
                 object,
@@ -279,15 +362,15 @@ pub fn import(sources: &[Source], options: &Options) -> Result<Imported, ImportE
     // One name, one load balancer: the same object seen twice (two files,
     // or in both versions) is one; different ones are both left out, since
     // neither can be chosen whatever the order.
-    let mut lbs = Vec::new();
+    let mut lbs: Vec<Entry> = Vec::new();
     for (name, group) in by_name {
-        if group.iter().all(|(_, lb)| *lb == group[0].1) {
-            lbs.push(group.into_iter().next().expect("non-empty group").1);
+        if group.iter().all(|e| e.lb == group[0].lb) {
+            lbs.extend(group.into_iter().next());
         } else {
-            let objects: Vec<&str> = group.iter().map(|(o, _)| o.as_str()).collect();
-            for (object, _) in &group {
+            let objects: Vec<&str> = group.iter().map(|e| e.object.as_str()).collect();
+            for e in &group {
                 skipped.push(Skip {
-                    object: object.clone(),
+                    object: e.object.clone(),
                     reason: format!(
                         "{} objects map to load balancer {name:?} differently ({}); none of them is imported",
                         group.len(),
@@ -298,19 +381,247 @@ pub fn import(sources: &[Source], options: &Options) -> Result<Imported, ImportE
         }
     }
 
-    let text = render(sources, options, &lbs, objects.len(), skipped.len())?;
+    skip_conflicts(
+        &mut lbs,
+        admin_listen(options),
+        &options.holders,
+        &mut skipped,
+    );
+    let text = fit(sources, options, &mut lbs, objects.len(), &mut skipped)?;
+    let models: Vec<model::Lb> = lbs.iter().map(|e| e.lb.clone()).collect();
     if let Err(problems) = config::parse(&text) {
         return Err(ImportError::Invalid {
-            problems: problems.iter().map(|p| with_lb_name(p, &lbs)).collect(),
+            problems: problems.iter().map(|p| with_lb_name(p, &models)).collect(),
         });
     }
     Ok(Imported {
         text,
         load_balancers: lbs.len(),
+        names: lbs.iter().map(|e| e.lb.name.clone()).collect(),
         skipped,
         notes,
         warnings,
     })
+}
+
+/// One object that became a load balancer valid on its own.
+struct Entry {
+    /// How it is named in skip lines.
+    object: String,
+    /// What is written.
+    lb: model::Lb,
+    /// What the config made of it, for the rules that span load balancers.
+    spec: Arc<LoadBalancerSpec>,
+}
+
+/// `admin.listen` of the `--base` settings (the config's default without
+/// one): a VIP:port or a backend there is a conflict.
+fn admin_listen(options: &Options) -> SocketAddr {
+    let listen = |text: &str| config::parse(text).ok().map(|l| l.config.admin.listen);
+    let base = options.base.as_ref().map_or("", |b| b.text.as_str());
+    // The key before the tables, so the base's tables stay whole.
+    listen(&format!("load_balancer = []\n{base}"))
+        .or_else(|| listen("load_balancer = []\n"))
+        .unwrap_or_else(|| SocketAddr::from(([127, 0, 0, 1], 9901)))
+}
+
+/// Skips every load balancer that breaks a rule spanning load balancers
+/// (both of two on one VIP:port, one whose backend is a VIP:port of the
+/// file or `admin.listen`), with the config's own rules, until none is
+/// left: one object cannot block every other tenant's update.
+fn skip_conflicts(
+    lbs: &mut Vec<Entry>,
+    admin: SocketAddr,
+    holders: &Holders,
+    skipped: &mut Vec<Skip>,
+) {
+    loop {
+        let specs: Vec<&LoadBalancerSpec> = lbs.iter().map(|e| &*e.spec).collect();
+        let found = config::conflicts(admin, &specs);
+        if found.is_empty() {
+            return;
+        }
+        let mut out: BTreeMap<usize, String> = BTreeMap::new();
+        for conflict in &found {
+            let held = held_by(conflict, lbs, holders);
+            let offenders = match held {
+                Some(holder) => vec![newcomer(conflict, holder)],
+                None => conflict.offenders(),
+            };
+            for i in offenders {
+                out.entry(i)
+                    .or_insert_with(|| conflict_reason(conflict, i, lbs, admin, held));
+            }
+        }
+        for (i, reason) in out.into_iter().rev() {
+            let e = lbs.remove(i);
+            skipped.push(Skip {
+                object: e.object,
+                reason,
+            });
+        }
+    }
+}
+
+/// In a clash of two load balancers on one VIP:port, the one (by index)
+/// that holds it in the current file while the other does not.
+fn held_by(conflict: &Conflict, lbs: &[Entry], holders: &Holders) -> Option<usize> {
+    let Conflict::Address {
+        addr,
+        protocol,
+        first,
+        again,
+    } = *conflict
+    else {
+        return None;
+    };
+    let holder = holders.holder(addr, protocol)?;
+    match (
+        lbs[first.0].lb.name == holder,
+        lbs[again.0].lb.name == holder,
+    ) {
+        (true, false) => Some(first.0),
+        (false, true) => Some(again.0),
+        _ => None,
+    }
+}
+
+/// The other side of a two-sided `conflict` from `holder`.
+fn newcomer(conflict: &Conflict, holder: usize) -> usize {
+    match *conflict {
+        Conflict::Address { first, again, .. } if first.0 == holder => again.0,
+        Conflict::Address { first, .. } => first.0,
+        _ => holder,
+    }
+}
+
+/// Why load balancer `i` goes for `conflict`, naming the other object;
+/// `held`: the other one holds the VIP:port in the current file and stays.
+fn conflict_reason(
+    conflict: &Conflict,
+    i: usize,
+    lbs: &[Entry],
+    admin: SocketAddr,
+    held: Option<usize>,
+) -> String {
+    let listener = |(lb, k): (usize, usize)| &lbs[lb].spec.listeners[k];
+    match *conflict {
+        Conflict::Name { first, again } => {
+            let other = if i == first { again } else { first };
+            format!(
+                "load balancer {:?} is also {}; neither is imported",
+                lbs[i].lb.name, lbs[other].object
+            )
+        }
+        Conflict::Address {
+            addr,
+            protocol,
+            first,
+            again,
+        } => {
+            let (mine, other) = if i == first.0 {
+                (first, again)
+            } else {
+                (again, first)
+            };
+            if held == Some(other.0) {
+                return format!(
+                    "listener {:?} on {addr}/{protocol}: {} holds that VIP:port in the config in force (listener {:?}) and keeps it; not imported",
+                    listener(mine).name,
+                    lbs[other.0].object,
+                    listener(other).name
+                );
+            }
+            format!(
+                "listener {:?} on {addr}/{protocol}: {} claims that VIP:port too (listener {:?}); two objects on one VIP:port: neither is imported",
+                listener(mine).name,
+                lbs[other.0].object,
+                listener(other).name
+            )
+        }
+        Conflict::Loop {
+            backend,
+            listener: k,
+            target,
+            ..
+        } => format!(
+            "backend {} (listener {:?}) is the VIP:port of {} (listener {:?}): the daemon would forward to itself; not imported",
+            SocketAddr::new(backend, lbs[i].spec.listeners[k].backend_port),
+            lbs[i].spec.listeners[k].name,
+            lbs[target.0].object,
+            listener(target).name
+        ),
+        Conflict::Admin {
+            listener: k,
+            backend: None,
+            ..
+        } => format!(
+            "listener {:?} on {} is this host's admin.listen ({admin}); not imported",
+            lbs[i].spec.listeners[k].name,
+            lbs[i].spec.listen_addr(&lbs[i].spec.listeners[k])
+        ),
+        Conflict::Admin {
+            listener: k,
+            backend: Some(backend),
+            ..
+        } => format!(
+            "backend {} (listener {:?}) reaches this host's admin.listen ({admin}): clients of the VIP would reach the admin API; not imported",
+            SocketAddr::new(backend, lbs[i].spec.listeners[k].backend_port),
+            lbs[i].spec.listeners[k].name
+        ),
+    }
+}
+
+/// The file, with the largest load balancers skipped while it would be
+/// larger than the config's size limit (the daemon would refuse all of it).
+fn fit(
+    sources: &[Source],
+    options: &Options,
+    lbs: &mut Vec<Entry>,
+    objects: usize,
+    skipped: &mut Vec<Skip>,
+) -> Result<String, ImportError> {
+    let limit = config::MAX_FILE_BYTES as usize;
+    loop {
+        let models: Vec<model::Lb> = lbs.iter().map(|e| e.lb.clone()).collect();
+        let text = render(sources, options, &models, objects, skipped.len())?;
+        if text.len() <= limit || lbs.is_empty() {
+            return Ok(text);
+        }
+        // Largest first, by name among equals: the same objects, the same file.
+        let mut sizes: Vec<(usize, usize)> = models
+            .iter()
+            .enumerate()
+            .map(|(i, lb)| {
+                let mut t = String::new();
+                lb.write_toml(&mut t);
+                (t.len() + 1, i)
+            })
+            .collect();
+        sizes.sort_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
+        // A little more than the excess: the header's counts grow.
+        let excess = text.len() - limit + 64;
+        let mut freed = 0;
+        let mut out = Vec::new();
+        for (size, i) in sizes {
+            if freed >= excess {
+                break;
+            }
+            freed += size;
+            out.push((i, size));
+        }
+        out.sort_unstable();
+        for (i, size) in out.into_iter().rev() {
+            let e = lbs.remove(i);
+            skipped.push(Skip {
+                object: e.object,
+                reason: format!(
+                    "the config would be {} bytes, over the {limit}-byte limit of a config file; the largest load balancers are left out until the rest fits, and this one's table is {size} bytes; not imported",
+                    text.len()
+                ),
+            });
+        }
+    }
 }
 
 /// The file: header, the `--base` text, the load balancers.
@@ -401,6 +712,11 @@ pub struct Args {
     pub strict: bool,
     /// `--base PATH`.
     pub base: Option<PathBuf>,
+    /// `--allow-removals`: `--write` may empty the file or remove more than
+    /// half of its load balancers.
+    pub allow_removals: bool,
+    /// `--allow-loopback`: see [`Options::allow_loopback`].
+    pub allow_loopback: bool,
 }
 
 /// Runs `harvester-lb import`: messages on stderr, the config on stdout or
@@ -428,9 +744,17 @@ pub fn command(args: &Args) -> u8 {
             return code;
         }
     };
+    let holders = args
+        .write
+        .as_deref()
+        .and_then(write::existing)
+        .map(|text| Holders::of_config_text(&text))
+        .unwrap_or_default();
     let options = Options {
         cluster: args.cluster.clone(),
         base,
+        allow_loopback: args.allow_loopback,
+        holders,
     };
     let imported = match import(&sources, &options) {
         Ok(i) => i,
@@ -460,26 +784,50 @@ pub fn command(args: &Args) -> u8 {
         );
         return EXIT_DATA;
     }
+    let summary = format!(
+        "{} load balancers; {} skipped{}",
+        imported.load_balancers,
+        imported.skipped.len(),
+        if imported.skipped.is_empty() {
+            ""
+        } else {
+            ", each named above"
+        }
+    );
+    let done = if imported.skipped.is_empty() {
+        0
+    } else {
+        EXIT_SKIPPED
+    };
     let Some(target) = &args.write else {
         print!("{}", imported.text);
-        return 0;
+        eprintln!("harvester-lb import: printed ({summary})");
+        return done;
     };
+    if !args.allow_removals
+        && let Some(old) = guard::existing_names(target)
+        && let Some(why) = guard::removals(&old, &imported.names)
+    {
+        eprintln!(
+            "harvester-lb import: {why}; {} was not changed. A controller or input mistake must not take every VIP down: check the input, and run again with --allow-removals if this is meant",
+            target.display()
+        );
+        return EXIT_REMOVALS;
+    }
     match write_validated(target, &imported.text) {
         Ok(WriteOutcome::Written) => {
             eprintln!(
-                "harvester-lb import: wrote {} ({} load balancers)",
-                target.display(),
-                imported.load_balancers
+                "harvester-lb import: wrote {} ({summary})",
+                target.display()
             );
-            0
+            done
         }
         Ok(WriteOutcome::Unchanged) => {
             eprintln!(
-                "harvester-lb import: {} unchanged ({} load balancers)",
-                target.display(),
-                imported.load_balancers
+                "harvester-lb import: {} unchanged ({summary})",
+                target.display()
             );
-            0
+            done
         }
         Err(e) => {
             eprintln!("harvester-lb import: {e}");
@@ -492,33 +840,46 @@ pub fn command(args: &Args) -> u8 {
 }
 
 /// Reads a file (or standard input for `-`) whole, at most
-/// [`MAX_INPUT_BYTES`], as UTF-8; an error comes with its exit code.
+/// [`MAX_INPUT_BYTES`], as UTF-8; an error comes with its exit code. A path
+/// must name a regular file ([`config::read_regular_file`], as the config
+/// itself): a FIFO there would hang an import run by a timer for good; a
+/// pipe is given as `-`.
 fn read_source(path: &Path) -> Result<Source, (u8, String)> {
-    let (name, mut reader): (String, Box<dyn Read>) = if path == Path::new("-") {
-        ("standard input".into(), Box::new(std::io::stdin().lock()))
-    } else {
-        let shown = path.display().to_string();
-        if path.is_dir() {
-            return Err((
-                EXIT_NO_INPUT,
-                format!("{shown} is a directory; give a file"),
-            ));
-        }
-        let file = std::fs::File::open(path)
-            .map_err(|e| (EXIT_NO_INPUT, format!("cannot read {shown}: {e}")))?;
-        (shown, Box::new(file))
-    };
-    let mut bytes = Vec::new();
-    (&mut reader)
-        .take(MAX_INPUT_BYTES as u64 + 1)
-        .read_to_end(&mut bytes)
-        .map_err(|e| (EXIT_NO_INPUT, format!("cannot read {name}: {e}")))?;
-    if bytes.len() > MAX_INPUT_BYTES {
-        return Err((
+    let too_large = |name: &str| {
+        (
             EXIT_DATA,
             format!("{name} is larger than {MAX_INPUT_BYTES} bytes; split the input"),
-        ));
-    }
+        )
+    };
+    let (name, bytes) = if path == Path::new("-") {
+        let name = "standard input".to_string();
+        let mut bytes = Vec::new();
+        std::io::stdin()
+            .lock()
+            .take(MAX_INPUT_BYTES as u64 + 1)
+            .read_to_end(&mut bytes)
+            .map_err(|e| (EXIT_NO_INPUT, format!("cannot read {name}: {e}")))?;
+        if bytes.len() > MAX_INPUT_BYTES {
+            return Err(too_large(&name));
+        }
+        (name, bytes)
+    } else {
+        let name = path.display().to_string();
+        let bytes = match config::read_regular_file(path, MAX_INPUT_BYTES as u64) {
+            Ok(bytes) => bytes,
+            Err(config::ReadError::Io(e)) => {
+                return Err((EXIT_NO_INPUT, format!("cannot read {name}: {e}")));
+            }
+            Err(e @ config::ReadError::NotRegular(_)) => {
+                return Err((
+                    EXIT_NO_INPUT,
+                    format!("{name} {e}; give a file, or `-` for standard input"),
+                ));
+            }
+            Err(config::ReadError::TooLarge { .. }) => return Err(too_large(&name)),
+        };
+        (name, bytes)
+    };
     let text = String::from_utf8(bytes).map_err(|e| {
         (
             EXIT_DATA,

@@ -30,29 +30,43 @@ pub fn is_load_balancer(obj: &Object) -> bool {
     obj.value["spec"]["type"].as_str() == Some("LoadBalancer")
 }
 
+/// Why a node gives no backend.
+pub enum NoBackend {
+    /// As Kubernetes would have it (excluded, no address yet): a note.
+    Normal(Reason),
+    /// A field that cannot be read: the node is skipped, named.
+    Bad(Reason),
+}
+
 /// The `InternalIP`s of a node, or why it gives none.
-pub fn node_addresses(obj: &Object) -> Result<Vec<IpAddr>, Reason> {
+pub fn node_addresses(obj: &Object) -> Result<Vec<IpAddr>, NoBackend> {
     let root = At::root(&obj.value);
-    if root
+    let excluded = root
         .get("metadata")
         .get("labels")
-        .map_entry(EXCLUDE_LABEL)?
-        .is_some()
-    {
-        return Err(format!(
+        .map_entry(EXCLUDE_LABEL)
+        .map_err(NoBackend::Bad)?;
+    if excluded.is_some() {
+        return Err(NoBackend::Normal(format!(
             "labelled {EXCLUDE_LABEL}: not a backend, as Kubernetes' service controller leaves it out"
-        ));
+        )));
     }
     let mut out = Vec::new();
-    for a in root.get("status").get("addresses").each()? {
-        if a.get("type").str()? == Some("InternalIP")
-            && let Some(text) = a.get("address").str()?
-        {
-            out.push(ip(text, &format!("{}.address", a.path()))?);
+    (|| {
+        for a in root.get("status").get("addresses").each()? {
+            if a.get("type").str()? == Some("InternalIP")
+                && let Some(text) = a.get("address").str()?
+            {
+                out.push(ip(text, &format!("{}.address", a.path()))?);
+            }
         }
-    }
+        Ok(())
+    })()
+    .map_err(NoBackend::Bad)?;
     if out.is_empty() {
-        return Err("status.addresses has no InternalIP: not a backend".into());
+        return Err(NoBackend::Normal(
+            "status.addresses has no InternalIP: not a backend".into(),
+        ));
     }
     Ok(out)
 }

@@ -36,6 +36,17 @@ pub enum WriteError {
         /// What the OS said.
         source: std::io::Error,
     },
+    /// The config is larger than the daemon reads; PATH is untouched.
+    #[error(
+        "the imported config would be {size} bytes, more than the {} a config file may have; {target} was not changed",
+        config::MAX_FILE_BYTES
+    )]
+    TooLarge {
+        /// PATH.
+        target: PathBuf,
+        /// The config's size.
+        size: usize,
+    },
     /// The config, as written, does not pass `check`; PATH is untouched.
     #[error("the imported config is invalid; {target} was not changed:\n{source}")]
     Invalid {
@@ -66,6 +77,12 @@ pub fn write_validated(target: &Path, text: &str) -> Result<WriteOutcome, WriteE
     let file_name = target
         .file_name()
         .ok_or_else(|| WriteError::NotAFile(target.to_path_buf()))?;
+    if text.len() as u64 > config::MAX_FILE_BYTES {
+        return Err(WriteError::TooLarge {
+            target: target.to_path_buf(),
+            size: text.len(),
+        });
+    }
     let dir = target
         .parent()
         .filter(|p| !p.as_os_str().is_empty())
@@ -102,7 +119,9 @@ pub fn write_validated(target: &Path, text: &str) -> Result<WriteOutcome, WriteE
             source,
         });
     }
-    if fs::read(target).is_ok_and(|old| old == text.as_bytes()) {
+    // Only a regular file can be unchanged; whatever else is at PATH (a
+    // FIFO would block a plain read) is replaced by the rename.
+    if existing(target).is_some_and(|old| old == text) {
         return Ok(WriteOutcome::Unchanged);
     }
     fs::rename(&temp.path, target).map_err(io(target))?;
@@ -113,4 +132,12 @@ pub fn write_validated(target: &Path, text: &str) -> Result<WriteOutcome, WriteE
         let _ = d.sync_all();
     }
     Ok(WriteOutcome::Written)
+}
+
+/// The text of the config file at `path` if it is a regular file (not a
+/// FIFO, which would block the read, nor a device) of at most the config's
+/// size limit, in UTF-8; `None` otherwise.
+pub(super) fn existing(path: &Path) -> Option<String> {
+    let bytes = config::read_regular_file(path, config::MAX_FILE_BYTES).ok()?;
+    String::from_utf8(bytes).ok()
 }

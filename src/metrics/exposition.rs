@@ -418,7 +418,14 @@ impl Exposition {
         );
         match m.vip_isolation.load(Ordering::Relaxed) {
             0 => {}
-            v => gauge(buf, &names::VIP_ISOLATION_UP, &u64::from(v == 1)),
+            v => {
+                gauge(buf, &names::VIP_ISOLATION_UP, &u64::from(v == 1));
+                gauge(
+                    buf,
+                    &names::VIP_ISOLATION_REPAIRS,
+                    &m.vip_isolation_repairs.get(),
+                );
+            }
         }
         let limit = load(&m.connection_limit);
         if limit > 0 {
@@ -444,6 +451,13 @@ impl Exposition {
         for (result, c) in [("success", &m.reloads_ok), ("failure", &m.reloads_failed)] {
             out.sample("", |b| label_first(b, "result", result), c.get());
         }
+        let mut headed = false;
+        Out {
+            buf,
+            family: &names::ADMIN_CONNECTIONS_SHED,
+            headed: &mut headed,
+        }
+        .sample("", |_| {}, m.admin_shed.get());
         let mut headed = false;
         Out {
             buf,

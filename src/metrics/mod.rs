@@ -65,8 +65,12 @@ pub struct Metrics {
     /// `vip.isolate`: 0 off (no series), 1 the table is in force, 2 the
     /// last write of it failed.
     pub(crate) vip_isolation: std::sync::atomic::AtomicU8,
+    /// `vip.isolate`: repairs of a table another process changed.
+    pub(crate) vip_isolation_repairs: Counter,
     /// The connection cap in force (0: not set yet, not exported).
     connection_limit: AtomicU64,
+    /// `admin_connections_shed_total`.
+    admin_shed: Counter,
 }
 
 impl Metrics {
@@ -126,10 +130,21 @@ impl Metrics {
         self.vip_isolation.store(v, Ordering::Relaxed);
     }
 
+    /// Counts one repair of the VIP isolation table (found changed in the
+    /// kernel and written again).
+    pub fn record_vip_isolation_repair(&self) {
+        self.vip_isolation_repairs.increment(1);
+    }
+
     /// Records the connection cap in force (set once at start: changing
     /// `proxy.max_connections` needs a restart).
     pub fn set_connection_limit(&self, limit: usize) {
         self.connection_limit.store(limit as u64, Ordering::Relaxed);
+    }
+
+    /// Counts an admin connection shed to make room for a newcomer.
+    pub fn record_admin_connection_shed(&self) {
+        self.admin_shed.increment(1);
     }
 
     /// Switches per-backend probe-duration histograms on or off.

@@ -161,7 +161,7 @@ pub static CONNECTIONS_FAILED: Family = Family::new(
 pub static CONNECTIONS_REJECTED: Family = Family::new(
     "harvester_lb_connections_rejected_total",
     Counter,
-    "Client connections reset right after accept by the load balancer's policy (reason source_range: the client is outside source_ranges), before any backend connect.",
+    "Client connections reset right after accept by the load balancer's policy (reason source_range: the client is outside source_ranges; load_balancer_limit: the load balancer holds its share of connections, its max_connections), before any backend connect.",
 );
 /// Client connections being forwarded now, per listener.
 pub static CONNECTIONS_ACTIVE: Family = Family::new(
@@ -225,7 +225,7 @@ pub static UDP_FLOWS_CREATED: Family = Family::new(
 pub static UDP_FLOWS_DROPPED: Family = Family::new(
     "harvester_lb_udp_flows_dropped_total",
     Counter,
-    "New UDP flows refused (their datagram dropped), by reason (table_full, source_limit, no_backend, no_socket).",
+    "New UDP flows refused (their datagram dropped), by reason (table_full, source_limit, no_backend, no_socket, load_balancer_limit: the load balancer holds its share of proxy.max_udp_flows).",
 );
 /// UDP flows open to a backend now; labels add `backend`.
 pub static UDP_BACKEND_FLOWS_ACTIVE: Family = Family::new(
@@ -326,12 +326,22 @@ pub static CONFIG_LAST_RELOAD_SUCCESS_TIMESTAMP: Family = Family::new(
     Gauge,
     "Unix time of the last successful configuration load.",
 );
-/// `vip.isolate`: 1 when the nftables table of the config in force is
-/// written, 0 when writing it failed; absent when isolation is off.
+/// `vip.isolate`: 1 when the nftables table in the kernel is the one the
+/// config in force asks for (as last read back), 0 when writing it failed
+/// or the kernel's differs and could not be repaired; absent when isolation
+/// is off.
 pub static VIP_ISOLATION_UP: Family = Family::new(
     "harvester_lb_vip_isolation_up",
     Gauge,
-    "1 when the VIP isolation table of the configuration in force is in the kernel, 0 when writing it failed.",
+    "1 when the VIP isolation table in the kernel is the one of the configuration in force, 0 when writing it failed or it differs and could not be repaired.",
+);
+/// `vip.isolate`: times the table was found changed or gone in the kernel
+/// (another process wrote it: a second daemon, `nft flush ruleset`) and
+/// written again; each is logged at warn with what differed.
+pub static VIP_ISOLATION_REPAIRS: Family = Family::new(
+    "harvester_lb_vip_isolation_repairs_total",
+    Counter,
+    "Times the VIP isolation table was found changed or removed in the kernel by another process and written again.",
 );
 /// Connection log lines dropped by the rate bound (see
 /// `crate::metrics::CONNECTION_LOG_LINES_DROPPED`).
@@ -353,6 +363,12 @@ pub static CONNECTIONS_LIMIT: Family = Family::new(
     "harvester_lb_connections_limit",
     Gauge,
     "The cap on forwarded connections across all listeners (proxy.max_connections, or what the open-file limit allows).",
+);
+/// Admin connections closed to make room for a newcomer.
+pub static ADMIN_CONNECTIONS_SHED: Family = Family::new(
+    "harvester_lb_admin_connections_shed_total",
+    Counter,
+    "Admin connections (admin.listen or admin.socket) closed to make room for a newcomer: at the cap, the one idle longest without a request in service.",
 );
 /// Descriptors the process holds now (the name every Prometheus client's
 /// process collector uses, so existing descriptor alerts apply as they are).

@@ -302,7 +302,7 @@ pub const FAILED_REASONS: [&str; 4] = [
     "connect_error",
 ];
 /// Why a client was refused at accept (`connections_rejected_total{reason}`).
-pub const REJECTED_REASONS: [&str; 1] = ["source_range"];
+pub const REJECTED_REASONS: [&str; 2] = ["source_range", "load_balancer_limit"];
 /// `accept_errors_total{kind}`.
 pub const ACCEPT_ERROR_KINDS: [&str; 3] = ["out_of_descriptors", "out_of_memory", "other"];
 /// `backend_connect_failures_total{reason}`.
@@ -340,7 +340,7 @@ pub struct ListenerStats {
     /// `connections_failed_total`, by [`FAILED_REASONS`].
     pub failed: [Counter; 4],
     /// `connections_rejected_total`, by [`REJECTED_REASONS`].
-    pub rejected: [Counter; 1],
+    pub rejected: [Counter; REJECTED_REASONS.len()],
     /// `connections_active`.
     pub active: Gauge,
     /// `bytes_total{direction="client_to_backend"}`.
@@ -368,8 +368,13 @@ impl ListenerStats {
 /// `udp_datagrams_dropped_total{reason}`, in the order of [`UdpStats::datagrams_dropped`].
 pub const UDP_DATAGRAM_DROP_REASONS: [&str; 3] = ["source_range", "too_large", "send_failed"];
 /// `udp_flows_dropped_total{reason}`, in the order of [`UdpStats::flows_dropped`].
-pub const UDP_FLOW_DROP_REASONS: [&str; 4] =
-    ["table_full", "source_limit", "no_backend", "no_socket"];
+pub const UDP_FLOW_DROP_REASONS: [&str; 5] = [
+    "table_full",
+    "source_limit",
+    "no_backend",
+    "no_socket",
+    "load_balancer_limit",
+];
 
 /// One UDP listener's numbers.
 #[derive(Debug, Default)]

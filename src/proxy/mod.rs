@@ -11,8 +11,75 @@ pub mod route;
 pub mod tcp;
 pub mod udp;
 
-use std::sync::Arc;
+use std::sync::{Arc, LazyLock};
 use std::time::Duration;
+
+use crate::balancer::LoadBalancer;
+use crate::log_limit::{LogLimit, Verdict, left_out};
+
+/// Which of a load balancer's caps.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) enum Cap {
+    /// `max_connections`: its TCP connections.
+    Connections,
+    /// `max_udp_flows`: its UDP flows.
+    UdpFlows,
+}
+
+/// Which cap a log line is about (`None`: the process-wide connection
+/// cap), and whether it was reached (`true`) or left.
+pub(crate) type CapCause = (Option<(String, Cap)>, bool);
+
+/// Log lines about caps, a few per minute each.
+pub(crate) static CAP_LOG: LazyLock<LogLimit<CapCause>> =
+    LazyLock::new(|| LogLimit::new(2, Duration::from_secs(60)));
+
+/// After a refusal (`reached`) or a release (`!reached`) of one of `lb`'s
+/// caps: says once, rate limited, that it reached the cap (warn) or is
+/// back under 90% of it (info). Costs one atomic load when nothing changed.
+pub(crate) fn note_lb_cap(lb: &LoadBalancer, cap: Cap, reached: bool) {
+    let budget = match cap {
+        Cap::Connections => lb.connections(),
+        Cap::UdpFlows => lb.udp_flows(),
+    };
+    let changed = if reached {
+        budget.note_full()
+    } else {
+        budget.note_release()
+    };
+    if !changed {
+        return;
+    }
+    let Verdict::Write { suppressed } = CAP_LOG.check((Some((lb.name.clone(), cap)), reached))
+    else {
+        return;
+    };
+    let (what, meanwhile) = match cap {
+        Cap::Connections => (
+            "connection",
+            "its new connections are reset until some close",
+        ),
+        Cap::UdpFlows => (
+            "UDP flow",
+            "datagrams of its new flows are dropped until some end",
+        ),
+    };
+    if reached {
+        tracing::warn!(
+            load_balancer = %lb.name,
+            cap = budget.max(),
+            "load balancer reached its {what} cap: {meanwhile} (other load balancers are unaffected){}",
+            left_out(suppressed)
+        );
+    } else {
+        tracing::info!(
+            load_balancer = %lb.name,
+            cap = budget.max(),
+            "load balancer back under its {what} cap{}",
+            left_out(suppressed)
+        );
+    }
+}
 
 pub use route::Route;
 pub use tcp::{Listener, bind};

@@ -32,6 +32,14 @@
 //! crash leaves it in place, so nothing opens up while systemd restarts the
 //! daemon.
 //!
+//! The daemon owns the table (see [`crate::owned`]): it keeps what the
+//! kernel listed right after its write, and at every reload and every
+//! [`crate::owned::CHECK_INTERVAL`] reads the table back; one that another
+//! process changed or deleted (a second daemon started by hand, `nft flush
+//! ruleset`) is written again whole, logged at warn with what differed and
+//! counted (`vip_isolation_repairs_total`). `vip_isolation_up` is 1 only
+//! while the kernel's table is the one written.
+//!
 //! It is applied through the `nftables` crate, which builds nft's JSON
 //! schema as typed values and runs `nft -j -f -`: the kernel's own
 //! userspace tool, present on every host that has nftables, and the one an
@@ -40,7 +48,7 @@
 use std::borrow::Cow;
 use std::collections::{BTreeSet, HashMap};
 use std::net::IpAddr;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::SystemTime;
 
 use nftables::expr::{Expression, Meta, MetaKey, NamedExpression, Payload, PayloadField, SetItem};
@@ -51,6 +59,8 @@ use nftables::stmt::{Match, Operator, Reject, RejectType, Statement};
 use nftables::types::{NfChainPolicy, NfChainType, NfFamily, NfHook, RejectCode};
 
 use crate::config::{Config, IsolateAction, Protocol, VipSettings};
+use crate::metrics::Metrics;
+use crate::owned::{Checked, Fingerprint, Guard, Owned};
 
 /// The table's name, in family `inet`.
 pub const TABLE: &str = "harvester_lb";
@@ -139,6 +149,52 @@ fn nft(what: &'static str, batch: &Nftables<'_>) -> Result<(), IsolationError> {
     }))
 }
 
+/// The table as the kernel lists it (`nft -j list table inet harvester_lb`);
+/// `None` when there is none.
+fn list() -> Result<Option<Fingerprint>, IsolationError> {
+    use std::process::Command;
+    let fail = |detail: String| IsolationError {
+        what: "read back",
+        detail,
+    };
+    let out = Command::new("nft")
+        .args(["-j", "list", "table", "inet", TABLE])
+        .output()
+        .map_err(|e| fail(format!("cannot run `nft`: {e}")))?;
+    if !out.status.success() {
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        if stderr.contains("No such file or directory") {
+            return Ok(None);
+        }
+        return Err(fail(format!("nft: {}", stderr.trim())));
+    }
+    Fingerprint::of_nft_json(&String::from_utf8_lossy(&out.stdout))
+        .map(Some)
+        .map_err(fail)
+}
+
+/// The table the daemon means, as a kernel object it owns.
+struct Wanted<'a>(&'a (Openings, IsolateAction));
+
+impl Owned for Wanted<'_> {
+    type Error = IsolationError;
+    fn read_back(&self) -> Result<Option<Fingerprint>, IsolationError> {
+        list()
+    }
+    fn write(&self) -> Result<(), IsolationError> {
+        nft("write", &ruleset(&self.0.0, self.0.1))
+    }
+}
+
+/// Why the table was checked against the kernel: said in the repair's log line.
+#[derive(Debug, Clone, Copy)]
+pub enum CheckCause {
+    /// A reload (or a DHCP lease change) that left the table's contents as they were.
+    Reload,
+    /// The periodic check.
+    Timer,
+}
+
 /// What `/status` shows of the isolation.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct IsolationStatus {
@@ -162,29 +218,47 @@ pub struct IsolationStatus {
 
 #[derive(Debug, Default)]
 struct State {
+    /// What the config in force asks for (`None`: isolation off).
+    wanted: Option<(Openings, IsolateAction)>,
     /// What the kernel has, as far as this process wrote it.
     applied: Option<(Openings, IsolateAction)>,
+    /// How the kernel listed it right after the write.
+    guard: Guard,
     applied_at: Option<SystemTime>,
     settings: VipSettings,
     error: Option<String>,
 }
 
-/// The daemon's side of the table: what it last wrote, and writing it.
-#[derive(Debug, Default)]
+/// The daemon's side of the table: what it last wrote, writing it, and
+/// checking that the kernel still has it. Sets `vip_isolation_up` and
+/// counts repairs itself, so every path that writes or checks reports alike.
 pub struct Isolation {
     state: Mutex<State>,
+    metrics: Arc<Metrics>,
+}
+
+impl std::fmt::Debug for Isolation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Isolation")
+            .field("state", &self.state)
+            .finish_non_exhaustive()
+    }
 }
 
 impl Isolation {
-    /// Nothing written yet.
-    pub fn new() -> Self {
-        Self::default()
+    /// Nothing written yet; its state is reported in `metrics`.
+    pub fn new(metrics: Arc<Metrics>) -> Self {
+        Self {
+            state: Mutex::default(),
+            metrics,
+        }
     }
 
     /// Makes the kernel's table match `config`: written whole when the VIPs,
     /// ports or action changed (or at the first call, replacing a table a
-    /// crashed daemon left), deleted when isolation was turned off.
-    /// Blocking: it runs `nft`.
+    /// crashed daemon left), deleted when isolation was turned off; when
+    /// its contents are unchanged, read back and repaired if another
+    /// process changed it. Blocking: it runs `nft`.
     pub fn reconcile(
         &self,
         config: &Config,
@@ -193,27 +267,85 @@ impl Isolation {
         let mut st = self.lock();
         st.settings = config.vip;
         let result = if config.vip.isolate {
-            let wanted = (Openings::of(config, leased), config.vip.isolate_action);
-            if st.applied.as_ref() == Some(&wanted) {
-                return Ok(());
-            }
-            let ruleset = ruleset(&wanted.0, wanted.1);
-            nft("write", &ruleset).map(|()| {
-                st.applied = Some(wanted);
-                st.applied_at = Some(SystemTime::now());
-            })
+            st.wanted = Some((Openings::of(config, leased), config.vip.isolate_action));
+            self.check_locked(&mut st, CheckCause::Reload)
         } else if st.applied.take().is_some() {
+            st.wanted = None;
+            st.guard.forget();
             delete().map(|()| st.applied_at = None)
         } else {
+            st.wanted = None;
             Ok(())
         };
+        self.settle(&mut st, result)
+    }
+
+    /// Reads the table back and writes it again if another process changed
+    /// or deleted it (the periodic check); nothing when isolation is off.
+    /// Blocking: it runs `nft`.
+    pub fn check(&self) -> Result<(), IsolationError> {
+        let mut st = self.lock();
+        if !st.settings.isolate {
+            return Ok(());
+        }
+        let result = self.check_locked(&mut st, CheckCause::Timer);
+        self.settle(&mut st, result)
+    }
+
+    /// Writes the table when the kernel may not have the one wanted (its
+    /// contents changed, or the last write or check failed); else reads it
+    /// back and repairs it if it differs.
+    fn check_locked(&self, st: &mut State, cause: CheckCause) -> Result<(), IsolationError> {
+        let Some(wanted) = st.wanted.clone() else {
+            return Ok(());
+        };
+        if st.applied.as_ref() != Some(&wanted) {
+            st.applied = None;
+            return st.guard.write(&Wanted(&wanted)).map(|()| {
+                st.applied = Some(wanted);
+                st.applied_at = Some(SystemTime::now());
+            });
+        }
+        match st.guard.check(&Wanted(&wanted)) {
+            Ok(Checked::Repaired(drift)) => {
+                st.applied_at = Some(SystemTime::now());
+                self.metrics.record_vip_isolation_repair();
+                tracing::warn!(
+                    table = %format!("inet {TABLE}"),
+                    found = match cause {
+                        CheckCause::Reload => "at reload",
+                        CheckCause::Timer => "by the periodic check",
+                    },
+                    "the VIP isolation table in the kernel is not the one this daemon wrote ({drift}): another process changed it (a second harvester-lb, `nft flush ruleset`?); written again"
+                );
+                Ok(())
+            }
+            Ok(Checked::InPlace | Checked::NothingOwned) => Ok(()),
+            Err(e) => {
+                // Not known to be in place: written whole at the next check.
+                st.applied = None;
+                Err(e)
+            }
+        }
+    }
+
+    /// Records the outcome for `/status` and `vip_isolation_up`.
+    fn settle(
+        &self,
+        st: &mut State,
+        result: Result<(), IsolationError>,
+    ) -> Result<(), IsolationError> {
         st.error = result.as_ref().err().map(ToString::to_string);
+        self.metrics
+            .set_vip_isolation(st.settings.isolate.then_some(result.is_ok()));
         result
     }
 
     /// Deletes the table if this process wrote it (a clean stop).
     pub fn remove(&self) -> Result<(), IsolationError> {
         let mut st = self.lock();
+        st.guard.forget();
+        st.wanted = None;
         if st.applied.take().is_none() {
             return Ok(());
         }

@@ -50,9 +50,11 @@ struct Keepalived {
 
 impl Keepalived {
     fn start(bed: &Bed, ns: &Ns, name: &str, priorities: (u8, u8), advert: &str) -> Self {
+        // The daemon of this host (see `Pair::new`) answers on this socket.
+        let socket = bed.dir.join(format!("admin-{name}.sock"));
         let conf = bed.write(
             &format!("keepalived-{name}.conf"),
-            &keepalived_conf(name, priorities, advert),
+            &keepalived_conf(name, priorities, advert, &socket),
         );
         let log = bed.dir.join(format!("keepalived-{name}.log"));
         let vrrp_pid = bed.dir.join(format!("keepalived-{name}-vrrp.pid"));
@@ -123,8 +125,15 @@ impl Drop for Keepalived {
 
 /// The shipped example's shape (`config/keepalived/keepalived.conf`), with
 /// this host's priorities and advertisement interval (sub-second ones need
-/// VRRP version 3): the tracked script polls the daemon's `/readyz`.
-fn keepalived_conf(name: &str, (vip1_priority, vip2_priority): (u8, u8), advert: &str) -> String {
+/// VRRP version 3): each instance tracks its own copy of the shipped
+/// script, asking this host's daemon over its admin socket (`socket`)
+/// about that instance's VIP alone.
+fn keepalived_conf(
+    name: &str,
+    (vip1_priority, vip2_priority): (u8, u8),
+    advert: &str,
+    socket: &std::path::Path,
+) -> String {
     let version = if advert.contains('.') {
         "  vrrp_version 3\n"
     } else {
@@ -132,31 +141,43 @@ fn keepalived_conf(name: &str, (vip1_priority, vip2_priority): (u8, u8), advert:
     };
     let instance = |n: u8, vip: Ipv4Addr, priority: u8| {
         format!(
-            "vrrp_instance VIP{n} {{\n  state BACKUP\n  interface eth0\n  virtual_router_id {}\n  priority {priority}\n  advert_int {advert}\n  virtual_ipaddress {{\n    {vip}/32 dev eth0\n  }}\n  track_script {{\n    harvester_lb_ready\n  }}\n}}\n",
+            "{}\nvrrp_instance VIP{n} {{\n  state BACKUP\n  interface eth0\n  virtual_router_id {}\n  priority {priority}\n  advert_int {advert}\n  virtual_ipaddress {{\n    {vip}/32 dev eth0\n  }}\n  track_script {{\n    harvester_lb_ready_vip{n}\n  }}\n}}\n",
+            shipped_readyz_script(&format!("harvester_lb_ready_vip{n}"), vip, socket),
             50 + n
         )
     };
     format!(
-        "global_defs {{\n  router_id {name}\n  enable_script_security\n  script_user root\n{version}}}\n{}\n{}{}",
-        shipped_readyz_script(),
+        "global_defs {{\n  router_id {name}\n  enable_script_security\n  script_user root\n{version}}}\n{}{}",
         instance(1, VIP1, vip1_priority),
         instance(2, VIP2, vip2_priority)
     )
 }
 
-/// The shipped example's `vrrp_script` block, verbatim: what the tests
-/// measure is what operators install.
-fn shipped_readyz_script() -> String {
+/// The shipped example's `vrrp_script` block, verbatim but for its name,
+/// its VIP and the admin socket's path: what the tests measure is what
+/// operators install.
+fn shipped_readyz_script(name: &str, vip: Ipv4Addr, socket: &std::path::Path) -> String {
+    const SHIPPED_NAME: &str = "harvester_lb_ready_192_168_0_201";
+    const SHIPPED_VIP: &str = "vip=192.168.0.201";
+    const SHIPPED_SOCKET: &str = "/run/harvester-lb/admin.sock";
     let example = std::fs::read_to_string(EXAMPLE).expect("the shipped keepalived example");
     let start = example
-        .find("vrrp_script harvester_lb_ready {")
-        .expect("the example has the readyz script");
+        .find(&format!("vrrp_script {SHIPPED_NAME} {{"))
+        .expect("the example has the per-VIP readyz script");
     let end = start
         + example[start..]
             .find("\n}\n")
             .expect("the script block ends")
         + 3;
-    example[start..end].to_string()
+    let block = &example[start..end];
+    assert!(
+        block.contains(SHIPPED_VIP) && block.contains(SHIPPED_SOCKET),
+        "the shipped script asks the admin socket about its VIP: {block}"
+    );
+    block
+        .replace(SHIPPED_NAME, name)
+        .replace(SHIPPED_VIP, &format!("vip={vip}"))
+        .replace(SHIPPED_SOCKET, socket.to_str().expect("a UTF-8 path"))
 }
 
 const EXAMPLE: &str = concat!(
@@ -202,10 +223,27 @@ struct Pair {
     keepalived_b: Keepalived,
     _nodes: Vec<Node>,
     advert: &'static str,
+    /// A socket on VIP2:80 inside host A that keeps host A's daemon from
+    /// binding VIP2's listener, when the test asked for one.
+    squatter: Option<std::net::TcpListener>,
 }
 
 impl Pair {
+    /// Host A master of VIP1 and backup of VIP2, host B the other way round.
     async fn new(test: &str, advert: &'static str) -> Pair {
+        Self::build(test, advert, ((150, 100), (100, 150)), false).await
+    }
+
+    /// Two hosts with the VRRP priorities `(host A's, host B's)`, each a
+    /// pair `(VIP1, VIP2)`; with `squat`, VIP2:80 is taken on host A before
+    /// its daemon starts. Returns once VIP1 is on host A alone and VIP2 on
+    /// host B alone, both serving.
+    async fn build(
+        test: &str,
+        advert: &'static str,
+        (priorities_a, priorities_b): ((u8, u8), (u8, u8)),
+        squat: bool,
+    ) -> Pair {
         let mut bed = Bed::new(test, 2);
         let nodes = vec![
             Node::start(&bed, 1, Service::NameThenEcho),
@@ -226,16 +264,27 @@ impl Pair {
             let path = bed.write(&format!("config-{name}.toml"), &text);
             DaemonProc::spawn(ns, &path, &bed.dir.join(format!("daemon-{name}.log")), None)
         };
+        let squatter = squat.then(|| {
+            crate::netns::in_ns(&a.name, || {
+                let s = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None)?;
+                s.set_freebind_v4(true)?;
+                s.bind(&sa(VIP2, 80).into())?;
+                s.listen(16)?;
+                Ok::<_, std::io::Error>(std::net::TcpListener::from(s))
+            })
+            .expect("hold VIP2:80 on host A")
+        });
         let daemon_a = daemon(&bed, &a, "a");
         let daemon_b = daemon(&bed, &b, "b");
         for d in [&daemon_a, &daemon_b] {
+            // VIP1's readiness: host A's VIP2 may be held on purpose.
             wait_for(Duration::from_secs(10), "daemon ready", || async {
-                matches!(d.get("/readyz").await, Ok((200, _))).then_some(())
+                matches!(d.get(&format!("/readyz?vip={VIP1}")).await, Ok((200, _))).then_some(())
             })
             .await;
         }
-        let keepalived_a = Keepalived::start(&bed, &a, "a", (150, 100), advert);
-        let keepalived_b = Keepalived::start(&bed, &b, "b", (100, 150), advert);
+        let keepalived_a = Keepalived::start(&bed, &a, "a", priorities_a, advert);
+        let keepalived_b = Keepalived::start(&bed, &b, "b", priorities_b, advert);
         let pair = Pair {
             bed,
             a,
@@ -247,6 +296,7 @@ impl Pair {
             keepalived_b,
             _nodes: nodes,
             advert,
+            squatter,
         };
         // VRRP settles: each VIP on its master only, and both serve.
         wait_for(Duration::from_secs(30), "VRRP masters elected", || async {
@@ -456,5 +506,54 @@ async fn netns_keepalived_failover_when_the_host_link_is_cut_with_half_second_ad
     failover(&mut pair, "host link cut", |p| {
         p.bed.set_port(&p.a_port, false)
     })
+    .await;
+}
+
+/// Host A is the preferred master of both VIPs, but VIP2's listener cannot
+/// bind there (a socket holds VIP2:80). Each VRRP instance asks about its
+/// own VIP (the shipped example's `/readyz?vip=`), so VIP2 alone goes to
+/// host B while VIP1 stays on host A; with the host-wide `/readyz`, both
+/// left host A. Once the port is free, the daemon binds it on its retry
+/// and VIP2 comes back to host A.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn netns_keepalived_moves_only_the_vip_whose_listener_cannot_bind() {
+    require_netns!();
+    if keepalived_missing() {
+        return;
+    }
+    // `build` returns once VIP1 is on A alone and VIP2 on B alone.
+    let mut pair = Pair::build("fopervip", "1", ((150, 150), (100, 100)), true).await;
+    let daemon_a = pair.daemon_a.as_ref().expect("host A's daemon");
+    let (code, body) = daemon_a.get("/readyz").await.expect("host A's /readyz");
+    assert_eq!(code, 503, "host-wide, host A is not ready: {body}");
+    let (code, body) = daemon_a
+        .get(&format!("/readyz?vip={VIP2}"))
+        .await
+        .expect("host A's /readyz?vip=VIP2");
+    assert!(
+        code == 503 && body.contains(&format!("{VIP2}:80")),
+        "{code} {body}"
+    );
+
+    drop(pair.squatter.take());
+    wait_for(
+        Duration::from_secs(30),
+        "VIP2 back on host A once its listener is bound",
+        || async { (holds(&pair.a, VIP2) && !holds(&pair.b, VIP2)).then_some(()) },
+    )
+    .await;
+    assert!(
+        holds(&pair.a, VIP1) && !holds(&pair.b, VIP1),
+        "VIP1 stayed on host A\n{}",
+        pair.logs()
+    );
+    wait_for(
+        Duration::from_secs(20),
+        "VIP2 serves from host A",
+        || async {
+            let e = exchange(&pair.bed.client, sa(VIP2, 80), 64, Duration::from_secs(2)).await;
+            matches!(e, Exchange::Ok(_)).then_some(())
+        },
+    )
     .await;
 }

@@ -229,3 +229,148 @@ async fn netns_vip_isolation_that_cannot_be_written_stops_the_start() {
         .await;
     assert!(refused.is_err(), "a listener was bound");
 }
+
+/// `harvester-lb run` with `file` in the load-balancer namespace, as an
+/// operator trying a file by hand: (exit status, stderr). It must not start.
+fn second_run(bed: &Bed, file: &std::path::Path) -> (std::process::ExitStatus, String) {
+    let out = std::process::Command::new("ip")
+        .args(["netns", "exec", &bed.lb.name])
+        .arg(env!("CARGO_BIN_EXE_harvester-lb"))
+        .args(["run", "--no-watch", "--config", file.to_str().unwrap()])
+        .stdin(std::process::Stdio::null())
+        .output()
+        .expect("run a second daemon");
+    (
+        out.status,
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+async fn repairs(bed: &Bed) -> f64 {
+    crate::netns::metric(
+        &bed.daemon().metrics().await,
+        "harvester_lb_vip_isolation_repairs_total",
+        &[],
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn netns_a_second_daemon_cannot_touch_the_first_ones_table_and_a_changed_table_is_repaired() {
+    require_netns!();
+    let mut bed = Bed::new("vipown", 1);
+    let _node = Node::start(&bed, 1, Service::NameThenEcho);
+    host_services(&bed);
+    bed.start_daemon(&isolated_config("drop", false)).await;
+    served(&bed, 80).await;
+    assert_eq!(meets(&bed, VIP, 6443).await, Meets::Nothing, "dropped");
+    let socket = bed.dir.join("admin.sock");
+
+    // A second daemon whose table would open only 8443 (and so close 80):
+    // once with the same [admin] (its port is taken), once with another
+    // admin.listen but the same admin.socket (locked). Both fail before
+    // they touch the kernel.
+    let other = isolated_config("drop", false).replace("port = 80\n", "port = 8443\n");
+    let same_admin = other.replacen("[admin]\n", &format!("[admin]\nsocket = {socket:?}\n"), 1);
+    let other_port = same_admin.replace("127.0.0.1:9901", "127.0.0.1:9902");
+    for (name, text, says) in [
+        ("second.toml", &same_admin, "127.0.0.1:9901"),
+        ("third.toml", &other_port, "is harvester-lb already running"),
+    ] {
+        let (status, stderr) = second_run(&bed, &bed.write(name, text));
+        assert!(!status.success(), "{name} started:\n{stderr}");
+        assert!(
+            stderr.contains(says),
+            "{name}: the error names why:\n{stderr}"
+        );
+        assert!(
+            !stderr.contains("vip.isolate"),
+            "{name} got as far as the table:\n{stderr}"
+        );
+        served(&bed, 80).await;
+        assert_eq!(
+            meets(&bed, VIP, 6443).await,
+            Meets::Nothing,
+            "{name}: still dropped"
+        );
+        assert_eq!(
+            meets(&bed, VIP, 8443).await,
+            Meets::Nothing,
+            "{name}: not opened"
+        );
+    }
+    assert!(socket.exists(), "the first daemon keeps its socket");
+    assert_eq!(repairs(&bed).await, 0.0, "the table was never changed");
+
+    // Changed behind the daemon's back (the set of open ports emptied: the
+    // VIP's own port now dropped): the periodic check finds and repairs it.
+    bed.lb.nft("flush set inet harvester_lb open4\n");
+    assert!(
+        bed.client
+            .connect(sa(VIP, 80), Duration::from_secs(1))
+            .await
+            .is_err(),
+        "the flushed set still lets port 80 through"
+    );
+    wait_for(
+        Duration::from_secs(60),
+        "the periodic check to repair the table",
+        || async { (repairs(&bed).await == 1.0).then_some(()) },
+    )
+    .await;
+    served(&bed, 80).await;
+    assert_eq!(meets(&bed, VIP, 6443).await, Meets::Nothing);
+    let log = bed.daemon().log();
+    assert!(
+        log.contains("by the periodic check") && log.contains("1 missing"),
+        "the repair is logged with what differed:\n{log}"
+    );
+
+    // Deleted, then SIGHUP at once (the next periodic check is ~10 s
+    // away): the reload finds and repairs it.
+    run(
+        "ip",
+        &[
+            "netns",
+            "exec",
+            &bed.lb.name,
+            "nft",
+            "delete",
+            "table",
+            "inet",
+            "harvester_lb",
+        ],
+        None,
+    );
+    assert_eq!(
+        meets(&bed, VIP, 6443).await,
+        Meets::HostService,
+        "the table is gone"
+    );
+    bed.daemon().signal(libc::SIGHUP);
+    wait_for(
+        Duration::from_secs(60),
+        "the reload to repair the table",
+        || async { (repairs(&bed).await == 2.0).then_some(()) },
+    )
+    .await;
+    assert!(
+        bed.daemon().log().contains("found=\"at reload\"")
+            || bed.daemon().log().contains("found=at reload"),
+        "repaired at the reload:\n{}",
+        bed.daemon().log_tail(20)
+    );
+    assert_eq!(meets(&bed, VIP, 6443).await, Meets::Nothing);
+    served(&bed, 80).await;
+    assert!(
+        bed.daemon()
+            .metrics()
+            .await
+            .contains("harvester_lb_vip_isolation_up 1")
+    );
+
+    // A table nobody touched is never "repaired": over more than one check
+    // period (10 s) the count stays. (Not a synchronisation: a check the
+    // load delays only makes this assert less, never fail wrongly.)
+    tokio::time::sleep(Duration::from_secs(12)).await;
+    assert_eq!(repairs(&bed).await, 2.0, "a repair of an untouched table");
+}

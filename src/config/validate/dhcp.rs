@@ -94,10 +94,11 @@ impl Validator<'_> {
         };
         let interface = match &d.interface {
             None => {
-                self.problem(
-                    Some(span.clone()),
+                self.missing(
+                    span.clone(),
                     &dkey,
-                    "missing key `interface` (the host interface the VIP is leased on, e.g. \"eth0\")".into(),
+                    "interface",
+                    "the host interface the VIP is leased on, e.g. \"eth0\"",
                 );
                 None
             }

@@ -19,7 +19,7 @@ use std::time::Duration;
 
 use ipnet::{IpNet, Ipv4Net};
 use toml::Spanned;
-use toml::de::{DeTable, DeValue};
+use toml::de::{DeArray, DeTable, DeValue};
 
 use super::file::{FileConfig, FileHealthCheck, FileListener, FileLoadBalancer};
 use super::*;
@@ -28,10 +28,14 @@ mod cross;
 mod dhcp;
 mod health;
 mod locate;
+mod names;
 mod reuse;
 mod source_ranges;
+mod types;
 
+pub use cross::Conflict;
 use locate::{LineIndex, display_path, path_at, segments, span_of};
+pub use names::{MAX_CLUSTER_BYTES, MAX_LISTENER_NAME_BYTES, MAX_NAME_BYTES};
 pub(crate) use reuse::{Known, parse_reusing};
 
 /// Default admin listener: loopback only, so metrics are not exposed by accident.
@@ -116,35 +120,44 @@ pub(super) fn parse(text: &str) -> Result<Loaded, Vec<Problem>> {
 
     // The document is deserialized from the parsed tree itself, not a copy
     // (a copy cost a tenth of a 10,000-load-balancer reload); the rare
-    // broken file is parsed a second time to find where its problems are.
+    // broken file is parsed again to find where its problems are, and one
+    // with a type error is read piece by piece to find all of them.
     let mut unknown: Vec<Vec<String>> = Vec::new();
     let deserializer = toml::de::Deserializer::from(root);
-    let file: FileConfig = serde_ignored::deserialize(deserializer, |path| {
+    let typed = match serde_ignored::deserialize(deserializer, |path| {
         unknown.push(segments(&path));
-    })
-    .map_err(|e| {
-        let key = match (e.span(), parse()) {
-            (Some(span), Ok(root)) => display_path(&path_at(root.get_ref(), span.start)),
-            _ => String::new(),
-        };
-        vec![lines.toml_error(&e, key)]
-    })?;
+    }) {
+        Ok(file) => types::Typed {
+            file,
+            problems: Vec::new(),
+            removed: HashSet::new(),
+            unknown,
+        },
+        Err(e) => {
+            let key = match (e.span(), parse()) {
+                (Some(span), Ok(root)) => display_path(&path_at(root.get_ref(), span.start)),
+                _ => String::new(),
+            };
+            types::each_piece(text, &lines, lines.toml_error(&e, key))
+        }
+    };
 
     let mut v = Validator {
         lines: &lines,
-        problems: Vec::new(),
+        problems: typed.problems,
         warnings: Vec::new(),
+        removed: typed.removed,
     };
-    let root = if unknown.is_empty() {
+    let root = if typed.unknown.is_empty() {
         None
     } else {
         parse().ok()
     };
-    for path in unknown {
+    for path in typed.unknown {
         let span = root.as_ref().and_then(|r| span_of(r.get_ref(), &path));
         v.problem(span, &display_path(&path), "unknown key".to_string());
     }
-    let config = v.config(&file);
+    let config = v.config(&typed.file);
     if v.problems.is_empty() {
         Ok(Loaded {
             config,
@@ -161,6 +174,9 @@ struct Validator<'a> {
     lines: &'a LineIndex,
     problems: Vec<Problem>,
     warnings: Vec<Problem>,
+    /// Key paths of values removed for a type error ([`types`]): already
+    /// reported, so not reported again as missing.
+    removed: HashSet<String>,
 }
 
 /// What an address is for, to say why a special address cannot be it.
@@ -177,6 +193,14 @@ impl Validator<'_> {
             key: key.to_string(),
             message,
         });
+    }
+
+    /// A required key that is absent: `table` is the table's key path and
+    /// `span` its place; `what` says what the key is for.
+    fn missing(&mut self, span: Range<usize>, table: &str, name: &str, what: &str) {
+        if !self.removed.contains(&format!("{table}.{name}")) {
+            self.problem(Some(span), table, format!("missing key `{name}` ({what})"));
+        }
     }
 
     fn warning(&mut self, span: Option<Range<usize>>, key: &str, message: String) {
@@ -316,8 +340,8 @@ impl Validator<'_> {
             .map(|lb| valid_name(lb.get_ref()))
             .collect();
         let built: Vec<Option<&LoadBalancerSpec>> = specs.iter().map(Option::as_ref).collect();
-        let found = cross::conflicts(&names, &built);
-        self.report_conflicts(file, &specs, found);
+        let found = cross::conflicts(admin_listen, &names, &built);
+        self.report_conflicts(admin_listen, file, &specs, found);
         let load_balancers = specs.into_iter().flatten().map(Arc::new).collect();
         Config {
             admin: AdminSettings {
@@ -364,10 +388,11 @@ impl Validator<'_> {
         let lb = lb.get_ref();
         let name = match &lb.name {
             None => {
-                self.problem(
-                    Some(table_span.clone()),
+                self.missing(
+                    table_span.clone(),
                     key,
-                    "missing key `name` (the controller writes <namespace>/<service>)".into(),
+                    "name",
+                    "the controller writes <namespace>/<service>",
                 );
                 None
             }
@@ -379,7 +404,9 @@ impl Validator<'_> {
                 );
                 None
             }
-            Some(n) => Some(n.get_ref().clone()),
+            Some(n) => self
+                .bounded_name(n, &format!("{key}.name"), MAX_NAME_BYTES)
+                .then(|| n.get_ref().clone()),
         };
         let cluster = match &lb.cluster {
             None => DEFAULT_CLUSTER.to_string(),
@@ -391,7 +418,10 @@ impl Validator<'_> {
                 );
                 String::new()
             }
-            Some(c) => c.get_ref().clone(),
+            Some(c) => {
+                self.bounded_name(c, &format!("{key}.cluster"), MAX_CLUSTER_BYTES);
+                c.get_ref().clone()
+            }
         };
         let ipam = self.choice(
             &lb.ipam,
@@ -408,10 +438,11 @@ impl Validator<'_> {
             // (`0.0.0.0`); any other address is the one to ask for.
             (_, true) => Some(IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED)),
             (None, false) => {
-                self.problem(
-                    Some(table_span.clone()),
+                self.missing(
+                    table_span.clone(),
                     key,
-                    "missing key `vip` (the load balancer's IP address; or ipam = \"dhcp\" and a [load_balancer.dhcp] table to lease one)".into(),
+                    "vip",
+                    "the load balancer's IP address; or ipam = \"dhcp\" and a [load_balancer.dhcp] table to lease one",
                 );
                 None
             }
@@ -597,6 +628,24 @@ impl Validator<'_> {
                 MAX_UDP_RESPONSES,
             )
         });
+        let max_connections = lb.max_connections.as_ref().map(|_| {
+            self.int(
+                &lb.max_connections,
+                format_args!("{key}.max_connections"),
+                1,
+                1,
+                10_000_000,
+            )
+        });
+        let max_udp_flows = lb.max_udp_flows.as_ref().map(|_| {
+            self.int(
+                &lb.max_udp_flows,
+                format_args!("{key}.max_udp_flows"),
+                1,
+                1,
+                10_000_000,
+            )
+        });
 
         Some(LoadBalancerSpec {
             name: name?,
@@ -620,6 +669,10 @@ impl Validator<'_> {
                 idle_timeout: Duration::from_secs(udp_idle_timeout as u64),
                 responses: udp_responses.and_then(|n| NonZeroU32::new(n as u32)),
             },
+            max_connections: max_connections
+                .and_then(|n| NonZeroUsize::new(usize::try_from(n).unwrap_or(1))),
+            max_udp_flows: max_udp_flows
+                .and_then(|n| NonZeroUsize::new(usize::try_from(n).unwrap_or(1))),
         })
     }
 
@@ -633,14 +686,11 @@ impl Validator<'_> {
         let l = l.get_ref();
         let name = match &l.name {
             None => {
-                self.problem(
-                    Some(span.clone()),
-                    key,
-                    "missing key `name` (the service port's name)".into(),
-                );
+                self.missing(span.clone(), key, "name", "the service port's name");
                 None
             }
             Some(n) => {
+                self.bounded_name(n, &format!("{key}.name"), MAX_LISTENER_NAME_BYTES);
                 if !names.insert(n.get_ref().clone()) {
                     self.problem(
                         Some(n.span()),
@@ -731,11 +781,7 @@ impl Validator<'_> {
     ) -> Option<u16> {
         match value {
             None => {
-                self.problem(
-                    Some(table_span),
-                    table_key,
-                    format!("missing key `{name}` ({meaning})"),
-                );
+                self.missing(table_span, table_key, name, meaning);
                 None
             }
             Some(_) => {
@@ -795,7 +841,9 @@ impl Validator<'_> {
 
     /// Whether `ip` can be one node's or one VIP's address: not the
     /// unspecified address (a VIP there binds every address of the host, a
-    /// backend there is this host), not multicast, not the IPv4 broadcast.
+    /// backend there is this host), not multicast, not the IPv4 broadcast,
+    /// not the cloud metadata address, not class E. Loopback stays legal:
+    /// the file is trusted, and tests and the demo run on it.
     fn unicast(
         &mut self,
         ip: IpAddr,
@@ -816,6 +864,10 @@ impl Validator<'_> {
             "a multicast address; TCP needs one unicast address"
         } else if ip == IpAddr::V4(std::net::Ipv4Addr::BROADCAST) {
             "the broadcast address; TCP needs one unicast address"
+        } else if is_metadata(ip) {
+            "the cloud metadata address (instance credentials and configuration are served there); no node or VIP has it"
+        } else if matches!(ip, IpAddr::V4(v4) if v4.octets()[0] >= 240) {
+            "in 240.0.0.0/4 (class E, reserved): no host has it, and Linux routes it on some hosts only"
         } else {
             return true;
         };
@@ -856,11 +908,28 @@ impl Validator<'_> {
     }
 }
 
+/// Every conflict among `lbs` as one file: the rules that span load
+/// balancers, with `admin` as `admin.listen`. Indices are into `lbs`.
+pub fn conflicts(admin: SocketAddr, lbs: &[&LoadBalancerSpec]) -> Vec<Conflict> {
+    let names: Vec<Option<&str>> = lbs.iter().map(|l| Some(l.name.as_str())).collect();
+    let specs: Vec<Option<&LoadBalancerSpec>> = lbs.iter().map(|l| Some(*l)).collect();
+    cross::conflicts(admin, &names, &specs)
+}
+
+/// The link-local address clouds serve instance metadata on (IPv4, and
+/// AWS's IPv6 one): never a node's or a VIP's, and a config naming it would
+/// forward clients to this host's credentials.
+fn is_metadata(ip: IpAddr) -> bool {
+    const V4: IpAddr = IpAddr::V4(std::net::Ipv4Addr::new(169, 254, 169, 254));
+    const V6: IpAddr = IpAddr::V6(std::net::Ipv6Addr::new(0xfd00, 0xec2, 0, 0, 0, 0, 0, 0x254));
+    ip == V4 || ip == V6
+}
+
 /// A load balancer's name if it has a usable one: the key duplicate names
 /// are found by, whether or not the rest of the table is valid.
 fn valid_name(lb: &FileLoadBalancer) -> Option<&str> {
     lb.name
         .as_ref()
         .map(|n| n.get_ref().as_str())
-        .filter(|n| !n.trim().is_empty())
+        .filter(|n| !n.trim().is_empty() && names::name_problem(n, MAX_NAME_BYTES).is_none())
 }

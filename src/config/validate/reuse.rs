@@ -58,6 +58,7 @@ fn piecewise(text: &str, known: &mut Known) -> Option<Loaded> {
         lines: &preamble_lines,
         problems: Vec::new(),
         warnings: Vec::new(),
+        removed: HashSet::new(),
     };
     let mut config = v.config(&document(preamble, false)?);
     if !v.problems.is_empty() {
@@ -83,6 +84,7 @@ fn piecewise(text: &str, known: &mut Known) -> Option<Loaded> {
                     lines: &lines,
                     problems: Vec::new(),
                     warnings: Vec::new(),
+                    removed: HashSet::new(),
                 };
                 let spec = v.load_balancer(&format!("load_balancer[{i}]"), lb);
                 if !v.problems.is_empty() {
@@ -107,7 +109,7 @@ fn piecewise(text: &str, known: &mut Known) -> Option<Loaded> {
     }
     let names: Vec<Option<&str>> = specs.iter().map(|s| Some(s.name.as_str())).collect();
     let built: Vec<Option<&LoadBalancerSpec>> = specs.iter().map(|s| Some(&**s)).collect();
-    if !cross::conflicts(&names, &built).is_empty() {
+    if !cross::conflicts(config.admin.listen, &names, &built).is_empty() {
         return None;
     }
     config.load_balancers = specs;

@@ -12,7 +12,6 @@ use std::time::Duration;
 
 use socket2::{SockRef, Socket, TcpKeepalive};
 use tokio::net::TcpStream;
-use tokio::sync::OwnedSemaphorePermit;
 use tokio_util::sync::CancellationToken;
 
 use super::copy::{self, ByteCounters, Ended, Moved, Peer};
@@ -57,14 +56,15 @@ enum ConnectFailure {
 }
 
 /// Serves one accepted client until it is done. `close_now` is cancelled
-/// when the listener's drain time is over; `_permit` holds a slot of the
-/// process-wide connection limit for the connection's lifetime.
+/// when the listener's drain time is over; `_held` holds a slot of the
+/// process-wide connection limit and one of the load balancer's for the
+/// connection's lifetime.
 pub async fn serve(
     client: TcpStream,
     peer: SocketAddr,
     route: Arc<Route>,
     close_now: CancellationToken,
-    _permit: OwnedSemaphorePermit,
+    _held: super::Held,
 ) {
     let m = &route.stats;
     m.accepted.increment(1);

@@ -16,20 +16,104 @@ pub mod splice;
 
 use std::io;
 use std::net::SocketAddr;
-use std::sync::{Arc, Weak};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, LazyLock, Weak};
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
 use socket2::{Domain, Socket, Type};
 use tokio::net::TcpListener;
-use tokio::sync::Semaphore;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::Instrument;
 
 use super::Route;
-use super::log::Termination::SourceRefused;
+use super::log::Termination::{ConnectionCap, SourceRefused};
+use super::{CAP_LOG, Cap, note_lb_cap};
+use crate::budget::Slot;
+use crate::log_limit::{LogLimit, Verdict, left_out};
 use crate::workers::Placement;
+
+/// The process-wide cap on forwarded connections (`proxy.max_connections`):
+/// a slot is taken after each accept and held for the connection's life.
+/// Reaching it and leaving it again are logged (warn, then info; rate
+/// limited), never each connection that waits.
+pub struct ConnectionLimit {
+    slots: Arc<Semaphore>,
+    max: usize,
+    /// Set when an accept found no slot; cleared at 90% of the cap.
+    full: AtomicBool,
+}
+
+impl ConnectionLimit {
+    /// A cap of `max` connections.
+    pub fn new(max: usize) -> Arc<Self> {
+        let max = max.min(Semaphore::MAX_PERMITS);
+        Arc::new(Self {
+            slots: Arc::new(Semaphore::new(max)),
+            max,
+            full: AtomicBool::new(false),
+        })
+    }
+
+    /// The cap.
+    pub fn max(&self) -> usize {
+        self.max
+    }
+
+    fn note_full(&self) {
+        if !self.full.swap(true, Ordering::AcqRel)
+            && let Verdict::Write { suppressed } = CAP_LOG.check((None, true))
+        {
+            tracing::warn!(
+                max_connections = self.max,
+                "proxy.max_connections reached: new connections wait in the listen backlog for a slot{}",
+                left_out(suppressed)
+            );
+        }
+    }
+
+    fn note_release(&self) {
+        let in_use = self.max - self.slots.available_permits().min(self.max);
+        if self.full.load(Ordering::Relaxed)
+            && in_use.saturating_mul(10) <= self.max.saturating_mul(9)
+            && self.full.swap(false, Ordering::AcqRel)
+            && let Verdict::Write { suppressed } = CAP_LOG.check((None, false))
+        {
+            tracing::info!(
+                max_connections = self.max,
+                in_use,
+                "back under proxy.max_connections{}",
+                left_out(suppressed)
+            );
+        }
+    }
+}
+
+/// What one connection holds of the caps: a slot of its load balancer's
+/// and one of the process's. Dropping it gives both back and says when a
+/// cap that was reached is left.
+pub struct Held {
+    lb: Arc<crate::balancer::LoadBalancer>,
+    lb_slot: Option<Slot>,
+    limit: Arc<ConnectionLimit>,
+    permit: Option<OwnedSemaphorePermit>,
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        drop(self.lb_slot.take());
+        note_lb_cap(&self.lb, Cap::Connections, false);
+        drop(self.permit.take());
+        self.limit.note_release();
+    }
+}
+
+/// Accept failures that back off, one line a second per cause (errno) for
+/// the whole process.
+static ACCEPT_LOG: LazyLock<LogLimit<Option<i32>>> =
+    LazyLock::new(|| LogLimit::new(1, Duration::from_secs(1)));
 
 /// How long the accept loop pauses when the process or system is out of
 /// descriptors or memory, so it does not spin while connections close.
@@ -44,18 +128,39 @@ const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
 /// `SO_REUSEPORT`, so the kernel spreads new connections among them; one
 /// socket does not, so a port held by another process is an error, not a
 /// share.
+///
+/// `SO_REUSEPORT` would also join a group another process of the same user
+/// already listens in (the kernel would then split the VIP's connections
+/// with it), so before binding more than one socket a plain socket, without
+/// `SO_REUSEPORT`, is bound to `addr` and closed: any listener there, with
+/// the option or without, makes it fail with `EADDRINUSE`, the very error
+/// one socket meets. What remains is a window of a few system calls between
+/// the probe and our sockets in which another process of the same user
+/// could bind with `SO_REUSEPORT` first; a process of another user cannot
+/// join at all (the kernel requires one effective uid in a group).
 pub fn bind(
     addr: SocketAddr,
     backlog: u32,
     count: usize,
 ) -> io::Result<Vec<std::net::TcpListener>> {
+    if count > 1 {
+        drop(unshared(addr)?);
+    }
     (0..count.max(1))
         .map(|_| bind_one(addr, backlog, count > 1))
         .collect()
 }
 
-fn bind_one(addr: SocketAddr, backlog: u32, reuse_port: bool) -> io::Result<std::net::TcpListener> {
+/// A socket bound to `addr` as one listener's socket would be (without
+/// `SO_REUSEPORT`): it fails where `addr` is taken.
+fn unshared(addr: SocketAddr) -> io::Result<Socket> {
     let socket = Socket::new(Domain::for_address(addr), Type::STREAM.nonblocking(), None)?;
+    prepare(&socket, addr, false)?;
+    socket.bind(&addr.into())?;
+    Ok(socket)
+}
+
+fn prepare(socket: &Socket, addr: SocketAddr, reuse_port: bool) -> io::Result<()> {
     socket.set_reuse_address(true)?;
     if reuse_port {
         socket.set_reuse_port(true)?;
@@ -66,6 +171,12 @@ fn bind_one(addr: SocketAddr, backlog: u32, reuse_port: bool) -> io::Result<std:
     } else {
         socket.set_freebind_v4(true)?;
     }
+    Ok(())
+}
+
+fn bind_one(addr: SocketAddr, backlog: u32, reuse_port: bool) -> io::Result<std::net::TcpListener> {
+    let socket = Socket::new(Domain::for_address(addr), Type::STREAM.nonblocking(), None)?;
+    prepare(&socket, addr, reuse_port)?;
     // Accepted sockets inherit TCP_NODELAY, keepalive and TCP_USER_TIMEOUT
     // from here: set once per listener, not per connection.
     forward::set_options_or_warn(socket2::SockRef::from(&socket));
@@ -96,14 +207,15 @@ pub struct Listener {
 impl Listener {
     /// Starts accepting on `sockets` (from [`bind`]), socket `i` on
     /// runtime `i` of `placement`, forwarding along `route`. `limit` caps
-    /// connections across all listeners of the process. Fails only if a
+    /// connections across all listeners of the process; the route's load
+    /// balancer caps its own ([`crate::balancer::LoadBalancer::connections`]). Fails only if a
     /// socket cannot join its runtime's reactor (out of memory or
     /// descriptors); the sockets are closed then.
     pub fn start(
         sockets: Vec<std::net::TcpListener>,
         placement: Placement,
         route: Route,
-        limit: Arc<Semaphore>,
+        limit: Arc<ConnectionLimit>,
     ) -> io::Result<Self> {
         let addr = sockets
             .first()
@@ -200,9 +312,8 @@ async fn accept_loop(
     stop: CancellationToken,
     close_now: CancellationToken,
     connections: TaskTracker,
-    limit: Arc<Semaphore>,
+    limit: Arc<ConnectionLimit>,
 ) {
-    let mut last_warning: Option<tokio::time::Instant> = None;
     loop {
         let accepted = tokio::select! {
             _ = stop.cancelled() => return,
@@ -230,28 +341,49 @@ async fn accept_loop(
                         continue;
                     }
                 }
+                // The load balancer's share first: a tenant at its cap is
+                // refused at once (its other clients keep their
+                // connections; other tenants keep accepting), before it
+                // can queue for a process-wide slot.
+                let lb = Arc::clone(&route.load().lb);
+                let Some(lb_slot) = Slot::take(lb.connections()) else {
+                    // Index into `REJECTED_REASONS`.
+                    route.load().stats.rejected[1].increment(1);
+                    note_lb_cap(&lb, Cap::Connections, true);
+                    tracing::debug!(client = %peer, "load balancer at its connection cap: reset");
+                    forward::reset(&stream);
+                    forward::log_refused(&route.load(), &stream, peer, ConnectionCap);
+                    continue;
+                };
                 // The slot is taken after the accept, never held while
                 // waiting for one: with more listeners than slots, idle
                 // listeners holding slots would starve the busy ones.
-                let permit = match Arc::clone(&limit).try_acquire_owned() {
+                let permit = match Arc::clone(&limit.slots).try_acquire_owned() {
                     Ok(p) => p,
                     Err(_) => {
                         // At the cap: this client waits here for a slot,
                         // the ones behind it in the kernel's backlog.
                         route.load().stats.limit_reached.increment(1);
+                        limit.note_full();
                         tokio::select! {
                             _ = stop.cancelled() => return,
-                            p = Arc::clone(&limit).acquire_owned() => match p {
+                            p = Arc::clone(&limit.slots).acquire_owned() => match p {
                                 Ok(p) => p,
                                 Err(_) => return, // semaphore closed: process is stopping
                             },
                         }
                     }
                 };
+                let held = Held {
+                    lb,
+                    lb_slot: Some(lb_slot),
+                    limit: Arc::clone(&limit),
+                    permit: Some(permit),
+                };
                 let route = route.load_full();
                 let span = tracing::debug_span!("conn", client = %peer);
                 connections.spawn(
-                    forward::serve(stream, peer, route, close_now.clone(), permit).instrument(span),
+                    forward::serve(stream, peer, route, close_now.clone(), held).instrument(span),
                 );
             }
             Err(e) => {
@@ -265,12 +397,15 @@ async fn accept_loop(
                 if back_off {
                     // Spare pipes hold descriptors: give them back first.
                     copy::release_spare_pipes();
-                    // Warn at most once a second: this can happen thousands of times.
-                    let now = tokio::time::Instant::now();
-                    if last_warning.is_none_or(|t| now.duration_since(t) >= Duration::from_secs(1))
-                    {
-                        tracing::warn!(error = %e, "accept failed; backing off until resources free up");
-                        last_warning = Some(now);
+                    // Warn at most once a second per cause, across every
+                    // listener: out of descriptors, 2,000 listeners fail
+                    // together, 20 times a second each.
+                    if let Verdict::Write { suppressed } = ACCEPT_LOG.check(e.raw_os_error()) {
+                        tracing::warn!(
+                            error = %e,
+                            "accept failed; backing off until resources free up{}",
+                            left_out(suppressed)
+                        );
                     }
                     tokio::select! {
                         _ = stop.cancelled() => return,

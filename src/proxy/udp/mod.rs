@@ -10,7 +10,8 @@
 //! they come from the address the client wrote to, as DNS resolvers check.
 //!
 //! What this module must never do: grow without bound (the [`table`] refuses
-//! flows past `proxy.max_udp_flows` and the per-source share), hold a buffer
+//! flows past `proxy.max_udp_flows`, the load balancer's share and the
+//! per-source share), hold a buffer
 //! for an idle flow (answers are read into the worker thread's scratch
 //! buffer only once the socket is readable), or cut a datagram (the
 //! buffers hold the largest UDP payload there is).
@@ -42,7 +43,7 @@ use tracing::Instrument;
 use self::flow::FlowState;
 pub use self::table::{FlowBudget, default_max_flows};
 use self::table::{FlowTable, Refusal};
-use super::Route;
+use super::{Cap, Route, note_lb_cap};
 use crate::balancer::{Backend, ConnectionGuard, LoadBalancer, affinity};
 use crate::config::UdpSettings;
 use crate::metrics::stats::UdpBackendStats;
@@ -144,7 +145,8 @@ struct Flow {
 
 impl UdpListener {
     /// Starts serving `socket` along `route` with the flow rules `settings`;
-    /// flows are bounded by `budget` and `per_source` per client IP.
+    /// flows are bounded by `budget`, the load balancer's share and
+    /// `per_source` per source (IPv4 address, IPv6 /64).
     pub fn start(
         socket: UdpSocket,
         route: Route,
@@ -453,7 +455,7 @@ fn new_flow(
     let per_source = shared.per_source.load(Ordering::Relaxed) as usize;
     let mut socket_error = None;
     let mut record = Record::start(log, client);
-    let admitted = shared.table.insert(client, per_source, || {
+    let admitted = shared.table.insert(client, per_source, lb.udp_flows(), || {
         let socket = match connect(target) {
             Ok(s) => s,
             Err(e) => {
@@ -505,6 +507,10 @@ fn new_flow(
             let reason = match refusal {
                 Refusal::TableFull => 0,
                 Refusal::SourceLimit => 1,
+                Refusal::LoadBalancerLimit => {
+                    note_lb_cap(lb, Cap::UdpFlows, true);
+                    4
+                }
             };
             udp.flows_dropped[reason].increment(1);
             refused(shared, route, record, Termination::TableFull);
@@ -563,6 +569,7 @@ fn connect(target: SocketAddr) -> io::Result<UdpSocket> {
 /// caller that closed it calls this), and wakes its task if `wake`.
 fn retire(shared: &Shared, flow: &Arc<Flow>, wake: bool) {
     shared.table.remove(&flow.client, flow);
+    note_lb_cap(&flow.lb, Cap::UdpFlows, false);
     let route = shared.route.load();
     route.route.stats.udp().flows_active.decrement();
     flow.backend_stats.flows_active.decrement();

@@ -1,0 +1,255 @@
+//! Kernel objects the daemon owns, and keeping them as it wrote them.
+//!
+//! The daemon writes objects into the kernel that outlive a call and that
+//! anyone with `CAP_NET_ADMIN` can change behind its back: today the VIP
+//! isolation table (`vip::isolate`); coming, an nftables table for kernel
+//! forwarding and BGP routes. A second daemon started by hand, an operator's
+//! `nft flush ruleset` or a firewall reload can replace or delete them while
+//! the daemon still reports them in force. The rule for every such object:
+//!
+//! 1. **Single-instance resources first.** The daemon takes its admin port
+//!    and its locked admin socket before it writes any kernel object, so a
+//!    second daemon fails before it touches the first one's (see
+//!    `server::start`); a start that fails after a write undoes it.
+//! 2. **Remember what was written.** Right after a write the object is read
+//!    back and its [`Fingerprint`] kept in a [`Guard`].
+//! 3. **Check and repair.** At every reload and on a timer the object is
+//!    read back again; if it differs from the fingerprint it is written again
+//!    whole, the [`Drift`] (what differed) is logged once per repair and the
+//!    repair counted by the owner.
+//!
+//! A new kind of object implements [`Owned`] (read back, write) and keeps a
+//! [`Guard`]; nothing else is needed. What is compared is the kernel's own
+//! listing (for nftables `nft -j list table …` with the handles removed), so
+//! no second model of nft's output is needed: whatever the kernel shows
+//! after our write is what it must keep showing.
+//!
+//! Limits: a change made between our write and its read-back (a window of
+//! one `nft` call) would be taken as ours; the check runs every
+//! [`CHECK_INTERVAL`], so a change lasts until then (or the next reload).
+
+use std::fmt;
+use std::time::Duration;
+
+/// How often owned kernel objects are read back and compared.
+pub const CHECK_INTERVAL: Duration = Duration::from_secs(10);
+
+/// An object as the kernel lists it, in a form that compares equal exactly
+/// when the object is the same: its parts in the kernel's order, each
+/// without what the kernel renumbers (handles), set elements sorted.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Fingerprint(Vec<String>);
+
+impl Fingerprint {
+    /// The fingerprint of `nft -j list …` output: every object but
+    /// `metainfo`, without its `handle`, a set's `elem` sorted.
+    pub fn of_nft_json(text: &str) -> Result<Self, String> {
+        let doc: serde_json::Value =
+            serde_json::from_str(text).map_err(|e| format!("nft's listing is not JSON: {e}"))?;
+        let objects = doc["nftables"]
+            .as_array()
+            .ok_or("nft's listing has no \"nftables\" array")?;
+        let mut parts = Vec::with_capacity(objects.len());
+        for object in objects {
+            let mut object = object.clone();
+            let Some(map) = object.as_object_mut() else {
+                continue;
+            };
+            if map.contains_key("metainfo") {
+                continue;
+            }
+            for inner in map
+                .values_mut()
+                .filter_map(serde_json::Value::as_object_mut)
+            {
+                inner.remove("handle");
+                if let Some(serde_json::Value::Array(elems)) = inner.get_mut("elem") {
+                    elems.sort_by_cached_key(serde_json::Value::to_string);
+                }
+            }
+            parts.push(object.to_string());
+        }
+        Ok(Self(parts))
+    }
+
+    /// What differs from `self` (what was written) in `now` (what the kernel
+    /// has); `None` when nothing does.
+    pub fn drift(&self, now: Option<&Fingerprint>) -> Option<Drift> {
+        let Some(now) = now else {
+            return Some(Drift::Gone);
+        };
+        if self == now {
+            return None;
+        }
+        let missing: Vec<String> = self
+            .0
+            .iter()
+            .filter(|p| !now.0.contains(p))
+            .cloned()
+            .collect();
+        let unexpected: Vec<String> = now
+            .0
+            .iter()
+            .filter(|p| !self.0.contains(p))
+            .cloned()
+            .collect();
+        Some(if missing.is_empty() && unexpected.is_empty() {
+            Drift::Reordered
+        } else {
+            Drift::Changed {
+                missing,
+                unexpected,
+            }
+        })
+    }
+}
+
+/// How an owned object differs from what the daemon wrote.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Drift {
+    /// It is not in the kernel at all.
+    Gone,
+    /// The same parts in another order (nftables rules: another meaning).
+    Reordered,
+    /// Parts were removed or added.
+    Changed {
+        /// Written by the daemon, no longer there.
+        missing: Vec<String>,
+        /// There, not written by the daemon.
+        unexpected: Vec<String>,
+    },
+}
+
+impl fmt::Display for Drift {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        /// Parts shown per side: enough to see what happened, bounded for the log.
+        const SHOWN: usize = 3;
+        let list = |parts: &[String]| {
+            let mut s: Vec<&str> = parts.iter().take(SHOWN).map(String::as_str).collect();
+            let more = parts.len().saturating_sub(SHOWN);
+            let more = (more > 0).then(|| format!("and {more} more"));
+            s.extend(more.as_deref());
+            s.join(", ")
+        };
+        match self {
+            Drift::Gone => write!(f, "it is gone"),
+            Drift::Reordered => write!(f, "its parts are in another order"),
+            Drift::Changed {
+                missing,
+                unexpected,
+            } => {
+                if !missing.is_empty() {
+                    write!(f, "{} missing: {}", missing.len(), list(missing))?;
+                }
+                if !unexpected.is_empty() {
+                    if !missing.is_empty() {
+                        write!(f, "; ")?;
+                    }
+                    write!(f, "{} not ours: {}", unexpected.len(), list(unexpected))?;
+                }
+                Ok(())
+            }
+        }
+    }
+}
+
+/// A kernel object the daemon owns: how to read it back and write it whole.
+pub trait Owned {
+    /// Why reading or writing failed.
+    type Error;
+    /// The object as the kernel has it now; `None` when it is absent.
+    fn read_back(&self) -> Result<Option<Fingerprint>, Self::Error>;
+    /// Writes the object whole, as the daemon means it now.
+    fn write(&self) -> Result<(), Self::Error>;
+}
+
+/// What the daemon last wrote of one owned object (its fingerprint), and
+/// the check against the kernel.
+#[derive(Debug, Default)]
+pub struct Guard {
+    written: Option<Fingerprint>,
+}
+
+/// What a [`Guard::check`] found.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Checked {
+    /// Nothing is owned now (never written, or given up).
+    NothingOwned,
+    /// The kernel has what was written.
+    InPlace,
+    /// It differed; it was written again and is in place now.
+    Repaired(Drift),
+}
+
+impl Guard {
+    /// Writes `object` and remembers what the kernel then shows.
+    pub fn write<O: Owned>(&mut self, object: &O) -> Result<(), O::Error> {
+        self.written = None;
+        object.write()?;
+        self.written = object.read_back()?;
+        Ok(())
+    }
+
+    /// Forgets the object (it was deleted, or is no longer ours).
+    pub fn forget(&mut self) {
+        self.written = None;
+    }
+
+    /// Reads `object` back; if it differs from what was written, writes it
+    /// again. An error leaves the object unowned until the next write, so a
+    /// later check does not take the kernel's state for ours.
+    pub fn check<O: Owned>(&mut self, object: &O) -> Result<Checked, O::Error> {
+        let Some(written) = &self.written else {
+            return Ok(Checked::NothingOwned);
+        };
+        let now = object.read_back()?;
+        let Some(drift) = written.drift(now.as_ref()) else {
+            return Ok(Checked::InPlace);
+        };
+        self.write(object)?;
+        Ok(Checked::Repaired(drift))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const LISTED: &str = r#"{"nftables": [{"metainfo": {"version": "1.0.6"}},
+        {"table": {"family": "inet", "name": "t", "handle": 3}},
+        {"set": {"family": "inet", "name": "s", "table": "t", "type": "ipv4_addr", "handle": 1, "elem": ["10.0.0.2", "10.0.0.1"]}},
+        {"rule": {"family": "inet", "table": "t", "chain": "c", "handle": 5, "expr": [{"accept": null}]}},
+        {"rule": {"family": "inet", "table": "t", "chain": "c", "handle": 6, "expr": [{"drop": null}]}}]}"#;
+
+    #[test]
+    fn handles_and_element_order_do_not_count_rules_order_does() {
+        let a = Fingerprint::of_nft_json(LISTED).unwrap();
+        let renumbered = LISTED.replace("\"handle\": 5", "\"handle\": 9").replace(
+            "[\"10.0.0.2\", \"10.0.0.1\"]",
+            "[\"10.0.0.1\", \"10.0.0.2\"]",
+        );
+        assert_eq!(
+            a.drift(Some(&Fingerprint::of_nft_json(&renumbered).unwrap())),
+            None
+        );
+        let swapped = LISTED
+            .replace("{\"accept\": null}", "{\"x\": null}")
+            .replace("{\"drop\": null}", "{\"accept\": null}")
+            .replace("{\"x\": null}", "{\"drop\": null}");
+        assert_eq!(
+            a.drift(Some(&Fingerprint::of_nft_json(&swapped).unwrap())),
+            Some(Drift::Reordered)
+        );
+        assert_eq!(a.drift(None), Some(Drift::Gone));
+        let emptied = LISTED.replace("[\"10.0.0.2\", \"10.0.0.1\"]", "[]");
+        let drift = a
+            .drift(Some(&Fingerprint::of_nft_json(&emptied).unwrap()))
+            .unwrap();
+        let said = drift.to_string();
+        assert!(
+            said.starts_with("1 missing: ") && said.contains("1 not ours: "),
+            "{said}"
+        );
+        assert!(Fingerprint::of_nft_json("nope").is_err());
+    }
+}
