@@ -27,6 +27,7 @@ use super::*;
 mod cross;
 mod dhcp;
 mod health;
+mod kernel;
 mod locate;
 mod reuse;
 mod source_ranges;
@@ -539,6 +540,7 @@ impl Validator<'_> {
             }
         }
 
+        self.kernel_combinations(key, lb, vip, algorithm, on_backend_down, &listeners);
         let health_check = lb
             .health_check
             .as_ref()
@@ -684,6 +686,7 @@ impl Validator<'_> {
                 (secs > 0).then(|| Duration::from_secs(secs as u64))
             }
         };
+        let (forwarding, source_nat) = self.forwarding(key, l);
         Some(ListenerSpec {
             name: name?,
             port: port?,
@@ -691,6 +694,8 @@ impl Validator<'_> {
             protocol,
             proxy_protocol,
             defer_accept,
+            forwarding,
+            source_nat,
         })
     }
 
