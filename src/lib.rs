@@ -18,6 +18,7 @@
 //! * [`daemon`]: applies a config as a diff (start-up and reload alike).
 //! * [`server`]: the daemon's life: start, the reload loop, the systemd watchdog, drain.
 //! * [`workers`]: the threads TCP connections run on (thread per core or work stealing).
+//! * [`kernel`]: `forwarding = "kernel"` listeners as nftables DNAT, written from the daemon's verdicts.
 //! * [`vip`]: the VIPs themselves: only their listeners' ports answer.
 //! * [`admin`], [`metrics`], [`systemd`]: how operators and machines see it.
 //! * [`status_table`]: `/status` as a terminal table (`harvester-lb status`).
@@ -38,6 +39,7 @@ pub mod daemon;
 pub mod demo;
 pub mod health;
 pub mod import;
+pub mod kernel;
 pub mod metrics;
 pub mod net;
 pub mod os;

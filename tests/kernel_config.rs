@@ -73,7 +73,11 @@ fn bad_values_name_the_choices() {
         "  forwarding = \"kernel\"\n  source_nat = \"snat\"",
     ));
     assert_eq!(p[0].key, "load_balancer[0].listener[0].source_nat");
-    assert!(p[0].message.contains("\"masquerade\", \"none\""), "{}", p[0]);
+    assert!(
+        p[0].message.contains("\"masquerade\", \"none\""),
+        "{}",
+        p[0]
+    );
 }
 
 /// Each refused combination: the key reported, a piece of the reason.
@@ -159,7 +163,10 @@ fn every_combination_the_kernel_cannot_do_is_refused_with_key_and_reason() {
             p.iter()
                 .any(|p| p.key == *key && p.message.contains(reason) && p.line.is_some()),
             "{key}: want {reason:?} in\n{}",
-            p.iter().map(|p| p.to_string()).collect::<Vec<_>>().join("\n")
+            p.iter()
+                .map(|p| p.to_string())
+                .collect::<Vec<_>>()
+                .join("\n")
         );
     }
 }
@@ -175,9 +182,16 @@ fn proxy_only_tuning_is_a_warning_on_kernel_listeners() {
     let keys: Vec<&str> = loaded.warnings.iter().map(|w| w.key.as_str()).collect();
     assert_eq!(
         keys,
-        ["load_balancer[0].connect_timeout_ms", "load_balancer[0].idle_timeout_seconds"]
+        [
+            "load_balancer[0].connect_timeout_ms",
+            "load_balancer[0].idle_timeout_seconds"
+        ]
     );
-    assert!(loaded.warnings[0].message.contains("fall back to the proxy"));
+    assert!(
+        loaded.warnings[0]
+            .message
+            .contains("fall back to the proxy")
+    );
     // The same keys on a proxy listener say nothing.
     let loaded = config::parse(&file(
         "192.0.2.10",
@@ -202,7 +216,9 @@ fn check_exits_78_naming_the_key() {
     let (code, _, err) = run_cli(&["check", "--config", bad.to_str().unwrap()]);
     assert_eq!(code, 78, "{err}");
     assert!(
-        err.contains("line 6: load_balancer[0].algorithm: \"least_connections\" has no kernel form"),
+        err.contains(
+            "line 6: load_balancer[0].algorithm: \"least_connections\" has no kernel form"
+        ),
         "{err}"
     );
 }

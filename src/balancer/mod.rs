@@ -157,6 +157,10 @@ pub struct LoadBalancer {
     /// Client affinity entries, made when affinity is first switched on
     /// (most load balancers never pay for a table).
     affinity: OnceLock<AffinityTable>,
+    /// Woken after every publish, for a writer of another copy of the
+    /// eligible set (the kernel's NAT table): it learns of a health flip or
+    /// a drain without the prober or the admin path knowing of it.
+    on_publish: OnceLock<Arc<tokio::sync::Notify>>,
 }
 
 struct Inner {
@@ -195,6 +199,7 @@ impl LoadBalancer {
             name,
             cluster,
             affinity: OnceLock::new(),
+            on_publish: OnceLock::new(),
         });
         lb.publish();
         lb
@@ -255,6 +260,12 @@ impl LoadBalancer {
         let mut inner = self.lock();
         inner.left = true;
         self.stats.no_backend.clear();
+    }
+
+    /// Wakes `notify` after every publish from now on (one waker per load
+    /// balancer; a second call changes nothing) and once now.
+    pub fn notify_on_publish(&self, notify: Arc<tokio::sync::Notify>) {
+        self.on_publish.get_or_init(|| notify).notify_one();
     }
 
     /// Its numbers.
@@ -344,6 +355,9 @@ impl LoadBalancer {
             by_port,
             settings: inner.settings.clone(),
         }));
+        if let Some(notify) = self.on_publish.get() {
+            notify.notify_one();
+        }
     }
 }
 

@@ -35,6 +35,7 @@ use crate::workers::Workers;
 
 mod admin_state;
 mod apply;
+mod kernel;
 mod leases;
 mod status;
 
@@ -80,6 +81,13 @@ pub struct Daemon {
     udp_flows: Arc<FlowBudget>,
     /// `proxy.max_udp_flows_per_source`, for listeners started later.
     udp_per_source: AtomicUsize,
+    /// The nftables NAT table of `forwarding = "kernel"` listeners.
+    kernel: Arc<crate::kernel::KernelTable>,
+    /// Woken by every publish of a load balancer and every apply: the
+    /// kernel table may have to follow.
+    kernel_wake: Arc<tokio::sync::Notify>,
+    /// Set once the task that writes the kernel table runs.
+    kernel_task: AtomicBool,
 }
 
 /// A listener's identity across reloads: one VIP:port may carry one TCP
@@ -147,6 +155,9 @@ impl Daemon {
             me: me.clone(),
             udp_flows: FlowBudget::new(0),
             udp_per_source: AtomicUsize::new(1),
+            kernel: Arc::new(crate::kernel::KernelTable::new()),
+            kernel_wake: Arc::new(tokio::sync::Notify::new()),
+            kernel_task: AtomicBool::new(false),
         })
     }
 
@@ -231,6 +242,7 @@ impl Daemon {
         self.prober.stop_all();
         let drains = listeners.into_iter().map(|l| l.drain(drain));
         let cut: usize = futures_sum(drains).await;
+        self.kernel_remove().await;
         // After the drain: releasing takes the VIP off the host.
         self.leases.shutdown().await;
         self.retire_now.cancel();

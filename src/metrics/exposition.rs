@@ -420,6 +420,29 @@ impl Exposition {
             0 => {}
             v => gauge(buf, &names::VIP_ISOLATION_UP, &u64::from(v == 1)),
         }
+        match m.kernel_up.load(Ordering::Relaxed) {
+            0 => {}
+            v => {
+                gauge(buf, &names::KERNEL_FORWARDING_UP, &u64::from(v == 1));
+                gauge(
+                    buf,
+                    &names::KERNEL_SYNC_DURATION,
+                    &f64::from_bits(load(&m.kernel_sync_seconds)),
+                );
+                let mut headed = false;
+                let mut out = Out {
+                    buf,
+                    family: &names::KERNEL_SYNCS,
+                    headed: &mut headed,
+                };
+                for (result, c) in [
+                    ("success", &m.kernel_syncs_ok),
+                    ("failure", &m.kernel_syncs_failed),
+                ] {
+                    out.sample("", |b| label_first(b, "result", result), c.get());
+                }
+            }
+        }
         let limit = load(&m.connection_limit);
         if limit > 0 {
             gauge(buf, &names::CONNECTIONS_LIMIT, &limit);

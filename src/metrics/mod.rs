@@ -61,6 +61,13 @@ pub struct Metrics {
     pub(crate) vip_isolation: std::sync::atomic::AtomicU8,
     /// The connection cap in force (0: not set yet, not exported).
     connection_limit: AtomicU64,
+    /// Kernel NAT table writes that succeeded, and that failed.
+    pub(crate) kernel_syncs_ok: Counter,
+    pub(crate) kernel_syncs_failed: Counter,
+    /// The last successful write's duration, as `f64` seconds' bits.
+    pub(crate) kernel_sync_seconds: AtomicU64,
+    /// 0: never written (no series), 1: in force, 2: the last write failed.
+    pub(crate) kernel_up: std::sync::atomic::AtomicU8,
 }
 
 impl Metrics {
@@ -118,6 +125,20 @@ impl Metrics {
             Some(false) => 2,
         };
         self.vip_isolation.store(v, Ordering::Relaxed);
+    }
+
+    /// Records a successful write of the kernel NAT table.
+    pub fn kernel_synced(&self, took: std::time::Duration) {
+        self.kernel_syncs_ok.increment(1);
+        self.kernel_sync_seconds
+            .store(took.as_secs_f64().to_bits(), Ordering::Relaxed);
+        self.kernel_up.store(1, Ordering::Relaxed);
+    }
+
+    /// Records a failed write of the kernel NAT table.
+    pub fn kernel_sync_failed(&self) {
+        self.kernel_syncs_failed.increment(1);
+        self.kernel_up.store(2, Ordering::Relaxed);
     }
 
     /// Records the connection cap in force (set once at start: changing

@@ -333,6 +333,27 @@ pub static VIP_ISOLATION_UP: Family = Family::new(
     Gauge,
     "1 when the VIP isolation table of the configuration in force is in the kernel, 0 when writing it failed.",
 );
+/// `forwarding = "kernel"`: 1 when the nftables NAT table of the config
+/// in force is in the kernel, 0 when the last write failed (the kernel
+/// listeners' new connections go to the proxy); absent before any kernel
+/// listener.
+pub static KERNEL_FORWARDING_UP: Family = Family::new(
+    "harvester_lb_kernel_forwarding_up",
+    Gauge,
+    "1 when the kernel NAT table of the configuration in force and the current health verdicts is in the kernel, 0 when writing it failed and the proxy serves the kernel listeners.",
+);
+/// Writes of the kernel NAT table, by `result`.
+pub static KERNEL_SYNCS: Family = Family::new(
+    "harvester_lb_kernel_syncs_total",
+    Counter,
+    "Transactions written to the kernel NAT table (one per coalesced change of kernel listeners or of their eligible backends), by result.",
+);
+/// How long the last successful write of the kernel NAT table took.
+pub static KERNEL_SYNC_DURATION: Family = Family::new(
+    "harvester_lb_kernel_sync_duration_seconds",
+    Gauge,
+    "How long the last successful transaction to the kernel NAT table took, nft included.",
+);
 /// Reloads, by `result`.
 pub static CONFIG_RELOADS: Family = Family::new(
     "harvester_lb_config_reloads_total",

@@ -23,7 +23,10 @@ impl Validator<'_> {
         let source_nat = self.choice(
             &l.source_nat,
             format_args!("{key}.source_nat"),
-            &[("masquerade", SourceNat::Masquerade), ("none", SourceNat::None)],
+            &[
+                ("masquerade", SourceNat::Masquerade),
+                ("none", SourceNat::None),
+            ],
             SourceNat::Masquerade,
         );
         if forwarding == Forwarding::Proxy

@@ -1,0 +1,127 @@
+//! Driving the kernel's NAT table (`forwarding = "kernel"` listeners):
+//! the desired state from the config and the published eligible sets, one
+//! coalesced transaction after each change, a retry after a failure.
+//!
+//! Every publish of a load balancer's snapshot (a health transition, an
+//! operator's drain, a reload) wakes one task; it waits a few
+//! milliseconds so that a burst of flips is one transaction, builds the
+//! desired state and hands it to [`KernelTable::sync`], which writes
+//! nothing when the kernel already has it. The task starts with the first
+//! apply, which the server runs after the admin port and socket are bound.
+
+use std::time::Duration;
+
+use crate::config::Forwarding;
+use crate::kernel::{Desired, KernelListener, KernelTable, Synced};
+
+use super::*;
+
+/// How long a wake-up waits for more changes before the transaction.
+const COALESCE: Duration = Duration::from_millis(5);
+/// How long after a failed transaction the next full resync is tried.
+const RETRY: Duration = Duration::from_secs(2);
+
+impl Daemon {
+    /// The kernel NAT table's owner.
+    pub fn kernel(&self) -> &Arc<KernelTable> {
+        &self.kernel
+    }
+
+    /// The kernel listeners of the config in force, with the backends
+    /// each may send new connections to now.
+    pub(super) fn kernel_desired(&self) -> Desired {
+        let st = self.lock();
+        let mut desired = Desired::new();
+        let Some(config) = &st.config else {
+            return desired;
+        };
+        for spec in &config.load_balancers {
+            if spec.vip.is_unspecified() {
+                continue; // A DHCP VIP not leased yet.
+            }
+            let Some(entry) = st.load_balancers.get(&spec.name) else {
+                continue;
+            };
+            let snapshot = entry.lb.snapshot();
+            for l in spec
+                .listeners
+                .iter()
+                .filter(|l| l.forwarding == Forwarding::Kernel)
+            {
+                desired.insert(
+                    (spec.vip, l.protocol, l.port),
+                    KernelListener {
+                        backend_port: l.backend_port,
+                        members: spec.backends.clone(),
+                        eligible: snapshot
+                            .eligible_for(l.backend_port)
+                            .iter()
+                            .map(|b| b.addr)
+                            .collect(),
+                        source_ranges: (!spec.source_ranges.is_everyone())
+                            .then(|| spec.source_ranges.ranges().to_vec()),
+                        source_nat: l.source_nat,
+                    },
+                );
+            }
+        }
+        desired
+    }
+
+    /// Asks for a sync, starting the task that runs them on first use.
+    pub(super) fn kernel_wake(&self) {
+        self.kernel_wake.notify_one();
+        if self.kernel_task.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            self.kernel_task.store(false, Ordering::Release);
+            return;
+        };
+        let me = self.me.clone();
+        let wake = Arc::clone(&self.kernel_wake);
+        runtime.spawn(async move {
+            loop {
+                wake.notified().await;
+                tokio::time::sleep(COALESCE).await;
+                let Some(daemon) = me.upgrade() else { return };
+                if daemon.is_stopping() {
+                    return;
+                }
+                let desired = daemon.kernel_desired();
+                let table = Arc::clone(&daemon.kernel);
+                let listeners = desired.len();
+                let result = tokio::task::spawn_blocking(move || table.sync(&desired)).await;
+                match result {
+                    Ok(Ok(Synced::Unchanged)) => {}
+                    Ok(Ok(Synced::Written(took))) => {
+                        daemon.metrics.kernel_synced(took);
+                        tracing::debug!(listeners, ?took, "kernel NAT table written");
+                    }
+                    Ok(Err(e)) => {
+                        daemon.metrics.kernel_sync_failed();
+                        tracing::error!(listeners, "{e}; retrying with a full resync in {RETRY:?}");
+                        let wake = Arc::clone(&daemon.kernel_wake);
+                        tokio::spawn(async move {
+                            tokio::time::sleep(RETRY).await;
+                            wake.notify_one();
+                        });
+                    }
+                    Err(e) => tracing::error!("the kernel table writer ended abnormally: {e}"),
+                }
+            }
+        });
+    }
+
+    /// At a clean stop, after the drain: the table goes, so nothing is
+    /// forwarded by rules nobody keeps. (A crash leaves it: the kernel
+    /// forwards on the last verdicts until the next start reconciles.)
+    pub(super) async fn kernel_remove(&self) {
+        let table = Arc::clone(&self.kernel);
+        match tokio::task::spawn_blocking(move || table.remove()).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => tracing::error!("at stop: {e}"),
+            Err(e) => tracing::error!("at stop: the kernel table writer ended abnormally: {e}"),
+        }
+    }
+}

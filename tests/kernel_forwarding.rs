@@ -1,0 +1,430 @@
+//! `forwarding = "kernel"` on a real kernel: the table the daemon writes
+//! loads into `nft`, reconciles after a restart, and forwards by itself
+//! (a frozen daemon still serves), following health verdicts and the
+//! operator's drain, and refusing when no backend is eligible.
+//!
+//! These tests need root, iproute2 and nftables (network namespaces); they
+//! skip with a printed reason elsewhere, and fail under `CI=true`.
+
+#[path = "netns/mod.rs"]
+mod netns;
+
+use std::collections::BTreeMap;
+use std::io::ErrorKind;
+use std::net::IpAddr;
+use std::time::{Duration, Instant};
+
+use harvester_lb::config::{Protocol, SourceNat};
+use harvester_lb::kernel::{self, KernelListener, KernelTable, Synced};
+use netns::peers::{Exchange, Node, Service, exchange, read_line};
+use netns::{Bed, NODEPORT, VIP, config, in_ns, node_ip, run, sa, wait_for};
+
+/// Whether the namespace tests can run; under `CI=true` they must.
+fn can_run() -> bool {
+    match netns::skip_reason() {
+        None => true,
+        Some(why) if std::env::var_os("CI").is_some() => {
+            panic!("kernel forwarding tests must run in CI: {why}")
+        }
+        Some(why) => {
+            eprintln!("SKIPPED: needs root and iproute2/nftables ({why})");
+            false
+        }
+    }
+}
+
+fn ip(s: &str) -> IpAddr {
+    s.parse().unwrap()
+}
+
+fn listener(eligible: &[&str], members: &[&str]) -> KernelListener {
+    KernelListener {
+        backend_port: 30080,
+        members: members.iter().map(|m| ip(m)).collect(),
+        eligible: eligible.iter().map(|m| ip(m)).collect(),
+        source_ranges: None,
+        source_nat: SourceNat::Masquerade,
+    }
+}
+
+/// `nft` in namespace `ns`.
+fn nft_out(ns: &str, args: &[&str]) -> (bool, String) {
+    let out = std::process::Command::new("ip")
+        .args(["netns", "exec", ns])
+        .arg("nft")
+        .args(args)
+        .output()
+        .expect("run nft");
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr),
+    )
+}
+
+/// A bare namespace for the table alone, deleted on drop.
+struct Scratch(String);
+
+impl Scratch {
+    fn new(tag: &str) -> Self {
+        let name = format!("hlbk{}-{tag}", std::process::id());
+        run("ip", &["netns", "add", &name], None);
+        Scratch(name)
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("ip")
+            .args(["netns", "del", &self.0])
+            .status();
+    }
+}
+
+#[test]
+fn the_table_loads_reconciles_after_a_restart_and_goes_at_stop() {
+    if !can_run() {
+        return;
+    }
+    let ns = Scratch::new("tbl");
+    let a = (ip("192.0.2.10"), Protocol::Tcp, 80);
+    let b = (ip("2001:db8::10"), Protocol::Udp, 53);
+    let mut first = BTreeMap::new();
+    first.insert(
+        a,
+        listener(&["10.0.0.1", "10.0.0.2"], &["10.0.0.1", "10.0.0.2"]),
+    );
+    let mut v6 = listener(&[], &["2001:db8::1"]);
+    v6.source_ranges = Some(vec!["2001:db8::/48".parse().unwrap()]);
+    first.insert(b, v6);
+
+    let name = ns.0.clone();
+    let desired = first.clone();
+    let (written, again) = in_ns(&name, move || {
+        let table = KernelTable::new();
+        (table.sync(&desired), table.sync(&desired))
+    });
+    assert!(matches!(written, Ok(Synced::Written(_))), "{written:?}");
+    assert_eq!(
+        again,
+        Ok(Synced::Unchanged),
+        "no nft call when nothing changed"
+    );
+    let (ok, listing) = nft_out(&ns.0, &["list", "table", "inet", kernel::TABLE]);
+    assert!(ok, "{listing}");
+    for want in [
+        "192.0.2.10 . tcp . 80 : goto l_tcp_80_192.0.2.10",
+        "numgen inc mod 2 vmap { 0 : goto b_tcp_80_192.0.2.10_10.0.0.1, 1 : goto b_tcp_80_192.0.2.10_10.0.0.2 }",
+        "dnat ip to 10.0.0.2:30080",
+        "2001:db8::10 . udp . 53 : goto l_udp_53_2001-db8--10",
+        "ip6 saddr != @s_udp_53_2001-db8--10 counter name \"d_udp_53_2001-db8--10\" return",
+        "counter name \"z_udp_53_2001-db8--10\" return",
+        "type nat hook output priority -100",
+    ] {
+        assert!(listing.contains(want), "want {want:?} in\n{listing}");
+    }
+
+    // A restarted daemon (a new table owner) with one listener fewer and
+    // one backend fewer: the leftovers go in the same transaction, the
+    // table and the counters that stay do not.
+    let mut second = BTreeMap::new();
+    second.insert(a, listener(&["10.0.0.1"], &["10.0.0.1"]));
+    let desired = second.clone();
+    let (synced, owned) = in_ns(&name, move || {
+        let table = KernelTable::new();
+        let synced = table.sync(&desired);
+        (synced, kernel::read_back())
+    });
+    assert!(matches!(synced, Ok(Synced::Written(_))), "{synced:?}");
+    assert_eq!(owned.unwrap(), kernel::Owned::of(&second));
+    let (_, listing) = nft_out(&ns.0, &["list", "table", "inet", kernel::TABLE]);
+    assert!(!listing.contains("10.0.0.2"), "{listing}");
+    assert!(!listing.contains("2001:db8::10"), "{listing}");
+
+    // A clean stop removes the table.
+    let desired = second.clone();
+    let removed = in_ns(&name, move || {
+        let table = KernelTable::new();
+        table.sync(&desired).unwrap();
+        table.remove()
+    });
+    assert_eq!(removed, Ok(()));
+    let (ok, _) = nft_out(&ns.0, &["list", "table", "inet", kernel::TABLE]);
+    assert!(!ok, "the table is gone after a clean stop");
+}
+
+#[test]
+fn without_kernel_listeners_nothing_is_written() {
+    if !can_run() {
+        return;
+    }
+    let ns = Scratch::new("none");
+    let synced = in_ns(&ns.0.clone(), || KernelTable::new().sync(&BTreeMap::new()));
+    assert_eq!(synced, Ok(Synced::Unchanged));
+    let (_, listing) = nft_out(&ns.0, &["list", "tables"]);
+    assert!(!listing.contains(kernel::TABLE), "{listing}");
+}
+
+/// One load balancer on VIP:80 over `nodes`, forwarded by the kernel,
+/// checked every 200 ms.
+fn kernel_config(nodes: &[usize]) -> String {
+    config(
+        "",
+        &[netns::lb(
+            "default/web",
+            VIP,
+            nodes,
+            "",
+            Some("  period_seconds = 1\n  timeout_seconds = 1\n  failure_threshold = 1"),
+        )
+        .replace(
+            &format!("backend_port = {NODEPORT}\n"),
+            &format!("backend_port = {NODEPORT}\n  forwarding = \"kernel\"\n"),
+        )],
+    )
+}
+
+/// Routes between the bed's hosts through the load-balancer namespace.
+fn enable_forwarding(bed: &Bed) {
+    run(
+        "ip",
+        &[
+            "netns",
+            "exec",
+            &bed.lb.name,
+            "sysctl",
+            "-qw",
+            "net.ipv4.ip_forward=1",
+        ],
+        None,
+    );
+}
+
+async fn wait_kernel(bed: &Bed) {
+    wait_for(
+        Duration::from_secs(10),
+        "the listener forwarded by the kernel",
+        || async {
+            let s = bed.daemon().status().await;
+            let l = &s["load_balancers"][0]["listeners"][0];
+            (l["forwarding"] == "kernel").then_some(())
+        },
+    )
+    .await;
+}
+
+async fn tally(bed: &Bed, n: usize) -> BTreeMap<String, usize> {
+    let mut seen = BTreeMap::new();
+    for _ in 0..n {
+        let key = match exchange(&bed.client, sa(VIP, 80), 100, Duration::from_secs(5)).await {
+            Exchange::Ok(node) => node,
+            Exchange::Failed(e) => format!("failed: {e}"),
+        };
+        *seen.entry(key).or_insert(0) += 1;
+    }
+    seen
+}
+
+fn counts(pairs: &[(&str, usize)]) -> BTreeMap<String, usize> {
+    pairs.iter().map(|(k, v)| (k.to_string(), *v)).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_kernel_balances_follows_health_and_serves_while_the_daemon_is_frozen() {
+    if !can_run() {
+        return;
+    }
+    let mut bed = Bed::new("kfwd", 2);
+    enable_forwarding(&bed);
+    let n1 = Node::start(&bed, 1, Service::NameThenEcho);
+    let mut n2 = Node::start(&bed, 2, Service::NameThenEcho);
+    bed.start_daemon(&kernel_config(&[1, 2])).await;
+    wait_kernel(&bed).await;
+
+    // Round robin in the kernel: exactly alternating.
+    assert_eq!(tally(&bed, 20).await, counts(&[("n1", 10), ("n2", 10)]));
+    let (ok, listing) = nft_out(
+        &bed.lb.name,
+        &["list", "counters", "table", "inet", kernel::TABLE],
+    );
+    assert!(
+        ok && listing.contains("n_tcp_80_198.51.100.10_198.51.100.21"),
+        "{listing}"
+    );
+
+    // The daemon frozen: no byte can pass through it, yet clients are served.
+    bed.daemon().signal(libc::SIGSTOP);
+    let frozen = tally(&bed, 10).await;
+    bed.daemon().signal(libc::SIGCONT);
+    assert_eq!(
+        frozen,
+        counts(&[("n1", 5), ("n2", 5)]),
+        "forwarded by the kernel"
+    );
+
+    // Node 2 fails its check: once the verdict is in, every new
+    // connection goes to node 1, none fails.
+    n2.stop_health();
+    bed.daemon()
+        .wait_health(
+            "default/web",
+            node_ip(2),
+            "unhealthy",
+            Duration::from_secs(10),
+        )
+        .await;
+    // The verdict reaches the kernel a few milliseconds later.
+    wait_for(
+        Duration::from_secs(5),
+        "node 2 out of the kernel's choice",
+        || async {
+            let (_, l) = nft_out(
+                &bed.lb.name,
+                &[
+                    "list",
+                    "chain",
+                    "inet",
+                    kernel::TABLE,
+                    "l_tcp_80_198.51.100.10",
+                ],
+            );
+            (!l.contains("198.51.100.22")).then_some(())
+        },
+    )
+    .await;
+    assert_eq!(tally(&bed, 10).await, counts(&[("n1", 10)]));
+    drop(n1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drain_keeps_the_open_connection_and_no_backend_is_a_reset() {
+    if !can_run() {
+        return;
+    }
+    let mut bed = Bed::new("kdrain", 2);
+    enable_forwarding(&bed);
+    let _n1 = Node::start(&bed, 1, Service::NameThenEcho);
+    let _n2 = Node::start(&bed, 2, Service::NameThenEcho);
+    bed.start_daemon(&kernel_config(&[1, 2])).await;
+    wait_kernel(&bed).await;
+
+    // An open connection to node 1.
+    let mut open = None;
+    for _ in 0..4 {
+        let mut s = bed
+            .client
+            .connect(sa(VIP, 80), Duration::from_secs(5))
+            .await
+            .unwrap();
+        if read_line(&mut s).await.unwrap() == "n1" {
+            open = Some(s);
+            break;
+        }
+    }
+    let mut open = open.expect("round robin reaches node 1 within 4 connections");
+
+    let socket = bed.dir.join("admin.sock");
+    let drain = |state: &str| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_harvester-lb"))
+            .args([
+                "backend",
+                state,
+                "--lb",
+                "default/web",
+                &node_ip(1).to_string(),
+            ])
+            .arg("--socket")
+            .arg(&socket)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    drain("drain");
+    wait_for(
+        Duration::from_secs(5),
+        "node 1 out of the kernel's choice",
+        || async {
+            let (_, l) = nft_out(
+                &bed.lb.name,
+                &[
+                    "list",
+                    "chain",
+                    "inet",
+                    kernel::TABLE,
+                    "l_tcp_80_198.51.100.10",
+                ],
+            );
+            (!l.contains("198.51.100.21")).then_some(())
+        },
+    )
+    .await;
+    assert_eq!(tally(&bed, 6).await, counts(&[("n2", 6)]));
+    // The open connection still echoes through node 1.
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    open.write_all(b"still here").await.unwrap();
+    let mut buf = [0u8; 10];
+    tokio::time::timeout(Duration::from_secs(5), open.read_exact(&mut buf))
+        .await
+        .expect("echo within 5 s")
+        .expect("the drained backend's open connection runs on");
+    assert_eq!(&buf, b"still here");
+
+    // No eligible backend: a reset at once, counted; never the host's socket.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_harvester-lb"))
+        .args([
+            "backend",
+            "maint",
+            "--lb",
+            "default/web",
+            &node_ip(2).to_string(),
+        ])
+        .arg("--socket")
+        .arg(&socket)
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    wait_for(
+        Duration::from_secs(5),
+        "no backend in the kernel's choice",
+        || async {
+            let (_, l) = nft_out(
+                &bed.lb.name,
+                &[
+                    "list",
+                    "chain",
+                    "inet",
+                    kernel::TABLE,
+                    "l_tcp_80_198.51.100.10",
+                ],
+            );
+            l.contains("counter name \"z_tcp_80_198.51.100.10\" return")
+                .then_some(())
+        },
+    )
+    .await;
+    let started = Instant::now();
+    let err = bed
+        .client
+        .connect(sa(VIP, 80), Duration::from_secs(5))
+        .await
+        .expect_err("no backend: refused");
+    assert_eq!(err.kind(), ErrorKind::ConnectionRefused, "{err}");
+    assert!(
+        started.elapsed() < Duration::from_secs(3),
+        "a reset, not a timeout"
+    );
+    let (_, l) = nft_out(
+        &bed.lb.name,
+        &[
+            "list",
+            "counter",
+            "inet",
+            kernel::TABLE,
+            "z_tcp_80_198.51.100.10",
+        ],
+    );
+    assert!(l.contains("packets 1 "), "{l}");
+}
