@@ -12,6 +12,8 @@ mod netns;
 use std::collections::BTreeMap;
 use std::io::ErrorKind;
 use std::net::IpAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use harvester_lb::config::{Protocol, SourceNat};
@@ -139,6 +141,20 @@ fn the_table_loads_reconciles_after_a_restart_and_goes_at_stop() {
     let (_, listing) = nft_out(&ns.0, &["list", "table", "inet", kernel::TABLE]);
     assert!(!listing.contains("10.0.0.2"), "{listing}");
     assert!(!listing.contains("2001:db8::10"), "{listing}");
+
+    // The last kernel listener switched back to the proxy: all its objects go.
+    let desired = second.clone();
+    let emptied = in_ns(&name, move || {
+        let table = KernelTable::new();
+        table.sync(&desired).unwrap();
+        (table.sync(&BTreeMap::new()), kernel::read_back())
+    });
+    assert!(
+        matches!(emptied.0, Ok(Synced::Written(_))),
+        "{:?}",
+        emptied.0
+    );
+    assert_eq!(emptied.1.unwrap(), kernel::Owned::default());
 
     // A clean stop removes the table.
     let desired = second.clone();
@@ -427,4 +443,60 @@ async fn a_drain_keeps_the_open_connection_and_no_backend_is_a_reset() {
         ],
     );
     assert!(l.contains("packets 1 "), "{l}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_switches_between_proxy_and_kernel_under_load_without_a_failure() {
+    if !can_run() {
+        return;
+    }
+    let mut bed = Bed::new("kswitch", 2);
+    enable_forwarding(&bed);
+    let _n1 = Node::start(&bed, 1, Service::NameThenEcho);
+    let _n2 = Node::start(&bed, 2, Service::NameThenEcho);
+    let proxy = kernel_config(&[1, 2]).replace("  forwarding = \"kernel\"\n", "");
+    let kernel = kernel_config(&[1, 2]);
+    bed.start_daemon(&proxy).await;
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let load = netns::peers::load(&bed.client, sa(VIP, 80), 4, 100_000, Arc::clone(&stop));
+    for round in 0..3 {
+        for (text, forwarding) in [(&kernel, "kernel"), (&proxy, "proxy")] {
+            bed.write("config.toml", text);
+            let (code, body) = bed.daemon().request("POST", "/reload").await.unwrap();
+            assert_eq!(code, 200, "round {round}: {body}");
+            wait_for(Duration::from_secs(10), forwarding, || async {
+                let s = bed.daemon().status().await;
+                (s["load_balancers"][0]["listeners"][0]["forwarding"] == forwarding).then_some(())
+            })
+            .await;
+            // Some exchanges on each path before the next switch.
+            tokio::time::sleep(Duration::from_millis(300)).await;
+        }
+    }
+    stop.store(true, Ordering::Relaxed);
+    let tally = load.await.unwrap();
+    assert!(tally.ok_total() > 50, "{tally:?}");
+    assert!(tally.failed.is_empty(), "{:?}", tally.failed);
+    // Every switch was one successful transaction (a switch back to the
+    // proxy deletes the listener's chains: none may fail).
+    let metrics = bed.daemon().metrics().await;
+    assert!(
+        netns::metric(
+            &metrics,
+            "harvester_lb_kernel_syncs_total",
+            &[("result", "success")]
+        ) >= 6.0,
+        "{metrics}"
+    );
+    assert_eq!(
+        netns::metric(
+            &metrics,
+            "harvester_lb_kernel_syncs_total",
+            &[("result", "failure")]
+        ),
+        0.0,
+        "{}",
+        bed.daemon().log_tail(20)
+    );
 }

@@ -539,7 +539,14 @@ fn commands(desired: &Desired, present: &Owned) -> Nftables<'static> {
     }
 
     // 3. What is gone: after the flushes above, nothing refers to it.
-    for name in present.chains.difference(&wanted.chains) {
+    // Listener chains before backend chains: a flushed listener chain
+    // still holds its anonymous verdict map (and so its backend chains)
+    // until it is deleted itself (EBUSY otherwise, measured on 6.18).
+    let (listeners, backends): (Vec<&String>, Vec<&String>) = present
+        .chains
+        .difference(&wanted.chains)
+        .partition(|n| n.starts_with("l_"));
+    for name in listeners.into_iter().chain(backends) {
         cmds.push(NfObject::CmdObject(NfCmd::Delete(NfListObject::Chain(
             chain(name),
         ))));
