@@ -500,3 +500,63 @@ async fn a_reload_switches_between_proxy_and_kernel_under_load_without_a_failure
         bed.daemon().log_tail(20)
     );
 }
+
+/// One open connection through the kernel: writes `msg`, expects the echo.
+async fn echoes(s: &mut tokio::net::TcpStream, msg: &[u8]) -> std::io::Result<()> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    s.write_all(msg).await?;
+    let mut buf = vec![0u8; msg.len()];
+    tokio::time::timeout(Duration::from_secs(5), s.read_exact(&mut buf))
+        .await
+        .map_err(|_| std::io::Error::new(ErrorKind::TimedOut, "no echo within 5 s"))??;
+    assert_eq!(buf, msg);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_daemon_leaves_the_kernel_forwarding_and_a_restart_keeps_open_flows() {
+    if !can_run() {
+        return;
+    }
+    let mut bed = Bed::new("kkill", 2);
+    enable_forwarding(&bed);
+    let _n1 = Node::start(&bed, 1, Service::NameThenEcho);
+    let _n2 = Node::start(&bed, 2, Service::NameThenEcho);
+    // With the VIP isolation table too: DNATed packets go to forward, not
+    // input, so the two tables do not fight.
+    let text = kernel_config(&[1, 2]).replace("[proxy]\n", "[vip]\nisolate = true\n\n[proxy]\n");
+    bed.start_daemon(&text).await;
+    wait_kernel(&bed).await;
+    assert_eq!(tally(&bed, 4).await, counts(&[("n1", 2), ("n2", 2)]));
+
+    let mut open = bed
+        .client
+        .connect(sa(VIP, 80), Duration::from_secs(5))
+        .await
+        .unwrap();
+    read_line(&mut open).await.unwrap();
+    echoes(&mut open, b"before").await.unwrap();
+
+    let mut d = bed.take_daemon();
+    d.signal(libc::SIGKILL);
+    assert!(d.wait_exit(Duration::from_secs(10)).await.is_some());
+    // No daemon at all: the kernel forwards new and open connections.
+    echoes(&mut open, b"while dead").await.unwrap();
+    assert_eq!(tally(&bed, 4).await, counts(&[("n1", 2), ("n2", 2)]));
+
+    // A new daemon reconciles the table it finds, without deleting it.
+    bed.start_daemon(&text).await;
+    wait_kernel(&bed).await;
+    echoes(&mut open, b"after restart").await.unwrap();
+    assert_eq!(tally(&bed, 4).await.values().sum::<usize>(), 4);
+    let metrics = bed.daemon().metrics().await;
+    assert_eq!(
+        netns::metric(
+            &metrics,
+            "harvester_lb_kernel_syncs_total",
+            &[("result", "failure")]
+        ),
+        0.0
+    );
+    drop(d);
+}
