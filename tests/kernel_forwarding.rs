@@ -560,3 +560,88 @@ async fn a_killed_daemon_leaves_the_kernel_forwarding_and_a_restart_keeps_open_f
     );
     drop(d);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_table_that_cannot_be_written_leaves_the_proxy_serving_until_a_resync_succeeds() {
+    if !can_run() {
+        return;
+    }
+    let mut bed = Bed::new("kfail", 1);
+    enable_forwarding(&bed);
+    let _n1 = Node::start(&bed, 1, Service::NameThenEcho);
+    // Something else holds a chain of that name with another type: every
+    // transaction of the daemon is refused by the kernel.
+    bed.lb.nft(&format!(
+        "table inet {} {{\n chain prerouting {{ type filter hook prerouting priority 0; policy accept; }}\n}}\n",
+        kernel::TABLE
+    ));
+    bed.start_daemon(&kernel_config(&[1])).await;
+    let l = wait_for(
+        Duration::from_secs(10),
+        "a kernel error in /status",
+        || async {
+            let s = bed.daemon().status().await;
+            let l = s["load_balancers"][0]["listeners"][0].clone();
+            l["kernel_error"].is_string().then_some(l)
+        },
+    )
+    .await;
+    assert_eq!(l["forwarding"], "proxy", "{l}");
+    assert!(
+        l["kernel_error"]
+            .as_str()
+            .unwrap()
+            .contains("could not write the nftables table inet harvester_lb_nat: nft:"),
+        "{l}"
+    );
+    let metrics = bed.daemon().metrics().await;
+    assert_eq!(
+        netns::metric(&metrics, "harvester_lb_kernel_forwarding_up", &[]),
+        0.0
+    );
+    assert!(
+        netns::metric(
+            &metrics,
+            "harvester_lb_kernel_syncs_total",
+            &[("result", "failure")]
+        ) >= 1.0
+    );
+    // The proxy serves meanwhile: nothing is refused, and it accepted them.
+    assert_eq!(tally(&bed, 4).await, counts(&[("n1", 4)]));
+    let metrics = bed.daemon().metrics().await;
+    assert_eq!(
+        netns::metric(&metrics, "harvester_lb_connections_accepted_total", &[]),
+        4.0
+    );
+
+    // The obstacle gone, the retry's full resync takes over.
+    bed.lb
+        .nft(&format!("delete table inet {}\n", kernel::TABLE));
+    wait_kernel(&bed).await;
+    let metrics = bed.daemon().metrics().await;
+    assert_eq!(
+        netns::metric(&metrics, "harvester_lb_kernel_forwarding_up", &[]),
+        1.0
+    );
+    assert_eq!(tally(&bed, 4).await, counts(&[("n1", 4)]));
+    let (_, l) = nft_out(
+        &bed.lb.name,
+        &[
+            "list",
+            "counter",
+            "inet",
+            kernel::TABLE,
+            "n_tcp_80_198.51.100.10_198.51.100.21",
+        ],
+    );
+    assert!(
+        l.contains("packets 4 "),
+        "the last 4 went through the kernel: {l}"
+    );
+    let metrics = bed.daemon().metrics().await;
+    assert_eq!(
+        netns::metric(&metrics, "harvester_lb_connections_accepted_total", &[]),
+        4.0,
+        "the proxy accepted none of them"
+    );
+}
