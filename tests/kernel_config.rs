@@ -163,7 +163,21 @@ fn every_combination_the_kernel_cannot_do_is_refused_with_key_and_reason() {
             "\"udp\" is not in the kernel path yet",
         ),
     ];
-    for (vip, lb, listener, key, reason) in cases {
+    let two = format!(
+        "{kernel}\n  source_nat = \"none\"\n  [[load_balancer.listener]]\n  name = \"alt\"\n  port = 81\n  backend_port = 30080\n{kernel}"
+    );
+    let cases = [
+        cases,
+        &[(
+            "192.0.2.10",
+            "",
+            two,
+            "load_balancer[0].listener[1].source_nat",
+            "cannot masquerade one and not the other",
+        )][..],
+    ]
+    .concat();
+    for (vip, lb, listener, key, reason) in &cases {
         let text = file(vip, lb, listener);
         let p = problems(&text);
         assert!(

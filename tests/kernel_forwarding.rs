@@ -645,3 +645,88 @@ async fn a_table_that_cannot_be_written_leaves_the_proxy_serving_until_a_resync_
         "the proxy accepted none of them"
     );
 }
+
+/// A node service on `port` that writes the address it sees the client at.
+fn peer_teller(bed: &Bed, i: usize, port: u16) {
+    let l = bed.node(i).listen(sa(node_ip(i), port));
+    tokio::spawn(async move {
+        use tokio::io::AsyncWriteExt;
+        while let Ok((mut s, peer)) = l.accept().await {
+            tokio::spawn(async move {
+                let _ = s.write_all(format!("{}\n", peer.ip()).as_bytes()).await;
+            });
+        }
+    });
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn source_nat_none_shows_the_backend_the_clients_own_address() {
+    if !can_run() {
+        return;
+    }
+    let mut bed = Bed::new("ksnat", 1);
+    enable_forwarding(&bed);
+    let _n1 = Node::start(&bed, 1, Service::NameThenEcho); // its health port
+    peer_teller(&bed, 1, 30081);
+    peer_teller(&bed, 1, 30082);
+    // A client on a network of its own, routed through the load-balancer
+    // host; the node routes that network back through it too.
+    let remote = Scratch::new("ksnat-rc");
+    let rc = netns::Ns {
+        name: remote.0.clone(),
+    };
+    bed.lb.ip(&[
+        "link", "add", "rc0", "type", "veth", "peer", "name", "eth0", "netns", &rc.name,
+    ]);
+    bed.lb.ip(&["addr", "add", "203.0.113.1/24", "dev", "rc0"]);
+    bed.lb.ip(&["link", "set", "rc0", "up"]);
+    rc.ip(&["link", "set", "lo", "up"]);
+    rc.ip(&["addr", "add", "203.0.113.2/24", "dev", "eth0"]);
+    rc.ip(&["link", "set", "eth0", "up"]);
+    rc.ip(&["route", "add", "default", "via", "203.0.113.1"]);
+    bed.node(1)
+        .ip(&["route", "add", "203.0.113.0/24", "via", "198.51.100.3"]);
+
+    let listener = |name: &str, port: u16, snat: &str| {
+        format!(
+            "  [[load_balancer.listener]]\n  name = \"{name}\"\n  port = {port}\n  backend_port = 300{port}\n  forwarding = \"kernel\"\n  source_nat = \"{snat}\"\n"
+        )
+    };
+    let mut lb = format!(
+        "name = \"default/web\"\nvip = \"{VIP}\"\nbackends = [\"{}\"]\n",
+        node_ip(1)
+    );
+    lb.push_str(&listener("keep", 81, "none")); // to nodeport 30081
+    lb.push_str(&listener("hide", 82, "masquerade")); // to nodeport 30082
+    lb.push_str(&format!(
+        "  [load_balancer.health_check]\n  port = {}\n",
+        netns::HEALTH_PORT
+    ));
+    bed.start_daemon(&config("", &[lb])).await;
+    wait_for(
+        Duration::from_secs(10),
+        "both listeners in the kernel",
+        || async {
+            let s = bed.daemon().status().await;
+            let l = &s["load_balancers"][0]["listeners"];
+            (l[0]["forwarding"] == "kernel" && l[1]["forwarding"] == "kernel").then_some(())
+        },
+    )
+    .await;
+
+    let seen = |port: u16| {
+        let rc = rc.clone();
+        async move {
+            let mut s = rc
+                .connect(sa(VIP, port), Duration::from_secs(5))
+                .await
+                .unwrap();
+            tokio::time::timeout(Duration::from_secs(5), read_line(&mut s))
+                .await
+                .expect("an answer within 5 s")
+                .unwrap()
+        }
+    };
+    assert_eq!(seen(81).await, "203.0.113.2", "source_nat = none");
+    assert_eq!(seen(82).await, "198.51.100.3", "source_nat = masquerade");
+}

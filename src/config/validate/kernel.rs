@@ -148,6 +148,44 @@ impl Validator<'_> {
                 ),
             );
         }
+        // The postrouting match sees the connection after DNAT (VIP,
+        // backend, protocol, nodeport): two kernel listeners that reach one
+        // nodeport cannot be told apart there.
+        let mut by_nodeport: HashMap<(Protocol, u16), SourceNat> = HashMap::new();
+        for (i, l) in lb.listeners.iter().enumerate() {
+            let Some(spec) = listeners.iter().find(|s| {
+                l.get_ref()
+                    .name
+                    .as_ref()
+                    .is_some_and(|n| *n.get_ref() == s.name)
+            }) else {
+                continue;
+            };
+            if spec.forwarding != Forwarding::Kernel {
+                continue;
+            }
+            match by_nodeport.entry((spec.protocol, spec.backend_port)) {
+                std::collections::hash_map::Entry::Vacant(e) => {
+                    e.insert(spec.source_nat);
+                }
+                std::collections::hash_map::Entry::Occupied(e) if *e.get() != spec.source_nat => {
+                    let span = l
+                        .get_ref()
+                        .source_nat
+                        .as_ref()
+                        .map_or_else(|| l.span(), |v| v.span());
+                    self.problem(
+                        Some(span),
+                        &format!("{key}.listener[{i}].source_nat"),
+                        format!(
+                            "differs from another kernel listener of this load balancer on backend_port {} ({}): after the DNAT the kernel sees one VIP, backend and nodeport for both, so it cannot masquerade one and not the other; give them the same source_nat",
+                            spec.backend_port, spec.protocol
+                        ),
+                    );
+                }
+                std::collections::hash_map::Entry::Occupied(_) => {}
+            }
+        }
         for (name, value) in [
             ("connect_timeout_ms", lb.connect_timeout_ms.as_ref()),
             ("connect_attempts", lb.connect_attempts.as_ref()),
