@@ -730,3 +730,110 @@ async fn source_nat_none_shows_the_backend_the_clients_own_address() {
     assert_eq!(seen(81).await, "203.0.113.2", "source_nat = none");
     assert_eq!(seen(82).await, "198.51.100.3", "source_nat = masquerade");
 }
+
+/// A TCP connection from namespace `ns` to an IPv6 address.
+async fn connect6(
+    ns: &netns::Ns,
+    addr: std::net::SocketAddr,
+) -> std::io::Result<tokio::net::TcpStream> {
+    let s = in_ns(&ns.name, || {
+        let s = socket2::Socket::new(socket2::Domain::IPV6, socket2::Type::STREAM, None)?;
+        s.set_nonblocking(true)?;
+        Ok::<_, std::io::Error>(std::net::TcpStream::from(s))
+    })?;
+    let s = tokio::net::TcpSocket::from_std_stream(s);
+    tokio::time::timeout(Duration::from_secs(5), s.connect(addr))
+        .await
+        .map_err(|_| std::io::Error::new(ErrorKind::TimedOut, "connect timed out"))?
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ipv6_listeners_are_forwarded_by_the_kernel_too() {
+    if !can_run() {
+        return;
+    }
+    let mut bed = Bed::new("kv6", 2);
+    let vip6: std::net::Ipv6Addr = "fd00:db8::10".parse().unwrap();
+    let node6 = |i: usize| -> std::net::Ipv6Addr { format!("fd00:db8::2{i}").parse().unwrap() };
+    for (ns, addr) in [
+        (&bed.client, "fd00:db8::2".to_string()),
+        (&bed.lb, "fd00:db8::3".to_string()),
+        (bed.node(1), node6(1).to_string()),
+        (bed.node(2), node6(2).to_string()),
+    ] {
+        ns.ip(&["addr", "add", &format!("{addr}/64"), "dev", "eth0", "nodad"]);
+    }
+    bed.lb.ip(&[
+        "addr",
+        "add",
+        &format!("{vip6}/128"),
+        "dev",
+        "eth0",
+        "nodad",
+    ]);
+    run(
+        "ip",
+        &[
+            "netns",
+            "exec",
+            &bed.lb.name,
+            "sysctl",
+            "-qw",
+            "net.ipv6.conf.all.forwarding=1",
+        ],
+        None,
+    );
+    // Each node tells its name on its nodeport and accepts health probes.
+    for i in 1..=2 {
+        for (port, name) in [
+            (NODEPORT, format!("n{i}\n")),
+            (netns::HEALTH_PORT, String::new()),
+        ] {
+            let l = in_ns(&bed.node(i).name, move || {
+                let s = socket2::Socket::new(socket2::Domain::IPV6, socket2::Type::STREAM, None)?;
+                s.set_reuse_address(true)?;
+                s.bind(&std::net::SocketAddr::new(node6(i).into(), port).into())?;
+                s.listen(128)?;
+                s.set_nonblocking(true)?;
+                Ok::<_, std::io::Error>(std::net::TcpListener::from(s))
+            })
+            .unwrap();
+            let l = tokio::net::TcpListener::from_std(l).unwrap();
+            tokio::spawn(async move {
+                use tokio::io::AsyncWriteExt;
+                while let Ok((mut s, _)) = l.accept().await {
+                    let name = name.clone();
+                    tokio::spawn(async move {
+                        let _ = s.write_all(name.as_bytes()).await;
+                    });
+                }
+            });
+        }
+    }
+    let lb = format!(
+        "name = \"default/v6\"\nvip = \"{vip6}\"\nbackends = [\"{}\", \"{}\"]\n  [[load_balancer.listener]]\n  name = \"web\"\n  port = 80\n  backend_port = {NODEPORT}\n  forwarding = \"kernel\"\n  [load_balancer.health_check]\n  port = {}\n",
+        node6(1),
+        node6(2),
+        netns::HEALTH_PORT
+    );
+    bed.start_daemon(&config("", &[lb])).await;
+    wait_kernel(&bed).await;
+    let mut seen = BTreeMap::new();
+    for _ in 0..6 {
+        let mut s = connect6(&bed.client, std::net::SocketAddr::new(vip6.into(), 80))
+            .await
+            .unwrap();
+        let name = tokio::time::timeout(Duration::from_secs(5), read_line(&mut s))
+            .await
+            .expect("an answer within 5 s")
+            .unwrap();
+        *seen.entry(name).or_insert(0) += 1;
+    }
+    assert_eq!(seen, counts(&[("n1", 3), ("n2", 3)]));
+    let metrics = bed.daemon().metrics().await;
+    assert_eq!(
+        netns::metric(&metrics, "harvester_lb_connections_accepted_total", &[]),
+        0.0,
+        "the proxy accepted none"
+    );
+}
