@@ -143,3 +143,17 @@ pub fn set_tcp_defer_accept(fd: RawFd, seconds: u32) -> io::Result<()> {
         Err(io::Error::last_os_error())
     }
 }
+
+/// The host's connection tracking use and size (`nf_conntrack_count`,
+/// `nf_conntrack_max`, of this network namespace); `None` without the
+/// conntrack module. Two small file reads.
+pub fn conntrack_usage() -> Option<(u64, u64)> {
+    let read = |name: &str| {
+        std::fs::read_to_string(format!("/proc/sys/net/netfilter/{name}"))
+            .ok()?
+            .trim()
+            .parse::<u64>()
+            .ok()
+    };
+    Some((read("nf_conntrack_count")?, read("nf_conntrack_max")?))
+}

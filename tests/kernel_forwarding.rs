@@ -267,6 +267,31 @@ async fn the_kernel_balances_follows_health_and_serves_while_the_daemon_is_froze
         "{listing}"
     );
 
+    // The kernel's counts reach /metrics (read every 5 s), with the
+    // host's conntrack use beside them.
+    wait_for(
+        Duration::from_secs(15),
+        "the kernel's counts in /metrics",
+        || async {
+            let m = bed.daemon().metrics().await;
+            let n = |ip: &str| {
+                netns::metric(
+                    &m,
+                    "harvester_lb_kernel_backend_connections_total",
+                    &[("backend", ip), ("listener", "tcp")],
+                )
+            };
+            (n("198.51.100.21") == 10.0 && n("198.51.100.22") == 10.0).then_some(())
+        },
+    )
+    .await;
+    let m = bed.daemon().metrics().await;
+    assert!(
+        netns::metric(&m, "harvester_lb_conntrack_entries", &[]) >= 1.0,
+        "{m}"
+    );
+    assert!(netns::metric(&m, "harvester_lb_conntrack_max", &[]) > 0.0);
+
     // The daemon frozen: no byte can pass through it, yet clients are served.
     bed.daemon().signal(libc::SIGSTOP);
     let frozen = tally(&bed, 10).await;

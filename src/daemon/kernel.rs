@@ -20,6 +20,8 @@ use super::*;
 const COALESCE: Duration = Duration::from_millis(5);
 /// How long after a failed transaction the next full resync is tried.
 const RETRY: Duration = Duration::from_secs(2);
+/// How often the kernel's per-backend counters are read for `/metrics`.
+const COUNTERS_EVERY: Duration = Duration::from_secs(5);
 
 impl Daemon {
     /// The kernel NAT table's owner.
@@ -81,8 +83,18 @@ impl Daemon {
         let me = self.me.clone();
         let wake = Arc::clone(&self.kernel_wake);
         runtime.spawn(async move {
+            let mut counters = tokio::time::interval(COUNTERS_EVERY);
+            counters.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             loop {
-                wake.notified().await;
+                let sync = tokio::select! {
+                    () = wake.notified() => true,
+                    _ = counters.tick() => false,
+                };
+                if !sync {
+                    let Some(daemon) = me.upgrade() else { return };
+                    daemon.read_kernel_counters().await;
+                    continue;
+                }
                 tokio::time::sleep(COALESCE).await;
                 let Some(daemon) = me.upgrade() else { return };
                 if daemon.is_stopping() {
@@ -111,6 +123,66 @@ impl Daemon {
                 }
             }
         });
+    }
+
+    /// Reads the kernel's per-backend new-connection counters into
+    /// `/metrics` (one `nft` call; none while no listener is in the kernel).
+    async fn read_kernel_counters(&self) {
+        let wanted: Vec<(String, String, String, crate::kernel::ListenerId, IpAddr)> = {
+            let st = self.lock();
+            let Some(config) = &st.config else { return };
+            config
+                .load_balancers
+                .iter()
+                .filter(|spec| !spec.vip.is_unspecified())
+                .flat_map(|spec| {
+                    spec.listeners
+                        .iter()
+                        .filter(|l| l.forwarding == Forwarding::Kernel)
+                        .flat_map(move |l| {
+                            spec.backends.iter().map(move |b| {
+                                (
+                                    spec.cluster.clone(),
+                                    spec.name.clone(),
+                                    l.name.clone(),
+                                    (spec.vip, l.protocol, l.port),
+                                    *b,
+                                )
+                            })
+                        })
+                })
+                .collect()
+        };
+        if !wanted.iter().any(|w| self.kernel.forwards(&w.3)) {
+            self.metrics.set_kernel_backends(Vec::new());
+            return;
+        }
+        let read = tokio::task::spawn_blocking(crate::kernel::counters).await;
+        let counts: HashMap<String, u64> = match read {
+            Ok(Ok(c)) => c.into_iter().collect(),
+            Ok(Err(e)) => {
+                tracing::warn!("reading the kernel's counters: {e}");
+                return;
+            }
+            Err(e) => {
+                tracing::error!("the kernel counter reader ended abnormally: {e}");
+                return;
+            }
+        };
+        let out = wanted
+            .into_iter()
+            .filter_map(|(cluster, load_balancer, listener, id, backend)| {
+                let connections = *counts.get(&crate::kernel::backend_counter(&id, backend))?;
+                Some(crate::metrics::KernelBackendCount {
+                    cluster,
+                    load_balancer,
+                    listener,
+                    backend,
+                    connections,
+                })
+            })
+            .collect();
+        self.metrics.set_kernel_backends(out);
     }
 
     /// At a clean stop, after the drain: the table goes, so nothing is

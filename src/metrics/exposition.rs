@@ -441,6 +441,35 @@ impl Exposition {
                 ] {
                     out.sample("", |b| label_first(b, "result", result), c.get());
                 }
+                if let Some((count, max)) = crate::os::conntrack_usage() {
+                    gauge(buf, &names::CONNTRACK_ENTRIES, &count);
+                    gauge(buf, &names::CONNTRACK_MAX, &max);
+                }
+            }
+        }
+        let kernel = m
+            .kernel_backends
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        if !kernel.is_empty() {
+            let mut headed = false;
+            let mut out = Out {
+                buf,
+                family: &names::KERNEL_BACKEND_CONNECTIONS,
+                headed: &mut headed,
+            };
+            for k in &kernel {
+                out.sample(
+                    "",
+                    |b| {
+                        label_first(b, "cluster", &k.cluster);
+                        label(b, "load_balancer", &k.load_balancer);
+                        label(b, "listener", &k.listener);
+                        label(b, "backend", &k.backend.to_string());
+                    },
+                    k.connections,
+                );
             }
         }
         let limit = load(&m.connection_limit);

@@ -354,6 +354,24 @@ pub static KERNEL_SYNC_DURATION: Family = Family::new(
     Gauge,
     "How long the last successful transaction to the kernel NAT table took, nft included.",
 );
+/// New connections the kernel sent to a backend of a kernel listener.
+pub static KERNEL_BACKEND_CONNECTIONS: Family = Family::new(
+    "harvester_lb_kernel_backend_connections_total",
+    Counter,
+    "New connections the kernel forwarded to a backend of a forwarding = \"kernel\" listener (its nftables named counter, read every 5 s).",
+);
+/// The host's conntrack entries now (`nf_conntrack_count`).
+pub static CONNTRACK_ENTRIES: Family = Family::new(
+    "harvester_lb_conntrack_entries",
+    Gauge,
+    "Connection tracking entries in use on this host (net.netfilter.nf_conntrack_count); kernel listeners hold one per flow, and a closed TCP connection for 120 s more.",
+);
+/// The host's conntrack table size (`nf_conntrack_max`).
+pub static CONNTRACK_MAX: Family = Family::new(
+    "harvester_lb_conntrack_max",
+    Gauge,
+    "Size of this host's connection tracking table (net.netfilter.nf_conntrack_max): a new flow beyond it is dropped.",
+);
 /// Reloads, by `result`.
 pub static CONFIG_RELOADS: Family = Family::new(
     "harvester_lb_config_reloads_total",
