@@ -862,3 +862,161 @@ async fn ipv6_listeners_are_forwarded_by_the_kernel_too() {
         "the proxy accepted none"
     );
 }
+
+/// Node `i` answers every datagram on `port` with its name.
+fn udp_teller(bed: &Bed, i: usize, port: u16) -> tokio::task::JoinHandle<()> {
+    let s = in_ns(&bed.node(i).name, move || {
+        let s = std::net::UdpSocket::bind(sa(node_ip(i), port))?;
+        s.set_nonblocking(true)?;
+        Ok::<_, std::io::Error>(s)
+    })
+    .unwrap();
+    let s = tokio::net::UdpSocket::from_std(s).unwrap();
+    tokio::spawn(async move {
+        let mut buf = [0u8; 512];
+        while let Ok((_, from)) = s.recv_from(&mut buf).await {
+            let _ = s.send_to(format!("n{i}").as_bytes(), from).await;
+        }
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_udp_client_with_a_fixed_port_moves_off_a_backend_that_left() {
+    if !can_run() {
+        return;
+    }
+    let mut bed = Bed::new("kudp", 2);
+    enable_forwarding(&bed);
+    // Health on TCP; the service on UDP.
+    let _n1 = Node::start(&bed, 1, Service::NameThenEcho);
+    let mut n2 = Node::start(&bed, 2, Service::NameThenEcho);
+    let _u1 = udp_teller(&bed, 1, 30053);
+    let _u2 = udp_teller(&bed, 2, 30053);
+    let lb = format!(
+        "name = \"default/dns\"\nvip = \"{VIP}\"\nbackends = [\"{}\", \"{}\"]\n  [[load_balancer.listener]]\n  name = \"dns\"\n  port = 53\n  backend_port = 30053\n  protocol = \"udp\"\n  forwarding = \"kernel\"\n  [load_balancer.health_check]\n  port = {}\n  period_seconds = 1\n  timeout_seconds = 1\n  failure_threshold = 1\n",
+        node_ip(1),
+        node_ip(2),
+        netns::HEALTH_PORT
+    );
+    bed.start_daemon(&config("", &[lb])).await;
+    wait_kernel(&bed).await;
+
+    // One client, one source port, for the whole test.
+    let client = in_ns(&bed.client.name, || {
+        let s = std::net::UdpSocket::bind(sa(netns::CLIENT_IP, 40053))?;
+        s.set_nonblocking(true)?;
+        Ok::<_, std::io::Error>(s)
+    })
+    .unwrap();
+    let client = tokio::net::UdpSocket::from_std(client).unwrap();
+    client.connect(sa(VIP, 53)).await.unwrap();
+    let ask = || async {
+        client.send(b"who").await.ok()?;
+        let mut buf = [0u8; 64];
+        let n = tokio::time::timeout(Duration::from_millis(300), client.recv(&mut buf))
+            .await
+            .ok()?
+            .ok()?;
+        Some(String::from_utf8_lossy(&buf[..n]).into_owned())
+    };
+    // Its flow sticks to one backend; make it node 2 (the next flow of
+    // another client takes the other one).
+    let first = wait_for(Duration::from_secs(5), "a first answer", &ask).await;
+    if first == "n1" {
+        // Node 1 leaves and comes back: the flow moves to node 2.
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_harvester-lb"))
+            .args([
+                "backend",
+                "drain",
+                "--lb",
+                "default/dns",
+                &node_ip(1).to_string(),
+            ])
+            .arg("--socket")
+            .arg(bed.dir.join("admin.sock"))
+            .output()
+            .unwrap();
+        assert!(out.status.success());
+        wait_for(Duration::from_secs(5), "the flow on node 2", || async {
+            (ask().await.as_deref() == Some("n2")).then_some(())
+        })
+        .await;
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_harvester-lb"))
+            .args([
+                "backend",
+                "ready",
+                "--lb",
+                "default/dns",
+                &node_ip(1).to_string(),
+            ])
+            .arg("--socket")
+            .arg(bed.dir.join("admin.sock"))
+            .output()
+            .unwrap();
+        assert!(out.status.success());
+    }
+    for _ in 0..5 {
+        assert_eq!(
+            ask().await.as_deref(),
+            Some("n2"),
+            "a flow stays on its backend"
+        );
+    }
+
+    // Node 2's check fails: within a second of the verdict, the same
+    // client port is answered by node 1, although it never stopped sending.
+    n2.stop_health();
+    bed.daemon()
+        .wait_health(
+            "default/dns",
+            node_ip(2),
+            "unhealthy",
+            Duration::from_secs(10),
+        )
+        .await;
+    let verdict = Instant::now();
+    wait_for(Duration::from_secs(5), "the flow on node 1", || async {
+        (ask().await.as_deref() == Some("n1")).then_some(())
+    })
+    .await;
+    let moved = verdict.elapsed();
+    println!("FIGURE udp flow moved {moved:?} after the verdict");
+    assert!(moved < Duration::from_secs(2), "moved after {moved:?}");
+
+    // No backend at all, then node 2 back: the flow goes to node 2 then,
+    // not stuck on the refusal or on node 1's old entry.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_harvester-lb"))
+        .args([
+            "backend",
+            "maint",
+            "--lb",
+            "default/dns",
+            &node_ip(1).to_string(),
+        ])
+        .arg("--socket")
+        .arg(bed.dir.join("admin.sock"))
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    wait_for(
+        Duration::from_secs(5),
+        "no answer with no backend",
+        || async { ask().await.is_none().then_some(()) },
+    )
+    .await;
+    n2.start_health();
+    bed.daemon()
+        .wait_health(
+            "default/dns",
+            node_ip(2),
+            "healthy",
+            Duration::from_secs(10),
+        )
+        .await;
+    wait_for(
+        Duration::from_secs(5),
+        "the flow on node 2 again",
+        || async { (ask().await.as_deref() == Some("n2")).then_some(()) },
+    )
+    .await;
+}

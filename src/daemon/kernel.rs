@@ -103,12 +103,31 @@ impl Daemon {
                 let desired = daemon.kernel_desired();
                 let table = Arc::clone(&daemon.kernel);
                 let listeners = desired.len();
-                let result = tokio::task::spawn_blocking(move || table.sync(&desired)).await;
+                // After a write, the UDP flows of backends that left are
+                // deleted: their entries would keep them for ever.
+                let result = tokio::task::spawn_blocking(move || {
+                    table.sync(&desired).map(|synced| {
+                        let swept = matches!(synced, Synced::Written(_))
+                            .then(|| crate::kernel::delete_stale_udp(&desired));
+                        (synced, swept)
+                    })
+                })
+                .await;
                 match result {
-                    Ok(Ok(Synced::Unchanged)) => {}
-                    Ok(Ok(Synced::Written(took))) => {
+                    Ok(Ok((Synced::Unchanged, _))) => {}
+                    Ok(Ok((Synced::Written(took), swept))) => {
                         daemon.metrics.kernel_synced(took);
                         tracing::debug!(listeners, ?took, "kernel NAT table written");
+                        match swept {
+                            Some(Ok(0)) | None => {}
+                            Some(Ok(n)) => tracing::info!(
+                                flows = n,
+                                "deleted the conntrack entries of UDP flows whose backend left"
+                            ),
+                            Some(Err(e)) => tracing::error!(
+                                "could not delete the conntrack entries of UDP flows whose backend left (clients with a fixed source port stay on it until their flow times out): {e}"
+                            ),
+                        }
                     }
                     Ok(Err(e)) => {
                         daemon.metrics.kernel_sync_failed();

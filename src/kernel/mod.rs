@@ -37,10 +37,12 @@
 //! It never imports `proxy` or `health`.
 
 mod build;
+mod conntrack;
 mod nft;
 mod sync;
 
 pub use build::{Owned, TABLE, transaction};
+pub use conntrack::delete_stale_udp;
 pub use nft::{NftError, counters, read_back};
 pub use sync::{KernelTable, Synced};
 

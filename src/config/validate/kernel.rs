@@ -48,15 +48,6 @@ impl Validator<'_> {
                 "cannot be sent by a forwarding = \"kernel\" listener: the kernel rewrites addresses and never writes a byte into the stream; keep forwarding = \"proxy\" for a PROXY protocol listener, or use source_nat = \"none\" so the backend sees the client's address".into(),
             );
         }
-        if let Some(v) = &l.protocol
-            && v.get_ref() == "udp"
-        {
-            self.problem(
-                Some(v.span()),
-                &format!("{key}.protocol"),
-                "\"udp\" is not in the kernel path yet: a UDP flow's conntrack entry outlives its backend (a client with a fixed source port would stay on a dead node for ever) until the daemon deletes such entries; keep forwarding = \"proxy\" for UDP listeners".into(),
-            );
-        }
         if let Some(v) = &l.defer_accept_seconds {
             self.problem(
                 Some(v.span()),
