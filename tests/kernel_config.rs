@@ -143,13 +143,6 @@ fn every_combination_the_kernel_cannot_do_is_refused_with_key_and_reason() {
         ),
         (
             "192.0.2.10",
-            "on_backend_down = \"close\"\n[load_balancer.health_check]\nport = 30080",
-            kernel.into(),
-            "load_balancer[0].on_backend_down",
-            "\"close\" is not in the kernel path yet",
-        ),
-        (
-            "192.0.2.10",
             "udp_responses = 1",
             kernel.into(),
             "load_balancer[0].udp_responses",

@@ -46,6 +46,7 @@ fn listener(eligible: &[&str], members: &[&str]) -> KernelListener {
         eligible: eligible.iter().map(|m| ip(m)).collect(),
         source_ranges: None,
         source_nat: SourceNat::Masquerade,
+        close_down: Vec::new(),
     }
 }
 
@@ -1019,4 +1020,48 @@ async fn a_udp_client_with_a_fixed_port_moves_off_a_backend_that_left() {
         || async { (ask().await.as_deref() == Some("n2")).then_some(()) },
     )
     .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_backend_down_close_resets_the_open_connections_of_a_failed_backend() {
+    if !can_run() {
+        return;
+    }
+    let mut bed = Bed::new("kclose", 2);
+    enable_forwarding(&bed);
+    let _n1 = Node::start(&bed, 1, Service::NameThenEcho);
+    let mut n2 = Node::start(&bed, 2, Service::NameThenEcho);
+    let text = kernel_config(&[1, 2]).replace(
+        "backends = [",
+        "on_backend_down = \"close\"\nbackends = [",
+    );
+    bed.start_daemon(&text).await;
+    wait_kernel(&bed).await;
+    let mut open = None;
+    for _ in 0..4 {
+        let mut s = bed.client.connect(sa(VIP, 80), Duration::from_secs(5)).await.unwrap();
+        if read_line(&mut s).await.unwrap() == "n2" {
+            open = Some(s);
+            break;
+        }
+    }
+    let mut open = open.expect("round robin reaches node 2 within 4 connections");
+    echoes(&mut open, b"before").await.unwrap();
+
+    n2.stop_health();
+    bed.daemon()
+        .wait_health("default/web", node_ip(2), "unhealthy", Duration::from_secs(10))
+        .await;
+    // Its conntrack entry deleted, the connection's next segment is a new
+    // flow that meets a reset: the client learns at once and reconnects.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let cut = loop {
+        if let Err(e) = echoes(&mut open, b"after").await {
+            break e;
+        }
+        assert!(Instant::now() < deadline, "the open connection still runs after 5 s");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_ne!(cut.kind(), ErrorKind::TimedOut, "a reset, not silence: {cut}");
+    assert_eq!(tally(&bed, 4).await, counts(&[("n1", 4)]));
 }

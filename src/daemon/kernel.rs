@@ -11,7 +11,7 @@
 
 use std::time::Duration;
 
-use crate::config::Forwarding;
+use crate::config::{Forwarding, OnBackendDown};
 use crate::kernel::{Desired, KernelListener, KernelTable, Synced};
 
 use super::*;
@@ -63,6 +63,20 @@ impl Daemon {
                         source_ranges: (!spec.source_ranges.is_everyone())
                             .then(|| spec.source_ranges.ranges().to_vec()),
                         source_nat: l.source_nat,
+                        close_down: if spec.on_backend_down == OnBackendDown::Close {
+                            spec.backends
+                                .iter()
+                                .filter(|ip| {
+                                    entry
+                                        .backends
+                                        .get(ip)
+                                        .is_some_and(|b| !b.is_healthy_on(l.backend_port))
+                                })
+                                .copied()
+                                .collect()
+                        } else {
+                            Vec::new()
+                        },
                     },
                 );
             }
@@ -108,7 +122,7 @@ impl Daemon {
                 let result = tokio::task::spawn_blocking(move || {
                     table.sync(&desired).map(|synced| {
                         let swept = matches!(synced, Synced::Written(_))
-                            .then(|| crate::kernel::delete_stale_udp(&desired));
+                            .then(|| crate::kernel::delete_stale_flows(&desired));
                         (synced, swept)
                     })
                 })
@@ -122,10 +136,10 @@ impl Daemon {
                             Some(Ok(0)) | None => {}
                             Some(Ok(n)) => tracing::info!(
                                 flows = n,
-                                "deleted the conntrack entries of UDP flows whose backend left"
+                                "deleted the conntrack entries of UDP flows whose backend left, and of TCP flows to reset (on_backend_down = \"close\")"
                             ),
                             Some(Err(e)) => tracing::error!(
-                                "could not delete the conntrack entries of UDP flows whose backend left (clients with a fixed source port stay on it until their flow times out): {e}"
+                                "could not delete the conntrack entries of flows whose backend left (UDP clients with a fixed source port stay on it until their flow times out): {e}"
                             ),
                         }
                     }

@@ -577,6 +577,7 @@ mod tests {
             eligible: eligible.iter().map(|m| m.parse().unwrap()).collect(),
             source_ranges: None,
             source_nat: SourceNat::Masquerade,
+            close_down: Vec::new(),
         }
     }
 

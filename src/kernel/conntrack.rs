@@ -9,6 +9,11 @@
 //! deleted; the client's next datagram is a new flow, DNATed again. The
 //! kernel cannot filter by destination, so this is one dump and one delete
 //! per stale entry, as `conntrack -D` and kube-proxy do.
+//!
+//! TCP entries are left alone (open connections of a drained or failed
+//! backend run on, as IPVS's weight 0), except with `on_backend_down =
+//! "close"`: the entries of a backend its health check marked down are
+//! deleted, so the client's next segment meets a reset and it reconnects.
 
 use std::collections::HashMap;
 use std::io;
@@ -35,6 +40,7 @@ struct Flow {
     orig_dst: Option<IpAddr>,
     orig_dport: Option<u16>,
     udp: bool,
+    tcp: bool,
     reply_src: Option<IpAddr>,
 }
 
@@ -44,6 +50,7 @@ fn flow(attrs: Vec<ConntrackAttribute>) -> Flow {
         orig_dst: None,
         orig_dport: None,
         udp: false,
+        tcp: false,
         reply_src: None,
     };
     for a in attrs {
@@ -62,6 +69,7 @@ fn flow(attrs: Vec<ConntrackAttribute>) -> Flow {
                             for p in ps {
                                 match p {
                                     ProtoTuple::Protocol(CtProtocol::Udp) => f.udp = true,
+                                    ProtoTuple::Protocol(CtProtocol::Tcp) => f.tcp = true,
                                     ProtoTuple::DestinationPort(port) => f.orig_dport = Some(*port),
                                     _ => {}
                                 }
@@ -89,30 +97,40 @@ fn flow(attrs: Vec<ConntrackAttribute>) -> Flow {
     f
 }
 
-/// The backends still eligible, by UDP listener (VIP, port).
-pub(crate) type UdpEligible = HashMap<(IpAddr, u16), Vec<IpAddr>>;
+/// Per kernel listener (VIP, protocol, port): the backends still
+/// eligible, and those whose TCP flows are to be reset.
+pub(crate) type Sweep = HashMap<ListenerId, (Vec<IpAddr>, Vec<IpAddr>)>;
 
-/// The UDP listeners of `desired` with their eligible backends.
-pub(crate) fn udp_listeners(desired: &Desired) -> UdpEligible {
+/// The listeners of `desired` that may have stale flows: every UDP one,
+/// and TCP ones with backends to reset.
+pub(crate) fn sweep_of(desired: &Desired) -> Sweep {
     desired
         .iter()
-        .filter(|((_, p, _), _)| *p == Protocol::Udp)
-        .map(|((vip, _, port), l)| ((*vip, *port), l.eligible.clone()))
+        .filter(|((_, p, _), l)| *p == Protocol::Udp || !l.close_down.is_empty())
+        .map(|(id, l)| (*id, (l.eligible.clone(), l.close_down.clone())))
         .collect()
 }
 
-/// Whether conntrack entry `f` is a flow of a UDP listener whose backend
-/// is no longer eligible (a flow the proxy or the host answers, whose
-/// reply comes from the VIP itself, is not).
-fn stale(f: &Flow, listeners: &UdpEligible) -> bool {
+/// Whether conntrack entry `f` is to go: a UDP flow of a kernel listener
+/// whose backend is no longer eligible (a flow the proxy or the host
+/// answers, whose reply comes from the VIP itself, is not), or a TCP flow
+/// to a backend to reset.
+fn stale(f: &Flow, sweep: &Sweep) -> bool {
     let (Some(dst), Some(port), Some(reply)) = (f.orig_dst, f.orig_dport, f.reply_src) else {
         return false;
     };
-    f.udp
-        && reply != dst
-        && listeners
-            .get(&(dst, port))
-            .is_some_and(|eligible| !eligible.contains(&reply))
+    if f.udp {
+        reply != dst
+            && sweep
+                .get(&(dst, Protocol::Udp, port))
+                .is_some_and(|(eligible, _)| !eligible.contains(&reply))
+    } else if f.tcp {
+        sweep
+            .get(&(dst, Protocol::Tcp, port))
+            .is_some_and(|(_, close)| close.contains(&reply))
+    } else {
+        false
+    }
 }
 
 fn request(family: NetfilterProtoFamily, message: ConntrackMessage, flags: u16) -> Vec<u8> {
@@ -203,10 +221,11 @@ fn delete(socket: &Socket, family: NetfilterProtoFamily, original: Vec<Tuple>) -
 }
 
 /// Deletes the conntrack entries of UDP flows whose backend is no longer
-/// eligible on their listener; returns how many. Nothing to do without a
-/// UDP listener. Blocking.
-pub fn delete_stale_udp(desired: &Desired) -> io::Result<usize> {
-    let listeners = udp_listeners(desired);
+/// eligible on their listener, and of TCP flows to backends to reset;
+/// returns how many. Nothing to do (no dump) without such a listener.
+/// Blocking.
+pub fn delete_stale_flows(desired: &Desired) -> io::Result<usize> {
+    let listeners = sweep_of(desired);
     if listeners.is_empty() {
         return Ok(0);
     }
@@ -214,7 +233,7 @@ pub fn delete_stale_udp(desired: &Desired) -> io::Result<usize> {
     for family in [NetfilterProtoFamily::IPv4, NetfilterProtoFamily::IPv6] {
         if !listeners
             .keys()
-            .any(|(vip, _)| vip.is_ipv4() == (family == NetfilterProtoFamily::IPv4))
+            .any(|(vip, _, _)| vip.is_ipv4() == (family == NetfilterProtoFamily::IPv4))
         {
             continue;
         }
@@ -238,16 +257,21 @@ mod tests {
             orig_dst: Some(dst.parse().unwrap()),
             orig_dport: Some(port),
             udp,
+            tcp: !udp,
             reply_src: Some(reply.parse().unwrap()),
         }
     }
 
+    fn ip(s: &str) -> IpAddr {
+        s.parse().unwrap()
+    }
+
     #[test]
-    fn only_udp_flows_of_a_listener_answered_by_a_backend_that_left_are_stale() {
-        let mut l = UdpEligible::new();
+    fn udp_flows_of_a_backend_that_left_and_tcp_flows_to_reset_are_stale() {
+        let mut l = Sweep::new();
         l.insert(
-            ("192.0.2.10".parse().unwrap(), 53),
-            vec!["10.0.0.1".parse().unwrap()],
+            (ip("192.0.2.10"), Protocol::Udp, 53),
+            (vec![ip("10.0.0.1")], vec![]),
         );
         assert!(stale(&f("192.0.2.10", 53, true, "10.0.0.2"), &l));
         assert!(
@@ -263,10 +287,22 @@ mod tests {
             !stale(&f("192.0.2.10", 53, true, "192.0.2.10"), &l),
             "not DNATed"
         );
-        l.insert(("192.0.2.11".parse().unwrap(), 53), vec![]);
+        l.insert((ip("192.0.2.11"), Protocol::Udp, 53), (vec![], vec![]));
         assert!(
             stale(&f("192.0.2.11", 53, true, "10.0.0.1"), &l),
             "no backend left"
+        );
+        l.insert(
+            (ip("192.0.2.10"), Protocol::Tcp, 80),
+            (vec![ip("10.0.0.1")], vec![ip("10.0.0.2")]),
+        );
+        assert!(
+            stale(&f("192.0.2.10", 80, false, "10.0.0.2"), &l),
+            "marked down, close"
+        );
+        assert!(
+            !stale(&f("192.0.2.10", 80, false, "10.0.0.3"), &l),
+            "drained: kept"
         );
     }
 }

@@ -42,7 +42,7 @@ mod nft;
 mod sync;
 
 pub use build::{Owned, TABLE, transaction};
-pub use conntrack::delete_stale_udp;
+pub use conntrack::delete_stale_flows;
 pub use nft::{NftError, counters, read_back};
 pub use sync::{KernelTable, Synced};
 
@@ -72,6 +72,10 @@ pub struct KernelListener {
     pub source_ranges: Option<Vec<IpNet>>,
     /// What the backends see as the source.
     pub source_nat: SourceNat,
+    /// Members marked down by their health check whose open TCP flows are
+    /// reset (`on_backend_down = "close"`: their conntrack entries are
+    /// deleted); empty otherwise.
+    pub close_down: Vec<IpAddr>,
 }
 
 /// Every kernel listener, by identity: the whole state of the table.

@@ -65,7 +65,6 @@ impl Validator<'_> {
         lb: &FileLoadBalancer,
         vip: Option<IpAddr>,
         algorithm: Algorithm,
-        on_backend_down: OnBackendDown,
         listeners: &[ListenerSpec],
     ) {
         let Some((index, _)) = lb.listeners.iter().enumerate().find(|(_, l)| {
@@ -116,17 +115,6 @@ impl Validator<'_> {
                 &format!("{key}.session_affinity"),
                 format!(
                     "\"client_ip\" is not in the kernel path yet: {lkey} is \"kernel\"; use forwarding = \"proxy\" for client affinity"
-                ),
-            );
-        }
-        if on_backend_down == OnBackendDown::Close
-            && let Some(v) = &lb.on_backend_down
-        {
-            self.problem(
-                Some(v.span()),
-                &format!("{key}.on_backend_down"),
-                format!(
-                    "\"close\" is not in the kernel path yet (it needs the backend's conntrack entries deleted): {lkey} is \"kernel\"; use \"keep\", or forwarding = \"proxy\""
                 ),
             );
         }

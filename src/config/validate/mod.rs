@@ -540,7 +540,7 @@ impl Validator<'_> {
             }
         }
 
-        self.kernel_combinations(key, lb, vip, algorithm, on_backend_down, &listeners);
+        self.kernel_combinations(key, lb, vip, algorithm, &listeners);
         let health_check = lb
             .health_check
             .as_ref()
