@@ -200,6 +200,56 @@ fn kernel_config(nodes: &[usize]) -> String {
     )
 }
 
+/// Sets node `node`'s operator state through the admin socket, as an
+/// operator does.
+fn set_state(bed: &Bed, lb: &str, node: usize, state: &str) {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_harvester-lb"))
+        .args(["backend", state, "--lb", lb, &node_ip(node).to_string()])
+        .arg("--socket")
+        .arg(bed.dir.join("admin.sock"))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// Waits until the chain of the listener on VIP:80/tcp satisfies `ok`.
+async fn wait_chain(bed: &Bed, what: &str, ok: impl Fn(&str) -> bool) {
+    wait_for(Duration::from_secs(5), what, || async {
+        let (_, l) = nft_out(
+            &bed.lb.name,
+            &[
+                "list",
+                "chain",
+                "inet",
+                kernel::TABLE,
+                "l_tcp_80_198.51.100.10",
+            ],
+        );
+        ok(&l).then_some(())
+    })
+    .await;
+}
+
+/// A connection through VIP:80 that node `name` answered (round robin
+/// reaches it within 4 tries).
+async fn open_to(bed: &Bed, name: &str) -> tokio::net::TcpStream {
+    for _ in 0..4 {
+        let mut s = bed
+            .client
+            .connect(sa(VIP, 80), Duration::from_secs(5))
+            .await
+            .unwrap();
+        if read_line(&mut s).await.unwrap() == name {
+            return s;
+        }
+    }
+    panic!("no connection reached {name} within 4 tries");
+}
+
 /// Routes between the bed's hosts through the load-balancer namespace.
 fn enable_forwarding(bed: &Bed) {
     run(
@@ -315,23 +365,9 @@ async fn the_kernel_balances_follows_health_and_serves_while_the_daemon_is_froze
         )
         .await;
     // The verdict reaches the kernel a few milliseconds later.
-    wait_for(
-        Duration::from_secs(5),
-        "node 2 out of the kernel's choice",
-        || async {
-            let (_, l) = nft_out(
-                &bed.lb.name,
-                &[
-                    "list",
-                    "chain",
-                    "inet",
-                    kernel::TABLE,
-                    "l_tcp_80_198.51.100.10",
-                ],
-            );
-            (!l.contains("198.51.100.22")).then_some(())
-        },
-    )
+    wait_chain(&bed, "node 2 out of the kernel's choice", |l| {
+        !l.contains("198.51.100.22")
+    })
     .await;
     assert_eq!(tally(&bed, 10).await, counts(&[("n1", 10)]));
     drop(n1);
@@ -350,58 +386,12 @@ async fn a_drain_keeps_the_open_connection_and_no_backend_is_a_reset() {
     wait_kernel(&bed).await;
 
     // An open connection to node 1.
-    let mut open = None;
-    for _ in 0..4 {
-        let mut s = bed
-            .client
-            .connect(sa(VIP, 80), Duration::from_secs(5))
-            .await
-            .unwrap();
-        if read_line(&mut s).await.unwrap() == "n1" {
-            open = Some(s);
-            break;
-        }
-    }
-    let mut open = open.expect("round robin reaches node 1 within 4 connections");
+    let mut open = open_to(&bed, "n1").await;
 
-    let socket = bed.dir.join("admin.sock");
-    let drain = |state: &str| {
-        let out = std::process::Command::new(env!("CARGO_BIN_EXE_harvester-lb"))
-            .args([
-                "backend",
-                state,
-                "--lb",
-                "default/web",
-                &node_ip(1).to_string(),
-            ])
-            .arg("--socket")
-            .arg(&socket)
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-    };
-    drain("drain");
-    wait_for(
-        Duration::from_secs(5),
-        "node 1 out of the kernel's choice",
-        || async {
-            let (_, l) = nft_out(
-                &bed.lb.name,
-                &[
-                    "list",
-                    "chain",
-                    "inet",
-                    kernel::TABLE,
-                    "l_tcp_80_198.51.100.10",
-                ],
-            );
-            (!l.contains("198.51.100.21")).then_some(())
-        },
-    )
+    set_state(&bed, "default/web", 1, "drain");
+    wait_chain(&bed, "node 1 out of the kernel's choice", |l| {
+        !l.contains("198.51.100.21")
+    })
     .await;
     assert_eq!(tally(&bed, 6).await, counts(&[("n2", 6)]));
     // The open connection still echoes through node 1.
@@ -415,37 +405,10 @@ async fn a_drain_keeps_the_open_connection_and_no_backend_is_a_reset() {
     assert_eq!(&buf, b"still here");
 
     // No eligible backend: a reset at once, counted; never the host's socket.
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_harvester-lb"))
-        .args([
-            "backend",
-            "maint",
-            "--lb",
-            "default/web",
-            &node_ip(2).to_string(),
-        ])
-        .arg("--socket")
-        .arg(&socket)
-        .output()
-        .unwrap();
-    assert!(out.status.success());
-    wait_for(
-        Duration::from_secs(5),
-        "no backend in the kernel's choice",
-        || async {
-            let (_, l) = nft_out(
-                &bed.lb.name,
-                &[
-                    "list",
-                    "chain",
-                    "inet",
-                    kernel::TABLE,
-                    "l_tcp_80_198.51.100.10",
-                ],
-            );
-            l.contains("counter name \"z_tcp_80_198.51.100.10\" return")
-                .then_some(())
-        },
-    )
+    set_state(&bed, "default/web", 2, "maint");
+    wait_chain(&bed, "no backend in the kernel's choice", |l| {
+        l.contains("counter name \"z_tcp_80_198.51.100.10\" return")
+    })
     .await;
     let started = Instant::now();
     let err = bed
@@ -925,36 +888,12 @@ async fn a_udp_client_with_a_fixed_port_moves_off_a_backend_that_left() {
     let first = wait_for(Duration::from_secs(5), "a first answer", &ask).await;
     if first == "n1" {
         // Node 1 leaves and comes back: the flow moves to node 2.
-        let out = std::process::Command::new(env!("CARGO_BIN_EXE_harvester-lb"))
-            .args([
-                "backend",
-                "drain",
-                "--lb",
-                "default/dns",
-                &node_ip(1).to_string(),
-            ])
-            .arg("--socket")
-            .arg(bed.dir.join("admin.sock"))
-            .output()
-            .unwrap();
-        assert!(out.status.success());
+        set_state(&bed, "default/dns", 1, "drain");
         wait_for(Duration::from_secs(5), "the flow on node 2", || async {
             (ask().await.as_deref() == Some("n2")).then_some(())
         })
         .await;
-        let out = std::process::Command::new(env!("CARGO_BIN_EXE_harvester-lb"))
-            .args([
-                "backend",
-                "ready",
-                "--lb",
-                "default/dns",
-                &node_ip(1).to_string(),
-            ])
-            .arg("--socket")
-            .arg(bed.dir.join("admin.sock"))
-            .output()
-            .unwrap();
-        assert!(out.status.success());
+        set_state(&bed, "default/dns", 1, "ready");
     }
     for _ in 0..5 {
         assert_eq!(
@@ -986,19 +925,7 @@ async fn a_udp_client_with_a_fixed_port_moves_off_a_backend_that_left() {
 
     // No backend at all, then node 2 back: the flow goes to node 2 then,
     // not stuck on the refusal or on node 1's old entry.
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_harvester-lb"))
-        .args([
-            "backend",
-            "maint",
-            "--lb",
-            "default/dns",
-            &node_ip(1).to_string(),
-        ])
-        .arg("--socket")
-        .arg(bed.dir.join("admin.sock"))
-        .output()
-        .unwrap();
-    assert!(out.status.success());
+    set_state(&bed, "default/dns", 1, "maint");
     wait_for(
         Duration::from_secs(5),
         "no answer with no backend",
@@ -1031,26 +958,21 @@ async fn on_backend_down_close_resets_the_open_connections_of_a_failed_backend()
     enable_forwarding(&bed);
     let _n1 = Node::start(&bed, 1, Service::NameThenEcho);
     let mut n2 = Node::start(&bed, 2, Service::NameThenEcho);
-    let text = kernel_config(&[1, 2]).replace(
-        "backends = [",
-        "on_backend_down = \"close\"\nbackends = [",
-    );
+    let text =
+        kernel_config(&[1, 2]).replace("backends = [", "on_backend_down = \"close\"\nbackends = [");
     bed.start_daemon(&text).await;
     wait_kernel(&bed).await;
-    let mut open = None;
-    for _ in 0..4 {
-        let mut s = bed.client.connect(sa(VIP, 80), Duration::from_secs(5)).await.unwrap();
-        if read_line(&mut s).await.unwrap() == "n2" {
-            open = Some(s);
-            break;
-        }
-    }
-    let mut open = open.expect("round robin reaches node 2 within 4 connections");
+    let mut open = open_to(&bed, "n2").await;
     echoes(&mut open, b"before").await.unwrap();
 
     n2.stop_health();
     bed.daemon()
-        .wait_health("default/web", node_ip(2), "unhealthy", Duration::from_secs(10))
+        .wait_health(
+            "default/web",
+            node_ip(2),
+            "unhealthy",
+            Duration::from_secs(10),
+        )
         .await;
     // Its conntrack entry deleted, the connection's next segment is a new
     // flow that meets a reset: the client learns at once and reconnects.
@@ -1059,9 +981,16 @@ async fn on_backend_down_close_resets_the_open_connections_of_a_failed_backend()
         if let Err(e) = echoes(&mut open, b"after").await {
             break e;
         }
-        assert!(Instant::now() < deadline, "the open connection still runs after 5 s");
+        assert!(
+            Instant::now() < deadline,
+            "the open connection still runs after 5 s"
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     };
-    assert_ne!(cut.kind(), ErrorKind::TimedOut, "a reset, not silence: {cut}");
+    assert_ne!(
+        cut.kind(),
+        ErrorKind::TimedOut,
+        "a reset, not silence: {cut}"
+    );
     assert_eq!(tally(&bed, 4).await, counts(&[("n1", 4)]));
 }
