@@ -157,3 +157,19 @@ pub fn conntrack_usage() -> Option<(u64, u64)> {
     };
     Some((read("nf_conntrack_count")?, read("nf_conntrack_max")?))
 }
+
+/// Whether this host forwards IPv4 and IPv6 packets
+/// (`net.ipv4.ip_forward`, `net.ipv6.conf.all.forwarding`): DNAT to
+/// another host needs it. An unreadable value counts as on (the kernel
+/// decides; nothing is refused on a guess).
+pub fn ip_forwarding() -> (bool, bool) {
+    let on = |path: &str| {
+        std::fs::read_to_string(path)
+            .map(|v| v.trim() != "0")
+            .unwrap_or(true)
+    };
+    (
+        on("/proc/sys/net/ipv4/ip_forward"),
+        on("/proc/sys/net/ipv6/conf/all/forwarding"),
+    )
+}

@@ -994,3 +994,45 @@ async fn on_backend_down_close_resets_the_open_connections_of_a_failed_backend()
     );
     assert_eq!(tally(&bed, 4).await, counts(&[("n1", 4)]));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_host_that_does_not_forward_keeps_the_listener_with_the_proxy_and_says_why() {
+    if !can_run() {
+        return;
+    }
+    let mut bed = Bed::new("knofwd", 1);
+    // net.ipv4.ip_forward stays 0, as in a new namespace.
+    let _n1 = Node::start(&bed, 1, Service::NameThenEcho);
+    bed.start_daemon(&kernel_config(&[1])).await;
+    let l = wait_for(Duration::from_secs(10), "the reason in /status", || async {
+        let s = bed.daemon().status().await;
+        let l = s["load_balancers"][0]["listeners"][0].clone();
+        l["kernel_error"].is_string().then_some(l)
+    })
+    .await;
+    assert_eq!(l["forwarding"], "proxy", "{l}");
+    assert!(
+        l["kernel_error"]
+            .as_str()
+            .unwrap()
+            .starts_with("net.ipv4.ip_forward is 0"),
+        "{l}"
+    );
+    assert_eq!(
+        tally(&bed, 3).await,
+        counts(&[("n1", 3)]),
+        "served by the proxy"
+    );
+    assert!(
+        bed.daemon()
+            .log()
+            .contains("net.ipv4.ip_forward is 0 on this host")
+    );
+    // Turned on by the operator: the listener goes to the kernel (checked
+    // every 5 s).
+    enable_forwarding(&bed);
+    tokio::time::timeout(Duration::from_secs(15), wait_kernel(&bed))
+        .await
+        .expect("in the kernel within 15 s");
+    assert_eq!(tally(&bed, 3).await, counts(&[("n1", 3)]));
+}

@@ -29,17 +29,68 @@ impl Daemon {
         &self.kernel
     }
 
+    /// Reads the host's forwarding settings; logs a change of them at
+    /// error (off) or info (on again). Returns whether they changed.
+    fn check_ip_forwarding(&self) -> bool {
+        let (v4, v6) = crate::os::ip_forwarding();
+        let off = u8::from(!v4) | (u8::from(!v6) << 1);
+        let was = self.forwarding_off.swap(off, Ordering::AcqRel);
+        if was == off {
+            return false;
+        }
+        let has_kernel = self.lock().config.as_ref().is_some_and(|c| {
+            c.load_balancers.iter().any(|lb| {
+                lb.listeners
+                    .iter()
+                    .any(|l| l.forwarding == Forwarding::Kernel)
+            })
+        });
+        if !has_kernel {
+            return true;
+        }
+        for (bit, sysctl) in [
+            (1u8, "net.ipv4.ip_forward"),
+            (2, "net.ipv6.conf.all.forwarding"),
+        ] {
+            match (was & bit != 0, off & bit != 0) {
+                (false, true) => tracing::error!(
+                    "{sysctl} is 0 on this host: the kernel would drop every packet it forwards, so the forwarding = \"kernel\" listeners of that family are served by the proxy until it is 1 (the daemon does not change it)"
+                ),
+                (true, false) => tracing::info!(
+                    "{sysctl} is 1 again: kernel listeners of that family go back to the kernel"
+                ),
+                _ => {}
+            }
+        }
+        true
+    }
+
+    /// Why a kernel listener on `vip` is not in the kernel although its
+    /// table is written: the host does not forward its family.
+    pub(super) fn forwarding_blocked(&self, vip: IpAddr) -> Option<String> {
+        let off = self.forwarding_off.load(Ordering::Acquire);
+        let (bit, sysctl) = if vip.is_ipv4() {
+            (1, "net.ipv4.ip_forward")
+        } else {
+            (2, "net.ipv6.conf.all.forwarding")
+        };
+        (off & bit != 0).then(|| {
+            format!("{sysctl} is 0 on this host: the kernel would drop the packets it forwards; set it to 1 (the daemon does not change it); the proxy serves this listener meanwhile")
+        })
+    }
+
     /// The kernel listeners of the config in force, with the backends
     /// each may send new connections to now.
     pub(super) fn kernel_desired(&self) -> Desired {
+        self.check_ip_forwarding();
         let st = self.lock();
         let mut desired = Desired::new();
         let Some(config) = &st.config else {
             return desired;
         };
         for spec in &config.load_balancers {
-            if spec.vip.is_unspecified() {
-                continue; // A DHCP VIP not leased yet.
+            if spec.vip.is_unspecified() || self.forwarding_blocked(spec.vip).is_some() {
+                continue; // A DHCP VIP not leased yet; a family not forwarded.
             }
             let Some(entry) = st.load_balancers.get(&spec.name) else {
                 continue;
@@ -106,6 +157,9 @@ impl Daemon {
                 };
                 if !sync {
                     let Some(daemon) = me.upgrade() else { return };
+                    if daemon.check_ip_forwarding() {
+                        daemon.kernel_wake.notify_one();
+                    }
                     daemon.read_kernel_counters().await;
                     continue;
                 }

@@ -86,6 +86,10 @@ pub struct Daemon {
     /// Woken by every publish of a load balancer and every apply: the
     /// kernel table may have to follow.
     kernel_wake: Arc<tokio::sync::Notify>,
+    /// The host's IPv4 and IPv6 forwarding as last seen (bit 0: IPv4 off,
+    /// bit 1: IPv6 off): kernel listeners of a family the host does not
+    /// forward stay with the proxy.
+    forwarding_off: std::sync::atomic::AtomicU8,
     /// Set once the task that writes the kernel table runs.
     kernel_task: AtomicBool,
 }
@@ -158,6 +162,7 @@ impl Daemon {
             kernel: Arc::new(crate::kernel::KernelTable::new()),
             kernel_wake: Arc::new(tokio::sync::Notify::new()),
             kernel_task: AtomicBool::new(false),
+            forwarding_off: std::sync::atomic::AtomicU8::new(0),
         })
     }
 

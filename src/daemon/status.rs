@@ -73,7 +73,11 @@ impl Daemon {
                             "proxy"
                         },
                         kernel_error: (l.forwarding == crate::config::Forwarding::Kernel)
-                            .then(|| self.kernel.error())
+                            .then(|| {
+                                self.kernel
+                                    .error()
+                                    .or_else(|| self.forwarding_blocked(spec.vip))
+                            })
                             .flatten(),
                     }
                 })
