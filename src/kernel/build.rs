@@ -249,6 +249,224 @@ const FAMILIES: [Family; 2] = [
     },
 ];
 
+/// Deletes the objects of `present` that `wanted` has not; nothing may
+/// refer to them any more.
+fn delete_gone(cmds: &mut Vec<NfObject<'static>>, present: &Owned, wanted: &Owned) {
+    // Listener chains before backend chains: a flushed listener chain
+    // still holds its anonymous verdict map (and so its backend chains)
+    // until it is deleted itself (EBUSY otherwise, measured on 6.18).
+    let (listeners, backends): (Vec<&String>, Vec<&String>) = present
+        .chains
+        .difference(&wanted.chains)
+        .partition(|n| n.starts_with("l_"));
+    for name in listeners.into_iter().chain(backends) {
+        cmds.push(NfObject::CmdObject(NfCmd::Delete(NfListObject::Chain(
+            chain(name),
+        ))));
+    }
+    for name in present.sets.difference(&wanted.sets) {
+        cmds.push(NfObject::CmdObject(NfCmd::Delete(NfListObject::Set(
+            Box::new(tuple_set(name, Vec::new())),
+        ))));
+    }
+    for name in present.counters.difference(&wanted.counters) {
+        cmds.push(NfObject::CmdObject(NfCmd::Delete(NfListObject::Counter(
+            counter(name),
+        ))));
+    }
+}
+
+/// A listener's rules and elements, into its declared objects.
+fn fill_listener(cmds: &mut Vec<NfObject<'static>>, id: &ListenerId, l: &KernelListener) {
+    let v4 = is_v4(id.0);
+    let f = &FAMILIES[usize::from(!v4)];
+    let lchain = listener_chain(id);
+    cmds.push(element(
+        f.dispatch,
+        vec![Expression::Named(NamedExpression::Set(vec![
+            SetItem::Mapping(listener_key(id), Expression::Verdict(goto(lchain.clone()))),
+        ]))],
+    ));
+    cmds.push(element(f.refuse, vec![listener_key(id)]));
+    if let Some(ranges) = &l.source_ranges {
+        let family: Vec<IpNet> = ranges
+            .iter()
+            .filter(|n| n.addr().is_ipv4() == v4)
+            .copied()
+            .collect();
+        let merged = IpNet::aggregate(&family);
+        if !merged.is_empty() {
+            cmds.push(element(
+                &source_set(id),
+                merged
+                    .iter()
+                    .map(|n| {
+                        Expression::Named(NamedExpression::Prefix(Prefix {
+                            addr: Box::new(Expression::String(s(n.addr().to_string()))),
+                            len: u32::from(n.prefix_len()),
+                        }))
+                    })
+                    .collect(),
+            ));
+        }
+        cmds.push(rule(
+            &lchain,
+            vec![
+                matches(
+                    payload(ip_proto(v4), "saddr"),
+                    Operator::NEQ,
+                    set_ref(&source_set(id)),
+                ),
+                Statement::Counter(stmt::Counter::Named(s(denied_counter(id)))),
+                Statement::Return(None),
+            ],
+        ));
+    }
+    if l.eligible.is_empty() {
+        cmds.push(rule(
+            &lchain,
+            vec![
+                Statement::Counter(stmt::Counter::Named(s(no_backend_counter(id)))),
+                Statement::Return(None),
+            ],
+        ));
+    } else {
+        let arms = l
+            .eligible
+            .iter()
+            .enumerate()
+            .map(|(i, &b)| {
+                SetItem::Mapping(
+                    Expression::Number(i as u32),
+                    Expression::Verdict(goto(backend_chain(id, b))),
+                )
+            })
+            .collect();
+        cmds.push(rule(
+            &lchain,
+            vec![Statement::VerdictMap(VerdictMap {
+                key: Expression::Named(NamedExpression::Numgen(Numgen {
+                    mode: NgMode::Inc,
+                    ng_mod: l.eligible.len() as u32,
+                    offset: None,
+                })),
+                data: Expression::Named(NamedExpression::Set(arms)),
+            })],
+        ));
+    }
+    for &b in &l.members {
+        cmds.push(rule(
+            &backend_chain(id, b),
+            vec![
+                Statement::Counter(stmt::Counter::Named(s(backend_counter(id, b)))),
+                matches(l4proto(), Operator::EQ, proto_name(id.1)),
+                Statement::DNAT(Some(NAT {
+                    addr: Some(Expression::String(s(b.to_string()))),
+                    family: Some(if b.is_ipv4() {
+                        NATFamily::IP
+                    } else {
+                        NATFamily::IP6
+                    }),
+                    port: Some(Expression::Number(u32::from(l.backend_port))),
+                    flags: None,
+                })),
+            ],
+        ));
+    }
+    if l.source_nat == SourceNat::Masquerade {
+        for &b in &l.eligible {
+            cmds.push(element(f.masq, vec![masq_key(id, b, l.backend_port)]));
+        }
+    }
+}
+
+/// The one transaction that takes the table from `applied` (what this
+/// process last wrote, known to be in the kernel) to `desired`, touching
+/// only the listeners that differ: kube-proxy's partial sync. A health
+/// flip at 10,000 listeners rewrites one listener's chains, not all.
+pub fn partial_transaction(desired: &Desired, applied: &Desired) -> serde_json::Value {
+    let mut cmds: Vec<NfObject<'static>> = Vec::new();
+    let delete_element = |name: &str, elem: Expression<'static>| {
+        NfObject::CmdObject(NfCmd::Delete(NfListObject::Element(Element {
+            family: NfFamily::INet,
+            table: s(TABLE),
+            name: s(name),
+            elem: Cow::Owned(vec![elem]),
+        })))
+    };
+    // The elements of listeners that go or change (re-added below).
+    for (id, old) in applied {
+        if desired.get(id) == Some(old) {
+            continue;
+        }
+        let f = &FAMILIES[usize::from(!is_v4(id.0))];
+        cmds.push(delete_element(f.dispatch, listener_key(id)));
+        cmds.push(delete_element(f.refuse, listener_key(id)));
+        if old.source_nat == SourceNat::Masquerade {
+            for &b in &old.eligible {
+                cmds.push(delete_element(f.masq, masq_key(id, b, old.backend_port)));
+            }
+        }
+    }
+    let mut changed = Desired::new();
+    for (id, l) in desired {
+        if applied.get(id) != Some(l) {
+            changed.insert(*id, l.clone());
+        }
+    }
+    let declared = Owned::of(&changed);
+    declare(&mut cmds, &changed, &declared);
+    for (id, l) in &changed {
+        fill_listener(&mut cmds, id, l);
+    }
+    delete_gone(&mut cmds, &Owned::of(applied), &Owned::of(desired));
+    verdict_maps(
+        serde_json::to_value(Nftables {
+            objects: Cow::Owned(cmds),
+        })
+        .expect("nft's schema types always serialize"),
+    )
+}
+
+/// A masquerade element: VIP . backend . protocol . nodeport.
+fn masq_key(id: &ListenerId, backend: IpAddr, backend_port: u16) -> Expression<'static> {
+    concat(vec![
+        Expression::String(s(id.0.to_string())),
+        Expression::String(s(backend.to_string())),
+        proto_name(id.1),
+        Expression::Number(u32::from(backend_port)),
+    ])
+}
+
+/// Adds (idempotent) and empties the listeners' own objects: counters,
+/// chains, source-range sets.
+fn declare(cmds: &mut Vec<NfObject<'static>>, desired: &Desired, wanted: &Owned) {
+    for name in &wanted.counters {
+        cmds.push(add(NfListObject::Counter(counter(name))));
+    }
+    for name in &wanted.chains {
+        cmds.push(add(NfListObject::Chain(chain(name))));
+    }
+    for (id, l) in desired {
+        if l.source_ranges.is_some() {
+            let mut set = tuple_set(&source_set(id), Vec::new());
+            set.set_type = SetTypeValue::Single(addr_type(is_v4(id.0)));
+            set.flags = Some([SetFlag::Interval].into_iter().collect());
+            cmds.push(add(NfListObject::Set(Box::new(set))));
+        }
+    }
+    for name in &wanted.chains {
+        cmds.push(NfObject::CmdObject(NfCmd::Flush(FlushObject::Chain(
+            chain(name),
+        ))));
+    }
+    for name in &wanted.sets {
+        cmds.push(NfObject::CmdObject(NfCmd::Flush(FlushObject::Set(
+            Box::new(tuple_set(name, Vec::new())),
+        ))));
+    }
+}
+
 /// The one transaction that makes the table `desired`, deleting whatever
 /// of `present` (what the kernel holds, read back or last written) is no
 /// longer wanted: nft's JSON document, ready for `nft -j -f -`.
@@ -321,27 +539,10 @@ fn commands(desired: &Desired, present: &Owned) -> Nftables<'static> {
     for c in &bases {
         cmds.push(add(NfListObject::Chain(c.clone())));
     }
-    for name in &wanted.counters {
-        cmds.push(add(NfListObject::Counter(counter(name))));
-    }
-    for name in &wanted.chains {
-        cmds.push(add(NfListObject::Chain(chain(name))));
-    }
-    for (id, l) in desired {
-        if l.source_ranges.is_some() {
-            let mut set = tuple_set(&source_set(id), Vec::new());
-            set.set_type = SetTypeValue::Single(addr_type(is_v4(id.0)));
-            set.flags = Some([SetFlag::Interval].into_iter().collect());
-            cmds.push(add(NfListObject::Set(Box::new(set))));
-        }
-    }
+    declare(&mut cmds, desired, &wanted);
 
     // 2. Empty what is ours, then fill it again.
-    for c in bases
-        .iter()
-        .cloned()
-        .chain(wanted.chains.iter().map(|n| chain(n)))
-    {
+    for c in bases.iter().cloned() {
         cmds.push(NfObject::CmdObject(NfCmd::Flush(FlushObject::Chain(c))));
     }
     for f in &FAMILIES {
@@ -358,11 +559,6 @@ fn commands(desired: &Desired, present: &Owned) -> Nftables<'static> {
                 Box::new(tuple_set(name, Vec::new())),
             ))));
         }
-    }
-    for name in &wanted.sets {
-        cmds.push(NfObject::CmdObject(NfCmd::Flush(FlushObject::Set(
-            Box::new(tuple_set(name, Vec::new())),
-        ))));
     }
 
     for f in &FAMILIES {
@@ -428,139 +624,11 @@ fn commands(desired: &Desired, present: &Owned) -> Nftables<'static> {
     }
 
     for (id, l) in desired {
-        let v4 = is_v4(id.0);
-        let f = &FAMILIES[usize::from(!v4)];
-        let lchain = listener_chain(id);
-        cmds.push(element(
-            f.dispatch,
-            vec![Expression::Named(NamedExpression::Set(vec![
-                SetItem::Mapping(listener_key(id), Expression::Verdict(goto(lchain.clone()))),
-            ]))],
-        ));
-        cmds.push(element(f.refuse, vec![listener_key(id)]));
-        if let Some(ranges) = &l.source_ranges {
-            let family: Vec<IpNet> = ranges
-                .iter()
-                .filter(|n| n.addr().is_ipv4() == v4)
-                .copied()
-                .collect();
-            let merged = IpNet::aggregate(&family);
-            if !merged.is_empty() {
-                cmds.push(element(
-                    &source_set(id),
-                    merged
-                        .iter()
-                        .map(|n| {
-                            Expression::Named(NamedExpression::Prefix(Prefix {
-                                addr: Box::new(Expression::String(s(n.addr().to_string()))),
-                                len: u32::from(n.prefix_len()),
-                            }))
-                        })
-                        .collect(),
-                ));
-            }
-            cmds.push(rule(
-                &lchain,
-                vec![
-                    matches(
-                        payload(ip_proto(v4), "saddr"),
-                        Operator::NEQ,
-                        set_ref(&source_set(id)),
-                    ),
-                    Statement::Counter(stmt::Counter::Named(s(denied_counter(id)))),
-                    Statement::Return(None),
-                ],
-            ));
-        }
-        if l.eligible.is_empty() {
-            cmds.push(rule(
-                &lchain,
-                vec![
-                    Statement::Counter(stmt::Counter::Named(s(no_backend_counter(id)))),
-                    Statement::Return(None),
-                ],
-            ));
-        } else {
-            let arms = l
-                .eligible
-                .iter()
-                .enumerate()
-                .map(|(i, &b)| {
-                    SetItem::Mapping(
-                        Expression::Number(i as u32),
-                        Expression::Verdict(goto(backend_chain(id, b))),
-                    )
-                })
-                .collect();
-            cmds.push(rule(
-                &lchain,
-                vec![Statement::VerdictMap(VerdictMap {
-                    key: Expression::Named(NamedExpression::Numgen(Numgen {
-                        mode: NgMode::Inc,
-                        ng_mod: l.eligible.len() as u32,
-                        offset: None,
-                    })),
-                    data: Expression::Named(NamedExpression::Set(arms)),
-                })],
-            ));
-        }
-        for &b in &l.members {
-            cmds.push(rule(
-                &backend_chain(id, b),
-                vec![
-                    Statement::Counter(stmt::Counter::Named(s(backend_counter(id, b)))),
-                    matches(l4proto(), Operator::EQ, proto_name(id.1)),
-                    Statement::DNAT(Some(NAT {
-                        addr: Some(Expression::String(s(b.to_string()))),
-                        family: Some(if b.is_ipv4() {
-                            NATFamily::IP
-                        } else {
-                            NATFamily::IP6
-                        }),
-                        port: Some(Expression::Number(u32::from(l.backend_port))),
-                        flags: None,
-                    })),
-                ],
-            ));
-        }
-        if l.source_nat == SourceNat::Masquerade {
-            for &b in &l.eligible {
-                cmds.push(element(
-                    f.masq,
-                    vec![concat(vec![
-                        Expression::String(s(id.0.to_string())),
-                        Expression::String(s(b.to_string())),
-                        proto_name(id.1),
-                        Expression::Number(u32::from(l.backend_port)),
-                    ])],
-                ));
-            }
-        }
+        fill_listener(&mut cmds, id, l);
     }
 
     // 3. What is gone: after the flushes above, nothing refers to it.
-    // Listener chains before backend chains: a flushed listener chain
-    // still holds its anonymous verdict map (and so its backend chains)
-    // until it is deleted itself (EBUSY otherwise, measured on 6.18).
-    let (listeners, backends): (Vec<&String>, Vec<&String>) = present
-        .chains
-        .difference(&wanted.chains)
-        .partition(|n| n.starts_with("l_"));
-    for name in listeners.into_iter().chain(backends) {
-        cmds.push(NfObject::CmdObject(NfCmd::Delete(NfListObject::Chain(
-            chain(name),
-        ))));
-    }
-    for name in present.sets.difference(&wanted.sets) {
-        cmds.push(NfObject::CmdObject(NfCmd::Delete(NfListObject::Set(
-            Box::new(tuple_set(name, Vec::new())),
-        ))));
-    }
-    for name in present.counters.difference(&wanted.counters) {
-        cmds.push(NfObject::CmdObject(NfCmd::Delete(NfListObject::Counter(
-            counter(name),
-        ))));
-    }
+    delete_gone(&mut cmds, present, &wanted);
     Nftables {
         objects: Cow::Owned(cmds),
     }
@@ -683,5 +751,39 @@ mod tests {
         let first_delete = cmds.iter().position(|c| c.get("delete").is_some()).unwrap();
         let last_flush = cmds.iter().rposition(|c| c.get("flush").is_some()).unwrap();
         assert!(last_flush < first_delete);
+    }
+
+    #[test]
+    fn a_partial_sync_touches_only_the_listener_that_changed() {
+        let mut before = Desired::new();
+        before.insert(
+            id("192.0.2.10", 80),
+            listener(&["10.0.0.1", "10.0.0.2"], &["10.0.0.1", "10.0.0.2"]),
+        );
+        before.insert(id("192.0.2.11", 80), listener(&["10.0.0.1"], &["10.0.0.1"]));
+        let mut after = before.clone();
+        after.get_mut(&id("192.0.2.10", 80)).unwrap().eligible = vec!["10.0.0.1".parse().unwrap()];
+        let t = text(&partial_transaction(&after, &before));
+        assert!(
+            !t.contains("192.0.2.11"),
+            "the other listener is left alone: {t}"
+        );
+        assert!(
+            !t.contains(r#""name":"prerouting""#),
+            "base chains untouched"
+        );
+        assert!(t.contains(r#""numgen":{"mod":1,"mode":"inc"}"#), "{t}");
+        // The old masquerade elements go, the eligible one comes back.
+        assert!(t.contains(
+            r#"{"delete":{"element":{"elem":[{"concat":["192.0.2.10","10.0.0.2","tcp",30080]}]"#
+        ));
+        assert!(
+            !t.contains(r#""delete":{"chain""#),
+            "both members stay configured"
+        );
+        assert_eq!(
+            text(&partial_transaction(&before, &before)),
+            r#"{"nftables":[]}"#
+        );
     }
 }

@@ -4,7 +4,7 @@
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use super::build::{Owned, transaction};
+use super::build::{Owned, partial_transaction, transaction};
 use super::nft::{self, NftError};
 use super::*;
 
@@ -57,6 +57,11 @@ impl KernelTable {
         }
         let started = Instant::now();
         let result = (|| {
+            // Known to be in the kernel: only what differs is written.
+            // (Nothing written yet, the table may not exist: a full write.)
+            if let Some(applied) = st.applied.as_ref().filter(|a| !a.is_empty()) {
+                return nft::apply(&partial_transaction(desired, applied)).map(|()| true);
+            }
             let present = match &st.applied {
                 Some(applied) => Owned::of(applied),
                 None => match nft::read_back() {
