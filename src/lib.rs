@@ -18,6 +18,7 @@
 //! * [`daemon`]: applies a config as a diff (start-up and reload alike).
 //! * [`server`]: the daemon's life: start, the reload loop, the systemd watchdog, drain.
 //! * [`workers`]: the threads TCP connections run on (thread per core or work stealing).
+//! * [`kernel`]: `forwarding = "kernel"` listeners as nftables DNAT, written from the daemon's verdicts.
 //! * [`vip`]: the VIPs themselves: only their listeners' ports answer.
 //! * [`owned`]: kernel objects the daemon owns (the isolation table), read
 //!   back and repaired when another process changed them.
@@ -40,6 +41,7 @@ pub mod daemon;
 pub mod demo;
 pub mod health;
 pub mod import;
+pub mod kernel;
 pub mod log_limit;
 pub mod metrics;
 pub mod net;

@@ -191,3 +191,33 @@ pub fn set_tcp_defer_accept(fd: RawFd, seconds: u32) -> io::Result<()> {
         Err(io::Error::last_os_error())
     }
 }
+
+/// The host's connection tracking use and size (`nf_conntrack_count`,
+/// `nf_conntrack_max`, of this network namespace); `None` without the
+/// conntrack module. Two small file reads.
+pub fn conntrack_usage() -> Option<(u64, u64)> {
+    let read = |name: &str| {
+        std::fs::read_to_string(format!("/proc/sys/net/netfilter/{name}"))
+            .ok()?
+            .trim()
+            .parse::<u64>()
+            .ok()
+    };
+    Some((read("nf_conntrack_count")?, read("nf_conntrack_max")?))
+}
+
+/// Whether this host forwards IPv4 and IPv6 packets
+/// (`net.ipv4.ip_forward`, `net.ipv6.conf.all.forwarding`): DNAT to
+/// another host needs it. An unreadable value counts as on (the kernel
+/// decides; nothing is refused on a guess).
+pub fn ip_forwarding() -> (bool, bool) {
+    let on = |path: &str| {
+        std::fs::read_to_string(path)
+            .map(|v| v.trim() != "0")
+            .unwrap_or(true)
+    };
+    (
+        on("/proc/sys/net/ipv4/ip_forward"),
+        on("/proc/sys/net/ipv6/conf/all/forwarding"),
+    )
+}

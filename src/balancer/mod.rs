@@ -171,6 +171,10 @@ pub struct LoadBalancer {
     /// listener's route, every connection and probe): a removed load
     /// balancer's backends and numbers need not wait out the drain time.
     released: CancellationToken,
+    /// Woken after every publish, for a writer of another copy of the
+    /// eligible set (the kernel's NAT table): it learns of a health flip or
+    /// a drain without the prober or the admin path knowing of it.
+    on_publish: OnceLock<Arc<tokio::sync::Notify>>,
 }
 
 struct Inner {
@@ -218,6 +222,7 @@ impl LoadBalancer {
             connections: Budget::new(usize::MAX),
             udp_flows: Budget::new(usize::MAX),
             released: CancellationToken::new(),
+            on_publish: OnceLock::new(),
         });
         lb.publish();
         lb
@@ -289,6 +294,12 @@ impl LoadBalancer {
         let mut inner = self.lock();
         inner.left = true;
         self.stats.no_backend.clear();
+    }
+
+    /// Wakes `notify` after every publish from now on (one waker per load
+    /// balancer; a second call changes nothing) and once now.
+    pub fn notify_on_publish(&self, notify: Arc<tokio::sync::Notify>) {
+        self.on_publish.get_or_init(|| notify).notify_one();
     }
 
     /// Its numbers.
@@ -384,6 +395,9 @@ impl LoadBalancer {
             by_port,
             settings: inner.settings.clone(),
         }));
+        if let Some(notify) = self.on_publish.get() {
+            notify.notify_one();
+        }
     }
 }
 

@@ -183,6 +183,10 @@ pub struct FileListener {
     pub proxy_protocol: Option<Spanned<String>>,
     /// `TCP_DEFER_ACCEPT` on the listening socket, in seconds; absent: off.
     pub defer_accept_seconds: Option<Spanned<i64>>,
+    /// `proxy` (default) or `kernel`: who forwards the connections.
+    pub forwarding: Option<Spanned<String>>,
+    /// `masquerade` (default) or `none`: kernel listeners only.
+    pub source_nat: Option<Spanned<String>>,
 }
 
 /// `[load_balancer.health_check]`: Harvester's `healthcheck-*` annotations.

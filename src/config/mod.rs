@@ -307,6 +307,48 @@ pub struct ListenerSpec {
     /// listeners only. Wrong for protocols where the server speaks first
     /// (SMTP, MySQL, SSH): their clients wait this long for a greeting.
     pub defer_accept: Option<Duration>,
+    /// Who forwards this listener's connections (`forwarding`): the
+    /// daemon's own proxy, or the kernel's NAT programmed by the daemon.
+    pub forwarding: Forwarding,
+    /// What a kernel listener does to the client's source address
+    /// (`source_nat`); always [`SourceNat::Masquerade`] on proxy listeners,
+    /// where it has no meaning.
+    pub source_nat: SourceNat,
+}
+
+/// Who forwards a listener's connections.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub enum Forwarding {
+    /// The daemon accepts each connection and copies its bytes (the
+    /// default): every feature, every count, PROXY protocol.
+    #[default]
+    Proxy,
+    /// The daemon programs nftables DNAT and the kernel forwards: no byte
+    /// passes through user space, so no per-connection feature exists. The
+    /// listener's socket stays bound as the fallback.
+    Kernel,
+}
+
+impl Forwarding {
+    /// The name used in the config and `/status`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Forwarding::Proxy => "proxy",
+            Forwarding::Kernel => "kernel",
+        }
+    }
+}
+
+/// The source address a backend sees on a kernel listener's connections.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub enum SourceNat {
+    /// The host's own address (the default, as with the proxy): replies
+    /// come back through this host whatever the backends' routes.
+    #[default]
+    Masquerade,
+    /// The client's own address (`externalTrafficPolicy: Local` users want
+    /// it); the backends must route their replies through this host.
+    None,
 }
 
 /// `[load_balancer.health_check]`.

@@ -220,6 +220,7 @@ impl Daemon {
             config.metrics.per_backend_health_check_duration,
         );
         st.config = Some(config);
+        self.kernel_wake();
         report
     }
 
@@ -291,6 +292,7 @@ impl Daemon {
             stats,
         );
         lb.configure_affinity(spec.affinity_timeout.is_some(), &self.affinity);
+        lb.notify_on_publish(Arc::clone(&self.kernel_wake));
         let entry = LbEntry { lb, backends };
         self.ensure_probes(&entry, spec);
         entry

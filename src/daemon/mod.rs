@@ -35,6 +35,7 @@ use crate::workers::Workers;
 
 mod admin_state;
 mod apply;
+mod kernel;
 mod leases;
 mod readiness;
 mod status;
@@ -86,6 +87,17 @@ pub struct Daemon {
     /// listeners that cannot bind, retried every 2 s, are a few lines a
     /// minute and a count, not 1,000 lines a second.
     bind_log: crate::log_limit::LogLimit<Option<i32>>,
+    /// The nftables NAT table of `forwarding = "kernel"` listeners.
+    kernel: Arc<crate::kernel::KernelTable>,
+    /// Woken by every publish of a load balancer and every apply: the
+    /// kernel table may have to follow.
+    kernel_wake: Arc<tokio::sync::Notify>,
+    /// The host's IPv4 and IPv6 forwarding as last seen (bit 0: IPv4 off,
+    /// bit 1: IPv6 off): kernel listeners of a family the host does not
+    /// forward stay with the proxy.
+    forwarding_off: std::sync::atomic::AtomicU8,
+    /// Set once the task that writes the kernel table runs.
+    kernel_task: AtomicBool,
 }
 
 /// A listener's identity across reloads: one VIP:port may carry one TCP
@@ -175,6 +187,10 @@ impl Daemon {
             udp_flows: FlowBudget::new(0),
             udp_per_source: AtomicUsize::new(1),
             bind_log: crate::log_limit::LogLimit::new(5, Duration::from_secs(60)),
+            kernel: Arc::new(crate::kernel::KernelTable::new()),
+            kernel_wake: Arc::new(tokio::sync::Notify::new()),
+            kernel_task: AtomicBool::new(false),
+            forwarding_off: std::sync::atomic::AtomicU8::new(0),
         })
     }
 
@@ -260,6 +276,7 @@ impl Daemon {
         self.prober.stop_all();
         let drains = listeners.into_iter().map(|l| l.drain(drain));
         let cut: usize = futures_sum(drains).await;
+        self.kernel_remove().await;
         // After the drain: releasing takes the VIP off the host.
         self.leases.shutdown().await;
         self.retire_now.cancel();

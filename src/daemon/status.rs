@@ -65,6 +65,20 @@ impl Daemon {
                         active_connections: if l.protocol == Protocol::Tcp { open } else { 0 },
                         active_flows: (l.protocol == Protocol::Udp).then_some(open),
                         eligible_backends: snapshot.eligible_for(l.backend_port).len(),
+                        forwarding: if l.forwarding == crate::config::Forwarding::Kernel
+                            && self.kernel.forwards(&(spec.vip, l.protocol, l.port))
+                        {
+                            "kernel"
+                        } else {
+                            "proxy"
+                        },
+                        kernel_error: (l.forwarding == crate::config::Forwarding::Kernel)
+                            .then(|| {
+                                self.kernel
+                                    .error()
+                                    .or_else(|| self.forwarding_blocked(spec.vip))
+                            })
+                            .flatten(),
                     }
                 })
                 .collect();
@@ -316,6 +330,13 @@ pub struct ListenerStatus {
     /// UDP flows open through it; absent for a TCP listener.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub active_flows: Option<usize>,
+    /// Who forwards its new connections now: `proxy`, or `kernel` once the
+    /// NAT table with it is written (a `forwarding = "kernel"` listener
+    /// whose table could not be written is served by the proxy).
+    pub forwarding: &'static str,
+    /// Why a `forwarding = "kernel"` listener is served by the proxy.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kernel_error: Option<String>,
 }
 
 /// One backend in `/status`.

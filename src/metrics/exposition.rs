@@ -427,6 +427,58 @@ impl Exposition {
                 );
             }
         }
+        match m.kernel_up.load(Ordering::Relaxed) {
+            0 => {}
+            v => {
+                gauge(buf, &names::KERNEL_FORWARDING_UP, &u64::from(v == 1));
+                gauge(
+                    buf,
+                    &names::KERNEL_SYNC_DURATION,
+                    &f64::from_bits(load(&m.kernel_sync_seconds)),
+                );
+                let mut headed = false;
+                let mut out = Out {
+                    buf,
+                    family: &names::KERNEL_SYNCS,
+                    headed: &mut headed,
+                };
+                for (result, c) in [
+                    ("success", &m.kernel_syncs_ok),
+                    ("failure", &m.kernel_syncs_failed),
+                ] {
+                    out.sample("", |b| label_first(b, "result", result), c.get());
+                }
+                if let Some((count, max)) = crate::os::conntrack_usage() {
+                    gauge(buf, &names::CONNTRACK_ENTRIES, &count);
+                    gauge(buf, &names::CONNTRACK_MAX, &max);
+                }
+            }
+        }
+        let kernel = m
+            .kernel_backends
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        if !kernel.is_empty() {
+            let mut headed = false;
+            let mut out = Out {
+                buf,
+                family: &names::KERNEL_BACKEND_CONNECTIONS,
+                headed: &mut headed,
+            };
+            for k in &kernel {
+                out.sample(
+                    "",
+                    |b| {
+                        label_first(b, "cluster", &k.cluster);
+                        label(b, "load_balancer", &k.load_balancer);
+                        label(b, "listener", &k.listener);
+                        label(b, "backend", &k.backend.to_string());
+                    },
+                    k.connections,
+                );
+            }
+        }
         let limit = load(&m.connection_limit);
         if limit > 0 {
             gauge(buf, &names::CONNECTIONS_LIMIT, &limit);

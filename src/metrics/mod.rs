@@ -28,6 +28,7 @@ pub mod exposition;
 pub mod names;
 pub mod stats;
 
+use std::net::IpAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::SystemTime;
@@ -71,6 +72,31 @@ pub struct Metrics {
     connection_limit: AtomicU64,
     /// `admin_connections_shed_total`.
     admin_shed: Counter,
+    /// Kernel NAT table writes that succeeded, and that failed.
+    pub(crate) kernel_syncs_ok: Counter,
+    pub(crate) kernel_syncs_failed: Counter,
+    /// The last successful write's duration, as `f64` seconds' bits.
+    pub(crate) kernel_sync_seconds: AtomicU64,
+    /// 0: never written (no series), 1: in force, 2: the last write failed.
+    pub(crate) kernel_up: std::sync::atomic::AtomicU8,
+    /// The kernel's new-connection counts per backend of each kernel
+    /// listener, as last read.
+    pub(crate) kernel_backends: std::sync::Mutex<Vec<KernelBackendCount>>,
+}
+
+/// One backend's new-connection count on one kernel listener.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KernelBackendCount {
+    /// Label `cluster`.
+    pub cluster: String,
+    /// Label `load_balancer`.
+    pub load_balancer: String,
+    /// Label `listener`.
+    pub listener: String,
+    /// Label `backend`.
+    pub backend: IpAddr,
+    /// New connections since its counter was made.
+    pub connections: u64,
 }
 
 impl Metrics {
@@ -134,6 +160,28 @@ impl Metrics {
     /// kernel and written again).
     pub fn record_vip_isolation_repair(&self) {
         self.vip_isolation_repairs.increment(1);
+    }
+
+    /// Records a successful write of the kernel NAT table.
+    pub fn kernel_synced(&self, took: std::time::Duration) {
+        self.kernel_syncs_ok.increment(1);
+        self.kernel_sync_seconds
+            .store(took.as_secs_f64().to_bits(), Ordering::Relaxed);
+        self.kernel_up.store(1, Ordering::Relaxed);
+    }
+
+    /// Replaces the kernel's per-backend new-connection counts.
+    pub fn set_kernel_backends(&self, counts: Vec<KernelBackendCount>) {
+        *self
+            .kernel_backends
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()) = counts;
+    }
+
+    /// Records a failed write of the kernel NAT table.
+    pub fn kernel_sync_failed(&self) {
+        self.kernel_syncs_failed.increment(1);
+        self.kernel_up.store(2, Ordering::Relaxed);
     }
 
     /// Records the connection cap in force (set once at start: changing

@@ -350,6 +350,45 @@ pub static CONNECTION_LOG_LINES_DROPPED: Family = Family::new(
     Counter,
     "Connection log lines not written because log.max_connection_lines_per_second was reached.",
 );
+/// `forwarding = "kernel"`: 1 when the nftables NAT table of the config
+/// in force is in the kernel, 0 when the last write failed (the kernel
+/// listeners' new connections go to the proxy); absent before any kernel
+/// listener.
+pub static KERNEL_FORWARDING_UP: Family = Family::new(
+    "harvester_lb_kernel_forwarding_up",
+    Gauge,
+    "1 when the kernel NAT table of the configuration in force and the current health verdicts is in the kernel, 0 when writing it failed and the proxy serves the kernel listeners.",
+);
+/// Writes of the kernel NAT table, by `result`.
+pub static KERNEL_SYNCS: Family = Family::new(
+    "harvester_lb_kernel_syncs_total",
+    Counter,
+    "Transactions written to the kernel NAT table (one per coalesced change of kernel listeners or of their eligible backends), by result.",
+);
+/// How long the last successful write of the kernel NAT table took.
+pub static KERNEL_SYNC_DURATION: Family = Family::new(
+    "harvester_lb_kernel_sync_duration_seconds",
+    Gauge,
+    "How long the last successful transaction to the kernel NAT table took, nft included.",
+);
+/// New connections the kernel sent to a backend of a kernel listener.
+pub static KERNEL_BACKEND_CONNECTIONS: Family = Family::new(
+    "harvester_lb_kernel_backend_connections_total",
+    Counter,
+    "New connections the kernel forwarded to a backend of a forwarding = \"kernel\" listener (its nftables named counter, read every 5 s).",
+);
+/// The host's conntrack entries now (`nf_conntrack_count`).
+pub static CONNTRACK_ENTRIES: Family = Family::new(
+    "harvester_lb_conntrack_entries",
+    Gauge,
+    "Connection tracking entries in use on this host (net.netfilter.nf_conntrack_count); kernel listeners hold one per flow, and a closed TCP connection for 120 s more.",
+);
+/// The host's conntrack table size (`nf_conntrack_max`).
+pub static CONNTRACK_MAX: Family = Family::new(
+    "harvester_lb_conntrack_max",
+    Gauge,
+    "Size of this host's connection tracking table (net.netfilter.nf_conntrack_max): a new flow beyond it is dropped.",
+);
 /// Reloads, by `result`.
 pub static CONFIG_RELOADS: Family = Family::new(
     "harvester_lb_config_reloads_total",

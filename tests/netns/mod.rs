@@ -25,6 +25,8 @@
 pub mod peers;
 #[path = "../support/skip.rs"]
 mod skip;
+// Used by the `require_netns!` macro, which not every test crate calls.
+#[allow(unused_imports)]
 pub use skip::skip_or_fail;
 
 use std::io::{Read, Write};

@@ -27,6 +27,7 @@ use super::*;
 mod cross;
 mod dhcp;
 mod health;
+mod kernel;
 mod locate;
 mod names;
 mod reuse;
@@ -596,6 +597,7 @@ impl Validator<'_> {
             }
         }
 
+        self.kernel_combinations(key, lb, vip, algorithm, &listeners);
         let health_check = lb
             .health_check
             .as_ref()
@@ -761,6 +763,7 @@ impl Validator<'_> {
                 (secs > 0).then(|| Duration::from_secs(secs as u64))
             }
         };
+        let (forwarding, source_nat) = self.forwarding(key, l);
         Some(ListenerSpec {
             name: name?,
             port: port?,
@@ -768,6 +771,8 @@ impl Validator<'_> {
             protocol,
             proxy_protocol,
             defer_accept,
+            forwarding,
+            source_nat,
         })
     }
 

@@ -1,0 +1,188 @@
+//! `forwarding = "kernel"`: what a listener forwarded by the kernel's NAT
+//! can be, and every combination it cannot, refused with the key and the
+//! reason.
+//!
+//! The kernel path sees only a connection's first packet (nftables NAT
+//! chains run once per flow), so anything decided per connection in user
+//! space has no kernel form: PROXY protocol headers, least connections,
+//! deferred accept, answer counting. Keys that only tune the proxy's own
+//! forwarding (connect timeout, idle timeouts) are not refused: they apply
+//! while the listener falls back to the proxy, and a warning says so.
+
+use super::*;
+
+impl Validator<'_> {
+    /// `forwarding` and `source_nat` of one listener.
+    pub(super) fn forwarding(&mut self, key: &str, l: &FileListener) -> (Forwarding, SourceNat) {
+        let forwarding = self.choice(
+            &l.forwarding,
+            format_args!("{key}.forwarding"),
+            &[("proxy", Forwarding::Proxy), ("kernel", Forwarding::Kernel)],
+            Forwarding::Proxy,
+        );
+        let source_nat = self.choice(
+            &l.source_nat,
+            format_args!("{key}.source_nat"),
+            &[
+                ("masquerade", SourceNat::Masquerade),
+                ("none", SourceNat::None),
+            ],
+            SourceNat::Masquerade,
+        );
+        if forwarding == Forwarding::Proxy
+            && let Some(v) = &l.source_nat
+        {
+            self.problem(
+                Some(v.span()),
+                &format!("{key}.source_nat"),
+                "applies to forwarding = \"kernel\" listeners only: the proxy opens its own connection to the backend, which always comes from this host (send the client's address with proxy_protocol); remove it, or set forwarding = \"kernel\"".into(),
+            );
+        }
+        if forwarding != Forwarding::Kernel {
+            return (forwarding, source_nat);
+        }
+        if let Some(v) = &l.proxy_protocol {
+            self.problem(
+                Some(v.span()),
+                &format!("{key}.proxy_protocol"),
+                "cannot be sent by a forwarding = \"kernel\" listener: the kernel rewrites addresses and never writes a byte into the stream; keep forwarding = \"proxy\" for a PROXY protocol listener, or use source_nat = \"none\" so the backend sees the client's address".into(),
+            );
+        }
+        if let Some(v) = &l.defer_accept_seconds {
+            self.problem(
+                Some(v.span()),
+                &format!("{key}.defer_accept_seconds"),
+                "has no effect on a forwarding = \"kernel\" listener: the kernel forwards the handshake itself and no socket of this host accepts the connection; remove it".into(),
+            );
+        }
+        (forwarding, source_nat)
+    }
+
+    /// The load balancer's keys that a kernel listener cannot honour.
+    pub(super) fn kernel_combinations(
+        &mut self,
+        key: &str,
+        lb: &FileLoadBalancer,
+        vip: Option<IpAddr>,
+        algorithm: Algorithm,
+        listeners: &[ListenerSpec],
+    ) {
+        let Some((index, _)) = lb.listeners.iter().enumerate().find(|(_, l)| {
+            l.get_ref()
+                .forwarding
+                .as_ref()
+                .is_some_and(|f| f.get_ref() == "kernel")
+        }) else {
+            return;
+        };
+        if !listeners.iter().any(|l| l.forwarding == Forwarding::Kernel) {
+            return; // The listener has problems of its own, already told.
+        }
+        let lkey = format!("{key}.listener[{index}].forwarding");
+        if let Some(ip) = vip
+            && ip.is_loopback()
+            && let Some(v) = &lb.vip
+        {
+            self.problem(
+                Some(v.span()),
+                &format!("{key}.vip"),
+                format!(
+                    "{ip} is a loopback address, and {lkey} is \"kernel\": the kernel cannot DNAT loopback traffic (it would be a martian packet on the way out), so nothing would be forwarded; use forwarding = \"proxy\" for a loopback VIP"
+                ),
+            );
+        }
+        let refused = match algorithm {
+            Algorithm::RoundRobin => None,
+            Algorithm::LeastConnections => Some(
+                "\"least_connections\" has no kernel form: nftables picks a backend from the first packet alone and keeps no count of open connections; use \"round_robin\", or forwarding = \"proxy\"",
+            ),
+            Algorithm::SourceIp => Some(
+                "\"source_ip\" is not in the kernel path yet (the proxy's rendezvous hash has no nftables form here); use \"round_robin\", or forwarding = \"proxy\"",
+            ),
+        };
+        if let (Some(why), Some(v)) = (refused, &lb.algorithm) {
+            self.problem(
+                Some(v.span()),
+                &format!("{key}.algorithm"),
+                format!("{why} (for {lkey} = \"kernel\")"),
+            );
+        }
+        if let Some(v) = &lb.session_affinity
+            && v.get_ref() == "client_ip"
+        {
+            self.problem(
+                Some(v.span()),
+                &format!("{key}.session_affinity"),
+                format!(
+                    "\"client_ip\" is not in the kernel path yet: {lkey} is \"kernel\"; use forwarding = \"proxy\" for client affinity"
+                ),
+            );
+        }
+        if let Some(v) = &lb.udp_responses {
+            self.problem(
+                Some(v.span()),
+                &format!("{key}.udp_responses"),
+                format!(
+                    "cannot be counted by the kernel: {lkey} is \"kernel\", and conntrack ends a UDP flow on its own timeout only; remove it, or use forwarding = \"proxy\""
+                ),
+            );
+        }
+        // The postrouting match sees the connection after DNAT (VIP,
+        // backend, protocol, nodeport): two kernel listeners that reach one
+        // nodeport cannot be told apart there.
+        let mut by_nodeport: HashMap<(Protocol, u16), SourceNat> = HashMap::new();
+        for (i, l) in lb.listeners.iter().enumerate() {
+            let Some(spec) = listeners.iter().find(|s| {
+                l.get_ref()
+                    .name
+                    .as_ref()
+                    .is_some_and(|n| *n.get_ref() == s.name)
+            }) else {
+                continue;
+            };
+            if spec.forwarding != Forwarding::Kernel {
+                continue;
+            }
+            match by_nodeport.entry((spec.protocol, spec.backend_port)) {
+                std::collections::hash_map::Entry::Vacant(e) => {
+                    e.insert(spec.source_nat);
+                }
+                std::collections::hash_map::Entry::Occupied(e) if *e.get() != spec.source_nat => {
+                    let span = l
+                        .get_ref()
+                        .source_nat
+                        .as_ref()
+                        .map_or_else(|| l.span(), |v| v.span());
+                    self.problem(
+                        Some(span),
+                        &format!("{key}.listener[{i}].source_nat"),
+                        format!(
+                            "differs from another kernel listener of this load balancer on backend_port {} ({}): after the DNAT the kernel sees one VIP, backend and nodeport for both, so it cannot masquerade one and not the other; give them the same source_nat",
+                            spec.backend_port, spec.protocol
+                        ),
+                    );
+                }
+                std::collections::hash_map::Entry::Occupied(_) => {}
+            }
+        }
+        for (name, value) in [
+            ("connect_timeout_ms", lb.connect_timeout_ms.as_ref()),
+            ("connect_attempts", lb.connect_attempts.as_ref()),
+            ("idle_timeout_seconds", lb.idle_timeout_seconds.as_ref()),
+            (
+                "udp_idle_timeout_seconds",
+                lb.udp_idle_timeout_seconds.as_ref(),
+            ),
+        ] {
+            if let Some(v) = value {
+                self.warning(
+                    Some(v.span()),
+                    &format!("{key}.{name}"),
+                    format!(
+                        "applies to this load balancer's kernel listeners only while they fall back to the proxy ({lkey} is \"kernel\"): the kernel tries one backend and times flows out by its conntrack settings"
+                    ),
+                );
+            }
+        }
+    }
+}

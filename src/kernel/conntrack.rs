@@ -1,0 +1,308 @@
+//! Deleting the conntrack entries of flows whose backend left, over
+//! ctnetlink (no `conntrack` binary).
+//!
+//! A UDP flow has no close: every datagram refreshes its conntrack entry,
+//! and the entry keeps its NAT binding, so a client with a fixed source
+//! port would stay on a removed backend for ever (kubernetes#139628). After
+//! each sync, the entries whose original destination is a kernel UDP
+//! listener and whose reply comes from a backend no longer eligible are
+//! deleted; the client's next datagram is a new flow, DNATed again. The
+//! kernel cannot filter by destination, so this is one dump and one delete
+//! per stale entry, as `conntrack -D` and kube-proxy do.
+//!
+//! TCP entries are left alone (open connections of a drained or failed
+//! backend run on, as IPVS's weight 0), except with `on_backend_down =
+//! "close"`: the entries of a backend its health check marked down are
+//! deleted, so the client's next segment meets a reset and it reconnects.
+
+use std::collections::HashMap;
+use std::io;
+use std::net::IpAddr;
+
+use netlink_packet_core::{
+    NLM_F_ACK, NLM_F_DUMP, NLM_F_REQUEST, NetlinkHeader, NetlinkMessage, NetlinkPayload,
+};
+use netlink_packet_netfilter::conntrack::{
+    ConntrackAttribute, ConntrackMessage, IPTuple, ProtoTuple, Protocol as CtProtocol, Tuple,
+};
+use netlink_packet_netfilter::{
+    NetfilterHeader, NetfilterMessage, NetfilterMessageInner, NetfilterProtoFamily,
+};
+use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_NETFILTER};
+
+use super::*;
+
+/// One flow as conntrack has it: what the client sent to, and who answers.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Flow {
+    /// The original tuple, as received: what a delete names.
+    original: Vec<Tuple>,
+    orig_dst: Option<IpAddr>,
+    orig_dport: Option<u16>,
+    udp: bool,
+    tcp: bool,
+    reply_src: Option<IpAddr>,
+}
+
+fn flow(attrs: Vec<ConntrackAttribute>) -> Flow {
+    let mut f = Flow {
+        original: Vec::new(),
+        orig_dst: None,
+        orig_dport: None,
+        udp: false,
+        tcp: false,
+        reply_src: None,
+    };
+    for a in attrs {
+        match a {
+            ConntrackAttribute::CtaTupleOrig(tuple) => {
+                for t in &tuple {
+                    match t {
+                        Tuple::Ip(ips) => {
+                            for ip in ips {
+                                if let IPTuple::DestinationAddress(d) = ip {
+                                    f.orig_dst = Some(*d);
+                                }
+                            }
+                        }
+                        Tuple::Proto(ps) => {
+                            for p in ps {
+                                match p {
+                                    ProtoTuple::Protocol(CtProtocol::Udp) => f.udp = true,
+                                    ProtoTuple::Protocol(CtProtocol::Tcp) => f.tcp = true,
+                                    ProtoTuple::DestinationPort(port) => f.orig_dport = Some(*port),
+                                    _ => {}
+                                }
+                            }
+                        }
+                        _ => {}
+                    }
+                }
+                f.original = tuple;
+            }
+            ConntrackAttribute::CtaTupleReply(tuple) => {
+                for t in &tuple {
+                    if let Tuple::Ip(ips) = t {
+                        for ip in ips {
+                            if let IPTuple::SourceAddress(s) = ip {
+                                f.reply_src = Some(*s);
+                            }
+                        }
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+    f
+}
+
+/// Per kernel listener (VIP, protocol, port): the backends still
+/// eligible, and those whose TCP flows are to be reset.
+pub(crate) type Sweep = HashMap<ListenerId, (Vec<IpAddr>, Vec<IpAddr>)>;
+
+/// The listeners of `desired` that may have stale flows: every UDP one,
+/// and TCP ones with backends to reset.
+pub(crate) fn sweep_of(desired: &Desired) -> Sweep {
+    desired
+        .iter()
+        .filter(|((_, p, _), l)| *p == Protocol::Udp || !l.close_down.is_empty())
+        .map(|(id, l)| (*id, (l.eligible.clone(), l.close_down.clone())))
+        .collect()
+}
+
+/// Whether conntrack entry `f` is to go: a UDP flow of a kernel listener
+/// whose backend is no longer eligible (a flow the proxy or the host
+/// answers, whose reply comes from the VIP itself, is not), or a TCP flow
+/// to a backend to reset.
+fn stale(f: &Flow, sweep: &Sweep) -> bool {
+    let (Some(dst), Some(port), Some(reply)) = (f.orig_dst, f.orig_dport, f.reply_src) else {
+        return false;
+    };
+    if f.udp {
+        reply != dst
+            && sweep
+                .get(&(dst, Protocol::Udp, port))
+                .is_some_and(|(eligible, _)| !eligible.contains(&reply))
+    } else if f.tcp {
+        sweep
+            .get(&(dst, Protocol::Tcp, port))
+            .is_some_and(|(_, close)| close.contains(&reply))
+    } else {
+        false
+    }
+}
+
+fn request(family: NetfilterProtoFamily, message: ConntrackMessage, flags: u16) -> Vec<u8> {
+    let mut header = NetlinkHeader::default();
+    header.flags = flags;
+    let mut packet = NetlinkMessage::new(
+        header,
+        NetlinkPayload::from(NetfilterMessage::new(
+            NetfilterHeader::new(family, 0, 0),
+            message,
+        )),
+    );
+    packet.finalize();
+    let mut buf = vec![0; packet.buffer_len()];
+    packet.serialize(&mut buf[..]);
+    buf
+}
+
+fn socket() -> io::Result<Socket> {
+    let mut socket = Socket::new(NETLINK_NETFILTER)?;
+    socket.bind_auto()?;
+    socket.connect(&SocketAddr::new(0, 0))?;
+    Ok(socket)
+}
+
+/// Every entry of one address family.
+fn dump(family: NetfilterProtoFamily) -> io::Result<Vec<Flow>> {
+    let socket = socket()?;
+    socket.send(
+        &request(
+            family,
+            ConntrackMessage::Get(vec![]),
+            NLM_F_REQUEST | NLM_F_DUMP,
+        ),
+        0,
+    )?;
+    let mut flows = Vec::new();
+    let mut buf = vec![0u8; 1 << 16];
+    loop {
+        let size = socket.recv(&mut &mut buf[..], 0)?;
+        let mut offset = 0;
+        while offset < size {
+            let msg = <NetlinkMessage<NetfilterMessage>>::deserialize(&buf[offset..size])
+                .map_err(|e| io::Error::other(format!("ctnetlink: {e}")))?;
+            let len = msg.header.length as usize;
+            match msg.payload {
+                NetlinkPayload::Done(_) => return Ok(flows),
+                NetlinkPayload::Error(e) => {
+                    return Err(io::Error::other(format!("ctnetlink dump: {e:?}")));
+                }
+                NetlinkPayload::InnerMessage(NetfilterMessage {
+                    inner: NetfilterMessageInner::Conntrack(ConntrackMessage::New(attrs)),
+                    ..
+                }) => flows.push(flow(attrs)),
+                _ => {}
+            }
+            if len == 0 {
+                break;
+            }
+            offset += len;
+        }
+    }
+}
+
+/// Deletes one entry by its original tuple; an entry gone meanwhile is
+/// no error.
+fn delete(socket: &Socket, family: NetfilterProtoFamily, original: Vec<Tuple>) -> io::Result<()> {
+    socket.send(
+        &request(
+            family,
+            ConntrackMessage::Delete(vec![ConntrackAttribute::CtaTupleOrig(original)]),
+            NLM_F_REQUEST | NLM_F_ACK,
+        ),
+        0,
+    )?;
+    let mut buf = vec![0u8; 4096];
+    let size = socket.recv(&mut &mut buf[..], 0)?;
+    let msg = <NetlinkMessage<NetfilterMessage>>::deserialize(&buf[..size])
+        .map_err(|e| io::Error::other(format!("ctnetlink: {e}")))?;
+    match msg.payload {
+        NetlinkPayload::Error(e) => match e.code {
+            None => Ok(()),
+            Some(code) if -code.get() == libc::ENOENT => Ok(()),
+            Some(code) => Err(io::Error::from_raw_os_error(-code.get())),
+        },
+        _ => Ok(()),
+    }
+}
+
+/// Deletes the conntrack entries of UDP flows whose backend is no longer
+/// eligible on their listener, and of TCP flows to backends to reset;
+/// returns how many. Nothing to do (no dump) without such a listener.
+/// Blocking.
+pub fn delete_stale_flows(desired: &Desired) -> io::Result<usize> {
+    let listeners = sweep_of(desired);
+    if listeners.is_empty() {
+        return Ok(0);
+    }
+    let mut deleted = 0;
+    for family in [NetfilterProtoFamily::IPv4, NetfilterProtoFamily::IPv6] {
+        if !listeners
+            .keys()
+            .any(|(vip, _, _)| vip.is_ipv4() == (family == NetfilterProtoFamily::IPv4))
+        {
+            continue;
+        }
+        let flows = dump(family)?;
+        let socket = socket()?;
+        for f in flows.into_iter().filter(|f| stale(f, &listeners)) {
+            delete(&socket, family, f.original)?;
+            deleted += 1;
+        }
+    }
+    Ok(deleted)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn f(dst: &str, port: u16, udp: bool, reply: &str) -> Flow {
+        Flow {
+            original: Vec::new(),
+            orig_dst: Some(dst.parse().unwrap()),
+            orig_dport: Some(port),
+            udp,
+            tcp: !udp,
+            reply_src: Some(reply.parse().unwrap()),
+        }
+    }
+
+    fn ip(s: &str) -> IpAddr {
+        s.parse().unwrap()
+    }
+
+    #[test]
+    fn udp_flows_of_a_backend_that_left_and_tcp_flows_to_reset_are_stale() {
+        let mut l = Sweep::new();
+        l.insert(
+            (ip("192.0.2.10"), Protocol::Udp, 53),
+            (vec![ip("10.0.0.1")], vec![]),
+        );
+        assert!(stale(&f("192.0.2.10", 53, true, "10.0.0.2"), &l));
+        assert!(
+            !stale(&f("192.0.2.10", 53, true, "10.0.0.1"), &l),
+            "eligible"
+        );
+        assert!(!stale(&f("192.0.2.10", 53, false, "10.0.0.2"), &l), "tcp");
+        assert!(
+            !stale(&f("192.0.2.10", 54, true, "10.0.0.2"), &l),
+            "another port"
+        );
+        assert!(
+            !stale(&f("192.0.2.10", 53, true, "192.0.2.10"), &l),
+            "not DNATed"
+        );
+        l.insert((ip("192.0.2.11"), Protocol::Udp, 53), (vec![], vec![]));
+        assert!(
+            stale(&f("192.0.2.11", 53, true, "10.0.0.1"), &l),
+            "no backend left"
+        );
+        l.insert(
+            (ip("192.0.2.10"), Protocol::Tcp, 80),
+            (vec![ip("10.0.0.1")], vec![ip("10.0.0.2")]),
+        );
+        assert!(
+            stale(&f("192.0.2.10", 80, false, "10.0.0.2"), &l),
+            "marked down, close"
+        );
+        assert!(
+            !stale(&f("192.0.2.10", 80, false, "10.0.0.3"), &l),
+            "drained: kept"
+        );
+    }
+}

@@ -1,0 +1,123 @@
+//! Forwarding in the kernel: the daemon's `forwarding = "kernel"`
+//! listeners as nftables NAT in one table of its own, `inet
+//! harvester_lb_nat`, modelled on kube-proxy's nftables mode (KEP-3866).
+//!
+//! ```text
+//! table inet harvester_lb_nat {
+//!   map dispatch4 { ipv4_addr . inet_proto . inet_service : verdict }   # VIP . tcp . 80 : goto l_tcp_80_VIP
+//!   set refuse4   { ipv4_addr . inet_proto . inet_service }             # every kernel listener
+//!   set masq4     { ipv4_addr . ipv4_addr . inet_proto . inet_service } # VIP . backend . tcp . nodeport
+//!   (and dispatch6, refuse6, masq6)
+//!   chain prerouting  { nat hook prerouting priority dstnat; ip daddr . meta l4proto . th dport vmap @dispatch4 … }
+//!   chain output      { nat hook output priority -100; the same }        # clients on this host
+//!   chain postrouting { nat hook postrouting priority srcnat;
+//!                       ct status dnat ct original ip daddr . ip daddr . meta l4proto . th dport @masq4 masquerade fully-random }
+//!   chain input       { filter hook input priority filter;
+//!                       ct state new ip daddr . meta l4proto . th dport @refuse4 reject }  # never falls through to the host
+//!   chain l_tcp_80_VIP { ip saddr != @s_tcp_80_VIP counter name d_… return    # source_ranges
+//!                        numgen inc mod N vmap { 0 : goto b_…_BE1, … } }     # or: counter name z_… return
+//!   chain b_tcp_80_VIP_BE1 { counter name n_tcp_80_VIP_BE1; meta l4proto tcp dnat ip to BE1:NODEPORT }
+//! }
+//! ```
+//!
+//! A NAT chain sees only a flow's first packet, so each named counter
+//! counts new connections. A packet the listener chain does not DNAT (no
+//! eligible backend, a client outside `source_ranges`) goes on to the
+//! local input path, where `refuse` resets it (ICMP port unreachable for
+//! UDP): it never reaches the userspace socket or another service of the
+//! host. Only new flows are refused, so connections the proxy accepted
+//! before the listener became a kernel one run on.
+//!
+//! The userspace listener stays bound: removing a VIP's `dispatch` element
+//! hands its new connections back to the proxy at once (DNAT happens
+//! before the local socket), which is how a failed write falls back.
+//!
+//! This part decides nothing: the daemon hands it the desired state
+//! ([`Desired`]: VIPs, ports, eligible backends) and it writes the kernel.
+//! It never imports `proxy` or `health`.
+
+mod build;
+mod conntrack;
+mod nft;
+mod sync;
+
+pub use build::{Owned, TABLE, transaction};
+pub use conntrack::delete_stale_flows;
+pub use nft::{NftError, counters, read_back};
+pub use sync::{KernelTable, Synced};
+
+use std::collections::BTreeMap;
+use std::net::IpAddr;
+
+use ipnet::IpNet;
+
+use crate::config::{Protocol, SourceNat};
+
+/// A kernel listener's identity, as the proxy's: VIP, protocol, port.
+pub type ListenerId = (IpAddr, Protocol, u16);
+
+/// What one kernel listener should do now.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KernelListener {
+    /// The service's nodeport on every backend.
+    pub backend_port: u16,
+    /// Every backend of its load balancer, in config order: each keeps a
+    /// chain and a named counter while it is configured, so a health flip
+    /// does not reset its count.
+    pub members: Vec<IpAddr>,
+    /// The members that take new connections (healthy and ready), in
+    /// config order; a subset of `members`.
+    pub eligible: Vec<IpAddr>,
+    /// The clients served; `None`: everyone.
+    pub source_ranges: Option<Vec<IpNet>>,
+    /// What the backends see as the source.
+    pub source_nat: SourceNat,
+    /// Members marked down by their health check whose open TCP flows are
+    /// reset (`on_backend_down = "close"`: their conntrack entries are
+    /// deleted); empty otherwise.
+    pub close_down: Vec<IpAddr>,
+}
+
+/// Every kernel listener, by identity: the whole state of the table.
+pub type Desired = BTreeMap<ListenerId, KernelListener>;
+
+/// The names this module gives a listener's objects.
+pub(crate) fn listener_tag((vip, protocol, port): &ListenerId) -> String {
+    format!("{}_{}_{}", protocol.as_str(), port, addr_tag(*vip))
+}
+
+/// An address as an nft identifier piece (`:` is not allowed there).
+fn addr_tag(ip: IpAddr) -> String {
+    ip.to_string().replace(':', "-")
+}
+
+/// The listener's chain.
+pub(crate) fn listener_chain(id: &ListenerId) -> String {
+    format!("l_{}", listener_tag(id))
+}
+
+/// A backend's chain within a listener.
+pub(crate) fn backend_chain(id: &ListenerId, backend: IpAddr) -> String {
+    format!("b_{}_{}", listener_tag(id), addr_tag(backend))
+}
+
+/// A backend's counter of new connections within a listener.
+pub fn backend_counter(id: &ListenerId, backend: IpAddr) -> String {
+    format!("n_{}_{}", listener_tag(id), addr_tag(backend))
+}
+
+/// The counter of a listener's connections refused for want of an
+/// eligible backend.
+pub fn no_backend_counter(id: &ListenerId) -> String {
+    format!("z_{}", listener_tag(id))
+}
+
+/// The counter of a listener's connections refused by `source_ranges`.
+pub fn denied_counter(id: &ListenerId) -> String {
+    format!("d_{}", listener_tag(id))
+}
+
+/// The set of a listener's source ranges.
+pub(crate) fn source_set(id: &ListenerId) -> String {
+    format!("s_{}", listener_tag(id))
+}

@@ -1,0 +1,132 @@
+//! Running `nft`, reading our table back, removing it.
+//!
+//! [`read_back`] is this module's one comparison with the kernel: what the
+//! table holds of ours, by name, so that a sync after a restart or a failed
+//! transaction deletes exactly the objects no longer wanted (a kube-proxy
+//! style "full resync"), and never the table itself.
+
+use std::io::Write;
+use std::process::{Command, Stdio};
+
+use super::build::{Owned, TABLE};
+
+/// Why `nft` did not do what it was asked.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "could not {what} the nftables table inet {TABLE}: {detail} (kernel forwarding needs the `nft` command and CAP_NET_ADMIN; the listeners are served by the proxy meanwhile)"
+)]
+pub struct NftError {
+    what: &'static str,
+    detail: String,
+}
+
+impl NftError {
+    /// What failed, in nft's own words where it said something.
+    pub fn detail(&self) -> &str {
+        &self.detail
+    }
+}
+
+/// Runs `nft` with `args`, `input` on its stdin; its stdout, or its stderr
+/// in the error (the crate's runner lets stderr through, unread).
+pub(super) fn run(what: &'static str, args: &[&str], input: &[u8]) -> Result<String, NftError> {
+    let fail = |detail: String| NftError { what, detail };
+    let mut child = Command::new("nft")
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(|e| fail(format!("cannot run `nft`: {e}")))?;
+    let written = child.stdin.take().map(|mut stdin| stdin.write_all(input));
+    let out = child
+        .wait_with_output()
+        .map_err(|e| fail(format!("`nft` did not finish: {e}")))?;
+    if out.status.success() {
+        return Ok(String::from_utf8_lossy(&out.stdout).into_owned());
+    }
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let said = stderr.trim();
+    Err(fail(match (said.is_empty(), written) {
+        (false, _) => format!("nft: {said}"),
+        (true, Some(Err(e))) => format!("nft exited with {} (writing to it: {e})", out.status),
+        (true, _) => format!("nft exited with {}", out.status),
+    }))
+}
+
+/// Applies one transaction document (atomic: all of it or nothing).
+pub(super) fn apply(doc: &serde_json::Value) -> Result<(), NftError> {
+    let json = serde_json::to_vec(doc).map_err(|e| NftError {
+        what: "write",
+        detail: format!("cannot encode it: {e}"),
+    })?;
+    run("write", &["-j", "-f", "-"], &json).map(drop)
+}
+
+/// The regular chains, counters and sets our table holds now; empty when
+/// there is no table (a first start, or a clean stop before).
+pub fn read_back() -> Result<Owned, NftError> {
+    let listed = match run("read", &["-j", "list", "table", "inet", TABLE], b"") {
+        Ok(out) => out,
+        Err(e) if e.detail.contains("No such file or directory") => return Ok(Owned::default()),
+        Err(e) => return Err(e),
+    };
+    parse_listing(&listed).map_err(|detail| NftError {
+        what: "read",
+        detail,
+    })
+}
+
+/// The objects of a `nft -j list table` answer. Read as plain JSON: the
+/// crate's schema has no verdict map type, so it cannot read our own table.
+pub(super) fn parse_listing(listed: &str) -> Result<Owned, String> {
+    let doc: serde_json::Value =
+        serde_json::from_str(listed).map_err(|e| format!("cannot parse nft's listing: {e}"))?;
+    let mut owned = Owned::default();
+    for o in doc["nftables"].as_array().into_iter().flatten() {
+        let name = |kind: &str| o.get(kind)?.get("name")?.as_str().map(str::to_string);
+        if let Some(n) = name("chain").filter(|_| o["chain"].get("hook").is_none()) {
+            owned.chains.insert(n);
+        } else if let Some(n) = name("counter") {
+            owned.counters.insert(n);
+        } else if let Some(n) = name("set").filter(|n| n.starts_with("s_")) {
+            owned.sets.insert(n);
+        }
+    }
+    Ok(owned)
+}
+
+/// The named counters' packet counts: `(name, packets)`; for NAT chains,
+/// one packet is one new connection.
+pub fn counters() -> Result<Vec<(String, u64)>, NftError> {
+    let listed = run(
+        "read",
+        &["-j", "list", "counters", "table", "inet", TABLE],
+        b"",
+    )?;
+    let doc: serde_json::Value = serde_json::from_str(&listed).map_err(|e| NftError {
+        what: "read",
+        detail: format!("cannot parse nft's listing: {e}"),
+    })?;
+    Ok(doc["nftables"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|o| {
+            let c = o.get("counter")?;
+            Some((c["name"].as_str()?.to_string(), c["packets"].as_u64()?))
+        })
+        .collect())
+}
+
+/// Deletes the table (a clean stop, after the drain); nothing when absent.
+pub(super) fn remove() -> Result<(), NftError> {
+    let doc = serde_json::json!({"nftables": [
+        {"add": {"table": {"family": "inet", "name": TABLE}}},
+        {"delete": {"table": {"family": "inet", "name": TABLE}}},
+    ]});
+    apply(&doc).map_err(|e| NftError {
+        what: "remove",
+        detail: e.detail,
+    })
+}

@@ -1,0 +1,122 @@
+//! Keeping the kernel's table equal to the desired state: one transaction
+//! per change, none when nothing changed, a full resync after a failure.
+
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use super::build::{Owned, partial_transaction, transaction};
+use super::nft::{self, NftError};
+use super::*;
+
+/// What a [`KernelTable::sync`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Synced {
+    /// The kernel already had it: no `nft` call.
+    Unchanged,
+    /// One transaction was applied, taking this long (`nft` included).
+    Written(Duration),
+}
+
+#[derive(Debug, Default)]
+struct State {
+    /// What the kernel holds, as this process last wrote it; `None` at
+    /// start and after a failure, when only a read-back can tell.
+    applied: Option<Desired>,
+    /// The last failure, while it stands.
+    error: Option<NftError>,
+    /// Removed at a clean stop: nothing is written any more.
+    closed: bool,
+}
+
+/// The daemon's side of `inet harvester_lb_nat`.
+#[derive(Debug, Default)]
+pub struct KernelTable {
+    state: Mutex<State>,
+}
+
+impl KernelTable {
+    /// Nothing known of the kernel yet.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Makes the table `desired`. The first call (and the first after a
+    /// failure) reads the table back and deletes what is not wanted any
+    /// more, in the same transaction: a restarted daemon reconciles the
+    /// rules a crash left, and never deletes the table under open flows.
+    /// With no kernel listener and no table, it writes nothing. Blocking:
+    /// it runs `nft`.
+    pub fn sync(&self, desired: &Desired) -> Result<Synced, NftError> {
+        let mut st = self.lock();
+        if st.closed || st.applied.as_ref() == Some(desired) {
+            return Ok(Synced::Unchanged);
+        }
+        let started = Instant::now();
+        let result = (|| {
+            // Known to be in the kernel: only what differs is written.
+            // (Nothing written yet, the table may not exist: a full write.)
+            if let Some(applied) = st.applied.as_ref().filter(|a| !a.is_empty()) {
+                return nft::apply(&partial_transaction(desired, applied)).map(|()| true);
+            }
+            let present = match &st.applied {
+                Some(applied) => Owned::of(applied),
+                None => match nft::read_back() {
+                    Ok(p) => p,
+                    // No `nft` and nothing to forward: nothing is wrong.
+                    Err(_) if desired.is_empty() => return Ok(false),
+                    Err(e) => return Err(e),
+                },
+            };
+            if desired.is_empty() && present == Owned::default() {
+                return Ok(false);
+            }
+            nft::apply(&transaction(desired, &present)).map(|()| true)
+        })();
+        match result {
+            Ok(written) => {
+                st.applied = Some(desired.clone());
+                st.error = None;
+                Ok(if written {
+                    Synced::Written(started.elapsed())
+                } else {
+                    Synced::Unchanged
+                })
+            }
+            Err(e) => {
+                st.applied = None;
+                st.error = Some(e.clone());
+                Err(e)
+            }
+        }
+    }
+
+    /// Whether `id` is forwarded by the kernel now (the last sync that
+    /// included it succeeded).
+    pub fn forwards(&self, id: &ListenerId) -> bool {
+        let st = self.lock();
+        st.error.is_none() && st.applied.as_ref().is_some_and(|a| a.contains_key(id))
+    }
+
+    /// The failure that stands, if the last sync failed.
+    pub fn error(&self) -> Option<String> {
+        self.lock().error.as_ref().map(|e| e.to_string())
+    }
+
+    /// Deletes the table (a clean stop, after the drain): new connections
+    /// go to the proxy's sockets until they close. Nothing when this
+    /// process never had a kernel listener.
+    pub fn remove(&self) -> Result<(), NftError> {
+        let mut st = self.lock();
+        st.closed = true;
+        let wrote = st.error.is_some() || st.applied.as_ref().is_some_and(|a| !a.is_empty());
+        if !wrote {
+            return Ok(());
+        }
+        st.applied = None;
+        nft::remove()
+    }
+}

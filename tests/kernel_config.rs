@@ -1,0 +1,231 @@
+//! `forwarding = "kernel"` and `source_nat` as `check` sees them: the
+//! default changes nothing, and every combination the kernel's NAT cannot
+//! do is refused with its key, its line and the reason.
+
+mod support;
+
+use harvester_lb::config::{self, Forwarding, Problem, SourceNat};
+use support::run_cli;
+
+fn problems(text: &str) -> Vec<Problem> {
+    match config::parse(text) {
+        Ok(_) => panic!("config should be invalid:\n{text}"),
+        Err(p) => p,
+    }
+}
+
+/// One load balancer with one listener; `lb` and `listener` are extra
+/// lines in each table.
+fn file(vip: &str, lb: &str, listener: &str) -> String {
+    format!(
+        r#"
+[[load_balancer]]
+name = "default/dns"
+vip = "{vip}"
+backends = ["198.51.100.11", "198.51.100.12"]
+{lb}
+  [[load_balancer.listener]]
+  name = "web"
+  port = 80
+  backend_port = 30080
+{listener}
+"#
+    )
+}
+
+#[test]
+fn proxy_is_the_default_and_kernel_keys_parse() {
+    let loaded = config::parse(&file("192.0.2.10", "", "")).expect("valid");
+    let l = &loaded.config.load_balancers[0].listeners[0];
+    assert_eq!(l.forwarding, Forwarding::Proxy);
+    assert_eq!(l.source_nat, SourceNat::Masquerade);
+
+    let loaded = config::parse(&file("192.0.2.10", "", "  forwarding = \"kernel\"")).unwrap();
+    let l = &loaded.config.load_balancers[0].listeners[0];
+    assert_eq!(l.forwarding, Forwarding::Kernel);
+    assert_eq!(l.source_nat, SourceNat::Masquerade);
+    assert!(loaded.warnings.is_empty(), "{:?}", loaded.warnings);
+
+    let loaded = config::parse(&file(
+        "2001:db8::10",
+        "algorithm = \"round_robin\"\nsource_ranges = [\"2001:db8::/32\"]",
+        "  forwarding = \"kernel\"\n  source_nat = \"none\"\n  protocol = \"udp\"",
+    ))
+    .unwrap();
+    let l = &loaded.config.load_balancers[0].listeners[0];
+    assert_eq!(l.forwarding, Forwarding::Kernel);
+    assert_eq!(l.source_nat, SourceNat::None);
+}
+
+#[test]
+fn bad_values_name_the_choices() {
+    let p = problems(&file("192.0.2.10", "", "  forwarding = \"ebpf\""));
+    assert_eq!(p[0].key, "load_balancer[0].listener[0].forwarding");
+    assert!(
+        p[0].message
+            .contains("\"ebpf\" is not supported; use one of \"proxy\", \"kernel\""),
+        "{}",
+        p[0]
+    );
+    let p = problems(&file(
+        "192.0.2.10",
+        "",
+        "  forwarding = \"kernel\"\n  source_nat = \"snat\"",
+    ));
+    assert_eq!(p[0].key, "load_balancer[0].listener[0].source_nat");
+    assert!(
+        p[0].message.contains("\"masquerade\", \"none\""),
+        "{}",
+        p[0]
+    );
+}
+
+/// Each refused combination: the key reported, a piece of the reason.
+#[test]
+fn every_combination_the_kernel_cannot_do_is_refused_with_key_and_reason() {
+    let kernel = "  forwarding = \"kernel\"";
+    let cases: &[(&str, &str, String, &str, &str)] = &[
+        (
+            "192.0.2.10",
+            "",
+            "  source_nat = \"none\"".into(),
+            "load_balancer[0].listener[0].source_nat",
+            "applies to forwarding = \"kernel\" listeners only",
+        ),
+        (
+            "192.0.2.10",
+            "algorithm = \"least_connections\"",
+            kernel.into(),
+            "load_balancer[0].algorithm",
+            "\"least_connections\" has no kernel form",
+        ),
+        (
+            "192.0.2.10",
+            "algorithm = \"source_ip\"",
+            kernel.into(),
+            "load_balancer[0].algorithm",
+            "\"source_ip\" is not in the kernel path yet",
+        ),
+        (
+            "192.0.2.10",
+            "",
+            format!("{kernel}\n  proxy_protocol = \"v2\""),
+            "load_balancer[0].listener[0].proxy_protocol",
+            "never writes a byte into the stream",
+        ),
+        (
+            "127.0.0.10",
+            "",
+            kernel.into(),
+            "load_balancer[0].vip",
+            "the kernel cannot DNAT loopback traffic",
+        ),
+        (
+            "::1",
+            "",
+            kernel.into(),
+            "load_balancer[0].vip",
+            "the kernel cannot DNAT loopback traffic",
+        ),
+        (
+            "192.0.2.10",
+            "",
+            format!("{kernel}\n  defer_accept_seconds = 5"),
+            "load_balancer[0].listener[0].defer_accept_seconds",
+            "no socket of this host accepts the connection",
+        ),
+        (
+            "192.0.2.10",
+            "session_affinity = \"client_ip\"",
+            kernel.into(),
+            "load_balancer[0].session_affinity",
+            "\"client_ip\" is not in the kernel path yet",
+        ),
+        (
+            "192.0.2.10",
+            "udp_responses = 1",
+            kernel.into(),
+            "load_balancer[0].udp_responses",
+            "cannot be counted by the kernel",
+        ),
+    ];
+    let two = format!(
+        "{kernel}\n  source_nat = \"none\"\n  [[load_balancer.listener]]\n  name = \"alt\"\n  port = 81\n  backend_port = 30080\n{kernel}"
+    );
+    let cases = [
+        cases,
+        &[(
+            "192.0.2.10",
+            "",
+            two,
+            "load_balancer[0].listener[1].source_nat",
+            "cannot masquerade one and not the other",
+        )][..],
+    ]
+    .concat();
+    for (vip, lb, listener, key, reason) in &cases {
+        let text = file(vip, lb, listener);
+        let p = problems(&text);
+        assert!(
+            p.iter()
+                .any(|p| p.key == *key && p.message.contains(reason) && p.line.is_some()),
+            "{key}: want {reason:?} in\n{}",
+            p.iter()
+                .map(|p| p.to_string())
+                .collect::<Vec<_>>()
+                .join("\n")
+        );
+    }
+}
+
+#[test]
+fn proxy_only_tuning_is_a_warning_on_kernel_listeners() {
+    let loaded = config::parse(&file(
+        "192.0.2.10",
+        "connect_timeout_ms = 500\nidle_timeout_seconds = 60",
+        "  forwarding = \"kernel\"",
+    ))
+    .expect("valid");
+    let keys: Vec<&str> = loaded.warnings.iter().map(|w| w.key.as_str()).collect();
+    assert_eq!(
+        keys,
+        [
+            "load_balancer[0].connect_timeout_ms",
+            "load_balancer[0].idle_timeout_seconds"
+        ]
+    );
+    assert!(
+        loaded.warnings[0]
+            .message
+            .contains("fall back to the proxy")
+    );
+    // The same keys on a proxy listener say nothing.
+    let loaded = config::parse(&file(
+        "192.0.2.10",
+        "connect_timeout_ms = 500\nidle_timeout_seconds = 60",
+        "",
+    ))
+    .unwrap();
+    assert!(loaded.warnings.is_empty());
+}
+
+#[test]
+fn check_exits_78_naming_the_key() {
+    let net = support::Subnet::new();
+    let bad = net.write(
+        "bad.toml",
+        &file(
+            "192.0.2.10",
+            "algorithm = \"least_connections\"",
+            "  forwarding = \"kernel\"",
+        ),
+    );
+    let (code, _, err) = run_cli(&["check", "--config", bad.to_str().unwrap()]);
+    assert_eq!(code, 78, "{err}");
+    assert!(
+        err.contains(
+            "line 6: load_balancer[0].algorithm: \"least_connections\" has no kernel form"
+        ),
+        "{err}"
+    );
+}

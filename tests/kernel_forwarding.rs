@@ -1,0 +1,1038 @@
+//! `forwarding = "kernel"` on a real kernel: the table the daemon writes
+//! loads into `nft`, reconciles after a restart, and forwards by itself
+//! (a frozen daemon still serves), following health verdicts and the
+//! operator's drain, and refusing when no backend is eligible.
+//!
+//! These tests need root, iproute2 and nftables (network namespaces); they
+//! skip with a printed reason elsewhere, and fail under `CI=true`.
+
+#[path = "netns/mod.rs"]
+mod netns;
+
+use std::collections::BTreeMap;
+use std::io::ErrorKind;
+use std::net::IpAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use harvester_lb::config::{Protocol, SourceNat};
+use harvester_lb::kernel::{self, KernelListener, KernelTable, Synced};
+use netns::peers::{Exchange, Node, Service, exchange, read_line};
+use netns::{Bed, NODEPORT, VIP, config, in_ns, node_ip, run, sa, wait_for};
+
+/// Whether the namespace tests can run; under `CI=true` they must.
+fn can_run() -> bool {
+    match netns::skip_reason() {
+        None => true,
+        Some(why) => {
+            netns::skip_or_fail(
+                "kernel forwarding",
+                &format!("needs root and iproute2/nftables ({why})"),
+            );
+            false
+        }
+    }
+}
+
+fn ip(s: &str) -> IpAddr {
+    s.parse().unwrap()
+}
+
+fn listener(eligible: &[&str], members: &[&str]) -> KernelListener {
+    KernelListener {
+        backend_port: 30080,
+        members: members.iter().map(|m| ip(m)).collect(),
+        eligible: eligible.iter().map(|m| ip(m)).collect(),
+        source_ranges: None,
+        source_nat: SourceNat::Masquerade,
+        close_down: Vec::new(),
+    }
+}
+
+/// `nft` in namespace `ns`.
+fn nft_out(ns: &str, args: &[&str]) -> (bool, String) {
+    let out = std::process::Command::new("ip")
+        .args(["netns", "exec", ns])
+        .arg("nft")
+        .args(args)
+        .output()
+        .expect("run nft");
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr),
+    )
+}
+
+/// A bare namespace for the table alone, deleted on drop.
+struct Scratch(String);
+
+impl Scratch {
+    fn new(tag: &str) -> Self {
+        let name = format!("hlbk{}-{tag}", std::process::id());
+        run("ip", &["netns", "add", &name], None);
+        Scratch(name)
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("ip")
+            .args(["netns", "del", &self.0])
+            .status();
+    }
+}
+
+#[test]
+fn the_table_loads_reconciles_after_a_restart_and_goes_at_stop() {
+    if !can_run() {
+        return;
+    }
+    let ns = Scratch::new("tbl");
+    let a = (ip("192.0.2.10"), Protocol::Tcp, 80);
+    let b = (ip("2001:db8::10"), Protocol::Udp, 53);
+    let mut first = BTreeMap::new();
+    first.insert(
+        a,
+        listener(&["10.0.0.1", "10.0.0.2"], &["10.0.0.1", "10.0.0.2"]),
+    );
+    let mut v6 = listener(&[], &["2001:db8::1"]);
+    v6.source_ranges = Some(vec!["2001:db8::/48".parse().unwrap()]);
+    first.insert(b, v6);
+
+    let name = ns.0.clone();
+    let desired = first.clone();
+    let (written, again) = in_ns(&name, move || {
+        let table = KernelTable::new();
+        (table.sync(&desired), table.sync(&desired))
+    });
+    assert!(matches!(written, Ok(Synced::Written(_))), "{written:?}");
+    assert_eq!(
+        again,
+        Ok(Synced::Unchanged),
+        "no nft call when nothing changed"
+    );
+    let (ok, listing) = nft_out(&ns.0, &["list", "table", "inet", kernel::TABLE]);
+    assert!(ok, "{listing}");
+    for want in [
+        "192.0.2.10 . tcp . 80 : goto l_tcp_80_192.0.2.10",
+        "numgen inc mod 2 vmap { 0 : goto b_tcp_80_192.0.2.10_10.0.0.1, 1 : goto b_tcp_80_192.0.2.10_10.0.0.2 }",
+        "dnat ip to 10.0.0.2:30080",
+        "2001:db8::10 . udp . 53 : goto l_udp_53_2001-db8--10",
+        "ip6 saddr != @s_udp_53_2001-db8--10 counter name \"d_udp_53_2001-db8--10\" return",
+        "counter name \"z_udp_53_2001-db8--10\" return",
+        "type nat hook output priority -100",
+    ] {
+        assert!(listing.contains(want), "want {want:?} in\n{listing}");
+    }
+
+    // A restarted daemon (a new table owner) with one listener fewer and
+    // one backend fewer: the leftovers go in the same transaction, the
+    // table and the counters that stay do not.
+    let mut second = BTreeMap::new();
+    second.insert(a, listener(&["10.0.0.1"], &["10.0.0.1"]));
+    let desired = second.clone();
+    let (synced, owned) = in_ns(&name, move || {
+        let table = KernelTable::new();
+        let synced = table.sync(&desired);
+        (synced, kernel::read_back())
+    });
+    assert!(matches!(synced, Ok(Synced::Written(_))), "{synced:?}");
+    assert_eq!(owned.unwrap(), kernel::Owned::of(&second));
+    let (_, listing) = nft_out(&ns.0, &["list", "table", "inet", kernel::TABLE]);
+    assert!(!listing.contains("10.0.0.2"), "{listing}");
+    assert!(!listing.contains("2001:db8::10"), "{listing}");
+
+    // The last kernel listener switched back to the proxy: all its objects go.
+    let desired = second.clone();
+    let emptied = in_ns(&name, move || {
+        let table = KernelTable::new();
+        table.sync(&desired).unwrap();
+        (table.sync(&BTreeMap::new()), kernel::read_back())
+    });
+    assert!(
+        matches!(emptied.0, Ok(Synced::Written(_))),
+        "{:?}",
+        emptied.0
+    );
+    assert_eq!(emptied.1.unwrap(), kernel::Owned::default());
+
+    // A clean stop removes the table.
+    let desired = second.clone();
+    let removed = in_ns(&name, move || {
+        let table = KernelTable::new();
+        table.sync(&desired).unwrap();
+        table.remove()
+    });
+    assert_eq!(removed, Ok(()));
+    let (ok, _) = nft_out(&ns.0, &["list", "table", "inet", kernel::TABLE]);
+    assert!(!ok, "the table is gone after a clean stop");
+}
+
+#[test]
+fn without_kernel_listeners_nothing_is_written() {
+    if !can_run() {
+        return;
+    }
+    let ns = Scratch::new("none");
+    let synced = in_ns(&ns.0.clone(), || KernelTable::new().sync(&BTreeMap::new()));
+    assert_eq!(synced, Ok(Synced::Unchanged));
+    let (_, listing) = nft_out(&ns.0, &["list", "tables"]);
+    assert!(!listing.contains(kernel::TABLE), "{listing}");
+}
+
+/// One load balancer on VIP:80 over `nodes`, forwarded by the kernel,
+/// checked every 200 ms.
+fn kernel_config(nodes: &[usize]) -> String {
+    config(
+        "",
+        &[netns::lb(
+            "default/web",
+            VIP,
+            nodes,
+            "",
+            Some("  period_seconds = 1\n  timeout_seconds = 1\n  failure_threshold = 1"),
+        )
+        .replace(
+            &format!("backend_port = {NODEPORT}\n"),
+            &format!("backend_port = {NODEPORT}\n  forwarding = \"kernel\"\n"),
+        )],
+    )
+}
+
+/// Sets node `node`'s operator state through the admin socket, as an
+/// operator does.
+fn set_state(bed: &Bed, lb: &str, node: usize, state: &str) {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_harvester-lb"))
+        .args(["backend", state, "--lb", lb, &node_ip(node).to_string()])
+        .arg("--socket")
+        .arg(bed.dir.join("admin.sock"))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// Waits until the chain of the listener on VIP:80/tcp satisfies `ok`.
+async fn wait_chain(bed: &Bed, what: &str, ok: impl Fn(&str) -> bool) {
+    wait_for(Duration::from_secs(5), what, || async {
+        let (_, l) = nft_out(
+            &bed.lb.name,
+            &[
+                "list",
+                "chain",
+                "inet",
+                kernel::TABLE,
+                "l_tcp_80_198.51.100.10",
+            ],
+        );
+        ok(&l).then_some(())
+    })
+    .await;
+}
+
+/// A connection through VIP:80 that node `name` answered (round robin
+/// reaches it within 4 tries).
+async fn open_to(bed: &Bed, name: &str) -> tokio::net::TcpStream {
+    for _ in 0..4 {
+        let mut s = bed
+            .client
+            .connect(sa(VIP, 80), Duration::from_secs(5))
+            .await
+            .unwrap();
+        if read_line(&mut s).await.unwrap() == name {
+            return s;
+        }
+    }
+    panic!("no connection reached {name} within 4 tries");
+}
+
+/// Routes between the bed's hosts through the load-balancer namespace.
+fn enable_forwarding(bed: &Bed) {
+    run(
+        "ip",
+        &[
+            "netns",
+            "exec",
+            &bed.lb.name,
+            "sysctl",
+            "-qw",
+            "net.ipv4.ip_forward=1",
+        ],
+        None,
+    );
+}
+
+async fn wait_kernel(bed: &Bed) {
+    wait_for(
+        Duration::from_secs(10),
+        "the listener forwarded by the kernel",
+        || async {
+            let s = bed.daemon().status().await;
+            let l = &s["load_balancers"][0]["listeners"][0];
+            (l["forwarding"] == "kernel").then_some(())
+        },
+    )
+    .await;
+}
+
+async fn tally(bed: &Bed, n: usize) -> BTreeMap<String, usize> {
+    let mut seen = BTreeMap::new();
+    for _ in 0..n {
+        let key = match exchange(&bed.client, sa(VIP, 80), 100, Duration::from_secs(5)).await {
+            Exchange::Ok(node) => node,
+            Exchange::Failed(e) => format!("failed: {e}"),
+        };
+        *seen.entry(key).or_insert(0) += 1;
+    }
+    seen
+}
+
+fn counts(pairs: &[(&str, usize)]) -> BTreeMap<String, usize> {
+    pairs.iter().map(|(k, v)| (k.to_string(), *v)).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_kernel_balances_follows_health_and_serves_while_the_daemon_is_frozen() {
+    if !can_run() {
+        return;
+    }
+    let mut bed = Bed::new("kfwd", 2);
+    enable_forwarding(&bed);
+    let n1 = Node::start(&bed, 1, Service::NameThenEcho);
+    let mut n2 = Node::start(&bed, 2, Service::NameThenEcho);
+    bed.start_daemon(&kernel_config(&[1, 2])).await;
+    wait_kernel(&bed).await;
+
+    // Round robin in the kernel: exactly alternating.
+    assert_eq!(tally(&bed, 20).await, counts(&[("n1", 10), ("n2", 10)]));
+    let (ok, listing) = nft_out(
+        &bed.lb.name,
+        &["list", "counters", "table", "inet", kernel::TABLE],
+    );
+    assert!(
+        ok && listing.contains("n_tcp_80_198.51.100.10_198.51.100.21"),
+        "{listing}"
+    );
+
+    // The kernel's counts reach /metrics (read every 5 s), with the
+    // host's conntrack use beside them.
+    wait_for(
+        Duration::from_secs(15),
+        "the kernel's counts in /metrics",
+        || async {
+            let m = bed.daemon().metrics().await;
+            let n = |ip: &str| {
+                netns::metric(
+                    &m,
+                    "harvester_lb_kernel_backend_connections_total",
+                    &[("backend", ip), ("listener", "tcp")],
+                )
+            };
+            (n("198.51.100.21") == 10.0 && n("198.51.100.22") == 10.0).then_some(())
+        },
+    )
+    .await;
+    let m = bed.daemon().metrics().await;
+    assert!(
+        netns::metric(&m, "harvester_lb_conntrack_entries", &[]) >= 1.0,
+        "{m}"
+    );
+    assert!(netns::metric(&m, "harvester_lb_conntrack_max", &[]) > 0.0);
+
+    // The daemon frozen: no byte can pass through it, yet clients are served.
+    bed.daemon().signal(libc::SIGSTOP);
+    let frozen = tally(&bed, 10).await;
+    bed.daemon().signal(libc::SIGCONT);
+    assert_eq!(
+        frozen,
+        counts(&[("n1", 5), ("n2", 5)]),
+        "forwarded by the kernel"
+    );
+
+    // Node 2 fails its check: once the verdict is in, every new
+    // connection goes to node 1, none fails.
+    n2.stop_health();
+    bed.daemon()
+        .wait_health(
+            "default/web",
+            node_ip(2),
+            "unhealthy",
+            Duration::from_secs(10),
+        )
+        .await;
+    // The verdict reaches the kernel a few milliseconds later.
+    wait_chain(&bed, "node 2 out of the kernel's choice", |l| {
+        !l.contains("198.51.100.22")
+    })
+    .await;
+    assert_eq!(tally(&bed, 10).await, counts(&[("n1", 10)]));
+    drop(n1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drain_keeps_the_open_connection_and_no_backend_is_a_reset() {
+    if !can_run() {
+        return;
+    }
+    let mut bed = Bed::new("kdrain", 2);
+    enable_forwarding(&bed);
+    let _n1 = Node::start(&bed, 1, Service::NameThenEcho);
+    let _n2 = Node::start(&bed, 2, Service::NameThenEcho);
+    bed.start_daemon(&kernel_config(&[1, 2])).await;
+    wait_kernel(&bed).await;
+
+    // An open connection to node 1.
+    let mut open = open_to(&bed, "n1").await;
+
+    set_state(&bed, "default/web", 1, "drain");
+    wait_chain(&bed, "node 1 out of the kernel's choice", |l| {
+        !l.contains("198.51.100.21")
+    })
+    .await;
+    assert_eq!(tally(&bed, 6).await, counts(&[("n2", 6)]));
+    // The open connection still echoes through node 1.
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    open.write_all(b"still here").await.unwrap();
+    let mut buf = [0u8; 10];
+    tokio::time::timeout(Duration::from_secs(5), open.read_exact(&mut buf))
+        .await
+        .expect("echo within 5 s")
+        .expect("the drained backend's open connection runs on");
+    assert_eq!(&buf, b"still here");
+
+    // No eligible backend: a reset at once, counted; never the host's socket.
+    set_state(&bed, "default/web", 2, "maint");
+    wait_chain(&bed, "no backend in the kernel's choice", |l| {
+        l.contains("counter name \"z_tcp_80_198.51.100.10\" return")
+    })
+    .await;
+    let started = Instant::now();
+    let err = bed
+        .client
+        .connect(sa(VIP, 80), Duration::from_secs(5))
+        .await
+        .expect_err("no backend: refused");
+    assert_eq!(err.kind(), ErrorKind::ConnectionRefused, "{err}");
+    assert!(
+        started.elapsed() < Duration::from_secs(3),
+        "a reset, not a timeout"
+    );
+    let (_, l) = nft_out(
+        &bed.lb.name,
+        &[
+            "list",
+            "counter",
+            "inet",
+            kernel::TABLE,
+            "z_tcp_80_198.51.100.10",
+        ],
+    );
+    assert!(l.contains("packets 1 "), "{l}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_switches_between_proxy_and_kernel_under_load_without_a_failure() {
+    if !can_run() {
+        return;
+    }
+    let mut bed = Bed::new("kswitch", 2);
+    enable_forwarding(&bed);
+    let _n1 = Node::start(&bed, 1, Service::NameThenEcho);
+    let _n2 = Node::start(&bed, 2, Service::NameThenEcho);
+    let proxy = kernel_config(&[1, 2]).replace("  forwarding = \"kernel\"\n", "");
+    let kernel = kernel_config(&[1, 2]);
+    bed.start_daemon(&proxy).await;
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let load = netns::peers::load(&bed.client, sa(VIP, 80), 4, 100_000, Arc::clone(&stop));
+    for round in 0..3 {
+        for (text, forwarding) in [(&kernel, "kernel"), (&proxy, "proxy")] {
+            bed.write("config.toml", text);
+            let (code, body) = bed.daemon().request("POST", "/reload").await.unwrap();
+            assert_eq!(code, 200, "round {round}: {body}");
+            wait_for(Duration::from_secs(10), forwarding, || async {
+                let s = bed.daemon().status().await;
+                (s["load_balancers"][0]["listeners"][0]["forwarding"] == forwarding).then_some(())
+            })
+            .await;
+            // Some exchanges on each path before the next switch.
+            tokio::time::sleep(Duration::from_millis(300)).await;
+        }
+    }
+    stop.store(true, Ordering::Relaxed);
+    let tally = load.await.unwrap();
+    assert!(tally.ok_total() > 50, "{tally:?}");
+    assert!(tally.failed.is_empty(), "{:?}", tally.failed);
+    // Every switch was one successful transaction (a switch back to the
+    // proxy deletes the listener's chains: none may fail).
+    let metrics = bed.daemon().metrics().await;
+    assert!(
+        netns::metric(
+            &metrics,
+            "harvester_lb_kernel_syncs_total",
+            &[("result", "success")]
+        ) >= 6.0,
+        "{metrics}"
+    );
+    assert_eq!(
+        netns::metric(
+            &metrics,
+            "harvester_lb_kernel_syncs_total",
+            &[("result", "failure")]
+        ),
+        0.0,
+        "{}",
+        bed.daemon().log_tail(20)
+    );
+}
+
+/// One open connection through the kernel: writes `msg`, expects the echo.
+async fn echoes(s: &mut tokio::net::TcpStream, msg: &[u8]) -> std::io::Result<()> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    s.write_all(msg).await?;
+    let mut buf = vec![0u8; msg.len()];
+    tokio::time::timeout(Duration::from_secs(5), s.read_exact(&mut buf))
+        .await
+        .map_err(|_| std::io::Error::new(ErrorKind::TimedOut, "no echo within 5 s"))??;
+    assert_eq!(buf, msg);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_daemon_leaves_the_kernel_forwarding_and_a_restart_keeps_open_flows() {
+    if !can_run() {
+        return;
+    }
+    let mut bed = Bed::new("kkill", 2);
+    enable_forwarding(&bed);
+    let _n1 = Node::start(&bed, 1, Service::NameThenEcho);
+    let _n2 = Node::start(&bed, 2, Service::NameThenEcho);
+    // With the VIP isolation table too: DNATed packets go to forward, not
+    // input, so the two tables do not fight.
+    let text = kernel_config(&[1, 2]).replace("[proxy]\n", "[vip]\nisolate = true\n\n[proxy]\n");
+    bed.start_daemon(&text).await;
+    wait_kernel(&bed).await;
+    assert_eq!(tally(&bed, 4).await, counts(&[("n1", 2), ("n2", 2)]));
+
+    let mut open = bed
+        .client
+        .connect(sa(VIP, 80), Duration::from_secs(5))
+        .await
+        .unwrap();
+    read_line(&mut open).await.unwrap();
+    echoes(&mut open, b"before").await.unwrap();
+
+    let mut d = bed.take_daemon();
+    d.signal(libc::SIGKILL);
+    assert!(d.wait_exit(Duration::from_secs(10)).await.is_some());
+    // No daemon at all: the kernel forwards new and open connections.
+    echoes(&mut open, b"while dead").await.unwrap();
+    assert_eq!(tally(&bed, 4).await, counts(&[("n1", 2), ("n2", 2)]));
+
+    // A new daemon reconciles the table it finds, without deleting it.
+    bed.start_daemon(&text).await;
+    wait_kernel(&bed).await;
+    echoes(&mut open, b"after restart").await.unwrap();
+    assert_eq!(tally(&bed, 4).await.values().sum::<usize>(), 4);
+    let metrics = bed.daemon().metrics().await;
+    assert_eq!(
+        netns::metric(
+            &metrics,
+            "harvester_lb_kernel_syncs_total",
+            &[("result", "failure")]
+        ),
+        0.0
+    );
+    drop(d);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_table_that_cannot_be_written_leaves_the_proxy_serving_until_a_resync_succeeds() {
+    if !can_run() {
+        return;
+    }
+    let mut bed = Bed::new("kfail", 1);
+    enable_forwarding(&bed);
+    let _n1 = Node::start(&bed, 1, Service::NameThenEcho);
+    // Something else holds a chain of that name with another type: every
+    // transaction of the daemon is refused by the kernel.
+    bed.lb.nft(&format!(
+        "table inet {} {{\n chain prerouting {{ type filter hook prerouting priority 0; policy accept; }}\n}}\n",
+        kernel::TABLE
+    ));
+    bed.start_daemon(&kernel_config(&[1])).await;
+    let l = wait_for(
+        Duration::from_secs(10),
+        "a kernel error in /status",
+        || async {
+            let s = bed.daemon().status().await;
+            let l = s["load_balancers"][0]["listeners"][0].clone();
+            l["kernel_error"].is_string().then_some(l)
+        },
+    )
+    .await;
+    assert_eq!(l["forwarding"], "proxy", "{l}");
+    assert!(
+        l["kernel_error"]
+            .as_str()
+            .unwrap()
+            .contains("could not write the nftables table inet harvester_lb_nat: nft:"),
+        "{l}"
+    );
+    let metrics = bed.daemon().metrics().await;
+    assert_eq!(
+        netns::metric(&metrics, "harvester_lb_kernel_forwarding_up", &[]),
+        0.0
+    );
+    assert!(
+        netns::metric(
+            &metrics,
+            "harvester_lb_kernel_syncs_total",
+            &[("result", "failure")]
+        ) >= 1.0
+    );
+    // The proxy serves meanwhile: nothing is refused, and it accepted them.
+    assert_eq!(tally(&bed, 4).await, counts(&[("n1", 4)]));
+    let metrics = bed.daemon().metrics().await;
+    assert_eq!(
+        netns::metric(&metrics, "harvester_lb_connections_accepted_total", &[]),
+        4.0
+    );
+
+    // The obstacle gone, the retry's full resync takes over.
+    bed.lb
+        .nft(&format!("delete table inet {}\n", kernel::TABLE));
+    wait_kernel(&bed).await;
+    let metrics = bed.daemon().metrics().await;
+    assert_eq!(
+        netns::metric(&metrics, "harvester_lb_kernel_forwarding_up", &[]),
+        1.0
+    );
+    assert_eq!(tally(&bed, 4).await, counts(&[("n1", 4)]));
+    let (_, l) = nft_out(
+        &bed.lb.name,
+        &[
+            "list",
+            "counter",
+            "inet",
+            kernel::TABLE,
+            "n_tcp_80_198.51.100.10_198.51.100.21",
+        ],
+    );
+    assert!(
+        l.contains("packets 4 "),
+        "the last 4 went through the kernel: {l}"
+    );
+    let metrics = bed.daemon().metrics().await;
+    assert_eq!(
+        netns::metric(&metrics, "harvester_lb_connections_accepted_total", &[]),
+        4.0,
+        "the proxy accepted none of them"
+    );
+}
+
+/// A node service on `port` that writes the address it sees the client at.
+fn peer_teller(bed: &Bed, i: usize, port: u16) {
+    let l = bed.node(i).listen(sa(node_ip(i), port));
+    tokio::spawn(async move {
+        use tokio::io::AsyncWriteExt;
+        while let Ok((mut s, peer)) = l.accept().await {
+            tokio::spawn(async move {
+                let _ = s.write_all(format!("{}\n", peer.ip()).as_bytes()).await;
+            });
+        }
+    });
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn source_nat_none_shows_the_backend_the_clients_own_address() {
+    if !can_run() {
+        return;
+    }
+    let mut bed = Bed::new("ksnat", 1);
+    enable_forwarding(&bed);
+    let _n1 = Node::start(&bed, 1, Service::NameThenEcho); // its health port
+    peer_teller(&bed, 1, 30081);
+    peer_teller(&bed, 1, 30082);
+    // A client on a network of its own, routed through the load-balancer
+    // host; the node routes that network back through it too.
+    let remote = Scratch::new("ksnat-rc");
+    let rc = netns::Ns {
+        name: remote.0.clone(),
+    };
+    bed.lb.ip(&[
+        "link", "add", "rc0", "type", "veth", "peer", "name", "eth0", "netns", &rc.name,
+    ]);
+    bed.lb.ip(&["addr", "add", "203.0.113.1/24", "dev", "rc0"]);
+    bed.lb.ip(&["link", "set", "rc0", "up"]);
+    rc.ip(&["link", "set", "lo", "up"]);
+    rc.ip(&["addr", "add", "203.0.113.2/24", "dev", "eth0"]);
+    rc.ip(&["link", "set", "eth0", "up"]);
+    rc.ip(&["route", "add", "default", "via", "203.0.113.1"]);
+    bed.node(1)
+        .ip(&["route", "add", "203.0.113.0/24", "via", "198.51.100.3"]);
+
+    let listener = |name: &str, port: u16, snat: &str| {
+        format!(
+            "  [[load_balancer.listener]]\n  name = \"{name}\"\n  port = {port}\n  backend_port = 300{port}\n  forwarding = \"kernel\"\n  source_nat = \"{snat}\"\n"
+        )
+    };
+    let mut lb = format!(
+        "name = \"default/web\"\nvip = \"{VIP}\"\nbackends = [\"{}\"]\n",
+        node_ip(1)
+    );
+    lb.push_str(&listener("keep", 81, "none")); // to nodeport 30081
+    lb.push_str(&listener("hide", 82, "masquerade")); // to nodeport 30082
+    lb.push_str(&format!(
+        "  [load_balancer.health_check]\n  port = {}\n",
+        netns::HEALTH_PORT
+    ));
+    bed.start_daemon(&config("", &[lb])).await;
+    wait_for(
+        Duration::from_secs(10),
+        "both listeners in the kernel",
+        || async {
+            let s = bed.daemon().status().await;
+            let l = &s["load_balancers"][0]["listeners"];
+            (l[0]["forwarding"] == "kernel" && l[1]["forwarding"] == "kernel").then_some(())
+        },
+    )
+    .await;
+
+    let seen = |port: u16| {
+        let rc = rc.clone();
+        async move {
+            let mut s = rc
+                .connect(sa(VIP, port), Duration::from_secs(5))
+                .await
+                .unwrap();
+            tokio::time::timeout(Duration::from_secs(5), read_line(&mut s))
+                .await
+                .expect("an answer within 5 s")
+                .unwrap()
+        }
+    };
+    assert_eq!(seen(81).await, "203.0.113.2", "source_nat = none");
+    assert_eq!(seen(82).await, "198.51.100.3", "source_nat = masquerade");
+}
+
+/// A TCP connection from namespace `ns` to an IPv6 address.
+async fn connect6(
+    ns: &netns::Ns,
+    addr: std::net::SocketAddr,
+) -> std::io::Result<tokio::net::TcpStream> {
+    let s = in_ns(&ns.name, || {
+        let s = socket2::Socket::new(socket2::Domain::IPV6, socket2::Type::STREAM, None)?;
+        s.set_nonblocking(true)?;
+        Ok::<_, std::io::Error>(std::net::TcpStream::from(s))
+    })?;
+    let s = tokio::net::TcpSocket::from_std_stream(s);
+    tokio::time::timeout(Duration::from_secs(5), s.connect(addr))
+        .await
+        .map_err(|_| std::io::Error::new(ErrorKind::TimedOut, "connect timed out"))?
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ipv6_listeners_are_forwarded_by_the_kernel_too() {
+    if !can_run() {
+        return;
+    }
+    let mut bed = Bed::new("kv6", 2);
+    let vip6: std::net::Ipv6Addr = "fd00:db8::10".parse().unwrap();
+    let node6 = |i: usize| -> std::net::Ipv6Addr { format!("fd00:db8::2{i}").parse().unwrap() };
+    for (ns, addr) in [
+        (&bed.client, "fd00:db8::2".to_string()),
+        (&bed.lb, "fd00:db8::3".to_string()),
+        (bed.node(1), node6(1).to_string()),
+        (bed.node(2), node6(2).to_string()),
+    ] {
+        ns.ip(&["addr", "add", &format!("{addr}/64"), "dev", "eth0", "nodad"]);
+    }
+    bed.lb.ip(&[
+        "addr",
+        "add",
+        &format!("{vip6}/128"),
+        "dev",
+        "eth0",
+        "nodad",
+    ]);
+    run(
+        "ip",
+        &[
+            "netns",
+            "exec",
+            &bed.lb.name,
+            "sysctl",
+            "-qw",
+            "net.ipv6.conf.all.forwarding=1",
+        ],
+        None,
+    );
+    // Each node tells its name on its nodeport and accepts health probes.
+    for i in 1..=2 {
+        for (port, name) in [
+            (NODEPORT, format!("n{i}\n")),
+            (netns::HEALTH_PORT, String::new()),
+        ] {
+            let l = in_ns(&bed.node(i).name, move || {
+                let s = socket2::Socket::new(socket2::Domain::IPV6, socket2::Type::STREAM, None)?;
+                s.set_reuse_address(true)?;
+                s.bind(&std::net::SocketAddr::new(node6(i).into(), port).into())?;
+                s.listen(128)?;
+                s.set_nonblocking(true)?;
+                Ok::<_, std::io::Error>(std::net::TcpListener::from(s))
+            })
+            .unwrap();
+            let l = tokio::net::TcpListener::from_std(l).unwrap();
+            tokio::spawn(async move {
+                use tokio::io::AsyncWriteExt;
+                while let Ok((mut s, _)) = l.accept().await {
+                    let name = name.clone();
+                    tokio::spawn(async move {
+                        let _ = s.write_all(name.as_bytes()).await;
+                    });
+                }
+            });
+        }
+    }
+    let lb = format!(
+        "name = \"default/v6\"\nvip = \"{vip6}\"\nbackends = [\"{}\", \"{}\"]\n  [[load_balancer.listener]]\n  name = \"web\"\n  port = 80\n  backend_port = {NODEPORT}\n  forwarding = \"kernel\"\n  [load_balancer.health_check]\n  port = {}\n",
+        node6(1),
+        node6(2),
+        netns::HEALTH_PORT
+    );
+    bed.start_daemon(&config("", &[lb])).await;
+    wait_kernel(&bed).await;
+    let mut seen = BTreeMap::new();
+    for _ in 0..6 {
+        let mut s = connect6(&bed.client, std::net::SocketAddr::new(vip6.into(), 80))
+            .await
+            .unwrap();
+        let name = tokio::time::timeout(Duration::from_secs(5), read_line(&mut s))
+            .await
+            .expect("an answer within 5 s")
+            .unwrap();
+        *seen.entry(name).or_insert(0) += 1;
+    }
+    assert_eq!(seen, counts(&[("n1", 3), ("n2", 3)]));
+    let metrics = bed.daemon().metrics().await;
+    assert_eq!(
+        netns::metric(&metrics, "harvester_lb_connections_accepted_total", &[]),
+        0.0,
+        "the proxy accepted none"
+    );
+}
+
+/// Node `i` answers every datagram on `port` with its name.
+fn udp_teller(bed: &Bed, i: usize, port: u16) -> tokio::task::JoinHandle<()> {
+    let s = in_ns(&bed.node(i).name, move || {
+        let s = std::net::UdpSocket::bind(sa(node_ip(i), port))?;
+        s.set_nonblocking(true)?;
+        Ok::<_, std::io::Error>(s)
+    })
+    .unwrap();
+    let s = tokio::net::UdpSocket::from_std(s).unwrap();
+    tokio::spawn(async move {
+        let mut buf = [0u8; 512];
+        while let Ok((_, from)) = s.recv_from(&mut buf).await {
+            let _ = s.send_to(format!("n{i}").as_bytes(), from).await;
+        }
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_udp_client_with_a_fixed_port_moves_off_a_backend_that_left() {
+    if !can_run() {
+        return;
+    }
+    let mut bed = Bed::new("kudp", 2);
+    enable_forwarding(&bed);
+    // Health on TCP; the service on UDP.
+    let _n1 = Node::start(&bed, 1, Service::NameThenEcho);
+    let mut n2 = Node::start(&bed, 2, Service::NameThenEcho);
+    let _u1 = udp_teller(&bed, 1, 30053);
+    let _u2 = udp_teller(&bed, 2, 30053);
+    let lb = format!(
+        "name = \"default/dns\"\nvip = \"{VIP}\"\nbackends = [\"{}\", \"{}\"]\n  [[load_balancer.listener]]\n  name = \"dns\"\n  port = 53\n  backend_port = 30053\n  protocol = \"udp\"\n  forwarding = \"kernel\"\n  [load_balancer.health_check]\n  port = {}\n  period_seconds = 1\n  timeout_seconds = 1\n  failure_threshold = 1\n",
+        node_ip(1),
+        node_ip(2),
+        netns::HEALTH_PORT
+    );
+    bed.start_daemon(&config("", &[lb])).await;
+    wait_kernel(&bed).await;
+
+    // One client, one source port, for the whole test.
+    let client = in_ns(&bed.client.name, || {
+        let s = std::net::UdpSocket::bind(sa(netns::CLIENT_IP, 40053))?;
+        s.set_nonblocking(true)?;
+        Ok::<_, std::io::Error>(s)
+    })
+    .unwrap();
+    let client = tokio::net::UdpSocket::from_std(client).unwrap();
+    client.connect(sa(VIP, 53)).await.unwrap();
+    let ask = || async {
+        client.send(b"who").await.ok()?;
+        let mut buf = [0u8; 64];
+        let n = tokio::time::timeout(Duration::from_millis(300), client.recv(&mut buf))
+            .await
+            .ok()?
+            .ok()?;
+        Some(String::from_utf8_lossy(&buf[..n]).into_owned())
+    };
+    // Its flow sticks to one backend; make it node 2 (the next flow of
+    // another client takes the other one).
+    let first = wait_for(Duration::from_secs(5), "a first answer", &ask).await;
+    if first == "n1" {
+        // Node 1 leaves and comes back: the flow moves to node 2.
+        set_state(&bed, "default/dns", 1, "drain");
+        wait_for(Duration::from_secs(5), "the flow on node 2", || async {
+            (ask().await.as_deref() == Some("n2")).then_some(())
+        })
+        .await;
+        set_state(&bed, "default/dns", 1, "ready");
+    }
+    for _ in 0..5 {
+        assert_eq!(
+            ask().await.as_deref(),
+            Some("n2"),
+            "a flow stays on its backend"
+        );
+    }
+
+    // Node 2's check fails: within a second of the verdict, the same
+    // client port is answered by node 1, although it never stopped sending.
+    n2.stop_health();
+    bed.daemon()
+        .wait_health(
+            "default/dns",
+            node_ip(2),
+            "unhealthy",
+            Duration::from_secs(10),
+        )
+        .await;
+    let verdict = Instant::now();
+    wait_for(Duration::from_secs(5), "the flow on node 1", || async {
+        (ask().await.as_deref() == Some("n1")).then_some(())
+    })
+    .await;
+    let moved = verdict.elapsed();
+    println!("FIGURE udp flow moved {moved:?} after the verdict");
+    assert!(moved < Duration::from_secs(2), "moved after {moved:?}");
+
+    // No backend at all, then node 2 back: the flow goes to node 2 then,
+    // not stuck on the refusal or on node 1's old entry.
+    set_state(&bed, "default/dns", 1, "maint");
+    wait_for(
+        Duration::from_secs(5),
+        "no answer with no backend",
+        || async { ask().await.is_none().then_some(()) },
+    )
+    .await;
+    n2.start_health();
+    bed.daemon()
+        .wait_health(
+            "default/dns",
+            node_ip(2),
+            "healthy",
+            Duration::from_secs(10),
+        )
+        .await;
+    wait_for(
+        Duration::from_secs(5),
+        "the flow on node 2 again",
+        || async { (ask().await.as_deref() == Some("n2")).then_some(()) },
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_backend_down_close_resets_the_open_connections_of_a_failed_backend() {
+    if !can_run() {
+        return;
+    }
+    let mut bed = Bed::new("kclose", 2);
+    enable_forwarding(&bed);
+    let _n1 = Node::start(&bed, 1, Service::NameThenEcho);
+    let mut n2 = Node::start(&bed, 2, Service::NameThenEcho);
+    let text =
+        kernel_config(&[1, 2]).replace("backends = [", "on_backend_down = \"close\"\nbackends = [");
+    bed.start_daemon(&text).await;
+    wait_kernel(&bed).await;
+    let mut open = open_to(&bed, "n2").await;
+    echoes(&mut open, b"before").await.unwrap();
+
+    n2.stop_health();
+    bed.daemon()
+        .wait_health(
+            "default/web",
+            node_ip(2),
+            "unhealthy",
+            Duration::from_secs(10),
+        )
+        .await;
+    // Its conntrack entry deleted, the connection's next segment is a new
+    // flow that meets a reset: the client learns at once and reconnects.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let cut = loop {
+        if let Err(e) = echoes(&mut open, b"after").await {
+            break e;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the open connection still runs after 5 s"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_ne!(
+        cut.kind(),
+        ErrorKind::TimedOut,
+        "a reset, not silence: {cut}"
+    );
+    assert_eq!(tally(&bed, 4).await, counts(&[("n1", 4)]));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_host_that_does_not_forward_keeps_the_listener_with_the_proxy_and_says_why() {
+    if !can_run() {
+        return;
+    }
+    let mut bed = Bed::new("knofwd", 1);
+    // net.ipv4.ip_forward stays 0, as in a new namespace.
+    let _n1 = Node::start(&bed, 1, Service::NameThenEcho);
+    bed.start_daemon(&kernel_config(&[1])).await;
+    let l = wait_for(Duration::from_secs(10), "the reason in /status", || async {
+        let s = bed.daemon().status().await;
+        let l = s["load_balancers"][0]["listeners"][0].clone();
+        l["kernel_error"].is_string().then_some(l)
+    })
+    .await;
+    assert_eq!(l["forwarding"], "proxy", "{l}");
+    assert!(
+        l["kernel_error"]
+            .as_str()
+            .unwrap()
+            .starts_with("net.ipv4.ip_forward is 0"),
+        "{l}"
+    );
+    assert_eq!(
+        tally(&bed, 3).await,
+        counts(&[("n1", 3)]),
+        "served by the proxy"
+    );
+    assert!(
+        bed.daemon()
+            .log()
+            .contains("net.ipv4.ip_forward is 0 on this host")
+    );
+    // Turned on by the operator: the listener goes to the kernel (checked
+    // every 5 s).
+    enable_forwarding(&bed);
+    tokio::time::timeout(Duration::from_secs(15), wait_kernel(&bed))
+        .await
+        .expect("in the kernel within 15 s");
+    assert_eq!(tally(&bed, 3).await, counts(&[("n1", 3)]));
+}
