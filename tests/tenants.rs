@@ -481,7 +481,10 @@ fn ipv6_sources_are_counted_per_64() {
     // SAFETY: geteuid has no preconditions.
     let root = unsafe { libc::geteuid() } == 0;
     if !root || Command::new("ip").args(["netns", "list"]).output().is_err() {
-        eprintln!("SKIPPED: needs root and iproute2 for a network namespace");
+        skip_or_fail(
+            "ipv6 sources per /64",
+            "needs root and iproute2 for a network namespace",
+        );
         return;
     }
     let net = Subnet::new();
