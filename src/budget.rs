@@ -6,8 +6,8 @@
 //! its UDP flows (its share, so one tenant cannot take every slot).
 //!
 //! A budget also remembers whether it was found full, so the first refusal
-//! and the return below the bound are each said once ([`Budget::note_full`],
-//! [`Budget::note_release`]), not at every refused connection.
+//! and the return below the bound are each said once (`Budget::note_full`,
+//! `Budget::note_release`), not at every refused connection.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};

@@ -20,6 +20,7 @@
 //! * [`workers`]: the threads TCP connections run on (thread per core or work stealing).
 //! * [`kernel`]: `forwarding = "kernel"` listeners as nftables DNAT, written from the daemon's verdicts.
 //! * [`vip`]: the VIPs themselves: only their listeners' ports answer.
+//! * [`nft`]: the `nft` command, run in one place for every table.
 //! * [`owned`]: kernel objects the daemon owns (the isolation table), read
 //!   back and repaired when another process changed them.
 //! * [`admin`], [`metrics`], [`systemd`]: how operators and machines see it.
@@ -45,6 +46,7 @@ pub mod kernel;
 pub mod log_limit;
 pub mod metrics;
 pub mod net;
+pub mod nft;
 pub mod os;
 pub mod owned;
 pub mod proxy;

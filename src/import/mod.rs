@@ -16,7 +16,7 @@
 //! balancers (one VIP:port, a backend that is a VIP:port or
 //! `admin.listen`), and the largest ones if the file would exceed the
 //! config's size limit. Objects are untrusted: an address of this host as
-//! a VIP or backend skips the object ([`guard`]). The whole file is
+//! a VIP or backend skips the object (`guard`). The whole file is
 //! validated again before it is shown or written. The output depends only
 //! on the set of objects, not their order: load balancers sorted by name,
 //! lists sorted.

@@ -5,9 +5,6 @@
 //! transaction deletes exactly the objects no longer wanted (a kube-proxy
 //! style "full resync"), and never the table itself.
 
-use std::io::Write;
-use std::process::{Command, Stdio};
-
 use super::build::{Owned, TABLE};
 
 /// Why `nft` did not do what it was asked.
@@ -27,31 +24,9 @@ impl NftError {
     }
 }
 
-/// Runs `nft` with `args`, `input` on its stdin; its stdout, or its stderr
-/// in the error (the crate's runner lets stderr through, unread).
+/// Runs `nft` with `args`, `input` on its stdin (see [`crate::nft::run`]).
 pub(super) fn run(what: &'static str, args: &[&str], input: &[u8]) -> Result<String, NftError> {
-    let fail = |detail: String| NftError { what, detail };
-    let mut child = Command::new("nft")
-        .args(args)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .map_err(|e| fail(format!("cannot run `nft`: {e}")))?;
-    let written = child.stdin.take().map(|mut stdin| stdin.write_all(input));
-    let out = child
-        .wait_with_output()
-        .map_err(|e| fail(format!("`nft` did not finish: {e}")))?;
-    if out.status.success() {
-        return Ok(String::from_utf8_lossy(&out.stdout).into_owned());
-    }
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    let said = stderr.trim();
-    Err(fail(match (said.is_empty(), written) {
-        (false, _) => format!("nft: {said}"),
-        (true, Some(Err(e))) => format!("nft exited with {} (writing to it: {e})", out.status),
-        (true, _) => format!("nft exited with {}", out.status),
-    }))
+    crate::nft::run(args, input).map_err(|detail| NftError { what, detail })
 }
 
 /// Applies one transaction document (atomic: all of it or nothing).
@@ -66,10 +41,12 @@ pub(super) fn apply(doc: &serde_json::Value) -> Result<(), NftError> {
 /// The regular chains, counters and sets our table holds now; empty when
 /// there is no table (a first start, or a clean stop before).
 pub fn read_back() -> Result<Owned, NftError> {
-    let listed = match run("read", &["-j", "list", "table", "inet", TABLE], b"") {
-        Ok(out) => out,
-        Err(e) if e.detail.contains("No such file or directory") => return Ok(Owned::default()),
-        Err(e) => return Err(e),
+    let fail = |detail| NftError {
+        what: "read",
+        detail,
+    };
+    let Some(listed) = crate::nft::list_inet_table(TABLE).map_err(fail)? else {
+        return Ok(Owned::default());
     };
     parse_listing(&listed).map_err(|detail| NftError {
         what: "read",

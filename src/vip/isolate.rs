@@ -119,58 +119,26 @@ pub struct IsolationError {
     detail: String,
 }
 
-/// Runs one `nft -j -f -` transaction. (The crate's own runner lets nft's
-/// stderr through to ours, so its error would not say why; this one keeps it.)
+/// Runs one `nft -j -f -` transaction (see [`crate::nft`]).
 fn nft(what: &'static str, batch: &Nftables<'_>) -> Result<(), IsolationError> {
-    use std::io::Write;
-    use std::process::{Command, Stdio};
     let fail = |detail: String| IsolationError { what, detail };
     let json = serde_json::to_vec(batch).map_err(|e| fail(format!("cannot encode it: {e}")))?;
-    let mut child = Command::new("nft")
-        .args(["-j", "-f", "-"])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .map_err(|e| fail(format!("cannot run `nft`: {e}")))?;
-    let written = child.stdin.take().map(|mut stdin| stdin.write_all(&json));
-    let out = child
-        .wait_with_output()
-        .map_err(|e| fail(format!("`nft` did not finish: {e}")))?;
-    if out.status.success() {
-        return Ok(());
-    }
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    let said = stderr.trim();
-    Err(fail(match (said.is_empty(), written) {
-        (false, _) => format!("nft: {said}"),
-        (true, Some(Err(e))) => format!("nft exited with {} (writing to it: {e})", out.status),
-        (true, _) => format!("nft exited with {}", out.status),
-    }))
+    crate::nft::run(&["-j", "-f", "-"], &json)
+        .map(drop)
+        .map_err(fail)
 }
 
 /// The table as the kernel lists it (`nft -j list table inet harvester_lb`);
 /// `None` when there is none.
 fn list() -> Result<Option<Fingerprint>, IsolationError> {
-    use std::process::Command;
     let fail = |detail: String| IsolationError {
         what: "read back",
         detail,
     };
-    let out = Command::new("nft")
-        .args(["-j", "list", "table", "inet", TABLE])
-        .output()
-        .map_err(|e| fail(format!("cannot run `nft`: {e}")))?;
-    if !out.status.success() {
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        if stderr.contains("No such file or directory") {
-            return Ok(None);
-        }
-        return Err(fail(format!("nft: {}", stderr.trim())));
+    match crate::nft::list_inet_table(TABLE).map_err(fail)? {
+        Some(listed) => Fingerprint::of_nft_json(&listed).map(Some).map_err(fail),
+        None => Ok(None),
     }
-    Fingerprint::of_nft_json(&String::from_utf8_lossy(&out.stdout))
-        .map(Some)
-        .map_err(fail)
 }
 
 /// The table the daemon means, as a kernel object it owns.
