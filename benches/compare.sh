@@ -4,6 +4,8 @@
 #   benches/compare.sh [--json FILE] [--rounds N] [--duration S] [--only LIST]
 #                      [--threads T1,T2]        # traffic scenarios' threads (1,2)
 #                      [--scale-lbs N]          # scale scenario size (10000)
+#                      [--log-modes]   # + harvester-lb with log_connections
+#                                      # "errors" and "all", ratios to "none"
 #   benches/compare.sh --smoke [--json FILE]   # CI: harvester-lb (1 and 2 threads)
 #                                              # and the kernel target, ~1 min
 # LIST: throughput,rps,cps,idle,health,reload,scale,udp (default: all).

@@ -97,12 +97,15 @@ const ALL_SCENARIOS: [&str; 8] = [
 
 fn usage() -> ! {
     eprintln!(
-        "usage: compare [--smoke] [--json FILE] [--rounds N] [--duration SECONDS] [--threads LIST]\n\
+        "usage: compare [--smoke] [--log-modes] [--json FILE] [--rounds N] [--duration SECONDS] [--threads LIST]\n\
          \x20              [--only throughput,rps,cps,idle,health,reload,scale,udp] [--scale-lbs N]\n\
          --smoke: every scenario about a second (scale: 500 load balancers, ~25 s), against harvester-lb\n\
          \x20        and the kernel target alone; a second thread count only in rps and cps; exits\n\
          \x20        non-zero on failure\n\
          --threads: thread counts of the traffic scenarios (throughput, rps, cps, idle), default 1,2\n\
+         --log-modes: two more harvester-lb targets in the traffic scenarios, hlb-log-errors and\n\
+         \x20        hlb-log-all (log_connections = \"errors\", \"all\"), run in the same rounds as\n\
+         \x20        harvester-lb, with their ratios to it\n\
          --scale-lbs: load balancers of 3 backends in the scale scenario (default 10000, at most {})\n\
          HLB_ARGS (environment): extra arguments appended to every `harvester-lb run`",
         SCALE_MARKER - 1
@@ -119,10 +122,12 @@ fn parse_opts() -> Opts {
     let mut only: Option<Vec<String>> = None;
     let mut scale_lbs = None;
     let mut threads: Option<Vec<usize>> = None;
+    let mut log_modes = false;
     while let Some(a) = args.next() {
         match a.as_str() {
             "--bench" => {} // passed by `cargo bench`
             "--smoke" => smoke = true,
+            "--log-modes" => log_modes = true,
             "--json" => json = Some(PathBuf::from(args.next().unwrap_or_else(|| usage()))),
             "--rounds" => rounds = args.next().and_then(|v| v.parse().ok()),
             "--duration" => duration = args.next().and_then(|v| v.parse().ok()),
@@ -172,6 +177,20 @@ fn parse_opts() -> Opts {
             usage()
         }
     }
+    let mut targets = if smoke {
+        vec![Target::Kernel, Target::Hlb]
+    } else {
+        vec![
+            Target::Direct,
+            Target::Kernel,
+            Target::Hlb,
+            Target::Haproxy,
+            Target::Nginx,
+        ]
+    };
+    if log_modes {
+        targets.extend([Target::HlbLogErrors, Target::HlbLogAll]);
+    }
     let work = std::env::temp_dir().join(format!("hlb-bench-{}", std::process::id()));
     std::fs::create_dir_all(&work).expect("create work dir");
     Opts {
@@ -179,17 +198,7 @@ fn parse_opts() -> Opts {
         json: json.unwrap_or_else(|| PathBuf::from("bench-compare.json")),
         rounds: rounds.unwrap_or(if smoke { 1 } else { 3 }),
         duration: duration.unwrap_or(if smoke { 1 } else { 5 }),
-        targets: if smoke {
-            vec![Target::Kernel, Target::Hlb]
-        } else {
-            vec![
-                Target::Direct,
-                Target::Kernel,
-                Target::Hlb,
-                Target::Haproxy,
-                Target::Nginx,
-            ]
-        },
+        targets,
         scenarios,
         threads: threads.unwrap_or_else(|| vec![1, 2]),
         hlb_args: std::env::var("HLB_ARGS")

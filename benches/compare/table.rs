@@ -88,6 +88,13 @@ const RATIOS: [(Target, Target); 5] = [
     (Target::Nginx, Target::Direct),
 ];
 
+/// The connection log's cost (`--log-modes`): each logging harvester-lb
+/// over the plain one, columns shown only when those targets ran.
+const LOG_RATIOS: [(Target, Target); 2] = [
+    (Target::HlbLogErrors, Target::Hlb),
+    (Target::HlbLogAll, Target::Hlb),
+];
+
 /// The ratio of `a` to `b` in one row: the median of the per-round ratios
 /// when both have every round (rounds interleave the targets, so the ratio
 /// within one round cancels the machine's drift between rounds), with their
@@ -144,15 +151,19 @@ pub fn table(res: &Results, targets: &[Target]) -> String {
         .copied()
         .filter(|t| targets.contains(t) || *t == Target::Hlb)
         .collect();
+    let ratios: Vec<(Target, Target)> = RATIOS
+        .into_iter()
+        .chain(LOG_RATIOS.into_iter().filter(|(a, _)| targets.contains(a)))
+        .collect();
     let mut s = String::from("| scenario | metric |");
     for t in &shown {
         let _ = write!(s, " {} |", t.name());
     }
-    for (a, b) in RATIOS {
+    for (a, b) in &ratios {
         let _ = write!(s, " {} / {} |", a.short(), b.short());
     }
     s.push_str("\n|---|---|");
-    for _ in 0..shown.len() + RATIOS.len() {
+    for _ in 0..shown.len() + ratios.len() {
         s.push_str("---:|");
     }
     s.push('\n');
@@ -165,7 +176,7 @@ pub fn table(res: &Results, targets: &[Target]) -> String {
                 m.get(t).map_or("–".into(), |v| fmt_num(median(v)))
             );
         }
-        for (a, b) in RATIOS {
+        for &(a, b) in &ratios {
             let _ = write!(s, " {} |", ratio(m, a, b, shows_spread(metric)));
         }
         s.push('\n');
@@ -179,6 +190,11 @@ pub fn notes(targets: &[Target]) -> String {
     let mut s = String::from(
         "Ratios of rates and CPU: median of the per-round ratios (min–max over the rounds).\n",
     );
+    if targets.contains(&Target::HlbLogAll) || targets.contains(&Target::HlbLogErrors) {
+        s.push_str(
+            "hlb-log-errors, hlb-log-all: harvester-lb with log_connections = \"errors\" and \"all\" (--log-modes), each its own process on its own VIP, run in the same rounds as harvester-lb (log_connections = \"none\" unless HLB_LOG_CONNECTIONS says otherwise).\n",
+        );
+    }
     if targets.contains(&Target::Kernel) {
         s.push_str(
             "kernel: nftables DNAT in the output hook, no process of its own: its forwarding is softirq time on the client's and the backend's threads, so its CPU and RSS cells are –.\n",

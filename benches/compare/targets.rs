@@ -21,6 +21,10 @@ pub const NGINX_IP: Ipv4Addr = Ipv4Addr::new(127, 252, 0, 4);
 /// The kernel target's VIP: DNAT to BACKEND_IP on the same ports (see
 /// [`crate::host::KernelDnat`]).
 pub const KERNEL_IP: Ipv4Addr = Ipv4Addr::new(127, 252, 0, 5);
+/// The VIPs of the `--log-modes` targets: harvester-lb with
+/// `log_connections = "errors"` and `"all"`, each its own process.
+pub const HLB_LOG_ERRORS_IP: Ipv4Addr = Ipv4Addr::new(127, 252, 0, 16);
+pub const HLB_LOG_ALL_IP: Ipv4Addr = Ipv4Addr::new(127, 252, 0, 17);
 /// Ports, the same on the backend and on every proxy.
 pub const IPERF_PORT: u16 = 15201;
 pub const HTTP_PORT: u16 = 18080;
@@ -36,16 +40,24 @@ pub enum Target {
     /// Service): the floor a user-space proxy is measured against.
     Kernel,
     Hlb,
+    /// harvester-lb with `log_connections = "errors"` (`--log-modes`): run
+    /// beside [`Target::Hlb`] in the same rounds, so the connection log's
+    /// cost is a per-round ratio rather than a gap between separate runs.
+    HlbLogErrors,
+    /// harvester-lb with `log_connections = "all"` (`--log-modes`).
+    HlbLogAll,
     Haproxy,
     Nginx,
 }
 
 impl Target {
     /// Every target, in the table's column order.
-    pub const ALL: [Target; 5] = [
+    pub const ALL: [Target; 7] = [
         Target::Direct,
         Target::Kernel,
         Target::Hlb,
+        Target::HlbLogErrors,
+        Target::HlbLogAll,
         Target::Haproxy,
         Target::Nginx,
     ];
@@ -55,6 +67,8 @@ impl Target {
             Target::Direct => "direct",
             Target::Kernel => "kernel",
             Target::Hlb => "harvester-lb",
+            Target::HlbLogErrors => "hlb-log-errors",
+            Target::HlbLogAll => "hlb-log-all",
             Target::Haproxy => "haproxy",
             Target::Nginx => "nginx",
         }
@@ -73,6 +87,8 @@ impl Target {
             Target::Direct => BACKEND_IP,
             Target::Kernel => KERNEL_IP,
             Target::Hlb => HLB_IP,
+            Target::HlbLogErrors => HLB_LOG_ERRORS_IP,
+            Target::HlbLogAll => HLB_LOG_ALL_IP,
             Target::Haproxy => HAPROXY_IP,
             Target::Nginx => NGINX_IP,
         }
@@ -143,13 +159,13 @@ pub fn threads_label(threads: usize) -> String {
 // ---------------------------------------------------------------------------
 // The traffic scenarios' proxies (throughput, rps, cps, idle)
 
-/// harvester-lb config: one load balancer on HLB_IP with both listeners.
-/// `HLB_LOG_CONNECTIONS` (environment: `none`, `errors`, `all`) sets its
-/// `log_connections`, to measure the connection log's cost; its lines go
-/// to `hlb.log` in the work directory, as the daemon's stderr.
-/// `HLB_LOG_LINES_PER_SECOND` sets `[log] max_connection_lines_per_second`.
-fn hlb_config() -> String {
-    let log = std::env::var("HLB_LOG_CONNECTIONS").map_or(String::new(), |mode| {
+/// harvester-lb config: one load balancer on `ip` with both listeners, its
+/// admin API on the same address. `log` is its `log_connections` (None:
+/// not written, the default "none"); the lines go to `<name>.log` in the
+/// work directory, as the daemon's stderr. `HLB_LOG_LINES_PER_SECOND` sets
+/// `[log] max_connection_lines_per_second`.
+fn hlb_config(ip: Ipv4Addr, log: Option<&str>) -> String {
+    let log = log.map_or(String::new(), |mode| {
         format!("log_connections = {mode:?}\n")
     });
     // `HLB_LOG_LINES_PER_SECOND`: its bound (`[log]`), default 1000.
@@ -158,13 +174,13 @@ fn hlb_config() -> String {
     });
     format!(
         r#"[admin]
-listen = "{HLB_IP}:{ADMIN_PORT}"
+listen = "{ip}:{ADMIN_PORT}"
 {lines}[proxy]
 backlog = 4096
 max_connections = 15000
 [[load_balancer]]
 name = "bench/main"
-vip = "{HLB_IP}"
+vip = "{ip}"
 backends = ["{BACKEND_IP}"]
 algorithm = "round_robin"
 {log}  [[load_balancer.listener]]
@@ -297,10 +313,20 @@ impl HlbRun<'_> {
 pub fn start_proxies(hlb: &HlbRun, targets: &[Target], threads: usize) -> Vec<(Target, Proc)> {
     let work = hlb.work;
     let mut procs: Vec<(Target, Proc)> = Vec::new();
-    procs.push((
-        Target::Hlb,
-        hlb.start("hlb", &hlb_config(), sa(HLB_IP, ADMIN_PORT), threads),
-    ));
+    // `HLB_LOG_CONNECTIONS` (environment: `none`, `errors`, `all`) sets the
+    // plain harvester-lb target's `log_connections`.
+    let log = std::env::var("HLB_LOG_CONNECTIONS").ok();
+    let mut hlbs = vec![(Target::Hlb, "hlb", log.as_deref())];
+    if targets.contains(&Target::HlbLogErrors) {
+        hlbs.push((Target::HlbLogErrors, "hlb-log-errors", Some("errors")));
+    }
+    if targets.contains(&Target::HlbLogAll) {
+        hlbs.push((Target::HlbLogAll, "hlb-log-all", Some("all")));
+    }
+    for (t, name, log) in hlbs {
+        let config = hlb_config(t.ip(), log);
+        procs.push((t, hlb.start(name, &config, sa(t.ip(), ADMIN_PORT), threads)));
+    }
     if targets.contains(&Target::Haproxy) {
         let cfg = work.join("haproxy.cfg");
         std::fs::write(&cfg, haproxy_config(threads)).expect("write");
