@@ -4,10 +4,10 @@
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
-use std::time::Duration;
 
 use clap::{Parser, Subcommand, ValueEnum};
 
+use harvester_lb::admin::client;
 use harvester_lb::config;
 use harvester_lb::workers::{WorkerThreads, Workers};
 use tracing_subscriber::field::MakeExt as _;
@@ -26,9 +26,6 @@ const EXIT_CONFIG: u8 = 78;
 const EXIT_START: u8 = 1;
 /// Exit code when the daemon cannot be reached (sysexits' EX_UNAVAILABLE).
 const EXIT_UNAVAILABLE: u8 = 69;
-/// How long the CLI waits for the daemon's answer (a reload of a large file
-/// takes a fraction of a second; a wedged daemon must not hang the caller).
-const ANSWER_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// TCP load balancer with active health checks for Harvester guest-cluster
 /// LoadBalancer services.
@@ -371,48 +368,6 @@ fn demo(path: &Path) -> ExitCode {
     }
 }
 
-/// Sends one request to the admin socket on a one-thread runtime.
-fn socket_request(
-    socket: &Path,
-    method: hyper::Method,
-    path: &str,
-    body: String,
-) -> std::io::Result<(hyper::StatusCode, String)> {
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()?;
-    runtime.block_on(harvester_lb::admin::socket_request(
-        socket,
-        method,
-        path,
-        body,
-        ANSWER_TIMEOUT,
-    ))
-}
-
-/// Why the admin socket could not be reached, in the operator's terms.
-fn unreachable(socket: &Path, e: &std::io::Error) -> String {
-    let shown = socket.display();
-    match e.kind() {
-        std::io::ErrorKind::NotFound => format!(
-            "no admin socket at {shown}: the daemon is not running, or its admin.socket differs (pass --socket PATH or --config FILE)"
-        ),
-        std::io::ErrorKind::ConnectionRefused => format!(
-            "nothing answers on the admin socket {shown} (a stale file): the daemon is not running, or its admin.socket differs"
-        ),
-        std::io::ErrorKind::PermissionDenied => format!(
-            "permission denied on the admin socket {shown}: it is mode 0600 in a 0700 directory; run as root"
-        ),
-        _ => match e
-            .get_ref()
-            .and_then(|inner| inner.downcast_ref::<harvester_lb::admin::SocketError>())
-        {
-            Some(untrusted) => format!("{untrusted}; nothing was sent"),
-            None => format!("cannot reach the daemon's admin socket {shown}: {e}"),
-        },
-    }
-}
-
 fn backend(
     state: BackendState,
     load_balancer: &str,
@@ -434,8 +389,8 @@ fn backend(
         "state": state.as_str(),
     })
     .to_string();
-    match socket_request(&socket, hyper::Method::POST, "/backends/state", body) {
-        Ok((status, body)) => {
+    match client::request(&socket, hyper::Method::POST, "/backends/state", body) {
+        Ok(client::Answer { status, body }) => {
             let answer: serde_json::Value = serde_json::from_str(&body).unwrap_or_default();
             if status.is_success() {
                 println!(
@@ -452,7 +407,7 @@ fn backend(
             }
         }
         Err(e) => {
-            eprintln!("{}", unreachable(&socket, &e));
+            eprintln!("{e}");
             ExitCode::from(EXIT_UNAVAILABLE)
         }
     }
@@ -466,15 +421,15 @@ fn status(path: &Path, json: bool) -> ExitCode {
             return ExitCode::from(EXIT_CONFIG);
         }
     };
-    let body = match harvester_lb::status_table::fetch(admin, &socket) {
-        Ok((b, note)) => {
+    let body = match client::status(admin, &socket) {
+        Ok(client::Status { body, note }) => {
             if let Some(note) = note {
                 eprintln!("note: {note}");
             }
-            b
+            body
         }
-        Err(message) => {
-            eprintln!("{message}");
+        Err(e) => {
+            eprintln!("{e}");
             return ExitCode::from(EXIT_UNAVAILABLE);
         }
     };
@@ -508,8 +463,8 @@ fn reload(path: &Path) -> ExitCode {
     };
     // Only the socket, never admin.listen: any local user can bind that
     // port before the daemon does and answer "reloaded" for it.
-    match socket_request(&socket, hyper::Method::POST, "/reload", String::new()) {
-        Ok((status, body)) => {
+    match client::request(&socket, hyper::Method::POST, "/reload", String::new()) {
+        Ok(client::Answer { status, body }) => {
             if status.is_success() {
                 println!("{}", body.trim_end());
                 ExitCode::SUCCESS
@@ -521,7 +476,7 @@ fn reload(path: &Path) -> ExitCode {
         Err(e) => {
             eprintln!(
                 "{}; not reloaded (reload is asked only on the admin socket, never on admin.listen, which any local user could answer; SIGHUP reloads without it: `systemctl kill -s HUP harvester-lb`)",
-                unreachable(&socket, &e)
+                e
             );
             ExitCode::from(EXIT_UNAVAILABLE)
         }
