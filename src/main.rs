@@ -7,9 +7,11 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand, ValueEnum};
 
+use harvester_lb::StartError;
 use harvester_lb::admin::client;
 use harvester_lb::config;
-use harvester_lb::workers::{WorkerThreads, Workers};
+use harvester_lb::server::{self, RunError};
+use harvester_lb::workers::{self, Runtimes};
 use tracing_subscriber::field::MakeExt as _;
 
 /// mimalloc instead of glibc's malloc: a reload of 10,000 load balancers
@@ -192,11 +194,20 @@ impl BackendState {
     }
 }
 
-/// See `harvester_lb::workers`.
+/// See `harvester_lb::workers::Scheduler`.
 #[derive(Clone, Copy, ValueEnum)]
 enum Scheduler {
     ThreadPerCore,
     WorkStealing,
+}
+
+impl From<Scheduler> for workers::Scheduler {
+    fn from(s: Scheduler) -> Self {
+        match s {
+            Scheduler::ThreadPerCore => Self::ThreadPerCore,
+            Scheduler::WorkStealing => Self::WorkStealing,
+        }
+    }
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -302,62 +313,10 @@ fn check(path: &Path) -> ExitCode {
     }
 }
 
-/// The runtime `run` blocks on, and the threads beside it.
-struct Runtimes {
-    main: tokio::runtime::Runtime,
-    /// Thread per core: the other threads' runtimes (none with one thread).
-    extra: Option<WorkerThreads>,
-}
-
-impl Runtimes {
-    /// `threads` threads in all (default: one per core). One thread is
-    /// tokio's current-thread runtime either way, which skips the
-    /// multi-threaded scheduler's cross-thread bookkeeping: measured about
-    /// 6% more kept-alive requests per second than a multi-threaded runtime
-    /// of one worker.
-    fn new(
-        threads: Option<std::num::NonZeroUsize>,
-        scheduler: Scheduler,
-    ) -> Result<Self, ExitCode> {
-        let threads = threads
-            .or_else(|| std::thread::available_parallelism().ok())
-            .map_or(1, std::num::NonZeroUsize::get);
-        let started = match scheduler {
-            Scheduler::WorkStealing if threads > 1 => tokio::runtime::Builder::new_multi_thread()
-                .worker_threads(threads)
-                .enable_all()
-                .build()
-                .map(|main| Self { main, extra: None }),
-            _ => tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .and_then(|main| {
-                    let extra = WorkerThreads::start(threads - 1)?;
-                    Ok(Self {
-                        main,
-                        extra: Some(extra),
-                    })
-                }),
-        };
-        started.map_err(|e| {
-            eprintln!("cannot start the async runtime: {e}");
-            ExitCode::from(EXIT_START)
-        })
-    }
-
-    /// The runtimes TCP listeners accept on.
-    fn workers(&self) -> Workers {
-        match &self.extra {
-            Some(extra) => extra.workers(self.main.handle().clone()),
-            None => Workers::here(),
-        }
-    }
-}
-
 fn demo(path: &Path) -> ExitCode {
-    let runtime = match Runtimes::new(None, Scheduler::WorkStealing) {
+    let runtime = match Runtimes::new(None, workers::Scheduler::WorkStealing) {
         Ok(r) => r.main,
-        Err(code) => return code,
+        Err(e) => return runtime_failed(&e),
     };
     match runtime.block_on(harvester_lb::demo::run(path)) {
         Ok(()) => ExitCode::SUCCESS,
@@ -489,90 +448,28 @@ fn run(
     threads: Option<std::num::NonZeroUsize>,
     scheduler: Scheduler,
 ) -> ExitCode {
-    let runtimes = match Runtimes::new(threads, scheduler) {
+    let runtimes = match Runtimes::new(threads, scheduler.into()) {
         Ok(r) => r,
-        Err(code) => return code,
+        Err(e) => return runtime_failed(&e),
     };
-    let workers = runtimes.workers();
-    // The worker threads stop when `runtimes` drops, after the drain.
-    runtimes.main.block_on(async move {
-        // Install every handler before anything can tell systemd READY=1:
-        // a SIGHUP must never meet the default action (which exits).
-        let mut signals = match Signals::new() {
-            Ok(s) => s,
-            Err(e) => {
-                tracing::error!("cannot install signal handlers: {e}");
-                return ExitCode::from(EXIT_START);
+    let mut options = harvester_lb::Options::new(config);
+    options.workers = runtimes.workers();
+    if no_watch {
+        options.watch_interval = None;
+    }
+    match runtimes.main.block_on(server::run(options)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            tracing::error!("{e}");
+            match e {
+                RunError::Start(StartError::Config(_)) => ExitCode::from(EXIT_CONFIG),
+                _ => ExitCode::from(EXIT_START),
             }
-        };
-        let mut options = harvester_lb::Options::new(config);
-        options.workers = workers;
-        if no_watch {
-            options.watch_interval = None;
         }
-        let server = match harvester_lb::start(options).await {
-            Ok(s) => s,
-            Err(e) => {
-                let code = match e {
-                    harvester_lb::StartError::Config(_) => EXIT_CONFIG,
-                    _ => EXIT_START,
-                };
-                tracing::error!("{e}");
-                return ExitCode::from(code);
-            }
-        };
-        tracing::info!(admin = %server.admin_addr(), "harvester-lb running");
-        signals.serve_until_stop(&server).await;
-        // A second SIGTERM/SIGINT during the drain exits at once.
-        tokio::spawn(async move {
-            signals.stop().await;
-            tracing::warn!("second stop signal: exiting without waiting for connections");
-            std::process::exit(1);
-        });
-        server.shutdown().await;
-        ExitCode::SUCCESS
-    })
+    }
 }
 
-/// The signals the daemon answers.
-struct Signals {
-    hup: tokio::signal::unix::Signal,
-    term: tokio::signal::unix::Signal,
-    int: tokio::signal::unix::Signal,
-}
-
-impl Signals {
-    fn new() -> std::io::Result<Self> {
-        use tokio::signal::unix::{SignalKind, signal};
-        Ok(Self {
-            hup: signal(SignalKind::hangup())?,
-            term: signal(SignalKind::terminate())?,
-            int: signal(SignalKind::interrupt())?,
-        })
-    }
-
-    /// Resolves at the next SIGTERM or SIGINT.
-    async fn stop(&mut self) {
-        tokio::select! {
-            _ = self.term.recv() => {}
-            _ = self.int.recv() => {}
-        }
-    }
-
-    /// Serves SIGHUP as reloads until SIGTERM or SIGINT arrives.
-    async fn serve_until_stop(&mut self, server: &harvester_lb::Server) {
-        loop {
-            tokio::select! {
-                _ = self.term.recv() => return,
-                _ = self.int.recv() => return,
-                _ = self.hup.recv() => {
-                    let sender = server.reload_sender();
-                    // Do not wait here: a storm of SIGHUPs queues reloads, it does not block stop.
-                    tokio::spawn(async move {
-                        let _ = harvester_lb::request_reload(&sender).await;
-                    });
-                }
-            }
-        }
-    }
+fn runtime_failed(e: &std::io::Error) -> ExitCode {
+    eprintln!("cannot start the async runtime: {e}");
+    ExitCode::from(EXIT_START)
 }
