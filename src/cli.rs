@@ -82,7 +82,7 @@ pub fn demo(path: &Path) -> ExitCode {
         Ok(r) => r.main,
         Err(e) => return runtime_failed(&e),
     };
-    match runtime.block_on(harvester_lb::demo::run(path)) {
+    match runtime.block_on(harvester_lb::demo::run(path, |line| println!("{line}"))) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("demo failed: {e}");
