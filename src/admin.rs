@@ -17,6 +17,8 @@
 //! daemon's state. `/healthz` and `/readyz` must answer whatever any local
 //! user does to `admin.listen` (keepalived moves VIPs on them): they need
 //! no slot, and idle connections are shed for newcomers at the cap.
+//!
+//! The command line's side of the API is [`client`].
 
 use std::collections::BTreeMap;
 use std::convert::Infallible;
@@ -45,6 +47,8 @@ use tokio_util::sync::CancellationToken;
 use crate::balancer::AdminState;
 use crate::daemon::{AdminStateError, Daemon, VipNotReady};
 use crate::metrics::exposition::ExpositionBody;
+
+pub mod client;
 
 /// A response body: a short text or JSON, or `/metrics` written as it is sent.
 type Body = Either<Full<Bytes>, ExpositionBody>;
@@ -971,61 +975,6 @@ fn text(status: StatusCode, body: &str) -> Response<Body> {
             .expect("static header value"),
     );
     resp
-}
-
-/// One request to the admin API over its Unix socket (the CLI's way in):
-/// HTTP/1.1 through hyper's client on a tokio `UnixStream`. Returns the
-/// status and body; an `Err` means the daemon could not be reached or
-/// stopped answering within `timeout`, or that the socket is not to be
-/// trusted ([`check_socket_trust`] with [`client_trusts`]: kind `Other`,
-/// a [`SocketError`] inside), and then nothing was sent.
-pub async fn socket_request(
-    socket: &Path,
-    method: Method,
-    path: &str,
-    body: String,
-    timeout: Duration,
-) -> io::Result<(StatusCode, String)> {
-    // A socket another user could have put there is not the daemon's.
-    check_socket_trust(socket, client_trusts).map_err(|e| match e {
-        SocketError::Io { source, .. } => source,
-        untrusted => io::Error::other(untrusted),
-    })?;
-    let exchange = async {
-        let stream = tokio::net::UnixStream::connect(socket).await?;
-        let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
-            .await
-            .map_err(io::Error::other)?;
-        let conn = tokio::spawn(conn);
-        let request = Request::builder()
-            .method(method)
-            .uri(path)
-            .header(hyper::header::HOST, "localhost")
-            .header(CONTENT_TYPE, "application/json")
-            .body(Full::new(Bytes::from(body)))
-            .map_err(io::Error::other)?;
-        let response = sender
-            .send_request(request)
-            .await
-            .map_err(io::Error::other)?;
-        let status = response.status();
-        let bytes = response
-            .into_body()
-            .collect()
-            .await
-            .map_err(io::Error::other)?
-            .to_bytes();
-        conn.abort();
-        Ok((status, String::from_utf8_lossy(&bytes).into_owned()))
-    };
-    tokio::time::timeout(timeout, exchange)
-        .await
-        .unwrap_or_else(|_| {
-            Err(io::Error::new(
-                io::ErrorKind::TimedOut,
-                format!("no answer within {timeout:?}"),
-            ))
-        })
 }
 
 #[cfg(test)]

@@ -19,8 +19,9 @@ use crate::config::{self, LoadBalancerSpec};
 use crate::health::Health;
 
 /// Runs the demo on the config at `path` (its first load balancer with a
-/// health check). Returns a message for the operator on failure.
-pub async fn run(path: &Path) -> Result<(), String> {
+/// health check), handing each line of its story to `say` (the command
+/// line prints them). Returns a message for the operator on failure.
+pub async fn run(path: &Path, say: impl Fn(String)) -> Result<(), String> {
     let loaded = config::load(path).map_err(|e| e.to_string())?;
     let lb = loaded
         .config
@@ -49,12 +50,12 @@ pub async fn run(path: &Path) -> Result<(), String> {
             start_node(*ip, listener.backend_port, health_port).await?,
         );
     }
-    println!(
+    say(format!(
         "started {} demo nodes on port {}: {:?}",
         nodes.len(),
         listener.backend_port,
         lb.backends
-    );
+    ));
 
     // A socket of its own: the demo must not take (or trip over) the one a
     // daemon installed on this host serves.
@@ -67,18 +68,21 @@ pub async fn run(path: &Path) -> Result<(), String> {
     })
     .await
     .map_err(|e| e.to_string())?;
-    println!(
+    say(format!(
         "harvester-lb is listening on {vip}; admin API on http://{}/status\n",
         server.admin_addr()
-    );
+    ));
 
+    let say = &say;
     let spread = |label: &'static str| async move {
         let mut counts: BTreeMap<String, usize> = BTreeMap::new();
         for _ in 0..12 {
             let who = ask(vip).await.unwrap_or_else(|e| format!("(failed: {e})"));
             *counts.entry(who).or_default() += 1;
         }
-        println!("{label}: 12 connections to {vip} landed on {counts:?}");
+        say(format!(
+            "{label}: 12 connections to {vip} landed on {counts:?}"
+        ));
     };
     spread("all nodes up").await;
 
@@ -87,29 +91,31 @@ pub async fn run(path: &Path) -> Result<(), String> {
         task.abort();
     }
     let hc = lb.health_check.as_ref().expect("checked above");
-    println!(
+    say(format!(
         "\nstopped node {victim}; the health check marks it down after {} failed probes ({} s apart)...",
         hc.failure_threshold,
         hc.period.as_secs()
-    );
+    ));
     wait_health(&server, &lb, victim, Health::Unhealthy).await?;
+    say(format!("node {victim} is {}", Health::Unhealthy));
     spread("node down").await;
 
     nodes.insert(
         victim,
         start_node(victim, listener.backend_port, health_port).await?,
     );
-    println!(
+    say(format!(
         "\nrestarted node {victim}; waiting for {} successful probe(s)...",
         hc.success_threshold
-    );
+    ));
     wait_health(&server, &lb, victim, Health::Healthy).await?;
+    say(format!("node {victim} is {}", Health::Healthy));
     spread("node back").await;
 
-    println!(
+    say(format!(
         "\nthe same is in the metrics: curl http://{}/metrics | grep harvester_lb_health_transitions",
         server.admin_addr()
-    );
+    ));
     server.shutdown().await;
     let _ = std::fs::remove_dir(&socket_dir); // Emptied by the shutdown; best effort.
     Ok(())
@@ -172,7 +178,6 @@ async fn wait_health(
             .and_then(|l| l.backends.iter().find(|b| b.address == ip))
             .map(|b| b.health);
         if now == Some(want) {
-            println!("node {ip} is {want}");
             return Ok(());
         }
         if tokio::time::Instant::now() > deadline {

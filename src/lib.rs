@@ -28,6 +28,9 @@
 //! * [`import`]: Harvester's `LoadBalancer` objects (and v0.1.x guest
 //!   `Service`s) to a config file; beside `check`, it reads only `config`.
 //!
+//! The `harvester-lb` binary's own code is `src/main.rs` (arguments) and
+//! `src/cli.rs` (each command's printing and exit code), outside this library.
+//!
 //! [`start`] runs the whole daemon on an already validated path; tests start it
 //! in-process on loopback addresses they choose.
 

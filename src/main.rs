@@ -1,34 +1,23 @@
 //! The `harvester-lb` command: `run`, `check`, `reload`, `backend`,
 //! `status`, `import`, `demo`.
-//! Thin by design; the daemon and the admin client live in the library.
+//! Thin by design: it parses the arguments and dispatches to [`cli`]; the
+//! daemon and the admin client live in the library.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::ExitCode;
-use std::time::Duration;
+
+mod cli;
 
 use clap::{Parser, Subcommand, ValueEnum};
 
 use harvester_lb::config;
-use harvester_lb::workers::{WorkerThreads, Workers};
-use tracing_subscriber::field::MakeExt as _;
+use harvester_lb::workers;
 
 /// mimalloc instead of glibc's malloc: a reload of 10,000 load balancers
 /// allocates ~80 MB for a moment, which glibc kept (RSS +125 MB after three
 /// reloads, measured) and mimalloc gives back; it also parses the config faster.
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
-
-/// Exit code for an unusable config (sysexits' EX_CONFIG). The systemd unit
-/// lists it in `RestartPreventExitStatus=` so a bad file does not restart-loop.
-const EXIT_CONFIG: u8 = 78;
-/// Exit code when the daemon could not start for another reason, or refused
-/// a request.
-const EXIT_START: u8 = 1;
-/// Exit code when the daemon cannot be reached (sysexits' EX_UNAVAILABLE).
-const EXIT_UNAVAILABLE: u8 = 69;
-/// How long the CLI waits for the daemon's answer (a reload of a large file
-/// takes a fraction of a second; a wedged daemon must not hang the caller).
-const ANSWER_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// TCP load balancer with active health checks for Harvester guest-cluster
 /// LoadBalancer services.
@@ -195,11 +184,20 @@ impl BackendState {
     }
 }
 
-/// See `harvester_lb::workers`.
+/// See `harvester_lb::workers::Scheduler`.
 #[derive(Clone, Copy, ValueEnum)]
 enum Scheduler {
     ThreadPerCore,
     WorkStealing,
+}
+
+impl From<Scheduler> for workers::Scheduler {
+    fn from(s: Scheduler) -> Self {
+        match s {
+            Scheduler::ThreadPerCore => Self::ThreadPerCore,
+            Scheduler::WorkStealing => Self::WorkStealing,
+        }
+    }
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -209,18 +207,18 @@ enum LogFormat {
 }
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
-    init_tracing(cli.log_format);
-    match cli.command {
-        Command::Check { config } => check(&config),
-        Command::Reload { config } => reload(&config),
+    let args = Cli::parse();
+    cli::init_tracing(args.log_format);
+    match args.command {
+        Command::Check { config } => cli::check(&config),
+        Command::Reload { config } => cli::reload(&config),
         Command::Backend {
             state,
             load_balancer,
             address,
             socket,
             config,
-        } => backend(state, &load_balancer, &address, socket, &config),
+        } => cli::backend(state, &load_balancer, &address, socket, &config),
         Command::Run {
             config,
             no_watch,
@@ -229,10 +227,10 @@ fn main() -> ExitCode {
         } => {
             // Before anything slow: a SIGHUP during start-up must not kill it.
             harvester_lb::os::ignore_hangup_until_handled();
-            run(config, no_watch, threads, scheduler)
+            cli::run(config, no_watch, threads, scheduler)
         }
-        Command::Demo { config } => demo(&config),
-        Command::Status { config, json } => status(&config, json),
+        Command::Demo { config } => cli::demo(&config),
+        Command::Status { config, json } => cli::status(&config, json),
         Command::Import {
             inputs,
             cluster,
@@ -250,374 +248,5 @@ fn main() -> ExitCode {
             allow_removals,
             allow_loopback,
         })),
-    }
-}
-
-fn init_tracing(format: LogFormat) {
-    let filter = tracing_subscriber::EnvFilter::try_from_env("HARVESTER_LB_LOG")
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()));
-    match format {
-        // Every field and message through `text::escape`: a name from an
-        // object that holds `\n` or `ESC[8m` cannot forge a line or hide
-        // one (the stock text format writes `%name` fields raw). JSON
-        // needs none: serde_json escapes control characters itself.
-        LogFormat::Text => builder
-            .fmt_fields(
-                tracing_subscriber::fmt::format::debug_fn(|w, field, value| {
-                    if field.name() != "message" {
-                        write!(w, "{}=", field.name())?;
-                    }
-                    // Control characters only: a string field's `Debug`
-                    // form has its quotes and backslashes escaped already.
-                    harvester_lb::text::write_controls_escaped(w, &format!("{value:?}"))
-                })
-                .delimited(" "),
-            )
-            .init(),
-        LogFormat::Json => builder.json().init(),
-    }
-}
-
-fn check(path: &Path) -> ExitCode {
-    match config::load(path) {
-        Ok(loaded) => {
-            for w in &loaded.warnings {
-                eprintln!("warning: {w}");
-            }
-            let c = &loaded.config;
-            let listeners: usize = c.load_balancers.iter().map(|l| l.listeners.len()).sum();
-            println!(
-                "config {} is valid: {} load balancers, {} listeners",
-                path.display(),
-                c.load_balancers.len(),
-                listeners
-            );
-            ExitCode::SUCCESS
-        }
-        Err(e) => {
-            eprintln!("{e}");
-            ExitCode::from(EXIT_CONFIG)
-        }
-    }
-}
-
-/// The runtime `run` blocks on, and the threads beside it.
-struct Runtimes {
-    main: tokio::runtime::Runtime,
-    /// Thread per core: the other threads' runtimes (none with one thread).
-    extra: Option<WorkerThreads>,
-}
-
-impl Runtimes {
-    /// `threads` threads in all (default: one per core). One thread is
-    /// tokio's current-thread runtime either way, which skips the
-    /// multi-threaded scheduler's cross-thread bookkeeping: measured about
-    /// 6% more kept-alive requests per second than a multi-threaded runtime
-    /// of one worker.
-    fn new(
-        threads: Option<std::num::NonZeroUsize>,
-        scheduler: Scheduler,
-    ) -> Result<Self, ExitCode> {
-        let threads = threads
-            .or_else(|| std::thread::available_parallelism().ok())
-            .map_or(1, std::num::NonZeroUsize::get);
-        let started = match scheduler {
-            Scheduler::WorkStealing if threads > 1 => tokio::runtime::Builder::new_multi_thread()
-                .worker_threads(threads)
-                .enable_all()
-                .build()
-                .map(|main| Self { main, extra: None }),
-            _ => tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .and_then(|main| {
-                    let extra = WorkerThreads::start(threads - 1)?;
-                    Ok(Self {
-                        main,
-                        extra: Some(extra),
-                    })
-                }),
-        };
-        started.map_err(|e| {
-            eprintln!("cannot start the async runtime: {e}");
-            ExitCode::from(EXIT_START)
-        })
-    }
-
-    /// The runtimes TCP listeners accept on.
-    fn workers(&self) -> Workers {
-        match &self.extra {
-            Some(extra) => extra.workers(self.main.handle().clone()),
-            None => Workers::here(),
-        }
-    }
-}
-
-fn demo(path: &Path) -> ExitCode {
-    let runtime = match Runtimes::new(None, Scheduler::WorkStealing) {
-        Ok(r) => r.main,
-        Err(code) => return code,
-    };
-    match runtime.block_on(harvester_lb::demo::run(path)) {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("demo failed: {e}");
-            ExitCode::from(EXIT_START)
-        }
-    }
-}
-
-/// Sends one request to the admin socket on a one-thread runtime.
-fn socket_request(
-    socket: &Path,
-    method: hyper::Method,
-    path: &str,
-    body: String,
-) -> std::io::Result<(hyper::StatusCode, String)> {
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()?;
-    runtime.block_on(harvester_lb::admin::socket_request(
-        socket,
-        method,
-        path,
-        body,
-        ANSWER_TIMEOUT,
-    ))
-}
-
-/// Why the admin socket could not be reached, in the operator's terms.
-fn unreachable(socket: &Path, e: &std::io::Error) -> String {
-    let shown = socket.display();
-    match e.kind() {
-        std::io::ErrorKind::NotFound => format!(
-            "no admin socket at {shown}: the daemon is not running, or its admin.socket differs (pass --socket PATH or --config FILE)"
-        ),
-        std::io::ErrorKind::ConnectionRefused => format!(
-            "nothing answers on the admin socket {shown} (a stale file): the daemon is not running, or its admin.socket differs"
-        ),
-        std::io::ErrorKind::PermissionDenied => format!(
-            "permission denied on the admin socket {shown}: it is mode 0600 in a 0700 directory; run as root"
-        ),
-        _ => match e
-            .get_ref()
-            .and_then(|inner| inner.downcast_ref::<harvester_lb::admin::SocketError>())
-        {
-            Some(untrusted) => format!("{untrusted}; nothing was sent"),
-            None => format!("cannot reach the daemon's admin socket {shown}: {e}"),
-        },
-    }
-}
-
-fn backend(
-    state: BackendState,
-    load_balancer: &str,
-    address: &str,
-    socket: Option<PathBuf>,
-    config_path: &Path,
-) -> ExitCode {
-    // The config is read only for admin.socket; a missing or broken file
-    // means the default path (the daemon would not run on a broken one).
-    let socket = socket.unwrap_or_else(|| {
-        config::load(config_path).map_or_else(
-            |_| PathBuf::from(config::DEFAULT_ADMIN_SOCKET),
-            |l| l.config.admin.socket,
-        )
-    });
-    let body = serde_json::json!({
-        "load_balancer": load_balancer,
-        "backend": address,
-        "state": state.as_str(),
-    })
-    .to_string();
-    match socket_request(&socket, hyper::Method::POST, "/backends/state", body) {
-        Ok((status, body)) => {
-            let answer: serde_json::Value = serde_json::from_str(&body).unwrap_or_default();
-            if status.is_success() {
-                println!(
-                    "{load_balancer} backend {}: {} -> {}",
-                    answer["backend"].as_str().unwrap_or(address),
-                    answer["previous_state"].as_str().unwrap_or("?"),
-                    answer["state"].as_str().unwrap_or(state.as_str()),
-                );
-                ExitCode::SUCCESS
-            } else {
-                let message = answer["error"].as_str().unwrap_or(body.trim_end());
-                eprintln!("the daemon refused: {message} (HTTP {status})");
-                ExitCode::from(EXIT_START)
-            }
-        }
-        Err(e) => {
-            eprintln!("{}", unreachable(&socket, &e));
-            ExitCode::from(EXIT_UNAVAILABLE)
-        }
-    }
-}
-
-fn status(path: &Path, json: bool) -> ExitCode {
-    let (admin, socket) = match config::load(path) {
-        Ok(l) => (l.config.admin.listen, l.config.admin.socket),
-        Err(e) => {
-            eprintln!("{e}");
-            return ExitCode::from(EXIT_CONFIG);
-        }
-    };
-    let body = match harvester_lb::status_table::fetch(admin, &socket) {
-        Ok((b, note)) => {
-            if let Some(note) = note {
-                eprintln!("note: {note}");
-            }
-            b
-        }
-        Err(message) => {
-            eprintln!("{message}");
-            return ExitCode::from(EXIT_UNAVAILABLE);
-        }
-    };
-    if json {
-        println!("{}", body.trim_end());
-        return ExitCode::SUCCESS;
-    }
-    match serde_json::from_str(&body) {
-        Ok(doc) => {
-            let now = std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map_or(0.0, |d| d.as_secs_f64());
-            print!("{}", harvester_lb::status_table::render(&doc, now));
-            ExitCode::SUCCESS
-        }
-        Err(e) => {
-            eprintln!("the daemon's /status is not JSON ({e})");
-            ExitCode::from(EXIT_START)
-        }
-    }
-}
-
-fn reload(path: &Path) -> ExitCode {
-    // Read only admin.socket; the daemon validates the whole file itself.
-    let socket = match config::load(path) {
-        Ok(l) => l.config.admin.socket,
-        Err(e) => {
-            eprintln!("{e}");
-            return ExitCode::from(EXIT_CONFIG);
-        }
-    };
-    // Only the socket, never admin.listen: any local user can bind that
-    // port before the daemon does and answer "reloaded" for it.
-    match socket_request(&socket, hyper::Method::POST, "/reload", String::new()) {
-        Ok((status, body)) => {
-            if status.is_success() {
-                println!("{}", body.trim_end());
-                ExitCode::SUCCESS
-            } else {
-                eprintln!("{}", body.trim_end());
-                ExitCode::from(EXIT_CONFIG)
-            }
-        }
-        Err(e) => {
-            eprintln!(
-                "{}; not reloaded (reload is asked only on the admin socket, never on admin.listen, which any local user could answer; SIGHUP reloads without it: `systemctl kill -s HUP harvester-lb`)",
-                unreachable(&socket, &e)
-            );
-            ExitCode::from(EXIT_UNAVAILABLE)
-        }
-    }
-}
-
-fn run(
-    config: PathBuf,
-    no_watch: bool,
-    threads: Option<std::num::NonZeroUsize>,
-    scheduler: Scheduler,
-) -> ExitCode {
-    let runtimes = match Runtimes::new(threads, scheduler) {
-        Ok(r) => r,
-        Err(code) => return code,
-    };
-    let workers = runtimes.workers();
-    // The worker threads stop when `runtimes` drops, after the drain.
-    runtimes.main.block_on(async move {
-        // Install every handler before anything can tell systemd READY=1:
-        // a SIGHUP must never meet the default action (which exits).
-        let mut signals = match Signals::new() {
-            Ok(s) => s,
-            Err(e) => {
-                tracing::error!("cannot install signal handlers: {e}");
-                return ExitCode::from(EXIT_START);
-            }
-        };
-        let mut options = harvester_lb::Options::new(config);
-        options.workers = workers;
-        if no_watch {
-            options.watch_interval = None;
-        }
-        let server = match harvester_lb::start(options).await {
-            Ok(s) => s,
-            Err(e) => {
-                let code = match e {
-                    harvester_lb::StartError::Config(_) => EXIT_CONFIG,
-                    _ => EXIT_START,
-                };
-                tracing::error!("{e}");
-                return ExitCode::from(code);
-            }
-        };
-        tracing::info!(admin = %server.admin_addr(), "harvester-lb running");
-        signals.serve_until_stop(&server).await;
-        // A second SIGTERM/SIGINT during the drain exits at once.
-        tokio::spawn(async move {
-            signals.stop().await;
-            tracing::warn!("second stop signal: exiting without waiting for connections");
-            std::process::exit(1);
-        });
-        server.shutdown().await;
-        ExitCode::SUCCESS
-    })
-}
-
-/// The signals the daemon answers.
-struct Signals {
-    hup: tokio::signal::unix::Signal,
-    term: tokio::signal::unix::Signal,
-    int: tokio::signal::unix::Signal,
-}
-
-impl Signals {
-    fn new() -> std::io::Result<Self> {
-        use tokio::signal::unix::{SignalKind, signal};
-        Ok(Self {
-            hup: signal(SignalKind::hangup())?,
-            term: signal(SignalKind::terminate())?,
-            int: signal(SignalKind::interrupt())?,
-        })
-    }
-
-    /// Resolves at the next SIGTERM or SIGINT.
-    async fn stop(&mut self) {
-        tokio::select! {
-            _ = self.term.recv() => {}
-            _ = self.int.recv() => {}
-        }
-    }
-
-    /// Serves SIGHUP as reloads until SIGTERM or SIGINT arrives.
-    async fn serve_until_stop(&mut self, server: &harvester_lb::Server) {
-        loop {
-            tokio::select! {
-                _ = self.term.recv() => return,
-                _ = self.int.recv() => return,
-                _ = self.hup.recv() => {
-                    let sender = server.reload_sender();
-                    // Do not wait here: a storm of SIGHUPs queues reloads, it does not block stop.
-                    tokio::spawn(async move {
-                        let _ = harvester_lb::request_reload(&sender).await;
-                    });
-                }
-            }
-        }
     }
 }

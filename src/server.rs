@@ -1,6 +1,7 @@
 //! The daemon's life: start (load the config, bind the admin API, apply),
 //! the main loop (reloads from signals, the admin API and the file watch;
-//! listener retries; the systemd watchdog), and shutdown with drain.
+//! listener retries; the systemd watchdog), and shutdown with drain; and
+//! [`run`], that life driven by the process's signals (`harvester-lb run`).
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -248,6 +249,79 @@ pub async fn request_reload(sender: &mpsc::Sender<ReloadRequest>) -> Result<Stri
         .await
         .map_err(|_| "the daemon is stopping".to_string())?;
     rx.await.map_err(|_| "the daemon is stopping".to_string())?
+}
+
+/// Why [`run`] ended with an error.
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    /// The signal handlers could not be installed; nothing was started.
+    #[error("cannot install signal handlers: {0}")]
+    Signals(std::io::Error),
+    /// The daemon could not start.
+    #[error(transparent)]
+    Start(#[from] StartError),
+}
+
+/// `harvester-lb run`: starts the daemon and serves until SIGTERM or SIGINT,
+/// then drains. SIGHUP asks for a reload. Every handler is installed before
+/// anything can tell systemd READY=1: a SIGHUP must never meet the default
+/// action (which exits). A second SIGTERM/SIGINT during the drain exits the
+/// process at once (status 1).
+pub async fn run(options: Options) -> Result<(), RunError> {
+    let mut signals = Signals::new().map_err(RunError::Signals)?;
+    let server = start(options).await?;
+    tracing::info!(admin = %server.admin_addr(), "harvester-lb running");
+    signals.serve_until_stop(&server).await;
+    tokio::spawn(async move {
+        signals.stop().await;
+        tracing::warn!("second stop signal: exiting without waiting for connections");
+        std::process::exit(1);
+    });
+    server.shutdown().await;
+    Ok(())
+}
+
+/// The signals the daemon answers.
+struct Signals {
+    hup: tokio::signal::unix::Signal,
+    term: tokio::signal::unix::Signal,
+    int: tokio::signal::unix::Signal,
+}
+
+impl Signals {
+    fn new() -> std::io::Result<Self> {
+        use tokio::signal::unix::{SignalKind, signal};
+        Ok(Self {
+            hup: signal(SignalKind::hangup())?,
+            term: signal(SignalKind::terminate())?,
+            int: signal(SignalKind::interrupt())?,
+        })
+    }
+
+    /// Resolves at the next SIGTERM or SIGINT.
+    async fn stop(&mut self) {
+        tokio::select! {
+            _ = self.term.recv() => {}
+            _ = self.int.recv() => {}
+        }
+    }
+
+    /// Serves SIGHUP as reloads until SIGTERM or SIGINT arrives.
+    async fn serve_until_stop(&mut self, server: &Server) {
+        loop {
+            tokio::select! {
+                _ = self.term.recv() => return,
+                _ = self.int.recv() => return,
+                _ = self.hup.recv() => {
+                    let sender = server.reload_sender();
+                    // Do not wait here: a storm of SIGHUPs queues reloads, it does not block stop.
+                    tokio::spawn(async move {
+                        let _ = request_reload(&sender).await;
+                    });
+                }
+            }
+        }
+    }
 }
 
 /// The process-wide connection cap: the config's, or what the open-file

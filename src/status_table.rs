@@ -4,94 +4,13 @@
 //! state, consecutive counts, last probe result and age, and open
 //! connections.
 //!
-//! It only renders the JSON the daemon serves (read from the admin socket
-//! or `admin.listen`, as `reload` reaches the daemon); it computes nothing
-//! the daemon did not say, so the table and `--json` never disagree.
+//! It only renders the JSON the daemon serves (read by
+//! [`crate::admin::client::status`]); it computes nothing the daemon did
+//! not say, so the table and `--json` never disagree.
 
 use std::fmt::Write as _;
-use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpStream};
-use std::path::Path;
-use std::time::Duration;
 
 use serde_json::Value;
-
-/// How long `status` waits for the daemon.
-const TIMEOUT: Duration = Duration::from_secs(10);
-
-/// `GET /status` from the daemon: on the admin socket when it can be
-/// opened, else on `admin.listen` (read-only, open to any local user).
-/// Returns the JSON text and, when it came from `admin.listen`, a note
-/// saying so and why (for stderr: whoever binds that port first could have
-/// answered); or why the daemon could not be asked. A socket that is not
-/// to be trusted (another user could have put it there) is an error, not
-/// a reason to ask TCP instead.
-pub fn fetch(listen: SocketAddr, socket: &Path) -> Result<(String, Option<String>), String> {
-    let answer = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .and_then(|rt| {
-            rt.block_on(crate::admin::socket_request(
-                socket,
-                hyper::Method::GET,
-                "/status",
-                String::new(),
-                TIMEOUT,
-            ))
-        });
-    let why = match answer {
-        Ok((code, body)) if code.is_success() => return Ok((body, None)),
-        Ok((code, body)) => {
-            return Err(format!("/status answered {code}: {}", body.trim_end()));
-        }
-        // Absent, stale, or not ours to open (mode 0600): the TCP listener
-        // serves /status too.
-        Err(e)
-            if matches!(
-                e.kind(),
-                std::io::ErrorKind::NotFound
-                    | std::io::ErrorKind::ConnectionRefused
-                    | std::io::ErrorKind::PermissionDenied
-            ) =>
-        {
-            e
-        }
-        Err(e) => {
-            return Err(format!(
-                "cannot use the admin socket {}: {e}",
-                socket.display()
-            ));
-        }
-    };
-    let note = format!(
-        "read from admin.listen {listen} (open to every local user), not the admin socket {} ({why})",
-        socket.display()
-    );
-    let result = (|| -> std::io::Result<String> {
-        let mut s = TcpStream::connect_timeout(&listen, TIMEOUT)?;
-        s.set_read_timeout(Some(TIMEOUT))?;
-        // HTTP/1.0: the answer is the body up to the close, never chunked.
-        write!(s, "GET /status HTTP/1.0\r\nHost: {listen}\r\n\r\n")?;
-        let mut response = String::new();
-        s.read_to_string(&mut response)?;
-        Ok(response)
-    })();
-    let response = result.map_err(|e| {
-        format!(
-            "cannot reach the daemon's admin API at {listen} (nor its admin socket {}): {e}",
-            socket.display()
-        )
-    })?;
-    let (head, body) = response.split_once("\r\n\r\n").unwrap_or((&response, ""));
-    if head.split_whitespace().nth(1) == Some("200") {
-        Ok((body.to_string(), Some(note)))
-    } else {
-        Err(format!(
-            "/status at {listen} answered: {}",
-            head.lines().next().unwrap_or("nothing")
-        ))
-    }
-}
 
 /// Renders `/status` (as JSON text) as tables; `now_unix` ages the probes.
 pub fn render(status: &Value, now_unix: f64) -> String {

@@ -1,0 +1,315 @@
+//! The command line's one way to the daemon's admin API: hyper's HTTP/1.1
+//! client over the admin Unix socket, and over TCP (`admin.listen`) for
+//! `status` alone.
+//!
+//! One rule for where a request goes, the same for every command:
+//!
+//! * Everything goes to the admin socket first, after
+//!   [`check_socket_trust`] with [`client_trusts`]: a socket that another
+//!   user could have put there is never sent to.
+//! * A request that changes state (`reload`, `backend drain|maint|ready`:
+//!   [`request`]) goes **only** there. `admin.listen` is open to every local
+//!   user, who could bind that port before the daemon and answer "done";
+//!   when the socket cannot be reached the caller says so ([`Unreachable`])
+//!   and nothing else is tried.
+//! * `GET /status` ([`status`]) may fall back to `admin.listen`, and only
+//!   when the socket is missing, refused or not permitted (the read-only TCP
+//!   listener serves the same JSON); the answer then carries a note saying
+//!   where it came from, for stderr. An untrusted socket is an error, not a
+//!   reason to ask TCP instead.
+//!
+//! Every call runs on its own one-thread runtime under a deadline, so a
+//! wedged daemon cannot hang the caller.
+
+use std::io;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use http_body_util::{BodyExt, Full};
+use hyper::body::Bytes;
+use hyper::header::{CONTENT_TYPE, HOST};
+use hyper::{Method, Request, StatusCode};
+use hyper_util::rt::TokioIo;
+use tokio::io::{AsyncRead, AsyncWrite};
+
+use super::{SocketError, check_socket_trust, client_trusts};
+
+/// How long a state-changing request waits for the daemon's answer (a
+/// reload of a large file takes a fraction of a second; a wedged daemon
+/// must not hang the caller).
+pub const ANSWER_TIMEOUT: Duration = Duration::from_secs(60);
+/// How long `status` waits for the daemon, on each way it tries.
+pub const STATUS_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The daemon's answer: its HTTP status and body.
+#[derive(Debug)]
+pub struct Answer {
+    /// The HTTP status.
+    pub status: StatusCode,
+    /// The body, as text (lossy UTF-8).
+    pub body: String,
+}
+
+/// The admin socket could not be reached, or is not to be trusted; nothing
+/// else was asked. Its text says why in the operator's terms.
+#[derive(Debug, thiserror::Error)]
+#[error("{}", describe(.socket, .source))]
+pub struct Unreachable {
+    /// The socket that was tried.
+    pub socket: PathBuf,
+    /// What connecting (or the trust check) said.
+    pub source: io::Error,
+}
+
+/// Why `status` could not be read.
+#[derive(Debug, thiserror::Error)]
+pub enum StatusError {
+    /// The socket answered, but not with success.
+    #[error("/status answered {status}: {}", .body.trim_end())]
+    Refused {
+        /// The HTTP status.
+        status: StatusCode,
+        /// The body.
+        body: String,
+    },
+    /// The socket is there but cannot be used (not trusted, or an I/O
+    /// error other than absent, refused or not permitted): TCP is not tried.
+    #[error("cannot use the admin socket {}: {source}", .socket.display())]
+    Socket {
+        /// The socket.
+        socket: PathBuf,
+        /// Why.
+        source: io::Error,
+    },
+    /// Neither the socket nor `admin.listen` could be reached.
+    #[error("cannot reach the daemon's admin API at {listen} (nor its admin socket {}): {source}", .socket.display())]
+    Nowhere {
+        /// `admin.listen`.
+        listen: SocketAddr,
+        /// The socket.
+        socket: PathBuf,
+        /// What TCP said.
+        source: io::Error,
+    },
+    /// `admin.listen` answered, but not 200.
+    #[error("/status at {listen} answered: {line}")]
+    ListenRefused {
+        /// `admin.listen`.
+        listen: SocketAddr,
+        /// Its status line (`HTTP/1.1 503 Service Unavailable`).
+        line: String,
+    },
+}
+
+/// `GET /status`'s JSON, and where it came from.
+#[derive(Debug)]
+pub struct Status {
+    /// The JSON text.
+    pub body: String,
+    /// When it came from `admin.listen`: a note saying so and why (for
+    /// stderr: whoever binds that port first could have answered).
+    pub note: Option<String>,
+}
+
+/// One request on the admin socket only (what every state-changing command
+/// uses), waiting at most [`ANSWER_TIMEOUT`].
+pub fn request(
+    socket: &Path,
+    method: Method,
+    path: &str,
+    body: String,
+) -> Result<Answer, Unreachable> {
+    block_on(socket_request(socket, method, path, body, ANSWER_TIMEOUT)).map_err(|source| {
+        Unreachable {
+            socket: socket.to_path_buf(),
+            source,
+        }
+    })
+}
+
+/// `GET /status` from the daemon: on the admin socket when it can be
+/// opened, else on `admin.listen` (see the module's rule).
+pub fn status(listen: SocketAddr, socket: &Path) -> Result<Status, StatusError> {
+    let answer = block_on(socket_request(
+        socket,
+        Method::GET,
+        "/status",
+        String::new(),
+        STATUS_TIMEOUT,
+    ));
+    let why = match answer {
+        Ok(a) if a.status.is_success() => {
+            return Ok(Status {
+                body: a.body,
+                note: None,
+            });
+        }
+        Ok(a) => {
+            return Err(StatusError::Refused {
+                status: a.status,
+                body: a.body,
+            });
+        }
+        // Absent, stale, or not ours to open (mode 0600): the TCP listener
+        // serves /status too.
+        Err(e)
+            if matches!(
+                e.kind(),
+                io::ErrorKind::NotFound
+                    | io::ErrorKind::ConnectionRefused
+                    | io::ErrorKind::PermissionDenied
+            ) =>
+        {
+            e
+        }
+        Err(source) => {
+            return Err(StatusError::Socket {
+                socket: socket.to_path_buf(),
+                source,
+            });
+        }
+    };
+    let note = format!(
+        "read from admin.listen {listen} (open to every local user), not the admin socket {} ({why})",
+        socket.display()
+    );
+    let exchange = async {
+        let stream = tokio::net::TcpStream::connect(listen).await?;
+        exchange(
+            stream,
+            Method::GET,
+            "/status",
+            &listen.to_string(),
+            String::new(),
+        )
+        .await
+    };
+    let answer =
+        block_on(within(STATUS_TIMEOUT, exchange)).map_err(|source| StatusError::Nowhere {
+            listen,
+            socket: socket.to_path_buf(),
+            source,
+        })?;
+    if answer.status == StatusCode::OK {
+        Ok(Status {
+            body: answer.body,
+            note: Some(note),
+        })
+    } else {
+        Err(StatusError::ListenRefused {
+            listen,
+            line: format!("HTTP/1.1 {}", answer.status),
+        })
+    }
+}
+
+/// One request to the admin API over its Unix socket. An `Err` means the
+/// daemon could not be reached or stopped answering within `timeout`, or
+/// that the socket is not to be trusted ([`check_socket_trust`] with
+/// [`client_trusts`]: kind `Other`, a [`SocketError`] inside), and then
+/// nothing was sent.
+pub async fn socket_request(
+    socket: &Path,
+    method: Method,
+    path: &str,
+    body: String,
+    timeout: Duration,
+) -> io::Result<Answer> {
+    // A socket another user could have put there is not the daemon's.
+    check_socket_trust(socket, client_trusts).map_err(|e| match e {
+        SocketError::Io { source, .. } => source,
+        untrusted => io::Error::other(untrusted),
+    })?;
+    within(timeout, async {
+        let stream = tokio::net::UnixStream::connect(socket).await?;
+        exchange(stream, method, path, "localhost", body).await
+    })
+    .await
+}
+
+/// One HTTP/1.1 exchange on a connected stream through hyper's client.
+async fn exchange<S>(
+    stream: S,
+    method: Method,
+    path: &str,
+    host: &str,
+    body: String,
+) -> io::Result<Answer>
+where
+    S: AsyncRead + AsyncWrite + Send + Unpin + 'static,
+{
+    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+        .await
+        .map_err(io::Error::other)?;
+    let conn = tokio::spawn(conn);
+    let request = Request::builder()
+        .method(method)
+        .uri(path)
+        .header(HOST, host)
+        .header(CONTENT_TYPE, "application/json")
+        .body(Full::new(Bytes::from(body)))
+        .map_err(io::Error::other)?;
+    let response = sender
+        .send_request(request)
+        .await
+        .map_err(io::Error::other)?;
+    let status = response.status();
+    let bytes = response
+        .into_body()
+        .collect()
+        .await
+        .map_err(io::Error::other)?
+        .to_bytes();
+    conn.abort();
+    Ok(Answer {
+        status,
+        body: String::from_utf8_lossy(&bytes).into_owned(),
+    })
+}
+
+/// `exchange` under a deadline: past it, `TimedOut`.
+async fn within(
+    timeout: Duration,
+    exchange: impl Future<Output = io::Result<Answer>>,
+) -> io::Result<Answer> {
+    tokio::time::timeout(timeout, exchange)
+        .await
+        .unwrap_or_else(|_| {
+            Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                format!("no answer within {timeout:?}"),
+            ))
+        })
+}
+
+/// Runs one call on a fresh one-thread runtime (the CLI has no other).
+fn block_on<T>(call: impl Future<Output = io::Result<T>>) -> io::Result<T> {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?
+        .block_on(call)
+}
+
+/// Why the admin socket could not be reached, in the operator's terms.
+fn describe(socket: &Path, e: &io::Error) -> String {
+    let shown = socket.display();
+    match e.kind() {
+        io::ErrorKind::NotFound => format!(
+            "no admin socket at {shown}: the daemon is not running, or its admin.socket differs (pass --socket PATH or --config FILE)"
+        ),
+        io::ErrorKind::ConnectionRefused => format!(
+            "nothing answers on the admin socket {shown} (a stale file): the daemon is not running, or its admin.socket differs"
+        ),
+        io::ErrorKind::PermissionDenied => format!(
+            "permission denied on the admin socket {shown}: it is mode 0600 in a 0700 directory; run as root"
+        ),
+        _ => match e
+            .get_ref()
+            .and_then(|inner| inner.downcast_ref::<SocketError>())
+        {
+            Some(untrusted) => format!("{untrusted}; nothing was sent"),
+            None => format!("cannot reach the daemon's admin socket {shown}: {e}"),
+        },
+    }
+}

@@ -1,0 +1,239 @@
+//! The command line's side of each command: what it reads, what it asks
+//! the daemon (through [`harvester_lb::admin::client`]), what it prints and
+//! the exit code. The daemon's logic stays in the library; `main.rs` only
+//! parses the arguments and dispatches here.
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use harvester_lb::StartError;
+use harvester_lb::admin::client;
+use harvester_lb::config;
+use harvester_lb::server::{self, RunError};
+use harvester_lb::workers::{self, Runtimes};
+use tracing_subscriber::field::MakeExt as _;
+
+use crate::{BackendState, LogFormat, Scheduler};
+
+/// Exit code for an unusable config (sysexits' EX_CONFIG). The systemd unit
+/// lists it in `RestartPreventExitStatus=` so a bad file does not restart-loop.
+pub const EXIT_CONFIG: u8 = 78;
+/// Exit code when the daemon could not start for another reason, or refused
+/// a request.
+pub const EXIT_START: u8 = 1;
+/// Exit code when the daemon cannot be reached (sysexits' EX_UNAVAILABLE).
+pub const EXIT_UNAVAILABLE: u8 = 69;
+
+/// Logs to stderr (journald captures it), filtered by `HARVESTER_LB_LOG`.
+pub fn init_tracing(format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("HARVESTER_LB_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()));
+    match format {
+        // Every field and message through `text::escape`: a name from an
+        // object that holds `\n` or `ESC[8m` cannot forge a line or hide
+        // one (the stock text format writes `%name` fields raw). JSON
+        // needs none: serde_json escapes control characters itself.
+        LogFormat::Text => builder
+            .fmt_fields(
+                tracing_subscriber::fmt::format::debug_fn(|w, field, value| {
+                    if field.name() != "message" {
+                        write!(w, "{}=", field.name())?;
+                    }
+                    // Control characters only: a string field's `Debug`
+                    // form has its quotes and backslashes escaped already.
+                    harvester_lb::text::write_controls_escaped(w, &format!("{value:?}"))
+                })
+                .delimited(" "),
+            )
+            .init(),
+        LogFormat::Json => builder.json().init(),
+    }
+}
+
+pub fn check(path: &Path) -> ExitCode {
+    match config::load(path) {
+        Ok(loaded) => {
+            for w in &loaded.warnings {
+                eprintln!("warning: {w}");
+            }
+            let c = &loaded.config;
+            let listeners: usize = c.load_balancers.iter().map(|l| l.listeners.len()).sum();
+            println!(
+                "config {} is valid: {} load balancers, {} listeners",
+                path.display(),
+                c.load_balancers.len(),
+                listeners
+            );
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("{e}");
+            ExitCode::from(EXIT_CONFIG)
+        }
+    }
+}
+
+pub fn demo(path: &Path) -> ExitCode {
+    let runtime = match Runtimes::new(None, workers::Scheduler::WorkStealing) {
+        Ok(r) => r.main,
+        Err(e) => return runtime_failed(&e),
+    };
+    match runtime.block_on(harvester_lb::demo::run(path, |line| println!("{line}"))) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("demo failed: {e}");
+            ExitCode::from(EXIT_START)
+        }
+    }
+}
+
+pub fn backend(
+    state: BackendState,
+    load_balancer: &str,
+    address: &str,
+    socket: Option<PathBuf>,
+    config_path: &Path,
+) -> ExitCode {
+    // The config is read only for admin.socket; a missing or broken file
+    // means the default path (the daemon would not run on a broken one).
+    let socket = socket.unwrap_or_else(|| {
+        config::load(config_path).map_or_else(
+            |_| PathBuf::from(config::DEFAULT_ADMIN_SOCKET),
+            |l| l.config.admin.socket,
+        )
+    });
+    let body = serde_json::json!({
+        "load_balancer": load_balancer,
+        "backend": address,
+        "state": state.as_str(),
+    })
+    .to_string();
+    match client::request(&socket, hyper::Method::POST, "/backends/state", body) {
+        Ok(client::Answer { status, body }) => {
+            let answer: serde_json::Value = serde_json::from_str(&body).unwrap_or_default();
+            if status.is_success() {
+                println!(
+                    "{load_balancer} backend {}: {} -> {}",
+                    answer["backend"].as_str().unwrap_or(address),
+                    answer["previous_state"].as_str().unwrap_or("?"),
+                    answer["state"].as_str().unwrap_or(state.as_str()),
+                );
+                ExitCode::SUCCESS
+            } else {
+                let message = answer["error"].as_str().unwrap_or(body.trim_end());
+                eprintln!("the daemon refused: {message} (HTTP {status})");
+                ExitCode::from(EXIT_START)
+            }
+        }
+        Err(e) => {
+            eprintln!("{e}");
+            ExitCode::from(EXIT_UNAVAILABLE)
+        }
+    }
+}
+
+pub fn status(path: &Path, json: bool) -> ExitCode {
+    let (admin, socket) = match config::load(path) {
+        Ok(l) => (l.config.admin.listen, l.config.admin.socket),
+        Err(e) => {
+            eprintln!("{e}");
+            return ExitCode::from(EXIT_CONFIG);
+        }
+    };
+    let body = match client::status(admin, &socket) {
+        Ok(client::Status { body, note }) => {
+            if let Some(note) = note {
+                eprintln!("note: {note}");
+            }
+            body
+        }
+        Err(e) => {
+            eprintln!("{e}");
+            return ExitCode::from(EXIT_UNAVAILABLE);
+        }
+    };
+    if json {
+        println!("{}", body.trim_end());
+        return ExitCode::SUCCESS;
+    }
+    match serde_json::from_str(&body) {
+        Ok(doc) => {
+            let now = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0.0, |d| d.as_secs_f64());
+            print!("{}", harvester_lb::status_table::render(&doc, now));
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("the daemon's /status is not JSON ({e})");
+            ExitCode::from(EXIT_START)
+        }
+    }
+}
+
+pub fn reload(path: &Path) -> ExitCode {
+    // Read only admin.socket; the daemon validates the whole file itself.
+    let socket = match config::load(path) {
+        Ok(l) => l.config.admin.socket,
+        Err(e) => {
+            eprintln!("{e}");
+            return ExitCode::from(EXIT_CONFIG);
+        }
+    };
+    // Only the socket, never admin.listen: any local user can bind that
+    // port before the daemon does and answer "reloaded" for it.
+    match client::request(&socket, hyper::Method::POST, "/reload", String::new()) {
+        Ok(client::Answer { status, body }) => {
+            if status.is_success() {
+                println!("{}", body.trim_end());
+                ExitCode::SUCCESS
+            } else {
+                eprintln!("{}", body.trim_end());
+                ExitCode::from(EXIT_CONFIG)
+            }
+        }
+        Err(e) => {
+            eprintln!(
+                "{}; not reloaded (reload is asked only on the admin socket, never on admin.listen, which any local user could answer; SIGHUP reloads without it: `systemctl kill -s HUP harvester-lb`)",
+                e
+            );
+            ExitCode::from(EXIT_UNAVAILABLE)
+        }
+    }
+}
+
+pub fn run(
+    config: PathBuf,
+    no_watch: bool,
+    threads: Option<std::num::NonZeroUsize>,
+    scheduler: Scheduler,
+) -> ExitCode {
+    let runtimes = match Runtimes::new(threads, scheduler.into()) {
+        Ok(r) => r,
+        Err(e) => return runtime_failed(&e),
+    };
+    let mut options = harvester_lb::Options::new(config);
+    options.workers = runtimes.workers();
+    if no_watch {
+        options.watch_interval = None;
+    }
+    match runtimes.main.block_on(server::run(options)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            tracing::error!("{e}");
+            match e {
+                RunError::Start(StartError::Config(_)) => ExitCode::from(EXIT_CONFIG),
+                _ => ExitCode::from(EXIT_START),
+            }
+        }
+    }
+}
+
+fn runtime_failed(e: &std::io::Error) -> ExitCode {
+    eprintln!("cannot start the async runtime: {e}");
+    ExitCode::from(EXIT_START)
+}
