@@ -20,15 +20,18 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 use dashmap::DashMap;
+use tokio::time::Instant;
 
 use crate::metrics::LbStats;
 
 /// Seconds since this process first asked: a coarse monotonic clock that
-/// fits an entry's last-seen time in four bytes.
+/// fits an entry's last-seen time in four bytes. On tokio's clock, so that
+/// a test with a paused clock drives expiry (outside tests it is the
+/// system's monotonic clock, at the same cost).
 pub fn now_secs() -> u32 {
-    static START: OnceLock<std::time::Instant> = OnceLock::new();
-    let start = *START.get_or_init(std::time::Instant::now);
-    u32::try_from(start.elapsed().as_secs()).unwrap_or(u32::MAX)
+    static START: OnceLock<Instant> = OnceLock::new();
+    let start = *START.get_or_init(Instant::now);
+    u32::try_from(Instant::now().duration_since(start).as_secs()).unwrap_or(u32::MAX)
 }
 
 /// The process-wide bound on affinity entries, shared by every table.
