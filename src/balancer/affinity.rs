@@ -165,6 +165,27 @@ mod tests {
         assert_eq!(t.lookup(ip("10.0.0.2"), timeout, 100), None);
     }
 
+    #[tokio::test(start_paused = true)]
+    async fn entries_expire_on_tokios_clock() {
+        use tokio::time::advance;
+        // Past the origin any other test may have set on the real clock
+        // since this runtime's clock stopped.
+        advance(Duration::from_secs(3600)).await;
+        let t = AffinityTable::new(AffinityBudget::new(10), LbStats::detached());
+        let timeout = Duration::from_secs(10);
+        let (client, backend) = (ip("10.0.0.1"), ip("192.0.2.1"));
+        t.remember(client, backend, now_secs());
+        advance(timeout).await;
+        assert_eq!(t.lookup(client, timeout, now_secs()), Some(backend));
+        // That lookup saw the client again: fresh for another timeout.
+        advance(timeout).await;
+        assert_eq!(t.sweep(timeout, now_secs()), 0);
+        assert_eq!(t.lookup(client, timeout, now_secs()), Some(backend));
+        advance(timeout + Duration::from_secs(1)).await;
+        assert_eq!(t.sweep(timeout, now_secs()), 1);
+        assert_eq!(t.lookup(client, timeout, now_secs()), None);
+    }
+
     #[test]
     fn the_budget_bounds_all_tables_and_sweeps_give_it_back() {
         let budget = AffinityBudget::new(3);
