@@ -601,9 +601,10 @@ impl Target {
 mod tests {
     use super::*;
     use crate::balancer::Settings;
-    use crate::config::{Algorithm, InitialState, LogConnections, OnBackendDown, SourceRanges};
+    use crate::config::InitialState;
     use crate::metrics::LbStats;
     use crate::metrics::stats::CHECK_RESULTS;
+    use crate::test_clock::run_until;
     use std::num::NonZeroU32;
 
     const PERIOD: Duration = Duration::from_secs(10);
@@ -614,21 +615,10 @@ mod tests {
     /// check every [`PERIOD`], deciding after `failures` refusals.
     fn probed(prober: &Prober, addr: SocketAddr, failures: u32) -> Arc<Target> {
         let backend = Backend::new(addr.ip(), true);
-        let settings = Settings {
-            algorithm: Algorithm::RoundRobin,
-            connect_timeout: Duration::from_secs(1),
-            connect_attempts: None,
-            idle_timeout: Duration::from_secs(60),
-            affinity_timeout: None,
-            source_ranges: SourceRanges::everyone(),
-            on_backend_down: OnBackendDown::Keep,
-            log_connections: LogConnections::None,
-            checked_ports: None,
-        };
         let lb = LoadBalancer::new(
             "ns/svc".into(),
             "c".into(),
-            settings,
+            Settings::for_tests(),
             vec![Arc::clone(&backend)],
             LbStats::detached(),
         );
@@ -650,23 +640,9 @@ mod tests {
         PERIOD.mul_f64(prober.get_stream(&key).unwrap().phase())
     }
 
-    /// Lets the runtime run without moving the paused clock (a yield polls
-    /// the sockets but never advances time), with short real pauses so that
-    /// a loopback handshake lands: bounded in count, about 20 s at most.
-    async fn let_run_until(mut done: impl FnMut() -> bool, rounds: u32) -> bool {
-        for _ in 0..rounds {
-            if done() {
-                return true;
-            }
-            tokio::task::yield_now().await;
-            std::thread::sleep(Duration::from_millis(1));
-        }
-        done()
-    }
-
     /// Waits (paused clock standing still) until the target has `n` results.
     async fn probed_times(target: &Target, n: u64) {
-        let got = let_run_until(|| target.status().probes >= n, 20_000).await;
+        let got = run_until(20_000, || target.status().probes >= n).await;
         assert!(got, "probe {n} never came: {:?}", target.status());
         assert_eq!(target.status().probes, n, "{:?}", target.status());
     }
@@ -674,7 +650,7 @@ mod tests {
     /// Lets a probe that should not be due land if it were sent, then
     /// checks it was not.
     async fn still_probed(target: &Target, n: u64) {
-        let_run_until(|| target.status().probes != n, 200).await;
+        run_until(200, || target.status().probes != n).await;
         assert_eq!(target.status().probes, n, "a probe came early");
     }
 

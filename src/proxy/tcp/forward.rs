@@ -419,6 +419,7 @@ mod tests {
 
     use super::*;
     use crate::metrics::Counter;
+    use crate::test_clock::run_until;
 
     /// A connected loopback pair: (the end the copy uses, the peer's end).
     async fn pair() -> (TcpStream, TcpStream) {
@@ -513,20 +514,6 @@ mod tests {
             KEEPALIVE_INTERVAL
         );
         assert_eq!(backend_ref.tcp_user_timeout().unwrap(), Some(USER_TIMEOUT));
-    }
-
-    /// Runs the runtime without moving the paused clock (a yield polls the
-    /// sockets, never advances time), with short real pauses so loopback
-    /// bytes land; at most `rounds` of them (a millisecond or more each).
-    async fn run_until(rounds: u32, mut done: impl FnMut() -> bool) -> bool {
-        for _ in 0..rounds {
-            if done() {
-                return true;
-            }
-            tokio::task::yield_now().await;
-            std::thread::sleep(Duration::from_millis(1));
-        }
-        done()
     }
 
     /// The idle timeout counts from the last byte moved, on tokio's clock:
