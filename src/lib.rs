@@ -56,6 +56,8 @@ pub mod proxy;
 pub mod server;
 pub mod status_table;
 pub mod systemd;
+#[cfg(test)]
+mod test_clock;
 pub mod text;
 pub mod vip;
 mod watch;

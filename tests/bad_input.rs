@@ -3,6 +3,9 @@
 //! HTTP clients, and signal storms at awkward moments. The real binary runs
 //! as a child process; every address is inside 127.0.0.0/8.
 
+// These tests time real processes and sockets, not tokio timers.
+#![allow(clippy::disallowed_types, clippy::disallowed_methods)]
+
 #[path = "support/skip.rs"]
 mod skip;
 

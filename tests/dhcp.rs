@@ -14,6 +14,9 @@
 //! Skips with a printed reason without root, iproute2/nftables or dnsmasq.
 //! Run: `cargo test --test dhcp -- --nocapture` (prints the timings).
 
+// These tests time real processes and sockets, not tokio timers.
+#![allow(clippy::disallowed_types, clippy::disallowed_methods)]
+
 #[path = "netns/mod.rs"]
 mod netns;
 

@@ -6,6 +6,9 @@
 //! Every test skips with a printed reason unless run as root with iproute2
 //! and nftables. Run: `cargo test --test faults -- --nocapture`.
 
+// These tests time real processes and sockets, not tokio timers.
+#![allow(clippy::disallowed_types, clippy::disallowed_methods)]
+
 #[path = "netns/mod.rs"]
 mod netns;
 

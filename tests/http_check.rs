@@ -3,6 +3,9 @@
 //! imitates kube-proxy's answers and flips between 200 and 503 on command,
 //! against broken answers, and against a real nginx.
 
+// These tests time real processes and sockets, not tokio timers.
+#![allow(clippy::disallowed_types, clippy::disallowed_methods)]
+
 mod support;
 
 use std::net::SocketAddr;

@@ -4,6 +4,9 @@
 //! flows, with real sockets; escaped names and bounded, rate-limited log
 //! lines, from the real binary's stderr.
 
+// These tests time real processes and sockets, not tokio timers.
+#![allow(clippy::disallowed_types, clippy::disallowed_methods)]
+
 mod support;
 
 use std::io::{BufRead, BufReader};

@@ -20,15 +20,18 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 use dashmap::DashMap;
+use tokio::time::Instant;
 
 use crate::metrics::LbStats;
 
 /// Seconds since this process first asked: a coarse monotonic clock that
-/// fits an entry's last-seen time in four bytes.
+/// fits an entry's last-seen time in four bytes. On tokio's clock, so that
+/// a test with a paused clock drives expiry (outside tests it is the
+/// system's monotonic clock, at the same cost).
 pub fn now_secs() -> u32 {
-    static START: OnceLock<std::time::Instant> = OnceLock::new();
-    let start = *START.get_or_init(std::time::Instant::now);
-    u32::try_from(start.elapsed().as_secs()).unwrap_or(u32::MAX)
+    static START: OnceLock<Instant> = OnceLock::new();
+    let start = *START.get_or_init(Instant::now);
+    u32::try_from(Instant::now().duration_since(start).as_secs()).unwrap_or(u32::MAX)
 }
 
 /// The process-wide bound on affinity entries, shared by every table.
@@ -160,6 +163,27 @@ mod tests {
         );
         assert_eq!(t.lookup(ip("10.0.0.1"), timeout, 126), None);
         assert_eq!(t.lookup(ip("10.0.0.2"), timeout, 100), None);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn entries_expire_on_tokios_clock() {
+        use tokio::time::advance;
+        // Past the origin any other test may have set on the real clock
+        // since this runtime's clock stopped.
+        advance(Duration::from_secs(3600)).await;
+        let t = AffinityTable::new(AffinityBudget::new(10), LbStats::detached());
+        let timeout = Duration::from_secs(10);
+        let (client, backend) = (ip("10.0.0.1"), ip("192.0.2.1"));
+        t.remember(client, backend, now_secs());
+        advance(timeout).await;
+        assert_eq!(t.lookup(client, timeout, now_secs()), Some(backend));
+        // That lookup saw the client again: fresh for another timeout.
+        advance(timeout).await;
+        assert_eq!(t.sweep(timeout, now_secs()), 0);
+        assert_eq!(t.lookup(client, timeout, now_secs()), Some(backend));
+        advance(timeout + Duration::from_secs(1)).await;
+        assert_eq!(t.sweep(timeout, now_secs()), 1);
+        assert_eq!(t.lookup(client, timeout, now_secs()), None);
     }
 
     #[test]

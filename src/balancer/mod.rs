@@ -68,6 +68,24 @@ pub struct Settings {
     pub checked_ports: Option<Arc<[u16]>>,
 }
 
+#[cfg(test)]
+impl Settings {
+    /// Round robin, 1 s connect timeout, 60 s idle timeout, everything else off.
+    pub(crate) fn for_tests() -> Self {
+        Self {
+            algorithm: Algorithm::RoundRobin,
+            connect_timeout: Duration::from_secs(1),
+            connect_attempts: None,
+            idle_timeout: Duration::from_secs(60),
+            affinity_timeout: None,
+            source_ranges: SourceRanges::everyone(),
+            on_backend_down: OnBackendDown::Keep,
+            log_connections: LogConnections::None,
+            checked_ports: None,
+        }
+    }
+}
+
 impl From<&LoadBalancerSpec> for Settings {
     fn from(spec: &LoadBalancerSpec) -> Self {
         Self {
@@ -407,15 +425,8 @@ mod tests {
 
     fn settings(attempts: Option<u32>) -> Settings {
         Settings {
-            algorithm: Algorithm::RoundRobin,
-            connect_timeout: Duration::from_secs(1),
             connect_attempts: attempts.and_then(NonZeroU32::new),
-            idle_timeout: Duration::from_secs(60),
-            affinity_timeout: None,
-            source_ranges: SourceRanges::everyone(),
-            on_backend_down: OnBackendDown::Keep,
-            log_connections: LogConnections::None,
-            checked_ports: None,
+            ..Settings::for_tests()
         }
     }
 

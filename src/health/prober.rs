@@ -600,7 +600,104 @@ impl Target {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::balancer::Settings;
+    use crate::config::InitialState;
+    use crate::metrics::LbStats;
     use crate::metrics::stats::CHECK_RESULTS;
+    use crate::test_clock::run_until;
+    use std::num::NonZeroU32;
+
+    const PERIOD: Duration = Duration::from_secs(10);
+    /// Margin around a due time: tokio's timers tick in milliseconds.
+    const MS2: Duration = Duration::from_millis(2);
+
+    /// A load balancer with one backend at `addr`, healthy, probed with a TCP
+    /// check every [`PERIOD`], deciding after `failures` refusals.
+    fn probed(prober: &Prober, addr: SocketAddr, failures: u32) -> Arc<Target> {
+        let backend = Backend::new(addr.ip(), true);
+        let lb = LoadBalancer::new(
+            "ns/svc".into(),
+            "c".into(),
+            Settings::for_tests(),
+            vec![Arc::clone(&backend)],
+            LbStats::detached(),
+        );
+        let spec = HealthCheckSpec {
+            check: CheckKind::TcpConnect,
+            port: Some(addr.port()),
+            success_threshold: NonZeroU32::MIN,
+            failure_threshold: NonZeroU32::new(failures).unwrap(),
+            period: PERIOD,
+            timeout: Duration::from_secs(1),
+        };
+        let initial = HealthState::new(InitialState::Healthy);
+        prober.ensure(&lb, &backend, None, addr.port(), &spec, initial)
+    }
+
+    /// The stream's second probe, after the first: its phase of the period.
+    fn second_probe(prober: &Prober, target: &Target) -> Duration {
+        let key = target.lock_stream().clone();
+        PERIOD.mul_f64(prober.get_stream(&key).unwrap().phase())
+    }
+
+    /// Waits (paused clock standing still) until the target has `n` results.
+    async fn probed_times(target: &Target, n: u64) {
+        let got = run_until(20_000, || target.status().probes >= n).await;
+        assert!(got, "probe {n} never came: {:?}", target.status());
+        assert_eq!(target.status().probes, n, "{:?}", target.status());
+    }
+
+    /// Lets a probe that should not be due land if it were sent, then
+    /// checks it was not.
+    async fn still_probed(target: &Target, n: u64) {
+        run_until(200, || target.status().probes != n).await;
+        assert_eq!(target.status().probes, n, "a probe came early");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_stream_probes_at_once_then_at_its_phase_then_once_a_period() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let prober = Prober::new();
+        let target = probed(&prober, listener.local_addr().unwrap(), 1);
+        probed_times(&target, 1).await;
+        let second = second_probe(&prober, &target);
+        assert!(second > MS2 * 2 && second <= PERIOD, "{second:?}");
+        tokio::time::advance(second - MS2).await;
+        still_probed(&target, 1).await;
+        tokio::time::advance(MS2 * 2).await;
+        probed_times(&target, 2).await;
+        for n in 3..6 {
+            tokio::time::advance(PERIOD - MS2 * 2).await;
+            still_probed(&target, n - 1).await;
+            tokio::time::advance(MS2 * 2).await;
+            probed_times(&target, n).await;
+        }
+        assert_eq!(target.status().last_result, Some("ok"));
+        prober.stop_all();
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_failure_threshold_flips_the_verdict_at_its_probe() {
+        // A port nobody listens on: the kernel refuses at once.
+        let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = closed.local_addr().unwrap();
+        drop(closed);
+        let prober = Prober::new();
+        let target = probed(&prober, addr, 3);
+        probed_times(&target, 1).await;
+        assert_eq!(target.status().last_result, Some("refused"));
+        assert!(target.backend.is_healthy(), "flipped after one refusal");
+        tokio::time::advance(second_probe(&prober, &target) + MS2).await;
+        probed_times(&target, 2).await;
+        assert!(target.backend.is_healthy(), "flipped after two refusals");
+        assert_eq!(target.lb.snapshot().eligible.len(), 1);
+        tokio::time::advance(PERIOD).await;
+        probed_times(&target, 3).await;
+        assert!(!target.backend.is_healthy(), "not flipped after three");
+        assert_eq!(target.status().health.status, Health::Unhealthy);
+        assert!(target.lb.snapshot().eligible.is_empty());
+        prober.stop_all();
+    }
 
     #[test]
     fn every_outcome_counts_under_its_own_result_label() {

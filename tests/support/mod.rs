@@ -5,6 +5,8 @@
 //! (`127.A.B.0/24`), so tests run in parallel — threads or processes — on fixed
 //! ports without colliding, and backends on one port are told apart by address.
 
+// These tests time real processes and sockets, not tokio timers.
+#![allow(clippy::disallowed_types, clippy::disallowed_methods)]
 #![allow(dead_code)]
 
 mod skip;

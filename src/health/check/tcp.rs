@@ -185,14 +185,10 @@ mod tests {
         hole.listen(0).unwrap();
         let silent = hole.local_addr().unwrap().as_socket().unwrap();
         let mut fillers = Vec::new();
-        let deadline = std::time::Instant::now() + Duration::from_secs(5);
         while let Ok(s) = std::net::TcpStream::connect_timeout(&silent, Duration::from_millis(200))
         {
             fillers.push(s);
-            assert!(
-                std::time::Instant::now() < deadline,
-                "{silent} keeps accepting"
-            );
+            assert!(fillers.len() < 1000, "{silent} keeps accepting");
         }
         let (listener, _) = open_and_closed("127.0.0.1");
         let up = listener.local_addr().unwrap();

@@ -419,6 +419,7 @@ mod tests {
 
     use super::*;
     use crate::metrics::Counter;
+    use crate::test_clock::run_until;
 
     /// A connected loopback pair: (the end the copy uses, the peer's end).
     async fn pair() -> (TcpStream, TcpStream) {
@@ -513,6 +514,58 @@ mod tests {
             KEEPALIVE_INTERVAL
         );
         assert_eq!(backend_ref.tcp_user_timeout().unwrap(), Some(USER_TIMEOUT));
+    }
+
+    /// The idle timeout counts from the last byte moved, on tokio's clock:
+    /// a byte at 59 s of a 60 s timeout keeps the connection until 119 s.
+    #[tokio::test(start_paused = true)]
+    async fn the_idle_timeout_counts_from_the_last_byte_on_a_paused_clock() {
+        const IDLE: Duration = Duration::from_secs(60);
+        let ((client, client_peer), (backend, backend_peer)) = (pair().await, pair().await);
+        let started = Arc::new(AtomicUsize::new(0));
+        let start = Arc::clone(&started);
+        let copy = tokio::spawn(async move {
+            start.store(1, Ordering::SeqCst);
+            let counters = (Counter::default(), Counter::default());
+            let moved = Moved::default();
+            let byte_counters = ByteCounters {
+                client_to_backend: &counters.0,
+                backend_to_client: &counters.1,
+                moved: &moved,
+            };
+            let later = copy::Later {
+                after: Duration::from_secs(3600),
+                run: || {},
+            };
+            copy::bidirectional(&client, &backend, IDLE, byte_counters, later).await
+        });
+        // The copy's clock starts at its first poll, which runs on through
+        // its first wait before the test sees `started`: at 0 s.
+        assert!(run_until(20_000, || started.load(Ordering::SeqCst) == 1).await);
+        tokio::time::advance(IDLE - Duration::from_secs(1)).await;
+        let ended = run_until(200, || copy.is_finished()).await;
+        assert!(!ended, "ended before its idle timeout");
+        // One byte at 59 s, read by the backend's peer.
+        assert_eq!(client_peer.try_write(b"x").unwrap(), 1);
+        let mut got = [0u8; 1];
+        let read = run_until(20_000, || {
+            backend_peer.try_read(&mut got).is_ok_and(|n| n == 1)
+        })
+        .await;
+        assert!(read, "the byte never reached the backend");
+        // 118 s: idle for 59 s only.
+        // The copy's clock starts at its first poll, which runs on through
+        // its first wait before the test sees `started`: at 0 s.
+        assert!(run_until(20_000, || started.load(Ordering::SeqCst) == 1).await);
+        tokio::time::advance(IDLE - Duration::from_secs(1)).await;
+        let ended = run_until(200, || copy.is_finished()).await;
+        assert!(!ended, "the idle timeout counted from the start");
+        // 120 s: idle for 61 s.
+        tokio::time::advance(Duration::from_secs(2)).await;
+        let ended = run_until(20_000, || copy.is_finished()).await;
+        assert!(ended, "still open after the idle timeout");
+        let ended = copy.await.unwrap();
+        assert!(matches!(ended, Ended::IdleTimeout), "{ended:?}");
     }
 
     /// Arming liveness late changes nothing only if it comes before the
