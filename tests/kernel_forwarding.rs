@@ -6,6 +6,9 @@
 //! These tests need root, iproute2 and nftables (network namespaces); they
 //! skip with a printed reason elsewhere, and fail under `CI=true`.
 
+// The test bed times real processes and kernels, not tokio tasks.
+#![allow(clippy::disallowed_types, clippy::disallowed_methods)]
+
 #[path = "netns/mod.rs"]
 mod netns;
 

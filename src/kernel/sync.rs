@@ -2,7 +2,9 @@
 //! per change, none when nothing changed, a full resync after a failure.
 
 use std::sync::Mutex;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use tokio::time::Instant;
 
 use super::build::{Owned, partial_transaction, transaction};
 use super::nft::{self, NftError};
