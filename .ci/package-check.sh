@@ -116,6 +116,11 @@ declare -A source_of=(
     [/usr/share/licenses/harvester-lb/LICENSE]=LICENSE
 )
 # The opt-in drop-ins (extra privileges), shipped as examples, not enabled.
+# The reference pages beside the README.
+for page in docs/*.md; do
+    [[ -f $page ]] || continue
+    source_of[/usr/share/doc/harvester-lb/docs/$(basename "$page")]=$page
+done
 for dropin in systemd/harvester-lb.service.d/*.conf; do
     [[ -f $dropin ]] || continue
     source_of[/usr/share/harvester-lb/systemd/harvester-lb.service.d/$(basename "$dropin")]=$dropin
