@@ -58,11 +58,14 @@ fi
 # --- a throw-away root ---------------------------------------------------------
 root=$(mktemp -d "${TMPDIR:-/tmp}/systemd-check.XXXXXX")
 tracer=
+backend=
 cleanup() {
-    # Only what this script started: the strace under test and its child.
+    # Only what this script started: the strace under test and its child,
+    # and the backend.
     if [[ -n $tracer ]] && kill -0 "$tracer" 2>/dev/null; then
         kill $(pgrep -P "$tracer") "$tracer" 2>/dev/null || true
     fi
+    if [[ -n $backend ]]; then kill "$backend" 2>/dev/null || true; fi
     rm -rf "$root"
 }
 trap cleanup EXIT
@@ -229,6 +232,11 @@ else
 
     port=$((20000 + RANDOM % 10000))
     admin_port=$((port + 1))
+    backend_port=$((port + 2))
+    # A real backend on another loopback address (the daemon refuses a
+    # backend that reaches its own admin API): Python's HTTP server.
+    python3 -m http.server --bind 127.0.0.2 "$backend_port" --directory "$work" >"$work/backend.log" 2>&1 &
+    backend=$!
     cat >"$work/config.toml" <<TOML
 [admin]
 listen = "127.0.0.1:$admin_port"
@@ -239,14 +247,14 @@ drain_timeout_seconds = 1
 name = "ci/systemd-check"
 cluster = "ci"
 vip = "127.0.0.1"
-backends = ["127.0.0.1"]
+backends = ["127.0.0.2"]
   [[load_balancer.listener]]
   name = "tcp"
   port = $port
-  backend_port = $admin_port
+  backend_port = $backend_port
 TOML
     "$bin" check --config "$work/config.toml" >/dev/null
-    # The admin API doubles as the backend: the forwarded connection gets a reply.
+    # The backend answers on 127.0.0.2; the forwarded connection gets a reply.
     NOTIFY_SOCKET=$work/notify.sock WATCHDOG_USEC=1000000 \
         strace -f -qq -o "$work/run.trace" "$bin" run --config "$work/config.toml" 2>"$work/run.log" &
     tracer=$!
@@ -265,18 +273,22 @@ TOML
         sleep 0.1
     done
     [[ -n $daemon ]] || { cat "$work/run.log"; fail "the daemon did not start under strace (VIP port $port taken?)"; }
-    # One forwarded connection (the admin API doubles as the backend), so
-    # connect and splice(2) are exercised.
+    # One forwarded connection to the backend, so connect and splice(2)
+    # are exercised.
+    for _ in $(seq 50); do
+        (exec 4<>"/dev/tcp/127.0.0.2/$backend_port") 2>/dev/null && break
+        sleep 0.1
+    done
     exec 3<>"/dev/tcp/127.0.0.1/$port"
-    printf 'GET /healthz HTTP/1.0\r\n\r\n' >&3
+    printf 'GET / HTTP/1.0\r\n\r\n' >&3
     timeout 5 cat <&3 >/dev/null || true
     exec 3>&-
     # Through the admin socket (bind, chmod and rename of the socket at start
     # are in run.trace): a reload, and a backend state change there and back.
     strace -f -qq -o "$work/reload.trace" "$bin" reload --config "$work/config.toml" >/dev/null || true
-    strace -f -qq -o "$work/backend.trace" "$bin" backend drain --lb ci/systemd-check 127.0.0.1 --config "$work/config.toml" >/dev/null ||
+    strace -f -qq -o "$work/backend.trace" "$bin" backend drain --lb ci/systemd-check 127.0.0.2 --config "$work/config.toml" >/dev/null ||
         { cat "$work/run.log"; fail "harvester-lb backend drain failed against the admin socket"; }
-    "$bin" backend ready --lb ci/systemd-check 127.0.0.1 --config "$work/config.toml" >/dev/null
+    "$bin" backend ready --lb ci/systemd-check 127.0.0.2 --config "$work/config.toml" >/dev/null
     kill -HUP "$daemon"
     sleep 1.2
     kill -TERM "$daemon"
