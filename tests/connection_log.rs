@@ -7,7 +7,7 @@
 mod support;
 
 use std::io::BufRead;
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -169,6 +169,23 @@ async fn ends_with_reset(s: &mut TcpStream) -> bool {
             }
         }
     }
+}
+
+/// A client from `from` that the daemon resets right after accept; its
+/// address. The reset can reach the client before its `connect` is seen
+/// to complete, so `connect` failing with a reset counts as well as a read
+/// that meets one.
+async fn reset_at_once(from: IpAddr, vip: SocketAddr) -> SocketAddr {
+    let socket = tokio::net::TcpSocket::new_v4().expect("socket");
+    socket
+        .bind(SocketAddr::new(from, 0))
+        .expect("bind the client");
+    let me = socket.local_addr().expect("client address");
+    match socket.connect(vip).await {
+        Ok(mut s) => assert!(ends_with_reset(&mut s).await, "not reset"),
+        Err(e) => assert_eq!(e.kind(), std::io::ErrorKind::ConnectionReset, "{e}"),
+    }
+    me
 }
 
 /// A connection that both sides close: every field of the line.
@@ -361,11 +378,7 @@ async fn a_client_outside_source_ranges() {
         net.ip_str(100)
     );
     let d = Logged::json(&net, &config(&net, "", &[11], &ranges)).await;
-    let s = match connect_from(net.ip(101), vip(&net)).await {
-        Ok(s) => s,
-        Err(e) => panic!("the handshake completes before the reset: {e}"),
-    };
-    let me = s.local_addr().unwrap();
+    let me = reset_at_once(net.ip(101), vip(&net)).await;
     let line = d.line_of(me).await;
     assert_eq!(line["state"], "source_refused");
     assert_eq!(line["backend"], "-");
@@ -408,9 +421,7 @@ async fn a_load_balancer_at_its_connection_share() {
         }
     }
     let _first = first.expect("one connection served within the load balancer's share");
-    let mut s = connect_from(net.ip(101), vip(&net)).await.unwrap();
-    let me = s.local_addr().unwrap();
-    assert!(ends_with_reset(&mut s).await);
+    let me = reset_at_once(net.ip(101), vip(&net)).await;
     let line = d.line_of(me).await;
     assert_eq!(line["state"], "connection_cap");
     assert_eq!(line["backend"], "-");
@@ -429,9 +440,7 @@ async fn no_eligible_backend() {
             "log_connections = \"errors\"\ninitial_state = \"unhealthy\"\n  [load_balancer.health_check]\n  port = 30081\n  period_seconds = 1\n  timeout_seconds = 1\n",
         ))
     .await;
-    let mut s = connect_from(net.ip(100), vip(&net)).await.unwrap();
-    let me = s.local_addr().unwrap();
-    assert!(ends_with_reset(&mut s).await);
+    let me = reset_at_once(net.ip(100), vip(&net)).await;
     let line = d.line_of(me).await;
     assert_eq!(line["state"], "no_backend");
     assert_eq!(line["backend"], "-");
@@ -453,9 +462,7 @@ async fn connect_failed_on_every_backend() {
         ),
     )
     .await;
-    let mut s = connect_from(net.ip(100), vip(&net)).await.unwrap();
-    let me = s.local_addr().unwrap();
-    assert!(ends_with_reset(&mut s).await);
+    let me = reset_at_once(net.ip(100), vip(&net)).await;
     let line = d.line_of(me).await;
     assert_eq!(line["state"], "connect_failed");
     assert_eq!(line["backend"], "-");
