@@ -38,6 +38,21 @@ fn can_run() -> bool {
     }
 }
 
+/// The first listener's `/status` once it shows a `kernel_error` (the
+/// reason it is served by the proxy).
+async fn served_by_proxy_because(bed: &Bed) -> serde_json::Value {
+    wait_for(
+        Duration::from_secs(10),
+        "a kernel_error in /status",
+        || async {
+            let s = bed.daemon().status().await;
+            let l = s["load_balancers"][0]["listeners"][0].clone();
+            l["kernel_error"].is_string().then_some(l)
+        },
+    )
+    .await
+}
+
 fn ip(s: &str) -> IpAddr {
     s.parse().unwrap()
 }
@@ -568,16 +583,7 @@ async fn a_table_that_cannot_be_written_leaves_the_proxy_serving_until_a_resync_
         kernel::TABLE
     ));
     bed.start_daemon(&kernel_config(&[1])).await;
-    let l = wait_for(
-        Duration::from_secs(10),
-        "a kernel error in /status",
-        || async {
-            let s = bed.daemon().status().await;
-            let l = s["load_balancers"][0]["listeners"][0].clone();
-            l["kernel_error"].is_string().then_some(l)
-        },
-    )
-    .await;
+    let l = served_by_proxy_because(&bed).await;
     assert_eq!(l["forwarding"], "proxy", "{l}");
     assert!(
         l["kernel_error"]
@@ -1007,12 +1013,7 @@ async fn a_host_that_does_not_forward_keeps_the_listener_with_the_proxy_and_says
     // net.ipv4.ip_forward stays 0, as in a new namespace.
     let _n1 = Node::start(&bed, 1, Service::NameThenEcho);
     bed.start_daemon(&kernel_config(&[1])).await;
-    let l = wait_for(Duration::from_secs(10), "the reason in /status", || async {
-        let s = bed.daemon().status().await;
-        let l = s["load_balancers"][0]["listeners"][0].clone();
-        l["kernel_error"].is_string().then_some(l)
-    })
-    .await;
+    let l = served_by_proxy_because(&bed).await;
     assert_eq!(l["forwarding"], "proxy", "{l}");
     assert!(
         l["kernel_error"]
