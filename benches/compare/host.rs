@@ -1,6 +1,7 @@
 //! What the bench changes on the host beyond its own processes, and how it
-//! is undone: the kernel target's nftables table and the conntrack sysctls
-//! it needs. Each change is a guard that undoes it when dropped (so a panic
+//! is undone: the network namespace it runs in when it may
+//! ([`private_netns`]), the kernel targets' nftables tables and the
+//! conntrack sysctls they need. Each change is a guard that undoes it when dropped (so a panic
 //! undoes it too) and is also written in a registry, which a signal thread
 //! empties on SIGINT or SIGTERM (Ctrl-C ends a process without running its
 //! destructors). The processes the bench starts are in it too, so a SIGTERM
@@ -11,8 +12,9 @@ use std::process::{Command, Stdio};
 use std::sync::Mutex;
 use std::time::Duration;
 
-use crate::targets::{BACKEND_IP, HTTP_PORT, IPERF_PORT, KERNEL_IP};
-use crate::util::{sa, signal, try_wait_port, which};
+use crate::scenarios::udp::DNS_PORT;
+use crate::targets::{BACKEND_IP, HLB_KERNEL_IP, HTTP_PORT, IPERF_PORT, KERNEL_IP, Proc};
+use crate::util::{signal, which};
 
 /// One change to undo.
 #[derive(Clone, PartialEq, Eq, Debug)]
@@ -133,6 +135,78 @@ pub fn undo_on_signal() {
 }
 
 // ---------------------------------------------------------------------------
+// The bench's own network namespace
+
+/// Moves the bench (this thread, and so every process it starts later) into
+/// a network namespace of its own, with `lo` up and the two kernel targets'
+/// VIPs ([`KERNEL_IP`], [`HLB_KERNEL_IP`]) on it as /32s, and
+/// `net.ipv4.ip_forward = 1` in it (the daemon serves kernel listeners only
+/// where the host forwards; this namespace's value, not the host's).
+///
+/// Why: the daemon refuses a loopback VIP on a kernel listener, so both
+/// kernel targets need a non-loopback VIP, which must not be added to the
+/// host's own interfaces. In this namespace every target keeps the path it
+/// had (clients on the same host, packets on `lo`; the kernel targets'
+/// DNAT in the `output` hook), and nothing is left behind: an unnamed
+/// namespace goes when its last process exits, on a panic, a Ctrl-C and a
+/// SIGKILL alike. Its conntrack settings are its own too (except
+/// `nf_conntrack_max`, which only the host's namespace may write).
+///
+/// Call first thing in `main`, before any thread is started (a thread keeps
+/// the namespace it was started in). Err: not root, or the namespace could
+/// not be made; the bench then runs where it is, without kernel targets.
+pub fn private_netns() -> Result<(), String> {
+    #[allow(unsafe_code)]
+    // SAFETY: geteuid has no preconditions.
+    let root = unsafe { libc::geteuid() } == 0;
+    if !root {
+        return Err(
+            "not root: a network namespace and nftables need CAP_SYS_ADMIN and CAP_NET_ADMIN"
+                .into(),
+        );
+    }
+    if !which("ip") {
+        return Err("ip missing (apt-get install iproute2)".into());
+    }
+    #[allow(unsafe_code)]
+    // SAFETY: unshare(2) with a flag only changes this thread's namespace.
+    let rc = unsafe { libc::unshare(libc::CLONE_NEWNET) };
+    if rc != 0 {
+        return Err(format!(
+            "cannot make a network namespace: {}",
+            std::io::Error::last_os_error()
+        ));
+    }
+    let lo_up = ["link", "set", "lo", "up"].map(String::from).to_vec();
+    let vip = |ip| {
+        ["addr", "add", &format!("{ip}/32"), "dev", "lo"]
+            .map(String::from)
+            .to_vec()
+    };
+    for args in [lo_up, vip(KERNEL_IP), vip(HLB_KERNEL_IP)] {
+        let out = Command::new("ip")
+            .args(&args)
+            .output()
+            .map_err(|e| format!("ip: {e}"))?;
+        if !out.status.success() {
+            // Already in the namespace: the bench cannot go back, so
+            // nothing it runs later may rely on these addresses.
+            panic!(
+                "ip {}: {}",
+                args.join(" "),
+                String::from_utf8_lossy(&out.stderr).trim()
+            );
+        }
+    }
+    std::fs::write("/proc/sys/net/ipv4/ip_forward", "1")
+        .unwrap_or_else(|e| panic!("net.ipv4.ip_forward in the bench's namespace: {e}"));
+    eprintln!(
+        "running in a network namespace of its own (lo up, {KERNEL_IP} and {HLB_KERNEL_IP} on lo)"
+    );
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------
 // The kernel target: nftables DNAT
 
 /// Our table's name; one of our own, so nothing else in the host's ruleset
@@ -154,10 +228,13 @@ fn nft_table_exists(name: &str) -> bool {
 /// nothing else: the rerouted packet stays on `lo` with the source the
 /// route gave it (127.0.0.1), so `route_localnet` and a masquerade in
 /// `postrouting` are not needed (checked on kernel 6.18); conntrack turns
-/// the backend's answers back into the VIP's.
+/// the backend's answers back into the VIP's. The VIP is on `lo` of the
+/// bench's namespace (not in 127.0.0.0/8, like harvester-lb (kernel)'s):
+/// the rerouted packet keeps the VIP as its source and stays on `lo`.
+/// UDP to the DNS port for the udp scenario.
 fn ruleset() -> String {
     format!(
-        "table ip {TABLE} {{\n  chain out {{\n    type nat hook output priority -100; policy accept;\n    ip daddr {KERNEL_IP} tcp dport {{ {IPERF_PORT}, {HTTP_PORT} }} dnat to {BACKEND_IP}\n  }}\n}}\n"
+        "table ip {TABLE} {{\n  chain out {{\n    type nat hook output priority -100; policy accept;\n    ip daddr {KERNEL_IP} tcp dport {{ {IPERF_PORT}, {HTTP_PORT} }} dnat to {BACKEND_IP}\n    ip daddr {KERNEL_IP} udp dport {DNS_PORT} dnat to {BACKEND_IP}\n  }}\n}}\n"
     )
 }
 
@@ -206,20 +283,77 @@ impl KernelDnat {
         Ok(KernelDnat { _private: () })
     }
 
-    /// Puts the table in force and waits until the kernel VIP forwards to
-    /// the HTTP backend (a connection through it completes).
-    pub fn install(&self) -> Result<DnatOn, String> {
+    /// Puts the table in force and waits until `forwards` (given 5 s) says
+    /// the kernel VIP reaches the backend, e.g. a connection through it
+    /// completes; `what` names that in the error.
+    pub fn install(
+        &self,
+        what: &str,
+        forwards: impl FnOnce(Duration) -> bool,
+    ) -> Result<DnatOn, String> {
         nft_load(false)?;
         let undo = Undo::NftTable(TABLE);
         register(undo.clone());
         let on = DnatOn { undo };
-        if !try_wait_port(sa(KERNEL_IP, HTTP_PORT), Duration::from_secs(5)) {
+        if !forwards(Duration::from_secs(5)) {
             return Err(format!(
-                "{KERNEL_IP}:{HTTP_PORT} does not reach {BACKEND_IP} through the DNAT"
+                "{KERNEL_IP} does not reach {BACKEND_IP} through the DNAT ({what})"
             ));
         }
         Ok(on)
     }
+}
+
+// ---------------------------------------------------------------------------
+// harvester-lb (kernel): the daemon's own table
+
+/// The daemon's NAT table (`src/kernel`), family inet.
+const HLB_TABLE: &str = "harvester_lb_nat";
+
+/// harvester-lb (kernel) in force for one run: the daemon, stopped when
+/// dropped. A clean stop removes its table; one that is still there after
+/// the stop (the daemon killed after 5 s) is deleted here, so no NAT hook
+/// is left to turn conntrack on for the next target's run.
+pub struct DaemonOn {
+    proc: Option<Proc>,
+}
+
+impl DaemonOn {
+    pub fn new(p: Proc) -> DaemonOn {
+        DaemonOn { proc: Some(p) }
+    }
+}
+
+impl Drop for DaemonOn {
+    fn drop(&mut self) {
+        drop(self.proc.take());
+        let exists = Command::new("nft")
+            .args(["list", "table", "inet", HLB_TABLE])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success());
+        if exists {
+            eprintln!(
+                "WARNING: harvester-lb (kernel) left table inet {HLB_TABLE} after its stop; deleting it"
+            );
+            let _ = Command::new("nft")
+                .args(["delete", "table", "inet", HLB_TABLE])
+                .status();
+        }
+    }
+}
+
+/// A kernel target in force for one run (its table, or the daemon that
+/// writes one); it stops forwarding when dropped.
+pub enum KernelOn {
+    /// Held for its drop.
+    Table {
+        _on: DnatOn,
+    },
+    Daemon {
+        _on: DaemonOn,
+    },
 }
 
 /// `nft -f -` of [`ruleset`]; with `check`, only checked (`nft -c`).

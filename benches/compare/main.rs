@@ -4,7 +4,10 @@
 //! FILE]`, usually through `benches/compare.sh`, which installs the peers
 //! first.
 //!
-//! Every address is in 127.0.0.0/8. Everything started here is stopped by
+//! Every address is in 127.0.0.0/8, except the two kernel targets' VIPs,
+//! which are on `lo` of a network namespace the bench makes for itself when
+//! it runs as root ([`host::private_netns`]; every target runs in it).
+//! Everything started here is stopped by
 //! pid (on drop, so a panic stops it too); what is changed on the host (an
 //! nftables table, conntrack sysctls) is undone on drop and on SIGINT or
 //! SIGTERM ([`host`]). Every loop is bounded in count and time. The README's
@@ -102,8 +105,8 @@ fn usage() -> ! {
     eprintln!(
         "usage: compare [--smoke] [--log-modes] [--json FILE] [--rounds N] [--duration SECONDS] [--threads LIST]\n\
          \x20              [--only throughput,rps,cps,idle,health,reload,scale,udp] [--scale-lbs N]\n\
-         --smoke: every scenario about a second (scale: 500 load balancers, ~25 s), against harvester-lb\n\
-         \x20        and the kernel target alone; a second thread count only in rps and cps; exits\n\
+         --smoke: every scenario about a second (scale: 500 load balancers, ~25 s), against harvester-lb,\n\
+         \x20        harvester-lb (kernel) and the kernel target alone; a second thread count only in rps and cps; exits\n\
          \x20        non-zero on failure\n\
          --threads: thread counts of the traffic scenarios (throughput, rps, cps, idle), default 1,2\n\
          --log-modes: two more harvester-lb targets in the traffic scenarios, hlb-log-errors and\n\
@@ -181,11 +184,12 @@ fn parse_opts() -> Opts {
         }
     }
     let mut targets = if smoke {
-        vec![Target::Kernel, Target::Hlb]
+        vec![Target::Kernel, Target::HlbKernel, Target::Hlb]
     } else {
         vec![
             Target::Direct,
             Target::Kernel,
+            Target::HlbKernel,
             Target::Hlb,
             Target::Haproxy,
             Target::Nginx,
@@ -239,8 +243,8 @@ fn spawn_http_backend(o: &Opts, addr: &str, log: &str) -> Proc {
 ///
 /// The targets without a process run in every block too: direct, because
 /// the per-round ratios against it need it in the same rounds; the kernel
-/// (which has no threads to set) for the same reason, and because it is
-/// cheap. The smoke run proves each path once and keeps to its time: the
+/// targets (whose forwarding has no threads to set; harvester-lb (kernel)'s
+/// daemon, started for each of its runs, has one) for the same reason. The smoke run proves each path once and keeps to its time: the
 /// first block as a full run has it, with the kernel; later blocks only
 /// the request scenarios (rps, cps) of harvester-lb.
 fn traffic_blocks(o: &Opts, res: &mut Results, kernel: Option<&KernelDnat>) {
@@ -275,7 +279,7 @@ fn traffic_blocks(o: &Opts, res: &mut Results, kernel: Option<&KernelDnat>) {
             .targets
             .iter()
             .copied()
-            .filter(|t| !(later_smoke && *t == Target::Kernel))
+            .filter(|t| !(later_smoke && matches!(t, Target::Kernel | Target::HlbKernel)))
             .collect();
         let traffic: Vec<&str> = ["throughput", "rps", "cps"]
             .into_iter()
@@ -308,7 +312,14 @@ fn traffic_blocks(o: &Opts, res: &mut Results, kernel: Option<&KernelDnat>) {
 }
 
 fn main() {
-    // First, before any thread: Ctrl-C must still undo the host changes.
+    // First, before any thread: every thread and process of the bench is
+    // in its namespace, and Ctrl-C must still undo the host changes.
+    // (The bench re-run as a backend stays in the namespace it was started in.)
+    let netns = if std::env::args().any(|a| a == "--serve-http") {
+        Err("a backend".to_string())
+    } else {
+        host::private_netns()
+    };
     host::undo_on_signal();
     let mut o = parse_opts();
     let needs_peers = !o.smoke;
@@ -340,9 +351,24 @@ fn main() {
     let want_traffic = ["throughput", "rps", "cps", "idle"]
         .iter()
         .any(|s| o.wants(s));
-    // The kernel target: only in the traffic scenarios, and only where
-    // nftables can be used; otherwise it is left out with a note.
-    let kernel = if want_traffic && o.targets.contains(&Target::Kernel) {
+    // The kernel targets: only in the traffic and udp scenarios, only in
+    // the bench's own namespace (their VIPs are there) and only where
+    // nftables can be used; otherwise they are left out with a note.
+    let want_kernel = want_traffic || o.wants("udp");
+    if let Err(e) = &netns {
+        eprintln!(
+            "note: no kernel and harvester-lb (kernel) targets: {e}; every target runs in this namespace"
+        );
+        o.targets
+            .retain(|t| !matches!(t, Target::Kernel | Target::HlbKernel));
+    } else if !which("nft") {
+        eprintln!("note: no harvester-lb (kernel) target: nft missing (apt-get install nftables)");
+        o.targets.retain(|t| *t != Target::HlbKernel);
+    }
+    if !want_kernel {
+        o.targets.retain(|t| *t != Target::HlbKernel);
+    }
+    let kernel = if want_kernel && o.targets.contains(&Target::Kernel) {
         match KernelDnat::prepare() {
             Ok(k) => Some(k),
             Err(e) => {
@@ -357,7 +383,8 @@ fn main() {
         o.targets.retain(|t| *t != Target::Kernel);
     }
     // The smoke run's single 1 s run cannot fill the conntrack table.
-    let conntrack = if kernel.is_some() && o.wants("cps") && !o.smoke {
+    let any_kernel = kernel.is_some() || o.targets.contains(&Target::HlbKernel);
+    let conntrack = if any_kernel && o.wants("cps") && !o.smoke {
         host::conntrack_room()
     } else {
         Vec::new()
@@ -366,7 +393,7 @@ fn main() {
         traffic_blocks(&o, &mut res, kernel.as_ref());
     }
     if o.wants("udp") {
-        scenarios::udp::udp_scenario(&o, &mut res);
+        scenarios::udp::udp_scenario(&o, &mut res, kernel.as_ref());
     }
     if o.wants("health") {
         scenarios::health::health_scenario(&o, &mut res);

@@ -88,6 +88,15 @@ const RATIOS: [(Target, Target); 5] = [
     (Target::Nginx, Target::Direct),
 ];
 
+/// harvester-lb (kernel) against the peers of issue 20's targets (HAProxy
+/// for requests and connections, the kernel for everything, nginx for UDP),
+/// columns shown only when it ran.
+const KERNEL_RATIOS: [(Target, Target); 3] = [
+    (Target::HlbKernel, Target::Haproxy),
+    (Target::HlbKernel, Target::Kernel),
+    (Target::HlbKernel, Target::Nginx),
+];
+
 /// The connection log's cost (`--log-modes`): each logging harvester-lb
 /// over the plain one, columns shown only when those targets ran.
 const LOG_RATIOS: [(Target, Target); 2] = [
@@ -153,7 +162,12 @@ pub fn table(res: &Results, targets: &[Target]) -> String {
         .collect();
     let ratios: Vec<(Target, Target)> = RATIOS
         .into_iter()
-        .chain(LOG_RATIOS.into_iter().filter(|(a, _)| targets.contains(a)))
+        .chain(
+            KERNEL_RATIOS
+                .into_iter()
+                .chain(LOG_RATIOS)
+                .filter(|(a, _)| targets.contains(a)),
+        )
         .collect();
     let mut s = String::from("| scenario | metric |");
     for t in &shown {
@@ -198,6 +212,11 @@ pub fn notes(targets: &[Target]) -> String {
     if targets.contains(&Target::Kernel) {
         s.push_str(
             "kernel: nftables DNAT in the output hook, no process of its own: its forwarding is softirq time on the client's and the backend's threads, so its CPU and RSS cells are –.\n",
+        );
+    }
+    if targets.contains(&Target::HlbKernel) {
+        s.push_str(
+            "harvester-lb (kernel): the daemon with its listeners forwarding = \"kernel\" (source_nat = \"none\"), started for each of its runs and stopped after it; the kernel forwards (its nftables DNAT, in the output hook as the kernel target's), so its CPU and RSS cells are – as the kernel's. Both kernel targets' VIPs are on lo of the bench's own network namespace, where every target runs.\n",
         );
     }
     s

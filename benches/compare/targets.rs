@@ -8,7 +8,9 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use crate::util::{sa, signal, wait_http_ok, wait_port};
+use serde_json::Value;
+
+use crate::util::{http_body, http_get, sa, signal, wait_http_ok, wait_port};
 
 /// The harvester-lb binary Cargo built for this bench (release profile).
 const HLB_BIN: &str = env!("CARGO_BIN_EXE_harvester-lb");
@@ -19,8 +21,14 @@ pub const HLB_IP: Ipv4Addr = Ipv4Addr::new(127, 252, 0, 2);
 pub const HAPROXY_IP: Ipv4Addr = Ipv4Addr::new(127, 252, 0, 3);
 pub const NGINX_IP: Ipv4Addr = Ipv4Addr::new(127, 252, 0, 4);
 /// The kernel target's VIP: DNAT to BACKEND_IP on the same ports (see
-/// [`crate::host::KernelDnat`]).
-pub const KERNEL_IP: Ipv4Addr = Ipv4Addr::new(127, 252, 0, 5);
+/// [`crate::host::KernelDnat`]). Not a loopback address: the daemon refuses
+/// a loopback VIP on a kernel listener, and both kernel targets must take
+/// the same path, so both VIPs are in 198.18.0.0/15 (RFC 2544's benchmark
+/// range), on `lo` of the bench's own network namespace
+/// ([`crate::host::private_netns`]).
+pub const KERNEL_IP: Ipv4Addr = Ipv4Addr::new(198, 18, 0, 5);
+/// The VIP of harvester-lb with `forwarding = "kernel"` listeners.
+pub const HLB_KERNEL_IP: Ipv4Addr = Ipv4Addr::new(198, 18, 0, 6);
 /// The VIPs of the `--log-modes` targets: harvester-lb with
 /// `log_connections = "errors"` and `"all"`, each its own process.
 pub const HLB_LOG_ERRORS_IP: Ipv4Addr = Ipv4Addr::new(127, 252, 0, 16);
@@ -39,6 +47,12 @@ pub enum Target {
     /// The kernel forwarding on its own (nftables DNAT, as kube-proxy does a
     /// Service): the floor a user-space proxy is measured against.
     Kernel,
+    /// harvester-lb with its listeners `forwarding = "kernel"`: the daemon
+    /// writes nftables DNAT and the kernel forwards. Like [`Target::Kernel`]
+    /// it is in force only during its own runs (the daemon is started for
+    /// each and stopped after it, which removes its table), so its NAT
+    /// hooks do not turn conntrack on for the proxies' runs.
+    HlbKernel,
     Hlb,
     /// harvester-lb with `log_connections = "errors"` (`--log-modes`): run
     /// beside [`Target::Hlb`] in the same rounds, so the connection log's
@@ -52,9 +66,10 @@ pub enum Target {
 
 impl Target {
     /// Every target, in the table's column order.
-    pub const ALL: [Target; 7] = [
+    pub const ALL: [Target; 8] = [
         Target::Direct,
         Target::Kernel,
+        Target::HlbKernel,
         Target::Hlb,
         Target::HlbLogErrors,
         Target::HlbLogAll,
@@ -66,6 +81,7 @@ impl Target {
         match self {
             Target::Direct => "direct",
             Target::Kernel => "kernel",
+            Target::HlbKernel => "harvester-lb (kernel)",
             Target::Hlb => "harvester-lb",
             Target::HlbLogErrors => "hlb-log-errors",
             Target::HlbLogAll => "hlb-log-all",
@@ -78,6 +94,7 @@ impl Target {
     pub fn short(self) -> &'static str {
         match self {
             Target::Hlb => "hlb",
+            Target::HlbKernel => "hlb-kernel",
             t => t.name(),
         }
     }
@@ -86,6 +103,7 @@ impl Target {
         match self {
             Target::Direct => BACKEND_IP,
             Target::Kernel => KERNEL_IP,
+            Target::HlbKernel => HLB_KERNEL_IP,
             Target::Hlb => HLB_IP,
             Target::HlbLogErrors => HLB_LOG_ERRORS_IP,
             Target::HlbLogAll => HLB_LOG_ALL_IP,
@@ -199,6 +217,29 @@ algorithm = "round_robin"
     )
 }
 
+/// harvester-lb with every listener `forwarding = "kernel"` on
+/// [`HLB_KERNEL_IP`] (the `harvester-lb (kernel)` target): `listeners` are
+/// (name, port, protocol), each to the same port on [`BACKEND_IP`], checked
+/// on `check_port` over TCP. `source_nat = "none"`: the bench's `kernel`
+/// target does not masquerade either (kube-proxy does not for a client on
+/// the node itself), so both rewrite the same addresses. A 1 s drain: the
+/// daemon is stopped after each run and its table goes after the drain.
+pub fn hlb_kernel_config(listeners: &[(&str, u16, &str)], check_port: u16) -> String {
+    let ip = HLB_KERNEL_IP;
+    let mut s = format!(
+        "[admin]\nlisten = \"{ip}:{ADMIN_PORT}\"\n[proxy]\ndrain_timeout_seconds = 1\n[[load_balancer]]\nname = \"bench/kernel\"\nvip = \"{ip}\"\nbackends = [\"{BACKEND_IP}\"]\nalgorithm = \"round_robin\"\n"
+    );
+    for (name, port, protocol) in listeners {
+        s.push_str(&format!(
+            "  [[load_balancer.listener]]\n  name = \"{name}\"\n  port = {port}\n  backend_port = {port}\n  protocol = \"{protocol}\"\n  forwarding = \"kernel\"\n  source_nat = \"none\"\n"
+        ));
+    }
+    s.push_str(&format!(
+        "  [load_balancer.health_check]\n  port = {check_port}\n  period_seconds = 1\n  timeout_seconds = 1\n"
+    ));
+    s
+}
+
 /// HAProxy with `threads` threads (`nbthread`), TCP mode, splice when it
 /// pays, the same health check as harvester-lb's.
 fn haproxy_config(threads: usize) -> String {
@@ -306,6 +347,59 @@ impl HlbRun<'_> {
         wait_http_ok(admin, "/readyz", Duration::from_secs(60));
         p
     }
+}
+
+impl HlbRun<'_> {
+    /// harvester-lb on a [`hlb_kernel_config`], returned once `/status`
+    /// shows every listener forwarded by the kernel with its backend
+    /// eligible (before that, a connection would be served by the proxy
+    /// or refused). Err names what it showed instead.
+    pub fn start_kernel(&self, name: &str, config: &str) -> Result<Proc, String> {
+        let admin = sa(HLB_KERNEL_IP, ADMIN_PORT);
+        let p = self.start(name, config, admin, 1);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let mut last = String::new();
+        while Instant::now() < deadline {
+            if let Ok(r) = http_get(admin, "/status")
+                && let Some(body) = http_body(&r)
+            {
+                if kernel_forwards(&body) {
+                    return Ok(p);
+                }
+                last = body;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Err(format!(
+            "{name}: its listeners are not all forwarded by the kernel with an eligible backend after 20 s; /status: {last}"
+        ))
+    }
+}
+
+/// Whether every listener in a `/status` body has `"forwarding": "kernel"`
+/// and an eligible backend (at least one listener).
+fn kernel_forwards(status: &str) -> bool {
+    fn listeners<'a>(v: &'a Value, out: &mut Vec<&'a Value>) {
+        match v {
+            Value::Object(m) => {
+                if m.contains_key("forwarding") {
+                    out.push(v);
+                }
+                m.values().for_each(|x| listeners(x, out));
+            }
+            Value::Array(a) => a.iter().for_each(|x| listeners(x, out)),
+            _ => {}
+        }
+    }
+    let Ok(v) = serde_json::from_str::<Value>(status) else {
+        return false;
+    };
+    let mut ls = Vec::new();
+    listeners(&v, &mut ls);
+    !ls.is_empty()
+        && ls.iter().all(|l| {
+            l["forwarding"] == "kernel" && l["eligible_backends"].as_u64().is_some_and(|n| n > 0)
+        })
 }
 
 /// The proxies of the traffic scenarios among `targets`, each with

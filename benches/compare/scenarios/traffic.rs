@@ -4,9 +4,12 @@
 //! ([`crate::order::run_order`]), so the targets share the machine's drift
 //! and a ratio within one round cancels it.
 //!
-//! The kernel target's nftables table is in force only during its own runs
-//! (see [`KernelDnat`]); its conntrack table is watched for entries and
-//! errors after each of them.
+//! The kernel targets forward only during their own runs: the `kernel`
+//! target's nftables table (see [`KernelDnat`]) and harvester-lb (kernel),
+//! the daemon started for each run and stopped after it (its clean stop
+//! removes its table), so neither's NAT hooks turn conntrack on for the
+//! proxies' runs. Conntrack is watched for entries and errors after each of
+//! their runs.
 
 use std::time::Duration;
 
@@ -16,10 +19,16 @@ use super::proxy_cpu;
 use super::throughput::iperf;
 use super::wrk::{wrk, wrk_cmd};
 use crate::Opts;
-use crate::host::{CtErrors, KernelDnat, conntrack_count};
+use crate::host::{CtErrors, DaemonOn, KernelDnat, KernelOn, conntrack_count};
 use crate::order::run_order;
 use crate::table::Results;
-use crate::targets::{IPERF_PORT, Target, threads_label};
+use crate::targets::{HTTP_PORT, IPERF_PORT, Target, hlb_kernel_config, threads_label};
+use crate::util::{sa, try_wait_port};
+
+/// harvester-lb (kernel)'s listeners in the traffic scenarios: the same
+/// ports as every other target's.
+const TCP_LISTENERS: &[(&str, u16, &str)] =
+    &[("iperf", IPERF_PORT, "tcp"), ("http", HTTP_PORT, "tcp")];
 
 /// What one thread-count block runs against.
 pub struct Block<'a> {
@@ -65,16 +74,33 @@ pub fn traffic_scenarios(o: &Opts, res: &mut Results, b: &Block) {
         for test in &tests {
             for target in run_order(b.targets, round) {
                 let what = format!("round {} {test} {} ({label})", round + 1, target.name());
-                // The kernel target forwards only while its table is in force.
-                let dnat = match (target, b.kernel) {
-                    (Target::Kernel, Some(k)) => match k.install() {
-                        Ok(on) => Some((on, CtErrors::read())),
-                        Err(e) => {
-                            res.fail(format!("{what}: {e}"));
-                            continue;
-                        }
-                    },
+                // The kernel targets forward only while in force.
+                let on = match (target, b.kernel) {
+                    (Target::Kernel, Some(k)) => Some(
+                        k.install("a TCP connection to the HTTP port", |limit| {
+                            try_wait_port(sa(target.ip(), HTTP_PORT), limit)
+                        })
+                        .map(|on| KernelOn::Table { _on: on }),
+                    ),
+                    (Target::HlbKernel, _) => Some(
+                        o.hlb()
+                            .start_kernel(
+                                "hlb-kernel",
+                                &hlb_kernel_config(TCP_LISTENERS, HTTP_PORT),
+                            )
+                            .map(|p| KernelOn::Daemon {
+                                _on: DaemonOn::new(p),
+                            }),
+                    ),
                     _ => None,
+                };
+                let dnat = match on {
+                    Some(Ok(on)) => Some((on, CtErrors::read())),
+                    Some(Err(e)) => {
+                        res.fail(format!("{what}: {e}"));
+                        continue;
+                    }
+                    None => None,
                 };
                 let outcome = match *test {
                     "rps" | "cps" => wrk_run(res, b, target, *test == "cps", d, &label),

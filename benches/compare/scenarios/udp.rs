@@ -1,5 +1,8 @@
 //! Scenario 8: UDP (DNS). dnsperf against dnsmasq directly, through
-//! harvester-lb's UDP listener and through nginx's stream module.
+//! harvester-lb's UDP listener, through nginx's stream module, and where the
+//! bench may (root, its own namespace) through the kernel targets: the
+//! `kernel` target's DNAT and harvester-lb (kernel), each in force only
+//! during its own runs, as in the traffic scenarios.
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -9,15 +12,17 @@ use std::time::{Duration, Instant};
 
 use super::proxy_cpu;
 use crate::Opts;
+use crate::host::{DaemonOn, KernelDnat, KernelOn};
 use crate::order::run_order;
 use crate::table::{Results, percentile};
 use crate::targets::{
-    ADMIN_PORT, BACKEND_IP, HLB_IP, NGINX_IP, NGINX_STREAM_MODULE, Proc, Target, spawn_nginx,
+    ADMIN_PORT, BACKEND_IP, HLB_IP, NGINX_IP, NGINX_STREAM_MODULE, Proc, Target, hlb_kernel_config,
+    spawn_nginx,
 };
 use crate::util::{run_with_timeout, sa, which};
 
 /// UDP (DNS): dnsmasq on BACKEND_IP and every proxy's UDP listener.
-const DNS_PORT: u16 = 15353;
+pub const DNS_PORT: u16 = 15353;
 
 /// harvester-lb's UDP listener: DNS flows freed at their answer, the
 /// backend checked on its TCP port (dnsmasq answers TCP on the same port).
@@ -175,7 +180,38 @@ fn dnsperf(target: Target, queries: &Path, secs: u64) -> Result<DnsperfResult, S
     Ok(r)
 }
 
-pub fn udp_scenario(o: &Opts, res: &mut Results) {
+/// The kernel target `t` in force for one run, once it answers DNS; None
+/// for the other targets.
+fn kernel_on(o: &Opts, t: Target, kernel: Option<&KernelDnat>) -> Option<Result<KernelOn, String>> {
+    let answers = |limit| dns_answers(sa(t.ip(), DNS_PORT), limit);
+    match (t, kernel) {
+        (Target::Kernel, Some(k)) => Some(
+            k.install("a DNS answer", answers)
+                .map(|on| KernelOn::Table { _on: on }),
+        ),
+        (Target::HlbKernel, _) => Some(
+            o.hlb()
+                .start_kernel(
+                    "hlb-kernel-udp",
+                    // Checked on dnsmasq's TCP port, as harvester-lb's.
+                    &hlb_kernel_config(&[("dns", DNS_PORT, "udp")], DNS_PORT),
+                )
+                .and_then(|p| {
+                    let on = KernelOn::Daemon {
+                        _on: DaemonOn::new(p),
+                    };
+                    if answers(Duration::from_secs(5)) {
+                        Ok(on)
+                    } else {
+                        Err("harvester-lb (kernel) does not answer DNS".into())
+                    }
+                }),
+        ),
+        _ => None,
+    }
+}
+
+pub fn udp_scenario(o: &Opts, res: &mut Results, kernel: Option<&KernelDnat>) {
     const SCEN: &str = "8 udp dns (dnsperf)";
     for tool in ["dnsperf", "dnsmasq"] {
         if !which(tool) {
@@ -233,6 +269,14 @@ pub fn udp_scenario(o: &Opts, res: &mut Results) {
     if o.targets.contains(&Target::Nginx) {
         targets.push(Target::Nginx);
     }
+    // Checked at each of their runs, when they are in force.
+    let mut kernels = Vec::new();
+    if kernel.is_some() {
+        kernels.push(Target::Kernel);
+    }
+    if o.targets.contains(&Target::HlbKernel) {
+        kernels.push(Target::HlbKernel);
+    }
     for t in &targets {
         if !dns_answers(sa(t.ip(), DNS_PORT), Duration::from_secs(20)) {
             res.fail(format!("udp: {} does not answer DNS", t.name()));
@@ -248,9 +292,18 @@ pub fn udp_scenario(o: &Opts, res: &mut Results) {
         .replace('"', ""),
     );
     let pids: Vec<(Target, i32)> = procs.iter().map(|(t, p)| (*t, p.pid())).collect();
+    targets.extend(kernels);
     for round in 0..o.rounds {
         let mut qps_round = BTreeMap::new();
         for t in run_order(&targets, round) {
+            let _on = match kernel_on(o, t, kernel) {
+                Some(Ok(on)) => Some(on),
+                Some(Err(e)) => {
+                    res.fail(format!("udp round {round} {}: {e}", t.name()));
+                    continue;
+                }
+                None => None,
+            };
             let before = proxy_cpu(&pids, t);
             match dnsperf(t, &queries, o.duration) {
                 Ok(r) => {
