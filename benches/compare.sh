@@ -6,14 +6,17 @@
 #                      [--scale-lbs N]          # scale scenario size (10000)
 #                      [--log-modes]   # + harvester-lb with log_connections
 #                                      # "errors" and "all", ratios to "none"
-#   benches/compare.sh --smoke [--json FILE]   # CI: harvester-lb (1 and 2 threads)
-#                                              # and the kernel target, ~1 min
+#   benches/compare.sh --smoke [--json FILE]   # CI: harvester-lb (1 and 2 threads),
+#                                              # harvester-lb (kernel) and the
+#                                              # kernel target, ~1.5 min
 # LIST: throughput,rps,cps,idle,health,reload,scale,udp (default: all).
 # HLB_ARGS="..." is appended to every `harvester-lb run` (e.g. to A/B a
-# runtime option). The kernel target needs root and nft; without them it is
-# left out with a note. It changes the host only while it runs (its own
-# nftables table, conntrack's TIME_WAIT timeout and maximum) and undoes it
-# on exit, on panic and on Ctrl-C.
+# runtime option). The kernel targets (the kernel's own DNAT and
+# harvester-lb with forwarding = "kernel") need root and nft; without them
+# they are left out with a note. As root the bench runs in an unnamed network
+# namespace of its own (their VIPs on its lo), so their nftables tables and
+# conntrack's TIME_WAIT timeout are that namespace's and go with it; nothing
+# of the host's is changed.
 # Installs what is missing from Debian packages, builds harvester-lb in
 # release mode (cargo bench's profile) and runs benches/compare.rs.
 # CARGO_TARGET_DIR is honoured; CARGO_PROFILE (default: bench) may be set to

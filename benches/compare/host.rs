@@ -420,7 +420,7 @@ fn set_sysctl(path: &str, change: impl Fn(u64) -> Option<u64>) -> Option<SysctlG
 }
 
 /// Room in the conntrack table for the new-connections runs of the kernel
-/// target. Every connection through the DNAT leaves an entry that lives
+/// targets. Every connection through the DNAT leaves an entry that lives
 /// 120 s in TIME_WAIT after it closes; at ~20k connections/s a 5 s run
 /// leaves ~100k, and with `--only cps` the next kernel run comes ~30 s
 /// later, so four runs' entries would pass this 2-core host's default
@@ -428,7 +428,11 @@ fn set_sysctl(path: &str, change: impl Fn(u64) -> Option<u64>) -> Option<SysctlG
 /// table's size rather than of forwarding. So for the run: TIME_WAIT
 /// entries live 10 s (each run's are gone before the next kernel run), and
 /// the maximum is at least 524,288 for a faster machine (40k/s over a run
-/// plus 10 s). Both are written back on exit.
+/// plus 10 s). Both are written back on exit. In the bench's own namespace
+/// ([`private_netns`]) the timeout is that namespace's, and the maximum,
+/// the host's, cannot be written (a note says so): the 10 s alone keep runs
+/// of 20k/s under the default (rate × 10 s, 200k entries at most), and conntrack's error
+/// counters, read after each run, fail a run that lost a connection to it.
 pub fn conntrack_room() -> Vec<SysctlGuard> {
     let mut g = Vec::new();
     g.extend(set_sysctl(CT_TIME_WAIT, |old| (old > 10).then_some(10)));
