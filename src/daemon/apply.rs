@@ -1,9 +1,23 @@
 //! Applying a config: the diff of load balancers, backends, probes and
 //! listeners, and the retirement of what a reload removed.
 
-use super::*;
+use std::collections::HashMap;
+use std::net::IpAddr;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use super::{ApplyReport, Daemon, LbEntry, ListenerEntry, ListenerKey, State};
+use crate::balancer::{AdminState, Backend, LoadBalancer, Settings};
+use crate::config::{Config, ListenerSpec, LoadBalancerSpec, Protocol, UdpSettings};
+use crate::health::{Health, HealthState};
 use crate::log_limit::{Verdict, left_out};
 use crate::proxy::tcp::listen_options::ListenerOptions;
+use crate::proxy::udp;
+use crate::proxy::{self, Listener, Route, Running};
 
 impl Daemon {
     /// Makes `config` the one in force, changing only what differs.

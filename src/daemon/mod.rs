@@ -14,23 +14,18 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, SystemTime};
 
-use serde::Serialize;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use crate::balancer::{AdminState, AffinityBudget, Backend, LoadBalancer, Settings, affinity};
-use crate::config::{
-    Algorithm, CheckKind, Config, Ipam, ListenerSpec, LoadBalancerSpec, Protocol, ProxyProtocol,
-    UdpSettings,
-};
-use crate::health::prober::{Prober, TargetStatus};
-use crate::health::{Health, HealthState};
+use crate::balancer::{AffinityBudget, Backend, LoadBalancer, affinity};
+use crate::config::{Config, ListenerSpec, Protocol};
+use crate::health::prober::Prober;
 use crate::metrics::{ListenerStats, Metrics};
+use crate::proxy::Running;
 use crate::proxy::tcp::ConnectionLimit;
-use crate::proxy::udp::{self, FlowBudget};
-use crate::proxy::{self, Listener, Route, Running};
-use crate::vip::dhcp::{Leases, Want};
-use crate::vip::isolate::{Isolation, IsolationStatus};
+use crate::proxy::udp::FlowBudget;
+use crate::vip::dhcp::Leases;
+use crate::vip::isolate::Isolation;
 use crate::workers::Workers;
 
 mod admin_state;

@@ -3,7 +3,10 @@
 //! so that one tenant's listener that cannot bind moves that tenant's VIP
 //! alone, not every VIP of the host.
 
-use super::*;
+use std::net::{IpAddr, SocketAddr};
+
+use super::{Daemon, ListenerEntry};
+use crate::config::Protocol;
 
 /// Why a VIP is not ready to take traffic here.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

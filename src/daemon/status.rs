@@ -1,7 +1,18 @@
 //! `/status`: the whole picture an on-call engineer needs, built from the
 //! live state under one lock.
 
-use super::*;
+use std::collections::HashMap;
+use std::net::{IpAddr, SocketAddr};
+use std::time::SystemTime;
+
+use serde::Serialize;
+
+use super::Daemon;
+use crate::balancer::AdminState;
+use crate::config::{Algorithm, CheckKind, Ipam, Protocol, ProxyProtocol};
+use crate::health::Health;
+use crate::health::prober::TargetStatus;
+use crate::vip::isolate::IsolationStatus;
 
 impl Daemon {
     /// The JSON document served at `/status`.

@@ -7,7 +7,13 @@
 //! ([`crate::config::Loader`]) is held to exactly the rules a full read is.
 //! Where a conflict is in the file is looked up only when there is one.
 
-use super::*;
+use std::collections::{HashMap, HashSet};
+use std::net::{IpAddr, SocketAddr};
+use std::ops::Range;
+
+use super::Validator;
+use crate::config::file::{FileConfig, FileLoadBalancer};
+use crate::config::{LoadBalancerSpec, Protocol};
 
 /// One broken cross-load-balancer rule. Load balancers are named by their
 /// index in the file (or the slice given), listeners by their index in the spec.

@@ -6,10 +6,12 @@
 //! every start of every version of the daemon asks the DHCP server for the
 //! same lease.
 
-use std::net::Ipv4Addr;
+use std::net::{IpAddr, Ipv4Addr};
+use std::path::PathBuf;
 
-use super::super::file::{FileDhcp, FileDhcpSettings};
-use super::*;
+use super::{DEFAULT_CLUSTER, Validator};
+use crate::config::file::{FileDhcp, FileDhcpSettings, FileLoadBalancer};
+use crate::config::{DhcpSettings, DhcpSpec, Ipam};
 
 /// Where lease state files go when neither `[dhcp] state_directory` nor
 /// systemd's `$STATE_DIRECTORY` says otherwise.

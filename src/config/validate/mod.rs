@@ -9,20 +9,24 @@
 //! check, `source_ranges` the client CIDRs, and `locate` turns positions
 //! into the key paths and line numbers a problem is reported with.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 use std::fmt;
 use std::net::{IpAddr, SocketAddr};
 use std::num::{NonZeroU32, NonZeroUsize};
 use std::ops::Range;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
-use ipnet::{IpNet, Ipv4Net};
 use toml::Spanned;
-use toml::de::{DeArray, DeTable, DeValue};
+use toml::de::DeTable;
 
-use super::file::{FileConfig, FileHealthCheck, FileListener, FileLoadBalancer};
-use super::*;
+use super::file::{FileConfig, FileListener, FileLoadBalancer};
+use super::{
+    AdminSettings, Algorithm, Config, InitialState, Ipam, IsolateAction, ListenerSpec,
+    LoadBalancerSpec, Loaded, LogConnections, LogSettings, MetricsSettings, OnBackendDown, Problem,
+    Protocol, ProxyProtocol, ProxySettings, UdpSettings, VipSettings,
+};
 
 mod cross;
 mod dhcp;
