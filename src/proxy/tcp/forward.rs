@@ -16,7 +16,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::copy::{self, ByteCounters, Ended, Moved, Peer};
 use super::proxy_protocol;
-use crate::balancer::{Backend, affinity};
+use crate::balancer::{Backend, ClientAddr, affinity};
 use crate::config::OnBackendDown;
 use crate::net;
 use crate::proxy::Route;
@@ -74,18 +74,18 @@ pub async fn serve(
     let snapshot = route.lb.snapshot_full();
     let mut record = Record::start(snapshot.settings.log_connections, peer);
     // Client affinity: the backend this client was given last, if recent.
-    let client_ip = peer.ip().to_canonical();
+    let client_addr = ClientAddr::new(peer);
     let affinity = snapshot
         .settings
         .affinity_timeout
         .and_then(|timeout| route.lb.affinity().map(|table| (table, timeout)));
     let now = affinity.map_or(0, |_| affinity::now_secs());
-    let sticky = affinity.and_then(|(table, timeout)| table.lookup(client_ip, timeout, now));
+    let sticky = affinity.and_then(|(table, timeout)| table.lookup(client_addr, timeout, now));
     let mut last_failure = None;
     let mut connected = None;
     let close_on_down = snapshot.settings.on_backend_down == OnBackendDown::Close;
     let port = route.backend_port;
-    for backend in snapshot.candidates(peer.ip(), route.lb.cursor(), sticky, port) {
+    for backend in snapshot.candidates(client_addr, route.lb.cursor(), sticky, port) {
         let addr = SocketAddr::new(backend.addr, port);
         // Taken before the connect: a mark-down under `on_backend_down =
         // "close"` while this connection is still being made resets it
@@ -154,13 +154,13 @@ pub async fn serve(
     if let Some((table, _)) = affinity
         && sticky != Some(backend.addr)
     {
-        table.remember(client_ip, backend.addr, now);
+        table.remember(client_addr, backend.addr, now);
     }
     let _backend_count = backend.connection_opened();
     if let Some(version) = route.proxy_protocol {
         let sent = match client.local_addr() {
             Ok(vip) => {
-                let header = proxy_protocol::header(version, peer, vip);
+                let header = proxy_protocol::header(version, client_addr, vip);
                 proxy_protocol::send(&server, &client, header).await
             }
             Err(e) => Err(e),

@@ -44,7 +44,7 @@ use self::flow::FlowState;
 pub use self::table::{FlowBudget, default_max_flows};
 use self::table::{FlowTable, Refusal};
 use super::{Cap, Route, note_lb_cap};
-use crate::balancer::{Backend, ConnectionGuard, LoadBalancer, affinity};
+use crate::balancer::{Backend, ClientAddr, ConnectionGuard, LoadBalancer, affinity};
 use crate::config::UdpSettings;
 use crate::metrics::stats::UdpBackendStats;
 use crate::proxy::log::{AttemptFailure, Bytes, Origin, Record, Termination};
@@ -412,7 +412,7 @@ fn new_flow(
     let udp = route.route.stats.udp();
     let lb = &route.route.lb;
     let snapshot = lb.snapshot();
-    let client_ip = client.ip().to_canonical();
+    let client_addr = ClientAddr::new(client);
     let log = snapshot.settings.log_connections;
     if !snapshot.settings.source_ranges.allows(client.ip()) {
         udp.datagrams_dropped[0].increment(1);
@@ -429,10 +429,10 @@ fn new_flow(
         .affinity_timeout
         .and_then(|timeout| lb.affinity().map(|table| (table, timeout)));
     let now_secs = affinity.map_or(0, |_| affinity::now_secs());
-    let sticky = affinity.and_then(|(table, timeout)| table.lookup(client_ip, timeout, now_secs));
+    let sticky = affinity.and_then(|(table, timeout)| table.lookup(client_addr, timeout, now_secs));
     let backend = {
         let mut candidates =
-            snapshot.candidates(client.ip(), lb.cursor(), sticky, route.route.backend_port);
+            snapshot.candidates(client_addr, lb.cursor(), sticky, route.route.backend_port);
         let first = candidates.next();
         match (first, avoid) {
             (Some(b), Some(a)) if b.addr == a => candidates.next().or(first),
@@ -490,7 +490,7 @@ fn new_flow(
             if let Some((table, _)) = affinity
                 && sticky != Some(backend.addr)
             {
-                table.remember(client_ip, backend.addr, now_secs);
+                table.remember(client_addr, backend.addr, now_secs);
             }
             Some(flow)
         }
