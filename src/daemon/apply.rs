@@ -10,9 +10,10 @@ use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use super::{ApplyReport, Daemon, LbEntry, ListenerEntry, ListenerKey, State};
+use super::{ApplyReport, Daemon, LbEntry, ListenerEntry, State};
 use crate::balancer::{AdminState, Backend, LoadBalancer, Settings};
-use crate::config::{Config, ListenerSpec, LoadBalancerSpec, Protocol, UdpSettings};
+use crate::config::{Config, ListenerKey, ListenerSpec, LoadBalancerSpec, Protocol, UdpSettings};
+use crate::health::prober::TargetKey;
 use crate::health::{Health, HealthState};
 use crate::log_limit::{Verdict, left_out};
 use crate::proxy::tcp::listen_options::ListenerOptions;
@@ -132,7 +133,7 @@ impl Daemon {
                 continue;
             }
             for l in &lb.listeners {
-                desired.insert((lb.listen_addr(l), l.protocol), (lb, l));
+                desired.insert(lb.listener_key(l), (lb, l));
             }
         }
         let removed: Vec<ListenerKey> = st
@@ -354,11 +355,13 @@ impl Daemon {
             for backend in entry.backends.values() {
                 let name = &spec.name;
                 if !ports.is_empty() {
-                    self.prober.remove(&(name.clone(), backend.addr, None));
+                    self.prober
+                        .remove(&TargetKey::new(name, backend.addr, None));
                 }
                 for old in backend.checked_ports() {
                     if !ports.contains(&old) {
-                        self.prober.remove(&(name.clone(), backend.addr, Some(old)));
+                        self.prober
+                            .remove(&TargetKey::new(name, backend.addr, Some(old)));
                     }
                 }
                 backend.set_checked_ports(&ports, healthy_at_start);
@@ -387,7 +390,7 @@ impl Daemon {
             let initial = HealthState::new(spec.initial_state);
             let healthy = initial.status == Health::Healthy;
             if let Some(port) = hc.port {
-                let key = (spec.name.clone(), *ip, None);
+                let key = TargetKey::new(&spec.name, *ip, None);
                 if self.prober.get(&key).is_none() {
                     // A backend gaining a health check starts from the initial state.
                     backend.set_healthy(healthy);
@@ -401,7 +404,7 @@ impl Daemon {
                 let Some(cell) = backend.port_health(port) else {
                     continue;
                 };
-                let key = (spec.name.clone(), *ip, Some(port));
+                let key = TargetKey::new(&spec.name, *ip, Some(port));
                 if self.prober.get(&key).is_none() {
                     backend.set_port_healthy(&cell, healthy);
                 }
@@ -414,10 +417,10 @@ impl Daemon {
     /// Stops every probe target of `backend` of load balancer `lb`: the
     /// backend's own and each of its ports'.
     pub(super) fn stop_probing(&self, lb: &str, backend: &Backend) {
-        self.prober.remove(&(lb.to_string(), backend.addr, None));
+        self.prober.remove(&TargetKey::new(lb, backend.addr, None));
         for port in backend.checked_ports() {
             self.prober
-                .remove(&(lb.to_string(), backend.addr, Some(port)));
+                .remove(&TargetKey::new(lb, backend.addr, Some(port)));
         }
     }
 
@@ -457,7 +460,7 @@ impl Daemon {
 
     pub(super) fn start_listener(
         &self,
-        (addr, protocol): ListenerKey,
+        ListenerKey { addr, protocol }: ListenerKey,
         route: Route,
         options: ListenerOptions,
         udp: UdpSettings,

@@ -18,7 +18,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::balancer::{AffinityBudget, Backend, LoadBalancer, affinity};
-use crate::config::{Config, ListenerSpec, Protocol};
+use crate::config::{Config, ListenerKey, ListenerSpec};
 use crate::health::prober::Prober;
 use crate::metrics::{ListenerStats, Metrics};
 use crate::proxy::Running;
@@ -94,10 +94,6 @@ pub struct Daemon {
     /// Set once the task that writes the kernel table runs.
     kernel_task: AtomicBool,
 }
-
-/// A listener's identity across reloads: one VIP:port may carry one TCP
-/// and one UDP listener.
-type ListenerKey = (SocketAddr, Protocol);
 
 #[derive(Default)]
 struct State {
@@ -243,7 +239,7 @@ impl Daemon {
         let st = self.lock();
         st.listeners
             .iter()
-            .filter_map(|(a, e)| e.socket.as_ref().err().map(|err| (a.0, err.clone())))
+            .filter_map(|(a, e)| e.socket.as_ref().err().map(|err| (a.addr, err.clone())))
             .collect()
     }
 

@@ -77,7 +77,7 @@ impl Daemon {
                 known = true;
                 for l in &spec.listeners {
                     let address = spec.listen_addr(l);
-                    let error = match st.listeners.get(&(address, l.protocol)) {
+                    let error = match st.listeners.get(&spec.listener_key(l)) {
                         Some(ListenerEntry { socket: Ok(_), .. }) => continue,
                         Some(ListenerEntry { socket: Err(e), .. }) => e.clone(),
                         None => "not started".to_string(),

@@ -11,7 +11,7 @@ use super::Daemon;
 use crate::balancer::AdminState;
 use crate::config::{Algorithm, CheckKind, Ipam, Protocol, ProxyProtocol};
 use crate::health::Health;
-use crate::health::prober::TargetStatus;
+use crate::health::prober::{TargetKey, TargetStatus};
 use crate::vip::isolate::IsolationStatus;
 
 impl Daemon {
@@ -38,10 +38,8 @@ impl Daemon {
                 .filter(|l| l.protocol == Protocol::Udp)
             {
                 let counts = udp_flows.get_or_insert_with(HashMap::new);
-                if let Some(Ok(running)) = st
-                    .listeners
-                    .get(&(spec.listen_addr(l), l.protocol))
-                    .map(|e| &e.socket)
+                if let Some(Ok(running)) =
+                    st.listeners.get(&spec.listener_key(l)).map(|e| &e.socket)
                 {
                     for (ip, s) in running.route().stats.udp().backends() {
                         *counts.entry(ip).or_insert(0) +=
@@ -54,7 +52,7 @@ impl Daemon {
                 .iter()
                 .map(|l| {
                     let addr = spec.listen_addr(l);
-                    let le = st.listeners.get(&(addr, l.protocol));
+                    let le = st.listeners.get(&spec.listener_key(l));
                     let open = le
                         .and_then(|e| e.socket.as_ref().ok())
                         .map_or(0, |s| s.open_connections());
@@ -100,7 +98,7 @@ impl Daemon {
                     let b = &entry.backends[ip];
                     let probe = self
                         .prober
-                        .get(&(spec.name.clone(), *ip, None))
+                        .get(&TargetKey::new(&spec.name, *ip, None))
                         .map(|t| t.status());
                     let ports = b
                         .checked_ports()
@@ -117,7 +115,7 @@ impl Daemon {
                             eligible: b.is_eligible_on(port),
                             probe: self
                                 .prober
-                                .get(&(spec.name.clone(), *ip, Some(port)))
+                                .get(&TargetKey::new(&spec.name, *ip, Some(port)))
                                 .map(|t| t.status()),
                         })
                         .collect();

@@ -20,7 +20,7 @@
 //! forwarder except through [`LoadBalancer::publish`], one atomic swap.
 
 use std::collections::BinaryHeap;
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, SystemTime};
@@ -38,11 +38,30 @@ use crate::balancer::select::{hash_ip, mix64};
 use crate::balancer::{Backend, LoadBalancer, PortHealth};
 use crate::config::{CheckKind, HealthCheckSpec};
 
-/// What identifies a probe target: the load balancer's name, the backend's
-/// address, and the backend port it judges alone (`None`: one verdict for
-/// the backend, whatever port the check probes, so a changed `port` keeps
-/// the state).
-pub type TargetKey = (String, std::net::IpAddr, Option<u16>);
+/// What identifies a probe target: a backend of a load balancer, and the
+/// backend port it judges alone. Kept across reloads, so a target that keeps
+/// its key keeps its health state.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct TargetKey {
+    /// The load balancer's name.
+    pub load_balancer: String,
+    /// The backend's address.
+    pub backend: IpAddr,
+    /// The backend port judged alone; `None`: one verdict for the backend,
+    /// whatever port the check probes, so a changed `port` keeps the state.
+    pub port: Option<u16>,
+}
+
+impl TargetKey {
+    /// The target of `backend` of `load_balancer`, on `port` alone or (`None`) as a whole.
+    pub fn new(load_balancer: &str, backend: IpAddr, port: Option<u16>) -> Self {
+        Self {
+            load_balancer: load_balancer.to_string(),
+            backend,
+            port,
+        }
+    }
+}
 
 /// What makes two checks one: the same probe, sent as often, waited for as long.
 /// Not `Copy` since HTTP checks carry a path; their details sit behind an
@@ -103,7 +122,7 @@ impl Prober {
         spec: &HealthCheckSpec,
         initial: HealthState,
     ) -> Arc<Target> {
-        let key = (lb.name.clone(), backend.addr, cell.map(|c| c.port));
+        let key = TargetKey::new(&lb.name, backend.addr, cell.map(|c| c.port));
         let existing = self.get(&key);
         let same_cell = |t: &Arc<Target>| match (&t.cell, cell) {
             (None, None) => true,

@@ -125,7 +125,7 @@ pub struct Options {
 /// The load balancer that holds each VIP:port and protocol in a config
 /// file (the one in force), by name.
 #[derive(Debug, Clone, Default)]
-pub struct Holders(std::collections::HashMap<(SocketAddr, config::Protocol), String>);
+pub struct Holders(std::collections::HashMap<config::ListenerKey, String>);
 
 impl Holders {
     /// The holders of the config in `text`; none when it does not parse
@@ -135,8 +135,11 @@ impl Holders {
         if let Ok(loaded) = config::parse(text) {
             for lb in &loaded.config.load_balancers {
                 for l in &lb.listeners {
-                    let addr = SocketAddr::new(lb.vip.to_canonical(), l.port);
-                    held.insert((addr, l.protocol), lb.name.clone());
+                    let key = config::ListenerKey {
+                        addr: SocketAddr::new(lb.vip.to_canonical(), l.port),
+                        protocol: l.protocol,
+                    };
+                    held.insert(key, lb.name.clone());
                 }
             }
         }
@@ -145,7 +148,8 @@ impl Holders {
 
     fn holder(&self, addr: SocketAddr, protocol: config::Protocol) -> Option<&str> {
         let addr = SocketAddr::new(addr.ip().to_canonical(), addr.port());
-        self.0.get(&(addr, protocol)).map(String::as_str)
+        let key = config::ListenerKey { addr, protocol };
+        self.0.get(&key).map(String::as_str)
     }
 }
 

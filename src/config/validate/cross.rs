@@ -13,7 +13,7 @@ use std::ops::Range;
 
 use super::Validator;
 use crate::config::file::{FileConfig, FileLoadBalancer};
-use crate::config::{LoadBalancerSpec, Protocol};
+use crate::config::{ListenerKey, LoadBalancerSpec, Protocol};
 
 /// One broken cross-load-balancer rule. Load balancers are named by their
 /// index in the file (or the slice given), listeners by their index in the spec.
@@ -120,8 +120,7 @@ pub(super) fn conflicts(
         }
     }
     // One TCP and one UDP listener may share a VIP:port (DNS on 53/tcp and 53/udp).
-    let mut addresses: HashMap<(SocketAddr, Protocol), (usize, usize)> =
-        HashMap::with_capacity(specs.len());
+    let mut addresses: HashMap<ListenerKey, (usize, usize)> = HashMap::with_capacity(specs.len());
     for (i, spec) in specs.iter().enumerate() {
         let Some(spec) = spec else { continue };
         if spec.vip.is_unspecified() {
@@ -130,7 +129,7 @@ pub(super) fn conflicts(
         }
         for (k, l) in spec.listeners.iter().enumerate() {
             let addr = spec.listen_addr(l);
-            match addresses.get(&(addr, l.protocol)) {
+            match addresses.get(&spec.listener_key(l)) {
                 Some(&first) => found.push(Conflict::Address {
                     addr,
                     protocol: l.protocol,
@@ -138,7 +137,7 @@ pub(super) fn conflicts(
                     again: (i, k),
                 }),
                 None => {
-                    addresses.insert((addr, l.protocol), (i, k));
+                    addresses.insert(spec.listener_key(l), (i, k));
                 }
             }
         }
@@ -148,7 +147,11 @@ pub(super) fn conflicts(
         let Some(spec) = spec else { continue };
         for &backend in &spec.backends {
             for (k, l) in spec.listeners.iter().enumerate() {
-                let nodeport = (SocketAddr::new(backend, l.backend_port), l.protocol);
+                // A backend's nodeport that is one of this file's listeners.
+                let nodeport = ListenerKey {
+                    addr: SocketAddr::new(backend, l.backend_port),
+                    protocol: l.protocol,
+                };
                 let Some(&target) = addresses.get(&nodeport) else {
                     continue;
                 };
