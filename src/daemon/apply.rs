@@ -10,7 +10,7 @@ use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use super::{ApplyReport, Daemon, LbEntry, ListenerEntry, State};
+use super::{ApplyReport, BindError, Daemon, LbEntry, ListenerEntry, State};
 use crate::balancer::{AdminState, Backend, LoadBalancer, Settings};
 use crate::config::{Config, ListenerKey, ListenerSpec, LoadBalancerSpec, Protocol, UdpSettings};
 use crate::health::prober::TargetKey;
@@ -460,12 +460,13 @@ impl Daemon {
 
     pub(super) fn start_listener(
         &self,
-        ListenerKey { addr, protocol }: ListenerKey,
+        key: ListenerKey,
         route: Route,
         options: ListenerOptions,
         udp: UdpSettings,
         backlog: u32,
-    ) -> Result<Running, String> {
+    ) -> Result<Running, BindError> {
+        let ListenerKey { addr, protocol } = key;
         let (lb_name, name) = (route.lb.name.clone(), route.listener.clone());
         let bound = match protocol {
             Protocol::Tcp => {
@@ -503,7 +504,6 @@ impl Daemon {
                 Ok(listener)
             }
             Err(e) => {
-                let reason = format!("cannot bind {addr}/{protocol}: {e}");
                 // Per cause, a few lines a minute: every failed listener is
                 // in `/status` and `/readyz`, and retried every 2 s.
                 if let Verdict::Write { suppressed } = self.bind_log.check(e.raw_os_error()) {
@@ -517,7 +517,10 @@ impl Daemon {
                         left_out(suppressed)
                     );
                 }
-                Err(reason)
+                Err(BindError {
+                    key,
+                    error: Arc::new(e),
+                })
             }
         }
     }

@@ -8,7 +8,7 @@
 //! diff from nothing, so start-up and reload are one code path.
 
 use std::collections::HashMap;
-use std::net::{IpAddr, SocketAddr};
+use std::net::IpAddr;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
@@ -116,9 +116,21 @@ struct LbEntry {
 struct ListenerEntry {
     load_balancer: String,
     spec: ListenerSpec,
-    socket: Result<Running, String>,
+    socket: Result<Running, BindError>,
     /// The numbers of the listener it serves now (`listener_up`).
     stats: Arc<ListenerStats>,
+}
+
+/// Why a listener is not bound; `/status`, `/readyz` and systemd's status
+/// line show it, and it is retried every 2 s.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("cannot bind {}/{}: {error}", .key.addr, .key.protocol)]
+pub struct BindError {
+    /// The listener.
+    pub key: ListenerKey,
+    /// What the bind (or the socket set-up around it) returned; shared, as
+    /// every reader of the state gets a copy.
+    pub error: Arc<std::io::Error>,
 }
 
 /// Logs an [`ApplyReport`] at `$level` with each count as a field of its
@@ -235,11 +247,11 @@ impl Daemon {
     }
 
     /// Listeners whose socket is not bound, with the reason.
-    pub fn failed_listeners(&self) -> Vec<(SocketAddr, String)> {
+    pub fn failed_listeners(&self) -> Vec<BindError> {
         let st = self.lock();
         st.listeners
             .iter()
-            .filter_map(|(a, e)| e.socket.as_ref().err().map(|err| (a.addr, err.clone())))
+            .filter_map(|(_, e)| e.socket.as_ref().err().cloned())
             .collect()
     }
 

@@ -79,7 +79,7 @@ impl Daemon {
                     let address = spec.listen_addr(l);
                     let error = match st.listeners.get(&spec.listener_key(l)) {
                         Some(ListenerEntry { socket: Ok(_), .. }) => continue,
-                        Some(ListenerEntry { socket: Err(e), .. }) => e.clone(),
+                        Some(ListenerEntry { socket: Err(e), .. }) => e.to_string(),
                         None => "not started".to_string(),
                     };
                     unbound.push(UnboundListener {

@@ -70,7 +70,7 @@ impl Daemon {
                             None if spec.vip.is_unspecified() => "waiting_for_lease",
                             _ => "failed",
                         },
-                        error: le.and_then(|e| e.socket.as_ref().err().cloned()),
+                        error: le.and_then(|e| e.socket.as_ref().err().map(ToString::to_string)),
                         active_connections: if l.protocol == Protocol::Tcp { open } else { 0 },
                         active_flows: (l.protocol == Protocol::Udp).then_some(open),
                         eligible_backends: snapshot.eligible_for(l.backend_port).len(),
