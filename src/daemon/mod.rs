@@ -250,8 +250,8 @@ impl Daemon {
     pub fn failed_listeners(&self) -> Vec<BindError> {
         let st = self.lock();
         st.listeners
-            .iter()
-            .filter_map(|(_, e)| e.socket.as_ref().err().cloned())
+            .values()
+            .filter_map(|e| e.socket.as_ref().err().cloned())
             .collect()
     }
 
