@@ -37,6 +37,7 @@ use super::{Health, HealthState, Thresholds};
 use crate::balancer::select::{hash_ip, mix64};
 use crate::balancer::{Backend, LoadBalancer, PortHealth};
 use crate::config::{CheckKind, HealthCheckSpec};
+use crate::metrics::stats::CheckResult;
 
 /// What identifies a probe target: a backend of a load balancer, and the
 /// backend port it judges alone. Kept across reloads, so a target that keeps
@@ -456,17 +457,16 @@ async fn schedule(
     }
 }
 
-/// The index of `outcome`'s `result` label in `CHECK_RESULTS` (the
-/// counters of `health_checks_total`).
-fn result_index(outcome: &Outcome) -> usize {
+/// `outcome`'s `result` label of `health_checks_total`.
+fn check_result(outcome: &Outcome) -> CheckResult {
     match outcome {
-        Outcome::Ok => 0,
-        Outcome::Refused => 1,
-        Outcome::Timeout => 2,
-        Outcome::Error(_) => 3,
-        Outcome::Skipped(_) => 4,
-        Outcome::HttpStatus { .. } => 5,
-        Outcome::HttpError(_) => 6,
+        Outcome::Ok => CheckResult::Ok,
+        Outcome::Refused => CheckResult::Refused,
+        Outcome::Timeout => CheckResult::Timeout,
+        Outcome::Error(_) => CheckResult::Error,
+        Outcome::Skipped(_) => CheckResult::Skipped,
+        Outcome::HttpStatus { .. } => CheckResult::HttpStatus,
+        Outcome::HttpError(_) => CheckResult::HttpError,
     }
 }
 
@@ -552,7 +552,7 @@ impl Target {
         let spec = self.spec.load();
         self.backend
             .stats()
-            .record_probe(result_index(outcome), took);
+            .record_probe(check_result(outcome), took);
         let thresholds = Thresholds {
             success: spec.success_threshold,
             failure: spec.failure_threshold,
@@ -622,6 +622,7 @@ mod tests {
     use crate::balancer::Settings;
     use crate::config::InitialState;
     use crate::metrics::LbStats;
+    use crate::metrics::by_label::Label;
     use crate::metrics::stats::CHECK_RESULTS;
     use crate::test_clock::run_until;
     use std::num::NonZeroU32;
@@ -735,7 +736,7 @@ mod tests {
         assert_eq!(outcomes.len(), CHECK_RESULTS.len());
         for outcome in &outcomes {
             assert_eq!(
-                CHECK_RESULTS[result_index(outcome)],
+                CHECK_RESULTS[check_result(outcome).index()],
                 outcome.label(),
                 "{outcome:?}"
             );

@@ -18,6 +18,7 @@ use super::copy::{self, ByteCounters, Ended, Moved, Peer};
 use super::proxy_protocol;
 use crate::balancer::{Backend, ClientAddr, affinity};
 use crate::config::OnBackendDown;
+use crate::metrics::stats::{ClosedReason, ConnectFailureReason, FailedReason};
 use crate::net;
 use crate::proxy::Route;
 use crate::proxy::log::{AttemptFailure, Bytes, Origin, Record, Termination};
@@ -129,12 +130,11 @@ pub async fn serve(
     drop(snapshot);
 
     let Some((server, backend, marked_down)) = connected else {
-        // Indices into `FAILED_REASONS`.
         let reason = match last_failure {
-            None => 0,
-            Some(ConnectFailure::Refused) => 1,
-            Some(ConnectFailure::Timeout) => 2,
-            Some(ConnectFailure::Other | ConnectFailure::Local) => 3,
+            None => FailedReason::NoBackend,
+            Some(ConnectFailure::Refused) => FailedReason::ConnectRefused,
+            Some(ConnectFailure::Timeout) => FailedReason::ConnectTimeout,
+            Some(ConnectFailure::Other | ConnectFailure::Local) => FailedReason::ConnectError,
         };
         m.failed[reason].increment(1);
         tracing::debug!(
@@ -169,7 +169,8 @@ pub async fn serve(
             Ok(first) => m.client_to_backend.increment(first as u64),
             Err(e) => {
                 tracing::debug!(error = %e, "cannot send the PROXY header; resetting both sides");
-                m.failed[3].increment(1); // connect_error: the backend took no header
+                // The backend took no header.
+                m.failed[FailedReason::ConnectError].increment(1);
                 reset(&client);
                 reset(&server);
                 log_end(record, Termination::BackendReset, &route, &client, None);
@@ -204,7 +205,7 @@ pub async fn serve(
         }
         _ = marked_down.cancelled() => {
             tracing::debug!(backend = %backend.addr, "backend marked down (on_backend_down = close): resetting both sides");
-            backend.stats().closed[0].increment(1); // CLOSED_REASONS: marked_down
+            backend.stats().closed[ClosedReason::MarkedDown].increment(1);
             reset(&client);
             reset(&server);
             Cut::BackendDown
@@ -358,11 +359,10 @@ impl From<ConnectFailure> for AttemptFailure {
 }
 
 fn count_attempt_failure(backend: &Backend, failure: ConnectFailure) {
-    // Indices into `CONNECT_FAILURE_REASONS`.
     let reason = match failure {
-        ConnectFailure::Refused => 0,
-        ConnectFailure::Timeout => 1,
-        ConnectFailure::Other => 2,
+        ConnectFailure::Refused => ConnectFailureReason::ConnectRefused,
+        ConnectFailure::Timeout => ConnectFailureReason::ConnectTimeout,
+        ConnectFailure::Other => ConnectFailureReason::ConnectError,
         // Not the backend's fault: not counted against it.
         ConnectFailure::Local => return,
     };
