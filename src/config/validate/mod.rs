@@ -217,45 +217,7 @@ impl Validator<'_> {
     }
 
     fn config(&mut self, file: &FileConfig) -> Config {
-        let admin_listen = match &file.admin.listen {
-            None => DEFAULT_ADMIN_LISTEN.parse().expect("default admin address parses"),
-            Some(s) => s.get_ref().parse::<SocketAddr>().unwrap_or_else(|_| {
-                self.problem(
-                    Some(s.span()),
-                    "admin.listen",
-                    format!(
-                        "{:?} is not a socket address; write IP:PORT, e.g. \"127.0.0.1:9901\" or \"[::1]:9901\"",
-                        s.get_ref()
-                    ),
-                );
-                DEFAULT_ADMIN_LISTEN.parse().expect("default admin address parses")
-            }),
-        };
-        let admin_socket = match &file.admin.socket {
-            None => PathBuf::from(DEFAULT_ADMIN_SOCKET),
-            Some(s) => {
-                let path = s.get_ref();
-                let problem = if !path.starts_with('/') {
-                    Some(
-                        "is not an absolute path; write e.g. \"/run/harvester-lb/admin.sock\""
-                            .to_string(),
-                    )
-                } else if path.len() > MAX_SOCKET_PATH_BYTES {
-                    Some(format!(
-                        "is {} bytes long; a Unix socket path takes at most {MAX_SOCKET_PATH_BYTES}",
-                        path.len()
-                    ))
-                } else if path.ends_with('/') || path.contains('\0') {
-                    Some("is not a file path (it ends with \"/\" or holds a NUL byte)".to_string())
-                } else {
-                    None
-                };
-                if let Some(p) = problem {
-                    self.problem(Some(s.span()), "admin.socket", format!("{path:?} {p}"));
-                }
-                PathBuf::from(path)
-            }
-        };
+        let admin = self.admin(file);
         let backlog = self.int(
             &file.proxy.backlog,
             format_args!("proxy.backlog"),
@@ -345,14 +307,11 @@ impl Validator<'_> {
             .map(|lb| valid_name(lb.get_ref()))
             .collect();
         let built: Vec<Option<&LoadBalancerSpec>> = specs.iter().map(Option::as_ref).collect();
-        let found = cross::conflicts(admin_listen, &names, &built);
-        self.report_conflicts(admin_listen, file, &specs, found);
+        let found = cross::conflicts(admin.listen, &names, &built);
+        self.report_conflicts(admin.listen, file, &specs, found);
         let load_balancers = specs.into_iter().flatten().map(Arc::new).collect();
         Config {
-            admin: AdminSettings {
-                listen: admin_listen,
-                socket: admin_socket,
-            },
+            admin,
             proxy: ProxySettings {
                 backlog: backlog as u32,
                 drain_timeout: Duration::from_secs(drain as u64),
@@ -380,6 +339,53 @@ impl Validator<'_> {
                     .unwrap_or(NonZeroU32::MIN),
             },
             load_balancers,
+        }
+    }
+
+    /// `[admin]`: where the admin API listens and its Unix socket's path.
+    fn admin(&mut self, file: &FileConfig) -> AdminSettings {
+        let admin_listen = match &file.admin.listen {
+        None => DEFAULT_ADMIN_LISTEN.parse().expect("default admin address parses"),
+        Some(s) => s.get_ref().parse::<SocketAddr>().unwrap_or_else(|_| {
+            self.problem(
+                Some(s.span()),
+                "admin.listen",
+                format!(
+                    "{:?} is not a socket address; write IP:PORT, e.g. \"127.0.0.1:9901\" or \"[::1]:9901\"",
+                    s.get_ref()
+                ),
+            );
+            DEFAULT_ADMIN_LISTEN.parse().expect("default admin address parses")
+        }),
+    };
+        let admin_socket = match &file.admin.socket {
+            None => PathBuf::from(DEFAULT_ADMIN_SOCKET),
+            Some(s) => {
+                let path = s.get_ref();
+                let problem = if !path.starts_with('/') {
+                    Some(
+                        "is not an absolute path; write e.g. \"/run/harvester-lb/admin.sock\""
+                            .to_string(),
+                    )
+                } else if path.len() > MAX_SOCKET_PATH_BYTES {
+                    Some(format!(
+                        "is {} bytes long; a Unix socket path takes at most {MAX_SOCKET_PATH_BYTES}",
+                        path.len()
+                    ))
+                } else if path.ends_with('/') || path.contains('\0') {
+                    Some("is not a file path (it ends with \"/\" or holds a NUL byte)".to_string())
+                } else {
+                    None
+                };
+                if let Some(p) = problem {
+                    self.problem(Some(s.span()), "admin.socket", format!("{path:?} {p}"));
+                }
+                PathBuf::from(path)
+            }
+        };
+        AdminSettings {
+            listen: admin_listen,
+            socket: admin_socket,
         }
     }
 
