@@ -17,7 +17,7 @@ use tokio_util::sync::CancellationToken;
 use super::copy::{self, ByteCounters, Ended, Moved, Peer};
 use super::proxy_protocol;
 use crate::balancer::{Backend, ClientAddr, affinity};
-use crate::config::OnBackendDown;
+use crate::config::{OnBackendDown, ProxyProtocol};
 use crate::metrics::stats::{ClosedReason, ConnectFailureReason, FailedReason};
 use crate::net;
 use crate::proxy::Route;
@@ -130,24 +130,7 @@ pub async fn serve(
     drop(snapshot);
 
     let Some((server, backend, marked_down)) = connected else {
-        let reason = match last_failure {
-            None => FailedReason::NoBackend,
-            Some(ConnectFailure::Refused) => FailedReason::ConnectRefused,
-            Some(ConnectFailure::Timeout) => FailedReason::ConnectTimeout,
-            Some(ConnectFailure::Other | ConnectFailure::Local) => FailedReason::ConnectError,
-        };
-        m.failed[reason].increment(1);
-        tracing::debug!(
-            reason = ?last_failure,
-            "no backend could take the connection; resetting the client"
-        );
-        reset(&client);
-        // Nothing tried: none was eligible (or all were marked down since).
-        let state = match last_failure {
-            None => Termination::NoBackend,
-            Some(_) => Termination::ConnectFailed,
-        };
-        log_end(record, state, &route, &client, None);
+        no_backend_took_it(record, last_failure, &route, &client);
         return;
     };
 
@@ -158,14 +141,7 @@ pub async fn serve(
     }
     let _backend_count = backend.connection_opened();
     if let Some(version) = route.proxy_protocol {
-        let sent = match client.local_addr() {
-            Ok(vip) => {
-                let header = proxy_protocol::header(version, client_addr, vip);
-                proxy_protocol::send(&server, &client, header).await
-            }
-            Err(e) => Err(e),
-        };
-        match sent {
+        match send_proxy_header(version, client_addr, &client, &server).await {
             Ok(first) => m.client_to_backend.increment(first as u64),
             Err(e) => {
                 tracing::debug!(error = %e, "cannot send the PROXY header; resetting both sides");
@@ -212,7 +188,60 @@ pub async fn serve(
         }
     };
     m.active.decrement();
-    let state = match ended {
+    let state = termination(ended, idle_timeout, &client, &server);
+    log_end(record, state, &route, &client, Some(&moved));
+}
+
+/// Ends a connection no backend took: counted by why, the client reset,
+/// and its line written.
+fn no_backend_took_it(
+    record: Record,
+    last_failure: Option<ConnectFailure>,
+    route: &Route,
+    client: &TcpStream,
+) {
+    let reason = match last_failure {
+        None => FailedReason::NoBackend,
+        Some(ConnectFailure::Refused) => FailedReason::ConnectRefused,
+        Some(ConnectFailure::Timeout) => FailedReason::ConnectTimeout,
+        Some(ConnectFailure::Other | ConnectFailure::Local) => FailedReason::ConnectError,
+    };
+    route.stats.failed[reason].increment(1);
+    tracing::debug!(
+        reason = ?last_failure,
+        "no backend could take the connection; resetting the client"
+    );
+    reset(client);
+    // Nothing tried: none was eligible (or all were marked down since).
+    let state = match last_failure {
+        None => Termination::NoBackend,
+        Some(_) => Termination::ConnectFailed,
+    };
+    log_end(record, state, route, client, None);
+}
+
+/// Sends the PROXY protocol header for the client at `client_addr`, with
+/// what the client has sent so far; returns how many client bytes went with it.
+async fn send_proxy_header(
+    version: ProxyProtocol,
+    client_addr: ClientAddr,
+    client: &TcpStream,
+    server: &TcpStream,
+) -> io::Result<usize> {
+    let vip = client.local_addr()?;
+    let header = proxy_protocol::header(version, client_addr, vip);
+    proxy_protocol::send(server, client, header).await
+}
+
+/// How a forwarded connection ended, for its line; a copy that failed
+/// passes the abort on to both sides.
+fn termination(
+    ended: Cut,
+    idle_timeout: Duration,
+    client: &TcpStream,
+    server: &TcpStream,
+) -> Termination {
+    match ended {
         Cut::Drained => Termination::Drained,
         Cut::BackendDown => Termination::BackendDown,
         Cut::Copy(Ended::Completed) => Termination::Closed,
@@ -224,15 +253,14 @@ pub async fn serve(
             tracing::debug!(error = %e, ?peer, "connection failed; resetting both sides");
             // Pass the abort on: a client must not take a cut-off response
             // for a complete one.
-            reset(&client);
-            reset(&server);
+            reset(client);
+            reset(server);
             match peer {
                 Peer::Client => Termination::ClientReset,
                 Peer::Backend => Termination::BackendReset,
             }
         }
-    };
-    log_end(record, state, &route, &client, Some(&moved));
+    }
 }
 
 /// Writes the line of a client refused at accept (`state` says why), if
