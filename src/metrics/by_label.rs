@@ -1,7 +1,7 @@
 //! Counter families with one counter per value of a label, indexed by an
 //! enum of those values instead of a bare number and a comment.
 //!
-//! [`labels!`] declares the enum and the label texts together, in one
+//! `labels!` declares the enum and the label texts together, in one
 //! order, so the index a counter is incremented at and the text `/metrics`
 //! writes for it cannot drift apart.
 
@@ -82,3 +82,33 @@ macro_rules! labels {
     };
 }
 pub(crate) use labels;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::metrics::stats::{CHECK_RESULTS, CheckResult, FAILED_REASONS, FailedReason};
+
+    #[test]
+    fn a_label_counts_on_the_counter_exposition_names_it_by() {
+        let failed: ByLabel<FailedReason, { FAILED_REASONS.len() }> = ByLabel::default();
+        failed[FailedReason::ConnectTimeout].increment(2);
+        let counted: Vec<(&str, u64)> = FailedReason::NAMES
+            .iter()
+            .zip(failed.as_slice())
+            .map(|(name, c)| (*name, c.get()))
+            .collect();
+        assert_eq!(
+            counted,
+            [
+                ("no_backend", 0),
+                ("connect_refused", 0),
+                ("connect_timeout", 2),
+                ("connect_error", 0),
+            ]
+        );
+        assert_eq!(
+            CHECK_RESULTS[CheckResult::HttpStatus.index()],
+            "http_status"
+        );
+    }
+}
