@@ -13,7 +13,7 @@ use std::time::Duration;
 use criterion::{BenchmarkId, Criterion, criterion_group, criterion_main};
 use ipnet::IpNet;
 
-use harvester_lb::balancer::{Backend, LoadBalancer, Settings};
+use harvester_lb::balancer::{Backend, ClientAddr, LoadBalancer, Settings};
 use harvester_lb::config::{Algorithm, SourceRanges};
 use harvester_lb::metrics::LbStats;
 
@@ -64,7 +64,7 @@ fn pick(c: &mut Criterion) {
             g.bench_with_input(BenchmarkId::new(name, n), &n, |b, _| {
                 b.iter(|| {
                     client = client.wrapping_add(0x9e37_79b9);
-                    let ip = IpAddr::V4(Ipv4Addr::from(client));
+                    let ip = ClientAddr::new((Ipv4Addr::from(client), 0).into());
                     let snap = lb.snapshot();
                     let first = snap
                         .candidates(black_box(ip), lb.cursor(), None, 30080)
@@ -92,7 +92,7 @@ fn pick_with_affinity(c: &mut Criterion) {
         let before = rss_bytes();
         let now = now_secs();
         for k in 0..1_000_000u32 {
-            let client = IpAddr::V4(Ipv4Addr::from(0x0b00_0000 + k));
+            let client = ClientAddr::new((Ipv4Addr::from(0x0b00_0000 + k), 0).into());
             table.remember(client, members[k as usize % 3].addr, now);
         }
         let after = rss_bytes();
@@ -112,14 +112,14 @@ fn pick_with_affinity(c: &mut Criterion) {
         let now = now_secs();
         const KNOWN: u32 = 100_000;
         for k in 0..KNOWN {
-            let client = IpAddr::V4(Ipv4Addr::from(0x0a00_0000 + k));
+            let client = ClientAddr::new((Ipv4Addr::from(0x0a00_0000 + k), 0).into());
             table.remember(client, members[k as usize % n].addr, now);
         }
         let mut k = 0u32;
         g.bench_with_input(BenchmarkId::new("hit", n), &n, |b, _| {
             b.iter(|| {
                 k = (k + 7919) % KNOWN;
-                let client = IpAddr::V4(Ipv4Addr::from(0x0a00_0000 + k));
+                let client = ClientAddr::new((Ipv4Addr::from(0x0a00_0000 + k), 0).into());
                 let sticky = table.lookup(black_box(client), timeout, now);
                 let snap = lb.snapshot();
                 black_box(
@@ -133,7 +133,7 @@ fn pick_with_affinity(c: &mut Criterion) {
         g.bench_with_input(BenchmarkId::new("miss", n), &n, |b, _| {
             b.iter(|| {
                 m = m.wrapping_add(0x9e37_79b9) | 0x8000_0000;
-                let client = IpAddr::V4(Ipv4Addr::from(m));
+                let client = ClientAddr::new((Ipv4Addr::from(m), 0).into());
                 let sticky = table.lookup(black_box(client), timeout, now);
                 let snap = lb.snapshot();
                 black_box(
@@ -181,7 +181,7 @@ fn publish(c: &mut Criterion) {
         let reader = {
             let (lb, stop, picks) = (Arc::clone(&lb), Arc::clone(&stop), Arc::clone(&picks));
             std::thread::spawn(move || {
-                let ip = IpAddr::V4(Ipv4Addr::LOCALHOST);
+                let ip = ClientAddr::new((Ipv4Addr::LOCALHOST, 0).into());
                 let mut k = 0u64;
                 while !stop.load(Ordering::Relaxed) && k < 2_000_000_000 {
                     let snap = lb.snapshot();
@@ -220,7 +220,7 @@ fn publish(c: &mut Criterion) {
                 }
             })
         };
-        let ip = IpAddr::V4(Ipv4Addr::LOCALHOST);
+        let ip = ClientAddr::new((Ipv4Addr::LOCALHOST, 0).into());
         g.bench_with_input(BenchmarkId::new("pick_while_publishing", n), &n, |b, _| {
             b.iter(|| {
                 let snap = lb.snapshot();

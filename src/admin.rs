@@ -79,8 +79,28 @@ const REQUEST_TIMEOUT: Duration = Duration::from_secs(60);
 /// Largest `POST /backends/state` body accepted; a valid one is ~100 bytes.
 const MAX_BODY_BYTES: usize = 4096;
 
-/// A request to reload the config, answered with the outcome.
-pub type ReloadRequest = oneshot::Sender<Result<String, String>>;
+/// A request to reload the config, answered with the outcome: a summary
+/// of what changed, or why the running config stays in force.
+pub type ReloadRequest = oneshot::Sender<Result<String, ReloadError>>;
+
+/// Why a reload left the running config in force. The message is what
+/// `POST /reload`, `harvester-lb reload` and the log show.
+#[derive(Debug, thiserror::Error)]
+pub enum ReloadError {
+    /// The daemon began to stop before the reload was done.
+    #[error("the daemon is stopping")]
+    Stopping,
+    /// The file could not be read or is not a valid config; every problem
+    /// is in it.
+    #[error(transparent)]
+    Config(#[from] crate::config::ConfigError),
+    /// The blocking task reading the file ended abnormally.
+    #[error("the config loader stopped: {0}")]
+    LoaderStopped(tokio::task::JoinError),
+    /// The blocking task writing the VIP isolation table ended abnormally.
+    #[error("the VIP isolation writer stopped: {0}")]
+    IsolationStopped(tokio::task::JoinError),
+}
 
 /// Which listener a request came in on, and so what it may do.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -540,8 +560,8 @@ fn readyz(daemon: &Daemon, query: Option<&str>) -> Response<Body> {
         } else {
             "not ready\n"
         });
-        for (addr, why) in daemon.failed_listeners() {
-            body.push_str(&format!("listener {addr}: {why}\n"));
+        for failed in daemon.failed_listeners() {
+            body.push_str(&format!("listener {}: {failed}\n", failed.key.addr));
         }
         return text(StatusCode::SERVICE_UNAVAILABLE, &body);
     }

@@ -13,7 +13,7 @@ use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-use crate::admin::ReloadRequest;
+use crate::admin::{ReloadError, ReloadRequest};
 use crate::config::{self, Config, ConfigError};
 use crate::daemon::{Daemon, log_applied};
 use crate::metrics::Metrics;
@@ -209,7 +209,7 @@ impl Server {
 
     /// Re-reads the config file and applies it; `Err` carries every problem,
     /// and then the running config is untouched.
-    pub async fn reload(&self) -> Result<String, String> {
+    pub async fn reload(&self) -> Result<String, ReloadError> {
         request_reload(&self.reload).await
     }
 
@@ -242,13 +242,10 @@ impl Server {
 }
 
 /// Sends a reload request and waits for its outcome.
-pub async fn request_reload(sender: &mpsc::Sender<ReloadRequest>) -> Result<String, String> {
+pub async fn request_reload(sender: &mpsc::Sender<ReloadRequest>) -> Result<String, ReloadError> {
     let (tx, rx) = oneshot::channel();
-    sender
-        .send(tx)
-        .await
-        .map_err(|_| "the daemon is stopping".to_string())?;
-    rx.await.map_err(|_| "the daemon is stopping".to_string())?
+    sender.send(tx).await.map_err(|_| ReloadError::Stopping)?;
+    rx.await.map_err(|_| ReloadError::Stopping)?
 }
 
 /// Why [`run`] ended with an error.
@@ -475,7 +472,7 @@ async fn reload(
     daemon: &Daemon,
     ready_sent: bool,
     stop: &CancellationToken,
-) -> Result<String, String> {
+) -> Result<String, ReloadError> {
     if ready_sent {
         systemd::notify_reloading();
     }
@@ -495,11 +492,11 @@ async fn reload(
     });
     let read = tokio::select! {
         read = read => read,
-        _ = stop.cancelled() => return Err("the daemon is stopping".to_string()),
+        _ = stop.cancelled() => return Err(ReloadError::Stopping),
     };
     let loaded = match read {
-        Err(e) => Err(format!("the config loader stopped: {e}")),
-        Ok(Err(e)) => Err(e.to_string()),
+        Err(e) => Err(ReloadError::LoaderStopped(e)),
+        Ok(Err(e)) => Err(ReloadError::Config(e)),
         Ok(Ok(loaded)) => tokio::task::spawn_blocking(move || {
             // The table follows the new config before its listeners change. A
             // failure leaves the kernel's table as it was (one transaction) and
@@ -508,7 +505,7 @@ async fn reload(
             (loaded, isolated)
         })
         .await
-        .map_err(|e| format!("the VIP isolation writer stopped: {e}")),
+        .map_err(ReloadError::IsolationStopped),
     };
     let result = match loaded {
         Ok((loaded, isolated)) => {
@@ -577,7 +574,7 @@ fn status_line(daemon: &Daemon) -> String {
     if failed.is_empty() {
         "serving".to_string()
     } else {
-        let list: Vec<String> = failed.iter().map(|(addr, _)| addr.to_string()).collect();
+        let list: Vec<String> = failed.iter().map(|f| f.key.addr.to_string()).collect();
         format!("serving; not bound (see /readyz): {}", list.join(", "))
     }
 }

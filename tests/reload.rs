@@ -265,7 +265,7 @@ async fn a_broken_config_on_reload_leaves_the_running_one_serving() {
             .reload()
             .await
             .expect_err("broken config must be rejected");
-        assert!(err.contains(expect), "{err}");
+        assert!(err.to_string().contains(expect), "{err}");
         assert_eq!(
             whoami(stable_vip(&net)).await.unwrap(),
             net.ip_str(11),

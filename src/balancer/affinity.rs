@@ -22,6 +22,7 @@ use std::time::Duration;
 use dashmap::DashMap;
 use tokio::time::Instant;
 
+use super::ClientAddr;
 use crate::metrics::LbStats;
 
 /// Seconds since this process first asked: a coarse monotonic clock that
@@ -46,6 +47,8 @@ struct Entry {
 
 /// One load balancer's affinity entries.
 pub struct AffinityTable {
+    /// By the client's IP address ([`ClientAddr::ip`]): a client's every
+    /// port is one client.
     entries: DashMap<IpAddr, Entry>,
     budget: Arc<AffinityBudget>,
     /// Its load balancer's numbers (`affinity_entries`, `affinity_table_full_total`).
@@ -64,8 +67,8 @@ impl AffinityTable {
 
     /// The backend `client` was given, if it was seen within `timeout`;
     /// marks it seen now.
-    pub fn lookup(&self, client: IpAddr, timeout: Duration, now: u32) -> Option<IpAddr> {
-        let entry = self.entries.get(&client)?;
+    pub fn lookup(&self, client: ClientAddr, timeout: Duration, now: u32) -> Option<IpAddr> {
+        let entry = self.entries.get(&client.ip())?;
         let seen = entry.last_seen.load(Ordering::Relaxed);
         if u64::from(now.saturating_sub(seen)) > timeout.as_secs() {
             return None;
@@ -77,8 +80,8 @@ impl AffinityTable {
     }
 
     /// Remembers that `client` was given `backend` now.
-    pub fn remember(&self, client: IpAddr, backend: IpAddr, now: u32) {
-        if let Some(mut entry) = self.entries.get_mut(&client) {
+    pub fn remember(&self, client: ClientAddr, backend: IpAddr, now: u32) {
+        if let Some(mut entry) = self.entries.get_mut(&client.ip()) {
             entry.backend = backend;
             entry.last_seen.store(now, Ordering::Relaxed);
             return;
@@ -91,7 +94,7 @@ impl AffinityTable {
             backend,
             last_seen: AtomicU32::new(now),
         };
-        if self.entries.insert(client, fresh).is_some() {
+        if self.entries.insert(client.ip(), fresh).is_some() {
             // Another connection of the same client got there first.
             self.budget.give_back(1);
         } else {
@@ -147,22 +150,26 @@ mod tests {
         s.parse().unwrap()
     }
 
+    fn client_at(s: &str) -> ClientAddr {
+        ClientAddr::new(std::net::SocketAddr::new(ip(s), 40000))
+    }
+
     #[test]
     fn a_client_keeps_its_backend_within_the_timeout() {
         let t = AffinityTable::new(AffinityBudget::new(10), LbStats::detached());
         let timeout = Duration::from_secs(10);
-        t.remember(ip("10.0.0.1"), ip("192.0.2.1"), 100);
+        t.remember(client_at("10.0.0.1"), ip("192.0.2.1"), 100);
         assert_eq!(
-            t.lookup(ip("10.0.0.1"), timeout, 105),
+            t.lookup(client_at("10.0.0.1"), timeout, 105),
             Some(ip("192.0.2.1"))
         );
         // Seen at 105: still fresh at 115, gone at 116.
         assert_eq!(
-            t.lookup(ip("10.0.0.1"), timeout, 115),
+            t.lookup(client_at("10.0.0.1"), timeout, 115),
             Some(ip("192.0.2.1"))
         );
-        assert_eq!(t.lookup(ip("10.0.0.1"), timeout, 126), None);
-        assert_eq!(t.lookup(ip("10.0.0.2"), timeout, 100), None);
+        assert_eq!(t.lookup(client_at("10.0.0.1"), timeout, 126), None);
+        assert_eq!(t.lookup(client_at("10.0.0.2"), timeout, 100), None);
     }
 
     #[tokio::test(start_paused = true)]
@@ -173,7 +180,7 @@ mod tests {
         advance(Duration::from_secs(3600)).await;
         let t = AffinityTable::new(AffinityBudget::new(10), LbStats::detached());
         let timeout = Duration::from_secs(10);
-        let (client, backend) = (ip("10.0.0.1"), ip("192.0.2.1"));
+        let (client, backend) = (client_at("10.0.0.1"), ip("192.0.2.1"));
         t.remember(client, backend, now_secs());
         advance(timeout).await;
         assert_eq!(t.lookup(client, timeout, now_secs()), Some(backend));
@@ -191,14 +198,14 @@ mod tests {
         let budget = AffinityBudget::new(3);
         let a = AffinityTable::new(Arc::clone(&budget), LbStats::detached());
         let b = AffinityTable::new(Arc::clone(&budget), LbStats::detached());
-        a.remember(ip("10.0.0.1"), ip("192.0.2.1"), 0);
-        a.remember(ip("10.0.0.2"), ip("192.0.2.1"), 50);
-        b.remember(ip("10.0.0.3"), ip("192.0.2.1"), 0);
-        b.remember(ip("10.0.0.4"), ip("192.0.2.1"), 0);
+        a.remember(client_at("10.0.0.1"), ip("192.0.2.1"), 0);
+        a.remember(client_at("10.0.0.2"), ip("192.0.2.1"), 50);
+        b.remember(client_at("10.0.0.3"), ip("192.0.2.1"), 0);
+        b.remember(client_at("10.0.0.4"), ip("192.0.2.1"), 0);
         assert_eq!((a.len(), b.len(), budget.used()), (2, 1, 3));
         assert_eq!(b.stats.affinity_full.get(), 1);
         // A known client moves without taking more budget.
-        a.remember(ip("10.0.0.1"), ip("192.0.2.2"), 1);
+        a.remember(client_at("10.0.0.1"), ip("192.0.2.2"), 1);
         assert_eq!(budget.used(), 3);
         assert_eq!(a.sweep(Duration::from_secs(10), 55), 1);
         assert_eq!(budget.used(), 2);

@@ -26,7 +26,7 @@ pub mod affinity;
 mod backend;
 pub mod select;
 
-use std::net::IpAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::num::NonZeroU32;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -40,6 +40,35 @@ pub use self::backend::{AdminState, Backend, ConnectionGuard, PortHealth};
 use crate::budget::Budget;
 use crate::config::{Algorithm, LoadBalancerSpec, LogConnections, OnBackendDown, SourceRanges};
 use crate::metrics::LbStats;
+
+/// The address a client connected from, as the forwarder accepted it.
+///
+/// A type of its own because a client's and a backend's address sit side
+/// by side wherever a pick is made (affinity remembers one for the other,
+/// the PROXY protocol header writes the client's beside the VIP's): swapped
+/// bare addresses would compile and send one client's traffic by another's
+/// key. Affinity and source-IP hashing go by [`ClientAddr::ip`], so a client
+/// is one key whichever socket family it arrived on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct ClientAddr(SocketAddr);
+
+impl ClientAddr {
+    /// The client at `peer` (an accepted connection's or a datagram's source).
+    pub fn new(peer: SocketAddr) -> Self {
+        Self(peer)
+    }
+
+    /// The client's IP address, IPv4-mapped IPv6 written as IPv4: what
+    /// affinity and source-IP hashing key on.
+    pub fn ip(self) -> IpAddr {
+        self.0.ip().to_canonical()
+    }
+
+    /// The client's address and port as the socket reported them.
+    pub fn socket(self) -> SocketAddr {
+        self.0
+    }
+}
 
 /// Per-load-balancer forwarding settings that can change on reload.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -141,7 +170,7 @@ impl Snapshot {
     /// algorithm picks.
     pub fn candidates<'a>(
         &'a self,
-        client: IpAddr,
+        client: ClientAddr,
         cursor: &AtomicUsize,
         preferred: Option<IpAddr>,
         backend_port: u16,
@@ -465,7 +494,7 @@ mod tests {
             members.clone(),
             LbStats::detached(),
         );
-        let client = IpAddr::from([192, 0, 2, 9]);
+        let client = ClientAddr::new(SocketAddr::from(([192, 0, 2, 9], 40000)));
         let all: Vec<IpAddr> = lb
             .snapshot()
             .candidates(client, lb.cursor(), None, 80)
@@ -499,7 +528,7 @@ mod tests {
         assert_eq!(a.set_admin_state(AdminState::Drain), AdminState::Ready);
         lb.publish();
         assert!(a.is_healthy() && !a.is_eligible());
-        let client = IpAddr::from([192, 0, 2, 9]);
+        let client = ClientAddr::new(SocketAddr::from(([192, 0, 2, 9], 40000)));
         // The client's remembered backend is drained: the pick goes elsewhere.
         for _ in 0..4 {
             let first = lb
@@ -577,7 +606,7 @@ mod tests {
             "an unknown port: every backend eligible somewhere"
         );
         assert!(!b.is_healthy() && b.is_eligible() && !b.is_eligible_on(443));
-        let client = IpAddr::from([192, 0, 2, 9]);
+        let client = ClientAddr::new(SocketAddr::from(([192, 0, 2, 9], 40000)));
         for _ in 0..4 {
             let first = snap
                 .candidates(client, lb.cursor(), Some(b.addr), 443)

@@ -9,14 +9,14 @@ use std::net::IpAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use super::Backend;
+use super::{Backend, ClientAddr};
 use crate::config::Algorithm;
 
 /// Index of the first candidate in `eligible` (which must not be empty).
 pub fn first_candidate(
     algorithm: Algorithm,
     eligible: &[Arc<Backend>],
-    client: IpAddr,
+    client: ClientAddr,
     cursor: &AtomicUsize,
 ) -> usize {
     debug_assert!(!eligible.is_empty());
@@ -51,8 +51,8 @@ fn least_connections(eligible: &[Arc<Backend>], cursor: &AtomicUsize) -> usize {
 /// only its own clients move, and they spread over the others. The hash is a
 /// fixed function, so the mapping is the same after a restart and on every
 /// host running the same config.
-fn highest_random_weight(eligible: &[Arc<Backend>], client: IpAddr) -> usize {
-    let client = hash_ip(client);
+fn highest_random_weight(eligible: &[Arc<Backend>], client: ClientAddr) -> usize {
+    let client = hash_ip(client.ip());
     let mut best = 0;
     let mut best_score = 0;
     for (i, backend) in eligible.iter().enumerate() {
@@ -93,6 +93,10 @@ mod tests {
     use super::*;
     use std::collections::HashMap;
 
+    fn client_at(ip: [u8; 4]) -> ClientAddr {
+        ClientAddr::new(std::net::SocketAddr::from((ip, 40000)))
+    }
+
     fn backends(n: u8) -> Vec<Arc<Backend>> {
         (1..=n)
             .map(|i| Backend::new(IpAddr::from([10, 0, 0, i]), true))
@@ -103,7 +107,7 @@ mod tests {
     fn round_robin_visits_each_backend_in_turn() {
         let b = backends(3);
         let cursor = AtomicUsize::new(0);
-        let client = IpAddr::from([192, 0, 2, 1]);
+        let client = client_at([192, 0, 2, 1]);
         let picks: Vec<usize> = (0..6)
             .map(|_| first_candidate(Algorithm::RoundRobin, &b, client, &cursor))
             .collect();
@@ -121,7 +125,7 @@ mod tests {
             let pick = first_candidate(
                 Algorithm::LeastConnections,
                 &b,
-                IpAddr::from([192, 0, 2, 1]),
+                client_at([192, 0, 2, 1]),
                 &cursor,
             );
             assert_eq!(pick, 1);
@@ -132,7 +136,7 @@ mod tests {
     fn least_connections_breaks_ties_round_robin() {
         let b = backends(3);
         let cursor = AtomicUsize::new(0);
-        let client = IpAddr::from([192, 0, 2, 1]);
+        let client = client_at([192, 0, 2, 1]);
         let mut seen = [0; 3];
         for _ in 0..30 {
             seen[first_candidate(Algorithm::LeastConnections, &b, client, &cursor)] += 1;
@@ -144,8 +148,8 @@ mod tests {
     fn source_ip_is_sticky_and_only_moves_clients_of_a_removed_backend() {
         let all = backends(4);
         let cursor = AtomicUsize::new(0);
-        let clients: Vec<IpAddr> = (0..2000u32)
-            .map(|i| IpAddr::from((0xc633_6400u32 + i).to_be_bytes()))
+        let clients: Vec<ClientAddr> = (0..2000u32)
+            .map(|i| client_at((0xc633_6400u32 + i).to_be_bytes()))
             .collect();
         let before: Vec<IpAddr> = clients
             .iter()
@@ -174,7 +178,7 @@ mod tests {
         for (c, b) in clients.iter().zip(&before) {
             let now = rest[first_candidate(Algorithm::SourceIp, &rest, *c, &cursor)].addr;
             if *b != removed {
-                assert_eq!(now, *b, "client {c} moved although its backend stayed");
+                assert_eq!(now, *b, "client {c:?} moved although its backend stayed");
             }
         }
     }

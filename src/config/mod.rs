@@ -262,6 +262,14 @@ impl LoadBalancerSpec {
         SocketAddr::new(self.vip, listener.port)
     }
 
+    /// What a listener of this load balancer is known by.
+    pub fn listener_key(&self, listener: &ListenerSpec) -> ListenerKey {
+        ListenerKey {
+            addr: self.listen_addr(listener),
+            protocol: listener.protocol,
+        }
+    }
+
     /// The backend ports checked one by one, sorted and distinct: its
     /// listeners' `backend_port`s when the health check has no `port`
     /// (per-listener eligibility); empty when the check has a `port` or
@@ -406,6 +414,19 @@ pub enum OnBackendDown {
     /// `on-marked-down shutdown-sessions`): clients reconnect and are sent to
     /// an eligible backend instead of waiting on a dead one.
     Close,
+}
+
+/// What a listener is known by, in the file and across reloads: its VIP:port
+/// and protocol (one TCP and one UDP listener may share a VIP:port, DNS on
+/// 53/tcp and 53/udp; two of one protocol may not). The key of every map of
+/// listeners (the daemon's sockets, the file's conflicts, the importer's
+/// holders): named fields, where a tuple let any address-and-protocol pair in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct ListenerKey {
+    /// VIP:port the listener binds.
+    pub addr: SocketAddr,
+    /// Its transport.
+    pub protocol: Protocol,
 }
 
 /// Transport of a listener: part of a listener's identity, with the VIP

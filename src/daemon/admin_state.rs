@@ -1,7 +1,12 @@
 //! An operator's drain, maintenance and ready marks on a backend
 //! (`POST /backends/state` on the admin socket).
 
-use super::*;
+use std::net::IpAddr;
+
+use serde::Serialize;
+
+use super::Daemon;
+use crate::balancer::AdminState;
 
 impl Daemon {
     /// Sets the operator's state of backend `addr` of load balancer

@@ -1,9 +1,24 @@
 //! Applying a config: the diff of load balancers, backends, probes and
 //! listeners, and the retirement of what a reload removed.
 
-use super::*;
+use std::collections::HashMap;
+use std::net::IpAddr;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use super::{ApplyReport, BindError, Daemon, LbEntry, ListenerEntry, State};
+use crate::balancer::{AdminState, Backend, LoadBalancer, Settings};
+use crate::config::{Config, ListenerKey, ListenerSpec, LoadBalancerSpec, Protocol, UdpSettings};
+use crate::health::prober::TargetKey;
+use crate::health::{Health, HealthState};
 use crate::log_limit::{Verdict, left_out};
 use crate::proxy::tcp::listen_options::ListenerOptions;
+use crate::proxy::udp;
+use crate::proxy::{self, Listener, Route, Running};
 
 impl Daemon {
     /// Makes `config` the one in force, changing only what differs.
@@ -118,7 +133,7 @@ impl Daemon {
                 continue;
             }
             for l in &lb.listeners {
-                desired.insert((lb.listen_addr(l), l.protocol), (lb, l));
+                desired.insert(lb.listener_key(l), (lb, l));
             }
         }
         let removed: Vec<ListenerKey> = st
@@ -340,11 +355,13 @@ impl Daemon {
             for backend in entry.backends.values() {
                 let name = &spec.name;
                 if !ports.is_empty() {
-                    self.prober.remove(&(name.clone(), backend.addr, None));
+                    self.prober
+                        .remove(&TargetKey::new(name, backend.addr, None));
                 }
                 for old in backend.checked_ports() {
                     if !ports.contains(&old) {
-                        self.prober.remove(&(name.clone(), backend.addr, Some(old)));
+                        self.prober
+                            .remove(&TargetKey::new(name, backend.addr, Some(old)));
                     }
                 }
                 backend.set_checked_ports(&ports, healthy_at_start);
@@ -373,7 +390,7 @@ impl Daemon {
             let initial = HealthState::new(spec.initial_state);
             let healthy = initial.status == Health::Healthy;
             if let Some(port) = hc.port {
-                let key = (spec.name.clone(), *ip, None);
+                let key = TargetKey::new(&spec.name, *ip, None);
                 if self.prober.get(&key).is_none() {
                     // A backend gaining a health check starts from the initial state.
                     backend.set_healthy(healthy);
@@ -387,7 +404,7 @@ impl Daemon {
                 let Some(cell) = backend.port_health(port) else {
                     continue;
                 };
-                let key = (spec.name.clone(), *ip, Some(port));
+                let key = TargetKey::new(&spec.name, *ip, Some(port));
                 if self.prober.get(&key).is_none() {
                     backend.set_port_healthy(&cell, healthy);
                 }
@@ -400,10 +417,10 @@ impl Daemon {
     /// Stops every probe target of `backend` of load balancer `lb`: the
     /// backend's own and each of its ports'.
     pub(super) fn stop_probing(&self, lb: &str, backend: &Backend) {
-        self.prober.remove(&(lb.to_string(), backend.addr, None));
+        self.prober.remove(&TargetKey::new(lb, backend.addr, None));
         for port in backend.checked_ports() {
             self.prober
-                .remove(&(lb.to_string(), backend.addr, Some(port)));
+                .remove(&TargetKey::new(lb, backend.addr, Some(port)));
         }
     }
 
@@ -443,12 +460,13 @@ impl Daemon {
 
     pub(super) fn start_listener(
         &self,
-        (addr, protocol): ListenerKey,
+        key: ListenerKey,
         route: Route,
         options: ListenerOptions,
         udp: UdpSettings,
         backlog: u32,
-    ) -> Result<Running, String> {
+    ) -> Result<Running, BindError> {
+        let ListenerKey { addr, protocol } = key;
         let (lb_name, name) = (route.lb.name.clone(), route.listener.clone());
         let bound = match protocol {
             Protocol::Tcp => {
@@ -486,7 +504,6 @@ impl Daemon {
                 Ok(listener)
             }
             Err(e) => {
-                let reason = format!("cannot bind {addr}/{protocol}: {e}");
                 // Per cause, a few lines a minute: every failed listener is
                 // in `/status` and `/readyz`, and retried every 2 s.
                 if let Verdict::Write { suppressed } = self.bind_log.check(e.raw_os_error()) {
@@ -500,7 +517,10 @@ impl Daemon {
                         left_out(suppressed)
                     );
                 }
-                Err(reason)
+                Err(BindError {
+                    key,
+                    error: Arc::new(e),
+                })
             }
         }
     }

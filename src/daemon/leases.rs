@@ -2,7 +2,14 @@
 //! addresses put in place of the `0.0.0.0` VIP, and the listeners and the
 //! isolation table following a lease change.
 
-use super::*;
+use std::collections::HashMap;
+use std::net::IpAddr;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use super::Daemon;
+use crate::config::Config;
+use crate::vip::dhcp::Want;
 
 impl Daemon {
     /// Applies the config in force again with the DHCP leases as they are

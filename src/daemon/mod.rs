@@ -8,29 +8,24 @@
 //! diff from nothing, so start-up and reload are one code path.
 
 use std::collections::HashMap;
-use std::net::{IpAddr, SocketAddr};
+use std::net::IpAddr;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, SystemTime};
 
-use serde::Serialize;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use crate::balancer::{AdminState, AffinityBudget, Backend, LoadBalancer, Settings, affinity};
-use crate::config::{
-    Algorithm, CheckKind, Config, Ipam, ListenerSpec, LoadBalancerSpec, Protocol, ProxyProtocol,
-    UdpSettings,
-};
-use crate::health::prober::{Prober, TargetStatus};
-use crate::health::{Health, HealthState};
+use crate::balancer::{AffinityBudget, Backend, LoadBalancer, affinity};
+use crate::config::{Config, ListenerKey, ListenerSpec};
+use crate::health::prober::Prober;
 use crate::metrics::{ListenerStats, Metrics};
+use crate::proxy::Running;
 use crate::proxy::tcp::ConnectionLimit;
-use crate::proxy::udp::{self, FlowBudget};
-use crate::proxy::{self, Listener, Route, Running};
-use crate::vip::dhcp::{Leases, Want};
-use crate::vip::isolate::{Isolation, IsolationStatus};
+use crate::proxy::udp::FlowBudget;
+use crate::vip::dhcp::Leases;
+use crate::vip::isolate::Isolation;
 use crate::workers::Workers;
 
 mod admin_state;
@@ -100,10 +95,6 @@ pub struct Daemon {
     kernel_task: AtomicBool,
 }
 
-/// A listener's identity across reloads: one VIP:port may carry one TCP
-/// and one UDP listener.
-type ListenerKey = (SocketAddr, Protocol);
-
 #[derive(Default)]
 struct State {
     config: Option<Config>,
@@ -125,9 +116,21 @@ struct LbEntry {
 struct ListenerEntry {
     load_balancer: String,
     spec: ListenerSpec,
-    socket: Result<Running, String>,
+    socket: Result<Running, BindError>,
     /// The numbers of the listener it serves now (`listener_up`).
     stats: Arc<ListenerStats>,
+}
+
+/// Why a listener is not bound; `/status`, `/readyz` and systemd's status
+/// line show it, and it is retried every 2 s.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("cannot bind {}/{}: {error}", .key.addr, .key.protocol)]
+pub struct BindError {
+    /// The listener.
+    pub key: ListenerKey,
+    /// What the bind (or the socket set-up around it) returned; shared, as
+    /// every reader of the state gets a copy.
+    pub error: Arc<std::io::Error>,
 }
 
 /// Logs an [`ApplyReport`] at `$level` with each count as a field of its
@@ -244,11 +247,11 @@ impl Daemon {
     }
 
     /// Listeners whose socket is not bound, with the reason.
-    pub fn failed_listeners(&self) -> Vec<(SocketAddr, String)> {
+    pub fn failed_listeners(&self) -> Vec<BindError> {
         let st = self.lock();
         st.listeners
-            .iter()
-            .filter_map(|(a, e)| e.socket.as_ref().err().map(|err| (a.0, err.clone())))
+            .values()
+            .filter_map(|e| e.socket.as_ref().err().cloned())
             .collect()
     }
 

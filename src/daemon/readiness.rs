@@ -3,7 +3,10 @@
 //! so that one tenant's listener that cannot bind moves that tenant's VIP
 //! alone, not every VIP of the host.
 
-use super::*;
+use std::net::{IpAddr, SocketAddr};
+
+use super::{Daemon, ListenerEntry};
+use crate::config::Protocol;
 
 /// Why a VIP is not ready to take traffic here.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -74,9 +77,9 @@ impl Daemon {
                 known = true;
                 for l in &spec.listeners {
                     let address = spec.listen_addr(l);
-                    let error = match st.listeners.get(&(address, l.protocol)) {
+                    let error = match st.listeners.get(&spec.listener_key(l)) {
                         Some(ListenerEntry { socket: Ok(_), .. }) => continue,
-                        Some(ListenerEntry { socket: Err(e), .. }) => e.clone(),
+                        Some(ListenerEntry { socket: Err(e), .. }) => e.to_string(),
                         None => "not started".to_string(),
                     };
                     unbound.push(UnboundListener {

@@ -1,7 +1,18 @@
 //! `/status`: the whole picture an on-call engineer needs, built from the
 //! live state under one lock.
 
-use super::*;
+use std::collections::HashMap;
+use std::net::{IpAddr, SocketAddr};
+use std::time::SystemTime;
+
+use serde::Serialize;
+
+use super::Daemon;
+use crate::balancer::AdminState;
+use crate::config::{Algorithm, CheckKind, Ipam, Protocol, ProxyProtocol};
+use crate::health::Health;
+use crate::health::prober::{TargetKey, TargetStatus};
+use crate::vip::isolate::IsolationStatus;
 
 impl Daemon {
     /// The JSON document served at `/status`.
@@ -27,10 +38,8 @@ impl Daemon {
                 .filter(|l| l.protocol == Protocol::Udp)
             {
                 let counts = udp_flows.get_or_insert_with(HashMap::new);
-                if let Some(Ok(running)) = st
-                    .listeners
-                    .get(&(spec.listen_addr(l), l.protocol))
-                    .map(|e| &e.socket)
+                if let Some(Ok(running)) =
+                    st.listeners.get(&spec.listener_key(l)).map(|e| &e.socket)
                 {
                     for (ip, s) in running.route().stats.udp().backends() {
                         *counts.entry(ip).or_insert(0) +=
@@ -43,7 +52,7 @@ impl Daemon {
                 .iter()
                 .map(|l| {
                     let addr = spec.listen_addr(l);
-                    let le = st.listeners.get(&(addr, l.protocol));
+                    let le = st.listeners.get(&spec.listener_key(l));
                     let open = le
                         .and_then(|e| e.socket.as_ref().ok())
                         .map_or(0, |s| s.open_connections());
@@ -61,7 +70,7 @@ impl Daemon {
                             None if spec.vip.is_unspecified() => "waiting_for_lease",
                             _ => "failed",
                         },
-                        error: le.and_then(|e| e.socket.as_ref().err().cloned()),
+                        error: le.and_then(|e| e.socket.as_ref().err().map(ToString::to_string)),
                         active_connections: if l.protocol == Protocol::Tcp { open } else { 0 },
                         active_flows: (l.protocol == Protocol::Udp).then_some(open),
                         eligible_backends: snapshot.eligible_for(l.backend_port).len(),
@@ -89,7 +98,7 @@ impl Daemon {
                     let b = &entry.backends[ip];
                     let probe = self
                         .prober
-                        .get(&(spec.name.clone(), *ip, None))
+                        .get(&TargetKey::new(&spec.name, *ip, None))
                         .map(|t| t.status());
                     let ports = b
                         .checked_ports()
@@ -106,7 +115,7 @@ impl Daemon {
                             eligible: b.is_eligible_on(port),
                             probe: self
                                 .prober
-                                .get(&(spec.name.clone(), *ip, Some(port)))
+                                .get(&TargetKey::new(&spec.name, *ip, Some(port)))
                                 .map(|t| t.status()),
                         })
                         .collect();

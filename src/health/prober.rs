@@ -20,7 +20,7 @@
 //! forwarder except through [`LoadBalancer::publish`], one atomic swap.
 
 use std::collections::BinaryHeap;
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, SystemTime};
@@ -37,12 +37,32 @@ use super::{Health, HealthState, Thresholds};
 use crate::balancer::select::{hash_ip, mix64};
 use crate::balancer::{Backend, LoadBalancer, PortHealth};
 use crate::config::{CheckKind, HealthCheckSpec};
+use crate::metrics::stats::CheckResult;
 
-/// What identifies a probe target: the load balancer's name, the backend's
-/// address, and the backend port it judges alone (`None`: one verdict for
-/// the backend, whatever port the check probes, so a changed `port` keeps
-/// the state).
-pub type TargetKey = (String, std::net::IpAddr, Option<u16>);
+/// What identifies a probe target: a backend of a load balancer, and the
+/// backend port it judges alone. Kept across reloads, so a target that keeps
+/// its key keeps its health state.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct TargetKey {
+    /// The load balancer's name.
+    pub load_balancer: String,
+    /// The backend's address.
+    pub backend: IpAddr,
+    /// The backend port judged alone; `None`: one verdict for the backend,
+    /// whatever port the check probes, so a changed `port` keeps the state.
+    pub port: Option<u16>,
+}
+
+impl TargetKey {
+    /// The target of `backend` of `load_balancer`, on `port` alone or (`None`) as a whole.
+    pub fn new(load_balancer: &str, backend: IpAddr, port: Option<u16>) -> Self {
+        Self {
+            load_balancer: load_balancer.to_string(),
+            backend,
+            port,
+        }
+    }
+}
 
 /// What makes two checks one: the same probe, sent as often, waited for as long.
 /// Not `Copy` since HTTP checks carry a path; their details sit behind an
@@ -103,7 +123,7 @@ impl Prober {
         spec: &HealthCheckSpec,
         initial: HealthState,
     ) -> Arc<Target> {
-        let key = (lb.name.clone(), backend.addr, cell.map(|c| c.port));
+        let key = TargetKey::new(&lb.name, backend.addr, cell.map(|c| c.port));
         let existing = self.get(&key);
         let same_cell = |t: &Arc<Target>| match (&t.cell, cell) {
             (None, None) => true,
@@ -437,17 +457,16 @@ async fn schedule(
     }
 }
 
-/// The index of `outcome`'s `result` label in `CHECK_RESULTS` (the
-/// counters of `health_checks_total`).
-fn result_index(outcome: &Outcome) -> usize {
+/// `outcome`'s `result` label of `health_checks_total`.
+fn check_result(outcome: &Outcome) -> CheckResult {
     match outcome {
-        Outcome::Ok => 0,
-        Outcome::Refused => 1,
-        Outcome::Timeout => 2,
-        Outcome::Error(_) => 3,
-        Outcome::Skipped(_) => 4,
-        Outcome::HttpStatus { .. } => 5,
-        Outcome::HttpError(_) => 6,
+        Outcome::Ok => CheckResult::Ok,
+        Outcome::Refused => CheckResult::Refused,
+        Outcome::Timeout => CheckResult::Timeout,
+        Outcome::Error(_) => CheckResult::Error,
+        Outcome::Skipped(_) => CheckResult::Skipped,
+        Outcome::HttpStatus { .. } => CheckResult::HttpStatus,
+        Outcome::HttpError(_) => CheckResult::HttpError,
     }
 }
 
@@ -533,7 +552,7 @@ impl Target {
         let spec = self.spec.load();
         self.backend
             .stats()
-            .record_probe(result_index(outcome), took);
+            .record_probe(check_result(outcome), took);
         let thresholds = Thresholds {
             success: spec.success_threshold,
             failure: spec.failure_threshold,
@@ -603,6 +622,7 @@ mod tests {
     use crate::balancer::Settings;
     use crate::config::InitialState;
     use crate::metrics::LbStats;
+    use crate::metrics::by_label::Label;
     use crate::metrics::stats::CHECK_RESULTS;
     use crate::test_clock::run_until;
     use std::num::NonZeroU32;
@@ -716,7 +736,7 @@ mod tests {
         assert_eq!(outcomes.len(), CHECK_RESULTS.len());
         for outcome in &outcomes {
             assert_eq!(
-                CHECK_RESULTS[result_index(outcome)],
+                CHECK_RESULTS[check_result(outcome).index()],
                 outcome.label(),
                 "{outcome:?}"
             );

@@ -125,7 +125,7 @@ pub struct Options {
 /// The load balancer that holds each VIP:port and protocol in a config
 /// file (the one in force), by name.
 #[derive(Debug, Clone, Default)]
-pub struct Holders(std::collections::HashMap<(SocketAddr, config::Protocol), String>);
+pub struct Holders(std::collections::HashMap<config::ListenerKey, String>);
 
 impl Holders {
     /// The holders of the config in `text`; none when it does not parse
@@ -135,8 +135,11 @@ impl Holders {
         if let Ok(loaded) = config::parse(text) {
             for lb in &loaded.config.load_balancers {
                 for l in &lb.listeners {
-                    let addr = SocketAddr::new(lb.vip.to_canonical(), l.port);
-                    held.insert((addr, l.protocol), lb.name.clone());
+                    let key = config::ListenerKey {
+                        addr: SocketAddr::new(lb.vip.to_canonical(), l.port),
+                        protocol: l.protocol,
+                    };
+                    held.insert(key, lb.name.clone());
                 }
             }
         }
@@ -145,7 +148,8 @@ impl Holders {
 
     fn holder(&self, addr: SocketAddr, protocol: config::Protocol) -> Option<&str> {
         let addr = SocketAddr::new(addr.ip().to_canonical(), addr.port());
-        self.0.get(&(addr, protocol)).map(String::as_str)
+        let key = config::ListenerKey { addr, protocol };
+        self.0.get(&key).map(String::as_str)
     }
 }
 
@@ -239,39 +243,8 @@ pub fn import(sources: &[Source], options: &Options) -> Result<Imported, ImportE
             ("v1", "Service") => other_services += 1,
             // Each Node is judged alone: one bad address skips that Node,
             // never the Services it would have been a backend of.
-            ("v1", "Node") => match service::node_addresses(obj) {
-                Ok(addrs) => match addrs.iter().find_map(|&ip| {
-                    guard::host_address(ip, options.allow_loopback).map(|why| (ip, why))
-                }) {
-                    None => nodes.extend(addrs),
-                    Some((ip, why)) => skipped.push(Skip {
-                        object: obj.describe(),
-                        reason: format!(
-                            "status.addresses: InternalIP {ip} is {why}; this Node is no backend of any load balancer"
-                        ),
-                    }),
-                },
-                Err(service::NoBackend::Normal(reason)) => {
-                    notes.push(format!("{}: {reason}", obj.describe()))
-                }
-                Err(service::NoBackend::Bad(reason)) => skipped.push(Skip {
-                    object: obj.describe(),
-                    reason: format!("{reason}; this Node is no backend of any load balancer"),
-                }),
-            },
-            (_, kind) => skipped.push(Skip {
-                object: obj.describe(),
-                reason: format!(
-                    "{} is not imported (LoadBalancer {} or {}, or v1 Service and Node)",
-                    if kind.is_empty() {
-                        "an object without kind"
-                    } else {
-                        "this kind"
-                    },
-                    v1beta1::API_VERSION,
-                    v1alpha1::API_VERSION
-                ),
-            }),
+            ("v1", "Node") => node(obj, options, &mut nodes, &mut skipped, &mut notes),
+            (_, kind) => skipped.push(not_imported(obj, kind)),
         }
     }
     if other_services > 0 {
@@ -297,89 +270,22 @@ pub fn import(sources: &[Source], options: &Options) -> Result<Imported, ImportE
     let mut by_name: BTreeMap<String, Vec<Entry>> = BTreeMap::new();
     let mut warnings = Vec::new();
     for (object, result) in results {
-        let mut mapped = match result {
-            Ok(m) => m,
-            Err(reason) => {
-                skipped.push(Skip { object, reason });
-                continue;
-            }
-        };
-        mapped.lb.normalise();
-        if let Some(reason) = guard::lb_addresses(&mapped.lb, options.allow_loopback) {
-            skipped.push(Skip { object, reason });
-            continue;
-        }
-        notes.extend(mapped.notes.iter().map(|n| format!("{object}: {n}")));
-        if mapped.lb.listeners.is_empty() {
-            // One line for the object: what was left out is why nothing is left.
-            let mut why = mapped.skipped_parts;
-            why.push("no listener left that can be served: not imported".into());
-            skipped.push(Skip {
-                object,
-                reason: why.join("; "),
-            });
-            continue;
-        }
-        for reason in mapped.skipped_parts {
-            skipped.push(Skip {
-                object: object.clone(),
-                reason,
-            });
-        }
-        let mut alone = String::new();
-        mapped.lb.write_toml(&mut alone);
-        match config::parse(&alone) {
-            Ok(loaded) => {
-                warnings.extend(
-                    loaded
-                        .warnings
-                        .iter()
-                        .map(|w| format!("{object}: {}", without_index(w))),
-                );
-                let Some(spec) = loaded.config.load_balancers.into_iter().next() else {
-                    continue; // A valid one-table file has its table.
-                };
-                by_name
-                    .entry(mapped.lb.name.clone())
-                    .or_default()
-                    .push(Entry {
-                        object,
-                        lb: mapped.lb,
-                        spec,
-                    });
-            }
-            Err(problems) => skipped.push(Skip {
-                object,
-                reason: problems
-                    .iter()
-                    .map(without_index)
-                    .collect::<Vec<_>>()
-                    .join("; "),
-            }),
+        if let Some(entry) = alone(
+            object,
+            result,
+            options,
+            &mut skipped,
+            &mut notes,
+            &mut warnings,
+        ) {
+            by_name
+                .entry(entry.lb.name.clone())
+                .or_default()
+                .push(entry);
         }
     }
 
-    // One name, one load balancer: the same object seen twice (two files,
-    // or in both versions) is one; different ones are both left out, since
-    // neither can be chosen whatever the order.
-    let mut lbs: Vec<Entry> = Vec::new();
-    for (name, group) in by_name {
-        if group.iter().all(|e| e.lb == group[0].lb) {
-            lbs.extend(group.into_iter().next());
-        } else {
-            let objects: Vec<&str> = group.iter().map(|e| e.object.as_str()).collect();
-            for e in &group {
-                skipped.push(Skip {
-                    object: e.object.clone(),
-                    reason: format!(
-                        "{} objects map to load balancer {name:?} differently ({}); none of them is imported",
-                        group.len(),
-                        objects.join("; ")
-                    ),
-                });
-            }
-        }
-    }
+    let mut lbs = one_per_name(by_name, &mut skipped);
 
     skip_conflicts(
         &mut lbs,
@@ -402,6 +308,151 @@ pub fn import(sources: &[Source], options: &Options) -> Result<Imported, ImportE
         notes,
         warnings,
     })
+}
+
+/// A v1 Node: its addresses join the backends, unless one is an address
+/// no backend may have (then the Node is skipped, never the Services).
+fn node(
+    obj: &documents::Object,
+    options: &Options,
+    nodes: &mut Vec<IpAddr>,
+    skipped: &mut Vec<Skip>,
+    notes: &mut Vec<String>,
+) {
+    match service::node_addresses(obj) {
+        Ok(addrs) => match addrs.iter().find_map(|&ip| {
+            guard::host_address(ip, options.allow_loopback).map(|why| (ip, why))
+        }) {
+            None => nodes.extend(addrs),
+            Some((ip, why)) => skipped.push(Skip {
+                object: obj.describe(),
+                reason: format!(
+                    "status.addresses: InternalIP {ip} is {why}; this Node is no backend of any load balancer"
+                ),
+            }),
+        },
+        Err(service::NoBackend::Normal(reason)) => {
+            notes.push(format!("{}: {reason}", obj.describe()))
+        }
+        Err(service::NoBackend::Bad(reason)) => skipped.push(Skip {
+            object: obj.describe(),
+            reason: format!("{reason}; this Node is no backend of any load balancer"),
+        }),
+    }
+}
+
+/// An object of a kind that is not imported.
+fn not_imported(obj: &documents::Object, kind: &str) -> Skip {
+    Skip {
+        object: obj.describe(),
+        reason: format!(
+            "{} is not imported (LoadBalancer {} or {}, or v1 Service and Node)",
+            if kind.is_empty() {
+                "an object without kind"
+            } else {
+                "this kind"
+            },
+            v1beta1::API_VERSION,
+            v1alpha1::API_VERSION
+        ),
+    }
+}
+
+/// One mapped object checked alone against the config's rules: the load
+/// balancer it becomes, or `None` with the reason in `skipped`. Its notes
+/// and the config's warnings are named by the object.
+fn alone(
+    object: String,
+    result: Result<Mapped, String>,
+    options: &Options,
+    skipped: &mut Vec<Skip>,
+    notes: &mut Vec<String>,
+    warnings: &mut Vec<String>,
+) -> Option<Entry> {
+    let mut mapped = match result {
+        Ok(m) => m,
+        Err(reason) => {
+            skipped.push(Skip { object, reason });
+            return None;
+        }
+    };
+    mapped.lb.normalise();
+    if let Some(reason) = guard::lb_addresses(&mapped.lb, options.allow_loopback) {
+        skipped.push(Skip { object, reason });
+        return None;
+    }
+    notes.extend(mapped.notes.iter().map(|n| format!("{object}: {n}")));
+    if mapped.lb.listeners.is_empty() {
+        // One line for the object: what was left out is why nothing is left.
+        let mut why = mapped.skipped_parts;
+        why.push("no listener left that can be served: not imported".into());
+        skipped.push(Skip {
+            object,
+            reason: why.join("; "),
+        });
+        return None;
+    }
+    for reason in mapped.skipped_parts {
+        skipped.push(Skip {
+            object: object.clone(),
+            reason,
+        });
+    }
+    let mut alone = String::new();
+    mapped.lb.write_toml(&mut alone);
+    match config::parse(&alone) {
+        Ok(loaded) => {
+            warnings.extend(
+                loaded
+                    .warnings
+                    .iter()
+                    .map(|w| format!("{object}: {}", without_index(w))),
+            );
+            // A valid one-table file has its table.
+            let spec = loaded.config.load_balancers.into_iter().next()?;
+            Some(Entry {
+                object,
+                lb: mapped.lb,
+                spec,
+            })
+        }
+        Err(problems) => {
+            skipped.push(Skip {
+                object,
+                reason: problems
+                    .iter()
+                    .map(without_index)
+                    .collect::<Vec<_>>()
+                    .join("; "),
+            });
+            None
+        }
+    }
+}
+
+/// One name, one load balancer: the same object seen twice (two files,
+/// or in both versions) is one; different ones are all left out, since
+/// none can be chosen whatever the order.
+fn one_per_name(by_name: BTreeMap<String, Vec<Entry>>, skipped: &mut Vec<Skip>) -> Vec<Entry> {
+    let mut lbs: Vec<Entry> = Vec::new();
+    for (name, group) in by_name {
+        if group.iter().all(|e| e.lb == group[0].lb) {
+            lbs.extend(group.into_iter().next());
+        } else {
+            let objects: Vec<&str> = group.iter().map(|e| e.object.as_str()).collect();
+            for e in &group {
+                skipped.push(Skip {
+                    object: e.object.clone(),
+                    reason: format!(
+                        "{} objects map to load balancer {name:?} differently ({}); none of them is imported",
+                        group.len(),
+                        objects.join("; ")
+                    ),
+                });
+            }
+        }
+    }
+    lbs
 }
 
 /// One object that became a load balancer valid on its own.

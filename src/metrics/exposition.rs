@@ -19,12 +19,11 @@ use std::task::{Context, Poll};
 use hyper::body::{Body, Bytes, Frame, SizeHint};
 
 use super::Metrics;
+use super::by_label::{ByLabel, Label};
 use super::names::{self, Family};
 use super::stats::{
-    ACCEPT_ERROR_KINDS, ADMIN_STATES, BackendStats, CHECK_RESULTS, CLOSED_REASONS,
-    CONNECT_FAILURE_REASONS, Counter, FAILED_REASONS, Histogram, IGNORED_REASONS, LbStats,
-    ListenerStats, PROBE_BUCKETS, REJECTED_REASONS, UDP_DATAGRAM_DROP_REASONS,
-    UDP_FLOW_DROP_REASONS,
+    ADMIN_STATES, BackendStats, Counter, DIRECTIONS, Direction, Histogram, IGNORED_REASONS,
+    LbStats, ListenerStats, PROBE_BUCKETS,
 };
 
 /// One load balancer's live objects at the start of a scrape.
@@ -136,14 +135,10 @@ const STEPS: &[Step] = &[
         if l.udp.get().is_some() {
             return;
         }
-        o.outcomes(&l.failed, &FAILED_REASONS, "reason", |b| {
-            listener_labels(b, l)
-        });
+        o.labelled(&l.failed, "reason", |b| listener_labels(b, l));
     }),
     Step::Listener(&names::CONNECTIONS_REJECTED, |o, l| {
-        o.outcomes(&l.rejected, &REJECTED_REASONS, "reason", |b| {
-            listener_labels(b, l)
-        });
+        o.labelled(&l.rejected, "reason", |b| listener_labels(b, l));
     }),
     Step::Listener(&names::CONNECTIONS_ACTIVE, |o, l| {
         if l.udp.get().is_some() {
@@ -158,9 +153,7 @@ const STEPS: &[Step] = &[
         o.directions(l, [&l.client_to_backend, &l.backend_to_client]);
     }),
     Step::Listener(&names::ACCEPT_ERRORS, |o, l| {
-        o.outcomes(&l.accept_errors, &ACCEPT_ERROR_KINDS, "kind", |b| {
-            listener_labels(b, l)
-        });
+        o.labelled(&l.accept_errors, "kind", |b| listener_labels(b, l));
     }),
     Step::Listener(&names::CONNECTION_LIMIT_REACHED, |o, l| {
         if l.limit_reached.get() > 0 {
@@ -169,22 +162,29 @@ const STEPS: &[Step] = &[
     }),
     Step::Listener(&names::UDP_DATAGRAMS, |o, l| {
         if let Some(u) = l.udp.get() {
-            o.directions(l, [&u.datagrams[0], &u.datagrams[1]]);
+            o.directions(
+                l,
+                [
+                    &u.datagrams[Direction::ClientToBackend],
+                    &u.datagrams[Direction::BackendToClient],
+                ],
+            );
         }
     }),
     Step::Listener(&names::UDP_BYTES, |o, l| {
         if let Some(u) = l.udp.get() {
-            o.directions(l, [&u.bytes[0], &u.bytes[1]]);
+            o.directions(
+                l,
+                [
+                    &u.bytes[Direction::ClientToBackend],
+                    &u.bytes[Direction::BackendToClient],
+                ],
+            );
         }
     }),
     Step::Listener(&names::UDP_DATAGRAMS_DROPPED, |o, l| {
         if let Some(u) = l.udp.get() {
-            o.outcomes(
-                &u.datagrams_dropped,
-                &UDP_DATAGRAM_DROP_REASONS,
-                "reason",
-                |b| listener_labels(b, l),
-            );
+            o.labelled(&u.datagrams_dropped, "reason", |b| listener_labels(b, l));
         }
     }),
     Step::Listener(&names::UDP_FLOWS_ACTIVE, |o, l| {
@@ -199,9 +199,7 @@ const STEPS: &[Step] = &[
     }),
     Step::Listener(&names::UDP_FLOWS_DROPPED, |o, l| {
         if let Some(u) = l.udp.get() {
-            o.outcomes(&u.flows_dropped, &UDP_FLOW_DROP_REASONS, "reason", |b| {
-                listener_labels(b, l)
-            });
+            o.labelled(&u.flows_dropped, "reason", |b| listener_labels(b, l));
         }
     }),
     Step::Listener(&names::UDP_BACKEND_FLOWS_ACTIVE, |o, l| {
@@ -262,27 +260,16 @@ const STEPS: &[Step] = &[
         }
     }),
     Step::Backend(&names::BACKEND_CONNECTIONS_CLOSED, |o, be| {
-        o.outcomes(&be.closed, &CLOSED_REASONS, "reason", |b| {
-            backend_labels(b, be)
-        });
+        o.labelled(&be.closed, "reason", |b| backend_labels(b, be));
     }),
     Step::Backend(&names::BACKEND_CONNECT_FAILURES, |o, be| {
-        o.outcomes(
-            &be.connect_failures,
-            &CONNECT_FAILURE_REASONS,
-            "reason",
-            |b| backend_labels(b, be),
-        );
+        o.labelled(&be.connect_failures, "reason", |b| backend_labels(b, be));
     }),
     Step::Backend(&names::HEALTH_CHECKS, |o, be| {
-        o.outcomes(&be.checks, &CHECK_RESULTS, "result", |b| {
-            backend_labels(b, be)
-        });
+        o.labelled(&be.checks, "result", |b| backend_labels(b, be));
     }),
     Step::Backend(&names::HEALTH_TRANSITIONS, |o, be| {
-        o.outcomes(&be.transitions, &["up", "down"], "to", |b| {
-            backend_labels(b, be)
-        });
+        o.labelled(&be.transitions, "to", |b| backend_labels(b, be));
     }),
     Step::Backend(&names::HEALTH_CHECK_DURATION, |o, be| {
         if let Some(h) = be.duration.get() {
@@ -574,8 +561,7 @@ impl Out<'_> {
     /// A listener's pair of counters by `direction`: client to backend,
     /// then backend to client.
     fn directions(&mut self, l: &ListenerStats, counters: [&Counter; 2]) {
-        let sides = ["client_to_backend", "backend_to_client"];
-        for (direction, c) in sides.into_iter().zip(counters) {
+        for (direction, c) in DIRECTIONS.into_iter().zip(counters) {
             self.sample(
                 "",
                 |b| {
@@ -588,6 +574,16 @@ impl Out<'_> {
     }
 
     /// One sample per outcome that has happened at least once.
+    /// [`Self::outcomes`] of a family counted [`ByLabel`], under its own label texts.
+    fn labelled<L: Label, const N: usize>(
+        &mut self,
+        counters: &ByLabel<L, N>,
+        key: &str,
+        labels: impl Fn(&mut Vec<u8>),
+    ) {
+        self.outcomes(counters.as_slice(), L::NAMES, key, labels);
+    }
+
     fn outcomes(
         &mut self,
         counters: &[Counter],

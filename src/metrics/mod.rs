@@ -24,6 +24,7 @@
 //! has no way to delete a series, so a removed object's series stayed for
 //! ever.
 
+pub mod by_label;
 pub mod exposition;
 pub mod names;
 pub mod stats;

@@ -20,6 +20,7 @@ use std::time::Duration;
 use arc_swap::ArcSwapOption;
 
 use super::Metrics;
+use super::by_label::{ByLabel, labels};
 
 /// A monotonic count.
 #[derive(Debug, Default)]
@@ -294,38 +295,121 @@ impl Drop for LbStats {
     }
 }
 
-/// Why a client connection got no backend (`connections_failed_total{reason}`).
-pub const FAILED_REASONS: [&str; 4] = [
-    "no_backend",
-    "connect_refused",
-    "connect_timeout",
-    "connect_error",
-];
-/// Why a client was refused at accept (`connections_rejected_total{reason}`).
-pub const REJECTED_REASONS: [&str; 2] = ["source_range", "load_balancer_limit"];
-/// `accept_errors_total{kind}`.
-pub const ACCEPT_ERROR_KINDS: [&str; 3] = ["out_of_descriptors", "out_of_memory", "other"];
-/// `backend_connect_failures_total{reason}`.
-pub const CONNECT_FAILURE_REASONS: [&str; 3] =
-    ["connect_refused", "connect_timeout", "connect_error"];
-/// `health_checks_total{result}`, in the order of [`BackendStats::checks`].
-pub const CHECK_RESULTS: [&str; 7] = [
-    "ok",
-    "refused",
-    "timeout",
-    "error",
-    "skipped",
-    "http_status",
-    "http_error",
-];
+labels! {
+    /// Why a client connection got no backend.
+    pub enum FailedReason;
+    /// `connections_failed_total{reason}`.
+    pub const FAILED_REASONS = {
+        /// No backend was eligible.
+        NoBackend = "no_backend",
+        /// The last backend tried refused the connection.
+        ConnectRefused = "connect_refused",
+        /// The last backend tried did not answer in time.
+        ConnectTimeout = "connect_timeout",
+        /// Any other failure to connect, or to send the PROXY header.
+        ConnectError = "connect_error",
+    };
+}
+
+labels! {
+    /// Why a client was refused at accept.
+    pub enum RejectedReason;
+    /// `connections_rejected_total{reason}`.
+    pub const REJECTED_REASONS = {
+        /// Outside the load balancer's `source_ranges`.
+        SourceRange = "source_range",
+        /// The load balancer's share of the connection cap was taken.
+        LoadBalancerLimit = "load_balancer_limit",
+    };
+}
+
+labels! {
+    /// What an accept failed for.
+    pub enum AcceptErrorKind;
+    /// `accept_errors_total{kind}`.
+    pub const ACCEPT_ERROR_KINDS = {
+        /// `EMFILE` or `ENFILE`.
+        OutOfDescriptors = "out_of_descriptors",
+        /// `ENOBUFS` or `ENOMEM`.
+        OutOfMemory = "out_of_memory",
+        /// Anything else.
+        Other = "other",
+    };
+}
+
+labels! {
+    /// Why one connect attempt to a backend failed (counted against it).
+    pub enum ConnectFailureReason;
+    /// `backend_connect_failures_total{reason}`.
+    pub const CONNECT_FAILURE_REASONS = {
+        /// Refused.
+        ConnectRefused = "connect_refused",
+        /// No answer within `connect_timeout_ms`.
+        ConnectTimeout = "connect_timeout",
+        /// Any other error.
+        ConnectError = "connect_error",
+    };
+}
+
+labels! {
+    /// A probe's result.
+    pub enum CheckResult;
+    /// `health_checks_total{result}`.
+    pub const CHECK_RESULTS = {
+        /// Passed.
+        Ok = "ok",
+        /// Connection refused.
+        Refused = "refused",
+        /// No answer within the check's timeout.
+        Timeout = "timeout",
+        /// Any other connect or I/O error.
+        Error = "error",
+        /// Not sent (no socket could be had, say).
+        Skipped = "skipped",
+        /// An HTTP answer with a status not expected.
+        HttpStatus = "http_status",
+        /// An answer that is not HTTP.
+        HttpError = "http_error",
+    };
+}
+
+labels! {
+    /// The state a health transition went to.
+    pub enum Transition;
+    /// `health_transitions_total{to}`.
+    pub const TRANSITIONS = {
+        /// Became healthy.
+        Up = "up",
+        /// Became unhealthy.
+        Down = "down",
+    };
+}
+
+labels! {
+    /// Which way a datagram went.
+    pub enum Direction;
+    /// `udp_datagrams_total{direction}` and `udp_bytes_total{direction}`.
+    pub const DIRECTIONS = {
+        /// From the client to the backend.
+        ClientToBackend = "client_to_backend",
+        /// From the backend to the client.
+        BackendToClient = "backend_to_client",
+    };
+}
 
 /// The `state` label of `backend_admin_state`, by index: the names of
 /// `AdminState::ALL` (a balancer test keeps the two in step).
 pub const ADMIN_STATES: [&str; 3] = ["ready", "drain", "maint"];
 
-/// `backend_connections_closed_total{reason}`, in the order of
-/// [`BackendStats::closed`].
-pub const CLOSED_REASONS: [&str; 1] = ["marked_down"];
+labels! {
+    /// Why the daemon closed a backend's open connections.
+    pub enum ClosedReason;
+    /// `backend_connections_closed_total{reason}`.
+    pub const CLOSED_REASONS = {
+        /// The backend was marked down under `on_backend_down = "close"`.
+        MarkedDown = "marked_down",
+    };
+}
 
 /// One listener's numbers.
 pub struct ListenerStats {
@@ -338,9 +422,9 @@ pub struct ListenerStats {
     /// `connections_accepted_total`.
     pub accepted: Counter,
     /// `connections_failed_total`, by [`FAILED_REASONS`].
-    pub failed: [Counter; 4],
+    pub failed: ByLabel<FailedReason, { FAILED_REASONS.len() }>,
     /// `connections_rejected_total`, by [`REJECTED_REASONS`].
-    pub rejected: [Counter; REJECTED_REASONS.len()],
+    pub rejected: ByLabel<RejectedReason, { REJECTED_REASONS.len() }>,
     /// `connections_active`.
     pub active: Gauge,
     /// `bytes_total{direction="client_to_backend"}`.
@@ -348,7 +432,7 @@ pub struct ListenerStats {
     /// `bytes_total{direction="backend_to_client"}`.
     pub backend_to_client: Counter,
     /// `accept_errors_total`, by [`ACCEPT_ERROR_KINDS`].
-    pub accept_errors: [Counter; 3],
+    pub accept_errors: ByLabel<AcceptErrorKind, { ACCEPT_ERROR_KINDS.len() }>,
     /// `connection_limit_reached_total`.
     pub limit_reached: Counter,
     /// A UDP listener's numbers, set when the stats are made for one
@@ -365,34 +449,55 @@ impl ListenerStats {
     }
 }
 
-/// `udp_datagrams_dropped_total{reason}`, in the order of [`UdpStats::datagrams_dropped`].
-pub const UDP_DATAGRAM_DROP_REASONS: [&str; 3] = ["source_range", "too_large", "send_failed"];
-/// `udp_flows_dropped_total{reason}`, in the order of [`UdpStats::flows_dropped`].
-pub const UDP_FLOW_DROP_REASONS: [&str; 5] = [
-    "table_full",
-    "source_limit",
-    "no_backend",
-    "no_socket",
-    "load_balancer_limit",
-];
+labels! {
+    /// Why a UDP datagram was dropped.
+    pub enum DatagramDropReason;
+    /// `udp_datagrams_dropped_total{reason}`.
+    pub const UDP_DATAGRAM_DROP_REASONS = {
+        /// From a client outside `source_ranges`.
+        SourceRange = "source_range",
+        /// Larger than a backend could take whole.
+        TooLarge = "too_large",
+        /// The send to the backend or the client failed.
+        SendFailed = "send_failed",
+    };
+}
+
+labels! {
+    /// Why a new UDP flow was not made.
+    pub enum FlowDropReason;
+    /// `udp_flows_dropped_total{reason}`.
+    pub const UDP_FLOW_DROP_REASONS = {
+        /// The flow table is full.
+        TableFull = "table_full",
+        /// The client has its most flows (`max_flows_per_source`).
+        SourceLimit = "source_limit",
+        /// No backend was eligible.
+        NoBackend = "no_backend",
+        /// No socket for the backend side could be had.
+        NoSocket = "no_socket",
+        /// The load balancer's share of the flow bound was taken.
+        LoadBalancerLimit = "load_balancer_limit",
+    };
+}
 
 /// One UDP listener's numbers.
 #[derive(Debug, Default)]
 pub struct UdpStats {
-    /// `udp_datagrams_total`: client to backend, backend to client.
-    pub datagrams: [Counter; 2],
-    /// `udp_bytes_total`: client to backend, backend to client (a family of
+    /// `udp_datagrams_total`, by [`DIRECTIONS`].
+    pub datagrams: ByLabel<Direction, { DIRECTIONS.len() }>,
+    /// `udp_bytes_total`, by [`DIRECTIONS`] (a family of
     /// its own, so a TCP and a UDP listener of one name never write the
     /// same series while one of them drains).
-    pub bytes: [Counter; 2],
+    pub bytes: ByLabel<Direction, { DIRECTIONS.len() }>,
     /// `udp_datagrams_dropped_total`, by [`UDP_DATAGRAM_DROP_REASONS`].
-    pub datagrams_dropped: [Counter; UDP_DATAGRAM_DROP_REASONS.len()],
+    pub datagrams_dropped: ByLabel<DatagramDropReason, { UDP_DATAGRAM_DROP_REASONS.len() }>,
     /// `udp_flows_active`.
     pub flows_active: Gauge,
     /// `udp_flows_created_total`.
     pub flows_created: Counter,
     /// `udp_flows_dropped_total`, by [`UDP_FLOW_DROP_REASONS`].
-    pub flows_dropped: [Counter; UDP_FLOW_DROP_REASONS.len()],
+    pub flows_dropped: ByLabel<FlowDropReason, { UDP_FLOW_DROP_REASONS.len() }>,
     /// Per backend: made at a backend's first flow, forgotten by the
     /// listener once the backend has left and its last flow ended, so a
     /// removed backend's series go.
@@ -451,17 +556,17 @@ pub struct BackendStats {
     /// `backend_connections_active`.
     pub active: Gauge,
     /// `backend_connect_failures_total`, by [`CONNECT_FAILURE_REASONS`].
-    pub connect_failures: [Counter; 3],
+    pub connect_failures: ByLabel<ConnectFailureReason, { CONNECT_FAILURE_REASONS.len() }>,
     /// `health_checks_total`, by [`CHECK_RESULTS`].
-    pub checks: [Counter; CHECK_RESULTS.len()],
-    /// `health_transitions_total{to="up"}` and `{to="down"}`.
-    pub transitions: [Counter; 2],
+    pub checks: ByLabel<CheckResult, { CHECK_RESULTS.len() }>,
+    /// `health_transitions_total`, by [`TRANSITIONS`].
+    pub transitions: ByLabel<Transition, { TRANSITIONS.len() }>,
     /// `backend_admin_state{state}`: the index of the operator's state in
     /// `AdminState::ALL` (`ready`, `drain`, `maint`).
     pub admin_state: AtomicU8,
     /// `backend_connections_closed_total`, by [`CLOSED_REASONS`]: open
     /// connections the daemon closed because of the backend's state.
-    pub closed: [Counter; CLOSED_REASONS.len()],
+    pub closed: ByLabel<ClosedReason, { CLOSED_REASONS.len() }>,
     /// Its own probe-duration histogram, made at the first probe after
     /// `metrics.per_backend_health_check_duration` was switched on.
     pub(crate) duration: OnceLock<Box<Histogram>>,
@@ -482,8 +587,8 @@ pub struct PortStats {
 }
 
 impl BackendStats {
-    /// Counts one probe: its result (an index into [`CHECK_RESULTS`]) and duration.
-    pub fn record_probe(&self, result: usize, took: Duration) {
+    /// Counts one probe: its result and duration.
+    pub fn record_probe(&self, result: CheckResult, took: Duration) {
         self.checks[result].increment(1);
         let Some(registry) = &self.lb.registry else {
             return;
@@ -496,7 +601,12 @@ impl BackendStats {
 
     /// Counts a health transition.
     pub fn record_transition(&self, to_up: bool) {
-        self.transitions[usize::from(!to_up)].increment(1);
+        self.transitions[if to_up {
+            Transition::Up
+        } else {
+            Transition::Down
+        }]
+        .increment(1);
     }
 }
 

@@ -7,7 +7,13 @@
 //! ([`crate::config::Loader`]) is held to exactly the rules a full read is.
 //! Where a conflict is in the file is looked up only when there is one.
 
-use super::*;
+use std::collections::{HashMap, HashSet};
+use std::net::{IpAddr, SocketAddr};
+use std::ops::Range;
+
+use super::Validator;
+use crate::config::file::{FileConfig, FileLoadBalancer};
+use crate::config::{ListenerKey, LoadBalancerSpec, Protocol};
 
 /// One broken cross-load-balancer rule. Load balancers are named by their
 /// index in the file (or the slice given), listeners by their index in the spec.
@@ -114,8 +120,7 @@ pub(super) fn conflicts(
         }
     }
     // One TCP and one UDP listener may share a VIP:port (DNS on 53/tcp and 53/udp).
-    let mut addresses: HashMap<(SocketAddr, Protocol), (usize, usize)> =
-        HashMap::with_capacity(specs.len());
+    let mut addresses: HashMap<ListenerKey, (usize, usize)> = HashMap::with_capacity(specs.len());
     for (i, spec) in specs.iter().enumerate() {
         let Some(spec) = spec else { continue };
         if spec.vip.is_unspecified() {
@@ -124,7 +129,7 @@ pub(super) fn conflicts(
         }
         for (k, l) in spec.listeners.iter().enumerate() {
             let addr = spec.listen_addr(l);
-            match addresses.get(&(addr, l.protocol)) {
+            match addresses.get(&spec.listener_key(l)) {
                 Some(&first) => found.push(Conflict::Address {
                     addr,
                     protocol: l.protocol,
@@ -132,7 +137,7 @@ pub(super) fn conflicts(
                     again: (i, k),
                 }),
                 None => {
-                    addresses.insert((addr, l.protocol), (i, k));
+                    addresses.insert(spec.listener_key(l), (i, k));
                 }
             }
         }
@@ -142,7 +147,11 @@ pub(super) fn conflicts(
         let Some(spec) = spec else { continue };
         for &backend in &spec.backends {
             for (k, l) in spec.listeners.iter().enumerate() {
-                let nodeport = (SocketAddr::new(backend, l.backend_port), l.protocol);
+                // A backend's nodeport that is one of this file's listeners.
+                let nodeport = ListenerKey {
+                    addr: SocketAddr::new(backend, l.backend_port),
+                    protocol: l.protocol,
+                };
                 let Some(&target) = addresses.get(&nodeport) else {
                     continue;
                 };

@@ -6,10 +6,13 @@
 //! every start of every version of the daemon asks the DHCP server for the
 //! same lease.
 
-use std::net::Ipv4Addr;
+use std::net::{IpAddr, Ipv4Addr};
+use std::ops::Range;
+use std::path::PathBuf;
 
-use super::super::file::{FileDhcp, FileDhcpSettings};
-use super::*;
+use super::{DEFAULT_CLUSTER, Validator};
+use crate::config::file::{FileDhcp, FileDhcpSettings, FileLoadBalancer};
+use crate::config::{DhcpSettings, DhcpSpec, Ipam};
 
 /// Where lease state files go when neither `[dhcp] state_directory` nor
 /// systemd's `$STATE_DIRECTORY` says otherwise.
@@ -74,57 +77,8 @@ impl Validator<'_> {
         let span = table.span();
         let d: &FileDhcp = table.get_ref();
         let dkey = format!("{key}.dhcp");
-        let requested = match &lb.vip {
-            None => None,
-            Some(v) => match v.get_ref().parse::<IpAddr>().map(|ip| ip.to_canonical()) {
-                Ok(IpAddr::V4(ip)) if ip.is_unspecified() => None,
-                Ok(IpAddr::V4(ip)) if !ip.is_multicast() && !ip.is_broadcast() => Some(ip),
-                _ => {
-                    self.problem(
-                        Some(v.span()),
-                        &format!("{key}.vip"),
-                        format!(
-                            "{:?} cannot be asked for over DHCPv4; with ipam = \"dhcp\" leave vip out, write \"0.0.0.0\", or give the unicast IPv4 address to ask for",
-                            v.get_ref()
-                        ),
-                    );
-                    None
-                }
-            },
-        };
-        let interface = match &d.interface {
-            None => {
-                self.missing(
-                    span.clone(),
-                    &dkey,
-                    "interface",
-                    "the host interface the VIP is leased on, e.g. \"eth0\"",
-                );
-                None
-            }
-            Some(i) => {
-                let name = i.get_ref();
-                let bad = name.is_empty()
-                    || name.len() > MAX_IFNAME_BYTES
-                    || name == "."
-                    || name == ".."
-                    || name
-                        .chars()
-                        .any(|c| c == '/' || c == ':' || c.is_whitespace() || c.is_control());
-                if bad {
-                    self.problem(
-                        Some(i.span()),
-                        &format!("{dkey}.interface"),
-                        format!(
-                            "{name:?} is not an interface name (1..={MAX_IFNAME_BYTES} bytes, no '/', ':' or spaces)"
-                        ),
-                    );
-                    None
-                } else {
-                    Some(name.clone())
-                }
-            }
-        };
+        let requested = self.requested(key, lb);
+        let interface = self.interface(&dkey, span.clone(), d);
         let identity = format!(
             "{}/{}",
             lb.cluster
@@ -132,37 +86,7 @@ impl Validator<'_> {
                 .map_or(DEFAULT_CLUSTER, |c| c.get_ref().as_str()),
             lb.name.as_ref().map_or("", |n| n.get_ref().as_str())
         );
-        let mac = match &d.mac {
-            None => Some(derived_mac(&identity)),
-            Some(m) => {
-                let parsed = parse_mac(m.get_ref());
-                match parsed {
-                    Some(mac) if mac[0] & 1 == 0 && mac != [0; 6] => Some(mac),
-                    Some(_) => {
-                        self.problem(
-                            Some(m.span()),
-                            &format!("{dkey}.mac"),
-                            format!(
-                                "{:?} is a multicast or all-zero address; a client needs a unicast MAC (the low bit of the first byte clear), e.g. \"02:00:00:00:00:01\"",
-                                m.get_ref()
-                            ),
-                        );
-                        None
-                    }
-                    None => {
-                        self.problem(
-                            Some(m.span()),
-                            &format!("{dkey}.mac"),
-                            format!(
-                                "{:?} is not a MAC address; write six hex bytes separated by ':', e.g. \"02:00:00:00:00:01\"",
-                                m.get_ref()
-                            ),
-                        );
-                        None
-                    }
-                }
-            }
-        };
+        let mac = self.mac(&dkey, d, &identity);
         let hostname = match &d.hostname {
             None => derived_hostname(&identity),
             Some(h) => {
@@ -207,6 +131,100 @@ impl Validator<'_> {
             servers,
             requested,
         })
+    }
+
+    /// `vip` of a leased VIP: the IPv4 address to ask for, if any.
+    fn requested(&mut self, key: &str, lb: &FileLoadBalancer) -> Option<Ipv4Addr> {
+        match &lb.vip {
+            None => None,
+            Some(v) => match v.get_ref().parse::<IpAddr>().map(|ip| ip.to_canonical()) {
+                Ok(IpAddr::V4(ip)) if ip.is_unspecified() => None,
+                Ok(IpAddr::V4(ip)) if !ip.is_multicast() && !ip.is_broadcast() => Some(ip),
+                _ => {
+                    self.problem(
+                    Some(v.span()),
+                    &format!("{key}.vip"),
+                    format!(
+                        "{:?} cannot be asked for over DHCPv4; with ipam = \"dhcp\" leave vip out, write \"0.0.0.0\", or give the unicast IPv4 address to ask for",
+                        v.get_ref()
+                    ),
+                );
+                    None
+                }
+            },
+        }
+    }
+
+    /// `interface`: a name the kernel could have given an interface.
+    fn interface(&mut self, dkey: &str, span: Range<usize>, d: &FileDhcp) -> Option<String> {
+        match &d.interface {
+            None => {
+                self.missing(
+                    span.clone(),
+                    dkey,
+                    "interface",
+                    "the host interface the VIP is leased on, e.g. \"eth0\"",
+                );
+                None
+            }
+            Some(i) => {
+                let name = i.get_ref();
+                let bad = name.is_empty()
+                    || name.len() > MAX_IFNAME_BYTES
+                    || name == "."
+                    || name == ".."
+                    || name
+                        .chars()
+                        .any(|c| c == '/' || c == ':' || c.is_whitespace() || c.is_control());
+                if bad {
+                    self.problem(
+                    Some(i.span()),
+                    &format!("{dkey}.interface"),
+                    format!(
+                        "{name:?} is not an interface name (1..={MAX_IFNAME_BYTES} bytes, no '/', ':' or spaces)"
+                    ),
+                );
+                    None
+                } else {
+                    Some(name.clone())
+                }
+            }
+        }
+    }
+
+    /// `mac`: a unicast MAC address, derived from `identity` when absent.
+    fn mac(&mut self, dkey: &str, d: &FileDhcp, identity: &str) -> Option<[u8; 6]> {
+        match &d.mac {
+            None => Some(derived_mac(identity)),
+            Some(m) => {
+                let parsed = parse_mac(m.get_ref());
+                match parsed {
+                    Some(mac) if mac[0] & 1 == 0 && mac != [0; 6] => Some(mac),
+                    Some(_) => {
+                        self.problem(
+                        Some(m.span()),
+                        &format!("{dkey}.mac"),
+                        format!(
+                            "{:?} is a multicast or all-zero address; a client needs a unicast MAC (the low bit of the first byte clear), e.g. \"02:00:00:00:00:01\"",
+                            m.get_ref()
+                        ),
+                    );
+                        None
+                    }
+                    None => {
+                        self.problem(
+                        Some(m.span()),
+                        &format!("{dkey}.mac"),
+                        format!(
+                            "{:?} is not a MAC address; write six hex bytes separated by ':', e.g. \"02:00:00:00:00:01\"",
+                            m.get_ref()
+                        ),
+                    );
+                        None
+                    }
+                }
+            }
+        }
     }
 }
 

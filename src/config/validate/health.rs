@@ -1,7 +1,19 @@
 //! `[load_balancer.health_check]`: Harvester's `healthcheck-*` annotations,
 //! the check kind, and an HTTP check's path, Host and expected statuses.
 
-use super::*;
+use std::num::NonZeroU32;
+use std::sync::Arc;
+use std::time::Duration;
+
+use toml::Spanned;
+
+use super::{
+    DEFAULT_EXPECT_STATUS, DEFAULT_FAILURE_THRESHOLD, DEFAULT_HTTP_PATH, DEFAULT_PERIOD_SECONDS,
+    DEFAULT_SUCCESS_THRESHOLD, DEFAULT_TIMEOUT_SECONDS, MAX_HOST_BYTES, MAX_PATH_BYTES,
+    MAX_SECONDS, STATUS_CODES, Validator,
+};
+use crate::config::file::FileHealthCheck;
+use crate::config::{CheckKind, HealthCheckSpec, HttpCheck, StatusSet};
 
 impl Validator<'_> {
     pub(super) fn health_check(

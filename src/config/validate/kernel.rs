@@ -9,7 +9,12 @@
 //! forwarding (connect timeout, idle timeouts) are not refused: they apply
 //! while the listener falls back to the proxy, and a warning says so.
 
-use super::*;
+use std::collections::HashMap;
+use std::net::IpAddr;
+
+use super::Validator;
+use crate::config::file::{FileListener, FileLoadBalancer};
+use crate::config::{Algorithm, Forwarding, ListenerSpec, Protocol, SourceNat};
 
 impl Validator<'_> {
     /// `forwarding` and `source_nat` of one listener.

@@ -2,7 +2,11 @@
 //! positions, and line numbers from byte offsets. Only a broken file pays
 //! for these searches.
 
-use super::*;
+use std::ops::Range;
+
+use toml::de::{DeTable, DeValue};
+
+use crate::config::Problem;
 
 /// Turns serde_ignored's path into plain key segments, dropping the wrapper
 /// levels that `Spanned` and `Option` add.

@@ -9,20 +9,24 @@
 //! check, `source_ranges` the client CIDRs, and `locate` turns positions
 //! into the key paths and line numbers a problem is reported with.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 use std::fmt;
 use std::net::{IpAddr, SocketAddr};
 use std::num::{NonZeroU32, NonZeroUsize};
 use std::ops::Range;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
-use ipnet::{IpNet, Ipv4Net};
 use toml::Spanned;
-use toml::de::{DeArray, DeTable, DeValue};
+use toml::de::DeTable;
 
-use super::file::{FileConfig, FileHealthCheck, FileListener, FileLoadBalancer};
-use super::*;
+use super::file::{FileConfig, FileListener, FileLoadBalancer};
+use super::{
+    AdminSettings, Algorithm, Config, HealthCheckSpec, InitialState, Ipam, IsolateAction,
+    ListenerSpec, LoadBalancerSpec, Loaded, LogConnections, LogSettings, MetricsSettings,
+    OnBackendDown, Problem, Protocol, ProxyProtocol, ProxySettings, UdpSettings, VipSettings,
+};
 
 mod cross;
 mod dhcp;
@@ -213,45 +217,7 @@ impl Validator<'_> {
     }
 
     fn config(&mut self, file: &FileConfig) -> Config {
-        let admin_listen = match &file.admin.listen {
-            None => DEFAULT_ADMIN_LISTEN.parse().expect("default admin address parses"),
-            Some(s) => s.get_ref().parse::<SocketAddr>().unwrap_or_else(|_| {
-                self.problem(
-                    Some(s.span()),
-                    "admin.listen",
-                    format!(
-                        "{:?} is not a socket address; write IP:PORT, e.g. \"127.0.0.1:9901\" or \"[::1]:9901\"",
-                        s.get_ref()
-                    ),
-                );
-                DEFAULT_ADMIN_LISTEN.parse().expect("default admin address parses")
-            }),
-        };
-        let admin_socket = match &file.admin.socket {
-            None => PathBuf::from(DEFAULT_ADMIN_SOCKET),
-            Some(s) => {
-                let path = s.get_ref();
-                let problem = if !path.starts_with('/') {
-                    Some(
-                        "is not an absolute path; write e.g. \"/run/harvester-lb/admin.sock\""
-                            .to_string(),
-                    )
-                } else if path.len() > MAX_SOCKET_PATH_BYTES {
-                    Some(format!(
-                        "is {} bytes long; a Unix socket path takes at most {MAX_SOCKET_PATH_BYTES}",
-                        path.len()
-                    ))
-                } else if path.ends_with('/') || path.contains('\0') {
-                    Some("is not a file path (it ends with \"/\" or holds a NUL byte)".to_string())
-                } else {
-                    None
-                };
-                if let Some(p) = problem {
-                    self.problem(Some(s.span()), "admin.socket", format!("{path:?} {p}"));
-                }
-                PathBuf::from(path)
-            }
-        };
+        let admin = self.admin(file);
         let backlog = self.int(
             &file.proxy.backlog,
             format_args!("proxy.backlog"),
@@ -341,14 +307,11 @@ impl Validator<'_> {
             .map(|lb| valid_name(lb.get_ref()))
             .collect();
         let built: Vec<Option<&LoadBalancerSpec>> = specs.iter().map(Option::as_ref).collect();
-        let found = cross::conflicts(admin_listen, &names, &built);
-        self.report_conflicts(admin_listen, file, &specs, found);
+        let found = cross::conflicts(admin.listen, &names, &built);
+        self.report_conflicts(admin.listen, file, &specs, found);
         let load_balancers = specs.into_iter().flatten().map(Arc::new).collect();
         Config {
-            admin: AdminSettings {
-                listen: admin_listen,
-                socket: admin_socket,
-            },
+            admin,
             proxy: ProxySettings {
                 backlog: backlog as u32,
                 drain_timeout: Duration::from_secs(drain as u64),
@@ -379,6 +342,53 @@ impl Validator<'_> {
         }
     }
 
+    /// `[admin]`: where the admin API listens and its Unix socket's path.
+    fn admin(&mut self, file: &FileConfig) -> AdminSettings {
+        let admin_listen = match &file.admin.listen {
+        None => DEFAULT_ADMIN_LISTEN.parse().expect("default admin address parses"),
+        Some(s) => s.get_ref().parse::<SocketAddr>().unwrap_or_else(|_| {
+            self.problem(
+                Some(s.span()),
+                "admin.listen",
+                format!(
+                    "{:?} is not a socket address; write IP:PORT, e.g. \"127.0.0.1:9901\" or \"[::1]:9901\"",
+                    s.get_ref()
+                ),
+            );
+            DEFAULT_ADMIN_LISTEN.parse().expect("default admin address parses")
+        }),
+    };
+        let admin_socket = match &file.admin.socket {
+            None => PathBuf::from(DEFAULT_ADMIN_SOCKET),
+            Some(s) => {
+                let path = s.get_ref();
+                let problem = if !path.starts_with('/') {
+                    Some(
+                        "is not an absolute path; write e.g. \"/run/harvester-lb/admin.sock\""
+                            .to_string(),
+                    )
+                } else if path.len() > MAX_SOCKET_PATH_BYTES {
+                    Some(format!(
+                        "is {} bytes long; a Unix socket path takes at most {MAX_SOCKET_PATH_BYTES}",
+                        path.len()
+                    ))
+                } else if path.ends_with('/') || path.contains('\0') {
+                    Some("is not a file path (it ends with \"/\" or holds a NUL byte)".to_string())
+                } else {
+                    None
+                };
+                if let Some(p) = problem {
+                    self.problem(Some(s.span()), "admin.socket", format!("{path:?} {p}"));
+                }
+                PathBuf::from(path)
+            }
+        };
+        AdminSettings {
+            listen: admin_listen,
+            socket: admin_socket,
+        }
+    }
+
     /// Checks `[[load_balancer]]`; `None` when it is too broken to build.
     fn load_balancer(
         &mut self,
@@ -387,43 +397,8 @@ impl Validator<'_> {
     ) -> Option<LoadBalancerSpec> {
         let table_span = lb.span();
         let lb = lb.get_ref();
-        let name = match &lb.name {
-            None => {
-                self.missing(
-                    table_span.clone(),
-                    key,
-                    "name",
-                    "the controller writes <namespace>/<service>",
-                );
-                None
-            }
-            Some(n) if n.get_ref().trim().is_empty() => {
-                self.problem(
-                    Some(n.span()),
-                    &format!("{key}.name"),
-                    "must not be empty".into(),
-                );
-                None
-            }
-            Some(n) => self
-                .bounded_name(n, &format!("{key}.name"), MAX_NAME_BYTES)
-                .then(|| n.get_ref().clone()),
-        };
-        let cluster = match &lb.cluster {
-            None => DEFAULT_CLUSTER.to_string(),
-            Some(c) if c.get_ref().trim().is_empty() => {
-                self.problem(
-                    Some(c.span()),
-                    &format!("{key}.cluster"),
-                    "must not be empty".into(),
-                );
-                String::new()
-            }
-            Some(c) => {
-                self.bounded_name(c, &format!("{key}.cluster"), MAX_CLUSTER_BYTES);
-                c.get_ref().clone()
-            }
-        };
+        let name = self.lb_name(key, table_span.clone(), lb);
+        let cluster = self.cluster(key, lb);
         let ipam = self.choice(
             &lb.ipam,
             format_args!("{key}.ipam"),
@@ -434,23 +409,7 @@ impl Validator<'_> {
         // table. Without the table a DHCP VIP is leased elsewhere (as
         // before this daemon could lease) and `vip` must be its address.
         let leased = ipam == Ipam::Dhcp && lb.dhcp.is_some();
-        let vip = match (&lb.vip, leased) {
-            // `vip` is absent or what Harvester writes before a lease
-            // (`0.0.0.0`); any other address is the one to ask for.
-            (_, true) => Some(IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED)),
-            (None, false) => {
-                self.missing(
-                    table_span.clone(),
-                    key,
-                    "vip",
-                    "the load balancer's IP address; or ipam = \"dhcp\" and a [load_balancer.dhcp] table to lease one",
-                );
-                None
-            }
-            (Some(v), false) => self
-                .ip(v, format_args!("{key}.vip"))
-                .filter(|ip| self.unicast(*ip, v, format_args!("{key}.vip"), Role::Vip)),
-        };
+        let vip = self.vip(key, table_span.clone(), lb, leased);
         let dhcp = self.dhcp(key, lb, ipam);
         let algorithm = self.choice(
             &lb.algorithm,
@@ -495,6 +454,54 @@ impl Validator<'_> {
             MAX_SECONDS,
         );
 
+        let affinity_timeout = self.affinity(key, lb);
+        let on_backend_down = self.on_backend_down(key, lb);
+        let log_connections = self.choice(
+            &lb.log_connections,
+            format_args!("{key}.log_connections"),
+            &[
+                ("none", LogConnections::None),
+                ("errors", LogConnections::Errors),
+                ("all", LogConnections::All),
+            ],
+            LogConnections::None,
+        );
+
+        let backends = self.backends(key, table_span.clone(), lb);
+        let listeners = self.listeners(key, table_span.clone(), lb);
+        self.kernel_combinations(key, lb, vip, algorithm, &listeners);
+        let health_check = self.lb_health_check(key, lb, &listeners);
+        let source_ranges = self.source_ranges(key, table_span.clone(), &lb.source_ranges, vip);
+        let udp = self.udp(key, lb);
+        let (max_connections, max_udp_flows) = self.limits(key, lb);
+
+        Some(LoadBalancerSpec {
+            name: name?,
+            cluster,
+            vip: vip?,
+            ipam,
+            dhcp: if leased { Some(dhcp?) } else { None },
+            backends,
+            algorithm,
+            initial_state,
+            connect_timeout: Duration::from_millis(connect_timeout_ms as u64),
+            connect_attempts: connect_attempts.and_then(|n| NonZeroU32::new(n as u32)),
+            idle_timeout: Duration::from_secs(idle_timeout as u64),
+            affinity_timeout,
+            on_backend_down,
+            log_connections,
+            listeners,
+            health_check,
+            source_ranges,
+            udp,
+            max_connections,
+            max_udp_flows,
+        })
+    }
+
+    /// `session_affinity` and `affinity_timeout_seconds`: how long a client
+    /// keeps its backend, `None` when affinity is off.
+    fn affinity(&mut self, key: &str, lb: &FileLoadBalancer) -> Option<Duration> {
         let affinity = self.choice(
             &lb.session_affinity,
             format_args!("{key}.session_affinity"),
@@ -515,7 +522,11 @@ impl Validator<'_> {
                 "has no effect without session_affinity = \"client_ip\"".into(),
             );
         }
+        affinity.then(|| Duration::from_secs(affinity_timeout as u64))
+    }
 
+    /// `on_backend_down`, warned when no health check can mark one down.
+    fn on_backend_down(&mut self, key: &str, lb: &FileLoadBalancer) -> OnBackendDown {
         let on_backend_down = self.choice(
             &lb.on_backend_down,
             format_args!("{key}.on_backend_down"),
@@ -535,18 +546,16 @@ impl Validator<'_> {
                 "has no effect without a health_check: no backend is ever marked down".into(),
             );
         }
+        on_backend_down
+    }
 
-        let log_connections = self.choice(
-            &lb.log_connections,
-            format_args!("{key}.log_connections"),
-            &[
-                ("none", LogConnections::None),
-                ("errors", LogConnections::Errors),
-                ("all", LogConnections::All),
-            ],
-            LogConnections::None,
-        );
-
+    /// `backends`: unicast addresses, each once.
+    fn backends(
+        &mut self,
+        key: &str,
+        table_span: Range<usize>,
+        lb: &FileLoadBalancer,
+    ) -> Vec<IpAddr> {
         let mut backends = Vec::new();
         let mut seen = HashSet::new();
         for (i, b) in lb.backends.iter().enumerate() {
@@ -580,7 +589,16 @@ impl Validator<'_> {
                 "no backends: every connection to this load balancer will be refused".into(),
             );
         }
+        backends
+    }
 
+    /// Every `[[load_balancer.listener]]` that can be built, names unique.
+    fn listeners(
+        &mut self,
+        key: &str,
+        table_span: Range<usize>,
+        lb: &FileLoadBalancer,
+    ) -> Vec<ListenerSpec> {
         let mut listeners = Vec::new();
         let mut listener_names = HashSet::new();
         if lb.listeners.is_empty() {
@@ -596,8 +614,16 @@ impl Validator<'_> {
                 listeners.push(spec);
             }
         }
+        listeners
+    }
 
-        self.kernel_combinations(key, lb, vip, algorithm, &listeners);
+    /// `[load_balancer.health_check]`, warned when it would check nothing.
+    fn lb_health_check(
+        &mut self,
+        key: &str,
+        lb: &FileLoadBalancer,
+        listeners: &[ListenerSpec],
+    ) -> Option<HealthCheckSpec> {
         let health_check = lb
             .health_check
             .as_ref()
@@ -608,12 +634,16 @@ impl Validator<'_> {
             && listeners.iter().all(|l| l.protocol == Protocol::Udp)
         {
             self.warning(
-                Some(written.span()),
-                &format!("{key}.health_check.port"),
-                "missing: without it each TCP listener's nodeport is checked, and this load balancer has only UDP listeners (a UDP port answers no handshake), so nothing is checked and every backend stays in its initial state; give a TCP port of the node (a DNS server answers TCP on its port)".into(),
-            );
+            Some(written.span()),
+            &format!("{key}.health_check.port"),
+            "missing: without it each TCP listener's nodeport is checked, and this load balancer has only UDP listeners (a UDP port answers no handshake), so nothing is checked and every backend stays in its initial state; give a TCP port of the node (a DNS server answers TCP on its port)".into(),
+        );
         }
-        let source_ranges = self.source_ranges(key, table_span.clone(), &lb.source_ranges, vip);
+        health_check
+    }
+
+    /// `udp_idle_timeout_seconds` and `udp_responses`.
+    fn udp(&mut self, key: &str, lb: &FileLoadBalancer) -> UdpSettings {
         let udp_idle_timeout = self.int(
             &lb.udp_idle_timeout_seconds,
             format_args!("{key}.udp_idle_timeout_seconds"),
@@ -630,6 +660,18 @@ impl Validator<'_> {
                 MAX_UDP_RESPONSES,
             )
         });
+        UdpSettings {
+            idle_timeout: Duration::from_secs(udp_idle_timeout as u64),
+            responses: udp_responses.and_then(|n| NonZeroU32::new(n as u32)),
+        }
+    }
+
+    /// `max_connections` and `max_udp_flows`: the load balancer's own caps.
+    fn limits(
+        &mut self,
+        key: &str,
+        lb: &FileLoadBalancer,
+    ) -> (Option<NonZeroUsize>, Option<NonZeroUsize>) {
         let max_connections = lb.max_connections.as_ref().map(|_| {
             self.int(
                 &lb.max_connections,
@@ -648,34 +690,88 @@ impl Validator<'_> {
                 10_000_000,
             )
         });
+        (
+            max_connections.and_then(|n| NonZeroUsize::new(usize::try_from(n).unwrap_or(1))),
+            max_udp_flows.and_then(|n| NonZeroUsize::new(usize::try_from(n).unwrap_or(1))),
+        )
+    }
 
-        Some(LoadBalancerSpec {
-            name: name?,
-            cluster,
-            vip: vip?,
-            ipam,
-            dhcp: if leased { Some(dhcp?) } else { None },
-            backends,
-            algorithm,
-            initial_state,
-            connect_timeout: Duration::from_millis(connect_timeout_ms as u64),
-            connect_attempts: connect_attempts.and_then(|n| NonZeroU32::new(n as u32)),
-            idle_timeout: Duration::from_secs(idle_timeout as u64),
-            affinity_timeout: affinity.then(|| Duration::from_secs(affinity_timeout as u64)),
-            on_backend_down,
-            log_connections,
-            listeners,
-            health_check,
-            source_ranges,
-            udp: UdpSettings {
-                idle_timeout: Duration::from_secs(udp_idle_timeout as u64),
-                responses: udp_responses.and_then(|n| NonZeroU32::new(n as u32)),
-            },
-            max_connections: max_connections
-                .and_then(|n| NonZeroUsize::new(usize::try_from(n).unwrap_or(1))),
-            max_udp_flows: max_udp_flows
-                .and_then(|n| NonZeroUsize::new(usize::try_from(n).unwrap_or(1))),
-        })
+    /// `name`: present, not empty, bounded; `None` when it is not usable.
+    fn lb_name(
+        &mut self,
+        key: &str,
+        table_span: Range<usize>,
+        lb: &FileLoadBalancer,
+    ) -> Option<String> {
+        match &lb.name {
+            None => {
+                self.missing(
+                    table_span.clone(),
+                    key,
+                    "name",
+                    "the controller writes <namespace>/<service>",
+                );
+                None
+            }
+            Some(n) if n.get_ref().trim().is_empty() => {
+                self.problem(
+                    Some(n.span()),
+                    &format!("{key}.name"),
+                    "must not be empty".into(),
+                );
+                None
+            }
+            Some(n) => self
+                .bounded_name(n, &format!("{key}.name"), MAX_NAME_BYTES)
+                .then(|| n.get_ref().clone()),
+        }
+    }
+
+    /// `cluster`: the default when absent, not empty, bounded.
+    fn cluster(&mut self, key: &str, lb: &FileLoadBalancer) -> String {
+        match &lb.cluster {
+            None => DEFAULT_CLUSTER.to_string(),
+            Some(c) if c.get_ref().trim().is_empty() => {
+                self.problem(
+                    Some(c.span()),
+                    &format!("{key}.cluster"),
+                    "must not be empty".into(),
+                );
+                String::new()
+            }
+            Some(c) => {
+                self.bounded_name(c, &format!("{key}.cluster"), MAX_CLUSTER_BYTES);
+                c.get_ref().clone()
+            }
+        }
+    }
+
+    /// `vip`: a unicast address, or the unspecified address when the
+    /// daemon leases it (`leased`).
+    fn vip(
+        &mut self,
+        key: &str,
+        table_span: Range<usize>,
+        lb: &FileLoadBalancer,
+        leased: bool,
+    ) -> Option<IpAddr> {
+        match (&lb.vip, leased) {
+            // `vip` is absent or what Harvester writes before a lease
+            // (`0.0.0.0`); any other address is the one to ask for.
+            (_, true) => Some(IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED)),
+            (None, false) => {
+                self.missing(
+                table_span.clone(),
+                key,
+                "vip",
+                "the load balancer's IP address; or ipam = \"dhcp\" and a [load_balancer.dhcp] table to lease one",
+            );
+                None
+            }
+            (Some(v), false) => self
+                .ip(v, format_args!("{key}.vip"))
+                .filter(|ip| self.unicast(*ip, v, format_args!("{key}.vip"), Role::Vip)),
+        }
     }
 
     fn listener(

@@ -7,7 +7,9 @@
 //! row. Every name the controller can write comes from a Kubernetes object
 //! whose own API server bounds it, so a longer one is a mistake or an attack.
 
-use super::*;
+use toml::Spanned;
+
+use super::Validator;
 
 /// Longest `load_balancer.name`: `<namespace>/<name>`, a namespace being a
 /// DNS label (63 bytes) and a name a DNS subdomain (253 bytes).

@@ -18,7 +18,15 @@
 //! including every broken file, takes the full read of [`super::parse`],
 //! whose verdict and messages are the ones the operator sees.
 
-use super::*;
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+
+use toml::de::DeTable;
+
+use super::locate::LineIndex;
+use super::{Validator, cross, parse};
+use crate::config::file::FileConfig;
+use crate::config::{LoadBalancerSpec, Loaded, Problem};
 
 /// What the last read file's load balancers were, by the exact text of
 /// their table.

@@ -1,7 +1,15 @@
 //! `source_ranges` (`loadBalancerSourceRanges`): CIDRs without host bits,
 //! bounded in number, kept sorted and merged for the accept path.
 
-use super::*;
+use std::fmt;
+use std::net::IpAddr;
+use std::ops::Range;
+
+use ipnet::{IpNet, Ipv4Net};
+use toml::Spanned;
+
+use super::Validator;
+use crate::config::{MAX_SOURCE_RANGES, SourceRanges};
 
 impl Validator<'_> {
     /// `source_ranges`: every entry a CIDR without host bits, at most

@@ -12,7 +12,15 @@
 //! validation then runs over what did deserialize, and a key removed here is
 //! not reported a second time as missing.
 
-use super::*;
+use std::collections::HashSet;
+use std::ops::Range;
+
+use toml::Spanned;
+use toml::de::{DeArray, DeTable, DeValue};
+
+use super::locate::{LineIndex, display_path, path_at, segments};
+use crate::config::Problem;
+use crate::config::file::FileConfig;
 
 /// Type errors looked for in one piece, and in the whole file: each costs
 /// one more deserialization of its piece, so these bound the work a hostile

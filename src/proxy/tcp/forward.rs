@@ -16,8 +16,9 @@ use tokio_util::sync::CancellationToken;
 
 use super::copy::{self, ByteCounters, Ended, Moved, Peer};
 use super::proxy_protocol;
-use crate::balancer::{Backend, affinity};
-use crate::config::OnBackendDown;
+use crate::balancer::{Backend, ClientAddr, affinity};
+use crate::config::{OnBackendDown, ProxyProtocol};
+use crate::metrics::stats::{ClosedReason, ConnectFailureReason, FailedReason};
 use crate::net;
 use crate::proxy::Route;
 use crate::proxy::log::{AttemptFailure, Bytes, Origin, Record, Termination};
@@ -74,18 +75,18 @@ pub async fn serve(
     let snapshot = route.lb.snapshot_full();
     let mut record = Record::start(snapshot.settings.log_connections, peer);
     // Client affinity: the backend this client was given last, if recent.
-    let client_ip = peer.ip().to_canonical();
+    let client_addr = ClientAddr::new(peer);
     let affinity = snapshot
         .settings
         .affinity_timeout
         .and_then(|timeout| route.lb.affinity().map(|table| (table, timeout)));
     let now = affinity.map_or(0, |_| affinity::now_secs());
-    let sticky = affinity.and_then(|(table, timeout)| table.lookup(client_ip, timeout, now));
+    let sticky = affinity.and_then(|(table, timeout)| table.lookup(client_addr, timeout, now));
     let mut last_failure = None;
     let mut connected = None;
     let close_on_down = snapshot.settings.on_backend_down == OnBackendDown::Close;
     let port = route.backend_port;
-    for backend in snapshot.candidates(peer.ip(), route.lb.cursor(), sticky, port) {
+    for backend in snapshot.candidates(client_addr, route.lb.cursor(), sticky, port) {
         let addr = SocketAddr::new(backend.addr, port);
         // Taken before the connect: a mark-down under `on_backend_down =
         // "close"` while this connection is still being made resets it
@@ -129,47 +130,23 @@ pub async fn serve(
     drop(snapshot);
 
     let Some((server, backend, marked_down)) = connected else {
-        // Indices into `FAILED_REASONS`.
-        let reason = match last_failure {
-            None => 0,
-            Some(ConnectFailure::Refused) => 1,
-            Some(ConnectFailure::Timeout) => 2,
-            Some(ConnectFailure::Other | ConnectFailure::Local) => 3,
-        };
-        m.failed[reason].increment(1);
-        tracing::debug!(
-            reason = ?last_failure,
-            "no backend could take the connection; resetting the client"
-        );
-        reset(&client);
-        // Nothing tried: none was eligible (or all were marked down since).
-        let state = match last_failure {
-            None => Termination::NoBackend,
-            Some(_) => Termination::ConnectFailed,
-        };
-        log_end(record, state, &route, &client, None);
+        no_backend_took_it(record, last_failure, &route, &client);
         return;
     };
 
     if let Some((table, _)) = affinity
         && sticky != Some(backend.addr)
     {
-        table.remember(client_ip, backend.addr, now);
+        table.remember(client_addr, backend.addr, now);
     }
     let _backend_count = backend.connection_opened();
     if let Some(version) = route.proxy_protocol {
-        let sent = match client.local_addr() {
-            Ok(vip) => {
-                let header = proxy_protocol::header(version, peer, vip);
-                proxy_protocol::send(&server, &client, header).await
-            }
-            Err(e) => Err(e),
-        };
-        match sent {
+        match send_proxy_header(version, client_addr, &client, &server).await {
             Ok(first) => m.client_to_backend.increment(first as u64),
             Err(e) => {
                 tracing::debug!(error = %e, "cannot send the PROXY header; resetting both sides");
-                m.failed[3].increment(1); // connect_error: the backend took no header
+                // The backend took no header.
+                m.failed[FailedReason::ConnectError].increment(1);
                 reset(&client);
                 reset(&server);
                 log_end(record, Termination::BackendReset, &route, &client, None);
@@ -204,14 +181,67 @@ pub async fn serve(
         }
         _ = marked_down.cancelled() => {
             tracing::debug!(backend = %backend.addr, "backend marked down (on_backend_down = close): resetting both sides");
-            backend.stats().closed[0].increment(1); // CLOSED_REASONS: marked_down
+            backend.stats().closed[ClosedReason::MarkedDown].increment(1);
             reset(&client);
             reset(&server);
             Cut::BackendDown
         }
     };
     m.active.decrement();
-    let state = match ended {
+    let state = termination(ended, idle_timeout, &client, &server);
+    log_end(record, state, &route, &client, Some(&moved));
+}
+
+/// Ends a connection no backend took: counted by why, the client reset,
+/// and its line written.
+fn no_backend_took_it(
+    record: Record,
+    last_failure: Option<ConnectFailure>,
+    route: &Route,
+    client: &TcpStream,
+) {
+    let reason = match last_failure {
+        None => FailedReason::NoBackend,
+        Some(ConnectFailure::Refused) => FailedReason::ConnectRefused,
+        Some(ConnectFailure::Timeout) => FailedReason::ConnectTimeout,
+        Some(ConnectFailure::Other | ConnectFailure::Local) => FailedReason::ConnectError,
+    };
+    route.stats.failed[reason].increment(1);
+    tracing::debug!(
+        reason = ?last_failure,
+        "no backend could take the connection; resetting the client"
+    );
+    reset(client);
+    // Nothing tried: none was eligible (or all were marked down since).
+    let state = match last_failure {
+        None => Termination::NoBackend,
+        Some(_) => Termination::ConnectFailed,
+    };
+    log_end(record, state, route, client, None);
+}
+
+/// Sends the PROXY protocol header for the client at `client_addr`, with
+/// what the client has sent so far; returns how many client bytes went with it.
+async fn send_proxy_header(
+    version: ProxyProtocol,
+    client_addr: ClientAddr,
+    client: &TcpStream,
+    server: &TcpStream,
+) -> io::Result<usize> {
+    let vip = client.local_addr()?;
+    let header = proxy_protocol::header(version, client_addr, vip);
+    proxy_protocol::send(server, client, header).await
+}
+
+/// How a forwarded connection ended, for its line; a copy that failed
+/// passes the abort on to both sides.
+fn termination(
+    ended: Cut,
+    idle_timeout: Duration,
+    client: &TcpStream,
+    server: &TcpStream,
+) -> Termination {
+    match ended {
         Cut::Drained => Termination::Drained,
         Cut::BackendDown => Termination::BackendDown,
         Cut::Copy(Ended::Completed) => Termination::Closed,
@@ -223,15 +253,14 @@ pub async fn serve(
             tracing::debug!(error = %e, ?peer, "connection failed; resetting both sides");
             // Pass the abort on: a client must not take a cut-off response
             // for a complete one.
-            reset(&client);
-            reset(&server);
+            reset(client);
+            reset(server);
             match peer {
                 Peer::Client => Termination::ClientReset,
                 Peer::Backend => Termination::BackendReset,
             }
         }
-    };
-    log_end(record, state, &route, &client, Some(&moved));
+    }
 }
 
 /// Writes the line of a client refused at accept (`state` says why), if
@@ -358,11 +387,10 @@ impl From<ConnectFailure> for AttemptFailure {
 }
 
 fn count_attempt_failure(backend: &Backend, failure: ConnectFailure) {
-    // Indices into `CONNECT_FAILURE_REASONS`.
     let reason = match failure {
-        ConnectFailure::Refused => 0,
-        ConnectFailure::Timeout => 1,
-        ConnectFailure::Other => 2,
+        ConnectFailure::Refused => ConnectFailureReason::ConnectRefused,
+        ConnectFailure::Timeout => ConnectFailureReason::ConnectTimeout,
+        ConnectFailure::Other => ConnectFailureReason::ConnectError,
         // Not the backend's fault: not counted against it.
         ConnectFailure::Local => return,
     };

@@ -33,6 +33,7 @@ use super::log::Termination::{ConnectionCap, SourceRefused};
 use super::{CAP_LOG, Cap, note_lb_cap};
 use crate::budget::Slot;
 use crate::log_limit::{LogLimit, Verdict, left_out};
+use crate::metrics::stats::{AcceptErrorKind, RejectedReason};
 use crate::workers::Placement;
 
 /// The process-wide cap on forwarded connections (`proxy.max_connections`):
@@ -333,8 +334,7 @@ async fn accept_loop(
                         .source_ranges
                         .allows(peer.ip())
                     {
-                        // Index into `REJECTED_REASONS`.
-                        current.stats.rejected[0].increment(1);
+                        current.stats.rejected[RejectedReason::SourceRange].increment(1);
                         tracing::debug!(client = %peer, "client outside source_ranges: reset");
                         forward::reset(&stream);
                         forward::log_refused(&current, &stream, peer, SourceRefused);
@@ -347,8 +347,7 @@ async fn accept_loop(
                 // can queue for a process-wide slot.
                 let lb = Arc::clone(&route.load().lb);
                 let Some(lb_slot) = Slot::take(lb.connections()) else {
-                    // Index into `REJECTED_REASONS`.
-                    route.load().stats.rejected[1].increment(1);
+                    route.load().stats.rejected[RejectedReason::LoadBalancerLimit].increment(1);
                     note_lb_cap(&lb, Cap::Connections, true);
                     tracing::debug!(client = %peer, "load balancer at its connection cap: reset");
                     forward::reset(&stream);
@@ -387,11 +386,14 @@ async fn accept_loop(
                 );
             }
             Err(e) => {
-                // Indices into `ACCEPT_ERROR_KINDS`.
                 let (kind, back_off) = match e.raw_os_error() {
-                    Some(libc::EMFILE) | Some(libc::ENFILE) => (0, true),
-                    Some(libc::ENOBUFS) | Some(libc::ENOMEM) => (1, true),
-                    _ => (2, false),
+                    Some(libc::EMFILE) | Some(libc::ENFILE) => {
+                        (AcceptErrorKind::OutOfDescriptors, true)
+                    }
+                    Some(libc::ENOBUFS) | Some(libc::ENOMEM) => {
+                        (AcceptErrorKind::OutOfMemory, true)
+                    }
+                    _ => (AcceptErrorKind::Other, false),
                 };
                 route.load().stats.accept_errors[kind].increment(1);
                 if back_off {

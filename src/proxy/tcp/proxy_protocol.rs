@@ -10,6 +10,7 @@ use std::net::SocketAddr;
 
 use tokio::net::TcpStream;
 
+use crate::balancer::ClientAddr;
 use crate::config::ProxyProtocol;
 
 /// How many of the client's first bytes may ride in the header's segment:
@@ -23,8 +24,8 @@ const FIRST_BYTES: usize = 8 * 1024;
 /// connection has, the header says so rather than lie: v1 `UNKNOWN`, and v2
 /// `LOCAL` with an unspecified family (the receiver then uses the
 /// connection's own addresses, as the specification says).
-pub fn header(version: ProxyProtocol, client: SocketAddr, vip: SocketAddr) -> Vec<u8> {
-    let pair = (unmapped(client), unmapped(vip));
+pub fn header(version: ProxyProtocol, client: ClientAddr, vip: SocketAddr) -> Vec<u8> {
+    let pair = (unmapped(client.socket()), unmapped(vip));
     match version {
         ProxyProtocol::V1 => ppp::v1::Addresses::from(pair).to_string().into_bytes(),
         ProxyProtocol::V2 => {
@@ -85,11 +86,19 @@ mod tests {
         s.parse().unwrap()
     }
 
+    fn client(s: &str) -> ClientAddr {
+        ClientAddr::new(sa(s))
+    }
+
     #[test]
     fn v1_names_client_then_vip() {
-        let h = header(ProxyProtocol::V1, sa("127.0.3.7:40000"), sa("127.0.0.1:80"));
+        let h = header(
+            ProxyProtocol::V1,
+            client("127.0.3.7:40000"),
+            sa("127.0.0.1:80"),
+        );
         assert_eq!(h, b"PROXY TCP4 127.0.3.7 127.0.0.1 40000 80\r\n");
-        let h = header(ProxyProtocol::V1, sa("[::1]:40000"), sa("[::1]:443"));
+        let h = header(ProxyProtocol::V1, client("[::1]:40000"), sa("[::1]:443"));
         assert_eq!(h, b"PROXY TCP6 ::1 ::1 40000 443\r\n");
     }
 
@@ -97,19 +106,19 @@ mod tests {
     fn mapped_addresses_are_ipv4_and_mixed_families_unknown() {
         let h = header(
             ProxyProtocol::V1,
-            sa("[::ffff:10.1.2.3]:5000"),
+            client("[::ffff:10.1.2.3]:5000"),
             sa("[::ffff:10.0.0.1]:80"),
         );
         assert_eq!(h, b"PROXY TCP4 10.1.2.3 10.0.0.1 5000 80\r\n");
         let h = header(
             ProxyProtocol::V1,
-            sa("[2001:db8::1]:5000"),
+            client("[2001:db8::1]:5000"),
             sa("10.0.0.1:80"),
         );
         assert_eq!(h, b"PROXY UNKNOWN\r\n");
         let v2 = header(
             ProxyProtocol::V2,
-            sa("[2001:db8::1]:5000"),
+            client("[2001:db8::1]:5000"),
             sa("10.0.0.1:80"),
         );
         // Signature, then version 2 with LOCAL, family and protocol unspecified, no addresses.
@@ -118,7 +127,11 @@ mod tests {
 
     #[test]
     fn v2_parses_back_to_the_same_addresses() {
-        let h = header(ProxyProtocol::V2, sa("127.0.3.7:40000"), sa("127.0.0.1:80"));
+        let h = header(
+            ProxyProtocol::V2,
+            client("127.0.3.7:40000"),
+            sa("127.0.0.1:80"),
+        );
         let parsed = ppp::v2::Header::try_from(&h[..]).expect("a valid v2 header");
         assert_eq!(parsed.command, ppp::v2::Command::Proxy);
         assert_eq!(

@@ -44,9 +44,9 @@ use self::flow::FlowState;
 pub use self::table::{FlowBudget, default_max_flows};
 use self::table::{FlowTable, Refusal};
 use super::{Cap, Route, note_lb_cap};
-use crate::balancer::{Backend, ConnectionGuard, LoadBalancer, affinity};
+use crate::balancer::{Backend, ClientAddr, ConnectionGuard, LoadBalancer, affinity};
 use crate::config::UdpSettings;
-use crate::metrics::stats::UdpBackendStats;
+use crate::metrics::stats::{DatagramDropReason, Direction, FlowDropReason, UdpBackendStats};
 use crate::proxy::log::{AttemptFailure, Bytes, Origin, Record, Termination};
 
 /// The largest UDP payload over IPv4 (65,535 − 8 − 20). Every datagram up
@@ -302,7 +302,7 @@ fn forward(shared: &Arc<Shared>, tasks: &TaskTracker, datagram: &[u8], client: S
     let udp = route.route.stats.udp();
     if datagram.len() > MAX_DATAGRAM {
         // Only IPv6 carries more; an IPv4 backend could not take it whole.
-        udp.datagrams_dropped[1].increment(1);
+        udp.datagrams_dropped[DatagramDropReason::TooLarge].increment(1);
         return;
     }
     let answers = route.settings.responses.map_or(0, |n| n.get());
@@ -375,8 +375,8 @@ fn send(flow: &Flow, datagram: &[u8], route: &UdpRoute) -> Sent {
     // new flow's socket never has.
     match SockRef::from(&flow.socket).send(datagram) {
         Ok(n) => {
-            udp.datagrams[0].increment(1);
-            udp.bytes[0].increment(n as u64);
+            udp.datagrams[Direction::ClientToBackend].increment(1);
+            udp.bytes[Direction::ClientToBackend].increment(n as u64);
             flow.bytes_up.fetch_add(n as u64, Ordering::Relaxed);
             Sent::Ok
         }
@@ -388,9 +388,9 @@ fn send(flow: &Flow, datagram: &[u8], route: &UdpRoute) -> Sent {
         }
         Err(e) => {
             let reason = if e.raw_os_error() == Some(libc::EMSGSIZE) {
-                1
+                DatagramDropReason::TooLarge
             } else {
-                2
+                DatagramDropReason::SendFailed
             };
             udp.datagrams_dropped[reason].increment(1);
             tracing::debug!(client = %flow.client, error = %e, "datagram to backend dropped");
@@ -412,10 +412,10 @@ fn new_flow(
     let udp = route.route.stats.udp();
     let lb = &route.route.lb;
     let snapshot = lb.snapshot();
-    let client_ip = client.ip().to_canonical();
+    let client_addr = ClientAddr::new(client);
     let log = snapshot.settings.log_connections;
     if !snapshot.settings.source_ranges.allows(client.ip()) {
-        udp.datagrams_dropped[0].increment(1);
+        udp.datagrams_dropped[DatagramDropReason::SourceRange].increment(1);
         refused(
             shared,
             route,
@@ -429,10 +429,10 @@ fn new_flow(
         .affinity_timeout
         .and_then(|timeout| lb.affinity().map(|table| (table, timeout)));
     let now_secs = affinity.map_or(0, |_| affinity::now_secs());
-    let sticky = affinity.and_then(|(table, timeout)| table.lookup(client_ip, timeout, now_secs));
+    let sticky = affinity.and_then(|(table, timeout)| table.lookup(client_addr, timeout, now_secs));
     let backend = {
         let mut candidates =
-            snapshot.candidates(client.ip(), lb.cursor(), sticky, route.route.backend_port);
+            snapshot.candidates(client_addr, lb.cursor(), sticky, route.route.backend_port);
         let first = candidates.next();
         match (first, avoid) {
             (Some(b), Some(a)) if b.addr == a => candidates.next().or(first),
@@ -441,7 +441,7 @@ fn new_flow(
         .cloned()
     };
     let Some(backend) = backend else {
-        udp.flows_dropped[2].increment(1);
+        udp.flows_dropped[FlowDropReason::NoBackend].increment(1);
         refused(
             shared,
             route,
@@ -490,12 +490,12 @@ fn new_flow(
             if let Some((table, _)) = affinity
                 && sticky != Some(backend.addr)
             {
-                table.remember(client_ip, backend.addr, now_secs);
+                table.remember(client_addr, backend.addr, now_secs);
             }
             Some(flow)
         }
         Ok(None) => {
-            udp.flows_dropped[3].increment(1);
+            udp.flows_dropped[FlowDropReason::NoSocket].increment(1);
             if let Some(e) = socket_error {
                 tracing::debug!(client = %client, backend = %target, error = %e, "no socket for a UDP flow; datagram dropped");
             }
@@ -505,11 +505,11 @@ fn new_flow(
         }
         Err(refusal) => {
             let reason = match refusal {
-                Refusal::TableFull => 0,
-                Refusal::SourceLimit => 1,
+                Refusal::TableFull => FlowDropReason::TableFull,
+                Refusal::SourceLimit => FlowDropReason::SourceLimit,
                 Refusal::LoadBalancerLimit => {
                     note_lb_cap(lb, Cap::UdpFlows, true);
-                    4
+                    FlowDropReason::LoadBalancerLimit
                 }
             };
             udp.flows_dropped[reason].increment(1);
@@ -644,8 +644,8 @@ fn relay_answers(shared: &Shared, flow: &Flow, close_when_answered: bool) -> boo
                     let to = socket2::SockAddr::from(flow.client);
                     match SockRef::from(&shared.socket).send_to(&buf[..n], &to) {
                         Ok(sent) => {
-                            udp.datagrams[1].increment(1);
-                            udp.bytes[1].increment(sent as u64);
+                            udp.datagrams[Direction::BackendToClient].increment(1);
+                            udp.bytes[Direction::BackendToClient].increment(sent as u64);
                             flow.bytes_down.fetch_add(sent as u64, Ordering::Relaxed);
                         }
                         Err(e) => {
@@ -653,9 +653,9 @@ fn relay_answers(shared: &Shared, flow: &Flow, close_when_answered: bool) -> boo
                             // backend's jumbo answer to an IPv4 client), or
                             // the socket's buffer is full: dropped, never cut.
                             let reason = if e.raw_os_error() == Some(libc::EMSGSIZE) {
-                                1
+                                DatagramDropReason::TooLarge
                             } else {
-                                2
+                                DatagramDropReason::SendFailed
                             };
                             udp.datagrams_dropped[reason].increment(1);
                             tracing::debug!(client = %flow.client, error = %e, "answer to client dropped");
