@@ -17,8 +17,8 @@
 // These tests time real processes and sockets, not tokio timers.
 #![allow(clippy::disallowed_types, clippy::disallowed_methods)]
 
-#[path = "netns/mod.rs"]
 mod netns;
+mod support;
 
 use std::net::Ipv4Addr;
 use std::path::{Path, PathBuf};

@@ -23,11 +23,9 @@
 #![allow(dead_code, unsafe_code)]
 
 pub mod peers;
-#[path = "../support/skip.rs"]
-mod skip;
 // Used by the `require_netns!` macro, which not every test crate calls.
 #[allow(unused_imports)]
-pub use skip::skip_or_fail;
+pub use crate::support::{skip_or_fail, wait_for};
 
 use std::io::{Read, Write};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
@@ -750,25 +748,6 @@ pub fn lb(name: &str, vip: Ipv4Addr, nodes: &[usize], extra: &str, health: Optio
         ));
     }
     s
-}
-
-/// Polls `f` every 20 ms until it returns `Some`, panicking with `what` after `timeout`.
-pub async fn wait_for<T, Fut: std::future::Future<Output = Option<T>>>(
-    timeout: Duration,
-    what: &str,
-    mut f: impl FnMut() -> Fut,
-) -> T {
-    let deadline = Instant::now() + timeout;
-    loop {
-        if let Some(v) = f().await {
-            return v;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "timed out after {timeout:?} waiting for {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
 }
 
 /// Address `ip:port`.
