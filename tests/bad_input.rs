@@ -6,17 +6,16 @@
 // These tests time real processes and sockets, not tokio timers.
 #![allow(clippy::disallowed_types, clippy::disallowed_methods)]
 
-#[path = "support/skip.rs"]
-mod skip;
+mod support;
 
 use std::io::{Read, Write};
 use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
-use skip::skip_or_fail;
+use support::{Process, Rng, skip_or_fail};
 
 const BIN: &str = env!("CARGO_BIN_EXE_harvester-lb");
 const EXIT_CONFIG: i32 = 78;
@@ -100,89 +99,11 @@ impl Drop for Env {
     }
 }
 
-/// The daemon as a child process, killed on drop.
-struct Daemon {
-    child: Child,
-    log: PathBuf,
-}
-
-impl Daemon {
-    fn spawn(env: &Env, config: &Path) -> Daemon {
-        Daemon::spawn_with(env, config, &["--no-watch"])
-    }
-
-    fn spawn_with(env: &Env, config: &Path, flags: &[&str]) -> Daemon {
-        let log = env.path("daemon.log");
-        let f = std::fs::File::create(&log).unwrap();
-        let child = Command::new(BIN)
-            .arg("run")
-            .args(flags)
-            .arg("--config")
-            .arg(config)
-            .stdin(Stdio::null())
-            .stdout(f.try_clone().unwrap())
-            .stderr(f)
-            .spawn()
-            .unwrap();
-        Daemon { child, log }
-    }
-
-    fn start(env: &Env, config: &Path) -> Daemon {
-        let d = Daemon::spawn(env, config);
-        d.wait_ready(env);
-        d
-    }
-
-    fn wait_ready(&self, env: &Env) {
-        let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
-            if let Ok((200, _)) = http(
-                env.admin(),
-                "GET /readyz HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n",
-            ) {
-                return;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "daemon not ready within 10 s: {}",
-                self.log()
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-
-    fn signal(&self, sig: i32) {
-        // SAFETY: kill(2) on our own child.
-        unsafe {
-            libc::kill(self.child.id() as i32, sig);
-        }
-    }
-
-    fn alive(&mut self) -> bool {
-        self.child.try_wait().unwrap().is_none()
-    }
-
-    fn wait_exit(&mut self, timeout: Duration) -> Option<std::process::ExitStatus> {
-        let deadline = Instant::now() + timeout;
-        while Instant::now() < deadline {
-            if let Some(s) = self.child.try_wait().unwrap() {
-                return Some(s);
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        None
-    }
-
-    fn log(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
-    }
-}
-
-impl Drop for Daemon {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
+/// Starts the daemon on `config` (without watching it) and waits until it is ready.
+fn start(env: &Env, config: &Path) -> Process {
+    let mut d = Process::start(config, &[]);
+    d.wait_ready_blocking(env.admin());
+    d
 }
 
 /// Sends a raw request; returns (status, whole response).
@@ -444,7 +365,7 @@ fn reload_of_a_bad_file_never_changes_the_running_config() {
     env.echo_backend();
     let cfg = env.path("config.toml");
     std::fs::write(&cfg, env.config("")).unwrap();
-    let mut d = Daemon::start(&env, &cfg);
+    let mut d = start(&env, &cfg);
     through_vip(&env);
     let (_, status_before) = get(&env, "/status");
     let body = |s: &str| s.split("\r\n\r\n").nth(1).unwrap_or("").to_string();
@@ -514,7 +435,7 @@ fn admin_api_withstands_hostile_clients() {
     env.echo_backend();
     let cfg = env.path("config.toml");
     std::fs::write(&cfg, env.config("")).unwrap();
-    let mut d = Daemon::start(&env, &cfg);
+    let mut d = start(&env, &cfg);
     let req = |m: &str, p: &str| {
         format!("{m} {p} HTTP/1.1\r\nHost: a\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
     };
@@ -620,10 +541,10 @@ fn sighup_storms_at_startup_and_during_drain() {
     env.echo_backend();
     let cfg = env.path("config.toml");
     std::fs::write(&cfg, env.config("")).unwrap();
-    let mut d = Daemon::spawn(&env, &cfg);
+    let mut d = Process::start(&cfg, &[]);
     // Start-up: from the first moment the process has taken SIGHUP over
     // (ignored or caught, per /proc), a SIGHUP every 2 ms until ready.
-    let pid = d.child.id();
+    let pid = d.pid();
     let t = Instant::now();
     loop {
         let st = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
@@ -657,7 +578,7 @@ fn sighup_storms_at_startup_and_during_drain() {
         assert!(
             d.alive(),
             "daemon died of SIGHUP number {sent} during start-up: {:?}\n{}",
-            d.child.try_wait(),
+            d.exited(),
             d.log()
         );
         assert!(Instant::now() < deadline, "not ready while HUPed");
@@ -685,7 +606,7 @@ fn sighup_storms_at_startup_and_during_drain() {
     open.read_exact(&mut b).unwrap();
     assert_eq!(&b, b"efgh");
     drop(open);
-    let status = d.wait_exit(Duration::from_secs(5));
+    let status = d.wait_exit_blocking(Duration::from_secs(5));
     println!(
         "FIGURE signals: SIGHUP taken over {taken_over:?} after spawn; {sent} SIGHUPs during start-up, 200 while serving, 200 during drain: exit {status:?}"
     );
@@ -724,13 +645,8 @@ fn config_parser_never_panics_on_generated_input() {
         "\"::1\"",
         "'''",
     ];
-    let mut rng = 0x9E37_79B9_7F4A_7C15u64;
-    let mut next = move || {
-        rng ^= rng << 13;
-        rng ^= rng >> 7;
-        rng ^= rng << 17;
-        rng
-    };
+    let mut rng = Rng::new(0x9E37_79B9_7F4A_7C15);
+    let mut next = move || rng.next_u64();
     let started = Instant::now();
     let (mut ok, mut rejected) = (0, 0);
     for i in 0..20_000 {
@@ -796,8 +712,8 @@ fn a_deleted_config_file_warns_once_keeps_serving_and_reloads_when_back() {
     env.echo_backend();
     let cfg = env.path("config.toml");
     std::fs::write(&cfg, env.config("")).unwrap();
-    let d = Daemon::spawn_with(&env, &cfg, &[]);
-    d.wait_ready(&env);
+    let mut d = Process::launch(&cfg).watch().spawn();
+    d.wait_ready_blocking(env.admin());
     through_vip(&env);
     let status = || -> serde_json::Value {
         let (_, resp) = get(&env, "/status");
@@ -966,8 +882,8 @@ fn a_fifo_at_the_config_path_never_wedges_reloads_or_stop() {
     env.echo_backend();
     let cfg = env.path("config.toml");
     std::fs::write(&cfg, env.config("")).unwrap();
-    let mut d = Daemon::spawn_with(&env, &cfg, &[]);
-    d.wait_ready(&env);
+    let mut d = Process::launch(&cfg).watch().spawn();
+    d.wait_ready_blocking(env.admin());
     through_vip(&env);
 
     std::fs::remove_file(&cfg).unwrap();
@@ -996,7 +912,7 @@ fn a_fifo_at_the_config_path_never_wedges_reloads_or_stop() {
     assert_eq!(code, 200);
 
     d.signal(libc::SIGTERM);
-    let status = d.wait_exit(Duration::from_secs(20));
+    let status = d.wait_exit_blocking(Duration::from_secs(20));
     assert_eq!(
         status.and_then(|s| s.code()),
         Some(0),

@@ -593,7 +593,7 @@ async fn sixty_four_mebibytes_each_way_arrive_byte_exact() {
     let s = TcpStream::connect(vip(&net)).await.unwrap();
     let (mut rd, mut wr) = s.into_split();
     let writer = tokio::spawn(async move {
-        let mut p = Pattern::new(42);
+        let mut p = Rng::new(42);
         let mut block = vec![0u8; BLOCK];
         for _ in 0..TOTAL / BLOCK {
             p.fill(&mut block);
@@ -602,7 +602,7 @@ async fn sixty_four_mebibytes_each_way_arrive_byte_exact() {
         wr.shutdown().await.unwrap();
     });
     let reader = tokio::spawn(async move {
-        let mut p = Pattern::new(42);
+        let mut p = Rng::new(42);
         let mut expected = vec![0u8; BLOCK];
         let mut got = vec![0u8; BLOCK];
         let mut total = 0usize;
@@ -666,7 +666,7 @@ async fn small_messages_then_bulk_then_small_again_stay_in_order() {
         }
         let (mut rd, mut wr) = s.split();
         let write = async {
-            let mut p = Pattern::new(7);
+            let mut p = Rng::new(7);
             let mut block = vec![0u8; 64 * 1024];
             for _ in 0..BULK / block.len() {
                 p.fill(&mut block);
@@ -674,7 +674,7 @@ async fn small_messages_then_bulk_then_small_again_stay_in_order() {
             }
         };
         let read = async {
-            let mut p = Pattern::new(7);
+            let mut p = Rng::new(7);
             let (mut got, mut want) = (vec![0u8; 64 * 1024], vec![0u8; 64 * 1024]);
             for block in 0..BULK / got.len() {
                 rd.read_exact(&mut got).await.unwrap();

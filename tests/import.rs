@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use harvester_lb::import::{self, Options, Source};
 use serde_json::Value;
-use support::{Backend, Behaviour, Daemon, Subnet, run_cli, wait_for, whoami};
+use support::{Backend, Behaviour, Daemon, Rng, Subnet, run_cli, wait_for, whoami};
 
 const FIXTURES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/import");
 
@@ -245,18 +245,6 @@ fn objects(net: &Subnet) -> Vec<Value> {
     out
 }
 
-/// A small deterministic generator for the orders and splits.
-struct Rng(u64);
-
-impl Rng {
-    fn below(&mut self, n: usize) -> usize {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        (self.0 % n as u64) as usize
-    }
-}
-
 fn render(objs: &[Value], format: usize) -> String {
     match format {
         // A kubectl List.
@@ -295,7 +283,7 @@ fn the_same_objects_in_any_order_and_split_give_the_same_bytes() {
     let first = run([objs.clone(), Vec::new(), Vec::new()], [0, 0, 0]);
     assert!(harvester_lb::config::parse(&first.text).is_ok());
     assert_eq!(first.load_balancers, 6);
-    let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+    let mut rng = Rng::new(0x9e37_79b9_7f4a_7c15);
     for round in 0..40 {
         let mut shuffled = objs.clone();
         for i in (1..shuffled.len()).rev() {

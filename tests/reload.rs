@@ -451,7 +451,7 @@ async fn sigterm_drains_open_connections_then_exits_zero() {
     let path = net.write("config.toml", &config(&net, &[11], &[], 2));
     let mut p = Process::start(&path, ONE_THREAD);
     let admin = SocketAddr::new(net.ip(250), 9901);
-    wait_ready(admin).await;
+    p.wait_ready(admin).await;
 
     let mut open = TcpStream::connect(stable_vip(&net)).await.unwrap();
     read_line(&mut open).await.unwrap();
@@ -471,7 +471,7 @@ async fn sigterm_drains_open_connections_then_exits_zero() {
     echo_once(&mut open, "draining")
         .await
         .expect("open connection keeps working during drain");
-    let code = p.wait_exit(Duration::from_secs(10)).await;
+    let code = p.exit_code(Duration::from_secs(10)).await;
     assert_eq!(code, 0);
     assert!(
         signalled.elapsed() >= Duration::from_millis(1500),
@@ -492,17 +492,17 @@ async fn sigterm_without_open_connections_exits_at_once_and_a_second_signal_does
 
     let mut p = Process::start(&path, ONE_THREAD);
     let admin = SocketAddr::new(net.ip(250), 9901);
-    wait_ready(admin).await;
+    p.wait_ready(admin).await;
     p.signal(libc::SIGTERM);
     assert_eq!(
-        p.wait_exit(Duration::from_secs(5)).await,
+        p.exit_code(Duration::from_secs(5)).await,
         0,
         "nothing to drain: exit 0 well before the 30 s drain timeout"
     );
 
     // A connection holds the drain open for 30 s; the second signal cuts it short.
     let mut p = Process::start(&path, ONE_THREAD);
-    wait_ready(admin).await;
+    p.wait_ready(admin).await;
     let mut open = TcpStream::connect(stable_vip(&net)).await.unwrap();
     read_line(&mut open).await.unwrap();
     p.signal(libc::SIGTERM);
@@ -514,7 +514,7 @@ async fn sigterm_without_open_connections_exits_at_once_and_a_second_signal_does
     })
     .await;
     p.signal(libc::SIGTERM);
-    assert_eq!(p.wait_exit(Duration::from_secs(5)).await, 1);
+    assert_eq!(p.exit_code(Duration::from_secs(5)).await, 1);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -522,9 +522,9 @@ async fn sighup_reloads_the_file() {
     let net = Subnet::new();
     let _n = Backend::start(SocketAddr::new(net.ip(11), 30080), Behaviour::NameThenEcho).await;
     let path = net.write("config.toml", &config(&net, &[11], &[], 30));
-    let p = Process::start(&path, ONE_THREAD);
+    let mut p = Process::start(&path, ONE_THREAD);
     let admin = SocketAddr::new(net.ip(250), 9901);
-    wait_ready(admin).await;
+    p.wait_ready(admin).await;
     std::fs::write(&path, config(&net, &[11], &[7], 30)).unwrap();
     p.signal(libc::SIGHUP);
     wait_for(
@@ -667,14 +667,11 @@ async fn systemd_hears_ready_reloading_and_stopping() {
     socket
         .set_read_timeout(Some(Duration::from_secs(10)))
         .unwrap();
-    let mut p = Process::start_with_env(
-        &path,
-        ONE_THREAD,
-        &[
-            ("NOTIFY_SOCKET", socket_path.as_os_str()),
-            ("WATCHDOG_USEC", std::ffi::OsStr::new("400000")),
-        ],
-    );
+    let mut p = Process::launch(&path)
+        .args(ONE_THREAD)
+        .env("NOTIFY_SOCKET", &socket_path)
+        .env("WATCHDOG_USEC", "400000")
+        .spawn();
     let next = move |socket: &UnixDatagram| -> String {
         let mut buf = [0u8; 512];
         let n = socket.recv(&mut buf).expect("a notification within 10 s");
@@ -711,7 +708,7 @@ async fn systemd_hears_ready_reloading_and_stopping() {
     assert_eq!(pings, 3, "watchdog pings");
     p.signal(libc::SIGTERM);
     assert_eq!(next_state(&socket), "STOPPING=1");
-    assert_eq!(p.wait_exit(Duration::from_secs(5)).await, 0);
+    assert_eq!(p.exit_code(Duration::from_secs(5)).await, 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -728,16 +725,6 @@ async fn stop_reports_the_connections_the_drain_timeout_cut() {
         "one connection was open past the drain timeout"
     );
     assert!(started.elapsed() >= Duration::from_millis(900));
-}
-
-/// The resident memory of a process, from `/proc` (kB).
-fn rss_kb(pid: u32) -> u64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .expect("read /proc status")
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .expect("VmRSS in /proc status")
 }
 
 /// 300 reloads that each replace a load balancer of 16 health-checked
@@ -760,10 +747,10 @@ async fn churned_load_balancers_leave_no_series_and_no_memory_behind() {
             )
     };
     let path = net.write("config.toml", &churned(0));
-    let process = Process::start(&path, ONE_THREAD);
+    let mut process = Process::start(&path, ONE_THREAD);
     let admin = SocketAddr::new(net.ip(250), 9901);
-    let pid = process.child.id();
-    wait_ready(admin).await;
+    let pid = process.pid();
+    process.wait_ready(admin).await;
 
     // Waits until only load balancer `k` of the churned ones has series
     // (the drain time is 0, so the others' go as soon as they are retired);
@@ -783,7 +770,7 @@ async fn churned_load_balancers_leave_no_series_and_no_memory_behind() {
         )
         .await;
         let others = body.lines().filter(|l| !l.contains("churn/")).count();
-        (others, rss_kb(pid))
+        (others, proc_rss_kib(pid))
     };
     let mut at_50 = (0, 0);
     for k in 1..=300 {

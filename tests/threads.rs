@@ -102,7 +102,7 @@ async fn thread_per_core_gives_each_thread_a_socket_and_every_one_serves() {
     let _node = Backend::start(SocketAddr::new(net.ip(11), 30080), Behaviour::NameThenEcho).await;
     let path = net.write("config.toml", &config(&net, 8080));
     let mut p = Process::start(&path, &["--threads", "3", "--scheduler", "thread-per-core"]);
-    wait_ready(SocketAddr::new(net.ip(1), 9901)).await;
+    p.wait_ready(SocketAddr::new(net.ip(1), 9901)).await;
     let vip = SocketAddr::new(net.ip(2), 8080);
     wait_sockets(vip, 3).await;
 
@@ -130,7 +130,7 @@ async fn thread_per_core_gives_each_thread_a_socket_and_every_one_serves() {
     // SIGTERM: every socket closes, the open connection is cut after the
     // 8 s drain, and the process exits 0 (its threads joined).
     p.signal(libc::SIGTERM);
-    assert_eq!(p.wait_exit(Duration::from_secs(40)).await, 0);
+    assert_eq!(p.exit_code(Duration::from_secs(40)).await, 0);
     assert_eq!(listening_sockets(moved), 0);
     assert!(!still_echoes(&mut open).await, "open after the drain");
 }
@@ -184,7 +184,7 @@ async fn a_port_held_with_so_reuseport_by_another_process_is_not_shared() {
             "{args:?}: only the holder listens"
         );
         p.signal(libc::SIGTERM);
-        assert_eq!(p.wait_exit(Duration::from_secs(40)).await, 0, "{args:?}");
+        assert_eq!(p.exit_code(Duration::from_secs(40)).await, 0, "{args:?}");
     }
     drop(holder);
 }
@@ -201,10 +201,10 @@ async fn work_stealing_the_default_and_one_thread_listen_on_one_socket() {
         &["--threads", "1", "--scheduler", "thread-per-core"][..],
     ] {
         let mut p = Process::start(&path, args);
-        wait_ready(SocketAddr::new(net.ip(1), 9901)).await;
+        p.wait_ready(SocketAddr::new(net.ip(1), 9901)).await;
         wait_sockets(vip, 1).await;
         each_forwarded(&net, vip, 20).await;
         p.signal(libc::SIGTERM);
-        assert_eq!(p.wait_exit(Duration::from_secs(40)).await, 0, "{args:?}");
+        assert_eq!(p.exit_code(Duration::from_secs(40)).await, 0, "{args:?}");
     }
 }

@@ -674,14 +674,11 @@ async fn datagrams_of_every_size_up_to_65507_bytes_are_forwarded_whole() {
         .unwrap();
     // Property: for random sizes (and the edges), the answer is byte-exact.
     let mut sizes = vec![0usize, 1, 1472, 1473, 9000, 65_507];
-    let mut rng = 0x2545_F491_4F6C_DD1Du64;
+    let mut rng = Rng::new(0x2545_F491_4F6C_DD1D);
     for _ in 0..40 {
-        rng ^= rng << 13;
-        rng ^= rng >> 7;
-        rng ^= rng << 17;
-        sizes.push((rng % 65_508) as usize);
+        sizes.push(rng.below(65_508));
     }
-    let mut pattern = Pattern::new(7);
+    let mut pattern = Rng::new(7);
     for size in sizes {
         let mut payload = vec![0u8; size];
         pattern.fill(&mut payload);
@@ -877,13 +874,8 @@ udp_responses = 1
         "[]",
         "\"\"",
     ];
-    let mut rng = 0x9E37_79B9_7F4A_7C15u64;
-    let mut next = move || {
-        rng ^= rng << 13;
-        rng ^= rng >> 7;
-        rng ^= rng << 17;
-        rng
-    };
+    let mut rng = Rng::new(0x9E37_79B9_7F4A_7C15);
+    let mut next = move || rng.next_u64();
     let (mut ok, mut rejected) = (0, 0);
     for i in 0..5_000 {
         let mut s: Vec<char> = base.chars().collect();

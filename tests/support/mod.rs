@@ -9,7 +9,11 @@
 #![allow(clippy::disallowed_types, clippy::disallowed_methods)]
 #![allow(dead_code)]
 
+mod process;
 mod skip;
+// Not every test crate measures a process by its pid.
+#[allow(unused_imports)]
+pub use process::{Process, proc_cpu_time, proc_rss_kib};
 pub use skip::skip_or_fail;
 
 use std::future::Future;
@@ -561,23 +565,35 @@ pub fn http_blocking(addr: SocketAddr, path: &str) -> std::io::Result<(u16, Stri
     Ok(split_response(&text))
 }
 
-/// A deterministic byte stream (xorshift), so both ends can check every byte
-/// without storing it.
-pub struct Pattern(u64);
+/// The one small deterministic generator of the tests (xorshift64): a
+/// property test's failure names its seed and a rerun repeats it, and both
+/// ends of a byte stream can check every byte without storing it.
+pub struct Rng(u64);
 
-impl Pattern {
-    /// A stream seeded with `seed`.
+impl Rng {
+    /// The generator of `seed` (0, which xorshift never leaves, counts as 1).
     pub fn new(seed: u64) -> Self {
         Self(seed.max(1))
     }
 
-    /// Fills `buf` with the next bytes.
+    /// The next 64 random bits.
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+
+    /// A number in `0..n`.
+    pub fn below(&mut self, n: usize) -> usize {
+        (self.next_u64() % n as u64) as usize
+    }
+
+    /// Fills `buf` with the next bytes, eight (one number) at a time, so a
+    /// stream filled in whole 8-byte words is the same however it is cut.
     pub fn fill(&mut self, buf: &mut [u8]) {
         for chunk in buf.chunks_mut(8) {
-            self.0 ^= self.0 << 13;
-            self.0 ^= self.0 >> 7;
-            self.0 ^= self.0 << 17;
-            let bytes = self.0.to_le_bytes();
+            let bytes = self.next_u64().to_le_bytes();
             chunk.copy_from_slice(&bytes[..chunk.len()]);
         }
     }
@@ -621,60 +637,6 @@ pub fn promtool_accepts(body: &str) {
         out.status.success() && said.trim().is_empty(),
         "promtool check metrics complained:\n{said}"
     );
-}
-
-/// The real binary (`harvester-lb run --no-watch`), for signals, exit codes
-/// and its threads; killed when dropped.
-pub struct Process {
-    /// The running daemon.
-    pub child: std::process::Child,
-}
-
-impl Process {
-    /// Starts it on `config` with `args` after `run` (`--threads 1`...).
-    pub fn start(config: &std::path::Path, args: &[&str]) -> Self {
-        Self::start_with_env(config, args, &[])
-    }
-
-    /// As [`Process::start`], with extra environment variables.
-    pub fn start_with_env(
-        config: &std::path::Path,
-        args: &[&str],
-        env: &[(&str, &std::ffi::OsStr)],
-    ) -> Self {
-        let child = std::process::Command::new(env!("CARGO_BIN_EXE_harvester-lb"))
-            .args(["run", "--no-watch", "--config", config.to_str().unwrap()])
-            .args(args)
-            .envs(env.iter().copied())
-            .stderr(std::process::Stdio::null())
-            .spawn()
-            .expect("spawn harvester-lb");
-        Self { child }
-    }
-
-    /// Sends `sig` to it.
-    pub fn signal(&self, sig: i32) {
-        #[allow(unsafe_code)]
-        // SAFETY: kill(2) with a pid we spawned and own.
-        let rc = unsafe { libc::kill(self.child.id() as i32, sig) };
-        assert_eq!(rc, 0, "kill failed");
-    }
-
-    /// Its exit code, once it exits within `within`.
-    pub async fn wait_exit(&mut self, within: Duration) -> i32 {
-        wait_for(within, "the process to exit", || {
-            let r = self.child.try_wait().expect("try_wait");
-            async move { r.map(|s| s.code().unwrap_or(-1)) }
-        })
-        .await
-    }
-}
-
-impl Drop for Process {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
 }
 
 /// Waits until `/readyz` on `admin` answers 200.
