@@ -21,57 +21,21 @@ const ONE_THREAD: &[&str] = &["--threads", "1"];
 /// The stable load balancer on `.1:8080` with `backends`, health checked,
 /// plus `churn` extra load balancers on `.2:9000+i`.
 fn config(net: &Subnet, backends: &[u8], churn: &[u16], drain_seconds: u64) -> String {
-    let list = |hosts: &[u8]| {
-        hosts
-            .iter()
-            .map(|h| format!("{:?}", net.ip_str(*h)))
-            .collect::<Vec<_>>()
-            .join(", ")
-    };
-    let mut c = format!(
-        r#"
-[admin]
-listen = "{admin}:9901"
-socket = {socket:?}
+    stable(net, backends, churn, drain_seconds).to_string()
+}
 
-[proxy]
-drain_timeout_seconds = {drain_seconds}
-
-[[load_balancer]]
-name = "{STABLE}"
-vip = "{vip}"
-backends = [{backends}]
-  [[load_balancer.listener]]
-  name = "echo"
-  port = 8080
-  backend_port = 30080
-  [load_balancer.health_check]
-  port = 30080
-  period_seconds = 1
-  timeout_seconds = 1
-  failure_threshold = 2
-"#,
-        admin = net.ip_str(250),
-        socket = net.dir().join("admin.sock"),
-        vip = net.ip_str(1),
-        backends = list(backends),
-    );
+/// [`config`], to add load balancers to.
+fn stable(net: &Subnet, backends: &[u8], churn: &[u16], drain_seconds: u64) -> Config {
+    let mut c = Config::on(net)
+        .proxy(&format!("drain_timeout_seconds = {drain_seconds}"))
+        .lb(Lb::new(STABLE, net.ip(1))
+            .backends(net.ips(backends))
+            .tcp("echo", 8080, 30080)
+            .health("  port = 30080\n  period_seconds = 1\n  timeout_seconds = 1\n  failure_threshold = 2"));
     for i in churn {
-        c.push_str(&format!(
-            r#"
-[[load_balancer]]
-name = "churn/{i}"
-vip = "{vip}"
-backends = [{backends}]
-  [[load_balancer.listener]]
-  name = "echo"
-  port = {port}
-  backend_port = 30080
-"#,
-            vip = net.ip_str(2),
-            backends = list(&[11, 12]),
-            port = 9000 + i,
-        ));
+        c = c.lb(Lb::new(&format!("churn/{i}"), net.ip(2))
+            .backends(net.ips(&[11, 12]))
+            .tcp("echo", 9000 + i, 30080));
     }
     c
 }
@@ -345,17 +309,18 @@ async fn a_removed_listener_stops_accepting_at_once_and_drains_its_connections()
 async fn a_removed_load_balancer_s_series_go_as_soon_as_its_last_connection_has() {
     let net = Subnet::new();
     let _n = Backend::start(SocketAddr::new(net.ip(11), 30080), Behaviour::NameThenEcho).await;
-    let base = config(&net, &[11], &[], 120);
+    let base = stable(&net, &[11], &[], 120);
     let removed = |name: &str, port: u16| {
-        format!(
-            "\n[[load_balancer]]\nname = \"{name}\"\nvip = \"{}\"\nbackends = [\"{}\"]\n  [[load_balancer.listener]]\n  name = \"echo\"\n  port = {port}\n  backend_port = 30080\n  [load_balancer.health_check]\n  port = 30080\n  period_seconds = 1\n  timeout_seconds = 1\n",
-            net.ip_str(2),
-            net.ip_str(11),
-        )
+        Lb::new(name, net.ip(2))
+            .backends([net.ip(11)])
+            .tcp("echo", port, 30080)
+            .health("  port = 30080\n  period_seconds = 1\n  timeout_seconds = 1")
     };
     let d = Daemon::start(
         &net,
-        &(base.clone() + &removed("gone/idle", 9001) + &removed("gone/busy", 9002)),
+        base.clone()
+            .lb(removed("gone/idle", 9001))
+            .lb(removed("gone/busy", 9002)),
     )
     .await;
     let mut open = TcpStream::connect(SocketAddr::new(net.ip(2), 9002))
@@ -379,7 +344,7 @@ async fn a_removed_load_balancer_s_series_go_as_soon_as_its_last_connection_has(
     })
     .await;
 
-    std::fs::write(&d.config, &base).unwrap();
+    std::fs::write(&d.config, base.to_string()).unwrap();
     d.server().reload().await.unwrap();
     // Nothing open through gone/idle: its series go at once (a deadline
     // far below the 120 s drain time).
@@ -737,14 +702,12 @@ async fn churned_load_balancers_leave_no_series_and_no_memory_behind() {
     let net = Subnet::new();
     let _n11 = Backend::start(SocketAddr::new(net.ip(11), 30080), Behaviour::NameThenEcho).await;
     let churned = |k: usize| {
-        let backends: Vec<String> = (100..116).map(|h| format!("{:?}", net.ip_str(h))).collect();
-        config(&net, &[11], &[], 0)
-            + &format!(
-                "\n[[load_balancer]]\nname = \"churn/svc-{k}\"\nvip = \"{}\"\nbackends = [{}]\n  [[load_balancer.listener]]\n  name = \"web\"\n  port = {}\n  backend_port = 30080\n  [load_balancer.health_check]\n  port = 30081\n  period_seconds = 1\n  timeout_seconds = 1\n",
-                net.ip_str(2),
-                backends.join(", "),
-                9000 + k % 2
-            )
+        stable(&net, &[11], &[], 0)
+            .lb(Lb::new(&format!("churn/svc-{k}"), net.ip(2))
+                .backends((100..116).map(|h| net.ip(h)))
+                .tcp("web", 9000 + (k % 2) as u16, 30080)
+                .health("  port = 30081\n  period_seconds = 1\n  timeout_seconds = 1"))
+            .to_string()
     };
     let path = net.write("config.toml", &churned(0));
     let mut process = Process::start(&path, ONE_THREAD);

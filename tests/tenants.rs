@@ -20,25 +20,18 @@ use tokio::net::{TcpStream, UdpSocket};
 /// listener on port 8080 to `.11:30080`; `proxy` goes into `[proxy]`,
 /// `extra[i]` into load balancer `i`.
 fn tcp_config(net: &Subnet, proxy: &str, extra: &[&str]) -> String {
-    let mut cfg = format!("{}[proxy]\n{proxy}\n", admin(net));
+    let mut cfg = Config::on(net).proxy(proxy);
     for (i, extra) in extra.iter().enumerate() {
-        cfg.push_str(&format!(
-            "[[load_balancer]]\nname = \"default/lb-{i}\"\nvip = \"{}\"\nbackends = [\"{}\"]\n{extra}\n  [[load_balancer.listener]]\n  name = \"http\"\n  port = 8080\n  backend_port = 30080\n",
-            net.ip_str(1 + i as u8),
-            net.ip_str(11)
-        ));
+        cfg = cfg.lb(lb(net, &format!("default/lb-{i}"), 1 + i as u8).keys(extra));
     }
-    cfg
+    cfg.to_string()
 }
 
-/// `[admin]` on `.250:9901`, its socket in the test's directory (the real
-/// binary takes it from the file).
-fn admin(net: &Subnet) -> String {
-    format!(
-        "[admin]\nlisten = \"{}:9901\"\nsocket = \"{}\"\n",
-        net.ip_str(250),
-        net.dir().join("admin.sock").display()
-    )
+/// Load balancer `name` on `.vip:8080` to `.11:30080`.
+fn lb(net: &Subnet, name: &str, vip: u8) -> Lb {
+    Lb::new(name, net.ip(vip))
+        .backends([net.ip(11)])
+        .tcp("http", 8080, 30080)
 }
 
 fn rejected(lb: usize) -> String {
@@ -174,16 +167,13 @@ async fn udp_answered(client: &UdpSocket, vip: SocketAddr) -> bool {
 async fn one_load_balancer_cannot_take_the_whole_udp_flow_table() {
     let net = Subnet::new();
     let _echo = udp_echo(SocketAddr::new(net.ip(11), 30700)).await;
-    let mut cfg = format!(
-        "[admin]\nlisten = \"{}:9901\"\n[proxy]\nmax_udp_flows = 4\n",
-        net.ip_str(250)
-    );
+    let mut cfg = Config::new()
+        .admin(SocketAddr::new(net.ip(250), 9901))
+        .proxy("max_udp_flows = 4");
     for i in 0..2u8 {
-        cfg.push_str(&format!(
-            "[[load_balancer]]\nname = \"default/udp-{i}\"\nvip = \"{}\"\nbackends = [\"{}\"]\n  [[load_balancer.listener]]\n  name = \"game\"\n  port = 7000\n  backend_port = 30700\n  protocol = \"udp\"\n",
-            net.ip_str(1 + i),
-            net.ip_str(11)
-        ));
+        cfg = cfg.lb(Lb::new(&format!("default/udp-{i}"), net.ip(1 + i))
+            .backends([net.ip(11)])
+            .listener(Listener::new("game", 7000, 30700).udp()));
     }
     let d = Daemon::start(&net, &cfg).await;
     let (first, second) = (
@@ -241,15 +231,11 @@ async fn two_hundred_unbindable_listeners_log_a_bounded_number_of_lines() {
     let squatters: Vec<std::net::TcpListener> = (1..=200u8)
         .map(|h| std::net::TcpListener::bind(SocketAddr::new(net.ip(h), 8080)).unwrap())
         .collect();
-    let mut cfg = admin(&net);
+    let mut cfg = Config::on(&net);
     for h in 1..=200u8 {
-        cfg.push_str(&format!(
-            "[[load_balancer]]\nname = \"default/lb-{h}\"\nvip = \"{}\"\nbackends = [\"{}\"]\n  [[load_balancer.listener]]\n  name = \"http\"\n  port = 8080\n  backend_port = 30080\n",
-            net.ip_str(h),
-            net.ip_str(11)
-        ));
+        cfg = cfg.lb(lb(&net, &format!("default/lb-{h}"), h));
     }
-    let path = net.write("config.toml", &cfg);
+    let path = net.write("config.toml", &cfg.to_string());
     let daemon = logged(&[], &path, &[]);
     daemon
         .line_with(&["harvester-lb running"], Duration::from_secs(30))
@@ -465,12 +451,14 @@ fn ipv6_sources_are_counted_per_64() {
     }
     let path = net.write(
         "config.toml",
-        &format!(
-            "[admin]\nlisten = \"127.0.0.1:9901\"\nsocket = \"{}\"\n[proxy]\nmax_udp_flows_per_source = 2\n\
-             [[load_balancer]]\nname = \"default/dns\"\nvip = \"2001:db8:99::1\"\nbackends = [\"2001:db8:98::1\"]\n\
-             \x20 [[load_balancer.listener]]\n  name = \"dns\"\n  port = 53\n  backend_port = 30053\n  protocol = \"udp\"\n",
-            net.dir().join("admin.sock").display()
-        ),
+        &Config::new()
+            .admin("127.0.0.1:9901".parse().unwrap())
+            .socket(&net.dir().join("admin.sock"))
+            .proxy("max_udp_flows_per_source = 2")
+            .lb(Lb::new("default/dns", "2001:db8:99::1")
+                .backends(["2001:db8:98::1"])
+                .listener(Listener::new("dns", 53, 30053).udp()))
+            .to_string(),
     );
     // The backend: echoes every datagram, on a thread of its own.
     let backend = ns.run(|| std::net::UdpSocket::bind("[2001:db8:98::1]:30053").unwrap());

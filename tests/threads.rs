@@ -14,28 +14,16 @@ use tokio::net::TcpStream;
 const LB: &str = "default/threads";
 
 fn config(net: &Subnet, port: u16) -> String {
-    format!(
-        r#"[admin]
-listen = "{admin}:9901"
-socket = "{socket}"
-[proxy]
-# Long enough that a connection on a port a reload removed is still in its
-# drain when the test, on a busy machine, gets to it (1 s was not).
-drain_timeout_seconds = 8
-[[load_balancer]]
-name = "{LB}"
-vip = "{vip}"
-backends = ["{node}"]
-  [[load_balancer.listener]]
-  name = "echo"
-  port = {port}
-  backend_port = 30080
-"#,
-        admin = net.ip_str(1),
-        socket = net.dir().join("admin.sock").display(),
-        vip = net.ip_str(2),
-        node = net.ip_str(11),
-    )
+    Config::new()
+        .admin(SocketAddr::new(net.ip(1), 9901))
+        .socket(&net.dir().join("admin.sock"))
+        // Long enough that a connection on a port a reload removed is still in its
+        // drain when the test, on a busy machine, gets to it (1 s was not).
+        .proxy("drain_timeout_seconds = 8")
+        .lb(Lb::new(LB, net.ip(2))
+            .backends([net.ip(11)])
+            .tcp("echo", port, 30080))
+        .to_string()
 }
 
 /// Listening TCP sockets on `addr` (IPv4), from `/proc/net/tcp`.

@@ -9,8 +9,12 @@
 #![allow(clippy::disallowed_types, clippy::disallowed_methods)]
 #![allow(dead_code)]
 
+mod config;
 mod process;
 mod skip;
+// Not every test crate writes a listener of its own.
+#[allow(unused_imports)]
+pub use config::{Config, Lb, Listener};
 // Not every test crate measures a process by its pid.
 #[allow(unused_imports)]
 pub use process::{Process, proc_cpu_time, proc_rss_kib};
@@ -69,6 +73,11 @@ impl Subnet {
     /// `127.A.B.host`.
     pub fn ip(&self, host: u8) -> IpAddr {
         IpAddr::V4(Ipv4Addr::new(127, self.a, self.b, host))
+    }
+
+    /// `127.A.B.host` of each of `hosts`.
+    pub fn ips(&self, hosts: &[u8]) -> Vec<IpAddr> {
+        hosts.iter().map(|h| self.ip(*h)).collect()
     }
 
     /// `127.A.B.host` as a string, for configs.
@@ -276,13 +285,18 @@ pub struct Daemon {
 impl Daemon {
     /// Writes `config` to the subnet's directory and starts the daemon on it,
     /// without file watching (tests reload explicitly unless they test watching).
-    pub async fn start(net: &Subnet, config: &str) -> Self {
+    pub async fn start(net: &Subnet, config: impl std::fmt::Display) -> Self {
         Self::start_with(net, config, None).await
     }
 
     /// As [`Daemon::start`], with a file-watch interval.
-    pub async fn start_with(net: &Subnet, config: &str, watch: Option<Duration>) -> Self {
-        let path = net.write("config.toml", config);
+    pub async fn start_with(
+        net: &Subnet,
+        config: impl std::fmt::Display,
+        watch: Option<Duration>,
+    ) -> Self {
+        let config = config.to_string();
+        let path = net.write("config.toml", &config);
         let mut options = harvester_lb::Options::new(&path);
         options.watch_interval = watch;
         // The admin socket in the test's own directory, unless the test's
