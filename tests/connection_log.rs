@@ -78,33 +78,25 @@ impl Logged {
 /// One load balancer `LB` on `.1:8080` -> `backends` on port 30080, with
 /// `extra` lines in its table and `top` before it.
 fn config(net: &Subnet, top: &str, backends: &[u8], extra: &str) -> String {
-    let backends: Vec<String> = backends
-        .iter()
-        .map(|h| format!("{:?}", net.ip_str(*h)))
-        .collect();
-    format!(
-        r#"
-[admin]
-listen = "{admin}:9901"
-socket = {socket:?}
-{top}
-
-[[load_balancer]]
-name = "{LB}"
-cluster = "guest"
-vip = "{vip}"
-backends = [{backends}]
-{extra}
-  [[load_balancer.listener]]
-  name = "http"
-  port = 8080
-  backend_port = 30080
-"#,
-        admin = net.ip_str(250),
-        socket = net.dir().join("admin.sock"),
-        vip = net.ip_str(1),
-        backends = backends.join(", "),
+    web(
+        net,
+        top,
+        backends,
+        extra,
+        Listener::new("http", 8080, 30080),
     )
+}
+
+/// [`config`] with `listener`.
+fn web(net: &Subnet, top: &str, backends: &[u8], extra: &str, listener: Listener) -> String {
+    Config::on(net)
+        .text(top)
+        .lb(Lb::new(LB, net.ip(1))
+            .keys("cluster = \"guest\"")
+            .backends(net.ips(backends))
+            .keys(extra)
+            .listener(listener))
+        .to_string()
 }
 
 fn vip(net: &Subnet) -> SocketAddr {
@@ -561,9 +553,12 @@ async fn hostile_names_stay_on_one_line_in_text() {
 
 /// `config` with a UDP listener instead of the TCP one.
 fn udp_config(net: &Subnet, top: &str, extra: &str) -> String {
-    config(net, top, &[11], extra).replace(
-        "backend_port = 30080\n",
-        "backend_port = 30080\n  protocol = \"udp\"\n",
+    web(
+        net,
+        top,
+        &[11],
+        extra,
+        Listener::new("http", 8080, 30080).udp(),
     )
 }
 
