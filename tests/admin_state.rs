@@ -150,7 +150,7 @@ async fn marked_down_with_close_resets_open_connections_and_keep_leaves_them() {
             "on_backend_down = \"close\"",
             true,
         ));
-    net.write("config.toml", &cfg);
+    net.write("config.toml", &cfg.to_string());
     d.server().reload().await.expect("reload");
     health.stop();
     d.wait_health("down/keep", &ip, "unhealthy", Duration::from_secs(5))

@@ -86,9 +86,10 @@ async fn the_table_shows_what_status_says_through_the_socket_or_tcp() {
     // Without a socket to open: admin.listen answers.
     let no_socket = net.write(
         "tcp-only.toml",
-        Config::on(&net)
+        &Config::on(&net)
             .socket(Path::new("/nonexistent/harvester-lb.sock"))
-            .lb(lb.clone()),
+            .lb(lb.clone())
+            .to_string(),
     );
     let (code, table, stderr) = cli(vec![
         "status".into(),
@@ -102,10 +103,11 @@ async fn the_table_shows_what_status_says_through_the_socket_or_tcp() {
     // Nobody there: 69, naming where it asked.
     let nowhere = net.write(
         "nowhere.toml",
-        Config::new()
+        &Config::new()
             .admin(SocketAddr::new(net.ip(249), 9901))
             .socket(Path::new("/nonexistent/harvester-lb.sock"))
-            .lb(lb),
+            .lb(lb)
+            .to_string(),
     );
     let (code, _, stderr) = cli(vec![
         "status".into(),

@@ -90,11 +90,10 @@ impl Subnet {
         &self.dir
     }
 
-    /// Writes `text` (a string, a [`Config`]) to `name` in the test
-    /// directory and returns the path.
-    pub fn write(&self, name: &str, text: impl std::fmt::Display) -> PathBuf {
+    /// Writes `text` to `name` in the test directory and returns the path.
+    pub fn write(&self, name: &str, text: &str) -> PathBuf {
         let path = self.dir.join(name);
-        std::fs::write(&path, text.to_string()).expect("write test file");
+        std::fs::write(&path, text).expect("write test file");
         path
     }
 }
