@@ -127,7 +127,8 @@ impl Lb {
         self
     }
 
-    /// TOML lines in its table (`algorithm = "round_robin"`...).
+    /// TOML lines in its table (`algorithm = "round_robin"`...), or a
+    /// sub-table of it (`[load_balancer.dhcp]`: TOML lets its listeners follow).
     pub fn keys(mut self, lines: &str) -> Self {
         self.keys.push(lines.to_string());
         self

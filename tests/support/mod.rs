@@ -14,7 +14,7 @@ mod process;
 mod skip;
 // Not every test crate writes a listener of its own.
 #[allow(unused_imports)]
-pub use config::{Config, Lb, Listener};
+pub use config::{Config, Lb, Listener, quote};
 // Not every test crate measures a process by its pid.
 #[allow(unused_imports)]
 pub use process::{Process, proc_cpu_time, proc_rss_kib};
