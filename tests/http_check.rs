@@ -372,27 +372,13 @@ async fn an_ipv6_node_is_asked_with_its_bracketed_address_as_host() {
         Answer::NotReady,
     )
     .await;
-    let cfg = format!(
-        r#"
-[admin]
-listen = "{admin}:9901"
-[[load_balancer]]
-name = "default/v6"
-vip = "{vip}"
-backends = ["::1"]
-  [[load_balancer.listener]]
-  name = "http"
-  port = 8080
-  backend_port = 30080
-  [load_balancer.health_check]
-  kind = "http"
-  port = {port}
-  failure_threshold = 1
-  period_seconds = 1
-  timeout_seconds = 1
-"#,
-        admin = net.ip_str(250),
-        vip = net.ip_str(1),
+    let cfg = Config::new().admin(SocketAddr::new(net.ip(250), 9901)).lb(
+        Lb::new("default/v6", net.ip(1))
+            .backends(["::1"])
+            .tcp("http", 8080, 30080)
+            .health(&format!(
+                "  kind = \"http\"\n  port = {port}\n  failure_threshold = 1\n  period_seconds = 1\n  timeout_seconds = 1"
+            )),
     );
     let d = Daemon::start(&net, &cfg).await;
     let b = d
