@@ -1038,3 +1038,53 @@ fn an_over_long_or_control_character_name_skips_that_object_by_name() {
     assert!(!stderr.contains('\u{1b}'), "{stderr}");
     assert!(stderr.len() < 8_000, "stderr is {} bytes", stderr.len());
 }
+
+/// The library says and the command line prints: `import::command` returns
+/// the messages and the config in the order the binary prints them, with
+/// the same exit code and the same words, and prints nothing itself.
+#[test]
+fn the_command_returns_what_the_binary_prints() {
+    use harvester_lb::import::{Args, Said, command};
+    let net = Subnet::new();
+    let paths = write_fixtures(&net);
+    let outcome = command(&Args {
+        inputs: paths.clone(),
+        cluster: Some("guest".into()),
+        allow_loopback: true,
+        ..Args::default()
+    });
+    let (code, stdout, stderr) =
+        run_cli(&args(&paths, &["--cluster", "guest", "--allow-loopback"]));
+    assert!(
+        stdout.contains("[[load_balancer]]"),
+        "a config is printed: {stderr}"
+    );
+    assert_eq!(i32::from(outcome.code), code, "{stderr}");
+    let config: Vec<&String> = outcome
+        .said
+        .iter()
+        .filter_map(|s| match s {
+            Said::Config(text) => Some(text),
+            Said::Message(_) => None,
+        })
+        .collect();
+    assert_eq!(
+        config,
+        [&stdout],
+        "the config, said once, is what stdout got"
+    );
+    let messages: String = outcome
+        .said
+        .iter()
+        .filter_map(|s| match s {
+            Said::Message(m) => Some(format!("harvester-lb import: {m}\n")),
+            Said::Config(_) => None,
+        })
+        .collect();
+    assert_eq!(messages, stderr);
+    assert!(
+        matches!(outcome.said.last(), Some(Said::Message(m)) if m.starts_with("printed (")),
+        "{:?}",
+        outcome.said.last()
+    );
+}
