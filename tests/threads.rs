@@ -8,6 +8,7 @@ mod support;
 use std::net::{IpAddr, SocketAddr};
 use std::time::Duration;
 
+use harvester_lb::workers::WorkerThreads;
 use support::*;
 use tokio::net::TcpStream;
 
@@ -131,12 +132,17 @@ async fn a_port_held_by_another_socket_is_not_shared() {
     let net = Subnet::new();
     let vip = SocketAddr::new(net.ip(2), 8080);
     let holder = std::net::TcpListener::bind(vip).unwrap();
-    let path = net.write("config.toml", &config(&net, 8080));
-    let _p = Process::start(&path, &["--threads", "2", "--scheduler", "thread-per-core"]);
-    let body = readyz(&net).await;
+    // In this process: thread per core over two threads, as `--threads 2
+    // --scheduler thread-per-core` runs it.
+    let threads = WorkerThreads::start(1).unwrap();
+    let workers = threads.workers(tokio::runtime::Handle::current());
+    let d = Daemon::start_on(&net, config(&net, 8080), workers).await;
+    let body = d.get("/readyz").await;
     assert_eq!(body.0, 503, "{}", body.1);
     assert!(body.1.contains(&vip.to_string()), "{}", body.1);
     assert_eq!(listening_sockets(vip), 1, "only the holder listens");
+    d.stop().await;
+    threads.stop();
     drop(holder);
 }
 

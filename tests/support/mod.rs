@@ -295,10 +295,30 @@ impl Daemon {
         config: impl std::fmt::Display,
         watch: Option<Duration>,
     ) -> Self {
+        Self::start_options(net, config, |options| options.watch_interval = watch).await
+    }
+
+    /// As [`Daemon::start`], with the TCP listeners accepting on `workers`
+    /// (thread per core, in this process: `harvester-lb run --threads`).
+    pub async fn start_on(
+        net: &Subnet,
+        config: impl std::fmt::Display,
+        workers: harvester_lb::workers::Workers,
+    ) -> Self {
+        Self::start_options(net, config, |options| options.workers = workers).await
+    }
+
+    /// Starts the daemon on `config` with the options `set` changes.
+    async fn start_options(
+        net: &Subnet,
+        config: impl std::fmt::Display,
+        set: impl FnOnce(&mut harvester_lb::Options),
+    ) -> Self {
         let config = config.to_string();
         let path = net.write("config.toml", &config);
         let mut options = harvester_lb::Options::new(&path);
-        options.watch_interval = watch;
+        options.watch_interval = None;
+        set(&mut options);
         // The admin socket in the test's own directory, unless the test's
         // config names one itself: tests run side by side, and none may take
         // /run/harvester-lb/admin.sock.
