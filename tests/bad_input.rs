@@ -9,47 +9,36 @@
 mod support;
 
 use std::io::{Read, Write};
-use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
-use support::{Process, Rng, skip_or_fail};
+use support::{Process, Rng, Subnet, skip_or_fail};
 
 const BIN: &str = env!("CARGO_BIN_EXE_harvester-lb");
 const EXIT_CONFIG: i32 = 78;
 
-static SEQ: AtomicU32 = AtomicU32::new(0);
-
-/// A loopback address, scratch directory and echo backend of one test.
+/// A loopback address (its subnet's `.1`), scratch directory and echo
+/// backend of one test.
 struct Env {
     ip: Ipv4Addr,
     dir: PathBuf,
-    _claim: TcpListener,
+    /// Claims the address and owns the directory.
+    _net: Subnet,
 }
 
 impl Env {
-    fn new(name: &str) -> Env {
-        let pid = std::process::id();
-        for _ in 0..200 {
-            let n = pid
-                .wrapping_mul(31)
-                .wrapping_add(SEQ.fetch_add(1, Ordering::Relaxed));
-            let ip = Ipv4Addr::new(127, 99, (n % 250) as u8, 1 + (n / 250 % 250) as u8);
-            // Port 65001 on the address claims it for this test.
-            if let Ok(claim) = TcpListener::bind((ip, 65001)) {
-                let dir = std::env::temp_dir().join(format!("hlb-bad-{name}-{pid}-{ip}"));
-                let _ = std::fs::remove_dir_all(&dir);
-                std::fs::create_dir_all(&dir).unwrap();
-                return Env {
-                    ip,
-                    dir,
-                    _claim: claim,
-                };
-            }
+    fn new() -> Env {
+        let net = Subnet::new();
+        let IpAddr::V4(ip) = net.ip(1) else {
+            unreachable!("test subnets are IPv4")
+        };
+        Env {
+            ip,
+            dir: net.dir().clone(),
+            _net: net,
         }
-        panic!("no free loopback address");
     }
 
     fn admin(&self) -> SocketAddr {
@@ -90,12 +79,6 @@ impl Env {
                 });
             }
         });
-    }
-}
-
-impl Drop for Env {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
 
@@ -267,7 +250,7 @@ fn bad_files(env: &Env) -> Vec<(&'static str, PathBuf, &'static str)> {
 /// Every bad file makes `check` exit 78 with an error naming the file and no panic.
 #[test]
 fn check_rejects_every_bad_file_with_a_clear_error() {
-    let env = Env::new("check");
+    let env = Env::new();
     for (name, path, expect) in bad_files(&env) {
         let t = Instant::now();
         let out = Command::new(BIN)
@@ -312,7 +295,7 @@ fn check_rejects_every_bad_file_with_a_clear_error() {
 fn check_rejects_an_unreadable_file() {
     use std::os::unix::fs::PermissionsExt;
     use std::os::unix::process::CommandExt;
-    let env = Env::new("perm");
+    let env = Env::new();
     let p = env.path("secret.toml");
     std::fs::write(&p, env.config("")).unwrap();
     std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o000)).unwrap();
@@ -361,7 +344,7 @@ fn check_rejects_an_unreadable_file() {
 /// running config stays: same /status, still forwarding.
 #[test]
 fn reload_of_a_bad_file_never_changes_the_running_config() {
-    let env = Env::new("reload");
+    let env = Env::new();
     env.echo_backend();
     let cfg = env.path("config.toml");
     std::fs::write(&cfg, env.config("")).unwrap();
@@ -431,7 +414,7 @@ fn strip_volatile(s: &str) -> String {
 /// bounded time, and the data plane never notices.
 #[test]
 fn admin_api_withstands_hostile_clients() {
-    let env = Env::new("admin");
+    let env = Env::new();
     env.echo_backend();
     let cfg = env.path("config.toml");
     std::fs::write(&cfg, env.config("")).unwrap();
@@ -537,7 +520,7 @@ fn admin_api_withstands_hostile_clients() {
 /// exits 0.
 #[test]
 fn sighup_storms_at_startup_and_during_drain() {
-    let env = Env::new("hup");
+    let env = Env::new();
     env.echo_backend();
     let cfg = env.path("config.toml");
     std::fs::write(&cfg, env.config("")).unwrap();
@@ -619,7 +602,7 @@ fn sighup_storms_at_startup_and_during_drain() {
 /// never panic `config::parse`. Bounded: 20,000 inputs.
 #[test]
 fn config_parser_never_panics_on_generated_input() {
-    let env = Env::new("prop");
+    let env = Env::new();
     let base = env.config(
         "algorithm = \"least_connections\"\nconnect_attempts = 2\ninitial_state = \"unhealthy\"\nsource_ranges = [\"127.0.0.0/8\", \"::ffff:10.0.0.0/104\", \"2001:db8::/32\"]",
     );
@@ -708,7 +691,7 @@ fn config_parser_never_panics_on_generated_input() {
 /// warning is cleared.
 #[test]
 fn a_deleted_config_file_warns_once_keeps_serving_and_reloads_when_back() {
-    let env = Env::new("deleted");
+    let env = Env::new();
     env.echo_backend();
     let cfg = env.path("config.toml");
     std::fs::write(&cfg, env.config("")).unwrap();
@@ -820,7 +803,7 @@ fn run_bounded(args: &[&std::ffi::OsStr]) -> (Option<i32>, String) {
 /// `import`'s inputs and `--base`, and `import --write` over a FIFO.
 #[test]
 fn a_fifo_or_a_device_is_refused_promptly_by_check_run_and_import() {
-    let env = Env::new("fifo-check");
+    let env = Env::new();
     let fifo = env.path("config.fifo");
     mkfifo(&fifo);
     let zero = PathBuf::from("/dev/zero");
@@ -878,7 +861,7 @@ fn a_fifo_or_a_device_is_refused_promptly_by_check_run_and_import() {
 /// forwarding, and SIGTERM still stops the daemon at once with exit 0.
 #[test]
 fn a_fifo_at_the_config_path_never_wedges_reloads_or_stop() {
-    let env = Env::new("fifo-run");
+    let env = Env::new();
     env.echo_backend();
     let cfg = env.path("config.toml");
     std::fs::write(&cfg, env.config("")).unwrap();

@@ -535,14 +535,9 @@ impl DaemonProc {
         tokio::time::timeout(Duration::from_secs(10), s.read_to_end(&mut buf))
             .await
             .map_err(|_| std::io::Error::new(std::io::ErrorKind::TimedOut, "admin read"))??;
-        let text = String::from_utf8_lossy(&buf).to_string();
-        let status = text
-            .split(' ')
-            .nth(1)
-            .and_then(|c| c.parse().ok())
-            .unwrap_or(0);
-        let body = text.split("\r\n\r\n").nth(1).unwrap_or("").to_string();
-        Ok((status, body))
+        Ok(crate::support::split_response(&String::from_utf8_lossy(
+            &buf,
+        )))
     }
 
     /// `GET path`.
