@@ -9,6 +9,7 @@ use std::process::ExitCode;
 use harvester_lb::StartError;
 use harvester_lb::admin::client;
 use harvester_lb::config;
+use harvester_lb::import;
 use harvester_lb::server::{self, RunError};
 use harvester_lb::workers::{self, Runtimes};
 use tracing_subscriber::field::MakeExt as _;
@@ -75,6 +76,19 @@ pub fn check(path: &Path) -> ExitCode {
             ExitCode::from(EXIT_CONFIG)
         }
     }
+}
+
+/// `harvester-lb import`: says what the import says, in order (messages
+/// on stderr, the config on stdout), and exits with its code.
+pub fn import(args: &import::Args) -> ExitCode {
+    let outcome = import::command(args);
+    for said in &outcome.said {
+        match said {
+            import::Said::Message(m) => eprintln!("harvester-lb import: {m}"),
+            import::Said::Config(text) => print!("{text}"),
+        }
+    }
+    ExitCode::from(outcome.code)
 }
 
 pub fn demo(path: &Path) -> ExitCode {

@@ -239,7 +239,7 @@ fn main() -> ExitCode {
             base,
             allow_removals,
             allow_loopback,
-        } => ExitCode::from(harvester_lb::import::command(&harvester_lb::import::Args {
+        } => cli::import(&harvester_lb::import::Args {
             inputs,
             cluster,
             write,
@@ -247,6 +247,6 @@ fn main() -> ExitCode {
             base,
             allow_removals,
             allow_loopback,
-        })),
+        }),
     }
 }

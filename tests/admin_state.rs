@@ -19,36 +19,18 @@ const LB: &str = "default/web";
 
 /// One load balancer `name` on `.vip_host:8080` forwarding to `backends` on
 /// port 30080; `health` adds a check of port 30081 every second.
-fn lb(
-    net: &Subnet,
-    name: &str,
-    vip_host: u8,
-    backends: &[u8],
-    extra: &str,
-    health: bool,
-) -> String {
-    let backends: Vec<String> = backends
-        .iter()
-        .map(|h| format!("{:?}", net.ip_str(*h)))
-        .collect();
-    let mut c = format!(
-        "\n[[load_balancer]]\nname = \"{name}\"\nvip = \"{vip}\"\nbackends = [{backends}]\n{extra}\n  [[load_balancer.listener]]\n  name = \"tcp\"\n  port = 8080\n  backend_port = 30080\n",
-        vip = net.ip_str(vip_host),
-        backends = backends.join(", "),
-    );
+fn lb(net: &Subnet, name: &str, vip_host: u8, backends: &[u8], extra: &str, health: bool) -> Lb {
+    let lb = Lb::new(name, net.ip(vip_host))
+        .backends(net.ips(backends))
+        .keys(extra)
+        .tcp("tcp", 8080, 30080);
     if health {
-        c.push_str("  [load_balancer.health_check]\n  port = 30081\n  period_seconds = 1\n  timeout_seconds = 1\n  failure_threshold = 1\n");
+        lb.health(
+            "  port = 30081\n  period_seconds = 1\n  timeout_seconds = 1\n  failure_threshold = 1",
+        )
+    } else {
+        lb
     }
-    c
-}
-
-/// The `[admin]` table: TCP on `.250:9901`, the socket in the test directory.
-fn admin(net: &Subnet) -> String {
-    format!(
-        "[admin]\nlisten = \"{}:9901\"\nsocket = {:?}\n",
-        net.ip_str(250),
-        socket_path(net)
-    )
 }
 
 fn socket_path(net: &Subnet) -> PathBuf {
@@ -96,16 +78,16 @@ async fn marked_down_with_close_resets_open_connections_and_keep_leaves_them() {
     let net = Subnet::new();
     let _node = Backend::start(node(&net, 11), Behaviour::NameThenEcho).await;
     let health = Backend::start(health_port(&net, 11), Behaviour::Echo).await;
-    let cfg = admin(&net)
-        + &lb(
+    let cfg = Config::on(&net)
+        .lb(lb(
             &net,
             "down/close",
             1,
             &[11],
             "on_backend_down = \"close\"",
             true,
-        )
-        + &lb(&net, "down/keep", 2, &[11], "", true);
+        ))
+        .lb(lb(&net, "down/keep", 2, &[11], "", true));
     let d = Daemon::start(&net, &cfg).await;
     let ip = net.ip_str(11);
     d.wait_health("down/close", &ip, "healthy", Duration::from_secs(5))
@@ -151,24 +133,24 @@ async fn marked_down_with_close_resets_open_connections_and_keep_leaves_them() {
     let health = Backend::start(health_port(&net, 11), Behaviour::Echo).await;
     d.wait_health("down/keep", &ip, "healthy", Duration::from_secs(5))
         .await;
-    let cfg = admin(&net)
-        + &lb(
+    let cfg = Config::on(&net)
+        .lb(lb(
             &net,
             "down/close",
             1,
             &[11],
             "on_backend_down = \"close\"",
             true,
-        )
-        + &lb(
+        ))
+        .lb(lb(
             &net,
             "down/keep",
             2,
             &[11],
             "on_backend_down = \"close\"",
             true,
-        );
-    net.write("config.toml", &cfg);
+        ));
+    net.write("config.toml", &cfg.to_string());
     d.server().reload().await.expect("reload");
     health.stop();
     d.wait_health("down/keep", &ip, "unhealthy", Duration::from_secs(5))
@@ -186,7 +168,7 @@ async fn drain_stops_new_connections_open_ones_continue_and_ready_restores() {
     let net = Subnet::new();
     let _a = Backend::start(node(&net, 11), Behaviour::NameThenEcho).await;
     let _b = Backend::start(node(&net, 12), Behaviour::NameThenEcho).await;
-    let cfg = admin(&net) + &lb(&net, LB, 1, &[11, 12], "", false);
+    let cfg = Config::on(&net).lb(lb(&net, LB, 1, &[11, 12], "", false));
     let d = Daemon::start(&net, &cfg).await;
     let (a, b) = (net.ip_str(11), net.ip_str(12));
 
@@ -251,7 +233,9 @@ async fn drain_stops_new_connections_open_ones_continue_and_ready_restores() {
     let _c = Backend::start(node(&net, 13), Behaviour::NameThenEcho).await;
     net.write(
         "config.toml",
-        &(admin(&net) + &lb(&net, LB, 1, &[11, 12, 13], "", false)),
+        &Config::on(&net)
+            .lb(lb(&net, LB, 1, &[11, 12, 13], "", false))
+            .to_string(),
     );
     d.server().reload().await.expect("reload");
     assert_eq!(d.backend_status(LB, &a).await["admin_state"], "drain");
@@ -281,15 +265,14 @@ async fn client_affinity_does_not_send_a_client_to_a_drained_backend() {
     let net = Subnet::new();
     let _a = Backend::start(node(&net, 11), Behaviour::NameThenEcho).await;
     let _b = Backend::start(node(&net, 12), Behaviour::NameThenEcho).await;
-    let cfg = admin(&net)
-        + &lb(
-            &net,
-            LB,
-            1,
-            &[11, 12],
-            "session_affinity = \"client_ip\"",
-            false,
-        );
+    let cfg = Config::on(&net).lb(lb(
+        &net,
+        LB,
+        1,
+        &[11, 12],
+        "session_affinity = \"client_ip\"",
+        false,
+    ));
     let d = Daemon::start(&net, &cfg).await;
     let client = net.ip(100);
     let mut s = connect_from(client, vip(&net, 1)).await.unwrap();
@@ -315,7 +298,7 @@ async fn maint_stops_probes_and_shows_in_status_until_ready() {
     let _n12 = Backend::start(node(&net, 12), Behaviour::NameThenEcho).await;
     let _h11 = Backend::start(health_port(&net, 11), Behaviour::Echo).await;
     let _h12 = Backend::start(health_port(&net, 12), Behaviour::Echo).await;
-    let cfg = admin(&net) + &lb(&net, LB, 1, &[11, 12], "", true);
+    let cfg = Config::on(&net).lb(lb(&net, LB, 1, &[11, 12], "", true));
     let d = Daemon::start(&net, &cfg).await;
     let (a, b) = (net.ip_str(11), net.ip_str(12));
     let probes = |ip: String| {
@@ -374,7 +357,7 @@ async fn maint_stops_probes_and_shows_in_status_until_ready() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn only_the_private_socket_changes_state() {
     let net = Subnet::new();
-    let cfg = admin(&net) + &lb(&net, LB, 1, &[11], "", false);
+    let cfg = Config::on(&net).lb(lb(&net, LB, 1, &[11], "", false));
     let d = Daemon::start(&net, &cfg).await;
     let socket = socket_path(&net);
     assert_eq!(d.socket, socket, "admin.socket from the config is used");
@@ -409,7 +392,7 @@ async fn only_the_private_socket_changes_state() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_requests_are_refused_with_a_message_naming_the_problem() {
     let net = Subnet::new();
-    let cfg = admin(&net) + &lb(&net, LB, 1, &[11, 12], "", false);
+    let cfg = Config::on(&net).lb(lb(&net, LB, 1, &[11, 12], "", false));
     let d = Daemon::start(&net, &cfg).await;
     let socket = socket_path(&net);
     let a = net.ip_str(11);
@@ -486,7 +469,7 @@ async fn bad_requests_are_refused_with_a_message_naming_the_problem() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_cli_fails_clearly_and_reload_uses_the_socket() {
     let net = Subnet::new();
-    let cfg = admin(&net) + &lb(&net, LB, 1, &[11], "", false);
+    let cfg = Config::on(&net).lb(lb(&net, LB, 1, &[11], "", false));
     let d = Daemon::start(&net, &cfg).await;
     let socket = socket_path(&net).display().to_string();
 
@@ -576,7 +559,7 @@ async fn a_live_socket_is_never_taken_and_a_stale_one_is_replaced() {
     // A stale socket file (its daemon died): replaced.
     drop(std::os::unix::net::UnixListener::bind(&socket).unwrap());
     assert!(socket.exists());
-    let cfg = admin(&net) + &lb(&net, LB, 1, &[11], "", false);
+    let cfg = Config::on(&net).lb(lb(&net, LB, 1, &[11], "", false));
     let d = Daemon::start(&net, &cfg).await;
     assert_eq!(http_unix(&socket, "GET", "/healthz", "").await.0, 200);
 
@@ -642,8 +625,8 @@ async fn a_squatted_admin_port_neither_starts_the_daemon_nor_answers_the_cli() {
     let net = Subnet::new();
     let addr = SocketAddr::new(net.ip(250), 9901);
     let _squatter = squat(addr);
-    let cfg = admin(&net) + &lb(&net, LB, 1, &[11], "", false);
-    let path = net.write("config.toml", &cfg);
+    let cfg = Config::on(&net).lb(lb(&net, LB, 1, &[11], "", false));
+    let path = net.write("config.toml", &cfg.to_string());
 
     // The daemon refuses to start, naming the port, who holds it and the fix.
     let err = match harvester_lb::start(harvester_lb::Options::new(&path)).await {
@@ -716,11 +699,10 @@ async fn an_admin_socket_another_user_could_replace_is_refused_by_daemon_and_cli
         ),
     ] {
         let socket = dir.join("admin.sock");
-        let cfg = format!(
-            "[admin]\nlisten = \"{}:9901\"\nsocket = {socket:?}\n",
-            net.ip_str(250)
-        ) + &lb(&net, LB, 1, &[11], "", false);
-        let path = net.write("config.toml", &cfg);
+        let cfg = Config::on(&net)
+            .socket(&socket)
+            .lb(lb(&net, LB, 1, &[11], "", false));
+        let path = net.write("config.toml", &cfg.to_string());
         let err = match harvester_lb::start(harvester_lb::Options::new(&path)).await {
             Ok(_) => panic!("started with its admin socket in {}", dir.display()),
             Err(e) => e.to_string(),

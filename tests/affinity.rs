@@ -14,37 +14,15 @@ use support::*;
 const LB: &str = "default/sticky";
 
 fn config(net: &Subnet, extra: &str, proxy: &str) -> String {
-    format!(
-        r#"
-[admin]
-listen = "{admin}:9901"
-
-[proxy]
-drain_timeout_seconds = 1
-{proxy}
-
-[[load_balancer]]
-name = "{LB}"
-vip = "{vip}"
-backends = ["{b11}", "{b12}", "{b13}"]
-algorithm = "round_robin"
-{extra}
-  [[load_balancer.listener]]
-  name = "echo"
-  port = 8080
-  backend_port = 30080
-  [load_balancer.health_check]
-  port = 30080
-  period_seconds = 1
-  timeout_seconds = 1
-  failure_threshold = 1
-"#,
-        admin = net.ip_str(250),
-        vip = net.ip_str(1),
-        b11 = net.ip_str(11),
-        b12 = net.ip_str(12),
-        b13 = net.ip_str(13),
-    )
+    Config::new()
+        .admin(SocketAddr::new(net.ip(250), 9901))
+        .proxy(&format!("drain_timeout_seconds = 1\n{proxy}"))
+        .lb(Lb::new(LB, net.ip(1))
+            .backends(net.ips(&[11, 12, 13]))
+            .keys(&format!("algorithm = \"round_robin\"\n{extra}"))
+            .tcp("echo", 8080, 30080)
+            .health("  port = 30080\n  period_seconds = 1\n  timeout_seconds = 1\n  failure_threshold = 1"))
+        .to_string()
 }
 
 /// The backend that serves one connection from `client`.

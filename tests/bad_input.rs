@@ -6,51 +6,39 @@
 // These tests time real processes and sockets, not tokio timers.
 #![allow(clippy::disallowed_types, clippy::disallowed_methods)]
 
-#[path = "support/skip.rs"]
-mod skip;
+mod support;
 
 use std::io::{Read, Write};
-use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use skip::skip_or_fail;
+use support::{Process, Rng, Subnet, skip_or_fail};
 
 const BIN: &str = env!("CARGO_BIN_EXE_harvester-lb");
 const EXIT_CONFIG: i32 = 78;
 
-static SEQ: AtomicU32 = AtomicU32::new(0);
-
-/// A loopback address, scratch directory and echo backend of one test.
+/// A loopback address (its subnet's `.1`), scratch directory and echo
+/// backend of one test.
 struct Env {
     ip: Ipv4Addr,
     dir: PathBuf,
-    _claim: TcpListener,
+    /// Claims the address and owns the directory.
+    _net: Subnet,
 }
 
 impl Env {
-    fn new(name: &str) -> Env {
-        let pid = std::process::id();
-        for _ in 0..200 {
-            let n = pid
-                .wrapping_mul(31)
-                .wrapping_add(SEQ.fetch_add(1, Ordering::Relaxed));
-            let ip = Ipv4Addr::new(127, 99, (n % 250) as u8, 1 + (n / 250 % 250) as u8);
-            // Port 65001 on the address claims it for this test.
-            if let Ok(claim) = TcpListener::bind((ip, 65001)) {
-                let dir = std::env::temp_dir().join(format!("hlb-bad-{name}-{pid}-{ip}"));
-                let _ = std::fs::remove_dir_all(&dir);
-                std::fs::create_dir_all(&dir).unwrap();
-                return Env {
-                    ip,
-                    dir,
-                    _claim: claim,
-                };
-            }
+    fn new() -> Env {
+        let net = Subnet::new();
+        let IpAddr::V4(ip) = net.ip(1) else {
+            unreachable!("test subnets are IPv4")
+        };
+        Env {
+            ip,
+            dir: net.dir().clone(),
+            _net: net,
         }
-        panic!("no free loopback address");
     }
 
     fn admin(&self) -> SocketAddr {
@@ -94,95 +82,11 @@ impl Env {
     }
 }
 
-impl Drop for Env {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
-
-/// The daemon as a child process, killed on drop.
-struct Daemon {
-    child: Child,
-    log: PathBuf,
-}
-
-impl Daemon {
-    fn spawn(env: &Env, config: &Path) -> Daemon {
-        Daemon::spawn_with(env, config, &["--no-watch"])
-    }
-
-    fn spawn_with(env: &Env, config: &Path, flags: &[&str]) -> Daemon {
-        let log = env.path("daemon.log");
-        let f = std::fs::File::create(&log).unwrap();
-        let child = Command::new(BIN)
-            .arg("run")
-            .args(flags)
-            .arg("--config")
-            .arg(config)
-            .stdin(Stdio::null())
-            .stdout(f.try_clone().unwrap())
-            .stderr(f)
-            .spawn()
-            .unwrap();
-        Daemon { child, log }
-    }
-
-    fn start(env: &Env, config: &Path) -> Daemon {
-        let d = Daemon::spawn(env, config);
-        d.wait_ready(env);
-        d
-    }
-
-    fn wait_ready(&self, env: &Env) {
-        let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
-            if let Ok((200, _)) = http(
-                env.admin(),
-                "GET /readyz HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n",
-            ) {
-                return;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "daemon not ready within 10 s: {}",
-                self.log()
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-
-    fn signal(&self, sig: i32) {
-        // SAFETY: kill(2) on our own child.
-        unsafe {
-            libc::kill(self.child.id() as i32, sig);
-        }
-    }
-
-    fn alive(&mut self) -> bool {
-        self.child.try_wait().unwrap().is_none()
-    }
-
-    fn wait_exit(&mut self, timeout: Duration) -> Option<std::process::ExitStatus> {
-        let deadline = Instant::now() + timeout;
-        while Instant::now() < deadline {
-            if let Some(s) = self.child.try_wait().unwrap() {
-                return Some(s);
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        None
-    }
-
-    fn log(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
-    }
-}
-
-impl Drop for Daemon {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
+/// Starts the daemon on `config` (without watching it) and waits until it is ready.
+fn start(env: &Env, config: &Path) -> Process {
+    let mut d = Process::start(config, &[]);
+    d.wait_ready_blocking(env.admin());
+    d
 }
 
 /// Sends a raw request; returns (status, whole response).
@@ -346,7 +250,7 @@ fn bad_files(env: &Env) -> Vec<(&'static str, PathBuf, &'static str)> {
 /// Every bad file makes `check` exit 78 with an error naming the file and no panic.
 #[test]
 fn check_rejects_every_bad_file_with_a_clear_error() {
-    let env = Env::new("check");
+    let env = Env::new();
     for (name, path, expect) in bad_files(&env) {
         let t = Instant::now();
         let out = Command::new(BIN)
@@ -391,7 +295,7 @@ fn check_rejects_every_bad_file_with_a_clear_error() {
 fn check_rejects_an_unreadable_file() {
     use std::os::unix::fs::PermissionsExt;
     use std::os::unix::process::CommandExt;
-    let env = Env::new("perm");
+    let env = Env::new();
     let p = env.path("secret.toml");
     std::fs::write(&p, env.config("")).unwrap();
     std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o000)).unwrap();
@@ -440,11 +344,11 @@ fn check_rejects_an_unreadable_file() {
 /// running config stays: same /status, still forwarding.
 #[test]
 fn reload_of_a_bad_file_never_changes_the_running_config() {
-    let env = Env::new("reload");
+    let env = Env::new();
     env.echo_backend();
     let cfg = env.path("config.toml");
     std::fs::write(&cfg, env.config("")).unwrap();
-    let mut d = Daemon::start(&env, &cfg);
+    let mut d = start(&env, &cfg);
     through_vip(&env);
     let (_, status_before) = get(&env, "/status");
     let body = |s: &str| s.split("\r\n\r\n").nth(1).unwrap_or("").to_string();
@@ -510,11 +414,11 @@ fn strip_volatile(s: &str) -> String {
 /// bounded time, and the data plane never notices.
 #[test]
 fn admin_api_withstands_hostile_clients() {
-    let env = Env::new("admin");
+    let env = Env::new();
     env.echo_backend();
     let cfg = env.path("config.toml");
     std::fs::write(&cfg, env.config("")).unwrap();
-    let mut d = Daemon::start(&env, &cfg);
+    let mut d = start(&env, &cfg);
     let req = |m: &str, p: &str| {
         format!("{m} {p} HTTP/1.1\r\nHost: a\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
     };
@@ -616,14 +520,14 @@ fn admin_api_withstands_hostile_clients() {
 /// exits 0.
 #[test]
 fn sighup_storms_at_startup_and_during_drain() {
-    let env = Env::new("hup");
+    let env = Env::new();
     env.echo_backend();
     let cfg = env.path("config.toml");
     std::fs::write(&cfg, env.config("")).unwrap();
-    let mut d = Daemon::spawn(&env, &cfg);
+    let mut d = Process::start(&cfg, &[]);
     // Start-up: from the first moment the process has taken SIGHUP over
     // (ignored or caught, per /proc), a SIGHUP every 2 ms until ready.
-    let pid = d.child.id();
+    let pid = d.pid();
     let t = Instant::now();
     loop {
         let st = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
@@ -657,7 +561,7 @@ fn sighup_storms_at_startup_and_during_drain() {
         assert!(
             d.alive(),
             "daemon died of SIGHUP number {sent} during start-up: {:?}\n{}",
-            d.child.try_wait(),
+            d.exited(),
             d.log()
         );
         assert!(Instant::now() < deadline, "not ready while HUPed");
@@ -685,7 +589,7 @@ fn sighup_storms_at_startup_and_during_drain() {
     open.read_exact(&mut b).unwrap();
     assert_eq!(&b, b"efgh");
     drop(open);
-    let status = d.wait_exit(Duration::from_secs(5));
+    let status = d.wait_exit_blocking(Duration::from_secs(5));
     println!(
         "FIGURE signals: SIGHUP taken over {taken_over:?} after spawn; {sent} SIGHUPs during start-up, 200 while serving, 200 during drain: exit {status:?}"
     );
@@ -698,7 +602,7 @@ fn sighup_storms_at_startup_and_during_drain() {
 /// never panic `config::parse`. Bounded: 20,000 inputs.
 #[test]
 fn config_parser_never_panics_on_generated_input() {
-    let env = Env::new("prop");
+    let env = Env::new();
     let base = env.config(
         "algorithm = \"least_connections\"\nconnect_attempts = 2\ninitial_state = \"unhealthy\"\nsource_ranges = [\"127.0.0.0/8\", \"::ffff:10.0.0.0/104\", \"2001:db8::/32\"]",
     );
@@ -724,13 +628,8 @@ fn config_parser_never_panics_on_generated_input() {
         "\"::1\"",
         "'''",
     ];
-    let mut rng = 0x9E37_79B9_7F4A_7C15u64;
-    let mut next = move || {
-        rng ^= rng << 13;
-        rng ^= rng >> 7;
-        rng ^= rng << 17;
-        rng
-    };
+    let mut rng = Rng::new(0x9E37_79B9_7F4A_7C15);
+    let mut next = move || rng.next_u64();
     let started = Instant::now();
     let (mut ok, mut rejected) = (0, 0);
     for i in 0..20_000 {
@@ -792,12 +691,12 @@ fn config_parser_never_panics_on_generated_input() {
 /// warning is cleared.
 #[test]
 fn a_deleted_config_file_warns_once_keeps_serving_and_reloads_when_back() {
-    let env = Env::new("deleted");
+    let env = Env::new();
     env.echo_backend();
     let cfg = env.path("config.toml");
     std::fs::write(&cfg, env.config("")).unwrap();
-    let d = Daemon::spawn_with(&env, &cfg, &[]);
-    d.wait_ready(&env);
+    let mut d = Process::launch(&cfg).watch().spawn();
+    d.wait_ready_blocking(env.admin());
     through_vip(&env);
     let status = || -> serde_json::Value {
         let (_, resp) = get(&env, "/status");
@@ -904,7 +803,7 @@ fn run_bounded(args: &[&std::ffi::OsStr]) -> (Option<i32>, String) {
 /// `import`'s inputs and `--base`, and `import --write` over a FIFO.
 #[test]
 fn a_fifo_or_a_device_is_refused_promptly_by_check_run_and_import() {
-    let env = Env::new("fifo-check");
+    let env = Env::new();
     let fifo = env.path("config.fifo");
     mkfifo(&fifo);
     let zero = PathBuf::from("/dev/zero");
@@ -962,12 +861,12 @@ fn a_fifo_or_a_device_is_refused_promptly_by_check_run_and_import() {
 /// forwarding, and SIGTERM still stops the daemon at once with exit 0.
 #[test]
 fn a_fifo_at_the_config_path_never_wedges_reloads_or_stop() {
-    let env = Env::new("fifo-run");
+    let env = Env::new();
     env.echo_backend();
     let cfg = env.path("config.toml");
     std::fs::write(&cfg, env.config("")).unwrap();
-    let mut d = Daemon::spawn_with(&env, &cfg, &[]);
-    d.wait_ready(&env);
+    let mut d = Process::launch(&cfg).watch().spawn();
+    d.wait_ready_blocking(env.admin());
     through_vip(&env);
 
     std::fs::remove_file(&cfg).unwrap();
@@ -996,7 +895,7 @@ fn a_fifo_at_the_config_path_never_wedges_reloads_or_stop() {
     assert_eq!(code, 200);
 
     d.signal(libc::SIGTERM);
-    let status = d.wait_exit(Duration::from_secs(20));
+    let status = d.wait_exit_blocking(Duration::from_secs(20));
     assert_eq!(
         status.and_then(|s| s.code()),
         Some(0),

@@ -1300,3 +1300,61 @@ fn the_search_for_type_errors_is_bounded() {
     assert_eq!(p.len(), 17, "{p:?}");
     assert!(p[16].message.contains("at most 16"), "{p:?}");
 }
+
+/// The tests' config builder (`tests/support/config.rs`) writes what it is
+/// told: every table, key and name reads back as set, and a string with
+/// quotes, backslashes and control characters round-trips as TOML.
+#[test]
+fn the_test_config_builder_writes_what_it_is_told() {
+    use std::net::IpAddr;
+    use support::{Config, Lb, Listener, quote};
+    let text = Config::new()
+        .admin("127.0.0.1:9901".parse().unwrap())
+        .socket(std::path::Path::new("/tmp/hlb-builder/admin.sock"))
+        .proxy("drain_timeout_seconds = 3")
+        .lb(Lb::new("default/web", "127.0.0.1")
+            .backends(["127.0.0.11", "127.0.0.12"])
+            .keys("algorithm = \"least_connections\"")
+            .tcp("http", 8080, 30080)
+            .listener(Listener::new("dns", 53, 30053).udp())
+            .health("  port = 30081\n  period_seconds = 2\n  timeout_seconds = 1"))
+        .lb(Lb::new("default/empty", "127.0.0.2").tcp("http", 8080, 30080))
+        .to_string();
+    let c = config::parse(&text)
+        .unwrap_or_else(|p| panic!("{p:?}\n{text}"))
+        .config;
+    assert_eq!(c.admin.listen, "127.0.0.1:9901".parse().unwrap());
+    assert_eq!(
+        c.admin.socket,
+        std::path::Path::new("/tmp/hlb-builder/admin.sock")
+    );
+    assert_eq!(c.proxy.drain_timeout, std::time::Duration::from_secs(3));
+    let names: Vec<&str> = c.load_balancers.iter().map(|l| l.name.as_str()).collect();
+    assert_eq!(names, ["default/web", "default/empty"]);
+    let web = &c.load_balancers[0];
+    assert_eq!(web.vip, "127.0.0.1".parse::<IpAddr>().unwrap());
+    let backends: Vec<String> = web.backends.iter().map(ToString::to_string).collect();
+    assert_eq!(backends, ["127.0.0.11", "127.0.0.12"]);
+    assert_eq!(web.algorithm, Algorithm::LeastConnections);
+    let listeners: Vec<(&str, u16, u16, config::Protocol)> = web
+        .listeners
+        .iter()
+        .map(|l| (l.name.as_str(), l.port, l.backend_port, l.protocol))
+        .collect();
+    assert_eq!(
+        listeners,
+        [
+            ("http", 8080, 30080, config::Protocol::Tcp),
+            ("dns", 53, 30053, config::Protocol::Udp)
+        ]
+    );
+    let check = web.health_check.as_ref().expect("a health check");
+    assert_eq!(check.port, Some(30081));
+    assert_eq!(check.period, std::time::Duration::from_secs(2));
+    assert!(c.load_balancers[1].backends.is_empty());
+    assert!(c.load_balancers[1].health_check.is_none());
+
+    let hostile = "a\"b\\c\u{1b}[8m\nd";
+    let value: toml::Table = toml::from_str(&format!("k = {}", quote(hostile))).unwrap();
+    assert_eq!(value["k"].as_str(), Some(hostile));
+}

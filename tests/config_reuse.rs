@@ -4,7 +4,10 @@
 //! and key) is exactly the full read's, whether the loader has seen a
 //! similar file before or not.
 
+mod support;
+
 use harvester_lb::config::{self, Loaded, Loader, Problem};
+use support::Rng;
 
 /// `n` load balancers as a controller writes them.
 fn file(n: usize) -> String {
@@ -178,22 +181,6 @@ fn files_the_cut_does_not_fit_are_read_in_full() {
     }
 }
 
-/// A small deterministic generator, so a failure names its seed.
-struct XorShift(u64);
-
-impl XorShift {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
-    }
-}
-
 #[test]
 fn random_edits_of_a_file_never_change_the_verdict() {
     const SNIPPETS: &[&str] = &[
@@ -223,7 +210,7 @@ fn random_edits_of_a_file_never_change_the_verdict() {
     same_verdict(&mut loader, &base);
     let mut valid = 0;
     for seed in 1..=400u64 {
-        let mut rng = XorShift(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15));
+        let mut rng = Rng::new(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15));
         let mut lines: Vec<String> = base_lines.iter().map(|l| l.to_string()).collect();
         for _ in 0..1 + rng.below(3) {
             let at = rng.below(lines.len());

@@ -1,15 +1,12 @@
 //! The connection log (`log_connections`) from the outside: the real
-//! binary, its stderr read line by line, real clients and backends that
+//! binary, its log read line by line, real clients and backends that
 //! cause each termination state (a backend that resets, one that refuses,
 //! a black hole, a drain, a source range, a dead pool, a health check that
 //! fails under an open connection), and the fields of each line asserted.
 
 mod support;
 
-use std::io::BufRead;
 use std::net::{IpAddr, SocketAddr};
-use std::process::{Child, Command, Stdio};
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use serde_json::Value;
@@ -20,10 +17,9 @@ use tokio::net::{TcpListener, TcpStream};
 const LB: &str = "default/web";
 const WAIT: Duration = Duration::from_secs(20);
 
-/// The real daemon with its stderr captured.
+/// The real daemon, whose log lines the tests read.
 struct Logged {
-    child: Child,
-    lines: Arc<Mutex<Vec<String>>>,
+    process: Process,
     admin: SocketAddr,
 }
 
@@ -32,29 +28,12 @@ impl Logged {
     /// waits until it is ready.
     async fn start(net: &Subnet, config: &str, format: &str) -> Self {
         let path = net.write("config.toml", config);
-        let mut child = Command::new(env!("CARGO_BIN_EXE_harvester-lb"))
-            .args(["--log-format", format, "run", "--no-watch", "--config"])
-            .arg(&path)
-            .stderr(Stdio::piped())
-            .stdout(Stdio::null())
-            .spawn()
-            .expect("spawn harvester-lb");
-        let stderr = child.stderr.take().expect("piped");
-        let lines = Arc::new(Mutex::new(Vec::new()));
-        let sink = Arc::clone(&lines);
-        std::thread::spawn(move || {
-            for line in std::io::BufReader::new(stderr).lines() {
-                let Ok(line) = line else { return };
-                sink.lock().unwrap().push(line);
-            }
-        });
+        let mut process = Process::launch(&path)
+            .global_args(&["--log-format", format])
+            .spawn();
         let admin = SocketAddr::new(net.ip(250), 9901);
-        wait_ready(admin).await;
-        Self {
-            child,
-            lines,
-            admin,
-        }
+        process.wait_ready(admin).await;
+        Self { process, admin }
     }
 
     /// [`Logged::start`] with `--log-format json`.
@@ -64,9 +43,8 @@ impl Logged {
 
     /// Every connection line so far, parsed (JSON format).
     fn connection_lines(&self) -> Vec<Value> {
-        self.lines
-            .lock()
-            .unwrap()
+        self.process
+            .lines()
             .iter()
             .filter_map(|l| serde_json::from_str::<Value>(l).ok())
             .filter(|v| v["target"] == "harvester_lb::connection")
@@ -87,56 +65,38 @@ impl Logged {
         .await
     }
 
-    /// Every stderr line so far, raw.
+    /// Every log line so far, raw.
     fn raw(&self) -> Vec<String> {
-        self.lines.lock().unwrap().clone()
+        self.process.lines()
     }
 
     fn signal(&self, sig: i32) {
-        #[allow(unsafe_code)]
-        // SAFETY: kill(2) with a pid we spawned and own.
-        let rc = unsafe { libc::kill(self.child.id() as i32, sig) };
-        assert_eq!(rc, 0);
-    }
-}
-
-impl Drop for Logged {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        self.process.signal(sig);
     }
 }
 
 /// One load balancer `LB` on `.1:8080` -> `backends` on port 30080, with
 /// `extra` lines in its table and `top` before it.
 fn config(net: &Subnet, top: &str, backends: &[u8], extra: &str) -> String {
-    let backends: Vec<String> = backends
-        .iter()
-        .map(|h| format!("{:?}", net.ip_str(*h)))
-        .collect();
-    format!(
-        r#"
-[admin]
-listen = "{admin}:9901"
-socket = {socket:?}
-{top}
-
-[[load_balancer]]
-name = "{LB}"
-cluster = "guest"
-vip = "{vip}"
-backends = [{backends}]
-{extra}
-  [[load_balancer.listener]]
-  name = "http"
-  port = 8080
-  backend_port = 30080
-"#,
-        admin = net.ip_str(250),
-        socket = net.dir().join("admin.sock"),
-        vip = net.ip_str(1),
-        backends = backends.join(", "),
+    web(
+        net,
+        top,
+        backends,
+        extra,
+        Listener::new("http", 8080, 30080),
     )
+}
+
+/// [`config`] with `listener`.
+fn web(net: &Subnet, top: &str, backends: &[u8], extra: &str, listener: Listener) -> String {
+    Config::on(net)
+        .text(top)
+        .lb(Lb::new(LB, net.ip(1))
+            .keys("cluster = \"guest\"")
+            .backends(net.ips(backends))
+            .keys(extra)
+            .listener(listener))
+        .to_string()
 }
 
 fn vip(net: &Subnet) -> SocketAddr {
@@ -593,9 +553,12 @@ async fn hostile_names_stay_on_one_line_in_text() {
 
 /// `config` with a UDP listener instead of the TCP one.
 fn udp_config(net: &Subnet, top: &str, extra: &str) -> String {
-    config(net, top, &[11], extra).replace(
-        "backend_port = 30080\n",
-        "backend_port = 30080\n  protocol = \"udp\"\n",
+    web(
+        net,
+        top,
+        &[11],
+        extra,
+        Listener::new("http", 8080, 30080).udp(),
     )
 }
 

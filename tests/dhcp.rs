@@ -17,8 +17,8 @@
 // These tests time real processes and sockets, not tokio timers.
 #![allow(clippy::disallowed_types, clippy::disallowed_methods)]
 
-#[path = "netns/mod.rs"]
 mod netns;
+mod support;
 
 use std::net::Ipv4Addr;
 use std::path::{Path, PathBuf};
@@ -27,6 +27,7 @@ use std::time::{Duration, Instant};
 
 use netns::peers::{Node, Service};
 use netns::{Bed, Ns, sa, wait_for};
+use support::{Config, Lb, quote};
 use tokio::io::AsyncReadExt;
 
 const T1: u32 = 6;
@@ -99,19 +100,21 @@ fn dnsmasq_missing() -> bool {
 }
 
 fn config(bed: &Bed, with_lb: bool) -> String {
-    let mut c = format!(
-        "[admin]\nlisten = \"127.0.0.1:{}\"\n\n[proxy]\ndrain_timeout_seconds = 1\n\n[dhcp]\nstate_directory = {:?}\n",
-        netns::ADMIN_PORT,
-        bed.dir.join("state")
-    );
-    if with_lb {
-        c.push_str(&format!(
-            "\n[[load_balancer]]\nname = \"default/web\"\nipam = \"dhcp\"\nvip = \"0.0.0.0\"\nbackends = [\"{}\"]\n  [[load_balancer.listener]]\n  name = \"tcp\"\n  port = 80\n  backend_port = {}\n  [load_balancer.dhcp]\n  interface = \"eth0\"\n",
-            netns::node_ip(1),
-            netns::NODEPORT
+    let mut c = Config::new()
+        .admin(sa(Ipv4Addr::LOCALHOST, netns::ADMIN_PORT))
+        .proxy("drain_timeout_seconds = 1")
+        .text(&format!(
+            "[dhcp]\nstate_directory = {}",
+            quote(bed.dir.join("state").display())
         ));
+    if with_lb {
+        c = c.lb(Lb::new("default/web", "0.0.0.0")
+            .keys("ipam = \"dhcp\"")
+            .backends([netns::node_ip(1)])
+            .tcp("tcp", 80, netns::NODEPORT)
+            .keys("  [load_balancer.dhcp]\n  interface = \"eth0\""));
     }
-    c
+    c.to_string()
 }
 
 /// The lease in `/status` once it is bound with renewals >= `renewals`

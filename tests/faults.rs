@@ -1,7 +1,7 @@
 //! Faults on real test hosts: the real daemon in a network namespace, nodes
 //! and clients in others, faults made with nftables, link state and process
-//! kills. See `tests/netns/mod.rs` for the bed and `tests/netns/FAILURES.md`
-//! for the figures these tests print.
+//! kills. See `tests/netns/mod.rs` for the bed; the tests
+//! are in `tests/faults/`.
 //!
 //! Every test skips with a printed reason unless run as root with iproute2
 //! and nftables. Run: `cargo test --test faults -- --nocapture`.
@@ -9,19 +9,17 @@
 // These tests time real processes and sockets, not tokio timers.
 #![allow(clippy::disallowed_types, clippy::disallowed_methods)]
 
-#[path = "netns/mod.rs"]
 mod netns;
+mod support;
 
-#[path = "netns/t_detect.rs"]
-mod t_detect;
-#[path = "netns/t_failover.rs"]
-mod t_failover;
-#[path = "netns/t_hostile.rs"]
-mod t_hostile;
-#[path = "netns/t_transfer.rs"]
-mod t_transfer;
-#[path = "netns/t_vip.rs"]
-mod t_vip;
+/// The fault tests, one file a kind of fault, in `tests/faults/`.
+mod faults {
+    mod t_detect;
+    mod t_failover;
+    mod t_hostile;
+    mod t_transfer;
+    mod t_vip;
+}
 
 /// Not a test of its own: the body of the backend *process* that
 /// `t_transfer` kills, which runs it with `--ignored --exact`. Ignored, so a

@@ -14,37 +14,22 @@ use tokio::net::TcpStream;
 const LB: &str = "default/web";
 
 /// A config with one load balancer on `.1:8080` forwarding to `backends` on port 30080.
-fn config(net: &Subnet, backends: &[u8], extra_lb: &str, health: Option<&str>) -> String {
-    let backends: Vec<String> = backends
-        .iter()
-        .map(|h| format!("{:?}", net.ip_str(*h)))
-        .collect();
-    let mut c = format!(
-        r#"
-[admin]
-listen = "{admin}:9901"
-
-[[load_balancer]]
-name = "{LB}"
-vip = "{vip}"
-backends = [{backends}]
-{extra_lb}
-
-  [[load_balancer.listener]]
-  name = "http"
-  port = 8080
-  backend_port = 30080
-"#,
-        admin = net.ip_str(250),
-        vip = net.ip_str(1),
-        backends = backends.join(", "),
-    );
+fn config(net: &Subnet, backends: &[u8], extra_lb: &str, health: Option<&str>) -> Config {
+    let mut lb = Lb::new(LB, net.ip(1))
+        .backends(net.ips(backends))
+        .keys(extra_lb)
+        .tcp("http", 8080, 30080);
     if let Some(h) = health {
-        c.push_str(&format!(
-            "\n  [load_balancer.health_check]\n  port = 30080\n{h}\n"
-        ));
+        lb = lb.health(&format!("  port = 30080\n{h}"));
     }
-    c
+    Config::on(net).lb(lb)
+}
+
+/// Load balancer `name` on `.vip:8080` to `.11:30080`, as most tests add a second one.
+fn other_lb(net: &Subnet, name: &str, vip: u8) -> Lb {
+    Lb::new(name, net.ip(vip))
+        .backends([net.ip(11)])
+        .tcp("http", 8080, 30080)
 }
 
 fn vip(net: &Subnet) -> SocketAddr {
@@ -186,8 +171,10 @@ async fn a_probe_is_a_handshake_the_backend_application_never_accepts() {
     let net = Subnet::new();
     let _b = Backend::start(backend_addr(&net, 11), Behaviour::NameThenEcho).await;
     let health_port = Backend::start(SocketAddr::new(net.ip(11), 30081), Behaviour::Hold).await;
-    let cfg = config(&net, &[11], "", None)
-        + "\n  [load_balancer.health_check]\n  port = 30081\n  period_seconds = 1\n  timeout_seconds = 1\n";
+    let cfg = Config::on(&net).lb(Lb::new(LB, net.ip(1))
+        .backends([net.ip(11)])
+        .tcp("http", 8080, 30080)
+        .health("  port = 30081\n  period_seconds = 1\n  timeout_seconds = 1"));
     let d = Daemon::start(&net, &cfg).await;
     let ip = net.ip_str(11);
     let b = wait_for(
@@ -223,30 +210,15 @@ async fn load_balancers_checking_the_same_port_share_one_probe_and_keep_their_ow
     let net = Subnet::new();
     let _b = Backend::start(backend_addr(&net, 11), Behaviour::NameThenEcho).await;
     let health = Backend::start(SocketAddr::new(net.ip(11), 30081), Behaviour::Hold).await;
+    let unchecked = |name: &str, vip: u8| other_lb(&net, name, vip);
     let lb = |name: &str, vip: u8, failure: u32| {
-        format!(
-            r#"
-[[load_balancer]]
-name = "{name}"
-vip = "{vip}"
-backends = ["{node}"]
-  [[load_balancer.listener]]
-  name = "http"
-  port = 8080
-  backend_port = 30080
-  [load_balancer.health_check]
-  port = 30081
-  period_seconds = 1
-  timeout_seconds = 1
-  failure_threshold = {failure}
-"#,
-            vip = net.ip_str(vip),
-            node = net.ip_str(11),
-        )
+        unchecked(name, vip).health(&format!(
+            "  port = 30081\n  period_seconds = 1\n  timeout_seconds = 1\n  failure_threshold = {failure}"
+        ))
     };
-    let cfg = format!("[admin]\nlisten = \"{}:9901\"\n", net.ip_str(250))
-        + &lb("a/quick", 1, 1)
-        + &lb("b/patient", 2, 3);
+    let cfg = Config::on(&net)
+        .lb(lb("a/quick", 1, 1))
+        .lb(lb("b/patient", 2, 3));
     let d = Daemon::start(&net, &cfg).await;
     let ip = net.ip_str(11);
     assert_eq!(d.metric("harvester_lb_health_check_streams").await, 1.0);
@@ -279,8 +251,10 @@ backends = ["{node}"]
     // A reload that drops one of them leaves the stream to the other; one
     // that drops the last check stops it.
     let admin = SocketAddr::new(net.ip(250), 9901);
-    let head = format!("[admin]\nlisten = \"{}:9901\"\n", net.ip_str(250));
-    net.write("config.toml", &(head.clone() + &lb("a/quick", 1, 1)));
+    net.write(
+        "config.toml",
+        &Config::on(&net).lb(lb("a/quick", 1, 1)).to_string(),
+    );
     let (code, body) = http(admin, "POST", "/reload").await;
     assert_eq!(code, 200, "reload: {body}");
     let seen = d.backend_status("a/quick", &ip).await["probe"]["probes"]
@@ -292,9 +266,10 @@ backends = ["{node}"]
     })
     .await;
     assert_eq!(d.metric("harvester_lb_health_check_streams").await, 1.0);
-    let unchecked = lb("a/quick", 1, 1);
-    let unchecked = &unchecked[..unchecked.find("  [load_balancer.health_check]").unwrap()];
-    net.write("config.toml", &(head + unchecked));
+    net.write(
+        "config.toml",
+        &Config::on(&net).lb(unchecked("a/quick", 1)).to_string(),
+    );
     let (code, body) = http(admin, "POST", "/reload").await;
     assert_eq!(code, 200, "reload: {body}");
     assert_eq!(d.metric("harvester_lb_health_check_streams").await, 0.0);
@@ -593,7 +568,7 @@ async fn sixty_four_mebibytes_each_way_arrive_byte_exact() {
     let s = TcpStream::connect(vip(&net)).await.unwrap();
     let (mut rd, mut wr) = s.into_split();
     let writer = tokio::spawn(async move {
-        let mut p = Pattern::new(42);
+        let mut p = Rng::new(42);
         let mut block = vec![0u8; BLOCK];
         for _ in 0..TOTAL / BLOCK {
             p.fill(&mut block);
@@ -602,7 +577,7 @@ async fn sixty_four_mebibytes_each_way_arrive_byte_exact() {
         wr.shutdown().await.unwrap();
     });
     let reader = tokio::spawn(async move {
-        let mut p = Pattern::new(42);
+        let mut p = Rng::new(42);
         let mut expected = vec![0u8; BLOCK];
         let mut got = vec![0u8; BLOCK];
         let mut total = 0usize;
@@ -666,7 +641,7 @@ async fn small_messages_then_bulk_then_small_again_stay_in_order() {
         }
         let (mut rd, mut wr) = s.split();
         let write = async {
-            let mut p = Pattern::new(7);
+            let mut p = Rng::new(7);
             let mut block = vec![0u8; 64 * 1024];
             for _ in 0..BULK / block.len() {
                 p.fill(&mut block);
@@ -674,7 +649,7 @@ async fn small_messages_then_bulk_then_small_again_stay_in_order() {
             }
         };
         let read = async {
-            let mut p = Pattern::new(7);
+            let mut p = Rng::new(7);
             let (mut got, mut want) = (vec![0u8; 64 * 1024], vec![0u8; 64 * 1024]);
             for block in 0..BULK / got.len() {
                 rd.read_exact(&mut got).await.unwrap();
@@ -769,12 +744,7 @@ async fn a_listener_that_cannot_bind_fails_alone_and_readyz_says_why() {
     let _b = Backend::start(backend_addr(&net, 11), Behaviour::NameThenEcho).await;
     // Something else already listens on the second VIP's port.
     let squatter = std::net::TcpListener::bind((net.ip(2), 8080)).unwrap();
-    let mut cfg = config(&net, &[11], "", None);
-    cfg.push_str(&format!(
-        "\n[[load_balancer]]\nname = \"default/other\"\nvip = \"{}\"\nbackends = [\"{}\"]\n  [[load_balancer.listener]]\n  name = \"http\"\n  port = 8080\n  backend_port = 30080\n",
-        net.ip_str(2),
-        net.ip_str(11)
-    ));
+    let cfg = config(&net, &[11], "", None).lb(other_lb(&net, "default/other", 2));
     let d = Daemon::start(&net, &cfg).await;
     let (code, body) = d.get("/readyz").await;
     assert_eq!(code, 503);
@@ -824,16 +794,9 @@ async fn metrics_carry_the_documented_names_and_pass_promtool() {
     let net = Subnet::new();
     let _b = Backend::start(backend_addr(&net, 11), Behaviour::NameThenEcho).await;
     let health = "  period_seconds = 1\n  timeout_seconds = 1";
-    let mut cfg = config(&net, &[11, 12], "", Some(health));
-    cfg.push_str(&format!(
-        "\n[[load_balancer]]\nname = \"default/empty\"\nvip = \"{}\"\nbackends = []\n  [[load_balancer.listener]]\n  name = \"http\"\n  port = 8080\n  backend_port = 30080\n",
-        net.ip_str(2)
-    ));
-    cfg.push_str(&format!(
-        "\n[[load_balancer]]\nname = \"default/ranged\"\nvip = \"{}\"\nbackends = [\"{}\"]\nsource_ranges = [\"192.0.2.0/24\"]\n  [[load_balancer.listener]]\n  name = \"http\"\n  port = 8080\n  backend_port = 30080\n",
-        net.ip_str(3),
-        net.ip_str(11)
-    ));
+    let cfg = config(&net, &[11, 12], "", Some(health))
+        .lb(Lb::new("default/empty", net.ip(2)).tcp("http", 8080, 30080))
+        .lb(other_lb(&net, "default/ranged", 3).keys("source_ranges = [\"192.0.2.0/24\"]"));
     let d = Daemon::start(&net, &cfg).await;
     // Every outcome-split family appears at its first event: make one each.
     // A client outside source_ranges: a rejected connection.
@@ -907,26 +870,12 @@ async fn ipv6_vip_forwards_to_ipv6_and_ipv4_backends() {
         Behaviour::NameThenEcho,
     )
     .await;
-    let cfg = format!(
-        r#"
-[admin]
-listen = "{admin}:9901"
-[[load_balancer]]
-name = "default/v6"
-vip = "::1"
-backends = ["::1", "{v4}"]
-  [[load_balancer.listener]]
-  name = "http"
-  port = {vip_port}
-  backend_port = {node_port}
-  [load_balancer.health_check]
-  port = {node_port}
-  period_seconds = 1
-  timeout_seconds = 1
-"#,
-        admin = net.ip_str(250),
-        v4 = net.ip_str(11),
-    );
+    let cfg = Config::on(&net).lb(Lb::new("default/v6", "::1")
+        .backends(["::1".to_string(), net.ip_str(11)])
+        .tcp("http", vip_port, node_port)
+        .health(&format!(
+            "  port = {node_port}\n  period_seconds = 1\n  timeout_seconds = 1"
+        )));
     let d = Daemon::start(&net, &cfg).await;
     let vip = SocketAddr::from((std::net::Ipv6Addr::LOCALHOST, vip_port));
     let mut names = std::collections::HashSet::new();
@@ -987,17 +936,12 @@ async fn idle_connections_are_closed_after_the_idle_timeout_and_busy_ones_are_no
 async fn more_listeners_than_connection_slots_all_serve() {
     let net = Subnet::new();
     let _b = Backend::start(backend_addr(&net, 11), Behaviour::NameThenEcho).await;
-    let mut cfg = format!(
-        "[admin]\nlisten = \"{}:9901\"\n[proxy]\nmax_connections = 2\n",
-        net.ip_str(250)
-    );
+    let mut cfg = Config::on(&net).proxy("max_connections = 2");
     let vips: Vec<SocketAddr> = (1..=5).map(|h| SocketAddr::new(net.ip(h), 8080)).collect();
     for (i, v) in vips.iter().enumerate() {
-        cfg.push_str(&format!(
-            "[[load_balancer]]\nname = \"default/lb-{i}\"\nvip = \"{}\"\nbackends = [\"{}\"]\n  [[load_balancer.listener]]\n  name = \"http\"\n  port = 8080\n  backend_port = 30080\n",
-            v.ip(),
-            net.ip_str(11)
-        ));
+        cfg = cfg.lb(Lb::new(&format!("default/lb-{i}"), v.ip())
+            .backends([net.ip(11)])
+            .tcp("http", 8080, 30080));
     }
     let d = Daemon::start(&net, &cfg).await;
     // Each listener in turn, one connection at a time: all five serve.

@@ -166,34 +166,16 @@ async fn answer_one(
 /// The config header and one load balancer per `(name, vip host, port,
 /// backend hosts, health-check lines)`; nodes serve on 30080.
 fn config(net: &Subnet, lbs: &[(&str, u8, u16, &[u8], &str)]) -> String {
-    let mut c = format!("[admin]\nlisten = \"{}:9901\"\n", net.ip_str(250));
+    let mut c = Config::new().admin(SocketAddr::new(net.ip(250), 9901));
     for (name, vip, port, backends, check) in lbs {
-        let backends = backends
-            .iter()
-            .map(|h| format!("{:?}", net.ip_str(*h)))
-            .collect::<Vec<_>>()
-            .join(", ");
-        c.push_str(&format!(
-            r#"
-[[load_balancer]]
-name = "{name}"
-vip = "{vip}"
-backends = [{backends}]
-  [[load_balancer.listener]]
-  name = "http"
-  port = {port}
-  backend_port = 30080
-  [load_balancer.health_check]
-  kind = "http"
-  port = {HEALTH_PORT}
-  period_seconds = 1
-  timeout_seconds = 1
-{check}
-"#,
-            vip = net.ip_str(*vip),
-        ));
+        c = c.lb(Lb::new(name, net.ip(*vip))
+            .backends(net.ips(backends))
+            .tcp("http", *port, 30080)
+            .health(&format!(
+                "  kind = \"http\"\n  port = {HEALTH_PORT}\n  period_seconds = 1\n  timeout_seconds = 1\n{check}"
+            )));
     }
-    c
+    c.to_string()
 }
 
 /// Where the users of this file connect; every node runs a name-telling
@@ -390,27 +372,13 @@ async fn an_ipv6_node_is_asked_with_its_bracketed_address_as_host() {
         Answer::NotReady,
     )
     .await;
-    let cfg = format!(
-        r#"
-[admin]
-listen = "{admin}:9901"
-[[load_balancer]]
-name = "default/v6"
-vip = "{vip}"
-backends = ["::1"]
-  [[load_balancer.listener]]
-  name = "http"
-  port = 8080
-  backend_port = 30080
-  [load_balancer.health_check]
-  kind = "http"
-  port = {port}
-  failure_threshold = 1
-  period_seconds = 1
-  timeout_seconds = 1
-"#,
-        admin = net.ip_str(250),
-        vip = net.ip_str(1),
+    let cfg = Config::new().admin(SocketAddr::new(net.ip(250), 9901)).lb(
+        Lb::new("default/v6", net.ip(1))
+            .backends(["::1"])
+            .tcp("http", 8080, 30080)
+            .health(&format!(
+                "  kind = \"http\"\n  port = {port}\n  failure_threshold = 1\n  period_seconds = 1\n  timeout_seconds = 1"
+            )),
     );
     let d = Daemon::start(&net, &cfg).await;
     let b = d

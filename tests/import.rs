@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use harvester_lb::import::{self, Options, Source};
 use serde_json::Value;
-use support::{Backend, Behaviour, Daemon, Subnet, run_cli, wait_for, whoami};
+use support::{Backend, Behaviour, Daemon, Rng, Subnet, run_cli, wait_for, whoami};
 
 const FIXTURES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/import");
 
@@ -245,18 +245,6 @@ fn objects(net: &Subnet) -> Vec<Value> {
     out
 }
 
-/// A small deterministic generator for the orders and splits.
-struct Rng(u64);
-
-impl Rng {
-    fn below(&mut self, n: usize) -> usize {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        (self.0 % n as u64) as usize
-    }
-}
-
 fn render(objs: &[Value], format: usize) -> String {
     match format {
         // A kubectl List.
@@ -295,7 +283,7 @@ fn the_same_objects_in_any_order_and_split_give_the_same_bytes() {
     let first = run([objs.clone(), Vec::new(), Vec::new()], [0, 0, 0]);
     assert!(harvester_lb::config::parse(&first.text).is_ok());
     assert_eq!(first.load_balancers, 6);
-    let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+    let mut rng = Rng::new(0x9e37_79b9_7f4a_7c15);
     for round in 0..40 {
         let mut shuffled = objs.clone();
         for i in (1..shuffled.len()).rev() {
@@ -1049,4 +1037,54 @@ fn an_over_long_or_control_character_name_skips_that_object_by_name() {
     // One line per skip, none of them huge, nothing raw.
     assert!(!stderr.contains('\u{1b}'), "{stderr}");
     assert!(stderr.len() < 8_000, "stderr is {} bytes", stderr.len());
+}
+
+/// The library says and the command line prints: `import::command` returns
+/// the messages and the config in the order the binary prints them, with
+/// the same exit code and the same words, and prints nothing itself.
+#[test]
+fn the_command_returns_what_the_binary_prints() {
+    use harvester_lb::import::{Args, Said, command};
+    let net = Subnet::new();
+    let paths = write_fixtures(&net);
+    let outcome = command(&Args {
+        inputs: paths.clone(),
+        cluster: Some("guest".into()),
+        allow_loopback: true,
+        ..Args::default()
+    });
+    let (code, stdout, stderr) =
+        run_cli(&args(&paths, &["--cluster", "guest", "--allow-loopback"]));
+    assert!(
+        stdout.contains("[[load_balancer]]"),
+        "a config is printed: {stderr}"
+    );
+    assert_eq!(i32::from(outcome.code), code, "{stderr}");
+    let config: Vec<&String> = outcome
+        .said
+        .iter()
+        .filter_map(|s| match s {
+            Said::Config(text) => Some(text),
+            Said::Message(_) => None,
+        })
+        .collect();
+    assert_eq!(
+        config,
+        [&stdout],
+        "the config, said once, is what stdout got"
+    );
+    let messages: String = outcome
+        .said
+        .iter()
+        .filter_map(|s| match s {
+            Said::Message(m) => Some(format!("harvester-lb import: {m}\n")),
+            Said::Config(_) => None,
+        })
+        .collect();
+    assert_eq!(messages, stderr);
+    assert!(
+        matches!(outcome.said.last(), Some(Said::Message(m)) if m.starts_with("printed (")),
+        "{:?}",
+        outcome.said.last()
+    );
 }

@@ -9,8 +9,8 @@
 // The test bed times real processes and kernels, not tokio tasks.
 #![allow(clippy::disallowed_types, clippy::disallowed_methods)]
 
-#[path = "netns/mod.rs"]
 mod netns;
+mod support;
 
 use std::collections::BTreeMap;
 use std::io::ErrorKind;

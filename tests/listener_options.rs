@@ -25,12 +25,12 @@ use tokio::net::TcpStream;
 const LB: &str = "default/defer";
 
 fn config(net: &Subnet, listener_extra: &str) -> String {
-    format!(
-        "[admin]\nlisten = \"{admin}:9901\"\n\n[[load_balancer]]\nname = \"{LB}\"\nvip = \"{vip}\"\nbackends = [\"{node}\"]\n  [[load_balancer.listener]]\n  name = \"http\"\n  port = 8080\n  backend_port = 30080\n{listener_extra}",
-        admin = net.ip_str(250),
-        vip = net.ip_str(1),
-        node = net.ip_str(11),
-    )
+    Config::new()
+        .admin(SocketAddr::new(net.ip(250), 9901))
+        .lb(Lb::new(LB, net.ip(1))
+            .backends([net.ip(11)])
+            .listener(Listener::new("http", 8080, 30080).keys(listener_extra)))
+        .to_string()
 }
 
 /// Sends `line` and waits (5 s at most) for the echo backend to send it back.

@@ -23,17 +23,18 @@ const HTTPS: u16 = 30443;
 /// `https` (8443 -> 30443), backends `.hosts`, and a health check: `port`
 /// given (one verdict) or omitted (per listener).
 fn config(net: &Subnet, hosts: &[u8], port: Option<u16>, extra: &str) -> String {
-    let backends: Vec<String> = hosts
-        .iter()
-        .map(|h| format!("{:?}", net.ip_str(*h)))
-        .collect();
     let port = port.map_or(String::new(), |p| format!("  port = {p}\n"));
-    format!(
-        "[admin]\nlisten = \"{admin}:9901\"\n\n[[load_balancer]]\nname = \"{LB}\"\nvip = \"{vip}\"\nbackends = [{backends}]\n{extra}\n  [[load_balancer.listener]]\n  name = \"http\"\n  port = 8080\n  backend_port = {HTTP}\n  [[load_balancer.listener]]\n  name = \"https\"\n  port = 8443\n  backend_port = {HTTPS}\n  [load_balancer.health_check]\n{port}  period_seconds = 1\n  timeout_seconds = 1\n  failure_threshold = 1\n",
-        admin = net.ip_str(250),
-        vip = net.ip_str(1),
-        backends = backends.join(", "),
-    )
+    Config::new()
+        .admin(SocketAddr::new(net.ip(250), 9901))
+        .lb(Lb::new(LB, net.ip(1))
+            .backends(net.ips(hosts))
+            .keys(extra)
+            .tcp("http", 8080, HTTP)
+            .tcp("https", 8443, HTTPS)
+            .health(&format!(
+                "{port}  period_seconds = 1\n  timeout_seconds = 1\n  failure_threshold = 1"
+            )))
+        .to_string()
 }
 
 fn vip(net: &Subnet, port: u16) -> SocketAddr {
@@ -405,10 +406,13 @@ async fn per_listener_verdicts_hold_on_ipv6() {
     );
     let v6 = |port| SocketAddr::from((std::net::Ipv6Addr::LOCALHOST, port));
     let _node = Backend::start(v6(node_http), Behaviour::NameThenEcho).await;
-    let text = format!(
-        "[admin]\nlisten = \"{admin}:9901\"\n\n[[load_balancer]]\nname = \"{LB}\"\nvip = \"::1\"\nbackends = [\"::1\"]\n  [[load_balancer.listener]]\n  name = \"http\"\n  port = {vip_http}\n  backend_port = {node_http}\n  [[load_balancer.listener]]\n  name = \"https\"\n  port = {vip_https}\n  backend_port = {node_https}\n  [load_balancer.health_check]\n  period_seconds = 1\n  timeout_seconds = 1\n  failure_threshold = 1\n",
-        admin = net.ip_str(250),
-    );
+    let text = Config::new()
+        .admin(SocketAddr::new(net.ip(250), 9901))
+        .lb(Lb::new(LB, "::1")
+            .backends(["::1"])
+            .tcp("http", vip_http, node_http)
+            .tcp("https", vip_https, node_https)
+            .health("  period_seconds = 1\n  timeout_seconds = 1\n  failure_threshold = 1"));
     let d = Daemon::start(&net, &text).await;
     wait_port(&d, "::1", node_https, "unhealthy").await;
     wait_port(&d, "::1", node_http, "healthy").await;

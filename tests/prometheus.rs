@@ -23,7 +23,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use support::{Backend, Behaviour, Daemon, Subnet, skip_or_fail, split_response, whoami};
+use support::{
+    Backend, Behaviour, Config, Daemon, Lb, Listener, Subnet, skip_or_fail, split_response, whoami,
+};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::time::Instant;
 
@@ -317,51 +319,40 @@ impl Drop for Prometheus {
 }
 
 fn config(net: &Subnet) -> String {
-    let lb = |name: &str, vip: u8, backends: &[u8], extra: &str| {
-        let backends: Vec<String> = backends
-            .iter()
-            .map(|h| format!("{:?}", net.ip_str(*h)))
-            .collect();
-        format!(
-            "\n[[load_balancer]]\nname = \"{name}\"\ncluster = \"prod\"\nvip = \"{}\"\nbackends = [{}]\n{extra}\n  [[load_balancer.listener]]\n  name = \"http\"\n  port = 8080\n  backend_port = 30080\n",
-            net.ip_str(vip),
-            backends.join(", ")
-        )
+    let lb = |name: &str, vip: u8, backends: &[u8]| {
+        Lb::new(name, net.ip(vip))
+            .keys("cluster = \"prod\"")
+            .backends(net.ips(backends))
+            .tcp("http", 8080, 30080)
     };
-    // A UDP listener beside the TCP one (after the health check table is
-    // fine: it is one more of the load balancer's listeners).
-    let udp = "  [[load_balancer.listener]]\n  name = \"dns\"\n  port = 8053\n  backend_port = 30053\n  protocol = \"udp\"\n";
+    // A UDP listener beside the TCP one.
+    let udp = || Listener::new("dns", 8053, 30053).udp();
     let check = |port: u16| {
         format!(
-            "  [load_balancer.health_check]\n  port = {port}\n  period_seconds = 1\n  timeout_seconds = 1\n  failure_threshold = 1\n"
+            "  port = {port}\n  period_seconds = 1\n  timeout_seconds = 1\n  failure_threshold = 1"
         )
     };
-    let mut c = format!("[admin]\nlisten = \"{}:9901\"\n", net.ip_str(250));
-    // Forwards to .11 (TCP and UDP); .13 has no listener: marked down (a
-    // transition).
-    c.push_str(&lb("default/web", 1, &[11, 13], ""));
-    c.push_str(&check(30080));
-    c.push_str(udp);
-    // .12 answers its health port but refuses the nodeport: connect
-    // failures; nothing on its UDP port either: ICMP errors.
-    c.push_str(&lb("default/refusing", 2, &[12], ""));
-    c.push_str(&check(30081));
-    c.push_str(udp);
-    // No backend at all: clients fail with no_backend, UDP flows too.
-    c.push_str(&lb("default/empty", 3, &[], ""));
-    c.push_str(udp);
-    // Every client here is outside the source ranges: rejected.
-    // A per-listener check (no port): backend_port_up.
-    c.push_str(&lb("default/per-port", 5, &[11], ""));
-    c.push_str("  [load_balancer.health_check]\n  period_seconds = 1\n  timeout_seconds = 1\n");
-    c.push_str(&lb(
-        "default/ranged",
-        4,
-        &[11],
-        "source_ranges = [\"192.0.2.0/24\"]",
-    ));
-    c.push_str(udp);
-    c
+    Config::new()
+        .admin(SocketAddr::new(net.ip(250), 9901))
+        // Forwards to .11 (TCP and UDP); .13 has no listener: marked down (a
+        // transition).
+        .lb(lb("default/web", 1, &[11, 13])
+            .health(&check(30080))
+            .listener(udp()))
+        // .12 answers its health port but refuses the nodeport: connect
+        // failures; nothing on its UDP port either: ICMP errors.
+        .lb(lb("default/refusing", 2, &[12])
+            .health(&check(30081))
+            .listener(udp()))
+        // No backend at all: clients fail with no_backend, UDP flows too.
+        .lb(lb("default/empty", 3, &[]).listener(udp()))
+        // A per-listener check (no port): backend_port_up.
+        .lb(lb("default/per-port", 5, &[11]).health("  period_seconds = 1\n  timeout_seconds = 1"))
+        // Every client here is outside the source ranges: rejected.
+        .lb(lb("default/ranged", 4, &[11])
+            .keys("source_ranges = [\"192.0.2.0/24\"]")
+            .listener(udp()))
+        .to_string()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

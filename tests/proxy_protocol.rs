@@ -144,10 +144,9 @@ async fn ask(from: IpAddr, vip: SocketAddr) -> (String, SocketAddr) {
     (body.trim().lines().last().unwrap_or("").to_string(), me)
 }
 
-fn listener(name: &str, port: u16, backend_port: u16, version: &str) -> String {
-    format!(
-        "  [[load_balancer.listener]]\n  name = \"{name}\"\n  port = {port}\n  backend_port = {backend_port}\n  proxy_protocol = \"{version}\"\n"
-    )
+/// Listener `name` that sends a PROXY header of `version`.
+fn listener(name: &str, port: u16, backend_port: u16, version: &str) -> Listener {
+    Listener::new(name, port, backend_port).keys(&format!("  proxy_protocol = \"{version}\""))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -181,22 +180,18 @@ async fn nginx_and_haproxy_see_the_client_address_for_v1_and_v2() {
     ng.wait_listening(&nginx_listen).await;
     hp.wait_listening(&haproxy_listen).await;
 
-    let mut config = format!("[admin]\nlisten = \"{}:9901\"\n", net.ip_str(250));
+    let mut config = Config::new().admin(SocketAddr::new(net.ip(250), 9901));
     for (k, backend) in [(1u8, 11u8), (2, 12)] {
-        config.push_str(&format!(
-            "\n[[load_balancer]]\nname = \"pp/{k}\"\nvip = \"{}\"\nbackends = [\"{}\"]\n{}{}",
-            net.ip_str(k),
-            net.ip_str(backend),
-            listener("v1", 8080, 30080, "v1"),
-            listener("v2", 8081, 30080, "v2"),
-        ));
+        config = config.lb(Lb::new(&format!("pp/{k}"), net.ip(k))
+            .backends([net.ip(backend)])
+            .listener(listener("v1", 8080, 30080, "v1"))
+            .listener(listener("v2", 8081, 30080, "v2")));
     }
     if let Some(p) = &ipv6 {
-        config.push_str(&format!(
-            "\n[[load_balancer]]\nname = \"pp/six\"\nvip = \"::1\"\nbackends = [\"::1\"]\n{}{}",
-            listener("nginx-v1", p[0], p[2], "v1"),
-            listener("haproxy-v2", p[1], p[3], "v2"),
-        ));
+        config = config.lb(Lb::new("pp/six", "::1")
+            .backends(["::1"])
+            .listener(listener("nginx-v1", p[0], p[2], "v1"))
+            .listener(listener("haproxy-v2", p[1], p[3], "v2")));
     }
     let d = Daemon::start(&net, &config).await;
 
@@ -250,13 +245,11 @@ async fn the_header_goes_out_before_the_client_says_anything() {
         s.write_all(&got).await.unwrap();
         s.shutdown().await.unwrap();
     });
-    let config = format!(
-        "[admin]\nlisten = \"{}:9901\"\n\n[[load_balancer]]\nname = \"pp/greeting\"\nvip = \"{}\"\nbackends = [\"{}\"]\n{}",
-        net.ip_str(250),
-        net.ip_str(1),
-        net.ip_str(11),
-        listener("smtp", 2525, 30080, "v1"),
-    );
+    let config = Config::new()
+        .admin(SocketAddr::new(net.ip(250), 9901))
+        .lb(Lb::new("pp/greeting", net.ip(1))
+            .backends([net.ip(11)])
+            .listener(listener("smtp", 2525, 30080, "v1")));
     let d = Daemon::start(&net, &config).await;
     let mut client = connect_from(net.ip(101), SocketAddr::new(net.ip(1), 2525))
         .await
@@ -315,12 +308,12 @@ async fn a_reload_turns_the_header_off_for_new_connections_only() {
     let net = Subnet::new();
     let _node = first_line_then_echo(SocketAddr::new(net.ip(11), 30080)).await;
     let config = |pp: &str| {
-        format!(
-            "[admin]\nlisten = \"{}:9901\"\n\n[[load_balancer]]\nname = \"pp/reload\"\nvip = \"{}\"\nbackends = [\"{}\"]\n  [[load_balancer.listener]]\n  name = \"tcp\"\n  port = 8080\n  backend_port = 30080\n{pp}",
-            net.ip_str(250),
-            net.ip_str(1),
-            net.ip_str(11),
-        )
+        Config::new()
+            .admin(SocketAddr::new(net.ip(250), 9901))
+            .lb(Lb::new("pp/reload", net.ip(1))
+                .backends([net.ip(11)])
+                .listener(Listener::new("tcp", 8080, 30080).keys(pp)))
+            .to_string()
     };
     let vip = SocketAddr::new(net.ip(1), 8080);
     let d = Daemon::start(&net, &config("  proxy_protocol = \"v1\"\n")).await;

@@ -17,21 +17,10 @@ use tokio::net::TcpStream;
 use tokio_util::sync::CancellationToken;
 
 /// One load balancer `name` on `.vip_host:port` forwarding to `.11:30080`.
-fn lb(net: &Subnet, name: &str, vip_host: u8, port: u16) -> String {
-    format!(
-        "\n[[load_balancer]]\nname = \"{name}\"\nvip = \"{vip}\"\nbackends = [\"{node}\"]\n  [[load_balancer.listener]]\n  name = \"tcp\"\n  port = {port}\n  backend_port = 30080\n",
-        vip = net.ip_str(vip_host),
-        node = net.ip_str(11),
-    )
-}
-
-/// The `[admin]` table: TCP on `.250:9901`, the socket in the test directory.
-fn admin(net: &Subnet) -> String {
-    format!(
-        "[admin]\nlisten = \"{}:9901\"\nsocket = {:?}\n",
-        net.ip_str(250),
-        net.dir().join("admin.sock")
-    )
+fn lb(net: &Subnet, name: &str, vip_host: u8, port: u16) -> Lb {
+    Lb::new(name, net.ip(vip_host))
+        .backends([net.ip(11)])
+        .tcp("tcp", port, 30080)
 }
 
 /// `GET path` on admin.listen with keepalived's budget of 1 s; `None` when
@@ -93,7 +82,7 @@ fn idle_flood(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn readyz_answers_every_probe_while_a_local_user_floods_the_admin_port() {
     let net = Subnet::new();
-    let config = admin(&net) + &lb(&net, "default/web", 1, 8080);
+    let config = Config::on(&net).lb(lb(&net, "default/web", 1, 8080));
     let d = Daemon::start(&net, &config).await;
     wait_ready(d.admin).await;
 
@@ -151,8 +140,9 @@ async fn readyz_per_vip_names_the_listener_that_cannot_bind_and_leaves_other_vip
     let net = Subnet::new();
     let (good, bad) = (net.ip_str(1), net.ip_str(2));
     let squatter = StdTcpListener::bind(SocketAddr::new(net.ip(2), 9000)).expect("hold .2:9000");
-    let config =
-        admin(&net) + &lb(&net, "default/good", 1, 8080) + &lb(&net, "tenant-b/bad", 2, 9000);
+    let config = Config::on(&net)
+        .lb(lb(&net, "default/good", 1, 8080))
+        .lb(lb(&net, "tenant-b/bad", 2, 9000));
     let d = Daemon::start(&net, &config).await;
 
     let (code, body) = d.get(&format!("/readyz?vip={good}")).await;
@@ -233,8 +223,9 @@ async fn the_keepalived_example_asks_the_socket_per_vip_and_only_the_broken_vip_
 
     let net = Subnet::new();
     let _squatter = StdTcpListener::bind(SocketAddr::new(net.ip(2), 9000)).expect("hold .2:9000");
-    let config =
-        admin(&net) + &lb(&net, "default/good", 1, 8080) + &lb(&net, "tenant-b/bad", 2, 9000);
+    let config = Config::on(&net)
+        .lb(lb(&net, "default/good", 1, 8080))
+        .lb(lb(&net, "tenant-b/bad", 2, 9000));
     let d = Daemon::start(&net, &config).await;
     let socket = d.socket.clone();
     for (instance, vip, script) in &scripts {

@@ -21,57 +21,21 @@ const ONE_THREAD: &[&str] = &["--threads", "1"];
 /// The stable load balancer on `.1:8080` with `backends`, health checked,
 /// plus `churn` extra load balancers on `.2:9000+i`.
 fn config(net: &Subnet, backends: &[u8], churn: &[u16], drain_seconds: u64) -> String {
-    let list = |hosts: &[u8]| {
-        hosts
-            .iter()
-            .map(|h| format!("{:?}", net.ip_str(*h)))
-            .collect::<Vec<_>>()
-            .join(", ")
-    };
-    let mut c = format!(
-        r#"
-[admin]
-listen = "{admin}:9901"
-socket = {socket:?}
+    stable(net, backends, churn, drain_seconds).to_string()
+}
 
-[proxy]
-drain_timeout_seconds = {drain_seconds}
-
-[[load_balancer]]
-name = "{STABLE}"
-vip = "{vip}"
-backends = [{backends}]
-  [[load_balancer.listener]]
-  name = "echo"
-  port = 8080
-  backend_port = 30080
-  [load_balancer.health_check]
-  port = 30080
-  period_seconds = 1
-  timeout_seconds = 1
-  failure_threshold = 2
-"#,
-        admin = net.ip_str(250),
-        socket = net.dir().join("admin.sock"),
-        vip = net.ip_str(1),
-        backends = list(backends),
-    );
+/// [`config`], to add load balancers to.
+fn stable(net: &Subnet, backends: &[u8], churn: &[u16], drain_seconds: u64) -> Config {
+    let mut c = Config::on(net)
+        .proxy(&format!("drain_timeout_seconds = {drain_seconds}"))
+        .lb(Lb::new(STABLE, net.ip(1))
+            .backends(net.ips(backends))
+            .tcp("echo", 8080, 30080)
+            .health("  port = 30080\n  period_seconds = 1\n  timeout_seconds = 1\n  failure_threshold = 2"));
     for i in churn {
-        c.push_str(&format!(
-            r#"
-[[load_balancer]]
-name = "churn/{i}"
-vip = "{vip}"
-backends = [{backends}]
-  [[load_balancer.listener]]
-  name = "echo"
-  port = {port}
-  backend_port = 30080
-"#,
-            vip = net.ip_str(2),
-            backends = list(&[11, 12]),
-            port = 9000 + i,
-        ));
+        c = c.lb(Lb::new(&format!("churn/{i}"), net.ip(2))
+            .backends(net.ips(&[11, 12]))
+            .tcp("echo", 9000 + i, 30080));
     }
     c
 }
@@ -345,17 +309,18 @@ async fn a_removed_listener_stops_accepting_at_once_and_drains_its_connections()
 async fn a_removed_load_balancer_s_series_go_as_soon_as_its_last_connection_has() {
     let net = Subnet::new();
     let _n = Backend::start(SocketAddr::new(net.ip(11), 30080), Behaviour::NameThenEcho).await;
-    let base = config(&net, &[11], &[], 120);
+    let base = stable(&net, &[11], &[], 120);
     let removed = |name: &str, port: u16| {
-        format!(
-            "\n[[load_balancer]]\nname = \"{name}\"\nvip = \"{}\"\nbackends = [\"{}\"]\n  [[load_balancer.listener]]\n  name = \"echo\"\n  port = {port}\n  backend_port = 30080\n  [load_balancer.health_check]\n  port = 30080\n  period_seconds = 1\n  timeout_seconds = 1\n",
-            net.ip_str(2),
-            net.ip_str(11),
-        )
+        Lb::new(name, net.ip(2))
+            .backends([net.ip(11)])
+            .tcp("echo", port, 30080)
+            .health("  port = 30080\n  period_seconds = 1\n  timeout_seconds = 1")
     };
     let d = Daemon::start(
         &net,
-        &(base.clone() + &removed("gone/idle", 9001) + &removed("gone/busy", 9002)),
+        base.clone()
+            .lb(removed("gone/idle", 9001))
+            .lb(removed("gone/busy", 9002)),
     )
     .await;
     let mut open = TcpStream::connect(SocketAddr::new(net.ip(2), 9002))
@@ -379,7 +344,7 @@ async fn a_removed_load_balancer_s_series_go_as_soon_as_its_last_connection_has(
     })
     .await;
 
-    std::fs::write(&d.config, &base).unwrap();
+    std::fs::write(&d.config, base.to_string()).unwrap();
     d.server().reload().await.unwrap();
     // Nothing open through gone/idle: its series go at once (a deadline
     // far below the 120 s drain time).
@@ -451,7 +416,7 @@ async fn sigterm_drains_open_connections_then_exits_zero() {
     let path = net.write("config.toml", &config(&net, &[11], &[], 2));
     let mut p = Process::start(&path, ONE_THREAD);
     let admin = SocketAddr::new(net.ip(250), 9901);
-    wait_ready(admin).await;
+    p.wait_ready(admin).await;
 
     let mut open = TcpStream::connect(stable_vip(&net)).await.unwrap();
     read_line(&mut open).await.unwrap();
@@ -471,7 +436,7 @@ async fn sigterm_drains_open_connections_then_exits_zero() {
     echo_once(&mut open, "draining")
         .await
         .expect("open connection keeps working during drain");
-    let code = p.wait_exit(Duration::from_secs(10)).await;
+    let code = p.exit_code(Duration::from_secs(10)).await;
     assert_eq!(code, 0);
     assert!(
         signalled.elapsed() >= Duration::from_millis(1500),
@@ -492,17 +457,17 @@ async fn sigterm_without_open_connections_exits_at_once_and_a_second_signal_does
 
     let mut p = Process::start(&path, ONE_THREAD);
     let admin = SocketAddr::new(net.ip(250), 9901);
-    wait_ready(admin).await;
+    p.wait_ready(admin).await;
     p.signal(libc::SIGTERM);
     assert_eq!(
-        p.wait_exit(Duration::from_secs(5)).await,
+        p.exit_code(Duration::from_secs(5)).await,
         0,
         "nothing to drain: exit 0 well before the 30 s drain timeout"
     );
 
     // A connection holds the drain open for 30 s; the second signal cuts it short.
     let mut p = Process::start(&path, ONE_THREAD);
-    wait_ready(admin).await;
+    p.wait_ready(admin).await;
     let mut open = TcpStream::connect(stable_vip(&net)).await.unwrap();
     read_line(&mut open).await.unwrap();
     p.signal(libc::SIGTERM);
@@ -514,7 +479,7 @@ async fn sigterm_without_open_connections_exits_at_once_and_a_second_signal_does
     })
     .await;
     p.signal(libc::SIGTERM);
-    assert_eq!(p.wait_exit(Duration::from_secs(5)).await, 1);
+    assert_eq!(p.exit_code(Duration::from_secs(5)).await, 1);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -522,9 +487,9 @@ async fn sighup_reloads_the_file() {
     let net = Subnet::new();
     let _n = Backend::start(SocketAddr::new(net.ip(11), 30080), Behaviour::NameThenEcho).await;
     let path = net.write("config.toml", &config(&net, &[11], &[], 30));
-    let p = Process::start(&path, ONE_THREAD);
+    let mut p = Process::start(&path, ONE_THREAD);
     let admin = SocketAddr::new(net.ip(250), 9901);
-    wait_ready(admin).await;
+    p.wait_ready(admin).await;
     std::fs::write(&path, config(&net, &[11], &[7], 30)).unwrap();
     p.signal(libc::SIGHUP);
     wait_for(
@@ -667,14 +632,11 @@ async fn systemd_hears_ready_reloading_and_stopping() {
     socket
         .set_read_timeout(Some(Duration::from_secs(10)))
         .unwrap();
-    let mut p = Process::start_with_env(
-        &path,
-        ONE_THREAD,
-        &[
-            ("NOTIFY_SOCKET", socket_path.as_os_str()),
-            ("WATCHDOG_USEC", std::ffi::OsStr::new("400000")),
-        ],
-    );
+    let mut p = Process::launch(&path)
+        .args(ONE_THREAD)
+        .env("NOTIFY_SOCKET", &socket_path)
+        .env("WATCHDOG_USEC", "400000")
+        .spawn();
     let next = move |socket: &UnixDatagram| -> String {
         let mut buf = [0u8; 512];
         let n = socket.recv(&mut buf).expect("a notification within 10 s");
@@ -711,7 +673,7 @@ async fn systemd_hears_ready_reloading_and_stopping() {
     assert_eq!(pings, 3, "watchdog pings");
     p.signal(libc::SIGTERM);
     assert_eq!(next_state(&socket), "STOPPING=1");
-    assert_eq!(p.wait_exit(Duration::from_secs(5)).await, 0);
+    assert_eq!(p.exit_code(Duration::from_secs(5)).await, 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -730,16 +692,6 @@ async fn stop_reports_the_connections_the_drain_timeout_cut() {
     assert!(started.elapsed() >= Duration::from_millis(900));
 }
 
-/// The resident memory of a process, from `/proc` (kB).
-fn rss_kb(pid: u32) -> u64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .expect("read /proc status")
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .expect("VmRSS in /proc status")
-}
-
 /// 300 reloads that each replace a load balancer of 16 health-checked
 /// backends by one of a new name (a guest cluster creating and deleting
 /// Services for months): the removed ones' series leave `/metrics`, and the
@@ -750,20 +702,18 @@ async fn churned_load_balancers_leave_no_series_and_no_memory_behind() {
     let net = Subnet::new();
     let _n11 = Backend::start(SocketAddr::new(net.ip(11), 30080), Behaviour::NameThenEcho).await;
     let churned = |k: usize| {
-        let backends: Vec<String> = (100..116).map(|h| format!("{:?}", net.ip_str(h))).collect();
-        config(&net, &[11], &[], 0)
-            + &format!(
-                "\n[[load_balancer]]\nname = \"churn/svc-{k}\"\nvip = \"{}\"\nbackends = [{}]\n  [[load_balancer.listener]]\n  name = \"web\"\n  port = {}\n  backend_port = 30080\n  [load_balancer.health_check]\n  port = 30081\n  period_seconds = 1\n  timeout_seconds = 1\n",
-                net.ip_str(2),
-                backends.join(", "),
-                9000 + k % 2
-            )
+        stable(&net, &[11], &[], 0)
+            .lb(Lb::new(&format!("churn/svc-{k}"), net.ip(2))
+                .backends((100..116).map(|h| net.ip(h)))
+                .tcp("web", 9000 + (k % 2) as u16, 30080)
+                .health("  port = 30081\n  period_seconds = 1\n  timeout_seconds = 1"))
+            .to_string()
     };
     let path = net.write("config.toml", &churned(0));
-    let process = Process::start(&path, ONE_THREAD);
+    let mut process = Process::start(&path, ONE_THREAD);
     let admin = SocketAddr::new(net.ip(250), 9901);
-    let pid = process.child.id();
-    wait_ready(admin).await;
+    let pid = process.pid();
+    process.wait_ready(admin).await;
 
     // Waits until only load balancer `k` of the churned ones has series
     // (the drain time is 0, so the others' go as soon as they are retired);
@@ -783,7 +733,7 @@ async fn churned_load_balancers_leave_no_series_and_no_memory_behind() {
         )
         .await;
         let others = body.lines().filter(|l| !l.contains("churn/")).count();
-        (others, rss_kb(pid))
+        (others, proc_rss_kib(pid))
     };
     let mut at_50 = (0, 0);
     for k in 1..=300 {

@@ -17,26 +17,18 @@ const LB: &str = "default/web";
 
 /// One load balancer on `.1:8080` -> `.11:30080`, with `ranges` as written.
 fn config(net: &Subnet, ranges: Option<&str>) -> String {
-    let ranges = ranges.map_or(String::new(), |r| format!("source_ranges = [{r}]"));
-    format!(
-        r#"
-[admin]
-listen = "{admin}:9901"
+    with_ranges(net, ranges).to_string()
+}
 
-[[load_balancer]]
-name = "{LB}"
-vip = "{vip}"
-backends = ["{node}"]
-{ranges}
-  [[load_balancer.listener]]
-  name = "http"
-  port = 8080
-  backend_port = 30080
-"#,
-        admin = net.ip_str(250),
-        vip = net.ip_str(1),
-        node = net.ip_str(11),
-    )
+/// [`config`], to add to.
+fn with_ranges(net: &Subnet, ranges: Option<&str>) -> Config {
+    let ranges = ranges.map_or(String::new(), |r| format!("source_ranges = [{r}]"));
+    Config::new()
+        .admin(SocketAddr::new(net.ip(250), 9901))
+        .lb(Lb::new(LB, net.ip(1))
+            .backends([net.ip(11)])
+            .keys(&ranges)
+            .tcp("http", 8080, 30080))
 }
 
 fn vip(net: &Subnet) -> SocketAddr {
@@ -177,22 +169,13 @@ async fn ipv6_clients_are_judged_by_ipv6_ranges() {
     )
     .await;
     let cfg = |ranges: &str| {
-        format!(
-            r#"
-[admin]
-listen = "{admin}:9901"
-[[load_balancer]]
-name = "{LB}"
-vip = "::1"
-backends = ["::1"]
-source_ranges = [{ranges}]
-  [[load_balancer.listener]]
-  name = "http"
-  port = {vip_port}
-  backend_port = {node_port}
-"#,
-            admin = net.ip_str(250),
-        )
+        Config::new()
+            .admin(SocketAddr::new(net.ip(250), 9901))
+            .lb(Lb::new(LB, "::1")
+                .backends(["::1"])
+                .keys(&format!("source_ranges = [{ranges}]"))
+                .tcp("http", vip_port, node_port))
+            .to_string()
     };
     let vip = SocketAddr::from((Ipv6Addr::LOCALHOST, vip_port));
     let d = Daemon::start(&net, &cfg("\"::1/128\", \"127.0.0.0/8\"")).await;
@@ -222,10 +205,8 @@ source_ranges = [{ranges}]
 async fn a_rejected_client_takes_no_connection_slot() {
     let net = Subnet::new();
     let _node = Backend::start(SocketAddr::new(net.ip(11), 30080), Behaviour::NameThenEcho).await;
-    let cfg = config(&net, Some(&format!("\"{}/32\"", net.ip_str(100)))).replace(
-        "[[load_balancer]]",
-        "[proxy]\nmax_connections = 1\n\n[[load_balancer]]",
-    );
+    let cfg = with_ranges(&net, Some(&format!("\"{}/32\"", net.ip_str(100))))
+        .proxy("max_connections = 1");
     let d = Daemon::start(&net, &cfg).await;
     let held = expect_served(&net, net.ip(100), vip(&net)).await;
     for _ in 0..3 {

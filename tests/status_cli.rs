@@ -6,9 +6,10 @@
 mod support;
 
 use std::net::SocketAddr;
+use std::path::Path;
 use std::time::Duration;
 
-use support::{Backend, Behaviour, Daemon, Subnet, run_cli};
+use support::{Backend, Behaviour, Config, Daemon, Lb, Subnet, run_cli};
 
 async fn cli(args: Vec<String>) -> (i32, String, String) {
     tokio::task::spawn_blocking(move || {
@@ -22,32 +23,14 @@ async fn cli(args: Vec<String>) -> (i32, String, String) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_table_shows_what_status_says_through_the_socket_or_tcp() {
     let net = Subnet::new();
-    let socket = net.dir().join("admin.sock");
-    let config = format!(
-        r#"[admin]
-listen = "{admin}:9901"
-socket = "{socket}"
-[[load_balancer]]
-name = "default/web"
-cluster = "prod"
-vip = "{vip}"
-backends = ["{up}", "{down}"]
-  [[load_balancer.listener]]
-  name = "http"
-  port = 8080
-  backend_port = 30080
-  [load_balancer.health_check]
-  port = 30080
-  failure_threshold = 1
-  period_seconds = 1
-  timeout_seconds = 1
-"#,
-        admin = net.ip_str(250),
-        socket = socket.display(),
-        vip = net.ip_str(100),
-        up = net.ip_str(1),
-        down = net.ip_str(2),
-    );
+    let lb = Lb::new("default/web", net.ip(100))
+        .keys("cluster = \"prod\"")
+        .backends(net.ips(&[1, 2]))
+        .tcp("http", 8080, 30080)
+        .health(
+            "  port = 30080\n  failure_threshold = 1\n  period_seconds = 1\n  timeout_seconds = 1",
+        );
+    let config = Config::on(&net).lb(lb.clone());
     let backend = Backend::start(SocketAddr::new(net.ip(1), 30080), Behaviour::NameThenEcho).await;
     let daemon = Daemon::start(&net, &config).await;
     daemon
@@ -103,10 +86,10 @@ backends = ["{up}", "{down}"]
     // Without a socket to open: admin.listen answers.
     let no_socket = net.write(
         "tcp-only.toml",
-        &config.replace(
-            &socket.display().to_string(),
-            "/nonexistent/harvester-lb.sock",
-        ),
+        &Config::on(&net)
+            .socket(Path::new("/nonexistent/harvester-lb.sock"))
+            .lb(lb.clone())
+            .to_string(),
     );
     let (code, table, stderr) = cli(vec![
         "status".into(),
@@ -120,15 +103,11 @@ backends = ["{up}", "{down}"]
     // Nobody there: 69, naming where it asked.
     let nowhere = net.write(
         "nowhere.toml",
-        &config
-            .replace(
-                &socket.display().to_string(),
-                "/nonexistent/harvester-lb.sock",
-            )
-            .replace(
-                &format!("{}:9901", net.ip_str(250)),
-                &format!("{}:9901", net.ip_str(249)),
-            ),
+        &Config::new()
+            .admin(SocketAddr::new(net.ip(249), 9901))
+            .socket(Path::new("/nonexistent/harvester-lb.sock"))
+            .lb(lb)
+            .to_string(),
     );
     let (code, _, stderr) = cli(vec![
         "status".into(),

@@ -2,17 +2,15 @@
 //! others, and what the daemon says to an operator when a cap, a bind or a
 //! reload goes wrong: the per-load-balancer share of connections and UDP
 //! flows, with real sockets; escaped names and bounded, rate-limited log
-//! lines, from the real binary's stderr.
+//! lines, from the real binary's log.
 
 // These tests time real processes and sockets, not tokio timers.
 #![allow(clippy::disallowed_types, clippy::disallowed_methods)]
 
 mod support;
 
-use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
-use std::process::{Child, Command, Stdio};
-use std::sync::{Arc, Mutex};
+use std::process::Command;
 use std::time::Duration;
 
 use support::*;
@@ -22,25 +20,18 @@ use tokio::net::{TcpStream, UdpSocket};
 /// listener on port 8080 to `.11:30080`; `proxy` goes into `[proxy]`,
 /// `extra[i]` into load balancer `i`.
 fn tcp_config(net: &Subnet, proxy: &str, extra: &[&str]) -> String {
-    let mut cfg = format!("{}[proxy]\n{proxy}\n", admin(net));
+    let mut cfg = Config::on(net).proxy(proxy);
     for (i, extra) in extra.iter().enumerate() {
-        cfg.push_str(&format!(
-            "[[load_balancer]]\nname = \"default/lb-{i}\"\nvip = \"{}\"\nbackends = [\"{}\"]\n{extra}\n  [[load_balancer.listener]]\n  name = \"http\"\n  port = 8080\n  backend_port = 30080\n",
-            net.ip_str(1 + i as u8),
-            net.ip_str(11)
-        ));
+        cfg = cfg.lb(lb(net, &format!("default/lb-{i}"), 1 + i as u8).keys(extra));
     }
-    cfg
+    cfg.to_string()
 }
 
-/// `[admin]` on `.250:9901`, its socket in the test's directory (the real
-/// binary takes it from the file).
-fn admin(net: &Subnet) -> String {
-    format!(
-        "[admin]\nlisten = \"{}:9901\"\nsocket = \"{}\"\n",
-        net.ip_str(250),
-        net.dir().join("admin.sock").display()
-    )
+/// Load balancer `name` on `.vip:8080` to `.11:30080`.
+fn lb(net: &Subnet, name: &str, vip: u8) -> Lb {
+    Lb::new(name, net.ip(vip))
+        .backends([net.ip(11)])
+        .tcp("http", 8080, 30080)
 }
 
 fn rejected(lb: usize) -> String {
@@ -176,16 +167,13 @@ async fn udp_answered(client: &UdpSocket, vip: SocketAddr) -> bool {
 async fn one_load_balancer_cannot_take_the_whole_udp_flow_table() {
     let net = Subnet::new();
     let _echo = udp_echo(SocketAddr::new(net.ip(11), 30700)).await;
-    let mut cfg = format!(
-        "[admin]\nlisten = \"{}:9901\"\n[proxy]\nmax_udp_flows = 4\n",
-        net.ip_str(250)
-    );
+    let mut cfg = Config::new()
+        .admin(SocketAddr::new(net.ip(250), 9901))
+        .proxy("max_udp_flows = 4");
     for i in 0..2u8 {
-        cfg.push_str(&format!(
-            "[[load_balancer]]\nname = \"default/udp-{i}\"\nvip = \"{}\"\nbackends = [\"{}\"]\n  [[load_balancer.listener]]\n  name = \"game\"\n  port = 7000\n  backend_port = 30700\n  protocol = \"udp\"\n",
-            net.ip_str(1 + i),
-            net.ip_str(11)
-        ));
+        cfg = cfg.lb(Lb::new(&format!("default/udp-{i}"), net.ip(1 + i))
+            .backends([net.ip(11)])
+            .listener(Listener::new("game", 7000, 30700).udp()));
     }
     let d = Daemon::start(&net, &cfg).await;
     let (first, second) = (
@@ -224,64 +212,14 @@ async fn one_load_balancer_cannot_take_the_whole_udp_flow_table() {
     d.stop().await;
 }
 
-/// The real binary with its stderr collected line by line.
-struct Logged {
-    child: Child,
-    lines: Arc<Mutex<Vec<String>>>,
-}
-
-impl Logged {
-    /// `harvester-lb run` on `config`, under `prefix` (e.g. `prlimit ...`).
-    fn start(prefix: &[&str], config: &std::path::Path, args: &[&str]) -> Self {
-        let bin = env!("CARGO_BIN_EXE_harvester-lb");
-        let mut cmd = match prefix.split_first() {
-            Some((first, rest)) => {
-                let mut c = Command::new(first);
-                c.args(rest).arg(bin);
-                c
-            }
-            None => Command::new(bin),
-        };
-        let mut child = cmd
-            .args(["run", "--no-watch", "--config", config.to_str().unwrap()])
-            .args(args)
-            .env("HARVESTER_LB_LOG", "info")
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("spawn harvester-lb");
-        let stderr = child.stderr.take().expect("piped");
-        let lines = Arc::new(Mutex::new(Vec::new()));
-        let sink = Arc::clone(&lines);
-        std::thread::spawn(move || {
-            for line in BufReader::new(stderr).lines() {
-                let Ok(line) = line else { break };
-                sink.lock().unwrap().push(line);
-            }
-        });
-        Self { child, lines }
-    }
-
-    fn lines(&self) -> Vec<String> {
-        self.lines.lock().unwrap().clone()
-    }
-
-    /// Waits for a line with every one of `words`, and returns it.
-    async fn line_with(&self, words: &[&str], within: Duration) -> String {
-        wait_for(within, &format!("a log line with {words:?}"), || async {
-            self.lines()
-                .into_iter()
-                .find(|l| words.iter().all(|w| l.contains(w)))
-        })
-        .await
-    }
-}
-
-impl Drop for Logged {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
+/// The real binary logging at `info` (the level whose lines these tests
+/// read), under `under` (e.g. `prlimit ...`), with `args` after `run`.
+fn logged(under: &[&str], config: &std::path::Path, args: &[&str]) -> Process {
+    Process::launch(config)
+        .under(under)
+        .args(args)
+        .env("HARVESTER_LB_LOG", "info")
+        .spawn()
 }
 
 /// 200 listeners whose VIP:port another socket holds: each bind fails at
@@ -293,16 +231,12 @@ async fn two_hundred_unbindable_listeners_log_a_bounded_number_of_lines() {
     let squatters: Vec<std::net::TcpListener> = (1..=200u8)
         .map(|h| std::net::TcpListener::bind(SocketAddr::new(net.ip(h), 8080)).unwrap())
         .collect();
-    let mut cfg = admin(&net);
+    let mut cfg = Config::on(&net);
     for h in 1..=200u8 {
-        cfg.push_str(&format!(
-            "[[load_balancer]]\nname = \"default/lb-{h}\"\nvip = \"{}\"\nbackends = [\"{}\"]\n  [[load_balancer.listener]]\n  name = \"http\"\n  port = 8080\n  backend_port = 30080\n",
-            net.ip_str(h),
-            net.ip_str(11)
-        ));
+        cfg = cfg.lb(lb(&net, &format!("default/lb-{h}"), h));
     }
-    let path = net.write("config.toml", &cfg);
-    let daemon = Logged::start(&[], &path, &[]);
+    let path = net.write("config.toml", &cfg.to_string());
+    let daemon = logged(&[], &path, &[]);
     daemon
         .line_with(&["harvester-lb running"], Duration::from_secs(30))
         .await;
@@ -341,7 +275,7 @@ async fn two_hundred_unbindable_listeners_log_a_bounded_number_of_lines() {
 async fn a_cap_derived_from_a_small_open_file_limit_is_said() {
     let net = Subnet::new();
     let path = net.write("config.toml", &tcp_config(&net, "", &[""]));
-    let daemon = Logged::start(&["prlimit", "--nofile=256:256"], &path, &[]);
+    let daemon = logged(&["prlimit", "--nofile=256:256"], &path, &[]);
     let line = daemon
         .line_with(&["open-file limit is 256"], Duration::from_secs(30))
         .await;
@@ -357,13 +291,10 @@ async fn a_reload_that_drops_every_load_balancer_is_a_warning() {
     let net = Subnet::new();
     let _b = Backend::start(SocketAddr::new(net.ip(11), 30080), Behaviour::NameThenEcho).await;
     let path = net.write("config.toml", &tcp_config(&net, "", &["", ""]));
-    let daemon = Logged::start(&[], &path, &[]);
-    wait_ready(SocketAddr::new(net.ip(250), 9901)).await;
+    let mut daemon = logged(&[], &path, &[]);
+    daemon.wait_ready(SocketAddr::new(net.ip(250), 9901)).await;
     net.write("config.toml", &tcp_config(&net, "", &[]));
-    #[allow(unsafe_code)]
-    // SAFETY: kill(2) on the child this test spawned.
-    let rc = unsafe { libc::kill(daemon.child.id() as i32, libc::SIGHUP) };
-    assert_eq!(rc, 0);
+    daemon.signal(libc::SIGHUP);
     let line = daemon
         .line_with(&["no load balancer"], Duration::from_secs(30))
         .await;
@@ -392,13 +323,13 @@ async fn a_hostile_name_cannot_forge_or_hide_a_log_line() {
         "{out}"
     );
     for args in [&[][..], &["--log-format", "json"][..]] {
-        let mut run = Logged::start(&[], &path, args);
+        let mut run = logged(&[], &path, args);
         let status = wait_for(Duration::from_secs(30), "run to refuse the file", || {
-            let status = run.child.try_wait().expect("try_wait");
+            let status = run.exited();
             async move { status }
         })
         .await;
-        // The reader thread may still be taking the last lines.
+        // The last line may still be on its way to the log.
         wait_for(Duration::from_secs(10), "the refusal in the log", || {
             let seen = run.lines().iter().any(|l| l.contains("U+000A"));
             async move { seen.then_some(()) }
@@ -425,7 +356,7 @@ async fn a_hostile_name_cannot_forge_or_hide_a_log_line() {
 /// when dropped.
 struct Netns {
     name: String,
-    daemon: Option<Child>,
+    daemon: Option<Process>,
 }
 
 impl Netns {
@@ -462,10 +393,7 @@ impl Netns {
 
 impl Drop for Netns {
     fn drop(&mut self) {
-        if let Some(mut d) = self.daemon.take() {
-            let _ = d.kill();
-            let _ = d.wait();
-        }
+        drop(self.daemon.take());
         let _ = Command::new("ip")
             .args(["netns", "delete", &self.name])
             .status();
@@ -523,12 +451,14 @@ fn ipv6_sources_are_counted_per_64() {
     }
     let path = net.write(
         "config.toml",
-        &format!(
-            "[admin]\nlisten = \"127.0.0.1:9901\"\nsocket = \"{}\"\n[proxy]\nmax_udp_flows_per_source = 2\n\
-             [[load_balancer]]\nname = \"default/dns\"\nvip = \"2001:db8:99::1\"\nbackends = [\"2001:db8:98::1\"]\n\
-             \x20 [[load_balancer.listener]]\n  name = \"dns\"\n  port = 53\n  backend_port = 30053\n  protocol = \"udp\"\n",
-            net.dir().join("admin.sock").display()
-        ),
+        &Config::new()
+            .admin("127.0.0.1:9901".parse().unwrap())
+            .socket(&net.dir().join("admin.sock"))
+            .proxy("max_udp_flows_per_source = 2")
+            .lb(Lb::new("default/dns", "2001:db8:99::1")
+                .backends(["2001:db8:98::1"])
+                .listener(Listener::new("dns", 53, 30053).udp()))
+            .to_string(),
     );
     // The backend: echoes every datagram, on a thread of its own.
     let backend = ns.run(|| std::net::UdpSocket::bind("[2001:db8:98::1]:30053").unwrap());
@@ -539,18 +469,9 @@ fn ipv6_sources_are_counted_per_64() {
         }
     });
     ns.daemon = Some(
-        Command::new("ip")
-            .args([
-                "netns",
-                "exec",
-                &ns.name,
-                env!("CARGO_BIN_EXE_harvester-lb"),
-            ])
-            .args(["run", "--no-watch", "--config", path.to_str().unwrap()])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("spawn the daemon in the namespace"),
+        Process::launch(&path)
+            .under(&["ip", "netns", "exec", &ns.name])
+            .spawn(),
     );
     let (answered, other_answered, dropped) = ns.run(move || {
         let admin: SocketAddr = "127.0.0.1:9901".parse().unwrap();
@@ -593,8 +514,8 @@ async fn reaching_and_leaving_a_connection_cap_is_logged() {
         "config.toml",
         &tcp_config(&net, "max_connections = 2", &["", "", ""]),
     );
-    let daemon = Logged::start(&[], &path, &[]);
-    wait_ready(SocketAddr::new(net.ip(250), 9901)).await;
+    let mut daemon = logged(&[], &path, &[]);
+    daemon.wait_ready(SocketAddr::new(net.ip(250), 9901)).await;
     let vip = |i: u8| SocketAddr::new(net.ip(1 + i), 8080);
 
     let mut first = TcpStream::connect(vip(0)).await.unwrap();

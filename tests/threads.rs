@@ -8,34 +8,23 @@ mod support;
 use std::net::{IpAddr, SocketAddr};
 use std::time::Duration;
 
+use harvester_lb::workers::WorkerThreads;
 use support::*;
 use tokio::net::TcpStream;
 
 const LB: &str = "default/threads";
 
 fn config(net: &Subnet, port: u16) -> String {
-    format!(
-        r#"[admin]
-listen = "{admin}:9901"
-socket = "{socket}"
-[proxy]
-# Long enough that a connection on a port a reload removed is still in its
-# drain when the test, on a busy machine, gets to it (1 s was not).
-drain_timeout_seconds = 8
-[[load_balancer]]
-name = "{LB}"
-vip = "{vip}"
-backends = ["{node}"]
-  [[load_balancer.listener]]
-  name = "echo"
-  port = {port}
-  backend_port = 30080
-"#,
-        admin = net.ip_str(1),
-        socket = net.dir().join("admin.sock").display(),
-        vip = net.ip_str(2),
-        node = net.ip_str(11),
-    )
+    Config::new()
+        .admin(SocketAddr::new(net.ip(1), 9901))
+        .socket(&net.dir().join("admin.sock"))
+        // Long enough that a connection on a port a reload removed is still in its
+        // drain when the test, on a busy machine, gets to it (1 s was not).
+        .proxy("drain_timeout_seconds = 8")
+        .lb(Lb::new(LB, net.ip(2))
+            .backends([net.ip(11)])
+            .tcp("echo", port, 30080))
+        .to_string()
 }
 
 /// Listening TCP sockets on `addr` (IPv4), from `/proc/net/tcp`.
@@ -102,7 +91,7 @@ async fn thread_per_core_gives_each_thread_a_socket_and_every_one_serves() {
     let _node = Backend::start(SocketAddr::new(net.ip(11), 30080), Behaviour::NameThenEcho).await;
     let path = net.write("config.toml", &config(&net, 8080));
     let mut p = Process::start(&path, &["--threads", "3", "--scheduler", "thread-per-core"]);
-    wait_ready(SocketAddr::new(net.ip(1), 9901)).await;
+    p.wait_ready(SocketAddr::new(net.ip(1), 9901)).await;
     let vip = SocketAddr::new(net.ip(2), 8080);
     wait_sockets(vip, 3).await;
 
@@ -130,7 +119,7 @@ async fn thread_per_core_gives_each_thread_a_socket_and_every_one_serves() {
     // SIGTERM: every socket closes, the open connection is cut after the
     // 8 s drain, and the process exits 0 (its threads joined).
     p.signal(libc::SIGTERM);
-    assert_eq!(p.wait_exit(Duration::from_secs(40)).await, 0);
+    assert_eq!(p.exit_code(Duration::from_secs(40)).await, 0);
     assert_eq!(listening_sockets(moved), 0);
     assert!(!still_echoes(&mut open).await, "open after the drain");
 }
@@ -143,12 +132,17 @@ async fn a_port_held_by_another_socket_is_not_shared() {
     let net = Subnet::new();
     let vip = SocketAddr::new(net.ip(2), 8080);
     let holder = std::net::TcpListener::bind(vip).unwrap();
-    let path = net.write("config.toml", &config(&net, 8080));
-    let _p = Process::start(&path, &["--threads", "2", "--scheduler", "thread-per-core"]);
-    let body = readyz(&net).await;
+    // In this process: thread per core over two threads, as `--threads 2
+    // --scheduler thread-per-core` runs it.
+    let threads = WorkerThreads::start(1).unwrap();
+    let workers = threads.workers(tokio::runtime::Handle::current());
+    let d = Daemon::start_on(&net, config(&net, 8080), workers).await;
+    let body = d.get("/readyz").await;
     assert_eq!(body.0, 503, "{}", body.1);
     assert!(body.1.contains(&vip.to_string()), "{}", body.1);
     assert_eq!(listening_sockets(vip), 1, "only the holder listens");
+    d.stop().await;
+    threads.stop();
     drop(holder);
 }
 
@@ -184,7 +178,7 @@ async fn a_port_held_with_so_reuseport_by_another_process_is_not_shared() {
             "{args:?}: only the holder listens"
         );
         p.signal(libc::SIGTERM);
-        assert_eq!(p.wait_exit(Duration::from_secs(40)).await, 0, "{args:?}");
+        assert_eq!(p.exit_code(Duration::from_secs(40)).await, 0, "{args:?}");
     }
     drop(holder);
 }
@@ -201,10 +195,10 @@ async fn work_stealing_the_default_and_one_thread_listen_on_one_socket() {
         &["--threads", "1", "--scheduler", "thread-per-core"][..],
     ] {
         let mut p = Process::start(&path, args);
-        wait_ready(SocketAddr::new(net.ip(1), 9901)).await;
+        p.wait_ready(SocketAddr::new(net.ip(1), 9901)).await;
         wait_sockets(vip, 1).await;
         each_forwarded(&net, vip, 20).await;
         p.signal(libc::SIGTERM);
-        assert_eq!(p.wait_exit(Duration::from_secs(40)).await, 0, "{args:?}");
+        assert_eq!(p.exit_code(Duration::from_secs(40)).await, 0, "{args:?}");
     }
 }

@@ -110,53 +110,21 @@ async fn dig(src: IpAddr, vip: IpAddr, tcp: bool) -> Option<String> {
     .flatten()
 }
 
-fn dns_config(net: &Subnet, backends: &[u8], extra: &str, listeners: &str) -> String {
-    let list: Vec<String> = backends
-        .iter()
-        .map(|h| format!("\"{}\"", net.ip_str(*h)))
-        .collect();
-    format!(
-        r#"
-[admin]
-listen = "{admin}:9901"
-
-[[load_balancer]]
-name = "{LB}"
-vip = "{vip}"
-backends = [{list}]
-algorithm = "round_robin"
-{extra}
-{listeners}
-"#,
-        admin = net.ip_str(250),
-        vip = net.ip_str(1),
-        list = list.join(", "),
-    )
+/// The DNS service on `.1:5353`: UDP and TCP to port 5353 of `backends`,
+/// checked over TCP.
+fn dns_config(net: &Subnet, backends: &[u8], extra: &str) -> Config {
+    Config::new()
+        .admin(SocketAddr::new(net.ip(250), 9901))
+        .lb(Lb::new(LB, net.ip(1))
+        .backends(net.ips(backends))
+        .keys("algorithm = \"round_robin\"")
+        .keys(extra)
+        .listener(Listener::new("dns", 5353, 5353).udp())
+        .listener(Listener::new("dns-tcp", 5353, 5353).keys("  protocol = \"tcp\""))
+        .health(
+            "  port = 5353\n  period_seconds = 1\n  timeout_seconds = 1\n  failure_threshold = 2",
+        ))
 }
-
-const UDP_DNS: &str = r#"
-  [[load_balancer.listener]]
-  name = "dns"
-  port = 5353
-  backend_port = 5353
-  protocol = "udp"
-"#;
-
-const TCP_DNS: &str = r#"
-  [[load_balancer.listener]]
-  name = "dns-tcp"
-  port = 5353
-  backend_port = 5353
-  protocol = "tcp"
-"#;
-
-const TCP_CHECK: &str = r#"
-  [load_balancer.health_check]
-  port = 5353
-  period_seconds = 1
-  timeout_seconds = 1
-  failure_threshold = 2
-"#;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dns_through_the_vip_is_answered_from_the_vip_spread_and_survives_a_stopped_server() {
@@ -176,12 +144,7 @@ async fn dns_through_the_vip_is_answered_from_the_vip_spread_and_survives_a_stop
     for h in [11u8, 12, 13] {
         servers.insert(h, Dnsmasq::start(&net, net.ip(h), &answers[&h]).await);
     }
-    let listeners = format!("{UDP_DNS}{TCP_DNS}{TCP_CHECK}");
-    let d = Daemon::start(
-        &net,
-        &dns_config(&net, &[11, 12, 13], "udp_responses = 1", &listeners),
-    )
-    .await;
+    let d = Daemon::start(&net, dns_config(&net, &[11, 12, 13], "udp_responses = 1")).await;
     let vip = net.ip(1);
 
     // Twelve queries from four source addresses: every answer is one of the
@@ -356,33 +319,14 @@ fn who(answer: &[u8]) -> String {
 }
 
 fn echo_config(net: &Subnet, backends: &[u8], extra: &str, proxy: &str) -> String {
-    let list: Vec<String> = backends
-        .iter()
-        .map(|h| format!("\"{}\"", net.ip_str(*h)))
-        .collect();
-    format!(
-        r#"
-[admin]
-listen = "{admin}:9901"
-
-[proxy]
-{proxy}
-
-[[load_balancer]]
-name = "default/udp"
-vip = "{vip}"
-backends = [{list}]
-{extra}
-  [[load_balancer.listener]]
-  name = "game"
-  port = 7000
-  backend_port = 30700
-  protocol = "udp"
-"#,
-        admin = net.ip_str(250),
-        vip = net.ip_str(1),
-        list = list.join(", "),
-    )
+    Config::new()
+        .admin(SocketAddr::new(net.ip(250), 9901))
+        .proxy(proxy)
+        .lb(Lb::new("default/udp", net.ip(1))
+            .backends(net.ips(backends))
+            .keys(extra)
+            .listener(Listener::new("game", 7000, 30700).udp()))
+        .to_string()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -430,21 +374,10 @@ async fn a_long_flow_keeps_its_backend_across_twenty_reloads() {
         let extra = format!("udp_idle_timeout_seconds = {}", 60 + r % 2);
         let mut text = echo_config(&net, &[11, 12, 13], &extra, "");
         if r % 2 == 0 {
-            text.push_str(&format!(
-                r#"
-[[load_balancer]]
-name = "default/other"
-vip = "{}"
-backends = ["{}"]
-  [[load_balancer.listener]]
-  name = "o"
-  port = 7001
-  backend_port = 30701
-  protocol = "udp"
-"#,
-                net.ip_str(2),
-                net.ip_str(11)
-            ));
+            let other = Lb::new("default/other", net.ip(2))
+                .backends([net.ip(11)])
+                .listener(Listener::new("o", 7001, 30701).udp());
+            text = format!("{text}\n{other}");
         }
         std::fs::write(&d.config, text).unwrap();
         let (code, body) = http(d.admin, "POST", "/reload").await;
@@ -674,14 +607,11 @@ async fn datagrams_of_every_size_up_to_65507_bytes_are_forwarded_whole() {
         .unwrap();
     // Property: for random sizes (and the edges), the answer is byte-exact.
     let mut sizes = vec![0usize, 1, 1472, 1473, 9000, 65_507];
-    let mut rng = 0x2545_F491_4F6C_DD1Du64;
+    let mut rng = Rng::new(0x2545_F491_4F6C_DD1D);
     for _ in 0..40 {
-        rng ^= rng << 13;
-        rng ^= rng >> 7;
-        rng ^= rng << 17;
-        sizes.push((rng % 65_508) as usize);
+        sizes.push(rng.below(65_508));
     }
-    let mut pattern = Pattern::new(7);
+    let mut pattern = Rng::new(7);
     for size in sizes {
         let mut payload = vec![0u8; size];
         pattern.fill(&mut payload);
@@ -710,22 +640,11 @@ async fn ipv6_flows_answer_from_the_vip() {
     let (vip_port, backend_port) = (free_port(), free_port());
     let backend = SocketAddr::new("::1".parse().unwrap(), backend_port);
     let _echo = echo_server(backend).await;
-    let config = format!(
-        r#"
-[admin]
-listen = "{admin}:9901"
-[[load_balancer]]
-name = "default/v6"
-vip = "::1"
-backends = ["::1"]
-  [[load_balancer.listener]]
-  name = "v6"
-  port = {vip_port}
-  backend_port = {backend_port}
-  protocol = "udp"
-"#,
-        admin = net.ip_str(250)
-    );
+    let config = Config::new()
+        .admin(SocketAddr::new(net.ip(250), 9901))
+        .lb(Lb::new("default/v6", "::1")
+            .backends(["::1"])
+            .listener(Listener::new("v6", vip_port, backend_port).udp()));
     let d = Daemon::start(&net, &config).await;
     let vip = SocketAddr::new("::1".parse().unwrap(), vip_port);
     let client = UdpSocket::bind("[::1]:0").await.unwrap();
@@ -877,13 +796,8 @@ udp_responses = 1
         "[]",
         "\"\"",
     ];
-    let mut rng = 0x9E37_79B9_7F4A_7C15u64;
-    let mut next = move || {
-        rng ^= rng << 13;
-        rng ^= rng >> 7;
-        rng ^= rng << 17;
-        rng
-    };
+    let mut rng = Rng::new(0x9E37_79B9_7F4A_7C15);
+    let mut next = move || rng.next_u64();
     let (mut ok, mut rejected) = (0, 0);
     for i in 0..5_000 {
         let mut s: Vec<char> = base.chars().collect();

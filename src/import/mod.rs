@@ -9,7 +9,7 @@
 //! to the daemon (the daemon's file watch picks the new file up).
 //!
 //! Nothing is dropped without a word: an object or a listener that cannot
-//! be mapped is named on stderr with the reason (`--strict` makes that an
+//! be mapped is named (on stderr, by the command line) with the reason (`--strict` makes that an
 //! error). Each load balancer is validated on its own with the config's own
 //! rules, so one bad object is skipped rather than blocking the others; so
 //! is each `Node`, and each object that breaks a rule spanning load
@@ -770,9 +770,41 @@ pub struct Args {
     pub allow_loopback: bool,
 }
 
-/// Runs `harvester-lb import`: messages on stderr, the config on stdout or
-/// in `--write`'s file; returns the exit code.
-pub fn command(args: &Args) -> u8 {
+/// One thing `harvester-lb import` says, in order: the command line
+/// prints each (this module prints nothing).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Said {
+    /// A line for stderr, after `harvester-lb import: `.
+    Message(String),
+    /// The config, for stdout (when there is no `--write`).
+    Config(String),
+}
+
+/// What `harvester-lb import` did: what it says, in order, and its exit code.
+#[derive(Debug, Clone, Default)]
+pub struct Outcome {
+    /// Messages and the printed config, in the order they are said.
+    pub said: Vec<Said>,
+    /// The exit code (0, [`EXIT_SKIPPED`] or an error's).
+    pub code: u8,
+}
+
+impl Outcome {
+    fn say(&mut self, message: impl Into<String>) {
+        self.said.push(Said::Message(message.into()));
+    }
+
+    fn exit(mut self, code: u8) -> Self {
+        self.code = code;
+        self
+    }
+}
+
+/// Runs `harvester-lb import`: reads the inputs, imports, and writes
+/// `--write`'s file; returns what to say (messages for stderr, the config
+/// for stdout when not written) and the exit code.
+pub fn command(args: &Args) -> Outcome {
+    let mut out = Outcome::default();
     let mut sources = Vec::new();
     let inputs: Vec<&Path> = if args.inputs.is_empty() {
         vec![Path::new("-")]
@@ -783,16 +815,16 @@ pub fn command(args: &Args) -> u8 {
         match read_source(path) {
             Ok(s) => sources.push(s),
             Err((code, message)) => {
-                eprintln!("harvester-lb import: {message}");
-                return code;
+                out.say(message);
+                return out.exit(code);
             }
         }
     }
     let base = match args.base.as_deref().map(read_source).transpose() {
         Ok(b) => b,
         Err((code, message)) => {
-            eprintln!("harvester-lb import: --base: {message}");
-            return code;
+            out.say(format!("--base: {message}"));
+            return out.exit(code);
         }
     };
     let holders = args
@@ -810,30 +842,30 @@ pub fn command(args: &Args) -> u8 {
     let imported = match import(&sources, &options) {
         Ok(i) => i,
         Err(e) => {
-            eprintln!("harvester-lb import: {e}");
-            return match e {
+            out.say(e.to_string());
+            return out.exit(match e {
                 ImportError::Document(_) => EXIT_DATA,
                 ImportError::NeedCluster { .. } => EXIT_USAGE,
                 ImportError::Base { .. } | ImportError::Invalid { .. } => EXIT_CONFIG,
-            };
+            });
         }
     };
     for note in &imported.notes {
-        eprintln!("harvester-lb import: note: {note}");
+        out.say(format!("note: {note}"));
     }
     for warning in &imported.warnings {
-        eprintln!("harvester-lb import: warning: {warning}");
+        out.say(format!("warning: {warning}"));
     }
     for skip in &imported.skipped {
-        eprintln!("harvester-lb import: skipped {skip}");
+        out.say(format!("skipped {skip}"));
     }
     if args.strict && !imported.skipped.is_empty() {
-        eprintln!(
-            "harvester-lb import: --strict: {} thing{} not imported (above); nothing written",
+        out.say(format!(
+            "--strict: {} thing{} not imported (above); nothing written",
             imported.skipped.len(),
             if imported.skipped.len() == 1 { "" } else { "s" }
-        );
-        return EXIT_DATA;
+        ));
+        return out.exit(EXIT_DATA);
     }
     let summary = format!(
         "{} load balancers; {} skipped{}",
@@ -851,41 +883,35 @@ pub fn command(args: &Args) -> u8 {
         EXIT_SKIPPED
     };
     let Some(target) = &args.write else {
-        print!("{}", imported.text);
-        eprintln!("harvester-lb import: printed ({summary})");
-        return done;
+        out.said.push(Said::Config(imported.text));
+        out.say(format!("printed ({summary})"));
+        return out.exit(done);
     };
     if !args.allow_removals
         && let Some(old) = guard::existing_names(target)
         && let Some(why) = guard::removals(&old, &imported.names)
     {
-        eprintln!(
-            "harvester-lb import: {why}; {} was not changed. A controller or input mistake must not take every VIP down: check the input, and run again with --allow-removals if this is meant",
+        out.say(format!(
+            "{why}; {} was not changed. A controller or input mistake must not take every VIP down: check the input, and run again with --allow-removals if this is meant",
             target.display()
-        );
-        return EXIT_REMOVALS;
+        ));
+        return out.exit(EXIT_REMOVALS);
     }
     match write_validated(target, &imported.text) {
         Ok(WriteOutcome::Written) => {
-            eprintln!(
-                "harvester-lb import: wrote {} ({summary})",
-                target.display()
-            );
-            done
+            out.say(format!("wrote {} ({summary})", target.display()));
+            out.exit(done)
         }
         Ok(WriteOutcome::Unchanged) => {
-            eprintln!(
-                "harvester-lb import: {} unchanged ({summary})",
-                target.display()
-            );
-            done
+            out.say(format!("{} unchanged ({summary})", target.display()));
+            out.exit(done)
         }
         Err(e) => {
-            eprintln!("harvester-lb import: {e}");
-            match e {
+            out.say(e.to_string());
+            out.exit(match e {
                 WriteError::Invalid { .. } => EXIT_CONFIG,
                 _ => EXIT_CANT_CREATE,
-            }
+            })
         }
     }
 }

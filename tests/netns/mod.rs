@@ -23,17 +23,20 @@
 #![allow(dead_code, unsafe_code)]
 
 pub mod peers;
-#[path = "../support/skip.rs"]
-mod skip;
 // Used by the `require_netns!` macro, which not every test crate calls.
 #[allow(unused_imports)]
-pub use skip::skip_or_fail;
+pub use crate::support::{skip_or_fail, wait_for};
+
+use crate::support::Process;
+// The measures of a process, for the tests that take a pid.
+#[allow(unused_imports)]
+pub use crate::support::{proc_cpu_time, proc_rss_kib};
 
 use std::io::{Read, Write};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
@@ -475,14 +478,29 @@ impl Drop for Bed {
     }
 }
 
-/// The real daemon, running as a child process in the load-balancer namespace.
+/// The real daemon, running as a child process in the load-balancer
+/// namespace: a [`Process`] (signals, exit, log; through `Deref`) with the
+/// admin API reached inside the namespace.
 pub struct DaemonProc {
-    child: Child,
+    process: Process,
     /// Namespace it runs in (for the admin client).
     pub ns: Ns,
-    log: PathBuf,
     /// The config file it was started with.
     pub config: PathBuf,
+}
+
+impl std::ops::Deref for DaemonProc {
+    type Target = Process;
+
+    fn deref(&self) -> &Process {
+        &self.process
+    }
+}
+
+impl std::ops::DerefMut for DaemonProc {
+    fn deref_mut(&mut self) -> &mut Process {
+        &mut self.process
+    }
 }
 
 impl DaemonProc {
@@ -490,85 +508,18 @@ impl DaemonProc {
     /// start theirs with [`Bed::start_daemon`]; tests with several
     /// load-balancer hosts start the others with this.
     pub fn spawn(ns: &Ns, config: &Path, log: &Path, nofile: Option<u64>) -> DaemonProc {
-        use std::os::unix::process::CommandExt;
-        let logf = std::fs::File::create(log).expect("daemon log");
-        let mut c = Command::new("ip");
-        c.args([
-            "netns",
-            "exec",
-            &ns.name,
-            env!("CARGO_BIN_EXE_harvester-lb"),
-        ])
-        .args(["run", "--no-watch", "--config"])
-        .arg(config)
-        .env("HARVESTER_LB_LOG", "info")
-        .stdin(Stdio::null())
-        .stdout(logf.try_clone().expect("dup log"))
-        .stderr(logf);
+        let mut launch = Process::launch(config)
+            .under(&["ip", "netns", "exec", &ns.name])
+            .env("HARVESTER_LB_LOG", "info")
+            .log(log);
         if let Some(n) = nofile {
-            // SAFETY: setrlimit is async-signal-safe; nothing else runs here.
-            unsafe {
-                c.pre_exec(move || {
-                    let lim = libc::rlimit {
-                        rlim_cur: n,
-                        rlim_max: n,
-                    };
-                    if libc::setrlimit(libc::RLIMIT_NOFILE, &lim) != 0 {
-                        return Err(std::io::Error::last_os_error());
-                    }
-                    Ok(())
-                });
-            }
+            launch = launch.nofile(n);
         }
-        let child = c.spawn().expect("spawn daemon");
         DaemonProc {
-            child,
+            process: launch.spawn(),
             ns: ns.clone(),
-            log: log.to_path_buf(),
             config: config.to_path_buf(),
         }
-    }
-
-    /// The daemon's pid (`ip netns exec` execs it in place).
-    pub fn pid(&self) -> i32 {
-        self.child.id() as i32
-    }
-
-    /// Sends `sig` to the daemon.
-    pub fn signal(&self, sig: i32) {
-        // SAFETY: kill(2) on our own child's pid.
-        unsafe {
-            libc::kill(self.pid(), sig);
-        }
-    }
-
-    /// Whether it still runs; `Some(code)` once it exited.
-    pub fn exited(&mut self) -> Option<std::process::ExitStatus> {
-        self.child.try_wait().expect("try_wait")
-    }
-
-    /// Waits (polling) up to `timeout` for the daemon to exit.
-    pub async fn wait_exit(&mut self, timeout: Duration) -> Option<std::process::ExitStatus> {
-        let deadline = Instant::now() + timeout;
-        while Instant::now() < deadline {
-            if let Some(s) = self.exited() {
-                return Some(s);
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-        None
-    }
-
-    /// The last `n` lines of its log.
-    pub fn log_tail(&self, n: usize) -> String {
-        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
-        let lines: Vec<&str> = text.lines().collect();
-        lines[lines.len().saturating_sub(n)..].join("\n")
-    }
-
-    /// Its whole log.
-    pub fn log(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
     }
 
     /// One HTTP request to the admin API: (status, body).
@@ -584,14 +535,9 @@ impl DaemonProc {
         tokio::time::timeout(Duration::from_secs(10), s.read_to_end(&mut buf))
             .await
             .map_err(|_| std::io::Error::new(std::io::ErrorKind::TimedOut, "admin read"))??;
-        let text = String::from_utf8_lossy(&buf).to_string();
-        let status = text
-            .split(' ')
-            .nth(1)
-            .and_then(|c| c.parse().ok())
-            .unwrap_or(0);
-        let body = text.split("\r\n\r\n").nth(1).unwrap_or("").to_string();
-        Ok((status, body))
+        Ok(crate::support::split_response(&String::from_utf8_lossy(
+            &buf,
+        )))
     }
 
     /// `GET path`.
@@ -639,30 +585,6 @@ impl DaemonProc {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     }
-
-    /// CPU time (user + system) the daemon has used.
-    pub fn cpu_time(&self) -> Duration {
-        proc_cpu_time(self.pid())
-    }
-
-    /// Resident memory of the daemon, in KiB.
-    pub fn rss_kib(&self) -> u64 {
-        proc_rss_kib(self.pid())
-    }
-
-    /// Open descriptors of the daemon.
-    pub fn open_fds(&self) -> usize {
-        std::fs::read_dir(format!("/proc/{}/fd", self.pid()))
-            .map(|d| d.count())
-            .unwrap_or(0)
-    }
-}
-
-impl Drop for DaemonProc {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
 }
 
 /// The `/status` entry of backend `ip` of load balancer `lb`.
@@ -698,30 +620,6 @@ pub fn metric(text: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
         .sum()
 }
 
-/// CPU time (user + system) of process `pid`.
-pub fn proc_cpu_time(pid: i32) -> Duration {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-    // Fields after the command's closing parenthesis; utime and stime are 14 and 15.
-    let after = stat.rsplit_once(')').map_or("", |(_, r)| r);
-    let f: Vec<&str> = after.split_whitespace().collect();
-    let ticks: u64 = f.get(11).and_then(|v| v.parse().ok()).unwrap_or(0)
-        + f.get(12).and_then(|v| v.parse().ok()).unwrap_or(0);
-    // SAFETY: sysconf has no preconditions.
-    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as u64;
-    Duration::from_millis(ticks * 1000 / hz)
-}
-
-/// Resident memory of process `pid`, in KiB.
-pub fn proc_rss_kib(pid: i32) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.split_whitespace().next())
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0)
-}
-
 /// A config with `lbs` (each a `[[load_balancer]]` body without its header).
 pub fn config(proxy: &str, lbs: &[String]) -> String {
     let mut c = format!("[admin]\nlisten = \"127.0.0.1:{ADMIN_PORT}\"\n\n[proxy]\n{proxy}\n");
@@ -750,25 +648,6 @@ pub fn lb(name: &str, vip: Ipv4Addr, nodes: &[usize], extra: &str, health: Optio
         ));
     }
     s
-}
-
-/// Polls `f` every 20 ms until it returns `Some`, panicking with `what` after `timeout`.
-pub async fn wait_for<T, Fut: std::future::Future<Output = Option<T>>>(
-    timeout: Duration,
-    what: &str,
-    mut f: impl FnMut() -> Fut,
-) -> T {
-    let deadline = Instant::now() + timeout;
-    loop {
-        if let Some(v) = f().await {
-            return v;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "timed out after {timeout:?} waiting for {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
 }
 
 /// Address `ip:port`.

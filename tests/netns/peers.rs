@@ -12,6 +12,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::task::{AbortHandle, JoinHandle};
 
 use super::{Bed, HEALTH_PORT, NODEPORT, Ns, node_ip, sa};
+use crate::support::Rng;
 
 /// What a node's nodeport does with each connection.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -366,27 +367,6 @@ pub async fn accept_forever(l: TcpListener) {
     }
 }
 
-/// A small deterministic byte stream (xorshift64*) for integrity checks.
-pub struct Stream(u64);
-
-impl Stream {
-    /// The stream of `seed`.
-    pub fn new(seed: u64) -> Self {
-        Stream(seed | 1)
-    }
-
-    /// Fills `buf` with the next bytes.
-    pub fn fill(&mut self, buf: &mut [u8]) {
-        for chunk in buf.chunks_mut(8) {
-            self.0 ^= self.0 >> 12;
-            self.0 ^= self.0 << 25;
-            self.0 ^= self.0 >> 27;
-            let v = self.0.wrapping_mul(0x2545_F491_4F6C_DD1D).to_le_bytes();
-            chunk.copy_from_slice(&v[..chunk.len()]);
-        }
-    }
-}
-
 /// FNV-1a, 64 bits.
 #[derive(Clone, Copy)]
 pub struct Fnv(u64);
@@ -414,7 +394,7 @@ impl Fnv {
 
 /// Hash of the `len` bytes of stream `seed`.
 pub fn stream_hash(seed: u64, len: usize) -> u64 {
-    let mut s = Stream::new(seed);
+    let mut s = Rng::new(seed);
     let mut h = Fnv::default();
     let mut buf = vec![0u8; 64 * 1024];
     let mut left = len;
@@ -435,7 +415,7 @@ pub async fn send_stream<W: AsyncWriteExt + Unpin>(
     seed: u64,
     len: usize,
 ) -> std::io::Result<()> {
-    let mut s = Stream::new(seed);
+    let mut s = Rng::new(seed);
     let mut buf = vec![0u8; 64 * 1024];
     let mut left = len;
     while left > 0 {

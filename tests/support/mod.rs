@@ -9,7 +9,15 @@
 #![allow(clippy::disallowed_types, clippy::disallowed_methods)]
 #![allow(dead_code)]
 
+mod config;
+mod process;
 mod skip;
+// Not every test crate writes a listener of its own.
+#[allow(unused_imports)]
+pub use config::{Config, Lb, Listener, quote};
+// Not every test crate measures a process by its pid.
+#[allow(unused_imports)]
+pub use process::{Process, proc_cpu_time, proc_rss_kib};
 pub use skip::skip_or_fail;
 
 use std::future::Future;
@@ -65,6 +73,11 @@ impl Subnet {
     /// `127.A.B.host`.
     pub fn ip(&self, host: u8) -> IpAddr {
         IpAddr::V4(Ipv4Addr::new(127, self.a, self.b, host))
+    }
+
+    /// `127.A.B.host` of each of `hosts`.
+    pub fn ips(&self, hosts: &[u8]) -> Vec<IpAddr> {
+        hosts.iter().map(|h| self.ip(*h)).collect()
     }
 
     /// `127.A.B.host` as a string, for configs.
@@ -272,15 +285,40 @@ pub struct Daemon {
 impl Daemon {
     /// Writes `config` to the subnet's directory and starts the daemon on it,
     /// without file watching (tests reload explicitly unless they test watching).
-    pub async fn start(net: &Subnet, config: &str) -> Self {
+    pub async fn start(net: &Subnet, config: impl std::fmt::Display) -> Self {
         Self::start_with(net, config, None).await
     }
 
     /// As [`Daemon::start`], with a file-watch interval.
-    pub async fn start_with(net: &Subnet, config: &str, watch: Option<Duration>) -> Self {
-        let path = net.write("config.toml", config);
+    pub async fn start_with(
+        net: &Subnet,
+        config: impl std::fmt::Display,
+        watch: Option<Duration>,
+    ) -> Self {
+        Self::start_options(net, config, |options| options.watch_interval = watch).await
+    }
+
+    /// As [`Daemon::start`], with the TCP listeners accepting on `workers`
+    /// (thread per core, in this process: `harvester-lb run --threads`).
+    pub async fn start_on(
+        net: &Subnet,
+        config: impl std::fmt::Display,
+        workers: harvester_lb::workers::Workers,
+    ) -> Self {
+        Self::start_options(net, config, |options| options.workers = workers).await
+    }
+
+    /// Starts the daemon on `config` with the options `set` changes.
+    async fn start_options(
+        net: &Subnet,
+        config: impl std::fmt::Display,
+        set: impl FnOnce(&mut harvester_lb::Options),
+    ) -> Self {
+        let config = config.to_string();
+        let path = net.write("config.toml", &config);
         let mut options = harvester_lb::Options::new(&path);
-        options.watch_interval = watch;
+        options.watch_interval = None;
+        set(&mut options);
         // The admin socket in the test's own directory, unless the test's
         // config names one itself: tests run side by side, and none may take
         // /run/harvester-lb/admin.sock.
@@ -561,23 +599,35 @@ pub fn http_blocking(addr: SocketAddr, path: &str) -> std::io::Result<(u16, Stri
     Ok(split_response(&text))
 }
 
-/// A deterministic byte stream (xorshift), so both ends can check every byte
-/// without storing it.
-pub struct Pattern(u64);
+/// The one small deterministic generator of the tests (xorshift64): a
+/// property test's failure names its seed and a rerun repeats it, and both
+/// ends of a byte stream can check every byte without storing it.
+pub struct Rng(u64);
 
-impl Pattern {
-    /// A stream seeded with `seed`.
+impl Rng {
+    /// The generator of `seed` (0, which xorshift never leaves, counts as 1).
     pub fn new(seed: u64) -> Self {
         Self(seed.max(1))
     }
 
-    /// Fills `buf` with the next bytes.
+    /// The next 64 random bits.
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+
+    /// A number in `0..n`.
+    pub fn below(&mut self, n: usize) -> usize {
+        (self.next_u64() % n as u64) as usize
+    }
+
+    /// Fills `buf` with the next bytes, eight (one number) at a time, so a
+    /// stream filled in whole 8-byte words is the same however it is cut.
     pub fn fill(&mut self, buf: &mut [u8]) {
         for chunk in buf.chunks_mut(8) {
-            self.0 ^= self.0 << 13;
-            self.0 ^= self.0 >> 7;
-            self.0 ^= self.0 << 17;
-            let bytes = self.0.to_le_bytes();
+            let bytes = self.next_u64().to_le_bytes();
             chunk.copy_from_slice(&bytes[..chunk.len()]);
         }
     }
@@ -621,60 +671,6 @@ pub fn promtool_accepts(body: &str) {
         out.status.success() && said.trim().is_empty(),
         "promtool check metrics complained:\n{said}"
     );
-}
-
-/// The real binary (`harvester-lb run --no-watch`), for signals, exit codes
-/// and its threads; killed when dropped.
-pub struct Process {
-    /// The running daemon.
-    pub child: std::process::Child,
-}
-
-impl Process {
-    /// Starts it on `config` with `args` after `run` (`--threads 1`...).
-    pub fn start(config: &std::path::Path, args: &[&str]) -> Self {
-        Self::start_with_env(config, args, &[])
-    }
-
-    /// As [`Process::start`], with extra environment variables.
-    pub fn start_with_env(
-        config: &std::path::Path,
-        args: &[&str],
-        env: &[(&str, &std::ffi::OsStr)],
-    ) -> Self {
-        let child = std::process::Command::new(env!("CARGO_BIN_EXE_harvester-lb"))
-            .args(["run", "--no-watch", "--config", config.to_str().unwrap()])
-            .args(args)
-            .envs(env.iter().copied())
-            .stderr(std::process::Stdio::null())
-            .spawn()
-            .expect("spawn harvester-lb");
-        Self { child }
-    }
-
-    /// Sends `sig` to it.
-    pub fn signal(&self, sig: i32) {
-        #[allow(unsafe_code)]
-        // SAFETY: kill(2) with a pid we spawned and own.
-        let rc = unsafe { libc::kill(self.child.id() as i32, sig) };
-        assert_eq!(rc, 0, "kill failed");
-    }
-
-    /// Its exit code, once it exits within `within`.
-    pub async fn wait_exit(&mut self, within: Duration) -> i32 {
-        wait_for(within, "the process to exit", || {
-            let r = self.child.try_wait().expect("try_wait");
-            async move { r.map(|s| s.code().unwrap_or(-1)) }
-        })
-        .await
-    }
-}
-
-impl Drop for Process {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
 }
 
 /// Waits until `/readyz` on `admin` answers 200.

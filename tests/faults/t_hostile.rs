@@ -9,6 +9,7 @@ use tokio::net::TcpStream;
 use crate::netns::peers::{Exchange, Node, Service, exchange, read_line};
 use crate::netns::{Bed, VIP, config, lb, metric, node_ip, sa, wait_for};
 use crate::require_netns;
+use crate::support::{Config, Lb};
 
 const HEALTH: &str =
     "  period_seconds = 1\n  timeout_seconds = 1\n  success_threshold = 1\n  failure_threshold = 3";
@@ -422,17 +423,17 @@ async fn netns_hung_backends_never_take_the_clients_descriptors() {
     bed.node(2)
         .ip(&["-batch", batch_file.to_str().expect("utf-8 path")]);
     bed.blackhole(2, &[crate::netns::HEALTH_PORT]);
-    let backends: Vec<String> = std::iter::once(node_ip(1))
-        .chain(hung.iter().copied())
-        .map(|ip| format!("\"{ip}\""))
-        .collect();
-    let cfg = format!(
-        "[admin]\nlisten = \"127.0.0.1:{admin}\"\n\n[[load_balancer]]\nname = \"f9/hung\"\nvip = \"{VIP}\"\nbackends = [{backends}]\ninitial_state = \"unhealthy\"\n  [[load_balancer.listener]]\n  name = \"tcp\"\n  port = 80\n  backend_port = {nodeport}\n  [load_balancer.health_check]\n  port = {health}\n  period_seconds = 1\n  timeout_seconds = 1\n  failure_threshold = 2\n",
-        admin = crate::netns::ADMIN_PORT,
-        backends = backends.join(", "),
-        nodeport = crate::netns::NODEPORT,
-        health = crate::netns::HEALTH_PORT,
-    );
+    let cfg = Config::new()
+        .admin(sa(std::net::Ipv4Addr::LOCALHOST, crate::netns::ADMIN_PORT))
+        .lb(Lb::new("f9/hung", VIP)
+            .backends(std::iter::once(node_ip(1)).chain(hung.iter().copied()))
+            .keys("initial_state = \"unhealthy\"")
+            .tcp("tcp", 80, crate::netns::NODEPORT)
+            .health(&format!(
+                "  port = {}\n  period_seconds = 1\n  timeout_seconds = 1\n  failure_threshold = 2",
+                crate::netns::HEALTH_PORT
+            )))
+        .to_string();
     const LIMIT: u64 = 128;
     bed.start_daemon_with(&cfg, Some(LIMIT)).await;
     bed.daemon()
