@@ -19,7 +19,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use harvester_lb::config::{Protocol, SourceNat};
+use harvester_lb::config::{Algorithm, Protocol, SourceNat};
 use harvester_lb::kernel::{self, KernelListener, KernelTable, Synced};
 use netns::peers::{Exchange, Node, Service, exchange, read_line};
 use netns::{Bed, NODEPORT, VIP, config, in_ns, node_ip, run, sa, wait_for};
@@ -65,6 +65,8 @@ fn listener(eligible: &[&str], members: &[&str]) -> KernelListener {
         source_ranges: None,
         source_nat: SourceNat::Masquerade,
         close_down: Vec::new(),
+        pick: Algorithm::RoundRobin,
+        affinity: None,
     }
 }
 

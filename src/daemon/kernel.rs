@@ -128,6 +128,8 @@ impl Daemon {
                         } else {
                             Vec::new()
                         },
+                        pick: spec.algorithm,
+                        affinity: spec.affinity_timeout,
                     },
                 );
             }

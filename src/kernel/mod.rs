@@ -48,10 +48,11 @@ pub use sync::{KernelTable, Synced};
 
 use std::collections::BTreeMap;
 use std::net::IpAddr;
+use std::time::Duration;
 
 use ipnet::IpNet;
 
-use crate::config::{Protocol, SourceNat};
+use crate::config::{Algorithm, Protocol, SourceNat};
 
 /// A kernel listener's identity, as the proxy's: VIP, protocol, port.
 pub type ListenerId = (IpAddr, Protocol, u16);
@@ -76,6 +77,15 @@ pub struct KernelListener {
     /// reset (`on_backend_down = "close"`: their conntrack entries are
     /// deleted); empty otherwise.
     pub close_down: Vec<IpAddr>,
+    /// How a new client is given a backend: `source_ip` through the
+    /// listener's bucket map ([`BUCKETS`] buckets on a hash of the client
+    /// address, each filled by the proxy's rendezvous pick), anything else
+    /// round robin (`numgen`); `check` refuses `least_connections`.
+    pub pick: Algorithm,
+    /// `session_affinity = "client_ip"`: how long a client keeps the
+    /// backend of its last new connection (a dynamic set per backend with
+    /// this timeout); `None`: no affinity.
+    pub affinity: Option<Duration>,
 }
 
 /// Every kernel listener, by identity: the whole state of the table.
@@ -115,6 +125,18 @@ pub fn no_backend_counter(id: &ListenerId) -> String {
 /// The counter of a listener's connections refused by `source_ranges`.
 pub fn denied_counter(id: &ListenerId) -> String {
     format!("d_{}", listener_tag(id))
+}
+
+/// A `source_ip` listener's bucket map: bucket (a hash of the client's
+/// address modulo [`BUCKETS`]) to the backend chain.
+pub(crate) fn bucket_map(id: &ListenerId) -> String {
+    format!("m_{}", listener_tag(id))
+}
+
+/// A backend's client-affinity set within a listener: the clients whose
+/// last new connection went to it, each for the listener's timeout.
+pub(crate) fn affinity_set(id: &ListenerId, backend: IpAddr) -> String {
+    format!("a_{}_{}", listener_tag(id), addr_tag(backend))
 }
 
 /// The set of a listener's source ranges.
