@@ -14,7 +14,7 @@ mod netns;
 
 use std::collections::BTreeMap;
 use std::io::ErrorKind;
-use std::net::IpAddr;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
@@ -202,15 +202,20 @@ fn without_kernel_listeners_nothing_is_written() {
 }
 
 /// One load balancer on VIP:80 over `nodes`, forwarded by the kernel,
-/// checked every 200 ms.
+/// checked every second (1 s timeout, one failure marks a node down).
 fn kernel_config(nodes: &[usize]) -> String {
+    kernel_config_with(nodes, "")
+}
+
+/// [`kernel_config`] with `extra` load-balancer keys.
+fn kernel_config_with(nodes: &[usize], extra: &str) -> String {
     config(
         "",
         &[netns::lb(
             "default/web",
             VIP,
             nodes,
-            "",
+            extra,
             Some("  period_seconds = 1\n  timeout_seconds = 1\n  failure_threshold = 1"),
         )
         .replace(
@@ -1041,4 +1046,237 @@ async fn a_host_that_does_not_forward_keeps_the_listener_with_the_proxy_and_says
         .await
         .expect("in the kernel within 15 s");
     assert_eq!(tally(&bed, 3).await, counts(&[("n1", 3)]));
+}
+
+/// The listener is still the kernel's and no write failed: what a test saw
+/// was the kernel's doing, not the proxy's fallback (which picks alike).
+async fn still_in_the_kernel(bed: &Bed) {
+    let s = bed.daemon().status().await;
+    assert_eq!(
+        s["load_balancers"][0]["listeners"][0]["forwarding"], "kernel",
+        "{s}"
+    );
+    let m = bed.daemon().metrics().await;
+    assert_eq!(
+        netns::metric(
+            &m,
+            "harvester_lb_kernel_syncs_total",
+            &[("result", "failure")]
+        ),
+        0.0,
+        "{}",
+        bed.daemon().log_tail(20)
+    );
+}
+
+/// The node that answers a connection to VIP:80 made from client address
+/// `src` (one of the client namespace's addresses).
+async fn served_from(bed: &Bed, src: Ipv4Addr) -> String {
+    let s = bed.client.socket().unwrap();
+    s.bind(SocketAddr::new(src.into(), 0)).unwrap();
+    let mut c = tokio::time::timeout(Duration::from_secs(5), s.connect(sa(VIP, 80)))
+        .await
+        .unwrap_or_else(|_| panic!("connect from {src} within 5 s"))
+        .unwrap_or_else(|e| panic!("connect from {src}: {e}"));
+    read_line(&mut c).await.unwrap()
+}
+
+/// The node each client address is served by.
+async fn by_client(bed: &Bed, clients: &[Ipv4Addr]) -> BTreeMap<Ipv4Addr, String> {
+    let mut out = BTreeMap::new();
+    for &c in clients {
+        out.insert(c, served_from(bed, c).await);
+    }
+    out
+}
+
+/// Waits until the bucket map of the listener on VIP:80/tcp satisfies `ok`.
+async fn wait_buckets(bed: &Bed, what: &str, ok: impl Fn(&str) -> bool) {
+    wait_for(Duration::from_secs(10), what, || async {
+        let (_, l) = nft_out(
+            &bed.lb.name,
+            &[
+                "list",
+                "map",
+                "inet",
+                kernel::TABLE,
+                "m_tcp_80_198.51.100.10",
+            ],
+        );
+        ok(&l).then_some(())
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn source_ip_keeps_each_client_on_its_node_and_moves_only_the_clients_of_a_node_that_left() {
+    if !can_run() {
+        return;
+    }
+    let mut bed = Bed::new("ksrcip", 3);
+    enable_forwarding(&bed);
+    let _n1 = Node::start(&bed, 1, Service::NameThenEcho);
+    let _n2 = Node::start(&bed, 2, Service::NameThenEcho);
+    let mut n3 = Node::start(&bed, 3, Service::NameThenEcho);
+    // 24 client addresses (the bed uses .2, .3, .10, .11, .21-.29).
+    let clients: Vec<Ipv4Addr> = (130..154).map(|i| Ipv4Addr::new(198, 51, 100, i)).collect();
+    for c in &clients {
+        bed.client
+            .ip(&["addr", "add", &format!("{c}/32"), "dev", "eth0"]);
+    }
+    bed.start_daemon(&kernel_config_with(&[1, 2, 3], "algorithm = \"source_ip\""))
+        .await;
+    wait_kernel(&bed).await;
+
+    let before = by_client(&bed, &clients).await;
+    assert_eq!(
+        by_client(&bed, &clients).await,
+        before,
+        "each client kept its node"
+    );
+    let used: std::collections::BTreeSet<&String> = before.values().collect();
+    assert_eq!(used.len(), 3, "24 clients over 3 nodes: {before:?}");
+
+    // Node 3 fails its check: its clients move, nobody else's do.
+    n3.stop_health();
+    bed.daemon()
+        .wait_health(
+            "default/web",
+            node_ip(3),
+            "unhealthy",
+            Duration::from_secs(15),
+        )
+        .await;
+    wait_buckets(&bed, "node 3 out of the buckets", |m| {
+        m.contains("198.51.100.21") && !m.contains("198.51.100.23")
+    })
+    .await;
+    let during = by_client(&bed, &clients).await;
+    for (c, was) in &before {
+        if was == "n3" {
+            assert_ne!(during[c], "n3", "client {c} still on the node that left");
+        } else {
+            assert_eq!(&during[c], was, "client {c} moved although its node stayed");
+        }
+    }
+
+    // Node 3 back: exactly its clients come back to it.
+    n3.start_health();
+    bed.daemon()
+        .wait_health(
+            "default/web",
+            node_ip(3),
+            "healthy",
+            Duration::from_secs(15),
+        )
+        .await;
+    wait_buckets(&bed, "node 3 back in the buckets", |m| {
+        m.contains("198.51.100.23")
+    })
+    .await;
+    assert_eq!(by_client(&bed, &clients).await, before);
+    still_in_the_kernel(&bed).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn client_affinity_keeps_a_client_on_its_node_until_that_node_leaves() {
+    if !can_run() {
+        return;
+    }
+    let mut bed = Bed::new("kaff", 2);
+    enable_forwarding(&bed);
+    let _n1 = Node::start(&bed, 1, Service::NameThenEcho);
+    let _n2 = Node::start(&bed, 2, Service::NameThenEcho);
+    bed.start_daemon(&kernel_config_with(
+        &[1, 2],
+        "session_affinity = \"client_ip\"\naffinity_timeout_seconds = 600",
+    ))
+    .await;
+    wait_kernel(&bed).await;
+
+    // Round robin would alternate; affinity keeps the first answer.
+    let first = served_from(&bed, netns::CLIENT_IP).await;
+    for _ in 0..6 {
+        assert_eq!(served_from(&bed, netns::CLIENT_IP).await, first);
+    }
+    let node = if first == "n1" { 1 } else { 2 };
+    let other = if node == 1 { "n2" } else { "n1" };
+    let (_, set) = nft_out(
+        &bed.lb.name,
+        &[
+            "list",
+            "set",
+            "inet",
+            kernel::TABLE,
+            &format!("a_tcp_80_198.51.100.10_{}", node_ip(node)),
+        ],
+    );
+    assert!(
+        set.contains("timeout 10m") && set.contains("198.51.100.2 expires 9m"),
+        "the client is remembered for the listener's timeout: {set}"
+    );
+
+    // Its node drained: the client picks again, and keeps the new node,
+    // also once the first one is back (it lost its clients on leaving).
+    set_state(&bed, "default/web", node, "drain");
+    let ip = node_ip(node).to_string();
+    wait_chain(&bed, "the drained node out of the choice", |l| {
+        !l.contains(&ip)
+    })
+    .await;
+    for _ in 0..6 {
+        assert_eq!(served_from(&bed, netns::CLIENT_IP).await, other);
+    }
+    set_state(&bed, "default/web", node, "ready");
+    wait_chain(&bed, "the node back in the choice", |l| l.contains(&ip)).await;
+    for _ in 0..6 {
+        assert_eq!(served_from(&bed, netns::CLIENT_IP).await, other);
+    }
+    still_in_the_kernel(&bed).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopped_backend_is_out_of_the_kernel_within_the_detection_time() {
+    if !can_run() {
+        return;
+    }
+    let mut bed = Bed::new("kdetect", 2);
+    enable_forwarding(&bed);
+    let _n1 = Node::start(&bed, 1, Service::NameThenEcho);
+    let n2 = Node::start(&bed, 2, Service::NameThenEcho);
+    bed.start_daemon(&kernel_config(&[1, 2])).await;
+    wait_kernel(&bed).await;
+    assert_eq!(tally(&bed, 4).await, counts(&[("n1", 2), ("n2", 2)]));
+
+    // failure_threshold (1) x period (1 s) + timeout (1 s), as the issue
+    // states it; the margin covers a machine busy with other tests (the
+    // probe's schedule, the 5 ms coalescing, one `nft` run).
+    let bound = Duration::from_secs(1) + Duration::from_secs(1);
+    let margin = Duration::from_secs(3);
+    let started = Instant::now();
+    drop(n2); // Its health port and nodeport close at once.
+    let deadline = started + Duration::from_secs(30);
+    let took = loop {
+        let (_, l) = nft_out(
+            &bed.lb.name,
+            &[
+                "list",
+                "chain",
+                "inet",
+                kernel::TABLE,
+                "l_tcp_80_198.51.100.10",
+            ],
+        );
+        if l.contains("numgen") && !l.contains("198.51.100.22") {
+            break started.elapsed();
+        }
+        assert!(Instant::now() < deadline, "node 2 still in the kernel: {l}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert!(
+        took <= bound + margin,
+        "out of the kernel after {took:?}; bound {bound:?} + margin {margin:?}"
+    );
+    // From then on, no new connection fails.
+    assert_eq!(tally(&bed, 20).await, counts(&[("n1", 20)]));
 }

@@ -376,7 +376,7 @@ fn fill_listener(
                     hash_mod: BUCKETS,
                     expr: Box::new(payload(ip_proto(v4), "saddr")),
                     offset: None,
-                    seed: None,
+                    seed: Some(BUCKET_SEED),
                 })),
                 data: set_ref(&bucket_map(id)),
             })],
@@ -446,6 +446,11 @@ fn fill_listener(
 /// evenly over the others when it leaves (the notes measured a 4093-entry
 /// map loading in about 40 ms); prime, as the Maglev tables are.
 pub const BUCKETS: u32 = 4093;
+
+/// The `jhash` seed of the bucket maps. Fixed: without one the kernel
+/// draws a random seed each time the rule is loaded, and every rewrite of
+/// the listener's chain (any health flip) would move every client.
+const BUCKET_SEED: u32 = 0x6862_6c62;
 
 /// The backend of every bucket (index = bucket), by the proxy's own
 /// rendezvous pick over `eligible` for the bucket's key: the bucket index
@@ -556,20 +561,43 @@ fn fill_affinity(cmds: &mut Vec<NfObject<'static>>, id: &ListenerId, l: &KernelL
     }
 }
 
-/// The bucket maps `desired` needs and `present` lacks, as an nft script
-/// (text) to run before the transaction: nft 1.0.6's JSON cannot declare a
-/// map keyed by a hash (`typeof` is text only; `type integer` is refused),
-/// and once declared, the JSON transaction fills and edits it. `add` is
-/// idempotent, and an empty map changes no packet's path.
-pub fn prelude(desired: &Desired, present: &Owned) -> Option<String> {
-    let missing: Vec<String> = Owned::of(desired)
+/// What nft 1.0.6's JSON cannot declare, as an nft script (text) to run
+/// before the transaction: the bucket maps `desired` needs and `present`
+/// lacks (a map keyed by a hash needs `typeof`, which is text only, and
+/// `type integer` is refused), and the affinity sets of the listeners that
+/// differ from `applied` (all of them without it), whose `dynamic` flag
+/// JSON cannot name (a JSON `add` of such a set that exists fails with
+/// EEXIST); a text `add` of an existing set only updates its timeout.
+/// Once declared, the JSON transaction fills, edits and deletes them.
+/// Everything here is `add` (idempotent), and an empty map or set changes
+/// no packet's path.
+pub fn prelude(desired: &Desired, applied: Option<&Desired>, present: &Owned) -> Option<String> {
+    let mut script: Vec<String> = Owned::of(desired)
         .maps
         .difference(&present.maps)
         .map(|m| {
             format!("add map inet {TABLE} {m} {{ typeof numgen inc mod {BUCKETS} : verdict ; }}\n")
         })
         .collect();
-    (!missing.is_empty()).then(|| format!("add table inet {TABLE}\n{}", missing.concat()))
+    for (id, l) in desired {
+        let Some(timeout) = l.affinity else { continue };
+        if applied.is_some_and(|a| a.get(id) == Some(l)) {
+            continue;
+        }
+        let family = if is_v4(id.0) {
+            "ipv4_addr"
+        } else {
+            "ipv6_addr"
+        };
+        for &b in &l.members {
+            script.push(format!(
+                "add set inet {TABLE} {} {{ type {family} ; flags dynamic,timeout ; timeout {}s ; }}\n",
+                affinity_set(id, b),
+                timeout.as_secs().max(1)
+            ));
+        }
+    }
+    (!script.is_empty()).then(|| format!("add table inet {TABLE}\n{}", script.concat()))
 }
 
 /// The one transaction that takes the table from `applied` (what this
@@ -640,15 +668,6 @@ fn declare(cmds: &mut Vec<NfObject<'static>>, desired: &Desired, wanted: &Owned)
         cmds.push(add(NfListObject::Chain(chain(name))));
     }
     for (id, l) in desired {
-        if let Some(timeout) = l.affinity {
-            for &b in &l.members {
-                let mut set = tuple_set(&affinity_set(id, b), Vec::new());
-                set.set_type = SetTypeValue::Single(addr_type(is_v4(id.0)));
-                set.flags = Some([SetFlag::Dynamic, SetFlag::Timeout].into_iter().collect());
-                set.timeout = Some(u32::try_from(timeout.as_secs().max(1)).unwrap_or(u32::MAX));
-                cmds.push(add(NfListObject::Set(Box::new(set))));
-            }
-        }
         if l.source_ranges.is_some() {
             let mut set = tuple_set(&source_set(id), Vec::new());
             set.set_type = SetTypeValue::Single(addr_type(is_v4(id.0)));
@@ -1051,7 +1070,7 @@ mod tests {
         before.insert(l, source_ip(&members, &members));
         let t = text(&transaction(&before, &Owned::default()));
         assert!(
-            t.contains(r#"{"vmap":{"data":"@m_tcp_80_192.0.2.10","key":{"jhash":{"expr":{"payload":{"field":"saddr","protocol":"ip"}},"mod":4093}}}}"#),
+            t.contains(r#"{"vmap":{"data":"@m_tcp_80_192.0.2.10","key":{"jhash":{"expr":{"payload":{"field":"saddr","protocol":"ip"}},"mod":4093,"seed":1751280738}}}}"#),
             "{t}"
         );
         assert!(t.contains(
@@ -1063,12 +1082,12 @@ mod tests {
             4093
         );
         assert!(!t.contains("numgen"));
-        let script = prelude(&before, &Owned::default()).unwrap();
+        let script = prelude(&before, None, &Owned::default()).unwrap();
         assert!(
             script.contains("add map inet harvester_lb_nat m_tcp_80_192.0.2.10 { typeof numgen inc mod 4093 : verdict ; }"),
             "{script}"
         );
-        assert_eq!(prelude(&before, &Owned::of(&before)), None);
+        assert_eq!(prelude(&before, None, &Owned::of(&before)), None);
 
         // Node 2 leaves: only its buckets are deleted and given to others.
         let mut after = before.clone();
@@ -1112,16 +1131,15 @@ mod tests {
         kl.affinity = Some(std::time::Duration::from_secs(600));
         d.insert(l, kl);
         let t = text(&transaction(&d, &Owned::default()));
+        let script = prelude(&d, None, &Owned::default()).unwrap();
         assert!(
-            t.contains(r#""flags":["timeout","dynamic"]"#)
-                || t.contains(r#""flags":["dynamic","timeout"]"#),
-            "{t}"
+            script.contains("add set inet harvester_lb_nat a_tcp_80_192.0.2.10_10.0.0.2 { type ipv4_addr ; flags dynamic,timeout ; timeout 600s ; }"),
+            "{script}"
         );
-        assert!(
-            t.contains(
-                r#""name":"a_tcp_80_192.0.2.10_10.0.0.2","table":"harvester_lb_nat","timeout":600"#
-            ),
-            "{t}"
+        assert_eq!(
+            prelude(&d, Some(&d), &Owned::of(&d)),
+            None,
+            "unchanged: nothing"
         );
         // Only the eligible backend's set is looked up, before the pick.
         let lookup = r#"{"match":{"left":{"payload":{"field":"saddr","protocol":"ip"}},"op":"==","right":"@a_tcp_80_192.0.2.10_10.0.0.1"}},{"goto":{"target":"b_tcp_80_192.0.2.10_10.0.0.1"}}"#;

@@ -62,7 +62,7 @@ impl KernelTable {
             // Known to be in the kernel: only what differs is written.
             // (Nothing written yet, the table may not exist: a full write.)
             if let Some(applied) = st.applied.as_ref().filter(|a| !a.is_empty()) {
-                nft::prepare(prelude(desired, &Owned::of(applied)))?;
+                nft::prepare(prelude(desired, Some(applied), &Owned::of(applied)))?;
                 return nft::apply(&partial_transaction(desired, applied)).map(|()| true);
             }
             let present = match &st.applied {
@@ -77,7 +77,7 @@ impl KernelTable {
             if desired.is_empty() && present == Owned::default() {
                 return Ok(false);
             }
-            nft::prepare(prelude(desired, &present))?;
+            nft::prepare(prelude(desired, None, &present))?;
             nft::apply(&transaction(desired, &present)).map(|()| true)
         })();
         match result {
