@@ -1280,3 +1280,64 @@ async fn a_stopped_backend_is_out_of_the_kernel_within_the_detection_time() {
     // From then on, no new connection fails.
     assert_eq!(tally(&bed, 20).await, counts(&[("n1", 20)]));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn open_kernel_connections_count_as_active_connections_of_their_backend() {
+    if !can_run() {
+        return;
+    }
+    let mut bed = Bed::new("kactive", 2);
+    enable_forwarding(&bed);
+    let _n1 = Node::start(&bed, 1, Service::NameThenEcho);
+    let _n2 = Node::start(&bed, 2, Service::NameThenEcho);
+    bed.start_daemon(&kernel_config(&[1, 2])).await;
+    wait_kernel(&bed).await;
+
+    // Five connections held open; the node named by each is its backend.
+    let mut open = Vec::new();
+    let mut want: BTreeMap<String, f64> = BTreeMap::new();
+    for _ in 0..5 {
+        let mut s = bed
+            .client
+            .connect(sa(VIP, 80), Duration::from_secs(5))
+            .await
+            .unwrap();
+        let name = read_line(&mut s).await.unwrap();
+        let ip = node_ip(name[1..].parse().unwrap()).to_string();
+        *want.entry(ip).or_insert(0.0) += 1.0;
+        open.push(s);
+    }
+    assert_eq!(want.len(), 2, "round robin reached both: {want:?}");
+    let active = |m: &str, ip: &str| {
+        netns::metric(
+            m,
+            "harvester_lb_backend_connections_active",
+            &[("backend", ip)],
+        )
+    };
+    // Counted at each metrics read (every 5 s).
+    wait_for(
+        Duration::from_secs(20),
+        "the open connections in backend_connections_active",
+        || async {
+            let m = bed.daemon().metrics().await;
+            want.iter()
+                .all(|(ip, n)| active(&m, ip) == *n)
+                .then_some(())
+        },
+    )
+    .await;
+
+    // Closed: TIME_WAIT entries are not open connections.
+    drop(open);
+    wait_for(
+        Duration::from_secs(20),
+        "no open connection left",
+        || async {
+            let m = bed.daemon().metrics().await;
+            want.keys().all(|ip| active(&m, ip) == 0.0).then_some(())
+        },
+    )
+    .await;
+    still_in_the_kernel(&bed).await;
+}

@@ -163,6 +163,7 @@ impl Daemon {
                         daemon.kernel_wake.notify_one();
                     }
                     daemon.read_kernel_counters().await;
+                    daemon.read_kernel_connections().await;
                     continue;
                 }
                 tokio::time::sleep(COALESCE).await;
@@ -272,6 +273,57 @@ impl Daemon {
             })
             .collect();
         self.metrics.set_kernel_backends(out);
+    }
+
+    /// Counts the open TCP connections of each backend on the kernel
+    /// listeners forwarded now (one conntrack dump per address family)
+    /// into its `backend_connections_active`, beside the proxy's own; every
+    /// other backend's kernel part goes back to 0. No dump without such a
+    /// listener.
+    async fn read_kernel_connections(&self) {
+        let groups: Vec<(Vec<crate::kernel::ListenerId>, Vec<Arc<Backend>>)> = {
+            let st = self.lock();
+            let Some(config) = &st.config else { return };
+            config
+                .load_balancers
+                .iter()
+                .filter_map(|spec| {
+                    let entry = st.load_balancers.get(&spec.name)?;
+                    let ids = spec
+                        .listeners
+                        .iter()
+                        .filter(|l| l.forwarding == Forwarding::Kernel)
+                        .map(|l| (spec.vip, l.protocol, l.port))
+                        .filter(|id| self.kernel.forwards(id))
+                        .collect();
+                    Some((ids, entry.backends.values().cloned().collect()))
+                })
+                .collect()
+        };
+        let listeners: Vec<_> = groups.iter().flat_map(|(ids, _)| ids.clone()).collect();
+        let counts = if listeners.iter().any(|(_, p, _)| *p == Protocol::Tcp) {
+            match tokio::task::spawn_blocking(move || crate::kernel::open_connections(&listeners))
+                .await
+            {
+                Ok(Ok(c)) => c,
+                Ok(Err(e)) => {
+                    tracing::warn!("counting the kernel's open connections in conntrack: {e}");
+                    return;
+                }
+                Err(e) => {
+                    tracing::error!("the conntrack counter ended abnormally: {e}");
+                    return;
+                }
+            }
+        } else {
+            HashMap::new()
+        };
+        for (ids, backends) in groups {
+            for b in backends {
+                let open: u64 = ids.iter().filter_map(|id| counts.get(&(*id, b.addr))).sum();
+                b.stats().kernel_active.store(open, Ordering::Relaxed);
+            }
+        }
     }
 
     /// At a clean stop, after the drain: the table goes, so nothing is

@@ -42,7 +42,7 @@ mod nft;
 mod sync;
 
 pub use build::{Owned, TABLE, transaction};
-pub use conntrack::delete_stale_flows;
+pub use conntrack::{delete_stale_flows, open_connections};
 pub use nft::{NftError, counters, read_back};
 pub use sync::{KernelTable, Synced};
 

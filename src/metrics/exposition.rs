@@ -242,7 +242,14 @@ const STEPS: &[Step] = &[
         }
     }),
     Step::Backend(&names::BACKEND_CONNECTIONS_ACTIVE, |o, be| {
-        o.sample("", |b| backend_labels(b, be), be.active.get());
+        // The proxy's open connections and the kernel's, as last counted.
+        let kernel = be.kernel_active.load(Ordering::Relaxed);
+        let kernel = i64::try_from(kernel).unwrap_or(i64::MAX);
+        o.sample(
+            "",
+            |b| backend_labels(b, be),
+            be.active.get().saturating_add(kernel),
+        );
     }),
     Step::Backend(&names::BACKEND_ADMIN_STATE, |o, be| {
         // A state series, present while the backend is a member (as `backend_up`).

@@ -260,7 +260,7 @@ pub static BACKEND_PORT_UP: Family = Family::new(
 pub static BACKEND_CONNECTIONS_ACTIVE: Family = Family::new(
     "harvester_lb_backend_connections_active",
     Gauge,
-    "Connections open to the backend now.",
+    "Connections open to the backend now: the proxy's, plus the TCP connections of kernel listeners open in conntrack (counted every 5 s).",
 );
 /// The operator's state of a backend: one series, `state` = the current one.
 pub static BACKEND_ADMIN_STATE: Family = Family::new(

@@ -275,6 +275,7 @@ impl LbStats {
             addr,
             up: Presence::default(),
             active: Gauge::default(),
+            kernel_active: AtomicU64::new(0),
             connect_failures: Default::default(),
             checks: Default::default(),
             transitions: Default::default(),
@@ -450,6 +451,10 @@ pub struct BackendStats {
     pub up: Presence,
     /// `backend_connections_active`.
     pub active: Gauge,
+    /// The part of `backend_connections_active` the kernel forwards: open
+    /// TCP connections of this backend on the load balancer's kernel
+    /// listeners, from the last conntrack count (every metrics read).
+    pub kernel_active: AtomicU64,
     /// `backend_connect_failures_total`, by [`CONNECT_FAILURE_REASONS`].
     pub connect_failures: [Counter; 3],
     /// `health_checks_total`, by [`CHECK_RESULTS`].
