@@ -15,8 +15,12 @@
 //!   chain input       { filter hook input priority filter;
 //!                       ct state new ip daddr . meta l4proto . th dport @refuse4 reject }  # never falls through to the host
 //!   chain l_tcp_80_VIP { ip saddr != @s_tcp_80_VIP counter name d_… return    # source_ranges
+//!                        ip saddr @a_…_BE1 goto b_…_BE1                     # client_ip affinity, eligible only
 //!                        numgen inc mod N vmap { 0 : goto b_…_BE1, … } }     # or: counter name z_… return
-//!   chain b_tcp_80_VIP_BE1 { counter name n_tcp_80_VIP_BE1; meta l4proto tcp dnat ip to BE1:NODEPORT }
+//!                                                                            # source_ip: jhash ip saddr mod 4093 vmap @m_…
+//!   map m_tcp_80_VIP { typeof numgen inc mod 4093 : verdict }  # source_ip buckets, by the proxy's rendezvous hash
+//!   set a_tcp_80_VIP_BE1 { type ipv4_addr; flags dynamic,timeout; timeout T }  # client_ip affinity
+//!   chain b_tcp_80_VIP_BE1 { [update @a_…_BE1 { ip saddr }] counter name n_tcp_80_VIP_BE1; meta l4proto tcp dnat ip to BE1:NODEPORT }
 //! }
 //! ```
 //!
