@@ -189,6 +189,63 @@ fn the_table_loads_reconciles_after_a_restart_and_goes_at_stop() {
     assert!(!ok, "the table is gone after a clean stop");
 }
 
+/// `source_ip` bucket maps and affinity sets, IPv4 and IPv6, load into the
+/// kernel and are read back; a restarted owner without them deletes them.
+#[test]
+fn bucket_maps_and_affinity_sets_load_and_a_restart_without_them_deletes_them() {
+    if !can_run() {
+        return;
+    }
+    let ns = Scratch::new("maps");
+    let a = (ip("192.0.2.10"), Protocol::Tcp, 80);
+    let b = (ip("2001:db8::10"), Protocol::Udp, 53);
+    let mut first = BTreeMap::new();
+    let mut v4 = listener(&["10.0.0.1", "10.0.0.2"], &["10.0.0.1", "10.0.0.2"]);
+    v4.pick = Algorithm::SourceIp;
+    v4.affinity = Some(Duration::from_secs(600));
+    first.insert(a, v4);
+    let mut v6 = listener(&["2001:db8::1"], &["2001:db8::1", "2001:db8::2"]);
+    v6.pick = Algorithm::SourceIp;
+    v6.affinity = Some(Duration::from_secs(30));
+    first.insert(b, v6);
+
+    let name = ns.0.clone();
+    let desired = first.clone();
+    let (written, owned) = in_ns(&name, move || {
+        let table = KernelTable::new();
+        (table.sync(&desired), kernel::read_back())
+    });
+    assert!(matches!(written, Ok(Synced::Written(_))), "{written:?}");
+    assert_eq!(owned.unwrap(), kernel::Owned::of(&first));
+    let (ok, listing) = nft_out(&ns.0, &["list", "table", "inet", kernel::TABLE]);
+    assert!(ok, "{listing}");
+    for want in [
+        "jhash ip saddr mod 4093 seed 0x68626c62 vmap @m_tcp_80_192.0.2.10",
+        "jhash ip6 saddr mod 4093 seed 0x68626c62 vmap @m_udp_53_2001-db8--10",
+        "ip saddr @a_tcp_80_192.0.2.10_10.0.0.1 goto b_tcp_80_192.0.2.10_10.0.0.1",
+        "update @a_tcp_80_192.0.2.10_10.0.0.2 { ip saddr }",
+        "update @a_udp_53_2001-db8--10_2001-db8--2 { ip6 saddr }",
+        "timeout 30s",
+        "4092 : goto b_tcp_80_192.0.2.10_10.0.0.",
+    ] {
+        assert!(listing.contains(want), "want {want:?} in\n{listing}");
+    }
+    assert!(
+        !listing.contains("ip6 saddr @a_udp_53_2001-db8--10_2001-db8--2 goto"),
+        "not eligible: no affinity lookup"
+    );
+
+    let mut second = BTreeMap::new();
+    second.insert(a, listener(&["10.0.0.1"], &["10.0.0.1"]));
+    let desired = second.clone();
+    let (synced, owned) = in_ns(&name, move || {
+        let table = KernelTable::new();
+        (table.sync(&desired), kernel::read_back())
+    });
+    assert!(matches!(synced, Ok(Synced::Written(_))), "{synced:?}");
+    assert_eq!(owned.unwrap(), kernel::Owned::of(&second));
+}
+
 #[test]
 fn without_kernel_listeners_nothing_is_written() {
     if !can_run() {

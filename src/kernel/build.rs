@@ -266,6 +266,21 @@ const FAMILIES: [Family; 2] = [
 /// Deletes the objects of `present` that `wanted` has not; nothing may
 /// refer to them any more.
 fn delete_gone(cmds: &mut Vec<NfObject<'static>>, present: &Owned, wanted: &Owned) {
+    // A bucket map's elements hold its backend chains (EBUSY otherwise):
+    // emptied first, deleted once no rule refers to it.
+    let map = |name: &String| {
+        Box::new(Map {
+            family: NfFamily::INet,
+            table: s(TABLE),
+            name: s(name),
+            ..Map::default()
+        })
+    };
+    for name in present.maps.difference(&wanted.maps) {
+        cmds.push(NfObject::CmdObject(NfCmd::Flush(FlushObject::Map(map(
+            name,
+        )))));
+    }
     // Listener chains before backend chains: a flushed listener chain
     // still holds its anonymous verdict map (and so its backend chains)
     // until it is deleted itself (EBUSY otherwise, measured on 6.18).
@@ -279,14 +294,9 @@ fn delete_gone(cmds: &mut Vec<NfObject<'static>>, present: &Owned, wanted: &Owne
         ))));
     }
     for name in present.maps.difference(&wanted.maps) {
-        cmds.push(NfObject::CmdObject(NfCmd::Delete(NfListObject::Map(
-            Box::new(Map {
-                family: NfFamily::INet,
-                table: s(TABLE),
-                name: s(name),
-                ..Map::default()
-            }),
-        ))));
+        cmds.push(NfObject::CmdObject(NfCmd::Delete(NfListObject::Map(map(
+            name,
+        )))));
     }
     let sets = present.sets.difference(&wanted.sets);
     for name in sets.chain(present.affinity.difference(&wanted.affinity)) {

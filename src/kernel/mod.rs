@@ -45,7 +45,7 @@ mod conntrack;
 mod nft;
 mod sync;
 
-pub use build::{Owned, TABLE, transaction};
+pub use build::{BUCKETS, Owned, TABLE, bucket_key, buckets, transaction};
 pub use conntrack::{delete_stale_flows, open_connections};
 pub use nft::{NftError, counters, read_back};
 pub use sync::{KernelTable, Synced};
