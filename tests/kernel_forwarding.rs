@@ -298,22 +298,30 @@ fn set_state(bed: &Bed, lb: &str, node: usize, state: &str) {
     );
 }
 
-/// Waits until the chain of the listener on VIP:80/tcp satisfies `ok`.
-async fn wait_chain(bed: &Bed, what: &str, ok: impl Fn(&str) -> bool) {
-    wait_for(Duration::from_secs(5), what, || async {
-        let (_, l) = nft_out(
-            &bed.lb.name,
-            &[
-                "list",
-                "chain",
-                "inet",
-                kernel::TABLE,
-                "l_tcp_80_198.51.100.10",
-            ],
-        );
-        ok(&l).then_some(())
+/// `nft list <kind> inet harvester_lb_nat <name>` in the bed's
+/// load-balancer namespace (the error text when it fails).
+fn listed(bed: &Bed, kind: &str, name: &str) -> String {
+    nft_out(&bed.lb.name, &["list", kind, "inet", kernel::TABLE, name]).1
+}
+
+/// Waits up to `timeout` until [`listed`] satisfies `ok`.
+async fn wait_listed(
+    bed: &Bed,
+    (kind, name): (&str, &str),
+    timeout: Duration,
+    what: &str,
+    ok: impl Fn(&str) -> bool,
+) {
+    wait_for(timeout, what, || async {
+        ok(&listed(bed, kind, name)).then_some(())
     })
     .await;
+}
+
+/// Waits until the chain of the listener on VIP:80/tcp satisfies `ok`.
+async fn wait_chain(bed: &Bed, what: &str, ok: impl Fn(&str) -> bool) {
+    let chain = ("chain", "l_tcp_80_198.51.100.10");
+    wait_listed(bed, chain, Duration::from_secs(5), what, ok).await;
 }
 
 /// A connection through VIP:80 that node `name` answered (round robin
@@ -1149,20 +1157,8 @@ async fn by_client(bed: &Bed, clients: &[Ipv4Addr]) -> BTreeMap<Ipv4Addr, String
 
 /// Waits until the bucket map of the listener on VIP:80/tcp satisfies `ok`.
 async fn wait_buckets(bed: &Bed, what: &str, ok: impl Fn(&str) -> bool) {
-    wait_for(Duration::from_secs(10), what, || async {
-        let (_, l) = nft_out(
-            &bed.lb.name,
-            &[
-                "list",
-                "map",
-                "inet",
-                kernel::TABLE,
-                "m_tcp_80_198.51.100.10",
-            ],
-        );
-        ok(&l).then_some(())
-    })
-    .await;
+    let map = ("map", "m_tcp_80_198.51.100.10");
+    wait_listed(bed, map, Duration::from_secs(10), what, ok).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1258,15 +1254,10 @@ async fn client_affinity_keeps_a_client_on_its_node_until_that_node_leaves() {
     }
     let node = if first == "n1" { 1 } else { 2 };
     let other = if node == 1 { "n2" } else { "n1" };
-    let (_, set) = nft_out(
-        &bed.lb.name,
-        &[
-            "list",
-            "set",
-            "inet",
-            kernel::TABLE,
-            &format!("a_tcp_80_198.51.100.10_{}", node_ip(node)),
-        ],
+    let set = listed(
+        &bed,
+        "set",
+        &format!("a_tcp_80_198.51.100.10_{}", node_ip(node)),
     );
     assert!(
         set.contains("timeout 10m") && set.contains("198.51.100.2 expires 9m"),
@@ -1314,16 +1305,7 @@ async fn a_stopped_backend_is_out_of_the_kernel_within_the_detection_time() {
     drop(n2); // Its health port and nodeport close at once.
     let deadline = started + Duration::from_secs(30);
     let took = loop {
-        let (_, l) = nft_out(
-            &bed.lb.name,
-            &[
-                "list",
-                "chain",
-                "inet",
-                kernel::TABLE,
-                "l_tcp_80_198.51.100.10",
-            ],
-        );
+        let l = listed(&bed, "chain", "l_tcp_80_198.51.100.10");
         if l.contains("numgen") && !l.contains("198.51.100.22") {
             break started.elapsed();
         }

@@ -161,37 +161,30 @@ impl Validator<'_> {
             .log_connections
             .as_ref()
             .filter(|v| v.get_ref() != "none");
+        let span = |v: Option<&Spanned<i64>>| v.map(|v| v.span());
         for (name, span, why) in [
             (
                 "connect_timeout_ms",
-                lb.connect_timeout_ms.as_ref().map(|v| v.span()),
+                span(lb.connect_timeout_ms.as_ref()),
                 TIMING,
             ),
             (
                 "connect_attempts",
-                lb.connect_attempts.as_ref().map(|v| v.span()),
+                span(lb.connect_attempts.as_ref()),
                 TIMING,
             ),
             (
                 "idle_timeout_seconds",
-                lb.idle_timeout_seconds.as_ref().map(|v| v.span()),
+                span(lb.idle_timeout_seconds.as_ref()),
                 TIMING,
             ),
             (
                 "udp_idle_timeout_seconds",
-                lb.udp_idle_timeout_seconds.as_ref().map(|v| v.span()),
+                span(lb.udp_idle_timeout_seconds.as_ref()),
                 TIMING,
             ),
-            (
-                "max_connections",
-                lb.max_connections.as_ref().map(|v| v.span()),
-                CAP,
-            ),
-            (
-                "max_udp_flows",
-                lb.max_udp_flows.as_ref().map(|v| v.span()),
-                CAP,
-            ),
+            ("max_connections", span(lb.max_connections.as_ref()), CAP),
+            ("max_udp_flows", span(lb.max_udp_flows.as_ref()), CAP),
             ("log_connections", logs.map(|v| v.span()), LOG),
         ] {
             if let Some(span) = span {
