@@ -234,6 +234,37 @@ fn bucket_maps_and_affinity_sets_load_and_a_restart_without_them_deletes_them() 
         !listing.contains("ip6 saddr @a_udp_53_2001-db8--10_2001-db8--2 goto"),
         "not eligible: no affinity lookup"
     );
+    // The kernel's buckets are the user-space fill, bucket for bucket.
+    let (ok, json) = nft_out(
+        &ns.0,
+        &[
+            "-j",
+            "list",
+            "map",
+            "inet",
+            kernel::TABLE,
+            "m_tcp_80_192.0.2.10",
+        ],
+    );
+    assert!(ok, "{json}");
+    let doc: serde_json::Value = serde_json::from_str(&json).unwrap();
+    let elems = doc["nftables"][1]["map"]["elem"].as_array().unwrap();
+    let mut got: Vec<(u64, String)> = elems
+        .iter()
+        .map(|e| {
+            (
+                e[0].as_u64().unwrap(),
+                e[1]["goto"]["target"].as_str().unwrap().to_string(),
+            )
+        })
+        .collect();
+    got.sort();
+    let want: Vec<(u64, String)> = kernel::buckets(&first[&a].eligible)
+        .iter()
+        .enumerate()
+        .map(|(i, b)| (i as u64, format!("b_tcp_80_192.0.2.10_{b}")))
+        .collect();
+    assert_eq!(got, want);
 
     let mut second = BTreeMap::new();
     second.insert(a, listener(&["10.0.0.1"], &["10.0.0.1"]));
@@ -1312,6 +1343,7 @@ async fn a_stopped_backend_is_out_of_the_kernel_within_the_detection_time() {
         assert!(Instant::now() < deadline, "node 2 still in the kernel: {l}");
         tokio::time::sleep(Duration::from_millis(20)).await;
     };
+    eprintln!("node 2 out of the kernel {took:?} after it stopped");
     assert!(
         took <= bound + margin,
         "out of the kernel after {took:?}; bound {bound:?} + margin {margin:?}"
