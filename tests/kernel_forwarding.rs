@@ -940,6 +940,18 @@ async fn ipv6_listeners_are_forwarded_by_the_kernel_too() {
 }
 
 /// Node `i` answers every datagram on `port` with its name.
+/// `default/dns`: VIP:53/udp over nodes 1 and 2 (nodeport 30053),
+/// forwarded by the kernel, checked on TCP every second.
+fn udp_kernel_config() -> String {
+    let lb = format!(
+        "name = \"default/dns\"\nvip = \"{VIP}\"\nbackends = [\"{}\", \"{}\"]\n  [[load_balancer.listener]]\n  name = \"dns\"\n  port = 53\n  backend_port = 30053\n  protocol = \"udp\"\n  forwarding = \"kernel\"\n  [load_balancer.health_check]\n  port = {}\n  period_seconds = 1\n  timeout_seconds = 1\n  failure_threshold = 1\n",
+        node_ip(1),
+        node_ip(2),
+        netns::HEALTH_PORT
+    );
+    config("", &[lb])
+}
+
 fn udp_teller(bed: &Bed, i: usize, port: u16) -> tokio::task::JoinHandle<()> {
     let s = in_ns(&bed.node(i).name, move || {
         let s = std::net::UdpSocket::bind(sa(node_ip(i), port))?;
@@ -968,13 +980,7 @@ async fn a_udp_client_with_a_fixed_port_moves_off_a_backend_that_left() {
     let mut n2 = Node::start(&bed, 2, Service::NameThenEcho);
     let _u1 = udp_teller(&bed, 1, 30053);
     let _u2 = udp_teller(&bed, 2, 30053);
-    let lb = format!(
-        "name = \"default/dns\"\nvip = \"{VIP}\"\nbackends = [\"{}\", \"{}\"]\n  [[load_balancer.listener]]\n  name = \"dns\"\n  port = 53\n  backend_port = 30053\n  protocol = \"udp\"\n  forwarding = \"kernel\"\n  [load_balancer.health_check]\n  port = {}\n  period_seconds = 1\n  timeout_seconds = 1\n  failure_threshold = 1\n",
-        node_ip(1),
-        node_ip(2),
-        netns::HEALTH_PORT
-    );
-    bed.start_daemon(&config("", &[lb])).await;
+    bed.start_daemon(&udp_kernel_config()).await;
     wait_kernel(&bed).await;
 
     // One client, one source port, for the whole test.
@@ -1407,6 +1413,66 @@ async fn open_kernel_connections_count_as_active_connections_of_their_backend() 
         || async {
             let m = bed.daemon().metrics().await;
             want.keys().all(|ip| active(&m, ip) == 0.0).then_some(())
+        },
+    )
+    .await;
+    still_in_the_kernel(&bed).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kernel_udp_flows_count_as_flows_of_their_backend() {
+    if !can_run() {
+        return;
+    }
+    let mut bed = Bed::new("kudpflows", 2);
+    enable_forwarding(&bed);
+    let _n1 = Node::start(&bed, 1, Service::NameThenEcho);
+    let _n2 = Node::start(&bed, 2, Service::NameThenEcho);
+    let _u1 = udp_teller(&bed, 1, 30053);
+    let _u2 = udp_teller(&bed, 2, 30053);
+    bed.start_daemon(&udp_kernel_config()).await;
+    wait_kernel(&bed).await;
+
+    // Five clients (five source ports), one answered datagram each.
+    let mut want: BTreeMap<String, f64> = BTreeMap::new();
+    let mut clients = Vec::new();
+    for _ in 0..5 {
+        let c = in_ns(&bed.client.name, || {
+            let s = std::net::UdpSocket::bind(sa(netns::CLIENT_IP, 0))?;
+            s.set_nonblocking(true)?;
+            Ok::<_, std::io::Error>(s)
+        })
+        .unwrap();
+        let c = tokio::net::UdpSocket::from_std(c).unwrap();
+        c.connect(sa(VIP, 53)).await.unwrap();
+        let name = wait_for(Duration::from_secs(5), "an answer", || async {
+            c.send(b"who").await.ok()?;
+            let mut buf = [0u8; 64];
+            let n = tokio::time::timeout(Duration::from_millis(300), c.recv(&mut buf))
+                .await
+                .ok()?
+                .ok()?;
+            Some(String::from_utf8_lossy(&buf[..n]).into_owned())
+        })
+        .await;
+        let ip = node_ip(name[1..].parse().unwrap()).to_string();
+        *want.entry(ip).or_insert(0.0) += 1.0;
+        clients.push(c);
+    }
+    wait_for(
+        Duration::from_secs(20),
+        "the kernel's UDP flows in udp_backend_flows_active",
+        || async {
+            let m = bed.daemon().metrics().await;
+            want.iter()
+                .all(|(ip, n)| {
+                    netns::metric(
+                        &m,
+                        "harvester_lb_udp_backend_flows_active",
+                        &[("listener", "dns"), ("backend", ip)],
+                    ) == *n
+                })
+                .then_some(())
         },
     )
     .await;

@@ -269,30 +269,33 @@ fn open_tcp(state: u8) -> bool {
     matches!(state, 1..=6 | 9)
 }
 
-/// The open connections of each backend of the kernel TCP listeners
-/// `listeners`: the conntrack entries whose original destination is the
-/// listener, answered by the backend (DNATed: the reply does not come from
-/// the VIP), in an open TCP state.
+/// The open flows of each backend of the kernel listeners `listeners`:
+/// the conntrack entries whose original destination is the listener,
+/// answered by the backend (DNATed: the reply does not come from the VIP),
+/// TCP ones in an open state, UDP ones all (a UDP entry lives while
+/// datagrams flow, then times out).
 fn count(flows: &[Flow], listeners: &[ListenerId]) -> HashMap<(ListenerId, IpAddr), u64> {
     let mut counts = HashMap::new();
     for f in flows {
-        let (Some(dst), Some(port), Some(reply), Some(state)) =
-            (f.orig_dst, f.orig_dport, f.reply_src, f.tcp_state)
-        else {
+        let (Some(dst), Some(port), Some(reply)) = (f.orig_dst, f.orig_dport, f.reply_src) else {
             continue;
         };
-        let id = (dst, Protocol::Tcp, port);
-        if f.tcp && reply != dst && open_tcp(state) && listeners.contains(&id) {
+        let id = match (f.tcp, f.udp) {
+            (true, _) if f.tcp_state.is_some_and(open_tcp) => (dst, Protocol::Tcp, port),
+            (_, true) => (dst, Protocol::Udp, port),
+            _ => continue,
+        };
+        if reply != dst && listeners.contains(&id) {
             *counts.entry((id, reply)).or_insert(0) += 1;
         }
     }
     counts
 }
 
-/// Open TCP connections per (kernel listener, backend), by one conntrack
-/// dump per address family that has such a listener (none without one).
-/// UDP flows are not counted: the proxy's per-backend series has none
-/// either. Blocking; the cost is one pass over the host's whole table.
+/// Open TCP connections and UDP flows per (kernel listener, backend), by
+/// one conntrack dump per address family that has such a listener (none
+/// without one). Blocking; the cost is one pass over the host's whole
+/// table.
 pub fn open_connections(
     listeners: &[ListenerId],
 ) -> io::Result<HashMap<(ListenerId, IpAddr), u64>> {
@@ -301,7 +304,7 @@ pub fn open_connections(
         let v4 = family == NetfilterProtoFamily::IPv4;
         let of_family: Vec<ListenerId> = listeners
             .iter()
-            .filter(|(vip, p, _)| vip.is_ipv4() == v4 && *p == Protocol::Tcp)
+            .filter(|(vip, _, _)| vip.is_ipv4() == v4)
             .copied()
             .collect();
         if of_family.is_empty() {
@@ -384,11 +387,15 @@ mod tests {
             closed,
             f("192.0.2.10", 80, false, "192.0.2.10"), // the proxy's own
             f("192.0.2.10", 81, false, "10.0.0.1"),   // another listener
-            f("192.0.2.10", 80, true, "10.0.0.1"),    // UDP
+            f("192.0.2.10", 80, true, "10.0.0.1"),    // UDP, another listener
+            f("192.0.2.10", 53, true, "10.0.0.2"),
+            f("192.0.2.10", 53, true, "192.0.2.10"), // the proxy's own
         ];
-        let c = count(&flows, &[web]);
-        assert_eq!(c.len(), 2, "{c:?}");
+        let dns = (ip("192.0.2.10"), Protocol::Udp, 53);
+        let c = count(&flows, &[web, dns]);
+        assert_eq!(c.len(), 3, "{c:?}");
         assert_eq!(c[&(web, ip("10.0.0.1"))], 2);
         assert_eq!(c[&(web, ip("10.0.0.2"))], 1);
+        assert_eq!(c[&(dns, ip("10.0.0.2"))], 1);
     }
 }

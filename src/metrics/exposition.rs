@@ -207,7 +207,13 @@ const STEPS: &[Step] = &[
     Step::Listener(&names::UDP_BACKEND_FLOWS_ACTIVE, |o, l| {
         let Some(u) = l.udp.get() else { return };
         for (ip, be) in u.backends() {
-            o.sample("", |b| udp_backend_labels(b, l, ip), be.flows_active.get());
+            let kernel = be.kernel_flows.load(Ordering::Relaxed);
+            let kernel = i64::try_from(kernel).unwrap_or(i64::MAX);
+            o.sample(
+                "",
+                |b| udp_backend_labels(b, l, ip),
+                be.flows_active.get().saturating_add(kernel),
+            );
         }
     }),
     Step::Listener(&names::UDP_BACKEND_ICMP_ERRORS, |o, l| {

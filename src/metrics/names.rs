@@ -231,7 +231,7 @@ pub static UDP_FLOWS_DROPPED: Family = Family::new(
 pub static UDP_BACKEND_FLOWS_ACTIVE: Family = Family::new(
     "harvester_lb_udp_backend_flows_active",
     Gauge,
-    "UDP flows of the listener open to the backend now.",
+    "UDP flows of the listener open to the backend now: the proxy's, plus, for a forwarding = \"kernel\" listener, its conntrack entries answered by the backend (counted every 5 s).",
 );
 /// ICMP errors (port unreachable) from a backend; labels add `backend`.
 pub static UDP_BACKEND_ICMP_ERRORS: Family = Family::new(

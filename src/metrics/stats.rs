@@ -413,7 +413,9 @@ impl UdpStats {
     /// Drops the entries `keep` rejects whose backend has no flow open.
     pub fn retain_backends(&self, keep: impl Fn(IpAddr) -> bool) {
         let mut map = self.backends.lock().unwrap_or_else(|p| p.into_inner());
-        map.retain(|ip, s| keep(*ip) || s.flows_active.get() > 0);
+        map.retain(|ip, s| {
+            keep(*ip) || s.flows_active.get() > 0 || s.kernel_flows.load(Ordering::Relaxed) > 0
+        });
     }
 
     /// The per-backend numbers now, by address (for a scrape and `/status`).
@@ -430,6 +432,10 @@ impl UdpStats {
 pub struct UdpBackendStats {
     /// `udp_backend_flows_active`.
     pub flows_active: Gauge,
+    /// The part of `udp_backend_flows_active` the kernel forwards: the
+    /// listener's conntrack entries answered by this backend, from the last
+    /// count (every metrics read) while the listener is a kernel one.
+    pub kernel_flows: AtomicU64,
     /// `udp_backend_icmp_errors_total`.
     pub icmp_errors: Counter,
 }
