@@ -101,13 +101,6 @@ fn every_combination_the_kernel_cannot_do_is_refused_with_key_and_reason() {
         ),
         (
             "192.0.2.10",
-            "algorithm = \"source_ip\"",
-            kernel.into(),
-            "load_balancer[0].algorithm",
-            "\"source_ip\" is not in the kernel path yet",
-        ),
-        (
-            "192.0.2.10",
             "",
             format!("{kernel}\n  proxy_protocol = \"v2\""),
             "load_balancer[0].listener[0].proxy_protocol",
@@ -133,13 +126,6 @@ fn every_combination_the_kernel_cannot_do_is_refused_with_key_and_reason() {
             format!("{kernel}\n  defer_accept_seconds = 5"),
             "load_balancer[0].listener[0].defer_accept_seconds",
             "no socket of this host accepts the connection",
-        ),
-        (
-            "192.0.2.10",
-            "session_affinity = \"client_ip\"",
-            kernel.into(),
-            "load_balancer[0].session_affinity",
-            "\"client_ip\" is not in the kernel path yet",
         ),
         (
             "192.0.2.10",
@@ -178,11 +164,30 @@ fn every_combination_the_kernel_cannot_do_is_refused_with_key_and_reason() {
     }
 }
 
+/// `source_ip` and `client_ip` affinity have a kernel form: accepted,
+/// without a warning.
+#[test]
+fn source_ip_and_client_affinity_are_accepted_on_kernel_listeners() {
+    let loaded = config::parse(&file(
+        "192.0.2.10",
+        "algorithm = \"source_ip\"\nsession_affinity = \"client_ip\"\naffinity_timeout_seconds = 600",
+        "  forwarding = \"kernel\"",
+    ))
+    .expect("valid");
+    assert!(loaded.warnings.is_empty(), "{:?}", loaded.warnings);
+    let lb = &loaded.config.load_balancers[0];
+    assert_eq!(lb.algorithm, config::Algorithm::SourceIp);
+    assert_eq!(
+        lb.affinity_timeout,
+        Some(std::time::Duration::from_secs(600))
+    );
+}
+
 #[test]
 fn proxy_only_tuning_is_a_warning_on_kernel_listeners() {
     let loaded = config::parse(&file(
         "192.0.2.10",
-        "connect_timeout_ms = 500\nidle_timeout_seconds = 60",
+        "connect_timeout_ms = 500\nidle_timeout_seconds = 60\nmax_connections = 100\nlog_connections = \"all\"",
         "  forwarding = \"kernel\"",
     ))
     .expect("valid");
@@ -191,8 +196,15 @@ fn proxy_only_tuning_is_a_warning_on_kernel_listeners() {
         keys,
         [
             "load_balancer[0].connect_timeout_ms",
-            "load_balancer[0].idle_timeout_seconds"
+            "load_balancer[0].idle_timeout_seconds",
+            "load_balancer[0].max_connections",
+            "load_balancer[0].log_connections"
         ]
+    );
+    assert!(
+        loaded.warnings[3]
+            .message
+            .contains("no line per connection")
     );
     assert!(
         loaded.warnings[0]

@@ -52,11 +52,20 @@ fn least_connections(eligible: &[Arc<Backend>], cursor: &AtomicUsize) -> usize {
 /// fixed function, so the mapping is the same after a restart and on every
 /// host running the same config.
 fn highest_random_weight(eligible: &[Arc<Backend>], client: ClientAddr) -> usize {
-    let client = hash_ip(client.ip());
+    rendezvous(client.ip(), eligible.iter().map(|b| b.addr_hash))
+}
+
+/// The rendezvous pick itself: the index, among backends given by the
+/// hashes of their addresses ([`hash_ip`]), that `client` goes to (0 when
+/// there is none). Shared by the proxy and by the kernel's `source_ip`
+/// buckets, which must pick alike so a client keeps its backend whichever
+/// path serves it.
+pub fn rendezvous(client: IpAddr, backend_hashes: impl IntoIterator<Item = u64>) -> usize {
+    let client = hash_ip(client);
     let mut best = 0;
     let mut best_score = 0;
-    for (i, backend) in eligible.iter().enumerate() {
-        let score = mix64(client ^ backend.addr_hash);
+    for (i, addr_hash) in backend_hashes.into_iter().enumerate() {
+        let score = mix64(client ^ addr_hash);
         if i == 0 || score > best_score {
             best = i;
             best_score = score;

@@ -11,7 +11,7 @@
 
 use std::time::Duration;
 
-use crate::config::{Forwarding, OnBackendDown};
+use crate::config::{Forwarding, OnBackendDown, Protocol};
 use crate::kernel::{Desired, KernelListener, KernelTable, Synced};
 
 use super::*;
@@ -128,6 +128,8 @@ impl Daemon {
                         } else {
                             Vec::new()
                         },
+                        pick: spec.algorithm,
+                        affinity: spec.affinity_timeout,
                     },
                 );
             }
@@ -161,6 +163,7 @@ impl Daemon {
                         daemon.kernel_wake.notify_one();
                     }
                     daemon.read_kernel_counters().await;
+                    daemon.read_kernel_connections().await;
                     continue;
                 }
                 tokio::time::sleep(COALESCE).await;
@@ -270,6 +273,94 @@ impl Daemon {
             })
             .collect();
         self.metrics.set_kernel_backends(out);
+    }
+
+    /// Counts the open TCP connections and UDP flows of each backend on
+    /// the kernel listeners forwarded now (one conntrack dump per address
+    /// family) into `backend_connections_active` and
+    /// `udp_backend_flows_active`, beside the proxy's own; every other
+    /// kernel part goes back to 0. No dump without such a listener.
+    async fn read_kernel_connections(&self) {
+        /// One load balancer: its stats, backends and listeners, with
+        /// whether each is forwarded by the kernel now.
+        type Group = (
+            Arc<crate::metrics::LbStats>,
+            Vec<Arc<Backend>>,
+            Vec<(String, crate::kernel::ListenerId, bool)>,
+        );
+        let groups: Vec<Group> = {
+            let st = self.lock();
+            let Some(config) = &st.config else { return };
+            config
+                .load_balancers
+                .iter()
+                .filter_map(|spec| {
+                    let entry = st.load_balancers.get(&spec.name)?;
+                    let listeners = spec
+                        .listeners
+                        .iter()
+                        .map(|l| {
+                            let id = (spec.vip, l.protocol, l.port);
+                            let kernel =
+                                l.forwarding == Forwarding::Kernel && self.kernel.forwards(&id);
+                            (l.name.clone(), id, kernel)
+                        })
+                        .collect();
+                    let backends = entry.backends.values().cloned().collect();
+                    Some((Arc::clone(entry.lb.stats()), backends, listeners))
+                })
+                .collect()
+        };
+        let kernel: Vec<_> = groups
+            .iter()
+            .flat_map(|(_, _, ls)| ls.iter().filter(|l| l.2).map(|l| l.1))
+            .collect();
+        let counts = if kernel.is_empty() {
+            HashMap::new()
+        } else {
+            match tokio::task::spawn_blocking(move || crate::kernel::open_connections(&kernel))
+                .await
+            {
+                Ok(Ok(c)) => c,
+                Ok(Err(e)) => {
+                    tracing::warn!("counting the kernel's open flows in conntrack: {e}");
+                    return;
+                }
+                Err(e) => {
+                    tracing::error!("the conntrack counter ended abnormally: {e}");
+                    return;
+                }
+            }
+        };
+        let of = |id: &crate::kernel::ListenerId, ip: IpAddr| counts.get(&(*id, ip)).copied();
+        for (stats, backends, listeners) in groups {
+            for b in backends {
+                let open: u64 = listeners
+                    .iter()
+                    .filter(|(_, id, kernel)| *kernel && id.1 == Protocol::Tcp)
+                    .filter_map(|(_, id, _)| of(id, b.addr))
+                    .sum();
+                b.stats().kernel_active.store(open, Ordering::Relaxed);
+            }
+            for (name, id, kernel) in listeners.iter().filter(|l| l.1.1 == Protocol::Udp) {
+                let listener = stats.udp_listener(name);
+                let udp = listener.udp();
+                // Zero what was counted before; a backend with flows now
+                // gets its entry (as the proxy's first flow makes it).
+                for (ip, be) in udp.backends() {
+                    let n = if *kernel { of(id, ip).unwrap_or(0) } else { 0 };
+                    be.kernel_flows.store(n, Ordering::Relaxed);
+                }
+                if !*kernel {
+                    continue;
+                }
+                for ((l, ip), n) in &counts {
+                    if l == id {
+                        udp.backend(*ip).kernel_flows.store(*n, Ordering::Relaxed);
+                    }
+                }
+            }
+        }
     }
 
     /// At a clean stop, after the drain: the table goes, so nothing is

@@ -13,8 +13,8 @@ use std::collections::BTreeSet;
 use std::net::IpAddr;
 
 use nftables::expr::{
-    CT, Expression, Meta, MetaKey, NamedExpression, NgMode, Numgen, Payload, PayloadField, Prefix,
-    SetItem, Verdict,
+    CT, Expression, JHash, Meta, MetaKey, NamedExpression, NgMode, Numgen, Payload, PayloadField,
+    Prefix, SetItem, Verdict,
 };
 use nftables::schema::{
     Chain, Counter, Element, FlushObject, Map, NfCmd, NfListObject, NfObject, Nftables, Rule, Set,
@@ -27,6 +27,8 @@ use nftables::stmt::{
 use nftables::types::{NfChainPolicy, NfChainType, NfFamily, NfHook, RejectCode};
 
 use super::*;
+use crate::balancer::select;
+use crate::config::Algorithm;
 
 /// The table's name, in family `inet` (beside `inet harvester_lb`, the
 /// VIP isolation table, which it never touches).
@@ -50,6 +52,12 @@ pub struct Owned {
     pub counters: BTreeSet<String>,
     /// Per-listener source-range sets (`s_…`).
     pub sets: BTreeSet<String>,
+    /// `source_ip` listeners' bucket maps (`m_…`): filled element-wise,
+    /// never flushed by a partial sync.
+    pub maps: BTreeSet<String>,
+    /// Client-affinity sets (`a_…`): the kernel fills them; a sync
+    /// empties only those of backends that left the choice.
+    pub affinity: BTreeSet<String>,
 }
 
 impl Owned {
@@ -63,9 +71,15 @@ impl Owned {
                 o.counters.insert(denied_counter(id));
                 o.sets.insert(source_set(id));
             }
+            if l.pick == Algorithm::SourceIp {
+                o.maps.insert(bucket_map(id));
+            }
             for &b in &l.members {
                 o.chains.insert(backend_chain(id, b));
                 o.counters.insert(backend_counter(id, b));
+                if l.affinity.is_some() {
+                    o.affinity.insert(affinity_set(id, b));
+                }
             }
         }
         o
@@ -252,6 +266,21 @@ const FAMILIES: [Family; 2] = [
 /// Deletes the objects of `present` that `wanted` has not; nothing may
 /// refer to them any more.
 fn delete_gone(cmds: &mut Vec<NfObject<'static>>, present: &Owned, wanted: &Owned) {
+    // A bucket map's elements hold its backend chains (EBUSY otherwise):
+    // emptied first, deleted once no rule refers to it.
+    let map = |name: &String| {
+        Box::new(Map {
+            family: NfFamily::INet,
+            table: s(TABLE),
+            name: s(name),
+            ..Map::default()
+        })
+    };
+    for name in present.maps.difference(&wanted.maps) {
+        cmds.push(NfObject::CmdObject(NfCmd::Flush(FlushObject::Map(map(
+            name,
+        )))));
+    }
     // Listener chains before backend chains: a flushed listener chain
     // still holds its anonymous verdict map (and so its backend chains)
     // until it is deleted itself (EBUSY otherwise, measured on 6.18).
@@ -264,7 +293,13 @@ fn delete_gone(cmds: &mut Vec<NfObject<'static>>, present: &Owned, wanted: &Owne
             chain(name),
         ))));
     }
-    for name in present.sets.difference(&wanted.sets) {
+    for name in present.maps.difference(&wanted.maps) {
+        cmds.push(NfObject::CmdObject(NfCmd::Delete(NfListObject::Map(map(
+            name,
+        )))));
+    }
+    let sets = present.sets.difference(&wanted.sets);
+    for name in sets.chain(present.affinity.difference(&wanted.affinity)) {
         cmds.push(NfObject::CmdObject(NfCmd::Delete(NfListObject::Set(
             Box::new(tuple_set(name, Vec::new())),
         ))));
@@ -276,8 +311,15 @@ fn delete_gone(cmds: &mut Vec<NfObject<'static>>, present: &Owned, wanted: &Owne
     }
 }
 
-/// A listener's rules and elements, into its declared objects.
-fn fill_listener(cmds: &mut Vec<NfObject<'static>>, id: &ListenerId, l: &KernelListener) {
+/// A listener's rules and elements, into its declared objects. `before`:
+/// the listener as the kernel holds it (its bucket map is then edited
+/// element-wise); `None`: unknown, so its bucket map is filled afresh.
+fn fill_listener(
+    cmds: &mut Vec<NfObject<'static>>,
+    id: &ListenerId,
+    l: &KernelListener,
+    before: Option<&KernelListener>,
+) {
     let v4 = is_v4(id.0);
     let f = &FAMILIES[usize::from(!v4)];
     let lchain = listener_chain(id);
@@ -322,6 +364,12 @@ fn fill_listener(cmds: &mut Vec<NfObject<'static>>, id: &ListenerId, l: &KernelL
             ],
         ));
     }
+    if l.affinity.is_some() {
+        fill_affinity(cmds, id, l);
+    }
+    if l.pick == Algorithm::SourceIp {
+        fill_buckets(cmds, id, l, before);
+    }
     if l.eligible.is_empty() {
         cmds.push(rule(
             &lchain,
@@ -329,6 +377,19 @@ fn fill_listener(cmds: &mut Vec<NfObject<'static>>, id: &ListenerId, l: &KernelL
                 Statement::Counter(stmt::Counter::Named(s(no_backend_counter(id)))),
                 Statement::Return(None),
             ],
+        ));
+    } else if l.pick == Algorithm::SourceIp {
+        cmds.push(rule(
+            &lchain,
+            vec![Statement::VerdictMap(VerdictMap {
+                key: Expression::Named(NamedExpression::JHash(JHash {
+                    hash_mod: BUCKETS,
+                    expr: Box::new(payload(ip_proto(v4), "saddr")),
+                    offset: None,
+                    seed: Some(BUCKET_SEED),
+                })),
+                data: set_ref(&bucket_map(id)),
+            })],
         ));
     } else {
         let arms = l
@@ -355,22 +416,32 @@ fn fill_listener(cmds: &mut Vec<NfObject<'static>>, id: &ListenerId, l: &KernelL
         ));
     }
     for &b in &l.members {
+        let remember = l.affinity.map(|_| {
+            Statement::Set(stmt::Set {
+                op: stmt::SetOp::Update,
+                elem: payload(ip_proto(v4), "saddr"),
+                set: s(format!("@{}", affinity_set(id, b))),
+            })
+        });
         cmds.push(rule(
             &backend_chain(id, b),
-            vec![
-                Statement::Counter(stmt::Counter::Named(s(backend_counter(id, b)))),
-                matches(l4proto(), Operator::EQ, proto_name(id.1)),
-                Statement::DNAT(Some(NAT {
-                    addr: Some(Expression::String(s(b.to_string()))),
-                    family: Some(if b.is_ipv4() {
-                        NATFamily::IP
-                    } else {
-                        NATFamily::IP6
-                    }),
-                    port: Some(Expression::Number(u32::from(l.backend_port))),
-                    flags: None,
-                })),
-            ],
+            remember
+                .into_iter()
+                .chain([
+                    Statement::Counter(stmt::Counter::Named(s(backend_counter(id, b)))),
+                    matches(l4proto(), Operator::EQ, proto_name(id.1)),
+                    Statement::DNAT(Some(NAT {
+                        addr: Some(Expression::String(s(b.to_string()))),
+                        family: Some(if b.is_ipv4() {
+                            NATFamily::IP
+                        } else {
+                            NATFamily::IP6
+                        }),
+                        port: Some(Expression::Number(u32::from(l.backend_port))),
+                        flags: None,
+                    })),
+                ])
+                .collect(),
         ));
     }
     if l.source_nat == SourceNat::Masquerade {
@@ -378,6 +449,165 @@ fn fill_listener(cmds: &mut Vec<NfObject<'static>>, id: &ListenerId, l: &KernelL
             cmds.push(element(f.masq, vec![masq_key(id, b, l.backend_port)]));
         }
     }
+}
+
+/// Buckets of a `source_ip` listener's map: the client address's `jhash`
+/// modulo this. A few thousand, so that the clients of one backend spread
+/// evenly over the others when it leaves (the notes measured a 4093-entry
+/// map loading in about 40 ms); prime, as the Maglev tables are.
+pub const BUCKETS: u32 = 4093;
+
+/// The `jhash` seed of the bucket maps. Fixed: without one the kernel
+/// draws a random seed each time the rule is loaded, and every rewrite of
+/// the listener's chain (any health flip) would move every client.
+const BUCKET_SEED: u32 = 0x6862_6c62;
+
+/// The backend of every bucket (index = bucket), by the proxy's own
+/// rendezvous pick over `eligible` for the bucket's key: the bucket index
+/// taken as an IPv4 address ([`bucket_key`]). A bucket keeps its backend
+/// while that backend is eligible; when one leaves only its buckets move.
+/// Empty without an eligible backend.
+pub fn buckets(eligible: &[IpAddr]) -> Vec<IpAddr> {
+    if eligible.is_empty() {
+        return Vec::new();
+    }
+    let hashes: Vec<u64> = eligible.iter().map(|b| select::hash_ip(*b)).collect();
+    (0..BUCKETS)
+        .map(|i| eligible[select::rendezvous(bucket_key(i), hashes.iter().copied())])
+        .collect()
+}
+
+/// What the rendezvous hash is given for bucket `i` in place of a client
+/// address: computable here, for every bucket, without knowing the kernel's
+/// `jhash`.
+pub fn bucket_key(i: u32) -> IpAddr {
+    IpAddr::V4(std::net::Ipv4Addr::from(i))
+}
+
+/// A `source_ip` listener's bucket map, edited to `l`'s buckets: only the
+/// buckets whose backend changed since `before` are deleted and added
+/// again (a health flip moves the buckets of one backend), all of them when
+/// `before` is unknown.
+fn fill_buckets(
+    cmds: &mut Vec<NfObject<'static>>,
+    id: &ListenerId,
+    l: &KernelListener,
+    before: Option<&KernelListener>,
+) {
+    let map = bucket_map(id);
+    let now = buckets(&l.eligible);
+    let was = match before {
+        Some(b) if b.pick == Algorithm::SourceIp => buckets(&b.eligible),
+        Some(_) => Vec::new(),
+        None => {
+            cmds.push(NfObject::CmdObject(NfCmd::Flush(FlushObject::Map(
+                Box::new(Map {
+                    family: NfFamily::INet,
+                    table: s(TABLE),
+                    name: s(&map),
+                    ..Map::default()
+                }),
+            ))));
+            Vec::new()
+        }
+    };
+    let mut gone = Vec::new();
+    let mut new = Vec::new();
+    for i in 0..BUCKETS as usize {
+        let (old, cur) = (was.get(i), now.get(i));
+        if old == cur {
+            continue;
+        }
+        if old.is_some() {
+            gone.push(Expression::Number(i as u32));
+        }
+        if let Some(&b) = cur {
+            new.push(SetItem::Mapping(
+                Expression::Number(i as u32),
+                Expression::Verdict(goto(backend_chain(id, b))),
+            ));
+        }
+    }
+    if !gone.is_empty() {
+        cmds.push(NfObject::CmdObject(NfCmd::Delete(NfListObject::Element(
+            Element {
+                family: NfFamily::INet,
+                table: s(TABLE),
+                name: s(&map),
+                elem: Cow::Owned(gone),
+            },
+        ))));
+    }
+    if !new.is_empty() {
+        cmds.push(element(
+            &map,
+            vec![Expression::Named(NamedExpression::Set(new))],
+        ));
+    }
+}
+
+/// `session_affinity = "client_ip"`, kube-proxy's way: a client found in
+/// an eligible backend's set goes to it before any pick; a backend that is
+/// not eligible has no such rule and its set is emptied, so its clients
+/// pick again and do not come back when it returns.
+fn fill_affinity(cmds: &mut Vec<NfObject<'static>>, id: &ListenerId, l: &KernelListener) {
+    let lchain = listener_chain(id);
+    let saddr = payload(ip_proto(is_v4(id.0)), "saddr");
+    for &b in &l.eligible {
+        cmds.push(rule(
+            &lchain,
+            vec![
+                matches(saddr.clone(), Operator::EQ, set_ref(&affinity_set(id, b))),
+                Statement::Goto(JumpTarget {
+                    target: s(backend_chain(id, b)),
+                }),
+            ],
+        ));
+    }
+    for &b in l.members.iter().filter(|b| !l.eligible.contains(b)) {
+        cmds.push(NfObject::CmdObject(NfCmd::Flush(FlushObject::Set(
+            Box::new(tuple_set(&affinity_set(id, b), Vec::new())),
+        ))));
+    }
+}
+
+/// What nft 1.0.6's JSON cannot declare, as an nft script (text) to run
+/// before the transaction: the bucket maps `desired` needs and `present`
+/// lacks (a map keyed by a hash needs `typeof`, which is text only, and
+/// `type integer` is refused), and the affinity sets of the listeners that
+/// differ from `applied` (all of them without it), whose `dynamic` flag
+/// JSON cannot name (a JSON `add` of such a set that exists fails with
+/// EEXIST); a text `add` of an existing set only updates its timeout.
+/// Once declared, the JSON transaction fills, edits and deletes them.
+/// Everything here is `add` (idempotent), and an empty map or set changes
+/// no packet's path.
+pub fn prelude(desired: &Desired, applied: Option<&Desired>, present: &Owned) -> Option<String> {
+    let mut script: Vec<String> = Owned::of(desired)
+        .maps
+        .difference(&present.maps)
+        .map(|m| {
+            format!("add map inet {TABLE} {m} {{ typeof numgen inc mod {BUCKETS} : verdict ; }}\n")
+        })
+        .collect();
+    for (id, l) in desired {
+        let Some(timeout) = l.affinity else { continue };
+        if applied.is_some_and(|a| a.get(id) == Some(l)) {
+            continue;
+        }
+        let family = if is_v4(id.0) {
+            "ipv4_addr"
+        } else {
+            "ipv6_addr"
+        };
+        for &b in &l.members {
+            script.push(format!(
+                "add set inet {TABLE} {} {{ type {family} ; flags dynamic,timeout ; timeout {}s ; }}\n",
+                affinity_set(id, b),
+                timeout.as_secs().max(1)
+            ));
+        }
+    }
+    (!script.is_empty()).then(|| format!("add table inet {TABLE}\n{}", script.concat()))
 }
 
 /// The one transaction that takes the table from `applied` (what this
@@ -417,7 +647,7 @@ pub fn partial_transaction(desired: &Desired, applied: &Desired) -> serde_json::
     let declared = Owned::of(&changed);
     declare(&mut cmds, &changed, &declared);
     for (id, l) in &changed {
-        fill_listener(&mut cmds, id, l);
+        fill_listener(&mut cmds, id, l, applied.get(id));
     }
     delete_gone(&mut cmds, &Owned::of(applied), &Owned::of(desired));
     verdict_maps(
@@ -624,7 +854,7 @@ fn commands(desired: &Desired, present: &Owned) -> Nftables<'static> {
     }
 
     for (id, l) in desired {
-        fill_listener(&mut cmds, id, l);
+        fill_listener(&mut cmds, id, l, None);
     }
 
     // 3. What is gone: after the flushes above, nothing refers to it.
@@ -646,6 +876,8 @@ mod tests {
             source_ranges: None,
             source_nat: SourceNat::Masquerade,
             close_down: Vec::new(),
+            pick: Algorithm::RoundRobin,
+            affinity: None,
         }
     }
 
@@ -784,6 +1016,161 @@ mod tests {
         assert_eq!(
             text(&partial_transaction(&before, &before)),
             r#"{"nftables":[]}"#
+        );
+    }
+
+    fn ips(list: &[&str]) -> Vec<IpAddr> {
+        list.iter().map(|m| m.parse().unwrap()).collect()
+    }
+
+    #[test]
+    fn every_bucket_goes_where_the_proxy_sends_that_key() {
+        use crate::balancer::{Backend, ClientAddr};
+        use std::net::SocketAddr;
+        use std::sync::atomic::AtomicUsize;
+        let eligible = ips(&["10.0.0.1", "10.0.0.2", "10.0.0.3", "2001:db8::4"]);
+        let arcs: Vec<_> = eligible.iter().map(|&a| Backend::new(a, true)).collect();
+        let filled = buckets(&eligible);
+        assert_eq!(filled.len(), BUCKETS as usize);
+        let cursor = AtomicUsize::new(0);
+        for (i, got) in filled.iter().enumerate() {
+            let pick = select::first_candidate(
+                Algorithm::SourceIp,
+                &arcs,
+                ClientAddr::new(SocketAddr::new(bucket_key(i as u32), 0)),
+                &cursor,
+            );
+            assert_eq!(*got, eligible[pick], "bucket {i}");
+        }
+        // Spread: each backend a fair share (4093 / 4 = 1023, +-15 %).
+        for b in &eligible {
+            let n = filled.iter().filter(|x| *x == b).count();
+            assert!((870..=1180).contains(&n), "{b}: {n}");
+        }
+        assert!(buckets(&[]).is_empty());
+    }
+
+    #[test]
+    fn a_backend_that_leaves_moves_only_its_own_buckets() {
+        let all = ips(&["10.0.0.1", "10.0.0.2", "10.0.0.3"]);
+        let before = buckets(&all);
+        let after = buckets(&ips(&["10.0.0.1", "10.0.0.3"]));
+        let gone: IpAddr = "10.0.0.2".parse().unwrap();
+        let mut moved = 0;
+        for (b, a) in before.iter().zip(&after) {
+            if *b == gone {
+                moved += 1;
+                assert_ne!(*a, gone);
+            } else {
+                assert_eq!(a, b, "a bucket of a backend that stayed moved");
+            }
+        }
+        assert!(moved > 0);
+        // Coming back takes exactly those buckets again.
+        assert_eq!(buckets(&all), before);
+    }
+
+    fn source_ip(eligible: &[&str], members: &[&str]) -> KernelListener {
+        KernelListener {
+            pick: Algorithm::SourceIp,
+            ..listener(eligible, members)
+        }
+    }
+
+    #[test]
+    fn source_ip_is_a_jhash_bucket_map_edited_element_wise() {
+        let members = ["10.0.0.1", "10.0.0.2", "10.0.0.3"];
+        let l = id("192.0.2.10", 80);
+        let mut before = Desired::new();
+        before.insert(l, source_ip(&members, &members));
+        let t = text(&transaction(&before, &Owned::default()));
+        assert!(
+            t.contains(r#"{"vmap":{"data":"@m_tcp_80_192.0.2.10","key":{"jhash":{"expr":{"payload":{"field":"saddr","protocol":"ip"}},"mod":4093,"seed":1751280738}}}}"#),
+            "{t}"
+        );
+        assert!(t.contains(
+            r#"{"flush":{"map":{"family":"inet","map":"ipv4_addr","name":"m_tcp_80_192.0.2.10""#
+        ));
+        assert_eq!(
+            t.matches(r#"{"goto":{"target":"b_tcp_80_192.0.2.10_10.0.0."#)
+                .count(),
+            4093
+        );
+        assert!(!t.contains("numgen"));
+        let script = prelude(&before, None, &Owned::default()).unwrap();
+        assert!(
+            script.contains("add map inet harvester_lb_nat m_tcp_80_192.0.2.10 { typeof numgen inc mod 4093 : verdict ; }"),
+            "{script}"
+        );
+        assert_eq!(prelude(&before, None, &Owned::of(&before)), None);
+
+        // Node 2 leaves: only its buckets are deleted and given to others.
+        let mut after = before.clone();
+        after.get_mut(&l).unwrap().eligible = ips(&["10.0.0.1", "10.0.0.3"]);
+        let doc = partial_transaction(&after, &before);
+        let moved = buckets(&ips(&members))
+            .iter()
+            .filter(|b| **b == "10.0.0.2".parse::<IpAddr>().unwrap())
+            .count();
+        let cmds = doc["nftables"].as_array().unwrap();
+        let deleted: usize = cmds
+            .iter()
+            .filter_map(|c| c.pointer("/delete/element"))
+            .filter(|e| e["name"] == "m_tcp_80_192.0.2.10")
+            .map(|e| e["elem"].as_array().unwrap().len())
+            .sum();
+        assert_eq!(deleted, moved);
+        let t = text(&doc);
+        assert_eq!(
+            t.matches(r#"{"goto":{"target":"b_tcp_80_192.0.2.10_10.0.0."#)
+                .count(),
+            moved
+        );
+        assert!(
+            !t.contains(r#"{"flush":{"map""#),
+            "no flush of the map: {t}"
+        );
+
+        // Back to round robin: the map goes, after the chain that used it.
+        let mut rr = before.clone();
+        rr.get_mut(&l).unwrap().pick = Algorithm::RoundRobin;
+        let t = text(&partial_transaction(&rr, &before));
+        assert!(t.contains(r#"{"delete":{"map":{"family":"inet","map":"ipv4_addr","name":"m_tcp_80_192.0.2.10""#), "{t}");
+    }
+
+    #[test]
+    fn client_affinity_is_a_dynamic_set_per_backend_tried_first() {
+        let l = id("192.0.2.10", 80);
+        let mut d = Desired::new();
+        let mut kl = listener(&["10.0.0.1"], &["10.0.0.1", "10.0.0.2"]);
+        kl.affinity = Some(std::time::Duration::from_secs(600));
+        d.insert(l, kl);
+        let t = text(&transaction(&d, &Owned::default()));
+        let script = prelude(&d, None, &Owned::default()).unwrap();
+        assert!(
+            script.contains("add set inet harvester_lb_nat a_tcp_80_192.0.2.10_10.0.0.2 { type ipv4_addr ; flags dynamic,timeout ; timeout 600s ; }"),
+            "{script}"
+        );
+        assert_eq!(
+            prelude(&d, Some(&d), &Owned::of(&d)),
+            None,
+            "unchanged: nothing"
+        );
+        // Only the eligible backend's set is looked up, before the pick.
+        let lookup = r#"{"match":{"left":{"payload":{"field":"saddr","protocol":"ip"}},"op":"==","right":"@a_tcp_80_192.0.2.10_10.0.0.1"}},{"goto":{"target":"b_tcp_80_192.0.2.10_10.0.0.1"}}"#;
+        assert!(t.contains(lookup), "{t}");
+        assert!(!t.contains(r#""right":"@a_tcp_80_192.0.2.10_10.0.0.2""#));
+        assert!(t.find(lookup).unwrap() < t.find("numgen").unwrap());
+        // Every backend chain remembers its clients; a backend out of the
+        // choice loses them.
+        assert!(t.contains(r#"{"set":{"elem":{"payload":{"field":"saddr","protocol":"ip"}},"op":"update","set":"@a_tcp_80_192.0.2.10_10.0.0.2"}}"#));
+        assert!(
+            t.contains(r#"{"flush":{"set":{"family":"inet","name":"a_tcp_80_192.0.2.10_10.0.0.2""#)
+        );
+        assert!(
+            !t.contains(
+                r#"{"flush":{"set":{"family":"inet","name":"a_tcp_80_192.0.2.10_10.0.0.1""#
+            )
         );
     }
 }

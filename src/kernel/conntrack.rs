@@ -23,7 +23,8 @@ use netlink_packet_core::{
     NLM_F_ACK, NLM_F_DUMP, NLM_F_REQUEST, NetlinkHeader, NetlinkMessage, NetlinkPayload,
 };
 use netlink_packet_netfilter::conntrack::{
-    ConntrackAttribute, ConntrackMessage, IPTuple, ProtoTuple, Protocol as CtProtocol, Tuple,
+    ConntrackAttribute, ConntrackMessage, IPTuple, ProtoInfo, ProtoInfoTCP, ProtoTuple,
+    Protocol as CtProtocol, Tuple,
 };
 use netlink_packet_netfilter::{
     NetfilterHeader, NetfilterMessage, NetfilterMessageInner, NetfilterProtoFamily,
@@ -42,6 +43,8 @@ struct Flow {
     udp: bool,
     tcp: bool,
     reply_src: Option<IpAddr>,
+    /// The TCP state (`TCP_CONNTRACK_*`), for TCP entries.
+    tcp_state: Option<u8>,
 }
 
 fn flow(attrs: Vec<ConntrackAttribute>) -> Flow {
@@ -52,6 +55,7 @@ fn flow(attrs: Vec<ConntrackAttribute>) -> Flow {
         udp: false,
         tcp: false,
         reply_src: None,
+        tcp_state: None,
     };
     for a in attrs {
         match a {
@@ -79,6 +83,17 @@ fn flow(attrs: Vec<ConntrackAttribute>) -> Flow {
                     }
                 }
                 f.original = tuple;
+            }
+            ConntrackAttribute::CtaProtoInfo(info) => {
+                for i in info {
+                    if let ProtoInfo::TCP(tcp) = i {
+                        for t in tcp {
+                            if let ProtoInfoTCP::State(state) = t {
+                                f.tcp_state = Some(state);
+                            }
+                        }
+                    }
+                }
             }
             ConntrackAttribute::CtaTupleReply(tuple) => {
                 for t in &tuple {
@@ -247,6 +262,59 @@ pub fn delete_stale_flows(desired: &Desired) -> io::Result<usize> {
     Ok(deleted)
 }
 
+/// Whether a TCP entry is a connection still open: from the SYN to the
+/// last ACK (`TCP_CONNTRACK_SYN_SENT` .. `LAST_ACK`, and `SYN_SENT2`), not
+/// `TIME_WAIT` or `CLOSE`, which a closed connection holds for minutes.
+fn open_tcp(state: u8) -> bool {
+    matches!(state, 1..=6 | 9)
+}
+
+/// The open flows of each backend of the kernel listeners `listeners`:
+/// the conntrack entries whose original destination is the listener,
+/// answered by the backend (DNATed: the reply does not come from the VIP),
+/// TCP ones in an open state, UDP ones all (a UDP entry lives while
+/// datagrams flow, then times out).
+fn count(flows: &[Flow], listeners: &[ListenerId]) -> HashMap<(ListenerId, IpAddr), u64> {
+    let mut counts = HashMap::new();
+    for f in flows {
+        let (Some(dst), Some(port), Some(reply)) = (f.orig_dst, f.orig_dport, f.reply_src) else {
+            continue;
+        };
+        let id = match (f.tcp, f.udp) {
+            (true, _) if f.tcp_state.is_some_and(open_tcp) => (dst, Protocol::Tcp, port),
+            (_, true) => (dst, Protocol::Udp, port),
+            _ => continue,
+        };
+        if reply != dst && listeners.contains(&id) {
+            *counts.entry((id, reply)).or_insert(0) += 1;
+        }
+    }
+    counts
+}
+
+/// Open TCP connections and UDP flows per (kernel listener, backend), by
+/// one conntrack dump per address family that has such a listener (none
+/// without one). Blocking; the cost is one pass over the host's whole
+/// table.
+pub fn open_connections(
+    listeners: &[ListenerId],
+) -> io::Result<HashMap<(ListenerId, IpAddr), u64>> {
+    let mut counts = HashMap::new();
+    for family in [NetfilterProtoFamily::IPv4, NetfilterProtoFamily::IPv6] {
+        let v4 = family == NetfilterProtoFamily::IPv4;
+        let of_family: Vec<ListenerId> = listeners
+            .iter()
+            .filter(|(vip, _, _)| vip.is_ipv4() == v4)
+            .copied()
+            .collect();
+        if of_family.is_empty() {
+            continue;
+        }
+        counts.extend(count(&dump(family)?, &of_family));
+    }
+    Ok(counts)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -259,6 +327,7 @@ mod tests {
             udp,
             tcp: !udp,
             reply_src: Some(reply.parse().unwrap()),
+            tcp_state: (!udp).then_some(3),
         }
     }
 
@@ -304,5 +373,29 @@ mod tests {
             !stale(&f("192.0.2.10", 80, false, "10.0.0.3"), &l),
             "drained: kept"
         );
+    }
+
+    #[test]
+    fn open_connections_are_counted_per_listener_and_backend() {
+        let web = (ip("192.0.2.10"), Protocol::Tcp, 80);
+        let mut closed = f("192.0.2.10", 80, false, "10.0.0.1");
+        closed.tcp_state = Some(7); // TIME_WAIT
+        let flows = [
+            f("192.0.2.10", 80, false, "10.0.0.1"),
+            f("192.0.2.10", 80, false, "10.0.0.1"),
+            f("192.0.2.10", 80, false, "10.0.0.2"),
+            closed,
+            f("192.0.2.10", 80, false, "192.0.2.10"), // the proxy's own
+            f("192.0.2.10", 81, false, "10.0.0.1"),   // another listener
+            f("192.0.2.10", 80, true, "10.0.0.1"),    // UDP, another listener
+            f("192.0.2.10", 53, true, "10.0.0.2"),
+            f("192.0.2.10", 53, true, "192.0.2.10"), // the proxy's own
+        ];
+        let dns = (ip("192.0.2.10"), Protocol::Udp, 53);
+        let c = count(&flows, &[web, dns]);
+        assert_eq!(c.len(), 3, "{c:?}");
+        assert_eq!(c[&(web, ip("10.0.0.1"))], 2);
+        assert_eq!(c[&(web, ip("10.0.0.2"))], 1);
+        assert_eq!(c[&(dns, ip("10.0.0.2"))], 1);
     }
 }

@@ -15,8 +15,12 @@
 //!   chain input       { filter hook input priority filter;
 //!                       ct state new ip daddr . meta l4proto . th dport @refuse4 reject }  # never falls through to the host
 //!   chain l_tcp_80_VIP { ip saddr != @s_tcp_80_VIP counter name d_… return    # source_ranges
+//!                        ip saddr @a_…_BE1 goto b_…_BE1                     # client_ip affinity, eligible only
 //!                        numgen inc mod N vmap { 0 : goto b_…_BE1, … } }     # or: counter name z_… return
-//!   chain b_tcp_80_VIP_BE1 { counter name n_tcp_80_VIP_BE1; meta l4proto tcp dnat ip to BE1:NODEPORT }
+//!                                                                            # source_ip: jhash ip saddr mod 4093 vmap @m_…
+//!   map m_tcp_80_VIP { typeof numgen inc mod 4093 : verdict }  # source_ip buckets, by the proxy's rendezvous hash
+//!   set a_tcp_80_VIP_BE1 { type ipv4_addr; flags dynamic,timeout; timeout T }  # client_ip affinity
+//!   chain b_tcp_80_VIP_BE1 { [update @a_…_BE1 { ip saddr }] counter name n_tcp_80_VIP_BE1; meta l4proto tcp dnat ip to BE1:NODEPORT }
 //! }
 //! ```
 //!
@@ -41,17 +45,18 @@ mod conntrack;
 mod nft;
 mod sync;
 
-pub use build::{Owned, TABLE, transaction};
-pub use conntrack::delete_stale_flows;
+pub use build::{BUCKETS, Owned, TABLE, bucket_key, buckets, transaction};
+pub use conntrack::{delete_stale_flows, open_connections};
 pub use nft::{NftError, counters, read_back};
 pub use sync::{KernelTable, Synced};
 
 use std::collections::BTreeMap;
 use std::net::IpAddr;
+use std::time::Duration;
 
 use ipnet::IpNet;
 
-use crate::config::{Protocol, SourceNat};
+use crate::config::{Algorithm, Protocol, SourceNat};
 
 /// A kernel listener's identity, as the proxy's: VIP, protocol, port.
 pub type ListenerId = (IpAddr, Protocol, u16);
@@ -76,6 +81,15 @@ pub struct KernelListener {
     /// reset (`on_backend_down = "close"`: their conntrack entries are
     /// deleted); empty otherwise.
     pub close_down: Vec<IpAddr>,
+    /// How a new client is given a backend: `source_ip` through the
+    /// listener's bucket map ([`BUCKETS`] buckets on a hash of the client
+    /// address, each filled by the proxy's rendezvous pick), anything else
+    /// round robin (`numgen`); `check` refuses `least_connections`.
+    pub pick: Algorithm,
+    /// `session_affinity = "client_ip"`: how long a client keeps the
+    /// backend of its last new connection (a dynamic set per backend with
+    /// this timeout); `None`: no affinity.
+    pub affinity: Option<Duration>,
 }
 
 /// Every kernel listener, by identity: the whole state of the table.
@@ -115,6 +129,18 @@ pub fn no_backend_counter(id: &ListenerId) -> String {
 /// The counter of a listener's connections refused by `source_ranges`.
 pub fn denied_counter(id: &ListenerId) -> String {
     format!("d_{}", listener_tag(id))
+}
+
+/// A `source_ip` listener's bucket map: bucket (a hash of the client's
+/// address modulo [`BUCKETS`]) to the backend chain.
+pub(crate) fn bucket_map(id: &ListenerId) -> String {
+    format!("m_{}", listener_tag(id))
+}
+
+/// A backend's client-affinity set within a listener: the clients whose
+/// last new connection went to it, each for the listener's timeout.
+pub(crate) fn affinity_set(id: &ListenerId, backend: IpAddr) -> String {
+    format!("a_{}_{}", listener_tag(id), addr_tag(backend))
 }
 
 /// The set of a listener's source ranges.

@@ -38,6 +38,15 @@ pub(super) fn apply(doc: &serde_json::Value) -> Result<(), NftError> {
     run("write", &["-j", "-f", "-"], &json).map(drop)
 }
 
+/// Runs a text script before a transaction ([`super::build::prelude`]:
+/// what nft's JSON cannot declare); nothing when there is none.
+pub(super) fn prepare(script: Option<String>) -> Result<(), NftError> {
+    match script {
+        Some(text) => run("write", &["-f", "-"], text.as_bytes()).map(drop),
+        None => Ok(()),
+    }
+}
+
 /// The regular chains, counters and sets our table holds now; empty when
 /// there is no table (a first start, or a clean stop before).
 pub fn read_back() -> Result<Owned, NftError> {
@@ -68,6 +77,10 @@ pub(super) fn parse_listing(listed: &str) -> Result<Owned, String> {
             owned.counters.insert(n);
         } else if let Some(n) = name("set").filter(|n| n.starts_with("s_")) {
             owned.sets.insert(n);
+        } else if let Some(n) = name("set").filter(|n| n.starts_with("a_")) {
+            owned.affinity.insert(n);
+        } else if let Some(n) = name("map").filter(|n| n.starts_with("m_")) {
+            owned.maps.insert(n);
         }
     }
     Ok(owned)

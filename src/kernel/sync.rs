@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use super::build::{Owned, partial_transaction, transaction};
+use super::build::{Owned, partial_transaction, prelude, transaction};
 use super::nft::{self, NftError};
 use super::*;
 
@@ -62,6 +62,7 @@ impl KernelTable {
             // Known to be in the kernel: only what differs is written.
             // (Nothing written yet, the table may not exist: a full write.)
             if let Some(applied) = st.applied.as_ref().filter(|a| !a.is_empty()) {
+                nft::prepare(prelude(desired, Some(applied), &Owned::of(applied)))?;
                 return nft::apply(&partial_transaction(desired, applied)).map(|()| true);
             }
             let present = match &st.applied {
@@ -76,6 +77,7 @@ impl KernelTable {
             if desired.is_empty() && present == Owned::default() {
                 return Ok(false);
             }
+            nft::prepare(prelude(desired, None, &present))?;
             nft::apply(&transaction(desired, &present)).map(|()| true)
         })();
         match result {

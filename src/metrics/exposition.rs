@@ -205,7 +205,13 @@ const STEPS: &[Step] = &[
     Step::Listener(&names::UDP_BACKEND_FLOWS_ACTIVE, |o, l| {
         let Some(u) = l.udp.get() else { return };
         for (ip, be) in u.backends() {
-            o.sample("", |b| udp_backend_labels(b, l, ip), be.flows_active.get());
+            let kernel = be.kernel_flows.load(Ordering::Relaxed);
+            let kernel = i64::try_from(kernel).unwrap_or(i64::MAX);
+            o.sample(
+                "",
+                |b| udp_backend_labels(b, l, ip),
+                be.flows_active.get().saturating_add(kernel),
+            );
         }
     }),
     Step::Listener(&names::UDP_BACKEND_ICMP_ERRORS, |o, l| {
@@ -240,7 +246,14 @@ const STEPS: &[Step] = &[
         }
     }),
     Step::Backend(&names::BACKEND_CONNECTIONS_ACTIVE, |o, be| {
-        o.sample("", |b| backend_labels(b, be), be.active.get());
+        // The proxy's open connections and the kernel's, as last counted.
+        let kernel = be.kernel_active.load(Ordering::Relaxed);
+        let kernel = i64::try_from(kernel).unwrap_or(i64::MAX);
+        o.sample(
+            "",
+            |b| backend_labels(b, be),
+            be.active.get().saturating_add(kernel),
+        );
     }),
     Step::Backend(&names::BACKEND_ADMIN_STATE, |o, be| {
         // A state series, present while the backend is a member (as `backend_up`).

@@ -231,7 +231,7 @@ pub static UDP_FLOWS_DROPPED: Family = Family::new(
 pub static UDP_BACKEND_FLOWS_ACTIVE: Family = Family::new(
     "harvester_lb_udp_backend_flows_active",
     Gauge,
-    "UDP flows of the listener open to the backend now.",
+    "UDP flows of the listener open to the backend now: the proxy's, plus, for a forwarding = \"kernel\" listener, its conntrack entries answered by the backend (counted every 5 s).",
 );
 /// ICMP errors (port unreachable) from a backend; labels add `backend`.
 pub static UDP_BACKEND_ICMP_ERRORS: Family = Family::new(
@@ -260,7 +260,7 @@ pub static BACKEND_PORT_UP: Family = Family::new(
 pub static BACKEND_CONNECTIONS_ACTIVE: Family = Family::new(
     "harvester_lb_backend_connections_active",
     Gauge,
-    "Connections open to the backend now.",
+    "Connections open to the backend now: the proxy's, plus the TCP connections of kernel listeners open in conntrack (counted every 5 s).",
 );
 /// The operator's state of a backend: one series, `state` = the current one.
 pub static BACKEND_ADMIN_STATE: Family = Family::new(

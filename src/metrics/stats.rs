@@ -276,6 +276,7 @@ impl LbStats {
             addr,
             up: Presence::default(),
             active: Gauge::default(),
+            kernel_active: AtomicU64::new(0),
             connect_failures: Default::default(),
             checks: Default::default(),
             transitions: Default::default(),
@@ -517,7 +518,9 @@ impl UdpStats {
     /// Drops the entries `keep` rejects whose backend has no flow open.
     pub fn retain_backends(&self, keep: impl Fn(IpAddr) -> bool) {
         let mut map = self.backends.lock().unwrap_or_else(|p| p.into_inner());
-        map.retain(|ip, s| keep(*ip) || s.flows_active.get() > 0);
+        map.retain(|ip, s| {
+            keep(*ip) || s.flows_active.get() > 0 || s.kernel_flows.load(Ordering::Relaxed) > 0
+        });
     }
 
     /// The per-backend numbers now, by address (for a scrape and `/status`).
@@ -534,6 +537,10 @@ impl UdpStats {
 pub struct UdpBackendStats {
     /// `udp_backend_flows_active`.
     pub flows_active: Gauge,
+    /// The part of `udp_backend_flows_active` the kernel forwards: the
+    /// listener's conntrack entries answered by this backend, from the last
+    /// count (every metrics read) while the listener is a kernel one.
+    pub kernel_flows: AtomicU64,
     /// `udp_backend_icmp_errors_total`.
     pub icmp_errors: Counter,
 }
@@ -555,6 +562,10 @@ pub struct BackendStats {
     pub up: Presence,
     /// `backend_connections_active`.
     pub active: Gauge,
+    /// The part of `backend_connections_active` the kernel forwards: open
+    /// TCP connections of this backend on the load balancer's kernel
+    /// listeners, from the last conntrack count (every metrics read).
+    pub kernel_active: AtomicU64,
     /// `backend_connect_failures_total`, by [`CONNECT_FAILURE_REASONS`].
     pub connect_failures: ByLabel<ConnectFailureReason, { CONNECT_FAILURE_REASONS.len() }>,
     /// `health_checks_total`, by [`CHECK_RESULTS`].

@@ -5,12 +5,17 @@
 //! The kernel path sees only a connection's first packet (nftables NAT
 //! chains run once per flow), so anything decided per connection in user
 //! space has no kernel form: PROXY protocol headers, least connections,
-//! deferred accept, answer counting. Keys that only tune the proxy's own
-//! forwarding (connect timeout, idle timeouts) are not refused: they apply
-//! while the listener falls back to the proxy, and a warning says so.
+//! deferred accept, answer counting. `source_ip` (a bucket map filled by
+//! the proxy's rendezvous hash) and `client_ip` affinity (dynamic sets with
+//! a timeout) have one. Keys that only tune the proxy's own forwarding
+//! (connect timeout, idle timeouts, caps, connection logs) are not refused:
+//! they apply while the listener falls back to the proxy, and a warning
+//! says so.
 
 use std::collections::HashMap;
 use std::net::IpAddr;
+
+use toml::Spanned;
 
 use super::Validator;
 use crate::config::file::{FileListener, FileLoadBalancer};
@@ -96,31 +101,14 @@ impl Validator<'_> {
                 ),
             );
         }
-        let refused = match algorithm {
-            Algorithm::RoundRobin => None,
-            Algorithm::LeastConnections => Some(
-                "\"least_connections\" has no kernel form: nftables picks a backend from the first packet alone and keeps no count of open connections; use \"round_robin\", or forwarding = \"proxy\"",
-            ),
-            Algorithm::SourceIp => Some(
-                "\"source_ip\" is not in the kernel path yet (the proxy's rendezvous hash has no nftables form here); use \"round_robin\", or forwarding = \"proxy\"",
-            ),
-        };
-        if let (Some(why), Some(v)) = (refused, &lb.algorithm) {
+        // round_robin is `numgen`, source_ip a bucket map filled by the
+        // proxy's rendezvous hash, client_ip affinity a dynamic set per
+        // backend: only least_connections has no kernel form.
+        if let (Algorithm::LeastConnections, Some(v)) = (algorithm, &lb.algorithm) {
             self.problem(
                 Some(v.span()),
                 &format!("{key}.algorithm"),
-                format!("{why} (for {lkey} = \"kernel\")"),
-            );
-        }
-        if let Some(v) = &lb.session_affinity
-            && v.get_ref() == "client_ip"
-        {
-            self.problem(
-                Some(v.span()),
-                &format!("{key}.session_affinity"),
-                format!(
-                    "\"client_ip\" is not in the kernel path yet: {lkey} is \"kernel\"; use forwarding = \"proxy\" for client affinity"
-                ),
+                format!("\"least_connections\" has no kernel form: nftables picks a backend from the first packet alone and keeps no count of open connections; use \"round_robin\" or \"source_ip\", or forwarding = \"proxy\" (for {lkey} = \"kernel\")"),
             );
         }
         if let Some(v) = &lb.udp_responses {
@@ -170,21 +158,48 @@ impl Validator<'_> {
                 std::collections::hash_map::Entry::Occupied(_) => {}
             }
         }
-        for (name, value) in [
-            ("connect_timeout_ms", lb.connect_timeout_ms.as_ref()),
-            ("connect_attempts", lb.connect_attempts.as_ref()),
-            ("idle_timeout_seconds", lb.idle_timeout_seconds.as_ref()),
+        const TIMING: &str =
+            "the kernel tries one backend and times flows out by its conntrack settings";
+        const CAP: &str =
+            "the kernel keeps no count of a load balancer's open flows, so it cannot cap them";
+        const LOG: &str =
+            "the kernel writes no line per connection; its per-backend counts are in /metrics";
+        let logs = lb
+            .log_connections
+            .as_ref()
+            .filter(|v| v.get_ref() != "none");
+        let span = |v: Option<&Spanned<i64>>| v.map(|v| v.span());
+        for (name, span, why) in [
+            (
+                "connect_timeout_ms",
+                span(lb.connect_timeout_ms.as_ref()),
+                TIMING,
+            ),
+            (
+                "connect_attempts",
+                span(lb.connect_attempts.as_ref()),
+                TIMING,
+            ),
+            (
+                "idle_timeout_seconds",
+                span(lb.idle_timeout_seconds.as_ref()),
+                TIMING,
+            ),
             (
                 "udp_idle_timeout_seconds",
-                lb.udp_idle_timeout_seconds.as_ref(),
+                span(lb.udp_idle_timeout_seconds.as_ref()),
+                TIMING,
             ),
+            ("max_connections", span(lb.max_connections.as_ref()), CAP),
+            ("max_udp_flows", span(lb.max_udp_flows.as_ref()), CAP),
+            ("log_connections", logs.map(|v| v.span()), LOG),
         ] {
-            if let Some(v) = value {
+            if let Some(span) = span {
                 self.warning(
-                    Some(v.span()),
+                    Some(span),
                     &format!("{key}.{name}"),
                     format!(
-                        "applies to this load balancer's kernel listeners only while they fall back to the proxy ({lkey} is \"kernel\"): the kernel tries one backend and times flows out by its conntrack settings"
+                        "applies to this load balancer's kernel listeners only while they fall back to the proxy ({lkey} is \"kernel\"): {why}"
                     ),
                 );
             }
