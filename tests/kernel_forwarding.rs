@@ -671,6 +671,65 @@ async fn a_killed_daemon_leaves_the_kernel_forwarding_and_a_restart_keeps_open_f
     drop(d);
 }
 
+/// A clean stop (SIGTERM, so also `systemctl restart`) drains the kernel's
+/// open connections as it drains the proxy's: deleting the table at once
+/// would reset them (the kernel drops the NAT bindings of the flows whose
+/// chains go).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_clean_stop_refuses_new_kernel_connections_and_waits_for_the_open_ones() {
+    if !can_run() {
+        return;
+    }
+    let mut bed = Bed::new("kstop", 2);
+    enable_forwarding(&bed);
+    let _n1 = Node::start(&bed, 1, Service::NameThenEcho);
+    let _n2 = Node::start(&bed, 2, Service::NameThenEcho);
+    let text =
+        kernel_config(&[1, 2]).replace("[proxy]\n", "[proxy]\ndrain_timeout_seconds = 120\n");
+    bed.start_daemon(&text).await;
+    wait_kernel(&bed).await;
+    let mut open = bed
+        .client
+        .connect(sa(VIP, 80), Duration::from_secs(5))
+        .await
+        .unwrap();
+    read_line(&mut open).await.unwrap();
+    echoes(&mut open, b"before").await.unwrap();
+
+    let mut d = bed.take_daemon();
+    d.signal(libc::SIGTERM);
+    // New connections are refused (a reset, as a closed listener's) ...
+    wait_for(
+        Duration::from_secs(15),
+        "new connections refused once the daemon stops",
+        || async {
+            let refused = bed
+                .client
+                .connect(sa(VIP, 80), Duration::from_secs(5))
+                .await
+                .is_err_and(|e| e.kind() == ErrorKind::ConnectionRefused);
+            refused.then_some(())
+        },
+    )
+    .await;
+    // ... while the open one still runs through the kernel, and the
+    // daemon waits for it.
+    echoes(&mut open, b"while stopping").await.unwrap();
+    assert!(d.alive(), "the daemon waits for the open kernel connection");
+    let (ok, listing) = nft_out(&bed.lb.name, &["list", "table", "inet", kernel::TABLE]);
+    assert!(ok, "the table stays during the drain: {listing}");
+
+    // The client closes: the drain ends long before its timeout, the table goes.
+    drop(open);
+    let status = d
+        .wait_exit(Duration::from_secs(60))
+        .await
+        .expect("the stop ends once the kernel's last connection closed");
+    assert!(status.success(), "{status:?}");
+    let (ok, _) = nft_out(&bed.lb.name, &["list", "table", "inet", kernel::TABLE]);
+    assert!(!ok, "the table is gone after the drain");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_table_that_cannot_be_written_leaves_the_proxy_serving_until_a_resync_succeeds() {
     if !can_run() {

@@ -363,15 +363,104 @@ impl Daemon {
         }
     }
 
-    /// At a clean stop, after the drain: the table goes, so nothing is
-    /// forwarded by rules nobody keeps. (A crash leaves it: the kernel
-    /// forwards on the last verdicts until the next start reconciles.)
-    pub(super) async fn kernel_remove(&self) {
+    /// At a clean stop: the kernel's open TCP connections drain beside the
+    /// proxy's, then the table goes.
+    ///
+    /// Deleting the table cuts every flow it NATed at once (the kernel
+    /// drops the NAT bindings of conntrack entries when their chains go: a
+    /// connection open through the kernel met a reset at the next segment),
+    /// so it waits: first every kernel listener keeps its chains with no
+    /// eligible backend, which refuses new flows as the closed proxy
+    /// listener does (the UDP flows go now: a datagram flow has no end to
+    /// wait for); then the open TCP entries of those listeners are counted
+    /// in conntrack until none is left or `drain` passes. Returns how many
+    /// the timeout cut. (A crash leaves the table: the kernel forwards on
+    /// the last verdicts until the next start reconciles.)
+    pub(super) async fn kernel_drain_and_remove(&self, drain: Duration) -> usize {
+        let deadline = tokio::time::Instant::now() + drain;
+        let mut closing = self.kernel_desired();
+        closing.retain(|id, _| self.kernel.forwards(id));
+        let mut cut = 0;
+        if !closing.is_empty() {
+            for l in closing.values_mut() {
+                l.eligible.clear();
+                l.close_down.clear();
+            }
+            let tcp: Vec<_> = closing
+                .keys()
+                .filter(|id| id.1 == Protocol::Tcp)
+                .copied()
+                .collect();
+            let table = Arc::clone(&self.kernel);
+            let closed = tokio::task::spawn_blocking(move || {
+                table
+                    .sync(&closing)
+                    .map(|_| crate::kernel::delete_stale_flows(&closing))
+            })
+            .await;
+            match closed {
+                Ok(Ok(_)) => {
+                    tracing::info!(
+                        listeners = tcp.len(),
+                        "stopping: the kernel listeners refuse new connections; their open ones drain"
+                    );
+                    cut = self.kernel_wait_closed(tcp, deadline).await;
+                }
+                Ok(Err(e)) => tracing::error!("at stop, refusing new kernel connections: {e}"),
+                Err(e) => tracing::error!("at stop: the kernel table writer ended abnormally: {e}"),
+            }
+        }
         let table = Arc::clone(&self.kernel);
         match tokio::task::spawn_blocking(move || table.remove()).await {
             Ok(Ok(())) => {}
             Ok(Err(e)) => tracing::error!("at stop: {e}"),
             Err(e) => tracing::error!("at stop: the kernel table writer ended abnormally: {e}"),
+        }
+        cut
+    }
+
+    /// Polls conntrack until the open TCP connections of `listeners` are
+    /// gone or `deadline` passes; returns how many were still open.
+    async fn kernel_wait_closed(
+        &self,
+        listeners: Vec<crate::kernel::ListenerId>,
+        deadline: tokio::time::Instant,
+    ) -> usize {
+        const POLL: Duration = Duration::from_millis(200);
+        if listeners.is_empty() {
+            return 0;
+        }
+        loop {
+            let ids = listeners.clone();
+            let open =
+                match tokio::task::spawn_blocking(move || crate::kernel::open_connections(&ids))
+                    .await
+                {
+                    Ok(Ok(counts)) => counts
+                        .iter()
+                        .filter(|((id, _), _)| id.1 == Protocol::Tcp)
+                        .map(|(_, n)| *n as usize)
+                        .sum(),
+                    Ok(Err(e)) => {
+                        tracing::warn!("at stop, counting the kernel's open connections: {e}");
+                        0
+                    }
+                    Err(e) => {
+                        tracing::error!("at stop: the conntrack counter ended abnormally: {e}");
+                        0
+                    }
+                };
+            if open == 0 {
+                return 0;
+            }
+            if tokio::time::Instant::now() + POLL > deadline {
+                tracing::warn!(
+                    connections = open,
+                    "the drain timeout passed with connections open through the kernel; removing the table resets them"
+                );
+                return open;
+            }
+            tokio::time::sleep(POLL).await;
         }
     }
 }

@@ -278,8 +278,9 @@ impl Daemon {
         };
         self.prober.stop_all();
         let drains = listeners.into_iter().map(|l| l.drain(drain));
-        let cut: usize = futures_sum(drains).await;
-        self.kernel_remove().await;
+        let (proxied, kernel) =
+            tokio::join!(futures_sum(drains), self.kernel_drain_and_remove(drain));
+        let cut = proxied + kernel;
         // After the drain: releasing takes the VIP off the host.
         self.leases.shutdown().await;
         self.retire_now.cancel();
