@@ -86,6 +86,13 @@ fn route_of(ns: &Ns, dst: &str) -> Option<String> {
         .map(str::to_string)
 }
 
+/// `dst dev lo table 100 proto <proto>`, written by hand.
+fn add_route(ns: &Ns, dst: &str, proto: &str) {
+    ns.ip(&[
+        "route", "add", dst, "dev", "lo", "table", "100", "proto", proto,
+    ]);
+}
+
 fn announced(ns: &Ns, dst: &str) -> bool {
     route_of(ns, dst).is_some_and(|l| l.contains("proto 252") && l.contains("dev lo"))
 }
@@ -141,28 +148,8 @@ async fn netns_announce_follows_health_and_sigterm_withdraws_before_the_listener
     // A crashed daemon's route (ours), and another protocol's route in the
     // same table, which must survive everything.
     bed.lb.ip(&["link", "set", "lo", "up"]);
-    bed.lb.ip(&[
-        "route",
-        "add",
-        &format!("{AVIP}/32"),
-        "dev",
-        "lo",
-        "table",
-        "100",
-        "proto",
-        "252",
-    ]);
-    bed.lb.ip(&[
-        "route",
-        "add",
-        "192.0.2.99/32",
-        "dev",
-        "lo",
-        "table",
-        "100",
-        "proto",
-        "static",
-    ]);
+    add_route(&bed.lb, &format!("{AVIP}/32"), "252");
+    add_route(&bed.lb, "192.0.2.99/32", "static");
 
     let started = Instant::now();
     bed.start_daemon(&announce_config(&bed)).await;
@@ -352,17 +339,7 @@ async fn netns_withdraw_all_after_sigkill_deletes_only_our_routes() {
     let mut bed = Bed::new("annk", 1);
     let _node = Node::start(&bed, 1, Service::NameThenEcho);
     bed.lb.ip(&["link", "set", "lo", "up"]);
-    bed.lb.ip(&[
-        "route",
-        "add",
-        "192.0.2.99/32",
-        "dev",
-        "lo",
-        "table",
-        "100",
-        "proto",
-        "static",
-    ]);
+    add_route(&bed.lb, "192.0.2.99/32", "static");
     bed.start_daemon(&announce_config(&bed)).await;
     let lbns = bed.lb.clone();
     wait_for(Duration::from_secs(30), "both VIPs announced", || {
