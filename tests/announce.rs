@@ -332,7 +332,8 @@ async fn netns_announce_follows_health_and_sigterm_withdraws_before_the_listener
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn netns_withdraw_all_after_sigkill_deletes_only_our_routes() {
+async fn netns_a_reload_withdraws_a_dropped_vip_and_withdraw_all_after_sigkill_deletes_only_our_routes()
+ {
     if !can_run() {
         return;
     }
@@ -346,6 +347,33 @@ async fn netns_withdraw_all_after_sigkill_deletes_only_our_routes() {
         let ns = lbns.clone();
         async move { (announced(&ns, &AVIP.to_string()) && announced(&ns, AVIP6)).then_some(()) }
     })
+    .await;
+    assert!(on_lo(&bed.lb, AVIP6));
+    // A reload that drops the IPv6 load balancer withdraws its VIP and
+    // takes its address off lo; the other VIP stays announced.
+    let original = std::fs::read_to_string(&bed.daemon().config).expect("read config");
+    let mut text = original.clone();
+    let cut = text.rfind("[[load_balancer]]").expect("two load balancers");
+    text.truncate(cut);
+    std::fs::write(&bed.daemon().config, text).expect("write config");
+    bed.daemon().signal(libc::SIGHUP);
+    wait_for(Duration::from_secs(15), "the dropped VIP withdrawn", || {
+        let ns = lbns.clone();
+        async move { (!announced(&ns, AVIP6) && !on_lo(&ns, AVIP6)).then_some(()) }
+    })
+    .await;
+    assert!(announced(&bed.lb, &AVIP.to_string()), "{}", table(&bed.lb));
+    // Back, for the kill below.
+    std::fs::write(&bed.daemon().config, original).expect("write config");
+    bed.daemon().signal(libc::SIGHUP);
+    wait_for(
+        Duration::from_secs(30),
+        "the IPv6 VIP announced again",
+        || {
+            let ns = lbns.clone();
+            async move { announced(&ns, AVIP6).then_some(()) }
+        },
+    )
     .await;
     let mut daemon = bed.take_daemon();
     daemon.signal(libc::SIGKILL);
