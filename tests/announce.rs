@@ -419,6 +419,42 @@ async fn netns_a_reload_withdraws_a_dropped_vip_and_withdraw_all_after_sigkill_d
         String::from_utf8_lossy(&out.stderr)
     );
     assert!(String::from_utf8_lossy(&out.stdout).contains("no harvester-lb route"));
+
+    // The killed run's addresses are still on lo; a new run starts
+    // withdrawn, announces after its delay, knows them for its own (tagged
+    // with protocol 252) and removes them at a clean stop.
+    assert!(on_lo(&bed.lb, &AVIP.to_string()) && on_lo(&bed.lb, AVIP6));
+    let config = std::fs::read_to_string(&daemon.config).expect("read config");
+    drop(daemon);
+    let restarted = Instant::now();
+    bed.start_daemon(&config).await;
+    wait_for(
+        Duration::from_secs(30),
+        "announced after the restart",
+        || {
+            let ns = lbns.clone();
+            async move { announced(&ns, &AVIP.to_string()).then_some(()) }
+        },
+    )
+    .await;
+    assert!(
+        restarted.elapsed() >= DELAY,
+        "a restart starts withdrawn: announced {:?} after it",
+        restarted.elapsed()
+    );
+    let mut daemon = bed.take_daemon();
+    daemon.signal(libc::SIGTERM);
+    let status = daemon.wait_exit(Duration::from_secs(30)).await;
+    assert!(
+        status.is_some_and(|s| s.success()),
+        "{status:?}\n{}",
+        daemon.log_tail(30)
+    );
+    assert!(
+        !on_lo(&bed.lb, &AVIP.to_string()) && !on_lo(&bed.lb, AVIP6),
+        "the addresses a killed run added are removed by the next clean stop: {}",
+        ip_out(&bed.lb, &["addr", "show", "dev", "lo"])
+    );
 }
 
 /// The problems `check` reports for `text`, one per line.
