@@ -97,6 +97,16 @@ fn announced(ns: &Ns, dst: &str) -> bool {
     route_of(ns, dst).is_some_and(|l| l.contains("proto 252") && l.contains("dev lo"))
 }
 
+/// Waits until `dst` is announced (`want`) or not, up to `timeout`.
+async fn wait_announced(ns: &Ns, dst: &str, want: bool, timeout: Duration, what: &str) {
+    wait_for(timeout, what, || {
+        let ns = ns.clone();
+        let dst = dst.to_string();
+        async move { (announced(&ns, &dst) == want).then_some(()) }
+    })
+    .await;
+}
+
 fn on_lo(ns: &Ns, ip: &str) -> bool {
     ip_out(ns, &["addr", "show", "dev", "lo"]).contains(&format!(" {ip}/"))
 }
@@ -156,30 +166,39 @@ async fn netns_announce_follows_health_and_sigterm_withdraws_before_the_listener
     let lbns = bed.lb.clone();
     // The stale route goes: the daemon starts withdrawn.
     // Nothing else deletes it, and it comes back only after the rise delay.
-    wait_for(Duration::from_secs(10), "the stale route deleted", || {
-        let ns = lbns.clone();
-        async move { (!announced(&ns, &AVIP.to_string())).then_some(()) }
-    })
+    wait_announced(
+        &lbns,
+        &AVIP.to_string(),
+        false,
+        Duration::from_secs(10),
+        "the stale route deleted",
+    )
     .await;
     assert!(
         on_lo(&bed.lb, &AVIP.to_string()),
         "the VIP address is put on lo"
     );
     // Announced after the delay, not before.
-    wait_for(Duration::from_secs(30), "the VIP announced", || {
-        let ns = lbns.clone();
-        async move { announced(&ns, &AVIP.to_string()).then_some(()) }
-    })
+    wait_announced(
+        &lbns,
+        &AVIP.to_string(),
+        true,
+        Duration::from_secs(30),
+        "the VIP announced",
+    )
     .await;
     assert!(
         started.elapsed() >= DELAY,
         "announced {:?} after the start, before the {DELAY:?} rise delay",
         started.elapsed()
     );
-    wait_for(Duration::from_secs(30), "the IPv6 VIP announced", || {
-        let ns = lbns.clone();
-        async move { announced(&ns, AVIP6).then_some(()) }
-    })
+    wait_announced(
+        &lbns,
+        AVIP6,
+        true,
+        Duration::from_secs(30),
+        "the IPv6 VIP announced",
+    )
     .await;
     assert!(
         route_of(&bed.lb, "192.0.2.99").is_some_and(|l| l.contains("proto static")),
@@ -199,10 +218,13 @@ async fn netns_announce_follows_health_and_sigterm_withdraws_before_the_listener
 
     // Every backend fails its health check: withdrawn, with the reason.
     node.stop_health();
-    wait_for(Duration::from_secs(15), "the VIP withdrawn", || {
-        let ns = lbns.clone();
-        async move { (!announced(&ns, &AVIP.to_string())).then_some(()) }
-    })
+    wait_announced(
+        &lbns,
+        &AVIP.to_string(),
+        false,
+        Duration::from_secs(15),
+        "the VIP withdrawn",
+    )
     .await;
     let v = vip_status(&bed.daemon().status().await, &AVIP.to_string());
     assert_eq!(v["announced"], false, "{v}");
@@ -235,10 +257,13 @@ async fn netns_announce_follows_health_and_sigterm_withdraws_before_the_listener
     // It recovers: announced again after the (damped) delay.
     node.start_health();
     let recovered = Instant::now();
-    wait_for(Duration::from_secs(60), "the VIP announced again", || {
-        let ns = lbns.clone();
-        async move { announced(&ns, &AVIP.to_string()).then_some(()) }
-    })
+    wait_announced(
+        &lbns,
+        &AVIP.to_string(),
+        true,
+        Duration::from_secs(60),
+        "the VIP announced again",
+    )
     .await;
     assert!(
         recovered.elapsed() >= DELAY,
@@ -277,26 +302,24 @@ async fn netns_announce_follows_health_and_sigterm_withdraws_before_the_listener
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    wait_for(
+    wait_announced(
+        &lbns,
+        &AVIP.to_string(),
+        true,
         Duration::from_secs(30),
         "the VIP announced after ready",
-        || {
-            let ns = lbns.clone();
-            async move { announced(&ns, &AVIP.to_string()).then_some(()) }
-        },
     )
     .await;
 
     // SIGTERM: the route goes first, while the listener still accepts.
     let mut daemon = bed.take_daemon();
     daemon.signal(libc::SIGTERM);
-    wait_for(
+    wait_announced(
+        &lbns,
+        &AVIP.to_string(),
+        false,
         Duration::from_secs(10),
         "the route withdrawn at SIGTERM",
-        || {
-            let ns = lbns.clone();
-            async move { (!announced(&ns, &AVIP.to_string())).then_some(()) }
-        },
     )
     .await;
     assert!(daemon.exited().is_none(), "the daemon waits the grace");
@@ -363,13 +386,12 @@ async fn netns_a_reload_withdraws_a_dropped_vip_and_withdraw_all_after_sigkill_d
     // Back, for the kill below.
     std::fs::write(&bed.daemon().config, original).expect("write config");
     bed.daemon().signal(libc::SIGHUP);
-    wait_for(
+    wait_announced(
+        &lbns,
+        AVIP6,
+        true,
         Duration::from_secs(30),
         "the IPv6 VIP announced again",
-        || {
-            let ns = lbns.clone();
-            async move { announced(&ns, AVIP6).then_some(()) }
-        },
     )
     .await;
     let mut daemon = bed.take_daemon();
@@ -428,13 +450,12 @@ async fn netns_a_reload_withdraws_a_dropped_vip_and_withdraw_all_after_sigkill_d
     drop(daemon);
     let restarted = Instant::now();
     bed.start_daemon(&config).await;
-    wait_for(
+    wait_announced(
+        &lbns,
+        &AVIP.to_string(),
+        true,
         Duration::from_secs(30),
         "announced after the restart",
-        || {
-            let ns = lbns.clone();
-            async move { announced(&ns, &AVIP.to_string()).then_some(()) }
-        },
     )
     .await;
     assert!(
