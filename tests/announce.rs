@@ -274,15 +274,17 @@ async fn netns_announce_follows_health_and_sigterm_withdraws_before_the_listener
     // The operator drains the host: withdrawn at once; ready brings it back.
     let sock = bed.dir.join("admin.sock");
     let cfg = bed.daemon().config.clone();
-    let host = |state: &str| {
+    let cli = |args: &[&str]| {
         Command::new(env!("CARGO_BIN_EXE_harvester-lb"))
-            .args(["host", state, "--socket"])
+            .args(args)
+            .arg("--socket")
             .arg(&sock)
             .arg("--config")
             .arg(&cfg)
             .output()
-            .expect("run harvester-lb host")
+            .expect("run harvester-lb")
     };
+    let host = |state: &str| cli(&["host", state]);
     let out = host("drain");
     assert!(
         out.status.success(),
@@ -308,6 +310,66 @@ async fn netns_announce_follows_health_and_sigterm_withdraws_before_the_listener
         true,
         Duration::from_secs(30),
         "the VIP announced after ready",
+    )
+    .await;
+    wait_announced(
+        &lbns,
+        AVIP6,
+        true,
+        Duration::from_secs(30),
+        "the IPv6 VIP announced after ready",
+    )
+    .await;
+
+    // One VIP drained: only it goes. An unknown VIP is refused, naming it;
+    // the TCP admin listener refuses the change.
+    let out = cli(&["vip", "drain", AVIP6]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    wait_announced(
+        &lbns,
+        AVIP6,
+        false,
+        Duration::from_secs(10),
+        "the VIP drained",
+    )
+    .await;
+    assert!(announced(&bed.lb, &AVIP.to_string()), "{}", table(&bed.lb));
+    let v = vip_status(&bed.daemon().status().await, AVIP6);
+    assert_eq!(
+        (v["reason"].as_str(), v["drained"].as_bool()),
+        (Some("drained"), Some(true)),
+        "{v}"
+    );
+    let out = cli(&["vip", "drain", "203.0.113.99"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        String::from_utf8_lossy(&out.stderr)
+            .contains("no load balancer of the config in force has VIP 203.0.113.99"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let (code, body) = bed
+        .daemon()
+        .request("POST", "/announce/state")
+        .await
+        .expect("POST");
+    assert_eq!(code, 403, "{body}");
+    let out = cli(&["vip", "ready", AVIP6]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    wait_announced(
+        &lbns,
+        AVIP6,
+        true,
+        Duration::from_secs(30),
+        "the VIP ready again",
     )
     .await;
 
