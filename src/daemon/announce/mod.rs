@@ -604,8 +604,10 @@ impl Daemon {
 
     /// At stop, before the listeners close: every VIP is withdrawn (the
     /// table flushed of our routes) and none is announced again. Returns
-    /// the grace to wait for the router to move new flows away (`None`
-    /// when announcing is off).
+    /// the grace to wait for the router to move new flows away: `None`
+    /// when announcing is off or no route was in the table (nothing to move
+    /// away from), the full grace when routes were deleted or the table
+    /// could not be read.
     pub(super) async fn announce_stop(&self) -> Option<Duration> {
         let settings = self.announce_settings()?;
         let mut inner = self.announcer.inner.lock().await;
@@ -615,8 +617,16 @@ impl Daemon {
             None => RouteWriter::connect().ok(),
         };
         let now = Instant::now();
+        let mut wait = true;
         if let Some(writer) = writer {
             match writer.flush(settings.table).await {
+                Ok(withdrawn) if withdrawn.is_empty() => {
+                    wait = false;
+                    tracing::info!(
+                        table = settings.table,
+                        "stopping: no VIP was announced; no grace"
+                    );
+                }
                 Ok(withdrawn) => {
                     for vip in &withdrawn {
                         if let Some(state) = inner.vips.get_mut(vip) {
@@ -643,7 +653,7 @@ impl Daemon {
         }
         let wanted = BTreeMap::new();
         self.announce_publish(&inner, &settings, &wanted, now);
-        Some(settings.withdraw_grace)
+        wait.then_some(settings.withdraw_grace)
     }
 
     /// At stop, after the drain: the VIP addresses this daemon added go.
