@@ -4,7 +4,7 @@
 //! (damped) when one recovers; SIGTERM withdraws before the listener closes;
 //! a start deletes a stale route and starts withdrawn; after SIGKILL the
 //! route stays until `harvester-lb withdraw --all` deletes it, leaving other
-//! protocols' routes alone. (The end-to-end tests with BIRD and a router
+//! protocols' routes alone; IPv4, IPv6 and a UDP-only VIP alike. (The end-to-end tests with BIRD and a router
 //! are in the BIRD test bed.)
 //!
 //! These tests need root and iproute2/nftables; they skip with a printed
@@ -28,6 +28,8 @@ use netns::{Bed, LB_IP, Ns, config, lb, metric, sa, wait_for};
 const AVIP: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 50);
 /// An IPv6 VIP on the same backends (announced, not reached).
 const AVIP6: &str = "2001:db8:50::50";
+/// A VIP with a UDP listener only.
+const AVIP_UDP: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 53);
 /// The rise delay the tests configure.
 const DELAY: Duration = Duration::from_secs(3);
 /// The grace at SIGTERM.
@@ -119,9 +121,15 @@ fn announce_config(bed: &Bed) -> String {
         &format!("vip = \"{AVIP6}\""),
         1,
     );
+    // UDP only: the same conditions (a bound listener, an eligible backend).
+    let dns = lb("default/dns", AVIP_UDP, &[1], "", Some(health)).replacen(
+        "  port = 80\n",
+        "  port = 53\n  protocol = \"udp\"\n",
+        1,
+    );
     let c = config(
         "drain_timeout_seconds = 5",
-        &[lb("default/web", AVIP, &[1], "", Some(health)), lb6],
+        &[lb("default/web", AVIP, &[1], "", Some(health)), dns, lb6],
     );
     let vip = format!(
         "[vip]\nannounce = \"routes\"\nannounce_delay_seconds = {}\nwithdraw_grace_seconds = {}\n\n",
@@ -456,6 +464,14 @@ async fn netns_a_reload_withdraws_a_dropped_vip_and_withdraw_all_after_sigkill_d
         "the IPv6 VIP announced again",
     )
     .await;
+    wait_announced(
+        &lbns,
+        &AVIP_UDP.to_string(),
+        true,
+        Duration::from_secs(30),
+        "the UDP-only VIP announced",
+    )
+    .await;
     let mut daemon = bed.take_daemon();
     daemon.signal(libc::SIGKILL);
     assert!(daemon.wait_exit(Duration::from_secs(10)).await.is_some());
@@ -485,7 +501,9 @@ async fn netns_a_reload_withdraws_a_dropped_vip_and_withdraw_all_after_sigkill_d
         String::from_utf8_lossy(&out.stderr)
     );
     assert!(
-        said.contains(&AVIP.to_string()) && said.contains(AVIP6),
+        said.contains(&AVIP.to_string())
+            && said.contains(AVIP6)
+            && said.contains(&AVIP_UDP.to_string()),
         "{said}"
     );
     assert!(!announced(&bed.lb, &AVIP.to_string()), "{}", table(&bed.lb));
