@@ -4,8 +4,8 @@
 //! (damped) when one recovers; SIGTERM withdraws before the listener closes;
 //! a start deletes a stale route and starts withdrawn; after SIGKILL the
 //! route stays until `harvester-lb withdraw --all` deletes it, leaving other
-//! protocols' routes alone; IPv4, IPv6 and a UDP-only VIP alike. (The end-to-end tests with BIRD and a router
-//! are in the BIRD test bed.)
+//! protocols' routes alone; IPv4, IPv6 and a UDP-only VIP alike. (The
+//! end-to-end tests with BIRD and a router are in the BIRD test bed.)
 //!
 //! These tests need root and iproute2/nftables; they skip with a printed
 //! reason elsewhere, and fail under `CI=true`.
