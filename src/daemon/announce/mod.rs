@@ -308,6 +308,17 @@ impl Daemon {
         message
     }
 
+    /// Records a failure of the interface, the addresses or the table as
+    /// `inner.error`: logged when it differs from the last one, counted
+    /// every time (each is retried).
+    fn note_error(&self, inner: &mut Inner, what: std::fmt::Arguments<'_>, e: &AnnounceError) {
+        if inner.error.as_deref() == Some(e.to_string().as_str()) {
+            self.metrics.record_vip_announce_error();
+        } else {
+            inner.error = Some(self.announce_failed(what, e));
+        }
+    }
+
     /// One pass: settings, interface, addresses, decisions, routes,
     /// status. Returns when it must run again at the latest.
     async fn announce_step(&self, inner: &mut Inner) -> Option<Instant> {
@@ -329,7 +340,7 @@ impl Daemon {
             match RouteWriter::connect() {
                 Ok(w) => inner.writer = Some(w),
                 Err(e) => {
-                    inner.error = Some(self.announce_failed(format_args!("netlink"), &e));
+                    self.note_error(inner, format_args!("netlink"), &e);
                     self.announce_publish(inner, &settings, &BTreeMap::new(), now);
                     return Some(now + Duration::from_secs(2));
                 }
@@ -358,10 +369,11 @@ impl Daemon {
                     crate::config::ROUTE_PROTOCOL
                 ),
                 Err(e) => {
-                    inner.error = Some(self.announce_failed(
+                    self.note_error(
+                        inner,
                         format_args!("deleting stale routes of table {}", settings.table),
                         &e,
-                    ));
+                    );
                     self.announce_publish(inner, &settings, &BTreeMap::new(), now);
                     return Some(now + Duration::from_secs(2));
                 }
@@ -371,11 +383,11 @@ impl Daemon {
                 Ok(index) => inner.interface = Some((settings.interface.clone(), index)),
                 Err(e) => {
                     inner.table = None;
-                    inner.error =
-                        Some(self.announce_failed(
-                            format_args!("interface {:?}", settings.interface),
-                            &e,
-                        ));
+                    self.note_error(
+                        inner,
+                        format_args!("interface {:?}", settings.interface),
+                        &e,
+                    );
                     self.announce_publish(inner, &settings, &BTreeMap::new(), now);
                     return Some(now + Duration::from_secs(2));
                 }
@@ -395,12 +407,11 @@ impl Daemon {
                     inner.addressed = vips;
                     inner.error = None;
                 }
-                Err(e) => {
-                    inner.error = Some(self.announce_failed(
-                        format_args!("the VIP addresses on {:?}", settings.interface),
-                        &e,
-                    ));
-                }
+                Err(e) => self.note_error(
+                    inner,
+                    format_args!("the VIP addresses on {:?}", settings.interface),
+                    &e,
+                ),
             }
         }
 
