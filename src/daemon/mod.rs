@@ -29,6 +29,7 @@ use crate::vip::isolate::Isolation;
 use crate::workers::Workers;
 
 mod admin_state;
+mod announce;
 mod apply;
 mod kernel;
 mod leases;
@@ -36,6 +37,10 @@ mod readiness;
 mod status;
 
 pub use admin_state::{AdminStateChange, AdminStateError};
+pub use announce::decide;
+pub use announce::{
+    AnnounceStateChange, AnnounceStateError, AnnounceStatus, LbAnnounceStatus, VipAnnounceStatus,
+};
 pub use readiness::{UnboundListener, VipNotReady};
 pub use status::{
     BackendStatus, ConfigStatus, LeaseStatus, ListenerStatus, LoadBalancerStatus, PortStatus,
@@ -93,6 +98,8 @@ pub struct Daemon {
     forwarding_off: std::sync::atomic::AtomicU8,
     /// Set once the task that writes the kernel table runs.
     kernel_task: AtomicBool,
+    /// `vip.announce = "routes"`: the VIPs' routes and addresses.
+    announcer: announce::Announcer,
 }
 
 #[derive(Default)]
@@ -194,6 +201,7 @@ impl Daemon {
             kernel_wake: Arc::new(tokio::sync::Notify::new()),
             kernel_task: AtomicBool::new(false),
             forwarding_off: std::sync::atomic::AtomicU8::new(0),
+            announcer: announce::Announcer::default(),
         })
     }
 
@@ -260,6 +268,13 @@ impl Daemon {
     /// connections the timeout cut.
     pub async fn shutdown(&self) -> usize {
         self.stopping.store(true, Ordering::Release);
+        // Announced VIPs first: the router moves new flows away while the
+        // listeners still accept, and only then do they close.
+        if let Some(grace) = self.announce_stop().await
+            && !grace.is_zero()
+        {
+            tokio::time::sleep(grace).await;
+        }
         let (listeners, drain) = {
             let mut st = self.lock();
             let drain = st
@@ -281,6 +296,7 @@ impl Daemon {
         let (proxied, kernel) =
             tokio::join!(futures_sum(drains), self.kernel_drain_and_remove(drain));
         let cut = proxied + kernel;
+        self.announce_remove_addresses().await;
         // After the drain: releasing takes the VIP off the host.
         self.leases.shutdown().await;
         self.retire_now.cancel();

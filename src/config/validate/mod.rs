@@ -28,6 +28,7 @@ use super::{
     OnBackendDown, Problem, Protocol, ProxyProtocol, ProxySettings, UdpSettings, VipSettings,
 };
 
+mod announce;
 mod cross;
 mod dhcp;
 mod health;
@@ -261,6 +262,7 @@ impl Validator<'_> {
                 ],
                 IsolateAction::Drop,
             ),
+            announce: self.announce(&file.vip),
         };
         if !vip.isolate
             && let Some(a) = &file.vip.isolate_action
@@ -309,6 +311,7 @@ impl Validator<'_> {
         let built: Vec<Option<&LoadBalancerSpec>> = specs.iter().map(Option::as_ref).collect();
         let found = cross::conflicts(admin.listen, &names, &built);
         self.report_conflicts(admin.listen, file, &specs, found);
+        self.announce_conflicts(&vip.announce, file, &specs);
         let load_balancers = specs.into_iter().flatten().map(Arc::new).collect();
         Config {
             admin,

@@ -1,0 +1,657 @@
+//! `vip.announce = "routes"` with the real daemon in a network namespace:
+//! the host route appears in table 100 with protocol 252 only after the
+//! rise delay, goes when every backend fails its health check, comes back
+//! (damped) when one recovers; SIGTERM withdraws before the listener closes;
+//! a start deletes a stale route and starts withdrawn; after SIGKILL the
+//! route stays until `harvester-lb withdraw --all` deletes it, leaving other
+//! protocols' routes alone; IPv4, IPv6 and a UDP-only VIP alike. (The
+//! end-to-end tests with BIRD and a router are in the BIRD test bed.)
+//!
+//! These tests need root and iproute2/nftables; they skip with a printed
+//! reason elsewhere, and fail under `CI=true`.
+
+// The test bed times real processes and kernels, not tokio tasks.
+#![allow(clippy::disallowed_types, clippy::disallowed_methods)]
+
+mod netns;
+mod support;
+
+use std::net::Ipv4Addr;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use netns::peers::{Exchange, Node, Service, exchange};
+use netns::{Bed, LB_IP, Ns, config, lb, metric, sa, wait_for};
+
+/// The announced VIP: outside the bed's subnet, so the client reaches it
+/// only through a route via the load-balancer host (as a router would).
+const AVIP: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 50);
+/// An IPv6 VIP on the same backends (announced, not reached).
+const AVIP6: &str = "2001:db8:50::50";
+/// A VIP with a UDP listener only.
+const AVIP_UDP: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 53);
+/// The rise delay the tests configure.
+const DELAY: Duration = Duration::from_secs(3);
+/// The grace at SIGTERM.
+const GRACE: Duration = Duration::from_secs(5);
+
+fn can_run() -> bool {
+    match netns::skip_reason() {
+        None => true,
+        Some(why) => {
+            netns::skip_or_fail(
+                "vip.announce",
+                &format!("needs root and iproute2/nftables ({why})"),
+            );
+            false
+        }
+    }
+}
+
+fn ip_out(ns: &Ns, args: &[&str]) -> String {
+    let out = Command::new("ip")
+        .args(["-n", &ns.name])
+        .args(args)
+        .output()
+        .expect("run ip");
+    assert!(
+        out.status.success(),
+        "ip {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Table 100's routes, both families, one per line (a family with no
+/// route in it yet has no table: nothing).
+fn table(ns: &Ns) -> String {
+    let family = |f: &str| {
+        let out = Command::new("ip")
+            .args(["-n", &ns.name, f, "route", "show", "table", "100"])
+            .output()
+            .expect("run ip");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            out.status.success() || err.contains("does not exist"),
+            "ip {f} route show table 100: {err}"
+        );
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    family("-4") + &family("-6")
+}
+
+/// The line of table 100 for `dst`, if any.
+fn route_of(ns: &Ns, dst: &str) -> Option<String> {
+    table(ns)
+        .lines()
+        .find(|l| l.split_whitespace().next() == Some(dst))
+        .map(str::to_string)
+}
+
+/// `dst dev lo table 100 proto <proto>`, written by hand.
+fn add_route(ns: &Ns, dst: &str, proto: &str) {
+    ns.ip(&[
+        "route", "add", dst, "dev", "lo", "table", "100", "proto", proto,
+    ]);
+}
+
+fn announced(ns: &Ns, dst: &str) -> bool {
+    route_of(ns, dst).is_some_and(|l| l.contains("proto 252") && l.contains("dev lo"))
+}
+
+/// Waits until `dst` is announced (`want`) or not, up to `timeout`.
+async fn wait_announced(ns: &Ns, dst: &str, want: bool, timeout: Duration, what: &str) {
+    wait_for(timeout, what, || {
+        let ns = ns.clone();
+        let dst = dst.to_string();
+        async move { (announced(&ns, &dst) == want).then_some(()) }
+    })
+    .await;
+}
+
+fn on_lo(ns: &Ns, ip: &str) -> bool {
+    ip_out(ns, &["addr", "show", "dev", "lo"]).contains(&format!(" {ip}/"))
+}
+
+fn announce_config(bed: &Bed) -> String {
+    let health = "  period_seconds = 1\n  timeout_seconds = 1\n  success_threshold = 1\n  failure_threshold = 1";
+    let mut lb6 = lb("default/web6", AVIP, &[1], "", Some(health));
+    lb6 = lb6.replacen(
+        &format!("vip = \"{AVIP}\""),
+        &format!("vip = \"{AVIP6}\""),
+        1,
+    );
+    // UDP only: the same conditions (a bound listener, an eligible backend).
+    let dns = lb("default/dns", AVIP_UDP, &[1], "", Some(health)).replacen(
+        "  port = 80\n",
+        "  port = 53\n  protocol = \"udp\"\n",
+        1,
+    );
+    let c = config(
+        "drain_timeout_seconds = 5",
+        &[lb("default/web", AVIP, &[1], "", Some(health)), dns, lb6],
+    );
+    let vip = format!(
+        "[vip]\nannounce = \"routes\"\nannounce_delay_seconds = {}\nwithdraw_grace_seconds = {}\n\n",
+        DELAY.as_secs(),
+        GRACE.as_secs()
+    );
+    let _ = bed;
+    c.replacen("[proxy]\n", &format!("{vip}[proxy]\n"), 1)
+}
+
+/// The `announce` entry of `vip` in `/status`.
+fn vip_status(status: &serde_json::Value, vip: &str) -> serde_json::Value {
+    status["announce"]["vips"]
+        .as_array()
+        .and_then(|a| a.iter().find(|v| v["vip"] == vip))
+        .cloned()
+        .unwrap_or_else(|| panic!("no announce entry for {vip} in {status:#}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn netns_announce_follows_health_and_sigterm_withdraws_before_the_listener_closes() {
+    if !can_run() {
+        return;
+    }
+    let mut bed = Bed::new("ann", 1);
+    let mut node = Node::start(&bed, 1, Service::NameThenEcho);
+    bed.client.ip(&[
+        "route",
+        "add",
+        &format!("{AVIP}/32"),
+        "via",
+        &LB_IP.to_string(),
+    ]);
+    // A crashed daemon's route (ours), and another protocol's route in the
+    // same table, which must survive everything.
+    bed.lb.ip(&["link", "set", "lo", "up"]);
+    add_route(&bed.lb, &format!("{AVIP}/32"), "252");
+    add_route(&bed.lb, "192.0.2.99/32", "static");
+
+    let started = Instant::now();
+    bed.start_daemon(&announce_config(&bed)).await;
+    let lbns = bed.lb.clone();
+    // The stale route goes: the daemon starts withdrawn.
+    // Nothing else deletes it, and it comes back only after the rise delay.
+    wait_announced(
+        &lbns,
+        &AVIP.to_string(),
+        false,
+        Duration::from_secs(10),
+        "the stale route deleted",
+    )
+    .await;
+    assert!(
+        on_lo(&bed.lb, &AVIP.to_string()),
+        "the VIP address is put on lo"
+    );
+    // Announced after the delay, not before.
+    wait_announced(
+        &lbns,
+        &AVIP.to_string(),
+        true,
+        Duration::from_secs(30),
+        "the VIP announced",
+    )
+    .await;
+    assert!(
+        started.elapsed() >= DELAY,
+        "announced {:?} after the start, before the {DELAY:?} rise delay",
+        started.elapsed()
+    );
+    wait_announced(
+        &lbns,
+        AVIP6,
+        true,
+        Duration::from_secs(30),
+        "the IPv6 VIP announced",
+    )
+    .await;
+    assert!(
+        route_of(&bed.lb, "192.0.2.99").is_some_and(|l| l.contains("proto static")),
+        "another protocol's route is left alone: {}",
+        table(&bed.lb)
+    );
+    let status = bed.daemon().status().await;
+    let v = vip_status(&status, &AVIP.to_string());
+    assert_eq!(v["announced"], true, "{v}");
+    assert_eq!(v["reason"], serde_json::Value::Null, "{v}");
+    assert_eq!(status["load_balancers"][0]["announce"]["announced"], true);
+    // Through the route, the VIP serves.
+    match exchange(&bed.client, sa(AVIP, 80), 64, Duration::from_secs(10)).await {
+        Exchange::Ok(n) => assert_eq!(n, "n1"),
+        other => panic!("the announced VIP does not serve: {other:?}"),
+    }
+
+    // Every backend fails its health check: withdrawn, with the reason.
+    node.stop_health();
+    wait_announced(
+        &lbns,
+        &AVIP.to_string(),
+        false,
+        Duration::from_secs(15),
+        "the VIP withdrawn",
+    )
+    .await;
+    let v = vip_status(&bed.daemon().status().await, &AVIP.to_string());
+    assert_eq!(v["announced"], false, "{v}");
+    assert_eq!(v["reason"], "no_eligible_backend", "{v}");
+    let m = bed.daemon().metrics().await;
+    let vip = AVIP.to_string();
+    assert_eq!(
+        metric(&m, "harvester_lb_vip_announced", &[("vip", &vip)]),
+        0.0
+    );
+    assert_eq!(
+        metric(
+            &m,
+            "harvester_lb_vip_announce_reason",
+            &[("vip", &vip), ("reason", "no_eligible_backend")]
+        ),
+        1.0
+    );
+    assert_eq!(
+        metric(
+            &m,
+            "harvester_lb_vip_announce_transitions_total",
+            &[("vip", &vip), ("direction", "withdraw")]
+        ),
+        1.0
+    );
+    // The address stays: open and late connections are still accepted.
+    assert!(on_lo(&bed.lb, &vip));
+
+    // It recovers: announced again after the (damped) delay.
+    node.start_health();
+    let recovered = Instant::now();
+    wait_announced(
+        &lbns,
+        &AVIP.to_string(),
+        true,
+        Duration::from_secs(60),
+        "the VIP announced again",
+    )
+    .await;
+    assert!(
+        recovered.elapsed() >= DELAY,
+        "re-announced {:?} after the backend recovered, before the rise delay",
+        recovered.elapsed()
+    );
+
+    // The operator drains the host: withdrawn at once; ready brings it back.
+    let sock = bed.dir.join("admin.sock");
+    let cfg = bed.daemon().config.clone();
+    let cli = |args: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_harvester-lb"))
+            .args(args)
+            .arg("--socket")
+            .arg(&sock)
+            .arg("--config")
+            .arg(&cfg)
+            .output()
+            .expect("run harvester-lb")
+    };
+    let host = |state: &str| cli(&["host", state]);
+    let out = host("drain");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    wait_for(Duration::from_secs(10), "the host drained", || {
+        let ns = lbns.clone();
+        async move { (!announced(&ns, &AVIP.to_string()) && !announced(&ns, AVIP6)).then_some(()) }
+    })
+    .await;
+    let v = vip_status(&bed.daemon().status().await, &AVIP.to_string());
+    assert_eq!(v["reason"], "drained", "{v}");
+    let out = host("ready");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    wait_announced(
+        &lbns,
+        &AVIP.to_string(),
+        true,
+        Duration::from_secs(30),
+        "the VIP announced after ready",
+    )
+    .await;
+    wait_announced(
+        &lbns,
+        AVIP6,
+        true,
+        Duration::from_secs(30),
+        "the IPv6 VIP announced after ready",
+    )
+    .await;
+
+    // One VIP drained: only it goes. An unknown VIP is refused, naming it;
+    // the TCP admin listener refuses the change.
+    let out = cli(&["vip", "drain", AVIP6]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    wait_announced(
+        &lbns,
+        AVIP6,
+        false,
+        Duration::from_secs(10),
+        "the VIP drained",
+    )
+    .await;
+    assert!(announced(&bed.lb, &AVIP.to_string()), "{}", table(&bed.lb));
+    let v = vip_status(&bed.daemon().status().await, AVIP6);
+    assert_eq!(
+        (v["reason"].as_str(), v["drained"].as_bool()),
+        (Some("drained"), Some(true)),
+        "{v}"
+    );
+    let out = cli(&["vip", "drain", "203.0.113.99"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        String::from_utf8_lossy(&out.stderr)
+            .contains("no load balancer of the config in force has VIP 203.0.113.99"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let (code, body) = bed
+        .daemon()
+        .request("POST", "/announce/state")
+        .await
+        .expect("POST");
+    assert_eq!(code, 403, "{body}");
+    let out = cli(&["vip", "ready", AVIP6]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    wait_announced(
+        &lbns,
+        AVIP6,
+        true,
+        Duration::from_secs(30),
+        "the VIP ready again",
+    )
+    .await;
+
+    // SIGTERM: the route goes first, while the listener still accepts.
+    let mut daemon = bed.take_daemon();
+    daemon.signal(libc::SIGTERM);
+    wait_announced(
+        &lbns,
+        &AVIP.to_string(),
+        false,
+        Duration::from_secs(10),
+        "the route withdrawn at SIGTERM",
+    )
+    .await;
+    assert!(daemon.exited().is_none(), "the daemon waits the grace");
+    match exchange(&bed.client, sa(AVIP, 80), 64, Duration::from_secs(5)).await {
+        Exchange::Ok(n) => assert_eq!(n, "n1"),
+        other => panic!("withdrawn, but the listener did not accept during the grace: {other:?}"),
+    }
+    let status = daemon.wait_exit(Duration::from_secs(30)).await;
+    assert!(
+        status.is_some_and(|s| s.success()),
+        "{status:?}\n{}",
+        daemon.log_tail(30)
+    );
+    assert!(!announced(&bed.lb, AVIP6), "{}", table(&bed.lb));
+    assert!(
+        !on_lo(&bed.lb, &AVIP.to_string()),
+        "the address it added goes at a clean stop"
+    );
+    assert!(
+        route_of(&bed.lb, "192.0.2.99").is_some(),
+        "{}",
+        table(&bed.lb)
+    );
+    let log = daemon.log();
+    let withdrawn = log
+        .find("every VIP withdrawn")
+        .expect("the stop's withdrawal is logged");
+    let drained = log.find("stopped").expect("the stop is logged");
+    assert!(withdrawn < drained);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn netns_a_reload_withdraws_a_dropped_vip_and_withdraw_all_after_sigkill_deletes_only_our_routes()
+ {
+    if !can_run() {
+        return;
+    }
+    let mut bed = Bed::new("annk", 1);
+    let _node = Node::start(&bed, 1, Service::NameThenEcho);
+    bed.lb.ip(&["link", "set", "lo", "up"]);
+    add_route(&bed.lb, "192.0.2.99/32", "static");
+    bed.start_daemon(&announce_config(&bed)).await;
+    let lbns = bed.lb.clone();
+    wait_for(Duration::from_secs(30), "both VIPs announced", || {
+        let ns = lbns.clone();
+        async move { (announced(&ns, &AVIP.to_string()) && announced(&ns, AVIP6)).then_some(()) }
+    })
+    .await;
+    assert!(on_lo(&bed.lb, AVIP6));
+    // A reload that drops the IPv6 load balancer withdraws its VIP and
+    // takes its address off lo; the other VIP stays announced.
+    let original = std::fs::read_to_string(&bed.daemon().config).expect("read config");
+    let mut text = original.clone();
+    let cut = text.rfind("[[load_balancer]]").expect("two load balancers");
+    text.truncate(cut);
+    std::fs::write(&bed.daemon().config, text).expect("write config");
+    bed.daemon().signal(libc::SIGHUP);
+    wait_for(Duration::from_secs(15), "the dropped VIP withdrawn", || {
+        let ns = lbns.clone();
+        async move { (!announced(&ns, AVIP6) && !on_lo(&ns, AVIP6)).then_some(()) }
+    })
+    .await;
+    assert!(announced(&bed.lb, &AVIP.to_string()), "{}", table(&bed.lb));
+    // Back, for the kill below.
+    std::fs::write(&bed.daemon().config, original).expect("write config");
+    bed.daemon().signal(libc::SIGHUP);
+    wait_announced(
+        &lbns,
+        AVIP6,
+        true,
+        Duration::from_secs(30),
+        "the IPv6 VIP announced again",
+    )
+    .await;
+    wait_announced(
+        &lbns,
+        &AVIP_UDP.to_string(),
+        true,
+        Duration::from_secs(30),
+        "the UDP-only VIP announced",
+    )
+    .await;
+    let mut daemon = bed.take_daemon();
+    daemon.signal(libc::SIGKILL);
+    assert!(daemon.wait_exit(Duration::from_secs(10)).await.is_some());
+    assert!(
+        announced(&bed.lb, &AVIP.to_string()) && announced(&bed.lb, AVIP6),
+        "a killed daemon's routes outlive it: {}",
+        table(&bed.lb)
+    );
+    let withdraw = || {
+        Command::new("ip")
+            .args([
+                "netns",
+                "exec",
+                &lbns.name,
+                env!("CARGO_BIN_EXE_harvester-lb"),
+            ])
+            .args(["withdraw", "--all", "--config"])
+            .arg(&daemon.config)
+            .output()
+            .expect("run withdraw --all")
+    };
+    let out = withdraw();
+    let said = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "{said}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        said.contains(&AVIP.to_string())
+            && said.contains(AVIP6)
+            && said.contains(&AVIP_UDP.to_string()),
+        "{said}"
+    );
+    assert!(!announced(&bed.lb, &AVIP.to_string()), "{}", table(&bed.lb));
+    assert!(!announced(&bed.lb, AVIP6), "{}", table(&bed.lb));
+    assert!(
+        route_of(&bed.lb, "192.0.2.99").is_some_and(|l| l.contains("proto static")),
+        "another protocol's route is left alone: {}",
+        table(&bed.lb)
+    );
+    // Nothing left: still exit 0 (ExecStopPost= after a clean stop).
+    let out = withdraw();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8_lossy(&out.stdout).contains("no harvester-lb route"));
+
+    // The killed run's addresses are still on lo; a new run starts
+    // withdrawn, announces after its delay, knows them for its own (tagged
+    // with protocol 252) and removes them at a clean stop.
+    assert!(on_lo(&bed.lb, &AVIP.to_string()) && on_lo(&bed.lb, AVIP6));
+    let config = std::fs::read_to_string(&daemon.config).expect("read config");
+    drop(daemon);
+    let restarted = Instant::now();
+    bed.start_daemon(&config).await;
+    wait_announced(
+        &lbns,
+        &AVIP.to_string(),
+        true,
+        Duration::from_secs(30),
+        "announced after the restart",
+    )
+    .await;
+    assert!(
+        restarted.elapsed() >= DELAY,
+        "a restart starts withdrawn: announced {:?} after it",
+        restarted.elapsed()
+    );
+    let mut daemon = bed.take_daemon();
+    daemon.signal(libc::SIGTERM);
+    let status = daemon.wait_exit(Duration::from_secs(30)).await;
+    assert!(
+        status.is_some_and(|s| s.success()),
+        "{status:?}\n{}",
+        daemon.log_tail(30)
+    );
+    assert!(
+        !on_lo(&bed.lb, &AVIP.to_string()) && !on_lo(&bed.lb, AVIP6),
+        "the addresses a killed run added are removed by the next clean stop: {}",
+        ip_out(&bed.lb, &["addr", "show", "dev", "lo"])
+    );
+}
+
+/// The problems `check` reports for `text`, one per line.
+fn problems(text: &str) -> String {
+    match harvester_lb::config::parse(text) {
+        Ok(_) => panic!("config should be invalid:\n{text}"),
+        Err(p) => p
+            .iter()
+            .map(ToString::to_string)
+            .collect::<Vec<_>>()
+            .join("\n"),
+    }
+}
+
+#[test]
+fn announce_keys_default_and_bad_values_are_named_with_what_is_allowed() {
+    let loaded = harvester_lb::config::parse("load_balancer = []\n").expect("valid");
+    let a = &loaded.config.vip.announce;
+    assert!(!a.enabled());
+    assert_eq!((a.interface.as_str(), a.table), ("lo", 100));
+    assert_eq!(a.delay, None);
+    assert_eq!(a.withdraw_grace, Duration::from_secs(5));
+
+    let text = "[vip]\nannounce = \"routes\"\nannounce_interface = \"dummy0\"\nannounce_table = 300\nannounce_delay_seconds = 0\nwithdraw_grace_seconds = 10\n";
+    let a = harvester_lb::config::parse(text)
+        .expect("valid")
+        .config
+        .vip
+        .announce;
+    assert!(a.enabled());
+    assert_eq!((a.interface.as_str(), a.table), ("dummy0", 300));
+    assert_eq!(a.delay, Some(Duration::ZERO));
+    assert_eq!(a.withdraw_grace, Duration::from_secs(10));
+
+    for (table, _) in [
+        (0_i64, "unspecified"),
+        (253, "default"),
+        (254, "main"),
+        (255, "local"),
+        (-1, "negative"),
+        (1_i64 << 33, "too large"),
+    ] {
+        let text = format!("[vip]\nannounce = \"routes\"\nannounce_table = {table}\n");
+        assert_eq!(
+            problems(&text),
+            format!(
+                "line 3: vip.announce_table: {table} cannot be the announcing table; use 1..=252 or 256..=4294967295 (0 is unspecified, 253 default, 254 main, 255 local), e.g. 100"
+            )
+        );
+    }
+    let text = "[vip]\nannounce = \"bgp\"\nannounce_interface = \"a-very-long-interface\"\nwithdraw_grace_seconds = -1\nannounce_delay_seconds = 99999\n";
+    assert_eq!(
+        problems(text),
+        [
+            "line 2: vip.announce: \"bgp\" is not supported; use one of \"none\", \"routes\"",
+            "line 3: vip.announce_interface: \"a-very-long-interface\" is not an interface name (1..=15 bytes, no '/', ':' or spaces)",
+            "line 4: vip.withdraw_grace_seconds: -1 is out of range; the value must be in 0..=3600",
+            "line 5: vip.announce_delay_seconds: 99999 is out of range; the value must be in 0..=3600",
+        ]
+        .join("\n")
+    );
+    // A leased VIP belongs to one host: not announced from many.
+    let text = "[vip]\nannounce = \"routes\"\n[[load_balancer]]\nname = \"a\"\nipam = \"dhcp\"\nbackends = [\"198.51.100.1\"]\n  [load_balancer.dhcp]\n  interface = \"eth0\"\n";
+    let said = problems(text);
+    assert!(
+        said.starts_with("line 5: load_balancer[0].ipam: ipam = \"dhcp\" cannot be used with vip.announce = \"routes\""),
+        "{said}"
+    );
+}
+
+#[test]
+fn withdraw_all_with_announce_none_does_nothing_and_needs_no_privilege() {
+    let dir = std::env::temp_dir().join(format!("hlb-ann-none-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("scratch dir");
+    let cfg = dir.join("c.toml");
+    std::fs::write(&cfg, "load_balancer = []\n").expect("write");
+    let out = Command::new(env!("CARGO_BIN_EXE_harvester-lb"))
+        .args(["withdraw", "--all", "--config"])
+        .arg(&cfg)
+        .output()
+        .expect("run withdraw");
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("nothing to withdraw"),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    // `withdraw` without --all is refused (never run by accident).
+    let out = Command::new(env!("CARGO_BIN_EXE_harvester-lb"))
+        .args(["withdraw"])
+        .output()
+        .expect("run withdraw");
+    assert!(!out.status.success());
+}
