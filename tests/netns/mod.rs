@@ -22,6 +22,7 @@
 
 #![allow(dead_code, unsafe_code)]
 
+pub mod bgp;
 pub mod peers;
 #[path = "../support/skip.rs"]
 mod skip;
