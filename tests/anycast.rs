@@ -41,3 +41,159 @@ async fn bgp_bed_by_hand_spreads_over_both_hosts() {
     let counts = bed.spread(vip(), 20).await;
     assert_eq!(counts.get(&2), Some(&20), "{counts:?}");
 }
+
+/// Starts both daemons (without `announce`) and announces both hosts by
+/// hand; waits for the router's ECMP route.
+async fn both_by_hand(bed: &mut BgpBed) {
+    for i in 1..=2 {
+        let h = bed.host_mut(i);
+        h.write_config("");
+        h.start_daemon().await;
+        h.announce_by_hand(true);
+    }
+    bed.wait_nexthops(&[1, 2], Duration::from_secs(10)).await;
+}
+
+/// A host whose link goes silent (its switch port dies; nothing comes back,
+/// no TCP FIN, no BGP notification) leaves the router's ECMP group through
+/// BFD (100 ms x 3): new connections fail only in that window. BFD needs
+/// 0.3 s; we allow 1 s (the bound) on a busy 2-core machine.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bgp_bfd_takes_a_silent_host_out_within_a_second() {
+    require_bgp!();
+    let mut bed = BgpBed::new("bfd", true).await;
+    both_by_hand(&mut bed).await;
+    // Each attempt gets 0.9 s: a SYN to the silent host is never answered,
+    // and its retry (after 1 s) would go to the survivor and hide it.
+    let prober = bed.prober(vip(), Duration::from_millis(900));
+    netns::wait_for(
+        Duration::from_secs(10),
+        "50 attempts before the fault",
+        || {
+            let n = prober.finished();
+            async move { (n >= 50).then_some(()) }
+        },
+    )
+    .await;
+    let cut = std::time::Instant::now();
+    bed.silence(1);
+    let gone = bed.wait_nexthops(&[2], Duration::from_secs(10)).await;
+    let detect = gone - cut;
+    // Then at least 100 more attempts started after the route changed (the
+    // ones in flight at the cut finish within 0.9 s and count in `seen`'s
+    // 150 too).
+    let seen = prober.finished();
+    netns::wait_for(
+        Duration::from_secs(30),
+        "150 attempts after the fault",
+        || {
+            let n = prober.finished();
+            async move { (n >= seen + 150).then_some(()) }
+        },
+    )
+    .await;
+    let attempts = prober.stop().await;
+    let failed: Vec<_> = attempts.iter().filter(|a| a.outcome.is_err()).collect();
+    let window = failed
+        .iter()
+        .map(|a| a.started.saturating_duration_since(cut))
+        .max()
+        .unwrap_or_default();
+    eprintln!(
+        "silent host: router FIB lost it after {detect:?}; {} of {} new connections failed, the last one started {window:?} after the cut",
+        failed.len(),
+        attempts.len()
+    );
+    assert!(
+        detect < Duration::from_secs(1),
+        "BFD took {detect:?} to take the silent host out of the router's FIB"
+    );
+    for a in &failed {
+        assert!(
+            a.started + Duration::from_millis(50) >= cut && a.started <= gone,
+            "a connection failed outside the detection window: {a:?} (cut at +0, route gone at {detect:?})"
+        );
+    }
+    let after: Vec<_> = attempts.iter().filter(|a| a.started > gone).collect();
+    assert!(
+        after.len() >= 100,
+        "{} attempts after the route changed",
+        after.len()
+    );
+    assert!(
+        after.iter().all(|a| a.outcome == Ok(2)),
+        "new connections after the route changed must all reach host 2"
+    );
+}
+
+/// With two hosts, withdrawing one breaks none of the other host's open
+/// connections (the router's hash-threshold ECMP keeps a survivor's flows
+/// on it). The withdrawn host's own flows are rehashed to the survivor,
+/// which resets them: withdrawal is not a drain (measured and printed).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bgp_withdrawal_breaks_none_of_the_other_hosts_connections() {
+    require_bgp!();
+    let mut bed = BgpBed::new("keep", true).await;
+    both_by_hand(&mut bed).await;
+    let mut conns = bed.open_long(vip(), 60).await;
+    let on = |h: usize, c: &[(tokio::io::BufReader<tokio::net::TcpStream>, usize)]| {
+        c.iter().filter(|(_, x)| *x == h).count()
+    };
+    let (n1, n2) = (on(1, &conns), on(2, &conns));
+    assert!(
+        n1 > 0 && n2 > 0,
+        "60 connections on one host only: {n1}/{n2}"
+    );
+    bed.host(1).announce_by_hand(false);
+    bed.wait_nexthops(&[2], Duration::from_secs(5)).await;
+    let mut broken = [0usize; 3];
+    for (c, h) in &mut conns {
+        if !netns::bgp::alive(c).await {
+            broken[*h] += 1;
+        }
+    }
+    eprintln!(
+        "withdrawal of host 1: {}/{n1} of its connections broken, {}/{n2} of host 2's",
+        broken[1], broken[2]
+    );
+    assert_eq!(broken[2], 0, "host 2 lost connections when host 1 withdrew");
+    // Re-announcing moves part of the hash space back to host 1: connections
+    // opened on host 2 meanwhile may break (printed for the docs).
+    let mut during = bed.open_long(vip(), 40).await;
+    assert!(during.iter().all(|(_, h)| *h == 2));
+    bed.host(1).announce_by_hand(true);
+    bed.wait_nexthops(&[1, 2], Duration::from_secs(5)).await;
+    let mut broken_back = 0;
+    for (c, _) in &mut during {
+        if !netns::bgp::alive(c).await {
+            broken_back += 1;
+        }
+    }
+    eprintln!(
+        "re-announcing host 1: {broken_back}/40 connections opened on host 2 meanwhile broken"
+    );
+}
+
+/// The IPv6 VIP: both hosts' /128s reach the router over the IPv6 sessions
+/// and it spreads connections over both.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bgp_ipv6_vip_spreads_over_both_hosts() {
+    require_bgp!();
+    let mut bed = BgpBed::new("v6", true).await;
+    both_by_hand(&mut bed).await;
+    netns::wait_for(
+        Duration::from_secs(10),
+        "two IPv6 nexthops at the router",
+        || {
+            let n = bed.nexthops6();
+            async move { (n == 2).then_some(()) }
+        },
+    )
+    .await;
+    let addr = SocketAddr::new(IpAddr::V6(netns::bgp::VIP6), PORT);
+    let counts = bed.spread(addr, 60).await;
+    eprintln!("IPv6 spread of 60 connections: {counts:?}");
+    assert_eq!(counts.get(&0), None, "failed connections: {counts:?}");
+    assert!(counts.get(&1).copied().unwrap_or(0) >= 5, "{counts:?}");
+    assert!(counts.get(&2).copied().unwrap_or(0) >= 5, "{counts:?}");
+}

@@ -250,7 +250,11 @@ impl Drop for Backend {
 /// A listening socket on `addr` in `ns` (IPv4 or IPv6).
 pub fn listen(ns: &Ns, addr: SocketAddr) -> tokio::net::TcpListener {
     let l = super::in_ns(&ns.name, move || {
-        let s = socket2::Socket::new(socket2::Domain::for_address(addr), socket2::Type::STREAM, None)?;
+        let s = socket2::Socket::new(
+            socket2::Domain::for_address(addr),
+            socket2::Type::STREAM,
+            None,
+        )?;
         s.set_reuse_address(true)?;
         if addr.is_ipv6() {
             s.set_only_v6(true)?;
@@ -305,8 +309,16 @@ impl LbHost {
             "[admin]\nlisten = \"127.0.0.1:{}\"\nsocket = {:?}\n\n[proxy]\ndrain_timeout_seconds = 30\n\n[vip]\n{vip_section}\n\n{}\n{}",
             super::ADMIN_PORT,
             self.dir.join("admin.sock"),
-            lb("default/anycast", IpAddr::V4(VIP), IpAddr::V4(backend_ip(i))),
-            lb("default/anycast6", IpAddr::V6(VIP6), IpAddr::V6(backend_ip6(i))),
+            lb(
+                "default/anycast",
+                IpAddr::V4(VIP),
+                IpAddr::V4(backend_ip(i))
+            ),
+            lb(
+                "default/anycast6",
+                IpAddr::V6(VIP6),
+                IpAddr::V6(backend_ip6(i))
+            ),
         );
         let p = self.config_path();
         std::fs::write(&p, text).expect("write daemon config");
@@ -340,7 +352,10 @@ impl LbHost {
 
     /// Routes of harvester-lb's table (`ip route show table 100`), one a line.
     pub fn table_routes(&self) -> String {
-        let mut out = output("ip", &["-n", &self.ns.name, "route", "show", "table", "100"]);
+        let mut out = output(
+            "ip",
+            &["-n", &self.ns.name, "route", "show", "table", "100"],
+        );
         out.push_str(&output(
             "ip",
             &["-6", "-n", &self.ns.name, "route", "show", "table", "100"],
@@ -355,10 +370,26 @@ impl LbHost {
         let proto = PROTO.to_string();
         let table = TABLE.to_string();
         self.ns.ip(&[
-            "route", verb, &format!("{VIP}/32"), "dev", "lo", "table", &table, "proto", &proto,
+            "route",
+            verb,
+            &format!("{VIP}/32"),
+            "dev",
+            "lo",
+            "table",
+            &table,
+            "proto",
+            &proto,
         ]);
         self.ns.ip(&[
-            "-6", "route", verb, &format!("{VIP6}/128"), "dev", "lo", "table", &table, "proto",
+            "-6",
+            "route",
+            verb,
+            &format!("{VIP6}/128"),
+            "dev",
+            "lo",
+            "table",
+            &table,
+            "proto",
             &proto,
         ]);
     }
@@ -431,7 +462,14 @@ impl BgpBed {
         r.ip(&["link", "set", "lo", "up"]);
         r.ip(&["link", "add", "br0", "type", "bridge"]);
         r.ip(&["addr", "add", &format!("{ROUTER_IP}/24"), "dev", "br0"]);
-        r.ip(&["addr", "add", &format!("{ROUTER_IP6}/64"), "dev", "br0", "nodad"]);
+        r.ip(&[
+            "addr",
+            "add",
+            &format!("{ROUTER_IP6}/64"),
+            "dev",
+            "br0",
+            "nodad",
+        ]);
         r.ip(&["link", "set", "br0", "up"]);
         sysctl(
             &r,
@@ -447,20 +485,36 @@ impl BgpBed {
         // The client, on a link of its own.
         bed.add_ns(&bed.client.name.clone());
         let c = bed.client.clone();
-        r.ip(&["link", "add", "c0", "type", "veth", "peer", "name", "eth0", "netns", &c.name]);
+        r.ip(&[
+            "link", "add", "c0", "type", "veth", "peer", "name", "eth0", "netns", &c.name,
+        ]);
         r.ip(&["addr", "add", "203.0.113.1/24", "dev", "c0"]);
         r.ip(&["addr", "add", "2001:db8:3::1/64", "dev", "c0", "nodad"]);
         r.ip(&["link", "set", "c0", "up"]);
         c.ip(&["link", "set", "lo", "up"]);
         c.ip(&["addr", "add", &format!("{CLIENT_IP}/24"), "dev", "eth0"]);
-        c.ip(&["addr", "add", &format!("{CLIENT_IP6}/64"), "dev", "eth0", "nodad"]);
+        c.ip(&[
+            "addr",
+            "add",
+            &format!("{CLIENT_IP6}/64"),
+            "dev",
+            "eth0",
+            "nodad",
+        ]);
         c.ip(&["link", "set", "eth0", "up"]);
         c.ip(&["route", "add", "default", "via", "203.0.113.1"]);
         c.ip(&["-6", "route", "add", "default", "via", "2001:db8:3::1"]);
         for i in 1..=n {
             let ns = bed.wire(&format!("h{i}"), host_ip(i), host_ip6(i));
             ns.ip(&["route", "add", "default", "via", &ROUTER_IP.to_string()]);
-            ns.ip(&["-6", "route", "add", "default", "via", &ROUTER_IP6.to_string()]);
+            ns.ip(&[
+                "-6",
+                "route",
+                "add",
+                "default",
+                "via",
+                &ROUTER_IP6.to_string(),
+            ]);
             if vip_on_lo {
                 ns.ip(&["addr", "add", &format!("{VIP}/32"), "dev", "lo"]);
                 ns.ip(&["addr", "add", &format!("{VIP6}/128"), "dev", "lo"]);
@@ -550,7 +604,13 @@ impl BgpBed {
     pub fn nexthops(&self) -> Vec<usize> {
         let text = output(
             "ip",
-            &["-n", &self.router.name, "route", "show", &format!("{VIP}/32")],
+            &[
+                "-n",
+                &self.router.name,
+                "route",
+                "show",
+                &format!("{VIP}/32"),
+            ],
         );
         gateways(&text)
             .into_iter()
@@ -562,7 +622,14 @@ impl BgpBed {
     pub fn nexthops6(&self) -> usize {
         let text = output(
             "ip",
-            &["-6", "-n", &self.router.name, "route", "show", &format!("{VIP6}/128")],
+            &[
+                "-6",
+                "-n",
+                &self.router.name,
+                "route",
+                "show",
+                &format!("{VIP6}/128"),
+            ],
         );
         gateways(&text).len()
     }
@@ -645,7 +712,11 @@ impl BgpBed {
     }
 
     /// Opens `n` connections to be held open, returned with their host.
-    pub async fn open_long(&self, addr: SocketAddr, n: usize) -> Vec<(BufReader<TcpStream>, usize)> {
+    pub async fn open_long(
+        &self,
+        addr: SocketAddr,
+        n: usize,
+    ) -> Vec<(BufReader<TcpStream>, usize)> {
         let mut v = Vec::with_capacity(n);
         for _ in 0..n {
             let c = self
@@ -720,8 +791,7 @@ impl BgpBed {
     /// down, so nothing passes either way while the router's `br0` stays up
     /// (a host behind a switch losing power).
     pub fn silence(&self, i: usize) {
-        self.router
-            .ip(&["link", "set", &self.host(i).port, "down"]);
+        self.router.ip(&["link", "set", &self.host(i).port, "down"]);
     }
 
     fn add_ns(&mut self, name: &str) {
@@ -792,7 +862,11 @@ fn sysctl(ns: &Ns, settings: &[&str]) {
 /// An unconnected client socket of `addr`'s family in `ns`.
 fn client_socket(ns: &Ns, addr: SocketAddr) -> std::io::Result<tokio::net::TcpSocket> {
     let s = super::in_ns(&ns.name, move || {
-        let s = socket2::Socket::new(socket2::Domain::for_address(addr), socket2::Type::STREAM, None)?;
+        let s = socket2::Socket::new(
+            socket2::Domain::for_address(addr),
+            socket2::Type::STREAM,
+            None,
+        )?;
         s.set_nonblocking(true)?;
         Ok::<_, std::io::Error>(std::net::TcpStream::from(s))
     })?;
@@ -801,7 +875,9 @@ fn client_socket(ns: &Ns, addr: SocketAddr) -> std::io::Result<tokio::net::TcpSo
 
 /// The repository's `config/bird/<name>`.
 fn shipped(name: &str) -> String {
-    let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("config/bird").join(name);
+    let p = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("config/bird")
+        .join(name);
     std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("read {}: {e}", p.display()))
 }
 
