@@ -26,7 +26,7 @@ async fn bgp_bed_by_hand_spreads_over_both_hosts() {
     let mut bed = BgpBed::new("hand", true).await;
     for i in 1..=2 {
         let h = bed.host_mut(i);
-        h.write_config("");
+        h.write_config("", 30);
         h.start_daemon().await;
         h.announce_by_hand(true);
     }
@@ -47,7 +47,7 @@ async fn bgp_bed_by_hand_spreads_over_both_hosts() {
 async fn both_by_hand(bed: &mut BgpBed) {
     for i in 1..=2 {
         let h = bed.host_mut(i);
-        h.write_config("");
+        h.write_config("", 30);
         h.start_daemon().await;
         h.announce_by_hand(true);
     }
@@ -196,4 +196,266 @@ async fn bgp_ipv6_vip_spreads_over_both_hosts() {
     assert_eq!(counts.get(&0), None, "failed connections: {counts:?}");
     assert!(counts.get(&1).copied().unwrap_or(0) >= 5, "{counts:?}");
     assert!(counts.get(&2).copied().unwrap_or(0) >= 5, "{counts:?}");
+}
+
+/// The `[vip]` body of a host that announces: rise after `delay` seconds,
+/// `grace` seconds between withdrawing at SIGTERM and draining.
+fn announcing(delay: u32, grace: u32) -> String {
+    format!(
+        "announce = \"routes\"\nannounce_interface = \"lo\"\nannounce_table = {}\nannounce_delay_seconds = {delay}\nwithdraw_grace_seconds = {grace}\n",
+        netns::bgp::TABLE
+    )
+}
+
+/// Starts both daemons announcing and waits for both nexthops at the router.
+async fn both_announcing(bed: &mut BgpBed, delay: u32, grace: u32, drain: u32) {
+    for i in 1..=2 {
+        let h = bed.host_mut(i);
+        h.write_config(&announcing(delay, grace), drain);
+        h.start_daemon().await;
+    }
+    bed.wait_nexthops(&[1, 2], Duration::from_secs(30)).await;
+}
+
+/// Waits until the daemon of host `i` reports `announced` for the IPv4 VIP
+/// with `reason` (any reason if `None`).
+async fn wait_announce(bed: &BgpBed, i: usize, announced: bool, reason: Option<&str>) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let a = bed.host(i).announce_status(IpAddr::V4(VIP)).await;
+        if a["announced"] == announced && reason.is_none_or(|r| a["reason"] == r) {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "host {i}: announce not {announced}/{reason:?} within 20 s: {a}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Both hosts announce by themselves: the router's route has two nexthops,
+/// many connections land on each, and both the IPv4 and the IPv6 VIP are
+/// announced.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs [vip] announce = \"routes\" in the daemon"]
+async fn bgp_both_hosts_announce_and_carry_connections() {
+    require_bgp!();
+    let mut bed = BgpBed::new("both", false).await;
+    both_announcing(&mut bed, 1, 1, 5).await;
+    wait_announce(&bed, 1, true, None).await;
+    wait_announce(&bed, 2, true, None).await;
+    let counts = bed.spread(vip(), 200).await;
+    eprintln!("spread of 200 connections: {counts:?}");
+    assert_eq!(counts.get(&0), None, "failed connections: {counts:?}");
+    assert!(counts.get(&1).copied().unwrap_or(0) >= 40, "{counts:?}");
+    assert!(counts.get(&2).copied().unwrap_or(0) >= 40, "{counts:?}");
+    netns::wait_for(Duration::from_secs(10), "two IPv6 nexthops", || {
+        let n = bed.nexthops6();
+        async move { (n == 2).then_some(()) }
+    })
+    .await;
+}
+
+/// A host whose backends all fail their health checks withdraws its VIP
+/// (reason `no_eligible_backend`); from then on every new connection
+/// succeeds through the other host. When the backend is back, the host
+/// announces again after its delay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs [vip] announce = \"routes\" in the daemon"]
+async fn bgp_host_whose_backends_fail_withdraws() {
+    require_bgp!();
+    let mut bed = BgpBed::new("unhealthy", false).await;
+    both_announcing(&mut bed, 2, 1, 5).await;
+    let prober = bed.prober(vip(), Duration::from_secs(3));
+    netns::wait_for(
+        Duration::from_secs(10),
+        "30 attempts before the fault",
+        || {
+            let n = prober.finished();
+            async move { (n >= 30).then_some(()) }
+        },
+    )
+    .await;
+    let fault = std::time::Instant::now();
+    bed.backend_mut(1).stop();
+    let gone = bed.wait_nexthops(&[2], Duration::from_secs(20)).await;
+    wait_announce(&bed, 1, false, Some("no_eligible_backend")).await;
+    let seen = prober.finished();
+    netns::wait_for(
+        Duration::from_secs(30),
+        "150 attempts after the withdrawal",
+        || {
+            let n = prober.finished();
+            async move { (n >= seen + 150).then_some(()) }
+        },
+    )
+    .await;
+    let attempts = prober.stop().await;
+    let failed = attempts.iter().filter(|a| a.outcome.is_err()).count();
+    eprintln!(
+        "backends of host 1 down: withdrawn {:?} after the fault; {failed} of {} new connections failed (all before the withdrawal)",
+        gone - fault,
+        attempts.len()
+    );
+    let after: Vec<_> = attempts.iter().filter(|a| a.started > gone).collect();
+    assert!(
+        after.len() >= 100,
+        "{} attempts after the withdrawal",
+        after.len()
+    );
+    for a in &after {
+        assert_eq!(
+            a.outcome,
+            Ok(2),
+            "a new connection after the withdrawal: {a:?}"
+        );
+    }
+    // Healthy again: announced only after the delay.
+    let back = std::time::Instant::now();
+    bed.backend_mut(1).start();
+    let announced = bed.wait_nexthops(&[1, 2], Duration::from_secs(30)).await;
+    eprintln!("backend back: announced again after {:?}", announced - back);
+    assert!(
+        announced - back >= Duration::from_millis(1900),
+        "announced {:?} after the backend came back, before the 2 s delay",
+        announced - back
+    );
+}
+
+/// SIGTERM on one host: it withdraws first, waits its grace, then drains,
+/// so no new connection fails at any time; the other host's connections
+/// are untouched. (The stopping host's own open connections are rehashed to
+/// the survivor by the router, which resets them: printed, see
+/// docs/many-hosts.md.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs [vip] announce = \"routes\" in the daemon"]
+async fn bgp_sigterm_withdraws_before_it_stops_serving() {
+    require_bgp!();
+    let mut bed = BgpBed::new("sigterm", false).await;
+    both_announcing(&mut bed, 1, 2, 5).await;
+    let mut conns = bed.open_long(vip(), 40).await;
+    let prober = bed.prober(vip(), Duration::from_secs(3));
+    netns::wait_for(
+        Duration::from_secs(10),
+        "30 attempts before the stop",
+        || {
+            let n = prober.finished();
+            async move { (n >= 30).then_some(()) }
+        },
+    )
+    .await;
+    let term = std::time::Instant::now();
+    bed.host(1).daemon().signal(libc::SIGTERM);
+    let gone = bed.wait_nexthops(&[2], Duration::from_secs(5)).await;
+    let status = bed
+        .host_mut(1)
+        .daemon
+        .as_mut()
+        .expect("daemon")
+        .wait_exit(Duration::from_secs(30))
+        .await
+        .expect("host 1's daemon did not exit within 30 s of SIGTERM");
+    let exited = term.elapsed();
+    assert!(status.success(), "host 1's daemon exited with {status}");
+    let seen = prober.finished();
+    netns::wait_for(
+        Duration::from_secs(30),
+        "100 attempts after the exit",
+        || {
+            let n = prober.finished();
+            async move { (n >= seen + 100).then_some(()) }
+        },
+    )
+    .await;
+    let attempts = prober.stop().await;
+    let failed: Vec<_> = attempts.iter().filter(|a| a.outcome.is_err()).collect();
+    let mut broken = [0usize; 3];
+    let mut total = [0usize; 3];
+    for (c, h) in &mut conns {
+        total[*h] += 1;
+        if !netns::bgp::alive(c).await {
+            broken[*h] += 1;
+        }
+    }
+    eprintln!(
+        "SIGTERM: withdrawn after {:?}, exited after {exited:?}; {} of {} new connections failed; open connections broken: host 1 {}/{}, host 2 {}/{}",
+        gone - term,
+        failed.len(),
+        attempts.len(),
+        broken[1],
+        total[1],
+        broken[2],
+        total[2]
+    );
+    assert!(failed.is_empty(), "new connections failed: {failed:?}");
+    assert_eq!(broken[2], 0, "host 2 lost connections when host 1 stopped");
+}
+
+/// A daemon killed with SIGKILL leaves its route (the router keeps sending
+/// it new connections, refused); `harvester-lb withdraw --all`, as the
+/// unit's `ExecStopPost=` runs it, takes the route away within a second.
+/// Started again, the daemon starts withdrawn and announces after its delay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs [vip] announce = \"routes\" in the daemon"]
+async fn bgp_sigkill_then_withdraw_all_and_restart() {
+    require_bgp!();
+    let mut bed = BgpBed::new("sigkill", false).await;
+    both_announcing(&mut bed, 3, 1, 5).await;
+    bed.host(1).daemon().signal(libc::SIGKILL);
+    bed.host_mut(1)
+        .daemon
+        .as_mut()
+        .expect("daemon")
+        .wait_exit(Duration::from_secs(10))
+        .await
+        .expect("SIGKILL");
+    // The route outlives the process: nothing else takes it away.
+    assert!(
+        bed.host(1).table_routes().contains(&VIP.to_string()),
+        "a killed daemon's route went by itself: {}",
+        bed.host(1).table_routes()
+    );
+    let mut now = bed.nexthops();
+    now.sort_unstable();
+    assert_eq!(
+        now,
+        vec![1, 2],
+        "the router dropped the killed host by itself"
+    );
+    let t = std::time::Instant::now();
+    bed.host(1).withdraw_all();
+    let gone = bed.wait_nexthops(&[2], Duration::from_secs(5)).await - t;
+    eprintln!("SIGKILL + withdraw --all: router down to host 2 after {gone:?}");
+    assert!(
+        gone < Duration::from_secs(1),
+        "withdraw --all took {gone:?}"
+    );
+    assert!(
+        !bed.host(1).table_routes().contains(&VIP.to_string()),
+        "routes left after withdraw --all: {}",
+        bed.host(1).table_routes()
+    );
+    // A crashed daemon's route is flushed at start too: put one back by
+    // hand, then start; it must go before the delay is over.
+    bed.host(1).announce_by_hand(true);
+    bed.wait_nexthops(&[1, 2], Duration::from_secs(5)).await;
+    let start = std::time::Instant::now();
+    bed.host_mut(1).start_daemon().await;
+    bed.wait_nexthops(&[2], Duration::from_secs(5)).await;
+    let flushed = start.elapsed();
+    wait_announce(&bed, 1, false, Some("waiting")).await;
+    let announced = bed.wait_nexthops(&[1, 2], Duration::from_secs(30)).await - start;
+    eprintln!(
+        "restart: stale route flushed {flushed:?} after start, announced after {announced:?}"
+    );
+    assert!(
+        flushed < Duration::from_secs(3),
+        "the stale route stayed {flushed:?} after the start (the delay is 3 s)"
+    );
+    assert!(
+        announced >= Duration::from_millis(2900),
+        "announced {announced:?} after the start, before its 3 s delay"
+    );
+    wait_announce(&bed, 1, true, None).await;
 }

@@ -297,8 +297,9 @@ impl LbHost {
 
     /// Writes its daemon's config: one load balancer on the VIP (and one on
     /// the IPv6 VIP) to this host's backend, probed every second;
-    /// `vip_section` is the `[vip]` table's body.
-    pub fn write_config(&self, vip_section: &str) -> PathBuf {
+    /// `vip_section` is the `[vip]` table's body; open connections may
+    /// finish for `drain` seconds when the daemon stops.
+    pub fn write_config(&self, vip_section: &str, drain: u32) -> PathBuf {
         let i = self.index;
         let lb = |name: &str, vip: IpAddr, backend: IpAddr| {
             format!(
@@ -306,7 +307,7 @@ impl LbHost {
             )
         };
         let text = format!(
-            "[admin]\nlisten = \"127.0.0.1:{}\"\nsocket = {:?}\n\n[proxy]\ndrain_timeout_seconds = 30\n\n[vip]\n{vip_section}\n\n{}\n{}",
+            "[admin]\nlisten = \"127.0.0.1:{}\"\nsocket = {:?}\n\n[proxy]\ndrain_timeout_seconds = {drain}\n\n[vip]\n{vip_section}\n\n{}\n{}",
             super::ADMIN_PORT,
             self.dir.join("admin.sock"),
             lb(
@@ -348,6 +349,34 @@ impl LbHost {
         }
         self.daemon = Some(d);
         self.daemon()
+    }
+
+    /// `harvester-lb withdraw --all --config F` in this host's namespace, as
+    /// the unit's `ExecStopPost=` runs it; panics if it fails.
+    pub fn withdraw_all(&self) {
+        let config = self.config_path();
+        run(
+            "ip",
+            &[
+                "netns",
+                "exec",
+                &self.ns.name,
+                env!("CARGO_BIN_EXE_harvester-lb"),
+                "withdraw",
+                "--all",
+                "--config",
+                config.to_str().expect("utf-8 path"),
+            ],
+            None,
+        );
+    }
+
+    /// The `announce` object of `/status` for the VIP `vip` (wherever the
+    /// status puts it: the first object naming the VIP that has one).
+    pub async fn announce_status(&self, vip: IpAddr) -> serde_json::Value {
+        let status = self.daemon().status().await;
+        find_announce(&status, &vip.to_string())
+            .unwrap_or_else(|| panic!("no `announce` for {vip} in /status: {status}"))
     }
 
     /// Routes of harvester-lb's table (`ip route show table 100`), one a line.
@@ -392,6 +421,23 @@ impl LbHost {
             "proto",
             &proto,
         ]);
+    }
+}
+
+/// The `announce` member of the first object (depth first) that has one and
+/// names `vip` in one of its string members.
+fn find_announce(v: &serde_json::Value, vip: &str) -> Option<serde_json::Value> {
+    match v {
+        serde_json::Value::Object(m) => {
+            if let Some(a) = m.get("announce") {
+                if m.values().any(|x| x.as_str() == Some(vip)) {
+                    return Some(a.clone());
+                }
+            }
+            m.values().find_map(|x| find_announce(x, vip))
+        }
+        serde_json::Value::Array(a) => a.iter().find_map(|x| find_announce(x, vip)),
+        _ => None,
     }
 }
 
