@@ -17,6 +17,52 @@ fn vip() -> SocketAddr {
     SocketAddr::new(IpAddr::V4(VIP), PORT)
 }
 
+/// Every shipped BIRD config parses (`bird -p`) as it is, and as the bed
+/// fills it in for its hosts and router.
+#[test]
+fn shipped_bird_configs_parse() {
+    if let Some(why) = netns::bgp::skip_reason() {
+        netns::skip_or_fail(module_path!(), &why);
+        return;
+    }
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("config/bird");
+    let scratch = std::env::temp_dir().join(format!("hlb-bird-parse-{}", std::process::id()));
+    std::fs::create_dir_all(&scratch).expect("scratch dir");
+    let mut files: Vec<std::path::PathBuf> = std::fs::read_dir(&dir)
+        .expect("config/bird")
+        .map(|e| e.expect("entry").path())
+        .filter(|p| p.extension().is_some_and(|e| e == "conf"))
+        .collect();
+    assert!(
+        files.len() >= 2,
+        "config/bird has {} .conf files",
+        files.len()
+    );
+    for (name, text) in [
+        ("host1.conf", netns::bgp::host_config(1)),
+        ("router.conf", netns::bgp::router_config()),
+    ] {
+        let p = scratch.join(name);
+        std::fs::write(&p, text).expect("write");
+        files.push(p);
+    }
+    for f in &files {
+        let out = std::process::Command::new("bird")
+            .arg("-p")
+            .arg("-c")
+            .arg(f)
+            .output()
+            .expect("run bird -p");
+        assert!(
+            out.status.success(),
+            "bird -p -c {}: {}",
+            f.display(),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let _ = std::fs::remove_dir_all(&scratch);
+}
+
 /// The bed itself, with the routes written by hand as the daemon would:
 /// the router holds one route with both hosts as nexthops and spreads
 /// connections over both.
@@ -126,8 +172,8 @@ async fn bgp_bfd_takes_a_silent_host_out_within_a_second() {
     );
 }
 
-/// With two hosts, withdrawing one breaks none of the other host's open
-/// connections (the router's hash-threshold ECMP keeps a survivor's flows
+/// With two hosts, withdrawing one fails no new connection and breaks none
+/// of the other host's open connections (the router's hash-threshold ECMP keeps a survivor's flows
 /// on it). The withdrawn host's own flows are rehashed to the survivor,
 /// which resets them: withdrawal is not a drain (measured and printed).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -144,8 +190,37 @@ async fn bgp_withdrawal_breaks_none_of_the_other_hosts_connections() {
         n1 > 0 && n2 > 0,
         "60 connections on one host only: {n1}/{n2}"
     );
+    let prober = bed.prober(vip(), Duration::from_secs(3));
+    netns::wait_for(
+        Duration::from_secs(10),
+        "30 attempts before the withdrawal",
+        || {
+            let n = prober.finished();
+            async move { (n >= 30).then_some(()) }
+        },
+    )
+    .await;
+    let t = std::time::Instant::now();
     bed.host(1).announce_by_hand(false);
-    bed.wait_nexthops(&[2], Duration::from_secs(5)).await;
+    let gone = bed.wait_nexthops(&[2], Duration::from_secs(5)).await - t;
+    let seen = prober.finished();
+    netns::wait_for(
+        Duration::from_secs(20),
+        "50 attempts after the withdrawal",
+        || {
+            let n = prober.finished();
+            async move { (n >= seen + 50).then_some(()) }
+        },
+    )
+    .await;
+    let attempts = prober.stop().await;
+    let failed: Vec<_> = attempts.iter().filter(|a| a.outcome.is_err()).collect();
+    eprintln!(
+        "withdrawal of host 1 reached the router's FIB after {gone:?}; {} of {} new connections failed",
+        failed.len(),
+        attempts.len()
+    );
+    assert!(failed.is_empty(), "new connections failed: {failed:?}");
     let mut broken = [0usize; 3];
     for (c, h) in &mut conns {
         if !netns::bgp::alive(c).await {
