@@ -79,6 +79,17 @@ pub struct FileVip {
     pub isolate: Option<Spanned<bool>>,
     /// `drop` or `reject`: what the other traffic to a VIP meets.
     pub isolate_action: Option<Spanned<String>>,
+    /// `none` or `routes`: whether the daemon announces its VIPs as host
+    /// routes in a table a BGP speaker exports.
+    pub announce: Option<Spanned<String>>,
+    /// The interface the VIP addresses are put on (`lo`).
+    pub announce_interface: Option<Spanned<String>>,
+    /// The routing table the announcing routes are written to.
+    pub announce_table: Option<Spanned<i64>>,
+    /// How long a VIP's conditions must hold before it is announced.
+    pub announce_delay_seconds: Option<Spanned<i64>>,
+    /// How long a stopping daemon waits after withdrawing before it drains.
+    pub withdraw_grace_seconds: Option<Spanned<i64>>,
 }
 
 /// `[proxy]`.

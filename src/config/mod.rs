@@ -76,8 +76,8 @@ pub struct MetricsSettings {
     pub per_backend_health_check_duration: bool,
 }
 
-/// `[vip]`: the VIPs' own protection on this host.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+/// `[vip]`: the VIPs' own protection on this host, and their announcement.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct VipSettings {
     /// Let traffic to a VIP reach only its listeners' ports: without it,
     /// every service the host runs on a wildcard address (the kubelet, SSH,
@@ -85,6 +85,76 @@ pub struct VipSettings {
     pub isolate: bool,
     /// What happens to the rest of the traffic addressed to a VIP.
     pub isolate_action: IsolateAction,
+    /// Whether and where the VIPs are announced for a BGP speaker.
+    pub announce: AnnounceSettings,
+}
+
+/// The route protocol number of the daemon's announcing routes
+/// (`proto 252` in `ip route`; name it in `/etc/iproute2/rt_protos.d/`).
+/// Unassigned by iproute2 and the kernel, so no other routing daemon
+/// writes it: the daemon deletes only routes of this protocol.
+pub const ROUTE_PROTOCOL: u8 = 252;
+
+/// Default `vip.announce_table`.
+pub const DEFAULT_ANNOUNCE_TABLE: u32 = 100;
+
+/// Default `vip.withdraw_grace_seconds`: BIRD's kernel protocol with
+/// `learn` sees the route go in milliseconds and the router's FIB follows
+/// in tens of milliseconds over BFD-backed sessions (measured in
+/// `/work/shared/notes/bgp-anycast.md`: 3-32 ms); 5 s leaves room for a
+/// slower router and a `scan time` without netlink notifications.
+pub const DEFAULT_WITHDRAW_GRACE_SECONDS: u64 = 5;
+
+/// `vip.announce` and the keys with it: the daemon's half of anycast VIPs
+/// (every host announces the VIP's host route to its BGP speaker while it
+/// can serve the VIP; the router spreads flows by ECMP).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AnnounceSettings {
+    /// `none` (default: the daemon touches no address and no route) or `routes`.
+    pub mode: AnnounceMode,
+    /// Where each VIP is put as a /32 (/128) address so the host accepts
+    /// its traffic (default `lo`).
+    pub interface: String,
+    /// The routing table the announcing routes go to (default 100); never
+    /// 0, 253, 254 or 255.
+    pub table: u32,
+    /// How long a VIP's conditions must hold before it is announced;
+    /// `None`: 3 × the longest probe period of the VIP's load balancers
+    /// (3 s without health checks).
+    pub delay: Option<Duration>,
+    /// How long a stopping daemon waits between withdrawing every VIP and
+    /// closing its listeners, for the router to move new flows away.
+    pub withdraw_grace: Duration,
+}
+
+impl Default for AnnounceSettings {
+    fn default() -> Self {
+        Self {
+            mode: AnnounceMode::None,
+            interface: "lo".to_string(),
+            table: DEFAULT_ANNOUNCE_TABLE,
+            delay: None,
+            withdraw_grace: Duration::from_secs(DEFAULT_WITHDRAW_GRACE_SECONDS),
+        }
+    }
+}
+
+impl AnnounceSettings {
+    /// Whether routes are announced.
+    pub fn enabled(&self) -> bool {
+        self.mode == AnnounceMode::Routes
+    }
+}
+
+/// `vip.announce`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum AnnounceMode {
+    /// No address and no route is touched (keepalived or kube-vip move the VIP).
+    #[default]
+    None,
+    /// Each VIP is an address on `announce_interface`, and a host route in
+    /// `announce_table` announces it while this host can serve it.
+    Routes,
 }
 
 /// How a packet to a VIP's closed port is refused.

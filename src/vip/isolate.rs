@@ -233,7 +233,7 @@ impl Isolation {
         leased: &HashMap<String, IpAddr>,
     ) -> Result<(), IsolationError> {
         let mut st = self.lock();
-        st.settings = config.vip;
+        st.settings = config.vip.clone();
         let result = if config.vip.isolate {
             st.wanted = Some((Openings::of(config, leased), config.vip.isolate_action));
             self.check_locked(&mut st, CheckCause::Reload)

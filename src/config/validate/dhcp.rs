@@ -20,6 +20,35 @@ const MAX_IFNAME_BYTES: usize = 15;
 const MAX_HOSTNAME_BYTES: usize = 63;
 
 impl Validator<'_> {
+    /// A host interface's name as the kernel takes it: 1..=15 bytes, no
+    /// `/`, `:`, space or control character, not `.` or `..`.
+    pub(super) fn interface_name(
+        &mut self,
+        value: &Spanned<String>,
+        key: fmt::Arguments<'_>,
+    ) -> Option<String> {
+        let name = value.get_ref();
+        let bad = name.is_empty()
+            || name.len() > MAX_IFNAME_BYTES
+            || name == "."
+            || name == ".."
+            || name
+                .chars()
+                .any(|c| c == '/' || c == ':' || c.is_whitespace() || c.is_control());
+        if bad {
+            self.problem(
+                Some(value.span()),
+                &key.to_string(),
+                format!(
+                    "{name:?} is not an interface name (1..={MAX_IFNAME_BYTES} bytes, no '/', ':' or spaces)"
+                ),
+            );
+            None
+        } else {
+            Some(name.clone())
+        }
+    }
+
     /// `[dhcp]`.
     pub(super) fn dhcp_settings(&mut self, file: &FileDhcpSettings) -> DhcpSettings {
         let state_directory = match &file.state_directory {
@@ -102,28 +131,7 @@ impl Validator<'_> {
                 );
                 None
             }
-            Some(i) => {
-                let name = i.get_ref();
-                let bad = name.is_empty()
-                    || name.len() > MAX_IFNAME_BYTES
-                    || name == "."
-                    || name == ".."
-                    || name
-                        .chars()
-                        .any(|c| c == '/' || c == ':' || c.is_whitespace() || c.is_control());
-                if bad {
-                    self.problem(
-                        Some(i.span()),
-                        &format!("{dkey}.interface"),
-                        format!(
-                            "{name:?} is not an interface name (1..={MAX_IFNAME_BYTES} bytes, no '/', ':' or spaces)"
-                        ),
-                    );
-                    None
-                } else {
-                    Some(name.clone())
-                }
-            }
+            Some(i) => self.interface_name(i, format_args!("{dkey}.interface")),
         };
         let identity = format!(
             "{}/{}",

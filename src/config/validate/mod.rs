@@ -24,6 +24,7 @@ use toml::de::{DeArray, DeTable, DeValue};
 use super::file::{FileConfig, FileHealthCheck, FileListener, FileLoadBalancer};
 use super::*;
 
+mod announce;
 mod cross;
 mod dhcp;
 mod health;
@@ -295,6 +296,7 @@ impl Validator<'_> {
                 ],
                 IsolateAction::Drop,
             ),
+            announce: self.announce(&file.vip),
         };
         if !vip.isolate
             && let Some(a) = &file.vip.isolate_action
@@ -343,6 +345,7 @@ impl Validator<'_> {
         let built: Vec<Option<&LoadBalancerSpec>> = specs.iter().map(Option::as_ref).collect();
         let found = cross::conflicts(admin_listen, &names, &built);
         self.report_conflicts(admin_listen, file, &specs, found);
+        self.announce_conflicts(&vip.announce, file, &specs);
         let load_balancers = specs.into_iter().flatten().map(Arc::new).collect();
         Config {
             admin: AdminSettings {
