@@ -424,13 +424,17 @@ impl LbHost {
     }
 }
 
-/// The `announce` member of the first object (depth first) that has one and
-/// names `vip` in one of its string members.
+/// The announce state of `vip` in a `/status` document: the first object
+/// (depth first) that names `vip` in a string member and either has
+/// `announced` itself or an `announce` member that has it.
 fn find_announce(v: &serde_json::Value, vip: &str) -> Option<serde_json::Value> {
     match v {
         serde_json::Value::Object(m) => {
-            if let Some(a) = m.get("announce") {
-                if m.values().any(|x| x.as_str() == Some(vip)) {
+            if m.values().any(|x| x.as_str() == Some(vip)) {
+                if m.contains_key("announced") {
+                    return Some(v.clone());
+                }
+                if let Some(a) = m.get("announce").filter(|a| a.get("announced").is_some()) {
                     return Some(a.clone());
                 }
             }
