@@ -111,6 +111,7 @@ async fn bgp_bfd_takes_a_silent_host_out_within_a_second() {
     both_by_hand(&mut bed).await;
     // Each attempt gets 0.9 s: a SYN to the silent host is never answered,
     // and its retry (after 1 s) would go to the survivor and hide it.
+    let mut conns = bed.open_long(vip(), 30).await;
     let prober = bed.prober(vip(), Duration::from_millis(900));
     netns::wait_for(
         Duration::from_secs(10),
@@ -170,6 +171,14 @@ async fn bgp_bfd_takes_a_silent_host_out_within_a_second() {
         after.iter().all(|a| a.outcome == Ok(2)),
         "new connections after the route changed must all reach host 2"
     );
+    let mut kept = 0;
+    for (c, h) in &mut conns {
+        if *h == 2 {
+            assert!(netns::bgp::alive(c).await, "a connection on host 2 broke");
+            kept += 1;
+        }
+    }
+    eprintln!("silent host: {kept}/{kept} open connections on host 2 kept");
 }
 
 /// With two hosts, withdrawing one fails no new connection and breaks none
