@@ -13,7 +13,7 @@ use harvester_lb::server::{self, RunError};
 use harvester_lb::workers::{self, Runtimes};
 use tracing_subscriber::field::MakeExt as _;
 
-use crate::{BackendState, LogFormat, Scheduler};
+use crate::{AnnounceState, BackendState, LogFormat, Scheduler};
 
 /// Exit code for an unusable config (sysexits' EX_CONFIG). The systemd unit
 /// lists it in `RestartPreventExitStatus=` so a bad file does not restart-loop.
@@ -98,14 +98,7 @@ pub fn backend(
     socket: Option<PathBuf>,
     config_path: &Path,
 ) -> ExitCode {
-    // The config is read only for admin.socket; a missing or broken file
-    // means the default path (the daemon would not run on a broken one).
-    let socket = socket.unwrap_or_else(|| {
-        config::load(config_path).map_or_else(
-            |_| PathBuf::from(config::DEFAULT_ADMIN_SOCKET),
-            |l| l.config.admin.socket,
-        )
-    });
+    let socket = socket_of(socket, config_path);
     let body = serde_json::json!({
         "load_balancer": load_balancer,
         "backend": address,
@@ -132,6 +125,108 @@ pub fn backend(
         Err(e) => {
             eprintln!("{e}");
             ExitCode::from(EXIT_UNAVAILABLE)
+        }
+    }
+}
+
+/// The admin socket: `--socket`, else the config's `admin.socket`, else
+/// the default (a missing or broken file: the daemon would not run on it).
+fn socket_of(socket: Option<PathBuf>, config_path: &Path) -> PathBuf {
+    socket.unwrap_or_else(|| {
+        config::load(config_path).map_or_else(
+            |_| PathBuf::from(config::DEFAULT_ADMIN_SOCKET),
+            |l| l.config.admin.socket,
+        )
+    })
+}
+
+/// `harvester-lb host drain|ready` (`vip` = `None`) and `harvester-lb vip
+/// drain|ready VIP`.
+pub fn announce_state(
+    state: AnnounceState,
+    vip: Option<&str>,
+    socket: Option<PathBuf>,
+    config_path: &Path,
+) -> ExitCode {
+    let socket = socket_of(socket, config_path);
+    let body = match vip {
+        Some(v) => serde_json::json!({ "vip": v, "state": state.as_str() }),
+        None => serde_json::json!({ "state": state.as_str() }),
+    }
+    .to_string();
+    match client::request(&socket, hyper::Method::POST, "/announce/state", body) {
+        Ok(client::Answer { status, body }) => {
+            let answer: serde_json::Value = serde_json::from_str(&body).unwrap_or_default();
+            if status.is_success() {
+                println!(
+                    "{}: {} -> {}",
+                    vip.map_or_else(|| "host".to_string(), |v| format!("vip {v}")),
+                    answer["previous_state"].as_str().unwrap_or("?"),
+                    answer["state"].as_str().unwrap_or(state.as_str()),
+                );
+                ExitCode::SUCCESS
+            } else {
+                let message = answer["error"].as_str().unwrap_or(body.trim_end());
+                eprintln!("the daemon refused: {message} (HTTP {status})");
+                ExitCode::from(EXIT_START)
+            }
+        }
+        Err(e) => {
+            eprintln!("{e}");
+            ExitCode::from(EXIT_UNAVAILABLE)
+        }
+    }
+}
+
+/// `harvester-lb withdraw --all`: no daemon needed.
+pub fn withdraw_all(config_path: &Path, table: Option<u32>) -> ExitCode {
+    let table = match table {
+        Some(t) => t,
+        None => match config::load(config_path) {
+            // Nothing announces: the unit's ExecStopPost= must not need
+            // netlink (the default sandbox has none) to do nothing.
+            Ok(l) if !l.config.vip.announce.enabled() => {
+                println!(
+                    "vip.announce is \"none\" in {}: nothing is announced, nothing to withdraw (--table N withdraws from table N anyway)",
+                    config_path.display()
+                );
+                return ExitCode::SUCCESS;
+            }
+            Ok(l) => l.config.vip.announce.table,
+            Err(e) => {
+                eprintln!(
+                    "warning: cannot read {} ({e}); withdrawing from the default table {}",
+                    config_path.display(),
+                    config::DEFAULT_ANNOUNCE_TABLE
+                );
+                config::DEFAULT_ANNOUNCE_TABLE
+            }
+        },
+    };
+    let runtime = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(r) => r,
+        Err(e) => return runtime_failed(&e),
+    };
+    match runtime.block_on(harvester_lb::vip::announce::withdraw_all(table)) {
+        Ok(withdrawn) if withdrawn.is_empty() => {
+            println!("table {table}: no harvester-lb route to withdraw");
+            ExitCode::SUCCESS
+        }
+        Ok(withdrawn) => {
+            let list: Vec<String> = withdrawn.iter().map(ToString::to_string).collect();
+            println!(
+                "table {table}: withdrew {} VIP(s): {}",
+                list.len(),
+                list.join(", ")
+            );
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("withdraw --all, table {table}: {e}");
+            ExitCode::from(EXIT_START)
         }
     }
 }

@@ -1,5 +1,5 @@
 //! The `harvester-lb` command: `run`, `check`, `reload`, `backend`,
-//! `status`, `import`, `demo`.
+//! `host`, `vip`, `withdraw`, `status`, `import`, `demo`.
 //! Thin by design: it parses the arguments and dispatches to [`cli`]; the
 //! daemon and the admin client live in the library.
 
@@ -107,6 +107,59 @@ enum Command {
         #[arg(long, short, default_value = config::DEFAULT_PATH)]
         config: PathBuf,
     },
+    /// Withdraw this host's VIPs (`vip.announce = "routes"`) for
+    /// maintenance, or announce them again: `drain` deletes every VIP's
+    /// route at once while open connections continue; `ready` announces
+    /// each again once its conditions have held for its delay.
+    ///
+    /// Talks to the daemon's admin socket (POST /announce/state). Lasts
+    /// until changed or the daemon restarts.
+    Host {
+        /// `drain` or `ready`.
+        #[arg(value_enum)]
+        state: AnnounceState,
+        /// The admin socket. Default: the config's admin.socket.
+        #[arg(long, value_name = "PATH")]
+        socket: Option<PathBuf>,
+        /// The config file whose admin.socket is used when --socket is not given.
+        #[arg(long, short, default_value = config::DEFAULT_PATH)]
+        config: PathBuf,
+    },
+    /// Withdraw one VIP from this host (`drain`), or let it be announced
+    /// again (`ready`); as `host`, for one VIP.
+    Vip {
+        /// `drain` or `ready`.
+        #[arg(value_enum)]
+        state: AnnounceState,
+        /// The VIP, as in the config.
+        #[arg(value_name = "VIP")]
+        vip: String,
+        /// The admin socket. Default: the config's admin.socket.
+        #[arg(long, value_name = "PATH")]
+        socket: Option<PathBuf>,
+        /// The config file whose admin.socket is used when --socket is not given.
+        #[arg(long, short, default_value = config::DEFAULT_PATH)]
+        config: PathBuf,
+    },
+    /// Delete every route harvester-lb announces (protocol 252) from the
+    /// configured vip.announce_table, without the daemon: for systemd's
+    /// `ExecStopPost=`, so a killed daemon's VIPs stop attracting traffic.
+    ///
+    /// Exits 0 when there was nothing to delete. Reads only
+    /// vip.announce_table from the config (default 100 when the file
+    /// cannot be read, said on stderr).
+    Withdraw {
+        /// Every VIP (the only form there is; required so the command is
+        /// never run by accident).
+        #[arg(long, required = true)]
+        all: bool,
+        /// The config file (its vip.announce_table).
+        #[arg(long, short, default_value = config::DEFAULT_PATH)]
+        config: PathBuf,
+        /// The table, instead of the config's.
+        #[arg(long, value_name = "N")]
+        table: Option<u32>,
+    },
     /// Show the running daemon's load balancers, listeners and backends as
     /// a table (health, operator state, consecutive counts, last probe and
     /// its age, connections), like `haproxy show stat` or `ipvsadm -L -n`.
@@ -184,6 +237,24 @@ impl BackendState {
     }
 }
 
+/// What `harvester-lb host` and `harvester-lb vip` set.
+#[derive(Clone, Copy, ValueEnum)]
+enum AnnounceState {
+    /// Withdraw now; open connections continue.
+    Drain,
+    /// Announce again after the delay.
+    Ready,
+}
+
+impl AnnounceState {
+    fn as_str(self) -> &'static str {
+        match self {
+            AnnounceState::Drain => "drain",
+            AnnounceState::Ready => "ready",
+        }
+    }
+}
+
 /// See `harvester_lb::workers::Scheduler`.
 #[derive(Clone, Copy, ValueEnum)]
 enum Scheduler {
@@ -230,6 +301,22 @@ fn main() -> ExitCode {
             cli::run(config, no_watch, threads, scheduler)
         }
         Command::Demo { config } => cli::demo(&config),
+        Command::Host {
+            state,
+            socket,
+            config,
+        } => cli::announce_state(state, None, socket, &config),
+        Command::Vip {
+            state,
+            vip,
+            socket,
+            config,
+        } => cli::announce_state(state, Some(&vip), socket, &config),
+        Command::Withdraw {
+            all: _,
+            config,
+            table,
+        } => cli::withdraw_all(&config, table),
         Command::Status { config, json } => cli::status(&config, json),
         Command::Import {
             inputs,

@@ -1,6 +1,7 @@
 //! The VIPs themselves, beyond listening on them: who may reach what on a
-//! VIP ([`isolate`]), and the lease of a VIP the daemon obtains itself over
-//! DHCP ([`dhcp`]).
+//! VIP ([`isolate`]), the lease of a VIP the daemon obtains itself over
+//! DHCP ([`dhcp`]), and the routes that announce a VIP to a BGP speaker
+//! ([`announce`]).
 //!
 //! Listeners bind with `IP_FREEBIND`, so the daemon never needs the VIP to
 //! be up, and whichever host holds it (keepalived, kube-vip) the daemon is
@@ -8,5 +9,6 @@
 //! daemon drives this module; nothing here touches forwarding, and nothing
 //! here calls up into the daemon (a lease change is announced on a `Notify`).
 
+pub mod announce;
 pub mod dhcp;
 pub mod isolate;

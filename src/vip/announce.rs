@@ -1,0 +1,438 @@
+//! Announcing VIPs for a BGP speaker: host routes in a table of the
+//! daemon's own, and the VIP addresses on an interface, over rtnetlink.
+//!
+//! With `vip.announce = "routes"` a route `VIP/32 dev <interface> table
+//! <table> proto 252` (`/128` for IPv6) is the announcement: the BGP speaker
+//! (BIRD's `protocol kernel { kernel table 100; learn; }`) exports what is
+//! in the table, so writing or deleting one route announces or withdraws
+//! one VIP in milliseconds, with no reload of the speaker. The address on
+//! the interface is separate: it is how the host accepts the VIP's traffic,
+//! announced or not, so open connections keep working after a withdrawal.
+//!
+//! This module only writes what it is told. Whether a VIP should be
+//! announced is decided by the daemon (`daemon::announce`), which drives
+//! it; nothing here knows of health checks or listeners.
+//!
+//! Ownership: every route written carries [`ROUTE_PROTOCOL`], and only
+//! routes with that protocol in the configured table are ever deleted. A
+//! route another protocol put for the same prefix in that table is never
+//! replaced: writing fails with an error that says so. Addresses are
+//! removed only when this process added them (see [`AddressOwner`]).
+//!
+//! Everything here needs `CAP_NET_ADMIN` and an `AF_NETLINK` socket.
+
+use std::collections::BTreeSet;
+use std::net::IpAddr;
+
+use futures_util::TryStreamExt;
+use rtnetlink::packet_route::address::{AddressAttribute, AddressFlags};
+use rtnetlink::packet_route::route::{
+    RouteAddress, RouteAttribute, RouteMessage, RouteProtocol, RouteScope,
+};
+use rtnetlink::{Handle, RouteMessageBuilder};
+
+pub use crate::config::ROUTE_PROTOCOL;
+
+/// Why a route or an address could not be written or read.
+#[derive(Debug, thiserror::Error)]
+pub enum AnnounceError {
+    /// No netlink socket (no `AF_NETLINK` in the sandbox?).
+    #[error(
+        "cannot open a netlink socket: {0} (vip.announce needs AF_NETLINK and CAP_NET_ADMIN: see systemd/harvester-lb.service.d/vip.conf)"
+    )]
+    Socket(std::io::Error),
+    /// `vip.announce_interface` names no interface of this host.
+    #[error(
+        "vip.announce_interface: interface {0:?} does not exist on this host; create it (`ip link add {0} type dummy`) or name another (default \"lo\")"
+    )]
+    NoInterface(String),
+    /// Another protocol's route for the VIP is in the table.
+    #[error(
+        "table {table} already has a route for {vip} of protocol {protocol}, not harvester-lb's ({ROUTE_PROTOCOL}); it is left alone and the VIP is not announced by this daemon: delete it (`ip route del {vip} table {table}`) or choose another vip.announce_table"
+    )]
+    Foreign {
+        /// The VIP.
+        vip: IpAddr,
+        /// The table.
+        table: u32,
+        /// The other route's protocol number.
+        protocol: u8,
+    },
+    /// The kernel refused (no `CAP_NET_ADMIN`, …).
+    #[error(
+        "{what}: {source} (vip.announce needs CAP_NET_ADMIN: see systemd/harvester-lb.service.d/vip.conf)"
+    )]
+    Netlink {
+        /// What was being done.
+        what: String,
+        /// The kernel's answer.
+        source: rtnetlink::Error,
+    },
+}
+
+/// The prefix length of a host route or address of `ip`.
+fn host_prefix(ip: IpAddr) -> u8 {
+    if ip.is_ipv4() { 32 } else { 128 }
+}
+
+/// The kernel's errno in a netlink error, if it is one (positive).
+fn errno(e: &rtnetlink::Error) -> Option<i32> {
+    match e {
+        rtnetlink::Error::NetlinkError(m) => m.code.map(|c| -c.get()),
+        _ => None,
+    }
+}
+
+/// A route's table: the `RTA_TABLE` attribute when present (tables above
+/// 255 have only that), else the header's byte.
+fn table_of(m: &RouteMessage) -> u32 {
+    m.attributes
+        .iter()
+        .find_map(|a| match a {
+            RouteAttribute::Table(t) => Some(*t),
+            _ => None,
+        })
+        .unwrap_or(u32::from(m.header.table))
+}
+
+/// A host route's destination.
+fn destination_of(m: &RouteMessage) -> Option<IpAddr> {
+    m.attributes.iter().find_map(|a| match a {
+        RouteAttribute::Destination(RouteAddress::Inet(v4)) => Some(IpAddr::V4(*v4)),
+        RouteAttribute::Destination(RouteAddress::Inet6(v6)) => Some(IpAddr::V6(*v6)),
+        _ => None,
+    })
+}
+
+fn protocol_number(p: RouteProtocol) -> u8 {
+    u8::from(p)
+}
+
+/// A netlink connection to the kernel's routing tables and addresses.
+#[derive(Debug, Clone)]
+pub struct RouteWriter {
+    handle: Handle,
+}
+
+impl RouteWriter {
+    /// Opens a netlink socket; its connection runs on the current tokio runtime.
+    pub fn connect() -> Result<Self, AnnounceError> {
+        let (conn, handle, _) = rtnetlink::new_connection().map_err(AnnounceError::Socket)?;
+        tokio::spawn(conn);
+        Ok(Self { handle })
+    }
+
+    /// The index of interface `name`.
+    pub async fn interface_index(&self, name: &str) -> Result<u32, AnnounceError> {
+        let mut links = self
+            .handle
+            .link()
+            .get()
+            .match_name(name.to_string())
+            .execute();
+        match links.try_next().await {
+            Ok(Some(msg)) => Ok(msg.header.index),
+            Ok(None) => Err(AnnounceError::NoInterface(name.to_string())),
+            Err(e) if errno(&e) == Some(libc::ENODEV) => {
+                Err(AnnounceError::NoInterface(name.to_string()))
+            }
+            Err(source) => Err(AnnounceError::Netlink {
+                what: format!("cannot look up interface {name:?}"),
+                source,
+            }),
+        }
+    }
+
+    /// Every route of [`ROUTE_PROTOCOL`] in `table`, both families.
+    pub async fn ours(&self, table: u32) -> Result<Vec<RouteMessage>, AnnounceError> {
+        let mut out = Vec::new();
+        for request in [
+            RouteMessageBuilder::<std::net::Ipv4Addr>::new().build(),
+            RouteMessageBuilder::<std::net::Ipv6Addr>::new().build(),
+        ] {
+            let mut routes = self.handle.route().get(request).execute();
+            loop {
+                match routes.try_next().await {
+                    Ok(Some(m)) => {
+                        if table_of(&m) == table
+                            && protocol_number(m.header.protocol) == ROUTE_PROTOCOL
+                        {
+                            out.push(m);
+                        }
+                    }
+                    Ok(None) => break,
+                    Err(source) => {
+                        return Err(AnnounceError::Netlink {
+                            what: format!("cannot list the routes of table {table}"),
+                            source,
+                        });
+                    }
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// The VIPs announced in `table` now (its routes of our protocol).
+    pub async fn announced(&self, table: u32) -> Result<BTreeSet<IpAddr>, AnnounceError> {
+        Ok(self
+            .ours(table)
+            .await?
+            .iter()
+            .filter_map(destination_of)
+            .collect())
+    }
+
+    /// Deletes every route of [`ROUTE_PROTOCOL`] in `table`; returns the
+    /// destinations deleted. A route gone meanwhile is not an error.
+    pub async fn flush(&self, table: u32) -> Result<Vec<IpAddr>, AnnounceError> {
+        let mut deleted = Vec::new();
+        for route in self.ours(table).await? {
+            let dst = destination_of(&route);
+            match self.handle.route().del(route).execute().await {
+                Ok(()) => deleted.extend(dst),
+                Err(e) if errno(&e) == Some(libc::ESRCH) => {}
+                Err(source) => {
+                    return Err(AnnounceError::Netlink {
+                        what: format!(
+                            "cannot delete the route for {} from table {table}",
+                            dst.map_or_else(|| "?".to_string(), |d| d.to_string())
+                        ),
+                        source,
+                    });
+                }
+            }
+        }
+        Ok(deleted)
+    }
+
+    /// The host route of `vip` in `table` through interface `index`, ours.
+    fn route(vip: IpAddr, table: u32, index: u32) -> RouteMessage {
+        let b = RouteMessageBuilder::<IpAddr>::new()
+            .destination_prefix(vip, host_prefix(vip))
+            .expect("an address and its host prefix length are consistent")
+            .output_interface(index)
+            .table_id(table)
+            .protocol(RouteProtocol::from(ROUTE_PROTOCOL));
+        if vip.is_ipv4() {
+            b.scope(RouteScope::Link).build()
+        } else {
+            b.build()
+        }
+    }
+
+    /// Writes the host route of `vip` into `table` (announces it). One of
+    /// ours already there is fine; another protocol's is left alone and
+    /// reported ([`AnnounceError::Foreign`]).
+    pub async fn announce(&self, vip: IpAddr, table: u32, index: u32) -> Result<(), AnnounceError> {
+        match self
+            .handle
+            .route()
+            .add(Self::route(vip, table, index))
+            .execute()
+            .await
+        {
+            Ok(()) => Ok(()),
+            Err(e) if errno(&e) == Some(libc::EEXIST) => {
+                if self.announced(table).await?.contains(&vip) {
+                    return Ok(());
+                }
+                let protocol = self.protocol_of(vip, table).await?.unwrap_or(0);
+                Err(AnnounceError::Foreign {
+                    vip,
+                    table,
+                    protocol,
+                })
+            }
+            Err(source) => Err(AnnounceError::Netlink {
+                what: format!("cannot add the route for {vip} to table {table}"),
+                source,
+            }),
+        }
+    }
+
+    /// The protocol of the route for `vip` in `table`, whoever wrote it.
+    async fn protocol_of(&self, vip: IpAddr, table: u32) -> Result<Option<u8>, AnnounceError> {
+        let request = if vip.is_ipv4() {
+            RouteMessageBuilder::<std::net::Ipv4Addr>::new().build()
+        } else {
+            RouteMessageBuilder::<std::net::Ipv6Addr>::new().build()
+        };
+        let mut routes = self.handle.route().get(request).execute();
+        while let Some(m) = routes
+            .try_next()
+            .await
+            .map_err(|source| AnnounceError::Netlink {
+                what: format!("cannot list the routes of table {table}"),
+                source,
+            })?
+        {
+            if table_of(&m) == table
+                && destination_of(&m) == Some(vip)
+                && m.header.destination_prefix_length == host_prefix(vip)
+            {
+                return Ok(Some(protocol_number(m.header.protocol)));
+            }
+        }
+        Ok(None)
+    }
+
+    /// Deletes our route of `vip` from `table` (withdraws it); absent is
+    /// fine. Only a route of [`ROUTE_PROTOCOL`] matches: the kernel compares
+    /// the protocol given.
+    pub async fn withdraw(&self, vip: IpAddr, table: u32) -> Result<(), AnnounceError> {
+        let mut m = RouteMessageBuilder::<IpAddr>::new()
+            .destination_prefix(vip, host_prefix(vip))
+            .expect("an address and its host prefix length are consistent")
+            .table_id(table)
+            .protocol(RouteProtocol::from(ROUTE_PROTOCOL))
+            .build();
+        // Any scope: the kernel matches a delete's scope only when it is
+        // narrower than "nowhere".
+        m.header.scope = RouteScope::NoWhere;
+        match self.handle.route().del(m).execute().await {
+            Ok(()) => Ok(()),
+            Err(e) if errno(&e) == Some(libc::ESRCH) => Ok(()),
+            Err(source) => Err(AnnounceError::Netlink {
+                what: format!("cannot delete the route for {vip} from table {table}"),
+                source,
+            }),
+        }
+    }
+
+    /// Whether interface `index` has `ip` as an address (any prefix).
+    pub async fn has_address(&self, index: u32, ip: IpAddr) -> Result<bool, AnnounceError> {
+        let mut found = self
+            .handle
+            .address()
+            .get()
+            .set_link_index_filter(index)
+            .set_address_filter(ip)
+            .execute();
+        found
+            .try_next()
+            .await
+            .map(|m| m.is_some())
+            .map_err(|source| AnnounceError::Netlink {
+                what: format!("cannot list the addresses of interface {index}"),
+                source,
+            })
+    }
+
+    /// Puts `ip` on interface `index` as a host address (/32, /128; no
+    /// duplicate address detection for IPv6: the address is anycast by design).
+    pub async fn add_address(&self, index: u32, ip: IpAddr) -> Result<(), AnnounceError> {
+        let mut request = self.handle.address().add(index, ip, host_prefix(ip));
+        if ip.is_ipv6() {
+            request
+                .message_mut()
+                .attributes
+                .push(AddressAttribute::Flags(AddressFlags::Nodad));
+        }
+        match request.execute().await {
+            Ok(()) => Ok(()),
+            Err(e) if errno(&e) == Some(libc::EEXIST) => Ok(()),
+            Err(source) => Err(AnnounceError::Netlink {
+                what: format!("cannot add {ip}/{} to interface {index}", host_prefix(ip)),
+                source,
+            }),
+        }
+    }
+
+    /// Takes `ip` off interface `index`; absent is fine.
+    pub async fn remove_address(&self, index: u32, ip: IpAddr) -> Result<(), AnnounceError> {
+        let mut found = self
+            .handle
+            .address()
+            .get()
+            .set_link_index_filter(index)
+            .set_address_filter(ip)
+            .execute();
+        let mut msgs = Vec::new();
+        while let Ok(Some(m)) = found.try_next().await {
+            msgs.push(m);
+        }
+        for m in msgs {
+            match self.handle.address().del(m).execute().await {
+                Ok(()) => {}
+                Err(e) if errno(&e) == Some(libc::EADDRNOTAVAIL) => {}
+                Err(source) => {
+                    return Err(AnnounceError::Netlink {
+                        what: format!("cannot remove {ip} from interface {index}"),
+                        source,
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The VIP addresses this process put on the announcing interface, so that
+/// only those are removed again: an address that was there before (put by
+/// hand, by keepalived) stays.
+#[derive(Debug, Default)]
+pub struct AddressOwner {
+    /// Interface index and the addresses added to it.
+    added: BTreeSet<(u32, IpAddr)>,
+}
+
+impl AddressOwner {
+    /// Makes `wanted` the VIP addresses on interface `index`: adds the
+    /// missing ones (remembering them), removes the ones this process added
+    /// that are no longer wanted (or were added to another interface).
+    /// Returns the first error; the rest is still tried.
+    pub async fn reconcile(
+        &mut self,
+        writer: &RouteWriter,
+        index: u32,
+        wanted: &BTreeSet<IpAddr>,
+    ) -> Result<(), AnnounceError> {
+        let mut first = None;
+        let stale: Vec<(u32, IpAddr)> = self
+            .added
+            .iter()
+            .filter(|(i, ip)| *i != index || !wanted.contains(ip))
+            .copied()
+            .collect();
+        for (i, ip) in stale {
+            match writer.remove_address(i, ip).await {
+                Ok(()) => {
+                    self.added.remove(&(i, ip));
+                }
+                Err(e) => {
+                    first.get_or_insert(e);
+                }
+            }
+        }
+        for ip in wanted {
+            if self.added.contains(&(index, *ip)) {
+                continue;
+            }
+            let result = match writer.has_address(index, *ip).await {
+                Ok(true) => Ok(()),
+                Ok(false) => writer.add_address(index, *ip).await.map(|()| {
+                    self.added.insert((index, *ip));
+                }),
+                Err(e) => Err(e),
+            };
+            if let Err(e) = result {
+                first.get_or_insert(e);
+            }
+        }
+        first.map_or(Ok(()), Err)
+    }
+
+    /// Removes every address this process added (a clean stop).
+    pub async fn remove_all(&mut self, writer: &RouteWriter) -> Result<(), AnnounceError> {
+        let none = BTreeSet::new();
+        self.reconcile(writer, u32::MAX, &none).await
+    }
+}
+
+/// `harvester-lb withdraw --all`: deletes every route of
+/// [`ROUTE_PROTOCOL`] from `table`, with or without a daemon running (for
+/// systemd's `ExecStopPost=`). Returns the VIPs withdrawn.
+pub async fn withdraw_all(table: u32) -> Result<Vec<IpAddr>, AnnounceError> {
+    RouteWriter::connect()?.flush(table).await
+}
