@@ -113,15 +113,7 @@ async fn bgp_bfd_takes_a_silent_host_out_within_a_second() {
     // and its retry (after 1 s) would go to the survivor and hide it.
     let mut conns = bed.open_long(vip(), 30).await;
     let prober = bed.prober(vip(), Duration::from_millis(900));
-    netns::wait_for(
-        Duration::from_secs(10),
-        "50 attempts before the fault",
-        || {
-            let n = prober.finished();
-            async move { (n >= 50).then_some(()) }
-        },
-    )
-    .await;
+    prober.wait_finished(50, Duration::from_secs(10)).await;
     let cut = std::time::Instant::now();
     bed.silence(1);
     let gone = bed.wait_nexthops(&[2], Duration::from_secs(10)).await;
@@ -130,15 +122,9 @@ async fn bgp_bfd_takes_a_silent_host_out_within_a_second() {
     // ones in flight at the cut finish within 0.9 s and count in `seen`'s
     // 150 too).
     let seen = prober.finished();
-    netns::wait_for(
-        Duration::from_secs(30),
-        "150 attempts after the fault",
-        || {
-            let n = prober.finished();
-            async move { (n >= seen + 150).then_some(()) }
-        },
-    )
-    .await;
+    prober
+        .wait_finished(seen + 150, Duration::from_secs(30))
+        .await;
     let attempts = prober.stop().await;
     let failed: Vec<_> = attempts.iter().filter(|a| a.outcome.is_err()).collect();
     let window = failed
@@ -171,19 +157,14 @@ async fn bgp_bfd_takes_a_silent_host_out_within_a_second() {
         after.iter().all(|a| a.outcome == Ok(2)),
         "new connections after the route changed must all reach host 2"
     );
-    let mut kept = 0;
-    for (c, h) in &mut conns {
-        if *h == 2 {
-            assert!(netns::bgp::alive(c).await, "a connection on host 2 broke");
-            kept += 1;
-        }
-    }
-    eprintln!("silent host: {kept}/{kept} open connections on host 2 kept");
+    let t = netns::bgp::tally(&mut conns).await;
+    eprintln!("silent host: open connections {t:?}");
+    assert_eq!(t.broken[2], 0, "connections on host 2 broke: {t:?}");
 }
 
 /// With two hosts, withdrawing one fails no new connection and breaks none
-/// of the other host's open connections (the router's hash-threshold ECMP keeps a survivor's flows
-/// on it). The withdrawn host's own flows are rehashed to the survivor,
+/// of the other host's open connections (hash-threshold ECMP keeps a
+/// survivor's flows on it). The withdrawn host's own flows are rehashed to the survivor,
 /// which resets them: withdrawal is not a drain (measured and printed).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bgp_withdrawal_breaks_none_of_the_other_hosts_connections() {
@@ -191,37 +172,21 @@ async fn bgp_withdrawal_breaks_none_of_the_other_hosts_connections() {
     let mut bed = BgpBed::new("keep", true).await;
     both_by_hand(&mut bed).await;
     let mut conns = bed.open_long(vip(), 60).await;
-    let on = |h: usize, c: &[(tokio::io::BufReader<tokio::net::TcpStream>, usize)]| {
-        c.iter().filter(|(_, x)| *x == h).count()
-    };
-    let (n1, n2) = (on(1, &conns), on(2, &conns));
+    let before = netns::bgp::tally(&mut conns).await;
+    let [_, n1, n2] = before.total;
     assert!(
-        n1 > 0 && n2 > 0,
-        "60 connections on one host only: {n1}/{n2}"
+        n1 > 0 && n2 > 0 && before.broken == [0; 3],
+        "60 connections: {before:?}"
     );
     let prober = bed.prober(vip(), Duration::from_secs(3));
-    netns::wait_for(
-        Duration::from_secs(10),
-        "30 attempts before the withdrawal",
-        || {
-            let n = prober.finished();
-            async move { (n >= 30).then_some(()) }
-        },
-    )
-    .await;
+    prober.wait_finished(30, Duration::from_secs(10)).await;
     let t = std::time::Instant::now();
     bed.host(1).announce_by_hand(false);
     let gone = bed.wait_nexthops(&[2], Duration::from_secs(5)).await - t;
     let seen = prober.finished();
-    netns::wait_for(
-        Duration::from_secs(20),
-        "50 attempts after the withdrawal",
-        || {
-            let n = prober.finished();
-            async move { (n >= seen + 50).then_some(()) }
-        },
-    )
-    .await;
+    prober
+        .wait_finished(seen + 50, Duration::from_secs(20))
+        .await;
     let attempts = prober.stop().await;
     let failed: Vec<_> = attempts.iter().filter(|a| a.outcome.is_err()).collect();
     eprintln!(
@@ -230,12 +195,7 @@ async fn bgp_withdrawal_breaks_none_of_the_other_hosts_connections() {
         attempts.len()
     );
     assert!(failed.is_empty(), "new connections failed: {failed:?}");
-    let mut broken = [0usize; 3];
-    for (c, h) in &mut conns {
-        if !netns::bgp::alive(c).await {
-            broken[*h] += 1;
-        }
-    }
+    let broken = netns::bgp::tally(&mut conns).await.broken;
     eprintln!(
         "withdrawal of host 1: {}/{n1} of its connections broken, {}/{n2} of host 2's",
         broken[1], broken[2]
@@ -247,12 +207,7 @@ async fn bgp_withdrawal_breaks_none_of_the_other_hosts_connections() {
     assert!(during.iter().all(|(_, h)| *h == 2));
     bed.host(1).announce_by_hand(true);
     bed.wait_nexthops(&[1, 2], Duration::from_secs(5)).await;
-    let mut broken_back = 0;
-    for (c, _) in &mut during {
-        if !netns::bgp::alive(c).await {
-            broken_back += 1;
-        }
-    }
+    let broken_back = netns::bgp::tally(&mut during).await.broken[2];
     eprintln!(
         "re-announcing host 1: {broken_back}/40 connections opened on host 2 meanwhile broken"
     );
@@ -352,29 +307,15 @@ async fn bgp_host_whose_backends_fail_withdraws() {
     let mut bed = BgpBed::new("unhealthy", false).await;
     both_announcing(&mut bed, 2, 1, 5).await;
     let prober = bed.prober(vip(), Duration::from_secs(3));
-    netns::wait_for(
-        Duration::from_secs(10),
-        "30 attempts before the fault",
-        || {
-            let n = prober.finished();
-            async move { (n >= 30).then_some(()) }
-        },
-    )
-    .await;
+    prober.wait_finished(30, Duration::from_secs(10)).await;
     let fault = std::time::Instant::now();
     bed.backend_mut(1).stop();
     let gone = bed.wait_nexthops(&[2], Duration::from_secs(20)).await;
     wait_announce(&bed, 1, false, Some("no_eligible_backend")).await;
     let seen = prober.finished();
-    netns::wait_for(
-        Duration::from_secs(30),
-        "150 attempts after the withdrawal",
-        || {
-            let n = prober.finished();
-            async move { (n >= seen + 150).then_some(()) }
-        },
-    )
-    .await;
+    prober
+        .wait_finished(seen + 150, Duration::from_secs(30))
+        .await;
     let attempts = prober.stop().await;
     let failed = attempts.iter().filter(|a| a.outcome.is_err()).count();
     eprintln!(
@@ -420,15 +361,7 @@ async fn bgp_sigterm_withdraws_before_it_stops_serving() {
     both_announcing(&mut bed, 1, 2, 5).await;
     let mut conns = bed.open_long(vip(), 40).await;
     let prober = bed.prober(vip(), Duration::from_secs(3));
-    netns::wait_for(
-        Duration::from_secs(10),
-        "30 attempts before the stop",
-        || {
-            let n = prober.finished();
-            async move { (n >= 30).then_some(()) }
-        },
-    )
-    .await;
+    prober.wait_finished(30, Duration::from_secs(10)).await;
     let term = std::time::Instant::now();
     bed.host(1).daemon().signal(libc::SIGTERM);
     let gone = bed.wait_nexthops(&[2], Duration::from_secs(5)).await;
@@ -443,25 +376,12 @@ async fn bgp_sigterm_withdraws_before_it_stops_serving() {
     let exited = term.elapsed();
     assert!(status.success(), "host 1's daemon exited with {status}");
     let seen = prober.finished();
-    netns::wait_for(
-        Duration::from_secs(30),
-        "100 attempts after the exit",
-        || {
-            let n = prober.finished();
-            async move { (n >= seen + 100).then_some(()) }
-        },
-    )
-    .await;
+    prober
+        .wait_finished(seen + 100, Duration::from_secs(30))
+        .await;
     let attempts = prober.stop().await;
     let failed: Vec<_> = attempts.iter().filter(|a| a.outcome.is_err()).collect();
-    let mut broken = [0usize; 3];
-    let mut total = [0usize; 3];
-    for (c, h) in &mut conns {
-        total[*h] += 1;
-        if !netns::bgp::alive(c).await {
-            broken[*h] += 1;
-        }
-    }
+    let netns::bgp::Tally { total, broken } = netns::bgp::tally(&mut conns).await;
     eprintln!(
         "SIGTERM: withdrawn after {:?}, exited after {exited:?}; {} of {} new connections failed; open connections broken: host 1 {}/{}, host 2 {}/{}",
         gone - term,

@@ -207,7 +207,7 @@ impl Backend {
             SocketAddr::new(IpAddr::V4(backend_ip(self.index)), BACKEND_PORT),
             SocketAddr::new(IpAddr::V6(backend_ip6(self.index)), BACKEND_PORT),
         ] {
-            let l = listen(&self.ns, addr);
+            let l = self.ns.listen(addr);
             let greeting = format!("b{}\n", self.index);
             let conns = self.conns.clone();
             self.listeners.push(tokio::spawn(async move {
@@ -245,27 +245,6 @@ impl Drop for Backend {
             c.abort();
         }
     }
-}
-
-/// A listening socket on `addr` in `ns` (IPv4 or IPv6).
-pub fn listen(ns: &Ns, addr: SocketAddr) -> tokio::net::TcpListener {
-    let l = super::in_ns(&ns.name, move || {
-        let s = socket2::Socket::new(
-            socket2::Domain::for_address(addr),
-            socket2::Type::STREAM,
-            None,
-        )?;
-        s.set_reuse_address(true)?;
-        if addr.is_ipv6() {
-            s.set_only_v6(true)?;
-        }
-        s.bind(&addr.into())?;
-        s.listen(4096)?;
-        s.set_nonblocking(true)?;
-        Ok::<_, std::io::Error>(std::net::TcpListener::from(s))
-    })
-    .unwrap_or_else(|e| panic!("listen on {addr} in {}: {e}", ns.name));
-    tokio::net::TcpListener::from_std(l).expect("register listener")
 }
 
 /// One load-balancer host: its namespace, BIRD and daemon.
@@ -455,6 +434,7 @@ fn output(cmd: &str, args: &[&str]) -> String {
         .unwrap_or_default()
 }
 
+/// Numbers the daemon logs of a host (one per start).
 static SEQ: AtomicU32 = AtomicU32::new(0);
 
 /// The namespaces, BIRDs, daemons and backends of one anycast test.
@@ -483,15 +463,7 @@ impl BgpBed {
     /// the daemon puts them there).
     pub async fn new(test: &str, vip_on_lo: bool) -> BgpBed {
         let n = 2;
-        let tag = format!(
-            "hlb{}-{}-{}",
-            std::process::id(),
-            SEQ.fetch_add(1, Ordering::Relaxed),
-            test
-        );
-        let dir = std::env::temp_dir().join(&tag);
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).expect("scratch dir");
+        let (tag, dir) = super::new_tag(test);
         let mut bed = BgpBed {
             router: Ns {
                 name: format!("{tag}-r"),
@@ -711,7 +683,7 @@ impl BgpBed {
         addr: SocketAddr,
         timeout: Duration,
     ) -> std::io::Result<(BufReader<TcpStream>, usize)> {
-        let s = client_socket(&self.client, addr)?;
+        let s = self.client.socket_for(addr)?;
         let stream = match tokio::time::timeout(timeout, s.connect(addr)).await {
             Ok(r) => r?,
             Err(_) => {
@@ -879,16 +851,7 @@ impl Drop for BgpBed {
             drop(b);
         }
         self.backends.clear();
-        for ns in self.created.iter().rev() {
-            let _ = Command::new("ip")
-                .args(["netns", "del", ns])
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .status();
-        }
-        if std::env::var_os("HLB_TEST_KEEP_DIR").is_none() {
-            let _ = std::fs::remove_dir_all(&self.dir);
-        }
+        super::remove_bed(&self.created, &self.dir);
     }
 }
 
@@ -907,20 +870,6 @@ fn sysctl(ns: &Ns, settings: &[&str]) {
     let mut args = vec!["netns", "exec", &ns.name, "sysctl", "-q", "-w"];
     args.extend_from_slice(settings);
     run("ip", &args, None);
-}
-
-/// An unconnected client socket of `addr`'s family in `ns`.
-fn client_socket(ns: &Ns, addr: SocketAddr) -> std::io::Result<tokio::net::TcpSocket> {
-    let s = super::in_ns(&ns.name, move || {
-        let s = socket2::Socket::new(
-            socket2::Domain::for_address(addr),
-            socket2::Type::STREAM,
-            None,
-        )?;
-        s.set_nonblocking(true)?;
-        Ok::<_, std::io::Error>(std::net::TcpStream::from(s))
-    })?;
-    Ok(tokio::net::TcpSocket::from_std_stream(s))
 }
 
 /// The repository's `config/bird/<name>`.
@@ -992,6 +941,19 @@ impl Prober {
         self.log.lock().expect("log").len()
     }
 
+    /// Waits until `n` attempts have finished, panicking after `timeout`.
+    pub async fn wait_finished(&self, n: usize, timeout: Duration) {
+        let deadline = Instant::now() + timeout;
+        while self.finished() < n {
+            assert!(
+                Instant::now() < deadline,
+                "only {} of {n} connection attempts finished within {timeout:?}",
+                self.finished()
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
     /// Stops it, waits for the attempts in flight, and returns them all in
     /// the order they started.
     pub async fn stop(self) -> Vec<Attempt> {
@@ -1005,7 +967,7 @@ impl Prober {
 
 /// One new connection from `ns` to `addr`: the host that greeted, or why not.
 async fn attempt(ns: &Ns, addr: SocketAddr, timeout: Duration) -> Result<usize, String> {
-    let s = client_socket(ns, addr).map_err(|e| e.to_string())?;
+    let s = ns.socket_for(addr).map_err(|e| e.to_string())?;
     let r = tokio::time::timeout(timeout, async move {
         let mut stream = s.connect(addr).await?;
         let mut buf = [0u8; 8];
@@ -1024,6 +986,28 @@ async fn attempt(ns: &Ns, addr: SocketAddr, timeout: Duration) -> Result<usize, 
         Ok(Err(e)) => Err(e.to_string()),
         Err(_) => Err(format!("timed out after {timeout:?}")),
     }
+}
+
+/// Held connections per host (index 1 and 2; 0 unused): how many, and how
+/// many no longer work.
+#[derive(Debug, Default)]
+pub struct Tally {
+    /// Connections carried by each host.
+    pub total: [usize; 3],
+    /// Of those, the ones whose echo round trip failed.
+    pub broken: [usize; 3],
+}
+
+/// Tries one echo round trip on every held connection.
+pub async fn tally(conns: &mut [(BufReader<TcpStream>, usize)]) -> Tally {
+    let mut t = Tally::default();
+    for (c, h) in conns {
+        t.total[*h] += 1;
+        if !alive(c).await {
+            t.broken[*h] += 1;
+        }
+    }
+    t
 }
 
 /// Whether a held connection still works: one echo round trip.
