@@ -463,3 +463,50 @@ async fn bgp_sigkill_then_withdraw_all_and_restart() {
     );
     wait_announce(&bed, 1, true, None).await;
 }
+
+/// UDP through the anycast VIP: flows (one a source port) spread over both
+/// hosts; after host 1 withdraws, the same sockets' next datagrams are all
+/// answered through host 2 (the router rehashes them and host 2's daemon
+/// opens a flow of its own: no state to lose but the application's).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bgp_udp_flows_spread_and_move_on_withdrawal() {
+    require_bgp!();
+    let mut bed = BgpBed::new("udp", true).await;
+    both_by_hand(&mut bed).await;
+    let vip = vip();
+    let mut socks = Vec::new();
+    for _ in 0..40 {
+        let s = netns::bgp::udp_socket(&bed.client, "0.0.0.0:0".parse().expect("addr"));
+        s.connect(vip).await.expect("connect UDP");
+        socks.push(s);
+    }
+    // The daemon's UDP listener is bound by the time its TCP one answers,
+    // but give each flow a few tries (bounded) in case a datagram is lost.
+    let mut first = Vec::new();
+    for s in &socks {
+        let mut host = None;
+        for _ in 0..3 {
+            host = netns::bgp::udp_ask(s).await;
+            if host.is_some() {
+                break;
+            }
+        }
+        first.push(host.expect("a UDP flow got no answer"));
+    }
+    let on1 = first.iter().filter(|h| **h == 1).count();
+    eprintln!("UDP: {on1} of 40 flows on host 1, {} on host 2", 40 - on1);
+    assert!((4..=36).contains(&on1), "40 UDP flows, {on1} on host 1");
+    // Each flow stays on its host while nothing changes.
+    for (s, h) in socks.iter().zip(&first) {
+        assert_eq!(netns::bgp::udp_ask(s).await, Some(*h), "a flow moved");
+    }
+    bed.host(1).announce_by_hand(false);
+    bed.wait_nexthops(&[2], Duration::from_secs(5)).await;
+    for s in &socks {
+        assert_eq!(
+            netns::bgp::udp_ask(s).await,
+            Some(2),
+            "a UDP flow not answered through host 2 after host 1 withdrew"
+        );
+    }
+}

@@ -227,10 +227,24 @@ impl Backend {
                 }
             }));
         }
+        // UDP on the same port: answers every datagram with the greeting.
+        let udp = udp_socket(
+            &self.ns,
+            SocketAddr::new(IpAddr::V4(backend_ip(self.index)), BACKEND_PORT),
+        );
+        let greeting = format!("b{}\n", self.index);
+        self.listeners.push(tokio::spawn(async move {
+            let mut buf = [0u8; 512];
+            loop {
+                if let Ok((_, from)) = udp.recv_from(&mut buf).await {
+                    let _ = udp.send_to(greeting.as_bytes(), from).await;
+                }
+            }
+        }));
     }
 
-    /// Closes its listening sockets (new connections and probes are
-    /// refused); connections already open go on.
+    /// Closes its listening sockets, TCP and UDP (new connections and
+    /// probes are refused); connections already open go on.
     pub fn stop(&mut self) {
         for l in self.listeners.drain(..) {
             l.abort();
@@ -274,15 +288,19 @@ impl LbHost {
         self.dir.join("harvester-lb.toml")
     }
 
-    /// Writes its daemon's config: one load balancer on the VIP (and one on
-    /// the IPv6 VIP) to this host's backend, probed every second;
+    /// Writes its daemon's config: one load balancer on the VIP (TCP and
+    /// UDP listeners) and one on the IPv6 VIP (TCP), each to this host's
+    /// backend, probed every second;
     /// `vip_section` is the `[vip]` table's body; open connections may
     /// finish for `drain` seconds when the daemon stops.
     pub fn write_config(&self, vip_section: &str, drain: u32) -> PathBuf {
         let i = self.index;
-        let lb = |name: &str, vip: IpAddr, backend: IpAddr| {
+        let udp = format!(
+            "  [[load_balancer.listener]]\n  name = \"udp\"\n  port = {PORT}\n  backend_port = {BACKEND_PORT}\n  protocol = \"udp\"\n"
+        );
+        let lb = |name: &str, vip: IpAddr, backend: IpAddr, udp: &str| {
             format!(
-                "[[load_balancer]]\nname = \"{name}\"\nvip = \"{vip}\"\nbackends = [\"{backend}\"]\n  [[load_balancer.listener]]\n  name = \"tcp\"\n  port = {PORT}\n  backend_port = {BACKEND_PORT}\n  [load_balancer.health_check]\n  kind = \"tcp\"\n  port = {BACKEND_PORT}\n  period_seconds = 1\n  timeout_seconds = 1\n  failure_threshold = 2\n  success_threshold = 1\n"
+                "[[load_balancer]]\nname = \"{name}\"\nvip = \"{vip}\"\nbackends = [\"{backend}\"]\n  [[load_balancer.listener]]\n  name = \"tcp\"\n  port = {PORT}\n  backend_port = {BACKEND_PORT}\n{udp}  [load_balancer.health_check]\n  kind = \"tcp\"\n  port = {BACKEND_PORT}\n  period_seconds = 1\n  timeout_seconds = 1\n  failure_threshold = 2\n  success_threshold = 1\n"
             )
         };
         let text = format!(
@@ -292,12 +310,14 @@ impl LbHost {
             lb(
                 "default/anycast",
                 IpAddr::V4(VIP),
-                IpAddr::V4(backend_ip(i))
+                IpAddr::V4(backend_ip(i)),
+                &udp,
             ),
             lb(
                 "default/anycast6",
                 IpAddr::V6(VIP6),
-                IpAddr::V6(backend_ip6(i))
+                IpAddr::V6(backend_ip6(i)),
+                "",
             ),
         );
         let p = self.config_path();
@@ -870,6 +890,30 @@ fn sysctl(ns: &Ns, settings: &[&str]) {
     let mut args = vec!["netns", "exec", &ns.name, "sysctl", "-q", "-w"];
     args.extend_from_slice(settings);
     run("ip", &args, None);
+}
+
+/// A UDP socket bound to `addr` in `ns` (on the caller's runtime).
+pub fn udp_socket(ns: &Ns, addr: SocketAddr) -> tokio::net::UdpSocket {
+    let s = super::in_ns(&ns.name, move || {
+        let s = std::net::UdpSocket::bind(addr)?;
+        s.set_nonblocking(true)?;
+        Ok::<_, std::io::Error>(s)
+    })
+    .unwrap_or_else(|e| panic!("bind UDP {addr} in {}: {e}", ns.name));
+    tokio::net::UdpSocket::from_std(s).expect("register UDP socket")
+}
+
+/// Sends one datagram on `s` (connected to a VIP) and reads the answer:
+/// which host's backend answered, or `None` without one within 2 s.
+pub async fn udp_ask(s: &tokio::net::UdpSocket) -> Option<usize> {
+    s.send(b"hi").await.ok()?;
+    let mut buf = [0u8; 64];
+    let n = tokio::time::timeout(Duration::from_secs(2), s.recv(&mut buf))
+        .await
+        .ok()?
+        .ok()?;
+    let text = String::from_utf8_lossy(&buf[..n]).to_string();
+    text.trim().strip_prefix('b').and_then(|i| i.parse().ok())
 }
 
 /// The repository's `config/bird/<name>`.
