@@ -660,6 +660,12 @@ impl BgpBed {
             .collect()
     }
 
+    /// The router's IPv4 and IPv6 routing tables (`ip route`), as text.
+    pub fn router_routes(&self) -> String {
+        output("ip", &["-n", &self.router.name, "route"])
+            + &output("ip", &["-6", "-n", &self.router.name, "route"])
+    }
+
     /// How many nexthops the router's FIB has for the IPv6 VIP.
     pub fn nexthops6(&self) -> usize {
         let text = output(
