@@ -424,11 +424,14 @@ impl LbHost {
 }
 
 /// The announce state of `vip` in a `/status` document: the first object
-/// (depth first) that names `vip` in a string member and either has
-/// `announced` itself or an `announce` member that has it.
+/// (depth first) that has `announced` and is keyed by `vip`, or names `vip`
+/// in a string member (itself or its `announce` member).
 fn find_announce(v: &serde_json::Value, vip: &str) -> Option<serde_json::Value> {
     match v {
         serde_json::Value::Object(m) => {
+            if let Some(a) = m.get(vip).filter(|a| a.get("announced").is_some()) {
+                return Some(a.clone());
+            }
             if m.values().any(|x| x.as_str() == Some(vip)) {
                 if m.contains_key("announced") {
                     return Some(v.clone());
