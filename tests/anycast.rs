@@ -526,3 +526,33 @@ async fn bgp_udp_flows_spread_and_move_on_withdrawal() {
         );
     }
 }
+
+/// BIRD itself dies on one host (`kill -9`): the kernel closes its BGP
+/// session, so the router drops the host at once (BFD would too: it runs
+/// inside bird), and since the daemon there still serves, no new
+/// connection fails.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bgp_a_killed_bird_takes_its_host_out_and_fails_nothing() {
+    require_bgp!();
+    let mut bed = BgpBed::new("birdkill", true).await;
+    both_by_hand(&mut bed).await;
+    let prober = bed.prober(vip(), Duration::from_secs(3));
+    prober.wait_finished(30, Duration::from_secs(10)).await;
+    let bird = bed.host_mut(1).bird.take().expect("host 1's BIRD");
+    let t = std::time::Instant::now();
+    bird.kill(libc::SIGKILL);
+    let gone = bed.wait_nexthops(&[2], Duration::from_secs(5)).await - t;
+    let seen = prober.finished();
+    prober
+        .wait_finished(seen + 50, Duration::from_secs(20))
+        .await;
+    let attempts = prober.stop().await;
+    let failed: Vec<_> = attempts.iter().filter(|a| a.outcome.is_err()).collect();
+    eprintln!(
+        "BIRD killed on host 1: router down to host 2 after {gone:?}; {} of {} new connections failed",
+        failed.len(),
+        attempts.len()
+    );
+    assert!(gone < Duration::from_secs(1), "took {gone:?}");
+    assert!(failed.is_empty(), "new connections failed: {failed:?}");
+}
