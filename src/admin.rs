@@ -1,5 +1,6 @@
 //! The admin HTTP server: `/metrics`, `/healthz`, `/readyz`, `/status`,
-//! `POST /reload`, and on the Unix socket only `POST /backends/state`.
+//! `POST /reload`, and on the Unix socket only `POST /backends/state` and
+//! `POST /announce/state`.
 //!
 //! Two listeners, one service. The TCP listener (`admin.listen`) is open to
 //! every process on the host, `hostNetwork` pods included, so it serves
@@ -45,7 +46,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use crate::balancer::AdminState;
-use crate::daemon::{AdminStateError, Daemon, VipNotReady};
+use crate::daemon::{AdminStateError, AnnounceStateError, Daemon, VipNotReady};
 use crate::metrics::exposition::ExpositionBody;
 
 pub mod client;
@@ -448,6 +449,13 @@ async fn route(
             );
         }
         "/backends/state" => "POST",
+        "/announce/state" if origin == Origin::Tcp => {
+            return json_error(
+                StatusCode::FORBIDDEN,
+                "announce state changes are served only on the admin Unix socket (admin.socket, default /run/harvester-lb/admin.sock), not on admin.listen; use `harvester-lb host drain|ready` or `harvester-lb vip drain|ready VIP`",
+            );
+        }
+        "/announce/state" => "POST",
         _ => {
             return text(
                 StatusCode::NOT_FOUND,
@@ -456,7 +464,7 @@ async fn route(
                         "not found; try /metrics, /healthz, /readyz, /status or POST /reload\n"
                     }
                     Origin::Socket => {
-                        "not found; try /metrics, /healthz, /readyz, /status, POST /reload or POST /backends/state\n"
+                        "not found; try /metrics, /healthz, /readyz, /status, POST /reload, POST /backends/state or POST /announce/state\n"
                     }
                 },
             );
@@ -520,6 +528,7 @@ async fn route(
             }
         }
         "/backends/state" => set_state(req, daemon, peer).await,
+        "/announce/state" => set_announce_state(req, daemon, peer).await,
         _ => text(StatusCode::NOT_FOUND, "not found\n"),
     }
 }
@@ -693,6 +702,90 @@ async fn set_state(req: Request<Incoming>, daemon: &Daemon, peer: &str) -> Respo
         Err(e @ (AdminStateError::UnknownLoadBalancer(_) | AdminStateError::NotAMember { .. })) => {
             json_error(StatusCode::NOT_FOUND, &e.to_string())
         }
+    }
+}
+
+/// The body of `POST /announce/state`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct AnnounceRequest {
+    /// One VIP; absent: the whole host.
+    vip: Option<String>,
+    /// `drain` or `ready`.
+    state: String,
+}
+
+/// What a valid body looks like, for error messages.
+const ANNOUNCE_BODY_SHAPE: &str =
+    r#"{"state": "drain|ready"} or {"vip": "<address>", "state": "drain|ready"}"#;
+
+async fn set_announce_state(req: Request<Incoming>, daemon: &Daemon, peer: &str) -> Response<Body> {
+    let body = match Limited::new(req.into_body(), MAX_BODY_BYTES)
+        .collect()
+        .await
+    {
+        Ok(b) => b.to_bytes(),
+        Err(e) => {
+            return json_error(
+                StatusCode::BAD_REQUEST,
+                &format!("cannot read the request body (at most {MAX_BODY_BYTES} bytes): {e}"),
+            );
+        }
+    };
+    let request: AnnounceRequest = match serde_json::from_slice(&body) {
+        Ok(r) => r,
+        Err(e) => {
+            return json_error(
+                StatusCode::BAD_REQUEST,
+                &format!("bad request body: {e}; expected {ANNOUNCE_BODY_SHAPE}"),
+            );
+        }
+    };
+    let drained = match request.state.as_str() {
+        "drain" => true,
+        "ready" => false,
+        other => {
+            return json_error(
+                StatusCode::BAD_REQUEST,
+                &format!("state {other:?} is not one of \"drain\", \"ready\""),
+            );
+        }
+    };
+    let vip = match request.vip.as_deref().map(|v| v.trim().parse::<IpAddr>()) {
+        None => None,
+        Some(Ok(ip)) => Some(ip.to_canonical()),
+        Some(Err(_)) => {
+            return json_error(
+                StatusCode::BAD_REQUEST,
+                &format!(
+                    "vip {:?} is not an IP address; name the VIP as in the config, e.g. \"192.168.0.201\"",
+                    request.vip.unwrap_or_default()
+                ),
+            );
+        }
+    };
+    match daemon.set_announce_state(vip, drained) {
+        Ok(change) => {
+            tracing::info!(
+                vip = vip.map(|v| v.to_string()),
+                from = change.previous,
+                to = change.state,
+                peer,
+                "announce state set through the admin socket"
+            );
+            let mut answer = serde_json::json!({
+                "state": change.state,
+                "previous_state": change.previous,
+            });
+            if let Some(v) = vip {
+                answer["vip"] = serde_json::json!(v);
+            }
+            json(StatusCode::OK, &answer)
+        }
+        Err(e @ AnnounceStateError::UnknownVip(_)) => {
+            json_error(StatusCode::NOT_FOUND, &e.to_string())
+        }
+        Err(e @ AnnounceStateError::Off) => json_error(StatusCode::CONFLICT, &e.to_string()),
     }
 }
 

@@ -221,6 +221,7 @@ impl Daemon {
         );
         st.config = Some(config);
         self.kernel_wake();
+        self.announce_wake();
         report
     }
 

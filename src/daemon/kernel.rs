@@ -165,6 +165,8 @@ impl Daemon {
                 }
                 tokio::time::sleep(COALESCE).await;
                 let Some(daemon) = me.upgrade() else { return };
+                // A publish may change which VIPs this host should announce.
+                daemon.announcer_wake();
                 if daemon.is_stopping() {
                     return;
                 }

@@ -34,6 +34,7 @@ use crate::vip::isolate::{Isolation, IsolationStatus};
 use crate::workers::Workers;
 
 mod admin_state;
+mod announce;
 mod apply;
 mod kernel;
 mod leases;
@@ -41,6 +42,10 @@ mod readiness;
 mod status;
 
 pub use admin_state::{AdminStateChange, AdminStateError};
+pub use announce::decide;
+pub use announce::{
+    AnnounceStateChange, AnnounceStateError, AnnounceStatus, LbAnnounceStatus, VipAnnounceStatus,
+};
 pub use readiness::{UnboundListener, VipNotReady};
 pub use status::{
     BackendStatus, ConfigStatus, LeaseStatus, ListenerStatus, LoadBalancerStatus, PortStatus,
@@ -98,6 +103,8 @@ pub struct Daemon {
     forwarding_off: std::sync::atomic::AtomicU8,
     /// Set once the task that writes the kernel table runs.
     kernel_task: AtomicBool,
+    /// `vip.announce = "routes"`: the VIPs' routes and addresses.
+    announcer: announce::Announcer,
 }
 
 /// A listener's identity across reloads: one VIP:port may carry one TCP
@@ -191,6 +198,7 @@ impl Daemon {
             kernel_wake: Arc::new(tokio::sync::Notify::new()),
             kernel_task: AtomicBool::new(false),
             forwarding_off: std::sync::atomic::AtomicU8::new(0),
+            announcer: announce::Announcer::default(),
         })
     }
 
@@ -257,6 +265,13 @@ impl Daemon {
     /// connections the timeout cut.
     pub async fn shutdown(&self) -> usize {
         self.stopping.store(true, Ordering::Release);
+        // Announced VIPs first: the router moves new flows away while the
+        // listeners still accept, and only then do they close.
+        if let Some(grace) = self.announce_stop().await
+            && !grace.is_zero()
+        {
+            tokio::time::sleep(grace).await;
+        }
         let (listeners, drain) = {
             let mut st = self.lock();
             let drain = st
@@ -277,6 +292,7 @@ impl Daemon {
         let drains = listeners.into_iter().map(|l| l.drain(drain));
         let cut: usize = futures_sum(drains).await;
         self.kernel_remove().await;
+        self.announce_remove_addresses().await;
         // After the drain: releasing takes the VIP off the host.
         self.leases.shutdown().await;
         self.retire_now.cancel();

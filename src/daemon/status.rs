@@ -6,6 +6,7 @@ use super::*;
 impl Daemon {
     /// The JSON document served at `/status`.
     pub fn status(&self) -> StatusDoc {
+        let announce = self.announce_status();
         let st = self.lock();
         let mut load_balancers = Vec::new();
         let specs = st
@@ -179,6 +180,7 @@ impl Daemon {
                         address_changes: lease.as_ref().map_or(0, |l| l.address_changes.get()),
                     }
                 }),
+                announce: announce.as_ref().and_then(|a| a.for_vip(spec.vip)),
                 listeners,
                 backends,
             });
@@ -200,6 +202,7 @@ impl Daemon {
                 missing_since_unix,
             },
             vip_isolation: self.isolation.status(),
+            announce,
         }
     }
 }
@@ -216,6 +219,10 @@ pub struct StatusDoc {
     pub config: ConfigStatus,
     /// `vip.isolate`: whether the table is in force, and how large.
     pub vip_isolation: IsolationStatus,
+    /// `vip.announce = "routes"`: every VIP, announced or not and why;
+    /// absent with `none`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub announce: Option<AnnounceStatus>,
 }
 
 /// The config file in `/status`: an on-call engineer must see that the
@@ -263,6 +270,10 @@ pub struct LoadBalancerStatus {
     /// Backends taking new connections now (with per-listener checks, on
     /// at least one listener; each listener has its own count).
     pub eligible_backends: usize,
+    /// `vip.announce = "routes"`: whether this host announces the VIP, and
+    /// why not (the same for every load balancer on the VIP).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub announce: Option<LbAnnounceStatus>,
     /// The VIP's DHCP lease (`ipam = "dhcp"` only).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub dhcp: Option<LeaseStatus>,

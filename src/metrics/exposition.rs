@@ -479,6 +479,59 @@ impl Exposition {
                 );
             }
         }
+        let announce = m.announce.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        if let Some(vips) = announce {
+            let mut headed = false;
+            let mut out = Out {
+                buf,
+                family: &names::VIP_ANNOUNCED,
+                headed: &mut headed,
+            };
+            for v in &vips {
+                out.sample(
+                    "",
+                    |b| label_first(b, "vip", &v.vip.to_string()),
+                    u64::from(v.announced),
+                );
+            }
+            let mut headed = false;
+            let mut out = Out {
+                buf,
+                family: &names::VIP_ANNOUNCE_TRANSITIONS,
+                headed: &mut headed,
+            };
+            for v in &vips {
+                for (direction, n) in [("announce", v.announces), ("withdraw", v.withdrawals)] {
+                    out.sample(
+                        "",
+                        |b| {
+                            label_first(b, "vip", &v.vip.to_string());
+                            label(b, "direction", direction);
+                        },
+                        n,
+                    );
+                }
+            }
+            let mut headed = false;
+            let mut out = Out {
+                buf,
+                family: &names::VIP_ANNOUNCE_REASON,
+                headed: &mut headed,
+            };
+            for v in &vips {
+                for reason in super::ANNOUNCE_REASONS {
+                    out.sample(
+                        "",
+                        |b| {
+                            label_first(b, "vip", &v.vip.to_string());
+                            label(b, "reason", reason);
+                        },
+                        u64::from(v.reason == Some(reason)),
+                    );
+                }
+            }
+            gauge(buf, &names::VIP_ANNOUNCE_ERRORS, &m.announce_errors.get());
+        }
         let limit = load(&m.connection_limit);
         if limit > 0 {
             gauge(buf, &names::CONNECTIONS_LIMIT, &limit);

@@ -82,7 +82,36 @@ pub struct Metrics {
     /// The kernel's new-connection counts per backend of each kernel
     /// listener, as last read.
     pub(crate) kernel_backends: std::sync::Mutex<Vec<KernelBackendCount>>,
+    /// `vip.announce = "routes"`: one entry per VIP, as last decided;
+    /// `None` while announcing is off (no series).
+    pub(crate) announce: std::sync::Mutex<Option<Vec<VipAnnounceSample>>>,
+    /// `vip.announce = "routes"`: writes the kernel refused.
+    pub(crate) announce_errors: Counter,
 }
+
+/// One VIP's announcement, for `/metrics`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VipAnnounceSample {
+    /// Label `vip`.
+    pub vip: IpAddr,
+    /// Whether its route is in the table.
+    pub announced: bool,
+    /// Why not, when not (a `Reason::as_str`).
+    pub reason: Option<&'static str>,
+    /// Routes written.
+    pub announces: u64,
+    /// Routes deleted.
+    pub withdrawals: u64,
+}
+
+/// The reasons a VIP is not announced, as the reason gauge lists them.
+pub const ANNOUNCE_REASONS: [&str; 5] = [
+    "no_eligible_backend",
+    "drained",
+    "stopping",
+    "damped",
+    "waiting",
+];
 
 /// One backend's new-connection count on one kernel listener.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -176,6 +205,16 @@ impl Metrics {
             .kernel_backends
             .lock()
             .unwrap_or_else(|p| p.into_inner()) = counts;
+    }
+
+    /// Replaces the VIPs' announcement series (`None`: announcing off).
+    pub fn set_vip_announce(&self, samples: Option<Vec<VipAnnounceSample>>) {
+        *self.announce.lock().unwrap_or_else(|p| p.into_inner()) = samples;
+    }
+
+    /// Counts a route or address write for `vip.announce` the kernel refused.
+    pub fn record_vip_announce_error(&self) {
+        self.announce_errors.increment(1);
     }
 
     /// Records a failed write of the kernel NAT table.

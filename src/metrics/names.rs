@@ -343,6 +343,31 @@ pub static VIP_ISOLATION_REPAIRS: Family = Family::new(
     Counter,
     "Times the VIP isolation table was found changed or removed in the kernel by another process and written again.",
 );
+/// `vip.announce = "routes"`: 1 while this host's route for the VIP is
+/// in the announcing table.
+pub static VIP_ANNOUNCED: Family = Family::new(
+    "harvester_lb_vip_announced",
+    Gauge,
+    "1 while this host announces the VIP (its route is in vip.announce_table), else 0.",
+);
+/// `vip.announce = "routes"`: routes written and deleted, by `direction`.
+pub static VIP_ANNOUNCE_TRANSITIONS: Family = Family::new(
+    "harvester_lb_vip_announce_transitions_total",
+    Counter,
+    "Times this host announced (direction=announce) or withdrew (direction=withdraw) the VIP's route.",
+);
+/// `vip.announce = "routes"`: 1 for the reason the VIP is not announced.
+pub static VIP_ANNOUNCE_REASON: Family = Family::new(
+    "harvester_lb_vip_announce_reason",
+    Gauge,
+    "1 for the reason this host does not announce the VIP now (no_eligible_backend, drained, stopping, damped, waiting), 0 for the others; all 0 while announced.",
+);
+/// `vip.announce = "routes"`: writes the kernel refused.
+pub static VIP_ANNOUNCE_ERRORS: Family = Family::new(
+    "harvester_lb_vip_announce_errors_total",
+    Counter,
+    "Route or address writes for vip.announce the kernel refused (each logged at error and retried).",
+);
 /// Connection log lines dropped by the rate bound (see
 /// `crate::metrics::CONNECTION_LOG_LINES_DROPPED`).
 pub static CONNECTION_LOG_LINES_DROPPED: Family = Family::new(

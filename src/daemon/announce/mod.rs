@@ -1,0 +1,717 @@
+//! `vip.announce = "routes"`: deciding per VIP whether this host should
+//! attract its traffic, and driving the route writer ([`crate::vip::announce`])
+//! to match.
+//!
+//! The conditions of a VIP are read from the live state: at least one of
+//! its listeners bound with an eligible backend on its port, the VIP and
+//! the host not drained by the operator, the daemon not stopping. Each VIP
+//! has a [`decide::Hysteresis`] that turns them into announce and withdraw
+//! transitions (rise delay, damping); one task feeds it and writes the
+//! kernel to match. It wakes on every publish of a load balancer (a health
+//! flip, an operator's drain; forwarded by the kernel-table task) and every
+//! apply, and once a second for what publishes nothing (a listener bound by
+//! a retry); every [`crate::owned::CHECK_INTERVAL`] it reads the table back
+//! and repairs it (a route of ours deleted by hand comes back, one no VIP
+//! wants goes).
+//!
+//! Start: the first step deletes every route of our protocol in the table
+//! (a crashed daemon's), so every VIP starts withdrawn. Stop:
+//! [`Daemon::announce_stop`] withdraws every VIP before the listeners
+//! close; the addresses go after the drain
+//! ([`Daemon::announce_remove_addresses`]).
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use tokio::sync::Notify;
+use tokio::time::Instant;
+
+use super::*;
+use crate::config::AnnounceSettings;
+use crate::metrics::VipAnnounceSample;
+use crate::vip::announce::{AddressOwner, AnnounceError, RouteWriter};
+
+pub mod decide;
+
+use decide::{Blocker, Hysteresis, Reason, Transition};
+
+/// The rise delay of a VIP none of whose load balancers is health checked.
+const DEFAULT_DELAY_WITHOUT_CHECKS: Duration = Duration::from_secs(3);
+/// The rise delay is this many probe periods (the longest of the VIP's).
+const PERIODS_PER_DELAY: u32 = 3;
+/// How often the conditions are read with no wake-up.
+const POLL: Duration = Duration::from_secs(1);
+
+/// The operator's marks: a drained host, drained VIPs.
+#[derive(Debug, Default)]
+struct Marks {
+    host: bool,
+    vips: BTreeSet<IpAddr>,
+}
+
+/// The part of the daemon that announces VIPs.
+#[derive(Default)]
+pub(super) struct Announcer {
+    /// Woken by publishes and applies.
+    wake: Arc<Notify>,
+    /// Set once the task runs.
+    started: AtomicBool,
+    marks: std::sync::Mutex<Marks>,
+    /// What `/status` shows, as of the last step.
+    status: std::sync::Mutex<Option<AnnounceStatus>>,
+    /// The writer's side; the task and the stop path take it in turn.
+    inner: tokio::sync::Mutex<Inner>,
+}
+
+#[derive(Default)]
+struct Inner {
+    writer: Option<RouteWriter>,
+    /// The table our routes are in (flushed when first taken).
+    table: Option<u32>,
+    /// The interface name and index the addresses and routes use.
+    interface: Option<(String, u32)>,
+    vips: BTreeMap<IpAddr, VipState>,
+    /// VIPs whose route is in the kernel, as written.
+    written: BTreeSet<IpAddr>,
+    addresses: AddressOwner,
+    /// The VIP addresses last put on the interface.
+    addressed: BTreeSet<IpAddr>,
+    /// The last error of the interface or the addresses.
+    error: Option<String>,
+    /// Set at stop: nothing is announced again.
+    stopped: bool,
+    last_check: Option<Instant>,
+}
+
+struct VipState {
+    decision: Hysteresis,
+    announces: u64,
+    withdrawals: u64,
+    /// The last write error, until a write succeeds.
+    error: Option<String>,
+}
+
+/// `announce` in `/status`.
+#[derive(Debug, Clone, Serialize)]
+pub struct AnnounceStatus {
+    /// `routes` (the section is absent with `none`).
+    pub mode: &'static str,
+    /// `vip.announce_table`.
+    pub table: u32,
+    /// `vip.announce_interface`.
+    pub interface: String,
+    /// The route protocol number of our routes.
+    pub protocol: u8,
+    /// `harvester-lb host drain` is in force.
+    pub host_drained: bool,
+    /// A problem with the interface or its addresses.
+    pub error: Option<String>,
+    /// Every VIP of the config in force.
+    pub vips: Vec<VipAnnounceStatus>,
+}
+
+/// One VIP's announcement in `/status`.
+#[derive(Debug, Clone, Serialize)]
+pub struct VipAnnounceStatus {
+    /// The VIP.
+    pub vip: IpAddr,
+    /// Whether this host's route for it is in the table.
+    pub announced: bool,
+    /// Why not: `no_eligible_backend`, `drained`, `stopping`, `damped`,
+    /// `waiting`; `null` while announced.
+    pub reason: Option<&'static str>,
+    /// Announces and withdrawals so far.
+    pub transitions: u64,
+    /// Since when it is announced or not, Unix seconds.
+    pub since: f64,
+    /// The rise delay in force now (damping included), seconds.
+    pub rise_delay_seconds: f64,
+    /// `harvester-lb vip drain` is in force for it.
+    pub drained: bool,
+    /// The last write the kernel refused, until one succeeds.
+    pub error: Option<String>,
+}
+
+/// The per-VIP view of the `announce` section, for a load balancer.
+#[derive(Debug, Clone, Serialize)]
+pub struct LbAnnounceStatus {
+    /// Whether this host's route for the VIP is in the table.
+    pub announced: bool,
+    /// Why not.
+    pub reason: Option<&'static str>,
+    /// Announces and withdrawals so far.
+    pub transitions: u64,
+    /// Since when, Unix seconds.
+    pub since: f64,
+}
+
+/// Why an operator's announce mark could not be set.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum AnnounceStateError {
+    /// The config in force does not announce.
+    #[error(
+        "vip.announce is not \"routes\" in the config in force: nothing is announced, so nothing can be drained"
+    )]
+    Off,
+    /// No load balancer has that VIP.
+    #[error("no load balancer of the config in force has VIP {0}; /status lists them")]
+    UnknownVip(IpAddr),
+}
+
+/// What an operator's mark changed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct AnnounceStateChange {
+    /// `drain` or `ready`, before.
+    pub previous: &'static str,
+    /// `drain` or `ready`, now.
+    pub state: &'static str,
+}
+
+fn mark_name(drained: bool) -> &'static str {
+    if drained { "drain" } else { "ready" }
+}
+
+/// Unix seconds of a tokio instant (for `/status`).
+fn unix_of(t: Instant) -> f64 {
+    let ago = Instant::now().saturating_duration_since(t);
+    SystemTime::now()
+        .checked_sub(ago)
+        .and_then(|s| s.duration_since(SystemTime::UNIX_EPOCH).ok())
+        .map_or(0.0, |d| d.as_secs_f64())
+}
+
+/// One VIP's conditions and rise delay.
+struct Wanted {
+    conditions: Result<(), Blocker>,
+    delay: Duration,
+}
+
+impl Daemon {
+    /// Wakes the announcing task (starting it on first use).
+    pub(super) fn announce_wake(&self) {
+        self.announcer.wake.notify_one();
+        if self.announcer.started.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            self.announcer.started.store(false, Ordering::Release);
+            return;
+        };
+        let me = self.me.clone();
+        let wake = Arc::clone(&self.announcer.wake);
+        runtime.spawn(async move {
+            let mut next: Option<Instant> = None;
+            loop {
+                let poll = Instant::now() + POLL;
+                let until = next.map_or(poll, |n| n.min(poll));
+                let enabled = {
+                    let Some(daemon) = me.upgrade() else { return };
+                    daemon.announce_settings().is_some()
+                };
+                if enabled {
+                    tokio::select! {
+                        () = wake.notified() => {}
+                        () = tokio::time::sleep_until(until) => {}
+                    }
+                } else {
+                    wake.notified().await;
+                }
+                let Some(daemon) = me.upgrade() else { return };
+                let mut inner = daemon.announcer.inner.lock().await;
+                if inner.stopped {
+                    return;
+                }
+                next = daemon.announce_step(&mut inner).await;
+            }
+        });
+    }
+
+    /// Wakes the announcing task if it runs (the kernel-table task
+    /// forwards each publish of a load balancer here).
+    pub(super) fn announcer_wake(&self) {
+        self.announcer.wake.notify_one();
+    }
+
+    /// `vip.announce` of the config in force, when it is `routes`.
+    fn announce_settings(&self) -> Option<AnnounceSettings> {
+        self.lock()
+            .config
+            .as_ref()
+            .map(|c| c.vip.announce.clone())
+            .filter(AnnounceSettings::enabled)
+    }
+
+    /// Every VIP of the config in force with its conditions and rise delay.
+    fn announce_wanted(&self, settings: &AnnounceSettings) -> BTreeMap<IpAddr, Wanted> {
+        let st = self.lock();
+        let mut out: BTreeMap<IpAddr, (bool, Duration)> = BTreeMap::new();
+        let Some(config) = &st.config else {
+            return BTreeMap::new();
+        };
+        for spec in &config.load_balancers {
+            if spec.vip.is_unspecified() {
+                continue;
+            }
+            let (serving, longest) = out.entry(spec.vip).or_insert((false, Duration::ZERO));
+            if let Some(hc) = &spec.health_check {
+                *longest = (*longest).max(hc.period * PERIODS_PER_DELAY);
+            }
+            if *serving {
+                continue;
+            }
+            let Some(entry) = st.load_balancers.get(&spec.name) else {
+                continue;
+            };
+            let snapshot = entry.lb.snapshot();
+            *serving = spec.listeners.iter().any(|l| {
+                st.listeners
+                    .get(&(spec.listen_addr(l), l.protocol))
+                    .is_some_and(|e| e.socket.is_ok())
+                    && !snapshot.eligible_for(l.backend_port).is_empty()
+            });
+        }
+        drop(st);
+        let stopping = self.is_stopping();
+        let marks = self.marks();
+        out.into_iter()
+            .map(|(vip, (serving, longest))| {
+                let conditions = if stopping {
+                    Err(Blocker::Stopping)
+                } else if marks.host || marks.vips.contains(&vip) {
+                    Err(Blocker::Drained)
+                } else if !serving {
+                    Err(Blocker::NoEligibleBackend)
+                } else {
+                    Ok(())
+                };
+                let delay = settings.delay.unwrap_or(if longest.is_zero() {
+                    DEFAULT_DELAY_WITHOUT_CHECKS
+                } else {
+                    longest
+                });
+                (vip, Wanted { conditions, delay })
+            })
+            .collect()
+    }
+
+    fn marks(&self) -> std::sync::MutexGuard<'_, Marks> {
+        self.announcer
+            .marks
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Logs and counts a refused write; `Some(message)` for `/status`.
+    fn announce_failed(&self, what: std::fmt::Arguments<'_>, e: &AnnounceError) -> String {
+        self.metrics.record_vip_announce_error();
+        let message = e.to_string();
+        tracing::error!("vip.announce: {what}: {message}; retried");
+        message
+    }
+
+    /// One pass: settings, interface, addresses, decisions, routes,
+    /// status. Returns when it must run again at the latest.
+    async fn announce_step(&self, inner: &mut Inner) -> Option<Instant> {
+        let Some(settings) = self.announce_settings() else {
+            // Off (or switched off by a reload): take back what is ours.
+            if inner.table.is_some() || !inner.addressed.is_empty() {
+                self.announce_release(inner).await;
+            }
+            self.metrics.set_vip_announce(None);
+            *self
+                .announcer
+                .status
+                .lock()
+                .unwrap_or_else(|p| p.into_inner()) = None;
+            return None;
+        };
+        let now = Instant::now();
+        if inner.writer.is_none() {
+            match RouteWriter::connect() {
+                Ok(w) => inner.writer = Some(w),
+                Err(e) => {
+                    inner.error = Some(self.announce_failed(format_args!("netlink"), &e));
+                    self.announce_publish(inner, &settings, &BTreeMap::new(), now);
+                    return Some(now + Duration::from_secs(2));
+                }
+            }
+        }
+        let writer = inner.writer.clone().expect("connected above");
+        // A new table, or a new interface: start over there, withdrawn.
+        let moved = inner.table != Some(settings.table)
+            || inner.interface.as_ref().map(|(n, _)| n) != Some(&settings.interface);
+        if moved {
+            if let Some(old) = inner.table.take()
+                && let Err(e) = writer.flush(old).await
+            {
+                self.announce_failed(format_args!("deleting the routes of table {old}"), &e);
+            }
+            inner.written.clear();
+            for v in inner.vips.values_mut() {
+                v.decision = Hysteresis::new(now);
+            }
+            match writer.flush(settings.table).await {
+                Ok(stale) if stale.is_empty() => {}
+                Ok(stale) => tracing::warn!(
+                    table = settings.table,
+                    routes = ?stale,
+                    "vip.announce: deleted routes of protocol {} a previous run left in the table; every VIP starts withdrawn",
+                    crate::config::ROUTE_PROTOCOL
+                ),
+                Err(e) => {
+                    inner.error = Some(self.announce_failed(
+                        format_args!("deleting stale routes of table {}", settings.table),
+                        &e,
+                    ));
+                    self.announce_publish(inner, &settings, &BTreeMap::new(), now);
+                    return Some(now + Duration::from_secs(2));
+                }
+            }
+            inner.table = Some(settings.table);
+            match writer.interface_index(&settings.interface).await {
+                Ok(index) => inner.interface = Some((settings.interface.clone(), index)),
+                Err(e) => {
+                    inner.table = None;
+                    inner.error =
+                        Some(self.announce_failed(
+                            format_args!("interface {:?}", settings.interface),
+                            &e,
+                        ));
+                    self.announce_publish(inner, &settings, &BTreeMap::new(), now);
+                    return Some(now + Duration::from_secs(2));
+                }
+            }
+        }
+        let (_, index) = inner.interface.clone().expect("set above");
+        let wanted = self.announce_wanted(&settings);
+
+        // The addresses: every VIP of the file, announced or not.
+        let vips: BTreeSet<IpAddr> = wanted.keys().copied().collect();
+        let check = inner
+            .last_check
+            .is_none_or(|t| now.saturating_duration_since(t) >= crate::owned::CHECK_INTERVAL);
+        if vips != inner.addressed || check || inner.error.is_some() {
+            match inner.addresses.reconcile(&writer, index, &vips).await {
+                Ok(()) => {
+                    inner.addressed = vips;
+                    inner.error = None;
+                }
+                Err(e) => {
+                    inner.error = Some(self.announce_failed(
+                        format_args!("the VIP addresses on {:?}", settings.interface),
+                        &e,
+                    ));
+                }
+            }
+        }
+
+        // Read back: a route of ours deleted by another process comes back
+        // below; one nobody wants goes.
+        if check {
+            inner.last_check = Some(now);
+            match writer.announced(settings.table).await {
+                Ok(in_kernel) => {
+                    let lost: Vec<IpAddr> = inner.written.difference(&in_kernel).copied().collect();
+                    let extra: Vec<IpAddr> =
+                        in_kernel.difference(&inner.written).copied().collect();
+                    if !lost.is_empty() || !extra.is_empty() {
+                        tracing::warn!(
+                            table = settings.table,
+                            missing = ?lost,
+                            unexpected = ?extra,
+                            "vip.announce: the table's routes of protocol {} are not the ones this daemon wrote (another process changed them?); repaired",
+                            crate::config::ROUTE_PROTOCOL
+                        );
+                    }
+                    for vip in lost {
+                        inner.written.remove(&vip);
+                    }
+                    for vip in extra {
+                        if let Err(e) = writer.withdraw(vip, settings.table).await {
+                            self.announce_failed(format_args!("withdrawing {vip}"), &e);
+                        }
+                    }
+                }
+                Err(e) => {
+                    self.announce_failed(format_args!("reading table {}", settings.table), &e);
+                }
+            }
+        }
+
+        // VIPs that left the file.
+        let gone: Vec<IpAddr> = inner
+            .vips
+            .keys()
+            .filter(|v| !wanted.contains_key(v))
+            .copied()
+            .collect();
+        for vip in gone {
+            inner.vips.remove(&vip);
+            if inner.written.contains(&vip) {
+                match writer.withdraw(vip, settings.table).await {
+                    Ok(()) => {
+                        inner.written.remove(&vip);
+                        tracing::info!(%vip, "vip.announce: withdrawn: the VIP left the config");
+                    }
+                    Err(e) => {
+                        self.announce_failed(format_args!("withdrawing {vip}"), &e);
+                    }
+                }
+            }
+        }
+
+        // Decisions, and the kernel to match.
+        let mut next: Option<Instant> = None;
+        for (vip, w) in &wanted {
+            let state = inner.vips.entry(*vip).or_insert_with(|| VipState {
+                decision: Hysteresis::new(now),
+                announces: 0,
+                withdrawals: 0,
+                error: None,
+            });
+            let transition = state.decision.observe(now, w.conditions, w.delay);
+            if let Some(d) = state.decision.deadline(w.delay) {
+                next = Some(next.map_or(d, |n| n.min(d)));
+            }
+            let want = state.decision.announced();
+            let have = inner.written.contains(vip);
+            if want == have {
+                continue;
+            }
+            let result = if want {
+                writer.announce(*vip, settings.table, index).await
+            } else {
+                writer.withdraw(*vip, settings.table).await
+            };
+            match result {
+                Ok(()) => {
+                    state.error = None;
+                    if want {
+                        inner.written.insert(*vip);
+                        state.announces += 1;
+                        tracing::info!(
+                            %vip,
+                            table = settings.table,
+                            transitions = state.decision.transitions(),
+                            "vip.announce: announced (its conditions held for {:?})",
+                            state.decision.rise_delay(w.delay)
+                        );
+                    } else {
+                        inner.written.remove(vip);
+                        state.withdrawals += 1;
+                        let reason = match transition {
+                            Some(Transition::Withdraw(b)) => Reason::from(b).as_str(),
+                            _ => state.decision.reason().map_or("?", Reason::as_str),
+                        };
+                        tracing::warn!(
+                            %vip,
+                            table = settings.table,
+                            reason,
+                            damping = state.decision.damp_level(),
+                            "vip.announce: withdrawn"
+                        );
+                    }
+                }
+                Err(e) => {
+                    let what = if want { "announcing" } else { "withdrawing" };
+                    let message = e.to_string();
+                    if state.error.as_deref() != Some(&message) {
+                        state.error = Some(self.announce_failed(format_args!("{what} {vip}"), &e));
+                    } else {
+                        self.metrics.record_vip_announce_error();
+                    }
+                    let retry = now + Duration::from_secs(2);
+                    next = Some(next.map_or(retry, |n| n.min(retry)));
+                }
+            }
+        }
+        self.announce_publish(inner, &settings, &wanted, now);
+        next
+    }
+
+    /// Publishes `/status` and the metrics from `inner`.
+    fn announce_publish(
+        &self,
+        inner: &Inner,
+        settings: &AnnounceSettings,
+        wanted: &BTreeMap<IpAddr, Wanted>,
+        now: Instant,
+    ) {
+        let marks = self.marks();
+        let mut vips = Vec::new();
+        let mut samples = Vec::new();
+        for (vip, state) in &inner.vips {
+            let announced = inner.written.contains(vip);
+            let reason = if announced {
+                None
+            } else {
+                Some(state.decision.reason().unwrap_or(Reason::Waiting).as_str())
+            };
+            let delay = wanted.get(vip).map_or(Duration::ZERO, |w| w.delay);
+            vips.push(VipAnnounceStatus {
+                vip: *vip,
+                announced,
+                reason,
+                transitions: state.announces + state.withdrawals,
+                since: unix_of(state.decision.since().min(now)),
+                rise_delay_seconds: state.decision.rise_delay(delay).as_secs_f64(),
+                drained: marks.vips.contains(vip),
+                error: state.error.clone(),
+            });
+            samples.push(VipAnnounceSample {
+                vip: *vip,
+                announced,
+                reason,
+                announces: state.announces,
+                withdrawals: state.withdrawals,
+            });
+        }
+        let doc = AnnounceStatus {
+            mode: "routes",
+            table: settings.table,
+            interface: settings.interface.clone(),
+            protocol: crate::config::ROUTE_PROTOCOL,
+            host_drained: marks.host,
+            error: inner.error.clone(),
+            vips,
+        };
+        drop(marks);
+        self.metrics.set_vip_announce(Some(samples));
+        *self
+            .announcer
+            .status
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()) = Some(doc);
+    }
+
+    /// Announcing switched off: our routes and addresses go.
+    async fn announce_release(&self, inner: &mut Inner) {
+        if let Some(writer) = inner.writer.clone() {
+            if let Some(table) = inner.table.take()
+                && let Err(e) = writer.flush(table).await
+            {
+                self.announce_failed(format_args!("deleting the routes of table {table}"), &e);
+            }
+            if let Err(e) = inner.addresses.remove_all(&writer).await {
+                self.announce_failed(format_args!("removing the VIP addresses"), &e);
+            }
+        }
+        inner.written.clear();
+        inner.vips.clear();
+        inner.addressed.clear();
+        inner.interface = None;
+        inner.last_check = None;
+    }
+
+    /// At stop, before the listeners close: every VIP is withdrawn (the
+    /// table flushed of our routes) and none is announced again. Returns
+    /// the grace to wait for the router to move new flows away (`None`
+    /// when announcing is off).
+    pub(super) async fn announce_stop(&self) -> Option<Duration> {
+        let settings = self.announce_settings()?;
+        let mut inner = self.announcer.inner.lock().await;
+        inner.stopped = true;
+        let writer = match inner.writer.clone() {
+            Some(w) => Some(w),
+            None => RouteWriter::connect().ok(),
+        };
+        let now = Instant::now();
+        if let Some(writer) = writer {
+            match writer.flush(settings.table).await {
+                Ok(withdrawn) => {
+                    for vip in &withdrawn {
+                        if let Some(state) = inner.vips.get_mut(vip) {
+                            state.withdrawals += 1;
+                        }
+                    }
+                    tracing::info!(
+                        table = settings.table,
+                        vips = ?withdrawn,
+                        grace = ?settings.withdraw_grace,
+                        "stopping: every VIP withdrawn; listeners keep accepting for the grace, then drain"
+                    );
+                }
+                Err(e) => {
+                    self.announce_failed(format_args!("withdrawing every VIP at stop"), &e);
+                }
+            }
+        }
+        inner.written.clear();
+        for state in inner.vips.values_mut() {
+            state
+                .decision
+                .observe(now, Err(Blocker::Stopping), Duration::ZERO);
+        }
+        let wanted = BTreeMap::new();
+        self.announce_publish(&inner, &settings, &wanted, now);
+        Some(settings.withdraw_grace)
+    }
+
+    /// At stop, after the drain: the VIP addresses this daemon added go.
+    pub(super) async fn announce_remove_addresses(&self) {
+        let mut inner = self.announcer.inner.lock().await;
+        if let Some(writer) = inner.writer.clone()
+            && let Err(e) = inner.addresses.remove_all(&writer).await
+        {
+            self.announce_failed(format_args!("removing the VIP addresses at stop"), &e);
+        }
+    }
+
+    /// `harvester-lb host drain|ready` (`vip` = `None`) and `harvester-lb
+    /// vip drain|ready VIP`: the operator's mark, applied at once.
+    pub fn set_announce_state(
+        &self,
+        vip: Option<IpAddr>,
+        drained: bool,
+    ) -> Result<AnnounceStateChange, AnnounceStateError> {
+        let settings = self.announce_settings().ok_or(AnnounceStateError::Off)?;
+        if let Some(vip) = vip {
+            let known = self.announce_wanted(&settings).contains_key(&vip);
+            if !known {
+                return Err(AnnounceStateError::UnknownVip(vip));
+            }
+        }
+        let previous = {
+            let mut marks = self.marks();
+            match vip {
+                None => std::mem::replace(&mut marks.host, drained),
+                Some(v) if drained => !marks.vips.insert(v),
+                Some(v) => marks.vips.remove(&v),
+            }
+        };
+        tracing::info!(
+            vip = vip.map(|v| v.to_string()),
+            from = mark_name(previous),
+            to = mark_name(drained),
+            "vip.announce: operator's mark set"
+        );
+        self.announcer.wake.notify_one();
+        Ok(AnnounceStateChange {
+            previous: mark_name(previous),
+            state: mark_name(drained),
+        })
+    }
+
+    /// `announce` in `/status`; `None` while announcing is off.
+    pub fn announce_status(&self) -> Option<AnnounceStatus> {
+        self.announcer
+            .status
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+}
+
+impl AnnounceStatus {
+    /// The part of it about `vip`, for its load balancers in `/status`.
+    pub fn for_vip(&self, vip: IpAddr) -> Option<LbAnnounceStatus> {
+        self.vips
+            .iter()
+            .find(|v| v.vip == vip)
+            .map(|v| LbAnnounceStatus {
+                announced: v.announced,
+                reason: v.reason,
+                transitions: v.transitions,
+                since: v.since,
+            })
+    }
+}

@@ -1,0 +1,420 @@
+//! `vip.announce = "routes"` with the real daemon in a network namespace:
+//! the host route appears in table 100 with protocol 252 only after the
+//! rise delay, goes when every backend fails its health check, comes back
+//! (damped) when one recovers; SIGTERM withdraws before the listener closes;
+//! a start deletes a stale route and starts withdrawn; after SIGKILL the
+//! route stays until `harvester-lb withdraw --all` deletes it, leaving other
+//! protocols' routes alone. (The end-to-end tests with BIRD and a router
+//! are in the BIRD test bed.)
+//!
+//! These tests need root and iproute2/nftables; they skip with a printed
+//! reason elsewhere, and fail under `CI=true`.
+
+// The test bed times real processes and kernels, not tokio tasks.
+#![allow(clippy::disallowed_types, clippy::disallowed_methods)]
+
+#[path = "netns/mod.rs"]
+mod netns;
+
+use std::net::Ipv4Addr;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use netns::peers::{Exchange, Node, Service, exchange};
+use netns::{Bed, LB_IP, Ns, config, lb, metric, sa, wait_for};
+
+/// The announced VIP: outside the bed's subnet, so the client reaches it
+/// only through a route via the load-balancer host (as a router would).
+const AVIP: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 50);
+/// An IPv6 VIP on the same backends (announced, not reached).
+const AVIP6: &str = "2001:db8:50::50";
+/// The rise delay the tests configure.
+const DELAY: Duration = Duration::from_secs(3);
+/// The grace at SIGTERM.
+const GRACE: Duration = Duration::from_secs(3);
+
+fn can_run() -> bool {
+    match netns::skip_reason() {
+        None => true,
+        Some(why) => {
+            netns::skip_or_fail(
+                "vip.announce",
+                &format!("needs root and iproute2/nftables ({why})"),
+            );
+            false
+        }
+    }
+}
+
+fn ip_out(ns: &Ns, args: &[&str]) -> String {
+    let out = Command::new("ip")
+        .args(["-n", &ns.name])
+        .args(args)
+        .output()
+        .expect("run ip");
+    assert!(
+        out.status.success(),
+        "ip {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Table 100's routes, both families, one per line (a family with no
+/// route in it yet has no table: nothing).
+fn table(ns: &Ns) -> String {
+    let family = |f: &str| {
+        let out = Command::new("ip")
+            .args(["-n", &ns.name, f, "route", "show", "table", "100"])
+            .output()
+            .expect("run ip");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            out.status.success() || err.contains("does not exist"),
+            "ip {f} route show table 100: {err}"
+        );
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    family("-4") + &family("-6")
+}
+
+/// The line of table 100 for `dst`, if any.
+fn route_of(ns: &Ns, dst: &str) -> Option<String> {
+    table(ns)
+        .lines()
+        .find(|l| l.split_whitespace().next() == Some(dst))
+        .map(str::to_string)
+}
+
+fn announced(ns: &Ns, dst: &str) -> bool {
+    route_of(ns, dst).is_some_and(|l| l.contains("proto 252") && l.contains("dev lo"))
+}
+
+fn on_lo(ns: &Ns, ip: &str) -> bool {
+    ip_out(ns, &["addr", "show", "dev", "lo"]).contains(&format!(" {ip}/"))
+}
+
+fn announce_config(bed: &Bed) -> String {
+    let health = "  period_seconds = 1\n  timeout_seconds = 1\n  success_threshold = 1\n  failure_threshold = 1";
+    let mut lb6 = lb("default/web6", AVIP, &[1], "", Some(health));
+    lb6 = lb6.replacen(
+        &format!("vip = \"{AVIP}\""),
+        &format!("vip = \"{AVIP6}\""),
+        1,
+    );
+    let c = config(
+        "drain_timeout_seconds = 5",
+        &[lb("default/web", AVIP, &[1], "", Some(health)), lb6],
+    );
+    let vip = format!(
+        "[vip]\nannounce = \"routes\"\nannounce_delay_seconds = {}\nwithdraw_grace_seconds = {}\n\n",
+        DELAY.as_secs(),
+        GRACE.as_secs()
+    );
+    let _ = bed;
+    c.replacen("[proxy]\n", &format!("{vip}[proxy]\n"), 1)
+}
+
+/// The `announce` entry of `vip` in `/status`.
+fn vip_status(status: &serde_json::Value, vip: &str) -> serde_json::Value {
+    status["announce"]["vips"]
+        .as_array()
+        .and_then(|a| a.iter().find(|v| v["vip"] == vip))
+        .cloned()
+        .unwrap_or_else(|| panic!("no announce entry for {vip} in {status:#}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn netns_announce_follows_health_and_sigterm_withdraws_before_the_listener_closes() {
+    if !can_run() {
+        return;
+    }
+    let mut bed = Bed::new("ann", 1);
+    let mut node = Node::start(&bed, 1, Service::NameThenEcho);
+    bed.client.ip(&[
+        "route",
+        "add",
+        &format!("{AVIP}/32"),
+        "via",
+        &LB_IP.to_string(),
+    ]);
+    // A crashed daemon's route (ours), and another protocol's route in the
+    // same table, which must survive everything.
+    bed.lb.ip(&["link", "set", "lo", "up"]);
+    bed.lb.ip(&[
+        "route",
+        "add",
+        &format!("{AVIP}/32"),
+        "dev",
+        "lo",
+        "table",
+        "100",
+        "proto",
+        "252",
+    ]);
+    bed.lb.ip(&[
+        "route",
+        "add",
+        "192.0.2.99/32",
+        "dev",
+        "lo",
+        "table",
+        "100",
+        "proto",
+        "static",
+    ]);
+
+    let started = Instant::now();
+    bed.start_daemon(&announce_config(&bed)).await;
+    let lbns = bed.lb.clone();
+    // The stale route goes: the daemon starts withdrawn.
+    let flushed = wait_for(Duration::from_secs(10), "the stale route deleted", || {
+        let ns = lbns.clone();
+        async move { (!announced(&ns, &AVIP.to_string())).then(Instant::now) }
+    })
+    .await;
+    assert!(
+        flushed.duration_since(started) < DELAY,
+        "the stale route outlived the rise delay: it was not flushed at start"
+    );
+    assert!(
+        on_lo(&bed.lb, &AVIP.to_string()),
+        "the VIP address is put on lo"
+    );
+    // Announced after the delay, not before.
+    wait_for(Duration::from_secs(30), "the VIP announced", || {
+        let ns = lbns.clone();
+        async move { announced(&ns, &AVIP.to_string()).then_some(()) }
+    })
+    .await;
+    assert!(
+        started.elapsed() >= DELAY,
+        "announced {:?} after the start, before the {DELAY:?} rise delay",
+        started.elapsed()
+    );
+    wait_for(Duration::from_secs(30), "the IPv6 VIP announced", || {
+        let ns = lbns.clone();
+        async move { announced(&ns, AVIP6).then_some(()) }
+    })
+    .await;
+    assert!(
+        route_of(&bed.lb, "192.0.2.99").is_some_and(|l| l.contains("proto static")),
+        "another protocol's route is left alone: {}",
+        table(&bed.lb)
+    );
+    let status = bed.daemon().status().await;
+    let v = vip_status(&status, &AVIP.to_string());
+    assert_eq!(v["announced"], true, "{v}");
+    assert_eq!(v["reason"], serde_json::Value::Null, "{v}");
+    assert_eq!(status["load_balancers"][0]["announce"]["announced"], true);
+    // Through the route, the VIP serves.
+    match exchange(&bed.client, sa(AVIP, 80), 64, Duration::from_secs(10)).await {
+        Exchange::Ok(n) => assert_eq!(n, "n1"),
+        other => panic!("the announced VIP does not serve: {other:?}"),
+    }
+
+    // Every backend fails its health check: withdrawn, with the reason.
+    node.stop_health();
+    wait_for(Duration::from_secs(15), "the VIP withdrawn", || {
+        let ns = lbns.clone();
+        async move { (!announced(&ns, &AVIP.to_string())).then_some(()) }
+    })
+    .await;
+    let v = vip_status(&bed.daemon().status().await, &AVIP.to_string());
+    assert_eq!(v["announced"], false, "{v}");
+    assert_eq!(v["reason"], "no_eligible_backend", "{v}");
+    let m = bed.daemon().metrics().await;
+    let vip = AVIP.to_string();
+    assert_eq!(
+        metric(&m, "harvester_lb_vip_announced", &[("vip", &vip)]),
+        0.0
+    );
+    assert_eq!(
+        metric(
+            &m,
+            "harvester_lb_vip_announce_reason",
+            &[("vip", &vip), ("reason", "no_eligible_backend")]
+        ),
+        1.0
+    );
+    assert_eq!(
+        metric(
+            &m,
+            "harvester_lb_vip_announce_transitions_total",
+            &[("vip", &vip), ("direction", "withdraw")]
+        ),
+        1.0
+    );
+    // The address stays: open and late connections are still accepted.
+    assert!(on_lo(&bed.lb, &vip));
+
+    // It recovers: announced again after the (damped) delay.
+    node.start_health();
+    let recovered = Instant::now();
+    wait_for(Duration::from_secs(60), "the VIP announced again", || {
+        let ns = lbns.clone();
+        async move { announced(&ns, &AVIP.to_string()).then_some(()) }
+    })
+    .await;
+    assert!(
+        recovered.elapsed() >= DELAY,
+        "re-announced {:?} after the backend recovered, before the rise delay",
+        recovered.elapsed()
+    );
+
+    // The operator drains the host: withdrawn at once; ready brings it back.
+    let sock = bed.dir.join("admin.sock");
+    let cfg = bed.daemon().config.clone();
+    let host = |state: &str| {
+        Command::new(env!("CARGO_BIN_EXE_harvester-lb"))
+            .args(["host", state, "--socket"])
+            .arg(&sock)
+            .arg("--config")
+            .arg(&cfg)
+            .output()
+            .expect("run harvester-lb host")
+    };
+    let out = host("drain");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    wait_for(Duration::from_secs(10), "the host drained", || {
+        let ns = lbns.clone();
+        async move { (!announced(&ns, &AVIP.to_string()) && !announced(&ns, AVIP6)).then_some(()) }
+    })
+    .await;
+    let v = vip_status(&bed.daemon().status().await, &AVIP.to_string());
+    assert_eq!(v["reason"], "drained", "{v}");
+    let out = host("ready");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    wait_for(
+        Duration::from_secs(30),
+        "the VIP announced after ready",
+        || {
+            let ns = lbns.clone();
+            async move { announced(&ns, &AVIP.to_string()).then_some(()) }
+        },
+    )
+    .await;
+
+    // SIGTERM: the route goes first, while the listener still accepts.
+    let mut daemon = bed.take_daemon();
+    daemon.signal(libc::SIGTERM);
+    wait_for(
+        Duration::from_secs(10),
+        "the route withdrawn at SIGTERM",
+        || {
+            let ns = lbns.clone();
+            async move { (!announced(&ns, &AVIP.to_string())).then_some(()) }
+        },
+    )
+    .await;
+    assert!(daemon.exited().is_none(), "the daemon waits the grace");
+    match exchange(&bed.client, sa(AVIP, 80), 64, Duration::from_secs(5)).await {
+        Exchange::Ok(n) => assert_eq!(n, "n1"),
+        other => panic!("withdrawn, but the listener did not accept during the grace: {other:?}"),
+    }
+    let status = daemon.wait_exit(Duration::from_secs(30)).await;
+    assert!(
+        status.is_some_and(|s| s.success()),
+        "{status:?}\n{}",
+        daemon.log_tail(30)
+    );
+    assert!(!announced(&bed.lb, AVIP6), "{}", table(&bed.lb));
+    assert!(
+        !on_lo(&bed.lb, &AVIP.to_string()),
+        "the address it added goes at a clean stop"
+    );
+    assert!(
+        route_of(&bed.lb, "192.0.2.99").is_some(),
+        "{}",
+        table(&bed.lb)
+    );
+    let log = daemon.log();
+    let withdrawn = log
+        .find("every VIP withdrawn")
+        .expect("the stop's withdrawal is logged");
+    let drained = log.find("stopped").expect("the stop is logged");
+    assert!(withdrawn < drained);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn netns_withdraw_all_after_sigkill_deletes_only_our_routes() {
+    if !can_run() {
+        return;
+    }
+    let mut bed = Bed::new("annk", 1);
+    let _node = Node::start(&bed, 1, Service::NameThenEcho);
+    bed.lb.ip(&["link", "set", "lo", "up"]);
+    bed.lb.ip(&[
+        "route",
+        "add",
+        "192.0.2.99/32",
+        "dev",
+        "lo",
+        "table",
+        "100",
+        "proto",
+        "static",
+    ]);
+    bed.start_daemon(&announce_config(&bed)).await;
+    let lbns = bed.lb.clone();
+    wait_for(Duration::from_secs(30), "both VIPs announced", || {
+        let ns = lbns.clone();
+        async move { (announced(&ns, &AVIP.to_string()) && announced(&ns, AVIP6)).then_some(()) }
+    })
+    .await;
+    let mut daemon = bed.take_daemon();
+    daemon.signal(libc::SIGKILL);
+    assert!(daemon.wait_exit(Duration::from_secs(10)).await.is_some());
+    assert!(
+        announced(&bed.lb, &AVIP.to_string()) && announced(&bed.lb, AVIP6),
+        "a killed daemon's routes outlive it: {}",
+        table(&bed.lb)
+    );
+    let withdraw = || {
+        Command::new("ip")
+            .args([
+                "netns",
+                "exec",
+                &lbns.name,
+                env!("CARGO_BIN_EXE_harvester-lb"),
+            ])
+            .args(["withdraw", "--all", "--config"])
+            .arg(&daemon.config)
+            .output()
+            .expect("run withdraw --all")
+    };
+    let out = withdraw();
+    let said = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "{said}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        said.contains(&AVIP.to_string()) && said.contains(AVIP6),
+        "{said}"
+    );
+    assert!(!announced(&bed.lb, &AVIP.to_string()), "{}", table(&bed.lb));
+    assert!(!announced(&bed.lb, AVIP6), "{}", table(&bed.lb));
+    assert!(
+        route_of(&bed.lb, "192.0.2.99").is_some_and(|l| l.contains("proto static")),
+        "another protocol's route is left alone: {}",
+        table(&bed.lb)
+    );
+    // Nothing left: still exit 0 (ExecStopPost= after a clean stop).
+    let out = withdraw();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8_lossy(&out.stdout).contains("no harvester-lb route"));
+}
