@@ -293,7 +293,6 @@ async fn wait_announce(bed: &BgpBed, i: usize, announced: bool, reason: Option<&
 /// many connections land on each, and both the IPv4 and the IPv6 VIP are
 /// announced.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "needs [vip] announce = \"routes\" in the daemon"]
 async fn bgp_both_hosts_announce_and_carry_connections() {
     require_bgp!();
     let mut bed = BgpBed::new("both", false).await;
@@ -317,7 +316,6 @@ async fn bgp_both_hosts_announce_and_carry_connections() {
 /// succeeds through the other host. When the backend is back, the host
 /// announces again after its delay.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "needs [vip] announce = \"routes\" in the daemon"]
 async fn bgp_host_whose_backends_fail_withdraws() {
     require_bgp!();
     let mut bed = BgpBed::new("unhealthy", false).await;
@@ -370,7 +368,6 @@ async fn bgp_host_whose_backends_fail_withdraws() {
 /// the survivor by the router, which resets them: printed, see
 /// docs/many-hosts.md.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "needs [vip] announce = \"routes\" in the daemon"]
 async fn bgp_sigterm_withdraws_before_it_stops_serving() {
     require_bgp!();
     let mut bed = BgpBed::new("sigterm", false).await;
@@ -417,7 +414,6 @@ async fn bgp_sigterm_withdraws_before_it_stops_serving() {
 /// unit's `ExecStopPost=` runs it, takes the route away within a second.
 /// Started again, the daemon starts withdrawn and announces after its delay.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "needs [vip] announce = \"routes\" in the daemon"]
 async fn bgp_sigkill_then_withdraw_all_and_restart() {
     require_bgp!();
     let mut bed = BgpBed::new("sigkill", false).await;
