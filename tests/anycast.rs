@@ -128,21 +128,14 @@ async fn bgp_bfd_takes_a_silent_host_out_within_a_second() {
     // Each attempt gets 0.9 s: a SYN to the silent host is never answered,
     // and its retry (after 1 s) would go to the survivor and hide it.
     let mut conns = bed.open_long(vip(), 30).await;
-    let prober = bed.prober(vip(), Duration::from_millis(900));
-    prober.wait_finished(50, Duration::from_secs(10)).await;
-    let cut = std::time::Instant::now();
-    bed.silence(1);
-    let gone = bed.wait_nexthops(&[2], Duration::from_secs(10)).await;
+    let (prober, cut, gone) = bed
+        .fault_under_traffic(Duration::from_millis(900), 2, |bed| bed.silence(1))
+        .await;
     let detect = gone - cut;
     // Then at least 100 more attempts started after the route changed (the
-    // ones in flight at the cut finish within 0.9 s and count in `seen`'s
-    // 150 too).
-    let seen = prober.finished();
-    prober
-        .wait_finished(seen + 150, Duration::from_secs(30))
-        .await;
-    let attempts = prober.stop().await;
-    let failed: Vec<_> = attempts.iter().filter(|a| a.outcome.is_err()).collect();
+    // ones in flight at the cut finish within 0.9 s and count in the 150).
+    let attempts = prober.finish(150).await;
+    let failed = netns::bgp::failed(&attempts);
     let window = failed
         .iter()
         .map(|a| a.started.saturating_duration_since(cut))
@@ -194,17 +187,14 @@ async fn bgp_withdrawal_breaks_none_of_the_other_hosts_connections() {
         n1 > 0 && n2 > 0 && before.broken == [0; 3],
         "60 connections: {before:?}"
     );
-    let prober = bed.prober(vip(), Duration::from_secs(3));
-    prober.wait_finished(30, Duration::from_secs(10)).await;
-    let t = std::time::Instant::now();
-    bed.host(1).announce_by_hand(false);
-    let gone = bed.wait_nexthops(&[2], Duration::from_secs(5)).await - t;
-    let seen = prober.finished();
-    prober
-        .wait_finished(seen + 50, Duration::from_secs(20))
+    let (prober, t, gone) = bed
+        .fault_under_traffic(Duration::from_secs(3), 2, |bed| {
+            bed.host(1).announce_by_hand(false)
+        })
         .await;
-    let attempts = prober.stop().await;
-    let failed: Vec<_> = attempts.iter().filter(|a| a.outcome.is_err()).collect();
+    let gone = gone - t;
+    let attempts = prober.finish(50).await;
+    let failed = netns::bgp::failed(&attempts);
     eprintln!(
         "withdrawal of host 1 reached the router's FIB after {gone:?}; {} of {} new connections failed",
         failed.len(),
@@ -320,18 +310,12 @@ async fn bgp_host_whose_backends_fail_withdraws() {
     require_bgp!();
     let mut bed = BgpBed::new("unhealthy", false).await;
     both_announcing(&mut bed, 2, 1, 5).await;
-    let prober = bed.prober(vip(), Duration::from_secs(3));
-    prober.wait_finished(30, Duration::from_secs(10)).await;
-    let fault = std::time::Instant::now();
-    bed.backend_mut(1).stop();
-    let gone = bed.wait_nexthops(&[2], Duration::from_secs(20)).await;
-    wait_announce(&bed, 1, false, Some("no_eligible_backend")).await;
-    let seen = prober.finished();
-    prober
-        .wait_finished(seen + 150, Duration::from_secs(30))
+    let (prober, fault, gone) = bed
+        .fault_under_traffic(Duration::from_secs(3), 2, |bed| bed.backend_mut(1).stop())
         .await;
-    let attempts = prober.stop().await;
-    let failed = attempts.iter().filter(|a| a.outcome.is_err()).count();
+    wait_announce(&bed, 1, false, Some("no_eligible_backend")).await;
+    let attempts = prober.finish(150).await;
+    let failed = netns::bgp::failed(&attempts).len();
     eprintln!(
         "backends of host 1 down: withdrawn {:?} after the fault; {failed} of {} new connections failed (all before the withdrawal)",
         gone - fault,
@@ -373,11 +357,11 @@ async fn bgp_sigterm_withdraws_before_it_stops_serving() {
     let mut bed = BgpBed::new("sigterm", false).await;
     both_announcing(&mut bed, 1, 2, 5).await;
     let mut conns = bed.open_long(vip(), 40).await;
-    let prober = bed.prober(vip(), Duration::from_secs(3));
-    prober.wait_finished(30, Duration::from_secs(10)).await;
-    let term = std::time::Instant::now();
-    bed.host(1).daemon().signal(libc::SIGTERM);
-    let gone = bed.wait_nexthops(&[2], Duration::from_secs(5)).await;
+    let (prober, term, gone) = bed
+        .fault_under_traffic(Duration::from_secs(3), 2, |bed| {
+            bed.host(1).daemon().signal(libc::SIGTERM)
+        })
+        .await;
     let status = bed
         .host_mut(1)
         .daemon
@@ -388,12 +372,8 @@ async fn bgp_sigterm_withdraws_before_it_stops_serving() {
         .expect("host 1's daemon did not exit within 30 s of SIGTERM");
     let exited = term.elapsed();
     assert!(status.success(), "host 1's daemon exited with {status}");
-    let seen = prober.finished();
-    prober
-        .wait_finished(seen + 100, Duration::from_secs(30))
-        .await;
-    let attempts = prober.stop().await;
-    let failed: Vec<_> = attempts.iter().filter(|a| a.outcome.is_err()).collect();
+    let attempts = prober.finish(100).await;
+    let failed = netns::bgp::failed(&attempts);
     let netns::bgp::Tally { total, broken } = netns::bgp::tally(&mut conns).await;
     eprintln!(
         "SIGTERM: withdrawn after {:?}, exited after {exited:?}; {} of {} new connections failed; open connections broken: host 1 {}/{}, host 2 {}/{}",
@@ -532,18 +512,15 @@ async fn bgp_a_killed_bird_takes_its_host_out_and_fails_nothing() {
     require_bgp!();
     let mut bed = BgpBed::new("birdkill", true).await;
     both_by_hand(&mut bed).await;
-    let prober = bed.prober(vip(), Duration::from_secs(3));
-    prober.wait_finished(30, Duration::from_secs(10)).await;
-    let bird = bed.host_mut(1).bird.take().expect("host 1's BIRD");
-    let t = std::time::Instant::now();
-    bird.kill(libc::SIGKILL);
-    let gone = bed.wait_nexthops(&[2], Duration::from_secs(5)).await - t;
-    let seen = prober.finished();
-    prober
-        .wait_finished(seen + 50, Duration::from_secs(20))
+    let (prober, t, gone) = bed
+        .fault_under_traffic(Duration::from_secs(3), 2, |bed| {
+            let bird = bed.host_mut(1).bird.take().expect("host 1's BIRD");
+            bird.kill(libc::SIGKILL);
+        })
         .await;
-    let attempts = prober.stop().await;
-    let failed: Vec<_> = attempts.iter().filter(|a| a.outcome.is_err()).collect();
+    let gone = gone - t;
+    let attempts = prober.finish(50).await;
+    let failed = netns::bgp::failed(&attempts);
     eprintln!(
         "BIRD killed on host 1: router down to host 2 after {gone:?}; {} of {} new connections failed",
         failed.len(),

@@ -397,29 +397,11 @@ impl LbHost {
         let verb = if on { "add" } else { "del" };
         let proto = PROTO.to_string();
         let table = TABLE.to_string();
-        self.ns.ip(&[
-            "route",
-            verb,
-            &format!("{VIP}/32"),
-            "dev",
-            "lo",
-            "table",
-            &table,
-            "proto",
-            &proto,
-        ]);
-        self.ns.ip(&[
-            "-6",
-            "route",
-            verb,
-            &format!("{VIP6}/128"),
-            "dev",
-            "lo",
-            "table",
-            &table,
-            "proto",
-            &proto,
-        ]);
+        for (family, net) in [("-4", format!("{VIP}/32")), ("-6", format!("{VIP6}/128"))] {
+            self.ns.ip(&[
+                family, "route", verb, &net, "dev", "lo", "table", &table, "proto", &proto,
+            ]);
+        }
     }
 }
 
@@ -811,6 +793,28 @@ impl BgpBed {
         Prober { log, stop, task }
     }
 
+    /// A fault under traffic: a client opens a new connection to the IPv4
+    /// VIP every 10 ms (each given `attempt`); once 30 have finished,
+    /// `fault` runs, then this waits (up to 20 s) until the router sends
+    /// the VIP to host `survivor` alone. Returns the still running prober,
+    /// when the fault began and when the router's route changed.
+    pub async fn fault_under_traffic(
+        &mut self,
+        attempt: Duration,
+        survivor: usize,
+        fault: impl FnOnce(&mut BgpBed),
+    ) -> (Prober, Instant, Instant) {
+        let vip = SocketAddr::new(IpAddr::V4(VIP), PORT);
+        let prober = self.prober(vip, attempt);
+        prober.wait_finished(30, Duration::from_secs(10)).await;
+        let began = Instant::now();
+        fault(self);
+        let changed = self
+            .wait_nexthops(&[survivor], Duration::from_secs(20))
+            .await;
+        (prober, began, changed)
+    }
+
     /// Writes a file into the scratch directory.
     pub fn write(&self, name: &str, text: &str) -> PathBuf {
         let p = self.dir.join(name);
@@ -1007,6 +1011,15 @@ impl Prober {
         }
     }
 
+    /// Lets `more` further attempts finish (up to 30 s), then stops it:
+    /// every attempt, in the order they started.
+    pub async fn finish(self, more: usize) -> Vec<Attempt> {
+        let seen = self.finished();
+        self.wait_finished(seen + more, Duration::from_secs(30))
+            .await;
+        self.stop().await
+    }
+
     /// Stops it, waits for the attempts in flight, and returns them all in
     /// the order they started.
     pub async fn stop(self) -> Vec<Attempt> {
@@ -1039,6 +1052,11 @@ async fn attempt(ns: &Ns, addr: SocketAddr, timeout: Duration) -> Result<usize, 
         Ok(Err(e)) => Err(e.to_string()),
         Err(_) => Err(format!("timed out after {timeout:?}")),
     }
+}
+
+/// The attempts that failed.
+pub fn failed(attempts: &[Attempt]) -> Vec<&Attempt> {
+    attempts.iter().filter(|a| a.outcome.is_err()).collect()
 }
 
 /// Held connections per host (index 1 and 2; 0 unused): how many, and how
