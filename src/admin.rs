@@ -638,26 +638,9 @@ struct StateRequest {
 const STATE_BODY_SHAPE: &str = r#"{"load_balancer": "<namespace>/<service>", "backend": "<address>", "state": "ready|drain|maint"}"#;
 
 async fn set_state(req: Request<Incoming>, daemon: &Daemon, peer: &str) -> Response<Body> {
-    let body = match Limited::new(req.into_body(), MAX_BODY_BYTES)
-        .collect()
-        .await
-    {
-        Ok(b) => b.to_bytes(),
-        Err(e) => {
-            return json_error(
-                StatusCode::BAD_REQUEST,
-                &format!("cannot read the request body (at most {MAX_BODY_BYTES} bytes): {e}"),
-            );
-        }
-    };
-    let request: StateRequest = match serde_json::from_slice(&body) {
+    let request: StateRequest = match read_json(req, STATE_BODY_SHAPE).await {
         Ok(r) => r,
-        Err(e) => {
-            return json_error(
-                StatusCode::BAD_REQUEST,
-                &format!("bad request body: {e}; expected {STATE_BODY_SHAPE}"),
-            );
-        }
+        Err(resp) => return resp,
     };
     let Some(state) = AdminState::parse(&request.state) else {
         return json_error(
@@ -705,6 +688,32 @@ async fn set_state(req: Request<Incoming>, daemon: &Daemon, peer: &str) -> Respo
     }
 }
 
+/// A request's JSON body (at most [`MAX_BODY_BYTES`]), or the 400 answer
+/// that says what is wrong and what `shape` is expected.
+async fn read_json<T: serde::de::DeserializeOwned>(
+    req: Request<Incoming>,
+    shape: &str,
+) -> Result<T, Response<Body>> {
+    let body = match Limited::new(req.into_body(), MAX_BODY_BYTES)
+        .collect()
+        .await
+    {
+        Ok(b) => b.to_bytes(),
+        Err(e) => {
+            return Err(json_error(
+                StatusCode::BAD_REQUEST,
+                &format!("cannot read the request body (at most {MAX_BODY_BYTES} bytes): {e}"),
+            ));
+        }
+    };
+    serde_json::from_slice(&body).map_err(|e| {
+        json_error(
+            StatusCode::BAD_REQUEST,
+            &format!("bad request body: {e}; expected {shape}"),
+        )
+    })
+}
+
 /// The body of `POST /announce/state`.
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -720,26 +729,9 @@ const ANNOUNCE_BODY_SHAPE: &str =
     r#"{"state": "drain|ready"} or {"vip": "<address>", "state": "drain|ready"}"#;
 
 async fn set_announce_state(req: Request<Incoming>, daemon: &Daemon, peer: &str) -> Response<Body> {
-    let body = match Limited::new(req.into_body(), MAX_BODY_BYTES)
-        .collect()
-        .await
-    {
-        Ok(b) => b.to_bytes(),
-        Err(e) => {
-            return json_error(
-                StatusCode::BAD_REQUEST,
-                &format!("cannot read the request body (at most {MAX_BODY_BYTES} bytes): {e}"),
-            );
-        }
-    };
-    let request: AnnounceRequest = match serde_json::from_slice(&body) {
+    let request: AnnounceRequest = match read_json(req, ANNOUNCE_BODY_SHAPE).await {
         Ok(r) => r,
-        Err(e) => {
-            return json_error(
-                StatusCode::BAD_REQUEST,
-                &format!("bad request body: {e}; expected {ANNOUNCE_BODY_SHAPE}"),
-            );
-        }
+        Err(resp) => return resp,
     };
     let drained = match request.state.as_str() {
         "drain" => true,

@@ -105,28 +105,14 @@ pub fn backend(
         "state": state.as_str(),
     })
     .to_string();
-    match client::request(&socket, hyper::Method::POST, "/backends/state", body) {
-        Ok(client::Answer { status, body }) => {
-            let answer: serde_json::Value = serde_json::from_str(&body).unwrap_or_default();
-            if status.is_success() {
-                println!(
-                    "{load_balancer} backend {}: {} -> {}",
-                    answer["backend"].as_str().unwrap_or(address),
-                    answer["previous_state"].as_str().unwrap_or("?"),
-                    answer["state"].as_str().unwrap_or(state.as_str()),
-                );
-                ExitCode::SUCCESS
-            } else {
-                let message = answer["error"].as_str().unwrap_or(body.trim_end());
-                eprintln!("the daemon refused: {message} (HTTP {status})");
-                ExitCode::from(EXIT_START)
-            }
-        }
-        Err(e) => {
-            eprintln!("{e}");
-            ExitCode::from(EXIT_UNAVAILABLE)
-        }
-    }
+    post_state(&socket, "/backends/state", body, |answer| {
+        format!(
+            "{load_balancer} backend {}: {} -> {}",
+            answer["backend"].as_str().unwrap_or(address),
+            answer["previous_state"].as_str().unwrap_or("?"),
+            answer["state"].as_str().unwrap_or(state.as_str()),
+        )
+    })
 }
 
 /// The admin socket: `--socket`, else the config's `admin.socket`, else
@@ -154,16 +140,29 @@ pub fn announce_state(
         None => serde_json::json!({ "state": state.as_str() }),
     }
     .to_string();
-    match client::request(&socket, hyper::Method::POST, "/announce/state", body) {
+    post_state(&socket, "/announce/state", body, |answer| {
+        format!(
+            "{}: {} -> {}",
+            vip.map_or_else(|| "host".to_string(), |v| format!("vip {v}")),
+            answer["previous_state"].as_str().unwrap_or("?"),
+            answer["state"].as_str().unwrap_or(state.as_str()),
+        )
+    })
+}
+
+/// POSTs a state change to the admin socket; prints `done(answer)` on
+/// success, the daemon's reason on refusal; the exit code says which.
+fn post_state(
+    socket: &Path,
+    path: &str,
+    body: String,
+    done: impl FnOnce(&serde_json::Value) -> String,
+) -> ExitCode {
+    match client::request(socket, hyper::Method::POST, path, body) {
         Ok(client::Answer { status, body }) => {
             let answer: serde_json::Value = serde_json::from_str(&body).unwrap_or_default();
             if status.is_success() {
-                println!(
-                    "{}: {} -> {}",
-                    vip.map_or_else(|| "host".to_string(), |v| format!("vip {v}")),
-                    answer["previous_state"].as_str().unwrap_or("?"),
-                    answer["state"].as_str().unwrap_or(state.as_str()),
-                );
+                println!("{}", done(&answer));
                 ExitCode::SUCCESS
             } else {
                 let message = answer["error"].as_str().unwrap_or(body.trim_end());

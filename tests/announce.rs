@@ -86,6 +86,13 @@ fn route_of(ns: &Ns, dst: &str) -> Option<String> {
         .map(str::to_string)
 }
 
+/// `dst dev lo table 100 proto <proto>`, written by hand.
+fn add_route(ns: &Ns, dst: &str, proto: &str) {
+    ns.ip(&[
+        "route", "add", dst, "dev", "lo", "table", "100", "proto", proto,
+    ]);
+}
+
 fn announced(ns: &Ns, dst: &str) -> bool {
     route_of(ns, dst).is_some_and(|l| l.contains("proto 252") && l.contains("dev lo"))
 }
@@ -141,28 +148,8 @@ async fn netns_announce_follows_health_and_sigterm_withdraws_before_the_listener
     // A crashed daemon's route (ours), and another protocol's route in the
     // same table, which must survive everything.
     bed.lb.ip(&["link", "set", "lo", "up"]);
-    bed.lb.ip(&[
-        "route",
-        "add",
-        &format!("{AVIP}/32"),
-        "dev",
-        "lo",
-        "table",
-        "100",
-        "proto",
-        "252",
-    ]);
-    bed.lb.ip(&[
-        "route",
-        "add",
-        "192.0.2.99/32",
-        "dev",
-        "lo",
-        "table",
-        "100",
-        "proto",
-        "static",
-    ]);
+    add_route(&bed.lb, &format!("{AVIP}/32"), "252");
+    add_route(&bed.lb, "192.0.2.99/32", "static");
 
     let started = Instant::now();
     bed.start_daemon(&announce_config(&bed)).await;
@@ -352,17 +339,7 @@ async fn netns_withdraw_all_after_sigkill_deletes_only_our_routes() {
     let mut bed = Bed::new("annk", 1);
     let _node = Node::start(&bed, 1, Service::NameThenEcho);
     bed.lb.ip(&["link", "set", "lo", "up"]);
-    bed.lb.ip(&[
-        "route",
-        "add",
-        "192.0.2.99/32",
-        "dev",
-        "lo",
-        "table",
-        "100",
-        "proto",
-        "static",
-    ]);
+    add_route(&bed.lb, "192.0.2.99/32", "static");
     bed.start_daemon(&announce_config(&bed)).await;
     let lbns = bed.lb.clone();
     wait_for(Duration::from_secs(30), "both VIPs announced", || {
@@ -417,4 +394,102 @@ async fn netns_withdraw_all_after_sigkill_deletes_only_our_routes() {
         String::from_utf8_lossy(&out.stderr)
     );
     assert!(String::from_utf8_lossy(&out.stdout).contains("no harvester-lb route"));
+}
+
+/// The problems `check` reports for `text`, one per line.
+fn problems(text: &str) -> String {
+    match harvester_lb::config::parse(text) {
+        Ok(_) => panic!("config should be invalid:\n{text}"),
+        Err(p) => p
+            .iter()
+            .map(ToString::to_string)
+            .collect::<Vec<_>>()
+            .join("\n"),
+    }
+}
+
+#[test]
+fn announce_keys_default_and_bad_values_are_named_with_what_is_allowed() {
+    let loaded = harvester_lb::config::parse("load_balancer = []\n").expect("valid");
+    let a = &loaded.config.vip.announce;
+    assert!(!a.enabled());
+    assert_eq!((a.interface.as_str(), a.table), ("lo", 100));
+    assert_eq!(a.delay, None);
+    assert_eq!(a.withdraw_grace, Duration::from_secs(5));
+
+    let text = "[vip]\nannounce = \"routes\"\nannounce_interface = \"dummy0\"\nannounce_table = 300\nannounce_delay_seconds = 0\nwithdraw_grace_seconds = 10\n";
+    let a = harvester_lb::config::parse(text)
+        .expect("valid")
+        .config
+        .vip
+        .announce;
+    assert!(a.enabled());
+    assert_eq!((a.interface.as_str(), a.table), ("dummy0", 300));
+    assert_eq!(a.delay, Some(Duration::ZERO));
+    assert_eq!(a.withdraw_grace, Duration::from_secs(10));
+
+    for (table, _) in [
+        (0_i64, "unspecified"),
+        (253, "default"),
+        (254, "main"),
+        (255, "local"),
+        (-1, "negative"),
+        (1_i64 << 33, "too large"),
+    ] {
+        let text = format!("[vip]\nannounce = \"routes\"\nannounce_table = {table}\n");
+        assert_eq!(
+            problems(&text),
+            format!(
+                "line 3: vip.announce_table: {table} cannot be the announcing table; use 1..=252 or 256..=4294967295 (0 is unspecified, 253 default, 254 main, 255 local), e.g. 100"
+            )
+        );
+    }
+    let text = "[vip]\nannounce = \"bgp\"\nannounce_interface = \"a-very-long-interface\"\nwithdraw_grace_seconds = -1\nannounce_delay_seconds = 99999\n";
+    assert_eq!(
+        problems(text),
+        [
+            "line 2: vip.announce: \"bgp\" is not supported; use one of \"none\", \"routes\"",
+            "line 3: vip.announce_interface: \"a-very-long-interface\" is not an interface name (1..=15 bytes, no '/', ':' or spaces)",
+            "line 4: vip.withdraw_grace_seconds: -1 is out of range; the value must be in 0..=3600",
+            "line 5: vip.announce_delay_seconds: 99999 is out of range; the value must be in 0..=3600",
+        ]
+        .join("\n")
+    );
+    // A leased VIP belongs to one host: not announced from many.
+    let text = "[vip]\nannounce = \"routes\"\n[[load_balancer]]\nname = \"a\"\nipam = \"dhcp\"\nbackends = [\"198.51.100.1\"]\n  [load_balancer.dhcp]\n  interface = \"eth0\"\n";
+    let said = problems(text);
+    assert!(
+        said.starts_with("line 5: load_balancer[0].ipam: ipam = \"dhcp\" cannot be used with vip.announce = \"routes\""),
+        "{said}"
+    );
+}
+
+#[test]
+fn withdraw_all_with_announce_none_does_nothing_and_needs_no_privilege() {
+    let dir = std::env::temp_dir().join(format!("hlb-ann-none-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("scratch dir");
+    let cfg = dir.join("c.toml");
+    std::fs::write(&cfg, "load_balancer = []\n").expect("write");
+    let out = Command::new(env!("CARGO_BIN_EXE_harvester-lb"))
+        .args(["withdraw", "--all", "--config"])
+        .arg(&cfg)
+        .output()
+        .expect("run withdraw");
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("nothing to withdraw"),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    // `withdraw` without --all is refused (never run by accident).
+    let out = Command::new(env!("CARGO_BIN_EXE_harvester-lb"))
+        .args(["withdraw"])
+        .output()
+        .expect("run withdraw");
+    assert!(!out.status.success());
 }

@@ -300,23 +300,29 @@ impl RouteWriter {
         }
     }
 
-    /// Whether interface `index` has `ip` as an address (any prefix).
-    pub async fn has_address(&self, index: u32, ip: IpAddr) -> Result<bool, AnnounceError> {
-        let mut found = self
-            .handle
+    /// The addresses `ip` on interface `index` (any prefix).
+    async fn addresses_of(
+        &self,
+        index: u32,
+        ip: IpAddr,
+    ) -> Result<Vec<rtnetlink::packet_route::address::AddressMessage>, AnnounceError> {
+        self.handle
             .address()
             .get()
             .set_link_index_filter(index)
             .set_address_filter(ip)
-            .execute();
-        found
-            .try_next()
+            .execute()
+            .try_collect()
             .await
-            .map(|m| m.is_some())
             .map_err(|source| AnnounceError::Netlink {
                 what: format!("cannot list the addresses of interface {index}"),
                 source,
             })
+    }
+
+    /// Whether interface `index` has `ip` as an address (any prefix).
+    pub async fn has_address(&self, index: u32, ip: IpAddr) -> Result<bool, AnnounceError> {
+        Ok(!self.addresses_of(index, ip).await?.is_empty())
     }
 
     /// Puts `ip` on interface `index` as a host address (/32, /128; no
@@ -341,17 +347,7 @@ impl RouteWriter {
 
     /// Takes `ip` off interface `index`; absent is fine.
     pub async fn remove_address(&self, index: u32, ip: IpAddr) -> Result<(), AnnounceError> {
-        let mut found = self
-            .handle
-            .address()
-            .get()
-            .set_link_index_filter(index)
-            .set_address_filter(ip)
-            .execute();
-        let mut msgs = Vec::new();
-        while let Ok(Some(m)) = found.try_next().await {
-            msgs.push(m);
-        }
+        let msgs = self.addresses_of(index, ip).await?;
         for m in msgs {
             match self.handle.address().del(m).execute().await {
                 Ok(()) => {}
