@@ -123,8 +123,8 @@ async fn both_by_hand(bed: &mut BgpBed) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bgp_bfd_takes_a_silent_host_out_within_a_second() {
     require_bgp!();
-    let mut bed = BgpBed::new("bfd", true).await;
-    both_by_hand(&mut bed).await;
+    let mut bed = BgpBed::new("bfd", false).await;
+    both_announcing(&mut bed, 1, 1, 5).await;
     // Each attempt gets 0.9 s: a SYN to the silent host is never answered,
     // and its retry (after 1 s) would go to the survivor and hide it.
     let mut conns = bed.open_long(vip(), 30).await;
@@ -171,15 +171,17 @@ async fn bgp_bfd_takes_a_silent_host_out_within_a_second() {
     assert_eq!(t.broken[2], 0, "connections on host 2 broke: {t:?}");
 }
 
-/// With two hosts, withdrawing one fails no new connection and breaks none
-/// of the other host's open connections (hash-threshold ECMP keeps a
-/// survivor's flows on it). The withdrawn host's own flows are rehashed to the survivor,
-/// which resets them: withdrawal is not a drain (measured and printed).
+/// With two hosts, withdrawing one (`harvester-lb host drain`) fails no new
+/// connection and breaks none of the other host's open connections
+/// (hash-threshold ECMP keeps a survivor's flows on it). The withdrawn
+/// host's own flows are rehashed to the survivor, which resets them:
+/// withdrawal is not a drain (measured and printed). `host ready`
+/// announces it again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bgp_withdrawal_breaks_none_of_the_other_hosts_connections() {
     require_bgp!();
-    let mut bed = BgpBed::new("keep", true).await;
-    both_by_hand(&mut bed).await;
+    let mut bed = BgpBed::new("keep", false).await;
+    both_announcing(&mut bed, 1, 1, 5).await;
     let mut conns = bed.open_long(vip(), 60).await;
     let before = netns::bgp::tally(&mut conns).await;
     let [_, n1, n2] = before.total;
@@ -189,7 +191,7 @@ async fn bgp_withdrawal_breaks_none_of_the_other_hosts_connections() {
     );
     let (prober, t, gone) = bed
         .fault_under_traffic(Duration::from_secs(3), 2, |bed| {
-            bed.host(1).announce_by_hand(false)
+            bed.host(1).host_state("drain")
         })
         .await;
     let gone = gone - t;
@@ -211,8 +213,8 @@ async fn bgp_withdrawal_breaks_none_of_the_other_hosts_connections() {
     // opened on host 2 meanwhile may break (printed for the docs).
     let mut during = bed.open_long(vip(), 40).await;
     assert!(during.iter().all(|(_, h)| *h == 2));
-    bed.host(1).announce_by_hand(true);
-    bed.wait_nexthops(&[1, 2], Duration::from_secs(5)).await;
+    bed.host(1).host_state("ready");
+    bed.wait_nexthops(&[1, 2], Duration::from_secs(20)).await;
     let broken_back = netns::bgp::tally(&mut during).await.broken[2];
     eprintln!(
         "re-announcing host 1: {broken_back}/40 connections opened on host 2 meanwhile broken"
@@ -224,8 +226,8 @@ async fn bgp_withdrawal_breaks_none_of_the_other_hosts_connections() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bgp_ipv6_vip_spreads_over_both_hosts() {
     require_bgp!();
-    let mut bed = BgpBed::new("v6", true).await;
-    both_by_hand(&mut bed).await;
+    let mut bed = BgpBed::new("v6", false).await;
+    both_announcing(&mut bed, 1, 1, 5).await;
     netns::wait_for(
         Duration::from_secs(10),
         "two IPv6 nexthops at the router",
@@ -457,14 +459,14 @@ async fn bgp_sigkill_then_withdraw_all_and_restart() {
 }
 
 /// UDP through the anycast VIP: flows (one a source port) spread over both
-/// hosts; after host 1 withdraws, the same sockets' next datagrams are all
+/// hosts; after host 1 withdraws (`host drain`), the same sockets' next datagrams are all
 /// answered through host 2 (the router rehashes them and host 2's daemon
 /// opens a flow of its own: no state to lose but the application's).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bgp_udp_flows_spread_and_move_on_withdrawal() {
     require_bgp!();
-    let mut bed = BgpBed::new("udp", true).await;
-    both_by_hand(&mut bed).await;
+    let mut bed = BgpBed::new("udp", false).await;
+    both_announcing(&mut bed, 1, 1, 5).await;
     let vip = vip();
     let mut socks = Vec::new();
     for _ in 0..40 {
@@ -492,7 +494,7 @@ async fn bgp_udp_flows_spread_and_move_on_withdrawal() {
     for (s, h) in socks.iter().zip(&first) {
         assert_eq!(netns::bgp::udp_ask(s).await, Some(*h), "a flow moved");
     }
-    bed.host(1).announce_by_hand(false);
+    bed.host(1).host_state("drain");
     bed.wait_nexthops(&[2], Duration::from_secs(5)).await;
     for s in &socks {
         assert_eq!(
@@ -510,8 +512,8 @@ async fn bgp_udp_flows_spread_and_move_on_withdrawal() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bgp_a_killed_bird_takes_its_host_out_and_fails_nothing() {
     require_bgp!();
-    let mut bed = BgpBed::new("birdkill", true).await;
-    both_by_hand(&mut bed).await;
+    let mut bed = BgpBed::new("birdkill", false).await;
+    both_announcing(&mut bed, 1, 1, 5).await;
     let (prober, t, gone) = bed
         .fault_under_traffic(Duration::from_secs(3), 2, |bed| {
             let bird = bed.host_mut(1).bird.take().expect("host 1's BIRD");

@@ -370,6 +370,26 @@ impl LbHost {
         );
     }
 
+    /// `harvester-lb host drain|ready --config F`: withdraws every VIP of
+    /// this host, or lets them be announced again; panics if it fails.
+    pub fn host_state(&self, state: &str) {
+        let config = self.config_path();
+        run(
+            "ip",
+            &[
+                "netns",
+                "exec",
+                &self.ns.name,
+                env!("CARGO_BIN_EXE_harvester-lb"),
+                "host",
+                state,
+                "--config",
+                config.to_str().expect("utf-8 path"),
+            ],
+            None,
+        );
+    }
+
     /// The `announce` object of `/status` for the VIP `vip` (wherever the
     /// status puts it: the first object naming the VIP that has one).
     pub async fn announce_status(&self, vip: IpAddr) -> serde_json::Value {
