@@ -33,6 +33,37 @@ pub fn render(status: &Value, now_unix: f64) -> String {
         }
     );
     let empty = Vec::new();
+    // vip.announce = "routes": one line per VIP, announced or why not.
+    if let Some(a) = status["announce"].as_object() {
+        let _ = writeln!(
+            out,
+            "announce: routes in table {} on {}{}",
+            text(&a["table"]),
+            text(&a["interface"]),
+            if a["host_drained"].as_bool() == Some(true) {
+                "; host drained"
+            } else {
+                ""
+            }
+        );
+        for v in a["vips"].as_array().unwrap_or(&empty) {
+            let state = if v["announced"].as_bool() == Some(true) {
+                "announced".to_string()
+            } else {
+                format!("withdrawn ({})", text(&v["reason"]))
+            };
+            let _ = writeln!(
+                out,
+                "  {} {state}, {} transitions{}",
+                text(&v["vip"]),
+                text(&v["transitions"]),
+                v["error"]
+                    .as_str()
+                    .map(|e| format!("; error: {}", crate::text::escape(e)))
+                    .unwrap_or_default()
+            );
+        }
+    }
     let lbs = status["load_balancers"].as_array().unwrap_or(&empty);
     if lbs.is_empty() {
         let _ = writeln!(out, "no load balancers");
@@ -200,6 +231,37 @@ mod tests {
             ]
         );
         assert!(text.contains("  http      10.0.0.10:80  30080"), "{text}");
+    }
+
+    #[test]
+    fn announced_vips_are_listed_with_why_not() {
+        let status = serde_json::json!({
+            "ready": true,
+            "config": {"path": "/etc/x", "problem": null, "missing_since_unix": null},
+            "load_balancers": [],
+            "announce": {"mode": "routes", "table": 100, "interface": "lo", "protocol": 252,
+                "host_drained": false, "error": null,
+                "vips": [
+                    {"vip": "203.0.113.50", "announced": true, "reason": null, "transitions": 1,
+                        "since": 1.0, "rise_delay_seconds": 3.0, "drained": false, "error": null},
+                    {"vip": "203.0.113.51", "announced": false, "reason": "no_eligible_backend",
+                        "transitions": 2, "since": 1.0, "rise_delay_seconds": 6.0, "drained": false,
+                        "error": null}
+                ]}
+        });
+        let text = render(&status, 2.0);
+        assert!(
+            text.contains("announce: routes in table 100 on lo\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("  203.0.113.50 announced, 1 transitions\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("  203.0.113.51 withdrawn (no_eligible_backend), 2 transitions\n"),
+            "{text}"
+        );
     }
 
     #[test]

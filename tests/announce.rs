@@ -31,7 +31,7 @@ const AVIP6: &str = "2001:db8:50::50";
 /// The rise delay the tests configure.
 const DELAY: Duration = Duration::from_secs(3);
 /// The grace at SIGTERM.
-const GRACE: Duration = Duration::from_secs(3);
+const GRACE: Duration = Duration::from_secs(5);
 
 fn can_run() -> bool {
     match netns::skip_reason() {
@@ -97,6 +97,16 @@ fn announced(ns: &Ns, dst: &str) -> bool {
     route_of(ns, dst).is_some_and(|l| l.contains("proto 252") && l.contains("dev lo"))
 }
 
+/// Waits until `dst` is announced (`want`) or not, up to `timeout`.
+async fn wait_announced(ns: &Ns, dst: &str, want: bool, timeout: Duration, what: &str) {
+    wait_for(timeout, what, || {
+        let ns = ns.clone();
+        let dst = dst.to_string();
+        async move { (announced(&ns, &dst) == want).then_some(()) }
+    })
+    .await;
+}
+
 fn on_lo(ns: &Ns, ip: &str) -> bool {
     ip_out(ns, &["addr", "show", "dev", "lo"]).contains(&format!(" {ip}/"))
 }
@@ -155,34 +165,40 @@ async fn netns_announce_follows_health_and_sigterm_withdraws_before_the_listener
     bed.start_daemon(&announce_config(&bed)).await;
     let lbns = bed.lb.clone();
     // The stale route goes: the daemon starts withdrawn.
-    let flushed = wait_for(Duration::from_secs(10), "the stale route deleted", || {
-        let ns = lbns.clone();
-        async move { (!announced(&ns, &AVIP.to_string())).then(Instant::now) }
-    })
+    // Nothing else deletes it, and it comes back only after the rise delay.
+    wait_announced(
+        &lbns,
+        &AVIP.to_string(),
+        false,
+        Duration::from_secs(10),
+        "the stale route deleted",
+    )
     .await;
-    assert!(
-        flushed.duration_since(started) < DELAY,
-        "the stale route outlived the rise delay: it was not flushed at start"
-    );
     assert!(
         on_lo(&bed.lb, &AVIP.to_string()),
         "the VIP address is put on lo"
     );
     // Announced after the delay, not before.
-    wait_for(Duration::from_secs(30), "the VIP announced", || {
-        let ns = lbns.clone();
-        async move { announced(&ns, &AVIP.to_string()).then_some(()) }
-    })
+    wait_announced(
+        &lbns,
+        &AVIP.to_string(),
+        true,
+        Duration::from_secs(30),
+        "the VIP announced",
+    )
     .await;
     assert!(
         started.elapsed() >= DELAY,
         "announced {:?} after the start, before the {DELAY:?} rise delay",
         started.elapsed()
     );
-    wait_for(Duration::from_secs(30), "the IPv6 VIP announced", || {
-        let ns = lbns.clone();
-        async move { announced(&ns, AVIP6).then_some(()) }
-    })
+    wait_announced(
+        &lbns,
+        AVIP6,
+        true,
+        Duration::from_secs(30),
+        "the IPv6 VIP announced",
+    )
     .await;
     assert!(
         route_of(&bed.lb, "192.0.2.99").is_some_and(|l| l.contains("proto static")),
@@ -202,10 +218,13 @@ async fn netns_announce_follows_health_and_sigterm_withdraws_before_the_listener
 
     // Every backend fails its health check: withdrawn, with the reason.
     node.stop_health();
-    wait_for(Duration::from_secs(15), "the VIP withdrawn", || {
-        let ns = lbns.clone();
-        async move { (!announced(&ns, &AVIP.to_string())).then_some(()) }
-    })
+    wait_announced(
+        &lbns,
+        &AVIP.to_string(),
+        false,
+        Duration::from_secs(15),
+        "the VIP withdrawn",
+    )
     .await;
     let v = vip_status(&bed.daemon().status().await, &AVIP.to_string());
     assert_eq!(v["announced"], false, "{v}");
@@ -238,10 +257,13 @@ async fn netns_announce_follows_health_and_sigterm_withdraws_before_the_listener
     // It recovers: announced again after the (damped) delay.
     node.start_health();
     let recovered = Instant::now();
-    wait_for(Duration::from_secs(60), "the VIP announced again", || {
-        let ns = lbns.clone();
-        async move { announced(&ns, &AVIP.to_string()).then_some(()) }
-    })
+    wait_announced(
+        &lbns,
+        &AVIP.to_string(),
+        true,
+        Duration::from_secs(60),
+        "the VIP announced again",
+    )
     .await;
     assert!(
         recovered.elapsed() >= DELAY,
@@ -252,15 +274,17 @@ async fn netns_announce_follows_health_and_sigterm_withdraws_before_the_listener
     // The operator drains the host: withdrawn at once; ready brings it back.
     let sock = bed.dir.join("admin.sock");
     let cfg = bed.daemon().config.clone();
-    let host = |state: &str| {
+    let cli = |args: &[&str]| {
         Command::new(env!("CARGO_BIN_EXE_harvester-lb"))
-            .args(["host", state, "--socket"])
+            .args(args)
+            .arg("--socket")
             .arg(&sock)
             .arg("--config")
             .arg(&cfg)
             .output()
-            .expect("run harvester-lb host")
+            .expect("run harvester-lb")
     };
+    let host = |state: &str| cli(&["host", state]);
     let out = host("drain");
     assert!(
         out.status.success(),
@@ -280,26 +304,84 @@ async fn netns_announce_follows_health_and_sigterm_withdraws_before_the_listener
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    wait_for(
+    wait_announced(
+        &lbns,
+        &AVIP.to_string(),
+        true,
         Duration::from_secs(30),
         "the VIP announced after ready",
-        || {
-            let ns = lbns.clone();
-            async move { announced(&ns, &AVIP.to_string()).then_some(()) }
-        },
+    )
+    .await;
+    wait_announced(
+        &lbns,
+        AVIP6,
+        true,
+        Duration::from_secs(30),
+        "the IPv6 VIP announced after ready",
+    )
+    .await;
+
+    // One VIP drained: only it goes. An unknown VIP is refused, naming it;
+    // the TCP admin listener refuses the change.
+    let out = cli(&["vip", "drain", AVIP6]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    wait_announced(
+        &lbns,
+        AVIP6,
+        false,
+        Duration::from_secs(10),
+        "the VIP drained",
+    )
+    .await;
+    assert!(announced(&bed.lb, &AVIP.to_string()), "{}", table(&bed.lb));
+    let v = vip_status(&bed.daemon().status().await, AVIP6);
+    assert_eq!(
+        (v["reason"].as_str(), v["drained"].as_bool()),
+        (Some("drained"), Some(true)),
+        "{v}"
+    );
+    let out = cli(&["vip", "drain", "203.0.113.99"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        String::from_utf8_lossy(&out.stderr)
+            .contains("no load balancer of the config in force has VIP 203.0.113.99"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let (code, body) = bed
+        .daemon()
+        .request("POST", "/announce/state")
+        .await
+        .expect("POST");
+    assert_eq!(code, 403, "{body}");
+    let out = cli(&["vip", "ready", AVIP6]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    wait_announced(
+        &lbns,
+        AVIP6,
+        true,
+        Duration::from_secs(30),
+        "the VIP ready again",
     )
     .await;
 
     // SIGTERM: the route goes first, while the listener still accepts.
     let mut daemon = bed.take_daemon();
     daemon.signal(libc::SIGTERM);
-    wait_for(
+    wait_announced(
+        &lbns,
+        &AVIP.to_string(),
+        false,
         Duration::from_secs(10),
         "the route withdrawn at SIGTERM",
-        || {
-            let ns = lbns.clone();
-            async move { (!announced(&ns, &AVIP.to_string())).then_some(()) }
-        },
     )
     .await;
     assert!(daemon.exited().is_none(), "the daemon waits the grace");
@@ -332,7 +414,8 @@ async fn netns_announce_follows_health_and_sigterm_withdraws_before_the_listener
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn netns_withdraw_all_after_sigkill_deletes_only_our_routes() {
+async fn netns_a_reload_withdraws_a_dropped_vip_and_withdraw_all_after_sigkill_deletes_only_our_routes()
+ {
     if !can_run() {
         return;
     }
@@ -346,6 +429,32 @@ async fn netns_withdraw_all_after_sigkill_deletes_only_our_routes() {
         let ns = lbns.clone();
         async move { (announced(&ns, &AVIP.to_string()) && announced(&ns, AVIP6)).then_some(()) }
     })
+    .await;
+    assert!(on_lo(&bed.lb, AVIP6));
+    // A reload that drops the IPv6 load balancer withdraws its VIP and
+    // takes its address off lo; the other VIP stays announced.
+    let original = std::fs::read_to_string(&bed.daemon().config).expect("read config");
+    let mut text = original.clone();
+    let cut = text.rfind("[[load_balancer]]").expect("two load balancers");
+    text.truncate(cut);
+    std::fs::write(&bed.daemon().config, text).expect("write config");
+    bed.daemon().signal(libc::SIGHUP);
+    wait_for(Duration::from_secs(15), "the dropped VIP withdrawn", || {
+        let ns = lbns.clone();
+        async move { (!announced(&ns, AVIP6) && !on_lo(&ns, AVIP6)).then_some(()) }
+    })
+    .await;
+    assert!(announced(&bed.lb, &AVIP.to_string()), "{}", table(&bed.lb));
+    // Back, for the kill below.
+    std::fs::write(&bed.daemon().config, original).expect("write config");
+    bed.daemon().signal(libc::SIGHUP);
+    wait_announced(
+        &lbns,
+        AVIP6,
+        true,
+        Duration::from_secs(30),
+        "the IPv6 VIP announced again",
+    )
     .await;
     let mut daemon = bed.take_daemon();
     daemon.signal(libc::SIGKILL);
@@ -394,6 +503,41 @@ async fn netns_withdraw_all_after_sigkill_deletes_only_our_routes() {
         String::from_utf8_lossy(&out.stderr)
     );
     assert!(String::from_utf8_lossy(&out.stdout).contains("no harvester-lb route"));
+
+    // The killed run's addresses are still on lo; a new run starts
+    // withdrawn, announces after its delay, knows them for its own (tagged
+    // with protocol 252) and removes them at a clean stop.
+    assert!(on_lo(&bed.lb, &AVIP.to_string()) && on_lo(&bed.lb, AVIP6));
+    let config = std::fs::read_to_string(&daemon.config).expect("read config");
+    drop(daemon);
+    let restarted = Instant::now();
+    bed.start_daemon(&config).await;
+    wait_announced(
+        &lbns,
+        &AVIP.to_string(),
+        true,
+        Duration::from_secs(30),
+        "announced after the restart",
+    )
+    .await;
+    assert!(
+        restarted.elapsed() >= DELAY,
+        "a restart starts withdrawn: announced {:?} after it",
+        restarted.elapsed()
+    );
+    let mut daemon = bed.take_daemon();
+    daemon.signal(libc::SIGTERM);
+    let status = daemon.wait_exit(Duration::from_secs(30)).await;
+    assert!(
+        status.is_some_and(|s| s.success()),
+        "{status:?}\n{}",
+        daemon.log_tail(30)
+    );
+    assert!(
+        !on_lo(&bed.lb, &AVIP.to_string()) && !on_lo(&bed.lb, AVIP6),
+        "the addresses a killed run added are removed by the next clean stop: {}",
+        ip_out(&bed.lb, &["addr", "show", "dev", "lo"])
+    );
 }
 
 /// The problems `check` reports for `text`, one per line.

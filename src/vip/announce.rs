@@ -25,7 +25,7 @@ use std::collections::BTreeSet;
 use std::net::IpAddr;
 
 use futures_util::TryStreamExt;
-use rtnetlink::packet_route::address::{AddressAttribute, AddressFlags};
+use rtnetlink::packet_route::address::{AddressAttribute, AddressFlags, AddressProtocol};
 use rtnetlink::packet_route::route::{
     RouteAddress, RouteAttribute, RouteMessage, RouteProtocol, RouteScope,
 };
@@ -320,15 +320,34 @@ impl RouteWriter {
             })
     }
 
-    /// Whether interface `index` has `ip` as an address (any prefix).
-    pub async fn has_address(&self, index: u32, ip: IpAddr) -> Result<bool, AnnounceError> {
-        Ok(!self.addresses_of(index, ip).await?.is_empty())
+    /// Whether interface `index` has `ip` as an address (any prefix), and
+    /// whether it is tagged as ours ([`ROUTE_PROTOCOL`] as its address
+    /// protocol, `IFA_PROTO`): `None` when absent, `Some(ours)` else.
+    pub async fn has_address(&self, index: u32, ip: IpAddr) -> Result<Option<bool>, AnnounceError> {
+        let found = self.addresses_of(index, ip).await?;
+        if found.is_empty() {
+            return Ok(None);
+        }
+        Ok(Some(found.iter().any(|m| {
+            m.attributes.iter().any(|a| {
+                matches!(a, AddressAttribute::Protocol(AddressProtocol::Other(p)) if *p == ROUTE_PROTOCOL)
+            })
+        })))
     }
 
     /// Puts `ip` on interface `index` as a host address (/32, /128; no
-    /// duplicate address detection for IPv6: the address is anycast by design).
+    /// duplicate address detection for IPv6: the address is anycast by
+    /// design), tagged with [`ROUTE_PROTOCOL`] as its address protocol so a
+    /// restarted daemon knows it for its own (kernels before 5.18 ignore
+    /// the tag).
     pub async fn add_address(&self, index: u32, ip: IpAddr) -> Result<(), AnnounceError> {
         let mut request = self.handle.address().add(index, ip, host_prefix(ip));
+        request
+            .message_mut()
+            .attributes
+            .push(AddressAttribute::Protocol(AddressProtocol::Other(
+                ROUTE_PROTOCOL,
+            )));
         if ip.is_ipv6() {
             request
                 .message_mut()
@@ -364,9 +383,10 @@ impl RouteWriter {
     }
 }
 
-/// The VIP addresses this process put on the announcing interface, so that
-/// only those are removed again: an address that was there before (put by
-/// hand, by keepalived) stays.
+/// The VIP addresses this daemon put on the announcing interface (in this
+/// run, or tagged as ours by a run before it), so that only those are
+/// removed again: an address that was there without the tag (put by hand,
+/// by keepalived) stays.
 #[derive(Debug, Default)]
 pub struct AddressOwner {
     /// Interface index and the addresses added to it.
@@ -406,8 +426,13 @@ impl AddressOwner {
                 continue;
             }
             let result = match writer.has_address(index, *ip).await {
-                Ok(true) => Ok(()),
-                Ok(false) => writer.add_address(index, *ip).await.map(|()| {
+                // A crashed run's: ours again.
+                Ok(Some(true)) => {
+                    self.added.insert((index, *ip));
+                    Ok(())
+                }
+                Ok(Some(false)) => Ok(()),
+                Ok(None) => writer.add_address(index, *ip).await.map(|()| {
                     self.added.insert((index, *ip));
                 }),
                 Err(e) => Err(e),
