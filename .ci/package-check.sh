@@ -130,6 +130,11 @@ for example in config/keepalived/*; do
     [[ -f $example ]] || continue
     source_of[/usr/share/harvester-lb/keepalived/$(basename "$example")]=$example
 done
+# Examples: the BIRD configurations for anycast over BGP (docs/many-hosts.md).
+for example in config/bird/*; do
+    [[ -f $example ]] || continue
+    source_of[/usr/share/harvester-lb/bird/$(basename "$example")]=$example
+done
 expected=$(printf '%s\n' "${!source_of[@]}" | sort)
 listed=$(rpm -qlp "$pkg" 2>/dev/null | sort)
 rpm -qlvp "$pkg" 2>/dev/null

@@ -22,6 +22,7 @@
 
 #![allow(dead_code, unsafe_code)]
 
+pub mod bgp;
 pub mod peers;
 // Used by the `require_netns!` macro, which not every test crate calls.
 #[allow(unused_imports)]
@@ -118,11 +119,19 @@ pub struct Ns {
 }
 
 impl Ns {
-    /// A listening socket on `addr` inside this namespace (on the caller's runtime).
+    /// A listening socket on `addr` (IPv4, or IPv6 only) inside this
+    /// namespace (on the caller's runtime).
     pub fn listen(&self, addr: SocketAddr) -> tokio::net::TcpListener {
         let l = in_ns(&self.name, move || {
-            let s = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None)?;
+            let s = socket2::Socket::new(
+                socket2::Domain::for_address(addr),
+                socket2::Type::STREAM,
+                None,
+            )?;
             s.set_reuse_address(true)?;
+            if addr.is_ipv6() {
+                s.set_only_v6(true)?;
+            }
             s.bind(&addr.into())?;
             s.listen(4096)?;
             s.set_nonblocking(true)?;
@@ -132,10 +141,19 @@ impl Ns {
         tokio::net::TcpListener::from_std(l).expect("register listener")
     }
 
-    /// An unconnected TCP socket inside this namespace.
+    /// An unconnected TCP (IPv4) socket inside this namespace.
     pub fn socket(&self) -> std::io::Result<tokio::net::TcpSocket> {
-        let s = in_ns(&self.name, || {
-            let s = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None)?;
+        self.socket_for(SocketAddr::from((Ipv4Addr::UNSPECIFIED, 0)))
+    }
+
+    /// An unconnected TCP socket of `addr`'s family inside this namespace.
+    pub fn socket_for(&self, addr: SocketAddr) -> std::io::Result<tokio::net::TcpSocket> {
+        let s = in_ns(&self.name, move || {
+            let s = socket2::Socket::new(
+                socket2::Domain::for_address(addr),
+                socket2::Type::STREAM,
+                None,
+            )?;
             s.set_nonblocking(true)?;
             Ok::<_, std::io::Error>(std::net::TcpStream::from(s))
         })?;
@@ -225,6 +243,37 @@ pub fn run(cmd: &str, args: &[&str], stdin: Option<&str>) {
 
 static SEQ: AtomicU32 = AtomicU32::new(0);
 
+/// A tag unique to this process and bed (`hlb<pid>-<n>-<test>`, the prefix
+/// of its namespaces) and a fresh scratch directory named after it.
+pub fn new_tag(test: &str) -> (String, PathBuf) {
+    let tag = format!(
+        "hlb{}-{}-{}",
+        std::process::id(),
+        SEQ.fetch_add(1, Ordering::Relaxed),
+        test
+    );
+    let dir = std::env::temp_dir().join(&tag);
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("scratch dir");
+    (tag, dir)
+}
+
+/// Deletes namespaces `names` (last made first) and, unless
+/// `HLB_TEST_KEEP_DIR` is set, the scratch directory `dir`; errors are
+/// ignored (this runs in `Drop`, also on panic).
+pub fn remove_bed(names: &[String], dir: &Path) {
+    for ns in names.iter().rev() {
+        let _ = Command::new("ip")
+            .args(["netns", "del", ns])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status();
+    }
+    if std::env::var_os("HLB_TEST_KEEP_DIR").is_none() {
+        let _ = std::fs::remove_dir_all(dir);
+    }
+}
+
 /// The namespaces, bridge and daemon of one test.
 pub struct Bed {
     /// Short unique tag of this bed (namespace name prefix).
@@ -247,15 +296,7 @@ impl Bed {
     /// Builds the bed for test `test` with `n` nodes.
     pub fn new(test: &str, n: usize) -> Bed {
         assert!((1..=9).contains(&n), "1..=9 nodes");
-        let tag = format!(
-            "hlb{}-{}-{}",
-            std::process::id(),
-            SEQ.fetch_add(1, Ordering::Relaxed),
-            test
-        );
-        let dir = std::env::temp_dir().join(&tag);
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).expect("scratch dir");
+        let (tag, dir) = new_tag(test);
         let mut bed = Bed {
             bridge: Ns {
                 name: format!("{tag}-br"),
@@ -465,16 +506,7 @@ impl Drop for Bed {
             }
             drop(d);
         }
-        for ns in self.created.iter().rev() {
-            let _ = Command::new("ip")
-                .args(["netns", "del", ns])
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .status();
-        }
-        if std::env::var_os("HLB_TEST_KEEP_DIR").is_none() {
-            let _ = std::fs::remove_dir_all(&self.dir);
-        }
+        remove_bed(&self.created, &self.dir);
     }
 }
 

@@ -1,0 +1,533 @@
+//! Anycast VIPs over BGP: two load-balancer hosts announce the same VIP
+//! through real BIRD 2 to a router that spreads flows by ECMP (see
+//! `tests/netns/bgp.rs` for the bed and `docs/many-hosts.md` for the
+//! figures). Run as root; under CI a missing tool fails the test.
+
+#![allow(clippy::disallowed_types, clippy::disallowed_methods)]
+
+#[path = "netns/mod.rs"]
+mod netns;
+
+use std::net::{IpAddr, SocketAddr};
+use std::time::Duration;
+
+use netns::bgp::{BgpBed, PORT, VIP};
+
+fn vip() -> SocketAddr {
+    SocketAddr::new(IpAddr::V4(VIP), PORT)
+}
+
+/// Every shipped BIRD config parses (`bird -p`) as it is, and as the bed
+/// fills it in for its hosts and router.
+#[test]
+fn shipped_bird_configs_parse() {
+    if let Some(why) = netns::bgp::skip_reason() {
+        netns::skip_or_fail(module_path!(), &why);
+        return;
+    }
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("config/bird");
+    let scratch = std::env::temp_dir().join(format!("hlb-bird-parse-{}", std::process::id()));
+    std::fs::create_dir_all(&scratch).expect("scratch dir");
+    let mut files: Vec<std::path::PathBuf> = std::fs::read_dir(&dir)
+        .expect("config/bird")
+        .map(|e| e.expect("entry").path())
+        .filter(|p| p.extension().is_some_and(|e| e == "conf"))
+        .collect();
+    assert!(
+        files.len() >= 2,
+        "config/bird has {} .conf files",
+        files.len()
+    );
+    for (name, text) in [
+        ("host1.conf", netns::bgp::host_config(1)),
+        ("router.conf", netns::bgp::router_config()),
+    ] {
+        let p = scratch.join(name);
+        std::fs::write(&p, text).expect("write");
+        files.push(p);
+    }
+    for f in &files {
+        let out = std::process::Command::new("bird")
+            .arg("-p")
+            .arg("-c")
+            .arg(f)
+            .output()
+            .expect("run bird -p");
+        assert!(
+            out.status.success(),
+            "bird -p -c {}: {}",
+            f.display(),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let _ = std::fs::remove_dir_all(&scratch);
+}
+
+/// The bed itself, with the routes written by hand as the daemon would:
+/// the router holds one route with both hosts as nexthops and spreads
+/// connections over both. The shipped host config exports only what
+/// harvester-lb writes: a route of another protocol in table 100, or one of
+/// ours outside the VIP ranges or wider than a host route, never reaches
+/// the router.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bgp_bed_by_hand_spreads_over_both_hosts() {
+    require_bgp!();
+    let mut bed = BgpBed::new("hand", true).await;
+    let stray = [
+        ("198.51.100.101/32", "static"),
+        ("203.0.113.99/32", "252"),
+        ("198.51.100.0/25", "252"),
+    ];
+    for (net, proto) in stray {
+        bed.host(1).ns.ip(&[
+            "route", "add", net, "dev", "lo", "table", "100", "proto", proto,
+        ]);
+    }
+    both_by_hand(&mut bed).await;
+    let fib = bed.router_routes();
+    for (net, _) in stray {
+        // `ip route` prints a host route without its `/32`.
+        let printed = format!("{} ", net.trim_end_matches("/32"));
+        assert!(
+            !fib.lines().any(|l| l.starts_with(&printed)),
+            "{net} reached the router:\n{fib}"
+        );
+    }
+    let counts = bed.spread(vip(), 100).await;
+    eprintln!("spread of 100 connections: {counts:?}");
+    assert_eq!(counts.get(&0), None, "failed connections: {counts:?}");
+    assert!(counts.get(&1).copied().unwrap_or(0) >= 10, "{counts:?}");
+    assert!(counts.get(&2).copied().unwrap_or(0) >= 10, "{counts:?}");
+    bed.host(1).announce_by_hand(false);
+    bed.wait_nexthops(&[2], Duration::from_secs(5)).await;
+    let counts = bed.spread(vip(), 20).await;
+    assert_eq!(counts.get(&2), Some(&20), "{counts:?}");
+}
+
+/// Starts both daemons (without `announce`) and announces both hosts by
+/// hand; waits for the router's ECMP route.
+async fn both_by_hand(bed: &mut BgpBed) {
+    for i in 1..=2 {
+        let h = bed.host_mut(i);
+        h.write_config("", 30);
+        h.start_daemon().await;
+        h.announce_by_hand(true);
+    }
+    bed.wait_nexthops(&[1, 2], Duration::from_secs(10)).await;
+}
+
+/// A host whose link goes silent (its switch port dies; nothing comes back,
+/// no TCP FIN, no BGP notification) leaves the router's ECMP group through
+/// BFD (100 ms x 3): new connections fail only in that window. BFD needs
+/// 0.3 s; we allow 1 s (the bound) on a busy 2-core machine.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bgp_bfd_takes_a_silent_host_out_within_a_second() {
+    require_bgp!();
+    let mut bed = BgpBed::new("bfd", false).await;
+    both_announcing(&mut bed, 1, 1, 5).await;
+    // Each attempt gets 0.9 s: a SYN to the silent host is never answered,
+    // and its retry (after 1 s) would go to the survivor and hide it.
+    let mut conns = bed.open_long(vip(), 30).await;
+    let (prober, cut, gone) = bed
+        .fault_under_traffic(Duration::from_millis(900), 2, |bed| bed.silence(1))
+        .await;
+    let detect = gone - cut;
+    // Then at least 100 more attempts started after the route changed (the
+    // ones in flight at the cut finish within 0.9 s and count in the 150).
+    let attempts = prober.finish(150).await;
+    let failed = netns::bgp::failed(&attempts);
+    let window = failed
+        .iter()
+        .map(|a| a.started.saturating_duration_since(cut))
+        .max()
+        .unwrap_or_default();
+    eprintln!(
+        "silent host: router FIB lost it after {detect:?}; {} of {} new connections failed, the last one started {window:?} after the cut",
+        failed.len(),
+        attempts.len()
+    );
+    assert!(
+        detect < Duration::from_secs(1),
+        "BFD took {detect:?} to take the silent host out of the router's FIB"
+    );
+    for a in &failed {
+        assert!(
+            a.started + Duration::from_millis(50) >= cut && a.started <= gone,
+            "a connection failed outside the detection window: {a:?} (cut at +0, route gone at {detect:?})"
+        );
+    }
+    let after: Vec<_> = attempts.iter().filter(|a| a.started > gone).collect();
+    assert!(
+        after.len() >= 100,
+        "{} attempts after the route changed",
+        after.len()
+    );
+    assert!(
+        after.iter().all(|a| a.outcome == Ok(2)),
+        "new connections after the route changed must all reach host 2"
+    );
+    let t = netns::bgp::tally(&mut conns).await;
+    eprintln!("silent host: open connections {t:?}");
+    assert_eq!(t.broken[2], 0, "connections on host 2 broke: {t:?}");
+}
+
+/// With two hosts, withdrawing one (`harvester-lb host drain`) fails no new
+/// connection and breaks none of the other host's open connections
+/// (hash-threshold ECMP keeps a survivor's flows on it). The withdrawn
+/// host's own flows are rehashed to the survivor, which resets them:
+/// withdrawal is not a drain (measured and printed). `host ready`
+/// announces it again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bgp_withdrawal_breaks_none_of_the_other_hosts_connections() {
+    require_bgp!();
+    let mut bed = BgpBed::new("keep", false).await;
+    both_announcing(&mut bed, 1, 1, 5).await;
+    let mut conns = bed.open_long(vip(), 60).await;
+    let before = netns::bgp::tally(&mut conns).await;
+    let [_, n1, n2] = before.total;
+    assert!(
+        n1 > 0 && n2 > 0 && before.broken == [0; 3],
+        "60 connections: {before:?}"
+    );
+    let (prober, t, gone) = bed
+        .fault_under_traffic(Duration::from_secs(3), 2, |bed| {
+            bed.host(1).host_state("drain")
+        })
+        .await;
+    let gone = gone - t;
+    let attempts = prober.finish(50).await;
+    let failed = netns::bgp::failed(&attempts);
+    eprintln!(
+        "withdrawal of host 1 reached the router's FIB after {gone:?}; {} of {} new connections failed",
+        failed.len(),
+        attempts.len()
+    );
+    assert!(failed.is_empty(), "new connections failed: {failed:?}");
+    let broken = netns::bgp::tally(&mut conns).await.broken;
+    eprintln!(
+        "withdrawal of host 1: {}/{n1} of its connections broken, {}/{n2} of host 2's",
+        broken[1], broken[2]
+    );
+    assert_eq!(broken[2], 0, "host 2 lost connections when host 1 withdrew");
+    // Re-announcing moves part of the hash space back to host 1: connections
+    // opened on host 2 meanwhile may break (printed for the docs).
+    let mut during = bed.open_long(vip(), 40).await;
+    assert!(during.iter().all(|(_, h)| *h == 2));
+    bed.host(1).host_state("ready");
+    bed.wait_nexthops(&[1, 2], Duration::from_secs(20)).await;
+    let broken_back = netns::bgp::tally(&mut during).await.broken[2];
+    eprintln!(
+        "re-announcing host 1: {broken_back}/40 connections opened on host 2 meanwhile broken"
+    );
+}
+
+/// The IPv6 VIP: both hosts' /128s reach the router over the IPv6 sessions
+/// and it spreads connections over both.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bgp_ipv6_vip_spreads_over_both_hosts() {
+    require_bgp!();
+    let mut bed = BgpBed::new("v6", false).await;
+    both_announcing(&mut bed, 1, 1, 5).await;
+    netns::wait_for(
+        Duration::from_secs(10),
+        "two IPv6 nexthops at the router",
+        || {
+            let n = bed.nexthops6();
+            async move { (n == 2).then_some(()) }
+        },
+    )
+    .await;
+    let addr = SocketAddr::new(IpAddr::V6(netns::bgp::VIP6), PORT);
+    let counts = bed.spread(addr, 60).await;
+    eprintln!("IPv6 spread of 60 connections: {counts:?}");
+    assert_eq!(counts.get(&0), None, "failed connections: {counts:?}");
+    assert!(counts.get(&1).copied().unwrap_or(0) >= 5, "{counts:?}");
+    assert!(counts.get(&2).copied().unwrap_or(0) >= 5, "{counts:?}");
+}
+
+/// The `[vip]` body of a host that announces: rise after `delay` seconds,
+/// `grace` seconds between withdrawing at SIGTERM and draining.
+fn announcing(delay: u32, grace: u32) -> String {
+    format!(
+        "announce = \"routes\"\nannounce_interface = \"lo\"\nannounce_table = {}\nannounce_delay_seconds = {delay}\nwithdraw_grace_seconds = {grace}\n",
+        netns::bgp::TABLE
+    )
+}
+
+/// Starts both daemons announcing and waits for both nexthops at the router.
+async fn both_announcing(bed: &mut BgpBed, delay: u32, grace: u32, drain: u32) {
+    for i in 1..=2 {
+        let h = bed.host_mut(i);
+        h.write_config(&announcing(delay, grace), drain);
+        h.start_daemon().await;
+    }
+    bed.wait_nexthops(&[1, 2], Duration::from_secs(30)).await;
+}
+
+/// Waits until the daemon of host `i` reports `announced` for the IPv4 VIP
+/// with `reason` (any reason if `None`).
+async fn wait_announce(bed: &BgpBed, i: usize, announced: bool, reason: Option<&str>) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let a = bed.host(i).announce_status(IpAddr::V4(VIP)).await;
+        if a["announced"] == announced && reason.is_none_or(|r| a["reason"] == r) {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "host {i}: announce not {announced}/{reason:?} within 20 s: {a}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Both hosts announce by themselves: the router's route has two nexthops,
+/// many connections land on each, and both the IPv4 and the IPv6 VIP are
+/// announced.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bgp_both_hosts_announce_and_carry_connections() {
+    require_bgp!();
+    let mut bed = BgpBed::new("both", false).await;
+    both_announcing(&mut bed, 1, 1, 5).await;
+    wait_announce(&bed, 1, true, None).await;
+    wait_announce(&bed, 2, true, None).await;
+    let counts = bed.spread(vip(), 200).await;
+    eprintln!("spread of 200 connections: {counts:?}");
+    assert_eq!(counts.get(&0), None, "failed connections: {counts:?}");
+    assert!(counts.get(&1).copied().unwrap_or(0) >= 40, "{counts:?}");
+    assert!(counts.get(&2).copied().unwrap_or(0) >= 40, "{counts:?}");
+    netns::wait_for(Duration::from_secs(10), "two IPv6 nexthops", || {
+        let n = bed.nexthops6();
+        async move { (n == 2).then_some(()) }
+    })
+    .await;
+}
+
+/// A host whose backends all fail their health checks withdraws its VIP
+/// (reason `no_eligible_backend`); from then on every new connection
+/// succeeds through the other host. When the backend is back, the host
+/// announces again after its delay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bgp_host_whose_backends_fail_withdraws() {
+    require_bgp!();
+    let mut bed = BgpBed::new("unhealthy", false).await;
+    both_announcing(&mut bed, 2, 1, 5).await;
+    let (prober, fault, gone) = bed
+        .fault_under_traffic(Duration::from_secs(3), 2, |bed| bed.backend_mut(1).stop())
+        .await;
+    wait_announce(&bed, 1, false, Some("no_eligible_backend")).await;
+    let attempts = prober.finish(150).await;
+    let failed = netns::bgp::failed(&attempts).len();
+    eprintln!(
+        "backends of host 1 down: withdrawn {:?} after the fault; {failed} of {} new connections failed (all before the withdrawal)",
+        gone - fault,
+        attempts.len()
+    );
+    let after: Vec<_> = attempts.iter().filter(|a| a.started > gone).collect();
+    assert!(
+        after.len() >= 100,
+        "{} attempts after the withdrawal",
+        after.len()
+    );
+    for a in &after {
+        assert_eq!(
+            a.outcome,
+            Ok(2),
+            "a new connection after the withdrawal: {a:?}"
+        );
+    }
+    // Healthy again: announced only after the delay.
+    let back = std::time::Instant::now();
+    bed.backend_mut(1).start();
+    let announced = bed.wait_nexthops(&[1, 2], Duration::from_secs(30)).await;
+    eprintln!("backend back: announced again after {:?}", announced - back);
+    assert!(
+        announced - back >= Duration::from_millis(1900),
+        "announced {:?} after the backend came back, before the 2 s delay",
+        announced - back
+    );
+}
+
+/// SIGTERM on one host: it withdraws first, waits its grace, then drains,
+/// so no new connection fails at any time; the other host's connections
+/// are untouched. (The stopping host's own open connections are rehashed to
+/// the survivor by the router, which resets them: printed, see
+/// docs/many-hosts.md.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bgp_sigterm_withdraws_before_it_stops_serving() {
+    require_bgp!();
+    let mut bed = BgpBed::new("sigterm", false).await;
+    both_announcing(&mut bed, 1, 2, 5).await;
+    let mut conns = bed.open_long(vip(), 40).await;
+    let (prober, term, gone) = bed
+        .fault_under_traffic(Duration::from_secs(3), 2, |bed| {
+            bed.host(1).daemon().signal(libc::SIGTERM)
+        })
+        .await;
+    let status = bed
+        .host_mut(1)
+        .daemon
+        .as_mut()
+        .expect("daemon")
+        .wait_exit(Duration::from_secs(30))
+        .await
+        .expect("host 1's daemon did not exit within 30 s of SIGTERM");
+    let exited = term.elapsed();
+    assert!(status.success(), "host 1's daemon exited with {status}");
+    let attempts = prober.finish(100).await;
+    let failed = netns::bgp::failed(&attempts);
+    let netns::bgp::Tally { total, broken } = netns::bgp::tally(&mut conns).await;
+    eprintln!(
+        "SIGTERM: withdrawn after {:?}, exited after {exited:?}; {} of {} new connections failed; open connections broken: host 1 {}/{}, host 2 {}/{}",
+        gone - term,
+        failed.len(),
+        attempts.len(),
+        broken[1],
+        total[1],
+        broken[2],
+        total[2]
+    );
+    assert!(failed.is_empty(), "new connections failed: {failed:?}");
+    assert_eq!(broken[2], 0, "host 2 lost connections when host 1 stopped");
+}
+
+/// A daemon killed with SIGKILL leaves its route (the router keeps sending
+/// it new connections, refused); `harvester-lb withdraw --all`, as the
+/// unit's `ExecStopPost=` runs it, takes the route away within a second.
+/// Started again, the daemon starts withdrawn and announces after its delay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bgp_sigkill_then_withdraw_all_and_restart() {
+    require_bgp!();
+    let mut bed = BgpBed::new("sigkill", false).await;
+    both_announcing(&mut bed, 3, 1, 5).await;
+    bed.host(1).daemon().signal(libc::SIGKILL);
+    bed.host_mut(1)
+        .daemon
+        .as_mut()
+        .expect("daemon")
+        .wait_exit(Duration::from_secs(10))
+        .await
+        .expect("SIGKILL");
+    // The route outlives the process: nothing else takes it away.
+    assert!(
+        bed.host(1).table_routes().contains(&VIP.to_string()),
+        "a killed daemon's route went by itself: {}",
+        bed.host(1).table_routes()
+    );
+    let mut now = bed.nexthops();
+    now.sort_unstable();
+    assert_eq!(
+        now,
+        vec![1, 2],
+        "the router dropped the killed host by itself"
+    );
+    let t = std::time::Instant::now();
+    bed.host(1).withdraw_all();
+    let gone = bed.wait_nexthops(&[2], Duration::from_secs(5)).await - t;
+    eprintln!("SIGKILL + withdraw --all: router down to host 2 after {gone:?}");
+    assert!(
+        gone < Duration::from_secs(1),
+        "withdraw --all took {gone:?}"
+    );
+    assert!(
+        !bed.host(1).table_routes().contains(&VIP.to_string()),
+        "routes left after withdraw --all: {}",
+        bed.host(1).table_routes()
+    );
+    // A crashed daemon's route is flushed at start too: put one back by
+    // hand, then start; it must go before the delay is over.
+    bed.host(1).announce_by_hand(true);
+    bed.wait_nexthops(&[1, 2], Duration::from_secs(5)).await;
+    let start = std::time::Instant::now();
+    bed.host_mut(1).start_daemon().await;
+    bed.wait_nexthops(&[2], Duration::from_secs(5)).await;
+    let flushed = start.elapsed();
+    wait_announce(&bed, 1, false, Some("waiting")).await;
+    let announced = bed.wait_nexthops(&[1, 2], Duration::from_secs(30)).await - start;
+    eprintln!(
+        "restart: stale route flushed {flushed:?} after start, announced after {announced:?}"
+    );
+    assert!(
+        flushed < Duration::from_secs(3),
+        "the stale route stayed {flushed:?} after the start (the delay is 3 s)"
+    );
+    assert!(
+        announced >= Duration::from_millis(2900),
+        "announced {announced:?} after the start, before its 3 s delay"
+    );
+    wait_announce(&bed, 1, true, None).await;
+}
+
+/// UDP through the anycast VIP: flows (one a source port) spread over both
+/// hosts; after host 1 withdraws (`host drain`), the same sockets' next datagrams are all
+/// answered through host 2 (the router rehashes them and host 2's daemon
+/// opens a flow of its own: no state to lose but the application's).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bgp_udp_flows_spread_and_move_on_withdrawal() {
+    require_bgp!();
+    let mut bed = BgpBed::new("udp", false).await;
+    both_announcing(&mut bed, 1, 1, 5).await;
+    let vip = vip();
+    let mut socks = Vec::new();
+    for _ in 0..40 {
+        let s = netns::bgp::udp_socket(&bed.client, "0.0.0.0:0".parse().expect("addr"));
+        s.connect(vip).await.expect("connect UDP");
+        socks.push(s);
+    }
+    // The daemon's UDP listener is bound by the time its TCP one answers,
+    // but give each flow a few tries (bounded) in case a datagram is lost.
+    let mut first = Vec::new();
+    for s in &socks {
+        let mut host = None;
+        for _ in 0..3 {
+            host = netns::bgp::udp_ask(s).await;
+            if host.is_some() {
+                break;
+            }
+        }
+        first.push(host.expect("a UDP flow got no answer"));
+    }
+    let on1 = first.iter().filter(|h| **h == 1).count();
+    eprintln!("UDP: {on1} of 40 flows on host 1, {} on host 2", 40 - on1);
+    assert!((4..=36).contains(&on1), "40 UDP flows, {on1} on host 1");
+    // Each flow stays on its host while nothing changes.
+    for (s, h) in socks.iter().zip(&first) {
+        assert_eq!(netns::bgp::udp_ask(s).await, Some(*h), "a flow moved");
+    }
+    bed.host(1).host_state("drain");
+    bed.wait_nexthops(&[2], Duration::from_secs(5)).await;
+    for s in &socks {
+        assert_eq!(
+            netns::bgp::udp_ask(s).await,
+            Some(2),
+            "a UDP flow not answered through host 2 after host 1 withdrew"
+        );
+    }
+}
+
+/// BIRD itself dies on one host (`kill -9`): the kernel closes its BGP
+/// session, so the router drops the host at once (BFD would too: it runs
+/// inside bird), and since the daemon there still serves, no new
+/// connection fails.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bgp_a_killed_bird_takes_its_host_out_and_fails_nothing() {
+    require_bgp!();
+    let mut bed = BgpBed::new("birdkill", false).await;
+    both_announcing(&mut bed, 1, 1, 5).await;
+    let (prober, t, gone) = bed
+        .fault_under_traffic(Duration::from_secs(3), 2, |bed| {
+            let bird = bed.host_mut(1).bird.take().expect("host 1's BIRD");
+            bird.kill(libc::SIGKILL);
+        })
+        .await;
+    let gone = gone - t;
+    let attempts = prober.finish(50).await;
+    let failed = netns::bgp::failed(&attempts);
+    eprintln!(
+        "BIRD killed on host 1: router down to host 2 after {gone:?}; {} of {} new connections failed",
+        failed.len(),
+        attempts.len()
+    );
+    assert!(gone < Duration::from_secs(1), "took {gone:?}");
+    assert!(failed.is_empty(), "new connections failed: {failed:?}");
+}

@@ -1,0 +1,1114 @@
+//! The anycast test bed: every load-balancer host announces the same VIP to a
+//! router over BGP (real BIRD 2 everywhere), and the router spreads flows by
+//! ECMP.
+//!
+//! ```text
+//!   client ns (203.0.113.10, 2001:db8:3::10)
+//!      │ c0
+//!   router ns: BIRD (ECMP `merge paths`, BFD 100 ms × 3), L4 multipath hash
+//!      │ br0 192.0.2.1/24, 2001:db8:2::1/64
+//!      ├── lb host 1 (192.0.2.11): harvester-lb + BIRD exporting table 100
+//!      ├── lb host 2 (192.0.2.12): the same
+//!      ├── backend 1 (192.0.2.21): host 1's backend
+//!      └── backend 2 (192.0.2.22): host 2's backend
+//! ```
+//!
+//! Each host has a backend of its own, and a backend greets with its index,
+//! so the first line a client reads says which host carried the connection.
+//! The hosts and the router run the shipped `config/bird/bird-host.conf` and
+//! `config/bird/bird-router.conf` with only their `define` lines replaced,
+//! so the tests check the configs operators copy.
+//!
+//! The router hashes flows on the packet's 5-tuple
+//! (`fib_multipath_hash_policy=3`, `fib_multipath_hash_fields=0x0037`), as
+//! hardware does: policy 1 over veth reuses the sender's socket hash, so a
+//! SYN retry can land on another host and hide failures.
+//!
+//! Everything lives in namespaces named after the test and this process; the
+//! documentation ranges exist only inside them. [`BgpBed`]'s `Drop` kills
+//! every daemon and BIRD and deletes every namespace, also on panic.
+
+use std::collections::BTreeMap;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::net::TcpStream;
+use tokio::task::{AbortHandle, JoinHandle};
+
+use super::{DaemonProc, Ns, run};
+
+/// The anycast VIP every host announces.
+pub const VIP: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 100);
+/// The IPv6 VIP every host announces.
+pub const VIP6: Ipv6Addr = Ipv6Addr::new(0x2001, 0xdb8, 0x100, 0, 0, 0, 0, 0x100);
+/// The client's address (behind the router).
+pub const CLIENT_IP: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 10);
+/// The client's IPv6 address.
+pub const CLIENT_IP6: Ipv6Addr = Ipv6Addr::new(0x2001, 0xdb8, 3, 0, 0, 0, 0, 0x10);
+/// The router's address on the hosts' link.
+pub const ROUTER_IP: Ipv4Addr = Ipv4Addr::new(192, 0, 2, 1);
+/// The router's IPv6 address on the hosts' link.
+pub const ROUTER_IP6: Ipv6Addr = Ipv6Addr::new(0x2001, 0xdb8, 2, 0, 0, 0, 0, 1);
+/// The VIP's service port.
+pub const PORT: u16 = 80;
+/// The backends' port (also their health-check port).
+pub const BACKEND_PORT: u16 = 8080;
+/// harvester-lb's routing table (`[vip] announce_table`, the default).
+pub const TABLE: u32 = 100;
+/// The protocol number of harvester-lb's routes; the shipped BIRD config
+/// exports only routes with this number.
+pub const PROTO: u32 = 252;
+
+/// Address of load-balancer host `i` (1-based): 192.0.2.(10 + i).
+pub fn host_ip(i: usize) -> Ipv4Addr {
+    Ipv4Addr::new(192, 0, 2, 10 + i as u8)
+}
+
+/// IPv6 address of load-balancer host `i`: 2001:db8:2::(10 + i) (hex digits).
+pub fn host_ip6(i: usize) -> Ipv6Addr {
+    Ipv6Addr::new(0x2001, 0xdb8, 2, 0, 0, 0, 0, 0x10 + i as u16)
+}
+
+/// Address of backend `i` (host `i`'s backend): 192.0.2.(20 + i).
+pub fn backend_ip(i: usize) -> Ipv4Addr {
+    Ipv4Addr::new(192, 0, 2, 20 + i as u8)
+}
+
+/// IPv6 address of backend `i`: 2001:db8:2::(20 + i) (hex digits).
+pub fn backend_ip6(i: usize) -> Ipv6Addr {
+    Ipv6Addr::new(0x2001, 0xdb8, 2, 0, 0, 0, 0, 0x20 + i as u16)
+}
+
+/// Why this bed cannot run here, if it cannot (root, `ip`, `bird`, `birdc`).
+pub fn skip_reason() -> Option<String> {
+    if let Some(why) = super::skip_reason() {
+        return Some(why);
+    }
+    for tool in ["bird", "birdc"] {
+        match Command::new(tool).arg("--version").output() {
+            Ok(_) => {}
+            Err(e) => return Some(format!("`{tool}` (package bird2) is not available: {e}")),
+        }
+    }
+    None
+}
+
+/// Returns from the test with a printed reason when the bed cannot be built
+/// (and fails under CI).
+#[macro_export]
+macro_rules! require_bgp {
+    () => {
+        if let Some(why) = $crate::netns::bgp::skip_reason() {
+            $crate::netns::skip_or_fail(
+                module_path!(),
+                &format!("needs root, iproute2, nftables and BIRD 2 ({why})"),
+            );
+            return;
+        }
+    };
+}
+
+/// A BIRD process in a namespace (`bird -f`, so it is our child).
+pub struct Bird {
+    child: Child,
+    /// Its control socket (for `birdc -s`).
+    pub ctl: PathBuf,
+    log: PathBuf,
+}
+
+impl Bird {
+    /// Starts BIRD in `ns` with config file `conf`; its socket and log go
+    /// into `dir` under `name`.
+    pub fn spawn(ns: &Ns, conf: &Path, dir: &Path, name: &str) -> Bird {
+        let ctl = dir.join(format!("{name}.ctl"));
+        let log = dir.join(format!("{name}.log"));
+        let logf = std::fs::File::create(&log).expect("bird log");
+        let child = Command::new("ip")
+            .args(["netns", "exec", &ns.name, "bird", "-f", "-c"])
+            .arg(conf)
+            .arg("-s")
+            .arg(&ctl)
+            .arg("-P")
+            .arg(dir.join(format!("{name}.pid")))
+            .stdin(Stdio::null())
+            .stdout(logf.try_clone().expect("dup log"))
+            .stderr(logf)
+            .spawn()
+            .expect("spawn bird");
+        Bird { child, ctl, log }
+    }
+
+    /// `birdc -s <ctl> <args>`: its output (empty if BIRD does not answer).
+    pub fn birdc(&self, args: &[&str]) -> String {
+        let out = Command::new("birdc")
+            .arg("-s")
+            .arg(&self.ctl)
+            .args(args)
+            .stdin(Stdio::null())
+            .output()
+            .expect("run birdc");
+        String::from_utf8_lossy(&out.stdout).to_string()
+    }
+
+    /// Names of this BIRD's BGP protocols that are `Established`.
+    pub fn established(&self) -> Vec<String> {
+        self.birdc(&["show", "protocols"])
+            .lines()
+            .filter(|l| l.contains(" BGP ") && l.contains("Established"))
+            .filter_map(|l| l.split_whitespace().next().map(str::to_string))
+            .collect()
+    }
+
+    /// The last lines of its log.
+    pub fn log_tail(&self, n: usize) -> String {
+        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
+        let lines: Vec<&str> = text.lines().collect();
+        lines[lines.len().saturating_sub(n)..].join("\n")
+    }
+
+    /// Kills it with `sig` and reaps it.
+    pub fn kill(mut self, sig: i32) {
+        // SAFETY: kill(2) on our own child's pid.
+        unsafe {
+            libc::kill(self.child.id() as i32, sig);
+        }
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Bird {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A backend: greets every connection with `b<i>\n`, then echoes.
+pub struct Backend {
+    /// 1-based index (the host it serves).
+    pub index: usize,
+    /// Its namespace.
+    pub ns: Ns,
+    listeners: Vec<JoinHandle<()>>,
+    conns: Arc<Mutex<Vec<AbortHandle>>>,
+}
+
+impl Backend {
+    /// Starts listening on its IPv4 and IPv6 addresses (health checks and
+    /// traffic use the same port).
+    pub fn start(&mut self) {
+        self.stop();
+        for addr in [
+            SocketAddr::new(IpAddr::V4(backend_ip(self.index)), BACKEND_PORT),
+            SocketAddr::new(IpAddr::V6(backend_ip6(self.index)), BACKEND_PORT),
+        ] {
+            let l = self.ns.listen(addr);
+            let greeting = format!("b{}\n", self.index);
+            let conns = self.conns.clone();
+            self.listeners.push(tokio::spawn(async move {
+                loop {
+                    let Ok((mut s, _)) = l.accept().await else {
+                        continue;
+                    };
+                    let greeting = greeting.clone();
+                    let h = tokio::spawn(async move {
+                        if s.write_all(greeting.as_bytes()).await.is_err() {
+                            return;
+                        }
+                        let (mut r, mut w) = s.split();
+                        let _ = tokio::io::copy(&mut r, &mut w).await;
+                    });
+                    conns.lock().expect("conns").push(h.abort_handle());
+                }
+            }));
+        }
+        // UDP on the same port: answers every datagram with the greeting.
+        let udp = udp_socket(
+            &self.ns,
+            SocketAddr::new(IpAddr::V4(backend_ip(self.index)), BACKEND_PORT),
+        );
+        let greeting = format!("b{}\n", self.index);
+        self.listeners.push(tokio::spawn(async move {
+            let mut buf = [0u8; 512];
+            loop {
+                if let Ok((_, from)) = udp.recv_from(&mut buf).await {
+                    let _ = udp.send_to(greeting.as_bytes(), from).await;
+                }
+            }
+        }));
+    }
+
+    /// Closes its listening sockets, TCP and UDP (new connections and
+    /// probes are refused); connections already open go on.
+    pub fn stop(&mut self) {
+        for l in self.listeners.drain(..) {
+            l.abort();
+        }
+    }
+}
+
+impl Drop for Backend {
+    fn drop(&mut self) {
+        self.stop();
+        for c in self.conns.lock().expect("conns").drain(..) {
+            c.abort();
+        }
+    }
+}
+
+/// One load-balancer host: its namespace, BIRD and daemon.
+pub struct LbHost {
+    /// 1-based index.
+    pub index: usize,
+    /// Its namespace.
+    pub ns: Ns,
+    /// The router's end of its link (a port of the router's bridge).
+    pub port: String,
+    /// Its scratch directory (configs, logs, admin socket).
+    pub dir: PathBuf,
+    /// Its BIRD.
+    pub bird: Option<Bird>,
+    /// Its daemon, once started.
+    pub daemon: Option<DaemonProc>,
+}
+
+impl LbHost {
+    /// The running daemon.
+    pub fn daemon(&self) -> &DaemonProc {
+        self.daemon.as_ref().expect("daemon started")
+    }
+
+    /// The config file of its daemon.
+    pub fn config_path(&self) -> PathBuf {
+        self.dir.join("harvester-lb.toml")
+    }
+
+    /// Writes its daemon's config: one load balancer on the VIP (TCP and
+    /// UDP listeners) and one on the IPv6 VIP (TCP), each to this host's
+    /// backend, probed every second;
+    /// `vip_section` is the `[vip]` table's body; open connections may
+    /// finish for `drain` seconds when the daemon stops.
+    pub fn write_config(&self, vip_section: &str, drain: u32) -> PathBuf {
+        let i = self.index;
+        let udp = format!(
+            "  [[load_balancer.listener]]\n  name = \"udp\"\n  port = {PORT}\n  backend_port = {BACKEND_PORT}\n  protocol = \"udp\"\n"
+        );
+        let lb = |name: &str, vip: IpAddr, backend: IpAddr, udp: &str| {
+            format!(
+                "[[load_balancer]]\nname = \"{name}\"\nvip = \"{vip}\"\nbackends = [\"{backend}\"]\n  [[load_balancer.listener]]\n  name = \"tcp\"\n  port = {PORT}\n  backend_port = {BACKEND_PORT}\n{udp}  [load_balancer.health_check]\n  kind = \"tcp\"\n  port = {BACKEND_PORT}\n  period_seconds = 1\n  timeout_seconds = 1\n  failure_threshold = 2\n  success_threshold = 1\n"
+            )
+        };
+        let text = format!(
+            "[admin]\nlisten = \"127.0.0.1:{}\"\nsocket = {:?}\n\n[proxy]\ndrain_timeout_seconds = {drain}\n\n[vip]\n{vip_section}\n\n{}\n{}",
+            super::ADMIN_PORT,
+            self.dir.join("admin.sock"),
+            lb(
+                "default/anycast",
+                IpAddr::V4(VIP),
+                IpAddr::V4(backend_ip(i)),
+                &udp,
+            ),
+            lb(
+                "default/anycast6",
+                IpAddr::V6(VIP6),
+                IpAddr::V6(backend_ip6(i)),
+                "",
+            ),
+        );
+        let p = self.config_path();
+        std::fs::write(&p, text).expect("write daemon config");
+        p
+    }
+
+    /// Starts the daemon with the config [`LbHost::write_config`] wrote and
+    /// waits (with a deadline) for its admin API.
+    pub async fn start_daemon(&mut self) -> &DaemonProc {
+        let log = self.dir.join(format!(
+            "daemon-{}.log",
+            SEQ.fetch_add(1, Ordering::Relaxed)
+        ));
+        let d = DaemonProc::spawn(&self.ns, &self.config_path(), &log, None);
+        let deadline = Instant::now() + Duration::from_secs(15);
+        loop {
+            if let Ok((200, _)) = d.get("/healthz").await {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "host {}: daemon admin API did not answer within 15s; log:\n{}",
+                self.index,
+                d.log_tail(40)
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        self.daemon = Some(d);
+        self.daemon()
+    }
+
+    /// `harvester-lb withdraw --all --config F` in this host's namespace, as
+    /// the unit's `ExecStopPost=` runs it; panics if it fails.
+    pub fn withdraw_all(&self) {
+        let config = self.config_path();
+        run(
+            "ip",
+            &[
+                "netns",
+                "exec",
+                &self.ns.name,
+                env!("CARGO_BIN_EXE_harvester-lb"),
+                "withdraw",
+                "--all",
+                "--config",
+                config.to_str().expect("utf-8 path"),
+            ],
+            None,
+        );
+    }
+
+    /// `harvester-lb host drain|ready --config F`: withdraws every VIP of
+    /// this host, or lets them be announced again; panics if it fails.
+    pub fn host_state(&self, state: &str) {
+        let config = self.config_path();
+        run(
+            "ip",
+            &[
+                "netns",
+                "exec",
+                &self.ns.name,
+                env!("CARGO_BIN_EXE_harvester-lb"),
+                "host",
+                state,
+                "--config",
+                config.to_str().expect("utf-8 path"),
+            ],
+            None,
+        );
+    }
+
+    /// The `announce` object of `/status` for the VIP `vip` (wherever the
+    /// status puts it: the first object naming the VIP that has one).
+    pub async fn announce_status(&self, vip: IpAddr) -> serde_json::Value {
+        let status = self.daemon().status().await;
+        find_announce(&status, &vip.to_string())
+            .unwrap_or_else(|| panic!("no `announce` for {vip} in /status: {status}"))
+    }
+
+    /// Routes of harvester-lb's table (`ip route show table 100`), one a line.
+    pub fn table_routes(&self) -> String {
+        let mut out = output(
+            "ip",
+            &["-n", &self.ns.name, "route", "show", "table", "100"],
+        );
+        out.push_str(&output(
+            "ip",
+            &["-6", "-n", &self.ns.name, "route", "show", "table", "100"],
+        ));
+        out
+    }
+
+    /// What the daemon does: adds (or deletes) the VIPs' host routes in
+    /// table 100 with harvester-lb's protocol number, by hand.
+    pub fn announce_by_hand(&self, on: bool) {
+        let verb = if on { "add" } else { "del" };
+        let proto = PROTO.to_string();
+        let table = TABLE.to_string();
+        for (family, net) in [("-4", format!("{VIP}/32")), ("-6", format!("{VIP6}/128"))] {
+            self.ns.ip(&[
+                family, "route", verb, &net, "dev", "lo", "table", &table, "proto", &proto,
+            ]);
+        }
+    }
+}
+
+/// The announce state of `vip` in a `/status` document: the first object
+/// (depth first) that has `announced` and is keyed by `vip`, or names `vip`
+/// in a string member (itself or its `announce` member).
+fn find_announce(v: &serde_json::Value, vip: &str) -> Option<serde_json::Value> {
+    match v {
+        serde_json::Value::Object(m) => {
+            if let Some(a) = m.get(vip).filter(|a| a.get("announced").is_some()) {
+                return Some(a.clone());
+            }
+            if m.values().any(|x| x.as_str() == Some(vip)) {
+                if m.contains_key("announced") {
+                    return Some(v.clone());
+                }
+                if let Some(a) = m.get("announce").filter(|a| a.get("announced").is_some()) {
+                    return Some(a.clone());
+                }
+            }
+            m.values().find_map(|x| find_announce(x, vip))
+        }
+        serde_json::Value::Array(a) => a.iter().find_map(|x| find_announce(x, vip)),
+        _ => None,
+    }
+}
+
+/// Runs a command and returns its stdout (empty on failure).
+fn output(cmd: &str, args: &[&str]) -> String {
+    Command::new(cmd)
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).to_string())
+        .unwrap_or_default()
+}
+
+/// Numbers the daemon logs of a host (one per start).
+static SEQ: AtomicU32 = AtomicU32::new(0);
+
+/// The namespaces, BIRDs, daemons and backends of one anycast test.
+pub struct BgpBed {
+    /// Short unique tag (namespace name prefix).
+    pub tag: String,
+    /// Scratch directory.
+    pub dir: PathBuf,
+    /// The router.
+    pub router: Ns,
+    /// The router's BIRD.
+    pub router_bird: Option<Bird>,
+    /// The client host.
+    pub client: Ns,
+    /// The load-balancer hosts, `hosts[0]` is host 1.
+    pub hosts: Vec<LbHost>,
+    /// The backends, `backends[0]` serves host 1.
+    pub backends: Vec<Backend>,
+    created: Vec<String>,
+}
+
+impl BgpBed {
+    /// Builds the bed for `test` with two hosts, starts every BIRD and the
+    /// backends, and waits until the router's sessions are up. The VIPs are
+    /// on each host's `lo` only if `vip_on_lo` (with `announce = "routes"`
+    /// the daemon puts them there).
+    pub async fn new(test: &str, vip_on_lo: bool) -> BgpBed {
+        let n = 2;
+        let (tag, dir) = super::new_tag(test);
+        let mut bed = BgpBed {
+            router: Ns {
+                name: format!("{tag}-r"),
+            },
+            router_bird: None,
+            client: Ns {
+                name: format!("{tag}-c"),
+            },
+            hosts: Vec::new(),
+            backends: Vec::new(),
+            tag: tag.clone(),
+            dir,
+            created: Vec::new(),
+        };
+        // From here on, Drop cleans up whatever was made.
+        bed.add_ns(&bed.router.name.clone());
+        let r = bed.router.clone();
+        r.ip(&["link", "set", "lo", "up"]);
+        r.ip(&["link", "add", "br0", "type", "bridge"]);
+        r.ip(&["addr", "add", &format!("{ROUTER_IP}/24"), "dev", "br0"]);
+        r.ip(&[
+            "addr",
+            "add",
+            &format!("{ROUTER_IP6}/64"),
+            "dev",
+            "br0",
+            "nodad",
+        ]);
+        r.ip(&["link", "set", "br0", "up"]);
+        sysctl(
+            &r,
+            &[
+                "net.ipv4.ip_forward=1",
+                "net.ipv6.conf.all.forwarding=1",
+                "net.ipv4.fib_multipath_hash_policy=3",
+                "net.ipv4.fib_multipath_hash_fields=0x0037",
+                "net.ipv6.fib_multipath_hash_policy=3",
+                "net.ipv6.fib_multipath_hash_fields=0x0037",
+            ],
+        );
+        // The client, on a link of its own.
+        bed.add_ns(&bed.client.name.clone());
+        let c = bed.client.clone();
+        r.ip(&[
+            "link", "add", "c0", "type", "veth", "peer", "name", "eth0", "netns", &c.name,
+        ]);
+        r.ip(&["addr", "add", "203.0.113.1/24", "dev", "c0"]);
+        r.ip(&["addr", "add", "2001:db8:3::1/64", "dev", "c0", "nodad"]);
+        r.ip(&["link", "set", "c0", "up"]);
+        c.ip(&["link", "set", "lo", "up"]);
+        c.ip(&["addr", "add", &format!("{CLIENT_IP}/24"), "dev", "eth0"]);
+        c.ip(&[
+            "addr",
+            "add",
+            &format!("{CLIENT_IP6}/64"),
+            "dev",
+            "eth0",
+            "nodad",
+        ]);
+        c.ip(&["link", "set", "eth0", "up"]);
+        c.ip(&["route", "add", "default", "via", "203.0.113.1"]);
+        c.ip(&["-6", "route", "add", "default", "via", "2001:db8:3::1"]);
+        for i in 1..=n {
+            let ns = bed.wire(&format!("h{i}"), host_ip(i), host_ip6(i));
+            ns.ip(&["route", "add", "default", "via", &ROUTER_IP.to_string()]);
+            ns.ip(&[
+                "-6",
+                "route",
+                "add",
+                "default",
+                "via",
+                &ROUTER_IP6.to_string(),
+            ]);
+            if vip_on_lo {
+                ns.ip(&["addr", "add", &format!("{VIP}/32"), "dev", "lo"]);
+                ns.ip(&["addr", "add", &format!("{VIP6}/128"), "dev", "lo"]);
+            }
+            let dir = bed.dir.join(format!("h{i}"));
+            std::fs::create_dir_all(&dir).expect("host dir");
+            bed.hosts.push(LbHost {
+                index: i,
+                ns,
+                port: format!("ph{i}"),
+                dir,
+                bird: None,
+                daemon: None,
+            });
+        }
+        for i in 1..=n {
+            let ns = bed.wire(&format!("b{i}"), backend_ip(i), backend_ip6(i));
+            let mut b = Backend {
+                index: i,
+                ns,
+                listeners: Vec::new(),
+                conns: Arc::default(),
+            };
+            b.start();
+            bed.backends.push(b);
+        }
+        // BIRD: the router, then every host, from the shipped configs.
+        let conf = bed.write("router.conf", &router_config());
+        bed.router_bird = Some(Bird::spawn(&bed.router, &conf, &bed.dir, "router"));
+        for i in 1..=n {
+            bed.start_host_bird(i);
+        }
+        bed.wait_sessions(Duration::from_secs(30)).await;
+        bed
+    }
+
+    /// Starts (or restarts) host `i`'s BIRD from the shipped host config.
+    pub fn start_host_bird(&mut self, i: usize) {
+        let h = &mut self.hosts[i - 1];
+        h.bird = None;
+        let conf = h.dir.join("bird.conf");
+        std::fs::write(&conf, host_config(i)).expect("write bird.conf");
+        h.bird = Some(Bird::spawn(&h.ns, &conf, &h.dir, "bird"));
+    }
+
+    /// Waits until every BGP session of the router (IPv4 and IPv6 to every
+    /// host) is established.
+    pub async fn wait_sessions(&self, timeout: Duration) {
+        let want = 2 * self.hosts.len();
+        let deadline = Instant::now() + timeout;
+        loop {
+            let up = self.router_bird().established();
+            if up.len() == want {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the router's BGP sessions did not all come up within {timeout:?} (up: {up:?}); router:\n{}\nrouter log:\n{}",
+                self.router_bird().birdc(&["show", "protocols"]),
+                self.router_bird().log_tail(30)
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// The router's BIRD.
+    pub fn router_bird(&self) -> &Bird {
+        self.router_bird.as_ref().expect("router bird")
+    }
+
+    /// Host `i` (1-based).
+    pub fn host(&self, i: usize) -> &LbHost {
+        &self.hosts[i - 1]
+    }
+
+    /// Host `i`, mutably.
+    pub fn host_mut(&mut self, i: usize) -> &mut LbHost {
+        &mut self.hosts[i - 1]
+    }
+
+    /// Backend `i`, mutably.
+    pub fn backend_mut(&mut self, i: usize) -> &mut Backend {
+        &mut self.backends[i - 1]
+    }
+
+    /// The hosts (by index) the router's FIB sends the IPv4 VIP to.
+    pub fn nexthops(&self) -> Vec<usize> {
+        let text = output(
+            "ip",
+            &[
+                "-n",
+                &self.router.name,
+                "route",
+                "show",
+                &format!("{VIP}/32"),
+            ],
+        );
+        gateways(&text)
+            .into_iter()
+            .filter_map(|g| (1..=self.hosts.len()).find(|i| IpAddr::V4(host_ip(*i)) == g))
+            .collect()
+    }
+
+    /// The router's IPv4 and IPv6 routing tables (`ip route`), as text.
+    pub fn router_routes(&self) -> String {
+        output("ip", &["-n", &self.router.name, "route"])
+            + &output("ip", &["-6", "-n", &self.router.name, "route"])
+    }
+
+    /// How many nexthops the router's FIB has for the IPv6 VIP.
+    pub fn nexthops6(&self) -> usize {
+        let text = output(
+            "ip",
+            &[
+                "-6",
+                "-n",
+                &self.router.name,
+                "route",
+                "show",
+                &format!("{VIP6}/128"),
+            ],
+        );
+        gateways(&text).len()
+    }
+
+    /// Polls the router's FIB every 5 ms until the VIP's nexthops are
+    /// exactly `want` (sorted host indexes); returns when that was first seen.
+    pub async fn wait_nexthops(&self, want: &[usize], timeout: Duration) -> Instant {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let mut got = self.nexthops();
+            got.sort_unstable();
+            if got == want {
+                return Instant::now();
+            }
+            assert!(
+                Instant::now() < deadline,
+                "router's route to {VIP}: nexthops {got:?}, not {want:?}, within {timeout:?}\nrouter FIB:\n{}\nrouter BIRD:\n{}",
+                output("ip", &["-n", &self.router.name, "route"]),
+                self.router_bird().birdc(&["show", "route", "all"])
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+
+    /// Connects from the client to `addr` and reads the greeting: which host
+    /// carried the connection.
+    pub async fn connect(
+        &self,
+        addr: SocketAddr,
+        timeout: Duration,
+    ) -> std::io::Result<(BufReader<TcpStream>, usize)> {
+        let s = self.client.socket_for(addr)?;
+        let stream = match tokio::time::timeout(timeout, s.connect(addr)).await {
+            Ok(r) => r?,
+            Err(_) => {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    format!("connect to {addr} timed out after {timeout:?}"),
+                ));
+            }
+        };
+        let mut r = BufReader::new(stream);
+        let mut line = String::new();
+        match tokio::time::timeout(timeout, r.read_line(&mut line)).await {
+            Ok(Ok(n)) if n > 0 => {}
+            Ok(Ok(_)) => {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::UnexpectedEof,
+                    "closed before the greeting",
+                ));
+            }
+            Ok(Err(e)) => return Err(e),
+            Err(_) => {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    "no greeting",
+                ));
+            }
+        }
+        let host = line
+            .trim()
+            .strip_prefix('b')
+            .and_then(|i| i.parse().ok())
+            .unwrap_or_else(|| panic!("unexpected greeting {line:?}"));
+        Ok((r, host))
+    }
+
+    /// Opens `n` connections to `addr` one after another; how many each host
+    /// carried (`0` counts failures).
+    pub async fn spread(&self, addr: SocketAddr, n: usize) -> BTreeMap<usize, usize> {
+        let mut counts = BTreeMap::new();
+        for _ in 0..n {
+            let host = match self.connect(addr, Duration::from_secs(3)).await {
+                Ok((_, h)) => h,
+                Err(_) => 0,
+            };
+            *counts.entry(host).or_insert(0) += 1;
+        }
+        counts
+    }
+
+    /// Opens `n` connections to be held open, returned with their host.
+    pub async fn open_long(
+        &self,
+        addr: SocketAddr,
+        n: usize,
+    ) -> Vec<(BufReader<TcpStream>, usize)> {
+        let mut v = Vec::with_capacity(n);
+        for _ in 0..n {
+            let c = self
+                .connect(addr, Duration::from_secs(3))
+                .await
+                .unwrap_or_else(|e| panic!("open a long connection to {addr}: {e}"));
+            v.push(c);
+        }
+        v
+    }
+
+    /// Starts a client that opens a new connection to `addr` every 10 ms
+    /// until stopped. Each attempt gets `attempt_timeout`.
+    pub fn prober(&self, addr: SocketAddr, attempt_timeout: Duration) -> Prober {
+        let ns = self.client.clone();
+        let log: Arc<Mutex<Vec<Attempt>>> = Arc::default();
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (log2, stop2) = (log.clone(), stop.clone());
+        let task = tokio::spawn(async move {
+            let mut inflight = tokio::task::JoinSet::new();
+            // Bounded: at most 6000 attempts (a minute at 10 ms).
+            for _ in 0..6000 {
+                if stop2.load(Ordering::Relaxed) {
+                    break;
+                }
+                let ns = ns.clone();
+                let log = log2.clone();
+                inflight.spawn(async move {
+                    let started = Instant::now();
+                    let outcome = attempt(&ns, addr, attempt_timeout).await;
+                    log.lock().expect("log").push(Attempt {
+                        started,
+                        took: started.elapsed(),
+                        outcome,
+                    });
+                });
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            while inflight.join_next().await.is_some() {}
+        });
+        Prober { log, stop, task }
+    }
+
+    /// A fault under traffic: a client opens a new connection to the IPv4
+    /// VIP every 10 ms (each given `attempt`); once 30 have finished,
+    /// `fault` runs, then this waits (up to 20 s) until the router sends
+    /// the VIP to host `survivor` alone. Returns the still running prober,
+    /// when the fault began and when the router's route changed.
+    pub async fn fault_under_traffic(
+        &mut self,
+        attempt: Duration,
+        survivor: usize,
+        fault: impl FnOnce(&mut BgpBed),
+    ) -> (Prober, Instant, Instant) {
+        let vip = SocketAddr::new(IpAddr::V4(VIP), PORT);
+        let prober = self.prober(vip, attempt);
+        prober.wait_finished(30, Duration::from_secs(10)).await;
+        let began = Instant::now();
+        fault(self);
+        let changed = self
+            .wait_nexthops(&[survivor], Duration::from_secs(20))
+            .await;
+        (prober, began, changed)
+    }
+
+    /// Writes a file into the scratch directory.
+    pub fn write(&self, name: &str, text: &str) -> PathBuf {
+        let p = self.dir.join(name);
+        std::fs::write(&p, text).expect("write scratch file");
+        p
+    }
+
+    /// A namespace on the router's bridge: `<tag>-<suffix>`, its `eth0` (the
+    /// peer of bridge port `p<suffix>`) with `ip/24` and `ip6/64`.
+    fn wire(&mut self, suffix: &str, ip: Ipv4Addr, ip6: Ipv6Addr) -> Ns {
+        let ns = Ns {
+            name: format!("{}-{suffix}", self.tag),
+        };
+        self.add_ns(&ns.name);
+        let port = format!("p{suffix}");
+        self.router.ip(&[
+            "link", "add", &port, "type", "veth", "peer", "name", "eth0", "netns", &ns.name,
+        ]);
+        self.router
+            .ip(&["link", "set", &port, "master", "br0", "up"]);
+        ns.ip(&["link", "set", "lo", "up"]);
+        ns.ip(&["addr", "add", &format!("{ip}/24"), "dev", "eth0"]);
+        ns.ip(&["addr", "add", &format!("{ip6}/64"), "dev", "eth0", "nodad"]);
+        ns.ip(&["link", "set", "eth0", "up"]);
+        ns
+    }
+
+    /// Host `i`'s link goes silent: its port on the router's bridge goes
+    /// down, so nothing passes either way while the router's `br0` stays up
+    /// (a host behind a switch losing power).
+    pub fn silence(&self, i: usize) {
+        self.router.ip(&["link", "set", &self.host(i).port, "down"]);
+    }
+
+    fn add_ns(&mut self, name: &str) {
+        run("ip", &["netns", "add", name], None);
+        self.created.push(name.to_string());
+    }
+}
+
+impl Drop for BgpBed {
+    fn drop(&mut self) {
+        let panicking = std::thread::panicking();
+        for h in &mut self.hosts {
+            if let Some(d) = h.daemon.take() {
+                if panicking {
+                    eprintln!(
+                        "--- daemon log of host {} ({}) ---\n{}",
+                        h.index,
+                        self.tag,
+                        d.log_tail(40)
+                    );
+                }
+                drop(d);
+            }
+            if let Some(b) = h.bird.take() {
+                if panicking {
+                    eprintln!("--- BIRD log of host {} ---\n{}", h.index, b.log_tail(20));
+                }
+                drop(b);
+            }
+        }
+        if let Some(b) = self.router_bird.take() {
+            if panicking {
+                eprintln!("--- router BIRD log ---\n{}", b.log_tail(30));
+            }
+            drop(b);
+        }
+        self.backends.clear();
+        super::remove_bed(&self.created, &self.dir);
+    }
+}
+
+/// The gateways of an `ip route show` answer (one route or a multipath one).
+fn gateways(text: &str) -> Vec<IpAddr> {
+    let words: Vec<&str> = text.split_whitespace().collect();
+    words
+        .windows(2)
+        .filter(|w| w[0] == "via")
+        .filter_map(|w| w[1].parse().ok())
+        .collect()
+}
+
+/// `sysctl -w` each of `settings` inside `ns`.
+fn sysctl(ns: &Ns, settings: &[&str]) {
+    let mut args = vec!["netns", "exec", &ns.name, "sysctl", "-q", "-w"];
+    args.extend_from_slice(settings);
+    run("ip", &args, None);
+}
+
+/// A UDP socket bound to `addr` in `ns` (on the caller's runtime).
+pub fn udp_socket(ns: &Ns, addr: SocketAddr) -> tokio::net::UdpSocket {
+    let s = super::in_ns(&ns.name, move || {
+        let s = std::net::UdpSocket::bind(addr)?;
+        s.set_nonblocking(true)?;
+        Ok::<_, std::io::Error>(s)
+    })
+    .unwrap_or_else(|e| panic!("bind UDP {addr} in {}: {e}", ns.name));
+    tokio::net::UdpSocket::from_std(s).expect("register UDP socket")
+}
+
+/// Sends one datagram on `s` (connected to a VIP) and reads the answer:
+/// which host's backend answered, or `None` without one within 2 s.
+pub async fn udp_ask(s: &tokio::net::UdpSocket) -> Option<usize> {
+    s.send(b"hi").await.ok()?;
+    let mut buf = [0u8; 64];
+    let n = tokio::time::timeout(Duration::from_secs(2), s.recv(&mut buf))
+        .await
+        .ok()?
+        .ok()?;
+    let text = String::from_utf8_lossy(&buf[..n]).to_string();
+    text.trim().strip_prefix('b').and_then(|i| i.parse().ok())
+}
+
+/// The repository's `config/bird/<name>`.
+fn shipped(name: &str) -> String {
+    let p = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("config/bird")
+        .join(name);
+    std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("read {}: {e}", p.display()))
+}
+
+/// Replaces the value of `define NAME = …;` in a BIRD config, asserting
+/// the line is there.
+fn define(conf: &str, name: &str, value: &str) -> String {
+    let prefix = format!("define {name} = ");
+    let mut found = false;
+    let out: Vec<String> = conf
+        .lines()
+        .map(|l| {
+            if l.starts_with(&prefix) {
+                found = true;
+                format!("{prefix}{value};")
+            } else {
+                l.to_string()
+            }
+        })
+        .collect();
+    assert!(found, "no `{prefix}…;` line in the shipped BIRD config");
+    out.join("\n") + "\n"
+}
+
+/// The shipped host config for host `i`, its log sent to stderr.
+pub fn host_config(i: usize) -> String {
+    let c = shipped("bird-host.conf");
+    let c = define(&c, "HOST_IP4", &host_ip(i).to_string());
+    let c = define(&c, "HOST_IP6", &host_ip6(i).to_string());
+    let c = define(&c, "ROUTER_IP4", &ROUTER_IP.to_string());
+    let c = define(&c, "ROUTER_IP6", &ROUTER_IP6.to_string());
+    format!("log stderr all;\n{c}")
+}
+
+/// The shipped router config (its addresses are the bed's), logging to stderr.
+pub fn router_config() -> String {
+    let c = shipped("bird-router.conf");
+    let c = define(&c, "ROUTER_IP4", &ROUTER_IP.to_string());
+    format!("log stderr all;\n{c}")
+}
+
+/// One attempt of a [`Prober`].
+#[derive(Debug)]
+pub struct Attempt {
+    /// When it started.
+    pub started: Instant,
+    /// How long it took to succeed or fail.
+    pub took: Duration,
+    /// The host that answered, or the error.
+    pub outcome: Result<usize, String>,
+}
+
+/// A client opening new connections until stopped (see [`BgpBed::prober`]).
+pub struct Prober {
+    log: Arc<Mutex<Vec<Attempt>>>,
+    stop: Arc<std::sync::atomic::AtomicBool>,
+    task: JoinHandle<()>,
+}
+
+impl Prober {
+    /// How many attempts have finished so far.
+    pub fn finished(&self) -> usize {
+        self.log.lock().expect("log").len()
+    }
+
+    /// Waits until `n` attempts have finished, panicking after `timeout`.
+    pub async fn wait_finished(&self, n: usize, timeout: Duration) {
+        let deadline = Instant::now() + timeout;
+        while self.finished() < n {
+            assert!(
+                Instant::now() < deadline,
+                "only {} of {n} connection attempts finished within {timeout:?}",
+                self.finished()
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// Lets `more` further attempts finish (up to 30 s), then stops it:
+    /// every attempt, in the order they started.
+    pub async fn finish(self, more: usize) -> Vec<Attempt> {
+        let seen = self.finished();
+        self.wait_finished(seen + more, Duration::from_secs(30))
+            .await;
+        self.stop().await
+    }
+
+    /// Stops it, waits for the attempts in flight, and returns them all in
+    /// the order they started.
+    pub async fn stop(self) -> Vec<Attempt> {
+        self.stop.store(true, Ordering::Relaxed);
+        let _ = tokio::time::timeout(Duration::from_secs(30), self.task).await;
+        let mut v = std::mem::take(&mut *self.log.lock().expect("log"));
+        v.sort_by_key(|a| a.started);
+        v
+    }
+}
+
+/// One new connection from `ns` to `addr`: the host that greeted, or why not.
+async fn attempt(ns: &Ns, addr: SocketAddr, timeout: Duration) -> Result<usize, String> {
+    let s = ns.socket_for(addr).map_err(|e| e.to_string())?;
+    let r = tokio::time::timeout(timeout, async move {
+        let mut stream = s.connect(addr).await?;
+        let mut buf = [0u8; 8];
+        let n = stream.read(&mut buf).await?;
+        let text = String::from_utf8_lossy(&buf[..n]).to_string();
+        let _ = stream.shutdown().await;
+        Ok::<_, std::io::Error>(text)
+    })
+    .await;
+    match r {
+        Ok(Ok(text)) => text
+            .trim()
+            .strip_prefix('b')
+            .and_then(|i| i.parse().ok())
+            .ok_or(format!("unexpected greeting {text:?}")),
+        Ok(Err(e)) => Err(e.to_string()),
+        Err(_) => Err(format!("timed out after {timeout:?}")),
+    }
+}
+
+/// The attempts that failed.
+pub fn failed(attempts: &[Attempt]) -> Vec<&Attempt> {
+    attempts.iter().filter(|a| a.outcome.is_err()).collect()
+}
+
+/// Held connections per host (index 1 and 2; 0 unused): how many, and how
+/// many no longer work.
+#[derive(Debug, Default)]
+pub struct Tally {
+    /// Connections carried by each host.
+    pub total: [usize; 3],
+    /// Of those, the ones whose echo round trip failed.
+    pub broken: [usize; 3],
+}
+
+/// Tries one echo round trip on every held connection.
+pub async fn tally(conns: &mut [(BufReader<TcpStream>, usize)]) -> Tally {
+    let mut t = Tally::default();
+    for (c, h) in conns {
+        t.total[*h] += 1;
+        if !alive(c).await {
+            t.broken[*h] += 1;
+        }
+    }
+    t
+}
+
+/// Whether a held connection still works: one echo round trip.
+pub async fn alive(c: &mut BufReader<TcpStream>) -> bool {
+    let r = tokio::time::timeout(Duration::from_secs(3), async {
+        c.get_mut().write_all(b"ping\n").await?;
+        let mut line = String::new();
+        let n = c.read_line(&mut line).await?;
+        Ok::<_, std::io::Error>(n > 0 && line == "ping\n")
+    })
+    .await;
+    matches!(r, Ok(Ok(true)))
+}
