@@ -5,8 +5,8 @@
 
 #![allow(clippy::disallowed_types, clippy::disallowed_methods)]
 
-#[path = "netns/mod.rs"]
 mod netns;
+mod support;
 
 use std::net::{IpAddr, SocketAddr};
 use std::time::Duration;
