@@ -64,7 +64,6 @@ impl Owned {
                 o.sets.insert(source_set(id));
             }
             for &b in &l.members {
-                o.chains.insert(backend_chain(id, b));
                 o.counters.insert(backend_counter(id, b));
             }
         }
@@ -322,6 +321,9 @@ fn fill_listener(cmds: &mut Vec<NfObject<'static>>, id: &ListenerId, l: &KernelL
             ],
         ));
     }
+    // The backend choice: no set and no jump, so that a health flip
+    // rewrites this chain alone and the kernel's commit need not validate
+    // the whole table (see [`super::netlink`], which writes the same rules).
     if l.eligible.is_empty() {
         cmds.push(rule(
             &lchain,
@@ -330,51 +332,44 @@ fn fill_listener(cmds: &mut Vec<NfObject<'static>>, id: &ListenerId, l: &KernelL
                 Statement::Return(None),
             ],
         ));
-    } else {
-        let arms = l
-            .eligible
-            .iter()
-            .enumerate()
-            .map(|(i, &b)| {
-                SetItem::Mapping(
-                    Expression::Number(i as u32),
-                    Expression::Verdict(goto(backend_chain(id, b))),
-                )
-            })
-            .collect();
-        cmds.push(rule(
-            &lchain,
-            vec![Statement::VerdictMap(VerdictMap {
-                key: Expression::Named(NamedExpression::Numgen(Numgen {
+    }
+    for (k, &b) in l.eligible.iter().enumerate() {
+        let mut expr = Vec::new();
+        // Round robin without a set: rule k takes every (E - k)th of the
+        // connections that reach it, each rule keeping its own count.
+        let left = l.eligible.len() - k;
+        if left > 1 {
+            expr.push(matches(
+                Expression::Named(NamedExpression::Numgen(Numgen {
                     mode: NgMode::Inc,
-                    ng_mod: l.eligible.len() as u32,
+                    ng_mod: left as u32,
                     offset: None,
                 })),
-                data: Expression::Named(NamedExpression::Set(arms)),
-            })],
-        ));
-    }
-    for &b in &l.members {
-        cmds.push(rule(
-            &backend_chain(id, b),
-            vec![
-                Statement::Counter(stmt::Counter::Named(s(backend_counter(id, b)))),
-                matches(l4proto(), Operator::EQ, proto_name(id.1)),
-                Statement::DNAT(Some(NAT {
-                    addr: Some(Expression::String(s(b.to_string()))),
-                    family: Some(if b.is_ipv4() {
-                        NATFamily::IP
-                    } else {
-                        NATFamily::IP6
-                    }),
-                    port: Some(Expression::Number(u32::from(l.backend_port))),
-                    flags: None,
-                })),
-            ],
-        ));
+                Operator::EQ,
+                Expression::Number(0),
+            ));
+        }
+        expr.extend([
+            Statement::Counter(stmt::Counter::Named(s(backend_counter(id, b)))),
+            matches(l4proto(), Operator::EQ, proto_name(id.1)),
+            Statement::DNAT(Some(NAT {
+                addr: Some(Expression::String(s(b.to_string()))),
+                family: Some(if b.is_ipv4() {
+                    NATFamily::IP
+                } else {
+                    NATFamily::IP6
+                }),
+                port: Some(Expression::Number(u32::from(l.backend_port))),
+                flags: None,
+            })),
+        ]);
+        cmds.push(rule(&lchain, expr));
     }
     if l.source_nat == SourceNat::Masquerade {
-        for &b in &l.eligible {
+        // Every member, eligible or not: only new flows are masqueraded
+        // and only eligible members get new flows, so a health flip
+        // changes no element here.
+        for &b in &l.members {
             cmds.push(element(f.masq, vec![masq_key(id, b, l.backend_port)]));
         }
     }
@@ -403,7 +398,7 @@ pub fn partial_transaction(desired: &Desired, applied: &Desired) -> serde_json::
         cmds.push(delete_element(f.dispatch, listener_key(id)));
         cmds.push(delete_element(f.refuse, listener_key(id)));
         if old.source_nat == SourceNat::Masquerade {
-            for &b in &old.eligible {
+            for &b in &old.members {
                 cmds.push(delete_element(f.masq, masq_key(id, b, old.backend_port)));
             }
         }
@@ -669,16 +664,20 @@ mod tests {
             ),
         );
         let t = text(&transaction(&d, &Owned::default()));
-        std::fs::write("/tmp/kernel_rr.json", &t).unwrap();
-        assert!(t.contains(r#""numgen":{"mod":2,"mode":"inc"}"#), "{t}");
-        assert!(t.contains(r#"[0,{"goto":{"target":"b_tcp_80_192.0.2.10_10.0.0.1"}}]"#));
-        assert!(t.contains(r#"[1,{"goto":{"target":"b_tcp_80_192.0.2.10_10.0.0.3"}}]"#));
-        // Every member keeps its chain and counter, eligible or not.
+        // Rule 0 takes every second connection, rule 1 the rest: no set.
+        assert!(
+            t.contains(r#"{"match":{"left":{"numgen":{"mod":2,"mode":"inc"}},"op":"==","right":0}},{"counter":"n_tcp_80_192.0.2.10_10.0.0.1"}"#),
+            "{t}"
+        );
+        assert!(t.contains(r#""expr":[{"counter":"n_tcp_80_192.0.2.10_10.0.0.3"},"#));
+        assert!(t.contains(r#"{"dnat":{"addr":"10.0.0.3","family":"ip","port":30080}}"#));
+        assert!(!t.contains(r#"{"dnat":{"addr":"10.0.0.2""#));
+        assert!(!t.contains("goto\":{\"target\":\"b_"), "no backend chains");
+        // Every member keeps its counter, eligible or not.
         assert!(t.contains(r#""name":"n_tcp_80_192.0.2.10_10.0.0.2""#));
-        assert!(t.contains(r#"{"dnat":{"addr":"10.0.0.2","family":"ip","port":30080}}"#));
-        // Masquerade only towards the eligible ones (the only new flows).
+        // Masquerade towards every member: a flip changes no element.
         assert!(t.contains(r#"{"concat":["192.0.2.10","10.0.0.1","tcp",30080]}"#));
-        assert!(!t.contains(r#"{"concat":["192.0.2.10","10.0.0.2","tcp",30080]}"#));
+        assert!(t.contains(r#"{"concat":["192.0.2.10","10.0.0.2","tcp",30080]}"#));
         assert!(t.contains(r#""map":"verdict""#));
         assert!(!t.contains(r#""delete""#));
     }
@@ -739,14 +738,14 @@ mod tests {
             .filter_map(|c| c.get("delete"))
             .map(|d| d.to_string())
             .collect();
-        // The second listener's chain, backend chain and two counters; the
-        // first listener's second backend's chain and counter.
-        assert_eq!(deleted.len(), 6, "{deleted:?}");
+        // The second listener's chain and two counters; the first
+        // listener's second backend's counter.
+        assert_eq!(deleted.len(), 4, "{deleted:?}");
         assert!(deleted.iter().any(|d| d.contains("l_tcp_80_192.0.2.11")));
         assert!(
             deleted
                 .iter()
-                .any(|d| d.contains("b_tcp_80_192.0.2.10_10.0.0.2"))
+                .any(|d| d.contains("n_tcp_80_192.0.2.10_10.0.0.2"))
         );
         let first_delete = cmds.iter().position(|c| c.get("delete").is_some()).unwrap();
         let last_flush = cmds.iter().rposition(|c| c.get("flush").is_some()).unwrap();
@@ -772,11 +771,8 @@ mod tests {
             !t.contains(r#""name":"prerouting""#),
             "base chains untouched"
         );
-        assert!(t.contains(r#""numgen":{"mod":1,"mode":"inc"}"#), "{t}");
-        // The old masquerade elements go, the eligible one comes back.
-        assert!(t.contains(
-            r#"{"delete":{"element":{"elem":[{"concat":["192.0.2.10","10.0.0.2","tcp",30080]}]"#
-        ));
+        assert!(!t.contains("numgen"), "one backend left: {t}");
+        assert!(t.contains(r#"{"dnat":{"addr":"10.0.0.1","family":"ip","port":30080}}"#));
         assert!(
             !t.contains(r#""delete":{"chain""#),
             "both members stay configured"

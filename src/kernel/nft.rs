@@ -18,6 +18,10 @@ pub struct NftError {
 }
 
 impl NftError {
+    pub(super) fn new(what: &'static str, detail: String) -> Self {
+        Self { what, detail }
+    }
+
     /// What failed, in nft's own words where it said something.
     pub fn detail(&self) -> &str {
         &self.detail
