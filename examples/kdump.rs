@@ -12,6 +12,14 @@ fn main() {
         let be: Vec<IpAddr> = (0..3).map(|j| Ipv4Addr::new(10, 244 + j as u8, (i / 250) as u8, (i % 250 + 1) as u8).into()).collect();
         d.insert((vip.into(), Protocol::Tcp, 18090), KernelListener { backend_port: 8080, members: be.clone(), eligible: be, source_ranges: None, source_nat: SourceNat::Masquerade, close_down: vec![] });
     }
+    if std::env::var_os("KDUMP_JSON").is_some() {
+        let t0 = std::time::Instant::now();
+        let doc = harvester_lb::kernel::transaction(&d, &harvester_lb::kernel::Owned::default());
+        let text = serde_json::to_string(&doc).unwrap();
+        eprintln!("built in {:?}", t0.elapsed());
+        println!("{text}");
+        return;
+    }
     let table = KernelTable::new();
     let t0 = std::time::Instant::now();
     let r = table.sync(&d);
