@@ -321,9 +321,10 @@ fn fill_listener(cmds: &mut Vec<NfObject<'static>>, id: &ListenerId, l: &KernelL
             ],
         ));
     }
-    // The backend choice: no set and no jump, so that a health flip
-    // rewrites this chain alone and the kernel's commit need not validate
-    // the whole table (see [`super::netlink`], which writes the same rules).
+    // The backend choice: no set (an anonymous one per listener makes the
+    // kernel's commit quadratic in the listeners) and no chain per backend;
+    // a health flip rewrites this chain alone ([`super::netlink`] writes the
+    // same rules).
     if l.eligible.is_empty() {
         cmds.push(rule(
             &lchain,

@@ -26,10 +26,11 @@
 //! over the E eligible backends. At 10,000 listeners this is what makes
 //! the table writable: each anonymous map costs the kernel a walk of the
 //! whole transaction when it is bound (`__nft_set_trans_bind`, quadratic:
-//! 124 s for a cold start), and a `goto` written by a flip makes the commit
-//! validate every chain of the table (~150 ms). A flip rewrites one chain
-//! without jumps, over netlink ([`netlink`]), since `nft` itself lists the
-//! whole table before every change (~0.5 s at 10,000 listeners).
+//! 124 s for a cold start). A flip rewrites one chain over netlink
+//! ([`netlink`]), since `nft` itself lists the whole table before every
+//! change (~0.5 s at 10,000 listeners). What a flip still pays is the
+//! kernel's validation of the whole table at commit (a rule with `nat` or
+//! `counter name` asks for it), linear in the listeners.
 //!
 //! A NAT chain sees only a flow's first packet, so each named counter
 //! counts new connections. A packet the listener chain does not DNAT (no

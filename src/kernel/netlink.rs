@@ -9,8 +9,9 @@
 //! exactly that and nothing else; every other change (objects created or
 //! deleted, elements, base chains) stays with `nft` and its checks.
 //!
-//! The rules hold no jump and no set of their own, so the commit does not
-//! validate the whole table either. Messages are built by hand: the
+//! The kernel still validates the whole table at the commit (the `nat` and
+//! `objref` expressions ask for it): that walk, linear in the listeners, is
+//! what a flip costs at scale. Messages are built by hand: the
 //! `netlink-packet-netfilter` crate has no `numgen`, `objref` or `nat`
 //! expression.
 

@@ -1,0 +1,93 @@
+//! The kernel table writer at scale, without the daemon: a cold sync of N
+//! kernel listeners (3 backends each), a sync of the unchanged state, then
+//! F health flips (one backend out of a listener, or back), each timed.
+//!
+//! Run as root in a scratch network namespace, never on a host's own
+//! table (it writes `inet harvester_lb_nat`):
+//!
+//! ```text
+//! ip netns add hlbscale
+//! ip netns exec hlbscale target/release/examples/kernel_scale 10000 100
+//! ip netns del hlbscale
+//! ```
+//!
+//! `KERNEL_SCALE_JSON=1` prints the cold transaction (nft's JSON) instead,
+//! for timing `nft -j -f` alone.
+
+// A measurement of wall time, outside tokio.
+#![allow(clippy::disallowed_types, clippy::disallowed_methods)]
+
+use std::net::{IpAddr, Ipv4Addr};
+use std::time::Instant;
+
+use harvester_lb::config::{Protocol, SourceNat};
+use harvester_lb::kernel::{Desired, KernelListener, KernelTable, Owned, transaction};
+
+fn arg(i: usize, default: usize) -> usize {
+    std::env::args()
+        .nth(i)
+        .map(|s| s.parse().expect("a number"))
+        .unwrap_or(default)
+}
+
+fn main() {
+    let n = arg(1, 10_000);
+    let flips = arg(2, 100);
+    let mut desired = Desired::new();
+    for i in 0..n {
+        let (a, b) = ((i / 250) as u8, (i % 250 + 1) as u8);
+        let members: Vec<IpAddr> = (0..3)
+            .map(|j| Ipv4Addr::new(10, 244 + j, a, b).into())
+            .collect();
+        desired.insert(
+            (Ipv4Addr::new(10, 247, a, b).into(), Protocol::Tcp, 18090),
+            KernelListener {
+                backend_port: 8080,
+                eligible: members.clone(),
+                members,
+                source_ranges: None,
+                source_nat: SourceNat::Masquerade,
+                close_down: Vec::new(),
+            },
+        );
+    }
+    if std::env::var_os("KERNEL_SCALE_JSON").is_some() {
+        let t0 = Instant::now();
+        let doc = transaction(&desired, &Owned::default());
+        eprintln!("built in {:?}", t0.elapsed());
+        println!("{doc}");
+        return;
+    }
+    let table = KernelTable::new();
+    let t0 = Instant::now();
+    let cold = table.sync(&desired);
+    eprintln!("cold sync of {n} listeners: {:?} ({cold:?})", t0.elapsed());
+    let t0 = Instant::now();
+    let again = table.sync(&desired);
+    eprintln!("unchanged: {:?} ({again:?})", t0.elapsed());
+    let ids: Vec<_> = desired.keys().copied().collect();
+    let mut ms = Vec::new();
+    for k in 0..flips {
+        let l = desired
+            .get_mut(&ids[k * 7919 % ids.len()])
+            .expect("a listener");
+        if l.eligible.len() == l.members.len() {
+            l.eligible.remove(1);
+        } else {
+            l.eligible = l.members.clone();
+        }
+        let t0 = Instant::now();
+        table.sync(&desired).expect("a flip");
+        ms.push(t0.elapsed().as_secs_f64() * 1e3);
+    }
+    ms.sort_by(f64::total_cmp);
+    if let Some(max) = ms.last() {
+        let at = |q: f64| ms[((ms.len() as f64 * q) as usize).min(ms.len() - 1)];
+        eprintln!(
+            "{} flips: p50 {:.1} ms, p99 {:.1} ms, max {max:.1} ms",
+            ms.len(),
+            at(0.5),
+            at(0.99)
+        );
+    }
+}
