@@ -35,7 +35,11 @@ impl Scratch {
             .args(["inet", kernel::TABLE, name])
             .output()
             .expect("run nft");
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         String::from_utf8_lossy(&out.stdout).into_owned()
     }
 }

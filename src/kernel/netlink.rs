@@ -231,7 +231,11 @@ impl Batch {
         // nfgenmsg: family, version 0, res_id (the batch's subsystem).
         self.buf.push(family);
         self.buf.push(0);
-        let res_id = if kind < 0x100 { NFNL_SUBSYS_NFTABLES } else { 0 };
+        let res_id = if kind < 0x100 {
+            NFNL_SUBSYS_NFTABLES
+        } else {
+            0
+        };
         self.buf.extend_from_slice(&res_id.to_be_bytes());
         self.buf.extend_from_slice(&attrs.0);
     }
@@ -254,7 +258,9 @@ impl Batch {
 
 /// The batch that rewrites `changed` listeners' chains: each flushed and
 /// filled again, all in one transaction.
-fn rewrite_batch<'a>(changed: impl IntoIterator<Item = (&'a ListenerId, &'a KernelListener)>) -> Batch {
+fn rewrite_batch<'a>(
+    changed: impl IntoIterator<Item = (&'a ListenerId, &'a KernelListener)>,
+) -> Batch {
     let mut batch = Batch::new();
     for (id, l) in changed {
         let chain = listener_chain(id);
@@ -337,6 +343,10 @@ mod tests {
         let text = String::from_utf8_lossy(&batch.buf);
         assert!(text.contains("n_tcp_80_192.0.2.10_10.0.0.2"));
         assert!(text.contains("numgen"));
-        assert_eq!(text.matches("numgen").count(), 1, "the last rule takes the rest");
+        assert_eq!(
+            text.matches("numgen").count(),
+            1,
+            "the last rule takes the rest"
+        );
     }
 }
