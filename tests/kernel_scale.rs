@@ -103,7 +103,7 @@ fn desired(n: usize) -> Desired {
 }
 
 #[test]
-fn a_health_flip_is_written_without_nft_and_reads_back_as_nft_writes_it() {
+fn health_flips_and_a_failed_node_are_written_without_nft_and_read_back_as_nft_writes_them() {
     if let Some(why) = netns::skip_reason() {
         netns::skip_or_fail("kernel scale", &format!("needs root and nftables ({why})"));
         return;
@@ -141,8 +141,16 @@ fn a_health_flip_is_written_without_nft_and_reads_back_as_nft_writes_it() {
         };
     }
 
-    let (b, a) = (before.clone(), after.clone());
-    let (cold, flip) = in_ns(&flipped_ns.0, move || {
+    // Then a node fails: its backend leaves every listener at once (far
+    // more than one netlink message can carry).
+    let mut node_down = after.clone();
+    for l in node_down.values_mut() {
+        let first = l.members[0];
+        l.eligible.retain(|b| *b != first);
+    }
+
+    let (b, a, d) = (before.clone(), after.clone(), node_down.clone());
+    let (cold, flip, down) = in_ns(&flipped_ns.0, move || {
         let table = KernelTable::new();
         let cold = table.sync(&b);
         // From here on there is no `nft` to run: the flip must not need it.
@@ -151,20 +159,22 @@ fn a_health_flip_is_written_without_nft_and_reads_back_as_nft_writes_it() {
         // environment while the flip runs.
         unsafe { std::env::set_var("PATH", "/nonexistent") };
         let flip = table.sync(&a);
+        let down = table.sync(&d);
         if let Some(path) = path {
             // SAFETY: as above.
             unsafe { std::env::set_var("PATH", path) };
         }
-        (cold, flip)
+        (cold, flip, down)
     });
     assert!(matches!(cold, Ok(Synced::Written(_))), "{cold:?}");
     assert!(matches!(flip, Ok(Synced::Written(_))), "{flip:?}");
+    assert!(matches!(down, Ok(Synced::Written(_))), "{down:?}");
 
     // The same state written whole by `nft` in another namespace.
-    let a = after.clone();
+    let a = node_down.clone();
     let written = in_ns(&cold_ns.0, move || KernelTable::new().sync(&a));
     assert!(matches!(written, Ok(Synced::Written(_))), "{written:?}");
-    for id in changed.iter().chain([&ids[3], &ids[998]]) {
+    for id in changed.iter().chain([&ids[3], &ids[500], &ids[998]]) {
         let name = format!("l_{}", id_tag(id));
         let got = flipped_ns.chain(&name);
         assert_eq!(got, cold_ns.chain(&name), "chain {name}");
@@ -178,6 +188,37 @@ fn a_health_flip_is_written_without_nft_and_reads_back_as_nft_writes_it() {
     let ranged6 = flipped_ns.chain(&format!("l_{}", id_tag(&changed[2])));
     assert!(ranged6.contains("ip6 saddr != @s_"), "{ranged6}");
     assert!(ranged6.contains("dnat ip6 to"), "{ranged6}");
+    let untouched = flipped_ns.chain(&format!("l_{}", id_tag(&ids[500])));
+    assert_eq!(untouched.matches("dnat").count(), 2, "{untouched}");
+
+    // A table gone behind the daemon's back: the netlink rewrite is refused
+    // (and applies nothing), and the next sync is a full write by `nft`.
+    run(
+        "ip",
+        &[
+            "netns",
+            "exec",
+            &flipped_ns.0,
+            "nft",
+            "delete",
+            "table",
+            "inet",
+            kernel::TABLE,
+        ],
+        None,
+    );
+    let (d, back) = (node_down.clone(), before.clone());
+    let (refused, rewritten) = in_ns(&flipped_ns.0, move || {
+        let table = KernelTable::new();
+        table.sync(&d).expect("a full write");
+        run("nft", &["delete", "table", "inet", kernel::TABLE], None);
+        (table.sync(&back), table.sync(&back))
+    });
+    let refused = refused.expect_err("the chains are gone").to_string();
+    assert!(refused.contains("over netlink"), "{refused}");
+    assert!(matches!(rewritten, Ok(Synced::Written(_))), "{rewritten:?}");
+    let restored = flipped_ns.chain(&format!("l_{}", id_tag(&ids[500])));
+    assert_eq!(restored.matches("dnat").count(), 3, "{restored}");
 }
 
 /// The name piece of a listener, as the table has it.

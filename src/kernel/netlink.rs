@@ -202,11 +202,16 @@ fn listener_rules(id: &ListenerId, l: &KernelListener) -> Vec<Vec<Attrs>> {
     rules
 }
 
-/// A batch of nf_tables messages, each acknowledged.
+/// A batch of nf_tables messages. Only the last asks for an
+/// acknowledgement (a refusal is reported whatever the flags): a few
+/// hundred acknowledgements would overflow the socket's receive buffer.
 struct Batch {
     buf: Vec<u8>,
     seq: u32,
-    acked: u32,
+    /// The nf_tables messages (begin and end not counted).
+    messages: u32,
+    /// Where the last nf_tables message starts in `buf`.
+    last: Option<usize>,
 }
 
 impl Batch {
@@ -214,7 +219,8 @@ impl Batch {
         let mut b = Batch {
             buf: Vec::new(),
             seq: 0,
-            acked: 0,
+            messages: 0,
+            last: None,
         };
         b.message(NFNL_MSG_BATCH_BEGIN, NLM_F_REQUEST, 0, &Attrs::default());
         b
@@ -241,28 +247,45 @@ impl Batch {
     }
 
     fn nft(&mut self, msg: u16, flags: u16, attrs: &Attrs) {
+        self.last = Some(self.buf.len());
         self.message(
             (NFNL_SUBSYS_NFTABLES << 8) | msg,
-            NLM_F_REQUEST | NLM_F_ACK | flags,
+            NLM_F_REQUEST | flags,
             NFPROTO_INET,
             attrs,
         );
-        self.acked += 1;
+        self.messages += 1;
     }
 
     fn end(mut self) -> Self {
+        if let Some(at) = self.last {
+            let flags = &mut self.buf[at + 6..at + 8];
+            let acked = u16::from_ne_bytes([flags[0], flags[1]]) | NLM_F_ACK;
+            flags.copy_from_slice(&acked.to_ne_bytes());
+        }
         self.message(NFNL_MSG_BATCH_END, NLM_F_REQUEST, 0, &Attrs::default());
         self
     }
 }
 
-/// The batch that rewrites `changed` listeners' chains: each flushed and
-/// filled again, all in one transaction.
-fn rewrite_batch<'a>(
+/// The most a batch carries before the next listener starts another: a
+/// netlink message must fit the socket's send buffer (`wmem_default`,
+/// 212,992 bytes here), and a node that fails flips every listener at once.
+const BATCH_BYTES: usize = 128 * 1024;
+
+/// The batches that rewrite `changed` listeners' chains: each chain flushed
+/// and filled again within one batch (one transaction), so a listener
+/// moves atomically; a large flip (every listener of a failed node) is
+/// several transactions.
+fn rewrite_batches<'a>(
     changed: impl IntoIterator<Item = (&'a ListenerId, &'a KernelListener)>,
-) -> Batch {
+) -> Vec<Batch> {
+    let mut done = Vec::new();
     let mut batch = Batch::new();
     for (id, l) in changed {
+        if batch.buf.len() >= BATCH_BYTES {
+            done.push(std::mem::replace(&mut batch, Batch::new()).end());
+        }
         let chain = listener_chain(id);
         let mut target = Attrs::default();
         target
@@ -281,26 +304,35 @@ fn rewrite_batch<'a>(
             batch.nft(NFT_MSG_NEWRULE, NLM_F_CREATE | NLM_F_APPEND, &rule);
         }
     }
-    batch.end()
+    if batch.messages > 0 {
+        done.push(batch.end());
+    }
+    done
 }
 
 /// Rewrites the chains of `changed` listeners (their objects exist: only
-/// their backend choice changed) in one transaction.
+/// their backend choice changed).
 pub(super) fn rewrite_listeners<'a>(
     changed: impl IntoIterator<Item = (&'a ListenerId, &'a KernelListener)>,
 ) -> Result<(), NftError> {
-    let batch = rewrite_batch(changed);
-    send(&batch).map_err(|e| NftError::new("write", format!("over netlink: {e}")))
+    let fail = |e: io::Error| NftError::new("write", format!("over netlink: {e}"));
+    let mut socket = Socket::new(NETLINK_NETFILTER).map_err(fail)?;
+    socket.bind_auto().map_err(fail)?;
+    socket.connect(&SocketAddr::new(0, 0)).map_err(fail)?;
+    // Refusals without a copy of the refused message.
+    socket.set_cap_ack(true).map_err(fail)?;
+    for batch in rewrite_batches(changed) {
+        send(&socket, &batch).map_err(fail)?;
+    }
+    Ok(())
 }
 
-fn send(batch: &Batch) -> io::Result<()> {
-    let mut socket = Socket::new(NETLINK_NETFILTER)?;
-    socket.bind_auto()?;
-    socket.connect(&SocketAddr::new(0, 0))?;
+/// Sends one batch and reads its acknowledgements: `Err` at the first
+/// refusal (the kernel then applied none of the batch).
+fn send(socket: &Socket, batch: &Batch) -> io::Result<()> {
     socket.send(&batch.buf, 0)?;
-    let mut acked = 0;
     let mut buf = vec![0u8; 64 * 1024];
-    while acked < batch.acked {
+    loop {
         let size = socket.recv(&mut &mut buf[..], 0)?;
         let mut at = 0;
         while at + 16 <= size {
@@ -314,12 +346,12 @@ fn send(batch: &Batch) -> io::Result<()> {
                 if code != 0 {
                     return Err(io::Error::from_raw_os_error(-code));
                 }
-                acked += 1;
+                // The acknowledgement of the last message: all applied.
+                return Ok(());
             }
             at += len.next_multiple_of(4);
         }
     }
-    Ok(())
 }
 
 #[cfg(test)]
@@ -337,9 +369,11 @@ mod tests {
             source_nat: SourceNat::Masquerade,
             close_down: Vec::new(),
         };
-        let batch = rewrite_batch([(&id, &l)]);
-        // begin, flush, two rules, end; three of them acknowledged.
-        assert_eq!((batch.seq, batch.acked), (5, 3));
+        let batches = rewrite_batches([(&id, &l)]);
+        assert_eq!(batches.len(), 1);
+        let batch = &batches[0];
+        // begin, flush, two rules, end.
+        assert_eq!((batch.seq, batch.messages), (5, 3));
         let text = String::from_utf8_lossy(&batch.buf);
         assert!(text.contains("n_tcp_80_192.0.2.10_10.0.0.2"));
         assert!(text.contains("numgen"));
@@ -348,5 +382,31 @@ mod tests {
             1,
             "the last rule takes the rest"
         );
+    }
+
+    #[test]
+    fn a_flip_of_many_listeners_is_several_batches_each_under_the_limit() {
+        let members: Vec<IpAddr> = (1..=3)
+            .map(|i| format!("10.0.0.{i}").parse().unwrap())
+            .collect();
+        let l = KernelListener {
+            backend_port: 30080,
+            eligible: members[1..].to_vec(),
+            members,
+            source_ranges: None,
+            source_nat: SourceNat::Masquerade,
+            close_down: Vec::new(),
+        };
+        let ids: Vec<ListenerId> = (0..2_000u16)
+            .map(|p| ("192.0.2.10".parse().unwrap(), Protocol::Tcp, p + 1))
+            .collect();
+        let batches = rewrite_batches(ids.iter().map(|id| (id, &l)));
+        assert!(batches.len() > 1, "{}", batches.len());
+        for b in &batches {
+            // One listener more than the limit at most.
+            assert!(b.buf.len() < BATCH_BYTES + 4096, "{}", b.buf.len());
+        }
+        let messages: u32 = batches.iter().map(|b| b.messages).sum();
+        assert_eq!(messages, 2_000 * 3, "a flush and two rules per listener");
     }
 }
