@@ -1,6 +1,7 @@
 //! The kernel table writer at scale, without the daemon: a cold sync of N
-//! kernel listeners (3 backends each), a sync of the unchanged state, then
-//! F health flips (one backend out of a listener, or back), each timed.
+//! kernel listeners (3 backends each), a sync of the unchanged state, F
+//! health flips (one backend out of a listener, or back), then a node's
+//! failure (its backend out of every listener at once), each timed.
 //!
 //! Run as root in a scratch network namespace, never on a host's own
 //! table (it writes `inet harvester_lb_nat`):
@@ -80,6 +81,14 @@ fn main() {
         table.sync(&desired).expect("a flip");
         ms.push(t0.elapsed().as_secs_f64() * 1e3);
     }
+    // A node fails: its backend leaves every listener in one sync.
+    for l in desired.values_mut() {
+        let first = l.members[0];
+        l.eligible.retain(|b| *b != first);
+    }
+    let t0 = Instant::now();
+    let down = table.sync(&desired);
+    eprintln!("a node down, every listener: {:?} ({down:?})", t0.elapsed());
     ms.sort_by(f64::total_cmp);
     if let Some(max) = ms.last() {
         let at = |q: f64| ms[((ms.len() as f64 * q) as usize).min(ms.len() - 1)];
