@@ -381,6 +381,45 @@ fn fill_listener(cmds: &mut Vec<NfObject<'static>>, id: &ListenerId, l: &KernelL
 /// only the listeners that differ: kube-proxy's partial sync. A health
 /// flip at 10,000 listeners rewrites one listener's chains, not all.
 pub fn partial_transaction(desired: &Desired, applied: &Desired) -> serde_json::Value {
+    verdict_maps(
+        serde_json::to_value(partial_commands(desired, applied))
+            .expect("nft's schema types always serialize"),
+    )
+}
+
+/// [`partial_transaction`], encoded for `nft -j -f -`.
+pub(super) fn partial_transaction_json(desired: &Desired, applied: &Desired) -> Vec<u8> {
+    encode(&partial_commands(desired, applied))
+}
+
+/// [`transaction`], encoded for `nft -j -f -`.
+pub(super) fn transaction_json(desired: &Desired, present: &Owned) -> Vec<u8> {
+    encode(&commands(desired, present))
+}
+
+/// The document's bytes, object by object: only the dispatch maps' `add`
+/// goes through a JSON tree (to give them their `verdict` type), which at
+/// 10,000 listeners saves most of the building time (1.6 s when the whole
+/// document was a tree).
+fn encode(doc: &Nftables<'static>) -> Vec<u8> {
+    let mut out = b"{\"nftables\":[".to_vec();
+    for (i, o) in doc.objects.iter().enumerate() {
+        if i > 0 {
+            out.push(b',');
+        }
+        let written = if matches!(o, NfObject::CmdObject(NfCmd::Add(NfListObject::Map(_)))) {
+            let wrapped = serde_json::json!({ "nftables": [o] });
+            serde_json::to_writer(&mut out, &verdict_maps(wrapped)["nftables"][0])
+        } else {
+            serde_json::to_writer(&mut out, o)
+        };
+        written.expect("nft's schema types always serialize");
+    }
+    out.extend_from_slice(b"]}");
+    out
+}
+
+fn partial_commands(desired: &Desired, applied: &Desired) -> Nftables<'static> {
     let mut cmds: Vec<NfObject<'static>> = Vec::new();
     let delete_element = |name: &str, elem: Expression<'static>| {
         NfObject::CmdObject(NfCmd::Delete(NfListObject::Element(Element {
@@ -416,12 +455,9 @@ pub fn partial_transaction(desired: &Desired, applied: &Desired) -> serde_json::
         fill_listener(&mut cmds, id, l);
     }
     delete_gone(&mut cmds, &Owned::of(applied), &Owned::of(desired));
-    verdict_maps(
-        serde_json::to_value(Nftables {
-            objects: Cow::Owned(cmds),
-        })
-        .expect("nft's schema types always serialize"),
-    )
+    Nftables {
+        objects: Cow::Owned(cmds),
+    }
 }
 
 /// A masquerade element: VIP . backend . protocol . nodeport.
@@ -681,6 +717,25 @@ mod tests {
         assert!(t.contains(r#"{"concat":["192.0.2.10","10.0.0.2","tcp",30080]}"#));
         assert!(t.contains(r#""map":"verdict""#));
         assert!(!t.contains(r#""delete""#));
+    }
+
+    #[test]
+    fn the_encoded_documents_are_the_json_trees() {
+        let mut before = Desired::new();
+        before.insert(
+            id("192.0.2.10", 80),
+            listener(&["10.0.0.1"], &["10.0.0.1", "10.0.0.2"]),
+        );
+        let mut after = before.clone();
+        after.insert(id("2001:db8::10", 53), listener(&[], &["2001:db8::1"]));
+        let present = Owned::of(&before);
+        let bytes = transaction_json(&after, &present);
+        let parsed: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
+        assert_eq!(parsed, transaction(&after, &present));
+        assert!(text(&parsed).contains(r#""map":"verdict""#));
+        let bytes = partial_transaction_json(&after, &before);
+        let parsed: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
+        assert_eq!(parsed, partial_transaction(&after, &before));
     }
 
     #[test]

@@ -39,7 +39,12 @@ pub(super) fn apply(doc: &serde_json::Value) -> Result<(), NftError> {
         what: "write",
         detail: format!("cannot encode it: {e}"),
     })?;
-    run("write", &["-j", "-f", "-"], &json).map(drop)
+    apply_json(&json)
+}
+
+/// Applies one transaction document already encoded as nft's JSON.
+pub(super) fn apply_json(json: &[u8]) -> Result<(), NftError> {
+    run("write", &["-j", "-f", "-"], json).map(drop)
 }
 
 /// The regular chains, counters and sets our table holds now; empty when

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use super::build::{Owned, partial_transaction, transaction};
+use super::build::{Owned, partial_transaction_json, transaction_json};
 use super::netlink;
 use super::nft::{self, NftError};
 use super::*;
@@ -96,7 +96,7 @@ impl KernelTable {
                 if let Some(flipped) = only_choices_changed(desired, applied) {
                     return netlink::rewrite_listeners(flipped).map(|()| true);
                 }
-                return nft::apply(&partial_transaction(desired, applied)).map(|()| true);
+                return nft::apply_json(&partial_transaction_json(desired, applied)).map(|()| true);
             }
             let present = match &st.applied {
                 Some(applied) => Owned::of(applied),
@@ -110,7 +110,7 @@ impl KernelTable {
             if desired.is_empty() && present == Owned::default() {
                 return Ok(false);
             }
-            nft::apply(&transaction(desired, &present)).map(|()| true)
+            nft::apply_json(&transaction_json(desired, &present)).map(|()| true)
         })();
         match result {
             Ok(written) => {
