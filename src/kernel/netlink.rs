@@ -269,9 +269,15 @@ impl Batch {
 }
 
 /// The most a batch carries before the next listener starts another: a
-/// netlink message must fit the socket's send buffer (`wmem_default`,
-/// 212,992 bytes here), and a node that fails flips every listener at once.
-const BATCH_BYTES: usize = 128 * 1024;
+/// netlink message must fit the socket's send buffer, and a node that
+/// fails flips every listener at once. Each batch is one commit, and each
+/// commit validates the whole table (~40 ms at 10,000 listeners), so
+/// batches are as large as the buffer allows.
+const BATCH_BYTES: usize = 1024 * 1024;
+/// The send buffer asked for (the kernel caps it at `net.core.wmem_max`,
+/// 4 MiB by default, and doubles it); below `BATCH_BYTES` plus a margin,
+/// the batches shrink to fit (`wmem_default`, 212,992 bytes, at worst).
+const SEND_BUFFER: usize = 2 * BATCH_BYTES;
 
 /// The batches that rewrite `changed` listeners' chains: each chain flushed
 /// and filled again within one batch (one transaction), so a listener
@@ -279,11 +285,12 @@ const BATCH_BYTES: usize = 128 * 1024;
 /// several transactions.
 fn rewrite_batches<'a>(
     changed: impl IntoIterator<Item = (&'a ListenerId, &'a KernelListener)>,
+    limit: usize,
 ) -> Vec<Batch> {
     let mut done = Vec::new();
     let mut batch = Batch::new();
     for (id, l) in changed {
-        if batch.buf.len() >= BATCH_BYTES {
+        if batch.buf.len() >= limit {
             done.push(std::mem::replace(&mut batch, Batch::new()).end());
         }
         let chain = listener_chain(id);
@@ -321,7 +328,17 @@ pub(super) fn rewrite_listeners<'a>(
     socket.connect(&SocketAddr::new(0, 0)).map_err(fail)?;
     // Refusals without a copy of the refused message.
     socket.set_cap_ack(true).map_err(fail)?;
-    for batch in rewrite_batches(changed) {
+    let sock = socket2::SockRef::from(&socket);
+    if let Err(e) = sock.set_send_buffer_size(SEND_BUFFER) {
+        tracing::debug!("netlink send buffer: {e}");
+    }
+    // What the kernel granted (it reports twice what it keeps for data),
+    // less room for the listener that crosses the limit.
+    let granted = sock.send_buffer_size().map_err(fail)? / 2;
+    let limit = BATCH_BYTES
+        .min(granted.saturating_sub(64 * 1024))
+        .max(16 * 1024);
+    for batch in rewrite_batches(changed, limit) {
         send(&socket, &batch).map_err(fail)?;
     }
     Ok(())
@@ -369,7 +386,7 @@ mod tests {
             source_nat: SourceNat::Masquerade,
             close_down: Vec::new(),
         };
-        let batches = rewrite_batches([(&id, &l)]);
+        let batches = rewrite_batches([(&id, &l)], BATCH_BYTES);
         assert_eq!(batches.len(), 1);
         let batch = &batches[0];
         // begin, flush, two rules, end.
@@ -400,11 +417,12 @@ mod tests {
         let ids: Vec<ListenerId> = (0..2_000u16)
             .map(|p| ("192.0.2.10".parse().unwrap(), Protocol::Tcp, p + 1))
             .collect();
-        let batches = rewrite_batches(ids.iter().map(|id| (id, &l)));
+        let limit = 128 * 1024;
+        let batches = rewrite_batches(ids.iter().map(|id| (id, &l)), limit);
         assert!(batches.len() > 1, "{}", batches.len());
         for b in &batches {
             // One listener more than the limit at most.
-            assert!(b.buf.len() < BATCH_BYTES + 4096, "{}", b.buf.len());
+            assert!(b.buf.len() < limit + 4096, "{}", b.buf.len());
         }
         let messages: u32 = batches.iter().map(|b| b.messages).sum();
         assert_eq!(messages, 2_000 * 3, "a flush and two rules per listener");
