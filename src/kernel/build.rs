@@ -380,6 +380,7 @@ fn fill_listener(cmds: &mut Vec<NfObject<'static>>, id: &ListenerId, l: &KernelL
 /// process last wrote, known to be in the kernel) to `desired`, touching
 /// only the listeners that differ: kube-proxy's partial sync. A health
 /// flip at 10,000 listeners rewrites one listener's chains, not all.
+#[cfg(test)]
 pub fn partial_transaction(desired: &Desired, applied: &Desired) -> serde_json::Value {
     verdict_maps(
         serde_json::to_value(partial_commands(desired, applied))
