@@ -13,7 +13,9 @@
 //! ```
 //!
 //! `KERNEL_SCALE_JSON=1` prints the cold transaction (nft's JSON) instead,
-//! for timing `nft -j -f` alone.
+//! for timing `nft -j -f` alone. `KERNEL_SCALE_UDP_FLOWS=N` instead times
+//! the deletion of N UDP flows of a backend that left (beside N flows of
+//! one that stays), created with `conntrack -R` (conntrack-tools).
 
 // A measurement of wall time, outside tokio.
 #![allow(clippy::disallowed_types, clippy::disallowed_methods)]
@@ -59,6 +61,15 @@ fn main() {
         println!("{doc}");
         return;
     }
+    if let Some(flows) = std::env::var_os("KERNEL_SCALE_UDP_FLOWS") {
+        udp_flows(
+            flows
+                .to_str()
+                .and_then(|f| f.parse().ok())
+                .expect("a number"),
+        );
+        return;
+    }
     let table = KernelTable::new();
     let t0 = Instant::now();
     let cold = table.sync(&desired);
@@ -99,4 +110,50 @@ fn main() {
             at(0.99)
         );
     }
+}
+
+/// N UDP flows to 10.247.0.1:53 answered by 10.244.0.1, which has left,
+/// and N answered by 10.245.0.1, which stays; the sweep's time.
+fn udp_flows(n: usize) {
+    let mut script = String::new();
+    for (backend, sport) in [("10.244.0.1", 40000), ("10.245.0.1", 40001)] {
+        for i in 0..n {
+            let client = format!("100.64.{}.{}", i / 250, i % 250 + 1);
+            script += &format!(
+                "-I -p udp -s {client} -d 10.247.0.1 --sport {sport} --dport 53 --reply-src {backend} --reply-dst {client} --reply-port-src 30053 --reply-port-dst {sport} -t 120\n"
+            );
+        }
+    }
+    let file = std::env::temp_dir().join(format!("kernel_scale_ct_{}", std::process::id()));
+    std::fs::write(&file, script).expect("write the conntrack script");
+    let loaded = std::process::Command::new("conntrack")
+        .arg("-R")
+        .arg(&file)
+        .status()
+        .expect("run conntrack");
+    let _ = std::fs::remove_file(&file);
+    assert!(loaded.success(), "conntrack -R failed");
+    let members: Vec<IpAddr> = vec![
+        Ipv4Addr::new(10, 244, 0, 1).into(),
+        Ipv4Addr::new(10, 245, 0, 1).into(),
+    ];
+    let mut desired = Desired::new();
+    desired.insert(
+        (Ipv4Addr::new(10, 247, 0, 1).into(), Protocol::Udp, 53),
+        KernelListener {
+            backend_port: 30053,
+            eligible: members[1..].to_vec(),
+            members,
+            source_ranges: None,
+            source_nat: SourceNat::Masquerade,
+            close_down: Vec::new(),
+        },
+    );
+    let t0 = Instant::now();
+    let deleted = harvester_lb::kernel::delete_stale_flows(&desired);
+    eprintln!(
+        "deleted {deleted:?} of {} UDP flows in {:?}",
+        2 * n,
+        t0.elapsed()
+    );
 }
