@@ -136,8 +136,8 @@ fn the_table_loads_reconciles_after_a_restart_and_goes_at_stop() {
     assert!(ok, "{listing}");
     for want in [
         "192.0.2.10 . tcp . 80 : goto l_tcp_80_192.0.2.10",
-        "numgen inc mod 2 vmap { 0 : goto b_tcp_80_192.0.2.10_10.0.0.1, 1 : goto b_tcp_80_192.0.2.10_10.0.0.2 }",
-        "dnat ip to 10.0.0.2:30080",
+        "numgen inc mod 2 0 counter name \"n_tcp_80_192.0.2.10_10.0.0.1\" meta l4proto tcp dnat ip to 10.0.0.1:30080",
+        "counter name \"n_tcp_80_192.0.2.10_10.0.0.2\" meta l4proto tcp dnat ip to 10.0.0.2:30080",
         "2001:db8::10 . udp . 53 : goto l_udp_53_2001-db8--10",
         "ip6 saddr != @s_udp_53_2001-db8--10 counter name \"d_udp_53_2001-db8--10\" return",
         "counter name \"z_udp_53_2001-db8--10\" return",
@@ -1402,7 +1402,7 @@ async fn a_stopped_backend_is_out_of_the_kernel_within_the_detection_time() {
     let deadline = started + Duration::from_secs(30);
     let took = loop {
         let l = listed(&bed, "chain", "l_tcp_80_198.51.100.10");
-        if l.contains("numgen") && !l.contains("198.51.100.22") {
+        if l.contains("dnat") && !l.contains("198.51.100.22") {
             break started.elapsed();
         }
         assert!(Instant::now() < deadline, "node 2 still in the kernel: {l}");

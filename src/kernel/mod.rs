@@ -15,14 +15,29 @@
 //!   chain input       { filter hook input priority filter;
 //!                       ct state new ip daddr . meta l4proto . th dport @refuse4 reject }  # never falls through to the host
 //!   chain l_tcp_80_VIP { ip saddr != @s_tcp_80_VIP counter name d_… return    # source_ranges
-//!                        ip saddr @a_…_BE1 goto b_…_BE1                     # client_ip affinity, eligible only
-//!                        numgen inc mod N vmap { 0 : goto b_…_BE1, … } }     # or: counter name z_… return
+//!                        numgen inc mod 3 0 counter name n_…_BE1 meta l4proto tcp dnat ip to BE1:NODEPORT
+//!                        numgen inc mod 2 0 counter name n_…_BE2 … dnat ip to BE2:NODEPORT
+//!                        counter name n_…_BE3 … dnat ip to BE3:NODEPORT }    # or: counter name z_… return
+//!   # source_ip or client_ip affinity: a chain per backend, named by a map or a set
+//!   chain l_tcp_81_VIP { ip saddr @a_…_BE1 goto b_…_BE1                     # client_ip affinity, eligible only
+//!                        numgen inc mod 2 0 goto b_…_BE1; goto b_…_BE2 }     # round robin, as above
 //!                                                                            # source_ip: jhash ip saddr mod 4093 vmap @m_…
-//!   map m_tcp_80_VIP { typeof numgen inc mod 4093 : verdict }  # source_ip buckets, by the proxy's rendezvous hash
-//!   set a_tcp_80_VIP_BE1 { type ipv4_addr; flags dynamic,timeout; timeout T }  # client_ip affinity
-//!   chain b_tcp_80_VIP_BE1 { [update @a_…_BE1 { ip saddr }] counter name n_tcp_80_VIP_BE1; meta l4proto tcp dnat ip to BE1:NODEPORT }
+//!   map m_tcp_81_VIP { typeof numgen inc mod 4093 : verdict }  # source_ip buckets, by the proxy's rendezvous hash
+//!   set a_tcp_81_VIP_BE1 { type ipv4_addr; flags dynamic,timeout; timeout T }  # client_ip affinity
+//!   chain b_tcp_81_VIP_BE1 { [update @a_…_BE1 { ip saddr }] counter name n_tcp_81_VIP_BE1; meta l4proto tcp dnat ip to BE1:NODEPORT }
 //! }
 //! ```
+//!
+//! The backend choice is a cascade of rules, not a verdict map: rule k
+//! takes every (E − k)th connection that reaches it, which is round robin
+//! over the E eligible backends. At 10,000 listeners this is what makes
+//! the table writable: each anonymous map costs the kernel a walk of the
+//! whole transaction when it is bound (`__nft_set_trans_bind`, quadratic:
+//! 124 s for a cold start). A flip rewrites one chain over netlink
+//! ([`netlink`]), since `nft` itself lists the whole table before every
+//! change (~0.5 s at 10,000 listeners). What a flip still pays is the
+//! kernel's validation of the whole table at commit (a rule with `nat` or
+//! `counter name` asks for it), linear in the listeners.
 //!
 //! A NAT chain sees only a flow's first packet, so each named counter
 //! counts new connections. A packet the listener chain does not DNAT (no
@@ -42,6 +57,7 @@
 
 mod build;
 mod conntrack;
+mod netlink;
 mod nft;
 mod sync;
 
@@ -110,7 +126,8 @@ pub(crate) fn listener_chain(id: &ListenerId) -> String {
     format!("l_{}", listener_tag(id))
 }
 
-/// A backend's chain within a listener.
+/// A backend's chain within a listener: only where a bucket map or an
+/// affinity set names it (see `build::has_backend_chains`).
 pub(crate) fn backend_chain(id: &ListenerId, backend: IpAddr) -> String {
     format!("b_{}_{}", listener_tag(id), addr_tag(backend))
 }

@@ -18,6 +18,10 @@ pub struct NftError {
 }
 
 impl NftError {
+    pub(super) fn new(what: &'static str, detail: String) -> Self {
+        Self { what, detail }
+    }
+
     /// What failed, in nft's own words where it said something.
     pub fn detail(&self) -> &str {
         &self.detail
@@ -35,7 +39,12 @@ pub(super) fn apply(doc: &serde_json::Value) -> Result<(), NftError> {
         what: "write",
         detail: format!("cannot encode it: {e}"),
     })?;
-    run("write", &["-j", "-f", "-"], &json).map(drop)
+    apply_json(&json)
+}
+
+/// Applies one transaction document already encoded as nft's JSON.
+pub(super) fn apply_json(json: &[u8]) -> Result<(), NftError> {
+    run("write", &["-j", "-f", "-"], json).map(drop)
 }
 
 /// Runs a text script before a transaction ([`super::build::prelude`]:

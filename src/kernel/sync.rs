@@ -6,9 +6,43 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use super::build::{Owned, partial_transaction, prelude, transaction};
+use super::build::{
+    Owned, has_backend_chains, partial_transaction_json, prelude, transaction_json,
+};
+use super::netlink;
 use super::nft::{self, NftError};
 use super::*;
+
+/// The listeners of `desired` whose backend choice alone differs from
+/// `applied` (a health flip, a drain), when nothing else differs: then
+/// only their chains are rewritten, over netlink. `None`: something else
+/// changed (a listener, a member, a source range), which `nft` writes.
+fn only_choices_changed<'a>(
+    desired: &'a Desired,
+    applied: &Desired,
+) -> Option<Vec<(&'a ListenerId, &'a KernelListener)>> {
+    if desired.len() != applied.len() {
+        return None;
+    }
+    let mut flipped = Vec::new();
+    for (id, l) in desired {
+        let old = applied.get(id)?;
+        if old == l {
+            continue;
+        }
+        let same_objects = KernelListener {
+            eligible: l.eligible.clone(),
+            close_down: l.close_down.clone(),
+            ..old.clone()
+        } == *l;
+        // A bucket map or affinity sets are edited with the chain: `nft`.
+        if !same_objects || has_backend_chains(l) {
+            return None;
+        }
+        flipped.push((id, l));
+    }
+    Some(flipped)
+}
 
 /// What a [`KernelTable::sync`] did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -62,8 +96,11 @@ impl KernelTable {
             // Known to be in the kernel: only what differs is written.
             // (Nothing written yet, the table may not exist: a full write.)
             if let Some(applied) = st.applied.as_ref().filter(|a| !a.is_empty()) {
+                if let Some(flipped) = only_choices_changed(desired, applied) {
+                    return netlink::rewrite_listeners(flipped).map(|()| true);
+                }
                 nft::prepare(prelude(desired, Some(applied), &Owned::of(applied)))?;
-                return nft::apply(&partial_transaction(desired, applied)).map(|()| true);
+                return nft::apply_json(&partial_transaction_json(desired, applied)).map(|()| true);
             }
             let present = match &st.applied {
                 Some(applied) => Owned::of(applied),
@@ -78,7 +115,7 @@ impl KernelTable {
                 return Ok(false);
             }
             nft::prepare(prelude(desired, None, &present))?;
-            nft::apply(&transaction(desired, &present)).map(|()| true)
+            nft::apply_json(&transaction_json(desired, &present)).map(|()| true)
         })();
         match result {
             Ok(written) => {

@@ -1,0 +1,434 @@
+//! A health flip's rewrite of listener chains, sent to nf_tables over
+//! netlink: one batch (one atomic transaction) of "flush chain" and "add
+//! rule" messages, the same rules [`super::build`] has `nft` write.
+//!
+//! Why not `nft`: nft 1.0.6 lists every chain, counter and set of the host
+//! before it changes anything (its cache), which at 10,000 listeners is
+//! ~0.5 s of dump per call, 25 times the budget of a flip. A flip changes
+//! only which backends a listener's chain DNATs to, so this module writes
+//! exactly that and nothing else; every other change (objects created or
+//! deleted, elements, base chains) stays with `nft` and its checks.
+//!
+//! The kernel still validates the whole table at the commit (the `nat` and
+//! `objref` expressions ask for it): that walk, linear in the listeners, is
+//! what a flip costs at scale. Messages are built by hand: the
+//! `netlink-packet-netfilter` crate has no `numgen`, `objref` or `nat`
+//! expression.
+
+use std::io;
+use std::net::IpAddr;
+
+use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_NETFILTER};
+
+use super::nft::NftError;
+use super::*;
+
+const NFNL_SUBSYS_NFTABLES: u16 = 10;
+const NFNL_MSG_BATCH_BEGIN: u16 = 0x10;
+const NFNL_MSG_BATCH_END: u16 = 0x11;
+const NFT_MSG_NEWRULE: u16 = 6;
+const NFT_MSG_DELRULE: u16 = 8;
+const NLM_F_REQUEST: u16 = 0x1;
+const NLM_F_ACK: u16 = 0x4;
+const NLM_F_APPEND: u16 = 0x800;
+const NLM_F_CREATE: u16 = 0x400;
+const NLMSG_ERROR: u16 = 0x2;
+const NLA_F_NESTED: u16 = 0x8000;
+const NFPROTO_INET: u8 = 1;
+const NFPROTO_IPV4: u32 = 2;
+const NFPROTO_IPV6: u32 = 10;
+
+const NFTA_RULE_TABLE: u16 = 1;
+const NFTA_RULE_CHAIN: u16 = 2;
+const NFTA_RULE_EXPRESSIONS: u16 = 4;
+const NFTA_LIST_ELEM: u16 = 1;
+const NFTA_EXPR_NAME: u16 = 1;
+const NFTA_EXPR_DATA: u16 = 2;
+const NFTA_DATA_VALUE: u16 = 1;
+const NFTA_DATA_VERDICT: u16 = 2;
+const NFTA_VERDICT_CODE: u16 = 1;
+const NFT_RETURN: i32 = -5;
+/// The first 16-byte register (an address), and the second (a port).
+const NFT_REG_1: u32 = 1;
+const NFT_REG_2: u32 = 2;
+
+/// A netlink attribute list being built.
+#[derive(Default)]
+struct Attrs(Vec<u8>);
+
+impl Attrs {
+    fn put(&mut self, kind: u16, value: &[u8]) -> &mut Self {
+        let len = 4 + value.len();
+        self.0.extend_from_slice(&(len as u16).to_ne_bytes());
+        self.0.extend_from_slice(&kind.to_ne_bytes());
+        self.0.extend_from_slice(value);
+        self.0.resize(self.0.len().next_multiple_of(4), 0);
+        self
+    }
+    fn str(&mut self, kind: u16, value: &str) -> &mut Self {
+        let mut v = value.as_bytes().to_vec();
+        v.push(0);
+        self.put(kind, &v)
+    }
+    /// Numbers in attributes are big endian (network order).
+    fn u32(&mut self, kind: u16, value: u32) -> &mut Self {
+        self.put(kind, &value.to_be_bytes())
+    }
+    fn nest(&mut self, kind: u16, inner: &Attrs) -> &mut Self {
+        self.put(kind | NLA_F_NESTED, &inner.0)
+    }
+}
+
+/// One expression: its name and its attributes.
+fn expr(name: &str, data: Attrs) -> Attrs {
+    let mut e = Attrs::default();
+    e.str(NFTA_EXPR_NAME, name).nest(NFTA_EXPR_DATA, &data);
+    e
+}
+
+fn value(bytes: &[u8]) -> Attrs {
+    let mut v = Attrs::default();
+    v.put(NFTA_DATA_VALUE, bytes);
+    v
+}
+
+/// `cmp eq`: register 1 against `bytes`.
+fn cmp_eq(bytes: &[u8]) -> Attrs {
+    let mut d = Attrs::default();
+    d.u32(1, NFT_REG_1) // NFTA_CMP_SREG
+        .u32(2, 0) // NFTA_CMP_OP: NFT_CMP_EQ
+        .nest(3, &value(bytes)); // NFTA_CMP_DATA
+    expr("cmp", d)
+}
+
+/// `meta KEY` into register 1.
+fn meta(key: u32) -> Attrs {
+    let mut d = Attrs::default();
+    d.u32(1, NFT_REG_1).u32(2, key); // NFTA_META_DREG, NFTA_META_KEY
+    expr("meta", d)
+}
+
+/// `counter name NAME`.
+fn named_counter(name: &str) -> Attrs {
+    let mut d = Attrs::default();
+    d.u32(1, 1) // NFTA_OBJREF_IMM_TYPE: NFT_OBJECT_COUNTER
+        .str(2, name); // NFTA_OBJREF_IMM_NAME
+    expr("objref", d)
+}
+
+/// `immediate` data into register `reg`.
+fn immediate(reg: u32, bytes: &[u8]) -> Attrs {
+    let mut d = Attrs::default();
+    d.u32(1, reg).nest(2, &value(bytes)); // NFTA_IMMEDIATE_DREG, _DATA
+    expr("immediate", d)
+}
+
+/// `return`.
+fn ret() -> Attrs {
+    let mut code = Attrs::default();
+    code.put(NFTA_VERDICT_CODE, &NFT_RETURN.to_be_bytes());
+    let mut data = Attrs::default();
+    data.nest(NFTA_DATA_VERDICT, &code);
+    let mut d = Attrs::default();
+    d.u32(1, 0) // NFTA_IMMEDIATE_DREG: NFT_REG_VERDICT
+        .nest(2, &data);
+    expr("immediate", d)
+}
+
+/// The rules [`super::build`]'s `fill_listener` writes into a listener's
+/// chain, expression by expression as nft itself encodes them.
+fn listener_rules(id: &ListenerId, l: &KernelListener) -> Vec<Vec<Attrs>> {
+    let v4 = id.0.is_ipv4();
+    let nfproto = if v4 { NFPROTO_IPV4 } else { NFPROTO_IPV6 } as u8;
+    let mut rules = Vec::new();
+    if l.source_ranges.is_some() {
+        // meta nfproto ipv4; ip saddr != @s_…; counter name d_…; return
+        let (offset, len) = if v4 { (12, 4) } else { (8, 16) };
+        let mut load = Attrs::default();
+        load.u32(1, NFT_REG_1) // NFTA_PAYLOAD_DREG
+            .u32(2, 1) // NFTA_PAYLOAD_BASE: network header
+            .u32(3, offset) // NFTA_PAYLOAD_OFFSET
+            .u32(4, len); // NFTA_PAYLOAD_LEN
+        let mut lookup = Attrs::default();
+        lookup
+            .str(1, &source_set(id)) // NFTA_LOOKUP_SET
+            .u32(2, NFT_REG_1) // NFTA_LOOKUP_SREG
+            .u32(5, 1); // NFTA_LOOKUP_FLAGS: NFT_LOOKUP_F_INV
+        rules.push(vec![
+            meta(15), // NFT_META_NFPROTO
+            cmp_eq(&[nfproto]),
+            expr("payload", load),
+            expr("lookup", lookup),
+            named_counter(&denied_counter(id)),
+            ret(),
+        ]);
+    }
+    if l.eligible.is_empty() {
+        rules.push(vec![named_counter(&no_backend_counter(id)), ret()]);
+    }
+    let l4 = match id.1 {
+        Protocol::Tcp => 6u8,
+        Protocol::Udp => 17,
+    };
+    for (k, &b) in l.eligible.iter().enumerate() {
+        let mut rule = Vec::new();
+        let left = (l.eligible.len() - k) as u32;
+        if left > 1 {
+            let mut ng = Attrs::default();
+            ng.u32(1, NFT_REG_1) // NFTA_NG_DREG
+                .u32(2, left) // NFTA_NG_MODULUS
+                .u32(3, 0) // NFTA_NG_TYPE: incremental
+                .u32(4, 0); // NFTA_NG_OFFSET
+            rule.push(expr("numgen", ng));
+            rule.push(cmp_eq(&0u32.to_ne_bytes()));
+        }
+        rule.push(named_counter(&backend_counter(id, b)));
+        rule.push(meta(16)); // NFT_META_L4PROTO
+        rule.push(cmp_eq(&[l4]));
+        let (addr, family) = match b {
+            IpAddr::V4(a) => (a.octets().to_vec(), NFPROTO_IPV4),
+            IpAddr::V6(a) => (a.octets().to_vec(), NFPROTO_IPV6),
+        };
+        rule.push(immediate(NFT_REG_1, &addr));
+        rule.push(immediate(NFT_REG_2, &l.backend_port.to_be_bytes()));
+        let mut nat = Attrs::default();
+        nat.u32(1, 1) // NFTA_NAT_TYPE: NFT_NAT_DNAT
+            .u32(2, family) // NFTA_NAT_FAMILY
+            .u32(3, NFT_REG_1) // NFTA_NAT_REG_ADDR_MIN
+            .u32(5, NFT_REG_2); // NFTA_NAT_REG_PROTO_MIN
+        rule.push(expr("nat", nat));
+        rules.push(rule);
+    }
+    rules
+}
+
+/// A batch of nf_tables messages. Only the last asks for an
+/// acknowledgement (a refusal is reported whatever the flags): a few
+/// hundred acknowledgements would overflow the socket's receive buffer.
+struct Batch {
+    buf: Vec<u8>,
+    seq: u32,
+    /// The nf_tables messages (begin and end not counted).
+    messages: u32,
+    /// Where the last nf_tables message starts in `buf`.
+    last: Option<usize>,
+}
+
+impl Batch {
+    fn new() -> Self {
+        let mut b = Batch {
+            buf: Vec::new(),
+            seq: 0,
+            messages: 0,
+            last: None,
+        };
+        b.message(NFNL_MSG_BATCH_BEGIN, NLM_F_REQUEST, 0, &Attrs::default());
+        b
+    }
+
+    fn message(&mut self, kind: u16, flags: u16, family: u8, attrs: &Attrs) {
+        self.seq += 1;
+        let len = 16 + 4 + attrs.0.len();
+        self.buf.extend_from_slice(&(len as u32).to_ne_bytes());
+        self.buf.extend_from_slice(&kind.to_ne_bytes());
+        self.buf.extend_from_slice(&flags.to_ne_bytes());
+        self.buf.extend_from_slice(&self.seq.to_ne_bytes());
+        self.buf.extend_from_slice(&0u32.to_ne_bytes());
+        // nfgenmsg: family, version 0, res_id (the batch's subsystem).
+        self.buf.push(family);
+        self.buf.push(0);
+        let res_id = if kind < 0x100 {
+            NFNL_SUBSYS_NFTABLES
+        } else {
+            0
+        };
+        self.buf.extend_from_slice(&res_id.to_be_bytes());
+        self.buf.extend_from_slice(&attrs.0);
+    }
+
+    fn nft(&mut self, msg: u16, flags: u16, attrs: &Attrs) {
+        self.last = Some(self.buf.len());
+        self.message(
+            (NFNL_SUBSYS_NFTABLES << 8) | msg,
+            NLM_F_REQUEST | flags,
+            NFPROTO_INET,
+            attrs,
+        );
+        self.messages += 1;
+    }
+
+    fn end(mut self) -> Self {
+        if let Some(at) = self.last {
+            let flags = &mut self.buf[at + 6..at + 8];
+            let acked = u16::from_ne_bytes([flags[0], flags[1]]) | NLM_F_ACK;
+            flags.copy_from_slice(&acked.to_ne_bytes());
+        }
+        self.message(NFNL_MSG_BATCH_END, NLM_F_REQUEST, 0, &Attrs::default());
+        self
+    }
+}
+
+/// The most a batch carries before the next listener starts another: a
+/// netlink message must fit the socket's send buffer, and a node that
+/// fails flips every listener at once. Each batch is one commit, and each
+/// commit validates the whole table (~40 ms at 10,000 listeners), so
+/// batches are as large as the buffer allows.
+const BATCH_BYTES: usize = 1024 * 1024;
+/// The send buffer asked for (the kernel caps it at `net.core.wmem_max`,
+/// 4 MiB by default, and doubles it); below `BATCH_BYTES` plus a margin,
+/// the batches shrink to fit (`wmem_default`, 212,992 bytes, at worst).
+const SEND_BUFFER: usize = 2 * BATCH_BYTES;
+
+/// The batches that rewrite `changed` listeners' chains: each chain flushed
+/// and filled again within one batch (one transaction), so a listener
+/// moves atomically; a large flip (every listener of a failed node) is
+/// several transactions.
+fn rewrite_batches<'a>(
+    changed: impl IntoIterator<Item = (&'a ListenerId, &'a KernelListener)>,
+    limit: usize,
+) -> Vec<Batch> {
+    let mut done = Vec::new();
+    let mut batch = Batch::new();
+    for (id, l) in changed {
+        if batch.buf.len() >= limit {
+            done.push(std::mem::replace(&mut batch, Batch::new()).end());
+        }
+        let chain = listener_chain(id);
+        let mut target = Attrs::default();
+        target
+            .str(NFTA_RULE_TABLE, super::TABLE)
+            .str(NFTA_RULE_CHAIN, &chain);
+        batch.nft(NFT_MSG_DELRULE, 0, &target);
+        for exprs in listener_rules(id, l) {
+            let mut list = Attrs::default();
+            for e in &exprs {
+                list.nest(NFTA_LIST_ELEM, e);
+            }
+            let mut rule = Attrs::default();
+            rule.str(NFTA_RULE_TABLE, super::TABLE)
+                .str(NFTA_RULE_CHAIN, &chain)
+                .nest(NFTA_RULE_EXPRESSIONS, &list);
+            batch.nft(NFT_MSG_NEWRULE, NLM_F_CREATE | NLM_F_APPEND, &rule);
+        }
+    }
+    if batch.messages > 0 {
+        done.push(batch.end());
+    }
+    done
+}
+
+/// Rewrites the chains of `changed` listeners (their objects exist: only
+/// their backend choice changed).
+pub(super) fn rewrite_listeners<'a>(
+    changed: impl IntoIterator<Item = (&'a ListenerId, &'a KernelListener)>,
+) -> Result<(), NftError> {
+    let fail = |e: io::Error| NftError::new("write", format!("over netlink: {e}"));
+    let mut socket = Socket::new(NETLINK_NETFILTER).map_err(fail)?;
+    socket.bind_auto().map_err(fail)?;
+    socket.connect(&SocketAddr::new(0, 0)).map_err(fail)?;
+    // Refusals without a copy of the refused message.
+    socket.set_cap_ack(true).map_err(fail)?;
+    let sock = socket2::SockRef::from(&socket);
+    if let Err(e) = sock.set_send_buffer_size(SEND_BUFFER) {
+        tracing::debug!("netlink send buffer: {e}");
+    }
+    // What the kernel granted (it reports twice what it keeps for data),
+    // less room for the listener that crosses the limit.
+    let granted = sock.send_buffer_size().map_err(fail)? / 2;
+    let limit = BATCH_BYTES
+        .min(granted.saturating_sub(64 * 1024))
+        .max(16 * 1024);
+    for batch in rewrite_batches(changed, limit) {
+        send(&socket, &batch).map_err(fail)?;
+    }
+    Ok(())
+}
+
+/// Sends one batch and reads its acknowledgements: `Err` at the first
+/// refusal (the kernel then applied none of the batch).
+fn send(socket: &Socket, batch: &Batch) -> io::Result<()> {
+    socket.send(&batch.buf, 0)?;
+    let mut buf = vec![0u8; 64 * 1024];
+    loop {
+        let size = socket.recv(&mut &mut buf[..], 0)?;
+        let mut at = 0;
+        while at + 16 <= size {
+            let len = u32::from_ne_bytes(buf[at..at + 4].try_into().expect("4 bytes")) as usize;
+            let kind = u16::from_ne_bytes(buf[at + 4..at + 6].try_into().expect("2 bytes"));
+            if len < 16 || at + len > size {
+                return Err(io::Error::other("a malformed answer from nf_tables"));
+            }
+            if kind == NLMSG_ERROR && len >= 20 {
+                let code = i32::from_ne_bytes(buf[at + 16..at + 20].try_into().expect("4 bytes"));
+                if code != 0 {
+                    return Err(io::Error::from_raw_os_error(-code));
+                }
+                // The acknowledgement of the last message: all applied.
+                return Ok(());
+            }
+            at += len.next_multiple_of(4);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_flip_batch_is_one_flush_and_one_rule_per_eligible_backend() {
+        let id: ListenerId = ("192.0.2.10".parse().unwrap(), Protocol::Tcp, 80);
+        let l = KernelListener {
+            backend_port: 30080,
+            members: vec!["10.0.0.1".parse().unwrap(), "10.0.0.2".parse().unwrap()],
+            eligible: vec!["10.0.0.1".parse().unwrap(), "10.0.0.2".parse().unwrap()],
+            source_ranges: None,
+            source_nat: SourceNat::Masquerade,
+            close_down: Vec::new(),
+            pick: crate::config::Algorithm::RoundRobin,
+            affinity: None,
+        };
+        let batches = rewrite_batches([(&id, &l)], BATCH_BYTES);
+        assert_eq!(batches.len(), 1);
+        let batch = &batches[0];
+        // begin, flush, two rules, end.
+        assert_eq!((batch.seq, batch.messages), (5, 3));
+        let text = String::from_utf8_lossy(&batch.buf);
+        assert!(text.contains("n_tcp_80_192.0.2.10_10.0.0.2"));
+        assert!(text.contains("numgen"));
+        assert_eq!(
+            text.matches("numgen").count(),
+            1,
+            "the last rule takes the rest"
+        );
+    }
+
+    #[test]
+    fn a_flip_of_many_listeners_is_several_batches_each_under_the_limit() {
+        let members: Vec<IpAddr> = (1..=3)
+            .map(|i| format!("10.0.0.{i}").parse().unwrap())
+            .collect();
+        let l = KernelListener {
+            backend_port: 30080,
+            eligible: members[1..].to_vec(),
+            members,
+            source_ranges: None,
+            source_nat: SourceNat::Masquerade,
+            close_down: Vec::new(),
+            pick: crate::config::Algorithm::RoundRobin,
+            affinity: None,
+        };
+        let ids: Vec<ListenerId> = (0..2_000u16)
+            .map(|p| ("192.0.2.10".parse().unwrap(), Protocol::Tcp, p + 1))
+            .collect();
+        let limit = 128 * 1024;
+        let batches = rewrite_batches(ids.iter().map(|id| (id, &l)), limit);
+        assert!(batches.len() > 1, "{}", batches.len());
+        for b in &batches {
+            // One listener more than the limit at most.
+            assert!(b.buf.len() < limit + 4096, "{}", b.buf.len());
+        }
+        let messages: u32 = batches.iter().map(|b| b.messages).sum();
+        assert_eq!(messages, 2_000 * 3, "a flush and two rules per listener");
+    }
+}
