@@ -109,8 +109,10 @@ enum Command {
     },
     /// Withdraw this host's VIPs (`vip.announce = "routes"`) for
     /// maintenance, or announce them again: `drain` deletes every VIP's
-    /// route at once while open connections continue; `ready` announces
-    /// each again once its conditions have held for its delay.
+    /// route at once, so the router sends new connections to the other
+    /// hosts (open ones it hashes elsewhere too: with stateless ECMP they
+    /// are reset, see docs/many-hosts.md); `ready` announces each again
+    /// once its conditions have held for its delay.
     ///
     /// Talks to the daemon's admin socket (POST /announce/state). Lasts
     /// until changed or the daemon restarts.
@@ -240,7 +242,7 @@ impl BackendState {
 /// What `harvester-lb host` and `harvester-lb vip` set.
 #[derive(Clone, Copy, ValueEnum)]
 enum AnnounceState {
-    /// Withdraw now; open connections continue.
+    /// Withdraw now: new connections go to the other hosts.
     Drain,
     /// Announce again after the delay.
     Ready,

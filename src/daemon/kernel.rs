@@ -9,12 +9,16 @@
 //! nothing when the kernel already has it. The task starts with the first
 //! apply, which the server runs after the admin port and socket are bound.
 
+use std::collections::HashMap;
+use std::net::IpAddr;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
+use super::Daemon;
+use crate::balancer::Backend;
 use crate::config::{Forwarding, OnBackendDown, Protocol};
 use crate::kernel::{Desired, KernelListener, KernelTable, Synced};
-
-use super::*;
 
 /// How long a wake-up waits for more changes before the transaction.
 const COALESCE: Duration = Duration::from_millis(5);

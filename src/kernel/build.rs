@@ -8,6 +8,13 @@
 //! gone. One `nft -j -f -` call is one atomic transaction: a packet sees the
 //! old table or the new one, never half of each.
 
+use ipnet::IpNet;
+
+use super::{
+    Desired, KernelListener, ListenerId, affinity_set, backend_chain, backend_counter, bucket_map,
+    denied_counter, listener_chain, no_backend_counter, source_set,
+};
+use crate::config::{Protocol, SourceNat};
 use std::borrow::Cow;
 use std::collections::BTreeSet;
 use std::net::IpAddr;
@@ -26,7 +33,6 @@ use nftables::stmt::{
 };
 use nftables::types::{NfChainPolicy, NfChainType, NfFamily, NfHook, RejectCode};
 
-use super::*;
 use crate::balancer::select;
 use crate::config::Algorithm;
 

@@ -15,6 +15,8 @@
 //! "close"`: the entries of a backend its health check marked down are
 //! deleted, so the client's next segment meets a reset and it reconnects.
 
+use super::{Desired, ListenerId};
+use crate::config::Protocol;
 use std::collections::HashMap;
 use std::io;
 use std::net::IpAddr;
@@ -30,8 +32,6 @@ use netlink_packet_netfilter::{
     NetfilterHeader, NetfilterMessage, NetfilterMessageInner, NetfilterProtoFamily,
 };
 use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_NETFILTER};
-
-use super::*;
 
 /// One flow as conntrack has it: what the client sent to, and who answers.
 #[derive(Debug, Clone, PartialEq, Eq)]

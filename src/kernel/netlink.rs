@@ -15,13 +15,17 @@
 //! `netlink-packet-netfilter` crate has no `numgen`, `objref` or `nat`
 //! expression.
 
+use super::{
+    KernelListener, ListenerId, backend_counter, denied_counter, listener_chain,
+    no_backend_counter, source_set,
+};
+use crate::config::Protocol;
 use std::io;
 use std::net::IpAddr;
 
 use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_NETFILTER};
 
 use super::nft::NftError;
-use super::*;
 
 const NFNL_SUBSYS_NFTABLES: u16 = 10;
 const NFNL_MSG_BATCH_BEGIN: u16 = 0x10;
@@ -374,6 +378,7 @@ fn send(socket: &Socket, batch: &Batch) -> io::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::SourceNat;
 
     #[test]
     fn a_flip_batch_is_one_flush_and_one_rule_per_eligible_backend() {

@@ -1,6 +1,7 @@
 //! Keeping the kernel's table equal to the desired state: one transaction
 //! per change, none when nothing changed, a full resync after a failure.
 
+use super::{Desired, KernelListener, ListenerId};
 use std::sync::Mutex;
 use std::time::Duration;
 
@@ -11,7 +12,6 @@ use super::build::{
 };
 use super::netlink;
 use super::nft::{self, NftError};
-use super::*;
 
 /// The listeners of `desired` whose backend choice alone differs from
 /// `applied` (a health flip, a drain), when nothing else differs: then

@@ -21,13 +21,18 @@
 //! ([`Daemon::announce_remove_addresses`]).
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::net::IpAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, SystemTime};
 
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
 use serde::Serialize;
 
-use super::*;
+use super::Daemon;
+
 use crate::config::AnnounceSettings;
 use crate::metrics::VipAnnounceSample;
 use crate::vip::announce::{AddressOwner, AnnounceError, RouteWriter};
