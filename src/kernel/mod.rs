@@ -34,7 +34,7 @@
 //! the table writable: each anonymous map costs the kernel a walk of the
 //! whole transaction when it is bound (`__nft_set_trans_bind`, quadratic:
 //! 124 s for a cold start). A flip rewrites one chain over netlink
-//! ([`netlink`]), since `nft` itself lists the whole table before every
+//! (`netlink`), since `nft` itself lists the whole table before every
 //! change (~0.5 s at 10,000 listeners). What a flip still pays is the
 //! kernel's validation of the whole table at commit (a rule with `nat` or
 //! `counter name` asks for it), linear in the listeners.

@@ -1,8 +1,8 @@
 //! Announcing VIPs for a BGP speaker: host routes in a table of the
 //! daemon's own, and the VIP addresses on an interface, over rtnetlink.
 //!
-//! With `vip.announce = "routes"` a route `VIP/32 dev <interface> table
-//! <table> proto 252` (`/128` for IPv6) is the announcement: the BGP speaker
+//! With `vip.announce = "routes"` a route
+//! `VIP/32 dev <interface> table <table> proto 252` (`/128` for IPv6) is the announcement: the BGP speaker
 //! (BIRD's `protocol kernel { kernel table 100; learn; }`) exports what is
 //! in the table, so writing or deleting one route announces or withdraws
 //! one VIP in milliseconds, with no reload of the speaker. The address on
