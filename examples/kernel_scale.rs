@@ -1,5 +1,6 @@
 //! The kernel table writer at scale, without the daemon: a cold sync of N
-//! kernel listeners (3 backends each), a sync of the unchanged state, F
+//! kernel listeners (3 backends each), a sync of the unchanged state, a
+//! read of every counter (as `/metrics` does), F
 //! health flips (one backend out of a listener, or back), then a node's
 //! failure (its backend out of every listener at once), each timed.
 //!
@@ -79,6 +80,10 @@ fn main() {
     let t0 = Instant::now();
     let again = table.sync(&desired);
     eprintln!("unchanged: {:?} ({again:?})", t0.elapsed());
+    // What the daemon reads for /metrics every 5 s.
+    let t0 = Instant::now();
+    let counters = harvester_lb::kernel::counters().map(|c| c.len());
+    eprintln!("counters read: {:?} ({counters:?})", t0.elapsed());
     let ids: Vec<_> = desired.keys().copied().collect();
     let mut ms = Vec::new();
     for k in 0..flips {

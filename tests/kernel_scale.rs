@@ -196,6 +196,32 @@ fn health_flips_and_a_failed_node_are_written_without_nft_and_read_back_as_nft_w
     let untouched = flipped_ns.chain(&format!("l_{}", id_tag(&ids[500])));
     assert_eq!(untouched.matches("dnat").count(), 2, "{untouched}");
 
+    // The counters, read over netlink as the daemon reads them for
+    // /metrics, are every named counter `nft` lists, with its count.
+    let read = in_ns(&cold_ns.0, kernel::counters).expect("counters over netlink");
+    let names: std::collections::BTreeSet<&str> = read.iter().map(|(n, _)| n.as_str()).collect();
+    assert_eq!(names.len(), read.len(), "each counter once");
+    let listed = std::process::Command::new("ip")
+        .args(["netns", "exec", &cold_ns.0, "nft", "-j", "list", "counters"])
+        .output()
+        .expect("nft");
+    let listed: serde_json::Value = serde_json::from_slice(&listed.stdout).expect("nft's JSON");
+    let from_nft: std::collections::BTreeMap<String, u64> = listed["nftables"]
+        .as_array()
+        .expect("a list")
+        .iter()
+        .filter_map(|o| {
+            let c = o.get("counter")?;
+            Some((c["name"].as_str()?.to_string(), c["packets"].as_u64()?))
+        })
+        .collect();
+    assert!(from_nft.len() > 3_000, "{} counters", from_nft.len());
+    assert_eq!(
+        read.into_iter()
+            .collect::<std::collections::BTreeMap<_, _>>(),
+        from_nft
+    );
+
     // A table gone behind the daemon's back: the netlink rewrite is refused
     // (and applies nothing), and the next sync is a full write by `nft`.
     run(

@@ -348,6 +348,117 @@ pub(super) fn rewrite_listeners<'a>(
     Ok(())
 }
 
+const NFT_MSG_NEWOBJ: u16 = 18;
+const NFT_MSG_GETOBJ: u16 = 19;
+const NLM_F_DUMP: u16 = 0x300;
+const NLMSG_DONE: u16 = 0x3;
+const NFTA_OBJ_TABLE: u16 = 1;
+const NFTA_OBJ_NAME: u16 = 2;
+const NFTA_OBJ_TYPE: u16 = 3;
+const NFTA_OBJ_DATA: u16 = 4;
+const NFT_OBJECT_COUNTER: u32 = 1;
+const NFTA_COUNTER_PACKETS: u16 = 2;
+
+/// The table's named counters, `(name, packets)`, in one netlink dump
+/// filtered by the kernel to this table's counters.
+///
+/// Why not `nft -j list counters`: `nft` fetches its cache of the whole
+/// ruleset first, which at 10,000 listeners (40,000 counters) took 9.5 s of
+/// wall time and 2.6 s of CPU per read on the 2-core test machine, every
+/// 5 s. The dump reads only the counter objects.
+pub(super) fn read_counters() -> Result<Vec<(String, u64)>, NftError> {
+    let fail = |e: io::Error| NftError::new("read", format!("counters over netlink: {e}"));
+    let mut socket = Socket::new(NETLINK_NETFILTER).map_err(fail)?;
+    socket.bind_auto().map_err(fail)?;
+    socket.connect(&SocketAddr::new(0, 0)).map_err(fail)?;
+    let mut attrs = Attrs::default();
+    attrs
+        .str(NFTA_OBJ_TABLE, super::TABLE)
+        .u32(NFTA_OBJ_TYPE, NFT_OBJECT_COUNTER);
+    let mut msg = Vec::with_capacity(20 + attrs.0.len());
+    let len = (16 + 4 + attrs.0.len()) as u32;
+    msg.extend_from_slice(&len.to_ne_bytes());
+    msg.extend_from_slice(&(NFNL_SUBSYS_NFTABLES << 8 | NFT_MSG_GETOBJ).to_ne_bytes());
+    msg.extend_from_slice(&(NLM_F_REQUEST | NLM_F_DUMP).to_ne_bytes());
+    msg.extend_from_slice(&1u32.to_ne_bytes()); // sequence
+    msg.extend_from_slice(&0u32.to_ne_bytes()); // port id: the kernel's
+    msg.extend_from_slice(&[NFPROTO_INET, 0, 0, 0]); // nfgenmsg
+    msg.extend_from_slice(&attrs.0);
+    socket.send(&msg, 0).map_err(fail)?;
+
+    let mut counters = Vec::new();
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let size = socket.recv(&mut &mut buf[..], 0).map_err(fail)?;
+        let mut at = 0;
+        while at + 16 <= size {
+            let len = u32::from_ne_bytes(buf[at..at + 4].try_into().expect("4 bytes")) as usize;
+            let kind = u16::from_ne_bytes(buf[at + 4..at + 6].try_into().expect("2 bytes"));
+            if len < 16 || at + len > size {
+                return Err(fail(io::Error::other("a malformed answer from nf_tables")));
+            }
+            let body = &buf[at + 16..at + len];
+            match kind {
+                NLMSG_DONE => return Ok(counters),
+                NLMSG_ERROR if body.len() >= 4 => {
+                    let code = i32::from_ne_bytes(body[..4].try_into().expect("4 bytes"));
+                    match -code {
+                        0 => {}
+                        // No table: no counter.
+                        libc::ENOENT => return Ok(Vec::new()),
+                        errno => return Err(fail(io::Error::from_raw_os_error(errno))),
+                    }
+                }
+                k if k == NFNL_SUBSYS_NFTABLES << 8 | NFT_MSG_NEWOBJ && body.len() >= 4 => {
+                    if let Some(c) = counter_of(&body[4..]) {
+                        counters.push(c);
+                    }
+                }
+                _ => {}
+            }
+            at += len.next_multiple_of(4);
+        }
+    }
+}
+
+/// The attributes of a netlink message body: `(type without flags, value)`.
+fn attributes(mut b: &[u8]) -> impl Iterator<Item = (u16, &[u8])> {
+    std::iter::from_fn(move || {
+        if b.len() < 4 {
+            return None;
+        }
+        let len = u16::from_ne_bytes([b[0], b[1]]) as usize;
+        let kind = u16::from_ne_bytes([b[2], b[3]]) & !NLA_F_NESTED;
+        if len < 4 || len > b.len() {
+            return None;
+        }
+        let value = &b[4..len];
+        b = &b[len.next_multiple_of(4).min(b.len())..];
+        Some((kind, value))
+    })
+}
+
+/// One counter object's name and packet count.
+fn counter_of(attrs: &[u8]) -> Option<(String, u64)> {
+    let mut name = None;
+    let mut packets = None;
+    for (kind, value) in attributes(attrs) {
+        match kind {
+            NFTA_OBJ_NAME => {
+                let text = value.split(|&c| c == 0).next()?;
+                name = Some(String::from_utf8_lossy(text).into_owned());
+            }
+            NFTA_OBJ_DATA => {
+                packets = attributes(value)
+                    .find(|(k, v)| *k == NFTA_COUNTER_PACKETS && v.len() == 8)
+                    .map(|(_, v)| u64::from_be_bytes(v.try_into().expect("8 bytes")));
+            }
+            _ => {}
+        }
+    }
+    Some((name?, packets?))
+}
+
 /// Sends one batch and reads its acknowledgements: `Err` at the first
 /// refusal (the kernel then applied none of the batch).
 fn send(socket: &Socket, batch: &Batch) -> io::Result<()> {

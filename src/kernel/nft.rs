@@ -96,26 +96,10 @@ pub(super) fn parse_listing(listed: &str) -> Result<Owned, String> {
 }
 
 /// The named counters' packet counts: `(name, packets)`; for NAT chains,
-/// one packet is one new connection.
+/// one packet is one new connection. Read over netlink, not with `nft`
+/// (see `netlink::read_counters`).
 pub fn counters() -> Result<Vec<(String, u64)>, NftError> {
-    let listed = run(
-        "read",
-        &["-j", "list", "counters", "table", "inet", TABLE],
-        b"",
-    )?;
-    let doc: serde_json::Value = serde_json::from_str(&listed).map_err(|e| NftError {
-        what: "read",
-        detail: format!("cannot parse nft's listing: {e}"),
-    })?;
-    Ok(doc["nftables"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .filter_map(|o| {
-            let c = o.get("counter")?;
-            Some((c["name"].as_str()?.to_string(), c["packets"].as_u64()?))
-        })
-        .collect())
+    super::netlink::read_counters()
 }
 
 /// Deletes the table (a clean stop, after the drain); nothing when absent.
