@@ -14,7 +14,7 @@ use harvester_lb::server::{self, RunError};
 use harvester_lb::workers::{self, Runtimes};
 use tracing_subscriber::field::MakeExt as _;
 
-use crate::{AnnounceState, BackendState, LogFormat, Scheduler};
+use crate::args::{AnnounceState, BackendState, LogFormat, Scheduler};
 
 /// Exit code for an unusable config (sysexits' EX_CONFIG). The systemd unit
 /// lists it in `RestartPreventExitStatus=` so a bad file does not restart-loop.
