@@ -306,7 +306,8 @@ async fn bgp_both_hosts_announce_and_carry_connections() {
 /// A host whose backends all fail their health checks withdraws its VIP
 /// (reason `no_eligible_backend`); from then on every new connection
 /// succeeds through the other host. When the backend is back, the host
-/// announces again after its delay.
+/// announces again after its delay, doubled by damping (the withdrawal
+/// came within 60 s of the announce).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bgp_host_whose_backends_fail_withdraws() {
     require_bgp!();
@@ -336,14 +337,26 @@ async fn bgp_host_whose_backends_fail_withdraws() {
             "a new connection after the withdrawal: {a:?}"
         );
     }
-    // Healthy again: announced only after the delay.
+    // The withdrawal came less than 60 s after the announce: damping
+    // doubles the 2 s delay (docs/vip.md, "When a VIP comes back").
+    let a = bed.host(1).announce_status(IpAddr::V4(VIP)).await;
+    assert_eq!(a["rise_delay_seconds"], 4.0, "{a}");
+    // Healthy again (the next probe, within 1 s): the conditions hold, the
+    // reason says `damped`, and the route comes 4 s later.
     let back = std::time::Instant::now();
     bed.backend_mut(1).start();
+    wait_announce(&bed, 1, false, Some("damped")).await;
+    let holding = std::time::Instant::now();
     let announced = bed.wait_nexthops(&[1, 2], Duration::from_secs(30)).await;
-    eprintln!("backend back: announced again after {:?}", announced - back);
+    eprintln!(
+        "backend back: conditions held (seen) after {:?}, announced again after {:?} ({:?} after the conditions were seen to hold)",
+        holding - back,
+        announced - back,
+        announced - holding
+    );
     assert!(
-        announced - back >= Duration::from_millis(1900),
-        "announced {:?} after the backend came back, before the 2 s delay",
+        announced - back >= Duration::from_millis(3900),
+        "announced {:?} after the backend came back, before the damped 4 s delay",
         announced - back
     );
 }
@@ -583,9 +596,8 @@ async fn bgp_kernel_listeners_announce_and_withdraw_on_health() {
     let on = |i: usize| counts.get(&i).copied().unwrap_or(0);
     assert!(on(1) >= 10 && on(2) >= 10, "{counts:?}");
     let lb = [("load_balancer", "default/anycast"), ("listener", "tcp")];
-    let kernel_count = |m: &str| {
-        netns::metric(m, "harvester_lb_kernel_backend_connections_total", &lb)
-    };
+    let kernel_count =
+        |m: &str| netns::metric(m, "harvester_lb_kernel_backend_connections_total", &lb);
     for i in 1..=2 {
         let d = bed.host(i).daemon();
         let want = on(i) as f64;
