@@ -281,6 +281,38 @@ async fn wait_announce(bed: &BgpBed, i: usize, announced: bool, reason: Option<&
     }
 }
 
+/// Host 1's backend stops under traffic (a new connection every 10 ms):
+/// host 1 withdraws with reason `no_eligible_backend`; after `more`
+/// further attempts, at least `least` started after the router's route
+/// changed, and every one of those reached host 2. Returns how many.
+async fn host1_backend_fails(bed: &mut BgpBed, more: usize, least: usize, what: &str) -> usize {
+    let (prober, fault, gone) = bed
+        .fault_under_traffic(Duration::from_secs(3), 2, |bed| bed.backend_mut(1).stop())
+        .await;
+    wait_announce(bed, 1, false, Some("no_eligible_backend")).await;
+    let attempts = prober.finish(more).await;
+    eprintln!(
+        "{what}: withdrawn {:?} after the fault; {} of {} new connections failed (all before the withdrawal)",
+        gone - fault,
+        netns::bgp::failed(&attempts).len(),
+        attempts.len()
+    );
+    let after: Vec<_> = attempts.iter().filter(|a| a.started > gone).collect();
+    assert!(
+        after.len() >= least,
+        "{} attempts after the withdrawal",
+        after.len()
+    );
+    for a in &after {
+        assert_eq!(
+            a.outcome,
+            Ok(2),
+            "a new connection after the withdrawal: {a:?}"
+        );
+    }
+    after.len()
+}
+
 /// Both hosts announce by themselves: the router's route has two nexthops,
 /// many connections land on each, and both the IPv4 and the IPv6 VIP are
 /// announced.
@@ -313,30 +345,7 @@ async fn bgp_host_whose_backends_fail_withdraws() {
     require_bgp!();
     let mut bed = BgpBed::new("unhealthy", false).await;
     both_announcing(&mut bed, 2, 1, 5).await;
-    let (prober, fault, gone) = bed
-        .fault_under_traffic(Duration::from_secs(3), 2, |bed| bed.backend_mut(1).stop())
-        .await;
-    wait_announce(&bed, 1, false, Some("no_eligible_backend")).await;
-    let attempts = prober.finish(150).await;
-    let failed = netns::bgp::failed(&attempts).len();
-    eprintln!(
-        "backends of host 1 down: withdrawn {:?} after the fault; {failed} of {} new connections failed (all before the withdrawal)",
-        gone - fault,
-        attempts.len()
-    );
-    let after: Vec<_> = attempts.iter().filter(|a| a.started > gone).collect();
-    assert!(
-        after.len() >= 100,
-        "{} attempts after the withdrawal",
-        after.len()
-    );
-    for a in &after {
-        assert_eq!(
-            a.outcome,
-            Ok(2),
-            "a new connection after the withdrawal: {a:?}"
-        );
-    }
+    host1_backend_fails(&mut bed, 150, 100, "backends of host 1 down").await;
     // The withdrawal came less than 60 s after the announce: damping
     // doubles the 2 s delay (docs/vip.md, "When a VIP comes back").
     let a = bed.host(1).announce_status(IpAddr::V4(VIP)).await;
@@ -618,33 +627,16 @@ async fn bgp_kernel_listeners_announce_and_withdraw_on_health() {
         );
     }
     // Host 1's backend fails: it withdraws, host 2 carries everything new.
-    let (prober, fault, gone) = bed
-        .fault_under_traffic(Duration::from_secs(3), 2, |bed| bed.backend_mut(1).stop())
-        .await;
-    wait_announce(&bed, 1, false, Some("no_eligible_backend")).await;
-    let attempts = prober.finish(100).await;
-    let after: Vec<_> = attempts.iter().filter(|a| a.started > gone).collect();
-    eprintln!(
-        "kernel listeners, backend of host 1 down: withdrawn {:?} after the fault; {} of {} new connections failed (all before the withdrawal)",
-        gone - fault,
-        netns::bgp::failed(&attempts).len(),
-        attempts.len()
-    );
-    assert!(
-        after.len() >= 80,
-        "{} attempts after the withdrawal",
-        after.len()
-    );
-    for a in &after {
-        assert_eq!(
-            a.outcome,
-            Ok(2),
-            "a new connection after the withdrawal: {a:?}"
-        );
-    }
+    let after = host1_backend_fails(
+        &mut bed,
+        100,
+        80,
+        "kernel listeners, backend of host 1 down",
+    )
+    .await;
     // ... and host 2's kernel forwarded them.
     let d = bed.host(2).daemon();
-    let least = (on(2) + after.len()) as f64;
+    let least = (on(2) + after) as f64;
     netns::wait_for(
         Duration::from_secs(20),
         "host 2's kernel count of the connections after the withdrawal",
