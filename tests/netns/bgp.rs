@@ -294,13 +294,20 @@ impl LbHost {
     /// `vip_section` is the `[vip]` table's body; open connections may
     /// finish for `drain` seconds when the daemon stops.
     pub fn write_config(&self, vip_section: &str, drain: u32) -> PathBuf {
+        self.write_config_with(vip_section, drain, "")
+    }
+
+    /// [`LbHost::write_config`] with `listener` (TOML lines, each indented
+    /// two spaces and ending in a newline, e.g. `  forwarding = "kernel"\n`)
+    /// added to every listener.
+    pub fn write_config_with(&self, vip_section: &str, drain: u32, listener: &str) -> PathBuf {
         let i = self.index;
         let udp = format!(
-            "  [[load_balancer.listener]]\n  name = \"udp\"\n  port = {PORT}\n  backend_port = {BACKEND_PORT}\n  protocol = \"udp\"\n"
+            "  [[load_balancer.listener]]\n  name = \"udp\"\n  port = {PORT}\n  backend_port = {BACKEND_PORT}\n  protocol = \"udp\"\n{listener}"
         );
         let lb = |name: &str, vip: IpAddr, backend: IpAddr, udp: &str| {
             format!(
-                "[[load_balancer]]\nname = \"{name}\"\nvip = \"{vip}\"\nbackends = [\"{backend}\"]\n  [[load_balancer.listener]]\n  name = \"tcp\"\n  port = {PORT}\n  backend_port = {BACKEND_PORT}\n{udp}  [load_balancer.health_check]\n  kind = \"tcp\"\n  port = {BACKEND_PORT}\n  period_seconds = 1\n  timeout_seconds = 1\n  failure_threshold = 2\n  success_threshold = 1\n"
+                "[[load_balancer]]\nname = \"{name}\"\nvip = \"{vip}\"\nbackends = [\"{backend}\"]\n  [[load_balancer.listener]]\n  name = \"tcp\"\n  port = {PORT}\n  backend_port = {BACKEND_PORT}\n{listener}{udp}  [load_balancer.health_check]\n  kind = \"tcp\"\n  port = {BACKEND_PORT}\n  period_seconds = 1\n  timeout_seconds = 1\n  failure_threshold = 2\n  success_threshold = 1\n"
             )
         };
         let text = format!(
@@ -409,6 +416,15 @@ impl LbHost {
             &["-6", "-n", &self.ns.name, "route", "show", "table", "100"],
         ));
         out
+    }
+
+    /// Turns IPv4 and IPv6 forwarding on in the host's namespace, as
+    /// `forwarding = "kernel"` listeners need (the daemon does not).
+    pub fn enable_forwarding(&self) {
+        sysctl(
+            &self.ns,
+            &["net.ipv4.ip_forward=1", "net.ipv6.conf.all.forwarding=1"],
+        );
     }
 
     /// What the daemon does: adds (or deletes) the VIPs' host routes in

@@ -317,6 +317,24 @@ mod tests {
         assert_eq!(h.reason(), Some(Reason::Waiting));
     }
 
+    /// docs/vip.md, "When a VIP comes back": time spent withdrawn forgives
+    /// nothing; only 60 s announced does.
+    #[tokio::test(start_paused = true)]
+    async fn damping_is_not_forgiven_while_withdrawn() {
+        let mut h = Hysteresis::new(Instant::now());
+        at(&mut h, Ok(()));
+        advance(BASE).await;
+        assert_eq!(at(&mut h, Ok(())), Some(Transition::Announce));
+        advance(Duration::from_secs(2)).await;
+        assert!(at(&mut h, Err(Blocker::NoEligibleBackend)).is_some());
+        advance(Duration::from_secs(600)).await;
+        assert_eq!(at(&mut h, Err(Blocker::NoEligibleBackend)), None);
+        at(&mut h, Ok(()));
+        assert_eq!(h.reason(), Some(Reason::Damped));
+        assert_eq!(h.rise_delay(BASE), BASE * 2);
+        assert_eq!(h.deadline(BASE), Some(Instant::now() + BASE * 2));
+    }
+
     #[tokio::test(start_paused = true)]
     async fn operator_drains_and_stops_are_not_damped() {
         let mut h = Hysteresis::new(Instant::now());
