@@ -22,7 +22,8 @@ use std::time::{Duration, Instant};
 use harvester_lb::config::{Algorithm, Protocol, SourceNat};
 use harvester_lb::kernel::{self, KernelListener, KernelTable, Synced};
 use netns::peers::{Exchange, Node, Service, exchange, read_line};
-use netns::{Bed, NODEPORT, VIP, config, in_ns, node_ip, run, sa, wait_for};
+use netns::{Bed, HEALTH_PORT, NODEPORT, VIP, config, in_ns, node_ip, run, sa, wait_for};
+use support::{Lb, Listener};
 
 /// Whether the namespace tests can run; under `CI=true` they must.
 fn can_run() -> bool {
@@ -291,26 +292,25 @@ fn without_kernel_listeners_nothing_is_written() {
 
 /// One load balancer on VIP:80 over `nodes`, forwarded by the kernel,
 /// checked every second (1 s timeout, one failure marks a node down).
-fn kernel_config(nodes: &[usize]) -> String {
-    kernel_config_with(nodes, "")
+fn kernel_lb(nodes: &[usize]) -> Lb {
+    web_lb(
+        nodes,
+        Listener::new("tcp", 80, NODEPORT).forwarding("kernel"),
+    )
 }
 
-/// [`kernel_config`] with `extra` load-balancer keys.
-fn kernel_config_with(nodes: &[usize], extra: &str) -> String {
-    config(
-        "",
-        &[netns::lb(
-            "default/web",
-            VIP,
-            nodes,
-            extra,
-            Some("  period_seconds = 1\n  timeout_seconds = 1\n  failure_threshold = 1"),
-        )
-        .replace(
-            &format!("backend_port = {NODEPORT}\n"),
-            &format!("backend_port = {NODEPORT}\n  forwarding = \"kernel\"\n"),
-        )],
-    )
+/// [`kernel_lb`] with `listener` instead of its own.
+fn web_lb(nodes: &[usize], listener: Listener) -> Lb {
+    Lb::new("default/web", VIP)
+        .backends(nodes.iter().map(|i| node_ip(*i)))
+        .listener(listener)
+        .health_port(HEALTH_PORT)
+        .health("  period_seconds = 1\n  timeout_seconds = 1\n  failure_threshold = 1")
+}
+
+/// [`kernel_lb`] alone in the bed's config.
+fn kernel_config(nodes: &[usize]) -> String {
+    config().lb(kernel_lb(nodes)).to_string()
 }
 
 /// Sets node `node`'s operator state through the admin socket, as an
@@ -564,7 +564,9 @@ async fn a_reload_switches_between_proxy_and_kernel_under_load_without_a_failure
     enable_forwarding(&bed);
     let _n1 = Node::start(&bed, 1, Service::NameThenEcho);
     let _n2 = Node::start(&bed, 2, Service::NameThenEcho);
-    let proxy = kernel_config(&[1, 2]).replace("  forwarding = \"kernel\"\n", "");
+    let proxy = config()
+        .lb(web_lb(&[1, 2], Listener::new("tcp", 80, NODEPORT)))
+        .to_string();
     let kernel = kernel_config(&[1, 2]);
     bed.start_daemon(&proxy).await;
 
@@ -634,7 +636,10 @@ async fn a_killed_daemon_leaves_the_kernel_forwarding_and_a_restart_keeps_open_f
     let _n2 = Node::start(&bed, 2, Service::NameThenEcho);
     // With the VIP isolation table too: DNATed packets go to forward, not
     // input, so the two tables do not fight.
-    let text = kernel_config(&[1, 2]).replace("[proxy]\n", "[vip]\nisolate = true\n\n[proxy]\n");
+    let text = config()
+        .vip("isolate = true")
+        .lb(kernel_lb(&[1, 2]))
+        .to_string();
     bed.start_daemon(&text).await;
     wait_kernel(&bed).await;
     assert_eq!(tally(&bed, 4).await, counts(&[("n1", 2), ("n2", 2)]));
@@ -684,8 +689,10 @@ async fn a_clean_stop_refuses_new_kernel_connections_and_waits_for_the_open_ones
     enable_forwarding(&bed);
     let _n1 = Node::start(&bed, 1, Service::NameThenEcho);
     let _n2 = Node::start(&bed, 2, Service::NameThenEcho);
-    let text =
-        kernel_config(&[1, 2]).replace("[proxy]\n", "[proxy]\ndrain_timeout_seconds = 120\n");
+    let text = config()
+        .drain_timeout(120)
+        .lb(kernel_lb(&[1, 2]))
+        .to_string();
     bed.start_daemon(&text).await;
     wait_kernel(&bed).await;
     let mut open = bed
@@ -848,21 +855,16 @@ async fn source_nat_none_shows_the_backend_the_clients_own_address() {
         .ip(&["route", "add", "203.0.113.0/24", "via", "198.51.100.3"]);
 
     let listener = |name: &str, port: u16, snat: &str| {
-        format!(
-            "  [[load_balancer.listener]]\n  name = \"{name}\"\n  port = {port}\n  backend_port = 300{port}\n  forwarding = \"kernel\"\n  source_nat = \"{snat}\"\n"
-        )
+        Listener::new(name, port, 30000 + port)
+            .forwarding("kernel")
+            .source_nat(snat)
     };
-    let mut lb = format!(
-        "name = \"default/web\"\nvip = \"{VIP}\"\nbackends = [\"{}\"]\n",
-        node_ip(1)
-    );
-    lb.push_str(&listener("keep", 81, "none")); // to nodeport 30081
-    lb.push_str(&listener("hide", 82, "masquerade")); // to nodeport 30082
-    lb.push_str(&format!(
-        "  [load_balancer.health_check]\n  port = {}\n",
-        netns::HEALTH_PORT
-    ));
-    bed.start_daemon(&config("", &[lb])).await;
+    let lb = Lb::new("default/web", VIP)
+        .backends([node_ip(1)])
+        .listener(listener("keep", 81, "none")) // to nodeport 30081
+        .listener(listener("hide", 82, "masquerade")) // to nodeport 30082
+        .health_port(HEALTH_PORT);
+    bed.start_daemon(&config().lb(lb).to_string()).await;
     wait_for(
         Duration::from_secs(10),
         "both listeners in the kernel",
@@ -970,13 +972,11 @@ async fn ipv6_listeners_are_forwarded_by_the_kernel_too() {
             });
         }
     }
-    let lb = format!(
-        "name = \"default/v6\"\nvip = \"{vip6}\"\nbackends = [\"{}\", \"{}\"]\n  [[load_balancer.listener]]\n  name = \"web\"\n  port = 80\n  backend_port = {NODEPORT}\n  forwarding = \"kernel\"\n  [load_balancer.health_check]\n  port = {}\n",
-        node6(1),
-        node6(2),
-        netns::HEALTH_PORT
-    );
-    bed.start_daemon(&config("", &[lb])).await;
+    let lb = Lb::new("default/v6", vip6)
+        .backends([node6(1), node6(2)])
+        .listener(Listener::new("web", 80, NODEPORT).forwarding("kernel"))
+        .health_port(HEALTH_PORT);
+    bed.start_daemon(&config().lb(lb).to_string()).await;
     wait_kernel(&bed).await;
     let mut seen = BTreeMap::new();
     for _ in 0..6 {
@@ -1002,13 +1002,12 @@ async fn ipv6_listeners_are_forwarded_by_the_kernel_too() {
 /// `default/dns`: VIP:53/udp over nodes 1 and 2 (nodeport 30053),
 /// forwarded by the kernel, checked on TCP every second.
 fn udp_kernel_config() -> String {
-    let lb = format!(
-        "name = \"default/dns\"\nvip = \"{VIP}\"\nbackends = [\"{}\", \"{}\"]\n  [[load_balancer.listener]]\n  name = \"dns\"\n  port = 53\n  backend_port = 30053\n  protocol = \"udp\"\n  forwarding = \"kernel\"\n  [load_balancer.health_check]\n  port = {}\n  period_seconds = 1\n  timeout_seconds = 1\n  failure_threshold = 1\n",
-        node_ip(1),
-        node_ip(2),
-        netns::HEALTH_PORT
-    );
-    config("", &[lb])
+    let lb = Lb::new("default/dns", VIP)
+        .backends([node_ip(1), node_ip(2)])
+        .listener(Listener::new("dns", 53, 30053).udp().forwarding("kernel"))
+        .health_port(HEALTH_PORT)
+        .health("  period_seconds = 1\n  timeout_seconds = 1\n  failure_threshold = 1");
+    config().lb(lb).to_string()
 }
 
 fn udp_teller(bed: &Bed, i: usize, port: u16) -> tokio::task::JoinHandle<()> {
@@ -1135,8 +1134,9 @@ async fn on_backend_down_close_resets_the_open_connections_of_a_failed_backend()
     enable_forwarding(&bed);
     let _n1 = Node::start(&bed, 1, Service::NameThenEcho);
     let mut n2 = Node::start(&bed, 2, Service::NameThenEcho);
-    let text =
-        kernel_config(&[1, 2]).replace("backends = [", "on_backend_down = \"close\"\nbackends = [");
+    let text = config()
+        .lb(kernel_lb(&[1, 2]).keys("on_backend_down = \"close\""))
+        .to_string();
     bed.start_daemon(&text).await;
     wait_kernel(&bed).await;
     let mut open = open_to(&bed, "n2").await;
@@ -1273,8 +1273,10 @@ async fn source_ip_keeps_each_client_on_its_node_and_moves_only_the_clients_of_a
         bed.client
             .ip(&["addr", "add", &format!("{c}/32"), "dev", "eth0"]);
     }
-    bed.start_daemon(&kernel_config_with(&[1, 2, 3], "algorithm = \"source_ip\""))
-        .await;
+    let text = config()
+        .lb(kernel_lb(&[1, 2, 3]).keys("algorithm = \"source_ip\""))
+        .to_string();
+    bed.start_daemon(&text).await;
     wait_kernel(&bed).await;
 
     let before = by_client(&bed, &clients).await;
@@ -1336,11 +1338,11 @@ async fn client_affinity_keeps_a_client_on_its_node_until_that_node_leaves() {
     enable_forwarding(&bed);
     let _n1 = Node::start(&bed, 1, Service::NameThenEcho);
     let _n2 = Node::start(&bed, 2, Service::NameThenEcho);
-    bed.start_daemon(&kernel_config_with(
-        &[1, 2],
-        "session_affinity = \"client_ip\"\naffinity_timeout_seconds = 600",
-    ))
-    .await;
+    let text = config()
+        .lb(kernel_lb(&[1, 2])
+            .keys("session_affinity = \"client_ip\"\naffinity_timeout_seconds = 600"))
+        .to_string();
+    bed.start_daemon(&text).await;
     wait_kernel(&bed).await;
 
     // Round robin would alternate; affinity keeps the first answer.
