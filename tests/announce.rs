@@ -21,7 +21,8 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use netns::peers::{Exchange, Node, Service, exchange};
-use netns::{Bed, LB_IP, Ns, config, lb, metric, sa, wait_for};
+use netns::{Bed, HEALTH_PORT, LB_IP, NODEPORT, Ns, config, metric, node_ip, probed, sa, wait_for};
+use support::{Lb, Listener};
 
 /// The announced VIP: outside the bed's subnet, so the client reaches it
 /// only through a route via the load-balancer host (as a router would).
@@ -115,29 +116,24 @@ fn on_lo(ns: &Ns, ip: &str) -> bool {
 
 fn announce_config(bed: &Bed) -> String {
     let health = "  period_seconds = 1\n  timeout_seconds = 1\n  success_threshold = 1\n  failure_threshold = 1";
-    let mut lb6 = lb("default/web6", AVIP, &[1], "", Some(health));
-    lb6 = lb6.replacen(
-        &format!("vip = \"{AVIP}\""),
-        &format!("vip = \"{AVIP6}\""),
-        1,
-    );
     // UDP only: the same conditions (a bound listener, an eligible backend).
-    let dns = lb("default/dns", AVIP_UDP, &[1], "", Some(health)).replacen(
-        "  port = 80\n",
-        "  port = 53\n  protocol = \"udp\"\n",
-        1,
-    );
-    let c = config(
-        "drain_timeout_seconds = 5",
-        &[lb("default/web", AVIP, &[1], "", Some(health)), dns, lb6],
-    );
-    let vip = format!(
-        "[vip]\nannounce = \"routes\"\nannounce_delay_seconds = {}\nwithdraw_grace_seconds = {}\n\n",
-        DELAY.as_secs(),
-        GRACE.as_secs()
-    );
+    let dns = Lb::new("default/dns", AVIP_UDP)
+        .backends([node_ip(1)])
+        .listener(Listener::new("tcp", 53, NODEPORT).udp())
+        .health_port(HEALTH_PORT)
+        .health(health);
     let _ = bed;
-    c.replacen("[proxy]\n", &format!("{vip}[proxy]\n"), 1)
+    config()
+        .drain_timeout(5)
+        .vip(&format!(
+            "announce = \"routes\"\nannounce_delay_seconds = {}\nwithdraw_grace_seconds = {}",
+            DELAY.as_secs(),
+            GRACE.as_secs()
+        ))
+        .lb(probed("default/web", AVIP, &[1], health))
+        .lb(dns)
+        .lb(probed("default/web6", AVIP6, &[1], health))
+        .to_string()
 }
 
 /// The `announce` entry of `vip` in `/status`.

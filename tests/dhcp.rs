@@ -99,14 +99,11 @@ fn dnsmasq_missing() -> bool {
         .map_or(true, |o| !o.status.success())
 }
 
-fn config(bed: &Bed, with_lb: bool) -> String {
-    let mut c = Config::new()
-        .admin(sa(Ipv4Addr::LOCALHOST, netns::ADMIN_PORT))
-        .proxy("drain_timeout_seconds = 1")
-        .text(&format!(
-            "[dhcp]\nstate_directory = {}",
-            quote(bed.dir.join("state").display())
-        ));
+fn config(bed: &Bed, with_lb: bool) -> Config {
+    let mut c = netns::config().drain_timeout(1).text(&format!(
+        "[dhcp]\nstate_directory = {}",
+        quote(bed.dir.join("state").display())
+    ));
     if with_lb {
         c = c.lb(Lb::new("default/web", "0.0.0.0")
             .keys("ipam = \"dhcp\"")
@@ -114,7 +111,7 @@ fn config(bed: &Bed, with_lb: bool) -> String {
             .tcp("tcp", 80, netns::NODEPORT)
             .keys("  [load_balancer.dhcp]\n  interface = \"eth0\""));
     }
-    c.to_string()
+    c
 }
 
 /// The lease in `/status` once it is bound with renewals >= `renewals`
@@ -182,7 +179,7 @@ async fn lease_renew_nak_reboot_release_against_dnsmasq() {
 
     // Lease obtained; traffic to it forwarded.
     let started = Instant::now();
-    bed.start_daemon(&config(&bed, true)).await;
+    bed.start_daemon(&config(&bed, true).to_string()).await;
     let first = lease(&bed, 0, 0, Duration::from_secs(30)).await;
     let leased_in = started.elapsed();
     let vip = address(&first);
@@ -254,7 +251,7 @@ async fn lease_renew_nak_reboot_release_against_dnsmasq() {
     .await;
     let discovers = dnsmasq.count("DHCPDISCOVER");
     let t = Instant::now();
-    bed.start_daemon(&config(&bed, true)).await;
+    bed.start_daemon(&config(&bed, true).to_string()).await;
     let rebooted = lease(&bed, 0, 0, Duration::from_secs(30)).await;
     let rebooted_in = t.elapsed();
     assert_eq!(address(&rebooted), vip2, "INIT-REBOOT kept the address");
@@ -267,7 +264,7 @@ async fn lease_renew_nak_reboot_release_against_dnsmasq() {
 
     // The load balancer removed: RELEASE, interface and state file gone.
     let releases = dnsmasq.count("DHCPRELEASE");
-    let path = bed.write("config.toml", &config(&bed, false));
+    let path = bed.write("config.toml", &config(&bed, false).to_string());
     assert_eq!(path, bed.daemon().config);
     bed.daemon().signal(libc::SIGHUP);
     wait_for(
@@ -329,7 +326,7 @@ async fn a_leased_vip_is_isolated_once_it_is_leased() {
             let _ = s.write_all(b"SSH-2.0\n").await;
         }
     });
-    let text = config(&bed, true).replacen("[dhcp]\n", "[vip]\nisolate = true\n\n[dhcp]\n", 1);
+    let text = config(&bed, true).vip("isolate = true").to_string();
     bed.start_daemon(&text).await;
     let vip = address(&lease(&bed, 0, 0, Duration::from_secs(30)).await);
     eventually_forwarded(&bed, vip).await;

@@ -22,7 +22,8 @@ use std::time::{Duration, Instant};
 use harvester_lb::config::{Algorithm, Protocol, SourceNat};
 use harvester_lb::kernel::{self, KernelListener, KernelTable, Synced};
 use netns::peers::{Exchange, Node, Service, exchange, read_line};
-use netns::{Bed, NODEPORT, VIP, config, in_ns, node_ip, run, sa, wait_for};
+use netns::{Bed, HEALTH_PORT, NODEPORT, VIP, config, in_ns, node_ip, run, sa, wait_for};
+use support::{Config, Lb, Listener};
 
 /// Whether the namespace tests can run; under `CI=true` they must.
 fn can_run() -> bool {
@@ -291,26 +292,25 @@ fn without_kernel_listeners_nothing_is_written() {
 
 /// One load balancer on VIP:80 over `nodes`, forwarded by the kernel,
 /// checked every second (1 s timeout, one failure marks a node down).
-fn kernel_config(nodes: &[usize]) -> String {
-    kernel_config_with(nodes, "")
+fn kernel_lb(nodes: &[usize]) -> Lb {
+    web_lb(
+        nodes,
+        Listener::new("tcp", 80, NODEPORT).forwarding("kernel"),
+    )
 }
 
-/// [`kernel_config`] with `extra` load-balancer keys.
-fn kernel_config_with(nodes: &[usize], extra: &str) -> String {
-    config(
-        "",
-        &[netns::lb(
-            "default/web",
-            VIP,
-            nodes,
-            extra,
-            Some("  period_seconds = 1\n  timeout_seconds = 1\n  failure_threshold = 1"),
-        )
-        .replace(
-            &format!("backend_port = {NODEPORT}\n"),
-            &format!("backend_port = {NODEPORT}\n  forwarding = \"kernel\"\n"),
-        )],
-    )
+/// [`kernel_lb`] with `listener` instead of its own.
+fn web_lb(nodes: &[usize], listener: Listener) -> Lb {
+    Lb::new("default/web", VIP)
+        .backends(nodes.iter().map(|i| node_ip(*i)))
+        .listener(listener)
+        .health_port(HEALTH_PORT)
+        .health("  period_seconds = 1\n  timeout_seconds = 1\n  failure_threshold = 1")
+}
+
+/// [`kernel_lb`] alone in the bed's config.
+fn kernel_config(nodes: &[usize]) -> Config {
+    config().lb(kernel_lb(nodes))
 }
 
 /// Sets node `node`'s operator state through the admin socket, as an
@@ -387,6 +387,13 @@ fn enable_forwarding(bed: &Bed) {
     );
 }
 
+/// Starts the daemon on `config` and waits until the kernel forwards its
+/// first listener.
+async fn start_kernel(bed: &mut Bed, config: &Config) {
+    bed.start_daemon(&config.to_string()).await;
+    wait_kernel(bed).await;
+}
+
 async fn wait_kernel(bed: &Bed) {
     wait_for(
         Duration::from_secs(10),
@@ -425,8 +432,7 @@ async fn the_kernel_balances_follows_health_and_serves_while_the_daemon_is_froze
     enable_forwarding(&bed);
     let n1 = Node::start(&bed, 1, Service::NameThenEcho);
     let mut n2 = Node::start(&bed, 2, Service::NameThenEcho);
-    bed.start_daemon(&kernel_config(&[1, 2])).await;
-    wait_kernel(&bed).await;
+    start_kernel(&mut bed, &kernel_config(&[1, 2])).await;
 
     // Round robin in the kernel: exactly alternating.
     assert_eq!(tally(&bed, 20).await, counts(&[("n1", 10), ("n2", 10)]));
@@ -503,8 +509,7 @@ async fn a_drain_keeps_the_open_connection_and_no_backend_is_a_reset() {
     enable_forwarding(&bed);
     let _n1 = Node::start(&bed, 1, Service::NameThenEcho);
     let _n2 = Node::start(&bed, 2, Service::NameThenEcho);
-    bed.start_daemon(&kernel_config(&[1, 2])).await;
-    wait_kernel(&bed).await;
+    start_kernel(&mut bed, &kernel_config(&[1, 2])).await;
 
     // An open connection to node 1.
     let mut open = open_to(&bed, "n1").await;
@@ -564,8 +569,10 @@ async fn a_reload_switches_between_proxy_and_kernel_under_load_without_a_failure
     enable_forwarding(&bed);
     let _n1 = Node::start(&bed, 1, Service::NameThenEcho);
     let _n2 = Node::start(&bed, 2, Service::NameThenEcho);
-    let proxy = kernel_config(&[1, 2]).replace("  forwarding = \"kernel\"\n", "");
-    let kernel = kernel_config(&[1, 2]);
+    let proxy = config()
+        .lb(web_lb(&[1, 2], Listener::new("tcp", 80, NODEPORT)))
+        .to_string();
+    let kernel = kernel_config(&[1, 2]).to_string();
     bed.start_daemon(&proxy).await;
 
     let stop = Arc::new(AtomicBool::new(false));
@@ -634,9 +641,8 @@ async fn a_killed_daemon_leaves_the_kernel_forwarding_and_a_restart_keeps_open_f
     let _n2 = Node::start(&bed, 2, Service::NameThenEcho);
     // With the VIP isolation table too: DNATed packets go to forward, not
     // input, so the two tables do not fight.
-    let text = kernel_config(&[1, 2]).replace("[proxy]\n", "[vip]\nisolate = true\n\n[proxy]\n");
-    bed.start_daemon(&text).await;
-    wait_kernel(&bed).await;
+    let text = config().vip("isolate = true").lb(kernel_lb(&[1, 2]));
+    start_kernel(&mut bed, &text).await;
     assert_eq!(tally(&bed, 4).await, counts(&[("n1", 2), ("n2", 2)]));
 
     let mut open = bed
@@ -655,8 +661,7 @@ async fn a_killed_daemon_leaves_the_kernel_forwarding_and_a_restart_keeps_open_f
     assert_eq!(tally(&bed, 4).await, counts(&[("n1", 2), ("n2", 2)]));
 
     // A new daemon reconciles the table it finds, without deleting it.
-    bed.start_daemon(&text).await;
-    wait_kernel(&bed).await;
+    start_kernel(&mut bed, &text).await;
     echoes(&mut open, b"after restart").await.unwrap();
     assert_eq!(tally(&bed, 4).await.values().sum::<usize>(), 4);
     let metrics = bed.daemon().metrics().await;
@@ -684,10 +689,8 @@ async fn a_clean_stop_refuses_new_kernel_connections_and_waits_for_the_open_ones
     enable_forwarding(&bed);
     let _n1 = Node::start(&bed, 1, Service::NameThenEcho);
     let _n2 = Node::start(&bed, 2, Service::NameThenEcho);
-    let text =
-        kernel_config(&[1, 2]).replace("[proxy]\n", "[proxy]\ndrain_timeout_seconds = 120\n");
-    bed.start_daemon(&text).await;
-    wait_kernel(&bed).await;
+    let text = config().drain_timeout(120).lb(kernel_lb(&[1, 2]));
+    start_kernel(&mut bed, &text).await;
     let mut open = bed
         .client
         .connect(sa(VIP, 80), Duration::from_secs(5))
@@ -744,7 +747,7 @@ async fn a_table_that_cannot_be_written_leaves_the_proxy_serving_until_a_resync_
         "table inet {} {{\n chain prerouting {{ type filter hook prerouting priority 0; policy accept; }}\n}}\n",
         kernel::TABLE
     ));
-    bed.start_daemon(&kernel_config(&[1])).await;
+    bed.start_daemon(&kernel_config(&[1]).to_string()).await;
     let l = served_by_proxy_because(&bed).await;
     assert_eq!(l["forwarding"], "proxy", "{l}");
     assert!(
@@ -848,21 +851,16 @@ async fn source_nat_none_shows_the_backend_the_clients_own_address() {
         .ip(&["route", "add", "203.0.113.0/24", "via", "198.51.100.3"]);
 
     let listener = |name: &str, port: u16, snat: &str| {
-        format!(
-            "  [[load_balancer.listener]]\n  name = \"{name}\"\n  port = {port}\n  backend_port = 300{port}\n  forwarding = \"kernel\"\n  source_nat = \"{snat}\"\n"
-        )
+        Listener::new(name, port, 30000 + port)
+            .forwarding("kernel")
+            .source_nat(snat)
     };
-    let mut lb = format!(
-        "name = \"default/web\"\nvip = \"{VIP}\"\nbackends = [\"{}\"]\n",
-        node_ip(1)
-    );
-    lb.push_str(&listener("keep", 81, "none")); // to nodeport 30081
-    lb.push_str(&listener("hide", 82, "masquerade")); // to nodeport 30082
-    lb.push_str(&format!(
-        "  [load_balancer.health_check]\n  port = {}\n",
-        netns::HEALTH_PORT
-    ));
-    bed.start_daemon(&config("", &[lb])).await;
+    let lb = Lb::new("default/web", VIP)
+        .backends([node_ip(1)])
+        .listener(listener("keep", 81, "none")) // to nodeport 30081
+        .listener(listener("hide", 82, "masquerade")) // to nodeport 30082
+        .health_port(HEALTH_PORT);
+    bed.start_daemon(&config().lb(lb).to_string()).await;
     wait_for(
         Duration::from_secs(10),
         "both listeners in the kernel",
@@ -970,14 +968,11 @@ async fn ipv6_listeners_are_forwarded_by_the_kernel_too() {
             });
         }
     }
-    let lb = format!(
-        "name = \"default/v6\"\nvip = \"{vip6}\"\nbackends = [\"{}\", \"{}\"]\n  [[load_balancer.listener]]\n  name = \"web\"\n  port = 80\n  backend_port = {NODEPORT}\n  forwarding = \"kernel\"\n  [load_balancer.health_check]\n  port = {}\n",
-        node6(1),
-        node6(2),
-        netns::HEALTH_PORT
-    );
-    bed.start_daemon(&config("", &[lb])).await;
-    wait_kernel(&bed).await;
+    let lb = Lb::new("default/v6", vip6)
+        .backends([node6(1), node6(2)])
+        .listener(Listener::new("web", 80, NODEPORT).forwarding("kernel"))
+        .health_port(HEALTH_PORT);
+    start_kernel(&mut bed, &config().lb(lb)).await;
     let mut seen = BTreeMap::new();
     for _ in 0..6 {
         let mut s = connect6(&bed.client, std::net::SocketAddr::new(vip6.into(), 80))
@@ -1001,14 +996,13 @@ async fn ipv6_listeners_are_forwarded_by_the_kernel_too() {
 /// Node `i` answers every datagram on `port` with its name.
 /// `default/dns`: VIP:53/udp over nodes 1 and 2 (nodeport 30053),
 /// forwarded by the kernel, checked on TCP every second.
-fn udp_kernel_config() -> String {
-    let lb = format!(
-        "name = \"default/dns\"\nvip = \"{VIP}\"\nbackends = [\"{}\", \"{}\"]\n  [[load_balancer.listener]]\n  name = \"dns\"\n  port = 53\n  backend_port = 30053\n  protocol = \"udp\"\n  forwarding = \"kernel\"\n  [load_balancer.health_check]\n  port = {}\n  period_seconds = 1\n  timeout_seconds = 1\n  failure_threshold = 1\n",
-        node_ip(1),
-        node_ip(2),
-        netns::HEALTH_PORT
-    );
-    config("", &[lb])
+fn udp_kernel_config() -> Config {
+    let lb = Lb::new("default/dns", VIP)
+        .backends([node_ip(1), node_ip(2)])
+        .listener(Listener::new("dns", 53, 30053).udp().forwarding("kernel"))
+        .health_port(HEALTH_PORT)
+        .health("  period_seconds = 1\n  timeout_seconds = 1\n  failure_threshold = 1");
+    config().lb(lb)
 }
 
 fn udp_teller(bed: &Bed, i: usize, port: u16) -> tokio::task::JoinHandle<()> {
@@ -1039,8 +1033,7 @@ async fn a_udp_client_with_a_fixed_port_moves_off_a_backend_that_left() {
     let mut n2 = Node::start(&bed, 2, Service::NameThenEcho);
     let _u1 = udp_teller(&bed, 1, 30053);
     let _u2 = udp_teller(&bed, 2, 30053);
-    bed.start_daemon(&udp_kernel_config()).await;
-    wait_kernel(&bed).await;
+    start_kernel(&mut bed, &udp_kernel_config()).await;
 
     // One client, one source port, for the whole test.
     let client = in_ns(&bed.client.name, || {
@@ -1135,10 +1128,8 @@ async fn on_backend_down_close_resets_the_open_connections_of_a_failed_backend()
     enable_forwarding(&bed);
     let _n1 = Node::start(&bed, 1, Service::NameThenEcho);
     let mut n2 = Node::start(&bed, 2, Service::NameThenEcho);
-    let text =
-        kernel_config(&[1, 2]).replace("backends = [", "on_backend_down = \"close\"\nbackends = [");
-    bed.start_daemon(&text).await;
-    wait_kernel(&bed).await;
+    let text = config().lb(kernel_lb(&[1, 2]).keys("on_backend_down = \"close\""));
+    start_kernel(&mut bed, &text).await;
     let mut open = open_to(&bed, "n2").await;
     echoes(&mut open, b"before").await.unwrap();
 
@@ -1180,7 +1171,7 @@ async fn a_host_that_does_not_forward_keeps_the_listener_with_the_proxy_and_says
     let mut bed = Bed::new("knofwd", 1);
     // net.ipv4.ip_forward stays 0, as in a new namespace.
     let _n1 = Node::start(&bed, 1, Service::NameThenEcho);
-    bed.start_daemon(&kernel_config(&[1])).await;
+    bed.start_daemon(&kernel_config(&[1]).to_string()).await;
     let l = served_by_proxy_because(&bed).await;
     assert_eq!(l["forwarding"], "proxy", "{l}");
     assert!(
@@ -1273,9 +1264,8 @@ async fn source_ip_keeps_each_client_on_its_node_and_moves_only_the_clients_of_a
         bed.client
             .ip(&["addr", "add", &format!("{c}/32"), "dev", "eth0"]);
     }
-    bed.start_daemon(&kernel_config_with(&[1, 2, 3], "algorithm = \"source_ip\""))
-        .await;
-    wait_kernel(&bed).await;
+    let text = config().lb(kernel_lb(&[1, 2, 3]).keys("algorithm = \"source_ip\""));
+    start_kernel(&mut bed, &text).await;
 
     let before = by_client(&bed, &clients).await;
     assert_eq!(
@@ -1336,12 +1326,10 @@ async fn client_affinity_keeps_a_client_on_its_node_until_that_node_leaves() {
     enable_forwarding(&bed);
     let _n1 = Node::start(&bed, 1, Service::NameThenEcho);
     let _n2 = Node::start(&bed, 2, Service::NameThenEcho);
-    bed.start_daemon(&kernel_config_with(
-        &[1, 2],
-        "session_affinity = \"client_ip\"\naffinity_timeout_seconds = 600",
-    ))
-    .await;
-    wait_kernel(&bed).await;
+    let text = config()
+        .lb(kernel_lb(&[1, 2])
+            .keys("session_affinity = \"client_ip\"\naffinity_timeout_seconds = 600"));
+    start_kernel(&mut bed, &text).await;
 
     // Round robin would alternate; affinity keeps the first answer.
     let first = served_from(&bed, netns::CLIENT_IP).await;
@@ -1388,8 +1376,7 @@ async fn a_stopped_backend_is_out_of_the_kernel_within_the_detection_time() {
     enable_forwarding(&bed);
     let _n1 = Node::start(&bed, 1, Service::NameThenEcho);
     let n2 = Node::start(&bed, 2, Service::NameThenEcho);
-    bed.start_daemon(&kernel_config(&[1, 2])).await;
-    wait_kernel(&bed).await;
+    start_kernel(&mut bed, &kernel_config(&[1, 2])).await;
     assert_eq!(tally(&bed, 4).await, counts(&[("n1", 2), ("n2", 2)]));
 
     // failure_threshold (1) x period (1 s) + timeout (1 s), as the issue
@@ -1426,8 +1413,7 @@ async fn open_kernel_connections_count_as_active_connections_of_their_backend() 
     enable_forwarding(&bed);
     let _n1 = Node::start(&bed, 1, Service::NameThenEcho);
     let _n2 = Node::start(&bed, 2, Service::NameThenEcho);
-    bed.start_daemon(&kernel_config(&[1, 2])).await;
-    wait_kernel(&bed).await;
+    start_kernel(&mut bed, &kernel_config(&[1, 2])).await;
 
     // Five connections held open; the node named by each is its backend.
     let mut open = Vec::new();
@@ -1489,8 +1475,7 @@ async fn kernel_udp_flows_count_as_flows_of_their_backend() {
     let _n2 = Node::start(&bed, 2, Service::NameThenEcho);
     let _u1 = udp_teller(&bed, 1, 30053);
     let _u2 = udp_teller(&bed, 2, 30053);
-    bed.start_daemon(&udp_kernel_config()).await;
-    wait_kernel(&bed).await;
+    start_kernel(&mut bed, &udp_kernel_config()).await;
 
     // Five clients (five source ports), one answered datagram each.
     let mut want: BTreeMap<String, f64> = BTreeMap::new();

@@ -31,17 +31,56 @@ impl Daemon {
         let config = self.lease_vips(config);
         let mut report = ApplyReport::default();
         let drain = config.proxy.drain_timeout;
+        let (global_flows, per_source) = self.set_process_limits(&config);
+        let old_config = st.config.take();
+        // Load balancers first: listeners need their `Arc<LoadBalancer>`.
+        self.apply_load_balancers(st, &config, old_config.as_ref(), drain, &mut report);
+        self.share_limits(st, &config, global_flows);
+        for spec in config.load_balancers.iter().filter(|l| l.dhcp.is_some()) {
+            if let Some(entry) = st.load_balancers.get(&spec.name) {
+                entry.lb.stats().set_lease(self.leases.stats(&spec.name));
+            }
+        }
+        self.apply_listeners(st, &config, drain, per_source, &mut report);
+        self.metrics
+            .set_config_in_force(config.load_balancers.len(), self.prober.streams());
+        self.metrics.set_per_backend_health_check_duration(
+            config.metrics.per_backend_health_check_duration,
+        );
+        st.config = Some(config);
+        self.kernel_wake();
+        self.announce_wake();
+        report
+    }
+
+    /// The process-wide settings of `[proxy]` and `[log]`: the affinity
+    /// table's and the UDP flow table's sizes, the per-source flow cap and the
+    /// connection log's rate. Returns the UDP flow table's size and the
+    /// per-source cap, which the load balancers' shares and UDP listeners use.
+    fn set_process_limits(&self, config: &Config) -> (usize, usize) {
         self.affinity.set_max(config.proxy.max_affinity_entries);
         self.udp_flows
             .set_max(config.proxy.max_udp_flows.map_or_else(
                 || udp::default_max_flows(crate::os::open_file_limit().unwrap_or(1024)),
                 |n| n.get(),
             ));
-        let global_flows = self.udp_flows.max();
         let per_source = config.proxy.max_udp_flows_per_source.get();
         self.udp_per_source.store(per_source, Ordering::Relaxed);
         crate::proxy::log::set_max_lines_per_second(config.log.max_connection_lines_per_second);
-        let old_config = st.config.take();
+        (self.udp_flows.max(), per_source)
+    }
+
+    /// The diff of load balancers against `old_config`: adds new ones,
+    /// updates changed ones in place (recreated when their cluster changed),
+    /// retires those the new config no longer names.
+    fn apply_load_balancers(
+        &self,
+        st: &mut State,
+        config: &Config,
+        old_config: Option<&Config>,
+        drain: Duration,
+        report: &mut ApplyReport,
+    ) {
         // A spec reused from the last file is the same `Arc`, and `Arc`'s
         // equality compares pointers first: unchanged load balancers cost
         // no field-by-field comparison.
@@ -50,8 +89,6 @@ impl Daemon {
             .flat_map(|c| &c.load_balancers)
             .map(|spec| (spec.name.as_str(), spec))
             .collect();
-
-        // Load balancers first: listeners need their `Arc<LoadBalancer>`.
         for spec in &config.load_balancers {
             let old = in_force.get(spec.name.as_str()).copied();
             let recreate = old.is_some_and(|o| o.cluster != spec.cluster);
@@ -86,9 +123,12 @@ impl Daemon {
                 report.load_balancers_removed += 1;
             }
         }
+    }
 
-        // Each load balancer's share of the process-wide caps, so one
-        // tenant cannot hold every slot (`config::default_share`).
+    /// Each load balancer's share of the process-wide caps (connections,
+    /// UDP flows of a table of `global_flows`), so one tenant cannot hold
+    /// every slot (`config::default_share`).
+    fn share_limits(&self, st: &State, config: &Config, global_flows: usize) {
         // A share is split among the load balancers that can use it: those
         // with a listener of its protocol.
         let serving = |protocol: Protocol| {
@@ -118,14 +158,18 @@ impl Daemon {
                     .set_max(share(spec.max_udp_flows, global_flows, udp_count));
             }
         }
+    }
 
-        for spec in config.load_balancers.iter().filter(|l| l.dhcp.is_some()) {
-            if let Some(entry) = st.load_balancers.get(&spec.name) {
-                entry.lb.stats().set_lease(self.leases.stats(&spec.name));
-            }
-        }
-
-        // Listeners: keep sockets that stay, bind new ones, drain removed ones.
+    /// Listeners: keeps sockets that stay, binds new ones, drains removed
+    /// ones, and counts bound and failed ones into `report`.
+    fn apply_listeners(
+        &self,
+        st: &mut State,
+        config: &Config,
+        drain: Duration,
+        per_source: usize,
+        report: &mut ApplyReport,
+    ) {
         let mut desired: HashMap<ListenerKey, (&LoadBalancerSpec, &ListenerSpec)> = HashMap::new();
         for lb in &config.load_balancers {
             if lb.vip.is_unspecified() {
@@ -152,72 +196,7 @@ impl Daemon {
             }
         }
         for (addr, (lb_spec, l_spec)) in desired {
-            let lb = Arc::clone(&st.load_balancers[&lb_spec.name].lb);
-            if let Some(ListenerEntry {
-                socket: Ok(listener),
-                load_balancer,
-                spec,
-                ..
-            }) = st.listeners.get(&addr)
-                && *load_balancer == lb_spec.name
-                && spec == l_spec
-                && Arc::ptr_eq(&listener.route().lb, &lb)
-                && listener.udp_settings().is_none_or(|u| u == lb_spec.udp)
-            {
-                if let Ok(Running::Udp(l)) = &st.listeners[&addr].socket {
-                    l.set_per_source(per_source);
-                }
-                continue; // The same route would be built again.
-            }
-            let route = self.route(&lb, l_spec);
-            let stats = Arc::clone(&route.stats);
-            match st.listeners.get_mut(&addr) {
-                Some(ListenerEntry {
-                    socket: Ok(listener),
-                    load_balancer,
-                    spec,
-                    stats: serving,
-                }) => {
-                    match listener {
-                        Running::Tcp(l) => {
-                            l.set_route(route);
-                            let options = ListenerOptions::of(l_spec);
-                            if options != ListenerOptions::of(spec) {
-                                l.set_options(&options);
-                            }
-                        }
-                        Running::Udp(l) => {
-                            l.set_route(route, lb_spec.udp);
-                            l.set_per_source(per_source);
-                        }
-                    }
-                    *load_balancer = lb_spec.name.clone();
-                    *spec = l_spec.clone();
-                    if !Arc::ptr_eq(serving, &stats) {
-                        // Renamed, or now another load balancer's.
-                        serving.up.clear();
-                        *serving = stats;
-                    }
-                }
-                _ => {
-                    let socket = self.start_listener(
-                        addr,
-                        route,
-                        ListenerOptions::of(l_spec),
-                        lb_spec.udp,
-                        config.proxy.backlog,
-                    );
-                    st.listeners.insert(
-                        addr,
-                        ListenerEntry {
-                            load_balancer: lb_spec.name.clone(),
-                            spec: l_spec.clone(),
-                            socket,
-                            stats,
-                        },
-                    );
-                }
-            }
+            self.apply_listener(st, addr, lb_spec, l_spec, per_source, config.proxy.backlog);
         }
         // After every removal above: a listener's identity may have moved
         // to another VIP:port, whose entry must not be cleared after it is set.
@@ -229,15 +208,86 @@ impl Daemon {
                 report.listeners_failed += 1;
             }
         }
-        self.metrics
-            .set_config_in_force(config.load_balancers.len(), self.prober.streams());
-        self.metrics.set_per_backend_health_check_duration(
-            config.metrics.per_backend_health_check_duration,
-        );
-        st.config = Some(config);
-        self.kernel_wake();
-        self.announce_wake();
-        report
+    }
+
+    /// One listener the config wants at `addr`: left alone when the same
+    /// route would be built again, re-routed in place when its socket is
+    /// bound, bound (or tried again) otherwise.
+    fn apply_listener(
+        &self,
+        st: &mut State,
+        addr: ListenerKey,
+        lb_spec: &LoadBalancerSpec,
+        l_spec: &ListenerSpec,
+        per_source: usize,
+        backlog: u32,
+    ) {
+        let lb = Arc::clone(&st.load_balancers[&lb_spec.name].lb);
+        if let Some(ListenerEntry {
+            socket: Ok(listener),
+            load_balancer,
+            spec,
+            ..
+        }) = st.listeners.get(&addr)
+            && *load_balancer == lb_spec.name
+            && spec == l_spec
+            && Arc::ptr_eq(&listener.route().lb, &lb)
+            && listener.udp_settings().is_none_or(|u| u == lb_spec.udp)
+        {
+            if let Ok(Running::Udp(l)) = &st.listeners[&addr].socket {
+                l.set_per_source(per_source);
+            }
+            return; // The same route would be built again.
+        }
+        let route = self.route(&lb, l_spec);
+        let stats = Arc::clone(&route.stats);
+        match st.listeners.get_mut(&addr) {
+            Some(ListenerEntry {
+                socket: Ok(listener),
+                load_balancer,
+                spec,
+                stats: serving,
+            }) => {
+                match listener {
+                    Running::Tcp(l) => {
+                        l.set_route(route);
+                        let options = ListenerOptions::of(l_spec);
+                        if options != ListenerOptions::of(spec) {
+                            l.set_options(&options);
+                        }
+                    }
+                    Running::Udp(l) => {
+                        l.set_route(route, lb_spec.udp);
+                        l.set_per_source(per_source);
+                    }
+                }
+                *load_balancer = lb_spec.name.clone();
+                *spec = l_spec.clone();
+                if !Arc::ptr_eq(serving, &stats) {
+                    // Renamed, or now another load balancer's.
+                    serving.up.clear();
+                    *serving = stats;
+                }
+            }
+            _ => {
+                let socket = self.start_listener(
+                    addr,
+                    route,
+                    ListenerOptions::of(l_spec),
+                    lb_spec.udp,
+                    backlog,
+                );
+                st.listeners.insert(
+                    addr,
+                    ListenerEntry {
+                        load_balancer: lb_spec.name.clone(),
+                        spec: l_spec.clone(),
+                        socket,
+                        stats,
+                    },
+                );
+            }
+        }
     }
 
     /// Tries again to bind listeners that failed (address in use, say).

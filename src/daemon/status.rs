@@ -7,10 +7,13 @@ use std::time::SystemTime;
 
 use serde::Serialize;
 
-use super::Daemon;
 use super::announce::{AnnounceStatus, LbAnnounceStatus};
-use crate::balancer::AdminState;
-use crate::config::{Algorithm, CheckKind, Ipam, Protocol, ProxyProtocol};
+use super::{Daemon, LbEntry, State};
+use crate::balancer::{AdminState, Backend, Snapshot};
+use crate::config::{
+    Algorithm, CheckKind, DhcpSpec, Forwarding, Ipam, ListenerSpec, LoadBalancerSpec, Protocol,
+    ProxyProtocol,
+};
 use crate::health::Health;
 use crate::health::prober::{TargetKey, TargetStatus};
 use crate::vip::isolate::IsolationStatus;
@@ -20,181 +23,18 @@ impl Daemon {
     pub fn status(&self) -> StatusDoc {
         let announce = self.announce_status();
         let st = self.lock();
-        let mut load_balancers = Vec::new();
         let specs = st
             .config
             .as_ref()
             .map(|c| c.load_balancers.as_slice())
             .unwrap_or(&[]);
-        for spec in specs {
-            let Some(entry) = st.load_balancers.get(&spec.name) else {
-                continue;
-            };
-            let snapshot = entry.lb.snapshot();
-            let eligible = snapshot.eligible.len();
-            // UDP flows per backend, all UDP listeners of this load balancer.
-            let mut udp_flows: Option<HashMap<IpAddr, usize>> = None;
-            for l in spec
-                .listeners
-                .iter()
-                .filter(|l| l.protocol == Protocol::Udp)
-            {
-                let counts = udp_flows.get_or_insert_with(HashMap::new);
-                if let Some(Ok(running)) =
-                    st.listeners.get(&spec.listener_key(l)).map(|e| &e.socket)
-                {
-                    for (ip, s) in running.route().stats.udp().backends() {
-                        *counts.entry(ip).or_insert(0) +=
-                            usize::try_from(s.flows_active.get()).unwrap_or(0);
-                    }
-                }
-            }
-            let listeners = spec
-                .listeners
-                .iter()
-                .map(|l| {
-                    let addr = spec.listen_addr(l);
-                    let le = st.listeners.get(&spec.listener_key(l));
-                    let open = le
-                        .and_then(|e| e.socket.as_ref().ok())
-                        .map_or(0, |s| s.open_connections());
-                    ListenerStatus {
-                        name: l.name.clone(),
-                        address: addr,
-                        backend_port: l.backend_port,
-                        protocol: l.protocol.as_str(),
-                        proxy_protocol: l.proxy_protocol.map(|v| match v {
-                            ProxyProtocol::V1 => "v1",
-                            ProxyProtocol::V2 => "v2",
-                        }),
-                        state: match le.map(|e| &e.socket) {
-                            Some(Ok(_)) => "listening",
-                            None if spec.vip.is_unspecified() => "waiting_for_lease",
-                            _ => "failed",
-                        },
-                        error: le.and_then(|e| e.socket.as_ref().err().map(ToString::to_string)),
-                        active_connections: if l.protocol == Protocol::Tcp { open } else { 0 },
-                        active_flows: (l.protocol == Protocol::Udp).then_some(open),
-                        eligible_backends: snapshot.eligible_for(l.backend_port).len(),
-                        forwarding: if l.forwarding == crate::config::Forwarding::Kernel
-                            && self.kernel.forwards(&(spec.vip, l.protocol, l.port))
-                        {
-                            "kernel"
-                        } else {
-                            "proxy"
-                        },
-                        kernel_error: (l.forwarding == crate::config::Forwarding::Kernel)
-                            .then(|| {
-                                self.kernel
-                                    .error()
-                                    .or_else(|| self.forwarding_blocked(spec.vip))
-                            })
-                            .flatten(),
-                    }
-                })
-                .collect();
-            let backends = spec
-                .backends
-                .iter()
-                .map(|ip| {
-                    let b = &entry.backends[ip];
-                    let probe = self
-                        .prober
-                        .get(&TargetKey::new(&spec.name, *ip, None))
-                        .map(|t| t.status());
-                    let ports = b
-                        .checked_ports()
-                        .into_iter()
-                        .map(|port| PortStatus {
-                            backend_port: port,
-                            listeners: spec
-                                .listeners
-                                .iter()
-                                .filter(|l| l.backend_port == port)
-                                .map(|l| l.name.clone())
-                                .collect(),
-                            health: health_of(b.is_healthy_on(port)),
-                            eligible: b.is_eligible_on(port),
-                            probe: self
-                                .prober
-                                .get(&TargetKey::new(&spec.name, *ip, Some(port)))
-                                .map(|t| t.status()),
-                        })
-                        .collect();
-                    BackendStatus {
-                        address: *ip,
-                        health: health_of(b.is_healthy()),
-                        admin_state: b.admin_state(),
-                        eligible: b.is_eligible(),
-                        active_connections: b.active_connections(),
-                        active_flows: udp_flows.as_ref().map(|m| m.get(ip).copied().unwrap_or(0)),
-                        probe,
-                        ports,
-                    }
-                })
-                .collect();
-            load_balancers.push(LoadBalancerStatus {
-                name: spec.name.clone(),
-                cluster: spec.cluster.clone(),
-                vip: spec.vip,
-                ipam: match spec.ipam {
-                    Ipam::Pool => "pool",
-                    Ipam::Dhcp => "dhcp",
-                },
-                algorithm: match spec.algorithm {
-                    Algorithm::RoundRobin => "round_robin",
-                    Algorithm::LeastConnections => "least_connections",
-                    Algorithm::SourceIp => "source_ip",
-                },
-                health_check: spec.health_check.is_some(),
-                health_check_port: spec.health_check.as_ref().and_then(|hc| hc.port),
-                health_check_per_listener: spec
-                    .health_check
-                    .as_ref()
-                    .is_some_and(|hc| hc.port.is_none()),
-                health_check_kind: spec.health_check.as_ref().map(|hc| match hc.check {
-                    CheckKind::TcpConnect => "tcp",
-                    CheckKind::Http(_) => "http",
-                }),
-                session_affinity: if spec.affinity_timeout.is_some() {
-                    "client_ip"
-                } else {
-                    "none"
-                },
-                affinity_entries: spec
-                    .affinity_timeout
-                    .and(entry.lb.affinity())
-                    .map(|table| table.len()),
-                source_ranges: spec
-                    .source_ranges
-                    .ranges()
-                    .iter()
-                    .map(|n| n.to_string())
-                    .collect(),
-                eligible_backends: eligible,
-                dhcp: spec.dhcp.as_ref().map(|d| {
-                    let lease = self.leases.stats(&spec.name);
-                    LeaseStatus {
-                        interface: self.leases.interface(&spec.name).unwrap_or_default(),
-                        parent: d.interface.clone(),
-                        mac: crate::vip::dhcp::state::colons(d.mac),
-                        hostname: d.hostname.clone(),
-                        state: lease.as_ref().map_or("init", |l| l.phase_name()),
-                        address: lease.as_ref().and_then(|l| l.address()),
-                        server: lease.as_ref().and_then(|l| l.server()),
-                        expires_unix: lease.as_ref().and_then(|l| l.expiry_unix()),
-                        renew_at_unix: lease.as_ref().and_then(|l| l.renew_at_unix()),
-                        leases_acquired: lease.as_ref().map_or(0, |l| l.acquired.get()),
-                        renewals: lease.as_ref().map_or(0, |l| l.renewals.get()),
-                        naks: lease.as_ref().map_or(0, |l| l.naks.get()),
-                        address_changes: lease.as_ref().map_or(0, |l| l.address_changes.get()),
-                    }
-                }),
-                announce: announce.as_ref().and_then(|a| a.for_vip(spec.vip)),
-                listeners,
-                backends,
-            });
-        }
+        let load_balancers = specs
+            .iter()
+            .filter_map(|spec| {
+                let entry = st.load_balancers.get(&spec.name)?;
+                Some(self.load_balancer_status(&st, spec, entry, announce.as_ref()))
+            })
+            .collect();
         let missing_since_unix = st.file_missing_since.map(|t| {
             t.duration_since(SystemTime::UNIX_EPOCH)
                 .map_or(0.0, |d| d.as_secs_f64())
@@ -215,6 +55,202 @@ impl Daemon {
             announce,
         }
     }
+
+    /// One load balancer's entry of `/status`: its spec as configured, and
+    /// its listeners, backends and lease as they are now.
+    fn load_balancer_status(
+        &self,
+        st: &State,
+        spec: &LoadBalancerSpec,
+        entry: &LbEntry,
+        announce: Option<&AnnounceStatus>,
+    ) -> LoadBalancerStatus {
+        let snapshot = entry.lb.snapshot();
+        let udp_flows = udp_flows_per_backend(st, spec);
+        LoadBalancerStatus {
+            name: spec.name.clone(),
+            cluster: spec.cluster.clone(),
+            vip: spec.vip,
+            ipam: match spec.ipam {
+                Ipam::Pool => "pool",
+                Ipam::Dhcp => "dhcp",
+            },
+            algorithm: match spec.algorithm {
+                Algorithm::RoundRobin => "round_robin",
+                Algorithm::LeastConnections => "least_connections",
+                Algorithm::SourceIp => "source_ip",
+            },
+            health_check: spec.health_check.is_some(),
+            health_check_port: spec.health_check.as_ref().and_then(|hc| hc.port),
+            health_check_per_listener: spec
+                .health_check
+                .as_ref()
+                .is_some_and(|hc| hc.port.is_none()),
+            health_check_kind: spec.health_check.as_ref().map(|hc| match hc.check {
+                CheckKind::TcpConnect => "tcp",
+                CheckKind::Http(_) => "http",
+            }),
+            session_affinity: if spec.affinity_timeout.is_some() {
+                "client_ip"
+            } else {
+                "none"
+            },
+            affinity_entries: spec
+                .affinity_timeout
+                .and(entry.lb.affinity())
+                .map(|table| table.len()),
+            source_ranges: spec
+                .source_ranges
+                .ranges()
+                .iter()
+                .map(|n| n.to_string())
+                .collect(),
+            eligible_backends: snapshot.eligible.len(),
+            dhcp: spec.dhcp.as_ref().map(|d| self.lease_status(spec, d)),
+            announce: announce.and_then(|a| a.for_vip(spec.vip)),
+            listeners: spec
+                .listeners
+                .iter()
+                .map(|l| self.listener_status(st, spec, l, &snapshot))
+                .collect(),
+            backends: spec
+                .backends
+                .iter()
+                .map(|ip| self.backend_status(spec, &entry.backends[ip], *ip, udp_flows.as_ref()))
+                .collect(),
+        }
+    }
+
+    /// Listener `l` of load balancer `spec`: its socket's state, what it
+    /// holds open, and which forwarding path serves it.
+    fn listener_status(
+        &self,
+        st: &State,
+        spec: &LoadBalancerSpec,
+        l: &ListenerSpec,
+        snapshot: &Snapshot,
+    ) -> ListenerStatus {
+        let le = st.listeners.get(&spec.listener_key(l));
+        let open = le
+            .and_then(|e| e.socket.as_ref().ok())
+            .map_or(0, |s| s.open_connections());
+        let kernel = l.forwarding == Forwarding::Kernel;
+        ListenerStatus {
+            name: l.name.clone(),
+            address: spec.listen_addr(l),
+            backend_port: l.backend_port,
+            protocol: l.protocol.as_str(),
+            proxy_protocol: l.proxy_protocol.map(|v| match v {
+                ProxyProtocol::V1 => "v1",
+                ProxyProtocol::V2 => "v2",
+            }),
+            state: match le.map(|e| &e.socket) {
+                Some(Ok(_)) => "listening",
+                None if spec.vip.is_unspecified() => "waiting_for_lease",
+                _ => "failed",
+            },
+            error: le.and_then(|e| e.socket.as_ref().err().map(ToString::to_string)),
+            active_connections: if l.protocol == Protocol::Tcp { open } else { 0 },
+            active_flows: (l.protocol == Protocol::Udp).then_some(open),
+            eligible_backends: snapshot.eligible_for(l.backend_port).len(),
+            forwarding: if kernel && self.kernel.forwards(&(spec.vip, l.protocol, l.port)) {
+                "kernel"
+            } else {
+                "proxy"
+            },
+            kernel_error: kernel
+                .then(|| {
+                    self.kernel
+                        .error()
+                        .or_else(|| self.forwarding_blocked(spec.vip))
+                })
+                .flatten(),
+        }
+    }
+
+    /// Backend `ip` of load balancer `spec`: its health, admin state and
+    /// load, with its probe and, under per-listener checks, each port's.
+    fn backend_status(
+        &self,
+        spec: &LoadBalancerSpec,
+        b: &Backend,
+        ip: IpAddr,
+        udp_flows: Option<&HashMap<IpAddr, usize>>,
+    ) -> BackendStatus {
+        let ports = b
+            .checked_ports()
+            .into_iter()
+            .map(|port| PortStatus {
+                backend_port: port,
+                listeners: spec
+                    .listeners
+                    .iter()
+                    .filter(|l| l.backend_port == port)
+                    .map(|l| l.name.clone())
+                    .collect(),
+                health: health_of(b.is_healthy_on(port)),
+                eligible: b.is_eligible_on(port),
+                probe: self
+                    .prober
+                    .get(&TargetKey::new(&spec.name, ip, Some(port)))
+                    .map(|t| t.status()),
+            })
+            .collect();
+        BackendStatus {
+            address: ip,
+            health: health_of(b.is_healthy()),
+            admin_state: b.admin_state(),
+            eligible: b.is_eligible(),
+            active_connections: b.active_connections(),
+            active_flows: udp_flows.map(|m| m.get(&ip).copied().unwrap_or(0)),
+            probe: self
+                .prober
+                .get(&TargetKey::new(&spec.name, ip, None))
+                .map(|t| t.status()),
+            ports,
+        }
+    }
+
+    /// The DHCP lease of load balancer `spec` (`ipam = "dhcp"`), `init`
+    /// until the client has one.
+    fn lease_status(&self, spec: &LoadBalancerSpec, d: &DhcpSpec) -> LeaseStatus {
+        let lease = self.leases.stats(&spec.name);
+        LeaseStatus {
+            interface: self.leases.interface(&spec.name).unwrap_or_default(),
+            parent: d.interface.clone(),
+            mac: crate::vip::dhcp::state::colons(d.mac),
+            hostname: d.hostname.clone(),
+            state: lease.as_ref().map_or("init", |l| l.phase_name()),
+            address: lease.as_ref().and_then(|l| l.address()),
+            server: lease.as_ref().and_then(|l| l.server()),
+            expires_unix: lease.as_ref().and_then(|l| l.expiry_unix()),
+            renew_at_unix: lease.as_ref().and_then(|l| l.renew_at_unix()),
+            leases_acquired: lease.as_ref().map_or(0, |l| l.acquired.get()),
+            renewals: lease.as_ref().map_or(0, |l| l.renewals.get()),
+            naks: lease.as_ref().map_or(0, |l| l.naks.get()),
+            address_changes: lease.as_ref().map_or(0, |l| l.address_changes.get()),
+        }
+    }
+}
+
+/// UDP flows per backend over all UDP listeners of load balancer `spec`;
+/// `None` when it has no UDP listener (so `/status` leaves the field out).
+fn udp_flows_per_backend(st: &State, spec: &LoadBalancerSpec) -> Option<HashMap<IpAddr, usize>> {
+    let mut udp_flows: Option<HashMap<IpAddr, usize>> = None;
+    for l in spec
+        .listeners
+        .iter()
+        .filter(|l| l.protocol == Protocol::Udp)
+    {
+        let counts = udp_flows.get_or_insert_with(HashMap::new);
+        if let Some(Ok(running)) = st.listeners.get(&spec.listener_key(l)).map(|e| &e.socket) {
+            for (ip, s) in running.route().stats.udp().backends() {
+                *counts.entry(ip).or_insert(0) +=
+                    usize::try_from(s.flows_active.get()).unwrap_or(0);
+            }
+        }
+    }
+    udp_flows
 }
 
 /// `/status`: the whole picture an on-call engineer needs.

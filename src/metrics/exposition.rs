@@ -386,15 +386,6 @@ impl Exposition {
     /// The daemon-wide families.
     fn daemon(&self, buf: &mut Vec<u8>) {
         let m = &self.metrics;
-        let gauge = |buf: &mut Vec<u8>, family: &'static Family, value: &dyn Display| {
-            let mut headed = false;
-            Out {
-                buf,
-                family,
-                headed: &mut headed,
-            }
-            .sample("", |_| {}, value);
-        };
         let load = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
         gauge(
             buf,
@@ -427,111 +418,8 @@ impl Exposition {
                 );
             }
         }
-        match m.kernel_up.load(Ordering::Relaxed) {
-            0 => {}
-            v => {
-                gauge(buf, &names::KERNEL_FORWARDING_UP, &u64::from(v == 1));
-                gauge(
-                    buf,
-                    &names::KERNEL_SYNC_DURATION,
-                    &f64::from_bits(load(&m.kernel_sync_seconds)),
-                );
-                let mut headed = false;
-                let mut out = Out {
-                    buf,
-                    family: &names::KERNEL_SYNCS,
-                    headed: &mut headed,
-                };
-                for (result, c) in [
-                    ("success", &m.kernel_syncs_ok),
-                    ("failure", &m.kernel_syncs_failed),
-                ] {
-                    out.sample("", |b| label_first(b, "result", result), c.get());
-                }
-                if let Some((count, max)) = crate::os::conntrack_usage() {
-                    gauge(buf, &names::CONNTRACK_ENTRIES, &count);
-                    gauge(buf, &names::CONNTRACK_MAX, &max);
-                }
-            }
-        }
-        let kernel = m
-            .kernel_backends
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone();
-        if !kernel.is_empty() {
-            let mut headed = false;
-            let mut out = Out {
-                buf,
-                family: &names::KERNEL_BACKEND_CONNECTIONS,
-                headed: &mut headed,
-            };
-            for k in &kernel {
-                out.sample(
-                    "",
-                    |b| {
-                        label_first(b, "cluster", &k.cluster);
-                        label(b, "load_balancer", &k.load_balancer);
-                        label(b, "listener", &k.listener);
-                        label(b, "backend", &k.backend.to_string());
-                    },
-                    k.connections,
-                );
-            }
-        }
-        let announce = m.announce.lock().unwrap_or_else(|p| p.into_inner()).clone();
-        if let Some(vips) = announce {
-            let mut headed = false;
-            let mut out = Out {
-                buf,
-                family: &names::VIP_ANNOUNCED,
-                headed: &mut headed,
-            };
-            for v in &vips {
-                out.sample(
-                    "",
-                    |b| label_first(b, "vip", &v.vip.to_string()),
-                    u64::from(v.announced),
-                );
-            }
-            let mut headed = false;
-            let mut out = Out {
-                buf,
-                family: &names::VIP_ANNOUNCE_TRANSITIONS,
-                headed: &mut headed,
-            };
-            for v in &vips {
-                for (direction, n) in [("announce", v.announces), ("withdraw", v.withdrawals)] {
-                    out.sample(
-                        "",
-                        |b| {
-                            label_first(b, "vip", &v.vip.to_string());
-                            label(b, "direction", direction);
-                        },
-                        n,
-                    );
-                }
-            }
-            let mut headed = false;
-            let mut out = Out {
-                buf,
-                family: &names::VIP_ANNOUNCE_REASON,
-                headed: &mut headed,
-            };
-            for v in &vips {
-                for reason in super::ANNOUNCE_REASONS {
-                    out.sample(
-                        "",
-                        |b| {
-                            label_first(b, "vip", &v.vip.to_string());
-                            label(b, "reason", reason);
-                        },
-                        u64::from(v.reason == Some(reason)),
-                    );
-                }
-            }
-            gauge(buf, &names::VIP_ANNOUNCE_ERRORS, &m.announce_errors.get());
-        }
+        self.kernel_families(buf);
+        self.announce_families(buf);
         let limit = load(&m.connection_limit);
         if limit > 0 {
             gauge(buf, &names::CONNECTIONS_LIMIT, &limit);
@@ -587,6 +475,135 @@ impl Exposition {
             .histogram(&m.probe_duration, |_| {});
         }
     }
+
+    /// The kernel forwarder's families, when it runs: whether it is up, its
+    /// syncs, conntrack's use and the connections per backend.
+    fn kernel_families(&self, buf: &mut Vec<u8>) {
+        let m = &self.metrics;
+        let load = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
+        match m.kernel_up.load(Ordering::Relaxed) {
+            0 => {}
+            v => {
+                gauge(buf, &names::KERNEL_FORWARDING_UP, &u64::from(v == 1));
+                gauge(
+                    buf,
+                    &names::KERNEL_SYNC_DURATION,
+                    &f64::from_bits(load(&m.kernel_sync_seconds)),
+                );
+                let mut headed = false;
+                let mut out = Out {
+                    buf,
+                    family: &names::KERNEL_SYNCS,
+                    headed: &mut headed,
+                };
+                for (result, c) in [
+                    ("success", &m.kernel_syncs_ok),
+                    ("failure", &m.kernel_syncs_failed),
+                ] {
+                    out.sample("", |b| label_first(b, "result", result), c.get());
+                }
+                if let Some((count, max)) = crate::os::conntrack_usage() {
+                    gauge(buf, &names::CONNTRACK_ENTRIES, &count);
+                    gauge(buf, &names::CONNTRACK_MAX, &max);
+                }
+            }
+        }
+        let kernel = m
+            .kernel_backends
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        if !kernel.is_empty() {
+            let mut headed = false;
+            let mut out = Out {
+                buf,
+                family: &names::KERNEL_BACKEND_CONNECTIONS,
+                headed: &mut headed,
+            };
+            for k in &kernel {
+                out.sample(
+                    "",
+                    |b| {
+                        label_first(b, "cluster", &k.cluster);
+                        label(b, "load_balancer", &k.load_balancer);
+                        label(b, "listener", &k.listener);
+                        label(b, "backend", &k.backend.to_string());
+                    },
+                    k.connections,
+                );
+            }
+        }
+    }
+
+    /// The VIP announcer's families, when it runs: per VIP whether it is
+    /// announced, its transitions and the reason, and its errors.
+    fn announce_families(&self, buf: &mut Vec<u8>) {
+        let m = &self.metrics;
+        let announce = m.announce.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        if let Some(vips) = announce {
+            let mut headed = false;
+            let mut out = Out {
+                buf,
+                family: &names::VIP_ANNOUNCED,
+                headed: &mut headed,
+            };
+            for v in &vips {
+                out.sample(
+                    "",
+                    |b| label_first(b, "vip", &v.vip.to_string()),
+                    u64::from(v.announced),
+                );
+            }
+            let mut headed = false;
+            let mut out = Out {
+                buf,
+                family: &names::VIP_ANNOUNCE_TRANSITIONS,
+                headed: &mut headed,
+            };
+            for v in &vips {
+                for (direction, n) in [("announce", v.announces), ("withdraw", v.withdrawals)] {
+                    out.sample(
+                        "",
+                        |b| {
+                            label_first(b, "vip", &v.vip.to_string());
+                            label(b, "direction", direction);
+                        },
+                        n,
+                    );
+                }
+            }
+            let mut headed = false;
+            let mut out = Out {
+                buf,
+                family: &names::VIP_ANNOUNCE_REASON,
+                headed: &mut headed,
+            };
+            for v in &vips {
+                for reason in super::ANNOUNCE_REASONS {
+                    out.sample(
+                        "",
+                        |b| {
+                            label_first(b, "vip", &v.vip.to_string());
+                            label(b, "reason", reason);
+                        },
+                        u64::from(v.reason == Some(reason)),
+                    );
+                }
+            }
+            gauge(buf, &names::VIP_ANNOUNCE_ERRORS, &m.announce_errors.get());
+        }
+    }
+}
+
+/// One sample of a family without labels (a daemon-wide gauge), with its header.
+fn gauge(buf: &mut Vec<u8>, family: &'static Family, value: &dyn Display) {
+    let mut headed = false;
+    Out {
+        buf,
+        family,
+        headed: &mut headed,
+    }
+    .sample("", |_| {}, value);
 }
 
 fn step_family(step: &Step) -> &'static Family {

@@ -10,7 +10,7 @@ use crate::netns::peers::{
     Exchange, Node, Service, Tally, exchange, load, load_with, time_to_refusal,
 };
 use crate::netns::{
-    Bed, HEALTH_PORT, NODEPORT, VIP, VIP2, backend_of, config, lb, metric, node_ip, sa,
+    Bed, HEALTH_PORT, NODEPORT, VIP, VIP2, backend_of, config, metric, node_ip, probed, sa,
 };
 use crate::require_netns;
 
@@ -32,25 +32,12 @@ async fn netns_blackholed_node_is_detected_and_clients_redispatched() {
     let nodes: Vec<Node> = (1..=3)
         .map(|i| Node::start(&bed, i, Service::NameThenEcho))
         .collect();
-    let cfg = config(
-        "drain_timeout_seconds = 1",
-        &[
-            lb(
-                "f1/retry",
-                VIP,
-                &[1, 2, 3],
-                "connect_timeout_ms = 300",
-                Some(HEALTH_1S),
-            ),
-            lb(
-                "f1/single",
-                VIP2,
-                &[1, 2, 3],
-                "connect_timeout_ms = 300\nconnect_attempts = 1",
-                Some(HEALTH_1S),
-            ),
-        ],
-    );
+    let cfg = config()
+        .drain_timeout(1)
+        .lb(probed("f1/retry", VIP, &[1, 2, 3], HEALTH_1S).keys("connect_timeout_ms = 300"))
+        .lb(probed("f1/single", VIP2, &[1, 2, 3], HEALTH_1S)
+            .keys("connect_timeout_ms = 300\nconnect_attempts = 1"))
+        .to_string();
     bed.start_daemon(&cfg).await;
     let d = bed.daemon();
     let (v1, v2) = (sa(VIP, 80), sa(VIP2, 80));
@@ -241,13 +228,11 @@ async fn netns_refusing_or_resetting_nodeport_is_retried_elsewhere() {
     bed.reject_with_reset(2, NODEPORT);
     let n3 = Node::start(&bed, 3, Service::ResetOnAccept);
     let n4 = Node::start(&bed, 4, Service::NameThenEcho);
-    let cfg = config(
-        "drain_timeout_seconds = 1",
-        &[
-            lb("f2/refuse", VIP, &[1, 2, 4], "", Some(HEALTH_1S)),
-            lb("f2/reset", VIP2, &[3, 4], "", Some(HEALTH_1S)),
-        ],
-    );
+    let cfg = config()
+        .drain_timeout(1)
+        .lb(probed("f2/refuse", VIP, &[1, 2, 4], HEALTH_1S))
+        .lb(probed("f2/reset", VIP2, &[3, 4], HEALTH_1S))
+        .to_string();
     bed.start_daemon(&cfg).await;
     let d = bed.daemon();
     let stop = Arc::new(AtomicBool::new(false));
@@ -349,10 +334,10 @@ async fn netns_all_nodes_down_refuses_fast_and_recovers() {
         .map(|i| Node::start(&bed, i, Service::NameThenEcho))
         .collect();
     let h = "  period_seconds = 1\n  timeout_seconds = 1\n  success_threshold = 2\n  failure_threshold = 2";
-    let cfg = config(
-        "drain_timeout_seconds = 1",
-        &[lb("f6/all", VIP, &[1, 2, 3], "", Some(h))],
-    );
+    let cfg = config()
+        .drain_timeout(1)
+        .lb(probed("f6/all", VIP, &[1, 2, 3], h))
+        .to_string();
     bed.start_daemon(&cfg).await;
     let d = bed.daemon();
     let v = sa(VIP, 80);
@@ -674,10 +659,10 @@ async fn netns_flapping_node_transitions_follow_thresholds_exactly() {
     let _n1 = Node::start(&bed, 1, Service::NameThenEcho);
     let mut n2 = Node::start(&bed, 2, Service::NameThenEcho);
     let h = "  period_seconds = 1\n  timeout_seconds = 1\n  success_threshold = 2\n  failure_threshold = 2";
-    let cfg = config(
-        "drain_timeout_seconds = 1",
-        &[lb("f5/flap", VIP, &[1, 2], "", Some(h))],
-    );
+    let cfg = config()
+        .drain_timeout(1)
+        .lb(probed("f5/flap", VIP, &[1, 2], h))
+        .to_string();
     bed.start_daemon(&cfg).await;
     let d = bed.daemon();
     // Start from a settled state: a few probes done.
@@ -888,13 +873,11 @@ async fn netns_lossy_slow_path_probes_follow_thresholds() {
     }
     let tolerant = "  period_seconds = 1\n  timeout_seconds = 1\n  success_threshold = 1\n  failure_threshold = 3";
     let twitchy = "  period_seconds = 1\n  timeout_seconds = 1\n  success_threshold = 1\n  failure_threshold = 1";
-    let cfg = config(
-        "drain_timeout_seconds = 1",
-        &[
-            lb("f4/tolerant", VIP, &[1, 2], "", Some(tolerant)),
-            lb("f4/twitchy", VIP2, &[1, 2], "", Some(twitchy)),
-        ],
-    );
+    let cfg = config()
+        .drain_timeout(1)
+        .lb(probed("f4/tolerant", VIP, &[1, 2], tolerant))
+        .lb(probed("f4/twitchy", VIP2, &[1, 2], twitchy))
+        .to_string();
     bed.start_daemon(&cfg).await;
     let d = bed.daemon();
     wait_probes(d, "f4/tolerant", 2, 1).await;

@@ -253,14 +253,11 @@ impl Pair {
         let (b, _) = bed.add_host("b", HOST_B);
         let daemon = |bed: &Bed, ns: &Ns, name: &str| {
             let socket = bed.dir.join(format!("admin-{name}.sock"));
-            let text = config(
-                "",
-                &[
-                    lb("default/vip1", VIP1, &[1, 2], "", None),
-                    lb("default/vip2", VIP2, &[1, 2], "", None),
-                ],
-            )
-            .replacen("[admin]\n", &format!("[admin]\nsocket = {socket:?}\n"), 1);
+            let text = config()
+                .socket(&socket)
+                .lb(lb("default/vip1", VIP1, &[1, 2]))
+                .lb(lb("default/vip2", VIP2, &[1, 2]))
+                .to_string();
             let path = bed.write(&format!("config-{name}.toml"), &text);
             DaemonProc::spawn(ns, &path, &bed.dir.join(format!("daemon-{name}.log")), None)
         };

@@ -7,9 +7,9 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
 use crate::netns::peers::{Exchange, Node, Service, exchange, read_line};
-use crate::netns::{Bed, VIP, config, lb, metric, node_ip, sa, wait_for};
+use crate::netns::{Bed, VIP, config, metric, node_ip, probed, sa, wait_for};
 use crate::require_netns;
-use crate::support::{Config, Lb};
+use crate::support::Lb;
 
 const HEALTH: &str =
     "  period_seconds = 1\n  timeout_seconds = 1\n  success_threshold = 1\n  failure_threshold = 3";
@@ -81,16 +81,11 @@ async fn netns_descriptor_exhaustion_backs_off_and_resumes() {
     let _nodes: Vec<Node> = (1..=2)
         .map(|i| Node::start(&bed, i, Service::NameThenEcho))
         .collect();
-    let cfg = config(
-        "drain_timeout_seconds = 1\nmax_connections = 1000",
-        &[lb(
-            "f7/fds",
-            VIP,
-            &[1, 2],
-            "connect_timeout_ms = 10000",
-            Some(HEALTH),
-        )],
-    );
+    let cfg = config()
+        .drain_timeout(1)
+        .proxy("max_connections = 1000")
+        .lb(probed("f7/fds", VIP, &[1, 2], HEALTH).keys("connect_timeout_ms = 10000"))
+        .to_string();
     bed.start_daemon_with(&cfg, Some(200)).await;
     let base_fds = bed.daemon().open_fds();
     let clients = connect_many(&bed, 120).await;
@@ -239,10 +234,10 @@ async fn netns_thousands_of_idle_clients() {
     let _nodes: Vec<Node> = (1..=2)
         .map(|i| Node::start(&bed, i, Service::NameThenEcho))
         .collect();
-    let cfg = config(
-        "drain_timeout_seconds = 1",
-        &[lb("f8/idle", VIP, &[1, 2], "", Some(HEALTH))],
-    );
+    let cfg = config()
+        .drain_timeout(1)
+        .lb(probed("f8/idle", VIP, &[1, 2], HEALTH))
+        .to_string();
     bed.start_daemon(&cfg).await;
     let rss0 = bed.daemon().rss_kib();
     let idle = connect_many(&bed, 3000).await;
@@ -280,13 +275,11 @@ async fn netns_clients_that_never_read_are_bounded() {
     let mut bed = Bed::new("nr", 2);
     let n1 = Node::start(&bed, 1, Service::Source);
     let _n2 = Node::start(&bed, 2, Service::NameThenEcho);
-    let cfg = config(
-        "drain_timeout_seconds = 1",
-        &[
-            lb("f8/source", VIP, &[1], "", Some(HEALTH)),
-            lb("f8/echo", crate::netns::VIP2, &[2], "", Some(HEALTH)),
-        ],
-    );
+    let cfg = config()
+        .drain_timeout(1)
+        .lb(probed("f8/source", VIP, &[1], HEALTH))
+        .lb(probed("f8/echo", crate::netns::VIP2, &[2], HEALTH))
+        .to_string();
     bed.start_daemon(&cfg).await;
     let rss0 = bed.daemon().rss_kib();
     let stuck = connect_many(&bed, 20).await;
@@ -344,10 +337,10 @@ async fn netns_client_reset_mid_stream() {
     require_netns!();
     let mut bed = Bed::new("cr", 1);
     let n1 = Node::start(&bed, 1, Service::NameThenEcho);
-    let cfg = config(
-        "drain_timeout_seconds = 1",
-        &[lb("f8/reset", VIP, &[1], "", Some(HEALTH))],
-    );
+    let cfg = config()
+        .drain_timeout(1)
+        .lb(probed("f8/reset", VIP, &[1], HEALTH))
+        .to_string();
     bed.start_daemon(&cfg).await;
     let mut other = bed
         .client
@@ -423,8 +416,7 @@ async fn netns_hung_backends_never_take_the_clients_descriptors() {
     bed.node(2)
         .ip(&["-batch", batch_file.to_str().expect("utf-8 path")]);
     bed.blackhole(2, &[crate::netns::HEALTH_PORT]);
-    let cfg = Config::new()
-        .admin(sa(std::net::Ipv4Addr::LOCALHOST, crate::netns::ADMIN_PORT))
+    let cfg = config()
         .lb(Lb::new("f9/hung", VIP)
             .backends(std::iter::once(node_ip(1)).chain(hung.iter().copied()))
             .keys("initial_state = \"unhealthy\"")

@@ -9,7 +9,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
 use crate::netns::peers::{Node, Service, integrity_client_side, integrity_lengths, read_line};
-use crate::netns::{Bed, HEALTH_PORT, NODEPORT, VIP, config, lb, metric, node_ip, sa};
+use crate::netns::{Bed, HEALTH_PORT, NODEPORT, VIP, config, metric, node_ip, probed, sa};
 use crate::require_netns;
 
 const HEALTH: &str =
@@ -113,10 +113,10 @@ async fn netns_backend_process_killed_mid_transfer() {
     let _h1 = bed.node(1).listen(sa(node_ip(1), HEALTH_PORT));
     let _h1 = tokio::spawn(crate::netns::peers::accept_forever(_h1));
     let _n2 = Node::start(&bed, 2, Service::NameThenEcho);
-    let cfg = config(
-        "drain_timeout_seconds = 1",
-        &[lb("f3/kill", VIP, &[1, 2], "", Some(HEALTH))],
-    );
+    let cfg = config()
+        .drain_timeout(1)
+        .lb(probed("f3/kill", VIP, &[1, 2], HEALTH))
+        .to_string();
     bed.start_daemon(&cfg).await;
     let conns = open(&bed, 6).await;
     assert_eq!(conns.iter().filter(|(n, _)| n == "n1").count(), 3);
@@ -157,16 +157,10 @@ async fn netns_link_cut_mid_transfer() {
     let mut bed = Bed::new("lc", 2);
     let _n1 = Node::start(&bed, 1, Service::NameThenEcho);
     let _n2 = Node::start(&bed, 2, Service::NameThenEcho);
-    let cfg = config(
-        "drain_timeout_seconds = 1",
-        &[lb(
-            "f3/cut",
-            VIP,
-            &[1, 2],
-            "idle_timeout_seconds = 3",
-            Some(HEALTH),
-        )],
-    );
+    let cfg = config()
+        .drain_timeout(1)
+        .lb(probed("f3/cut", VIP, &[1, 2], HEALTH).keys("idle_timeout_seconds = 3"))
+        .to_string();
     bed.start_daemon(&cfg).await;
     let conns = open(&bed, 6).await;
     let until = Instant::now() + Duration::from_secs(8);
@@ -218,16 +212,11 @@ async fn netns_integrity_200_concurrent_connections_with_half_close() {
     let nodes: Vec<Node> = (1..=3)
         .map(|i| Node::start(&bed, i, Service::Integrity))
         .collect();
-    let cfg = config(
-        "drain_timeout_seconds = 1",
-        &[lb(
-            "f9/integrity",
-            VIP,
-            &[1, 2, 3],
-            "algorithm = \"least_connections\"",
-            Some(HEALTH),
-        )],
-    );
+    let cfg = config()
+        .drain_timeout(1)
+        .lb(probed("f9/integrity", VIP, &[1, 2, 3], HEALTH)
+            .keys("algorithm = \"least_connections\""))
+        .to_string();
     bed.start_daemon(&cfg).await;
     let started = Instant::now();
     let sockets = bed.client.sockets(200).expect("client sockets");

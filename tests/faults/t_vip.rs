@@ -72,14 +72,14 @@ fn table_exists(bed: &Bed) -> bool {
 }
 
 fn isolated_config(action: &str, extra_listener: bool) -> String {
-    let mut service = lb("default/web", VIP, &[1], "", None);
+    let mut service = lb("default/web", VIP, &[1]);
     if extra_listener {
-        service.push_str("  [[load_balancer.listener]]\n  name = \"alt\"\n  port = 8443\n  backend_port = 30080\n");
+        service = service.tcp("alt", 8443, 30080);
     }
-    config(
-        &format!("\n[vip]\nisolate = true\nisolate_action = \"{action}\""),
-        &[service],
-    )
+    config()
+        .vip(&format!("isolate = true\nisolate_action = \"{action}\""))
+        .lb(service)
+        .to_string()
 }
 
 async fn reload(bed: &Bed, text: &str) {

@@ -41,6 +41,7 @@ use tokio::net::TcpStream;
 use tokio::task::{AbortHandle, JoinHandle};
 
 use super::{DaemonProc, Ns, run};
+use crate::support::{Lb, Listener};
 
 /// The anycast VIP every host announces.
 pub const VIP: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 100);
@@ -302,31 +303,35 @@ impl LbHost {
     /// added to every listener.
     pub fn write_config_with(&self, vip_section: &str, drain: u32, listener: &str) -> PathBuf {
         let i = self.index;
-        let udp = format!(
-            "  [[load_balancer.listener]]\n  name = \"udp\"\n  port = {PORT}\n  backend_port = {BACKEND_PORT}\n  protocol = \"udp\"\n{listener}"
-        );
-        let lb = |name: &str, vip: IpAddr, backend: IpAddr, udp: &str| {
-            format!(
-                "[[load_balancer]]\nname = \"{name}\"\nvip = \"{vip}\"\nbackends = [\"{backend}\"]\n  [[load_balancer.listener]]\n  name = \"tcp\"\n  port = {PORT}\n  backend_port = {BACKEND_PORT}\n{listener}{udp}  [load_balancer.health_check]\n  kind = \"tcp\"\n  port = {BACKEND_PORT}\n  period_seconds = 1\n  timeout_seconds = 1\n  failure_threshold = 2\n  success_threshold = 1\n"
-            )
+        // Every listener gets the caller's extra lines.
+        let extra = |l: Listener| {
+            let lines = listener.trim_end();
+            if lines.is_empty() { l } else { l.keys(lines) }
         };
-        let text = format!(
-            "[admin]\nlisten = \"127.0.0.1:{}\"\nsocket = {:?}\n\n[proxy]\ndrain_timeout_seconds = {drain}\n\n[vip]\n{vip_section}\n\n{}\n{}",
-            super::ADMIN_PORT,
-            self.dir.join("admin.sock"),
-            lb(
+        let lb = |name: &str, vip: IpAddr, backend: IpAddr| {
+            Lb::new(name, vip)
+                .backends([backend])
+                .listener(extra(Listener::new("tcp", PORT, BACKEND_PORT)))
+                .health("  kind = \"tcp\"")
+                .health_port(BACKEND_PORT)
+                .health("  period_seconds = 1\n  timeout_seconds = 1\n  failure_threshold = 2\n  success_threshold = 1")
+        };
+        let text = super::config()
+            .socket(&self.dir.join("admin.sock"))
+            .drain_timeout(drain.into())
+            .vip(vip_section)
+            .lb(lb(
                 "default/anycast",
                 IpAddr::V4(VIP),
                 IpAddr::V4(backend_ip(i)),
-                &udp,
-            ),
-            lb(
+            )
+            .listener(extra(Listener::new("udp", PORT, BACKEND_PORT).udp())))
+            .lb(lb(
                 "default/anycast6",
                 IpAddr::V6(VIP6),
                 IpAddr::V6(backend_ip6(i)),
-                "",
-            ),
-        );
+            ))
+            .to_string();
         let p = self.config_path();
         std::fs::write(&p, text).expect("write daemon config");
         p

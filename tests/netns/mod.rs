@@ -29,6 +29,7 @@ pub mod peers;
 pub use crate::support::{skip_or_fail, wait_for};
 
 use crate::support::Process;
+use crate::support::{Config, Lb};
 // The measures of a process, for the tests that take a pid.
 #[allow(unused_imports)]
 pub use crate::support::{proc_cpu_time, proc_rss_kib};
@@ -652,34 +653,24 @@ pub fn metric(text: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
         .sum()
 }
 
-/// A config with `lbs` (each a `[[load_balancer]]` body without its header).
-pub fn config(proxy: &str, lbs: &[String]) -> String {
-    let mut c = format!("[admin]\nlisten = \"127.0.0.1:{ADMIN_PORT}\"\n\n[proxy]\n{proxy}\n");
-    for lb in lbs {
-        c.push_str("\n[[load_balancer]]\n");
-        c.push_str(lb);
-        c.push('\n');
-    }
-    c
+/// The bed's config: the admin API on `127.0.0.1:`[`ADMIN_PORT`] in the
+/// daemon's namespace; a test adds its load balancers and keys with the one
+/// builder of `tests/support` ([`Config`]).
+pub fn config() -> Config {
+    Config::new().admin(SocketAddr::new(Ipv4Addr::LOCALHOST.into(), ADMIN_PORT))
 }
 
-/// A load balancer `name` on `vip:80` -> `nodes` (1-based) at [`NODEPORT`], probed on
-/// [`HEALTH_PORT`]; `extra` adds top-level keys, `health` the health-check keys.
-pub fn lb(name: &str, vip: Ipv4Addr, nodes: &[usize], extra: &str, health: Option<&str>) -> String {
-    let backends: Vec<String> = nodes
-        .iter()
-        .map(|i| format!("\"{}\"", node_ip(*i)))
-        .collect();
-    let mut s = format!(
-        "name = \"{name}\"\nvip = \"{vip}\"\nbackends = [{}]\n{extra}\n  [[load_balancer.listener]]\n  name = \"tcp\"\n  port = 80\n  backend_port = {NODEPORT}\n",
-        backends.join(", ")
-    );
-    if let Some(h) = health {
-        s.push_str(&format!(
-            "  [load_balancer.health_check]\n  port = {HEALTH_PORT}\n{h}\n"
-        ));
-    }
-    s
+/// A load balancer `name` on `vip:80` (listener `tcp`) -> `nodes` (1-based)
+/// at [`NODEPORT`], with no health check.
+pub fn lb(name: &str, vip: impl std::fmt::Display, nodes: &[usize]) -> Lb {
+    Lb::new(name, vip)
+        .backends(nodes.iter().map(|i| node_ip(*i)))
+        .tcp("tcp", 80, NODEPORT)
+}
+
+/// [`lb`] probed on [`HEALTH_PORT`], with the health-check keys `health`.
+pub fn probed(name: &str, vip: impl std::fmt::Display, nodes: &[usize], health: &str) -> Lb {
+    lb(name, vip, nodes).health_port(HEALTH_PORT).health(health)
 }
 
 /// Address `ip:port`.

@@ -20,6 +20,7 @@ pub struct Config {
     admin: Option<SocketAddr>,
     socket: Option<PathBuf>,
     proxy: Vec<String>,
+    vip: Vec<String>,
     text: Vec<String>,
     lbs: Vec<Lb>,
 }
@@ -56,7 +57,19 @@ impl Config {
         self
     }
 
-    /// TOML at the top level, after `[proxy]` and before the load balancers
+    /// `[proxy] drain_timeout_seconds`: how long open connections may
+    /// finish when a listener goes or the daemon stops.
+    pub fn drain_timeout(self, seconds: u64) -> Self {
+        self.proxy(&format!("drain_timeout_seconds = {seconds}"))
+    }
+
+    /// TOML lines for `[vip]` (`isolate = true`, `announce = "routes"`...).
+    pub fn vip(mut self, lines: &str) -> Self {
+        self.vip.push(lines.to_string());
+        self
+    }
+
+    /// TOML at the top level, after `[proxy]` and `[vip]` and before the load balancers
     /// (a table the builder has no method for).
     pub fn text(mut self, toml: &str) -> Self {
         self.text.push(toml.to_string());
@@ -87,6 +100,12 @@ impl Display for Config {
                 writeln!(f, "{lines}")?;
             }
         }
+        if !self.vip.is_empty() {
+            writeln!(f, "\n[vip]")?;
+            for lines in &self.vip {
+                writeln!(f, "{lines}")?;
+            }
+        }
         for text in &self.text {
             writeln!(f, "\n{text}")?;
         }
@@ -105,7 +124,7 @@ pub struct Lb {
     backends: Vec<String>,
     keys: Vec<String>,
     listeners: Vec<Listener>,
-    health: Option<String>,
+    health: Vec<String>,
 }
 
 impl Lb {
@@ -117,7 +136,7 @@ impl Lb {
             backends: Vec::new(),
             keys: Vec::new(),
             listeners: Vec::new(),
-            health: None,
+            health: Vec::new(),
         }
     }
 
@@ -145,10 +164,16 @@ impl Lb {
         self.listener(Listener::new(name, port, backend_port))
     }
 
-    /// Its `[load_balancer.health_check]`, as TOML lines (`port = 30080`...).
+    /// TOML lines for its `[load_balancer.health_check]`
+    /// (`period_seconds = 1`...); each call adds to the table.
     pub fn health(mut self, lines: &str) -> Self {
-        self.health = Some(lines.to_string());
+        self.health.push(lines.to_string());
         self
+    }
+
+    /// `health_check.port`: one probe port for every listener.
+    pub fn health_port(self, port: u16) -> Self {
+        self.health(&format!("  port = {port}"))
     }
 }
 
@@ -170,8 +195,11 @@ impl Display for Lb {
         for l in &self.listeners {
             write!(f, "{l}")?;
         }
-        if let Some(lines) = &self.health {
-            writeln!(f, "  [load_balancer.health_check]\n{lines}")?;
+        if !self.health.is_empty() {
+            writeln!(f, "  [load_balancer.health_check]")?;
+            for lines in &self.health {
+                writeln!(f, "{lines}")?;
+            }
         }
         Ok(())
     }
@@ -200,6 +228,16 @@ impl Listener {
     /// `protocol = "udp"`.
     pub fn udp(self) -> Self {
         self.keys("protocol = \"udp\"")
+    }
+
+    /// `forwarding`: `"kernel"` or `"proxy"`.
+    pub fn forwarding(self, kind: &str) -> Self {
+        self.keys(&format!("  forwarding = {}", quote(kind)))
+    }
+
+    /// `source_nat` of a kernel-forwarded listener: `"none"` or `"masquerade"`.
+    pub fn source_nat(self, mode: &str) -> Self {
+        self.keys(&format!("  source_nat = {}", quote(mode)))
     }
 
     /// TOML lines in its table (`proxy_protocol = "v2"`...).

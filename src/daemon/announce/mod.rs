@@ -357,48 +357,9 @@ impl Daemon {
         // A new table, or a new interface: start over there, withdrawn.
         let moved = inner.table != Some(settings.table)
             || inner.interface.as_ref().map(|(n, _)| n) != Some(&settings.interface);
-        if moved {
-            if let Some(old) = inner.table.take()
-                && let Err(e) = writer.flush(old).await
-            {
-                self.announce_failed(format_args!("deleting the routes of table {old}"), &e);
-            }
-            inner.written.clear();
-            for v in inner.vips.values_mut() {
-                v.decision = Hysteresis::new(now);
-            }
-            match writer.flush(settings.table).await {
-                Ok(stale) if stale.is_empty() => {}
-                Ok(stale) => tracing::warn!(
-                    table = settings.table,
-                    routes = ?stale,
-                    "vip.announce: deleted routes of protocol {} a previous run left in the table; every VIP starts withdrawn",
-                    crate::config::ROUTE_PROTOCOL
-                ),
-                Err(e) => {
-                    self.note_error(
-                        inner,
-                        format_args!("deleting stale routes of table {}", settings.table),
-                        &e,
-                    );
-                    self.announce_publish(inner, &settings, &BTreeMap::new(), now);
-                    return Some(now + Duration::from_secs(2));
-                }
-            }
-            inner.table = Some(settings.table);
-            match writer.interface_index(&settings.interface).await {
-                Ok(index) => inner.interface = Some((settings.interface.clone(), index)),
-                Err(e) => {
-                    inner.table = None;
-                    self.note_error(
-                        inner,
-                        format_args!("interface {:?}", settings.interface),
-                        &e,
-                    );
-                    self.announce_publish(inner, &settings, &BTreeMap::new(), now);
-                    return Some(now + Duration::from_secs(2));
-                }
-            }
+        if moved && !self.announce_move(inner, &settings, &writer, now).await {
+            self.announce_publish(inner, &settings, &BTreeMap::new(), now);
+            return Some(now + Duration::from_secs(2));
         }
         let (_, index) = inner.interface.clone().expect("set above");
         let wanted = self.announce_wanted(&settings);
@@ -426,36 +387,114 @@ impl Daemon {
         // below; one nobody wants goes.
         if check {
             inner.last_check = Some(now);
-            match writer.announced(settings.table).await {
-                Ok(in_kernel) => {
-                    let lost: Vec<IpAddr> = inner.written.difference(&in_kernel).copied().collect();
-                    let extra: Vec<IpAddr> =
-                        in_kernel.difference(&inner.written).copied().collect();
-                    if !lost.is_empty() || !extra.is_empty() {
-                        tracing::warn!(
-                            table = settings.table,
-                            missing = ?lost,
-                            unexpected = ?extra,
-                            "vip.announce: the table's routes of protocol {} are not the ones this daemon wrote (another process changed them?); repaired",
-                            crate::config::ROUTE_PROTOCOL
-                        );
-                    }
-                    for vip in lost {
-                        inner.written.remove(&vip);
-                    }
-                    for vip in extra {
-                        if let Err(e) = writer.withdraw(vip, settings.table).await {
-                            self.announce_failed(format_args!("withdrawing {vip}"), &e);
-                        }
-                    }
-                }
-                Err(e) => {
-                    self.announce_failed(format_args!("reading table {}", settings.table), &e);
-                }
-            }
+            self.announce_read_back(inner, &writer, settings.table)
+                .await;
         }
 
-        // VIPs that left the file.
+        self.announce_withdraw_gone(inner, &writer, &wanted, settings.table)
+            .await;
+
+        // Decisions, and the kernel to match.
+        let next = self
+            .announce_decide(inner, &writer, &wanted, settings.table, index, now)
+            .await;
+        self.announce_publish(inner, &settings, &wanted, now);
+        next
+    }
+
+    /// Takes `settings`' table and interface: deletes our routes from the
+    /// old table and the stale ones from the new, every VIP withdrawn, and
+    /// finds the interface's index. False (the error noted) when the step
+    /// must be tried again.
+    async fn announce_move(
+        &self,
+        inner: &mut Inner,
+        settings: &AnnounceSettings,
+        writer: &RouteWriter,
+        now: Instant,
+    ) -> bool {
+        if let Some(old) = inner.table.take()
+            && let Err(e) = writer.flush(old).await
+        {
+            self.announce_failed(format_args!("deleting the routes of table {old}"), &e);
+        }
+        inner.written.clear();
+        for v in inner.vips.values_mut() {
+            v.decision = Hysteresis::new(now);
+        }
+        match writer.flush(settings.table).await {
+            Ok(stale) if stale.is_empty() => {}
+            Ok(stale) => tracing::warn!(
+                table = settings.table,
+                routes = ?stale,
+                "vip.announce: deleted routes of protocol {} a previous run left in the table; every VIP starts withdrawn",
+                crate::config::ROUTE_PROTOCOL
+            ),
+            Err(e) => {
+                self.note_error(
+                    inner,
+                    format_args!("deleting stale routes of table {}", settings.table),
+                    &e,
+                );
+                return false;
+            }
+        }
+        inner.table = Some(settings.table);
+        match writer.interface_index(&settings.interface).await {
+            Ok(index) => inner.interface = Some((settings.interface.clone(), index)),
+            Err(e) => {
+                inner.table = None;
+                self.note_error(
+                    inner,
+                    format_args!("interface {:?}", settings.interface),
+                    &e,
+                );
+                return false;
+            }
+        }
+        true
+    }
+
+    /// Compares the routes of `table` with those this daemon wrote and
+    /// repairs the difference: a route deleted by another process is
+    /// written again by the decisions that follow; one nobody wants goes.
+    async fn announce_read_back(&self, inner: &mut Inner, writer: &RouteWriter, table: u32) {
+        match writer.announced(table).await {
+            Ok(in_kernel) => {
+                let lost: Vec<IpAddr> = inner.written.difference(&in_kernel).copied().collect();
+                let extra: Vec<IpAddr> = in_kernel.difference(&inner.written).copied().collect();
+                if !lost.is_empty() || !extra.is_empty() {
+                    tracing::warn!(
+                        table = table,
+                        missing = ?lost,
+                        unexpected = ?extra,
+                        "vip.announce: the table's routes of protocol {} are not the ones this daemon wrote (another process changed them?); repaired",
+                        crate::config::ROUTE_PROTOCOL
+                    );
+                }
+                for vip in lost {
+                    inner.written.remove(&vip);
+                }
+                for vip in extra {
+                    if let Err(e) = writer.withdraw(vip, table).await {
+                        self.announce_failed(format_args!("withdrawing {vip}"), &e);
+                    }
+                }
+            }
+            Err(e) => {
+                self.announce_failed(format_args!("reading table {}", table), &e);
+            }
+        }
+    }
+
+    /// Forgets the VIPs that left the file, withdrawing their routes.
+    async fn announce_withdraw_gone(
+        &self,
+        inner: &mut Inner,
+        writer: &RouteWriter,
+        wanted: &BTreeMap<IpAddr, Wanted>,
+        table: u32,
+    ) {
         let gone: Vec<IpAddr> = inner
             .vips
             .keys()
@@ -465,7 +504,7 @@ impl Daemon {
         for vip in gone {
             inner.vips.remove(&vip);
             if inner.written.contains(&vip) {
-                match writer.withdraw(vip, settings.table).await {
+                match writer.withdraw(vip, table).await {
                     Ok(()) => {
                         inner.written.remove(&vip);
                         tracing::info!(%vip, "vip.announce: withdrawn: the VIP left the config");
@@ -476,10 +515,22 @@ impl Daemon {
                 }
             }
         }
+    }
 
-        // Decisions, and the kernel to match.
+    /// Feeds each wanted VIP's conditions to its hysteresis and writes or
+    /// deletes its route to match the decision. Returns when a decision (or
+    /// a failed write's retry) is due at the latest.
+    async fn announce_decide(
+        &self,
+        inner: &mut Inner,
+        writer: &RouteWriter,
+        wanted: &BTreeMap<IpAddr, Wanted>,
+        table: u32,
+        index: u32,
+        now: Instant,
+    ) -> Option<Instant> {
         let mut next: Option<Instant> = None;
-        for (vip, w) in &wanted {
+        for (vip, w) in wanted {
             let state = inner.vips.entry(*vip).or_insert_with(|| VipState {
                 decision: Hysteresis::new(now),
                 announces: 0,
@@ -496,9 +547,9 @@ impl Daemon {
                 continue;
             }
             let result = if want {
-                writer.announce(*vip, settings.table, index).await
+                writer.announce(*vip, table, index).await
             } else {
-                writer.withdraw(*vip, settings.table).await
+                writer.withdraw(*vip, table).await
             };
             match result {
                 Ok(()) => {
@@ -508,7 +559,7 @@ impl Daemon {
                         state.announces += 1;
                         tracing::info!(
                             %vip,
-                            table = settings.table,
+                            table = table,
                             transitions = state.decision.transitions(),
                             "vip.announce: announced (its conditions held for {:?})",
                             state.decision.rise_delay(w.delay)
@@ -522,7 +573,7 @@ impl Daemon {
                         };
                         tracing::warn!(
                             %vip,
-                            table = settings.table,
+                            table = table,
                             reason,
                             damping = state.decision.damp_level(),
                             "vip.announce: withdrawn"
@@ -542,7 +593,6 @@ impl Daemon {
                 }
             }
         }
-        self.announce_publish(inner, &settings, &wanted, now);
         next
     }
 
