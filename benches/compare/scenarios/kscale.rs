@@ -255,6 +255,31 @@ fn kernel_syncs(admin: SocketAddr) -> Option<f64> {
         .reduce(|a, b| a + b)
 }
 
+/// The kernel write counter once it is at least `at_least` (None: once two
+/// readings 1 s apart agree), or its last reading after 20 s.
+fn wait_writes(admin: SocketAddr, at_least: Option<f64>) -> Option<f64> {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let mut last = kernel_syncs(admin);
+    while Instant::now() < deadline {
+        if let (Some(want), Some(now)) = (at_least, last)
+            && now >= want
+        {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(if at_least.is_some() {
+            50
+        } else {
+            1000
+        }));
+        let now = kernel_syncs(admin);
+        if at_least.is_none() && now == last && now.is_some() {
+            break;
+        }
+        last = now;
+    }
+    last
+}
+
 /// One GET / through the VIP of load balancer `i`: whether it answered 200.
 fn through(i: usize) -> Result<(), String> {
     let addr = sa(kvip(i), KSCALE_PORT);
@@ -441,6 +466,7 @@ pub fn kscale_scenario(o: &Opts, res: &mut Results, netns: bool) {
         return res.fail("scale-kernel: nft monitor showed none of 30 warm-up flips".into());
     }
     monitor.settle(Duration::from_millis(200), Duration::from_secs(5));
+    let mut writes = wait_writes(admin, None);
     let mut ms = Vec::new();
     let lbs: Vec<usize> = (0..FLIPS / 2).map(|k| k * 7919 % (n - 1)).collect();
     for (k, state) in (0..FLIPS).map(|k| (k, if k < FLIPS / 2 { "drain" } else { "ready" })) {
@@ -462,8 +488,11 @@ pub fn kscale_scenario(o: &Opts, res: &mut Results, netns: bool) {
                 "scale-kernel: flip {k} ({state} of {i}) not in the kernel after 10 s"
             )),
         }
-        // Every event of this flip read before the next one starts.
-        monitor.settle(Duration::from_millis(100), Duration::from_secs(5));
+        // The next flip starts once this one's write is done, sweep of
+        // conntrack included (the write counter moved): each flip is timed
+        // on an idle writer, as the writer-alone figures are.
+        writes = wait_writes(admin, writes.map(|w| w + 1.0));
+        monitor.clear();
     }
     ms.sort_by(f64::total_cmp);
     if !ms.is_empty() {
@@ -480,7 +509,7 @@ pub fn kscale_scenario(o: &Opts, res: &mut Results, netns: bool) {
 
     // Reload of the unchanged file: POST /reload answers when it is done;
     // the kernel table must see no event and the write counter not move.
-    let syncs0 = kernel_syncs(admin);
+    let syncs0 = wait_writes(admin, None);
     monitor.clear();
     let r0 = Instant::now();
     let reloaded = reload(admin);
