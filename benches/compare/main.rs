@@ -118,9 +118,10 @@ fn usage() -> ! {
          \x20        harvester-lb, with their ratios to it\n\
          --scale-lbs: load balancers of 3 backends in the scale scenario (default 10000, at most {})\n\
          --scale-kernel-lbs: load balancers of 3 backends in the scale-kernel scenario (default 10000,\n\
-         \x20        smoke 500, at most {})\n\
+         \x20        smoke 500, {} to {})\n\
          HLB_ARGS (environment): extra arguments appended to every `harvester-lb run`",
         SCALE_MARKER - 1,
+        scenarios::kscale::KSCALE_MIN,
         scenarios::kscale::KSCALE_MAX
     );
     std::process::exit(2)
@@ -155,7 +156,10 @@ fn parse_opts() -> Opts {
             "--scale-kernel-lbs" => {
                 let n = args.next().and_then(|v| v.parse::<usize>().ok());
                 match n {
-                    Some(n) if (2..=scenarios::kscale::KSCALE_MAX).contains(&n) => {
+                    Some(n)
+                        if (scenarios::kscale::KSCALE_MIN..=scenarios::kscale::KSCALE_MAX)
+                            .contains(&n) =>
+                    {
                         scale_kernel_lbs = Some(n)
                     }
                     _ => usage(),

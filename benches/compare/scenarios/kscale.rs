@@ -49,6 +49,9 @@ const UDP_BACKEND_PORT: u16 = 30053;
 /// Flips timed: half a backend out of a listener, half the same back.
 const FLIPS: usize = 100;
 
+/// The smallest `--scale-kernel-lbs`: the flips need 50 load balancers
+/// besides the warm-up one.
+pub const KSCALE_MIN: usize = 100;
 /// The largest `--scale-kernel-lbs`: VIPs below [`UDP_VIP`].
 pub const KSCALE_MAX: usize = 50_000;
 
@@ -468,7 +471,8 @@ pub fn kscale_scenario(o: &Opts, res: &mut Results, netns: bool) {
     monitor.settle(Duration::from_millis(200), Duration::from_secs(5));
     let mut writes = wait_writes(admin, None);
     let mut ms = Vec::new();
-    let lbs: Vec<usize> = (0..FLIPS / 2).map(|k| k * 7919 % (n - 1)).collect();
+    // Distinct, spread over the load balancers, never the warm-up one.
+    let lbs: Vec<usize> = (0..FLIPS / 2).map(|k| k * (n - 1) / (FLIPS / 2)).collect();
     for (k, state) in (0..FLIPS).map(|k| (k, if k < FLIPS / 2 { "drain" } else { "ready" })) {
         let i = lbs[k % lbs.len()];
         monitor.clear();
