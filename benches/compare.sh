@@ -4,12 +4,13 @@
 #   benches/compare.sh [--json FILE] [--rounds N] [--duration S] [--only LIST]
 #                      [--threads T1,T2]        # traffic scenarios' threads (1,2)
 #                      [--scale-lbs N]          # scale scenario size (10000)
+#                      [--scale-kernel-lbs N]   # scale-kernel scenario size (10000)
 #                      [--log-modes]   # + harvester-lb with log_connections
 #                                      # "errors" and "all", ratios to "none"
 #   benches/compare.sh --smoke [--json FILE]   # CI: harvester-lb (1 and 2 threads),
 #                                              # harvester-lb (kernel) and the
 #                                              # kernel target, ~1.5 min
-# LIST: throughput,rps,cps,idle,health,reload,scale,udp (default: all).
+# LIST: throughput,rps,cps,idle,health,reload,scale,scale-kernel,udp (default: all).
 # HLB_ARGS="..." is appended to every `harvester-lb run` (e.g. to A/B a
 # runtime option). The kernel targets (the kernel's own DNAT and
 # harvester-lb with forwarding = "kernel") need root and nft; without them

@@ -73,6 +73,8 @@ struct Opts {
     scale_lbs: usize,
     scale_window: u64,
     scale_reloads: usize,
+    /// Load balancers of the kernel scale scenario (`scale-kernel`).
+    scale_kernel_lbs: usize,
     work: PathBuf,
 }
 
@@ -90,7 +92,7 @@ impl Opts {
     }
 }
 
-const ALL_SCENARIOS: [&str; 8] = [
+const ALL_SCENARIOS: [&str; 9] = [
     "throughput",
     "rps",
     "cps",
@@ -98,13 +100,15 @@ const ALL_SCENARIOS: [&str; 8] = [
     "health",
     "reload",
     "scale",
+    "scale-kernel",
     "udp",
 ];
 
 fn usage() -> ! {
     eprintln!(
         "usage: compare [--smoke] [--log-modes] [--json FILE] [--rounds N] [--duration SECONDS] [--threads LIST]\n\
-         \x20              [--only throughput,rps,cps,idle,health,reload,scale,udp] [--scale-lbs N]\n\
+         \x20              [--only throughput,rps,cps,idle,health,reload,scale,scale-kernel,udp]\n\
+         \x20              [--scale-lbs N] [--scale-kernel-lbs N]\n\
          --smoke: every scenario about a second (scale: 500 load balancers, ~25 s), against harvester-lb,\n\
          \x20        harvester-lb (kernel) and the kernel target alone; a second thread count only in rps and cps; exits\n\
          \x20        non-zero on failure\n\
@@ -113,8 +117,12 @@ fn usage() -> ! {
          \x20        hlb-log-all (log_connections = \"errors\", \"all\"), run in the same rounds as\n\
          \x20        harvester-lb, with their ratios to it\n\
          --scale-lbs: load balancers of 3 backends in the scale scenario (default 10000, at most {})\n\
+         --scale-kernel-lbs: load balancers of 3 backends in the scale-kernel scenario (default 10000,\n\
+         \x20        smoke 500, {} to {})\n\
          HLB_ARGS (environment): extra arguments appended to every `harvester-lb run`",
-        SCALE_MARKER - 1
+        SCALE_MARKER - 1,
+        scenarios::kscale::KSCALE_MIN,
+        scenarios::kscale::KSCALE_MAX
     );
     std::process::exit(2)
 }
@@ -127,6 +135,7 @@ fn parse_opts() -> Opts {
     let mut duration = None;
     let mut only: Option<Vec<String>> = None;
     let mut scale_lbs = None;
+    let mut scale_kernel_lbs = None;
     let mut threads: Option<Vec<usize>> = None;
     let mut log_modes = false;
     while let Some(a) = args.next() {
@@ -141,6 +150,18 @@ fn parse_opts() -> Opts {
                 let n = args.next().and_then(|v| v.parse::<usize>().ok());
                 match n {
                     Some(n) if (1..SCALE_MARKER).contains(&n) => scale_lbs = Some(n),
+                    _ => usage(),
+                }
+            }
+            "--scale-kernel-lbs" => {
+                let n = args.next().and_then(|v| v.parse::<usize>().ok());
+                match n {
+                    Some(n)
+                        if (scenarios::kscale::KSCALE_MIN..=scenarios::kscale::KSCALE_MAX)
+                            .contains(&n) =>
+                    {
+                        scale_kernel_lbs = Some(n)
+                    }
                     _ => usage(),
                 }
             }
@@ -221,6 +242,7 @@ fn parse_opts() -> Opts {
         scale_lbs: scale_lbs.unwrap_or(if smoke { 500 } else { 10_000 }),
         scale_window: if smoke { 5 } else { 20 },
         scale_reloads: if smoke { 3 } else { 10 },
+        scale_kernel_lbs: scale_kernel_lbs.unwrap_or(if smoke { 500 } else { 10_000 }),
         work,
     }
 }
@@ -354,7 +376,7 @@ fn main() {
     // The kernel targets: only in the traffic and udp scenarios, only in
     // the bench's own namespace (their VIPs are there) and only where
     // nftables can be used; otherwise they are left out with a note.
-    let want_kernel = want_traffic || o.wants("udp");
+    let want_kernel = want_traffic || o.wants("udp") || o.wants("scale-kernel");
     if let Err(e) = &netns {
         eprintln!(
             "note: no kernel and harvester-lb (kernel) targets: {e}; every target runs in this namespace"
@@ -368,7 +390,7 @@ fn main() {
     if !want_kernel {
         o.targets.retain(|t| *t != Target::HlbKernel);
     }
-    let kernel = if want_kernel && o.targets.contains(&Target::Kernel) {
+    let kernel = if (want_traffic || o.wants("udp")) && o.targets.contains(&Target::Kernel) {
         match KernelDnat::prepare() {
             Ok(k) => Some(k),
             Err(e) => {
@@ -408,7 +430,7 @@ fn main() {
         scenarios::reload::reload_scenario(&o, &mut res);
         drop(http_backend);
     }
-    if o.wants("scale") {
+    if o.wants("scale") || o.wants("scale-kernel") {
         // On 0.0.0.0, tied to lo: the backend of every scale backend address.
         let http_backend = spawn_http_backend(
             &o,
@@ -416,7 +438,12 @@ fn main() {
             "http-backend-scale.log",
         );
         wait_port(sa(scale_backend(0, 0), HTTP_PORT), "http backend");
-        scenarios::scale::scale_scenario(&o, &mut res);
+        if o.wants("scale") {
+            scenarios::scale::scale_scenario(&o, &mut res);
+        }
+        if o.wants("scale-kernel") {
+            scenarios::kscale::kscale_scenario(&o, &mut res, netns.is_ok());
+        }
         drop(http_backend);
     }
 

@@ -379,6 +379,14 @@ impl HlbRun<'_> {
 /// Whether every listener in a `/status` body has `"forwarding": "kernel"`
 /// and an eligible backend (at least one listener).
 fn kernel_forwards(status: &str) -> bool {
+    let (total, _, eligible) = kernel_listeners(status);
+    total > 0 && eligible == total
+}
+
+/// The listeners of a `/status` body: how many, how many with
+/// `"forwarding": "kernel"`, and how many of those with an eligible
+/// backend. All 0 when the body is not JSON.
+pub fn kernel_listeners(status: &str) -> (usize, usize, usize) {
     fn listeners<'a>(v: &'a Value, out: &mut Vec<&'a Value>) {
         match v {
             Value::Object(m) => {
@@ -392,14 +400,16 @@ fn kernel_forwards(status: &str) -> bool {
         }
     }
     let Ok(v) = serde_json::from_str::<Value>(status) else {
-        return false;
+        return (0, 0, 0);
     };
     let mut ls = Vec::new();
     listeners(&v, &mut ls);
-    !ls.is_empty()
-        && ls.iter().all(|l| {
-            l["forwarding"] == "kernel" && l["eligible_backends"].as_u64().is_some_and(|n| n > 0)
-        })
+    let kernel = ls.iter().filter(|l| l["forwarding"] == "kernel");
+    let eligible = kernel
+        .clone()
+        .filter(|l| l["eligible_backends"].as_u64().is_some_and(|n| n > 0))
+        .count();
+    (ls.len(), kernel.count(), eligible)
 }
 
 /// The proxies of the traffic scenarios among `targets`, each with

@@ -4,6 +4,7 @@
 
 pub mod health;
 pub mod idle;
+pub mod kscale;
 mod probes;
 pub mod reload;
 pub mod scale;
