@@ -151,25 +151,33 @@ impl Daemon {
             self.kernel_task.store(false, Ordering::Release);
             return;
         };
+        // The readings for /metrics run apart from the writes: a conntrack
+        // dump at scale takes long enough to delay a flip.
         let me = self.me.clone();
-        let wake = Arc::clone(&self.kernel_wake);
         runtime.spawn(async move {
             let mut counters = tokio::time::interval(COUNTERS_EVERY);
             counters.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             loop {
-                let sync = tokio::select! {
-                    () = wake.notified() => true,
-                    _ = counters.tick() => false,
-                };
-                if !sync {
-                    let Some(daemon) = me.upgrade() else { return };
-                    if daemon.check_ip_forwarding() {
-                        daemon.kernel_wake.notify_one();
-                    }
-                    daemon.read_kernel_counters().await;
-                    daemon.read_kernel_connections().await;
-                    continue;
+                counters.tick().await;
+                let Some(daemon) = me.upgrade() else { return };
+                if daemon.is_stopping() {
+                    return;
                 }
+                if daemon.check_ip_forwarding() {
+                    daemon.kernel_wake.notify_one();
+                }
+                daemon.read_kernel_counters().await;
+                daemon.read_kernel_connections().await;
+            }
+        });
+        let me = self.me.clone();
+        let wake = Arc::clone(&self.kernel_wake);
+        runtime.spawn(async move {
+            // What the kernel was last given; `None` until the first write
+            // and after a failed sweep, so that one sweeps everything.
+            let mut in_force: Option<Desired> = None;
+            loop {
+                wake.notified().await;
                 tokio::time::sleep(COALESCE).await;
                 let Some(daemon) = me.upgrade() else { return };
                 // A publish may change which VIPs this host should announce.
@@ -178,35 +186,47 @@ impl Daemon {
                     return;
                 }
                 let desired = daemon.kernel_desired();
+                let sweep = in_force
+                    .as_ref()
+                    .is_none_or(|old| flows_may_be_stale(&desired, old));
                 let table = Arc::clone(&daemon.kernel);
                 let listeners = desired.len();
-                // After a write, the UDP flows of backends that left are
-                // deleted: their entries would keep them for ever.
+                // After a write that took a backend from a UDP listener (or
+                // marked one down with on_backend_down = "close"), its flows
+                // are deleted: their entries would keep them for ever. A
+                // sweep dumps the whole conntrack table, so only then.
                 let result = tokio::task::spawn_blocking(move || {
                     table.sync(&desired).map(|synced| {
-                        let swept = matches!(synced, Synced::Written(_))
+                        let swept = (sweep && matches!(synced, Synced::Written(_)))
                             .then(|| crate::kernel::delete_stale_flows(&desired));
-                        (synced, swept)
+                        (synced, swept, desired)
                     })
                 })
                 .await;
                 match result {
-                    Ok(Ok((Synced::Unchanged, _))) => {}
-                    Ok(Ok((Synced::Written(took), swept))) => {
+                    Ok(Ok((Synced::Unchanged, _, desired))) => {
+                        in_force.get_or_insert(desired);
+                    }
+                    Ok(Ok((Synced::Written(took), swept, desired))) => {
                         daemon.metrics.kernel_synced(took);
                         tracing::debug!(listeners, ?took, "kernel NAT table written");
+                        in_force = Some(desired);
                         match swept {
                             Some(Ok(0)) | None => {}
                             Some(Ok(n)) => tracing::info!(
                                 flows = n,
                                 "deleted the conntrack entries of UDP flows whose backend left, and of TCP flows to reset (on_backend_down = \"close\")"
                             ),
-                            Some(Err(e)) => tracing::error!(
-                                "could not delete the conntrack entries of flows whose backend left (UDP clients with a fixed source port stay on it until their flow times out): {e}"
-                            ),
+                            Some(Err(e)) => {
+                                in_force = None;
+                                tracing::error!(
+                                    "could not delete the conntrack entries of flows whose backend left (UDP clients with a fixed source port stay on it until their flow times out; retried at the next write): {e}"
+                                );
+                            }
                         }
                     }
                     Ok(Err(e)) => {
+                        in_force = None;
                         daemon.metrics.kernel_sync_failed();
                         tracing::error!(listeners, "{e}; retrying with a full resync in {RETRY:?}");
                         let wake = Arc::clone(&daemon.kernel_wake);
@@ -468,5 +488,74 @@ impl Daemon {
             }
             tokio::time::sleep(POLL).await;
         }
+    }
+}
+
+/// Whether going from `old` to `new` may leave conntrack entries that must
+/// go: a UDP listener that is new or lost an eligible backend (its flows
+/// would stay on it while each datagram refreshes them), or a backend newly
+/// marked down with `on_backend_down = "close"` (its TCP flows are reset).
+/// Anything else (a backend back, a drain of a TCP listener's backend)
+/// leaves every entry valid, and a sweep, a dump of the whole conntrack
+/// table, would only delay the next write.
+fn flows_may_be_stale(new: &Desired, old: &Desired) -> bool {
+    new.iter().any(|(id, l)| {
+        let Some(was) = old.get(id) else {
+            return id.1 == Protocol::Udp || !l.close_down.is_empty();
+        };
+        (id.1 == Protocol::Udp && was.eligible.iter().any(|b| !l.eligible.contains(b)))
+            || l.close_down.iter().any(|b| !was.close_down.contains(b))
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::{Algorithm, SourceNat};
+
+    fn listener(eligible: &[[u8; 4]], close_down: &[[u8; 4]]) -> KernelListener {
+        let ips = |v: &[[u8; 4]]| v.iter().map(|&a| IpAddr::from(a)).collect::<Vec<_>>();
+        KernelListener {
+            backend_port: 30080,
+            members: ips(&[[10, 0, 0, 1], [10, 0, 0, 2]]),
+            eligible: ips(eligible),
+            source_ranges: None,
+            source_nat: SourceNat::Masquerade,
+            close_down: ips(close_down),
+            pick: Algorithm::RoundRobin,
+            affinity: None,
+        }
+    }
+
+    fn one(protocol: Protocol, l: KernelListener) -> Desired {
+        let mut d = Desired::new();
+        d.insert((IpAddr::from([192, 0, 2, 10]), protocol, 53), l);
+        d
+    }
+
+    #[test]
+    fn only_a_backend_leaving_a_udp_listener_or_newly_closed_needs_a_sweep() {
+        let both = [[10, 0, 0, 1], [10, 0, 0, 2]];
+        let first = [[10, 0, 0, 1]];
+        let udp = |e: &[[u8; 4]]| one(Protocol::Udp, listener(e, &[]));
+        let tcp = |e: &[[u8; 4]], c: &[[u8; 4]]| one(Protocol::Tcp, listener(e, c));
+        assert!(flows_may_be_stale(&udp(&first), &udp(&both)));
+        assert!(flows_may_be_stale(&udp(&[]), &udp(&first)));
+        assert!(!flows_may_be_stale(&udp(&both), &udp(&first)), "one back");
+        assert!(
+            !flows_may_be_stale(&tcp(&first, &[]), &tcp(&both, &[])),
+            "a TCP drain"
+        );
+        let down = [[10, 0, 0, 2]];
+        assert!(flows_may_be_stale(&tcp(&first, &down), &tcp(&both, &[])));
+        assert!(!flows_may_be_stale(
+            &tcp(&first, &down),
+            &tcp(&first, &down)
+        ));
+        assert!(
+            flows_may_be_stale(&udp(&both), &Desired::new()),
+            "a new UDP listener"
+        );
+        assert!(!flows_may_be_stale(&tcp(&both, &[]), &Desired::new()));
     }
 }
