@@ -5,7 +5,7 @@
 //! failure (its backend out of every listener at once), each timed.
 //!
 //! Run as root in a scratch network namespace, never on a host's own
-//! table (it writes `inet harvester_lb_nat`):
+//! table (it writes `inet harvester_lb_nat` and its shards):
 //!
 //! ```text
 //! ip netns add hlbscale

@@ -133,7 +133,7 @@ fn the_table_loads_reconciles_after_a_restart_and_goes_at_stop() {
         Ok(Synced::Unchanged),
         "no nft call when nothing changed"
     );
-    let (ok, listing) = nft_out(&ns.0, &["list", "table", "inet", kernel::TABLE]);
+    let (ok, listing) = nft_out(&ns.0, &["list", "ruleset"]);
     assert!(ok, "{listing}");
     for want in [
         "192.0.2.10 . tcp . 80 : goto l_tcp_80_192.0.2.10",
@@ -160,7 +160,7 @@ fn the_table_loads_reconciles_after_a_restart_and_goes_at_stop() {
     });
     assert!(matches!(synced, Ok(Synced::Written(_))), "{synced:?}");
     assert_eq!(owned.unwrap(), kernel::Owned::of(&second));
-    let (_, listing) = nft_out(&ns.0, &["list", "table", "inet", kernel::TABLE]);
+    let (_, listing) = nft_out(&ns.0, &["list", "ruleset"]);
     assert!(!listing.contains("10.0.0.2"), "{listing}");
     assert!(!listing.contains("2001:db8::10"), "{listing}");
 
@@ -176,7 +176,12 @@ fn the_table_loads_reconciles_after_a_restart_and_goes_at_stop() {
         "{:?}",
         emptied.0
     );
-    assert_eq!(emptied.1.unwrap(), kernel::Owned::default());
+    // The main table stays, empty, until the clean stop.
+    assert_eq!(
+        emptied.1.unwrap(),
+        kernel::Owned::of(&BTreeMap::new()),
+        "only the main table is left"
+    );
 
     // A clean stop removes the table.
     let desired = second.clone();
@@ -186,8 +191,11 @@ fn the_table_loads_reconciles_after_a_restart_and_goes_at_stop() {
         table.remove()
     });
     assert_eq!(removed, Ok(()));
-    let (ok, _) = nft_out(&ns.0, &["list", "table", "inet", kernel::TABLE]);
-    assert!(!ok, "the table is gone after a clean stop");
+    let (_, listing) = nft_out(&ns.0, &["list", "tables"]);
+    assert!(
+        !listing.contains(kernel::TABLE),
+        "every table is gone after a clean stop: {listing}"
+    );
 }
 
 /// `source_ip` bucket maps and affinity sets, IPv4 and IPv6, load into the
@@ -218,7 +226,7 @@ fn bucket_maps_and_affinity_sets_load_and_a_restart_without_them_deletes_them() 
     });
     assert!(matches!(written, Ok(Synced::Written(_))), "{written:?}");
     assert_eq!(owned.unwrap(), kernel::Owned::of(&first));
-    let (ok, listing) = nft_out(&ns.0, &["list", "table", "inet", kernel::TABLE]);
+    let (ok, listing) = nft_out(&ns.0, &["list", "ruleset"]);
     assert!(ok, "{listing}");
     for want in [
         "jhash ip saddr mod 4093 seed 0x68626c62 vmap @m_tcp_80_192.0.2.10",
@@ -243,7 +251,7 @@ fn bucket_maps_and_affinity_sets_load_and_a_restart_without_them_deletes_them() 
             "list",
             "map",
             "inet",
-            kernel::TABLE,
+            &kernel::table_of(&a),
             "m_tcp_80_192.0.2.10",
         ],
     );
@@ -329,10 +337,23 @@ fn set_state(bed: &Bed, lb: &str, node: usize, state: &str) {
     );
 }
 
-/// `nft list <kind> inet harvester_lb_nat <name>` in the bed's
-/// load-balancer namespace (the error text when it fails).
+/// `nft list <kind> inet <table> <name>` in the bed's load-balancer
+/// namespace, from whichever of the daemon's tables holds it (the error
+/// text when none does).
 fn listed(bed: &Bed, kind: &str, name: &str) -> String {
-    nft_out(&bed.lb.name, &["list", kind, "inet", kernel::TABLE, name]).1
+    let (_, tables) = nft_out(&bed.lb.name, &["list", "tables", "inet"]);
+    let mut said = format!("no table of ours holds {kind} {name}: {tables}");
+    for table in tables
+        .split_whitespace()
+        .filter(|t| t.starts_with(kernel::TABLE))
+    {
+        let (ok, out) = nft_out(&bed.lb.name, &["list", kind, "inet", table, name]);
+        if ok {
+            return out;
+        }
+        said = out;
+    }
+    said
 }
 
 /// Waits up to `timeout` until [`listed`] satisfies `ok`.
@@ -436,10 +457,7 @@ async fn the_kernel_balances_follows_health_and_serves_while_the_daemon_is_froze
 
     // Round robin in the kernel: exactly alternating.
     assert_eq!(tally(&bed, 20).await, counts(&[("n1", 10), ("n2", 10)]));
-    let (ok, listing) = nft_out(
-        &bed.lb.name,
-        &["list", "counters", "table", "inet", kernel::TABLE],
-    );
+    let (ok, listing) = nft_out(&bed.lb.name, &["list", "counters"]);
     assert!(
         ok && listing.contains("n_tcp_80_198.51.100.10_198.51.100.21"),
         "{listing}"
@@ -547,16 +565,7 @@ async fn a_drain_keeps_the_open_connection_and_no_backend_is_a_reset() {
         started.elapsed() < Duration::from_secs(3),
         "a reset, not a timeout"
     );
-    let (_, l) = nft_out(
-        &bed.lb.name,
-        &[
-            "list",
-            "counter",
-            "inet",
-            kernel::TABLE,
-            "z_tcp_80_198.51.100.10",
-        ],
-    );
+    let l = listed(&bed, "counter", "z_tcp_80_198.51.100.10");
     assert!(l.contains("packets 1 "), "{l}");
 }
 
@@ -645,17 +654,9 @@ async fn a_killed_daemon_leaves_the_kernel_forwarding_and_a_restart_keeps_open_f
     start_kernel(&mut bed, &text).await;
     assert_eq!(tally(&bed, 4).await, counts(&[("n1", 2), ("n2", 2)]));
 
-    let mut open = bed
-        .client
-        .connect(sa(VIP, 80), Duration::from_secs(5))
-        .await
-        .unwrap();
-    read_line(&mut open).await.unwrap();
-    echoes(&mut open, b"before").await.unwrap();
+    let mut open = open_echoing(&bed, b"before").await;
 
-    let mut d = bed.take_daemon();
-    d.signal(libc::SIGKILL);
-    assert!(d.wait_exit(Duration::from_secs(10)).await.is_some());
+    let d = kill_daemon(&mut bed).await;
     // No daemon at all: the kernel forwards new and open connections.
     echoes(&mut open, b"while dead").await.unwrap();
     assert_eq!(tally(&bed, 4).await, counts(&[("n1", 2), ("n2", 2)]));
@@ -664,6 +665,34 @@ async fn a_killed_daemon_leaves_the_kernel_forwarding_and_a_restart_keeps_open_f
     start_kernel(&mut bed, &text).await;
     echoes(&mut open, b"after restart").await.unwrap();
     assert_eq!(tally(&bed, 4).await.values().sum::<usize>(), 4);
+    assert_no_failed_sync(&bed).await;
+    drop(d);
+}
+
+/// A connection to VIP:80 that has read its node's name and echoed
+/// `said`: open, to be held across what a test does next.
+async fn open_echoing(bed: &Bed, said: &[u8]) -> tokio::net::TcpStream {
+    let mut open = bed
+        .client
+        .connect(sa(VIP, 80), Duration::from_secs(5))
+        .await
+        .unwrap();
+    read_line(&mut open).await.unwrap();
+    echoes(&mut open, said).await.unwrap();
+    open
+}
+
+/// SIGKILLs the bed's daemon and waits for its exit (the process is
+/// returned to be dropped last: it holds the bed's daemon files).
+async fn kill_daemon(bed: &mut Bed) -> netns::DaemonProc {
+    let mut d = bed.take_daemon();
+    d.signal(libc::SIGKILL);
+    assert!(d.wait_exit(Duration::from_secs(10)).await.is_some());
+    d
+}
+
+/// No kernel transaction of the running daemon has failed.
+async fn assert_no_failed_sync(bed: &Bed) {
     let metrics = bed.daemon().metrics().await;
     assert_eq!(
         netns::metric(
@@ -673,6 +702,69 @@ async fn a_killed_daemon_leaves_the_kernel_forwarding_and_a_restart_keeps_open_f
         ),
         0.0
     );
+}
+
+/// A daemon of the version before the tables were sharded kept every
+/// listener in `inet harvester_lb_nat`. After an upgrade, the first sync
+/// moves each listener to its own table in one transaction: the kernel's
+/// open connection runs on (the main table's NAT hooks stay throughout),
+/// and new connections are forwarded by the kernel from the new table.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upgrade_moves_listeners_from_the_one_table_layout_with_open_flows_running() {
+    if !can_run() {
+        return;
+    }
+    let mut bed = Bed::new("kupg", 2);
+    enable_forwarding(&bed);
+    let _n1 = Node::start(&bed, 1, Service::NameThenEcho);
+    let _n2 = Node::start(&bed, 2, Service::NameThenEcho);
+    let text = config().lb(kernel_lb(&[1, 2]));
+    start_kernel(&mut bed, &text).await;
+    let id = (IpAddr::V4(VIP), Protocol::Tcp, 80);
+    let shard = kernel::table_of(&id);
+    assert_ne!(
+        shard,
+        kernel::TABLE,
+        "the test needs a listener outside the main table"
+    );
+    let d = kill_daemon(&mut bed).await;
+
+    // The layout of the version before: the listener's chain and counters
+    // in the main table, its shard's table gone (one transaction).
+    let (n1, n2, t) = (node_ip(1), node_ip(2), kernel::TABLE);
+    let tag = format!("tcp_80_{VIP}");
+    bed.lb.nft(&format!(
+        "table inet {t} {{
+  counter n_{tag}_{n1} {{ }}
+  counter n_{tag}_{n2} {{ }}
+  counter z_{tag} {{ }}
+  chain l_{tag} {{
+    numgen inc mod 2 0 counter name \"n_{tag}_{n1}\" meta l4proto tcp dnat ip to {n1}:{NODEPORT}
+    counter name \"n_{tag}_{n2}\" meta l4proto tcp dnat ip to {n2}:{NODEPORT}
+  }}
+}}
+delete table inet {shard}
+add element inet {t} dispatch4 {{ {VIP} . tcp . 80 : goto l_{tag} }}
+"
+    ));
+    let (_, tables) = nft_out(&bed.lb.name, &["list", "tables", "inet"]);
+    assert!(!tables.contains(&shard), "{tables}");
+    // Forwarded by the old layout, no daemon running.
+    let mut open = open_echoing(&bed, b"on the old layout").await;
+
+    // The new daemon moves the listener to its table.
+    start_kernel(&mut bed, &text).await;
+    let main = nft_out(&bed.lb.name, &["list", "table", "inet", t]).1;
+    assert!(!main.contains(&format!("chain l_{tag}")), "{main}");
+    let moved = nft_out(
+        &bed.lb.name,
+        &["list", "chain", "inet", &shard, &format!("l_{tag}")],
+    );
+    assert!(moved.0 && moved.1.contains("dnat ip to"), "{}", moved.1);
+    echoes(&mut open, b"after the upgrade").await.unwrap();
+    let seen = tally(&bed, 4).await;
+    assert!(seen.keys().all(|k| k == "n1" || k == "n2"), "{seen:?}");
+    assert_no_failed_sync(&bed).await;
     drop(d);
 }
 
@@ -691,13 +783,7 @@ async fn a_clean_stop_refuses_new_kernel_connections_and_waits_for_the_open_ones
     let _n2 = Node::start(&bed, 2, Service::NameThenEcho);
     let text = config().drain_timeout(120).lb(kernel_lb(&[1, 2]));
     start_kernel(&mut bed, &text).await;
-    let mut open = bed
-        .client
-        .connect(sa(VIP, 80), Duration::from_secs(5))
-        .await
-        .unwrap();
-    read_line(&mut open).await.unwrap();
-    echoes(&mut open, b"before").await.unwrap();
+    let mut open = open_echoing(&bed, b"before").await;
 
     let mut d = bed.take_daemon();
     d.signal(libc::SIGTERM);
@@ -719,8 +805,11 @@ async fn a_clean_stop_refuses_new_kernel_connections_and_waits_for_the_open_ones
     // daemon waits for it.
     echoes(&mut open, b"while stopping").await.unwrap();
     assert!(d.alive(), "the daemon waits for the open kernel connection");
-    let (ok, listing) = nft_out(&bed.lb.name, &["list", "table", "inet", kernel::TABLE]);
-    assert!(ok, "the table stays during the drain: {listing}");
+    let listing = listed(&bed, "chain", "l_tcp_80_198.51.100.10");
+    assert!(
+        listing.contains("counter name \"z_tcp_80_198.51.100.10\""),
+        "the listener's chain stays, refusing new connections, during the drain: {listing}"
+    );
 
     // The client closes: the drain ends long before its timeout, the table goes.
     drop(open);
@@ -729,8 +818,11 @@ async fn a_clean_stop_refuses_new_kernel_connections_and_waits_for_the_open_ones
         .await
         .expect("the stop ends once the kernel's last connection closed");
     assert!(status.success(), "{status:?}");
-    let (ok, _) = nft_out(&bed.lb.name, &["list", "table", "inet", kernel::TABLE]);
-    assert!(!ok, "the table is gone after the drain");
+    let (_, tables) = nft_out(&bed.lb.name, &["list", "tables"]);
+    assert!(
+        !tables.contains(kernel::TABLE),
+        "every table is gone after the drain: {tables}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -787,16 +879,7 @@ async fn a_table_that_cannot_be_written_leaves_the_proxy_serving_until_a_resync_
         1.0
     );
     assert_eq!(tally(&bed, 4).await, counts(&[("n1", 4)]));
-    let (_, l) = nft_out(
-        &bed.lb.name,
-        &[
-            "list",
-            "counter",
-            "inet",
-            kernel::TABLE,
-            "n_tcp_80_198.51.100.10_198.51.100.21",
-        ],
-    );
+    let l = listed(&bed, "counter", "n_tcp_80_198.51.100.10_198.51.100.21");
     assert!(
         l.contains("packets 4 "),
         "the last 4 went through the kernel: {l}"

@@ -18,6 +18,10 @@ use harvester_lb::config::{Algorithm, Protocol, SourceNat};
 use harvester_lb::kernel::{self, Desired, KernelListener, KernelTable, Synced};
 use netns::{in_ns, run};
 
+/// Deletes every table of the daemon's (each shard's), as an operator's
+/// script would.
+const DELETE_OUR_TABLES: &str = "nft list tables inet | awk '$3 ~ /^harvester_lb_nat/ { print \"delete table inet \" $3 }' | nft -f -";
+
 /// A bare namespace for the table alone, deleted on drop.
 struct Scratch(String);
 
@@ -28,11 +32,13 @@ impl Scratch {
         Scratch(name)
     }
 
-    /// `nft list chain` of one of our chains, by the binary's full path.
-    fn chain(&self, name: &str) -> String {
+    /// `nft list chain` of a listener's chain, in its table, by the
+    /// binary's full path.
+    fn chain(&self, id: &kernel::ListenerId) -> String {
+        let name = format!("l_{}", id_tag(id));
         let out = std::process::Command::new("ip")
             .args(["netns", "exec", &self.0, "/usr/sbin/nft", "list", "chain"])
-            .args(["inet", kernel::TABLE, name])
+            .args(["inet", &kernel::table_of(id), &name])
             .output()
             .expect("run nft");
         assert!(
@@ -181,19 +187,19 @@ fn health_flips_and_a_failed_node_are_written_without_nft_and_read_back_as_nft_w
     assert!(matches!(written, Ok(Synced::Written(_))), "{written:?}");
     for id in changed.iter().chain([&ids[3], &ids[500], &ids[998]]) {
         let name = format!("l_{}", id_tag(id));
-        let got = flipped_ns.chain(&name);
-        assert_eq!(got, cold_ns.chain(&name), "chain {name}");
+        let got = flipped_ns.chain(id);
+        assert_eq!(got, cold_ns.chain(id), "chain {name}");
         assert!(got.contains(&name), "{got}");
     }
     // changed[1]: no backend left, and source ranges.
-    let none = flipped_ns.chain(&format!("l_{}", id_tag(&changed[1])));
+    let none = flipped_ns.chain(&changed[1]);
     assert!(none.contains("counter name \"z_"), "{none}");
     assert!(none.contains("ip saddr != @s_"), "{none}");
     assert!(!none.contains("dnat"), "{none}");
-    let ranged6 = flipped_ns.chain(&format!("l_{}", id_tag(&changed[2])));
+    let ranged6 = flipped_ns.chain(&changed[2]);
     assert!(ranged6.contains("ip6 saddr != @s_"), "{ranged6}");
     assert!(ranged6.contains("dnat ip6 to"), "{ranged6}");
-    let untouched = flipped_ns.chain(&format!("l_{}", id_tag(&ids[500])));
+    let untouched = flipped_ns.chain(&ids[500]);
     assert_eq!(untouched.matches("dnat").count(), 2, "{untouched}");
 
     // The counters, read over netlink as the daemon reads them for
@@ -230,11 +236,9 @@ fn health_flips_and_a_failed_node_are_written_without_nft_and_read_back_as_nft_w
             "netns",
             "exec",
             &flipped_ns.0,
-            "nft",
-            "delete",
-            "table",
-            "inet",
-            kernel::TABLE,
+            "sh",
+            "-c",
+            DELETE_OUR_TABLES,
         ],
         None,
     );
@@ -242,13 +246,13 @@ fn health_flips_and_a_failed_node_are_written_without_nft_and_read_back_as_nft_w
     let (refused, rewritten) = in_ns(&flipped_ns.0, move || {
         let table = KernelTable::new();
         table.sync(&d).expect("a full write");
-        run("nft", &["delete", "table", "inet", kernel::TABLE], None);
+        run("sh", &["-c", DELETE_OUR_TABLES], None);
         (table.sync(&back), table.sync(&back))
     });
     let refused = refused.expect_err("the chains are gone").to_string();
     assert!(refused.contains("over netlink"), "{refused}");
     assert!(matches!(rewritten, Ok(Synced::Written(_))), "{rewritten:?}");
-    let restored = flipped_ns.chain(&format!("l_{}", id_tag(&ids[500])));
+    let restored = flipped_ns.chain(&ids[500]);
     assert_eq!(restored.matches("dnat").count(), 3, "{restored}");
 }
 

@@ -307,7 +307,8 @@ impl KernelDnat {
 // ---------------------------------------------------------------------------
 // harvester-lb (kernel): the daemon's own table
 
-/// The daemon's NAT table (`src/kernel`), family inet.
+/// The daemon's NAT tables (`src/kernel`), family inet: this name, and
+/// this name and `_k` for the other shards.
 const HLB_TABLE: &str = "harvester_lb_nat";
 
 /// harvester-lb (kernel) in force for one run: the daemon, stopped when
@@ -327,18 +328,21 @@ impl DaemonOn {
 impl Drop for DaemonOn {
     fn drop(&mut self) {
         drop(self.proc.take());
-        let exists = Command::new("nft")
-            .args(["list", "table", "inet", HLB_TABLE])
-            .stdout(Stdio::null())
+        let listed = Command::new("nft")
+            .args(["list", "tables", "inet"])
             .stderr(Stdio::null())
-            .status()
-            .is_ok_and(|s| s.success());
-        if exists {
+            .output()
+            .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+            .unwrap_or_default();
+        for table in listed
+            .split_whitespace()
+            .filter(|t| t.starts_with(HLB_TABLE))
+        {
             eprintln!(
-                "WARNING: harvester-lb (kernel) left table inet {HLB_TABLE} after its stop; deleting it"
+                "WARNING: harvester-lb (kernel) left table inet {table} after its stop; deleting it"
             );
             let _ = Command::new("nft")
-                .args(["delete", "table", "inet", HLB_TABLE])
+                .args(["delete", "table", "inet", table])
                 .status();
         }
     }

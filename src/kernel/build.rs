@@ -11,8 +11,8 @@
 use ipnet::IpNet;
 
 use super::{
-    Desired, KernelListener, ListenerId, affinity_set, backend_chain, backend_counter, bucket_map,
-    denied_counter, listener_chain, no_backend_counter, source_set,
+    Desired, KernelListener, ListenerId, Shard, affinity_set, backend_chain, backend_counter,
+    bucket_map, denied_counter, listener_chain, no_backend_counter, source_set, table_of,
 };
 use crate::config::{Protocol, SourceNat};
 use std::borrow::Cow;
@@ -36,8 +36,9 @@ use nftables::types::{NfChainPolicy, NfChainType, NfFamily, NfHook, RejectCode};
 use crate::balancer::select;
 use crate::config::Algorithm;
 
-/// The table's name, in family `inet` (beside `inet harvester_lb`, the
-/// VIP isolation table, which it never touches).
+/// The main table's name, in family `inet` (beside `inet harvester_lb`,
+/// the VIP isolation table, which it never touches); the other shards'
+/// tables are this name and `_k` ([`Shard`]).
 pub const TABLE: &str = "harvester_lb_nat";
 
 /// `dstnat`: NAT before routing, as kube-proxy. Numeric, because nft 1.0.6
@@ -48,45 +49,70 @@ const PRIO_SRCNAT: i32 = 100;
 /// `filter`: the refusal of what was not forwarded.
 const PRIO_FILTER: i32 = 0;
 
-/// What the kernel table holds of ours, by name: what a sync deletes when
-/// the desired state no longer has it.
+/// One named object of ours: the table it is in, and its name there.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Obj {
+    /// Its table.
+    pub shard: Shard,
+    /// Its name (unique over all our tables: it carries the listener's).
+    pub name: String,
+}
+
+impl Obj {
+    fn of(id: &ListenerId, name: String) -> Self {
+        Self {
+            shard: Shard::of(id),
+            name,
+        }
+    }
+}
+
+/// What the kernel tables hold of ours, by table and name: what a sync
+/// deletes when the desired state no longer has it.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Owned {
+    /// The tables (shards) present; deleting one deletes all it holds.
+    pub tables: BTreeSet<Shard>,
     /// Regular chains (`l_…`, `b_…`); base chains are not listed.
-    pub chains: BTreeSet<String>,
+    pub chains: BTreeSet<Obj>,
     /// Named counters.
-    pub counters: BTreeSet<String>,
+    pub counters: BTreeSet<Obj>,
     /// Per-listener source-range sets (`s_…`).
-    pub sets: BTreeSet<String>,
+    pub sets: BTreeSet<Obj>,
     /// `source_ip` listeners' bucket maps (`m_…`): filled element-wise,
     /// never flushed by a partial sync.
-    pub maps: BTreeSet<String>,
+    pub maps: BTreeSet<Obj>,
     /// Client-affinity sets (`a_…`): the kernel fills them; a sync
     /// empties only those of backends that left the choice.
-    pub affinity: BTreeSet<String>,
+    pub affinity: BTreeSet<Obj>,
 }
 
 impl Owned {
-    /// The objects `desired` gives the table.
+    /// The objects `desired` gives the tables: the main table always (it
+    /// stays, empty of listeners, until the clean stop), and the table of
+    /// each listener.
     pub fn of(desired: &Desired) -> Self {
         let mut o = Self::default();
+        o.tables.insert(Shard::MAIN);
         for (id, l) in desired {
-            o.chains.insert(listener_chain(id));
-            o.counters.insert(no_backend_counter(id));
+            let obj = |name| Obj::of(id, name);
+            o.tables.insert(Shard::of(id));
+            o.chains.insert(obj(listener_chain(id)));
+            o.counters.insert(obj(no_backend_counter(id)));
             if l.source_ranges.is_some() {
-                o.counters.insert(denied_counter(id));
-                o.sets.insert(source_set(id));
+                o.counters.insert(obj(denied_counter(id)));
+                o.sets.insert(obj(source_set(id)));
             }
             if l.pick == Algorithm::SourceIp {
-                o.maps.insert(bucket_map(id));
+                o.maps.insert(obj(bucket_map(id)));
             }
             for &b in &l.members {
-                o.counters.insert(backend_counter(id, b));
+                o.counters.insert(obj(backend_counter(id, b)));
                 if has_backend_chains(l) {
-                    o.chains.insert(backend_chain(id, b));
+                    o.chains.insert(obj(backend_chain(id, b)));
                 }
                 if l.affinity.is_some() {
-                    o.affinity.insert(affinity_set(id, b));
+                    o.affinity.insert(obj(affinity_set(id, b)));
                 }
             }
         }
@@ -102,39 +128,39 @@ fn add(o: NfListObject<'static>) -> NfObject<'static> {
     NfObject::CmdObject(NfCmd::Add(o))
 }
 
-fn chain(name: &str) -> Chain<'static> {
+fn chain(t: Shard, name: &str) -> Chain<'static> {
     Chain {
         family: NfFamily::INet,
-        table: s(TABLE),
+        table: s(t.table()),
         name: s(name),
         ..Chain::default()
     }
 }
 
-fn base_chain(name: &str, kind: NfChainType, hook: NfHook, prio: i32) -> Chain<'static> {
+fn base_chain(t: Shard, name: &str, kind: NfChainType, hook: NfHook, prio: i32) -> Chain<'static> {
     Chain {
         _type: Some(kind),
         hook: Some(hook),
         prio: Some(prio),
         policy: Some(NfChainPolicy::Accept),
-        ..chain(name)
+        ..chain(t, name)
     }
 }
 
-fn rule(chain: &str, expr: Vec<Statement<'static>>) -> NfObject<'static> {
+fn rule(t: Shard, chain: &str, expr: Vec<Statement<'static>>) -> NfObject<'static> {
     add(NfListObject::Rule(Rule {
         family: NfFamily::INet,
-        table: s(TABLE),
+        table: s(t.table()),
         chain: s(chain),
         expr: Cow::Owned(expr),
         ..Rule::default()
     }))
 }
 
-fn counter(name: &str) -> Counter<'static> {
+fn counter(t: Shard, name: &str) -> Counter<'static> {
     Counter {
         family: NfFamily::INet,
-        table: s(TABLE),
+        table: s(t.table()),
         name: s(name),
         handle: None,
         packets: None,
@@ -222,19 +248,19 @@ fn listener_key((vip, protocol, port): &ListenerId) -> Expression<'static> {
     ])
 }
 
-fn element(name: &str, elem: Vec<Expression<'static>>) -> NfObject<'static> {
+fn element(t: Shard, name: &str, elem: Vec<Expression<'static>>) -> NfObject<'static> {
     add(NfListObject::Element(Element {
         family: NfFamily::INet,
-        table: s(TABLE),
+        table: s(t.table()),
         name: s(name),
         elem: Cow::Owned(elem),
     }))
 }
 
-fn tuple_set(name: &str, types: Vec<SetType>) -> Set<'static> {
+fn tuple_set(t: Shard, name: &str, types: Vec<SetType>) -> Set<'static> {
     Set {
         family: NfFamily::INet,
-        table: s(TABLE),
+        table: s(t.table()),
         name: s(name),
         handle: None,
         set_type: SetTypeValue::Concatenated(Cow::Owned(types)),
@@ -271,51 +297,75 @@ const FAMILIES: [Family; 2] = [
     },
 ];
 
-/// Deletes the objects of `present` that `wanted` has not; nothing may
-/// refer to them any more.
+/// An empty map of ours, to name in a flush or a delete.
+fn map(t: Shard, name: &str) -> Box<Map<'static>> {
+    Box::new(Map {
+        family: NfFamily::INet,
+        table: s(t.table()),
+        name: s(name),
+        ..Map::default()
+    })
+}
+
+/// Deletes the objects of `present` that `wanted` has not (nothing may
+/// refer to them any more), then the tables `wanted` has not, with all
+/// they hold: their objects are not deleted one by one.
 fn delete_gone(cmds: &mut Vec<NfObject<'static>>, present: &Owned, wanted: &Owned) {
+    let gone = |have: &BTreeSet<Obj>, want: &BTreeSet<Obj>| -> Vec<Obj> {
+        have.difference(want)
+            .filter(|o| wanted.tables.contains(&o.shard))
+            .cloned()
+            .collect()
+    };
+    let maps = gone(&present.maps, &wanted.maps);
     // A bucket map's elements hold its backend chains (EBUSY otherwise):
     // emptied first, deleted once no rule refers to it.
-    let map = |name: &String| {
-        Box::new(Map {
-            family: NfFamily::INet,
-            table: s(TABLE),
-            name: s(name),
-            ..Map::default()
-        })
-    };
-    for name in present.maps.difference(&wanted.maps) {
+    for o in &maps {
         cmds.push(NfObject::CmdObject(NfCmd::Flush(FlushObject::Map(map(
-            name,
+            o.shard, &o.name,
         )))));
     }
-    // Listener chains before backend chains: a flushed listener chain
-    // still holds its anonymous verdict map (and so its backend chains)
-    // until it is deleted itself (EBUSY otherwise, measured on 6.18).
-    let (listeners, backends): (Vec<&String>, Vec<&String>) = present
-        .chains
-        .difference(&wanted.chains)
-        .partition(|n| n.starts_with("l_"));
-    for name in listeners.into_iter().chain(backends) {
+    // Listener chains before backend chains: a listener chain's rules
+    // refer to its backend chains until it is deleted itself.
+    let (listeners, backends): (Vec<Obj>, Vec<Obj>) = gone(&present.chains, &wanted.chains)
+        .into_iter()
+        .partition(|o| o.name.starts_with("l_"));
+    for o in listeners.into_iter().chain(backends) {
         cmds.push(NfObject::CmdObject(NfCmd::Delete(NfListObject::Chain(
-            chain(name),
+            chain(o.shard, &o.name),
         ))));
     }
-    for name in present.maps.difference(&wanted.maps) {
+    for o in &maps {
         cmds.push(NfObject::CmdObject(NfCmd::Delete(NfListObject::Map(map(
-            name,
+            o.shard, &o.name,
         )))));
     }
-    let sets = present.sets.difference(&wanted.sets);
-    for name in sets.chain(present.affinity.difference(&wanted.affinity)) {
+    let sets = gone(&present.sets, &wanted.sets);
+    for o in sets
+        .iter()
+        .chain(&gone(&present.affinity, &wanted.affinity))
+    {
         cmds.push(NfObject::CmdObject(NfCmd::Delete(NfListObject::Set(
-            Box::new(tuple_set(name, Vec::new())),
+            Box::new(tuple_set(o.shard, &o.name, Vec::new())),
         ))));
     }
-    for name in present.counters.difference(&wanted.counters) {
+    for o in gone(&present.counters, &wanted.counters) {
         cmds.push(NfObject::CmdObject(NfCmd::Delete(NfListObject::Counter(
-            counter(name),
+            counter(o.shard, &o.name),
         ))));
+    }
+    for &t in present.tables.difference(&wanted.tables) {
+        cmds.push(NfObject::CmdObject(NfCmd::Delete(NfListObject::Table(
+            table(t),
+        ))));
+    }
+}
+
+fn table(t: Shard) -> Table<'static> {
+    Table {
+        family: NfFamily::INet,
+        name: s(t.table()),
+        handle: None,
     }
 }
 
@@ -330,14 +380,16 @@ fn fill_listener(
 ) {
     let v4 = is_v4(id.0);
     let f = &FAMILIES[usize::from(!v4)];
+    let t = Shard::of(id);
     let lchain = listener_chain(id);
     cmds.push(element(
+        t,
         f.dispatch,
         vec![Expression::Named(NamedExpression::Set(vec![
             SetItem::Mapping(listener_key(id), Expression::Verdict(goto(lchain.clone()))),
         ]))],
     ));
-    cmds.push(element(f.refuse, vec![listener_key(id)]));
+    cmds.push(element(Shard::MAIN, f.refuse, vec![listener_key(id)]));
     if let Some(ranges) = &l.source_ranges {
         let family: Vec<IpNet> = ranges
             .iter()
@@ -347,6 +399,7 @@ fn fill_listener(
         let merged = IpNet::aggregate(&family);
         if !merged.is_empty() {
             cmds.push(element(
+                t,
                 &source_set(id),
                 merged
                     .iter()
@@ -360,6 +413,7 @@ fn fill_listener(
             ));
         }
         cmds.push(rule(
+            t,
             &lchain,
             vec![
                 matches(
@@ -386,6 +440,7 @@ fn fill_listener(
     let chains = has_backend_chains(l);
     if l.eligible.is_empty() {
         cmds.push(rule(
+            t,
             &lchain,
             vec![
                 Statement::Counter(stmt::Counter::Named(s(no_backend_counter(id)))),
@@ -394,6 +449,7 @@ fn fill_listener(
         ));
     } else if l.pick == Algorithm::SourceIp {
         cmds.push(rule(
+            t,
             &lchain,
             vec![Statement::VerdictMap(VerdictMap {
                 key: Expression::Named(NamedExpression::JHash(JHash {
@@ -429,7 +485,7 @@ fn fill_listener(
             } else {
                 expr.extend(count_and_dnat(id, l, b));
             }
-            cmds.push(rule(&lchain, expr));
+            cmds.push(rule(t, &lchain, expr));
         }
     }
     if chains {
@@ -442,6 +498,7 @@ fn fill_listener(
                 })
             });
             cmds.push(rule(
+                t,
                 &backend_chain(id, b),
                 remember
                     .into_iter()
@@ -455,7 +512,11 @@ fn fill_listener(
         // and only eligible members get new flows, so a health flip
         // changes no element here.
         for &b in &l.members {
-            cmds.push(element(f.masq, vec![masq_key(id, b, l.backend_port)]));
+            cmds.push(element(
+                Shard::MAIN,
+                f.masq,
+                vec![masq_key(id, b, l.backend_port)],
+            ));
         }
     }
 }
@@ -529,20 +590,16 @@ fn fill_buckets(
     l: &KernelListener,
     before: Option<&KernelListener>,
 ) {
-    let map = bucket_map(id);
+    let t = Shard::of(id);
+    let name = bucket_map(id);
     let now = buckets(&l.eligible);
     let was = match before {
         Some(b) if b.pick == Algorithm::SourceIp => buckets(&b.eligible),
         Some(_) => Vec::new(),
         None => {
-            cmds.push(NfObject::CmdObject(NfCmd::Flush(FlushObject::Map(
-                Box::new(Map {
-                    family: NfFamily::INet,
-                    table: s(TABLE),
-                    name: s(&map),
-                    ..Map::default()
-                }),
-            ))));
+            cmds.push(NfObject::CmdObject(NfCmd::Flush(FlushObject::Map(map(
+                t, &name,
+            )))));
             Vec::new()
         }
     };
@@ -567,15 +624,16 @@ fn fill_buckets(
         cmds.push(NfObject::CmdObject(NfCmd::Delete(NfListObject::Element(
             Element {
                 family: NfFamily::INet,
-                table: s(TABLE),
-                name: s(&map),
+                table: s(t.table()),
+                name: s(&name),
                 elem: Cow::Owned(gone),
             },
         ))));
     }
     if !new.is_empty() {
         cmds.push(element(
-            &map,
+            t,
+            &name,
             vec![Expression::Named(NamedExpression::Set(new))],
         ));
     }
@@ -586,10 +644,12 @@ fn fill_buckets(
 /// not eligible has no such rule and its set is emptied, so its clients
 /// pick again and do not come back when it returns.
 fn fill_affinity(cmds: &mut Vec<NfObject<'static>>, id: &ListenerId, l: &KernelListener) {
+    let t = Shard::of(id);
     let lchain = listener_chain(id);
     let saddr = payload(ip_proto(is_v4(id.0)), "saddr");
     for &b in &l.eligible {
         cmds.push(rule(
+            t,
             &lchain,
             vec![
                 matches(saddr.clone(), Operator::EQ, set_ref(&affinity_set(id, b))),
@@ -601,7 +661,7 @@ fn fill_affinity(cmds: &mut Vec<NfObject<'static>>, id: &ListenerId, l: &KernelL
     }
     for &b in l.members.iter().filter(|b| !l.eligible.contains(b)) {
         cmds.push(NfObject::CmdObject(NfCmd::Flush(FlushObject::Set(
-            Box::new(tuple_set(&affinity_set(id, b), Vec::new())),
+            Box::new(tuple_set(t, &affinity_set(id, b), Vec::new())),
         ))));
     }
 }
@@ -617,11 +677,17 @@ fn fill_affinity(cmds: &mut Vec<NfObject<'static>>, id: &ListenerId, l: &KernelL
 /// Everything here is `add` (idempotent), and an empty map or set changes
 /// no packet's path.
 pub fn prelude(desired: &Desired, applied: Option<&Desired>, present: &Owned) -> Option<String> {
+    let mut tables = BTreeSet::new();
     let mut script: Vec<String> = Owned::of(desired)
         .maps
         .difference(&present.maps)
         .map(|m| {
-            format!("add map inet {TABLE} {m} {{ typeof numgen inc mod {BUCKETS} : verdict ; }}\n")
+            let table = m.shard.table();
+            tables.insert(m.shard);
+            format!(
+                "add map inet {table} {} {{ typeof numgen inc mod {BUCKETS} : verdict ; }}\n",
+                m.name
+            )
         })
         .collect();
     for (id, l) in desired {
@@ -634,15 +700,25 @@ pub fn prelude(desired: &Desired, applied: Option<&Desired>, present: &Owned) ->
         } else {
             "ipv6_addr"
         };
+        let table = table_of(id);
+        tables.insert(Shard::of(id));
         for &b in &l.members {
             script.push(format!(
-                "add set inet {TABLE} {} {{ type {family} ; flags dynamic,timeout ; timeout {}s ; }}\n",
+                "add set inet {table} {} {{ type {family} ; flags dynamic,timeout ; timeout {}s ; }}\n",
                 affinity_set(id, b),
                 timeout.as_secs().max(1)
             ));
         }
     }
-    (!script.is_empty()).then(|| format!("add table inet {TABLE}\n{}", script.concat()))
+    // Declaring a shard's table here makes no hook: its base chains come
+    // with the transaction.
+    (!script.is_empty()).then(|| {
+        let declared: String = tables
+            .iter()
+            .map(|t| format!("add table inet {}\n", t.table()))
+            .collect();
+        declared + &script.concat()
+    })
 }
 
 /// The one transaction that takes the table from `applied` (what this
@@ -691,25 +767,31 @@ fn encode(doc: &Nftables<'static>) -> Vec<u8> {
 
 fn partial_commands(desired: &Desired, applied: &Desired) -> Nftables<'static> {
     let mut cmds: Vec<NfObject<'static>> = Vec::new();
-    let delete_element = |name: &str, elem: Expression<'static>| {
+    let delete_element = |t: Shard, name: &str, elem: Expression<'static>| {
         NfObject::CmdObject(NfCmd::Delete(NfListObject::Element(Element {
             family: NfFamily::INet,
-            table: s(TABLE),
+            table: s(t.table()),
             name: s(name),
             elem: Cow::Owned(vec![elem]),
         })))
     };
+    let (before, after) = (Owned::of(applied), Owned::of(desired));
+    // The tables that hold a listener for the first time.
+    for &t in after.tables.difference(&before.tables) {
+        skeleton(&mut cmds, t);
+    }
     // The elements of listeners that go or change (re-added below).
     for (id, old) in applied {
         if desired.get(id) == Some(old) {
             continue;
         }
         let f = &FAMILIES[usize::from(!is_v4(id.0))];
-        cmds.push(delete_element(f.dispatch, listener_key(id)));
-        cmds.push(delete_element(f.refuse, listener_key(id)));
+        cmds.push(delete_element(Shard::of(id), f.dispatch, listener_key(id)));
+        cmds.push(delete_element(Shard::MAIN, f.refuse, listener_key(id)));
         if old.source_nat == SourceNat::Masquerade {
             for &b in &old.members {
-                cmds.push(delete_element(f.masq, masq_key(id, b, old.backend_port)));
+                let key = masq_key(id, b, old.backend_port);
+                cmds.push(delete_element(Shard::MAIN, f.masq, key));
             }
         }
     }
@@ -724,7 +806,7 @@ fn partial_commands(desired: &Desired, applied: &Desired) -> Nftables<'static> {
     for (id, l) in &changed {
         fill_listener(&mut cmds, id, l, applied.get(id));
     }
-    delete_gone(&mut cmds, &Owned::of(applied), &Owned::of(desired));
+    delete_gone(&mut cmds, &before, &after);
     Nftables {
         objects: Cow::Owned(cmds),
     }
@@ -743,28 +825,28 @@ fn masq_key(id: &ListenerId, backend: IpAddr, backend_port: u16) -> Expression<'
 /// Adds (idempotent) and empties the listeners' own objects: counters,
 /// chains, source-range sets.
 fn declare(cmds: &mut Vec<NfObject<'static>>, desired: &Desired, wanted: &Owned) {
-    for name in &wanted.counters {
-        cmds.push(add(NfListObject::Counter(counter(name))));
+    for o in &wanted.counters {
+        cmds.push(add(NfListObject::Counter(counter(o.shard, &o.name))));
     }
-    for name in &wanted.chains {
-        cmds.push(add(NfListObject::Chain(chain(name))));
+    for o in &wanted.chains {
+        cmds.push(add(NfListObject::Chain(chain(o.shard, &o.name))));
     }
     for (id, l) in desired {
         if l.source_ranges.is_some() {
-            let mut set = tuple_set(&source_set(id), Vec::new());
+            let mut set = tuple_set(Shard::of(id), &source_set(id), Vec::new());
             set.set_type = SetTypeValue::Single(addr_type(is_v4(id.0)));
             set.flags = Some([SetFlag::Interval].into_iter().collect());
             cmds.push(add(NfListObject::Set(Box::new(set))));
         }
     }
-    for name in &wanted.chains {
+    for o in &wanted.chains {
         cmds.push(NfObject::CmdObject(NfCmd::Flush(FlushObject::Chain(
-            chain(name),
+            chain(o.shard, &o.name),
         ))));
     }
-    for name in &wanted.sets {
+    for o in &wanted.sets {
         cmds.push(NfObject::CmdObject(NfCmd::Flush(FlushObject::Set(
-            Box::new(tuple_set(name, Vec::new())),
+            Box::new(tuple_set(o.shard, &o.name, Vec::new())),
         ))));
     }
 }
@@ -796,139 +878,16 @@ fn verdict_maps(mut doc: serde_json::Value) -> serde_json::Value {
 fn commands(desired: &Desired, present: &Owned) -> Nftables<'static> {
     let mut cmds: Vec<NfObject<'static>> = Vec::new();
     let wanted = Owned::of(desired);
-
-    // 1. Everything that may be missing (idempotent).
-    cmds.push(add(NfListObject::Table(Table {
-        family: NfFamily::INet,
-        name: s(TABLE),
-        handle: None,
-    })));
-    let bases = [
-        base_chain(
-            "prerouting",
-            NfChainType::NAT,
-            NfHook::Prerouting,
-            PRIO_DSTNAT,
-        ),
-        base_chain("output", NfChainType::NAT, NfHook::Output, PRIO_DSTNAT),
-        base_chain(
-            "postrouting",
-            NfChainType::NAT,
-            NfHook::Postrouting,
-            PRIO_SRCNAT,
-        ),
-        base_chain("input", NfChainType::Filter, NfHook::Input, PRIO_FILTER),
-    ];
-    for f in &FAMILIES {
-        let addr = addr_type(f.v4);
-        let tuple = vec![addr, SetType::InetProto, SetType::InetService];
-        cmds.push(add(NfListObject::Map(Box::new(Map {
-            family: NfFamily::INet,
-            table: s(TABLE),
-            name: s(f.dispatch),
-            set_type: SetTypeValue::Concatenated(Cow::Owned(tuple.clone())),
-            // Replaced by `verdict` in [`transaction`]: the crate's
-            // `SetType` has no verdict type.
-            map: SetTypeValue::Single(SetType::Mark),
-            ..Map::default()
-        }))));
-        cmds.push(add(NfListObject::Set(Box::new(tuple_set(f.refuse, tuple)))));
-        cmds.push(add(NfListObject::Set(Box::new(tuple_set(
-            f.masq,
-            vec![addr, addr, SetType::InetProto, SetType::InetService],
-        )))));
-    }
-    for c in &bases {
-        cmds.push(add(NfListObject::Chain(c.clone())));
+    // 1. The tables' own parts, emptied and filled again; then every
+    // listener's objects, declared (idempotent) and emptied.
+    for &t in &wanted.tables {
+        skeleton(&mut cmds, t);
     }
     declare(&mut cmds, desired, &wanted);
-
-    // 2. Empty what is ours, then fill it again.
-    for c in bases.iter().cloned() {
-        cmds.push(NfObject::CmdObject(NfCmd::Flush(FlushObject::Chain(c))));
-    }
-    for f in &FAMILIES {
-        cmds.push(NfObject::CmdObject(NfCmd::Flush(FlushObject::Map(
-            Box::new(Map {
-                family: NfFamily::INet,
-                table: s(TABLE),
-                name: s(f.dispatch),
-                ..Map::default()
-            }),
-        ))));
-        for name in [f.refuse, f.masq] {
-            cmds.push(NfObject::CmdObject(NfCmd::Flush(FlushObject::Set(
-                Box::new(tuple_set(name, Vec::new())),
-            ))));
-        }
-    }
-
-    for f in &FAMILIES {
-        let vmap = Statement::VerdictMap(VerdictMap {
-            key: dispatch_key(f.v4),
-            data: set_ref(f.dispatch),
-        });
-        cmds.push(rule("prerouting", vec![vmap.clone()]));
-        cmds.push(rule("output", vec![vmap]));
-        cmds.push(rule(
-            "postrouting",
-            vec![
-                matches(
-                    ct("status", false),
-                    Operator::IN,
-                    Expression::String(s("dnat")),
-                ),
-                matches(
-                    concat(vec![
-                        ct(&format!("{} daddr", ip_proto(f.v4)), true),
-                        payload(ip_proto(f.v4), "daddr"),
-                        l4proto(),
-                        payload("th", "dport"),
-                    ]),
-                    Operator::EQ,
-                    set_ref(f.masq),
-                ),
-                Statement::Masquerade(Some(NAT {
-                    addr: None,
-                    family: None,
-                    port: None,
-                    flags: Some([NATFlag::FullyRandom].into_iter().collect()),
-                })),
-            ],
-        ));
-        let refused = || {
-            vec![
-                matches(
-                    ct("state", false),
-                    Operator::IN,
-                    Expression::String(s("new")),
-                ),
-                matches(dispatch_key(f.v4), Operator::EQ, set_ref(f.refuse)),
-            ]
-        };
-        let mut tcp = refused();
-        tcp.push(matches(
-            l4proto(),
-            Operator::EQ,
-            Expression::String(s("tcp")),
-        ));
-        tcp.push(Statement::Reject(Some(Reject::new(
-            Some(RejectType::TCPReset),
-            None,
-        ))));
-        cmds.push(rule("input", tcp));
-        let mut other = refused();
-        other.push(Statement::Reject(Some(Reject::new(
-            Some(RejectType::ICMPX),
-            Some(RejectCode::PortUnreach),
-        ))));
-        cmds.push(rule("input", other));
-    }
-
+    // 2. Filled again.
     for (id, l) in desired {
         fill_listener(&mut cmds, id, l, None);
     }
-
     // 3. What is gone: after the flushes above, nothing refers to it.
     delete_gone(&mut cmds, present, &wanted);
     Nftables {
@@ -936,8 +895,146 @@ fn commands(desired: &Desired, present: &Owned) -> Nftables<'static> {
     }
 }
 
+/// A table's own parts, added (idempotent), emptied and filled: in every
+/// shard the dispatch maps and the NAT base chains that look them up; in
+/// the main table also the refusal and the masquerade, shared by every
+/// listener (so a packet is refused or masqueraded by one rule, whatever
+/// the number of tables).
+fn skeleton(cmds: &mut Vec<NfObject<'static>>, t: Shard) {
+    cmds.push(add(NfListObject::Table(table(t))));
+    let mut bases = vec![
+        base_chain(
+            t,
+            "prerouting",
+            NfChainType::NAT,
+            NfHook::Prerouting,
+            PRIO_DSTNAT,
+        ),
+        base_chain(t, "output", NfChainType::NAT, NfHook::Output, PRIO_DSTNAT),
+    ];
+    if t == Shard::MAIN {
+        bases.push(base_chain(
+            t,
+            "postrouting",
+            NfChainType::NAT,
+            NfHook::Postrouting,
+            PRIO_SRCNAT,
+        ));
+        bases.push(base_chain(
+            t,
+            "input",
+            NfChainType::Filter,
+            NfHook::Input,
+            PRIO_FILTER,
+        ));
+    }
+    for f in &FAMILIES {
+        let addr = addr_type(f.v4);
+        let tuple = vec![addr, SetType::InetProto, SetType::InetService];
+        cmds.push(add(NfListObject::Map(Box::new(Map {
+            set_type: SetTypeValue::Concatenated(Cow::Owned(tuple.clone())),
+            // Replaced by `verdict` in [`transaction`]: the crate's
+            // `SetType` has no verdict type.
+            map: SetTypeValue::Single(SetType::Mark),
+            ..*map(t, f.dispatch)
+        }))));
+        cmds.push(NfObject::CmdObject(NfCmd::Flush(FlushObject::Map(map(
+            t, f.dispatch,
+        )))));
+        if t == Shard::MAIN {
+            let masq = vec![addr, addr, SetType::InetProto, SetType::InetService];
+            for (name, types) in [(f.refuse, tuple), (f.masq, masq)] {
+                cmds.push(add(NfListObject::Set(Box::new(tuple_set(t, name, types)))));
+                cmds.push(NfObject::CmdObject(NfCmd::Flush(FlushObject::Set(
+                    Box::new(tuple_set(t, name, Vec::new())),
+                ))));
+            }
+        }
+    }
+    for c in &bases {
+        cmds.push(add(NfListObject::Chain(c.clone())));
+        cmds.push(NfObject::CmdObject(NfCmd::Flush(FlushObject::Chain(
+            c.clone(),
+        ))));
+    }
+    for f in &FAMILIES {
+        let vmap = Statement::VerdictMap(VerdictMap {
+            key: dispatch_key(f.v4),
+            data: set_ref(f.dispatch),
+        });
+        cmds.push(rule(t, "prerouting", vec![vmap.clone()]));
+        cmds.push(rule(t, "output", vec![vmap]));
+        if t == Shard::MAIN {
+            shared_rules(cmds, f);
+        }
+    }
+}
+
+/// The main table's rules of one address family: the masquerade of what
+/// was DNATed to a member of a `source_nat = "masquerade"` listener, and
+/// the refusal of a new flow to a kernel listener that no listener chain
+/// DNATed.
+fn shared_rules(cmds: &mut Vec<NfObject<'static>>, f: &Family) {
+    let t = Shard::MAIN;
+    cmds.push(rule(
+        t,
+        "postrouting",
+        vec![
+            matches(
+                ct("status", false),
+                Operator::IN,
+                Expression::String(s("dnat")),
+            ),
+            matches(
+                concat(vec![
+                    ct(&format!("{} daddr", ip_proto(f.v4)), true),
+                    payload(ip_proto(f.v4), "daddr"),
+                    l4proto(),
+                    payload("th", "dport"),
+                ]),
+                Operator::EQ,
+                set_ref(f.masq),
+            ),
+            Statement::Masquerade(Some(NAT {
+                addr: None,
+                family: None,
+                port: None,
+                flags: Some([NATFlag::FullyRandom].into_iter().collect()),
+            })),
+        ],
+    ));
+    let refused = || {
+        vec![
+            matches(
+                ct("state", false),
+                Operator::IN,
+                Expression::String(s("new")),
+            ),
+            matches(dispatch_key(f.v4), Operator::EQ, set_ref(f.refuse)),
+        ]
+    };
+    let mut tcp = refused();
+    tcp.push(matches(
+        l4proto(),
+        Operator::EQ,
+        Expression::String(s("tcp")),
+    ));
+    tcp.push(Statement::Reject(Some(Reject::new(
+        Some(RejectType::TCPReset),
+        None,
+    ))));
+    cmds.push(rule(t, "input", tcp));
+    let mut other = refused();
+    other.push(Statement::Reject(Some(Reject::new(
+        Some(RejectType::ICMPX),
+        Some(RejectCode::PortUnreach),
+    ))));
+    cmds.push(rule(t, "input", other));
+}
+
 #[cfg(test)]
 mod tests {
+    use super::super::listener_tag;
     use super::*;
 
     fn listener(eligible: &[&str], members: &[&str]) -> KernelListener {
@@ -1048,6 +1145,30 @@ mod tests {
         );
     }
 
+    /// A port of VIP 192.0.2.10 whose listener is (or is not) in the
+    /// same table as port 80's.
+    fn port_in(same: bool) -> u16 {
+        let home = Shard::of(&id("192.0.2.10", 80));
+        (81..2000)
+            .find(|&p| (Shard::of(&id("192.0.2.10", p)) == home) == same)
+            .unwrap()
+    }
+
+    fn deletes(doc: &serde_json::Value) -> Vec<String> {
+        // Objects, not elements (a partial sync deletes a changed
+        // listener's elements first).
+        let cmds = doc["nftables"].as_array().unwrap();
+        let object =
+            |c: &serde_json::Value| c.get("delete").is_some_and(|d| d.get("element").is_none());
+        let first_delete = cmds.iter().position(object);
+        let last_flush = cmds.iter().rposition(|c| c.get("flush").is_some());
+        assert!(last_flush < first_delete, "deletes after the flushes");
+        cmds.iter()
+            .filter(|c| object(c))
+            .map(|c| c["delete"].to_string())
+            .collect()
+    }
+
     #[test]
     fn what_is_gone_is_deleted_after_the_flushes() {
         let mut before = Desired::new();
@@ -1055,29 +1176,120 @@ mod tests {
             id("192.0.2.10", 80),
             listener(&["10.0.0.1"], &["10.0.0.1", "10.0.0.2"]),
         );
-        before.insert(id("192.0.2.11", 80), listener(&["10.0.0.1"], &["10.0.0.1"]));
+        let neighbour = id("192.0.2.10", port_in(true));
+        before.insert(neighbour, listener(&["10.0.0.1"], &["10.0.0.1"]));
         let present = Owned::of(&before);
         let mut after = Desired::new();
         after.insert(id("192.0.2.10", 80), listener(&["10.0.0.1"], &["10.0.0.1"]));
-        let doc = transaction(&after, &present);
-        let cmds = doc["nftables"].as_array().unwrap();
-        let deleted: Vec<String> = cmds
-            .iter()
-            .filter_map(|c| c.get("delete"))
-            .map(|d| d.to_string())
-            .collect();
+        let deleted = deletes(&transaction(&after, &present));
         // The second listener's chain and two counters; the first
-        // listener's second backend's counter.
+        // listener's second backend's counter; no table (port 80's stays).
         assert_eq!(deleted.len(), 4, "{deleted:?}");
-        assert!(deleted.iter().any(|d| d.contains("l_tcp_80_192.0.2.11")));
+        let tag = listener_tag(&neighbour);
+        assert!(deleted.iter().any(|d| d.contains(&format!("l_{tag}"))));
         assert!(
             deleted
                 .iter()
                 .any(|d| d.contains("n_tcp_80_192.0.2.10_10.0.0.2"))
         );
-        let first_delete = cmds.iter().position(|c| c.get("delete").is_some()).unwrap();
-        let last_flush = cmds.iter().rposition(|c| c.get("flush").is_some()).unwrap();
-        assert!(last_flush < first_delete);
+        assert!(!deleted.iter().any(|d| d.contains(r#"{"table""#)));
+        assert_eq!(deleted, deletes(&partial_transaction(&after, &before)));
+    }
+
+    #[test]
+    fn listeners_are_spread_over_tables_and_a_table_left_empty_goes_whole() {
+        let home = id("192.0.2.10", 80);
+        let away = id("192.0.2.10", port_in(false));
+        let (t_home, t_away) = (Shard::of(&home), Shard::of(&away));
+        let mut before = Desired::new();
+        before.insert(home, listener(&["10.0.0.1"], &["10.0.0.1"]));
+        let mut after = before.clone();
+        after.insert(away, listener(&["10.0.0.1"], &["10.0.0.1"]));
+
+        // A new table gets its parts with its first listener, in the same
+        // transaction: the partial sync writes them, and only there.
+        let t = text(&partial_transaction(&after, &before));
+        let base = |sh: Shard| {
+            format!(
+                r#""hook":"prerouting","name":"prerouting","policy":"accept","prio":-100,"table":"{}""#,
+                sh.table()
+            )
+        };
+        assert!(t.contains(&base(t_away)), "{t}");
+        assert!(!t.contains(&base(t_home)), "{t}");
+        assert!(t.contains(&format!(
+            r#""name":"dispatch4","table":"{}""#,
+            t_away.table()
+        )));
+        // The refusal and the masquerade stay in the main table.
+        assert!(t.contains(&format!(r#""name":"refuse4","table":"{TABLE}""#)));
+        assert!(!t.contains(r#""name":"refuse4","table":"harvester_lb_nat_"#));
+        assert!(!t.contains(
+            r#""hook":"input","name":"input","policy":"accept","prio":0,"table":"harvester_lb_nat_"#
+        ));
+
+        // The full write: every table's parts once, the main one always.
+        let t = text(&transaction(&after, &Owned::default()));
+        for sh in [Shard::MAIN, t_home, t_away] {
+            assert!(t.contains(&base(sh)), "{sh:?}: {t}");
+        }
+        assert!(!t.contains(
+            r#""hook":"input","name":"input","policy":"accept","prio":0,"table":"harvester_lb_nat_"#
+        ));
+
+        // The last listener of a table goes: the table goes, whole.
+        let deleted = deletes(&partial_transaction(&before, &after));
+        assert!(
+            deleted.contains(&format!(
+                r#"{{"table":{{"family":"inet","name":"{}"}}}}"#,
+                t_away.table()
+            )),
+            "{deleted:?}"
+        );
+        assert!(
+            !deleted.iter().any(|d| d.contains(r#"{"chain""#)),
+            "its objects go with it: {deleted:?}"
+        );
+
+        // A table of a shard this version does not use is deleted, and the
+        // main table kept even without a listener.
+        let mut present = Owned::of(&before);
+        present
+            .tables
+            .insert(Shard::from_table("harvester_lb_nat_99").unwrap());
+        let deleted = deletes(&transaction(&Desired::new(), &present));
+        assert!(deleted.iter().any(|d| d.contains("harvester_lb_nat_99")));
+        assert!(
+            !deleted
+                .iter()
+                .any(|d| d.contains(&format!(r#""name":"{TABLE}"}}"#)))
+        );
+    }
+
+    #[test]
+    fn a_table_name_is_a_shard_only_as_this_module_writes_it() {
+        assert_eq!(Shard::from_table("harvester_lb_nat"), Some(Shard::MAIN));
+        let seven = Shard::from_table("harvester_lb_nat_7").unwrap();
+        assert_eq!(seven.table(), "harvester_lb_nat_7");
+        assert!(seven.in_use());
+        assert!(!Shard::from_table("harvester_lb_nat_99").unwrap().in_use());
+        for other in [
+            "harvester_lb",
+            "harvester_lb_nat_07",
+            "harvester_lb_nat_0",
+            "harvester_lb_nat_x",
+            "harvester_lb_nat_300",
+        ] {
+            assert_eq!(Shard::from_table(other), None, "{other}");
+        }
+        // Fixed: the same table in every version (a restart finds each
+        // listener where it was).
+        assert_eq!(
+            Shard::of(&id("192.0.2.10", 80)).table(),
+            "harvester_lb_nat_15"
+        );
+        let spread: BTreeSet<Shard> = (1..=200).map(|p| Shard::of(&id("192.0.2.10", p))).collect();
+        assert_eq!(spread.len(), usize::from(super::super::SHARDS));
     }
 
     #[test]
@@ -1191,7 +1403,7 @@ mod tests {
         assert!(!t.contains("numgen"));
         let script = prelude(&before, None, &Owned::default()).unwrap();
         assert!(
-            script.contains("add map inet harvester_lb_nat m_tcp_80_192.0.2.10 { typeof numgen inc mod 4093 : verdict ; }"),
+            script.contains("add map inet harvester_lb_nat_15 m_tcp_80_192.0.2.10 { typeof numgen inc mod 4093 : verdict ; }"),
             "{script}"
         );
         assert_eq!(prelude(&before, None, &Owned::of(&before)), None);
@@ -1240,7 +1452,7 @@ mod tests {
         let t = text(&transaction(&d, &Owned::default()));
         let script = prelude(&d, None, &Owned::default()).unwrap();
         assert!(
-            script.contains("add set inet harvester_lb_nat a_tcp_80_192.0.2.10_10.0.0.2 { type ipv4_addr ; flags dynamic,timeout ; timeout 600s ; }"),
+            script.contains("add set inet harvester_lb_nat_15 a_tcp_80_192.0.2.10_10.0.0.2 { type ipv4_addr ; flags dynamic,timeout ; timeout 600s ; }"),
             "{script}"
         );
         assert_eq!(

@@ -31,7 +31,9 @@ use netlink_packet_netfilter::conntrack::{
 use netlink_packet_netfilter::{
     NetfilterHeader, NetfilterMessage, NetfilterMessageInner, NetfilterProtoFamily,
 };
-use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_NETFILTER};
+use netlink_sys::Socket;
+
+use super::netlink::KeptSocket;
 
 /// One flow as conntrack has it: what the client sent to, and who answers.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -164,16 +166,17 @@ fn request(family: NetfilterProtoFamily, message: ConntrackMessage, flags: u16) 
     buf
 }
 
-fn socket() -> io::Result<Socket> {
-    let mut socket = Socket::new(NETLINK_NETFILTER)?;
-    socket.bind_auto()?;
-    socket.connect(&SocketAddr::new(0, 0))?;
-    Ok(socket)
-}
+/// The socket of the dumps and deletions, kept open (see
+/// [`KeptSocket`]): the readings every 5 s and the sweeps after a flip
+/// would otherwise stall the next flip's commit when they close one.
+static SOCKET: KeptSocket = KeptSocket::new();
 
 /// Every entry of one address family.
 fn dump(family: NetfilterProtoFamily) -> io::Result<Vec<Flow>> {
-    let socket = socket()?;
+    SOCKET.with(|socket| dump_on(socket, family))
+}
+
+fn dump_on(socket: &Socket, family: NetfilterProtoFamily) -> io::Result<Vec<Flow>> {
     socket.send(
         &request(
             family,
@@ -253,11 +256,13 @@ pub fn delete_stale_flows(desired: &Desired) -> io::Result<usize> {
             continue;
         }
         let flows = dump(family)?;
-        let socket = socket()?;
-        for f in flows.into_iter().filter(|f| stale(f, &listeners)) {
-            delete(&socket, family, f.original)?;
-            deleted += 1;
-        }
+        SOCKET.with(|socket| {
+            for f in flows.into_iter().filter(|f| stale(f, &listeners)) {
+                delete(socket, family, f.original)?;
+                deleted += 1;
+            }
+            Ok(())
+        })?;
     }
     Ok(deleted)
 }

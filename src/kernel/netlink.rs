@@ -10,8 +10,10 @@
 //! deleted, elements, base chains) stays with `nft` and its checks.
 //!
 //! The kernel still validates the whole table at the commit (the `nat` and
-//! `objref` expressions ask for it): that walk, linear in the listeners, is
-//! what a flip costs at scale. Messages are built by hand: the
+//! `objref` expressions ask for it): that walk, linear in the table's
+//! listeners, is why they are spread over [`super::SHARDS`] tables. The
+//! socket stays open between flips ([`Writer`]). Messages are built by
+//! hand: the
 //! `netlink-packet-netfilter` crate has no `numgen`, `objref` or `nat`
 //! expression.
 
@@ -275,7 +277,7 @@ impl Batch {
 /// The most a batch carries before the next listener starts another: a
 /// netlink message must fit the socket's send buffer, and a node that
 /// fails flips every listener at once. Each batch is one commit, and each
-/// commit validates the whole table (~40 ms at 10,000 listeners), so
+/// commit validates every table it touches (all 16 when a node fails), so
 /// batches are as large as the buffer allows.
 const BATCH_BYTES: usize = 1024 * 1024;
 /// The send buffer asked for (the kernel caps it at `net.core.wmem_max`,
@@ -298,9 +300,10 @@ fn rewrite_batches<'a>(
             done.push(std::mem::replace(&mut batch, Batch::new()).end());
         }
         let chain = listener_chain(id);
+        let table = super::table_of(id);
         let mut target = Attrs::default();
         target
-            .str(NFTA_RULE_TABLE, super::TABLE)
+            .str(NFTA_RULE_TABLE, &table)
             .str(NFTA_RULE_CHAIN, &chain);
         batch.nft(NFT_MSG_DELRULE, 0, &target);
         for exprs in listener_rules(id, l) {
@@ -309,7 +312,7 @@ fn rewrite_batches<'a>(
                 list.nest(NFTA_LIST_ELEM, e);
             }
             let mut rule = Attrs::default();
-            rule.str(NFTA_RULE_TABLE, super::TABLE)
+            rule.str(NFTA_RULE_TABLE, &table)
                 .str(NFTA_RULE_CHAIN, &chain)
                 .nest(NFTA_RULE_EXPRESSIONS, &list);
             batch.nft(NFT_MSG_NEWRULE, NLM_F_CREATE | NLM_F_APPEND, &rule);
@@ -321,31 +324,94 @@ fn rewrite_batches<'a>(
     done
 }
 
-/// Rewrites the chains of `changed` listeners (their objects exist: only
-/// their backend choice changed).
-pub(super) fn rewrite_listeners<'a>(
-    changed: impl IntoIterator<Item = (&'a ListenerId, &'a KernelListener)>,
-) -> Result<(), NftError> {
-    let fail = |e: io::Error| NftError::new("write", format!("over netlink: {e}"));
-    let mut socket = Socket::new(NETLINK_NETFILTER).map_err(fail)?;
-    socket.bind_auto().map_err(fail)?;
-    socket.connect(&SocketAddr::new(0, 0)).map_err(fail)?;
-    // Refusals without a copy of the refused message.
-    socket.set_cap_ack(true).map_err(fail)?;
-    let sock = socket2::SockRef::from(&socket);
-    if let Err(e) = sock.set_send_buffer_size(SEND_BUFFER) {
-        tracing::debug!("netlink send buffer: {e}");
+/// A netfilter netlink socket kept open between exchanges, for the same
+/// reason as [`Writer`]'s: a socket closed soon after a commit stalls the
+/// next commit for an RCU grace period. Used by the periodic readings
+/// (counters, conntrack), which run beside the flips.
+#[derive(Debug, Default)]
+pub(super) struct KeptSocket(std::sync::Mutex<Option<Socket>>);
+
+impl KeptSocket {
+    /// None opened yet.
+    pub(super) const fn new() -> Self {
+        Self(std::sync::Mutex::new(None))
     }
-    // What the kernel granted (it reports twice what it keeps for data),
-    // less room for the listener that crosses the limit.
-    let granted = sock.send_buffer_size().map_err(fail)? / 2;
-    let limit = BATCH_BYTES
-        .min(granted.saturating_sub(64 * 1024))
-        .max(16 * 1024);
-    for batch in rewrite_batches(changed, limit) {
-        send(&socket, &batch).map_err(fail)?;
+
+    /// Runs one exchange on the kept socket (opened first if there is
+    /// none). A failed exchange drops it: it may still hold the rest of
+    /// the failed answer.
+    pub(super) fn with<T>(&self, exchange: impl FnOnce(&Socket) -> io::Result<T>) -> io::Result<T> {
+        let mut kept = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        let socket = match kept.take() {
+            Some(s) => s,
+            None => connected()?,
+        };
+        let result = exchange(&socket);
+        if result.is_ok() {
+            *kept = Some(socket);
+        }
+        result
     }
-    Ok(())
+}
+
+/// A netfilter netlink socket, connected to the kernel.
+pub(super) fn connected() -> io::Result<Socket> {
+    let mut socket = Socket::new(NETLINK_NETFILTER)?;
+    socket.bind_auto()?;
+    socket.connect(&SocketAddr::new(0, 0))?;
+    Ok(socket)
+}
+
+fn write_error(e: io::Error) -> NftError {
+    NftError::new("write", format!("over netlink: {e}"))
+}
+
+/// A netlink socket kept open for the flips.
+///
+/// Why kept: closing a netfilter netlink socket makes nf_tables wait, with
+/// its commit lock held, for the release of the last transaction's old
+/// rules, which waits for an RCU grace period (`nft_rcv_nl_event`): 12 to
+/// 23 ms per flip at 10,000 listeners on the test machine, more than the
+/// commit itself. One socket per flip paid that every time.
+#[derive(Debug)]
+pub(super) struct Writer {
+    socket: Socket,
+    /// The most one batch carries, from the send buffer granted.
+    limit: usize,
+}
+
+impl Writer {
+    /// A socket connected to nf_tables, its send buffer as large as the
+    /// host allows.
+    pub(super) fn open() -> Result<Self, NftError> {
+        let socket = connected().map_err(write_error)?;
+        // Refusals without a copy of the refused message.
+        socket.set_cap_ack(true).map_err(write_error)?;
+        let sock = socket2::SockRef::from(&socket);
+        if let Err(e) = sock.set_send_buffer_size(SEND_BUFFER) {
+            tracing::debug!("netlink send buffer: {e}");
+        }
+        // What the kernel granted (it reports twice what it keeps for
+        // data), less room for the listener that crosses the limit.
+        let granted = sock.send_buffer_size().map_err(write_error)? / 2;
+        let limit = BATCH_BYTES
+            .min(granted.saturating_sub(64 * 1024))
+            .max(16 * 1024);
+        Ok(Self { socket, limit })
+    }
+
+    /// Rewrites the chains of `changed` listeners (their objects exist:
+    /// only their backend choice changed). After an error the socket may
+    /// hold answers to what failed: the caller drops this writer.
+    pub(super) fn rewrite_listeners<'a>(
+        &self,
+        changed: impl IntoIterator<Item = (&'a ListenerId, &'a KernelListener)>,
+    ) -> Result<(), NftError> {
+        for batch in rewrite_batches(changed, self.limit) {
+            send(&self.socket, &batch).map_err(write_error)?;
+        }
+        Ok(())
+    }
 }
 
 const NFT_MSG_NEWOBJ: u16 = 18;
@@ -359,22 +425,24 @@ const NFTA_OBJ_DATA: u16 = 4;
 const NFT_OBJECT_COUNTER: u32 = 1;
 const NFTA_COUNTER_PACKETS: u16 = 2;
 
-/// The table's named counters, `(name, packets)`, in one netlink dump
-/// filtered by the kernel to this table's counters.
+/// Our tables' named counters, `(name, packets)`, in one netlink dump of
+/// the family's counters (the kernel filters by one table or by none),
+/// kept when their table is one of ours.
 ///
 /// Why not `nft -j list counters`: `nft` fetches its cache of the whole
 /// ruleset first, which at 10,000 listeners (40,000 counters) took 9.5 s of
 /// wall time and 2.6 s of CPU per read on the 2-core test machine, every
 /// 5 s. The dump reads only the counter objects.
 pub(super) fn read_counters() -> Result<Vec<(String, u64)>, NftError> {
-    let fail = |e: io::Error| NftError::new("read", format!("counters over netlink: {e}"));
-    let mut socket = Socket::new(NETLINK_NETFILTER).map_err(fail)?;
-    socket.bind_auto().map_err(fail)?;
-    socket.connect(&SocketAddr::new(0, 0)).map_err(fail)?;
+    static SOCKET: KeptSocket = KeptSocket::new();
+    SOCKET
+        .with(dump_counters)
+        .map_err(|e| NftError::new("read", format!("counters over netlink: {e}")))
+}
+
+fn dump_counters(socket: &Socket) -> io::Result<Vec<(String, u64)>> {
     let mut attrs = Attrs::default();
-    attrs
-        .str(NFTA_OBJ_TABLE, super::TABLE)
-        .u32(NFTA_OBJ_TYPE, NFT_OBJECT_COUNTER);
+    attrs.u32(NFTA_OBJ_TYPE, NFT_OBJECT_COUNTER);
     let mut msg = Vec::with_capacity(20 + attrs.0.len());
     let len = (16 + 4 + attrs.0.len()) as u32;
     msg.extend_from_slice(&len.to_ne_bytes());
@@ -384,18 +452,18 @@ pub(super) fn read_counters() -> Result<Vec<(String, u64)>, NftError> {
     msg.extend_from_slice(&0u32.to_ne_bytes()); // port id: the kernel's
     msg.extend_from_slice(&[NFPROTO_INET, 0, 0, 0]); // nfgenmsg
     msg.extend_from_slice(&attrs.0);
-    socket.send(&msg, 0).map_err(fail)?;
+    socket.send(&msg, 0)?;
 
     let mut counters = Vec::new();
     let mut buf = vec![0u8; 1 << 20];
     loop {
-        let size = socket.recv(&mut &mut buf[..], 0).map_err(fail)?;
+        let size = socket.recv(&mut &mut buf[..], 0)?;
         let mut at = 0;
         while at + 16 <= size {
             let len = u32::from_ne_bytes(buf[at..at + 4].try_into().expect("4 bytes")) as usize;
             let kind = u16::from_ne_bytes(buf[at + 4..at + 6].try_into().expect("2 bytes"));
             if len < 16 || at + len > size {
-                return Err(fail(io::Error::other("a malformed answer from nf_tables")));
+                return Err(io::Error::other("a malformed answer from nf_tables"));
             }
             let body = &buf[at + 16..at + len];
             match kind {
@@ -406,7 +474,7 @@ pub(super) fn read_counters() -> Result<Vec<(String, u64)>, NftError> {
                         0 => {}
                         // No table: no counter.
                         libc::ENOENT => return Ok(Vec::new()),
-                        errno => return Err(fail(io::Error::from_raw_os_error(errno))),
+                        errno => return Err(io::Error::from_raw_os_error(errno)),
                     }
                 }
                 k if k == NFNL_SUBSYS_NFTABLES << 8 | NFT_MSG_NEWOBJ && body.len() >= 4 => {
@@ -438,12 +506,21 @@ fn attributes(mut b: &[u8]) -> impl Iterator<Item = (u16, &[u8])> {
     })
 }
 
-/// One counter object's name and packet count.
+/// One counter object's name and packet count; `None` when it is not in
+/// one of our tables.
 fn counter_of(attrs: &[u8]) -> Option<(String, u64)> {
     let mut name = None;
     let mut packets = None;
+    let mut ours = false;
     for (kind, value) in attributes(attrs) {
         match kind {
+            NFTA_OBJ_TABLE => {
+                let text = value.split(|&c| c == 0).next()?;
+                ours = std::str::from_utf8(text)
+                    .ok()
+                    .and_then(super::Shard::from_table)
+                    .is_some();
+            }
             NFTA_OBJ_NAME => {
                 let text = value.split(|&c| c == 0).next()?;
                 name = Some(String::from_utf8_lossy(text).into_owned());
@@ -456,7 +533,7 @@ fn counter_of(attrs: &[u8]) -> Option<(String, u64)> {
             _ => {}
         }
     }
-    Some((name?, packets?))
+    ours.then_some((name?, packets?))
 }
 
 /// Sends one batch and reads its acknowledgements: `Err` at the first

@@ -5,7 +5,8 @@
 //! transaction deletes exactly the objects no longer wanted (a kube-proxy
 //! style "full resync"), and never the table itself.
 
-use super::build::{Owned, TABLE};
+use super::Shard;
+use super::build::{Obj, Owned, TABLE};
 
 /// Why `nft` did not do what it was asked.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -56,43 +57,60 @@ pub(super) fn prepare(script: Option<String>) -> Result<(), NftError> {
     }
 }
 
-/// The regular chains, counters and sets our table holds now; empty when
-/// there is no table (a first start, or a clean stop before).
-pub fn read_back() -> Result<Owned, NftError> {
-    let fail = |detail| NftError {
+fn read_error(detail: String) -> NftError {
+    NftError {
         what: "read",
         detail,
-    };
-    let Some(listed) = crate::nft::list_inet_table(TABLE).map_err(fail)? else {
-        return Ok(Owned::default());
-    };
-    parse_listing(&listed).map_err(|detail| NftError {
-        what: "read",
-        detail,
-    })
+    }
 }
 
-/// The objects of a `nft -j list table` answer. Read as plain JSON: the
-/// crate's schema has no verdict map type, so it cannot read our own table.
-pub(super) fn parse_listing(listed: &str) -> Result<Owned, String> {
+/// Our tables present now (every shard's, also of a shard this version
+/// does not use).
+fn our_tables() -> Result<Vec<Shard>, NftError> {
+    let names = crate::nft::list_inet_tables().map_err(read_error)?;
+    Ok(names.iter().filter_map(|n| Shard::from_table(n)).collect())
+}
+
+/// The tables, regular chains, counters and sets ours hold now; empty
+/// when there is none (a first start, or a clean stop before).
+pub fn read_back() -> Result<Owned, NftError> {
+    let mut owned = Owned::default();
+    for shard in our_tables()? {
+        // Gone between the two calls: nothing to read.
+        if let Some(listed) = crate::nft::list_inet_table(&shard.table()).map_err(read_error)? {
+            parse_listing(shard, &listed, &mut owned).map_err(read_error)?;
+        }
+    }
+    Ok(owned)
+}
+
+/// The objects of a `nft -j list table` answer for table `shard`, into
+/// `owned`. Read as plain JSON: the crate's schema has no verdict map
+/// type, so it cannot read our own table.
+pub(super) fn parse_listing(shard: Shard, listed: &str, owned: &mut Owned) -> Result<(), String> {
     let doc: serde_json::Value =
         serde_json::from_str(listed).map_err(|e| format!("cannot parse nft's listing: {e}"))?;
-    let mut owned = Owned::default();
+    owned.tables.insert(shard);
     for o in doc["nftables"].as_array().into_iter().flatten() {
-        let name = |kind: &str| o.get(kind)?.get("name")?.as_str().map(str::to_string);
+        let name = |kind: &str| {
+            o.get(kind)?.get("name")?.as_str().map(|n| Obj {
+                shard,
+                name: n.to_string(),
+            })
+        };
         if let Some(n) = name("chain").filter(|_| o["chain"].get("hook").is_none()) {
             owned.chains.insert(n);
         } else if let Some(n) = name("counter") {
             owned.counters.insert(n);
-        } else if let Some(n) = name("set").filter(|n| n.starts_with("s_")) {
+        } else if let Some(n) = name("set").filter(|n| n.name.starts_with("s_")) {
             owned.sets.insert(n);
-        } else if let Some(n) = name("set").filter(|n| n.starts_with("a_")) {
+        } else if let Some(n) = name("set").filter(|n| n.name.starts_with("a_")) {
             owned.affinity.insert(n);
-        } else if let Some(n) = name("map").filter(|n| n.starts_with("m_")) {
+        } else if let Some(n) = name("map").filter(|n| n.name.starts_with("m_")) {
             owned.maps.insert(n);
         }
     }
-    Ok(owned)
+    Ok(())
 }
 
 /// The named counters' packet counts: `(name, packets)`; for NAT chains,
@@ -102,14 +120,23 @@ pub fn counters() -> Result<Vec<(String, u64)>, NftError> {
     super::netlink::read_counters()
 }
 
-/// Deletes the table (a clean stop, after the drain); nothing when absent.
+/// Deletes every table of ours (a clean stop, after the drain), in one
+/// transaction; nothing when there is none.
 pub(super) fn remove() -> Result<(), NftError> {
-    let doc = serde_json::json!({"nftables": [
-        {"add": {"table": {"family": "inet", "name": TABLE}}},
-        {"delete": {"table": {"family": "inet", "name": TABLE}}},
-    ]});
-    apply(&doc).map_err(|e| NftError {
+    let removing = |e: NftError| NftError {
         what: "remove",
         detail: e.detail,
-    })
+    };
+    let mut tables = our_tables().map_err(removing)?;
+    if !tables.contains(&Shard::MAIN) {
+        // `add` first: absent is not an error.
+        tables.push(Shard::MAIN);
+    }
+    let mut cmds = Vec::new();
+    for t in tables {
+        let table = serde_json::json!({"family": "inet", "name": t.table()});
+        cmds.push(serde_json::json!({"add": {"table": table.clone()}}));
+        cmds.push(serde_json::json!({"delete": {"table": table}}));
+    }
+    apply(&serde_json::json!({ "nftables": cmds })).map_err(removing)
 }

@@ -62,9 +62,51 @@ struct State {
     error: Option<NftError>,
     /// Removed at a clean stop: nothing is written any more.
     closed: bool,
+    /// The flips' netlink socket, once opened; dropped after a failure.
+    writer: Option<netlink::Writer>,
 }
 
-/// The daemon's side of `inet harvester_lb_nat`.
+impl State {
+    /// A sync that only flips listeners' choices (or changes nothing),
+    /// when the kernel is known to hold `applied`: the flipped chains are
+    /// rewritten over netlink and only their entries of `applied`
+    /// replaced. At 10,000 listeners a copy of the whole state per flip
+    /// (and the drop of the old one) took more time than the kernel's
+    /// commit. `None`: not a flip.
+    fn flip(&mut self, desired: &Desired) -> Option<Result<Synced, NftError>> {
+        let applied = self.applied.as_mut().filter(|a| !a.is_empty())?;
+        let flipped = only_choices_changed(desired, applied)?;
+        if flipped.is_empty() {
+            return Some(Ok(Synced::Unchanged));
+        }
+        let started = Instant::now();
+        let writer = match self.writer.take() {
+            Some(w) => Ok(w),
+            None => netlink::Writer::open(),
+        };
+        let written = writer.and_then(|w| {
+            w.rewrite_listeners(flipped.iter().copied())?;
+            Ok(w)
+        });
+        match written {
+            Ok(w) => {
+                for (id, l) in flipped {
+                    applied.insert(*id, l.clone());
+                }
+                self.writer = Some(w);
+                self.error = None;
+                Some(Ok(Synced::Written(started.elapsed())))
+            }
+            Err(e) => {
+                self.applied = None;
+                self.error = Some(e.clone());
+                Some(Err(e))
+            }
+        }
+    }
+}
+
+/// The daemon's side of the tables `inet harvester_lb_nat` and its shards.
 #[derive(Debug, Default)]
 pub struct KernelTable {
     state: Mutex<State>,
@@ -88,7 +130,13 @@ impl KernelTable {
     /// it runs `nft`.
     pub fn sync(&self, desired: &Desired) -> Result<Synced, NftError> {
         let mut st = self.lock();
-        if st.closed || st.applied.as_ref() == Some(desired) {
+        if st.closed {
+            return Ok(Synced::Unchanged);
+        }
+        if let Some(flip) = st.flip(desired) {
+            return flip;
+        }
+        if st.applied.as_ref() == Some(desired) {
             return Ok(Synced::Unchanged);
         }
         let started = Instant::now();
@@ -96,9 +144,6 @@ impl KernelTable {
             // Known to be in the kernel: only what differs is written.
             // (Nothing written yet, the table may not exist: a full write.)
             if let Some(applied) = st.applied.as_ref().filter(|a| !a.is_empty()) {
-                if let Some(flipped) = only_choices_changed(desired, applied) {
-                    return netlink::rewrite_listeners(flipped).map(|()| true);
-                }
                 nft::prepare(prelude(desired, Some(applied), &Owned::of(applied)))?;
                 return nft::apply_json(&partial_transaction_json(desired, applied)).map(|()| true);
             }

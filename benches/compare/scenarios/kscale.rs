@@ -367,7 +367,7 @@ pub fn kscale_scenario(o: &Opts, res: &mut Results, netns: bool) {
         ));
     };
     let chains = Command::new("nft")
-        .args(["list", "table", "inet", "harvester_lb_nat"])
+        .args(["list", "ruleset"]) // every shard's table
         .output()
         .map(|o| {
             String::from_utf8_lossy(&o.stdout)
@@ -377,12 +377,12 @@ pub fn kscale_scenario(o: &Opts, res: &mut Results, netns: bool) {
         })
         .unwrap_or(0);
     eprintln!(
-        "scale-kernel: /readyz in {ready_s:.2} s; all {} listeners forwarding = kernel in /status at {in_kernel_s:.2} s, each with an eligible backend at {eligible_s:.2} s; {chains} listener chains in the table",
+        "scale-kernel: /readyz in {ready_s:.2} s; all {} listeners forwarding = kernel in /status at {in_kernel_s:.2} s, each with an eligible backend at {eligible_s:.2} s; {chains} listener chains in the tables",
         n + 1
     );
     if chains != n + 1 {
         res.fail(format!(
-            "scale-kernel: the table has {chains} listener chains, not {}",
+            "scale-kernel: the tables have {chains} listener chains, not {}",
             n + 1
         ));
     }
