@@ -34,20 +34,6 @@ pub fn run(args: &[&str], input: &[u8]) -> Result<String, String> {
     })
 }
 
-/// The names of the host's tables of family `inet` (`nft -j list tables
-/// inet`: the tables alone, not their contents).
-pub fn list_inet_tables() -> Result<Vec<String>, String> {
-    let listed = run(&["-j", "list", "tables", "inet"], b"")?;
-    let doc: serde_json::Value =
-        serde_json::from_str(&listed).map_err(|e| format!("cannot parse nft's listing: {e}"))?;
-    Ok(doc["nftables"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .filter_map(|o| o.pointer("/table/name")?.as_str().map(str::to_string))
-        .collect())
-}
-
 /// `nft -j list table inet NAME`: the table as the kernel lists it, `None`
 /// when there is none.
 pub fn list_inet_table(name: &str) -> Result<Option<String>, String> {

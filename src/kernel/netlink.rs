@@ -443,10 +443,55 @@ pub(super) fn read_counters() -> Result<Vec<(String, u64)>, NftError> {
 fn dump_counters(socket: &Socket) -> io::Result<Vec<(String, u64)>> {
     let mut attrs = Attrs::default();
     attrs.u32(NFTA_OBJ_TYPE, NFT_OBJECT_COUNTER);
+    let mut counters = Vec::new();
+    dump(socket, NFT_MSG_GETOBJ, &attrs, NFT_MSG_NEWOBJ, |body| {
+        counters.extend(counter_of(body));
+    })?;
+    Ok(counters)
+}
+
+const NFT_MSG_NEWTABLE: u16 = 0;
+const NFT_MSG_GETTABLE: u16 = 1;
+const NFTA_TABLE_NAME: u16 = 1;
+
+/// The names of the host's `inet` tables, in one netlink dump.
+///
+/// Why not `nft list tables`: nft 1.0.6 fetches its cache of the whole
+/// ruleset for it, 2.75 s at 10,000 listeners in 16 tables.
+pub(super) fn table_names() -> io::Result<Vec<String>> {
+    let socket = connected()?;
+    let mut names = Vec::new();
+    dump(
+        &socket,
+        NFT_MSG_GETTABLE,
+        &Attrs::default(),
+        NFT_MSG_NEWTABLE,
+        |body| {
+            names.extend(
+                attributes(body)
+                    .find(|(kind, _)| *kind == NFTA_TABLE_NAME)
+                    .and_then(|(_, v)| v.split(|&c| c == 0).next())
+                    .map(|n| String::from_utf8_lossy(n).into_owned()),
+            );
+        },
+    )?;
+    Ok(names)
+}
+
+/// One nf_tables dump of family `inet`: `request` with `attrs`, then
+/// `each` on the attributes of every `answer` message until the end. A
+/// missing table or object is an empty dump.
+fn dump(
+    socket: &Socket,
+    request: u16,
+    attrs: &Attrs,
+    answer: u16,
+    mut each: impl FnMut(&[u8]),
+) -> io::Result<()> {
     let mut msg = Vec::with_capacity(20 + attrs.0.len());
     let len = (16 + 4 + attrs.0.len()) as u32;
     msg.extend_from_slice(&len.to_ne_bytes());
-    msg.extend_from_slice(&(NFNL_SUBSYS_NFTABLES << 8 | NFT_MSG_GETOBJ).to_ne_bytes());
+    msg.extend_from_slice(&(NFNL_SUBSYS_NFTABLES << 8 | request).to_ne_bytes());
     msg.extend_from_slice(&(NLM_F_REQUEST | NLM_F_DUMP).to_ne_bytes());
     msg.extend_from_slice(&1u32.to_ne_bytes()); // sequence
     msg.extend_from_slice(&0u32.to_ne_bytes()); // port id: the kernel's
@@ -454,7 +499,6 @@ fn dump_counters(socket: &Socket) -> io::Result<Vec<(String, u64)>> {
     msg.extend_from_slice(&attrs.0);
     socket.send(&msg, 0)?;
 
-    let mut counters = Vec::new();
     let mut buf = vec![0u8; 1 << 20];
     loop {
         let size = socket.recv(&mut &mut buf[..], 0)?;
@@ -467,21 +511,16 @@ fn dump_counters(socket: &Socket) -> io::Result<Vec<(String, u64)>> {
             }
             let body = &buf[at + 16..at + len];
             match kind {
-                NLMSG_DONE => return Ok(counters),
+                NLMSG_DONE => return Ok(()),
                 NLMSG_ERROR if body.len() >= 4 => {
                     let code = i32::from_ne_bytes(body[..4].try_into().expect("4 bytes"));
                     match -code {
                         0 => {}
-                        // No table: no counter.
-                        libc::ENOENT => return Ok(Vec::new()),
+                        libc::ENOENT => return Ok(()),
                         errno => return Err(io::Error::from_raw_os_error(errno)),
                     }
                 }
-                k if k == NFNL_SUBSYS_NFTABLES << 8 | NFT_MSG_NEWOBJ && body.len() >= 4 => {
-                    if let Some(c) = counter_of(&body[4..]) {
-                        counters.push(c);
-                    }
-                }
+                k if k == NFNL_SUBSYS_NFTABLES << 8 | answer && body.len() >= 4 => each(&body[4..]),
                 _ => {}
             }
             at += len.next_multiple_of(4);

@@ -67,7 +67,8 @@ fn read_error(detail: String) -> NftError {
 /// Our tables present now (every shard's, also of a shard this version
 /// does not use).
 fn our_tables() -> Result<Vec<Shard>, NftError> {
-    let names = crate::nft::list_inet_tables().map_err(read_error)?;
+    let names = super::netlink::table_names()
+        .map_err(|e| read_error(format!("the tables over netlink: {e}")))?;
     Ok(names.iter().filter_map(|n| Shard::from_table(n)).collect())
 }
 
