@@ -222,6 +222,10 @@ pub struct LoadBalancer {
     /// eligible set (the kernel's NAT table): it learns of a health flip or
     /// a drain without the prober or the admin path knowing of it.
     on_publish: OnceLock<Arc<tokio::sync::Notify>>,
+    /// Set by every publish, cleared by [`LoadBalancer::take_published`]:
+    /// which load balancers that writer must look at again, so that a flip
+    /// among 10,000 costs it one load balancer's work, not 10,000.
+    published: std::sync::atomic::AtomicBool,
 }
 
 struct Inner {
@@ -270,6 +274,7 @@ impl LoadBalancer {
             udp_flows: Budget::new(usize::MAX),
             released: CancellationToken::new(),
             on_publish: OnceLock::new(),
+            published: std::sync::atomic::AtomicBool::new(true),
         });
         lb.publish();
         lb
@@ -341,6 +346,13 @@ impl LoadBalancer {
         let mut inner = self.lock();
         inner.left = true;
         self.stats.no_backend.clear();
+    }
+
+    /// Whether a snapshot was published since the last call (true once at
+    /// first), for the one writer woken by [`Self::notify_on_publish`].
+    pub fn take_published(&self) -> bool {
+        self.published
+            .swap(false, std::sync::atomic::Ordering::AcqRel)
     }
 
     /// Wakes `notify` after every publish from now on (one waker per load
@@ -442,6 +454,8 @@ impl LoadBalancer {
             by_port,
             settings: inner.settings.clone(),
         }));
+        self.published
+            .store(true, std::sync::atomic::Ordering::Release);
         if let Some(notify) = self.on_publish.get() {
             notify.notify_one();
         }

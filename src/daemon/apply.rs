@@ -48,6 +48,7 @@ impl Daemon {
             config.metrics.per_backend_health_check_duration,
         );
         st.config = Some(config);
+        st.config_generation += 1;
         self.kernel_wake();
         self.announce_wake();
         report

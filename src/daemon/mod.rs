@@ -105,6 +105,9 @@ pub struct Daemon {
 #[derive(Default)]
 struct State {
     config: Option<Config>,
+    /// Counts the configs put in force (reloads, leases): what the kernel
+    /// writer's kept state was built from.
+    config_generation: u64,
     load_balancers: HashMap<String, LbEntry>,
     listeners: HashMap<ListenerKey, ListenerEntry>,
     /// Where the config in force came from (`/status`).
