@@ -378,36 +378,38 @@ impl Daemon {
                 })
                 .collect()
         };
-        if !wanted.iter().any(|w| self.kernel.forwards(&w.3)) {
+        let forwarded = self.kernel.forwarded();
+        if !wanted.iter().any(|w| forwarded.contains(&w.3)) {
             self.metrics.set_kernel_backends(Vec::new());
             return;
         }
-        let read = tokio::task::spawn_blocking(crate::kernel::counters).await;
-        let counts: HashMap<String, u64> = match read {
-            Ok(Ok(c)) => c.into_iter().collect(),
-            Ok(Err(e)) => {
-                tracing::warn!("reading the kernel's counters: {e}");
-                return;
-            }
-            Err(e) => {
-                tracing::error!("the kernel counter reader ended abnormally: {e}");
-                return;
-            }
-        };
-        let out = wanted
-            .into_iter()
-            .filter_map(|(cluster, load_balancer, listener, id, backend)| {
-                let connections = *counts.get(&crate::kernel::backend_counter(&id, backend))?;
-                Some(crate::metrics::KernelBackendCount {
-                    cluster,
-                    load_balancer,
-                    listener,
-                    backend,
-                    connections,
-                })
-            })
-            .collect();
-        self.metrics.set_kernel_backends(out);
+        // The read and the matching (tens of thousands of names at scale)
+        // off the runtime's threads, where a flip's request waits.
+        let read = tokio::task::spawn_blocking(move || {
+            let counts: HashMap<String, u64> = crate::kernel::counters()?.into_iter().collect();
+            Ok::<_, crate::kernel::NftError>(
+                wanted
+                    .into_iter()
+                    .filter_map(|(cluster, load_balancer, listener, id, backend)| {
+                        let connections =
+                            *counts.get(&crate::kernel::backend_counter(&id, backend))?;
+                        Some(crate::metrics::KernelBackendCount {
+                            cluster,
+                            load_balancer,
+                            listener,
+                            backend,
+                            connections,
+                        })
+                    })
+                    .collect(),
+            )
+        })
+        .await;
+        match read {
+            Ok(Ok(out)) => self.metrics.set_kernel_backends(out),
+            Ok(Err(e)) => tracing::warn!("reading the kernel's counters: {e}"),
+            Err(e) => tracing::error!("the kernel counter reader ended abnormally: {e}"),
+        }
     }
 
     /// Counts the open TCP connections and UDP flows of each backend on
@@ -423,6 +425,7 @@ impl Daemon {
             Vec<Arc<Backend>>,
             Vec<(String, crate::kernel::ListenerId, bool)>,
         );
+        let forwarded = self.kernel.forwarded();
         let groups: Vec<Group> = {
             let st = self.lock();
             let Some(config) = &st.config else { return };
@@ -437,7 +440,7 @@ impl Daemon {
                         .map(|l| {
                             let id = (spec.vip, l.protocol, l.port);
                             let kernel =
-                                l.forwarding == Forwarding::Kernel && self.kernel.forwards(&id);
+                                l.forwarding == Forwarding::Kernel && forwarded.contains(&id);
                             (l.name.clone(), id, kernel)
                         })
                         .collect();

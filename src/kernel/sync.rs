@@ -225,6 +225,18 @@ impl KernelTable {
         st.error.is_none() && st.applied.as_ref().is_some_and(|a| a.contains_key(id))
     }
 
+    /// Every listener [`Self::forwards`] says is in the kernel, under one
+    /// lock: for the readings that ask about all of them (10,000 lock
+    /// acquisitions, each waiting out a write in progress, held the
+    /// daemon's runtime thread).
+    pub fn forwarded(&self) -> std::collections::HashSet<ListenerId> {
+        let st = self.lock();
+        match (&st.error, &st.applied) {
+            (None, Some(applied)) => applied.keys().copied().collect(),
+            _ => Default::default(),
+        }
+    }
+
     /// The failure that stands, if the last sync failed.
     pub fn error(&self) -> Option<String> {
         self.lock().error.as_ref().map(|e| e.to_string())
