@@ -3,10 +3,11 @@
 //! coalesced transaction after each change, a retry after a failure.
 //!
 //! Every publish of a load balancer's snapshot (a health transition, an
-//! operator's drain, a reload) wakes one task; it waits a few
-//! milliseconds so that a burst of flips is one transaction, builds the
-//! desired state and hands it to [`KernelTable::sync`], which writes
-//! nothing when the kernel already has it. The task starts with the first
+//! operator's drain, a reload) wakes one task; it waits 1 ms (10 ms within
+//! 100 ms of its last write, so that a burst of flips is fewer
+//! transactions), rebuilds the desired state of what published and hands
+//! it to [`KernelTable::sync_changed`], which writes nothing when the
+//! kernel already has it. The task starts with the first
 //! apply, which the server runs after the admin port and socket are bound.
 
 use std::collections::HashMap;
@@ -20,8 +21,17 @@ use crate::balancer::Backend;
 use crate::config::{Forwarding, LoadBalancerSpec, OnBackendDown, Protocol};
 use crate::kernel::{Desired, KernelListener, KernelTable, ListenerId, Synced};
 
-/// How long a wake-up waits for more changes before the transaction.
-const COALESCE: Duration = Duration::from_millis(5);
+/// How long a wake-up waits for more changes before the transaction, when
+/// the writer has been quiet for [`QUIET_AFTER`]: a lone health flip goes
+/// to the kernel at once (the flip target is 20 ms at 10,000 listeners).
+const COALESCE_QUIET: Duration = Duration::from_millis(1);
+/// … and within [`QUIET_AFTER`] of the last write: a burst (a node's
+/// verdicts arriving probe by probe, an operator draining a host) is
+/// batched into fewer transactions, each of which validates the tables it
+/// touches.
+const COALESCE_BUSY: Duration = Duration::from_millis(10);
+/// How long after a write the writer counts as busy.
+const QUIET_AFTER: Duration = Duration::from_millis(100);
 /// How long after a failed transaction the next full resync is tried.
 const RETRY: Duration = Duration::from_secs(2);
 /// How often the kernel's per-backend counters are read for `/metrics`.
@@ -273,9 +283,12 @@ impl Daemon {
             // Until the first write, and after a failed sweep or write: the
             // next write sweeps whatever it changed.
             let mut sweep_all = true;
+            // When the last write ended, for the coalescing.
+            let mut last_write: Option<tokio::time::Instant> = None;
             loop {
                 wake.notified().await;
-                tokio::time::sleep(COALESCE).await;
+                let busy = last_write.is_some_and(|t| t.elapsed() < QUIET_AFTER);
+                tokio::time::sleep(if busy { COALESCE_BUSY } else { COALESCE_QUIET }).await;
                 let Some(daemon) = me.upgrade() else { return };
                 // A publish may change which VIPs this host should announce.
                 daemon.announcer_wake();
@@ -319,6 +332,7 @@ impl Daemon {
                 match outcome {
                     Ok((Synced::Unchanged, _)) => sweep_all = false,
                     Ok((Synced::Written(took), swept)) => {
+                        last_write = Some(tokio::time::Instant::now());
                         daemon.metrics.kernel_synced(took);
                         tracing::debug!(listeners, ?took, "kernel NAT table written");
                         sweep_all = false;
