@@ -502,14 +502,8 @@ fn dump(
     let mut buf = vec![0u8; 1 << 20];
     loop {
         let size = socket.recv(&mut &mut buf[..], 0)?;
-        let mut at = 0;
-        while at + 16 <= size {
-            let len = u32::from_ne_bytes(buf[at..at + 4].try_into().expect("4 bytes")) as usize;
-            let kind = u16::from_ne_bytes(buf[at + 4..at + 6].try_into().expect("2 bytes"));
-            if len < 16 || at + len > size {
-                return Err(io::Error::other("a malformed answer from nf_tables"));
-            }
-            let body = &buf[at + 16..at + len];
+        for message in messages(&buf[..size]) {
+            let (kind, body) = message?;
             match kind {
                 NLMSG_DONE => return Ok(()),
                 NLMSG_ERROR if body.len() >= 4 => {
@@ -523,9 +517,27 @@ fn dump(
                 k if k == NFNL_SUBSYS_NFTABLES << 8 | answer && body.len() >= 4 => each(&body[4..]),
                 _ => {}
             }
-            at += len.next_multiple_of(4);
         }
     }
+}
+
+/// The netlink messages of one datagram from nf_tables: `(type, body
+/// after the 16-byte header)`; an `Err` ends it where a length is wrong.
+fn messages(mut b: &[u8]) -> impl Iterator<Item = io::Result<(u16, &[u8])>> {
+    std::iter::from_fn(move || {
+        if b.len() < 16 {
+            return None;
+        }
+        let len = u32::from_ne_bytes(b[..4].try_into().expect("4 bytes")) as usize;
+        let kind = u16::from_ne_bytes([b[4], b[5]]);
+        if len < 16 || len > b.len() {
+            b = &[];
+            return Some(Err(io::Error::other("a malformed answer from nf_tables")));
+        }
+        let body = &b[16..len];
+        b = &b[len.next_multiple_of(4).min(b.len())..];
+        Some(Ok((kind, body)))
+    })
 }
 
 /// The attributes of a netlink message body: `(type without flags, value)`.
@@ -582,22 +594,16 @@ fn send(socket: &Socket, batch: &Batch) -> io::Result<()> {
     let mut buf = vec![0u8; 64 * 1024];
     loop {
         let size = socket.recv(&mut &mut buf[..], 0)?;
-        let mut at = 0;
-        while at + 16 <= size {
-            let len = u32::from_ne_bytes(buf[at..at + 4].try_into().expect("4 bytes")) as usize;
-            let kind = u16::from_ne_bytes(buf[at + 4..at + 6].try_into().expect("2 bytes"));
-            if len < 16 || at + len > size {
-                return Err(io::Error::other("a malformed answer from nf_tables"));
-            }
-            if kind == NLMSG_ERROR && len >= 20 {
-                let code = i32::from_ne_bytes(buf[at + 16..at + 20].try_into().expect("4 bytes"));
+        for message in messages(&buf[..size]) {
+            let (kind, body) = message?;
+            if kind == NLMSG_ERROR && body.len() >= 4 {
+                let code = i32::from_ne_bytes(body[..4].try_into().expect("4 bytes"));
                 if code != 0 {
                     return Err(io::Error::from_raw_os_error(-code));
                 }
                 // The acknowledgement of the last message: all applied.
                 return Ok(());
             }
-            at += len.next_multiple_of(4);
         }
     }
 }
