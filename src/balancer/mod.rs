@@ -218,13 +218,15 @@ pub struct LoadBalancer {
     /// listener's route, every connection and probe): a removed load
     /// balancer's backends and numbers need not wait out the drain time.
     released: CancellationToken,
-    /// Woken after every publish, for a writer of another copy of the
-    /// eligible set (the kernel's NAT table): it learns of a health flip or
-    /// a drain without the prober or the admin path knowing of it.
-    on_publish: OnceLock<Arc<tokio::sync::Notify>>,
+    /// Woken after every publish, one `Notify` per consumer of the
+    /// eligible set outside the proxy (the kernel's NAT writer, the
+    /// announcer): each learns of a health flip or a drain on its own,
+    /// without the prober or the admin path knowing of it, and without
+    /// one consumer passing the news on to the next.
+    on_publish: OnceLock<Box<[Arc<tokio::sync::Notify>]>>,
     /// Set by every publish, cleared by [`LoadBalancer::take_published`]:
-    /// which load balancers that writer must look at again, so that a flip
-    /// among 10,000 costs it one load balancer's work, not 10,000.
+    /// which load balancers the kernel writer must look at again, so that
+    /// a flip among 10,000 costs it one load balancer's work, not 10,000.
     published: std::sync::atomic::AtomicBool,
 }
 
@@ -349,16 +351,25 @@ impl LoadBalancer {
     }
 
     /// Whether a snapshot was published since the last call (true once at
-    /// first), for the one writer woken by [`Self::notify_on_publish`].
+    /// first), for the kernel writer, one of the consumers woken by
+    /// [`Self::notify_on_publish`] (the only one that works per load
+    /// balancer; the announcer looks at every VIP at each wake-up).
     pub fn take_published(&self) -> bool {
         self.published
             .swap(false, std::sync::atomic::Ordering::AcqRel)
     }
 
-    /// Wakes `notify` after every publish from now on (one waker per load
-    /// balancer; a second call changes nothing) and once now.
-    pub fn notify_on_publish(&self, notify: Arc<tokio::sync::Notify>) {
-        self.on_publish.get_or_init(|| notify).notify_one();
+    /// Wakes each of `consumers` after every publish from now on, and
+    /// once now. The set is given once per load balancer (the daemon's
+    /// consumers do not change while it lives); a second call changes
+    /// nothing but the wake-up now.
+    pub fn notify_on_publish(&self, consumers: impl IntoIterator<Item = Arc<tokio::sync::Notify>>) {
+        let consumers = self
+            .on_publish
+            .get_or_init(|| consumers.into_iter().collect());
+        for notify in consumers.iter() {
+            notify.notify_one();
+        }
     }
 
     /// Its numbers.
@@ -456,7 +467,7 @@ impl LoadBalancer {
         }));
         self.published
             .store(true, std::sync::atomic::Ordering::Release);
-        if let Some(notify) = self.on_publish.get() {
+        for notify in self.on_publish.get().into_iter().flatten() {
             notify.notify_one();
         }
     }
@@ -494,6 +505,39 @@ mod tests {
         lb.publish();
         assert!(lb.snapshot().eligible.is_empty());
         assert!(metrics.render().contains("harvester_lb_no_eligible_backend_events_total{cluster=\"c\",load_balancer=\"ns/svc\"} 1"));
+    }
+
+    #[tokio::test]
+    async fn every_consumer_is_woken_by_each_publish_on_its_own() {
+        use tokio::sync::Notify;
+        let metrics = crate::metrics::Metrics::new();
+        let a = Backend::new(IpAddr::from([10, 0, 0, 1]), true);
+        let lb = LoadBalancer::new(
+            "ns/svc".into(),
+            "c".into(),
+            settings(None),
+            vec![a.clone()],
+            metrics.load_balancer("c", "ns/svc"),
+        );
+        let (kernel, announcer) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
+        lb.notify_on_publish([Arc::clone(&kernel), Arc::clone(&announcer)]);
+        // Woken once at subscription; the permit is taken here.
+        let woken = |n: &Arc<Notify>| {
+            let n = Arc::clone(n);
+            async move {
+                tokio::time::timeout(std::time::Duration::from_secs(5), n.notified())
+                    .await
+                    .is_ok()
+            }
+        };
+        assert!(woken(&kernel).await && woken(&announcer).await);
+        assert!(lb.take_published());
+        // A flip seen by one consumer is still news to the other.
+        a.set_healthy(false);
+        lb.publish();
+        assert!(woken(&kernel).await, "the kernel writer is woken");
+        assert!(woken(&announcer).await, "so is the announcer, directly");
+        assert!(lb.take_published() && !lb.take_published());
     }
 
     #[test]

@@ -359,7 +359,7 @@ impl Daemon {
             stats,
         );
         lb.configure_affinity(spec.affinity_timeout.is_some(), &self.affinity);
-        lb.notify_on_publish(Arc::clone(&self.kernel_wake));
+        lb.notify_on_publish([Arc::clone(&self.kernel_wake), self.announcer_waker()]);
         let entry = LbEntry { lb, backends };
         self.ensure_probes(&entry, spec);
         entry

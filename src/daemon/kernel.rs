@@ -290,8 +290,6 @@ impl Daemon {
                 let busy = last_write.is_some_and(|t| t.elapsed() < QUIET_AFTER);
                 tokio::time::sleep(if busy { COALESCE_BUSY } else { COALESCE_QUIET }).await;
                 let Some(daemon) = me.upgrade() else { return };
-                // A publish may change which VIPs this host should announce.
-                daemon.announcer_wake();
                 if daemon.is_stopping() {
                     return;
                 }

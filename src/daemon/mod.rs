@@ -90,7 +90,8 @@ pub struct Daemon {
     /// The nftables NAT table of `forwarding = "kernel"` listeners.
     kernel: Arc<crate::kernel::KernelTable>,
     /// Woken by every publish of a load balancer and every apply: the
-    /// kernel table may have to follow.
+    /// kernel table may have to follow. (The announcer has a `Notify` of
+    /// its own, woken by the same publishes.)
     kernel_wake: Arc<tokio::sync::Notify>,
     /// The host's IPv4 and IPv6 forwarding as last seen (bit 0: IPv4 off,
     /// bit 1: IPv6 off): kernel listeners of a family the host does not

@@ -232,10 +232,12 @@ impl Daemon {
         });
     }
 
-    /// Wakes the announcing task if it runs (the kernel-table task
-    /// forwards each publish of a load balancer here).
-    pub(super) fn announcer_wake(&self) {
-        self.announcer.wake.notify_one();
+    /// The announcer's own wake-up, for each load balancer to wake after
+    /// every publish: a flip may change which VIPs this host announces.
+    /// (It used to be passed on by the kernel-table task, so announcing
+    /// depended on that task running.)
+    pub(super) fn announcer_waker(&self) -> Arc<Notify> {
+        Arc::clone(&self.announcer.wake)
     }
 
     /// `vip.announce` of the config in force, when it is `routes`.
