@@ -31,6 +31,8 @@ const AVIP: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 50);
 const AVIP6: &str = "2001:db8:50::50";
 /// A VIP with a UDP listener only.
 const AVIP_UDP: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 53);
+/// `vip.announce_prefixes` of the tests: the VIPs above, nothing else.
+const PREFIXES: &str = "\"203.0.113.0/24\", \"2001:db8:50::/48\"";
 /// The rise delay the tests configure.
 const DELAY: Duration = Duration::from_secs(3);
 /// The grace at SIGTERM.
@@ -126,7 +128,7 @@ fn announce_config(bed: &Bed) -> String {
     config()
         .drain_timeout(5)
         .vip(&format!(
-            "announce = \"routes\"\nannounce_delay_seconds = {}\nwithdraw_grace_seconds = {}",
+            "announce = \"routes\"\nannounce_prefixes = [{PREFIXES}]\nannounce_delay_seconds = {}\nwithdraw_grace_seconds = {}",
             DELAY.as_secs(),
             GRACE.as_secs()
         ))
@@ -575,7 +577,7 @@ fn announce_keys_default_and_bad_values_are_named_with_what_is_allowed() {
     assert_eq!(a.delay, None);
     assert_eq!(a.withdraw_grace, Duration::from_secs(5));
 
-    let text = "[vip]\nannounce = \"routes\"\nannounce_interface = \"dummy0\"\nannounce_table = 300\nannounce_delay_seconds = 0\nwithdraw_grace_seconds = 10\n";
+    let text = "[vip]\nannounce = \"routes\"\nannounce_prefixes = [\"203.0.113.0/24\"]\nannounce_interface = \"dummy0\"\nannounce_table = 300\nannounce_delay_seconds = 0\nwithdraw_grace_seconds = 10\n";
     let a = harvester_lb::config::parse(text)
         .expect("valid")
         .config
@@ -594,7 +596,9 @@ fn announce_keys_default_and_bad_values_are_named_with_what_is_allowed() {
         (-1, "negative"),
         (1_i64 << 33, "too large"),
     ] {
-        let text = format!("[vip]\nannounce = \"routes\"\nannounce_table = {table}\n");
+        let text = format!(
+            "[vip]\nannounce = \"routes\"\nannounce_table = {table}\nannounce_prefixes = [\"203.0.113.0/24\"]\n"
+        );
         assert_eq!(
             problems(&text),
             format!(
@@ -614,10 +618,10 @@ fn announce_keys_default_and_bad_values_are_named_with_what_is_allowed() {
         .join("\n")
     );
     // A leased VIP belongs to one host: not announced from many.
-    let text = "[vip]\nannounce = \"routes\"\n[[load_balancer]]\nname = \"a\"\nipam = \"dhcp\"\nbackends = [\"198.51.100.1\"]\n  [load_balancer.dhcp]\n  interface = \"eth0\"\n";
+    let text = "[vip]\nannounce = \"routes\"\nannounce_prefixes = [\"203.0.113.0/24\"]\n[[load_balancer]]\nname = \"a\"\nipam = \"dhcp\"\nbackends = [\"198.51.100.1\"]\n  [load_balancer.dhcp]\n  interface = \"eth0\"\n";
     let said = problems(text);
     assert!(
-        said.starts_with("line 5: load_balancer[0].ipam: ipam = \"dhcp\" cannot be used with vip.announce = \"routes\""),
+        said.starts_with("line 6: load_balancer[0].ipam: ipam = \"dhcp\" cannot be used with vip.announce = \"routes\""),
         "{said}"
     );
 }
@@ -650,4 +654,51 @@ fn withdraw_all_with_announce_none_does_nothing_and_needs_no_privilege() {
         .output()
         .expect("run withdraw");
     assert!(!out.status.success());
+}
+
+/// `vip.announce_prefixes`: required with `routes` (the secure default:
+/// nothing a guest names is announced unless the operator allowed its
+/// range), each a CIDR without host bits and never everything; a VIP of
+/// the file outside them is a warning naming its line (the daemon refuses
+/// that load balancer alone, not the file).
+#[test]
+fn announce_prefixes_are_required_with_routes_and_checked() {
+    let missing = "[vip]\nannounce = \"routes\"\n";
+    assert_eq!(
+        problems(missing),
+        "line 2: vip.announce_prefixes: is required with vip.announce = \"routes\": list the CIDR ranges your VIPs come from, e.g. announce_prefixes = [\"203.0.113.0/24\"] (like MetalLB's address pools); only VIPs inside them are announced, so a guest cluster's Service cannot make this host announce its own or its router's address"
+    );
+    let bad = "[vip]\nannounce = \"routes\"\nannounce_prefixes = [\n  \"203.0.113.1/24\",\n  \"0.0.0.0/0\",\n  \"nonsense\",\n]\n";
+    assert_eq!(
+        problems(bad),
+        [
+            "line 4: vip.announce_prefixes[0]: \"203.0.113.1/24\" has host bits set; did you mean \"203.0.113.0/24\"? (a range is written with its first address)",
+            "line 5: vip.announce_prefixes[1]: \"0.0.0.0/0\" is every address: it would let any VIP (the host's own, its router's) be announced; list the ranges your VIPs come from",
+            "line 6: vip.announce_prefixes[2]: \"nonsense\" is not a CIDR range; write ADDRESS/PREFIX, e.g. \"203.0.113.0/24\" or \"2001:db8::/32\" (one address is ADDRESS/32 or ADDRESS/128)",
+        ]
+        .join("\n")
+    );
+    assert_eq!(
+        problems("[vip]\nannounce = \"routes\"\nannounce_prefixes = []\n"),
+        "line 3: vip.announce_prefixes: is empty, so no VIP could be announced; list the CIDR ranges your VIPs come from, e.g. [\"203.0.113.0/24\"]"
+    );
+    let text = format!(
+        "[vip]\nannounce = \"routes\"\nannounce_prefixes = [{PREFIXES}]\n{}{}",
+        Lb::new("a/in", "203.0.113.9")
+            .backends(["198.51.100.1"])
+            .tcp("h", 80, 30080),
+        Lb::new("b/out", "198.51.100.9")
+            .backends(["198.51.100.1"])
+            .tcp("h", 80, 30080)
+    );
+    let loaded = harvester_lb::config::parse(&text).expect("valid: a warning only");
+    let a = &loaded.config.vip.announce;
+    assert!(a.allows("203.0.113.200".parse().unwrap()));
+    assert!(a.allows("2001:db8:50::1".parse().unwrap()));
+    assert!(!a.allows("198.51.100.9".parse().unwrap()));
+    let warnings: Vec<String> = loaded.warnings.iter().map(ToString::to_string).collect();
+    assert_eq!(
+        warnings,
+        ["line 12: load_balancer[1].vip: 198.51.100.9 is outside vip.announce_prefixes (203.0.113.0/24, 2001:db8:50::/48): the daemon refuses this load balancer (it is not served, not announced); add its range to vip.announce_prefixes or give it a VIP inside them"]
+    );
 }
