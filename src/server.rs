@@ -504,14 +504,14 @@ async fn reload(
             // Before the isolation and the listeners (see `start`).
             loaded.config = daemon.guard_vips(loaded.config).await;
             tokio::task::spawn_blocking(move || {
-            // The table follows the new config before its listeners change. A
-            // failure leaves the kernel's table as it was (one transaction) and
-            // does not stop the reload: it is logged, in /status and a metric.
-            let isolated = isolation.reconcile(&loaded.config, &leased);
-            (loaded, isolated)
-        })
-        .await
-        .map_err(ReloadError::IsolationStopped)
+                // The table follows the new config before its listeners change. A
+                // failure leaves the kernel's table as it was (one transaction) and
+                // does not stop the reload: it is logged, in /status and a metric.
+                let isolated = isolation.reconcile(&loaded.config, &leased);
+                (loaded, isolated)
+            })
+            .await
+            .map_err(ReloadError::IsolationStopped)
         }
     };
     let result = match loaded {

@@ -21,7 +21,9 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use netns::peers::{Exchange, Node, Service, exchange};
-use netns::{Bed, HEALTH_PORT, LB_IP, NODEPORT, Ns, config, metric, node_ip, probed, sa, wait_for};
+use netns::{
+    Bed, HEALTH_PORT, LB_IP, NODEPORT, Ns, config, lb, metric, node_ip, probed, sa, wait_for,
+};
 use support::{Lb, Listener};
 
 /// The announced VIP: outside the bed's subnet, so the client reaches it
@@ -699,6 +701,315 @@ fn announce_prefixes_are_required_with_routes_and_checked() {
     let warnings: Vec<String> = loaded.warnings.iter().map(ToString::to_string).collect();
     assert_eq!(
         warnings,
-        ["line 12: load_balancer[1].vip: 198.51.100.9 is outside vip.announce_prefixes (203.0.113.0/24, 2001:db8:50::/48): the daemon refuses this load balancer (it is not served, not announced); add its range to vip.announce_prefixes or give it a VIP inside them"]
+        [
+            "line 14: load_balancer[1].vip: 198.51.100.9 is outside vip.announce_prefixes (203.0.113.0/24, 2001:db8:50::/48): the daemon refuses this load balancer (it is not served, not announced); add its range to vip.announce_prefixes or give it a VIP inside them"
+        ]
     );
+}
+
+/// Issue 28, defect 3: a VIP that is the host's own address (on its veth),
+/// the gateway of its default route, or outside `announce_prefixes`
+/// refuses that load balancer alone: never on lo, never in the table, not
+/// served; `/status` names each with what the host uses it for, the log
+/// too, and the gauge counts them; the other load balancers serve and are
+/// announced, and a loopback VIP is served but never announced.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn netns_a_vip_that_is_the_hosts_own_address_or_gateway_or_outside_the_prefixes_is_refused_alone()
+ {
+    if !can_run() {
+        return;
+    }
+    let mut bed = Bed::new("guard", 1);
+    let _node = Node::start(&bed, 1, Service::NameThenEcho);
+    bed.lb.ip(&["link", "set", "lo", "up"]);
+    // The host's router: the gateway of its default route.
+    let router = Ipv4Addr::new(198, 51, 100, 1);
+    bed.lb
+        .ip(&["route", "add", "default", "via", &router.to_string()]);
+    bed.client.ip(&[
+        "route",
+        "add",
+        &format!("{AVIP}/32"),
+        "via",
+        &LB_IP.to_string(),
+    ]);
+    let outside = Ipv4Addr::new(192, 0, 2, 77);
+    let text = config()
+        .vip(&format!(
+            "announce = \"routes\"\nannounce_prefixes = [{PREFIXES}, \"198.51.100.0/24\"]\nannounce_delay_seconds = 0"
+        ))
+        .lb(lb("guest/own", LB_IP, &[1]))
+        .lb(lb("guest/router", router, &[1]))
+        .lb(lb("guest/outside", outside, &[1]))
+        .lb(lb("guest/web", AVIP, &[1]))
+        .lb(lb("guest/loop", "127.0.9.1", &[1]))
+        .to_string();
+    bed.start_daemon(&text).await;
+    let lbns = bed.lb.clone();
+    wait_announced(
+        &lbns,
+        &AVIP.to_string(),
+        true,
+        Duration::from_secs(30),
+        "the good VIP announced",
+    )
+    .await;
+    match exchange(&bed.client, sa(AVIP, 80), 64, Duration::from_secs(5)).await {
+        Exchange::Ok(n) => assert_eq!(n, "n1"),
+        other => panic!("the good load balancer does not serve: {other:?}"),
+    }
+    let status = bed.daemon().status().await;
+    let refused: Vec<(String, String, String)> = status["vip_refused"]
+        .as_array()
+        .expect("vip_refused")
+        .iter()
+        .map(|r| {
+            (
+                r["load_balancer"].as_str().unwrap_or("").to_string(),
+                r["vip"].as_str().unwrap_or("").to_string(),
+                r["kind"].as_str().unwrap_or("").to_string(),
+            )
+        })
+        .collect();
+    let want =
+        |lb: &str, vip: Ipv4Addr, kind: &str| (lb.to_string(), vip.to_string(), kind.to_string());
+    assert_eq!(
+        refused,
+        [
+            want("guest/own", LB_IP, "host_address"),
+            want("guest/router", router, "gateway"),
+            want("guest/outside", outside, "outside_announce_prefixes"),
+        ],
+        "{status:#}"
+    );
+    let reasons = status["vip_refused"].to_string();
+    assert!(reasons.contains("on interface eth0"), "{reasons}");
+    assert!(
+        reasons.contains(&format!("default via {router} dev eth0 table 254")),
+        "{reasons}"
+    );
+    let served: Vec<&str> = status["load_balancers"]
+        .as_array()
+        .expect("load_balancers")
+        .iter()
+        .filter_map(|l| l["name"].as_str())
+        .collect();
+    assert_eq!(served, ["guest/web", "guest/loop"], "{status:#}");
+    assert_eq!(
+        metric(
+            &bed.daemon().metrics().await,
+            "harvester_lb_vip_refused_load_balancers",
+            &[]
+        ),
+        3.0
+    );
+    // A few checks of the table later: still nothing of theirs anywhere.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    for vip in [LB_IP, router, outside] {
+        assert!(
+            route_of(&bed.lb, &vip.to_string()).is_none(),
+            "{}",
+            table(&bed.lb)
+        );
+        assert!(!on_lo(&bed.lb, &vip.to_string()), "{vip} put on lo");
+    }
+    assert!(!on_lo(&bed.lb, "127.0.9.1") && route_of(&bed.lb, "127.0.9.1").is_none());
+    assert!(
+        status["announce"]["vips"]
+            .as_array()
+            .is_some_and(|v| v.iter().all(|v| v["vip"] == AVIP.to_string())),
+        "only the good VIP is in the announcer: {status:#}"
+    );
+    // The host's own address is not served by the daemon (nothing listens).
+    let served = bed
+        .client
+        .connect(sa(LB_IP, 80), Duration::from_secs(3))
+        .await;
+    assert!(
+        served
+            .as_ref()
+            .is_err_and(|e| e.kind() == std::io::ErrorKind::ConnectionRefused),
+        "the host's own address:80 is served: {served:?}"
+    );
+    let log = bed.daemon().log();
+    for (lb, vip) in [
+        ("guest/own", LB_IP),
+        ("guest/router", router),
+        ("guest/outside", outside),
+    ] {
+        assert!(
+            log.lines().any(|l| l.contains("load balancer refused")
+                && l.contains(lb)
+                && l.contains(&vip.to_string())),
+            "no refusal of {lb} in the log:\n{log}"
+        );
+    }
+    // The router's route still goes where it went: untouched.
+    let route = ip_out(&bed.lb, &["route", "get", &router.to_string()]);
+    assert!(
+        route.contains("dev eth0") && !route.contains("local"),
+        "{route}"
+    );
+}
+
+/// Issue 28, defect 3: `announce_interface` must be lo or a dummy one; an
+/// uplink (a veth here) is refused with the reason in `/status`, no VIP
+/// address lands on it and nothing is announced; a reload to `lo` announces.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn netns_an_uplink_as_announce_interface_is_refused_and_lo_works_after_a_reload() {
+    if !can_run() {
+        return;
+    }
+    let mut bed = Bed::new("annif", 1);
+    let _node = Node::start(&bed, 1, Service::NameThenEcho);
+    bed.lb.ip(&["link", "set", "lo", "up"]);
+    let text = |interface: &str| {
+        config()
+            .vip(&format!(
+                "announce = \"routes\"\nannounce_prefixes = [{PREFIXES}]\nannounce_interface = \"{interface}\"\nannounce_delay_seconds = 0"
+            ))
+            .lb(lb("guest/web", AVIP, &[1]))
+            .to_string()
+    };
+    bed.start_daemon(&text("eth0")).await;
+    let d = bed.daemon();
+    let error = wait_for(Duration::from_secs(15), "the interface refused", || async {
+        let s = d.status().await;
+        s["announce"]["error"].as_str().map(str::to_string)
+    })
+    .await;
+    assert!(
+        error.contains("\"eth0\" is a veth interface, not lo or a dummy one"),
+        "{error}"
+    );
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let eth0 = ip_out(&bed.lb, &["addr", "show", "dev", "eth0"]);
+    assert!(!eth0.contains(&format!(" {AVIP}/")), "{eth0}");
+    assert!(
+        route_of(&bed.lb, &AVIP.to_string()).is_none(),
+        "{}",
+        table(&bed.lb)
+    );
+    let s = bed.daemon().status().await;
+    assert!(
+        s["announce"]["vips"]
+            .as_array()
+            .is_some_and(|v| v.iter().all(|v| v["announced"] == false)),
+        "{s:#}"
+    );
+    // A dummy interface is fine, and so is lo.
+    std::fs::write(&bed.daemon().config, text("lo")).expect("write config");
+    bed.daemon().signal(libc::SIGHUP);
+    wait_announced(
+        &bed.lb.clone(),
+        &AVIP.to_string(),
+        true,
+        Duration::from_secs(30),
+        "announced once the interface is lo",
+    )
+    .await;
+    assert!(on_lo(&bed.lb, &AVIP.to_string()));
+    let s = bed.daemon().status().await;
+    assert!(s["announce"]["error"].is_null(), "{s:#}");
+}
+
+/// Issue 28, defect 7: two daemons in one network namespace, one table.
+/// The second is refused the table (naming the first's pid) and touches
+/// nothing in it: the first's route stays, with no gap, over more than the
+/// 10 s check interval, and its `/status` says announced throughout (read
+/// back from the kernel). Once the first stops, the second takes the table.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn netns_two_daemons_on_one_table_never_delete_each_others_routes() {
+    if !can_run() {
+        return;
+    }
+    let mut bed = Bed::new("ann2", 1);
+    let _node = Node::start(&bed, 1, Service::NameThenEcho);
+    bed.lb.ip(&["link", "set", "lo", "up"]);
+    let vip2 = Ipv4Addr::new(203, 0, 113, 60);
+    let announcing = format!(
+        "announce = \"routes\"\nannounce_prefixes = [{PREFIXES}]\nannounce_delay_seconds = 0\nwithdraw_grace_seconds = 0"
+    );
+    let first = config()
+        .vip(&announcing)
+        .lb(lb("one/web", AVIP, &[1]))
+        .to_string();
+    bed.start_daemon(&first).await;
+    let lbns = bed.lb.clone();
+    wait_announced(
+        &lbns,
+        &AVIP.to_string(),
+        true,
+        Duration::from_secs(30),
+        "the first daemon's VIP announced",
+    )
+    .await;
+    let port = netns::ADMIN_PORT + 1;
+    let second = support::Config::new()
+        .admin(std::net::SocketAddr::from(([127, 0, 0, 1], port)))
+        .socket(&bed.dir.join("second.sock"))
+        .vip(&announcing)
+        .lb(lb("two/web", vip2, &[1]))
+        .to_string();
+    let path = bed.write("second.toml", &second);
+    let two = netns::DaemonProc::spawn(&bed.lb, &path, &bed.dir.join("second.log"), None)
+        .on_admin_port(port);
+    let first_pid = bed.daemon().pid();
+    let error = wait_for(
+        Duration::from_secs(15),
+        "the second daemon refused",
+        || async {
+            let s = two.get("/status").await.ok()?;
+            let s: serde_json::Value = serde_json::from_str(&s.1).ok()?;
+            s["announce"]["error"].as_str().map(str::to_string)
+        },
+    )
+    .await;
+    assert!(
+        error.contains("table 100 is announced into by another harvester-lb")
+            && error.contains(&format!("(pid {first_pid})")),
+        "{error}"
+    );
+    // Over 12 s (more than the 10 s check): never a gap in the first's
+    // route, and the second's VIP neither announced nor put on lo.
+    let watched = Instant::now();
+    let mut polls = 0;
+    while watched.elapsed() < Duration::from_secs(12) {
+        assert!(
+            announced(&bed.lb, &AVIP.to_string()),
+            "the first daemon's route went after {:?}: {}\nsecond daemon:\n{}",
+            watched.elapsed(),
+            table(&bed.lb),
+            two.log_tail(20)
+        );
+        assert!(
+            route_of(&bed.lb, &vip2.to_string()).is_none(),
+            "{}",
+            table(&bed.lb)
+        );
+        assert!(!on_lo(&bed.lb, &vip2.to_string()));
+        if polls % 10 == 0 {
+            let v = vip_status(&bed.daemon().status().await, &AVIP.to_string());
+            assert_eq!(v["announced"], true, "{v}");
+            assert_eq!(v["transitions"], 1, "no flap: {v}");
+        }
+        polls += 1;
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(polls > 50, "{polls} polls");
+    // The first stops (withdrawing its own): the second takes the table.
+    let mut one = bed.take_daemon();
+    one.signal(libc::SIGTERM);
+    assert!(one.wait_exit(Duration::from_secs(30)).await.is_some());
+    wait_announced(
+        &lbns,
+        &vip2.to_string(),
+        true,
+        Duration::from_secs(30),
+        "the second daemon announcing once the first is gone",
+    )
+    .await;
+    assert!(!announced(&bed.lb, &AVIP.to_string()), "{}", table(&bed.lb));
+    let v = vip_status(&two.status().await, &vip2.to_string());
+    assert_eq!(v["announced"], true, "{v}");
 }

@@ -43,11 +43,11 @@ pub use announce::{
     AnnounceStateChange, AnnounceStateError, AnnounceStatus, LbAnnounceStatus, VipAnnounceStatus,
 };
 pub use readiness::{UnboundListener, VipNotReady};
-pub use vip_guard::VipRefusal;
 pub use status::{
     BackendStatus, ConfigStatus, LeaseStatus, ListenerStatus, LoadBalancerStatus, PortStatus,
     StatusDoc,
 };
+pub use vip_guard::VipRefusal;
 
 /// The daemon's live state, shared by the reload path, the admin server and
 /// the signal handlers.

@@ -179,7 +179,11 @@ mod tests {
             [("a/own", "host_address"), ("b/router", "gateway")]
         );
         assert!(r[0].reason.contains("interface eth0"), "{}", r[0].reason);
-        assert!(r[1].reason.contains("default via 192.0.2.1"), "{}", r[1].reason);
+        assert!(
+            r[1].reason.contains("default via 192.0.2.1"),
+            "{}",
+            r[1].reason
+        );
         let announcing = config(&format!(
             "[vip]\nannounce = \"routes\"\nannounce_prefixes = [\"203.0.113.0/24\", \"192.0.2.0/24\"]\n{LBS}"
         ));

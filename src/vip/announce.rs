@@ -67,7 +67,7 @@ pub enum AnnounceError {
     },
     /// `vip.announce_interface` is an interface that carries traffic.
     #[error(
-        "vip.announce_interface: {name:?} is a {kind} interface, not lo or a dummy one: a VIP put on an uplink answers ARP and neighbour solicitations there and every VIP /32 would land on it; use \"lo\" (the default) or a dummy interface (`ip link add {name} type dummy`)"
+        "vip.announce_interface: {name:?} is a {kind} interface, not lo or a dummy one: a VIP put on an uplink answers ARP and neighbour solicitations there and every VIP /32 would land on it; use \"lo\" (the default) or a dummy interface (`ip link add hlb-vips type dummy`)"
     )]
     NotDummy {
         /// The interface.
@@ -534,8 +534,11 @@ impl TableClaim {
             }
             Err(e) => return Err(AnnounceError::Socket(e)),
         };
-        listener.set_nonblocking(true).map_err(AnnounceError::Socket)?;
-        let listener = tokio::net::UnixListener::from_std(listener).map_err(AnnounceError::Socket)?;
+        listener
+            .set_nonblocking(true)
+            .map_err(AnnounceError::Socket)?;
+        let listener =
+            tokio::net::UnixListener::from_std(listener).map_err(AnnounceError::Socket)?;
         let task = tokio::spawn(async move {
             loop {
                 match listener.accept().await {

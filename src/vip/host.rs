@@ -457,7 +457,10 @@ mod tests {
             &AnnounceSettings::default(),
         )
         .unwrap();
-        assert!(r.to_string().contains("default via 192.0.2.1 dev eth0"), "{r}");
+        assert!(
+            r.to_string().contains("default via 192.0.2.1 dev eth0"),
+            "{r}"
+        );
     }
 
     #[test]
