@@ -5,6 +5,8 @@
 //! bytes; bad input is named and never panics; `--write` replaces the file
 //! only with a valid config.
 
+// The namespace bed times real processes, not tokio tasks.
+#[allow(clippy::disallowed_types, clippy::disallowed_methods)]
 mod netns;
 mod support;
 
@@ -1157,7 +1159,11 @@ fn a_vip_that_is_the_hosts_own_address_or_its_gateway_is_skipped_naming_the_use(
         )),
         "{stderr}"
     );
-    assert_eq!(vips(&stdout), ["203.0.113.50", "192.0.2.77"], "sorted by name");
+    assert_eq!(
+        vips(&stdout),
+        ["203.0.113.50", "192.0.2.77"],
+        "sorted by name"
+    );
     // Announcing: only VIPs inside the prefixes, and still not the host's.
     let base = bed.write(
         "base.toml",
