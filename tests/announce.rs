@@ -118,6 +118,14 @@ fn on_lo(ns: &Ns, ip: &str) -> bool {
     ip_out(ns, &["addr", "show", "dev", "lo"]).contains(&format!(" {ip}/"))
 }
 
+/// The bed of an announcing test: one node serving, `lo` up.
+fn announcing_bed(test: &str) -> (Bed, Node) {
+    let bed = Bed::new(test, 1);
+    let node = Node::start(&bed, 1, Service::NameThenEcho);
+    bed.lb.ip(&["link", "set", "lo", "up"]);
+    (bed, node)
+}
+
 fn announce_config(bed: &Bed) -> String {
     let health = "  period_seconds = 1\n  timeout_seconds = 1\n  success_threshold = 1\n  failure_threshold = 1";
     // UDP only: the same conditions (a bound listener, an eligible backend).
@@ -427,9 +435,7 @@ async fn netns_a_reload_withdraws_a_dropped_vip_and_withdraw_all_after_sigkill_d
     if !can_run() {
         return;
     }
-    let mut bed = Bed::new("annk", 1);
-    let _node = Node::start(&bed, 1, Service::NameThenEcho);
-    bed.lb.ip(&["link", "set", "lo", "up"]);
+    let (mut bed, _node) = announcing_bed("annk");
     add_route(&bed.lb, "192.0.2.99/32", "static");
     bed.start_daemon(&announce_config(&bed)).await;
     let lbns = bed.lb.clone();
@@ -719,9 +725,7 @@ async fn netns_a_vip_that_is_the_hosts_own_address_or_gateway_or_outside_the_pre
     if !can_run() {
         return;
     }
-    let mut bed = Bed::new("guard", 1);
-    let _node = Node::start(&bed, 1, Service::NameThenEcho);
-    bed.lb.ip(&["link", "set", "lo", "up"]);
+    let (mut bed, _node) = announcing_bed("guard");
     // The host's router: the gateway of its default route.
     let router = Ipv4Addr::new(198, 51, 100, 1);
     bed.lb
@@ -860,9 +864,7 @@ async fn netns_an_uplink_as_announce_interface_is_refused_and_lo_works_after_a_r
     if !can_run() {
         return;
     }
-    let mut bed = Bed::new("annif", 1);
-    let _node = Node::start(&bed, 1, Service::NameThenEcho);
-    bed.lb.ip(&["link", "set", "lo", "up"]);
+    let (mut bed, _node) = announcing_bed("annif");
     let text = |interface: &str| {
         config()
             .vip(&format!(
@@ -923,9 +925,7 @@ async fn netns_two_daemons_on_one_table_never_delete_each_others_routes() {
     if !can_run() {
         return;
     }
-    let mut bed = Bed::new("ann2", 1);
-    let _node = Node::start(&bed, 1, Service::NameThenEcho);
-    bed.lb.ip(&["link", "set", "lo", "up"]);
+    let (mut bed, _node) = announcing_bed("ann2");
     let vip2 = Ipv4Addr::new(203, 0, 113, 60);
     let announcing = format!(
         "announce = \"routes\"\nannounce_prefixes = [{PREFIXES}]\nannounce_delay_seconds = 0\nwithdraw_grace_seconds = 0"

@@ -177,6 +177,20 @@ impl RouteWriter {
         }
     }
 
+    /// The index of interface `name` when it may carry the VIP addresses:
+    /// `lo` or a dummy interface ([`AnnounceError::NotDummy`] otherwise).
+    pub async fn announcing_interface(&self, name: &str) -> Result<u32, AnnounceError> {
+        use super::host::{LinkKind, link_kind};
+        let index = self.interface_index(name).await?;
+        match link_kind(&self.handle, index).await? {
+            LinkKind::Loopback | LinkKind::Dummy => Ok(index),
+            LinkKind::Other(kind) => Err(AnnounceError::NotDummy {
+                name: name.to_string(),
+                kind,
+            }),
+        }
+    }
+
     /// Every route of [`ROUTE_PROTOCOL`] in `table`, both families.
     pub async fn ours(&self, table: u32) -> Result<Vec<RouteMessage>, AnnounceError> {
         let mut out = Vec::new();

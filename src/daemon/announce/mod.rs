@@ -49,7 +49,6 @@ use super::Daemon;
 use crate::config::AnnounceSettings;
 use crate::metrics::VipAnnounceSample;
 use crate::vip::announce::{AddressOwner, AnnounceError, RouteWriter, TableClaim};
-use crate::vip::host::{LinkKind, link_kind};
 
 pub mod decide;
 
@@ -461,7 +460,7 @@ impl Daemon {
             }
         }
         // Then the interface: lo or a dummy one, never an uplink.
-        let index = match writer.interface_index(&settings.interface).await {
+        let index = match writer.announcing_interface(&settings.interface).await {
             Ok(index) => index,
             Err(e) => {
                 self.note_error(
@@ -472,29 +471,6 @@ impl Daemon {
                 return false;
             }
         };
-        match link_kind(writer.handle(), index).await {
-            Ok(LinkKind::Loopback | LinkKind::Dummy) => {}
-            Ok(LinkKind::Other(kind)) => {
-                let e = AnnounceError::NotDummy {
-                    name: settings.interface.clone(),
-                    kind,
-                };
-                self.note_error(
-                    inner,
-                    format_args!("interface {:?}", settings.interface),
-                    &e,
-                );
-                return false;
-            }
-            Err(e) => {
-                self.note_error(
-                    inner,
-                    format_args!("interface {:?}", settings.interface),
-                    &e,
-                );
-                return false;
-            }
-        }
         match writer.flush(settings.table).await {
             Ok(stale) if stale.is_empty() => {}
             Ok(stale) => tracing::warn!(
