@@ -135,6 +135,9 @@ pub async fn start(options: Options) -> Result<Server, StartError> {
         .clone()
         .unwrap_or_else(|| config.admin.socket.clone());
     let unix_socket = admin::AdminSocket::bind(&unix_path)?;
+    // Before the isolation and the listeners: a load balancer whose VIP is
+    // this host's own address or its router's is never written anywhere.
+    let config = daemon.guard_vips(config).await;
     // Before any VIP listener binds: a VIP must not serve, even for a
     // moment, without the isolation its config asks for. A failure leaves
     // the kernel's table as it was (one nft transaction) and drops the admin
@@ -497,15 +500,19 @@ async fn reload(
     let loaded = match read {
         Err(e) => Err(ReloadError::LoaderStopped(e)),
         Ok(Err(e)) => Err(ReloadError::Config(e)),
-        Ok(Ok(loaded)) => tokio::task::spawn_blocking(move || {
-            // The table follows the new config before its listeners change. A
-            // failure leaves the kernel's table as it was (one transaction) and
-            // does not stop the reload: it is logged, in /status and a metric.
-            let isolated = isolation.reconcile(&loaded.config, &leased);
-            (loaded, isolated)
-        })
-        .await
-        .map_err(ReloadError::IsolationStopped),
+        Ok(Ok(mut loaded)) => {
+            // Before the isolation and the listeners (see `start`).
+            loaded.config = daemon.guard_vips(loaded.config).await;
+            tokio::task::spawn_blocking(move || {
+                // The table follows the new config before its listeners change. A
+                // failure leaves the kernel's table as it was (one transaction) and
+                // does not stop the reload: it is logged, in /status and a metric.
+                let isolated = isolation.reconcile(&loaded.config, &leased);
+                (loaded, isolated)
+            })
+            .await
+            .map_err(ReloadError::IsolationStopped)
+        }
     };
     let result = match loaded {
         Ok((loaded, isolated)) => {

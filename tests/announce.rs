@@ -21,7 +21,9 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use netns::peers::{Exchange, Node, Service, exchange};
-use netns::{Bed, HEALTH_PORT, LB_IP, NODEPORT, Ns, config, metric, node_ip, probed, sa, wait_for};
+use netns::{
+    Bed, HEALTH_PORT, LB_IP, NODEPORT, Ns, config, lb, metric, node_ip, probed, sa, wait_for,
+};
 use support::{Lb, Listener};
 
 /// The announced VIP: outside the bed's subnet, so the client reaches it
@@ -31,6 +33,8 @@ const AVIP: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 50);
 const AVIP6: &str = "2001:db8:50::50";
 /// A VIP with a UDP listener only.
 const AVIP_UDP: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 53);
+/// `vip.announce_prefixes` of the tests: the VIPs above, nothing else.
+const PREFIXES: &str = "\"203.0.113.0/24\", \"2001:db8:50::/48\"";
 /// The rise delay the tests configure.
 const DELAY: Duration = Duration::from_secs(3);
 /// The grace at SIGTERM.
@@ -114,6 +118,14 @@ fn on_lo(ns: &Ns, ip: &str) -> bool {
     ip_out(ns, &["addr", "show", "dev", "lo"]).contains(&format!(" {ip}/"))
 }
 
+/// The bed of an announcing test: one node serving, `lo` up.
+fn announcing_bed(test: &str) -> (Bed, Node) {
+    let bed = Bed::new(test, 1);
+    let node = Node::start(&bed, 1, Service::NameThenEcho);
+    bed.lb.ip(&["link", "set", "lo", "up"]);
+    (bed, node)
+}
+
 fn announce_config(bed: &Bed) -> String {
     let health = "  period_seconds = 1\n  timeout_seconds = 1\n  success_threshold = 1\n  failure_threshold = 1";
     // UDP only: the same conditions (a bound listener, an eligible backend).
@@ -126,7 +138,7 @@ fn announce_config(bed: &Bed) -> String {
     config()
         .drain_timeout(5)
         .vip(&format!(
-            "announce = \"routes\"\nannounce_delay_seconds = {}\nwithdraw_grace_seconds = {}",
+            "announce = \"routes\"\nannounce_prefixes = [{PREFIXES}]\nannounce_delay_seconds = {}\nwithdraw_grace_seconds = {}",
             DELAY.as_secs(),
             GRACE.as_secs()
         ))
@@ -423,9 +435,7 @@ async fn netns_a_reload_withdraws_a_dropped_vip_and_withdraw_all_after_sigkill_d
     if !can_run() {
         return;
     }
-    let mut bed = Bed::new("annk", 1);
-    let _node = Node::start(&bed, 1, Service::NameThenEcho);
-    bed.lb.ip(&["link", "set", "lo", "up"]);
+    let (mut bed, _node) = announcing_bed("annk");
     add_route(&bed.lb, "192.0.2.99/32", "static");
     bed.start_daemon(&announce_config(&bed)).await;
     let lbns = bed.lb.clone();
@@ -575,7 +585,7 @@ fn announce_keys_default_and_bad_values_are_named_with_what_is_allowed() {
     assert_eq!(a.delay, None);
     assert_eq!(a.withdraw_grace, Duration::from_secs(5));
 
-    let text = "[vip]\nannounce = \"routes\"\nannounce_interface = \"dummy0\"\nannounce_table = 300\nannounce_delay_seconds = 0\nwithdraw_grace_seconds = 10\n";
+    let text = "[vip]\nannounce = \"routes\"\nannounce_prefixes = [\"203.0.113.0/24\"]\nannounce_interface = \"dummy0\"\nannounce_table = 300\nannounce_delay_seconds = 0\nwithdraw_grace_seconds = 10\n";
     let a = harvester_lb::config::parse(text)
         .expect("valid")
         .config
@@ -594,7 +604,9 @@ fn announce_keys_default_and_bad_values_are_named_with_what_is_allowed() {
         (-1, "negative"),
         (1_i64 << 33, "too large"),
     ] {
-        let text = format!("[vip]\nannounce = \"routes\"\nannounce_table = {table}\n");
+        let text = format!(
+            "[vip]\nannounce = \"routes\"\nannounce_table = {table}\nannounce_prefixes = [\"203.0.113.0/24\"]\n"
+        );
         assert_eq!(
             problems(&text),
             format!(
@@ -614,10 +626,10 @@ fn announce_keys_default_and_bad_values_are_named_with_what_is_allowed() {
         .join("\n")
     );
     // A leased VIP belongs to one host: not announced from many.
-    let text = "[vip]\nannounce = \"routes\"\n[[load_balancer]]\nname = \"a\"\nipam = \"dhcp\"\nbackends = [\"198.51.100.1\"]\n  [load_balancer.dhcp]\n  interface = \"eth0\"\n";
+    let text = "[vip]\nannounce = \"routes\"\nannounce_prefixes = [\"203.0.113.0/24\"]\n[[load_balancer]]\nname = \"a\"\nipam = \"dhcp\"\nbackends = [\"198.51.100.1\"]\n  [load_balancer.dhcp]\n  interface = \"eth0\"\n";
     let said = problems(text);
     assert!(
-        said.starts_with("line 5: load_balancer[0].ipam: ipam = \"dhcp\" cannot be used with vip.announce = \"routes\""),
+        said.starts_with("line 6: load_balancer[0].ipam: ipam = \"dhcp\" cannot be used with vip.announce = \"routes\""),
         "{said}"
     );
 }
@@ -650,4 +662,354 @@ fn withdraw_all_with_announce_none_does_nothing_and_needs_no_privilege() {
         .output()
         .expect("run withdraw");
     assert!(!out.status.success());
+}
+
+/// `vip.announce_prefixes`: required with `routes` (the secure default:
+/// nothing a guest names is announced unless the operator allowed its
+/// range), each a CIDR without host bits and never everything; a VIP of
+/// the file outside them is a warning naming its line (the daemon refuses
+/// that load balancer alone, not the file).
+#[test]
+fn announce_prefixes_are_required_with_routes_and_checked() {
+    let missing = "[vip]\nannounce = \"routes\"\n";
+    assert_eq!(
+        problems(missing),
+        "line 2: vip.announce_prefixes: is required with vip.announce = \"routes\": list the CIDR ranges your VIPs come from, e.g. announce_prefixes = [\"203.0.113.0/24\"] (like MetalLB's address pools); only VIPs inside them are announced, so a guest cluster's Service cannot make this host announce its own or its router's address"
+    );
+    let bad = "[vip]\nannounce = \"routes\"\nannounce_prefixes = [\n  \"203.0.113.1/24\",\n  \"0.0.0.0/0\",\n  \"nonsense\",\n]\n";
+    assert_eq!(
+        problems(bad),
+        [
+            "line 4: vip.announce_prefixes[0]: \"203.0.113.1/24\" has host bits set; did you mean \"203.0.113.0/24\"? (a range is written with its first address)",
+            "line 5: vip.announce_prefixes[1]: \"0.0.0.0/0\" is every address: it would let any VIP (the host's own, its router's) be announced; list the ranges your VIPs come from",
+            "line 6: vip.announce_prefixes[2]: \"nonsense\" is not a CIDR range; write ADDRESS/PREFIX, e.g. \"203.0.113.0/24\" or \"2001:db8::/32\" (one address is ADDRESS/32 or ADDRESS/128)",
+        ]
+        .join("\n")
+    );
+    assert_eq!(
+        problems("[vip]\nannounce = \"routes\"\nannounce_prefixes = []\n"),
+        "line 3: vip.announce_prefixes: is empty, so no VIP could be announced; list the CIDR ranges your VIPs come from, e.g. [\"203.0.113.0/24\"]"
+    );
+    let text = format!(
+        "[vip]\nannounce = \"routes\"\nannounce_prefixes = [{PREFIXES}]\n{}{}",
+        Lb::new("a/in", "203.0.113.9")
+            .backends(["198.51.100.1"])
+            .tcp("h", 80, 30080),
+        Lb::new("b/out", "198.51.100.9")
+            .backends(["198.51.100.1"])
+            .tcp("h", 80, 30080)
+    );
+    let loaded = harvester_lb::config::parse(&text).expect("valid: a warning only");
+    let a = &loaded.config.vip.announce;
+    assert!(a.allows("203.0.113.200".parse().unwrap()));
+    assert!(a.allows("2001:db8:50::1".parse().unwrap()));
+    assert!(!a.allows("198.51.100.9".parse().unwrap()));
+    let warnings: Vec<String> = loaded.warnings.iter().map(ToString::to_string).collect();
+    assert_eq!(
+        warnings,
+        [
+            "line 14: load_balancer[1].vip: 198.51.100.9 is outside vip.announce_prefixes (203.0.113.0/24, 2001:db8:50::/48): the daemon refuses this load balancer (it is not served, not announced); add its range to vip.announce_prefixes or give it a VIP inside them"
+        ]
+    );
+}
+
+/// Issue 28, defect 3: a VIP that is the host's own address (on its veth),
+/// the gateway of its default route, or outside `announce_prefixes`
+/// refuses that load balancer alone: never on lo, never in the table, not
+/// served; `/status` names each with what the host uses it for, the log
+/// too, and the gauge counts them; the other load balancers serve and are
+/// announced, and a loopback VIP is served but never announced.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn netns_a_vip_that_is_the_hosts_own_address_or_gateway_or_outside_the_prefixes_is_refused_alone()
+ {
+    if !can_run() {
+        return;
+    }
+    let (mut bed, _node) = announcing_bed("guard");
+    // The host's router: the gateway of its default route.
+    let router = Ipv4Addr::new(198, 51, 100, 1);
+    bed.lb
+        .ip(&["route", "add", "default", "via", &router.to_string()]);
+    bed.client.ip(&[
+        "route",
+        "add",
+        &format!("{AVIP}/32"),
+        "via",
+        &LB_IP.to_string(),
+    ]);
+    let outside = Ipv4Addr::new(192, 0, 2, 77);
+    let text = config()
+        .vip(&format!(
+            "announce = \"routes\"\nannounce_prefixes = [{PREFIXES}, \"198.51.100.0/24\"]\nannounce_delay_seconds = 0"
+        ))
+        .lb(lb("guest/own", LB_IP, &[1]))
+        .lb(lb("guest/router", router, &[1]))
+        .lb(lb("guest/outside", outside, &[1]))
+        .lb(lb("guest/web", AVIP, &[1]))
+        .lb(lb("guest/loop", "127.0.9.1", &[1]))
+        .to_string();
+    bed.start_daemon(&text).await;
+    let lbns = bed.lb.clone();
+    wait_announced(
+        &lbns,
+        &AVIP.to_string(),
+        true,
+        Duration::from_secs(30),
+        "the good VIP announced",
+    )
+    .await;
+    match exchange(&bed.client, sa(AVIP, 80), 64, Duration::from_secs(5)).await {
+        Exchange::Ok(n) => assert_eq!(n, "n1"),
+        other => panic!("the good load balancer does not serve: {other:?}"),
+    }
+    let status = bed.daemon().status().await;
+    let refused: Vec<(String, String, String)> = status["vip_refused"]
+        .as_array()
+        .expect("vip_refused")
+        .iter()
+        .map(|r| {
+            (
+                r["load_balancer"].as_str().unwrap_or("").to_string(),
+                r["vip"].as_str().unwrap_or("").to_string(),
+                r["kind"].as_str().unwrap_or("").to_string(),
+            )
+        })
+        .collect();
+    let want =
+        |lb: &str, vip: Ipv4Addr, kind: &str| (lb.to_string(), vip.to_string(), kind.to_string());
+    assert_eq!(
+        refused,
+        [
+            want("guest/own", LB_IP, "host_address"),
+            want("guest/router", router, "gateway"),
+            want("guest/outside", outside, "outside_announce_prefixes"),
+        ],
+        "{status:#}"
+    );
+    let reasons = status["vip_refused"].to_string();
+    assert!(reasons.contains("on interface eth0"), "{reasons}");
+    assert!(
+        reasons.contains(&format!("default via {router} dev eth0 table 254")),
+        "{reasons}"
+    );
+    let served: Vec<&str> = status["load_balancers"]
+        .as_array()
+        .expect("load_balancers")
+        .iter()
+        .filter_map(|l| l["name"].as_str())
+        .collect();
+    assert_eq!(served, ["guest/web", "guest/loop"], "{status:#}");
+    assert_eq!(
+        metric(
+            &bed.daemon().metrics().await,
+            "harvester_lb_vip_refused_load_balancers",
+            &[]
+        ),
+        3.0
+    );
+    // A few checks of the table later: still nothing of theirs anywhere.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    for vip in [LB_IP, router, outside] {
+        assert!(
+            route_of(&bed.lb, &vip.to_string()).is_none(),
+            "{}",
+            table(&bed.lb)
+        );
+        assert!(!on_lo(&bed.lb, &vip.to_string()), "{vip} put on lo");
+    }
+    assert!(!on_lo(&bed.lb, "127.0.9.1") && route_of(&bed.lb, "127.0.9.1").is_none());
+    assert!(
+        status["announce"]["vips"]
+            .as_array()
+            .is_some_and(|v| v.iter().all(|v| v["vip"] == AVIP.to_string())),
+        "only the good VIP is in the announcer: {status:#}"
+    );
+    // The host's own address is not served by the daemon (nothing listens).
+    let served = bed
+        .client
+        .connect(sa(LB_IP, 80), Duration::from_secs(3))
+        .await;
+    assert!(
+        served
+            .as_ref()
+            .is_err_and(|e| e.kind() == std::io::ErrorKind::ConnectionRefused),
+        "the host's own address:80 is served: {served:?}"
+    );
+    let log = bed.daemon().log();
+    for (lb, vip) in [
+        ("guest/own", LB_IP),
+        ("guest/router", router),
+        ("guest/outside", outside),
+    ] {
+        assert!(
+            log.lines().any(|l| l.contains("load balancer refused")
+                && l.contains(lb)
+                && l.contains(&vip.to_string())),
+            "no refusal of {lb} in the log:\n{log}"
+        );
+    }
+    // The router's route still goes where it went: untouched.
+    let route = ip_out(&bed.lb, &["route", "get", &router.to_string()]);
+    assert!(
+        route.contains("dev eth0") && !route.contains("local"),
+        "{route}"
+    );
+}
+
+/// Issue 28, defect 3: `announce_interface` must be lo or a dummy one; an
+/// uplink (a veth here) is refused with the reason in `/status`, no VIP
+/// address lands on it and nothing is announced; a reload to `lo` announces.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn netns_an_uplink_as_announce_interface_is_refused_and_lo_works_after_a_reload() {
+    if !can_run() {
+        return;
+    }
+    let (mut bed, _node) = announcing_bed("annif");
+    let text = |interface: &str| {
+        config()
+            .vip(&format!(
+                "announce = \"routes\"\nannounce_prefixes = [{PREFIXES}]\nannounce_interface = \"{interface}\"\nannounce_delay_seconds = 0"
+            ))
+            .lb(lb("guest/web", AVIP, &[1]))
+            .to_string()
+    };
+    bed.start_daemon(&text("eth0")).await;
+    let d = bed.daemon();
+    let error = wait_for(Duration::from_secs(15), "the interface refused", || async {
+        let s = d.status().await;
+        s["announce"]["error"].as_str().map(str::to_string)
+    })
+    .await;
+    assert!(
+        error.contains("\"eth0\" is a veth interface, not lo or a dummy one"),
+        "{error}"
+    );
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let eth0 = ip_out(&bed.lb, &["addr", "show", "dev", "eth0"]);
+    assert!(!eth0.contains(&format!(" {AVIP}/")), "{eth0}");
+    assert!(
+        route_of(&bed.lb, &AVIP.to_string()).is_none(),
+        "{}",
+        table(&bed.lb)
+    );
+    let s = bed.daemon().status().await;
+    assert!(
+        s["announce"]["vips"]
+            .as_array()
+            .is_some_and(|v| v.iter().all(|v| v["announced"] == false)),
+        "{s:#}"
+    );
+    // A dummy interface is fine, and so is lo.
+    std::fs::write(&bed.daemon().config, text("lo")).expect("write config");
+    bed.daemon().signal(libc::SIGHUP);
+    wait_announced(
+        &bed.lb.clone(),
+        &AVIP.to_string(),
+        true,
+        Duration::from_secs(30),
+        "announced once the interface is lo",
+    )
+    .await;
+    assert!(on_lo(&bed.lb, &AVIP.to_string()));
+    let s = bed.daemon().status().await;
+    assert!(s["announce"]["error"].is_null(), "{s:#}");
+}
+
+/// Issue 28, defect 7: two daemons in one network namespace, one table.
+/// The second is refused the table (naming the first's pid) and touches
+/// nothing in it: the first's route stays, with no gap, over more than the
+/// 10 s check interval, and its `/status` says announced throughout (read
+/// back from the kernel). Once the first stops, the second takes the table.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn netns_two_daemons_on_one_table_never_delete_each_others_routes() {
+    if !can_run() {
+        return;
+    }
+    let (mut bed, _node) = announcing_bed("ann2");
+    let vip2 = Ipv4Addr::new(203, 0, 113, 60);
+    let announcing = format!(
+        "announce = \"routes\"\nannounce_prefixes = [{PREFIXES}]\nannounce_delay_seconds = 0\nwithdraw_grace_seconds = 0"
+    );
+    let first = config()
+        .vip(&announcing)
+        .lb(lb("one/web", AVIP, &[1]))
+        .to_string();
+    bed.start_daemon(&first).await;
+    let lbns = bed.lb.clone();
+    wait_announced(
+        &lbns,
+        &AVIP.to_string(),
+        true,
+        Duration::from_secs(30),
+        "the first daemon's VIP announced",
+    )
+    .await;
+    let port = netns::ADMIN_PORT + 1;
+    let second = support::Config::new()
+        .admin(std::net::SocketAddr::from(([127, 0, 0, 1], port)))
+        .socket(&bed.dir.join("second.sock"))
+        .vip(&announcing)
+        .lb(lb("two/web", vip2, &[1]))
+        .to_string();
+    let path = bed.write("second.toml", &second);
+    let two = netns::DaemonProc::spawn(&bed.lb, &path, &bed.dir.join("second.log"), None)
+        .on_admin_port(port);
+    let first_pid = bed.daemon().pid();
+    let error = wait_for(
+        Duration::from_secs(15),
+        "the second daemon refused",
+        || async {
+            let s = two.get("/status").await.ok()?;
+            let s: serde_json::Value = serde_json::from_str(&s.1).ok()?;
+            s["announce"]["error"].as_str().map(str::to_string)
+        },
+    )
+    .await;
+    assert!(
+        error.contains("table 100 is announced into by another harvester-lb")
+            && error.contains(&format!("(pid {first_pid})")),
+        "{error}"
+    );
+    // Over 12 s (more than the 10 s check): never a gap in the first's
+    // route, and the second's VIP neither announced nor put on lo.
+    let watched = Instant::now();
+    let mut polls = 0;
+    while watched.elapsed() < Duration::from_secs(12) {
+        assert!(
+            announced(&bed.lb, &AVIP.to_string()),
+            "the first daemon's route went after {:?}: {}\nsecond daemon:\n{}",
+            watched.elapsed(),
+            table(&bed.lb),
+            two.log_tail(20)
+        );
+        assert!(
+            route_of(&bed.lb, &vip2.to_string()).is_none(),
+            "{}",
+            table(&bed.lb)
+        );
+        assert!(!on_lo(&bed.lb, &vip2.to_string()));
+        if polls % 10 == 0 {
+            let v = vip_status(&bed.daemon().status().await, &AVIP.to_string());
+            assert_eq!(v["announced"], true, "{v}");
+            assert_eq!(v["transitions"], 1, "no flap: {v}");
+        }
+        polls += 1;
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(polls > 50, "{polls} polls");
+    // The first stops (withdrawing its own): the second takes the table.
+    let mut one = bed.take_daemon();
+    one.signal(libc::SIGTERM);
+    assert!(one.wait_exit(Duration::from_secs(30)).await.is_some());
+    wait_announced(
+        &lbns,
+        &vip2.to_string(),
+        true,
+        Duration::from_secs(30),
+        "the second daemon announcing once the first is gone",
+    )
+    .await;
+    assert!(!announced(&bed.lb, &AVIP.to_string()), "{}", table(&bed.lb));
+    let v = vip_status(&two.status().await, &vip2.to_string());
+    assert_eq!(v["announced"], true, "{v}");
 }

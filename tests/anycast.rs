@@ -249,7 +249,7 @@ async fn bgp_ipv6_vip_spreads_over_both_hosts() {
 /// `grace` seconds between withdrawing at SIGTERM and draining.
 fn announcing(delay: u32, grace: u32) -> String {
     format!(
-        "announce = \"routes\"\nannounce_interface = \"lo\"\nannounce_table = {}\nannounce_delay_seconds = {delay}\nwithdraw_grace_seconds = {grace}\n",
+        "announce = \"routes\"\nannounce_prefixes = [\"198.51.100.0/24\", \"2001:db8:100::/64\"]\nannounce_interface = \"lo\"\nannounce_table = {}\nannounce_delay_seconds = {delay}\nwithdraw_grace_seconds = {grace}\n",
         netns::bgp::TABLE
     )
 }

@@ -5,6 +5,9 @@
 //! bytes; bad input is named and never panics; `--write` replaces the file
 //! only with a valid config.
 
+// The namespace bed times real processes, not tokio tasks.
+#[allow(clippy::disallowed_types, clippy::disallowed_methods)]
+mod netns;
 mod support;
 
 use std::net::SocketAddr;
@@ -1087,4 +1090,94 @@ fn the_command_returns_what_the_binary_prints() {
         "{:?}",
         outcome.said.last()
     );
+}
+
+/// Issue 28, defect 3: a guest Service whose VIP is this host's own
+/// address (on its veth) or the gateway of its default route is skipped by
+/// name with what the host uses it for (exit 3, not 0), in a network
+/// namespace the test made; with `announce = "routes"` in the base, so is
+/// one outside `vip.announce_prefixes`. The others are imported.
+#[test]
+fn a_vip_that_is_the_hosts_own_address_or_its_gateway_is_skipped_naming_the_use() {
+    if let Some(why) = netns::skip_reason() {
+        netns::skip_or_fail(module_path!(), &format!("needs network namespaces ({why})"));
+        return;
+    }
+    let bed = netns::Bed::new("impvip", 1);
+    let router = "198.51.100.1";
+    bed.lb.ip(&["route", "add", "default", "via", router]);
+    let own = netns::LB_IP.to_string();
+    let objects = [
+        node("n1", "10.99.1.1"),
+        service("own", &own),
+        service("router", router),
+        service("outside", "192.0.2.77"),
+        service("good", "203.0.113.50"),
+    ];
+    let list = serde_json::json!({"apiVersion": "v1", "kind": "List", "items": objects});
+    let input = bed.write("objects.json", &list.to_string());
+    let import = |extra: &[&str]| {
+        let out = std::process::Command::new("ip")
+            .args([
+                "netns",
+                "exec",
+                &bed.lb.name,
+                env!("CARGO_BIN_EXE_harvester-lb"),
+            ])
+            .args(["import", input.to_str().unwrap(), "--cluster", "guest"])
+            .args(extra)
+            .output()
+            .expect("run import");
+        (
+            out.status.code().unwrap_or(-1),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let vips = |config: &str| -> Vec<String> {
+        harvester_lb::config::parse(config)
+            .expect("valid config")
+            .config
+            .load_balancers
+            .iter()
+            .map(|l| l.vip.to_string())
+            .collect()
+    };
+    let (code, stdout, stderr) = import(&[]);
+    assert_eq!(code, i32::from(import::EXIT_SKIPPED), "{stderr}");
+    let skipped = skip_lines(&stderr);
+    assert_eq!(skipped.len(), 2, "{stderr}");
+    assert!(
+        skipped[0].contains(&format!(
+            "VIP {own} is an address of this host (on interface eth0, /24)"
+        )),
+        "{stderr}"
+    );
+    assert!(
+        skipped[1].contains(&format!(
+            "VIP {router} is the gateway of this host's route `default via {router} dev eth0 table 254`"
+        )),
+        "{stderr}"
+    );
+    assert_eq!(
+        vips(&stdout),
+        ["203.0.113.50", "192.0.2.77"],
+        "sorted by name"
+    );
+    // Announcing: only VIPs inside the prefixes, and still not the host's.
+    let base = bed.write(
+        "base.toml",
+        "[vip]\nannounce = \"routes\"\nannounce_prefixes = [\"203.0.113.0/24\", \"198.51.100.0/24\"]\n",
+    );
+    let (code, stdout, stderr) = import(&["--base", base.to_str().unwrap()]);
+    assert_eq!(code, i32::from(import::EXIT_SKIPPED), "{stderr}");
+    let skipped = skip_lines(&stderr);
+    assert_eq!(skipped.len(), 3, "{stderr}");
+    assert!(
+        skipped.iter().any(|l| l.contains(
+            "VIP 192.0.2.77 is outside vip.announce_prefixes (203.0.113.0/24, 198.51.100.0/24)"
+        )),
+        "{stderr}"
+    );
+    assert_eq!(vips(&stdout), ["203.0.113.50"]);
 }

@@ -84,6 +84,9 @@ pub struct FileVip {
     pub announce: Option<Spanned<String>>,
     /// The interface the VIP addresses are put on (`lo`).
     pub announce_interface: Option<Spanned<String>>,
+    /// The CIDR ranges a VIP must be inside to be announced (required
+    /// with `announce = "routes"`).
+    pub announce_prefixes: Option<Spanned<Vec<Spanned<String>>>>,
     /// The routing table the announcing routes are written to.
     pub announce_table: Option<Spanned<i64>>,
     /// How long a VIP's conditions must hold before it is announced.

@@ -118,6 +118,11 @@ pub struct AnnounceSettings {
     /// The routing table the announcing routes go to (default 100); never
     /// 0, 253, 254 or 255.
     pub table: u32,
+    /// `vip.announce_prefixes`: the only ranges a VIP may be announced
+    /// from (like MetalLB's address pools), so a VIP a guest cluster
+    /// chose cannot pull the host's own or its router's address. Required
+    /// with `routes` (empty only with `none`).
+    pub prefixes: Vec<ipnet::IpNet>,
     /// How long a VIP's conditions must hold before it is announced;
     /// `None`: 3 × the longest probe period of the VIP's load balancers
     /// (3 s without health checks).
@@ -133,6 +138,7 @@ impl Default for AnnounceSettings {
             mode: AnnounceMode::None,
             interface: "lo".to_string(),
             table: DEFAULT_ANNOUNCE_TABLE,
+            prefixes: Vec::new(),
             delay: None,
             withdraw_grace: Duration::from_secs(DEFAULT_WITHDRAW_GRACE_SECONDS),
         }
@@ -143,6 +149,22 @@ impl AnnounceSettings {
     /// Whether routes are announced.
     pub fn enabled(&self) -> bool {
         self.mode == AnnounceMode::Routes
+    }
+
+    /// Whether `vip` is inside `announce_prefixes` (its IPv4 form for an
+    /// IPv4-mapped address).
+    pub fn allows(&self, vip: std::net::IpAddr) -> bool {
+        let vip = vip.to_canonical();
+        self.prefixes.iter().any(|p| p.contains(&vip))
+    }
+
+    /// `announce_prefixes` for a message: `a, b, c`.
+    pub fn prefixes_text(&self) -> String {
+        self.prefixes
+            .iter()
+            .map(ToString::to_string)
+            .collect::<Vec<_>>()
+            .join(", ")
     }
 }
 

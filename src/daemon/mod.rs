@@ -35,6 +35,7 @@ mod kernel;
 mod leases;
 mod readiness;
 mod status;
+mod vip_guard;
 
 pub use admin_state::{AdminStateChange, AdminStateError};
 pub use announce::decide;
@@ -46,6 +47,7 @@ pub use status::{
     BackendStatus, ConfigStatus, LeaseStatus, ListenerStatus, LoadBalancerStatus, PortStatus,
     StatusDoc,
 };
+pub use vip_guard::VipRefusal;
 
 /// The daemon's live state, shared by the reload path, the admin server and
 /// the signal handlers.
@@ -101,6 +103,8 @@ pub struct Daemon {
     kernel_task: AtomicBool,
     /// `vip.announce = "routes"`: the VIPs' routes and addresses.
     announcer: announce::Announcer,
+    /// Load balancers the VIP guard refused at the last apply.
+    vip_refusals: Mutex<Vec<VipRefusal>>,
 }
 
 #[derive(Default)]
@@ -206,6 +210,7 @@ impl Daemon {
             kernel_task: AtomicBool::new(false),
             forwarding_off: std::sync::atomic::AtomicU8::new(0),
             announcer: announce::Announcer::default(),
+            vip_refusals: Mutex::new(Vec::new()),
         })
     }
 

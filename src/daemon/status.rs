@@ -53,6 +53,7 @@ impl Daemon {
             },
             vip_isolation: self.isolation.status(),
             announce,
+            vip_refused: self.vip_refusals(),
         }
     }
 
@@ -269,6 +270,10 @@ pub struct StatusDoc {
     /// absent with `none`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub announce: Option<AnnounceStatus>,
+    /// Load balancers refused at the last apply: their VIP is the host's
+    /// own address, the gateway of one of its routes, or outside
+    /// `vip.announce_prefixes`. They are not served, isolated or announced.
+    pub vip_refused: Vec<super::VipRefusal>,
 }
 
 /// The config file in `/status`: an on-call engineer must see that the

@@ -16,7 +16,12 @@
 //! balancers (one VIP:port, a backend that is a VIP:port or
 //! `admin.listen`), and the largest ones if the file would exceed the
 //! config's size limit. Objects are untrusted: an address of this host as
-//! a VIP or backend skips the object (`guard`). The whole file is
+//! a VIP or backend skips the object (`guard`); so does a VIP that is one
+//! of the host's own addresses or the gateway of one of its routes, or
+//! (with `announce = "routes"` in the base) outside
+//! `vip.announce_prefixes`, as the daemon would refuse it
+//! ([`crate::vip::host`]: the one read of the host this module makes, over
+//! rtnetlink, by [`command`]). The whole file is
 //! validated again before it is shown or written. The output depends only
 //! on the set of objects, not their order: load balancers sorted by name,
 //! lists sorted.
@@ -61,6 +66,10 @@ pub const EXIT_CANT_CREATE: u8 = 73;
 /// than half of its load balancers, without `--allow-removals`; nothing
 /// was written (EX_NOPERM).
 pub const EXIT_REMOVALS: u8 = 77;
+/// Exit code: this host's addresses and routes cannot be read over
+/// rtnetlink, so no VIP can be checked against them; nothing was written
+/// (EX_OSERR).
+pub const EXIT_HOST: u8 = 71;
 /// Exit code: the result (or the `--base` file) is not a valid config;
 /// nothing was written (EX_CONFIG, as `check`).
 pub const EXIT_CONFIG: u8 = 78;
@@ -120,6 +129,10 @@ pub struct Options {
     /// file holds, the holder keeps it and only the newcomer is skipped, so
     /// one tenant's object cannot take another's VIP off the host.
     pub holders: Holders,
+    /// This host's addresses and routes' gateways: a VIP that is one of
+    /// them is skipped (see [`crate::vip::host::judge`]). [`command`]
+    /// always reads them; `None` (a library caller) checks nothing.
+    pub host: Option<crate::vip::host::HostNet>,
 }
 
 /// The load balancer that holds each VIP:port and protocol in a config
@@ -381,6 +394,23 @@ fn alone(
         skipped.push(Skip { object, reason });
         return None;
     }
+    if let Some(host) = &options.host
+        && let Some(why) = crate::vip::host::judge(
+            mapped.lb.vip,
+            host,
+            &BTreeSet::new(),
+            &base_announce(options),
+        )
+    {
+        skipped.push(Skip {
+            object,
+            reason: format!(
+                "VIP {} is {why}; not imported (the daemon would refuse it too)",
+                mapped.lb.vip
+            ),
+        });
+        return None;
+    }
     notes.extend(mapped.notes.iter().map(|n| format!("{object}: {n}")));
     if mapped.lb.listeners.is_empty() {
         // One line for the object: what was left out is why nothing is left.
@@ -474,6 +504,15 @@ fn admin_listen(options: &Options) -> SocketAddr {
     listen(&format!("load_balancer = []\n{base}"))
         .or_else(|| listen("load_balancer = []\n"))
         .unwrap_or_else(|| SocketAddr::from(([127, 0, 0, 1], 9901)))
+}
+
+/// `vip.announce` of the `--base` settings (the default, `none`, without
+/// one or when it does not parse: then the whole import fails anyway).
+fn base_announce(options: &Options) -> config::AnnounceSettings {
+    let base = options.base.as_ref().map_or("", |b| b.text.as_str());
+    config::parse(&format!("load_balancer = []\n{base}"))
+        .map(|l| l.config.vip.announce)
+        .unwrap_or_default()
 }
 
 /// Skips every load balancer that breaks a rule spanning load balancers
@@ -833,11 +872,21 @@ pub fn command(args: &Args) -> Outcome {
         .and_then(write::existing)
         .map(|text| Holders::of_config_text(&text))
         .unwrap_or_default();
+    let host = match crate::vip::host::HostNet::read_blocking() {
+        Ok(h) => h,
+        Err(e) => {
+            out.say(format!(
+                "cannot read this host's addresses and routes ({e}); a VIP must not be one of them, so nothing is imported unchecked"
+            ));
+            return out.exit(EXIT_HOST);
+        }
+    };
     let options = Options {
         cluster: args.cluster.clone(),
         base,
         allow_loopback: args.allow_loopback,
         holders,
+        host: Some(host),
     };
     let imported = match import(&sources, &options) {
         Ok(i) => i,

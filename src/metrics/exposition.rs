@@ -407,6 +407,11 @@ impl Exposition {
             &names::CONFIG_LAST_RELOAD_SUCCESS_TIMESTAMP,
             &f64::from_bits(load(&m.last_success)),
         );
+        gauge(
+            buf,
+            &names::VIP_REFUSED,
+            &m.vip_refused.load(Ordering::Relaxed),
+        );
         match m.vip_isolation.load(Ordering::Relaxed) {
             0 => {}
             v => {

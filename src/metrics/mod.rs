@@ -88,6 +88,8 @@ pub struct Metrics {
     pub(crate) announce: std::sync::Mutex<Option<Vec<VipAnnounceSample>>>,
     /// `vip.announce = "routes"`: writes the kernel refused.
     pub(crate) announce_errors: Counter,
+    /// Load balancers the VIP guard refused at the last apply.
+    pub(crate) vip_refused: AtomicU64,
 }
 
 /// One VIP's announcement, for `/metrics`.
@@ -211,6 +213,13 @@ impl Metrics {
     /// Replaces the VIPs' announcement series (`None`: announcing off).
     pub fn set_vip_announce(&self, samples: Option<Vec<VipAnnounceSample>>) {
         *self.announce.lock().unwrap_or_else(|p| p.into_inner()) = samples;
+    }
+
+    /// Load balancers the VIP guard refused at the last apply (their VIP
+    /// is the host's own address, a gateway, or outside the announce
+    /// prefixes).
+    pub fn set_vip_refused(&self, n: usize) {
+        self.vip_refused.store(n as u64, Ordering::Relaxed);
     }
 
     /// Counts a route or address write for `vip.announce` the kernel refused.

@@ -343,6 +343,14 @@ pub static VIP_ISOLATION_REPAIRS: Family = Family::new(
     Counter,
     "Times the VIP isolation table was found changed or removed in the kernel by another process and written again.",
 );
+/// Load balancers refused at the last apply because their VIP is the
+/// host's own address, the gateway of one of its routes, or outside
+/// `vip.announce_prefixes` (`/status` `vip_refused` names each).
+pub static VIP_REFUSED: Family = Family::new(
+    "harvester_lb_vip_refused_load_balancers",
+    Gauge,
+    "Load balancers refused at the last apply because their VIP is this host's own address, the gateway of one of its routes, or outside vip.announce_prefixes; /status vip_refused names each.",
+);
 /// `vip.announce = "routes"`: 1 while this host's route for the VIP is
 /// in the announcing table.
 pub static VIP_ANNOUNCED: Family = Family::new(

@@ -19,6 +19,14 @@
 //! replaced: writing fails with an error that says so. Addresses are
 //! removed only when this process added them (see [`AddressOwner`]).
 //!
+//! One table, one daemon: [`TableClaim`] holds an abstract Unix socket
+//! named after the table, which exists once per network namespace and goes
+//! with the process however it ends. A daemon announces into a table only
+//! while it holds the claim, so every route of our protocol in a table it
+//! holds was written by it or by a dead predecessor (deleted at start), and
+//! two daemons never delete each other's routes: the second is refused,
+//! naming the first's pid, and tries again until the first is gone.
+//!
 //! Everything here needs `CAP_NET_ADMIN` and an `AF_NETLINK` socket.
 
 use std::collections::BTreeSet;
@@ -46,6 +54,27 @@ pub enum AnnounceError {
         "vip.announce_interface: interface {0:?} does not exist on this host; create it (`ip link add {0} type dummy`) or name another (default \"lo\")"
     )]
     NoInterface(String),
+    /// Another live process holds the table's claim ([`TableClaim`]).
+    #[error(
+        "table {table} is announced into by another harvester-lb in this network namespace{}; two daemons in one table would delete each other's routes, so this one announces nothing there until it is gone: give each daemon its own vip.announce_table",
+        holder.map(|p| format!(" (pid {p})")).unwrap_or_default()
+    )]
+    TableInUse {
+        /// The table.
+        table: u32,
+        /// The holder's pid, when the kernel told it.
+        holder: Option<i32>,
+    },
+    /// `vip.announce_interface` is an interface that carries traffic.
+    #[error(
+        "vip.announce_interface: {name:?} is a {kind} interface, not lo or a dummy one: a VIP put on an uplink answers ARP and neighbour solicitations there and every VIP /32 would land on it; use \"lo\" (the default) or a dummy interface (`ip link add hlb-vips type dummy`)"
+    )]
+    NotDummy {
+        /// The interface.
+        name: String,
+        /// What it is (veth, bridge, device…).
+        kind: String,
+    },
     /// Another protocol's route for the VIP is in the table.
     #[error(
         "table {table} already has a route for {vip} of protocol {protocol}, not harvester-lb's ({ROUTE_PROTOCOL}); it is left alone and the VIP is not announced by this daemon: delete it (`ip route del {vip} table {table}`) or choose another vip.announce_table"
@@ -122,6 +151,11 @@ impl RouteWriter {
         Ok(Self { handle })
     }
 
+    /// The netlink handle, for the readers of host state ([`super::host`]).
+    pub fn handle(&self) -> &Handle {
+        &self.handle
+    }
+
     /// The index of interface `name`.
     pub async fn interface_index(&self, name: &str) -> Result<u32, AnnounceError> {
         let mut links = self
@@ -139,6 +173,20 @@ impl RouteWriter {
             Err(source) => Err(AnnounceError::Netlink {
                 what: format!("cannot look up interface {name:?}"),
                 source,
+            }),
+        }
+    }
+
+    /// The index of interface `name` when it may carry the VIP addresses:
+    /// `lo` or a dummy interface ([`AnnounceError::NotDummy`] otherwise).
+    pub async fn announcing_interface(&self, name: &str) -> Result<u32, AnnounceError> {
+        use super::host::{LinkKind, link_kind};
+        let index = self.interface_index(name).await?;
+        match link_kind(&self.handle, index).await? {
+            LinkKind::Loopback | LinkKind::Dummy => Ok(index),
+            LinkKind::Other(kind) => Err(AnnounceError::NotDummy {
+                name: name.to_string(),
+                kind,
             }),
         }
     }
@@ -394,6 +442,11 @@ pub struct AddressOwner {
 }
 
 impl AddressOwner {
+    /// The addresses this process added (on any interface).
+    pub fn added(&self) -> BTreeSet<IpAddr> {
+        self.added.iter().map(|(_, ip)| *ip).collect()
+    }
+
     /// Makes `wanted` the VIP addresses on interface `index`: adds the
     /// missing ones (remembering them), removes the ones this process added
     /// that are no longer wanted (or were added to another interface).
@@ -452,8 +505,84 @@ impl AddressOwner {
 }
 
 /// `harvester-lb withdraw --all`: deletes every route of
-/// [`ROUTE_PROTOCOL`] from `table`, with or without a daemon running (for
-/// systemd's `ExecStopPost=`). Returns the VIPs withdrawn.
+/// [`ROUTE_PROTOCOL`] from `table` when no live daemon announces into it
+/// (for systemd's `ExecStopPost=`, after the daemon is gone); with one,
+/// [`AnnounceError::TableInUse`] and nothing is deleted. Returns the VIPs
+/// withdrawn.
 pub async fn withdraw_all(table: u32) -> Result<Vec<IpAddr>, AnnounceError> {
+    let _claim = TableClaim::take(table)?;
     RouteWriter::connect()?.flush(table).await
+}
+
+/// This process's claim on announcing table `table` in its network
+/// namespace: an abstract Unix socket `harvester-lb/announce-table/N`
+/// bound and listening. The kernel keeps one such name per network
+/// namespace and removes it when the process ends (even by `SIGKILL`), so
+/// the claim never outlives its holder and needs no file. Dropped, it is
+/// released.
+#[derive(Debug)]
+pub struct TableClaim {
+    table: u32,
+    /// Accepts (and closes) the connections of those asking who holds it.
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl TableClaim {
+    fn name(table: u32) -> String {
+        format!("harvester-lb/announce-table/{table}")
+    }
+
+    /// Takes the claim on `table`; [`AnnounceError::TableInUse`] when
+    /// another live process holds it. Needs a tokio runtime.
+    pub fn take(table: u32) -> Result<Self, AnnounceError> {
+        use std::os::linux::net::SocketAddrExt;
+        let addr = std::os::unix::net::SocketAddr::from_abstract_name(Self::name(table))
+            .map_err(AnnounceError::Socket)?;
+        let listener = match std::os::unix::net::UnixListener::bind_addr(&addr) {
+            Ok(l) => l,
+            Err(e) if e.kind() == std::io::ErrorKind::AddrInUse => {
+                return Err(AnnounceError::TableInUse {
+                    table,
+                    holder: Self::holder(&addr),
+                });
+            }
+            Err(e) => return Err(AnnounceError::Socket(e)),
+        };
+        listener
+            .set_nonblocking(true)
+            .map_err(AnnounceError::Socket)?;
+        let listener =
+            tokio::net::UnixListener::from_std(listener).map_err(AnnounceError::Socket)?;
+        let task = tokio::spawn(async move {
+            loop {
+                match listener.accept().await {
+                    Ok((stream, _)) => drop(stream),
+                    Err(e) => {
+                        tracing::debug!(table, error = %e, "announce table claim: accept failed");
+                        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                    }
+                }
+            }
+        });
+        Ok(Self { table, task })
+    }
+
+    /// The pid of the process listening on `addr` (`SO_PEERCRED`).
+    fn holder(addr: &std::os::unix::net::SocketAddr) -> Option<i32> {
+        let stream = std::os::unix::net::UnixStream::connect_addr(addr).ok()?;
+        stream.set_nonblocking(true).ok()?;
+        let stream = tokio::net::UnixStream::from_std(stream).ok()?;
+        stream.peer_cred().ok()?.pid()
+    }
+
+    /// The table claimed.
+    pub fn table(&self) -> u32 {
+        self.table
+    }
+}
+
+impl Drop for TableClaim {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
 }

@@ -1,7 +1,8 @@
 //! The VIPs themselves, beyond listening on them: who may reach what on a
 //! VIP ([`isolate`]), the lease of a VIP the daemon obtains itself over
 //! DHCP ([`dhcp`]), and the routes that announce a VIP to a BGP speaker
-//! ([`announce`]).
+//! ([`announce`]), and the guard that keeps the host's own addresses and
+//! its gateways from becoming VIPs ([`host`]).
 //!
 //! Listeners bind with `IP_FREEBIND`, so the daemon never needs the VIP to
 //! be up, and whichever host holds it (keepalived, kube-vip) the daemon is
@@ -11,4 +12,5 @@
 
 pub mod announce;
 pub mod dhcp;
+pub mod host;
 pub mod isolate;

@@ -520,6 +520,9 @@ pub struct DaemonProc {
     pub ns: Ns,
     /// The config file it was started with.
     pub config: PathBuf,
+    /// Its `admin.listen` port on 127.0.0.1 in `ns` ([`ADMIN_PORT`]
+    /// unless a test runs two daemons in one namespace).
+    pub admin_port: u16,
 }
 
 impl std::ops::Deref for DaemonProc {
@@ -552,12 +555,20 @@ impl DaemonProc {
             process: launch.spawn(),
             ns: ns.clone(),
             config: config.to_path_buf(),
+            admin_port: ADMIN_PORT,
         }
+    }
+
+    /// The same daemon, its admin API asked on `port` (a second daemon in
+    /// one namespace listens on another port).
+    pub fn on_admin_port(mut self, port: u16) -> DaemonProc {
+        self.admin_port = port;
+        self
     }
 
     /// One HTTP request to the admin API: (status, body).
     pub async fn request(&self, method: &str, path: &str) -> std::io::Result<(u16, String)> {
-        let addr = SocketAddr::from(([127, 0, 0, 1], ADMIN_PORT));
+        let addr = SocketAddr::from(([127, 0, 0, 1], self.admin_port));
         let mut s = self.ns.connect(addr, Duration::from_secs(2)).await?;
         let req = format!(
             "{method} {path} HTTP/1.1\r\nHost: admin\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"

@@ -7,8 +7,17 @@
 //! because a DHCP lease belongs to one MAC address on one segment, and
 //! announcing that address from every host would pull the leasing server's
 //! address to all of them (see docs/vip.md, "Many hosts").
+//!
+//! `announce_prefixes` is required with `routes`: a VIP comes from a guest
+//! cluster's object, and announcing whatever it says would let a guest pull
+//! the host's own address, its router's, or any prefix of the operator's
+//! network to this host. A VIP of the file outside them is a warning here
+//! (one tenant's object must not stop the whole file): the daemon and
+//! `import` refuse that load balancer alone.
 
 use std::time::Duration;
+
+use ipnet::IpNet;
 
 use toml::Spanned;
 
@@ -21,6 +30,9 @@ use crate::config::{
 
 /// Longest delay or grace accepted: past an hour either is a typo.
 const MAX_ANNOUNCE_SECONDS: i64 = 3600;
+/// Most `announce_prefixes`: pools are few and short; more is a list that
+/// should have been aggregated.
+pub const MAX_ANNOUNCE_PREFIXES: usize = 256;
 
 impl Validator<'_> {
     /// `vip.announce`, `announce_interface`, `announce_table`,
@@ -60,6 +72,7 @@ impl Validator<'_> {
                 }
             }
         };
+        let prefixes = self.announce_prefixes(file, mode);
         let delay = file.announce_delay_seconds.as_ref().map(|_| {
             let n = self.int(
                 &file.announce_delay_seconds,
@@ -92,12 +105,70 @@ impl Validator<'_> {
             mode,
             interface,
             table,
+            prefixes,
             delay,
             withdraw_grace: Duration::from_secs(grace as u64),
         }
     }
 
-    /// Load balancers whose VIP cannot be announced: `ipam = "dhcp"` ones.
+    /// `vip.announce_prefixes`: CIDRs without host bits, at least one with
+    /// `routes`, at most [`MAX_ANNOUNCE_PREFIXES`].
+    fn announce_prefixes(&mut self, file: &FileVip, mode: AnnounceMode) -> Vec<IpNet> {
+        let Some(list) = &file.announce_prefixes else {
+            if mode == AnnounceMode::Routes {
+                self.problem(
+                    file.announce.as_ref().map(Spanned::span),
+                    "vip.announce_prefixes",
+                    ("is required with vip.announce = \"routes\": list the CIDR ranges your VIPs come from, e.g. announce_prefixes = [\"203.0.113.0/24\"] (like MetalLB's address pools); only VIPs inside them are announced, so a guest cluster's Service cannot make this host announce its own or its router's address").into(),
+                );
+            }
+            return Vec::new();
+        };
+        let values = list.get_ref();
+        if values.len() > MAX_ANNOUNCE_PREFIXES {
+            self.problem(
+                Some(values[MAX_ANNOUNCE_PREFIXES].span()),
+                "vip.announce_prefixes",
+                format!(
+                    "{} ranges; at most {MAX_ANNOUNCE_PREFIXES} are allowed (aggregate neighbouring ranges into shorter prefixes)",
+                    values.len()
+                ),
+            );
+        }
+        let mut nets = Vec::with_capacity(values.len());
+        for (j, v) in values.iter().enumerate() {
+            if let Some(net) = self.cidr(v, format_args!("vip.announce_prefixes[{j}]")) {
+                if net.prefix_len() == 0 {
+                    self.problem(
+                        Some(v.span()),
+                        &format!("vip.announce_prefixes[{j}]"),
+                        format!("{:?} is every address: it would let any VIP (the host's own, its router's) be announced; list the ranges your VIPs come from", v.get_ref()),
+                    );
+                    continue;
+                }
+                nets.push(net);
+            }
+        }
+        if mode == AnnounceMode::Routes && values.is_empty() {
+            self.problem(
+                Some(list.span()),
+                "vip.announce_prefixes",
+                "is empty, so no VIP could be announced; list the CIDR ranges your VIPs come from, e.g. [\"203.0.113.0/24\"]".into(),
+            );
+        }
+        if mode == AnnounceMode::None {
+            self.warning(
+                Some(list.span()),
+                "vip.announce_prefixes",
+                "has no effect without vip.announce = \"routes\"".into(),
+            );
+        }
+        nets
+    }
+
+    /// Load balancers whose VIP cannot be announced: `ipam = "dhcp"` ones
+    /// (an error), and VIPs outside `announce_prefixes` (a warning: the
+    /// daemon refuses that load balancer alone).
     pub(super) fn announce_conflicts(
         &mut self,
         announce: &AnnounceSettings,
@@ -108,6 +179,23 @@ impl Validator<'_> {
             return;
         }
         for (i, (lb, spec)) in file.load_balancers.iter().zip(specs).enumerate() {
+            if let Some(s) = spec
+                && s.ipam != Ipam::Dhcp
+                && !s.vip.is_unspecified()
+                && !s.vip.to_canonical().is_loopback()
+                && !announce.prefixes.is_empty()
+                && !announce.allows(s.vip)
+            {
+                self.warning(
+                    lb.get_ref().vip.as_ref().map(Spanned::span),
+                    &format!("load_balancer[{i}].vip"),
+                    format!(
+                        "{} is outside vip.announce_prefixes ({}): the daemon refuses this load balancer (it is not served, not announced); add its range to vip.announce_prefixes or give it a VIP inside them",
+                        s.vip,
+                        announce.prefixes_text()
+                    ),
+                );
+            }
             if spec.as_ref().is_some_and(|s| s.ipam == Ipam::Dhcp) {
                 self.problem(
                     lb.get_ref().ipam.as_ref().map(Spanned::span),

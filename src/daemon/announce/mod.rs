@@ -14,8 +14,21 @@
 //! and repairs it (a route of ours deleted by hand comes back, one no VIP
 //! wants goes).
 //!
-//! Start: the first step deletes every route of our protocol in the table
-//! (a crashed daemon's), so every VIP starts withdrawn. Stop:
+//! One table, one daemon: the first step takes the table's claim
+//! ([`crate::vip::announce::TableClaim`]); while another live daemon in this
+//! network namespace holds it, nothing is written or deleted (no route, no
+//! address), the refusal is in `/status` and the log, and the claim is
+//! tried again every 2 s. The interface must be `lo` or a dummy one.
+//!
+//! What `/status` says is what the kernel holds: every step reads the
+//! table back, and a route of ours that is gone is not shown announced (and
+//! is written again in the same step). Loopback VIPs and VIPs outside
+//! `vip.announce_prefixes` are never announced nor put on the interface
+//! (the second kind never gets here: `vip_guard` refuses them at apply).
+//!
+//! Start: with the claim held, every route of our protocol in the table is
+//! a dead daemon's; the first step deletes them, so every VIP starts
+//! withdrawn. Stop:
 //! [`Daemon::announce_stop`] withdraws every VIP before the listeners
 //! close; the addresses go after the drain
 //! ([`Daemon::announce_remove_addresses`]).
@@ -35,7 +48,7 @@ use super::Daemon;
 
 use crate::config::AnnounceSettings;
 use crate::metrics::VipAnnounceSample;
-use crate::vip::announce::{AddressOwner, AnnounceError, RouteWriter};
+use crate::vip::announce::{AddressOwner, AnnounceError, RouteWriter, TableClaim};
 
 pub mod decide;
 
@@ -74,10 +87,13 @@ struct Inner {
     writer: Option<RouteWriter>,
     /// The table our routes are in (flushed when first taken).
     table: Option<u32>,
+    /// This daemon's claim on `table`: held while it announces there.
+    claim: Option<TableClaim>,
     /// The interface name and index the addresses and routes use.
     interface: Option<(String, u32)>,
     vips: BTreeMap<IpAddr, VipState>,
-    /// VIPs whose route is in the kernel, as written.
+    /// VIPs whose route is in the kernel: written by this daemon and, as
+    /// of this step's read-back, still there.
     written: BTreeSet<IpAddr>,
     addresses: AddressOwner,
     /// The VIP addresses last put on the interface.
@@ -121,7 +137,8 @@ pub struct AnnounceStatus {
 pub struct VipAnnounceStatus {
     /// The VIP.
     pub vip: IpAddr,
-    /// Whether this host's route for it is in the table.
+    /// Whether this host's route for it is in the table, as read back from
+    /// the kernel this step.
     pub announced: bool,
     /// Why not: `no_eligible_backend`, `drained`, `stopping`, `damped`,
     /// `waiting`; `null` while announced.
@@ -257,7 +274,13 @@ impl Daemon {
             return BTreeMap::new();
         };
         for spec in &config.load_balancers {
-            if spec.vip.is_unspecified() {
+            // Never announced nor put on the interface: a loopback VIP
+            // reaches only this host; one outside the prefixes is refused
+            // at apply (and never reaches here).
+            if spec.vip.is_unspecified()
+                || spec.vip.to_canonical().is_loopback()
+                || !settings.allows(spec.vip)
+            {
                 continue;
             }
             let (serving, longest) = out.entry(spec.vip).or_insert((false, Duration::ZERO));
@@ -385,13 +408,14 @@ impl Daemon {
             }
         }
 
-        // Read back: a route of ours deleted by another process comes back
-        // below; one nobody wants goes.
+        // Read back, every step (what `/status` says is the kernel's): a
+        // route of ours deleted by another process is written again below;
+        // one nobody wants goes.
         if check {
             inner.last_check = Some(now);
-            self.announce_read_back(inner, &writer, settings.table)
-                .await;
         }
+        self.announce_read_back(inner, &writer, settings.table)
+            .await;
 
         self.announce_withdraw_gone(inner, &writer, &wanted, settings.table)
             .await;
@@ -421,9 +445,34 @@ impl Daemon {
             self.announce_failed(format_args!("deleting the routes of table {old}"), &e);
         }
         inner.written.clear();
+        inner.interface = None;
         for v in inner.vips.values_mut() {
             v.decision = Hysteresis::new(now);
         }
+        // The claim first: with another live daemon in the table, nothing
+        // of it is deleted (its routes are its own).
+        if inner.claim.as_ref().map(TableClaim::table) != Some(settings.table) {
+            inner.claim = None;
+            match TableClaim::take(settings.table) {
+                Ok(c) => inner.claim = Some(c),
+                Err(e) => {
+                    self.note_error(inner, format_args!("table {}", settings.table), &e);
+                    return false;
+                }
+            }
+        }
+        // Then the interface: lo or a dummy one, never an uplink.
+        let index = match writer.announcing_interface(&settings.interface).await {
+            Ok(index) => index,
+            Err(e) => {
+                self.note_error(
+                    inner,
+                    format_args!("interface {:?}", settings.interface),
+                    &e,
+                );
+                return false;
+            }
+        };
         match writer.flush(settings.table).await {
             Ok(stale) if stale.is_empty() => {}
             Ok(stale) => tracing::warn!(
@@ -442,18 +491,8 @@ impl Daemon {
             }
         }
         inner.table = Some(settings.table);
-        match writer.interface_index(&settings.interface).await {
-            Ok(index) => inner.interface = Some((settings.interface.clone(), index)),
-            Err(e) => {
-                inner.table = None;
-                self.note_error(
-                    inner,
-                    format_args!("interface {:?}", settings.interface),
-                    &e,
-                );
-                return false;
-            }
-        }
+        inner.interface = Some((settings.interface.clone(), index));
+        inner.error = None;
         true
     }
 
@@ -484,7 +523,10 @@ impl Daemon {
                 }
             }
             Err(e) => {
-                self.announce_failed(format_args!("reading table {}", table), &e);
+                // Believed no longer: nothing is shown announced that was
+                // not read back (written again once the table reads).
+                self.note_error(inner, format_args!("reading table {}", table), &e);
+                inner.written.clear();
             }
         }
     }
@@ -653,7 +695,8 @@ impl Daemon {
             .unwrap_or_else(|p| p.into_inner()) = Some(doc);
     }
 
-    /// Announcing switched off: our routes and addresses go.
+    /// Announcing switched off: our routes and addresses go, and the
+    /// table's claim with them.
     async fn announce_release(&self, inner: &mut Inner) {
         if let Some(writer) = inner.writer.clone() {
             if let Some(table) = inner.table.take()
@@ -665,6 +708,8 @@ impl Daemon {
                 self.announce_failed(format_args!("removing the VIP addresses"), &e);
             }
         }
+        inner.claim = None;
+        inner.error = None;
         inner.written.clear();
         inner.vips.clear();
         inner.addressed.clear();
@@ -682,12 +727,15 @@ impl Daemon {
         let settings = self.announce_settings()?;
         let mut inner = self.announcer.inner.lock().await;
         inner.stopped = true;
+        // Without the table's claim nothing there is ours (another live
+        // daemon's routes, or none): nothing to withdraw, no grace.
         let writer = match inner.writer.clone() {
+            _ if inner.claim.is_none() => None,
             Some(w) => Some(w),
             None => RouteWriter::connect().ok(),
         };
+        let mut wait = writer.is_some();
         let now = Instant::now();
-        let mut wait = true;
         if let Some(writer) = writer {
             match writer.flush(settings.table).await {
                 Ok(withdrawn) if withdrawn.is_empty() => {
@@ -769,6 +817,12 @@ impl Daemon {
             previous: mark_name(previous),
             state: mark_name(drained),
         })
+    }
+
+    /// The VIP addresses this daemon put on the announcing interface (for
+    /// the VIP guard: they are not the host's own).
+    pub(super) async fn announce_own_addresses(&self) -> BTreeSet<IpAddr> {
+        self.announcer.inner.lock().await.addresses.added()
     }
 
     /// `announce` in `/status`; `None` while announcing is off.

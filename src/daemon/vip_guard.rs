@@ -1,0 +1,212 @@
+//! The VIP guard at every apply: a load balancer whose VIP is one of the
+//! host's own addresses, the gateway of one of its routes, or (with
+//! announcing) outside `vip.announce_prefixes` is refused alone, before
+//! the isolation table, the listeners or the announcer see it. The other
+//! load balancers are applied as usual.
+//!
+//! The decision is [`crate::vip::host::judge`]; this module reads the host
+//! (over rtnetlink, at start and at every reload, not on a timer), takes
+//! the refused load balancers out of the config put in force, and keeps
+//! them for `/status` (`vip_refused`), the log (one error per refusal
+//! that is new) and the `vip_refused` gauge. A host whose addresses cannot
+//! be read is logged and the config applied unchecked, except with
+//! announcing, which then refuses every VIP: nothing is announced that was
+//! not checked.
+
+use std::collections::BTreeSet;
+use std::net::IpAddr;
+
+use serde::Serialize;
+
+use super::Daemon;
+use crate::config::Config;
+use crate::vip::host::{HostNet, judge};
+
+/// One load balancer the guard refused, in `/status`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct VipRefusal {
+    /// The load balancer.
+    pub load_balancer: String,
+    /// Its VIP.
+    pub vip: IpAddr,
+    /// `host_address`, `gateway`, `outside_announce_prefixes` or
+    /// `unchecked` (the host could not be read while announcing).
+    pub kind: &'static str,
+    /// What the host uses the address for, in words.
+    pub reason: String,
+}
+
+impl Daemon {
+    /// `config` without the load balancers the VIP guard refuses, which are
+    /// remembered for `/status` and logged.
+    pub async fn guard_vips(&self, mut config: Config) -> Config {
+        let checked = config
+            .load_balancers
+            .iter()
+            .any(|lb| lb.dhcp.is_none() && !lb.vip.is_unspecified());
+        if !checked {
+            self.set_vip_refusals(Vec::new());
+            return config;
+        }
+        let host = match crate::vip::announce::RouteWriter::connect() {
+            Ok(w) => HostNet::read(w.handle()).await,
+            Err(e) => Err(e),
+        };
+        let ours = self.announce_own_addresses().await;
+        let refusals = refusals(&config, host.as_ref().map_err(ToString::to_string), &ours);
+        if let Err(e) = &host {
+            tracing::error!(
+                "vip guard: cannot read this host's addresses and routes: {e}; VIPs are not checked against them{}",
+                if config.vip.announce.enabled() {
+                    " and, with vip.announce = \"routes\", every load balancer is refused"
+                } else {
+                    ""
+                }
+            );
+        }
+        let refused: BTreeSet<&str> = refusals.iter().map(|r| r.load_balancer.as_str()).collect();
+        config
+            .load_balancers
+            .retain(|lb| !refused.contains(lb.name.as_str()));
+        self.set_vip_refusals(refusals);
+        config
+    }
+
+    /// Keeps `now` for `/status` and the gauge; logs each one that is new.
+    fn set_vip_refusals(&self, now: Vec<VipRefusal>) {
+        let mut kept = self.vip_refusals.lock().unwrap_or_else(|p| p.into_inner());
+        for r in now.iter().filter(|r| !kept.contains(r)) {
+            tracing::error!(
+                load_balancer = %r.load_balancer,
+                vip = %r.vip,
+                kind = r.kind,
+                "load balancer refused: its VIP {} is {}; it is not served, isolated or announced (the others are), until a reload with another VIP",
+                r.vip,
+                r.reason
+            );
+        }
+        self.metrics.set_vip_refused(now.len());
+        *kept = now;
+    }
+
+    /// The load balancers refused at the last apply (`/status`).
+    pub fn vip_refusals(&self) -> Vec<VipRefusal> {
+        self.vip_refusals
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+}
+
+/// The refusals of `config`'s load balancers on a host `host` (or the
+/// reason it could not be read), the daemon's own addresses being `ours`.
+fn refusals(
+    config: &Config,
+    host: Result<&HostNet, String>,
+    ours: &BTreeSet<IpAddr>,
+) -> Vec<VipRefusal> {
+    let announce = &config.vip.announce;
+    config
+        .load_balancers
+        .iter()
+        .filter(|lb| lb.dhcp.is_none() && !lb.vip.is_unspecified())
+        .filter_map(|lb| {
+            let (kind, reason) = match host {
+                Ok(h) => {
+                    let r = judge(lb.vip, h, ours, announce)?;
+                    (r.kind(), r.to_string())
+                }
+                Err(ref e)
+                    if announce.enabled() && !lb.vip.to_canonical().is_loopback() =>
+                {
+                    (
+                        "unchecked",
+                        format!(
+                            "not checked against this host's addresses and routes ({e}): nothing unchecked is announced"
+                        ),
+                    )
+                }
+                Err(_) => return None,
+            };
+            Some(VipRefusal {
+                load_balancer: lb.name.clone(),
+                vip: lb.vip,
+                kind,
+                reason,
+            })
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::vip::host::{Gateway, HostAddress};
+
+    fn config(text: &str) -> Config {
+        crate::config::parse(text).expect("valid").config
+    }
+
+    fn host() -> HostNet {
+        HostNet {
+            addresses: vec![HostAddress {
+                ip: "192.0.2.2".parse().unwrap(),
+                prefix_len: 24,
+                interface: "eth0".into(),
+                tagged: false,
+            }],
+            gateways: vec![Gateway {
+                ip: "192.0.2.1".parse().unwrap(),
+                route: "default via 192.0.2.1 dev eth0 table 254".into(),
+            }],
+        }
+    }
+
+    const LBS: &str = "[[load_balancer]]\nname = \"a/own\"\nvip = \"192.0.2.2\"\nbackends = [\"198.51.100.1\"]\n  [[load_balancer.listener]]\n  name = \"h\"\n  port = 80\n  backend_port = 30080\n[[load_balancer]]\nname = \"b/router\"\nvip = \"192.0.2.1\"\nbackends = [\"198.51.100.1\"]\n  [[load_balancer.listener]]\n  name = \"h\"\n  port = 80\n  backend_port = 30080\n[[load_balancer]]\nname = \"c/fine\"\nvip = \"203.0.113.5\"\nbackends = [\"198.51.100.1\"]\n  [[load_balancer.listener]]\n  name = \"h\"\n  port = 80\n  backend_port = 30080\n[[load_balancer]]\nname = \"d/outside\"\nvip = \"198.51.100.77\"\nbackends = [\"198.51.100.1\"]\n  [[load_balancer.listener]]\n  name = \"h\"\n  port = 80\n  backend_port = 30080\n[[load_balancer]]\nname = \"e/loop\"\nvip = \"127.0.9.1\"\nbackends = [\"127.0.0.2\"]\n  [[load_balancer.listener]]\n  name = \"h\"\n  port = 80\n  backend_port = 30080\n";
+
+    fn kinds(r: &[VipRefusal]) -> Vec<(&str, &str)> {
+        r.iter()
+            .map(|r| (r.load_balancer.as_str(), r.kind))
+            .collect()
+    }
+
+    #[test]
+    fn each_refused_load_balancer_is_named_alone_with_what_the_host_uses_it_for() {
+        let plain = config(LBS);
+        let r = refusals(&plain, Ok(&host()), &BTreeSet::new());
+        assert_eq!(
+            kinds(&r),
+            [("a/own", "host_address"), ("b/router", "gateway")]
+        );
+        assert!(r[0].reason.contains("interface eth0"), "{}", r[0].reason);
+        assert!(
+            r[1].reason.contains("default via 192.0.2.1"),
+            "{}",
+            r[1].reason
+        );
+        let announcing = config(&format!(
+            "[vip]\nannounce = \"routes\"\nannounce_prefixes = [\"203.0.113.0/24\", \"192.0.2.0/24\"]\n{LBS}"
+        ));
+        let r = refusals(&announcing, Ok(&host()), &BTreeSet::new());
+        assert_eq!(
+            kinds(&r),
+            [
+                ("a/own", "host_address"),
+                ("b/router", "gateway"),
+                ("d/outside", "outside_announce_prefixes")
+            ]
+        );
+    }
+
+    #[test]
+    fn an_unreadable_host_refuses_only_what_would_be_announced() {
+        let plain = config(LBS);
+        assert!(refusals(&plain, Err("no netlink".into()), &BTreeSet::new()).is_empty());
+        let announcing = config(&format!(
+            "[vip]\nannounce = \"routes\"\nannounce_prefixes = [\"0.0.0.0/1\", \"128.0.0.0/1\"]\n{LBS}"
+        ));
+        let r = refusals(&announcing, Err("no netlink".into()), &BTreeSet::new());
+        assert_eq!(r.len(), 4, "every VIP but the loopback one: {r:?}");
+        assert!(r.iter().all(|r| r.kind == "unchecked"));
+    }
+}

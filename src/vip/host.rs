@@ -1,0 +1,511 @@
+//! The host's own addresses and the gateways of its routes, and whether a
+//! VIP may be taken: the guard that keeps a guest cluster's Service from
+//! making this host take its router's address or its own.
+//!
+//! A VIP comes from an object a guest cluster's admin writes. Taken as a
+//! VIP, the host's router's address would be put on `lo` (the host's BGP
+//! session to that router is refused from then on) and announced; the
+//! host's own address would be isolated (everything else sent to it
+//! dropped) or DNATed. So neither `import` nor the daemon takes as a VIP:
+//!
+//! - the gateway of any route of the host, in any table;
+//! - an address the host holds on an interface, except one this daemon
+//!   added (tagged with address protocol 252, or remembered), and a host
+//!   address (/32, /128) that is plainly a VIP: with announcing, one on the
+//!   announcing interface inside `announce_prefixes` (put there by hand or
+//!   by an earlier run on a kernel without the tag); without announcing,
+//!   one beside a subnet address of the same family on its interface (how
+//!   keepalived and kube-vip hold a VIP they moved here);
+//! - with announcing, any VIP outside `vip.announce_prefixes`.
+//!
+//! Loopback VIPs (127.0.0.0/8, `::1`) are never refused: they reach only
+//! this host, as the demo's `127.0.0.1:8080` does; they are never
+//! announced nor put on an interface either (the announcer skips them).
+//!
+//! [`judge`] is the pure decision; [`HostNet::read`] reads what it needs
+//! over rtnetlink (no privilege needed to read).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt;
+use std::net::IpAddr;
+
+use futures_util::TryStreamExt;
+use rtnetlink::packet_route::address::{AddressAttribute, AddressProtocol};
+use rtnetlink::packet_route::link::{InfoKind, LinkAttribute, LinkFlags, LinkInfo};
+use rtnetlink::packet_route::route::{RouteAddress, RouteAttribute, RouteMessage, RouteVia};
+use rtnetlink::{Handle, RouteMessageBuilder};
+
+use super::announce::{AnnounceError, ROUTE_PROTOCOL};
+use crate::config::AnnounceSettings;
+
+/// One address the host holds on an interface.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HostAddress {
+    /// The address.
+    pub ip: IpAddr,
+    /// Its prefix length.
+    pub prefix_len: u8,
+    /// The interface's name.
+    pub interface: String,
+    /// Tagged with address protocol [`ROUTE_PROTOCOL`]: a harvester-lb
+    /// daemon put it there as a VIP.
+    pub tagged: bool,
+}
+
+/// The gateway of one of the host's routes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Gateway {
+    /// The gateway's address.
+    pub ip: IpAddr,
+    /// The route, as `ip route` would print it (`default via 192.0.2.1
+    /// dev eth0 table 254`).
+    pub route: String,
+}
+
+/// What the guard needs to know of the host.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct HostNet {
+    /// Every address of every interface.
+    pub addresses: Vec<HostAddress>,
+    /// Every gateway of every route (every table, both families).
+    pub gateways: Vec<Gateway>,
+}
+
+/// Why a VIP cannot be taken: what the host uses the address for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Refusal {
+    /// The host's own address.
+    Address {
+        /// Its prefix length there.
+        prefix_len: u8,
+        /// The interface.
+        interface: String,
+    },
+    /// The gateway of a route of the host.
+    Gateway {
+        /// The route.
+        route: String,
+    },
+    /// Outside `vip.announce_prefixes`, with announcing.
+    OutsidePrefixes {
+        /// The prefixes, as a list.
+        prefixes: String,
+    },
+}
+
+impl fmt::Display for Refusal {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Refusal::Address {
+                prefix_len,
+                interface,
+            } => write!(
+                f,
+                "an address of this host (on interface {interface}, /{prefix_len}): taken as a VIP it would be isolated, announced or forwarded away from the host's own services"
+            ),
+            Refusal::Gateway { route } => write!(
+                f,
+                "the gateway of this host's route `{route}`: taken as a VIP it would cut the host off from its router (and its BGP session)"
+            ),
+            Refusal::OutsidePrefixes { prefixes } => write!(
+                f,
+                "outside vip.announce_prefixes ({prefixes}): only VIPs inside them are announced"
+            ),
+        }
+    }
+}
+
+impl Refusal {
+    /// A short name of the kind, for `/status` (`host_address`,
+    /// `gateway`, `outside_announce_prefixes`).
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Refusal::Address { .. } => "host_address",
+            Refusal::Gateway { .. } => "gateway",
+            Refusal::OutsidePrefixes { .. } => "outside_announce_prefixes",
+        }
+    }
+}
+
+fn host_prefix(ip: IpAddr) -> u8 {
+    if ip.is_ipv4() { 32 } else { 128 }
+}
+
+/// Whether `vip` may be a VIP on this host, given what it holds (`host`),
+/// the addresses this daemon added itself (`ours`) and the announcing
+/// settings; `None` when it may, else why not. See the module's header.
+pub fn judge(
+    vip: IpAddr,
+    host: &HostNet,
+    ours: &BTreeSet<IpAddr>,
+    announce: &AnnounceSettings,
+) -> Option<Refusal> {
+    let vip = vip.to_canonical();
+    if vip.is_unspecified() || vip.is_loopback() {
+        return None;
+    }
+    if let Some(g) = host.gateways.iter().find(|g| g.ip.to_canonical() == vip) {
+        return Some(Refusal::Gateway {
+            route: g.route.clone(),
+        });
+    }
+    let announcing = announce.enabled();
+    for a in host.addresses.iter().filter(|a| a.ip.to_canonical() == vip) {
+        if a.tagged || ours.contains(&vip) {
+            continue;
+        }
+        let host_route = a.prefix_len == host_prefix(vip);
+        let plainly_a_vip = if announcing {
+            host_route && a.interface == announce.interface && announce.allows(vip)
+        } else {
+            host_route
+                && host.addresses.iter().any(|o| {
+                    o.interface == a.interface
+                        && o.ip.is_ipv4() == vip.is_ipv4()
+                        && o.prefix_len < host_prefix(vip)
+                })
+        };
+        if !plainly_a_vip {
+            return Some(Refusal::Address {
+                prefix_len: a.prefix_len,
+                interface: a.interface.clone(),
+            });
+        }
+    }
+    if announcing && !announce.allows(vip) {
+        return Some(Refusal::OutsidePrefixes {
+            prefixes: announce.prefixes_text(),
+        });
+    }
+    None
+}
+
+/// What an interface is, for `vip.announce_interface`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LinkKind {
+    /// The loopback interface.
+    Loopback,
+    /// A `dummy` interface.
+    Dummy,
+    /// Anything else (an uplink, a bridge, a veth…): its kind, or
+    /// `"device"` for a physical one.
+    Other(String),
+}
+
+fn netlink(what: String) -> impl FnOnce(rtnetlink::Error) -> AnnounceError {
+    move |source| AnnounceError::Netlink { what, source }
+}
+
+impl HostNet {
+    /// Reads every address and every route's gateway over `handle`.
+    pub async fn read(handle: &Handle) -> Result<Self, AnnounceError> {
+        let mut names = BTreeMap::new();
+        let mut links = handle.link().get().execute();
+        while let Some(m) = links
+            .try_next()
+            .await
+            .map_err(netlink("cannot list the host's interfaces".into()))?
+        {
+            if let Some(name) = m.attributes.iter().find_map(|a| match a {
+                LinkAttribute::IfName(n) => Some(n.clone()),
+                _ => None,
+            }) {
+                names.insert(m.header.index, name);
+            }
+        }
+        let name_of = |index: u32| {
+            names
+                .get(&index)
+                .cloned()
+                .unwrap_or_else(|| format!("#{index}"))
+        };
+        let mut out = HostNet::default();
+        let mut addrs = handle.address().get().execute();
+        while let Some(m) = addrs
+            .try_next()
+            .await
+            .map_err(netlink("cannot list the host's addresses".into()))?
+        {
+            // IPv4's own address is IFA_LOCAL (IFA_ADDRESS is the peer's
+            // on a point-to-point link); IPv6 has IFA_ADDRESS only.
+            let local = m.attributes.iter().find_map(|a| match a {
+                AddressAttribute::Local(ip) => Some(*ip),
+                _ => None,
+            });
+            let ip = local.or_else(|| {
+                m.attributes.iter().find_map(|a| match a {
+                    AddressAttribute::Address(ip) => Some(*ip),
+                    _ => None,
+                })
+            });
+            let Some(ip) = ip else { continue };
+            let tagged = m.attributes.iter().any(|a| {
+                matches!(a, AddressAttribute::Protocol(AddressProtocol::Other(p)) if *p == ROUTE_PROTOCOL)
+            });
+            out.addresses.push(HostAddress {
+                ip,
+                prefix_len: m.header.prefix_len,
+                interface: name_of(m.header.index),
+                tagged,
+            });
+        }
+        for request in [
+            RouteMessageBuilder::<std::net::Ipv4Addr>::new().build(),
+            RouteMessageBuilder::<std::net::Ipv6Addr>::new().build(),
+        ] {
+            let mut routes = handle.route().get(request).execute();
+            while let Some(m) = routes
+                .try_next()
+                .await
+                .map_err(netlink("cannot list the host's routes".into()))?
+            {
+                for (gw, oif) in gateways_of(&m) {
+                    out.gateways.push(Gateway {
+                        ip: gw,
+                        route: describe(&m, gw, oif.map(name_of)),
+                    });
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// [`HostNet::read`] on a runtime of its own, for a command that has
+    /// none (`import`).
+    pub fn read_blocking() -> Result<Self, AnnounceError> {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(AnnounceError::Socket)?;
+        runtime.block_on(async {
+            let (conn, handle, _) = rtnetlink::new_connection().map_err(AnnounceError::Socket)?;
+            let task = tokio::spawn(conn);
+            let read = Self::read(&handle).await;
+            task.abort();
+            read
+        })
+    }
+}
+
+fn address_of(a: &RouteAddress) -> Option<IpAddr> {
+    match a {
+        RouteAddress::Inet(v4) => Some(IpAddr::V4(*v4)),
+        RouteAddress::Inet6(v6) => Some(IpAddr::V6(*v6)),
+        _ => None,
+    }
+}
+
+/// The gateways of a route (one, or one per nexthop of a multipath
+/// route), each with the interface it goes out of.
+fn gateways_of(m: &RouteMessage) -> Vec<(IpAddr, Option<u32>)> {
+    let oif = m.attributes.iter().find_map(|a| match a {
+        RouteAttribute::Oif(i) => Some(*i),
+        _ => None,
+    });
+    let mut out = Vec::new();
+    let mut from = |attrs: &[RouteAttribute], oif: Option<u32>| {
+        for a in attrs {
+            let gw = match a {
+                RouteAttribute::Gateway(g) => address_of(g),
+                RouteAttribute::Via(RouteVia::Inet(v4)) => Some(IpAddr::V4(*v4)),
+                RouteAttribute::Via(RouteVia::Inet6(v6)) => Some(IpAddr::V6(*v6)),
+                _ => None,
+            };
+            out.extend(gw.map(|g| (g, oif)));
+        }
+    };
+    from(&m.attributes, oif);
+    for a in &m.attributes {
+        if let RouteAttribute::MultiPath(hops) = a {
+            for hop in hops {
+                from(&hop.attributes, Some(hop.interface_index));
+            }
+        }
+    }
+    out
+}
+
+/// `DST via GW dev IF table T`, as `ip route` prints it.
+fn describe(m: &RouteMessage, gw: IpAddr, dev: Option<String>) -> String {
+    let dst = m
+        .attributes
+        .iter()
+        .find_map(|a| match a {
+            RouteAttribute::Destination(d) => address_of(d),
+            _ => None,
+        })
+        .map_or_else(
+            || "default".to_string(),
+            |d| format!("{d}/{}", m.header.destination_prefix_length),
+        );
+    let table = m
+        .attributes
+        .iter()
+        .find_map(|a| match a {
+            RouteAttribute::Table(t) => Some(*t),
+            _ => None,
+        })
+        .unwrap_or(u32::from(m.header.table));
+    let dev = dev.map(|d| format!(" dev {d}")).unwrap_or_default();
+    format!("{dst} via {gw}{dev} table {table}")
+}
+
+/// The kind of interface `index` (`vip.announce_interface` must be `lo` or
+/// a dummy interface: a VIP /32 on an uplink would answer ARP for it there).
+pub async fn link_kind(handle: &Handle, index: u32) -> Result<LinkKind, AnnounceError> {
+    let mut links = handle.link().get().match_index(index).execute();
+    let Some(m) = links
+        .try_next()
+        .await
+        .map_err(netlink(format!("cannot read interface {index}")))?
+    else {
+        return Ok(LinkKind::Other("gone".into()));
+    };
+    if m.header.flags.contains(LinkFlags::Loopback) {
+        return Ok(LinkKind::Loopback);
+    }
+    let kind = m.attributes.iter().find_map(|a| match a {
+        LinkAttribute::LinkInfo(infos) => infos.iter().find_map(|i| match i {
+            LinkInfo::Kind(k) => Some(k.clone()),
+            _ => None,
+        }),
+        _ => None,
+    });
+    Ok(match kind {
+        Some(InfoKind::Dummy) => LinkKind::Dummy,
+        Some(k) => LinkKind::Other(k.to_string()),
+        None => LinkKind::Other("device".into()),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::AnnounceMode;
+
+    fn ip(s: &str) -> IpAddr {
+        s.parse().unwrap()
+    }
+
+    fn addr(s: &str, len: u8, dev: &str, tagged: bool) -> HostAddress {
+        HostAddress {
+            ip: ip(s),
+            prefix_len: len,
+            interface: dev.into(),
+            tagged,
+        }
+    }
+
+    fn host() -> HostNet {
+        HostNet {
+            addresses: vec![
+                addr("127.0.0.1", 8, "lo", false),
+                addr("::1", 128, "lo", false),
+                addr("192.0.2.2", 24, "eth0", false),
+                addr("2001:db8::2", 64, "eth0", false),
+                // keepalived's VIP beside the uplink's address.
+                addr("192.0.2.201", 32, "eth0", false),
+                // The router id on lo, a /32.
+                addr("10.255.0.1", 32, "lo", false),
+                // Our VIP (tagged) and one put on lo by hand.
+                addr("203.0.113.5", 32, "lo", true),
+                addr("203.0.113.6", 32, "lo", false),
+                // An address alone on its interface (a cloud VM's /32).
+                addr("10.128.0.5", 32, "ens4", false),
+            ],
+            gateways: vec![
+                Gateway {
+                    ip: ip("192.0.2.1"),
+                    route: "default via 192.0.2.1 dev eth0 table 254".into(),
+                },
+                Gateway {
+                    ip: ip("fe80::1"),
+                    route: "default via fe80::1 dev eth0 table 254".into(),
+                },
+            ],
+        }
+    }
+
+    fn routes(prefixes: &[&str]) -> AnnounceSettings {
+        AnnounceSettings {
+            mode: AnnounceMode::Routes,
+            prefixes: prefixes.iter().map(|p| p.parse().unwrap()).collect(),
+            ..AnnounceSettings::default()
+        }
+    }
+
+    fn kind(vip: &str, a: &AnnounceSettings) -> Option<&'static str> {
+        judge(ip(vip), &host(), &BTreeSet::new(), a).map(|r| r.kind())
+    }
+
+    #[test]
+    fn the_hosts_own_address_and_its_gateway_are_refused_in_every_mode() {
+        for a in [AnnounceSettings::default(), routes(&["192.0.2.0/24"])] {
+            assert_eq!(kind("192.0.2.2", &a), Some("host_address"));
+            assert_eq!(kind("::ffff:192.0.2.2", &a), Some("host_address"));
+            assert_eq!(kind("192.0.2.1", &a), Some("gateway"));
+            assert_eq!(kind("10.128.0.5", &a), Some("host_address"));
+        }
+        assert_eq!(
+            kind("2001:db8::2", &AnnounceSettings::default()),
+            Some("host_address")
+        );
+        let r = judge(
+            ip("192.0.2.1"),
+            &host(),
+            &BTreeSet::new(),
+            &AnnounceSettings::default(),
+        )
+        .unwrap();
+        assert!(
+            r.to_string().contains("default via 192.0.2.1 dev eth0"),
+            "{r}"
+        );
+    }
+
+    #[test]
+    fn without_announcing_a_moved_vip_beside_the_interfaces_address_is_taken() {
+        let none = AnnounceSettings::default();
+        assert_eq!(kind("192.0.2.201", &none), None, "keepalived's VIP");
+        assert_eq!(kind("10.255.0.1", &none), None, "a /32 beside 127.0.0.1/8");
+        assert_eq!(kind("198.51.100.7", &none), None, "held by nobody");
+    }
+
+    #[test]
+    fn with_announcing_only_vips_inside_the_prefixes_and_not_the_hosts() {
+        let a = routes(&["203.0.113.0/24"]);
+        assert_eq!(kind("203.0.113.5", &a), None, "tagged: ours");
+        assert_eq!(kind("203.0.113.6", &a), None, "a /32 on lo inside");
+        assert_eq!(kind("203.0.113.7", &a), None, "held by nobody");
+        assert_eq!(kind("198.51.100.7", &a), Some("outside_announce_prefixes"));
+        assert_eq!(kind("10.255.0.1", &a), Some("host_address"), "router id");
+        assert_eq!(kind("192.0.2.201", &a), Some("host_address"), "on eth0");
+        // Inside the prefixes is no pass for the host's own address.
+        let wide = routes(&["10.0.0.0/8", "192.0.2.0/24"]);
+        assert_eq!(kind("10.255.0.1", &wide), None, "a /32 on lo inside");
+        assert_eq!(kind("192.0.2.2", &wide), Some("host_address"));
+        // On another announcing interface, lo's /32 is the host's.
+        let dummy = AnnounceSettings {
+            interface: "dummy0".into(),
+            ..routes(&["203.0.113.0/24"])
+        };
+        assert_eq!(kind("203.0.113.6", &dummy), Some("host_address"));
+        assert_eq!(kind("203.0.113.5", &dummy), None, "tagged");
+    }
+
+    #[test]
+    fn addresses_this_daemon_added_and_loopback_vips_are_taken() {
+        let a = routes(&["203.0.113.0/24"]);
+        let ours: BTreeSet<IpAddr> = [ip("203.0.113.6")].into();
+        let dummy = AnnounceSettings {
+            interface: "dummy0".into(),
+            ..a.clone()
+        };
+        assert_eq!(judge(ip("203.0.113.6"), &host(), &ours, &dummy), None);
+        for lo in ["127.0.0.1", "127.0.9.1", "::1"] {
+            assert_eq!(kind(lo, &a), None, "{lo}");
+            assert_eq!(kind(lo, &AnnounceSettings::default()), None, "{lo}");
+        }
+        assert_eq!(kind("0.0.0.0", &a), None, "a lease not yet in force");
+    }
+}
