@@ -57,7 +57,11 @@ impl Validator<'_> {
     /// One CIDR range, `ADDRESS/PREFIX`, the address with no host bits set.
     /// An IPv4-mapped IPv6 range (`::ffff:10.0.0.0/104`) is the IPv4 range it
     /// covers: clients are judged by their IPv4 form.
-    fn cidr(&mut self, value: &Spanned<String>, key: fmt::Arguments<'_>) -> Option<IpNet> {
+    pub(super) fn cidr(
+        &mut self,
+        value: &Spanned<String>,
+        key: fmt::Arguments<'_>,
+    ) -> Option<IpNet> {
         let text = value.get_ref();
         let fail = |v: &mut Self, why: String| {
             v.problem(
