@@ -271,14 +271,13 @@ impl Macvlan {
 /// The IPv4 gateways among `attributes` (`RTA_GATEWAY`, `RTA_VIA`).
 fn gateways(attributes: &[RouteAttribute], out: &mut Vec<Ipv4Addr>) {
     for a in attributes {
-        match a {
+        let gateway = match a {
             RouteAttribute::Gateway(RouteAddress::Inet(g))
-            | RouteAttribute::Via(RouteVia::Inet(g)) => {
-                if !out.contains(g) {
-                    out.push(*g);
-                }
-            }
-            _ => {}
+            | RouteAttribute::Via(RouteVia::Inet(g)) => *g,
+            _ => continue,
+        };
+        if !out.contains(&gateway) {
+            out.push(gateway);
         }
     }
 }
