@@ -209,3 +209,49 @@ pub(crate) fn unix_now(t: SystemTime) -> f64 {
     t.duration_since(SystemTime::UNIX_EPOCH)
         .map_or(0.0, |d| d.as_secs_f64())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn want(hostname: &str, min_prefix_length: u8) -> Want {
+        Want {
+            name: "default/web".into(),
+            cluster: "kubernetes".into(),
+            spec: DhcpSpec {
+                // No such interface: the client only retries its setup, so
+                // nothing is created and nothing is sent anywhere.
+                interface: "hlbnosuchif0".into(),
+                mac: [2, 0, 0, 0, 0, 1],
+                hostname: hostname.into(),
+                servers: vec![],
+                requested: None,
+                allowed_ranges: None,
+                min_prefix_length: Some(min_prefix_length),
+            },
+            guard: DhcpGuard {
+                allowed_ranges: vec![],
+                min_prefix_length,
+            },
+        }
+    }
+
+    #[tokio::test]
+    async fn a_guard_change_reaches_the_running_client_without_a_restart() {
+        let leases = Leases::new();
+        let dir = std::env::temp_dir().join(format!("hlb-leases-{}", std::process::id()));
+        leases.reconcile(&[want("web", 16)], &dir);
+        let (stop, guard) = {
+            let r = leases.lock();
+            let r = &r["default/web"];
+            (r.stop.clone(), Arc::clone(&r.guard))
+        };
+        leases.reconcile(&[want("web", 24)], &dir);
+        assert!(!stop.is_cancelled(), "the lease is kept");
+        assert_eq!(guard.load().min_prefix_length, 24, "the new guard judges");
+        // A change of identity is a new client (RELEASE, then DISCOVER).
+        leases.reconcile(&[want("web2", 24)], &dir);
+        assert!(stop.is_cancelled());
+        leases.shutdown().await;
+    }
+}
