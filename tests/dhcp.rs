@@ -33,7 +33,7 @@ use std::time::{Duration, Instant};
 
 use netns::peers::{Node, Service};
 use netns::{Bed, Ns, sa, wait_for};
-use support::{Config, Lb, quote};
+use support::{Config, Lb, Listener, quote};
 use tokio::io::AsyncReadExt;
 
 const T1: u32 = 6;
@@ -115,20 +115,26 @@ fn dnsmasq_missing() -> bool {
 }
 
 fn config(bed: &Bed, with_lb: bool) -> Config {
-    config_with(bed, with_lb, "")
+    config_with(bed, with_lb.then(web), "")
 }
 
-/// [`config`] with `dhcp_keys` (lines) added to its `[dhcp]` table.
-fn config_with(bed: &Bed, with_lb: bool, dhcp_keys: &str) -> Config {
+/// The listener of the leased VIP in most tests.
+fn web() -> Listener {
+    Listener::new("tcp", 80, netns::NODEPORT)
+}
+
+/// The bed's config with `listener` (if any) on a leased VIP, and
+/// `dhcp_keys` (lines) added to its `[dhcp]` table.
+fn config_with(bed: &Bed, listener: Option<Listener>, dhcp_keys: &str) -> Config {
     let mut c = netns::config().drain_timeout(1).text(&format!(
         "[dhcp]\nstate_directory = {}\n{dhcp_keys}",
         quote(bed.dir.join("state").display())
     ));
-    if with_lb {
+    if let Some(listener) = listener {
         c = c.lb(Lb::new("default/web", "0.0.0.0")
             .keys("ipam = \"dhcp\"")
             .backends([netns::node_ip(1)])
-            .tcp("tcp", 80, netns::NODEPORT)
+            .listener(listener)
             .keys("  [load_balancer.dhcp]\n  interface = \"eth0\""));
     }
     c
@@ -448,21 +454,35 @@ fn leased_addresses(ns: &Ns) -> String {
 /// One rogue offer: dnsmasq (with `args`) offers what it must not; the
 /// daemon (with `keys` added to its config) must refuse it for `reason`:
 /// the host's IPv4 routes unchanged, the address not taken, the refusal
-/// counted and named in `/status`. `prepare` sets the host up first.
-async fn rogue_offer(test: &str, args: &[String], keys: &str, prepare: fn(&Bed), reason: &str) {
-    require_netns!();
+/// counted and named in `/status`. `prepare` sets the host up first;
+/// `listener` is the leased VIP's. Returns the bed (`None`: skipped).
+async fn rogue_offer(
+    test: &str,
+    args: &[String],
+    keys: &str,
+    prepare: fn(&Bed),
+    listener: Listener,
+    reason: &str,
+) -> Option<Bed> {
+    if let Some(why) = netns::skip_reason() {
+        netns::skip_or_fail(
+            module_path!(),
+            &format!("needs root and iproute2/nftables for network namespaces ({why})"),
+        );
+        return None;
+    }
     if dnsmasq_missing() {
         netns::skip_or_fail(
             module_path!(),
             "dnsmasq is not installed (Debian package dnsmasq-base)",
         );
-        return;
+        return None;
     }
     let mut bed = Bed::new(test, 1);
     prepare(&bed);
     let routes_before = ipv4_routes(&bed.lb);
     let dnsmasq = Dnsmasq::start_with(&bed.client, &bed.dir, args);
-    bed.start_daemon(&config_with(&bed, true, keys).to_string())
+    bed.start_daemon(&config_with(&bed, Some(listener), keys).to_string())
         .await;
     // Answered: taken (as before the guard) or refused.
     let lease = wait_for(
@@ -506,6 +526,7 @@ async fn rogue_offer(test: &str, args: &[String], keys: &str, prepare: fn(&Bed),
         bed.daemon().status().await["load_balancers"][0]["listeners"][0]["state"],
         "waiting_for_lease"
     );
+    Some(bed)
 }
 
 fn nothing(_: &Bed) {}
@@ -521,15 +542,17 @@ async fn a_mask_of_128_0_0_0_is_refused_and_routes_nothing() {
         ],
         "",
         nothing,
+        web(),
         "mask_too_wide",
     )
     .await;
 }
 
-/// The host's own address: its connections would go to a tenant.
+/// The host's own address, with a kernel listener on 443: the host's own
+/// `:443` would be forwarded to a tenant's backends. It stays the host's.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_offer_of_the_hosts_own_address_is_refused() {
-    rogue_offer(
+    let Some(bed) = rogue_offer(
         "dhcpself",
         &[
             format!("--dhcp-range={0},{0},255.255.255.0,2m", netns::LB_IP),
@@ -537,10 +560,48 @@ async fn an_offer_of_the_hosts_own_address_is_refused() {
             "--no-ping".into(),
         ],
         "",
-        nothing,
+        |bed| {
+            // The kernel path forwards only with forwarding on.
+            netns::run(
+                "ip",
+                &[
+                    "netns",
+                    "exec",
+                    &bed.lb.name,
+                    "sysctl",
+                    "-qw",
+                    "net.ipv4.ip_forward=1",
+                ],
+                None,
+            );
+            // The host's own service on its own address.
+            let https = bed.lb.listen(sa(netns::LB_IP, 443));
+            tokio::spawn(async move {
+                while let Ok((mut s, _)) = https.accept().await {
+                    use tokio::io::AsyncWriteExt;
+                    let _ = s.write_all(b"host\n").await;
+                }
+            });
+        },
+        Listener::new("https", 443, netns::NODEPORT).forwarding("kernel"),
         "host_address",
     )
-    .await;
+    .await
+    else {
+        return;
+    };
+    // The host's :443 still answers itself, not node 1 ("n1").
+    let mut s = bed
+        .client
+        .connect(sa(netns::LB_IP, 443), Duration::from_secs(5))
+        .await
+        .expect("the host's own :443");
+    let mut greeting = [0u8; 5];
+    tokio::time::timeout(Duration::from_secs(5), s.read_exact(&mut greeting))
+        .await
+        .expect("an answer within 5 s")
+        .expect("read");
+    assert_eq!(&greeting, b"host\n");
 }
 
 /// The gateway's address: the host would be cut off from its router.
@@ -557,6 +618,7 @@ async fn an_offer_of_the_hosts_gateway_is_refused() {
             bed.lb
                 .ip(&["route", "add", "default", "via", "198.51.100.1"])
         },
+        web(),
         "gateway",
     )
     .await;
@@ -570,6 +632,7 @@ async fn an_offer_outside_the_allowed_ranges_is_refused() {
         &["--dhcp-range=198.51.100.150,198.51.100.160,255.255.255.0,2m".into()],
         "allowed_ranges = [\"198.51.100.192/26\"]",
         nothing,
+        web(),
         "outside_allowed_ranges",
     )
     .await;
