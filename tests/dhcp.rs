@@ -455,7 +455,8 @@ fn leased_addresses(ns: &Ns) -> String {
 /// daemon (with `keys` added to its config) must refuse it for `reason`:
 /// the host's IPv4 routes unchanged, the address not taken, the refusal
 /// counted and named in `/status`. `prepare` sets the host up first;
-/// `listener` is the leased VIP's. Returns the bed (`None`: skipped).
+/// `listener` is the leased VIP's, node 1 its backend (answering "n1").
+/// Returns the bed and the node (`None`: skipped).
 async fn rogue_offer(
     test: &str,
     args: &[String],
@@ -463,7 +464,7 @@ async fn rogue_offer(
     prepare: fn(&Bed),
     listener: Listener,
     reason: &str,
-) -> Option<Bed> {
+) -> Option<(Bed, Node)> {
     if let Some(why) = netns::skip_reason() {
         netns::skip_or_fail(
             module_path!(),
@@ -479,6 +480,7 @@ async fn rogue_offer(
         return None;
     }
     let mut bed = Bed::new(test, 1);
+    let node = Node::start(&bed, 1, Service::NameThenEcho);
     prepare(&bed);
     let routes_before = ipv4_routes(&bed.lb);
     let dnsmasq = Dnsmasq::start_with(&bed.client, &bed.dir, args);
@@ -526,7 +528,7 @@ async fn rogue_offer(
         bed.daemon().status().await["load_balancers"][0]["listeners"][0]["state"],
         "waiting_for_lease"
     );
-    Some(bed)
+    Some((bed, node))
 }
 
 fn nothing(_: &Bed) {}
@@ -552,7 +554,7 @@ async fn a_mask_of_128_0_0_0_is_refused_and_routes_nothing() {
 /// `:443` would be forwarded to a tenant's backends. It stays the host's.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_offer_of_the_hosts_own_address_is_refused() {
-    let Some(bed) = rogue_offer(
+    let Some((bed, _node)) = rogue_offer(
         "dhcpself",
         &[
             format!("--dhcp-range={0},{0},255.255.255.0,2m", netns::LB_IP),
@@ -590,7 +592,8 @@ async fn an_offer_of_the_hosts_own_address_is_refused() {
     else {
         return;
     };
-    // The host's :443 still answers itself, not node 1 ("n1").
+    // The host's :443 still answers itself, not node 1 ("n1"; before the
+    // guard the kernel forwarded it there).
     let mut s = bed
         .client
         .connect(sa(netns::LB_IP, 443), Duration::from_secs(5))
