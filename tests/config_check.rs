@@ -1154,6 +1154,76 @@ fn bad_dhcp_keys_are_named() {
     );
 }
 
+/// `allowed_ranges` and `min_prefix_length`, in `[dhcp]` and per load
+/// balancer: the per-load-balancer keys win, a bad value is named with its
+/// line and key.
+#[test]
+fn dhcp_guard_keys_are_checked_and_the_load_balancers_win() {
+    let c = valid(DHCP);
+    let d = c.load_balancers[0].dhcp.as_ref().unwrap();
+    let g = d.guard(&c.dhcp.guard);
+    assert!(g.allowed_ranges.is_empty(), "default: any");
+    assert_eq!(g.min_prefix_length, 16);
+
+    let global = "[dhcp]\nallowed_ranges = [\"192.0.2.0/24\", \"198.51.100.128/25\"]\nmin_prefix_length = 20\n";
+    let c = valid(&format!("{global}{DHCP}"));
+    let g = c.load_balancers[0]
+        .dhcp
+        .as_ref()
+        .unwrap()
+        .guard(&c.dhcp.guard);
+    assert_eq!(g.allowed_ranges.len(), 2);
+    assert_eq!(g.min_prefix_length, 20);
+    let own = DHCP.replace(
+        "interface = \"eth0\"",
+        "interface = \"eth0\"\n  allowed_ranges = [\"203.0.113.0/24\"]\n  min_prefix_length = 24",
+    );
+    let c = valid(&format!("{global}{own}"));
+    let g = c.load_balancers[0]
+        .dhcp
+        .as_ref()
+        .unwrap()
+        .guard(&c.dhcp.guard);
+    assert_eq!(g.allowed_ranges, vec!["203.0.113.0/24".parse().unwrap()]);
+    assert_eq!(g.min_prefix_length, 24);
+
+    for (text, e) in [
+        (
+            format!("[dhcp]\nallowed_ranges = [\"192.0.2.1/24\"]\n{DHCP}"),
+            "line 2: dhcp.allowed_ranges[0]: \"192.0.2.1/24\" has host bits set; did you mean \"192.0.2.0/24\"?",
+        ),
+        (
+            format!("[dhcp]\nallowed_ranges = [\"2001:db8::/32\"]\n{DHCP}"),
+            "line 2: dhcp.allowed_ranges[0]: \"2001:db8::/32\" is an IPv6 range; DHCPv4 leases IPv4 addresses only",
+        ),
+        (
+            format!("[dhcp]\nallowed_ranges = []\n{DHCP}"),
+            "line 2: dhcp.allowed_ranges: is empty, which would refuse every DHCP offer",
+        ),
+        (
+            format!("[dhcp]\nmin_prefix_length = 33\n{DHCP}"),
+            "line 2: dhcp.min_prefix_length: 33 is out of range; the value must be in 0..=32",
+        ),
+        (
+            DHCP.replace(
+                "interface = \"eth0\"",
+                "interface = \"eth0\"\n  allowed_ranges = [\"nope\"]",
+            ),
+            "line 13: load_balancer[0].dhcp.allowed_ranges[0]: \"nope\" is not a CIDR range",
+        ),
+        (
+            DHCP.replace(
+                "interface = \"eth0\"",
+                "interface = \"eth0\"\n  min_prefix_length = -1",
+            ),
+            "line 13: load_balancer[0].dhcp.min_prefix_length: -1 is out of range; the value must be in 0..=32",
+        ),
+    ] {
+        let out = rendered(&text);
+        assert!(out.contains(e), "missing:\n  {e}\nin:\n{out}\nfor:\n{text}");
+    }
+}
+
 /// `defer_accept_seconds` is a TCP listener's: on a UDP listener, and out
 /// of 1..=600, it is an error naming the key; on a TCP listener it is taken.
 #[test]

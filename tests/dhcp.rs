@@ -11,6 +11,12 @@
 //! removed (RELEASE, interface and state file gone). dnsmasq's shortest
 //! lease is 2 minutes; options 58/59 bring T1/T2 down to 6 s/9 s.
 //!
+//! The rogue-server tests give dnsmasq one bad offer each (a 128.0.0.0
+//! mask, the host's own address, its gateway's, an address outside
+//! `dhcp.allowed_ranges`) and check that the host's IPv4 routes are
+//! unchanged, the address is not taken, and the refusal is counted and
+//! shown in `/status`.
+//!
 //! Skips with a printed reason without root, iproute2/nftables or dnsmasq.
 //! Run: `cargo test --test dhcp -- --nocapture` (prints the timings).
 
@@ -27,7 +33,7 @@ use std::time::{Duration, Instant};
 
 use netns::peers::{Node, Service};
 use netns::{Bed, Ns, sa, wait_for};
-use support::{Config, Lb, quote};
+use support::{Config, Lb, Listener, quote};
 use tokio::io::AsyncReadExt;
 
 const T1: u32 = 6;
@@ -42,6 +48,18 @@ struct Dnsmasq {
 
 impl Dnsmasq {
     fn start(ns: &Ns, dir: &Path, range: (u8, u8)) -> Dnsmasq {
+        Self::start_with(
+            ns,
+            dir,
+            &[format!(
+                "--dhcp-range=198.51.100.{},198.51.100.{},255.255.255.0,2m",
+                range.0, range.1
+            )],
+        )
+    }
+
+    /// dnsmasq with `args` (its range, options) added to the bed's own.
+    fn start_with(ns: &Ns, dir: &Path, args: &[String]) -> Dnsmasq {
         let log = dir.join("dnsmasq.log");
         let leases = dir.join("dnsmasq.leases");
         let child = Command::new("ip")
@@ -54,16 +72,13 @@ impl Dnsmasq {
                 "--user=root",
                 "--log-dhcp",
                 "--dhcp-authoritative",
-                &format!(
-                    "--dhcp-range=198.51.100.{},198.51.100.{},255.255.255.0,2m",
-                    range.0, range.1
-                ),
                 &format!("--dhcp-option=58,{T1}"),
                 &format!("--dhcp-option=59,{T2}"),
                 &format!("--dhcp-leasefile={}", leases.display()),
                 &format!("--log-facility={}", log.display()),
                 &format!("--pid-file={}", dir.join("dnsmasq.pid").display()),
             ])
+            .args(args)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::null())
@@ -100,15 +115,26 @@ fn dnsmasq_missing() -> bool {
 }
 
 fn config(bed: &Bed, with_lb: bool) -> Config {
+    config_with(bed, with_lb.then(web), "")
+}
+
+/// The listener of the leased VIP in most tests.
+fn web() -> Listener {
+    Listener::new("tcp", 80, netns::NODEPORT)
+}
+
+/// The bed's config with `listener` (if any) on a leased VIP, and
+/// `dhcp_keys` (lines) added to its `[dhcp]` table.
+fn config_with(bed: &Bed, listener: Option<Listener>, dhcp_keys: &str) -> Config {
     let mut c = netns::config().drain_timeout(1).text(&format!(
-        "[dhcp]\nstate_directory = {}",
+        "[dhcp]\nstate_directory = {}\n{dhcp_keys}",
         quote(bed.dir.join("state").display())
     ));
-    if with_lb {
+    if let Some(listener) = listener {
         c = c.lb(Lb::new("default/web", "0.0.0.0")
             .keys("ipam = \"dhcp\"")
             .backends([netns::node_ip(1)])
-            .tcp("tcp", 80, netns::NODEPORT)
+            .listener(listener)
             .keys("  [load_balancer.dhcp]\n  interface = \"eth0\""));
     }
     c
@@ -176,6 +202,7 @@ async fn lease_renew_nak_reboot_release_against_dnsmasq() {
     let mut bed = Bed::new("dhcp", 1);
     let _node = Node::start(&bed, 1, Service::NameThenEcho);
     let mut dnsmasq = Dnsmasq::start(&bed.client, &bed.dir, (150, 160));
+    let routes_before = ipv4_routes(&bed.lb);
 
     // Lease obtained; traffic to it forwarded.
     let started = Instant::now();
@@ -186,6 +213,24 @@ async fn lease_renew_nak_reboot_release_against_dnsmasq() {
     assert!((150..=160).contains(&vip.octets()[3]), "{first}");
     assert_eq!(first["server"], netns::CLIENT_IP.to_string(), "{first}");
     eventually_forwarded(&bed, vip).await;
+    // The lease added no route: the /24 the server's mask names is not
+    // made on-link on the macvlan interface (noprefixroute).
+    assert_eq!(
+        ipv4_routes(&bed.lb),
+        routes_before,
+        "a lease changes none of the host's IPv4 routes but its own local ones"
+    );
+    assert!(
+        leased_addresses(&bed.lb).contains(&format!("{vip}/24")),
+        "{}",
+        leased_addresses(&bed.lb)
+    );
+    assert!(
+        bed.daemon()
+            .log()
+            .contains("any DHCP server on the segment is trusted"),
+        "the start warns that no servers are named"
+    );
     let metrics = bed.daemon().metrics().await;
     assert_eq!(
         netns::metric(
@@ -358,4 +403,240 @@ async fn a_leased_vip_is_isolated_once_it_is_leased() {
             .await
             .is_ok()
     );
+}
+
+/// The IPv4 routes of namespace `ns`, every table, but the `local` and
+/// `broadcast` routes the kernel makes for an address on the macvlan
+/// interfaces (a lease's own): what an offer must never change.
+fn ipv4_routes(ns: &Ns) -> String {
+    let out = Command::new("ip")
+        .args(["-n", &ns.name, "-4", "route", "show", "table", "all"])
+        .output()
+        .expect("ip route");
+    let mut lines: Vec<String> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter(|l| {
+            !((l.starts_with("local ") || l.starts_with("broadcast ")) && l.contains(" dev hlb"))
+        })
+        .map(str::to_string)
+        .collect();
+    lines.sort();
+    lines.join("\n")
+}
+
+/// The IPv4 addresses on the macvlan interfaces of `ns` (`a.b.c.d/len`).
+fn leased_addresses(ns: &Ns) -> String {
+    let ip = |args: &[&str]| {
+        let out = Command::new("ip")
+            .args(["-n", &ns.name])
+            .args(args)
+            .output()
+            .expect("ip");
+        String::from_utf8_lossy(&out.stdout).to_string()
+    };
+    let links = ip(&["-o", "link", "show", "type", "macvlan"]);
+    let mut addresses = Vec::new();
+    // "5: hlb0123456789@eth0: <BROADCAST,...".
+    for name in links
+        .lines()
+        .filter_map(|l| l.split(": ").nth(1))
+        .filter_map(|n| n.split('@').next())
+    {
+        for line in ip(&["-4", "-o", "addr", "show", "dev", name]).lines() {
+            if let Some(a) = line.split_whitespace().skip_while(|w| *w != "inet").nth(1) {
+                addresses.push(a.to_string());
+            }
+        }
+    }
+    addresses.join(" ")
+}
+
+/// One rogue offer: dnsmasq (with `args`) offers what it must not; the
+/// daemon (with `keys` added to its config) must refuse it for `reason`:
+/// the host's IPv4 routes unchanged, the address not taken, the refusal
+/// counted and named in `/status`. `prepare` sets the host up first;
+/// `listener` is the leased VIP's, node 1 its backend (answering "n1").
+/// Returns the bed and the node (`None`: skipped).
+async fn rogue_offer(
+    test: &str,
+    args: &[String],
+    keys: &str,
+    prepare: fn(&Bed),
+    listener: Listener,
+    reason: &str,
+) -> Option<(Bed, Node)> {
+    if let Some(why) = netns::skip_reason() {
+        netns::skip_or_fail(
+            module_path!(),
+            &format!("needs root and iproute2/nftables for network namespaces ({why})"),
+        );
+        return None;
+    }
+    if dnsmasq_missing() {
+        netns::skip_or_fail(
+            module_path!(),
+            "dnsmasq is not installed (Debian package dnsmasq-base)",
+        );
+        return None;
+    }
+    let mut bed = Bed::new(test, 1);
+    let node = Node::start(&bed, 1, Service::NameThenEcho);
+    prepare(&bed);
+    let routes_before = ipv4_routes(&bed.lb);
+    let dnsmasq = Dnsmasq::start_with(&bed.client, &bed.dir, args);
+    bed.start_daemon(&config_with(&bed, Some(listener), keys).to_string())
+        .await;
+    // Answered: taken (as before the guard) or refused.
+    let lease = wait_for(
+        Duration::from_secs(30),
+        "the offer taken or refused",
+        || async {
+            let s = bed.daemon().status().await;
+            let l = s["load_balancers"][0]["dhcp"].clone();
+            (l["state"] == "bound" || l["last_refusal"].is_object()).then_some(l)
+        },
+    )
+    .await;
+    assert!(dnsmasq.count("DHCPOFFER") >= 1, "{}", dnsmasq.log());
+    assert_eq!(
+        ipv4_routes(&bed.lb),
+        routes_before,
+        "the host's IPv4 routes changed: {lease}"
+    );
+    assert_eq!(leased_addresses(&bed.lb), "", "address taken: {lease}");
+    assert_ne!(lease["state"], "bound", "{lease}");
+    assert!(lease["address"].is_null(), "{lease}");
+    let refusal = &lease["last_refusal"];
+    assert_eq!(refusal["reason"], reason, "{lease}");
+    assert_eq!(refusal["server"], netns::CLIENT_IP.to_string(), "{lease}");
+    assert!(lease["offers_refused"].as_u64() >= Some(1), "{lease}");
+    let metrics = bed.daemon().metrics().await;
+    assert!(
+        netns::metric(
+            &metrics,
+            "harvester_lb_dhcp_offers_refused_total",
+            &[("reason", reason)]
+        ) >= 1.0,
+        "{metrics}"
+    );
+    let log = bed.daemon().log();
+    assert!(
+        log.contains("DHCP offer refused") && log.contains(reason),
+        "{log}"
+    );
+    assert_eq!(
+        bed.daemon().status().await["load_balancers"][0]["listeners"][0]["state"],
+        "waiting_for_lease"
+    );
+    Some((bed, node))
+}
+
+fn nothing(_: &Bed) {}
+
+/// A 128.0.0.0 mask would make half the internet on-link on the macvlan.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_mask_of_128_0_0_0_is_refused_and_routes_nothing() {
+    rogue_offer(
+        "dhcpmask",
+        &[
+            "--dhcp-range=198.51.100.150,198.51.100.160,255.255.255.0,2m".into(),
+            "--dhcp-option=1,128.0.0.0".into(),
+        ],
+        "",
+        nothing,
+        web(),
+        "mask_too_wide",
+    )
+    .await;
+}
+
+/// The host's own address, with a kernel listener on 443: the host's own
+/// `:443` would be forwarded to a tenant's backends. It stays the host's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_offer_of_the_hosts_own_address_is_refused() {
+    let Some((bed, _node)) = rogue_offer(
+        "dhcpself",
+        &[
+            format!("--dhcp-range={0},{0},255.255.255.0,2m", netns::LB_IP),
+            // dnsmasq would not offer an address that answers its ping.
+            "--no-ping".into(),
+        ],
+        "",
+        |bed| {
+            // The kernel path forwards only with forwarding on.
+            netns::run(
+                "ip",
+                &[
+                    "netns",
+                    "exec",
+                    &bed.lb.name,
+                    "sysctl",
+                    "-qw",
+                    "net.ipv4.ip_forward=1",
+                ],
+                None,
+            );
+            // The host's own service on its own address.
+            let https = bed.lb.listen(sa(netns::LB_IP, 443));
+            tokio::spawn(async move {
+                while let Ok((mut s, _)) = https.accept().await {
+                    use tokio::io::AsyncWriteExt;
+                    let _ = s.write_all(b"host\n").await;
+                }
+            });
+        },
+        Listener::new("https", 443, netns::NODEPORT).forwarding("kernel"),
+        "host_address",
+    )
+    .await
+    else {
+        return;
+    };
+    // The host's :443 still answers itself, not node 1 ("n1"; before the
+    // guard the kernel forwarded it there).
+    let mut s = bed
+        .client
+        .connect(sa(netns::LB_IP, 443), Duration::from_secs(5))
+        .await
+        .expect("the host's own :443");
+    let mut greeting = [0u8; 5];
+    tokio::time::timeout(Duration::from_secs(5), s.read_exact(&mut greeting))
+        .await
+        .expect("an answer within 5 s")
+        .expect("read");
+    assert_eq!(&greeting, b"host\n");
+}
+
+/// The gateway's address: the host would be cut off from its router.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_offer_of_the_hosts_gateway_is_refused() {
+    rogue_offer(
+        "dhcpgw",
+        &[
+            "--dhcp-range=198.51.100.1,198.51.100.1,255.255.255.0,2m".into(),
+            "--no-ping".into(),
+        ],
+        "",
+        |bed| {
+            bed.lb
+                .ip(&["route", "add", "default", "via", "198.51.100.1"])
+        },
+        web(),
+        "gateway",
+    )
+    .await;
+}
+
+/// An address outside the operator's `dhcp.allowed_ranges`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_offer_outside_the_allowed_ranges_is_refused() {
+    rogue_offer(
+        "dhcprange",
+        &["--dhcp-range=198.51.100.150,198.51.100.160,255.255.255.0,2m".into()],
+        "allowed_ranges = [\"198.51.100.192/26\"]",
+        nothing,
+        web(),
+        "outside_allowed_ranges",
+    )
+    .await;
 }

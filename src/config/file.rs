@@ -56,6 +56,10 @@ pub struct FileDhcpSettings {
     /// Directory of the lease state files; default `$STATE_DIRECTORY`
     /// (systemd's `StateDirectory=`), else `/var/lib/harvester-lb`.
     pub state_directory: Option<Spanned<String>>,
+    /// CIDRs a leased VIP must lie in; default: any.
+    pub allowed_ranges: Option<Spanned<Vec<Spanned<String>>>>,
+    /// Offers with a wider subnet mask are refused; default 16.
+    pub min_prefix_length: Option<Spanned<i64>>,
 }
 
 /// `[log]`.
@@ -180,6 +184,10 @@ pub struct FileDhcp {
     /// DHCP servers whose offers are taken; empty: any server.
     #[serde(default)]
     pub servers: Vec<Spanned<String>>,
+    /// CIDRs the leased VIP must lie in; default: `[dhcp]`'s.
+    pub allowed_ranges: Option<Spanned<Vec<Spanned<String>>>>,
+    /// Offers with a wider subnet mask are refused; default: `[dhcp]`'s.
+    pub min_prefix_length: Option<Spanned<i64>>,
 }
 
 /// `[[load_balancer.listener]]`: VIP port -> service nodeport.

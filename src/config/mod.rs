@@ -196,11 +196,44 @@ pub enum IsolateAction {
 pub struct DhcpSettings {
     /// One JSON file per load balancer with `ipam = "dhcp"`.
     pub state_directory: PathBuf,
+    /// The guard of every `[load_balancer.dhcp]` that sets none of its own.
+    pub guard: DhcpGuard,
+}
+
+/// Which DHCP offers a client may take: what keeps a rogue or broken DHCP
+/// server on the segment from handing the host an address it already
+/// holds, its router's address, or a subnet that reroutes it
+/// (`dhcp.allowed_ranges`, `dhcp.min_prefix_length`, globally in `[dhcp]`
+/// or per load balancer in `[load_balancer.dhcp]`). Not part of the
+/// client's identity: a change applies to the next offer or ACK without
+/// releasing the lease.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct DhcpGuard {
+    /// The ranges a leased address must lie in; empty: any address the other
+    /// rules allow.
+    pub allowed_ranges: Vec<ipnet::Ipv4Net>,
+    /// Offers with a subnet mask shorter than this prefix length are
+    /// refused (default [`DEFAULT_DHCP_MIN_PREFIX_LENGTH`]).
+    pub min_prefix_length: u8,
+}
+
+/// Default `dhcp.min_prefix_length`: a /16 is the largest subnet a real
+/// VIP segment uses (a whole RFC 1918 `192.168.0.0/16`); a wider mask from
+/// a server is a mistake or an attack.
+pub const DEFAULT_DHCP_MIN_PREFIX_LENGTH: u8 = 16;
+
+impl Default for DhcpGuard {
+    fn default() -> Self {
+        Self {
+            allowed_ranges: Vec::new(),
+            min_prefix_length: DEFAULT_DHCP_MIN_PREFIX_LENGTH,
+        }
+    }
 }
 
 /// `[load_balancer.dhcp]`: how the VIP of an `ipam = "dhcp"` load balancer
-/// is leased. Everything here is part of the client's identity: a change
-/// releases the old lease and starts a new client.
+/// is leased. Everything here but the guard keys is part of the client's
+/// identity: a change releases the old lease and starts a new client.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct DhcpSpec {
     /// The host interface the macvlan interface is created on.
@@ -216,6 +249,33 @@ pub struct DhcpSpec {
     /// The address to ask for when no lease was kept (the `vip` the
     /// controller wrote, if it was not `0.0.0.0`).
     pub requested: Option<std::net::Ipv4Addr>,
+    /// `allowed_ranges` of this table; `None`: `[dhcp]`'s.
+    pub allowed_ranges: Option<Vec<ipnet::Ipv4Net>>,
+    /// `min_prefix_length` of this table; `None`: `[dhcp]`'s.
+    pub min_prefix_length: Option<u8>,
+}
+
+impl DhcpSpec {
+    /// The guard of this client: its own keys, else `global`'s (`[dhcp]`).
+    pub fn guard(&self, global: &DhcpGuard) -> DhcpGuard {
+        DhcpGuard {
+            allowed_ranges: self
+                .allowed_ranges
+                .clone()
+                .unwrap_or_else(|| global.allowed_ranges.clone()),
+            min_prefix_length: self.min_prefix_length.unwrap_or(global.min_prefix_length),
+        }
+    }
+
+    /// Whether `other` is the same DHCP client (everything but the guard
+    /// equal): a reload that changes only the guard keeps the lease.
+    pub fn same_client(&self, other: &Self) -> bool {
+        self.interface == other.interface
+            && self.mac == other.mac
+            && self.hostname == other.hostname
+            && self.servers == other.servers
+            && self.requested == other.requested
+    }
 }
 
 /// `[log]`.

@@ -64,6 +64,7 @@ impl Daemon {
                     name: lb.name.clone(),
                     cluster: lb.cluster.clone(),
                     spec: d.clone(),
+                    guard: d.guard(&config.dhcp.guard),
                 })
             })
             .collect();

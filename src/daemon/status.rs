@@ -230,6 +230,20 @@ impl Daemon {
             renewals: lease.as_ref().map_or(0, |l| l.renewals.get()),
             naks: lease.as_ref().map_or(0, |l| l.naks.get()),
             address_changes: lease.as_ref().map_or(0, |l| l.address_changes.get()),
+            offers_refused: lease
+                .as_ref()
+                .map_or(0, |l| l.refused.iter().map(|c| c.get()).sum()),
+            last_refusal: lease
+                .as_ref()
+                .and_then(|l| l.last_refusal())
+                .map(|r| RefusalStatus {
+                    server: r.server,
+                    address: r.address,
+                    prefix: r.prefix,
+                    reason: r.reason,
+                    why: r.why,
+                    at_unix: r.at_unix,
+                }),
         }
     }
 }
@@ -365,6 +379,28 @@ pub struct LeaseStatus {
     pub naks: u64,
     /// Times the VIP was lost or changed.
     pub address_changes: u64,
+    /// Offers and ACKs refused (a rogue or broken server, or a guard that
+    /// allows nothing the server has).
+    pub offers_refused: u64,
+    /// The last refusal: why a VIP in `selecting` has no lease.
+    pub last_refusal: Option<RefusalStatus>,
+}
+
+/// The last DHCP offer or ACK refused, in `/status`.
+#[derive(Debug, Serialize)]
+pub struct RefusalStatus {
+    /// The server that made it.
+    pub server: std::net::Ipv4Addr,
+    /// The address it offered.
+    pub address: std::net::Ipv4Addr,
+    /// The prefix length of its subnet mask, if sent.
+    pub prefix: Option<u8>,
+    /// The `reason` label of `dhcp_offers_refused_total`.
+    pub reason: &'static str,
+    /// Why, in words.
+    pub why: String,
+    /// When, Unix seconds.
+    pub at_unix: u64,
 }
 
 /// One listener in `/status`.

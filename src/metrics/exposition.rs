@@ -23,7 +23,7 @@ use super::by_label::{ByLabel, Label};
 use super::names::{self, Family};
 use super::stats::{
     ADMIN_STATES, BackendStats, Counter, DIRECTIONS, Direction, Histogram, IGNORED_REASONS,
-    LbStats, ListenerStats, PROBE_BUCKETS,
+    LbStats, ListenerStats, PROBE_BUCKETS, REFUSAL_REASONS,
 };
 
 /// One load balancer's live objects at the start of a scrape.
@@ -107,6 +107,11 @@ const STEPS: &[Step] = &[
     Step::Lb(&names::DHCP_PACKETS_IGNORED, |o, lb| {
         if let Some(l) = lb.lease() {
             o.outcomes(&l.ignored, &IGNORED_REASONS, "reason", |b| lb_labels(b, lb));
+        }
+    }),
+    Step::Lb(&names::DHCP_OFFERS_REFUSED, |o, lb| {
+        if let Some(l) = lb.lease() {
+            o.outcomes(&l.refused, &REFUSAL_REASONS, "reason", |b| lb_labels(b, lb));
         }
     }),
     Step::Lb(&names::AFFINITY_ENTRIES, |o, lb| {

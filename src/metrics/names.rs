@@ -121,7 +121,13 @@ pub static DHCP_ADDRESS_CHANGES: Family = Family::new(
 pub static DHCP_PACKETS_IGNORED: Family = Family::new(
     "harvester_lb_dhcp_packets_ignored_total",
     Counter,
-    "DHCP packets ignored (label reason: malformed, xid, chaddr, rogue, unexpected).",
+    "DHCP packets ignored (label reason: malformed, xid, chaddr, rogue, unexpected, quarantined).",
+);
+/// DHCP offers and ACKs refused, by reason (a rogue or broken server).
+pub static DHCP_OFFERS_REFUSED: Family = Family::new(
+    "harvester_lb_dhcp_offers_refused_total",
+    Counter,
+    "DHCP offers and ACKs refused (label reason: reserved, mask_too_wide, outside_allowed_ranges, host_address, gateway, host_unreadable); the server is not listened to for 60 s.",
 );
 
 /// Clients remembered by a load balancer with `session_affinity = "client_ip"`.

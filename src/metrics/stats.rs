@@ -639,7 +639,42 @@ pub const LEASE_PHASES: [&str; 7] = [
     "rebinding",
 ];
 /// Why a DHCP packet was ignored (`harvester_lb_dhcp_packets_ignored_total{reason}`).
-pub const IGNORED_REASONS: [&str; 5] = ["malformed", "xid", "chaddr", "rogue", "unexpected"];
+pub const IGNORED_REASONS: [&str; 6] = [
+    "malformed",
+    "xid",
+    "chaddr",
+    "rogue",
+    "unexpected",
+    "quarantined",
+];
+/// Why a DHCP offer or ACK was refused
+/// (`harvester_lb_dhcp_offers_refused_total{reason}`), in the order of
+/// `vip::dhcp::guard::Refusal`.
+pub const REFUSAL_REASONS: [&str; 6] = [
+    "reserved",
+    "mask_too_wide",
+    "outside_allowed_ranges",
+    "host_address",
+    "gateway",
+    "host_unreadable",
+];
+
+/// The last offer or ACK refused, for `/status` (why a VIP has no lease).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LastRefusal {
+    /// The server that made it.
+    pub server: std::net::Ipv4Addr,
+    /// The address it offered or acknowledged.
+    pub address: std::net::Ipv4Addr,
+    /// Its prefix length, if it sent a mask.
+    pub prefix: Option<u8>,
+    /// The `reason` label.
+    pub reason: &'static str,
+    /// Why, in words.
+    pub why: String,
+    /// When, Unix seconds.
+    pub at_unix: u64,
+}
 
 /// One DHCP client's numbers: written by the client as its lease changes,
 /// read by scrapes and `/status`. The lease itself is a few atomics, so a
@@ -671,6 +706,11 @@ pub struct LeaseStats {
     pub ignored: [Counter; IGNORED_REASONS.len()],
     /// Packets that could not be sent (the interface gone, say).
     pub send_errors: Counter,
+    /// Offers and ACKs refused, by [`REFUSAL_REASONS`].
+    pub refused: [Counter; REFUSAL_REASONS.len()],
+    /// The last refusal (kept after a lease is bound: a rogue server is
+    /// worth knowing about even when another one served).
+    pub last_refusal: std::sync::Mutex<Option<LastRefusal>>,
 }
 
 impl LeaseStats {
@@ -702,6 +742,14 @@ impl LeaseStats {
     pub fn expiry_unix(&self) -> Option<f64> {
         let v = f64::from_bits(self.expiry.load(Ordering::Relaxed));
         (v > 0.0 && self.address().is_some()).then_some(v)
+    }
+
+    /// The last offer or ACK refused.
+    pub fn last_refusal(&self) -> Option<LastRefusal> {
+        self.last_refusal
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
     }
 
     /// Next renewal (T1), Unix seconds; `None` without a lease.

@@ -12,11 +12,12 @@ use std::path::PathBuf;
 
 use std::fmt;
 
+use ipnet::{IpNet, Ipv4Net};
 use toml::Spanned;
 
 use super::{DEFAULT_CLUSTER, Validator};
 use crate::config::file::{FileDhcp, FileDhcpSettings, FileLoadBalancer};
-use crate::config::{DhcpSettings, DhcpSpec, Ipam};
+use crate::config::{DEFAULT_DHCP_MIN_PREFIX_LENGTH, DhcpGuard, DhcpSettings, DhcpSpec, Ipam};
 
 /// Where lease state files go when neither `[dhcp] state_directory` nor
 /// systemd's `$STATE_DIRECTORY` says otherwise.
@@ -82,7 +83,64 @@ impl Validator<'_> {
                 })
                 .unwrap_or_else(|| PathBuf::from(DEFAULT_STATE_DIRECTORY)),
         };
-        DhcpSettings { state_directory }
+        let guard = DhcpGuard {
+            allowed_ranges: file
+                .allowed_ranges
+                .as_ref()
+                .map(|r| self.allowed_ranges(r, "dhcp"))
+                .unwrap_or_default(),
+            min_prefix_length: self.min_prefix_length(&file.min_prefix_length, "dhcp"),
+        };
+        DhcpSettings {
+            state_directory,
+            guard,
+        }
+    }
+
+    /// `<table>.allowed_ranges`: IPv4 CIDRs without host bits, at least one
+    /// (an empty list would refuse every offer: leave the key out instead).
+    fn allowed_ranges(
+        &mut self,
+        list: &Spanned<Vec<Spanned<String>>>,
+        table: &str,
+    ) -> Vec<Ipv4Net> {
+        let key = format!("{table}.allowed_ranges");
+        if list.get_ref().is_empty() {
+            self.problem(
+                Some(list.span()),
+                &key,
+                "is empty, which would refuse every DHCP offer; name the ranges leased VIPs may come from, e.g. [\"192.0.2.0/24\"], or leave the key out to take any address the other checks allow".into(),
+            );
+        }
+        let mut out = Vec::new();
+        for (i, v) in list.get_ref().iter().enumerate() {
+            match self.cidr(v, format_args!("{key}[{i}]")) {
+                Some(IpNet::V4(n)) => out.push(n),
+                Some(IpNet::V6(_)) => self.problem(
+                    Some(v.span()),
+                    &format!("{key}[{i}]"),
+                    format!(
+                        "{:?} is an IPv6 range; DHCPv4 leases IPv4 addresses only, so write an IPv4 range, e.g. \"192.0.2.0/24\"",
+                        v.get_ref()
+                    ),
+                ),
+                None => {}
+            }
+        }
+        out
+    }
+
+    /// `<table>.min_prefix_length`: 0..=32, default
+    /// [`DEFAULT_DHCP_MIN_PREFIX_LENGTH`].
+    fn min_prefix_length(&mut self, value: &Option<Spanned<i64>>, table: &str) -> u8 {
+        let n = self.int(
+            value,
+            format_args!("{table}.min_prefix_length"),
+            i64::from(DEFAULT_DHCP_MIN_PREFIX_LENGTH),
+            0,
+            32,
+        );
+        u8::try_from(n).unwrap_or(DEFAULT_DHCP_MIN_PREFIX_LENGTH)
     }
 
     /// `[load_balancer.dhcp]` of load balancer `key`; `None` when there is
@@ -157,12 +215,22 @@ impl Validator<'_> {
                 ),
             }
         }
+        let allowed_ranges = d
+            .allowed_ranges
+            .as_ref()
+            .map(|r| self.allowed_ranges(r, &dkey));
+        let min_prefix_length = d
+            .min_prefix_length
+            .is_some()
+            .then(|| self.min_prefix_length(&d.min_prefix_length, &dkey));
         Some(DhcpSpec {
             interface: interface?,
             mac: mac?,
             hostname,
             servers,
             requested,
+            allowed_ranges,
+            min_prefix_length,
         })
     }
 

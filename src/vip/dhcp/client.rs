@@ -8,14 +8,19 @@
 //!
 //! What it must never do: change the lease because of a packet that is
 //! not the answer to its own transaction from an acceptable server. Such
-//! packets are returned as [`Ignored`] and counted by the driver.
+//! packets are returned as [`Ignored`] and counted by the driver. Nor take
+//! an offer or an ACK that [`guard::judge`] refuses: the refusal is an
+//! [`Output::Refused`] (logged and counted by the driver), and the server
+//! that made it is not listened to for [`QUARANTINE`] (other servers are).
 
 use std::net::Ipv4Addr;
 use std::time::Duration;
 
 use tokio::time::Instant;
 
+use super::guard::{self, HostView, Refusal};
 use super::wire::{self, Identity, NotReply, Reply, ReplyKind, Request};
+use crate::config::DhcpGuard;
 
 /// First retransmission delay of DISCOVER and REQUEST in SELECTING/REBOOTING;
 /// doubled each time up to [`MAX_RETRANSMIT`] (RFC 2131 §4.1 starts at 4 s;
@@ -34,6 +39,14 @@ pub const NAK_PAUSE: Duration = Duration::from_secs(1);
 /// RFC 2131 §4.4.5: in RENEWING and REBINDING, wait half the time left,
 /// but no less than this (scaled down for short leases, see [`renew_wait`]).
 pub const MIN_RENEW_RETRANSMIT: Duration = Duration::from_secs(60);
+/// How long a server whose offer or ACK was refused is not listened to:
+/// long enough that a rogue server answering every DISCOVER first cannot
+/// keep the client from hearing the others (the DISCOVERs go on meanwhile),
+/// short enough that a server fixed by its operator is heard again soon.
+pub const QUARANTINE: Duration = Duration::from_secs(60);
+/// Servers held in quarantine at once: a forger inventing a new server
+/// identifier per packet costs a bounded list (the soonest released goes).
+pub const MAX_QUARANTINED: usize = 32;
 
 /// RFC 2131's client states (INIT-REBOOT and REBOOTING are one here).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -115,6 +128,30 @@ pub enum Output {
         /// The server and its message, for the log.
         reason: String,
     },
+    /// An offer or ACK was refused by [`guard::judge`] (logged once and
+    /// counted; a lease it would have changed is lost by an [`Output::Lost`]
+    /// before this).
+    Refused {
+        /// The server that made it (quarantined, unless the refusal is
+        /// [`Refusal::HostUnreadable`]).
+        server: Ipv4Addr,
+        /// The address offered or acknowledged.
+        address: Ipv4Addr,
+        /// Its prefix length (option 1), if sent.
+        prefix: Option<u8>,
+        /// Why.
+        reason: Refusal,
+    },
+}
+
+/// What offers and ACKs are judged against: the operator's guard and the
+/// host as read just before (`None`: it could not be read).
+#[derive(Debug, Clone, Copy)]
+pub struct Judge<'a> {
+    /// `dhcp.allowed_ranges` and `dhcp.min_prefix_length`.
+    pub guard: &'a DhcpGuard,
+    /// The host's addresses and gateways.
+    pub host: Option<&'a HostView>,
 }
 
 /// Why a packet was ignored.
@@ -130,6 +167,9 @@ pub enum Ignored {
     Rogue,
     /// Right transaction, but nothing this phase acts on.
     Unexpected,
+    /// From a server whose offer or ACK was refused less than
+    /// [`QUARANTINE`] ago.
+    Quarantined,
 }
 
 impl Ignored {
@@ -159,6 +199,8 @@ pub struct Client {
     offer: Option<(Ipv4Addr, Ipv4Addr)>,
     /// The address to ask for: the last one held, or the configured hint.
     wanted: Option<Ipv4Addr>,
+    /// Servers not listened to, until when (at most [`MAX_QUARANTINED`]).
+    quarantine: Vec<(Ipv4Addr, Instant)>,
 }
 
 impl Client {
@@ -188,6 +230,7 @@ impl Client {
             lease: None,
             offer: None,
             wanted: last.or(hint),
+            quarantine: Vec::new(),
         };
         c.new_xid();
         c
@@ -334,9 +377,77 @@ impl Client {
         }
     }
 
+    fn quarantined(&self, server: Option<Ipv4Addr>, now: Instant) -> bool {
+        server.is_some_and(|s| {
+            self.quarantine
+                .iter()
+                .any(|&(q, until)| q == s && now < until)
+        })
+    }
+
+    /// Stops listening to `server` for [`QUARANTINE`].
+    fn hold_off(&mut self, server: Ipv4Addr, now: Instant) {
+        self.quarantine
+            .retain(|&(q, until)| q != server && now < until);
+        if self.quarantine.len() >= MAX_QUARANTINED
+            && let Some(soonest) = (0..self.quarantine.len()).min_by_key(|&i| self.quarantine[i].1)
+        {
+            self.quarantine.swap_remove(soonest);
+        }
+        self.quarantine.push((server, now + QUARANTINE));
+    }
+
+    /// A refusal of `reply` from `server`: the server is held off unless
+    /// the fault is the host's own.
+    fn refuse(&mut self, server: Ipv4Addr, reply: &Reply, reason: Refusal, now: Instant) -> Output {
+        if reason != Refusal::HostUnreadable {
+            self.hold_off(server, now);
+        }
+        Output::Refused {
+            server,
+            address: reply.address,
+            prefix: reply.prefix,
+            reason,
+        }
+    }
+
+    /// Whether [`Client::on_reply`] would judge `reply` now (an offer or
+    /// ACK for this transaction from a server listened to): the driver
+    /// reads the host only then.
+    pub fn judges(&self, reply: &Reply, now: Instant) -> bool {
+        reply.chaddr == self.id.mac
+            && reply.xid == self.xid
+            && self.allowed(reply.server)
+            && !self.quarantined(reply.server, now)
+            && matches!(
+                (self.phase, reply.kind),
+                (Phase::Selecting, ReplyKind::Offer)
+                    | (
+                        Phase::Requesting | Phase::Rebooting | Phase::Renewing | Phase::Rebinding,
+                        ReplyKind::Ack
+                    )
+            )
+    }
+
     /// A packet arrived. Returns what to do, or why it was ignored.
-    pub fn on_packet(&mut self, bytes: &[u8], now: Instant) -> Result<Vec<Output>, Ignored> {
-        let reply = wire::parse(bytes).map_err(|e| match e {
+    pub fn on_packet(
+        &mut self,
+        bytes: &[u8],
+        now: Instant,
+        judge: Judge<'_>,
+    ) -> Result<Vec<Output>, Ignored> {
+        self.on_reply(wire::parse(bytes), now, judge)
+    }
+
+    /// A packet arrived, already parsed. Returns what to do, or why it was
+    /// ignored.
+    pub fn on_reply(
+        &mut self,
+        reply: Result<Reply, NotReply>,
+        now: Instant,
+        judge: Judge<'_>,
+    ) -> Result<Vec<Output>, Ignored> {
+        let reply = reply.map_err(|e| match e {
             NotReply::Malformed => Ignored::Malformed,
             NotReply::Unexpected => Ignored::Unexpected,
         })?;
@@ -349,12 +460,21 @@ impl Client {
         if !self.allowed(reply.server) {
             return Err(Ignored::Rogue);
         }
+        if self.quarantined(reply.server, now) {
+            return Err(Ignored::Quarantined);
+        }
         let mut out = Vec::new();
         match (self.phase, reply.kind) {
             (Phase::Selecting, ReplyKind::Offer) => {
                 let server = reply.server.ok_or(Ignored::Rogue)?;
-                if !wire::usable(reply.address) || reply.lease.is_none_or(|l| l.is_zero()) {
+                if reply.lease.is_none_or(|l| l.is_zero()) {
                     return Err(Ignored::Rogue);
+                }
+                if let Err(reason) =
+                    guard::judge(reply.address, reply.prefix, judge.guard, judge.host)
+                {
+                    // Still SELECTING: other servers' offers are taken.
+                    return Ok(vec![self.refuse(server, &reply, reason, now)]);
                 }
                 // The first acceptable offer is taken (RFC 2131 allows any choice).
                 self.offer = Some((reply.address, server));
@@ -375,6 +495,32 @@ impl Client {
                     && self.offer.is_some_and(|(_, s)| Some(s) != reply.server)
                 {
                     return Err(Ignored::Rogue);
+                }
+                if let Err(reason) =
+                    guard::judge(reply.address, reply.prefix, judge.guard, judge.host)
+                {
+                    if reason == Refusal::HostUnreadable {
+                        // Nothing changes; the retransmission asks again.
+                        return Ok(vec![self.refuse(lease.server, &reply, reason, now)]);
+                    }
+                    // Nothing of this server's is kept: a lease it would
+                    // extend or move goes, and the address is not asked for
+                    // again.
+                    self.lose(
+                        format!(
+                            "server {} acknowledged {}, which is refused: {}",
+                            lease.server,
+                            lease.address,
+                            reason.label()
+                        ),
+                        &mut out,
+                    );
+                    if self.wanted == Some(reply.address) || self.phase == Phase::Rebooting {
+                        self.wanted = None;
+                    }
+                    out.push(self.refuse(lease.server, &reply, reason, now));
+                    self.restart(now, &mut out);
+                    return Ok(out);
                 }
                 let renewed = self.lease.is_some_and(|l| l.address == lease.address);
                 if !renewed {
@@ -430,9 +576,6 @@ impl Client {
     /// A lease from an ACK, or `None` when the ACK cannot be one.
     fn lease_from(&self, reply: &Reply, now: Instant) -> Option<Lease> {
         let duration = reply.lease.filter(|d| !d.is_zero())?;
-        if !wire::usable(reply.address) {
-            return None;
-        }
         let mut t1 = reply.t1.unwrap_or(duration / 2);
         let mut t2 = reply.t2.unwrap_or(duration * 7 / 8);
         if t2 >= duration || t2.is_zero() {

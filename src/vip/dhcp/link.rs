@@ -8,13 +8,33 @@
 //! macvlan builder; shelling out to `ip` would need the binary in the
 //! unit's sandbox and parse its text.
 //!
+//! The leased address goes on with `IFA_F_NOPREFIXROUTE` (`ip addr add …
+//! noprefixroute`): whatever subnet mask a server sends, the kernel adds no
+//! route for the subnet to the main table, so an offer cannot make half the
+//! internet on-link on a tenant's segment. What the kernel still adds for
+//! the address is what every local address gets, in the `local` table: the
+//! `local <VIP>` route, and for prefixes up to /30 the subnet's `broadcast`
+//! route (which [`super::guard::judge`] checks against the host's addresses
+//! and gateways).
+//!
+//! [`Macvlan::host_view`] reads what an offer is judged against: every
+//! IPv4 address and `local` route of the host and every gateway of any
+//! route, all tables, except the client's own interface.
+//!
 //! Everything here needs `CAP_NET_ADMIN`.
 
 use std::net::{IpAddr, Ipv4Addr};
 
 use futures_util::TryStreamExt;
+use ipnet::Ipv4Net;
+use rtnetlink::packet_route::address::{AddressAttribute, AddressFlags};
 use rtnetlink::packet_route::link::{LinkAttribute, MacVlanMode};
-use rtnetlink::{Handle, LinkMacVlan};
+use rtnetlink::packet_route::route::{
+    RouteAddress, RouteAttribute, RouteHeader, RouteMessage, RouteType, RouteVia,
+};
+use rtnetlink::{Handle, LinkMacVlan, RouteMessageBuilder};
+
+use super::guard::HostView;
 
 /// Why an interface could not be set up.
 #[derive(Debug, thiserror::Error)]
@@ -112,12 +132,18 @@ impl Macvlan {
     }
 
     /// Puts `address/prefix` on the interface (replacing the same address
-    /// with another prefix).
+    /// with another prefix), without a prefix route (`noprefixroute`).
     pub async fn add_address(&self, address: Ipv4Addr, prefix: u8) -> Result<(), LinkError> {
-        self.handle
+        let mut request = self
+            .handle
             .address()
             .add(self.index, IpAddr::V4(address), prefix)
-            .replace()
+            .replace();
+        request
+            .message_mut()
+            .attributes
+            .push(AddressAttribute::Flags(AddressFlags::Noprefixroute));
+        request
             .execute()
             .await
             .map_err(|source| LinkError::Netlink {
@@ -166,9 +192,92 @@ impl Macvlan {
             })
     }
 
+    /// What the host holds now (addresses, `local` routes, gateways; all
+    /// tables; this interface left out), to judge an offer against.
+    pub async fn host_view(&self) -> Result<HostView, LinkError> {
+        let nl = |source| LinkError::Netlink {
+            what: "cannot read the host's addresses and routes".into(),
+            source,
+        };
+        let mut view = HostView::default();
+        let mut addresses = self.handle.address().get().execute();
+        while let Some(m) = addresses.try_next().await.map_err(nl)? {
+            if m.header.index == self.index {
+                continue;
+            }
+            let local = m.attributes.iter().find_map(|a| match a {
+                AddressAttribute::Local(IpAddr::V4(a)) => Some(*a),
+                _ => None,
+            });
+            let address = local.or_else(|| {
+                m.attributes.iter().find_map(|a| match a {
+                    AddressAttribute::Address(IpAddr::V4(a)) => Some(*a),
+                    _ => None,
+                })
+            });
+            if let Some(a) = address {
+                view.local.push(Ipv4Net::from(a));
+            }
+        }
+        // A dump without a table filter lists every table.
+        let mut request = RouteMessageBuilder::<Ipv4Addr>::new().build();
+        request.header.table = RouteHeader::RT_TABLE_UNSPEC;
+        let mut routes = self.handle.route().get(request).execute();
+        while let Some(m) = routes.try_next().await.map_err(nl)? {
+            self.add_route(&m, &mut view);
+        }
+        Ok(view)
+    }
+
+    fn add_route(&self, m: &RouteMessage, view: &mut HostView) {
+        let oif = m.attributes.iter().find_map(|a| match a {
+            RouteAttribute::Oif(i) => Some(*i),
+            _ => None,
+        });
+        if oif == Some(self.index) {
+            return;
+        }
+        if m.header.kind == RouteType::Local {
+            let destination = m
+                .attributes
+                .iter()
+                .find_map(|a| match a {
+                    RouteAttribute::Destination(RouteAddress::Inet(d)) => Some(*d),
+                    _ => None,
+                })
+                .unwrap_or(Ipv4Addr::UNSPECIFIED);
+            if let Ok(net) = Ipv4Net::new(destination, m.header.destination_prefix_length) {
+                view.local.push(net);
+            }
+        }
+        gateways(&m.attributes, &mut view.gateways);
+        for hop in m.attributes.iter().filter_map(|a| match a {
+            RouteAttribute::MultiPath(hops) => Some(hops),
+            _ => None,
+        }) {
+            for h in hop {
+                gateways(&h.attributes, &mut view.gateways);
+            }
+        }
+    }
+
     /// Whether the interface still exists (someone may delete it by hand).
     pub async fn exists(&self) -> bool {
         let mut links = self.handle.link().get().match_index(self.index).execute();
         matches!(links.try_next().await, Ok(Some(m)) if m.attributes.iter().any(|a| matches!(a, LinkAttribute::IfName(n) if *n == self.name)))
+    }
+}
+
+/// The IPv4 gateways among `attributes` (`RTA_GATEWAY`, `RTA_VIA`).
+fn gateways(attributes: &[RouteAttribute], out: &mut Vec<Ipv4Addr>) {
+    for a in attributes {
+        let gateway = match a {
+            RouteAttribute::Gateway(RouteAddress::Inet(g))
+            | RouteAttribute::Via(RouteVia::Inet(g)) => *g,
+            _ => continue,
+        };
+        if !out.contains(&gateway) {
+            out.push(gateway);
+        }
     }
 }

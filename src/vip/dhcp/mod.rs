@@ -10,9 +10,12 @@
 //! is notified.
 //!
 //! Never: a panic or a change of VIP on a packet that is not the answer to
-//! the client's own request (see [`client`]).
+//! the client's own request (see [`client`]), nor an address that
+//! [`guard`] refuses (the host's own, its gateways', outside the operator's
+//! ranges), nor a route the server's subnet mask asks for (see [`link`]).
 
 pub mod client;
+pub mod guard;
 pub mod link;
 pub mod run;
 pub mod socket;
@@ -25,11 +28,12 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
+use arc_swap::ArcSwap;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use crate::config::DhcpSpec;
+use crate::config::{DhcpGuard, DhcpSpec};
 use crate::metrics::LeaseStats;
 
 /// How long a clean stop waits for RELEASEs and interface removals.
@@ -44,10 +48,23 @@ pub struct Want {
     pub cluster: String,
     /// Its `[load_balancer.dhcp]`.
     pub spec: DhcpSpec,
+    /// Its guard: `spec`'s keys, else `[dhcp]`'s.
+    pub guard: DhcpGuard,
+}
+
+impl Want {
+    /// Whether `other` is served by the same running client (a change of
+    /// the guard alone is applied to it in place).
+    fn same_client(&self, other: &Want) -> bool {
+        self.name == other.name
+            && self.cluster == other.cluster
+            && self.spec.same_client(&other.spec)
+    }
 }
 
 struct Running {
     want: Want,
+    guard: Arc<ArcSwap<DhcpGuard>>,
     state_dir: PathBuf,
     stats: Arc<LeaseStats>,
     stop: CancellationToken,
@@ -82,9 +99,11 @@ impl Leases {
         self.lock().is_empty()
     }
 
-    /// Runs exactly one client per `wanted`: starts the new ones, and stops
-    /// (with a RELEASE) those no longer wanted or whose identity changed.
-    /// Must be called inside the tokio runtime.
+    /// Runs exactly one client per `wanted`: starts the new ones, stops
+    /// (with a RELEASE) those no longer wanted or whose identity changed,
+    /// and hands a changed guard to the running ones (it judges their next
+    /// offer or ACK; the lease is kept until then). Must be called inside
+    /// the tokio runtime.
     pub fn reconcile(&self, wanted: &[Want], state_dir: &Path) {
         let mut running = self.lock();
         let gone: Vec<String> = running
@@ -92,7 +111,7 @@ impl Leases {
             .filter(|(name, r)| {
                 !wanted
                     .iter()
-                    .any(|w| &w.name == *name && *w == r.want && r.state_dir == state_dir)
+                    .any(|w| &w.name == *name && w.same_client(&r.want) && r.state_dir == state_dir)
             })
             .map(|(n, _)| n.clone())
             .collect();
@@ -106,10 +125,16 @@ impl Leases {
             }
         }
         for w in wanted {
-            if running.contains_key(&w.name) {
+            if let Some(r) = running.get_mut(&w.name) {
+                if r.want.guard != w.guard {
+                    tracing::info!(load_balancer = %w.name, allowed_ranges = ?w.guard.allowed_ranges.iter().map(ToString::to_string).collect::<Vec<_>>(), min_prefix_length = w.guard.min_prefix_length, "DHCP guard changed; it judges the next offer or ACK");
+                    r.guard.store(Arc::new(w.guard.clone()));
+                    r.want = w.clone();
+                }
                 continue;
             }
             let stats = Arc::new(LeaseStats::default());
+            let guard = Arc::new(ArcSwap::from_pointee(w.guard.clone()));
             let stop = CancellationToken::new();
             let ending = Arc::new(run::Ending::default());
             let ctx = run::Ctx {
@@ -119,6 +144,7 @@ impl Leases {
                 state_file: state::path(state_dir, w.spec.mac),
                 stats: Arc::clone(&stats),
                 changed: Arc::clone(&self.changed),
+                guard: Arc::clone(&guard),
             };
             self.tasks
                 .spawn(run::run(ctx, stop.clone(), Arc::clone(&ending)));
@@ -126,6 +152,7 @@ impl Leases {
                 w.name.clone(),
                 Running {
                     want: w.clone(),
+                    guard,
                     state_dir: state_dir.to_path_buf(),
                     stats,
                     stop,
@@ -181,4 +208,50 @@ impl Leases {
 pub(crate) fn unix_now(t: SystemTime) -> f64 {
     t.duration_since(SystemTime::UNIX_EPOCH)
         .map_or(0.0, |d| d.as_secs_f64())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn want(hostname: &str, min_prefix_length: u8) -> Want {
+        Want {
+            name: "default/web".into(),
+            cluster: "kubernetes".into(),
+            spec: DhcpSpec {
+                // No such interface: the client only retries its setup, so
+                // nothing is created and nothing is sent anywhere.
+                interface: "hlbnosuchif0".into(),
+                mac: [2, 0, 0, 0, 0, 1],
+                hostname: hostname.into(),
+                servers: vec![],
+                requested: None,
+                allowed_ranges: None,
+                min_prefix_length: Some(min_prefix_length),
+            },
+            guard: DhcpGuard {
+                allowed_ranges: vec![],
+                min_prefix_length,
+            },
+        }
+    }
+
+    #[tokio::test]
+    async fn a_guard_change_reaches_the_running_client_without_a_restart() {
+        let leases = Leases::new();
+        let dir = std::env::temp_dir().join(format!("hlb-leases-{}", std::process::id()));
+        leases.reconcile(&[want("web", 16)], &dir);
+        let (stop, guard) = {
+            let r = leases.lock();
+            let r = &r["default/web"];
+            (r.stop.clone(), Arc::clone(&r.guard))
+        };
+        leases.reconcile(&[want("web", 24)], &dir);
+        assert!(!stop.is_cancelled(), "the lease is kept");
+        assert_eq!(guard.load().min_prefix_length, 24, "the new guard judges");
+        // A change of identity is a new client (RELEASE, then DISCOVER).
+        leases.reconcile(&[want("web2", 24)], &dir);
+        assert!(stop.is_cancelled());
+        leases.shutdown().await;
+    }
 }

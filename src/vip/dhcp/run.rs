@@ -4,6 +4,13 @@
 //! [`drive`] is the loop, written against the [`Net`] trait so that unit
 //! tests run it on tokio's paused clock with a scripted server; [`run`]
 //! is the whole life of a real client on a macvlan interface.
+//!
+//! Before an offer or an ACK is handed to the client, the driver reads the
+//! host ([`Net::host_view`], at most once per [`HOST_VIEW_MAX_AGE`], so a
+//! flood of forged offers costs at most one netlink dump a second) and
+//! passes it with the operator's guard to the judge. A refusal is logged
+//! once at warning with the server, the address and why, counted in
+//! `harvester_lb_dhcp_offers_refused_total{reason}` and kept for `/status`.
 
 use std::net::Ipv4Addr;
 use std::path::PathBuf;
@@ -11,22 +18,28 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, SystemTime};
 
+use arc_swap::ArcSwap;
 use tokio::net::UdpSocket;
 use tokio::sync::Notify;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use super::client::{Client, Output};
+use super::client::{Client, Judge, Output};
+use super::guard::HostView;
 use super::link::Macvlan;
 use super::state::{self, Stored};
-use super::wire::{Identity, SERVER_PORT};
+use super::wire::{self, Identity, SERVER_PORT};
 use super::{socket, unix_now};
-use crate::config::DhcpSpec;
+use crate::config::{DhcpGuard, DhcpSpec};
 use crate::metrics::LeaseStats;
+use crate::metrics::stats::LastRefusal;
 
 /// Pause before trying again to set up an interface that failed (the host
 /// interface missing, say).
 const SETUP_RETRY: Duration = Duration::from_secs(5);
+/// How long a reading of the host's addresses and routes is used for
+/// judging offers before it is read again.
+pub const HOST_VIEW_MAX_AGE: Duration = Duration::from_secs(1);
 
 /// What the loop does I/O with.
 pub trait Net {
@@ -45,6 +58,8 @@ pub trait Net {
         &mut self,
         address: Option<(Ipv4Addr, u8)>,
     ) -> impl Future<Output = Result<(), String>> + Send;
+    /// The host's addresses and gateways, for judging an offer.
+    fn host_view(&mut self) -> impl Future<Output = Result<HostView, String>> + Send;
 }
 
 /// Who the client works for, and where it reports.
@@ -61,6 +76,9 @@ pub struct Ctx {
     pub stats: Arc<LeaseStats>,
     /// Told whenever the VIP appears, changes or goes.
     pub changed: Arc<Notify>,
+    /// Which offers are taken; replaced by a reload without restarting the
+    /// client.
+    pub guard: Arc<ArcSwap<DhcpGuard>>,
 }
 
 impl Ctx {
@@ -86,6 +104,33 @@ impl Ctx {
     }
 }
 
+/// The last reading of the host, reused for [`HOST_VIEW_MAX_AGE`].
+#[derive(Default)]
+struct HostCache {
+    read: Option<(Instant, HostView)>,
+}
+
+impl HostCache {
+    /// The host now (at most [`HOST_VIEW_MAX_AGE`] old); `None` when it
+    /// cannot be read (logged; an offer is then refused, not taken blind).
+    async fn get<N: Net>(&mut self, net: &mut N, name: &str) -> Option<&HostView> {
+        let fresh = self
+            .read
+            .as_ref()
+            .is_some_and(|(at, _)| at.elapsed() < HOST_VIEW_MAX_AGE);
+        if !fresh {
+            match net.host_view().await {
+                Ok(v) => self.read = Some((Instant::now(), v)),
+                Err(e) => {
+                    self.read = None;
+                    tracing::warn!(load_balancer = %name, error = %e, "cannot read the host's addresses and routes to judge a DHCP offer; it is refused");
+                }
+            }
+        }
+        self.read.as_ref().map(|(_, v)| v)
+    }
+}
+
 /// Runs `client` until `stop`; returns it (for the RELEASE).
 pub async fn drive<N: Net>(
     mut client: Client,
@@ -96,6 +141,7 @@ pub async fn drive<N: Net>(
     let mut buf = vec![0u8; 2048];
     // The address that listeners were last told about, for the log.
     let mut vip: Option<Ipv4Addr> = None;
+    let mut host = HostCache::default();
     loop {
         ctx.stats
             .phase
@@ -105,7 +151,7 @@ pub async fn drive<N: Net>(
             _ = stop.cancelled() => return client,
             _ = tokio::time::sleep_until(client.deadline()) => client.on_timeout(Instant::now()),
             r = net.recv(&mut buf) => match r {
-                Ok(n) => match client.on_packet(&buf[..n], Instant::now()) {
+                Ok(n) => match judged(&mut client, &buf[..n], net, ctx, &mut host).await {
                     Ok(out) => out,
                     Err(why) => {
                         ctx.stats.ignored[why.index()].increment(1);
@@ -126,6 +172,31 @@ pub async fn drive<N: Net>(
     }
 }
 
+/// Hands the packet `bytes` to `client`, with the host read first when
+/// the packet is an offer or ACK it will judge.
+async fn judged<N: Net>(
+    client: &mut Client,
+    bytes: &[u8],
+    net: &mut N,
+    ctx: &Ctx,
+    host: &mut HostCache,
+) -> Result<Vec<Output>, super::client::Ignored> {
+    let reply = wire::parse(bytes);
+    let guard = ctx.guard.load();
+    let view = match &reply {
+        Ok(r) if client.judges(r, Instant::now()) => host.get(net, &ctx.name).await,
+        _ => None,
+    };
+    client.on_reply(
+        reply,
+        Instant::now(),
+        Judge {
+            guard: &guard,
+            host: view,
+        },
+    )
+}
+
 async fn apply<N: Net>(out: Output, net: &mut N, ctx: &Ctx, vip: &mut Option<Ipv4Addr>) {
     let name = &ctx.name;
     match out {
@@ -140,6 +211,31 @@ async fn apply<N: Net>(out: Output, net: &mut N, ctx: &Ctx, vip: &mut Option<Ipv
                 ctx.stats.send_errors.increment(1);
                 tracing::warn!(load_balancer = %name, %server, error = %e, "cannot send a DHCP request to the server");
             }
+        }
+        Output::Refused {
+            server,
+            address,
+            prefix,
+            reason,
+        } => {
+            ctx.stats.refused[reason.index()].increment(1);
+            let why = reason.explain(&ctx.guard.load());
+            let mask = prefix.map_or_else(|| "none".to_string(), |p| format!("/{p}"));
+            tracing::warn!(load_balancer = %name, %server, offered = %address, %mask, reason = reason.label(), %why, "DHCP offer refused; this server is not listened to for 60 s, other servers are");
+            let at_unix = SystemTime::now()
+                .duration_since(SystemTime::UNIX_EPOCH)
+                .map_or(0, |d| d.as_secs());
+            *ctx.stats
+                .last_refusal
+                .lock()
+                .unwrap_or_else(|p| p.into_inner()) = Some(LastRefusal {
+                server,
+                address,
+                prefix,
+                reason: reason.label(),
+                why,
+                at_unix,
+            });
         }
         Output::Nak { reason } => {
             ctx.stats.naks.increment(1);
@@ -252,6 +348,10 @@ impl Net for HostNet {
         }
         Ok(())
     }
+
+    async fn host_view(&mut self) -> Result<HostView, String> {
+        self.link.host_view().await.map_err(|e| e.to_string())
+    }
 }
 
 /// How a client's life ends.
@@ -283,6 +383,22 @@ pub async fn run(ctx: Ctx, stop: CancellationToken, ending: Arc<Ending>) {
     };
     let seed = seed(&ctx.name);
     tracing::info!(load_balancer = %ctx.name, interface = %net.link.name, parent = %ctx.spec.interface, mac = %state::colons(ctx.spec.mac), reboot_with = ?last, "DHCP client started");
+    if ctx.spec.servers.is_empty() {
+        let guard = ctx.guard.load();
+        let ranges = if guard.allowed_ranges.is_empty() {
+            "any address (no dhcp.allowed_ranges)".to_string()
+        } else {
+            format!(
+                "addresses in {:?}",
+                guard
+                    .allowed_ranges
+                    .iter()
+                    .map(ToString::to_string)
+                    .collect::<Vec<_>>()
+            )
+        };
+        tracing::warn!(load_balancer = %ctx.name, interface = %ctx.spec.interface, "no [load_balancer.dhcp] servers set: any DHCP server on the segment is trusted to lease this VIP ({ranges}; never the host's own addresses or gateways, nor a mask wider than /{}); set servers = [\"<server identifier>\"] to take answers from named servers only", guard.min_prefix_length);
+    }
     let client = Client::new(
         id,
         ctx.spec.servers.clone(),
@@ -354,6 +470,9 @@ mod tests {
     const SERVER: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 2);
     const A: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 150);
     const B: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 171);
+    /// The host's own address and its gateway, as its `host_view` says.
+    const HOST: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 3);
+    const GATEWAY: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 1);
 
     /// What the fake network saw, and what it will deliver.
     #[derive(Default)]
@@ -361,6 +480,9 @@ mod tests {
         /// (when, broadcast?, message type, xid, requested/ciaddr).
         sent: Vec<(Instant, bool, MessageType, u32, Ipv4Addr)>,
         address: Option<Ipv4Addr>,
+        /// What `host_view` answers (`None`: an error).
+        host: Option<HostView>,
+        host_reads: usize,
     }
 
     struct FakeNet {
@@ -406,6 +528,13 @@ mod tests {
             self.log.lock().unwrap().address = a.map(|(a, _)| a);
             Ok(())
         }
+        async fn host_view(&mut self) -> Result<HostView, String> {
+            let mut log = self.log.lock().unwrap();
+            log.host_reads += 1;
+            log.host
+                .clone()
+                .ok_or_else(|| "netlink says no".to_string())
+        }
     }
 
     struct Harness {
@@ -418,7 +547,17 @@ mod tests {
 
     impl Harness {
         fn start(last: Option<Ipv4Addr>, servers: Vec<Ipv4Addr>) -> Harness {
-            let log = Arc::new(Mutex::new(Log::default()));
+            Self::start_with(last, servers, DhcpGuard::default())
+        }
+
+        fn start_with(last: Option<Ipv4Addr>, servers: Vec<Ipv4Addr>, guard: DhcpGuard) -> Harness {
+            let log = Arc::new(Mutex::new(Log {
+                host: Some(HostView {
+                    local: vec![HOST.into()],
+                    gateways: vec![GATEWAY],
+                }),
+                ..Log::default()
+            }));
             let (to_client, inbox) = tokio::sync::mpsc::unbounded_channel();
             let stats = Arc::new(LeaseStats::default());
             let dir = std::env::temp_dir().join(format!("hlb-run-{}", std::process::id()));
@@ -431,10 +570,13 @@ mod tests {
                     hostname: "web".into(),
                     servers: servers.clone(),
                     requested: None,
+                    allowed_ranges: None,
+                    min_prefix_length: None,
                 },
                 state_file: state::path(&dir, MAC),
                 stats: Arc::clone(&stats),
                 changed: Arc::new(Notify::new()),
+                guard: Arc::new(ArcSwap::from_pointee(guard)),
             };
             let client = Client::new(
                 Identity {
@@ -639,15 +781,15 @@ mod tests {
             .unwrap();
         h.to_client.send(vec![1, 2, 3]).unwrap();
         h.reply(ReplyKind::Offer, xid, A, rogue);
-        h.reply(ReplyKind::Offer, xid, Ipv4Addr::new(127, 0, 0, 1), SERVER);
         // An ACK while selecting: the right transaction, nothing to act on.
         h.reply(ReplyKind::Ack, xid, A, SERVER);
         settle().await;
         assert_eq!(h.phase(), "selecting");
         assert_eq!(h.address(), None);
         let ignored: Vec<u64> = h.stats.ignored.iter().map(|c| c.get()).collect();
-        // malformed, xid, chaddr, rogue, unexpected
-        assert_eq!(ignored, vec![1, 1, 1, 2, 1]);
+        // malformed, xid, chaddr, rogue, unexpected, quarantined
+        assert_eq!(ignored, vec![1, 1, 1, 1, 1, 0]);
+        assert_eq!(h.log.lock().unwrap().host_reads, 0, "nothing to judge");
         // Bound, a NAK from a rogue server is ignored too.
         bind(&h, A).await;
         tokio::time::sleep(Duration::from_secs(61)).await;
@@ -671,6 +813,132 @@ mod tests {
         let xids: std::collections::HashSet<u32> = h.sent().iter().map(|s| s.3).collect();
         assert_eq!(xids.len(), 1);
         let _ = wire::MAX_LEASE;
+    }
+
+    /// `reply` with its subnet mask option replaced by `mask`.
+    fn with_mask(reply: Vec<u8>, mask: Ipv4Addr) -> Vec<u8> {
+        use dhcproto::v4::{Decodable, Decoder, Encodable, Encoder, Message};
+        let mut m = Message::decode(&mut Decoder::new(&reply)).unwrap();
+        m.opts_mut().insert(DhcpOption::SubnetMask(mask));
+        let mut buf = Vec::new();
+        m.encode(&mut Encoder::new(&mut buf)).unwrap();
+        buf
+    }
+
+    fn refused(h: &Harness) -> Vec<u64> {
+        h.stats.refused.iter().map(|c| c.get()).collect()
+    }
+
+    const OTHER: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 4);
+
+    #[tokio::test(start_paused = true)]
+    async fn an_offer_of_the_hosts_address_is_refused_and_its_server_held_off() {
+        let h = Harness::start(None, vec![]);
+        settle().await;
+        let (_, _, _, xid, _) = h.last();
+        h.reply(ReplyKind::Offer, xid, HOST, SERVER);
+        settle().await;
+        assert_eq!(h.phase(), "selecting", "still selecting: others are heard");
+        assert_eq!(h.address(), None);
+        // reserved, mask_too_wide, outside_allowed_ranges, host_address, gateway, host_unreadable
+        assert_eq!(refused(&h), vec![0, 0, 0, 1, 0, 0]);
+        let last = h.stats.last_refusal().expect("kept for /status");
+        assert_eq!(
+            (last.server, last.address, last.reason),
+            (SERVER, HOST, "host_address")
+        );
+        // The same server's next (good) offer is not listened to...
+        h.reply(ReplyKind::Offer, xid, A, SERVER);
+        settle().await;
+        assert_eq!(h.phase(), "selecting");
+        assert_eq!(h.stats.ignored[5].get(), 1, "quarantined");
+        // ...another server's is.
+        h.reply(ReplyKind::Offer, xid, B, OTHER);
+        settle().await;
+        assert_eq!(h.phase(), "requesting");
+        h.reply(ReplyKind::Ack, xid, B, OTHER);
+        settle().await;
+        assert_eq!(h.address(), Some(B));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_held_off_server_is_heard_again_after_the_quarantine() {
+        let h = Harness::start(None, vec![SERVER]);
+        settle().await;
+        let (_, _, _, xid, _) = h.last();
+        h.reply(ReplyKind::Offer, xid, GATEWAY, SERVER);
+        settle().await;
+        assert_eq!(refused(&h), vec![0, 0, 0, 0, 1, 0]);
+        tokio::time::sleep(crate::vip::dhcp::client::QUARANTINE + Duration::from_secs(1)).await;
+        settle().await;
+        let (_, _, ty, xid, _) = h.last();
+        assert_eq!(ty, MessageType::Discover, "DISCOVERs went on meanwhile");
+        h.reply(ReplyKind::Offer, xid, A, SERVER);
+        settle().await;
+        assert_eq!(h.phase(), "requesting");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn wide_masks_and_addresses_outside_the_ranges_are_refused() {
+        let guard = DhcpGuard {
+            allowed_ranges: vec!["198.51.100.128/26".parse().unwrap()],
+            min_prefix_length: 16,
+        };
+        let h = Harness::start_with(None, vec![], guard);
+        settle().await;
+        let (_, _, _, xid, _) = h.last();
+        let half_the_internet = with_mask(
+            server_reply(ReplyKind::Offer, xid, MAC, A, SERVER, Some(120)),
+            Ipv4Addr::new(128, 0, 0, 0),
+        );
+        h.to_client.send(half_the_internet).unwrap();
+        h.reply(
+            ReplyKind::Offer,
+            xid,
+            Ipv4Addr::new(198, 51, 100, 50),
+            OTHER,
+        );
+        settle().await;
+        assert_eq!(refused(&h), vec![0, 1, 1, 0, 0, 0]);
+        assert_eq!(h.phase(), "selecting");
+        assert_eq!(h.address(), None);
+        // One reading of the host served both judgements.
+        assert!(h.log.lock().unwrap().host_reads <= 1);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_offer_is_not_taken_blind_and_the_server_is_not_blamed() {
+        let h = Harness::start(None, vec![]);
+        h.log.lock().unwrap().host = None;
+        settle().await;
+        let (_, _, _, xid, _) = h.last();
+        h.reply(ReplyKind::Offer, xid, A, SERVER);
+        settle().await;
+        assert_eq!(refused(&h), vec![0, 0, 0, 0, 0, 1]);
+        assert_eq!(h.phase(), "selecting");
+        // The host readable again: the same server's next offer is taken.
+        h.log.lock().unwrap().host = Some(HostView::default());
+        tokio::time::sleep(HOST_VIEW_MAX_AGE).await;
+        h.reply(ReplyKind::Offer, xid, A, SERVER);
+        settle().await;
+        assert_eq!(h.phase(), "requesting");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_renewal_that_moves_the_lease_to_the_gateway_loses_it() {
+        let h = Harness::start(None, vec![]);
+        bind(&h, A).await;
+        tokio::time::sleep(Duration::from_secs(61)).await;
+        settle().await;
+        let (_, _, _, xid, _) = h.last();
+        h.reply(ReplyKind::Ack, xid, GATEWAY, SERVER);
+        settle().await;
+        assert_eq!(h.address(), None, "nothing of that server's is kept");
+        assert_eq!(h.phase(), "selecting");
+        assert_eq!(refused(&h), vec![0, 0, 0, 0, 1, 0]);
+        let (_, _, ty, _, asked) = h.last();
+        assert_eq!(ty, MessageType::Discover);
+        assert_eq!(asked, A, "asks for the old address, from other servers");
     }
 
     const NAK_PAUSE_FOR_TESTS: Duration = crate::vip::dhcp::client::NAK_PAUSE;

@@ -280,19 +280,6 @@ pub fn parse(bytes: &[u8]) -> Result<Reply, NotReply> {
     })
 }
 
-/// Whether `a` can be a VIP handed out by a server: a unicast address of
-/// an ordinary network (not 0/8, loopback, link-local, multicast, class E
-/// or the broadcast address).
-pub fn usable(a: Ipv4Addr) -> bool {
-    let o = a.octets();
-    !(o[0] == 0
-        || a.is_loopback()
-        || a.is_link_local()
-        || a.is_multicast()
-        || o[0] >= 240
-        || a.is_broadcast())
-}
-
 /// A server-side message, for tests of the client: what dnsmasq would send.
 #[cfg(test)]
 pub(crate) fn server_reply(
