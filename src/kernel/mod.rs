@@ -56,6 +56,7 @@
 //! It never imports `proxy` or `health`.
 
 mod build;
+mod check;
 mod conntrack;
 mod netlink;
 mod nft;
@@ -64,7 +65,7 @@ mod sync;
 pub use build::{BUCKETS, Obj, Owned, TABLE, bucket_key, buckets, transaction};
 pub use conntrack::{delete_stale_flows, open_connections};
 pub use nft::{NftError, counters, read_back};
-pub use sync::{KernelTable, Synced};
+pub use sync::{Checked, KernelTable, Synced};
 
 use std::collections::BTreeMap;
 use std::net::IpAddr;
