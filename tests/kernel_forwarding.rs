@@ -1708,7 +1708,7 @@ fn a_check_finds_each_tampering_names_it_and_the_next_sync_repairs_it() {
             assert!(!listing.contains("10.9.9.9") && !listing.contains("sneak"));
             for want in [
                 format!("192.0.2.10 . tcp . {} : goto {chain}", a.2),
-                format!("chain input"),
+                "chain input".to_string(),
                 "dnat ip to 10.0.0.2:30080".to_string(),
             ] {
                 assert!(listing.contains(&want), "{script}: no {want} in {listing}");

@@ -51,6 +51,10 @@
 //! hands its new connections back to the proxy at once (DNAT happens
 //! before the local socket), which is how a failed write falls back.
 //!
+//! The tables are read back and compared with what was written every
+//! [`crate::owned::CHECK_INTERVAL`] and at every reload (`check`); what
+//! another process changed is named, counted and written again.
+//!
 //! This part decides nothing: the daemon hands it the desired state
 //! ([`Desired`]: VIPs, ports, eligible backends) and it writes the kernel.
 //! It never imports `proxy` or `health`.

@@ -1,5 +1,7 @@
 //! Keeping the kernel's table equal to the desired state: one transaction
-//! per change, none when nothing changed, a full resync after a failure.
+//! per change, none when nothing changed, a full resync after a failure or
+//! after a check found the tables changed by another process
+//! ([`KernelTable::check`], see `check`).
 
 use super::{Desired, KernelListener, ListenerId};
 use std::sync::{Arc, Mutex};
