@@ -1621,10 +1621,13 @@ fn a_check_finds_each_tampering_names_it_and_the_next_sync_repairs_it() {
     }
     let ns = Scratch::new("chk");
     let both = ["10.0.0.1", "10.0.0.2"];
-    // Listeners over most of the 16 tables.
-    let desired: kernel::Desired = (1..=40)
+    // Listeners over most of the 16 tables, and an IPv6 one (its keys
+    // are read back as well).
+    let mut desired: kernel::Desired = (1..=40)
         .map(|p| ((ip("192.0.2.10"), Protocol::Tcp, p), listener(&both, &both)))
         .collect();
+    let v6 = ["2001:db8::1", "2001:db8::2"];
+    desired.insert((ip("2001:db8::10"), Protocol::Udp, 53), listener(&v6, &v6));
     let a = *desired
         .keys()
         .find(|id| kernel::table_of(id) != kernel::TABLE)

@@ -474,6 +474,37 @@ mod tests {
     }
 
     #[test]
+    fn a_check_that_found_a_difference_hides_what_it_breaks_and_forces_a_full_write() {
+        let both = ["10.0.0.1", "10.0.0.2"];
+        let table = KernelTable::new();
+        {
+            let mut st = table.lock();
+            st.applied = Some((1..=2).map(|p| (id(p), listener(&both))).collect());
+            st.check.impaired = Impaired::of(&[check::Difference {
+                scope: check::Scope::Listener(id(1)),
+                missing: true,
+                what: "chain inet t l_1".into(),
+            }]);
+            st.check.resync = true;
+        }
+        assert!(!table.forwards(&id(1)));
+        assert!(table.forwards(&id(2)));
+        assert_eq!(table.forwarded(), [id(2)].into_iter().collect());
+        assert_eq!(
+            table.impaired(&id(1)).as_deref(),
+            Some("chain inet t l_1 is gone")
+        );
+        // Until the repair is written, a check compares nothing.
+        assert_eq!(table.check(), Ok(Checked::NothingOwned));
+        let mut st = table.lock();
+        st.take_resync();
+        assert!(
+            st.applied.is_none(),
+            "the next write reads back, writes all"
+        );
+    }
+
+    #[test]
     fn a_flip_compares_only_the_listeners_it_is_told_may_differ() {
         let both = ["10.0.0.1", "10.0.0.2"];
         let applied: Desired = (1..=3).map(|p| (id(p), listener(&both))).collect();
