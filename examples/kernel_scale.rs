@@ -1,6 +1,7 @@
 //! The kernel table writer at scale, without the daemon: a cold sync of N
 //! kernel listeners (3 backends each), a sync of the unchanged state, a
-//! read of every counter (as `/metrics` does), F
+//! read of every counter (as `/metrics` does), three checks of the tables
+//! against what was written (as the daemon's every 10 s), F
 //! health flips (one backend out of a listener, or back), then a node's
 //! failure (its backend out of every listener at once), each timed.
 //!
@@ -84,6 +85,12 @@ fn main() {
     let t0 = Instant::now();
     let counters = harvester_lb::kernel::counters().map(|c| c.len());
     eprintln!("counters read: {:?} ({counters:?})", t0.elapsed());
+    // What the daemon compares every 10 s and at each reload.
+    for _ in 0..3 {
+        let t0 = Instant::now();
+        let checked = table.check();
+        eprintln!("check: {:?} ({checked:?})", t0.elapsed());
+    }
     let ids: Vec<_> = desired.keys().copied().collect();
     let mut ms = Vec::new();
     for k in 0..flips {
@@ -107,6 +114,9 @@ fn main() {
     let t0 = Instant::now();
     let down = table.sync(&desired);
     eprintln!("a node down, every listener: {:?} ({down:?})", t0.elapsed());
+    let t0 = Instant::now();
+    let checked = table.check();
+    eprintln!("check after the flips: {:?} ({checked:?})", t0.elapsed());
     ms.sort_by(f64::total_cmp);
     if let Some(max) = ms.last() {
         let at = |q: f64| ms[((ms.len() as f64 * q) as usize).min(ms.len() - 1)];

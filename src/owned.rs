@@ -1,9 +1,11 @@
 //! Kernel objects the daemon owns, and keeping them as it wrote them.
 //!
 //! The daemon writes objects into the kernel that outlive a call and that
-//! anyone with `CAP_NET_ADMIN` can change behind its back: today the VIP
-//! isolation table (`vip::isolate`); coming, an nftables table for kernel
-//! forwarding and BGP routes. A second daemon started by hand, an operator's
+//! anyone with `CAP_NET_ADMIN` can change behind its back: the VIP
+//! isolation table (`vip::isolate`) and the kernel forwarding's NAT tables
+//! (`kernel::check`) follow the rule below; the other objects it writes
+//! (routes, VIP addresses, macvlans) are not yet held to all of it. A
+//! second daemon started by hand, an operator's
 //! `nft flush ruleset` or a firewall reload can replace or delete them while
 //! the daemon still reports them in force. The rule for every such object:
 //!
@@ -23,6 +25,17 @@
 //! listing (for nftables `nft -j list table …` with the handles removed), so
 //! no second model of nft's output is needed: whatever the kernel shows
 //! after our write is what it must keep showing.
+//!
+//! The NAT tables are too large for that (10,000 listeners in 16 tables,
+//! and a health flip rewrites one chain many times a minute), so
+//! `kernel::check` applies the same rule its own way: read back over
+//! netlink, not `nft`; the structure (tables, base chains, listener chains,
+//! dispatch, refusal and masquerade elements) compared with the desired
+//! state itself, and each chain's rules with a digest of the kernel's
+//! listing taken right after this process wrote that chain; a difference is
+//! named in the log, counted (`kernel_repairs_total`), reported in
+//! `/status` until repaired, and repaired by a full resync of everything
+//! that is ours.
 //!
 //! Limits: a change made between our write and its read-back (a window of
 //! one `nft` call) would be taken as ours; the check runs every

@@ -452,6 +452,9 @@ async fn check_kernel_objects(daemon: Arc<Daemon>, stop: CancellationToken) {
             Ok(Err(e)) => tracing::error!("vip.isolate, periodic check: {e}"),
             Err(e) => tracing::error!("vip.isolate: the periodic check ended abnormally: {e}"),
         }
+        daemon
+            .check_kernel_tables(crate::daemon::KernelCheckCause::Timer)
+            .await;
     }
 }
 
@@ -569,6 +572,9 @@ async fn reload(
         }
     };
     daemon.metrics().record_reload(result.is_ok());
+    // Whether the file was good or not: a reload is when an operator
+    // expects the kernel's tables to be set right.
+    daemon.check_kernel_tables_soon();
     if ready_sent {
         systemd::notify(&format!("READY=1\nSTATUS={}", status_line(daemon)));
     }

@@ -1605,3 +1605,294 @@ async fn kernel_udp_flows_count_as_flows_of_their_backend() {
     .await;
     still_in_the_kernel(&bed).await;
 }
+
+/// `nft -f -` with `script` in namespace `ns`, panicking with its output.
+fn nft_script(ns: &str, script: &str) {
+    run("ip", &["netns", "exec", ns, "nft", "-f", "-"], Some(script));
+}
+
+/// The tables as written are read back and compared: each way another
+/// process breaks them is found and named, the listeners it breaks are no
+/// longer reported as forwarded, and the next sync writes it all again.
+#[test]
+fn a_check_finds_each_tampering_names_it_and_the_next_sync_repairs_it() {
+    if !can_run() {
+        return;
+    }
+    let ns = Scratch::new("chk");
+    let both = ["10.0.0.1", "10.0.0.2"];
+    // Listeners over most of the 16 tables, and an IPv6 one (its keys
+    // are read back as well).
+    let mut desired: kernel::Desired = (1..=40)
+        .map(|p| ((ip("192.0.2.10"), Protocol::Tcp, p), listener(&both, &both)))
+        .collect();
+    let v6 = ["2001:db8::1", "2001:db8::2"];
+    desired.insert((ip("2001:db8::10"), Protocol::Udp, 53), listener(&v6, &v6));
+    let a = *desired
+        .keys()
+        .find(|id| kernel::table_of(id) != kernel::TABLE)
+        .expect("a listener outside the main table");
+    let other = *desired
+        .keys()
+        .find(|id| kernel::table_of(id) != kernel::table_of(&a))
+        .expect("a listener in another table");
+    let shard = kernel::table_of(&a);
+    let chain = format!("l_tcp_{}_192.0.2.10", a.2);
+    let main = kernel::TABLE;
+    let cases = [
+        (
+            format!("delete table inet {shard}"),
+            format!("table inet {shard}"),
+            false,
+        ),
+        (
+            "flush ruleset".to_string(),
+            format!("table inet {main}"),
+            true,
+        ),
+        (
+            format!("insert rule inet {shard} {chain} meta l4proto tcp dnat ip to 10.9.9.9:22"),
+            format!("the rules of chain inet {shard} {chain} (2 written, 3 now)"),
+            false,
+        ),
+        (
+            format!("flush chain inet {shard} {chain}"),
+            format!("the rules of chain inet {shard} {chain} (2 written, 0 now)"),
+            false,
+        ),
+        (
+            format!("flush chain inet {main} input\ndelete chain inet {main} input"),
+            format!("chain inet {main} input"),
+            true,
+        ),
+        (
+            format!(
+                "delete element inet {shard} dispatch4 {{ 192.0.2.10 . tcp . {} }}",
+                a.2
+            ),
+            format!(
+                "192.0.2.10 . tcp . {} : goto {chain} of map inet {shard} dispatch4",
+                a.2
+            ),
+            false,
+        ),
+        (
+            format!("add chain inet {shard} sneak {{ type nat hook prerouting priority -150; }}"),
+            format!("chain inet {shard} sneak"),
+            false,
+        ),
+    ];
+    let name = ns.0.clone();
+    let ns_name = ns.0.clone();
+    in_ns(&name, move || {
+        let table = KernelTable::new();
+        assert!(matches!(table.sync(&desired), Ok(Synced::Written(_))));
+        assert_eq!(table.check(), Ok(kernel::Checked::InPlace));
+        for (script, named, breaks_all) in cases {
+            nft_script(&ns_name, &script);
+            let found = table.check();
+            let Ok(kernel::Checked::Repairing(what)) = &found else {
+                panic!("{script}: {found:?}");
+            };
+            assert!(what.contains(&named), "{script}: {what}");
+            assert!(!table.forwards(&a), "{script}");
+            assert!(table.impaired(&a).is_some(), "{script}");
+            assert!(!table.forwarded().contains(&a), "{script}");
+            assert_eq!(table.forwards(&other), !breaks_all, "{script}");
+            // The next sync writes everything: in place again.
+            assert!(
+                matches!(table.sync(&desired), Ok(Synced::Written(_))),
+                "{script}"
+            );
+            assert_eq!(table.check(), Ok(kernel::Checked::InPlace), "{script}");
+            assert!(table.forwards(&a) && table.forwards(&other), "{script}");
+            let (ok, listing) = nft_out(&ns_name, &["list", "ruleset"]);
+            assert!(ok, "{listing}");
+            assert!(!listing.contains("10.9.9.9") && !listing.contains("sneak"));
+            for want in [
+                format!("192.0.2.10 . tcp . {} : goto {chain}", a.2),
+                "chain input".to_string(),
+                "dnat ip to 10.0.0.2:30080".to_string(),
+            ] {
+                assert!(listing.contains(&want), "{script}: no {want} in {listing}");
+            }
+        }
+        // A flip is not taken for a change.
+        let mut flipped = desired.clone();
+        flipped.insert(a, listener(&["10.0.0.1"], &both));
+        assert!(matches!(
+            table.sync_changed(&flipped, &[a]),
+            Ok(Synced::Written(_))
+        ));
+        assert_eq!(table.check(), Ok(kernel::Checked::InPlace));
+        // Nor what the kernel changes itself: counters.
+        table.remove().unwrap();
+        assert_eq!(table.check(), Ok(kernel::Checked::NothingOwned));
+    });
+}
+
+/// What a check costs at scale: the read-back of 2,000 listeners (the
+/// figure is printed; the bound is only against a pathological read).
+#[test]
+fn a_check_of_two_thousand_listeners_is_one_cheap_read() {
+    if !can_run() {
+        return;
+    }
+    let ns = Scratch::new("chk2k");
+    let members = ["10.0.0.1", "10.0.0.2", "10.0.0.3"];
+    let desired: kernel::Desired = (0..2_000u32)
+        .map(|i| {
+            let vip = IpAddr::V4(Ipv4Addr::from(0xc000_0200 + i / 100));
+            (
+                (vip, Protocol::Tcp, 1000 + (i % 100) as u16),
+                listener(&members, &members),
+            )
+        })
+        .collect();
+    let name = ns.0.clone();
+    let (write, checks) = in_ns(&name, move || {
+        let table = KernelTable::new();
+        let started = Instant::now();
+        table.sync(&desired).unwrap();
+        let write = started.elapsed();
+        let checks: Vec<Duration> = (0..5)
+            .map(|_| {
+                let started = Instant::now();
+                assert_eq!(table.check(), Ok(kernel::Checked::InPlace));
+                started.elapsed()
+            })
+            .collect();
+        (write, checks)
+    });
+    let mut sorted = checks.clone();
+    sorted.sort();
+    println!(
+        "2,000 kernel listeners: full write {write:?}, check median {:?} (all: {checks:?})",
+        sorted[2]
+    );
+    assert!(sorted[2] < Duration::from_secs(2), "{checks:?}");
+}
+
+/// The connections to the kernel listener (VIP:80, in the shard table
+/// `inet harvester_lb_nat_4`) and the metric of repairs.
+async fn repairs(bed: &Bed) -> f64 {
+    netns::metric(
+        &bed.daemon().metrics().await,
+        "harvester_lb_kernel_repairs_total",
+        &[],
+    )
+}
+
+/// Waits until the kernel balances VIP:80 over both nodes again and
+/// `/status` says so.
+async fn served_again(bed: &Bed, case: &str) {
+    wait_for(
+        Duration::from_secs(15),
+        &format!("{case}: both nodes served through the kernel again"),
+        || async { (tally(bed, 10).await == counts(&[("n1", 5), ("n2", 5)])).then_some(()) },
+    )
+    .await;
+    wait_kernel(bed).await;
+    let m = bed.daemon().metrics().await;
+    assert_eq!(
+        netns::metric(&m, "harvester_lb_kernel_forwarding_up", &[]),
+        1.0,
+        "{case}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tampered_tables_are_repaired_within_the_check_interval_and_at_a_reload() {
+    if !can_run() {
+        return;
+    }
+    let mut bed = Bed::new("krep", 2);
+    enable_forwarding(&bed);
+    let _n1 = Node::start(&bed, 1, Service::NameThenEcho);
+    let _n2 = Node::start(&bed, 2, Service::NameThenEcho);
+    start_kernel(&mut bed, &kernel_config(&[1, 2])).await;
+    assert_eq!(tally(&bed, 10).await, counts(&[("n1", 5), ("n2", 5)]));
+    let shard = kernel::table_of(&(IpAddr::V4(VIP), Protocol::Tcp, 80));
+    assert_ne!(shard, kernel::TABLE, "the listener is in a shard's table");
+    let chain = "l_tcp_80_198.51.100.10";
+    let main = kernel::TABLE;
+    let cases = [
+        (
+            "one shard's table deleted",
+            format!("delete table inet {shard}"),
+            format!("table inet {shard}"),
+        ),
+        (
+            "nft flush ruleset",
+            "flush ruleset".to_string(),
+            format!("table inet {main}"),
+        ),
+        (
+            "a hijacking dnat at the top of the listener's chain",
+            format!(
+                "insert rule inet {shard} {chain} meta l4proto tcp dnat ip to {}:{NODEPORT}",
+                node_ip(2)
+            ),
+            format!("chain inet {shard} {chain}"),
+        ),
+        (
+            "the listener's chain flushed",
+            format!("flush chain inet {shard} {chain}"),
+            format!("chain inet {shard} {chain}"),
+        ),
+        (
+            "the main table's input chain deleted",
+            format!("flush chain inet {main} input\ndelete chain inet {main} input"),
+            format!("chain inet {main} input"),
+        ),
+    ];
+    for (case, script, named) in &cases {
+        let before = repairs(&bed).await;
+        bed.lb.nft(script);
+        let tampered = Instant::now();
+        wait_for(
+            Duration::from_secs(30),
+            &format!("{case}: a repair counted"),
+            || async { (repairs(&bed).await > before).then_some(()) },
+        )
+        .await;
+        let log = bed.daemon().log();
+        assert!(
+            log.lines()
+                .any(|l| l.contains("the kernel NAT tables are not the ones")
+                    && l.contains(named.as_str())
+                    && l.contains("periodic check")),
+            "{case}: no warning naming {named}:\n{}",
+            bed.daemon().log_tail(20)
+        );
+        served_again(&bed, case).await;
+        println!(
+            "{case}: repaired and served again {:?} after",
+            tampered.elapsed()
+        );
+    }
+
+    // A reload checks at once (the periodic check is up to 10 s away).
+    for reload in ["SIGHUP", "POST /reload"] {
+        let before = repairs(&bed).await;
+        let at_reload = bed.daemon().log().matches("at reload").count();
+        bed.lb.nft(&format!("delete table inet {shard}"));
+        if reload == "SIGHUP" {
+            bed.daemon().signal(libc::SIGHUP);
+        } else {
+            let (code, body) = bed.daemon().request("POST", "/reload").await.unwrap();
+            assert_eq!(code, 200, "{body}");
+        }
+        wait_for(
+            Duration::from_secs(5),
+            &format!("{reload}: the repair, found at reload"),
+            || async {
+                (repairs(&bed).await > before
+                    && bed.daemon().log().matches("at reload").count() > at_reload)
+                    .then_some(())
+            },
+        )
+        .await;
+        served_again(&bed, reload).await;
+    }
+}

@@ -32,6 +32,7 @@ mod admin_state;
 mod announce;
 mod apply;
 mod kernel;
+mod kernel_check;
 mod leases;
 mod readiness;
 mod status;
@@ -42,6 +43,7 @@ pub use announce::decide;
 pub use announce::{
     AnnounceStateChange, AnnounceStateError, AnnounceStatus, LbAnnounceStatus, VipAnnounceStatus,
 };
+pub use kernel_check::KernelCheckCause;
 pub use readiness::{UnboundListener, VipNotReady};
 pub use status::{
     BackendStatus, ConfigStatus, LeaseStatus, ListenerStatus, LoadBalancerStatus, PortStatus,

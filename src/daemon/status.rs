@@ -136,6 +136,9 @@ impl Daemon {
             .and_then(|e| e.socket.as_ref().ok())
             .map_or(0, |s| s.open_connections());
         let kernel = l.forwarding == Forwarding::Kernel;
+        let id = (spec.vip, l.protocol, l.port);
+        // What the last check of the kernel's tables found broken of it.
+        let impaired = kernel.then(|| self.kernel.impaired(&id)).flatten();
         ListenerStatus {
             name: l.name.clone(),
             address: spec.listen_addr(l),
@@ -154,7 +157,9 @@ impl Daemon {
             active_connections: if l.protocol == Protocol::Tcp { open } else { 0 },
             active_flows: (l.protocol == Protocol::Udp).then_some(open),
             eligible_backends: snapshot.eligible_for(l.backend_port).len(),
-            forwarding: if kernel && self.kernel.forwards(&(spec.vip, l.protocol, l.port)) {
+            forwarding: if impaired.is_some() {
+                "repairing"
+            } else if kernel && self.kernel.forwards(&id) {
                 "kernel"
             } else {
                 "proxy"
@@ -163,6 +168,11 @@ impl Daemon {
                 .then(|| {
                     self.kernel
                         .error()
+                        .or_else(|| {
+                            impaired.map(|why| {
+                                format!("the kernel's NAT tables are not as this daemon wrote them ({why}): being written again")
+                            })
+                        })
                         .or_else(|| self.forwarding_blocked(spec.vip))
                 })
                 .flatten(),
@@ -430,7 +440,10 @@ pub struct ListenerStatus {
     pub active_flows: Option<usize>,
     /// Who forwards its new connections now: `proxy`, or `kernel` once the
     /// NAT table with it is written (a `forwarding = "kernel"` listener
-    /// whose table could not be written is served by the proxy).
+    /// whose table could not be written is served by the proxy), or
+    /// `repairing` when the last check found its table, chain or elements
+    /// changed by another process, until they are written again
+    /// (`kernel_error` says what differs).
     pub forwarding: &'static str,
     /// Why a `forwarding = "kernel"` listener is served by the proxy.
     #[serde(skip_serializing_if = "Option::is_none")]

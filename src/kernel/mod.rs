@@ -51,11 +51,16 @@
 //! hands its new connections back to the proxy at once (DNAT happens
 //! before the local socket), which is how a failed write falls back.
 //!
+//! The tables are read back and compared with what was written every
+//! [`crate::owned::CHECK_INTERVAL`] and at every reload (`check`); what
+//! another process changed is named, counted and written again.
+//!
 //! This part decides nothing: the daemon hands it the desired state
 //! ([`Desired`]: VIPs, ports, eligible backends) and it writes the kernel.
 //! It never imports `proxy` or `health`.
 
 mod build;
+mod check;
 mod conntrack;
 mod netlink;
 mod nft;
@@ -64,7 +69,7 @@ mod sync;
 pub use build::{BUCKETS, Obj, Owned, TABLE, bucket_key, buckets, transaction};
 pub use conntrack::{delete_stale_flows, open_connections};
 pub use nft::{NftError, counters, read_back};
-pub use sync::{KernelTable, Synced};
+pub use sync::{Checked, KernelTable, Synced};
 
 use std::collections::BTreeMap;
 use std::net::IpAddr;

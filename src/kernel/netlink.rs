@@ -60,7 +60,7 @@ const NFT_REG_2: u32 = 2;
 
 /// A netlink attribute list being built.
 #[derive(Default)]
-struct Attrs(Vec<u8>);
+pub(super) struct Attrs(Vec<u8>);
 
 impl Attrs {
     fn put(&mut self, kind: u16, value: &[u8]) -> &mut Self {
@@ -71,7 +71,7 @@ impl Attrs {
         self.0.resize(self.0.len().next_multiple_of(4), 0);
         self
     }
-    fn str(&mut self, kind: u16, value: &str) -> &mut Self {
+    pub(super) fn str(&mut self, kind: u16, value: &str) -> &mut Self {
         let mut v = value.as_bytes().to_vec();
         v.push(0);
         self.put(kind, &v)
@@ -481,7 +481,7 @@ pub(super) fn table_names() -> io::Result<Vec<String>> {
 /// One nf_tables dump of family `inet`: `request` with `attrs`, then
 /// `each` on the attributes of every `answer` message until the end. A
 /// missing table or object is an empty dump.
-fn dump(
+pub(super) fn dump(
     socket: &Socket,
     request: u16,
     attrs: &Attrs,
@@ -541,7 +541,7 @@ fn messages(mut b: &[u8]) -> impl Iterator<Item = io::Result<(u16, &[u8])>> {
 }
 
 /// The attributes of a netlink message body: `(type without flags, value)`.
-fn attributes(mut b: &[u8]) -> impl Iterator<Item = (u16, &[u8])> {
+pub(super) fn attributes(mut b: &[u8]) -> impl Iterator<Item = (u16, &[u8])> {
     std::iter::from_fn(move || {
         if b.len() < 4 {
             return None;

@@ -1,8 +1,10 @@
 //! Keeping the kernel's table equal to the desired state: one transaction
-//! per change, none when nothing changed, a full resync after a failure.
+//! per change, none when nothing changed, a full resync after a failure or
+//! after a check found the tables changed by another process
+//! ([`KernelTable::check`], see `check`).
 
 use super::{Desired, KernelListener, ListenerId};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tokio::time::Instant;
@@ -10,6 +12,7 @@ use tokio::time::Instant;
 use super::build::{
     Owned, has_backend_chains, partial_transaction_json, prelude, transaction_json,
 };
+use super::check::{self, Compared, Expected, Impaired};
 use super::netlink;
 use super::nft::{self, NftError};
 
@@ -78,6 +81,30 @@ struct State {
     closed: bool,
     /// The flips' netlink socket, once opened; dropped after a failure.
     writer: Option<netlink::Writer>,
+    /// What the checks compare the kernel's tables with.
+    check: CheckMemory,
+}
+
+/// The check's memory of the tables (see [`KernelTable::check`]).
+#[derive(Debug, Default)]
+struct CheckMemory {
+    /// What the tables must hold since the last write, and the rules of
+    /// each chain as read back after it; `None` before the first write.
+    expected: Option<Arc<Expected>>,
+    /// Counts the writes: a read-back that a write crossed is not compared.
+    writes: u64,
+    /// The listeners the last check found not as written, until the write
+    /// that repairs them.
+    impaired: Impaired,
+    /// A check found a difference: the next sync writes every object of
+    /// the tables again, after reading them back.
+    resync: bool,
+    /// Chains in our tables that are not ours, found by the last check:
+    /// deleted before the resync (which rewrites only what is ours).
+    foreign: Vec<super::build::Obj>,
+    /// The read-backs' netlink socket, kept open (a closed one stalls the
+    /// next commit) and opened in the tables' network namespace.
+    reader: Arc<netlink::KeptSocket>,
 }
 
 impl State {
@@ -108,9 +135,11 @@ impl State {
         });
         match written {
             Ok(w) => {
+                let chains: Vec<_> = flipped.iter().map(|(id, _)| **id).collect();
                 for (id, l) in flipped {
                     applied.insert(*id, l.clone());
                 }
+                self.check.note_flip(&chains);
                 self.writer = Some(w);
                 self.error = None;
                 Some(Ok(Synced::Written(started.elapsed())))
@@ -151,6 +180,7 @@ impl KernelTable {
         if st.closed {
             return Ok(Synced::Unchanged);
         }
+        st.take_resync();
         if let Some(flip) = st.flip(desired, None) {
             return flip;
         }
@@ -182,7 +212,10 @@ impl KernelTable {
         })();
         match result {
             Ok(written) => {
-                st.applied = Some(desired.clone());
+                let before = st.applied.replace(desired.clone());
+                if written {
+                    st.note_write(desired, before.as_ref());
+                }
                 st.error = None;
                 Ok(if written {
                     Synced::Written(started.elapsed())
@@ -211,6 +244,7 @@ impl KernelTable {
         if st.closed {
             return Ok(Synced::Unchanged);
         }
+        st.take_resync();
         if let Some(flip) = st.flip(desired, Some(changed)) {
             return flip;
         }
@@ -218,11 +252,14 @@ impl KernelTable {
         self.sync(desired)
     }
 
-    /// Whether `id` is forwarded by the kernel now (the last sync that
-    /// included it succeeded).
+    /// Whether `id` is forwarded by the kernel now: the last sync that
+    /// included it succeeded, and the last check found its objects as
+    /// written.
     pub fn forwards(&self, id: &ListenerId) -> bool {
         let st = self.lock();
-        st.error.is_none() && st.applied.as_ref().is_some_and(|a| a.contains_key(id))
+        st.error.is_none()
+            && st.applied.as_ref().is_some_and(|a| a.contains_key(id))
+            && st.check.impaired.reason(id).is_none()
     }
 
     /// Every listener [`Self::forwards`] says is in the kernel, under one
@@ -232,7 +269,14 @@ impl KernelTable {
     pub fn forwarded(&self) -> std::collections::HashSet<ListenerId> {
         let st = self.lock();
         match (&st.error, &st.applied) {
-            (None, Some(applied)) => applied.keys().copied().collect(),
+            (None, Some(applied)) if st.check.impaired.is_empty() => {
+                applied.keys().copied().collect()
+            }
+            (None, Some(applied)) => applied
+                .keys()
+                .filter(|id| st.check.impaired.reason(id).is_none())
+                .copied()
+                .collect(),
             _ => Default::default(),
         }
     }
@@ -248,12 +292,156 @@ impl KernelTable {
     pub fn remove(&self) -> Result<(), NftError> {
         let mut st = self.lock();
         st.closed = true;
+        st.check.expected = None;
+        st.check.impaired = Impaired::default();
         let wrote = st.error.is_some() || st.applied.as_ref().is_some_and(|a| !a.is_empty());
         if !wrote {
             return Ok(());
         }
         st.applied = None;
         nft::remove()
+    }
+}
+
+/// What a [`KernelTable::check`] found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Checked {
+    /// Nothing to compare: no kernel listener, no write yet, a failed
+    /// write standing (its retry resyncs), or a clean stop.
+    NothingOwned,
+    /// The tables hold what was written.
+    InPlace,
+    /// A write crossed the read-back: nothing was compared; check again.
+    Busy,
+    /// The tables differ: what differs, for the log (the first few of
+    /// each side, as [`crate::owned::Drift`] says them). The listeners it
+    /// breaks are no longer reported as forwarded, and the next sync
+    /// writes everything again: wake the writer.
+    Repairing(String),
+}
+
+impl State {
+    /// After a check found a difference: the next sync reads the tables
+    /// back and writes every object again (the full path).
+    fn take_resync(&mut self) {
+        if std::mem::take(&mut self.check.resync) {
+            self.applied = None;
+        }
+        for o in std::mem::take(&mut self.check.foreign) {
+            let table = o.shard.table();
+            let script = format!(
+                "flush chain inet {table} {0}\ndelete chain inet {table} {0}\n",
+                o.name
+            );
+            // Still there (referenced by a rule the resync removes): the
+            // next check finds it again.
+            if let Err(e) = nft::prepare(Some(script)) {
+                tracing::warn!(
+                    "deleting the chain {} of table inet {table}, which is not this daemon's: {e}",
+                    o.name
+                );
+            }
+        }
+    }
+
+    /// After an `nft` write that took the tables from `before` (known to
+    /// be in the kernel; `None`: read back) to `desired`: what they must
+    /// hold now, and the rules of the chains it wrote, read back. A
+    /// failed read leaves those chains to be taken as they are at the next
+    /// check.
+    fn note_write(&mut self, desired: &Desired, before: Option<&Desired>) {
+        self.check.writes += 1;
+        self.check.impaired = Impaired::default();
+        let mut expected = Expected::of(desired);
+        let before = before.filter(|b| !b.is_empty());
+        let reread = expected.carry(desired, before, self.check.expected.as_deref());
+        match check::read_rules(&self.check.reader, reread.as_deref()) {
+            Ok(rules) => expected.rules.extend(rules),
+            Err(e) => tracing::debug!("after a write, reading the NAT tables back: {e}"),
+        }
+        self.check.expected = Some(Arc::new(expected));
+    }
+}
+
+impl CheckMemory {
+    /// After a flip rewrote the chains of `listeners`: their rules, read
+    /// back (one dump per chain, or per table when many flipped).
+    fn note_flip(&mut self, listeners: &[ListenerId]) {
+        self.writes += 1;
+        let Some(expected) = self.expected.as_mut() else {
+            return;
+        };
+        let chains: Vec<_> = listeners
+            .iter()
+            .map(|id| super::build::Obj {
+                shard: super::Shard::of(id),
+                name: super::listener_chain(id),
+            })
+            .collect();
+        let expected = Arc::make_mut(expected);
+        for c in &chains {
+            expected.rules.remove(c);
+        }
+        match check::read_rules(&self.reader, Some(&chains)) {
+            Ok(rules) => expected.rules.extend(rules),
+            Err(e) => tracing::debug!("after a flip, reading its chains back: {e}"),
+        }
+    }
+}
+
+impl KernelTable {
+    /// Reads the tables back and compares them with what this process
+    /// wrote (see `check`): the read runs without the lock, so a flip is
+    /// not delayed by it; a write that crossed it makes it [`Checked::Busy`].
+    /// On a difference the listeners it breaks stop being reported as
+    /// forwarded and the next sync repairs everything. Blocking: netlink
+    /// dumps of our tables.
+    pub fn check(&self) -> Result<Checked, super::NftError> {
+        let (expected, writes, reader) = {
+            let st = self.lock();
+            let owned = !st.closed
+                && st.error.is_none()
+                && !st.check.resync
+                && st.applied.as_ref().is_some_and(|a| !a.is_empty());
+            match (&st.check.expected, owned) {
+                (Some(e), true) if !e.is_empty() => {
+                    (Arc::clone(e), st.check.writes, Arc::clone(&st.check.reader))
+                }
+                _ => return Ok(Checked::NothingOwned),
+            }
+        };
+        let seen = check::read_seen(&reader)?;
+        let Compared {
+            differences,
+            adopt,
+            foreign,
+        } = check::compare(&expected, &seen);
+        drop(expected);
+        let mut st = self.lock();
+        if st.check.writes != writes || st.closed || st.error.is_some() {
+            return Ok(Checked::Busy);
+        }
+        if differences.is_empty() {
+            if !adopt.is_empty()
+                && let Some(e) = st.check.expected.as_mut()
+            {
+                Arc::make_mut(e).rules.extend(adopt);
+            }
+            return Ok(Checked::InPlace);
+        }
+        st.check.impaired = Impaired::of(&differences);
+        st.check.resync = true;
+        st.check.foreign = foreign;
+        Ok(Checked::Repairing(
+            check::Differences(&differences).to_string(),
+        ))
+    }
+
+    /// Why listener `id` is not forwarded as written although its last
+    /// write succeeded: what the last check found of its objects, until
+    /// the repair's write. `None`: nothing found.
+    pub fn impaired(&self, id: &ListenerId) -> Option<String> {
+        self.lock().check.impaired.reason(id).map(str::to_string)
     }
 }
 
@@ -283,6 +471,37 @@ mod tests {
 
     fn id(port: u16) -> ListenerId {
         ("192.0.2.10".parse().unwrap(), Protocol::Tcp, port)
+    }
+
+    #[test]
+    fn a_check_that_found_a_difference_hides_what_it_breaks_and_forces_a_full_write() {
+        let both = ["10.0.0.1", "10.0.0.2"];
+        let table = KernelTable::new();
+        {
+            let mut st = table.lock();
+            st.applied = Some((1..=2).map(|p| (id(p), listener(&both))).collect());
+            st.check.impaired = Impaired::of(&[check::Difference {
+                scope: check::Scope::Listener(id(1)),
+                missing: true,
+                what: "chain inet t l_1".into(),
+            }]);
+            st.check.resync = true;
+        }
+        assert!(!table.forwards(&id(1)));
+        assert!(table.forwards(&id(2)));
+        assert_eq!(table.forwarded(), [id(2)].into_iter().collect());
+        assert_eq!(
+            table.impaired(&id(1)).as_deref(),
+            Some("chain inet t l_1 is gone")
+        );
+        // Until the repair is written, a check compares nothing.
+        assert_eq!(table.check(), Ok(Checked::NothingOwned));
+        let mut st = table.lock();
+        st.take_resync();
+        assert!(
+            st.applied.is_none(),
+            "the next write reads back, writes all"
+        );
     }
 
     #[test]

@@ -512,6 +512,7 @@ impl Exposition {
                 ] {
                     out.sample("", |b| label_first(b, "result", result), c.get());
                 }
+                gauge(buf, &names::KERNEL_REPAIRS, &m.kernel_repairs.get());
                 if let Some((count, max)) = crate::os::conntrack_usage() {
                     gauge(buf, &names::CONNTRACK_ENTRIES, &count);
                     gauge(buf, &names::CONNTRACK_MAX, &max);

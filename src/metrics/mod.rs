@@ -78,8 +78,12 @@ pub struct Metrics {
     pub(crate) kernel_syncs_failed: Counter,
     /// The last successful write's duration, as `f64` seconds' bits.
     pub(crate) kernel_sync_seconds: AtomicU64,
-    /// 0: never written (no series), 1: in force, 2: the last write failed.
+    /// 0: never written (no series), 1: in force, 2: the last write
+    /// failed or a check found the tables not as written.
     pub(crate) kernel_up: std::sync::atomic::AtomicU8,
+    /// Checks that found the kernel NAT tables not as written (each
+    /// followed by a full resync).
+    pub(crate) kernel_repairs: Counter,
     /// The kernel's new-connection counts per backend of each kernel
     /// listener, as last read.
     pub(crate) kernel_backends: std::sync::Mutex<Vec<KernelBackendCount>>,
@@ -225,6 +229,13 @@ impl Metrics {
     /// Counts a route or address write for `vip.announce` the kernel refused.
     pub fn record_vip_announce_error(&self) {
         self.announce_errors.increment(1);
+    }
+
+    /// Counts a check that found the kernel NAT tables not as written:
+    /// `kernel_forwarding_up` is 0 until the repair's write succeeds.
+    pub fn record_kernel_repair(&self) {
+        self.kernel_repairs.increment(1);
+        self.kernel_up.store(2, Ordering::Relaxed);
     }
 
     /// Records a failed write of the kernel NAT table.

@@ -396,13 +396,22 @@ pub static CONNECTION_LOG_LINES_DROPPED: Family = Family::new(
 pub static KERNEL_FORWARDING_UP: Family = Family::new(
     "harvester_lb_kernel_forwarding_up",
     Gauge,
-    "1 when the kernel NAT table of the configuration in force and the current health verdicts is in the kernel, 0 when writing it failed and the proxy serves the kernel listeners.",
+    "1 when the kernel NAT table of the configuration in force and the current health verdicts is in the kernel, 0 when writing it failed and the proxy serves the kernel listeners, or a check found it changed by another process until it is written again.",
 );
 /// Writes of the kernel NAT table, by `result`.
 pub static KERNEL_SYNCS: Family = Family::new(
     "harvester_lb_kernel_syncs_total",
     Counter,
     "Transactions written to the kernel NAT table (one per coalesced change of kernel listeners or of their eligible backends), by result.",
+);
+/// `forwarding = "kernel"`: times a check (every 10 s and at each reload)
+/// found the kernel NAT tables not as this daemon wrote them (a table,
+/// chain, rule or element changed or deleted by another process) and
+/// wrote them again; each is logged at warn with what differed.
+pub static KERNEL_REPAIRS: Family = Family::new(
+    "harvester_lb_kernel_repairs_total",
+    Counter,
+    "Times the kernel NAT tables were found changed or removed by another process (a table, chain, rule or element) and written again.",
 );
 /// How long the last successful write of the kernel NAT table took.
 pub static KERNEL_SYNC_DURATION: Family = Family::new(
