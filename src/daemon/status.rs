@@ -161,7 +161,9 @@ impl Daemon {
             kernel_error: kernel
                 .then(|| {
                     self.kernel
-                        .error()
+                        .refusal(&spec.name)
+                        .map(|r| r.to_string())
+                        .or_else(|| self.kernel.error())
                         .or_else(|| self.forwarding_blocked(spec.vip))
                 })
                 .flatten(),

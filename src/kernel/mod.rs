@@ -57,6 +57,7 @@
 
 mod build;
 mod conntrack;
+mod narrow;
 mod netlink;
 mod nft;
 mod sync;
@@ -64,7 +65,7 @@ mod sync;
 pub use build::{BUCKETS, Obj, Owned, TABLE, bucket_key, buckets, transaction};
 pub use conntrack::{delete_stale_flows, open_connections};
 pub use nft::{NftError, counters, read_back};
-pub use sync::{KernelTable, Synced};
+pub use sync::{KernelTable, Narrowed, Refused, Synced};
 
 use std::collections::BTreeMap;
 use std::net::IpAddr;
