@@ -52,7 +52,7 @@ const MAX_LINE: usize = 400;
 /// nft's error output, made fit for one log line: every distinct line once
 /// with its count (nft writes one error per refused command, and a
 /// transaction of 500 listeners gave 989 copies of one), at most
-/// [`MAX_LINES`] of them of at most [`MAX_LINE`] characters, the rest
+/// `MAX_LINES` (8) of them of at most `MAX_LINE` (400) characters, the rest
 /// counted, joined by `; ` into one line. JSON input has no location, so
 /// its `internal:0:0-0: ` prefix is dropped.
 pub fn condense(stderr: &str) -> String {

@@ -49,7 +49,10 @@
 //!
 //! The userspace listener stays bound: removing a VIP's `dispatch` element
 //! hands its new connections back to the proxy at once (DNAT happens
-//! before the local socket), which is how a failed write falls back.
+//! before the local socket), which is how a failed write falls back. A
+//! write the kernel refuses is first narrowed to the owners (load
+//! balancers) whose listeners it refuses (`narrow`): they alone fall back,
+//! and everyone else is written.
 //!
 //! This part decides nothing: the daemon hands it the desired state
 //! ([`Desired`]: VIPs, ports, eligible backends) and it writes the kernel.

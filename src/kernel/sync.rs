@@ -1,5 +1,7 @@
 //! Keeping the kernel's table equal to the desired state: one transaction
-//! per change, none when nothing changed, a full resync after a failure.
+//! per change, none when nothing changed, a full resync after a failure;
+//! a refused write narrowed to the owners whose listeners the kernel
+//! refuses, the rest written ([`KernelTable::narrow`]).
 
 use super::{Desired, KernelListener, ListenerId};
 use std::collections::{BTreeMap, HashSet};
@@ -123,7 +125,8 @@ impl State {
                 Some(Ok(Synced::Written(started.elapsed())))
             }
             Err(e) => {
-                self.applied = None;
+                // A refused batch changes nothing: see `failed_from`.
+                self.failed_from = self.applied.take();
                 self.error = Some(e.clone());
                 Some(Err(e))
             }
@@ -295,7 +298,7 @@ impl KernelTable {
     }
 }
 
-/// Narrowing a refused write to its owners (see [`super::narrow`]).
+/// Narrowing a refused write to its owners (see `kernel::narrow`).
 impl KernelTable {
     /// After [`Self::sync`] of `desired` failed: finds the owners whose
     /// listeners the kernel refuses (`owners`: each owner's listeners; a
@@ -334,6 +337,11 @@ impl KernelTable {
                 .map(|(id, l)| (*id, l.clone()))
                 .collect()
         };
+        // The table's own parts refused (no `nft`, no CAP_NET_ADMIN): no
+        // owner is to blame.
+        if suspects.is_empty() || check_alone(&Desired::new()).is_err() {
+            return None;
+        }
         let found = narrow::bisect(suspects.len(), MAX_CHECKS, |set| check_alone(&of(set)));
         if found.is_empty() {
             return None;
