@@ -738,7 +738,8 @@ impl Daemon {
         let more = names.len().saturating_sub(NAMED_IN_LOG);
         tracing::error!(
             load_balancers = names.len(),
-            "{error}; narrowed to the load balancers whose listeners the kernel refuses: {:?}{}; their kernel listeners are served by the proxy (tried again in {REFUSED_RETRY:?} and at every reload), every other load balancer's are written",
+            "the kernel refused a write of the NAT tables ({}); narrowed to the load balancers whose listeners the kernel refuses: {:?}{}; their kernel listeners are served by the proxy (tried again in {REFUSED_RETRY:?} and at every reload), every other load balancer's are written",
+            error.detail(),
             &names[..names.len().min(NAMED_IN_LOG)],
             if more > 0 {
                 format!(" and {more} more")
