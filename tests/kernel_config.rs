@@ -46,11 +46,15 @@ fn proxy_is_the_default_and_kernel_keys_parse() {
     assert_eq!(l.source_nat, SourceNat::Masquerade);
     assert!(loaded.warnings.is_empty(), "{:?}", loaded.warnings);
 
-    let loaded = config::parse(&file(
-        "2001:db8::10",
-        "algorithm = \"round_robin\"\nsource_ranges = [\"2001:db8::/32\"]",
-        "  forwarding = \"kernel\"\n  source_nat = \"none\"\n  protocol = \"udp\"",
-    ))
+    // (Backends of the VIP's family: a kernel listener cannot mix them.)
+    let loaded = config::parse(
+        &file(
+            "2001:db8::10",
+            "algorithm = \"round_robin\"\nsource_ranges = [\"2001:db8::/32\"]",
+            "  forwarding = \"kernel\"\n  source_nat = \"none\"\n  protocol = \"udp\"",
+        )
+        .replace("198.51.100.1", "2001:db8::1"),
+    )
     .unwrap();
     let l = &loaded.config.load_balancers[0].listeners[0];
     assert_eq!(l.forwarding, Forwarding::Kernel);
@@ -238,6 +242,94 @@ fn check_exits_78_naming_the_key() {
         err.contains(
             "line 6: load_balancer[0].algorithm: \"least_connections\" has no kernel form"
         ),
+        "{err}"
+    );
+}
+
+/// An IPv4 VIP with an IPv6 backend (or the reverse) on a kernel listener:
+/// nft refuses the DNAT, and the daemon's write would fail. `check`
+/// refuses it, naming the load balancer, the key, the backend and its line;
+/// the proxy connects to either family, so a proxy listener keeps it.
+#[test]
+fn mixed_address_families_are_refused_on_kernel_listeners_only() {
+    let mixed = |vip: &str, backends: &str, listener: &str| {
+        format!(
+            r#"
+[[load_balancer]]
+name = "tenant-b/web"
+vip = "{vip}"
+backends = [{backends}]
+  [[load_balancer.listener]]
+  name = "web"
+  port = 80
+  backend_port = 30080
+{listener}
+"#
+        )
+    };
+    let kernel = "  forwarding = \"kernel\"";
+    for (vip, backends, key, backend, families) in [
+        (
+            "192.0.2.10",
+            r#""198.51.100.11", "2001:db8::12""#,
+            "load_balancer[0].backends[1]",
+            "2001:db8::12",
+            "is IPv6 and the VIP (192.0.2.10) is IPv4",
+        ),
+        (
+            "2001:db8::10",
+            r#""2001:db8::11", "::ffff:198.51.100.12""#,
+            "load_balancer[0].backends[1]",
+            "198.51.100.12",
+            "is IPv4 and the VIP (2001:db8::10) is IPv6",
+        ),
+    ] {
+        let p = problems(&mixed(vip, backends, kernel));
+        assert_eq!(p.len(), 1, "{p:?}");
+        assert_eq!(p[0].key, key);
+        assert_eq!(p[0].line, Some(5), "the backends line");
+        let said = &p[0].message;
+        for part in [
+            "load balancer \"tenant-b/web\"",
+            &format!("backend {backend} "),
+            families,
+            "load_balancer[0].listener[0].forwarding is \"kernel\"",
+            "use forwarding = \"proxy\"",
+        ] {
+            assert!(said.contains(part), "want {part:?} in {said}");
+        }
+        config::parse(&mixed(vip, backends, "")).expect("the proxy takes both families");
+    }
+    // A DHCP VIP is IPv4.
+    let leased = r#"
+[[load_balancer]]
+name = "tenant-b/web"
+ipam = "dhcp"
+backends = ["2001:db8::11"]
+  [load_balancer.dhcp]
+  interface = "eth0"
+  [[load_balancer.listener]]
+  name = "web"
+  port = 80
+  backend_port = 30080
+  forwarding = "kernel"
+"#;
+    let p = problems(leased);
+    assert!(
+        p.iter().any(|p| p.key == "load_balancer[0].backends[0]"
+            && p.message.contains("the VIP (leased over DHCP) is IPv4")),
+        "{p:?}"
+    );
+    // `check` says it with the line, and exits 78.
+    let net = support::Subnet::new();
+    let bad = net.write(
+        "mixed.toml",
+        &mixed("192.0.2.10", r#""2001:db8::12""#, kernel),
+    );
+    let (code, _, err) = run_cli(&["check", "--config", bad.to_str().unwrap()]);
+    assert_eq!(code, 78, "{err}");
+    assert!(
+        err.contains("line 5: load_balancer[0].backends[0]: load balancer \"tenant-b/web\": backend 2001:db8::12 is IPv6"),
         "{err}"
     );
 }

@@ -849,17 +849,21 @@ async fn a_table_that_cannot_be_written_leaves_the_proxy_serving_until_a_resync_
             .contains("could not write the nftables table inet harvester_lb_nat: nft:"),
         "{l}"
     );
-    let metrics = bed.daemon().metrics().await;
+    // Counted once the writer has looked for a load balancer to blame
+    // (none: the table's own chain is in the way).
+    let metrics = wait_for(Duration::from_secs(10), "the failure counted", || async {
+        let metrics = bed.daemon().metrics().await;
+        let failed = netns::metric(
+            &metrics,
+            "harvester_lb_kernel_syncs_total",
+            &[("result", "failure")],
+        );
+        (failed >= 1.0).then_some(metrics)
+    })
+    .await;
     assert_eq!(
         netns::metric(&metrics, "harvester_lb_kernel_forwarding_up", &[]),
         0.0
-    );
-    assert!(
-        netns::metric(
-            &metrics,
-            "harvester_lb_kernel_syncs_total",
-            &[("result", "failure")]
-        ) >= 1.0
     );
     // The proxy serves meanwhile: nothing is refused, and it accepted them.
     assert_eq!(tally(&bed, 4).await, counts(&[("n1", 4)]));
@@ -915,23 +919,7 @@ async fn source_nat_none_shows_the_backend_the_clients_own_address() {
     let _n1 = Node::start(&bed, 1, Service::NameThenEcho); // its health port
     peer_teller(&bed, 1, 30081);
     peer_teller(&bed, 1, 30082);
-    // A client on a network of its own, routed through the load-balancer
-    // host; the node routes that network back through it too.
-    let remote = Scratch::new("ksnat-rc");
-    let rc = netns::Ns {
-        name: remote.0.clone(),
-    };
-    bed.lb.ip(&[
-        "link", "add", "rc0", "type", "veth", "peer", "name", "eth0", "netns", &rc.name,
-    ]);
-    bed.lb.ip(&["addr", "add", "203.0.113.1/24", "dev", "rc0"]);
-    bed.lb.ip(&["link", "set", "rc0", "up"]);
-    rc.ip(&["link", "set", "lo", "up"]);
-    rc.ip(&["addr", "add", "203.0.113.2/24", "dev", "eth0"]);
-    rc.ip(&["link", "set", "eth0", "up"]);
-    rc.ip(&["route", "add", "default", "via", "203.0.113.1"]);
-    bed.node(1)
-        .ip(&["route", "add", "203.0.113.0/24", "via", "198.51.100.3"]);
+    let (_remote, rc) = remote_client(&bed, "ksnat-rc");
 
     let listener = |name: &str, port: u16, snat: &str| {
         Listener::new(name, port, 30000 + port)
@@ -955,21 +943,320 @@ async fn source_nat_none_shows_the_backend_the_clients_own_address() {
     )
     .await;
 
-    let seen = |port: u16| {
-        let rc = rc.clone();
-        async move {
-            let mut s = rc
-                .connect(sa(VIP, port), Duration::from_secs(5))
-                .await
-                .unwrap();
-            tokio::time::timeout(Duration::from_secs(5), read_line(&mut s))
-                .await
-                .expect("an answer within 5 s")
-                .unwrap()
-        }
+    assert_eq!(
+        seen_at(&rc, VIP, 81).await,
+        REMOTE_CLIENT,
+        "source_nat = none"
+    );
+    assert_eq!(
+        seen_at(&rc, VIP, 82).await,
+        "198.51.100.3",
+        "source_nat = masquerade"
+    );
+}
+
+/// The address of [`remote_client`]'s host.
+const REMOTE_CLIENT: &str = "203.0.113.2";
+
+/// A client on a network of its own (203.0.113.0/24), routed through the
+/// load-balancer host; node 1 routes that network back through it too, so
+/// a `source_nat = "none"` listener's backend can answer the client's own
+/// address. The namespace goes with the returned guard.
+fn remote_client(bed: &Bed, tag: &str) -> (Scratch, netns::Ns) {
+    let remote = Scratch::new(tag);
+    let rc = netns::Ns {
+        name: remote.0.clone(),
     };
-    assert_eq!(seen(81).await, "203.0.113.2", "source_nat = none");
-    assert_eq!(seen(82).await, "198.51.100.3", "source_nat = masquerade");
+    bed.lb.ip(&[
+        "link", "add", "rc0", "type", "veth", "peer", "name", "eth0", "netns", &rc.name,
+    ]);
+    bed.lb.ip(&["addr", "add", "203.0.113.1/24", "dev", "rc0"]);
+    bed.lb.ip(&["link", "set", "rc0", "up"]);
+    rc.ip(&["link", "set", "lo", "up"]);
+    rc.ip(&["addr", "add", &format!("{REMOTE_CLIENT}/24"), "dev", "eth0"]);
+    rc.ip(&["link", "set", "eth0", "up"]);
+    rc.ip(&["route", "add", "default", "via", "203.0.113.1"]);
+    bed.node(1)
+        .ip(&["route", "add", "203.0.113.0/24", "via", "198.51.100.3"]);
+    (remote, rc)
+}
+
+/// The address a [`peer_teller`] behind `vip:port` saw `client` at.
+async fn seen_at(client: &netns::Ns, vip: Ipv4Addr, port: u16) -> String {
+    let mut s = client
+        .connect(sa(vip, port), Duration::from_secs(5))
+        .await
+        .unwrap_or_else(|e| panic!("connect to {vip}:{port}: {e}"));
+    tokio::time::timeout(Duration::from_secs(5), read_line(&mut s))
+        .await
+        .unwrap_or_else(|_| panic!("no answer from {vip}:{port} within 5 s"))
+        .unwrap()
+}
+
+/// Writes `config` as the daemon's file and reloads it (`POST /reload`).
+async fn reload(bed: &Bed, config: &Config) {
+    bed.write("config.toml", &config.to_string());
+    let (code, body) = bed.daemon().request("POST", "/reload").await.unwrap();
+    assert_eq!(code, 200, "{body}");
+}
+
+/// The `forwarding` of every listener in `/status`, by load balancer and
+/// listener name.
+async fn forwarding_of_all(bed: &Bed) -> BTreeMap<String, String> {
+    let s = bed.daemon().status().await;
+    let mut out = BTreeMap::new();
+    for lb in s["load_balancers"].as_array().unwrap() {
+        for l in lb["listeners"].as_array().unwrap() {
+            out.insert(
+                format!(
+                    "{}/{}",
+                    lb["name"].as_str().unwrap(),
+                    l["name"].as_str().unwrap()
+                ),
+                l["forwarding"].as_str().unwrap().to_string(),
+            );
+        }
+    }
+    out
+}
+
+/// Listeners 80 -> 30090 and 8080..8089 -> 30090 of one VIP share the
+/// masquerade element of each backend (VIP . backend . tcp . 30090). A
+/// reload removing 8080 keeps port 80 masqueraded; one removing the nine
+/// others at once deletes each shared element once, in one transaction
+/// that succeeds: no failed write, no listener shown as proxy.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn listeners_sharing_a_nodeport_keep_each_others_masquerade_across_reloads() {
+    if !can_run() {
+        return;
+    }
+    let mut bed = Bed::new("kshare", 2);
+    enable_forwarding(&bed);
+    let _n1 = Node::start(&bed, 1, Service::NameThenEcho); // health ports
+    let _n2 = Node::start(&bed, 2, Service::NameThenEcho);
+    peer_teller(&bed, 1, 30090);
+    peer_teller(&bed, 2, 30090);
+    let web = |ports: &[u16]| {
+        ports.iter().fold(
+            Lb::new("default/web", VIP)
+                .backends([node_ip(1), node_ip(2)])
+                .health_port(HEALTH_PORT),
+            |lb, &p| lb.listener(Listener::new(&format!("p{p}"), p, 30090).forwarding("kernel")),
+        )
+    };
+    // Another tenant that stays throughout.
+    let other = Lb::new("default/other", netns::VIP2)
+        .backends([node_ip(1)])
+        .listener(Listener::new("tcp", 80, 30090).forwarding("kernel"))
+        .health_port(HEALTH_PORT);
+    let all: Vec<u16> = [80].into_iter().chain(8080..8090).collect();
+    let conf = |ports: &[u16]| config().lb(web(ports)).lb(other.clone());
+    start_kernel(&mut bed, &conf(&all)).await;
+    wait_for(
+        Duration::from_secs(10),
+        "every listener in the kernel",
+        || async {
+            let f = forwarding_of_all(&bed).await;
+            (f.len() == 12 && f.values().all(|v| v == "kernel")).then_some(())
+        },
+    )
+    .await;
+    let lb_host = netns::LB_IP.to_string();
+    for _ in 0..2 {
+        // Round robin: both nodes.
+        assert_eq!(seen_at(&bed.client, VIP, 80).await, lb_host);
+        assert_eq!(seen_at(&bed.client, VIP, 8080).await, lb_host);
+    }
+    // `nft -j`'s listing, without its spaces.
+    let masq = || {
+        let (ok, listed) = nft_out(
+            &bed.lb.name,
+            &["-j", "list", "set", "inet", kernel::TABLE, "masq4"],
+        );
+        (ok, listed.replace(' ', ""))
+    };
+    let element =
+        |node: usize| format!(r#"{{"concat":["{VIP}","{}","tcp",30090]}}"#, node_ip(node));
+    let refused = || {
+        nft_out(
+            &bed.lb.name,
+            &["list", "set", "inet", kernel::TABLE, "refuse4"],
+        )
+        .1
+    };
+
+    // 8080 goes: port 80 stays masqueraded.
+    let without_8080: Vec<u16> = all.iter().copied().filter(|p| *p != 8080).collect();
+    reload(&bed, &conf(&without_8080)).await;
+    wait_for(
+        Duration::from_secs(10),
+        "8080 out of the kernel",
+        || async { (!refused().contains(". 8080")).then_some(()) },
+    )
+    .await;
+    let (ok, listed) = masq();
+    assert!(ok, "{listed}");
+    for node in [1, 2] {
+        assert!(
+            listed.contains(&element(node)),
+            "node {node}'s element: {listed}"
+        );
+    }
+    for _ in 0..2 {
+        assert_eq!(
+            seen_at(&bed.client, VIP, 80).await,
+            lb_host,
+            "port 80 is still masqueraded"
+        );
+    }
+
+    // The nine others go at once: one transaction, which succeeds.
+    reload(&bed, &conf(&[80])).await;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let f = forwarding_of_all(&bed).await;
+        assert!(
+            f.values().all(|v| v == "kernel"),
+            "a listener shown as proxy after the reload: {f:?}\n{}",
+            bed.daemon().log_tail(20)
+        );
+        if f.len() == 2 && !refused().contains(". 8081") {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the reload was not written: {f:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_no_failed_sync(&bed).await;
+    let (_, listed) = masq();
+    for node in [1, 2] {
+        assert!(
+            listed.contains(&element(node)),
+            "node {node}'s element: {listed}"
+        );
+    }
+    for _ in 0..2 {
+        assert_eq!(seen_at(&bed.client, VIP, 80).await, lb_host);
+    }
+    assert_eq!(seen_at(&bed.client, netns::VIP2, 80).await, lb_host);
+    assert_no_failed_sync(&bed).await;
+}
+
+/// Tenant B's listener cannot be written (another program holds an object
+/// of the name of its source-range set, with another type: the kernel
+/// refuses the transaction with EEXIST). The write is narrowed to B: B
+/// alone falls back to the proxy, named in `/status` and the log, while
+/// tenant A stays in the kernel with its client addresses kept
+/// (`source_nat = "none"`). Once the object is gone, a reload takes B
+/// back into the kernel.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_tenants_refused_objects_leave_every_other_tenant_in_the_kernel() {
+    if !can_run() {
+        return;
+    }
+    let mut bed = Bed::new("knarrow", 1);
+    enable_forwarding(&bed);
+    let _n1 = Node::start(&bed, 1, Service::NameThenEcho); // 30080 and health
+    peer_teller(&bed, 1, 30081);
+    let (_remote, rc) = remote_client(&bed, "knarrow-rc");
+    let a = Lb::new("tenant-a/web", VIP)
+        .backends([node_ip(1)])
+        .listener(
+            Listener::new("keep", 81, 30081)
+                .forwarding("kernel")
+                .source_nat("none"),
+        )
+        .health_port(HEALTH_PORT);
+    let b = Lb::new("tenant-b/web", netns::VIP2)
+        .backends([node_ip(1)])
+        .keys("source_ranges = [\"198.51.100.0/24\", \"203.0.113.0/24\"]")
+        .listener(Listener::new("web", 80, NODEPORT).forwarding("kernel"))
+        .health_port(HEALTH_PORT);
+    let conf = config().lb(a).lb(b);
+    let b_id = (IpAddr::V4(netns::VIP2), Protocol::Tcp, 80);
+    let b_table = kernel::table_of(&b_id);
+    let b_set = format!("s_tcp_80_{}", netns::VIP2);
+    bed.lb.nft(&format!(
+        "table inet {b_table} {{\n set {b_set} {{ type ipv4_addr; }}\n}}\n"
+    ));
+    bed.start_daemon(&conf.to_string()).await;
+    let status = || async {
+        let s = bed.daemon().status().await;
+        let of = |i: usize| s["load_balancers"][i]["listeners"][0].clone();
+        (of(0), of(1))
+    };
+    let (la, lb) = wait_for(
+        Duration::from_secs(30),
+        "A in the kernel, B refused",
+        || async {
+            let (la, lb) = status().await;
+            (la["forwarding"] == "kernel" && lb["kernel_error"].is_string()).then_some((la, lb))
+        },
+    )
+    .await;
+    assert!(la["kernel_error"].is_null(), "{la}");
+    assert_eq!(lb["forwarding"], "proxy", "{lb}");
+    let why = lb["kernel_error"].as_str().unwrap();
+    for part in [
+        "the kernel refused the NAT objects of load balancer \"tenant-b/web\"",
+        // nft finds the other program's set in the way.
+        "nft: Error",
+        "served by the proxy",
+    ] {
+        assert!(why.contains(part), "want {part:?} in {why}");
+    }
+    let log = bed.daemon().log_tail(40);
+    assert!(
+        log.contains(
+            "narrowed to the load balancers whose listeners the kernel refuses: [\"tenant-b/web\"]"
+        ),
+        "{log}"
+    );
+    // A keeps the kernel path and the client's own address; B is served,
+    // by the proxy.
+    assert_eq!(
+        seen_at(&rc, VIP, 81).await,
+        REMOTE_CLIENT,
+        "A: source_nat = none"
+    );
+    let metrics = bed.daemon().metrics().await;
+    assert_eq!(
+        netns::metric(&metrics, "harvester_lb_kernel_forwarding_up", &[]),
+        1.0
+    );
+    let accepted = netns::metric(&metrics, "harvester_lb_connections_accepted_total", &[]);
+    let mut s = bed
+        .client
+        .connect(sa(netns::VIP2, 80), Duration::from_secs(5))
+        .await
+        .unwrap();
+    assert_eq!(read_line(&mut s).await.unwrap(), "n1");
+    drop(s);
+    let metrics = bed.daemon().metrics().await;
+    assert_eq!(
+        netns::metric(&metrics, "harvester_lb_connections_accepted_total", &[]),
+        accepted + 1.0,
+        "the proxy served B"
+    );
+    let (_, chains) = nft_out(&bed.lb.name, &["list", "chains", "inet"]);
+    assert!(!chains.contains("l_tcp_80_198.51.100.11"), "{chains}");
+    assert!(chains.contains("l_tcp_81_198.51.100.10"), "{chains}");
+
+    // The obstacle gone (the write of the others may have deleted it
+    // already: our table, one of our names), a reload takes B back.
+    nft_out(&bed.lb.name, &["delete", "set", "inet", &b_table, &b_set]);
+    reload(&bed, &conf).await;
+    wait_for(Duration::from_secs(10), "B in the kernel", || async {
+        let (la, lb) = status().await;
+        (la["forwarding"] == "kernel"
+            && lb["forwarding"] == "kernel"
+            && lb["kernel_error"].is_null())
+        .then_some(())
+    })
+    .await;
+    assert_eq!(seen_at(&rc, VIP, 81).await, REMOTE_CLIENT);
 }
 
 /// A TCP connection from namespace `ns` to an IPv6 address.

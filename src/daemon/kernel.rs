@@ -19,7 +19,7 @@ use std::time::Duration;
 use super::{Daemon, LbEntry};
 use crate::balancer::Backend;
 use crate::config::{Forwarding, LoadBalancerSpec, OnBackendDown, Protocol};
-use crate::kernel::{Desired, KernelListener, KernelTable, ListenerId, Synced};
+use crate::kernel::{Desired, KernelListener, KernelTable, ListenerId, Narrowed, Synced};
 
 /// How long a wake-up waits for more changes before the transaction, when
 /// the writer has been quiet for [`QUIET_AFTER`]: a lone health flip goes
@@ -34,6 +34,13 @@ const COALESCE_BUSY: Duration = Duration::from_millis(10);
 const QUIET_AFTER: Duration = Duration::from_millis(100);
 /// How long after a failed transaction the next full resync is tried.
 const RETRY: Duration = Duration::from_secs(2);
+/// How long a load balancer whose listeners the kernel refused (while it
+/// took everyone else's) stays with the proxy before it is tried again;
+/// a reload tries it at once. Longer than [`RETRY`]: a refusal is one
+/// tenant's, and each try is a failed transaction.
+const REFUSED_RETRY: Duration = Duration::from_secs(30);
+/// The most refused load balancers named in one log line.
+const NAMED_IN_LOG: usize = 10;
 /// How often the kernel's per-backend counters are read for `/metrics`.
 const COUNTERS_EVERY: Duration = Duration::from_secs(5);
 
@@ -44,6 +51,10 @@ struct Kept {
     /// The host's forwarding it was built with.
     forwarding_off: u8,
     desired: Desired,
+    /// The load balancers the kernel had refused that this state tries
+    /// again (a reload, or [`REFUSED_RETRY`] passed): a write that
+    /// succeeds forgets their refusal.
+    retried: Vec<String>,
 }
 
 /// What [`Daemon::kernel_desired_update`] rebuilt.
@@ -159,6 +170,7 @@ impl Daemon {
                 generation: st.config_generation,
                 forwarding_off,
                 desired: Desired::new(),
+                retried: Vec::new(),
             });
             return Rebuilt::Whole { previous };
         };
@@ -171,11 +183,35 @@ impl Daemon {
         } else {
             std::mem::take(&mut kept.as_mut().expect("kept").desired)
         };
+        let refused = self.kernel.refused();
+        if whole {
+            // Gone from the config: nothing to try again.
+            let named: std::collections::HashSet<&str> = config
+                .load_balancers
+                .iter()
+                .map(|lb| lb.name.as_str())
+                .collect();
+            self.kernel.accept(
+                refused
+                    .keys()
+                    .map(String::as_str)
+                    .filter(|o| !named.contains(o)),
+            );
+        }
+        let mut retried = Vec::new();
         for spec in &config.load_balancers {
             let Some(entry) = st.load_balancers.get(&spec.name) else {
                 continue;
             };
-            if !entry.lb.take_published() && !whole {
+            let published = entry.lb.take_published();
+            if let Some(at) = refused.get(&spec.name) {
+                // Left out of the kernel until tried again: at a reload, or
+                // when its time comes.
+                if !whole && at.elapsed() < REFUSED_RETRY {
+                    continue;
+                }
+                retried.push(spec.name.clone());
+            } else if !published && !whole {
                 continue;
             }
             for (id, l) in self.kernel_listeners(spec, entry) {
@@ -190,6 +226,7 @@ impl Daemon {
             generation: st.config_generation,
             forwarding_off,
             desired,
+            retried,
         });
         if whole {
             Rebuilt::Whole { previous }
@@ -303,21 +340,43 @@ impl Daemon {
                 let changed = rebuilt.listeners();
                 let table = Arc::clone(&daemon.kernel);
                 let listeners = k.desired.len();
+                let owner = Arc::clone(&daemon);
                 let result = tokio::task::spawn_blocking(move || {
                     let synced = match &changed {
                         Some(ids) => table.sync_changed(&k.desired, ids),
                         None => table.sync(&k.desired),
+                    };
+                    let (synced, narrowed) = match synced {
+                        Err(e) => owner.kernel_narrow(&table, &k.desired, e),
+                        written => (written, None),
                     };
                     let outcome = synced.map(|synced| {
                         let swept = (sweep && matches!(synced, Synced::Written(_)))
                             .then(|| crate::kernel::delete_stale_flows(&k.desired));
                         (synced, swept)
                     });
-                    (outcome, k)
+                    (outcome, narrowed, k)
                 })
                 .await;
                 let outcome = match result {
-                    Ok((outcome, k)) => {
+                    Ok((outcome, narrowed, mut k)) => {
+                        let refused: Vec<String> = narrowed
+                            .as_ref()
+                            .map(|(n, _)| n.refused.iter().map(|r| r.owner.clone()).collect())
+                            .unwrap_or_default();
+                        if let Some(narrowed) = narrowed {
+                            daemon.kernel_refused(&mut k, narrowed);
+                        }
+                        if outcome.is_ok() {
+                            // Tried again and written: no longer refused.
+                            let retried = std::mem::take(&mut k.retried);
+                            daemon.kernel.accept(
+                                retried
+                                    .iter()
+                                    .map(String::as_str)
+                                    .filter(|o| !refused.iter().any(|r| r == o)),
+                            );
+                        }
                         kept = Some(k);
                         outcome
                     }
@@ -612,6 +671,88 @@ impl Daemon {
             }
             tokio::time::sleep(POLL).await;
         }
+    }
+}
+
+/// A refused write narrowed to the load balancers that cause it.
+impl Daemon {
+    /// Each load balancer's kernel listeners in the config in force: whose
+    /// objects are whose, for [`crate::kernel::KernelTable::narrow`].
+    fn kernel_owners(&self) -> Vec<(String, Vec<ListenerId>)> {
+        let st = self.lock();
+        let Some(config) = &st.config else {
+            return Vec::new();
+        };
+        config
+            .load_balancers
+            .iter()
+            .map(|spec| {
+                let ids = spec
+                    .listeners
+                    .iter()
+                    .filter(|l| l.forwarding == Forwarding::Kernel)
+                    .map(|l| (spec.vip, l.protocol, l.port))
+                    .collect();
+                (spec.name.clone(), ids)
+            })
+            .collect()
+    }
+
+    /// After the write of `desired` failed with `error`: the load balancers
+    /// whose listeners the kernel refuses are left out and the rest
+    /// written (blocking: it runs `nft`). Returns the rest's write and what
+    /// was left out, or `error` alone when no load balancer is to blame.
+    fn kernel_narrow(
+        &self,
+        table: &KernelTable,
+        desired: &Desired,
+        error: crate::kernel::NftError,
+    ) -> (
+        Result<Synced, crate::kernel::NftError>,
+        Option<(Narrowed, crate::kernel::NftError)>,
+    ) {
+        match table.narrow(desired, &self.kernel_owners()) {
+            Some(mut narrowed) => {
+                let synced = std::mem::replace(&mut narrowed.synced, Ok(Synced::Unchanged));
+                (synced, Some((narrowed, error)))
+            }
+            None => (Err(error), None),
+        }
+    }
+
+    /// Takes what [`Self::kernel_narrow`] left out from the state kept (it
+    /// is not in the kernel), logs and counts the refused write, and
+    /// wakes the writer when the refused load balancers are due again.
+    fn kernel_refused(
+        &self,
+        kept: &mut Kept,
+        (narrowed, error): (Narrowed, crate::kernel::NftError),
+    ) {
+        for id in &narrowed.left_out {
+            kept.desired.remove(id);
+        }
+        self.metrics.kernel_sync_failed();
+        let names: Vec<&str> = narrowed.refused.iter().map(|r| r.owner.as_str()).collect();
+        let more = names.len().saturating_sub(NAMED_IN_LOG);
+        tracing::error!(
+            load_balancers = names.len(),
+            "the kernel refused a write of the NAT tables ({}); narrowed to the load balancers whose listeners the kernel refuses: {:?}{}; their kernel listeners are served by the proxy (tried again in {REFUSED_RETRY:?} and at every reload), every other load balancer's are written",
+            error.detail(),
+            &names[..names.len().min(NAMED_IN_LOG)],
+            if more > 0 {
+                format!(" and {more} more")
+            } else {
+                String::new()
+            },
+        );
+        for r in narrowed.refused.iter().take(NAMED_IN_LOG) {
+            tracing::error!(load_balancer = %r.owner, "{r}");
+        }
+        let wake = Arc::clone(&self.kernel_wake);
+        tokio::spawn(async move {
+            tokio::time::sleep(REFUSED_RETRY).await;
+            wake.notify_one();
+        });
     }
 }
 

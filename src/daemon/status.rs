@@ -167,7 +167,9 @@ impl Daemon {
             kernel_error: kernel
                 .then(|| {
                     self.kernel
-                        .error()
+                        .refusal(&spec.name)
+                        .map(|r| r.to_string())
+                        .or_else(|| self.kernel.error())
                         .or_else(|| {
                             impaired.map(|why| {
                                 format!("the kernel's NAT tables are not as this daemon wrote them ({why}): being written again")

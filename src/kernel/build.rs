@@ -16,7 +16,7 @@ use super::{
 };
 use crate::config::{Protocol, SourceNat};
 use std::borrow::Cow;
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
 
 use nftables::expr::{
@@ -507,18 +507,8 @@ fn fill_listener(
             ));
         }
     }
-    if l.source_nat == SourceNat::Masquerade {
-        // Every member, eligible or not: only new flows are masqueraded
-        // and only eligible members get new flows, so a health flip
-        // changes no element here.
-        for &b in &l.members {
-            cmds.push(element(
-                Shard::MAIN,
-                f.masq,
-                vec![masq_key(id, b, l.backend_port)],
-            ));
-        }
-    }
+    // The masquerade elements are shared (see [`masq_users`]): written by
+    // the caller, each once.
 }
 
 /// Whether listener `l` keeps a chain per backend: only where a bucket map
@@ -780,46 +770,130 @@ fn partial_commands(desired: &Desired, applied: &Desired) -> Nftables<'static> {
     for &t in after.tables.difference(&before.tables) {
         skeleton(&mut cmds, t);
     }
-    // The elements of listeners that go or change (re-added below).
+    // The elements of listeners that go or change (re-added below): their
+    // own, keyed by the listener. The shared masquerade elements are
+    // counted by their users instead ([`masq_difference`]).
+    let mut touched = BTreeSet::new();
     for (id, old) in applied {
         if desired.get(id) == Some(old) {
             continue;
         }
+        touched.insert(id.0);
         let f = &FAMILIES[usize::from(!is_v4(id.0))];
         cmds.push(delete_element(Shard::of(id), f.dispatch, listener_key(id)));
         cmds.push(delete_element(Shard::MAIN, f.refuse, listener_key(id)));
-        if old.source_nat == SourceNat::Masquerade {
-            for &b in &old.members {
-                let key = masq_key(id, b, old.backend_port);
-                cmds.push(delete_element(Shard::MAIN, f.masq, key));
-            }
-        }
     }
     let mut changed = Desired::new();
     for (id, l) in desired {
         if applied.get(id) != Some(l) {
+            touched.insert(id.0);
             changed.insert(*id, l.clone());
         }
+    }
+    let (gone, new) = masq_difference(applied, desired, &touched);
+    for keys in masq_commands(gone) {
+        cmds.push(NfObject::CmdObject(NfCmd::Delete(NfListObject::Element(
+            keys,
+        ))));
     }
     let declared = Owned::of(&changed);
     declare(&mut cmds, &changed, &declared);
     for (id, l) in &changed {
         fill_listener(&mut cmds, id, l, applied.get(id));
     }
+    cmds.extend(
+        masq_commands(new)
+            .into_iter()
+            .map(|e| add(NfListObject::Element(e))),
+    );
     delete_gone(&mut cmds, &before, &after);
     Nftables {
         objects: Cow::Owned(cmds),
     }
 }
 
-/// A masquerade element: VIP . backend . protocol . nodeport.
-fn masq_key(id: &ListenerId, backend: IpAddr, backend_port: u16) -> Expression<'static> {
-    concat(vec![
-        Expression::String(s(id.0.to_string())),
-        Expression::String(s(backend.to_string())),
-        proto_name(id.1),
-        Expression::Number(u32::from(backend_port)),
-    ])
+/// A masquerade element: VIP, backend, protocol, nodeport. After the DNAT
+/// the kernel sees no more than these, so every `source_nat =
+/// "masquerade"` listener of a VIP that reaches one nodeport (80 → 30080
+/// and 8080 → 30080) shares the element of each backend.
+pub(super) type MasqKey = (IpAddr, IpAddr, Protocol, u16);
+
+/// The masquerade elements `listeners` want, each with the number of its
+/// users. An element stays in the kernel while it has one: a listener that
+/// goes deletes it only when it was the last user, and a transaction never
+/// deletes it twice (nft answers the second delete with ENOENT and refuses
+/// the whole transaction).
+pub(super) fn masq_users<'a>(
+    listeners: impl IntoIterator<Item = (&'a ListenerId, &'a KernelListener)>,
+) -> BTreeMap<MasqKey, usize> {
+    let mut users = BTreeMap::new();
+    for (id, l) in listeners {
+        if l.source_nat != SourceNat::Masquerade {
+            continue;
+        }
+        // Every member, eligible or not: only new flows are masqueraded
+        // and only eligible members get new flows, so a health flip
+        // changes no element here.
+        for &b in &l.members {
+            *users.entry((id.0, b, id.1, l.backend_port)).or_insert(0) += 1;
+        }
+    }
+    users
+}
+
+/// The listeners of `state` on `vip`: a range of the map, which is sorted
+/// by VIP first (`Protocol::Tcp` is the least protocol, 0 the least port).
+fn on_vip(state: &Desired, vip: IpAddr) -> impl Iterator<Item = (&ListenerId, &KernelListener)> {
+    state
+        .range((vip, Protocol::Tcp, 0)..)
+        .take_while(move |(id, _)| id.0 == vip)
+}
+
+/// The masquerade elements to delete (no user left) and to add (no user
+/// before) between `applied` and `desired`, looking only at the VIPs in
+/// `vips` (those of the listeners that differ: no other VIP's users
+/// change). Each element once.
+pub(super) fn masq_difference(
+    applied: &Desired,
+    desired: &Desired,
+    vips: &BTreeSet<IpAddr>,
+) -> (BTreeSet<MasqKey>, BTreeSet<MasqKey>) {
+    let (mut gone, mut new) = (BTreeSet::new(), BTreeSet::new());
+    for &vip in vips {
+        let before = masq_users(on_vip(applied, vip));
+        let after = masq_users(on_vip(desired, vip));
+        gone.extend(before.keys().filter(|k| !after.contains_key(k)));
+        new.extend(after.keys().filter(|k| !before.contains_key(k)));
+    }
+    (gone, new)
+}
+
+/// `keys` as one element list per masquerade set (`masq4`, `masq6`), for
+/// an `add` or a `delete`; none for a family without keys.
+fn masq_commands(keys: BTreeSet<MasqKey>) -> Vec<Element<'static>> {
+    FAMILIES
+        .iter()
+        .filter_map(|f| {
+            let elem: Vec<Expression<'static>> = keys
+                .iter()
+                .filter(|k| k.0.is_ipv4() == f.v4)
+                .map(|&(vip, backend, protocol, port)| {
+                    concat(vec![
+                        Expression::String(s(vip.to_string())),
+                        Expression::String(s(backend.to_string())),
+                        proto_name(protocol),
+                        Expression::Number(u32::from(port)),
+                    ])
+                })
+                .collect();
+            (!elem.is_empty()).then(|| Element {
+                family: NfFamily::INet,
+                table: s(Shard::MAIN.table()),
+                name: s(f.masq),
+                elem: Cow::Owned(elem),
+            })
+        })
+        .collect()
 }
 
 /// Adds (idempotent) and empties the listeners' own objects: counters,
@@ -884,10 +958,16 @@ fn commands(desired: &Desired, present: &Owned) -> Nftables<'static> {
         skeleton(&mut cmds, t);
     }
     declare(&mut cmds, desired, &wanted);
-    // 2. Filled again.
+    // 2. Filled again; the shared masquerade elements each once.
     for (id, l) in desired {
         fill_listener(&mut cmds, id, l, None);
     }
+    let masq = masq_users(desired).into_keys().collect();
+    cmds.extend(
+        masq_commands(masq)
+            .into_iter()
+            .map(|e| add(NfListObject::Element(e))),
+    );
     // 3. What is gone: after the flushes above, nothing refers to it.
     delete_gone(&mut cmds, present, &wanted);
     Nftables {
@@ -1194,6 +1274,165 @@ mod tests {
         );
         assert!(!deleted.iter().any(|d| d.contains(r#"{"table""#)));
         assert_eq!(deleted, deletes(&partial_transaction(&after, &before)));
+    }
+
+    /// Every element `op` (`add`, `delete`) of `doc` names, one entry per
+    /// element: `(set, element)`.
+    fn element_ops(doc: &serde_json::Value, op: &str) -> Vec<(String, String)> {
+        doc["nftables"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter_map(|c| c.get(op)?.get("element"))
+            .flat_map(|e| {
+                let set = e["name"].as_str().unwrap().to_string();
+                e["elem"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(move |x| (set.clone(), x.to_string()))
+            })
+            .collect()
+    }
+
+    /// The masquerade elements of `d`, as the transaction writes them.
+    fn masq_of(d: &Desired) -> BTreeSet<(String, String)> {
+        element_ops(&transaction(d, &Owned::default()), "add")
+            .into_iter()
+            .filter(|(set, _)| set.starts_with("masq"))
+            .collect()
+    }
+
+    /// What every partial transaction from `before` to `after` must keep:
+    /// no element deleted twice, no masquerade element deleted that
+    /// `after` still uses, none added twice, and the kernel's masquerade
+    /// set afterwards exactly `after`'s.
+    fn assert_shared_elements_kept(before: &Desired, after: &Desired) {
+        let doc = partial_transaction(after, before);
+        let deleted = element_ops(&doc, "delete");
+        let unique: BTreeSet<_> = deleted.iter().cloned().collect();
+        assert_eq!(unique.len(), deleted.len(), "a delete twice: {deleted:?}");
+        let (wanted, had) = (masq_of(after), masq_of(before));
+        for d in &deleted {
+            assert!(!wanted.contains(d), "deletes {d:?}, which is still used");
+        }
+        let added: Vec<_> = element_ops(&doc, "add")
+            .into_iter()
+            .filter(|(set, _)| set.starts_with("masq"))
+            .collect();
+        let unique_added: BTreeSet<_> = added.iter().cloned().collect();
+        assert_eq!(unique_added.len(), added.len(), "an add twice: {added:?}");
+        let mut kernel = had;
+        for d in &deleted {
+            kernel.remove(d);
+        }
+        kernel.extend(unique_added);
+        assert_eq!(kernel, wanted, "the masquerade set afterwards");
+    }
+
+    #[test]
+    fn a_listener_that_goes_keeps_the_masquerade_element_it_shared() {
+        let both = ["10.0.0.1", "10.0.0.2"];
+        let mut before = Desired::new();
+        before.insert(id("192.0.2.10", 80), listener(&both, &both));
+        before.insert(id("192.0.2.10", 8080), listener(&both, &both));
+        // The full write: each shared element once.
+        let full = element_ops(&transaction(&before, &Owned::default()), "add");
+        let masq: Vec<_> = full.iter().filter(|(s, _)| s == "masq4").collect();
+        assert_eq!(masq.len(), 2, "{masq:?}");
+
+        let mut after = before.clone();
+        after.remove(&id("192.0.2.10", 8080));
+        let doc = partial_transaction(&after, &before);
+        let deleted = element_ops(&doc, "delete");
+        assert!(
+            !deleted.iter().any(|(set, _)| set == "masq4"),
+            "port 80 still uses them: {deleted:?}"
+        );
+        // 8080's own elements go.
+        assert!(deleted.contains(&(
+            "refuse4".to_string(),
+            r#"{"concat":["192.0.2.10","tcp",8080]}"#.to_string()
+        )));
+        assert_shared_elements_kept(&before, &after);
+
+        // The last user goes: the elements go, each once.
+        let doc = partial_transaction(&Desired::new(), &before);
+        let masq: Vec<_> = element_ops(&doc, "delete")
+            .into_iter()
+            .filter(|(set, _)| set == "masq4")
+            .collect();
+        assert_eq!(masq.len(), 2, "{masq:?}");
+        assert_shared_elements_kept(&before, &Desired::new());
+    }
+
+    #[test]
+    fn listeners_that_share_elements_change_and_go_together_in_one_transaction() {
+        let both = ["10.0.0.1", "10.0.0.2"];
+        let vips = ["192.0.2.10", "192.0.2.11", "2001:db8::10"];
+        let mut before = Desired::new();
+        for vip in vips {
+            for port in [80, 8080, 8443, 9090] {
+                let members: &[&str] = if vip.contains(':') {
+                    &["2001:db8::1", "2001:db8::2"]
+                } else {
+                    &both
+                };
+                before.insert(id(vip, port), listener(members, members));
+            }
+            // A UDP listener on the same nodeport: elements of its own.
+            let mut udp = id(vip, 80);
+            udp.1 = Protocol::Udp;
+            before.insert(udp, before[&id(vip, 80)].clone());
+        }
+        // Many go, some change (a member leaves, the nodeport moves, no
+        // more masquerade), one comes.
+        let mut after = before.clone();
+        for vip in vips {
+            after.remove(&id(vip, 8080));
+            after.remove(&id(vip, 8443));
+        }
+        after.get_mut(&id("192.0.2.10", 9090)).unwrap().backend_port = 30081;
+        after.get_mut(&id("192.0.2.11", 80)).unwrap().members.pop();
+        after.get_mut(&id("192.0.2.11", 9090)).unwrap().source_nat = SourceNat::None;
+        after.insert(id("192.0.2.12", 80), listener(&both, &both));
+        assert_shared_elements_kept(&before, &after);
+        assert_shared_elements_kept(&after, &before);
+        assert_shared_elements_kept(&before, &Desired::new());
+        let mut gone_all_but_one = Desired::new();
+        gone_all_but_one.insert(
+            id("192.0.2.11", 9090),
+            before[&id("192.0.2.11", 9090)].clone(),
+        );
+        assert_shared_elements_kept(&before, &gone_all_but_one);
+        // An unchanged state writes nothing.
+        assert_shared_elements_kept(&before, &before);
+    }
+
+    #[test]
+    fn masquerade_users_are_counted_per_vip_backend_and_nodeport() {
+        let both = ["10.0.0.1", "10.0.0.2"];
+        let mut d = Desired::new();
+        d.insert(id("192.0.2.10", 80), listener(&both, &both));
+        d.insert(id("192.0.2.10", 8080), listener(&both, &both));
+        let mut none = listener(&both, &both);
+        none.source_nat = SourceNat::None;
+        d.insert(id("192.0.2.10", 81), none);
+        let users = masq_users(&d);
+        let key = |b: &str| (ip("192.0.2.10"), ip(b), Protocol::Tcp, 30080);
+        assert_eq!(users.get(&key("10.0.0.1")), Some(&2));
+        assert_eq!(users.get(&key("10.0.0.2")), Some(&2));
+        assert_eq!(users.len(), 2, "source_nat = none uses none: {users:?}");
+        // Another VIP's users are not looked at.
+        let vips: BTreeSet<IpAddr> = [ip("192.0.2.99")].into();
+        assert_eq!(
+            masq_difference(&d, &Desired::new(), &vips),
+            Default::default()
+        );
+    }
+
+    fn ip(s: &str) -> IpAddr {
+        s.parse().unwrap()
     }
 
     #[test]

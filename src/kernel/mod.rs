@@ -49,7 +49,10 @@
 //!
 //! The userspace listener stays bound: removing a VIP's `dispatch` element
 //! hands its new connections back to the proxy at once (DNAT happens
-//! before the local socket), which is how a failed write falls back.
+//! before the local socket), which is how a failed write falls back. A
+//! write the kernel refuses is first narrowed to the owners (load
+//! balancers) whose listeners it refuses (`narrow`): they alone fall back,
+//! and everyone else is written.
 //!
 //! The tables are read back and compared with what was written every
 //! [`crate::owned::CHECK_INTERVAL`] and at every reload (`check`); what
@@ -62,6 +65,7 @@
 mod build;
 mod check;
 mod conntrack;
+mod narrow;
 mod netlink;
 mod nft;
 mod sync;
@@ -69,7 +73,7 @@ mod sync;
 pub use build::{BUCKETS, Obj, Owned, TABLE, bucket_key, buckets, transaction};
 pub use conntrack::{delete_stale_flows, open_connections};
 pub use nft::{NftError, counters, read_back};
-pub use sync::{Checked, KernelTable, Synced};
+pub use sync::{Checked, KernelTable, Narrowed, Refused, Synced};
 
 use std::collections::BTreeMap;
 use std::net::IpAddr;

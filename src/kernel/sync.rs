@@ -1,9 +1,12 @@
 //! Keeping the kernel's table equal to the desired state: one transaction
 //! per change, none when nothing changed, a full resync after a failure or
 //! after a check found the tables changed by another process
-//! ([`KernelTable::check`], see `check`).
+//! ([`KernelTable::check`], see `check`); a refused write narrowed to the
+//! owners whose listeners the kernel refuses, the rest written
+//! ([`KernelTable::narrow`]).
 
 use super::{Desired, KernelListener, ListenerId};
+use std::collections::{BTreeMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -13,6 +16,7 @@ use super::build::{
     Owned, has_backend_chains, partial_transaction_json, prelude, transaction_json,
 };
 use super::check::{self, Compared, Expected, Impaired};
+use super::narrow::{self, MAX_CHECKS};
 use super::netlink;
 use super::nft::{self, NftError};
 
@@ -81,6 +85,11 @@ struct State {
     closed: bool,
     /// The flips' netlink socket, once opened; dropped after a failure.
     writer: Option<netlink::Writer>,
+    /// What `applied` was when an `nft` write failed, until one succeeds:
+    /// a refused transaction changes nothing, so the kernel still holds
+    /// it. Narrowing ([`KernelTable::narrow`]) suspects only the owners
+    /// whose listeners differ from it, and writes the rest from it.
+    failed_from: Option<Desired>,
     /// What the checks compare the kernel's tables with.
     check: CheckMemory,
 }
@@ -145,7 +154,8 @@ impl State {
                 Some(Ok(Synced::Written(started.elapsed())))
             }
             Err(e) => {
-                self.applied = None;
+                // A refused batch changes nothing: see `failed_from`.
+                self.failed_from = self.applied.take();
                 self.error = Some(e.clone());
                 Some(Err(e))
             }
@@ -157,6 +167,34 @@ impl State {
 #[derive(Debug, Default)]
 pub struct KernelTable {
     state: Mutex<State>,
+    /// The owners whose listeners the kernel refused, by name, with when:
+    /// apart from `state`, so that `/status` does not wait out a write.
+    refused: Mutex<BTreeMap<String, (Refused, Instant)>>,
+}
+
+/// An owner (a load balancer) whose listeners the kernel refused to take
+/// while it took everyone else's: its kernel listeners are served by the
+/// proxy until a write with them succeeds.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "the kernel refused the NAT objects of load balancer {owner:?} ({detail}); its forwarding = \"kernel\" listeners are served by the proxy meanwhile, and the other load balancers' stay in the kernel"
+)]
+pub struct Refused {
+    /// The owner's name.
+    pub owner: String,
+    /// The kernel's answer, in nft's words.
+    detail: String,
+}
+
+/// What [`KernelTable::narrow`] found and did.
+#[derive(Debug)]
+pub struct Narrowed {
+    /// The owners left out, each with the kernel's answer.
+    pub refused: Vec<Refused>,
+    /// Their listeners, none of which is in the kernel now.
+    pub left_out: Vec<ListenerId>,
+    /// The write of everything else.
+    pub synced: Result<Synced, NftError>,
 }
 
 impl KernelTable {
@@ -217,6 +255,7 @@ impl KernelTable {
                     st.note_write(desired, before.as_ref());
                 }
                 st.error = None;
+                st.failed_from = None;
                 Ok(if written {
                     Synced::Written(started.elapsed())
                 } else {
@@ -224,7 +263,9 @@ impl KernelTable {
                 })
             }
             Err(e) => {
-                st.applied = None;
+                if let Some(applied) = st.applied.take() {
+                    st.failed_from = Some(applied);
+                }
                 st.error = Some(e.clone());
                 Err(e)
             }
@@ -443,6 +484,128 @@ impl KernelTable {
     pub fn impaired(&self, id: &ListenerId) -> Option<String> {
         self.lock().check.impaired.reason(id).map(str::to_string)
     }
+}
+
+/// Narrowing a refused write to its owners (see `kernel::narrow`).
+impl KernelTable {
+    /// After [`Self::sync`] of `desired` failed: finds the owners whose
+    /// listeners the kernel refuses (`owners`: each owner's listeners; a
+    /// load balancer's, for the daemon), leaves them out and writes the
+    /// rest, so one tenant's objects cost no other tenant the kernel path.
+    /// Only owners whose listeners differ from what the kernel held before
+    /// the failure are suspects (all, when that is unknown). `None`: no
+    /// owner's listeners are refused alone (the failure is the table's own,
+    /// or `nft`'s), nothing written. Blocking: it runs `nft`; the state is
+    /// not locked during the checks.
+    pub fn narrow(
+        &self,
+        desired: &Desired,
+        owners: &[(String, Vec<ListenerId>)],
+    ) -> Option<Narrowed> {
+        let before = {
+            let st = self.lock();
+            if st.closed {
+                return None;
+            }
+            st.failed_from.clone()
+        };
+        let suspects: Vec<&(String, Vec<ListenerId>)> = owners
+            .iter()
+            .filter(|(_, ids)| {
+                ids.iter().any(|id| match &before {
+                    Some(b) => desired.get(id).is_some_and(|l| b.get(id) != Some(l)),
+                    None => desired.contains_key(id),
+                })
+            })
+            .collect();
+        let of = |set: &[usize]| -> Desired {
+            set.iter()
+                .flat_map(|&i| &suspects[i].1)
+                .filter_map(|id| desired.get_key_value(id))
+                .map(|(id, l)| (*id, l.clone()))
+                .collect()
+        };
+        // The table's own parts refused (no `nft`, no CAP_NET_ADMIN): no
+        // owner is to blame.
+        if suspects.is_empty() || check_alone(&Desired::new()).is_err() {
+            return None;
+        }
+        let found = narrow::bisect(suspects.len(), MAX_CHECKS, |set| check_alone(&of(set)));
+        if found.is_empty() {
+            return None;
+        }
+        let left_out: HashSet<ListenerId> = found
+            .iter()
+            .flat_map(|(i, _)| suspects[*i].1.iter().copied())
+            .collect();
+        let rest: Desired = desired
+            .iter()
+            .filter(|(id, _)| !left_out.contains(id))
+            .map(|(id, l)| (*id, l.clone()))
+            .collect();
+        let refused: Vec<Refused> = found
+            .into_iter()
+            .map(|(i, e)| Refused {
+                owner: suspects[i].0.clone(),
+                detail: e.detail().to_string(),
+            })
+            .collect();
+        {
+            // The refused write changed nothing: what is written now is
+            // the difference from what the kernel held before it.
+            let mut st = self.lock();
+            if st.applied.is_none() {
+                st.applied = st.failed_from.clone();
+            }
+        }
+        let synced = self.sync(&rest);
+        let now = Instant::now();
+        let mut held = self.refusals();
+        for r in &refused {
+            held.insert(r.owner.clone(), (r.clone(), now));
+        }
+        Some(Narrowed {
+            refused,
+            left_out: left_out.into_iter().collect(),
+            synced,
+        })
+    }
+
+    fn refusals(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, (Refused, Instant)>> {
+        self.refused.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Why the kernel refused `owner`'s listeners, while it stands.
+    pub fn refusal(&self, owner: &str) -> Option<Refused> {
+        self.refusals().get(owner).map(|(r, _)| r.clone())
+    }
+
+    /// Every refused owner, with when it was (last) refused.
+    pub fn refused(&self) -> BTreeMap<String, Instant> {
+        self.refusals()
+            .iter()
+            .map(|(o, (_, at))| (o.clone(), *at))
+            .collect()
+    }
+
+    /// Forgets the refusals of `owners`: a write with their listeners
+    /// succeeded, or they are gone from the config.
+    pub fn accept<'a>(&self, owners: impl IntoIterator<Item = &'a str>) {
+        let mut held = self.refusals();
+        for o in owners {
+            held.remove(o);
+        }
+    }
+}
+
+/// Whether the kernel takes `listeners` alone, as a full write of a table
+/// that held nothing would put them (`nft --check`: through the kernel,
+/// committing nothing). Their prelude is written: it declares empty maps
+/// and sets, which change no packet's path.
+fn check_alone(listeners: &Desired) -> Result<(), NftError> {
+    nft::prepare(prelude(listeners, None, &Owned::default()))?;
+    let json = transaction_json(listeners, &Owned::default());
+    nft::run("check", &["-c", "-j", "-f", "-"], &json).map(drop)
 }
 
 #[cfg(test)]

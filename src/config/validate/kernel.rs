@@ -101,6 +101,9 @@ impl Validator<'_> {
                 ),
             );
         }
+        if let Some(vip) = vip {
+            self.kernel_families(key, lb, vip, &lkey);
+        }
         // round_robin is `numgen`, source_ip a bucket map filled by the
         // proxy's rendezvous hash, client_ip affinity a dynamic set per
         // backend: only least_connections has no kernel form.
@@ -203,6 +206,41 @@ impl Validator<'_> {
                     ),
                 );
             }
+        }
+    }
+
+    /// Backends of the other address family than the VIP's, which a kernel
+    /// listener cannot reach: its DNAT rewrites the destination of an IPv4
+    /// packet with an IPv4 address (IPv6 alike), and nft refuses the rule.
+    /// Were it written, the transaction would fail for every load balancer
+    /// at once; the proxy connects to either family, so only kernel
+    /// listeners are refused. A DHCP VIP is IPv4 (`0.0.0.0` until leased).
+    fn kernel_families(&mut self, key: &str, lb: &FileLoadBalancer, vip: IpAddr, lkey: &str) {
+        let name = lb.name.as_ref().map_or("", |n| n.get_ref().as_str());
+        let family = |ip: IpAddr| if ip.is_ipv4() { "IPv4" } else { "IPv6" };
+        for (i, b) in lb.backends.iter().enumerate() {
+            // A backend that is no address is told by `backends`.
+            let Ok(ip) = b.get_ref().parse::<IpAddr>().map(|ip| ip.to_canonical()) else {
+                continue;
+            };
+            if ip.is_ipv4() == vip.is_ipv4() {
+                continue;
+            }
+            let vip_said = if vip.is_unspecified() {
+                "leased over DHCP".to_string()
+            } else {
+                vip.to_string()
+            };
+            self.problem(
+                Some(b.span()),
+                &format!("{key}.backends[{i}]"),
+                format!(
+                    "load balancer {name:?}: backend {ip} is {} and the VIP ({vip_said}) is {}, and {lkey} is \"kernel\": the kernel's NAT cannot forward a connection to an address of the other family; give this load balancer {} backends, or use forwarding = \"proxy\" (the proxy connects to either family)",
+                    family(ip),
+                    family(vip),
+                    family(vip),
+                ),
+            );
         }
     }
 }
