@@ -997,6 +997,24 @@ async fn netns_two_daemons_on_one_table_never_delete_each_others_routes() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     assert!(polls > 50, "{polls} polls");
+    // `withdraw --all` (ExecStopPost=) deletes nothing while a live daemon
+    // holds the table.
+    let out = Command::new("ip")
+        .args([
+            "netns",
+            "exec",
+            &lbns.name,
+            env!("CARGO_BIN_EXE_harvester-lb"),
+        ])
+        .args(["withdraw", "--all", "--table", "100"])
+        .output()
+        .expect("run withdraw --all");
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && said.contains(&format!("(pid {first_pid})")),
+        "{said}"
+    );
+    assert!(announced(&bed.lb, &AVIP.to_string()), "{}", table(&bed.lb));
     // The first stops (withdrawing its own): the second takes the table.
     let mut one = bed.take_daemon();
     one.signal(libc::SIGTERM);

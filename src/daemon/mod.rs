@@ -105,8 +105,9 @@ pub struct Daemon {
     kernel_task: AtomicBool,
     /// `vip.announce = "routes"`: the VIPs' routes and addresses.
     announcer: announce::Announcer,
-    /// Load balancers the VIP guard refused at the last apply.
-    vip_refusals: Mutex<Vec<VipRefusal>>,
+    /// What the VIP guard refused at the last apply, and which VIPs passed
+    /// its last check of the host.
+    vip_guard: Mutex<vip_guard::Kept>,
 }
 
 #[derive(Default)]
@@ -212,7 +213,7 @@ impl Daemon {
             kernel_task: AtomicBool::new(false),
             forwarding_off: std::sync::atomic::AtomicU8::new(0),
             announcer: announce::Announcer::default(),
-            vip_refusals: Mutex::new(Vec::new()),
+            vip_guard: Mutex::new(vip_guard::Kept::default()),
         })
     }
 

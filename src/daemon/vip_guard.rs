@@ -9,9 +9,11 @@
 //! the refused load balancers out of the config put in force, and keeps
 //! them for `/status` (`vip_refused`), the log (one error per refusal
 //! that is new) and the `vip_refused` gauge. A host whose addresses cannot
-//! be read is logged and the config applied unchecked, except with
-//! announcing, which then refuses every VIP: nothing is announced that was
-//! not checked.
+//! be read (read twice) is logged and the config applied unchecked, except
+//! with announcing: then a VIP that passed the last check that could read
+//! the host keeps its place, and any other is refused (`unchecked`), so
+//! nothing is announced that was never checked and a failed read at a
+//! reload does not take every tenant down.
 
 use std::collections::BTreeSet;
 use std::net::IpAddr;
@@ -21,6 +23,15 @@ use serde::Serialize;
 use super::Daemon;
 use crate::config::Config;
 use crate::vip::host::{HostNet, judge};
+
+/// What the guard keeps between applies.
+#[derive(Debug, Default)]
+pub(super) struct Kept {
+    /// The refusals of the last apply (`/status`).
+    refusals: Vec<VipRefusal>,
+    /// The VIPs that passed the last check that read the host.
+    passed: BTreeSet<IpAddr>,
+}
 
 /// One load balancer the guard refused, in `/status`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -48,17 +59,31 @@ impl Daemon {
             self.set_vip_refusals(Vec::new());
             return config;
         }
-        let host = match crate::vip::announce::RouteWriter::connect() {
-            Ok(w) => HostNet::read(w.handle()).await,
-            Err(e) => Err(e),
-        };
+        let mut host = read_host().await;
+        if host.is_err() {
+            host = read_host().await;
+        }
         let ours = self.announce_own_addresses().await;
-        let refusals = refusals(&config, host.as_ref().map_err(ToString::to_string), &ours);
+        let passed = self.kept().passed.clone();
+        let refusals = refusals(
+            &config,
+            host.as_ref().map_err(ToString::to_string),
+            &ours,
+            &passed,
+        );
+        if host.is_ok() {
+            self.kept().passed = config
+                .load_balancers
+                .iter()
+                .map(|lb| lb.vip)
+                .filter(|vip| !refusals.iter().any(|r| r.vip == *vip))
+                .collect();
+        }
         if let Err(e) = &host {
             tracing::error!(
                 "vip guard: cannot read this host's addresses and routes: {e}; VIPs are not checked against them{}",
                 if config.vip.announce.enabled() {
-                    " and, with vip.announce = \"routes\", every load balancer is refused"
+                    " and, with vip.announce = \"routes\", a VIP that did not pass the last check is refused"
                 } else {
                     ""
                 }
@@ -72,10 +97,14 @@ impl Daemon {
         config
     }
 
+    fn kept(&self) -> std::sync::MutexGuard<'_, Kept> {
+        self.vip_guard.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
     /// Keeps `now` for `/status` and the gauge; logs each one that is new.
     fn set_vip_refusals(&self, now: Vec<VipRefusal>) {
-        let mut kept = self.vip_refusals.lock().unwrap_or_else(|p| p.into_inner());
-        for r in now.iter().filter(|r| !kept.contains(r)) {
+        let mut kept = self.kept();
+        for r in now.iter().filter(|r| !kept.refusals.contains(r)) {
             tracing::error!(
                 load_balancer = %r.load_balancer,
                 vip = %r.vip,
@@ -86,24 +115,29 @@ impl Daemon {
             );
         }
         self.metrics.set_vip_refused(now.len());
-        *kept = now;
+        kept.refusals = now;
     }
 
     /// The load balancers refused at the last apply (`/status`).
     pub fn vip_refusals(&self) -> Vec<VipRefusal> {
-        self.vip_refusals
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone()
+        self.kept().refusals.clone()
     }
 }
 
+/// This host's addresses and routes, over a netlink socket of its own.
+async fn read_host() -> Result<HostNet, crate::vip::announce::AnnounceError> {
+    let writer = crate::vip::announce::RouteWriter::connect()?;
+    HostNet::read(writer.handle()).await
+}
+
 /// The refusals of `config`'s load balancers on a host `host` (or the
-/// reason it could not be read), the daemon's own addresses being `ours`.
+/// reason it could not be read), the daemon's own addresses being `ours`
+/// and `passed` the VIPs the last check that read the host let through.
 fn refusals(
     config: &Config,
     host: Result<&HostNet, String>,
     ours: &BTreeSet<IpAddr>,
+    passed: &BTreeSet<IpAddr>,
 ) -> Vec<VipRefusal> {
     let announce = &config.vip.announce;
     config
@@ -117,7 +151,9 @@ fn refusals(
                     (r.kind(), r.to_string())
                 }
                 Err(ref e)
-                    if announce.enabled() && !lb.vip.to_canonical().is_loopback() =>
+                    if announce.enabled()
+                        && !lb.vip.to_canonical().is_loopback()
+                        && !passed.contains(&lb.vip) =>
                 {
                     (
                         "unchecked",
@@ -173,7 +209,7 @@ mod tests {
     #[test]
     fn each_refused_load_balancer_is_named_alone_with_what_the_host_uses_it_for() {
         let plain = config(LBS);
-        let r = refusals(&plain, Ok(&host()), &BTreeSet::new());
+        let r = refusals(&plain, Ok(&host()), &BTreeSet::new(), &BTreeSet::new());
         assert_eq!(
             kinds(&r),
             [("a/own", "host_address"), ("b/router", "gateway")]
@@ -187,7 +223,7 @@ mod tests {
         let announcing = config(&format!(
             "[vip]\nannounce = \"routes\"\nannounce_prefixes = [\"203.0.113.0/24\", \"192.0.2.0/24\"]\n{LBS}"
         ));
-        let r = refusals(&announcing, Ok(&host()), &BTreeSet::new());
+        let r = refusals(&announcing, Ok(&host()), &BTreeSet::new(), &BTreeSet::new());
         assert_eq!(
             kinds(&r),
             [
@@ -199,14 +235,20 @@ mod tests {
     }
 
     #[test]
-    fn an_unreadable_host_refuses_only_what_would_be_announced() {
+    fn an_unreadable_host_refuses_only_what_would_be_announced_and_never_passed() {
+        let none = BTreeSet::new();
         let plain = config(LBS);
-        assert!(refusals(&plain, Err("no netlink".into()), &BTreeSet::new()).is_empty());
+        assert!(refusals(&plain, Err("no netlink".into()), &none, &none).is_empty());
         let announcing = config(&format!(
             "[vip]\nannounce = \"routes\"\nannounce_prefixes = [\"0.0.0.0/1\", \"128.0.0.0/1\"]\n{LBS}"
         ));
-        let r = refusals(&announcing, Err("no netlink".into()), &BTreeSet::new());
+        let r = refusals(&announcing, Err("no netlink".into()), &none, &none);
         assert_eq!(r.len(), 4, "every VIP but the loopback one: {r:?}");
         assert!(r.iter().all(|r| r.kind == "unchecked"));
+        // A failed read at a reload keeps what passed the last check.
+        let passed: BTreeSet<IpAddr> = ["203.0.113.5".parse().unwrap()].into();
+        let r = refusals(&announcing, Err("ENOBUFS".into()), &none, &passed);
+        assert_eq!(r.len(), 3, "{r:?}");
+        assert!(r.iter().all(|r| r.vip != passed.first().copied().unwrap()));
     }
 }

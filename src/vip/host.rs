@@ -14,8 +14,8 @@
 //!   address (/32, /128) that is plainly a VIP: with announcing, one on the
 //!   announcing interface inside `announce_prefixes` (put there by hand or
 //!   by an earlier run on a kernel without the tag); without announcing,
-//!   one beside a subnet address of the same family on its interface (how
-//!   keepalived and kube-vip hold a VIP they moved here);
+//!   one on `lo` or beside a subnet address of the same family on its
+//!   interface (how keepalived and kube-vip hold a VIP they moved here);
 //! - with announcing, any VIP outside `vip.announce_prefixes`.
 //!
 //! Loopback VIPs (127.0.0.0/8, `::1`) are never refused: they reach only
@@ -127,6 +127,10 @@ impl Refusal {
     }
 }
 
+/// The loopback interface, where kube-vip (BGP mode) and hand-written
+/// setups hold VIPs as host addresses.
+const LOOPBACK: &str = "lo";
+
 fn host_prefix(ip: IpAddr) -> u8 {
     if ip.is_ipv4() { 32 } else { 128 }
 }
@@ -159,11 +163,12 @@ pub fn judge(
             host_route && a.interface == announce.interface && announce.allows(vip)
         } else {
             host_route
-                && host.addresses.iter().any(|o| {
-                    o.interface == a.interface
-                        && o.ip.is_ipv4() == vip.is_ipv4()
-                        && o.prefix_len < host_prefix(vip)
-                })
+                && (a.interface == LOOPBACK
+                    || host.addresses.iter().any(|o| {
+                        o.interface == a.interface
+                            && o.ip.is_ipv4() == vip.is_ipv4()
+                            && o.prefix_len < host_prefix(vip)
+                    }))
         };
         if !plainly_a_vip {
             return Some(Refusal::Address {
@@ -467,7 +472,21 @@ mod tests {
     fn without_announcing_a_moved_vip_beside_the_interfaces_address_is_taken() {
         let none = AnnounceSettings::default();
         assert_eq!(kind("192.0.2.201", &none), None, "keepalived's VIP");
-        assert_eq!(kind("10.255.0.1", &none), None, "a /32 beside 127.0.0.1/8");
+        assert_eq!(kind("10.255.0.1", &none), None, "a /32 on lo");
+        let mut h = host();
+        h.addresses.push(addr("2001:db8:99::1", 128, "lo", false));
+        h.addresses.push(addr("2001:db8:77::1", 128, "ens4", false));
+        let judge6 = |vip: &str| judge(ip(vip), &h, &BTreeSet::new(), &none).map(|r| r.kind());
+        assert_eq!(
+            judge6("2001:db8:99::1"),
+            None,
+            "a /128 on lo (only ::1 beside)"
+        );
+        assert_eq!(
+            judge6("2001:db8:77::1"),
+            Some("host_address"),
+            "alone on ens4"
+        );
         assert_eq!(kind("198.51.100.7", &none), None, "held by nobody");
     }
 
