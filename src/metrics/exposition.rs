@@ -435,6 +435,11 @@ impl Exposition {
             &names::CONNECTION_LOG_LINES_DROPPED,
             &super::CONNECTION_LOG_LINES_DROPPED.get(),
         );
+        gauge(
+            buf,
+            &names::LOG_LINES_DROPPED,
+            &crate::logging::lines_dropped(),
+        );
         let mut headed = false;
         let mut out = Out {
             buf,

@@ -375,6 +375,13 @@ pub static CONNECTION_LOG_LINES_DROPPED: Family = Family::new(
     Counter,
     "Connection log lines not written because log.max_connection_lines_per_second was reached.",
 );
+/// Log lines lost because stderr was not read fast enough (the queue of
+/// `crate::logging` was full) or could not be written at all.
+pub static LOG_LINES_DROPPED: Family = Family::new(
+    "harvester_lb_log_lines_dropped_total",
+    Counter,
+    "Log lines lost because stderr was not being read (the log queue was full) or could not be written; the log says how many once the writer catches up.",
+);
 /// `forwarding = "kernel"`: 1 when the nftables NAT table of the config
 /// in force is in the kernel, 0 when the last write failed (the kernel
 /// listeners' new connections go to the proxy); absent before any kernel
