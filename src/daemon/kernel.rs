@@ -43,6 +43,8 @@ struct Kept {
     generation: u64,
     /// The host's forwarding it was built with.
     forwarding_off: u8,
+    /// The reading of other programs' forward chains it was built with.
+    forward_chains: u64,
     desired: Desired,
 }
 
@@ -132,9 +134,11 @@ impl Daemon {
         } else {
             (2, "net.ipv6.conf.all.forwarding")
         };
-        (off & bit != 0).then(|| {
-            format!("{sysctl} is 0 on this host: the kernel would drop the packets it forwards; set it to 1 (the daemon does not change it); the proxy serves this listener meanwhile")
-        })
+        (off & bit != 0)
+            .then(|| {
+                format!("{sysctl} is 0 on this host: the kernel would drop the packets it forwards; set it to 1 (the daemon does not change it); the proxy serves this listener meanwhile")
+            })
+            .or_else(|| self.forward_chain_blocked(vip))
     }
 
     /// The kernel listeners of the config in force, with the backends
@@ -152,19 +156,23 @@ impl Daemon {
     fn kernel_desired_update(&self, kept: &mut Option<Kept>) -> Rebuilt {
         self.check_ip_forwarding();
         let forwarding_off = self.forwarding_off.load(Ordering::Acquire);
+        let forward_chains = self.forward_chains.generation();
         let st = self.lock();
         let Some(config) = &st.config else {
             let previous = kept.take().map(|k| k.desired);
             *kept = Some(Kept {
                 generation: st.config_generation,
                 forwarding_off,
+                forward_chains,
                 desired: Desired::new(),
             });
             return Rebuilt::Whole { previous };
         };
         let mut changed = Vec::new();
         let whole = !kept.as_ref().is_some_and(|k| {
-            k.generation == st.config_generation && k.forwarding_off == forwarding_off
+            k.generation == st.config_generation
+                && k.forwarding_off == forwarding_off
+                && k.forward_chains == forward_chains
         });
         let mut desired = if whole {
             Desired::new()
@@ -189,6 +197,7 @@ impl Daemon {
         *kept = Some(Kept {
             generation: st.config_generation,
             forwarding_off,
+            forward_chains,
             desired,
         });
         if whole {
@@ -271,6 +280,9 @@ impl Daemon {
                 if daemon.check_ip_forwarding() {
                     daemon.kernel_wake.notify_one();
                 }
+                if daemon.check_forward_chains().await {
+                    daemon.kernel_wake.notify_one();
+                }
                 daemon.read_kernel_counters().await;
                 daemon.read_kernel_connections().await;
             }
@@ -294,6 +306,12 @@ impl Daemon {
                 daemon.announcer_wake();
                 if daemon.is_stopping() {
                     return;
+                }
+                // A new config (the first, a reload) may bring the first
+                // kernel listener: judge the forward chains before writing.
+                let generation = daemon.lock().config_generation;
+                if kept.as_ref().is_none_or(|k| k.generation != generation) {
+                    daemon.check_forward_chains().await;
                 }
                 let rebuilt = daemon.kernel_desired_update(&mut kept);
                 let Some(k) = kept.take() else { continue };

@@ -80,6 +80,9 @@ pub struct Metrics {
     pub(crate) kernel_sync_seconds: AtomicU64,
     /// 0: never written (no series), 1: in force, 2: the last write failed.
     pub(crate) kernel_up: std::sync::atomic::AtomicU8,
+    /// Other programs' forward chains: 0 not read (no kernel listener),
+    /// 1 none drops what the kernel forwards, 2 one does.
+    pub(crate) kernel_forward_blocked: std::sync::atomic::AtomicU8,
     /// The kernel's new-connection counts per backend of each kernel
     /// listener, as last read.
     pub(crate) kernel_backends: std::sync::Mutex<Vec<KernelBackendCount>>,

@@ -391,6 +391,14 @@ pub static KERNEL_FORWARDING_UP: Family = Family::new(
     Gauge,
     "1 when the kernel NAT table of the configuration in force and the current health verdicts is in the kernel, 0 when writing it failed and the proxy serves the kernel listeners.",
 );
+/// `forwarding = "kernel"`: 1 while another program's forward chain
+/// (Docker's `policy drop`) would drop what the kernel forwards, so the
+/// kernel listeners of that family are served by the proxy.
+pub static KERNEL_FORWARD_BLOCKED: Family = Family::new(
+    "harvester_lb_kernel_forward_blocked",
+    Gauge,
+    "1 while a forward chain of another program (e.g. Docker's policy drop) drops the connections the kernel forwards; the kernel listeners of that family are served by the proxy meanwhile (see /status kernel_error).",
+);
 /// Writes of the kernel NAT table, by `result`.
 pub static KERNEL_SYNCS: Family = Family::new(
     "harvester_lb_kernel_syncs_total",
