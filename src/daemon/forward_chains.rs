@@ -9,7 +9,8 @@
 //! while the NAT table is written (`kernel_forwarding_up` 1). Like
 //! `net.ipv4.ip_forward = 0`, this is a host setting the daemon does not
 //! change; it reads the forward base chains of the other tables every
-//! 5 s (`nft -j list chains`, then the few tables that have one), and while
+//! 5 s (over netlink, then `nft -j list table` for the few tables that
+//! have one), and while
 //! one would drop DNATed traffic the kernel listeners of that family are
 //! served by the proxy (whose traffic is local, not forwarded), `/status`
 //! names the chain in `kernel_error`, and `harvester_lb_kernel_forward_blocked`
@@ -33,6 +34,7 @@ use serde_json::Value;
 
 use super::Daemon;
 use crate::config::Forwarding;
+use crate::kernel::ForwardChain;
 
 /// The prefix of every table the daemon owns: never judged.
 const OWN_TABLES: &str = "harvester_lb";
@@ -192,15 +194,15 @@ impl Daemon {
     }
 }
 
-/// `nft -j list chains`, then each other table with a forward base chain:
-/// the chains that drop DNATed traffic.
+/// The forward base chains over netlink, then each other table that has
+/// one with `nft -j list table` (cheap: nft lists that table alone): the
+/// chains that drop DNATed traffic.
 fn read_blocking_chains() -> Result<Vec<Blocking>, String> {
-    let chains = crate::nft::run(&["-j", "list", "chains"], b"")?;
-    let chains: Value =
-        serde_json::from_str(&chains).map_err(|e| format!("nft -j list chains: {e}"))?;
+    let chains = crate::kernel::forward_base_chains()
+        .map_err(|e| format!("the host's chains over netlink: {e}"))?;
     let mut found = Vec::new();
     for (family, table) in forward_tables(&chains) {
-        let listed = crate::nft::run(&["-j", "list", "table", &family, &table], b"")?;
+        let listed = crate::nft::run(&["-j", "list", "table", family, &table], b"")?;
         let listed: Value = serde_json::from_str(&listed)
             .map_err(|e| format!("nft -j list table {family} {table}: {e}"))?;
         found.extend(blocking_in_table(&listed));
@@ -213,16 +215,12 @@ fn objects(doc: &Value) -> impl Iterator<Item = &Value> {
     doc["nftables"].as_array().into_iter().flatten()
 }
 
-/// The (family, table) of every forward base chain in IP families, but the
-/// daemon's own.
-fn forward_tables(chains: &Value) -> Vec<(String, String)> {
-    let mut out: Vec<(String, String)> = objects(chains)
-        .filter_map(|o| o.get("chain"))
-        .filter(|c| c["hook"] == "forward")
-        .filter(|c| matches!(c["family"].as_str(), Some("ip" | "ip6" | "inet")))
-        .filter_map(|c| Some((c["family"].as_str()?, c["table"].as_str()?)))
-        .filter(|(_, t)| !t.starts_with(OWN_TABLES))
-        .map(|(f, t)| (f.to_string(), t.to_string()))
+/// The (family, table) of every forward base chain but the daemon's own.
+fn forward_tables(chains: &[ForwardChain]) -> Vec<(&'static str, String)> {
+    let mut out: Vec<(&'static str, String)> = chains
+        .iter()
+        .filter(|c| !c.table.starts_with(OWN_TABLES))
+        .map(|c| (c.family, c.table.clone()))
         .collect();
     out.sort();
     out.dedup();
@@ -457,23 +455,22 @@ mod tests {
     }
 
     #[test]
-    fn only_other_tables_forward_chains_in_ip_families_are_read() {
-        let chains = serde_json::json!({"nftables": [
-            {"metainfo": {}},
-            {"chain": {"family": "ip", "table": "filter", "name": "FORWARD", "hook": "forward", "policy": "drop"}},
-            {"chain": {"family": "ip", "table": "filter", "name": "INPUT", "hook": "input", "policy": "drop"}},
-            {"chain": {"family": "ip", "table": "filter", "name": "DOCKER-USER"}},
-            {"chain": {"family": "inet", "table": "harvester_lb_nat", "name": "fw", "hook": "forward", "policy": "accept"}},
-            {"chain": {"family": "bridge", "table": "br", "name": "fw", "hook": "forward", "policy": "drop"}},
-            {"chain": {"family": "inet", "table": "fw", "name": "a", "hook": "forward", "policy": "accept"}},
-            {"chain": {"family": "inet", "table": "fw", "name": "b", "hook": "forward", "policy": "drop"}},
-        ]});
+    fn only_other_tables_are_read_each_once() {
+        let chain = |family, table: &str, name: &str| ForwardChain {
+            family,
+            table: table.to_string(),
+            name: name.to_string(),
+        };
+        let chains = [
+            chain("ip", "filter", "FORWARD"),
+            chain("inet", "harvester_lb_nat", "fw"),
+            chain("inet", "harvester_lb", "fw"),
+            chain("inet", "fw", "a"),
+            chain("inet", "fw", "b"),
+        ];
         assert_eq!(
             forward_tables(&chains),
-            [
-                ("inet".to_string(), "fw".to_string()),
-                ("ip".to_string(), "filter".to_string())
-            ]
+            [("inet", "fw".to_string()), ("ip", "filter".to_string())]
         );
     }
 }
