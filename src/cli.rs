@@ -10,9 +10,11 @@ use harvester_lb::StartError;
 use harvester_lb::admin::client;
 use harvester_lb::config;
 use harvester_lb::import;
+use harvester_lb::logging;
 use harvester_lb::server::{self, RunError};
 use harvester_lb::workers::{self, Runtimes};
 use tracing_subscriber::field::MakeExt as _;
+use tracing_subscriber::fmt::writer::BoxMakeWriter;
 
 use crate::args::{AnnounceState, BackendState, LogFormat, Scheduler};
 
@@ -26,12 +28,25 @@ pub const EXIT_START: u8 = 1;
 pub const EXIT_UNAVAILABLE: u8 = 69;
 
 /// Logs to stderr (journald captures it), filtered by `HARVESTER_LB_LOG`.
-pub fn init_tracing(format: LogFormat) {
+/// With `queued` (the daemon) each line goes through the bounded queue of
+/// [`harvester_lb::logging`] to a writer thread, so a reader of stderr that
+/// falls behind never stalls forwarding: keep the returned [`Flush`] until
+/// `main` returns, so queued lines (a start-up error) are written before
+/// the exit. The other commands write directly.
+///
+/// [`Flush`]: harvester_lb::logging::Flush
+pub fn init_tracing(format: LogFormat, queued: bool) -> Option<logging::Flush> {
     let filter = tracing_subscriber::EnvFilter::try_from_env("HARVESTER_LB_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let (writer, flush) = if queued {
+        let (queue, flush) = logging::queue_to_stderr();
+        (BoxMakeWriter::new(queue), Some(flush))
+    } else {
+        (BoxMakeWriter::new(std::io::stderr), None)
+    };
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr)
+        .with_writer(writer)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()));
     match format {
         // Every field and message through `text::escape`: a name from an
@@ -53,6 +68,7 @@ pub fn init_tracing(format: LogFormat) {
             .init(),
         LogFormat::Json => builder.json().init(),
     }
+    flush
 }
 
 pub fn check(path: &Path) -> ExitCode {

@@ -24,6 +24,8 @@
 //! * [`owned`]: kernel objects the daemon owns (the isolation table), read
 //!   back and repaired when another process changed them.
 //! * [`admin`], [`metrics`], [`systemd`]: how operators and machines see it.
+//! * [`logging`]: log lines queued to a writer thread of their own, so a
+//!   stalled stderr never stalls forwarding.
 //! * [`status_table`]: `/status` as a terminal table (`harvester-lb status`).
 //! * [`import`]: Harvester's `LoadBalancer` objects (and v0.1.x guest
 //!   `Service`s) to a config file; beside `check`, it reads only `config`.
@@ -47,6 +49,7 @@ pub mod health;
 pub mod import;
 pub mod kernel;
 pub mod log_limit;
+pub mod logging;
 pub mod metrics;
 pub mod net;
 pub mod nft;

@@ -19,7 +19,8 @@ static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn main() -> ExitCode {
     let args = Cli::parse();
-    cli::init_tracing(args.log_format);
+    // Held to the end of `main`: dropping it writes the queued lines.
+    let _flush = cli::init_tracing(args.log_format, matches!(args.command, Command::Run { .. }));
     match args.command {
         Command::Check { config } => cli::check(&config),
         Command::Reload { config } => cli::reload(&config),

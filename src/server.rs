@@ -275,6 +275,8 @@ pub async fn run(options: Options) -> Result<(), RunError> {
     tokio::spawn(async move {
         signals.stop().await;
         tracing::warn!("second stop signal: exiting without waiting for connections");
+        // `exit` drops nothing: write the queued lines first.
+        crate::logging::flush();
         std::process::exit(1);
     });
     server.shutdown().await;

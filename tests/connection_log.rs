@@ -662,3 +662,166 @@ async fn a_udp_flow_table_full() {
     assert_eq!(line["backend"], "-");
     backend.abort();
 }
+
+/// What a thread has read so far from the pipe that is the daemon's stderr.
+struct Drained(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl Drained {
+    /// Reads `pipe` on a thread of its own until the daemon closes it.
+    fn start(mut pipe: std::io::PipeReader) -> Self {
+        use std::io::Read;
+        let read = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let into = read.clone();
+        std::thread::spawn(move || {
+            let mut buf = [0u8; 64 * 1024];
+            while let Ok(n @ 1..) = pipe.read(&mut buf) {
+                into.lock().unwrap().extend_from_slice(&buf[..n]);
+            }
+        });
+        Self(read)
+    }
+
+    /// The complete lines read so far.
+    fn lines(&self) -> Vec<String> {
+        let text = String::from_utf8_lossy(&self.0.lock().unwrap()).into_owned();
+        let end = text.rfind('\n').map_or(0, |e| e + 1);
+        text[..end].lines().map(str::to_string).collect()
+    }
+
+    /// The connection lines read so far.
+    fn connection_lines(&self) -> usize {
+        self.lines()
+            .iter()
+            .filter(|l| l.contains("\"target\":\"harvester_lb::connection\""))
+            .count()
+    }
+}
+
+/// `count` clients of `vip`, `parallel` at a time, each connecting from
+/// `from` and waiting for the daemon to end its connection (the tests'
+/// load balancer has no backend: reset at once, one `no_backend` line each).
+async fn refused_clients(from: IpAddr, vip: SocketAddr, count: usize, parallel: usize) {
+    let each = count / parallel;
+    let tasks: Vec<_> = (0..parallel)
+        .map(|t| {
+            tokio::spawn(async move {
+                for i in 0..each {
+                    let stalled = |what: &str| {
+                        format!(
+                            "client {} of task {t} to {vip}: {what} within {WAIT:?}; the daemon has stopped forwarding",
+                            i + 1
+                        )
+                    };
+                    let connected = tokio::time::timeout(WAIT, connect_from(from, vip))
+                        .await
+                        .unwrap_or_else(|_| panic!("{}", stalled("no connection")));
+                    let Ok(mut s) = connected else { continue };
+                    let mut buf = [0u8; 64];
+                    // The reset (or, rarely, an EOF) is what the test waits for.
+                    let ended = tokio::time::timeout(WAIT, s.read(&mut buf)).await;
+                    assert!(ended.is_ok(), "{}", stalled("not reset"));
+                }
+            })
+        })
+        .collect();
+    for t in tasks {
+        t.await.expect("client task");
+    }
+}
+
+/// A journal that stops reading stalls no tenant: with stderr a pipe the
+/// test holds but does not read and one load balancer logging every
+/// connection, thousands of lines later another tenant is still served and
+/// `/healthz` answers; the lines past the queue are dropped and counted,
+/// and once the pipe is read again one line says how many were lost and
+/// nothing more is dropped. Lines queued at a clean stop are written.
+#[tokio::test]
+async fn a_stalled_stderr_stalls_no_tenant() {
+    let net = Subnet::new();
+    let _b = Backend::start(node(&net, 11), Behaviour::NameThenEcho).await;
+    let chatty = SocketAddr::new(net.ip(1), 8080);
+    let quiet = SocketAddr::new(net.ip(2), 8080);
+    let text = Config::on(&net)
+        // The bound must not be what drops lines here.
+        .text("[log]\nmax_connection_lines_per_second = 1000000")
+        // No backend: every client is reset at once, one line each.
+        .lb(Lb::new("default/chatty", net.ip(1))
+            .keys("log_connections = \"all\"")
+            .listener(Listener::new("http", 8080, 30080)))
+        .lb(Lb::new("default/quiet", net.ip(2))
+            .backends(net.ips(&[11]))
+            .listener(Listener::new("http", 8080, 30080)))
+        .to_string();
+    let path = net.write("config.toml", &text);
+    let (reader, writer) = std::io::pipe().expect("pipe");
+    let mut process = Process::launch(&path)
+        .global_args(&["--log-format", "json"])
+        .stderr(writer)
+        .spawn();
+    let admin = SocketAddr::new(net.ip(250), 9901);
+    process.wait_ready(admin).await;
+
+    // A pipe holds 64 KiB (~150 of these lines); the queue 4,096 lines.
+    const LINES: usize = 6000;
+    refused_clients(net.ip(100), chatty, LINES, 8).await;
+
+    // The other tenant is served, and the admin plane answers.
+    let mut s = tokio::time::timeout(WAIT, connect_from(net.ip(101), quiet))
+        .await
+        .expect("the quiet tenant accepts while stderr is not read")
+        .expect("connect to the quiet tenant");
+    assert_eq!(read_line(&mut s).await.expect("served"), net.ip_str(11));
+    drop(s);
+    let (code, _) = tokio::time::timeout(WAIT, http(admin, "GET", "/healthz"))
+        .await
+        .expect("/healthz answers while stderr is not read");
+    assert_eq!(code, 200);
+    let dropped = || async move {
+        let (_, body) = http(admin, "GET", "/metrics").await;
+        metric_value(&body, "harvester_lb_log_lines_dropped_total ")
+    };
+    let lost = dropped().await;
+    assert!(
+        lost > 0.0,
+        "{LINES} lines into a pipe nobody reads: some must be dropped"
+    );
+
+    // The journal catches up: one line says how many were lost.
+    let drained = Drained::start(reader);
+    let note = wait_for(WAIT, "the line that says how many were dropped", || {
+        let found = drained
+            .lines()
+            .into_iter()
+            .find(|l| l.contains("log lines dropped while stderr was not being read"));
+        async move { found }
+    })
+    .await;
+    let note: Value = serde_json::from_str(&note).expect("a JSON line");
+    assert_eq!(note["level"], "WARN", "{note}");
+    assert!(note["fields"]["dropped"].as_u64() > Some(0), "{note}");
+    eprintln!("{LINES} lines, stderr not read: {lost} dropped; then: {note}");
+
+    // Read again, nothing more is dropped.
+    let before = drained.connection_lines();
+    let lost = dropped().await;
+    const MORE: usize = 200;
+    refused_clients(net.ip(100), chatty, MORE, 4).await;
+    wait_for(WAIT, "the next clients' lines", || {
+        let written = drained.connection_lines();
+        async move { (written >= before + MORE).then_some(()) }
+    })
+    .await;
+    assert_eq!(dropped().await, lost, "dropped while stderr was read");
+
+    // A clean stop writes what is queued, its last line included.
+    process.signal(libc::SIGTERM);
+    assert_eq!(process.exit_code(WAIT).await, 0);
+    wait_for(WAIT, "the line of the stop", || {
+        let found = drained
+            .lines()
+            .into_iter()
+            .any(|l| l.contains("\"message\":\"stopped\""));
+        async move { found.then_some(()) }
+    })
+    .await;
+}

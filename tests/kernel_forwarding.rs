@@ -2183,3 +2183,69 @@ async fn tampered_tables_are_repaired_within_the_check_interval_and_at_a_reload(
         served_again(&bed, reload).await;
     }
 }
+
+/// Another program's forward chain with `policy drop` (Docker's `ip filter
+/// FORWARD`) would blackhole every connection the kernel forwards while
+/// the NAT table is written: the listener stays with the proxy, `/status`
+/// and the log name the chain, the metric says so; the remedy the error
+/// names (`ct status dnat accept` in that chain) brings it back to the
+/// kernel, through the same chain.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_foreign_forward_chain_that_drops_keeps_the_listener_with_the_proxy_and_says_why() {
+    if !can_run() {
+        return;
+    }
+    let mut bed = Bed::new("kfwdrop", 1);
+    enable_forwarding(&bed);
+    let _n1 = Node::start(&bed, 1, Service::NameThenEcho);
+    // As Docker leaves it: policy drop, a jump to DOCKER-USER, accepts
+    // for its own bridge only.
+    bed.lb.nft(
+        "table ip filter {
+           chain DOCKER-USER {
+           }
+           chain FORWARD {
+             type filter hook forward priority filter; policy drop;
+             jump DOCKER-USER
+             oifname \"docker0\" ct state related,established accept
+           }
+         }",
+    );
+    bed.start_daemon(&kernel_config(&[1]).to_string()).await;
+    let l = served_by_proxy_because(&bed).await;
+    assert_eq!(l["forwarding"], "proxy", "{l}");
+    let why = l["kernel_error"].as_str().unwrap();
+    assert!(
+        why.starts_with("forward chain ip filter FORWARD (policy drop) of another program"),
+        "{l}"
+    );
+    assert_eq!(
+        tally(&bed, 3).await,
+        counts(&[("n1", 3)]),
+        "served by the proxy"
+    );
+    let m = bed.daemon().metrics().await;
+    assert_eq!(
+        netns::metric(&m, "harvester_lb_kernel_forward_blocked", &[]),
+        1.0
+    );
+    assert!(
+        bed.daemon()
+            .log()
+            .contains("forward chain ip filter FORWARD (policy drop) of another program drops")
+    );
+
+    // The operator lets DNATed traffic through (checked every 5 s).
+    bed.lb
+        .nft("insert rule ip filter DOCKER-USER ct status dnat accept");
+    tokio::time::timeout(Duration::from_secs(15), wait_kernel(&bed))
+        .await
+        .expect("in the kernel within 15 s");
+    assert_eq!(tally(&bed, 3).await, counts(&[("n1", 3)]));
+    still_in_the_kernel(&bed).await;
+    let m = bed.daemon().metrics().await;
+    assert_eq!(
+        netns::metric(&m, "harvester_lb_kernel_forward_blocked", &[]),
+        0.0
+    );
+}

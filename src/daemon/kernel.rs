@@ -50,6 +50,8 @@ struct Kept {
     generation: u64,
     /// The host's forwarding it was built with.
     forwarding_off: u8,
+    /// The reading of other programs' forward chains it was built with.
+    forward_chains: u64,
     desired: Desired,
     /// The load balancers the kernel had refused that this state tries
     /// again (a reload, or [`REFUSED_RETRY`] passed): a write that
@@ -143,9 +145,11 @@ impl Daemon {
         } else {
             (2, "net.ipv6.conf.all.forwarding")
         };
-        (off & bit != 0).then(|| {
-            format!("{sysctl} is 0 on this host: the kernel would drop the packets it forwards; set it to 1 (the daemon does not change it); the proxy serves this listener meanwhile")
-        })
+        (off & bit != 0)
+            .then(|| {
+                format!("{sysctl} is 0 on this host: the kernel would drop the packets it forwards; set it to 1 (the daemon does not change it); the proxy serves this listener meanwhile")
+            })
+            .or_else(|| self.forward_chain_blocked(vip))
     }
 
     /// The kernel listeners of the config in force, with the backends
@@ -163,12 +167,14 @@ impl Daemon {
     fn kernel_desired_update(&self, kept: &mut Option<Kept>) -> Rebuilt {
         self.check_ip_forwarding();
         let forwarding_off = self.forwarding_off.load(Ordering::Acquire);
+        let forward_chains = self.forward_chains.generation();
         let st = self.lock();
         let Some(config) = &st.config else {
             let previous = kept.take().map(|k| k.desired);
             *kept = Some(Kept {
                 generation: st.config_generation,
                 forwarding_off,
+                forward_chains,
                 desired: Desired::new(),
                 retried: Vec::new(),
             });
@@ -176,7 +182,9 @@ impl Daemon {
         };
         let mut changed = Vec::new();
         let whole = !kept.as_ref().is_some_and(|k| {
-            k.generation == st.config_generation && k.forwarding_off == forwarding_off
+            k.generation == st.config_generation
+                && k.forwarding_off == forwarding_off
+                && k.forward_chains == forward_chains
         });
         let mut desired = if whole {
             Desired::new()
@@ -225,6 +233,7 @@ impl Daemon {
         *kept = Some(Kept {
             generation: st.config_generation,
             forwarding_off,
+            forward_chains,
             desired,
             retried,
         });
@@ -308,6 +317,9 @@ impl Daemon {
                 if daemon.check_ip_forwarding() {
                     daemon.kernel_wake.notify_one();
                 }
+                if daemon.check_forward_chains().await {
+                    daemon.kernel_wake.notify_one();
+                }
                 daemon.read_kernel_counters().await;
                 daemon.read_kernel_connections().await;
             }
@@ -329,6 +341,12 @@ impl Daemon {
                 let Some(daemon) = me.upgrade() else { return };
                 if daemon.is_stopping() {
                     return;
+                }
+                // A new config (the first, a reload) may bring the first
+                // kernel listener: judge the forward chains before writing.
+                let generation = daemon.lock().config_generation;
+                if kept.as_ref().is_none_or(|k| k.generation != generation) {
+                    daemon.check_forward_chains().await;
                 }
                 let rebuilt = daemon.kernel_desired_update(&mut kept);
                 let Some(k) = kept.take() else { continue };

@@ -31,6 +31,7 @@ use crate::workers::Workers;
 mod admin_state;
 mod announce;
 mod apply;
+mod forward_chains;
 mod kernel;
 mod kernel_check;
 mod leases;
@@ -101,6 +102,9 @@ pub struct Daemon {
     /// bit 1: IPv6 off): kernel listeners of a family the host does not
     /// forward stay with the proxy.
     forwarding_off: std::sync::atomic::AtomicU8,
+    /// Other programs' forward chains that drop what the kernel forwards:
+    /// kernel listeners of that family stay with the proxy.
+    forward_chains: forward_chains::ForwardChains,
     /// Set once the task that writes the kernel table runs.
     kernel_task: AtomicBool,
     /// `vip.announce = "routes"`: the VIPs' routes and addresses.
@@ -212,6 +216,7 @@ impl Daemon {
             kernel_wake: Arc::new(tokio::sync::Notify::new()),
             kernel_task: AtomicBool::new(false),
             forwarding_off: std::sync::atomic::AtomicU8::new(0),
+            forward_chains: forward_chains::ForwardChains::default(),
             announcer: announce::Announcer::default(),
             vip_guard: Mutex::new(vip_guard::Kept::default()),
         })

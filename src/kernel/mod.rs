@@ -72,6 +72,7 @@ mod sync;
 
 pub use build::{BUCKETS, Obj, Owned, TABLE, bucket_key, buckets, transaction};
 pub use conntrack::{delete_stale_flows, open_connections};
+pub use netlink::{ForwardChain, forward_base_chains};
 pub use nft::{NftError, counters, read_back};
 pub use sync::{Checked, KernelTable, Narrowed, Refused, Synced};
 

@@ -488,6 +488,21 @@ pub(super) fn dump(
     answer: u16,
     mut each: impl FnMut(&[u8]),
 ) -> io::Result<()> {
+    dump_family(socket, NFPROTO_INET, request, attrs, answer, |_, body| {
+        each(body)
+    })
+}
+
+/// [`dump`] of `family` (`NFPROTO_UNSPEC`: every family); `each` gets
+/// the family of every answer too.
+fn dump_family(
+    socket: &Socket,
+    family: u8,
+    request: u16,
+    attrs: &Attrs,
+    answer: u16,
+    mut each: impl FnMut(u8, &[u8]),
+) -> io::Result<()> {
     let mut msg = Vec::with_capacity(20 + attrs.0.len());
     let len = (16 + 4 + attrs.0.len()) as u32;
     msg.extend_from_slice(&len.to_ne_bytes());
@@ -495,7 +510,7 @@ pub(super) fn dump(
     msg.extend_from_slice(&(NLM_F_REQUEST | NLM_F_DUMP).to_ne_bytes());
     msg.extend_from_slice(&1u32.to_ne_bytes()); // sequence
     msg.extend_from_slice(&0u32.to_ne_bytes()); // port id: the kernel's
-    msg.extend_from_slice(&[NFPROTO_INET, 0, 0, 0]); // nfgenmsg
+    msg.extend_from_slice(&[family, 0, 0, 0]); // nfgenmsg
     msg.extend_from_slice(&attrs.0);
     socket.send(&msg, 0)?;
 
@@ -514,11 +529,88 @@ pub(super) fn dump(
                         errno => return Err(io::Error::from_raw_os_error(errno)),
                     }
                 }
-                k if k == NFNL_SUBSYS_NFTABLES << 8 | answer && body.len() >= 4 => each(&body[4..]),
+                k if k == NFNL_SUBSYS_NFTABLES << 8 | answer && body.len() >= 4 => {
+                    each(body[0], &body[4..])
+                }
                 _ => {}
             }
         }
     }
+}
+
+const NFT_MSG_NEWCHAIN: u16 = 3;
+const NFT_MSG_GETCHAIN: u16 = 4;
+const NFPROTO_UNSPEC: u8 = 0;
+const NFTA_CHAIN_TABLE: u16 = 1;
+const NFTA_CHAIN_NAME: u16 = 3;
+const NFTA_CHAIN_HOOK: u16 = 4;
+const NFTA_HOOK_HOOKNUM: u16 = 1;
+const NF_INET_FORWARD: u32 = 2;
+
+/// A base chain on the forward hook of an IP family (`ip`, `ip6`,
+/// `inet`), as the kernel dumps it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ForwardChain {
+    /// `ip`, `ip6` or `inet`, as `nft` names it.
+    pub family: &'static str,
+    /// Its table.
+    pub table: String,
+    /// Its name.
+    pub name: String,
+}
+
+/// Every base chain on the forward hook of the IP families, in one
+/// netlink dump of the host's chains, without their rules. Why not
+/// `nft -j list chains`: with a table of 15,000 chains it took 1.4 s
+/// (busy 2-core machine) and printed 1.4 MB, every 5 s: nft fetches its
+/// cache of the whole ruleset first.
+pub fn forward_base_chains() -> io::Result<Vec<ForwardChain>> {
+    let socket = connected()?;
+    let mut chains = Vec::new();
+    dump_family(
+        &socket,
+        NFPROTO_UNSPEC,
+        NFT_MSG_GETCHAIN,
+        &Attrs::default(),
+        NFT_MSG_NEWCHAIN,
+        |family, body| chains.extend(forward_chain(family, body)),
+    )?;
+    Ok(chains)
+}
+
+/// One dumped chain, if it is a forward base chain of an IP family.
+fn forward_chain(family: u8, body: &[u8]) -> Option<ForwardChain> {
+    let family = match u32::from(family) {
+        f if f == u32::from(NFPROTO_INET) => "inet",
+        NFPROTO_IPV4 => "ip",
+        NFPROTO_IPV6 => "ip6",
+        _ => return None,
+    };
+    let string = |v: &[u8]| {
+        v.split(|&c| c == 0)
+            .next()
+            .map(|n| String::from_utf8_lossy(n).into_owned())
+    };
+    let be32 = |v: &[u8]| Some(u32::from_be_bytes(v.get(..4)?.try_into().ok()?));
+    let (mut table, mut name, mut hook) = (None, None, None);
+    for (kind, value) in attributes(body) {
+        match kind {
+            NFTA_CHAIN_TABLE => table = string(value),
+            NFTA_CHAIN_NAME => name = string(value),
+            NFTA_CHAIN_HOOK => {
+                hook = attributes(value)
+                    .find(|(k, _)| *k == NFTA_HOOK_HOOKNUM)
+                    .and_then(|(_, v)| be32(v));
+            }
+            _ => {}
+        }
+    }
+    (hook? == NF_INET_FORWARD).then_some(())?;
+    Some(ForwardChain {
+        family,
+        table: table?,
+        name: name?,
+    })
 }
 
 /// The netlink messages of one datagram from nf_tables: `(type, body

@@ -445,6 +445,11 @@ impl Exposition {
             &names::CONNECTION_LOG_LINES_DROPPED,
             &super::CONNECTION_LOG_LINES_DROPPED.get(),
         );
+        gauge(
+            buf,
+            &names::LOG_LINES_DROPPED,
+            &crate::logging::lines_dropped(),
+        );
         let mut headed = false;
         let mut out = Out {
             buf,
@@ -491,6 +496,11 @@ impl Exposition {
     fn kernel_families(&self, buf: &mut Vec<u8>) {
         let m = &self.metrics;
         let load = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
+        // Read while the config has a kernel listener, written or not.
+        match m.kernel_forward_blocked.load(Ordering::Relaxed) {
+            0 => {}
+            b => gauge(buf, &names::KERNEL_FORWARD_BLOCKED, &u64::from(b == 2)),
+        }
         match m.kernel_up.load(Ordering::Relaxed) {
             0 => {}
             v => {

@@ -84,6 +84,9 @@ pub struct Metrics {
     /// Checks that found the kernel NAT tables not as written (each
     /// followed by a full resync).
     pub(crate) kernel_repairs: Counter,
+    /// Other programs' forward chains: 0 not read (no kernel listener),
+    /// 1 none drops what the kernel forwards, 2 one does.
+    pub(crate) kernel_forward_blocked: std::sync::atomic::AtomicU8,
     /// The kernel's new-connection counts per backend of each kernel
     /// listener, as last read.
     pub(crate) kernel_backends: std::sync::Mutex<Vec<KernelBackendCount>>,

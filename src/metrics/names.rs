@@ -389,6 +389,13 @@ pub static CONNECTION_LOG_LINES_DROPPED: Family = Family::new(
     Counter,
     "Connection log lines not written because log.max_connection_lines_per_second was reached.",
 );
+/// Log lines lost because stderr was not read fast enough (the queue of
+/// `crate::logging` was full) or could not be written at all.
+pub static LOG_LINES_DROPPED: Family = Family::new(
+    "harvester_lb_log_lines_dropped_total",
+    Counter,
+    "Log lines lost because stderr was not being read (the log queue was full) or could not be written; the log says how many once the writer catches up.",
+);
 /// `forwarding = "kernel"`: 1 when the nftables NAT table of the config
 /// in force is in the kernel, 0 when the last write failed (the kernel
 /// listeners' new connections go to the proxy); absent before any kernel
@@ -397,6 +404,14 @@ pub static KERNEL_FORWARDING_UP: Family = Family::new(
     "harvester_lb_kernel_forwarding_up",
     Gauge,
     "1 when the kernel NAT table of the configuration in force and the current health verdicts is in the kernel, 0 when writing it failed and the proxy serves the kernel listeners, or a check found it changed by another process until it is written again.",
+);
+/// `forwarding = "kernel"`: 1 while another program's forward chain
+/// (Docker's `policy drop`) would drop what the kernel forwards, so the
+/// kernel listeners of that family are served by the proxy.
+pub static KERNEL_FORWARD_BLOCKED: Family = Family::new(
+    "harvester_lb_kernel_forward_blocked",
+    Gauge,
+    "1 while a forward chain of another program (e.g. Docker's policy drop) drops the connections the kernel forwards; the kernel listeners of that family are served by the proxy meanwhile (see /status kernel_error).",
 );
 /// Writes of the kernel NAT table, by `result`.
 pub static KERNEL_SYNCS: Family = Family::new(

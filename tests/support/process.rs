@@ -35,6 +35,7 @@ pub struct Launch {
     watch: bool,
     nofile: Option<u64>,
     log: Option<PathBuf>,
+    stderr: Option<Stdio>,
 }
 
 impl Launch {
@@ -76,6 +77,13 @@ impl Launch {
         self
     }
 
+    /// Sends the child's stderr (its log) to `to` instead of the log file,
+    /// e.g. a pipe the test holds and reads when it chooses.
+    pub fn stderr(mut self, to: impl Into<Stdio>) -> Self {
+        self.stderr = Some(to.into());
+        self
+    }
+
     /// Writes the child's output to `path` instead of a new file beside the config.
     pub fn log(mut self, path: &Path) -> Self {
         self.log = Some(path.to_path_buf());
@@ -113,7 +121,7 @@ impl Launch {
             .envs(self.env)
             .stdin(Stdio::null())
             .stdout(file.try_clone().expect("dup daemon log"))
-            .stderr(file);
+            .stderr(self.stderr.unwrap_or_else(|| file.into()));
         if let Some(n) = self.nofile {
             // SAFETY: setrlimit is async-signal-safe and touches only the
             // child between fork and exec.
@@ -160,6 +168,7 @@ impl Process {
             watch: false,
             nofile: None,
             log: None,
+            stderr: None,
         }
     }
 

@@ -1,0 +1,213 @@
+//! Where the daemon's log lines go: a bounded queue in memory and a thread
+//! of its own that writes them to stderr, so that no forwarding thread and
+//! no admin request ever waits for the reader of stderr.
+//!
+//! stderr is a pipe to journald (or whatever runs the daemon). A pipe holds
+//! 64 KiB; when its reader falls behind or stops, a write to it blocks. Log
+//! lines used to be written on the runtime's own threads, so with one load
+//! balancer on `log_connections = "all"` about 176 connection lines filled
+//! the pipe and every thread that logged stopped there: new connections to
+//! every tenant timed out and `/healthz` stopped answering.
+//!
+//! Now a line is formatted on the thread that logs it and handed to the
+//! queue without waiting ([`tracing_appender::non_blocking()`], lossy); the
+//! writer thread (`harvester-lb-log`) is the only one that ever blocks on
+//! stderr. When the queue is full the line is dropped and counted
+//! (`harvester_lb_log_lines_dropped_total`, [`lines_dropped`]); so is a line
+//! the writer could not write (stderr closed). When the writer next empties
+//! the queue it logs once how many lines were lost since it last said so:
+//! the journal shows the gap instead of hiding it.
+//!
+//! What this module must never do: block the thread that logs, or lose the
+//! lines of a clean exit. [`queue_to_stderr`] returns a [`Flush`] that
+//! `main` holds; dropping it (or [`flush`], before `std::process::exit`)
+//! writes what is queued, waiting at most about a second for a stalled
+//! reader, so a start-up error still reaches stderr before the exit code.
+//!
+//! Only `harvester-lb run` logs through the queue; the other commands print
+//! their output directly and exit at once.
+
+use std::io::{self, Write};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, OnceLock};
+
+use tracing_appender::non_blocking::{ErrorCounter, NonBlocking, NonBlockingBuilder, WorkerGuard};
+
+/// Lines the queue holds while stderr is not read: 4 s of the connection
+/// log at its default bound (`log.max_connection_lines_per_second` = 1000),
+/// about 2 MB of JSON lines at most.
+pub const QUEUE_LINES: usize = 4096;
+
+/// The name of the writer thread (`ps -T`, `/proc/PID/task/*/comm`).
+pub const THREAD_NAME: &str = "harvester-lb-log";
+
+/// Lines the queue was too full to take (the appender's own count).
+static QUEUE_FULL: OnceLock<ErrorCounter> = OnceLock::new();
+/// Lines the writer took from the queue but could not write (stderr closed
+/// or failing).
+static WRITE_FAILED: AtomicU64 = AtomicU64::new(0);
+/// The writer thread's guard: dropping it writes what is queued and ends it.
+static GUARD: Mutex<Option<WorkerGuard>> = Mutex::new(None);
+
+/// Log lines lost since the start: dropped because the queue was full, or
+/// not written because stderr failed (`harvester_lb_log_lines_dropped_total`).
+/// 0 when the process logs without the queue (tests, the other commands).
+pub fn lines_dropped() -> u64 {
+    let full = QUEUE_FULL
+        .get()
+        .map_or(0, |c| u64::try_from(c.dropped_lines()).unwrap_or(u64::MAX));
+    full.saturating_add(WRITE_FAILED.load(Ordering::Relaxed))
+}
+
+/// Starts the writer thread and returns where `tracing` should write (a
+/// handle that queues each line) and the [`Flush`] that `main` must keep
+/// until it returns. Call once; a second call gets a queue of its own, but
+/// [`lines_dropped`] counts only the first's full queue.
+pub fn queue_to_stderr() -> (NonBlocking, Flush) {
+    let (writer, guard) = NonBlockingBuilder::default()
+        .buffered_lines_limit(QUEUE_LINES)
+        .lossy(true)
+        .thread_name(THREAD_NAME)
+        .finish(Reporting::new(io::stderr()));
+    // A second call's counter is not exported; the first stays.
+    QUEUE_FULL.get_or_init(|| writer.error_counter());
+    *GUARD.lock().unwrap_or_else(|e| e.into_inner()) = Some(guard);
+    (writer, Flush(()))
+}
+
+/// Writes what is queued and stops the writer thread; waits about a
+/// second at most (the appender's bound) when stderr is not read. Lines
+/// logged after it are counted as dropped. For the paths that leave by
+/// `std::process::exit`, which drops nothing.
+pub fn flush() {
+    let guard = GUARD.lock().unwrap_or_else(|e| e.into_inner()).take();
+    drop(guard);
+}
+
+/// Held by `main` for the whole run: dropping it [`flush`]es the queue.
+#[must_use = "dropping it at once stops the log writer"]
+pub struct Flush(());
+
+impl Drop for Flush {
+    fn drop(&mut self) {
+        flush();
+    }
+}
+
+/// The writer thread's end of the queue: writes each line to `inner`,
+/// counts the ones it cannot write, and when the queue is empty again
+/// (the appender flushes after each run of lines) logs once how many were
+/// lost since it last said so.
+struct Reporting<W> {
+    inner: W,
+    /// [`lines_dropped`] when it was last reported.
+    reported: u64,
+    /// Where the count comes from (a function, so a test can feed one).
+    dropped: fn() -> u64,
+}
+
+impl<W: Write> Reporting<W> {
+    fn new(inner: W) -> Self {
+        Self {
+            inner,
+            reported: 0,
+            dropped: lines_dropped,
+        }
+    }
+
+    /// The lines lost since the last report, if any; marks them reported.
+    fn unreported(&mut self) -> Option<u64> {
+        let now = (self.dropped)();
+        let new = now.checked_sub(self.reported).filter(|n| *n > 0)?;
+        self.reported = now;
+        Some(new)
+    }
+}
+
+impl<W: Write> Write for Reporting<W> {
+    /// One whole line: the appender hands over each line in one call.
+    fn write(&mut self, line: &[u8]) -> io::Result<usize> {
+        match self.inner.write_all(line) {
+            Ok(()) => Ok(line.len()),
+            Err(e) => {
+                WRITE_FAILED.fetch_add(1, Ordering::Relaxed);
+                Err(e)
+            }
+        }
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        self.inner.flush()?;
+        if let Some(n) = self.unreported() {
+            // Through `tracing`, so it has the run's format; it goes to
+            // the queue this thread has just emptied, never blocking.
+            tracing::warn!(
+                dropped = n,
+                total = (self.dropped)(),
+                "{n} log lines dropped while stderr was not being read"
+            );
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The drop count [`fed`] gives.
+    static FED: AtomicU64 = AtomicU64::new(0);
+
+    fn fed() -> u64 {
+        FED.load(Ordering::Relaxed)
+    }
+
+    /// A writer that fails while `broken`.
+    struct Flaky {
+        out: Vec<u8>,
+        broken: bool,
+    }
+
+    impl Write for Flaky {
+        fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+            if self.broken {
+                return Err(io::Error::from(io::ErrorKind::BrokenPipe));
+            }
+            self.out.extend_from_slice(buf);
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> io::Result<()> {
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn drops_are_reported_once_each() {
+        let mut w = Reporting {
+            inner: Vec::new(),
+            reported: 0,
+            dropped: fed,
+        };
+        assert_eq!(w.unreported(), None, "nothing lost, nothing said");
+        FED.store(7, Ordering::Relaxed);
+        assert_eq!(w.unreported(), Some(7));
+        assert_eq!(w.unreported(), None, "said once");
+        FED.store(9, Ordering::Relaxed);
+        assert_eq!(w.unreported(), Some(2), "only the ones since");
+    }
+
+    #[test]
+    fn a_line_that_cannot_be_written_is_counted() {
+        let before = WRITE_FAILED.load(Ordering::Relaxed);
+        let mut w = Reporting::new(Flaky {
+            out: Vec::new(),
+            broken: true,
+        });
+        assert!(w.write_all(b"lost\n").is_err());
+        assert_eq!(WRITE_FAILED.load(Ordering::Relaxed), before + 1);
+        w.inner.broken = false;
+        w.write_all(b"kept\n").unwrap();
+        assert_eq!(w.inner.out, b"kept\n");
+        assert_eq!(WRITE_FAILED.load(Ordering::Relaxed), before + 1);
+    }
+}
