@@ -7,8 +7,15 @@
 //! ```text
 //! config ──► daemon ──► proxy (listeners) ──► forward ──► backend
 //!               │                   ▲
-//!               └──► health (prober)┘ via balancer (the healthy set, one ArcSwap)
+//!               ├──► health (prober)┘ via balancer (the healthy set, one ArcSwap)
+//!               │          each publish also wakes, each on its own:
+//!               │          ├──► kernel (nftables DNAT of kernel listeners)
+//!               │          └──► daemon::announce (routes for the BGP speaker)
+//!               └──► vip (the VIP guard, isolation table, DHCP leases)
 //! ```
+//!
+//! Everything the daemon writes into the host (tables, routes, addresses)
+//! is owned: see [`owned`] for the rule and how far each kind follows it.
 //!
 //! * [`config`]: schema, Harvester's defaults, validation; pure.
 //! * [`health`]: probes and the per-backend state machine.
@@ -19,10 +26,11 @@
 //! * [`server`]: the daemon's life: start, the reload loop, the systemd watchdog, drain.
 //! * [`workers`]: the threads TCP connections run on (thread per core or work stealing).
 //! * [`kernel`]: `forwarding = "kernel"` listeners as nftables DNAT, written from the daemon's verdicts.
-//! * [`vip`]: the VIPs themselves: only their listeners' ports answer.
+//! * [`vip`]: the VIPs themselves: never an address the host uses, only
+//!   their listeners' ports answer, leased by DHCP or announced by route.
 //! * [`nft`]: the `nft` command, run in one place for every table.
-//! * [`owned`]: kernel objects the daemon owns (the isolation table), read
-//!   back and repaired when another process changed them.
+//! * [`owned`]: kernel objects the daemon owns (the isolation table, the
+//!   NAT tables), read back and repaired when another process changed them.
 //! * [`admin`], [`metrics`], [`systemd`]: how operators and machines see it.
 //! * [`logging`]: log lines queued to a writer thread of their own, so a
 //!   stalled stderr never stalls forwarding.
