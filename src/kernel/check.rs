@@ -36,7 +36,7 @@ use std::net::IpAddr;
 use netlink_sys::Socket;
 
 use super::build::{Obj, Owned, has_backend_chains};
-use super::netlink::{Attrs, KeptSocket, attributes, dump};
+use super::netlink::{Attrs, KeptSocket, attributes, dump, messages};
 use super::nft::NftError;
 use super::{Desired, ListenerId, Shard, backend_chain, listener_chain};
 use crate::config::{Protocol, SourceNat};
@@ -507,6 +507,7 @@ impl Impaired {
 
 // --- The read-back over netlink. ---
 
+const NFNL_SUBSYS_NFTABLES: u16 = 10;
 const NFT_MSG_NEWTABLE: u16 = 0;
 const NFT_MSG_GETTABLE: u16 = 1;
 const NFT_MSG_NEWCHAIN: u16 = 3;
@@ -548,6 +549,51 @@ fn text(value: &[u8]) -> String {
 
 fn be32(value: &[u8]) -> Option<u32> {
     Some(u32::from_be_bytes(value.get(..4)?.try_into().ok()?))
+}
+
+const NFT_MSG_NEWGEN: u16 = 15;
+const NFT_MSG_GETGEN: u16 = 16;
+const NFTA_GEN_ID: u16 = 1;
+const NLMSG_ERROR: u16 = 2;
+
+/// The ruleset's generation: nf_tables changes it at every commit, of any
+/// table by anyone, so while it stays the tables are as last read.
+pub(super) fn generation(socket: &KeptSocket) -> Result<u32, NftError> {
+    socket
+        .with(|s| {
+            // A lost answer must not hold the check for ever.
+            socket2::SockRef::from(s).set_read_timeout(Some(std::time::Duration::from_secs(5)))?;
+            let mut msg = Vec::with_capacity(20);
+            msg.extend_from_slice(&20u32.to_ne_bytes());
+            msg.extend_from_slice(&(NFNL_SUBSYS_NFTABLES << 8 | NFT_MSG_GETGEN).to_ne_bytes());
+            msg.extend_from_slice(&1u16.to_ne_bytes()); // NLM_F_REQUEST
+            msg.extend_from_slice(&2u32.to_ne_bytes()); // sequence
+            msg.extend_from_slice(&0u32.to_ne_bytes()); // port id: the kernel's
+            msg.extend_from_slice(&[0, 0, 0, 0]); // nfgenmsg: AF_UNSPEC
+            s.send(&msg, 0)?;
+            let mut buf = vec![0u8; 4096];
+            for _ in 0..8 {
+                let size = s.recv(&mut &mut buf[..], 0)?;
+                for message in messages(&buf[..size]) {
+                    let (kind, body) = message?;
+                    if kind == NFNL_SUBSYS_NFTABLES << 8 | NFT_MSG_NEWGEN && body.len() >= 4 {
+                        if let Some(id) = attributes(&body[4..])
+                            .find(|(k, _)| *k == NFTA_GEN_ID)
+                            .and_then(|(_, v)| be32(v))
+                        {
+                            return Ok(id);
+                        }
+                    } else if kind == NLMSG_ERROR && body.len() >= 4 {
+                        let code = i32::from_ne_bytes(body[..4].try_into().expect("4 bytes"));
+                        if code != 0 {
+                            return Err(io::Error::from_raw_os_error(-code));
+                        }
+                    }
+                }
+            }
+            Err(io::Error::other("no generation in nf_tables' answer"))
+        })
+        .map_err(read_error)
 }
 
 /// Our tables present now.

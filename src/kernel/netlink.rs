@@ -615,7 +615,7 @@ fn forward_chain(family: u8, body: &[u8]) -> Option<ForwardChain> {
 
 /// The netlink messages of one datagram from nf_tables: `(type, body
 /// after the 16-byte header)`; an `Err` ends it where a length is wrong.
-fn messages(mut b: &[u8]) -> impl Iterator<Item = io::Result<(u16, &[u8])>> {
+pub(super) fn messages(mut b: &[u8]) -> impl Iterator<Item = io::Result<(u16, &[u8])>> {
     std::iter::from_fn(move || {
         if b.len() < 16 {
             return None;
