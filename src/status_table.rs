@@ -37,14 +37,18 @@ pub fn render(status: &Value, now_unix: f64) -> String {
     if let Some(a) = status["announce"].as_object() {
         let _ = writeln!(
             out,
-            "announce: routes in table {} on {}{}",
+            "announce: routes in table {} on {}{}{}",
             text(&a["table"]),
             text(&a["interface"]),
             if a["host_drained"].as_bool() == Some(true) {
                 "; host drained"
             } else {
                 ""
-            }
+            },
+            a["error"]
+                .as_str()
+                .map(|e| format!("; error: {}", crate::text::escape(e)))
+                .unwrap_or_default()
         );
         for v in a["vips"].as_array().unwrap_or(&empty) {
             let state = if v["announced"].as_bool() == Some(true) {
@@ -63,6 +67,18 @@ pub fn render(status: &Value, now_unix: f64) -> String {
                     .unwrap_or_default()
             );
         }
+    }
+    // Load balancers the VIP guard refused: not served at all, so they
+    // have no table of their own below.
+    for r in status["vip_refused"].as_array().unwrap_or(&empty) {
+        let _ = writeln!(
+            out,
+            "REFUSED {} (VIP {}, {}): {}",
+            text(&r["load_balancer"]),
+            text(&r["vip"]),
+            text(&r["kind"]),
+            text(&r["reason"])
+        );
     }
     let lbs = status["load_balancers"].as_array().unwrap_or(&empty);
     if lbs.is_empty() {
@@ -260,6 +276,31 @@ mod tests {
         );
         assert!(
             text.contains("  203.0.113.51 withdrawn (no_eligible_backend), 2 transitions\n"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn refused_load_balancers_and_an_announce_error_are_shown() {
+        let status = serde_json::json!({
+            "ready": true,
+            "config": {"path": "/etc/x", "problem": null, "missing_since_unix": null},
+            "load_balancers": [],
+            "vip_refused": [
+                {"load_balancer": "t1/router", "vip": "192.0.2.1", "kind": "gateway",
+                    "reason": "the gateway of this host's route `default via 192.0.2.1 dev eth0`"}
+            ],
+            "announce": {"mode": "routes", "table": 100, "interface": "lo", "protocol": 252,
+                "host_drained": false, "error": "table 100 is announced by another daemon (pid 7)",
+                "vips": []}
+        });
+        let text = render(&status, 2.0);
+        assert!(
+            text.contains("announce: routes in table 100 on lo; error: table 100 is announced by another daemon (pid 7)\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("REFUSED t1/router (VIP 192.0.2.1, gateway): the gateway of this host's route `default via 192.0.2.1 dev eth0`\n"),
             "{text}"
         );
     }

@@ -221,6 +221,40 @@ async fn netns_announce_follows_health_and_sigterm_withdraws_before_the_listener
         "another protocol's route is left alone: {}",
         table(&bed.lb)
     );
+    // Another process deletes our route: read back (every second), written
+    // again, logged and counted as a repair.
+    bed.lb.ip(&[
+        "route",
+        "del",
+        &format!("{AVIP}/32"),
+        "table",
+        "100",
+        "proto",
+        "252",
+    ]);
+    wait_announced(
+        &lbns,
+        &AVIP.to_string(),
+        true,
+        Duration::from_secs(15),
+        "the route deleted by hand written again",
+    )
+    .await;
+    wait_for(
+        Duration::from_secs(15),
+        "the announce repair counted",
+        || async {
+            let m = bed.daemon().metrics().await;
+            (metric(&m, "harvester_lb_vip_announce_repairs_total", &[]) >= 1.0).then_some(())
+        },
+    )
+    .await;
+    assert!(
+        bed.daemon()
+            .log()
+            .contains("are not the ones this daemon wrote"),
+        "the repair is logged"
+    );
     let status = bed.daemon().status().await;
     let v = vip_status(&status, &AVIP.to_string());
     assert_eq!(v["announced"], true, "{v}");

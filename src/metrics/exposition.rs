@@ -612,6 +612,7 @@ impl Exposition {
                 }
             }
             gauge(buf, &names::VIP_ANNOUNCE_ERRORS, &m.announce_errors.get());
+            gauge(buf, &names::VIP_ANNOUNCE_REPAIRS, &m.announce_repairs.get());
         }
     }
 }

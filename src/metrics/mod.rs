@@ -95,6 +95,9 @@ pub struct Metrics {
     pub(crate) announce: std::sync::Mutex<Option<Vec<VipAnnounceSample>>>,
     /// `vip.announce = "routes"`: writes the kernel refused.
     pub(crate) announce_errors: Counter,
+    /// `vip.announce = "routes"`: read-backs that found the table's routes
+    /// of ours not as written (each followed by the repair).
+    pub(crate) announce_repairs: Counter,
     /// Load balancers the VIP guard refused at the last apply.
     pub(crate) vip_refused: AtomicU64,
 }
@@ -232,6 +235,12 @@ impl Metrics {
     /// Counts a route or address write for `vip.announce` the kernel refused.
     pub fn record_vip_announce_error(&self) {
         self.announce_errors.increment(1);
+    }
+
+    /// Counts one repair of the announce table: a read-back found a route
+    /// of ours missing or one nobody wants (another process changed it).
+    pub fn record_vip_announce_repair(&self) {
+        self.announce_repairs.increment(1);
     }
 
     /// Counts a check that found the kernel NAT tables not as written:

@@ -382,6 +382,12 @@ pub static VIP_ANNOUNCE_ERRORS: Family = Family::new(
     Counter,
     "Route or address writes for vip.announce the kernel refused (each logged at error and retried).",
 );
+/// `vip.announce = "routes"`: repairs of the announce table.
+pub static VIP_ANNOUNCE_REPAIRS: Family = Family::new(
+    "harvester_lb_vip_announce_repairs_total",
+    Counter,
+    "Read-backs of vip.announce_table that found this daemon's routes not as it wrote them (one deleted or added by another process), each repaired and logged at warn.",
+);
 /// Connection log lines dropped by the rate bound (see
 /// `crate::metrics::CONNECTION_LOG_LINES_DROPPED`).
 pub static CONNECTION_LOG_LINES_DROPPED: Family = Family::new(

@@ -505,6 +505,7 @@ impl Daemon {
                 let lost: Vec<IpAddr> = inner.written.difference(&in_kernel).copied().collect();
                 let extra: Vec<IpAddr> = in_kernel.difference(&inner.written).copied().collect();
                 if !lost.is_empty() || !extra.is_empty() {
+                    self.metrics.record_vip_announce_repair();
                     tracing::warn!(
                         table = table,
                         missing = ?lost,
