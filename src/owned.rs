@@ -3,8 +3,11 @@
 //! The daemon writes objects into the kernel that outlive a call and that
 //! anyone with `CAP_NET_ADMIN` can change behind its back: the VIP
 //! isolation table (`vip::isolate`) and the kernel forwarding's NAT tables
-//! (`kernel::check`) follow the rule below; the other objects it writes
-//! (routes, VIP addresses, macvlans) are not yet held to all of it. A
+//! (`kernel::check`) follow the rule below, and so do a DHCP load
+//! balancer's macvlan interface and leased address (`vip::dhcp::run`, read
+//! back over rtnetlink every [`CHECK_INTERVAL`] while a lease is held); the
+//! other objects it writes (routes, VIP addresses on `lo`) are not yet held
+//! to all of it. A
 //! second daemon started by hand, an operator's
 //! `nft flush ruleset` or a firewall reload can replace or delete them while
 //! the daemon still reports them in force. The rule for every such object:

@@ -405,6 +405,137 @@ async fn a_leased_vip_is_isolated_once_it_is_leased() {
     );
 }
 
+/// Another program deletes the leased address, then the macvlan
+/// interface: each is read back and put back within the check interval
+/// (the interface with its MAC, up on `eth0`; the address with its prefix
+/// and `noprefixroute`), logged, counted, and the VIP serves again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deleted_leased_address_or_macvlan_is_put_back() {
+    require_netns!();
+    if dnsmasq_missing() {
+        netns::skip_or_fail(
+            module_path!(),
+            "dnsmasq is not installed (Debian package dnsmasq-base)",
+        );
+        return;
+    }
+    let mut bed = Bed::new("dhcprep", 1);
+    let _node = Node::start(&bed, 1, Service::NameThenEcho);
+    let _dnsmasq = Dnsmasq::start(&bed.client, &bed.dir, (150, 160));
+    bed.start_daemon(&config(&bed, true).to_string()).await;
+    let leased = lease(&bed, 0, 0, Duration::from_secs(30)).await;
+    let vip = address(&leased);
+    let interface = leased["interface"].as_str().expect("interface").to_string();
+    let link_before = link_of(&bed.lb, &interface);
+    eventually_forwarded(&bed, vip).await;
+
+    // The address deleted by hand.
+    let t = Instant::now();
+    bed.lb
+        .ip(&["addr", "del", &format!("{vip}/24"), "dev", &interface]);
+    assert_eq!(leased_addresses(&bed.lb), "");
+    put_back(&bed, vip, &interface, 1).await;
+    let address_in = t.elapsed();
+    assert!(
+        bed.daemon()
+            .log()
+            .contains(&format!("address {vip}/24 missing on {interface}")),
+        "{}",
+        bed.daemon().log()
+    );
+    eventually_forwarded(&bed, vip).await;
+
+    // The macvlan interface deleted by hand (and the address with it).
+    let t = Instant::now();
+    bed.lb.ip(&["link", "del", &interface]);
+    put_back(&bed, vip, &interface, 2).await;
+    let interface_in = t.elapsed();
+    assert_eq!(
+        link_of(&bed.lb, &interface),
+        link_before,
+        "made again with the same MAC, up, on eth0"
+    );
+    assert!(
+        bed.daemon()
+            .log()
+            .contains(&format!("interface {interface} missing")),
+        "{}",
+        bed.daemon().log()
+    );
+    eventually_forwarded(&bed, vip).await;
+    // Renewals sent while the interface was gone failed: the lease is
+    // still held (renewing or rebinding until the next retransmission).
+    let l = bed.daemon().status().await["load_balancers"][0]["dhcp"].clone();
+    assert!(
+        ["bound", "renewing", "rebinding"].contains(&l["state"].as_str().unwrap_or("")),
+        "{l}"
+    );
+    assert!(l["error"].is_null(), "{l}");
+    assert_eq!(address(&l), vip, "the same lease throughout: {l}");
+    println!(
+        "DHCP repairs: address put back {address_in:?} after its deletion, interface {interface_in:?} after its deletion"
+    );
+}
+
+/// Waits (30 s) until `vip/24` is on `interface` again with
+/// `noprefixroute` and the daemon counts `repairs` repairs.
+async fn put_back(bed: &Bed, vip: Ipv4Addr, interface: &str, repairs: u64) {
+    wait_for(
+        Duration::from_secs(30),
+        &format!("{vip}/24 put back on {interface}, repair {repairs} counted"),
+        || async {
+            let shown = Command::new("ip")
+                .args([
+                    "-n",
+                    &bed.lb.name,
+                    "-4",
+                    "-o",
+                    "addr",
+                    "show",
+                    "dev",
+                    interface,
+                ])
+                .output()
+                .ok()?;
+            let shown = String::from_utf8_lossy(&shown.stdout).to_string();
+            let metrics = bed.daemon().metrics().await;
+            let counted = netns::metric(&metrics, "harvester_lb_dhcp_repairs_total", &[]);
+            let status = bed.daemon().status().await;
+            (shown.contains(&format!("inet {vip}/24 "))
+                && shown.contains("noprefixroute")
+                && counted >= repairs as f64
+                && status["load_balancers"][0]["dhcp"]["repairs"].as_u64() >= Some(repairs))
+            .then_some(())
+        },
+    )
+    .await;
+}
+
+/// `interface`'s MAC, parent and state in namespace `ns`
+/// (`"hlb…@eth0 … UP … link/ether 02:…"` without the index).
+fn link_of(ns: &Ns, interface: &str) -> String {
+    let out = Command::new("ip")
+        .args(["-n", &ns.name, "-o", "link", "show", "dev", interface])
+        .output()
+        .expect("ip link");
+    let text = String::from_utf8_lossy(&out.stdout);
+    let words: Vec<&str> = text.split_whitespace().collect();
+    let at = |key: &str| {
+        words
+            .iter()
+            .position(|w| *w == key)
+            .and_then(|i| words.get(i + 1))
+            .copied()
+            .unwrap_or("")
+    };
+    format!(
+        "{} {} {}",
+        words.get(1).copied().unwrap_or(""),
+        at("state"),
+        at("link/ether")
+    )
+}
+
 /// The IPv4 routes of namespace `ns`, every table, but the `local` and
 /// `broadcast` routes the kernel makes for an address on the macvlan
 /// interfaces (a lease's own): what an offer must never change.

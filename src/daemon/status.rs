@@ -245,6 +245,8 @@ impl Daemon {
             offers_refused: lease
                 .as_ref()
                 .map_or(0, |l| l.refused.iter().map(|c| c.get()).sum()),
+            repairs: lease.as_ref().map_or(0, |l| l.repairs.get()),
+            error: lease.as_ref().and_then(|l| l.host_error()),
             last_refusal: lease
                 .as_ref()
                 .and_then(|l| l.last_refusal())
@@ -394,6 +396,13 @@ pub struct LeaseStatus {
     /// Offers and ACKs refused (a rogue or broken server, or a guard that
     /// allows nothing the server has).
     pub offers_refused: u64,
+    /// Times the macvlan interface or the leased address was found
+    /// deleted or changed by another program and put back.
+    pub repairs: u64,
+    /// Why the interface or the leased address is not in the host and
+    /// could not be put back (the VIP may not answer although `state` is
+    /// `bound`); `null` when the last check found them in place.
+    pub error: Option<String>,
     /// The last refusal: why a VIP in `selecting` has no lease.
     pub last_refusal: Option<RefusalStatus>,
 }

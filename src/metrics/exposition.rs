@@ -114,6 +114,11 @@ const STEPS: &[Step] = &[
             o.outcomes(&l.refused, &REFUSAL_REASONS, "reason", |b| lb_labels(b, lb));
         }
     }),
+    Step::Lb(&names::DHCP_REPAIRS, |o, lb| {
+        if let Some(l) = lb.lease() {
+            o.sample("", |b| lb_labels(b, lb), l.repairs.get());
+        }
+    }),
     Step::Lb(&names::AFFINITY_ENTRIES, |o, lb| {
         if lb.affinity_enabled.load(Ordering::Relaxed) {
             o.sample("", |b| lb_labels(b, lb), lb.affinity_entries.get());

@@ -130,6 +130,13 @@ pub static DHCP_OFFERS_REFUSED: Family = Family::new(
     "DHCP offers and ACKs refused (label reason: reserved, mask_too_wide, outside_allowed_ranges, host_address, gateway, host_unreadable); the server is not listened to for 60 s.",
 );
 
+/// Times the VIP's macvlan interface or leased address was put back.
+pub static DHCP_REPAIRS: Family = Family::new(
+    "harvester_lb_dhcp_repairs_total",
+    Counter,
+    "Times the VIP's macvlan interface or leased address was found deleted or changed by another program and put back (read back every 10 s while a lease is held).",
+);
+
 /// Clients remembered by a load balancer with `session_affinity = "client_ip"`.
 pub static AFFINITY_ENTRIES: Family = Family::new(
     "harvester_lb_affinity_entries",

@@ -711,6 +711,12 @@ pub struct LeaseStats {
     /// The last refusal (kept after a lease is bound: a rogue server is
     /// worth knowing about even when another one served).
     pub last_refusal: std::sync::Mutex<Option<LastRefusal>>,
+    /// Times the macvlan interface or the leased address was found changed
+    /// by another program and put back.
+    pub repairs: Counter,
+    /// Why the interface or the address could not be put back; `None` once
+    /// a check finds them in place.
+    pub host_error: std::sync::Mutex<Option<String>>,
 }
 
 impl LeaseStats {
@@ -747,6 +753,15 @@ impl LeaseStats {
     /// The last offer or ACK refused.
     pub fn last_refusal(&self) -> Option<LastRefusal> {
         self.last_refusal
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// Why the VIP's interface or address is not as the lease has it and
+    /// could not be put back, if so.
+    pub fn host_error(&self) -> Option<String> {
+        self.host_error
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .clone()

@@ -28,7 +28,7 @@ use std::net::{IpAddr, Ipv4Addr};
 use futures_util::TryStreamExt;
 use ipnet::Ipv4Net;
 use rtnetlink::packet_route::address::{AddressAttribute, AddressFlags};
-use rtnetlink::packet_route::link::{LinkAttribute, MacVlanMode};
+use rtnetlink::packet_route::link::{LinkAttribute, LinkFlags, MacVlanMode};
 use rtnetlink::packet_route::route::{
     RouteAddress, RouteAttribute, RouteHeader, RouteMessage, RouteType, RouteVia,
 };
@@ -259,6 +259,103 @@ impl Macvlan {
                 gateways(&h.attributes, &mut view.gateways);
             }
         }
+    }
+
+    /// What differs between the host's interface of this name and the one
+    /// [`Macvlan::create`] made (up, on `parent`, with `mac`): `None` when
+    /// nothing does. Another program with `CAP_NET_ADMIN` may delete it or
+    /// take it down; the driver reads it back every
+    /// [`crate::owned::CHECK_INTERVAL`].
+    pub async fn differs(&self, parent: &str, mac: [u8; 6]) -> Result<Option<String>, LinkError> {
+        let nl = |what: String| move |source| LinkError::Netlink { what, source };
+        let parent_index = index_of(&self.handle, parent)
+            .await
+            .map_err(nl(format!("cannot look up {parent:?}")))?;
+        let mut links = self
+            .handle
+            .link()
+            .get()
+            .match_name(self.name.clone())
+            .execute();
+        let link = match links.try_next().await {
+            Ok(Some(m)) => m,
+            Ok(None) => return Ok(Some(format!("interface {} missing", self.name))),
+            Err(rtnetlink::Error::NetlinkError(e)) if e.raw_code() == -libc::ENODEV => {
+                return Ok(Some(format!("interface {} missing", self.name)));
+            }
+            Err(e) => return Err(nl(format!("cannot look up {:?}", self.name))(e)),
+        };
+        let on = link.attributes.iter().find_map(|a| match a {
+            LinkAttribute::Link(i) => Some(*i),
+            _ => None,
+        });
+        let address = link.attributes.iter().find_map(|a| match a {
+            LinkAttribute::Address(m) => Some(m.as_slice()),
+            _ => None,
+        });
+        Ok(if link.header.index != self.index {
+            Some(format!(
+                "interface {} replaced (index {}, was {})",
+                self.name, link.header.index, self.index
+            ))
+        } else if parent_index.is_none() || on != parent_index {
+            Some(format!("interface {} not on {parent:?}", self.name))
+        } else if address != Some(&mac[..]) {
+            Some(format!("interface {} has another MAC address", self.name))
+        } else if !link.header.flags.contains(LinkFlags::Up) {
+            Some(format!("interface {} down", self.name))
+        } else {
+            None
+        })
+    }
+
+    /// What differs between `address/prefix` as [`Macvlan::add_address`]
+    /// put it on and what the interface holds: `None` when nothing does.
+    pub async fn address_differs(
+        &self,
+        address: Ipv4Addr,
+        prefix: u8,
+    ) -> Result<Option<String>, LinkError> {
+        let mut found = self
+            .handle
+            .address()
+            .get()
+            .set_link_index_filter(self.index)
+            .set_address_filter(IpAddr::V4(address))
+            .execute();
+        let mut held = None;
+        while let Some(m) = found
+            .try_next()
+            .await
+            .map_err(|source| LinkError::Netlink {
+                what: format!("cannot read the addresses of {}", self.name),
+                source,
+            })?
+        {
+            held = Some(m);
+        }
+        let Some(m) = held else {
+            return Ok(Some(format!(
+                "address {address}/{prefix} missing on {}",
+                self.name
+            )));
+        };
+        let no_prefix_route = m.attributes.iter().any(
+            |a| matches!(a, AddressAttribute::Flags(f) if f.contains(AddressFlags::Noprefixroute)),
+        );
+        Ok(if m.header.prefix_len != prefix {
+            Some(format!(
+                "address {address} on {} has prefix /{}, not /{prefix}",
+                self.name, m.header.prefix_len
+            ))
+        } else if !no_prefix_route {
+            Some(format!(
+                "address {address}/{prefix} on {} lacks noprefixroute",
+                self.name
+            ))
+        } else {
+            None
+        })
     }
 
     /// Whether the interface still exists (someone may delete it by hand).

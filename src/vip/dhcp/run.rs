@@ -11,6 +11,18 @@
 //! passes it with the operator's guard to the judge. A refusal is logged
 //! once at warning with the server, the address and why, counted in
 //! `harvester_lb_dhcp_offers_refused_total{reason}` and kept for `/status`.
+//!
+//! While a lease is held, the driver follows the rule of [`crate::owned`]
+//! for the two objects it wrote into the host: every
+//! [`crate::owned::CHECK_INTERVAL`] [`Net::repair`] reads back the macvlan
+//! interface (same name and index, up, on the configured parent, with the
+//! client's MAC) and the leased address on it (the lease's prefix,
+//! `noprefixroute`), and puts back what another program deleted or
+//! changed: the interface made again with the same MAC (so the server still
+//! knows the client by its `chaddr`), the address added again. Each repair
+//! is logged at warning naming what differed and counted in
+//! `harvester_lb_dhcp_repairs_total`; a repair that fails is logged when the
+//! failure changes and shown in `/status` (`error`) until a check succeeds.
 
 use std::net::Ipv4Addr;
 use std::path::PathBuf;
@@ -60,6 +72,9 @@ pub trait Net {
     ) -> impl Future<Output = Result<(), String>> + Send;
     /// The host's addresses and gateways, for judging an offer.
     fn host_view(&mut self) -> impl Future<Output = Result<HostView, String>> + Send;
+    /// Reads back the interface and the address last set, and puts back
+    /// what differs; names what was put back (empty: nothing differed).
+    fn repair(&mut self) -> impl Future<Output = Result<Vec<String>, String>> + Send;
 }
 
 /// Who the client works for, and where it reports.
@@ -142,6 +157,11 @@ pub async fn drive<N: Net>(
     // The address that listeners were last told about, for the log.
     let mut vip: Option<Ipv4Addr> = None;
     let mut host = HostCache::default();
+    let mut check = tokio::time::interval_at(
+        Instant::now() + crate::owned::CHECK_INTERVAL,
+        crate::owned::CHECK_INTERVAL,
+    );
+    check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         ctx.stats
             .phase
@@ -150,6 +170,12 @@ pub async fn drive<N: Net>(
             biased;
             _ = stop.cancelled() => return client,
             _ = tokio::time::sleep_until(client.deadline()) => client.on_timeout(Instant::now()),
+            _ = check.tick() => {
+                if ctx.stats.address().is_some() {
+                    repair(net, ctx).await;
+                }
+                Vec::new()
+            }
             r = net.recv(&mut buf) => match r {
                 Ok(n) => match judged(&mut client, &buf[..n], net, ctx, &mut host).await {
                     Ok(out) => out,
@@ -195,6 +221,35 @@ async fn judged<N: Net>(
             host: view,
         },
     )
+}
+
+/// One read-back of the interface and the leased address: what was put
+/// back is logged and counted, a failure kept for `/status` (and logged
+/// when it is new or changes, not every check).
+async fn repair<N: Net>(net: &mut N, ctx: &Ctx) {
+    let result = net.repair().await;
+    let mut error = ctx
+        .stats
+        .host_error
+        .lock()
+        .unwrap_or_else(|p| p.into_inner());
+    match result {
+        Ok(repaired) => {
+            if !repaired.is_empty() {
+                ctx.stats.repairs.increment(1);
+                tracing::warn!(load_balancer = %ctx.name, repaired = %repaired.join("; "), "the VIP's macvlan interface or leased address was changed by another program; put back as the lease has it");
+            }
+            if error.take().is_some() && repaired.is_empty() {
+                tracing::info!(load_balancer = %ctx.name, "the VIP's macvlan interface and leased address are in place again");
+            }
+        }
+        Err(e) => {
+            if error.as_deref() != Some(e.as_str()) {
+                tracing::error!(load_balancer = %ctx.name, error = %e, "cannot put back the VIP's macvlan interface or leased address; the VIP may not answer; retrying every 10 s");
+            }
+            *error = Some(e);
+        }
+    }
 }
 
 async fn apply<N: Net>(out: Output, net: &mut N, ctx: &Ctx, vip: &mut Option<Ipv4Addr>) {
@@ -291,8 +346,14 @@ async fn apply<N: Net>(out: Output, net: &mut N, ctx: &Ctx, vip: &mut Option<Ipv
 /// The real network: a macvlan interface and its sockets.
 struct HostNet {
     link: Macvlan,
+    /// The host interface the macvlan is made on.
+    parent: String,
+    /// The macvlan's MAC (the client's `chaddr`).
+    mac: [u8; 6],
     any: UdpSocket,
     leased: Option<UdpSocket>,
+    /// The address last put on the interface, for [`Net::repair`].
+    address: Option<(Ipv4Addr, u8)>,
 }
 
 impl Net for HostNet {
@@ -330,6 +391,7 @@ impl Net for HostNet {
     }
 
     async fn set_address(&mut self, address: Option<(Ipv4Addr, u8)>) -> Result<(), String> {
+        self.address = address;
         if let Some(old) = self.leased.take()
             && let Ok(std::net::SocketAddr::V4(a)) = old.local_addr()
         {
@@ -351,6 +413,50 @@ impl Net for HostNet {
 
     async fn host_view(&mut self) -> Result<HostView, String> {
         self.link.host_view().await.map_err(|e| e.to_string())
+    }
+
+    async fn repair(&mut self) -> Result<Vec<String>, String> {
+        let mut repaired = Vec::new();
+        if let Some(what) = self
+            .link
+            .differs(&self.parent, self.mac)
+            .await
+            .map_err(|e| e.to_string())?
+        {
+            // Made again whole (`create` removes what has the name), the
+            // sockets bound to the new interface, the address put back.
+            let link = Macvlan::create(&self.parent, self.mac)
+                .await
+                .map_err(|e| e.to_string())?;
+            self.any = socket::on_interface(&link.name)
+                .map_err(|e| format!("cannot bind 0.0.0.0:68 on {}: {e}", link.name))?;
+            self.link = link;
+            self.leased = None;
+            repaired.push(what);
+        }
+        if let Some((a, prefix)) = self.address {
+            if let Some(what) = self
+                .link
+                .address_differs(a, prefix)
+                .await
+                .map_err(|e| e.to_string())?
+            {
+                self.link
+                    .remove_address(a)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                self.link
+                    .add_address(a, prefix)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                repaired.push(what);
+            }
+            if self.leased.is_none() {
+                self.leased =
+                    Some(socket::on_address(a).map_err(|e| format!("cannot bind {a}:68: {e}"))?);
+            }
+        }
+        Ok(repaired)
     }
 }
 
@@ -439,8 +545,11 @@ async fn setup(ctx: &Ctx) -> Result<HostNet, String> {
         .map_err(|e| format!("cannot bind 0.0.0.0:68 on {}: {e}", link.name))?;
     Ok(HostNet {
         link,
+        parent: ctx.spec.interface.clone(),
+        mac: ctx.spec.mac,
         any,
         leased: None,
+        address: None,
     })
 }
 
@@ -475,7 +584,6 @@ mod tests {
     const GATEWAY: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 1);
 
     /// What the fake network saw, and what it will deliver.
-    #[derive(Default)]
     struct Log {
         /// (when, broadcast?, message type, xid, requested/ciaddr).
         sent: Vec<(Instant, bool, MessageType, u32, Ipv4Addr)>,
@@ -483,6 +591,22 @@ mod tests {
         /// What `host_view` answers (`None`: an error).
         host: Option<HostView>,
         host_reads: usize,
+        /// What `repair` answers, and how often it was asked.
+        repair: Result<Vec<String>, String>,
+        checks: usize,
+    }
+
+    impl Default for Log {
+        fn default() -> Self {
+            Log {
+                sent: Vec::new(),
+                address: None,
+                host: None,
+                host_reads: 0,
+                repair: Ok(Vec::new()),
+                checks: 0,
+            }
+        }
     }
 
     struct FakeNet {
@@ -534,6 +658,11 @@ mod tests {
             log.host
                 .clone()
                 .ok_or_else(|| "netlink says no".to_string())
+        }
+        async fn repair(&mut self) -> Result<Vec<String>, String> {
+            let mut log = self.log.lock().unwrap();
+            log.checks += 1;
+            log.repair.clone()
         }
     }
 
@@ -939,6 +1068,40 @@ mod tests {
         let (_, _, ty, _, asked) = h.last();
         assert_eq!(ty, MessageType::Discover);
         assert_eq!(asked, A, "asks for the old address, from other servers");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_held_lease_is_read_back_every_check_interval_and_repairs_are_counted() {
+        use crate::owned::CHECK_INTERVAL;
+        let h = Harness::start(None, vec![]);
+        settle().await;
+        tokio::time::sleep(CHECK_INTERVAL + Duration::from_secs(1)).await;
+        settle().await;
+        assert_eq!(
+            h.log.lock().unwrap().checks,
+            0,
+            "nothing to check without a lease"
+        );
+        bind(&h, A).await;
+        tokio::time::sleep(CHECK_INTERVAL).await;
+        settle().await;
+        assert!(h.log.lock().unwrap().checks >= 1);
+        assert_eq!(h.stats.repairs.get(), 0, "nothing differed");
+        // Another program deleted the address: put back, counted once.
+        h.log.lock().unwrap().repair = Ok(vec!["address missing".into()]);
+        tokio::time::sleep(CHECK_INTERVAL).await;
+        settle().await;
+        assert_eq!(h.stats.repairs.get(), 1);
+        // The repair fails: kept for /status until a check succeeds.
+        h.log.lock().unwrap().repair = Err("netlink says no".into());
+        tokio::time::sleep(CHECK_INTERVAL).await;
+        settle().await;
+        assert_eq!(h.stats.host_error().as_deref(), Some("netlink says no"));
+        h.log.lock().unwrap().repair = Ok(vec![]);
+        tokio::time::sleep(CHECK_INTERVAL).await;
+        settle().await;
+        assert_eq!(h.stats.host_error(), None);
+        assert_eq!(h.stats.repairs.get(), 1);
     }
 
     const NAK_PAUSE_FOR_TESTS: Duration = crate::vip::dhcp::client::NAK_PAUSE;
