@@ -247,17 +247,7 @@ impl Daemon {
                 .map_or(0, |l| l.refused.iter().map(|c| c.get()).sum()),
             repairs: lease.as_ref().map_or(0, |l| l.repairs.get()),
             error: lease.as_ref().and_then(|l| l.host_error()),
-            last_refusal: lease
-                .as_ref()
-                .and_then(|l| l.last_refusal())
-                .map(|r| RefusalStatus {
-                    server: r.server,
-                    address: r.address,
-                    prefix: r.prefix,
-                    reason: r.reason,
-                    why: r.why,
-                    at_unix: r.at_unix,
-                }),
+            last_refusal: lease.as_ref().and_then(|l| l.last_refusal()),
         }
     }
 }
@@ -404,24 +394,7 @@ pub struct LeaseStatus {
     /// `bound`); `null` when the last check found them in place.
     pub error: Option<String>,
     /// The last refusal: why a VIP in `selecting` has no lease.
-    pub last_refusal: Option<RefusalStatus>,
-}
-
-/// The last DHCP offer or ACK refused, in `/status`.
-#[derive(Debug, Serialize)]
-pub struct RefusalStatus {
-    /// The server that made it.
-    pub server: std::net::Ipv4Addr,
-    /// The address it offered.
-    pub address: std::net::Ipv4Addr,
-    /// The prefix length of its subnet mask, if sent.
-    pub prefix: Option<u8>,
-    /// The `reason` label of `dhcp_offers_refused_total`.
-    pub reason: &'static str,
-    /// Why, in words.
-    pub why: String,
-    /// When, Unix seconds.
-    pub at_unix: u64,
+    pub last_refusal: Option<crate::metrics::stats::LastRefusal>,
 }
 
 /// One listener in `/status`.

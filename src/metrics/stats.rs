@@ -659,8 +659,9 @@ pub const REFUSAL_REASONS: [&str; 6] = [
     "host_unreadable",
 ];
 
-/// The last offer or ACK refused, for `/status` (why a VIP has no lease).
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// The last offer or ACK refused, for `/status` (why a VIP has no lease),
+/// where it is shown as it is kept.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
 pub struct LastRefusal {
     /// The server that made it.
     pub server: std::net::Ipv4Addr,
