@@ -107,11 +107,20 @@ impl Drop for Dnsmasq {
     }
 }
 
-fn dnsmasq_missing() -> bool {
-    Command::new("dnsmasq")
+/// Whether dnsmasq is missing, in which case the test is skipped (failed
+/// under CI, see `skip_or_fail`) and the caller returns.
+fn dnsmasq_skipped() -> bool {
+    let missing = Command::new("dnsmasq")
         .arg("--version")
         .output()
-        .map_or(true, |o| !o.status.success())
+        .map_or(true, |o| !o.status.success());
+    if missing {
+        netns::skip_or_fail(
+            module_path!(),
+            "dnsmasq is not installed (Debian package dnsmasq-base)",
+        );
+    }
+    missing
 }
 
 fn config(bed: &Bed, with_lb: bool) -> Config {
@@ -192,11 +201,7 @@ async fn eventually_forwarded(bed: &Bed, vip: Ipv4Addr) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lease_renew_nak_reboot_release_against_dnsmasq() {
     require_netns!();
-    if dnsmasq_missing() {
-        netns::skip_or_fail(
-            module_path!(),
-            "dnsmasq is not installed (Debian package dnsmasq-base)",
-        );
+    if dnsmasq_skipped() {
         return;
     }
     let mut bed = Bed::new("dhcp", 1);
@@ -353,11 +358,7 @@ async fn lease_renew_nak_reboot_release_against_dnsmasq() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_leased_vip_is_isolated_once_it_is_leased() {
     require_netns!();
-    if dnsmasq_missing() {
-        netns::skip_or_fail(
-            module_path!(),
-            "dnsmasq is not installed (Debian package dnsmasq-base)",
-        );
+    if dnsmasq_skipped() {
         return;
     }
     let mut bed = Bed::new("dhcpiso", 1);
@@ -412,11 +413,7 @@ async fn a_leased_vip_is_isolated_once_it_is_leased() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_deleted_leased_address_or_macvlan_is_put_back() {
     require_netns!();
-    if dnsmasq_missing() {
-        netns::skip_or_fail(
-            module_path!(),
-            "dnsmasq is not installed (Debian package dnsmasq-base)",
-        );
+    if dnsmasq_skipped() {
         return;
     }
     let mut bed = Bed::new("dhcprep", 1);
@@ -603,11 +600,7 @@ async fn rogue_offer(
         );
         return None;
     }
-    if dnsmasq_missing() {
-        netns::skip_or_fail(
-            module_path!(),
-            "dnsmasq is not installed (Debian package dnsmasq-base)",
-        );
+    if dnsmasq_skipped() {
         return None;
     }
     let mut bed = Bed::new(test, 1);

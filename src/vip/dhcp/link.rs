@@ -152,15 +152,27 @@ impl Macvlan {
             })
     }
 
-    /// Takes `address` off the interface (any prefix); absent is fine.
-    pub async fn remove_address(&self, address: Ipv4Addr) -> Result<(), LinkError> {
-        let mut found = self
-            .handle
+    /// The interface's entries for `address` (any prefix), as the kernel
+    /// lists them.
+    fn address_dump(
+        &self,
+        address: Ipv4Addr,
+    ) -> impl futures_util::TryStream<
+        Ok = rtnetlink::packet_route::address::AddressMessage,
+        Error = rtnetlink::Error,
+    > + Unpin
+    + '_ {
+        self.handle
             .address()
             .get()
             .set_link_index_filter(self.index)
             .set_address_filter(IpAddr::V4(address))
-            .execute();
+            .execute()
+    }
+
+    /// Takes `address` off the interface (any prefix); absent is fine.
+    pub async fn remove_address(&self, address: Ipv4Addr) -> Result<(), LinkError> {
+        let mut found = self.address_dump(address);
         let mut msgs = Vec::new();
         while let Ok(Some(m)) = found.try_next().await {
             msgs.push(m);
@@ -316,13 +328,7 @@ impl Macvlan {
         address: Ipv4Addr,
         prefix: u8,
     ) -> Result<Option<String>, LinkError> {
-        let mut found = self
-            .handle
-            .address()
-            .get()
-            .set_link_index_filter(self.index)
-            .set_address_filter(IpAddr::V4(address))
-            .execute();
+        let mut found = self.address_dump(address);
         let mut held = None;
         while let Some(m) = found
             .try_next()
