@@ -47,6 +47,10 @@
 use std::fmt;
 use std::time::Duration;
 
+pub mod driver;
+
+pub use driver::{Backend, Driver, Found, Outcome, StopPhase};
+
 /// How often owned kernel objects are read back and compared.
 pub const CHECK_INTERVAL: Duration = Duration::from_secs(10);
 
