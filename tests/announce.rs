@@ -250,11 +250,46 @@ async fn netns_announce_follows_health_and_sigterm_withdraws_before_the_listener
     )
     .await;
     assert!(
-        bed.daemon()
-            .log()
-            .contains("are not the ones this daemon wrote"),
+        bed.daemon().log().contains("announce_route")
+            && bed
+                .daemon()
+                .log()
+                .contains("another process changed it; repaired"),
         "the repair is logged"
     );
+    let m = bed.daemon().metrics().await;
+    assert!(
+        metric(
+            &m,
+            "harvester_lb_host_repairs_total",
+            &[("kind", "announce_route")]
+        ) >= 1.0
+    );
+    // Another process takes the VIP's address off lo: read back (every
+    // check interval, 10 s), put back, logged and counted.
+    bed.lb
+        .ip(&["addr", "del", &format!("{AVIP}/32"), "dev", "lo"]);
+    assert!(!on_lo(&bed.lb, &AVIP.to_string()));
+    wait_for(
+        Duration::from_secs(25),
+        "the VIP address deleted by hand put back on lo",
+        || async { on_lo(&lbns, &AVIP.to_string()).then_some(()) },
+    )
+    .await;
+    wait_for(
+        Duration::from_secs(15),
+        "the address repair counted",
+        || async {
+            let m = bed.daemon().metrics().await;
+            (metric(
+                &m,
+                "harvester_lb_host_repairs_total",
+                &[("kind", "vip_address")],
+            ) >= 1.0)
+                .then_some(())
+        },
+    )
+    .await;
     let status = bed.daemon().status().await;
     let v = vip_status(&status, &AVIP.to_string());
     assert_eq!(v["announced"], true, "{v}");

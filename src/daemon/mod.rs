@@ -195,6 +195,7 @@ impl Daemon {
     /// connections across all listeners; TCP listeners accept on `workers`.
     pub fn new(metrics: Arc<Metrics>, max_connections: usize, workers: Workers) -> Arc<Self> {
         let isolation = Arc::new(Isolation::new(Arc::clone(&metrics)));
+        let leases = Leases::new(metrics.host_repairs());
         Arc::new_cyclic(|me| Self {
             metrics,
             prober: Prober::new(),
@@ -206,7 +207,7 @@ impl Daemon {
             retire_now: CancellationToken::new(),
             affinity: AffinityBudget::new(0),
             isolation,
-            leases: Leases::new(),
+            leases,
             lease_watcher: AtomicBool::new(false),
             me: me.clone(),
             udp_flows: FlowBudget::new(0),

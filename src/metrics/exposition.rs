@@ -422,6 +422,13 @@ impl Exposition {
             &names::VIP_REFUSED,
             &m.vip_refused.load(Ordering::Relaxed),
         );
+        let mut headed = false;
+        Out {
+            buf,
+            family: &names::HOST_REPAIRS,
+            headed: &mut headed,
+        }
+        .labelled(&*m.host_repairs, "kind", |_| {});
         match m.vip_isolation.load(Ordering::Relaxed) {
             0 => {}
             v => {

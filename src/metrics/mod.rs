@@ -36,8 +36,8 @@ use std::time::SystemTime;
 
 pub use exposition::Exposition;
 pub use stats::{
-    BackendStats, Counter, Gauge, Histogram, LbStats, LeaseStats, ListenerStats, Presence,
-    UdpBackendStats, UdpStats,
+    BackendStats, Counter, Gauge, Histogram, HostKind, HostRepairs, LbStats, LeaseStats,
+    ListenerStats, Presence, UdpBackendStats, UdpStats,
 };
 
 use stats::Live;
@@ -100,6 +100,9 @@ pub struct Metrics {
     pub(crate) announce_repairs: Counter,
     /// Load balancers the VIP guard refused at the last apply.
     pub(crate) vip_refused: AtomicU64,
+    /// Repairs of host objects by kind (`host_repairs_total{kind}`);
+    /// shared with the DHCP clients, which repair their own.
+    pub(crate) host_repairs: Arc<HostRepairs>,
 }
 
 /// One VIP's announcement, for `/metrics`.
@@ -202,6 +205,21 @@ impl Metrics {
     /// kernel and written again).
     pub fn record_vip_isolation_repair(&self) {
         self.vip_isolation_repairs.increment(1);
+        self.record_host_repairs(HostKind::IsolationTable, 1);
+    }
+
+    /// Counts `n` repairs of host objects of `kind` (found changed by
+    /// another process and written again).
+    pub fn record_host_repairs(&self, kind: HostKind, n: u64) {
+        if n > 0 {
+            self.host_repairs[kind].increment(n);
+        }
+    }
+
+    /// The repair counters, for the owners that count their own (the
+    /// DHCP clients).
+    pub fn host_repairs(&self) -> Arc<HostRepairs> {
+        Arc::clone(&self.host_repairs)
     }
 
     /// Records a successful write of the kernel NAT table.
@@ -247,6 +265,7 @@ impl Metrics {
     /// `kernel_forwarding_up` is 0 until the repair's write succeeds.
     pub fn record_kernel_repair(&self) {
         self.kernel_repairs.increment(1);
+        self.record_host_repairs(HostKind::NatTables, 1);
         self.kernel_up.store(2, Ordering::Relaxed);
     }
 

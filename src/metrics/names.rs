@@ -364,6 +364,14 @@ pub static VIP_REFUSED: Family = Family::new(
     Gauge,
     "Load balancers refused at the last apply because their VIP is this host's own address, the gateway of one of its routes, or outside vip.announce_prefixes; /status vip_refused names each.",
 );
+/// Repairs of the objects the daemon writes into the host, by `kind`
+/// (see `crate::owned`): each a read-back that found an object not as this
+/// daemon wrote it, logged at warn with what differed, and written again.
+pub static HOST_REPAIRS: Family = Family::new(
+    "harvester_lb_host_repairs_total",
+    Counter,
+    "Objects this daemon wrote into the host (isolation_table, nat_tables, announce_route, vip_address, dhcp_lease) found changed or removed by another process and written again, by kind; each logged at warn with what differed.",
+);
 /// `vip.announce = "routes"`: 1 while this host's route for the VIP is
 /// in the announcing table.
 pub static VIP_ANNOUNCED: Family = Family::new(

@@ -339,6 +339,28 @@ labels! {
 }
 
 labels! {
+    /// A kind of object the daemon writes into the host and owns (reads
+    /// back and repairs: see `crate::owned`).
+    pub enum HostKind;
+    /// `host_repairs_total{kind}`.
+    pub const HOST_KINDS = {
+        /// The VIP isolation table (`inet harvester_lb`).
+        IsolationTable = "isolation_table",
+        /// The kernel forwarding's NAT tables.
+        NatTables = "nat_tables",
+        /// A VIP's route in `vip.announce_table`.
+        AnnounceRoute = "announce_route",
+        /// A VIP's address on `vip.announce_interface`.
+        VipAddress = "vip_address",
+        /// A DHCP load balancer's macvlan interface or leased address.
+        DhcpLease = "dhcp_lease",
+    };
+}
+
+/// Repairs of host objects, by [`HostKind`].
+pub type HostRepairs = ByLabel<HostKind, { HOST_KINDS.len() }>;
+
+labels! {
     /// Why one connect attempt to a backend failed (counted against it).
     pub enum ConnectFailureReason;
     /// `backend_connect_failures_total{reason}`.

@@ -95,9 +95,7 @@ pub trait Backend {
 
     /// Every object of this kind the kernel holds under a key the daemon
     /// could use, marked or not.
-    fn read(
-        &mut self,
-    ) -> impl Future<Output = Result<BTreeMap<Self::Key, Found<Self::Seen>>, Self::Error>> + Send;
+    fn read(&mut self) -> impl Future<Output = Result<Listing<Self>, Self::Error>> + Send;
     /// Writes one object (idempotent: one of ours already there is fine).
     fn write(
         &mut self,
@@ -107,6 +105,9 @@ pub trait Backend {
     /// Removes one object of ours (absent is fine).
     fn remove(&mut self, key: &Self::Key) -> impl Future<Output = Result<(), Self::Error>> + Send;
 }
+
+/// Every object of a kind the kernel holds, by key.
+pub type Listing<B> = BTreeMap<<B as Backend>::Key, Found<<B as Backend>::Seen>>;
 
 /// What went wrong with one object.
 #[derive(Debug)]
@@ -190,6 +191,13 @@ pub struct Driver<B: Backend> {
     backend: B,
     /// What this process wrote and the kernel held at the last read-back.
     written: BTreeMap<B::Key, Record<B::Want, B::Seen>>,
+    /// Whether the last read-back succeeded: while it fails nothing is
+    /// reported held (what `written` says is memory, not the kernel).
+    read_ok: bool,
+    /// Whether the kernel was ever read: a marked object that appears
+    /// after the first read was put there by another process (a repair),
+    /// one found at the first read is a dead predecessor's.
+    read_once: bool,
 }
 
 impl<B: Backend> fmt::Debug for Driver<B> {
@@ -208,6 +216,8 @@ impl<B: Backend> Driver<B> {
         Self {
             backend,
             written: BTreeMap::new(),
+            read_ok: false,
+            read_once: false,
         }
     }
 
@@ -216,14 +226,15 @@ impl<B: Backend> Driver<B> {
         &self.backend
     }
 
-    /// The objects of ours the kernel held at the last read-back.
+    /// The objects of ours the kernel held at the last read-back; none
+    /// while the kernel cannot be read.
     pub fn held(&self) -> impl Iterator<Item = &B::Key> {
-        self.written.keys()
+        self.written.keys().filter(|_| self.read_ok)
     }
 
     /// Whether `key` was ours and in the kernel at the last read-back.
     pub fn holds(&self, key: &B::Key) -> bool {
-        self.written.contains_key(key)
+        self.read_ok && self.written.contains_key(key)
     }
 
     /// Makes the kernel hold `wanted` (the whole set as of now): read
@@ -233,12 +244,13 @@ impl<B: Backend> Driver<B> {
         let now = match self.backend.read().await {
             Ok(now) => now,
             Err(e) => {
-                self.written.clear();
+                self.read_ok = false;
                 out.unread = Some(e);
                 return out;
             }
         };
-        let drifted = self.drifted(&now);
+        self.read_ok = true;
+        let mut drifted = self.drifted(&now);
         let mut remove: BTreeSet<B::Key> = self
             .written
             .keys()
@@ -246,14 +258,21 @@ impl<B: Backend> Driver<B> {
             .cloned()
             .collect();
         if B::REMOVES_STRAYS {
-            remove.extend(
-                now.iter()
-                    .filter(|(k, f)| {
-                        f.marked && !wanted.contains_key(k) && !self.written.contains_key(k)
-                    })
-                    .map(|(k, _)| k.clone()),
-            );
+            for (key, found) in &now {
+                if found.marked && !wanted.contains_key(key) && !self.written.contains_key(key) {
+                    remove.insert(key.clone());
+                    if self.read_once {
+                        // Not there at the last read: another process's.
+                        let drift = Drift::Changed {
+                            missing: Vec::new(),
+                            unexpected: vec![describe(found)],
+                        };
+                        drifted.push((key.clone(), drift));
+                    }
+                }
+            }
         }
+        self.read_once = true;
         for key in remove {
             self.remove(key, &mut out).await;
         }
@@ -275,11 +294,17 @@ impl<B: Backend> Driver<B> {
             }
         }
         for (key, drift) in drifted {
-            if wanted.contains_key(&key) && !out.foreign.iter().any(|(k, _)| *k == key) {
+            // A drifted object no longer wanted, or taken by another
+            // program, needs no repair (the latter is reported as foreign).
+            let unwanted_stray =
+                matches!(&drift, Drift::Changed { missing, .. } if missing.is_empty());
+            let wanted_here =
+                wanted.contains_key(&key) && !out.foreign.iter().any(|(k, _)| *k == key);
+            if wanted_here || unwanted_stray {
                 tracing::warn!(
                     kind = B::KIND,
                     object = %key,
-                    "the kernel's copy is not what this daemon wrote ({drift}): another process changed it; written again"
+                    "the kernel's copy is not what this daemon wrote ({drift}): another process changed it; repaired"
                 );
                 out.repaired.push((key, drift));
             }
@@ -594,8 +619,19 @@ mod tests {
             );
             d.backend.fail_read = false;
             let out = d.sync(&want).await;
-            assert_eq!(out.written, vec![1], "written again (idempotent)");
-            assert!(out.repaired.is_empty(), "nothing was seen to differ");
+            assert!(
+                out.written.is_empty() && out.repaired.is_empty(),
+                "in place"
+            );
+            assert_eq!(held(&d), vec![1]);
+
+            // What changed while unreadable is found at the next read.
+            d.backend.fail_read = true;
+            d.sync(&want).await;
+            d.backend.kernel.clear();
+            d.backend.fail_read = false;
+            let out = d.sync(&want).await;
+            assert_eq!(out.repaired.len(), 1);
             assert_eq!(held(&d), vec![1]);
         });
     }
@@ -651,6 +687,21 @@ mod tests {
             let out = owning.sync(&wanted(&[(8, "h")])).await;
             assert_eq!(out.removed, vec![7]);
             assert_eq!(out.written, vec![8], "adopted and written as wanted");
+            assert!(
+                out.repaired.is_empty(),
+                "a dead run's leftovers are no repair"
+            );
+
+            // One that appears later was put there by another process.
+            owning.backend.kernel.insert(6, ours("someone's"));
+            let out = owning.sync(&wanted(&[(8, "h")])).await;
+            assert_eq!(out.removed, vec![6]);
+            assert_eq!(out.repaired.len(), 1);
+            assert!(
+                out.repaired[0].1.to_string().contains("1 not ours"),
+                "{}",
+                out.repaired[0].1
+            );
 
             let mut sharing = Driver::new(Sharing::default());
             sharing.backend.kernel.insert(7, ours("another daemon's"));

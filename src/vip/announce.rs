@@ -17,7 +17,11 @@
 //! routes with that protocol in the configured table are ever deleted. A
 //! route another protocol put for the same prefix in that table is never
 //! replaced: writing fails with an error that says so. Addresses are
-//! removed only when this process added them (see [`AddressOwner`]).
+//! removed only when this process added them (see [`VipAddresses`]).
+//!
+//! Both are kinds of host object that [`crate::owned::Driver`] owns:
+//! [`RouteTable`] and [`VipAddresses`] say how to read, write and remove
+//! one; the driver reads back, repairs and reports what the kernel holds.
 //!
 //! One table, one daemon: [`TableClaim`] holds an abstract Unix socket
 //! named after the table, which exists once per network namespace and goes
@@ -29,7 +33,7 @@
 //!
 //! Everything here needs `CAP_NET_ADMIN` and an `AF_NETLINK` socket.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
 
 use futures_util::TryStreamExt;
@@ -40,6 +44,7 @@ use rtnetlink::packet_route::route::{
 use rtnetlink::{Handle, RouteMessageBuilder};
 
 pub use crate::config::ROUTE_PROTOCOL;
+use crate::owned::{Backend, Found, StopPhase};
 
 /// Why a route or an address could not be written or read.
 #[derive(Debug, thiserror::Error)]
@@ -191,8 +196,8 @@ impl RouteWriter {
         }
     }
 
-    /// Every route of [`ROUTE_PROTOCOL`] in `table`, both families.
-    pub async fn ours(&self, table: u32) -> Result<Vec<RouteMessage>, AnnounceError> {
+    /// Every route in `table`, both families, whoever wrote it.
+    async fn routes_in(&self, table: u32) -> Result<Vec<RouteMessage>, AnnounceError> {
         let mut out = Vec::new();
         for request in [
             RouteMessageBuilder::<std::net::Ipv4Addr>::new().build(),
@@ -201,13 +206,8 @@ impl RouteWriter {
             let mut routes = self.handle.route().get(request).execute();
             loop {
                 match routes.try_next().await {
-                    Ok(Some(m)) => {
-                        if table_of(&m) == table
-                            && protocol_number(m.header.protocol) == ROUTE_PROTOCOL
-                        {
-                            out.push(m);
-                        }
-                    }
+                    Ok(Some(m)) if table_of(&m) == table => out.push(m),
+                    Ok(Some(_)) => {}
                     Ok(None) => break,
                     Err(source) => {
                         return Err(AnnounceError::Netlink {
@@ -219,6 +219,13 @@ impl RouteWriter {
             }
         }
         Ok(out)
+    }
+
+    /// Every route of [`ROUTE_PROTOCOL`] in `table`, both families.
+    pub async fn ours(&self, table: u32) -> Result<Vec<RouteMessage>, AnnounceError> {
+        let mut routes = self.routes_in(table).await?;
+        routes.retain(|m| protocol_number(m.header.protocol) == ROUTE_PROTOCOL);
+        Ok(routes)
     }
 
     /// The VIPs announced in `table` now (its routes of our protocol).
@@ -270,8 +277,9 @@ impl RouteWriter {
     }
 
     /// Writes the host route of `vip` into `table` (announces it). One of
-    /// ours already there is fine; another protocol's is left alone and
-    /// reported ([`AnnounceError::Foreign`]).
+    /// ours already there is replaced by the one meant (it may have been
+    /// changed); another protocol's is left alone and reported
+    /// ([`AnnounceError::Foreign`]).
     pub async fn announce(&self, vip: IpAddr, table: u32, index: u32) -> Result<(), AnnounceError> {
         match self
             .handle
@@ -282,15 +290,25 @@ impl RouteWriter {
         {
             Ok(()) => Ok(()),
             Err(e) if errno(&e) == Some(libc::EEXIST) => {
-                if self.announced(table).await?.contains(&vip) {
-                    return Ok(());
-                }
                 let protocol = self.protocol_of(vip, table).await?.unwrap_or(0);
-                Err(AnnounceError::Foreign {
-                    vip,
-                    table,
-                    protocol,
-                })
+                if protocol != ROUTE_PROTOCOL {
+                    return Err(AnnounceError::Foreign {
+                        vip,
+                        table,
+                        protocol,
+                    });
+                }
+                // Ours, perhaps changed by another process: made as meant.
+                self.handle
+                    .route()
+                    .add(Self::route(vip, table, index))
+                    .replace()
+                    .execute()
+                    .await
+                    .map_err(|source| AnnounceError::Netlink {
+                        what: format!("cannot replace the route for {vip} in table {table}"),
+                        source,
+                    })
             }
             Err(source) => Err(AnnounceError::Netlink {
                 what: format!("cannot add the route for {vip} to table {table}"),
@@ -368,21 +386,6 @@ impl RouteWriter {
             })
     }
 
-    /// Whether interface `index` has `ip` as an address (any prefix), and
-    /// whether it is tagged as ours ([`ROUTE_PROTOCOL`] as its address
-    /// protocol, `IFA_PROTO`): `None` when absent, `Some(ours)` else.
-    pub async fn has_address(&self, index: u32, ip: IpAddr) -> Result<Option<bool>, AnnounceError> {
-        let found = self.addresses_of(index, ip).await?;
-        if found.is_empty() {
-            return Ok(None);
-        }
-        Ok(Some(found.iter().any(|m| {
-            m.attributes.iter().any(|a| {
-                matches!(a, AddressAttribute::Protocol(AddressProtocol::Other(p)) if *p == ROUTE_PROTOCOL)
-            })
-        })))
-    }
-
     /// Puts `ip` on interface `index` as a host address (/32, /128; no
     /// duplicate address detection for IPv6: the address is anycast by
     /// design), tagged with [`ROUTE_PROTOCOL`] as its address protocol so a
@@ -431,76 +434,154 @@ impl RouteWriter {
     }
 }
 
-/// The VIP addresses this daemon put on the announcing interface (in this
-/// run, or tagged as ours by a run before it), so that only those are
-/// removed again: an address that was there without the tag (put by hand,
-/// by keepalived) stays.
-#[derive(Debug, Default)]
-pub struct AddressOwner {
-    /// Interface index and the addresses added to it.
-    added: BTreeSet<(u32, IpAddr)>,
+/// The announce routes of one table, as a kind of host object the
+/// [`crate::owned::Driver`] owns: one host route per announced VIP, marked with
+/// [`ROUTE_PROTOCOL`]. The table is claimed ([`TableClaim`]), so a marked
+/// route there that this process did not write is a dead predecessor's and
+/// goes ([`Backend::REMOVES_STRAYS`]); that is how every VIP starts
+/// withdrawn.
+#[derive(Debug, Clone)]
+pub struct RouteTable {
+    writer: RouteWriter,
+    table: u32,
 }
 
-impl AddressOwner {
-    /// The addresses this process added (on any interface).
-    pub fn added(&self) -> BTreeSet<IpAddr> {
-        self.added.iter().map(|(_, ip)| *ip).collect()
+impl RouteTable {
+    /// The routes of `table`, written through `writer`.
+    pub fn new(writer: RouteWriter, table: u32) -> Self {
+        Self { writer, table }
     }
 
-    /// Makes `wanted` the VIP addresses on interface `index`: adds the
-    /// missing ones (remembering them), removes the ones this process added
-    /// that are no longer wanted (or were added to another interface).
-    /// Returns the first error; the rest is still tried.
-    pub async fn reconcile(
-        &mut self,
-        writer: &RouteWriter,
-        index: u32,
-        wanted: &BTreeSet<IpAddr>,
-    ) -> Result<(), AnnounceError> {
-        let mut first = None;
-        let stale: Vec<(u32, IpAddr)> = self
-            .added
+    /// The table.
+    pub fn table(&self) -> u32 {
+        self.table
+    }
+}
+
+/// A host route as the kernel shows it: what the driver compares.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SeenRoute {
+    /// The output interface's index.
+    pub interface: Option<u32>,
+    /// The route's protocol (ours is [`ROUTE_PROTOCOL`]).
+    pub protocol: u8,
+}
+
+impl Backend for RouteTable {
+    const KIND: &'static str = "announce_route";
+    const STOP: StopPhase = StopPhase::BeforeDrain;
+    const REMOVES_STRAYS: bool = true;
+    type Key = IpAddr;
+    /// The interface the route goes out of.
+    type Want = u32;
+    type Seen = SeenRoute;
+    type Error = AnnounceError;
+
+    async fn read(&mut self) -> Result<BTreeMap<IpAddr, Found<SeenRoute>>, AnnounceError> {
+        let routes = self.writer.routes_in(self.table).await?;
+        Ok(routes
             .iter()
-            .filter(|(i, ip)| *i != index || !wanted.contains(ip))
-            .copied()
-            .collect();
-        for (i, ip) in stale {
-            match writer.remove_address(i, ip).await {
-                Ok(()) => {
-                    self.added.remove(&(i, ip));
-                }
-                Err(e) => {
-                    first.get_or_insert(e);
-                }
-            }
-        }
-        for ip in wanted {
-            if self.added.contains(&(index, *ip)) {
-                continue;
-            }
-            let result = match writer.has_address(index, *ip).await {
-                // A crashed run's: ours again.
-                Ok(Some(true)) => {
-                    self.added.insert((index, *ip));
-                    Ok(())
-                }
-                Ok(Some(false)) => Ok(()),
-                Ok(None) => writer.add_address(index, *ip).await.map(|()| {
-                    self.added.insert((index, *ip));
-                }),
-                Err(e) => Err(e),
-            };
-            if let Err(e) = result {
-                first.get_or_insert(e);
-            }
-        }
-        first.map_or(Ok(()), Err)
+            .filter_map(|m| {
+                let vip = destination_of(m)?;
+                (m.header.destination_prefix_length == host_prefix(vip)).then_some(())?;
+                let protocol = protocol_number(m.header.protocol);
+                let interface = m.attributes.iter().find_map(|a| match a {
+                    RouteAttribute::Oif(i) => Some(*i),
+                    _ => None,
+                });
+                Some((
+                    vip,
+                    Found {
+                        seen: SeenRoute {
+                            interface,
+                            protocol,
+                        },
+                        marked: protocol == ROUTE_PROTOCOL,
+                    },
+                ))
+            })
+            .collect())
     }
 
-    /// Removes every address this process added (a clean stop).
-    pub async fn remove_all(&mut self, writer: &RouteWriter) -> Result<(), AnnounceError> {
-        let none = BTreeSet::new();
-        self.reconcile(writer, u32::MAX, &none).await
+    async fn write(&mut self, vip: &IpAddr, interface: &u32) -> Result<(), AnnounceError> {
+        self.writer.announce(*vip, self.table, *interface).await
+    }
+
+    async fn remove(&mut self, vip: &IpAddr) -> Result<(), AnnounceError> {
+        self.writer.withdraw(*vip, self.table).await
+    }
+}
+
+/// The VIP addresses on the announcing interface, as a kind of host object
+/// the [`crate::owned::Driver`] owns. Each is added as a host address marked with
+/// [`ROUTE_PROTOCOL`] (`IFA_PROTO`). The interface is shared (`lo`: a
+/// second daemon with its own table, keepalived, the operator), so only
+/// what this process added is removed: an address there without our mark
+/// stays, and one with our mark that this process did not add is adopted
+/// when wanted and otherwise left alone.
+#[derive(Debug, Clone)]
+pub struct VipAddresses {
+    writer: RouteWriter,
+    index: u32,
+}
+
+impl VipAddresses {
+    /// The addresses of interface `index`, written through `writer`.
+    pub fn new(writer: RouteWriter, index: u32) -> Self {
+        Self { writer, index }
+    }
+
+    /// The interface's index.
+    pub fn index(&self) -> u32 {
+        self.index
+    }
+}
+
+impl Backend for VipAddresses {
+    const KIND: &'static str = "vip_address";
+    const STOP: StopPhase = StopPhase::AfterDrain;
+    const REMOVES_STRAYS: bool = false;
+    type Key = IpAddr;
+    type Want = ();
+    /// The prefix length.
+    type Seen = u8;
+    type Error = AnnounceError;
+
+    async fn read(&mut self) -> Result<BTreeMap<IpAddr, Found<u8>>, AnnounceError> {
+        let index = self.index;
+        let messages: Vec<rtnetlink::packet_route::address::AddressMessage> = self
+            .writer
+            .handle
+            .address()
+            .get()
+            .set_link_index_filter(index)
+            .execute()
+            .try_collect()
+            .await
+            .map_err(|source| AnnounceError::Netlink {
+                what: format!("cannot list the addresses of interface {index}"),
+                source,
+            })?;
+        Ok(messages
+            .iter()
+            .filter(|m| m.header.index == index)
+            .filter_map(|m| {
+                let ip = super::host::local_address(m)?;
+                let found = Found {
+                    seen: m.header.prefix_len,
+                    marked: super::host::is_tagged(m),
+                };
+                Some((ip, found))
+            })
+            .collect())
+    }
+
+    async fn write(&mut self, ip: &IpAddr, (): &()) -> Result<(), AnnounceError> {
+        self.writer.add_address(self.index, *ip).await
+    }
+
+    async fn remove(&mut self, ip: &IpAddr) -> Result<(), AnnounceError> {
+        self.writer.remove_address(self.index, *ip).await
     }
 }
 

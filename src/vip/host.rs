@@ -30,7 +30,7 @@ use std::fmt;
 use std::net::IpAddr;
 
 use futures_util::TryStreamExt;
-use rtnetlink::packet_route::address::{AddressAttribute, AddressProtocol};
+use rtnetlink::packet_route::address::{AddressAttribute, AddressMessage, AddressProtocol};
 use rtnetlink::packet_route::link::{InfoKind, LinkAttribute, LinkFlags, LinkInfo};
 use rtnetlink::packet_route::route::{RouteAddress, RouteAttribute, RouteMessage, RouteVia};
 use rtnetlink::{Handle, RouteMessageBuilder};
@@ -231,22 +231,10 @@ impl HostNet {
             .await
             .map_err(netlink("cannot list the host's addresses".into()))?
         {
-            // IPv4's own address is IFA_LOCAL (IFA_ADDRESS is the peer's
-            // on a point-to-point link); IPv6 has IFA_ADDRESS only.
-            let local = m.attributes.iter().find_map(|a| match a {
-                AddressAttribute::Local(ip) => Some(*ip),
-                _ => None,
-            });
-            let ip = local.or_else(|| {
-                m.attributes.iter().find_map(|a| match a {
-                    AddressAttribute::Address(ip) => Some(*ip),
-                    _ => None,
-                })
-            });
-            let Some(ip) = ip else { continue };
-            let tagged = m.attributes.iter().any(|a| {
-                matches!(a, AddressAttribute::Protocol(AddressProtocol::Other(p)) if *p == ROUTE_PROTOCOL)
-            });
+            let Some(ip) = local_address(&m) else {
+                continue;
+            };
+            let tagged = is_tagged(&m);
             out.addresses.push(HostAddress {
                 ip,
                 prefix_len: m.header.prefix_len,
@@ -380,6 +368,30 @@ pub async fn link_kind(handle: &Handle, index: u32) -> Result<LinkKind, Announce
         Some(InfoKind::Dummy) => LinkKind::Dummy,
         Some(k) => LinkKind::Other(k.to_string()),
         None => LinkKind::Other("device".into()),
+    })
+}
+
+/// The address an address message is about: IPv4's own address is
+/// `IFA_LOCAL` (`IFA_ADDRESS` is the peer's on a point-to-point link); IPv6
+/// has `IFA_ADDRESS` only.
+pub(crate) fn local_address(m: &AddressMessage) -> Option<IpAddr> {
+    let local = m.attributes.iter().find_map(|a| match a {
+        AddressAttribute::Local(ip) => Some(*ip),
+        _ => None,
+    });
+    local.or_else(|| {
+        m.attributes.iter().find_map(|a| match a {
+            AddressAttribute::Address(ip) => Some(*ip),
+            _ => None,
+        })
+    })
+}
+
+/// Whether an address carries the daemon's mark ([`ROUTE_PROTOCOL`] as its
+/// address protocol, `IFA_PROTO`; kernels before 5.18 drop it).
+pub(crate) fn is_tagged(m: &AddressMessage) -> bool {
+    m.attributes.iter().any(|a| {
+        matches!(a, AddressAttribute::Protocol(AddressProtocol::Other(p)) if *p == ROUTE_PROTOCOL)
     })
 }
 

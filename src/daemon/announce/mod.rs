@@ -47,8 +47,10 @@ use serde::Serialize;
 use super::Daemon;
 
 use crate::config::AnnounceSettings;
+use crate::metrics::HostKind;
 use crate::metrics::VipAnnounceSample;
-use crate::vip::announce::{AddressOwner, AnnounceError, RouteWriter, TableClaim};
+use crate::owned::{Backend, Driver, Outcome, StopPhase};
+use crate::vip::announce::{AnnounceError, RouteTable, RouteWriter, TableClaim, VipAddresses};
 
 pub mod decide;
 
@@ -82,21 +84,27 @@ pub(super) struct Announcer {
     inner: tokio::sync::Mutex<Inner>,
 }
 
+// The stop order below (routes withdrawn before the drain, addresses
+// removed after it) is the one each kind declares.
+const _: () = assert!(
+    matches!(RouteTable::STOP, StopPhase::BeforeDrain)
+        && matches!(VipAddresses::STOP, StopPhase::AfterDrain)
+);
+
 #[derive(Default)]
 struct Inner {
     writer: Option<RouteWriter>,
-    /// The table our routes are in (flushed when first taken).
-    table: Option<u32>,
-    /// This daemon's claim on `table`: held while it announces there.
+    /// The routes of the claimed table (a dead predecessor's deleted at
+    /// the first sync): what the kernel holds, read back every step.
+    routes: Option<Driver<RouteTable>>,
+    /// This daemon's claim on the routes' table: held while it announces there.
     claim: Option<TableClaim>,
     /// The interface name and index the addresses and routes use.
     interface: Option<(String, u32)>,
     vips: BTreeMap<IpAddr, VipState>,
-    /// VIPs whose route is in the kernel: written by this daemon and, as
-    /// of this step's read-back, still there.
-    written: BTreeSet<IpAddr>,
-    addresses: AddressOwner,
-    /// The VIP addresses last put on the interface.
+    /// The VIP addresses on the interface.
+    addresses: Option<Driver<VipAddresses>>,
+    /// The VIP addresses of the last sync that left nothing to retry.
     addressed: BTreeSet<IpAddr>,
     /// The last error of the interface or the addresses.
     error: Option<String>,
@@ -333,7 +341,7 @@ impl Daemon {
     }
 
     /// Logs and counts a refused write; `Some(message)` for `/status`.
-    fn announce_failed(&self, what: std::fmt::Arguments<'_>, e: &AnnounceError) -> String {
+    fn announce_failed(&self, what: std::fmt::Arguments<'_>, e: &dyn std::fmt::Display) -> String {
         self.metrics.record_vip_announce_error();
         let message = e.to_string();
         tracing::error!("vip.announce: {what}: {message}; retried");
@@ -343,7 +351,12 @@ impl Daemon {
     /// Records a failure of the interface, the addresses or the table as
     /// `inner.error`: logged when it differs from the last one, counted
     /// every time (each is retried).
-    fn note_error(&self, inner: &mut Inner, what: std::fmt::Arguments<'_>, e: &AnnounceError) {
+    fn note_error(
+        &self,
+        inner: &mut Inner,
+        what: std::fmt::Arguments<'_>,
+        e: &dyn std::fmt::Display,
+    ) {
         if inner.error.as_deref() == Some(e.to_string().as_str()) {
             self.metrics.record_vip_announce_error();
         } else {
@@ -356,7 +369,7 @@ impl Daemon {
     async fn announce_step(&self, inner: &mut Inner) -> Option<Instant> {
         let Some(settings) = self.announce_settings() else {
             // Off (or switched off by a reload): take back what is ours.
-            if inner.table.is_some() || !inner.addressed.is_empty() {
+            if inner.routes.is_some() || inner.addresses.is_some() {
                 self.announce_release(inner).await;
             }
             self.metrics.set_vip_announce(None);
@@ -380,7 +393,7 @@ impl Daemon {
         }
         let writer = inner.writer.clone().expect("connected above");
         // A new table, or a new interface: start over there, withdrawn.
-        let moved = inner.table != Some(settings.table)
+        let moved = inner.routes.as_ref().map(|r| r.backend().table()) != Some(settings.table)
             || inner.interface.as_ref().map(|(n, _)| n) != Some(&settings.interface);
         if moved && !self.announce_move(inner, &settings, &writer, now).await {
             self.announce_publish(inner, &settings, &BTreeMap::new(), now);
@@ -389,49 +402,55 @@ impl Daemon {
         let (_, index) = inner.interface.clone().expect("set above");
         let wanted = self.announce_wanted(&settings);
 
-        // The addresses: every VIP of the file, announced or not.
+        // The addresses: every VIP of the file, announced or not; read
+        // back and repaired every CHECK_INTERVAL (or at once when the set
+        // changed or the last sync failed).
         let vips: BTreeSet<IpAddr> = wanted.keys().copied().collect();
         let check = inner
             .last_check
             .is_none_or(|t| now.saturating_duration_since(t) >= crate::owned::CHECK_INTERVAL);
+        if check {
+            inner.last_check = Some(now);
+        }
         if vips != inner.addressed || check || inner.error.is_some() {
-            match inner.addresses.reconcile(&writer, index, &vips).await {
-                Ok(()) => {
-                    inner.addressed = vips;
-                    inner.error = None;
-                }
-                Err(e) => self.note_error(
+            let addresses = inner
+                .addresses
+                .get_or_insert_with(|| Driver::new(VipAddresses::new(writer.clone(), index)));
+            let want: BTreeMap<IpAddr, ()> = vips.iter().map(|v| (*v, ())).collect();
+            let out = addresses.sync(&want).await;
+            self.count_repairs(HostKind::VipAddress, &out);
+            match first_error(&out) {
+                Some(e) => self.note_error(
                     inner,
                     format_args!("the VIP addresses on {:?}", settings.interface),
                     &e,
                 ),
+                None => {
+                    inner.addressed = vips;
+                    inner.error = None;
+                }
             }
         }
 
-        // Read back, every step (what `/status` says is the kernel's): a
-        // route of ours deleted by another process is written again below;
-        // one nobody wants goes.
-        if check {
-            inner.last_check = Some(now);
-        }
-        self.announce_read_back(inner, &writer, settings.table)
-            .await;
-
-        self.announce_withdraw_gone(inner, &writer, &wanted, settings.table)
-            .await;
-
-        // Decisions, and the kernel to match.
+        // Decisions, and the routes to match (read back every step: what
+        // `/status` says is the kernel's).
         let next = self
-            .announce_decide(inner, &writer, &wanted, settings.table, index, now)
+            .announce_decide(inner, &wanted, settings.table, index, now)
             .await;
         self.announce_publish(inner, &settings, &wanted, now);
         next
     }
 
-    /// Takes `settings`' table and interface: deletes our routes from the
-    /// old table and the stale ones from the new, every VIP withdrawn, and
-    /// finds the interface's index. False (the error noted) when the step
-    /// must be tried again.
+    /// Counts the repairs of one sync (the driver logged each).
+    fn count_repairs<B: Backend>(&self, kind: HostKind, out: &Outcome<B>) {
+        self.metrics
+            .record_host_repairs(kind, out.repaired.len() as u64);
+    }
+
+    /// Takes `settings`' table and interface: our routes leave the old
+    /// table (and our addresses the old interface), the stale ones of a
+    /// dead predecessor leave the new table, every VIP starts withdrawn.
+    /// False (the error noted) when the step must be tried again.
     async fn announce_move(
         &self,
         inner: &mut Inner,
@@ -439,12 +458,15 @@ impl Daemon {
         writer: &RouteWriter,
         now: Instant,
     ) -> bool {
-        if let Some(old) = inner.table.take()
-            && let Err(e) = writer.flush(old).await
-        {
-            self.announce_failed(format_args!("deleting the routes of table {old}"), &e);
+        if let Some(mut old) = inner.routes.take() {
+            let out = old.stop().await;
+            if let Some(e) = first_error(&out) {
+                self.announce_failed(
+                    format_args!("deleting the routes of table {}", old.backend().table()),
+                    &e,
+                );
+            }
         }
-        inner.written.clear();
         inner.interface = None;
         for v in inner.vips.values_mut() {
             v.decision = Hysteresis::new(now);
@@ -473,108 +495,63 @@ impl Daemon {
                 return false;
             }
         };
-        match writer.flush(settings.table).await {
-            Ok(stale) if stale.is_empty() => {}
-            Ok(stale) => tracing::warn!(
+        if inner
+            .addresses
+            .as_ref()
+            .is_some_and(|a| a.backend().index() != index)
+            && let Some(mut old) = inner.addresses.take()
+        {
+            let out = old.stop().await;
+            if let Some(e) = first_error(&out) {
+                self.announce_failed(format_args!("removing the VIP addresses"), &e);
+            }
+            inner.addressed.clear();
+        }
+        // The first sync with nothing wanted deletes a dead predecessor's
+        // routes (ours by protocol, in a table this daemon holds).
+        let mut routes = Driver::new(RouteTable::new(writer.clone(), settings.table));
+        let out = routes.sync(&BTreeMap::new()).await;
+        if let Some(e) = first_error(&out) {
+            self.note_error(
+                inner,
+                format_args!("deleting stale routes of table {}", settings.table),
+                &e,
+            );
+            return false;
+        }
+        if !out.removed.is_empty() {
+            tracing::warn!(
                 table = settings.table,
-                routes = ?stale,
+                routes = ?out.removed,
                 "vip.announce: deleted routes of protocol {} a previous run left in the table; every VIP starts withdrawn",
                 crate::config::ROUTE_PROTOCOL
-            ),
-            Err(e) => {
-                self.note_error(
-                    inner,
-                    format_args!("deleting stale routes of table {}", settings.table),
-                    &e,
-                );
-                return false;
-            }
+            );
         }
-        inner.table = Some(settings.table);
+        inner.routes = Some(routes);
         inner.interface = Some((settings.interface.clone(), index));
         inner.error = None;
         true
     }
 
-    /// Compares the routes of `table` with those this daemon wrote and
-    /// repairs the difference: a route deleted by another process is
-    /// written again by the decisions that follow; one nobody wants goes.
-    async fn announce_read_back(&self, inner: &mut Inner, writer: &RouteWriter, table: u32) {
-        match writer.announced(table).await {
-            Ok(in_kernel) => {
-                let lost: Vec<IpAddr> = inner.written.difference(&in_kernel).copied().collect();
-                let extra: Vec<IpAddr> = in_kernel.difference(&inner.written).copied().collect();
-                if !lost.is_empty() || !extra.is_empty() {
-                    self.metrics.record_vip_announce_repair();
-                    tracing::warn!(
-                        table = table,
-                        missing = ?lost,
-                        unexpected = ?extra,
-                        "vip.announce: the table's routes of protocol {} are not the ones this daemon wrote (another process changed them?); repaired",
-                        crate::config::ROUTE_PROTOCOL
-                    );
-                }
-                for vip in lost {
-                    inner.written.remove(&vip);
-                }
-                for vip in extra {
-                    if let Err(e) = writer.withdraw(vip, table).await {
-                        self.announce_failed(format_args!("withdrawing {vip}"), &e);
-                    }
-                }
-            }
-            Err(e) => {
-                // Believed no longer: nothing is shown announced that was
-                // not read back (written again once the table reads).
-                self.note_error(inner, format_args!("reading table {}", table), &e);
-                inner.written.clear();
-            }
-        }
-    }
-
-    /// Forgets the VIPs that left the file, withdrawing their routes.
-    async fn announce_withdraw_gone(
-        &self,
-        inner: &mut Inner,
-        writer: &RouteWriter,
-        wanted: &BTreeMap<IpAddr, Wanted>,
-        table: u32,
-    ) {
-        let gone: Vec<IpAddr> = inner
-            .vips
-            .keys()
-            .filter(|v| !wanted.contains_key(v))
-            .copied()
-            .collect();
-        for vip in gone {
-            inner.vips.remove(&vip);
-            if inner.written.contains(&vip) {
-                match writer.withdraw(vip, table).await {
-                    Ok(()) => {
-                        inner.written.remove(&vip);
-                        tracing::info!(%vip, "vip.announce: withdrawn: the VIP left the config");
-                    }
-                    Err(e) => {
-                        self.announce_failed(format_args!("withdrawing {vip}"), &e);
-                    }
-                }
-            }
-        }
-    }
-
-    /// Feeds each wanted VIP's conditions to its hysteresis and writes or
-    /// deletes its route to match the decision. Returns when a decision (or
-    /// a failed write's retry) is due at the latest.
+    /// Feeds each wanted VIP's conditions to its hysteresis and makes the
+    /// table hold the routes of the VIPs it announces (the driver reads the
+    /// table back, repairs what another process changed, writes and
+    /// deletes the difference). Returns when a decision (or a failed
+    /// write's retry) is due at the latest.
     async fn announce_decide(
         &self,
         inner: &mut Inner,
-        writer: &RouteWriter,
         wanted: &BTreeMap<IpAddr, Wanted>,
         table: u32,
         index: u32,
         now: Instant,
     ) -> Option<Instant> {
         let mut next: Option<Instant> = None;
+        let retry = now + Duration::from_secs(2);
+        // VIPs that left the file: forgotten (their routes go below).
+        inner.vips.retain(|vip, _| wanted.contains_key(vip));
+        let mut routes_wanted = BTreeMap::new();
+        let mut transitions = BTreeMap::new();
         for (vip, w) in wanted {
             let state = inner.vips.entry(*vip).or_insert_with(|| VipState {
                 decision: Hysteresis::new(now),
@@ -582,63 +559,101 @@ impl Daemon {
                 withdrawals: 0,
                 error: None,
             });
-            let transition = state.decision.observe(now, w.conditions, w.delay);
+            transitions.insert(*vip, state.decision.observe(now, w.conditions, w.delay));
             if let Some(d) = state.decision.deadline(w.delay) {
                 next = Some(next.map_or(d, |n| n.min(d)));
             }
-            let want = state.decision.announced();
-            let have = inner.written.contains(vip);
-            if want == have {
-                continue;
-            }
-            let result = if want {
-                writer.announce(*vip, table, index).await
-            } else {
-                writer.withdraw(*vip, table).await
-            };
-            match result {
-                Ok(()) => {
-                    state.error = None;
-                    if want {
-                        inner.written.insert(*vip);
-                        state.announces += 1;
-                        tracing::info!(
-                            %vip,
-                            table = table,
-                            transitions = state.decision.transitions(),
-                            "vip.announce: announced (its conditions held for {:?})",
-                            state.decision.rise_delay(w.delay)
-                        );
-                    } else {
-                        inner.written.remove(vip);
-                        state.withdrawals += 1;
-                        let reason = match transition {
-                            Some(Transition::Withdraw(b)) => Reason::from(b).as_str(),
-                            _ => state.decision.reason().map_or("?", Reason::as_str),
-                        };
-                        tracing::warn!(
-                            %vip,
-                            table = table,
-                            reason,
-                            damping = state.decision.damp_level(),
-                            "vip.announce: withdrawn"
-                        );
-                    }
-                }
-                Err(e) => {
-                    let what = if want { "announcing" } else { "withdrawing" };
-                    let message = e.to_string();
-                    if state.error.as_deref() != Some(&message) {
-                        state.error = Some(self.announce_failed(format_args!("{what} {vip}"), &e));
-                    } else {
-                        self.metrics.record_vip_announce_error();
-                    }
-                    let retry = now + Duration::from_secs(2);
-                    next = Some(next.map_or(retry, |n| n.min(retry)));
-                }
+            if state.decision.announced() {
+                routes_wanted.insert(*vip, index);
             }
         }
+        let Some(routes) = inner.routes.as_mut() else {
+            return Some(retry);
+        };
+        let out = routes.sync(&routes_wanted).await;
+        self.count_repairs(HostKind::AnnounceRoute, &out);
+        if !out.repaired.is_empty() {
+            self.metrics.record_vip_announce_repair();
+        }
+        if let Some(e) = &out.unread {
+            // Believed no longer: nothing is shown announced that was not
+            // read back (written again once the table reads).
+            self.note_error(inner, format_args!("reading table {table}"), e);
+            return Some(retry);
+        }
+        let repaired: BTreeSet<IpAddr> = out.repaired.iter().map(|(v, _)| *v).collect();
+        for vip in &out.written {
+            let Some(state) = inner.vips.get_mut(vip) else {
+                continue;
+            };
+            state.error = None;
+            if repaired.contains(vip) {
+                continue;
+            }
+            state.announces += 1;
+            tracing::info!(
+                %vip,
+                table = table,
+                transitions = state.decision.transitions(),
+                "vip.announce: announced (its conditions held for {:?})",
+                state.decision.rise_delay(wanted[vip].delay)
+            );
+        }
+        for vip in &out.removed {
+            let Some(state) = inner.vips.get_mut(vip) else {
+                if !repaired.contains(vip) {
+                    tracing::info!(%vip, "vip.announce: withdrawn: the VIP left the config");
+                }
+                continue;
+            };
+            state.error = None;
+            state.withdrawals += 1;
+            let reason = match transitions.get(vip) {
+                Some(Some(Transition::Withdraw(b))) => Reason::from(*b).as_str(),
+                _ => state.decision.reason().map_or("?", Reason::as_str),
+            };
+            tracing::warn!(
+                %vip,
+                table = table,
+                reason,
+                damping = state.decision.damp_level(),
+                "vip.announce: withdrawn"
+            );
+        }
+        for (vip, seen) in &out.foreign {
+            let e = AnnounceError::Foreign {
+                vip: *vip,
+                table,
+                protocol: seen.protocol,
+            };
+            self.vip_failed(inner, *vip, "announcing", &e);
+            next = Some(next.map_or(retry, |n| n.min(retry)));
+        }
+        for (vip, failure) in &out.failed {
+            let what = if routes_wanted.contains_key(vip) {
+                "announcing"
+            } else {
+                "withdrawing"
+            };
+            self.vip_failed(inner, *vip, what, failure);
+            next = Some(next.map_or(retry, |n| n.min(retry)));
+        }
         next
+    }
+
+    /// Records a failed write of `vip`'s route for its `/status`: logged
+    /// when the message changes, counted every time (each is retried).
+    fn vip_failed(&self, inner: &mut Inner, vip: IpAddr, what: &str, e: &dyn std::fmt::Display) {
+        let Some(state) = inner.vips.get_mut(&vip) else {
+            self.announce_failed(format_args!("{what} {vip}"), e);
+            return;
+        };
+        let message = e.to_string();
+        if state.error.as_deref() == Some(message.as_str()) {
+            self.metrics.record_vip_announce_error();
+        } else {
+            state.error = Some(self.announce_failed(format_args!("{what} {vip}"), e));
+        }
     }
 
     /// Publishes `/status` and the metrics from `inner`.
@@ -653,7 +668,7 @@ impl Daemon {
         let mut vips = Vec::new();
         let mut samples = Vec::new();
         for (vip, state) in &inner.vips {
-            let announced = inner.written.contains(vip);
+            let announced = inner.routes.as_ref().is_some_and(|r| r.holds(vip));
             let reason = if announced {
                 None
             } else {
@@ -699,19 +714,21 @@ impl Daemon {
     /// Announcing switched off: our routes and addresses go, and the
     /// table's claim with them.
     async fn announce_release(&self, inner: &mut Inner) {
-        if let Some(writer) = inner.writer.clone() {
-            if let Some(table) = inner.table.take()
-                && let Err(e) = writer.flush(table).await
-            {
+        if let Some(mut routes) = inner.routes.take() {
+            let out = routes.stop().await;
+            if let Some(e) = first_error(&out) {
+                let table = routes.backend().table();
                 self.announce_failed(format_args!("deleting the routes of table {table}"), &e);
             }
-            if let Err(e) = inner.addresses.remove_all(&writer).await {
+        }
+        if let Some(mut addresses) = inner.addresses.take() {
+            let out = addresses.stop().await;
+            if let Some(e) = first_error(&out) {
                 self.announce_failed(format_args!("removing the VIP addresses"), &e);
             }
         }
         inner.claim = None;
         inner.error = None;
-        inner.written.clear();
         inner.vips.clear();
         inner.addressed.clear();
         inner.interface = None;
@@ -719,52 +736,56 @@ impl Daemon {
     }
 
     /// At stop, before the listeners close: every VIP is withdrawn (the
-    /// table flushed of our routes) and none is announced again. Returns
-    /// the grace to wait for the router to move new flows away: `None`
-    /// when announcing is off or no route was in the table (nothing to move
-    /// away from), the full grace when routes were deleted or the table
-    /// could not be read.
+    /// table's routes of ours deleted) and none is announced again.
+    /// Returns the grace to wait for the router to move new flows away:
+    /// `None` when announcing is off or no route was in the table (nothing
+    /// to move away from), the full grace when routes were deleted or the
+    /// table could not be read.
     pub(super) async fn announce_stop(&self) -> Option<Duration> {
         let settings = self.announce_settings()?;
         let mut inner = self.announcer.inner.lock().await;
         inner.stopped = true;
+        let now = Instant::now();
         // Without the table's claim nothing there is ours (another live
         // daemon's routes, or none): nothing to withdraw, no grace.
-        let writer = match inner.writer.clone() {
-            _ if inner.claim.is_none() => None,
-            Some(w) => Some(w),
-            None => RouteWriter::connect().ok(),
-        };
-        let mut wait = writer.is_some();
-        let now = Instant::now();
-        if let Some(writer) = writer {
-            match writer.flush(settings.table).await {
-                Ok(withdrawn) if withdrawn.is_empty() => {
-                    wait = false;
+        let mut wait = false;
+        if inner.claim.is_some() {
+            let routes = match inner.routes.take() {
+                Some(r) => Some(r),
+                None => inner
+                    .writer
+                    .clone()
+                    .or_else(|| RouteWriter::connect().ok())
+                    .map(|w| Driver::new(RouteTable::new(w, settings.table))),
+            };
+            wait = routes.is_none();
+            if let Some(mut routes) = routes {
+                let out = routes.stop().await;
+                if let Some(e) = first_error(&out) {
+                    wait = true;
+                    self.announce_failed(format_args!("withdrawing every VIP at stop"), &e);
+                }
+                if out.removed.is_empty() && !wait {
                     tracing::info!(
                         table = settings.table,
                         "stopping: no VIP was announced; no grace"
                     );
-                }
-                Ok(withdrawn) => {
-                    for vip in &withdrawn {
+                } else if !out.removed.is_empty() {
+                    wait = true;
+                    for vip in &out.removed {
                         if let Some(state) = inner.vips.get_mut(vip) {
                             state.withdrawals += 1;
                         }
                     }
                     tracing::info!(
                         table = settings.table,
-                        vips = ?withdrawn,
+                        vips = ?out.removed,
                         grace = ?settings.withdraw_grace,
                         "stopping: every VIP withdrawn; listeners keep accepting for the grace, then drain"
                     );
                 }
-                Err(e) => {
-                    self.announce_failed(format_args!("withdrawing every VIP at stop"), &e);
-                }
             }
         }
-        inner.written.clear();
         for state in inner.vips.values_mut() {
             state
                 .decision
@@ -778,10 +799,11 @@ impl Daemon {
     /// At stop, after the drain: the VIP addresses this daemon added go.
     pub(super) async fn announce_remove_addresses(&self) {
         let mut inner = self.announcer.inner.lock().await;
-        if let Some(writer) = inner.writer.clone()
-            && let Err(e) = inner.addresses.remove_all(&writer).await
-        {
-            self.announce_failed(format_args!("removing the VIP addresses at stop"), &e);
+        if let Some(mut addresses) = inner.addresses.take() {
+            let out = addresses.stop().await;
+            if let Some(e) = first_error(&out) {
+                self.announce_failed(format_args!("removing the VIP addresses at stop"), &e);
+            }
         }
     }
 
@@ -823,7 +845,12 @@ impl Daemon {
     /// The VIP addresses this daemon put on the announcing interface (for
     /// the VIP guard: they are not the host's own).
     pub(super) async fn announce_own_addresses(&self) -> BTreeSet<IpAddr> {
-        self.announcer.inner.lock().await.addresses.added()
+        let inner = self.announcer.inner.lock().await;
+        inner
+            .addresses
+            .as_ref()
+            .map(|a| a.held().copied().collect())
+            .unwrap_or_default()
     }
 
     /// `announce` in `/status`; `None` while announcing is off.
@@ -849,4 +876,12 @@ impl AnnounceStatus {
                 since: v.since,
             })
     }
+}
+
+/// The first thing that went wrong in a sync, in words for the operator.
+fn first_error<B: Backend>(out: &Outcome<B>) -> Option<String> {
+    out.unread
+        .as_ref()
+        .map(ToString::to_string)
+        .or_else(|| out.failed.first().map(|(k, f)| format!("{k}: {f}")))
 }

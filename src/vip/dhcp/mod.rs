@@ -34,7 +34,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::config::{DhcpGuard, DhcpSpec};
-use crate::metrics::LeaseStats;
+use crate::metrics::{HostRepairs, LeaseStats};
 
 /// How long a clean stop waits for RELEASEs and interface removals.
 const STOP_TIMEOUT: Duration = Duration::from_secs(5);
@@ -77,12 +77,17 @@ pub struct Leases {
     running: Mutex<HashMap<String, Running>>,
     changed: Arc<Notify>,
     tasks: TaskTracker,
+    /// Where each client counts its repairs (`host_repairs_total{kind="dhcp_lease"}`).
+    host_repairs: Arc<HostRepairs>,
 }
 
 impl Leases {
-    /// No clients.
-    pub fn new() -> Self {
-        Self::default()
+    /// No clients; their repairs counted in `host_repairs`.
+    pub fn new(host_repairs: Arc<HostRepairs>) -> Self {
+        Self {
+            host_repairs,
+            ..Self::default()
+        }
     }
 
     /// Notified whenever a VIP is leased, changes or is lost.
@@ -143,6 +148,7 @@ impl Leases {
                 spec: w.spec.clone(),
                 state_file: state::path(state_dir, w.spec.mac),
                 stats: Arc::clone(&stats),
+                host_repairs: Arc::clone(&self.host_repairs),
                 changed: Arc::clone(&self.changed),
                 guard: Arc::clone(&guard),
             };
@@ -238,7 +244,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_guard_change_reaches_the_running_client_without_a_restart() {
-        let leases = Leases::new();
+        let leases = Leases::new(Arc::default());
         let dir = std::env::temp_dir().join(format!("hlb-leases-{}", std::process::id()));
         leases.reconcile(&[want("web", 16)], &dir);
         let (stop, guard) = {

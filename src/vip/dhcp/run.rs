@@ -89,6 +89,8 @@ pub struct Ctx {
     pub state_file: PathBuf,
     /// The numbers `/metrics` and `/status` show.
     pub stats: Arc<LeaseStats>,
+    /// The daemon's repair counters (`host_repairs_total{kind="dhcp_lease"}`).
+    pub host_repairs: Arc<crate::metrics::HostRepairs>,
     /// Told whenever the VIP appears, changes or goes.
     pub changed: Arc<Notify>,
     /// Which offers are taken; replaced by a reload without restarting the
@@ -237,6 +239,7 @@ async fn repair<N: Net>(net: &mut N, ctx: &Ctx) {
         Ok(repaired) => {
             if !repaired.is_empty() {
                 ctx.stats.repairs.increment(1);
+                ctx.host_repairs[crate::metrics::HostKind::DhcpLease].increment(1);
                 tracing::warn!(load_balancer = %ctx.name, repaired = %repaired.join("; "), "the VIP's macvlan interface or leased address was changed by another program; put back as the lease has it");
             }
             if error.take().is_some() && repaired.is_empty() {
@@ -704,6 +707,7 @@ mod tests {
                 },
                 state_file: state::path(&dir, MAC),
                 stats: Arc::clone(&stats),
+                host_repairs: Arc::default(),
                 changed: Arc::new(Notify::new()),
                 guard: Arc::new(ArcSwap::from_pointee(guard)),
             };
