@@ -15,7 +15,8 @@
 //! ```
 //!
 //! Everything the daemon writes into the host (tables, routes, addresses)
-//! is owned: see [`owned`] for the rule and how far each kind follows it.
+//! is owned: remembered, read back, repaired and reported as the kernel
+//! holds it; see [`owned`] for the rule and the driver every keyed kind uses.
 //!
 //! * [`config`]: schema, Harvester's defaults, validation; pure.
 //! * [`health`]: probes and the per-backend state machine.
@@ -30,7 +31,8 @@
 //!   their listeners' ports answer, leased by DHCP or announced by route.
 //! * [`nft`]: the `nft` command, run in one place for every table.
 //! * [`owned`]: kernel objects the daemon owns (the isolation table, the
-//!   NAT tables), read back and repaired when another process changed them.
+//!   NAT tables, announce routes, VIP addresses), read back and repaired
+//!   when another process changed them; one driver for the keyed kinds.
 //! * [`admin`], [`metrics`], [`systemd`]: how operators and machines see it.
 //! * [`logging`]: log lines queued to a writer thread of their own, so a
 //!   stalled stderr never stalls forwarding.

@@ -1,30 +1,46 @@
 //! Kernel objects the daemon owns, and keeping them as it wrote them.
 //!
 //! The daemon writes objects into the kernel that outlive a call and that
-//! anyone with `CAP_NET_ADMIN` can change behind its back: the VIP
-//! isolation table (`vip::isolate`) and the kernel forwarding's NAT tables
-//! (`kernel::check`) follow the rule below, and so do a DHCP load
-//! balancer's macvlan interface and leased address (`vip::dhcp::run`, read
-//! back over rtnetlink every [`CHECK_INTERVAL`] while a lease is held); the
-//! other objects it writes (routes, VIP addresses on `lo`) are not yet held
-//! to all of it. A
-//! second daemon started by hand, an operator's
-//! `nft flush ruleset` or a firewall reload can replace or delete them while
-//! the daemon still reports them in force. The rule for every such object:
+//! anyone with `CAP_NET_ADMIN` can change behind its back: a second daemon
+//! started by hand, an operator's `nft flush ruleset`, a firewall reload,
+//! keepalived or a script can replace or delete them while the daemon still
+//! reports them in force. Every kind follows one rule:
 //!
 //! 1. **Single-instance resources first.** The daemon takes its admin port
 //!    and its locked admin socket before it writes any kernel object, so a
 //!    second daemon fails before it touches the first one's (see
 //!    `server::start`); a start that fails after a write undoes it.
-//! 2. **Remember what was written.** Right after a write the object is read
-//!    back and its [`Fingerprint`] kept in a [`Guard`].
+//! 2. **Remember what was written**, as the kernel showed it right after
+//!    the write.
 //! 3. **Check and repair.** At every reload and on a timer the object is
-//!    read back again; if it differs from the fingerprint it is written again
-//!    whole, the [`Drift`] (what differed) is logged once per repair and the
-//!    repair counted by the owner.
+//!    read back again; if it differs it is written again, what differed
+//!    ([`Drift`]) is logged at warn and the repair counted per kind
+//!    (`harvester_lb_host_repairs_total{kind}`).
+//! 4. **Report the kernel**, not memory: `/status` and the metrics say
+//!    what the last read-back found.
 //!
-//! A new kind of object implements [`Owned`] (read back, write) and keeps a
-//! [`Guard`]; nothing else is needed. What is compared is the kernel's own
+//! Three shapes carry it out, by the size of what is owned:
+//!
+//! * **Many small keyed objects** (a VIP's announce route, a VIP's address
+//!   on the announcing interface): the [`Driver`] ([`driver`]), one for
+//!   every such kind. Each kind is a [`Backend`] (read all, write one,
+//!   remove one, over rtnetlink); the driver reads back, repairs, removes
+//!   what is no longer wanted, writes, reads back again, and orders the
+//!   stop ([`StopPhase`]). Its branches are unit-tested against an
+//!   in-memory kernel, the backends in network namespaces.
+//! * **One whole object** (the isolation table): a [`Guard`] over an
+//!   [`Owned`] (below), comparing the kernel's own listing.
+//! * **The NAT tables** (10,000 listeners in 16 tables, rewritten many
+//!   times a minute): `kernel::check`, the same rule its own way (below).
+//!
+//! A DHCP load balancer's macvlan interface and leased address are owned
+//! by its client (`vip::dhcp::run`), which reads them back over rtnetlink
+//! every [`CHECK_INTERVAL`] while a lease is held: their life follows the
+//! lease's state machine, not a wanted set.
+//!
+//! A new keyed kind implements [`Backend`] and is driven by a [`Driver`]; a
+//! new whole object implements [`Owned`] (read back, write) and keeps a
+//! [`Guard`]. For a whole object what is compared is the kernel's own
 //! listing (for nftables `nft -j list table …` with the handles removed), so
 //! no second model of nft's output is needed: whatever the kernel shows
 //! after our write is what it must keep showing.
@@ -41,7 +57,8 @@
 //! that is ours.
 //!
 //! Limits: a change made between our write and its read-back (a window of
-//! one `nft` call) would be taken as ours; the check runs every
+//! one `nft` call, or of one netlink dump for the driver) would be taken as
+//! ours; the check runs every
 //! [`CHECK_INTERVAL`], so a change lasts until then (or the next reload).
 
 use std::fmt;
