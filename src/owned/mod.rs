@@ -258,6 +258,65 @@ mod tests {
         {"rule": {"family": "inet", "table": "t", "chain": "c", "handle": 5, "expr": [{"accept": null}]}},
         {"rule": {"family": "inet", "table": "t", "chain": "c", "handle": 6, "expr": [{"drop": null}]}}]}"#;
 
+    /// A whole object in memory: the "kernel's" listing, failures to inject.
+    #[derive(Default)]
+    struct Table {
+        kernel: std::cell::RefCell<Option<Vec<String>>>,
+        meant: Vec<String>,
+        fail_write: std::cell::Cell<bool>,
+        writes: std::cell::Cell<u32>,
+    }
+
+    impl Owned for Table {
+        type Error = String;
+        fn read_back(&self) -> Result<Option<Fingerprint>, String> {
+            Ok(self.kernel.borrow().clone().map(Fingerprint))
+        }
+        fn write(&self) -> Result<(), String> {
+            self.writes.set(self.writes.get() + 1);
+            if self.fail_write.get() {
+                return Err("refused".into());
+            }
+            *self.kernel.borrow_mut() = Some(self.meant.clone());
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn a_guard_repairs_what_another_process_changed_and_owns_nothing_after_a_failure() {
+        let table = Table {
+            meant: vec!["rule a".into(), "rule b".into()],
+            ..Table::default()
+        };
+        let mut guard = Guard::default();
+        assert_eq!(guard.check(&table), Ok(Checked::NothingOwned));
+        guard.write(&table).unwrap();
+        assert_eq!(guard.check(&table), Ok(Checked::InPlace));
+        assert_eq!(table.writes.get(), 1);
+
+        // Deleted by another process: written again, the drift reported.
+        *table.kernel.borrow_mut() = None;
+        assert_eq!(guard.check(&table), Ok(Checked::Repaired(Drift::Gone)));
+        assert_eq!(table.kernel.borrow().as_deref(), Some(&table.meant[..]));
+
+        // Changed: what differed is named.
+        *table.kernel.borrow_mut() = Some(vec!["rule a".into(), "rule x".into()]);
+        let Ok(Checked::Repaired(drift)) = guard.check(&table) else {
+            panic!("not repaired")
+        };
+        assert_eq!(drift.to_string(), "1 missing: rule b; 1 not ours: rule x");
+
+        // A repair that fails: the error returned, nothing owned after it
+        // (so the kernel's state is never taken for ours).
+        *table.kernel.borrow_mut() = None;
+        table.fail_write.set(true);
+        assert_eq!(guard.check(&table), Err("refused".to_string()));
+        *table.kernel.borrow_mut() = Some(vec!["someone else's".into()]);
+        assert_eq!(guard.check(&table), Ok(Checked::NothingOwned));
+        guard.forget();
+        assert_eq!(guard.check(&table), Ok(Checked::NothingOwned));
+    }
+
     #[test]
     fn handles_and_element_order_do_not_count_rules_order_does() {
         let a = Fingerprint::of_nft_json(LISTED).unwrap();
