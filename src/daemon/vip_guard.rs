@@ -189,12 +189,15 @@ mod tests {
                 ip: "192.0.2.2".parse().unwrap(),
                 prefix_len: 24,
                 interface: "eth0".into(),
+                index: 2,
                 tagged: false,
             }],
             gateways: vec![Gateway {
                 ip: "192.0.2.1".parse().unwrap(),
                 route: "default via 192.0.2.1 dev eth0 table 254".into(),
+                index: Some(2),
             }],
+            local_routes: Vec::new(),
         }
     }
 

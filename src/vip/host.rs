@@ -30,9 +30,12 @@ use std::fmt;
 use std::net::IpAddr;
 
 use futures_util::TryStreamExt;
+use rtnetlink::packet_route::AddressFamily;
 use rtnetlink::packet_route::address::{AddressAttribute, AddressMessage, AddressProtocol};
 use rtnetlink::packet_route::link::{InfoKind, LinkAttribute, LinkFlags, LinkInfo};
-use rtnetlink::packet_route::route::{RouteAddress, RouteAttribute, RouteMessage, RouteVia};
+use rtnetlink::packet_route::route::{
+    RouteAddress, RouteAttribute, RouteHeader, RouteMessage, RouteType, RouteVia,
+};
 use rtnetlink::{Handle, RouteMessageBuilder};
 
 use super::announce::{AnnounceError, ROUTE_PROTOCOL};
@@ -47,6 +50,8 @@ pub struct HostAddress {
     pub prefix_len: u8,
     /// The interface's name.
     pub interface: String,
+    /// The interface's index.
+    pub index: u32,
     /// Tagged with address protocol [`ROUTE_PROTOCOL`]: a harvester-lb
     /// daemon put it there as a VIP.
     pub tagged: bool,
@@ -60,6 +65,18 @@ pub struct Gateway {
     /// The route, as `ip route` would print it (`default via 192.0.2.1
     /// dev eth0 table 254`).
     pub route: String,
+    /// The interface the route (or its nexthop) goes out of.
+    pub index: Option<u32>,
+}
+
+/// A `local` route (any table): the host answers for every address in it
+/// (its own addresses' routes, `ip route add local 10.0.0.0/24 dev lo`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LocalRoute {
+    /// The destination.
+    pub net: ipnet::IpNet,
+    /// The interface it is on.
+    pub index: Option<u32>,
 }
 
 /// What the guard needs to know of the host.
@@ -69,6 +86,8 @@ pub struct HostNet {
     pub addresses: Vec<HostAddress>,
     /// Every gateway of every route (every table, both families).
     pub gateways: Vec<Gateway>,
+    /// Every `local` route (every table, both families).
+    pub local_routes: Vec<LocalRoute>,
 }
 
 /// Why a VIP cannot be taken: what the host uses the address for.
@@ -239,13 +258,16 @@ impl HostNet {
                 ip,
                 prefix_len: m.header.prefix_len,
                 interface: name_of(m.header.index),
+                index: m.header.index,
                 tagged,
             });
         }
-        for request in [
+        for mut request in [
             RouteMessageBuilder::<std::net::Ipv4Addr>::new().build(),
             RouteMessageBuilder::<std::net::Ipv6Addr>::new().build(),
         ] {
+            // A dump without a table filter lists every table.
+            request.header.table = RouteHeader::RT_TABLE_UNSPEC;
             let mut routes = handle.route().get(request).execute();
             while let Some(m) = routes
                 .try_next()
@@ -256,6 +278,15 @@ impl HostNet {
                     out.gateways.push(Gateway {
                         ip: gw,
                         route: describe(&m, gw, oif.map(name_of)),
+                        index: oif,
+                    });
+                }
+                if m.header.kind == RouteType::Local
+                    && let Some(net) = local_net(&m)
+                {
+                    out.local_routes.push(LocalRoute {
+                        net,
+                        index: route_oif(&m),
                     });
                 }
             }
@@ -288,13 +319,35 @@ fn address_of(a: &RouteAddress) -> Option<IpAddr> {
     }
 }
 
+/// A route's output interface.
+fn route_oif(m: &RouteMessage) -> Option<u32> {
+    m.attributes.iter().find_map(|a| match a {
+        RouteAttribute::Oif(i) => Some(*i),
+        _ => None,
+    })
+}
+
+/// A `local` route's destination (the whole family when it has none).
+fn local_net(m: &RouteMessage) -> Option<ipnet::IpNet> {
+    let destination = m
+        .attributes
+        .iter()
+        .find_map(|a| match a {
+            RouteAttribute::Destination(d) => address_of(d),
+            _ => None,
+        })
+        .unwrap_or(if m.header.address_family == AddressFamily::Inet6 {
+            IpAddr::V6(std::net::Ipv6Addr::UNSPECIFIED)
+        } else {
+            IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED)
+        });
+    ipnet::IpNet::new(destination, m.header.destination_prefix_length).ok()
+}
+
 /// The gateways of a route (one, or one per nexthop of a multipath
 /// route), each with the interface it goes out of.
 fn gateways_of(m: &RouteMessage) -> Vec<(IpAddr, Option<u32>)> {
-    let oif = m.attributes.iter().find_map(|a| match a {
-        RouteAttribute::Oif(i) => Some(*i),
-        _ => None,
-    });
+    let oif = route_oif(m);
     let mut out = Vec::new();
     let mut from = |attrs: &[RouteAttribute], oif: Option<u32>| {
         for a in attrs {
@@ -409,6 +462,7 @@ mod tests {
             ip: ip(s),
             prefix_len: len,
             interface: dev.into(),
+            index: 1,
             tagged,
         }
     }
@@ -434,12 +488,15 @@ mod tests {
                 Gateway {
                     ip: ip("192.0.2.1"),
                     route: "default via 192.0.2.1 dev eth0 table 254".into(),
+                    index: Some(2),
                 },
                 Gateway {
                     ip: ip("fe80::1"),
                     route: "default via fe80::1 dev eth0 table 254".into(),
+                    index: Some(2),
                 },
             ],
+            local_routes: Vec::new(),
         }
     }
 

@@ -103,6 +103,28 @@ pub struct HostView {
 }
 
 impl HostView {
+    /// The IPv4 part of `host`, without what is on interface `own` (the
+    /// client's macvlan: its leased address is not the host's).
+    pub fn of(host: &crate::vip::host::HostNet, own: u32) -> Self {
+        let mut view = HostView::default();
+        for a in host.addresses.iter().filter(|a| a.index != own) {
+            if let std::net::IpAddr::V4(v4) = a.ip {
+                view.local.push(Ipv4Net::from(v4));
+            }
+        }
+        for r in host.local_routes.iter().filter(|r| r.index != Some(own)) {
+            if let ipnet::IpNet::V4(net) = r.net {
+                view.local.push(net);
+            }
+        }
+        for g in host.gateways.iter().filter(|g| g.index != Some(own)) {
+            if let std::net::IpAddr::V4(v4) = g.ip {
+                view.gateways.push(v4);
+            }
+        }
+        view
+    }
+
     fn holds(&self, a: Ipv4Addr) -> bool {
         self.local.iter().any(|n| n.contains(&a))
     }
@@ -332,5 +354,57 @@ mod tests {
             assert_eq!(r.index(), i);
             assert!(!r.explain(&any()).is_empty());
         }
+    }
+
+    #[test]
+    fn the_host_is_seen_from_the_client_s_own_interface() {
+        use crate::vip::host::{Gateway, HostAddress, HostNet, LocalRoute};
+        let addr = |ip: &str, index| HostAddress {
+            ip: ip.parse().unwrap(),
+            prefix_len: 24,
+            interface: format!("if{index}"),
+            index,
+            tagged: false,
+        };
+        let host = HostNet {
+            addresses: vec![
+                addr("192.0.2.2", 2),
+                addr("2001:db8::2", 2),
+                addr("198.51.100.7", 9),
+            ],
+            gateways: vec![
+                Gateway {
+                    ip: "192.0.2.1".parse().unwrap(),
+                    route: "default via 192.0.2.1 dev if2 table 254".into(),
+                    index: Some(2),
+                },
+                Gateway {
+                    ip: "198.51.100.1".parse().unwrap(),
+                    route: "default via 198.51.100.1 dev if9 table 7".into(),
+                    index: Some(9),
+                },
+            ],
+            local_routes: vec![
+                LocalRoute {
+                    net: "10.9.0.0/24".parse().unwrap(),
+                    index: Some(1),
+                },
+                LocalRoute {
+                    net: "198.51.100.7/32".parse().unwrap(),
+                    index: Some(9),
+                },
+            ],
+        };
+        // Interface 9 is the client's macvlan: its lease is not the host's.
+        let view = HostView::of(&host, 9);
+        assert_eq!(
+            view.local,
+            vec![
+                "192.0.2.2/32".parse::<Ipv4Net>().unwrap(),
+                "10.9.0.0/24".parse().unwrap()
+            ]
+        );
+        assert_eq!(view.gateways, vec![ip("192.0.2.1")]);
+        assert!(view.holds(ip("10.9.0.77")), "an AnyIP range is the host's");
     }
 }

@@ -26,13 +26,9 @@
 use std::net::{IpAddr, Ipv4Addr};
 
 use futures_util::TryStreamExt;
-use ipnet::Ipv4Net;
 use rtnetlink::packet_route::address::{AddressAttribute, AddressFlags};
 use rtnetlink::packet_route::link::{LinkAttribute, LinkFlags, MacVlanMode};
-use rtnetlink::packet_route::route::{
-    RouteAddress, RouteAttribute, RouteHeader, RouteMessage, RouteType, RouteVia,
-};
-use rtnetlink::{Handle, LinkMacVlan, RouteMessageBuilder};
+use rtnetlink::{Handle, LinkMacVlan};
 
 use super::guard::HostView;
 
@@ -45,6 +41,9 @@ pub enum LinkError {
     /// The host interface named in `[load_balancer.dhcp] interface` is missing.
     #[error("host interface {0:?} does not exist")]
     NoParent(String),
+    /// The host's addresses and routes could not be read.
+    #[error("cannot read the host's addresses and routes: {0}")]
+    HostUnreadable(crate::vip::announce::AnnounceError),
     /// The kernel refused (no `CAP_NET_ADMIN`, a name taken by another kind
     /// of interface…).
     #[error("{what}: {source}")]
@@ -205,72 +204,14 @@ impl Macvlan {
     }
 
     /// What the host holds now (addresses, `local` routes, gateways; all
-    /// tables; this interface left out), to judge an offer against.
+    /// tables; this interface left out), to judge an offer against: the
+    /// VIP guard's reading of the host ([`crate::vip::host::HostNet`]), seen from this
+    /// interface.
     pub async fn host_view(&self) -> Result<HostView, LinkError> {
-        let nl = |source| LinkError::Netlink {
-            what: "cannot read the host's addresses and routes".into(),
-            source,
-        };
-        let mut view = HostView::default();
-        let mut addresses = self.handle.address().get().execute();
-        while let Some(m) = addresses.try_next().await.map_err(nl)? {
-            if m.header.index == self.index {
-                continue;
-            }
-            let local = m.attributes.iter().find_map(|a| match a {
-                AddressAttribute::Local(IpAddr::V4(a)) => Some(*a),
-                _ => None,
-            });
-            let address = local.or_else(|| {
-                m.attributes.iter().find_map(|a| match a {
-                    AddressAttribute::Address(IpAddr::V4(a)) => Some(*a),
-                    _ => None,
-                })
-            });
-            if let Some(a) = address {
-                view.local.push(Ipv4Net::from(a));
-            }
-        }
-        // A dump without a table filter lists every table.
-        let mut request = RouteMessageBuilder::<Ipv4Addr>::new().build();
-        request.header.table = RouteHeader::RT_TABLE_UNSPEC;
-        let mut routes = self.handle.route().get(request).execute();
-        while let Some(m) = routes.try_next().await.map_err(nl)? {
-            self.add_route(&m, &mut view);
-        }
-        Ok(view)
-    }
-
-    fn add_route(&self, m: &RouteMessage, view: &mut HostView) {
-        let oif = m.attributes.iter().find_map(|a| match a {
-            RouteAttribute::Oif(i) => Some(*i),
-            _ => None,
-        });
-        if oif == Some(self.index) {
-            return;
-        }
-        if m.header.kind == RouteType::Local {
-            let destination = m
-                .attributes
-                .iter()
-                .find_map(|a| match a {
-                    RouteAttribute::Destination(RouteAddress::Inet(d)) => Some(*d),
-                    _ => None,
-                })
-                .unwrap_or(Ipv4Addr::UNSPECIFIED);
-            if let Ok(net) = Ipv4Net::new(destination, m.header.destination_prefix_length) {
-                view.local.push(net);
-            }
-        }
-        gateways(&m.attributes, &mut view.gateways);
-        for hop in m.attributes.iter().filter_map(|a| match a {
-            RouteAttribute::MultiPath(hops) => Some(hops),
-            _ => None,
-        }) {
-            for h in hop {
-                gateways(&h.attributes, &mut view.gateways);
-            }
-        }
+        let host = crate::vip::host::HostNet::read(&self.handle)
+            .await
+            .map_err(LinkError::HostUnreadable)?;
+        Ok(HostView::of(&host, self.index))
     }
 
     /// What differs between the host's interface of this name and the one
@@ -368,19 +309,5 @@ impl Macvlan {
     pub async fn exists(&self) -> bool {
         let mut links = self.handle.link().get().match_index(self.index).execute();
         matches!(links.try_next().await, Ok(Some(m)) if m.attributes.iter().any(|a| matches!(a, LinkAttribute::IfName(n) if *n == self.name)))
-    }
-}
-
-/// The IPv4 gateways among `attributes` (`RTA_GATEWAY`, `RTA_VIA`).
-fn gateways(attributes: &[RouteAttribute], out: &mut Vec<Ipv4Addr>) {
-    for a in attributes {
-        let gateway = match a {
-            RouteAttribute::Gateway(RouteAddress::Inet(g))
-            | RouteAttribute::Via(RouteVia::Inet(g)) => *g,
-            _ => continue,
-        };
-        if !out.contains(&gateway) {
-            out.push(gateway);
-        }
     }
 }
