@@ -1226,6 +1226,11 @@ async fn one_tenants_refused_objects_leave_every_other_tenant_in_the_kernel() {
         netns::metric(&metrics, "harvester_lb_kernel_forwarding_up", &[]),
         1.0
     );
+    wait_for(Duration::from_secs(10), "B counted as refused", || async {
+        let m = bed.daemon().metrics().await;
+        (netns::metric(&m, "harvester_lb_kernel_refused_load_balancers", &[]) == 1.0).then_some(())
+    })
+    .await;
     let accepted = netns::metric(&metrics, "harvester_lb_connections_accepted_total", &[]);
     let mut s = bed
         .client
@@ -1257,6 +1262,11 @@ async fn one_tenants_refused_objects_leave_every_other_tenant_in_the_kernel() {
     })
     .await;
     assert_eq!(seen_at(&rc, VIP, 81).await, REMOTE_CLIENT);
+    wait_for(Duration::from_secs(10), "B no longer refused", || async {
+        let m = bed.daemon().metrics().await;
+        (netns::metric(&m, "harvester_lb_kernel_refused_load_balancers", &[]) == 0.0).then_some(())
+    })
+    .await;
 }
 
 /// A TCP connection from namespace `ns` to an IPv6 address.

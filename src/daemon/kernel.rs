@@ -395,6 +395,9 @@ impl Daemon {
                                     .filter(|o| !refused.iter().any(|r| r == o)),
                             );
                         }
+                        daemon
+                            .metrics
+                            .set_kernel_refused(daemon.kernel.refused().len());
                         kept = Some(k);
                         outcome
                     }

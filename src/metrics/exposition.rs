@@ -535,6 +535,11 @@ impl Exposition {
                     out.sample("", |b| label_first(b, "result", result), c.get());
                 }
                 gauge(buf, &names::KERNEL_REPAIRS, &m.kernel_repairs.get());
+                gauge(
+                    buf,
+                    &names::KERNEL_REFUSED,
+                    &m.kernel_refused.load(Ordering::Relaxed),
+                );
                 if let Some((count, max)) = crate::os::conntrack_usage() {
                     gauge(buf, &names::CONNTRACK_ENTRIES, &count);
                     gauge(buf, &names::CONNTRACK_MAX, &max);

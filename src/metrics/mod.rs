@@ -100,6 +100,9 @@ pub struct Metrics {
     pub(crate) announce_repairs: Counter,
     /// Load balancers the VIP guard refused at the last apply.
     pub(crate) vip_refused: AtomicU64,
+    /// Load balancers whose kernel listeners the kernel refuses (narrowed
+    /// out of the NAT tables' write, served by the proxy).
+    pub(crate) kernel_refused: AtomicU64,
     /// Repairs of host objects by kind (`host_repairs_total{kind}`);
     /// shared with the DHCP clients, which repair their own.
     pub(crate) host_repairs: Arc<HostRepairs>,
@@ -248,6 +251,12 @@ impl Metrics {
     /// prefixes).
     pub fn set_vip_refused(&self, n: usize) {
         self.vip_refused.store(n as u64, Ordering::Relaxed);
+    }
+
+    /// Load balancers whose kernel listeners the kernel refused at the
+    /// last write (narrowed out; the proxy serves them).
+    pub fn set_kernel_refused(&self, n: usize) {
+        self.kernel_refused.store(n as u64, Ordering::Relaxed);
     }
 
     /// Counts a route or address write for `vip.announce` the kernel refused.

@@ -434,6 +434,13 @@ pub static KERNEL_FORWARD_BLOCKED: Family = Family::new(
     Gauge,
     "1 while a forward chain of another program (e.g. Docker's policy drop) drops the connections the kernel forwards; the kernel listeners of that family are served by the proxy meanwhile (see /status kernel_error).",
 );
+/// `forwarding = "kernel"`: load balancers narrowed out of the NAT
+/// tables' write because the kernel refuses their listeners.
+pub static KERNEL_REFUSED: Family = Family::new(
+    "harvester_lb_kernel_refused_load_balancers",
+    Gauge,
+    "Load balancers whose kernel listeners the kernel refused at the last write of the NAT tables: narrowed out of it and served by the proxy (retried every 30 s and at each reload); /status kernel_error names the cause.",
+);
 /// Writes of the kernel NAT table, by `result`.
 pub static KERNEL_SYNCS: Family = Family::new(
     "harvester_lb_kernel_syncs_total",
