@@ -366,24 +366,29 @@ impl RouteWriter {
         }
     }
 
-    /// The addresses `ip` on interface `index` (any prefix).
+    /// The addresses of interface `index`: every one, or those that are
+    /// `ip` (any prefix). The kernel may answer for other interfaces too
+    /// (a dump is filtered in userspace): those are left out.
     async fn addresses_of(
         &self,
         index: u32,
-        ip: IpAddr,
+        ip: Option<IpAddr>,
     ) -> Result<Vec<rtnetlink::packet_route::address::AddressMessage>, AnnounceError> {
-        self.handle
-            .address()
-            .get()
-            .set_link_index_filter(index)
-            .set_address_filter(ip)
-            .execute()
-            .try_collect()
-            .await
-            .map_err(|source| AnnounceError::Netlink {
-                what: format!("cannot list the addresses of interface {index}"),
-                source,
-            })
+        let mut request = self.handle.address().get().set_link_index_filter(index);
+        if let Some(ip) = ip {
+            request = request.set_address_filter(ip);
+        }
+        let mut found: Vec<_> =
+            request
+                .execute()
+                .try_collect()
+                .await
+                .map_err(|source| AnnounceError::Netlink {
+                    what: format!("cannot list the addresses of interface {index}"),
+                    source,
+                })?;
+        found.retain(|m| m.header.index == index);
+        Ok(found)
     }
 
     /// Puts `ip` on interface `index` as a host address (/32, /128; no
@@ -417,7 +422,7 @@ impl RouteWriter {
 
     /// Takes `ip` off interface `index`; absent is fine.
     pub async fn remove_address(&self, index: u32, ip: IpAddr) -> Result<(), AnnounceError> {
-        let msgs = self.addresses_of(index, ip).await?;
+        let msgs = self.addresses_of(index, Some(ip)).await?;
         for m in msgs {
             match self.handle.address().del(m).execute().await {
                 Ok(()) => {}
@@ -548,23 +553,9 @@ impl Backend for VipAddresses {
     type Error = AnnounceError;
 
     async fn read(&mut self) -> Result<BTreeMap<IpAddr, Found<u8>>, AnnounceError> {
-        let index = self.index;
-        let messages: Vec<rtnetlink::packet_route::address::AddressMessage> = self
-            .writer
-            .handle
-            .address()
-            .get()
-            .set_link_index_filter(index)
-            .execute()
-            .try_collect()
-            .await
-            .map_err(|source| AnnounceError::Netlink {
-                what: format!("cannot list the addresses of interface {index}"),
-                source,
-            })?;
+        let messages = self.writer.addresses_of(self.index, None).await?;
         Ok(messages
             .iter()
-            .filter(|m| m.header.index == index)
             .filter_map(|m| {
                 let ip = super::host::local_address(m)?;
                 let found = Found {
