@@ -1219,11 +1219,17 @@ async fn one_tenants_refused_objects_leave_every_other_tenant_in_the_kernel() {
         REMOTE_CLIENT,
         "A: source_nat = none"
     );
-    let metrics = bed.daemon().metrics().await;
-    assert_eq!(
-        netns::metric(&metrics, "harvester_lb_kernel_forwarding_up", &[]),
-        1.0
-    );
+    // The table is written (and /status says so) before the writer's task
+    // counts the write: the gauge follows a moment later.
+    let metrics = wait_for(
+        Duration::from_secs(10),
+        "harvester_lb_kernel_forwarding_up 1 after the narrowed write",
+        || async {
+            let m = bed.daemon().metrics().await;
+            (netns::metric(&m, "harvester_lb_kernel_forwarding_up", &[]) == 1.0).then_some(m)
+        },
+    )
+    .await;
     wait_for(Duration::from_secs(10), "B counted as refused", || async {
         let m = bed.daemon().metrics().await;
         (netns::metric(&m, "harvester_lb_kernel_refused_load_balancers", &[]) == 1.0).then_some(())
