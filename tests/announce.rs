@@ -249,14 +249,11 @@ async fn netns_announce_follows_health_and_sigterm_withdraws_before_the_listener
         },
     )
     .await;
-    assert!(
-        bed.daemon().log().contains("announce_route")
-            && bed
-                .daemon()
-                .log()
-                .contains("another process changed it; repaired"),
-        "the repair is logged"
-    );
+    bed.daemon()
+        .wait_log("the repair (announce_route, repaired)", |log| {
+            log.contains("announce_route") && log.contains("another process changed it; repaired")
+        })
+        .await;
     let m = bed.daemon().metrics().await;
     assert!(
         metric(
@@ -490,7 +487,11 @@ async fn netns_announce_follows_health_and_sigterm_withdraws_before_the_listener
         "{}",
         table(&bed.lb)
     );
-    let log = daemon.log();
+    let log = daemon
+        .wait_log("the stop's withdrawal and the stop", |log| {
+            log.contains("every VIP withdrawn") && log.contains("stopped")
+        })
+        .await;
     let withdrawn = log
         .find("every VIP withdrawn")
         .expect("the stop's withdrawal is logged");
@@ -904,18 +905,20 @@ async fn netns_a_vip_that_is_the_hosts_own_address_or_gateway_or_outside_the_pre
             .is_err_and(|e| e.kind() == std::io::ErrorKind::ConnectionRefused),
         "the host's own address:80 is served: {served:?}"
     );
-    let log = bed.daemon().log();
     for (lb, vip) in [
         ("guest/own", LB_IP),
         ("guest/router", router),
         ("guest/outside", outside),
     ] {
-        assert!(
-            log.lines().any(|l| l.contains("load balancer refused")
-                && l.contains(lb)
-                && l.contains(&vip.to_string())),
-            "no refusal of {lb} in the log:\n{log}"
-        );
+        bed.daemon()
+            .wait_log(&format!("the refusal of {lb} ({vip})"), |log| {
+                log.lines().any(|l| {
+                    l.contains("load balancer refused")
+                        && l.contains(lb)
+                        && l.contains(&vip.to_string())
+                })
+            })
+            .await;
     }
     // The router's route still goes where it went: untouched.
     let route = ip_out(&bed.lb, &["route", "get", &router.to_string()]);

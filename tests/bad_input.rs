@@ -732,8 +732,8 @@ fn a_deleted_config_file_warns_once_keeps_serving_and_reloads_when_back() {
         assert!(!status()["config"]["problem"].is_null());
         std::thread::sleep(Duration::from_millis(100));
     }
-    let warnings = d.log().matches("config file is missing").count();
-    assert_eq!(warnings, 1, "one warning per disappearance:\n{}", d.log());
+    // One warning per disappearance.
+    d.wait_logged_times_blocking("config file is missing", 1);
 
     // Back (written elsewhere and renamed in, as a controller does).
     let tmp = env.path("config.toml.tmp");
@@ -754,7 +754,7 @@ fn a_deleted_config_file_warns_once_keeps_serving_and_reloads_when_back() {
         std::thread::sleep(Duration::from_millis(20));
     }
     assert!(status()["config"]["missing_since_unix"].is_null());
-    assert!(d.log().contains("config file is back"), "{}", d.log());
+    d.wait_logged_blocking("config file is back");
     through_vip(&env);
     assert!(!d.log().contains("panicked"));
 }

@@ -230,12 +230,10 @@ async fn lease_renew_nak_reboot_release_against_dnsmasq() {
         "{}",
         leased_addresses(&bed.lb)
     );
-    assert!(
-        bed.daemon()
-            .log()
-            .contains("any DHCP server on the segment is trusted"),
-        "the start warns that no servers are named"
-    );
+    // The start warns that no servers are named.
+    bed.daemon()
+        .wait_logged("any DHCP server on the segment is trusted")
+        .await;
     let metrics = bed.daemon().metrics().await;
     assert_eq!(
         netns::metric(
@@ -277,11 +275,11 @@ async fn lease_renew_nak_reboot_release_against_dnsmasq() {
     assert!((170..=180).contains(&vip2.octets()[3]), "{moved}");
     eventually_forwarded(&bed, vip2).await;
     assert!(!forwarded(&bed, vip).await, "the old VIP no longer serves");
-    let log = bed.daemon().log();
-    assert!(
-        log.contains("VIP lease lost") && log.contains("WARN"),
-        "{log}"
-    );
+    bed.daemon()
+        .wait_log("a WARN that the VIP lease was lost", |log| {
+            log.contains("VIP lease lost") && log.contains("WARN")
+        })
+        .await;
 
     // Daemon stopped cleanly (RELEASE) and started again: INIT-REBOOT asks
     // for, and gets, the same address.
@@ -433,13 +431,9 @@ async fn a_deleted_leased_address_or_macvlan_is_put_back() {
     assert_eq!(leased_addresses(&bed.lb), "");
     put_back(&bed, vip, &interface, 1).await;
     let address_in = t.elapsed();
-    assert!(
-        bed.daemon()
-            .log()
-            .contains(&format!("address {vip}/24 missing on {interface}")),
-        "{}",
-        bed.daemon().log()
-    );
+    bed.daemon()
+        .wait_logged(&format!("address {vip}/24 missing on {interface}"))
+        .await;
     eventually_forwarded(&bed, vip).await;
 
     // The macvlan interface deleted by hand (and the address with it).
@@ -452,13 +446,9 @@ async fn a_deleted_leased_address_or_macvlan_is_put_back() {
         link_before,
         "made again with the same MAC, up, on eth0"
     );
-    assert!(
-        bed.daemon()
-            .log()
-            .contains(&format!("interface {interface} missing")),
-        "{}",
-        bed.daemon().log()
-    );
+    bed.daemon()
+        .wait_logged(&format!("interface {interface} missing"))
+        .await;
     eventually_forwarded(&bed, vip).await;
     // Renewals sent while the interface was gone failed: the lease is
     // still held (renewing or rebinding until the next retransmission).
@@ -643,11 +633,11 @@ async fn rogue_offer(
         ) >= 1.0,
         "{metrics}"
     );
-    let log = bed.daemon().log();
-    assert!(
-        log.contains("DHCP offer refused") && log.contains(reason),
-        "{log}"
-    );
+    bed.daemon()
+        .wait_log(&format!("\"DHCP offer refused\" and {reason:?}"), |log| {
+            log.contains("DHCP offer refused") && log.contains(reason)
+        })
+        .await;
     assert_eq!(
         bed.daemon().status().await["load_balancers"][0]["listeners"][0]["state"],
         "waiting_for_lease"

@@ -1207,13 +1207,11 @@ async fn one_tenants_refused_objects_leave_every_other_tenant_in_the_kernel() {
     ] {
         assert!(why.contains(part), "want {part:?} in {why}");
     }
-    let log = bed.daemon().log_tail(40);
-    assert!(
-        log.contains(
-            "narrowed to the load balancers whose listeners the kernel refuses: [\"tenant-b/web\"]"
-        ),
-        "{log}"
-    );
+    bed.daemon()
+        .wait_logged(
+            "narrowed to the load balancers whose listeners the kernel refuses: [\"tenant-b/web\"]",
+        )
+        .await;
     // A keeps the kernel path and the client's own address; B is served,
     // by the proxy.
     assert_eq!(
@@ -1221,11 +1219,17 @@ async fn one_tenants_refused_objects_leave_every_other_tenant_in_the_kernel() {
         REMOTE_CLIENT,
         "A: source_nat = none"
     );
-    let metrics = bed.daemon().metrics().await;
-    assert_eq!(
-        netns::metric(&metrics, "harvester_lb_kernel_forwarding_up", &[]),
-        1.0
-    );
+    // The table is written (and /status says so) before the writer's task
+    // counts the write: the gauge follows a moment later.
+    let metrics = wait_for(
+        Duration::from_secs(10),
+        "harvester_lb_kernel_forwarding_up 1 after the narrowed write",
+        || async {
+            let m = bed.daemon().metrics().await;
+            (netns::metric(&m, "harvester_lb_kernel_forwarding_up", &[]) == 1.0).then_some(m)
+        },
+    )
+    .await;
     wait_for(Duration::from_secs(10), "B counted as refused", || async {
         let m = bed.daemon().metrics().await;
         (netns::metric(&m, "harvester_lb_kernel_refused_load_balancers", &[]) == 1.0).then_some(())
@@ -1566,11 +1570,9 @@ async fn a_host_that_does_not_forward_keeps_the_listener_with_the_proxy_and_says
         counts(&[("n1", 3)]),
         "served by the proxy"
     );
-    assert!(
-        bed.daemon()
-            .log()
-            .contains("net.ipv4.ip_forward is 0 on this host")
-    );
+    bed.daemon()
+        .wait_logged("net.ipv4.ip_forward is 0 on this host")
+        .await;
     // Turned on by the operator: the listener goes to the kernel (checked
     // every 5 s).
     enable_forwarding(&bed);
@@ -2168,15 +2170,18 @@ async fn tampered_tables_are_repaired_within_the_check_interval_and_at_a_reload(
             || async { (repairs(&bed).await > before).then_some(()) },
         )
         .await;
-        let log = bed.daemon().log();
-        assert!(
-            log.lines()
-                .any(|l| l.contains("the kernel NAT tables are not the ones")
-                    && l.contains(named.as_str())
-                    && l.contains("periodic check")),
-            "{case}: no warning naming {named}:\n{}",
-            bed.daemon().log_tail(20)
-        );
+        bed.daemon()
+            .wait_log(
+                &format!("{case}: a warning naming {named}, found by the periodic check"),
+                |log| {
+                    log.lines().any(|l| {
+                        l.contains("the kernel NAT tables are not the ones")
+                            && l.contains(named.as_str())
+                            && l.contains("periodic check")
+                    })
+                },
+            )
+            .await;
         served_again(&bed, case).await;
         println!(
             "{case}: repaired and served again {:?} after",
@@ -2254,11 +2259,9 @@ async fn a_foreign_forward_chain_that_drops_keeps_the_listener_with_the_proxy_an
         netns::metric(&m, "harvester_lb_kernel_forward_blocked", &[]),
         1.0
     );
-    assert!(
-        bed.daemon()
-            .log()
-            .contains("forward chain ip filter FORWARD (policy drop) of another program drops")
-    );
+    bed.daemon()
+        .wait_logged("forward chain ip filter FORWARD (policy drop) of another program drops")
+        .await;
 
     // The operator lets DNATed traffic through (checked every 5 s).
     bed.lb

@@ -246,6 +246,8 @@ async fn two_hundred_unbindable_listeners_log_a_bounded_number_of_lines() {
         (started.elapsed() >= Duration::from_secs(7)).then_some(())
     })
     .await;
+    // At least one bind error line, which may still be queued; then at most 10.
+    daemon.wait_logged("cannot bind listener").await;
     let lines = daemon.lines();
     let bind_errors = lines
         .iter()

@@ -319,11 +319,11 @@ async fn netns_a_second_daemon_cannot_touch_the_first_ones_table_and_a_changed_t
     .await;
     served(&bed, 80).await;
     assert_eq!(meets(&bed, VIP, 6443).await, Meets::Nothing);
-    let log = bed.daemon().log();
-    assert!(
-        log.contains("by the periodic check") && log.contains("1 missing"),
-        "the repair is logged with what differed:\n{log}"
-    );
+    bed.daemon()
+        .wait_log("the repair, with what differed", |log| {
+            log.contains("by the periodic check") && log.contains("1 missing")
+        })
+        .await;
 
     // Deleted, then SIGHUP at once (the next periodic check is ~10 s
     // away): the reload finds and repairs it.
@@ -353,12 +353,11 @@ async fn netns_a_second_daemon_cannot_touch_the_first_ones_table_and_a_changed_t
         || async { (repairs(&bed).await == 2.0).then_some(()) },
     )
     .await;
-    assert!(
-        bed.daemon().log().contains("found=\"at reload\"")
-            || bed.daemon().log().contains("found=at reload"),
-        "repaired at the reload:\n{}",
-        bed.daemon().log_tail(20)
-    );
+    bed.daemon()
+        .wait_log("the repair, found at the reload", |log| {
+            log.contains("found=\"at reload\"") || log.contains("found=at reload")
+        })
+        .await;
     assert_eq!(meets(&bed, VIP, 6443).await, Meets::Nothing);
     served(&bed, 80).await;
     assert!(

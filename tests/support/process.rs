@@ -8,6 +8,12 @@
 //! reads it back for tests that assert log lines. The child is killed and
 //! reaped when the [`Process`] is dropped, so a failing test leaves nothing
 //! running.
+//!
+//! The daemon logs through a queue to a writer thread of its own (logging
+//! never blocks forwarding), so a line logged before a change the test saw
+//! in `/status` or `/metrics` may reach the file after it. A test that
+//! asserts a line is there waits for it: [`Process::wait_log`] and its
+//! kin, never a bare read of [`Process::log`].
 
 use std::ffi::{OsStr, OsString};
 use std::net::SocketAddr;
@@ -20,6 +26,11 @@ use super::{http_blocking, wait_for};
 
 /// How long a daemon may take to answer `/readyz` 200 after it is spawned.
 const READY_WITHIN: Duration = Duration::from_secs(20);
+
+/// How long a line logged before what a test saw may take to reach the
+/// log file through the daemon's log queue (generous: CI is a busy 2-core
+/// machine).
+const LOGGED_WITHIN: Duration = Duration::from_secs(10);
 
 static LOGS: AtomicU32 = AtomicU32::new(0);
 
@@ -306,6 +317,88 @@ impl Process {
         lines[lines.len().saturating_sub(n)..].join("\n")
     }
 
+    /// Its complete lines so far as one text (a line still being written
+    /// is left out), for a predicate that must not see half a line.
+    fn complete_log(&self) -> String {
+        let mut text = self.log();
+        text.truncate(text.rfind('\n').map_or(0, |end| end + 1));
+        text
+    }
+
+    /// Panics, saying what was awaited, with the log's tail.
+    fn not_logged(&self, what: &str) -> ! {
+        panic!(
+            "the log did not show {what} within {LOGGED_WITHIN:?}; its last lines:\n{}",
+            self.log_tail(40)
+        )
+    }
+
+    /// Waits, up to [`LOGGED_WITHIN`], until its complete lines satisfy
+    /// `holds`, and returns them; panics with `what` and the log's tail
+    /// otherwise. For every assertion that a line *is* logged: the line
+    /// may still be in the daemon's log queue when the test sees its effect.
+    pub async fn wait_log(&self, what: &str, holds: impl Fn(&str) -> bool) -> String {
+        let deadline = tokio::time::Instant::now() + LOGGED_WITHIN;
+        loop {
+            let text = self.complete_log();
+            if holds(&text) {
+                return text;
+            }
+            if tokio::time::Instant::now() >= deadline {
+                self.not_logged(what);
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// As [`Process::wait_log`], for tests without a runtime.
+    pub fn wait_log_blocking(&self, what: &str, holds: impl Fn(&str) -> bool) -> String {
+        let deadline = std::time::Instant::now() + LOGGED_WITHIN;
+        loop {
+            let text = self.complete_log();
+            if holds(&text) {
+                return text;
+            }
+            if std::time::Instant::now() >= deadline {
+                self.not_logged(what);
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Waits until its log holds `needle`, and returns the log.
+    pub async fn wait_logged(&self, needle: &str) -> String {
+        self.wait_log(&format!("{needle:?}"), |log| log.contains(needle))
+            .await
+    }
+
+    /// As [`Process::wait_logged`], for tests without a runtime.
+    pub fn wait_logged_blocking(&self, needle: &str) -> String {
+        self.wait_log_blocking(&format!("{needle:?}"), |log| log.contains(needle))
+    }
+
+    /// Waits until its log holds `needle` `n` times, then asserts it holds
+    /// it no more often; returns the log. A count read at once could miss
+    /// a line still queued; one read after waiting still catches extras.
+    pub async fn wait_logged_times(&self, needle: &str, n: usize) -> String {
+        let log = self
+            .wait_log(&format!("{needle:?} {n} times"), |log| {
+                log.matches(needle).count() >= n
+            })
+            .await;
+        assert_logged_times(&log, needle, n);
+        log
+    }
+
+    /// As [`Process::wait_logged_times`], for tests without a runtime.
+    pub fn wait_logged_times_blocking(&self, needle: &str, n: usize) -> String {
+        let log = self.wait_log_blocking(&format!("{needle:?} {n} times"), |log| {
+            log.matches(needle).count() >= n
+        });
+        assert_logged_times(&log, needle, n);
+        log
+    }
+
     /// Waits for a line holding every one of `words`, and returns it.
     pub async fn line_with(&self, words: &[&str], within: Duration) -> String {
         wait_for(within, &format!("a log line with {words:?}"), || async {
@@ -332,6 +425,12 @@ impl Process {
             .map(|d| d.count())
             .unwrap_or(0)
     }
+}
+
+/// Asserts `log` holds `needle` exactly `n` times (after a wait for `n`).
+fn assert_logged_times(log: &str, needle: &str, n: usize) {
+    let seen = log.matches(needle).count();
+    assert_eq!(seen, n, "{needle:?} logged {seen} times, not {n}:\n{log}");
 }
 
 /// CPU time (user + system) of process `pid`.
