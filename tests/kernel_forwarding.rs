@@ -569,6 +569,86 @@ async fn a_drain_keeps_the_open_connection_and_no_backend_is_a_reset() {
     assert!(l.contains("packets 1 "), "{l}");
 }
 
+/// conntrack's count of flows in namespace `ns` (0 while nothing there
+/// uses conntrack: no NAT table yet).
+fn tracked_flows(ns: &netns::Ns) -> u64 {
+    let name = ns.name.clone();
+    in_ns(&name, || {
+        std::fs::read_to_string("/proc/sys/net/netfilter/nf_conntrack_count")
+            .ok()
+            .and_then(|t| t.trim().parse().ok())
+            .unwrap_or(0)
+    })
+}
+
+/// A connection the proxy accepted while conntrack was not running in the
+/// host's namespace (only proxy listeners: no NAT table) is not tracked;
+/// the reload that moves its listener to the kernel starts conntrack, and
+/// the connection's next segment is taken for a new flow. It must stay
+/// with the proxy (its socket is here), not be DNATed to a backend that
+/// knows nothing of it and answers with a reset.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_open_proxied_connection_survives_its_listener_moving_to_the_kernel() {
+    if !can_run() {
+        return;
+    }
+    let mut bed = Bed::new("kpickup", 1);
+    enable_forwarding(&bed);
+    let _n1 = Node::start(&bed, 1, Service::NameThenEcho);
+    let proxy = config()
+        .lb(web_lb(&[1], Listener::new("tcp", 80, NODEPORT)))
+        .to_string();
+    bed.start_daemon(&proxy).await;
+
+    let mut open = bed
+        .client
+        .connect(sa(VIP, 80), Duration::from_secs(5))
+        .await
+        .expect("connect through the proxy");
+    assert_eq!(read_line(&mut open).await.unwrap(), "n1");
+    echo(&mut open, b"before").await;
+    assert_eq!(
+        tracked_flows(&bed.lb),
+        0,
+        "conntrack already runs in the host's namespace: this test needs it off to show anything"
+    );
+
+    bed.write("config.toml", &kernel_config(&[1]).to_string());
+    let (code, body) = bed.daemon().request("POST", "/reload").await.unwrap();
+    assert_eq!(code, 200, "{body}");
+    wait_for(
+        Duration::from_secs(10),
+        "the listener in the kernel",
+        || async {
+            let s = bed.daemon().status().await;
+            (s["load_balancers"][0]["listeners"][0]["forwarding"] == "kernel").then_some(())
+        },
+    )
+    .await;
+    // The open connection goes on through the proxy; a new one is
+    // forwarded by the kernel.
+    echo(&mut open, b"after").await;
+    match exchange(&bed.client, sa(VIP, 80), 64, Duration::from_secs(10)).await {
+        Exchange::Ok(n) => assert_eq!(n, "n1"),
+        other => panic!("a new connection after the switch: {other:?}"),
+    }
+    echo(&mut open, b"again").await;
+}
+
+/// Writes `data` on an open NameThenEcho connection and reads it back.
+async fn echo(s: &mut tokio::net::TcpStream, data: &[u8]) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    s.write_all(data)
+        .await
+        .expect("write on the open connection");
+    let mut back = vec![0; data.len()];
+    tokio::time::timeout(Duration::from_secs(10), s.read_exact(&mut back))
+        .await
+        .expect("the echo within 10 s")
+        .expect("the echo (a reset here: the connection was handed to a backend)");
+    assert_eq!(back, data);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reload_switches_between_proxy_and_kernel_under_load_without_a_failure() {
     if !can_run() {

@@ -975,6 +975,46 @@ fn commands(desired: &Desired, present: &Owned) -> Nftables<'static> {
     }
 }
 
+/// `tcp flags & syn == 0 socket transparent 0 return`: a TCP packet that
+/// is not a SYN and belongs to a socket of this host is never handed to a
+/// backend.
+///
+/// Why: the NAT chains see a packet only when conntrack takes it for a new
+/// flow. A connection the proxy accepted while nothing in this network
+/// namespace used conntrack (no NAT table yet: a host with only proxy
+/// listeners) was never tracked; when a reload then writes the first
+/// kernel listener (conntrack starts with the first NAT table), that
+/// connection's next segment is picked up mid-stream as a new flow and,
+/// without this rule, DNATed to a backend that knows nothing of it: the
+/// client gets a reset (found by
+/// `a_reload_switches_between_proxy_and_kernel_under_load_without_a_failure`).
+/// The same segment is also a new flow to the main table's `input` chain,
+/// which refuses new flows to kernel listeners that were not DNATed: the
+/// rule stands there too, before the refusal. A SYN never matches, and the
+/// socket lookup runs only for the rare mid-stream pickup, so a new flow's
+/// path is unchanged. The rule stands in every table's `prerouting`: a
+/// `return` ends only its own table's chain.
+fn terminated_here() -> Vec<Statement<'static>> {
+    vec![
+        matches(
+            Expression::BinaryOperation(Box::new(nftables::expr::BinaryOperation::AND(
+                payload("tcp", "flags"),
+                Expression::String(s("syn")),
+            ))),
+            Operator::EQ,
+            Expression::Number(0),
+        ),
+        matches(
+            Expression::Named(NamedExpression::Socket(nftables::expr::Socket {
+                key: Cow::Borrowed(&nftables::expr::SocketAttr::Transparent),
+            })),
+            Operator::EQ,
+            Expression::Number(0),
+        ),
+        Statement::Return(None),
+    ]
+}
+
 /// A table's own parts, added (idempotent), emptied and filled: in every
 /// shard the dispatch maps and the NAT base chains that look them up; in
 /// the main table also the refusal and the masquerade, shared by every
@@ -1036,6 +1076,12 @@ fn skeleton(cmds: &mut Vec<NfObject<'static>>, t: Shard) {
         cmds.push(NfObject::CmdObject(NfCmd::Flush(FlushObject::Chain(
             c.clone(),
         ))));
+    }
+    cmds.push(rule(t, "prerouting", terminated_here()));
+    if t == Shard::MAIN {
+        // Before the refusal of new flows to kernel listeners: the same
+        // picked-up segment must reach its socket, not draw a reset.
+        cmds.push(rule(t, "input", terminated_here()));
     }
     for f in &FAMILIES {
         let vmap = Statement::VerdictMap(VerdictMap {
