@@ -27,7 +27,9 @@ pub const EXIT_START: u8 = 1;
 /// Exit code when the daemon cannot be reached (sysexits' EX_UNAVAILABLE).
 pub const EXIT_UNAVAILABLE: u8 = 69;
 
-/// Logs to stderr (journald captures it), filtered by `HARVESTER_LB_LOG`.
+/// Logs to stderr (journald captures it, each line prefixed with its
+/// priority when stderr is the journal's stream), filtered by
+/// `HARVESTER_LB_LOG`.
 /// With `queued` (the daemon) each line goes through the bounded queue of
 /// [`harvester_lb::logging`] to a writer thread, so a reader of stderr that
 /// falls behind never stalls forwarding: keep the returned [`Flush`] until
@@ -44,6 +46,8 @@ pub fn init_tracing(format: LogFormat, queued: bool) -> Option<logging::Flush> {
     } else {
         (BoxMakeWriter::new(std::io::stderr), None)
     };
+    // Under systemd each line carries its priority for the journal.
+    let journal = logging::stderr_is_journal();
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(writer)
@@ -65,8 +69,18 @@ pub fn init_tracing(format: LogFormat, queued: bool) -> Option<logging::Flush> {
                 })
                 .delimited(" "),
             )
+            .event_format(logging::Prioritized {
+                inner: tracing_subscriber::fmt::format(),
+                journal,
+            })
             .init(),
-        LogFormat::Json => builder.json().init(),
+        LogFormat::Json => builder
+            .json()
+            .event_format(logging::Prioritized {
+                inner: tracing_subscriber::fmt::format().json(),
+                journal,
+            })
+            .init(),
     }
     flush
 }
