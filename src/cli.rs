@@ -237,10 +237,13 @@ pub fn withdraw_all(config_path: &Path, table: Option<u32>) -> ExitCode {
             }
             Ok(l) => l.config.vip.announce.table,
             Err(e) => {
-                eprintln!(
-                    "warning: cannot read {} ({e}); withdrawing from the default table {}",
-                    config_path.display(),
-                    config::DEFAULT_ANNOUNCE_TABLE
+                logging::eprint_at(
+                    4,
+                    &format!(
+                        "warning: cannot read {} ({e}); withdrawing from the default table {}",
+                        config_path.display(),
+                        config::DEFAULT_ANNOUNCE_TABLE
+                    ),
                 );
                 config::DEFAULT_ANNOUNCE_TABLE
             }
@@ -268,7 +271,7 @@ pub fn withdraw_all(config_path: &Path, table: Option<u32>) -> ExitCode {
             ExitCode::SUCCESS
         }
         Err(e) => {
-            eprintln!("withdraw --all, table {table}: {e}");
+            logging::eprint_at(3, &format!("withdraw --all, table {table}: {e}"));
             ExitCode::from(EXIT_START)
         }
     }
@@ -318,7 +321,8 @@ pub fn reload(path: &Path) -> ExitCode {
     let socket = match config::load(path) {
         Ok(l) => l.config.admin.socket,
         Err(e) => {
-            eprintln!("{e}");
+            // ExecReload=: the journal files it at error.
+            logging::eprint_at(3, &e.to_string());
             return ExitCode::from(EXIT_CONFIG);
         }
     };
@@ -330,14 +334,17 @@ pub fn reload(path: &Path) -> ExitCode {
                 println!("{}", body.trim_end());
                 ExitCode::SUCCESS
             } else {
-                eprintln!("{}", body.trim_end());
+                logging::eprint_at(3, body.trim_end());
                 ExitCode::from(EXIT_CONFIG)
             }
         }
         Err(e) => {
-            eprintln!(
-                "{}; not reloaded (reload is asked only on the admin socket, never on admin.listen, which any local user could answer; SIGHUP reloads without it: `systemctl kill -s HUP harvester-lb`)",
-                e
+            logging::eprint_at(
+                3,
+                &format!(
+                    "{}; not reloaded (reload is asked only on the admin socket, never on admin.listen, which any local user could answer; SIGHUP reloads without it: `systemctl kill -s HUP harvester-lb`)",
+                    e
+                ),
             );
             ExitCode::from(EXIT_UNAVAILABLE)
         }

@@ -149,6 +149,31 @@ pub fn priority(level: &Level) -> u8 {
     }
 }
 
+/// Prints `text` on stderr as a message of `priority` (3 error, 4
+/// warning): under systemd each of its lines starts with `<N>`, so the
+/// output of the unit's short commands (`ExecReload=`'s `reload`,
+/// `ExecStopPost=`'s `withdraw`) reaches the journal at its priority too.
+pub fn eprint_at(priority: u8, text: &str) {
+    eprint!(
+        "{}",
+        at_priority(stderr_is_journal().then_some(priority), text)
+    );
+}
+
+/// `text` with `<N>` before each line when `priority` is given, ending in
+/// a newline.
+fn at_priority(priority: Option<u8>, text: &str) -> String {
+    let mut out = String::with_capacity(text.len() + 8);
+    for line in text.lines() {
+        if let Some(p) = priority {
+            out.push_str(&format!("<{p}>"));
+        }
+        out.push_str(line);
+        out.push('\n');
+    }
+    out
+}
+
 /// An event format that, when `journal` is set, starts each line with its
 /// [`priority`] as `<N>`, then writes it as `inner` does. Lines are one
 /// line each (the text format escapes control characters, JSON escapes
@@ -274,6 +299,15 @@ mod tests {
         assert!(!names_stream("", 64768, 123));
         assert!(!names_stream("64768", 64768, 123));
         assert!(!names_stream("64768:123:9", 64768, 123));
+    }
+
+    #[test]
+    fn every_line_of_a_command_message_carries_the_priority() {
+        assert_eq!(
+            at_priority(Some(3), "config is invalid (2 problems):\n  a\n  b"),
+            "<3>config is invalid (2 problems):\n<3>  a\n<3>  b\n"
+        );
+        assert_eq!(at_priority(None, "plain\nlines"), "plain\nlines\n");
     }
 
     #[test]
