@@ -16,7 +16,9 @@
 #      an edited config survives the upgrade untouched and is kept as
 #      .rpmsave on removal; the scriptlets parse (`sh -n`);
 #   7. the same package as a .deb (cargo-deb, `dpkg-deb -I/-c`): the same
-#      files, the config the one conffile, the maintainer scripts in it.
+#      files, the config the one conffile, the maintainer scripts in it;
+#   8. (in 1 and 7) what the daemon runs is declared: Recommends nftables
+#      and /etc/protocols (RPM), nftables and netbase (.deb).
 #
 # Usage: bash .ci/package-check.sh
 # Env:   HARVESTER_LB_BIN  package this binary instead of `cargo build --release`
@@ -98,6 +100,14 @@ q() { rpm -qp --qf "$1" "$pkg" 2>/dev/null; }
 [[ $(q '%{SUMMARY}') == *Harvester* ]] || bad "Summary is '$(q '%{SUMMARY}')'"
 q '%{REQUIRENAME}\n' >/dev/null
 rpm -qp --requires "$pkg" 2>/dev/null | grep -q '^libc.so.6' || bad "no automatic libc requirement (auto-req did not run)"
+# What the daemon runs when configured to (nft; /etc/protocols, where nft
+# resolves protocol names): weak dependencies, it starts without them.
+rpm_recommends=$(rpm -qp --recommends "$pkg" 2>/dev/null)
+for dep in nftables /etc/protocols; do
+    grep -qx "$dep" <<<"$rpm_recommends" || bad "the RPM does not recommend $dep (Recommends: ${rpm_recommends//$'\n'/, })"
+    rpm -qp --requires "$pkg" 2>/dev/null | grep -qx "$dep" && bad "the RPM requires $dep: it must be a Recommends (the daemon runs without it)"
+done
+echo "Recommends: ${rpm_recommends//$'\n'/, }"
 
 # --- 2. files ----------------------------------------------------------------------
 step "rpm -qlp"
@@ -252,6 +262,10 @@ field() { dpkg-deb -f "$deb" "$1"; }
 [[ $(field Version) == "$version-1" ]] || bad "deb Version is $(field Version), want $version-1"
 [[ $(field Architecture) == "$(dpkg --print-architecture)" ]] || bad "deb Architecture is $(field Architecture)"
 [[ $(field Depends) == *libc6* ]] || bad "deb Depends is '$(field Depends)' (no automatic libc6)"
+[[ $(field Recommends) == "nftables, netbase" ]] ||
+    bad "deb Recommends is '$(field Recommends)', want 'nftables, netbase' (nft; /etc/protocols for nft)"
+[[ $(field Depends) != *nftables* && $(field Depends) != *netbase* ]] ||
+    bad "deb Depends is '$(field Depends)': nftables and netbase are Recommends (the daemon runs without them)"
 # The RPM's files, and the copyright file Debian requires.
 deb_files=$(dpkg-deb -c "$deb" | awk '$1 !~ /^d/ { sub(/^\./, "", $6); print $6 }' | sort)
 # Debian keeps the license text in copyright, not under /usr/share/licenses.

@@ -27,7 +27,9 @@ pub const EXIT_START: u8 = 1;
 /// Exit code when the daemon cannot be reached (sysexits' EX_UNAVAILABLE).
 pub const EXIT_UNAVAILABLE: u8 = 69;
 
-/// Logs to stderr (journald captures it), filtered by `HARVESTER_LB_LOG`.
+/// Logs to stderr (journald captures it, each line prefixed with its
+/// priority when stderr is the journal's stream), filtered by
+/// `HARVESTER_LB_LOG`.
 /// With `queued` (the daemon) each line goes through the bounded queue of
 /// [`harvester_lb::logging`] to a writer thread, so a reader of stderr that
 /// falls behind never stalls forwarding: keep the returned [`Flush`] until
@@ -44,6 +46,8 @@ pub fn init_tracing(format: LogFormat, queued: bool) -> Option<logging::Flush> {
     } else {
         (BoxMakeWriter::new(std::io::stderr), None)
     };
+    // Under systemd each line carries its priority for the journal.
+    let journal = logging::stderr_is_journal();
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(writer)
@@ -65,8 +69,18 @@ pub fn init_tracing(format: LogFormat, queued: bool) -> Option<logging::Flush> {
                 })
                 .delimited(" "),
             )
+            .event_format(logging::Prioritized {
+                inner: tracing_subscriber::fmt::format(),
+                journal,
+            })
             .init(),
-        LogFormat::Json => builder.json().init(),
+        LogFormat::Json => builder
+            .json()
+            .event_format(logging::Prioritized {
+                inner: tracing_subscriber::fmt::format().json(),
+                journal,
+            })
+            .init(),
     }
     flush
 }
@@ -223,10 +237,13 @@ pub fn withdraw_all(config_path: &Path, table: Option<u32>) -> ExitCode {
             }
             Ok(l) => l.config.vip.announce.table,
             Err(e) => {
-                eprintln!(
-                    "warning: cannot read {} ({e}); withdrawing from the default table {}",
-                    config_path.display(),
-                    config::DEFAULT_ANNOUNCE_TABLE
+                logging::eprint_at(
+                    4,
+                    &format!(
+                        "warning: cannot read {} ({e}); withdrawing from the default table {}",
+                        config_path.display(),
+                        config::DEFAULT_ANNOUNCE_TABLE
+                    ),
                 );
                 config::DEFAULT_ANNOUNCE_TABLE
             }
@@ -254,7 +271,7 @@ pub fn withdraw_all(config_path: &Path, table: Option<u32>) -> ExitCode {
             ExitCode::SUCCESS
         }
         Err(e) => {
-            eprintln!("withdraw --all, table {table}: {e}");
+            logging::eprint_at(3, &format!("withdraw --all, table {table}: {e}"));
             ExitCode::from(EXIT_START)
         }
     }
@@ -304,7 +321,8 @@ pub fn reload(path: &Path) -> ExitCode {
     let socket = match config::load(path) {
         Ok(l) => l.config.admin.socket,
         Err(e) => {
-            eprintln!("{e}");
+            // ExecReload=: the journal files it at error.
+            logging::eprint_at(3, &e.to_string());
             return ExitCode::from(EXIT_CONFIG);
         }
     };
@@ -316,14 +334,17 @@ pub fn reload(path: &Path) -> ExitCode {
                 println!("{}", body.trim_end());
                 ExitCode::SUCCESS
             } else {
-                eprintln!("{}", body.trim_end());
+                logging::eprint_at(3, body.trim_end());
                 ExitCode::from(EXIT_CONFIG)
             }
         }
         Err(e) => {
-            eprintln!(
-                "{}; not reloaded (reload is asked only on the admin socket, never on admin.listen, which any local user could answer; SIGHUP reloads without it: `systemctl kill -s HUP harvester-lb`)",
-                e
+            logging::eprint_at(
+                3,
+                &format!(
+                    "{}; not reloaded (reload is asked only on the admin socket, never on admin.listen, which any local user could answer; SIGHUP reloads without it: `systemctl kill -s HUP harvester-lb`)",
+                    e
+                ),
             );
             ExitCode::from(EXIT_UNAVAILABLE)
         }

@@ -26,12 +26,26 @@
 //!
 //! Only `harvester-lb run` logs through the queue; the other commands print
 //! their output directly and exit at once.
+//!
+//! Under systemd (`JOURNAL_STREAM` names stderr's device and inode) every
+//! line starts with its syslog priority as `sd-daemon(3)` spells it (`<3>`
+//! error, `<4>` warning, `<6>` info, `<7>` debug and trace): the journal
+//! strips the prefix and stores the line at that priority, so
+//! `journalctl -u harvester-lb -p warning` shows the warnings and errors
+//! ([`Prioritized`]). A prefix rather than the journal's native protocol
+//! (`tracing-journald`): the line still goes through the queue above and
+//! its one writer thread, and needs no socket beyond the stderr systemd
+//! gave.
 
 use std::io::{self, Write};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, OnceLock};
 
+use tracing::Level;
 use tracing_appender::non_blocking::{ErrorCounter, NonBlocking, NonBlockingBuilder, WorkerGuard};
+use tracing_subscriber::fmt::FmtContext;
+use tracing_subscriber::fmt::format::{FormatEvent, FormatFields, Writer};
+use tracing_subscriber::registry::LookupSpan;
 
 /// Lines the queue holds while stderr is not read: 4 s of the connection
 /// log at its default bound (`log.max_connection_lines_per_second` = 1000),
@@ -91,6 +105,102 @@ pub struct Flush(());
 impl Drop for Flush {
     fn drop(&mut self) {
         flush();
+    }
+}
+
+/// Whether stderr is the journal's stream: `JOURNAL_STREAM` (set by
+/// systemd for a service whose output goes to the journal) names stderr's
+/// device and inode. A child that inherited the variable but not the
+/// stream (stderr redirected to a file) gets no prefixes.
+pub fn stderr_is_journal() -> bool {
+    use std::os::fd::AsFd;
+    use std::os::unix::fs::MetadataExt;
+    let Some(stream) = std::env::var_os("JOURNAL_STREAM") else {
+        return false;
+    };
+    let Some(stream) = stream.to_str() else {
+        return false;
+    };
+    let Ok(fd) = io::stderr().as_fd().try_clone_to_owned() else {
+        return false;
+    };
+    std::fs::File::from(fd)
+        .metadata()
+        .is_ok_and(|m| names_stream(stream, m.dev(), m.ino()))
+}
+
+/// Whether a `JOURNAL_STREAM` value (`DEVICE:INODE`, decimal) names this
+/// device and inode.
+fn names_stream(journal_stream: &str, dev: u64, ino: u64) -> bool {
+    journal_stream
+        .split_once(':')
+        .and_then(|(d, i)| Some((d.parse::<u64>().ok()?, i.parse::<u64>().ok()?)))
+        == Some((dev, ino))
+}
+
+/// The syslog priority of a level, as the journal reads it from a `<N>`
+/// prefix: error 3, warning 4, info 6, debug and trace 7.
+pub fn priority(level: &Level) -> u8 {
+    match *level {
+        Level::ERROR => 3,
+        Level::WARN => 4,
+        Level::INFO => 6,
+        _ => 7,
+    }
+}
+
+/// Prints `text` on stderr as a message of `priority` (3 error, 4
+/// warning): under systemd each of its lines starts with `<N>`, so the
+/// output of the unit's short commands (`ExecReload=`'s `reload`,
+/// `ExecStopPost=`'s `withdraw`) reaches the journal at its priority too.
+pub fn eprint_at(priority: u8, text: &str) {
+    eprint!(
+        "{}",
+        at_priority(stderr_is_journal().then_some(priority), text)
+    );
+}
+
+/// `text` with `<N>` before each line when `priority` is given, ending in
+/// a newline.
+fn at_priority(priority: Option<u8>, text: &str) -> String {
+    let mut out = String::with_capacity(text.len() + 8);
+    for line in text.lines() {
+        if let Some(p) = priority {
+            out.push_str(&format!("<{p}>"));
+        }
+        out.push_str(line);
+        out.push('\n');
+    }
+    out
+}
+
+/// An event format that, when `journal` is set, starts each line with its
+/// [`priority`] as `<N>`, then writes it as `inner` does. Lines are one
+/// line each (the text format escapes control characters, JSON escapes
+/// newlines), so one prefix covers the whole message.
+pub struct Prioritized<E> {
+    /// The format of the line itself (text or JSON).
+    pub inner: E,
+    /// Whether to prefix: [`stderr_is_journal`].
+    pub journal: bool,
+}
+
+impl<S, N, E> FormatEvent<S, N> for Prioritized<E>
+where
+    S: tracing::Subscriber + for<'a> LookupSpan<'a>,
+    N: for<'w> FormatFields<'w> + 'static,
+    E: FormatEvent<S, N>,
+{
+    fn format_event(
+        &self,
+        ctx: &FmtContext<'_, S, N>,
+        mut writer: Writer<'_>,
+        event: &tracing::Event<'_>,
+    ) -> std::fmt::Result {
+        if self.journal {
+            write!(writer, "<{}>", priority(event.metadata().level()))?;
+        }
+        self.inner.format_event(ctx, writer, event)
     }
 }
 
@@ -179,6 +289,86 @@ mod tests {
         fn flush(&mut self) -> io::Result<()> {
             Ok(())
         }
+    }
+
+    #[test]
+    fn journal_stream_must_name_the_very_device_and_inode() {
+        assert!(names_stream("64768:123", 64768, 123));
+        assert!(!names_stream("64768:124", 64768, 123), "another inode");
+        assert!(!names_stream("1:123", 64768, 123), "another device");
+        assert!(!names_stream("", 64768, 123));
+        assert!(!names_stream("64768", 64768, 123));
+        assert!(!names_stream("64768:123:9", 64768, 123));
+    }
+
+    #[test]
+    fn every_line_of_a_command_message_carries_the_priority() {
+        assert_eq!(
+            at_priority(Some(3), "config is invalid (2 problems):\n  a\n  b"),
+            "<3>config is invalid (2 problems):\n<3>  a\n<3>  b\n"
+        );
+        assert_eq!(at_priority(None, "plain\nlines"), "plain\nlines\n");
+    }
+
+    #[test]
+    fn levels_map_to_the_journals_priorities() {
+        assert_eq!(priority(&Level::ERROR), 3);
+        assert_eq!(priority(&Level::WARN), 4);
+        assert_eq!(priority(&Level::INFO), 6);
+        assert_eq!(priority(&Level::DEBUG), 7);
+        assert_eq!(priority(&Level::TRACE), 7);
+    }
+
+    /// Formats one event of each level with [`Prioritized`] over the text
+    /// format, into a buffer.
+    fn formatted(journal: bool) -> String {
+        use tracing_subscriber::fmt::MakeWriter;
+        #[derive(Clone, Default)]
+        struct Buf(std::sync::Arc<Mutex<Vec<u8>>>);
+        impl Write for Buf {
+            fn write(&mut self, b: &[u8]) -> io::Result<usize> {
+                self.0.lock().unwrap().extend_from_slice(b);
+                Ok(b.len())
+            }
+            fn flush(&mut self) -> io::Result<()> {
+                Ok(())
+            }
+        }
+        impl<'a> MakeWriter<'a> for Buf {
+            type Writer = Buf;
+            fn make_writer(&'a self) -> Buf {
+                self.clone()
+            }
+        }
+        let buf = Buf::default();
+        let subscriber = tracing_subscriber::fmt()
+            .with_writer(buf.clone())
+            .with_ansi(false)
+            .with_max_level(Level::DEBUG)
+            .event_format(Prioritized {
+                inner: tracing_subscriber::fmt::format().without_time(),
+                journal,
+            })
+            .finish();
+        tracing::subscriber::with_default(subscriber, || {
+            tracing::error!("e");
+            tracing::warn!("w");
+            tracing::info!("i");
+            tracing::debug!("d");
+        });
+        String::from_utf8(buf.0.lock().unwrap().clone()).unwrap()
+    }
+
+    #[test]
+    fn each_line_carries_its_priority_only_on_the_journal() {
+        let lines: Vec<String> = formatted(true).lines().map(String::from).collect();
+        assert_eq!(lines.len(), 4, "{lines:?}");
+        for (line, want) in lines.iter().zip(["<3>", "<4>", "<6>", "<7>"]) {
+            assert!(line.starts_with(want), "{line:?} should start with {want}");
+        }
+        let plain = formatted(false);
+        assert!(!plain.contains('<'), "no prefix off the journal: {plain:?}");
+        assert_eq!(plain.lines().count(), 4);
     }
 
     #[test]

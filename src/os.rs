@@ -206,18 +206,61 @@ pub fn conntrack_usage() -> Option<(u64, u64)> {
     Some((read("nf_conntrack_count")?, read("nf_conntrack_max")?))
 }
 
+/// One forwarding sysctl as the daemon read it. An unreadable value is
+/// [`Sysctl::Unreadable`], never taken for on: under systemd's
+/// `ProcSubset=pid` `/proc/sys` is hidden, and DNAT on a host that does not
+/// forward drops every packet while the listener looks healthy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Sysctl {
+    /// The value is not `0`.
+    On,
+    /// The value is `0`.
+    Off,
+    /// The file could not be read or held no number.
+    Unreadable,
+}
+
+impl Sysctl {
+    /// The state a read of a boolean sysctl file gives.
+    pub fn from_read(read: &io::Result<String>) -> Sysctl {
+        match read.as_deref().map(str::trim) {
+            Ok("0") => Sysctl::Off,
+            Ok(v) if v.parse::<u64>().is_ok() => Sysctl::On,
+            _ => Sysctl::Unreadable,
+        }
+    }
+}
+
+/// The files of `net.ipv4.ip_forward` and `net.ipv6.conf.all.forwarding`.
+pub const IP_FORWARDING_FILES: [&str; 2] = [
+    "/proc/sys/net/ipv4/ip_forward",
+    "/proc/sys/net/ipv6/conf/all/forwarding",
+];
+
 /// Whether this host forwards IPv4 and IPv6 packets
 /// (`net.ipv4.ip_forward`, `net.ipv6.conf.all.forwarding`): DNAT to
-/// another host needs it. An unreadable value counts as on (the kernel
-/// decides; nothing is refused on a guess).
-pub fn ip_forwarding() -> (bool, bool) {
-    let on = |path: &str| {
-        std::fs::read_to_string(path)
-            .map(|v| v.trim() != "0")
-            .unwrap_or(true)
-    };
-    (
-        on("/proc/sys/net/ipv4/ip_forward"),
-        on("/proc/sys/net/ipv6/conf/all/forwarding"),
-    )
+/// another host needs it. Each with the raw read, for the error's text.
+pub fn ip_forwarding() -> [(Sysctl, io::Result<String>); 2] {
+    IP_FORWARDING_FILES.map(|path| {
+        let read = std::fs::read_to_string(path);
+        (Sysctl::from_read(&read), read)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_unreadable_sysctl_is_never_on() {
+        let hidden = Err(io::Error::from(io::ErrorKind::NotFound));
+        assert_eq!(Sysctl::from_read(&hidden), Sysctl::Unreadable);
+        let denied = Err(io::Error::from(io::ErrorKind::PermissionDenied));
+        assert_eq!(Sysctl::from_read(&denied), Sysctl::Unreadable);
+        assert_eq!(Sysctl::from_read(&Ok(String::new())), Sysctl::Unreadable);
+        assert_eq!(Sysctl::from_read(&Ok("yes\n".into())), Sysctl::Unreadable);
+        assert_eq!(Sysctl::from_read(&Ok("0\n".into())), Sysctl::Off);
+        assert_eq!(Sysctl::from_read(&Ok("1\n".into())), Sysctl::On);
+        assert_eq!(Sysctl::from_read(&Ok("2".into())), Sysctl::On);
+    }
 }

@@ -339,13 +339,14 @@ fn connection_limit(config: &Config) -> usize {
     }
     let open_files = os::raise_open_file_limit().unwrap_or(1024);
     let limit = os::connections_for(open_files);
-    if limit < SMALL_DERIVED_CAP {
+    let under_systemd = std::env::var_os("INVOCATION_ID").is_some();
+    if let Some(why) = open_file_warning(open_files, limit, under_systemd) {
         tracing::warn!(
             open_file_limit = open_files,
             max_connections = limit,
-            "the open-file limit is {open_files}, so at most {limit} connections are forwarded at once{}: raise the unit's LimitNOFILE= (e.g. LimitNOFILE=1048576; `ulimit -n` by hand), or set proxy.max_connections",
+            "{why}{}",
             if config.proxy.max_udp_flows.is_none() {
-                " (and as many UDP flows)"
+                " (the UDP flow cap follows it too)"
             } else {
                 ""
             }
@@ -353,6 +354,28 @@ fn connection_limit(config: &Config) -> usize {
     }
     limit
 }
+
+/// The one warning at start about the open-file limit, if any: a derived
+/// cap below [`SMALL_DERIVED_CAP`], or under systemd a limit below the
+/// unit's `LimitNOFILE=` ([`UNIT_OPEN_FILES`]), which systemd lowers
+/// without a word to the hard limit it may grant (its own, a container's).
+fn open_file_warning(open_files: u64, limit: usize, under_systemd: bool) -> Option<String> {
+    if limit < SMALL_DERIVED_CAP {
+        return Some(format!(
+            "the open-file limit is {open_files}, so at most {limit} connections are forwarded at once: raise the unit's LimitNOFILE= (e.g. LimitNOFILE={UNIT_OPEN_FILES}; `ulimit -n` by hand), or set proxy.max_connections"
+        ));
+    }
+    (under_systemd && open_files < UNIT_OPEN_FILES).then(|| {
+        format!(
+            "the open-file limit in force is {open_files}, below the unit's LimitNOFILE={UNIT_OPEN_FILES} (systemd lowers it to the most it may grant: its own hard limit, or a container's), so the connection cap is {limit} instead of {}: raise the limit systemd runs under (DefaultLimitNOFILE=, the container's), or set proxy.max_connections",
+            os::connections_for(UNIT_OPEN_FILES)
+        )
+    })
+}
+
+/// What `systemd/harvester-lb.service` asks for in `LimitNOFILE=` (the
+/// kernel's default `fs.nr_open`).
+const UNIT_OPEN_FILES: u64 = 1_048_576;
 
 /// Below this, a connection cap derived from the open-file limit is said
 /// at start (a warning): under 1,024 concurrent connections is a limit an
@@ -591,5 +614,31 @@ fn status_line(daemon: &Daemon) -> String {
     } else {
         let list: Vec<String> = failed.iter().map(|f| f.key.addr.to_string()).collect();
         format!("serving; not bound (see /readyz): {}", list.join(", "))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_open_file_limit_below_the_units_is_said_under_systemd_only() {
+        let why = open_file_warning(20_000, os::connections_for(20_000), true)
+            .expect("20,000 under systemd is below the unit's figure");
+        assert!(why.contains("in force is 20000"), "{why}");
+        assert!(why.contains("LimitNOFILE=1048576"), "{why}");
+        assert!(why.contains("connection cap is 6410"), "{why}");
+        assert_eq!(
+            open_file_warning(20_000, os::connections_for(20_000), false),
+            None,
+            "run by hand, nobody asked for more"
+        );
+        assert_eq!(
+            open_file_warning(UNIT_OPEN_FILES, os::connections_for(UNIT_OPEN_FILES), true),
+            None,
+            "the unit's own figure"
+        );
+        let small = open_file_warning(256, os::connections_for(256), false).unwrap();
+        assert!(small.contains("at most 16 connections"), "{small}");
     }
 }

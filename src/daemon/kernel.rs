@@ -20,6 +20,7 @@ use super::{Daemon, LbEntry};
 use crate::balancer::Backend;
 use crate::config::{Forwarding, LoadBalancerSpec, OnBackendDown, Protocol};
 use crate::kernel::{Desired, KernelListener, KernelTable, ListenerId, Narrowed, Synced};
+use crate::os::Sysctl;
 
 /// How long a wake-up waits for more changes before the transaction, when
 /// the writer has been quiet for [`QUIET_AFTER`]: a lone health flip goes
@@ -43,6 +44,33 @@ const REFUSED_RETRY: Duration = Duration::from_secs(30);
 const NAMED_IN_LOG: usize = 10;
 /// How often the kernel's per-backend counters are read for `/metrics`.
 const COUNTERS_EVERY: Duration = Duration::from_secs(5);
+
+/// The forwarding sysctls, IPv4's then IPv6's (the order of
+/// [`crate::os::ip_forwarding`]).
+const FORWARDING_SYSCTLS: [&str; 2] = ["net.ipv4.ip_forward", "net.ipv6.conf.all.forwarding"];
+/// What to do when a forwarding sysctl cannot be read.
+const UNREADABLE_REMEDY: &str = "under systemd, ProcSubset=pid hides /proc/sys; the VIP drop-in (harvester-lb.service.d/vip.conf) sets ProcSubset=all";
+
+/// The two families' forwarding in one byte (`Daemon::forwarding_off`),
+/// two bits each, IPv4 in the low ones: 0 on, 1 off, 2 unreadable. Zero
+/// means both forward.
+fn pack_forwarding(states: [Sysctl; 2]) -> u8 {
+    let bits = |s: Sysctl| match s {
+        Sysctl::On => 0u8,
+        Sysctl::Off => 1,
+        Sysctl::Unreadable => 2,
+    };
+    bits(states[0]) | (bits(states[1]) << 2)
+}
+
+/// One family's forwarding from [`pack_forwarding`]'s byte (0 IPv4, 1 IPv6).
+fn forwarding_of(packed: u8, family: usize) -> Sysctl {
+    match (packed >> (2 * family)) & 3 {
+        0 => Sysctl::On,
+        1 => Sysctl::Off,
+        _ => Sysctl::Unreadable,
+    }
+}
 
 /// The desired state the writer task keeps between its syncs.
 struct Kept {
@@ -101,10 +129,11 @@ impl Daemon {
     }
 
     /// Reads the host's forwarding settings; logs a change of them at
-    /// error (off) or info (on again). Returns whether they changed.
+    /// error (off or unreadable) or info (on again). Returns whether they
+    /// changed.
     fn check_ip_forwarding(&self) -> bool {
-        let (v4, v6) = crate::os::ip_forwarding();
-        let off = u8::from(!v4) | (u8::from(!v6) << 1);
+        let read = crate::os::ip_forwarding();
+        let off = pack_forwarding([read[0].0, read[1].0]);
         let was = self.forwarding_off.swap(off, Ordering::AcqRel);
         if was == off {
             return false;
@@ -119,37 +148,48 @@ impl Daemon {
         if !has_kernel {
             return true;
         }
-        for (bit, sysctl) in [
-            (1u8, "net.ipv4.ip_forward"),
-            (2, "net.ipv6.conf.all.forwarding"),
-        ] {
-            match (was & bit != 0, off & bit != 0) {
-                (false, true) => tracing::error!(
+        for (family, (now, raw)) in read.iter().enumerate() {
+            let sysctl = FORWARDING_SYSCTLS[family];
+            let before = forwarding_of(was, family);
+            if before == *now {
+                continue;
+            }
+            match (now, raw) {
+                (Sysctl::Off, _) => tracing::error!(
                     "{sysctl} is 0 on this host: the kernel would drop every packet it forwards, so the forwarding = \"kernel\" listeners of that family are served by the proxy until it is 1 (the daemon does not change it)"
                 ),
-                (true, false) => tracing::info!(
+                (Sysctl::Unreadable, raw) => tracing::error!(
+                    "{sysctl} cannot be read ({}: {}), so the forwarding = \"kernel\" listeners of that family are served by the proxy until it reads 1: {UNREADABLE_REMEDY}",
+                    crate::os::IP_FORWARDING_FILES[family],
+                    match raw {
+                        Ok(v) => format!("not a number: {:?}", v.trim()),
+                        Err(e) => e.to_string(),
+                    }
+                ),
+                (Sysctl::On, _) => tracing::info!(
                     "{sysctl} is 1 again: kernel listeners of that family go back to the kernel"
                 ),
-                _ => {}
             }
         }
         true
     }
 
     /// Why a kernel listener on `vip` is not in the kernel although its
-    /// table is written: the host does not forward its family.
+    /// table is written: the host does not forward its family, or the
+    /// daemon cannot read whether it does.
     pub(super) fn forwarding_blocked(&self, vip: IpAddr) -> Option<String> {
-        let off = self.forwarding_off.load(Ordering::Acquire);
-        let (bit, sysctl) = if vip.is_ipv4() {
-            (1, "net.ipv4.ip_forward")
-        } else {
-            (2, "net.ipv6.conf.all.forwarding")
-        };
-        (off & bit != 0)
-            .then(|| {
-                format!("{sysctl} is 0 on this host: the kernel would drop the packets it forwards; set it to 1 (the daemon does not change it); the proxy serves this listener meanwhile")
-            })
-            .or_else(|| self.forward_chain_blocked(vip))
+        let family = usize::from(vip.is_ipv6());
+        let sysctl = FORWARDING_SYSCTLS[family];
+        match forwarding_of(self.forwarding_off.load(Ordering::Acquire), family) {
+            Sysctl::Off => Some(format!(
+                "{sysctl} is 0 on this host: the kernel would drop the packets it forwards; set it to 1 (the daemon does not change it); the proxy serves this listener meanwhile"
+            )),
+            Sysctl::Unreadable => Some(format!(
+                "{sysctl} cannot be read ({}), so the proxy serves this listener: {UNREADABLE_REMEDY}",
+                crate::os::IP_FORWARDING_FILES[family]
+            )),
+            Sysctl::On => self.forward_chain_blocked(vip),
+        }
     }
 
     /// The kernel listeners of the config in force, with the backends
@@ -851,5 +891,18 @@ mod tests {
             "a new UDP listener"
         );
         assert!(!flows_may_be_stale(&tcp(&both, &[]), &Desired::new()));
+    }
+
+    #[test]
+    fn forwarding_packs_each_family_and_unreadable_is_not_on() {
+        use Sysctl::*;
+        for v4 in [On, Off, Unreadable] {
+            for v6 in [On, Off, Unreadable] {
+                let packed = pack_forwarding([v4, v6]);
+                assert_eq!(forwarding_of(packed, 0), v4);
+                assert_eq!(forwarding_of(packed, 1), v6);
+                assert_eq!(packed == 0, v4 == On && v6 == On, "{v4:?} {v6:?}");
+            }
+        }
     }
 }

@@ -98,9 +98,10 @@ pub struct Daemon {
     /// kernel table may have to follow. (The announcer has a `Notify` of
     /// its own, woken by the same publishes.)
     kernel_wake: Arc<tokio::sync::Notify>,
-    /// The host's IPv4 and IPv6 forwarding as last seen (bit 0: IPv4 off,
-    /// bit 1: IPv6 off): kernel listeners of a family the host does not
-    /// forward stay with the proxy.
+    /// The host's IPv4 and IPv6 forwarding as last seen (two bits per
+    /// family, `kernel::pack_forwarding`; 0: both on): kernel listeners of
+    /// a family the host does not forward, or whose sysctl cannot be read,
+    /// stay with the proxy.
     forwarding_off: std::sync::atomic::AtomicU8,
     /// Other programs' forward chains that drop what the kernel forwards:
     /// kernel listeners of that family stay with the proxy.

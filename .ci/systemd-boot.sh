@@ -1,0 +1,529 @@
+#!/usr/bin/env bash
+# The unit as shipped, under a real systemd: boots systemd (PID 1 of a
+# `systemd-nspawn -b` container of a debootstrapped Debian 12 root), installs
+# the .deb that .ci/package-check.sh built with `dpkg -i` inside it, and runs
+# the daemon as an operator would. Each check is an assertion that fails
+# the script with what it expected:
+#
+#   install   the package installs; what it declares (Depends, Recommends)
+#             is all there is in the root beside the base system
+#   start     `systemctl start` returns through READY=1; a client in a
+#             namespace of the container is served through the VIP by a
+#             real backend (python3 -m http.server) in another
+#   nofile    the open-file limit systemd lowered is said in one warning
+#   reload    good: same MainPID, the new listener serves; bad: ExecReload
+#             exits 78, the old config stays in force
+#   watchdog  the unit's WatchdogSec=30s in force; with WatchdogSec=4s (a
+#             test drop-in, so the check takes seconds, not 15 + 31)
+#             WatchdogTimestamp moves with each ping and nothing restarts,
+#             then a SIGSTOPped daemon is killed by the watchdog and
+#             restarted
+#   no vip.conf  vip.isolate without the VIP drop-in: the documented
+#             refusal (exit 1 naming vip.isolate), the unit fails
+#   vip.conf  isolation table written; kernel forwarding (flows DNATed to
+#             the backend, the proxy accepting none); the VIP announced
+#             (address on lo, route of protocol 252 in table 100); a
+#             deleted isolation table repaired; the conntrack series on
+#             /metrics; net.ipv4.ip_forward=0: the proxy serves and says
+#             why; /proc/sys hidden again (ProcSubset=pid over the drop-in):
+#             an unreadable sysctl is not "forwarding on"
+#   journal   `journalctl -p warning` shows warnings and errors, no info
+#   SIGKILL   ExecStopPost withdraws the dead daemon's routes, systemd
+#             restarts it, it serves again
+#   stop      drains (a connection open through the proxy is answered
+#             before the exit 0), ExecStopPost ran, and every table,
+#             route, address and the runtime directory is gone
+#
+# Traffic goes only to 127.0.0.1 and to addresses inside the container's
+# private network namespace and the two namespaces this script makes in it.
+#
+# The debootstrapped root is cached under target/systemd-boot/ (~300 MB,
+# ~70 s to build from the Debian mirror apt uses); each run mounts an
+# overlay over it and throws the overlay away. Everything this script
+# makes (container, overlay, namespaces, run directory) is removed on exit,
+# failed or not.
+#
+# Cannot run (not root, no systemd-nspawn or debootstrap, no .deb): under
+# CI (CI set) that fails, elsewhere it skips with the reason.
+#
+# Usage: bash .ci/systemd-boot.sh [--prepare]
+#        --prepare: only build the cached root (.ci/run starts it in the
+#        background while the tests run)
+# Env:   HARVESTER_LB_DEB  the .deb to install (default: the newest
+#                          target/packages/*.deb, which .ci/run's
+#                          package-check keeps there)
+#        CARGO_TARGET_DIR  honoured for the cache and the .deb
+#        DEBIAN_MIRROR     default: the first deb.debian.org-style URI apt uses
+set -euo pipefail
+
+repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+target=${CARGO_TARGET_DIR:-$repo/target}
+cache_dir=$target/systemd-boot
+started=$SECONDS
+
+fail() {
+    echo "systemd-boot: FAIL: $*" >&2
+    if [[ -n ${cpid:-} ]] && kill -0 "$cpid" 2>/dev/null; then
+        echo "--- journalctl -u harvester-lb (last 40 lines) ---" >&2
+        inside journalctl -u harvester-lb --no-pager -n 40 >&2 || true
+    fi
+    exit 1
+}
+skip_or_fail() {
+    if [[ -n ${CI+set} ]]; then
+        echo "systemd-boot: FAIL: cannot run, and CI must not skip it: $*" >&2
+        exit 1
+    fi
+    echo "SKIPPED systemd-boot: $*"
+    exit 0
+}
+step() { printf '== %s (%ds)\n' "$*" $((SECONDS - started)); }
+ok() { echo "ok: $*"; }
+
+# --- can it run -------------------------------------------------------------------
+[[ $(id -u) -eq 0 ]] || skip_or_fail "needs root (systemd-nspawn, mount)"
+for tool in systemd-nspawn debootstrap nsenter; do
+    command -v "$tool" >/dev/null 2>&1 || skip_or_fail "$tool missing (apt-get install systemd-container debootstrap)"
+done
+# --- the cached root ------------------------------------------------------------------
+# What the root holds: systemd, and what the checks use. The package's own
+# dependencies (nftables, netbase) are in the list too; the install check
+# below fails if the package declares one this list lacks.
+include=systemd,systemd-sysv,libnss-systemd,dbus,nftables,iproute2,curl,python3,procps,conntrack,netbase
+suite=bookworm
+mirror=${DEBIAN_MIRROR:-}
+if [[ -z $mirror ]]; then
+    mirror=$(grep -hsE '^(URIs:|deb )' /etc/apt/sources.list.d/*.sources /etc/apt/sources.list 2>/dev/null |
+        grep -oE 'https?://[^ ]+/debian/?' | head -n1 || true)
+fi
+mirror=${mirror:-http://deb.debian.org/debian}
+key=$(printf '%s %s' "$suite" "$include" | sha256sum | cut -c1-12)
+root=$cache_dir/root-$key
+mkdir -p "$cache_dir"
+if [[ ! -x $root/usr/lib/systemd/systemd ]]; then
+    step "debootstrap $suite from $mirror into $root (cached for later runs)"
+    tmp=$cache_dir/root-$key.tmp.$$
+    rm -rf "$tmp"
+    if ! debootstrap --variant=minbase --include="$include" "$suite" "$tmp" "$mirror" >"$cache_dir/debootstrap.log" 2>&1; then
+        tail -n 20 "$cache_dir/debootstrap.log" >&2
+        rm -rf "$tmp"
+        fail "debootstrap failed (log above, whole in $cache_dir/debootstrap.log)"
+    fi
+    # Only a complete root is ever renamed into place (another run may
+    # have put one there meanwhile: keep that one).
+    if [[ -e $root ]]; then rm -rf "$tmp"; else mv "$tmp" "$root"; fi
+fi
+if [[ ${1:-} == --prepare ]]; then
+    echo "systemd-boot: root ready ($root, $((SECONDS - started)) s)"
+    exit 0
+fi
+
+deb=${HARVESTER_LB_DEB:-}
+if [[ -z $deb ]]; then
+    deb=$(ls -t "$target"/packages/*.deb 2>/dev/null | head -n1 || true)
+fi
+[[ -n $deb && -f $deb ]] ||
+    skip_or_fail "no .deb (run KEEP_RPM=$target/packages bash .ci/package-check.sh, or set HARVESTER_LB_DEB)"
+echo "package: $deb"
+
+# --- this run: overlay, container, namespaces; all removed at exit --------------------
+run=$(mktemp -d "$cache_dir/run.XXXXXX")
+merged=$run/merged
+machine=hlb-boot-$$
+nspawn_pid=
+cpid=
+cleanup() {
+    local rc=$?
+    set +e
+    if [[ -n $cpid ]] && kill -0 "$cpid" 2>/dev/null; then
+        # The namespaces this script made in the container, and its daemon
+        # (ExecStopPost withdraws what the daemon announced).
+        inside systemctl stop harvester-lb.service hlb-backend.service hlb-held.service >/dev/null 2>&1
+        for ns in hlbc hlbn; do inside ip netns delete "$ns" >/dev/null 2>&1; done
+    fi
+    if [[ -n $nspawn_pid ]] && kill -0 "$nspawn_pid" 2>/dev/null; then
+        # SIGTERM: nspawn asks the container's systemd to power off.
+        kill -TERM "$nspawn_pid"
+        for _ in $(seq 1 100); do kill -0 "$nspawn_pid" 2>/dev/null || break; sleep 0.2; done
+        kill -0 "$nspawn_pid" 2>/dev/null && kill -KILL "$nspawn_pid"
+        wait "$nspawn_pid" 2>/dev/null
+    fi
+    mountpoint -q "$merged" && umount "$merged"
+    mountpoint -q "$merged" && umount -l "$merged"
+    rm -rf "$run"
+    exit "$rc"
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+mkdir -p "$run/upper" "$run/work" "$merged"
+mount -t overlay overlay -o "lowerdir=$root,upperdir=$run/upper,workdir=$run/work" "$merged"
+cp "$deb" "$merged/root/harvester-lb.deb"
+
+step "boot systemd in systemd-nspawn ($machine)"
+# --keep-unit --register=no: the host has no system bus or machined.
+systemd-nspawn -D "$merged" -M "$machine" -b --private-network --register=no --keep-unit \
+    --console=read-only >"$run/console.log" 2>&1 &
+nspawn_pid=$!
+
+# Runs a command inside the container (its namespaces, its root), with a
+# clean environment.
+inside() {
+    nsenter -t "$cpid" -a env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin SYSTEMD_COLORS=0 LANG=C.UTF-8 "$@"
+}
+# Polls `cmd…` until it succeeds, at most `secs` seconds.
+wait_until() {
+    local secs=$1 what=$2
+    shift 2
+    local deadline=$((SECONDS + secs))
+    until "$@" >/dev/null 2>&1; do
+        ((SECONDS < deadline)) || fail "$what: not within ${secs}s"
+        sleep 0.2
+    done
+}
+container_pid1() {
+    cpid=$(pgrep -P "$nspawn_pid" -x systemd | head -n1)
+    [[ -n $cpid ]]
+}
+wait_until 30 "the container's systemd started" container_pid1
+booted() {
+    state=$(inside systemctl is-system-running 2>/dev/null || true)
+    [[ $state == running || $state == degraded ]]
+}
+state=
+wait_until 60 "the container's systemd up (is-system-running: running or degraded)" booted || true
+[[ $state == running || $state == degraded ]] ||
+    fail "the container's systemd is '$state', want running (console: $(tail -n 5 "$run/console.log"))"
+[[ $state == running ]] || echo "note: systemd is degraded: $(inside systemctl --failed --no-legend --plain | tr '\n' ';')"
+ok "systemd $(inside systemctl --version | head -n1 | awk '{print $2}') is PID 1, $state"
+
+# --- helpers on the daemon --------------------------------------------------------------
+show() { inside systemctl show harvester-lb -P "$1"; }
+api() { inside curl -sS --max-time 5 "http://127.0.0.1:9901$1"; }
+client() { inside ip netns exec hlbc curl -sS --max-time 5 "$@"; }
+status_field() {
+    # /status's first load balancer's first listener's field $1.
+    api /status | python3 -c "import json,sys; l=json.load(sys.stdin)['load_balancers'][0]['listeners'][0]; print(l.get('$1') or '')"
+}
+accepted() {
+    api /metrics | awk '/^harvester_lb_connections_accepted_total[{ ]/ { s += $NF } END { print s + 0 }'
+}
+serves() { [[ $(client "http://$1/" 2>/dev/null) == backend-ok ]]; }
+# Conditions for wait_until (evaluated on each poll).
+forwarding_is() { [[ $(status_field forwarding) == "$1" ]]; }
+status_says() { [[ $(api /status) == *"$1"* ]]; }
+watchdog_moved() { [[ $(show WatchdogTimestampMonotonic) != "$watchdog0" ]]; }
+main_replaced() { [[ $(show MainPID) != "$1" && $(show SubState) == running ]]; }
+announced() { inside ip route show table 100 proto 252 | grep -q 198.51.100.10; }
+journal_has() { journal_since "$1" | grep -q "$2"; }
+write_config() { inside tee /etc/harvester-lb/config.toml >/dev/null; }
+journal_since() { inside journalctl -u harvester-lb --no-pager -o cat --since "@$1" "${@:2}"; }
+now() { inside date +%s; }
+
+# --- install -----------------------------------------------------------------------------
+step "install: dpkg -i"
+inside dpkg -i /root/harvester-lb.deb >"$run/dpkg.log" 2>&1 || { cat "$run/dpkg.log"; fail "dpkg -i failed"; }
+[[ $(inside dpkg-query -W -f '${Status}' harvester-lb) == "install ok installed" ]] || fail "harvester-lb is not installed after dpkg -i"
+declared=$(inside dpkg-query -W -f '${Depends}, ${Recommends}' harvester-lb)
+for dep in $(tr ',' '\n' <<<"$declared" | sed -E 's/\(.*\)//; s/\|.*//' | tr -d ' ' | grep -v '^$'); do
+    inside dpkg -s "$dep" >/dev/null 2>&1 || fail "the package declares $dep, which the minimal root lacks (add it to include= above)"
+done
+ok "installed; declared: $declared"
+[[ $(show ExecStart) == *"path=/usr/bin/harvester-lb"* ]] || fail "ExecStart is not the package's /usr/bin: $(show ExecStart)"
+# The unit alone, as docs/operations.md tells an operator to check it.
+expect_show() {
+    local got
+    got=$(show "$1")
+    [[ $got == "$2" ]] || fail "$3: $1=$got, want $1=$2 (docs/operations.md)"
+}
+expect_show ProcSubset pid "the unit alone"
+expect_show AmbientCapabilities cap_net_bind_service "the unit alone"
+expect_show RestrictAddressFamilies "AF_INET AF_INET6 AF_UNIX" "the unit alone"
+expect_show StateDirectory "" "the unit alone"
+expect_show LimitNOFILE 1048576 "the unit alone"
+expect_show DropInPaths /usr/lib/systemd/system/harvester-lb.service.d/10-package.conf "the unit alone"
+
+# --- the bed: a client and a backend, each in its own namespace ----------------------------
+step "bed: client namespace hlbc (198.51.100.2), backend namespace hlbn (203.0.113.21)"
+inside sysctl -qw net.ipv4.ip_forward=1
+inside ip link set lo up
+inside ip netns add hlbc
+inside ip netns add hlbn
+inside ip link add hc type veth peer name eth0 netns hlbc
+inside ip link add hn type veth peer name eth0 netns hlbn
+inside ip addr add 198.51.100.3/24 dev hc
+inside ip addr add 203.0.113.1/24 dev hn
+inside ip link set hc up
+inside ip link set hn up
+for ns in hlbc hlbn; do inside ip netns exec "$ns" ip link set lo up; done
+inside ip netns exec hlbc ip addr add 198.51.100.2/24 dev eth0
+inside ip netns exec hlbc ip link set eth0 up
+inside ip netns exec hlbc ip route add 198.51.100.10/32 via 198.51.100.3
+inside ip netns exec hlbn ip addr add 203.0.113.21/24 dev eth0
+inside ip netns exec hlbn ip link set eth0 up
+inside ip netns exec hlbn ip route add default via 203.0.113.1
+inside mkdir -p /srv/backend
+echo backend-ok | inside tee /srv/backend/index.html >/dev/null
+inside systemd-run --quiet --unit=hlb-backend ip netns exec hlbn \
+    python3 -m http.server 30080 --bind 203.0.113.21 --directory /srv/backend
+wait_until 20 "the backend serving on 203.0.113.21:30080" \
+    inside curl -sf --max-time 2 -o /dev/null http://203.0.113.21:30080/
+
+proxy_config() {
+    cat <<EOF
+[admin]
+listen = "127.0.0.1:9901"
+
+[vip]
+isolate = ${1:-false}
+
+[[load_balancer]]
+name = "test/web"
+vip = "198.51.100.10"
+backends = ["203.0.113.21"]
+
+  [[load_balancer.listener]]
+  name = "http"
+  port = 80
+  backend_port = 30080
+${2:-}
+EOF
+}
+second_listener='
+  [[load_balancer.listener]]
+  name = "alt"
+  port = 8080
+  backend_port = 30080'
+
+# --- start ----------------------------------------------------------------------------------
+step "start: Type=notify, serving through the VIP"
+# Without the VIP drop-in the daemon puts no address anywhere: the VIP is
+# the host's, as keepalived would hold it.
+inside ip addr add 198.51.100.10/32 dev lo
+proxy_config | write_config
+t0=$(now)
+inside systemctl start harvester-lb || fail "systemctl start harvester-lb failed"
+[[ $(show ActiveState)/$(show SubState) == active/running ]] || fail "after start: $(show ActiveState)/$(show SubState), want active/running"
+[[ $(show StatusText) == serving* ]] || fail "StatusText is '$(show StatusText)', want serving…"
+pid=$(show MainPID)
+serves 198.51.100.10 || fail "the client was not served through 198.51.100.10:80 (got: $(client http://198.51.100.10/ 2>&1))"
+ok "active/running, '$(show StatusText)', MainPID $pid, the client served through the VIP"
+[[ $(show WatchdogUSec) == 30s ]] || fail "WatchdogUSec is $(show WatchdogUSec), want 30s (the unit's)"
+
+step "open-file limit: said when systemd lowered it"
+limit=$(inside awk '/^Max open files/ { print $4 }' "/proc/$pid/limits")
+if ((limit < 1048576)); then
+    line=$(journal_since "$t0" -p warning | grep "open-file limit in force is $limit" || true)
+    [[ -n $line ]] || fail "the open-file limit is $limit, below the unit's 1048576, and no warning says so"
+    ok "limit $limit said: $line"
+else
+    ok "limit $limit: nothing lowered, nothing to say"
+fi
+
+# --- reload ------------------------------------------------------------------------------------
+step "reload: a good file (same process, the new listener serves)"
+proxy_config false "$second_listener" | write_config
+inside systemctl reload harvester-lb || fail "systemctl reload of a good file failed"
+[[ $(show MainPID) == "$pid" ]] || fail "reload changed MainPID $pid -> $(show MainPID)"
+wait_until 10 "the reloaded listener 198.51.100.10:8080 serving" serves 198.51.100.10:8080
+ok "reloaded in place, :8080 serves"
+
+step "reload: a bad file (ExecReload exits 78, the old config stays)"
+t_bad=$(now)
+printf 'this is = not [valid toml\n' | write_config
+if inside systemctl reload harvester-lb 2>/dev/null; then fail "systemctl reload of a bad file succeeded"; fi
+[[ $(show ExecReload) == *"status=78"* ]] || fail "ExecReload did not exit 78: $(show ExecReload)"
+[[ $(show ActiveState) == active && $(show MainPID) == "$pid" ]] || fail "a rejected reload disturbed the daemon: $(show ActiveState), MainPID $(show MainPID)"
+serves 198.51.100.10:8080 || fail "after a rejected reload the old config's :8080 does not serve"
+ok "ExecReload status=78, same MainPID, the old config serves"
+proxy_config false "$second_listener" | write_config
+
+# --- journal priorities ------------------------------------------------------------------------
+step "journal: warnings and errors at their priority"
+# ExecReload's `harvester-lb reload` says why, at error.
+rejected_at_err() { journal_since "$t_bad" -p err | grep -q "key with no value"; }
+wait_until 10 "the rejected file's problem in journalctl -p err" rejected_at_err
+info_as_warning=$(journal_since "$t0" -p warning | grep -c "reloaded\|applied\|serving" || true)
+info_lines=$(journal_since "$t0" -p info | wc -l)
+warning_lines=$(journal_since "$t0" -p warning | wc -l)
+((warning_lines < info_lines)) || fail "-p warning shows as many lines ($warning_lines) as -p info ($info_lines): info lines are not at priority 6"
+ok "-p err shows the rejected file; -p warning $warning_lines lines of $info_lines ($info_as_warning mention serving/applied)"
+
+# --- watchdog ------------------------------------------------------------------------------------
+step "watchdog: pinged, and a frozen daemon killed and restarted (WatchdogSec=4s, test drop-in)"
+# The unit's 30 s would make these checks take 15 s (a ping) and 31 s
+# (the kill); the same code path pings every WatchdogSec/2.
+inside mkdir -p /run/systemd/system/harvester-lb.service.d
+printf '[Service]\nWatchdogSec=4s\n' | inside tee /run/systemd/system/harvester-lb.service.d/zz-test-watchdog.conf >/dev/null
+inside systemctl daemon-reload
+inside systemctl restart harvester-lb || fail "restart with WatchdogSec=4s failed"
+pid=$(show MainPID)
+restarts=$(show NRestarts)
+for ping in 1 2 3; do
+    watchdog0=$(show WatchdogTimestampMonotonic)
+    wait_until 10 "WatchdogTimestamp moving from $watchdog0 (ping $ping, every 2 s)" watchdog_moved
+done
+[[ $(show MainPID) == "$pid" && $(show NRestarts) == "$restarts" ]] || fail "the pinging daemon was restarted"
+ok "3 pings, no restart"
+t_wd=$(now)
+inside kill -STOP "$pid"
+wait_until 30 "the frozen daemon ($pid) restarted" main_replaced "$pid"
+(($(show NRestarts) > restarts)) || fail "NRestarts did not grow ($restarts -> $(show NRestarts))"
+inside journalctl -u harvester-lb --no-pager --since "@$t_wd" | grep -q "Watchdog timeout" || fail "no 'Watchdog timeout' in the journal"
+serves 198.51.100.10 || fail "not serving after the watchdog restart"
+ok "watchdog timeout, restarted as $(show MainPID), serving"
+inside rm /run/systemd/system/harvester-lb.service.d/zz-test-watchdog.conf
+inside systemctl daemon-reload
+
+# --- the VIP features without their drop-in --------------------------------------------------------
+step "vip.isolate without the VIP drop-in: refused as documented"
+inside systemctl stop harvester-lb
+inside ip addr del 198.51.100.10/32 dev lo
+proxy_config true | write_config
+t_iso=$(now)
+if inside systemctl start harvester-lb 2>/dev/null; then fail "vip.isolate started without the VIP drop-in"; fi
+wait_until 10 "the refusal in the journal" journal_has "$t_iso" vip.isolate
+journal_since "$t_iso" -p err | grep -q "vip.isolate" || fail "the refusal naming vip.isolate is not at priority err"
+[[ $(show ExecMainStatus) == 1 ]] || fail "exit status $(show ExecMainStatus), want 1"
+ok "exit 1: $(journal_since "$t_iso" -p err | grep -m1 vip.isolate | cut -c1-160)"
+inside systemctl stop harvester-lb
+inside systemctl reset-failed harvester-lb 2>/dev/null || true
+
+# --- with the VIP drop-in -----------------------------------------------------------------------------
+step "with the VIP drop-in: isolation, kernel forwarding, announcing"
+inside mkdir -p /etc/systemd/system/harvester-lb.service.d
+inside cp /usr/share/harvester-lb/systemd/harvester-lb.service.d/vip.conf /etc/systemd/system/harvester-lb.service.d/vip.conf
+inside systemctl daemon-reload
+expect_show ProcSubset all "with vip.conf"
+expect_show AmbientCapabilities "cap_net_bind_service cap_net_admin" "with vip.conf"
+expect_show RestrictAddressFamilies "AF_INET AF_INET6 AF_NETLINK AF_UNIX" "with vip.conf"
+expect_show StateDirectory harvester-lb "with vip.conf"
+expect_show DropInPaths "/usr/lib/systemd/system/harvester-lb.service.d/10-package.conf /etc/systemd/system/harvester-lb.service.d/vip.conf" "with vip.conf"
+vip_config() {
+    cat <<EOF
+[admin]
+listen = "127.0.0.1:9901"
+
+[vip]
+isolate = true
+announce = "routes"
+announce_interface = "lo"
+announce_table = 100
+announce_prefixes = ["198.51.100.0/24"]
+
+[[load_balancer]]
+name = "test/web"
+vip = "198.51.100.10"
+backends = ["203.0.113.21"]
+
+  [[load_balancer.listener]]
+  name = "http"
+  port = 80
+  backend_port = 30080
+  forwarding = "kernel"
+
+  [[load_balancer.listener]]
+  name = "alt"
+  port = 8080
+  backend_port = 30080
+EOF
+}
+vip_config | write_config
+inside systemctl start harvester-lb || fail "start with vip.conf failed"
+routes() { inside ip route show table 100 proto 252; }
+wait_until 30 "the VIP announced (route of protocol 252 in table 100)" announced
+vip_on_lo() { inside ip -o addr show dev lo | grep -q 198.51.100.10; }
+wait_until 10 "the announced VIP on lo" vip_on_lo
+inside nft list table inet harvester_lb >/dev/null 2>&1 || fail "no isolation table inet harvester_lb"
+wait_until 30 "the kernel listener in the kernel (/status forwarding = kernel)" forwarding_is kernel
+before=$(accepted)
+serves 198.51.100.10 || fail "the client was not served through the kernel listener"
+inside conntrack -L -p tcp --orig-dst 198.51.100.10 --dport 80 2>/dev/null | grep -q "src=203.0.113.21" ||
+    fail "no conntrack entry DNATing 198.51.100.10:80 to 203.0.113.21"
+after=$(accepted)
+((after == before)) || fail "the proxy accepted $((after - before)) connections of a kernel listener"
+ok "isolated, announced ($(routes | head -n1)), kernel DNAT to 203.0.113.21, proxy accepted none"
+
+step "a deleted isolation table is repaired"
+inside nft delete table inet harvester_lb
+wait_until 30 "inet harvester_lb written again" inside nft list table inet harvester_lb
+ok "repaired"
+
+step "conntrack series on /metrics"
+metrics=$(api /metrics)
+grep -qE '^harvester_lb_conntrack_entries [0-9]' <<<"$metrics" || fail "harvester_lb_conntrack_entries missing from /metrics (is /proc/sys readable?)"
+grep -qE '^harvester_lb_conntrack_max [0-9]' <<<"$metrics" || fail "harvester_lb_conntrack_max missing from /metrics"
+ok "$(grep -E '^harvester_lb_conntrack_(entries|max) ' <<<"$metrics" | tr '\n' ' ')"
+
+step "net.ipv4.ip_forward=0: the proxy serves, and says why"
+inside sysctl -qw net.ipv4.ip_forward=0
+wait_until 20 "/status kernel_error naming net.ipv4.ip_forward" status_says "net.ipv4.ip_forward is 0"
+[[ $(status_field forwarding) == proxy ]] || fail "forwarding is $(status_field forwarding) with ip_forward=0, want proxy"
+before=$(accepted)
+serves 198.51.100.10 || fail "not served by the proxy with ip_forward=0"
+(($(accepted) > before)) || fail "the proxy did not accept the connection with ip_forward=0"
+why=$(status_field kernel_error)
+inside sysctl -qw net.ipv4.ip_forward=1
+wait_until 20 "the listener back in the kernel with ip_forward=1" forwarding_is kernel
+ok "proxy while 0 (${why:0:100}…), kernel again at 1"
+
+step "/proc/sys hidden (ProcSubset=pid over vip.conf): unreadable is not 'forwarding on'"
+printf '[Service]\nProcSubset=pid\n' | inside tee /run/systemd/system/harvester-lb.service.d/zz-test-procsubset.conf >/dev/null
+inside systemctl daemon-reload
+inside systemctl restart harvester-lb || fail "restart with ProcSubset=pid failed"
+wait_until 20 "/status kernel_error saying ip_forward cannot be read" status_says "ip_forward cannot be read"
+[[ $(status_field forwarding) == proxy ]] || fail "forwarding is $(status_field forwarding) with /proc/sys hidden, want proxy"
+serves 198.51.100.10 || fail "not served with /proc/sys hidden"
+inside rm /run/systemd/system/harvester-lb.service.d/zz-test-procsubset.conf
+inside systemctl daemon-reload
+inside systemctl restart harvester-lb || fail "restart with vip.conf alone failed"
+wait_until 30 "the kernel listener back in the kernel" forwarding_is kernel
+ok "proxy, '$(journal_since "$t_iso" -p err | grep -m1 'cannot be read' | cut -c1-120)…'"
+
+# --- SIGKILL ---------------------------------------------------------------------------------------------
+step "SIGKILL: ExecStopPost withdraws, systemd restarts, it serves"
+wait_until 30 "the VIP announced before the kill" announced
+pid=$(show MainPID)
+t_kill=$(now)
+inside systemctl kill -s SIGKILL --kill-whom=main harvester-lb
+wait_until 30 "the killed daemon ($pid) restarted" \
+    main_replaced "$pid"
+journal_since "$t_kill" | grep -q "table 100: withdrew 1 VIP(s): 198.51.100.10" ||
+    fail "ExecStopPost did not withdraw the killed daemon's route (journal: $(journal_since "$t_kill" | grep 'table 100' | tr '\n' ' '))"
+wait_until 30 "the VIP announced again" announced
+wait_until 30 "serving again after SIGKILL" serves 198.51.100.10
+ok "withdrawn by ExecStopPost, restarted as $(show MainPID), serving"
+
+# --- stop -------------------------------------------------------------------------------------------------
+step "stop: drains, ExecStopPost runs, nothing left behind"
+# A client holds a connection through the proxy (:8080) and sends its
+# request 3 s later: stop must wait for it and let it be answered.
+inside systemd-run --quiet --unit=hlb-held --property=StandardOutput=file:/run/held.out \
+    ip netns exec hlbc python3 -c 'import socket, time
+s = socket.create_connection(("198.51.100.10", 8080), timeout=20)
+time.sleep(3)
+s.sendall(b"GET / HTTP/1.0\r\n\r\n")
+print(s.recv(200).decode().splitlines()[0])'
+active() { api /metrics | awk '/^harvester_lb_connections_active[{ ]/ { s += $NF } END { exit !(s >= 1) }'; }
+wait_until 10 "the held connection open through the proxy" active
+t_stop=$(now)
+inside systemctl stop harvester-lb || fail "systemctl stop failed"
+[[ $(inside cat /run/held.out 2>/dev/null) == "HTTP/1.0 200 OK" ]] ||
+    fail "the connection open at stop was not drained: the client got '$(inside cat /run/held.out 2>/dev/null)', want HTTP/1.0 200 OK"
+journal_since "$t_stop" | grep -q "stopped closed_by_timeout=0" || fail "the drain did not end with closed_by_timeout=0"
+[[ $(show Result) == success && $(show ExecMainStatus) == 0 ]] || fail "stop: Result=$(show Result), exit status $(show ExecMainStatus), want success/0"
+journal_since "$t_stop" | grep -q "draining open ones" || fail "no drain at stop in the journal"
+[[ $(show ExecStopPost) == *"status=0"* ]] || fail "ExecStopPost did not run to exit 0: $(show ExecStopPost)"
+left=$(inside nft list tables | grep harvester_lb || true)
+[[ -z $left ]] || fail "tables left after stop: $left"
+[[ -z $(routes) ]] || fail "routes left in table 100 after stop: $(routes)"
+if vip_on_lo; then fail "the VIP is still on lo after stop"; fi
+if inside test -e /run/harvester-lb; then fail "/run/harvester-lb is still there after stop"; fi
+ok "exit 0, the open connection answered before the exit, ExecStopPost status=0; no table, route, address or runtime directory left"
+
+step "journal: -p warning holds no info line"
+journal_since "$t_stop" -p info | grep -q "draining open ones" || fail "the info line 'draining open ones' is not in -p info"
+if journal_since "$t_stop" -p warning | grep -q "draining open ones"; then fail "an info line ('draining open ones') shows under -p warning"; fi
+ok "info at 6, warnings and errors at 4 and 3"
+
+echo "systemd-boot: OK ($((SECONDS - started)) s)"
