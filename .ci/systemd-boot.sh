@@ -238,7 +238,7 @@ expect_show() {
 }
 expect_show ProcSubset pid "the unit alone"
 expect_show AmbientCapabilities cap_net_bind_service "the unit alone"
-expect_show RestrictAddressFamilies "AF_INET AF_INET6 AF_UNIX" "the unit alone"
+expect_show RestrictAddressFamilies "AF_INET AF_INET6 AF_NETLINK AF_UNIX" "the unit alone"
 expect_show StateDirectory "" "the unit alone"
 expect_show LimitNOFILE 1048576 "the unit alone"
 expect_show DropInPaths /usr/lib/systemd/system/harvester-lb.service.d/10-package.conf "the unit alone"
