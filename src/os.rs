@@ -221,3 +221,14 @@ pub fn ip_forwarding() -> (bool, bool) {
         on("/proc/sys/net/ipv6/conf/all/forwarding"),
     )
 }
+
+/// Sends `signal` to process `pid` (`kill(2)`): how the daemon tells
+/// keepalived to reload its configuration (`SIGHUP`).
+pub fn send_signal(pid: i32, signal: i32) -> std::io::Result<()> {
+    // SAFETY: kill(2) takes plain integers and touches no memory of ours.
+    if unsafe { libc::kill(pid, signal) } == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
+}

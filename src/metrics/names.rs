@@ -487,6 +487,13 @@ pub static CONNECTIONS_LIMIT: Family = Family::new(
     Gauge,
     "The cap on forwarded connections across all listeners (proxy.max_connections, or what the open-file limit allows).",
 );
+/// `[keepalived]`: writes of the rendered keepalived.conf and reloads of
+/// keepalived that failed (each logged at error and retried).
+pub static KEEPALIVED_RELOAD_FAILURES: Family = Family::new(
+    "harvester_lb_keepalived_reload_failures_total",
+    Counter,
+    "Times writing the rendered keepalived configuration or telling keepalived to reload it failed (each logged at error and retried every 10 s and at every reload).",
+);
 /// Admin connections closed to make room for a newcomer.
 pub static ADMIN_CONNECTIONS_SHED: Family = Family::new(
     "harvester_lb_admin_connections_shed_total",

@@ -499,13 +499,13 @@ impl Validator<'_> {
                     "is network {:?}'s gateway: taking it would cut every VM of the network off its router",
                     net.name
                 ))
-            } else if let Some(k) = keepalived.filter(|k| k.hosts().contains(&s.vip)) {
-                Some(format!(
-                    "is the management address of a keepalived host ({} or its peers): VRRP would answer for itself; give another VIP",
-                    k.address
-                ))
             } else {
-                None
+                keepalived.filter(|k| k.hosts().contains(&s.vip)).map(|k| {
+                    format!(
+                        "is the management address of a keepalived host ({} or its peers): VRRP would answer for itself; give another VIP",
+                        k.address
+                    )
+                })
             };
             if let Some(why) = why {
                 self.problem(vip_span, &vip_key, format!("{} {why}", s.vip));
