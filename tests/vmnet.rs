@@ -270,6 +270,18 @@ async fn netns_a_vm_network_vip_is_served_moved_and_vrrp_stays_off_the_vm_networ
             },
         )
         .await;
+        // keepalived does not run yet: telling it to reload failed, and
+        // that is counted (the file is read when it starts).
+        wait_for(
+            Duration::from_secs(20),
+            "the failed reload counted",
+            || async {
+                let m = d.metrics().await;
+                (netns::metric(&m, "harvester_lb_keepalived_reload_failures_total", &[]) >= 1.0)
+                    .then_some(())
+            },
+        )
+        .await;
         let pid = bed.dir.join(format!("keepalived-{name}.pid"));
         keepalived.push(Keepalived::run(ns, &bed.dir, name, &conf, Some(&pid)));
         daemons.push(d);

@@ -324,4 +324,47 @@ mod tests {
         assert_eq!(r.len(), 3, "{r:?}");
         assert!(r.iter().all(|r| r.vip != passed.first().copied().unwrap()));
     }
+
+    #[test]
+    fn a_network_vip_keepalived_put_on_its_interface_is_held_not_the_host_s_own() {
+        let c = config(
+            r#"
+[keepalived]
+name = "a"
+address = "192.168.0.11"
+interface = "mgmt0"
+peers = ["192.168.0.12"]
+[[network]]
+name = "vm"
+interface = "br.100"
+prefix_length = 24
+gateway = "10.100.0.1"
+[[load_balancer]]
+name = "default/a"
+vip = "10.100.0.50"
+network = "vm"
+  [[load_balancer.listener]]
+  name = "http"
+  port = 80
+  backend_port = 30080
+"#,
+        );
+        let mut h = host();
+        h.addresses.push(HostAddress {
+            ip: "10.100.0.50".parse().unwrap(),
+            prefix_len: 32,
+            interface: "br.100".into(),
+            index: 9,
+            tagged: false,
+        });
+        // Alone on an interface with no subnet address, the /32 would be
+        // taken for the host's own address.
+        let none = BTreeSet::new();
+        assert_eq!(refusals(&c, Ok(&h), &none, &none).len(), 1);
+        let ours: BTreeSet<IpAddr> = keepalived_held(&c, &h).into_iter().collect();
+        assert!(refusals(&c, Ok(&h), &ours, &none).is_empty());
+        // On another interface it is not keepalived's.
+        h.addresses.last_mut().unwrap().interface = "eth0".into();
+        assert!(keepalived_held(&c, &h).is_empty());
+    }
 }
