@@ -38,6 +38,53 @@ pub struct FileConfig {
     /// `[[load_balancer]]`: one per Kubernetes `LoadBalancer` service.
     #[serde(default, rename = "load_balancer")]
     pub load_balancers: Vec<Spanned<FileLoadBalancer>>,
+    /// `[[network]]`: the VM networks load balancers put their VIPs on.
+    #[serde(default, rename = "network")]
+    pub networks: Vec<Spanned<FileNetwork>>,
+    /// `[keepalived]`: this host's part in moving VM-network VIPs.
+    pub keepalived: Option<Spanned<FileKeepalived>>,
+}
+
+/// `[[network]]`: one L2 network of guest VMs a VIP can live on.
+#[derive(Debug, Deserialize)]
+pub struct FileNetwork {
+    /// What load balancers call it (`network = "default/vlan100"`).
+    pub name: Option<Spanned<String>>,
+    /// The host interface on that L2 (a bridge or a VLAN device).
+    pub interface: Option<Spanned<String>>,
+    /// The prefix length of the network's subnet.
+    pub prefix_length: Option<Spanned<i64>>,
+    /// The network's IPv4 gateway (replies to clients outside the subnet).
+    pub gateway: Option<Spanned<String>>,
+    /// The network's IPv6 gateway, if it has one.
+    pub ipv6_gateway: Option<Spanned<String>>,
+    /// The routing table replies from its VIPs are looked up in.
+    pub table: Option<Spanned<i64>>,
+}
+
+/// `[keepalived]`.
+#[derive(Debug, Deserialize)]
+pub struct FileKeepalived {
+    /// This host's name (keepalived's `router_id`).
+    pub name: Option<Spanned<String>>,
+    /// This host's address on the management network (`unicast_src_ip`).
+    pub address: Option<Spanned<String>>,
+    /// The management interface VRRP adverts go out of.
+    pub interface: Option<Spanned<String>>,
+    /// The other hosts' management addresses (`unicast_peer`).
+    pub peers: Option<Spanned<Vec<Spanned<String>>>>,
+    /// How many VRRP instances the VIPs are spread over.
+    pub instances: Option<Spanned<i64>>,
+    /// The first instance's virtual router id.
+    pub vrid_base: Option<Spanned<i64>>,
+    /// VRRP advertisement interval, milliseconds.
+    pub advert_interval_ms: Option<Spanned<i64>>,
+    /// Where the rendered keepalived.conf is written.
+    pub config_path: Option<Spanned<String>>,
+    /// keepalived's pid file (SIGHUP goes to that pid).
+    pub pid_file: Option<Spanned<String>>,
+    /// A command run instead of the SIGHUP.
+    pub reload_command: Option<Spanned<Vec<Spanned<String>>>>,
 }
 
 /// `[admin]`.
@@ -170,6 +217,8 @@ pub struct FileLoadBalancer {
     /// `[load_balancer.dhcp]`: where and as whom the VIP is leased
     /// (`ipam = "dhcp"` only).
     pub dhcp: Option<Spanned<FileDhcp>>,
+    /// The `[[network]]` its VIP lives on (keepalived moves it).
+    pub network: Option<Spanned<String>>,
 }
 
 /// `[load_balancer.dhcp]`.

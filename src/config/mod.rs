@@ -14,6 +14,7 @@ mod file;
 mod ranges;
 mod read;
 mod validate;
+mod vmnet;
 
 use std::fmt;
 use std::net::{IpAddr, SocketAddr};
@@ -28,6 +29,10 @@ pub use read::{FileKind, ReadError, read_regular_file};
 pub use validate::{
     Conflict, DEFAULT_ADMIN_SOCKET, MAX_CLUSTER_BYTES, MAX_LISTENER_NAME_BYTES, MAX_NAME_BYTES,
     conflicts,
+};
+pub use vmnet::{
+    DEFAULT_ADVERT_INTERVAL_MS, DEFAULT_KEEPALIVED_CONFIG, DEFAULT_KEEPALIVED_PID_FILE,
+    DEFAULT_NETWORK_TABLE_BASE, DEFAULT_VRID_BASE, KeepalivedSettings, NetworkSpec,
 };
 
 /// Where the daemon looks for its configuration unless told otherwise.
@@ -54,6 +59,11 @@ pub struct Config {
     pub log: LogSettings,
     /// Every load balancer, in file order; names are unique.
     pub load_balancers: Vec<Arc<LoadBalancerSpec>>,
+    /// `[[network]]`: the VM networks VIPs can live on, names unique.
+    pub networks: Vec<NetworkSpec>,
+    /// `[keepalived]`: set when VIPs on VM networks are moved by the
+    /// keepalived this daemon configures.
+    pub keepalived: Option<KeepalivedSettings>,
 }
 
 /// `[admin]`.
@@ -341,6 +351,9 @@ pub struct LoadBalancerSpec {
     pub ipam: Ipam,
     /// How the VIP is leased; `Some` exactly when `ipam` is `Dhcp`.
     pub dhcp: Option<DhcpSpec>,
+    /// The `[[network]]` (by name) its VIP lives on, moved between hosts
+    /// by keepalived; `None`: the VIP is brought to the host otherwise.
+    pub network: Option<String>,
     /// Node addresses, in file order, without duplicates.
     pub backends: Vec<IpAddr>,
     /// How a backend is picked for a new connection.

@@ -51,6 +51,7 @@ impl Daemon {
         st.config_generation += 1;
         self.kernel_wake();
         self.announce_wake();
+        self.vmnet_wake();
         report
     }
 

@@ -38,6 +38,7 @@ mod leases;
 mod readiness;
 mod status;
 mod vip_guard;
+mod vmnet;
 
 pub use admin_state::{AdminStateChange, AdminStateError};
 pub use announce::decide;
@@ -113,6 +114,9 @@ pub struct Daemon {
     /// What the VIP guard refused at the last apply, and which VIPs passed
     /// its last check of the host.
     vip_guard: Mutex<vip_guard::Kept>,
+    /// `[[network]]` and `[keepalived]`: keepalived's file and the
+    /// networks' routes and rules.
+    vmnet: vmnet::VmNet,
 }
 
 #[derive(Default)]
@@ -221,6 +225,7 @@ impl Daemon {
             forward_chains: forward_chains::ForwardChains::default(),
             announcer: announce::Announcer::default(),
             vip_guard: Mutex::new(vip_guard::Kept::default()),
+            vmnet: vmnet::VmNet::default(),
         })
     }
 
@@ -316,6 +321,7 @@ impl Daemon {
             tokio::join!(futures_sum(drains), self.kernel_drain_and_remove(drain));
         let cut = proxied + kernel;
         self.announce_remove_addresses().await;
+        self.vmnet_stop().await;
         // After the drain: releasing takes the VIP off the host.
         self.leases.shutdown().await;
         self.retire_now.cancel();

@@ -15,7 +15,7 @@
 //! nothing is announced that was never checked and a failed read at a
 //! reload does not take every tenant down.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
 
 use serde::Serialize;
@@ -40,8 +40,9 @@ pub struct VipRefusal {
     pub load_balancer: String,
     /// Its VIP.
     pub vip: IpAddr,
-    /// `host_address`, `gateway`, `outside_announce_prefixes` or
-    /// `unchecked` (the host could not be read while announcing).
+    /// `host_address`, `gateway`, `outside_announce_prefixes`,
+    /// `unchecked` (the host could not be read while announcing) or
+    /// `no_network_interface` (its `[[network]]`'s interface is missing).
     pub kind: &'static str,
     /// What the host uses the address for, in words.
     pub reason: String,
@@ -63,14 +64,18 @@ impl Daemon {
         if host.is_err() {
             host = read_host().await;
         }
-        let ours = self.announce_own_addresses().await;
+        let mut ours = self.announce_own_addresses().await;
+        if let Ok(h) = &host {
+            ours.extend(keepalived_held(&config, h));
+        }
         let passed = self.kept().passed.clone();
-        let refusals = refusals(
+        let mut refusals = refusals(
             &config,
             host.as_ref().map_err(ToString::to_string),
             &ours,
             &passed,
         );
+        refusals.extend(missing_network_interfaces(&config).await);
         if host.is_ok() {
             self.kept().passed = config
                 .load_balancers
@@ -122,6 +127,71 @@ impl Daemon {
     pub fn vip_refusals(&self) -> Vec<VipRefusal> {
         self.kept().refusals.clone()
     }
+}
+
+/// The VIPs of `[[network]]` load balancers that the host holds on their
+/// network's interface: keepalived put them there (the daemon never does),
+/// so they are VIPs, not the host's own addresses.
+fn keepalived_held(config: &Config, host: &HostNet) -> Vec<IpAddr> {
+    config
+        .load_balancers
+        .iter()
+        .filter_map(|lb| {
+            let net = config
+                .networks
+                .iter()
+                .find(|n| Some(&n.name) == lb.network.as_ref())?;
+            host.addresses
+                .iter()
+                .any(|a| a.ip == lb.vip && a.interface == net.interface)
+                .then_some(lb.vip)
+        })
+        .collect()
+}
+
+/// Load balancers on a `[[network]]` whose `interface` this host does not
+/// have: `check` cannot know (it runs anywhere), so the daemon refuses
+/// them here, at start and at every reload, each alone.
+async fn missing_network_interfaces(config: &Config) -> Vec<VipRefusal> {
+    let used: BTreeSet<&str> = config
+        .load_balancers
+        .iter()
+        .filter_map(|lb| lb.network.as_deref())
+        .collect();
+    if used.is_empty() {
+        return Vec::new();
+    }
+    let Ok(writer) = crate::vip::announce::RouteWriter::connect() else {
+        return Vec::new(); // The host guard above has said it cannot read.
+    };
+    let mut missing = BTreeMap::new();
+    for net in config
+        .networks
+        .iter()
+        .filter(|n| used.contains(n.name.as_str()))
+    {
+        if let Err(e @ crate::vip::announce::AnnounceError::NoInterface(_)) =
+            writer.interface_index(&net.interface).await
+        {
+            missing.insert(net.name.as_str(), (net.interface.as_str(), e));
+        }
+    }
+    config
+        .load_balancers
+        .iter()
+        .filter_map(|lb| {
+            let (interface, _) = missing.get(lb.network.as_deref()?)?;
+            Some(VipRefusal {
+                load_balancer: lb.name.clone(),
+                vip: lb.vip,
+                kind: "no_network_interface",
+                reason: format!(
+                    "on network {:?}, whose interface {interface:?} does not exist on this host: keepalived could not put the VIP there; create it (the VM network's bridge, or its VLAN device) or correct network.interface",
+                    lb.network.as_deref().unwrap_or_default()
+                ),
+            })
+        })
+        .collect()
 }
 
 /// This host's addresses and routes, over a netlink socket of its own.
@@ -253,5 +323,48 @@ mod tests {
         let r = refusals(&announcing, Err("ENOBUFS".into()), &none, &passed);
         assert_eq!(r.len(), 3, "{r:?}");
         assert!(r.iter().all(|r| r.vip != passed.first().copied().unwrap()));
+    }
+
+    #[test]
+    fn a_network_vip_keepalived_put_on_its_interface_is_held_not_the_host_s_own() {
+        let c = config(
+            r#"
+[keepalived]
+name = "a"
+address = "192.168.0.11"
+interface = "mgmt0"
+peers = ["192.168.0.12"]
+[[network]]
+name = "vm"
+interface = "br.100"
+prefix_length = 24
+gateway = "10.100.0.1"
+[[load_balancer]]
+name = "default/a"
+vip = "10.100.0.50"
+network = "vm"
+  [[load_balancer.listener]]
+  name = "http"
+  port = 80
+  backend_port = 30080
+"#,
+        );
+        let mut h = host();
+        h.addresses.push(HostAddress {
+            ip: "10.100.0.50".parse().unwrap(),
+            prefix_len: 32,
+            interface: "br.100".into(),
+            index: 9,
+            tagged: false,
+        });
+        // Alone on an interface with no subnet address, the /32 would be
+        // taken for the host's own address.
+        let none = BTreeSet::new();
+        assert_eq!(refusals(&c, Ok(&h), &none, &none).len(), 1);
+        let ours: BTreeSet<IpAddr> = keepalived_held(&c, &h).into_iter().collect();
+        assert!(refusals(&c, Ok(&h), &ours, &none).is_empty());
+        // On another interface it is not keepalived's.
+        h.addresses.last_mut().unwrap().interface = "eth0".into();
+        assert!(keepalived_held(&c, &h).is_empty());
     }
 }

@@ -481,6 +481,13 @@ impl Exposition {
         let mut headed = false;
         Out {
             buf,
+            family: &names::KEEPALIVED_RELOAD_FAILURES,
+            headed: &mut headed,
+        }
+        .sample("", |_| {}, m.keepalived_failures.get());
+        let mut headed = false;
+        Out {
+            buf,
             family: &names::BUILD_INFO,
             headed: &mut headed,
         }

@@ -73,6 +73,8 @@ pub struct Metrics {
     connection_limit: AtomicU64,
     /// `admin_connections_shed_total`.
     admin_shed: Counter,
+    /// `[keepalived]`: failed writes of its file and reloads.
+    keepalived_failures: Counter,
     /// Kernel NAT table writes that succeeded, and that failed.
     pub(crate) kernel_syncs_ok: Counter,
     pub(crate) kernel_syncs_failed: Counter,
@@ -257,6 +259,12 @@ impl Metrics {
     /// last write (narrowed out; the proxy serves them).
     pub fn set_kernel_refused(&self, n: usize) {
         self.kernel_refused.store(n as u64, Ordering::Relaxed);
+    }
+
+    /// Counts a failed write of the rendered keepalived file or reload of
+    /// keepalived (`keepalived_reload_failures_total`).
+    pub fn record_keepalived_failure(&self) {
+        self.keepalived_failures.increment(1);
     }
 
     /// Counts a route or address write for `vip.announce` the kernel refused.

@@ -370,7 +370,7 @@ pub static VIP_REFUSED: Family = Family::new(
 pub static HOST_REPAIRS: Family = Family::new(
     "harvester_lb_host_repairs_total",
     Counter,
-    "Objects this daemon wrote into the host (isolation_table, nat_tables, announce_route, vip_address, dhcp_lease) found changed or removed by another process and written again, by kind; each logged at warn with what differed.",
+    "Objects this daemon wrote into the host (isolation_table, nat_tables, announce_route, vip_address, dhcp_lease, network_route) found changed or removed by another process and written again, by kind; each logged at warn with what differed.",
 );
 /// `vip.announce = "routes"`: 1 while this host's route for the VIP is
 /// in the announcing table.
@@ -493,6 +493,13 @@ pub static CONNECTIONS_LIMIT: Family = Family::new(
     "harvester_lb_connections_limit",
     Gauge,
     "The cap on forwarded connections across all listeners (proxy.max_connections, or what the open-file limit allows).",
+);
+/// `[keepalived]`: writes of the rendered keepalived.conf and reloads of
+/// keepalived that failed (each logged at error and retried).
+pub static KEEPALIVED_RELOAD_FAILURES: Family = Family::new(
+    "harvester_lb_keepalived_reload_failures_total",
+    Counter,
+    "Times writing the rendered keepalived configuration or telling keepalived to reload it failed (each logged at error and retried every 10 s and at every reload).",
 );
 /// Admin connections closed to make room for a newcomer.
 pub static ADMIN_CONNECTIONS_SHED: Family = Family::new(

@@ -354,6 +354,8 @@ labels! {
         VipAddress = "vip_address",
         /// A DHCP load balancer's macvlan interface or leased address.
         DhcpLease = "dhcp_lease",
+        /// A `[[network]]`'s route or a VIP's `from VIP` rule.
+        NetworkRoute = "network_route",
     };
 }
 

@@ -14,3 +14,5 @@ pub mod announce;
 pub mod dhcp;
 pub mod host;
 pub mod isolate;
+pub mod keepalived;
+pub mod network;

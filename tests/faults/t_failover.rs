@@ -9,14 +9,14 @@
 //! VIP2, on host B, is untouched.
 
 use std::net::{Ipv4Addr, SocketAddr};
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
+use crate::netns::keepalived::{Keepalived, keepalived_missing};
 use crate::netns::peers::{Exchange, Node, Service, exchange, read_line};
 use crate::netns::{Bed, DaemonProc, Ns, config, lb, sa, wait_for};
 use crate::require_netns;
@@ -26,101 +26,22 @@ const VIP2: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 13);
 const HOST_A: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 4);
 const HOST_B: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 5);
 
-/// Whether keepalived can run here; CI must have it (`.ci/run` installs it).
-fn keepalived_missing() -> bool {
-    let missing = Command::new("keepalived")
-        .arg("--version")
-        .output()
-        .map_or(true, |o| !o.status.success());
-    if missing {
-        crate::netns::skip_or_fail(
-            "keepalived failover",
-            "keepalived is not installed (Debian package keepalived)",
-        );
-    }
-    missing
-}
-
-/// keepalived in one namespace, stopped (SIGTERM, then SIGKILL) on drop.
-struct Keepalived {
-    child: Child,
-    vrrp_pid: PathBuf,
-    log: PathBuf,
-}
-
-impl Keepalived {
-    fn start(bed: &Bed, ns: &Ns, name: &str, priorities: (u8, u8), advert: &str) -> Self {
-        // The daemon of this host (see `Pair::new`) answers on this socket.
-        let socket = bed.dir.join(format!("admin-{name}.sock"));
-        let conf = bed.write(
-            &format!("keepalived-{name}.conf"),
-            &keepalived_conf(name, priorities, advert, &socket),
-        );
-        let log = bed.dir.join(format!("keepalived-{name}.log"));
-        let vrrp_pid = bed.dir.join(format!("keepalived-{name}-vrrp.pid"));
-        let logf = std::fs::File::create(&log).expect("keepalived log");
-        let child = Command::new("ip")
-            .args(["netns", "exec", &ns.name, "keepalived"])
-            .args([
-                "--dont-fork",
-                "--log-console",
-                "--log-detail",
-                "--no-syslog",
-                "--vrrp",
-            ])
-            .arg("--use-file")
-            .arg(&conf)
-            .arg("--pid")
-            .arg(bed.dir.join(format!("keepalived-{name}.pid")))
-            .arg("--vrrp_pid")
-            .arg(&vrrp_pid)
-            .stdin(Stdio::null())
-            .stdout(logf.try_clone().expect("dup log"))
-            .stderr(logf)
-            .spawn()
-            .expect("spawn keepalived (Debian package keepalived)");
-        Keepalived {
-            child,
-            vrrp_pid,
-            log,
-        }
-    }
-
-    fn signal(&self, sig: i32) {
-        // SAFETY: kill(2) on our own child's pid.
-        unsafe {
-            libc::kill(self.child.id() as i32, sig);
-        }
-    }
-
-    fn log(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
-    }
-}
-
-impl Drop for Keepalived {
-    fn drop(&mut self) {
-        self.signal(libc::SIGTERM);
-        let deadline = Instant::now() + Duration::from_secs(5);
-        while Instant::now() < deadline {
-            if let Ok(Some(_)) = self.child.try_wait() {
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        // The VRRP child, should it outlive its parent.
-        if let Some(pid) = std::fs::read_to_string(&self.vrrp_pid)
-            .ok()
-            .and_then(|p| p.trim().parse::<i32>().ok())
-        {
-            // SAFETY: kill(2); a stale pid file names a process that is gone.
-            unsafe {
-                libc::kill(pid, libc::SIGKILL);
-            }
-        }
-    }
+/// keepalived in one namespace with the shipped example's shape, this
+/// host's priorities and `advert` (see [`keepalived_conf`]).
+fn start_keepalived(
+    bed: &Bed,
+    ns: &Ns,
+    name: &str,
+    priorities: (u8, u8),
+    advert: &str,
+) -> Keepalived {
+    // The daemon of this host (see `Pair::new`) answers on this socket.
+    let socket = bed.dir.join(format!("admin-{name}.sock"));
+    let conf = bed.write(
+        &format!("keepalived-{name}.conf"),
+        &keepalived_conf(name, priorities, advert, &socket),
+    );
+    Keepalived::run(ns, &bed.dir, name, &conf, None)
 }
 
 /// The shipped example's shape (`config/keepalived/keepalived.conf`), with
@@ -280,8 +201,8 @@ impl Pair {
             })
             .await;
         }
-        let keepalived_a = Keepalived::start(&bed, &a, "a", priorities_a, advert);
-        let keepalived_b = Keepalived::start(&bed, &b, "b", priorities_b, advert);
+        let keepalived_a = start_keepalived(&bed, &a, "a", priorities_a, advert);
+        let keepalived_b = start_keepalived(&bed, &b, "b", priorities_b, advert);
         let pair = Pair {
             bed,
             a,

@@ -23,6 +23,7 @@
 #![allow(dead_code, unsafe_code)]
 
 pub mod bgp;
+pub mod keepalived;
 pub mod peers;
 // Used by the `require_netns!` macro, which not every test crate calls.
 #[allow(unused_imports)]

@@ -38,6 +38,7 @@ mod names;
 mod reuse;
 mod source_ranges;
 mod types;
+mod vmnet;
 
 pub use cross::Conflict;
 use locate::{LineIndex, display_path, path_at, segments, span_of};
@@ -299,6 +300,8 @@ impl Validator<'_> {
             1_000_000,
         );
 
+        let (networks, network_names) = self.networks(file, &vip);
+        let keepalived = self.keepalived(file);
         let mut specs = Vec::with_capacity(file.load_balancers.len());
         for (i, lb) in file.load_balancers.iter().enumerate() {
             specs.push(self.load_balancer(&format!("load_balancer[{i}]"), lb));
@@ -312,6 +315,14 @@ impl Validator<'_> {
         let found = cross::conflicts(admin.listen, &names, &built);
         self.report_conflicts(admin.listen, file, &specs, found);
         self.announce_conflicts(&vip.announce, file, &specs);
+        self.network_conflicts(
+            file,
+            &mut specs,
+            &networks,
+            &network_names,
+            keepalived.as_ref(),
+            &vip,
+        );
         let load_balancers = specs.into_iter().flatten().map(Arc::new).collect();
         Config {
             admin,
@@ -342,6 +353,8 @@ impl Validator<'_> {
                     .unwrap_or(NonZeroU32::MIN),
             },
             load_balancers,
+            networks,
+            keepalived,
         }
     }
 
@@ -484,6 +497,8 @@ impl Validator<'_> {
             vip: vip?,
             ipam,
             dhcp: if leased { Some(dhcp?) } else { None },
+            // Set by `network_conflicts` once the network is known.
+            network: None,
             backends,
             algorithm,
             initial_state,

@@ -72,6 +72,11 @@ fn piecewise(text: &str, known: &mut Known) -> Option<Loaded> {
     if !v.problems.is_empty() {
         return None;
     }
+    // Load balancers on a `[[network]]` are checked against the networks
+    // and `[keepalived]` across the whole file: the full read does that.
+    if !config.networks.is_empty() || config.keepalived.is_some() {
+        return None;
+    }
     let mut warnings = v.warnings;
     let mut next = HashMap::with_capacity(pieces.len());
     let mut specs = Vec::with_capacity(pieces.len());
@@ -87,6 +92,9 @@ fn piecewise(text: &str, known: &mut Known) -> Option<Loaded> {
                 let [lb] = file.load_balancers.as_slice() else {
                     return None;
                 };
+                if lb.get_ref().network.is_some() {
+                    return None; // An unknown network: the full read says so.
+                }
                 let lines = LineIndex::new(piece.text);
                 let mut v = Validator {
                     lines: &lines,

@@ -1,0 +1,744 @@
+//! `[[network]]`, `[keepalived]` and each load balancer's `network`: the
+//! VIPs keepalived moves on VM networks.
+//!
+//! What is refused, and why: a load balancer naming a network the file
+//! does not define, or with no `[keepalived]` to move its VIP; a VIP outside
+//! its network's subnet (keepalived would put an address there that no
+//! client on the network can reach on-link), the subnet's own or broadcast
+//! address, the network's gateway (taking it cuts every VM of the network
+//! off its router) or a management address of a host (its VRRP would
+//! answer for itself); a gateway that is not a host of its subnet; VRIDs
+//! past 255 (VRRP's field is one byte); a routing table the kernel
+//! reserves or another network's; IPv6 VIPs (not in this version); DHCP
+//! leases and BGP announcing combined with keepalived moving the VIP.
+//!
+//! Whether a network's `interface` exists is a fact of the host, not of
+//! the file: `check` runs anywhere (CI, the controller), so the daemon
+//! checks it at start and at every reload and refuses that network's load
+//! balancers alone (`/status` `vip_refused`, kind `no_network_interface`).
+
+use std::collections::{BTreeMap, HashSet};
+use std::net::{IpAddr, Ipv4Addr};
+use std::path::PathBuf;
+use std::time::Duration;
+
+use toml::Spanned;
+
+use super::Validator;
+use crate::config::file::{FileConfig, FileKeepalived, FileNetwork};
+use crate::config::{
+    DEFAULT_ADVERT_INTERVAL_MS, DEFAULT_KEEPALIVED_CONFIG, DEFAULT_KEEPALIVED_PID_FILE,
+    DEFAULT_NETWORK_TABLE_BASE, DEFAULT_VRID_BASE, Ipam, KeepalivedSettings, LoadBalancerSpec,
+    NetworkSpec, VipSettings,
+};
+
+/// Most peers: VRRP priorities are rotated over the hosts in steps of
+/// [`PRIORITY_STEP`] below 250, and must stay above 0.
+pub const MAX_KEEPALIVED_PEERS: usize = 15;
+/// Longest network name: Harvester's `namespace/name` of a
+/// NetworkAttachmentDefinition fits.
+const MAX_NETWORK_NAME_BYTES: usize = 253;
+/// Longest `keepalived.name` (`router_id`): a DNS name.
+const MAX_ROUTER_ID_BYTES: usize = 253;
+
+impl Validator<'_> {
+    /// Every `[[network]]`; `None` for one too broken to build (its name is
+    /// still known, so load balancers naming it are not reported again).
+    pub(super) fn networks(
+        &mut self,
+        file: &FileConfig,
+        vip: &VipSettings,
+    ) -> (Vec<NetworkSpec>, HashSet<String>) {
+        let mut built = Vec::new();
+        let mut names = HashSet::new();
+        let mut tables: BTreeMap<u32, String> = BTreeMap::new();
+        for (i, n) in file.networks.iter().enumerate() {
+            let key = format!("network[{i}]");
+            let span = n.span();
+            let net = n.get_ref();
+            if let Some(name) = self.network_name(&key, span.clone(), net) {
+                if !names.insert(name.clone()) {
+                    self.problem(
+                        net.name.as_ref().map(Spanned::span),
+                        &format!("{key}.name"),
+                        format!("{name:?} is defined twice; each [[network]] needs its own name"),
+                    );
+                }
+                if let Some(spec) = self.network(&key, span, net, name, i, vip) {
+                    if let Some(other) = tables.insert(spec.table, spec.name.clone()) {
+                        self.problem(
+                            net.table.as_ref().map(Spanned::span).or(Some(n.span())),
+                            &format!("{key}.table"),
+                            format!(
+                                "table {} is network {other:?}'s too; give each network its own table",
+                                spec.table
+                            ),
+                        );
+                    }
+                    built.push(spec);
+                }
+            }
+        }
+        (built, names)
+    }
+
+    fn network_name(
+        &mut self,
+        key: &str,
+        span: std::ops::Range<usize>,
+        net: &FileNetwork,
+    ) -> Option<String> {
+        let Some(n) = &net.name else {
+            self.missing(
+                span,
+                key,
+                "name",
+                "what load balancers call it, e.g. \"default/vlan100\"",
+            );
+            return None;
+        };
+        let name = n.get_ref();
+        let ok = !name.is_empty()
+            && name.len() <= MAX_NETWORK_NAME_BYTES
+            && name
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.' | '/'));
+        if !ok {
+            self.problem(
+                Some(n.span()),
+                &format!("{key}.name"),
+                format!(
+                    "{name:?} is not a network name: 1..={MAX_NETWORK_NAME_BYTES} bytes of letters, digits, '-', '_', '.' and '/' (e.g. \"default/vlan100\")"
+                ),
+            );
+        }
+        Some(name.clone())
+    }
+
+    fn network(
+        &mut self,
+        key: &str,
+        span: std::ops::Range<usize>,
+        net: &FileNetwork,
+        name: String,
+        index: usize,
+        vip: &VipSettings,
+    ) -> Option<NetworkSpec> {
+        let interface = match &net.interface {
+            None => {
+                self.missing(span.clone(), key, "interface", "the host interface on that L2: its bridge, or a VLAN device such as \"mgmt-br.100\"");
+                None
+            }
+            Some(i) => self.interface_name(i, format_args!("{key}.interface")),
+        };
+        let prefix_length = match &net.prefix_length {
+            None => {
+                self.missing(
+                    span.clone(),
+                    key,
+                    "prefix_length",
+                    "the subnet's prefix length, e.g. 24",
+                );
+                None
+            }
+            Some(p) => {
+                let n = *p.get_ref();
+                if (8..=30).contains(&n) {
+                    Some(n as u8)
+                } else {
+                    self.problem(
+                        Some(p.span()),
+                        &format!("{key}.prefix_length"),
+                        format!("{n} is out of range; an IPv4 VM network's prefix length must be in 8..=30 (a /31 or /32 has no room for a gateway and VIPs)"),
+                    );
+                    None
+                }
+            }
+        };
+        let gateway = match &net.gateway {
+            None => {
+                self.missing(span.clone(), key, "gateway", "the network's IPv4 router, which replies to clients outside the subnet go through");
+                None
+            }
+            Some(g) => match self.ip(g, format_args!("{key}.gateway")) {
+                Some(IpAddr::V4(v4)) => Some((v4, g.span())),
+                Some(IpAddr::V6(_)) => {
+                    self.problem(
+                        Some(g.span()),
+                        &format!("{key}.gateway"),
+                        format!("{:?} is IPv6; write the IPv4 gateway here and the IPv6 one in ipv6_gateway", g.get_ref()),
+                    );
+                    None
+                }
+                None => None,
+            },
+        };
+        if let (Some((gw, gspan)), Some(len)) = (gateway.clone(), prefix_length) {
+            let subnet = ipnet::Ipv4Net::new(gw, len).expect("8..=30").trunc();
+            if gw == subnet.network() || gw == subnet.broadcast() || !usable(gw) {
+                self.problem(
+                    Some(gspan),
+                    &format!("{key}.gateway"),
+                    format!(
+                        "{gw} is not a host of its subnet {subnet} (it is the subnet's own address, its broadcast address, or not unicast); give the router's address on the network"
+                    ),
+                );
+            }
+        }
+        let ipv6_gateway = net.ipv6_gateway.as_ref().and_then(|g| {
+            match self.ip(g, format_args!("{key}.ipv6_gateway"))? {
+                IpAddr::V6(v6) if !v6.is_multicast() && !v6.is_unspecified() => Some(v6),
+                _ => {
+                    self.problem(
+                        Some(g.span()),
+                        &format!("{key}.ipv6_gateway"),
+                        format!("{:?} is not an IPv6 unicast address", g.get_ref()),
+                    );
+                    None
+                }
+            }
+        });
+        let table = match &net.table {
+            None => DEFAULT_NETWORK_TABLE_BASE + index as u32,
+            Some(t) => {
+                let n = *t.get_ref();
+                match u32::try_from(n) {
+                    Ok(n) if n != 0 && !(253..=255).contains(&n) => n,
+                    _ => {
+                        self.problem(
+                            Some(t.span()),
+                            &format!("{key}.table"),
+                            format!("{n} cannot be a network's routing table; use 1..=252 or 256..=4294967295 (0 is unspecified, 253 default, 254 main, 255 local)"),
+                        );
+                        return None;
+                    }
+                }
+            }
+        };
+        if table == vip.announce.table {
+            self.problem(
+                net.table.as_ref().map(Spanned::span).or(Some(span)),
+                &format!("{key}.table"),
+                format!("table {table} is vip.announce_table too; give the network its own table"),
+            );
+        }
+        Some(NetworkSpec {
+            name,
+            interface: interface?,
+            prefix_length: prefix_length?,
+            gateway: gateway?.0,
+            ipv6_gateway,
+            table,
+        })
+    }
+
+    /// `[keepalived]`.
+    pub(super) fn keepalived(&mut self, file: &FileConfig) -> Option<KeepalivedSettings> {
+        let table = file.keepalived.as_ref()?;
+        let span = table.span();
+        let k: &FileKeepalived = table.get_ref();
+        let key = "keepalived";
+        let name = match &k.name {
+            None => {
+                self.missing(
+                    span.clone(),
+                    key,
+                    "name",
+                    "this host's name, keepalived's router_id",
+                );
+                None
+            }
+            Some(n) => {
+                let s = n.get_ref();
+                if s.is_empty()
+                    || s.len() > MAX_ROUTER_ID_BYTES
+                    || s.chars().any(|c| {
+                        c.is_whitespace() || c.is_control() || c == '"' || c == '{' || c == '}'
+                    })
+                {
+                    self.problem(
+                        Some(n.span()),
+                        "keepalived.name",
+                        format!("{s:?} is not a host name (1..={MAX_ROUTER_ID_BYTES} bytes, no spaces, quotes or braces)"),
+                    );
+                    None
+                } else {
+                    Some(s.clone())
+                }
+            }
+        };
+        let address = match &k.address {
+            None => {
+                self.missing(span.clone(), key, "address", "this host's address on the management network, which VRRP adverts are sent from");
+                None
+            }
+            Some(a) => self.ip(a, format_args!("keepalived.address")),
+        };
+        let interface = match &k.interface {
+            None => {
+                self.missing(
+                    span.clone(),
+                    key,
+                    "interface",
+                    "the management interface VRRP adverts go out of, e.g. \"mgmt-br\"",
+                );
+                None
+            }
+            Some(i) => self.interface_name(i, format_args!("keepalived.interface")),
+        };
+        let mut peers = Vec::new();
+        match &k.peers {
+            None => self.missing(
+                span.clone(),
+                key,
+                "peers",
+                "the other hosts' management addresses, e.g. [\"192.168.0.12\"]",
+            ),
+            Some(list) => {
+                let values = list.get_ref();
+                if values.is_empty() {
+                    self.problem(Some(list.span()), "keepalived.peers", "is empty; list the other hosts' management addresses (VRRP with no peer moves nothing)".into());
+                }
+                if values.len() > MAX_KEEPALIVED_PEERS {
+                    self.problem(Some(list.span()), "keepalived.peers", format!("{} peers; at most {MAX_KEEPALIVED_PEERS} (priorities are rotated over the hosts in steps of 10 below 250)", values.len()));
+                }
+                for (j, v) in values.iter().enumerate() {
+                    let pkey = format!("keepalived.peers[{j}]");
+                    let Some(ip) = self.ip(v, format_args!("{pkey}")) else {
+                        continue;
+                    };
+                    if Some(ip) == address {
+                        self.problem(Some(v.span()), &pkey, format!("{ip} is keepalived.address, this host's own; list only the other hosts"));
+                    } else if peers.contains(&ip) {
+                        self.problem(Some(v.span()), &pkey, format!("{ip} is listed twice"));
+                    } else if address.is_some_and(|a| a.is_ipv4() != ip.is_ipv4()) {
+                        self.problem(Some(v.span()), &pkey, format!("{ip} is not of keepalived.address's family; unicast VRRP needs one family"));
+                    } else {
+                        peers.push(ip);
+                    }
+                }
+            }
+        }
+        peers.sort();
+        let hosts = peers.len() + 1;
+        let instances = self.int(
+            &k.instances,
+            format_args!("keepalived.instances"),
+            hosts.min(255) as i64,
+            1,
+            255,
+        );
+        let vrid_base = self.int(
+            &k.vrid_base,
+            format_args!("keepalived.vrid_base"),
+            i64::from(DEFAULT_VRID_BASE),
+            1,
+            255,
+        );
+        if vrid_base + instances - 1 > 255 {
+            self.problem(
+                k.instances.as_ref().or(k.vrid_base.as_ref()).map(Spanned::span).or(Some(span.clone())),
+                "keepalived.instances",
+                format!(
+                    "{instances} instances from vrid_base {vrid_base} need VRIDs up to {}, past 255 (VRRP's one-byte field); lower vrid_base or instances",
+                    vrid_base + instances - 1
+                ),
+            );
+        }
+        let advert = self.int(
+            &k.advert_interval_ms,
+            format_args!("keepalived.advert_interval_ms"),
+            i64::from(DEFAULT_ADVERT_INTERVAL_MS),
+            10,
+            40_950,
+        );
+        if advert % 10 != 0
+            && let Some(a) = &k.advert_interval_ms
+        {
+            self.problem(
+                Some(a.span()),
+                "keepalived.advert_interval_ms",
+                format!("{advert} is not a multiple of 10; VRRP version 3 counts in centiseconds"),
+            );
+        }
+        let config_path = self.abs_path(
+            &k.config_path,
+            "keepalived.config_path",
+            DEFAULT_KEEPALIVED_CONFIG,
+        );
+        let pid_file = self.abs_path(
+            &k.pid_file,
+            "keepalived.pid_file",
+            DEFAULT_KEEPALIVED_PID_FILE,
+        );
+        let reload_command = k.reload_command.as_ref().and_then(|c| {
+            let words: Vec<String> = c.get_ref().iter().map(|w| w.get_ref().clone()).collect();
+            if words.first().is_none_or(|w| !w.starts_with('/')) || words.iter().any(|w| w.contains('\0')) {
+                self.problem(
+                    Some(c.span()),
+                    "keepalived.reload_command",
+                    format!("{words:?} is not a command; write its words with an absolute program path first, e.g. [\"/usr/bin/systemctl\", \"reload\", \"keepalived\"]"),
+                );
+                None
+            } else {
+                Some(words)
+            }
+        });
+        Some(KeepalivedSettings {
+            name: name?,
+            address: address?,
+            interface: interface?,
+            peers,
+            instances: instances as u8,
+            vrid_base: vrid_base as u8,
+            advert_interval: Duration::from_millis(advert as u64),
+            config_path,
+            pid_file,
+            reload_command,
+        })
+    }
+
+    fn abs_path(&mut self, value: &Option<Spanned<String>>, key: &str, default: &str) -> PathBuf {
+        match value {
+            None => PathBuf::from(default),
+            Some(v) => {
+                let p = v.get_ref();
+                if !p.starts_with('/') || p.ends_with('/') || p.contains('\0') {
+                    self.problem(
+                        Some(v.span()),
+                        key,
+                        format!("{p:?} is not an absolute file path; write e.g. {default:?}"),
+                    );
+                }
+                PathBuf::from(p)
+            }
+        }
+    }
+
+    /// Each load balancer's `network`: defined, with `[keepalived]`, its
+    /// VIP a host of the subnet and none of the addresses it must not be.
+    pub(super) fn network_conflicts(
+        &mut self,
+        file: &FileConfig,
+        specs: &mut [Option<LoadBalancerSpec>],
+        networks: &[NetworkSpec],
+        known: &HashSet<String>,
+        keepalived: Option<&KeepalivedSettings>,
+        vip: &VipSettings,
+    ) {
+        let mut used = HashSet::new();
+        for (i, (lb, spec)) in file.load_balancers.iter().zip(specs.iter_mut()).enumerate() {
+            let lb = lb.get_ref();
+            let Some(n) = &lb.network else { continue };
+            let key = format!("load_balancer[{i}].network");
+            let name = n.get_ref();
+            used.insert(name.clone());
+            if !known.contains(name) {
+                let list: Vec<&str> = networks.iter().map(|n| n.name.as_str()).collect();
+                self.problem(
+                    Some(n.span()),
+                    &key,
+                    format!(
+                        "{name:?} is not a [[network]] of this file (defined: {}); add a [[network]] with name = {name:?} or name one of those",
+                        if list.is_empty() { "none".to_string() } else { list.join(", ") }
+                    ),
+                );
+                continue;
+            }
+            if file.keepalived.is_none() {
+                self.problem(
+                    Some(n.span()),
+                    &key,
+                    "needs a [keepalived] section: a VIP on a VM network is moved between hosts by the keepalived this daemon configures (name, address, interface, peers)".into(),
+                );
+            }
+            let Some(net) = networks.iter().find(|x| &x.name == name) else {
+                continue;
+            };
+            let vip_span = lb.vip.as_ref().map(Spanned::span).or(Some(n.span()));
+            let vip_key = format!("load_balancer[{i}].vip");
+            let Some(s) = spec.as_mut() else { continue };
+            if s.ipam == Ipam::Dhcp {
+                self.problem(
+                    lb.ipam.as_ref().map(Spanned::span).or(Some(n.span())),
+                    &format!("load_balancer[{i}].ipam"),
+                    "ipam = \"dhcp\" cannot be used with network: a leased VIP is put on its own macvlan by the lease path ([load_balancer.dhcp] interface), not moved by keepalived; drop one of the two".into(),
+                );
+                continue;
+            }
+            if vip.announce.enabled() {
+                self.problem(
+                    Some(n.span()),
+                    &key,
+                    "cannot be used with vip.announce = \"routes\": keepalived holds this VIP on one host, announcing it would pull it to every host; set vip.announce = \"none\" or drop network".into(),
+                );
+            }
+            let IpAddr::V4(v4) = s.vip else {
+                self.problem(
+                    vip_span,
+                    &vip_key,
+                    format!(
+                        "{} is IPv6; VIPs on a [[network]] are IPv4 only in this version",
+                        s.vip
+                    ),
+                );
+                continue;
+            };
+            let subnet = net.subnet();
+            let why = if !subnet.contains(&v4) {
+                Some(format!(
+                    "is outside network {:?}'s subnet {subnet} (gateway {}, prefix_length {}): no client there could reach it on-link; give a VIP inside it or fix the network",
+                    net.name, net.gateway, net.prefix_length
+                ))
+            } else if v4 == subnet.network() || v4 == subnet.broadcast() {
+                Some(format!(
+                    "is the subnet {subnet}'s own or broadcast address; give a host address of the subnet"
+                ))
+            } else if v4 == net.gateway {
+                Some(format!(
+                    "is network {:?}'s gateway: taking it would cut every VM of the network off its router",
+                    net.name
+                ))
+            } else {
+                keepalived.filter(|k| k.hosts().contains(&s.vip)).map(|k| {
+                    format!(
+                        "is the management address of a keepalived host ({} or its peers): VRRP would answer for itself; give another VIP",
+                        k.address
+                    )
+                })
+            };
+            if let Some(why) = why {
+                self.problem(vip_span, &vip_key, format!("{} {why}", s.vip));
+                continue;
+            }
+            s.network = Some(name.clone());
+        }
+        for (i, n) in file.networks.iter().enumerate() {
+            if let Some(name) = &n.get_ref().name
+                && !used.contains(name.get_ref())
+            {
+                self.warning(
+                    Some(name.span()),
+                    &format!("network[{i}].name"),
+                    format!("{:?} is not used by any load balancer", name.get_ref()),
+                );
+            }
+        }
+        if let (Some(k), true) = (&file.keepalived, networks.is_empty()) {
+            self.warning(
+                Some(k.span()),
+                "keepalived",
+                "no [[network]] is defined: the rendered keepalived.conf moves no VIP".into(),
+            );
+        }
+    }
+}
+
+/// Whether `ip` can be a host of a subnet: unicast, not loopback, not
+/// class E.
+fn usable(ip: Ipv4Addr) -> bool {
+    !(ip.is_unspecified()
+        || ip.is_loopback()
+        || ip.is_multicast()
+        || ip.is_broadcast()
+        || ip.octets()[0] >= 240)
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::config::{Problem, parse};
+
+    const NETWORK: &str = r#"
+[keepalived]
+name = "lb-1"
+address = "192.168.0.11"
+interface = "mgmt-br"
+peers = ["192.168.0.12", "192.168.0.13"]
+
+[[network]]
+name = "default/vlan100"
+interface = "mgmt-br.100"
+prefix_length = 24
+gateway = "10.100.0.1"
+"#;
+
+    fn lb(vip: &str, network: &str) -> String {
+        format!(
+            "\n[[load_balancer]]\nname = \"default/web\"\nvip = \"{vip}\"\nnetwork = \"{network}\"\nbackends = [\"10.100.0.21\"]\n  [[load_balancer.listener]]\n  name = \"http\"\n  port = 80\n  backend_port = 30080\n"
+        )
+    }
+
+    fn problems(text: &str) -> Vec<Problem> {
+        match parse(text) {
+            Ok(_) => panic!("should be refused:\n{text}"),
+            Err(p) => p,
+        }
+    }
+
+    /// The one problem of `text`: its key, line and message.
+    fn one(text: &str) -> (String, Option<usize>, String) {
+        let p = problems(text);
+        assert_eq!(p.len(), 1, "{p:?}");
+        (p[0].key.clone(), p[0].line, p[0].message.clone())
+    }
+
+    #[test]
+    fn a_load_balancer_on_a_network_is_valid_with_the_defaults() {
+        let text = format!("{NETWORK}{}", lb("10.100.0.50", "default/vlan100"));
+        let loaded = parse(&text).expect("valid");
+        let c = &loaded.config;
+        assert_eq!(
+            c.load_balancers[0].network.as_deref(),
+            Some("default/vlan100")
+        );
+        let n = &c.networks[0];
+        assert_eq!(
+            (n.interface.as_str(), n.prefix_length, n.table),
+            ("mgmt-br.100", 24, 1000)
+        );
+        assert_eq!(n.subnet().to_string(), "10.100.0.0/24");
+        let k = c.keepalived.as_ref().expect("keepalived");
+        assert_eq!(k.instances, 3, "one instance per host by default");
+        assert_eq!(k.vrid_base, 50);
+        assert_eq!(k.advert_interval.as_millis(), 1000);
+        assert_eq!(
+            k.config_path.to_str(),
+            Some("/etc/keepalived/keepalived.conf")
+        );
+        assert_eq!(k.hosts().len(), 3);
+        assert!(loaded.warnings.is_empty(), "{:?}", loaded.warnings);
+    }
+
+    #[test]
+    fn an_unknown_network_is_named_with_its_line_and_the_defined_ones() {
+        let (key, line, msg) = one(&format!("{NETWORK}{}", lb("10.100.0.50", "vlan200")));
+        assert_eq!(key, "load_balancer[0].network");
+        assert_eq!(line, Some(17));
+        assert!(
+            msg.contains("\"vlan200\" is not a [[network]]") && msg.contains("default/vlan100"),
+            "{msg}"
+        );
+    }
+
+    #[test]
+    fn a_vip_outside_the_subnet_its_gateway_or_a_host_address_is_refused() {
+        for (vip, words) in [
+            ("10.101.0.50", "outside network"),
+            ("10.100.0.1", "gateway"),
+            ("10.100.0.0", "own or broadcast"),
+            ("10.100.0.255", "own or broadcast"),
+            ("fd00::5", "IPv6"),
+        ] {
+            let (key, line, msg) = one(&format!("{NETWORK}{}", lb(vip, "default/vlan100")));
+            assert_eq!(
+                (key.as_str(), line),
+                ("load_balancer[0].vip", Some(16)),
+                "{vip}"
+            );
+            assert!(msg.contains(words), "{vip}: {msg}");
+        }
+        // A management address of a keepalived host, on a network that
+        // holds it.
+        let text = NETWORK
+            .replace("10.100.0.1\"", "192.168.0.1\"")
+            .replace("= 24", "= 16");
+        let (key, _, msg) = one(&format!("{text}{}", lb("192.168.0.12", "default/vlan100")));
+        assert_eq!(key, "load_balancer[0].vip");
+        assert!(msg.contains("management address"), "{msg}");
+    }
+
+    #[test]
+    fn a_gateway_that_is_no_host_of_its_subnet_and_bad_keys_are_refused() {
+        let text = NETWORK.replace("10.100.0.1\"", "10.100.0.0\"");
+        let (key, line, msg) = one(&text);
+        assert_eq!((key.as_str(), line), ("network[0].gateway", Some(12)));
+        assert!(
+            msg.contains("not a host of its subnet 10.100.0.0/24"),
+            "{msg}"
+        );
+        let (key, _, msg) = one(&NETWORK.replace("= 24", "= 31"));
+        assert_eq!(key, "network[0].prefix_length");
+        assert!(msg.contains("8..=30"), "{msg}");
+        let (key, _, msg) = one(&format!("{NETWORK}table = 254\n"));
+        assert_eq!(key, "network[0].table");
+        assert!(msg.contains("254 main"), "{msg}");
+        let (key, _, _) = one(&NETWORK.replace("mgmt-br.100", "a/b"));
+        assert_eq!(key, "network[0].interface");
+    }
+
+    #[test]
+    fn vrids_past_255_and_bad_peers_are_refused() {
+        let text = NETWORK.replace(
+            "interface = \"mgmt-br\"",
+            "interface = \"mgmt-br\"\nvrid_base = 250\ninstances = 8",
+        );
+        let (key, line, msg) = one(&text);
+        assert_eq!((key.as_str(), line), ("keepalived.instances", Some(7)));
+        assert!(msg.contains("up to 257, past 255"), "{msg}");
+        let text = NETWORK.replace("\"192.168.0.12\", ", "\"192.168.0.11\", ");
+        let (key, _, msg) = one(&text);
+        assert_eq!(key, "keepalived.peers[0]");
+        assert!(msg.contains("this host's own"), "{msg}");
+        let (key, _, msg) =
+            one(&NETWORK.replace("peers = [\"192.168.0.12\", \"192.168.0.13\"]", "peers = []"));
+        assert_eq!(key, "keepalived.peers");
+        assert!(msg.contains("is empty"), "{msg}");
+        let (key, _, _) = one(&NETWORK.replace(
+            "interface = \"mgmt-br\"",
+            "interface = \"mgmt-br\"\nadvert_interval_ms = 1005",
+        ));
+        assert_eq!(key, "keepalived.advert_interval_ms");
+    }
+
+    #[test]
+    fn a_network_needs_keepalived_and_excludes_dhcp_and_announcing() {
+        let without = NETWORK.replace("[keepalived]\nname = \"lb-1\"\naddress = \"192.168.0.11\"\ninterface = \"mgmt-br\"\npeers = [\"192.168.0.12\", \"192.168.0.13\"]\n", "");
+        let (key, _, msg) = one(&format!(
+            "{without}{}",
+            lb("10.100.0.50", "default/vlan100")
+        ));
+        assert_eq!(key, "load_balancer[0].network");
+        assert!(msg.contains("needs a [keepalived] section"), "{msg}");
+        let announcing = format!(
+            "[vip]\nannounce = \"routes\"\nannounce_prefixes = [\"10.100.0.0/24\"]\n{NETWORK}{}",
+            lb("10.100.0.50", "default/vlan100")
+        );
+        let p = problems(&announcing);
+        assert!(
+            p.iter()
+                .any(|p| p.key == "load_balancer[0].network" && p.message.contains("vip.announce")),
+            "{p:?}"
+        );
+    }
+
+    #[test]
+    fn an_unused_network_is_a_warning() {
+        let loaded = parse(NETWORK).expect("valid");
+        assert!(
+            loaded
+                .warnings
+                .iter()
+                .any(|w| w.key == "network[0].name" && w.message.contains("not used")),
+            "{:?}",
+            loaded.warnings
+        );
+    }
+
+    #[test]
+    fn two_networks_with_one_name_or_table_are_refused() {
+        let twice = format!(
+            "{NETWORK}\n[[network]]\nname = \"default/vlan100\"\ninterface = \"eth1\"\nprefix_length = 24\ngateway = \"10.9.0.1\"\ntable = 1000\n"
+        );
+        let p = problems(&twice);
+        assert!(
+            p.iter()
+                .any(|p| p.key == "network[1].name" && p.message.contains("twice")),
+            "{p:?}"
+        );
+        assert!(
+            p.iter()
+                .any(|p| p.key == "network[1].table" && p.message.contains("table 1000")),
+            "{p:?}"
+        );
+    }
+}

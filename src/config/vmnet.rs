@@ -1,0 +1,93 @@
+//! `[[network]]` and `[keepalived]`: VIPs on a guest cluster's own VM
+//! network, moved between hosts by a keepalived whose configuration the
+//! daemon renders from this file (see docs/vip.md, "A VIP on a VM network").
+//!
+//! Only the validated types live here; `validate::vmnet` builds them and
+//! `vip::keepalived` renders them.
+
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+use std::path::PathBuf;
+use std::time::Duration;
+
+/// Default `keepalived.vrid_base`: keepalived's own examples start at 51,
+/// and VRIDs below 50 are what hand-written setups on the management
+/// segment tend to use.
+pub const DEFAULT_VRID_BASE: u8 = 50;
+/// Default `keepalived.advert_interval_ms`: keepalived's default (1 s);
+/// a master is declared dead after 3 adverts plus a skew (~3.6 s).
+pub const DEFAULT_ADVERT_INTERVAL_MS: u32 = 1000;
+/// Default `keepalived.config_path`: where keepalived reads its file.
+pub const DEFAULT_KEEPALIVED_CONFIG: &str = "/etc/keepalived/keepalived.conf";
+/// Default `keepalived.pid_file`: Debian's keepalived writes its main pid there.
+pub const DEFAULT_KEEPALIVED_PID_FILE: &str = "/run/keepalived.pid";
+/// First routing table of `[[network]]`s without `table`: table
+/// `DEFAULT_NETWORK_TABLE_BASE + n` for the n-th network of the file.
+pub const DEFAULT_NETWORK_TABLE_BASE: u32 = 1000;
+
+/// `[[network]]`: one L2 network of guest VMs that load balancers put
+/// their VIP on.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct NetworkSpec {
+    /// Its name, as load balancers reference it (`network = "…"`).
+    pub name: String,
+    /// The host interface on that L2: the bridge of an untagged network or
+    /// a VLAN device the host has. keepalived puts the VIPs on it.
+    pub interface: String,
+    /// The subnet's prefix length (VIPs and the gateway lie in it).
+    pub prefix_length: u8,
+    /// The network's gateway: replies to clients outside the subnet go
+    /// through it, not through the host's default route.
+    pub gateway: Ipv4Addr,
+    /// The network's IPv6 gateway (kept for IPv6 VIPs, not used yet).
+    pub ipv6_gateway: Option<Ipv6Addr>,
+    /// The routing table of replies from this network's VIPs
+    /// (`ip rule from VIP lookup TABLE`).
+    pub table: u32,
+}
+
+impl NetworkSpec {
+    /// The network's subnet (the gateway's, at `prefix_length`).
+    pub fn subnet(&self) -> ipnet::Ipv4Net {
+        ipnet::Ipv4Net::new(self.gateway, self.prefix_length)
+            .map(|n| n.trunc())
+            .unwrap_or_else(|_| ipnet::Ipv4Net::default())
+    }
+}
+
+/// `[keepalived]`: this host's part in VRRP for the VM-network VIPs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KeepalivedSettings {
+    /// This host's name (`router_id`).
+    pub name: String,
+    /// This host's management address (`unicast_src_ip`).
+    pub address: IpAddr,
+    /// The management interface: VRRP adverts go out of it only, unicast
+    /// to `peers`, never onto a tenant's network.
+    pub interface: String,
+    /// The other hosts' management addresses (`unicast_peer`), sorted.
+    pub peers: Vec<IpAddr>,
+    /// How many VRRP instances the VIPs are spread over.
+    pub instances: u8,
+    /// The virtual router id of instance 0; instance n has `vrid_base + n`.
+    pub vrid_base: u8,
+    /// VRRP advertisement interval (VRRP version 3: centiseconds).
+    pub advert_interval: Duration,
+    /// Where the rendered file is written.
+    pub config_path: PathBuf,
+    /// keepalived's pid file: a changed file is followed by SIGHUP to it.
+    pub pid_file: PathBuf,
+    /// Run instead of the SIGHUP when set (e.g. `systemctl reload keepalived`).
+    pub reload_command: Option<Vec<String>>,
+}
+
+impl KeepalivedSettings {
+    /// Every host's management address, this one's included, sorted: the
+    /// same list on every host, which the priorities are rotated over.
+    pub fn hosts(&self) -> Vec<IpAddr> {
+        let mut all = self.peers.clone();
+        all.push(self.address);
+        all.sort();
+        all.dedup();
+        all
+    }
+}

@@ -1,0 +1,200 @@
+//! VIPs on VM networks (`[[network]]`, `[keepalived]`): the task that
+//! renders keepalived's file and has keepalived reload it, and owns the
+//! networks' routes and `from VIP` rules (`vip::network`) through
+//! [`crate::owned::Driver`].
+//!
+//! It wakes at every apply (start, reload, lease) and every
+//! [`crate::owned::CHECK_INTERVAL`]: a failed write or reload of
+//! keepalived's file is retried then (logged at error each time, counted
+//! in `keepalived_reload_failures_total`), and the routes and rules are read
+//! back and repaired (`host_repairs_total{kind="network_route"}`). At stop
+//! the routes and rules go after the drain (the open connections' replies
+//! use them); keepalived's file is left: `/readyz?vip=` turns 503 at stop,
+//! so keepalived moves the VIPs away by itself.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use tokio::sync::Notify;
+
+use super::Daemon;
+use crate::config::Config;
+use crate::metrics::HostKind;
+use crate::owned::{CHECK_INTERVAL, Driver};
+use crate::vip::announce::RouteWriter;
+use crate::vip::keepalived::{self, Installed};
+use crate::vip::network::{NetKey, NetworkRoutes, wanted};
+
+/// The task's state, shared with the daemon.
+#[derive(Default)]
+pub(super) struct VmNet {
+    /// Woken at every apply.
+    wake: Arc<Notify>,
+    /// Set once the task runs.
+    started: AtomicBool,
+    inner: tokio::sync::Mutex<Inner>,
+}
+
+#[derive(Default)]
+struct Inner {
+    /// The networks' routes and rules, once a network is configured.
+    routes: Option<Driver<NetworkRoutes>>,
+    /// The last write or reload of keepalived failed: tell it again.
+    reload_failed: bool,
+    /// Set at stop: nothing is written any more.
+    stopped: bool,
+}
+
+impl Daemon {
+    /// Wakes the VM-network task (starting it on first use, when a
+    /// runtime runs).
+    pub(super) fn vmnet_wake(&self) {
+        self.vmnet.wake.notify_one();
+        if self.vmnet.started.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            self.vmnet.started.store(false, Ordering::Release);
+            return;
+        };
+        let me = self.me.clone();
+        let wake = Arc::clone(&self.vmnet.wake);
+        runtime.spawn(async move {
+            loop {
+                tokio::select! {
+                    () = wake.notified() => {}
+                    () = tokio::time::sleep(CHECK_INTERVAL) => {}
+                }
+                let Some(daemon) = me.upgrade() else { return };
+                let mut inner = daemon.vmnet.inner.lock().await;
+                if inner.stopped {
+                    return;
+                }
+                let config = daemon
+                    .lock()
+                    .config
+                    .as_ref()
+                    .filter(|c| c.keepalived.is_some() || !c.networks.is_empty())
+                    .cloned();
+                let config = match config {
+                    Some(c) => Some(c),
+                    // Nothing configured: only what is still held goes.
+                    None if inner.routes.is_some() => daemon.lock().config.clone(),
+                    None => None,
+                };
+                if let Some(config) = config {
+                    daemon.vmnet_step(&mut inner, &config).await;
+                }
+            }
+        });
+    }
+
+    async fn vmnet_step(&self, inner: &mut Inner, config: &Config) {
+        if let (Some(settings), Some(text)) = (&config.keepalived, keepalived::render(config)) {
+            let settings = settings.clone();
+            let force = inner.reload_failed;
+            let path = settings.config_path.display().to_string();
+            let result =
+                tokio::task::spawn_blocking(move || keepalived::install(&settings, &text, force))
+                    .await;
+            match result {
+                Ok(Ok(Installed::Reloaded)) => {
+                    inner.reload_failed = false;
+                    tracing::info!(file = %path, "keepalived configuration written and keepalived told to reload");
+                }
+                Ok(Ok(Installed::Unchanged)) => {}
+                Ok(Err(e)) => {
+                    inner.reload_failed = true;
+                    self.metrics.record_keepalived_failure();
+                    tracing::error!(
+                        "{e}; retried in {} s and at every reload",
+                        CHECK_INTERVAL.as_secs()
+                    );
+                }
+                Err(e) => {
+                    inner.reload_failed = true;
+                    self.metrics.record_keepalived_failure();
+                    tracing::error!(file = %path, "writing keepalived's configuration stopped: {e}");
+                }
+            }
+        }
+        self.vmnet_routes(inner, config).await;
+    }
+
+    /// Reads back and writes the networks' routes and rules.
+    async fn vmnet_routes(&self, inner: &mut Inner, config: &Config) {
+        let used = config.load_balancers.iter().any(|lb| lb.network.is_some());
+        if !used
+            && inner
+                .routes
+                .as_ref()
+                .is_none_or(|d| d.held().next().is_none())
+        {
+            return;
+        }
+        if inner.routes.is_none() {
+            match RouteWriter::connect() {
+                Ok(w) => inner.routes = Some(Driver::new(NetworkRoutes::new(w))),
+                Err(e) => {
+                    tracing::error!(
+                        "VM networks: {e}; their routes and rules are not written (retried in {} s)",
+                        CHECK_INTERVAL.as_secs()
+                    );
+                    return;
+                }
+            }
+        }
+        let Some(driver) = inner.routes.as_mut() else {
+            return;
+        };
+        let mut index_of = BTreeMap::new();
+        for net in &config.networks {
+            match driver
+                .backend()
+                .writer()
+                .interface_index(&net.interface)
+                .await
+            {
+                Ok(i) => {
+                    index_of.insert(net.interface.clone(), i);
+                }
+                Err(e) => tracing::debug!(network = %net.name, "{e}"),
+            }
+        }
+        let mut tables: BTreeSet<u32> = config.networks.iter().map(|n| n.table).collect();
+        tables.extend(driver.held().filter_map(|k| match k {
+            NetKey::Route { table, .. } => Some(*table),
+            NetKey::Rule { .. } => None,
+        }));
+        driver.backend().set_tables(tables);
+        let want = wanted(config, &index_of);
+        let out = driver.sync(&want).await;
+        self.metrics
+            .record_host_repairs(HostKind::NetworkRoute, out.repaired.len() as u64);
+        if let Some(e) = &out.unread {
+            tracing::error!(
+                "VM networks: {e}; retried in {} s",
+                CHECK_INTERVAL.as_secs()
+            );
+        }
+        for (key, failure) in &out.failed {
+            tracing::error!(object = %key, "VM networks: {failure}; retried in {} s", CHECK_INTERVAL.as_secs());
+        }
+        for (key, seen) in &out.foreign {
+            tracing::warn!(object = %key, seen = ?seen, "VM networks: another program holds this {key}; left alone, replies from that VIP may leave by another route");
+        }
+    }
+
+    /// At stop, after the drain: removes the networks' routes and rules.
+    pub(super) async fn vmnet_stop(&self) {
+        let mut inner = self.vmnet.inner.lock().await;
+        inner.stopped = true;
+        if let Some(mut driver) = inner.routes.take() {
+            let out = driver.stop().await;
+            for (key, failure) in &out.failed {
+                tracing::error!(object = %key, "VM networks: cannot remove at stop: {failure}");
+            }
+        }
+    }
+}

@@ -1,0 +1,466 @@
+//! keepalived's configuration, rendered from the daemon's own: the VIPs
+//! of the load balancers on a `[[network]]` moved between hosts by VRRP
+//! with no hand-written keepalived line (docs/vip.md, "A VIP on a VM
+//! network").
+//!
+//! [`render`] is pure: the same file gives every host the same instances,
+//! VRIDs and VIPs; only `router_id`, the unicast addresses and the
+//! priorities differ. What it writes, and why:
+//!
+//! - **Unicast VRRP on the management interface only** (`interface`,
+//!   `unicast_src_ip`, `unicast_peer`): adverts never go onto a tenant's
+//!   network (a VM there could read them, forge them, or collide with its
+//!   own VRIDs; multicast adverts would reach every VM of the VLAN).
+//! - **The VIP as `virtual_ipaddress VIP/32 dev <network interface>`**, not
+//!   `use_vmac` and not a macvlan the daemon makes: `use_vmac` makes its
+//!   macvlan on the instance's `interface`, which is the management one
+//!   here, so it cannot put a tenant's VIP on the tenant's network; a
+//!   macvlan of ours would add a MAC per host to every VM network (switch
+//!   MAC limits, Harvester's bridges learning one more address) and a
+//!   second owner of the interface the address lives on, for nothing the
+//!   address on the network's own interface does not do. keepalived adds
+//!   the address on the master, sends the gratuitous ARPs *on that
+//!   interface*, and removes it on the backup; the daemon never adds it.
+//!   A /32 adds no subnet route to the main table: how the host itself
+//!   routes does not change when a VIP arrives; replies are routed by the
+//!   network's own table (`vip::network`).
+//! - **VIPs spread over `instances` instances** by a stable hash of the
+//!   VIP (FNV-1a of its bytes: the same on every host and every version),
+//!   not one instance per VIP (VRIDs are 255 per segment) nor one for all
+//!   (one master for every VIP). Host *r* of the sorted management
+//!   addresses has priority 250 for the instances *i* with *i* mod hosts =
+//!   *r*, 10 less per step away, so each host is the preferred master of
+//!   some instances (active/active).
+//! - **`track_script`** asking the daemon `/readyz?vip=` for the
+//!   instance's VIPs over the admin Unix socket (as the shipped example):
+//!   a host whose daemon cannot serve them, or is stopping, gives them up.
+//! - **Gratuitous ARP** as keepalived's maintainers advise for switched
+//!   networks: a second burst `garp_master_delay` 1 s after taking over
+//!   (a switch that was still learning the port misses the first) and a
+//!   refresh every 60 s while master (`garp_master_refresh`), so a
+//!   neighbour whose entry expired learns it again without asking.
+//!
+//! [`install`] writes the file (a temporary file, then a rename: keepalived
+//! never reads half a file) only when its text changed, and tells
+//! keepalived to reload (`SIGHUP` to the pid in its pid file, or the
+//! configured command).
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::net::{IpAddr, Ipv4Addr};
+use std::path::Path;
+
+use crate::config::{Config, KeepalivedSettings};
+
+/// The highest priority given (255 is the address owner's, never ours).
+const TOP_PRIORITY: u32 = 250;
+/// Priority steps between hosts.
+pub const PRIORITY_STEP: u32 = 10;
+
+/// The instance of `vip` among `instances`: FNV-1a of its bytes, stable on
+/// every host and across versions (std's hasher is neither).
+pub fn instance_of(vip: IpAddr, instances: u8) -> u8 {
+    let bytes: Vec<u8> = match vip {
+        IpAddr::V4(v4) => v4.octets().to_vec(),
+        IpAddr::V6(v6) => v6.octets().to_vec(),
+    };
+    let mut h: u32 = 0x811c_9dc5;
+    for b in bytes {
+        h ^= u32::from(b);
+        h = h.wrapping_mul(0x0100_0193);
+    }
+    (h % u32::from(instances.max(1))) as u8
+}
+
+/// This host's priority for instance `instance`: 250 where it is the
+/// preferred master, 10 less per host after it in the rotation.
+pub fn priority(settings: &KeepalivedSettings, instance: u8) -> u32 {
+    let hosts = settings.hosts();
+    let n = hosts.len() as u32;
+    let rank = hosts
+        .iter()
+        .position(|h| *h == settings.address)
+        .unwrap_or(0) as u32;
+    let away = (rank + n - u32::from(instance) % n) % n;
+    TOP_PRIORITY - PRIORITY_STEP * away
+}
+
+/// One VIP of an instance: the address and the interface it goes on.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+struct Placed {
+    vip: Ipv4Addr,
+    interface: String,
+}
+
+/// The keepalived.conf text for `config`; `None` without `[keepalived]`.
+/// The admin socket the track scripts ask is `config.admin.socket`.
+pub fn render(config: &Config) -> Option<String> {
+    let k = config.keepalived.as_ref()?;
+    let mut by_instance: BTreeMap<u8, Vec<Placed>> = BTreeMap::new();
+    for lb in &config.load_balancers {
+        let (Some(name), IpAddr::V4(vip)) = (&lb.network, lb.vip) else {
+            continue;
+        };
+        let Some(net) = config.networks.iter().find(|n| &n.name == name) else {
+            continue;
+        };
+        let placed = Placed {
+            vip,
+            interface: net.interface.clone(),
+        };
+        let list = by_instance
+            .entry(instance_of(lb.vip, k.instances))
+            .or_default();
+        if !list.contains(&placed) {
+            list.push(placed);
+        }
+    }
+    let mut out = String::new();
+    let advert = advert_text(k);
+    let _ = write!(
+        out,
+        "# Written by harvester-lb from its configuration; edits are overwritten.\n\
+         # docs/vip.md, \"A VIP on a VM network\".\n\
+         global_defs {{\n  router_id {}\n  enable_script_security\n  script_user root\n  vrrp_version 3\n}}\n",
+        k.name
+    );
+    let peers: Vec<IpAddr> = k.peers.clone();
+    let socket = config.admin.socket.display();
+    for (instance, mut vips) in by_instance {
+        vips.sort();
+        let vrid = u32::from(k.vrid_base) + u32::from(instance);
+        let query: Vec<String> = vips.iter().map(|p| format!("vip={}", p.vip)).collect();
+        let _ = write!(
+            out,
+            "\nvrrp_script hlb_ready_{vrid} {{\n  script \"/usr/bin/curl --unix-socket {socket} -sf -m 1 -o /dev/null http://localhost/readyz?{}\"\n  interval 1\n  timeout 1\n  fall 2\n  rise 2\n}}\n",
+            query.join("&")
+        );
+        let _ = write!(
+            out,
+            "\nvrrp_instance hlb_{vrid} {{\n  state BACKUP\n  interface {}\n  virtual_router_id {vrid}\n  priority {}\n  advert_int {advert}\n  unicast_src_ip {}\n  unicast_peer {{\n",
+            k.interface,
+            priority(k, instance),
+            k.address
+        );
+        for p in &peers {
+            let _ = writeln!(out, "    {p}");
+        }
+        out.push_str(
+            "  }\n  garp_master_delay 1\n  garp_master_refresh 60\n  virtual_ipaddress {\n",
+        );
+        for p in &vips {
+            let _ = writeln!(out, "    {}/32 dev {}", p.vip, p.interface);
+        }
+        let _ = write!(
+            out,
+            "  }}\n  track_script {{\n    hlb_ready_{vrid}\n  }}\n}}\n"
+        );
+    }
+    Some(out)
+}
+
+/// `advert_int` in seconds, as keepalived reads it (`1`, `0.5`, `0.25`).
+fn advert_text(k: &KeepalivedSettings) -> String {
+    let ms = k.advert_interval.as_millis();
+    if ms.is_multiple_of(1000) {
+        (ms / 1000).to_string()
+    } else {
+        format!("{}.{:02}", ms / 1000, (ms % 1000) / 10)
+            .trim_end_matches('0')
+            .to_string()
+    }
+}
+
+/// Why the file could not be written or keepalived not told.
+#[derive(Debug, thiserror::Error)]
+pub enum KeepalivedError {
+    /// The file or its temporary copy could not be written.
+    #[error(
+        "cannot write keepalived's configuration {path}: {source} (keepalived.config_path; the daemon needs write access to its directory)"
+    )]
+    Write {
+        /// The file.
+        path: String,
+        /// The error.
+        source: std::io::Error,
+    },
+    /// No pid to signal.
+    #[error(
+        "cannot tell keepalived to reload: its pid file {path} {why} (keepalived.pid_file; is keepalived running? it reads the new file when it starts)"
+    )]
+    NoPid {
+        /// The pid file.
+        path: String,
+        /// What was wrong with it.
+        why: String,
+    },
+    /// `kill(pid, SIGHUP)` failed.
+    #[error("cannot send SIGHUP to keepalived (pid {pid} from {path}): {source}")]
+    Signal {
+        /// The pid.
+        pid: i32,
+        /// The pid file.
+        path: String,
+        /// The error.
+        source: std::io::Error,
+    },
+    /// `keepalived.reload_command` failed.
+    #[error("keepalived.reload_command {command:?} failed: {why}")]
+    Command {
+        /// The command.
+        command: Vec<String>,
+        /// Its exit or spawn error and output.
+        why: String,
+    },
+}
+
+/// What [`install`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Installed {
+    /// The file already had this text: nothing written, nobody told.
+    Unchanged,
+    /// Written, and keepalived told to reload.
+    Reloaded,
+}
+
+/// Writes `text` to `settings.config_path` when it differs from what is
+/// there (temporary file in the same directory, fsync, rename) and tells
+/// keepalived to reload. With `force`, keepalived is told even when the
+/// file was already up to date (a reload that failed before is retried).
+/// Blocking: run it off the runtime's workers.
+pub fn install(
+    settings: &KeepalivedSettings,
+    text: &str,
+    force: bool,
+) -> Result<Installed, KeepalivedError> {
+    let path = &settings.config_path;
+    let same = std::fs::read(path).is_ok_and(|old| old == text.as_bytes());
+    if same && !force {
+        return Ok(Installed::Unchanged);
+    }
+    if !same {
+        write_atomically(path, text).map_err(|source| KeepalivedError::Write {
+            path: path.display().to_string(),
+            source,
+        })?;
+    }
+    reload(settings)?;
+    Ok(Installed::Reloaded)
+}
+
+fn write_atomically(path: &Path, text: &str) -> std::io::Result<()> {
+    use std::io::Write;
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let tmp = path.with_file_name(format!(".{name}.harvester-lb.tmp"));
+    let mut f = std::fs::File::create(&tmp)?;
+    f.write_all(text.as_bytes())?;
+    f.sync_all()?;
+    drop(f);
+    std::fs::rename(&tmp, path).inspect_err(|_| {
+        let _ = std::fs::remove_file(&tmp);
+    })
+}
+
+fn reload(settings: &KeepalivedSettings) -> Result<(), KeepalivedError> {
+    if let Some(command) = &settings.reload_command {
+        let out = std::process::Command::new(&command[0])
+            .args(&command[1..])
+            .stdin(std::process::Stdio::null())
+            .output()
+            .map_err(|e| KeepalivedError::Command {
+                command: command.clone(),
+                why: e.to_string(),
+            })?;
+        if !out.status.success() {
+            return Err(KeepalivedError::Command {
+                command: command.clone(),
+                why: format!(
+                    "{}: {}{}",
+                    out.status,
+                    String::from_utf8_lossy(&out.stdout).trim(),
+                    String::from_utf8_lossy(&out.stderr).trim()
+                ),
+            });
+        }
+        return Ok(());
+    }
+    let path = settings.pid_file.display().to_string();
+    let text = std::fs::read_to_string(&settings.pid_file).map_err(|e| KeepalivedError::NoPid {
+        path: path.clone(),
+        why: format!("cannot be read: {e}"),
+    })?;
+    let pid: i32 =
+        text.trim()
+            .parse()
+            .ok()
+            .filter(|p| *p > 1)
+            .ok_or_else(|| KeepalivedError::NoPid {
+                path: path.clone(),
+                why: format!("holds no pid ({:?})", text.trim()),
+            })?;
+    crate::os::send_signal(pid, libc::SIGHUP).map_err(|source| KeepalivedError::Signal {
+        pid,
+        path,
+        source,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::parse;
+
+    fn conf(address: &str, peers: &str, lbs: &[(&str, &str)]) -> Config {
+        let mut text = format!(
+            "[admin]\nsocket = \"/run/hlb/admin.sock\"\n[keepalived]\nname = \"h-{address}\"\naddress = \"{address}\"\ninterface = \"mgmt0\"\npeers = [{peers}]\ninstances = 4\n\n[[network]]\nname = \"vlan100\"\ninterface = \"br.100\"\nprefix_length = 24\ngateway = \"10.100.0.1\"\n"
+        );
+        for (i, (vip, network)) in lbs.iter().enumerate() {
+            text.push_str(&format!(
+                "[[load_balancer]]\nname = \"default/lb{i}\"\nvip = \"{vip}\"\nnetwork = \"{network}\"\nbackends = [\"10.100.0.21\"]\n  [[load_balancer.listener]]\n  name = \"http\"\n  port = 80\n  backend_port = 30080\n"
+            ));
+        }
+        parse(&text).expect("valid").config
+    }
+
+    fn ten() -> Vec<(String, &'static str)> {
+        (0..10)
+            .map(|i| (format!("10.100.0.{}", 50 + i), "vlan100"))
+            .collect()
+    }
+
+    #[test]
+    fn the_vips_are_spread_over_instances_and_every_host_is_preferred_master_of_some() {
+        let hosts = ["192.168.0.11", "192.168.0.12", "192.168.0.13"];
+        let lbs = ten();
+        let lbs: Vec<(&str, &str)> = lbs.iter().map(|(v, n)| (v.as_str(), *n)).collect();
+        let mut masters: BTreeMap<u8, Vec<&str>> = BTreeMap::new();
+        let mut texts = Vec::new();
+        for h in hosts {
+            let peers: Vec<String> = hosts
+                .iter()
+                .filter(|p| **p != h)
+                .map(|p| format!("\"{p}\""))
+                .collect();
+            let c = conf(h, &peers.join(", "), &lbs);
+            let k = c.keepalived.as_ref().unwrap();
+            for i in 0..k.instances {
+                if priority(k, i) == TOP_PRIORITY {
+                    masters.entry(i).or_default().push(h);
+                }
+            }
+            texts.push(render(&c).unwrap());
+        }
+        // Each instance has exactly one preferred master, and every host
+        // is one of them.
+        assert!(masters.values().all(|m| m.len() == 1), "{masters:?}");
+        for h in hosts {
+            assert!(
+                masters.values().any(|m| m[0] == h),
+                "{h} is nobody's master: {masters:?}"
+            );
+        }
+        // The same VIPs in the same instances on every host.
+        let vips = |t: &str| -> Vec<String> {
+            t.lines()
+                .filter(|l| l.contains("/32 dev"))
+                .map(str::to_string)
+                .collect()
+        };
+        assert_eq!(vips(&texts[0]), vips(&texts[1]));
+        assert_eq!(vips(&texts[1]), vips(&texts[2]));
+        assert_eq!(vips(&texts[0]).len(), 10);
+        // Ten VIPs over four instances: more than one instance is used.
+        let used: std::collections::BTreeSet<u8> = (0..10)
+            .map(|i| instance_of(format!("10.100.0.{}", 50 + i).parse().unwrap(), 4))
+            .collect();
+        assert!(used.len() >= 3, "{used:?}");
+    }
+
+    #[test]
+    fn an_instance_is_unicast_on_the_management_interface_with_its_vips_on_the_network() {
+        let c = conf(
+            "192.168.0.11",
+            "\"192.168.0.12\"",
+            &[("10.100.0.50", "vlan100")],
+        );
+        let text = render(&c).unwrap();
+        let i = instance_of("10.100.0.50".parse().unwrap(), 4);
+        let vrid = 50 + u32::from(i);
+        for want in [
+            "router_id h-192.168.0.11".to_string(),
+            format!("vrrp_instance hlb_{vrid} {{"),
+            "  interface mgmt0\n".into(),
+            format!("  virtual_router_id {vrid}\n"),
+            "  unicast_src_ip 192.168.0.11\n  unicast_peer {\n    192.168.0.12\n  }".into(),
+            "    10.100.0.50/32 dev br.100\n".into(),
+            "--unix-socket /run/hlb/admin.sock -sf -m 1 -o /dev/null http://localhost/readyz?vip=10.100.0.50\"".into(),
+            format!("track_script {{\n    hlb_ready_{vrid}\n  }}"),
+            "garp_master_delay 1\n  garp_master_refresh 60".into(),
+        ] {
+            assert!(text.contains(&want), "{want:?} not in\n{text}");
+        }
+        assert!(
+            !text.contains("use_vmac") && !text.contains("mcast"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn the_hash_is_stable_and_the_advert_interval_is_in_seconds() {
+        // Fixed values: a change here moves every VIP to another instance
+        // on an upgrade, which must be on purpose.
+        assert_eq!(
+            instance_of("10.100.0.50".parse().unwrap(), 255),
+            instance_of("10.100.0.50".parse().unwrap(), 255)
+        );
+        let spread: Vec<u8> = (50..54)
+            .map(|i| instance_of(format!("10.100.0.{i}").parse().unwrap(), 4))
+            .collect();
+        assert_eq!(spread, [1, 2, 3, 0]);
+        let mut c = conf("192.168.0.11", "\"192.168.0.12\"", &[]);
+        let k = c.keepalived.as_mut().unwrap();
+        for (ms, text) in [
+            (1000, "1"),
+            (500, "0.5"),
+            (250, "0.25"),
+            (1500, "1.5"),
+            (30, "0.03"),
+        ] {
+            k.advert_interval = std::time::Duration::from_millis(ms);
+            assert_eq!(advert_text(k), text);
+        }
+    }
+
+    #[test]
+    fn the_file_is_written_only_when_it_changes_and_a_missing_pid_file_is_an_error() {
+        let dir = std::env::temp_dir().join(format!("hlb-keepalived-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut c = conf("192.168.0.11", "\"192.168.0.12\"", &[]);
+        let k = c.keepalived.as_mut().unwrap();
+        k.config_path = dir.join("keepalived.conf");
+        k.pid_file = dir.join("none.pid");
+        let err = install(k, "a\n", false).unwrap_err();
+        assert!(err.to_string().contains("none.pid"), "{err}");
+        assert_eq!(
+            std::fs::read_to_string(&k.config_path).unwrap(),
+            "a\n",
+            "written before the reload failed"
+        );
+        k.reload_command = Some(vec!["/bin/true".into()]);
+        assert_eq!(install(k, "a\n", false).unwrap(), Installed::Unchanged);
+        assert_eq!(install(k, "a\n", true).unwrap(), Installed::Reloaded);
+        assert_eq!(install(k, "b\n", false).unwrap(), Installed::Reloaded);
+        assert_eq!(std::fs::read_to_string(&k.config_path).unwrap(), "b\n");
+        k.reload_command = Some(vec!["/bin/false".into()]);
+        assert!(install(k, "c\n", false).is_err());
+        let left: Vec<_> = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(left.len(), 1, "no temporary file left: {left:?}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

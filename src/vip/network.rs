@@ -1,0 +1,441 @@
+//! Replies from a VM-network VIP routed back through that network: a
+//! routing table per `[[network]]` (its subnet on its interface, `default
+//! via` its gateway) and a rule `from VIP lookup TABLE` per VIP, as a kind
+//! of host object the [`crate::owned::Driver`] owns (read back every 10 s,
+//! repaired, removed after the drain at stop).
+//!
+//! Why: keepalived puts the VIP on the network's interface as a /32 (see
+//! [`super::keepalived`]), which adds no route; without the rule, a reply
+//! to a client outside the subnet would leave by the host's default route
+//! (the management network), with the VIP as its source, and be dropped by
+//! reverse-path filters or answered from the wrong side. With it, every
+//! packet sent from the VIP goes out of the network's own interface: to a
+//! client of the subnet directly, to any other through the network's
+//! gateway, as a VM on that network would.
+//!
+//! The rules are written on every host, whichever holds the VIP: a rule
+//! for an address the host does not hold matches nothing (no local socket
+//! sends from it; `IP_FREEBIND` listeners answer only what reaches them),
+//! and the master's rule is in place before keepalived brings the address
+//! up, so the first reply is already routed right. The address itself is
+//! keepalived's: this module never adds it.
+//!
+//! Routes and rules carry protocol [`ROUTE_PROTOCOL`] (`proto 252`), the
+//! mark of the daemon's objects; a rule from the VIP another program wrote
+//! (unmarked) is left alone and reported. Rules have priority
+//! [`RULE_PRIORITY`], before the `main` table (32766).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt;
+use std::net::{IpAddr, Ipv4Addr};
+
+use futures_util::TryStreamExt;
+use ipnet::Ipv4Net;
+use rtnetlink::RouteMessageBuilder;
+use rtnetlink::packet_route::AddressFamily;
+use rtnetlink::packet_route::route::{
+    RouteAddress, RouteAttribute, RouteMessage, RouteProtocol, RouteScope,
+};
+use rtnetlink::packet_route::rule::{RuleAction, RuleAttribute, RuleMessage};
+use rtnetlink::{Error as NlError, IpVersion};
+
+use super::announce::{AnnounceError, ROUTE_PROTOCOL, RouteWriter};
+use crate::config::Config;
+use crate::owned::driver::Listing;
+use crate::owned::{Backend, Found, StopPhase};
+
+/// Priority of the `from VIP` rules: before `main` (32766) and `default`
+/// (32767), after the rules operators and CNIs usually put first.
+pub const RULE_PRIORITY: u32 = 30_000;
+
+/// One object: a route of a network's table, or a VIP's rule.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+pub enum NetKey {
+    /// A route to `dest` in `table`.
+    Route {
+        /// The network's table.
+        table: u32,
+        /// The subnet, or `0.0.0.0/0` for the gateway's route.
+        dest: Ipv4Net,
+    },
+    /// The rule `from vip lookup <table>`.
+    Rule {
+        /// The VIP.
+        vip: Ipv4Addr,
+    },
+}
+
+impl fmt::Display for NetKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            NetKey::Route { table, dest } => write!(f, "route {dest} table {table}"),
+            NetKey::Rule { vip } => write!(f, "rule from {vip}"),
+        }
+    }
+}
+
+/// What an object is (wanted, or as the kernel shows it).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum NetState {
+    /// A route out of interface `interface`, through `gateway` if any.
+    Route {
+        /// The output interface's index.
+        interface: Option<u32>,
+        /// The next hop; `None` for the on-link subnet.
+        gateway: Option<Ipv4Addr>,
+    },
+    /// A rule looking up `table`.
+    Rule {
+        /// The table.
+        table: u32,
+    },
+}
+
+/// The objects `config` asks for, given the index of each network
+/// interface this host has (`index_of`, by name): for each network used
+/// by a load balancer whose interface exists, its subnet and default
+/// route in its table, and one rule per VIP on it. Pure.
+pub fn wanted(config: &Config, index_of: &BTreeMap<String, u32>) -> BTreeMap<NetKey, NetState> {
+    let mut out = BTreeMap::new();
+    for lb in &config.load_balancers {
+        let (Some(name), IpAddr::V4(vip)) = (&lb.network, lb.vip) else {
+            continue;
+        };
+        let Some(net) = config.networks.iter().find(|n| &n.name == name) else {
+            continue;
+        };
+        let Some(&index) = index_of.get(&net.interface) else {
+            continue;
+        };
+        out.insert(
+            NetKey::Route {
+                table: net.table,
+                dest: net.subnet(),
+            },
+            NetState::Route {
+                interface: Some(index),
+                gateway: None,
+            },
+        );
+        out.insert(
+            NetKey::Route {
+                table: net.table,
+                dest: Ipv4Net::default(),
+            },
+            NetState::Route {
+                interface: Some(index),
+                gateway: Some(net.gateway),
+            },
+        );
+        out.insert(NetKey::Rule { vip }, NetState::Rule { table: net.table });
+    }
+    out
+}
+
+/// The networks' routes and rules in the kernel (see the module's text).
+#[derive(Debug, Clone)]
+pub struct NetworkRoutes {
+    writer: RouteWriter,
+    /// The networks' tables, whose routes are read back; set through a
+    /// shared reference (the driver lends only that).
+    tables: std::sync::Arc<std::sync::Mutex<BTreeSet<u32>>>,
+}
+
+impl NetworkRoutes {
+    /// Routes and rules written through `writer`.
+    pub fn new(writer: RouteWriter) -> Self {
+        Self {
+            writer,
+            tables: std::sync::Arc::default(),
+        }
+    }
+
+    /// The tables read back from now on (the config's networks', and
+    /// those of what this process still holds).
+    pub fn set_tables(&self, tables: BTreeSet<u32>) {
+        *self.tables.lock().unwrap_or_else(|p| p.into_inner()) = tables;
+    }
+
+    /// The netlink connection, for looking up interfaces.
+    pub fn writer(&self) -> &RouteWriter {
+        &self.writer
+    }
+}
+
+fn nl(what: String) -> impl FnOnce(NlError) -> AnnounceError {
+    move |source| AnnounceError::Netlink { what, source }
+}
+
+/// The kernel's errno in a netlink error, if it is one (positive).
+fn errno(e: &NlError) -> Option<i32> {
+    match e {
+        NlError::NetlinkError(m) => m.code.map(|c| -c.get()),
+        _ => None,
+    }
+}
+
+fn route_table(m: &RouteMessage) -> u32 {
+    m.attributes
+        .iter()
+        .find_map(|a| match a {
+            RouteAttribute::Table(t) => Some(*t),
+            _ => None,
+        })
+        .unwrap_or(u32::from(m.header.table))
+}
+
+fn rule_table(m: &RuleMessage) -> u32 {
+    m.attributes
+        .iter()
+        .find_map(|a| match a {
+            RuleAttribute::Table(t) => Some(*t),
+            _ => None,
+        })
+        .unwrap_or(u32::from(m.header.table))
+}
+
+fn route_message(key_table: u32, dest: Ipv4Net, state: Option<&NetState>) -> RouteMessage {
+    let mut b = RouteMessageBuilder::<Ipv4Addr>::new()
+        .destination_prefix(dest.addr(), dest.prefix_len())
+        .table_id(key_table)
+        .protocol(RouteProtocol::from(ROUTE_PROTOCOL));
+    if let Some(NetState::Route { interface, gateway }) = state {
+        if let Some(i) = interface {
+            b = b.output_interface(*i);
+        }
+        b = match gateway {
+            Some(g) => b.gateway(*g),
+            None => b.scope(RouteScope::Link),
+        };
+    }
+    b.build()
+}
+
+fn rule_message(vip: Ipv4Addr, table: Option<u32>) -> RuleMessage {
+    let mut m = RuleMessage::default();
+    m.header.family = AddressFamily::Inet;
+    m.header.src_len = 32;
+    m.header.action = RuleAction::ToTable;
+    m.attributes.push(RuleAttribute::Source(IpAddr::V4(vip)));
+    m.attributes.push(RuleAttribute::Priority(RULE_PRIORITY));
+    m.attributes
+        .push(RuleAttribute::Protocol(RouteProtocol::from(ROUTE_PROTOCOL)));
+    if let Some(t) = table {
+        m.attributes.push(RuleAttribute::Table(t));
+    }
+    m
+}
+
+impl Backend for NetworkRoutes {
+    const KIND: &'static str = "network_route";
+    // Replies of the connections the drain waits for go through them.
+    const STOP: StopPhase = StopPhase::AfterDrain;
+    // The networks' tables and `proto 252` rules are this daemon's alone.
+    const REMOVES_STRAYS: bool = true;
+    type Key = NetKey;
+    type Want = NetState;
+    type Seen = NetState;
+    type Error = AnnounceError;
+
+    async fn read(&mut self) -> Result<Listing<Self>, AnnounceError> {
+        let tables = self
+            .tables
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        let handle = self.writer.handle();
+        let mut out: Listing<Self> = BTreeMap::new();
+        let mut routes = handle
+            .route()
+            .get(RouteMessageBuilder::<Ipv4Addr>::new().build())
+            .execute();
+        while let Some(m) = routes
+            .try_next()
+            .await
+            .map_err(nl("cannot list the routes of the networks' tables".into()))?
+        {
+            let table = route_table(&m);
+            if !tables.contains(&table) {
+                continue;
+            }
+            let addr = m
+                .attributes
+                .iter()
+                .find_map(|a| match a {
+                    RouteAttribute::Destination(RouteAddress::Inet(v4)) => Some(*v4),
+                    _ => None,
+                })
+                .unwrap_or(Ipv4Addr::UNSPECIFIED);
+            let Ok(dest) = Ipv4Net::new(addr, m.header.destination_prefix_length) else {
+                continue;
+            };
+            let interface = m.attributes.iter().find_map(|a| match a {
+                RouteAttribute::Oif(i) => Some(*i),
+                _ => None,
+            });
+            let gateway = m.attributes.iter().find_map(|a| match a {
+                RouteAttribute::Gateway(RouteAddress::Inet(v4)) => Some(*v4),
+                _ => None,
+            });
+            out.insert(
+                NetKey::Route { table, dest },
+                Found {
+                    seen: NetState::Route { interface, gateway },
+                    marked: u8::from(m.header.protocol) == ROUTE_PROTOCOL,
+                },
+            );
+        }
+        let mut rules = handle.rule().get(IpVersion::V4).execute();
+        while let Some(m) = rules
+            .try_next()
+            .await
+            .map_err(nl("cannot list the routing rules".into()))?
+        {
+            let source = m.attributes.iter().find_map(|a| match a {
+                RuleAttribute::Source(IpAddr::V4(v4)) => Some(*v4),
+                _ => None,
+            });
+            let other_selector = m.header.dst_len != 0
+                || m.attributes.iter().any(|a| {
+                    matches!(
+                        a,
+                        RuleAttribute::Iifname(_)
+                            | RuleAttribute::Oifname(_)
+                            | RuleAttribute::FwMark(_)
+                    )
+                });
+            let (Some(vip), 32, false) = (source, m.header.src_len, other_selector) else {
+                continue;
+            };
+            let marked = m
+                .attributes
+                .iter()
+                .any(|a| matches!(a, RuleAttribute::Protocol(p) if u8::from(*p) == ROUTE_PROTOCOL));
+            let key = NetKey::Rule { vip };
+            // Ours first: a second, foreign rule from the VIP does not hide it.
+            if out.get(&key).is_some_and(|f| f.marked) {
+                continue;
+            }
+            out.insert(
+                key,
+                Found {
+                    seen: NetState::Rule {
+                        table: rule_table(&m),
+                    },
+                    marked,
+                },
+            );
+        }
+        Ok(out)
+    }
+
+    async fn write(&mut self, key: &NetKey, want: &NetState) -> Result<(), AnnounceError> {
+        let handle = self.writer.handle().clone();
+        match key {
+            NetKey::Route { table, dest } => handle
+                .route()
+                .add(route_message(*table, *dest, Some(want)))
+                .replace()
+                .execute()
+                .await
+                .map_err(nl(format!("cannot write the {key}"))),
+            NetKey::Rule { vip } => {
+                let NetState::Rule { table } = want else {
+                    return Ok(());
+                };
+                // A rule of ours from the VIP to another table goes first.
+                self.remove(key).await?;
+                let mut req = handle.rule().add().v4().replace();
+                *req.message_mut() = rule_message(*vip, Some(*table));
+                match req.execute().await {
+                    Ok(()) => Ok(()),
+                    Err(e) if errno(&e) == Some(libc::EEXIST) => Ok(()),
+                    Err(e) => Err(nl(format!("cannot write the {key} lookup {table}"))(e)),
+                }
+            }
+        }
+    }
+
+    async fn remove(&mut self, key: &NetKey) -> Result<(), AnnounceError> {
+        let handle = self.writer.handle();
+        let result = match key {
+            NetKey::Route { table, dest } => {
+                handle
+                    .route()
+                    .del(route_message(*table, *dest, None))
+                    .execute()
+                    .await
+            }
+            NetKey::Rule { vip } => {
+                // Every rule of ours from the VIP, whatever its table.
+                loop {
+                    match handle.rule().del(rule_message(*vip, None)).execute().await {
+                        Ok(()) => continue,
+                        Err(e) => break Err(e),
+                    }
+                }
+            }
+        };
+        match result {
+            Ok(()) => Ok(()),
+            Err(e) if matches!(errno(&e), Some(libc::ESRCH | libc::ENOENT)) => Ok(()),
+            Err(e) => Err(nl(format!("cannot remove the {key}"))(e)),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_used_network_with_its_interface_gets_its_table_and_a_rule_per_vip() {
+        let text = r#"
+[keepalived]
+name = "a"
+address = "192.168.0.11"
+interface = "mgmt0"
+peers = ["192.168.0.12"]
+[[network]]
+name = "vlan100"
+interface = "br.100"
+prefix_length = 24
+gateway = "10.100.0.1"
+table = 1100
+[[network]]
+name = "vlan200"
+interface = "br.200"
+prefix_length = 24
+gateway = "10.200.0.1"
+[[load_balancer]]
+name = "default/a"
+vip = "10.100.0.50"
+network = "vlan100"
+  [[load_balancer.listener]]
+  name = "http"
+  port = 80
+  backend_port = 30080
+[[load_balancer]]
+name = "default/b"
+vip = "10.200.0.50"
+network = "vlan200"
+  [[load_balancer.listener]]
+  name = "http"
+  port = 80
+  backend_port = 30080
+"#;
+        let config = crate::config::parse(text).expect("valid").config;
+        // br.200 does not exist on this host: nothing for vlan200.
+        let index: BTreeMap<String, u32> = [("br.100".to_string(), 7)].into();
+        let w = wanted(&config, &index);
+        let got: Vec<String> = w.iter().map(|(k, v)| format!("{k} {v:?}")).collect();
+        assert_eq!(
+            got,
+            [
+                "route 0.0.0.0/0 table 1100 Route { interface: Some(7), gateway: Some(10.100.0.1) }",
+                "route 10.100.0.0/24 table 1100 Route { interface: Some(7), gateway: None }",
+                "rule from 10.100.0.50 Rule { table: 1100 }",
+            ]
+        );
+    }
+}

@@ -1,0 +1,113 @@
+//! A real keepalived in a namespace of the bed, for the failover tests
+//! (`tests/faults/t_failover.rs` with hand-written files,
+//! `tests/vmnet.rs` with the files the daemon renders).
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use super::Ns;
+
+/// Whether keepalived can run here; CI must have it (`.ci/run` installs
+/// it): skips (or fails under `CI=true`) when it cannot.
+pub fn keepalived_missing() -> bool {
+    let missing = Command::new("keepalived")
+        .arg("--version")
+        .output()
+        .map_or(true, |o| !o.status.success());
+    if missing {
+        super::skip_or_fail(
+            "keepalived failover",
+            "keepalived is not installed (Debian package keepalived)",
+        );
+    }
+    missing
+}
+
+/// keepalived in one namespace, stopped (SIGTERM, then SIGKILL) on drop.
+pub struct Keepalived {
+    child: Child,
+    /// Its main pid file (what a `SIGHUP` for a reload is sent to).
+    pub pid_file: PathBuf,
+    vrrp_pid: PathBuf,
+    log: PathBuf,
+}
+
+impl Keepalived {
+    /// Runs keepalived (VRRP only, in the foreground) in `ns` with the
+    /// file `conf`; its pid files and log are `<dir>/keepalived-<name>*`,
+    /// unless `pid_file` names the main one.
+    pub fn run(ns: &Ns, dir: &Path, name: &str, conf: &Path, pid_file: Option<&Path>) -> Self {
+        let log = dir.join(format!("keepalived-{name}.log"));
+        let vrrp_pid = dir.join(format!("keepalived-{name}-vrrp.pid"));
+        let pid_file = pid_file.map_or_else(
+            || dir.join(format!("keepalived-{name}.pid")),
+            Path::to_path_buf,
+        );
+        let logf = std::fs::File::create(&log).expect("keepalived log");
+        let child = Command::new("ip")
+            .args(["netns", "exec", &ns.name, "keepalived"])
+            .args([
+                "--dont-fork",
+                "--log-console",
+                "--log-detail",
+                "--no-syslog",
+                "--vrrp",
+            ])
+            .arg("--use-file")
+            .arg(conf)
+            .arg("--pid")
+            .arg(&pid_file)
+            .arg("--vrrp_pid")
+            .arg(&vrrp_pid)
+            .stdin(Stdio::null())
+            .stdout(logf.try_clone().expect("dup log"))
+            .stderr(logf)
+            .spawn()
+            .expect("spawn keepalived (Debian package keepalived)");
+        Keepalived {
+            child,
+            pid_file,
+            vrrp_pid,
+            log,
+        }
+    }
+
+    /// Sends `sig` to keepalived's main process.
+    pub fn signal(&self, sig: i32) {
+        // SAFETY: kill(2) on our own child's pid.
+        unsafe {
+            libc::kill(self.child.id() as i32, sig);
+        }
+    }
+
+    /// Its log so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+}
+
+impl Drop for Keepalived {
+    fn drop(&mut self) {
+        self.signal(libc::SIGTERM);
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        // The VRRP child, should it outlive its parent.
+        if let Some(pid) = std::fs::read_to_string(&self.vrrp_pid)
+            .ok()
+            .and_then(|p| p.trim().parse::<i32>().ok())
+        {
+            // SAFETY: kill(2); a stale pid file names a process that is gone.
+            unsafe {
+                libc::kill(pid, libc::SIGKILL);
+            }
+        }
+    }
+}
