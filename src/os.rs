@@ -247,6 +247,17 @@ pub fn ip_forwarding() -> [(Sysctl, io::Result<String>); 2] {
     })
 }
 
+/// Sends `signal` to process `pid` (`kill(2)`): how the daemon tells
+/// keepalived to reload its configuration (`SIGHUP`).
+pub fn send_signal(pid: i32, signal: i32) -> std::io::Result<()> {
+    // SAFETY: kill(2) takes plain integers and touches no memory of ours.
+    if unsafe { libc::kill(pid, signal) } == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -262,16 +273,5 @@ mod tests {
         assert_eq!(Sysctl::from_read(&Ok("0\n".into())), Sysctl::Off);
         assert_eq!(Sysctl::from_read(&Ok("1\n".into())), Sysctl::On);
         assert_eq!(Sysctl::from_read(&Ok("2".into())), Sysctl::On);
-    }
-}
-
-/// Sends `signal` to process `pid` (`kill(2)`): how the daemon tells
-/// keepalived to reload its configuration (`SIGHUP`).
-pub fn send_signal(pid: i32, signal: i32) -> std::io::Result<()> {
-    // SAFETY: kill(2) takes plain integers and touches no memory of ours.
-    if unsafe { libc::kill(pid, signal) } == 0 {
-        Ok(())
-    } else {
-        Err(std::io::Error::last_os_error())
     }
 }
