@@ -110,7 +110,7 @@ fn host_prefix(ip: IpAddr) -> u8 {
 }
 
 /// The kernel's errno in a netlink error, if it is one (positive).
-fn errno(e: &rtnetlink::Error) -> Option<i32> {
+pub(crate) fn errno(e: &rtnetlink::Error) -> Option<i32> {
     match e {
         rtnetlink::Error::NetlinkError(m) => m.code.map(|c| -c.get()),
         _ => None,
@@ -119,7 +119,7 @@ fn errno(e: &rtnetlink::Error) -> Option<i32> {
 
 /// A route's table: the `RTA_TABLE` attribute when present (tables above
 /// 255 have only that), else the header's byte.
-fn table_of(m: &RouteMessage) -> u32 {
+pub(crate) fn table_of(m: &RouteMessage) -> u32 {
     m.attributes
         .iter()
         .find_map(|a| match a {

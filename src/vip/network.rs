@@ -39,7 +39,7 @@ use rtnetlink::packet_route::route::{
 use rtnetlink::packet_route::rule::{RuleAction, RuleAttribute, RuleMessage};
 use rtnetlink::{Error as NlError, IpVersion};
 
-use super::announce::{AnnounceError, ROUTE_PROTOCOL, RouteWriter};
+use super::announce::{AnnounceError, ROUTE_PROTOCOL, RouteWriter, errno, table_of};
 use crate::config::Config;
 use crate::owned::driver::Listing;
 use crate::owned::{Backend, Found, StopPhase};
@@ -166,24 +166,6 @@ fn nl(what: String) -> impl FnOnce(NlError) -> AnnounceError {
     move |source| AnnounceError::Netlink { what, source }
 }
 
-/// The kernel's errno in a netlink error, if it is one (positive).
-fn errno(e: &NlError) -> Option<i32> {
-    match e {
-        NlError::NetlinkError(m) => m.code.map(|c| -c.get()),
-        _ => None,
-    }
-}
-
-fn route_table(m: &RouteMessage) -> u32 {
-    m.attributes
-        .iter()
-        .find_map(|a| match a {
-            RouteAttribute::Table(t) => Some(*t),
-            _ => None,
-        })
-        .unwrap_or(u32::from(m.header.table))
-}
-
 fn rule_table(m: &RuleMessage) -> u32 {
     m.attributes
         .iter()
@@ -254,7 +236,7 @@ impl Backend for NetworkRoutes {
             .await
             .map_err(nl("cannot list the routes of the networks' tables".into()))?
         {
-            let table = route_table(&m);
+            let table = table_of(&m);
             if !tables.contains(&table) {
                 continue;
             }
