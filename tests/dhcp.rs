@@ -678,18 +678,7 @@ async fn an_offer_of_the_hosts_own_address_is_refused() {
         "",
         |bed| {
             // The kernel path forwards only with forwarding on.
-            netns::run(
-                "ip",
-                &[
-                    "netns",
-                    "exec",
-                    &bed.lb.name,
-                    "sysctl",
-                    "-qw",
-                    "net.ipv4.ip_forward=1",
-                ],
-                None,
-            );
+            bed.enable_forwarding();
             // The host's own service on its own address.
             let https = bed.lb.listen(sa(netns::LB_IP, 443));
             tokio::spawn(async move {

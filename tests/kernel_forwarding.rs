@@ -392,22 +392,6 @@ async fn open_to(bed: &Bed, name: &str) -> tokio::net::TcpStream {
     panic!("no connection reached {name} within 4 tries");
 }
 
-/// Routes between the bed's hosts through the load-balancer namespace.
-fn enable_forwarding(bed: &Bed) {
-    run(
-        "ip",
-        &[
-            "netns",
-            "exec",
-            &bed.lb.name,
-            "sysctl",
-            "-qw",
-            "net.ipv4.ip_forward=1",
-        ],
-        None,
-    );
-}
-
 /// Starts the daemon on `config` and waits until the kernel forwards its
 /// first listener.
 async fn start_kernel(bed: &mut Bed, config: &Config) {
@@ -450,7 +434,7 @@ async fn the_kernel_balances_follows_health_and_serves_while_the_daemon_is_froze
         return;
     }
     let mut bed = Bed::new("kfwd", 2);
-    enable_forwarding(&bed);
+    bed.enable_forwarding();
     let n1 = Node::start(&bed, 1, Service::NameThenEcho);
     let mut n2 = Node::start(&bed, 2, Service::NameThenEcho);
     start_kernel(&mut bed, &kernel_config(&[1, 2])).await;
@@ -524,7 +508,7 @@ async fn a_drain_keeps_the_open_connection_and_no_backend_is_a_reset() {
         return;
     }
     let mut bed = Bed::new("kdrain", 2);
-    enable_forwarding(&bed);
+    bed.enable_forwarding();
     let _n1 = Node::start(&bed, 1, Service::NameThenEcho);
     let _n2 = Node::start(&bed, 2, Service::NameThenEcho);
     start_kernel(&mut bed, &kernel_config(&[1, 2])).await;
@@ -593,7 +577,7 @@ async fn an_open_proxied_connection_survives_its_listener_moving_to_the_kernel()
         return;
     }
     let mut bed = Bed::new("kpickup", 1);
-    enable_forwarding(&bed);
+    bed.enable_forwarding();
     let _n1 = Node::start(&bed, 1, Service::NameThenEcho);
     let proxy = config()
         .lb(web_lb(&[1], Listener::new("tcp", 80, NODEPORT)))
@@ -655,7 +639,7 @@ async fn a_reload_switches_between_proxy_and_kernel_under_load_without_a_failure
         return;
     }
     let mut bed = Bed::new("kswitch", 2);
-    enable_forwarding(&bed);
+    bed.enable_forwarding();
     let _n1 = Node::start(&bed, 1, Service::NameThenEcho);
     let _n2 = Node::start(&bed, 2, Service::NameThenEcho);
     let proxy = config()
@@ -725,7 +709,7 @@ async fn a_killed_daemon_leaves_the_kernel_forwarding_and_a_restart_keeps_open_f
         return;
     }
     let mut bed = Bed::new("kkill", 2);
-    enable_forwarding(&bed);
+    bed.enable_forwarding();
     let _n1 = Node::start(&bed, 1, Service::NameThenEcho);
     let _n2 = Node::start(&bed, 2, Service::NameThenEcho);
     // With the VIP isolation table too: DNATed packets go to forward, not
@@ -795,7 +779,7 @@ async fn an_upgrade_moves_listeners_from_the_one_table_layout_with_open_flows_ru
         return;
     }
     let mut bed = Bed::new("kupg", 2);
-    enable_forwarding(&bed);
+    bed.enable_forwarding();
     let _n1 = Node::start(&bed, 1, Service::NameThenEcho);
     let _n2 = Node::start(&bed, 2, Service::NameThenEcho);
     let text = config().lb(kernel_lb(&[1, 2]));
@@ -858,7 +842,7 @@ async fn a_clean_stop_refuses_new_kernel_connections_and_waits_for_the_open_ones
         return;
     }
     let mut bed = Bed::new("kstop", 2);
-    enable_forwarding(&bed);
+    bed.enable_forwarding();
     let _n1 = Node::start(&bed, 1, Service::NameThenEcho);
     let _n2 = Node::start(&bed, 2, Service::NameThenEcho);
     let text = config().drain_timeout(120).lb(kernel_lb(&[1, 2]));
@@ -911,7 +895,7 @@ async fn a_table_that_cannot_be_written_leaves_the_proxy_serving_until_a_resync_
         return;
     }
     let mut bed = Bed::new("kfail", 1);
-    enable_forwarding(&bed);
+    bed.enable_forwarding();
     let _n1 = Node::start(&bed, 1, Service::NameThenEcho);
     // Something else holds a chain of that name with another type: every
     // transaction of the daemon is refused by the kernel.
@@ -995,7 +979,7 @@ async fn source_nat_none_shows_the_backend_the_clients_own_address() {
         return;
     }
     let mut bed = Bed::new("ksnat", 1);
-    enable_forwarding(&bed);
+    bed.enable_forwarding();
     let _n1 = Node::start(&bed, 1, Service::NameThenEcho); // its health port
     peer_teller(&bed, 1, 30081);
     peer_teller(&bed, 1, 30082);
@@ -1111,7 +1095,7 @@ async fn listeners_sharing_a_nodeport_keep_each_others_masquerade_across_reloads
         return;
     }
     let mut bed = Bed::new("kshare", 2);
-    enable_forwarding(&bed);
+    bed.enable_forwarding();
     let _n1 = Node::start(&bed, 1, Service::NameThenEcho); // health ports
     let _n2 = Node::start(&bed, 2, Service::NameThenEcho);
     peer_teller(&bed, 1, 30090);
@@ -1237,7 +1221,7 @@ async fn one_tenants_refused_objects_leave_every_other_tenant_in_the_kernel() {
         return;
     }
     let mut bed = Bed::new("knarrow", 1);
-    enable_forwarding(&bed);
+    bed.enable_forwarding();
     let _n1 = Node::start(&bed, 1, Service::NameThenEcho); // 30080 and health
     peer_teller(&bed, 1, 30081);
     let (_remote, rc) = remote_client(&bed, "knarrow-rc");
@@ -1491,7 +1475,7 @@ async fn a_udp_client_with_a_fixed_port_moves_off_a_backend_that_left() {
         return;
     }
     let mut bed = Bed::new("kudp", 2);
-    enable_forwarding(&bed);
+    bed.enable_forwarding();
     // Health on TCP; the service on UDP.
     let _n1 = Node::start(&bed, 1, Service::NameThenEcho);
     let mut n2 = Node::start(&bed, 2, Service::NameThenEcho);
@@ -1589,7 +1573,7 @@ async fn on_backend_down_close_resets_the_open_connections_of_a_failed_backend()
         return;
     }
     let mut bed = Bed::new("kclose", 2);
-    enable_forwarding(&bed);
+    bed.enable_forwarding();
     let _n1 = Node::start(&bed, 1, Service::NameThenEcho);
     let mut n2 = Node::start(&bed, 2, Service::NameThenEcho);
     let text = config().lb(kernel_lb(&[1, 2]).keys("on_backend_down = \"close\""));
@@ -1655,7 +1639,7 @@ async fn a_host_that_does_not_forward_keeps_the_listener_with_the_proxy_and_says
         .await;
     // Turned on by the operator: the listener goes to the kernel (checked
     // every 5 s).
-    enable_forwarding(&bed);
+    bed.enable_forwarding();
     tokio::time::timeout(Duration::from_secs(15), wait_kernel(&bed))
         .await
         .expect("in the kernel within 15 s");
@@ -1716,7 +1700,7 @@ async fn source_ip_keeps_each_client_on_its_node_and_moves_only_the_clients_of_a
         return;
     }
     let mut bed = Bed::new("ksrcip", 3);
-    enable_forwarding(&bed);
+    bed.enable_forwarding();
     let _n1 = Node::start(&bed, 1, Service::NameThenEcho);
     let _n2 = Node::start(&bed, 2, Service::NameThenEcho);
     let mut n3 = Node::start(&bed, 3, Service::NameThenEcho);
@@ -1785,7 +1769,7 @@ async fn client_affinity_keeps_a_client_on_its_node_until_that_node_leaves() {
         return;
     }
     let mut bed = Bed::new("kaff", 2);
-    enable_forwarding(&bed);
+    bed.enable_forwarding();
     let _n1 = Node::start(&bed, 1, Service::NameThenEcho);
     let _n2 = Node::start(&bed, 2, Service::NameThenEcho);
     let text = config()
@@ -1835,7 +1819,7 @@ async fn a_stopped_backend_is_out_of_the_kernel_within_the_detection_time() {
         return;
     }
     let mut bed = Bed::new("kdetect", 2);
-    enable_forwarding(&bed);
+    bed.enable_forwarding();
     let _n1 = Node::start(&bed, 1, Service::NameThenEcho);
     let n2 = Node::start(&bed, 2, Service::NameThenEcho);
     start_kernel(&mut bed, &kernel_config(&[1, 2])).await;
@@ -1872,7 +1856,7 @@ async fn open_kernel_connections_count_as_active_connections_of_their_backend() 
         return;
     }
     let mut bed = Bed::new("kactive", 2);
-    enable_forwarding(&bed);
+    bed.enable_forwarding();
     let _n1 = Node::start(&bed, 1, Service::NameThenEcho);
     let _n2 = Node::start(&bed, 2, Service::NameThenEcho);
     start_kernel(&mut bed, &kernel_config(&[1, 2])).await;
@@ -1932,7 +1916,7 @@ async fn kernel_udp_flows_count_as_flows_of_their_backend() {
         return;
     }
     let mut bed = Bed::new("kudpflows", 2);
-    enable_forwarding(&bed);
+    bed.enable_forwarding();
     let _n1 = Node::start(&bed, 1, Service::NameThenEcho);
     let _n2 = Node::start(&bed, 2, Service::NameThenEcho);
     let _u1 = udp_teller(&bed, 1, 30053);
@@ -2201,7 +2185,7 @@ async fn tampered_tables_are_repaired_within_the_check_interval_and_at_a_reload(
         return;
     }
     let mut bed = Bed::new("krep", 2);
-    enable_forwarding(&bed);
+    bed.enable_forwarding();
     let _n1 = Node::start(&bed, 1, Service::NameThenEcho);
     let _n2 = Node::start(&bed, 2, Service::NameThenEcho);
     start_kernel(&mut bed, &kernel_config(&[1, 2])).await;
@@ -2306,7 +2290,7 @@ async fn a_foreign_forward_chain_that_drops_keeps_the_listener_with_the_proxy_an
         return;
     }
     let mut bed = Bed::new("kfwdrop", 1);
-    enable_forwarding(&bed);
+    bed.enable_forwarding();
     let _n1 = Node::start(&bed, 1, Service::NameThenEcho);
     // As Docker leaves it: policy drop, a jump to DOCKER-USER, accepts
     // for its own bridge only.

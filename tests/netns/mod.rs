@@ -295,6 +295,23 @@ pub struct Bed {
 }
 
 impl Bed {
+    /// Turns IPv4 forwarding on in the load-balancer namespace: the kernel
+    /// path forwards only with it on.
+    pub fn enable_forwarding(&self) {
+        run(
+            "ip",
+            &[
+                "netns",
+                "exec",
+                &self.lb.name,
+                "sysctl",
+                "-qw",
+                "net.ipv4.ip_forward=1",
+            ],
+            None,
+        );
+    }
+
     /// Builds the bed for test `test` with `n` nodes.
     pub fn new(test: &str, n: usize) -> Bed {
         assert!((1..=9).contains(&n), "1..=9 nodes");
