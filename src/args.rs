@@ -169,7 +169,9 @@ pub(crate) enum Command {
     /// Write the config from Harvester's objects, as `kubectl get … -o json`
     /// or `-o yaml` prints them: `LoadBalancer`s (loadbalancer.harvesterhci.io
     /// v1beta1 or v1alpha1), or a guest cluster's `Service`s of type
-    /// LoadBalancer with its `Node`s (with --cluster).
+    /// LoadBalancer with its `Node`s (with --cluster); with the
+    /// NetworkAttachmentDefinitions (and IPPools) of the VM networks the
+    /// LoadBalancers name (loadbalancer.harvesterhci.io/network).
     ///
     /// Prints the config on stdout, or with --write replaces PATH through a
     /// temporary file validated as `check` does (exit 78 and nothing written
@@ -205,6 +207,12 @@ pub(crate) enum Command {
         /// cluster's objects, which could then reach this host's services.
         #[arg(long)]
         allow_loopback: bool,
+        /// This host's interface on a VM network, where it cannot be
+        /// derived from the NetworkAttachmentDefinition (the bridge of an
+        /// untagged network, BRIDGE.VLAN of a VLAN) or is named otherwise
+        /// here, e.g. default/vlan100=eth1.100. Repeat it for each network.
+        #[arg(long = "network-interface", value_name = "NETWORK=INTERFACE")]
+        network_interfaces: Vec<String>,
     },
 }
 

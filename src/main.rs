@@ -67,6 +67,7 @@ fn main() -> ExitCode {
             base,
             allow_removals,
             allow_loopback,
+            network_interfaces,
         } => cli::import(&harvester_lb::import::Args {
             inputs,
             cluster,
@@ -75,6 +76,7 @@ fn main() -> ExitCode {
             base,
             allow_removals,
             allow_loopback,
+            network_interfaces,
         }),
     }
 }

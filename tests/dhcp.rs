@@ -175,11 +175,12 @@ fn address(lease: &serde_json::Value) -> Ipv4Addr {
 
 /// One connection from the client to `vip:80`, which node 1 answers "n1".
 async fn forwarded(bed: &Bed, vip: Ipv4Addr) -> bool {
-    let Ok(mut s) = bed
-        .client
-        .connect(sa(vip, 80), Duration::from_secs(2))
-        .await
-    else {
+    forwarded_from(&bed.client, vip).await
+}
+
+/// One connection from namespace `ns` to `vip:80`, which node 1 answers "n1".
+async fn forwarded_from(ns: &Ns, vip: Ipv4Addr) -> bool {
+    let Ok(mut s) = ns.connect(sa(vip, 80), Duration::from_secs(2)).await else {
         return false;
     };
     let mut buf = [0u8; 3];
@@ -742,4 +743,84 @@ async fn an_offer_outside_the_allowed_ranges_is_refused() {
         "outside_allowed_ranges",
     )
     .await;
+}
+
+/// A load balancer with `ipam = "dhcp"` on a `[[network]]`: the lease's
+/// macvlan is made on the network's interface (a bridge of the host's, as
+/// a Harvester host's VM network is, with no address of the host on it),
+/// dnsmasq on that network leases the VIP, a VM there is served through
+/// it, and its replies leave by the network's routing table (the host has
+/// no route to the network but that table: without it they go nowhere).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leased_vip_on_a_vm_network_is_leased_on_the_network_s_bridge_and_serves_its_vms() {
+    require_netns!();
+    if dnsmasq_skipped() {
+        return;
+    }
+    let mut bed = Bed::new("dhcpvm", 1);
+    let _node = Node::start(&bed, 1, Service::NameThenEcho);
+    // The VM network: namespace `vm` (a VM, and the network's DHCP server
+    // and router at .1) on bridge `vm-br` of the load-balancer host. The
+    // namespace comes from the bed (so it is cleaned up with it), moved off
+    // the bed's own segment onto the VM network.
+    let (vm, _) = bed.add_host("vm", Ipv4Addr::new(198, 51, 100, 99));
+    vm.ip(&["link", "del", "eth0"]);
+    bed.lb.ip(&["link", "add", "vm-br", "type", "bridge"]);
+    bed.lb.ip(&[
+        "link", "add", "vmport", "type", "veth", "peer", "name", "eth0", "netns", &vm.name,
+    ]);
+    bed.lb
+        .ip(&["link", "set", "vmport", "master", "vm-br", "up"]);
+    bed.lb.ip(&["link", "set", "vm-br", "up"]);
+    vm.ip(&["addr", "add", "203.0.113.1/24", "dev", "eth0"]);
+    vm.ip(&["link", "set", "eth0", "up"]);
+    let _dnsmasq = Dnsmasq::start_with(
+        &vm,
+        &bed.dir,
+        &["--dhcp-range=203.0.113.50,203.0.113.60,255.255.255.0,2m".to_string()],
+    );
+    // The lease's table has no interface: the network's is taken.
+    let config = netns::config()
+        .drain_timeout(1)
+        .text(&format!(
+            "[dhcp]\nstate_directory = {}\n\n[[network]]\nname = \"default/vm\"\ninterface = \"vm-br\"\nprefix_length = 24\ngateway = \"203.0.113.1\"\n",
+            quote(bed.dir.join("state").display())
+        ))
+        .lb(Lb::new("default/web", "0.0.0.0")
+            .keys("ipam = \"dhcp\"\nnetwork = \"default/vm\"")
+            .backends([netns::node_ip(1)])
+            .listener(web())
+            .keys("  [load_balancer.dhcp]"));
+    bed.start_daemon(&config.to_string()).await;
+    let leased = lease(&bed, 0, 0, Duration::from_secs(30)).await;
+    let vip = address(&leased);
+    assert!((50..=60).contains(&vip.octets()[3]), "{leased}");
+    assert_eq!(leased["server"], "203.0.113.1", "{leased}");
+    assert_eq!(
+        leased["interface"].as_str().map(|i| i.starts_with("hlb")),
+        Some(true),
+        "{leased}"
+    );
+    let link = link_of(&bed.lb, leased["interface"].as_str().unwrap());
+    assert!(
+        link.contains("@vm-br "),
+        "the macvlan's parent is the network's bridge: {link}"
+    );
+    // The VM is served through the VIP; its replies need the network's table.
+    wait_for(
+        Duration::from_secs(15),
+        &format!("the VM served through {vip}"),
+        || async { forwarded_from(&vm, vip).await.then_some(()) },
+    )
+    .await;
+    let rules = Command::new("ip")
+        .args(["-n", &bed.lb.name, "-4", "rule", "show"])
+        .output()
+        .expect("ip rule");
+    let rules = String::from_utf8_lossy(&rules.stdout).to_string();
+    assert!(
+        rules.contains(&format!("from {vip} lookup 1000")),
+        "the leased VIP's rule: {rules}"
+    );
+    assert!(!rules.contains("from 0.0.0.0 lookup"), "{rules}");
 }

@@ -1181,3 +1181,222 @@ fn a_vip_that_is_the_hosts_own_address_or_its_gateway_is_skipped_naming_the_use(
     );
     assert_eq!(vips(&stdout), ["203.0.113.50"]);
 }
+
+/// `harvester-lb import ARGS` run as a process in namespace `ns` (its
+/// interfaces and addresses are the host the import checks against).
+fn import_in(ns: &netns::Ns, args: &[&str]) -> (i32, String, String) {
+    let out = std::process::Command::new("ip")
+        .args([
+            "netns",
+            "exec",
+            &ns.name,
+            env!("CARGO_BIN_EXE_harvester-lb"),
+        ])
+        .arg("import")
+        .args(args)
+        .output()
+        .expect("run import");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+const VMNET_FIXTURES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/import-vmnet");
+
+/// The skip line of load balancer `name` (`default/NAME`).
+fn skip_of<'a>(stderr: &'a str, name: &str) -> &'a str {
+    let needle = format!("LoadBalancer default/{name} (");
+    skip_lines(stderr)
+        .into_iter()
+        .find(|l| l.contains(&needle))
+        .unwrap_or_else(|| panic!("no skip line for {name}:\n{stderr}"))
+}
+
+#[test]
+fn load_balancers_on_vm_networks_from_harvester_s_objects_get_their_networks() {
+    if let Some(why) = netns::skip_reason() {
+        netns::skip_or_fail(module_path!(), &format!("needs network namespaces ({why})"));
+        return;
+    }
+    // A Harvester host: the management cluster network's bridge, a second
+    // cluster network's bridge, and a device for VLAN 100 of mgmt-br (a
+    // dummy named as the VLAN device would be: this kernel has no 8021q).
+    // No device for VLAN 200.
+    let bed = netns::Bed::new("impnet", 1);
+    bed.lb.ip(&["link", "add", "mgmt-br", "type", "bridge"]);
+    bed.lb.ip(&["link", "add", "data-br", "type", "bridge"]);
+    bed.lb.ip(&["link", "add", "mgmt-br.100", "type", "dummy"]);
+    let base = bed.write(
+        "base.toml",
+        "[keepalived]\nname = \"harvester-node-1\"\naddress = \"192.168.0.11\"\ninterface = \"mgmt-br\"\npeers = [\"192.168.0.12\", \"192.168.0.13\"]\n",
+    );
+    let nads = format!("{VMNET_FIXTURES}/nads.yaml");
+    let lbs = format!("{VMNET_FIXTURES}/lbs.json");
+    let target = bed.dir.join("config.toml");
+    let (base_s, target_s) = (base.to_str().unwrap(), target.to_str().unwrap());
+    let (code, _, stderr) = import_in(
+        &bed.lb,
+        &[&lbs, &nads, "--base", base_s, "--write", target_s],
+    );
+    assert_eq!(code, i32::from(import::EXIT_SKIPPED), "{stderr}");
+    assert!(
+        stderr.contains("(4 load balancers; 5 skipped, each named above)"),
+        "{stderr}"
+    );
+    // Each object that cannot be put on its network is named, with the
+    // network, the field and the remedy; none is half-imported.
+    for (name, words) in [
+        (
+            "far",
+            vec![
+                "on network \"default/vlan200\"",
+                "this host has no interface \"mgmt-br.200\" (VLAN 200 of bridge mgmt-br, from k8s.cni.cncf.io/v1 NetworkAttachmentDefinition default/vlan200",
+                "ip link add link mgmt-br name mgmt-br.200 type vlan id 200",
+                "--network-interface default/vlan200=INTERFACE",
+            ],
+        ),
+        (
+            "badmask",
+            vec!["status.allocatedAddress.mask: \"255.0.255.0\" is not a contiguous subnet mask"],
+        ),
+        (
+            "othergw",
+            vec![
+                "status.allocatedAddress (mask and gateway: /24 via 10.100.0.254) disagrees with the network's /24 via 10.100.0.1 (network.harvesterhci.io/route of k8s.cni.cncf.io/v1 NetworkAttachmentDefinition default/vlan100",
+            ],
+        ),
+        (
+            "trunked",
+            vec![
+                "default/trunk",
+                "spec.config: a VLAN trunk (vlanTrunk) carries several VLANs",
+            ],
+        ),
+        (
+            "nonad",
+            vec![
+                "no NetworkAttachmentDefinition default/missing in the input and no --network-interface default/missing=INTERFACE",
+            ],
+        ),
+    ] {
+        let line = skip_of(&stderr, name);
+        for w in words {
+            assert!(line.contains(w), "{name}: {w:?} not in:\n{line}");
+        }
+        assert!(line.ends_with("not imported"), "{line}");
+    }
+    assert!(
+        stderr.contains(
+            "2 NetworkAttachmentDefinition(s) named by no LoadBalancer, not written: default/overlay, harvester-system/storage"
+        ),
+        "{stderr}"
+    );
+
+    // `check` takes the file; the networks are what the objects say.
+    let (code, stdout, stderr) = run_cli(&["check", "--config", target_s]);
+    assert_eq!(code, 0, "check rejected the import:\n{stdout}{stderr}");
+    let text = std::fs::read_to_string(&target).unwrap();
+    let config = harvester_lb::config::parse(&text).expect("valid").config;
+    let nets: Vec<(String, String, u8, String)> = config
+        .networks
+        .iter()
+        .map(|n| {
+            (
+                n.name.clone(),
+                n.interface.clone(),
+                n.prefix_length,
+                n.gateway.to_string(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        nets,
+        [
+            // From the IPPool selecting it (no route annotation filled in).
+            (
+                "default/untagged".into(),
+                "data-br".into(),
+                24,
+                "10.30.0.1".into()
+            ),
+            // From the NAD's route annotation.
+            (
+                "default/vlan100".into(),
+                "mgmt-br.100".into(),
+                24,
+                "10.100.0.1".into()
+            ),
+        ]
+    );
+    let on: Vec<(&str, Option<&str>, String)> = config
+        .load_balancers
+        .iter()
+        .map(|l| (l.name.as_str(), l.network.as_deref(), l.vip.to_string()))
+        .collect();
+    assert_eq!(
+        on,
+        [
+            (
+                "default/dhcp-web",
+                Some("default/vlan100"),
+                "0.0.0.0".into()
+            ),
+            ("default/mgmt", None, "192.0.2.10".into()),
+            (
+                "default/untagged-web",
+                Some("default/untagged"),
+                "10.30.0.40".into()
+            ),
+            ("default/web", Some("default/vlan100"), "10.100.0.50".into()),
+        ]
+    );
+    // The DHCP VIP on the network is leased by the daemon, on the
+    // network's interface.
+    let dhcp = config.load_balancers[0].dhcp.as_ref().expect("leased here");
+    assert_eq!(dhcp.interface, "mgmt-br.100");
+    let rendered = harvester_lb::vip::keepalived::render(&config).expect("[keepalived]");
+    assert!(
+        rendered.contains("10.100.0.50/32 dev mgmt-br.100")
+            && rendered.contains("10.30.0.40/32 dev data-br"),
+        "{rendered}"
+    );
+
+    // The operator names this host's interface for VLAN 200: imported.
+    let (code, stdout, stderr) = import_in(
+        &bed.lb,
+        &[
+            &lbs,
+            &nads,
+            "--base",
+            base_s,
+            "--network-interface",
+            "default/vlan200=data-br",
+        ],
+    );
+    assert_eq!(code, i32::from(import::EXIT_SKIPPED), "{stderr}");
+    assert!(!stderr.contains("LoadBalancer default/far ("), "{stderr}");
+    let config = harvester_lb::config::parse(&stdout).expect("valid").config;
+    let far = config.networks.iter().find(|n| n.name == "default/vlan200");
+    assert_eq!(
+        far.map(|n| (n.interface.as_str(), n.gateway.to_string())),
+        Some(("data-br", "10.200.0.1".to_string())),
+        "from far's own allocatedAddress"
+    );
+
+    // Without the --base file's [keepalived], a VIP keepalived would move
+    // is skipped saying so; the leased one needs none.
+    let (code, stdout, stderr) = import_in(&bed.lb, &[&lbs, &nads]);
+    assert_eq!(code, i32::from(import::EXIT_SKIPPED), "{stderr}");
+    assert!(
+        skip_of(&stderr, "web").contains("the --base file has no [keepalived] section"),
+        "{stderr}"
+    );
+    assert!(stdout.contains("name = \"default/dhcp-web\""), "{stdout}");
+
+    // A mapping that is no NETWORK=INTERFACE is a usage error.
+    let (code, _, stderr) = import_in(&bed.lb, &[&lbs, "--network-interface", "vlan100"]);
+    assert_eq!(code, i32::from(import::EXIT_USAGE), "{stderr}");
+    assert!(stderr.contains("write NETWORK=INTERFACE"), "{stderr}");
+}

@@ -186,8 +186,9 @@ async fn missing_network_interfaces(config: &Config) -> Vec<VipRefusal> {
                 vip: lb.vip,
                 kind: "no_network_interface",
                 reason: format!(
-                    "on network {:?}, whose interface {interface:?} does not exist on this host: keepalived could not put the VIP there; create it (the VM network's bridge, or its VLAN device) or correct network.interface",
-                    lb.network.as_deref().unwrap_or_default()
+                    "on network {:?}, whose interface {interface:?} does not exist on this host: {} could not put the VIP there; create it (the VM network's bridge, or its VLAN device) or correct network.interface",
+                    lb.network.as_deref().unwrap_or_default(),
+                    if lb.dhcp.is_some() { "the lease's macvlan" } else { "keepalived" }
                 ),
             })
         })

@@ -8,7 +8,7 @@ use std::net::IpAddr;
 use super::documents::Object;
 use super::fields::{At, Reason, ip, show};
 use super::model::{Check, DEFAULT_CLUSTER, Lb, Listener};
-use super::{Accepts, Mapped};
+use super::{Accepts, Mapped, network};
 
 /// The annotation Harvester's load-balancer controller reads the owning
 /// guest cluster from.
@@ -46,10 +46,19 @@ pub fn map_load_balancer(
     let name = lb_name(&meta)?;
     let cluster = lb_cluster(&meta)?;
     let ipam = ipam(&spec.get("ipam"))?;
-    let vip = vip(
-        &at_path(&root, layout.vip),
-        &at_path(&root, layout.vip_fallback),
-    )?;
+    let claim = network::claim(&meta, &root.get("status").get("allocatedAddress"))?;
+    // A DHCP VIP on a network is leased by this daemon: no address yet is
+    // no reason to wait (the one Harvester wrote, if any, is asked for).
+    let leased = ipam == "dhcp" && claim.is_some();
+    let (primary, fallback) = (
+        at_path(&root, layout.vip),
+        at_path(&root, layout.vip_fallback),
+    );
+    let vip = match vip_opt(&primary, &fallback)? {
+        Some(ip) => ip,
+        None if leased => IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED),
+        None => return Err(no_vip(&primary, &fallback)?),
+    };
     let backends = addresses(&at_path(&root, layout.backends))?;
     let listeners = listeners(&spec.get("listeners"), accepts, &mut mapped_parts)?;
     let hc = spec.get("healthCheck");
@@ -90,9 +99,12 @@ pub fn map_load_balancer(
             client_ip_affinity: false,
             affinity_timeout_seconds: None,
             source_ranges: Vec::new(),
+            network: claim.as_ref().map(|c| c.name.clone()),
+            leased,
         },
         skipped_parts: mapped_parts.skipped,
         notes: mapped_parts.notes,
+        claim,
     })
 }
 
@@ -155,22 +167,26 @@ pub fn ipam(at: &At<'_>) -> Result<&'static str, Reason> {
 }
 
 /// The VIP from `primary`, or from `fallback` when `primary` is empty or
-/// the unspecified address Harvester writes for a DHCP VIP.
-pub fn vip(primary: &At<'_>, fallback: &At<'_>) -> Result<IpAddr, Reason> {
+/// the unspecified address Harvester writes for a DHCP VIP; `None` when
+/// neither has one yet.
+pub fn vip_opt(primary: &At<'_>, fallback: &At<'_>) -> Result<Option<IpAddr>, Reason> {
     let first = primary.str()?.map(str::trim).filter(|s| !s.is_empty());
     let first_ip = first.map(|s| ip(s, primary.path())).transpose()?;
     if let Some(ip) = first_ip.filter(|ip| !ip.is_unspecified()) {
-        return Ok(ip);
+        return Ok(Some(ip));
     }
     let second = fallback.str()?.map(str::trim).filter(|s| !s.is_empty());
-    if let Some(ip) = second
+    Ok(second
         .map(|s| ip(s, fallback.path()))
         .transpose()?
-        .filter(|ip| !ip.is_unspecified())
-    {
-        return Ok(ip);
-    }
-    Err(match first_ip {
+        .filter(|ip| !ip.is_unspecified()))
+}
+
+/// Why there is no VIP yet (once [`vip_opt`] found none).
+fn no_vip(primary: &At<'_>, fallback: &At<'_>) -> Result<Reason, Reason> {
+    let first = primary.str()?.map(str::trim).filter(|s| !s.is_empty());
+    let first_ip = first.map(|s| ip(s, primary.path())).transpose()?;
+    Ok(match first_ip {
         Some(unspecified) => format!(
             "no VIP yet: {} is {unspecified} (a DHCP address not leased yet) and {} is empty",
             primary.path(),

@@ -64,6 +64,13 @@ pub fn lb_addresses(lb: &Lb, allow_loopback: bool) -> Option<String> {
     if let Some(why) = host_address(lb.vip, allow_loopback) {
         return Some(format!("VIP {} is {why}; not imported", lb.vip));
     }
+    backend_addresses(lb, allow_loopback)
+}
+
+/// Why a backend of `lb` cannot be imported, naming the address (for a
+/// VIP the daemon will lease, still `0.0.0.0`, only the backends are
+/// judged).
+pub fn backend_addresses(lb: &Lb, allow_loopback: bool) -> Option<String> {
     lb.backends.iter().find_map(|&b| {
         host_address(b, allow_loopback).map(|why| format!("backend {b} is {why}; not imported"))
     })

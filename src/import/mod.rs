@@ -4,7 +4,12 @@
 //! One module per source model (`v1beta1`, `v1alpha1`, and `service` for
 //! the guest `Service`s and `Node`s of the v0.1.x cloud provider), all
 //! mapping to one load-balancer model (`model`); `documents` reads the
-//! text, `write` puts the result in place. This module reads only `config` types and does no I/O beyond the
+//! text, `write` puts the result in place; `network` settles the VM
+//! network a LoadBalancer names (`loadbalancer.harvesterhci.io/network`)
+//! from the NetworkAttachmentDefinitions and IPPools given with it, into
+//! `[[network]]` tables, skipping by name the load balancers of a network
+//! this host has no interface on ([`command`] reads the host's interfaces
+//! over rtnetlink). This module reads only `config` types and does no I/O beyond the
 //! files it is given and the one it writes; it never talks to a cluster or
 //! to the daemon (the daemon's file watch picks the new file up).
 //!
@@ -31,6 +36,7 @@ mod documents;
 mod fields;
 mod guard;
 mod model;
+mod network;
 mod service;
 mod v1alpha1;
 mod v1beta1;
@@ -110,6 +116,8 @@ struct Mapped {
     skipped_parts: Vec<String>,
     /// How things were mapped, worth a line.
     notes: Vec<String>,
+    /// The VM network it names, if any (settled by `network::resolve`).
+    claim: Option<network::Claim>,
 }
 
 /// How the import is asked for.
@@ -133,6 +141,15 @@ pub struct Options {
     /// them is skipped (see [`crate::vip::host::judge`]). [`command`]
     /// always reads them; `None` (a library caller) checks nothing.
     pub host: Option<crate::vip::host::HostNet>,
+    /// This host's interface for each VM network, by network name
+    /// (`--network-interface NETWORK=INTERFACE`): where it cannot be
+    /// derived from the NetworkAttachmentDefinition, or is named otherwise
+    /// on this host.
+    pub network_interfaces: BTreeMap<String, String>,
+    /// This host's interfaces: a load balancer on a network whose
+    /// interface is not among them is skipped (this host is not on that
+    /// network). [`command`] always reads them; `None` checks nothing.
+    pub interfaces: Option<BTreeSet<String>>,
 }
 
 /// The load balancer that holds each VIP:port and protocol in a config
@@ -242,6 +259,8 @@ pub fn import(sources: &[Source], options: &Options) -> Result<Imported, ImportE
     let mut services = Vec::new();
     let mut other_services = 0usize;
     let mut nodes: Vec<IpAddr> = Vec::new();
+    let mut nads = Vec::new();
+    let mut pools = Vec::new();
     for obj in &objects {
         match (obj.api_version(), obj.kind()) {
             (v1beta1::API_VERSION, "LoadBalancer") => results.push((
@@ -257,6 +276,18 @@ pub fn import(sources: &[Source], options: &Options) -> Result<Imported, ImportE
             // Each Node is judged alone: one bad address skips that Node,
             // never the Services it would have been a backend of.
             ("v1", "Node") => node(obj, options, &mut nodes, &mut skipped, &mut notes),
+            (network::NAD_API_VERSION, network::NAD_KIND) => nads.push(network::nad(obj)),
+            (v1beta1::API_VERSION, "IPPool") => match network::pool(obj) {
+                Ok(Some(p)) => pools.push(p),
+                Ok(None) => notes.push(format!(
+                    "{}: spec.selector.network is empty; not used for any network's subnet",
+                    obj.describe()
+                )),
+                Err(reason) => notes.push(format!(
+                    "{}: {reason}; not used for any network's subnet",
+                    obj.describe()
+                )),
+            },
             (_, kind) => skipped.push(not_imported(obj, kind)),
         }
     }
@@ -279,6 +310,9 @@ pub fn import(sources: &[Source], options: &Options) -> Result<Imported, ImportE
         }
     }
 
+    // Each load balancer on a VM network: its network settled, or skipped.
+    let networks = network::resolve(&mut results, &nads, &pools, options, &mut notes);
+
     // Each load balancer alone against the config's rules.
     let mut by_name: BTreeMap<String, Vec<Entry>> = BTreeMap::new();
     let mut warnings = Vec::new();
@@ -287,6 +321,7 @@ pub fn import(sources: &[Source], options: &Options) -> Result<Imported, ImportE
             object,
             result,
             options,
+            &networks,
             &mut skipped,
             &mut notes,
             &mut warnings,
@@ -306,7 +341,14 @@ pub fn import(sources: &[Source], options: &Options) -> Result<Imported, ImportE
         &options.holders,
         &mut skipped,
     );
-    let text = fit(sources, options, &mut lbs, objects.len(), &mut skipped)?;
+    let text = fit(
+        sources,
+        options,
+        &networks,
+        &mut lbs,
+        objects.len(),
+        &mut skipped,
+    )?;
     let models: Vec<model::Lb> = lbs.iter().map(|e| e.lb.clone()).collect();
     if let Err(problems) = config::parse(&text) {
         return Err(ImportError::Invalid {
@@ -359,7 +401,7 @@ fn not_imported(obj: &documents::Object, kind: &str) -> Skip {
     Skip {
         object: obj.describe(),
         reason: format!(
-            "{} is not imported (LoadBalancer {} or {}, or v1 Service and Node)",
+            "{} is not imported (LoadBalancer {} or {}, v1 Service and Node, NetworkAttachmentDefinition and IPPool)",
             if kind.is_empty() {
                 "an object without kind"
             } else {
@@ -378,6 +420,7 @@ fn alone(
     object: String,
     result: Result<Mapped, String>,
     options: &Options,
+    networks: &BTreeMap<String, model::Network>,
     skipped: &mut Vec<Skip>,
     notes: &mut Vec<String>,
     warnings: &mut Vec<String>,
@@ -390,11 +433,18 @@ fn alone(
         }
     };
     mapped.lb.normalise();
-    if let Some(reason) = guard::lb_addresses(&mapped.lb, options.allow_loopback) {
+    // A VIP this daemon will lease is 0.0.0.0 until then: nothing to judge.
+    let unleased = mapped.lb.leased && mapped.lb.vip.is_unspecified();
+    let bad_address = if unleased {
+        guard::backend_addresses(&mapped.lb, options.allow_loopback)
+    } else {
+        guard::lb_addresses(&mapped.lb, options.allow_loopback)
+    };
+    if let Some(reason) = bad_address {
         skipped.push(Skip { object, reason });
         return None;
     }
-    if let Some(host) = &options.host
+    if let Some(host) = options.host.as_ref().filter(|_| !unleased)
         && let Some(why) = crate::vip::host::judge(
             mapped.lb.vip,
             host,
@@ -428,7 +478,13 @@ fn alone(
             reason,
         });
     }
-    let mut alone = String::new();
+    let mut alone = match network_context(options, networks, &mapped.lb) {
+        Ok(context) => context,
+        Err(reason) => {
+            skipped.push(Skip { object, reason });
+            return None;
+        }
+    };
     mapped.lb.write_toml(&mut alone);
     match config::parse(&alone) {
         Ok(loaded) => {
@@ -436,6 +492,9 @@ fn alone(
                 loaded
                     .warnings
                     .iter()
+                    // The context's own (its other networks unused) are not
+                    // this object's.
+                    .filter(|w| w.key.starts_with("load_balancer"))
                     .map(|w| format!("{object}: {}", without_index(w))),
             );
             // A valid one-table file has its table.
@@ -458,6 +517,42 @@ fn alone(
             None
         }
     }
+}
+
+/// What a load balancer on a VM network is checked alone with: the
+/// `--base` file's `[keepalived]`, `[vip]`, `[dhcp]` and `[[network]]`, and
+/// its network's table. Empty for one on no network. A VIP keepalived
+/// moves needs the `--base` file's `[keepalived]`: without it the object
+/// is skipped, saying so.
+fn network_context(
+    options: &Options,
+    networks: &BTreeMap<String, model::Network>,
+    lb: &model::Lb,
+) -> Result<String, String> {
+    let Some(name) = &lb.network else {
+        return Ok(String::new());
+    };
+    let base: toml::Table = options
+        .base
+        .as_ref()
+        .and_then(|b| b.text.parse().ok())
+        .unwrap_or_default();
+    if !lb.leased && !base.contains_key("keepalived") {
+        return Err(format!(
+            "on network {name:?}, where keepalived moves the VIP between hosts: the --base file has no [keepalived] section (this host's name, management address and interface, and its peers); not imported"
+        ));
+    }
+    let kept: toml::Table = base
+        .into_iter()
+        .filter(|(k, _)| matches!(k.as_str(), "keepalived" | "vip" | "dhcp" | "network"))
+        .collect();
+    let mut text = toml::to_string(&kept).unwrap_or_default();
+    if let Some(net) = networks.get(name) {
+        text.push('\n');
+        net.write_toml(&mut text);
+    }
+    text.push('\n');
+    Ok(text)
 }
 
 /// One name, one load balancer: the same object seen twice (two files,
@@ -667,6 +762,7 @@ fn conflict_reason(
 fn fit(
     sources: &[Source],
     options: &Options,
+    networks: &BTreeMap<String, model::Network>,
     lbs: &mut Vec<Entry>,
     objects: usize,
     skipped: &mut Vec<Skip>,
@@ -674,7 +770,7 @@ fn fit(
     let limit = config::MAX_FILE_BYTES as usize;
     loop {
         let models: Vec<model::Lb> = lbs.iter().map(|e| e.lb.clone()).collect();
-        let text = render(sources, options, &models, objects, skipped.len())?;
+        let text = render(sources, options, networks, &models, objects, skipped.len())?;
         if text.len() <= limit || lbs.is_empty() {
             return Ok(text);
         }
@@ -714,10 +810,12 @@ fn fit(
     }
 }
 
-/// The file: header, the `--base` text, the load balancers.
+/// The file: header, the `--base` text, the networks the load balancers
+/// use (those the `--base` file does not define), the load balancers.
 fn render(
     sources: &[Source],
     options: &Options,
+    networks: &BTreeMap<String, model::Network>,
     lbs: &[model::Lb],
     objects: usize,
     skipped: usize,
@@ -755,6 +853,11 @@ fn render(
         text.push_str(&format!("\n# From {}:\n", model::comment_safe(&base.name)));
         text.push_str(base.text.trim_end());
         text.push('\n');
+    }
+    let used: BTreeSet<&str> = lbs.iter().filter_map(|lb| lb.network.as_deref()).collect();
+    for net in networks.values().filter(|n| used.contains(n.name.as_str())) {
+        text.push('\n');
+        net.write_toml(&mut text);
     }
     for lb in lbs {
         text.push('\n');
@@ -807,6 +910,9 @@ pub struct Args {
     pub allow_removals: bool,
     /// `--allow-loopback`: see [`Options::allow_loopback`].
     pub allow_loopback: bool,
+    /// `--network-interface NETWORK=INTERFACE`, as given: see
+    /// [`Options::network_interfaces`].
+    pub network_interfaces: Vec<String>,
 }
 
 /// One thing `harvester-lb import` says, in order: the command line
@@ -872,6 +978,22 @@ pub fn command(args: &Args) -> Outcome {
         .and_then(write::existing)
         .map(|text| Holders::of_config_text(&text))
         .unwrap_or_default();
+    let network_interfaces = match network::parse_mapping(&args.network_interfaces) {
+        Ok(m) => m,
+        Err(message) => {
+            out.say(message);
+            return out.exit(EXIT_USAGE);
+        }
+    };
+    let interfaces = match crate::vip::host::interface_names_blocking() {
+        Ok(names) => names,
+        Err(e) => {
+            out.say(format!(
+                "cannot read this host's interfaces ({e}); a load balancer on a VM network must be on one of them, so nothing is imported unchecked"
+            ));
+            return out.exit(EXIT_HOST);
+        }
+    };
     let host = match crate::vip::host::HostNet::read_blocking() {
         Ok(h) => h,
         Err(e) => {
@@ -887,6 +1009,8 @@ pub fn command(args: &Args) -> Outcome {
         allow_loopback: args.allow_loopback,
         holders,
         host: Some(host),
+        network_interfaces,
+        interfaces: Some(interfaces),
     };
     let imported = match import(&sources, &options) {
         Ok(i) => i,

@@ -45,6 +45,37 @@ pub struct Lb {
     pub affinity_timeout_seconds: Option<u32>,
     /// `loadBalancerSourceRanges`, normalised (`a.b.c.d/n` without host bits).
     pub source_ranges: Vec<ipnet::IpNet>,
+    /// The `[[network]]` its VIP lives on (`loadbalancer.harvesterhci.io/network`).
+    pub network: Option<String>,
+    /// Leased by this daemon (`ipam = "dhcp"` on a network): an empty
+    /// `[load_balancer.dhcp]` table is written, so the lease's macvlan is
+    /// made on the network's interface.
+    pub leased: bool,
+}
+
+/// One `[[network]]` the import writes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Network {
+    /// Its name, as load balancers reference it (`namespace/name` of the
+    /// NetworkAttachmentDefinition).
+    pub name: String,
+    /// The host interface on that L2.
+    pub interface: String,
+    /// The subnet's prefix length.
+    pub prefix_length: u8,
+    /// The network's router.
+    pub gateway: std::net::Ipv4Addr,
+}
+
+impl Network {
+    /// Appends this network as a `[[network]]` table.
+    pub fn write_toml(&self, out: &mut String) {
+        let _ = writeln!(out, "[[network]]");
+        let _ = writeln!(out, "name = {}", quote(&self.name));
+        let _ = writeln!(out, "interface = {}", quote(&self.interface));
+        let _ = writeln!(out, "prefix_length = {}", self.prefix_length);
+        let _ = writeln!(out, "gateway = {}", quote(&self.gateway.to_string()));
+    }
 }
 
 /// One `[[load_balancer.listener]]`.
@@ -119,6 +150,9 @@ impl Lb {
         let _ = writeln!(out, "cluster = {}", quote(&self.cluster));
         let _ = writeln!(out, "vip = {}", quote(&self.vip.to_string()));
         let _ = writeln!(out, "ipam = {}", quote(self.ipam));
+        if let Some(network) = &self.network {
+            let _ = writeln!(out, "network = {}", quote(network));
+        }
         let backends: Vec<String> = self
             .backends
             .iter()
@@ -158,6 +192,10 @@ impl Lb {
             let _ = writeln!(out, "  failure_threshold = {}", hc.failure_threshold);
             let _ = writeln!(out, "  period_seconds = {}", hc.period_seconds);
             let _ = writeln!(out, "  timeout_seconds = {}", hc.timeout_seconds);
+        }
+        if self.leased {
+            let _ = writeln!(out);
+            let _ = writeln!(out, "  [load_balancer.dhcp]");
         }
     }
 }

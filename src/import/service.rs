@@ -189,9 +189,12 @@ pub fn map(
             client_ip_affinity,
             affinity_timeout_seconds,
             source_ranges,
+            network: None,
+            leased: false,
         },
         skipped_parts: parts.skipped,
         notes: parts.notes,
+        claim: None,
     })
 }
 

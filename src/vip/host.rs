@@ -297,18 +297,48 @@ impl HostNet {
     /// [`HostNet::read`] on a runtime of its own, for a command that has
     /// none (`import`).
     pub fn read_blocking() -> Result<Self, AnnounceError> {
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .map_err(AnnounceError::Socket)?;
-        runtime.block_on(async {
-            let (conn, handle, _) = rtnetlink::new_connection().map_err(AnnounceError::Socket)?;
-            let task = tokio::spawn(conn);
-            let read = Self::read(&handle).await;
-            task.abort();
-            read
-        })
+        blocking(|handle| async move { Self::read(&handle).await })
     }
+}
+
+/// The names of this host's interfaces, on a runtime of its own, for a
+/// command that has none (`import`: a VM network's interface must exist
+/// here for its load balancers to be imported).
+pub fn interface_names_blocking() -> Result<BTreeSet<String>, AnnounceError> {
+    blocking(|handle| async move {
+        let mut names = BTreeSet::new();
+        let mut links = handle.link().get().execute();
+        while let Some(m) = links
+            .try_next()
+            .await
+            .map_err(netlink("cannot list the host's interfaces".into()))?
+        {
+            names.extend(m.attributes.iter().find_map(|a| match a {
+                LinkAttribute::IfName(n) => Some(n.clone()),
+                _ => None,
+            }));
+        }
+        Ok(names)
+    })
+}
+
+/// Runs `f` with an rtnetlink handle on a runtime of its own.
+fn blocking<T, F, Fut>(f: F) -> Result<T, AnnounceError>
+where
+    F: FnOnce(Handle) -> Fut,
+    Fut: std::future::Future<Output = Result<T, AnnounceError>>,
+{
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(AnnounceError::Socket)?;
+    runtime.block_on(async {
+        let (conn, handle, _) = rtnetlink::new_connection().map_err(AnnounceError::Socket)?;
+        let task = tokio::spawn(conn);
+        let out = f(handle).await;
+        task.abort();
+        out
+    })
 }
 
 fn address_of(a: &RouteAddress) -> Option<IpAddr> {

@@ -101,6 +101,11 @@ pub fn render(config: &Config) -> Option<String> {
         let (Some(name), IpAddr::V4(vip)) = (&lb.network, lb.vip) else {
             continue;
         };
+        // A VIP this daemon leases is held by the lease path on its own
+        // macvlan, on the host that leased it: keepalived must not add it.
+        if lb.dhcp.is_some() {
+            continue;
+        }
         let Some(net) = config.networks.iter().find(|n| &n.name == name) else {
             continue;
         };

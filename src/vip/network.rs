@@ -20,6 +20,12 @@
 //! up, so the first reply is already routed right. The address itself is
 //! keepalived's: this module never adds it.
 //!
+//! A VIP leased over DHCP on a network (`ipam = "dhcp"`, its macvlan on
+//! the network's interface, `noprefixroute`) gets its rule once leased,
+//! on the host holding the lease: its replies and its RENEWs leave by the
+//! network too, even where the host has no address of its own there.
+//! Unleased (`0.0.0.0`) it gets none.
+//!
 //! Routes and rules carry protocol [`ROUTE_PROTOCOL`] (`proto 252`), the
 //! mark of the daemon's objects; a rule from the VIP another program wrote
 //! (unmarked) is left alone and reported. Rules have priority
@@ -101,6 +107,11 @@ pub fn wanted(config: &Config, index_of: &BTreeMap<String, u32>) -> BTreeMap<Net
         let (Some(name), IpAddr::V4(vip)) = (&lb.network, lb.vip) else {
             continue;
         };
+        // A DHCP VIP not leased yet is 0.0.0.0: `from 0.0.0.0` would be a
+        // rule for every packet of the host. Leased, its rule is written.
+        if vip.is_unspecified() {
+            continue;
+        }
         let Some(net) = config.networks.iter().find(|n| &n.name == name) else {
             continue;
         };
@@ -419,5 +430,27 @@ network = "vlan200"
                 "rule from 10.100.0.50 Rule { table: 1100 }",
             ]
         );
+    }
+
+    #[test]
+    fn a_leased_vip_gets_its_rule_once_leased_and_none_before() {
+        let text = "[keepalived]\nname = \"a\"\naddress = \"192.168.0.11\"\ninterface = \"mgmt0\"\npeers = [\"192.168.0.12\"]\n[[network]]\nname = \"vlan100\"\ninterface = \"br.100\"\nprefix_length = 24\ngateway = \"10.100.0.1\"\n[[load_balancer]]\nname = \"default/d\"\nipam = \"dhcp\"\nnetwork = \"vlan100\"\n  [[load_balancer.listener]]\n  name = \"http\"\n  port = 80\n  backend_port = 30080\n  [load_balancer.dhcp]\n";
+        let mut config = crate::config::parse(text).expect("valid").config;
+        let index: BTreeMap<String, u32> = [("br.100".to_string(), 7)].into();
+        assert!(
+            wanted(&config, &index)
+                .keys()
+                .all(|k| !matches!(k, NetKey::Rule { .. })),
+            "no `from 0.0.0.0` rule for an unleased VIP"
+        );
+        // The daemon puts the leased address in place of 0.0.0.0.
+        std::sync::Arc::make_mut(&mut config.load_balancers[0]).vip =
+            IpAddr::V4(Ipv4Addr::new(10, 100, 0, 77));
+        assert!(wanted(&config, &index).contains_key(&NetKey::Rule {
+            vip: Ipv4Addr::new(10, 100, 0, 77)
+        }));
+        // keepalived does not move it: no instance renders it.
+        let rendered = crate::vip::keepalived::render(&config).expect("[keepalived]");
+        assert!(!rendered.contains("10.100.0.77"), "{rendered}");
     }
 }

@@ -169,7 +169,7 @@ impl Validator<'_> {
         let d: &FileDhcp = table.get_ref();
         let dkey = format!("{key}.dhcp");
         let requested = self.requested(key, lb);
-        let interface = self.interface(&dkey, span.clone(), d);
+        let interface = self.interface(&dkey, span.clone(), d, lb.network.is_some());
         let identity = format!(
             "{}/{}",
             lb.cluster
@@ -256,9 +256,19 @@ impl Validator<'_> {
         }
     }
 
-    /// `interface`: a name the kernel could have given an interface.
-    fn interface(&mut self, dkey: &str, span: Range<usize>, d: &FileDhcp) -> Option<String> {
+    /// `interface`: a name the kernel could have given an interface. On a
+    /// `[[network]]` (`network` set) it may be left out: the lease's
+    /// macvlan is then made on the network's interface, filled in by
+    /// `network_conflicts` once the networks are known.
+    fn interface(
+        &mut self,
+        dkey: &str,
+        span: Range<usize>,
+        d: &FileDhcp,
+        on_network: bool,
+    ) -> Option<String> {
         match &d.interface {
+            None if on_network => Some(String::new()),
             None => {
                 self.missing(
                     span,

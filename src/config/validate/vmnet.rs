@@ -25,7 +25,7 @@ use std::time::Duration;
 use toml::Spanned;
 
 use super::Validator;
-use crate::config::file::{FileConfig, FileKeepalived, FileNetwork};
+use crate::config::file::{FileConfig, FileKeepalived, FileLoadBalancer, FileNetwork};
 use crate::config::{
     DEFAULT_ADVERT_INTERVAL_MS, DEFAULT_KEEPALIVED_CONFIG, DEFAULT_KEEPALIVED_PID_FILE,
     DEFAULT_NETWORK_TABLE_BASE, DEFAULT_VRID_BASE, Ipam, KeepalivedSettings, LoadBalancerSpec,
@@ -445,7 +445,10 @@ impl Validator<'_> {
                 );
                 continue;
             }
-            if file.keepalived.is_none() {
+            // Leased by this daemon: the lease path holds the VIP on its
+            // macvlan, keepalived does not move it.
+            let leased = lb.dhcp.is_some() && spec.as_ref().is_none_or(|s| s.ipam == Ipam::Dhcp);
+            if file.keepalived.is_none() && !leased {
                 self.problem(
                     Some(n.span()),
                     &key,
@@ -459,11 +462,10 @@ impl Validator<'_> {
             let vip_key = format!("load_balancer[{i}].vip");
             let Some(s) = spec.as_mut() else { continue };
             if s.ipam == Ipam::Dhcp {
-                self.problem(
-                    lb.ipam.as_ref().map(Spanned::span).or(Some(n.span())),
-                    &format!("load_balancer[{i}].ipam"),
-                    "ipam = \"dhcp\" cannot be used with network: a leased VIP is put on its own macvlan by the lease path ([load_balancer.dhcp] interface), not moved by keepalived; drop one of the two".into(),
-                );
+                let global_ranges = file.dhcp.allowed_ranges.is_some();
+                if self.leased_on_network(i, lb, s, net, global_ranges) {
+                    s.network = Some(name.clone());
+                }
                 continue;
             }
             if vip.announce.enabled() {
@@ -531,6 +533,73 @@ impl Validator<'_> {
                 "no [[network]] is defined: the rendered keepalived.conf moves no VIP".into(),
             );
         }
+    }
+}
+
+impl Validator<'_> {
+    /// `ipam = "dhcp"` with `network`: the lease's macvlan goes on the
+    /// network's interface (`[load_balancer.dhcp] interface` may be left
+    /// out; another interface is refused: the lease would be on another
+    /// L2 than the network's VMs). Without `[load_balancer.dhcp]` the VIP
+    /// is leased elsewhere, and nothing would hold it on the network.
+    /// Whether the load balancer stays on the network.
+    fn leased_on_network(
+        &mut self,
+        i: usize,
+        lb: &FileLoadBalancer,
+        s: &mut LoadBalancerSpec,
+        net: &NetworkSpec,
+        global_ranges: bool,
+    ) -> bool {
+        let Some(d) = s.dhcp.as_mut() else {
+            self.problem(
+                lb.ipam.as_ref().map(Spanned::span).or(lb.network.as_ref().map(Spanned::span)),
+                &format!("load_balancer[{i}].ipam"),
+                format!(
+                    "ipam = \"dhcp\" without [load_balancer.dhcp] is a VIP leased elsewhere, which nothing would hold on network {:?}; add an empty [load_balancer.dhcp] table (this daemon then leases it on the network's interface {:?}) or drop network",
+                    net.name, net.interface
+                ),
+            );
+            return false;
+        };
+        if d.interface.is_empty() {
+            d.interface = net.interface.clone();
+        } else if d.interface != net.interface {
+            let span = lb
+                .dhcp
+                .as_ref()
+                .and_then(|t| t.get_ref().interface.as_ref().map(Spanned::span));
+            self.problem(
+                span,
+                &format!("load_balancer[{i}].dhcp.interface"),
+                format!(
+                    "{:?} is not network {:?}'s interface {:?}: the lease would be taken on another L2 than the network's VMs; leave dhcp.interface out (the network's is used) or correct one of the two",
+                    d.interface, net.name, net.interface
+                ),
+            );
+            return false;
+        }
+        if let Some(asked) = d.requested
+            && !net.subnet().contains(&asked)
+        {
+            self.problem(
+                lb.vip.as_ref().map(Spanned::span),
+                &format!("load_balancer[{i}].vip"),
+                format!(
+                    "{asked} (the address asked for) is outside network {:?}'s subnet {}; leave vip out or write \"0.0.0.0\" to take what the network's DHCP server offers",
+                    net.name,
+                    net.subnet()
+                ),
+            );
+            return false;
+        }
+        // An offer outside the network's subnet would put a VIP there that
+        // no VM of the network reaches on-link: refused, unless the
+        // operator set the ranges.
+        if d.allowed_ranges.is_none() && !global_ranges {
+            d.allowed_ranges = Some(vec![net.subnet()]);
+        }
+        true
     }
 }
 
@@ -708,6 +777,70 @@ gateway = "10.100.0.1"
             p.iter()
                 .any(|p| p.key == "load_balancer[0].network" && p.message.contains("vip.announce")),
             "{p:?}"
+        );
+    }
+
+    /// A leased load balancer on `default/vlan100` with `dhcp` (lines of
+    /// its `[load_balancer.dhcp]`) and `extra` keys.
+    fn leased(extra: &str, dhcp: &str) -> String {
+        format!(
+            "\n[[load_balancer]]\nname = \"default/dhcp\"\nipam = \"dhcp\"\nnetwork = \"default/vlan100\"\n{extra}backends = [\"10.100.0.21\"]\n  [[load_balancer.listener]]\n  name = \"http\"\n  port = 80\n  backend_port = 30080\n  [load_balancer.dhcp]\n{dhcp}"
+        )
+    }
+
+    #[test]
+    fn a_leased_vip_on_a_network_is_leased_on_the_network_s_interface() {
+        // No [keepalived]: keepalived does not move a leased VIP.
+        let network = NETWORK.split("[[network]]").nth(1).unwrap();
+        let text = format!("[[network]]{network}{}", leased("", ""));
+        let loaded = parse(&text).expect("valid");
+        let lb = &loaded.config.load_balancers[0];
+        assert_eq!(lb.network.as_deref(), Some("default/vlan100"));
+        let d = lb.dhcp.as_ref().expect("leased");
+        assert_eq!(d.interface, "mgmt-br.100");
+        assert_eq!(
+            d.allowed_ranges.as_deref(),
+            Some(&["10.100.0.0/24".parse().unwrap()][..]),
+            "offers outside the subnet are refused"
+        );
+        // The same interface, written out, is fine; a global range is kept.
+        let text = format!(
+            "[dhcp]\nallowed_ranges = [\"10.100.0.128/25\"]\n[[network]]{network}{}",
+            leased("vip = \"10.100.0.60\"\n", "  interface = \"mgmt-br.100\"\n")
+        );
+        let loaded = parse(&text).expect("valid");
+        let d = loaded.config.load_balancers[0].dhcp.as_ref().unwrap();
+        assert_eq!(d.allowed_ranges, None);
+        assert_eq!(d.requested, Some("10.100.0.60".parse().unwrap()));
+    }
+
+    #[test]
+    fn a_leased_vip_on_another_interface_or_subnet_or_leased_elsewhere_is_explained() {
+        let (key, line, msg) = one(&format!(
+            "{NETWORK}{}",
+            leased("", "  interface = \"eth0\"\n")
+        ));
+        assert_eq!(
+            (key.as_str(), line),
+            ("load_balancer[0].dhcp.interface", Some(24))
+        );
+        assert!(
+            msg.contains("\"eth0\" is not network \"default/vlan100\"'s interface \"mgmt-br.100\""),
+            "{msg}"
+        );
+        let (key, _, msg) = one(&format!(
+            "{NETWORK}{}",
+            leased("vip = \"10.200.0.5\"\n", "")
+        ));
+        assert_eq!(key, "load_balancer[0].vip");
+        assert!(msg.contains("outside network"), "{msg}");
+        let elsewhere =
+            leased("vip = \"10.100.0.60\"\n", "").replace("  [load_balancer.dhcp]\n", "");
+        let (key, _, msg) = one(&format!("{NETWORK}{elsewhere}"));
+        assert_eq!(key, "load_balancer[0].ipam");
+        assert!(
+            msg.contains("leased elsewhere") && msg.contains("empty [load_balancer.dhcp]"),
+            "{msg}"
         );
     }
 

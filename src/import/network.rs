@@ -1,0 +1,802 @@
+//! A load balancer's VM network, from Harvester's objects: the
+//! `loadbalancer.harvesterhci.io/network` annotation names a
+//! NetworkAttachmentDefinition (`default/vlan100`); its `spec.config`
+//! (the bridge CNI's JSON) names the host bridge and the VLAN, which give
+//! the host interface on that L2; the subnet's prefix length and gateway
+//! come from the NAD's `network.harvesterhci.io/route` annotation, else
+//! from the `IPPool`s selecting the network, else from the load balancers'
+//! `status.allocatedAddress.{mask,gateway}`. Each becomes one `[[network]]`
+//! table and the load balancer's `network` key.
+//!
+//! The interface: an untagged network is its bridge (`mgmt-br`, which
+//! Harvester's network controller makes on every host of the cluster
+//! network); a VLAN `V` of bridge `B` is the VLAN device `B.V`, which the
+//! controller does not make (it only lets the VLAN through the bridge's
+//! uplink): the operator makes it, or names the host's own with
+//! `--network-interface NETWORK=INTERFACE`, which always wins. A network
+//! in the `--base` file is taken as it is.
+//!
+//! Never half-imported: a load balancer whose network cannot be settled
+//! (no NAD and no mapping, an interface this host does not have, sources
+//! that disagree on the subnet, its own `allocatedAddress` disagreeing
+//! with the network) is skipped, naming the network and why; so is every
+//! load balancer of a network whose sources disagree among themselves, as
+//! none can be chosen whatever the order. Pure: the host's interfaces are
+//! handed in ([`super::Options::interfaces`]).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt;
+use std::net::{IpAddr, Ipv4Addr};
+
+use serde_json::Value;
+
+use super::documents::Object;
+use super::fields::{At, Reason, show};
+use super::model::Network;
+use super::{Mapped, Options};
+
+/// The annotation Harvester's load-balancer controller reads a load
+/// balancer's network from (`namespace/name` of a NAD).
+pub const NETWORK_ANNOTATION: &str = "loadbalancer.harvesterhci.io/network";
+/// A NetworkAttachmentDefinition's `apiVersion`.
+pub const NAD_API_VERSION: &str = "k8s.cni.cncf.io/v1";
+/// A NetworkAttachmentDefinition's `kind`.
+pub const NAD_KIND: &str = "NetworkAttachmentDefinition";
+/// The annotation Harvester's network controller keeps a VM network's
+/// subnet and gateway in (`{"mode":"manual","cidr":…,"gateway":…}`).
+pub const ROUTE_ANNOTATION: &str = "network.harvesterhci.io/route";
+/// Longest interface name the kernel takes.
+const MAX_IFNAME_BYTES: usize = 15;
+/// Longest network name the config takes.
+const MAX_NETWORK_NAME_BYTES: usize = 253;
+
+/// A subnet's prefix length and gateway.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub struct L3 {
+    /// The prefix length.
+    pub prefix_length: u8,
+    /// The router.
+    pub gateway: Ipv4Addr,
+}
+
+impl fmt::Display for L3 {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "/{} via {}", self.prefix_length, self.gateway)
+    }
+}
+
+impl L3 {
+    fn subnet(&self) -> Option<ipnet::Ipv4Net> {
+        ipnet::Ipv4Net::new(self.gateway, self.prefix_length)
+            .ok()
+            .map(|n| n.trunc())
+    }
+}
+
+/// A load balancer's claim on a network: its name and what its own
+/// `status.allocatedAddress` says of the subnet.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Claim {
+    /// The network's name (`namespace/name`).
+    pub name: String,
+    /// `status.allocatedAddress.mask` and `.gateway`, when both are given.
+    pub allocated: Option<L3>,
+}
+
+/// The network annotation of a `LoadBalancer` (`None` when absent or
+/// empty: Harvester writes an empty one when it found none) and its
+/// `allocatedAddress`. A name without a namespace is in the load
+/// balancer's own, as Multus reads a VM's network name.
+pub fn claim(meta: &At<'_>, allocated: &At<'_>) -> Result<Option<Claim>, Reason> {
+    let Some(value) = meta
+        .get("annotations")
+        .map_entry(NETWORK_ANNOTATION)?
+        .map(str::trim)
+        .filter(|v| !v.is_empty())
+    else {
+        return Ok(None);
+    };
+    let name = if value.contains('/') {
+        value.to_string()
+    } else {
+        let ns = meta.get("namespace").str()?.unwrap_or_default();
+        format!("{ns}/{value}")
+    };
+    let ok = name.len() <= MAX_NETWORK_NAME_BYTES
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.' | '/'));
+    if !ok {
+        return Err(format!(
+            "annotation {NETWORK_ANNOTATION}: {} is not a network name (namespace/name of a NetworkAttachmentDefinition)",
+            show(&Value::String(value.to_string()))
+        ));
+    }
+    let mask = allocated.get("mask");
+    let gateway = allocated.get("gateway");
+    let given = |at: &At<'_>| -> Result<Option<String>, Reason> {
+        Ok(at
+            .str()?
+            .map(str::trim)
+            .filter(|s| !s.is_empty())
+            .map(str::to_string))
+    };
+    let allocated = match (given(&mask)?, given(&gateway)?) {
+        (Some(m), Some(g)) => Some(L3 {
+            prefix_length: prefix_of_mask(&m, mask.path())?,
+            gateway: ipv4(&g, gateway.path())?,
+        }),
+        _ => None,
+    };
+    Ok(Some(Claim { name, allocated }))
+}
+
+/// The prefix length of a subnet mask as Harvester writes it (`255.255.255.0`;
+/// the IPv6 form, or a bare length, are taken too). A mask whose one bits
+/// are not all first is refused: no prefix length means it.
+pub fn prefix_of_mask(text: &str, path: &str) -> Result<u8, Reason> {
+    let t = text.trim();
+    if let Ok(n) = t.trim_start_matches('/').parse::<u8>() {
+        return if n <= 32 {
+            Ok(n)
+        } else {
+            Err(format!(
+                "{path}: {t:?} is not a prefix length of an IPv4 subnet (0-32)"
+            ))
+        };
+    }
+    let (ones, contiguous) = match t.parse::<IpAddr>() {
+        Ok(IpAddr::V4(m)) => {
+            let bits = u32::from(m);
+            (
+                bits.leading_ones(),
+                bits.leading_ones() + bits.trailing_zeros() == 32,
+            )
+        }
+        Ok(IpAddr::V6(m)) => {
+            let bits = u128::from(m);
+            (
+                bits.leading_ones(),
+                bits.leading_ones() + bits.trailing_zeros() == 128,
+            )
+        }
+        Err(_) => {
+            return Err(format!(
+                "{path}: {t:?} is not a subnet mask (e.g. 255.255.255.0)"
+            ));
+        }
+    };
+    if !contiguous {
+        return Err(format!(
+            "{path}: {t:?} is not a contiguous subnet mask: its one bits must all come first (255.255.255.0 is /24); no prefix length means it"
+        ));
+    }
+    Ok(ones as u8)
+}
+
+fn ipv4(text: &str, path: &str) -> Result<Ipv4Addr, Reason> {
+    match text.trim().parse::<IpAddr>().map(|ip| ip.to_canonical()) {
+        Ok(IpAddr::V4(v4)) => Ok(v4),
+        Ok(IpAddr::V6(_)) => Err(format!(
+            "{path}: {text:?} is IPv6; VIPs on a VM network are IPv4 only in this version"
+        )),
+        Err(_) => Err(format!("{path}: {text:?} is not an IPv4 address")),
+    }
+}
+
+/// What a NetworkAttachmentDefinition says of its network.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NadFacts {
+    /// The host bridge (`spec.config`'s `bridge`).
+    pub bridge: String,
+    /// The VLAN (`spec.config`'s `vlan`); `None`: untagged.
+    pub vlan: Option<u16>,
+    /// The route annotation's subnet and gateway, when it has both.
+    pub l3: Option<L3>,
+}
+
+impl NadFacts {
+    /// The host interface on this network: the bridge, or its VLAN device
+    /// `bridge.vlan`.
+    fn interface(&self, name: &str) -> Result<String, Reason> {
+        let Some(vlan) = self.vlan else {
+            return Ok(self.bridge.clone());
+        };
+        let device = format!("{}.{vlan}", self.bridge);
+        if device.len() > MAX_IFNAME_BYTES {
+            return Err(format!(
+                "the VLAN device of bridge {} VLAN {vlan} would be {device:?}, longer than the kernel's {MAX_IFNAME_BYTES} bytes; name this host's device for it with --network-interface {name}=INTERFACE",
+                self.bridge
+            ));
+        }
+        Ok(device)
+    }
+
+    fn describe(&self) -> String {
+        match self.vlan {
+            Some(v) => format!("VLAN {v} of bridge {}", self.bridge),
+            None => format!("bridge {}, untagged", self.bridge),
+        }
+    }
+}
+
+/// One NetworkAttachmentDefinition of the input.
+#[derive(Debug, Clone)]
+pub struct Nad {
+    /// `namespace/name`.
+    pub name: String,
+    /// How messages name the object.
+    pub object: String,
+    /// Its bridge and VLAN, or why they cannot be read.
+    pub facts: Result<NadFacts, Reason>,
+    /// A route annotation that could not be read (then ignored).
+    pub route_problem: Option<Reason>,
+}
+
+/// Reads a NetworkAttachmentDefinition.
+pub fn nad(obj: &Object) -> Nad {
+    let root = At::root(&obj.value);
+    let meta = root.get("metadata");
+    let name = match (
+        meta.get("namespace").str().ok().flatten(),
+        meta.get("name").str().ok().flatten(),
+    ) {
+        (Some(ns), Some(n)) if !ns.is_empty() && !n.is_empty() => format!("{ns}/{n}"),
+        _ => String::new(),
+    };
+    let (l3, route_problem) = match route(&meta) {
+        Ok(l3) => (l3, None),
+        Err(why) => (None, Some(why)),
+    };
+    let facts = if name.is_empty() {
+        Err("metadata.namespace or metadata.name is missing".to_string())
+    } else {
+        bridge_config(&root.get("spec").get("config")).map(|(bridge, vlan)| NadFacts {
+            bridge,
+            vlan,
+            l3,
+        })
+    };
+    Nad {
+        name,
+        object: obj.describe(),
+        facts,
+        route_problem,
+    }
+}
+
+/// `spec.config`: the bridge CNI's JSON, `{"type":"bridge","bridge":
+/// "mgmt-br","vlan":100,…}`.
+fn bridge_config(at: &At<'_>) -> Result<(String, Option<u16>), Reason> {
+    let path = at.path().to_string();
+    let text = at
+        .str()?
+        .ok_or_else(|| format!("{path} is missing (the CNI configuration)"))?;
+    let config: Value =
+        serde_json::from_str(text).map_err(|e| format!("{path}: not JSON ({e})"))?;
+    let cni = At::root(&config);
+    let kind = cni.get("type").str().map_err(|e| format!("{path}: {e}"))?;
+    if kind != Some("bridge") {
+        return Err(format!(
+            "{path}: type {} is not Harvester's bridge network, whose bridge and VLAN name a host interface",
+            show(
+                &cni.get("type")
+                    .str()
+                    .ok()
+                    .flatten()
+                    .map_or(Value::Null, |k| Value::String(k.into()))
+            )
+        ));
+    }
+    let bridge = cni
+        .get("bridge")
+        .str()
+        .map_err(|e| format!("{path}: {e}"))?
+        .filter(|b| !b.is_empty())
+        .ok_or_else(|| format!("{path}: no \"bridge\""))?;
+    if bridge.len() > MAX_IFNAME_BYTES || bridge.contains(['/', ':', ' ']) {
+        return Err(format!(
+            "{path}: bridge {bridge:?} is not an interface name"
+        ));
+    }
+    if !cni.get("vlanTrunk").items().unwrap_or_default().is_empty() {
+        return Err(format!(
+            "{path}: a VLAN trunk (vlanTrunk) carries several VLANs, not one network"
+        ));
+    }
+    let vlan = match cni.get("vlan").int().map_err(|e| format!("{path}: {e}"))? {
+        None | Some(0) => None,
+        Some(v @ 1..=4094) => Some(v as u16),
+        Some(v) => return Err(format!("{path}: vlan {v} is not a VLAN id (1-4094)")),
+    };
+    Ok((bridge.to_string(), vlan))
+}
+
+/// The route annotation's subnet and gateway; `None` when absent or not
+/// filled in (`"mode":"auto"` before its DHCP probe).
+fn route(meta: &At<'_>) -> Result<Option<L3>, Reason> {
+    let Some(text) = meta.get("annotations").map_entry(ROUTE_ANNOTATION)? else {
+        return Ok(None);
+    };
+    let what = format!("annotation {ROUTE_ANNOTATION}");
+    let value: Value = serde_json::from_str(text).map_err(|e| format!("{what}: not JSON ({e})"))?;
+    let at = At::root(&value);
+    let field = |k: &str| -> Result<Option<String>, Reason> {
+        Ok(at
+            .get(k)
+            .str()
+            .map_err(|e| format!("{what}: {e}"))?
+            .map(str::trim)
+            .filter(|s| !s.is_empty())
+            .map(str::to_string))
+    };
+    let (Some(cidr), Some(gateway)) = (field("cidr")?, field("gateway")?) else {
+        return Ok(None);
+    };
+    let net: ipnet::IpNet = cidr
+        .parse()
+        .map_err(|_| format!("{what}: cidr {cidr:?} is not ADDRESS/PREFIX"))?;
+    Ok(Some(L3 {
+        prefix_length: net.prefix_len(),
+        gateway: ipv4(&gateway, &format!("{what}: gateway"))?,
+    }))
+}
+
+/// One `IPPool` that selects a network (`spec.selector.network`): the
+/// subnets and gateways of its ranges.
+#[derive(Debug, Clone)]
+pub struct Pool {
+    /// The network it selects.
+    pub network: String,
+    /// How messages name the object.
+    pub object: String,
+    /// Each IPv4 range's subnet and gateway (Harvester's default gateway:
+    /// the subnet's first address).
+    pub l3: Vec<L3>,
+}
+
+/// Reads an `IPPool`; `None` when it selects no network.
+pub fn pool(obj: &Object) -> Result<Option<Pool>, Reason> {
+    let root = At::root(&obj.value);
+    let spec = root.get("spec");
+    let Some(network) = spec
+        .get("selector")
+        .get("network")
+        .str()?
+        .map(str::trim)
+        .filter(|n| !n.is_empty())
+    else {
+        return Ok(None);
+    };
+    let mut l3 = Vec::new();
+    for range in spec.get("ranges").each()? {
+        let subnet = range.get("subnet");
+        let Some(text) = subnet.str()? else { continue };
+        let Ok(ipnet::IpNet::V4(net)) = text.trim().parse::<ipnet::IpNet>() else {
+            continue; // IPv6 ranges: not on networks in this version.
+        };
+        let gateway = match range.get("gateway").str()?.filter(|g| !g.trim().is_empty()) {
+            Some(g) => ipv4(g, &format!("{}.gateway", range.path()))?,
+            None if net.prefix_len() < 31 => {
+                Ipv4Addr::from(u32::from(net.network()).saturating_add(1))
+            }
+            None => continue,
+        };
+        l3.push(L3 {
+            prefix_length: net.prefix_len(),
+            gateway,
+        });
+    }
+    Ok(Some(Pool {
+        network: network.to_string(),
+        object: obj.describe(),
+        l3,
+    }))
+}
+
+/// A network of the `--base` file: its interface and subnet.
+struct BaseNetwork {
+    interface: String,
+    l3: Option<L3>,
+}
+
+/// The `[[network]]` tables of the `--base` file, by name.
+fn base_networks(options: &Options) -> BTreeMap<String, BaseNetwork> {
+    let mut out = BTreeMap::new();
+    let Some(table) = options
+        .base
+        .as_ref()
+        .and_then(|b| b.text.parse::<toml::Table>().ok())
+    else {
+        return out;
+    };
+    let Some(toml::Value::Array(nets)) = table.get("network") else {
+        return out;
+    };
+    for n in nets {
+        let (Some(name), Some(interface)) = (
+            n.get("name").and_then(toml::Value::as_str),
+            n.get("interface").and_then(toml::Value::as_str),
+        ) else {
+            continue;
+        };
+        let l3 = match (
+            n.get("prefix_length").and_then(toml::Value::as_integer),
+            n.get("gateway")
+                .and_then(toml::Value::as_str)
+                .and_then(|g| g.parse().ok()),
+        ) {
+            (Some(p), Some(gateway)) => u8::try_from(p).ok().map(|prefix_length| L3 {
+                prefix_length,
+                gateway,
+            }),
+            _ => None,
+        };
+        out.insert(
+            name.to_string(),
+            BaseNetwork {
+                interface: interface.to_string(),
+                l3,
+            },
+        );
+    }
+    out
+}
+
+/// A network settled: its table (`None` when the `--base` file has it) and
+/// its subnet, if known.
+#[derive(Debug, Clone)]
+struct Settled {
+    table: Option<Network>,
+    l3: Option<L3>,
+    /// Where the subnet came from, for messages.
+    source: String,
+}
+
+/// Settles the network of every mapped load balancer that names one:
+/// fills in the `[[network]]` tables to write (returned, by name) and
+/// turns each load balancer that cannot be put on its network into a
+/// skip (`Err`), naming the network and why.
+pub fn resolve(
+    results: &mut [(String, Result<Mapped, Reason>)],
+    nads: &[Nad],
+    pools: &[Pool],
+    options: &Options,
+    notes: &mut Vec<String>,
+) -> BTreeMap<String, Network> {
+    let base = base_networks(options);
+    let mut claimed: BTreeMap<String, Vec<(String, Option<L3>)>> = BTreeMap::new();
+    for (object, result) in results.iter() {
+        if let Ok(Mapped { claim: Some(c), .. }) = result {
+            claimed
+                .entry(c.name.clone())
+                .or_default()
+                .push((object.clone(), c.allocated));
+        }
+    }
+    let used: BTreeSet<&str> = claimed.keys().map(String::as_str).collect();
+    let unused: BTreeSet<&str> = nads
+        .iter()
+        .map(|n| n.name.as_str())
+        .filter(|n| !n.is_empty() && !used.contains(n))
+        .collect();
+    if !unused.is_empty() {
+        let mut shown: Vec<&str> = unused.iter().copied().take(5).collect();
+        let more = format!("and {} more", unused.len().saturating_sub(5));
+        if unused.len() > 5 {
+            shown.push(&more);
+        }
+        notes.push(format!(
+            "{} NetworkAttachmentDefinition(s) named by no LoadBalancer, not written: {}",
+            unused.len(),
+            shown.join(", ")
+        ));
+    }
+    let mut settled: BTreeMap<String, Result<Settled, Reason>> = BTreeMap::new();
+    for (name, lbs) in &claimed {
+        let s = settle(name, lbs, base.get(name), nads, pools, options, notes);
+        settled.insert(name.clone(), s);
+    }
+    let mut tables = BTreeMap::new();
+    for (object, result) in results.iter_mut() {
+        let Ok(mapped) = result else { continue };
+        let Some(claim) = mapped.claim.clone() else {
+            continue;
+        };
+        let verdict = match &settled[&claim.name] {
+            Err(why) => Err(why.clone()),
+            Ok(s) => check_claim(&claim, s, mapped, notes, object).map(|()| s),
+        };
+        match verdict {
+            Ok(s) => {
+                if let Some(t) = &s.table {
+                    tables.insert(t.name.clone(), t.clone());
+                }
+            }
+            Err(why) => {
+                *result = Err(format!(
+                    "on network {:?} (annotation {NETWORK_ANNOTATION}): {why}; not imported",
+                    claim.name
+                ));
+            }
+        }
+    }
+    tables
+}
+
+/// One load balancer against its settled network: its own
+/// `allocatedAddress` must agree; a leased VIP outside the subnet is not
+/// asked for.
+fn check_claim(
+    claim: &Claim,
+    s: &Settled,
+    mapped: &mut Mapped,
+    notes: &mut Vec<String>,
+    object: &str,
+) -> Result<(), Reason> {
+    if let (Some(own), Some(net)) = (claim.allocated, s.l3)
+        && own != net
+    {
+        return Err(format!(
+            "status.allocatedAddress (mask and gateway: {own}) disagrees with the network's {net} ({})",
+            s.source
+        ));
+    }
+    if mapped.lb.leased
+        && let (IpAddr::V4(v4), Some(subnet)) = (mapped.lb.vip, s.l3.and_then(|l| l.subnet()))
+        && !v4.is_unspecified()
+        && !subnet.contains(&v4)
+    {
+        notes.push(format!(
+            "{object}: the address Harvester leased, {v4}, is outside network {:?}'s subnet {subnet}; this daemon leases a new one there",
+            claim.name
+        ));
+        mapped.lb.vip = IpAddr::V4(Ipv4Addr::UNSPECIFIED);
+    }
+    Ok(())
+}
+
+/// Settles network `name`, claimed by `lbs` (object, own subnet).
+fn settle(
+    name: &str,
+    lbs: &[(String, Option<L3>)],
+    base: Option<&BaseNetwork>,
+    nads: &[Nad],
+    pools: &[Pool],
+    options: &Options,
+    notes: &mut Vec<String>,
+) -> Result<Settled, Reason> {
+    let on_host = |interface: &str, what: &str| -> Result<(), Reason> {
+        match &options.interfaces {
+            Some(have) if !have.contains(interface) => Err(format!(
+                "this host has no interface {interface:?} ({what}), so it is not on that network; {}",
+                how_to_make(name, interface, what)
+            )),
+            _ => Ok(()),
+        }
+    };
+    if let Some(b) = base {
+        on_host(&b.interface, "the --base file's [[network]]")?;
+        return Ok(Settled {
+            table: None,
+            l3: b.l3,
+            source: "the --base file's [[network]]".into(),
+        });
+    }
+    let mine: Vec<&Nad> = nads.iter().filter(|n| n.name == name).collect();
+    for n in &mine {
+        if let Some(why) = &n.route_problem {
+            notes.push(format!("{}: {why}; ignored", n.object));
+        }
+    }
+    let facts = match mine.as_slice() {
+        [] => None,
+        [one] => Some((one, one.facts.clone())),
+        [first, rest @ ..] if rest.iter().all(|n| n.facts == first.facts) => {
+            Some((first, first.facts.clone()))
+        }
+        many => {
+            let objects: Vec<&str> = many.iter().map(|n| n.object.as_str()).collect();
+            return Err(format!(
+                "{} NetworkAttachmentDefinitions of that name differ ({}); none can be chosen",
+                many.len(),
+                objects.join("; ")
+            ));
+        }
+    };
+    let (interface, what) = match (options.network_interfaces.get(name), &facts) {
+        (Some(i), _) => (i.clone(), format!("--network-interface {name}={i}")),
+        (None, Some((nad, Ok(f)))) => (
+            f.interface(name)?,
+            format!("{}, from {}", f.describe(), nad.object),
+        ),
+        (None, Some((nad, Err(why)))) => {
+            return Err(format!(
+                "{}: {why}; name the host interface with --network-interface {name}=INTERFACE",
+                nad.object
+            ));
+        }
+        (None, None) => {
+            return Err(format!(
+                "no NetworkAttachmentDefinition {name} in the input and no --network-interface {name}=INTERFACE: the host interface on it is unknown (give `kubectl get net-attach-def -A -o json` too)"
+            ));
+        }
+    };
+    on_host(&interface, &what)?;
+    // The subnet: the NAD's route annotation, else the IPPools selecting
+    // the network, else the load balancers' own allocatedAddress.
+    let mut classes: Vec<Vec<(L3, String)>> = vec![Vec::new(), Vec::new(), Vec::new()];
+    if let Some((nad, Ok(NadFacts { l3: Some(l3), .. }))) = &facts {
+        classes[0].push((*l3, format!("{ROUTE_ANNOTATION} of {}", nad.object)));
+    }
+    for p in pools.iter().filter(|p| p.network == name) {
+        for l3 in &p.l3 {
+            classes[1].push((*l3, p.object.clone()));
+        }
+    }
+    for (object, own) in lbs {
+        if let Some(l3) = own {
+            classes[2].push((*l3, format!("status.allocatedAddress of {object}")));
+        }
+    }
+    let Some(class) = classes.into_iter().find(|c| !c.is_empty()) else {
+        return Err(format!(
+            "its prefix length and gateway are unknown: no {ROUTE_ANNOTATION} annotation on its NetworkAttachmentDefinition, no IPPool selecting it, no status.allocatedAddress mask and gateway"
+        ));
+    };
+    let values: BTreeSet<L3> = class.iter().map(|(l3, _)| *l3).collect();
+    if values.len() > 1 {
+        let mut said: Vec<String> = class
+            .iter()
+            .map(|(l3, from)| format!("{l3} ({from})"))
+            .collect();
+        said.sort();
+        return Err(format!(
+            "its sources disagree on the subnet: {}; none can be chosen",
+            said.join(", ")
+        ));
+    }
+    let (l3, source) = class.into_iter().next().expect("not empty");
+    Ok(Settled {
+        table: Some(Network {
+            name: name.to_string(),
+            interface,
+            prefix_length: l3.prefix_length,
+            gateway: l3.gateway,
+        }),
+        l3: Some(l3),
+        source,
+    })
+}
+
+/// How to give this host `interface`, for a skip line.
+fn how_to_make(name: &str, interface: &str, what: &str) -> String {
+    match interface.rsplit_once('.') {
+        Some((bridge, vlan)) if what.starts_with("VLAN") => format!(
+            "make the VLAN device (ip link add link {bridge} name {interface} type vlan id {vlan}; bridge vlan add dev {bridge} vid {vlan} self) or name this host's own with --network-interface {name}=INTERFACE"
+        ),
+        _ => format!(
+            "add this host to that cluster network, or name its interface there with --network-interface {name}=INTERFACE"
+        ),
+    }
+}
+
+/// Parses `--network-interface NETWORK=INTERFACE` values.
+pub fn parse_mapping(values: &[String]) -> Result<BTreeMap<String, String>, String> {
+    let mut out = BTreeMap::new();
+    for v in values {
+        let Some((name, interface)) = v.split_once('=') else {
+            return Err(format!(
+                "--network-interface {v:?}: write NETWORK=INTERFACE, e.g. default/vlan100=mgmt-br.100"
+            ));
+        };
+        let (name, interface) = (name.trim(), interface.trim());
+        let bad_if = interface.is_empty()
+            || interface.len() > MAX_IFNAME_BYTES
+            || interface
+                .chars()
+                .any(|c| c == '/' || c == ':' || c.is_whitespace() || c.is_control());
+        if name.is_empty() || bad_if {
+            return Err(format!(
+                "--network-interface {v:?}: {} (an interface name is 1-{MAX_IFNAME_BYTES} bytes, no '/', ':' or spaces)",
+                if name.is_empty() {
+                    "no network name before '='"
+                } else {
+                    "not an interface name after '='"
+                }
+            ));
+        }
+        if let Some(old) = out.insert(name.to_string(), interface.to_string())
+            && old != interface
+        {
+            return Err(format!(
+                "--network-interface: network {name} is given twice ({old} and {interface})"
+            ));
+        }
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn masks_become_prefix_lengths_and_a_non_contiguous_one_is_named() {
+        for (mask, len) in [
+            ("255.255.255.0", 24),
+            ("255.255.0.0", 16),
+            ("255.255.255.252", 30),
+            ("0.0.0.0", 0),
+            ("255.255.255.255", 32),
+            ("24", 24),
+            ("/20", 20),
+            ("ffff:ffff:ffff:ffff::", 64),
+        ] {
+            assert_eq!(prefix_of_mask(mask, "m"), Ok(len), "{mask}");
+        }
+        let e = prefix_of_mask("255.0.255.0", "status.allocatedAddress.mask").unwrap_err();
+        assert!(
+            e.starts_with(
+                "status.allocatedAddress.mask: \"255.0.255.0\" is not a contiguous subnet mask"
+            ),
+            "{e}"
+        );
+        assert!(prefix_of_mask("255.255.255.1", "m").is_err());
+        assert!(prefix_of_mask("33", "m").unwrap_err().contains("0-32"));
+        assert!(
+            prefix_of_mask("banana", "m")
+                .unwrap_err()
+                .contains("not a subnet mask")
+        );
+    }
+
+    #[test]
+    fn a_vlan_device_name_is_derived_where_it_fits() {
+        let f = |bridge: &str, vlan| NadFacts {
+            bridge: bridge.into(),
+            vlan,
+            l3: None,
+        };
+        assert_eq!(
+            f("mgmt-br", Some(100)).interface("n").unwrap(),
+            "mgmt-br.100"
+        );
+        assert_eq!(f("data-br", None).interface("n").unwrap(), "data-br");
+        let e = f("storage-net-br", Some(2011))
+            .interface("default/s")
+            .unwrap_err();
+        assert!(
+            e.contains("\"storage-net-br.2011\"")
+                && e.contains("--network-interface default/s=INTERFACE"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn the_mapping_flag_is_parsed_and_bad_values_are_named() {
+        let m = parse_mapping(&["default/vlan100=eth1.100".into(), " a/b = br0 ".into()]).unwrap();
+        assert_eq!(m["default/vlan100"], "eth1.100");
+        assert_eq!(m["a/b"], "br0");
+        assert!(
+            parse_mapping(&["default/vlan100".into()])
+                .unwrap_err()
+                .contains("NETWORK=INTERFACE")
+        );
+        assert!(
+            parse_mapping(&["=eth0".into()])
+                .unwrap_err()
+                .contains("no network name")
+        );
+        assert!(
+            parse_mapping(&["a/b=eth/0".into()])
+                .unwrap_err()
+                .contains("interface name")
+        );
+        assert!(
+            parse_mapping(&["a/b=x".into(), "a/b=y".into()])
+                .unwrap_err()
+                .contains("twice")
+        );
+    }
+}
