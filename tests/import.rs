@@ -1222,12 +1222,13 @@ fn load_balancers_on_vm_networks_from_harvester_s_objects_get_their_networks() {
     }
     // A Harvester host: the management cluster network's bridge, a second
     // cluster network's bridge, and a device for VLAN 100 of mgmt-br (a
-    // dummy named as the VLAN device would be: this kernel has no 8021q).
+    // bridge named as the VLAN device would be: this kernel has neither
+    // 8021q nor dummy).
     // No device for VLAN 200.
     let bed = netns::Bed::new("impnet", 1);
     bed.lb.ip(&["link", "add", "mgmt-br", "type", "bridge"]);
     bed.lb.ip(&["link", "add", "data-br", "type", "bridge"]);
-    bed.lb.ip(&["link", "add", "mgmt-br.100", "type", "dummy"]);
+    bed.lb.ip(&["link", "add", "mgmt-br.100", "type", "bridge"]);
     let base = bed.write(
         "base.toml",
         "[keepalived]\nname = \"harvester-node-1\"\naddress = \"192.168.0.11\"\ninterface = \"mgmt-br\"\npeers = [\"192.168.0.12\", \"192.168.0.13\"]\n",

@@ -121,13 +121,18 @@ pub fn claim(meta: &At<'_>, allocated: &At<'_>) -> Result<Option<Claim>, Reason>
             .filter(|s| !s.is_empty())
             .map(str::to_string))
     };
-    let allocated = match (given(&mask)?, given(&gateway)?) {
-        (Some(m), Some(g)) => Some(L3 {
-            prefix_length: prefix_of_mask(&m, mask.path())?,
-            gateway: ipv4(&g, gateway.path())?,
-        }),
-        _ => None,
-    };
+    let allocated = (|| {
+        Ok(match (given(&mask)?, given(&gateway)?) {
+            (Some(m), Some(g)) => Some(L3 {
+                prefix_length: prefix_of_mask(&m, mask.path())?,
+                gateway: ipv4(&g, gateway.path())?,
+            }),
+            _ => None,
+        })
+    })()
+    .map_err(|e: Reason| {
+        format!("on network {name:?} (annotation {NETWORK_ANNOTATION}): {e}; not imported")
+    })?;
     Ok(Some(Claim { name, allocated }))
 }
 
