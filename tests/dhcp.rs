@@ -803,7 +803,7 @@ async fn a_leased_vip_on_a_vm_network_is_leased_on_the_network_s_bridge_and_serv
     );
     let link = link_of(&bed.lb, leased["interface"].as_str().unwrap());
     assert!(
-        link.contains("@vm-br "),
+        link.contains("@vm-br:"),
         "the macvlan's parent is the network's bridge: {link}"
     );
     // The VM is served through the VIP; its replies need the network's table.
