@@ -508,7 +508,10 @@ pub fn resolve(
         let Some(claim) = mapped.claim.clone() else {
             continue;
         };
-        let verdict = match &settled[&claim.name] {
+        let Some(outcome) = settled.get(&claim.name) else {
+            continue; // Every claim was settled above.
+        };
+        let verdict = match outcome {
             Err(why) => Err(why.clone()),
             Ok(s) => check_claim(&claim, s, mapped, notes, object).map(|()| s),
         };
