@@ -1401,3 +1401,139 @@ fn load_balancers_on_vm_networks_from_harvester_s_objects_get_their_networks() {
     assert_eq!(code, i32::from(import::EXIT_USAGE), "{stderr}");
     assert!(stderr.contains("write NETWORK=INTERFACE"), "{stderr}");
 }
+
+/// `lb_object` on network `network`, its allocatedAddress saying
+/// `mask`/`gateway`, with `ipam`.
+fn on_network(
+    name: &str,
+    vip: &str,
+    ipam: &str,
+    network: &str,
+    mask: &str,
+    gateway: &str,
+) -> Value {
+    let mut o = lb_object(name, vip, 80, 30080, &["10.7.0.21"]);
+    o["metadata"]["annotations"] =
+        serde_json::json!({"loadbalancer.harvesterhci.io/network": network});
+    o["spec"]["ipam"] = ipam.into();
+    o["status"]["allocatedAddress"]["mask"] = mask.into();
+    o["status"]["allocatedAddress"]["gateway"] = gateway.into();
+    o
+}
+
+#[test]
+fn load_balancers_whose_sources_disagree_on_their_network_s_subnet_are_all_skipped() {
+    let list = |items: Vec<Value>| {
+        vec![Source {
+            name: "in".into(),
+            text: serde_json::json!({"apiVersion": "v1", "kind": "List", "items": items})
+                .to_string(),
+        }]
+    };
+    // The host's interface named by the operator; no NAD, no pool: the
+    // load balancers' own allocatedAddress is the only source.
+    let options = Options {
+        network_interfaces: [("ns/x".to_string(), "eth1".to_string())].into(),
+        interfaces: Some(["eth1".to_string()].into()),
+        base: Some(Source {
+            name: "base.toml".into(),
+            text: "[keepalived]\nname = \"h1\"\naddress = \"192.168.0.11\"\ninterface = \"mgmt-br\"\npeers = [\"192.168.0.12\"]\n".into(),
+        }),
+        ..Options::default()
+    };
+    let out = import::import(
+        &list(vec![
+            on_network("a", "10.7.0.50", "pool", "x", "255.255.255.0", "10.7.0.1"),
+            on_network(
+                "b",
+                "10.7.0.51",
+                "pool",
+                "ns/x",
+                "255.255.255.0",
+                "10.7.0.254",
+            ),
+        ]),
+        &options,
+    )
+    .expect("import");
+    assert_eq!(out.load_balancers, 0, "{}", out.text);
+    assert_eq!(out.skipped.len(), 2, "{:?}", out.skipped);
+    for s in &out.skipped {
+        assert!(
+            s.reason.contains("its sources disagree on the subnet: /24 via 10.7.0.1 (status.allocatedAddress of loadbalancer.harvesterhci.io/v1beta1 LoadBalancer ns/a")
+                && s.reason.contains("/24 via 10.7.0.254 (status.allocatedAddress of loadbalancer.harvesterhci.io/v1beta1 LoadBalancer ns/b"),
+            "{s}"
+        );
+    }
+    // An IPPool selecting the network decides; the one that disagrees
+    // with it goes alone.
+    let pool = serde_json::json!({
+        "apiVersion": "loadbalancer.harvesterhci.io/v1beta1", "kind": "IPPool",
+        "metadata": {"name": "p"},
+        "spec": {"ranges": [{"subnet": "10.7.0.0/24"}], "selector": {"network": "ns/x"}},
+    });
+    let out = import::import(
+        &list(vec![
+            on_network("a", "10.7.0.50", "pool", "x", "255.255.255.0", "10.7.0.1"),
+            on_network(
+                "b",
+                "10.7.0.51",
+                "pool",
+                "ns/x",
+                "255.255.255.0",
+                "10.7.0.254",
+            ),
+            // Harvester leased this one elsewhere: asked for only if in the
+            // subnet, so this daemon leases a new one on eth1.
+            on_network("c", "0.0.0.0", "dhcp", "ns/x", "", ""),
+            pool,
+        ]),
+        &options,
+    )
+    .expect("import");
+    assert_eq!(out.load_balancers, 2, "{:?}", out.skipped);
+    assert_eq!(out.skipped.len(), 1, "{:?}", out.skipped);
+    assert!(
+        out.skipped[0].object.contains("LoadBalancer ns/b")
+            && out.skipped[0].reason.contains(
+                "disagrees with the network's /24 via 10.7.0.1 (loadbalancer.harvesterhci.io/v1beta1 IPPool p"
+            ),
+        "{:?}",
+        out.skipped
+    );
+    let config = harvester_lb::config::parse(&out.text)
+        .expect("valid")
+        .config;
+    assert_eq!(config.networks[0].interface, "eth1");
+    let c = config
+        .load_balancers
+        .iter()
+        .find(|l| l.name == "ns/c")
+        .unwrap();
+    assert_eq!(c.dhcp.as_ref().map(|d| d.interface.as_str()), Some("eth1"));
+    // Not on this host: every one skipped by name.
+    let elsewhere = Options {
+        interfaces: Some(["eth0".to_string()].into()),
+        ..options
+    };
+    let out = import::import(
+        &list(vec![on_network(
+            "a",
+            "10.7.0.50",
+            "pool",
+            "x",
+            "255.255.255.0",
+            "10.7.0.1",
+        )]),
+        &elsewhere,
+    )
+    .expect("import");
+    assert_eq!(out.load_balancers, 0);
+    assert!(
+        out.skipped[0]
+            .reason
+            .contains("this host has no interface \"eth1\" (--network-interface ns/x=eth1)"),
+        "{:?}",
+        out.skipped
+    );
+}
