@@ -337,6 +337,78 @@ impl LbHost {
         p
     }
 
+    /// Writes its daemon's config for a shared pool: one load balancer on
+    /// the IPv4 VIP with both hosts' backends (every host the same list),
+    /// TCP and UDP listeners on [`PORT`], each with `listener` lines added
+    /// (as [`LbHost::write_config_with`]) and `lb` lines (e.g.
+    /// `algorithm = "flow_hash"`) added to the load balancer.
+    pub fn write_shared_config(&self, vip_section: &str, lb: &str, listener: &str) -> PathBuf {
+        let extra = |l: Listener| {
+            let lines = listener.trim_end();
+            if lines.is_empty() { l } else { l.keys(lines) }
+        };
+        let mut pool = Lb::new("default/shared", IpAddr::V4(VIP))
+            .backends([IpAddr::V4(backend_ip(1)), IpAddr::V4(backend_ip(2))])
+            .listener(extra(Listener::new("tcp", PORT, BACKEND_PORT)))
+            .listener(extra(Listener::new("udp", PORT, BACKEND_PORT).udp()))
+            .health("  kind = \"tcp\"")
+            .health_port(BACKEND_PORT)
+            .health("  period_seconds = 1\n  timeout_seconds = 1\n  failure_threshold = 2\n  success_threshold = 1");
+        if !lb.trim().is_empty() {
+            pool = pool.keys(lb.trim_end());
+        }
+        let text = super::config()
+            .socket(&self.dir.join("admin.sock"))
+            .drain_timeout(5)
+            .vip(vip_section)
+            .lb(pool)
+            .to_string();
+        let p = self.config_path();
+        std::fs::write(&p, text).expect("write daemon config");
+        p
+    }
+
+    /// The flows of `protocol` (`tcp`, `udp`) to the IPv4 VIP's [`PORT`]
+    /// in this host's conntrack table: the client's port, and the address
+    /// the flow was DNATed to (the VIP itself if it was not).
+    pub fn flows(&self, protocol: &str) -> BTreeMap<u16, IpAddr> {
+        let text = output(
+            "ip",
+            &[
+                "netns",
+                "exec",
+                &self.ns.name,
+                "conntrack",
+                "-L",
+                "-p",
+                protocol,
+                "--orig-dst",
+                &VIP.to_string(),
+                "--dport",
+                &PORT.to_string(),
+            ],
+        );
+        let mut flows = BTreeMap::new();
+        for line in text.lines() {
+            // `src=C dst=VIP sport=P dport=80 … src=BACKEND dst=… sport=…`:
+            // the first `sport` is the client's, the second `src` the
+            // reply's source (the backend after a DNAT).
+            let values = |key: &str| -> Vec<&str> {
+                line.split_whitespace()
+                    .filter_map(|w| w.strip_prefix(key))
+                    .collect()
+            };
+            let (sports, srcs) = (values("sport="), values("src="));
+            if let (Some(port), Some(reply)) = (
+                sports.first().and_then(|p| p.parse().ok()),
+                srcs.get(1).and_then(|a| a.parse().ok()),
+            ) {
+                flows.insert(port, reply);
+            }
+        }
+        flows
+    }
+
     /// Starts the daemon with the config [`LbHost::write_config`] wrote and
     /// waits (with a deadline) for its admin API.
     pub async fn start_daemon(&mut self) -> &DaemonProc {
