@@ -739,9 +739,10 @@ struct Moved {
     survived: usize,
     /// TCP connections host 2 carried, and how many of them broke.
     stayed: (usize, usize),
-    /// UDP flows (one a source port), and how many were answered by
-    /// another backend after the move than before.
-    udp: (usize, usize),
+    /// UDP flows (one a source port), how many of them host 1 carried,
+    /// and how many were answered by another backend after the move than
+    /// before.
+    udp: (usize, usize, usize),
 }
 
 /// Two hosts announce the VIP, each with the same two backends and kernel
@@ -817,6 +818,11 @@ async fn moved_flows(tag: &str, algorithm: &str) -> Moved {
         udp.push((s, backend.expect("a UDP flow got no answer")));
     }
 
+    let udp_on1 = bed.host(1).flows("udp");
+    let udp_moving = udp
+        .iter()
+        .filter(|(s, _)| udp_on1.contains_key(&s.local_addr().expect("local address").port()))
+        .count();
     bed.host(1).host_state("drain");
     bed.wait_nexthops(&[2], Duration::from_secs(10)).await;
     // Which backend host 2 sends each flow it takes on (a moved connection
@@ -859,7 +865,7 @@ async fn moved_flows(tag: &str, algorithm: &str) -> Moved {
         not_dnated,
         survived,
         stayed: (40 - carried_by_1.len(), stayed_broken),
-        udp: (udp.len(), udp_moved),
+        udp: (udp.len(), udp_moving, udp_moved),
     }
 }
 
@@ -874,8 +880,8 @@ async fn moved_flows(tag: &str, algorithm: &str) -> Moved {
 /// by host 1's address, so it resets it when host 2's address comes: the
 /// survivors are counted and printed, not required. The control, round
 /// robin, has no choice that holds across hosts: host 2 does not take a
-/// moved TCP flow to a backend at all (its own stack resets it), and
-/// part of the UDP flows change backend.
+/// moved TCP flow to a backend at all (its own stack resets it), and a
+/// moved UDP flow keeps its backend only by luck.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bgp_flow_hash_sends_moved_flows_to_the_same_backend() {
     require_bgp!();
@@ -887,12 +893,15 @@ async fn bgp_flow_hash_sends_moved_flows_to_the_same_backend() {
     );
     assert_eq!(hash.other_backend, 0, "{hash:?}");
     assert_eq!(hash.stayed.1, 0, "host 2's own connections broke: {hash:?}");
-    assert_eq!(hash.udp.1, 0, "a UDP flow changed backend: {hash:?}");
+    assert!(hash.udp.1 > 0, "no UDP flow went through host 1: {hash:?}");
+    assert_eq!(hash.udp.2, 0, "a UDP flow changed backend: {hash:?}");
 
     let rr = moved_flows("frr", "round_robin").await;
     eprintln!("round_robin, host 1 withdrawn: {rr:?}");
     assert_eq!(rr.stayed.1, 0, "host 2's own connections broke: {rr:?}");
     assert_eq!(rr.survived, 0, "{rr:?}");
-    assert_eq!(rr.same_backend, 0, "{rr:?}");
-    assert!(rr.udp.1 > 0, "no UDP flow changed backend: {rr:?}");
+    assert_eq!(rr.not_dnated, rr.tcp, "{rr:?}");
+    // UDP flows: each host's `numgen` alternates over the backends, so a
+    // moved flow keeps its backend only when the two hosts' rounds happen
+    // to line up (all or none, run by run): printed, not asserted.
 }
