@@ -564,7 +564,7 @@ fn bucket_hash_input(pick: Algorithm, v4: bool) -> Expression<'static> {
 /// fallback, owns such a segment in the socket lookup of
 /// [`terminated_here`], which keeps it from the DNAT, and answers it with a
 /// reset.
-fn picks_up(id: &ListenerId, l: &KernelListener) -> bool {
+pub(super) fn picks_up(id: &ListenerId, l: &KernelListener) -> bool {
     id.1 == Protocol::Tcp && uses_buckets(l.pick)
 }
 
