@@ -333,3 +333,104 @@ backends = ["2001:db8::11"]
         "{err}"
     );
 }
+
+/// Kernel listeners whose VIP moves between hosts: a combination that
+/// resets the connections a move carries is a warning where it is what a
+/// config said before (the default masquerade, round robin), naming the
+/// key and what to set instead; `source_nat = "vip"` on an anycast VIP,
+/// which never works, is refused. A VIP that does not move gets none of
+/// these, and the combinations that keep connections get no warning.
+#[test]
+fn a_vip_that_moves_warns_about_what_cannot_keep_its_connections() {
+    let kernel = "  forwarding = \"kernel\"";
+    let anycast = "[vip]\nannounce = \"routes\"\nannounce_prefixes = [\"192.0.2.0/24\"]\n";
+    let failover = "[keepalived]\nname = \"lb-a\"\naddress = \"10.0.0.1\"\ninterface = \"mgmt\"\npeers = [\"10.0.0.2\"]\n\n[[network]]\nname = \"default/vm\"\ninterface = \"eth0\"\nprefix_length = 24\ngateway = \"192.0.2.1\"\n";
+    let warnings = |head: &str, lb: &str, listener: &str| -> Vec<String> {
+        let text = format!("{head}{}", file("192.0.2.10", lb, listener));
+        let loaded =
+            config::parse(&text).unwrap_or_else(|p| panic!("should be valid: {p:?}\n{text}"));
+        loaded.warnings.iter().map(|w| w.to_string()).collect()
+    };
+
+    // Not moving: nothing said.
+    assert_eq!(warnings("", "", kernel), Vec::<String>::new());
+
+    // keepalived: the default masquerade and round robin both warned.
+    let w = warnings(failover, "network = \"default/vm\"", kernel);
+    assert_eq!(w.len(), 2, "{w:#?}");
+    assert!(
+        w[0].contains("load_balancer[0].listener[0].source_nat"),
+        "{w:#?}"
+    );
+    assert!(w[0].contains("is \"masquerade\" and its VIP moves between hosts (network = \"default/vm\", keepalived): a failover resets every connection it moves"), "{w:#?}");
+    assert!(w[0].contains("set source_nat = \"vip\""), "{w:#?}");
+    assert!(w[1].contains("load_balancer[0].algorithm"), "{w:#?}");
+    assert!(
+        w[1].contains("is \"round_robin\" and its VIP moves between hosts"),
+        "{w:#?}"
+    );
+    assert!(w[1].contains("set algorithm = \"flow_hash\""), "{w:#?}");
+    // ... and what keeps them is quiet.
+    let keep = format!("{kernel}\n  source_nat = \"vip\"");
+    assert_eq!(
+        warnings(
+            failover,
+            "network = \"default/vm\"\nalgorithm = \"flow_hash\"",
+            &keep
+        ),
+        Vec::<String>::new()
+    );
+    let none = format!("{kernel}\n  source_nat = \"none\"");
+    assert_eq!(
+        warnings(
+            failover,
+            "network = \"default/vm\"\nalgorithm = \"source_ip\"",
+            &none
+        ),
+        Vec::<String>::new()
+    );
+    // A proxy listener is not the kernel's business: nothing said.
+    assert_eq!(
+        warnings(failover, "network = \"default/vm\"", ""),
+        Vec::<String>::new()
+    );
+
+    // Anycast: masquerade warned with what anycast can and cannot do.
+    let w = warnings(anycast, "algorithm = \"flow_hash\"", kernel);
+    assert_eq!(w.len(), 1, "{w:#?}");
+    assert!(
+        w[0].contains("load_balancer[0].listener[0].source_nat"),
+        "{w:#?}"
+    );
+    assert!(
+        w[0].contains("no source_nat keeps them in anycast"),
+        "{w:#?}"
+    );
+    let w = warnings(anycast, "", kernel);
+    assert_eq!(w.len(), 2, "{w:#?}");
+    assert!(w[1].contains("vip.announce = \"routes\""), "{w:#?}");
+
+    // source_nat = "vip" on an anycast VIP: refused, naming the key.
+    let text = format!(
+        "{anycast}{}",
+        file("192.0.2.10", "algorithm = \"flow_hash\"", &keep)
+    );
+    let p = problems(&text);
+    assert_eq!(p.len(), 1, "{p:#?}");
+    assert_eq!(p[0].key, "load_balancer[0].listener[0].source_nat");
+    assert!(
+        p[0].message.contains("cannot be \"vip\" here")
+            && p[0].message.contains("use source_nat = \"masquerade\""),
+        "{}",
+        p[0]
+    );
+    // A VIP outside announce_prefixes is not announced: not anycast.
+    let outside = anycast.replace("192.0.2.0/24", "198.51.100.0/24");
+    let text = format!("{outside}{}", file("192.0.2.10", "", &keep));
+    let loaded = config::parse(&text).expect("valid");
+    assert!(
+        !loaded.warnings.iter().any(|w| w.key.contains("source_nat")),
+        "{:?}",
+        loaded.warnings
+    );
+}

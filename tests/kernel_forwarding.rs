@@ -983,6 +983,7 @@ async fn source_nat_none_shows_the_backend_the_clients_own_address() {
     let _n1 = Node::start(&bed, 1, Service::NameThenEcho); // its health port
     peer_teller(&bed, 1, 30081);
     peer_teller(&bed, 1, 30082);
+    peer_teller(&bed, 1, 30083);
     let (_remote, rc) = remote_client(&bed, "ksnat-rc");
 
     let listener = |name: &str, port: u16, snat: &str| {
@@ -994,6 +995,7 @@ async fn source_nat_none_shows_the_backend_the_clients_own_address() {
         .backends([node_ip(1)])
         .listener(listener("keep", 81, "none")) // to nodeport 30081
         .listener(listener("hide", 82, "masquerade")) // to nodeport 30082
+        .listener(listener("vip", 83, "vip")) // to nodeport 30083
         .health_port(HEALTH_PORT);
     bed.start_daemon(&config().lb(lb).to_string()).await;
     wait_for(
@@ -1002,7 +1004,10 @@ async fn source_nat_none_shows_the_backend_the_clients_own_address() {
         || async {
             let s = bed.daemon().status().await;
             let l = &s["load_balancers"][0]["listeners"];
-            (l[0]["forwarding"] == "kernel" && l[1]["forwarding"] == "kernel").then_some(())
+            (l[0]["forwarding"] == "kernel"
+                && l[1]["forwarding"] == "kernel"
+                && l[2]["forwarding"] == "kernel")
+                .then_some(())
         },
     )
     .await;
@@ -1016,6 +1021,12 @@ async fn source_nat_none_shows_the_backend_the_clients_own_address() {
         seen_at(&rc, VIP, 82).await,
         "198.51.100.3",
         "source_nat = masquerade"
+    );
+    // The VIP, the same from every host (the node answers it on-link).
+    assert_eq!(
+        seen_at(&rc, VIP, 83).await,
+        VIP.to_string(),
+        "source_nat = vip"
     );
 }
 

@@ -24,6 +24,7 @@ pub fn first_candidate(
         Algorithm::RoundRobin => cursor.fetch_add(1, Ordering::Relaxed) % eligible.len(),
         Algorithm::LeastConnections => least_connections(eligible, cursor),
         Algorithm::SourceIp => highest_random_weight(eligible, client),
+        Algorithm::FlowHash => flow_hash(eligible, client),
     }
 }
 
@@ -55,13 +56,30 @@ fn highest_random_weight(eligible: &[Arc<Backend>], client: ClientAddr) -> usize
     rendezvous(client.ip(), eligible.iter().map(|b| b.addr_hash))
 }
 
+/// Rendezvous hashing of the client's address and port: the proxy's form
+/// of the kernel's `flow_hash` (a listener falls back to it when the
+/// kernel refuses a write). Deterministic and per connection, like the
+/// kernel's, so connections spread as with round robin and each host with
+/// the same config picks alike; the proxy ends each TCP connection itself,
+/// so a flow never moves between it and the kernel mid-stream, and which
+/// hash of the flow it uses need not be the kernel's `jhash`.
+fn flow_hash(eligible: &[Arc<Backend>], client: ClientAddr) -> usize {
+    let key = mix64(hash_ip(client.ip()) ^ u64::from(client.socket().port()));
+    rendezvous_key(key, eligible.iter().map(|b| b.addr_hash))
+}
+
 /// The rendezvous pick itself: the index, among backends given by the
 /// hashes of their addresses ([`hash_ip`]), that `client` goes to (0 when
 /// there is none). Shared by the proxy and by the kernel's `source_ip`
 /// buckets, which must pick alike so a client keeps its backend whichever
 /// path serves it.
 pub fn rendezvous(client: IpAddr, backend_hashes: impl IntoIterator<Item = u64>) -> usize {
-    let client = hash_ip(client);
+    rendezvous_key(hash_ip(client), backend_hashes)
+}
+
+/// [`rendezvous`] for a key already hashed: the backend (index) whose
+/// score for `key` is highest.
+fn rendezvous_key(client: u64, backend_hashes: impl IntoIterator<Item = u64>) -> usize {
     let mut best = 0;
     let mut best_score = 0;
     for (i, addr_hash) in backend_hashes.into_iter().enumerate() {
@@ -151,6 +169,47 @@ mod tests {
             seen[first_candidate(Algorithm::LeastConnections, &b, client, &cursor)] += 1;
         }
         assert_eq!(seen, [10, 10, 10]);
+    }
+
+    #[test]
+    fn flow_hash_spreads_one_clients_flows_and_moves_only_those_of_a_removed_backend() {
+        let all = backends(4);
+        let cursor = AtomicUsize::new(0);
+        // One client address, 2000 source ports.
+        let flows: Vec<ClientAddr> = (0..2000u16)
+            .map(|p| ClientAddr::new(std::net::SocketAddr::from(([192, 0, 2, 1], 30000 + p))))
+            .collect();
+        let pick = |set: &[Arc<Backend>], c: ClientAddr| {
+            set[first_candidate(Algorithm::FlowHash, set, c, &cursor)].addr
+        };
+        let before: Vec<IpAddr> = flows.iter().map(|c| pick(&all, *c)).collect();
+        let mut counts: HashMap<IpAddr, usize> = HashMap::new();
+        for b in &before {
+            *counts.entry(*b).or_default() += 1;
+        }
+        assert_eq!(counts.len(), 4, "one client's flows spread: {counts:?}");
+        assert!(
+            counts.values().all(|&n| (375..=625).contains(&n)),
+            "{counts:?}"
+        );
+        // Deterministic: another set of the same backends (another host)
+        // picks alike, whatever the order.
+        let mut other = backends(4);
+        other.reverse();
+        for (c, b) in flows.iter().zip(&before) {
+            assert_eq!(pick(&other, *c), *b);
+        }
+        let removed = all[1].addr;
+        let rest: Vec<Arc<Backend>> = all.iter().filter(|b| b.addr != removed).cloned().collect();
+        for (c, b) in flows.iter().zip(&before) {
+            if *b != removed {
+                assert_eq!(
+                    pick(&rest, *c),
+                    *b,
+                    "flow {c:?} moved although its backend stayed"
+                );
+            }
+        }
     }
 
     #[test]

@@ -522,6 +522,12 @@ pub enum SourceNat {
     /// The client's own address (`externalTrafficPolicy: Local` users want
     /// it); the backends must route their replies through this host.
     None,
+    /// The VIP, keeping the client's port where it can (`snat to VIP`):
+    /// the same source from every host, so a backend still knows a flow
+    /// that another host picks up, and replies go to whichever host holds
+    /// the VIP now. For a VIP that moves by keepalived (`network`); refused
+    /// with anycast, whose router spreads the replies over all hosts.
+    Vip,
 }
 
 /// `[load_balancer.health_check]`.
@@ -565,6 +571,12 @@ pub enum Algorithm {
     /// Rendezvous hash of the client IP: a client sticks to one backend, and
     /// only clients of a backend that leaves are moved.
     SourceIp,
+    /// Rendezvous hash of the whole flow (client address and port): one
+    /// client's connections still spread, and every host with the same
+    /// config and health picks the same backend for a flow, so a flow that
+    /// reaches another host mid-stream (a BGP rehash, a VIP's failover)
+    /// lands on the backend it had. Only backends that leave move flows.
+    FlowHash,
 }
 
 /// What happens to the connections open to a backend when its health check

@@ -80,6 +80,7 @@ impl Daemon {
                 Algorithm::RoundRobin => "round_robin",
                 Algorithm::LeastConnections => "least_connections",
                 Algorithm::SourceIp => "source_ip",
+                Algorithm::FlowHash => "flow_hash",
             },
             health_check: spec.health_check.is_some(),
             health_check_port: spec.health_check.as_ref().and_then(|hc| hc.port),

@@ -103,7 +103,7 @@ impl Owned {
                 o.counters.insert(obj(denied_counter(id)));
                 o.sets.insert(obj(source_set(id)));
             }
-            if l.pick == Algorithm::SourceIp {
+            if uses_buckets(l.pick) {
                 o.maps.insert(obj(bucket_map(id)));
             }
             for &b in &l.members {
@@ -280,6 +280,12 @@ struct Family {
     dispatch: &'static str,
     refuse: &'static str,
     masq: &'static str,
+    /// `source_nat = "vip"`: the flows SNATed to their VIP (the key is the
+    /// masquerade's).
+    snat: &'static str,
+    /// The `flow_hash` TCP listeners, whose mid-stream segments are DNATed
+    /// ([`picks_up`]).
+    pickup: &'static str,
 }
 
 const FAMILIES: [Family; 2] = [
@@ -288,12 +294,16 @@ const FAMILIES: [Family; 2] = [
         dispatch: "dispatch4",
         refuse: "refuse4",
         masq: "masq4",
+        snat: "snat4",
+        pickup: "pickup4",
     },
     Family {
         v4: false,
         dispatch: "dispatch6",
         refuse: "refuse6",
         masq: "masq6",
+        snat: "snat6",
+        pickup: "pickup6",
     },
 ];
 
@@ -429,8 +439,11 @@ fn fill_listener(
     if l.affinity.is_some() {
         fill_affinity(cmds, id, l);
     }
-    if l.pick == Algorithm::SourceIp {
+    if uses_buckets(l.pick) {
         fill_buckets(cmds, id, l, before);
+    }
+    if picks_up(id, l) {
+        cmds.push(element(t, f.pickup, vec![listener_key(id)]));
     }
     // The backend choice. Round robin without a set (an anonymous one per
     // listener makes the kernel's commit quadratic in the listeners) and,
@@ -447,14 +460,14 @@ fn fill_listener(
                 Statement::Return(None),
             ],
         ));
-    } else if l.pick == Algorithm::SourceIp {
+    } else if uses_buckets(l.pick) {
         cmds.push(rule(
             t,
             &lchain,
             vec![Statement::VerdictMap(VerdictMap {
                 key: Expression::Named(NamedExpression::JHash(JHash {
                     hash_mod: BUCKETS,
-                    expr: Box::new(payload(ip_proto(v4), "saddr")),
+                    expr: Box::new(bucket_hash_input(l.pick, v4)),
                     offset: None,
                     seed: Some(BUCKET_SEED),
                 })),
@@ -507,7 +520,7 @@ fn fill_listener(
             ));
         }
     }
-    // The masquerade elements are shared (see [`masq_users`]): written by
+    // The masquerade elements are shared (see [`nat_users`]): written by
     // the caller, each once.
 }
 
@@ -516,7 +529,43 @@ fn fill_listener(
 /// verdict. Plain round robin does without them, so that a flip is one
 /// chain's rules (see [`super::netlink`]).
 pub(super) fn has_backend_chains(l: &KernelListener) -> bool {
-    l.pick == Algorithm::SourceIp || l.affinity.is_some()
+    uses_buckets(l.pick) || l.affinity.is_some()
+}
+
+/// Whether `pick` chooses through a bucket map: `source_ip` and
+/// `flow_hash`, whose buckets are filled alike (by [`buckets`]) and differ
+/// only in what the kernel hashes to find one ([`bucket_hash_input`]).
+fn uses_buckets(pick: Algorithm) -> bool {
+    matches!(pick, Algorithm::SourceIp | Algorithm::FlowHash)
+}
+
+/// What the kernel's `jhash` is given to find a flow's bucket: the client's
+/// address for `source_ip` (a client keeps its backend); the client's
+/// address and port for `flow_hash` (`ip saddr . th sport`: one client's
+/// flows spread, and a flow keeps its backend on every host). The VIP and
+/// the listener's port are the same for every flow of the listener's
+/// chain, so hashing them too would spread nothing more.
+fn bucket_hash_input(pick: Algorithm, v4: bool) -> Expression<'static> {
+    let saddr = payload(ip_proto(v4), "saddr");
+    if pick == Algorithm::FlowHash {
+        concat(vec![saddr, payload("th", "sport")])
+    } else {
+        saddr
+    }
+}
+
+/// Whether the kernel must take a TCP segment of listener `id` that is
+/// not a SYN, and not one of this host's connections, as a flow to DNAT
+/// (an element of the `pickup` set): a `flow_hash` or `source_ip` TCP
+/// listener, whose flows may reach this host mid-stream from another (a
+/// BGP rehash, a VIP's failover) and go on to the backend the other host
+/// chose (round robin's would be another: its own stack resets them).
+/// Without the element, the listener's own userspace socket, bound as the
+/// fallback, owns such a segment in the socket lookup of
+/// [`terminated_here`], which keeps it from the DNAT, and answers it with a
+/// reset.
+pub(super) fn picks_up(id: &ListenerId, l: &KernelListener) -> bool {
+    id.1 == Protocol::Tcp && uses_buckets(l.pick)
 }
 
 /// A new flow to backend `b`: its named counter, then the DNAT.
@@ -584,7 +633,7 @@ fn fill_buckets(
     let name = bucket_map(id);
     let now = buckets(&l.eligible);
     let was = match before {
-        Some(b) if b.pick == Algorithm::SourceIp => buckets(&b.eligible),
+        Some(b) if uses_buckets(b.pick) => buckets(&b.eligible),
         Some(_) => Vec::new(),
         None => {
             cmds.push(NfObject::CmdObject(NfCmd::Flush(FlushObject::Map(map(
@@ -772,7 +821,7 @@ fn partial_commands(desired: &Desired, applied: &Desired) -> Nftables<'static> {
     }
     // The elements of listeners that go or change (re-added below): their
     // own, keyed by the listener. The shared masquerade elements are
-    // counted by their users instead ([`masq_difference`]).
+    // counted by their users instead ([`nat_difference`]).
     let mut touched = BTreeSet::new();
     for (id, old) in applied {
         if desired.get(id) == Some(old) {
@@ -782,6 +831,9 @@ fn partial_commands(desired: &Desired, applied: &Desired) -> Nftables<'static> {
         let f = &FAMILIES[usize::from(!is_v4(id.0))];
         cmds.push(delete_element(Shard::of(id), f.dispatch, listener_key(id)));
         cmds.push(delete_element(Shard::MAIN, f.refuse, listener_key(id)));
+        if picks_up(id, old) {
+            cmds.push(delete_element(Shard::of(id), f.pickup, listener_key(id)));
+        }
     }
     let mut changed = Desired::new();
     for (id, l) in desired {
@@ -790,22 +842,22 @@ fn partial_commands(desired: &Desired, applied: &Desired) -> Nftables<'static> {
             changed.insert(*id, l.clone());
         }
     }
-    let (gone, new) = masq_difference(applied, desired, &touched);
-    for keys in masq_commands(gone) {
-        cmds.push(NfObject::CmdObject(NfCmd::Delete(NfListObject::Element(
-            keys,
-        ))));
+    let mut added = Vec::new();
+    for kind in SOURCE_NATS {
+        let (gone, new) = nat_difference(applied, desired, &touched, kind);
+        for keys in nat_commands(gone, kind) {
+            cmds.push(NfObject::CmdObject(NfCmd::Delete(NfListObject::Element(
+                keys,
+            ))));
+        }
+        added.extend(nat_commands(new, kind));
     }
     let declared = Owned::of(&changed);
     declare(&mut cmds, &changed, &declared);
     for (id, l) in &changed {
         fill_listener(&mut cmds, id, l, applied.get(id));
     }
-    cmds.extend(
-        masq_commands(new)
-            .into_iter()
-            .map(|e| add(NfListObject::Element(e))),
-    );
+    cmds.extend(added.into_iter().map(|e| add(NfListObject::Element(e))));
     delete_gone(&mut cmds, &before, &after);
     Nftables {
         objects: Cow::Owned(cmds),
@@ -818,17 +870,23 @@ fn partial_commands(desired: &Desired, applied: &Desired) -> Nftables<'static> {
 /// and 8080 → 30080) shares the element of each backend.
 pub(super) type MasqKey = (IpAddr, IpAddr, Protocol, u16);
 
-/// The masquerade elements `listeners` want, each with the number of its
-/// users. An element stays in the kernel while it has one: a listener that
+/// The source NATs written in the main table's `postrouting`, each with a
+/// set of its own (`masq4`, `snat4`…) keyed alike: `source_nat = "none"`
+/// writes nothing.
+const SOURCE_NATS: [SourceNat; 2] = [SourceNat::Masquerade, SourceNat::Vip];
+
+/// The elements of source NAT `kind` (masquerade, SNAT to the VIP)
+/// `listeners` want, each with the number of its users. An element stays in the kernel while it has one: a listener that
 /// goes deletes it only when it was the last user, and a transaction never
 /// deletes it twice (nft answers the second delete with ENOENT and refuses
 /// the whole transaction).
-pub(super) fn masq_users<'a>(
+pub(super) fn nat_users<'a>(
     listeners: impl IntoIterator<Item = (&'a ListenerId, &'a KernelListener)>,
+    kind: SourceNat,
 ) -> BTreeMap<MasqKey, usize> {
     let mut users = BTreeMap::new();
     for (id, l) in listeners {
-        if l.source_nat != SourceNat::Masquerade {
+        if l.source_nat != kind {
             continue;
         }
         // Every member, eligible or not: only new flows are masqueraded
@@ -849,28 +907,30 @@ fn on_vip(state: &Desired, vip: IpAddr) -> impl Iterator<Item = (&ListenerId, &K
         .take_while(move |(id, _)| id.0 == vip)
 }
 
-/// The masquerade elements to delete (no user left) and to add (no user
-/// before) between `applied` and `desired`, looking only at the VIPs in
+/// The elements of source NAT `kind` to delete (no user left) and to add
+/// (no user before) between `applied` and `desired`, looking only at the VIPs in
 /// `vips` (those of the listeners that differ: no other VIP's users
 /// change). Each element once.
-pub(super) fn masq_difference(
+pub(super) fn nat_difference(
     applied: &Desired,
     desired: &Desired,
     vips: &BTreeSet<IpAddr>,
+    kind: SourceNat,
 ) -> (BTreeSet<MasqKey>, BTreeSet<MasqKey>) {
     let (mut gone, mut new) = (BTreeSet::new(), BTreeSet::new());
     for &vip in vips {
-        let before = masq_users(on_vip(applied, vip));
-        let after = masq_users(on_vip(desired, vip));
+        let before = nat_users(on_vip(applied, vip), kind);
+        let after = nat_users(on_vip(desired, vip), kind);
         gone.extend(before.keys().filter(|k| !after.contains_key(k)));
         new.extend(after.keys().filter(|k| !before.contains_key(k)));
     }
     (gone, new)
 }
 
-/// `keys` as one element list per masquerade set (`masq4`, `masq6`), for
-/// an `add` or a `delete`; none for a family without keys.
-fn masq_commands(keys: BTreeSet<MasqKey>) -> Vec<Element<'static>> {
+/// `keys` as one element list per set of the source NAT `kind` (`masq4`,
+/// `masq6`; `snat4`, `snat6`), for an `add` or a `delete`; none for a
+/// family without keys.
+fn nat_commands(keys: BTreeSet<MasqKey>, kind: SourceNat) -> Vec<Element<'static>> {
     FAMILIES
         .iter()
         .filter_map(|f| {
@@ -889,7 +949,11 @@ fn masq_commands(keys: BTreeSet<MasqKey>) -> Vec<Element<'static>> {
             (!elem.is_empty()).then(|| Element {
                 family: NfFamily::INet,
                 table: s(Shard::MAIN.table()),
-                name: s(f.masq),
+                name: s(if kind == SourceNat::Vip {
+                    f.snat
+                } else {
+                    f.masq
+                }),
                 elem: Cow::Owned(elem),
             })
         })
@@ -962,12 +1026,14 @@ fn commands(desired: &Desired, present: &Owned) -> Nftables<'static> {
     for (id, l) in desired {
         fill_listener(&mut cmds, id, l, None);
     }
-    let masq = masq_users(desired).into_keys().collect();
-    cmds.extend(
-        masq_commands(masq)
-            .into_iter()
-            .map(|e| add(NfListObject::Element(e))),
-    );
+    for kind in SOURCE_NATS {
+        let keys = nat_users(desired, kind).into_keys().collect();
+        cmds.extend(
+            nat_commands(keys, kind)
+                .into_iter()
+                .map(|e| add(NfListObject::Element(e))),
+        );
+    }
     // 3. What is gone: after the flushes above, nothing refers to it.
     delete_gone(&mut cmds, present, &wanted);
     Nftables {
@@ -994,16 +1060,33 @@ fn commands(desired: &Desired, present: &Owned) -> Nftables<'static> {
 /// socket lookup runs only for the rare mid-stream pickup, so a new flow's
 /// path is unchanged. The rule stands in every table's `prerouting`: a
 /// `return` ends only its own table's chain.
-fn terminated_here() -> Vec<Statement<'static>> {
-    vec![
-        matches(
-            Expression::BinaryOperation(Box::new(nftables::expr::BinaryOperation::AND(
-                payload("tcp", "flags"),
-                Expression::String(s("syn")),
-            ))),
-            Operator::EQ,
-            Expression::Number(0),
-        ),
+///
+/// In `prerouting` (`pickup`: the family's set) the rule leaves out the
+/// `flow_hash` and `source_ip` TCP listeners ([`picks_up`]): the socket lookup also finds
+/// the listener's own userspace socket, bound as the fallback, so without
+/// this a flow picked up mid-stream from another host would never reach
+/// its DNAT. A connection the proxy accepted for such a listener before
+/// this host's first NAT table is then DNATed when it is picked up (and
+/// reset by the backend): a listener that moves to the kernel from the
+/// proxy with `flow_hash` or `source_ip` loses those connections, as it
+/// would lose them to any move between hosts.
+fn terminated_here(pickup: Option<&Family>) -> Vec<Statement<'static>> {
+    let mut rule = vec![matches(
+        Expression::BinaryOperation(Box::new(nftables::expr::BinaryOperation::AND(
+            payload("tcp", "flags"),
+            Expression::String(s("syn")),
+        ))),
+        Operator::EQ,
+        Expression::Number(0),
+    )];
+    if let Some(f) = pickup {
+        rule.push(matches(
+            dispatch_key(f.v4),
+            Operator::NEQ,
+            set_ref(f.pickup),
+        ));
+    }
+    rule.extend([
         matches(
             Expression::Named(NamedExpression::Socket(nftables::expr::Socket {
                 key: Cow::Borrowed(&nftables::expr::SocketAttr::Transparent),
@@ -1012,7 +1095,8 @@ fn terminated_here() -> Vec<Statement<'static>> {
             Expression::Number(0),
         ),
         Statement::Return(None),
-    ]
+    ]);
+    rule
 }
 
 /// A table's own parts, added (idempotent), emptied and filled: in every
@@ -1061,9 +1145,17 @@ fn skeleton(cmds: &mut Vec<NfObject<'static>>, t: Shard) {
         cmds.push(NfObject::CmdObject(NfCmd::Flush(FlushObject::Map(map(
             t, f.dispatch,
         )))));
+        cmds.push(add(NfListObject::Set(Box::new(tuple_set(
+            t,
+            f.pickup,
+            tuple.clone(),
+        )))));
+        cmds.push(NfObject::CmdObject(NfCmd::Flush(FlushObject::Set(
+            Box::new(tuple_set(t, f.pickup, Vec::new())),
+        ))));
         if t == Shard::MAIN {
             let masq = vec![addr, addr, SetType::InetProto, SetType::InetService];
-            for (name, types) in [(f.refuse, tuple), (f.masq, masq)] {
+            for (name, types) in [(f.refuse, tuple), (f.masq, masq.clone()), (f.snat, masq)] {
                 cmds.push(add(NfListObject::Set(Box::new(tuple_set(t, name, types)))));
                 cmds.push(NfObject::CmdObject(NfCmd::Flush(FlushObject::Set(
                     Box::new(tuple_set(t, name, Vec::new())),
@@ -1077,11 +1169,13 @@ fn skeleton(cmds: &mut Vec<NfObject<'static>>, t: Shard) {
             c.clone(),
         ))));
     }
-    cmds.push(rule(t, "prerouting", terminated_here()));
+    for f in &FAMILIES {
+        cmds.push(rule(t, "prerouting", terminated_here(Some(f))));
+    }
     if t == Shard::MAIN {
         // Before the refusal of new flows to kernel listeners: the same
         // picked-up segment must reach its socket, not draw a reset.
-        cmds.push(rule(t, "input", terminated_here()));
+        cmds.push(rule(t, "input", terminated_here(None)));
     }
     for f in &FAMILIES {
         let vmap = Statement::VerdictMap(VerdictMap {
@@ -1102,9 +1196,7 @@ fn skeleton(cmds: &mut Vec<NfObject<'static>>, t: Shard) {
 /// DNATed.
 fn shared_rules(cmds: &mut Vec<NfObject<'static>>, f: &Family) {
     let t = Shard::MAIN;
-    cmds.push(rule(
-        t,
-        "postrouting",
+    let dnated_in = |set: &str| {
         vec![
             matches(
                 ct("status", false),
@@ -1119,16 +1211,29 @@ fn shared_rules(cmds: &mut Vec<NfObject<'static>>, f: &Family) {
                     payload("th", "dport"),
                 ]),
                 Operator::EQ,
-                set_ref(f.masq),
+                set_ref(set),
             ),
-            Statement::Masquerade(Some(NAT {
-                addr: None,
-                family: None,
-                port: None,
-                flags: Some([NATFlag::FullyRandom].into_iter().collect()),
-            })),
-        ],
-    ));
+        ]
+    };
+    let mut masq = dnated_in(f.masq);
+    masq.push(Statement::Masquerade(Some(NAT {
+        addr: None,
+        family: None,
+        port: None,
+        flags: Some([NATFlag::FullyRandom].into_iter().collect()),
+    })));
+    cmds.push(rule(t, "postrouting", masq));
+    // `source_nat = "vip"`: to the VIP the client connected to, keeping
+    // the client's port where the tuple allows (no `fully-random`), so
+    // that every host writes the same source for one flow.
+    let mut snat = dnated_in(f.snat);
+    snat.push(Statement::SNAT(Some(NAT {
+        addr: Some(ct(&format!("{} daddr", ip_proto(f.v4)), true)),
+        family: Some(if f.v4 { NATFamily::IP } else { NATFamily::IP6 }),
+        port: None,
+        flags: None,
+    })));
+    cmds.push(rule(t, "postrouting", snat));
     let refused = || {
         vec![
             matches(
@@ -1464,7 +1569,7 @@ mod tests {
         let mut none = listener(&both, &both);
         none.source_nat = SourceNat::None;
         d.insert(id("192.0.2.10", 81), none);
-        let users = masq_users(&d);
+        let users = nat_users(&d, SourceNat::Masquerade);
         let key = |b: &str| (ip("192.0.2.10"), ip(b), Protocol::Tcp, 30080);
         assert_eq!(users.get(&key("10.0.0.1")), Some(&2));
         assert_eq!(users.get(&key("10.0.0.2")), Some(&2));
@@ -1472,7 +1577,7 @@ mod tests {
         // Another VIP's users are not looked at.
         let vips: BTreeSet<IpAddr> = [ip("192.0.2.99")].into();
         assert_eq!(
-            masq_difference(&d, &Desired::new(), &vips),
+            nat_difference(&d, &Desired::new(), &vips, SourceNat::Masquerade),
             Default::default()
         );
     }
@@ -1725,6 +1830,228 @@ mod tests {
         rr.get_mut(&l).unwrap().pick = Algorithm::RoundRobin;
         let t = text(&partial_transaction(&rr, &before));
         assert!(t.contains(r#"{"delete":{"map":{"family":"inet","map":"ipv4_addr","name":"m_tcp_80_192.0.2.10""#), "{t}");
+    }
+
+    fn flow_hash(eligible: &[&str], members: &[&str]) -> KernelListener {
+        KernelListener {
+            pick: Algorithm::FlowHash,
+            ..listener(eligible, members)
+        }
+    }
+
+    /// The bucket map's elements a document writes: bucket to backend
+    /// chain.
+    fn written_buckets(doc: &serde_json::Value, map: &str) -> BTreeMap<u64, String> {
+        let mut out = BTreeMap::new();
+        for c in doc["nftables"].as_array().unwrap() {
+            let Some(e) = c.pointer("/add/element").filter(|e| e["name"] == map) else {
+                continue;
+            };
+            for item in e["elem"][0]["set"].as_array().unwrap() {
+                let bucket = item[0].as_u64().unwrap();
+                let target = item[1]["goto"]["target"].as_str().unwrap().to_string();
+                out.insert(bucket, target);
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn flow_hash_hashes_address_and_port_over_the_same_buckets() {
+        let members = ["10.0.0.1", "10.0.0.2", "10.0.0.3"];
+        let l = id("192.0.2.10", 80);
+        let mut d = Desired::new();
+        d.insert(l, flow_hash(&members, &members));
+        let t = text(&transaction(&d, &Owned::default()));
+        assert!(
+            t.contains(r#"{"vmap":{"data":"@m_tcp_80_192.0.2.10","key":{"jhash":{"expr":{"concat":[{"payload":{"field":"saddr","protocol":"ip"}},{"payload":{"field":"sport","protocol":"th"}}]},"mod":4093,"seed":1751280738}}}}"#),
+            "{t}"
+        );
+        assert!(!t.contains("numgen"));
+        // Its map is declared as source_ip's, and filled alike.
+        let script = prelude(&d, None, &Owned::default()).unwrap();
+        assert!(script.contains("add map inet harvester_lb_nat_15 m_tcp_80_192.0.2.10 { typeof numgen inc mod 4093 : verdict ; }"), "{script}");
+        let mut s = Desired::new();
+        s.insert(l, source_ip(&members, &members));
+        let doc = transaction(&d, &Owned::default());
+        let map = bucket_map(&l);
+        assert_eq!(
+            written_buckets(&doc, &map),
+            written_buckets(&transaction(&s, &Owned::default()), &map)
+        );
+        // A TCP flow_hash listener's mid-stream segments are DNATed: its
+        // key is in the pickup set, which the socket-lookup return skips.
+        assert!(t.contains(r#"{"add":{"element":{"elem":[{"concat":["192.0.2.10","tcp",80]}],"family":"inet","name":"pickup4""#), "{t}");
+        assert!(t.contains(r#"{"match":{"left":{"concat":[{"payload":{"field":"daddr","protocol":"ip"}},{"meta":{"key":"l4proto"}},{"payload":{"field":"dport","protocol":"th"}}]},"op":"!=","right":"@pickup4"}},{"match":{"left":{"socket":{"key":"transparent"}},"op":"==","right":0}},{"return":null}"#), "{t}");
+        let picked = |d: &Desired| -> Vec<(String, String)> {
+            element_ops(&transaction(d, &Owned::default()), "add")
+                .into_iter()
+                .filter(|(set, _)| set == "pickup4")
+                .collect()
+        };
+        assert_eq!(picked(&d).len(), 1);
+        // source_ip is picked up too (a client keeps its backend on every
+        // host); round robin is not: its listener's key stays out.
+        assert_eq!(picked(&s).len(), 1);
+        let mut rr = d.clone();
+        rr.get_mut(&l).unwrap().pick = Algorithm::RoundRobin;
+        assert_eq!(picked(&rr), vec![]);
+        // A UDP flow_hash listener neither: UDP has no socket to return to.
+        let mut udp = Desired::new();
+        udp.insert(
+            (ip("192.0.2.10"), Protocol::Udp, 53),
+            flow_hash(&members, &members),
+        );
+        assert_eq!(picked(&udp), vec![]);
+    }
+
+    #[test]
+    fn two_hosts_building_one_config_write_identical_bucket_maps() {
+        // Two independent builds (two hosts, the same config and health;
+        // members in another order on one) write the same bucket to the
+        // same backend, for every bucket.
+        let members = ["10.0.0.1", "10.0.0.2", "10.0.0.3", "10.0.0.4"];
+        let mut reversed = members;
+        reversed.reverse();
+        let l = id("192.0.2.10", 80);
+        let mut a = Desired::new();
+        a.insert(l, flow_hash(&members, &members));
+        let mut b = Desired::new();
+        b.insert(l, flow_hash(&reversed, &reversed));
+        let map = bucket_map(&l);
+        let on_a = written_buckets(&transaction(&a, &Owned::default()), &map);
+        let on_b = written_buckets(&transaction(&b, &Owned::default()), &map);
+        assert_eq!(on_a.len(), BUCKETS as usize);
+        assert_eq!(on_a, on_b);
+        // And the same after a flip seen by both.
+        let down = |d: &Desired| {
+            let mut d = d.clone();
+            d.get_mut(&l)
+                .unwrap()
+                .eligible
+                .retain(|e| *e != ip("10.0.0.3"));
+            d
+        };
+        assert_eq!(
+            buckets(&down(&a)[&l].eligible),
+            buckets(&down(&b)[&l].eligible)
+        );
+    }
+
+    #[test]
+    fn a_flow_hash_health_flip_rewrites_only_the_buckets_of_the_backend_that_changed() {
+        let members = ["10.0.0.1", "10.0.0.2", "10.0.0.3"];
+        let l = id("192.0.2.10", 80);
+        let mut before = Desired::new();
+        before.insert(l, flow_hash(&members, &members));
+        let map = bucket_map(&l);
+        let all = written_buckets(&transaction(&before, &Owned::default()), &map);
+        let chain_of = |b: &str| backend_chain(&l, ip(b));
+        let owned_by = |b: &str| {
+            all.iter()
+                .filter(|(_, c)| **c == chain_of(b))
+                .map(|(k, _)| *k)
+                .collect::<BTreeSet<u64>>()
+        };
+        // 10.0.0.2 goes down: exactly its buckets are deleted and written
+        // again, each to another backend; no other bucket is touched.
+        let mut after = before.clone();
+        after.get_mut(&l).unwrap().eligible = ips(&["10.0.0.1", "10.0.0.3"]);
+        let doc = partial_transaction(&after, &before);
+        let rewritten = written_buckets(&doc, &map);
+        assert_eq!(
+            rewritten.keys().copied().collect::<BTreeSet<_>>(),
+            owned_by("10.0.0.2")
+        );
+        assert!(rewritten.values().all(|c| *c != chain_of("10.0.0.2")));
+        let t = text(&doc);
+        assert!(
+            !t.contains(r#"{"flush":{"map""#),
+            "no flush of the map: {t}"
+        );
+        // It comes back: it takes exactly its own buckets again.
+        let doc = partial_transaction(&before, &after);
+        let back = written_buckets(&doc, &map);
+        assert_eq!(
+            back.keys().copied().collect::<BTreeSet<_>>(),
+            owned_by("10.0.0.2")
+        );
+        assert!(back.values().all(|c| *c == chain_of("10.0.0.2")));
+        // A switch between source_ip and flow_hash keeps every bucket (the
+        // same fill); only the hash input changes.
+        let mut s = before.clone();
+        s.get_mut(&l).unwrap().pick = Algorithm::SourceIp;
+        assert!(written_buckets(&partial_transaction(&s, &before), &map).is_empty());
+    }
+
+    #[test]
+    fn a_flow_hash_listener_that_goes_leaves_the_pickup_set() {
+        let members = ["10.0.0.1", "10.0.0.2"];
+        let l = id("192.0.2.10", 80);
+        let mut before = Desired::new();
+        before.insert(l, flow_hash(&members, &members));
+        let deleted = element_ops(&partial_transaction(&Desired::new(), &before), "delete");
+        // The table goes whole with its last listener; with a neighbour
+        // left, the element goes by itself.
+        let mut with = before.clone();
+        let other = id("192.0.2.10", port_in(true));
+        with.insert(other, listener(&members, &members));
+        let mut after = with.clone();
+        after.get_mut(&l).unwrap().pick = Algorithm::RoundRobin;
+        let deleted_rr = element_ops(&partial_transaction(&after, &with), "delete");
+        assert!(
+            deleted_rr.contains(&(
+                "pickup4".to_string(),
+                r#"{"concat":["192.0.2.10","tcp",80]}"#.to_string()
+            )),
+            "{deleted_rr:?}"
+        );
+        assert!(
+            deleted.iter().any(|(set, _)| set == "pickup4"),
+            "{deleted:?}"
+        );
+        // Round robin to round robin: no delete of an element never written.
+        let mut rr2 = after.clone();
+        rr2.get_mut(&l).unwrap().eligible.pop();
+        let deleted = element_ops(&partial_transaction(&rr2, &after), "delete");
+        assert!(
+            !deleted.iter().any(|(set, _)| set == "pickup4"),
+            "{deleted:?}"
+        );
+    }
+
+    #[test]
+    fn source_nat_vip_snats_to_the_vip_keeping_ports() {
+        let both = ["10.0.0.1", "10.0.0.2"];
+        let mut d = Desired::new();
+        let mut l = listener(&both, &both);
+        l.source_nat = SourceNat::Vip;
+        d.insert(id("192.0.2.10", 80), l);
+        let t = text(&transaction(&d, &Owned::default()));
+        assert!(
+            t.contains(
+                r#"{"snat":{"addr":{"ct":{"dir":"original","key":"ip daddr"}},"family":"ip"}}"#
+            ),
+            "{t}"
+        );
+        assert!(t.contains(r#"{"elem":[{"concat":["192.0.2.10","10.0.0.1","tcp",30080]},{"concat":["192.0.2.10","10.0.0.2","tcp",30080]}],"family":"inet","name":"snat4""#), "{t}");
+        assert!(masq_of(&d).is_empty(), "no masquerade");
+        // Switching to masquerade moves the elements between the sets.
+        let mut m = d.clone();
+        m.values_mut().next().unwrap().source_nat = SourceNat::Masquerade;
+        let doc = partial_transaction(&m, &d);
+        let deleted = element_ops(&doc, "delete");
+        assert_eq!(
+            deleted.iter().filter(|(s, _)| s == "snat4").count(),
+            2,
+            "{deleted:?}"
+        );
+        let added = element_ops(&doc, "add");
+        assert_eq!(
+            added.iter().filter(|(s, _)| s == "masq4").count(),
+            2,
+            "{added:?}"
+        );
     }
 
     #[test]

@@ -35,7 +35,7 @@ use std::net::IpAddr;
 
 use netlink_sys::Socket;
 
-use super::build::{Obj, Owned, has_backend_chains};
+use super::build::{Obj, Owned, has_backend_chains, picks_up};
 use super::netlink::{Attrs, KeptSocket, attributes, dump, messages};
 use super::nft::NftError;
 use super::{Desired, ListenerId, Shard, backend_chain, listener_chain};
@@ -104,6 +104,11 @@ pub(super) struct Expected {
     dispatch: HashMap<ListenerId, String>,
     /// The masquerade elements, each with a listener that needs it.
     masq: HashMap<MasqKey, ListenerId>,
+    /// The `source_nat = "vip"` elements (sets `snat4`, `snat6`), alike.
+    snat: HashMap<MasqKey, ListenerId>,
+    /// The listeners whose mid-stream TCP segments are DNATed (sets
+    /// `pickup4`, `pickup6` of their table; see `build::picks_up`).
+    pickup: HashSet<ListenerId>,
     /// The rules of each chain (base chains included) as the kernel listed
     /// them after this process wrote it; a chain without one is taken as
     /// it is at the next check.
@@ -129,10 +134,18 @@ impl Expected {
                 }
             }
             e.dispatch.insert(*id, listener_chain(id));
-            if l.source_nat == SourceNat::Masquerade {
+            let nat = match l.source_nat {
+                SourceNat::Masquerade => Some(&mut e.masq),
+                SourceNat::Vip => Some(&mut e.snat),
+                SourceNat::None => None,
+            };
+            if let Some(nat) = nat {
                 for &b in &l.members {
-                    e.masq.entry((id.0, b, id.1, l.backend_port)).or_insert(*id);
+                    nat.entry((id.0, b, id.1, l.backend_port)).or_insert(*id);
                 }
+            }
+            if picks_up(id, l) {
+                e.pickup.insert(*id);
             }
         }
         e
@@ -255,6 +268,10 @@ pub(super) struct TableSeen {
     pub refuse: HashSet<ListenerId>,
     /// The masquerade sets' elements (the main table).
     pub masq: HashSet<MasqKey>,
+    /// The `source_nat = "vip"` sets' elements (the main table).
+    pub snat: HashSet<MasqKey>,
+    /// The pickup sets' elements.
+    pub pickup: HashSet<ListenerId>,
     /// Elements of those maps and sets of a shape this daemon never
     /// writes, by set.
     pub odd: BTreeMap<String, usize>,
@@ -389,12 +406,38 @@ pub(super) fn compare(e: &Expected, seen: &Seen) -> Compared {
                     format!("element {} of {}", key_text(id), refuse_set(id)),
                 );
             }
-            for m in have.masq.iter().filter(|m| !e.masq.contains_key(m)) {
-                differ(Scope::Nothing, false, masq_text(m));
+            for (set, have, want) in [("masq", &have.masq, &e.masq), ("snat", &have.snat, &e.snat)]
+            {
+                for m in have.iter().filter(|m| !want.contains_key(m)) {
+                    differ(Scope::Nothing, false, masq_text(set, m));
+                }
+                for (m, id) in want.iter().filter(|(m, _)| !have.contains(m)) {
+                    differ(Scope::Listener(*id), true, masq_text(set, m));
+                }
             }
-            for (m, id) in e.masq.iter().filter(|(m, _)| !have.masq.contains(m)) {
-                differ(Scope::Listener(*id), true, masq_text(m));
-            }
+        }
+        let pickup_set = |id: &ListenerId| format!("set inet {name} pickup{}", family(id.0));
+        for id in have
+            .pickup
+            .iter()
+            .filter(|id| Shard::of(id) != t || !e.pickup.contains(id))
+        {
+            differ(
+                Scope::Nothing,
+                false,
+                format!("element {} of {}", key_text(id), pickup_set(id)),
+            );
+        }
+        for id in e
+            .pickup
+            .iter()
+            .filter(|id| Shard::of(id) == t && !have.pickup.contains(id))
+        {
+            differ(
+                Scope::Listener(*id),
+                true,
+                format!("element {} of {}", key_text(id), pickup_set(id)),
+            );
         }
     }
     for (id, chain) in &e.dispatch {
@@ -443,9 +486,10 @@ fn key_text((vip, protocol, port): &ListenerId) -> String {
     format!("{vip} . {} . {port}", protocol.as_str())
 }
 
-fn masq_text((vip, backend, protocol, port): &MasqKey) -> String {
+/// An element of the source NAT set `set` (`masq`, `snat`).
+fn masq_text(set: &str, (vip, backend, protocol, port): &MasqKey) -> String {
     format!(
-        "element {vip} . {backend} . {} . {port} of set inet {} masq{}",
+        "element {vip} . {backend} . {} . {port} of set inet {} {set}{}",
         protocol.as_str(),
         Shard::MAIN.table(),
         family(*vip)
@@ -677,9 +721,9 @@ fn seen(socket: &Socket) -> io::Result<Seen> {
                 *have = r;
             }
         }
-        let mut sets = vec!["dispatch4", "dispatch6"];
+        let mut sets = vec!["dispatch4", "dispatch6", "pickup4", "pickup6"];
         if t == Shard::MAIN {
-            sets.extend(["refuse4", "refuse6", "masq4", "masq6"]);
+            sets.extend(["refuse4", "refuse6", "masq4", "masq6", "snat4", "snat6"]);
         }
         for set in sets {
             elements(socket, t, set, |key, chain| {
@@ -692,6 +736,12 @@ fn seen(socket: &Socket) -> io::Result<Seen> {
                     }),
                     ("masq4" | "masq6", None) => masq_key(key).map(|m| {
                         table.masq.insert(m);
+                    }),
+                    ("snat4" | "snat6", None) => masq_key(key).map(|m| {
+                        table.snat.insert(m);
+                    }),
+                    ("pickup4" | "pickup6", None) => listener_key(key).map(|id| {
+                        table.pickup.insert(id);
                     }),
                     _ => None,
                 };
@@ -953,6 +1003,12 @@ mod tests {
         for m in e.masq.keys() {
             seen.entry(Shard::MAIN).or_default().masq.insert(*m);
         }
+        for m in e.snat.keys() {
+            seen.entry(Shard::MAIN).or_default().snat.insert(*m);
+        }
+        for id in &e.pickup {
+            seen.entry(Shard::of(id)).or_default().pickup.insert(*id);
+        }
         seen
     }
 
@@ -1114,6 +1170,52 @@ mod tests {
         let found = compare(&e, &masq).differences;
         assert_eq!(found.len(), 1, "{found:?}");
         assert!(found[0].missing && found[0].what.contains("masq4"));
+    }
+
+    #[test]
+    fn pickup_and_snat_elements_missing_or_foreign_are_differences() {
+        let mut d = desired(&[80, 443]);
+        let id = (ip("192.0.2.10"), Protocol::Tcp, 80);
+        let l = d.get_mut(&id).unwrap();
+        l.pick = Algorithm::FlowHash;
+        l.source_nat = SourceNat::Vip;
+        let (e, seen) = written(&d);
+        assert!(seen[&Shard::of(&id)].pickup.contains(&id));
+        // The pickup element gone: that listener's mid-stream flows.
+        let mut gone = seen.clone();
+        gone.get_mut(&Shard::of(&id)).unwrap().pickup.remove(&id);
+        let found = compare(&e, &gone).differences;
+        assert_eq!(found.len(), 1, "{found:?}");
+        assert_eq!(found[0].scope, Scope::Listener(id));
+        assert!(
+            found[0].missing && found[0].what.contains("pickup4"),
+            "{found:?}"
+        );
+        // One for a round-robin listener, added by someone else.
+        let other = (ip("192.0.2.10"), Protocol::Tcp, 443);
+        let mut added = seen.clone();
+        added
+            .entry(Shard::of(&other))
+            .or_default()
+            .pickup
+            .insert(other);
+        let found = compare(&e, &added).differences;
+        assert_eq!(found.len(), 1, "{found:?}");
+        assert!(
+            !found[0].missing && found[0].what.contains("pickup4"),
+            "{found:?}"
+        );
+        // An SNAT element gone.
+        let mut snat = seen;
+        let main = snat.get_mut(&Shard::MAIN).unwrap();
+        let one = *main.snat.iter().next().unwrap();
+        main.snat.remove(&one);
+        let found = compare(&e, &snat).differences;
+        assert_eq!(found.len(), 1, "{found:?}");
+        assert!(
+            found[0].missing && found[0].what.contains("of set inet harvester_lb_nat snat4"),
+            "{found:?}"
+        );
     }
 
     #[test]

@@ -7,11 +7,13 @@
 //!   map dispatch4 { ipv4_addr . inet_proto . inet_service : verdict }   # VIP . tcp . 80 : goto l_tcp_80_VIP
 //!   set refuse4   { ipv4_addr . inet_proto . inet_service }             # every kernel listener
 //!   set masq4     { ipv4_addr . ipv4_addr . inet_proto . inet_service } # VIP . backend . tcp . nodeport
+//!   set snat4     { the same }                                          # source_nat = "vip"
 //!   (and dispatch6, refuse6, masq6)
 //!   chain prerouting  { nat hook prerouting priority dstnat; ip daddr . meta l4proto . th dport vmap @dispatch4 … }
 //!   chain output      { nat hook output priority -100; the same }        # clients on this host
 //!   chain postrouting { nat hook postrouting priority srcnat;
-//!                       ct status dnat ct original ip daddr . ip daddr . meta l4proto . th dport @masq4 masquerade fully-random }
+//!                       ct status dnat ct original ip daddr . ip daddr . meta l4proto . th dport @masq4 masquerade fully-random
+//!                       ct status dnat … @snat4 snat ip to ct original ip daddr }
 //!   chain input       { filter hook input priority filter;
 //!                       ct state new ip daddr . meta l4proto . th dport @refuse4 reject }  # never falls through to the host
 //!   chain l_tcp_80_VIP { ip saddr != @s_tcp_80_VIP counter name d_… return    # source_ranges
@@ -23,6 +25,8 @@
 //!                        numgen inc mod 2 0 goto b_…_BE1; goto b_…_BE2 }     # round robin, as above
 //!                                                                            # source_ip: jhash ip saddr mod 4093 vmap @m_…
 //!   map m_tcp_81_VIP { typeof numgen inc mod 4093 : verdict }  # source_ip buckets, by the proxy's rendezvous hash
+//!   # flow_hash: the same map and buckets, found by jhash ip saddr . th sport mod 4093
+//!   set pickup4 { ipv4_addr . inet_proto . inet_service }  # flow_hash TCP listeners: DNAT mid-stream segments
 //!   set a_tcp_81_VIP_BE1 { type ipv4_addr; flags dynamic,timeout; timeout T }  # client_ip affinity
 //!   chain b_tcp_81_VIP_BE1 { [update @a_…_BE1 { ip saddr }] counter name n_tcp_81_VIP_BE1; meta l4proto tcp dnat ip to BE1:NODEPORT }
 //! }
@@ -46,6 +50,16 @@
 //! UDP): it never reaches the userspace socket or another service of the
 //! host. Only new flows are refused, so connections the proxy accepted
 //! before the listener became a kernel one run on.
+//!
+//! Which choice of backend is the same on every host (so that a flow that
+//! reaches another host mid-stream, after a BGP rehash or a VIP's
+//! failover, lands on the backend it had): `flow_hash` per flow and
+//! `source_ip` per client address, both from buckets filled by the proxy's
+//! rendezvous function ([`buckets`]) with a fixed `jhash` seed, so equal on
+//! every host with the same config and health; a health flip moves only
+//! the buckets of the backend that changed. Round robin cannot: each
+//! host's `numgen` counters differ. Whether the moved flow then survives
+//! is the source NAT's business (`source_nat`, docs/many-hosts.md).
 //!
 //! The userspace listener stays bound: removing a VIP's `dispatch` element
 //! hands its new connections back to the proxy at once (DNAT happens
@@ -107,10 +121,11 @@ pub struct KernelListener {
     /// reset (`on_backend_down = "close"`: their conntrack entries are
     /// deleted); empty otherwise.
     pub close_down: Vec<IpAddr>,
-    /// How a new client is given a backend: `source_ip` through the
-    /// listener's bucket map ([`BUCKETS`] buckets on a hash of the client
-    /// address, each filled by the proxy's rendezvous pick), anything else
-    /// round robin (`numgen`); `check` refuses `least_connections`.
+    /// How a new client is given a backend: `source_ip` and `flow_hash`
+    /// through the listener's bucket map ([`BUCKETS`] buckets on a hash of
+    /// the client address, or of its address and port, each filled by the
+    /// proxy's rendezvous pick), anything else round robin (`numgen`);
+    /// `check` refuses `least_connections`.
     pub pick: Algorithm,
     /// `session_affinity = "client_ip"`: how long a client keeps the
     /// backend of its last new connection (a dynamic set per backend with
@@ -226,8 +241,9 @@ pub fn denied_counter(id: &ListenerId) -> String {
     format!("d_{}", listener_tag(id))
 }
 
-/// A `source_ip` listener's bucket map: bucket (a hash of the client's
-/// address modulo [`BUCKETS`]) to the backend chain.
+/// A `source_ip` or `flow_hash` listener's bucket map: bucket (a hash of
+/// the client's address, or address and port, modulo [`BUCKETS`]) to the
+/// backend chain.
 pub(crate) fn bucket_map(id: &ListenerId) -> String {
     format!("m_{}", listener_tag(id))
 }

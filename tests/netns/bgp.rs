@@ -337,6 +337,122 @@ impl LbHost {
         p
     }
 
+    /// Writes its daemon's config for a shared pool: one load balancer on
+    /// the IPv4 VIP with both hosts' backends (every host the same list),
+    /// TCP and UDP listeners on [`PORT`], each with `listener` lines added
+    /// (as [`LbHost::write_config_with`]) and `lb` lines (e.g.
+    /// `algorithm = "flow_hash"`) added to the load balancer.
+    pub fn write_shared_config(&self, vip_section: &str, lb: &str, listener: &str) -> PathBuf {
+        let extra = |l: Listener| {
+            let lines = listener.trim_end();
+            if lines.is_empty() { l } else { l.keys(lines) }
+        };
+        let mut pool = Lb::new("default/shared", IpAddr::V4(VIP))
+            .backends([IpAddr::V4(backend_ip(1)), IpAddr::V4(backend_ip(2))])
+            .listener(extra(Listener::new("tcp", PORT, BACKEND_PORT)))
+            .listener(extra(Listener::new("udp", PORT, BACKEND_PORT).udp()))
+            .health("  kind = \"tcp\"")
+            .health_port(BACKEND_PORT)
+            .health("  period_seconds = 1\n  timeout_seconds = 1\n  failure_threshold = 2\n  success_threshold = 1");
+        if !lb.trim().is_empty() {
+            pool = pool.keys(lb.trim_end());
+        }
+        let text = super::config()
+            .socket(&self.dir.join("admin.sock"))
+            .drain_timeout(5)
+            .vip(vip_section)
+            .lb(pool)
+            .to_string();
+        let p = self.config_path();
+        std::fs::write(&p, text).expect("write daemon config");
+        p
+    }
+
+    /// The flows of `protocol` (`tcp`, `udp`) to the IPv4 VIP's [`PORT`]
+    /// in this host's conntrack table: the client's port, and the address
+    /// the flow was DNATed to (the VIP itself if it was not).
+    pub fn flows(&self, protocol: &str) -> BTreeMap<u16, IpAddr> {
+        let text = output(
+            "ip",
+            &[
+                "netns",
+                "exec",
+                &self.ns.name,
+                "conntrack",
+                "-L",
+                "-p",
+                protocol,
+                "--orig-dst",
+                &VIP.to_string(),
+                "--dport",
+                &PORT.to_string(),
+            ],
+        );
+        conntrack_flows(&text, protocol)
+    }
+
+    /// Starts recording the flows this host forwards to a backend from
+    /// now on (a table of the test's own, `inet hlb_test_seen`: a
+    /// `forward` chain that adds each new flow's client port and backend,
+    /// after the DNAT and before the source NAT, to a set): a flow its
+    /// backend resets leaves no conntrack entry to list afterwards
+    /// (conntrack drops a flow whose only answer is a reset), but stays
+    /// here. Read with [`LbHost::recorded_flows`].
+    pub fn record_new_flows(&self) {
+        let script = format!(
+            "table inet hlb_test_seen {{\n  set seen_tcp {{ type inet_service . ipv4_addr ; flags dynamic ; }}\n  set seen_udp {{ type inet_service . ipv4_addr ; flags dynamic ; }}\n  chain forward {{\n    type filter hook forward priority 0 ; policy accept ;\n    ct state new ct original ip daddr {VIP} meta l4proto tcp update @seen_tcp {{ th sport . ip daddr }}\n    ct state new ct original ip daddr {VIP} meta l4proto udp update @seen_udp {{ th sport . ip daddr }}\n  }}\n}}\n"
+        );
+        let path = self.dir.join("seen.nft");
+        std::fs::write(&path, script).expect("write seen.nft");
+        run(
+            "ip",
+            &[
+                "netns",
+                "exec",
+                &self.ns.name,
+                "nft",
+                "-f",
+                path.to_str().expect("utf-8 path"),
+            ],
+            None,
+        );
+    }
+
+    /// The flows [`LbHost::record_new_flows`] recorded of `protocol`
+    /// (`tcp`, `udp`): the client's port, and the backend it was DNATed to.
+    pub fn recorded_flows(&self, protocol: &str) -> BTreeMap<u16, IpAddr> {
+        let text = output(
+            "ip",
+            &[
+                "netns",
+                "exec",
+                &self.ns.name,
+                "nft",
+                "-j",
+                "list",
+                "set",
+                "inet",
+                "hlb_test_seen",
+                &format!("seen_{protocol}"),
+            ],
+        );
+        let doc: serde_json::Value = serde_json::from_str(&text).unwrap_or_default();
+        let mut flows = BTreeMap::new();
+        for o in doc["nftables"].as_array().into_iter().flatten() {
+            for e in o["set"]["elem"].as_array().into_iter().flatten() {
+                // `{"concat": [port, "addr"]}`, or inside `{"elem": {"val": …}}`.
+                let c = e.get("elem").map_or(e, |x| &x["val"]);
+                if let (Some(port), Some(addr)) = (
+                    c["concat"][0].as_u64().and_then(|p| u16::try_from(p).ok()),
+                    c["concat"][1].as_str().and_then(|a| a.parse().ok()),
+                ) {
+                    flows.insert(port, addr);
+                }
+            }
+        }
+        flows
+    }
+
     /// Starts the daemon with the config [`LbHost::write_config`] wrote and
     /// waits (with a deadline) for its admin API.
     pub async fn start_daemon(&mut self) -> &DaemonProc {
@@ -468,6 +584,34 @@ fn find_announce(v: &serde_json::Value, vip: &str) -> Option<serde_json::Value> 
         serde_json::Value::Array(a) => a.iter().find_map(|x| find_announce(x, vip)),
         _ => None,
     }
+}
+
+/// The flows of `protocol` in conntrack's text (`conntrack -L` lines or
+/// `-E` events): the client's port, and the reply's source (the backend
+/// after a DNAT, the VIP without one).
+fn conntrack_flows(text: &str, protocol: &str) -> BTreeMap<u16, IpAddr> {
+    let mut flows = BTreeMap::new();
+    for line in text.lines() {
+        if !line.split_whitespace().any(|w| w == protocol) {
+            continue;
+        }
+        // `src=C dst=VIP sport=P dport=80 … src=BACKEND dst=… sport=…`:
+        // the first `sport` is the client's, the second `src` the reply's
+        // source.
+        let values = |key: &str| -> Vec<&str> {
+            line.split_whitespace()
+                .filter_map(|w| w.strip_prefix(key))
+                .collect()
+        };
+        let (sports, srcs) = (values("sport="), values("src="));
+        if let (Some(port), Some(reply)) = (
+            sports.first().and_then(|p| p.parse().ok()),
+            srcs.get(1).and_then(|a| a.parse().ok()),
+        ) {
+            flows.insert(port, reply);
+        }
+    }
+    flows
 }
 
 /// Runs a command and returns its stdout (empty on failure).

@@ -5,12 +5,16 @@
 //! The kernel path sees only a connection's first packet (nftables NAT
 //! chains run once per flow), so anything decided per connection in user
 //! space has no kernel form: PROXY protocol headers, least connections,
-//! deferred accept, answer counting. `source_ip` (a bucket map filled by
-//! the proxy's rendezvous hash) and `client_ip` affinity (dynamic sets with
-//! a timeout) have one. Keys that only tune the proxy's own forwarding
-//! (connect timeout, idle timeouts, caps, connection logs) are not refused:
-//! they apply while the listener falls back to the proxy, and a warning
-//! says so.
+//! deferred accept, answer counting. `source_ip` and `flow_hash` (a bucket
+//! map filled by the proxy's rendezvous hash) and `client_ip` affinity
+//! (dynamic sets with a timeout) have one. Keys that only tune the proxy's
+//! own forwarding (connect timeout, idle timeouts, caps, connection logs)
+//! are not refused: they apply while the listener falls back to the proxy,
+//! and a warning says so.
+//!
+//! A kernel listener whose VIP moves between hosts (keepalived's `network`,
+//! or `vip.announce = "routes"`) is also told which of its choices reset
+//! the connections a move carries ([`Validator::moving_vips`]).
 
 use std::collections::HashMap;
 use std::net::IpAddr;
@@ -18,8 +22,21 @@ use std::net::IpAddr;
 use toml::Spanned;
 
 use super::Validator;
-use crate::config::file::{FileListener, FileLoadBalancer};
-use crate::config::{Algorithm, Forwarding, ListenerSpec, Protocol, SourceNat};
+use crate::config::file::{FileConfig, FileListener, FileLoadBalancer};
+use crate::config::{
+    Algorithm, AnnounceSettings, Forwarding, ListenerSpec, LoadBalancerSpec, Protocol, SourceNat,
+};
+
+/// How a load balancer's VIP leaves a host with its flows still open.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Move {
+    /// keepalived moves it to another host of its `network`, which answers
+    /// ARP for it from then on.
+    Failover,
+    /// `vip.announce = "routes"`: every host announces it, and the router
+    /// rehashes a withdrawn host's flows to the others by ECMP.
+    Anycast,
+}
 
 impl Validator<'_> {
     /// `forwarding` and `source_nat` of one listener.
@@ -36,6 +53,7 @@ impl Validator<'_> {
             &[
                 ("masquerade", SourceNat::Masquerade),
                 ("none", SourceNat::None),
+                ("vip", SourceNat::Vip),
             ],
             SourceNat::Masquerade,
         );
@@ -111,7 +129,7 @@ impl Validator<'_> {
             self.problem(
                 Some(v.span()),
                 &format!("{key}.algorithm"),
-                format!("\"least_connections\" has no kernel form: nftables picks a backend from the first packet alone and keeps no count of open connections; use \"round_robin\" or \"source_ip\", or forwarding = \"proxy\" (for {lkey} = \"kernel\")"),
+                format!("\"least_connections\" has no kernel form: nftables picks a backend from the first packet alone and keeps no count of open connections; use \"round_robin\", \"source_ip\" or \"flow_hash\", or forwarding = \"proxy\" (for {lkey} = \"kernel\")"),
             );
         }
         if let Some(v) = &lb.udp_responses {
@@ -241,6 +259,101 @@ impl Validator<'_> {
                     family(vip),
                 ),
             );
+        }
+    }
+
+    /// Kernel listeners whose VIP moves between hosts, in a combination
+    /// that resets the connections a move carries to another host (see
+    /// docs/many-hosts.md, "Connections across a move"). Warnings where the
+    /// combination is what a config said before these keys existed (the
+    /// default masquerade, round robin): it worked then and still serves
+    /// every connection that does not move. A problem where it never
+    /// works: `source_nat = "vip"` on an anycast VIP, whose replies the
+    /// router spreads over all hosts, not to the one holding each flow.
+    pub(super) fn moving_vips(
+        &mut self,
+        file: &FileConfig,
+        specs: &[Option<LoadBalancerSpec>],
+        announce: &AnnounceSettings,
+    ) {
+        for (i, (lb, spec)) in file.load_balancers.iter().zip(specs).enumerate() {
+            let Some(spec) = spec else { continue };
+            let moves = if spec.network.is_some() {
+                Move::Failover
+            } else if announce.enabled() && announce.allows(spec.vip) {
+                Move::Anycast
+            } else {
+                continue;
+            };
+            let lb = lb.get_ref();
+            let key = format!("load_balancer[{i}]");
+            let how = match moves {
+                Move::Failover => format!(
+                    "its VIP moves between hosts (network = {:?}, keepalived)",
+                    spec.network.as_deref().unwrap_or_default()
+                ),
+                Move::Anycast => {
+                    "its VIP is announced from every host (vip.announce = \"routes\"), and a withdrawal rehashes flows to the others".to_string()
+                }
+            };
+            let mut kernel = false;
+            for (j, l) in spec.listeners.iter().enumerate() {
+                if l.forwarding != Forwarding::Kernel {
+                    continue;
+                }
+                kernel = true;
+                let file_listener = lb.listeners.iter().find(|f| {
+                    f.get_ref()
+                        .name
+                        .as_ref()
+                        .is_some_and(|n| *n.get_ref() == l.name)
+                });
+                let span = file_listener.map(|f| {
+                    f.get_ref()
+                        .source_nat
+                        .as_ref()
+                        .map_or_else(|| f.span(), |v| v.span())
+                });
+                let lkey = format!("{key}.listener[{j}].source_nat");
+                match (l.source_nat, moves) {
+                    (SourceNat::Masquerade, Move::Failover) => self.warning(
+                        span,
+                        &lkey,
+                        format!(
+                            "is \"masquerade\" and {how}: a failover resets every connection it moves, because the backend knows each flow by the old host's own address; set source_nat = \"vip\" (the backends then see the VIP, whose replies reach its new holder) with algorithm = \"flow_hash\", or \"none\" if the backends route their replies through the VIP's holder"
+                        ),
+                    ),
+                    (SourceNat::Masquerade, Move::Anycast) => self.warning(
+                        span,
+                        &lkey,
+                        format!(
+                            "is \"masquerade\" and {how}: the TCP connections a withdrawal moves are reset, because the backend knows each flow by the old host's own address; no source_nat keeps them in anycast without the flows' state on every host (replies must come back to the host that holds each flow, and ECMP does not send them there), so drain before withdrawing; algorithm = \"flow_hash\" keeps moved UDP flows on their backend"
+                        ),
+                    ),
+                    (SourceNat::Vip, Move::Anycast) => self.problem(
+                        span,
+                        &lkey,
+                        format!(
+                            "cannot be \"vip\" here: {how}, so the backends' replies to the VIP go to whichever host the router's ECMP picks for the reply, not the one that holds the flow, and about half of all connections would fail; use source_nat = \"masquerade\" (or \"none\" if the backends route their replies through this host)"
+                        ),
+                    ),
+                    _ => {}
+                }
+            }
+            if kernel && spec.algorithm == Algorithm::RoundRobin {
+                let span = lb
+                    .algorithm
+                    .as_ref()
+                    .map(|a| a.span())
+                    .or_else(|| lb.vip.as_ref().map(|v| v.span()));
+                self.warning(
+                    span,
+                    &format!("{key}.algorithm"),
+                    format!(
+                        "is \"round_robin\" and {how}: each host's kernel counts its own round, so a flow that reaches another host mid-stream is given another backend, which resets it; set algorithm = \"flow_hash\" (every host picks the same backend for a flow) or \"source_ip\" (the same per client address)"
+                    ),
+                );
+            }
         }
     }
 }

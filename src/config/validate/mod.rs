@@ -323,6 +323,7 @@ impl Validator<'_> {
             keepalived.as_ref(),
             &vip,
         );
+        self.moving_vips(file, &specs, &vip.announce);
         let load_balancers = specs.into_iter().flatten().map(Arc::new).collect();
         Config {
             admin,
@@ -434,6 +435,7 @@ impl Validator<'_> {
                 ("round_robin", Algorithm::RoundRobin),
                 ("least_connections", Algorithm::LeastConnections),
                 ("source_ip", Algorithm::SourceIp),
+                ("flow_hash", Algorithm::FlowHash),
             ],
             Algorithm::RoundRobin,
         );
