@@ -11,8 +11,12 @@
 //! past 255 (VRRP's field is one byte); a routing table the kernel
 //! reserves or another network's; an IPv6 VIP on a network without
 //! `ipv6_gateway` (its IPv6 subnet is the gateway's) or outside that
-//! subnet; DHCP leases and BGP announcing combined with keepalived moving
-//! the VIP.
+//! subnet, or with no IPv4 VIP on any network to ride with (keepalived
+//! refuses an instance without a VIP of its adverts' family); DHCP leases
+//! and BGP announcing combined with keepalived moving the VIP; an
+//! `advert_interval_ms` that is no whole number of seconds with
+//! `vrrp_version = 2` (keepalived would round it); an `admin.socket` the
+//! rendered track script cannot quote.
 //!
 //! Whether a network's `interface` exists is a fact of the host, not of
 //! the file: `check` runs anywhere (CI, the controller), so the daemon
