@@ -484,16 +484,22 @@ async fn netns_three_hosts_bring_up_a_reloaded_vip_spread_ten_and_release_on_rem
         b6(0).addr(),
         HOSTS[holder[0]].0
     );
+    // Each daemon writes its rule and routes soon after its reload (the
+    // master's before the VIP could be served, the others' a moment later).
     for h in &t.hosts {
-        let rules = ip_out(&h.ns, &["-6", "rule", "show"]);
-        let routes = ip_out(&h.ns, &["-6", "route", "show", "table", "1001"]);
-        assert!(
-            rules.contains(&format!("from {} lookup 1001", b6(0).addr()))
-                && routes.contains("default via fd00:b::1 dev eth1")
-                && routes.contains("fd00:b::/64 dev eth1"),
-            "{}: the IPv6 VIP's reply path:\n{rules}\n{routes}",
-            h.name
-        );
+        wait_for(
+            Duration::from_secs(20),
+            &format!("{}: the IPv6 VIP's rule and routes", h.name),
+            || async {
+                let rules = ip_out(&h.ns, &["-6", "rule", "show"]);
+                let routes = ip_out(&h.ns, &["-6", "route", "show", "table", "1001"]);
+                (rules.contains(&format!("from {} lookup 1001", b6(0).addr()))
+                    && routes.contains("default via fd00:b::1 dev eth1")
+                    && routes.contains("fd00:b::/64 dev eth1"))
+                .then_some(())
+            },
+        )
+        .await;
     }
     let ten = eleven;
 
