@@ -21,6 +21,7 @@ use std::time::{Duration, Instant};
 
 use netns::keepalived::{Keepalived, keepalived_missing};
 use netns::peers::{Exchange, Node, Service, exchange};
+use netns::vmnet::{FAR_CLIENT, from_behind_the_gateway, holds, host, ip_out, vrrp_sent};
 use netns::{Bed, DaemonProc, Ns, config, lb, sa, wait_for};
 
 /// The VIPs, on the bed's VM network (198.51.100.0/24, the bridge `br0`).
@@ -67,11 +68,19 @@ fn the_rendered_keepalived_conf_passes_keepalived_s_config_test() {
     ns.ip(&[
         "link", "add", "mgmt", "type", "veth", "peer", "name", "eth0",
     ]);
-    let mut text = keys(&dir, "a", "10.77.0.1", "10.77.0.2");
-    for i in 0..10 {
+    // Ten IPv4 VIPs and one IPv6 VIP (an excluded address of an instance).
+    let gateway = format!("gateway = \"{GATEWAY}\"\n");
+    let mut text = keys(&dir, "a", "10.77.0.1", "10.77.0.2").replace(
+        &gateway,
+        &format!("{gateway}ipv6_gateway = \"fd00:a::1\"\n"),
+    );
+    for (i, vip) in (0..10)
+        .map(|i| format!("198.51.100.{}", 50 + i))
+        .chain(["fd00:a::50".to_string()])
+        .enumerate()
+    {
         text.push_str(&format!(
-            "\n[[load_balancer]]\nname = \"default/lb{i}\"\nvip = \"198.51.100.{}\"\nnetwork = \"default/vm\"\nbackends = [\"198.51.100.21\"]\n  [[load_balancer.listener]]\n  name = \"http\"\n  port = 80\n  backend_port = 30080\n",
-            50 + i
+            "\n[[load_balancer]]\nname = \"default/lb{i}\"\nvip = \"{vip}\"\nnetwork = \"default/vm\"\nbackends = [\"198.51.100.21\"]\n  [[load_balancer.listener]]\n  name = \"http\"\n  port = 80\n  backend_port = 30080\n"
         ));
     }
     let config = harvester_lb::config::parse(&text).expect("valid").config;
@@ -100,6 +109,11 @@ fn the_rendered_keepalived_conf_passes_keepalived_s_config_test() {
         "keepalived rejects the rendered file: {said}\n{rendered}"
     );
     assert_eq!(rendered.matches("/32 dev eth0").count(), 10, "{rendered}");
+    assert_eq!(
+        rendered.matches("fd00:a::50/128 dev eth0").count(),
+        1,
+        "{rendered}"
+    );
 }
 
 /// Deletes the namespaces and the directory at the end, also on panic.
@@ -109,60 +123,6 @@ impl Drop for Cleanup {
     fn drop(&mut self) {
         netns::remove_bed(&self.0, &self.1);
     }
-}
-
-/// Whether `ns` holds `vip` on its eth0 (the VM network's interface).
-fn holds(ns: &Ns, vip: Ipv4Addr) -> bool {
-    ip_out(ns, &["-4", "-o", "addr", "show", "dev", "eth0"]).contains(&format!("{vip}/32"))
-}
-
-fn ip_out(ns: &Ns, args: &[&str]) -> String {
-    let out = Command::new("ip")
-        .args(["-n", &ns.name])
-        .args(args)
-        .output()
-        .expect("ip");
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
-/// Counts the VRRP packets `ns` sends, per side: out of `mgmt`, and out of
-/// any other interface (the VM network's).
-fn count_vrrp(ns: &Ns) {
-    ns.nft(
-        "table inet t_vrrp {\n counter mgmt {}\n counter vm {}\n chain out {\n  type filter hook output priority 0; policy accept;\n  ip protocol 112 oifname \"mgmt\" counter name \"mgmt\"\n  ip protocol 112 oifname != \"mgmt\" counter name \"vm\"\n }\n}\n",
-    );
-}
-
-fn vrrp_sent(ns: &Ns, side: &str) -> u64 {
-    let out = Command::new("ip")
-        .args([
-            "netns", "exec", &ns.name, "nft", "list", "counter", "inet", "t_vrrp", side,
-        ])
-        .output()
-        .expect("nft");
-    let text = String::from_utf8_lossy(&out.stdout);
-    text.split_whitespace()
-        .skip_while(|w| *w != "packets")
-        .nth(1)
-        .and_then(|n| n.parse().ok())
-        .unwrap_or_else(|| panic!("no packet count in {text}"))
-}
-
-/// A load-balancer host: its namespace, on the VM network (`eth0`) and on
-/// the management segment (`mgmt`, bridge `br1` of the bed's bridge
-/// namespace).
-fn host(bed: &mut Bed, suffix: &str, vm: Ipv4Addr, mgmt: &str) -> Ns {
-    let (ns, _) = bed.add_host(suffix, vm);
-    let port = format!("mgmt-{suffix}");
-    bed.bridge.ip(&[
-        "link", "add", "name", &port, "type", "veth", "peer", "name", "mgmt", "netns", &ns.name,
-    ]);
-    bed.bridge
-        .ip(&["link", "set", &port, "master", "br1", "up"]);
-    ns.ip(&["addr", "add", &format!("{mgmt}/24"), "dev", "mgmt"]);
-    ns.ip(&["link", "set", "mgmt", "up"]);
-    count_vrrp(&ns);
-    ns
 }
 
 /// Waits until exactly one of `hosts` holds `vip` and the bed's client is
@@ -183,25 +143,6 @@ async fn up_on_one_host(bed: &Bed, hosts: [&Ns; 2], vip: Ipv4Addr) {
         },
     )
     .await;
-}
-
-/// The client behind the gateway: an address of another network on the
-/// gateway's own `lo`, reached from the hosts only through the gateway.
-const FAR_CLIENT: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 2);
-
-/// Whether a connection from [`FAR_CLIENT`] (in the gateway's namespace)
-/// to `vip:80` is answered with a node's name.
-async fn from_behind_the_gateway(gw: &Ns, vip: Ipv4Addr) -> bool {
-    let f = async {
-        let s = gw.socket()?;
-        s.bind(sa(FAR_CLIENT, 0))?;
-        let mut s = s.connect(sa(vip, 80)).await?;
-        netns::peers::read_line(&mut s).await
-    };
-    matches!(
-        tokio::time::timeout(Duration::from_secs(2), f).await,
-        Ok(Ok(name)) if name.starts_with('n')
-    )
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

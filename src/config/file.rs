@@ -58,6 +58,8 @@ pub struct FileNetwork {
     pub gateway: Option<Spanned<String>>,
     /// The network's IPv6 gateway, if it has one.
     pub ipv6_gateway: Option<Spanned<String>>,
+    /// The prefix length of the network's IPv6 subnet (the gateway's).
+    pub ipv6_prefix_length: Option<Spanned<i64>>,
     /// The routing table replies from its VIPs are looked up in.
     pub table: Option<Spanned<i64>>,
 }
@@ -79,6 +81,8 @@ pub struct FileKeepalived {
     pub vrid_base: Option<Spanned<i64>>,
     /// VRRP advertisement interval, milliseconds.
     pub advert_interval_ms: Option<Spanned<i64>>,
+    /// The VRRP version keepalived speaks (2 or 3).
+    pub vrrp_version: Option<Spanned<i64>>,
     /// Where the rendered keepalived.conf is written.
     pub config_path: Option<Spanned<String>>,
     /// keepalived's pid file (SIGHUP goes to that pid).

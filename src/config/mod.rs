@@ -31,8 +31,9 @@ pub use validate::{
     conflicts,
 };
 pub use vmnet::{
-    DEFAULT_ADVERT_INTERVAL_MS, DEFAULT_KEEPALIVED_CONFIG, DEFAULT_KEEPALIVED_PID_FILE,
-    DEFAULT_NETWORK_TABLE_BASE, DEFAULT_VRID_BASE, KeepalivedSettings, NetworkSpec,
+    DEFAULT_ADVERT_INTERVAL_MS, DEFAULT_IPV6_PREFIX_LENGTH, DEFAULT_KEEPALIVED_CONFIG,
+    DEFAULT_KEEPALIVED_PID_FILE, DEFAULT_NETWORK_TABLE_BASE, DEFAULT_VRID_BASE,
+    DEFAULT_VRRP_VERSION, KeepalivedSettings, NetworkSpec,
 };
 
 /// Where the daemon looks for its configuration unless told otherwise.

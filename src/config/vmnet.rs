@@ -16,6 +16,10 @@ pub const DEFAULT_VRID_BASE: u8 = 50;
 /// Default `keepalived.advert_interval_ms`: keepalived's default (1 s);
 /// a master is declared dead after 3 adverts plus a skew (~3.6 s).
 pub const DEFAULT_ADVERT_INTERVAL_MS: u32 = 1000;
+/// Default `keepalived.vrrp_version`: version 3 (RFC 5798) counts the
+/// advert interval in centiseconds, so sub-second adverts (and failovers
+/// under 2 s) are possible; version 2 counts whole seconds.
+pub const DEFAULT_VRRP_VERSION: u8 = 3;
 /// Default `keepalived.config_path`: where keepalived reads its file.
 pub const DEFAULT_KEEPALIVED_CONFIG: &str = "/etc/keepalived/keepalived.conf";
 /// Default `keepalived.pid_file`: Debian's keepalived writes its main pid there.
@@ -38,8 +42,12 @@ pub struct NetworkSpec {
     /// The network's gateway: replies to clients outside the subnet go
     /// through it, not through the host's default route.
     pub gateway: Ipv4Addr,
-    /// The network's IPv6 gateway (kept for IPv6 VIPs, not used yet).
+    /// The network's IPv6 gateway: with it the network takes IPv6 VIPs
+    /// (in its IPv6 subnet), whose replies to clients outside the subnet
+    /// go through it.
     pub ipv6_gateway: Option<Ipv6Addr>,
+    /// The IPv6 subnet's prefix length (64 unless set).
+    pub ipv6_prefix_length: u8,
     /// The routing table of replies from this network's VIPs
     /// (`ip rule from VIP lookup TABLE`).
     pub table: u32,
@@ -52,7 +60,20 @@ impl NetworkSpec {
             .map(|n| n.trunc())
             .unwrap_or_else(|_| ipnet::Ipv4Net::default())
     }
+
+    /// The network's IPv6 subnet (the IPv6 gateway's, at
+    /// `ipv6_prefix_length`), if it has an IPv6 gateway.
+    pub fn ipv6_subnet(&self) -> Option<ipnet::Ipv6Net> {
+        let gw = self.ipv6_gateway?;
+        ipnet::Ipv6Net::new(gw, self.ipv6_prefix_length)
+            .ok()
+            .map(|n| n.trunc())
+    }
 }
+
+/// Default `network.ipv6_prefix_length`: a VM network's IPv6 subnet is
+/// a /64 (SLAAC needs one).
+pub const DEFAULT_IPV6_PREFIX_LENGTH: u8 = 64;
 
 /// `[keepalived]`: this host's part in VRRP for the VM-network VIPs.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -72,6 +93,9 @@ pub struct KeepalivedSettings {
     pub vrid_base: u8,
     /// VRRP advertisement interval (VRRP version 3: centiseconds).
     pub advert_interval: Duration,
+    /// The VRRP version (2 or 3) of every instance (`global_defs
+    /// vrrp_version`): every host of the segment must speak the same one.
+    pub vrrp_version: u8,
     /// Where the rendered file is written.
     pub config_path: PathBuf,
     /// keepalived's pid file: a changed file is followed by SIGHUP to it.

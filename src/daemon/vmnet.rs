@@ -7,7 +7,10 @@
 //! [`crate::owned::CHECK_INTERVAL`]: a failed write or reload of
 //! keepalived's file is retried then (logged at error each time, counted
 //! in `keepalived_reload_failures_total`), and the routes and rules are read
-//! back and repaired (`host_repairs_total{kind="network_route"}`). At stop
+//! back and repaired (`host_repairs_total{kind="network_route"}`). A
+//! reload that removes `[keepalived]` releases the file this process last
+//! wrote (`keepalived::release`: no instance left, keepalived reloads and
+//! gives up the VIPs), unless someone else's file has replaced it. At stop
 //! the routes and rules go after the drain (the open connections' replies
 //! use them); keepalived's file is left: `/readyz?vip=` turns 503 at stop,
 //! so keepalived moves the VIPs away by itself.
@@ -42,6 +45,9 @@ struct Inner {
     routes: Option<Driver<NetworkRoutes>>,
     /// The last write or reload of keepalived failed: tell it again.
     reload_failed: bool,
+    /// The `[keepalived]` whose file this process last wrote: when the
+    /// section is removed, that file is released (`keepalived::release`).
+    rendered: Option<crate::config::KeepalivedSettings>,
     /// Set at stop: nothing is written any more.
     stopped: bool,
 }
@@ -80,7 +86,9 @@ impl Daemon {
                 let config = match config {
                     Some(c) => Some(c),
                     // Nothing configured: only what is still held goes.
-                    None if inner.routes.is_some() => daemon.lock().config.clone(),
+                    None if inner.routes.is_some() || inner.rendered.is_some() => {
+                        daemon.lock().config.clone()
+                    }
                     None => None,
                 };
                 if let Some(config) = config {
@@ -91,19 +99,43 @@ impl Daemon {
     }
 
     async fn vmnet_step(&self, inner: &mut Inner, config: &Config) {
-        if let (Some(settings), Some(text)) = (&config.keepalived, keepalived::render(config)) {
-            let settings = settings.clone();
+        let job = match (&config.keepalived, keepalived::render(config)) {
+            (Some(settings), Some(text)) => {
+                inner.rendered = Some(settings.clone());
+                Some((settings.clone(), Some(text)))
+            }
+            // `[keepalived]` removed: its last file is released.
+            _ => inner.rendered.clone().map(|old| (old, None)),
+        };
+        if let Some((settings, text)) = job {
             let force = inner.reload_failed;
             let path = settings.config_path.display().to_string();
-            let result =
-                tokio::task::spawn_blocking(move || keepalived::install(&settings, &text, force))
-                    .await;
+            let releasing = text.is_none();
+            let result = tokio::task::spawn_blocking(move || match text {
+                Some(text) => keepalived::install(&settings, &text, force),
+                None => keepalived::release(&settings, force),
+            })
+            .await;
             match result {
+                Ok(Ok(Installed::Reloaded)) if releasing => {
+                    inner.reload_failed = false;
+                    inner.rendered = None;
+                    tracing::info!(file = %path, "[keepalived] removed: its file now holds no VRRP instance and keepalived was told to reload (it gives up every VIP it moved for this daemon)");
+                }
                 Ok(Ok(Installed::Reloaded)) => {
                     inner.reload_failed = false;
                     tracing::info!(file = %path, "keepalived configuration written and keepalived told to reload");
                 }
-                Ok(Ok(Installed::Unchanged)) => {}
+                Ok(Ok(Installed::NotOurs)) => {
+                    inner.reload_failed = false;
+                    inner.rendered = None;
+                    tracing::warn!(file = %path, "[keepalived] removed, but the file there is no longer the one this daemon wrote: left alone");
+                }
+                Ok(Ok(Installed::Unchanged)) => {
+                    if releasing {
+                        inner.rendered = None;
+                    }
+                }
                 Ok(Err(e)) => {
                     inner.reload_failed = true;
                     self.metrics.record_keepalived_failure();

@@ -34,6 +34,18 @@
 //! - **`track_script`** asking the daemon `/readyz?vip=` for the
 //!   instance's VIPs over the admin Unix socket (as the shipped example):
 //!   a host whose daemon cannot serve them, or is stopping, gives them up.
+//!   The socket's path is in single quotes: keepalived splits a script's
+//!   words at unquoted spaces (`check` refuses the quotes, backslashes and
+//!   control characters single quotes cannot carry).
+//! - **`vrrp_version`** as configured (3 by default: `advert_int` in
+//!   centiseconds, so sub-second adverts; with 2 keepalived rounds it to
+//!   whole seconds, which `check` refuses to leave implicit).
+//! - **IPv6 VIPs** as `VIP/128 dev <network interface>` in
+//!   `virtual_ipaddress_excluded` when the adverts are IPv4 (keepalived
+//!   ignores a VIP of the other family in `virtual_ipaddress`, and refuses
+//!   an instance with no VIP of its own family): moved with an instance
+//!   that carries an IPv4 VIP, added `nodad`, with unsolicited neighbour
+//!   advertisements on the network.
 //! - **Gratuitous ARP** as keepalived's maintainers advise for switched
 //!   networks: a second burst `garp_master_delay` 1 s after taking over
 //!   (a switch that was still learning the port misses the first) and a
@@ -47,10 +59,15 @@
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
-use std::net::{IpAddr, Ipv4Addr};
+use std::net::IpAddr;
 use std::path::Path;
 
 use crate::config::{Config, KeepalivedSettings};
+
+/// The first line of every file the daemon writes: what tells its own
+/// file from one written by hand at the same path (see [`release`]).
+pub const HEADER: &str =
+    "# Written by harvester-lb from its configuration; edits are overwritten.\n";
 
 /// The highest priority given (255 is the address owner's, never ours).
 const TOP_PRIORITY: u32 = 250;
@@ -88,56 +105,90 @@ pub fn priority(settings: &KeepalivedSettings, instance: u8) -> u32 {
 /// One VIP of an instance: the address and the interface it goes on.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
 struct Placed {
-    vip: Ipv4Addr,
+    vip: IpAddr,
     interface: String,
+}
+
+impl Placed {
+    /// `VIP/32 dev IFACE` or `VIP/128 dev IFACE`.
+    fn line(&self) -> String {
+        let len = if self.vip.is_ipv4() { 32 } else { 128 };
+        format!("    {}/{len} dev {}", self.vip, self.interface)
+    }
+}
+
+/// Which instance each VM-network VIP is in. A VIP of the adverts' family
+/// (`keepalived.address`'s) by [`instance_of`] over all instances; one of
+/// the other family (an IPv6 VIP under IPv4 adverts), which keepalived can
+/// only carry as an excluded address of an instance that has a VIP of its
+/// own family, by [`instance_of`] over the instances that have one (none:
+/// it is left out, and `check` refuses that file).
+fn placement(config: &Config, k: &KeepalivedSettings) -> BTreeMap<u8, Vec<Placed>> {
+    let mut by_instance: BTreeMap<u8, Vec<Placed>> = BTreeMap::new();
+    let placed: Vec<Placed> = config
+        .load_balancers
+        .iter()
+        .filter_map(|lb| {
+            let name = lb.network.as_ref()?;
+            // A VIP this daemon leases is held by the lease path on its own
+            // macvlan, on the host that leased it: keepalived must not add it.
+            if lb.dhcp.is_some() {
+                return None;
+            }
+            let net = config.networks.iter().find(|n| &n.name == name)?;
+            Some(Placed {
+                vip: lb.vip,
+                interface: net.interface.clone(),
+            })
+        })
+        .collect();
+    let carried = |p: &&Placed| p.vip.is_ipv4() == k.address.is_ipv4();
+    for p in placed.iter().filter(carried) {
+        by_instance
+            .entry(instance_of(p.vip, k.instances))
+            .or_default()
+            .push(p.clone());
+    }
+    let used: Vec<u8> = by_instance.keys().copied().collect();
+    for p in placed.iter().filter(|p| !carried(p)) {
+        let Ok(n) = u8::try_from(used.len()) else {
+            continue;
+        };
+        if n == 0 {
+            continue;
+        }
+        let i = used[usize::from(instance_of(p.vip, n))];
+        by_instance.entry(i).or_default().push(p.clone());
+    }
+    for list in by_instance.values_mut() {
+        list.sort();
+        list.dedup();
+    }
+    by_instance
 }
 
 /// The keepalived.conf text for `config`; `None` without `[keepalived]`.
 /// The admin socket the track scripts ask is `config.admin.socket`.
 pub fn render(config: &Config) -> Option<String> {
     let k = config.keepalived.as_ref()?;
-    let mut by_instance: BTreeMap<u8, Vec<Placed>> = BTreeMap::new();
-    for lb in &config.load_balancers {
-        let (Some(name), IpAddr::V4(vip)) = (&lb.network, lb.vip) else {
-            continue;
-        };
-        // A VIP this daemon leases is held by the lease path on its own
-        // macvlan, on the host that leased it: keepalived must not add it.
-        if lb.dhcp.is_some() {
-            continue;
-        }
-        let Some(net) = config.networks.iter().find(|n| &n.name == name) else {
-            continue;
-        };
-        let placed = Placed {
-            vip,
-            interface: net.interface.clone(),
-        };
-        let list = by_instance
-            .entry(instance_of(lb.vip, k.instances))
-            .or_default();
-        if !list.contains(&placed) {
-            list.push(placed);
-        }
-    }
+    let by_instance = placement(config, k);
     let mut out = String::new();
     let advert = advert_text(k);
     let _ = write!(
         out,
-        "# Written by harvester-lb from its configuration; edits are overwritten.\n\
+        "{HEADER}\
          # docs/vip.md, \"A VIP on a VM network\".\n\
-         global_defs {{\n  router_id {}\n  enable_script_security\n  script_user root\n  vrrp_version 3\n}}\n",
-        k.name
+         global_defs {{\n  router_id {}\n  enable_script_security\n  script_user root\n  vrrp_version {}\n}}\n",
+        k.name, k.vrrp_version
     );
     let peers: Vec<IpAddr> = k.peers.clone();
     let socket = config.admin.socket.display();
-    for (instance, mut vips) in by_instance {
-        vips.sort();
+    for (instance, vips) in by_instance {
         let vrid = u32::from(k.vrid_base) + u32::from(instance);
         let query: Vec<String> = vips.iter().map(|p| format!("vip={}", p.vip)).collect();
         let _ = write!(
             out,
-            "\nvrrp_script hlb_ready_{vrid} {{\n  script \"/usr/bin/curl --unix-socket {socket} -sf -m 1 -o /dev/null http://localhost/readyz?{}\"\n  interval 1\n  timeout 1\n  fall 2\n  rise 2\n}}\n",
+            "\nvrrp_script hlb_ready_{vrid} {{\n  script \"/usr/bin/curl --unix-socket '{socket}' -sf -m 1 -o /dev/null http://localhost/readyz?{}\"\n  interval 1\n  timeout 1\n  fall 2\n  rise 2\n}}\n",
             query.join("&")
         );
         let _ = write!(
@@ -153,15 +204,42 @@ pub fn render(config: &Config) -> Option<String> {
         out.push_str(
             "  }\n  garp_master_delay 1\n  garp_master_refresh 60\n  virtual_ipaddress {\n",
         );
-        for p in &vips {
-            let _ = writeln!(out, "    {}/32 dev {}", p.vip, p.interface);
+        // VIPs of the adverts' family; the others (IPv6 VIPs under IPv4
+        // adverts) in `virtual_ipaddress_excluded`, which keepalived adds
+        // and removes with the state all the same (unsolicited neighbour
+        // adverts included) but cannot carry in an advert of the other
+        // family ("address family must match VRRP instance").
+        let (carried, excluded): (Vec<&Placed>, Vec<&Placed>) = vips
+            .iter()
+            .partition(|p| p.vip.is_ipv4() == k.address.is_ipv4());
+        for p in &carried {
+            let _ = writeln!(out, "{}", p.line());
         }
-        let _ = write!(
-            out,
-            "  }}\n  track_script {{\n    hlb_ready_{vrid}\n  }}\n}}\n"
-        );
+        out.push_str("  }\n");
+        if !excluded.is_empty() {
+            out.push_str("  virtual_ipaddress_excluded {\n");
+            for p in &excluded {
+                let _ = writeln!(out, "{}", p.line());
+            }
+            out.push_str("  }\n");
+        }
+        let _ = write!(out, "  track_script {{\n    hlb_ready_{vrid}\n  }}\n}}\n");
     }
     Some(out)
+}
+
+/// The file left when `[keepalived]` is removed: this host's
+/// `global_defs` and no instance, so keepalived (which stays running)
+/// gives up every VIP the daemon had it move, and sends a priority-0
+/// advert for each instance so a peer takes over at once.
+pub fn render_released(k: &KeepalivedSettings) -> String {
+    format!(
+        "{HEADER}\
+         # [keepalived] was removed from harvester-lb's configuration: no VIP is moved\n\
+         # from this host any more (docs/vip.md, \"A VIP on a VM network\").\n\
+         global_defs {{\n  router_id {}\n  vrrp_version {}\n}}\n",
+        k.name, k.vrrp_version
+    )
 }
 
 /// `advert_int` in seconds, as keepalived reads it (`1`, `0.5`, `0.25`).
@@ -226,6 +304,9 @@ pub enum Installed {
     Unchanged,
     /// Written, and keepalived told to reload.
     Reloaded,
+    /// Not written: the file there is not the daemon's (its first line is
+    /// not [`HEADER`]), so it is someone else's now and left alone.
+    NotOurs,
 }
 
 /// Writes `text` to `settings.config_path` when it differs from what is
@@ -251,6 +332,21 @@ pub fn install(
     }
     reload(settings)?;
     Ok(Installed::Reloaded)
+}
+
+/// `[keepalived]` was removed: replaces the daemon's own file at
+/// `settings.config_path` with [`render_released`]'s and tells keepalived
+/// to reload, so it stops holding VIPs the daemon no longer serves on a VM
+/// network (and stops sending adverts for VRIDs nobody configures). A file
+/// that is not the daemon's (written by hand since, or missing) is left
+/// alone: [`Installed::NotOurs`]. `force` as in [`install`].
+pub fn release(settings: &KeepalivedSettings, force: bool) -> Result<Installed, KeepalivedError> {
+    let ours =
+        std::fs::read_to_string(&settings.config_path).is_ok_and(|text| text.starts_with(HEADER));
+    if !ours {
+        return Ok(Installed::NotOurs);
+    }
+    install(settings, &render_released(settings), force)
 }
 
 fn write_atomically(path: &Path, text: &str) -> std::io::Result<()> {
@@ -320,7 +416,7 @@ mod tests {
 
     fn conf(address: &str, peers: &str, lbs: &[(&str, &str)]) -> Config {
         let mut text = format!(
-            "[admin]\nsocket = \"/run/hlb/admin.sock\"\n[keepalived]\nname = \"h-{address}\"\naddress = \"{address}\"\ninterface = \"mgmt0\"\npeers = [{peers}]\ninstances = 4\n\n[[network]]\nname = \"vlan100\"\ninterface = \"br.100\"\nprefix_length = 24\ngateway = \"10.100.0.1\"\n"
+            "[admin]\nsocket = \"/run/hlb/admin.sock\"\n[keepalived]\nname = \"h-{address}\"\naddress = \"{address}\"\ninterface = \"mgmt0\"\npeers = [{peers}]\ninstances = 4\n\n[[network]]\nname = \"vlan100\"\ninterface = \"br.100\"\nprefix_length = 24\ngateway = \"10.100.0.1\"\nipv6_gateway = \"fd00:100::1\"\n"
         );
         for (i, (vip, network)) in lbs.iter().enumerate() {
             text.push_str(&format!(
@@ -401,7 +497,7 @@ mod tests {
             format!("  virtual_router_id {vrid}\n"),
             "  unicast_src_ip 192.168.0.11\n  unicast_peer {\n    192.168.0.12\n  }".into(),
             "    10.100.0.50/32 dev br.100\n".into(),
-            "--unix-socket /run/hlb/admin.sock -sf -m 1 -o /dev/null http://localhost/readyz?vip=10.100.0.50\"".into(),
+            "--unix-socket '/run/hlb/admin.sock' -sf -m 1 -o /dev/null http://localhost/readyz?vip=10.100.0.50\"".into(),
             format!("track_script {{\n    hlb_ready_{vrid}\n  }}"),
             "garp_master_delay 1\n  garp_master_refresh 60".into(),
         ] {
@@ -437,6 +533,80 @@ mod tests {
             k.advert_interval = std::time::Duration::from_millis(ms);
             assert_eq!(advert_text(k), text);
         }
+    }
+
+    #[test]
+    fn the_vrrp_version_is_rendered_and_a_socket_path_with_spaces_stays_one_word() {
+        let mut c = conf(
+            "192.168.0.11",
+            "\"192.168.0.12\"",
+            &[("10.100.0.50", "vlan100")],
+        );
+        let text = render(&c).unwrap();
+        assert!(text.contains("  vrrp_version 3\n"), "{text}");
+        c.admin.socket = "/run/harvester lb/admin #1.sock".into();
+        let k = c.keepalived.as_mut().unwrap();
+        k.vrrp_version = 2;
+        let text = render(&c).unwrap();
+        assert!(text.contains("  vrrp_version 2\n"), "{text}");
+        assert!(
+            text.contains("--unix-socket '/run/harvester lb/admin #1.sock' -sf"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn an_ipv6_vip_under_ipv4_adverts_is_an_excluded_address_of_its_instance() {
+        let c = conf(
+            "192.168.0.11",
+            "\"192.168.0.12\"",
+            &[("fd00:100::50", "vlan100"), ("10.100.0.50", "vlan100")],
+        );
+        let text = render(&c).unwrap();
+        // One instance carries 10.100.0.50; the IPv6 VIP rides in it.
+        assert_eq!(text.matches("vrrp_instance").count(), 1, "{text}");
+        assert!(
+            text.contains("  virtual_ipaddress {\n    10.100.0.50/32 dev br.100\n  }\n  virtual_ipaddress_excluded {\n    fd00:100::50/128 dev br.100\n  }\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("readyz?vip=10.100.0.50&vip=fd00:100::50\""),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn a_removed_section_releases_the_daemon_s_own_file_and_leaves_anyone_else_s() {
+        let dir = std::env::temp_dir().join(format!("hlb-released-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut c = conf(
+            "192.168.0.11",
+            "\"192.168.0.12\"",
+            &[("10.100.0.50", "vlan100")],
+        );
+        let text = render(&c).unwrap();
+        let k = c.keepalived.as_mut().unwrap();
+        k.config_path = dir.join("keepalived.conf");
+        k.reload_command = Some(vec!["/bin/true".into()]);
+        // Nothing there: nothing of ours to release.
+        assert_eq!(release(k, false).unwrap(), Installed::NotOurs);
+        install(k, &text, false).unwrap();
+        assert_eq!(release(k, false).unwrap(), Installed::Reloaded);
+        let left = std::fs::read_to_string(&k.config_path).unwrap();
+        assert!(left.starts_with(HEADER), "{left}");
+        assert!(
+            left.contains("router_id h-192.168.0.11") && !left.contains("vrrp_instance"),
+            "{left}"
+        );
+        assert_eq!(release(k, false).unwrap(), Installed::Unchanged);
+        // A file written by hand since is someone else's.
+        std::fs::write(&k.config_path, "vrrp_instance mine {}\n").unwrap();
+        assert_eq!(release(k, true).unwrap(), Installed::NotOurs);
+        assert_eq!(
+            std::fs::read_to_string(&k.config_path).unwrap(),
+            "vrrp_instance mine {}\n"
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

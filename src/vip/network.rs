@@ -1,6 +1,8 @@
 //! Replies from a VM-network VIP routed back through that network: a
 //! routing table per `[[network]]` (its subnet on its interface, `default
-//! via` its gateway) and a rule `from VIP lookup TABLE` per VIP, as a kind
+//! via` its gateway; for IPv6 VIPs its IPv6 subnet and `default via` its
+//! `ipv6_gateway` in the same table) and a rule `from VIP lookup TABLE`
+//! per VIP (`ip -6 rule` for an IPv6 one), as a kind
 //! of host object the [`crate::owned::Driver`] owns (read back every 10 s,
 //! repaired, removed after the drain at stop).
 //!
@@ -33,10 +35,10 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
-use std::net::{IpAddr, Ipv4Addr};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use futures_util::TryStreamExt;
-use ipnet::Ipv4Net;
+use ipnet::{IpNet, Ipv4Net, Ipv6Net};
 use rtnetlink::RouteMessageBuilder;
 use rtnetlink::packet_route::AddressFamily;
 use rtnetlink::packet_route::route::{
@@ -61,13 +63,13 @@ pub enum NetKey {
     Route {
         /// The network's table.
         table: u32,
-        /// The subnet, or `0.0.0.0/0` for the gateway's route.
-        dest: Ipv4Net,
+        /// The subnet, or `0.0.0.0/0` (`::/0`) for the gateway's route.
+        dest: IpNet,
     },
     /// The rule `from vip lookup <table>`.
     Rule {
         /// The VIP.
-        vip: Ipv4Addr,
+        vip: IpAddr,
     },
 }
 
@@ -88,7 +90,7 @@ pub enum NetState {
         /// The output interface's index.
         interface: Option<u32>,
         /// The next hop; `None` for the on-link subnet.
-        gateway: Option<Ipv4Addr>,
+        gateway: Option<IpAddr>,
     },
     /// A rule looking up `table`.
     Rule {
@@ -104,7 +106,7 @@ pub enum NetState {
 pub fn wanted(config: &Config, index_of: &BTreeMap<String, u32>) -> BTreeMap<NetKey, NetState> {
     let mut out = BTreeMap::new();
     for lb in &config.load_balancers {
-        let (Some(name), IpAddr::V4(vip)) = (&lb.network, lb.vip) else {
+        let Some(name) = &lb.network else {
             continue;
         };
         // A DHCP VIP not leased yet is 0.0.0.0: `from 0.0.0.0` would be a
@@ -118,27 +120,41 @@ pub fn wanted(config: &Config, index_of: &BTreeMap<String, u32>) -> BTreeMap<Net
         let Some(&index) = index_of.get(&net.interface) else {
             continue;
         };
+        // The VIP's family: its subnet and gateway (an IPv6 VIP is
+        // accepted only on a network with an IPv6 gateway).
+        let (subnet, any, gateway) = match lb.vip {
+            IpAddr::V4(_) => (
+                IpNet::V4(net.subnet()),
+                IpNet::V4(Ipv4Net::default()),
+                IpAddr::V4(net.gateway),
+            ),
+            IpAddr::V6(_) => match (net.ipv6_subnet(), net.ipv6_gateway) {
+                (Some(s), Some(g)) => (IpNet::V6(s), IpNet::V6(Ipv6Net::default()), IpAddr::V6(g)),
+                _ => continue,
+            },
+        };
+        let route = |gateway| NetState::Route {
+            interface: Some(index),
+            gateway,
+        };
         out.insert(
             NetKey::Route {
                 table: net.table,
-                dest: net.subnet(),
+                dest: subnet,
             },
-            NetState::Route {
-                interface: Some(index),
-                gateway: None,
-            },
+            route(None),
         );
         out.insert(
             NetKey::Route {
                 table: net.table,
-                dest: Ipv4Net::default(),
+                dest: any,
             },
-            NetState::Route {
-                interface: Some(index),
-                gateway: Some(net.gateway),
-            },
+            route(Some(gateway)),
         );
-        out.insert(NetKey::Rule { vip }, NetState::Rule { table: net.table });
+        out.insert(
+            NetKey::Rule { vip: lb.vip },
+            NetState::Rule { table: net.table },
+        );
     }
     out
 }
@@ -187,29 +203,62 @@ fn rule_table(m: &RuleMessage) -> u32 {
         .unwrap_or(u32::from(m.header.table))
 }
 
-fn route_message(key_table: u32, dest: Ipv4Net, state: Option<&NetState>) -> RouteMessage {
-    let mut b = RouteMessageBuilder::<Ipv4Addr>::new()
-        .destination_prefix(dest.addr(), dest.prefix_len())
-        .table_id(key_table)
-        .protocol(RouteProtocol::from(ROUTE_PROTOCOL));
-    if let Some(NetState::Route { interface, gateway }) = state {
-        if let Some(i) = interface {
-            b = b.output_interface(*i);
+fn route_message(table: u32, dest: IpNet, state: Option<&NetState>) -> RouteMessage {
+    let (interface, gateway) = match state {
+        Some(NetState::Route { interface, gateway }) => (*interface, *gateway),
+        _ => (None, None),
+    };
+    // The family-free parts: table, mark, output interface.
+    fn common<T>(
+        b: RouteMessageBuilder<T>,
+        table: u32,
+        interface: Option<u32>,
+    ) -> RouteMessageBuilder<T> {
+        let b = b
+            .table_id(table)
+            .protocol(RouteProtocol::from(ROUTE_PROTOCOL));
+        match interface {
+            Some(i) => b.output_interface(i),
+            None => b,
         }
-        b = match gateway {
-            Some(g) => b.gateway(*g),
-            None => b.scope(RouteScope::Link),
-        };
     }
-    b.build()
+    match dest {
+        IpNet::V4(d) => {
+            let b = common(
+                RouteMessageBuilder::<Ipv4Addr>::new().destination_prefix(d.addr(), d.prefix_len()),
+                table,
+                interface,
+            );
+            match (state.is_some(), gateway) {
+                (_, Some(IpAddr::V4(g))) => b.gateway(g),
+                (true, _) => b.scope(RouteScope::Link),
+                (false, _) => b,
+            }
+            .build()
+        }
+        IpNet::V6(d) => {
+            let b = common(
+                RouteMessageBuilder::<Ipv6Addr>::new().destination_prefix(d.addr(), d.prefix_len()),
+                table,
+                interface,
+            );
+            match gateway {
+                Some(IpAddr::V6(g)) => b.gateway(g),
+                _ => b,
+            }
+            .build()
+        }
+    }
 }
 
-fn rule_message(vip: Ipv4Addr, table: Option<u32>) -> RuleMessage {
+fn rule_message(vip: IpAddr, table: Option<u32>) -> RuleMessage {
     let mut m = RuleMessage::default();
-    m.header.family = AddressFamily::Inet;
-    m.header.src_len = 32;
+    (m.header.family, m.header.src_len) = match vip {
+        IpAddr::V4(_) => (AddressFamily::Inet, 32),
+        IpAddr::V6(_) => (AddressFamily::Inet6, 128),
+    };
     m.header.action = RuleAction::ToTable;
-    m.attributes.push(RuleAttribute::Source(IpAddr::V4(vip)));
+    m.attributes.push(RuleAttribute::Source(vip));
     m.attributes.push(RuleAttribute::Priority(RULE_PRIORITY));
     m.attributes
         .push(RuleAttribute::Protocol(RouteProtocol::from(ROUTE_PROTOCOL)));
@@ -238,86 +287,104 @@ impl Backend for NetworkRoutes {
             .clone();
         let handle = self.writer.handle();
         let mut out: Listing<Self> = BTreeMap::new();
-        let mut routes = handle
-            .route()
-            .get(RouteMessageBuilder::<Ipv4Addr>::new().build())
-            .execute();
-        while let Some(m) = routes
-            .try_next()
-            .await
-            .map_err(nl("cannot list the routes of the networks' tables".into()))?
-        {
-            let table = table_of(&m);
-            if !tables.contains(&table) {
-                continue;
-            }
-            let addr = m
-                .attributes
-                .iter()
-                .find_map(|a| match a {
-                    RouteAttribute::Destination(RouteAddress::Inet(v4)) => Some(*v4),
+        let requests = [
+            RouteMessageBuilder::<Ipv4Addr>::new().build(),
+            RouteMessageBuilder::<Ipv6Addr>::new().build(),
+        ];
+        for request in requests {
+            let mut routes = handle.route().get(request).execute();
+            while let Some(m) = routes
+                .try_next()
+                .await
+                .map_err(nl("cannot list the routes of the networks' tables".into()))?
+            {
+                let table = table_of(&m);
+                if !tables.contains(&table) {
+                    continue;
+                }
+                let len = m.header.destination_prefix_length;
+                let dest = m.attributes.iter().find_map(|a| match a {
+                    RouteAttribute::Destination(RouteAddress::Inet(v4)) => {
+                        Ipv4Net::new(*v4, len).ok().map(IpNet::V4)
+                    }
+                    RouteAttribute::Destination(RouteAddress::Inet6(v6)) => {
+                        Ipv6Net::new(*v6, len).ok().map(IpNet::V6)
+                    }
                     _ => None,
-                })
-                .unwrap_or(Ipv4Addr::UNSPECIFIED);
-            let Ok(dest) = Ipv4Net::new(addr, m.header.destination_prefix_length) else {
-                continue;
-            };
-            let interface = m.attributes.iter().find_map(|a| match a {
-                RouteAttribute::Oif(i) => Some(*i),
-                _ => None,
-            });
-            let gateway = m.attributes.iter().find_map(|a| match a {
-                RouteAttribute::Gateway(RouteAddress::Inet(v4)) => Some(*v4),
-                _ => None,
-            });
-            out.insert(
-                NetKey::Route { table, dest },
-                Found {
-                    seen: NetState::Route { interface, gateway },
-                    marked: u8::from(m.header.protocol) == ROUTE_PROTOCOL,
-                },
-            );
-        }
-        let mut rules = handle.rule().get(IpVersion::V4).execute();
-        while let Some(m) = rules
-            .try_next()
-            .await
-            .map_err(nl("cannot list the routing rules".into()))?
-        {
-            let source = m.attributes.iter().find_map(|a| match a {
-                RuleAttribute::Source(IpAddr::V4(v4)) => Some(*v4),
-                _ => None,
-            });
-            let other_selector = m.header.dst_len != 0
-                || m.attributes.iter().any(|a| {
-                    matches!(
-                        a,
-                        RuleAttribute::Iifname(_)
-                            | RuleAttribute::Oifname(_)
-                            | RuleAttribute::FwMark(_)
-                    )
                 });
-            let (Some(vip), 32, false) = (source, m.header.src_len, other_selector) else {
-                continue;
-            };
-            let marked = m
-                .attributes
-                .iter()
-                .any(|a| matches!(a, RuleAttribute::Protocol(p) if u8::from(*p) == ROUTE_PROTOCOL));
-            let key = NetKey::Rule { vip };
-            // Ours first: a second, foreign rule from the VIP does not hide it.
-            if out.get(&key).is_some_and(|f| f.marked) {
-                continue;
-            }
-            out.insert(
-                key,
-                Found {
-                    seen: NetState::Rule {
-                        table: rule_table(&m),
+                // A default route carries no destination.
+                let dest = match (dest, m.header.address_family) {
+                    (Some(d), _) => d,
+                    (None, AddressFamily::Inet) if len == 0 => IpNet::V4(Ipv4Net::default()),
+                    (None, AddressFamily::Inet6) if len == 0 => IpNet::V6(Ipv6Net::default()),
+                    _ => continue,
+                };
+                let interface = m.attributes.iter().find_map(|a| match a {
+                    RouteAttribute::Oif(i) => Some(*i),
+                    _ => None,
+                });
+                let gateway = m.attributes.iter().find_map(|a| match a {
+                    RouteAttribute::Gateway(RouteAddress::Inet(v4)) => Some(IpAddr::V4(*v4)),
+                    RouteAttribute::Gateway(RouteAddress::Inet6(v6)) => Some(IpAddr::V6(*v6)),
+                    _ => None,
+                });
+                out.insert(
+                    NetKey::Route { table, dest },
+                    Found {
+                        seen: NetState::Route { interface, gateway },
+                        marked: u8::from(m.header.protocol) == ROUTE_PROTOCOL,
                     },
-                    marked,
-                },
-            );
+                );
+            }
+        }
+        for version in [IpVersion::V4, IpVersion::V6] {
+            let mut rules = handle.rule().get(version).execute();
+            while let Some(m) = rules
+                .try_next()
+                .await
+                .map_err(nl("cannot list the routing rules".into()))?
+            {
+                let source = m.attributes.iter().find_map(|a| match a {
+                    RuleAttribute::Source(ip) => Some(*ip),
+                    _ => None,
+                });
+                let other_selector = m.header.dst_len != 0
+                    || m.attributes.iter().any(|a| {
+                        matches!(
+                            a,
+                            RuleAttribute::Iifname(_)
+                                | RuleAttribute::Oifname(_)
+                                | RuleAttribute::FwMark(_)
+                        )
+                    });
+                let host_len = match source {
+                    Some(IpAddr::V4(_)) => 32,
+                    _ => 128,
+                };
+                let (Some(vip), false) = (source, other_selector) else {
+                    continue;
+                };
+                if m.header.src_len != host_len {
+                    continue;
+                }
+                let marked = m.attributes.iter().any(
+                    |a| matches!(a, RuleAttribute::Protocol(p) if u8::from(*p) == ROUTE_PROTOCOL),
+                );
+                let key = NetKey::Rule { vip };
+                // Ours first: a second, foreign rule from the VIP does not hide it.
+                if out.get(&key).is_some_and(|f| f.marked) {
+                    continue;
+                }
+                out.insert(
+                    key,
+                    Found {
+                        seen: NetState::Rule {
+                            table: rule_table(&m),
+                        },
+                        marked,
+                    },
+                );
+            }
         }
         Ok(out)
     }
@@ -338,6 +405,7 @@ impl Backend for NetworkRoutes {
                 };
                 // A rule of ours from the VIP to another table goes first.
                 self.remove(key).await?;
+                // The message sets the family (IPv4 or IPv6) itself.
                 let mut req = handle.rule().add().v4().replace();
                 *req.message_mut() = rule_message(*vip, Some(*table));
                 match req.execute().await {
@@ -394,6 +462,7 @@ name = "vlan100"
 interface = "br.100"
 prefix_length = 24
 gateway = "10.100.0.1"
+ipv6_gateway = "fd00:100::1"
 table = 1100
 [[network]]
 name = "vlan200"
@@ -416,6 +485,14 @@ network = "vlan200"
   name = "http"
   port = 80
   backend_port = 30080
+[[load_balancer]]
+name = "default/c"
+vip = "fd00:100::50"
+network = "vlan100"
+  [[load_balancer.listener]]
+  name = "http"
+  port = 80
+  backend_port = 30080
 "#;
         let config = crate::config::parse(text).expect("valid").config;
         // br.200 does not exist on this host: nothing for vlan200.
@@ -427,7 +504,10 @@ network = "vlan200"
             [
                 "route 0.0.0.0/0 table 1100 Route { interface: Some(7), gateway: Some(10.100.0.1) }",
                 "route 10.100.0.0/24 table 1100 Route { interface: Some(7), gateway: None }",
+                "route ::/0 table 1100 Route { interface: Some(7), gateway: Some(fd00:100::1) }",
+                "route fd00:100::/64 table 1100 Route { interface: Some(7), gateway: None }",
                 "rule from 10.100.0.50 Rule { table: 1100 }",
+                "rule from fd00:100::50 Rule { table: 1100 }",
             ]
         );
     }

@@ -25,6 +25,7 @@
 pub mod bgp;
 pub mod keepalived;
 pub mod peers;
+pub mod vmnet;
 // Used by the `require_netns!` macro, which not every test crate calls.
 #[allow(unused_imports)]
 pub use crate::support::{skip_or_fail, wait_for};
@@ -162,13 +163,14 @@ impl Ns {
         Ok(tokio::net::TcpSocket::from_std_stream(s))
     }
 
-    /// Connects from this namespace to `addr`, failing after `timeout`.
+    /// Connects from this namespace to `addr` (either family), failing
+    /// after `timeout`.
     pub async fn connect(
         &self,
         addr: SocketAddr,
         timeout: Duration,
     ) -> std::io::Result<tokio::net::TcpStream> {
-        let s = self.socket()?;
+        let s = self.socket_for(addr)?;
         match tokio::time::timeout(timeout, s.connect(addr)).await {
             Ok(r) => r,
             Err(_) => Err(std::io::Error::new(
@@ -348,7 +350,7 @@ impl Bed {
             hosts.push((node.clone(), node_ip(i + 1), vec![]));
         }
         for (k, (ns, ip, extra)) in hosts.into_iter().enumerate() {
-            bed.wire(&ns, &format!("v{k}"), ip, &extra);
+            bed.wire("br0", &ns, &format!("v{k}"), ip, &extra);
         }
         bed
     }
@@ -357,23 +359,35 @@ impl Bed {
     /// load-balancer hosts): namespace `<tag>-<suffix>` with `ip/24` on its
     /// `eth0`, wired to the bridge port `h<suffix>`, returned with the host.
     pub fn add_host(&mut self, suffix: &str, ip: Ipv4Addr) -> (Ns, String) {
+        self.add_host_on("br0", suffix, ip)
+    }
+
+    /// As [`Bed::add_host`], on another bridge of the bridge namespace
+    /// (made with [`Bed::add_bridge`]): a host of a second L2 segment.
+    pub fn add_host_on(&mut self, bridge: &str, suffix: &str, ip: Ipv4Addr) -> (Ns, String) {
         let ns = Ns {
             name: format!("{}-{suffix}", self.tag),
         };
         let port = format!("h{suffix}");
-        self.wire(&ns, &port, ip, &[]);
+        self.wire(bridge, &ns, &port, ip, &[]);
         (ns, port)
     }
 
-    /// Makes namespace `ns` a host on the bridge: its `eth0` (the peer of
+    /// One more bridge `name` in the bridge namespace: another L2 segment.
+    pub fn add_bridge(&self, name: &str) {
+        self.bridge.ip(&["link", "add", name, "type", "bridge"]);
+        self.bridge.ip(&["link", "set", name, "up"]);
+    }
+
+    /// Makes namespace `ns` a host on `bridge`: its `eth0` (the peer of
     /// bridge port `port`) with `ip/24` and each of `extra` as a /32.
-    fn wire(&mut self, ns: &Ns, port: &str, ip: Ipv4Addr, extra: &[Ipv4Addr]) {
+    fn wire(&mut self, bridge: &str, ns: &Ns, port: &str, ip: Ipv4Addr, extra: &[Ipv4Addr]) {
         self.add_ns(&ns.name);
         self.bridge.ip(&[
             "link", "add", port, "type", "veth", "peer", "name", "eth0", "netns", &ns.name,
         ]);
         self.bridge
-            .ip(&["link", "set", port, "master", "br0", "up"]);
+            .ip(&["link", "set", port, "master", bridge, "up"]);
         ns.ip(&["link", "set", "lo", "up"]);
         ns.ip(&["addr", "add", &format!("{ip}/24"), "dev", "eth0"]);
         for e in extra {

@@ -146,6 +146,24 @@ impl Drop for Node {
     }
 }
 
+/// A name-then-echo service on `addr` in `ns` that is no node of the bed
+/// (a backend VM of a second network): writes `name` and a newline, then
+/// echoes, as [`Service::NameThenEcho`] does; stops when the handle is
+/// aborted or dropped with the runtime.
+pub fn serve_name_then_echo(ns: &Ns, addr: SocketAddr, name: &str) -> JoinHandle<()> {
+    let l = ns.listen(addr);
+    let name = format!("{name}\n");
+    tokio::spawn(async move {
+        loop {
+            let Ok((s, _)) = l.accept().await else {
+                continue;
+            };
+            let name = name.clone();
+            tokio::spawn(async move { name_then_echo(s, &name).await });
+        }
+    })
+}
+
 async fn name_then_echo(mut s: TcpStream, name: &str) -> std::io::Result<()> {
     s.write_all(name.as_bytes()).await?;
     let (mut r, mut w) = s.split();

@@ -9,8 +9,14 @@
 //! off its router) or a management address of a host (its VRRP would
 //! answer for itself); a gateway that is not a host of its subnet; VRIDs
 //! past 255 (VRRP's field is one byte); a routing table the kernel
-//! reserves or another network's; IPv6 VIPs (not in this version); DHCP
-//! leases and BGP announcing combined with keepalived moving the VIP.
+//! reserves or another network's; an IPv6 VIP on a network without
+//! `ipv6_gateway` (its IPv6 subnet is the gateway's) or outside that
+//! subnet, or with no IPv4 VIP on any network to ride with (keepalived
+//! refuses an instance without a VIP of its adverts' family); DHCP leases
+//! and BGP announcing combined with keepalived moving the VIP; an
+//! `advert_interval_ms` that is no whole number of seconds with
+//! `vrrp_version = 2` (keepalived would round it); an `admin.socket` the
+//! rendered track script cannot quote.
 //!
 //! Whether a network's `interface` exists is a fact of the host, not of
 //! the file: `check` runs anywhere (CI, the controller), so the daemon
@@ -18,7 +24,7 @@
 //! balancers alone (`/status` `vip_refused`, kind `no_network_interface`).
 
 use std::collections::{BTreeMap, HashSet};
-use std::net::{IpAddr, Ipv4Addr};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -27,9 +33,9 @@ use toml::Spanned;
 use super::Validator;
 use crate::config::file::{FileConfig, FileKeepalived, FileLoadBalancer, FileNetwork};
 use crate::config::{
-    DEFAULT_ADVERT_INTERVAL_MS, DEFAULT_KEEPALIVED_CONFIG, DEFAULT_KEEPALIVED_PID_FILE,
-    DEFAULT_NETWORK_TABLE_BASE, DEFAULT_VRID_BASE, Ipam, KeepalivedSettings, LoadBalancerSpec,
-    NetworkSpec, VipSettings,
+    DEFAULT_ADVERT_INTERVAL_MS, DEFAULT_IPV6_PREFIX_LENGTH, DEFAULT_KEEPALIVED_CONFIG,
+    DEFAULT_KEEPALIVED_PID_FILE, DEFAULT_NETWORK_TABLE_BASE, DEFAULT_VRID_BASE,
+    DEFAULT_VRRP_VERSION, Ipam, KeepalivedSettings, LoadBalancerSpec, NetworkSpec, VipSettings,
 };
 
 /// Most peers: VRRP priorities are rotated over the hosts in steps of
@@ -198,6 +204,34 @@ impl Validator<'_> {
                 }
             }
         });
+        let ipv6_prefix_length = match &net.ipv6_prefix_length {
+            None => DEFAULT_IPV6_PREFIX_LENGTH,
+            Some(p) => {
+                let n = *p.get_ref();
+                if (16..=126).contains(&n) {
+                    n as u8
+                } else {
+                    self.problem(
+                        Some(p.span()),
+                        &format!("{key}.ipv6_prefix_length"),
+                        format!("{n} is out of range; an IPv6 VM network's prefix length must be in 16..=126 (64 on almost every network)"),
+                    );
+                    DEFAULT_IPV6_PREFIX_LENGTH
+                }
+            }
+        };
+        if let (Some(gw), Some(g)) = (ipv6_gateway, &net.ipv6_gateway) {
+            let subnet = ipnet::Ipv6Net::new(gw, ipv6_prefix_length)
+                .expect("16..=126")
+                .trunc();
+            if gw == subnet.network() {
+                self.problem(
+                    Some(g.span()),
+                    &format!("{key}.ipv6_gateway"),
+                    format!("{gw} is the subnet {subnet}'s own address (its routers' anycast address); give the router's own address on the network"),
+                );
+            }
+        }
         let table = match &net.table {
             None => DEFAULT_NETWORK_TABLE_BASE + index as u32,
             Some(t) => {
@@ -228,6 +262,7 @@ impl Validator<'_> {
             prefix_length: prefix_length?,
             gateway: gateway?.0,
             ipv6_gateway,
+            ipv6_prefix_length,
             table,
         })
     }
@@ -352,15 +387,7 @@ impl Validator<'_> {
             10,
             40_950,
         );
-        if advert % 10 != 0
-            && let Some(a) = &k.advert_interval_ms
-        {
-            self.problem(
-                Some(a.span()),
-                "keepalived.advert_interval_ms",
-                format!("{advert} is not a multiple of 10; VRRP version 3 counts in centiseconds"),
-            );
-        }
+        let vrrp_version = self.vrrp_version(k, advert);
         let config_path = self.abs_path(
             &k.config_path,
             "keepalived.config_path",
@@ -371,6 +398,7 @@ impl Validator<'_> {
             "keepalived.pid_file",
             DEFAULT_KEEPALIVED_PID_FILE,
         );
+        self.track_script_socket(file);
         let reload_command = k.reload_command.as_ref().and_then(|c| {
             let words: Vec<String> = c.get_ref().iter().map(|w| w.get_ref().clone()).collect();
             if words.first().is_none_or(|w| !w.starts_with('/')) || words.iter().any(|w| w.contains('\0')) {
@@ -392,10 +420,71 @@ impl Validator<'_> {
             instances: instances as u8,
             vrid_base: vrid_base as u8,
             advert_interval: Duration::from_millis(advert as u64),
+            vrrp_version,
             config_path,
             pid_file,
             reload_command,
         })
+    }
+
+    /// `keepalived.vrrp_version`, and whether `advert` (ms) is one that
+    /// version can carry: version 3 counts centiseconds, version 2 whole
+    /// seconds (keepalived rounds a sub-second `advert_int` of version 2 up
+    /// to 1 s, so the interval written would not be the one in force).
+    fn vrrp_version(&mut self, k: &FileKeepalived, advert: i64) -> u8 {
+        let version = self.int(
+            &k.vrrp_version,
+            format_args!("keepalived.vrrp_version"),
+            i64::from(DEFAULT_VRRP_VERSION),
+            2,
+            3,
+        );
+        let Some(a) = &k.advert_interval_ms else {
+            return version as u8;
+        };
+        if version == 2 && advert % 1000 != 0 {
+            self.problem(
+                Some(a.span()),
+                "keepalived.advert_interval_ms",
+                format!(
+                    "{advert} ms with vrrp_version = 2: VRRP version 2 counts adverts in whole seconds, and keepalived rounds {advert} ms to a whole second, so the failover time would not be the one configured; set vrrp_version = 3 (the default: centiseconds, e.g. 500 for failovers under 2 s) or a multiple of 1000"
+                ),
+            );
+        } else if version == 2 && advert > 255_000 {
+            self.problem(
+                Some(a.span()),
+                "keepalived.advert_interval_ms",
+                format!("{advert} ms with vrrp_version = 2: version 2's field holds at most 255 s (255000)"),
+            );
+        } else if advert % 10 != 0 {
+            self.problem(
+                Some(a.span()),
+                "keepalived.advert_interval_ms",
+                format!("{advert} is not a multiple of 10; VRRP version 3 counts in centiseconds"),
+            );
+        }
+        version as u8
+    }
+
+    /// `admin.socket` as the rendered track scripts quote it: in single
+    /// quotes (keepalived splits a script's words at unquoted spaces), so
+    /// a path with spaces works, and one with a quote, a backslash or a
+    /// control character cannot be written there and is refused.
+    fn track_script_socket(&mut self, file: &FileConfig) {
+        let Some(s) = &file.admin.socket else { return };
+        let path = s.get_ref();
+        if let Some(c) = path
+            .chars()
+            .find(|c| matches!(c, '\'' | '"' | '\\') || c.is_control())
+        {
+            self.problem(
+                Some(s.span()),
+                "admin.socket",
+                format!(
+                    "{path:?} holds {c:?}, which keepalived's script line cannot carry: with [keepalived] the daemon writes this path into each instance's track script (`curl --unix-socket '<path>'`); choose a path without quotes, backslashes or control characters (spaces are fine)"
+                ),
+            );
+        }
     }
 
     fn abs_path(&mut self, value: &Option<Spanned<String>>, key: &str, default: &str) -> PathBuf {
@@ -475,16 +564,16 @@ impl Validator<'_> {
                     "cannot be used with vip.announce = \"routes\": keepalived holds this VIP on one host, announcing it would pull it to every host; set vip.announce = \"none\" or drop network".into(),
                 );
             }
-            let IpAddr::V4(v4) = s.vip else {
-                self.problem(
-                    vip_span,
-                    &vip_key,
-                    format!(
-                        "{} is IPv6; VIPs on a [[network]] are IPv4 only in this version",
-                        s.vip
-                    ),
-                );
-                continue;
+            let v4 = match s.vip {
+                IpAddr::V4(v4) => v4,
+                IpAddr::V6(v6) => {
+                    if let Some(why) = ipv6_vip_problem(v6, net) {
+                        self.problem(vip_span, &vip_key, format!("{v6} {why}"));
+                    } else {
+                        s.network = Some(name.clone());
+                    }
+                    continue;
+                }
             };
             let subnet = net.subnet();
             let why = if !subnet.contains(&v4) {
@@ -515,6 +604,9 @@ impl Validator<'_> {
             }
             s.network = Some(name.clone());
         }
+        if let Some(k) = keepalived {
+            self.other_family_alone(file, specs, k);
+        }
         for (i, n) in file.networks.iter().enumerate() {
             if let Some(name) = &n.get_ref().name
                 && !used.contains(name.get_ref())
@@ -533,6 +625,76 @@ impl Validator<'_> {
                 "no [[network]] is defined: the rendered keepalived.conf moves no VIP".into(),
             );
         }
+    }
+
+    /// keepalived refuses an instance with no VIP of its adverts' family
+    /// (`keepalived.address`'s), so VIPs of the other family (IPv6 VIPs
+    /// under IPv4 adverts) ride as excluded addresses of instances that
+    /// have one: with none at all, they are refused.
+    fn other_family_alone(
+        &mut self,
+        file: &FileConfig,
+        specs: &[Option<LoadBalancerSpec>],
+        k: &KeepalivedSettings,
+    ) {
+        let on_network: Vec<(usize, IpAddr)> = specs
+            .iter()
+            .enumerate()
+            .filter_map(|(i, s)| {
+                s.as_ref()
+                    .filter(|s| s.network.is_some())
+                    .map(|s| (i, s.vip))
+            })
+            .collect();
+        if on_network
+            .iter()
+            .any(|(_, v)| v.is_ipv4() == k.address.is_ipv4())
+        {
+            return;
+        }
+        let Some(&(i, vip)) = on_network.first() else {
+            return;
+        };
+        let family = if k.address.is_ipv4() { "IPv4" } else { "IPv6" };
+        self.problem(
+            file.load_balancers[i].get_ref().vip.as_ref().map(Spanned::span),
+            &format!("load_balancer[{i}].vip"),
+            format!(
+                "{vip}: no load balancer on a [[network]] has an {family} VIP, and keepalived (its adverts are {family}: keepalived.address is {}) moves a VIP of the other family only beside one of its own in the same instance; add an {family} VIP on a network, or give keepalived an address and peers of this VIP's family",
+                k.address
+            ),
+        );
+    }
+}
+
+/// Why IPv6 VIP `vip` cannot be on `net`, if it cannot: the network has
+/// no IPv6 subnet (no `ipv6_gateway`), or the VIP is outside it, its own
+/// (anycast) address, the gateway, or not a global unicast address.
+fn ipv6_vip_problem(vip: Ipv6Addr, net: &NetworkSpec) -> Option<String> {
+    let Some(subnet) = net.ipv6_subnet() else {
+        return Some(format!(
+            "is IPv6, and network {:?} has no ipv6_gateway: add the network's IPv6 router as ipv6_gateway (its subnet is the gateway's at ipv6_prefix_length, 64 unless set)",
+            net.name
+        ));
+    };
+    if !subnet.contains(&vip) {
+        Some(format!(
+            "is outside network {:?}'s IPv6 subnet {subnet} (ipv6_gateway, ipv6_prefix_length): no client there could reach it on-link; give a VIP inside it",
+            net.name
+        ))
+    } else if vip == subnet.network() {
+        Some(format!(
+            "is the subnet {subnet}'s own address (its routers' anycast address); give a host address of the subnet"
+        ))
+    } else if Some(vip) == net.ipv6_gateway {
+        Some(format!(
+            "is network {:?}'s IPv6 gateway: taking it would cut every VM of the network off its router",
+            net.name
+        ))
+    } else if vip.is_multicast() || vip.is_loopback() || vip.is_unicast_link_local() {
+        Some("is not a global or unique-local unicast address".into())
+    } else {
+        None
     }
 }
 
@@ -696,7 +858,7 @@ gateway = "10.100.0.1"
             ("10.100.0.1", "gateway"),
             ("10.100.0.0", "own or broadcast"),
             ("10.100.0.255", "own or broadcast"),
-            ("fd00::5", "IPv6"),
+            ("fd00::5", "has no ipv6_gateway"),
         ] {
             let (key, line, msg) = one(&format!("{NETWORK}{}", lb(vip, "default/vlan100")));
             assert_eq!(
@@ -714,6 +876,49 @@ gateway = "10.100.0.1"
         let (key, _, msg) = one(&format!("{text}{}", lb("192.168.0.12", "default/vlan100")));
         assert_eq!(key, "load_balancer[0].vip");
         assert!(msg.contains("management address"), "{msg}");
+    }
+
+    #[test]
+    fn an_ipv6_vip_lives_in_the_ipv6_subnet_of_its_network() {
+        let text = NETWORK.replace(
+            "gateway = \"10.100.0.1\"",
+            "gateway = \"10.100.0.1\"\nipv6_gateway = \"fd00:100::1\"",
+        );
+        // Alone, an IPv6 VIP has no IPv4 instance to ride in.
+        let alone = format!("{text}{}", lb("fd00:100::50", "default/vlan100"));
+        let (key, line, msg) = one(&alone);
+        assert_eq!((key.as_str(), line), ("load_balancer[0].vip", Some(17)));
+        assert!(msg.contains("add an IPv4 VIP on a network"), "{msg}");
+        let v4 = lb("10.100.0.50", "default/vlan100").replace("default/web", "default/web4");
+        let loaded = parse(&format!("{alone}{v4}")).expect("valid");
+        let c = &loaded.config;
+        assert_eq!(
+            c.load_balancers[0].network.as_deref(),
+            Some("default/vlan100")
+        );
+        assert_eq!(
+            c.networks[0]
+                .ipv6_subnet()
+                .map(|n| n.to_string())
+                .as_deref(),
+            Some("fd00:100::/64")
+        );
+        for (vip, words) in [
+            ("fd00:101::50", "outside network"),
+            ("fd00:100::", "own address"),
+            ("fd00:100::1", "IPv6 gateway"),
+        ] {
+            let (key, line, msg) = one(&format!("{text}{}", lb(vip, "default/vlan100")));
+            assert_eq!(
+                (key.as_str(), line),
+                ("load_balancer[0].vip", Some(17)),
+                "{vip}"
+            );
+            assert!(msg.contains(words), "{vip}: {msg}");
+        }
+        let (key, _, msg) = one(&format!("{text}ipv6_prefix_length = 127\n"));
+        assert_eq!(key, "network[0].ipv6_prefix_length");
+        assert!(msg.contains("16..=126"), "{msg}");
     }
 
     #[test]
@@ -757,6 +962,47 @@ gateway = "10.100.0.1"
             "interface = \"mgmt-br\"\nadvert_interval_ms = 1005",
         ));
         assert_eq!(key, "keepalived.advert_interval_ms");
+    }
+
+    #[test]
+    fn a_sub_second_advert_interval_with_vrrp_version_2_is_explained() {
+        let with = |keys: &str| {
+            NETWORK.replace(
+                "interface = \"mgmt-br\"",
+                &format!("interface = \"mgmt-br\"\n{keys}"),
+            )
+        };
+        let (key, line, msg) = one(&with("vrrp_version = 2\nadvert_interval_ms = 500"));
+        assert_eq!(
+            (key.as_str(), line),
+            ("keepalived.advert_interval_ms", Some(7))
+        );
+        assert!(
+            msg.contains("whole seconds") && msg.contains("vrrp_version = 3"),
+            "{msg}"
+        );
+        let (key, _, msg) = one(&with("vrrp_version = 4"));
+        assert_eq!(key, "keepalived.vrrp_version");
+        assert!(msg.contains("2..=3"), "{msg}");
+        let k = |text: &str| parse(text).expect("valid").config.keepalived.unwrap();
+        let v2 = k(&with("vrrp_version = 2\nadvert_interval_ms = 2000"));
+        assert_eq!((v2.vrrp_version, v2.advert_interval.as_millis()), (2, 2000));
+        let v3 = k(&with("advert_interval_ms = 500"));
+        assert_eq!((v3.vrrp_version, v3.advert_interval.as_millis()), (3, 500));
+    }
+
+    #[test]
+    fn an_admin_socket_the_track_script_cannot_quote_is_refused_with_keepalived() {
+        let socket = |path: &str| format!("[admin]\nsocket = {path:?}\n{NETWORK}");
+        for bad in ["/run/it's/admin.sock", "/run/a\\b.sock", "/run/a\"b.sock"] {
+            let (key, line, msg) = one(&socket(bad));
+            assert_eq!((key.as_str(), line), ("admin.socket", Some(2)), "{bad}");
+            assert!(msg.contains("track script"), "{msg}");
+        }
+        // Spaces are fine (quoted in the rendered file); without
+        // [keepalived] nothing is rendered, so nothing is refused.
+        parse(&socket("/run/harvester lb/admin.sock")).expect("a space is quoted");
+        parse("[admin]\nsocket = \"/run/it's/admin.sock\"\n").expect("no keepalived");
     }
 
     #[test]

@@ -1,0 +1,123 @@
+//! The VM-network bed's parts, for `tests/vmnet.rs` (two hosts, one
+//! network) and `tests/vmnet_hosts.rs` (three hosts, two networks, the
+//! failovers measured): load-balancer hosts on a management segment
+//! (bridge `br1`, each host's `mgmt`), VM network A on the bed's `br0`
+//! (each host's `eth0`, 198.51.100.0/24, its gateway `.1` with a client of
+//! another network behind it), VM network B on `br2` (each host's `eth1`,
+//! 192.0.2.0/24). What a test reads back: which host holds a VIP (`ip
+//! addr`), and how many VRRP packets each host sent out of each side (an
+//! nft counter per host).
+
+use std::net::Ipv4Addr;
+use std::process::Command;
+use std::time::Duration;
+
+use super::{Bed, Ns, sa};
+
+/// Network A's gateway (on-link clients need none; the far client is
+/// behind it).
+pub const GATEWAY: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 1);
+/// The client behind network A's gateway: an address of another network
+/// on the gateway's own `lo`, reached from the hosts only through the
+/// gateway.
+pub const FAR_CLIENT: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 2);
+
+/// Host `host` of network B (192.0.2.0/24, the bridge `br2`).
+pub fn net_b(host: u8) -> Ipv4Addr {
+    Ipv4Addr::new(192, 0, 2, host)
+}
+
+/// `ip -n <ns> <args>`'s standard output.
+pub fn ip_out(ns: &Ns, args: &[&str]) -> String {
+    let out = Command::new("ip")
+        .args(["-n", &ns.name])
+        .args(args)
+        .output()
+        .expect("ip");
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Whether `ns` holds `vip` on its eth0 (network A's interface).
+pub fn holds(ns: &Ns, vip: Ipv4Addr) -> bool {
+    holds_on(ns, "eth0", &vip.to_string())
+}
+
+/// Whether `ns` holds `vip` (either family, as `ip addr` prints it) on
+/// `dev`.
+pub fn holds_on(ns: &Ns, dev: &str, vip: &str) -> bool {
+    let prefix = if vip.contains(':') { "/128" } else { "/32" };
+    ip_out(ns, &["-o", "addr", "show", "dev", dev]).contains(&format!(" {vip}{prefix} "))
+}
+
+/// Counts the VRRP packets `ns` sends, per side: out of `mgmt`, and out of
+/// any other interface (the VM networks').
+pub fn count_vrrp(ns: &Ns) {
+    ns.nft(
+        "table inet t_vrrp {\n counter mgmt {}\n counter vm {}\n chain out {\n  type filter hook output priority 0; policy accept;\n  meta l4proto 112 oifname \"mgmt\" counter name \"mgmt\"\n  meta l4proto 112 oifname != \"mgmt\" counter name \"vm\"\n }\n}\n",
+    );
+}
+
+/// VRRP packets `ns` sent out of `side` (`"mgmt"` or `"vm"`).
+pub fn vrrp_sent(ns: &Ns, side: &str) -> u64 {
+    let out = Command::new("ip")
+        .args([
+            "netns", "exec", &ns.name, "nft", "list", "counter", "inet", "t_vrrp", side,
+        ])
+        .output()
+        .expect("nft");
+    let text = String::from_utf8_lossy(&out.stdout);
+    text.split_whitespace()
+        .skip_while(|w| *w != "packets")
+        .nth(1)
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no packet count in {text}"))
+}
+
+/// The management bridge port of host `suffix` (down: its link is cut).
+pub fn mgmt_port(suffix: &str) -> String {
+    format!("mgmt-{suffix}")
+}
+
+/// Wires `ns` to `bridge` of the bed's bridge namespace: its interface
+/// `ifname` with `cidr`, the bridge's side named `port`.
+pub fn join(bed: &Bed, ns: &Ns, bridge: &str, port: &str, ifname: &str, cidr: &str) {
+    bed.bridge.ip(&[
+        "link", "add", "name", port, "type", "veth", "peer", "name", ifname, "netns", &ns.name,
+    ]);
+    bed.bridge
+        .ip(&["link", "set", port, "master", bridge, "up"]);
+    ns.ip(&["addr", "add", cidr, "dev", ifname]);
+    ns.ip(&["link", "set", ifname, "up"]);
+}
+
+/// A load-balancer host: its namespace, on network A (`eth0`, `vm`) and on
+/// the management segment (`mgmt` with `mgmt`/24, bridge `br1`, which the
+/// test makes), its VRRP packets counted.
+pub fn host(bed: &mut Bed, suffix: &str, vm: Ipv4Addr, mgmt: &str) -> Ns {
+    let (ns, _) = bed.add_host(suffix, vm);
+    join(
+        bed,
+        &ns,
+        "br1",
+        &mgmt_port(suffix),
+        "mgmt",
+        &format!("{mgmt}/24"),
+    );
+    count_vrrp(&ns);
+    ns
+}
+
+/// Whether a connection from [`FAR_CLIENT`] (in the gateway's namespace
+/// `gw`) to `vip:80` is answered with a backend's name.
+pub async fn from_behind_the_gateway(gw: &Ns, vip: Ipv4Addr) -> bool {
+    let f = async {
+        let s = gw.socket()?;
+        s.bind(sa(FAR_CLIENT, 0))?;
+        let mut s = s.connect(sa(vip, 80)).await?;
+        super::peers::read_line(&mut s).await
+    };
+    matches!(
+        tokio::time::timeout(Duration::from_secs(2), f).await,
+        Ok(Ok(name)) if name.starts_with('n') || name.starts_with('b')
+    )
+}
