@@ -60,6 +60,9 @@ pub struct FileNetwork {
     pub ipv6_gateway: Option<Spanned<String>>,
     /// The routing table replies from its VIPs are looked up in.
     pub table: Option<Spanned<i64>>,
+    /// Whether the host refuses to route for this network's VMs
+    /// (`vip::vmnet_guard`); default true.
+    pub isolate: Option<Spanned<bool>>,
 }
 
 /// `[keepalived]`.

@@ -32,7 +32,8 @@ pub use validate::{
 };
 pub use vmnet::{
     DEFAULT_ADVERT_INTERVAL_MS, DEFAULT_KEEPALIVED_CONFIG, DEFAULT_KEEPALIVED_PID_FILE,
-    DEFAULT_NETWORK_TABLE_BASE, DEFAULT_VRID_BASE, KeepalivedSettings, NetworkSpec,
+    DEFAULT_NETWORK_ISOLATE, DEFAULT_NETWORK_TABLE_BASE, DEFAULT_VRID_BASE, KeepalivedSettings,
+    NetworkSpec,
 };
 
 /// Where the daemon looks for its configuration unless told otherwise.

@@ -28,8 +28,8 @@ use super::Validator;
 use crate::config::file::{FileConfig, FileKeepalived, FileNetwork};
 use crate::config::{
     DEFAULT_ADVERT_INTERVAL_MS, DEFAULT_KEEPALIVED_CONFIG, DEFAULT_KEEPALIVED_PID_FILE,
-    DEFAULT_NETWORK_TABLE_BASE, DEFAULT_VRID_BASE, Ipam, KeepalivedSettings, LoadBalancerSpec,
-    NetworkSpec, VipSettings,
+    DEFAULT_NETWORK_ISOLATE, DEFAULT_NETWORK_TABLE_BASE, DEFAULT_VRID_BASE, Ipam,
+    KeepalivedSettings, LoadBalancerSpec, NetworkSpec, VipSettings,
 };
 
 /// Most peers: VRRP priorities are rotated over the hosts in steps of
@@ -229,6 +229,10 @@ impl Validator<'_> {
             gateway: gateway?.0,
             ipv6_gateway,
             table,
+            isolate: net
+                .isolate
+                .as_ref()
+                .map_or(DEFAULT_NETWORK_ISOLATE, |v| *v.get_ref()),
         })
     }
 
