@@ -7,6 +7,10 @@
 //! with `isolate = false` first shows that every blocked connection is
 //! possible without the guard, so no negative assertion passes by accident.
 //!
+//! When the guard cannot be written (an `nft` that refuses, first in the
+//! daemon's `PATH`), the network's VIPs are not ready, `/status` and the
+//! metrics say why, and all of it clears once `nft` works again.
+//!
 //! Run as root with iproute2 and nftables:
 //! `cargo test --test vmnet_isolation -- --nocapture`.
 //!
@@ -439,4 +443,90 @@ async fn netns_a_vm_reaches_only_its_vips_listeners_through_the_host() {
         "the daemon stops"
     );
     assert!(guard_table(&bed.host).is_some(), "the guard left at stop");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn netns_an_unwritable_guard_makes_the_network_s_vips_not_ready_until_it_is_written() {
+    require_netns!();
+    let bed = Bed::new();
+    // An `nft` that refuses while the file `refuse` exists.
+    let real = Command::new("sh")
+        .args(["-c", "command -v nft"])
+        .output()
+        .expect("sh");
+    let real = String::from_utf8_lossy(&real.stdout).trim().to_string();
+    assert!(!real.is_empty(), "nft not found");
+    let bin = bed.dir.join("bin");
+    std::fs::create_dir_all(&bin).unwrap();
+    let refuse = bed.dir.join("refuse");
+    let wrapper = bin.join("nft");
+    std::fs::write(
+        &wrapper,
+        format!(
+            "#!/bin/sh\nif [ -e '{}' ]; then echo 'Error: refused by the test' >&2; exit 1; fi\nexec '{real}' \"$@\"\n",
+            refuse.display()
+        ),
+    )
+    .unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&wrapper, std::fs::Permissions::from_mode(0o755)).unwrap();
+    std::fs::write(&refuse, "").unwrap();
+
+    let path = bed.dir.join("config.toml");
+    std::fs::write(&path, bed.config(true)).unwrap();
+    let d = DaemonProc::spawn_with_path_first(&bed.host, &path, &bed.dir.join("daemon.log"), &bin);
+    let status = wait_for(
+        Duration::from_secs(20),
+        "the guard's failure in /status",
+        || async {
+            let s = d.get("/status").await.ok()?;
+            let s: serde_json::Value = serde_json::from_str(&s.1).ok()?;
+            let g = s["vm_network_guard"].clone();
+            g["error"].is_string().then_some(g)
+        },
+    )
+    .await;
+    assert_eq!(status["enabled"], true, "{status}");
+    assert_eq!(status["in_force"], false, "{status}");
+    assert!(
+        status["error"]
+            .as_str()
+            .unwrap()
+            .contains("refused by the test"),
+        "{status}"
+    );
+    let (code, body) = d.get(&format!("/readyz?vip={VIP}")).await.expect("readyz");
+    assert_eq!(code, 503, "{body}");
+    assert!(
+        body.contains("VM-network guard") && body.contains("\"t/a\""),
+        "{body}"
+    );
+    let m = d.metrics().await;
+    assert_eq!(
+        netns::metric(&m, "harvester_lb_vm_network_guard_up", &[]),
+        0.0
+    );
+    assert!(netns::metric(&m, "harvester_lb_vm_network_guard_failures_total", &[]) >= 1.0);
+    assert!(guard_table(&bed.host).is_none());
+
+    // nft works again: written at the next check, the VIPs ready.
+    std::fs::remove_file(&refuse).unwrap();
+    wait_for(
+        Duration::from_secs(30),
+        "the VIP ready once the guard is written",
+        || async {
+            matches!(d.get(&format!("/readyz?vip={VIP}")).await, Ok((200, _))).then_some(())
+        },
+    )
+    .await;
+    let m = d.metrics().await;
+    assert_eq!(
+        netns::metric(&m, "harvester_lb_vm_network_guard_up", &[]),
+        1.0
+    );
+    assert!(guard_table(&bed.host).is_some());
+    assert_eq!(
+        d.status().await["vm_network_guard"]["error"],
+        serde_json::Value::Null
+    );
 }
