@@ -443,12 +443,14 @@ impl VmNetworkGuard {
         }
     }
 
-    /// Whether traffic entering from `interface` is guarded: `true` when
-    /// `interface` is not isolated, else whether the table of the config
-    /// in force was the kernel's at the last step.
+    /// Whether traffic entering from `interface` (an isolated network's)
+    /// is guarded: the last step wrote or read back a table in force that
+    /// has it. `false` before the first step and after a reload adds the
+    /// network until the next step has written it, so a VIP is never
+    /// ready on a network its host does not guard yet.
     pub fn guards(&self, interface: &str) -> bool {
         let r = lock(&self.report);
-        r.in_force || !r.interfaces.iter().any(|i| i == interface)
+        r.in_force && r.interfaces.iter().any(|i| i == interface)
     }
 
     /// For `/status`.
@@ -542,10 +544,10 @@ backends = ["10.200.0.21"]
     }
 
     #[test]
-    fn a_network_not_isolated_is_always_guarded_and_an_isolated_one_only_once_written() {
+    fn an_isolated_network_is_guarded_only_once_its_table_is_in_force() {
         let config = crate::config::parse(FILE).expect("valid").config;
         let g = VmNetworkGuard::default();
-        assert!(g.guards("cluster-br.200") && g.guards("eth9"));
+        assert!(!g.guards("cluster-br.100"), "before the first step");
         let interfaces: Vec<String> = Rules::of(&config)
             .interfaces()
             .map(str::to_string)
@@ -556,8 +558,11 @@ backends = ["10.200.0.21"]
             r.interfaces = interfaces;
         }
         assert!(!g.guards("cluster-br.100"), "not written yet");
-        assert!(g.guards("cluster-br.200"), "not isolated");
         lock(&g.report).in_force = true;
         assert!(g.guards("cluster-br.100"));
+        assert!(
+            !g.guards("cluster-br.200"),
+            "not in the table (not isolated)"
+        );
     }
 }
