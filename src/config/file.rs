@@ -62,6 +62,9 @@ pub struct FileNetwork {
     pub ipv6_prefix_length: Option<Spanned<i64>>,
     /// The routing table replies from its VIPs are looked up in.
     pub table: Option<Spanned<i64>>,
+    /// Whether the host refuses to route for this network's VMs
+    /// (`vip::vmnet_guard`); default true.
+    pub isolate: Option<Spanned<bool>>,
 }
 
 /// `[keepalived]`.

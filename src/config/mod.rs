@@ -32,8 +32,8 @@ pub use validate::{
 };
 pub use vmnet::{
     DEFAULT_ADVERT_INTERVAL_MS, DEFAULT_IPV6_PREFIX_LENGTH, DEFAULT_KEEPALIVED_CONFIG,
-    DEFAULT_KEEPALIVED_PID_FILE, DEFAULT_NETWORK_TABLE_BASE, DEFAULT_VRID_BASE,
-    DEFAULT_VRRP_VERSION, KeepalivedSettings, NetworkSpec,
+    DEFAULT_KEEPALIVED_PID_FILE, DEFAULT_NETWORK_ISOLATE, DEFAULT_NETWORK_TABLE_BASE,
+    DEFAULT_VRID_BASE, DEFAULT_VRRP_VERSION, KeepalivedSettings, NetworkSpec,
 };
 
 /// Where the daemon looks for its configuration unless told otherwise.

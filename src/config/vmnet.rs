@@ -28,6 +28,12 @@ pub const DEFAULT_KEEPALIVED_PID_FILE: &str = "/run/keepalived.pid";
 /// `DEFAULT_NETWORK_TABLE_BASE + n` for the n-th network of the file.
 pub const DEFAULT_NETWORK_TABLE_BASE: u32 = 1000;
 
+/// Default `[[network]] isolate`: on. A Harvester host has `ip_forward`
+/// on (Kubernetes needs it) and, once it holds a VIP, an address on the
+/// VM network: without the guard any VM could use the host as a router
+/// into other tenants' networks and the management network.
+pub const DEFAULT_NETWORK_ISOLATE: bool = true;
+
 /// `[[network]]`: one L2 network of guest VMs that load balancers put
 /// their VIP on.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -51,6 +57,11 @@ pub struct NetworkSpec {
     /// The routing table of replies from this network's VIPs
     /// (`ip rule from VIP lookup TABLE`).
     pub table: u32,
+    /// Whether the host is no router for this network's VMs: traffic that
+    /// enters from `interface` is forwarded only when DNATed to the
+    /// network's own backends, and reaches the host only at its VIPs'
+    /// listener ports (`vip::vmnet_guard`).
+    pub isolate: bool,
 }
 
 impl NetworkSpec {

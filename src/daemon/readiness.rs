@@ -28,6 +28,21 @@ pub enum VipNotReady {
     /// Listeners of the VIP that are not bound, each with why.
     #[error("{} listener(s) not bound", .0.len())]
     Unbound(Vec<UnboundListener>),
+    /// The VIP is on an isolated `[[network]]` and the VM-network guard
+    /// is not in force: holding the VIP, this host would route for the
+    /// network's VMs into every other network. keepalived moves the VIP to
+    /// a host whose guard is in force.
+    #[error(
+        "VIP {vip} is on network {network:?} (interface {interface:?}), whose VM-network guard (nftables table inet harvester_lb_vmnet) is not in force here; /status vm_network_guard says why"
+    )]
+    Unguarded {
+        /// The VIP asked about.
+        vip: IpAddr,
+        /// Its `[[network]]`.
+        network: String,
+        /// The network's interface.
+        interface: String,
+    },
 }
 
 /// A listener of a VIP that is not serving.
@@ -58,7 +73,8 @@ impl std::fmt::Display for UnboundListener {
 impl Daemon {
     /// Whether every one of `vips` is ready here: the daemon is not
     /// stopping, a config is in force, and every listener of every load
-    /// balancer on those VIPs is bound. Other VIPs' listeners do not
+    /// balancer on those VIPs is bound, and the VM-network guard is in
+    /// force for the isolated networks they are on. Other VIPs' listeners do not
     /// count: [`Daemon::is_ready`] is the host-wide question.
     pub fn vips_ready(&self, vips: &[IpAddr]) -> Result<(), VipNotReady> {
         let st = self.lock();
@@ -70,11 +86,24 @@ impl Daemon {
             });
         };
         let mut unbound = Vec::new();
+        let mut unguarded = None;
         for vip in vips {
             let vip = vip.to_canonical();
             let mut known = false;
             for spec in config.load_balancers.iter().filter(|l| l.vip == vip) {
                 known = true;
+                if let Some(net) = config
+                    .networks
+                    .iter()
+                    .find(|n| spec.network.as_deref() == Some(n.name.as_str()))
+                    .filter(|n| n.isolate && !self.vmnet.guard.guards(&n.interface))
+                {
+                    unguarded.get_or_insert(VipNotReady::Unguarded {
+                        vip,
+                        network: net.name.clone(),
+                        interface: net.interface.clone(),
+                    });
+                }
                 for l in &spec.listeners {
                     let address = spec.listen_addr(l);
                     let error = match st.listeners.get(&spec.listener_key(l)) {
@@ -97,6 +126,8 @@ impl Daemon {
         }
         if self.is_stopping() {
             Err(VipNotReady::Stopping)
+        } else if let Some(e) = unguarded {
+            Err(e)
         } else if unbound.is_empty() {
             Ok(())
         } else {

@@ -52,6 +52,7 @@ impl Daemon {
                 missing_since_unix,
             },
             vip_isolation: self.isolation.status(),
+            vm_network_guard: self.vmnet.guard.status(),
             announce,
             vip_refused: self.vip_refusals(),
         }
@@ -285,6 +286,9 @@ pub struct StatusDoc {
     pub config: ConfigStatus,
     /// `vip.isolate`: whether the table is in force, and how large.
     pub vip_isolation: IsolationStatus,
+    /// `[[network]] isolate`: whether the VM-network guard table is in
+    /// force, for which interfaces, and the last failure.
+    pub vm_network_guard: crate::vip::vmnet_guard::GuardStatus,
     /// `vip.announce = "routes"`: every VIP, announced or not and why;
     /// absent with `none`.
     #[serde(skip_serializing_if = "Option::is_none")]

@@ -3,6 +3,11 @@
 //! networks' routes and `from VIP` rules (`vip::network`) through
 //! [`crate::owned::Driver`].
 //!
+//! It also owns the VM-network guard table (`vip::vmnet_guard`), written
+//! first at every step; a failure is logged at error, counted
+//! (`vm_network_guard_failures_total`) and makes the isolated networks'
+//! VIPs not ready; the table is left at stop.
+//!
 //! It wakes at every apply (start, reload, lease) and every
 //! [`crate::owned::CHECK_INTERVAL`]: a failed write or reload of
 //! keepalived's file is retried then (logged at error each time, counted
@@ -28,10 +33,13 @@ use crate::owned::{CHECK_INTERVAL, Driver};
 use crate::vip::announce::RouteWriter;
 use crate::vip::keepalived::{self, Installed};
 use crate::vip::network::{NetKey, NetworkRoutes, wanted};
+use crate::vip::vmnet_guard::{Rules, VmNetworkGuard};
 
 /// The task's state, shared with the daemon.
 #[derive(Default)]
 pub(super) struct VmNet {
+    /// The VM-network guard table (`[[network]] isolate`); readiness asks it.
+    pub(super) guard: Arc<VmNetworkGuard>,
     /// Woken at every apply.
     wake: Arc<Notify>,
     /// Set once the task runs.
@@ -86,7 +94,10 @@ impl Daemon {
                 let config = match config {
                     Some(c) => Some(c),
                     // Nothing configured: only what is still held goes.
-                    None if inner.routes.is_some() || inner.rendered.is_some() => {
+                    None if inner.routes.is_some()
+                        || inner.rendered.is_some()
+                        || daemon.vmnet.guard.status().enabled =>
+                    {
                         daemon.lock().config.clone()
                     }
                     None => None,
@@ -99,6 +110,7 @@ impl Daemon {
     }
 
     async fn vmnet_step(&self, inner: &mut Inner, config: &Config) {
+        self.vmnet_guard(config).await;
         let job = match (&config.keepalived, keepalived::render(config)) {
             (Some(settings), Some(text)) => {
                 inner.rendered = Some(settings.clone());
@@ -152,6 +164,28 @@ impl Daemon {
             }
         }
         self.vmnet_routes(inner, config).await;
+    }
+
+    /// Writes, reads back and repairs the VM-network guard table (before
+    /// keepalived is told of new VIPs: a VIP on an isolated network is not
+    /// ready until its guard is in force).
+    async fn vmnet_guard(&self, config: &Config) {
+        let rules = Rules::of(config);
+        let guard = Arc::clone(&self.vmnet.guard);
+        let metrics = Arc::clone(&self.metrics);
+        match tokio::task::spawn_blocking(move || guard.reconcile(rules, &metrics)).await {
+            Ok(Ok(())) => {}
+            // vm_network_guard_up is 0, the failure counted, /status says
+            // why and the isolated networks' VIPs are not ready.
+            Ok(Err(e)) => tracing::error!(
+                "VM networks: {e}; retried in {} s and at every reload",
+                CHECK_INTERVAL.as_secs()
+            ),
+            Err(e) => {
+                self.metrics.record_vm_network_guard_failure();
+                tracing::error!("VM networks: writing the guard table stopped: {e}");
+            }
+        }
     }
 
     /// Reads back and writes the networks' routes and rules.

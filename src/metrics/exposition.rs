@@ -485,6 +485,17 @@ impl Exposition {
             headed: &mut headed,
         }
         .sample("", |_| {}, m.keepalived_failures.get());
+        match m.vm_network_guard.load(Ordering::Relaxed) {
+            0 => {}
+            v => {
+                gauge(buf, &names::VM_NETWORK_GUARD_UP, &u64::from(v == 1));
+                gauge(
+                    buf,
+                    &names::VM_NETWORK_GUARD_FAILURES,
+                    &m.vm_network_guard_failures.get(),
+                );
+            }
+        }
         let mut headed = false;
         Out {
             buf,

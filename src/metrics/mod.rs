@@ -75,6 +75,11 @@ pub struct Metrics {
     admin_shed: Counter,
     /// `[keepalived]`: failed writes of its file and reloads.
     keepalived_failures: Counter,
+    /// `[[network]] isolate`: 0 no isolated network (no series), 1 the
+    /// guard table is in force, 2 the last write or read-back failed.
+    vm_network_guard: std::sync::atomic::AtomicU8,
+    /// `[[network]] isolate`: failed writes and read-backs of the guard table.
+    vm_network_guard_failures: Counter,
     /// Kernel NAT table writes that succeeded, and that failed.
     pub(crate) kernel_syncs_ok: Counter,
     pub(crate) kernel_syncs_failed: Counter,
@@ -265,6 +270,24 @@ impl Metrics {
     /// keepalived (`keepalived_reload_failures_total`).
     pub fn record_keepalived_failure(&self) {
         self.keepalived_failures.increment(1);
+    }
+
+    /// Records the VM-network guard's state: `None` when no network is
+    /// isolated, else whether the table of the config in force is the
+    /// kernel's (as last read back).
+    pub fn set_vm_network_guard(&self, in_force: Option<bool>) {
+        let v = match in_force {
+            None => 0,
+            Some(true) => 1,
+            Some(false) => 2,
+        };
+        self.vm_network_guard.store(v, Ordering::Relaxed);
+    }
+
+    /// Counts a failed write or read-back of the VM-network guard table
+    /// (`vm_network_guard_failures_total`).
+    pub fn record_vm_network_guard_failure(&self) {
+        self.vm_network_guard_failures.increment(1);
     }
 
     /// Counts a route or address write for `vip.announce` the kernel refused.

@@ -501,6 +501,22 @@ pub static KEEPALIVED_RELOAD_FAILURES: Family = Family::new(
     Counter,
     "Times writing the rendered keepalived configuration or telling keepalived to reload it failed (each logged at error and retried every 10 s and at every reload).",
 );
+/// `[[network]] isolate`: 1 when the VM-network guard table
+/// (`inet harvester_lb_vmnet`) in the kernel is the one of the config in
+/// force (as last read back), 0 when writing or reading it failed; absent
+/// when no network is isolated.
+pub static VM_NETWORK_GUARD_UP: Family = Family::new(
+    "harvester_lb_vm_network_guard_up",
+    Gauge,
+    "1 when the VM-network guard table (inet harvester_lb_vmnet) in the kernel is the one of the configuration in force, 0 when writing or reading it back failed (the isolated networks' VIPs are then not ready).",
+);
+/// `[[network]] isolate`: writes and read-backs of the guard table that
+/// failed (each logged at error and retried every 10 s and at every apply).
+pub static VM_NETWORK_GUARD_FAILURES: Family = Family::new(
+    "harvester_lb_vm_network_guard_failures_total",
+    Counter,
+    "Times writing or reading back the VM-network guard table failed (each logged at error and retried every 10 s and at every reload).",
+);
 /// Admin connections closed to make room for a newcomer.
 pub static ADMIN_CONNECTIONS_SHED: Family = Family::new(
     "harvester_lb_admin_connections_shed_total",

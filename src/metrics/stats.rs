@@ -356,6 +356,8 @@ labels! {
         DhcpLease = "dhcp_lease",
         /// A `[[network]]`'s route or a VIP's `from VIP` rule.
         NetworkRoute = "network_route",
+        /// The VM-network guard table (`inet harvester_lb_vmnet`).
+        VmNetworkGuard = "vm_network_guard",
     };
 }
 

@@ -2,7 +2,8 @@
 //! VIP ([`isolate`]), the lease of a VIP the daemon obtains itself over
 //! DHCP ([`dhcp`]), and the routes that announce a VIP to a BGP speaker
 //! ([`announce`]), and the guard that keeps the host's own addresses and
-//! its gateways from becoming VIPs ([`host`]).
+//! its gateways from becoming VIPs ([`host`]), and the guard that keeps a
+//! host on VM networks from routing for their VMs ([`vmnet_guard`]).
 //!
 //! Listeners bind with `IP_FREEBIND`, so the daemon never needs the VIP to
 //! be up, and whichever host holds it (keepalived, kube-vip) the daemon is
@@ -16,3 +17,4 @@ pub mod host;
 pub mod isolate;
 pub mod keepalived;
 pub mod network;
+pub mod vmnet_guard;

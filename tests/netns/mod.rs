@@ -591,6 +591,30 @@ impl DaemonProc {
         }
     }
 
+    /// As [`DaemonProc::spawn`], with `bin` first in the daemon's `PATH`:
+    /// a test's stand-in for a host command (an `nft` that refuses).
+    pub fn spawn_with_path_first(ns: &Ns, config: &Path, log: &Path, bin: &Path) -> DaemonProc {
+        let path = match std::env::var_os("PATH") {
+            Some(p) => {
+                let mut dirs = vec![bin.to_path_buf()];
+                dirs.extend(std::env::split_paths(&p));
+                std::env::join_paths(dirs).expect("a PATH")
+            }
+            None => bin.as_os_str().to_owned(),
+        };
+        let launch = Process::launch(config)
+            .under(&["ip", "netns", "exec", &ns.name])
+            .env("HARVESTER_LB_LOG", "info")
+            .env("PATH", path)
+            .log(log);
+        DaemonProc {
+            process: launch.spawn(),
+            ns: ns.clone(),
+            config: config.to_path_buf(),
+            admin_port: ADMIN_PORT,
+        }
+    }
+
     /// The same daemon, its admin API asked on `port` (a second daemon in
     /// one namespace listens on another port).
     pub fn on_admin_port(mut self, port: u16) -> DaemonProc {

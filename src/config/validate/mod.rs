@@ -39,6 +39,7 @@ mod reuse;
 mod source_ranges;
 mod types;
 mod vmnet;
+mod vmnet_isolate;
 
 pub use cross::Conflict;
 use locate::{LineIndex, display_path, path_at, segments, span_of};
@@ -324,6 +325,7 @@ impl Validator<'_> {
             &vip,
         );
         self.moving_vips(file, &specs, &vip.announce);
+        self.network_isolation(file, &networks, keepalived.as_ref());
         let load_balancers = specs.into_iter().flatten().map(Arc::new).collect();
         Config {
             admin,

@@ -34,8 +34,9 @@ use super::Validator;
 use crate::config::file::{FileConfig, FileKeepalived, FileLoadBalancer, FileNetwork};
 use crate::config::{
     DEFAULT_ADVERT_INTERVAL_MS, DEFAULT_IPV6_PREFIX_LENGTH, DEFAULT_KEEPALIVED_CONFIG,
-    DEFAULT_KEEPALIVED_PID_FILE, DEFAULT_NETWORK_TABLE_BASE, DEFAULT_VRID_BASE,
-    DEFAULT_VRRP_VERSION, Ipam, KeepalivedSettings, LoadBalancerSpec, NetworkSpec, VipSettings,
+    DEFAULT_KEEPALIVED_PID_FILE, DEFAULT_NETWORK_ISOLATE, DEFAULT_NETWORK_TABLE_BASE,
+    DEFAULT_VRID_BASE, DEFAULT_VRRP_VERSION, Ipam, KeepalivedSettings, LoadBalancerSpec,
+    NetworkSpec, VipSettings,
 };
 
 /// Most peers: VRRP priorities are rotated over the hosts in steps of
@@ -264,6 +265,10 @@ impl Validator<'_> {
             ipv6_gateway,
             ipv6_prefix_length,
             table,
+            isolate: net
+                .isolate
+                .as_ref()
+                .map_or(DEFAULT_NETWORK_ISOLATE, |v| *v.get_ref()),
         })
     }
 

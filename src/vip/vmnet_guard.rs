@@ -1,0 +1,568 @@
+//! The VM-network guard: one nftables table that keeps a host with an
+//! interface on tenants' VM networks from being a router between them.
+//!
+//! A Harvester host has `ip_forward` on (Kubernetes needs it), and once it
+//! holds a VIP on a VM network its MAC answers there. Any VM of that
+//! network can then send packets to the host with another network's
+//! address as destination (a route `via VIP` is enough) and the host
+//! forwards them: into another tenant's VM network, onto the management
+//! network, or to its own services (SSH, the Kubernetes API, the kubelet)
+//! on any of its addresses. For every `[[network]]` with `isolate` (the
+//! default) the daemon owns the table `inet harvester_lb_vmnet`:
+//!
+//! ```text
+//! table inet harvester_lb_vmnet {
+//!   set networks { type ifname; elements = { "brA", … } }             # the isolated networks' interfaces
+//!   set stay     { type ifname . ifname; elements = { "brA" . "brA", … } }
+//!   set dnat4    { type ifname . ipv4_addr . ipv4_addr . inet_proto . inet_service;
+//!                  elements = { "brA" . VIP . BACKEND . tcp . BACKEND_PORT, … } }
+//!   set open4    { type ifname . ipv4_addr . inet_proto . inet_service; elements = { "brA" . VIP . tcp . PORT, … } }
+//!   set vips4    { type ifname . ipv4_addr; elements = { "brA" . VIP, … } }
+//!   (and dnat6, open6, vips6)
+//!   chain forward { type filter hook forward priority filter; policy accept;
+//!     iifname @networks jump from_network_forward }
+//!   chain from_network_forward {
+//!     iifname . oifname @stay accept                       # stays on its own network
+//!     ct direction reply accept                            # replies of flows let in
+//!     ct state related meta l4proto { icmp, ipv6-icmp } accept
+//!     ct status dnat iifname . ct original ip daddr . ip daddr . meta l4proto . th dport @dnat4 accept
+//!     (the same for IPv6)
+//!     drop
+//!   }
+//!   chain input { type filter hook input priority filter; policy accept;
+//!     iifname @networks jump from_network_input }
+//!   chain from_network_input {
+//!     ct direction reply accept                            # the host's own connections (probes, the proxy)
+//!     ct state related meta l4proto { icmp, ipv6-icmp } accept
+//!     iifname . ip daddr . meta l4proto . th dport @open4 accept
+//!     (the same for IPv6)
+//!     icmpv6 type { nd-neighbor-solicit, nd-neighbor-advert } accept
+//!     meta l4proto { icmp, ipv6-icmp } iifname . ip daddr @vips4 accept
+//!     (the same for IPv6)
+//!     drop
+//!   }
+//! }
+//! ```
+//!
+//! Only packets that *enter* from an isolated network's interface are
+//! looked at (`iifname @networks`); the host's management, storage and
+//! other traffic never matches. Forwarded, such a packet passes only when
+//! it stays on its own network, answers a flow that was let in, or was
+//! DNATed from one of the network's own VIPs to a backend of that VIP's
+//! load balancer (the kernel path, `forwarding = "kernel"`). Addressed to
+//! the host, it passes only to the network's own VIPs at their listener
+//! ports (and ICMP to those VIPs, IPv6 neighbour discovery, and the replies
+//! to the host's own connections: health probes and the proxy's
+//! connections to backends on the network).
+//!
+//! **Bridged frames.** VM-to-VM traffic on one VM network is switched by
+//! the bridge and never reaches the IP stack, unless `br_netfilter` is
+//! loaded with `net.bridge.bridge-nf-call-iptables = 1` — as it is on a
+//! Harvester host (RKE2's CNI needs it). Then bridged IPv4 frames pass the
+//! inet `forward` hook with `iifname` and `oifname` both the bridge; they
+//! match `stay` and are accepted. A VLAN network whose interface is a VLAN
+//! device on the bridge (`mgmt-br.100`) never sees its bridged frames in the
+//! guard: they enter on the bridge, not on the VLAN device.
+//!
+//! The table only drops; its `accept` ends its own chains, so a firewall's
+//! table still applies. It is written whole in one `nft` transaction (the
+//! same add/delete/create as `vip::isolate`), at the first apply (replacing
+//! what a crashed daemon left) and whenever its contents change, and read
+//! back at every apply and every [`crate::owned::CHECK_INTERVAL`]; another
+//! process's change is written over, logged at warn and counted
+//! (`host_repairs_total{kind="vm_network_guard"}`). A reload without
+//! isolated networks deletes it. A stop leaves it, as a crash does, so a
+//! restart or an upgrade opens no window in which the host routes for
+//! tenants; `nft delete table inet harvester_lb_vmnet` removes it after an
+//! uninstall.
+
+use std::collections::BTreeSet;
+use std::fmt::Write as _;
+use std::net::IpAddr;
+use std::sync::Mutex;
+use std::time::SystemTime;
+
+use crate::config::{Config, Protocol};
+use crate::metrics::{HostKind, Metrics};
+use crate::owned::{Checked, Drift, Fingerprint, Guard, Owned};
+
+/// The table's name, in family `inet`.
+pub const TABLE: &str = "harvester_lb_vmnet";
+
+/// What the table lets through, from the config in force.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Rules {
+    /// The isolated networks' interfaces.
+    interfaces: BTreeSet<String>,
+    /// Interface, VIP, nft's protocol name, listener port.
+    open: BTreeSet<(String, IpAddr, &'static str, u16)>,
+    /// Interface, VIP, backend, nft's protocol name, backend port.
+    dnat: BTreeSet<(String, IpAddr, IpAddr, &'static str, u16)>,
+}
+
+impl Rules {
+    /// The guard of `config`: every `[[network]]` with `isolate`, each
+    /// with the VIPs, listener ports and backends of its load balancers.
+    pub fn of(config: &Config) -> Self {
+        let mut r = Self::default();
+        for net in config.networks.iter().filter(|n| n.isolate) {
+            r.interfaces.insert(net.interface.clone());
+            for lb in config
+                .load_balancers
+                .iter()
+                .filter(|lb| lb.network.as_deref() == Some(net.name.as_str()))
+            {
+                for l in &lb.listeners {
+                    let proto = match l.protocol {
+                        Protocol::Tcp => "tcp",
+                        Protocol::Udp => "udp",
+                    };
+                    r.open
+                        .insert((net.interface.clone(), lb.vip, proto, l.port));
+                    for b in lb
+                        .backends
+                        .iter()
+                        .filter(|b| b.is_ipv4() == lb.vip.is_ipv4())
+                    {
+                        r.dnat
+                            .insert((net.interface.clone(), lb.vip, *b, proto, l.backend_port));
+                    }
+                }
+            }
+        }
+        r
+    }
+
+    /// Whether no network is isolated (then there is no table).
+    pub fn is_empty(&self) -> bool {
+        self.interfaces.is_empty()
+    }
+
+    /// The isolated networks' interfaces.
+    pub fn interfaces(&self) -> impl Iterator<Item = &str> {
+        self.interfaces.iter().map(String::as_str)
+    }
+
+    /// Interface, VIP pairs that answer ICMP.
+    fn vips(&self) -> BTreeSet<(&str, IpAddr)> {
+        self.open
+            .iter()
+            .map(|(i, vip, ..)| (i.as_str(), *vip))
+            .collect()
+    }
+
+    /// The whole table as one `nft -f` transaction: create it if missing,
+    /// delete it, and create it again with its sets, chains and rules.
+    pub fn render(&self) -> String {
+        let mut t =
+            format!("add table inet {TABLE}\ndelete table inet {TABLE}\ntable inet {TABLE} {{\n");
+        let quoted = |i: &str| format!("\"{i}\"");
+        set(
+            &mut t,
+            "networks",
+            "ifname",
+            self.interfaces.iter().map(|i| quoted(i)),
+        );
+        set(
+            &mut t,
+            "stay",
+            "ifname . ifname",
+            self.interfaces
+                .iter()
+                .map(|i| format!("{} . {}", quoted(i), quoted(i))),
+        );
+        for (v6, family) in [(false, "ipv4_addr"), (true, "ipv6_addr")] {
+            let n = if v6 { 6 } else { 4 };
+            set(
+                &mut t,
+                &format!("dnat{n}"),
+                &format!("ifname . {family} . {family} . inet_proto . inet_service"),
+                self.dnat
+                    .iter()
+                    .filter(|(_, vip, ..)| vip.is_ipv6() == v6)
+                    .map(|(i, vip, b, p, port)| {
+                        format!("{} . {vip} . {b} . {p} . {port}", quoted(i))
+                    }),
+            );
+            set(
+                &mut t,
+                &format!("open{n}"),
+                &format!("ifname . {family} . inet_proto . inet_service"),
+                self.open
+                    .iter()
+                    .filter(|(_, vip, ..)| vip.is_ipv6() == v6)
+                    .map(|(i, vip, p, port)| format!("{} . {vip} . {p} . {port}", quoted(i))),
+            );
+            set(
+                &mut t,
+                &format!("vips{n}"),
+                &format!("ifname . {family}"),
+                self.vips()
+                    .into_iter()
+                    .filter(|(_, vip)| vip.is_ipv6() == v6)
+                    .map(|(i, vip)| format!("{} . {vip}", quoted(i))),
+            );
+        }
+        t.push_str(
+            "  chain forward {\n    type filter hook forward priority filter; policy accept;\n    iifname @networks jump from_network_forward\n  }\n",
+        );
+        t.push_str("  chain from_network_forward {\n");
+        t.push_str("    iifname . oifname @stay accept\n");
+        t.push_str("    ct direction reply accept\n");
+        t.push_str("    ct state related meta l4proto { icmp, ipv6-icmp } accept\n");
+        for ip in ["ip", "ip6"] {
+            let n = if ip == "ip" { 4 } else { 6 };
+            let _ = writeln!(
+                t,
+                "    ct status dnat iifname . ct original {ip} daddr . {ip} daddr . meta l4proto . th dport @dnat{n} accept"
+            );
+        }
+        t.push_str("    drop\n  }\n");
+        t.push_str(
+            "  chain input {\n    type filter hook input priority filter; policy accept;\n    iifname @networks jump from_network_input\n  }\n",
+        );
+        t.push_str("  chain from_network_input {\n");
+        t.push_str("    ct direction reply accept\n");
+        t.push_str("    ct state related meta l4proto { icmp, ipv6-icmp } accept\n");
+        for ip in ["ip", "ip6"] {
+            let n = if ip == "ip" { 4 } else { 6 };
+            let _ = writeln!(
+                t,
+                "    iifname . {ip} daddr . meta l4proto . th dport @open{n} accept"
+            );
+        }
+        t.push_str("    icmpv6 type { nd-neighbor-solicit, nd-neighbor-advert } accept\n");
+        for ip in ["ip", "ip6"] {
+            let n = if ip == "ip" { 4 } else { 6 };
+            let _ = writeln!(
+                t,
+                "    meta l4proto {{ icmp, ipv6-icmp }} iifname . {ip} daddr @vips{n} accept"
+            );
+        }
+        t.push_str("    drop\n  }\n}\n");
+        t
+    }
+}
+
+/// One named set of the table, with its elements when it has any.
+fn set(t: &mut String, name: &str, ty: &str, elements: impl Iterator<Item = String>) {
+    let elements: Vec<String> = elements.collect();
+    let _ = write!(t, "  set {name} {{\n    type {ty}\n");
+    if !elements.is_empty() {
+        let _ = writeln!(t, "    elements = {{ {} }}", elements.join(", "));
+    }
+    t.push_str("  }\n");
+}
+
+/// Why the table could not be written, read back or removed.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "could not {what} the VM-network guard table inet {TABLE}: {detail} (it needs the `nft` command and CAP_NET_ADMIN; until it is in place the isolated networks' VIPs are not ready, /readyz?vip= answers 503)"
+)]
+pub struct GuardError {
+    what: &'static str,
+    detail: String,
+}
+
+/// The table the daemon means, as a kernel object it owns.
+struct Wanted<'a>(&'a Rules);
+
+impl Owned for Wanted<'_> {
+    type Error = GuardError;
+    fn read_back(&self) -> Result<Option<Fingerprint>, GuardError> {
+        let fail = |detail: String| GuardError {
+            what: "read back",
+            detail,
+        };
+        match crate::nft::list_inet_table(TABLE).map_err(fail)? {
+            Some(listed) => Fingerprint::of_nft_json(&listed).map(Some).map_err(fail),
+            None => Ok(None),
+        }
+    }
+    fn write(&self) -> Result<(), GuardError> {
+        crate::nft::run(&["-f", "-"], self.0.render().as_bytes())
+            .map(drop)
+            .map_err(|detail| GuardError {
+                what: "write",
+                detail,
+            })
+    }
+}
+
+/// Deletes the table if there is one.
+fn delete() -> Result<(), GuardError> {
+    // "add" first, so that deleting a table that is already gone succeeds.
+    let text = format!("add table inet {TABLE}\ndelete table inet {TABLE}\n");
+    crate::nft::run(&["-f", "-"], text.as_bytes())
+        .map(drop)
+        .map_err(|detail| GuardError {
+            what: "delete",
+            detail,
+        })
+}
+
+/// What `/status` shows of the guard.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct GuardStatus {
+    /// Whether any `[[network]]` is isolated.
+    pub enabled: bool,
+    /// `inet harvester_lb_vmnet`.
+    pub table: String,
+    /// Whether the table of the config in force is the kernel's (as last
+    /// read back).
+    pub in_force: bool,
+    /// The isolated networks' interfaces.
+    pub interfaces: Vec<String>,
+    /// Unix time the table was last written.
+    pub applied_unix: Option<u64>,
+    /// The last failure, while it lasts.
+    pub error: Option<String>,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    /// What the kernel has, as far as this process wrote it.
+    applied: Option<Rules>,
+    /// How the kernel listed it right after the write.
+    guard: Guard,
+    /// The last config's rules (for `/status` while not applied).
+    wanted: Rules,
+    applied_at: Option<SystemTime>,
+    /// A table left by an earlier run has been dealt with.
+    started: bool,
+    error: Option<String>,
+}
+
+/// The daemon's side of the table: what it last wrote, writing it, and
+/// checking that the kernel still has it.
+#[derive(Debug)]
+pub struct VmNetworkGuard {
+    /// Held while `nft` runs.
+    state: Mutex<State>,
+    /// The outcome of the last step, read by readiness without waiting
+    /// for `nft`.
+    report: Mutex<GuardStatus>,
+}
+
+impl Default for VmNetworkGuard {
+    fn default() -> Self {
+        Self {
+            state: Mutex::default(),
+            report: Mutex::new(GuardStatus {
+                enabled: false,
+                table: format!("inet {TABLE}"),
+                in_force: false,
+                interfaces: Vec::new(),
+                applied_unix: None,
+                error: None,
+            }),
+        }
+    }
+}
+
+impl VmNetworkGuard {
+    /// Makes the kernel's table match `rules`: written whole when they
+    /// changed (or at the first call, replacing a table a crashed daemon
+    /// left), deleted when no network is isolated, else read back and
+    /// written again if another process changed it. Records the outcome in
+    /// `metrics` (`vm_network_guard_up`, failures, repairs). Blocking: it
+    /// runs `nft`.
+    pub fn reconcile(&self, rules: Rules, metrics: &Metrics) -> Result<(), GuardError> {
+        let mut st = lock(&self.state);
+        let result = Self::step(&mut st, rules);
+        st.error = result.as_ref().err().map(ToString::to_string);
+        let enabled = !st.wanted.is_empty();
+        *lock(&self.report) = GuardStatus {
+            enabled,
+            table: format!("inet {TABLE}"),
+            in_force: enabled && st.applied.is_some() && st.error.is_none(),
+            interfaces: st.wanted.interfaces().map(str::to_string).collect(),
+            applied_unix: st
+                .applied_at
+                .and_then(|t| t.duration_since(SystemTime::UNIX_EPOCH).ok())
+                .map(|d| d.as_secs()),
+            error: st.error.clone(),
+        };
+        drop(st);
+        metrics.set_vm_network_guard(enabled.then_some(result.is_ok()));
+        match result {
+            Ok(Some(drift)) => {
+                metrics.record_host_repairs(HostKind::VmNetworkGuard, 1);
+                tracing::warn!(
+                    table = %format!("inet {TABLE}"),
+                    "the VM-network guard table in the kernel is not the one this daemon wrote ({drift}): another process changed it (a second harvester-lb, `nft flush ruleset`, a firewall reload?); written again"
+                );
+                Ok(())
+            }
+            Ok(None) => Ok(()),
+            Err(e) => {
+                metrics.record_vm_network_guard_failure();
+                Err(e)
+            }
+        }
+    }
+
+    fn step(st: &mut State, rules: Rules) -> Result<Option<Drift>, GuardError> {
+        st.wanted = rules.clone();
+        if rules.is_empty() {
+            st.guard.forget();
+            if st.applied.take().is_some() || !st.started {
+                st.applied_at = None;
+                delete()?;
+            }
+            st.started = true;
+            return Ok(None);
+        }
+        st.started = true;
+        if st.applied.as_ref() != Some(&rules) {
+            st.applied = None;
+            st.guard.write(&Wanted(&rules))?;
+            st.applied = Some(rules);
+            st.applied_at = Some(SystemTime::now());
+            return Ok(None);
+        }
+        match st.guard.check(&Wanted(&rules)) {
+            Ok(Checked::Repaired(drift)) => {
+                st.applied_at = Some(SystemTime::now());
+                Ok(Some(drift))
+            }
+            Ok(Checked::InPlace) => Ok(None),
+            Ok(Checked::NothingOwned) => {
+                // Written, but gone before its read-back: written again.
+                st.applied = None;
+                st.guard.write(&Wanted(&rules))?;
+                st.applied = Some(rules);
+                st.applied_at = Some(SystemTime::now());
+                Ok(None)
+            }
+            Err(e) => {
+                // Not known to be in place: written whole at the next step.
+                st.applied = None;
+                Err(e)
+            }
+        }
+    }
+
+    /// Whether traffic entering from `interface` (an isolated network's)
+    /// is guarded: the last step wrote or read back a table in force that
+    /// has it. `false` before the first step and after a reload adds the
+    /// network until the next step has written it, so a VIP is never
+    /// ready on a network its host does not guard yet.
+    pub fn guards(&self, interface: &str) -> bool {
+        let r = lock(&self.report);
+        r.in_force && r.interfaces.iter().any(|i| i == interface)
+    }
+
+    /// For `/status`.
+    pub fn status(&self) -> GuardStatus {
+        lock(&self.report).clone()
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const FILE: &str = r#"[keepalived]
+name = "lb-1"
+address = "192.168.0.11"
+interface = "mgmt-br"
+peers = ["192.168.0.12"]
+
+[[network]]
+name = "default/a"
+interface = "cluster-br.100"
+prefix_length = 24
+gateway = "10.100.0.1"
+
+[[network]]
+name = "default/b"
+interface = "cluster-br.200"
+prefix_length = 24
+gateway = "10.200.0.1"
+isolate = false
+
+[[load_balancer]]
+name = "default/web"
+vip = "10.100.0.50"
+network = "default/a"
+backends = ["10.100.0.21", "10.100.0.22"]
+  [[load_balancer.listener]]
+  name = "http"
+  port = 80
+  backend_port = 30080
+  [[load_balancer.listener]]
+  name = "dns"
+  port = 53
+  backend_port = 30053
+  protocol = "udp"
+
+[[load_balancer]]
+name = "default/other"
+vip = "10.200.0.50"
+network = "default/b"
+backends = ["10.200.0.21"]
+  [[load_balancer.listener]]
+  name = "http"
+  port = 80
+  backend_port = 30080
+"#;
+
+    #[test]
+    fn only_isolated_networks_are_guarded_each_with_its_own_vips_and_backends() {
+        let config = crate::config::parse(FILE).expect("valid").config;
+        let r = Rules::of(&config);
+        assert_eq!(r.interfaces().collect::<Vec<_>>(), ["cluster-br.100"]);
+        let text = r.render();
+        assert!(
+            text.contains("elements = { \"cluster-br.100\" . 10.100.0.50 . tcp . 80, \"cluster-br.100\" . 10.100.0.50 . udp . 53 }"),
+            "{text}"
+        );
+        assert!(
+            text.contains("\"cluster-br.100\" . 10.100.0.50 . 10.100.0.22 . udp . 30053"),
+            "{text}"
+        );
+        assert!(
+            !text.contains("10.200.0."),
+            "network b is not isolated: {text}"
+        );
+        assert!(text.contains("elements = { \"cluster-br.100\" . \"cluster-br.100\" }"));
+        // Sets without elements have no elements line (nft refuses `{ }`).
+        assert!(!text.contains("{  }") && !text.contains("{ }"), "{text}");
+
+        let none = crate::config::parse(&FILE.replace(
+            "gateway = \"10.100.0.1\"\n",
+            "gateway = \"10.100.0.1\"\nisolate = false\n",
+        ))
+        .expect("valid")
+        .config;
+        assert!(Rules::of(&none).is_empty());
+    }
+
+    #[test]
+    fn an_isolated_network_is_guarded_only_once_its_table_is_in_force() {
+        let config = crate::config::parse(FILE).expect("valid").config;
+        let g = VmNetworkGuard::default();
+        assert!(!g.guards("cluster-br.100"), "before the first step");
+        let interfaces: Vec<String> = Rules::of(&config)
+            .interfaces()
+            .map(str::to_string)
+            .collect();
+        {
+            let mut r = lock(&g.report);
+            r.enabled = true;
+            r.interfaces = interfaces;
+        }
+        assert!(!g.guards("cluster-br.100"), "not written yet");
+        lock(&g.report).in_force = true;
+        assert!(g.guards("cluster-br.100"));
+        assert!(
+            !g.guards("cluster-br.200"),
+            "not in the table (not isolated)"
+        );
+    }
+}

@@ -1,0 +1,532 @@
+//! The VM-network guard (`[[network]] isolate`) on a real kernel: a host
+//! with two VM networks and a management network, `ip_forward` on and
+//! `br_netfilter` calling the inet hooks for bridged frames (as on a
+//! Harvester host), is no router for the VMs: a VM on network A reaches its
+//! VIPs' listener ports (served by the proxy, and by the kernel path DNAT to
+//! a backend on network B) and nothing else through the host. The same bed
+//! with `isolate = false` first shows that every blocked connection is
+//! possible without the guard, so no negative assertion passes by accident.
+//!
+//! When the guard cannot be written (an `nft` that refuses, first in the
+//! daemon's `PATH`), the network's VIPs are not ready, `/status` and the
+//! metrics say why, and all of it clears once `nft` works again.
+//!
+//! Run as root with iproute2 and nftables:
+//! `cargo test --test vmnet_isolation -- --nocapture`.
+//!
+//! ```text
+//!   VM a1 198.51.100.21 (backend) ─┐                      ┌─ VM b1 203.0.113.21 (backend of the DNAT listener)
+//!   VM a2 198.51.100.2 (client)  ──┤ brA  host (daemon)  brB ┘
+//!   gw 198.51.100.1 (+ 100.64.0.2) ┘  .3, VIPs .10 .11    .3
+//!                                      │ mgmt 192.0.2.3, a service on *:2222
+//!                                   mgmt host 192.0.2.9 (a service on :2222)
+//! ```
+
+// These tests time real processes and sockets, not tokio timers.
+#![allow(clippy::disallowed_types, clippy::disallowed_methods)]
+
+mod netns;
+mod support;
+
+use std::net::{Ipv4Addr, SocketAddr};
+use std::process::Command;
+use std::time::Duration;
+
+use netns::peers::read_line;
+use netns::{DaemonProc, Ns, config, run, sa, wait_for};
+use support::{Lb, Listener};
+use tokio::io::AsyncWriteExt;
+
+/// Network A: the bridge `brA` in the host's namespace.
+const HOST_A: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 3);
+const GATEWAY_A: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 1);
+const A1: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 21);
+const A2: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 2);
+/// The VIP served by the proxy (backend a1).
+const VIP: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 10);
+/// The VIP served by the kernel path (DNAT to b1 on network B).
+const VIP_DNAT: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 11);
+/// A client behind network A's gateway.
+const FAR_CLIENT: Ipv4Addr = Ipv4Addr::new(100, 64, 0, 2);
+/// Network B: the bridge `brB`.
+const HOST_B: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 3);
+const B1: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 21);
+/// The management network.
+const HOST_MGMT: Ipv4Addr = Ipv4Addr::new(192, 0, 2, 3);
+const MGMT_PEER: Ipv4Addr = Ipv4Addr::new(192, 0, 2, 9);
+/// The backends' port, and the services' port that is no VIP listener.
+const BACKEND_PORT: u16 = 30080;
+const SERVICE_PORT: u16 = 2222;
+
+/// The namespaces of the bed, deleted (daemon first) at the end.
+struct Bed {
+    host: Ns,
+    a1: Ns,
+    a2: Ns,
+    gw: Ns,
+    b1: Ns,
+    mgmt: Ns,
+    dir: std::path::PathBuf,
+    names: Vec<String>,
+    servers: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl Drop for Bed {
+    fn drop(&mut self) {
+        for s in &self.servers {
+            s.abort();
+        }
+        netns::remove_bed(&self.names, &self.dir);
+    }
+}
+
+impl Bed {
+    fn new() -> Bed {
+        let (tag, dir) = netns::new_tag("vmguard");
+        let ns = |s: &str| Ns {
+            name: format!("{tag}-{s}"),
+        };
+        let mut bed = Bed {
+            host: ns("h"),
+            a1: ns("a1"),
+            a2: ns("a2"),
+            gw: ns("gw"),
+            b1: ns("b1"),
+            mgmt: ns("m"),
+            dir,
+            names: Vec::new(),
+            servers: Vec::new(),
+        };
+        for n in [&bed.host, &bed.a1, &bed.a2, &bed.gw, &bed.b1, &bed.mgmt] {
+            run("ip", &["netns", "add", &n.name], None);
+            bed.names.push(n.name.clone());
+            n.ip(&["link", "set", "lo", "up"]);
+        }
+        let h = &bed.host;
+        sysctl(h, "net.ipv4.ip_forward=1");
+        // As on a Harvester host (RKE2's CNI loads br_netfilter): bridged
+        // IPv4 frames pass the inet hooks.
+        sysctl(h, "net.bridge.bridge-nf-call-iptables=1");
+        for (br, addr) in [("brA", HOST_A), ("brB", HOST_B)] {
+            h.ip(&["link", "add", br, "type", "bridge"]);
+            h.ip(&["link", "set", br, "up"]);
+            h.ip(&["addr", "add", &format!("{addr}/24"), "dev", br]);
+        }
+        // The VIPs on network A's interface, as keepalived puts them.
+        for vip in [VIP, VIP_DNAT] {
+            h.ip(&["addr", "add", &format!("{vip}/32"), "dev", "brA"]);
+        }
+        // VMs: a tap-like veth per VM on its network's bridge.
+        for (vm, port, br, addr, router) in [
+            (&bed.a1, "tA1", "brA", A1, HOST_A),
+            (&bed.a2, "tA2", "brA", A2, HOST_A),
+            (&bed.gw, "tGW", "brA", GATEWAY_A, HOST_A),
+            (&bed.b1, "tB1", "brB", B1, HOST_B),
+        ] {
+            h.ip(&[
+                "link", "add", port, "type", "veth", "peer", "name", "eth0", "netns", &vm.name,
+            ]);
+            h.ip(&["link", "set", port, "master", br, "up"]);
+            vm.ip(&["addr", "add", &format!("{addr}/24"), "dev", "eth0"]);
+            vm.ip(&["link", "set", "eth0", "up"]);
+            // Each VM routes everything else through the host, as a VM
+            // trying to use the host as its router would.
+            vm.ip(&["route", "add", "default", "via", &router.to_string()]);
+        }
+        bed.gw
+            .ip(&["addr", "add", &format!("{FAR_CLIENT}/32"), "dev", "lo"]);
+        h.ip(&[
+            "link",
+            "add",
+            "mgmt",
+            "type",
+            "veth",
+            "peer",
+            "name",
+            "eth0",
+            "netns",
+            &bed.mgmt.name,
+        ]);
+        h.ip(&["addr", "add", &format!("{HOST_MGMT}/24"), "dev", "mgmt"]);
+        h.ip(&["link", "set", "mgmt", "up"]);
+        bed.mgmt
+            .ip(&["addr", "add", &format!("{MGMT_PEER}/24"), "dev", "eth0"]);
+        bed.mgmt.ip(&["link", "set", "eth0", "up"]);
+        bed.mgmt
+            .ip(&["route", "add", "default", "via", &HOST_MGMT.to_string()]);
+        bed
+    }
+
+    /// A server in `ns` on `addr` that writes `name` and a newline to each
+    /// connection.
+    fn serve(&mut self, ns: &Ns, addr: SocketAddr, name: &'static str) {
+        let l = ns.listen(addr);
+        self.servers.push(tokio::spawn(async move {
+            while let Ok((mut s, _)) = l.accept().await {
+                tokio::spawn(async move {
+                    let _ = s.write_all(format!("{name}\n").as_bytes()).await;
+                    let _ = s.shutdown().await;
+                });
+            }
+        }));
+    }
+
+    /// The daemon's config: `[keepalived]` on the management network, the
+    /// two VM networks with `isolate`, a proxy VIP and a kernel VIP on A.
+    fn config(&self, isolate: bool) -> String {
+        let isolate = if isolate { "" } else { "isolate = false\n" };
+        config()
+            .socket(&self.dir.join("admin.sock"))
+            .text(&format!(
+                "[keepalived]\nname = \"h\"\naddress = \"{HOST_MGMT}\"\ninterface = \"mgmt\"\npeers = [\"192.0.2.4\"]\nconfig_path = \"{}\"\npid_file = \"{}\"\n\n[[network]]\nname = \"t/a\"\ninterface = \"brA\"\nprefix_length = 24\ngateway = \"{GATEWAY_A}\"\n{isolate}\n[[network]]\nname = \"t/b\"\ninterface = \"brB\"\nprefix_length = 24\ngateway = \"203.0.113.1\"\n{isolate}",
+                self.dir.join("keepalived.conf").display(),
+                self.dir.join("keepalived.pid").display(),
+            ))
+            .lb(Lb::new("t/web", VIP)
+                .backends([A1])
+                .keys("network = \"t/a\"")
+                .tcp("http", 80, BACKEND_PORT))
+            .lb(Lb::new("t/dnat", VIP_DNAT)
+                .backends([B1])
+                .keys("network = \"t/a\"")
+                .listener(Listener::new("http", 80, BACKEND_PORT).forwarding("kernel")))
+            .to_string()
+    }
+}
+
+fn sysctl(ns: &Ns, setting: &str) {
+    run(
+        "ip",
+        &["netns", "exec", &ns.name, "sysctl", "-qw", setting],
+        None,
+    );
+}
+
+/// What answers a connection from `ns` (bound to `from` if given) to
+/// `to`: the server's name, or why nothing did within 2 s.
+async fn reach(ns: &Ns, from: Option<Ipv4Addr>, to: SocketAddr) -> Result<String, String> {
+    let f = async {
+        let s = ns.socket()?;
+        if let Some(ip) = from {
+            s.bind(sa(ip, 0))?;
+        }
+        let mut s = s.connect(to).await?;
+        read_line(&mut s).await
+    };
+    match tokio::time::timeout(Duration::from_secs(2), f).await {
+        Ok(Ok(name)) => Ok(name),
+        Ok(Err(e)) => Err(e.to_string()),
+        Err(_) => Err("no answer within 2 s".into()),
+    }
+}
+
+/// Waits until `ns` (from `from`) is answered by `name` at `to`.
+async fn served(ns: &Ns, from: Option<Ipv4Addr>, to: SocketAddr, name: &str, what: &str) {
+    wait_for(Duration::from_secs(30), what, || async {
+        (reach(ns, from, to).await.as_deref() == Ok(name)).then_some(())
+    })
+    .await;
+}
+
+/// What VM a2 on network A must not reach through the host: (what, where).
+fn forbidden() -> [(&'static str, SocketAddr); 6] {
+    [
+        // The very backend the kernel VIP DNATs to: only DNAT from the
+        // network's own VIP lets a connection to it through.
+        ("VM b1 on network B", sa(B1, BACKEND_PORT)),
+        (
+            "a host of the management network",
+            sa(MGMT_PEER, SERVICE_PORT),
+        ),
+        (
+            "the host's service at its management address",
+            sa(HOST_MGMT, SERVICE_PORT),
+        ),
+        (
+            "the host's service at its address on network B",
+            sa(HOST_B, SERVICE_PORT),
+        ),
+        (
+            "the host's service at its own address on network A",
+            sa(HOST_A, SERVICE_PORT),
+        ),
+        ("the VIP at a port no listener has", sa(VIP, SERVICE_PORT)),
+    ]
+}
+
+/// The guard table in the host's namespace, as `nft` lists it.
+fn guard_table(host: &Ns) -> Option<String> {
+    let out = Command::new("ip")
+        .args([
+            "netns",
+            "exec",
+            &host.name,
+            "nft",
+            "list",
+            "table",
+            "inet",
+            "harvester_lb_vmnet",
+        ])
+        .output()
+        .expect("nft");
+    out.status
+        .success()
+        .then(|| String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// Everything the tests ask of VIP users: served at both VIPs from network
+/// A, and from behind its gateway; the bridge, the management network and
+/// the reply path unaffected.
+async fn served_everywhere(bed: &Bed) {
+    served(
+        &bed.a2,
+        None,
+        sa(VIP, 80),
+        "a1",
+        "VM a2 served at the VIP (proxy)",
+    )
+    .await;
+    served(
+        &bed.a2,
+        None,
+        sa(VIP_DNAT, 80),
+        "b1",
+        "VM a2 served at the kernel VIP (DNAT to network B)",
+    )
+    .await;
+    served(
+        &bed.gw,
+        Some(FAR_CLIENT),
+        sa(VIP, 80),
+        "a1",
+        "the client behind the gateway served at the VIP",
+    )
+    .await;
+    // Bridged VM-to-VM traffic on one network (through br_netfilter).
+    served(
+        &bed.a2,
+        None,
+        sa(A1, BACKEND_PORT),
+        "a1",
+        "VM a2 reaches VM a1 on its own network",
+    )
+    .await;
+    // The management network: the host's service, and routed through the
+    // host to network B (its replies enter from brB).
+    served(
+        &bed.mgmt,
+        None,
+        sa(HOST_MGMT, SERVICE_PORT),
+        "host",
+        "the management network reaches the host's service",
+    )
+    .await;
+    served(
+        &bed.mgmt,
+        None,
+        sa(B1, BACKEND_PORT),
+        "b1",
+        "the management network reaches VM b1 through the host",
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn netns_a_vm_reaches_only_its_vips_listeners_through_the_host() {
+    require_netns!();
+    let mut bed = Bed::new();
+    let (a1, b1, host, mgmt) = (
+        bed.a1.clone(),
+        bed.b1.clone(),
+        bed.host.clone(),
+        bed.mgmt.clone(),
+    );
+    bed.serve(&a1, sa(A1, BACKEND_PORT), "a1");
+    bed.serve(&b1, sa(B1, BACKEND_PORT), "b1");
+    bed.serve(&host, sa(Ipv4Addr::UNSPECIFIED, SERVICE_PORT), "host");
+    bed.serve(&mgmt, sa(MGMT_PEER, SERVICE_PORT), "mgmt");
+
+    // Without the guard: the host routes for the VMs, and every forbidden
+    // connection below is answered (so none of them fails by accident).
+    let path = bed.dir.join("config.toml");
+    std::fs::write(&path, bed.config(false)).unwrap();
+    let mut d = DaemonProc::spawn(&bed.host, &path, &bed.dir.join("daemon.log"), None);
+    served_everywhere(&bed).await;
+    for (what, to) in forbidden() {
+        assert!(
+            reach(&bed.a2, None, to).await.is_ok(),
+            "without the guard VM a2 should reach {what} ({to}): the bed is wrong"
+        );
+    }
+    assert!(
+        guard_table(&bed.host).is_none(),
+        "no guard with isolate = false"
+    );
+
+    // With the guard (the default): the same, but nothing forbidden.
+    std::fs::write(&path, bed.config(true)).unwrap();
+    d.signal(libc::SIGHUP);
+    wait_for(
+        Duration::from_secs(20),
+        "the guard table written",
+        || async {
+            let s = d.status().await;
+            (s["vm_network_guard"]["in_force"] == true).then_some(())
+        },
+    )
+    .await;
+    let table = guard_table(&bed.host).expect("the guard table");
+    assert!(
+        table.contains("\"brA\" . 198.51.100.11 . 203.0.113.21 . tcp . 30080"),
+        "{table}"
+    );
+    served_everywhere(&bed).await;
+    let mut leaks = Vec::new();
+    for (what, to) in forbidden() {
+        if let Ok(name) = reach(&bed.a2, None, to).await {
+            leaks.push(format!("{what} ({to}, answered by {name})"));
+        }
+    }
+    assert!(
+        leaks.is_empty(),
+        "VM a2 on network A reached through the host: {}\n{table}",
+        leaks.join("; ")
+    );
+    assert!(matches!(
+        d.get(&format!("/readyz?vip={VIP}")).await,
+        Ok((200, _))
+    ));
+
+    // Deleted by another process: restored within the check period, and
+    // counted; nothing forbidden is reachable once it is back.
+    run(
+        "ip",
+        &[
+            "netns",
+            "exec",
+            &bed.host.name,
+            "nft",
+            "delete",
+            "table",
+            "inet",
+            "harvester_lb_vmnet",
+        ],
+        None,
+    );
+    wait_for(
+        Duration::from_secs(30),
+        "the guard table restored",
+        || async {
+            let m = d.metrics().await;
+            (guard_table(&bed.host).is_some()
+                && netns::metric(
+                    &m,
+                    "harvester_lb_host_repairs_total",
+                    &[("kind", "vm_network_guard")],
+                ) >= 1.0)
+                .then_some(())
+        },
+    )
+    .await;
+    assert_eq!(guard_table(&bed.host).as_deref(), Some(table.as_str()));
+    let (what, to) = forbidden()[0];
+    assert!(
+        reach(&bed.a2, None, to).await.is_err(),
+        "{what} reachable after the repair"
+    );
+    served(&bed.a2, None, sa(VIP, 80), "a1", "served after the repair").await;
+
+    // A stop leaves the table: a restart opens no window.
+    d.signal(libc::SIGTERM);
+    assert!(
+        d.wait_exit(Duration::from_secs(60)).await.is_some(),
+        "the daemon stops"
+    );
+    assert!(guard_table(&bed.host).is_some(), "the guard left at stop");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn netns_an_unwritable_guard_makes_the_network_s_vips_not_ready_until_it_is_written() {
+    require_netns!();
+    let bed = Bed::new();
+    // An `nft` that refuses while the file `refuse` exists.
+    let real = Command::new("sh")
+        .args(["-c", "command -v nft"])
+        .output()
+        .expect("sh");
+    let real = String::from_utf8_lossy(&real.stdout).trim().to_string();
+    assert!(!real.is_empty(), "nft not found");
+    let bin = bed.dir.join("bin");
+    std::fs::create_dir_all(&bin).unwrap();
+    let refuse = bed.dir.join("refuse");
+    let wrapper = bin.join("nft");
+    std::fs::write(
+        &wrapper,
+        format!(
+            "#!/bin/sh\nif [ -e '{}' ]; then echo 'Error: refused by the test' >&2; exit 1; fi\nexec '{real}' \"$@\"\n",
+            refuse.display()
+        ),
+    )
+    .unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&wrapper, std::fs::Permissions::from_mode(0o755)).unwrap();
+    std::fs::write(&refuse, "").unwrap();
+
+    let path = bed.dir.join("config.toml");
+    std::fs::write(&path, bed.config(true)).unwrap();
+    let d = DaemonProc::spawn_with_path_first(&bed.host, &path, &bed.dir.join("daemon.log"), &bin);
+    let status = wait_for(
+        Duration::from_secs(20),
+        "the guard's failure in /status",
+        || async {
+            let s = d.get("/status").await.ok()?;
+            let s: serde_json::Value = serde_json::from_str(&s.1).ok()?;
+            let g = s["vm_network_guard"].clone();
+            g["error"].is_string().then_some(g)
+        },
+    )
+    .await;
+    assert_eq!(status["enabled"], true, "{status}");
+    assert_eq!(status["in_force"], false, "{status}");
+    assert!(
+        status["error"]
+            .as_str()
+            .unwrap()
+            .contains("refused by the test"),
+        "{status}"
+    );
+    let (code, body) = d.get(&format!("/readyz?vip={VIP}")).await.expect("readyz");
+    assert_eq!(code, 503, "{body}");
+    assert!(
+        body.contains("VM-network guard") && body.contains("\"t/a\""),
+        "{body}"
+    );
+    let m = d.metrics().await;
+    assert_eq!(
+        netns::metric(&m, "harvester_lb_vm_network_guard_up", &[]),
+        0.0
+    );
+    assert!(netns::metric(&m, "harvester_lb_vm_network_guard_failures_total", &[]) >= 1.0);
+    assert!(guard_table(&bed.host).is_none());
+
+    // nft works again: written at the next check, the VIPs ready.
+    std::fs::remove_file(&refuse).unwrap();
+    wait_for(
+        Duration::from_secs(30),
+        "the VIP ready once the guard is written",
+        || async {
+            matches!(d.get(&format!("/readyz?vip={VIP}")).await, Ok((200, _))).then_some(())
+        },
+    )
+    .await;
+    let m = d.metrics().await;
+    assert_eq!(
+        netns::metric(&m, "harvester_lb_vm_network_guard_up", &[]),
+        1.0
+    );
+    assert!(guard_table(&bed.host).is_some());
+    assert_eq!(
+        d.status().await["vm_network_guard"]["error"],
+        serde_json::Value::Null
+    );
+}
