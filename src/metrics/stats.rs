@@ -356,6 +356,8 @@ labels! {
         DhcpLease = "dhcp_lease",
         /// A `[[network]]`'s route or a VIP's `from VIP` rule.
         NetworkRoute = "network_route",
+        /// The conntrackd sync's gate table (`inet harvester_lb_gate`).
+        SyncGate = "sync_gate",
     };
 }
 

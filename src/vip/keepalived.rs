@@ -151,10 +151,10 @@ pub fn render(config: &Config) -> Option<String> {
         for p in &vips {
             let _ = writeln!(out, "    {}/32 dev {}", p.vip, p.interface);
         }
-        let _ = write!(
-            out,
-            "  }}\n  track_script {{\n    hlb_ready_{vrid}\n  }}\n}}\n"
-        );
+        let _ = write!(out, "  }}\n  track_script {{\n    hlb_ready_{vrid}\n  }}\n");
+        // `[conntrackd]`: the transitions commit the synced flows.
+        out.push_str(&super::conntrackd::notify_line(config));
+        out.push_str("}\n");
     }
     Some(out)
 }
@@ -248,7 +248,9 @@ pub fn install(
     Ok(Installed::Reloaded)
 }
 
-fn write_atomically(path: &Path, text: &str) -> std::io::Result<()> {
+/// Writes `text` to `path` through a temporary file in the same directory
+/// and a rename, so a reader never sees half a file.
+pub(crate) fn write_atomically(path: &Path, text: &str) -> std::io::Result<()> {
     use std::io::Write;
     let name = path
         .file_name()

@@ -37,6 +37,7 @@ mod locate;
 mod names;
 mod reuse;
 mod source_ranges;
+mod sync;
 mod types;
 mod vmnet;
 
@@ -323,6 +324,7 @@ impl Validator<'_> {
             keepalived.as_ref(),
             &vip,
         );
+        let conntrackd = self.conntrackd(file, keepalived.as_ref(), &specs);
         let load_balancers = specs.into_iter().flatten().map(Arc::new).collect();
         Config {
             admin,
@@ -355,6 +357,7 @@ impl Validator<'_> {
             load_balancers,
             networks,
             keepalived,
+            conntrackd,
         }
     }
 
