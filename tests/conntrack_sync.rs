@@ -41,7 +41,7 @@ use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use netns::keepalived::{Conntrackd, Keepalived, conntrackd_missing, keepalived_missing};
 use netns::peers::{Node, Service};
 use netns::{Bed, DaemonProc, NODEPORT, Ns, config, node_ip, sa, wait_for};
-use support::config::{Lb, Listener};
+use support::{Lb, Listener};
 
 /// The VIP, on the bed's VM network.
 const VIP: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 40);
@@ -166,6 +166,29 @@ fn holds(ns: &Ns) -> bool {
         .output()
         .expect("ip");
     String::from_utf8_lossy(&out.stdout).contains(&format!("{VIP}/32"))
+}
+
+/// The MAC address of `ns`'s eth0.
+fn mac(ns: &Ns) -> String {
+    let out = std::process::Command::new("ip")
+        .args(["-n", &ns.name, "-o", "link", "show", "dev", "eth0"])
+        .output()
+        .expect("ip");
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    text.split_whitespace()
+        .skip_while(|w| *w != "link/ether")
+        .nth(1)
+        .unwrap_or_else(|| panic!("no MAC in {text}"))
+        .to_string()
+}
+
+/// Whether `ns` sends to the VIP through the host whose MAC is `lladdr`.
+fn reaches_vip_at(ns: &Ns, lladdr: &str) -> bool {
+    let out = std::process::Command::new("ip")
+        .args(["-n", &ns.name, "neigh", "show", &VIP.to_string()])
+        .output()
+        .expect("ip");
+    String::from_utf8_lossy(&out.stdout).contains(lladdr)
 }
 
 /// conntrackd's external cache on a host (its `-s`).
@@ -341,7 +364,9 @@ impl SyncBed {
 
     /// Waits until host `i` alone holds the VIP and, with sync, its gate
     /// is open (the notify script committed).
-    async fn master_is(&self, i: usize, within: Duration) -> Instant {
+    /// With `alone`, the other host must have given it up (a killed
+    /// keepalived leaves it on its interface).
+    async fn master_is(&self, i: usize, alone: bool, within: Duration) -> Instant {
         let (me, other) = (&self.hosts[i], &self.hosts[1 - i]);
         let state = self.state_dir(i);
         let sync = self.sync;
@@ -352,7 +377,7 @@ impl SyncBed {
                 let committed = !sync
                     || std::fs::read_to_string(state.join("50"))
                         .is_ok_and(|s| s.contains("state=MASTER"));
-                (holds(&me.ns) && !holds(&other.ns) && committed).then(Instant::now)
+                (holds(&me.ns) && (!alone || !holds(&other.ns)) && committed).then(Instant::now)
             },
         )
         .await
@@ -376,6 +401,25 @@ impl SyncBed {
             ));
         }
         s
+    }
+
+    /// Waits until the client and both backends send to the VIP through
+    /// host `i` (keepalived's gratuitous ARPs reached them): the traffic
+    /// did move, whatever the old host still holds.
+    async fn traffic_through(&self, i: usize) {
+        let lladdr = mac(&self.hosts[i].ns);
+        let peers = [&self.bed.client, self.bed.node(1), self.bed.node(2)];
+        wait_for(
+            Duration::from_secs(30),
+            "the VIP's neighbours point at the new master",
+            || async {
+                peers
+                    .iter()
+                    .all(|p| reaches_vip_at(p, &lladdr))
+                    .then_some(())
+            },
+        )
+        .await;
     }
 
     /// Makes host `i` fail as `fault` says.
@@ -753,7 +797,6 @@ impl Traffic {
 }
 
 /// One phase (a failover or a failback) as the client saw it.
-#[derive(Debug)]
 struct Figures {
     alive: usize,
     reasons: Vec<String>,
@@ -762,11 +805,27 @@ struct Figures {
     udp_gap_ms: u64,
 }
 
+impl std::fmt::Display for Figures {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut reasons = self.reasons.clone();
+        reasons.sort();
+        reasons.dedup();
+        write!(
+            f,
+            "TCP {}/{CONNS} alive, longest gap {:.2} s; UDP {} of {FLOWS} flows changed backend, longest gap {:.2} s; ended: {reasons:?}",
+            self.alive,
+            self.max_gap_ms as f64 / 1000.0,
+            self.udp_moved,
+            self.udp_gap_ms as f64 / 1000.0,
+        )
+    }
+}
+
 /// A moves the VIP to B by `fault` and takes it back: the figures of
 /// both phases, the lines and datagrams lost over the whole run.
 async fn run(tag: &str, fault: Fault, sync: bool) -> (Figures, Option<Figures>, u64, u64, String) {
     let mut sb = SyncBed::new(tag, sync).await;
-    sb.master_is(0, Duration::from_secs(60)).await;
+    sb.master_is(0, true, Duration::from_secs(60)).await;
     if !sync {
         // Shift A's round robin by one against B's (a connection of
         // another client before): the control then cannot keep a flow by
@@ -796,13 +855,16 @@ async fn run(tag: &str, fault: Fault, sync: bool) -> (Figures, Option<Figures>, 
     let at = Instant::now();
     let fault_ms = now_ms(traffic.start);
     sb.fail(0, fault).await;
-    let moved = sb.master_is(1, Duration::from_secs(60)).await;
+    let moved = sb
+        .master_is(1, fault != Fault::Killed, Duration::from_secs(60))
+        .await;
+    sb.traffic_through(1).await;
     traffic.settled(fault_ms, Duration::from_secs(30)).await;
     tokio::time::sleep(Duration::from_secs(2)).await;
     let over = traffic.figures();
     let vip_moved_s = (moved - at).as_secs_f64();
     let mut report =
-        format!("{fault:?} sync={sync}: failover: VIP on B after {vip_moved_s:.2} s; {over:?}\n");
+        format!("{fault:?} sync={sync}: failover: VIP on B after {vip_moved_s:.2} s; {over}\n");
     let mut back = None;
     if sync && over.alive == CONNS {
         // Failback: A comes back, its conntrackd holds B's flows (asked
@@ -811,12 +873,36 @@ async fn run(tag: &str, fault: Fault, sync: bool) -> (Figures, Option<Figures>, 
         let at = Instant::now();
         let back_ms = now_ms(traffic.start);
         sb.restore(0, fault).await;
-        let moved = sb.master_is(0, Duration::from_secs(60)).await;
+        let moved = sb.master_is(0, true, Duration::from_secs(60)).await;
+        sb.traffic_through(0).await;
         traffic.settled(back_ms, Duration::from_secs(30)).await;
         tokio::time::sleep(Duration::from_secs(2)).await;
         let f = traffic.figures();
+        if f.alive < CONNS {
+            for h in &sb.hosts {
+                let out = std::process::Command::new("ip")
+                    .args([
+                        "netns",
+                        "exec",
+                        &h.ns.name,
+                        "conntrack",
+                        "-L",
+                        "-p",
+                        "tcp",
+                        "--orig-port-dst",
+                        "80",
+                    ])
+                    .output()
+                    .expect("conntrack");
+                report.push_str(&format!(
+                    "conntrack on {} after the failback:\n{}\n",
+                    h.name,
+                    String::from_utf8_lossy(&out.stdout)
+                ));
+            }
+        }
         report.push_str(&format!(
-            "{fault:?} sync={sync}: failback: VIP on A after {:.2} s; {f:?}\n",
+            "{fault:?} sync={sync}: failback: VIP on A after {:.2} s; {f}\n",
             (moved - at).as_secs_f64()
         ));
         back = Some(f);
@@ -825,7 +911,9 @@ async fn run(tag: &str, fault: Fault, sync: bool) -> (Figures, Option<Figures>, 
     report.push_str(&format!(
         "{fault:?} sync={sync}: lines lost {lines}, datagrams lost {datagrams}\n"
     ));
-    eprint!("FIGURE {report}");
+    for line in report.lines() {
+        eprintln!("FIGURE {line}");
+    }
     let logs = sb.logs();
     (over, back, lines, datagrams, format!("{report}{logs}"))
 }

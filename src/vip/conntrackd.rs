@@ -39,13 +39,26 @@
 //! - master: `-c` (commit the external cache), open the gate, `-f`, `-R`,
 //!   `-B` (the recipe), then `-n` (the peer may be master of other
 //!   instances: `-f` emptied our copy of its flows, `-n` asks for it again);
-//! - backup: close the gate, start conntrackd if it does not answer, `-t`
-//!   (purge this host's entries after `PurgeTimeout`), `-n`;
-//! - fault, stop: close the gate, `-t`.
+//! - backup: close the gate, start conntrackd if it does not answer, `-n`,
+//!   and [`PURGE_S`] later, unless master again, delete this host's
+//!   entries of the instance's VIPs;
+//! - fault, stop: close the gate, the same delayed deletion.
 //!
-//! `-t` purges every synced entry of the host, so it is skipped while this
-//! host is still master of another instance (active/active: it carries
-//! that instance's flows). Each transition is recorded in
+//! Not the recipe's `-t`: it schedules a purge of *every* synced entry
+//! `PurgeTimeout` later, which kills the flows a failback committed within
+//! that time (a host back after a kill takes its VIP again 2 s after its
+//! backup transition) and, with masters spread over the hosts, the flows
+//! of the instances this host still carries. The entries of the
+//! instance's own VIPs are deleted instead (`conntrack -D --orig-dst
+//! VIP`): left there, their TCP windows fall behind while the other host
+//! carries the flows, and when the VIP comes back the moved packets are
+//! invalid, reach the local stack and are reset (measured: 20 of 20 lost
+//! at a failback). Not at once: conntrackd syncs the kernel's deletions,
+//! and the peer would lose them from its cache before its commit
+//! (measured: 20 of 20 lost at a failover). They are deleted again right
+//! before the commit, for a host killed without a transition; and the
+//! gate drops `invalid` as well as `new` while closed. Each transition is
+//! recorded in
 //! `state_directory/<vrid>` (state, time, the commit's result and
 //! duration, the commits' counts) for the daemon's `/status` and metrics.
 
@@ -55,23 +68,45 @@ use std::path::Path;
 
 use crate::config::{Config, ConntrackdSettings, Forwarding, Protocol};
 
+/// How long after leaving master the notify script deletes this host's
+/// entries of the instance's flows: the peer has committed them by then
+/// (the recipe's `PurgeTimeout`).
+pub const PURGE_S: u32 = 15;
+
 /// The nftables table of the gates (family `inet`).
 pub const GATE_TABLE: &str = "harvester_lb_gate";
 
-/// The gate chain of VRRP instance `vrid`: a `ct state new drop` rule while
+/// The gate chain of VRRP instance `vrid`: a `ct state { invalid, new } drop` rule while
 /// closed, empty while open.
 pub fn gate_chain(vrid: u32) -> String {
     format!("g_{vrid}")
 }
 
-/// The line keepalived's rendered instances carry with `[conntrackd]`:
-/// the notify script, run at every transition (empty without it).
-pub fn notify_line(config: &Config) -> String {
-    config
-        .conntrackd
-        .as_ref()
-        .map(|c| format!("  notify \"{}\"\n", c.notify_script.display()))
-        .unwrap_or_default()
+/// The lines keepalived's rendered instances carry with `[conntrackd]`
+/// (empty without it): the notify script, run at every transition, and
+/// `track_interface` on the interfaces the instance's VIPs live on
+/// (`interfaces`). Without it a master that lost its network stays master
+/// (VRRP runs on the management one) and never transitions: when it comes
+/// back, the flows that moved meet its stale conntrack entries (their TCP
+/// windows are behind; the kernel marks the packets invalid) and are reset.
+/// With it the master goes to FAULT, closes its gates, and takes the VIP
+/// back later through a commit like any failback.
+pub fn notify_line(config: &Config, interfaces: &[&str]) -> String {
+    let Some(c) = &config.conntrackd else {
+        return String::new();
+    };
+    let mut out = format!("  notify \"{}\"\n", c.notify_script.display());
+    let mut seen: Vec<&str> = interfaces.to_vec();
+    seen.sort_unstable();
+    seen.dedup();
+    if !seen.is_empty() {
+        out.push_str("  track_interface {\n");
+        for i in seen {
+            let _ = writeln!(out, "    {i}");
+        }
+        out.push_str("  }\n");
+    }
+    out
 }
 
 /// The VRRP instance name keepalived's rendered file gives `vrid`.
@@ -237,6 +272,20 @@ pub fn render_script(config: &Config) -> Option<String> {
     let c = config.conntrackd.as_ref()?;
     let conf = c.config_path.display();
     let dir = c.state_directory.display();
+    // Each instance's VIPs of kernel listeners: their flows are deleted
+    // before the commit (see the MASTER case).
+    let mut by_vrid: std::collections::BTreeMap<u32, Vec<Ipv4Addr>> = Default::default();
+    for g in gated(config) {
+        let v = by_vrid.entry(g.vrid).or_default();
+        if !v.contains(&g.vip) {
+            v.push(g.vip);
+        }
+    }
+    let mut vips_case = String::new();
+    for (vrid, vips) in by_vrid {
+        let list: Vec<String> = vips.iter().map(ToString::to_string).collect();
+        let _ = writeln!(vips_case, "{vrid}) vips=\"{}\" ;;", list.join(" "));
+    }
     Some(format!(
         r#"#!/bin/sh
 # Written by harvester-lb from its configuration; edits are overwritten.
@@ -255,6 +304,10 @@ hlb_[0-9]*) vrid=${{2#hlb_}} ;;
 *) exit 0 ;;
 esac
 case "$vrid" in *[!0-9]*) exit 0 ;; esac
+# The instance's VIPs of kernel listeners.
+vips=
+case "$vrid" in
+{vips_case}esac
 mkdir -p "$DIR"
 state= at= commit_result= commit_at= commit_ms= commits_ok=0 commits_failed=0
 [ -r "$DIR/$vrid" ] && . "$DIR/$vrid"
@@ -264,20 +317,37 @@ gate_open() {{ nft flush chain inet {GATE_TABLE} g_$vrid 2>/dev/null; }}
 gate_close() {{
 	nft -f - 2>/dev/null <<EOF
 flush chain inet {GATE_TABLE} g_$vrid
-add rule inet {GATE_TABLE} g_$vrid ct state new drop
+add rule inet {GATE_TABLE} g_$vrid ct state {{ invalid, new }} drop
 EOF
 }}
-# Still master of another instance: its flows are this host's to keep.
-master_elsewhere() {{
-	for f in "$DIR"/*; do
-		[ "$f" = "$DIR/$vrid" ] && continue
-		grep -qx 'state=MASTER' "$f" 2>/dev/null && return 0
+# This host's entries of the instance's flows (to its VIPs): once the
+# other host carries them they are stale (their TCP windows fall behind;
+# the moved packets would be invalid here, go to the local stack and be
+# reset). For this instance's VIPs only, instead of conntrackd -t, whose
+# purge of every synced flow would also kill the flows of the instances
+# this host is still master of.
+flush_flows() {{
+	for vip in $vips; do
+		conntrack -D --orig-dst "$vip" >/dev/null 2>&1
 	done
-	return 1
+}}
+# The same PURGE_S seconds later, unless the instance is master again by
+# then: deleting them at once would send their ends to the peer before
+# it committed them (conntrackd syncs the kernel's deletions too).
+purge_later() {{
+	(
+		sleep {PURGE_S}
+		state=
+		. "$DIR/$vrid" 2>/dev/null
+		[ "$state" = MASTER ] || flush_flows
+	) </dev/null >/dev/null 2>&1 &
 }}
 case "$3" in
 MASTER)
 	t0=$(now_ms)
+	# Entries left from before (a host killed without a transition): the
+	# gate is closed, so nothing new comes in meanwhile.
+	flush_flows
 	if conntrackd -C "$CONF" -c >/dev/null 2>&1; then
 		commit_result=ok commits_ok=$((commits_ok + 1))
 	else
@@ -294,13 +364,13 @@ MASTER)
 	;;
 BACKUP)
 	gate_close
+	purge_later
 	conntrackd -C "$CONF" -s >/dev/null 2>&1 || conntrackd -C "$CONF" -d
-	master_elsewhere || ctd -t
 	ctd -n
 	;;
 FAULT|STOP)
 	gate_close
-	master_elsewhere || ctd -t
+	purge_later
 	;;
 *) exit 0 ;;
 esac
@@ -626,10 +696,14 @@ backends = ["10.100.0.31"]
         }
         let backup = &s[s.find("BACKUP)").unwrap()..];
         assert!(
-            backup.find("gate_close").unwrap() < backup.find("ctd -t").unwrap(),
+            backup.find("gate_close").unwrap() < backup.find("purge_later").unwrap(),
             "{backup}"
         );
-        assert!(s.contains("master_elsewhere || ctd -t"), "{s}");
+        // Not conntrackd -t (it purges every instance's synced flows), and
+        // the stale entries deleted right before the commit.
+        assert!(!s.contains("ctd -t"), "{s}");
+        assert!(master.find("flush_flows").unwrap() < commit, "{master}");
+        assert!(s.contains("vips=\"10.100.0.50\" ;;"), "{s}");
     }
 
     #[test]

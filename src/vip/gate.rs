@@ -7,7 +7,7 @@
 //! table inet harvester_lb_gate {
 //!   map to4   { type ipv4_addr . inet_proto . inet_service : verdict; }  # VIP . tcp . 5432 : jump g_51
 //!   map from4 { type ipv4_addr . inet_proto . inet_service : verdict; }  # backend . tcp . 30432 : jump g_51
-//!   chain g_51 { ct state new drop }                                     # closed; empty when open
+//!   chain g_51 { ct state { invalid, new } drop }                        # closed; empty when open
 //!   chain prerouting { type filter hook prerouting priority -150; policy accept;
 //!                      ip daddr . meta l4proto . th dport vmap @to4
 //!                      ip saddr . meta l4proto . th sport vmap @from4 }
@@ -110,7 +110,7 @@ impl Gate {
             let rule = if open.contains(&vrid) {
                 ""
             } else {
-                " ct state new drop;"
+                " ct state { invalid, new } drop;"
             };
             let _ = writeln!(s, "  chain {} {{{rule} }}", gate_chain(vrid));
         }
@@ -251,8 +251,8 @@ mod tests {
             "10.100.0.21 . tcp . 30432 : jump g_51",
             "10.100.0.22 . tcp . 30432 : jump g_51",
             "10.100.0.21 . udp . 30053 : jump g_52",
-            "  chain g_50 { ct state new drop; }\n",
-            "  chain g_51 { ct state new drop; }\n",
+            "  chain g_50 { ct state { invalid, new } drop; }\n",
+            "  chain g_51 { ct state { invalid, new } drop; }\n",
             "  chain g_52 { }\n",
             "type filter hook prerouting priority -150; policy accept;",
         ] {
@@ -271,7 +271,7 @@ mod tests {
         .script(&BTreeSet::new());
         assert!(!empty.contains("elements"), "{empty}");
         assert!(
-            empty.contains("chain g_50 { ct state new drop; }"),
+            empty.contains("chain g_50 { ct state { invalid, new } drop; }"),
             "{empty}"
         );
     }

@@ -153,7 +153,8 @@ pub fn render(config: &Config) -> Option<String> {
         }
         let _ = write!(out, "  }}\n  track_script {{\n    hlb_ready_{vrid}\n  }}\n");
         // `[conntrackd]`: the transitions commit the synced flows.
-        out.push_str(&super::conntrackd::notify_line(config));
+        let interfaces: Vec<&str> = vips.iter().map(|p| p.interface.as_str()).collect();
+        out.push_str(&super::conntrackd::notify_line(config, &interfaces));
         out.push_str("}\n");
     }
     Some(out)
