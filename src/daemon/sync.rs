@@ -305,12 +305,15 @@ fn conntrackd_stats(conf: &Path) -> Result<Stats, String> {
         .stderr(Stdio::piped())
         .spawn()
         .map_err(|e| format!("cannot run conntrackd: {e}"))?;
-    let deadline = std::time::Instant::now() + STATS_TIMEOUT;
+    // Polled, not timed: a blocking thread, and the clock stays tokio's.
+    const POLL: Duration = Duration::from_millis(20);
+    let mut polls = STATS_TIMEOUT.as_millis() / POLL.as_millis();
     loop {
         match child.try_wait() {
             Ok(Some(_)) => break,
-            Ok(None) if std::time::Instant::now() < deadline => {
-                std::thread::sleep(Duration::from_millis(20));
+            Ok(None) if polls > 0 => {
+                polls -= 1;
+                std::thread::sleep(POLL);
             }
             Ok(None) => {
                 let _ = child.kill();
