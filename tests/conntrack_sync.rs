@@ -859,6 +859,61 @@ async fn run(tag: &str, fault: Fault, sync: bool) -> (Figures, Option<Figures>, 
         .master_is(1, fault != Fault::Killed, Duration::from_secs(60))
         .await;
     sb.traffic_through(1).await;
+    if sync && fault == Fault::Killed {
+        // B's daemon reports the takeover: its metrics (every 10 s) name
+        // the instance master, one successful commit, the gate open, and
+        // the peer's flows in conntrackd's external cache; promtool
+        // accepts the exposition.
+        let d = sb.hosts[1].daemon.as_ref().unwrap();
+        let m = wait_for(
+            Duration::from_secs(30),
+            "B's metrics show the takeover",
+            || async {
+                let m = d.metrics().await;
+                let master = netns::metric(
+                    &m,
+                    "harvester_lb_vrrp_state",
+                    &[("vrrp_instance", "hlb_50"), ("state", "MASTER")],
+                );
+                (master == 1.0).then_some(m)
+            },
+        )
+        .await;
+        let one = |name: &str, labels: &[(&str, &str)]| netns::metric(&m, name, labels);
+        assert_eq!(one("harvester_lb_conntrack_sync_up", &[]), 1.0, "{m}");
+        assert!(
+            one(
+                "harvester_lb_conntrack_sync_commits_total",
+                &[("vrrp_instance", "hlb_50"), ("result", "success")]
+            ) >= 1.0,
+            "{m}"
+        );
+        assert_eq!(
+            one(
+                "harvester_lb_conntrack_sync_gate_open",
+                &[("vrrp_instance", "hlb_50")]
+            ),
+            1.0,
+            "{m}"
+        );
+        assert!(
+            one(
+                "harvester_lb_conntrack_sync_entries",
+                &[("cache", "internal")]
+            ) >= 1.0,
+            "{m}"
+        );
+        support::promtool_accepts(&m);
+        let st = d.status().await;
+        assert_eq!(
+            st["conntrack_sync"]["instances"][0]["state"], "MASTER",
+            "{st}"
+        );
+        assert_eq!(
+            st["conntrack_sync"]["instances"][0]["last_commit"], "ok",
+            "{st}"
+        );
+    }
     traffic.settled(fault_ms, Duration::from_secs(30)).await;
     tokio::time::sleep(Duration::from_secs(2)).await;
     let over = traffic.figures();
