@@ -43,6 +43,38 @@ pub struct FileConfig {
     pub networks: Vec<Spanned<FileNetwork>>,
     /// `[keepalived]`: this host's part in moving VM-network VIPs.
     pub keepalived: Option<Spanned<FileKeepalived>>,
+    /// `[conntrackd]`: conntrack state synced with the other keepalived host.
+    pub conntrackd: Option<Spanned<FileConntrackd>>,
+}
+
+/// `[conntrackd]`.
+#[derive(Debug, Deserialize)]
+pub struct FileConntrackd {
+    /// The sync link's interface; default `keepalived.interface`.
+    pub interface: Option<Spanned<String>>,
+    /// This host's address on the sync link; default `keepalived.address`.
+    pub address: Option<Spanned<String>>,
+    /// The other host's address on the sync link; default the one
+    /// `keepalived.peers`.
+    pub peer: Option<Spanned<String>>,
+    /// The UDP port of the sync link.
+    pub port: Option<Spanned<i64>>,
+    /// Where the rendered conntrackd.conf is written.
+    pub config_path: Option<Spanned<String>>,
+    /// Where the rendered notify script is written.
+    pub notify_script: Option<Spanned<String>>,
+    /// conntrackd's control socket.
+    pub socket: Option<Spanned<String>>,
+    /// conntrackd's lock file.
+    pub lock_file: Option<Spanned<String>>,
+    /// conntrackd's log file.
+    pub log_file: Option<Spanned<String>>,
+    /// Where the notify script records transitions and commits.
+    pub state_directory: Option<Spanned<String>>,
+    /// conntrackd's `HashSize`.
+    pub hash_size: Option<Spanned<i64>>,
+    /// Run after conntrackd's file changed.
+    pub restart_command: Option<Spanned<Vec<Spanned<String>>>>,
 }
 
 /// `[[network]]`: one L2 network of guest VMs a VIP can live on.

@@ -13,6 +13,7 @@ mod error;
 mod file;
 mod ranges;
 mod read;
+mod sync;
 mod validate;
 mod vmnet;
 
@@ -26,6 +27,11 @@ use std::time::Duration;
 pub use error::{ConfigError, Problem};
 pub use ranges::{MAX_SOURCE_RANGES, SourceRanges};
 pub use read::{FileKind, ReadError, read_regular_file};
+pub use sync::{
+    ConntrackdSettings, DEFAULT_CONNTRACKD_CONFIG, DEFAULT_CONNTRACKD_LOCK, DEFAULT_CONNTRACKD_LOG,
+    DEFAULT_CONNTRACKD_SOCKET, DEFAULT_HASH_SIZE, DEFAULT_NOTIFY_SCRIPT, DEFAULT_SYNC_PORT,
+    DEFAULT_SYNC_STATE_DIR, MIN_HASH_SIZE,
+};
 pub use validate::{
     Conflict, DEFAULT_ADMIN_SOCKET, MAX_CLUSTER_BYTES, MAX_LISTENER_NAME_BYTES, MAX_NAME_BYTES,
     conflicts,
@@ -65,6 +71,9 @@ pub struct Config {
     /// `[keepalived]`: set when VIPs on VM networks are moved by the
     /// keepalived this daemon configures.
     pub keepalived: Option<KeepalivedSettings>,
+    /// `[conntrackd]`: set when the kernel listeners' flows are synced
+    /// with the other keepalived host, so they survive a VIP's move.
+    pub conntrackd: Option<ConntrackdSettings>,
 }
 
 /// `[admin]`.

@@ -37,6 +37,7 @@ mod kernel_check;
 mod leases;
 mod readiness;
 mod status;
+mod sync;
 mod vip_guard;
 mod vmnet;
 
@@ -51,6 +52,7 @@ pub use status::{
     BackendStatus, ConfigStatus, LeaseStatus, ListenerStatus, LoadBalancerStatus, PortStatus,
     StatusDoc,
 };
+pub use sync::{SyncInstanceStatus, SyncStatus};
 pub use vip_guard::VipRefusal;
 
 /// The daemon's live state, shared by the reload path, the admin server and
@@ -117,6 +119,8 @@ pub struct Daemon {
     /// `[[network]]` and `[keepalived]`: keepalived's file and the
     /// networks' routes and rules.
     vmnet: vmnet::VmNet,
+    /// `[conntrackd]`: conntrackd's file, the notify script, the gate.
+    sync: sync::SyncState,
 }
 
 #[derive(Default)]
@@ -226,6 +230,7 @@ impl Daemon {
             announcer: announce::Announcer::default(),
             vip_guard: Mutex::new(vip_guard::Kept::default()),
             vmnet: vmnet::VmNet::default(),
+            sync: sync::SyncState::default(),
         })
     }
 

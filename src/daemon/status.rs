@@ -55,6 +55,7 @@ impl Daemon {
             vm_network_guard: self.vmnet.guard.status(),
             announce,
             vip_refused: self.vip_refusals(),
+            conntrack_sync: self.sync_status(),
         }
     }
 
@@ -297,6 +298,10 @@ pub struct StatusDoc {
     /// own address, the gateway of one of its routes, or outside
     /// `vip.announce_prefixes`. They are not served, isolated or announced.
     pub vip_refused: Vec<super::VipRefusal>,
+    /// `[conntrackd]`: conntrackd's caches, each VRRP instance's last
+    /// transition and commit, and its gate; absent without it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub conntrack_sync: Option<super::sync::SyncStatus>,
 }
 
 /// The config file in `/status`: an on-call engineer must see that the

@@ -89,7 +89,9 @@ impl Daemon {
                     .lock()
                     .config
                     .as_ref()
-                    .filter(|c| c.keepalived.is_some() || !c.networks.is_empty())
+                    .filter(|c| {
+                        c.keepalived.is_some() || !c.networks.is_empty() || c.conntrackd.is_some()
+                    })
                     .cloned();
                 let config = match config {
                     Some(c) => Some(c),
@@ -164,6 +166,7 @@ impl Daemon {
             }
         }
         self.vmnet_routes(inner, config).await;
+        self.sync_step(config).await;
     }
 
     /// Writes, reads back and repairs the VM-network guard table (before

@@ -442,6 +442,7 @@ impl Exposition {
         }
         self.kernel_families(buf);
         self.announce_families(buf);
+        self.sync_families(buf);
         let limit = load(&m.connection_limit);
         if limit > 0 {
             gauge(buf, &names::CONNECTIONS_LIMIT, &limit);
@@ -593,6 +594,126 @@ impl Exposition {
 
     /// The VIP announcer's families, when it runs: per VIP whether it is
     /// announced, its transitions and the reason, and its errors.
+    /// `[conntrackd]`'s families, when it is configured.
+    fn sync_families(&self, buf: &mut Vec<u8>) {
+        let sample = self
+            .metrics
+            .conntrack_sync
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        let Some(s) = sample else { return };
+        gauge(buf, &names::CONNTRACK_SYNC_UP, &u8::from(s.up));
+        gauge(buf, &names::CONNTRACK_SYNC_FAILURES, &s.failures);
+        if s.up {
+            let mut headed = false;
+            let mut out = Out {
+                buf,
+                family: &names::CONNTRACK_SYNC_ENTRIES,
+                headed: &mut headed,
+            };
+            for (cache, n) in ["internal", "external"].into_iter().zip(s.entries) {
+                out.sample("", |b| label_first(b, "cache", cache), n);
+            }
+            let mut headed = false;
+            let mut out = Out {
+                buf,
+                family: &names::CONNTRACK_SYNC_PACKETS,
+                headed: &mut headed,
+            };
+            for (direction, n) in ["sent", "received"].into_iter().zip(s.packets) {
+                out.sample("", |b| label_first(b, "direction", direction), n);
+            }
+            gauge(buf, &names::CONNTRACK_SYNC_SEND_ERRORS, &s.send_errors);
+            gauge(buf, &names::CONNTRACK_SYNC_LOST, &s.lost);
+        }
+        let mut headed = false;
+        let mut out = Out {
+            buf,
+            family: &names::VRRP_STATE,
+            headed: &mut headed,
+        };
+        for i in s.instances.iter().filter(|i| i.state.is_some()) {
+            for state in super::VRRP_STATES {
+                out.sample(
+                    "",
+                    |b| {
+                        label_first(b, "vrrp_instance", &i.instance);
+                        label(b, "state", state);
+                    },
+                    u8::from(i.state.as_deref() == Some(state)),
+                );
+            }
+        }
+        let mut headed = false;
+        let mut out = Out {
+            buf,
+            family: &names::VRRP_TRANSITION_TIME,
+            headed: &mut headed,
+        };
+        for i in &s.instances {
+            if let Some(at) = i.transition_at {
+                out.sample("", |b| label_first(b, "vrrp_instance", &i.instance), at);
+            }
+        }
+        let mut headed = false;
+        let mut out = Out {
+            buf,
+            family: &names::CONNTRACK_SYNC_COMMITS,
+            headed: &mut headed,
+        };
+        for i in &s.instances {
+            for (result, n) in ["success", "failure"].into_iter().zip(i.commits) {
+                out.sample(
+                    "",
+                    |b| {
+                        label_first(b, "vrrp_instance", &i.instance);
+                        label(b, "result", result);
+                    },
+                    n,
+                );
+            }
+        }
+        for (family, pick) in [
+            (
+                &names::CONNTRACK_SYNC_COMMIT_DURATION,
+                (|c: (f64, f64)| c.0) as fn((f64, f64)) -> f64,
+            ),
+            (&names::CONNTRACK_SYNC_COMMIT_TIME, |c: (f64, f64)| c.1),
+        ] {
+            let mut headed = false;
+            let mut out = Out {
+                buf,
+                family,
+                headed: &mut headed,
+            };
+            for i in &s.instances {
+                if let Some(c) = i.last_commit {
+                    out.sample(
+                        "",
+                        |b| label_first(b, "vrrp_instance", &i.instance),
+                        pick(c),
+                    );
+                }
+            }
+        }
+        let mut headed = false;
+        let mut out = Out {
+            buf,
+            family: &names::CONNTRACK_SYNC_GATE_OPEN,
+            headed: &mut headed,
+        };
+        for i in &s.instances {
+            if let Some(open) = i.gate_open {
+                out.sample(
+                    "",
+                    |b| label_first(b, "vrrp_instance", &i.instance),
+                    u8::from(open),
+                );
+            }
+        }
+    }
+
     fn announce_families(&self, buf: &mut Vec<u8>) {
         let m = &self.metrics;
         let announce = m.announce.lock().unwrap_or_else(|p| p.into_inner()).clone();

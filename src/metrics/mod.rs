@@ -113,7 +113,49 @@ pub struct Metrics {
     /// Repairs of host objects by kind (`host_repairs_total{kind}`);
     /// shared with the DHCP clients, which repair their own.
     pub(crate) host_repairs: Arc<HostRepairs>,
+    /// `[conntrackd]`: the last check's findings; `None` without it.
+    pub(crate) conntrack_sync: std::sync::Mutex<Option<SyncSample>>,
 }
+
+/// `[conntrackd]`'s state as the last check found it, for `/metrics`.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct SyncSample {
+    /// conntrackd answered `-s`.
+    pub up: bool,
+    /// Its internal and external caches' entries.
+    pub entries: [u64; 2],
+    /// Packets sent and received on the sync link.
+    pub packets: [u64; 2],
+    /// Send errors on the link.
+    pub send_errors: u64,
+    /// Messages lost.
+    pub lost: u64,
+    /// Per VRRP instance, by name.
+    pub instances: Vec<SyncInstanceSample>,
+    /// Failed writes and restarts.
+    pub failures: u64,
+}
+
+/// One VRRP instance's sync state, for `/metrics`.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct SyncInstanceSample {
+    /// Label `instance` (`hlb_<vrid>`).
+    pub instance: String,
+    /// The last transition (`MASTER`, `BACKUP`, `FAULT`, `STOP`); `None`:
+    /// none recorded.
+    pub state: Option<String>,
+    /// When, Unix seconds.
+    pub transition_at: Option<f64>,
+    /// Commits that succeeded and failed.
+    pub commits: [u64; 2],
+    /// The last commit's duration and end, seconds.
+    pub last_commit: Option<(f64, f64)>,
+    /// The gate as read back: open or closed; `None`: not in the kernel.
+    pub gate_open: Option<bool>,
+}
+
+/// The states `harvester_lb_vrrp_state` lists.
+pub const VRRP_STATES: [&str; 4] = ["MASTER", "BACKUP", "FAULT", "STOP"];
 
 /// One VIP's announcement, for `/metrics`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -264,6 +306,14 @@ impl Metrics {
     /// last write (narrowed out; the proxy serves them).
     pub fn set_kernel_refused(&self, n: usize) {
         self.kernel_refused.store(n as u64, Ordering::Relaxed);
+    }
+
+    /// Replaces the `[conntrackd]` sync's state (`None`: not configured).
+    pub fn set_conntrack_sync(&self, sample: Option<SyncSample>) {
+        *self
+            .conntrack_sync
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()) = sample;
     }
 
     /// Counts a failed write of the rendered keepalived file or reload of

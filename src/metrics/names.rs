@@ -517,6 +517,80 @@ pub static VM_NETWORK_GUARD_FAILURES: Family = Family::new(
     Counter,
     "Times writing or reading back the VM-network guard table failed (each logged at error and retried every 10 s and at every reload).",
 );
+/// `[conntrackd]`: whether conntrackd answered the last `-s` (every 10 s).
+pub static CONNTRACK_SYNC_UP: Family = Family::new(
+    "harvester_lb_conntrack_sync_up",
+    Gauge,
+    "Whether conntrackd answered `conntrackd -C conntrackd.config_path -s` at the last check (every 10 s): 0 means no flow is synced and a VIP's move resets its open connections.",
+);
+/// `[conntrackd]`: entries of conntrackd's caches, by `cache`.
+pub static CONNTRACK_SYNC_ENTRIES: Family = Family::new(
+    "harvester_lb_conntrack_sync_entries",
+    Gauge,
+    "Flows in conntrackd's caches: internal (this host's own kernel listeners' flows, sent to the peer) and external (the peer's, committed when a VIP moves here).",
+);
+/// `[conntrackd]`: packets on the sync link, by `direction`.
+pub static CONNTRACK_SYNC_PACKETS: Family = Family::new(
+    "harvester_lb_conntrack_sync_packets_total",
+    Counter,
+    "Packets conntrackd sent to and received from the peer on the sync link (FTFW sends an alive message every second when idle: received not moving means the link or the peer is down).",
+);
+/// `[conntrackd]`: send errors on the sync link.
+pub static CONNTRACK_SYNC_SEND_ERRORS: Family = Family::new(
+    "harvester_lb_conntrack_sync_send_errors_total",
+    Counter,
+    "Packets conntrackd failed to send on the sync link.",
+);
+/// `[conntrackd]`: sync messages the peer sent that never arrived.
+pub static CONNTRACK_SYNC_LOST: Family = Family::new(
+    "harvester_lb_conntrack_sync_lost_messages_total",
+    Counter,
+    "Sync messages from the peer that conntrackd found missing (FTFW asks for them again).",
+);
+/// `[conntrackd]`: commits of the external cache at a takeover, by
+/// `instance` and `result`.
+pub static CONNTRACK_SYNC_COMMITS: Family = Family::new(
+    "harvester_lb_conntrack_sync_commits_total",
+    Counter,
+    "Commits of the flows synced from the peer into this host's kernel when keepalived made it master of an instance (conntrackd -c in the notify script), by result; a failed one resets the moved connections.",
+);
+/// `[conntrackd]`: how long the last commit of an instance took.
+pub static CONNTRACK_SYNC_COMMIT_DURATION: Family = Family::new(
+    "harvester_lb_conntrack_sync_last_commit_duration_seconds",
+    Gauge,
+    "How long the last commit (conntrackd -c) took when this host became master of the instance; new flows of its VIPs wait at the gate meanwhile.",
+);
+/// `[conntrackd]`: when the last commit of an instance ended.
+pub static CONNTRACK_SYNC_COMMIT_TIME: Family = Family::new(
+    "harvester_lb_conntrack_sync_last_commit_timestamp_seconds",
+    Gauge,
+    "When the last commit of the instance ended (Unix time), as the notify script recorded it.",
+);
+/// `[conntrackd]`: an instance's last keepalived transition, by `state`.
+pub static VRRP_STATE: Family = Family::new(
+    "harvester_lb_vrrp_state",
+    Gauge,
+    "The last keepalived transition of each VRRP instance on this host, as its notify script recorded it: 1 for the state it is in (MASTER, BACKUP, FAULT, STOP).",
+);
+/// `[conntrackd]`: when an instance's last transition happened.
+pub static VRRP_TRANSITION_TIME: Family = Family::new(
+    "harvester_lb_vrrp_last_transition_timestamp_seconds",
+    Gauge,
+    "When the instance's last keepalived transition happened (Unix time).",
+);
+/// `[conntrackd]`: whether an instance's gate lets new flows in.
+pub static CONNTRACK_SYNC_GATE_OPEN: Family = Family::new(
+    "harvester_lb_conntrack_sync_gate_open",
+    Gauge,
+    "Whether the instance's gate (nftables table inet harvester_lb_gate, as read back) lets new flows of its kernel listeners in: 1 open (master after its commit), 0 closed (backup, fault, or master waiting for its commit).",
+);
+/// `[conntrackd]`: failed writes of conntrackd.conf or the notify script,
+/// failed restarts of conntrackd, failed writes of the gate.
+pub static CONNTRACK_SYNC_FAILURES: Family = Family::new(
+    "harvester_lb_conntrack_sync_config_failures_total",
+    Counter,
+    "Times writing conntrackd.conf or the notify script, running conntrackd.restart_command or writing the gate table failed (each logged at error and retried every 10 s).",
+);
 /// Admin connections closed to make room for a newcomer.
 pub static ADMIN_CONNECTIONS_SHED: Family = Family::new(
     "harvester_lb_admin_connections_shed_total",

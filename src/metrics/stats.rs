@@ -358,6 +358,8 @@ labels! {
         NetworkRoute = "network_route",
         /// The VM-network guard table (`inet harvester_lb_vmnet`).
         VmNetworkGuard = "vm_network_guard",
+        /// The conntrackd sync's gate table (`inet harvester_lb_gate`).
+        SyncGate = "sync_gate",
     };
 }
 

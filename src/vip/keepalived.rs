@@ -223,7 +223,11 @@ pub fn render(config: &Config) -> Option<String> {
             }
             out.push_str("  }\n");
         }
-        let _ = write!(out, "  track_script {{\n    hlb_ready_{vrid}\n  }}\n}}\n");
+        let _ = write!(out, "  track_script {{\n    hlb_ready_{vrid}\n  }}\n");
+        // `[conntrackd]`: the transitions commit the synced flows.
+        let interfaces: Vec<&str> = vips.iter().map(|p| p.interface.as_str()).collect();
+        out.push_str(&super::conntrackd::notify_line(config, &interfaces));
+        out.push_str("}\n");
     }
     Some(out)
 }
@@ -349,7 +353,9 @@ pub fn release(settings: &KeepalivedSettings, force: bool) -> Result<Installed, 
     install(settings, &render_released(settings), force)
 }
 
-fn write_atomically(path: &Path, text: &str) -> std::io::Result<()> {
+/// Writes `text` to `path` through a temporary file in the same directory
+/// and a rename, so a reader never sees half a file.
+pub(crate) fn write_atomically(path: &Path, text: &str) -> std::io::Result<()> {
     use std::io::Write;
     let name = path
         .file_name()

@@ -12,7 +12,9 @@
 //! here calls up into the daemon (a lease change is announced on a `Notify`).
 
 pub mod announce;
+pub mod conntrackd;
 pub mod dhcp;
+pub mod gate;
 pub mod host;
 pub mod isolate;
 pub mod keepalived;

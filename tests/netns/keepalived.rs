@@ -111,3 +111,84 @@ impl Drop for Keepalived {
         }
     }
 }
+
+/// Whether conntrackd and conntrack can run here; CI must have them
+/// (`.ci/run` installs them): skips (or fails under `CI=true`) when not.
+pub fn conntrackd_missing() -> bool {
+    let missing = [("conntrackd", "-v"), ("conntrack", "--version")]
+        .into_iter()
+        .find(|(tool, arg)| {
+            Command::new(tool)
+                .arg(arg)
+                .output()
+                .map_or(true, |o| !o.status.success())
+        })
+        .map(|(tool, _)| tool);
+    if let Some(tool) = missing {
+        super::skip_or_fail(
+            "conntrackd sync",
+            &format!("{tool} is not installed (Debian packages conntrackd and conntrack)"),
+        );
+    }
+    missing.is_some()
+}
+
+/// conntrackd in one namespace, in the foreground with the file `conf`,
+/// stopped (SIGTERM, then SIGKILL) on drop.
+pub struct Conntrackd {
+    child: Child,
+    conf: PathBuf,
+    ns: String,
+}
+
+impl Conntrackd {
+    /// Runs `conntrackd -C conf` in `ns`, its output to `log`.
+    pub fn run(ns: &Ns, conf: &Path, log: &Path) -> Self {
+        let logf = std::fs::File::create(log).expect("conntrackd log");
+        let child = Command::new("ip")
+            .args(["netns", "exec", &ns.name, "conntrackd", "-C"])
+            .arg(conf)
+            .stdin(Stdio::null())
+            .stdout(logf.try_clone().expect("dup log"))
+            .stderr(logf)
+            .spawn()
+            .expect("spawn conntrackd (Debian package conntrackd)");
+        Conntrackd {
+            child,
+            conf: conf.to_path_buf(),
+            ns: ns.name.clone(),
+        }
+    }
+
+    /// `conntrackd -C conf <args>` (a control call), its stdout; `None`
+    /// when it failed (conntrackd not answering).
+    pub fn control(&self, args: &[&str]) -> Option<String> {
+        let out = Command::new("ip")
+            .args(["netns", "exec", &self.ns, "conntrackd", "-C"])
+            .arg(&self.conf)
+            .args(args)
+            .output()
+            .ok()?;
+        out.status
+            .success()
+            .then(|| String::from_utf8_lossy(&out.stdout).into_owned())
+    }
+}
+
+impl Drop for Conntrackd {
+    fn drop(&mut self) {
+        // SAFETY: kill(2) on our own child's pid, not yet reaped.
+        unsafe {
+            libc::kill(self.child.id() as i32, libc::SIGTERM);
+        }
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}

@@ -37,6 +37,7 @@ mod locate;
 mod names;
 mod reuse;
 mod source_ranges;
+mod sync;
 mod types;
 mod vmnet;
 mod vmnet_isolate;
@@ -326,6 +327,7 @@ impl Validator<'_> {
         );
         self.moving_vips(file, &specs, &vip.announce);
         self.network_isolation(file, &networks, keepalived.as_ref());
+        let conntrackd = self.conntrackd(file, keepalived.as_ref(), &specs);
         let load_balancers = specs.into_iter().flatten().map(Arc::new).collect();
         Config {
             admin,
@@ -358,6 +360,7 @@ impl Validator<'_> {
             load_balancers,
             networks,
             keepalived,
+            conntrackd,
         }
     }
 

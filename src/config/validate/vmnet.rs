@@ -492,7 +492,12 @@ impl Validator<'_> {
         }
     }
 
-    fn abs_path(&mut self, value: &Option<Spanned<String>>, key: &str, default: &str) -> PathBuf {
+    pub(super) fn abs_path(
+        &mut self,
+        value: &Option<Spanned<String>>,
+        key: &str,
+        default: &str,
+    ) -> PathBuf {
         match value {
             None => PathBuf::from(default),
             Some(v) => {

@@ -1,0 +1,435 @@
+//! `[conntrackd]`: conntrackd's file and keepalived's notify script, the
+//! gate table, and what `/status` and `/metrics` say of the sync.
+//!
+//! Run by the VM-network task (`vmnet`) at every apply and every
+//! [`CHECK_INTERVAL`], after keepalived's file. Each step:
+//!
+//! 1. renders conntrackd.conf and the notify script (`vip::conntrackd`) and
+//!    writes what changed; a changed conntrackd.conf is followed by
+//!    `conntrackd.restart_command` (conntrackd reads its file only at
+//!    start). A failure is logged at error, counted
+//!    (`conntrack_sync_config_failures_total`) and retried at the next step;
+//! 2. reads what the notify script recorded per instance
+//!    (`state_directory/<vrid>`);
+//! 3. writes the gate table when what it must match changed, else reads it
+//!    back and repairs it (`vip::gate`; repairs logged at warn and counted
+//!    in `host_repairs_total{kind="sync_gate"}`), and reads each gate's
+//!    state;
+//! 4. asks conntrackd for its statistics (`conntrackd -C FILE -s`).
+//!
+//! All of it is blocking (files, `nft`, `conntrackd`) and runs on the
+//! blocking pool, never on a worker the data plane shares. Without
+//! `[conntrackd]` the gate table, if this process wrote one, is removed
+//! (nothing commits any more, so nothing must wait).
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use serde::Serialize;
+
+use super::Daemon;
+use crate::config::{Config, ConntrackdSettings};
+use crate::metrics::{HostKind, SyncInstanceSample, SyncSample};
+use crate::owned::{CHECK_INTERVAL, Checked, Guard};
+use crate::vip::conntrackd::{
+    self, GATE_TABLE, Installed, Recorded, Stats, instance_name, parse_recorded, parse_stats,
+};
+use crate::vip::gate::Gate;
+
+/// How long `conntrackd -s` may take before the check gives up on it.
+const STATS_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// The sync's state, kept by the daemon.
+#[derive(Default)]
+pub(super) struct SyncState {
+    inner: tokio::sync::Mutex<Inner>,
+    /// The last step's findings, for `/status`.
+    report: std::sync::Mutex<Option<SyncStatus>>,
+}
+
+#[derive(Default)]
+struct Inner {
+    /// The gate table as last written (what its read-back is compared with).
+    guard: Guard,
+    /// What the gate was last written from.
+    written: Option<Gate>,
+    /// The last write of the files or the restart failed: try again.
+    retry: bool,
+    /// Failures so far (`conntrack_sync_config_failures_total`).
+    failures: u64,
+}
+
+/// `/status` `conntrack_sync`: what the last check found.
+#[derive(Debug, Clone, Serialize)]
+pub struct SyncStatus {
+    /// Whether conntrackd answered `-s`.
+    pub conntrackd_up: bool,
+    /// Why not, in its words.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub conntrackd_error: Option<String>,
+    /// Its internal cache: this host's flows of kernel listeners.
+    pub internal_entries: u64,
+    /// Its external cache: the peer's, committed at a takeover.
+    pub external_entries: u64,
+    /// Packets received from the peer on the sync link.
+    pub packets_received: u64,
+    /// The sync link's interface and the peer's address.
+    pub link: String,
+    /// The backends whose flows are synced (conntrackd's filter).
+    pub synced_backends: usize,
+    /// Each VRRP instance of the rendered keepalived file.
+    pub instances: Vec<SyncInstanceStatus>,
+    /// The last failure writing the files, restarting conntrackd or
+    /// writing the gate, while it stands.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
+/// One instance in `/status` `conntrack_sync.instances`.
+#[derive(Debug, Clone, Serialize)]
+pub struct SyncInstanceStatus {
+    /// `hlb_<vrid>`.
+    pub instance: String,
+    /// The last transition the notify script recorded (`MASTER`, `BACKUP`,
+    /// `FAULT`, `STOP`); absent: none yet.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub state: Option<String>,
+    /// When, Unix seconds.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub since_unix: Option<f64>,
+    /// The last commit's result (`ok`, `failed`), at the last move here.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub last_commit: Option<&'static str>,
+    /// Its duration, milliseconds.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub last_commit_ms: Option<u64>,
+    /// The gate as read back: `open`, `closed`, or `absent`.
+    pub gate: &'static str,
+}
+
+impl Daemon {
+    /// One step of the sync (see the module's text); `config` is the one
+    /// in force.
+    pub(super) async fn sync_step(&self, config: &Config) {
+        let mut inner = self.sync.inner.lock().await;
+        let Some(settings) = config.conntrackd.clone() else {
+            if inner.written.take().is_some() {
+                inner.guard.forget();
+                let removed = tokio::task::spawn_blocking(|| {
+                    crate::nft::run(
+                        &["-f", "-"],
+                        format!("add table inet {GATE_TABLE}\ndelete table inet {GATE_TABLE}\n")
+                            .as_bytes(),
+                    )
+                })
+                .await;
+                match removed {
+                    Ok(Ok(_)) => {
+                        tracing::info!("[conntrackd] removed: the sync gate table is removed")
+                    }
+                    Ok(Err(e)) => tracing::error!(
+                        "[conntrackd] removed, but the gate table inet {GATE_TABLE} cannot be removed: {e}"
+                    ),
+                    Err(e) => tracing::error!("removing the sync gate table stopped: {e}"),
+                }
+            }
+            self.metrics.set_conntrack_sync(None);
+            *self.sync.report.lock().unwrap_or_else(|p| p.into_inner()) = None;
+            return;
+        };
+        let mut error = None;
+        if let (Some(conf), Some(script)) = (
+            conntrackd::render_conf(config),
+            conntrackd::render_script(config),
+        ) {
+            let s = settings.clone();
+            let force = inner.retry;
+            let done =
+                tokio::task::spawn_blocking(move || conntrackd::install(&s, &conf, &script, force))
+                    .await;
+            match done {
+                Ok(Ok(Installed::Unchanged)) => inner.retry = false,
+                Ok(Ok(what)) => {
+                    inner.retry = false;
+                    let restarted = settings.restart_command.is_some();
+                    match (what, restarted) {
+                        (Installed::ConfChanged, false) => tracing::warn!(
+                            file = %settings.config_path.display(),
+                            "conntrackd's configuration changed (its filter follows the kernel listeners' backends); conntrackd reads it at its next start (set conntrackd.restart_command to restart it now)"
+                        ),
+                        _ => tracing::info!(
+                            file = %settings.config_path.display(),
+                            script = %settings.notify_script.display(),
+                            "conntrackd's configuration and keepalived's notify script written"
+                        ),
+                    }
+                }
+                Ok(Err(e)) => {
+                    inner.retry = true;
+                    inner.failures += 1;
+                    tracing::error!("{e}; retried in {} s", CHECK_INTERVAL.as_secs());
+                    error = Some(e.to_string());
+                }
+                Err(e) => {
+                    inner.retry = true;
+                    inner.failures += 1;
+                    tracing::error!("writing conntrackd's configuration stopped: {e}");
+                    error = Some(e.to_string());
+                }
+            }
+        }
+        let dir = settings.state_directory.clone();
+        let recorded = tokio::task::spawn_blocking(move || read_recorded(&dir))
+            .await
+            .unwrap_or_default();
+        let gate = Gate {
+            gated: conntrackd::gated(config),
+            vrids: conntrackd::vrids(config),
+            masters: recorded
+                .iter()
+                .filter(|(_, r)| r.state == "MASTER")
+                .map(|(v, _)| *v)
+                .collect(),
+        };
+        // The comparison leaves `masters` out: it only seeds new gates.
+        let same = inner
+            .written
+            .as_ref()
+            .is_some_and(|w| w.gated == gate.gated && w.vrids == gate.vrids);
+        let mut guard = std::mem::take(&mut inner.guard);
+        let g = gate.clone();
+        let gated = tokio::task::spawn_blocking(move || {
+            let result = if same {
+                guard.check(&g).map(Some)
+            } else {
+                guard.write(&g).map(|()| None)
+            };
+            let states = Gate::read_states();
+            (guard, result, states)
+        })
+        .await;
+        let mut states = BTreeMap::new();
+        match gated {
+            Ok((guard, result, read)) => {
+                inner.guard = guard;
+                match result {
+                    Ok(None) => {
+                        tracing::info!(
+                            listeners = gate.gated.len(),
+                            "the sync gate table inet {GATE_TABLE} written"
+                        );
+                        inner.written = Some(gate.clone());
+                    }
+                    Ok(Some(Checked::Repaired(drift))) => {
+                        self.metrics.record_host_repairs(HostKind::SyncGate, 1);
+                        tracing::warn!(
+                            found = "by the periodic check",
+                            "the sync gate table inet {GATE_TABLE} was changed by another process ({drift}); written again"
+                        );
+                    }
+                    Ok(Some(_)) => {}
+                    Err(e) => {
+                        inner.written = None;
+                        inner.failures += 1;
+                        tracing::error!("{e}; retried in {} s", CHECK_INTERVAL.as_secs());
+                        error = Some(e.to_string());
+                    }
+                }
+                match read {
+                    Ok(s) => states = s,
+                    Err(e) => tracing::debug!("{e}"),
+                }
+            }
+            Err(e) => {
+                inner.written = None;
+                inner.failures += 1;
+                tracing::error!("writing the sync gate table stopped: {e}");
+                error = Some(e.to_string());
+            }
+        }
+        let conf = settings.config_path.clone();
+        let stats = tokio::task::spawn_blocking(move || conntrackd_stats(&conf))
+            .await
+            .unwrap_or_else(|e| Err(e.to_string()));
+        let (report, stats) = build_report(&settings, config, &recorded, &states, stats, error);
+        self.metrics.set_conntrack_sync(Some(sample_of(
+            &report,
+            &stats,
+            &recorded,
+            inner.failures,
+        )));
+        *self.sync.report.lock().unwrap_or_else(|p| p.into_inner()) = Some(report);
+    }
+
+    /// `/status` `conntrack_sync`; `None` without `[conntrackd]`.
+    pub(super) fn sync_status(&self) -> Option<SyncStatus> {
+        self.sync
+            .report
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+}
+
+/// Every instance's record in `dir` (files named by the VRID).
+fn read_recorded(dir: &Path) -> BTreeMap<u32, Recorded> {
+    let mut out = BTreeMap::new();
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return out;
+    };
+    for e in entries.flatten() {
+        let Some(vrid) = e.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else {
+            continue;
+        };
+        if let Some(r) = std::fs::read_to_string(e.path())
+            .ok()
+            .as_deref()
+            .and_then(parse_recorded)
+        {
+            out.insert(vrid, r);
+        }
+    }
+    out
+}
+
+/// `conntrackd -C FILE -s`, bounded by [`STATS_TIMEOUT`].
+fn conntrackd_stats(conf: &Path) -> Result<Stats, String> {
+    let mut child = Command::new("conntrackd")
+        .arg("-C")
+        .arg(conf)
+        .arg("-s")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(|e| format!("cannot run conntrackd: {e}"))?;
+    // Polled, not timed: a blocking thread, and the clock stays tokio's.
+    const POLL: Duration = Duration::from_millis(20);
+    let mut polls = STATS_TIMEOUT.as_millis() / POLL.as_millis();
+    loop {
+        match child.try_wait() {
+            Ok(Some(_)) => break,
+            Ok(None) if polls > 0 => {
+                polls -= 1;
+                std::thread::sleep(POLL);
+            }
+            Ok(None) => {
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err(format!(
+                    "conntrackd -C {} -s did not answer in {} s",
+                    conf.display(),
+                    STATS_TIMEOUT.as_secs()
+                ));
+            }
+            Err(e) => return Err(format!("waiting for conntrackd -s: {e}")),
+        }
+    }
+    let out = child
+        .wait_with_output()
+        .map_err(|e| format!("reading conntrackd -s: {e}"))?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    parse_stats(&text).ok_or_else(|| {
+        let said = String::from_utf8_lossy(&out.stderr);
+        format!(
+            "conntrackd -C {} -s: {} (is conntrackd running with that file?)",
+            conf.display(),
+            said.trim().lines().last().unwrap_or("no statistics")
+        )
+    })
+}
+
+fn build_report(
+    settings: &ConntrackdSettings,
+    config: &Config,
+    recorded: &BTreeMap<u32, Recorded>,
+    states: &BTreeMap<u32, bool>,
+    stats: Result<Stats, String>,
+    error: Option<String>,
+) -> (SyncStatus, Stats) {
+    let instances = conntrackd::vrids(config)
+        .into_iter()
+        .map(|vrid| {
+            let r = recorded.get(&vrid);
+            SyncInstanceStatus {
+                instance: instance_name(vrid),
+                state: r.map(|r| r.state.clone()),
+                since_unix: r.map(|r| r.at_ms as f64 / 1000.0),
+                last_commit: r
+                    .and_then(|r| r.commit_ok)
+                    .map(|ok| if ok { "ok" } else { "failed" }),
+                last_commit_ms: r.and_then(|r| r.commit_ms),
+                gate: match states.get(&vrid) {
+                    Some(true) => "open",
+                    Some(false) => "closed",
+                    None => "absent",
+                },
+            }
+        })
+        .collect();
+    let (up, err, s) = match stats {
+        Ok(s) => (true, None, s),
+        Err(e) => (false, Some(e), Stats::default()),
+    };
+    let report = SyncStatus {
+        conntrackd_up: up,
+        conntrackd_error: err,
+        internal_entries: s.internal,
+        external_entries: s.external,
+        packets_received: s.packets_received,
+        link: format!(
+            "{} {} -> {}:{}",
+            settings.interface, settings.address, settings.peer, settings.port
+        ),
+        synced_backends: conntrackd::filter_addresses(config).len(),
+        instances,
+        error,
+    };
+    (report, s)
+}
+
+fn sample_of(
+    report: &SyncStatus,
+    stats: &Stats,
+    recorded: &BTreeMap<u32, Recorded>,
+    failures: u64,
+) -> SyncSample {
+    SyncSample {
+        up: report.conntrackd_up,
+        entries: [stats.internal, stats.external],
+        packets: [stats.packets_sent, stats.packets_received],
+        send_errors: stats.send_errors,
+        lost: stats.lost,
+        instances: report
+            .instances
+            .iter()
+            .map(|i| {
+                let r = i
+                    .instance
+                    .strip_prefix("hlb_")
+                    .and_then(|v| v.parse::<u32>().ok())
+                    .and_then(|v| recorded.get(&v));
+                SyncInstanceSample {
+                    instance: i.instance.clone(),
+                    state: i.state.clone(),
+                    transition_at: i.since_unix,
+                    commits: r.map_or([0, 0], |r| [r.commits_ok, r.commits_failed]),
+                    last_commit: r.and_then(|r| {
+                        Some((
+                            r.commit_ms? as f64 / 1000.0,
+                            r.commit_at_ms? as f64 / 1000.0,
+                        ))
+                    }),
+                    gate_open: match i.gate {
+                        "open" => Some(true),
+                        "closed" => Some(false),
+                        _ => None,
+                    },
+                }
+            })
+            .collect(),
+        failures,
+    }
+}

@@ -1,0 +1,740 @@
+//! conntrackd's configuration and keepalived's notify script, rendered
+//! from the daemon's own (`[conntrackd]`), so a kernel listener's open
+//! connections survive their VIP's move to the other keepalived host
+//! (docs/vip.md, "Open connections across a VIP's move").
+//!
+//! [`render_conf`] and [`render_script`] are pure. What they write, and why
+//! (each fact measured in `notes/conntrackd-failover.md` and
+//! `tests/conntrack_sync.rs`):
+//!
+//! - **FTFW over UDP unicast** on the sync link (`conntrackd.interface`,
+//!   the management one by default): the reliable mode (acknowledged,
+//!   resent), to the one peer. Socket buffers of 1.2 MB as conntrack-tools'
+//!   examples; `PurgeTimeout` 15 s (default 60): how long `-t` leaves the
+//!   entries of a host that lost its VIPs.
+//! - **Only our kernel listeners' flows**: `Filter From Userspace {
+//!   Address Accept { backends } }`. conntrackd matches the original source
+//!   and the *reply* source, which for a DNATed flow is the real backend,
+//!   never the VIP; so the backends' addresses select exactly the flows
+//!   our NAT made (listing the VIP under `Ignore`, as the shipped example
+//!   does, excludes nothing). TCP and UDP only.
+//! - **`HashSize` above 8192** (see `config::MIN_HASH_SIZE`), `Systemd off`
+//!   unless run by its unit (the file does not know; `off` works under a
+//!   `Type=simple` unit too), its own `LockFile`, `UNIX { Path }` and
+//!   `LogFile`, so two conntrackd on one machine (tests) never meet, and
+//!   **`-C FILE` on every control call**: without it conntrackd talks to
+//!   the default socket, maybe another one's.
+//!
+//! The notify script is conntrack-tools' primary/backup recipe with the
+//! gate (`vip::gate`) closing the race the recipe leaves: keepalived adds
+//! the VIP and sends its gratuitous ARPs *before* it runs the script, so a
+//! packet can reach the new master before `conntrackd -c` committed its
+//! flow; conntrack would pick it up mid-stream and the NAT choose anew (a
+//! wrong backend: a reset), or a backend's packet would create a reverse
+//! entry that remaps the committed one's port. The gate drops `ct state
+//! new` to the instance's VIPs and from their backends while closed; the
+//! script opens it right after the commit. A failback is the same
+//! transition on the other host.
+//!
+//! - master: `-c` (commit the external cache), open the gate, `-f`, `-R`,
+//!   `-B` (the recipe), then `-n` (the peer may be master of other
+//!   instances: `-f` emptied our copy of its flows, `-n` asks for it again);
+//! - backup: close the gate, start conntrackd if it does not answer, `-n`,
+//!   and [`PURGE_S`] later, unless master again, delete this host's
+//!   entries of the instance's VIPs;
+//! - fault, stop: close the gate, the same delayed deletion.
+//!
+//! Not the recipe's `-t`: it schedules a purge of *every* synced entry
+//! `PurgeTimeout` later, which kills the flows a failback committed within
+//! that time (a host back after a kill takes its VIP again 2 s after its
+//! backup transition) and, with masters spread over the hosts, the flows
+//! of the instances this host still carries. The entries of the
+//! instance's own VIPs are deleted instead (`conntrack -D --orig-dst
+//! VIP`): left there, their TCP windows fall behind while the other host
+//! carries the flows, and when the VIP comes back the moved packets are
+//! invalid, reach the local stack and are reset (measured: 20 of 20 lost
+//! at a failback). Not at once: conntrackd syncs the kernel's deletions,
+//! and the peer would lose them from its cache before its commit
+//! (measured: 20 of 20 lost at a failover). They are deleted again right
+//! before the commit, for a host killed without a transition; and the
+//! gate drops `invalid` as well as `new` while closed. Each transition is
+//! recorded in
+//! `state_directory/<vrid>` (state, time, the commit's result and
+//! duration, the commits' counts) for the daemon's `/status` and metrics.
+
+use std::fmt::Write as _;
+use std::net::{IpAddr, Ipv4Addr};
+use std::path::Path;
+
+use crate::config::{Config, ConntrackdSettings, Forwarding, Protocol};
+
+/// How long after leaving master the notify script deletes this host's
+/// entries of the instance's flows: the peer has committed them by then
+/// (the recipe's `PurgeTimeout`).
+pub const PURGE_S: u32 = 15;
+
+/// The nftables table of the gates (family `inet`).
+pub const GATE_TABLE: &str = "harvester_lb_gate";
+
+/// The gate chain of VRRP instance `vrid`: a `ct state { invalid, new } drop` rule while
+/// closed, empty while open.
+pub fn gate_chain(vrid: u32) -> String {
+    format!("g_{vrid}")
+}
+
+/// The lines keepalived's rendered instances carry with `[conntrackd]`
+/// (empty without it): the notify script, run at every transition, and
+/// `track_interface` on the interfaces the instance's VIPs live on
+/// (`interfaces`). Without it a master that lost its network stays master
+/// (VRRP runs on the management one) and never transitions: when it comes
+/// back, the flows that moved meet its stale conntrack entries (their TCP
+/// windows are behind; the kernel marks the packets invalid) and are reset.
+/// With it the master goes to FAULT, closes its gates, and takes the VIP
+/// back later through a commit like any failback.
+pub fn notify_line(config: &Config, interfaces: &[&str]) -> String {
+    let Some(c) = &config.conntrackd else {
+        return String::new();
+    };
+    let mut out = format!("  notify \"{}\"\n", c.notify_script.display());
+    let mut seen: Vec<&str> = interfaces.to_vec();
+    seen.sort_unstable();
+    seen.dedup();
+    if !seen.is_empty() {
+        out.push_str("  track_interface {\n");
+        for i in seen {
+            let _ = writeln!(out, "    {i}");
+        }
+        out.push_str("  }\n");
+    }
+    out
+}
+
+/// The VRRP instance name keepalived's rendered file gives `vrid`.
+pub fn instance_name(vrid: u32) -> String {
+    format!("hlb_{vrid}")
+}
+
+/// One kernel listener on a VIP keepalived moves: what the gate matches.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Gated {
+    /// The VRRP instance the VIP is in (`virtual_router_id`).
+    pub vrid: u32,
+    /// The VIP.
+    pub vip: Ipv4Addr,
+    /// TCP or UDP.
+    pub protocol: Protocol,
+    /// The VIP's port.
+    pub port: u16,
+    /// The backends (IPv4 only: the sync is IPv4).
+    pub backends: Vec<Ipv4Addr>,
+    /// The backends' port.
+    pub backend_port: u16,
+}
+
+/// Every kernel listener of a load balancer on a `[[network]]` (the VIPs
+/// the rendered keepalived moves), in a stable order.
+pub fn gated(config: &Config) -> Vec<Gated> {
+    let Some(k) = &config.keepalived else {
+        return Vec::new();
+    };
+    let mut out = Vec::new();
+    for lb in &config.load_balancers {
+        let (Some(_), IpAddr::V4(vip)) = (&lb.network, lb.vip) else {
+            continue;
+        };
+        let vrid =
+            u32::from(k.vrid_base) + u32::from(super::keepalived::instance_of(lb.vip, k.instances));
+        let backends: Vec<Ipv4Addr> = lb
+            .backends
+            .iter()
+            .filter_map(|b| match b {
+                IpAddr::V4(v4) => Some(*v4),
+                IpAddr::V6(_) => None,
+            })
+            .collect();
+        for l in lb
+            .listeners
+            .iter()
+            .filter(|l| l.forwarding == Forwarding::Kernel)
+        {
+            out.push(Gated {
+                vrid,
+                vip,
+                protocol: l.protocol,
+                port: l.port,
+                backends: backends.clone(),
+                backend_port: l.backend_port,
+            });
+        }
+    }
+    out.sort();
+    out.dedup();
+    out
+}
+
+/// Every VRRP instance keepalived's rendered file has (its VIDs), whether
+/// or not a kernel listener is in it: the notify script runs for each.
+pub fn vrids(config: &Config) -> Vec<u32> {
+    let Some(k) = &config.keepalived else {
+        return Vec::new();
+    };
+    let mut v: Vec<u32> = config
+        .load_balancers
+        .iter()
+        .filter(|lb| lb.network.is_some() && lb.vip.is_ipv4())
+        .map(|lb| {
+            u32::from(k.vrid_base) + u32::from(super::keepalived::instance_of(lb.vip, k.instances))
+        })
+        .collect();
+    v.sort_unstable();
+    v.dedup();
+    v
+}
+
+/// The addresses conntrackd's filter accepts: every backend of a kernel
+/// listener on a moving VIP, sorted.
+pub fn filter_addresses(config: &Config) -> Vec<Ipv4Addr> {
+    let mut a: Vec<Ipv4Addr> = gated(config).into_iter().flat_map(|g| g.backends).collect();
+    a.sort_unstable();
+    a.dedup();
+    a
+}
+
+/// The conntrackd.conf text for `config`; `None` without `[conntrackd]`.
+pub fn render_conf(config: &Config) -> Option<String> {
+    let c = config.conntrackd.as_ref()?;
+    let mut out = String::new();
+    let _ = write!(
+        out,
+        "# Written by harvester-lb from its configuration; edits are overwritten.\n\
+         # docs/vip.md, \"Open connections across a VIP's move\". conntrackd reads it\n\
+         # only at start: control it with `conntrackd -C {conf} ...`.\n\
+         Sync {{\n\
+         \tMode FTFW {{\n\
+         \t\tPurgeTimeout 15\n\
+         \t\tStartupResync on\n\
+         \t}}\n\
+         \tUDP {{\n\
+         \t\tIPv4_address {address}\n\
+         \t\tIPv4_Destination_Address {peer}\n\
+         \t\tPort {port}\n\
+         \t\tInterface {interface}\n\
+         \t\tSndSocketBuffer 1249280\n\
+         \t\tRcvSocketBuffer 1249280\n\
+         \t\tChecksum on\n\
+         \t}}\n\
+         }}\n\
+         General {{\n\
+         \tSystemd off\n\
+         \tHashSize {hash}\n\
+         \tHashLimit {limit}\n\
+         \tLogFile {log}\n\
+         \tSyslog off\n\
+         \tLockFile {lock}\n\
+         \tUNIX {{\n\
+         \t\tPath {socket}\n\
+         \t}}\n\
+         \tNetlinkBufferSize 2097152\n\
+         \tNetlinkBufferSizeMaxGrowth 8388608\n\
+         \tFilter From Userspace {{\n\
+         \t\tProtocol Accept {{\n\
+         \t\t\tTCP\n\
+         \t\t\tUDP\n\
+         \t\t}}\n\
+         \t\tAddress Accept {{\n",
+        conf = c.config_path.display(),
+        address = c.address,
+        peer = c.peer,
+        port = c.port,
+        interface = c.interface,
+        hash = c.hash_size,
+        limit = u64::from(c.hash_size) * 4,
+        log = c.log_file.display(),
+        lock = c.lock_file.display(),
+        socket = c.socket.display(),
+    );
+    let addresses = filter_addresses(config);
+    if addresses.is_empty() {
+        // No kernel listener: accept an address no flow has (the
+        // unspecified one), so nothing is synced.
+        out.push_str("\t\t\tIPv4_address 0.0.0.0/32 # nothing to sync: no kernel listener\n");
+    }
+    for a in addresses {
+        let _ = writeln!(out, "\t\t\tIPv4_address {a}");
+    }
+    out.push_str("\t\t}\n\t}\n}\n");
+    Some(out)
+}
+
+/// The notify script's text for `config` (see the module's text);
+/// `None` without `[conntrackd]`.
+pub fn render_script(config: &Config) -> Option<String> {
+    let c = config.conntrackd.as_ref()?;
+    let conf = c.config_path.display();
+    let dir = c.state_directory.display();
+    // Each instance's VIPs of kernel listeners: their flows are deleted
+    // before the commit (see the MASTER case).
+    let mut by_vrid: std::collections::BTreeMap<u32, Vec<Ipv4Addr>> = Default::default();
+    for g in gated(config) {
+        let v = by_vrid.entry(g.vrid).or_default();
+        if !v.contains(&g.vip) {
+            v.push(g.vip);
+        }
+    }
+    let mut vips_case = String::new();
+    for (vrid, vips) in by_vrid {
+        let list: Vec<String> = vips.iter().map(ToString::to_string).collect();
+        let _ = writeln!(vips_case, "{vrid}) vips=\"{}\" ;;", list.join(" "));
+    }
+    Some(format!(
+        r#"#!/bin/sh
+# Written by harvester-lb from its configuration; edits are overwritten.
+# keepalived runs it at every transition of every instance it renders:
+#   $1 INSTANCE, $2 hlb_<vrid>, $3 MASTER|BACKUP|FAULT|STOP, $4 priority.
+# conntrack-tools' primary/backup recipe, with a gate (nftables table
+# inet {GATE_TABLE}, owned by the daemon) that drops new flows of the
+# instance's VIPs until the commit is done. docs/vip.md, "Open connections
+# across a VIP's move".
+PATH=/usr/sbin:/usr/bin:/sbin:/bin
+CONF={conf}
+DIR={dir}
+[ "$1" = INSTANCE ] || exit 0
+case "$2" in
+hlb_[0-9]*) vrid=${{2#hlb_}} ;;
+*) exit 0 ;;
+esac
+case "$vrid" in *[!0-9]*) exit 0 ;; esac
+# The instance's VIPs of kernel listeners.
+vips=
+case "$vrid" in
+{vips_case}esac
+mkdir -p "$DIR"
+state= at= commit_result= commit_at= commit_ms= commits_ok=0 commits_failed=0
+[ -r "$DIR/$vrid" ] && . "$DIR/$vrid"
+now_ms() {{ date +%s%3N; }}
+ctd() {{ conntrackd -C "$CONF" "$@" >/dev/null 2>&1 || logger -t harvester-lb-sync "$2: conntrackd -C $CONF $* failed"; }}
+gate_open() {{ nft flush chain inet {GATE_TABLE} g_$vrid 2>/dev/null; }}
+gate_close() {{
+	nft -f - 2>/dev/null <<EOF
+flush chain inet {GATE_TABLE} g_$vrid
+add rule inet {GATE_TABLE} g_$vrid ct state {{ invalid, new }} drop
+EOF
+}}
+# This host's entries of the instance's flows (to its VIPs): once the
+# other host carries them they are stale (their TCP windows fall behind;
+# the moved packets would be invalid here, go to the local stack and be
+# reset). For this instance's VIPs only, instead of conntrackd -t, whose
+# purge of every synced flow would also kill the flows of the instances
+# this host is still master of.
+flush_flows() {{
+	for vip in $vips; do
+		conntrack -D --orig-dst "$vip" >/dev/null 2>&1
+	done
+}}
+# The same PURGE_S seconds later, unless the instance is master again by
+# then: deleting them at once would send their ends to the peer before
+# it committed them (conntrackd syncs the kernel's deletions too).
+purge_later() {{
+	(
+		sleep {PURGE_S}
+		state=
+		. "$DIR/$vrid" 2>/dev/null
+		[ "$state" = MASTER ] || flush_flows
+	) </dev/null >/dev/null 2>&1 &
+}}
+case "$3" in
+MASTER)
+	t0=$(now_ms)
+	# Entries left from before (a host killed without a transition): the
+	# gate is closed, so nothing new comes in meanwhile.
+	flush_flows
+	if conntrackd -C "$CONF" -c >/dev/null 2>&1; then
+		commit_result=ok commits_ok=$((commits_ok + 1))
+	else
+		commit_result=failed commits_failed=$((commits_failed + 1))
+		logger -t harvester-lb-sync "$2: conntrackd -C $CONF -c failed; open flows of its VIPs may be reset"
+	fi
+	commit_at=$(now_ms)
+	gate_open
+	commit_ms=$((commit_at - t0))
+	ctd -f
+	ctd -R
+	ctd -B
+	ctd -n
+	;;
+BACKUP)
+	gate_close
+	purge_later
+	conntrackd -C "$CONF" -s >/dev/null 2>&1 || conntrackd -C "$CONF" -d
+	ctd -n
+	;;
+FAULT|STOP)
+	gate_close
+	purge_later
+	;;
+*) exit 0 ;;
+esac
+printf 'state=%s\nat=%s\ncommit_result=%s\ncommit_at=%s\ncommit_ms=%s\ncommits_ok=%s\ncommits_failed=%s\n' \
+	"$3" "$(now_ms)" "$commit_result" "$commit_at" "$commit_ms" "$commits_ok" "$commits_failed" >"$DIR/.$vrid.tmp" &&
+	mv -f "$DIR/.$vrid.tmp" "$DIR/$vrid"
+exit 0
+"#
+    ))
+}
+
+/// What the notify script recorded for one instance (`state_directory/<vrid>`).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Recorded {
+    /// The instance's last transition: `MASTER`, `BACKUP`, `FAULT` or `STOP`.
+    pub state: String,
+    /// When (Unix milliseconds).
+    pub at_ms: u64,
+    /// The last commit's result (`ok`, `failed`); `None`: never master.
+    pub commit_ok: Option<bool>,
+    /// When the last commit ended (Unix milliseconds).
+    pub commit_at_ms: Option<u64>,
+    /// How long it took, milliseconds.
+    pub commit_ms: Option<u64>,
+    /// Commits that succeeded, since the directory was made (a boot).
+    pub commits_ok: u64,
+    /// Commits that failed.
+    pub commits_failed: u64,
+}
+
+/// Parses a state file the notify script wrote (`key=value` lines);
+/// `None` when it has no state (a file half written by hand).
+pub fn parse_recorded(text: &str) -> Option<Recorded> {
+    let mut r = Recorded::default();
+    for line in text.lines() {
+        let Some((key, value)) = line.split_once('=') else {
+            continue;
+        };
+        let num = || value.trim().parse::<u64>().ok();
+        match key.trim() {
+            "state" => r.state = value.trim().to_string(),
+            "at" => r.at_ms = num().unwrap_or(0),
+            "commit_result" => {
+                r.commit_ok = match value.trim() {
+                    "ok" => Some(true),
+                    "failed" => Some(false),
+                    _ => None,
+                }
+            }
+            "commit_at" => r.commit_at_ms = num(),
+            "commit_ms" => r.commit_ms = num(),
+            "commits_ok" => r.commits_ok = num().unwrap_or(0),
+            "commits_failed" => r.commits_failed = num().unwrap_or(0),
+            _ => {}
+        }
+    }
+    (!r.state.is_empty()).then_some(r)
+}
+
+/// What `conntrackd -C FILE -s` says, as far as the daemon reports it.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Stats {
+    /// Entries in the internal cache (this host's own flows).
+    pub internal: u64,
+    /// Entries in the external cache (the peer's flows, committed at a
+    /// takeover).
+    pub external: u64,
+    /// Sync packets sent and received on the link.
+    pub packets_sent: u64,
+    /// Sync packets received (FTFW sends an alive message every second
+    /// when idle: a count that stops moving is a link that is down).
+    pub packets_received: u64,
+    /// Send errors on the link.
+    pub send_errors: u64,
+    /// Messages the peer numbered that never arrived.
+    pub lost: u64,
+}
+
+/// Parses `conntrackd -s` (conntrack-tools 1.4): the `current active
+/// connections` of the `cache internal` and `cache external` sections, and
+/// the link's counters. `None` when it has neither cache (not conntrackd's
+/// sync statistics).
+pub fn parse_stats(text: &str) -> Option<Stats> {
+    let mut s = Stats::default();
+    let mut section = "";
+    let mut caches = 0;
+    for line in text.lines() {
+        let t = line.trim();
+        if t.starts_with("cache internal") {
+            section = "internal";
+        } else if t.starts_with("cache external") {
+            section = "external";
+        } else if !line.starts_with(' ') && t.ends_with(':') {
+            section = "";
+        }
+        if let Some(rest) = t.strip_prefix("current active connections:") {
+            let n = rest.trim().parse().unwrap_or(0);
+            match section {
+                "internal" => {
+                    s.internal = n;
+                    caches += 1;
+                }
+                "external" => {
+                    s.external = n;
+                    caches += 1;
+                }
+                _ => {}
+            }
+        }
+        // "  123 Pckts sent   45 Pckts recv", "0 Error send  0 Error recv",
+        // "0 Malformed msgs  0 Lost msgs": numbers before their names.
+        let words: Vec<&str> = t.split_whitespace().collect();
+        for w in words.windows(3) {
+            let Ok(n) = w[0].parse::<u64>() else { continue };
+            match (w[1], w[2]) {
+                ("Pckts", "sent") => s.packets_sent = n,
+                ("Pckts", "recv") => s.packets_received = n,
+                ("Error", "send") => s.send_errors = n,
+                ("Lost", "msgs") => s.lost = n,
+                _ => {}
+            }
+        }
+    }
+    (caches > 0).then_some(s)
+}
+
+/// Why conntrackd's file could not be written or conntrackd not restarted.
+#[derive(Debug, thiserror::Error)]
+pub enum ConntrackdError {
+    /// A file could not be written.
+    #[error(
+        "cannot write {path}: {source} (conntrackd.config_path / conntrackd.notify_script; the daemon needs write access to their directories)"
+    )]
+    Write {
+        /// The file.
+        path: String,
+        /// The error.
+        source: std::io::Error,
+    },
+    /// `conntrackd.restart_command` failed.
+    #[error(
+        "conntrackd.restart_command {command:?} failed: {why} (conntrackd keeps its old filter until it restarts)"
+    )]
+    Restart {
+        /// The command.
+        command: Vec<String>,
+        /// Its exit or spawn error and output.
+        why: String,
+    },
+}
+
+/// What [`install`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Installed {
+    /// Both files already had this text.
+    Unchanged,
+    /// conntrackd.conf changed (and `restart_command`, if set, ran).
+    ConfChanged,
+    /// Only the notify script changed.
+    ScriptChanged,
+}
+
+/// Writes conntrackd.conf and the notify script (mode 0700: keepalived's
+/// `enable_script_security` runs no script others may change) when their
+/// text differs, and runs `restart_command` when conntrackd's file changed
+/// (or `force`: a restart that failed before). Blocking.
+pub fn install(
+    settings: &ConntrackdSettings,
+    conf: &str,
+    script: &str,
+    force: bool,
+) -> Result<Installed, ConntrackdError> {
+    let same =
+        |path: &Path, text: &str| std::fs::read(path).is_ok_and(|old| old == text.as_bytes());
+    let write = |path: &Path, text: &str, mode: u32| {
+        super::keepalived::write_atomically(path, text)
+            .and_then(|()| {
+                use std::os::unix::fs::PermissionsExt;
+                std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))
+            })
+            .map_err(|source| ConntrackdError::Write {
+                path: path.display().to_string(),
+                source,
+            })
+    };
+    let mut done = Installed::Unchanged;
+    if !same(&settings.notify_script, script) {
+        write(&settings.notify_script, script, 0o700)?;
+        done = Installed::ScriptChanged;
+    }
+    let conf_same = same(&settings.config_path, conf);
+    if !conf_same {
+        write(&settings.config_path, conf, 0o644)?;
+    }
+    if !conf_same || force {
+        done = Installed::ConfChanged;
+        if let Some(command) = &settings.restart_command {
+            let out = std::process::Command::new(&command[0])
+                .args(&command[1..])
+                .stdin(std::process::Stdio::null())
+                .output()
+                .map_err(|e| ConntrackdError::Restart {
+                    command: command.clone(),
+                    why: e.to_string(),
+                })?;
+            if !out.status.success() {
+                return Err(ConntrackdError::Restart {
+                    command: command.clone(),
+                    why: format!(
+                        "{}: {}{}",
+                        out.status,
+                        String::from_utf8_lossy(&out.stdout).trim(),
+                        String::from_utf8_lossy(&out.stderr).trim()
+                    ),
+                });
+            }
+        }
+    }
+    Ok(done)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::parse;
+
+    const TEXT: &str = r#"
+[admin]
+socket = "/run/hlb/admin.sock"
+[keepalived]
+name = "a"
+address = "192.168.0.11"
+interface = "mgmt0"
+peers = ["192.168.0.12"]
+instances = 2
+
+[conntrackd]
+interface = "sync0"
+address = "10.99.0.1"
+peer = "10.99.0.2"
+socket = "/run/hlb/ctd.ctl"
+
+[[network]]
+name = "vlan100"
+interface = "br.100"
+prefix_length = 24
+gateway = "10.100.0.1"
+
+[[load_balancer]]
+name = "default/db"
+vip = "10.100.0.50"
+network = "vlan100"
+backends = ["10.100.0.22", "10.100.0.21"]
+  [[load_balancer.listener]]
+  name = "pg"
+  port = 5432
+  backend_port = 30432
+  forwarding = "kernel"
+  source_nat = "none"
+  [[load_balancer.listener]]
+  name = "web"
+  port = 80
+  backend_port = 30080
+
+[[load_balancer]]
+name = "default/other"
+vip = "10.100.0.60"
+backends = ["10.100.0.31"]
+  [[load_balancer.listener]]
+  name = "dns"
+  port = 53
+  protocol = "udp"
+  backend_port = 30053
+  forwarding = "kernel"
+"#;
+
+    #[test]
+    fn the_filter_holds_the_backends_of_kernel_listeners_on_moving_vips_only() {
+        let config = parse(TEXT).expect("valid").config;
+        let conf = render_conf(&config).unwrap();
+        for want in [
+            "\tMode FTFW {\n\t\tPurgeTimeout 15\n",
+            "\t\tIPv4_address 10.99.0.1\n\t\tIPv4_Destination_Address 10.99.0.2\n\t\tPort 3780\n\t\tInterface sync0\n",
+            "\tHashSize 32768\n",
+            "\tSystemd off\n",
+            "\t\tPath /run/hlb/ctd.ctl\n",
+            "\t\tAddress Accept {\n\t\t\tIPv4_address 10.100.0.21\n\t\t\tIPv4_address 10.100.0.22\n\t\t}",
+            "\t\t\tTCP\n\t\t\tUDP\n",
+        ] {
+            assert!(conf.contains(want), "{want:?} not in\n{conf}");
+        }
+        // The VIP on no network (not moved by keepalived) is not synced,
+        // nor is a proxy listener's backend on its own.
+        assert!(!conf.contains("10.100.0.31"), "{conf}");
+        assert!(
+            !conf.contains("10.100.0.50"),
+            "the VIP is never in the filter: {conf}"
+        );
+        let g = gated(&config);
+        assert_eq!(g.len(), 1, "{g:?}");
+        assert_eq!((g[0].port, g[0].backend_port), (5432, 30432));
+        assert_eq!(vrids(&config), vec![g[0].vrid]);
+    }
+
+    #[test]
+    fn the_script_commits_then_opens_the_gate_and_names_the_file_on_every_call() {
+        let config = parse(TEXT).expect("valid").config;
+        let s = render_script(&config).unwrap();
+        let master = &s[s.find("MASTER)").unwrap()..s.find("BACKUP)").unwrap()];
+        let commit = master.find("-c >/dev/null").unwrap();
+        let open = master.find("gate_open").unwrap();
+        let flush = master.find("ctd -f").unwrap();
+        assert!(commit < open && open < flush, "{master}");
+        assert!(s.contains("CONF=/etc/conntrackd/conntrackd.conf\n"), "{s}");
+        // Every conntrackd call names the file.
+        for line in s.lines().filter(|l| l.contains("conntrackd ")) {
+            assert!(
+                line.contains("-C \"$CONF\"")
+                    || line.trim_start().starts_with('#')
+                    || line.contains("logger"),
+                "{line}"
+            );
+        }
+        let backup = &s[s.find("BACKUP)").unwrap()..];
+        assert!(
+            backup.find("gate_close").unwrap() < backup.find("purge_later").unwrap(),
+            "{backup}"
+        );
+        // Not conntrackd -t (it purges every instance's synced flows), and
+        // the stale entries deleted right before the commit.
+        assert!(!s.contains("ctd -t"), "{s}");
+        assert!(master.find("flush_flows").unwrap() < commit, "{master}");
+        assert!(s.contains("vips=\"10.100.0.50\" ;;"), "{s}");
+    }
+
+    #[test]
+    fn recorded_states_and_conntrackd_statistics_are_read() {
+        let r = parse_recorded(
+            "state=MASTER\nat=1700000000123\ncommit_result=ok\ncommit_at=1700000000120\ncommit_ms=4\ncommits_ok=3\ncommits_failed=1\n",
+        )
+        .unwrap();
+        assert_eq!(r.state, "MASTER");
+        assert_eq!(
+            (r.commit_ok, r.commit_ms, r.commits_ok, r.commits_failed),
+            (Some(true), Some(4), 3, 1)
+        );
+        let b = parse_recorded("state=BACKUP\nat=5\ncommit_result=\ncommit_at=\ncommit_ms=\ncommits_ok=0\ncommits_failed=0\n").unwrap();
+        assert_eq!((b.commit_ok, b.commit_ms), (None, None));
+        assert_eq!(parse_recorded("junk\n"), None);
+
+        // conntrackd 1.4.7's `-s` of a FTFW daemon (abridged).
+        let text = "cache internal:\ncurrent active connections:\t          24\nconnections created:\t\t          30\tfailed:\t           0\n\ncache external:\ncurrent active connections:\t          20\nconnections created:\t\t          20\tfailed:\t           0\n\ntraffic processed:\n                   0 Bytes                         0 Pckts\n\nUDP traffic (active device=sync0):\n                8576 Bytes sent                 1768 Bytes recv\n                  89 Pckts sent                   36 Pckts recv\n                   0 Error send                    0 Error recv\n\nmessage tracking:\n                   0 Malformed msgs                    2 Lost msgs\n";
+        let s = parse_stats(text).unwrap();
+        assert_eq!(
+            s,
+            Stats {
+                internal: 24,
+                external: 20,
+                packets_sent: 89,
+                packets_received: 36,
+                send_errors: 0,
+                lost: 2,
+            }
+        );
+        assert_eq!(parse_stats("connect: No such file"), None);
+    }
+}
