@@ -111,7 +111,7 @@ pub fn wanted(config: &Config, index_of: &BTreeMap<String, u32>) -> BTreeMap<Net
         };
         // A DHCP VIP not leased yet is 0.0.0.0: `from 0.0.0.0` would be a
         // rule for every packet of the host. Leased, its rule is written.
-        if vip.is_unspecified() {
+        if lb.vip.is_unspecified() {
             continue;
         }
         let Some(net) = config.networks.iter().find(|n| &n.name == name) else {
@@ -527,7 +527,7 @@ network = "vlan100"
         std::sync::Arc::make_mut(&mut config.load_balancers[0]).vip =
             IpAddr::V4(Ipv4Addr::new(10, 100, 0, 77));
         assert!(wanted(&config, &index).contains_key(&NetKey::Rule {
-            vip: Ipv4Addr::new(10, 100, 0, 77)
+            vip: IpAddr::V4(Ipv4Addr::new(10, 100, 0, 77))
         }));
         // keepalived does not move it: no instance renders it.
         let rendered = crate::vip::keepalived::render(&config).expect("[keepalived]");
