@@ -244,6 +244,9 @@ gateway = "10.100.0.1"
 name = "default/db"
 vip = "10.100.0.50"
 network = "vlan100"
+# flow_hash: a flow that reaches the other host before its commit still
+# finds its backend (round robin is warned about with a moving VIP).
+algorithm = "flow_hash"
 backends = ["10.100.0.21", "10.100.0.22"]
   [[load_balancer.listener]]
   name = "pg"
