@@ -189,7 +189,7 @@ impl RouteWriter {
         }
     }
 
-    /// The index of interface `name` when it may carry the VIP addresses:
+    /// The index of interface `name` when it may carry the VIPs' routes:
     /// `lo` or a dummy interface ([`AnnounceError::NotDummy`] otherwise).
     pub async fn announcing_interface(&self, name: &str) -> Result<u32, AnnounceError> {
         use super::host::{LinkKind, link_kind};
@@ -730,5 +730,80 @@ impl TableClaim {
 impl Drop for TableClaim {
     fn drop(&mut self) {
         self.task.abort();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A `local` route for `dst/len` through interface 1, of `protocol`
+    /// with metric `metric`, as a dump of table `local` shows it.
+    fn local(dst: &str, len: u8, protocol: u8, metric: u32) -> RouteMessage {
+        RouteMessageBuilder::<IpAddr>::new()
+            .destination_prefix(dst.parse().unwrap(), len)
+            .unwrap()
+            .output_interface(1)
+            .table_id(LOCAL_TABLE)
+            .kind(RouteType::Local)
+            .priority(metric)
+            .protocol(RouteProtocol::from(protocol))
+            .build()
+    }
+
+    fn ours_of_table_100(m: &RouteMessage) -> bool {
+        protocol_number(m.header.protocol) == ROUTE_PROTOCOL && priority_of(m) == 100
+    }
+
+    #[test]
+    fn the_local_routes_of_a_table_s_daemon_are_told_by_protocol_and_metric() {
+        let routes = [
+            // The kernel's own for an address, then ours for the same VIP:
+            // ours is what the driver sees (and owns).
+            local("198.51.100.1", 32, 2, 0),
+            local("198.51.100.1", 32, ROUTE_PROTOCOL, 100),
+            // Ours first, then the kernel's: still ours.
+            local("198.51.100.2", 32, ROUTE_PROTOCOL, 100),
+            local("198.51.100.2", 32, 2, 0),
+            // Another table's daemon's, and the kernel's alone: not ours.
+            local("198.51.100.3", 32, ROUTE_PROTOCOL, 101),
+            local("2001:db8::4", 128, 2, 0),
+            // Not a host route: not a VIP's.
+            local("127.0.0.0", 8, 2, 0),
+        ];
+        let seen = host_routes(&routes, ours_of_table_100);
+        let marked: Vec<(String, bool)> = seen
+            .iter()
+            .map(|(ip, f)| (ip.to_string(), f.marked))
+            .collect();
+        assert_eq!(
+            marked,
+            [
+                ("198.51.100.1".to_string(), true),
+                ("198.51.100.2".to_string(), true),
+                ("198.51.100.3".to_string(), false),
+                ("2001:db8::4".to_string(), false),
+            ]
+        );
+        let one = &seen[&"198.51.100.1".parse::<IpAddr>().unwrap()];
+        assert_eq!(
+            one.seen,
+            SeenRoute {
+                interface: Some(1),
+                protocol: ROUTE_PROTOCOL
+            }
+        );
+    }
+
+    #[test]
+    fn the_local_route_written_is_local_in_table_local_with_the_table_as_metric() {
+        let m = RouteWriter::local_route("198.51.100.1".parse().unwrap(), 1, 100);
+        assert_eq!(m.header.kind, RouteType::Local);
+        assert_eq!(m.header.scope, RouteScope::Host);
+        assert_eq!(table_of(&m), LOCAL_TABLE);
+        assert_eq!(m.header.destination_prefix_length, 32);
+        assert!(ours_of_table_100(&m));
+        let v6 = RouteWriter::local_route("2001:db8::1".parse().unwrap(), 1, 100);
+        assert_eq!(v6.header.destination_prefix_length, 128);
     }
 }

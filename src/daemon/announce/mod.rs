@@ -23,7 +23,7 @@
 //! What `/status` says is what the kernel holds: every step reads the
 //! table back, and a route of ours that is gone is not shown announced (and
 //! is written again in the same step). Loopback VIPs and VIPs outside
-//! `vip.announce_prefixes` are never announced nor put on the interface
+//! `vip.announce_prefixes` are never announced nor made local
 //! (the second kind never gets here: `vip_guard` refuses them at apply).
 //!
 //! Start: with the claim held, every route of our protocol in the table is
@@ -285,7 +285,7 @@ impl Daemon {
             return BTreeMap::new();
         };
         for spec in &config.load_balancers {
-            // Never announced nor put on the interface: a loopback VIP
+            // Never announced nor made local: a loopback VIP
             // reaches only this host; one outside the prefixes is refused
             // at apply (and never reaches here).
             if spec.vip.is_unspecified()
