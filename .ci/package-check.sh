@@ -145,6 +145,11 @@ for example in config/bird/*; do
     [[ -f $example ]] || continue
     source_of[/usr/share/harvester-lb/bird/$(basename "$example")]=$example
 done
+# Examples: the FRR configurations for anycast over BGP (docs/many-hosts.md).
+for example in config/frr/*; do
+    [[ -f $example ]] || continue
+    source_of[/usr/share/harvester-lb/frr/$(basename "$example")]=$example
+done
 expected=$(printf '%s\n' "${!source_of[@]}" | sort)
 listed=$(rpm -qlp "$pkg" 2>/dev/null | sort)
 rpm -qlvp "$pkg" 2>/dev/null

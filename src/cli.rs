@@ -257,17 +257,29 @@ pub fn withdraw_all(config_path: &Path, table: Option<u32>) -> ExitCode {
         Err(e) => return runtime_failed(&e),
     };
     match runtime.block_on(harvester_lb::vip::announce::withdraw_all(table)) {
-        Ok(withdrawn) if withdrawn.is_empty() => {
-            println!("table {table}: no harvester-lb route to withdraw");
-            ExitCode::SUCCESS
-        }
         Ok(withdrawn) => {
-            let list: Vec<String> = withdrawn.iter().map(ToString::to_string).collect();
-            println!(
-                "table {table}: withdrew {} VIP(s): {}",
-                list.len(),
-                list.join(", ")
-            );
+            let list = |vips: &[std::net::IpAddr]| {
+                vips.iter()
+                    .map(ToString::to_string)
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            };
+            if withdrawn.routes.is_empty() {
+                println!("table {table}: no harvester-lb route to withdraw");
+            } else {
+                println!(
+                    "table {table}: withdrew {} VIP(s): {}",
+                    withdrawn.routes.len(),
+                    list(&withdrawn.routes)
+                );
+            }
+            if !withdrawn.local.is_empty() {
+                println!(
+                    "table {table}: removed the local route of {} VIP(s): {}",
+                    withdrawn.local.len(),
+                    list(&withdrawn.local)
+                );
+            }
             ExitCode::SUCCESS
         }
         Err(e) => {

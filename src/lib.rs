@@ -31,7 +31,7 @@
 //!   their listeners' ports answer, leased by DHCP or announced by route.
 //! * [`nft`]: the `nft` command, run in one place for every table.
 //! * [`owned`]: kernel objects the daemon owns (the isolation table, the
-//!   NAT tables, announce routes, VIP addresses), read back and repaired
+//!   NAT tables, announce routes, the VIPs' local routes), read back and repaired
 //!   when another process changed them; one driver for the keyed kinds.
 //! * [`admin`], [`metrics`], [`systemd`]: how operators and machines see it.
 //! * [`logging`]: log lines queued to a writer thread of their own, so a

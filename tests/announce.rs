@@ -114,8 +114,27 @@ async fn wait_announced(ns: &Ns, dst: &str, want: bool, timeout: Duration, what:
     .await;
 }
 
-fn on_lo(ns: &Ns, ip: &str) -> bool {
-    ip_out(ns, &["addr", "show", "dev", "lo"]).contains(&format!(" {ip}/"))
+/// The routes of table `local`, both families.
+fn local_table(ns: &Ns) -> String {
+    ip_out(ns, &["-4", "route", "show", "table", "local"])
+        + &ip_out(ns, &["-6", "route", "show", "table", "local"])
+}
+
+/// The line of table `local` making `ip` local, if any (the daemon's AnyIP
+/// route, or the kernel's for an address).
+fn local_route_of(ns: &Ns, ip: &str) -> Option<String> {
+    local_table(ns)
+        .lines()
+        .find(|l| l.starts_with(&format!("local {ip} ")))
+        .map(str::to_string)
+}
+
+/// Whether the daemon made `ip` local: `local IP dev lo table local proto
+/// 252 metric 100` (the metric is its announce table).
+fn is_local(ns: &Ns, ip: &str) -> bool {
+    local_route_of(ns, ip).is_some_and(|l| {
+        l.contains(" dev lo ") && l.contains(" proto 252 ") && l.contains(" metric 100")
+    })
 }
 
 /// The bed of an announcing test: one node serving, `lo` up.
@@ -191,8 +210,9 @@ async fn netns_announce_follows_health_and_sigterm_withdraws_before_the_listener
     )
     .await;
     assert!(
-        on_lo(&bed.lb, &AVIP.to_string()),
-        "the VIP address is put on lo"
+        is_local(&bed.lb, &AVIP.to_string()),
+        "the VIP is made local: {}",
+        local_table(&bed.lb)
     );
     // Announced after the delay, not before.
     wait_announced(
@@ -262,26 +282,38 @@ async fn netns_announce_follows_health_and_sigterm_withdraws_before_the_listener
             &[("kind", "announce_route")]
         ) >= 1.0
     );
-    // Another process takes the VIP's address off lo: read back (every
+    // Another process deletes the VIP's local route: read back (every
     // check interval, 10 s), put back, logged and counted.
-    bed.lb
-        .ip(&["addr", "del", &format!("{AVIP}/32"), "dev", "lo"]);
-    assert!(!on_lo(&bed.lb, &AVIP.to_string()));
+    bed.lb.ip(&[
+        "route",
+        "del",
+        "local",
+        &format!("{AVIP}/32"),
+        "dev",
+        "lo",
+        "table",
+        "local",
+        "proto",
+        "252",
+        "metric",
+        "100",
+    ]);
+    assert!(!is_local(&bed.lb, &AVIP.to_string()));
     wait_for(
         Duration::from_secs(25),
-        "the VIP address deleted by hand put back on lo",
-        || async { on_lo(&lbns, &AVIP.to_string()).then_some(()) },
+        "the VIP's local route deleted by hand put back",
+        || async { is_local(&lbns, &AVIP.to_string()).then_some(()) },
     )
     .await;
     wait_for(
         Duration::from_secs(15),
-        "the address repair counted",
+        "the local route repair counted",
         || async {
             let m = bed.daemon().metrics().await;
             (metric(
                 &m,
                 "harvester_lb_host_repairs_total",
-                &[("kind", "vip_address")],
+                &[("kind", "vip_local_route")],
             ) >= 1.0)
                 .then_some(())
         },
@@ -333,8 +365,8 @@ async fn netns_announce_follows_health_and_sigterm_withdraws_before_the_listener
         ),
         1.0
     );
-    // The address stays: open and late connections are still accepted.
-    assert!(on_lo(&bed.lb, &vip));
+    // The local route stays: open and late connections are still accepted.
+    assert!(is_local(&bed.lb, &vip));
 
     // It recovers: announced again after the (damped) delay.
     node.start_health();
@@ -479,8 +511,9 @@ async fn netns_announce_follows_health_and_sigterm_withdraws_before_the_listener
     );
     assert!(!announced(&bed.lb, AVIP6), "{}", table(&bed.lb));
     assert!(
-        !on_lo(&bed.lb, &AVIP.to_string()),
-        "the address it added goes at a clean stop"
+        local_route_of(&bed.lb, &AVIP.to_string()).is_none(),
+        "the local route it made goes at a clean stop: {}",
+        local_table(&bed.lb)
     );
     assert!(
         route_of(&bed.lb, "192.0.2.99").is_some(),
@@ -514,9 +547,9 @@ async fn netns_a_reload_withdraws_a_dropped_vip_and_withdraw_all_after_sigkill_d
         async move { (announced(&ns, &AVIP.to_string()) && announced(&ns, AVIP6)).then_some(()) }
     })
     .await;
-    assert!(on_lo(&bed.lb, AVIP6));
+    assert!(is_local(&bed.lb, AVIP6), "{}", local_table(&bed.lb));
     // A reload that drops the IPv6 load balancer withdraws its VIP and
-    // takes its address off lo; the other VIP stays announced.
+    // deletes its local route; the other VIP stays announced.
     let original = std::fs::read_to_string(&bed.daemon().config).expect("read config");
     let mut text = original.clone();
     let cut = text.rfind("[[load_balancer]]").expect("two load balancers");
@@ -525,7 +558,7 @@ async fn netns_a_reload_withdraws_a_dropped_vip_and_withdraw_all_after_sigkill_d
     bed.daemon().signal(libc::SIGHUP);
     wait_for(Duration::from_secs(15), "the dropped VIP withdrawn", || {
         let ns = lbns.clone();
-        async move { (!announced(&ns, AVIP6) && !on_lo(&ns, AVIP6)).then_some(()) }
+        async move { (!announced(&ns, AVIP6) && !is_local(&ns, AVIP6)).then_some(()) }
     })
     .await;
     assert!(announced(&bed.lb, &AVIP.to_string()), "{}", table(&bed.lb));
@@ -556,6 +589,15 @@ async fn netns_a_reload_withdraws_a_dropped_vip_and_withdraw_all_after_sigkill_d
         "a killed daemon's routes outlive it: {}",
         table(&bed.lb)
     );
+    assert!(
+        is_local(&bed.lb, &AVIP.to_string()) && is_local(&bed.lb, AVIP6),
+        "a killed daemon's local routes outlive it: {}",
+        local_table(&bed.lb)
+    );
+    // Another daemon's local route (its table, 101, is the metric): never
+    // touched by this table's withdraw --all nor by this table's daemon.
+    let theirs = "198.51.100.201";
+    add_local(&bed.lb, theirs, 101);
     let withdraw = || {
         Command::new("ip")
             .args([
@@ -585,6 +627,13 @@ async fn netns_a_reload_withdraws_a_dropped_vip_and_withdraw_all_after_sigkill_d
     assert!(!announced(&bed.lb, &AVIP.to_string()), "{}", table(&bed.lb));
     assert!(!announced(&bed.lb, AVIP6), "{}", table(&bed.lb));
     assert!(
+        !is_local(&bed.lb, &AVIP.to_string()) && !is_local(&bed.lb, AVIP6),
+        "withdraw --all leaves the killed run's local routes: {}",
+        local_table(&bed.lb)
+    );
+    assert!(said.contains("removed the local route of"), "{said}");
+    assert!(local_route_of(&bed.lb, theirs).is_some_and(|l| l.contains("metric 101")));
+    assert!(
         route_of(&bed.lb, "192.0.2.99").is_some_and(|l| l.contains("proto static")),
         "another protocol's route is left alone: {}",
         table(&bed.lb)
@@ -598,14 +647,26 @@ async fn netns_a_reload_withdraws_a_dropped_vip_and_withdraw_all_after_sigkill_d
     );
     assert!(String::from_utf8_lossy(&out.stdout).contains("no harvester-lb route"));
 
-    // The killed run's addresses are still on lo; a new run starts
-    // withdrawn, announces after its delay, knows them for its own (tagged
-    // with protocol 252) and removes them at a clean stop.
-    assert!(on_lo(&bed.lb, &AVIP.to_string()) && on_lo(&bed.lb, AVIP6));
+    // A run killed without withdraw --all leaves local routes of its table:
+    // the next run adopts the one it wants and deletes the other at start
+    // (ours by protocol and metric), starts withdrawn, announces after its
+    // delay and deletes its own at a clean stop; another table's stays.
+    add_local(&bed.lb, &AVIP.to_string(), 100);
+    let stray = "198.51.100.202";
+    add_local(&bed.lb, stray, 100);
     let config = std::fs::read_to_string(&daemon.config).expect("read config");
     drop(daemon);
     let restarted = Instant::now();
     bed.start_daemon(&config).await;
+    wait_for(
+        Duration::from_secs(15),
+        "the dead run's stray local route deleted",
+        || {
+            let ns = lbns.clone();
+            async move { local_route_of(&ns, stray).is_none().then_some(()) }
+        },
+    )
+    .await;
     wait_announced(
         &lbns,
         &AVIP.to_string(),
@@ -619,6 +680,7 @@ async fn netns_a_reload_withdraws_a_dropped_vip_and_withdraw_all_after_sigkill_d
         "a restart starts withdrawn: announced {:?} after it",
         restarted.elapsed()
     );
+    assert!(is_local(&bed.lb, &AVIP.to_string()) && is_local(&bed.lb, AVIP6));
     let mut daemon = bed.take_daemon();
     daemon.signal(libc::SIGTERM);
     let status = daemon.wait_exit(Duration::from_secs(30)).await;
@@ -628,10 +690,35 @@ async fn netns_a_reload_withdraws_a_dropped_vip_and_withdraw_all_after_sigkill_d
         daemon.log_tail(30)
     );
     assert!(
-        !on_lo(&bed.lb, &AVIP.to_string()) && !on_lo(&bed.lb, AVIP6),
-        "the addresses a killed run added are removed by the next clean stop: {}",
-        ip_out(&bed.lb, &["addr", "show", "dev", "lo"])
+        local_route_of(&bed.lb, &AVIP.to_string()).is_none()
+            && local_route_of(&bed.lb, AVIP6).is_none(),
+        "the local routes are deleted by a clean stop: {}",
+        local_table(&bed.lb)
     );
+    assert!(
+        local_route_of(&bed.lb, theirs).is_some_and(|l| l.contains("metric 101")),
+        "another table's local route was touched: {}",
+        local_table(&bed.lb)
+    );
+}
+
+/// `local IP/32 dev lo table local proto 252 metric TABLE`, by hand: what
+/// the daemon of announce table `table` writes.
+fn add_local(ns: &Ns, ip: &str, table: u32) {
+    ns.ip(&[
+        "route",
+        "add",
+        "local",
+        &format!("{ip}/32"),
+        "dev",
+        "lo",
+        "table",
+        "local",
+        "proto",
+        "252",
+        "metric",
+        &table.to_string(),
+    ]);
 }
 
 /// The problems `check` reports for `text`, one per line.
@@ -885,9 +972,9 @@ async fn netns_a_vip_that_is_the_hosts_own_address_or_gateway_or_outside_the_pre
             "{}",
             table(&bed.lb)
         );
-        assert!(!on_lo(&bed.lb, &vip.to_string()), "{vip} put on lo");
+        assert!(!is_local(&bed.lb, &vip.to_string()), "{vip} made local");
     }
-    assert!(!on_lo(&bed.lb, "127.0.9.1") && route_of(&bed.lb, "127.0.9.1").is_none());
+    assert!(!is_local(&bed.lb, "127.0.9.1") && route_of(&bed.lb, "127.0.9.1").is_none());
     assert!(
         status["announce"]["vips"]
             .as_array()
@@ -957,8 +1044,11 @@ async fn netns_an_uplink_as_announce_interface_is_refused_and_lo_works_after_a_r
         "{error}"
     );
     tokio::time::sleep(Duration::from_secs(2)).await;
-    let eth0 = ip_out(&bed.lb, &["addr", "show", "dev", "eth0"]);
-    assert!(!eth0.contains(&format!(" {AVIP}/")), "{eth0}");
+    assert!(
+        local_route_of(&bed.lb, &AVIP.to_string()).is_none(),
+        "{}",
+        local_table(&bed.lb)
+    );
     assert!(
         route_of(&bed.lb, &AVIP.to_string()).is_none(),
         "{}",
@@ -982,7 +1072,7 @@ async fn netns_an_uplink_as_announce_interface_is_refused_and_lo_works_after_a_r
         "announced once the interface is lo",
     )
     .await;
-    assert!(on_lo(&bed.lb, &AVIP.to_string()));
+    assert!(is_local(&bed.lb, &AVIP.to_string()));
     let s = bed.daemon().status().await;
     assert!(s["announce"]["error"].is_null(), "{s:#}");
 }
@@ -1059,7 +1149,7 @@ async fn netns_two_daemons_on_one_table_never_delete_each_others_routes() {
             "{}",
             table(&bed.lb)
         );
-        assert!(!on_lo(&bed.lb, &vip2.to_string()));
+        assert!(local_route_of(&bed.lb, &vip2.to_string()).is_none());
         if polls % 10 == 0 {
             let v = vip_status(&bed.daemon().status().await, &AVIP.to_string());
             assert_eq!(v["announced"], true, "{v}");

@@ -1,5 +1,6 @@
 //! Anycast VIPs over BGP: two load-balancer hosts announce the same VIP
-//! through real BIRD 2 to a router that spreads flows by ECMP (see
+//! through real BIRD 2 (`bgp_*`) or real FRR 8.4 (`frr_*`, the same cases
+//! through one shared function each) to a router that spreads flows by ECMP (see
 //! `tests/netns/bgp.rs` for the bed and `docs/many-hosts.md` for the
 //! figures). Run as root; under CI a missing tool fails the test.
 
@@ -11,7 +12,7 @@ mod support;
 use std::net::{IpAddr, SocketAddr};
 use std::time::Duration;
 
-use netns::bgp::{BgpBed, PORT, VIP};
+use netns::bgp::{BgpBed, PORT, Speaker, VIP};
 
 fn vip() -> SocketAddr {
     SocketAddr::new(IpAddr::V4(VIP), PORT)
@@ -63,29 +64,105 @@ fn shipped_bird_configs_parse() {
     let _ = std::fs::remove_dir_all(&scratch);
 }
 
+/// Every shipped FRR config passes `vtysh --dryrun` (FRR's own parser of
+/// the integrated config) as it is, and as the bed fills it in for its
+/// hosts; a config with a line FRR does not know fails the same check.
+#[test]
+fn shipped_frr_configs_parse() {
+    if let Some(why) = netns::bgp::frr_skip_reason() {
+        netns::skip_or_fail(module_path!(), &why);
+        return;
+    }
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("config/frr");
+    let scratch = std::env::temp_dir().join(format!("hlb-frr-parse-{}", std::process::id()));
+    std::fs::create_dir_all(&scratch).expect("scratch dir");
+    let mut files: Vec<std::path::PathBuf> = std::fs::read_dir(&dir)
+        .expect("config/frr")
+        .map(|e| e.expect("entry").path())
+        .filter(|p| p.extension().is_some_and(|e| e == "conf"))
+        .collect();
+    assert!(
+        files.len() >= 2,
+        "config/frr has {} .conf files",
+        files.len()
+    );
+    let host2 = scratch.join("host2.conf");
+    std::fs::write(&host2, netns::bgp::frr_host_config(2)).expect("write");
+    files.push(host2);
+    let dryrun = |f: &std::path::Path| {
+        std::process::Command::new("vtysh")
+            .arg("--dryrun")
+            .arg("-f")
+            .arg(f)
+            .output()
+            .expect("run vtysh --dryrun")
+    };
+    for f in &files {
+        let out = dryrun(f);
+        assert!(
+            out.status.success(),
+            "vtysh --dryrun -f {}: {}{}",
+            f.display(),
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let bad = scratch.join("bad.conf");
+    std::fs::write(
+        &bad,
+        netns::bgp::frr_router_config() + "router bgp 65000\n maximum-pathz 8\nexit\n",
+    )
+    .expect("write");
+    assert!(
+        !dryrun(&bad).status.success(),
+        "vtysh --dryrun accepted a line FRR does not know: the check checks nothing"
+    );
+    let _ = std::fs::remove_dir_all(&scratch);
+}
+
 /// The bed itself, with the routes written by hand as the daemon would:
 /// the router holds one route with both hosts as nexthops and spreads
 /// connections over both. The shipped host config exports only what
 /// harvester-lb writes: a route of another protocol in table 100, or one of
 /// ours outside the VIP ranges or wider than a host route, never reaches
-/// the router.
+/// the router. (FRR cannot match the protocol: its config exports host
+/// routes of the VIP range from table 100 and nothing else, so its decoys
+/// are outside the range, wider, or in another table.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bgp_bed_by_hand_spreads_over_both_hosts() {
-    require_bgp!();
-    let mut bed = BgpBed::new("hand", true).await;
-    let stray = [
-        ("198.51.100.101/32", "static"),
-        ("203.0.113.99/32", "252"),
-        ("198.51.100.0/25", "252"),
-    ];
-    for (net, proto) in stray {
+    by_hand(Speaker::Bird).await;
+}
+
+/// [`bgp_bed_by_hand_spreads_over_both_hosts`] with FRR on the hosts and the router.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn frr_bed_by_hand_spreads_over_both_hosts() {
+    by_hand(Speaker::Frr).await;
+}
+
+async fn by_hand(speaker: Speaker) {
+    require_speaker!(speaker);
+    let mut bed = BgpBed::with_speaker(&speaker.tag("hand"), true, speaker).await;
+    let stray: &[(&str, &str, &str)] = match speaker {
+        Speaker::Bird => &[
+            ("198.51.100.101/32", "static", "100"),
+            ("203.0.113.99/32", "252", "100"),
+            ("198.51.100.0/25", "252", "100"),
+        ],
+        Speaker::Frr => &[
+            ("203.0.113.99/32", "252", "100"),
+            ("198.51.100.0/25", "252", "100"),
+            ("198.51.100.102/32", "252", "main"),
+            ("198.51.100.103/32", "252", "101"),
+        ],
+    };
+    for (net, proto, table) in stray {
         bed.host(1).ns.ip(&[
-            "route", "add", net, "dev", "lo", "table", "100", "proto", proto,
+            "route", "add", net, "dev", "lo", "table", table, "proto", proto,
         ]);
     }
     both_by_hand(&mut bed).await;
     let fib = bed.router_routes();
-    for (net, _) in stray {
+    for (net, _, _) in stray {
         // `ip route` prints a host route without its `/32`.
         let printed = format!("{} ", net.trim_end_matches("/32"));
         assert!(
@@ -122,8 +199,18 @@ async fn both_by_hand(bed: &mut BgpBed) {
 /// 0.3 s; we allow 1 s (the bound) on a busy 2-core machine.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bgp_bfd_takes_a_silent_host_out_within_a_second() {
-    require_bgp!();
-    let mut bed = BgpBed::new("bfd", false).await;
+    silent_host(Speaker::Bird).await;
+}
+
+/// [`bgp_bfd_takes_a_silent_host_out_within_a_second`] with FRR on the hosts and the router.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn frr_bfd_takes_a_silent_host_out_within_a_second() {
+    silent_host(Speaker::Frr).await;
+}
+
+async fn silent_host(speaker: Speaker) {
+    require_speaker!(speaker);
+    let mut bed = BgpBed::with_speaker(&speaker.tag("bfd"), false, speaker).await;
     both_announcing(&mut bed, 1, 1, 5).await;
     // Each attempt gets 0.9 s: a SYN to the silent host is never answered,
     // and its retry (after 1 s) would go to the survivor and hide it.
@@ -179,8 +266,18 @@ async fn bgp_bfd_takes_a_silent_host_out_within_a_second() {
 /// announces it again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bgp_withdrawal_breaks_none_of_the_other_hosts_connections() {
-    require_bgp!();
-    let mut bed = BgpBed::new("keep", false).await;
+    survivors_untouched(Speaker::Bird).await;
+}
+
+/// [`bgp_withdrawal_breaks_none_of_the_other_hosts_connections`] with FRR on the hosts and the router.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn frr_withdrawal_breaks_none_of_the_other_hosts_connections() {
+    survivors_untouched(Speaker::Frr).await;
+}
+
+async fn survivors_untouched(speaker: Speaker) {
+    require_speaker!(speaker);
+    let mut bed = BgpBed::with_speaker(&speaker.tag("keep"), false, speaker).await;
     both_announcing(&mut bed, 1, 1, 5).await;
     let mut conns = bed.open_long(vip(), 60).await;
     let before = netns::bgp::tally(&mut conns).await;
@@ -318,8 +415,18 @@ async fn host1_backend_fails(bed: &mut BgpBed, more: usize, least: usize, what: 
 /// announced.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bgp_both_hosts_announce_and_carry_connections() {
-    require_bgp!();
-    let mut bed = BgpBed::new("both", false).await;
+    both_announce(Speaker::Bird).await;
+}
+
+/// [`bgp_both_hosts_announce_and_carry_connections`] with FRR on the hosts and the router.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn frr_both_hosts_announce_and_carry_connections() {
+    both_announce(Speaker::Frr).await;
+}
+
+async fn both_announce(speaker: Speaker) {
+    require_speaker!(speaker);
+    let mut bed = BgpBed::with_speaker(&speaker.tag("both"), false, speaker).await;
     both_announcing(&mut bed, 1, 1, 5).await;
     wait_announce(&bed, 1, true, None).await;
     wait_announce(&bed, 2, true, None).await;
@@ -328,6 +435,12 @@ async fn bgp_both_hosts_announce_and_carry_connections() {
     assert_eq!(counts.get(&0), None, "failed connections: {counts:?}");
     assert!(counts.get(&1).copied().unwrap_or(0) >= 40, "{counts:?}");
     assert!(counts.get(&2).copied().unwrap_or(0) >= 40, "{counts:?}");
+    if speaker == Speaker::Frr {
+        // FRR 8.4 has no `ipv6 import-table`: the IPv6 VIP stays local on
+        // the hosts and never reaches the router (docs/many-hosts.md).
+        assert_eq!(bed.nexthops6(), 0, "{}", bed.router_routes());
+        return;
+    }
     netns::wait_for(Duration::from_secs(10), "two IPv6 nexthops", || {
         let n = bed.nexthops6();
         async move { (n == 2).then_some(()) }
@@ -342,8 +455,18 @@ async fn bgp_both_hosts_announce_and_carry_connections() {
 /// came within 60 s of the announce).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bgp_host_whose_backends_fail_withdraws() {
-    require_bgp!();
-    let mut bed = BgpBed::new("unhealthy", false).await;
+    backends_fail(Speaker::Bird).await;
+}
+
+/// [`bgp_host_whose_backends_fail_withdraws`] with FRR on the hosts and the router.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn frr_host_whose_backends_fail_withdraws() {
+    backends_fail(Speaker::Frr).await;
+}
+
+async fn backends_fail(speaker: Speaker) {
+    require_speaker!(speaker);
+    let mut bed = BgpBed::with_speaker(&speaker.tag("unhealthy"), false, speaker).await;
     both_announcing(&mut bed, 2, 1, 5).await;
     host1_backend_fails(&mut bed, 150, 100, "backends of host 1 down").await;
     // The withdrawal came less than 60 s after the announce: damping
@@ -377,8 +500,18 @@ async fn bgp_host_whose_backends_fail_withdraws() {
 /// docs/many-hosts.md.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bgp_sigterm_withdraws_before_it_stops_serving() {
-    require_bgp!();
-    let mut bed = BgpBed::new("sigterm", false).await;
+    sigterm(Speaker::Bird).await;
+}
+
+/// [`bgp_sigterm_withdraws_before_it_stops_serving`] with FRR on the hosts and the router.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn frr_sigterm_withdraws_before_it_stops_serving() {
+    sigterm(Speaker::Frr).await;
+}
+
+async fn sigterm(speaker: Speaker) {
+    require_speaker!(speaker);
+    let mut bed = BgpBed::with_speaker(&speaker.tag("sigterm"), false, speaker).await;
     both_announcing(&mut bed, 1, 2, 5).await;
     let mut conns = bed.open_long(vip(), 40).await;
     let (prober, term, gone) = bed
@@ -419,8 +552,18 @@ async fn bgp_sigterm_withdraws_before_it_stops_serving() {
 /// Started again, the daemon starts withdrawn and announces after its delay.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bgp_sigkill_then_withdraw_all_and_restart() {
-    require_bgp!();
-    let mut bed = BgpBed::new("sigkill", false).await;
+    sigkill(Speaker::Bird).await;
+}
+
+/// [`bgp_sigkill_then_withdraw_all_and_restart`] with FRR on the hosts and the router.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn frr_sigkill_then_withdraw_all_and_restart() {
+    sigkill(Speaker::Frr).await;
+}
+
+async fn sigkill(speaker: Speaker) {
+    require_speaker!(speaker);
+    let mut bed = BgpBed::with_speaker(&speaker.tag("sigkill"), false, speaker).await;
     both_announcing(&mut bed, 3, 1, 5).await;
     bed.host(1).daemon().signal(libc::SIGKILL);
     bed.host_mut(1)
@@ -575,8 +718,18 @@ fn listeners_forwarding(status: &serde_json::Value, kind: &str) -> usize {
 /// succeeds through the other host, forwarded by its kernel.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bgp_kernel_listeners_announce_and_withdraw_on_health() {
-    require_bgp!();
-    let mut bed = BgpBed::new("kernel", false).await;
+    kernel_listeners(Speaker::Bird).await;
+}
+
+/// [`bgp_kernel_listeners_announce_and_withdraw_on_health`] with FRR on the hosts and the router.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn frr_kernel_listeners_announce_and_withdraw_on_health() {
+    kernel_listeners(Speaker::Frr).await;
+}
+
+async fn kernel_listeners(speaker: Speaker) {
+    require_speaker!(speaker);
+    let mut bed = BgpBed::with_speaker(&speaker.tag("kernel"), false, speaker).await;
     for i in 1..=2 {
         let h = bed.host_mut(i);
         h.enable_forwarding();
@@ -661,8 +814,18 @@ async fn bgp_kernel_listeners_announce_and_withdraw_on_health() {
 /// address (as SSH would), which its own address still answers.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bgp_isolated_vip_serves_only_its_listeners_through_both_hosts() {
-    require_bgp!();
-    let mut bed = BgpBed::new("isolate", false).await;
+    isolated_vip(Speaker::Bird).await;
+}
+
+/// [`bgp_isolated_vip_serves_only_its_listeners_through_both_hosts`] with FRR on the hosts and the router.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn frr_isolated_vip_serves_only_its_listeners_through_both_hosts() {
+    isolated_vip(Speaker::Frr).await;
+}
+
+async fn isolated_vip(speaker: Speaker) {
+    require_speaker!(speaker);
+    let mut bed = BgpBed::with_speaker(&speaker.tag("isolate"), false, speaker).await;
     const OTHER: u16 = 2222;
     let mut services = Vec::new();
     for i in 1..=2 {

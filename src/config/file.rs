@@ -172,7 +172,7 @@ pub struct FileVip {
     /// `none` or `routes`: whether the daemon announces its VIPs as host
     /// routes in a table a BGP speaker exports.
     pub announce: Option<Spanned<String>>,
-    /// The interface the VIP addresses are put on (`lo`).
+    /// The interface of the VIPs' local and announce routes (`lo`).
     pub announce_interface: Option<Spanned<String>>,
     /// The CIDR ranges a VIP must be inside to be announced (required
     /// with `announce = "routes"`).

@@ -191,10 +191,11 @@ impl AnnounceSettings {
 /// `vip.announce`.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum AnnounceMode {
-    /// No address and no route is touched (keepalived or kube-vip move the VIP).
+    /// No route is touched (keepalived or kube-vip move the VIP).
     #[default]
     None,
-    /// Each VIP is an address on `announce_interface`, and a host route in
+    /// Each VIP is made local by an AnyIP route through `announce_interface`
+    /// (`local VIP dev lo table local`), and a host route in
     /// `announce_table` announces it while this host can serve it.
     Routes,
 }

@@ -325,7 +325,7 @@ impl Daemon {
         let (proxied, kernel) =
             tokio::join!(futures_sum(drains), self.kernel_drain_and_remove(drain));
         let cut = proxied + kernel;
-        self.announce_remove_addresses().await;
+        self.announce_remove_local_routes().await;
         self.vmnet_stop().await;
         // After the drain: releasing takes the VIP off the host.
         self.leases.shutdown().await;

@@ -64,7 +64,9 @@ impl Daemon {
         if host.is_err() {
             host = read_host().await;
         }
-        let mut ours = self.announce_own_addresses().await;
+        // The daemon puts no VIP on an interface (announced VIPs are
+        // local through AnyIP routes): only keepalived's are not the host's.
+        let mut ours = BTreeSet::new();
         if let Ok(h) = &host {
             ours.extend(keepalived_held(&config, h));
         }

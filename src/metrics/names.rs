@@ -370,7 +370,7 @@ pub static VIP_REFUSED: Family = Family::new(
 pub static HOST_REPAIRS: Family = Family::new(
     "harvester_lb_host_repairs_total",
     Counter,
-    "Objects this daemon wrote into the host (isolation_table, nat_tables, announce_route, vip_address, dhcp_lease, network_route) found changed or removed by another process and written again, by kind; each logged at warn with what differed.",
+    "Objects this daemon wrote into the host (isolation_table, nat_tables, announce_route, vip_local_route, dhcp_lease, network_route) found changed or removed by another process and written again, by kind; each logged at warn with what differed.",
 );
 /// `vip.announce = "routes"`: 1 while this host's route for the VIP is
 /// in the announcing table.

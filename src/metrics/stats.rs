@@ -350,8 +350,9 @@ labels! {
         NatTables = "nat_tables",
         /// A VIP's route in `vip.announce_table`.
         AnnounceRoute = "announce_route",
-        /// A VIP's address on `vip.announce_interface`.
-        VipAddress = "vip_address",
+        /// A VIP's AnyIP local route (`local VIP dev <announce_interface>
+        /// table local`), how an announcing host accepts its traffic.
+        VipLocalRoute = "vip_local_route",
         /// A DHCP load balancer's macvlan interface or leased address.
         DhcpLease = "dhcp_lease",
         /// A `[[network]]`'s route or a VIP's `from VIP` rule.

@@ -1,5 +1,5 @@
 //! One driver for every kind of keyed object the daemon writes into the
-//! host: routes in the announce table, VIP addresses on the announcing
+//! host: routes in the announce table, the VIPs' local routes on the announcing
 //! interface (and, through [`super::Guard`], the single-object kinds).
 //!
 //! A kind says three things through its [`Backend`]: how to read the
@@ -52,7 +52,7 @@ pub enum StopPhase {
     /// announce route); withdrawing it first lets the router move new flows
     /// away while open connections finish.
     BeforeDrain,
-    /// After the drain: the object accepts traffic (a VIP address); removing
+    /// After the drain: the object accepts traffic (a VIP's local route); removing
     /// it earlier would cut the open connections the drain waits for.
     AfterDrain,
 }
@@ -81,7 +81,7 @@ pub trait Backend {
     /// Whether a marked object this process did not write is removed when
     /// not wanted: true where one daemon alone holds the keys (a claimed
     /// announce table: a marked route there is a dead predecessor's);
-    /// false where other daemons may hold marked objects too (VIP addresses
+    /// false where other daemons may hold marked objects too (addresses
     /// on a shared `lo`), so only what this process wrote is removed.
     const REMOVES_STRAYS: bool;
     /// What names one object (a VIP).

@@ -21,8 +21,8 @@
 //!
 //! Three shapes carry it out, by the size of what is owned:
 //!
-//! * **Many small keyed objects** (a VIP's announce route, a VIP's address
-//!   on the announcing interface): the [`Driver`] ([`driver`]), one for
+//! * **Many small keyed objects** (a VIP's announce route, a VIP's AnyIP
+//!   local route): the [`Driver`] ([`driver`]), one for
 //!   every such kind. Each kind is a [`Backend`] (read all, write one,
 //!   remove one, over rtnetlink); the driver reads back, repairs, removes
 //!   what is no longer wanted, writes, reads back again, and orders the

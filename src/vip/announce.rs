@@ -1,13 +1,19 @@
 //! Announcing VIPs for a BGP speaker: host routes in a table of the
-//! daemon's own, and the VIP addresses on an interface, over rtnetlink.
+//! daemon's own, and AnyIP local routes that make the VIPs local, over
+//! rtnetlink.
 //!
 //! With `vip.announce = "routes"` a route
 //! `VIP/32 dev <interface> table <table> proto 252` (`/128` for IPv6) is the announcement: the BGP speaker
-//! (BIRD's `protocol kernel { kernel table 100; learn; }`) exports what is
+//! (BIRD's `protocol kernel { kernel table 100; learn; }`, FRR's
+//! `ip import-table 100` with `redistribute table 100`) exports what is
 //! in the table, so writing or deleting one route announces or withdraws
-//! one VIP in milliseconds, with no reload of the speaker. The address on
-//! the interface is separate: it is how the host accepts the VIP's traffic,
-//! announced or not, so open connections keep working after a withdrawal.
+//! one VIP, with no reload of the speaker. The local route
+//! `local VIP/32 dev <interface> table local proto 252 metric <table>` is
+//! separate: it is how the host accepts the VIP's traffic, announced or
+//! not, so open connections keep working after a withdrawal. It is a route
+//! and not an address on the interface because FRR's zebra makes an
+//! address a connected route that always beats the one imported from the
+//! table, so FRR would announce nothing ([`VipLocalRoutes`]).
 //!
 //! This module only writes what it is told. Whether a VIP should be
 //! announced is decided by the daemon (`daemon::announce`), which drives
@@ -16,18 +22,20 @@
 //! Ownership: every route written carries [`ROUTE_PROTOCOL`], and only
 //! routes with that protocol in the configured table are ever deleted. A
 //! route another protocol put for the same prefix in that table is never
-//! replaced: writing fails with an error that says so. Addresses are
-//! removed only when this process added them (see [`VipAddresses`]).
+//! replaced: writing fails with an error that says so. Local routes carry
+//! the protocol and, as their metric, the table: only those of this
+//! daemon's table are ever deleted (see [`VipLocalRoutes`]).
 //!
 //! Both are kinds of host object that [`crate::owned::Driver`] owns:
-//! [`RouteTable`] and [`VipAddresses`] say how to read, write and remove
+//! [`RouteTable`] and [`VipLocalRoutes`] say how to read, write and remove
 //! one; the driver reads back, repairs and reports what the kernel holds.
 //!
 //! One table, one daemon: [`TableClaim`] holds an abstract Unix socket
 //! named after the table, which exists once per network namespace and goes
 //! with the process however it ends. A daemon announces into a table only
 //! while it holds the claim, so every route of our protocol in a table it
-//! holds was written by it or by a dead predecessor (deleted at start), and
+//! holds (and every local route with its table as metric) was written by it
+//! or by a dead predecessor (deleted at start), and
 //! two daemons never delete each other's routes: the second is refused,
 //! naming the first's pid, and tries again until the first is gone.
 //!
@@ -37,9 +45,8 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
 
 use futures_util::TryStreamExt;
-use rtnetlink::packet_route::address::{AddressAttribute, AddressFlags, AddressProtocol};
 use rtnetlink::packet_route::route::{
-    RouteAddress, RouteAttribute, RouteMessage, RouteProtocol, RouteScope,
+    RouteAddress, RouteAttribute, RouteMessage, RouteProtocol, RouteScope, RouteType,
 };
 use rtnetlink::{Handle, RouteMessageBuilder};
 
@@ -182,7 +189,7 @@ impl RouteWriter {
         }
     }
 
-    /// The index of interface `name` when it may carry the VIP addresses:
+    /// The index of interface `name` when it may carry the VIPs' routes:
     /// `lo` or a dummy interface ([`AnnounceError::NotDummy`] otherwise).
     pub async fn announcing_interface(&self, name: &str) -> Result<u32, AnnounceError> {
         use super::host::{LinkKind, link_kind};
@@ -356,87 +363,139 @@ impl RouteWriter {
         // Any scope: the kernel matches a delete's scope only when it is
         // narrower than "nowhere".
         m.header.scope = RouteScope::NoWhere;
+        self.delete(m, || {
+            format!("cannot delete the route for {vip} from table {table}")
+        })
+        .await
+    }
+
+    /// The AnyIP route that makes `vip` local through interface `index`,
+    /// ours: protocol [`ROUTE_PROTOCOL`], metric `table` (the announce
+    /// table of the daemon that owns it).
+    fn local_route(vip: IpAddr, index: u32, table: u32) -> RouteMessage {
+        RouteMessageBuilder::<IpAddr>::new()
+            .destination_prefix(vip, host_prefix(vip))
+            .expect("an address and its host prefix length are consistent")
+            .output_interface(index)
+            .table_id(LOCAL_TABLE)
+            .kind(RouteType::Local)
+            .scope(RouteScope::Host)
+            .priority(table)
+            .protocol(RouteProtocol::from(ROUTE_PROTOCOL))
+            .build()
+    }
+
+    /// The local routes (table `local`, type `local`) of host prefixes, by
+    /// destination; marked when ours for the daemon of `table` (our
+    /// protocol, metric `table`). The kernel's own (the host's addresses)
+    /// are there unmarked.
+    pub async fn local_routes(
+        &self,
+        table: u32,
+    ) -> Result<BTreeMap<IpAddr, Found<SeenRoute>>, AnnounceError> {
+        let mut routes = self.routes_in(LOCAL_TABLE).await?;
+        routes.retain(|m| m.header.kind == RouteType::Local);
+        Ok(host_routes(&routes, |m| {
+            protocol_number(m.header.protocol) == ROUTE_PROTOCOL && priority_of(m) == table
+        }))
+    }
+
+    /// Makes `vip` local through interface `index` for the daemon of
+    /// `table` (one of ours already there is replaced by the one meant).
+    pub async fn make_local(
+        &self,
+        vip: IpAddr,
+        index: u32,
+        table: u32,
+    ) -> Result<(), AnnounceError> {
+        self.handle
+            .route()
+            .add(Self::local_route(vip, index, table))
+            .replace()
+            .execute()
+            .await
+            .map_err(|source| AnnounceError::Netlink {
+                what: format!("cannot add the local route for {vip}"),
+                source,
+            })
+    }
+
+    /// Deletes our local route of `vip` (metric `table`); absent is fine.
+    /// The kernel compares type, protocol and metric, so an address's own
+    /// local route is never deleted.
+    pub async fn unmake_local(&self, vip: IpAddr, table: u32) -> Result<(), AnnounceError> {
+        let mut m = RouteMessageBuilder::<IpAddr>::new()
+            .destination_prefix(vip, host_prefix(vip))
+            .expect("an address and its host prefix length are consistent")
+            .table_id(LOCAL_TABLE)
+            .kind(RouteType::Local)
+            .priority(table)
+            .protocol(RouteProtocol::from(ROUTE_PROTOCOL))
+            .build();
+        m.header.scope = RouteScope::NoWhere;
+        self.delete(m, || format!("cannot delete the local route for {vip}"))
+            .await
+    }
+
+    /// Deletes route `m`; absent is fine.
+    async fn delete(
+        &self,
+        m: RouteMessage,
+        what: impl FnOnce() -> String,
+    ) -> Result<(), AnnounceError> {
         match self.handle.route().del(m).execute().await {
             Ok(()) => Ok(()),
             Err(e) if errno(&e) == Some(libc::ESRCH) => Ok(()),
             Err(source) => Err(AnnounceError::Netlink {
-                what: format!("cannot delete the route for {vip} from table {table}"),
+                what: what(),
                 source,
             }),
         }
     }
+}
 
-    /// The addresses of interface `index`: every one, or those that are
-    /// `ip` (any prefix). The kernel may answer for other interfaces too
-    /// (a dump is filtered in userspace): those are left out.
-    async fn addresses_of(
-        &self,
-        index: u32,
-        ip: Option<IpAddr>,
-    ) -> Result<Vec<rtnetlink::packet_route::address::AddressMessage>, AnnounceError> {
-        let mut request = self.handle.address().get().set_link_index_filter(index);
-        if let Some(ip) = ip {
-            request = request.set_address_filter(ip);
+/// The host routes among `routes` as the driver sees them, by destination;
+/// `ours` says which carry the daemon's mark. Of several for one
+/// destination (ours and the kernel's for an address), ours is kept.
+fn host_routes(
+    routes: &[RouteMessage],
+    ours: impl Fn(&RouteMessage) -> bool,
+) -> BTreeMap<IpAddr, Found<SeenRoute>> {
+    let mut out: BTreeMap<IpAddr, Found<SeenRoute>> = BTreeMap::new();
+    for m in routes {
+        let Some(vip) = destination_of(m) else {
+            continue;
+        };
+        if m.header.destination_prefix_length != host_prefix(vip) {
+            continue;
         }
-        let mut found: Vec<_> =
-            request
-                .execute()
-                .try_collect()
-                .await
-                .map_err(|source| AnnounceError::Netlink {
-                    what: format!("cannot list the addresses of interface {index}"),
-                    source,
-                })?;
-        found.retain(|m| m.header.index == index);
-        Ok(found)
-    }
-
-    /// Puts `ip` on interface `index` as a host address (/32, /128; no
-    /// duplicate address detection for IPv6: the address is anycast by
-    /// design), tagged with [`ROUTE_PROTOCOL`] as its address protocol so a
-    /// restarted daemon knows it for its own (kernels before 5.18 ignore
-    /// the tag).
-    pub async fn add_address(&self, index: u32, ip: IpAddr) -> Result<(), AnnounceError> {
-        let mut request = self.handle.address().add(index, ip, host_prefix(ip));
-        request
-            .message_mut()
-            .attributes
-            .push(AddressAttribute::Protocol(AddressProtocol::Other(
-                ROUTE_PROTOCOL,
-            )));
-        if ip.is_ipv6() {
-            request
-                .message_mut()
-                .attributes
-                .push(AddressAttribute::Flags(AddressFlags::Nodad));
-        }
-        match request.execute().await {
-            Ok(()) => Ok(()),
-            Err(e) if errno(&e) == Some(libc::EEXIST) => Ok(()),
-            Err(source) => Err(AnnounceError::Netlink {
-                what: format!("cannot add {ip}/{} to interface {index}", host_prefix(ip)),
-                source,
-            }),
+        let interface = m.attributes.iter().find_map(|a| match a {
+            RouteAttribute::Oif(i) => Some(*i),
+            _ => None,
+        });
+        let found = Found {
+            seen: SeenRoute {
+                interface,
+                protocol: protocol_number(m.header.protocol),
+            },
+            marked: ours(m),
+        };
+        if out.get(&vip).is_none_or(|f| !f.marked) {
+            out.insert(vip, found);
         }
     }
+    out
+}
 
-    /// Takes `ip` off interface `index`; absent is fine.
-    pub async fn remove_address(&self, index: u32, ip: IpAddr) -> Result<(), AnnounceError> {
-        let msgs = self.addresses_of(index, Some(ip)).await?;
-        for m in msgs {
-            match self.handle.address().del(m).execute().await {
-                Ok(()) => {}
-                Err(e) if errno(&e) == Some(libc::EADDRNOTAVAIL) => {}
-                Err(source) => {
-                    return Err(AnnounceError::Netlink {
-                        what: format!("cannot remove {ip} from interface {index}"),
-                        source,
-                    });
-                }
-            }
-        }
-        Ok(())
-    }
+/// A route's metric (`RTA_PRIORITY`; 0 without one).
+fn priority_of(m: &RouteMessage) -> u32 {
+    m.attributes
+        .iter()
+        .find_map(|a| match a {
+            RouteAttribute::Priority(p) => Some(*p),
+            _ => None,
+        })
+        .unwrap_or(0)
 }
 
 /// The announce routes of one table, as a kind of host object the
@@ -484,28 +543,9 @@ impl Backend for RouteTable {
 
     async fn read(&mut self) -> Result<BTreeMap<IpAddr, Found<SeenRoute>>, AnnounceError> {
         let routes = self.writer.routes_in(self.table).await?;
-        Ok(routes
-            .iter()
-            .filter_map(|m| {
-                let vip = destination_of(m)?;
-                (m.header.destination_prefix_length == host_prefix(vip)).then_some(())?;
-                let protocol = protocol_number(m.header.protocol);
-                let interface = m.attributes.iter().find_map(|a| match a {
-                    RouteAttribute::Oif(i) => Some(*i),
-                    _ => None,
-                });
-                Some((
-                    vip,
-                    Found {
-                        seen: SeenRoute {
-                            interface,
-                            protocol,
-                        },
-                        marked: protocol == ROUTE_PROTOCOL,
-                    },
-                ))
-            })
-            .collect())
+        Ok(host_routes(&routes, |m| {
+            protocol_number(m.header.protocol) == ROUTE_PROTOCOL
+        }))
     }
 
     async fn write(&mut self, vip: &IpAddr, interface: &u32) -> Result<(), AnnounceError> {
@@ -517,73 +557,107 @@ impl Backend for RouteTable {
     }
 }
 
-/// The VIP addresses on the announcing interface, as a kind of host object
-/// the [`crate::owned::Driver`] owns. Each is added as a host address marked with
-/// [`ROUTE_PROTOCOL`] (`IFA_PROTO`). The interface is shared (`lo`: a
-/// second daemon with its own table, keepalived, the operator), so only
-/// what this process added is removed: an address there without our mark
-/// stays, and one with our mark that this process did not add is adopted
-/// when wanted and otherwise left alone.
+/// The kernel's local routing table, where the AnyIP routes go.
+pub const LOCAL_TABLE: u32 = 255;
+
+/// The VIPs made local on this host, as a kind of host object the
+/// [`crate::owned::Driver`] owns: one AnyIP route
+/// `local VIP/32 dev <interface> table local proto 252 metric <table>` per
+/// VIP (`/128` for IPv6), so the host accepts the VIP's traffic (and the
+/// listeners, bound with `IP_FREEBIND`, get it) without the VIP being an
+/// address of any interface.
+///
+/// Why a route and not an address on `lo`: FRR's zebra turns an address
+/// into a connected route that always beats the route it imports from the
+/// announce table, so FRR announced nothing; BIRD is indifferent. The
+/// route is the same object the kernel makes for an address (a `local`
+/// route in table `local`), without the address.
+///
+/// Ownership: the protocol marks the route as harvester-lb's and the
+/// metric names the announce table of the daemon that wrote it, so the
+/// daemon holding that table's [`TableClaim`] owns exactly those routes: a
+/// marked one it did not write is a dead predecessor's and goes
+/// ([`Backend::REMOVES_STRAYS`]); another daemon's (another table, another
+/// metric) and the kernel's own local routes (the host's addresses) are
+/// never touched.
 #[derive(Debug, Clone)]
-pub struct VipAddresses {
+pub struct VipLocalRoutes {
     writer: RouteWriter,
     index: u32,
+    table: u32,
 }
 
-impl VipAddresses {
-    /// The addresses of interface `index`, written through `writer`.
-    pub fn new(writer: RouteWriter, index: u32) -> Self {
-        Self { writer, index }
+impl VipLocalRoutes {
+    /// The local routes of the daemon announcing into `table`, through
+    /// interface `index`, written through `writer`.
+    pub fn new(writer: RouteWriter, index: u32, table: u32) -> Self {
+        Self {
+            writer,
+            index,
+            table,
+        }
     }
 
     /// The interface's index.
     pub fn index(&self) -> u32 {
         self.index
     }
+
+    /// The announce table whose daemon owns them (their metric).
+    pub fn table(&self) -> u32 {
+        self.table
+    }
 }
 
-impl Backend for VipAddresses {
-    const KIND: &'static str = "vip_address";
+impl Backend for VipLocalRoutes {
+    const KIND: &'static str = "vip_local_route";
     const STOP: StopPhase = StopPhase::AfterDrain;
-    const REMOVES_STRAYS: bool = false;
+    const REMOVES_STRAYS: bool = true;
     type Key = IpAddr;
     type Want = ();
-    /// The prefix length.
-    type Seen = u8;
+    type Seen = SeenRoute;
     type Error = AnnounceError;
 
-    async fn read(&mut self) -> Result<BTreeMap<IpAddr, Found<u8>>, AnnounceError> {
-        let messages = self.writer.addresses_of(self.index, None).await?;
-        Ok(messages
-            .iter()
-            .filter_map(|m| {
-                let ip = super::host::local_address(m)?;
-                let found = Found {
-                    seen: m.header.prefix_len,
-                    marked: super::host::is_tagged(m),
-                };
-                Some((ip, found))
-            })
-            .collect())
+    async fn read(&mut self) -> Result<BTreeMap<IpAddr, Found<SeenRoute>>, AnnounceError> {
+        self.writer.local_routes(self.table).await
     }
 
-    async fn write(&mut self, ip: &IpAddr, (): &()) -> Result<(), AnnounceError> {
-        self.writer.add_address(self.index, *ip).await
+    async fn write(&mut self, vip: &IpAddr, (): &()) -> Result<(), AnnounceError> {
+        self.writer.make_local(*vip, self.index, self.table).await
     }
 
-    async fn remove(&mut self, ip: &IpAddr) -> Result<(), AnnounceError> {
-        self.writer.remove_address(self.index, *ip).await
+    async fn remove(&mut self, vip: &IpAddr) -> Result<(), AnnounceError> {
+        self.writer.unmake_local(*vip, self.table).await
     }
+}
+
+/// What `harvester-lb withdraw --all` took away.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct Withdrawn {
+    /// The VIPs whose announce route was deleted.
+    pub routes: Vec<IpAddr>,
+    /// The VIPs whose local route ([`VipLocalRoutes`]) was deleted.
+    pub local: Vec<IpAddr>,
 }
 
 /// `harvester-lb withdraw --all`: deletes every route of
-/// [`ROUTE_PROTOCOL`] from `table` when no live daemon announces into it
-/// (for systemd's `ExecStopPost=`, after the daemon is gone); with one,
-/// [`AnnounceError::TableInUse`] and nothing is deleted. Returns the VIPs
-/// withdrawn.
-pub async fn withdraw_all(table: u32) -> Result<Vec<IpAddr>, AnnounceError> {
+/// [`ROUTE_PROTOCOL`] from `table`, then every local route the daemon of
+/// `table` made ([`VipLocalRoutes`]), when no live daemon announces into
+/// it (for systemd's `ExecStopPost=`, after the daemon is gone, in the
+/// order of a clean stop); with one, [`AnnounceError::TableInUse`] and
+/// nothing is deleted.
+pub async fn withdraw_all(table: u32) -> Result<Withdrawn, AnnounceError> {
     let _claim = TableClaim::take(table)?;
-    RouteWriter::connect()?.flush(table).await
+    let writer = RouteWriter::connect()?;
+    let routes = writer.flush(table).await?;
+    let mut local = Vec::new();
+    for (vip, found) in writer.local_routes(table).await? {
+        if found.marked {
+            writer.unmake_local(vip, table).await?;
+            local.push(vip);
+        }
+    }
+    Ok(Withdrawn { routes, local })
 }
 
 /// This process's claim on announcing table `table` in its network
@@ -656,5 +730,80 @@ impl TableClaim {
 impl Drop for TableClaim {
     fn drop(&mut self) {
         self.task.abort();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A `local` route for `dst/len` through interface 1, of `protocol`
+    /// with metric `metric`, as a dump of table `local` shows it.
+    fn local(dst: &str, len: u8, protocol: u8, metric: u32) -> RouteMessage {
+        RouteMessageBuilder::<IpAddr>::new()
+            .destination_prefix(dst.parse().unwrap(), len)
+            .unwrap()
+            .output_interface(1)
+            .table_id(LOCAL_TABLE)
+            .kind(RouteType::Local)
+            .priority(metric)
+            .protocol(RouteProtocol::from(protocol))
+            .build()
+    }
+
+    fn ours_of_table_100(m: &RouteMessage) -> bool {
+        protocol_number(m.header.protocol) == ROUTE_PROTOCOL && priority_of(m) == 100
+    }
+
+    #[test]
+    fn the_local_routes_of_a_table_s_daemon_are_told_by_protocol_and_metric() {
+        let routes = [
+            // The kernel's own for an address, then ours for the same VIP:
+            // ours is what the driver sees (and owns).
+            local("198.51.100.1", 32, 2, 0),
+            local("198.51.100.1", 32, ROUTE_PROTOCOL, 100),
+            // Ours first, then the kernel's: still ours.
+            local("198.51.100.2", 32, ROUTE_PROTOCOL, 100),
+            local("198.51.100.2", 32, 2, 0),
+            // Another table's daemon's, and the kernel's alone: not ours.
+            local("198.51.100.3", 32, ROUTE_PROTOCOL, 101),
+            local("2001:db8::4", 128, 2, 0),
+            // Not a host route: not a VIP's.
+            local("127.0.0.0", 8, 2, 0),
+        ];
+        let seen = host_routes(&routes, ours_of_table_100);
+        let marked: Vec<(String, bool)> = seen
+            .iter()
+            .map(|(ip, f)| (ip.to_string(), f.marked))
+            .collect();
+        assert_eq!(
+            marked,
+            [
+                ("198.51.100.1".to_string(), true),
+                ("198.51.100.2".to_string(), true),
+                ("198.51.100.3".to_string(), false),
+                ("2001:db8::4".to_string(), false),
+            ]
+        );
+        let one = &seen[&"198.51.100.1".parse::<IpAddr>().unwrap()];
+        assert_eq!(
+            one.seen,
+            SeenRoute {
+                interface: Some(1),
+                protocol: ROUTE_PROTOCOL
+            }
+        );
+    }
+
+    #[test]
+    fn the_local_route_written_is_local_in_table_local_with_the_table_as_metric() {
+        let m = RouteWriter::local_route("198.51.100.1".parse().unwrap(), 1, 100);
+        assert_eq!(m.header.kind, RouteType::Local);
+        assert_eq!(m.header.scope, RouteScope::Host);
+        assert_eq!(table_of(&m), LOCAL_TABLE);
+        assert_eq!(m.header.destination_prefix_length, 32);
+        assert!(ours_of_table_100(&m));
+        let v6 = RouteWriter::local_route("2001:db8::1".parse().unwrap(), 1, 100);
+        assert_eq!(v6.header.destination_prefix_length, 128);
     }
 }

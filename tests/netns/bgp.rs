@@ -1,6 +1,6 @@
 //! The anycast test bed: every load-balancer host announces the same VIP to a
-//! router over BGP (real BIRD 2 everywhere), and the router spreads flows by
-//! ECMP.
+//! router over BGP (real BIRD 2 everywhere, or real FRR 8.4 everywhere: see
+//! [`Speaker`]), and the router spreads flows by ECMP.
 //!
 //! ```text
 //!   client ns (203.0.113.10, 2001:db8:3::10)
@@ -17,7 +17,12 @@
 //! so the first line a client reads says which host carried the connection.
 //! The hosts and the router run the shipped `config/bird/bird-host.conf` and
 //! `config/bird/bird-router.conf` with only their `define` lines replaced,
-//! so the tests check the configs operators copy.
+//! so the tests check the configs operators copy. With [`Speaker::Frr`] they
+//! run `config/frr/frr-host.conf` (only `bgp router-id` replaced) and
+//! `config/frr/frr-router.conf` as they are: zebra, bfdd and bgpd per
+//! namespace as our children, configured by `vtysh -b` as the `frr` service
+//! does (no systemd). FRR 8.4 cannot announce IPv6 from a table, so with FRR
+//! only the IPv4 VIP reaches the router.
 //!
 //! The router hashes flows on the packet's 5-tuple
 //! (`fib_multipath_hash_policy=3`, `fib_multipath_hash_fields=0x0037`), as
@@ -26,7 +31,7 @@
 //!
 //! Everything lives in namespaces named after the test and this process; the
 //! documentation ranges exist only inside them. [`BgpBed`]'s `Drop` kills
-//! every daemon and BIRD and deletes every namespace, also on panic.
+//! every daemon, BIRD and FRR and deletes every namespace, also on panic.
 
 use std::collections::BTreeMap;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
@@ -112,6 +117,242 @@ macro_rules! require_bgp {
             return;
         }
     };
+}
+
+/// Which BGP speaker the bed runs, on every host and on the router.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Speaker {
+    /// BIRD 2 (`config/bird/`).
+    Bird,
+    /// FRR 8.4 (`config/frr/`).
+    Frr,
+}
+
+impl Speaker {
+    /// Why the bed cannot run with this speaker here, if it cannot.
+    pub fn skip_reason(self) -> Option<String> {
+        match self {
+            Speaker::Bird => skip_reason(),
+            Speaker::Frr => frr_skip_reason(),
+        }
+    }
+
+    /// A namespace tag for test `name` with this speaker (`frr-` prefixed).
+    pub fn tag(self, name: &str) -> String {
+        match self {
+            Speaker::Bird => name.to_string(),
+            Speaker::Frr => format!("frr-{name}"),
+        }
+    }
+}
+
+/// FRR's daemons, started in each namespace in this order (zebra first:
+/// the others connect to it).
+const FRR_DAEMONS: [&str; 3] = ["zebra", "bfdd", "bgpd"];
+
+/// Where Debian's `frr` package puts its daemons.
+const FRR_SBIN: &str = "/usr/lib/frr";
+
+/// Why the FRR bed cannot run here, if it cannot (root, `ip`, FRR's
+/// daemons, `vtysh`, the user `frr` they drop to).
+pub fn frr_skip_reason() -> Option<String> {
+    if let Some(why) = super::skip_reason() {
+        return Some(why);
+    }
+    for d in FRR_DAEMONS {
+        let p = Path::new(FRR_SBIN).join(d);
+        if !p.exists() {
+            return Some(format!("{} (package frr) is not installed", p.display()));
+        }
+    }
+    if let Err(e) = Command::new("vtysh").arg("--help").output() {
+        return Some(format!("`vtysh` (package frr) is not available: {e}"));
+    }
+    match Command::new("id").arg("frr").output() {
+        Ok(o) if o.status.success() => None,
+        _ => Some("no user `frr` (package frr creates it)".to_string()),
+    }
+}
+
+/// Returns from the test with a printed reason when the bed cannot be
+/// built with `speaker` (and fails under CI).
+#[macro_export]
+macro_rules! require_speaker {
+    ($speaker:expr) => {
+        if let Some(why) = $speaker.skip_reason() {
+            $crate::netns::skip_or_fail(
+                module_path!(),
+                &format!("needs root, iproute2, nftables and {:?} ({why})", $speaker),
+            );
+            return;
+        }
+    };
+}
+
+/// FRR in a namespace: zebra, bfdd and bgpd in the foreground (our
+/// children), every path of theirs in one directory owned by user `frr`,
+/// configured from an integrated `frr.conf` by `vtysh -b`, as the `frr`
+/// service does it.
+pub struct Frr {
+    /// The daemons, zebra first.
+    daemons: Vec<(&'static str, Child)>,
+    /// Config, vty sockets, pid files and logs.
+    pub dir: PathBuf,
+    ns: Ns,
+}
+
+impl Frr {
+    /// Starts FRR in `ns` with the integrated config `conf`, in `dir`
+    /// (created), and waits (with a deadline) until every daemon answers
+    /// and the config is loaded.
+    pub fn spawn(ns: &Ns, conf: &str, dir: &Path) -> Frr {
+        std::fs::create_dir_all(dir).expect("frr dir");
+        std::fs::write(dir.join("frr.conf"), conf).expect("write frr.conf");
+        std::fs::write(dir.join("vtysh.conf"), "service integrated-vtysh-config\n")
+            .expect("write vtysh.conf");
+        let d = dir.to_str().expect("utf-8 path");
+        // The daemons drop to user frr: their directory is theirs.
+        run("chown", &["-R", "frr:frr", d], None);
+        let mut frr = Frr {
+            daemons: Vec::new(),
+            dir: dir.to_path_buf(),
+            ns: ns.clone(),
+        };
+        for name in FRR_DAEMONS {
+            // Each reads no config of its own (an empty file: never the
+            // machine's /etc/frr); `vtysh -b` below gives them theirs.
+            let own = dir.join(format!("{name}.conf"));
+            std::fs::write(&own, "").expect("write empty daemon config");
+            run(
+                "chown",
+                &["frr:frr", own.to_str().expect("utf-8 path")],
+                None,
+            );
+            let mut args: Vec<String> = [
+                "netns",
+                "exec",
+                &ns.name,
+                &format!("{FRR_SBIN}/{name}"),
+                "-P",
+                "0",
+                "-f",
+                own.to_str().expect("utf-8 path"),
+                "-i",
+                &format!("{d}/{name}.pid"),
+                "-z",
+                &format!("{d}/zserv.api"),
+                "--vty_socket",
+                d,
+                "--log",
+                &format!("file:{d}/{name}.log"),
+            ]
+            .iter()
+            .map(|a| a.to_string())
+            .collect();
+            if name == "bfdd" {
+                args.extend(["--bfdctl".to_string(), format!("{d}/bfdd.sock")]);
+            }
+            let child = Command::new("ip")
+                .args(&args)
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .unwrap_or_else(|e| panic!("spawn {name}: {e}"));
+            frr.daemons.push((name, child));
+            // Each waits for its vty socket (zebra's zserv socket first:
+            // the others connect to it at start).
+            let vty = dir.join(format!("{name}.vty"));
+            let deadline = Instant::now() + Duration::from_secs(15);
+            while !vty.exists() {
+                assert!(
+                    Instant::now() < deadline,
+                    "FRR's {name} in {} did not open {} within 15 s; log:\n{}",
+                    ns.name,
+                    vty.display(),
+                    frr.log_tail(20)
+                );
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+        let out = Command::new("ip")
+            .args(["netns", "exec", &ns.name, "vtysh", "--vty_socket", d])
+            .args(["--config_dir", d, "-b"])
+            .stdin(Stdio::null())
+            .output()
+            .expect("run vtysh -b");
+        assert!(
+            out.status.success(),
+            "vtysh -b in {} failed: {}{}",
+            ns.name,
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        frr
+    }
+
+    /// `vtysh -c <command>`: its output (empty if FRR does not answer).
+    pub fn vtysh(&self, command: &str) -> String {
+        let d = self.dir.to_str().expect("utf-8 path");
+        output(
+            "ip",
+            &[
+                "netns",
+                "exec",
+                &self.ns.name,
+                "vtysh",
+                "--vty_socket",
+                d,
+                "-c",
+                command,
+            ],
+        )
+    }
+
+    /// How many of bgpd's IPv4 sessions are `Established`.
+    pub fn established(&self) -> usize {
+        let text = self.vtysh("show bgp ipv4 unicast summary json");
+        let v: serde_json::Value = serde_json::from_str(&text).unwrap_or_default();
+        v["peers"].as_object().map_or(0, |peers| {
+            peers
+                .values()
+                .filter(|p| p["state"] == "Established")
+                .count()
+        })
+    }
+
+    /// How many of bfdd's sessions are up.
+    pub fn bfd_up(&self) -> usize {
+        let text = self.vtysh("show bfd peers json");
+        let v: serde_json::Value = serde_json::from_str(&text).unwrap_or_default();
+        v.as_array()
+            .map_or(0, |a| a.iter().filter(|p| p["status"] == "up").count())
+    }
+
+    /// The last lines of bgpd's and zebra's logs.
+    pub fn log_tail(&self, n: usize) -> String {
+        let mut out = String::new();
+        for name in ["bgpd", "zebra", "bfdd"] {
+            let text =
+                std::fs::read_to_string(self.dir.join(format!("{name}.log"))).unwrap_or_default();
+            let lines: Vec<&str> = text.lines().collect();
+            out.push_str(&format!(
+                "[{name}]\n{}\n",
+                lines[lines.len().saturating_sub(n)..].join("\n")
+            ));
+        }
+        out
+    }
+}
+
+impl Drop for Frr {
+    fn drop(&mut self) {
+        // The last started first.
+        for (_, child) in self.daemons.iter_mut().rev() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
 }
 
 /// A BIRD process in a namespace (`bird -f`, so it is our child).
@@ -274,6 +515,8 @@ pub struct LbHost {
     pub dir: PathBuf,
     /// Its BIRD.
     pub bird: Option<Bird>,
+    /// Its FRR (with [`Speaker::Frr`]).
+    pub frr: Option<Frr>,
     /// Its daemon, once started.
     pub daemon: Option<DaemonProc>,
 }
@@ -637,6 +880,10 @@ pub struct BgpBed {
     pub router: Ns,
     /// The router's BIRD.
     pub router_bird: Option<Bird>,
+    /// The router's FRR (with [`Speaker::Frr`]).
+    pub router_frr: Option<Frr>,
+    /// The BGP speaker of the hosts and the router.
+    pub speaker: Speaker,
     /// The client host.
     pub client: Ns,
     /// The load-balancer hosts, `hosts[0]` is host 1.
@@ -652,6 +899,13 @@ impl BgpBed {
     /// on each host's `lo` only if `vip_on_lo` (with `announce = "routes"`
     /// the daemon puts them there).
     pub async fn new(test: &str, vip_on_lo: bool) -> BgpBed {
+        Self::with_speaker(test, vip_on_lo, Speaker::Bird).await
+    }
+
+    /// [`BgpBed::new`] with `speaker` on every host and on the router. With
+    /// FRR, `vip_on_lo` makes the VIP local by an AnyIP route (as the daemon
+    /// does), not an address: FRR announces nothing for an address on `lo`.
+    pub async fn with_speaker(test: &str, vip_on_lo: bool, speaker: Speaker) -> BgpBed {
         let n = 2;
         let (tag, dir) = super::new_tag(test);
         let mut bed = BgpBed {
@@ -659,6 +913,8 @@ impl BgpBed {
                 name: format!("{tag}-r"),
             },
             router_bird: None,
+            router_frr: None,
+            speaker,
             client: Ns {
                 name: format!("{tag}-c"),
             },
@@ -727,7 +983,13 @@ impl BgpBed {
                 "via",
                 &ROUTER_IP6.to_string(),
             ]);
-            if vip_on_lo {
+            if vip_on_lo && speaker == Speaker::Frr {
+                for (family, net) in [("-4", format!("{VIP}/32")), ("-6", format!("{VIP6}/128"))] {
+                    ns.ip(&[
+                        family, "route", "add", "local", &net, "dev", "lo", "table", "local",
+                    ]);
+                }
+            } else if vip_on_lo {
                 ns.ip(&["addr", "add", &format!("{VIP}/32"), "dev", "lo"]);
                 ns.ip(&["addr", "add", &format!("{VIP6}/128"), "dev", "lo"]);
             }
@@ -739,6 +1001,7 @@ impl BgpBed {
                 port: format!("ph{i}"),
                 dir,
                 bird: None,
+                frr: None,
                 daemon: None,
             });
         }
@@ -753,11 +1016,22 @@ impl BgpBed {
             b.start();
             bed.backends.push(b);
         }
-        // BIRD: the router, then every host, from the shipped configs.
-        let conf = bed.write("router.conf", &router_config());
-        bed.router_bird = Some(Bird::spawn(&bed.router, &conf, &bed.dir, "router"));
-        for i in 1..=n {
-            bed.start_host_bird(i);
+        // The speaker: the router, then every host, from the shipped configs.
+        match speaker {
+            Speaker::Bird => {
+                let conf = bed.write("router.conf", &router_config());
+                bed.router_bird = Some(Bird::spawn(&bed.router, &conf, &bed.dir, "router"));
+                for i in 1..=n {
+                    bed.start_host_bird(i);
+                }
+            }
+            Speaker::Frr => {
+                let dir = bed.dir.join("frr-router");
+                bed.router_frr = Some(Frr::spawn(&bed.router, &frr_router_config(), &dir));
+                for i in 1..=n {
+                    bed.start_host_frr(i);
+                }
+            }
         }
         bed.wait_sessions(Duration::from_secs(30)).await;
         bed
@@ -772,9 +1046,54 @@ impl BgpBed {
         h.bird = Some(Bird::spawn(&h.ns, &conf, &h.dir, "bird"));
     }
 
+    /// Starts (or restarts) host `i`'s FRR from the shipped host config.
+    pub fn start_host_frr(&mut self, i: usize) {
+        let h = &mut self.hosts[i - 1];
+        h.frr = None;
+        h.frr = Some(Frr::spawn(&h.ns, &frr_host_config(i), &h.dir.join("frr")));
+    }
+
+    /// The router's FRR.
+    pub fn router_frr(&self) -> &Frr {
+        self.router_frr.as_ref().expect("router frr")
+    }
+
+    /// What the router's speaker says of its sessions and routes, for a
+    /// failed assertion.
+    pub fn router_diag(&self) -> String {
+        match self.speaker {
+            Speaker::Bird => format!(
+                "router BIRD:\n{}\n{}",
+                self.router_bird().birdc(&["show", "protocols"]),
+                self.router_bird().birdc(&["show", "route", "all"])
+            ),
+            Speaker::Frr => format!(
+                "router FRR:\n{}\n{}\n{}",
+                self.router_frr().vtysh("show bgp summary"),
+                self.router_frr().vtysh("show ip route"),
+                self.router_frr().vtysh("show bfd peers brief")
+            ),
+        }
+    }
+
     /// Waits until every BGP session of the router (IPv4 and IPv6 to every
-    /// host) is established.
+    /// host with BIRD; IPv4, and its BFD session, with FRR) is established.
     pub async fn wait_sessions(&self, timeout: Duration) {
+        if self.speaker == Speaker::Frr {
+            let want = self.hosts.len();
+            let frr = self.router_frr();
+            let deadline = Instant::now() + timeout;
+            while frr.established() != want || frr.bfd_up() != want {
+                assert!(
+                    Instant::now() < deadline,
+                    "the router's BGP and BFD sessions did not all come up within {timeout:?}; {}\nrouter log:\n{}",
+                    self.router_diag(),
+                    frr.log_tail(30)
+                );
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            return;
+        }
         let want = 2 * self.hosts.len();
         let deadline = Instant::now() + timeout;
         loop {
@@ -864,9 +1183,9 @@ impl BgpBed {
             }
             assert!(
                 Instant::now() < deadline,
-                "router's route to {VIP}: nexthops {got:?}, not {want:?}, within {timeout:?}\nrouter FIB:\n{}\nrouter BIRD:\n{}",
+                "router's route to {VIP}: nexthops {got:?}, not {want:?}, within {timeout:?}\nrouter FIB:\n{}\n{}",
                 output("ip", &["-n", &self.router.name, "route"]),
-                self.router_bird().birdc(&["show", "route", "all"])
+                self.router_diag()
             );
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
@@ -1061,6 +1380,18 @@ impl Drop for BgpBed {
                 }
                 drop(b);
             }
+            if let Some(f) = h.frr.take() {
+                if panicking {
+                    eprintln!("--- FRR logs of host {} ---\n{}", h.index, f.log_tail(20));
+                }
+                drop(f);
+            }
+        }
+        if let Some(f) = self.router_frr.take() {
+            if panicking {
+                eprintln!("--- router FRR logs ---\n{}", f.log_tail(30));
+            }
+            drop(f);
         }
         if let Some(b) = self.router_bird.take() {
             if panicking {
@@ -1157,6 +1488,49 @@ pub fn router_config() -> String {
     let c = shipped("bird-router.conf");
     let c = define(&c, "ROUTER_IP4", &ROUTER_IP.to_string());
     format!("log stderr all;\n{c}")
+}
+
+/// The repository's `config/frr/<name>`.
+pub fn shipped_frr(name: &str) -> String {
+    let p = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("config/frr")
+        .join(name);
+    std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("read {}: {e}", p.display()))
+}
+
+/// Replaces the line of an FRR config that starts with `prefix` (after
+/// its indentation) by `prefix value`, asserting there is exactly one.
+fn frr_set(conf: &str, prefix: &str, value: &str) -> String {
+    let mut found = 0;
+    let out: Vec<String> = conf
+        .lines()
+        .map(|l| {
+            let body = l.trim_start();
+            if body.starts_with(prefix) {
+                found += 1;
+                format!("{}{prefix} {value}", &l[..l.len() - body.len()])
+            } else {
+                l.to_string()
+            }
+        })
+        .collect();
+    assert_eq!(found, 1, "`{prefix}` lines in the shipped FRR config");
+    out.join("\n") + "\n"
+}
+
+/// The shipped FRR host config for host `i`: its router id is its address
+/// (the rest, the router's address and the VIP range, are the bed's).
+pub fn frr_host_config(i: usize) -> String {
+    frr_set(
+        &shipped_frr("frr-host.conf"),
+        "bgp router-id",
+        &host_ip(i).to_string(),
+    )
+}
+
+/// The shipped FRR router config, as it is (its addresses are the bed's).
+pub fn frr_router_config() -> String {
+    shipped_frr("frr-router.conf")
 }
 
 /// One attempt of a [`Prober`].

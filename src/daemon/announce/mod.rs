@@ -17,21 +17,21 @@
 //! One table, one daemon: the first step takes the table's claim
 //! ([`crate::vip::announce::TableClaim`]); while another live daemon in this
 //! network namespace holds it, nothing is written or deleted (no route, no
-//! address), the refusal is in `/status` and the log, and the claim is
+//! local route), the refusal is in `/status` and the log, and the claim is
 //! tried again every 2 s. The interface must be `lo` or a dummy one.
 //!
 //! What `/status` says is what the kernel holds: every step reads the
 //! table back, and a route of ours that is gone is not shown announced (and
 //! is written again in the same step). Loopback VIPs and VIPs outside
-//! `vip.announce_prefixes` are never announced nor put on the interface
+//! `vip.announce_prefixes` are never announced nor made local
 //! (the second kind never gets here: `vip_guard` refuses them at apply).
 //!
 //! Start: with the claim held, every route of our protocol in the table is
 //! a dead daemon's; the first step deletes them, so every VIP starts
 //! withdrawn. Stop:
 //! [`Daemon::announce_stop`] withdraws every VIP before the listeners
-//! close; the addresses go after the drain
-//! ([`Daemon::announce_remove_addresses`]).
+//! close; the VIPs' local routes go after the drain
+//! ([`Daemon::announce_remove_local_routes`]).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
@@ -50,7 +50,7 @@ use crate::config::AnnounceSettings;
 use crate::metrics::HostKind;
 use crate::metrics::VipAnnounceSample;
 use crate::owned::{Backend, Driver, Outcome, StopPhase};
-use crate::vip::announce::{AnnounceError, RouteTable, RouteWriter, TableClaim, VipAddresses};
+use crate::vip::announce::{AnnounceError, RouteTable, RouteWriter, TableClaim, VipLocalRoutes};
 
 pub mod decide;
 
@@ -84,11 +84,11 @@ pub(super) struct Announcer {
     inner: tokio::sync::Mutex<Inner>,
 }
 
-// The stop order below (routes withdrawn before the drain, addresses
-// removed after it) is the one each kind declares.
+// The stop order below (announce routes withdrawn before the drain, local
+// routes removed after it) is the one each kind declares.
 const _: () = assert!(
     matches!(RouteTable::STOP, StopPhase::BeforeDrain)
-        && matches!(VipAddresses::STOP, StopPhase::AfterDrain)
+        && matches!(VipLocalRoutes::STOP, StopPhase::AfterDrain)
 );
 
 #[derive(Default)]
@@ -99,14 +99,17 @@ struct Inner {
     routes: Option<Driver<RouteTable>>,
     /// This daemon's claim on the routes' table: held while it announces there.
     claim: Option<TableClaim>,
-    /// The interface name and index the addresses and routes use.
+    /// The interface name and index the local and announce routes use.
     interface: Option<(String, u32)>,
     vips: BTreeMap<IpAddr, VipState>,
-    /// The VIP addresses on the interface.
-    addresses: Option<Driver<VipAddresses>>,
-    /// The VIP addresses of the last sync that left nothing to retry.
-    addressed: BTreeSet<IpAddr>,
-    /// The last error of the interface or the addresses.
+    /// The VIPs' local routes (AnyIP: how the host accepts their traffic).
+    local: Option<Driver<VipLocalRoutes>>,
+    /// The VIPs made local by the last sync that left nothing to retry.
+    made_local: BTreeSet<IpAddr>,
+    /// The VIPs already local through another program's route (an address
+    /// on the interface): left alone, warned about once.
+    local_elsewhere: BTreeSet<IpAddr>,
+    /// The last error of the interface or the local routes.
     error: Option<String>,
     /// Set at stop: nothing is announced again.
     stopped: bool,
@@ -134,7 +137,7 @@ pub struct AnnounceStatus {
     pub protocol: u8,
     /// `harvester-lb host drain` is in force.
     pub host_drained: bool,
-    /// A problem with the interface or its addresses.
+    /// A problem with the interface or the VIPs' local routes.
     pub error: Option<String>,
     /// Every VIP of the config in force.
     pub vips: Vec<VipAnnounceStatus>,
@@ -282,7 +285,7 @@ impl Daemon {
             return BTreeMap::new();
         };
         for spec in &config.load_balancers {
-            // Never announced nor put on the interface: a loopback VIP
+            // Never announced nor made local: a loopback VIP
             // reaches only this host; one outside the prefixes is refused
             // at apply (and never reaches here).
             if spec.vip.is_unspecified()
@@ -348,7 +351,7 @@ impl Daemon {
         message
     }
 
-    /// Records a failure of the interface, the addresses or the table as
+    /// Records a failure of the interface, the local routes or the table as
     /// `inner.error`: logged when it differs from the last one, counted
     /// every time (each is retried).
     fn note_error(
@@ -364,12 +367,12 @@ impl Daemon {
         }
     }
 
-    /// One pass: settings, interface, addresses, decisions, routes,
+    /// One pass: settings, interface, local routes, decisions, routes,
     /// status. Returns when it must run again at the latest.
     async fn announce_step(&self, inner: &mut Inner) -> Option<Instant> {
         let Some(settings) = self.announce_settings() else {
             // Off (or switched off by a reload): take back what is ours.
-            if inner.routes.is_some() || inner.addresses.is_some() {
+            if inner.routes.is_some() || inner.local.is_some() {
                 self.announce_release(inner).await;
             }
             self.metrics.set_vip_announce(None);
@@ -402,7 +405,7 @@ impl Daemon {
         let (_, index) = inner.interface.clone().expect("set above");
         let wanted = self.announce_wanted(&settings);
 
-        // The addresses: every VIP of the file, announced or not; read
+        // The local routes: every VIP of the file, announced or not; read
         // back and repaired every CHECK_INTERVAL (or at once when the set
         // changed or the last sync failed).
         let vips: BTreeSet<IpAddr> = wanted.keys().copied().collect();
@@ -412,21 +415,22 @@ impl Daemon {
         if check {
             inner.last_check = Some(now);
         }
-        if vips != inner.addressed || check || inner.error.is_some() {
-            let addresses = inner
-                .addresses
-                .get_or_insert_with(|| Driver::new(VipAddresses::new(writer.clone(), index)));
+        if vips != inner.made_local || check || inner.error.is_some() {
+            let local = inner.local.get_or_insert_with(|| {
+                Driver::new(VipLocalRoutes::new(writer.clone(), index, settings.table))
+            });
             let want: BTreeMap<IpAddr, ()> = vips.iter().map(|v| (*v, ())).collect();
-            let out = addresses.sync(&want).await;
-            self.count_repairs(HostKind::VipAddress, &out);
+            let out = local.sync(&want).await;
+            self.count_repairs(HostKind::VipLocalRoute, &out);
+            self.note_local_elsewhere(inner, &out);
             match first_error(&out) {
                 Some(e) => self.note_error(
                     inner,
-                    format_args!("the VIP addresses on {:?}", settings.interface),
+                    format_args!("the VIPs' local routes on {:?}", settings.interface),
                     &e,
                 ),
                 None => {
-                    inner.addressed = vips;
+                    inner.made_local = vips;
                     inner.error = None;
                 }
             }
@@ -441,6 +445,28 @@ impl Daemon {
         next
     }
 
+    /// Warns once about each VIP another program already made local (an
+    /// address on the interface, most likely): it is left alone, so the
+    /// host accepts the VIP's traffic, but FRR would announce nothing for
+    /// it (zebra's connected route beats the imported one).
+    fn note_local_elsewhere(&self, inner: &mut Inner, out: &Outcome<VipLocalRoutes>) {
+        let now: BTreeSet<IpAddr> = out.foreign.iter().map(|(vip, _)| *vip).collect();
+        for (vip, seen) in out
+            .foreign
+            .iter()
+            .filter(|(v, _)| !inner.local_elsewhere.contains(v))
+        {
+            tracing::warn!(
+                %vip,
+                protocol = seen.protocol,
+                "vip.announce: {vip} is already local on this host through a route this daemon did not write (protocol {}: an address on an interface?); left alone and not removed at stop. With FRR as the BGP speaker an address hides the announcement: remove it (`ip addr del {vip}/{} dev lo`) and the daemon makes the VIP local itself",
+                seen.protocol,
+                if vip.is_ipv4() { 32 } else { 128 }
+            );
+        }
+        inner.local_elsewhere = now;
+    }
+
     /// Counts the repairs of one sync (the driver logged each).
     fn count_repairs<B: Backend>(&self, kind: HostKind, out: &Outcome<B>) {
         self.metrics
@@ -448,7 +474,7 @@ impl Daemon {
     }
 
     /// Takes `settings`' table and interface: our routes leave the old
-    /// table (and our addresses the old interface), the stale ones of a
+    /// table (and our local routes the old interface), the stale ones of a
     /// dead predecessor leave the new table, every VIP starts withdrawn.
     /// False (the error noted) when the step must be tried again.
     async fn announce_move(
@@ -495,17 +521,19 @@ impl Daemon {
                 return false;
             }
         };
+        // The local routes carry the table as their metric: a new table
+        // or interface, new routes.
         if inner
-            .addresses
+            .local
             .as_ref()
-            .is_some_and(|a| a.backend().index() != index)
-            && let Some(mut old) = inner.addresses.take()
+            .is_some_and(|a| a.backend().index() != index || a.backend().table() != settings.table)
+            && let Some(mut old) = inner.local.take()
         {
             let out = old.stop().await;
             if let Some(e) = first_error(&out) {
-                self.announce_failed(format_args!("removing the VIP addresses"), &e);
+                self.announce_failed(format_args!("removing the VIPs' local routes"), &e);
             }
-            inner.addressed.clear();
+            inner.made_local.clear();
         }
         // The first sync with nothing wanted deletes a dead predecessor's
         // routes (ours by protocol, in a table this daemon holds).
@@ -711,7 +739,7 @@ impl Daemon {
             .unwrap_or_else(|p| p.into_inner()) = Some(doc);
     }
 
-    /// Announcing switched off: our routes and addresses go, and the
+    /// Announcing switched off: our announce and local routes go, and the
     /// table's claim with them.
     async fn announce_release(&self, inner: &mut Inner) {
         if let Some(mut routes) = inner.routes.take() {
@@ -721,16 +749,16 @@ impl Daemon {
                 self.announce_failed(format_args!("deleting the routes of table {table}"), &e);
             }
         }
-        if let Some(mut addresses) = inner.addresses.take() {
-            let out = addresses.stop().await;
+        if let Some(mut local) = inner.local.take() {
+            let out = local.stop().await;
             if let Some(e) = first_error(&out) {
-                self.announce_failed(format_args!("removing the VIP addresses"), &e);
+                self.announce_failed(format_args!("removing the VIPs' local routes"), &e);
             }
         }
         inner.claim = None;
         inner.error = None;
         inner.vips.clear();
-        inner.addressed.clear();
+        inner.made_local.clear();
         inner.interface = None;
         inner.last_check = None;
     }
@@ -796,13 +824,13 @@ impl Daemon {
         wait.then_some(settings.withdraw_grace)
     }
 
-    /// At stop, after the drain: the VIP addresses this daemon added go.
-    pub(super) async fn announce_remove_addresses(&self) {
+    /// At stop, after the drain: the VIPs' local routes this daemon made go.
+    pub(super) async fn announce_remove_local_routes(&self) {
         let mut inner = self.announcer.inner.lock().await;
-        if let Some(mut addresses) = inner.addresses.take() {
-            let out = addresses.stop().await;
+        if let Some(mut local) = inner.local.take() {
+            let out = local.stop().await;
             if let Some(e) = first_error(&out) {
-                self.announce_failed(format_args!("removing the VIP addresses at stop"), &e);
+                self.announce_failed(format_args!("removing the VIPs' local routes at stop"), &e);
             }
         }
     }
@@ -840,17 +868,6 @@ impl Daemon {
             previous: mark_name(previous),
             state: mark_name(drained),
         })
-    }
-
-    /// The VIP addresses this daemon put on the announcing interface (for
-    /// the VIP guard: they are not the host's own).
-    pub(super) async fn announce_own_addresses(&self) -> BTreeSet<IpAddr> {
-        let inner = self.announcer.inner.lock().await;
-        inner
-            .addresses
-            .as_ref()
-            .map(|a| a.held().copied().collect())
-            .unwrap_or_default()
     }
 
     /// `announce` in `/status`; `None` while announcing is off.
