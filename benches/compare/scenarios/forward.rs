@@ -305,7 +305,13 @@ pub fn forward_scenario(o: &Opts, res: &mut Results) {
         ),
     );
     let mut runs = Vec::new();
-    for &threads in &o.threads {
+    // The smoke run proves the path once: the first thread count only.
+    let counts = if o.smoke {
+        &o.threads[..1]
+    } else {
+        &o.threads[..]
+    };
+    for &threads in counts {
         let label = threads_label(threads);
         let mut procs: Vec<(Target, Proc)> = Vec::new();
         if targets.contains(&Target::Hlb) {
