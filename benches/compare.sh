@@ -10,7 +10,14 @@
 #   benches/compare.sh --smoke [--json FILE]   # CI: harvester-lb (1 and 2 threads),
 #                                              # harvester-lb (kernel) and the
 #                                              # kernel target, ~1.5 min
-# LIST: throughput,rps,cps,idle,health,reload,scale,scale-kernel,udp (default: all).
+#   benches/compare.sh --only forward [--conntrack on,off]
+#                      # the forward path: client, LB host (routing) and
+#                      # backend in three network namespaces, the kernel
+#                      # targets through prerouting and forward; direct,
+#                      # kernel, harvester-lb (kernel), harvester-lb and
+#                      # HAProxy with conntrack on and off (root)
+# LIST: throughput,rps,cps,idle,health,reload,scale,scale-kernel,udp,forward
+# (default: all but forward).
 # HLB_ARGS="..." is appended to every `harvester-lb run` (e.g. to A/B a
 # runtime option). The kernel targets (the kernel's own DNAT and
 # harvester-lb with forwarding = "kernel") need root and nft; without them

@@ -279,7 +279,7 @@ impl KernelDnat {
         // Checked by the kernel now (`nft --check`: the whole transaction,
         // not committed), so a kernel without nat support is found before
         // the first round rather than in it.
-        nft_load(true)?;
+        nft_load(&ruleset(), true)?;
         Ok(KernelDnat { _private: () })
     }
 
@@ -291,10 +291,7 @@ impl KernelDnat {
         what: &str,
         forwards: impl FnOnce(Duration) -> bool,
     ) -> Result<DnatOn, String> {
-        nft_load(false)?;
-        let undo = Undo::NftTable(TABLE);
-        register(undo.clone());
-        let on = DnatOn { undo };
+        let on = nft_table(TABLE, &ruleset())?;
         if !forwards(Duration::from_secs(5)) {
             return Err(format!(
                 "{KERNEL_IP} does not reach {BACKEND_IP} through the DNAT ({what})"
@@ -360,8 +357,20 @@ pub enum KernelOn {
     },
 }
 
-/// `nft -f -` of [`ruleset`]; with `check`, only checked (`nft -c`).
-fn nft_load(check: bool) -> Result<(), String> {
+/// Loads `ruleset`, which makes the table `ip NAME` of the bench's own,
+/// and returns it in force: deleted when dropped (and on SIGINT/SIGTERM).
+pub fn nft_table(name: &'static str, ruleset: &str) -> Result<DnatOn, String> {
+    if nft_table_exists(name) {
+        Undo::NftTable(name).run();
+    }
+    nft_load(ruleset, false)?;
+    let undo = Undo::NftTable(name);
+    register(undo.clone());
+    Ok(DnatOn { undo })
+}
+
+/// `nft -f -` of `ruleset`; with `check`, only checked (`nft -c`).
+fn nft_load(ruleset: &str, check: bool) -> Result<(), String> {
     let mut cmd = Command::new("nft");
     if check {
         cmd.arg("-c");
@@ -377,7 +386,7 @@ fn nft_load(check: bool) -> Result<(), String> {
         .stdin
         .take()
         .expect("nft stdin")
-        .write_all(ruleset().as_bytes())
+        .write_all(ruleset.as_bytes())
         .map_err(|e| format!("nft: {e}"))?;
     let out = child.wait_with_output().map_err(|e| format!("nft: {e}"))?;
     if !out.status.success() {
@@ -442,6 +451,31 @@ pub fn conntrack_room() -> Vec<SysctlGuard> {
     g.extend(set_sysctl(CT_TIME_WAIT, |old| (old > 10).then_some(10)));
     g.extend(set_sysctl(CT_MAX, |old| (old < 524_288).then_some(524_288)));
     g
+}
+
+/// TIME_WAIT entries live `secs` seconds for the run (if they lived
+/// longer); the old value is written back when dropped.
+pub fn conntrack_time_wait(secs: u64) -> Option<SysctlGuard> {
+    set_sysctl(CT_TIME_WAIT, |old| (old > secs).then_some(secs))
+}
+
+/// The conntrack entries of this namespace whose original destination is
+/// `dst`:`dport` (TCP), from `/proc/net/nf_conntrack`; None when it
+/// cannot be read (conntrack's procfs not built).
+pub fn tracked_to(dst: std::net::Ipv4Addr, dport: u16) -> Option<usize> {
+    let text = std::fs::read_to_string("/proc/net/nf_conntrack").ok()?;
+    let (dst, dport) = (format!("dst={dst}"), format!("dport={dport}"));
+    Some(
+        text.lines()
+            .filter(|l| {
+                // The original direction's fields come first.
+                let mut f = l.split_whitespace();
+                f.find(|w| w.starts_with("dst=")).is_some_and(|w| w == dst)
+                    && f.find(|w| w.starts_with("dport="))
+                        .is_some_and(|w| w == dport)
+            })
+            .count(),
+    )
 }
 
 /// Entries in the conntrack table now (0 when conntrack is not loaded).

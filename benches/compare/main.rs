@@ -75,6 +75,9 @@ struct Opts {
     scale_reloads: usize,
     /// Load balancers of the kernel scale scenario (`scale-kernel`).
     scale_kernel_lbs: usize,
+    /// The forward scenario's tracking modes (`--conntrack`): true is
+    /// "on", false "off", run in this order within each round.
+    forward_conntrack: Vec<bool>,
     work: PathBuf,
 }
 
@@ -92,7 +95,8 @@ impl Opts {
     }
 }
 
-const ALL_SCENARIOS: [&str; 9] = [
+/// Every scenario; all but `forward` run by default.
+const ALL_SCENARIOS: [&str; 10] = [
     "throughput",
     "rps",
     "cps",
@@ -102,13 +106,18 @@ const ALL_SCENARIOS: [&str; 9] = [
     "scale",
     "scale-kernel",
     "udp",
+    "forward",
 ];
 
 fn usage() -> ! {
     eprintln!(
         "usage: compare [--smoke] [--log-modes] [--json FILE] [--rounds N] [--duration SECONDS] [--threads LIST]\n\
-         \x20              [--only throughput,rps,cps,idle,health,reload,scale,scale-kernel,udp]\n\
-         \x20              [--scale-lbs N] [--scale-kernel-lbs N]\n\
+         \x20              [--only throughput,rps,cps,idle,health,reload,scale,scale-kernel,udp,forward]\n\
+         \x20              [--scale-lbs N] [--scale-kernel-lbs N] [--conntrack on,off]\n\
+         --only: default every scenario but forward\n\
+         forward: a client netns, this netns as the LB host routing, a backend netns; kept-alive and\n\
+         \x20        new connections (wrk) through direct routing, the kernel's one-rule DNAT, harvester-lb\n\
+         \x20        (kernel), harvester-lb and HAProxy, with conntrack on and off (--conntrack: which, default both)\n\
          --smoke: every scenario about a second (scale: 500 load balancers, ~25 s), against harvester-lb,\n\
          \x20        harvester-lb (kernel) and the kernel target alone; a second thread count only in rps and cps; exits\n\
          \x20        non-zero on failure\n\
@@ -138,6 +147,7 @@ fn parse_opts() -> Opts {
     let mut scale_kernel_lbs = None;
     let mut threads: Option<Vec<usize>> = None;
     let mut log_modes = false;
+    let mut forward_conntrack = vec![true, false];
     while let Some(a) = args.next() {
         match a.as_str() {
             "--bench" => {} // passed by `cargo bench`
@@ -162,6 +172,22 @@ fn parse_opts() -> Opts {
                     {
                         scale_kernel_lbs = Some(n)
                     }
+                    _ => usage(),
+                }
+            }
+            "--conntrack" => {
+                let list: Option<Vec<bool>> = args
+                    .next()
+                    .unwrap_or_else(|| usage())
+                    .split(',')
+                    .map(|m| match m.trim() {
+                        "on" => Some(true),
+                        "off" => Some(false),
+                        _ => None,
+                    })
+                    .collect();
+                match list {
+                    Some(l) if !l.is_empty() => forward_conntrack = l,
                     _ => usage(),
                 }
             }
@@ -197,7 +223,13 @@ fn parse_opts() -> Opts {
             }
         }
     }
-    let scenarios = only.unwrap_or_else(|| ALL_SCENARIOS.iter().map(|s| s.to_string()).collect());
+    let scenarios = only.unwrap_or_else(|| {
+        ALL_SCENARIOS
+            .iter()
+            .filter(|s| **s != "forward")
+            .map(|s| s.to_string())
+            .collect()
+    });
     for s in &scenarios {
         if !ALL_SCENARIOS.contains(&s.as_str()) {
             eprintln!("unknown scenario {s}");
@@ -243,6 +275,7 @@ fn parse_opts() -> Opts {
         scale_window: if smoke { 5 } else { 20 },
         scale_reloads: if smoke { 3 } else { 10 },
         scale_kernel_lbs: scale_kernel_lbs.unwrap_or(if smoke { 500 } else { 10_000 }),
+        forward_conntrack,
         work,
     }
 }
@@ -345,6 +378,11 @@ fn main() {
     host::undo_on_signal();
     let mut o = parse_opts();
     let needs_peers = !o.smoke;
+    // The forward scenario has no nginx target.
+    let forward_only = o.scenarios.iter().all(|s| s == "forward");
+    if forward_only {
+        o.targets.retain(|t| *t != Target::Nginx);
+    }
     let mut missing = Vec::new();
     for tool in ["iperf3", "wrk", "tcpdump"] {
         if !which(tool) {
@@ -355,7 +393,7 @@ fn main() {
         if !which("haproxy") {
             missing.push("haproxy");
         }
-        if !which("nginx") || !Path::new(NGINX_STREAM_MODULE).exists() {
+        if !forward_only && (!which("nginx") || !Path::new(NGINX_STREAM_MODULE).exists()) {
             missing.push("nginx + libnginx-mod-stream");
         }
     }
@@ -376,7 +414,8 @@ fn main() {
     // The kernel targets: only in the traffic and udp scenarios, only in
     // the bench's own namespace (their VIPs are there) and only where
     // nftables can be used; otherwise they are left out with a note.
-    let want_kernel = want_traffic || o.wants("udp") || o.wants("scale-kernel");
+    let want_kernel =
+        want_traffic || o.wants("udp") || o.wants("scale-kernel") || o.wants("forward");
     if let Err(e) = &netns {
         eprintln!(
             "note: no kernel and harvester-lb (kernel) targets: {e}; every target runs in this namespace"
@@ -390,7 +429,9 @@ fn main() {
     if !want_kernel {
         o.targets.retain(|t| *t != Target::HlbKernel);
     }
-    let kernel = if (want_traffic || o.wants("udp")) && o.targets.contains(&Target::Kernel) {
+    let kernel = if (want_traffic || o.wants("udp") || o.wants("forward"))
+        && o.targets.contains(&Target::Kernel)
+    {
         match KernelDnat::prepare() {
             Ok(k) => Some(k),
             Err(e) => {
@@ -406,7 +447,7 @@ fn main() {
     }
     // The smoke run's single 1 s run cannot fill the conntrack table.
     let any_kernel = kernel.is_some() || o.targets.contains(&Target::HlbKernel);
-    let conntrack = if any_kernel && o.wants("cps") && !o.smoke {
+    let conntrack = if any_kernel && (o.wants("cps") || o.wants("forward")) && !o.smoke {
         host::conntrack_room()
     } else {
         Vec::new()
@@ -416,6 +457,13 @@ fn main() {
     }
     if o.wants("udp") {
         scenarios::udp::udp_scenario(&o, &mut res, kernel.as_ref());
+    }
+    if o.wants("forward") {
+        if netns.is_ok() {
+            scenarios::forward::forward_scenario(&o, &mut res);
+        } else {
+            eprintln!("note: no forward scenario: it needs the bench's own network namespace");
+        }
     }
     if o.wants("health") {
         scenarios::health::health_scenario(&o, &mut res);
@@ -479,6 +527,9 @@ fn main() {
     );
     println!("{tbl}");
     println!("{}", table::notes(&o.targets));
+    if o.wants("forward") {
+        println!("{}", scenarios::forward::NOTES);
+    }
     let samples: Vec<Value> = res
         .samples
         .iter()

@@ -183,6 +183,11 @@ pub fn threads_label(threads: usize) -> String {
 /// work directory, as the daemon's stderr. `HLB_LOG_LINES_PER_SECOND` sets
 /// `[log] max_connection_lines_per_second`.
 fn hlb_config(ip: Ipv4Addr, log: Option<&str>) -> String {
+    hlb_config_to(ip, BACKEND_IP, log)
+}
+
+/// [`hlb_config`] with its backend at `backend` (the forward topology's).
+pub fn hlb_config_to(ip: Ipv4Addr, backend: Ipv4Addr, log: Option<&str>) -> String {
     let log = log.map_or(String::new(), |mode| {
         format!("log_connections = {mode:?}\n")
     });
@@ -199,7 +204,7 @@ max_connections = 15000
 [[load_balancer]]
 name = "bench/main"
 vip = "{ip}"
-backends = ["{BACKEND_IP}"]
+backends = ["{backend}"]
 algorithm = "round_robin"
 {log}  [[load_balancer.listener]]
   name = "iperf"
@@ -225,9 +230,19 @@ algorithm = "round_robin"
 /// the node itself), so both rewrite the same addresses. A 1 s drain: the
 /// daemon is stopped after each run and its table goes after the drain.
 pub fn hlb_kernel_config(listeners: &[(&str, u16, &str)], check_port: u16) -> String {
+    hlb_kernel_config_to(listeners, check_port, BACKEND_IP)
+}
+
+/// [`hlb_kernel_config`] with its backend at `backend` (the forward
+/// topology's).
+pub fn hlb_kernel_config_to(
+    listeners: &[(&str, u16, &str)],
+    check_port: u16,
+    backend: Ipv4Addr,
+) -> String {
     let ip = HLB_KERNEL_IP;
     let mut s = format!(
-        "[admin]\nlisten = \"{ip}:{ADMIN_PORT}\"\n[proxy]\ndrain_timeout_seconds = 1\n[[load_balancer]]\nname = \"bench/kernel\"\nvip = \"{ip}\"\nbackends = [\"{BACKEND_IP}\"]\nalgorithm = \"round_robin\"\n"
+        "[admin]\nlisten = \"{ip}:{ADMIN_PORT}\"\n[proxy]\ndrain_timeout_seconds = 1\n[[load_balancer]]\nname = \"bench/kernel\"\nvip = \"{ip}\"\nbackends = [\"{backend}\"]\nalgorithm = \"round_robin\"\n"
     );
     for (name, port, protocol) in listeners {
         s.push_str(&format!(
@@ -243,6 +258,11 @@ pub fn hlb_kernel_config(listeners: &[(&str, u16, &str)], check_port: u16) -> St
 /// HAProxy with `threads` threads (`nbthread`), TCP mode, splice when it
 /// pays, the same health check as harvester-lb's.
 fn haproxy_config(threads: usize) -> String {
+    haproxy_config_at(threads, HAPROXY_IP, BACKEND_IP)
+}
+
+/// [`haproxy_config`] on `vip`, forwarding to `backend`.
+pub fn haproxy_config_at(threads: usize, vip: Ipv4Addr, backend: Ipv4Addr) -> String {
     format!(
         r#"global
   nbthread {threads}
@@ -258,16 +278,16 @@ defaults
   default-server check port {HTTP_PORT} inter 1s fall 3 rise 1
 
 frontend iperf
-  bind {HAPROXY_IP}:{IPERF_PORT} backlog 4096
+  bind {vip}:{IPERF_PORT} backlog 4096
   default_backend iperf
 backend iperf
-  server b1 {BACKEND_IP}:{IPERF_PORT}
+  server b1 {backend}:{IPERF_PORT}
 
 frontend http
-  bind {HAPROXY_IP}:{HTTP_PORT} backlog 4096
+  bind {vip}:{HTTP_PORT} backlog 4096
   default_backend http
 backend http
-  server b1 {BACKEND_IP}:{HTTP_PORT}
+  server b1 {backend}:{HTTP_PORT}
 "#
     )
 }

@@ -1099,6 +1099,23 @@ fn terminated_here(pickup: Option<&Family>) -> Vec<Statement<'static>> {
     rule
 }
 
+/// `ct state != new return`: the main table's `input` chain refuses only
+/// new flows, so a packet of an open flow (or an untracked one) leaves it
+/// here, after one conntrack read, rather than passing the socket check
+/// and the refusal rules of both families (about twenty expressions per
+/// packet before). The `input` hook sees every packet addressed to this
+/// host; a flow the kernel forwards never crosses it.
+fn not_new_returns() -> Vec<Statement<'static>> {
+    vec![
+        matches(
+            ct("state", false),
+            Operator::NEQ,
+            Expression::String(s("new")),
+        ),
+        Statement::Return(None),
+    ]
+}
+
 /// A table's own parts, added (idempotent), emptied and filled: in every
 /// shard the dispatch maps and the NAT base chains that look them up; in
 /// the main table also the refusal and the masquerade, shared by every
@@ -1173,6 +1190,10 @@ fn skeleton(cmds: &mut Vec<NfObject<'static>>, t: Shard) {
         cmds.push(rule(t, "prerouting", terminated_here(Some(f))));
     }
     if t == Shard::MAIN {
+        // The input chain sees every packet to this host, the proxy's and
+        // every other service's: what is not a new flow leaves at its
+        // first rule, before the socket check and the refusals.
+        cmds.push(rule(t, "input", not_new_returns()));
         // Before the refusal of new flows to kernel listeners: the same
         // picked-up segment must reach its socket, not draw a reset.
         cmds.push(rule(t, "input", terminated_here(None)));
@@ -1336,6 +1357,42 @@ mod tests {
         let bytes = partial_transaction_json(&after, &before);
         let parsed: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
         assert_eq!(parsed, partial_transaction(&after, &before));
+    }
+
+    /// The rules of chain `name` of the main table, in the order written.
+    fn rules_of(doc: &serde_json::Value, name: &str) -> Vec<String> {
+        doc["nftables"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter_map(|o| o.pointer("/add/rule"))
+            .filter(|r| r["chain"] == name && r["table"] == TABLE)
+            .map(|r| text(&r["expr"]))
+            .collect()
+    }
+
+    #[test]
+    fn an_open_flow_leaves_the_input_chain_at_its_first_rule() {
+        let mut d = Desired::new();
+        d.insert(id("192.0.2.10", 80), listener(&["10.0.0.1"], &["10.0.0.1"]));
+        let input = rules_of(&transaction(&d, &Owned::default()), "input");
+        assert_eq!(
+            input[0],
+            r#"[{"match":{"left":{"ct":{"key":"state"}},"op":"!=","right":"new"}},{"return":null}]"#,
+            "{input:#?}"
+        );
+        // Then the socket check, then the refusals.
+        assert!(
+            input[1].contains(r#"{"socket":{"key":"transparent"}}"#),
+            "{input:#?}"
+        );
+        assert!(
+            input[2..].iter().all(|r| r.contains("reject")),
+            "{input:#?}"
+        );
+        // The NAT chains see a flow's first packet only: no such gate there.
+        let pre = rules_of(&transaction(&d, &Owned::default()), "prerouting");
+        assert!(pre[0].contains("socket"), "{pre:#?}");
     }
 
     #[test]

@@ -22,7 +22,8 @@ use std::io;
 use std::net::IpAddr;
 
 use netlink_packet_core::{
-    NLM_F_ACK, NLM_F_DUMP, NLM_F_REQUEST, NetlinkHeader, NetlinkMessage, NetlinkPayload,
+    NLA_HEADER_SIZE, NLM_F_ACK, NLM_F_DUMP, NLM_F_REQUEST, NLMSG_DONE, NLMSG_ERROR, NetlinkBuffer,
+    NetlinkHeader, NetlinkMessage, NetlinkPayload, NlasIterator,
 };
 use netlink_packet_netfilter::conntrack::{
     ConntrackAttribute, ConntrackMessage, IPTuple, ProtoInfo, ProtoInfoTCP, ProtoTuple,
@@ -274,27 +275,203 @@ fn open_tcp(state: u8) -> bool {
     matches!(state, 1..=6 | 9)
 }
 
-/// The open flows of each backend of the kernel listeners `listeners`:
-/// the conntrack entries whose original destination is the listener,
-/// answered by the backend (DNATed: the reply does not come from the VIP),
-/// TCP ones in an open state, UDP ones all (a UDP entry lives while
-/// datagrams flow, then times out).
+/// Every flow of `flows` counted by [`count_one`].
+#[cfg(test)]
 fn count(flows: &[Flow], listeners: &[ListenerId]) -> HashMap<(ListenerId, IpAddr), u64> {
     let mut counts = HashMap::new();
     for f in flows {
-        let (Some(dst), Some(port), Some(reply)) = (f.orig_dst, f.orig_dport, f.reply_src) else {
-            continue;
-        };
-        let id = match (f.tcp, f.udp) {
-            (true, _) if f.tcp_state.is_some_and(open_tcp) => (dst, Protocol::Tcp, port),
-            (_, true) => (dst, Protocol::Udp, port),
-            _ => continue,
-        };
-        if reply != dst && listeners.contains(&id) {
-            *counts.entry((id, reply)).or_insert(0) += 1;
-        }
+        count_one(&mut counts, f, listeners);
     }
     counts
+}
+
+/// Adds flow `f` to `counts` if it is an open flow of a backend of one of
+/// the kernel listeners `listeners`: an entry whose original destination
+/// is the listener, answered by the backend (DNATed: the reply does not
+/// come from the VIP), TCP ones in an open state, UDP ones all (a UDP
+/// entry lives while datagrams flow, then times out).
+fn count_one(counts: &mut HashMap<(ListenerId, IpAddr), u64>, f: &Flow, listeners: &[ListenerId]) {
+    let (Some(dst), Some(port), Some(reply)) = (f.orig_dst, f.orig_dport, f.reply_src) else {
+        return;
+    };
+    let id = match (f.tcp, f.udp) {
+        (true, _) if f.tcp_state.is_some_and(open_tcp) => (dst, Protocol::Tcp, port),
+        (_, true) => (dst, Protocol::Udp, port),
+        _ => return,
+    };
+    if reply != dst && listeners.contains(&id) {
+        *counts.entry((id, reply)).or_insert(0) += 1;
+    }
+}
+
+// The attributes [`glance`] reads (`linux/netfilter/nfnetlink_conntrack.h`).
+const CTA_TUPLE_ORIG: u16 = 1;
+const CTA_TUPLE_REPLY: u16 = 2;
+const CTA_PROTOINFO: u16 = 4;
+const CTA_TUPLE_IP: u16 = 1;
+const CTA_TUPLE_PROTO: u16 = 2;
+const CTA_IP_V4_SRC: u16 = 1;
+const CTA_IP_V4_DST: u16 = 2;
+const CTA_IP_V6_SRC: u16 = 3;
+const CTA_IP_V6_DST: u16 = 4;
+const CTA_PROTO_NUM: u16 = 1;
+const CTA_PROTO_DST_PORT: u16 = 3;
+const CTA_PROTOINFO_TCP: u16 = 1;
+const CTA_PROTOINFO_TCP_STATE: u16 = 1;
+const IPPROTO_TCP: u8 = 6;
+const IPPROTO_UDP: u8 = 17;
+
+/// The attributes (type, value) nested in `value`; a malformed one ends
+/// the walk.
+fn nested(value: &[u8]) -> impl Iterator<Item = (u16, &[u8])> {
+    NlasIterator::new(value).map_while(|nla| {
+        let n = nla.ok()?;
+        let (kind, len) = (n.kind(), usize::from(n.length()));
+        n.into_inner().get(NLA_HEADER_SIZE..len).map(|v| (kind, v))
+    })
+}
+
+fn addr(value: &[u8]) -> Option<IpAddr> {
+    match value.len() {
+        4 => <[u8; 4]>::try_from(value).ok().map(IpAddr::from),
+        16 => <[u8; 16]>::try_from(value).ok().map(IpAddr::from),
+        _ => None,
+    }
+}
+
+/// What [`count_one`] needs of one entry (`attrs`: the message's attributes
+/// after its nfgenmsg), read where it lies in the message: no attribute
+/// is decoded that the count does not use, nothing is allocated. The
+/// readings every 5 s go over every entry of the host's table, and the
+/// table holds every connection of the last two minutes (TIME_WAIT), so
+/// their cost grows with the rate of new connections: the full decode
+/// ([`flow`], which the sweep's deletes need) allocated for every
+/// attribute of every entry.
+fn glance(attrs: &[u8]) -> Flow {
+    let mut f = Flow {
+        original: Vec::new(),
+        orig_dst: None,
+        orig_dport: None,
+        udp: false,
+        tcp: false,
+        reply_src: None,
+        tcp_state: None,
+    };
+    for (kind, value) in nested(attrs) {
+        match kind {
+            CTA_TUPLE_ORIG => {
+                for (k, v) in nested(value) {
+                    match k {
+                        CTA_TUPLE_IP => {
+                            for (k, v) in nested(v) {
+                                if k == CTA_IP_V4_DST || k == CTA_IP_V6_DST {
+                                    f.orig_dst = addr(v);
+                                }
+                            }
+                        }
+                        CTA_TUPLE_PROTO => {
+                            for (k, v) in nested(v) {
+                                match (k, v) {
+                                    (CTA_PROTO_NUM, [p]) => {
+                                        f.tcp = *p == IPPROTO_TCP;
+                                        f.udp = *p == IPPROTO_UDP;
+                                    }
+                                    (CTA_PROTO_DST_PORT, [hi, lo]) => {
+                                        f.orig_dport = Some(u16::from_be_bytes([*hi, *lo]));
+                                    }
+                                    _ => {}
+                                }
+                            }
+                        }
+                        _ => {}
+                    }
+                }
+            }
+            CTA_TUPLE_REPLY => {
+                for (k, v) in nested(value) {
+                    if k == CTA_TUPLE_IP {
+                        for (k, v) in nested(v) {
+                            if k == CTA_IP_V4_SRC || k == CTA_IP_V6_SRC {
+                                f.reply_src = addr(v);
+                            }
+                        }
+                    }
+                }
+            }
+            CTA_PROTOINFO => {
+                for (k, v) in nested(value) {
+                    if k == CTA_PROTOINFO_TCP {
+                        for (k, v) in nested(v) {
+                            if let (CTA_PROTOINFO_TCP_STATE, [state]) = (k, v) {
+                                f.tcp_state = Some(*state);
+                            }
+                        }
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+    f
+}
+
+/// One dump of `family`'s table, counted as it is read (see [`glance`]).
+fn count_on(
+    socket: &Socket,
+    family: NetfilterProtoFamily,
+    listeners: &[ListenerId],
+) -> io::Result<HashMap<(ListenerId, IpAddr), u64>> {
+    socket.send(
+        &request(
+            family,
+            ConntrackMessage::Get(vec![]),
+            NLM_F_REQUEST | NLM_F_DUMP,
+        ),
+        0,
+    )?;
+    let mut counts = HashMap::new();
+    let mut buf = vec![0u8; 1 << 16];
+    loop {
+        let size = socket.recv(&mut &mut buf[..], 0)?;
+        let mut offset = 0;
+        while offset < size {
+            let msg = NetlinkBuffer::new_checked(&buf[offset..size])
+                .map_err(|e| io::Error::other(format!("ctnetlink: {e}")))?;
+            let len = msg.length() as usize;
+            match msg.message_type() {
+                NLMSG_DONE => return Ok(counts),
+                NLMSG_ERROR => {
+                    // The full decode names the error.
+                    let full = <NetlinkMessage<NetfilterMessage>>::deserialize(&buf[offset..size])
+                        .map_err(|e| io::Error::other(format!("ctnetlink: {e}")))?;
+                    return Err(io::Error::other(format!(
+                        "ctnetlink dump: {:?}",
+                        full.payload
+                    )));
+                }
+                // An entry: its attributes after the 4-byte nfgenmsg.
+                CT_ENTRY => {
+                    if let Some(attrs) = msg.payload().get(4..) {
+                        count_one(&mut counts, &glance(attrs), listeners);
+                    }
+                }
+                _ => {}
+            }
+            if len == 0 {
+                break;
+            }
+            offset += netlink_align(len);
+        }
+    }
+}
+
+/// The message type of every entry in a dump: subsystem
+/// `NFNL_SUBSYS_CTNETLINK` (1), message `IPCTNL_MSG_CT_NEW` (0).
+const CT_ENTRY: u16 = 1 << 8;
+
+/// Netlink messages start on 4-byte boundaries.
+fn netlink_align(len: usize) -> usize {
+    (len + 3) & !3
 }
 
 /// Open TCP connections and UDP flows per (kernel listener, backend), by
@@ -315,7 +492,7 @@ pub fn open_connections(
         if of_family.is_empty() {
             continue;
         }
-        counts.extend(count(&dump(family)?, &of_family));
+        counts.extend(SOCKET.with(|socket| count_on(socket, family, &of_family))?);
     }
     Ok(counts)
 }
@@ -338,6 +515,95 @@ mod tests {
 
     fn ip(s: &str) -> IpAddr {
         s.parse().unwrap()
+    }
+
+    /// An entry as the kernel sends it in a dump, with attributes the
+    /// glance skips (status, timeout, mark) around those it reads.
+    fn entry(dst: &str, dport: u16, tcp: bool, reply: &str, state: u8) -> Vec<u8> {
+        let tuple = |src: IpAddr, dst: IpAddr, sport, dport| {
+            vec![
+                Tuple::Ip(vec![
+                    IPTuple::SourceAddress(src),
+                    IPTuple::DestinationAddress(dst),
+                ]),
+                Tuple::Proto(vec![
+                    ProtoTuple::Protocol(if tcp {
+                        CtProtocol::Tcp
+                    } else {
+                        CtProtocol::Udp
+                    }),
+                    ProtoTuple::SourcePort(sport),
+                    ProtoTuple::DestinationPort(dport),
+                ]),
+            ]
+        };
+        let client = ip("198.51.100.7");
+        let mut attrs = vec![
+            ConntrackAttribute::CtaTupleOrig(tuple(client, ip(dst), 40000, dport)),
+            ConntrackAttribute::CtaTupleReply(tuple(ip(reply), client, 30080, 40000)),
+            ConntrackAttribute::CtaTimeout(117),
+            ConntrackAttribute::CtaMark(0),
+        ];
+        if tcp {
+            attrs.push(ConntrackAttribute::CtaProtoInfo(vec![ProtoInfo::TCP(
+                vec![ProtoInfoTCP::State(state)],
+            )]));
+        }
+        let family = if ip(dst).is_ipv4() {
+            NetfilterProtoFamily::IPv4
+        } else {
+            NetfilterProtoFamily::IPv6
+        };
+        request(family, ConntrackMessage::New(attrs), 0)
+    }
+
+    #[test]
+    fn the_glance_reads_what_the_full_decode_reads() {
+        for bytes in [
+            entry("192.0.2.10", 80, true, "10.0.0.1", 3),
+            entry("192.0.2.10", 80, true, "10.0.0.1", 7),
+            entry("2001:db8::10", 53, false, "2001:db8::1", 0),
+        ] {
+            let msg = NetlinkBuffer::new_checked(&bytes[..]).unwrap();
+            assert_eq!(msg.message_type(), CT_ENTRY);
+            let glanced = glance(&msg.payload()[4..]);
+            let NetlinkPayload::InnerMessage(NetfilterMessage {
+                inner: NetfilterMessageInner::Conntrack(ConntrackMessage::New(attrs)),
+                ..
+            }) = <NetlinkMessage<NetfilterMessage>>::deserialize(&bytes)
+                .unwrap()
+                .payload
+            else {
+                panic!("not an entry");
+            };
+            let full = flow(attrs);
+            assert_eq!(
+                Flow {
+                    original: Vec::new(),
+                    ..full
+                },
+                glanced
+            );
+            assert!(glanced.orig_dst.is_some() && glanced.reply_src.is_some());
+        }
+        // Counted as the full decode counts: the open TCP flow (state 3,
+        // ESTABLISHED) and the UDP flow, not the one in TIME_WAIT (7).
+        let listeners = [
+            (ip("192.0.2.10"), Protocol::Tcp, 80),
+            (ip("2001:db8::10"), Protocol::Udp, 53),
+        ];
+        let mut counts = HashMap::new();
+        for bytes in [
+            entry("192.0.2.10", 80, true, "10.0.0.1", 3),
+            entry("192.0.2.10", 80, true, "10.0.0.1", 7),
+            entry("2001:db8::10", 53, false, "2001:db8::1", 0),
+        ] {
+            let msg = NetlinkBuffer::new_checked(&bytes[..]).unwrap();
+            count_one(&mut counts, &glance(&msg.payload()[4..]), &listeners);
+        }
+        assert_eq!(counts.get(&(listeners[0], ip("10.0.0.1"))), Some(&1));
+        assert_eq!(counts.get(&(listeners[1], ip("2001:db8::1"))), Some(&1));
+        assert_eq!(counts.len(), 2);
     }
 
     #[test]

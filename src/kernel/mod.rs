@@ -15,6 +15,7 @@
 //!                       ct status dnat ct original ip daddr . ip daddr . meta l4proto . th dport @masq4 masquerade fully-random
 //!                       ct status dnat … @snat4 snat ip to ct original ip daddr }
 //!   chain input       { filter hook input priority filter;
+//!                       ct state != new return                         # an open flow's packet leaves here
 //!                       ct state new ip daddr . meta l4proto . th dport @refuse4 reject }  # never falls through to the host
 //!   chain l_tcp_80_VIP { ip saddr != @s_tcp_80_VIP counter name d_… return    # source_ranges
 //!                        numgen inc mod 3 0 counter name n_…_BE1 meta l4proto tcp dnat ip to BE1:NODEPORT

@@ -2,6 +2,7 @@
 //! requests, new connections) interleave their runs in [`traffic`]; every
 //! other scenario starts and stops what it needs itself.
 
+pub mod forward;
 pub mod health;
 pub mod idle;
 pub mod kscale;

@@ -16,20 +16,33 @@ pub struct WrkResult {
 
 pub fn wrk_cmd(target: Target, close: bool, secs: u64) -> Command {
     let mut cmd = Command::new("wrk");
+    wrk_args(
+        &mut cmd,
+        &format!("http://{}:{HTTP_PORT}/", target.ip()),
+        close,
+        secs,
+    );
+    cmd
+}
+
+/// wrk's arguments against `url`, appended to `cmd` (which may run wrk in
+/// another network namespace: the forward topology's client).
+pub fn wrk_args(cmd: &mut Command, url: &str, close: bool, secs: u64) {
     cmd.args(["-t1", "-c50", "-d", &format!("{secs}s"), "--latency"]);
     if close {
         cmd.args(["-H", "Connection: close"]);
     }
-    cmd.arg(format!("http://{}:{HTTP_PORT}/", target.ip()));
-    cmd
+    cmd.arg(url);
 }
 
 pub fn wrk(target: Target, close: bool, secs: u64) -> Result<WrkResult, String> {
-    let out = run_with_timeout(
-        &mut wrk_cmd(target, close, secs),
-        Duration::from_secs(secs + 20),
-    )
-    .ok_or("wrk did not run")?;
+    wrk_run(&mut wrk_cmd(target, close, secs), secs)
+}
+
+/// Runs a wrk `cmd` of `secs` seconds (killed 20 s after) and reads its
+/// rate, latency and errors.
+pub fn wrk_run(cmd: &mut Command, secs: u64) -> Result<WrkResult, String> {
+    let out = run_with_timeout(cmd, Duration::from_secs(secs + 20)).ok_or("wrk did not run")?;
     let mut r = WrkResult {
         rate: f64::NAN,
         p50_ms: f64::NAN,
