@@ -18,6 +18,27 @@ fn vip() -> SocketAddr {
     SocketAddr::new(IpAddr::V4(VIP), PORT)
 }
 
+/// The `.conf` files shipped in `config/<speaker>` (at least two: a host's
+/// and a router's), and a scratch directory for the bed's filled-in ones.
+fn shipped_configs(speaker: &str) -> (std::path::PathBuf, Vec<std::path::PathBuf>) {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("config")
+        .join(speaker);
+    let scratch = std::env::temp_dir().join(format!("hlb-{speaker}-parse-{}", std::process::id()));
+    std::fs::create_dir_all(&scratch).expect("scratch dir");
+    let files: Vec<std::path::PathBuf> = std::fs::read_dir(&dir)
+        .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
+        .map(|e| e.expect("entry").path())
+        .filter(|p| p.extension().is_some_and(|e| e == "conf"))
+        .collect();
+    assert!(
+        files.len() >= 2,
+        "config/{speaker} has {} .conf files",
+        files.len()
+    );
+    (scratch, files)
+}
+
 /// Every shipped BIRD config parses (`bird -p`) as it is, and as the bed
 /// fills it in for its hosts and router.
 #[test]
@@ -26,19 +47,7 @@ fn shipped_bird_configs_parse() {
         netns::skip_or_fail(module_path!(), &why);
         return;
     }
-    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("config/bird");
-    let scratch = std::env::temp_dir().join(format!("hlb-bird-parse-{}", std::process::id()));
-    std::fs::create_dir_all(&scratch).expect("scratch dir");
-    let mut files: Vec<std::path::PathBuf> = std::fs::read_dir(&dir)
-        .expect("config/bird")
-        .map(|e| e.expect("entry").path())
-        .filter(|p| p.extension().is_some_and(|e| e == "conf"))
-        .collect();
-    assert!(
-        files.len() >= 2,
-        "config/bird has {} .conf files",
-        files.len()
-    );
+    let (scratch, mut files) = shipped_configs("bird");
     for (name, text) in [
         ("host1.conf", netns::bgp::host_config(1)),
         ("router.conf", netns::bgp::router_config()),
@@ -73,19 +82,7 @@ fn shipped_frr_configs_parse() {
         netns::skip_or_fail(module_path!(), &why);
         return;
     }
-    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("config/frr");
-    let scratch = std::env::temp_dir().join(format!("hlb-frr-parse-{}", std::process::id()));
-    std::fs::create_dir_all(&scratch).expect("scratch dir");
-    let mut files: Vec<std::path::PathBuf> = std::fs::read_dir(&dir)
-        .expect("config/frr")
-        .map(|e| e.expect("entry").path())
-        .filter(|p| p.extension().is_some_and(|e| e == "conf"))
-        .collect();
-    assert!(
-        files.len() >= 2,
-        "config/frr has {} .conf files",
-        files.len()
-    );
+    let (scratch, mut files) = shipped_configs("frr");
     let host2 = scratch.join("host2.conf");
     std::fs::write(&host2, netns::bgp::frr_host_config(2)).expect("write");
     files.push(host2);

@@ -568,25 +568,10 @@ pub fn install(
     if !conf_same || force {
         done = Installed::ConfChanged;
         if let Some(command) = &settings.restart_command {
-            let out = std::process::Command::new(&command[0])
-                .args(&command[1..])
-                .stdin(std::process::Stdio::null())
-                .output()
-                .map_err(|e| ConntrackdError::Restart {
-                    command: command.clone(),
-                    why: e.to_string(),
-                })?;
-            if !out.status.success() {
-                return Err(ConntrackdError::Restart {
-                    command: command.clone(),
-                    why: format!(
-                        "{}: {}{}",
-                        out.status,
-                        String::from_utf8_lossy(&out.stdout).trim(),
-                        String::from_utf8_lossy(&out.stderr).trim()
-                    ),
-                });
-            }
+            super::run_configured(command).map_err(|why| ConntrackdError::Restart {
+                command: command.clone(),
+                why,
+            })?;
         }
     }
     Ok(done)

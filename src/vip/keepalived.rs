@@ -373,25 +373,10 @@ pub(crate) fn write_atomically(path: &Path, text: &str) -> std::io::Result<()> {
 
 fn reload(settings: &KeepalivedSettings) -> Result<(), KeepalivedError> {
     if let Some(command) = &settings.reload_command {
-        let out = std::process::Command::new(&command[0])
-            .args(&command[1..])
-            .stdin(std::process::Stdio::null())
-            .output()
-            .map_err(|e| KeepalivedError::Command {
-                command: command.clone(),
-                why: e.to_string(),
-            })?;
-        if !out.status.success() {
-            return Err(KeepalivedError::Command {
-                command: command.clone(),
-                why: format!(
-                    "{}: {}{}",
-                    out.status,
-                    String::from_utf8_lossy(&out.stdout).trim(),
-                    String::from_utf8_lossy(&out.stderr).trim()
-                ),
-            });
-        }
+        super::run_configured(command).map_err(|why| KeepalivedError::Command {
+            command: command.clone(),
+            why,
+        })?;
         return Ok(());
     }
     let path = settings.pid_file.display().to_string();

@@ -20,3 +20,27 @@ pub mod isolate;
 pub mod keepalived;
 pub mod network;
 pub mod vmnet_guard;
+
+/// Runs an operator's configured command (`keepalived.reload_command`,
+/// `conntrackd.restart_command`) with no stdin and waits for it; `Err` is
+/// why it failed, written for the operator (it could not start, or its
+/// exit status with what it printed), for the caller's own error type.
+pub(crate) fn run_configured(command: &[String]) -> Result<(), String> {
+    let Some((program, args)) = command.split_first() else {
+        return Err("the command is empty".to_string());
+    };
+    let out = std::process::Command::new(program)
+        .args(args)
+        .stdin(std::process::Stdio::null())
+        .output()
+        .map_err(|e| e.to_string())?;
+    if out.status.success() {
+        return Ok(());
+    }
+    Err(format!(
+        "{}: {}{}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout).trim(),
+        String::from_utf8_lossy(&out.stderr).trim()
+    ))
+}
