@@ -22,7 +22,7 @@
 #             refusal (exit 1 naming vip.isolate), the unit fails
 #   vip.conf  isolation table written; kernel forwarding (flows DNATed to
 #             the backend, the proxy accepting none); the VIP announced
-#             (address on lo, route of protocol 252 in table 100); a
+#             (AnyIP local route, route of protocol 252 in table 100); a
 #             deleted isolation table repaired; the conntrack series on
 #             /metrics; net.ipv4.ip_forward=0: the proxy serves and says
 #             why; /proc/sys hidden again (ProcSubset=pid over the drop-in):
@@ -432,8 +432,10 @@ vip_config | write_config
 inside systemctl start harvester-lb || fail "start with vip.conf failed"
 routes() { inside ip route show table 100 proto 252; }
 wait_until 30 "the VIP announced (route of protocol 252 in table 100)" announced
-vip_on_lo() { inside ip -o addr show dev lo | grep -q 198.51.100.10; }
-wait_until 10 "the announced VIP on lo" vip_on_lo
+# The VIP made local by an AnyIP route (docs/many-hosts.md): the
+# daemon's, of protocol 252 in table local.
+vip_local() { inside ip route show table local proto 252 | grep -q "^local 198.51.100.10 dev lo"; }
+wait_until 10 "the announced VIP made local (local 198.51.100.10 dev lo proto 252 in table local)" vip_local
 inside nft list table inet harvester_lb >/dev/null 2>&1 || fail "no isolation table inet harvester_lb"
 wait_until 30 "the kernel listener in the kernel (/status forwarding = kernel)" forwarding_is kernel
 before=$(accepted)
@@ -517,7 +519,7 @@ journal_since "$t_stop" | grep -q "draining open ones" || fail "no drain at stop
 left=$(inside nft list tables | grep harvester_lb || true)
 [[ -z $left ]] || fail "tables left after stop: $left"
 [[ -z $(routes) ]] || fail "routes left in table 100 after stop: $(routes)"
-if vip_on_lo; then fail "the VIP is still on lo after stop"; fi
+if vip_local; then fail "the VIP's local route is still there after stop"; fi
 if inside test -e /run/harvester-lb; then fail "/run/harvester-lb is still there after stop"; fi
 ok "exit 0, the open connection answered before the exit, ExecStopPost status=0; no table, route, address or runtime directory left"
 
