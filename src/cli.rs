@@ -5,7 +5,7 @@
 //!
 //! With this file, its submodules are the binary's own code, none of it in
 //! the library: the arguments ([`args`]), the admin client
-//! ([`admin_client`]), `demo` ([`demo`]), `status`'s table
+//! ([`admin_client`]), `demo` ([`demo`](mod@demo)), `status`'s table
 //! ([`status_table`]) and `import`'s reading, guard and exit codes
 //! ([`import`](mod@import)).
 

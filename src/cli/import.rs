@@ -66,7 +66,7 @@ pub struct Args {
     pub network_interfaces: Vec<String>,
 }
 
-/// One thing `harvester-lb import` says, in order: [`super::import`]
+/// One thing `harvester-lb import` says, in order: [`super::import()`]
 /// prints each ([`command`] prints nothing).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Said {
