@@ -83,7 +83,9 @@ pub enum StartError {
 }
 
 /// A request to reload the config, answered with the outcome: a summary
-/// of what changed, or why the running config stays in force.
+/// of what changed, or why the running config stays in force. The reload
+/// loop here takes them from `POST /reload` (the admin API), SIGHUP
+/// ([`run`]) and [`Server::reload`]; the file watch has a channel of its own.
 pub type ReloadRequest = oneshot::Sender<Result<String, ReloadError>>;
 
 /// Why a reload left the running config in force. The message is what
