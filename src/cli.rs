@@ -1,22 +1,33 @@
 //! The command line's side of each command: what it reads, what it asks
-//! the daemon (through [`harvester_lb::admin::client`]), what it prints and
+//! the daemon (through [`admin_client`]), what it prints and
 //! the exit code. The daemon's logic stays in the library; `main.rs` only
 //! parses the arguments and dispatches here.
+//!
+//! With this file, its submodules are the binary's own code, none of it in
+//! the library: the arguments ([`args`]), the admin client
+//! ([`admin_client`]), `demo` ([`demo`](mod@demo)), `status`'s table
+//! ([`status_table`]) and `import`'s reading, guard and exit codes
+//! ([`import`](mod@import)).
+
+pub mod admin_client;
+pub mod args;
+pub mod demo;
+pub mod import;
+pub mod status_table;
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use harvester_lb::StartError;
-use harvester_lb::admin::client;
 use harvester_lb::config;
-use harvester_lb::import;
 use harvester_lb::logging;
 use harvester_lb::server::{self, RunError};
 use harvester_lb::workers::{self, Runtimes};
 use tracing_subscriber::field::MakeExt as _;
 use tracing_subscriber::fmt::writer::BoxMakeWriter;
 
-use crate::args::{AnnounceState, BackendState, LogFormat, Scheduler};
+use self::admin_client as client;
+use self::args::{AnnounceState, BackendState, LogFormat, Scheduler};
 
 /// Exit code for an unusable config (sysexits' EX_CONFIG). The systemd unit
 /// lists it in `RestartPreventExitStatus=` so a bad file does not restart-loop.
@@ -126,7 +137,7 @@ pub fn demo(path: &Path) -> ExitCode {
         Ok(r) => r.main,
         Err(e) => return runtime_failed(&e),
     };
-    match runtime.block_on(harvester_lb::demo::run(path, |line| println!("{line}"))) {
+    match runtime.block_on(demo::run(path, |line| println!("{line}"))) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("demo failed: {e}");
@@ -318,7 +329,7 @@ pub fn status(path: &Path, json: bool) -> ExitCode {
             let now = std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
                 .map_or(0.0, |d| d.as_secs_f64());
-            print!("{}", harvester_lb::status_table::render(&doc, now));
+            print!("{}", status_table::render(&doc, now));
             ExitCode::SUCCESS
         }
         Err(e) => {

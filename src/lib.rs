@@ -33,15 +33,22 @@
 //! * [`owned`]: kernel objects the daemon owns (the isolation table, the
 //!   NAT tables, announce routes, the VIPs' local routes), read back and repaired
 //!   when another process changed them; one driver for the keyed kinds.
-//! * [`admin`], [`metrics`], [`systemd`]: how operators and machines see it.
+//! * [`admin`]: the admin API's server, in three parts by what each guards:
+//!   each listener's bounds (`connections`), what each path answers and who
+//!   may ask (`routes`), the Unix socket's trust and binding (`socket`).
+//! * [`metrics`], [`systemd`]: how operators and machines see it.
 //! * [`logging`]: log lines queued to a writer thread of their own, so a
 //!   stalled stderr never stalls forwarding.
-//! * [`status_table`]: `/status` as a terminal table (`harvester-lb status`).
 //! * [`import`]: Harvester's `LoadBalancer` objects (and v0.1.x guest
 //!   `Service`s) to a config file; beside `check`, it reads only `config`.
 //!
-//! The `harvester-lb` binary's own code is `src/main.rs` (arguments) and
-//! `src/cli.rs` (each command's printing and exit code), outside this library.
+//! The `harvester-lb` binary's own code is outside this library: `src/main.rs`
+//! (the dispatch) and `src/cli.rs` with `src/cli/`: the arguments (`args`),
+//! each command's reading, printing and exit code, the admin client
+//! (`admin_client`), `demo`, `status`'s table (`status_table`) and
+//! `import`'s reading, removal guard and exit codes (`cli/import.rs`). It
+//! reaches the daemon only through the library's public API and the admin
+//! socket.
 //!
 //! [`start`] runs the whole daemon on an already validated path; tests start it
 //! in-process on loopback addresses they choose.
@@ -54,7 +61,6 @@ pub mod balancer;
 pub mod budget;
 pub mod config;
 pub mod daemon;
-pub mod demo;
 pub mod health;
 pub mod import;
 pub mod kernel;
@@ -67,7 +73,6 @@ pub mod os;
 pub mod owned;
 pub mod proxy;
 pub mod server;
-pub mod status_table;
 pub mod systemd;
 #[cfg(test)]
 mod test_clock;

@@ -1,15 +1,16 @@
 //! The `harvester-lb` command: `run`, `check`, `reload`, `backend`,
 //! `host`, `vip`, `withdraw`, `status`, `import`, `demo`.
-//! Thin by design: it parses the arguments ([`args`]) and dispatches to
-//! [`cli`]; the daemon and the admin client live in the library.
+//! Thin by design: it parses the arguments ([`cli::args`]) and dispatches
+//! to [`cli`]. The daemon lives in the library; the command line's own
+//! code (arguments, admin client, demo, status table, import's reading and
+//! exit codes) in `cli` and its submodules, here in the binary.
 
 use std::process::ExitCode;
 
-mod args;
 mod cli;
 
-use args::{Cli, Command};
 use clap::Parser;
+use cli::args::{Cli, Command};
 
 /// mimalloc instead of glibc's malloc: a reload of 10,000 load balancers
 /// allocates ~80 MB for a moment, which glibc kept (RSS +125 MB after three
@@ -68,7 +69,7 @@ fn main() -> ExitCode {
             allow_removals,
             allow_loopback,
             network_interfaces,
-        } => cli::import(&harvester_lb::import::Args {
+        } => cli::import(&cli::import::Args {
             inputs,
             cluster,
             write,

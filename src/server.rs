@@ -13,7 +13,6 @@ use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-use crate::admin::{ReloadError, ReloadRequest};
 use crate::config::{self, Config, ConfigError};
 use crate::daemon::{Daemon, log_applied};
 use crate::metrics::Metrics;
@@ -81,6 +80,31 @@ pub enum StartError {
     /// The admin Unix socket could not be set up.
     #[error(transparent)]
     AdminSocket(#[from] admin::SocketError),
+}
+
+/// A request to reload the config, answered with the outcome: a summary
+/// of what changed, or why the running config stays in force. The reload
+/// loop here takes them from `POST /reload` (the admin API), SIGHUP
+/// ([`run`]) and [`Server::reload`]; the file watch has a channel of its own.
+pub type ReloadRequest = oneshot::Sender<Result<String, ReloadError>>;
+
+/// Why a reload left the running config in force. The message is what
+/// `POST /reload`, `harvester-lb reload` and the log show.
+#[derive(Debug, thiserror::Error)]
+pub enum ReloadError {
+    /// The daemon began to stop before the reload was done.
+    #[error("the daemon is stopping")]
+    Stopping,
+    /// The file could not be read or is not a valid config; every problem
+    /// is in it.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// The blocking task reading the file ended abnormally.
+    #[error("the config loader stopped: {0}")]
+    LoaderStopped(tokio::task::JoinError),
+    /// The blocking task writing the VIP isolation table ended abnormally.
+    #[error("the VIP isolation writer stopped: {0}")]
+    IsolationStopped(tokio::task::JoinError),
 }
 
 /// A running daemon.

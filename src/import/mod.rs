@@ -8,10 +8,12 @@
 //! network a LoadBalancer names (`loadbalancer.harvesterhci.io/network`)
 //! from the NetworkAttachmentDefinitions and IPPools given with it, into
 //! `[[network]]` tables, skipping by name the load balancers of a network
-//! this host has no interface on ([`command`] reads the host's interfaces
+//! this host has no interface on (the command line reads the host's interfaces
 //! over rtnetlink). This module reads only `config` types and does no I/O beyond the
-//! files it is given and the one it writes; it never talks to a cluster or
-//! to the daemon (the daemon's file watch picks the new file up).
+//! file it replaces (read for its guards, written by `write`); it never talks to a cluster or
+//! to the daemon (the daemon's file watch picks the new file up). The
+//! command's other half, in the binary (`src/cli/import.rs`), reads the
+//! input files and the host, prints and chooses the exit code.
 //!
 //! Nothing is dropped without a word: an object or a listener that cannot
 //! be mapped is named (on stderr, by the command line) with the reason (`--strict` makes that an
@@ -25,8 +27,8 @@
 //! of the host's own addresses or the gateway of one of its routes, or
 //! (with `announce = "routes"` in the base) outside
 //! `vip.announce_prefixes`, as the daemon would refuse it
-//! ([`crate::vip::host`]: the one read of the host this module makes, over
-//! rtnetlink, by [`command`]). The whole file is
+//! ([`crate::vip::host`]: the host as the command line read it over
+//! rtnetlink, handed in as [`Options::host`]). The whole file is
 //! validated again before it is shown or written. The output depends only
 //! on the set of objects, not their order: load balancers sorted by name,
 //! lists sorted.
@@ -44,41 +46,16 @@ mod write;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
-use std::io::Read;
 use std::net::{IpAddr, SocketAddr};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 
 use crate::config::{self, Conflict, LoadBalancerSpec, Problem};
 
 pub use documents::{DocumentError, MAX_INPUT_BYTES, Source};
+pub use guard::{existing_names, removals};
+pub use network::parse_mapping as parse_network_interfaces;
 pub use write::{WriteError, WriteOutcome, write_validated};
-
-/// Exit code: the config was printed or written (or left unchanged), but
-/// some objects or listeners were skipped, each named on stderr. Not an
-/// error (an object waiting for its address is skipped until it has one):
-/// the shipped unit takes it as success (`SuccessExitStatus=3`).
-pub const EXIT_SKIPPED: u8 = 3;
-/// Exit code: the command line is wrong (sysexits' EX_USAGE).
-pub const EXIT_USAGE: u8 = 64;
-/// Exit code: the input is not Kubernetes objects, or `--strict` found
-/// something it could not import (EX_DATAERR).
-pub const EXIT_DATA: u8 = 65;
-/// Exit code: an input file cannot be read (EX_NOINPUT).
-pub const EXIT_NO_INPUT: u8 = 66;
-/// Exit code: `--write` could not create or rename its file (EX_CANTCREAT).
-pub const EXIT_CANT_CREATE: u8 = 73;
-/// Exit code: `--write` would empty a non-empty config, or remove more
-/// than half of its load balancers, without `--allow-removals`; nothing
-/// was written (EX_NOPERM).
-pub const EXIT_REMOVALS: u8 = 77;
-/// Exit code: this host's addresses and routes cannot be read over
-/// rtnetlink, so no VIP can be checked against them; nothing was written
-/// (EX_OSERR).
-pub const EXIT_HOST: u8 = 71;
-/// Exit code: the result (or the `--base` file) is not a valid config;
-/// nothing was written (EX_CONFIG, as `check`).
-pub const EXIT_CONFIG: u8 = 78;
 
 /// What this build's config accepts beyond TCP listeners with a checked
 /// port, found by asking the config's own validation: features that other
@@ -138,8 +115,8 @@ pub struct Options {
     /// one tenant's object cannot take another's VIP off the host.
     pub holders: Holders,
     /// This host's addresses and routes' gateways: a VIP that is one of
-    /// them is skipped (see [`crate::vip::host::judge`]). [`command`]
-    /// always reads them; `None` (a library caller) checks nothing.
+    /// them is skipped (see [`crate::vip::host::judge`]). The command
+    /// line always reads them; `None` (a library caller) checks nothing.
     pub host: Option<crate::vip::host::HostNet>,
     /// This host's interface for each VM network, by network name
     /// (`--network-interface NETWORK=INTERFACE`): where it cannot be
@@ -148,7 +125,7 @@ pub struct Options {
     pub network_interfaces: BTreeMap<String, String>,
     /// This host's interfaces: a load balancer on a network whose
     /// interface is not among them is skipped (this host is not on that
-    /// network). [`command`] always reads them; `None` checks nothing.
+    /// network). The command line always reads them; `None` checks nothing.
     pub interfaces: Option<BTreeSet<String>>,
 }
 
@@ -174,6 +151,15 @@ impl Holders {
             }
         }
         Self(held)
+    }
+
+    /// The holders of the config file at `path` (the one `--write`
+    /// replaces); none when it is not a regular file of at most the
+    /// config's size limit, or does not parse.
+    pub fn of_file(path: &Path) -> Self {
+        write::existing(path)
+            .map(|text| Self::of_config_text(&text))
+            .unwrap_or_default()
     }
 
     fn holder(&self, addr: SocketAddr, protocol: config::Protocol) -> Option<&str> {
@@ -890,254 +876,4 @@ fn with_lb_name(p: &Problem, lbs: &[model::Lb]) -> String {
         Some(lb) => format!("  load balancer {:?}: {p}", lb.name),
         None => format!("  {p}"),
     }
-}
-
-/// The arguments of `harvester-lb import`.
-#[derive(Debug, Clone, Default)]
-pub struct Args {
-    /// Files to read; none or `-`: standard input.
-    pub inputs: Vec<PathBuf>,
-    /// `--cluster`.
-    pub cluster: Option<String>,
-    /// `--write PATH`; `None`: the config goes to stdout.
-    pub write: Option<PathBuf>,
-    /// `--strict`: anything not imported is an error and nothing is written.
-    pub strict: bool,
-    /// `--base PATH`.
-    pub base: Option<PathBuf>,
-    /// `--allow-removals`: `--write` may empty the file or remove more than
-    /// half of its load balancers.
-    pub allow_removals: bool,
-    /// `--allow-loopback`: see [`Options::allow_loopback`].
-    pub allow_loopback: bool,
-    /// `--network-interface NETWORK=INTERFACE`, as given: see
-    /// [`Options::network_interfaces`].
-    pub network_interfaces: Vec<String>,
-}
-
-/// One thing `harvester-lb import` says, in order: the command line
-/// prints each (this module prints nothing).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Said {
-    /// A line for stderr, after `harvester-lb import: `.
-    Message(String),
-    /// The config, for stdout (when there is no `--write`).
-    Config(String),
-}
-
-/// What `harvester-lb import` did: what it says, in order, and its exit code.
-#[derive(Debug, Clone, Default)]
-pub struct Outcome {
-    /// Messages and the printed config, in the order they are said.
-    pub said: Vec<Said>,
-    /// The exit code (0, [`EXIT_SKIPPED`] or an error's).
-    pub code: u8,
-}
-
-impl Outcome {
-    fn say(&mut self, message: impl Into<String>) {
-        self.said.push(Said::Message(message.into()));
-    }
-
-    fn exit(mut self, code: u8) -> Self {
-        self.code = code;
-        self
-    }
-}
-
-/// Runs `harvester-lb import`: reads the inputs, imports, and writes
-/// `--write`'s file; returns what to say (messages for stderr, the config
-/// for stdout when not written) and the exit code.
-pub fn command(args: &Args) -> Outcome {
-    let mut out = Outcome::default();
-    let mut sources = Vec::new();
-    let inputs: Vec<&Path> = if args.inputs.is_empty() {
-        vec![Path::new("-")]
-    } else {
-        args.inputs.iter().map(PathBuf::as_path).collect()
-    };
-    for path in inputs {
-        match read_source(path) {
-            Ok(s) => sources.push(s),
-            Err((code, message)) => {
-                out.say(message);
-                return out.exit(code);
-            }
-        }
-    }
-    let base = match args.base.as_deref().map(read_source).transpose() {
-        Ok(b) => b,
-        Err((code, message)) => {
-            out.say(format!("--base: {message}"));
-            return out.exit(code);
-        }
-    };
-    let holders = args
-        .write
-        .as_deref()
-        .and_then(write::existing)
-        .map(|text| Holders::of_config_text(&text))
-        .unwrap_or_default();
-    let network_interfaces = match network::parse_mapping(&args.network_interfaces) {
-        Ok(m) => m,
-        Err(message) => {
-            out.say(message);
-            return out.exit(EXIT_USAGE);
-        }
-    };
-    let interfaces = match crate::vip::host::interface_names_blocking() {
-        Ok(names) => names,
-        Err(e) => {
-            out.say(format!(
-                "cannot read this host's interfaces ({e}); a load balancer on a VM network must be on one of them, so nothing is imported unchecked"
-            ));
-            return out.exit(EXIT_HOST);
-        }
-    };
-    let host = match crate::vip::host::HostNet::read_blocking() {
-        Ok(h) => h,
-        Err(e) => {
-            out.say(format!(
-                "cannot read this host's addresses and routes ({e}); a VIP must not be one of them, so nothing is imported unchecked"
-            ));
-            return out.exit(EXIT_HOST);
-        }
-    };
-    let options = Options {
-        cluster: args.cluster.clone(),
-        base,
-        allow_loopback: args.allow_loopback,
-        holders,
-        host: Some(host),
-        network_interfaces,
-        interfaces: Some(interfaces),
-    };
-    let imported = match import(&sources, &options) {
-        Ok(i) => i,
-        Err(e) => {
-            out.say(e.to_string());
-            return out.exit(match e {
-                ImportError::Document(_) => EXIT_DATA,
-                ImportError::NeedCluster { .. } => EXIT_USAGE,
-                ImportError::Base { .. } | ImportError::Invalid { .. } => EXIT_CONFIG,
-            });
-        }
-    };
-    for note in &imported.notes {
-        out.say(format!("note: {note}"));
-    }
-    for warning in &imported.warnings {
-        out.say(format!("warning: {warning}"));
-    }
-    for skip in &imported.skipped {
-        out.say(format!("skipped {skip}"));
-    }
-    if args.strict && !imported.skipped.is_empty() {
-        out.say(format!(
-            "--strict: {} thing{} not imported (above); nothing written",
-            imported.skipped.len(),
-            if imported.skipped.len() == 1 { "" } else { "s" }
-        ));
-        return out.exit(EXIT_DATA);
-    }
-    let summary = format!(
-        "{} load balancers; {} skipped{}",
-        imported.load_balancers,
-        imported.skipped.len(),
-        if imported.skipped.is_empty() {
-            ""
-        } else {
-            ", each named above"
-        }
-    );
-    let done = if imported.skipped.is_empty() {
-        0
-    } else {
-        EXIT_SKIPPED
-    };
-    let Some(target) = &args.write else {
-        out.said.push(Said::Config(imported.text));
-        out.say(format!("printed ({summary})"));
-        return out.exit(done);
-    };
-    if !args.allow_removals
-        && let Some(old) = guard::existing_names(target)
-        && let Some(why) = guard::removals(&old, &imported.names)
-    {
-        out.say(format!(
-            "{why}; {} was not changed. A controller or input mistake must not take every VIP down: check the input, and run again with --allow-removals if this is meant",
-            target.display()
-        ));
-        return out.exit(EXIT_REMOVALS);
-    }
-    match write_validated(target, &imported.text) {
-        Ok(WriteOutcome::Written) => {
-            out.say(format!("wrote {} ({summary})", target.display()));
-            out.exit(done)
-        }
-        Ok(WriteOutcome::Unchanged) => {
-            out.say(format!("{} unchanged ({summary})", target.display()));
-            out.exit(done)
-        }
-        Err(e) => {
-            out.say(e.to_string());
-            out.exit(match e {
-                WriteError::Invalid { .. } => EXIT_CONFIG,
-                _ => EXIT_CANT_CREATE,
-            })
-        }
-    }
-}
-
-/// Reads a file (or standard input for `-`) whole, at most
-/// [`MAX_INPUT_BYTES`], as UTF-8; an error comes with its exit code. A path
-/// must name a regular file ([`config::read_regular_file`], as the config
-/// itself): a FIFO there would hang an import run by a timer for good; a
-/// pipe is given as `-`.
-fn read_source(path: &Path) -> Result<Source, (u8, String)> {
-    let too_large = |name: &str| {
-        (
-            EXIT_DATA,
-            format!("{name} is larger than {MAX_INPUT_BYTES} bytes; split the input"),
-        )
-    };
-    let (name, bytes) = if path == Path::new("-") {
-        let name = "standard input".to_string();
-        let mut bytes = Vec::new();
-        std::io::stdin()
-            .lock()
-            .take(MAX_INPUT_BYTES as u64 + 1)
-            .read_to_end(&mut bytes)
-            .map_err(|e| (EXIT_NO_INPUT, format!("cannot read {name}: {e}")))?;
-        if bytes.len() > MAX_INPUT_BYTES {
-            return Err(too_large(&name));
-        }
-        (name, bytes)
-    } else {
-        let name = path.display().to_string();
-        let bytes = match config::read_regular_file(path, MAX_INPUT_BYTES as u64) {
-            Ok(bytes) => bytes,
-            Err(config::ReadError::Io(e)) => {
-                return Err((EXIT_NO_INPUT, format!("cannot read {name}: {e}")));
-            }
-            Err(e @ config::ReadError::NotRegular(_)) => {
-                return Err((
-                    EXIT_NO_INPUT,
-                    format!("{name} {e}; give a file, or `-` for standard input"),
-                ));
-            }
-            Err(config::ReadError::TooLarge { .. }) => return Err(too_large(&name)),
-        };
-        (name, bytes)
-    };
-    let text = String::from_utf8(bytes).map_err(|e| {
-        (
-            EXIT_DATA,
-            format!(
-                "{name} is not UTF-8 text (first bad byte at offset {})",
-                e.utf8_error().valid_up_to()
-            ),
-        )
-    })?;
-    Ok(Source { name, text })
 }

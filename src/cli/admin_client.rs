@@ -1,6 +1,9 @@
 //! The command line's one way to the daemon's admin API: hyper's HTTP/1.1
 //! client over the admin Unix socket, and over TCP (`admin.listen`) for
-//! `status` alone.
+//! `status` alone. It lives in the binary: the daemon never calls it; the
+//! trust check it applies to the socket is the library's
+//! ([`check_socket_trust`]), with the command line's own idea of whom to
+//! trust ([`client_trusts`]).
 //!
 //! One rule for where a request goes, the same for every command:
 //!
@@ -33,7 +36,18 @@ use hyper::{Method, Request, StatusCode};
 use hyper_util::rt::TokioIo;
 use tokio::io::{AsyncRead, AsyncWrite};
 
-use super::{SocketError, check_socket_trust, client_trusts};
+use harvester_lb::admin::{SocketError, check_socket_trust, daemon_trusts};
+
+/// systemd's range of `DynamicUser=` ids (the shipped unit runs the daemon
+/// as one, and `RuntimeDirectory=` gives that user `/run/harvester-lb`).
+const DYNAMIC_USERS: std::ops::RangeInclusive<u32> = 61184..=65519;
+
+/// Who may own the admin socket and its directories for the CLI: root, the
+/// caller, and a systemd dynamic user (the daemon under the shipped unit);
+/// no ordinary account.
+pub fn client_trusts(uid: u32) -> bool {
+    daemon_trusts(uid) || DYNAMIC_USERS.contains(&uid)
+}
 
 /// How long a state-changing request waits for the daemon's answer (a
 /// reload of a large file takes a fraction of a second; a wedged daemon

@@ -5,7 +5,7 @@
 //! connections.
 //!
 //! It only renders the JSON the daemon serves (read by
-//! [`crate::admin::client::status`]); it computes nothing the daemon did
+//! [`super::admin_client::status`]); it computes nothing the daemon did
 //! not say, so the table and `--json` never disagree.
 
 use std::fmt::Write as _;
@@ -19,8 +19,8 @@ pub fn render(status: &Value, now_unix: f64) -> String {
     // (from a guest cluster's objects) cannot add a row or hide one.
     let text = |v: &Value| match v {
         Value::Null => "-".to_string(),
-        Value::String(s) => crate::text::escape(s).into_owned(),
-        other => crate::text::escape(&other.to_string()).into_owned(),
+        Value::String(s) => harvester_lb::text::escape(s).into_owned(),
+        other => harvester_lb::text::escape(&other.to_string()).into_owned(),
     };
     let ready = status["ready"].as_bool().unwrap_or(false);
     let _ = writeln!(
@@ -28,7 +28,7 @@ pub fn render(status: &Value, now_unix: f64) -> String {
         "daemon: {}{}",
         if ready { "ready" } else { "NOT READY" },
         match status["config"]["problem"].as_str() {
-            Some(p) => format!("; config: {}", crate::text::escape(p)),
+            Some(p) => format!("; config: {}", harvester_lb::text::escape(p)),
             None => String::new(),
         }
     );
@@ -47,7 +47,7 @@ pub fn render(status: &Value, now_unix: f64) -> String {
             },
             a["error"]
                 .as_str()
-                .map(|e| format!("; error: {}", crate::text::escape(e)))
+                .map(|e| format!("; error: {}", harvester_lb::text::escape(e)))
                 .unwrap_or_default()
         );
         for v in a["vips"].as_array().unwrap_or(&empty) {
@@ -63,7 +63,7 @@ pub fn render(status: &Value, now_unix: f64) -> String {
                 text(&v["transitions"]),
                 v["error"]
                     .as_str()
-                    .map(|e| format!("; error: {}", crate::text::escape(e)))
+                    .map(|e| format!("; error: {}", harvester_lb::text::escape(e)))
                     .unwrap_or_default()
             );
         }

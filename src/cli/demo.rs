@@ -15,8 +15,8 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinHandle;
 
-use crate::config::{self, LoadBalancerSpec};
-use crate::health::Health;
+use harvester_lb::config::{self, LoadBalancerSpec};
+use harvester_lb::health::Health;
 
 /// Runs the demo on the config at `path` (its first load balancer with a
 /// health check), handing each line of its story to `say` (the command
@@ -60,11 +60,11 @@ pub async fn run(path: &Path, say: impl Fn(String)) -> Result<(), String> {
     // A socket of its own: the demo must not take (or trip over) the one a
     // daemon installed on this host serves.
     let socket_dir = std::env::temp_dir().join(format!("harvester-lb-demo-{}", std::process::id()));
-    let server = crate::start(crate::Options {
+    let server = harvester_lb::start(harvester_lb::Options {
         config_path: path.to_path_buf(),
         watch_interval: None,
         admin_socket: Some(socket_dir.join("admin.sock")),
-        workers: crate::workers::Workers::here(),
+        workers: harvester_lb::workers::Workers::here(),
     })
     .await
     .map_err(|e| e.to_string())?;
@@ -163,7 +163,7 @@ async fn ask(vip: SocketAddr) -> std::io::Result<String> {
 }
 
 async fn wait_health(
-    server: &crate::Server,
+    server: &harvester_lb::Server,
     lb: &LoadBalancerSpec,
     ip: IpAddr,
     want: Health,
