@@ -17,6 +17,11 @@
 //!    state;
 //! 4. asks conntrackd for its statistics (`conntrackd -C FILE -s`).
 //!
+//! In the anycast mode (`[conntrackd]` without `[keepalived]`) there is no
+//! script and no instance: step 1 writes conntrackd.conf alone, and
+//! before it the anycast guard table is written when its text changed
+//! (`anycast_guard`; removed when the mode ends).
+//!
 //! All of it is blocking (files, `nft`, `conntrackd`) and runs on the
 //! blocking pool, never on a worker the data plane shares. Without
 //! `[conntrackd]` the gate table, if this process wrote one, is removed

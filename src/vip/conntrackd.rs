@@ -3,6 +3,16 @@
 //! connections survive their VIP's move to the other keepalived host
 //! (docs/vip.md, "Open connections across a VIP's move").
 //!
+//! Without `[keepalived]` (and with `vip.announce = "routes"`), the
+//! **anycast mode** ([`anycast`]): the two announcing hosts carry flows at
+//! once and the router spreads each flow's packets and replies over both,
+//! so conntrackd injects every flow into the peer's kernel table as it
+//! changes (`DisableExternalCache On`), syncs the backends of announced
+//! VIPs' kernel listeners ([`anycast_addresses`]), runs under its own
+//! systemd unit (`Systemd on`), and has no notify script; the daemon's
+//! guard table ([`anycast_table`]) drops the handshake packets that outrun
+//! the sync instead of letting the local stack reset them.
+//!
 //! [`render_conf`] and [`render_script`] are pure. What they write, and why
 //! (each fact measured in `notes/conntrackd-failover.md` and
 //! `tests/conntrack_sync.rs`):

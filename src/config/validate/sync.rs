@@ -1,8 +1,12 @@
 //! `[conntrackd]`: the sync of kernel listeners' flows between the two
-//! keepalived hosts.
+//! keepalived hosts, or, without `[keepalived]` and with `vip.announce =
+//! "routes"`, between two anycast hosts (the anycast mode: the sync link's
+//! `interface`, `address` and `peer` are required, there being nothing to
+//! take them from; `notify_script` and `state_directory` are warned about,
+//! having no effect; see `anycast_link`).
 //!
-//! What is refused, and why: `[conntrackd]` without `[keepalived]` (there
-//! is no VIP that moves, so no transition to commit at); more than one
+//! What is refused, and why: `[conntrackd]` with neither `[keepalived]`
+//! nor announcing (no VIP moves and no flow reaches another host); more than one
 //! keepalived peer (conntrackd's UDP unicast sync reaches one peer: a VIP
 //! moving to a third host would find no state there); a sync address or
 //! peer that is not IPv4 (conntrackd's IPv6 sync and IPv6 VIPs are not
