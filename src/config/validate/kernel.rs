@@ -269,7 +269,9 @@ impl Validator<'_> {
     /// default masquerade, round robin): it worked then and still serves
     /// every connection that does not move. A problem where it never
     /// works: `source_nat = "vip"` on an anycast VIP, whose replies the
-    /// router spreads over all hosts, not to the one holding each flow.
+    /// router spreads over all hosts, not to the one holding each flow;
+    /// allowed when `[conntrackd]` (without `[keepalived]`) puts every
+    /// flow on both hosts.
     pub(super) fn moving_vips(
         &mut self,
         file: &FileConfig,
