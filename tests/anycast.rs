@@ -1281,6 +1281,16 @@ async fn kept_flows(tag: &str) -> Kept {
             ctd.control(&["-s"]).map(|_| ())
         })
         .await;
+        // The daemon reads conntrackd's statistics in this mode too.
+        netns::wait_for(
+            Duration::from_secs(30),
+            "/status conntrack_sync.conntrackd_up",
+            || async {
+                let s = d.status().await;
+                (s["conntrack_sync"]["conntrackd_up"] == true).then_some(())
+            },
+        )
+        .await;
         bed.host(i).record_new_flows();
         bed.host(i).record_replies();
     }
