@@ -1065,3 +1065,405 @@ async fn bgp_flow_hash_sends_moved_flows_to_the_same_backend() {
     // moved flow keeps its backend only when the two hosts' rounds happen
     // to line up (all or none, run by run): printed, not asserted.
 }
+
+/// Echo traffic on one held connection (see [`echo_traffic`]).
+#[derive(Debug, Default, Clone)]
+struct Echoes {
+    /// Lines written.
+    sent: u64,
+    /// Lines echoed back intact.
+    echoed: u64,
+    /// Whether the connection failed (reset, closed, a wrong echo, or no
+    /// echo within 10 s).
+    broken: bool,
+    /// The longest time between two echoes.
+    gap: Duration,
+}
+
+/// Writes a numbered line every 100 ms on `c` and reads its echo, until
+/// `stop` (or the connection fails); bounded (at most 3000 lines).
+async fn echo_traffic(
+    mut c: tokio::io::BufReader<tokio::net::TcpStream>,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+) -> Echoes {
+    use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
+    let mut e = Echoes::default();
+    let mut last = std::time::Instant::now();
+    for n in 0..3000u32 {
+        if stop.load(std::sync::atomic::Ordering::Relaxed) {
+            break;
+        }
+        let line = format!("line {n}\n");
+        let r = tokio::time::timeout(Duration::from_secs(10), async {
+            c.get_mut().write_all(line.as_bytes()).await?;
+            let mut got = String::new();
+            c.read_line(&mut got).await?;
+            Ok::<_, std::io::Error>(got)
+        })
+        .await;
+        e.sent += 1;
+        match r {
+            Ok(Ok(got)) if got == line => {
+                e.echoed += 1;
+                e.gap = e.gap.max(last.elapsed());
+                last = std::time::Instant::now();
+            }
+            _ => {
+                e.broken = true;
+                break;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    e
+}
+
+/// One fixed-port UDP flow's traffic (see [`udp_traffic`]).
+#[derive(Debug, Default, Clone)]
+struct Datagrams {
+    /// Datagrams sent.
+    sent: u64,
+    /// Answered within 1 s.
+    answered: u64,
+    /// Answered by another backend than the first answer's.
+    other_backend: u64,
+    /// The longest time between two answers.
+    gap: Duration,
+}
+
+/// Sends a datagram every 100 ms on `s` (connected to the VIP) and reads
+/// the answer (its backend's index), until `stop`; bounded.
+async fn udp_traffic(
+    s: tokio::net::UdpSocket,
+    first: usize,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+) -> Datagrams {
+    let mut d = Datagrams::default();
+    let mut last = std::time::Instant::now();
+    let mut buf = [0u8; 64];
+    for _ in 0..3000 {
+        if stop.load(std::sync::atomic::Ordering::Relaxed) {
+            break;
+        }
+        d.sent += 1;
+        if s.send(b"hi").await.is_ok()
+            && let Ok(Ok(n)) = tokio::time::timeout(Duration::from_secs(1), s.recv(&mut buf)).await
+        {
+            d.answered += 1;
+            d.gap = d.gap.max(last.elapsed());
+            last = std::time::Instant::now();
+            let text = String::from_utf8_lossy(&buf[..n]).to_string();
+            if text.trim().strip_prefix('b').and_then(|i| i.parse().ok()) != Some(first) {
+                d.other_backend += 1;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    d
+}
+
+/// What became of the flows across host 1's withdrawal and return with
+/// the anycast sync (see [`kept_flows`]).
+#[derive(Debug)]
+struct Kept {
+    /// TCP connections held, and how many host 1 carried (their SYN went
+    /// through it).
+    tcp: (usize, usize),
+    /// Of host 1's, how many came back through host 2 (their replies
+    /// crossed host 2 before the withdrawal): the replies really are
+    /// spread.
+    replies_via_2: usize,
+    /// Of host 1's, how many failed, and of host 2's.
+    broken: (usize, usize),
+    /// Lines written and lines not echoed, over all connections.
+    lines: (u64, u64),
+    /// The longest gap between two echoes on any connection.
+    gap: Duration,
+    /// UDP flows, datagrams sent, unanswered, and answered by another
+    /// backend; the longest gap between answers.
+    udp: (usize, u64, u64, u64, Duration),
+    /// The entries of TCP flows to the VIP in each host's kernel table
+    /// before the withdrawal: with the sync, every flow on both.
+    entries: (usize, usize),
+    /// Connections that took over 500 ms to open (a handshake packet that
+    /// outran the sync was dropped and resent), and the slowest.
+    slow_opens: (usize, Duration),
+    /// Connections opened during the withdrawal (through host 2), and how
+    /// many of them failed after host 1 announced again.
+    opened_during: (usize, usize),
+}
+
+/// Two hosts announce the VIP with the same two backends, `flow_hash`
+/// kernel listeners with `source_nat = "vip"`, and `[conntrackd]` in its
+/// anycast mode (conntrackd run by the test as its systemd unit runs it:
+/// `conntrackd -C FILE` in the foreground, on the file the daemon
+/// rendered); the backends' replies go through the router
+/// ([`BgpBed::route_replies_through_router`]). 40 connections echo a line
+/// every 100 ms and 8 fixed-port UDP flows ask every 100 ms; host 1
+/// withdraws (`host drain`), then announces again (`host ready`).
+async fn kept_flows(tag: &str) -> Kept {
+    let mut bed = BgpBed::new(tag, false).await;
+    bed.route_replies_through_router();
+    let mut syncs = Vec::new();
+    for i in 1..=2 {
+        let h = bed.host_mut(i);
+        h.enable_forwarding();
+        // docs/many-hosts.md: the anycast sync needs liberal TCP window
+        // tracking on both hosts (a flow that comes back finds its own
+        // entry's windows behind).
+        netns::run(
+            "ip",
+            &[
+                "netns",
+                "exec",
+                &h.ns.name,
+                "sysctl",
+                "-q",
+                "-w",
+                "net.netfilter.nf_conntrack_tcp_be_liberal=1",
+            ],
+            None,
+        );
+        let path = h.write_shared_config(
+            &announcing(1, 1),
+            "algorithm = \"flow_hash\"",
+            "  forwarding = \"kernel\"\n  source_nat = \"vip\"\n",
+        );
+        let d = h.dir.clone();
+        let conf = d.join("conntrackd.conf");
+        let sync = format!(
+            "\n[conntrackd]\ninterface = \"eth0\"\naddress = \"{}\"\npeer = \"{}\"\nconfig_path = \"{}\"\nsocket = \"{}\"\nlock_file = \"{}\"\nlog_file = \"{}\"\n",
+            netns::bgp::host_ip(i),
+            netns::bgp::host_ip(3 - i),
+            conf.display(),
+            d.join("ctd.ctl").display(),
+            d.join("ctd.lock").display(),
+            d.join("ctd.log").display(),
+        );
+        let mut text = std::fs::read_to_string(&path).expect("read config");
+        text.push_str(&sync);
+        std::fs::write(&path, text).expect("write config");
+        h.start_daemon().await;
+        netns::wait_for(
+            Duration::from_secs(15),
+            "the daemon wrote conntrackd's file",
+            || {
+                let conf = conf.clone();
+                async move { conf.exists().then_some(()) }
+            },
+        )
+        .await;
+        let rendered = std::fs::read_to_string(&conf).expect("conntrackd.conf");
+        assert!(
+            rendered.contains("DisableExternalCache On"),
+            "not the anycast mode:\n{rendered}"
+        );
+        syncs.push(netns::keepalived::Conntrackd::run(
+            &h.ns,
+            &conf,
+            &d.join("conntrackd.out"),
+        ));
+    }
+    bed.wait_nexthops(&[1, 2], Duration::from_secs(30)).await;
+    for i in 1..=2 {
+        let d = bed.host(i).daemon();
+        netns::wait_for(
+            Duration::from_secs(15),
+            "both listeners forwarded by the kernel",
+            || async {
+                let s = d.status().await;
+                (listeners_forwarding(&s, "kernel") == 2).then_some(())
+            },
+        )
+        .await;
+        let ctd = &syncs[i - 1];
+        netns::wait_for(Duration::from_secs(15), "conntrackd answers", || async {
+            ctd.control(&["-s"]).map(|_| ())
+        })
+        .await;
+        // The daemon reads conntrackd's statistics in this mode too.
+        netns::wait_for(
+            Duration::from_secs(30),
+            "/status conntrack_sync.conntrackd_up",
+            || async {
+                let s = d.status().await;
+                (s["conntrack_sync"]["conntrackd_up"] == true).then_some(())
+            },
+        )
+        .await;
+        bed.host(i).record_new_flows();
+        bed.host(i).record_replies();
+    }
+    // Opened one by one, each given 15 s: a handshake whose packets
+    // outrun the sync is dropped, not reset, and TCP resends it.
+    let mut conns = Vec::new();
+    let (mut slow, mut slowest) = (0, Duration::ZERO);
+    for _ in 0..40 {
+        let t0 = std::time::Instant::now();
+        let c = bed
+            .connect(vip(), Duration::from_secs(15))
+            .await
+            .unwrap_or_else(|e| panic!("open a long connection to {}: {e}", vip()));
+        slow += usize::from(t0.elapsed() > Duration::from_millis(500));
+        slowest = slowest.max(t0.elapsed());
+        conns.push(c);
+    }
+    let ports: Vec<u16> = conns
+        .iter()
+        .map(|(c, _)| c.get_ref().local_addr().expect("local address").port())
+        .collect();
+    let mut udp = Vec::new();
+    for _ in 0..8 {
+        let s = netns::bgp::udp_socket(&bed.client, "0.0.0.0:0".parse().expect("addr"));
+        s.connect(vip()).await.expect("connect UDP");
+        let mut backend = None;
+        for _ in 0..3 {
+            backend = netns::bgp::udp_ask(&s).await;
+            if backend.is_some() {
+                break;
+            }
+        }
+        udp.push((s, backend.expect("a UDP flow got no answer")));
+    }
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let tcp_tasks: Vec<_> = conns
+        .into_iter()
+        .map(|(c, _)| tokio::spawn(echo_traffic(c, stop.clone())))
+        .collect();
+    let udp_tasks: Vec<_> = udp
+        .into_iter()
+        .map(|(s, b)| tokio::spawn(udp_traffic(s, b, stop.clone())))
+        .collect();
+    // Every flow's binding on both hosts, within a few seconds.
+    let entries = netns::wait_for(
+        Duration::from_secs(15),
+        "every TCP flow in both hosts' kernel tables",
+        || async {
+            let on = (bed.host(1).flows("tcp"), bed.host(2).flows("tcp"));
+            let all = |m: &std::collections::BTreeMap<u16, IpAddr>| {
+                ports.iter().all(|p| m.contains_key(p))
+            };
+            (all(&on.0) && all(&on.1)).then_some((on.0.len(), on.1.len()))
+        },
+    )
+    .await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let carried_by_1 = bed.host(1).recorded_flows("tcp");
+    let replies_on_2 = bed.host(2).recorded_replies();
+    bed.host(1).host_state("drain");
+    bed.wait_nexthops(&[2], Duration::from_secs(10)).await;
+    // Connections opened while host 2 carries everything: at the
+    // re-announce, about half of them hash to host 1, which never carried
+    // them (without the sync, 12-23 of 40 such were reset).
+    let mut during = Vec::new();
+    for _ in 0..20 {
+        let (c, _) = bed
+            .connect(vip(), Duration::from_secs(15))
+            .await
+            .unwrap_or_else(|e| panic!("open a connection during the withdrawal: {e}"));
+        during.push(tokio::spawn(echo_traffic(c, stop.clone())));
+    }
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    bed.host(1).host_state("ready");
+    bed.wait_nexthops(&[1, 2], Duration::from_secs(30)).await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let mut kept = Kept {
+        tcp: (ports.len(), 0),
+        replies_via_2: 0,
+        broken: (0, 0),
+        lines: (0, 0),
+        gap: Duration::ZERO,
+        udp: (udp_tasks.len(), 0, 0, 0, Duration::ZERO),
+        entries,
+        slow_opens: (slow, slowest),
+        opened_during: (0, 0),
+    };
+    for (port, t) in ports.iter().zip(tcp_tasks) {
+        let e = t.await.expect("echo task");
+        let by_1 = carried_by_1.contains_key(port);
+        if by_1 {
+            kept.tcp.1 += 1;
+            kept.replies_via_2 += usize::from(replies_on_2.contains(port));
+        }
+        if e.broken {
+            if by_1 {
+                kept.broken.0 += 1;
+            } else {
+                kept.broken.1 += 1;
+            }
+        }
+        kept.lines.0 += e.sent;
+        kept.lines.1 += e.sent - e.echoed;
+        kept.gap = kept.gap.max(e.gap);
+    }
+    for t in during {
+        let e = t.await.expect("echo task");
+        kept.opened_during.0 += 1;
+        kept.opened_during.1 += usize::from(e.broken);
+        kept.lines.0 += e.sent;
+        kept.lines.1 += e.sent - e.echoed;
+        kept.gap = kept.gap.max(e.gap);
+    }
+    for t in udp_tasks {
+        let d = t.await.expect("udp task");
+        kept.udp.1 += d.sent;
+        kept.udp.2 += d.sent - d.answered;
+        kept.udp.3 += d.other_backend;
+        kept.udp.4 = kept.udp.4.max(d.gap);
+    }
+    drop(syncs);
+    kept
+}
+
+/// Anycast with the flows synced (`[conntrackd]` without `[keepalived]`,
+/// `source_nat = "vip"`, `flow_hash`): host 1 withdraws and every one of
+/// its open connections goes on through host 2, on the same backend, with
+/// no line lost; when host 1 announces again, the flows the router sends
+/// back to it go on as well. Before the withdrawal, the replies of host
+/// 1's flows already came back through host 2 for some of them (the
+/// router spreads them), and each host's kernel table holds every flow.
+/// The control is [`bgp_flow_hash_sends_moved_flows_to_the_same_backend`]:
+/// without the sync (masquerade, the only source NAT it allows), none of
+/// host 1's TCP connections survives.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bgp_synced_flows_survive_a_withdrawal_and_the_return() {
+    require_bgp!();
+    if netns::keepalived::conntrackd_missing() {
+        return;
+    }
+    let k = kept_flows("keep").await;
+    eprintln!("anycast sync, host 1 withdrawn and back: {k:?}");
+    assert!(
+        (5..=35).contains(&k.tcp.1),
+        "{} of 40 connections through host 1: {k:?}",
+        k.tcp.1
+    );
+    assert!(
+        k.replies_via_2 > 0,
+        "no reply of host 1's flows came through host 2: the bed does not spread replies: {k:?}"
+    );
+    assert!(
+        k.entries.0 >= k.tcp.0 && k.entries.1 >= k.tcp.0,
+        "not every flow in both kernel tables: {k:?}"
+    );
+    assert!(
+        k.slow_opens.1 < Duration::from_secs(15),
+        "an open took {:?}",
+        k.slow_opens.1
+    );
+    assert_eq!(k.broken, (0, 0), "connections failed: {k:?}");
+    assert_eq!(
+        k.opened_during,
+        (20, 0),
+        "connections opened during the withdrawal failed after the return: {k:?}"
+    );
+    assert_eq!(k.lines.1, 0, "lines lost: {k:?}");
+    assert!(k.lines.0 > 40 * 50, "too few lines to tell: {k:?}");
+    assert_eq!(k.udp.3, 0, "a UDP flow changed backend: {k:?}");
+    assert!(
+        k.gap < Duration::from_secs(5),
+        "a connection waited {:?}: {k:?}",
+        k.gap
+    );
+}

@@ -537,7 +537,8 @@ pub enum SourceNat {
     /// the same source from every host, so a backend still knows a flow
     /// that another host picks up, and replies go to whichever host holds
     /// the VIP now. For a VIP that moves by keepalived (`network`); refused
-    /// with anycast, whose router spreads the replies over all hosts.
+    /// with anycast, whose router spreads the replies over all hosts,
+    /// unless `[conntrackd]` syncs the flows between the two anycast hosts.
     Vip,
 }
 

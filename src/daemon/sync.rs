@@ -17,6 +17,11 @@
 //!    state;
 //! 4. asks conntrackd for its statistics (`conntrackd -C FILE -s`).
 //!
+//! In the anycast mode (`[conntrackd]` without `[keepalived]`) there is no
+//! script and no instance: step 1 writes conntrackd.conf alone, and
+//! before it the anycast guard table is written when its text changed
+//! (`anycast_guard`; removed when the mode ends).
+//!
 //! All of it is blocking (files, `nft`, `conntrackd`) and runs on the
 //! blocking pool, never on a worker the data plane shares. Without
 //! `[conntrackd]` the gate table, if this process wrote one, is removed
@@ -59,6 +64,12 @@ struct Inner {
     retry: bool,
     /// Failures so far (`conntrack_sync_config_failures_total`).
     failures: u64,
+    /// The anycast mode's guard table as last written (`None`: not written
+    /// by this process, or removed).
+    anycast_written: Option<String>,
+    /// Whether the missing `nf_conntrack_tcp_be_liberal` was logged (once
+    /// per process).
+    liberal_warned: bool,
 }
 
 /// `/status` `conntrack_sync`: what the last check found.
@@ -114,6 +125,7 @@ impl Daemon {
     /// in force.
     pub(super) async fn sync_step(&self, config: &Config) {
         let mut inner = self.sync.inner.lock().await;
+        self.anycast_guard(&mut inner, config).await;
         let Some(settings) = config.conntrackd.clone() else {
             if inner.written.take().is_some() {
                 inner.guard.forget();
@@ -140,15 +152,14 @@ impl Daemon {
             return;
         };
         let mut error = None;
-        if let (Some(conf), Some(script)) = (
-            conntrackd::render_conf(config),
-            conntrackd::render_script(config),
-        ) {
+        if let Some(conf) = conntrackd::render_conf(config) {
+            let script = conntrackd::render_script(config);
             let s = settings.clone();
             let force = inner.retry;
-            let done =
-                tokio::task::spawn_blocking(move || conntrackd::install(&s, &conf, &script, force))
-                    .await;
+            let done = tokio::task::spawn_blocking(move || {
+                conntrackd::install(&s, &conf, script.as_deref(), force)
+            })
+            .await;
             match done {
                 Ok(Ok(Installed::Unchanged)) => inner.retry = false,
                 Ok(Ok(what)) => {
@@ -270,6 +281,75 @@ impl Daemon {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .clone()
+    }
+}
+
+impl Daemon {
+    /// The anycast mode's guard table (`vip::conntrackd::anycast_table`):
+    /// written when its text changed, removed when the mode ends. Written
+    /// whole and atomically by `nft -f`; unlike the gate it is not read
+    /// back between changes (another process deleting it is not repaired
+    /// until the next change or restart). A failure is logged at error,
+    /// counted (`conntrack_sync_config_failures_total`) and retried at the
+    /// next step. Also says once when TCP window tracking is strict
+    /// (`nf_conntrack_tcp_be_liberal` 0): a flow that comes back to this
+    /// host after the other carried it would find its entry's windows
+    /// behind and be dropped.
+    async fn anycast_guard(&self, inner: &mut Inner, config: &Config) {
+        let want = conntrackd::anycast_table(config);
+        if want == inner.anycast_written {
+            return;
+        }
+        let script = match &want {
+            Some(text) => text.clone(),
+            None => format!(
+                "add table inet {t}\ndelete table inet {t}\n",
+                t = conntrackd::ANYCAST_TABLE
+            ),
+        };
+        let done =
+            tokio::task::spawn_blocking(move || crate::nft::run(&["-f", "-"], script.as_bytes()))
+                .await;
+        match done {
+            Ok(Ok(_)) => {
+                tracing::info!(
+                    table = conntrackd::ANYCAST_TABLE,
+                    removed = want.is_none(),
+                    "the anycast sync's guard table written"
+                );
+                inner.anycast_written = want;
+            }
+            Ok(Err(e)) => {
+                inner.failures += 1;
+                tracing::error!(
+                    "the anycast sync's guard table inet {}: {e}; retried in {} s (without it a reply that reaches this host before its flow's state resets the flow)",
+                    conntrackd::ANYCAST_TABLE,
+                    CHECK_INTERVAL.as_secs()
+                );
+            }
+            Err(e) => {
+                inner.failures += 1;
+                tracing::error!("writing the anycast sync's guard table stopped: {e}");
+            }
+        }
+        if inner.anycast_written.is_some() && !inner.liberal_warned {
+            let liberal = tokio::task::spawn_blocking(|| {
+                std::fs::read_to_string("/proc/sys/net/netfilter/nf_conntrack_tcp_be_liberal")
+            })
+            .await;
+            match liberal {
+                Ok(Ok(v)) if v.trim() == "1" => {}
+                Ok(Ok(v)) => {
+                    inner.liberal_warned = true;
+                    tracing::warn!(
+                        value = v.trim(),
+                        "net.netfilter.nf_conntrack_tcp_be_liberal is not 1: with the anycast sync, a TCP flow that comes back to this host after the other carried it is dropped (its entry's windows fell behind); set it to 1 on both hosts (docs/many-hosts.md)"
+                    );
+                }
+                Ok(Err(e)) => tracing::debug!("nf_conntrack_tcp_be_liberal unreadable: {e}"),
+                Err(e) => tracing::debug!("reading nf_conntrack_tcp_be_liberal stopped: {e}"),
+            }
+        }
     }
 }
 

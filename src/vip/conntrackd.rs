@@ -3,6 +3,16 @@
 //! connections survive their VIP's move to the other keepalived host
 //! (docs/vip.md, "Open connections across a VIP's move").
 //!
+//! Without `[keepalived]` (and with `vip.announce = "routes"`), the
+//! **anycast mode** ([`anycast`]): the two announcing hosts carry flows at
+//! once and the router spreads each flow's packets and replies over both,
+//! so conntrackd injects every flow into the peer's kernel table as it
+//! changes (`DisableExternalCache On`), syncs the backends of announced
+//! VIPs' kernel listeners ([`anycast_addresses`]), runs under its own
+//! systemd unit (`Systemd on`), and has no notify script; the daemon's
+//! guard table ([`anycast_table`]) drops the handshake packets that outrun
+//! the sync instead of letting the local stack reset them.
+//!
 //! [`render_conf`] and [`render_script`] are pure. What they write, and why
 //! (each fact measured in `notes/conntrackd-failover.md` and
 //! `tests/conntrack_sync.rs`):
@@ -200,6 +210,121 @@ pub fn filter_addresses(config: &Config) -> Vec<Ipv4Addr> {
     a
 }
 
+/// The anycast mode's lines in `Mode FTFW`: every flow's state, as it
+/// changes, goes straight into the other host's kernel table (conntrack-
+/// tools' Active-Active setup), not into an external cache waiting for a
+/// commit; injected TCP entries are marked liberal (no window tracking)
+/// by conntrackd itself. No `DisableInternalCache`: FTFW needs the
+/// internal cache to resend what the peer missed and to answer its resync
+/// (`StartupResync`); conntrackd accepts that key in NOTRACK mode only.
+const ANYCAST_FTFW: &str = "\t\t# Anycast: both hosts carry flows and the router spreads their packets,\n\
+     \t\t# so each flow's state is injected into the peer's kernel table at once.\n\
+     \t\tDisableExternalCache On\n";
+
+/// Whether `[conntrackd]` runs in the anycast mode (no `[keepalived]`: its
+/// validation requires `vip.announce = "routes"` then): both hosts hold
+/// every synced flow in their kernel tables all the time, nothing is
+/// committed, no notify script and no gate exist, and conntrackd runs
+/// under its own systemd unit (`Systemd on`; docs/many-hosts.md,
+/// "Keeping connections across a withdrawal").
+pub fn anycast(config: &Config) -> bool {
+    config.conntrackd.is_some() && config.keepalived.is_none()
+}
+
+/// The addresses the anycast mode's filter accepts: every IPv4 backend of
+/// a kernel listener whose IPv4 VIP is announced (inside
+/// `vip.announce_prefixes`, on no `[[network]]`), sorted.
+pub fn anycast_addresses(config: &Config) -> Vec<Ipv4Addr> {
+    let announce = &config.vip.announce;
+    let mut a: Vec<Ipv4Addr> = config
+        .load_balancers
+        .iter()
+        .filter(|lb| {
+            lb.network.is_none()
+                && lb.vip.is_ipv4()
+                && announce.enabled()
+                && announce.allows(lb.vip)
+                && lb
+                    .listeners
+                    .iter()
+                    .any(|l| l.forwarding == Forwarding::Kernel)
+        })
+        .flat_map(|lb| lb.backends.iter())
+        .filter_map(|b| match b {
+            IpAddr::V4(v4) => Some(*v4),
+            IpAddr::V6(_) => None,
+        })
+        .collect();
+    a.sort_unstable();
+    a.dedup();
+    a
+}
+
+/// The nftables table of the anycast mode's guard (family `inet`).
+pub const ANYCAST_TABLE: &str = "harvester_lb_anycast_sync";
+
+/// The anycast mode's guard: an nft script (the whole table, replaced
+/// atomically) that drops, after conntrack and before the NAT (priority
+/// -150, as the gate), a client's packet to a kernel listener of an
+/// announced VIP that conntrack finds `invalid`, and a backend's packet
+/// from its service port that conntrack finds `invalid` or `new`; `None`
+/// outside the anycast mode.
+///
+/// Why: the router hashes a flow's replies independently of its forward
+/// packets, so a reply can reach the other host before conntrackd has
+/// injected the flow there (a SYN-ACK at a host with no entry is
+/// `invalid`; a backend's mid-stream segment would be picked up as a
+/// `new` reverse flow that later clashes with the injected one), and a
+/// client's ACK can reach the first host before the other host's state
+/// change came back (`invalid` in SYN_SENT). Unguarded, each goes to the
+/// local stack, which answers with a reset; dropped, TCP resends it, and
+/// by then the state is there (measured: docs/many-hosts.md).
+pub fn anycast_table(config: &Config) -> Option<String> {
+    if !anycast(config) {
+        return None;
+    }
+    let announce = &config.vip.announce;
+    let mut to = std::collections::BTreeSet::new();
+    let mut from = std::collections::BTreeSet::new();
+    for lb in &config.load_balancers {
+        let IpAddr::V4(vip) = lb.vip else { continue };
+        if lb.network.is_some() || !announce.enabled() || !announce.allows(lb.vip) {
+            continue;
+        }
+        for l in lb
+            .listeners
+            .iter()
+            .filter(|l| l.forwarding == Forwarding::Kernel)
+        {
+            let proto = l.protocol.as_str();
+            to.insert(format!("{vip} . {proto} . {}", l.port));
+            for b in &lb.backends {
+                if let IpAddr::V4(b) = b {
+                    from.insert(format!("{b} . {proto} . {}", l.backend_port));
+                }
+            }
+        }
+    }
+    let mut s = format!(
+        "add table inet {ANYCAST_TABLE}\ndelete table inet {ANYCAST_TABLE}\ntable inet {ANYCAST_TABLE} {{\n"
+    );
+    for (name, elems) in [("to4", &to), ("from4", &from)] {
+        let _ = write!(
+            s,
+            "  set {name} {{\n    type ipv4_addr . inet_proto . inet_service\n"
+        );
+        if !elems.is_empty() {
+            let list: Vec<&str> = elems.iter().map(String::as_str).collect();
+            let _ = writeln!(s, "    elements = {{ {} }}", list.join(", "));
+        }
+        s.push_str("  }\n");
+    }
+    s.push_str(
+        "  chain prerouting {\n    type filter hook prerouting priority -150; policy accept;\n    ip daddr . meta l4proto . th dport @to4 ct state invalid drop\n    ip saddr . meta l4proto . th sport @from4 ct state { invalid, new } drop\n  }\n}\n",
+    );
+    Some(s)
+}
+
 /// The conntrackd.conf text for `config`; `None` without `[conntrackd]`.
 pub fn render_conf(config: &Config) -> Option<String> {
     let c = config.conntrackd.as_ref()?;
@@ -213,6 +338,7 @@ pub fn render_conf(config: &Config) -> Option<String> {
          \tMode FTFW {{\n\
          \t\tPurgeTimeout 15\n\
          \t\tStartupResync on\n\
+         {anycast_ftfw}\
          \t}}\n\
          \tUDP {{\n\
          \t\tIPv4_address {address}\n\
@@ -225,7 +351,7 @@ pub fn render_conf(config: &Config) -> Option<String> {
          \t}}\n\
          }}\n\
          General {{\n\
-         \tSystemd off\n\
+         \tSystemd {systemd}\n\
          \tHashSize {hash}\n\
          \tHashLimit {limit}\n\
          \tLogFile {log}\n\
@@ -252,8 +378,14 @@ pub fn render_conf(config: &Config) -> Option<String> {
         log = c.log_file.display(),
         lock = c.lock_file.display(),
         socket = c.socket.display(),
+        anycast_ftfw = if anycast(config) { ANYCAST_FTFW } else { "" },
+        systemd = if anycast(config) { "on" } else { "off" },
     );
-    let addresses = filter_addresses(config);
+    let addresses = if anycast(config) {
+        anycast_addresses(config)
+    } else {
+        filter_addresses(config)
+    };
     if addresses.is_empty() {
         // No kernel listener: accept an address no flow has (the
         // unspecified one), so nothing is synced.
@@ -270,6 +402,10 @@ pub fn render_conf(config: &Config) -> Option<String> {
 /// `None` without `[conntrackd]`.
 pub fn render_script(config: &Config) -> Option<String> {
     let c = config.conntrackd.as_ref()?;
+    if anycast(config) {
+        // No transitions, so nothing for a script to do.
+        return None;
+    }
     let conf = c.config_path.display();
     let dir = c.state_directory.display();
     // Each instance's VIPs of kernel listeners: their flows are deleted
@@ -533,14 +669,14 @@ pub enum Installed {
     ScriptChanged,
 }
 
-/// Writes conntrackd.conf and the notify script (mode 0700: keepalived's
+/// Writes conntrackd.conf and the notify script, if any (mode 0700: keepalived's
 /// `enable_script_security` runs no script others may change) when their
 /// text differs, and runs `restart_command` when conntrackd's file changed
 /// (or `force`: a restart that failed before). Blocking.
 pub fn install(
     settings: &ConntrackdSettings,
     conf: &str,
-    script: &str,
+    script: Option<&str>,
     force: bool,
 ) -> Result<Installed, ConntrackdError> {
     let same =
@@ -557,7 +693,10 @@ pub fn install(
             })
     };
     let mut done = Installed::Unchanged;
-    if !same(&settings.notify_script, script) {
+    // The anycast mode has no script (`render_script` is `None`).
+    if let Some(script) = script
+        && !same(&settings.notify_script, script)
+    {
         write(&settings.notify_script, script, 0o700)?;
         done = Installed::ScriptChanged;
     }
@@ -721,5 +860,79 @@ backends = ["10.100.0.31"]
             }
         );
         assert_eq!(parse_stats("connect: No such file"), None);
+    }
+
+    #[test]
+    fn the_anycast_mode_injects_into_the_kernel_and_guards_the_handshake() {
+        let text = r#"
+[vip]
+announce = "routes"
+announce_prefixes = ["198.51.100.0/24"]
+[conntrackd]
+interface = "eth1"
+address = "10.99.0.1"
+peer = "10.99.0.2"
+[[load_balancer]]
+name = "default/db"
+vip = "198.51.100.100"
+algorithm = "flow_hash"
+backends = ["192.0.2.22", "192.0.2.21"]
+  [[load_balancer.listener]]
+  name = "pg"
+  port = 5432
+  backend_port = 30432
+  forwarding = "kernel"
+  source_nat = "vip"
+  [[load_balancer.listener]]
+  name = "web"
+  port = 80
+  backend_port = 30080
+[[load_balancer]]
+name = "default/other"
+vip = "203.0.113.9"
+backends = ["192.0.2.31"]
+  [[load_balancer.listener]]
+  name = "dns"
+  port = 53
+  protocol = "udp"
+  backend_port = 30053
+  forwarding = "kernel"
+"#;
+        let config = parse(text).expect("valid").config;
+        assert!(anycast(&config));
+        let conf = render_conf(&config).unwrap();
+        for want in [
+            "\t\tStartupResync on\n\t\t# Anycast",
+            "\t\tDisableExternalCache On\n\t}\n",
+            "\tSystemd on\n",
+            "\t\tIPv4_address 10.99.0.1\n\t\tIPv4_Destination_Address 10.99.0.2\n",
+            "\t\tAddress Accept {\n\t\t\tIPv4_address 192.0.2.21\n\t\t\tIPv4_address 192.0.2.22\n\t\t}",
+        ] {
+            assert!(conf.contains(want), "{want:?} not in\n{conf}");
+        }
+        assert!(!conf.contains("DisableInternalCache"), "{conf}");
+        // The VIP outside announce_prefixes is not announced: not synced.
+        assert!(!conf.contains("192.0.2.31"), "{conf}");
+        // No transitions, so no script.
+        assert_eq!(render_script(&config), None);
+        let guard = anycast_table(&config).unwrap();
+        for want in [
+            "elements = { 198.51.100.100 . tcp . 5432 }",
+            "elements = { 192.0.2.21 . tcp . 30432, 192.0.2.22 . tcp . 30432 }",
+            "priority -150;",
+            "@to4 ct state invalid drop",
+            "@from4 ct state { invalid, new } drop",
+        ] {
+            assert!(guard.contains(want), "{want:?} not in\n{guard}");
+        }
+        // The keepalived mode: no guard, the conf as before.
+        let keepalived = parse(TEXT).expect("valid").config;
+        assert!(!anycast(&keepalived));
+        assert_eq!(anycast_table(&keepalived), None);
+        let conf = render_conf(&keepalived).unwrap();
+        assert!(
+            !conf.contains("DisableExternalCache") && conf.contains("\tSystemd off\n"),
+            "{conf}"
+        );
     }
 }

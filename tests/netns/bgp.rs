@@ -661,6 +661,61 @@ impl LbHost {
         );
     }
 
+    /// Starts recording the TCP flows to the IPv4 VIP whose replies (a
+    /// backend's packets) this host forwards from now on: their client
+    /// ports, in the set `replies` of a table of the test's own (`inet
+    /// hlb_test_replies`; in `forward` a reply's destination is already
+    /// the client's again). Read with [`LbHost::recorded_replies`].
+    pub fn record_replies(&self) {
+        let script = format!(
+            "table inet hlb_test_replies {{\n  set replies {{ type inet_service ; flags dynamic ; }}\n  chain forward {{\n    type filter hook forward priority 0 ; policy accept ;\n    ct direction reply ct original ip daddr {VIP} meta l4proto tcp update @replies {{ th dport }}\n  }}\n}}\n"
+        );
+        let path = self.dir.join("replies.nft");
+        std::fs::write(&path, script).expect("write replies.nft");
+        run(
+            "ip",
+            &[
+                "netns",
+                "exec",
+                &self.ns.name,
+                "nft",
+                "-f",
+                path.to_str().expect("utf-8 path"),
+            ],
+            None,
+        );
+    }
+
+    /// The client ports [`LbHost::record_replies`] recorded.
+    pub fn recorded_replies(&self) -> std::collections::BTreeSet<u16> {
+        let text = output(
+            "ip",
+            &[
+                "netns",
+                "exec",
+                &self.ns.name,
+                "nft",
+                "-j",
+                "list",
+                "set",
+                "inet",
+                "hlb_test_replies",
+                "replies",
+            ],
+        );
+        let doc: serde_json::Value = serde_json::from_str(&text).unwrap_or_default();
+        let mut ports = std::collections::BTreeSet::new();
+        for o in doc["nftables"].as_array().into_iter().flatten() {
+            for e in o["set"]["elem"].as_array().into_iter().flatten() {
+                let v = e.get("elem").map_or(e, |x| &x["val"]);
+                if let Some(p) = v.as_u64().and_then(|p| u16::try_from(p).ok()) {
+                    ports.insert(p);
+                }
+            }
+        }
+        ports
+    }
+
     /// The flows [`LbHost::record_new_flows`] recorded of `protocol`
     /// (`tcp`, `udp`): the client's port, and the backend it was DNATed to.
     pub fn recorded_flows(&self, protocol: &str) -> BTreeMap<u16, IpAddr> {
@@ -1344,6 +1399,27 @@ impl BgpBed {
         ns.ip(&["addr", "add", &format!("{ip6}/64"), "dev", "eth0", "nodad"]);
         ns.ip(&["link", "set", "eth0", "up"]);
         ns
+    }
+
+    /// Routes the backends' replies through the router, as on a real
+    /// anycast deployment where the backends' network reaches the VIP
+    /// through the same ECMP as the clients: each backend's default route
+    /// is the router, and the router sends no ICMP redirect (a backend
+    /// that took one would send every reply to one host). A reply to the
+    /// VIP (`source_nat = "vip"`) is then hashed by the router on its own
+    /// 5-tuple, independently of its flow's forward packets: about half
+    /// of all flows come back through the host that did not carry them.
+    pub fn route_replies_through_router(&self) {
+        sysctl(
+            &self.router,
+            &[
+                "net.ipv4.conf.all.send_redirects=0",
+                "net.ipv4.conf.br0.send_redirects=0",
+            ],
+        );
+        for b in &self.backends {
+            b.ns.ip(&["route", "add", "default", "via", &ROUTER_IP.to_string()]);
+        }
     }
 
     /// Host `i`'s link goes silent: its port on the router's bridge goes

@@ -269,13 +269,18 @@ impl Validator<'_> {
     /// default masquerade, round robin): it worked then and still serves
     /// every connection that does not move. A problem where it never
     /// works: `source_nat = "vip"` on an anycast VIP, whose replies the
-    /// router spreads over all hosts, not to the one holding each flow.
+    /// router spreads over all hosts, not to the one holding each flow;
+    /// allowed when `[conntrackd]` (without `[keepalived]`) puts every
+    /// flow on both hosts.
     pub(super) fn moving_vips(
         &mut self,
         file: &FileConfig,
         specs: &[Option<LoadBalancerSpec>],
         announce: &AnnounceSettings,
     ) {
+        // `[conntrackd]` without `[keepalived]`: the anycast sync (every
+        // host holds every flow's binding; `validate::sync`).
+        let anycast_synced = file.conntrackd.is_some() && file.keepalived.is_none();
         for (i, (lb, spec)) in file.load_balancers.iter().zip(specs).enumerate() {
             let Some(spec) = spec else { continue };
             let moves = if spec.network.is_some() {
@@ -323,18 +328,26 @@ impl Validator<'_> {
                             "is \"masquerade\" and {how}: a failover resets every connection it moves, because the backend knows each flow by the old host's own address; set source_nat = \"vip\" (the backends then see the VIP, whose replies reach its new holder) with algorithm = \"flow_hash\", or \"none\" if the backends route their replies through the VIP's holder"
                         ),
                     ),
+                    (SourceNat::Masquerade, Move::Anycast) if anycast_synced => self.warning(
+                        span,
+                        &lkey,
+                        format!(
+                            "is \"masquerade\" and {how}: the TCP connections a withdrawal moves are reset, because the backend knows each flow by this host's own address, even with [conntrackd] syncing them; set source_nat = \"vip\" (every host then holds the flow's binding, and the backend answers the VIP) with algorithm = \"flow_hash\""
+                        ),
+                    ),
                     (SourceNat::Masquerade, Move::Anycast) => self.warning(
                         span,
                         &lkey,
                         format!(
-                            "is \"masquerade\" and {how}: the TCP connections a withdrawal moves are reset, because the backend knows each flow by the old host's own address; no source_nat keeps them in anycast without the flows' state on every host (replies must come back to the host that holds each flow, and ECMP does not send them there), so drain before withdrawing; algorithm = \"flow_hash\" keeps moved UDP flows on their backend"
+                            "is \"masquerade\" and {how}: the TCP connections a withdrawal moves are reset, because the backend knows each flow by the old host's own address; no source_nat keeps them in anycast without the flows' state on every host (replies must come back to the host that holds each flow, and ECMP does not send them there), so drain before withdrawing, or sync the flows between the two hosts ([conntrackd] with source_nat = \"vip\"); algorithm = \"flow_hash\" keeps moved UDP flows on their backend"
                         ),
                     ),
+                    (SourceNat::Vip, Move::Anycast) if anycast_synced => {}
                     (SourceNat::Vip, Move::Anycast) => self.problem(
                         span,
                         &lkey,
                         format!(
-                            "cannot be \"vip\" here: {how}, so the backends' replies to the VIP go to whichever host the router's ECMP picks for the reply, not the one that holds the flow, and about half of all connections would fail; use source_nat = \"masquerade\" (or \"none\" if the backends route their replies through this host)"
+                            "cannot be \"vip\" here: {how}, so the backends' replies to the VIP go to whichever host the router's ECMP picks for the reply, not the one that holds the flow, and about half of all connections would fail; add [conntrackd] (interface, address, peer: the other host) so both hosts hold every flow's binding, or use source_nat = \"masquerade\" (or \"none\" if the backends route their replies through this host)"
                         ),
                     ),
                     _ => {}

@@ -327,7 +327,7 @@ impl Validator<'_> {
         );
         self.moving_vips(file, &specs, &vip.announce);
         self.network_isolation(file, &networks, keepalived.as_ref());
-        let conntrackd = self.conntrackd(file, keepalived.as_ref(), &specs);
+        let conntrackd = self.conntrackd(file, keepalived.as_ref(), &specs, &vip.announce);
         let load_balancers = specs.into_iter().flatten().map(Arc::new).collect();
         Config {
             admin,

@@ -1,8 +1,12 @@
 //! `[conntrackd]`: the sync of kernel listeners' flows between the two
-//! keepalived hosts.
+//! keepalived hosts, or, without `[keepalived]` and with `vip.announce =
+//! "routes"`, between two anycast hosts (the anycast mode: the sync link's
+//! `interface`, `address` and `peer` are required, there being nothing to
+//! take them from; `notify_script` and `state_directory` are warned about,
+//! having no effect; see `anycast_link`).
 //!
-//! What is refused, and why: `[conntrackd]` without `[keepalived]` (there
-//! is no VIP that moves, so no transition to commit at); more than one
+//! What is refused, and why: `[conntrackd]` with neither `[keepalived]`
+//! nor announcing (no VIP moves and no flow reaches another host); more than one
 //! keepalived peer (conntrackd's UDP unicast sync reaches one peer: a VIP
 //! moving to a third host would find no state there); a sync address or
 //! peer that is not IPv4 (conntrackd's IPv6 sync and IPv6 VIPs are not
@@ -18,9 +22,10 @@ use toml::Spanned;
 use super::Validator;
 use crate::config::file::{FileConfig, FileConntrackd};
 use crate::config::{
-    ConntrackdSettings, DEFAULT_CONNTRACKD_CONFIG, DEFAULT_CONNTRACKD_LOCK, DEFAULT_CONNTRACKD_LOG,
-    DEFAULT_CONNTRACKD_SOCKET, DEFAULT_HASH_SIZE, DEFAULT_NOTIFY_SCRIPT, DEFAULT_SYNC_PORT,
-    DEFAULT_SYNC_STATE_DIR, Forwarding, KeepalivedSettings, LoadBalancerSpec, MIN_HASH_SIZE,
+    AnnounceSettings, ConntrackdSettings, DEFAULT_CONNTRACKD_CONFIG, DEFAULT_CONNTRACKD_LOCK,
+    DEFAULT_CONNTRACKD_LOG, DEFAULT_CONNTRACKD_SOCKET, DEFAULT_HASH_SIZE, DEFAULT_NOTIFY_SCRIPT,
+    DEFAULT_SYNC_PORT, DEFAULT_SYNC_STATE_DIR, Forwarding, KeepalivedSettings, LoadBalancerSpec,
+    MIN_HASH_SIZE,
 };
 
 /// The largest `conntrackd.hash_size` accepted: 2^24 buckets is far past
@@ -34,19 +39,26 @@ impl Validator<'_> {
         file: &FileConfig,
         keepalived: Option<&KeepalivedSettings>,
         specs: &[Option<LoadBalancerSpec>],
+        announce: &AnnounceSettings,
     ) -> Option<ConntrackdSettings> {
         let table = file.conntrackd.as_ref()?;
         let span = table.span();
         let c: &FileConntrackd = table.get_ref();
+        // Without [keepalived], the anycast mode (see `anycast_link`).
         let Some(k) = keepalived else {
-            if file.keepalived.is_none() {
+            if file.keepalived.is_some() {
+                return None;
+            }
+            if !announce.enabled() {
                 self.problem(
                     Some(span),
                     "conntrackd",
-                    "needs [keepalived]: conntrackd commits the synced flows when keepalived moves a VIP here, and without [keepalived] no VIP moves; add [keepalived] or remove [conntrackd]".into(),
+                    "needs [keepalived] (a VIP that moves between two hosts) or vip.announce = \"routes\" (an anycast VIP on two hosts): without either no flow reaches another host, so there is nothing to sync; add one of them or remove [conntrackd]".into(),
                 );
+                return None;
             }
-            return None;
+            let link = self.anycast_link(c, span.clone())?;
+            return self.conntrackd_settings(c, span, specs, Some(announce), link);
         };
         if k.peers.len() != 1 {
             self.problem(
@@ -77,6 +89,19 @@ impl Validator<'_> {
             None => Some(k.interface.clone()),
             Some(i) => self.interface_name(i, format_args!("conntrackd.interface")),
         };
+        let (interface, address, peer) = (interface?, address?, peer?);
+        self.conntrackd_settings(c, span, specs, None, (interface, address, peer))
+    }
+
+    /// The keys of `[conntrackd]` both modes share, and the settings.
+    fn conntrackd_settings(
+        &mut self,
+        c: &FileConntrackd,
+        span: std::ops::Range<usize>,
+        specs: &[Option<LoadBalancerSpec>],
+        anycast: Option<&AnnounceSettings>,
+        (interface, address, peer): (String, Ipv4Addr, Ipv4Addr),
+    ) -> Option<ConntrackdSettings> {
         let port = self.int(
             &c.port,
             format_args!("conntrackd.port"),
@@ -163,14 +188,38 @@ impl Validator<'_> {
             }
         });
         let synced = specs.iter().flatten().any(|lb| {
-            lb.network.is_some()
+            let moves = match anycast {
+                None => lb.network.is_some(),
+                Some(a) => lb.network.is_none() && a.allows(lb.vip),
+            };
+            moves
                 && lb.vip.is_ipv4()
                 && lb
                     .listeners
                     .iter()
                     .any(|l| l.forwarding == Forwarding::Kernel)
         });
-        if !synced {
+        if anycast.is_some() {
+            for (key, value) in [
+                ("conntrackd.notify_script", &c.notify_script),
+                ("conntrackd.state_directory", &c.state_directory),
+            ] {
+                if let Some(v) = value {
+                    self.warning(
+                        Some(v.span()),
+                        key,
+                        "has no effect without [keepalived]: the anycast sync has no transitions, so no notify script".into(),
+                    );
+                }
+            }
+            if !synced {
+                self.warning(
+                    Some(span.clone()),
+                    "conntrackd",
+                    "no load balancer with an announced VIP (inside vip.announce_prefixes, on no [[network]]) has a listener with forwarding = \"kernel\": conntrackd syncs nothing (only the kernel's flows can be synced)".into(),
+                );
+            }
+        } else if !synced {
             self.warning(
                 Some(span),
                 "conntrackd",
@@ -178,9 +227,9 @@ impl Validator<'_> {
             );
         }
         Some(ConntrackdSettings {
-            interface: interface?,
-            address: address?,
-            peer: peer?,
+            interface,
+            address,
+            peer,
             port: u16::try_from(port).ok().filter(|p| *p != 0)?,
             config_path,
             notify_script,
@@ -191,6 +240,57 @@ impl Validator<'_> {
             hash_size: u32::try_from(hash_size).unwrap_or(DEFAULT_HASH_SIZE),
             restart_command,
         })
+    }
+
+    /// The sync link of the anycast mode (`[conntrackd]` with `vip.announce
+    /// = "routes"` and no `[keepalived]`): every flow's state injected into
+    /// the other host's kernel table as it changes (conntrackd's
+    /// `DisableExternalCache`), so the replies the router sends there and
+    /// the flows a withdrawal moves there find their NAT binding. Nothing
+    /// defaults the link here (there is no `[keepalived]` to take it
+    /// from): `interface`, `address` and `peer` are required.
+    fn anycast_link(
+        &mut self,
+        c: &FileConntrackd,
+        span: std::ops::Range<usize>,
+    ) -> Option<(String, Ipv4Addr, Ipv4Addr)> {
+        let mut missing = Vec::new();
+        for (key, value) in [
+            ("interface", &c.interface),
+            ("address", &c.address),
+            ("peer", &c.peer),
+        ] {
+            if value.is_none() {
+                missing.push(key);
+            }
+        }
+        if !missing.is_empty() {
+            self.problem(
+                Some(span),
+                "conntrackd",
+                format!(
+                    "without [keepalived] (the anycast sync between two announcing hosts) conntrackd.{} must be set: nothing to take the sync link from; e.g. interface = \"eth1\", address = \"10.99.0.1\" (this host), peer = \"10.99.0.2\" (the other host: one peer, so two hosts only)",
+                    missing.join(", conntrackd.")
+                ),
+            );
+            return None;
+        }
+        let interface =
+            self.interface_name(c.interface.as_ref()?, format_args!("conntrackd.interface"));
+        let unspecified = IpAddr::V4(Ipv4Addr::UNSPECIFIED);
+        let address = self.sync_v4(&c.address, "conntrackd.address", unspecified);
+        let peer = self.sync_v4(&c.peer, "conntrackd.peer", unspecified);
+        if let (Some(a), Some(p)) = (address, peer)
+            && a == p
+        {
+            self.problem(
+                c.peer.as_ref().map(Spanned::span),
+                "conntrackd.peer",
+                format!("{p} is also conntrackd.address, this host's own; write the other host's address on the sync link"),
+            );
+            return None;
+        }
+        Some((interface?, address?, peer?))
     }
 
     /// An IPv4 address of the sync link; `default` when absent.
@@ -362,6 +462,99 @@ backends = ["10.100.0.21", "10.100.0.22"]
                 .warnings
                 .iter()
                 .any(|w| w.key == "conntrackd" && w.message.contains("syncs nothing")),
+            "{:?}",
+            loaded.warnings
+        );
+    }
+
+    /// Two anycast hosts, no `[keepalived]`: `flow_hash`, `source_nat =
+    /// "vip"`, an announced VIP.
+    const ANYCAST: &str = r#"
+[vip]
+announce = "routes"
+announce_prefixes = ["198.51.100.0/24"]
+
+[[load_balancer]]
+name = "default/db"
+vip = "198.51.100.100"
+algorithm = "flow_hash"
+backends = ["192.0.2.21", "192.0.2.22"]
+  [[load_balancer.listener]]
+  name = "pg"
+  port = 5432
+  backend_port = 30432
+  forwarding = "kernel"
+  source_nat = "vip"
+"#;
+
+    const ANYCAST_SYNC: &str =
+        "\n[conntrackd]\ninterface = \"eth1\"\naddress = \"10.99.0.1\"\npeer = \"10.99.0.2\"\n";
+
+    #[test]
+    fn anycast_source_nat_vip_is_allowed_exactly_with_the_sync() {
+        // Without the sync: refused, and the message names the remedy.
+        let p = problems(ANYCAST);
+        assert!(
+            p.iter()
+                .any(|p| p.key == "load_balancer[0].listener[0].source_nat"
+                    && p.message.contains("add [conntrackd]")),
+            "{p:?}"
+        );
+        let loaded = parse(&format!("{ANYCAST}{ANYCAST_SYNC}")).expect("valid");
+        assert!(loaded.warnings.is_empty(), "{:?}", loaded.warnings);
+        let c = loaded.config.conntrackd.expect("conntrackd");
+        assert_eq!(
+            (
+                c.interface.as_str(),
+                c.address.to_string(),
+                c.peer.to_string()
+            ),
+            ("eth1", "10.99.0.1".to_string(), "10.99.0.2".to_string())
+        );
+        // Masquerade with the sync: a warning that says to use "vip".
+        let masq = parse(&format!(
+            "{}{ANYCAST_SYNC}",
+            ANYCAST.replace("source_nat = \"vip\"", "source_nat = \"masquerade\"")
+        ))
+        .expect("valid");
+        assert!(
+            masq.warnings
+                .iter()
+                .any(|w| w.key == "load_balancer[0].listener[0].source_nat"
+                    && w.message.contains("even with [conntrackd]")),
+            "{:?}",
+            masq.warnings
+        );
+    }
+
+    #[test]
+    fn the_anycast_sync_names_what_it_lacks() {
+        // No link to default from: all three keys are required.
+        let p = problems(&format!("{ANYCAST}\n[conntrackd]\ninterface = \"eth1\"\n"));
+        assert!(
+            p.iter().any(|p| p.key == "conntrackd"
+                && p.message
+                    .contains("conntrackd.address, conntrackd.peer must be set")),
+            "{p:?}"
+        );
+        // Neither keepalived nor announcing: nothing moves.
+        let alone = ANYCAST.replace("announce = \"routes\"\n", "");
+        let p = problems(&format!("{alone}{ANYCAST_SYNC}"));
+        assert!(
+            p.iter()
+                .any(|p| p.key == "conntrackd" && p.message.contains("vip.announce = \"routes\"")),
+            "{p:?}"
+        );
+        // A key of the keepalived mode only: a warning.
+        let loaded = parse(&format!(
+            "{ANYCAST}{ANYCAST_SYNC}notify_script = \"/etc/keepalived/x.sh\"\n"
+        ))
+        .expect("valid");
+        assert!(
+            loaded
+                .warnings
+                .iter()
+                .any(|w| w.key == "conntrackd.notify_script" && w.message.contains("no effect")),
             "{:?}",
             loaded.warnings
         );
