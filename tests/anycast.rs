@@ -1294,6 +1294,52 @@ async fn kept_flows(tag: &str) -> Kept {
         bed.host(i).record_new_flows();
         bed.host(i).record_replies();
     }
+    // The handshake guard is owned: deleted by another program, it is
+    // written again by the next check (every 10 s), before any traffic.
+    let guard_ns = bed.host(1).ns.name.clone();
+    netns::run(
+        "ip",
+        &[
+            "netns",
+            "exec",
+            &guard_ns,
+            "nft",
+            "delete",
+            "table",
+            "inet",
+            "harvester_lb_anycast_sync",
+        ],
+        None,
+    );
+    let d1 = bed.host(1).daemon();
+    netns::wait_for(
+        Duration::from_secs(30),
+        "the anycast guard table written again",
+        || async {
+            let m = d1.metrics().await;
+            let back = std::process::Command::new("ip")
+                .args([
+                    "netns",
+                    "exec",
+                    &guard_ns,
+                    "nft",
+                    "list",
+                    "table",
+                    "inet",
+                    "harvester_lb_anycast_sync",
+                ])
+                .output()
+                .is_ok_and(|o| o.status.success());
+            (back
+                && netns::metric(
+                    &m,
+                    "harvester_lb_host_repairs_total",
+                    &[("kind", "anycast_sync_guard")],
+                ) >= 1.0)
+                .then_some(())
+        },
+    )
+    .await;
     // Opened one by one, each given 15 s: a handshake whose packets
     // outrun the sync is dropped, not reset, and TCP resends it.
     let mut conns = Vec::new();

@@ -19,8 +19,9 @@
 //!
 //! In the anycast mode (`[conntrackd]` without `[keepalived]`) there is no
 //! script and no instance: step 1 writes conntrackd.conf alone, and
-//! before it the anycast guard table is written when its text changed
-//! (`anycast_guard`; removed when the mode ends).
+//! before it the anycast guard table is written when its text changed,
+//! else read back and repaired (`anycast_guard`; removed when the mode
+//! ends).
 //!
 //! All of it is blocking (files, `nft`, `conntrackd`) and runs on the
 //! blocking pool, never on a worker the data plane shares. Without
@@ -39,7 +40,8 @@ use crate::config::{Config, ConntrackdSettings};
 use crate::metrics::{HostKind, SyncInstanceSample, SyncSample};
 use crate::owned::{CHECK_INTERVAL, Checked, Guard};
 use crate::vip::conntrackd::{
-    self, GATE_TABLE, Installed, Recorded, Stats, instance_name, parse_recorded, parse_stats,
+    self, AnycastGuard, GATE_TABLE, Installed, Recorded, Stats, instance_name, parse_recorded,
+    parse_stats,
 };
 use crate::vip::gate::Gate;
 
@@ -67,6 +69,8 @@ struct Inner {
     /// The anycast mode's guard table as last written (`None`: not written
     /// by this process, or removed).
     anycast_written: Option<String>,
+    /// Its read-back, compared with the kernel at every step.
+    anycast_guard: Guard,
     /// Whether the missing `nf_conntrack_tcp_be_liberal` was logged (once
     /// per process).
     liberal_warned: bool,
@@ -286,48 +290,79 @@ impl Daemon {
 
 impl Daemon {
     /// The anycast mode's guard table (`vip::conntrackd::anycast_table`):
-    /// written when its text changed, removed when the mode ends. Written
-    /// whole and atomically by `nft -f`; unlike the gate it is not read
-    /// back between changes (another process deleting it is not repaired
-    /// until the next change or restart). A failure is logged at error,
-    /// counted (`conntrack_sync_config_failures_total`) and retried at the
-    /// next step. Also says once when TCP window tracking is strict
+    /// written when its text changed, removed when the mode ends, and
+    /// otherwise read back and repaired like the gate (repairs logged at
+    /// warn and counted in `host_repairs_total{kind="anycast_sync_guard"}`).
+    /// Written whole and atomically by `nft -f`. A failure is logged at
+    /// error, counted (`conntrack_sync_config_failures_total`) and retried
+    /// at the next step. Also says once when TCP window tracking is strict
     /// (`nf_conntrack_tcp_be_liberal` 0): a flow that comes back to this
     /// host after the other carried it would find its entry's windows
     /// behind and be dropped.
     async fn anycast_guard(&self, inner: &mut Inner, config: &Config) {
         let want = conntrackd::anycast_table(config);
-        if want == inner.anycast_written {
-            return;
-        }
-        let script = match &want {
-            Some(text) => text.clone(),
-            None => format!(
-                "add table inet {t}\ndelete table inet {t}\n",
-                t = conntrackd::ANYCAST_TABLE
-            ),
-        };
-        let done =
-            tokio::task::spawn_blocking(move || crate::nft::run(&["-f", "-"], script.as_bytes()))
-                .await;
-        match done {
-            Ok(Ok(_)) => {
-                tracing::info!(
-                    table = conntrackd::ANYCAST_TABLE,
-                    removed = want.is_none(),
-                    "the anycast sync's guard table written"
+        let same = want == inner.anycast_written;
+        let mut guard = std::mem::take(&mut inner.anycast_guard);
+        let done = match want.clone() {
+            None if same => Ok((guard, Ok(None))),
+            None => {
+                guard.forget();
+                let script = format!(
+                    "add table inet {t}\ndelete table inet {t}\n",
+                    t = conntrackd::ANYCAST_TABLE
                 );
-                inner.anycast_written = want;
+                tokio::task::spawn_blocking(move || {
+                    let removed = crate::nft::run(&["-f", "-"], script.as_bytes())
+                        .map(|_| None)
+                        .map_err(|e| e.to_string());
+                    (guard, removed)
+                })
+                .await
             }
-            Ok(Err(e)) => {
-                inner.failures += 1;
-                tracing::error!(
-                    "the anycast sync's guard table inet {}: {e}; retried in {} s (without it a reply that reaches this host before its flow's state resets the flow)",
-                    conntrackd::ANYCAST_TABLE,
-                    CHECK_INTERVAL.as_secs()
-                );
+            Some(script) => {
+                let table = AnycastGuard { script };
+                tokio::task::spawn_blocking(move || {
+                    let result = if same {
+                        guard.check(&table).map(Some)
+                    } else {
+                        guard.write(&table).map(|()| None)
+                    };
+                    (guard, result.map_err(|e| e.to_string()))
+                })
+                .await
+            }
+        };
+        match done {
+            Ok((guard, result)) => {
+                inner.anycast_guard = guard;
+                match result {
+                    Ok(None) if !same => {
+                        tracing::info!(
+                            table = conntrackd::ANYCAST_TABLE,
+                            removed = want.is_none(),
+                            "the anycast sync's guard table written"
+                        );
+                        inner.anycast_written = want;
+                    }
+                    Ok(Some(Checked::Repaired(drift))) => {
+                        self.metrics
+                            .record_host_repairs(HostKind::AnycastSyncGuard, 1);
+                        tracing::warn!(
+                            found = "by the periodic check",
+                            "the anycast sync's guard table inet {} was changed by another process ({drift}); written again",
+                            conntrackd::ANYCAST_TABLE
+                        );
+                    }
+                    Ok(_) => {}
+                    Err(e) => {
+                        inner.anycast_written = None;
+                        inner.failures += 1;
+                        tracing::error!("{e}; retried in {} s", CHECK_INTERVAL.as_secs());
+                    }
+                }
             }
             Err(e) => {
+                inner.anycast_written = None;
                 inner.failures += 1;
                 tracing::error!("writing the anycast sync's guard table stopped: {e}");
             }

@@ -361,6 +361,8 @@ labels! {
         VmNetworkGuard = "vm_network_guard",
         /// The conntrackd sync's gate table (`inet harvester_lb_gate`).
         SyncGate = "sync_gate",
+        /// The anycast sync's guard table (`inet harvester_lb_anycast_sync`).
+        AnycastSyncGuard = "anycast_sync_guard",
     };
 }
 

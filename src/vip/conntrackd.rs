@@ -325,6 +325,43 @@ pub fn anycast_table(config: &Config) -> Option<String> {
     Some(s)
 }
 
+/// The anycast guard table as an owned object: the script of
+/// [`anycast_table`], read back and repaired through
+/// [`crate::owned::Guard`] like every table the daemon writes (another
+/// program's `nft flush ruleset` would otherwise leave the handshakes
+/// unguarded until the next change).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AnycastGuard {
+    /// The whole table's nft script.
+    pub script: String,
+}
+
+/// Why the anycast guard table could not be read or written.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "the anycast sync's guard table inet {ANYCAST_TABLE}: {0} (needs the `nft` command and CAP_NET_ADMIN; without it a reply that reaches this host before its flow's state resets the flow)"
+)]
+pub struct AnycastGuardError(String);
+
+impl crate::owned::Owned for AnycastGuard {
+    type Error = AnycastGuardError;
+
+    fn read_back(&self) -> Result<Option<crate::owned::Fingerprint>, AnycastGuardError> {
+        match crate::nft::list_inet_table(ANYCAST_TABLE).map_err(AnycastGuardError)? {
+            None => Ok(None),
+            Some(listed) => crate::owned::Fingerprint::of_nft_json(&listed)
+                .map(Some)
+                .map_err(AnycastGuardError),
+        }
+    }
+
+    fn write(&self) -> Result<(), AnycastGuardError> {
+        crate::nft::run(&["-f", "-"], self.script.as_bytes())
+            .map(drop)
+            .map_err(AnycastGuardError)
+    }
+}
+
 /// The conntrackd.conf text for `config`; `None` without `[conntrackd]`.
 pub fn render_conf(config: &Config) -> Option<String> {
     let c = config.conntrackd.as_ref()?;
