@@ -361,6 +361,9 @@ labels! {
         VmNetworkGuard = "vm_network_guard",
         /// The conntrackd sync's gate table (`inet harvester_lb_gate`).
         SyncGate = "sync_gate",
+        /// The reply-mark table (`inet harvester_lb_reply`) or a
+        /// network's `fwmark` rule.
+        ReplyMark = "reply_mark",
     };
 }
 
