@@ -192,6 +192,14 @@ async fn netns_a_kernel_listener_serves_a_client_behind_the_vm_network_s_gateway
     // mark (the main table has no route to it).
     far_client_served(&gw, "no route to it in the main table").await;
     assert_eq!(marks_in_place(&host), (true, true));
+    // /status reports what the kernel holds.
+    let held = d.status().await["reply_marks"]["held"].clone();
+    assert!(
+        held.as_array().is_some_and(|h| h.len() == 2
+            && h.iter().any(|k| k == "ip rule fwmark 0xeb/0xff")
+            && h.iter().any(|k| k == "table inet harvester_lb_reply")),
+        "{held}"
+    );
     let nat = std::process::Command::new("ip")
         .args(["netns", "exec", &host.name, "nft", "list", "ruleset"])
         .output()

@@ -1,7 +1,8 @@
 //! VIPs on VM networks (`[[network]]`, `[keepalived]`): the task that
 //! renders keepalived's file and has keepalived reload it, and owns the
 //! networks' routes and `from VIP` rules (`vip::network`) through
-//! [`crate::owned::Driver`].
+//! [`crate::owned::Driver`], and the reply marks of kernel listeners on
+//! those networks (`vip::replymark`, kind `reply_mark`) the same way.
 //!
 //! It also owns the VM-network guard table (`vip::vmnet_guard`), written
 //! first at every step; a failure is logged at error, counted
@@ -33,7 +34,7 @@ use crate::owned::{CHECK_INTERVAL, Driver};
 use crate::vip::announce::RouteWriter;
 use crate::vip::keepalived::{self, Installed};
 use crate::vip::network::{NetKey, NetworkRoutes, wanted};
-use crate::vip::replymark::{MarkKey, MarkWant, ReplyMarks};
+use crate::vip::replymark::{MarkKey, MarkWant, ReplyMarkStatus, ReplyMarks};
 use crate::vip::vmnet_guard::{Rules, VmNetworkGuard};
 
 /// The task's state, shared with the daemon.
@@ -41,6 +42,8 @@ use crate::vip::vmnet_guard::{Rules, VmNetworkGuard};
 pub(super) struct VmNet {
     /// The VM-network guard table (`[[network]] isolate`); readiness asks it.
     pub(super) guard: Arc<VmNetworkGuard>,
+    /// The reply marks as last read back, for `/status`.
+    pub(super) reply_marks: std::sync::Mutex<ReplyMarkStatus>,
     /// Woken at every apply.
     wake: Arc<Notify>,
     /// Set once the task runs.
@@ -287,6 +290,19 @@ impl Daemon {
         for (key, seen) in &out.foreign {
             tracing::warn!(object = %key, seen = ?seen, "VM networks: another program holds a {key} on harvester-lb's mark bits; left alone, and the replies of that network's kernel listeners follow it");
         }
+        let error = out.unread.as_ref().map(ToString::to_string).or_else(|| {
+            out.failed
+                .first()
+                .map(|(key, failure)| format!("{key}: {failure}"))
+        });
+        *self
+            .vmnet
+            .reply_marks
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()) = ReplyMarkStatus {
+            held: driver.held().map(ToString::to_string).collect(),
+            error,
+        };
     }
 
     /// At stop, after the drain: removes the networks' routes and rules.

@@ -205,6 +205,18 @@ pub fn render(marks: &BTreeMap<u32, BTreeSet<IpAddr>>) -> String {
     t
 }
 
+/// What `/status` shows of the reply marks (`reply_marks`): the kernel's
+/// objects as last read back, not what was meant.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
+pub struct ReplyMarkStatus {
+    /// The objects of ours the kernel held at the last read-back, as the
+    /// log names them (`table inet harvester_lb_reply`, `ip rule fwmark
+    /// 0xeb/0xff`); empty without kernel listeners on VM networks.
+    pub held: Vec<String>,
+    /// The last failure (reading, writing or removing one), while it lasts.
+    pub error: Option<String>,
+}
+
 /// The marks' table and rules in the kernel (see the module's text).
 #[derive(Debug, Clone)]
 pub struct ReplyMarks {
