@@ -107,6 +107,12 @@ impl Bed {
         // As on a Harvester host (RKE2's CNI loads br_netfilter): bridged
         // IPv4 frames pass the inet hooks.
         sysctl(h, "net.bridge.bridge-nf-call-iptables=1");
+        // The host has no route to the client behind A's gateway: a
+        // reverse-path filter would drop that client's packets to the
+        // kernel VIP before the DNAT (docs/vip.md, the reply mark).
+        for conf in ["all", "default"] {
+            sysctl(h, &format!("net.ipv4.conf.{conf}.rp_filter=0"));
+        }
         for (br, addr) in [("brA", HOST_A), ("brB", HOST_B)] {
             h.ip(&["link", "add", br, "type", "bridge"]);
             h.ip(&["link", "set", br, "up"]);
@@ -300,6 +306,16 @@ async fn served_everywhere(bed: &Bed) {
         sa(VIP, 80),
         "a1",
         "the client behind the gateway served at the VIP",
+    )
+    .await;
+    // The kernel VIP's replies (from b1, entering from network B) go back
+    // by network A's table through the reply mark, and the guard lets them.
+    served(
+        &bed.gw,
+        Some(FAR_CLIENT),
+        sa(VIP_DNAT, 80),
+        "b1",
+        "the client behind the gateway served at the kernel VIP",
     )
     .await;
     // Bridged VM-to-VM traffic on one network (through br_netfilter).

@@ -28,6 +28,20 @@ pub const DEFAULT_KEEPALIVED_PID_FILE: &str = "/run/keepalived.pid";
 /// `DEFAULT_NETWORK_TABLE_BASE + n` for the n-th network of the file.
 pub const DEFAULT_NETWORK_TABLE_BASE: u32 = 1000;
 
+/// The bits of the conntrack and packet marks harvester-lb owns: the
+/// mark of a kernel listener's flows from a VM network's VIP, which routes
+/// their replies by the network's table (`vip::replymark`, which says why
+/// these bits). Clear of kube-proxy's (`0xc000`), Calico's (`0xffff0000`)
+/// and Cilium's (`0x0f00`).
+pub const REPLY_MARK_MASK: u32 = 0x0000_00ff;
+
+/// The reply mark of a network whose routing table is `table`: `1 +
+/// (table - 1) mod 255` (its table number for tables up to 255), never 0
+/// (no mark), the same for as long as the table is.
+pub fn reply_mark_of(table: u32) -> u32 {
+    1 + (table.max(1) - 1) % REPLY_MARK_MASK
+}
+
 /// Default `[[network]] isolate`: on. A Harvester host has `ip_forward`
 /// on (Kubernetes needs it) and, once it holds a VIP, an address on the
 /// VM network: without the guard any VM could use the host as a router

@@ -53,6 +53,12 @@ impl Daemon {
             },
             vip_isolation: self.isolation.status(),
             vm_network_guard: self.vmnet.guard.status(),
+            reply_marks: self
+                .vmnet
+                .reply_marks
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .clone(),
             announce,
             vip_refused: self.vip_refusals(),
             conntrack_sync: self.sync_status(),
@@ -290,6 +296,9 @@ pub struct StatusDoc {
     /// `[[network]] isolate`: whether the VM-network guard table is in
     /// force, for which interfaces, and the last failure.
     pub vm_network_guard: crate::vip::vmnet_guard::GuardStatus,
+    /// Kernel listeners on VM networks: the reply-mark table and `fwmark`
+    /// rules the kernel held at the last read-back, and the last failure.
+    pub reply_marks: crate::vip::replymark::ReplyMarkStatus,
     /// `vip.announce = "routes"`: every VIP, announced or not and why;
     /// absent with `none`.
     #[serde(skip_serializing_if = "Option::is_none")]

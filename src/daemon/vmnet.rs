@@ -1,7 +1,8 @@
 //! VIPs on VM networks (`[[network]]`, `[keepalived]`): the task that
 //! renders keepalived's file and has keepalived reload it, and owns the
 //! networks' routes and `from VIP` rules (`vip::network`) through
-//! [`crate::owned::Driver`].
+//! [`crate::owned::Driver`], and the reply marks of kernel listeners on
+//! those networks (`vip::replymark`, kind `reply_mark`) the same way.
 //!
 //! It also owns the VM-network guard table (`vip::vmnet_guard`), written
 //! first at every step; a failure is logged at error, counted
@@ -33,6 +34,7 @@ use crate::owned::{CHECK_INTERVAL, Driver};
 use crate::vip::announce::RouteWriter;
 use crate::vip::keepalived::{self, Installed};
 use crate::vip::network::{NetKey, NetworkRoutes, wanted};
+use crate::vip::replymark::{MarkKey, MarkWant, ReplyMarkStatus, ReplyMarks};
 use crate::vip::vmnet_guard::{Rules, VmNetworkGuard};
 
 /// The task's state, shared with the daemon.
@@ -40,6 +42,8 @@ use crate::vip::vmnet_guard::{Rules, VmNetworkGuard};
 pub(super) struct VmNet {
     /// The VM-network guard table (`[[network]] isolate`); readiness asks it.
     pub(super) guard: Arc<VmNetworkGuard>,
+    /// The reply marks as last read back, for `/status`.
+    pub(super) reply_marks: std::sync::Mutex<ReplyMarkStatus>,
     /// Woken at every apply.
     wake: Arc<Notify>,
     /// Set once the task runs.
@@ -51,6 +55,9 @@ pub(super) struct VmNet {
 struct Inner {
     /// The networks' routes and rules, once a network is configured.
     routes: Option<Driver<NetworkRoutes>>,
+    /// The marks that route kernel listeners' replies by their network
+    /// (`vip::replymark`), once a kernel listener is on a network.
+    marks: Option<Driver<ReplyMarks>>,
     /// The last write or reload of keepalived failed: tell it again.
     reload_failed: bool,
     /// The `[keepalived]` whose file this process last wrote: when the
@@ -253,12 +260,62 @@ impl Daemon {
         for (key, seen) in &out.foreign {
             tracing::warn!(object = %key, seen = ?seen, "VM networks: another program holds this {key}; left alone, replies from that VIP may leave by another route");
         }
+        let marks = crate::vip::replymark::wanted(config, &want);
+        let writer = driver.backend().writer().clone();
+        self.vmnet_marks(&mut inner.marks, &writer, &marks).await;
+    }
+
+    /// Reads back and writes the reply marks of kernel listeners on VM
+    /// networks (after the networks' tables they route into).
+    async fn vmnet_marks(
+        &self,
+        slot: &mut Option<Driver<ReplyMarks>>,
+        writer: &RouteWriter,
+        want: &BTreeMap<MarkKey, MarkWant>,
+    ) {
+        if want.is_empty() && slot.as_ref().is_none_or(|d| d.held().next().is_none()) {
+            return;
+        }
+        let driver = slot.get_or_insert_with(|| Driver::new(ReplyMarks::new(writer.clone())));
+        let out = driver.sync(want).await;
+        self.metrics
+            .record_host_repairs(HostKind::ReplyMark, out.repaired.len() as u64);
+        let retry = CHECK_INTERVAL.as_secs();
+        if let Some(e) = &out.unread {
+            tracing::error!("VM networks' reply marks: {e}; retried in {retry} s");
+        }
+        for (key, failure) in &out.failed {
+            tracing::error!(object = %key, "VM networks' reply marks: {failure}; a kernel listener's replies to clients behind the network's gateway follow the host's main table until it is written (retried in {retry} s)");
+        }
+        for (key, seen) in &out.foreign {
+            tracing::warn!(object = %key, seen = ?seen, "VM networks: another program holds a {key} on harvester-lb's mark bits; left alone, and the replies of that network's kernel listeners follow it");
+        }
+        let error = out.unread.as_ref().map(ToString::to_string).or_else(|| {
+            out.failed
+                .first()
+                .map(|(key, failure)| format!("{key}: {failure}"))
+        });
+        *self
+            .vmnet
+            .reply_marks
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()) = ReplyMarkStatus {
+            held: driver.held().map(ToString::to_string).collect(),
+            error,
+        };
     }
 
     /// At stop, after the drain: removes the networks' routes and rules.
     pub(super) async fn vmnet_stop(&self) {
         let mut inner = self.vmnet.inner.lock().await;
         inner.stopped = true;
+        // The marks' rules first: they look up the networks' tables.
+        if let Some(mut driver) = inner.marks.take() {
+            let out = driver.stop().await;
+            for (key, failure) in &out.failed {
+                tracing::error!(object = %key, "VM networks' reply marks: cannot remove at stop: {failure}");
+            }
+        }
         if let Some(mut driver) = inner.routes.take() {
             let out = driver.stop().await;
             for (key, failure) in &out.failed {

@@ -363,6 +363,9 @@ labels! {
         SyncGate = "sync_gate",
         /// The anycast sync's guard table (`inet harvester_lb_anycast_sync`).
         AnycastSyncGuard = "anycast_sync_guard",
+        /// The reply-mark table (`inet harvester_lb_reply`) or a
+        /// network's `fwmark` rule.
+        ReplyMark = "reply_mark",
     };
 }
 

@@ -3,7 +3,9 @@
 //! DHCP ([`dhcp`]), and the routes that announce a VIP to a BGP speaker
 //! ([`announce`]), and the guard that keeps the host's own addresses and
 //! its gateways from becoming VIPs ([`host`]), and the guard that keeps a
-//! host on VM networks from routing for their VMs ([`vmnet_guard`]).
+//! host on VM networks from routing for their VMs ([`vmnet_guard`]), and
+//! the marks that route a kernel listener's replies back through its VIP's
+//! VM network ([`replymark`]).
 //!
 //! Listeners bind with `IP_FREEBIND`, so the daemon never needs the VIP to
 //! be up, and whichever host holds it (keepalived, kube-vip) the daemon is
@@ -19,6 +21,7 @@ pub mod host;
 pub mod isolate;
 pub mod keepalived;
 pub mod network;
+pub mod replymark;
 pub mod vmnet_guard;
 
 /// Runs an operator's configured command (`keepalived.reload_command`,

@@ -121,3 +121,46 @@ pub async fn from_behind_the_gateway(gw: &Ns, vip: Ipv4Addr) -> bool {
         Ok(Ok(name)) if name.starts_with('n') || name.starts_with('b')
     )
 }
+
+/// Whether a datagram from [`FAR_CLIENT`] (in the gateway's namespace
+/// `gw`) to `vip:port` is answered from the VIP with a backend's name
+/// (UDP: a reply that leaves the host by the wrong route never comes back).
+pub async fn udp_from_behind_the_gateway(gw: &Ns, vip: Ipv4Addr, port: u16) -> bool {
+    let s = super::bgp::udp_socket(gw, sa(FAR_CLIENT, 0));
+    if s.connect(sa(vip, port)).await.is_err() || s.send(b"who").await.is_err() {
+        return false;
+    }
+    let mut buf = [0u8; 64];
+    match tokio::time::timeout(Duration::from_secs(2), s.recv(&mut buf)).await {
+        Ok(Ok(n)) => buf[..n].starts_with(b"n"),
+        _ => false,
+    }
+}
+
+/// A UDP service on `addr` in `ns` that answers every datagram with
+/// `name` (a backend of a UDP listener); stops when the handle is aborted.
+pub fn udp_name_server(
+    ns: &Ns,
+    addr: std::net::SocketAddr,
+    name: &str,
+) -> tokio::task::JoinHandle<()> {
+    let s = super::bgp::udp_socket(ns, addr);
+    let name = name.to_string();
+    tokio::spawn(async move {
+        let mut buf = [0u8; 512];
+        while let Ok((_, from)) = s.recv_from(&mut buf).await {
+            if s.send_to(name.as_bytes(), from).await.is_err() {
+                break;
+            }
+        }
+    })
+}
+
+/// `sysctl -qw setting` inside `ns`.
+pub fn sysctl(ns: &Ns, setting: &str) {
+    super::run(
+        "ip",
+        &["netns", "exec", &ns.name, "sysctl", "-qw", setting],
+        None,
+    );
+}

@@ -59,6 +59,8 @@ impl Validator<'_> {
         let mut built = Vec::new();
         let mut names = HashSet::new();
         let mut tables: BTreeMap<u32, String> = BTreeMap::new();
+        // The reply mark of each network's table (`vip::replymark`).
+        let mut marks: BTreeMap<u32, (String, u32)> = BTreeMap::new();
         for (i, n) in file.networks.iter().enumerate() {
             let key = format!("network[{i}]");
             let span = n.span();
@@ -79,6 +81,19 @@ impl Validator<'_> {
                             format!(
                                 "table {} is network {other:?}'s too; give each network its own table",
                                 spec.table
+                            ),
+                        );
+                    } else if let Some((other, table)) = marks.insert(
+                        crate::config::reply_mark_of(spec.table),
+                        (spec.name.clone(), spec.table),
+                    ) {
+                        self.problem(
+                            net.table.as_ref().map(Spanned::span).or(Some(n.span())),
+                            &format!("{key}.table"),
+                            format!(
+                                "table {} gives this network the reply mark {:#x}, as network {other:?}'s table {table} does (a network's mark is 1 + (table - 1) mod 255); choose a table that does not differ from {table} by a multiple of 255",
+                                spec.table,
+                                crate::config::reply_mark_of(spec.table)
                             ),
                         );
                     }
@@ -1110,6 +1125,20 @@ gateway = "10.100.0.1"
                 .any(|w| w.key == "network[0].name" && w.message.contains("not used")),
             "{:?}",
             loaded.warnings
+        );
+    }
+
+    #[test]
+    fn two_networks_whose_tables_give_one_reply_mark_are_refused() {
+        let text = format!(
+            "{NETWORK}\n[[network]]\nname = \"default/vlan200\"\ninterface = \"eth1\"\nprefix_length = 24\ngateway = \"10.9.0.1\"\ntable = 1255\n"
+        );
+        let problems = problems(&text);
+        assert!(
+            problems.iter().any(|p| p.key == "network[1].table"
+                && p.message.contains("reply mark 0xeb")
+                && p.message.contains("table 1000")),
+            "{problems:?}"
         );
     }
 
