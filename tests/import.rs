@@ -1099,10 +1099,7 @@ fn the_command_returns_what_the_binary_prints() {
 /// one outside `vip.announce_prefixes`. The others are imported.
 #[test]
 fn a_vip_that_is_the_hosts_own_address_or_its_gateway_is_skipped_naming_the_use() {
-    if let Some(why) = netns::skip_reason() {
-        netns::skip_or_fail(module_path!(), &format!("needs network namespaces ({why})"));
-        return;
-    }
+    require_netns!();
     let bed = netns::Bed::new("impvip", 1);
     let router = "198.51.100.1";
     bed.lb.ip(&["route", "add", "default", "via", router]);
@@ -1216,10 +1213,7 @@ fn skip_of<'a>(stderr: &'a str, name: &str) -> &'a str {
 
 #[test]
 fn load_balancers_on_vm_networks_from_harvester_s_objects_get_their_networks() {
-    if let Some(why) = netns::skip_reason() {
-        netns::skip_or_fail(module_path!(), &format!("needs network namespaces ({why})"));
-        return;
-    }
+    require_netns!();
     // A Harvester host: the management cluster network's bridge, a second
     // cluster network's bridge, and a device for VLAN 100 of mgmt-br (a
     // bridge named as the VLAN device would be: this kernel has neither

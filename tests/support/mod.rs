@@ -18,7 +18,12 @@ pub use config::{Config, Lb, Listener, quote};
 // Not every test crate measures a process by its pid.
 #[allow(unused_imports)]
 pub use process::{Process, proc_cpu_time, proc_rss_kib};
+// Not every test crate skips anything.
+#[allow(unused_imports)]
 pub use skip::skip_or_fail;
+// Not every test crate needs a tool or root.
+#[allow(unused_imports)]
+pub use skip::{cannot_run, find_tool, missing_tool, not_root};
 
 use std::future::Future;
 use std::io::{Read, Write};
@@ -586,6 +591,33 @@ pub fn run_cli(args: &[&str]) -> (i32, String, String) {
     )
 }
 
+/// A UDP echo backend at `addr`: answers every datagram with the datagram
+/// itself, until the handle is aborted or the runtime ends.
+pub async fn udp_echo(addr: SocketAddr) -> JoinHandle<()> {
+    let socket = tokio::net::UdpSocket::bind(addr)
+        .await
+        .unwrap_or_else(|e| panic!("bind the UDP echo backend {addr}: {e}"));
+    tokio::spawn(async move {
+        let mut buf = vec![0u8; 65_536];
+        loop {
+            if let Ok((n, from)) = socket.recv_from(&mut buf).await {
+                let _ = socket.send_to(&buf[..n], from).await;
+            }
+        }
+    })
+}
+
+/// [`run_cli`] from async code: on a blocking thread, so the daemon the
+/// command talks to keeps running on the test's runtime.
+pub async fn cli(args: Vec<String>) -> (i32, String, String) {
+    tokio::task::spawn_blocking(move || {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        run_cli(&args)
+    })
+    .await
+    .expect("CLI thread")
+}
+
 /// A blocking HTTP GET for use from non-async code; returns status and body.
 pub fn http_blocking(addr: SocketAddr, path: &str) -> std::io::Result<(u16, String)> {
     let mut s = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(2))?;
@@ -639,22 +671,16 @@ impl Rng {
 #[allow(dead_code)]
 pub fn promtool_accepts(body: &str) {
     use std::io::Write;
-    let mut child = match std::process::Command::new("promtool")
+    if cannot_run("promtool check", [missing_tool("promtool", "prometheus")]) {
+        return;
+    }
+    let mut child = std::process::Command::new("promtool")
         .args(["check", "metrics"])
         .stdin(std::process::Stdio::piped())
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .spawn()
-    {
-        Ok(child) => child,
-        Err(e) => {
-            skip_or_fail(
-                "promtool check",
-                &format!("promtool not installed ({e}); apt-get install prometheus"),
-            );
-            return;
-        }
-    };
+        .expect("run promtool");
     child
         .stdin
         .take()
