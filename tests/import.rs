@@ -1114,22 +1114,9 @@ fn a_vip_that_is_the_hosts_own_address_or_its_gateway_is_skipped_naming_the_use(
     let list = serde_json::json!({"apiVersion": "v1", "kind": "List", "items": objects});
     let input = bed.write("objects.json", &list.to_string());
     let import = |extra: &[&str]| {
-        let out = std::process::Command::new("ip")
-            .args([
-                "netns",
-                "exec",
-                &bed.lb.name,
-                env!("CARGO_BIN_EXE_harvester-lb"),
-            ])
-            .args(["import", input.to_str().unwrap(), "--cluster", "guest"])
-            .args(extra)
-            .output()
-            .expect("run import");
-        (
-            out.status.code().unwrap_or(-1),
-            String::from_utf8_lossy(&out.stdout).into_owned(),
-            String::from_utf8_lossy(&out.stderr).into_owned(),
-        )
+        let mut args = vec![input.to_str().unwrap(), "--cluster", "guest"];
+        args.extend_from_slice(extra);
+        import_in(&bed.lb, &args)
     };
     let vips = |config: &str| -> Vec<String> {
         harvester_lb::config::parse(config)
@@ -1193,11 +1180,7 @@ fn import_in(ns: &netns::Ns, args: &[&str]) -> (i32, String, String) {
         .args(args)
         .output()
         .expect("run import");
-    (
-        out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
+    support::outcome(&out)
 }
 
 const VMNET_FIXTURES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/import-vmnet");
