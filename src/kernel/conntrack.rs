@@ -37,7 +37,8 @@ use netlink_sys::Socket;
 use super::netlink::KeptSocket;
 
 /// One flow as conntrack has it: what the client sent to, and who answers.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// The default is nothing read yet.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 struct Flow {
     /// The original tuple, as received: what a delete names.
     original: Vec<Tuple>,
@@ -51,15 +52,7 @@ struct Flow {
 }
 
 fn flow(attrs: Vec<ConntrackAttribute>) -> Flow {
-    let mut f = Flow {
-        original: Vec::new(),
-        orig_dst: None,
-        orig_dport: None,
-        udp: false,
-        tcp: false,
-        reply_src: None,
-        tcp_state: None,
-    };
+    let mut f = Flow::default();
     for a in attrs {
         match a {
             ConntrackAttribute::CtaTupleOrig(tuple) => {
@@ -376,15 +369,7 @@ fn addr(value: &[u8]) -> Option<IpAddr> {
 /// ([`flow`], which the sweep's deletes need) allocated for every
 /// attribute of every entry.
 fn glance(attrs: &[u8]) -> Flow {
-    let mut f = Flow {
-        original: Vec::new(),
-        orig_dst: None,
-        orig_dport: None,
-        udp: false,
-        tcp: false,
-        reply_src: None,
-        tcp_state: None,
-    };
+    let mut f = Flow::default();
     for (kind, value) in nested(attrs) {
         match kind {
             CTA_TUPLE_ORIG => {
