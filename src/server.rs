@@ -666,3 +666,63 @@ mod tests {
         assert!(small.contains("at most 16 connections"), "{small}");
     }
 }
+
+#[cfg(test)]
+mod reload_tests {
+    use super::*;
+    use crate::daemon::testing::{accepts, lb, refused_soon};
+
+    #[tokio::test]
+    async fn a_reload_with_a_bad_file_leaves_the_config_in_force_and_a_good_one_applies_its_diff() {
+        let dir = std::env::temp_dir().join(format!("hlb-unit-reload-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("scratch dir");
+        let path = dir.join("config.toml");
+        let file = |ports: &[u16]| {
+            format!(
+                "[admin]\nlisten = \"127.231.30.250:18099\"\n[proxy]\ndrain_timeout_seconds = 1\n{}",
+                lb(
+                    "a/web",
+                    "127.231.30.1",
+                    &["127.231.30.11"],
+                    ports,
+                    30080,
+                    ""
+                )
+            )
+        };
+        std::fs::write(&path, file(&[18080])).expect("write the config");
+        let server = start(Options {
+            watch_interval: None,
+            admin_socket: Some(dir.join("admin.sock")),
+            ..Options::new(&path)
+        })
+        .await
+        .expect("the daemon starts");
+        let (old, new): (SocketAddr, SocketAddr) = (
+            "127.231.30.1:18080".parse().unwrap(),
+            "127.231.30.1:18081".parse().unwrap(),
+        );
+        assert!(accepts(old).await);
+
+        std::fs::write(&path, "[[load_balancer]]\nname = 1\n").expect("write a bad file");
+        match server.reload().await {
+            Err(ReloadError::Config(_)) => {}
+            other => panic!("a bad file must be refused as a config error: {other:?}"),
+        }
+        assert!(server.daemon().is_ready(), "the config in force stays");
+        assert!(accepts(old).await, "and its listener with it");
+
+        std::fs::write(&path, file(&[18081])).expect("write a good file");
+        let said = server.reload().await.expect("a good file applies");
+        assert!(
+            said.contains(
+                "1 listeners bound, 0 failed, 1 removed; 0 load balancers added, 0 removed"
+            ),
+            "{said}"
+        );
+        assert!(accepts(new).await);
+        refused_soon(old).await;
+        server.shutdown().await;
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}

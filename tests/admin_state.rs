@@ -56,16 +56,6 @@ async fn set_state(socket: &Path, lb: &str, backend: &str, state: &str) -> (u16,
     http_unix(socket, "POST", "/backends/state", &body).await
 }
 
-/// Runs the CLI off the runtime's threads (the daemon runs on them).
-async fn cli(args: Vec<String>) -> (i32, String, String) {
-    tokio::task::spawn_blocking(move || {
-        let args: Vec<&str> = args.iter().map(String::as_str).collect();
-        run_cli(&args)
-    })
-    .await
-    .expect("CLI thread")
-}
-
 /// Opens a connection through `vip` and reads the backend's name line.
 async fn open(vip: SocketAddr) -> (TcpStream, String) {
     let mut s = TcpStream::connect(vip).await.expect("connect VIP");
@@ -677,13 +667,10 @@ fn foreign_dir(net: &Subnet, name: &str, owner: u32, mode: u32) -> PathBuf {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_admin_socket_another_user_could_replace_is_refused_by_daemon_and_cli() {
-    #[allow(unsafe_code)]
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } != 0 {
-        skip_or_fail(
-            "an_admin_socket_another_user_could_replace_is_refused_by_daemon_and_cli",
-            "chown to another user needs root",
-        );
+    if cannot_run(
+        "an_admin_socket_another_user_could_replace_is_refused_by_daemon_and_cli",
+        [not_root()],
+    ) {
         return;
     }
     let net = Subnet::new();

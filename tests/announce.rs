@@ -40,19 +40,6 @@ const DELAY: Duration = Duration::from_secs(3);
 /// The grace at SIGTERM.
 const GRACE: Duration = Duration::from_secs(5);
 
-fn can_run() -> bool {
-    match netns::skip_reason() {
-        None => true,
-        Some(why) => {
-            netns::skip_or_fail(
-                "vip.announce",
-                &format!("needs root and iproute2/nftables ({why})"),
-            );
-            false
-        }
-    }
-}
-
 fn ip_out(ns: &Ns, args: &[&str]) -> String {
     let out = Command::new("ip")
         .args(["-n", &ns.name])
@@ -178,9 +165,7 @@ fn vip_status(status: &serde_json::Value, vip: &str) -> serde_json::Value {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn netns_announce_follows_health_and_sigterm_withdraws_before_the_listener_closes() {
-    if !can_run() {
-        return;
-    }
+    require_netns!();
     let mut bed = Bed::new("ann", 1);
     let mut node = Node::start(&bed, 1, Service::NameThenEcho);
     bed.client.ip(&[
@@ -535,9 +520,7 @@ async fn netns_announce_follows_health_and_sigterm_withdraws_before_the_listener
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn netns_a_reload_withdraws_a_dropped_vip_and_withdraw_all_after_sigkill_deletes_only_our_routes()
  {
-    if !can_run() {
-        return;
-    }
+    require_netns!();
     let (mut bed, _node) = announcing_bed("annk");
     add_route(&bed.lb, "192.0.2.99/32", "static");
     bed.start_daemon(&announce_config(&bed)).await;
@@ -879,9 +862,7 @@ fn announce_prefixes_are_required_with_routes_and_checked() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn netns_a_vip_that_is_the_hosts_own_address_or_gateway_or_outside_the_prefixes_is_refused_alone()
  {
-    if !can_run() {
-        return;
-    }
+    require_netns!();
     let (mut bed, _node) = announcing_bed("guard");
     // The host's router: the gateway of its default route.
     let router = Ipv4Addr::new(198, 51, 100, 1);
@@ -1020,9 +1001,7 @@ async fn netns_a_vip_that_is_the_hosts_own_address_or_gateway_or_outside_the_pre
 /// address lands on it and nothing is announced; a reload to `lo` announces.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn netns_an_uplink_as_announce_interface_is_refused_and_lo_works_after_a_reload() {
-    if !can_run() {
-        return;
-    }
+    require_netns!();
     let (mut bed, _node) = announcing_bed("annif");
     let text = |interface: &str| {
         config()
@@ -1084,9 +1063,7 @@ async fn netns_an_uplink_as_announce_interface_is_refused_and_lo_works_after_a_r
 /// back from the kernel). Once the first stops, the second takes the table.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn netns_two_daemons_on_one_table_never_delete_each_others_routes() {
-    if !can_run() {
-        return;
-    }
+    require_netns!();
     let (mut bed, _node) = announcing_bed("ann2");
     let vip2 = Ipv4Addr::new(203, 0, 113, 60);
     let announcing = format!(

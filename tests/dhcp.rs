@@ -33,7 +33,7 @@ use std::time::{Duration, Instant};
 
 use netns::peers::{Node, Service};
 use netns::{Bed, Ns, sa, wait_for};
-use support::{Config, Lb, Listener, quote};
+use support::{Config, Lb, Listener, cannot_run, missing_tool, quote};
 use tokio::io::AsyncReadExt;
 
 const T1: u32 = 6;
@@ -110,17 +110,7 @@ impl Drop for Dnsmasq {
 /// Whether dnsmasq is missing, in which case the test is skipped (failed
 /// under CI, see `skip_or_fail`) and the caller returns.
 fn dnsmasq_skipped() -> bool {
-    let missing = Command::new("dnsmasq")
-        .arg("--version")
-        .output()
-        .map_or(true, |o| !o.status.success());
-    if missing {
-        netns::skip_or_fail(
-            module_path!(),
-            "dnsmasq is not installed (Debian package dnsmasq-base)",
-        );
-    }
-    missing
+    cannot_run(module_path!(), [missing_tool("dnsmasq", "dnsmasq-base")])
 }
 
 fn config(bed: &Bed, with_lb: bool) -> Config {
@@ -584,14 +574,13 @@ async fn rogue_offer(
     listener: Listener,
     reason: &str,
 ) -> Option<(Bed, Node)> {
-    if let Some(why) = netns::skip_reason() {
-        netns::skip_or_fail(
-            module_path!(),
-            &format!("needs root and iproute2/nftables for network namespaces ({why})"),
-        );
-        return None;
-    }
-    if dnsmasq_skipped() {
+    if cannot_run(
+        module_path!(),
+        [
+            netns::skip_reason(),
+            missing_tool("dnsmasq", "dnsmasq-base"),
+        ],
+    ) {
         return None;
     }
     let mut bed = Bed::new(test, 1);

@@ -472,9 +472,7 @@ impl Nginx {
     /// Starts nginx with `server` (one `server { … }` block) in `dir`, or
     /// `None` if nginx is not installed.
     fn start(dir: &std::path::Path, server: &str) -> Option<Self> {
-        let binary = ["/usr/sbin/nginx", "/usr/local/sbin/nginx", "/usr/bin/nginx"]
-            .into_iter()
-            .find(|p| std::path::Path::new(p).exists())?;
+        let binary = find_tool("nginx")?;
         let dir = dir.join("nginx");
         std::fs::create_dir_all(&dir).expect("nginx dir");
         let d = dir.display();
@@ -499,7 +497,7 @@ http {{
         let file = dir.join("nginx.conf");
         std::fs::write(&file, conf).expect("write nginx.conf");
         let error_log = dir.join("error.log");
-        let child = std::process::Command::new(binary)
+        let child = std::process::Command::new(&binary)
             .arg("-p")
             .arg(&dir)
             .arg("-e")
@@ -509,7 +507,7 @@ http {{
             .args(["-g", "daemon off;"])
             .stdin(std::process::Stdio::null())
             .spawn()
-            .unwrap_or_else(|e| panic!("run {binary}: {e}"));
+            .unwrap_or_else(|e| panic!("run {}: {e}", binary.display()));
         Some(Self { child, error_log })
     }
 

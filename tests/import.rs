@@ -1086,10 +1086,7 @@ fn the_command_prints_the_config_once_and_each_message_in_order() {
 /// one outside `vip.announce_prefixes`. The others are imported.
 #[test]
 fn a_vip_that_is_the_hosts_own_address_or_its_gateway_is_skipped_naming_the_use() {
-    if let Some(why) = netns::skip_reason() {
-        netns::skip_or_fail(module_path!(), &format!("needs network namespaces ({why})"));
-        return;
-    }
+    require_netns!();
     let bed = netns::Bed::new("impvip", 1);
     let router = "198.51.100.1";
     bed.lb.ip(&["route", "add", "default", "via", router]);
@@ -1104,22 +1101,9 @@ fn a_vip_that_is_the_hosts_own_address_or_its_gateway_is_skipped_naming_the_use(
     let list = serde_json::json!({"apiVersion": "v1", "kind": "List", "items": objects});
     let input = bed.write("objects.json", &list.to_string());
     let import = |extra: &[&str]| {
-        let out = std::process::Command::new("ip")
-            .args([
-                "netns",
-                "exec",
-                &bed.lb.name,
-                env!("CARGO_BIN_EXE_harvester-lb"),
-            ])
-            .args(["import", input.to_str().unwrap(), "--cluster", "guest"])
-            .args(extra)
-            .output()
-            .expect("run import");
-        (
-            out.status.code().unwrap_or(-1),
-            String::from_utf8_lossy(&out.stdout).into_owned(),
-            String::from_utf8_lossy(&out.stderr).into_owned(),
-        )
+        let mut args = vec![input.to_str().unwrap(), "--cluster", "guest"];
+        args.extend_from_slice(extra);
+        import_in(&bed.lb, &args)
     };
     let vips = |config: &str| -> Vec<String> {
         harvester_lb::config::parse(config)
@@ -1183,11 +1167,7 @@ fn import_in(ns: &netns::Ns, args: &[&str]) -> (i32, String, String) {
         .args(args)
         .output()
         .expect("run import");
-    (
-        out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
+    support::outcome(&out)
 }
 
 const VMNET_FIXTURES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/import-vmnet");
@@ -1203,10 +1183,7 @@ fn skip_of<'a>(stderr: &'a str, name: &str) -> &'a str {
 
 #[test]
 fn load_balancers_on_vm_networks_from_harvester_s_objects_get_their_networks() {
-    if let Some(why) = netns::skip_reason() {
-        netns::skip_or_fail(module_path!(), &format!("needs network namespaces ({why})"));
-        return;
-    }
+    require_netns!();
     // A Harvester host: the management cluster network's bridge, a second
     // cluster network's bridge, and a device for VLAN 100 of mgmt-br (a
     // bridge named as the VLAN device would be: this kernel has neither

@@ -19,25 +19,11 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use harvester_lb::config::{Algorithm, Protocol, SourceNat};
+use harvester_lb::config::{Algorithm, Protocol};
 use harvester_lb::kernel::{self, KernelListener, KernelTable, Synced};
 use netns::peers::{Exchange, Node, Service, exchange, read_line};
-use netns::{Bed, HEALTH_PORT, NODEPORT, VIP, config, in_ns, node_ip, run, sa, wait_for};
+use netns::{Bed, HEALTH_PORT, NODEPORT, Scratch, VIP, config, in_ns, node_ip, run, sa, wait_for};
 use support::{Config, Lb, Listener};
-
-/// Whether the namespace tests can run; under `CI=true` they must.
-fn can_run() -> bool {
-    match netns::skip_reason() {
-        None => true,
-        Some(why) => {
-            netns::skip_or_fail(
-                "kernel forwarding",
-                &format!("needs root and iproute2/nftables ({why})"),
-            );
-            false
-        }
-    }
-}
 
 /// The first listener's `/status` once it shows a `kernel_error` (the
 /// reason it is served by the proxy).
@@ -59,16 +45,8 @@ fn ip(s: &str) -> IpAddr {
 }
 
 fn listener(eligible: &[&str], members: &[&str]) -> KernelListener {
-    KernelListener {
-        backend_port: 30080,
-        members: members.iter().map(|m| ip(m)).collect(),
-        eligible: eligible.iter().map(|m| ip(m)).collect(),
-        source_ranges: None,
-        source_nat: SourceNat::Masquerade,
-        close_down: Vec::new(),
-        pick: Algorithm::RoundRobin,
-        affinity: None,
-    }
+    let ips = |v: &[&str]| v.iter().map(|m| ip(m)).collect();
+    KernelListener::round_robin(NODEPORT, ips(members), ips(eligible))
 }
 
 /// `nft` in namespace `ns`.
@@ -85,30 +63,9 @@ fn nft_out(ns: &str, args: &[&str]) -> (bool, String) {
     )
 }
 
-/// A bare namespace for the table alone, deleted on drop.
-struct Scratch(String);
-
-impl Scratch {
-    fn new(tag: &str) -> Self {
-        let name = format!("hlbk{}-{tag}", std::process::id());
-        run("ip", &["netns", "add", &name], None);
-        Scratch(name)
-    }
-}
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        let _ = std::process::Command::new("ip")
-            .args(["netns", "del", &self.0])
-            .status();
-    }
-}
-
 #[test]
 fn the_table_loads_reconciles_after_a_restart_and_goes_at_stop() {
-    if !can_run() {
-        return;
-    }
+    require_netns!();
     let ns = Scratch::new("tbl");
     let a = (ip("192.0.2.10"), Protocol::Tcp, 80);
     let b = (ip("2001:db8::10"), Protocol::Udp, 53);
@@ -202,9 +159,7 @@ fn the_table_loads_reconciles_after_a_restart_and_goes_at_stop() {
 /// kernel and are read back; a restarted owner without them deletes them.
 #[test]
 fn bucket_maps_and_affinity_sets_load_and_a_restart_without_them_deletes_them() {
-    if !can_run() {
-        return;
-    }
+    require_netns!();
     let ns = Scratch::new("maps");
     let a = (ip("192.0.2.10"), Protocol::Tcp, 80);
     let b = (ip("2001:db8::10"), Protocol::Udp, 53);
@@ -288,9 +243,7 @@ fn bucket_maps_and_affinity_sets_load_and_a_restart_without_them_deletes_them() 
 
 #[test]
 fn without_kernel_listeners_nothing_is_written() {
-    if !can_run() {
-        return;
-    }
+    require_netns!();
     let ns = Scratch::new("none");
     let synced = in_ns(&ns.0.clone(), || KernelTable::new().sync(&BTreeMap::new()));
     assert_eq!(synced, Ok(Synced::Unchanged));
@@ -430,9 +383,7 @@ fn counts(pairs: &[(&str, usize)]) -> BTreeMap<String, usize> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_kernel_balances_follows_health_and_serves_while_the_daemon_is_frozen() {
-    if !can_run() {
-        return;
-    }
+    require_netns!();
     let mut bed = Bed::new("kfwd", 2);
     bed.enable_forwarding();
     let n1 = Node::start(&bed, 1, Service::NameThenEcho);
@@ -504,9 +455,7 @@ async fn the_kernel_balances_follows_health_and_serves_while_the_daemon_is_froze
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_drain_keeps_the_open_connection_and_no_backend_is_a_reset() {
-    if !can_run() {
-        return;
-    }
+    require_netns!();
     let mut bed = Bed::new("kdrain", 2);
     bed.enable_forwarding();
     let _n1 = Node::start(&bed, 1, Service::NameThenEcho);
@@ -573,9 +522,7 @@ fn tracked_flows(ns: &netns::Ns) -> u64 {
 /// knows nothing of it and answers with a reset.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_open_proxied_connection_survives_its_listener_moving_to_the_kernel() {
-    if !can_run() {
-        return;
-    }
+    require_netns!();
     let mut bed = Bed::new("kpickup", 1);
     bed.enable_forwarding();
     let _n1 = Node::start(&bed, 1, Service::NameThenEcho);
@@ -635,9 +582,7 @@ async fn echo(s: &mut tokio::net::TcpStream, data: &[u8]) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reload_switches_between_proxy_and_kernel_under_load_without_a_failure() {
-    if !can_run() {
-        return;
-    }
+    require_netns!();
     let mut bed = Bed::new("kswitch", 2);
     bed.enable_forwarding();
     let _n1 = Node::start(&bed, 1, Service::NameThenEcho);
@@ -705,9 +650,7 @@ async fn echoes(s: &mut tokio::net::TcpStream, msg: &[u8]) -> std::io::Result<()
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_daemon_leaves_the_kernel_forwarding_and_a_restart_keeps_open_flows() {
-    if !can_run() {
-        return;
-    }
+    require_netns!();
     let mut bed = Bed::new("kkill", 2);
     bed.enable_forwarding();
     let _n1 = Node::start(&bed, 1, Service::NameThenEcho);
@@ -775,9 +718,7 @@ async fn assert_no_failed_sync(bed: &Bed) {
 /// and new connections are forwarded by the kernel from the new table.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_upgrade_moves_listeners_from_the_one_table_layout_with_open_flows_running() {
-    if !can_run() {
-        return;
-    }
+    require_netns!();
     let mut bed = Bed::new("kupg", 2);
     bed.enable_forwarding();
     let _n1 = Node::start(&bed, 1, Service::NameThenEcho);
@@ -838,9 +779,7 @@ add element inet {t} dispatch4 {{ {VIP} . tcp . 80 : goto l_{tag} }}
 /// chains go).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_clean_stop_refuses_new_kernel_connections_and_waits_for_the_open_ones() {
-    if !can_run() {
-        return;
-    }
+    require_netns!();
     let mut bed = Bed::new("kstop", 2);
     bed.enable_forwarding();
     let _n1 = Node::start(&bed, 1, Service::NameThenEcho);
@@ -891,9 +830,7 @@ async fn a_clean_stop_refuses_new_kernel_connections_and_waits_for_the_open_ones
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_table_that_cannot_be_written_leaves_the_proxy_serving_until_a_resync_succeeds() {
-    if !can_run() {
-        return;
-    }
+    require_netns!();
     let mut bed = Bed::new("kfail", 1);
     bed.enable_forwarding();
     let _n1 = Node::start(&bed, 1, Service::NameThenEcho);
@@ -975,9 +912,7 @@ fn peer_teller(bed: &Bed, i: usize, port: u16) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn source_nat_none_shows_the_backend_the_clients_own_address() {
-    if !can_run() {
-        return;
-    }
+    require_netns!();
     let mut bed = Bed::new("ksnat", 1);
     bed.enable_forwarding();
     let _n1 = Node::start(&bed, 1, Service::NameThenEcho); // its health port
@@ -1102,9 +1037,7 @@ async fn forwarding_of_all(bed: &Bed) -> BTreeMap<String, String> {
 /// that succeeds: no failed write, no listener shown as proxy.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn listeners_sharing_a_nodeport_keep_each_others_masquerade_across_reloads() {
-    if !can_run() {
-        return;
-    }
+    require_netns!();
     let mut bed = Bed::new("kshare", 2);
     bed.enable_forwarding();
     let _n1 = Node::start(&bed, 1, Service::NameThenEcho); // health ports
@@ -1228,9 +1161,7 @@ async fn listeners_sharing_a_nodeport_keep_each_others_masquerade_across_reloads
 /// back into the kernel.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_tenants_refused_objects_leave_every_other_tenant_in_the_kernel() {
-    if !can_run() {
-        return;
-    }
+    require_netns!();
     let mut bed = Bed::new("knarrow", 1);
     bed.enable_forwarding();
     let _n1 = Node::start(&bed, 1, Service::NameThenEcho); // 30080 and health
@@ -1366,9 +1297,7 @@ async fn connect6(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ipv6_listeners_are_forwarded_by_the_kernel_too() {
-    if !can_run() {
-        return;
-    }
+    require_netns!();
     let mut bed = Bed::new("kv6", 2);
     let vip6: std::net::Ipv6Addr = "fd00:db8::10".parse().unwrap();
     let node6 = |i: usize| -> std::net::Ipv6Addr { format!("fd00:db8::2{i}").parse().unwrap() };
@@ -1482,9 +1411,7 @@ fn udp_teller(bed: &Bed, i: usize, port: u16) -> tokio::task::JoinHandle<()> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_udp_client_with_a_fixed_port_moves_off_a_backend_that_left() {
-    if !can_run() {
-        return;
-    }
+    require_netns!();
     let mut bed = Bed::new("kudp", 2);
     bed.enable_forwarding();
     // Health on TCP; the service on UDP.
@@ -1580,9 +1507,7 @@ async fn a_udp_client_with_a_fixed_port_moves_off_a_backend_that_left() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn on_backend_down_close_resets_the_open_connections_of_a_failed_backend() {
-    if !can_run() {
-        return;
-    }
+    require_netns!();
     let mut bed = Bed::new("kclose", 2);
     bed.enable_forwarding();
     let _n1 = Node::start(&bed, 1, Service::NameThenEcho);
@@ -1624,9 +1549,7 @@ async fn on_backend_down_close_resets_the_open_connections_of_a_failed_backend()
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_host_that_does_not_forward_keeps_the_listener_with_the_proxy_and_says_why() {
-    if !can_run() {
-        return;
-    }
+    require_netns!();
     let mut bed = Bed::new("knofwd", 1);
     // net.ipv4.ip_forward stays 0, as in a new namespace.
     let _n1 = Node::start(&bed, 1, Service::NameThenEcho);
@@ -1707,9 +1630,7 @@ async fn wait_buckets(bed: &Bed, what: &str, ok: impl Fn(&str) -> bool) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn source_ip_keeps_each_client_on_its_node_and_moves_only_the_clients_of_a_node_that_left() {
-    if !can_run() {
-        return;
-    }
+    require_netns!();
     let mut bed = Bed::new("ksrcip", 3);
     bed.enable_forwarding();
     let _n1 = Node::start(&bed, 1, Service::NameThenEcho);
@@ -1776,9 +1697,7 @@ async fn source_ip_keeps_each_client_on_its_node_and_moves_only_the_clients_of_a
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn client_affinity_keeps_a_client_on_its_node_until_that_node_leaves() {
-    if !can_run() {
-        return;
-    }
+    require_netns!();
     let mut bed = Bed::new("kaff", 2);
     bed.enable_forwarding();
     let _n1 = Node::start(&bed, 1, Service::NameThenEcho);
@@ -1826,9 +1745,7 @@ async fn client_affinity_keeps_a_client_on_its_node_until_that_node_leaves() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stopped_backend_is_out_of_the_kernel_within_the_detection_time() {
-    if !can_run() {
-        return;
-    }
+    require_netns!();
     let mut bed = Bed::new("kdetect", 2);
     bed.enable_forwarding();
     let _n1 = Node::start(&bed, 1, Service::NameThenEcho);
@@ -1863,9 +1780,7 @@ async fn a_stopped_backend_is_out_of_the_kernel_within_the_detection_time() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn open_kernel_connections_count_as_active_connections_of_their_backend() {
-    if !can_run() {
-        return;
-    }
+    require_netns!();
     let mut bed = Bed::new("kactive", 2);
     bed.enable_forwarding();
     let _n1 = Node::start(&bed, 1, Service::NameThenEcho);
@@ -1923,9 +1838,7 @@ async fn open_kernel_connections_count_as_active_connections_of_their_backend() 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kernel_udp_flows_count_as_flows_of_their_backend() {
-    if !can_run() {
-        return;
-    }
+    require_netns!();
     let mut bed = Bed::new("kudpflows", 2);
     bed.enable_forwarding();
     let _n1 = Node::start(&bed, 1, Service::NameThenEcho);
@@ -1990,9 +1903,7 @@ fn nft_script(ns: &str, script: &str) {
 /// longer reported as forwarded, and the next sync writes it all again.
 #[test]
 fn a_check_finds_each_tampering_names_it_and_the_next_sync_repairs_it() {
-    if !can_run() {
-        return;
-    }
+    require_netns!();
     let ns = Scratch::new("chk");
     let both = ["10.0.0.1", "10.0.0.2"];
     // Listeners over most of the 16 tables, and an IPv6 one (its keys
@@ -2111,9 +2022,7 @@ fn a_check_finds_each_tampering_names_it_and_the_next_sync_repairs_it() {
 /// read).
 #[test]
 fn a_check_of_two_thousand_listeners_is_one_cheap_read() {
-    if !can_run() {
-        return;
-    }
+    require_netns!();
     let ns = Scratch::new("chk2k");
     let members = ["10.0.0.1", "10.0.0.2", "10.0.0.3"];
     let desired: kernel::Desired = (0..2_000u32)
@@ -2192,9 +2101,7 @@ async fn served_again(bed: &Bed, case: &str) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tampered_tables_are_repaired_within_the_check_interval_and_at_a_reload() {
-    if !can_run() {
-        return;
-    }
+    require_netns!();
     let mut bed = Bed::new("krep", 2);
     bed.enable_forwarding();
     let _n1 = Node::start(&bed, 1, Service::NameThenEcho);
@@ -2297,9 +2204,7 @@ async fn tampered_tables_are_repaired_within_the_check_interval_and_at_a_reload(
 /// kernel, through the same chain.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_foreign_forward_chain_that_drops_keeps_the_listener_with_the_proxy_and_says_why() {
-    if !can_run() {
-        return;
-    }
+    require_netns!();
     let mut bed = Bed::new("kfwdrop", 1);
     bed.enable_forwarding();
     let _n1 = Node::start(&bed, 1, Service::NameThenEcho);

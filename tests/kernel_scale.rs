@@ -14,48 +14,29 @@ mod support;
 
 use std::net::IpAddr;
 
-use harvester_lb::config::{Algorithm, Protocol, SourceNat};
+use harvester_lb::config::{Protocol, SourceNat};
 use harvester_lb::kernel::{self, Desired, KernelListener, KernelTable, Synced};
-use netns::{in_ns, run};
+use netns::{Scratch, in_ns, run};
 
 /// Deletes every table of the daemon's (each shard's), as an operator's
 /// script would.
 const DELETE_OUR_TABLES: &str = "nft list tables inet | awk '$3 ~ /^harvester_lb_nat/ { print \"delete table inet \" $3 }' | nft -f -";
 
-/// A bare namespace for the table alone, deleted on drop.
-struct Scratch(String);
-
-impl Scratch {
-    fn new(tag: &str) -> Self {
-        let name = format!("hlbs{}-{tag}", std::process::id());
-        run("ip", &["netns", "add", &name], None);
-        Scratch(name)
-    }
-
-    /// `nft list chain` of a listener's chain, in its table, by the
-    /// binary's full path.
-    fn chain(&self, id: &kernel::ListenerId) -> String {
-        let name = format!("l_{}", id_tag(id));
-        let out = std::process::Command::new("ip")
-            .args(["netns", "exec", &self.0, "/usr/sbin/nft", "list", "chain"])
-            .args(["inet", &kernel::table_of(id), &name])
-            .output()
-            .expect("run nft");
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        String::from_utf8_lossy(&out.stdout).into_owned()
-    }
-}
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        let _ = std::process::Command::new("ip")
-            .args(["netns", "del", &self.0])
-            .status();
-    }
+/// `nft list chain` of a listener's chain, in its table in namespace
+/// `ns`, by the binary's full path.
+fn chain(ns: &Scratch, id: &kernel::ListenerId) -> String {
+    let name = format!("l_{}", id_tag(id));
+    let out = std::process::Command::new("ip")
+        .args(["netns", "exec", &ns.0, "/usr/sbin/nft", "list", "chain"])
+        .args(["inet", &kernel::table_of(id), &name])
+        .output()
+        .expect("run nft");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
 /// `n` listeners, v4 and v6, TCP and UDP, every fifth with source ranges,
@@ -87,9 +68,6 @@ fn desired(n: usize) -> Desired {
         d.insert(
             (vip, protocol, 80),
             KernelListener {
-                backend_port: 30080,
-                eligible: members.clone(),
-                members,
                 source_ranges: (i % 5 == 0).then(|| {
                     vec![
                         "10.128.0.0/9".parse().unwrap(),
@@ -101,12 +79,10 @@ fn desired(n: usize) -> Desired {
                 } else {
                     SourceNat::Masquerade
                 },
-                close_down: Vec::new(),
                 // Round robin without affinity: the listeners whose flips
                 // go over netlink (a bucket map or affinity sets go
                 // through `nft`).
-                pick: Algorithm::RoundRobin,
-                affinity: None,
+                ..KernelListener::round_robin(30080, members.clone(), members)
             },
         );
     }
@@ -115,10 +91,7 @@ fn desired(n: usize) -> Desired {
 
 #[test]
 fn health_flips_and_a_failed_node_are_written_without_nft_and_read_back_as_nft_writes_them() {
-    if let Some(why) = netns::skip_reason() {
-        netns::skip_or_fail("kernel scale", &format!("needs root and nftables ({why})"));
-        return;
-    }
+    require_netns!();
     let flipped_ns = Scratch::new("flip");
     let cold_ns = Scratch::new("cold");
     let before = desired(1_000);
@@ -187,19 +160,19 @@ fn health_flips_and_a_failed_node_are_written_without_nft_and_read_back_as_nft_w
     assert!(matches!(written, Ok(Synced::Written(_))), "{written:?}");
     for id in changed.iter().chain([&ids[3], &ids[500], &ids[998]]) {
         let name = format!("l_{}", id_tag(id));
-        let got = flipped_ns.chain(id);
-        assert_eq!(got, cold_ns.chain(id), "chain {name}");
+        let got = chain(&flipped_ns, id);
+        assert_eq!(got, chain(&cold_ns, id), "chain {name}");
         assert!(got.contains(&name), "{got}");
     }
     // changed[1]: no backend left, and source ranges.
-    let none = flipped_ns.chain(&changed[1]);
+    let none = chain(&flipped_ns, &changed[1]);
     assert!(none.contains("counter name \"z_"), "{none}");
     assert!(none.contains("ip saddr != @s_"), "{none}");
     assert!(!none.contains("dnat"), "{none}");
-    let ranged6 = flipped_ns.chain(&changed[2]);
+    let ranged6 = chain(&flipped_ns, &changed[2]);
     assert!(ranged6.contains("ip6 saddr != @s_"), "{ranged6}");
     assert!(ranged6.contains("dnat ip6 to"), "{ranged6}");
-    let untouched = flipped_ns.chain(&ids[500]);
+    let untouched = chain(&flipped_ns, &ids[500]);
     assert_eq!(untouched.matches("dnat").count(), 2, "{untouched}");
 
     // The counters, read over netlink as the daemon reads them for
@@ -252,7 +225,7 @@ fn health_flips_and_a_failed_node_are_written_without_nft_and_read_back_as_nft_w
     let refused = refused.expect_err("the chains are gone").to_string();
     assert!(refused.contains("over netlink"), "{refused}");
     assert!(matches!(rewritten, Ok(Synced::Written(_))), "{rewritten:?}");
-    let restored = flipped_ns.chain(&ids[500]);
+    let restored = chain(&flipped_ns, &ids[500]);
     assert_eq!(restored.matches("dnat").count(), 3, "{restored}");
 }
 

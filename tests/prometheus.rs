@@ -24,7 +24,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use support::{
-    Backend, Behaviour, Config, Daemon, Lb, Listener, Subnet, skip_or_fail, split_response, whoami,
+    Backend, Behaviour, Config, Daemon, Lb, Listener, Subnet, cannot_run, missing_tool,
+    split_response, whoami,
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::time::Instant;
@@ -39,21 +40,7 @@ fn repo(path: &str) -> PathBuf {
 
 /// Whether `tool` can be run; in CI a missing tool is a failure.
 fn have(tool: &str) -> bool {
-    match Command::new(tool)
-        .arg("--version")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-    {
-        Ok(_) => true,
-        Err(e) => {
-            skip_or_fail(
-                tool,
-                &format!("{tool} not installed ({e}); apt-get install prometheus"),
-            );
-            false
-        }
-    }
+    !cannot_run(tool, [missing_tool(tool, "prometheus")])
 }
 
 /// Runs promtool with `args`; asserts it succeeds and returns what it said.
@@ -365,17 +352,7 @@ async fn every_dashboard_query_returns_data_from_a_real_prometheus() {
     let _web = Backend::start(SocketAddr::new(net.ip(11), 30080), Behaviour::NameThenEcho).await;
     let _health_only =
         Backend::start(SocketAddr::new(net.ip(12), 30081), Behaviour::NameThenEcho).await;
-    let udp_echo = {
-        let socket = tokio::net::UdpSocket::bind(SocketAddr::new(net.ip(11), 30053))
-            .await
-            .expect("bind the UDP backend");
-        tokio::spawn(async move {
-            let mut buf = [0u8; 2048];
-            while let Ok((n, from)) = socket.recv_from(&mut buf).await {
-                let _ = socket.send_to(&buf[..n], from).await;
-            }
-        })
-    };
+    let udp_echo = support::udp_echo(SocketAddr::new(net.ip(11), 30053)).await;
     let daemon = Daemon::start(&net, &config(&net)).await;
     let prometheus = Prometheus::start(&net, daemon.admin);
 

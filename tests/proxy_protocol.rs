@@ -6,7 +6,6 @@
 mod support;
 
 use std::net::{IpAddr, Ipv6Addr, SocketAddr};
-use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
@@ -61,12 +60,6 @@ impl Peer {
             }
         }
     }
-}
-
-fn installed(binary: &str) -> bool {
-    ["/usr/sbin", "/usr/bin", "/sbin", "/bin"]
-        .iter()
-        .any(|d| Path::new(d).join(binary).exists())
 }
 
 /// `n` distinct free ports on `::1` (held together, then released: the
@@ -151,14 +144,11 @@ fn listener(name: &str, port: u16, backend_port: u16, version: &str) -> Listener
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nginx_and_haproxy_see_the_client_address_for_v1_and_v2() {
-    for binary in ["nginx", "haproxy"] {
-        if !installed(binary) {
-            skip_or_fail(
-                "proxy protocol consumers",
-                &format!("{binary} is not installed (.ci/run installs it)"),
-            );
-            return;
-        }
+    if cannot_run(
+        "proxy protocol consumers",
+        ["nginx", "haproxy"].map(|binary| missing_tool(binary, binary)),
+    ) {
+        return;
     }
     let net = Subnet::new();
     let nginx_at = SocketAddr::new(net.ip(11), 30080);

@@ -199,15 +199,7 @@ async fn readyz_per_vip_names_the_listener_that_cannot_bind_and_leaves_other_vip
 /// about that instance's own VIPs, so only the broken VIP's script fails.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_keepalived_example_asks_the_socket_per_vip_and_only_the_broken_vip_fails() {
-    if std::process::Command::new("curl")
-        .arg("--version")
-        .output()
-        .is_err()
-    {
-        skip_or_fail(
-            "keepalived example",
-            "curl is not installed (Debian package curl)",
-        );
+    if cannot_run("keepalived example", [missing_tool("curl", "curl")]) {
         return;
     }
     let example = std::fs::read_to_string(concat!(

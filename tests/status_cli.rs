@@ -9,16 +9,7 @@ use std::net::SocketAddr;
 use std::path::Path;
 use std::time::Duration;
 
-use support::{Backend, Behaviour, Config, Daemon, Lb, Subnet, run_cli};
-
-async fn cli(args: Vec<String>) -> (i32, String, String) {
-    tokio::task::spawn_blocking(move || {
-        let refs: Vec<&str> = args.iter().map(String::as_str).collect();
-        run_cli(&refs)
-    })
-    .await
-    .expect("cli thread")
-}
+use support::{Backend, Behaviour, Config, Daemon, Lb, Subnet, cli};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_table_shows_what_status_says_through_the_socket_or_tcp() {

@@ -7,10 +7,10 @@
 // These tests time real processes and sockets, not tokio timers.
 #![allow(clippy::disallowed_types, clippy::disallowed_methods)]
 
+mod netns;
 mod support;
 
 use std::net::SocketAddr;
-use std::process::Command;
 use std::time::Duration;
 
 use support::*;
@@ -133,19 +133,6 @@ async fn a_load_balancers_own_max_connections_caps_it() {
     assert_ne!(code, 0);
     assert!(err.contains("load_balancer[0].max_connections"), "{err}");
     assert!(err.contains("load_balancer[1].max_udp_flows"), "{err}");
-}
-
-/// A UDP backend answering every datagram with itself.
-async fn udp_echo(addr: SocketAddr) -> tokio::task::JoinHandle<()> {
-    let socket = UdpSocket::bind(addr).await.expect("bind UDP backend");
-    tokio::spawn(async move {
-        let mut buf = vec![0u8; 2048];
-        loop {
-            if let Ok((n, from)) = socket.recv_from(&mut buf).await {
-                let _ = socket.send_to(&buf[..n], from).await;
-            }
-        }
-    })
 }
 
 /// Whether one datagram from `client` through `vip` is answered within 1 s.
@@ -354,54 +341,6 @@ async fn a_hostile_name_cannot_forge_or_hide_a_log_line() {
     }
 }
 
-/// A network namespace this test made, with the daemon run in it; both go
-/// when dropped.
-struct Netns {
-    name: String,
-    daemon: Option<Process>,
-}
-
-impl Netns {
-    fn ip(&self, args: &[&str]) {
-        let out = Command::new("ip")
-            .args(["-n", &self.name])
-            .args(args)
-            .output()
-            .expect("run ip");
-        assert!(
-            out.status.success(),
-            "ip {args:?}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
-
-    /// Runs `f` on a thread inside the namespace (sockets it makes stay there).
-    fn run<T: Send + 'static>(&self, f: impl FnOnce() -> T + Send + 'static) -> T {
-        let path = format!("/run/netns/{}", self.name);
-        std::thread::spawn(move || {
-            use std::os::fd::AsRawFd;
-            let file = std::fs::File::open(&path).expect("open the namespace");
-            #[allow(unsafe_code)]
-            // SAFETY: setns(2) on a valid namespace descriptor; only this
-            // thread moves.
-            let rc = unsafe { libc::setns(file.as_raw_fd(), libc::CLONE_NEWNET) };
-            assert_eq!(rc, 0, "setns: {}", std::io::Error::last_os_error());
-            f()
-        })
-        .join()
-        .expect("namespace thread")
-    }
-}
-
-impl Drop for Netns {
-    fn drop(&mut self) {
-        drop(self.daemon.take());
-        let _ = Command::new("ip")
-            .args(["netns", "delete", &self.name])
-            .status();
-    }
-}
-
 /// Eight IPv6 addresses of one /64 are one source for
 /// `proxy.max_udp_flows_per_source` (2 here): two get flows, six are
 /// dropped as `source_limit`, and an address of another /64 still gets
@@ -410,29 +349,10 @@ impl Drop for Netns {
 /// network namespace this test makes, where the addresses live on `lo`.
 #[test]
 fn ipv6_sources_are_counted_per_64() {
-    #[allow(unsafe_code)]
-    // SAFETY: geteuid has no preconditions.
-    let root = unsafe { libc::geteuid() } == 0;
-    if !root || Command::new("ip").args(["netns", "list"]).output().is_err() {
-        skip_or_fail(
-            "ipv6 sources per /64",
-            "needs root and iproute2 for a network namespace",
-        );
-        return;
-    }
+    require_netns!();
     let net = Subnet::new();
-    let mut ns = Netns {
-        name: format!("hlb-t64-{}", std::process::id()),
-        daemon: None,
-    };
-    let _ = Command::new("ip")
-        .args(["netns", "delete", &ns.name])
-        .status();
-    let made = Command::new("ip")
-        .args(["netns", "add", &ns.name])
-        .status()
-        .expect("ip netns add");
-    assert!(made.success());
+    let scratch = netns::Scratch::new("t64");
+    let ns = scratch.ns();
     ns.ip(&["link", "set", "lo", "up"]);
     let clients: Vec<String> = (1..=8).map(|i| format!("2001:db8:64:1::{i}")).collect();
     let other = "2001:db8:64:2::1";
@@ -463,19 +383,20 @@ fn ipv6_sources_are_counted_per_64() {
             .to_string(),
     );
     // The backend: echoes every datagram, on a thread of its own.
-    let backend = ns.run(|| std::net::UdpSocket::bind("[2001:db8:98::1]:30053").unwrap());
+    let backend = netns::in_ns(&ns.name, || {
+        std::net::UdpSocket::bind("[2001:db8:98::1]:30053").unwrap()
+    });
     std::thread::spawn(move || {
         let mut buf = [0u8; 512];
         while let Ok((n, from)) = backend.recv_from(&mut buf) {
             let _ = backend.send_to(&buf[..n], from);
         }
     });
-    ns.daemon = Some(
-        Process::launch(&path)
-            .under(&["ip", "netns", "exec", &ns.name])
-            .spawn(),
-    );
-    let (answered, other_answered, dropped) = ns.run(move || {
+    // Stopped before the namespace goes (dropped first).
+    let _daemon = Process::launch(&path)
+        .under(&["ip", "netns", "exec", &ns.name])
+        .spawn();
+    let (answered, other_answered, dropped) = netns::in_ns(&ns.name, move || {
         let admin: SocketAddr = "127.0.0.1:9901".parse().unwrap();
         let deadline = std::time::Instant::now() + Duration::from_secs(30);
         while !matches!(http_blocking(admin, "/readyz"), Ok((200, _))) {

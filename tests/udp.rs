@@ -22,14 +22,6 @@ use tokio::time::Instant;
 
 const LB: &str = "kube-system/dns";
 
-fn have(cmd: &str) -> bool {
-    Command::new("sh")
-        .args(["-c", &format!("command -v {cmd}")])
-        .stdout(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success())
-}
-
 /// A dnsmasq answering `who.test` with its own address from a hosts file,
 /// on UDP and TCP port 5353 of `ip`.
 struct Dnsmasq {
@@ -128,11 +120,13 @@ fn dns_config(net: &Subnet, backends: &[u8], extra: &str) -> Config {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dns_through_the_vip_is_answered_from_the_vip_spread_and_survives_a_stopped_server() {
-    if !have("dnsmasq") || !have("dig") {
-        skip_or_fail(
-            "dns through the vip",
-            "dnsmasq or dig missing (apt-get install dnsmasq-base bind9-dnsutils)",
-        );
+    if cannot_run(
+        "dns through the vip",
+        [
+            missing_tool("dnsmasq", "dnsmasq-base"),
+            missing_tool("dig", "bind9-dnsutils"),
+        ],
+    ) {
         return;
     }
     let net = Subnet::new();
@@ -277,19 +271,6 @@ impl UdpServer {
         let _ = self.task.await;
         let _ = self.addr;
     }
-}
-
-/// An echo backend: answers every datagram with the datagram itself.
-async fn echo_server(addr: SocketAddr) -> tokio::task::JoinHandle<()> {
-    let socket = UdpSocket::bind(addr).await.expect("bind echo backend");
-    tokio::spawn(async move {
-        let mut buf = vec![0u8; 65_536];
-        loop {
-            if let Ok((n, from)) = socket.recv_from(&mut buf).await {
-                let _ = socket.send_to(&buf[..n], from).await;
-            }
-        }
-    })
 }
 
 /// Sends `payload` on `client` and waits up to `wait` for an answer, which
@@ -599,7 +580,7 @@ async fn the_flow_table_is_bounded_and_serves_again_when_flows_expire() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn datagrams_of_every_size_up_to_65507_bytes_are_forwarded_whole() {
     let net = Subnet::new();
-    let _echo = echo_server(SocketAddr::new(net.ip(11), 30700)).await;
+    let _echo = udp_echo(SocketAddr::new(net.ip(11), 30700)).await;
     let d = Daemon::start(&net, &echo_config(&net, &[11], "", "")).await;
     let vip = SocketAddr::new(net.ip(1), 7000);
     let client = UdpSocket::bind(SocketAddr::new(net.ip(100), 0))
@@ -639,7 +620,7 @@ async fn ipv6_flows_answer_from_the_vip() {
     };
     let (vip_port, backend_port) = (free_port(), free_port());
     let backend = SocketAddr::new("::1".parse().unwrap(), backend_port);
-    let _echo = echo_server(backend).await;
+    let _echo = udp_echo(backend).await;
     let config = Config::new()
         .admin(SocketAddr::new(net.ip(250), 9901))
         .lb(Lb::new("default/v6", "::1")

@@ -140,3 +140,45 @@ impl KeepalivedSettings {
         all
     }
 }
+
+/// The VM-network files the unit tests of `validate` and `vip` start from,
+/// written once.
+#[cfg(test)]
+pub(crate) mod fixture {
+    /// `[keepalived]` on "mgmt-br", network "default/a" on "cluster-br.100"
+    /// (10.100.0.0/24) with the lines `a`, and network "default/b"
+    /// (10.200.0.0/24, its interface the test's) with the lines `b`. With
+    /// `a` empty, `b` starts on line 17; `a` starts on line 12.
+    pub(crate) fn networks(a: &str, b: &str) -> String {
+        format!(
+            r#"[keepalived]
+name = "lb-1"
+address = "192.168.0.11"
+interface = "mgmt-br"
+peers = ["192.168.0.12"]
+
+[[network]]
+name = "default/a"
+interface = "cluster-br.100"
+prefix_length = 24
+gateway = "10.100.0.1"
+{a}
+[[network]]
+name = "default/b"
+prefix_length = 24
+gateway = "10.200.0.1"
+{b}
+"#
+        )
+    }
+
+    /// Load balancer `name` on `vip` in `network` with `backends` and the
+    /// listener "http" (80 to 30080); more listeners may follow.
+    pub(crate) fn lb(name: &str, vip: &str, network: &str, backends: &[&str]) -> String {
+        let backends: Vec<String> = backends.iter().map(|b| format!("{b:?}")).collect();
+        format!(
+            "[[load_balancer]]\nname = {name:?}\nvip = {vip:?}\nnetwork = {network:?}\nbackends = [{}]\n  [[load_balancer.listener]]\n  name = \"http\"\n  port = 80\n  backend_port = 30080\n",
+            backends.join(", ")
+        )
+    }
+}

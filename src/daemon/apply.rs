@@ -614,3 +614,264 @@ fn retire_after(
         backend.retire();
     });
 }
+
+#[cfg(test)]
+mod tests {
+    use super::super::testing::{accepts, config, daemon, lb, refused_soon};
+    use super::*;
+    use std::net::SocketAddr;
+
+    fn addr(s: &str) -> SocketAddr {
+        s.parse().unwrap()
+    }
+
+    /// The load balancer in force under `name`.
+    fn lb_of(d: &Daemon, name: &str) -> Arc<LoadBalancer> {
+        Arc::clone(&d.lock().load_balancers[name].lb)
+    }
+
+    /// The route of the listener at `addr` (TCP), which must be bound.
+    fn route_at(d: &Daemon, addr: SocketAddr) -> Arc<Route> {
+        let st = d.lock();
+        let key = ListenerKey {
+            addr,
+            protocol: Protocol::Tcp,
+        };
+        match &st.listeners[&key].socket {
+            Ok(l) => l.route(),
+            Err(e) => panic!("{addr} is not bound: {e}"),
+        }
+    }
+
+    #[tokio::test]
+    async fn the_same_config_again_keeps_every_load_balancer_backend_and_listener() {
+        let d = daemon();
+        let text = [
+            lb(
+                "a/one",
+                "127.231.10.1",
+                &["127.231.10.11"],
+                &[18080, 18081],
+                30080,
+                "",
+            ),
+            lb(
+                "a/two",
+                "127.231.10.2",
+                &["127.231.10.12"],
+                &[18080],
+                30080,
+                "",
+            ),
+        ]
+        .concat();
+        let first = d.apply(config(&text));
+        assert_eq!(
+            first,
+            ApplyReport {
+                listeners_bound: 3,
+                load_balancers_added: 2,
+                ..ApplyReport::default()
+            }
+        );
+        let one = lb_of(&d, "a/one");
+        let backend = Arc::clone(
+            &d.lock().load_balancers["a/one"].backends[&"127.231.10.11".parse().unwrap()],
+        );
+        // Parsed again: equal specs, new objects, as a reload reads them.
+        let again = d.apply(config(&text));
+        assert_eq!(
+            again,
+            ApplyReport {
+                listeners_bound: 3,
+                ..ApplyReport::default()
+            },
+            "nothing added, removed or bound anew"
+        );
+        assert!(
+            Arc::ptr_eq(&one, &lb_of(&d, "a/one")),
+            "the same load balancer"
+        );
+        assert!(
+            Arc::ptr_eq(
+                &backend,
+                &d.lock().load_balancers["a/one"].backends[&backend.addr]
+            ),
+            "the same backend: its health, drain and counters stay"
+        );
+        assert!(Arc::ptr_eq(
+            &route_at(&d, addr("127.231.10.1:18080")).lb,
+            &one
+        ));
+    }
+
+    #[tokio::test]
+    async fn a_removed_listener_and_a_removed_load_balancer_stop_accepting_and_the_rest_stay() {
+        let d = daemon();
+        d.apply(config(&format!(
+            "[proxy]\ndrain_timeout_seconds = 1\n{}{}",
+            lb(
+                "a/one",
+                "127.231.11.1",
+                &["127.231.11.11"],
+                &[18080, 18081],
+                30080,
+                ""
+            ),
+            lb(
+                "a/two",
+                "127.231.11.2",
+                &["127.231.11.12"],
+                &[18080],
+                30080,
+                ""
+            ),
+        )));
+        let kept = route_at(&d, addr("127.231.11.1:18080"));
+        let report = d.apply(config(&format!(
+            "[proxy]\ndrain_timeout_seconds = 1\n{}",
+            lb(
+                "a/one",
+                "127.231.11.1",
+                &["127.231.11.11"],
+                &[18080],
+                30080,
+                ""
+            ),
+        )));
+        assert_eq!(
+            report,
+            ApplyReport {
+                listeners_bound: 1,
+                listeners_removed: 2,
+                load_balancers_removed: 1,
+                ..ApplyReport::default()
+            }
+        );
+        refused_soon(addr("127.231.11.1:18081")).await;
+        refused_soon(addr("127.231.11.2:18080")).await;
+        assert!(
+            accepts(addr("127.231.11.1:18080")).await,
+            "the listener that stays"
+        );
+        assert!(
+            Arc::ptr_eq(&kept.lb, &route_at(&d, addr("127.231.11.1:18080")).lb),
+            "its load balancer unchanged"
+        );
+        assert!(!d.lock().load_balancers.contains_key("a/two"));
+    }
+
+    #[tokio::test]
+    async fn a_new_nodeport_or_backend_reroutes_the_bound_listener_in_place() {
+        let d = daemon();
+        let vip = addr("127.231.12.1:18080");
+        d.apply(config(&lb(
+            "a/one",
+            "127.231.12.1",
+            &["127.231.12.11"],
+            &[18080],
+            30080,
+            "",
+        )));
+        let old =
+            d.lock().load_balancers["a/one"].backends[&"127.231.12.11".parse().unwrap()].clone();
+        let report = d.apply(config(&lb(
+            "a/one",
+            "127.231.12.1",
+            &["127.231.12.11", "127.231.12.12"],
+            &[18080],
+            30090,
+            "",
+        )));
+        assert_eq!(
+            report,
+            ApplyReport {
+                listeners_bound: 1,
+                ..ApplyReport::default()
+            },
+            "rerouted, not removed and bound again"
+        );
+        let route = route_at(&d, vip);
+        assert_eq!(route.backend_port, 30090);
+        let snapshot = route.lb.snapshot();
+        let members: Vec<IpAddr> = snapshot.eligible.iter().map(|b| b.addr).collect();
+        assert_eq!(
+            members,
+            [
+                "127.231.12.11".parse::<IpAddr>().unwrap(),
+                "127.231.12.12".parse().unwrap()
+            ]
+        );
+        assert!(
+            Arc::ptr_eq(&old, &snapshot.eligible[0]),
+            "the backend that stays is the same object"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_new_cluster_recreates_the_load_balancer_under_the_same_listener() {
+        let d = daemon();
+        let vip = addr("127.231.13.1:18080");
+        d.apply(config(&lb(
+            "a/one",
+            "127.231.13.1",
+            &["127.231.13.11"],
+            &[18080],
+            30080,
+            "",
+        )));
+        let before = lb_of(&d, "a/one");
+        let report = d.apply(config(&lb(
+            "a/one",
+            "127.231.13.1",
+            &["127.231.13.11"],
+            &[18080],
+            30080,
+            "cluster = \"other\"",
+        )));
+        assert_eq!(
+            report,
+            ApplyReport {
+                listeners_bound: 1,
+                load_balancers_added: 1,
+                ..ApplyReport::default()
+            }
+        );
+        let after = lb_of(&d, "a/one");
+        assert!(
+            !Arc::ptr_eq(&before, &after),
+            "another cluster's series start anew"
+        );
+        assert_eq!(after.cluster, "other");
+        assert!(
+            Arc::ptr_eq(&route_at(&d, vip).lb, &after),
+            "the listener serves the new one"
+        );
+        assert!(accepts(vip).await);
+    }
+
+    #[tokio::test]
+    async fn a_listener_that_cannot_bind_is_named_and_bound_by_a_retry_once_its_port_is_free() {
+        let d = daemon();
+        let vip = addr("127.231.14.1:18080");
+        let squatter = std::net::TcpListener::bind(vip).expect("the squatter binds first");
+        let report = d.apply(config(&lb(
+            "a/one",
+            "127.231.14.1",
+            &["127.231.14.11"],
+            &[18080, 18081],
+            30080,
+            "",
+        )));
+        assert_eq!((report.listeners_bound, report.listeners_failed), (1, 1));
+        assert!(!d.is_ready());
+        let failed = d.failed_listeners();
+        assert_eq!(failed.len(), 1);
+        assert_eq!(failed[0].key.addr, vip);
+        assert_eq!(d.retry_failed_listeners(), 0, "still held");
+        drop(squatter);
+        assert_eq!(d.retry_failed_listeners(), 1);
+        assert!(d.is_ready() && d.failed_listeners().is_empty());
+        assert!(Arc::ptr_eq(&route_at(&d, vip).lb, &lb_of(&d, "a/one")));
+    }
+}

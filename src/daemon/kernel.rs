@@ -845,19 +845,16 @@ fn listener_may_leave_stale_flows(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::{Algorithm, SourceNat};
 
     fn listener(eligible: &[[u8; 4]], close_down: &[[u8; 4]]) -> KernelListener {
         let ips = |v: &[[u8; 4]]| v.iter().map(|&a| IpAddr::from(a)).collect::<Vec<_>>();
         KernelListener {
-            backend_port: 30080,
-            members: ips(&[[10, 0, 0, 1], [10, 0, 0, 2]]),
-            eligible: ips(eligible),
-            source_ranges: None,
-            source_nat: SourceNat::Masquerade,
             close_down: ips(close_down),
-            pick: Algorithm::RoundRobin,
-            affinity: None,
+            ..KernelListener::round_robin(
+                30080,
+                ips(&[[10, 0, 0, 1], [10, 0, 0, 2]]),
+                ips(eligible),
+            )
         }
     }
 

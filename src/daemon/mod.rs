@@ -375,3 +375,134 @@ async fn futures_sum<F: std::future::Future<Output = usize> + Send + 'static>(
     }
     total
 }
+
+/// What the unit tests of the daemon's decisions share: a daemon with
+/// nothing in force, configs from text, and the VIPs they bind. Each test
+/// binds its own VIPs in 127.231.0.0/16 (`tests/support` takes /24s of
+/// 127.20-219, so the two never meet) on ports above 1024: no root.
+#[cfg(test)]
+pub(crate) mod testing {
+    use super::*;
+    use std::net::SocketAddr;
+
+    /// A daemon with nothing configured, accepting on this runtime.
+    pub(crate) fn daemon() -> Arc<Daemon> {
+        Daemon::new(Metrics::new(), 1000, Workers::here())
+    }
+
+    /// The config of `text`, which must be valid.
+    pub(crate) fn config(text: &str) -> Config {
+        crate::config::parse(text)
+            .unwrap_or_else(|p| panic!("the test's config is refused: {p:?}\n{text}"))
+            .config
+    }
+
+    /// One `[[load_balancer]]` table: `name` on `vip`, `backends`, one TCP
+    /// listener `l<port>` per port, each to nodeport `backend_port`, and
+    /// `keys` (TOML lines of its own table).
+    pub(crate) fn lb(
+        name: &str,
+        vip: &str,
+        backends: &[&str],
+        ports: &[u16],
+        backend_port: u16,
+        keys: &str,
+    ) -> String {
+        let backends: Vec<String> = backends.iter().map(|b| format!("{b:?}")).collect();
+        let mut t = format!(
+            "[[load_balancer]]\nname = {name:?}\nvip = {vip:?}\nbackends = [{}]\n{keys}\n",
+            backends.join(", ")
+        );
+        for port in ports {
+            t += &format!(
+                "  [[load_balancer.listener]]\n  name = \"l{port}\"\n  port = {port}\n  backend_port = {backend_port}\n"
+            );
+        }
+        t
+    }
+
+    /// Whether something accepts TCP connections at `addr` (a loopback
+    /// address of the test's own).
+    pub(crate) async fn accepts(addr: SocketAddr) -> bool {
+        tokio::net::TcpStream::connect(addr).await.is_ok()
+    }
+
+    /// Waits (10 s at most) until `addr` refuses connections.
+    pub(crate) async fn refused_soon(addr: SocketAddr) {
+        tokio::time::timeout(Duration::from_secs(10), async {
+            while accepts(addr).await {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        })
+        .await
+        .unwrap_or_else(|_| panic!("{addr} still accepts 10 s after its listener went"));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::testing::{accepts, config, daemon, lb, refused_soon};
+    use super::*;
+    use std::net::SocketAddr;
+
+    #[tokio::test]
+    async fn a_daemon_is_ready_once_a_config_is_in_force_with_every_listener_bound() {
+        let d = daemon();
+        assert!(!d.is_ready(), "no config in force");
+        let report = d.apply(config(&lb(
+            "a/web",
+            "127.231.1.1",
+            &["127.231.1.11"],
+            &[18080, 18081],
+            30080,
+            "",
+        )));
+        assert_eq!(
+            report,
+            ApplyReport {
+                listeners_bound: 2,
+                load_balancers_added: 1,
+                ..ApplyReport::default()
+            }
+        );
+        assert!(d.is_ready());
+        assert!(d.failed_listeners().is_empty());
+        assert!(accepts("127.231.1.1:18080".parse().unwrap()).await);
+    }
+
+    #[test]
+    fn the_config_file_missing_is_said_once_per_disappearance() {
+        let d = daemon();
+        assert!(!d.set_config_file_missing(true), "was not missing");
+        let since = d.lock().file_missing_since;
+        assert!(since.is_some());
+        assert!(d.set_config_file_missing(true), "still missing");
+        assert_eq!(d.lock().file_missing_since, since, "since the first time");
+        assert!(d.set_config_file_missing(false), "it was missing");
+        assert!(!d.set_config_file_missing(false));
+        assert_eq!(d.lock().file_missing_since, None);
+    }
+
+    #[tokio::test]
+    async fn shutdown_turns_readiness_off_and_closes_every_listener() {
+        let d = daemon();
+        let vip: SocketAddr = "127.231.2.1:18080".parse().unwrap();
+        d.apply(config(&format!(
+            "[proxy]\ndrain_timeout_seconds = 1\n{}",
+            lb(
+                "a/web",
+                "127.231.2.1",
+                &["127.231.2.11"],
+                &[18080],
+                30080,
+                ""
+            )
+        )));
+        assert!(d.is_ready() && accepts(vip).await);
+        assert_eq!(d.shutdown().await, 0, "no connection was open to cut");
+        assert!(d.is_stopping());
+        assert!(!d.is_ready(), "a stopping daemon is never ready");
+        assert!(d.lock().listeners.is_empty());
+        refused_soon(vip).await;
+    }
+}

@@ -1287,20 +1287,8 @@ fn shared_rules(cmds: &mut Vec<NfObject<'static>>, f: &Family) {
 #[cfg(test)]
 mod tests {
     use super::super::listener_tag;
+    use super::super::test_listener as listener;
     use super::*;
-
-    fn listener(eligible: &[&str], members: &[&str]) -> KernelListener {
-        KernelListener {
-            backend_port: 30080,
-            members: members.iter().map(|m| m.parse().unwrap()).collect(),
-            eligible: eligible.iter().map(|m| m.parse().unwrap()).collect(),
-            source_ranges: None,
-            source_nat: SourceNat::Masquerade,
-            close_down: Vec::new(),
-            pick: Algorithm::RoundRobin,
-            affinity: None,
-        }
-    }
 
     fn id(vip: &str, port: u16) -> ListenerId {
         (vip.parse().unwrap(), Protocol::Tcp, port)

@@ -955,16 +955,8 @@ mod tests {
     }
 
     fn listener() -> super::super::KernelListener {
-        super::super::KernelListener {
-            backend_port: 30080,
-            members: vec![ip("10.0.0.1"), ip("10.0.0.2")],
-            eligible: vec![ip("10.0.0.1"), ip("10.0.0.2")],
-            source_ranges: None,
-            source_nat: SourceNat::Masquerade,
-            close_down: Vec::new(),
-            pick: Algorithm::RoundRobin,
-            affinity: None,
-        }
+        let both = ["10.0.0.1", "10.0.0.2"];
+        super::super::test_listener(&both, &both)
     }
 
     /// Listeners on ports `ports` of one VIP.

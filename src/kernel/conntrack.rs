@@ -37,7 +37,8 @@ use netlink_sys::Socket;
 use super::netlink::KeptSocket;
 
 /// One flow as conntrack has it: what the client sent to, and who answers.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// The default is nothing read yet.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 struct Flow {
     /// The original tuple, as received: what a delete names.
     original: Vec<Tuple>,
@@ -51,15 +52,7 @@ struct Flow {
 }
 
 fn flow(attrs: Vec<ConntrackAttribute>) -> Flow {
-    let mut f = Flow {
-        original: Vec::new(),
-        orig_dst: None,
-        orig_dport: None,
-        udp: false,
-        tcp: false,
-        reply_src: None,
-        tcp_state: None,
-    };
+    let mut f = Flow::default();
     for a in attrs {
         match a {
             ConntrackAttribute::CtaTupleOrig(tuple) => {
@@ -178,6 +171,31 @@ fn dump(family: NetfilterProtoFamily) -> io::Result<Vec<Flow>> {
 }
 
 fn dump_on(socket: &Socket, family: NetfilterProtoFamily) -> io::Result<Vec<Flow>> {
+    let mut flows = Vec::new();
+    dump_entries(socket, family, |entry| {
+        let full = <NetlinkMessage<NetfilterMessage>>::deserialize(entry.into_inner())
+            .map_err(|e| io::Error::other(format!("ctnetlink: {e}")))?;
+        if let NetlinkPayload::InnerMessage(NetfilterMessage {
+            inner: NetfilterMessageInner::Conntrack(ConntrackMessage::New(attrs)),
+            ..
+        }) = full.payload
+        {
+            flows.push(flow(attrs));
+        }
+        Ok(())
+    })?;
+    Ok(flows)
+}
+
+/// One dump of `family`'s table on `socket`: `each` is given every
+/// entry's message as the kernel sent it, until the end of the dump (an
+/// error message ends it as an error). The one reading loop of [`dump_on`]
+/// and [`count_on`].
+fn dump_entries(
+    socket: &Socket,
+    family: NetfilterProtoFamily,
+    mut each: impl FnMut(NetlinkBuffer<&[u8]>) -> io::Result<()>,
+) -> io::Result<()> {
     socket.send(
         &request(
             family,
@@ -186,30 +204,33 @@ fn dump_on(socket: &Socket, family: NetfilterProtoFamily) -> io::Result<Vec<Flow
         ),
         0,
     )?;
-    let mut flows = Vec::new();
     let mut buf = vec![0u8; 1 << 16];
     loop {
         let size = socket.recv(&mut &mut buf[..], 0)?;
         let mut offset = 0;
         while offset < size {
-            let msg = <NetlinkMessage<NetfilterMessage>>::deserialize(&buf[offset..size])
+            let msg = NetlinkBuffer::new_checked(&buf[offset..size])
                 .map_err(|e| io::Error::other(format!("ctnetlink: {e}")))?;
-            let len = msg.header.length as usize;
-            match msg.payload {
-                NetlinkPayload::Done(_) => return Ok(flows),
-                NetlinkPayload::Error(e) => {
-                    return Err(io::Error::other(format!("ctnetlink dump: {e:?}")));
+            let len = msg.length() as usize;
+            match msg.message_type() {
+                NLMSG_DONE => return Ok(()),
+                NLMSG_ERROR => {
+                    // The full decode names the error.
+                    let full = <NetlinkMessage<NetfilterMessage>>::deserialize(&buf[offset..size])
+                        .map_err(|e| io::Error::other(format!("ctnetlink: {e}")))?;
+                    return Err(io::Error::other(match full.payload {
+                        NetlinkPayload::Error(e) => format!("ctnetlink dump: {e:?}"),
+                        other => format!("ctnetlink dump: {other:?}"),
+                    }));
                 }
-                NetlinkPayload::InnerMessage(NetfilterMessage {
-                    inner: NetfilterMessageInner::Conntrack(ConntrackMessage::New(attrs)),
-                    ..
-                }) => flows.push(flow(attrs)),
+                // An entry (`IPCTNL_MSG_CT_NEW`).
+                CT_ENTRY => each(msg)?,
                 _ => {}
             }
             if len == 0 {
                 break;
             }
-            offset += len;
+            offset += netlink_align(len);
         }
     }
 }
@@ -348,15 +369,7 @@ fn addr(value: &[u8]) -> Option<IpAddr> {
 /// ([`flow`], which the sweep's deletes need) allocated for every
 /// attribute of every entry.
 fn glance(attrs: &[u8]) -> Flow {
-    let mut f = Flow {
-        original: Vec::new(),
-        orig_dst: None,
-        orig_dport: None,
-        udp: false,
-        tcp: false,
-        reply_src: None,
-        tcp_state: None,
-    };
+    let mut f = Flow::default();
     for (kind, value) in nested(attrs) {
         match kind {
             CTA_TUPLE_ORIG => {
@@ -421,48 +434,15 @@ fn count_on(
     family: NetfilterProtoFamily,
     listeners: &[ListenerId],
 ) -> io::Result<HashMap<(ListenerId, IpAddr), u64>> {
-    socket.send(
-        &request(
-            family,
-            ConntrackMessage::Get(vec![]),
-            NLM_F_REQUEST | NLM_F_DUMP,
-        ),
-        0,
-    )?;
     let mut counts = HashMap::new();
-    let mut buf = vec![0u8; 1 << 16];
-    loop {
-        let size = socket.recv(&mut &mut buf[..], 0)?;
-        let mut offset = 0;
-        while offset < size {
-            let msg = NetlinkBuffer::new_checked(&buf[offset..size])
-                .map_err(|e| io::Error::other(format!("ctnetlink: {e}")))?;
-            let len = msg.length() as usize;
-            match msg.message_type() {
-                NLMSG_DONE => return Ok(counts),
-                NLMSG_ERROR => {
-                    // The full decode names the error.
-                    let full = <NetlinkMessage<NetfilterMessage>>::deserialize(&buf[offset..size])
-                        .map_err(|e| io::Error::other(format!("ctnetlink: {e}")))?;
-                    return Err(io::Error::other(format!(
-                        "ctnetlink dump: {:?}",
-                        full.payload
-                    )));
-                }
-                // An entry: its attributes after the 4-byte nfgenmsg.
-                CT_ENTRY => {
-                    if let Some(attrs) = msg.payload().get(4..) {
-                        count_one(&mut counts, &glance(attrs), listeners);
-                    }
-                }
-                _ => {}
-            }
-            if len == 0 {
-                break;
-            }
-            offset += netlink_align(len);
+    dump_entries(socket, family, |entry| {
+        // Its attributes after the 4-byte nfgenmsg.
+        if let Some(attrs) = entry.payload().get(4..) {
+            count_one(&mut counts, &glance(attrs), listeners);
         }
-    }
+        Ok(())
+    })?;
+    Ok(counts)
 }
 
 /// The message type of every entry in a dump: subsystem

@@ -134,6 +134,40 @@ pub struct KernelListener {
     pub affinity: Option<Duration>,
 }
 
+impl KernelListener {
+    /// The plain listener on `backend_port`: round robin over `eligible`
+    /// (a subset of `members`), every client served, masqueraded, no
+    /// affinity, no flow closed (the config's defaults). The one place
+    /// tests build a listener from, changing the field they are about
+    /// (`KernelListener { pick, ..KernelListener::round_robin(..) }`), so
+    /// a new field is added in one place.
+    pub fn round_robin(backend_port: u16, members: Vec<IpAddr>, eligible: Vec<IpAddr>) -> Self {
+        Self {
+            backend_port,
+            members,
+            eligible,
+            source_ranges: None,
+            source_nat: SourceNat::Masquerade,
+            close_down: Vec::new(),
+            pick: Algorithm::RoundRobin,
+            affinity: None,
+        }
+    }
+}
+
+/// The unit tests' listener: [`KernelListener::round_robin`] on port 30080
+/// with `eligible` among `members`, in words.
+#[cfg(test)]
+pub(crate) fn test_listener(eligible: &[&str], members: &[&str]) -> KernelListener {
+    KernelListener::round_robin(30080, test_ips(members), test_ips(eligible))
+}
+
+/// Addresses in words, for the unit tests.
+#[cfg(test)]
+pub(crate) fn test_ips(v: &[&str]) -> Vec<IpAddr> {
+    v.iter().map(|a| a.parse().expect("an address")).collect()
+}
+
 /// Every kernel listener, by identity: the whole state of the table.
 pub type Desired = BTreeMap<ListenerId, KernelListener>;
 

@@ -703,21 +703,12 @@ fn send(socket: &Socket, batch: &Batch) -> io::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::SourceNat;
 
     #[test]
     fn a_flip_batch_is_one_flush_and_one_rule_per_eligible_backend() {
         let id: ListenerId = ("192.0.2.10".parse().unwrap(), Protocol::Tcp, 80);
-        let l = KernelListener {
-            backend_port: 30080,
-            members: vec!["10.0.0.1".parse().unwrap(), "10.0.0.2".parse().unwrap()],
-            eligible: vec!["10.0.0.1".parse().unwrap(), "10.0.0.2".parse().unwrap()],
-            source_ranges: None,
-            source_nat: SourceNat::Masquerade,
-            close_down: Vec::new(),
-            pick: crate::config::Algorithm::RoundRobin,
-            affinity: None,
-        };
+        let both = ["10.0.0.1", "10.0.0.2"];
+        let l = super::super::test_listener(&both, &both);
         let batches = rewrite_batches([(&id, &l)], BATCH_BYTES);
         assert_eq!(batches.len(), 1);
         let batch = &batches[0];
@@ -738,16 +729,7 @@ mod tests {
         let members: Vec<IpAddr> = (1..=3)
             .map(|i| format!("10.0.0.{i}").parse().unwrap())
             .collect();
-        let l = KernelListener {
-            backend_port: 30080,
-            eligible: members[1..].to_vec(),
-            members,
-            source_ranges: None,
-            source_nat: SourceNat::Masquerade,
-            close_down: Vec::new(),
-            pick: crate::config::Algorithm::RoundRobin,
-            affinity: None,
-        };
+        let l = KernelListener::round_robin(30080, members.clone(), members[1..].to_vec());
         let ids: Vec<ListenerId> = (0..2_000u16)
             .map(|p| ("192.0.2.10".parse().unwrap(), Protocol::Tcp, p + 1))
             .collect();

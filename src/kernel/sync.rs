@@ -622,25 +622,10 @@ fn check_alone(listeners: &Desired) -> Result<(), NftError> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::{Algorithm, Protocol, SourceNat};
-    use std::net::IpAddr;
+    use crate::config::Protocol;
 
     fn listener(eligible: &[&str]) -> KernelListener {
-        let ips = |v: &[&str]| {
-            v.iter()
-                .map(|a| a.parse().unwrap())
-                .collect::<Vec<IpAddr>>()
-        };
-        KernelListener {
-            backend_port: 30080,
-            members: ips(&["10.0.0.1", "10.0.0.2"]),
-            eligible: ips(eligible),
-            source_ranges: None,
-            source_nat: SourceNat::Masquerade,
-            close_down: Vec::new(),
-            pick: Algorithm::RoundRobin,
-            affinity: None,
-        }
+        super::super::test_listener(eligible, &["10.0.0.1", "10.0.0.2"])
     }
 
     fn id(port: u16) -> ListenerId {

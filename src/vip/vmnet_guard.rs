@@ -466,55 +466,30 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::vmnet_fixture::{lb, networks};
 
-    const FILE: &str = r#"[keepalived]
-name = "lb-1"
-address = "192.168.0.11"
-interface = "mgmt-br"
-peers = ["192.168.0.12"]
-
-[[network]]
-name = "default/a"
-interface = "cluster-br.100"
-prefix_length = 24
-gateway = "10.100.0.1"
-
-[[network]]
-name = "default/b"
-interface = "cluster-br.200"
-prefix_length = 24
-gateway = "10.200.0.1"
-isolate = false
-
-[[load_balancer]]
-name = "default/web"
-vip = "10.100.0.50"
-network = "default/a"
-backends = ["10.100.0.21", "10.100.0.22"]
-  [[load_balancer.listener]]
-  name = "http"
-  port = 80
-  backend_port = 30080
-  [[load_balancer.listener]]
-  name = "dns"
-  port = 53
-  backend_port = 30053
-  protocol = "udp"
-
-[[load_balancer]]
-name = "default/other"
-vip = "10.200.0.50"
-network = "default/b"
-backends = ["10.200.0.21"]
-  [[load_balancer.listener]]
-  name = "http"
-  port = 80
-  backend_port = 30080
-"#;
+    /// Network "default/a" isolated with a load balancer of a TCP and a
+    /// UDP listener, network "default/b" not, with one of its own.
+    fn file() -> String {
+        networks("", "interface = \"cluster-br.200\"\nisolate = false\n")
+            + &lb(
+                "default/web",
+                "10.100.0.50",
+                "default/a",
+                &["10.100.0.21", "10.100.0.22"],
+            )
+            + "  [[load_balancer.listener]]\n  name = \"dns\"\n  port = 53\n  backend_port = 30053\n  protocol = \"udp\"\n"
+            + &lb(
+                "default/other",
+                "10.200.0.50",
+                "default/b",
+                &["10.200.0.21"],
+            )
+    }
 
     #[test]
     fn only_isolated_networks_are_guarded_each_with_its_own_vips_and_backends() {
-        let config = crate::config::parse(FILE).expect("valid").config;
+        let config = crate::config::parse(&file()).expect("valid").config;
         let r = Rules::of(&config);
         assert_eq!(r.interfaces().collect::<Vec<_>>(), ["cluster-br.100"]);
         let text = r.render();
@@ -534,7 +509,7 @@ backends = ["10.200.0.21"]
         // Sets without elements have no elements line (nft refuses `{ }`).
         assert!(!text.contains("{  }") && !text.contains("{ }"), "{text}");
 
-        let none = crate::config::parse(&FILE.replace(
+        let none = crate::config::parse(&file().replace(
             "gateway = \"10.100.0.1\"\n",
             "gateway = \"10.100.0.1\"\nisolate = false\n",
         ))
@@ -545,7 +520,7 @@ backends = ["10.200.0.21"]
 
     #[test]
     fn an_isolated_network_is_guarded_only_once_its_table_is_in_force() {
-        let config = crate::config::parse(FILE).expect("valid").config;
+        let config = crate::config::parse(&file()).expect("valid").config;
         let g = VmNetworkGuard::default();
         assert!(!g.guards("cluster-br.100"), "before the first step");
         let interfaces: Vec<String> = Rules::of(&config)

@@ -95,13 +95,9 @@ pub fn skip_reason() -> Option<String> {
     if let Some(why) = super::skip_reason() {
         return Some(why);
     }
-    for tool in ["bird", "birdc"] {
-        match Command::new(tool).arg("--version").output() {
-            Ok(_) => {}
-            Err(e) => return Some(format!("`{tool}` (package bird2) is not available: {e}")),
-        }
-    }
-    None
+    ["bird", "birdc"]
+        .into_iter()
+        .find_map(|tool| crate::support::missing_tool(tool, "bird2"))
 }
 
 /// Returns from the test with a printed reason when the bed cannot be built
@@ -165,8 +161,8 @@ pub fn frr_skip_reason() -> Option<String> {
             return Some(format!("{} (package frr) is not installed", p.display()));
         }
     }
-    if let Err(e) = Command::new("vtysh").arg("--help").output() {
-        return Some(format!("`vtysh` (package frr) is not available: {e}"));
+    if let Some(why) = crate::support::missing_tool("vtysh", "frr") {
+        return Some(why);
     }
     match Command::new("id").arg("frr").output() {
         Ok(o) if o.status.success() => None,

@@ -11,17 +11,10 @@ use super::Ns;
 /// Whether keepalived can run here; CI must have it (`.ci/run` installs
 /// it): skips (or fails under `CI=true`) when it cannot.
 pub fn keepalived_missing() -> bool {
-    let missing = Command::new("keepalived")
-        .arg("--version")
-        .output()
-        .map_or(true, |o| !o.status.success());
-    if missing {
-        super::skip_or_fail(
-            "keepalived failover",
-            "keepalived is not installed (Debian package keepalived)",
-        );
-    }
-    missing
+    crate::support::cannot_run(
+        "keepalived failover",
+        [crate::support::missing_tool("keepalived", "keepalived")],
+    )
 }
 
 /// keepalived in one namespace, stopped (SIGTERM, then SIGKILL) on drop.
@@ -115,22 +108,10 @@ impl Drop for Keepalived {
 /// Whether conntrackd and conntrack can run here; CI must have them
 /// (`.ci/run` installs them): skips (or fails under `CI=true`) when not.
 pub fn conntrackd_missing() -> bool {
-    let missing = [("conntrackd", "-v"), ("conntrack", "--version")]
-        .into_iter()
-        .find(|(tool, arg)| {
-            Command::new(tool)
-                .arg(arg)
-                .output()
-                .map_or(true, |o| !o.status.success())
-        })
-        .map(|(tool, _)| tool);
-    if let Some(tool) = missing {
-        super::skip_or_fail(
-            "conntrackd sync",
-            &format!("{tool} is not installed (Debian packages conntrackd and conntrack)"),
-        );
-    }
-    missing.is_some()
+    crate::support::cannot_run(
+        "conntrackd sync",
+        ["conntrackd", "conntrack"].map(|tool| crate::support::missing_tool(tool, tool)),
+    )
 }
 
 /// conntrackd in one namespace, in the foreground with the file `conf`,

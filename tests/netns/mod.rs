@@ -66,9 +66,8 @@ pub fn node_ip(i: usize) -> Ipv4Addr {
 
 /// Why namespace tests cannot run here, if they cannot.
 pub fn skip_reason() -> Option<String> {
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } != 0 {
-        return Some("not running as root".into());
+    if let Some(why) = crate::support::not_root() {
+        return Some(why);
     }
     match Command::new("ip").args(["netns", "list"]).output() {
         Ok(o) if o.status.success() => {}
@@ -80,10 +79,7 @@ pub fn skip_reason() -> Option<String> {
         }
         Err(e) => return Some(format!("`ip` (iproute2) is not available: {e}")),
     }
-    match Command::new("nft").arg("--version").output() {
-        Ok(o) if o.status.success() => None,
-        _ => Some("`nft` (nftables) is not available".into()),
-    }
+    crate::support::missing_tool("nft", "nftables")
 }
 
 /// Returns from the test with a printed reason when namespaces cannot be made.
@@ -752,4 +748,30 @@ pub fn read_to_string(p: &Path) -> String {
         let _ = f.read_to_string(&mut s);
     }
     s
+}
+
+/// A bare namespace of its own (no bed, no link), deleted on drop: for a
+/// table written alone, or a client a test links in by hand.
+pub struct Scratch(pub String);
+
+impl Scratch {
+    /// Namespace `hlb<pid>-<tag>`.
+    pub fn new(tag: &str) -> Self {
+        let name = format!("hlb{}-{tag}", std::process::id());
+        run("ip", &["netns", "add", &name], None);
+        Scratch(name)
+    }
+
+    /// The namespace, to run `ip` and sockets in.
+    pub fn ns(&self) -> Ns {
+        Ns {
+            name: self.0.clone(),
+        }
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = Command::new("ip").args(["netns", "del", &self.0]).status();
+    }
 }

@@ -18,7 +18,12 @@ pub use config::{Config, Lb, Listener, quote};
 // Not every test crate measures a process by its pid.
 #[allow(unused_imports)]
 pub use process::{Process, proc_cpu_time, proc_rss_kib};
+// Not every test crate skips anything.
+#[allow(unused_imports)]
 pub use skip::skip_or_fail;
+// Not every test crate needs a tool or root.
+#[allow(unused_imports)]
+pub use skip::{cannot_run, find_tool, missing_tool, not_root};
 
 use std::future::Future;
 use std::io::{Read, Write};
@@ -434,7 +439,7 @@ pub async fn http_with_body(
 /// Sends one request with a JSON body and `Connection: close` on `s`, and
 /// reads the answer to its end (within 30 s).
 async fn exchange_with_body<S>(
-    mut s: S,
+    s: S,
     host: &str,
     method: &str,
     path: &str,
@@ -447,6 +452,15 @@ where
         "{method} {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
         body.len()
     );
+    send_and_read(s, &req).await
+}
+
+/// Sends the whole request `req` on `s` and reads the answer to its end
+/// (within 30 s): status and body.
+async fn send_and_read<S>(mut s: S, req: &str) -> (u16, String)
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+{
     s.write_all(req.as_bytes()).await.expect("send request");
     let mut raw = Vec::new();
     tokio::time::timeout(Duration::from_secs(30), s.read_to_end(&mut raw))
@@ -467,19 +481,13 @@ pub fn metric_value(body: &str, prefix: &str) -> f64 {
 
 /// One HTTP/1.1 request with `Connection: close`; returns status and body.
 pub async fn http(addr: SocketAddr, method: &str, path: &str) -> (u16, String) {
-    let mut s = TcpStream::connect(addr)
+    let s = TcpStream::connect(addr)
         .await
         .unwrap_or_else(|e| panic!("connect admin {addr}: {e}"));
     let req = format!(
         "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
     );
-    s.write_all(req.as_bytes()).await.expect("send request");
-    let mut raw = Vec::new();
-    tokio::time::timeout(Duration::from_secs(30), s.read_to_end(&mut raw))
-        .await
-        .expect("admin answers within 30 s")
-        .expect("read response");
-    split_response(&String::from_utf8_lossy(&raw))
+    send_and_read(s, &req).await
 }
 
 /// Status and body of a whole HTTP/1.1 response; a chunked body (a long
@@ -575,15 +583,48 @@ pub async fn still_echoes(s: &mut TcpStream) -> bool {
 
 /// Runs the `harvester-lb` binary with `args`; returns exit code, stdout, stderr.
 pub fn run_cli(args: &[&str]) -> (i32, String, String) {
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_harvester-lb"))
-        .args(args)
-        .output()
-        .expect("run harvester-lb");
+    outcome(
+        &std::process::Command::new(env!("CARGO_BIN_EXE_harvester-lb"))
+            .args(args)
+            .output()
+            .expect("run harvester-lb"),
+    )
+}
+
+/// A finished process's exit code (-1 for a signal), stdout and stderr.
+pub fn outcome(out: &std::process::Output) -> (i32, String, String) {
     (
         out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stdout).to_string(),
-        String::from_utf8_lossy(&out.stderr).to_string(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
     )
+}
+
+/// A UDP echo backend at `addr`: answers every datagram with the datagram
+/// itself, until the handle is aborted or the runtime ends.
+pub async fn udp_echo(addr: SocketAddr) -> JoinHandle<()> {
+    let socket = tokio::net::UdpSocket::bind(addr)
+        .await
+        .unwrap_or_else(|e| panic!("bind the UDP echo backend {addr}: {e}"));
+    tokio::spawn(async move {
+        let mut buf = vec![0u8; 65_536];
+        loop {
+            if let Ok((n, from)) = socket.recv_from(&mut buf).await {
+                let _ = socket.send_to(&buf[..n], from).await;
+            }
+        }
+    })
+}
+
+/// [`run_cli`] from async code: on a blocking thread, so the daemon the
+/// command talks to keeps running on the test's runtime.
+pub async fn cli(args: Vec<String>) -> (i32, String, String) {
+    tokio::task::spawn_blocking(move || {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        run_cli(&args)
+    })
+    .await
+    .expect("CLI thread")
 }
 
 /// A blocking HTTP GET for use from non-async code; returns status and body.
@@ -639,22 +680,16 @@ impl Rng {
 #[allow(dead_code)]
 pub fn promtool_accepts(body: &str) {
     use std::io::Write;
-    let mut child = match std::process::Command::new("promtool")
+    if cannot_run("promtool check", [missing_tool("promtool", "prometheus")]) {
+        return;
+    }
+    let mut child = std::process::Command::new("promtool")
         .args(["check", "metrics"])
         .stdin(std::process::Stdio::piped())
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .spawn()
-    {
-        Ok(child) => child,
-        Err(e) => {
-            skip_or_fail(
-                "promtool check",
-                &format!("promtool not installed ({e}); apt-get install prometheus"),
-            );
-            return;
-        }
-    };
+        .expect("run promtool");
     child
         .stdin
         .take()

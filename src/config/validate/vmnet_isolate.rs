@@ -94,48 +94,13 @@ impl Validator<'_> {
 #[cfg(test)]
 mod tests {
     use crate::config::parse;
+    use crate::config::vmnet_fixture::{lb, networks};
 
     /// Two networks, a load balancer on each, `[keepalived]` on "mgmt-br".
     fn file(a: &str, b: &str) -> String {
-        format!(
-            r#"[keepalived]
-name = "lb-1"
-address = "192.168.0.11"
-interface = "mgmt-br"
-peers = ["192.168.0.12"]
-
-[[network]]
-name = "default/a"
-interface = "cluster-br.100"
-prefix_length = 24
-gateway = "10.100.0.1"
-{a}
-[[network]]
-name = "default/b"
-prefix_length = 24
-gateway = "10.200.0.1"
-{b}
-[[load_balancer]]
-name = "default/a"
-vip = "10.100.0.50"
-network = "default/a"
-backends = ["10.100.0.21"]
-  [[load_balancer.listener]]
-  name = "http"
-  port = 80
-  backend_port = 30080
-
-[[load_balancer]]
-name = "default/b"
-vip = "10.200.0.50"
-network = "default/b"
-backends = ["10.200.0.21"]
-  [[load_balancer.listener]]
-  name = "http"
-  port = 80
-  backend_port = 30080
-"#
-        )
+        networks(a, b)
+            + &lb("default/a", "10.100.0.50", "default/a", &["10.100.0.21"])
+            + &lb("default/b", "10.200.0.50", "default/b", &["10.200.0.21"])
     }
 
     #[test]

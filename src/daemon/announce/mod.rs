@@ -902,3 +902,225 @@ fn first_error<B: Backend>(out: &Outcome<B>) -> Option<String> {
         .map(ToString::to_string)
         .or_else(|| out.failed.first().map(|(k, f)| format!("{k}: {f}")))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::super::testing::{config, daemon, lb};
+    use super::*;
+
+    /// `[vip]` announcing VIPs of 203.0.113.0/24 (the listeners bind them
+    /// with `IP_FREEBIND`; nothing is sent to them).
+    const ROUTES: &str = "[vip]\nannounce = \"routes\"\nannounce_prefixes = [\"203.0.113.0/24\"]\n";
+
+    /// A health check that fails (nothing listens on the loopback
+    /// backends' port 1) every `period` seconds, from unhealthy.
+    fn failing_check(period: u32) -> String {
+        format!(
+            "initial_state = \"unhealthy\"\n  [load_balancer.health_check]\n  port = 1\n  period_seconds = {period}\n  timeout_seconds = 1\n"
+        )
+    }
+
+    /// A daemon with `text` in force whose announcing task never starts:
+    /// these tests look at its decisions, and must not write a route into
+    /// the host's tables.
+    fn announcing(text: &str) -> Arc<Daemon> {
+        let d = daemon();
+        d.announcer.started.store(true, Ordering::Release);
+        d.apply(config(text));
+        d
+    }
+
+    /// Each wanted VIP's conditions and rise delay now.
+    fn wanted(d: &Daemon) -> BTreeMap<IpAddr, (Result<(), Blocker>, Duration)> {
+        let settings = d.announce_settings().expect("announcing is on");
+        d.announce_wanted(&settings)
+            .into_iter()
+            .map(|(vip, w)| (vip, (w.conditions, w.delay)))
+            .collect()
+    }
+
+    fn ip(s: &str) -> IpAddr {
+        s.parse().unwrap()
+    }
+
+    #[tokio::test]
+    async fn a_vip_holds_while_one_of_its_listeners_is_bound_with_an_eligible_backend() {
+        let d = announcing(
+            &[
+                ROUTES,
+                &lb(
+                    "a/served",
+                    "203.0.113.20",
+                    &["127.231.20.11"],
+                    &[18080],
+                    30080,
+                    "",
+                ),
+                &lb(
+                    "a/checked",
+                    "203.0.113.21",
+                    &["127.231.20.12"],
+                    &[18080],
+                    30080,
+                    &failing_check(2),
+                ),
+                // Two load balancers on one VIP: one serving is enough; the
+                // delay is the longest check's.
+                &lb(
+                    "b/down",
+                    "203.0.113.22",
+                    &["127.231.20.13"],
+                    &[18080],
+                    30080,
+                    &failing_check(4),
+                ),
+                &lb(
+                    "b/up",
+                    "203.0.113.22",
+                    &["127.231.20.14"],
+                    &[18081],
+                    30080,
+                    "",
+                ),
+                // Never announced: a loopback VIP reaches only this host.
+                &lb(
+                    "c/loop",
+                    "127.231.20.1",
+                    &["127.231.20.15"],
+                    &[18080],
+                    30080,
+                    "",
+                ),
+            ]
+            .concat(),
+        );
+        let three = Duration::from_secs(3);
+        assert_eq!(
+            wanted(&d),
+            BTreeMap::from([
+                (ip("203.0.113.20"), (Ok(()), three)),
+                (
+                    ip("203.0.113.21"),
+                    (Err(Blocker::NoEligibleBackend), Duration::from_secs(6))
+                ),
+                (ip("203.0.113.22"), (Ok(()), Duration::from_secs(12))),
+            ])
+        );
+    }
+
+    #[tokio::test]
+    async fn a_vip_whose_listener_cannot_bind_has_no_eligible_backend_and_the_delay_set_wins() {
+        let vip: std::net::SocketAddr = "203.0.113.23:18080".parse().unwrap();
+        let squatter = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None)
+            .expect("socket");
+        squatter.set_freebind_v4(true).expect("IP_FREEBIND");
+        squatter
+            .bind(&vip.into())
+            .expect("the squatter binds first");
+        squatter.listen(1).expect("listen");
+        let d = announcing(
+            &[
+                "[vip]\nannounce = \"routes\"\nannounce_prefixes = [\"203.0.113.0/24\"]\nannounce_delay_seconds = 7\n",
+                &lb("a/held", "203.0.113.23", &["127.231.21.11"], &[18080], 30080, ""),
+            ]
+            .concat(),
+        );
+        assert_eq!(
+            wanted(&d),
+            BTreeMap::from([(
+                ip("203.0.113.23"),
+                (Err(Blocker::NoEligibleBackend), Duration::from_secs(7))
+            )])
+        );
+        drop(squatter);
+        assert_eq!(d.retry_failed_listeners(), 1);
+        assert_eq!(wanted(&d)[&ip("203.0.113.23")].0, Ok(()));
+    }
+
+    #[tokio::test]
+    async fn the_operators_marks_block_their_vips_and_stopping_blocks_every_one() {
+        let (a, b) = (ip("203.0.113.24"), ip("203.0.113.25"));
+        let d = announcing(
+            &[
+                ROUTES,
+                &lb(
+                    "a/a",
+                    "203.0.113.24",
+                    &["127.231.22.11"],
+                    &[18080],
+                    30080,
+                    "",
+                ),
+                &lb(
+                    "a/b",
+                    "203.0.113.25",
+                    &["127.231.22.12"],
+                    &[18080],
+                    30080,
+                    "",
+                ),
+            ]
+            .concat(),
+        );
+        let conditions = |d: &Daemon| -> Vec<Result<(), Blocker>> {
+            wanted(d).into_values().map(|(c, _)| c).collect()
+        };
+        assert_eq!(conditions(&d), [Ok(()), Ok(())]);
+
+        let host = d.set_announce_state(None, true).expect("host drain");
+        assert_eq!((host.previous, host.state), ("ready", "drain"));
+        assert_eq!(
+            conditions(&d),
+            [Err(Blocker::Drained), Err(Blocker::Drained)]
+        );
+        d.set_announce_state(None, false).expect("host ready");
+
+        let one = d.set_announce_state(Some(a), true).expect("vip drain");
+        assert_eq!((one.previous, one.state), ("ready", "drain"));
+        let again = d
+            .set_announce_state(Some(a), true)
+            .expect("vip drain again");
+        assert_eq!(again.previous, "drain", "said as it was");
+        assert_eq!(conditions(&d), [Err(Blocker::Drained), Ok(())]);
+        assert_eq!(
+            d.set_announce_state(Some(ip("203.0.113.99")), true),
+            Err(AnnounceStateError::UnknownVip(ip("203.0.113.99")))
+        );
+
+        d.stopping.store(true, Ordering::Release);
+        assert_eq!(
+            conditions(&d),
+            [Err(Blocker::Stopping), Err(Blocker::Stopping)],
+            "stopping is said before a drain"
+        );
+        assert!(wanted(&d).contains_key(&b));
+    }
+
+    #[tokio::test]
+    async fn with_announcing_off_no_mark_is_taken_and_no_status_is_shown() {
+        let d = announcing(&lb(
+            "a/a",
+            "203.0.113.26",
+            &["127.231.23.11"],
+            &[18080],
+            30080,
+            "",
+        ));
+        assert_eq!(d.announce_settings(), None);
+        assert_eq!(
+            d.set_announce_state(None, true),
+            Err(AnnounceStateError::Off)
+        );
+        assert_eq!(
+            d.set_announce_state(Some(ip("203.0.113.26")), true),
+            Err(AnnounceStateError::Off)
+        );
+        assert!(!d.marks().host, "the refused mark is not kept");
+        assert!(d.announce_status().is_none());
+        assert_eq!(
+            d.announce_stop().await,
+            None,
+            "nothing to withdraw, no grace"
+        );
+    }
+}
