@@ -35,7 +35,7 @@ use std::net::IpAddr;
 
 use netlink_sys::Socket;
 
-use super::build::{Obj, Owned, has_backend_chains, picks_up};
+use super::build::{Obj, Owned, has_backend_chains, picks_up, source_nats_in_use};
 use super::netlink::{Attrs, KeptSocket, attributes, dump, messages};
 use super::nft::NftError;
 use super::{Desired, ListenerId, Shard, backend_chain, listener_chain};
@@ -189,8 +189,13 @@ impl Expected {
                 .iter()
                 .any(|(n, _)| *n == chain.name)
             {
-                // A table's base chains are written when it is new.
+                // A table's base chains are written when it is new; the
+                // main table's `postrouting` also when the source NATs in
+                // use change (`build::source_nat_rules`).
                 !old.tables.contains(&chain.shard)
+                    || (chain.shard == Shard::MAIN
+                        && chain.name == "postrouting"
+                        && source_nats_in_use(before) != source_nats_in_use(desired))
             } else {
                 self.owner
                     .get(&chain.name)

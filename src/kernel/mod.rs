@@ -11,7 +11,7 @@
 //!   (and dispatch6, refuse6, masq6)
 //!   chain prerouting  { nat hook prerouting priority dstnat; ip daddr . meta l4proto . th dport vmap @dispatch4 … }
 //!   chain output      { nat hook output priority -100; the same }        # clients on this host
-//!   chain postrouting { nat hook postrouting priority srcnat;
+//!   chain postrouting { nat hook postrouting priority srcnat;       # each rule only while a listener of its family and kind is there
 //!                       ct status dnat ct original ip daddr . ip daddr . meta l4proto . th dport @masq4 masquerade fully-random
 //!                       ct status dnat … @snat4 snat ip to ct original ip daddr }
 //!   chain input       { filter hook input priority filter;
