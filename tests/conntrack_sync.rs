@@ -340,6 +340,11 @@ impl SyncBed {
                 .spawn()
                 .unwrap()
         };
+        let tcpdump = |ns: &str, args: &[&str], out: PathBuf| {
+            let mut all = vec!["tcpdump", "-i", "eth0", "-nn", "-tt", "-l"];
+            all.extend_from_slice(args);
+            spawn(ns, &all, out)
+        };
         for h in &self.hosts {
             let t = spawn(
                 &h.ns.name,
@@ -347,40 +352,22 @@ impl SyncBed {
                 self.bed.dir.join(format!("ctE-{}", h.name)),
             );
             self.traces.push(t);
-            let t = spawn(
+            let pcap = self.bed.dir.join(format!("eth0-{}.pcap", h.name));
+            let t = tcpdump(
                 &h.ns.name,
                 &[
-                    "tcpdump",
-                    "-i",
-                    "eth0",
-                    "-nn",
-                    "-tt",
-                    "-l",
                     "-U",
                     "-w",
-                    &self
-                        .bed
-                        .dir
-                        .join(format!("eth0-{}.pcap", h.name))
-                        .display()
-                        .to_string(),
+                    &pcap.display().to_string(),
                     "tcp or udp port 5353 or arp",
                 ],
                 self.bed.dir.join(format!("tcpdump-{}.log", h.name)),
             );
             self.traces.push(t);
         }
-        let t = spawn(
+        let t = tcpdump(
             &self.bed.client.name,
-            &[
-                "tcpdump",
-                "-i",
-                "eth0",
-                "-nn",
-                "-tt",
-                "-l",
-                "tcp[tcpflags] & tcp-rst != 0 or arp",
-            ],
+            &["tcp[tcpflags] & tcp-rst != 0 or arp"],
             self.bed.dir.join("client-rst"),
         );
         self.traces.push(t);
