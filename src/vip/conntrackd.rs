@@ -421,9 +421,11 @@ exit 0
 /// What the notify script recorded for one instance (`state_directory/<vrid>`).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Recorded {
-    /// The instance's last transition: `MASTER`, `BACKUP`, `FAULT` or `STOP`.
+    /// The instance's last transition: `MASTER`, `BACKUP`, `FAULT` or `STOP`
+    /// (recorded as the script begins it, again with the commit's result
+    /// when done).
     pub state: String,
-    /// When (Unix milliseconds).
+    /// When it began (Unix milliseconds).
     pub at_ms: u64,
     /// The last commit's result (`ok`, `failed`); `None`: never master.
     pub commit_ok: Option<bool>,
