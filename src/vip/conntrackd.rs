@@ -47,7 +47,9 @@
 //! keepalived starts the script at each transition without waiting for
 //! the previous one to end, so the transitions of one instance take a
 //! lock (`flock` on `state_directory/.<vrid>.lock`), a script that finds a
-//! later transition already done exits, and each transition is recorded
+//! later transition already done exits (ordered by the time since boot,
+//! `/proc/uptime`, and the boot id: a step of the wall clock cannot make a
+//! new transition look old), and each transition is recorded
 //! (with a sequence number) *before* anything is done. The delayed
 //! deletion takes the lock too and deletes only if the sequence number is
 //! still the one of the transition that scheduled it. Without that, a
@@ -325,21 +327,26 @@ case "$vrid" in
 mkdir -p "$DIR"
 now_ms() {{ date +%s%3N; }}
 t0=$(now_ms)
+# The order of transitions, by a clock no time step moves: centiseconds
+# since this boot, and the boot.
+read -r up _ </proc/uptime
+t0cs=${{up%.*}}${{up#*.}}
+boot=$(cat /proc/sys/kernel/random/boot_id 2>/dev/null)
 # One transition of an instance at a time, and none undone by an older one:
 # keepalived starts the script at each transition without waiting for the
 # last one to end. The lock is on fd 9; whatever outlives the script
 # (conntrackd -d, the delayed deletion) closes it.
 exec 9>"$DIR/.$vrid.lock"
 flock 9
-state= at= seq=0 commit_result= commit_at= commit_ms= commits_ok=0 commits_failed=0
+state= at= seq=0 at_boot= at_cs= commit_result= commit_at= commit_ms= commits_ok=0 commits_failed=0
 [ -r "$DIR/$vrid" ] && . "$DIR/$vrid"
 # A later transition already ran (the two raced for the lock): this one
 # is stale, and doing it would undo keepalived's present state.
-[ -n "$at" ] && [ "$at" -gt "$t0" ] && exit 0
+[ "$at_boot" = "$boot" ] && [ -n "$at_cs" ] && [ "$at_cs" -gt "$t0cs" ] && exit 0
 seq=$((seq + 1))
 record() {{
-	printf 'state=%s\nat=%s\nseq=%s\ncommit_result=%s\ncommit_at=%s\ncommit_ms=%s\ncommits_ok=%s\ncommits_failed=%s\n' \
-		"$1" "$t0" "$seq" "$commit_result" "$commit_at" "$commit_ms" "$commits_ok" "$commits_failed" >"$DIR/.$vrid.tmp" &&
+	printf 'state=%s\nat=%s\nseq=%s\nat_boot=%s\nat_cs=%s\ncommit_result=%s\ncommit_at=%s\ncommit_ms=%s\ncommits_ok=%s\ncommits_failed=%s\n' \
+		"$1" "$t0" "$seq" "$boot" "$t0cs" "$commit_result" "$commit_at" "$commit_ms" "$commits_ok" "$commits_failed" >"$DIR/.$vrid.tmp" &&
 		mv -f "$DIR/.$vrid.tmp" "$DIR/$vrid"
 }}
 # Recorded before anything is done: a deletion scheduled by an earlier
@@ -879,6 +886,38 @@ backends = ["10.100.0.31"]
             ("MASTER", Some(true)),
             "{state}"
         );
+
+        // A transition that finds a later one of this boot recorded (the
+        // two raced for the lock) does nothing; one of another boot does
+        // not count.
+        let stale = Sandbox::new("stale");
+        let vrid = vrids(&parse(TEXT).expect("valid").config)[0];
+        let file = stale.dir.join("state").join(vrid.to_string());
+        std::fs::create_dir_all(file.parent().unwrap()).unwrap();
+        let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap();
+        std::fs::write(
+            &file,
+            format!(
+                "state=MASTER\nseq=4\nat_boot={}\nat_cs=99999999999\n",
+                boot.trim()
+            ),
+        )
+        .unwrap();
+        assert!(stale.run("BACKUP").wait().unwrap().success());
+        assert_eq!(stale.calls(), Vec::<String>::new());
+        std::fs::write(
+            &file,
+            "state=MASTER\nseq=4\nat_boot=another\nat_cs=99999999999\n",
+        )
+        .unwrap();
+        assert!(stale.run("BACKUP").wait().unwrap().success());
+        assert!(
+            stale.calls().iter().any(|l| l == "nft -f -"),
+            "{:?}",
+            stale.calls()
+        );
+        let r = parse_recorded(&std::fs::read_to_string(&file).unwrap()).unwrap();
+        assert_eq!(r.state, "BACKUP");
     }
 
     #[test]
