@@ -7,7 +7,8 @@
 //! 1. renders conntrackd.conf and the notify script (`vip::conntrackd`) and
 //!    writes what changed; a changed conntrackd.conf is followed by
 //!    `conntrackd.restart_command` (conntrackd reads its file only at
-//!    start). A failure is logged at error, counted
+//!    start), then, once conntrackd answers, `-B` and `-n` (its caches
+//!    start empty). A failure is logged at error, counted
 //!    (`conntrack_sync_config_failures_total`) and retried at the next step;
 //! 2. reads what the notify script recorded per instance
 //!    (`state_directory/<vrid>`);
@@ -15,7 +16,11 @@
 //!    back and repairs it (`vip::gate`; repairs logged at warn and counted
 //!    in `host_repairs_total{kind="sync_gate"}`), and reads each gate's
 //!    state;
-//! 4. asks conntrackd for its statistics (`conntrackd -C FILE -s`).
+//! 4. asks conntrackd for its statistics (`conntrackd -C FILE -s`) and
+//!    its uptime (`-s runtime`): a conntrackd started before its file was
+//!    last written runs with an older filter (`restart_pending`, warned
+//!    once; the daemon never restarts conntrackd without
+//!    `restart_command`: it does not know how conntrackd is run).
 //!
 //! All of it is blocking (files, `nft`, `conntrackd`) and runs on the
 //! blocking pool, never on a worker the data plane shares. Without
