@@ -7,7 +7,8 @@
 //! 1. renders conntrackd.conf and the notify script (`vip::conntrackd`) and
 //!    writes what changed; a changed conntrackd.conf is followed by
 //!    `conntrackd.restart_command` (conntrackd reads its file only at
-//!    start). A failure is logged at error, counted
+//!    start), then, once conntrackd answers, `-B` and `-n` (its caches
+//!    start empty). A failure is logged at error, counted
 //!    (`conntrack_sync_config_failures_total`) and retried at the next step;
 //! 2. reads what the notify script recorded per instance
 //!    (`state_directory/<vrid>`);
@@ -15,7 +16,11 @@
 //!    back and repairs it (`vip::gate`; repairs logged at warn and counted
 //!    in `host_repairs_total{kind="sync_gate"}`), and reads each gate's
 //!    state;
-//! 4. asks conntrackd for its statistics (`conntrackd -C FILE -s`).
+//! 4. asks conntrackd for its statistics (`conntrackd -C FILE -s`) and
+//!    its uptime (`-s runtime`): a conntrackd started before its file was
+//!    last written runs with an older filter (`restart_pending`, warned
+//!    once; the daemon never restarts conntrackd without
+//!    `restart_command`: it does not know how conntrackd is run).
 //!
 //! In the anycast mode (`[conntrackd]` without `[keepalived]`) there is no
 //! script and no instance: step 1 writes conntrackd.conf alone, and
@@ -74,6 +79,9 @@ struct Inner {
     /// Whether the missing `nf_conntrack_tcp_be_liberal` was logged (once
     /// per process).
     liberal_warned: bool,
+    /// The last check found conntrackd's file newer than conntrackd (and
+    /// said so once).
+    pending_warned: bool,
 }
 
 /// `/status` `conntrack_sync`: what the last check found.
@@ -94,6 +102,10 @@ pub struct SyncStatus {
     pub link: String,
     /// The backends whose flows are synced (conntrackd's filter).
     pub synced_backends: usize,
+    /// conntrackd runs with an older file than the one written (it reads
+    /// it only at start): the backends added since are not in its filter,
+    /// their flows are not synced until conntrackd restarts.
+    pub restart_pending: bool,
     /// Each VRRP instance of the rendered keepalived file.
     pub instances: Vec<SyncInstanceStatus>,
     /// The last failure writing the files, restarting conntrackd or
@@ -169,6 +181,23 @@ impl Daemon {
                 Ok(Ok(what)) => {
                     inner.retry = false;
                     let restarted = settings.restart_command.is_some();
+                    if restarted && what == Installed::ConfChanged {
+                        let conf = settings.config_path.clone();
+                        match tokio::task::spawn_blocking(move || resync_after_restart(&conf)).await
+                        {
+                            Ok(Ok(())) => tracing::info!(
+                                "conntrackd restarted: its flows sent to the peer (-B) and the peer's asked for (-n)"
+                            ),
+                            Ok(Err(e)) => {
+                                inner.failures += 1;
+                                tracing::error!("after conntrackd.restart_command: {e}");
+                                error = Some(e);
+                            }
+                            Err(e) => tracing::error!(
+                                "the resync after conntrackd's restart stopped: {e}"
+                            ),
+                        }
+                    }
                     match (what, restarted) {
                         (Installed::ConfChanged, false) => tracing::warn!(
                             file = %settings.config_path.display(),
@@ -265,10 +294,26 @@ impl Daemon {
             }
         }
         let conf = settings.config_path.clone();
-        let stats = tokio::task::spawn_blocking(move || conntrackd_stats(&conf))
-            .await
-            .unwrap_or_else(|e| Err(e.to_string()));
-        let (report, stats) = build_report(&settings, config, &recorded, &states, stats, error);
+        let (stats, pending) = tokio::task::spawn_blocking(move || {
+            let stats = conntrackd_stats(&conf);
+            let pending = stats
+                .is_ok()
+                .then(|| conntrackd_restart_pending(&conf))
+                .flatten();
+            (stats, pending)
+        })
+        .await
+        .unwrap_or_else(|e| (Err(e.to_string()), None));
+        let pending = pending.unwrap_or(false);
+        if pending && !inner.pending_warned {
+            tracing::warn!(
+                file = %settings.config_path.display(),
+                "conntrackd runs with an older file than the one written (it reads it only at start): the flows of backends added since are not synced, and reset at a VIP's move, until conntrackd restarts (conntrackd.restart_command, or by hand on one host at a time)"
+            );
+        }
+        inner.pending_warned = pending;
+        let (mut report, stats) = build_report(&settings, config, &recorded, &states, stats, error);
+        report.restart_pending = pending;
         self.metrics.set_conntrack_sync(Some(sample_of(
             &report,
             &stats,
@@ -411,10 +456,64 @@ fn read_recorded(dir: &Path) -> BTreeMap<u32, Recorded> {
 
 /// `conntrackd -C FILE -s`, bounded by [`STATS_TIMEOUT`].
 fn conntrackd_stats(conf: &Path) -> Result<Stats, String> {
+    let (stdout, stderr) = conntrackd_ask(conf, &["-s"])
+        .map_err(|e| format!("{e} (is conntrackd running with that file?)"))?;
+    parse_stats(&stdout).ok_or_else(|| {
+        format!(
+            "conntrackd -C {} -s: {} (is conntrackd running with that file?)",
+            conf.display(),
+            stderr.trim().lines().last().unwrap_or("no statistics")
+        )
+    })
+}
+
+/// Whether conntrackd runs with a file older than the one at `conf` (see
+/// [`conntrackd::restart_pending`]); `None` when it cannot be told.
+fn conntrackd_restart_pending(conf: &Path) -> Option<bool> {
+    let unix = |t: std::time::SystemTime| {
+        t.duration_since(std::time::UNIX_EPOCH)
+            .ok()
+            .map(|d| d.as_secs())
+    };
+    let written = unix(std::fs::metadata(conf).ok()?.modified().ok()?)?;
+    let now = unix(std::time::SystemTime::now())?;
+    let (stdout, _) = conntrackd_ask(conf, &["-s", "runtime"]).ok()?;
+    let uptime = conntrackd::parse_uptime_min(&stdout)?;
+    Some(conntrackd::restart_pending(written, now, uptime))
+}
+
+/// After `conntrackd.restart_command`: once conntrackd answers (10 s at
+/// most), `-B` sends this host's flows to the peer and `-n` asks for the
+/// peer's. A restart empties both caches; its own start asks the peer
+/// once (`StartupResync`), but when both hosts restart at once (the same
+/// configuration change reaches both), that request can be answered before
+/// the peer's own cache is filled again, and a long-lived flow that sends
+/// no new event would then be missing from the copy a takeover commits.
+fn resync_after_restart(conf: &Path) -> Result<(), String> {
+    const POLL: Duration = Duration::from_millis(200);
+    let mut polls = 50;
+    while conntrackd_ask(conf, &["-s"]).is_err() {
+        if polls == 0 {
+            return Err(format!(
+                "conntrackd -C {} did not answer within 10 s of its restart",
+                conf.display()
+            ));
+        }
+        polls -= 1;
+        std::thread::sleep(POLL);
+    }
+    conntrackd_ask(conf, &["-B"])?;
+    conntrackd_ask(conf, &["-n"])?;
+    Ok(())
+}
+
+/// `conntrackd -C FILE ARGS`, bounded by [`STATS_TIMEOUT`]: its stdout and
+/// stderr; an error when it could not run, timed out or failed.
+fn conntrackd_ask(conf: &Path, args: &[&str]) -> Result<(String, String), String> {
     let mut child = Command::new("conntrackd")
         .arg("-C")
         .arg(conf)
-        .arg("-s")
+        .args(args)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -434,26 +533,32 @@ fn conntrackd_stats(conf: &Path) -> Result<Stats, String> {
                 let _ = child.kill();
                 let _ = child.wait();
                 return Err(format!(
-                    "conntrackd -C {} -s did not answer in {} s",
+                    "conntrackd -C {} {} did not answer in {} s",
                     conf.display(),
+                    args.join(" "),
                     STATS_TIMEOUT.as_secs()
                 ));
             }
-            Err(e) => return Err(format!("waiting for conntrackd -s: {e}")),
+            Err(e) => return Err(format!("waiting for conntrackd {}: {e}", args.join(" "))),
         }
     }
     let out = child
         .wait_with_output()
-        .map_err(|e| format!("reading conntrackd -s: {e}"))?;
-    let text = String::from_utf8_lossy(&out.stdout);
-    parse_stats(&text).ok_or_else(|| {
-        let said = String::from_utf8_lossy(&out.stderr);
-        format!(
-            "conntrackd -C {} -s: {} (is conntrackd running with that file?)",
+        .map_err(|e| format!("reading conntrackd {}: {e}", args.join(" ")))?;
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    );
+    if !out.status.success() {
+        return Err(format!(
+            "conntrackd -C {} {}: {} {}",
             conf.display(),
-            said.trim().lines().last().unwrap_or("no statistics")
-        )
-    })
+            args.join(" "),
+            out.status,
+            stderr.trim()
+        ));
+    }
+    Ok((stdout, stderr))
 }
 
 fn build_report(
@@ -499,6 +604,7 @@ fn build_report(
             settings.interface, settings.address, settings.peer, settings.port
         ),
         synced_backends: conntrackd::filter_addresses(config).len(),
+        restart_pending: false,
         instances,
         error,
     };
@@ -513,6 +619,7 @@ fn sample_of(
 ) -> SyncSample {
     SyncSample {
         up: report.conntrackd_up,
+        restart_pending: report.restart_pending,
         entries: [stats.internal, stats.external],
         packets: [stats.packets_sent, stats.packets_received],
         send_errors: stats.send_errors,

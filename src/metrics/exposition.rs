@@ -606,6 +606,11 @@ impl Exposition {
         gauge(buf, &names::CONNTRACK_SYNC_UP, &u8::from(s.up));
         gauge(buf, &names::CONNTRACK_SYNC_FAILURES, &s.failures);
         if s.up {
+            gauge(
+                buf,
+                &names::CONNTRACK_SYNC_RESTART_PENDING,
+                &u8::from(s.restart_pending),
+            );
             let mut headed = false;
             let mut out = Out {
                 buf,

@@ -134,6 +134,8 @@ pub struct SyncSample {
     pub instances: Vec<SyncInstanceSample>,
     /// Failed writes and restarts.
     pub failures: u64,
+    /// conntrackd runs with an older file than the one written.
+    pub restart_pending: bool,
 }
 
 /// One VRRP instance's sync state, for `/metrics`.

@@ -591,6 +591,13 @@ pub static CONNTRACK_SYNC_FAILURES: Family = Family::new(
     Counter,
     "Times writing conntrackd.conf or the notify script, running conntrackd.restart_command or writing the gate table failed (each logged at error and retried every 10 s).",
 );
+/// `[conntrackd]`: conntrackd runs with an older file than the one
+/// written (its filter lacks the backends added since).
+pub static CONNTRACK_SYNC_RESTART_PENDING: Family = Family::new(
+    "harvester_lb_conntrack_sync_restart_pending",
+    Gauge,
+    "1 while conntrackd runs with an older conntrackd.conf than the one the daemon wrote (conntrackd reads it only at start, its uptime tells when it started, to the minute): the flows of backends added since are not synced and are reset at a VIP's move until conntrackd restarts.",
+);
 /// Admin connections closed to make room for a newcomer.
 pub static ADMIN_CONNECTIONS_SHED: Family = Family::new(
     "harvester_lb_admin_connections_shed_total",

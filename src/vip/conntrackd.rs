@@ -50,9 +50,25 @@
 //!   `-B` (the recipe), then `-n` (the peer may be master of other
 //!   instances: `-f` emptied our copy of its flows, `-n` asks for it again);
 //! - backup: close the gate, start conntrackd if it does not answer, `-n`,
-//!   and [`PURGE_S`] later, unless master again, delete this host's
-//!   entries of the instance's VIPs;
+//!   and [`PURGE_S`] later, unless another transition came meanwhile,
+//!   delete this host's entries of the instance's VIPs;
 //! - fault, stop: close the gate, the same delayed deletion.
+//!
+//! keepalived starts the script at each transition without waiting for
+//! the previous one to end, so the transitions of one instance take a
+//! lock (`flock` on `state_directory/.<vrid>.lock`), a script that finds a
+//! later transition already done exits (ordered by the time since boot,
+//! `/proc/uptime`, and the boot id: a step of the wall clock cannot make a
+//! new transition look old), and each transition is recorded
+//! (with a sequence number) *before* anything is done. The delayed
+//! deletion takes the lock too and deletes only if the sequence number is
+//! still the one of the transition that scheduled it. Without that, a
+//! deletion scheduled at an earlier backup transition (a host's start)
+//! that came due while a later takeover was committing read the state
+//! file, still `BACKUP` until the script's end, and deleted the flows just
+//! committed (measured: 0 of 20 kept, in the failback after a killed host
+//! whenever it came 15 s after that host's first start, and the failover
+//! of a link cut the same way on the other host).
 //!
 //! Not the recipe's `-t`: it schedules a purge of *every* synced entry
 //! `PurgeTimeout` later, which kills the flows a failback committed within
@@ -80,7 +96,7 @@ use crate::config::{Config, ConntrackdSettings, Forwarding, Protocol};
 
 /// How long after leaving master the notify script deletes this host's
 /// entries of the instance's flows: the peer has committed them by then
-/// (the recipe's `PurgeTimeout`).
+/// (the recipe's `PurgeTimeout`). A later transition cancels it.
 pub const PURGE_S: u32 = 15;
 
 /// The nftables table of the gates (family `inet`).
@@ -482,10 +498,34 @@ vips=
 case "$vrid" in
 {vips_case}esac
 mkdir -p "$DIR"
-state= at= commit_result= commit_at= commit_ms= commits_ok=0 commits_failed=0
-[ -r "$DIR/$vrid" ] && . "$DIR/$vrid"
 now_ms() {{ date +%s%3N; }}
-ctd() {{ conntrackd -C "$CONF" "$@" >/dev/null 2>&1 || logger -t harvester-lb-sync "$2: conntrackd -C $CONF $* failed"; }}
+t0=$(now_ms)
+# The order of transitions, by a clock no time step moves: centiseconds
+# since this boot, and the boot.
+read -r up _ </proc/uptime
+t0cs=${{up%.*}}${{up#*.}}
+boot=$(cat /proc/sys/kernel/random/boot_id 2>/dev/null)
+# One transition of an instance at a time, and none undone by an older one:
+# keepalived starts the script at each transition without waiting for the
+# last one to end. The lock is on fd 9; whatever outlives the script
+# (conntrackd -d, the delayed deletion) closes it.
+exec 9>"$DIR/.$vrid.lock"
+flock 9
+state= at= seq=0 at_boot= at_cs= commit_result= commit_at= commit_ms= commits_ok=0 commits_failed=0
+[ -r "$DIR/$vrid" ] && . "$DIR/$vrid"
+# A later transition already ran (the two raced for the lock): this one
+# is stale, and doing it would undo keepalived's present state.
+[ "$at_boot" = "$boot" ] && [ -n "$at_cs" ] && [ "$at_cs" -gt "$t0cs" ] && exit 0
+seq=$((seq + 1))
+record() {{
+	printf 'state=%s\nat=%s\nseq=%s\nat_boot=%s\nat_cs=%s\ncommit_result=%s\ncommit_at=%s\ncommit_ms=%s\ncommits_ok=%s\ncommits_failed=%s\n' \
+		"$1" "$t0" "$seq" "$boot" "$t0cs" "$commit_result" "$commit_at" "$commit_ms" "$commits_ok" "$commits_failed" >"$DIR/.$vrid.tmp" &&
+		mv -f "$DIR/.$vrid.tmp" "$DIR/$vrid"
+}}
+# Recorded before anything is done: a deletion scheduled by an earlier
+# transition sees that this one came, and deletes nothing.
+record "$3"
+ctd() {{ conntrackd -C "$CONF" "$@" >/dev/null 2>&1 9>&- || logger -t harvester-lb-sync "$2: conntrackd -C $CONF $* failed"; }}
 gate_open() {{ nft flush chain inet {GATE_TABLE} g_$vrid 2>/dev/null; }}
 gate_close() {{
 	nft -f - 2>/dev/null <<EOF
@@ -504,24 +544,29 @@ flush_flows() {{
 		conntrack -D --orig-dst "$vip" >/dev/null 2>&1
 	done
 }}
-# The same PURGE_S seconds later, unless the instance is master again by
-# then: deleting them at once would send their ends to the peer before
-# it committed them (conntrackd syncs the kernel's deletions too).
+# The same {PURGE_S} s later, only if no transition came meanwhile (the
+# sequence number is still this one's), under the lock: deleting them at
+# once would send their ends to the peer before it committed them
+# (conntrackd syncs the kernel's deletions too); deleting them after a
+# later takeover here would kill the flows it committed.
 purge_later() {{
 	(
+		exec 9>&-
 		sleep {PURGE_S}
-		state=
+		exec 9>"$DIR/.$vrid.lock"
+		flock 9
+		mine=$seq
+		seq=
 		. "$DIR/$vrid" 2>/dev/null
-		[ "$state" = MASTER ] || flush_flows
+		[ "$seq" = "$mine" ] && flush_flows
 	) </dev/null >/dev/null 2>&1 &
 }}
 case "$3" in
 MASTER)
-	t0=$(now_ms)
 	# Entries left from before (a host killed without a transition): the
 	# gate is closed, so nothing new comes in meanwhile.
 	flush_flows
-	if conntrackd -C "$CONF" -c >/dev/null 2>&1; then
+	if conntrackd -C "$CONF" -c >/dev/null 2>&1 9>&-; then
 		commit_result=ok commits_ok=$((commits_ok + 1))
 	else
 		commit_result=failed commits_failed=$((commits_failed + 1))
@@ -538,7 +583,7 @@ MASTER)
 BACKUP)
 	gate_close
 	purge_later
-	conntrackd -C "$CONF" -s >/dev/null 2>&1 || conntrackd -C "$CONF" -d
+	conntrackd -C "$CONF" -s >/dev/null 2>&1 9>&- || conntrackd -C "$CONF" -d 9>&-
 	ctd -n
 	;;
 FAULT|STOP)
@@ -547,9 +592,7 @@ FAULT|STOP)
 	;;
 *) exit 0 ;;
 esac
-printf 'state=%s\nat=%s\ncommit_result=%s\ncommit_at=%s\ncommit_ms=%s\ncommits_ok=%s\ncommits_failed=%s\n' \
-	"$3" "$(now_ms)" "$commit_result" "$commit_at" "$commit_ms" "$commits_ok" "$commits_failed" >"$DIR/.$vrid.tmp" &&
-	mv -f "$DIR/.$vrid.tmp" "$DIR/$vrid"
+record "$3"
 exit 0
 "#
     ))
@@ -558,9 +601,11 @@ exit 0
 /// What the notify script recorded for one instance (`state_directory/<vrid>`).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Recorded {
-    /// The instance's last transition: `MASTER`, `BACKUP`, `FAULT` or `STOP`.
+    /// The instance's last transition: `MASTER`, `BACKUP`, `FAULT` or `STOP`
+    /// (recorded as the script begins it, again with the commit's result
+    /// when done).
     pub state: String,
-    /// When (Unix milliseconds).
+    /// When it began (Unix milliseconds).
     pub at_ms: u64,
     /// The last commit's result (`ok`, `failed`); `None`: never master.
     pub commit_ok: Option<bool>,
@@ -668,6 +713,25 @@ pub fn parse_stats(text: &str) -> Option<Stats> {
         }
     }
     (caches > 0).then_some(s)
+}
+
+/// conntrackd's uptime in whole minutes, from `conntrackd -s runtime`
+/// (`daemon uptime: 12 min`); `None` when the text has none.
+pub fn parse_uptime_min(text: &str) -> Option<u64> {
+    text.lines()
+        .find_map(|l| l.trim().strip_prefix("daemon uptime:"))
+        .and_then(|rest| rest.split_whitespace().next())
+        .and_then(|n| n.parse().ok())
+}
+
+/// Whether conntrackd may still run with a file older than the one written
+/// at `written` (Unix seconds): it reads its file only at start, and its
+/// uptime has minute steps, so it counts as started at the earliest time
+/// its uptime allows. A restart after the write clears this within a
+/// minute; a conntrackd started before it keeps it set (its filter lacks
+/// the backends added since: their flows are not synced).
+pub fn restart_pending(written: u64, now: u64, uptime_min: u64) -> bool {
+    now.saturating_sub((uptime_min + 1) * 60) < written
 }
 
 /// Why conntrackd's file could not be written or conntrackd not restarted.
@@ -865,6 +929,187 @@ backends = ["10.100.0.31"]
         assert!(!s.contains("ctd -t"), "{s}");
         assert!(master.find("flush_flows").unwrap() < commit, "{master}");
         assert!(s.contains("vips=\"10.100.0.50\" ;;"), "{s}");
+    }
+
+    /// The rendered script under `sh`, with `conntrack`, `conntrackd`,
+    /// `nft` and `logger` replaced by recorders, `PURGE_S` by 1 s, and a
+    /// commit that takes 2 s.
+    struct Sandbox {
+        dir: std::path::PathBuf,
+        script: std::path::PathBuf,
+        log: std::path::PathBuf,
+    }
+
+    impl Sandbox {
+        fn new(name: &str) -> Sandbox {
+            let dir =
+                std::env::temp_dir().join(format!("hlb-notify-{name}-{}", std::process::id()));
+            let _ = std::fs::remove_dir_all(&dir);
+            let fake = dir.join("bin");
+            std::fs::create_dir_all(&fake).unwrap();
+            let log = dir.join("calls");
+            for tool in ["conntrack", "conntrackd", "nft", "logger"] {
+                let body = format!(
+                    "#!/bin/sh\ncase \"$*\" in *' -c') echo \"{tool} commit begin\" >>{log}; sleep 2; echo \"{tool} commit end\" >>{log} ;; *) echo \"{tool} $*\" >>{log} ;; esac\nexit 0\n",
+                    log = log.display()
+                );
+                let path = fake.join(tool);
+                std::fs::write(&path, body).unwrap();
+                use std::os::unix::fs::PermissionsExt;
+                std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
+            }
+            let mut config = parse(TEXT).expect("valid").config;
+            config.conntrackd.as_mut().unwrap().state_directory = dir.join("state");
+            let text = render_script(&config)
+                .unwrap()
+                .replace(
+                    "PATH=/usr/sbin:/usr/bin:/sbin:/bin",
+                    &format!("PATH={}:/usr/bin:/bin", fake.display()),
+                )
+                .replace(&format!("sleep {PURGE_S}"), "sleep 1");
+            let script = dir.join("notify.sh");
+            std::fs::write(&script, text).unwrap();
+            Sandbox { dir, script, log }
+        }
+
+        fn run(&self, state: &str) -> std::process::Child {
+            let vrid = vrids(&parse(TEXT).expect("valid").config)[0];
+            std::process::Command::new("sh")
+                .arg(&self.script)
+                .args(["INSTANCE", &instance_name(vrid), state, "100"])
+                .stdout(std::process::Stdio::null())
+                .stderr(std::process::Stdio::null())
+                .spawn()
+                .expect("sh")
+        }
+
+        fn calls(&self) -> Vec<String> {
+            std::fs::read_to_string(&self.log)
+                .unwrap_or_default()
+                .lines()
+                .map(String::from)
+                .collect()
+        }
+
+        /// Polls the calls until `done` says so (`polls` × 50 ms at most).
+        fn wait(&self, polls: u32, done: impl Fn(&[String]) -> bool) -> Vec<String> {
+            for _ in 0..polls {
+                let calls = self.calls();
+                if done(&calls) {
+                    return calls;
+                }
+                std::thread::sleep(std::time::Duration::from_millis(50));
+            }
+            self.calls()
+        }
+    }
+
+    impl Drop for Sandbox {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
+    }
+
+    #[test]
+    fn a_deletion_scheduled_before_a_takeover_never_deletes_what_it_committed() {
+        if std::process::Command::new("flock")
+            .arg("-V")
+            .output()
+            .is_err()
+        {
+            eprintln!("skipped: no flock (util-linux)");
+            return;
+        }
+        let delete = "conntrack -D --orig-dst 10.100.0.50";
+        // Alone, a backup transition deletes this host's copies 1 s later.
+        let alone = Sandbox::new("alone");
+        assert!(alone.run("BACKUP").wait().unwrap().success());
+        let calls = alone.wait(200, |c| c.iter().any(|l| l == delete));
+        assert!(calls.iter().any(|l| l == delete), "{calls:?}");
+
+        // A takeover whose commit is under way when that deletion comes
+        // due: the deletion waits for it, sees a later transition, and
+        // deletes nothing; the takeover's own deletion comes before its
+        // commit.
+        let race = Sandbox::new("race");
+        assert!(race.run("BACKUP").wait().unwrap().success());
+        assert!(race.run("MASTER").wait().unwrap().success());
+        // The deletion was due during the commit; once the lock is free it
+        // decides: 3 s for a second deletion to show (none must).
+        let calls = race.wait(60, |c| c.iter().filter(|l| *l == delete).count() > 1);
+        let commit = calls
+            .iter()
+            .position(|l| l == "conntrackd commit begin")
+            .unwrap_or_else(|| panic!("no commit: {calls:?}"));
+        assert_eq!(
+            calls.iter().filter(|l| *l == delete).count(),
+            1,
+            "{calls:?}"
+        );
+        assert!(
+            calls.iter().position(|l| l == delete).unwrap() < commit,
+            "{calls:?}"
+        );
+        let state = std::fs::read_to_string(
+            race.dir
+                .join("state")
+                .join(vrids(&parse(TEXT).expect("valid").config)[0].to_string()),
+        )
+        .unwrap();
+        let r = parse_recorded(&state).unwrap();
+        assert_eq!(
+            (r.state.as_str(), r.commit_ok),
+            ("MASTER", Some(true)),
+            "{state}"
+        );
+
+        // A transition that finds a later one of this boot recorded (the
+        // two raced for the lock) does nothing; one of another boot does
+        // not count.
+        let stale = Sandbox::new("stale");
+        let vrid = vrids(&parse(TEXT).expect("valid").config)[0];
+        let file = stale.dir.join("state").join(vrid.to_string());
+        std::fs::create_dir_all(file.parent().unwrap()).unwrap();
+        let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap();
+        std::fs::write(
+            &file,
+            format!(
+                "state=MASTER\nseq=4\nat_boot={}\nat_cs=99999999999\n",
+                boot.trim()
+            ),
+        )
+        .unwrap();
+        assert!(stale.run("BACKUP").wait().unwrap().success());
+        assert_eq!(stale.calls(), Vec::<String>::new());
+        std::fs::write(
+            &file,
+            "state=MASTER\nseq=4\nat_boot=another\nat_cs=99999999999\n",
+        )
+        .unwrap();
+        assert!(stale.run("BACKUP").wait().unwrap().success());
+        assert!(
+            stale.calls().iter().any(|l| l == "nft -f -"),
+            "{:?}",
+            stale.calls()
+        );
+        let r = parse_recorded(&std::fs::read_to_string(&file).unwrap()).unwrap();
+        assert_eq!(r.state, "BACKUP");
+    }
+
+    #[test]
+    fn a_conntrackd_started_before_its_file_was_written_is_pending_a_restart() {
+        let text = "daemon uptime: 12 min\n\nnetlink stats:\n\tevents received:\t 76\n";
+        assert_eq!(parse_uptime_min(text), Some(12));
+        assert_eq!(parse_uptime_min("connect: No such file"), None);
+        let now = 1_700_000_000;
+        // Started 12-13 min ago, the file written 5 min ago: pending.
+        assert!(restart_pending(now - 300, now, 12));
+        // Written 20 min ago, started at most 13 min ago: it read it.
+        assert!(!restart_pending(now - 1200, now, 12));
+        // Uptime 0 min and the file 30 s old: it may have started before
+        // the write (uptime has minute steps), so pending for now.
+        assert!(restart_pending(now - 30, now, 0));
+        assert!(!restart_pending(now - 61, now, 0));
     }
 
     #[test]
