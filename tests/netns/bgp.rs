@@ -630,19 +630,11 @@ impl LbHost {
         conntrack_flows(&text, protocol)
     }
 
-    /// Starts recording the flows this host forwards to a backend from
-    /// now on (a table of the test's own, `inet hlb_test_seen`: a
-    /// `forward` chain that adds each new flow's client port and backend,
-    /// after the DNAT and before the source NAT, to a set): a flow its
-    /// backend resets leaves no conntrack entry to list afterwards
-    /// (conntrack drops a flow whose only answer is a reset), but stays
-    /// here. Read with [`LbHost::recorded_flows`].
-    pub fn record_new_flows(&self) {
-        let script = format!(
-            "table inet hlb_test_seen {{\n  set seen_tcp {{ type inet_service . ipv4_addr ; flags dynamic ; }}\n  set seen_udp {{ type inet_service . ipv4_addr ; flags dynamic ; }}\n  chain forward {{\n    type filter hook forward priority 0 ; policy accept ;\n    ct state new ct original ip daddr {VIP} meta l4proto tcp update @seen_tcp {{ th sport . ip daddr }}\n    ct state new ct original ip daddr {VIP} meta l4proto udp update @seen_udp {{ th sport . ip daddr }}\n  }}\n}}\n"
-        );
-        let path = self.dir.join("seen.nft");
-        std::fs::write(&path, script).expect("write seen.nft");
+    /// Loads a table of the test's own into this host's namespace, from
+    /// `script` written to `file` in the host's directory.
+    fn load_nft(&self, file: &str, script: &str) {
+        let path = self.dir.join(file);
+        std::fs::write(&path, script).unwrap_or_else(|e| panic!("write {file}: {e}"));
         run(
             "ip",
             &[
@@ -657,6 +649,20 @@ impl LbHost {
         );
     }
 
+    /// Starts recording the flows this host forwards to a backend from
+    /// now on (a table of the test's own, `inet hlb_test_seen`: a
+    /// `forward` chain that adds each new flow's client port and backend,
+    /// after the DNAT and before the source NAT, to a set): a flow its
+    /// backend resets leaves no conntrack entry to list afterwards
+    /// (conntrack drops a flow whose only answer is a reset), but stays
+    /// here. Read with [`LbHost::recorded_flows`].
+    pub fn record_new_flows(&self) {
+        let script = format!(
+            "table inet hlb_test_seen {{\n  set seen_tcp {{ type inet_service . ipv4_addr ; flags dynamic ; }}\n  set seen_udp {{ type inet_service . ipv4_addr ; flags dynamic ; }}\n  chain forward {{\n    type filter hook forward priority 0 ; policy accept ;\n    ct state new ct original ip daddr {VIP} meta l4proto tcp update @seen_tcp {{ th sport . ip daddr }}\n    ct state new ct original ip daddr {VIP} meta l4proto udp update @seen_udp {{ th sport . ip daddr }}\n  }}\n}}\n"
+        );
+        self.load_nft("seen.nft", &script);
+    }
+
     /// Starts recording the TCP flows to the IPv4 VIP whose replies (a
     /// backend's packets) this host forwards from now on: their client
     /// ports, in the set `replies` of a table of the test's own (`inet
@@ -666,20 +672,7 @@ impl LbHost {
         let script = format!(
             "table inet hlb_test_replies {{\n  set replies {{ type inet_service ; flags dynamic ; }}\n  chain forward {{\n    type filter hook forward priority 0 ; policy accept ;\n    ct direction reply ct original ip daddr {VIP} meta l4proto tcp update @replies {{ th dport }}\n  }}\n}}\n"
         );
-        let path = self.dir.join("replies.nft");
-        std::fs::write(&path, script).expect("write replies.nft");
-        run(
-            "ip",
-            &[
-                "netns",
-                "exec",
-                &self.ns.name,
-                "nft",
-                "-f",
-                path.to_str().expect("utf-8 path"),
-            ],
-            None,
-        );
+        self.load_nft("replies.nft", &script);
     }
 
     /// The client ports [`LbHost::record_replies`] recorded.
