@@ -518,6 +518,9 @@ pub enum Forwarding {
 }
 
 impl Forwarding {
+    /// Every value, in the order the config's error message lists them.
+    pub const ALL: [Forwarding; 2] = [Forwarding::Proxy, Forwarding::Kernel];
+
     /// The name used in the config and `/status`.
     pub fn as_str(self) -> &'static str {
         match self {
@@ -577,6 +580,20 @@ pub enum Ipam {
     Dhcp,
 }
 
+impl Ipam {
+    /// Every value, in the order the config's error message lists them.
+    pub const ALL: [Ipam; 2] = [Ipam::Pool, Ipam::Dhcp];
+
+    /// The name used in the config (`ipam`) and `/status`: spelled here
+    /// alone, so what validation accepts and what `/status` shows agree.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Ipam::Pool => "pool",
+            Ipam::Dhcp => "dhcp",
+        }
+    }
+}
+
 /// Picking algorithm of a load balancer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Algorithm {
@@ -593,6 +610,28 @@ pub enum Algorithm {
     /// reaches another host mid-stream (a BGP rehash, a VIP's failover)
     /// lands on the backend it had. Only backends that leave move flows.
     FlowHash,
+}
+
+impl Algorithm {
+    /// Every value, in the order the config's error message lists them.
+    pub const ALL: [Algorithm; 4] = [
+        Algorithm::RoundRobin,
+        Algorithm::LeastConnections,
+        Algorithm::SourceIp,
+        Algorithm::FlowHash,
+    ];
+
+    /// The name used in the config (`algorithm`) and `/status`: spelled
+    /// here alone, so what validation accepts and what `/status` shows
+    /// agree.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Algorithm::RoundRobin => "round_robin",
+            Algorithm::LeastConnections => "least_connections",
+            Algorithm::SourceIp => "source_ip",
+            Algorithm::FlowHash => "flow_hash",
+        }
+    }
 }
 
 /// What happens to the connections open to a backend when its health check
@@ -633,7 +672,11 @@ pub enum Protocol {
 }
 
 impl Protocol {
-    /// The name used in the config, `/status` and logs.
+    /// Every value, in the order the config's error message lists them.
+    pub const ALL: [Protocol; 2] = [Protocol::Tcp, Protocol::Udp];
+
+    /// The name used in the config, `/status` and logs; also nft's name of
+    /// the protocol (`meta l4proto tcp`), which the VIP filters write.
     pub fn as_str(self) -> &'static str {
         match self {
             Protocol::Tcp => "tcp",
@@ -657,6 +700,21 @@ pub enum ProxyProtocol {
     V1,
     /// The binary header.
     V2,
+}
+
+impl ProxyProtocol {
+    /// Every value, in the order the config's error message lists them.
+    pub const ALL: [ProxyProtocol; 2] = [ProxyProtocol::V1, ProxyProtocol::V2];
+
+    /// The name used in the config (`proxy_protocol`) and `/status`:
+    /// spelled here alone, so what validation accepts and what `/status`
+    /// shows agree.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ProxyProtocol::V1 => "v1",
+            ProxyProtocol::V2 => "v2",
+        }
+    }
 }
 
 /// The kind of a health probe, and everything that makes two probes of one

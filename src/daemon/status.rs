@@ -11,12 +11,11 @@ use super::announce::{AnnounceStatus, LbAnnounceStatus};
 use super::{Daemon, LbEntry, State};
 use crate::balancer::{AdminState, Backend, Snapshot};
 use crate::config::{
-    Algorithm, CheckKind, DhcpSpec, Forwarding, Ipam, ListenerSpec, LoadBalancerSpec, Protocol,
-    ProxyProtocol,
+    CheckKind, DhcpSpec, Forwarding, ListenerSpec, LoadBalancerSpec, Protocol, ProxyProtocol,
 };
 use crate::health::Health;
 use crate::health::prober::{TargetKey, TargetStatus};
-use crate::vip::isolate::IsolationStatus;
+use crate::vip::port_filter::IsolationStatus;
 
 impl Daemon {
     /// The JSON document served at `/status`.
@@ -80,16 +79,8 @@ impl Daemon {
             name: spec.name.clone(),
             cluster: spec.cluster.clone(),
             vip: spec.vip,
-            ipam: match spec.ipam {
-                Ipam::Pool => "pool",
-                Ipam::Dhcp => "dhcp",
-            },
-            algorithm: match spec.algorithm {
-                Algorithm::RoundRobin => "round_robin",
-                Algorithm::LeastConnections => "least_connections",
-                Algorithm::SourceIp => "source_ip",
-                Algorithm::FlowHash => "flow_hash",
-            },
+            ipam: spec.ipam.as_str(),
+            algorithm: spec.algorithm.as_str(),
             health_check: spec.health_check.is_some(),
             health_check_port: spec.health_check.as_ref().and_then(|hc| hc.port),
             health_check_per_listener: spec
@@ -153,10 +144,7 @@ impl Daemon {
             address: spec.listen_addr(l),
             backend_port: l.backend_port,
             protocol: l.protocol.as_str(),
-            proxy_protocol: l.proxy_protocol.map(|v| match v {
-                ProxyProtocol::V1 => "v1",
-                ProxyProtocol::V2 => "v2",
-            }),
+            proxy_protocol: l.proxy_protocol.map(ProxyProtocol::as_str),
             state: match le.map(|e| &e.socket) {
                 Some(Ok(_)) => "listening",
                 None if spec.vip.is_unspecified() => "waiting_for_lease",
@@ -295,7 +283,7 @@ pub struct StatusDoc {
     pub vip_isolation: IsolationStatus,
     /// `[[network]] isolate`: whether the VM-network guard table is in
     /// force, for which interfaces, and the last failure.
-    pub vm_network_guard: crate::vip::vmnet_guard::GuardStatus,
+    pub vm_network_guard: crate::vip::vmnet_filter::GuardStatus,
     /// Kernel listeners on VM networks: the reply-mark table and `fwmark`
     /// rules the kernel held at the last read-back, and the last failure.
     pub reply_marks: crate::vip::replymark::ReplyMarkStatus,

@@ -44,7 +44,7 @@ impl Validator<'_> {
         let forwarding = self.choice(
             &l.forwarding,
             format_args!("{key}.forwarding"),
-            &[("proxy", Forwarding::Proxy), ("kernel", Forwarding::Kernel)],
+            &Forwarding::ALL.map(|f| (f.as_str(), f)),
             Forwarding::Proxy,
         );
         let source_nat = self.choice(

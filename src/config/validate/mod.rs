@@ -424,7 +424,7 @@ impl Validator<'_> {
         let ipam = self.choice(
             &lb.ipam,
             format_args!("{key}.ipam"),
-            &[("pool", Ipam::Pool), ("dhcp", Ipam::Dhcp)],
+            &Ipam::ALL.map(|i| (i.as_str(), i)),
             Ipam::Pool,
         );
         // Leased by this daemon: `ipam = "dhcp"` with a `[load_balancer.dhcp]`
@@ -436,12 +436,7 @@ impl Validator<'_> {
         let algorithm = self.choice(
             &lb.algorithm,
             format_args!("{key}.algorithm"),
-            &[
-                ("round_robin", Algorithm::RoundRobin),
-                ("least_connections", Algorithm::LeastConnections),
-                ("source_ip", Algorithm::SourceIp),
-                ("flow_hash", Algorithm::FlowHash),
-            ],
+            &Algorithm::ALL.map(|a| (a.as_str(), a)),
             Algorithm::RoundRobin,
         );
         let initial_state = self.choice(
@@ -838,16 +833,13 @@ impl Validator<'_> {
         let protocol = self.choice(
             &l.protocol,
             format_args!("{key}.protocol"),
-            &[("tcp", Protocol::Tcp), ("udp", Protocol::Udp)],
+            &Protocol::ALL.map(|p| (p.as_str(), p)),
             Protocol::Tcp,
         );
         let proxy_protocol = self.choice(
             &l.proxy_protocol,
             format_args!("{key}.proxy_protocol"),
-            &[
-                ("v1", Some(ProxyProtocol::V1)),
-                ("v2", Some(ProxyProtocol::V2)),
-            ],
+            &ProxyProtocol::ALL.map(|p| (p.as_str(), Some(p))),
             None,
         );
         if protocol == Protocol::Udp
