@@ -16,7 +16,7 @@ use tokio_util::sync::CancellationToken;
 use crate::config::{self, Config, ConfigError};
 use crate::daemon::{Daemon, log_applied};
 use crate::metrics::Metrics;
-use crate::vip::isolate::IsolationError;
+use crate::vip::port_filter::IsolationError;
 use crate::workers::Workers;
 use crate::{admin, os, owned, systemd, watch};
 

@@ -74,7 +74,7 @@ pub struct NetworkSpec {
     /// Whether the host is no router for this network's VMs: traffic that
     /// enters from `interface` is forwarded only when DNATed to the
     /// network's own backends, and reaches the host only at its VIPs'
-    /// listener ports (`vip::vmnet_guard`).
+    /// listener ports (`vip::vmnet_filter`).
     pub isolate: bool,
 }
 

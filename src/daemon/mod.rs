@@ -25,7 +25,7 @@ use crate::proxy::Running;
 use crate::proxy::tcp::ConnectionLimit;
 use crate::proxy::udp::FlowBudget;
 use crate::vip::dhcp::Leases;
-use crate::vip::isolate::Isolation;
+use crate::vip::port_filter::Isolation;
 use crate::workers::Workers;
 
 mod admin_state;
@@ -115,7 +115,7 @@ pub struct Daemon {
     announcer: announce::Announcer,
     /// What the VIP guard refused at the last apply, and which VIPs passed
     /// its last check of the host.
-    vip_guard: Mutex<vip_guard::Kept>,
+    vip_guard: Mutex<vip_guard::VipCheckResults>,
     /// `[[network]]` and `[keepalived]`: keepalived's file and the
     /// networks' routes and rules.
     vmnet: vmnet::VmNet,
@@ -228,7 +228,7 @@ impl Daemon {
             forwarding_off: std::sync::atomic::AtomicU8::new(0),
             forward_chains: forward_chains::ForwardChains::default(),
             announcer: announce::Announcer::default(),
-            vip_guard: Mutex::new(vip_guard::Kept::default()),
+            vip_guard: Mutex::new(vip_guard::VipCheckResults::default()),
             vmnet: vmnet::VmNet::default(),
             sync: sync::SyncState::default(),
         })

@@ -24,9 +24,12 @@ use super::Daemon;
 use crate::config::Config;
 use crate::vip::host::{HostNet, judge};
 
-/// What the guard keeps between applies.
+/// What the VIP guard's checks found, kept between applies: the refusals
+/// to show in `/status` and to log only when new, and the VIPs that passed
+/// the last check that could read the host, so that with announcing a
+/// failed read at a reload keeps those VIPs and refuses only new ones.
 #[derive(Debug, Default)]
-pub(super) struct Kept {
+pub(super) struct VipCheckResults {
     /// The refusals of the last apply (`/status`).
     refusals: Vec<VipRefusal>,
     /// The VIPs that passed the last check that read the host.
@@ -70,7 +73,7 @@ impl Daemon {
         if let Ok(h) = &host {
             ours.extend(keepalived_held(&config, h));
         }
-        let passed = self.kept().passed.clone();
+        let passed = self.check_results().passed.clone();
         let mut refusals = refusals(
             &config,
             host.as_ref().map_err(ToString::to_string),
@@ -79,7 +82,7 @@ impl Daemon {
         );
         refusals.extend(missing_network_interfaces(&config).await);
         if host.is_ok() {
-            self.kept().passed = config
+            self.check_results().passed = config
                 .load_balancers
                 .iter()
                 .map(|lb| lb.vip)
@@ -104,14 +107,16 @@ impl Daemon {
         config
     }
 
-    fn kept(&self) -> std::sync::MutexGuard<'_, Kept> {
+    /// The results kept between applies (a poisoned lock is taken as it
+    /// is: each field is only ever replaced whole).
+    fn check_results(&self) -> std::sync::MutexGuard<'_, VipCheckResults> {
         self.vip_guard.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Keeps `now` for `/status` and the gauge; logs each one that is new.
     fn set_vip_refusals(&self, now: Vec<VipRefusal>) {
-        let mut kept = self.kept();
-        for r in now.iter().filter(|r| !kept.refusals.contains(r)) {
+        let mut results = self.check_results();
+        for r in now.iter().filter(|r| !results.refusals.contains(r)) {
             tracing::error!(
                 load_balancer = %r.load_balancer,
                 vip = %r.vip,
@@ -122,12 +127,12 @@ impl Daemon {
             );
         }
         self.metrics.set_vip_refused(now.len());
-        kept.refusals = now;
+        results.refusals = now;
     }
 
     /// The load balancers refused at the last apply (`/status`).
     pub fn vip_refusals(&self) -> Vec<VipRefusal> {
-        self.kept().refusals.clone()
+        self.check_results().refusals.clone()
     }
 }
 

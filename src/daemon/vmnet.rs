@@ -4,7 +4,7 @@
 //! [`crate::owned::Driver`], and the reply marks of kernel listeners on
 //! those networks (`vip::replymark`, kind `reply_mark`) the same way.
 //!
-//! It also owns the VM-network guard table (`vip::vmnet_guard`), written
+//! It also owns the VM-network guard table (`vip::vmnet_filter`), written
 //! first at every step; a failure is logged at error, counted
 //! (`vm_network_guard_failures_total`) and makes the isolated networks'
 //! VIPs not ready; the table is left at stop.
@@ -35,7 +35,7 @@ use crate::vip::announce::RouteWriter;
 use crate::vip::keepalived::{self, Installed};
 use crate::vip::network::{NetKey, NetworkRoutes, wanted};
 use crate::vip::replymark::{MarkKey, MarkWant, ReplyMarkStatus, ReplyMarks};
-use crate::vip::vmnet_guard::{Rules, VmNetworkGuard};
+use crate::vip::vmnet_filter::{Rules, VmNetworkGuard};
 
 /// The task's state, shared with the daemon.
 #[derive(Default)]

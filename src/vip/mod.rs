@@ -1,9 +1,9 @@
 //! The VIPs themselves, beyond listening on them: who may reach what on a
-//! VIP ([`isolate`]), the lease of a VIP the daemon obtains itself over
+//! VIP ([`port_filter`]), the lease of a VIP the daemon obtains itself over
 //! DHCP ([`dhcp`]), and the routes that announce a VIP to a BGP speaker
 //! ([`announce`]), and the guard that keeps the host's own addresses and
 //! its gateways from becoming VIPs ([`host`]), and the guard that keeps a
-//! host on VM networks from routing for their VMs ([`vmnet_guard`]), and
+//! host on VM networks from routing for their VMs ([`vmnet_filter`]), and
 //! the marks that route a kernel listener's replies back through its VIP's
 //! VM network ([`replymark`]).
 //!
@@ -18,11 +18,11 @@ pub mod conntrackd;
 pub mod dhcp;
 pub mod gate;
 pub mod host;
-pub mod isolate;
 pub mod keepalived;
 pub mod network;
+pub mod port_filter;
 pub mod replymark;
-pub mod vmnet_guard;
+pub mod vmnet_filter;
 
 /// Runs an operator's configured command (`keepalived.reload_command`,
 /// `conntrackd.restart_command`) with no stdin and waits for it; `Err` is

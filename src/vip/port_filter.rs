@@ -1,5 +1,7 @@
-//! VIP isolation: one nftables table that lets traffic addressed to a VIP
-//! reach only the ports of that VIP's listeners.
+//! VIP isolation (`vip.isolate`): the port filter, one nftables table that
+//! lets traffic addressed to a VIP reach only the ports of that VIP's
+//! listeners. (Named for what the table does; not to be confused with
+//! [`super::vmnet_filter`], which filters what enters from VM networks.)
 //!
 //! A VIP is one more address of the host, so every service the host runs on
 //! a wildcard address (SSH on `0.0.0.0:22`, the Kubernetes API on `:6443`,
@@ -58,7 +60,7 @@ use nftables::schema::{
 use nftables::stmt::{Match, Operator, Reject, RejectType, Statement};
 use nftables::types::{NfChainPolicy, NfChainType, NfFamily, NfHook, RejectCode};
 
-use crate::config::{Config, IsolateAction, Protocol, VipSettings};
+use crate::config::{Config, IsolateAction, VipSettings};
 use crate::metrics::Metrics;
 use crate::owned::{Checked, Fingerprint, Guard, Owned};
 
@@ -92,7 +94,7 @@ impl Openings {
             }
             o.vips.insert(vip);
             for l in &lb.listeners {
-                o.open.insert((vip, protocol_name(l.protocol), l.port));
+                o.open.insert((vip, l.protocol.as_str(), l.port));
             }
         }
         o
@@ -141,10 +143,12 @@ fn list() -> Result<Option<Fingerprint>, IsolationError> {
     }
 }
 
-/// The table the daemon means, as a kernel object it owns.
-struct Wanted<'a>(&'a (Openings, IsolateAction));
+/// The port filter table as the daemon means it (the VIPs' open ports and
+/// the action for the rest), as an [`Owned`] kernel object: how the
+/// [`crate::owned::Guard`] writes it whole and reads it back.
+struct PortFilterTable<'a>(&'a (Openings, IsolateAction));
 
-impl Owned for Wanted<'_> {
+impl Owned for PortFilterTable<'_> {
     type Error = IsolationError;
     fn read_back(&self) -> Result<Option<Fingerprint>, IsolationError> {
         list()
@@ -269,12 +273,12 @@ impl Isolation {
         };
         if st.applied.as_ref() != Some(&wanted) {
             st.applied = None;
-            return st.guard.write(&Wanted(&wanted)).map(|()| {
+            return st.guard.write(&PortFilterTable(&wanted)).map(|()| {
                 st.applied = Some(wanted);
                 st.applied_at = Some(SystemTime::now());
             });
         }
-        match st.guard.check(&Wanted(&wanted)) {
+        match st.guard.check(&PortFilterTable(&wanted)) {
             Ok(Checked::Repaired(drift)) => {
                 st.applied_at = Some(SystemTime::now());
                 self.metrics.record_vip_isolation_repair();
@@ -539,12 +543,4 @@ fn open_elements(o: &Openings, v6: bool) -> Vec<Expression<'static>> {
             ]))
         })
         .collect()
-}
-
-/// nft's name of a listener's protocol.
-fn protocol_name(p: Protocol) -> &'static str {
-    match p {
-        Protocol::Tcp => "tcp",
-        Protocol::Udp => "udp",
-    }
 }

@@ -1,5 +1,8 @@
-//! The VM-network guard: one nftables table that keeps a host with an
-//! interface on tenants' VM networks from being a router between them.
+//! The VM-network guard (`[[network]] isolate`): the filter of what enters
+//! from VM networks, one nftables table that keeps a host with an interface
+//! on tenants' VM networks from being a router between them. (Not to be
+//! confused with `daemon::vip_guard`, which refuses VIPs the host uses, nor
+//! with [`super::port_filter`], which filters traffic to the VIPs.)
 //!
 //! A Harvester host has `ip_forward` on (Kubernetes needs it), and once it
 //! holds a VIP on a VM network its MAC answers there. Any VM of that
@@ -66,7 +69,7 @@
 //!
 //! The table only drops; its `accept` ends its own chains, so a firewall's
 //! table still applies. It is written whole in one `nft` transaction (the
-//! same add/delete/create as `vip::isolate`), at the first apply (replacing
+//! same add/delete/create as `vip::port_filter`), at the first apply (replacing
 //! what a crashed daemon left) and whenever its contents change, and read
 //! back at every apply and every [`crate::owned::CHECK_INTERVAL`]; another
 //! process's change is written over, logged at warn and counted
@@ -82,7 +85,7 @@ use std::net::IpAddr;
 use std::sync::Mutex;
 use std::time::SystemTime;
 
-use crate::config::{Config, Protocol};
+use crate::config::Config;
 use crate::metrics::{HostKind, Metrics};
 use crate::owned::{Checked, Drift, Fingerprint, Guard, Owned};
 
@@ -113,10 +116,7 @@ impl Rules {
                 .filter(|lb| lb.network.as_deref() == Some(net.name.as_str()))
             {
                 for l in &lb.listeners {
-                    let proto = match l.protocol {
-                        Protocol::Tcp => "tcp",
-                        Protocol::Udp => "udp",
-                    };
+                    let proto = l.protocol.as_str();
                     r.open
                         .insert((net.interface.clone(), lb.vip, proto, l.port));
                     for b in lb
@@ -264,10 +264,12 @@ pub struct GuardError {
     detail: String,
 }
 
-/// The table the daemon means, as a kernel object it owns.
-struct Wanted<'a>(&'a Rules);
+/// The VM-network guard table as the daemon means it (its [`Rules`]), as an
+/// [`Owned`] kernel object: how the [`crate::owned::Guard`] writes it whole
+/// and reads it back.
+struct VmnetFilterTable<'a>(&'a Rules);
 
-impl Owned for Wanted<'_> {
+impl Owned for VmnetFilterTable<'_> {
     type Error = GuardError;
     fn read_back(&self) -> Result<Option<Fingerprint>, GuardError> {
         let fail = |detail: String| GuardError {
@@ -416,12 +418,12 @@ impl VmNetworkGuard {
         st.started = true;
         if st.applied.as_ref() != Some(&rules) {
             st.applied = None;
-            st.guard.write(&Wanted(&rules))?;
+            st.guard.write(&VmnetFilterTable(&rules))?;
             st.applied = Some(rules);
             st.applied_at = Some(SystemTime::now());
             return Ok(None);
         }
-        match st.guard.check(&Wanted(&rules)) {
+        match st.guard.check(&VmnetFilterTable(&rules)) {
             Ok(Checked::Repaired(drift)) => {
                 st.applied_at = Some(SystemTime::now());
                 Ok(Some(drift))
@@ -430,7 +432,7 @@ impl VmNetworkGuard {
             Ok(Checked::NothingOwned) => {
                 // Written, but gone before its read-back: written again.
                 st.applied = None;
-                st.guard.write(&Wanted(&rules))?;
+                st.guard.write(&VmnetFilterTable(&rules))?;
                 st.applied = Some(rules);
                 st.applied_at = Some(SystemTime::now());
                 Ok(None)
