@@ -123,10 +123,10 @@ pub fn check(path: &Path) -> ExitCode {
 /// on stderr, the config on stdout), and exits with its code.
 pub fn import(args: &import::Args) -> ExitCode {
     let outcome = import::command(args);
-    for said in &outcome.said {
-        match said {
-            import::Said::Message(m) => eprintln!("harvester-lb import: {m}"),
-            import::Said::Config(text) => print!("{text}"),
+    for output in &outcome.output {
+        match output {
+            import::ImportOutput::Message(m) => eprintln!("harvester-lb import: {m}"),
+            import::ImportOutput::Config(text) => print!("{text}"),
         }
     }
     ExitCode::from(outcome.code)

@@ -66,10 +66,12 @@ pub struct Args {
     pub network_interfaces: Vec<String>,
 }
 
-/// One thing `harvester-lb import` says, in order: [`super::import()`]
-/// prints each ([`command`] prints nothing).
+/// One piece of what `harvester-lb import` prints, in order: a message for
+/// stderr or the config for stdout. [`command`] returns them instead of
+/// printing (so its tests read exactly what would be printed, in order);
+/// [`super::import()`] prints each.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Said {
+pub enum ImportOutput {
     /// A line for stderr, after `harvester-lb import: `.
     Message(String),
     /// The config, for stdout (when there is no `--write`).
@@ -79,15 +81,15 @@ pub enum Said {
 /// What `harvester-lb import` did: what it says, in order, and its exit code.
 #[derive(Debug, Clone, Default)]
 pub struct Outcome {
-    /// Messages and the printed config, in the order they are said.
-    pub said: Vec<Said>,
+    /// Messages and the printed config, in the order they are printed.
+    pub output: Vec<ImportOutput>,
     /// The exit code (0, [`EXIT_SKIPPED`] or an error's).
     pub code: u8,
 }
 
 impl Outcome {
     fn say(&mut self, message: impl Into<String>) {
-        self.said.push(Said::Message(message.into()));
+        self.output.push(ImportOutput::Message(message.into()));
     }
 
     fn exit(mut self, code: u8) -> Self {
@@ -206,7 +208,7 @@ pub fn command(args: &Args) -> Outcome {
         EXIT_SKIPPED
     };
     let Some(target) = &args.write else {
-        out.said.push(Said::Config(imported.text));
+        out.output.push(ImportOutput::Config(imported.text));
         out.say(format!("printed ({summary})"));
         return out.exit(done);
     };
@@ -336,26 +338,26 @@ mod tests {
             ..Args::default()
         });
         let configs: Vec<&String> = outcome
-            .said
+            .output
             .iter()
             .filter_map(|s| match s {
-                Said::Config(text) => Some(text),
-                Said::Message(_) => None,
+                ImportOutput::Config(text) => Some(text),
+                ImportOutput::Message(_) => None,
             })
             .collect();
-        assert_eq!(configs.len(), 1, "{:?}", outcome.said);
+        assert_eq!(configs.len(), 1, "{:?}", outcome.output);
         assert!(configs[0].contains("name = \"ns/web\""), "{}", configs[0]);
         assert!(
-            outcome.said.iter().any(
-                |s| matches!(s, Said::Message(m) if m.starts_with("skipped ") && m.contains("ConfigMap ns/other"))
+            outcome.output.iter().any(
+                |s| matches!(s, ImportOutput::Message(m) if m.starts_with("skipped ") && m.contains("ConfigMap ns/other"))
             ),
             "{:?}",
-            outcome.said
+            outcome.output
         );
         assert!(
-            matches!(outcome.said.last(), Some(Said::Message(m)) if m == "printed (1 load balancers; 1 skipped, each named above)"),
+            matches!(outcome.output.last(), Some(ImportOutput::Message(m)) if m == "printed (1 load balancers; 1 skipped, each named above)"),
             "{:?}",
-            outcome.said
+            outcome.output
         );
         assert_eq!(outcome.code, EXIT_SKIPPED);
     }
@@ -371,8 +373,8 @@ mod tests {
             ..Args::default()
         });
         assert_eq!(outcome.code, EXIT_NO_INPUT);
-        match outcome.said.as_slice() {
-            [Said::Message(m)] => assert!(
+        match outcome.output.as_slice() {
+            [ImportOutput::Message(m)] => assert!(
                 m.starts_with(&format!("cannot read {}", missing.display())),
                 "{m}"
             ),
