@@ -50,7 +50,7 @@ impl Daemon {
         st.config = Some(config);
         st.config_generation += 1;
         self.kernel_wake();
-        self.announce_wake();
+        self.start_or_wake_announcer();
         self.vmnet_wake();
         report
     }
@@ -360,7 +360,7 @@ impl Daemon {
             stats,
         );
         lb.configure_affinity(spec.affinity_timeout.is_some(), &self.affinity);
-        lb.notify_on_publish([Arc::clone(&self.kernel_wake), self.announcer_waker()]);
+        lb.notify_on_publish([Arc::clone(&self.kernel_wake), self.announcer_notify()]);
         let entry = LbEntry { lb, backends };
         self.ensure_probes(&entry, spec);
         entry

@@ -50,7 +50,9 @@ use crate::config::AnnounceSettings;
 use crate::metrics::HostKind;
 use crate::metrics::VipAnnounceSample;
 use crate::owned::{Backend, Driver, Outcome, StopPhase};
-use crate::vip::announce::{AnnounceError, RouteTable, RouteWriter, TableClaim, VipLocalRoutes};
+use crate::vip::announce::{
+    AnnounceError, RouteTable, RouteWriter, SeenRoute, TableClaim, VipLocalRoutes,
+};
 
 pub mod decide;
 
@@ -116,6 +118,26 @@ struct Inner {
     last_check: Option<Instant>,
 }
 
+/// What the route step ([`Daemon::announce_route_step`]) reads and changes of
+/// [`Inner`]: each VIP's decision and counts, the announce table's driver
+/// (`None` until the table is claimed), and the error shown in `/status`.
+/// Borrowed apart from `Inner` so the step runs against any
+/// [`AnnounceRoutes`] table, the tests' in memory included.
+struct RouteStep<'a, R: AnnounceRoutes> {
+    vips: &'a mut BTreeMap<IpAddr, VipState>,
+    routes: Option<&'a mut Driver<R>>,
+    error: &'a mut Option<String>,
+}
+
+/// A table of announce routes as the route step drives it: one host route
+/// per announced VIP out of the interface of that index, read back as the
+/// kernel shows it. [`RouteTable`] (rtnetlink) in the daemon; any kind with
+/// these keys and values is one (the tests' table in memory).
+trait AnnounceRoutes: Backend<Key = IpAddr, Want = u32, Seen = SeenRoute> {}
+
+impl<B: Backend<Key = IpAddr, Want = u32, Seen = SeenRoute>> AnnounceRoutes for B {}
+
+/// One VIP's announcing: its decision over time and what was done.
 struct VipState {
     decision: Hysteresis,
     announces: u64,
@@ -214,15 +236,23 @@ fn unix_of(t: Instant) -> f64 {
         .map_or(0.0, |d| d.as_secs_f64())
 }
 
-/// One VIP's conditions and rise delay.
-struct Wanted {
+/// One VIP's conditions for being announced, as read from the live state
+/// now, and the rise delay they must hold for: what the VIP's
+/// [`Hysteresis`] is fed at each step.
+struct VipConditions {
+    /// `Ok` when this host can serve the VIP; otherwise why not.
     conditions: Result<(), Blocker>,
+    /// How long `conditions` must hold before the VIP is announced
+    /// (`vip.announce_delay_seconds`, or from the health checks).
     delay: Duration,
 }
 
 impl Daemon {
-    /// Wakes the announcing task (starting it on first use).
-    pub(super) fn announce_wake(&self) {
+    /// Wakes the announcing task, and spawns it on the first call (the
+    /// first apply): every apply calls it, so that a reload is announced at
+    /// once. Load balancers wake the task through [`Self::announcer_notify`]
+    /// instead, which never spawns it.
+    pub(super) fn start_or_wake_announcer(&self) {
         self.announcer.wake.notify_one();
         if self.announcer.started.swap(true, Ordering::AcqRel) {
             return;
@@ -260,11 +290,13 @@ impl Daemon {
         });
     }
 
-    /// The announcer's own wake-up, for each load balancer to wake after
-    /// every publish: a flip may change which VIPs this host announces.
+    /// The `Notify` the announcing task waits on, handed to each load
+    /// balancer to notify after every publish: a flip may change which
+    /// VIPs this host announces. Notifying it wakes a running task and
+    /// starts none (that is [`Self::start_or_wake_announcer`]'s, at apply).
     /// (It used to be passed on by the kernel-table task, so announcing
     /// depended on that task running.)
-    pub(super) fn announcer_waker(&self) -> Arc<Notify> {
+    pub(super) fn announcer_notify(&self) -> Arc<Notify> {
         Arc::clone(&self.announcer.wake)
     }
 
@@ -278,7 +310,7 @@ impl Daemon {
     }
 
     /// Every VIP of the config in force with its conditions and rise delay.
-    fn announce_wanted(&self, settings: &AnnounceSettings) -> BTreeMap<IpAddr, Wanted> {
+    fn vip_conditions(&self, settings: &AnnounceSettings) -> BTreeMap<IpAddr, VipConditions> {
         let st = self.lock();
         let mut out: BTreeMap<IpAddr, (bool, Duration)> = BTreeMap::new();
         let Some(config) = &st.config else {
@@ -331,7 +363,7 @@ impl Daemon {
                 } else {
                     longest
                 });
-                (vip, Wanted { conditions, delay })
+                (vip, VipConditions { conditions, delay })
             })
             .collect()
     }
@@ -351,19 +383,19 @@ impl Daemon {
         message
     }
 
-    /// Records a failure of the interface, the local routes or the table as
-    /// `inner.error`: logged when it differs from the last one, counted
-    /// every time (each is retried).
+    /// Records a failure of the interface, the local routes or the table in
+    /// `error` (`Inner::error`): logged when it differs from the last one,
+    /// counted every time (each is retried).
     fn note_error(
         &self,
-        inner: &mut Inner,
+        error: &mut Option<String>,
         what: std::fmt::Arguments<'_>,
         e: &dyn std::fmt::Display,
     ) {
-        if inner.error.as_deref() == Some(e.to_string().as_str()) {
+        if error.as_deref() == Some(e.to_string().as_str()) {
             self.metrics.record_vip_announce_error();
         } else {
-            inner.error = Some(self.announce_failed(what, e));
+            *error = Some(self.announce_failed(what, e));
         }
     }
 
@@ -388,7 +420,7 @@ impl Daemon {
             match RouteWriter::connect() {
                 Ok(w) => inner.writer = Some(w),
                 Err(e) => {
-                    self.note_error(inner, format_args!("netlink"), &e);
+                    self.note_error(&mut inner.error, format_args!("netlink"), &e);
                     self.announce_publish(inner, &settings, &BTreeMap::new(), now);
                     return Some(now + Duration::from_secs(2));
                 }
@@ -403,7 +435,7 @@ impl Daemon {
             return Some(now + Duration::from_secs(2));
         }
         let (_, index) = inner.interface.clone().expect("set above");
-        let wanted = self.announce_wanted(&settings);
+        let wanted = self.vip_conditions(&settings);
 
         // The local routes: every VIP of the file, announced or not; read
         // back and repaired every CHECK_INTERVAL (or at once when the set
@@ -425,7 +457,7 @@ impl Daemon {
             self.note_local_elsewhere(inner, &out);
             match first_error(&out) {
                 Some(e) => self.note_error(
-                    inner,
+                    &mut inner.error,
                     format_args!("the VIPs' local routes on {:?}", settings.interface),
                     &e,
                 ),
@@ -439,7 +471,17 @@ impl Daemon {
         // Decisions, and the routes to match (read back every step: what
         // `/status` says is the kernel's).
         let next = self
-            .announce_decide(inner, &wanted, settings.table, index, now)
+            .announce_route_step(
+                RouteStep {
+                    vips: &mut inner.vips,
+                    routes: inner.routes.as_mut(),
+                    error: &mut inner.error,
+                },
+                &wanted,
+                settings.table,
+                index,
+                now,
+            )
             .await;
         self.announce_publish(inner, &settings, &wanted, now);
         next
@@ -504,7 +546,11 @@ impl Daemon {
             match TableClaim::take(settings.table) {
                 Ok(c) => inner.claim = Some(c),
                 Err(e) => {
-                    self.note_error(inner, format_args!("table {}", settings.table), &e);
+                    self.note_error(
+                        &mut inner.error,
+                        format_args!("table {}", settings.table),
+                        &e,
+                    );
                     return false;
                 }
             }
@@ -514,7 +560,7 @@ impl Daemon {
             Ok(index) => index,
             Err(e) => {
                 self.note_error(
-                    inner,
+                    &mut inner.error,
                     format_args!("interface {:?}", settings.interface),
                     &e,
                 );
@@ -541,7 +587,7 @@ impl Daemon {
         let out = routes.sync(&BTreeMap::new()).await;
         if let Some(e) = first_error(&out) {
             self.note_error(
-                inner,
+                &mut inner.error,
                 format_args!("deleting stale routes of table {}", settings.table),
                 &e,
             );
@@ -561,27 +607,37 @@ impl Daemon {
         true
     }
 
-    /// Feeds each wanted VIP's conditions to its hysteresis and makes the
-    /// table hold the routes of the VIPs it announces (the driver reads the
-    /// table back, repairs what another process changed, writes and
-    /// deletes the difference). Returns when a decision (or a failed
-    /// write's retry) is due at the latest.
-    async fn announce_decide(
+    /// The route step: feeds each wanted VIP's conditions to its hysteresis
+    /// and makes the table hold the routes of the VIPs it announces (the
+    /// driver reads the table back, repairs what another process changed,
+    /// writes and deletes the difference). Returns when a decision (or a
+    /// failed write's retry) is due at the latest.
+    ///
+    /// Generic over the table's [`Backend`] so that its decisions
+    /// (announce, withdraw, keep, repair) are unit-tested against a table in
+    /// memory, as the driver's own branches are; the daemon passes the
+    /// [`RouteTable`] of the claimed table.
+    async fn announce_route_step<R: AnnounceRoutes>(
         &self,
-        inner: &mut Inner,
-        wanted: &BTreeMap<IpAddr, Wanted>,
+        step: RouteStep<'_, R>,
+        wanted: &BTreeMap<IpAddr, VipConditions>,
         table: u32,
         index: u32,
         now: Instant,
     ) -> Option<Instant> {
+        let RouteStep {
+            vips,
+            routes,
+            error,
+        } = step;
         let mut next: Option<Instant> = None;
         let retry = now + Duration::from_secs(2);
         // VIPs that left the file: forgotten (their routes go below).
-        inner.vips.retain(|vip, _| wanted.contains_key(vip));
+        vips.retain(|vip, _| wanted.contains_key(vip));
         let mut routes_wanted = BTreeMap::new();
         let mut transitions = BTreeMap::new();
         for (vip, w) in wanted {
-            let state = inner.vips.entry(*vip).or_insert_with(|| VipState {
+            let state = vips.entry(*vip).or_insert_with(|| VipState {
                 decision: Hysteresis::new(now),
                 announces: 0,
                 withdrawals: 0,
@@ -595,7 +651,7 @@ impl Daemon {
                 routes_wanted.insert(*vip, index);
             }
         }
-        let Some(routes) = inner.routes.as_mut() else {
+        let Some(routes) = routes else {
             return Some(retry);
         };
         let out = routes.sync(&routes_wanted).await;
@@ -606,12 +662,12 @@ impl Daemon {
         if let Some(e) = &out.unread {
             // Believed no longer: nothing is shown announced that was not
             // read back (written again once the table reads).
-            self.note_error(inner, format_args!("reading table {table}"), e);
+            self.note_error(error, format_args!("reading table {table}"), e);
             return Some(retry);
         }
         let repaired: BTreeSet<IpAddr> = out.repaired.iter().map(|(v, _)| *v).collect();
         for vip in &out.written {
-            let Some(state) = inner.vips.get_mut(vip) else {
+            let Some(state) = vips.get_mut(vip) else {
                 continue;
             };
             state.error = None;
@@ -628,7 +684,7 @@ impl Daemon {
             );
         }
         for vip in &out.removed {
-            let Some(state) = inner.vips.get_mut(vip) else {
+            let Some(state) = vips.get_mut(vip) else {
                 if !repaired.contains(vip) {
                     tracing::info!(%vip, "vip.announce: withdrawn: the VIP left the config");
                 }
@@ -654,7 +710,7 @@ impl Daemon {
                 table,
                 protocol: seen.protocol,
             };
-            self.vip_failed(inner, *vip, "announcing", &e);
+            self.vip_failed(vips, *vip, "announcing", &e);
             next = Some(next.map_or(retry, |n| n.min(retry)));
         }
         for (vip, failure) in &out.failed {
@@ -663,7 +719,7 @@ impl Daemon {
             } else {
                 "withdrawing"
             };
-            self.vip_failed(inner, *vip, what, failure);
+            self.vip_failed(vips, *vip, what, failure);
             next = Some(next.map_or(retry, |n| n.min(retry)));
         }
         next
@@ -671,8 +727,14 @@ impl Daemon {
 
     /// Records a failed write of `vip`'s route for its `/status`: logged
     /// when the message changes, counted every time (each is retried).
-    fn vip_failed(&self, inner: &mut Inner, vip: IpAddr, what: &str, e: &dyn std::fmt::Display) {
-        let Some(state) = inner.vips.get_mut(&vip) else {
+    fn vip_failed(
+        &self,
+        vips: &mut BTreeMap<IpAddr, VipState>,
+        vip: IpAddr,
+        what: &str,
+        e: &dyn std::fmt::Display,
+    ) {
+        let Some(state) = vips.get_mut(&vip) else {
             self.announce_failed(format_args!("{what} {vip}"), e);
             return;
         };
@@ -689,7 +751,7 @@ impl Daemon {
         &self,
         inner: &Inner,
         settings: &AnnounceSettings,
-        wanted: &BTreeMap<IpAddr, Wanted>,
+        wanted: &BTreeMap<IpAddr, VipConditions>,
         now: Instant,
     ) {
         let marks = self.marks();
@@ -844,7 +906,7 @@ impl Daemon {
     ) -> Result<AnnounceStateChange, AnnounceStateError> {
         let settings = self.announce_settings().ok_or(AnnounceStateError::Off)?;
         if let Some(vip) = vip {
-            let known = self.announce_wanted(&settings).contains_key(&vip);
+            let known = self.vip_conditions(&settings).contains_key(&vip);
             if !known {
                 return Err(AnnounceStateError::UnknownVip(vip));
             }
@@ -907,6 +969,8 @@ fn first_error<B: Backend>(out: &Outcome<B>) -> Option<String> {
 mod tests {
     use super::super::testing::{config, daemon, lb};
     use super::*;
+    use crate::owned::Found;
+    use crate::owned::driver::Listing;
 
     /// `[vip]` announcing VIPs of 203.0.113.0/24 (the listeners bind them
     /// with `IP_FREEBIND`; nothing is sent to them).
@@ -933,7 +997,7 @@ mod tests {
     /// Each wanted VIP's conditions and rise delay now.
     fn wanted(d: &Daemon) -> BTreeMap<IpAddr, (Result<(), Blocker>, Duration)> {
         let settings = d.announce_settings().expect("announcing is on");
-        d.announce_wanted(&settings)
+        d.vip_conditions(&settings)
             .into_iter()
             .map(|(vip, w)| (vip, (w.conditions, w.delay)))
             .collect()
@@ -1122,5 +1186,227 @@ mod tests {
             None,
             "nothing to withdraw, no grace"
         );
+    }
+
+    /// The announce table in memory, shared with the test that reads and
+    /// changes it as another process would; a read can be made to fail.
+    #[derive(Clone, Default)]
+    struct MemoryTable {
+        routes: Arc<std::sync::Mutex<Listing<MemoryTable>>>,
+        /// Every write and removal, in order.
+        ops: Arc<std::sync::Mutex<Vec<String>>>,
+        unreadable: Arc<AtomicBool>,
+    }
+
+    impl MemoryTable {
+        fn routes(&self) -> std::sync::MutexGuard<'_, Listing<MemoryTable>> {
+            self.routes.lock().unwrap()
+        }
+
+        fn ops(&self) -> Vec<String> {
+            std::mem::take(&mut *self.ops.lock().unwrap())
+        }
+    }
+
+    impl Backend for MemoryTable {
+        const KIND: &'static str = RouteTable::KIND;
+        const STOP: StopPhase = RouteTable::STOP;
+        const REMOVES_STRAYS: bool = RouteTable::REMOVES_STRAYS;
+        type Key = IpAddr;
+        type Want = u32;
+        type Seen = SeenRoute;
+        type Error = String;
+
+        async fn read(&mut self) -> Result<Listing<MemoryTable>, String> {
+            if self.unreadable.load(Ordering::Acquire) {
+                return Err("cannot dump table 1000".into());
+            }
+            Ok(self.routes().clone())
+        }
+
+        async fn write(&mut self, vip: &IpAddr, interface: &u32) -> Result<(), String> {
+            self.ops.lock().unwrap().push(format!("announce {vip}"));
+            self.routes().insert(*vip, our_route(*interface));
+            Ok(())
+        }
+
+        async fn remove(&mut self, vip: &IpAddr) -> Result<(), String> {
+            self.ops.lock().unwrap().push(format!("withdraw {vip}"));
+            self.routes().remove(vip);
+            Ok(())
+        }
+    }
+
+    /// The route step's table and interface.
+    const TABLE: u32 = 1000;
+    const LO: u32 = 1;
+
+    fn our_route(interface: u32) -> Found<SeenRoute> {
+        Found {
+            seen: SeenRoute {
+                interface: Some(interface),
+                protocol: crate::config::ROUTE_PROTOCOL,
+            },
+            marked: true,
+        }
+    }
+
+    /// The route step's state between steps, over a [`MemoryTable`].
+    struct Stepper {
+        daemon: Arc<Daemon>,
+        table: MemoryTable,
+        routes: Driver<MemoryTable>,
+        vips: BTreeMap<IpAddr, VipState>,
+        error: Option<String>,
+    }
+
+    impl Stepper {
+        fn new() -> Self {
+            let table = MemoryTable::default();
+            Self {
+                daemon: daemon(),
+                routes: Driver::new(table.clone()),
+                table,
+                vips: BTreeMap::new(),
+                error: None,
+            }
+        }
+
+        /// One route step at `now` with each VIP's conditions (rise delay
+        /// 3 s); returns when the next is due.
+        async fn step(
+            &mut self,
+            now: Instant,
+            conditions: &[(IpAddr, Result<(), Blocker>)],
+        ) -> Option<Instant> {
+            let wanted = conditions
+                .iter()
+                .map(|(vip, c)| {
+                    let delay = Duration::from_secs(3);
+                    (
+                        *vip,
+                        VipConditions {
+                            conditions: *c,
+                            delay,
+                        },
+                    )
+                })
+                .collect();
+            let step = RouteStep {
+                vips: &mut self.vips,
+                routes: Some(&mut self.routes),
+                error: &mut self.error,
+            };
+            self.daemon
+                .announce_route_step(step, &wanted, TABLE, LO, now)
+                .await
+        }
+
+        /// A stepper whose table holds `vips`' routes, announced over the
+        /// rise delay from `t0` (its ops taken).
+        async fn announced(t0: Instant, vips: &[IpAddr]) -> Self {
+            let mut s = Self::new();
+            let holding: Vec<_> = vips.iter().map(|v| (*v, Ok(()))).collect();
+            s.step(t0, &holding).await;
+            s.step(t0 + Duration::from_secs(3), &holding).await;
+            assert_eq!(s.table.routes().len(), vips.len());
+            s.table.ops();
+            s
+        }
+
+        /// `vip`'s announces and withdrawals so far.
+        fn counts(&self, vip: IpAddr) -> (u64, u64) {
+            let state = &self.vips[&vip];
+            (state.announces, state.withdrawals)
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_route_step_announces_after_the_rise_delay_and_then_writes_nothing() {
+        let vip = ip("203.0.113.30");
+        let mut s = Stepper::new();
+        let t0 = Instant::now();
+        let next = s.step(t0, &[(vip, Ok(()))]).await;
+        assert_eq!(
+            next,
+            Some(t0 + Duration::from_secs(3)),
+            "due when the delay ends"
+        );
+        assert!(s.table.routes().is_empty(), "not before the rise delay");
+        assert!(!s.routes.holds(&vip));
+
+        s.step(t0 + Duration::from_secs(3), &[(vip, Ok(()))]).await;
+        assert_eq!(s.table.ops(), [format!("announce {vip}")]);
+        assert_eq!(s.table.routes().get(&vip), Some(&our_route(LO)));
+        assert!(s.routes.holds(&vip), "read back: shown announced");
+        assert_eq!(s.counts(vip), (1, 0));
+
+        // Kept: the conditions still hold, the kernel has the route.
+        let next = s.step(t0 + Duration::from_secs(4), &[(vip, Ok(()))]).await;
+        assert_eq!(next, None, "nothing is due");
+        assert!(s.table.ops().is_empty(), "nothing written again");
+        assert!(s.routes.holds(&vip));
+        assert_eq!(s.counts(vip), (1, 0));
+        assert_eq!(s.daemon.metrics.announce_repairs.get(), 0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_route_step_withdraws_at_once_when_the_conditions_fail_or_the_vip_leaves() {
+        let (a, b) = (ip("203.0.113.31"), ip("203.0.113.32"));
+        let t0 = Instant::now();
+        let mut s = Stepper::announced(t0, &[a, b]).await;
+
+        let t1 = t0 + Duration::from_secs(4);
+        s.step(t1, &[(a, Err(Blocker::NoEligibleBackend)), (b, Ok(()))])
+            .await;
+        assert_eq!(s.table.ops(), [format!("withdraw {a}")]);
+        assert!(!s.routes.holds(&a) && s.routes.holds(&b));
+        assert_eq!(s.counts(a), (1, 1));
+        assert_eq!(s.counts(b), (1, 0));
+
+        // b leaves the config: its route goes and it is forgotten.
+        s.step(t1, &[(a, Err(Blocker::NoEligibleBackend))]).await;
+        assert_eq!(s.table.ops(), [format!("withdraw {b}")]);
+        assert!(s.table.routes().is_empty());
+        assert!(!s.vips.contains_key(&b));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_route_step_repairs_a_route_another_process_changed_without_counting_an_announce() {
+        let (a, b) = (ip("203.0.113.33"), ip("203.0.113.34"));
+        let t0 = Instant::now();
+        let mut s = Stepper::announced(t0, &[a, b]).await;
+        let both = [(a, Ok(())), (b, Ok(()))];
+
+        // Another process deletes a's route and points b's elsewhere.
+        s.table.routes().remove(&a);
+        s.table.routes().insert(b, our_route(7));
+        s.step(t0 + Duration::from_secs(4), &both).await;
+        assert_eq!(
+            s.table.ops(),
+            [format!("announce {a}"), format!("announce {b}")]
+        );
+        assert_eq!(s.table.routes().get(&a), Some(&our_route(LO)));
+        assert_eq!(s.table.routes().get(&b), Some(&our_route(LO)));
+        assert!(s.routes.holds(&a) && s.routes.holds(&b));
+        assert_eq!(s.counts(a), (1, 0), "a repair is no announce");
+        assert_eq!(s.counts(b), (1, 0), "a repair is no announce");
+        assert_eq!(
+            s.daemon.metrics.announce_repairs.get(),
+            1,
+            "one step repaired"
+        );
+
+        // A table that cannot be read: nothing shown announced, the error
+        // kept for /status, a retry due; read again, all in place.
+        s.table.unreadable.store(true, Ordering::Release);
+        let t1 = t0 + Duration::from_secs(5);
+        assert_eq!(s.step(t1, &both).await, Some(t1 + Duration::from_secs(2)));
+        assert!(!s.routes.holds(&a) && !s.routes.holds(&b));
+        assert_eq!(s.error.as_deref(), Some("cannot dump table 1000"));
+        s.table.unreadable.store(false, Ordering::Release);
+        s.step(t1, &both).await;
+        assert!(s.routes.holds(&a) && s.routes.holds(&b));
+        assert!(s.table.ops().is_empty(), "in place: nothing written");
     }
 }
