@@ -157,9 +157,9 @@ impl Daemon {
             forwarding: if impaired.is_some() {
                 "repairing"
             } else if kernel && self.kernel.forwards(&id) {
-                "kernel"
+                Forwarding::Kernel.as_str()
             } else {
-                "proxy"
+                Forwarding::Proxy.as_str()
             },
             kernel_error: kernel
                 .then(|| {

@@ -99,7 +99,7 @@ impl Validator<'_> {
             l.get_ref()
                 .forwarding
                 .as_ref()
-                .is_some_and(|f| f.get_ref() == "kernel")
+                .is_some_and(|f| f.get_ref() == Forwarding::Kernel.as_str())
         }) else {
             return;
         };
