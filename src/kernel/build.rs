@@ -10,10 +10,12 @@
 
 use ipnet::IpNet;
 
-use super::{
-    Desired, KernelListener, ListenerId, Shard, affinity_set, backend_chain, backend_counter,
-    bucket_map, denied_counter, listener_chain, no_backend_counter, source_set, table_of,
+use super::names::{
+    FAMILIES, Family, INPUT, OUTPUT, POSTROUTING, PREROUTING, Shard, affinity_set, backend_chain,
+    backend_counter, bucket_map, denied_counter, family_of, listener_chain, no_backend_counter,
+    source_set, table_of,
 };
+use super::{Desired, KernelListener, ListenerId};
 use crate::config::{Protocol, SourceNat};
 use std::borrow::Cow;
 use std::collections::{BTreeMap, BTreeSet, HashSet};
@@ -35,11 +37,6 @@ use nftables::types::{NfChainPolicy, NfChainType, NfFamily, NfHook, RejectCode};
 
 use crate::balancer::select;
 use crate::config::Algorithm;
-
-/// The main table's name, in family `inet` (beside `inet harvester_lb`,
-/// the VIP isolation table, which it never touches); the other shards'
-/// tables are this name and `_k` ([`Shard`]).
-pub const TABLE: &str = "harvester_lb_nat";
 
 /// `dstnat`: NAT before routing, as kube-proxy. Numeric, because nft 1.0.6
 /// refuses the name `dstnat` on the output hook.
@@ -273,39 +270,6 @@ fn tuple_set(t: Shard, name: &str, types: Vec<SetType>) -> Set<'static> {
         comment: None,
     }
 }
-
-/// The map and set names of one address family.
-struct Family {
-    v4: bool,
-    dispatch: &'static str,
-    refuse: &'static str,
-    masq: &'static str,
-    /// `source_nat = "vip"`: the flows SNATed to their VIP (the key is the
-    /// masquerade's).
-    snat: &'static str,
-    /// The `flow_hash` TCP listeners, whose mid-stream segments are DNATed
-    /// ([`picks_up`]).
-    pickup: &'static str,
-}
-
-const FAMILIES: [Family; 2] = [
-    Family {
-        v4: true,
-        dispatch: "dispatch4",
-        refuse: "refuse4",
-        masq: "masq4",
-        snat: "snat4",
-        pickup: "pickup4",
-    },
-    Family {
-        v4: false,
-        dispatch: "dispatch6",
-        refuse: "refuse6",
-        masq: "masq6",
-        snat: "snat6",
-        pickup: "pickup6",
-    },
-];
 
 /// An empty map of ours, to name in a flush or a delete.
 fn map(t: Shard, name: &str) -> Box<Map<'static>> {
@@ -825,7 +789,7 @@ fn partial_commands(desired: &Desired, applied: &Desired) -> Nftables<'static> {
     let nats = source_nats_in_use(desired);
     if !before.tables.contains(&Shard::MAIN) || source_nats_in_use(applied) != nats {
         cmds.push(NfObject::CmdObject(NfCmd::Flush(FlushObject::Chain(
-            chain(Shard::MAIN, "postrouting"),
+            chain(Shard::MAIN, POSTROUTING),
         ))));
         source_nat_rules(&mut cmds, &nats);
     }
@@ -838,7 +802,7 @@ fn partial_commands(desired: &Desired, applied: &Desired) -> Nftables<'static> {
             continue;
         }
         touched.insert(id.0);
-        let f = &FAMILIES[usize::from(!is_v4(id.0))];
+        let f = family_of(id.0);
         cmds.push(delete_element(Shard::of(id), f.dispatch, listener_key(id)));
         cmds.push(delete_element(Shard::MAIN, f.refuse, listener_key(id)));
         if picks_up(id, old) {
@@ -1137,24 +1101,24 @@ fn skeleton(cmds: &mut Vec<NfObject<'static>>, t: Shard) {
     let mut bases = vec![
         base_chain(
             t,
-            "prerouting",
+            PREROUTING,
             NfChainType::NAT,
             NfHook::Prerouting,
             PRIO_DSTNAT,
         ),
-        base_chain(t, "output", NfChainType::NAT, NfHook::Output, PRIO_DSTNAT),
+        base_chain(t, OUTPUT, NfChainType::NAT, NfHook::Output, PRIO_DSTNAT),
     ];
     if t == Shard::MAIN {
         bases.push(base_chain(
             t,
-            "postrouting",
+            POSTROUTING,
             NfChainType::NAT,
             NfHook::Postrouting,
             PRIO_SRCNAT,
         ));
         bases.push(base_chain(
             t,
-            "input",
+            INPUT,
             NfChainType::Filter,
             NfHook::Input,
             PRIO_FILTER,
@@ -1198,24 +1162,24 @@ fn skeleton(cmds: &mut Vec<NfObject<'static>>, t: Shard) {
         ))));
     }
     for f in &FAMILIES {
-        cmds.push(rule(t, "prerouting", terminated_here(Some(f))));
+        cmds.push(rule(t, PREROUTING, terminated_here(Some(f))));
     }
     if t == Shard::MAIN {
         // The input chain sees every packet to this host, the proxy's and
         // every other service's: what is not a new flow leaves at its
         // first rule, before the socket check and the refusals.
-        cmds.push(rule(t, "input", not_new_returns()));
+        cmds.push(rule(t, INPUT, not_new_returns()));
         // Before the refusal of new flows to kernel listeners: the same
         // picked-up segment must reach its socket, not draw a reset.
-        cmds.push(rule(t, "input", terminated_here(None)));
+        cmds.push(rule(t, INPUT, terminated_here(None)));
     }
     for f in &FAMILIES {
         let vmap = Statement::VerdictMap(VerdictMap {
             key: dispatch_key(f.v4),
             data: set_ref(f.dispatch),
         });
-        cmds.push(rule(t, "prerouting", vec![vmap.clone()]));
-        cmds.push(rule(t, "output", vec![vmap]));
+        cmds.push(rule(t, PREROUTING, vec![vmap.clone()]));
+        cmds.push(rule(t, OUTPUT, vec![vmap]));
         if t == Shard::MAIN {
             shared_rules(cmds, f);
         }
@@ -1247,13 +1211,13 @@ fn shared_rules(cmds: &mut Vec<NfObject<'static>>, f: &Family) {
         Some(RejectType::TCPReset),
         None,
     ))));
-    cmds.push(rule(t, "input", tcp));
+    cmds.push(rule(t, INPUT, tcp));
     let mut other = refused();
     other.push(Statement::Reject(Some(Reject::new(
         Some(RejectType::ICMPX),
         Some(RejectCode::PortUnreach),
     ))));
-    cmds.push(rule(t, "input", other));
+    cmds.push(rule(t, INPUT, other));
 }
 
 /// The source NATs `desired` uses, by address family (`true`: IPv4):
@@ -1310,7 +1274,7 @@ fn source_nat_rules(cmds: &mut Vec<NfObject<'static>>, in_use: &HashSet<(bool, S
                 port: None,
                 flags: Some([NATFlag::FullyRandom].into_iter().collect()),
             })));
-            cmds.push(rule(t, "postrouting", masq));
+            cmds.push(rule(t, POSTROUTING, masq));
         }
         // `source_nat = "vip"`: to the VIP the client connected to,
         // keeping the client's port where the tuple allows (no
@@ -1324,14 +1288,14 @@ fn source_nat_rules(cmds: &mut Vec<NfObject<'static>>, in_use: &HashSet<(bool, S
                 port: None,
                 flags: None,
             })));
-            cmds.push(rule(t, "postrouting", snat));
+            cmds.push(rule(t, POSTROUTING, snat));
         }
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use super::super::listener_tag;
+    use super::super::names::{SHARDS, TABLE, listener_tag};
     use super::super::test_listener as listener;
     use super::*;
 
@@ -1769,7 +1733,7 @@ mod tests {
             "harvester_lb_nat_15"
         );
         let spread: BTreeSet<Shard> = (1..=200).map(|p| Shard::of(&id("192.0.2.10", p))).collect();
-        assert_eq!(spread.len(), usize::from(super::super::SHARDS));
+        assert_eq!(spread.len(), usize::from(SHARDS));
     }
 
     #[test]
