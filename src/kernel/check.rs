@@ -30,7 +30,9 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::fmt;
 
-use super::build::{MasqKey, Obj, Owned, has_backend_chains, picks_up, source_nats_in_use};
+use super::build::{
+    MasqKey, TableObject, TableObjects, has_backend_chains, picks_up, source_nats_in_use,
+};
 use super::names::{
     Family, INPUT, OUTPUT, POSTROUTING, PREROUTING, Shard, backend_chain, family_of, listener_chain,
 };
@@ -82,18 +84,18 @@ pub(super) struct Expected {
     /// The rules of each chain (base chains included) as the kernel listed
     /// them after this process wrote it; a chain without one is taken as
     /// it is at the next check.
-    pub(super) rules: HashMap<Obj, Rules>,
+    pub(super) rules: HashMap<TableObject, Rules>,
 }
 
 impl Expected {
     /// The structure `desired` gives the tables (no rule digest yet).
     pub(super) fn of(desired: &Desired) -> Self {
-        let owned = Owned::of(desired);
+        let objects = TableObjects::of(desired);
         let mut e = Expected {
-            tables: owned.tables.clone(),
+            tables: objects.tables.clone(),
             ..Self::default()
         };
-        for o in &owned.chains {
+        for o in &objects.chains {
             e.chains.entry(o.shard).or_default().insert(o.name.clone());
         }
         for (id, l) in desired {
@@ -127,16 +129,23 @@ impl Expected {
     }
 
     /// Every chain the tables must hold, base chains included.
-    fn all_chains(&self) -> impl Iterator<Item = Obj> + '_ {
+    fn all_chains(&self) -> impl Iterator<Item = TableObject> + '_ {
         self.tables.iter().flat_map(move |&t| {
-            let bases = base_chains(t).into_iter().map(move |(name, _)| Obj {
-                shard: t,
-                name: name.to_string(),
-            });
-            let own = self.chains.get(&t).into_iter().flatten().map(move |n| Obj {
-                shard: t,
-                name: n.clone(),
-            });
+            let bases = base_chains(t)
+                .into_iter()
+                .map(move |(name, _)| TableObject {
+                    shard: t,
+                    name: name.to_string(),
+                });
+            let own = self
+                .chains
+                .get(&t)
+                .into_iter()
+                .flatten()
+                .map(move |n| TableObject {
+                    shard: t,
+                    name: n.clone(),
+                });
             bases.chain(own)
         })
     }
@@ -151,7 +160,7 @@ impl Expected {
         desired: &Desired,
         before: Option<&Desired>,
         old: Option<&Expected>,
-    ) -> Option<Vec<Obj>> {
+    ) -> Option<Vec<TableObject>> {
         let (before, old) = (before?, old?);
         let mut rewritten = Vec::new();
         for chain in self.all_chains().collect::<Vec<_>>() {
@@ -238,9 +247,9 @@ pub(super) struct Compared {
     /// Every difference, tables first.
     pub differences: Vec<Difference>,
     /// Chains present as expected that had no digest yet: theirs now.
-    pub adopt: Vec<(Obj, Rules)>,
+    pub adopt: Vec<(TableObject, Rules)>,
     /// Chains in our tables that are not ours: the repair deletes them.
-    pub foreign: Vec<Obj>,
+    pub foreign: Vec<TableObject>,
 }
 
 /// The differences between what the tables must hold and what the kernel
@@ -307,13 +316,13 @@ pub(super) fn compare(e: &Expected, seen: &Seen) -> Compared {
                     Scope::Nothing
                 };
                 differ(scope, false, format!("chain inet {name} {chain}"));
-                foreign.push(Obj {
+                foreign.push(TableObject {
                     shard: t,
                     name: chain.clone(),
                 });
                 continue;
             }
-            let obj = Obj {
+            let obj = TableObject {
                 shard: t,
                 name: chain.clone(),
             };
@@ -780,7 +789,7 @@ mod tests {
         let reread = e.carry(&after, Some(&before), Some(&old)).unwrap();
         assert_eq!(
             reread,
-            vec![Obj {
+            vec![TableObject {
                 shard: Shard::of(&id),
                 name: listener_chain(&id)
             }]

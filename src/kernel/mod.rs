@@ -88,7 +88,7 @@ mod netlink;
 mod read_back;
 mod sync;
 
-pub use build::{BUCKETS, Obj, Owned, bucket_key, buckets, transaction};
+pub use build::{BUCKETS, TableObject, TableObjects, bucket_key, buckets, transaction};
 pub use conntrack::{delete_stale_flows, open_connections};
 pub use error::NftError;
 pub use names::{

@@ -5,7 +5,7 @@
 //!
 //! * **The inventory** ([`read_back`]): every table, regular chain,
 //!   counter, source-range set, bucket map and affinity set of ours, by
-//!   name ([`Owned`]), so that a sync after a restart or a failed
+//!   name ([`TableObjects`]), so that a sync after a restart or a failed
 //!   transaction deletes exactly the objects no longer wanted (a
 //!   kube-proxy style "full resync"), and never the table itself. Read with
 //!   `nft -j list table`, once per resync.
@@ -31,7 +31,7 @@ use std::net::IpAddr;
 use netlink_sys::Socket;
 
 use super::ListenerId;
-use super::build::{MasqKey, Obj, Owned};
+use super::build::{MasqKey, TableObject, TableObjects};
 use super::error::NftError;
 use super::names::{
     AFFINITY_SET, BUCKET_MAP, DISPATCH4, DISPATCH6, MASQ4, MASQ6, PICKUP4, PICKUP6, REFUSE4,
@@ -55,41 +55,41 @@ pub(super) fn our_tables_now() -> Result<Vec<Shard>, NftError> {
 
 /// The tables, regular chains, counters and sets ours hold now; empty
 /// when there is none (a first start, or a clean stop before).
-pub fn read_back() -> Result<Owned, NftError> {
-    let mut owned = Owned::default();
+pub fn read_back() -> Result<TableObjects, NftError> {
+    let mut objects = TableObjects::default();
     for shard in our_tables_now()? {
         // Gone between the two calls: nothing to read.
         if let Some(listed) = crate::nft::list_inet_table(&shard.table()).map_err(read_failed)? {
-            parse_listing(shard, &listed, &mut owned).map_err(read_failed)?;
+            parse_listing(shard, &listed, &mut objects).map_err(read_failed)?;
         }
     }
-    Ok(owned)
+    Ok(objects)
 }
 
 /// The objects of a `nft -j list table` answer for table `shard`, into
-/// `owned`. Read as plain JSON: the crate's schema has no verdict map
+/// `objects`. Read as plain JSON: the crate's schema has no verdict map
 /// type, so it cannot read our own table.
-fn parse_listing(shard: Shard, listed: &str, owned: &mut Owned) -> Result<(), String> {
+fn parse_listing(shard: Shard, listed: &str, objects: &mut TableObjects) -> Result<(), String> {
     let doc: serde_json::Value =
         serde_json::from_str(listed).map_err(|e| format!("cannot parse nft's listing: {e}"))?;
-    owned.tables.insert(shard);
+    objects.tables.insert(shard);
     for o in doc["nftables"].as_array().into_iter().flatten() {
         let name = |kind: &str| {
-            o.get(kind)?.get("name")?.as_str().map(|n| Obj {
+            o.get(kind)?.get("name")?.as_str().map(|n| TableObject {
                 shard,
                 name: n.to_string(),
             })
         };
         if let Some(n) = name("chain").filter(|_| o["chain"].get("hook").is_none()) {
-            owned.chains.insert(n);
+            objects.chains.insert(n);
         } else if let Some(n) = name("counter") {
-            owned.counters.insert(n);
+            objects.counters.insert(n);
         } else if let Some(n) = name("set").filter(|n| n.name.starts_with(SOURCE_SET)) {
-            owned.sets.insert(n);
+            objects.sets.insert(n);
         } else if let Some(n) = name("set").filter(|n| n.name.starts_with(AFFINITY_SET)) {
-            owned.affinity.insert(n);
+            objects.affinity.insert(n);
         } else if let Some(n) = name("map").filter(|n| n.name.starts_with(BUCKET_MAP)) {
-            owned.maps.insert(n);
+            objects.maps.insert(n);
         }
     }
     Ok(())
@@ -352,8 +352,8 @@ fn seen(socket: &Socket) -> io::Result<Seen> {
 /// rather than chain by chain.
 pub(super) fn read_rules(
     socket: &KeptSocket,
-    chains: Option<&[Obj]>,
-) -> Result<HashMap<Obj, Rules>, NftError> {
+    chains: Option<&[TableObject]>,
+) -> Result<HashMap<TableObject, Rules>, NftError> {
     /// Above this many chains of one table, one dump of the table.
     const BY_CHAIN: usize = 16;
     socket
@@ -390,12 +390,12 @@ pub(super) fn read_rules(
                 };
                 for (name, rules) in read {
                     if names.as_ref().is_none_or(|n| n.contains(name.as_str())) {
-                        out.insert(Obj { shard: t, name }, rules);
+                        out.insert(TableObject { shard: t, name }, rules);
                     }
                 }
                 // A chain with no rule is not in the dump: it has none.
                 for name in names.into_iter().flatten() {
-                    out.entry(Obj {
+                    out.entry(TableObject {
                         shard: t,
                         name: name.to_string(),
                     })

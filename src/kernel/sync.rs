@@ -13,7 +13,7 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use super::build::{
-    Owned, has_backend_chains, partial_transaction_json, prelude, transaction_json,
+    TableObjects, has_backend_chains, partial_transaction_json, prelude, transaction_json,
 };
 use super::check::{self, Compared, Expected, Impaired};
 use super::commit;
@@ -117,7 +117,7 @@ struct CheckMemory {
     resync: bool,
     /// Chains in our tables that are not ours, found by the last check:
     /// deleted before the resync (which rewrites only what is ours).
-    foreign: Vec<super::build::Obj>,
+    foreign: Vec<super::build::TableObject>,
     /// The read-backs' netlink socket, kept open (a closed one stalls the
     /// next commit) and opened in the tables' network namespace.
     reader: Arc<netlink::KeptSocket>,
@@ -237,12 +237,12 @@ impl KernelTable {
             // Known to be in the kernel: only what differs is written.
             // (Nothing written yet, the table may not exist: a full write.)
             if let Some(applied) = st.applied.as_ref().filter(|a| !a.is_empty()) {
-                commit::prepare(prelude(desired, Some(applied), &Owned::of(applied)))?;
+                commit::prepare(prelude(desired, Some(applied), &TableObjects::of(applied)))?;
                 return commit::apply_json(&partial_transaction_json(desired, applied))
                     .map(|()| true);
             }
             let present = match &st.applied {
-                Some(applied) => Owned::of(applied),
+                Some(applied) => TableObjects::of(applied),
                 None => match read_back::read_back() {
                     Ok(p) => p,
                     // No `nft` and nothing to forward: nothing is wrong.
@@ -250,7 +250,7 @@ impl KernelTable {
                     Err(e) => return Err(e),
                 },
             };
-            if desired.is_empty() && present == Owned::default() {
+            if desired.is_empty() && present == TableObjects::default() {
                 return Ok(false);
             }
             commit::prepare(prelude(desired, None, &present))?;
@@ -422,7 +422,7 @@ impl CheckMemory {
         };
         let chains: Vec<_> = listeners
             .iter()
-            .map(|id| super::build::Obj {
+            .map(|id| super::build::TableObject {
                 shard: super::Shard::of(id),
                 name: super::names::listener_chain(id),
             })
@@ -617,8 +617,8 @@ impl KernelTable {
 /// committing nothing). Their prelude is written: it declares empty maps
 /// and sets, which change no packet's path.
 fn check_alone(listeners: &Desired) -> Result<(), NftError> {
-    commit::prepare(prelude(listeners, None, &Owned::default()))?;
-    let json = transaction_json(listeners, &Owned::default());
+    commit::prepare(prelude(listeners, None, &TableObjects::default()))?;
+    let json = transaction_json(listeners, &TableObjects::default());
     commit::run("check", &["-c", "-j", "-f", "-"], &json).map(drop)
 }
 
