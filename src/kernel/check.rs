@@ -4,7 +4,8 @@
 //! ruleset`, flush a listener's chain or insert a rule at its top; each
 //! of these breaks or hijacks tenants while memory says all is written.
 //!
-//! Two comparisons, both of the kernel's copy read back over netlink:
+//! Two comparisons, both of the kernel's copy as `read_back` reads it over
+//! netlink ([`Seen`], the rules' digests):
 //!
 //! 1. **The structure, from the desired state alone** ([`Expected::of`]):
 //!    every table, base chain (its hook, priority, type and policy) and
@@ -21,9 +22,9 @@
 //! chain or element and the listeners it breaks ([`Scope`]): logged,
 //! shown in `/status` until the repair, and repaired by a full resync.
 //!
-//! Why netlink and not `nft -j list`: nft 1.0.6 fetches its cache of the
-//! whole ruleset first (2.75 s at 10,000 listeners, see `netlink`); the
-//! dumps here read only our tables. Affinity sets and counters are not
+//! This module reads nothing itself: it compares (and says what it
+//! found), so every branch is unit-tested without a kernel. Affinity sets
+//! and counters are not
 //! compared: the kernel changes them itself. Source-range sets and bucket
 //! maps are only checked to exist through the rules that name them.
 

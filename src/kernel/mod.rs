@@ -76,6 +76,33 @@
 //! This part decides nothing: the daemon hands it the desired state
 //! ([`Desired`]: VIPs, ports, eligible backends) and it writes the kernel.
 //! It never imports `proxy` or `health`.
+//!
+//! The files, by job, each importing only files listed before it (and
+//! this one's types):
+//!
+//! * `names`: every name written and read back: the tables ([`Shard`],
+//!   [`TABLE`]), base chains, each family's maps and sets, and each
+//!   listener's chains, counters, sets and maps.
+//! * `error`: [`NftError`], the one error of the kernel path.
+//! * `build`: the pure builder, desired state in, one `nft` transaction
+//!   out; [`TableObjects`], what the tables hold by kind and name.
+//! * `netlink`: nf_tables over netlink: a flip's rewrite of listener
+//!   chains, the counters ([`counters`]), the dumps the readers use.
+//! * `read_back`: our tables as the kernel holds them now: the inventory
+//!   a resync diffs ([`read_back()`]) and what the check compares.
+//! * `commit`: running the builder's transactions with `nft`, the removal.
+//! * `check`: what was written against what was read back, the
+//!   differences named with the listeners they break.
+//! * `narrow`: a refused write narrowed to the owners it refuses.
+//! * `sync`: [`KernelTable`], which keeps the tables equal to the desired
+//!   state with the above; `conntrack`: the flows of backends that left.
+//!
+//! A new kind of object in the NAT tables: its name in `names`; declared,
+//! filled and deleted in `build` (and listed in [`TableObjects::of`] when a
+//! sync must delete it once unwanted); sorted in `read_back`'s inventory,
+//! and read and compared in `read_back` and `check` when another process
+//! could change it unseen; rewritten in `netlink` only if a health flip
+//! changes it. docs/design.md says the same with the tests to add.
 
 mod build;
 mod check;

@@ -226,7 +226,7 @@ pub fn denied_counter(id: &ListenerId) -> String {
 }
 
 /// A `source_ip` or `flow_hash` listener's bucket map: bucket (a hash of
-/// the client's address, or address and port, modulo [`BUCKETS`]) to the
+/// the client's address, or address and port, modulo [`BUCKETS`](super::BUCKETS)) to the
 /// backend chain.
 pub(super) fn bucket_map(id: &ListenerId) -> String {
     format!("{BUCKET_MAP}{}", listener_tag(id))
