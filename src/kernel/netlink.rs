@@ -16,6 +16,11 @@
 //! hand: the
 //! `netlink-packet-netfilter` crate has no `numgen`, `objref` or `nat`
 //! expression.
+//!
+//! The same socket kind serves the reads that must not wait for nft's
+//! cache: the named counters ([`counters`]), the host's forward base
+//! chains ([`forward_base_chains`]), and the dumps `read_back` is built on
+//! ([`dump`], [`messages`], [`attributes`]).
 
 use super::names::{
     Shard, backend_counter, denied_counter, listener_chain, no_backend_counter, source_set,
