@@ -26,7 +26,7 @@ use std::net::{IpAddr, Ipv4Addr};
 use std::time::Instant;
 
 use harvester_lb::config::{Algorithm, Protocol, SourceNat};
-use harvester_lb::kernel::{Desired, KernelListener, KernelTable, Owned, transaction};
+use harvester_lb::kernel::{Desired, KernelListener, KernelTable, TableObjects, transaction};
 
 fn arg(i: usize, default: usize) -> usize {
     std::env::args()
@@ -60,7 +60,7 @@ fn main() {
     }
     if std::env::var_os("KERNEL_SCALE_JSON").is_some() {
         let t0 = Instant::now();
-        let doc = transaction(&desired, &Owned::default());
+        let doc = transaction(&desired, &TableObjects::default());
         eprintln!("built in {:?}", t0.elapsed());
         println!("{doc}");
         return;

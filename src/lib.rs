@@ -26,7 +26,10 @@
 //! * [`daemon`]: applies a config as a diff (start-up and reload alike).
 //! * [`server`]: the daemon's life: start, the reload loop, the systemd watchdog, drain.
 //! * [`workers`]: the threads TCP connections run on (thread per core or work stealing).
-//! * [`kernel`]: `forwarding = "kernel"` listeners as nftables DNAT, written from the daemon's verdicts.
+//! * [`kernel`]: `forwarding = "kernel"` listeners as nftables DNAT, written from the daemon's verdicts;
+//!   by job: the names (`names`), the builder (`build`), the writes (`commit`
+//!   with `nft`, `netlink` for a flip), the read-back (`read_back`) and its
+//!   comparison (`check`), the keeper (`sync`).
 //! * [`vip`]: the VIPs themselves: never an address the host uses, only
 //!   their listeners' ports answer, leased by DHCP or announced by route.
 //! * [`nft`]: the `nft` command, run in one place for every table.

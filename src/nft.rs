@@ -8,6 +8,14 @@
 use std::io::Write;
 use std::process::{Command, Stdio};
 
+/// The prefix of every nftables table the daemon owns (`inet
+/// harvester_lb`, `inet harvester_lb_nat` and its shards, the VM-network
+/// guard's, the reply mark's, the sync gate's, the anycast sync's): what
+/// the daemon's own checks of the host's forward chains leave out. Each
+/// table's full name is a constant of the module that writes it
+/// ([`crate::kernel::TABLE`], [`crate::vip::isolate::TABLE`], …).
+pub const TABLE_PREFIX: &str = "harvester_lb";
+
 /// Runs `nft` with `args` and `input` on its stdin. `Ok`: what it printed;
 /// `Err`: why not, in nft's own words where it said something.
 pub fn run(args: &[&str], input: &[u8]) -> Result<String, String> {
@@ -89,7 +97,22 @@ pub fn condense(stderr: &str) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::condense;
+    use super::{TABLE_PREFIX, condense};
+
+    #[test]
+    fn every_table_of_ours_carries_the_prefix() {
+        let ours = [
+            crate::kernel::TABLE,
+            crate::vip::isolate::TABLE,
+            crate::vip::vmnet_guard::TABLE,
+            crate::vip::replymark::TABLE,
+            crate::vip::conntrackd::GATE_TABLE,
+            crate::vip::conntrackd::ANYCAST_TABLE,
+        ];
+        for table in ours {
+            assert!(table.starts_with(TABLE_PREFIX), "{table}");
+        }
+    }
 
     #[test]
     fn repeated_errors_are_said_once_with_their_count_and_bounded() {

@@ -116,7 +116,7 @@ fn the_table_loads_reconciles_after_a_restart_and_goes_at_stop() {
         (synced, kernel::read_back())
     });
     assert!(matches!(synced, Ok(Synced::Written(_))), "{synced:?}");
-    assert_eq!(owned.unwrap(), kernel::Owned::of(&second));
+    assert_eq!(owned.unwrap(), kernel::TableObjects::of(&second));
     let (_, listing) = nft_out(&ns.0, &["list", "ruleset"]);
     assert!(!listing.contains("10.0.0.2"), "{listing}");
     assert!(!listing.contains("2001:db8::10"), "{listing}");
@@ -136,7 +136,7 @@ fn the_table_loads_reconciles_after_a_restart_and_goes_at_stop() {
     // The main table stays, empty, until the clean stop.
     assert_eq!(
         emptied.1.unwrap(),
-        kernel::Owned::of(&BTreeMap::new()),
+        kernel::TableObjects::of(&BTreeMap::new()),
         "only the main table is left"
     );
 
@@ -180,7 +180,7 @@ fn bucket_maps_and_affinity_sets_load_and_a_restart_without_them_deletes_them() 
         (table.sync(&desired), kernel::read_back())
     });
     assert!(matches!(written, Ok(Synced::Written(_))), "{written:?}");
-    assert_eq!(owned.unwrap(), kernel::Owned::of(&first));
+    assert_eq!(owned.unwrap(), kernel::TableObjects::of(&first));
     let (ok, listing) = nft_out(&ns.0, &["list", "ruleset"]);
     assert!(ok, "{listing}");
     for want in [
@@ -238,7 +238,7 @@ fn bucket_maps_and_affinity_sets_load_and_a_restart_without_them_deletes_them() 
         (table.sync(&desired), kernel::read_back())
     });
     assert!(matches!(synced, Ok(Synced::Written(_))), "{synced:?}");
-    assert_eq!(owned.unwrap(), kernel::Owned::of(&second));
+    assert_eq!(owned.unwrap(), kernel::TableObjects::of(&second));
 }
 
 #[test]

@@ -37,7 +37,7 @@ use crate::config::Forwarding;
 use crate::kernel::ForwardChain;
 
 /// The prefix of every table the daemon owns: never judged.
-const OWN_TABLES: &str = "harvester_lb";
+const OWN_TABLES: &str = crate::nft::TABLE_PREFIX;
 /// How deep jumps are followed (nft itself refuses loops).
 const MAX_DEPTH: usize = 16;
 

@@ -10,10 +10,12 @@
 
 use ipnet::IpNet;
 
-use super::{
-    Desired, KernelListener, ListenerId, Shard, affinity_set, backend_chain, backend_counter,
-    bucket_map, denied_counter, listener_chain, no_backend_counter, source_set, table_of,
+use super::names::{
+    FAMILIES, Family, INPUT, OUTPUT, POSTROUTING, PREROUTING, Shard, affinity_set, backend_chain,
+    backend_counter, bucket_map, denied_counter, family_of, listener_chain, no_backend_counter,
+    source_set, table_of,
 };
+use super::{Desired, KernelListener, ListenerId};
 use crate::config::{Protocol, SourceNat};
 use std::borrow::Cow;
 use std::collections::{BTreeMap, BTreeSet, HashSet};
@@ -36,11 +38,6 @@ use nftables::types::{NfChainPolicy, NfChainType, NfFamily, NfHook, RejectCode};
 use crate::balancer::select;
 use crate::config::Algorithm;
 
-/// The main table's name, in family `inet` (beside `inet harvester_lb`,
-/// the VIP isolation table, which it never touches); the other shards'
-/// tables are this name and `_k` ([`Shard`]).
-pub const TABLE: &str = "harvester_lb_nat";
-
 /// `dstnat`: NAT before routing, as kube-proxy. Numeric, because nft 1.0.6
 /// refuses the name `dstnat` on the output hook.
 const PRIO_DSTNAT: i32 = -100;
@@ -49,16 +46,17 @@ const PRIO_SRCNAT: i32 = 100;
 /// `filter`: the refusal of what was not forwarded.
 const PRIO_FILTER: i32 = 0;
 
-/// One named object of ours: the table it is in, and its name there.
+/// One named object in one of our tables (a chain, counter, set or map):
+/// the table it is in, and its name there.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct Obj {
+pub struct TableObject {
     /// Its table.
     pub shard: Shard,
     /// Its name (unique over all our tables: it carries the listener's).
     pub name: String,
 }
 
-impl Obj {
+impl TableObject {
     fn of(id: &ListenerId, name: String) -> Self {
         Self {
             shard: Shard::of(id),
@@ -67,27 +65,31 @@ impl Obj {
     }
 }
 
-/// What the kernel tables hold of ours, by table and name: what a sync
-/// deletes when the desired state no longer has it.
+/// The objects of our tables, by kind: the tables themselves and every
+/// named object in them. Built from the desired state ([`Self::of`]: what
+/// the tables must hold) or read back from the kernel
+/// ([`super::read_back()`]: what they hold); a sync deletes what the
+/// second has and the first has not. Not [`crate::owned::Owned`] (a whole
+/// object the daemon owns and fingerprints): this is an inventory by name.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Owned {
+pub struct TableObjects {
     /// The tables (shards) present; deleting one deletes all it holds.
     pub tables: BTreeSet<Shard>,
     /// Regular chains (`l_…`, `b_…`); base chains are not listed.
-    pub chains: BTreeSet<Obj>,
+    pub chains: BTreeSet<TableObject>,
     /// Named counters.
-    pub counters: BTreeSet<Obj>,
+    pub counters: BTreeSet<TableObject>,
     /// Per-listener source-range sets (`s_…`).
-    pub sets: BTreeSet<Obj>,
+    pub sets: BTreeSet<TableObject>,
     /// `source_ip` listeners' bucket maps (`m_…`): filled element-wise,
     /// never flushed by a partial sync.
-    pub maps: BTreeSet<Obj>,
+    pub maps: BTreeSet<TableObject>,
     /// Client-affinity sets (`a_…`): the kernel fills them; a sync
     /// empties only those of backends that left the choice.
-    pub affinity: BTreeSet<Obj>,
+    pub affinity: BTreeSet<TableObject>,
 }
 
-impl Owned {
+impl TableObjects {
     /// The objects `desired` gives the tables: the main table always (it
     /// stays, empty of listeners, until the clean stop), and the table of
     /// each listener.
@@ -95,7 +97,7 @@ impl Owned {
         let mut o = Self::default();
         o.tables.insert(Shard::MAIN);
         for (id, l) in desired {
-            let obj = |name| Obj::of(id, name);
+            let obj = |name| TableObject::of(id, name);
             o.tables.insert(Shard::of(id));
             o.chains.insert(obj(listener_chain(id)));
             o.counters.insert(obj(no_backend_counter(id)));
@@ -120,7 +122,9 @@ impl Owned {
     }
 }
 
-fn s(x: impl Into<String>) -> Cow<'static, str> {
+/// A name or value as the `nftables` crate's schema holds text
+/// (`Cow<'static, str>`), from anything that makes a `String`.
+fn nft_string(x: impl Into<String>) -> Cow<'static, str> {
     Cow::Owned(x.into())
 }
 
@@ -131,8 +135,8 @@ fn add(o: NfListObject<'static>) -> NfObject<'static> {
 fn chain(t: Shard, name: &str) -> Chain<'static> {
     Chain {
         family: NfFamily::INet,
-        table: s(t.table()),
-        name: s(name),
+        table: nft_string(t.table()),
+        name: nft_string(name),
         ..Chain::default()
     }
 }
@@ -150,8 +154,8 @@ fn base_chain(t: Shard, name: &str, kind: NfChainType, hook: NfHook, prio: i32) 
 fn rule(t: Shard, chain: &str, expr: Vec<Statement<'static>>) -> NfObject<'static> {
     add(NfListObject::Rule(Rule {
         family: NfFamily::INet,
-        table: s(t.table()),
-        chain: s(chain),
+        table: nft_string(t.table()),
+        chain: nft_string(chain),
         expr: Cow::Owned(expr),
         ..Rule::default()
     }))
@@ -160,8 +164,8 @@ fn rule(t: Shard, chain: &str, expr: Vec<Statement<'static>>) -> NfObject<'stati
 fn counter(t: Shard, name: &str) -> Counter<'static> {
     Counter {
         family: NfFamily::INet,
-        table: s(t.table()),
-        name: s(name),
+        table: nft_string(t.table()),
+        name: nft_string(name),
         handle: None,
         packets: None,
         bytes: None,
@@ -187,8 +191,8 @@ fn ip_proto(v4: bool) -> &'static str {
 fn payload(protocol: &'static str, field: &'static str) -> Expression<'static> {
     Expression::Named(NamedExpression::Payload(Payload::PayloadField(
         PayloadField {
-            protocol: s(protocol),
-            field: s(field),
+            protocol: nft_string(protocol),
+            field: nft_string(field),
         },
     )))
 }
@@ -201,7 +205,7 @@ fn l4proto() -> Expression<'static> {
 
 fn ct(key: &str, original: bool) -> Expression<'static> {
     Expression::Named(NamedExpression::CT(CT {
-        key: s(key),
+        key: nft_string(key),
         family: None,
         dir: original.then_some(nftables::expr::CTDir::Original),
     }))
@@ -220,15 +224,17 @@ fn matches(
 }
 
 fn set_ref(name: &str) -> Expression<'static> {
-    Expression::String(s(format!("@{name}")))
+    Expression::String(nft_string(format!("@{name}")))
 }
 
 fn goto(target: String) -> Verdict<'static> {
-    Verdict::Goto(JumpTarget { target: s(target) })
+    Verdict::Goto(JumpTarget {
+        target: nft_string(target),
+    })
 }
 
 fn proto_name(p: Protocol) -> Expression<'static> {
-    Expression::String(s(p.as_str()))
+    Expression::String(nft_string(p.as_str()))
 }
 
 /// `ip daddr . meta l4proto . th dport` (or `ip6 daddr …`).
@@ -242,7 +248,7 @@ fn dispatch_key(v4: bool) -> Expression<'static> {
 
 fn listener_key((vip, protocol, port): &ListenerId) -> Expression<'static> {
     concat(vec![
-        Expression::String(s(vip.to_string())),
+        Expression::String(nft_string(vip.to_string())),
         proto_name(*protocol),
         Expression::Number(u32::from(*port)),
     ])
@@ -251,8 +257,8 @@ fn listener_key((vip, protocol, port): &ListenerId) -> Expression<'static> {
 fn element(t: Shard, name: &str, elem: Vec<Expression<'static>>) -> NfObject<'static> {
     add(NfListObject::Element(Element {
         family: NfFamily::INet,
-        table: s(t.table()),
-        name: s(name),
+        table: nft_string(t.table()),
+        name: nft_string(name),
         elem: Cow::Owned(elem),
     }))
 }
@@ -260,8 +266,8 @@ fn element(t: Shard, name: &str, elem: Vec<Expression<'static>>) -> NfObject<'st
 fn tuple_set(t: Shard, name: &str, types: Vec<SetType>) -> Set<'static> {
     Set {
         family: NfFamily::INet,
-        table: s(t.table()),
-        name: s(name),
+        table: nft_string(t.table()),
+        name: nft_string(name),
         handle: None,
         set_type: SetTypeValue::Concatenated(Cow::Owned(types)),
         policy: None,
@@ -274,45 +280,12 @@ fn tuple_set(t: Shard, name: &str, types: Vec<SetType>) -> Set<'static> {
     }
 }
 
-/// The map and set names of one address family.
-struct Family {
-    v4: bool,
-    dispatch: &'static str,
-    refuse: &'static str,
-    masq: &'static str,
-    /// `source_nat = "vip"`: the flows SNATed to their VIP (the key is the
-    /// masquerade's).
-    snat: &'static str,
-    /// The `flow_hash` TCP listeners, whose mid-stream segments are DNATed
-    /// ([`picks_up`]).
-    pickup: &'static str,
-}
-
-const FAMILIES: [Family; 2] = [
-    Family {
-        v4: true,
-        dispatch: "dispatch4",
-        refuse: "refuse4",
-        masq: "masq4",
-        snat: "snat4",
-        pickup: "pickup4",
-    },
-    Family {
-        v4: false,
-        dispatch: "dispatch6",
-        refuse: "refuse6",
-        masq: "masq6",
-        snat: "snat6",
-        pickup: "pickup6",
-    },
-];
-
 /// An empty map of ours, to name in a flush or a delete.
 fn map(t: Shard, name: &str) -> Box<Map<'static>> {
     Box::new(Map {
         family: NfFamily::INet,
-        table: s(t.table()),
-        name: s(name),
+        table: nft_string(t.table()),
+        name: nft_string(name),
         ..Map::default()
     })
 }
@@ -320,8 +293,8 @@ fn map(t: Shard, name: &str) -> Box<Map<'static>> {
 /// Deletes the objects of `present` that `wanted` has not (nothing may
 /// refer to them any more), then the tables `wanted` has not, with all
 /// they hold: their objects are not deleted one by one.
-fn delete_gone(cmds: &mut Vec<NfObject<'static>>, present: &Owned, wanted: &Owned) {
-    let gone = |have: &BTreeSet<Obj>, want: &BTreeSet<Obj>| -> Vec<Obj> {
+fn delete_gone(cmds: &mut Vec<NfObject<'static>>, present: &TableObjects, wanted: &TableObjects) {
+    let gone = |have: &BTreeSet<TableObject>, want: &BTreeSet<TableObject>| -> Vec<TableObject> {
         have.difference(want)
             .filter(|o| wanted.tables.contains(&o.shard))
             .cloned()
@@ -337,9 +310,10 @@ fn delete_gone(cmds: &mut Vec<NfObject<'static>>, present: &Owned, wanted: &Owne
     }
     // Listener chains before backend chains: a listener chain's rules
     // refer to its backend chains until it is deleted itself.
-    let (listeners, backends): (Vec<Obj>, Vec<Obj>) = gone(&present.chains, &wanted.chains)
-        .into_iter()
-        .partition(|o| o.name.starts_with("l_"));
+    let (listeners, backends): (Vec<TableObject>, Vec<TableObject>) =
+        gone(&present.chains, &wanted.chains)
+            .into_iter()
+            .partition(|o| o.name.starts_with("l_"));
     for o in listeners.into_iter().chain(backends) {
         cmds.push(NfObject::CmdObject(NfCmd::Delete(NfListObject::Chain(
             chain(o.shard, &o.name),
@@ -374,7 +348,7 @@ fn delete_gone(cmds: &mut Vec<NfObject<'static>>, present: &Owned, wanted: &Owne
 fn table(t: Shard) -> Table<'static> {
     Table {
         family: NfFamily::INet,
-        name: s(t.table()),
+        name: nft_string(t.table()),
         handle: None,
     }
 }
@@ -415,7 +389,7 @@ fn fill_listener(
                     .iter()
                     .map(|n| {
                         Expression::Named(NamedExpression::Prefix(Prefix {
-                            addr: Box::new(Expression::String(s(n.addr().to_string()))),
+                            addr: Box::new(Expression::String(nft_string(n.addr().to_string()))),
                             len: u32::from(n.prefix_len()),
                         }))
                     })
@@ -431,7 +405,7 @@ fn fill_listener(
                     Operator::NEQ,
                     set_ref(&source_set(id)),
                 ),
-                Statement::Counter(stmt::Counter::Named(s(denied_counter(id)))),
+                Statement::Counter(stmt::Counter::Named(nft_string(denied_counter(id)))),
                 Statement::Return(None),
             ],
         ));
@@ -456,7 +430,7 @@ fn fill_listener(
             t,
             &lchain,
             vec![
-                Statement::Counter(stmt::Counter::Named(s(no_backend_counter(id)))),
+                Statement::Counter(stmt::Counter::Named(nft_string(no_backend_counter(id)))),
                 Statement::Return(None),
             ],
         ));
@@ -493,7 +467,7 @@ fn fill_listener(
             }
             if chains {
                 expr.push(Statement::Goto(JumpTarget {
-                    target: s(backend_chain(id, b)),
+                    target: nft_string(backend_chain(id, b)),
                 }));
             } else {
                 expr.extend(count_and_dnat(id, l, b));
@@ -507,7 +481,7 @@ fn fill_listener(
                 Statement::Set(stmt::Set {
                     op: stmt::SetOp::Update,
                     elem: payload(ip_proto(v4), "saddr"),
-                    set: s(format!("@{}", affinity_set(id, b))),
+                    set: nft_string(format!("@{}", affinity_set(id, b))),
                 })
             });
             cmds.push(rule(
@@ -571,10 +545,10 @@ pub(super) fn picks_up(id: &ListenerId, l: &KernelListener) -> bool {
 /// A new flow to backend `b`: its named counter, then the DNAT.
 fn count_and_dnat(id: &ListenerId, l: &KernelListener, b: IpAddr) -> [Statement<'static>; 3] {
     [
-        Statement::Counter(stmt::Counter::Named(s(backend_counter(id, b)))),
+        Statement::Counter(stmt::Counter::Named(nft_string(backend_counter(id, b)))),
         matches(l4proto(), Operator::EQ, proto_name(id.1)),
         Statement::DNAT(Some(NAT {
-            addr: Some(Expression::String(s(b.to_string()))),
+            addr: Some(Expression::String(nft_string(b.to_string()))),
             family: Some(if b.is_ipv4() {
                 NATFamily::IP
             } else {
@@ -663,8 +637,8 @@ fn fill_buckets(
         cmds.push(NfObject::CmdObject(NfCmd::Delete(NfListObject::Element(
             Element {
                 family: NfFamily::INet,
-                table: s(t.table()),
-                name: s(&name),
+                table: nft_string(t.table()),
+                name: nft_string(&name),
                 elem: Cow::Owned(gone),
             },
         ))));
@@ -693,7 +667,7 @@ fn fill_affinity(cmds: &mut Vec<NfObject<'static>>, id: &ListenerId, l: &KernelL
             vec![
                 matches(saddr.clone(), Operator::EQ, set_ref(&affinity_set(id, b))),
                 Statement::Goto(JumpTarget {
-                    target: s(backend_chain(id, b)),
+                    target: nft_string(backend_chain(id, b)),
                 }),
             ],
         ));
@@ -715,9 +689,13 @@ fn fill_affinity(cmds: &mut Vec<NfObject<'static>>, id: &ListenerId, l: &KernelL
 /// Once declared, the JSON transaction fills, edits and deletes them.
 /// Everything here is `add` (idempotent), and an empty map or set changes
 /// no packet's path.
-pub fn prelude(desired: &Desired, applied: Option<&Desired>, present: &Owned) -> Option<String> {
+pub fn prelude(
+    desired: &Desired,
+    applied: Option<&Desired>,
+    present: &TableObjects,
+) -> Option<String> {
     let mut tables = BTreeSet::new();
-    let mut script: Vec<String> = Owned::of(desired)
+    let mut script: Vec<String> = TableObjects::of(desired)
         .maps
         .difference(&present.maps)
         .map(|m| {
@@ -778,7 +756,7 @@ pub(super) fn partial_transaction_json(desired: &Desired, applied: &Desired) -> 
 }
 
 /// [`transaction`], encoded for `nft -j -f -`.
-pub(super) fn transaction_json(desired: &Desired, present: &Owned) -> Vec<u8> {
+pub(super) fn transaction_json(desired: &Desired, present: &TableObjects) -> Vec<u8> {
     encode(&commands(desired, present))
 }
 
@@ -809,12 +787,12 @@ fn partial_commands(desired: &Desired, applied: &Desired) -> Nftables<'static> {
     let delete_element = |t: Shard, name: &str, elem: Expression<'static>| {
         NfObject::CmdObject(NfCmd::Delete(NfListObject::Element(Element {
             family: NfFamily::INet,
-            table: s(t.table()),
-            name: s(name),
+            table: nft_string(t.table()),
+            name: nft_string(name),
             elem: Cow::Owned(vec![elem]),
         })))
     };
-    let (before, after) = (Owned::of(applied), Owned::of(desired));
+    let (before, after) = (TableObjects::of(applied), TableObjects::of(desired));
     // The tables that hold a listener for the first time.
     for &t in after.tables.difference(&before.tables) {
         skeleton(&mut cmds, t);
@@ -825,7 +803,7 @@ fn partial_commands(desired: &Desired, applied: &Desired) -> Nftables<'static> {
     let nats = source_nats_in_use(desired);
     if !before.tables.contains(&Shard::MAIN) || source_nats_in_use(applied) != nats {
         cmds.push(NfObject::CmdObject(NfCmd::Flush(FlushObject::Chain(
-            chain(Shard::MAIN, "postrouting"),
+            chain(Shard::MAIN, POSTROUTING),
         ))));
         source_nat_rules(&mut cmds, &nats);
     }
@@ -838,7 +816,7 @@ fn partial_commands(desired: &Desired, applied: &Desired) -> Nftables<'static> {
             continue;
         }
         touched.insert(id.0);
-        let f = &FAMILIES[usize::from(!is_v4(id.0))];
+        let f = family_of(id.0);
         cmds.push(delete_element(Shard::of(id), f.dispatch, listener_key(id)));
         cmds.push(delete_element(Shard::MAIN, f.refuse, listener_key(id)));
         if picks_up(id, old) {
@@ -862,7 +840,7 @@ fn partial_commands(desired: &Desired, applied: &Desired) -> Nftables<'static> {
         }
         added.extend(nat_commands(new, kind));
     }
-    let declared = Owned::of(&changed);
+    let declared = TableObjects::of(&changed);
     declare(&mut cmds, &changed, &declared);
     for (id, l) in &changed {
         fill_listener(&mut cmds, id, l, applied.get(id));
@@ -949,8 +927,8 @@ fn nat_commands(keys: BTreeSet<MasqKey>, kind: SourceNat) -> Vec<Element<'static
                 .filter(|k| k.0.is_ipv4() == f.v4)
                 .map(|&(vip, backend, protocol, port)| {
                     concat(vec![
-                        Expression::String(s(vip.to_string())),
-                        Expression::String(s(backend.to_string())),
+                        Expression::String(nft_string(vip.to_string())),
+                        Expression::String(nft_string(backend.to_string())),
                         proto_name(protocol),
                         Expression::Number(u32::from(port)),
                     ])
@@ -958,8 +936,8 @@ fn nat_commands(keys: BTreeSet<MasqKey>, kind: SourceNat) -> Vec<Element<'static
                 .collect();
             (!elem.is_empty()).then(|| Element {
                 family: NfFamily::INet,
-                table: s(Shard::MAIN.table()),
-                name: s(if kind == SourceNat::Vip {
+                table: nft_string(Shard::MAIN.table()),
+                name: nft_string(if kind == SourceNat::Vip {
                     f.snat
                 } else {
                     f.masq
@@ -972,7 +950,7 @@ fn nat_commands(keys: BTreeSet<MasqKey>, kind: SourceNat) -> Vec<Element<'static
 
 /// Adds (idempotent) and empties the listeners' own objects: counters,
 /// chains, source-range sets.
-fn declare(cmds: &mut Vec<NfObject<'static>>, desired: &Desired, wanted: &Owned) {
+fn declare(cmds: &mut Vec<NfObject<'static>>, desired: &Desired, wanted: &TableObjects) {
     for o in &wanted.counters {
         cmds.push(add(NfListObject::Counter(counter(o.shard, &o.name))));
     }
@@ -1002,7 +980,7 @@ fn declare(cmds: &mut Vec<NfObject<'static>>, desired: &Desired, wanted: &Owned)
 /// The one transaction that makes the table `desired`, deleting whatever
 /// of `present` (what the kernel holds, read back or last written) is no
 /// longer wanted: nft's JSON document, ready for `nft -j -f -`.
-pub fn transaction(desired: &Desired, present: &Owned) -> serde_json::Value {
+pub fn transaction(desired: &Desired, present: &TableObjects) -> serde_json::Value {
     let doc = serde_json::to_value(commands(desired, present))
         .expect("nft's schema types always serialize");
     verdict_maps(doc)
@@ -1023,9 +1001,9 @@ fn verdict_maps(mut doc: serde_json::Value) -> serde_json::Value {
     doc
 }
 
-fn commands(desired: &Desired, present: &Owned) -> Nftables<'static> {
+fn commands(desired: &Desired, present: &TableObjects) -> Nftables<'static> {
     let mut cmds: Vec<NfObject<'static>> = Vec::new();
-    let wanted = Owned::of(desired);
+    let wanted = TableObjects::of(desired);
     // 1. The tables' own parts, emptied and filled again; then every
     // listener's objects, declared (idempotent) and emptied.
     for &t in &wanted.tables {
@@ -1085,7 +1063,7 @@ fn terminated_here(pickup: Option<&Family>) -> Vec<Statement<'static>> {
     let mut rule = vec![matches(
         Expression::BinaryOperation(Box::new(nftables::expr::BinaryOperation::AND(
             payload("tcp", "flags"),
-            Expression::String(s("syn")),
+            Expression::String(nft_string("syn")),
         ))),
         Operator::EQ,
         Expression::Number(0),
@@ -1121,7 +1099,7 @@ fn not_new_returns() -> Vec<Statement<'static>> {
         matches(
             ct("state", false),
             Operator::NEQ,
-            Expression::String(s("new")),
+            Expression::String(nft_string("new")),
         ),
         Statement::Return(None),
     ]
@@ -1137,24 +1115,24 @@ fn skeleton(cmds: &mut Vec<NfObject<'static>>, t: Shard) {
     let mut bases = vec![
         base_chain(
             t,
-            "prerouting",
+            PREROUTING,
             NfChainType::NAT,
             NfHook::Prerouting,
             PRIO_DSTNAT,
         ),
-        base_chain(t, "output", NfChainType::NAT, NfHook::Output, PRIO_DSTNAT),
+        base_chain(t, OUTPUT, NfChainType::NAT, NfHook::Output, PRIO_DSTNAT),
     ];
     if t == Shard::MAIN {
         bases.push(base_chain(
             t,
-            "postrouting",
+            POSTROUTING,
             NfChainType::NAT,
             NfHook::Postrouting,
             PRIO_SRCNAT,
         ));
         bases.push(base_chain(
             t,
-            "input",
+            INPUT,
             NfChainType::Filter,
             NfHook::Input,
             PRIO_FILTER,
@@ -1198,24 +1176,24 @@ fn skeleton(cmds: &mut Vec<NfObject<'static>>, t: Shard) {
         ))));
     }
     for f in &FAMILIES {
-        cmds.push(rule(t, "prerouting", terminated_here(Some(f))));
+        cmds.push(rule(t, PREROUTING, terminated_here(Some(f))));
     }
     if t == Shard::MAIN {
         // The input chain sees every packet to this host, the proxy's and
         // every other service's: what is not a new flow leaves at its
         // first rule, before the socket check and the refusals.
-        cmds.push(rule(t, "input", not_new_returns()));
+        cmds.push(rule(t, INPUT, not_new_returns()));
         // Before the refusal of new flows to kernel listeners: the same
         // picked-up segment must reach its socket, not draw a reset.
-        cmds.push(rule(t, "input", terminated_here(None)));
+        cmds.push(rule(t, INPUT, terminated_here(None)));
     }
     for f in &FAMILIES {
         let vmap = Statement::VerdictMap(VerdictMap {
             key: dispatch_key(f.v4),
             data: set_ref(f.dispatch),
         });
-        cmds.push(rule(t, "prerouting", vec![vmap.clone()]));
-        cmds.push(rule(t, "output", vec![vmap]));
+        cmds.push(rule(t, PREROUTING, vec![vmap.clone()]));
+        cmds.push(rule(t, OUTPUT, vec![vmap]));
         if t == Shard::MAIN {
             shared_rules(cmds, f);
         }
@@ -1232,7 +1210,7 @@ fn shared_rules(cmds: &mut Vec<NfObject<'static>>, f: &Family) {
             matches(
                 ct("state", false),
                 Operator::IN,
-                Expression::String(s("new")),
+                Expression::String(nft_string("new")),
             ),
             matches(dispatch_key(f.v4), Operator::EQ, set_ref(f.refuse)),
         ]
@@ -1241,19 +1219,19 @@ fn shared_rules(cmds: &mut Vec<NfObject<'static>>, f: &Family) {
     tcp.push(matches(
         l4proto(),
         Operator::EQ,
-        Expression::String(s("tcp")),
+        Expression::String(nft_string("tcp")),
     ));
     tcp.push(Statement::Reject(Some(Reject::new(
         Some(RejectType::TCPReset),
         None,
     ))));
-    cmds.push(rule(t, "input", tcp));
+    cmds.push(rule(t, INPUT, tcp));
     let mut other = refused();
     other.push(Statement::Reject(Some(Reject::new(
         Some(RejectType::ICMPX),
         Some(RejectCode::PortUnreach),
     ))));
-    cmds.push(rule(t, "input", other));
+    cmds.push(rule(t, INPUT, other));
 }
 
 /// The source NATs `desired` uses, by address family (`true`: IPv4):
@@ -1288,7 +1266,7 @@ fn source_nat_rules(cmds: &mut Vec<NfObject<'static>>, in_use: &HashSet<(bool, S
                 matches(
                     ct("status", false),
                     Operator::IN,
-                    Expression::String(s("dnat")),
+                    Expression::String(nft_string("dnat")),
                 ),
                 matches(
                     concat(vec![
@@ -1310,7 +1288,7 @@ fn source_nat_rules(cmds: &mut Vec<NfObject<'static>>, in_use: &HashSet<(bool, S
                 port: None,
                 flags: Some([NATFlag::FullyRandom].into_iter().collect()),
             })));
-            cmds.push(rule(t, "postrouting", masq));
+            cmds.push(rule(t, POSTROUTING, masq));
         }
         // `source_nat = "vip"`: to the VIP the client connected to,
         // keeping the client's port where the tuple allows (no
@@ -1324,14 +1302,14 @@ fn source_nat_rules(cmds: &mut Vec<NfObject<'static>>, in_use: &HashSet<(bool, S
                 port: None,
                 flags: None,
             })));
-            cmds.push(rule(t, "postrouting", snat));
+            cmds.push(rule(t, POSTROUTING, snat));
         }
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use super::super::listener_tag;
+    use super::super::names::{SHARDS, TABLE, listener_tag};
     use super::super::test_listener as listener;
     use super::*;
 
@@ -1354,7 +1332,7 @@ mod tests {
                 &["10.0.0.1", "10.0.0.2", "10.0.0.3"],
             ),
         );
-        let t = text(&transaction(&d, &Owned::default()));
+        let t = text(&transaction(&d, &TableObjects::default()));
         // Rule 0 takes every second connection, rule 1 the rest: no set.
         assert!(
             t.contains(r#"{"match":{"left":{"numgen":{"mod":2,"mode":"inc"}},"op":"==","right":0}},{"counter":"n_tcp_80_192.0.2.10_10.0.0.1"}"#),
@@ -1382,7 +1360,7 @@ mod tests {
         );
         let mut after = before.clone();
         after.insert(id("2001:db8::10", 53), listener(&[], &["2001:db8::1"]));
-        let present = Owned::of(&before);
+        let present = TableObjects::of(&before);
         let bytes = transaction_json(&after, &present);
         let parsed: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
         assert_eq!(parsed, transaction(&after, &present));
@@ -1408,7 +1386,7 @@ mod tests {
     fn an_open_flow_leaves_the_input_chain_at_its_first_rule() {
         let mut d = Desired::new();
         d.insert(id("192.0.2.10", 80), listener(&["10.0.0.1"], &["10.0.0.1"]));
-        let input = rules_of(&transaction(&d, &Owned::default()), "input");
+        let input = rules_of(&transaction(&d, &TableObjects::default()), "input");
         assert_eq!(
             input[0],
             r#"[{"match":{"left":{"ct":{"key":"state"}},"op":"!=","right":"new"}},{"return":null}]"#,
@@ -1424,7 +1402,7 @@ mod tests {
             "{input:#?}"
         );
         // The NAT chains see a flow's first packet only: no such gate there.
-        let pre = rules_of(&transaction(&d, &Owned::default()), "prerouting");
+        let pre = rules_of(&transaction(&d, &TableObjects::default()), "prerouting");
         assert!(pre[0].contains("socket"), "{pre:#?}");
     }
 
@@ -1433,7 +1411,7 @@ mod tests {
         let mut d = Desired::new();
         let l = id("2001:db8::10", 53);
         d.insert(l, listener(&[], &["2001:db8::1"]));
-        let t = text(&transaction(&d, &Owned::default()));
+        let t = text(&transaction(&d, &TableObjects::default()));
         assert!(
             t.contains(r#"{"counter":"z_tcp_53_2001-db8--10"},{"return":null}"#),
             "{t}"
@@ -1457,7 +1435,7 @@ mod tests {
         ]);
         kl.source_nat = SourceNat::None;
         d.insert(l, kl);
-        let t = text(&transaction(&d, &Owned::default()));
+        let t = text(&transaction(&d, &TableObjects::default()));
         assert!(t.contains(r#"{"elem":[{"prefix":{"addr":"10.1.0.0","len":16}}],"family":"inet","name":"s_tcp_80_192.0.2.10""#), "{t}");
         assert!(t.contains(r#"{"match":{"left":{"payload":{"field":"saddr","protocol":"ip"}},"op":"!=","right":"@s_tcp_80_192.0.2.10"}},{"counter":"d_tcp_80_192.0.2.10"},{"return":null}"#));
         assert!(
@@ -1499,7 +1477,7 @@ mod tests {
         );
         let neighbour = id("192.0.2.10", port_in(true));
         before.insert(neighbour, listener(&["10.0.0.1"], &["10.0.0.1"]));
-        let present = Owned::of(&before);
+        let present = TableObjects::of(&before);
         let mut after = Desired::new();
         after.insert(id("192.0.2.10", 80), listener(&["10.0.0.1"], &["10.0.0.1"]));
         let deleted = deletes(&transaction(&after, &present));
@@ -1538,7 +1516,7 @@ mod tests {
 
     /// The masquerade elements of `d`, as the transaction writes them.
     fn masq_of(d: &Desired) -> BTreeSet<(String, String)> {
-        element_ops(&transaction(d, &Owned::default()), "add")
+        element_ops(&transaction(d, &TableObjects::default()), "add")
             .into_iter()
             .filter(|(set, _)| set.starts_with("masq"))
             .collect()
@@ -1578,7 +1556,7 @@ mod tests {
         before.insert(id("192.0.2.10", 80), listener(&both, &both));
         before.insert(id("192.0.2.10", 8080), listener(&both, &both));
         // The full write: each shared element once.
-        let full = element_ops(&transaction(&before, &Owned::default()), "add");
+        let full = element_ops(&transaction(&before, &TableObjects::default()), "add");
         let masq: Vec<_> = full.iter().filter(|(s, _)| s == "masq4").collect();
         assert_eq!(masq.len(), 2, "{masq:?}");
 
@@ -1709,7 +1687,7 @@ mod tests {
         ));
 
         // The full write: every table's parts once, the main one always.
-        let t = text(&transaction(&after, &Owned::default()));
+        let t = text(&transaction(&after, &TableObjects::default()));
         for sh in [Shard::MAIN, t_home, t_away] {
             assert!(t.contains(&base(sh)), "{sh:?}: {t}");
         }
@@ -1733,7 +1711,7 @@ mod tests {
 
         // A table of a shard this version does not use is deleted, and the
         // main table kept even without a listener.
-        let mut present = Owned::of(&before);
+        let mut present = TableObjects::of(&before);
         present
             .tables
             .insert(Shard::from_table("harvester_lb_nat_99").unwrap());
@@ -1769,7 +1747,7 @@ mod tests {
             "harvester_lb_nat_15"
         );
         let spread: BTreeSet<Shard> = (1..=200).map(|p| Shard::of(&id("192.0.2.10", p))).collect();
-        assert_eq!(spread.len(), usize::from(super::super::SHARDS));
+        assert_eq!(spread.len(), usize::from(SHARDS));
     }
 
     #[test]
@@ -1867,7 +1845,7 @@ mod tests {
         let l = id("192.0.2.10", 80);
         let mut before = Desired::new();
         before.insert(l, source_ip(&members, &members));
-        let t = text(&transaction(&before, &Owned::default()));
+        let t = text(&transaction(&before, &TableObjects::default()));
         assert!(
             t.contains(r#"{"vmap":{"data":"@m_tcp_80_192.0.2.10","key":{"jhash":{"expr":{"payload":{"field":"saddr","protocol":"ip"}},"mod":4093,"seed":1751280738}}}}"#),
             "{t}"
@@ -1881,12 +1859,12 @@ mod tests {
             4093
         );
         assert!(!t.contains("numgen"));
-        let script = prelude(&before, None, &Owned::default()).unwrap();
+        let script = prelude(&before, None, &TableObjects::default()).unwrap();
         assert!(
             script.contains("add map inet harvester_lb_nat_15 m_tcp_80_192.0.2.10 { typeof numgen inc mod 4093 : verdict ; }"),
             "{script}"
         );
-        assert_eq!(prelude(&before, None, &Owned::of(&before)), None);
+        assert_eq!(prelude(&before, None, &TableObjects::of(&before)), None);
 
         // Node 2 leaves: only its buckets are deleted and given to others.
         let mut after = before.clone();
@@ -1952,29 +1930,29 @@ mod tests {
         let l = id("192.0.2.10", 80);
         let mut d = Desired::new();
         d.insert(l, flow_hash(&members, &members));
-        let t = text(&transaction(&d, &Owned::default()));
+        let t = text(&transaction(&d, &TableObjects::default()));
         assert!(
             t.contains(r#"{"vmap":{"data":"@m_tcp_80_192.0.2.10","key":{"jhash":{"expr":{"concat":[{"payload":{"field":"saddr","protocol":"ip"}},{"payload":{"field":"sport","protocol":"th"}}]},"mod":4093,"seed":1751280738}}}}"#),
             "{t}"
         );
         assert!(!t.contains("numgen"));
         // Its map is declared as source_ip's, and filled alike.
-        let script = prelude(&d, None, &Owned::default()).unwrap();
+        let script = prelude(&d, None, &TableObjects::default()).unwrap();
         assert!(script.contains("add map inet harvester_lb_nat_15 m_tcp_80_192.0.2.10 { typeof numgen inc mod 4093 : verdict ; }"), "{script}");
         let mut s = Desired::new();
         s.insert(l, source_ip(&members, &members));
-        let doc = transaction(&d, &Owned::default());
+        let doc = transaction(&d, &TableObjects::default());
         let map = bucket_map(&l);
         assert_eq!(
             written_buckets(&doc, &map),
-            written_buckets(&transaction(&s, &Owned::default()), &map)
+            written_buckets(&transaction(&s, &TableObjects::default()), &map)
         );
         // A TCP flow_hash listener's mid-stream segments are DNATed: its
         // key is in the pickup set, which the socket-lookup return skips.
         assert!(t.contains(r#"{"add":{"element":{"elem":[{"concat":["192.0.2.10","tcp",80]}],"family":"inet","name":"pickup4""#), "{t}");
         assert!(t.contains(r#"{"match":{"left":{"concat":[{"payload":{"field":"daddr","protocol":"ip"}},{"meta":{"key":"l4proto"}},{"payload":{"field":"dport","protocol":"th"}}]},"op":"!=","right":"@pickup4"}},{"match":{"left":{"socket":{"key":"transparent"}},"op":"==","right":0}},{"return":null}"#), "{t}");
         let picked = |d: &Desired| -> Vec<(String, String)> {
-            element_ops(&transaction(d, &Owned::default()), "add")
+            element_ops(&transaction(d, &TableObjects::default()), "add")
                 .into_iter()
                 .filter(|(set, _)| set == "pickup4")
                 .collect()
@@ -2009,8 +1987,8 @@ mod tests {
         let mut b = Desired::new();
         b.insert(l, flow_hash(&reversed, &reversed));
         let map = bucket_map(&l);
-        let on_a = written_buckets(&transaction(&a, &Owned::default()), &map);
-        let on_b = written_buckets(&transaction(&b, &Owned::default()), &map);
+        let on_a = written_buckets(&transaction(&a, &TableObjects::default()), &map);
+        let on_b = written_buckets(&transaction(&b, &TableObjects::default()), &map);
         assert_eq!(on_a.len(), BUCKETS as usize);
         assert_eq!(on_a, on_b);
         // And the same after a flip seen by both.
@@ -2035,7 +2013,7 @@ mod tests {
         let mut before = Desired::new();
         before.insert(l, flow_hash(&members, &members));
         let map = bucket_map(&l);
-        let all = written_buckets(&transaction(&before, &Owned::default()), &map);
+        let all = written_buckets(&transaction(&before, &TableObjects::default()), &map);
         let chain_of = |b: &str| backend_chain(&l, ip(b));
         let owned_by = |b: &str| {
             all.iter()
@@ -2117,7 +2095,7 @@ mod tests {
         let mut l = listener(&both, &both);
         l.source_nat = SourceNat::Vip;
         d.insert(id("192.0.2.10", 80), l);
-        let t = text(&transaction(&d, &Owned::default()));
+        let t = text(&transaction(&d, &TableObjects::default()));
         assert!(
             t.contains(
                 r#"{"snat":{"addr":{"ct":{"dir":"original","key":"ip daddr"}},"family":"ip"}}"#
@@ -2151,14 +2129,14 @@ mod tests {
         let mut kl = listener(&["10.0.0.1"], &["10.0.0.1", "10.0.0.2"]);
         kl.affinity = Some(std::time::Duration::from_secs(600));
         d.insert(l, kl);
-        let t = text(&transaction(&d, &Owned::default()));
-        let script = prelude(&d, None, &Owned::default()).unwrap();
+        let t = text(&transaction(&d, &TableObjects::default()));
+        let script = prelude(&d, None, &TableObjects::default()).unwrap();
         assert!(
             script.contains("add set inet harvester_lb_nat_15 a_tcp_80_192.0.2.10_10.0.0.2 { type ipv4_addr ; flags dynamic,timeout ; timeout 600s ; }"),
             "{script}"
         );
         assert_eq!(
-            prelude(&d, Some(&d), &Owned::of(&d)),
+            prelude(&d, Some(&d), &TableObjects::of(&d)),
             None,
             "unchanged: nothing"
         );
@@ -2198,12 +2176,12 @@ mod tests {
         l.source_nat = SourceNat::None;
         none.insert(v4, l.clone());
         // `none` only: the first packet of a new flow meets no rule there.
-        let doc = transaction(&none, &Owned::default());
+        let doc = transaction(&none, &TableObjects::default());
         assert_eq!(rules_of(&doc, "postrouting"), Vec::<String>::new());
         // One IPv4 masquerade listener: one rule, the IPv4 masquerade.
         let mut masq = none.clone();
         masq.insert(id("192.0.2.10", 81), listener(&["10.0.0.1"], &["10.0.0.1"]));
-        let rules = rules_of(&transaction(&masq, &Owned::default()), "postrouting");
+        let rules = rules_of(&transaction(&masq, &TableObjects::default()), "postrouting");
         assert_eq!(rules.len(), 1, "{rules:#?}");
         assert!(rules[0].contains("@masq4") && rules[0].contains("masquerade"));
         // Every kind of both families: the four rules, masquerade first.
@@ -2221,7 +2199,7 @@ mod tests {
             v.eligible = v.members.clone();
             v
         });
-        let rules = rules_of(&transaction(&all, &Owned::default()), "postrouting");
+        let rules = rules_of(&transaction(&all, &TableObjects::default()), "postrouting");
         let sets: Vec<&str> = rules
             .iter()
             .map(|r| {

@@ -76,19 +76,53 @@
 //! This part decides nothing: the daemon hands it the desired state
 //! ([`Desired`]: VIPs, ports, eligible backends) and it writes the kernel.
 //! It never imports `proxy` or `health`.
+//!
+//! The files, by job, each importing only files listed before it (and
+//! this one's types):
+//!
+//! * `names`: every name written and read back: the tables ([`Shard`],
+//!   [`TABLE`]), base chains, each family's maps and sets, and each
+//!   listener's chains, counters, sets and maps.
+//! * `error`: [`NftError`], the one error of the kernel path.
+//! * `build`: the pure builder, desired state in, one `nft` transaction
+//!   out; [`TableObjects`], what the tables hold by kind and name.
+//! * `netlink`: nf_tables over netlink: a flip's rewrite of listener
+//!   chains, the counters ([`counters`]), the dumps the readers use.
+//! * `read_back`: our tables as the kernel holds them now: the inventory
+//!   a resync diffs ([`read_back()`]) and what the check compares.
+//! * `commit`: running the builder's transactions with `nft`, the removal.
+//! * `check`: what was written against what was read back, the
+//!   differences named with the listeners they break.
+//! * `narrow`: a refused write narrowed to the owners it refuses.
+//! * `sync`: [`KernelTable`], which keeps the tables equal to the desired
+//!   state with the above; `conntrack`: the flows of backends that left.
+//!
+//! A new kind of object in the NAT tables: its name in `names`; declared,
+//! filled and deleted in `build` (and listed in [`TableObjects::of`] when a
+//! sync must delete it once unwanted); sorted in `read_back`'s inventory,
+//! and read and compared in `read_back` and `check` when another process
+//! could change it unseen; rewritten in `netlink` only if a health flip
+//! changes it. docs/design.md says the same with the tests to add.
 
 mod build;
 mod check;
+mod commit;
 mod conntrack;
+mod error;
+mod names;
 mod narrow;
 mod netlink;
-mod nft;
+mod read_back;
 mod sync;
 
-pub use build::{BUCKETS, Obj, Owned, TABLE, bucket_key, buckets, transaction};
+pub use build::{BUCKETS, TableObject, TableObjects, bucket_key, buckets, transaction};
 pub use conntrack::{delete_stale_flows, open_connections};
-pub use netlink::{ForwardChain, forward_base_chains};
-pub use nft::{NftError, counters, read_back};
+pub use error::NftError;
+pub use names::{
+    SHARDS, Shard, TABLE, backend_counter, denied_counter, no_backend_counter, table_of,
+};
+pub use netlink::{ForwardChain, counters, forward_base_chains};
+pub use read_back::read_back;
 pub use sync::{Checked, KernelTable, Narrowed, Refused, Synced};
 
 use std::collections::BTreeMap;
@@ -170,126 +204,3 @@ pub(crate) fn test_ips(v: &[&str]) -> Vec<IpAddr> {
 
 /// Every kernel listener, by identity: the whole state of the table.
 pub type Desired = BTreeMap<ListenerId, KernelListener>;
-
-/// How many tables the kernel listeners are spread over.
-///
-/// The kernel validates a whole table at every commit that touches a rule
-/// with `nat` or `counter name` in it (`nft_table_validate`, a walk from
-/// every base chain through every chain it reaches), so a health flip in
-/// one table of 10,000 listeners costs a walk of all 10,000: 25 ms of
-/// commit, measured on 6.18. Spread over 16 tables, a flip walks one:
-/// 2.3 ms (64 tables: 1.2 ms, for four times the hooks). Each table has
-/// its own dispatch maps and NAT base chains, so a new flow is looked up
-/// once per table that holds a listener; established flows are not
-/// looked up at all (a NAT chain sees only a flow's first packet).
-pub const SHARDS: u8 = 16;
-
-/// One of the daemon's NAT tables. Shard 0 is `inet harvester_lb_nat`,
-/// which also holds what is shared by every listener (the refusal of what
-/// was not forwarded, the masquerade), and exists while any kernel
-/// listener does; shard k is `inet harvester_lb_nat_k`, present while it
-/// holds a listener. A listener's shard is a fixed hash of its identity,
-/// the same in every version and process, so a restart finds each
-/// listener where it left it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct Shard(u8);
-
-impl Shard {
-    /// `inet harvester_lb_nat`: the shared parts, and the listeners
-    /// hashed to 0.
-    pub const MAIN: Shard = Shard(0);
-
-    /// The table that holds listener `id`'s objects (FNV-1a of its tag).
-    pub fn of(id: &ListenerId) -> Shard {
-        let hash = listener_tag(id).bytes().fold(0x811c_9dc5_u32, |h, b| {
-            (h ^ u32::from(b)).wrapping_mul(0x0100_0193)
-        });
-        Shard((hash % u32::from(SHARDS)) as u8)
-    }
-
-    /// The table's name, in family `inet`.
-    pub fn table(self) -> String {
-        match self.0 {
-            0 => TABLE.to_string(),
-            k => format!("{TABLE}_{k}"),
-        }
-    }
-
-    /// The shard whose table is named `name`; `None`: not one of ours
-    /// (a shard number this version does not use included, so that a
-    /// start deletes it).
-    pub fn from_table(name: &str) -> Option<Shard> {
-        if name == TABLE {
-            return Some(Shard::MAIN);
-        }
-        let k: u8 = name.strip_prefix(TABLE)?.strip_prefix('_')?.parse().ok()?;
-        // `_07` is not ours: only the names `table` gives.
-        (k > 0 && Shard(k).table() == name).then_some(Shard(k))
-    }
-
-    /// Whether this version puts listeners in it.
-    pub fn in_use(self) -> bool {
-        self.0 < SHARDS
-    }
-}
-
-/// The table of listener `id` (`inet` family): where its chains, counters
-/// and sets are.
-pub fn table_of(id: &ListenerId) -> String {
-    Shard::of(id).table()
-}
-
-/// The names this module gives a listener's objects.
-pub(crate) fn listener_tag((vip, protocol, port): &ListenerId) -> String {
-    format!("{}_{}_{}", protocol.as_str(), port, addr_tag(*vip))
-}
-
-/// An address as an nft identifier piece (`:` is not allowed there).
-fn addr_tag(ip: IpAddr) -> String {
-    ip.to_string().replace(':', "-")
-}
-
-/// The listener's chain.
-pub(crate) fn listener_chain(id: &ListenerId) -> String {
-    format!("l_{}", listener_tag(id))
-}
-
-/// A backend's chain within a listener: only where a bucket map or an
-/// affinity set names it (see `build::has_backend_chains`).
-pub(crate) fn backend_chain(id: &ListenerId, backend: IpAddr) -> String {
-    format!("b_{}_{}", listener_tag(id), addr_tag(backend))
-}
-
-/// A backend's counter of new connections within a listener.
-pub fn backend_counter(id: &ListenerId, backend: IpAddr) -> String {
-    format!("n_{}_{}", listener_tag(id), addr_tag(backend))
-}
-
-/// The counter of a listener's connections refused for want of an
-/// eligible backend.
-pub fn no_backend_counter(id: &ListenerId) -> String {
-    format!("z_{}", listener_tag(id))
-}
-
-/// The counter of a listener's connections refused by `source_ranges`.
-pub fn denied_counter(id: &ListenerId) -> String {
-    format!("d_{}", listener_tag(id))
-}
-
-/// A `source_ip` or `flow_hash` listener's bucket map: bucket (a hash of
-/// the client's address, or address and port, modulo [`BUCKETS`]) to the
-/// backend chain.
-pub(crate) fn bucket_map(id: &ListenerId) -> String {
-    format!("m_{}", listener_tag(id))
-}
-
-/// A backend's client-affinity set within a listener: the clients whose
-/// last new connection went to it, each for the listener's timeout.
-pub(crate) fn affinity_set(id: &ListenerId, backend: IpAddr) -> String {
-    format!("a_{}_{}", listener_tag(id), addr_tag(backend))
-}
-
-/// The set of a listener's source ranges.
-pub(crate) fn source_set(id: &ListenerId) -> String {
-    format!("s_{}", listener_tag(id))
-}

@@ -11,23 +11,29 @@
 //!
 //! The kernel still validates the whole table at the commit (the `nat` and
 //! `objref` expressions ask for it): that walk, linear in the table's
-//! listeners, is why they are spread over [`super::SHARDS`] tables. The
+//! listeners, is why they are spread over [`super::names::SHARDS`] tables. The
 //! socket stays open between flips ([`Writer`]). Messages are built by
 //! hand: the
 //! `netlink-packet-netfilter` crate has no `numgen`, `objref` or `nat`
 //! expression.
+//!
+//! The same socket kind serves the reads that must not wait for nft's
+//! cache: the named counters ([`counters`]), the host's forward base
+//! chains ([`forward_base_chains`]), and the dumps `read_back` is built on
+//! ([`dump`], [`messages`], [`attributes`]).
 
-use super::{
-    KernelListener, ListenerId, backend_counter, denied_counter, listener_chain,
-    no_backend_counter, source_set,
+use super::names::{
+    Shard, backend_counter, denied_counter, listener_chain, no_backend_counter, source_set,
+    table_of,
 };
+use super::{KernelListener, ListenerId};
 use crate::config::Protocol;
 use std::io;
 use std::net::IpAddr;
 
 use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_NETFILTER};
 
-use super::nft::NftError;
+use super::error::NftError;
 
 const NFNL_SUBSYS_NFTABLES: u16 = 10;
 const NFNL_MSG_BATCH_BEGIN: u16 = 0x10;
@@ -300,7 +306,7 @@ fn rewrite_batches<'a>(
             done.push(std::mem::replace(&mut batch, Batch::new()).end());
         }
         let chain = listener_chain(id);
-        let table = super::table_of(id);
+        let table = table_of(id);
         let mut target = Attrs::default();
         target
             .str(NFTA_RULE_TABLE, &table)
@@ -425,15 +431,16 @@ const NFTA_OBJ_DATA: u16 = 4;
 const NFT_OBJECT_COUNTER: u32 = 1;
 const NFTA_COUNTER_PACKETS: u16 = 2;
 
-/// Our tables' named counters, `(name, packets)`, in one netlink dump of
-/// the family's counters (the kernel filters by one table or by none),
+/// Our tables' named counters, `(name, packets)`: for a NAT chain's
+/// counter one packet is one new connection. One netlink dump of the
+/// family's counters (the kernel filters by one table or by none),
 /// kept when their table is one of ours.
 ///
 /// Why not `nft -j list counters`: `nft` fetches its cache of the whole
 /// ruleset first, which at 10,000 listeners (40,000 counters) took 9.5 s of
 /// wall time and 2.6 s of CPU per read on the 2-core test machine, every
 /// 5 s. The dump reads only the counter objects.
-pub(super) fn read_counters() -> Result<Vec<(String, u64)>, NftError> {
+pub fn counters() -> Result<Vec<(String, u64)>, NftError> {
     static SOCKET: KeptSocket = KeptSocket::new();
     SOCKET
         .with(dump_counters)
@@ -448,34 +455,6 @@ fn dump_counters(socket: &Socket) -> io::Result<Vec<(String, u64)>> {
         counters.extend(counter_of(body));
     })?;
     Ok(counters)
-}
-
-const NFT_MSG_NEWTABLE: u16 = 0;
-const NFT_MSG_GETTABLE: u16 = 1;
-const NFTA_TABLE_NAME: u16 = 1;
-
-/// The names of the host's `inet` tables, in one netlink dump.
-///
-/// Why not `nft list tables`: nft 1.0.6 fetches its cache of the whole
-/// ruleset for it, 2.75 s at 10,000 listeners in 16 tables.
-pub(super) fn table_names() -> io::Result<Vec<String>> {
-    let socket = connected()?;
-    let mut names = Vec::new();
-    dump(
-        &socket,
-        NFT_MSG_GETTABLE,
-        &Attrs::default(),
-        NFT_MSG_NEWTABLE,
-        |body| {
-            names.extend(
-                attributes(body)
-                    .find(|(kind, _)| *kind == NFTA_TABLE_NAME)
-                    .and_then(|(_, v)| v.split(|&c| c == 0).next())
-                    .map(|n| String::from_utf8_lossy(n).into_owned()),
-            );
-        },
-    )?;
-    Ok(names)
 }
 
 /// One nf_tables dump of family `inet`: `request` with `attrs`, then
@@ -661,7 +640,7 @@ fn counter_of(attrs: &[u8]) -> Option<(String, u64)> {
                 let text = value.split(|&c| c == 0).next()?;
                 ours = std::str::from_utf8(text)
                     .ok()
-                    .and_then(super::Shard::from_table)
+                    .and_then(Shard::from_table)
                     .is_some();
             }
             NFTA_OBJ_NAME => {

@@ -13,12 +13,14 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use super::build::{
-    Owned, has_backend_chains, partial_transaction_json, prelude, transaction_json,
+    TableObjects, has_backend_chains, partial_transaction_json, prelude, transaction_json,
 };
 use super::check::{self, Compared, Expected, Impaired};
+use super::commit;
+use super::error::NftError;
 use super::narrow::{self, MAX_CHECKS};
 use super::netlink;
-use super::nft::{self, NftError};
+use super::read_back;
 
 /// The listeners of `desired` whose backend choice alone differs from
 /// `applied` (a health flip, a drain), when nothing else differs: then
@@ -115,7 +117,7 @@ struct CheckMemory {
     resync: bool,
     /// Chains in our tables that are not ours, found by the last check:
     /// deleted before the resync (which rewrites only what is ours).
-    foreign: Vec<super::build::Obj>,
+    foreign: Vec<super::build::TableObject>,
     /// The read-backs' netlink socket, kept open (a closed one stalls the
     /// next commit) and opened in the tables' network namespace.
     reader: Arc<netlink::KeptSocket>,
@@ -235,23 +237,24 @@ impl KernelTable {
             // Known to be in the kernel: only what differs is written.
             // (Nothing written yet, the table may not exist: a full write.)
             if let Some(applied) = st.applied.as_ref().filter(|a| !a.is_empty()) {
-                nft::prepare(prelude(desired, Some(applied), &Owned::of(applied)))?;
-                return nft::apply_json(&partial_transaction_json(desired, applied)).map(|()| true);
+                commit::prepare(prelude(desired, Some(applied), &TableObjects::of(applied)))?;
+                return commit::apply_json(&partial_transaction_json(desired, applied))
+                    .map(|()| true);
             }
             let present = match &st.applied {
-                Some(applied) => Owned::of(applied),
-                None => match nft::read_back() {
+                Some(applied) => TableObjects::of(applied),
+                None => match read_back::read_back() {
                     Ok(p) => p,
                     // No `nft` and nothing to forward: nothing is wrong.
                     Err(_) if desired.is_empty() => return Ok(false),
                     Err(e) => return Err(e),
                 },
             };
-            if desired.is_empty() && present == Owned::default() {
+            if desired.is_empty() && present == TableObjects::default() {
                 return Ok(false);
             }
-            nft::prepare(prelude(desired, None, &present))?;
-            nft::apply_json(&transaction_json(desired, &present)).map(|()| true)
+            commit::prepare(prelude(desired, None, &present))?;
+            commit::apply_json(&transaction_json(desired, &present)).map(|()| true)
         })();
         match result {
             Ok(written) => {
@@ -345,7 +348,7 @@ impl KernelTable {
             return Ok(());
         }
         st.applied = None;
-        nft::remove()
+        commit::remove()
     }
 }
 
@@ -381,7 +384,7 @@ impl State {
             );
             // Still there (referenced by a rule the resync removes): the
             // next check finds it again.
-            if let Err(e) = nft::prepare(Some(script)) {
+            if let Err(e) = commit::prepare(Some(script)) {
                 tracing::warn!(
                     "deleting the chain {} of table inet {table}, which is not this daemon's: {e}",
                     o.name
@@ -401,7 +404,7 @@ impl State {
         let mut expected = Expected::of(desired);
         let before = before.filter(|b| !b.is_empty());
         let reread = expected.carry(desired, before, self.check.expected.as_deref());
-        match check::read_rules(&self.check.reader, reread.as_deref()) {
+        match read_back::read_rules(&self.check.reader, reread.as_deref()) {
             Ok(rules) => expected.rules.extend(rules),
             Err(e) => tracing::debug!("after a write, reading the NAT tables back: {e}"),
         }
@@ -419,16 +422,16 @@ impl CheckMemory {
         };
         let chains: Vec<_> = listeners
             .iter()
-            .map(|id| super::build::Obj {
+            .map(|id| super::build::TableObject {
                 shard: super::Shard::of(id),
-                name: super::listener_chain(id),
+                name: super::names::listener_chain(id),
             })
             .collect();
         let expected = Arc::make_mut(expected);
         for c in &chains {
             expected.rules.remove(c);
         }
-        match check::read_rules(&self.reader, Some(&chains)) {
+        match read_back::read_rules(&self.reader, Some(&chains)) {
             Ok(rules) => expected.rules.extend(rules),
             Err(e) => tracing::debug!("after a flip, reading its chains back: {e}"),
         }
@@ -442,7 +445,7 @@ impl KernelTable {
     /// On a difference the listeners it breaks stop being reported as
     /// forwarded and the next sync repairs everything. Blocking: netlink
     /// dumps of our tables.
-    pub fn check(&self) -> Result<Checked, super::NftError> {
+    pub fn check(&self) -> Result<Checked, NftError> {
         let (expected, writes, reader) = {
             let st = self.lock();
             let owned = !st.closed
@@ -457,11 +460,11 @@ impl KernelTable {
             }
         };
         // Read before the tables: a commit during their read moves it.
-        let generation = check::generation(&reader)?;
+        let generation = read_back::generation(&reader)?;
         if self.lock().check.checked == Some((generation, writes)) {
             return Ok(Checked::InPlace);
         }
-        let seen = check::read_seen(&reader)?;
+        let seen = read_back::read_seen(&reader)?;
         let Compared {
             differences,
             adopt,
@@ -614,9 +617,9 @@ impl KernelTable {
 /// committing nothing). Their prelude is written: it declares empty maps
 /// and sets, which change no packet's path.
 fn check_alone(listeners: &Desired) -> Result<(), NftError> {
-    nft::prepare(prelude(listeners, None, &Owned::default()))?;
-    let json = transaction_json(listeners, &Owned::default());
-    nft::run("check", &["-c", "-j", "-f", "-"], &json).map(drop)
+    commit::prepare(prelude(listeners, None, &TableObjects::default()))?;
+    let json = transaction_json(listeners, &TableObjects::default());
+    commit::run("check", &["-c", "-j", "-f", "-"], &json).map(drop)
 }
 
 #[cfg(test)]
