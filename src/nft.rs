@@ -13,7 +13,7 @@ use std::process::{Command, Stdio};
 /// guard's, the reply mark's, the sync gate's, the anycast sync's): what
 /// the daemon's own checks of the host's forward chains leave out. Each
 /// table's full name is a constant of the module that writes it
-/// ([`crate::kernel::TABLE`], [`crate::vip::isolate::TABLE`], …).
+/// ([`crate::kernel::TABLE`], [`crate::vip::port_filter::TABLE`], …).
 pub const TABLE_PREFIX: &str = "harvester_lb";
 
 /// Runs `nft` with `args` and `input` on its stdin. `Ok`: what it printed;
@@ -103,8 +103,8 @@ mod tests {
     fn every_table_of_ours_carries_the_prefix() {
         let ours = [
             crate::kernel::TABLE,
-            crate::vip::isolate::TABLE,
-            crate::vip::vmnet_guard::TABLE,
+            crate::vip::port_filter::TABLE,
+            crate::vip::vmnet_filter::TABLE,
             crate::vip::replymark::TABLE,
             crate::vip::conntrackd::GATE_TABLE,
             crate::vip::conntrackd::ANYCAST_TABLE,
