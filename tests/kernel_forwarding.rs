@@ -2091,12 +2091,19 @@ async fn served_again(bed: &Bed, case: &str) {
     )
     .await;
     wait_kernel(bed).await;
-    let m = bed.daemon().metrics().await;
-    assert_eq!(
-        netns::metric(&m, "harvester_lb_kernel_forwarding_up", &[]),
-        1.0,
-        "{case}"
-    );
+    // `/status` shows the listener forwarded once its chain is back, but
+    // the gauge turns 1 only when the whole repair's write has gone
+    // through (a deleted `input` chain never stopped the traffic): wait
+    // for it too rather than read it once.
+    wait_for(
+        Duration::from_secs(15),
+        &format!("{case}: kernel_forwarding_up back to 1"),
+        || async {
+            let m = bed.daemon().metrics().await;
+            (netns::metric(&m, "harvester_lb_kernel_forwarding_up", &[]) == 1.0).then_some(())
+        },
+    )
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
