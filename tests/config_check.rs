@@ -4,23 +4,8 @@
 
 mod support;
 
-use harvester_lb::config::{self, Algorithm, CheckKind, InitialState, OnBackendDown, Problem};
-use support::run_cli;
-
-fn problems(text: &str) -> Vec<Problem> {
-    match config::parse(text) {
-        Ok(_) => panic!("config should be invalid:\n{text}"),
-        Err(p) => p,
-    }
-}
-
-fn rendered(text: &str) -> String {
-    problems(text)
-        .iter()
-        .map(|p| p.to_string())
-        .collect::<Vec<_>>()
-        .join("\n")
-}
+use harvester_lb::config::{self, Algorithm, CheckKind, InitialState, OnBackendDown};
+use support::{problems, rendered, run_cli};
 
 const GOOD: &str = r#"
 [[load_balancer]]

@@ -23,6 +23,7 @@ use netns::keepalived::{Keepalived, keepalived_missing};
 use netns::peers::{Exchange, Node, Service, exchange};
 use netns::vmnet::{FAR_CLIENT, from_behind_the_gateway, holds, host, ip_out, vrrp_sent};
 use netns::{Bed, DaemonProc, Ns, config, lb, sa, wait_for};
+use support::{keepalived, network};
 
 /// The VIPs, on the bed's VM network (198.51.100.0/24, the bridge `br0`).
 const VIP1: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 40);
@@ -35,11 +36,16 @@ const TABLE: &str = "1000";
 /// The keys every host shares, with this host's `name`, management
 /// `address` and `peer`, and its files under `dir`.
 fn keys(dir: &std::path::Path, name: &str, address: &str, peer: &str) -> String {
-    format!(
-        "[keepalived]\nname = \"{name}\"\naddress = \"{address}\"\ninterface = \"mgmt\"\npeers = [\"{peer}\"]\ninstances = 2\nconfig_path = \"{}\"\npid_file = \"{}\"\n\n[[network]]\nname = \"default/vm\"\ninterface = \"eth0\"\nprefix_length = 24\ngateway = \"{GATEWAY}\"\n",
-        dir.join(format!("keepalived-{name}.conf")).display(),
-        dir.join(format!("keepalived-{name}.pid")).display(),
-    )
+    keepalived(
+        name,
+        address,
+        [peer],
+        (
+            &dir.join(format!("keepalived-{name}.conf")),
+            &dir.join(format!("keepalived-{name}.pid")),
+        ),
+        "instances = 2\n",
+    ) + &network("default/vm", "eth0", GATEWAY, "")
 }
 
 /// One host's config: `vips` on the VM network, nodes 1 and 2 behind each.
@@ -156,8 +162,7 @@ async fn netns_a_vm_network_vip_is_served_moved_and_vrrp_stays_off_the_vm_networ
         Node::start(&bed, 1, Service::NameThenEcho),
         Node::start(&bed, 2, Service::NameThenEcho),
     ];
-    bed.bridge.ip(&["link", "add", "br1", "type", "bridge"]);
-    bed.bridge.ip(&["link", "set", "br1", "up"]);
+    bed.add_bridge("br1");
     // The network's gateway, with a client of another network behind it.
     let (gw, _) = bed.add_host("gw", GATEWAY.parse().unwrap());
     gw.ip(&["addr", "add", &format!("{FAR_CLIENT}/32"), "dev", "lo"]);

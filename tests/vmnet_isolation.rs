@@ -34,7 +34,7 @@ use std::time::Duration;
 
 use netns::peers::read_line;
 use netns::{DaemonProc, Ns, config, run, sa, wait_for};
-use support::{Lb, Listener};
+use support::{Lb, Listener, keepalived, network};
 use tokio::io::AsyncWriteExt;
 
 /// Network A: the bridge `brA` in the host's namespace.
@@ -183,11 +183,19 @@ impl Bed {
         let isolate = if isolate { "" } else { "isolate = false\n" };
         config()
             .socket(&self.dir.join("admin.sock"))
-            .text(&format!(
-                "[keepalived]\nname = \"h\"\naddress = \"{HOST_MGMT}\"\ninterface = \"mgmt\"\npeers = [\"192.0.2.4\"]\nconfig_path = \"{}\"\npid_file = \"{}\"\n\n[[network]]\nname = \"t/a\"\ninterface = \"brA\"\nprefix_length = 24\ngateway = \"{GATEWAY_A}\"\n{isolate}\n[[network]]\nname = \"t/b\"\ninterface = \"brB\"\nprefix_length = 24\ngateway = \"203.0.113.1\"\n{isolate}",
-                self.dir.join("keepalived.conf").display(),
-                self.dir.join("keepalived.pid").display(),
-            ))
+            .text(
+                &(keepalived(
+                    "h",
+                    HOST_MGMT,
+                    ["192.0.2.4"],
+                    (
+                        &self.dir.join("keepalived.conf"),
+                        &self.dir.join("keepalived.pid"),
+                    ),
+                    "",
+                ) + &network("t/a", "brA", GATEWAY_A, isolate)
+                    + &network("t/b", "brB", "203.0.113.1", isolate)),
+            )
             .lb(Lb::new("t/web", VIP)
                 .backends([A1])
                 .keys("network = \"t/a\"")

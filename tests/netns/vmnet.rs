@@ -94,7 +94,16 @@ pub fn join(bed: &Bed, ns: &Ns, bridge: &str, port: &str, ifname: &str, cidr: &s
 /// the management segment (`mgmt` with `mgmt`/24, bridge `br1`, which the
 /// test makes), its VRRP packets counted.
 pub fn host(bed: &mut Bed, suffix: &str, vm: Ipv4Addr, mgmt: &str) -> Ns {
-    let (ns, _) = bed.add_host(suffix, vm);
+    let (ns, _) = mgmt_host(bed, suffix, vm, mgmt);
+    count_vrrp(&ns);
+    ns
+}
+
+/// As [`host`], its VRRP packets not counted, with its bridge port on
+/// network A (for [`Bed::set_port`]; its management port is
+/// [`mgmt_port`]).
+pub fn mgmt_host(bed: &mut Bed, suffix: &str, vm: Ipv4Addr, mgmt: &str) -> (Ns, String) {
+    let (ns, port) = bed.add_host(suffix, vm);
     join(
         bed,
         &ns,
@@ -103,8 +112,7 @@ pub fn host(bed: &mut Bed, suffix: &str, vm: Ipv4Addr, mgmt: &str) -> Ns {
         "mgmt",
         &format!("{mgmt}/24"),
     );
-    count_vrrp(&ns);
-    ns
+    (ns, port)
 }
 
 /// Whether a connection from [`FAR_CLIENT`] (in the gateway's namespace

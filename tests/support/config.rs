@@ -276,3 +276,52 @@ pub fn quote(value: impl Display) -> String {
     out.push('"');
     out
 }
+
+/// The problems of `text`, a config the test knows to be refused.
+pub fn problems(text: &str) -> Vec<harvester_lb::config::Problem> {
+    match harvester_lb::config::parse(text) {
+        Ok(_) => panic!("config should be invalid:\n{text}"),
+        Err(p) => p,
+    }
+}
+
+/// [`problems`] as `check` prints them, one per line.
+pub fn rendered(text: &str) -> String {
+    problems(text)
+        .iter()
+        .map(ToString::to_string)
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// `[keepalived]` of host `name` at the management `address` on the
+/// interface "mgmt", with its `peers`, keepalived's file at `conf` and its
+/// pid file at `pid`, and `more` lines of the section.
+pub fn keepalived<T: Display>(
+    name: &str,
+    address: impl Display,
+    peers: impl IntoIterator<Item = T>,
+    (conf, pid): (&Path, &Path),
+    more: &str,
+) -> String {
+    let peers: Vec<String> = peers.into_iter().map(quote).collect();
+    format!(
+        "[keepalived]\nname = {}\naddress = {}\ninterface = \"mgmt\"\npeers = [{}]\n{more}config_path = {}\npid_file = {}\n\n",
+        quote(name),
+        quote(address),
+        peers.join(", "),
+        quote(conf.display()),
+        quote(pid.display()),
+    )
+}
+
+/// `[[network]]` `name` on `interface`: a /24 via `gateway`, with `more`
+/// lines of the network.
+pub fn network(name: &str, interface: &str, gateway: impl Display, more: &str) -> String {
+    format!(
+        "[[network]]\nname = {}\ninterface = {}\nprefix_length = 24\ngateway = {}\n{more}\n",
+        quote(name),
+        quote(interface),
+        quote(gateway),
+    )
+}

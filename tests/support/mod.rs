@@ -15,6 +15,9 @@ mod skip;
 // Not every test crate writes a listener of its own.
 #[allow(unused_imports)]
 pub use config::{Config, Lb, Listener, quote};
+// Only some test crates read a refused config or write a VM network.
+#[allow(unused_imports)]
+pub use config::{keepalived, network, problems, rendered};
 // Not every test crate measures a process by its pid.
 #[allow(unused_imports)]
 pub use process::{Process, proc_cpu_time, proc_rss_kib};
