@@ -105,13 +105,10 @@ pub fn skip_reason() -> Option<String> {
 #[macro_export]
 macro_rules! require_bgp {
     () => {
-        if let Some(why) = $crate::netns::bgp::skip_reason() {
-            $crate::netns::skip_or_fail(
-                module_path!(),
-                &format!("needs root, iproute2, nftables and BIRD 2 ({why})"),
-            );
-            return;
-        }
+        $crate::require!(
+            $crate::netns::bgp::skip_reason(),
+            "root, iproute2, nftables and BIRD 2"
+        )
     };
 }
 
@@ -175,13 +172,10 @@ pub fn frr_skip_reason() -> Option<String> {
 #[macro_export]
 macro_rules! require_speaker {
     ($speaker:expr) => {
-        if let Some(why) = $speaker.skip_reason() {
-            $crate::netns::skip_or_fail(
-                module_path!(),
-                &format!("needs root, iproute2, nftables and {:?} ({why})", $speaker),
-            );
-            return;
-        }
+        $crate::require!(
+            $speaker.skip_reason(),
+            format!("root, iproute2, nftables and {:?}", $speaker)
+        )
     };
 }
 
@@ -677,37 +671,33 @@ impl LbHost {
 
     /// The client ports [`LbHost::record_replies`] recorded.
     pub fn recorded_replies(&self) -> std::collections::BTreeSet<u16> {
-        let text = output(
-            "ip",
-            &[
-                "netns",
-                "exec",
-                &self.ns.name,
-                "nft",
-                "-j",
-                "list",
-                "set",
-                "inet",
-                "hlb_test_replies",
-                "replies",
-            ],
-        );
-        let doc: serde_json::Value = serde_json::from_str(&text).unwrap_or_default();
-        let mut ports = std::collections::BTreeSet::new();
-        for o in doc["nftables"].as_array().into_iter().flatten() {
-            for e in o["set"]["elem"].as_array().into_iter().flatten() {
-                let v = e.get("elem").map_or(e, |x| &x["val"]);
-                if let Some(p) = v.as_u64().and_then(|p| u16::try_from(p).ok()) {
-                    ports.insert(p);
-                }
-            }
-        }
-        ports
+        self.set_elements("hlb_test_replies", "replies")
+            .iter()
+            .filter_map(|v| v.as_u64().and_then(|p| u16::try_from(p).ok()))
+            .collect()
     }
 
     /// The flows [`LbHost::record_new_flows`] recorded of `protocol`
     /// (`tcp`, `udp`): the client's port, and the backend it was DNATed to.
     pub fn recorded_flows(&self, protocol: &str) -> BTreeMap<u16, IpAddr> {
+        self.set_elements("hlb_test_seen", &format!("seen_{protocol}"))
+            .iter()
+            .filter_map(|c| {
+                // `{"concat": [port, "addr"]}`.
+                Some((
+                    c["concat"][0]
+                        .as_u64()
+                        .and_then(|p| u16::try_from(p).ok())?,
+                    c["concat"][1].as_str().and_then(|a| a.parse().ok())?,
+                ))
+            })
+            .collect()
+    }
+
+    /// The elements of the set `set` of the test's own table `inet table`
+    /// (each as nft's JSON writes it, the value itself when it is wrapped
+    /// in `{"elem": {"val": …}}`); none when it cannot be read.
+    fn set_elements(&self, table: &str, set: &str) -> Vec<serde_json::Value> {
         let text = output(
             "ip",
             &[
@@ -719,25 +709,18 @@ impl LbHost {
                 "list",
                 "set",
                 "inet",
-                "hlb_test_seen",
-                &format!("seen_{protocol}"),
+                table,
+                set,
             ],
         );
         let doc: serde_json::Value = serde_json::from_str(&text).unwrap_or_default();
-        let mut flows = BTreeMap::new();
+        let mut elements = Vec::new();
         for o in doc["nftables"].as_array().into_iter().flatten() {
             for e in o["set"]["elem"].as_array().into_iter().flatten() {
-                // `{"concat": [port, "addr"]}`, or inside `{"elem": {"val": …}}`.
-                let c = e.get("elem").map_or(e, |x| &x["val"]);
-                if let (Some(port), Some(addr)) = (
-                    c["concat"][0].as_u64().and_then(|p| u16::try_from(p).ok()),
-                    c["concat"][1].as_str().and_then(|a| a.parse().ok()),
-                ) {
-                    flows.insert(port, addr);
-                }
+                elements.push(e.get("elem").map_or(e, |x| &x["val"]).clone());
             }
         }
-        flows
+        elements
     }
 
     /// Starts the daemon with the config [`LbHost::write_config`] wrote and
