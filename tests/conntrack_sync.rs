@@ -127,10 +127,7 @@ fn host_config(
         name,
         address,
         [peer],
-        (
-            &bed.dir.join(format!("keepalived.conf-{name}")),
-            &bed.dir.join(format!("keepalived.pid-{name}")),
-        ),
+        &bed.dir.join(format!("keepalived-{name}")),
         "instances = 1\nadvert_interval_ms = 500\n",
     ) + &network("default/vm", "eth0", "198.51.100.1", "");
     if let Some((me, other)) = sync {
@@ -244,7 +241,7 @@ impl SyncBed {
                 port,
                 mgmt_port,
                 config: bed.dir.join(format!("config-{name}.toml")),
-                keepalived_conf: bed.dir.join(format!("keepalived.conf-{name}")),
+                keepalived_conf: bed.dir.join(format!("keepalived-{name}.conf")),
                 conntrackd_conf: bed.dir.join(format!("conntrackd.conf-{name}")),
                 daemon: None,
                 keepalived: None,
@@ -408,7 +405,7 @@ impl SyncBed {
 
     fn start_keepalived(&mut self, i: usize) {
         let h = &self.hosts[i];
-        let pid = self.bed.dir.join(format!("keepalived.pid-{}", h.name));
+        let pid = self.bed.dir.join(format!("keepalived-{}.pid", h.name));
         let _ = std::fs::remove_file(&pid);
         let k = Keepalived::run(&h.ns, &self.bed.dir, h.name, &h.keepalived_conf, Some(&pid));
         self.hosts[i].keepalived = Some(k);

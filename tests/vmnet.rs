@@ -40,10 +40,7 @@ fn keys(dir: &std::path::Path, name: &str, address: &str, peer: &str) -> String 
         name,
         address,
         [peer],
-        (
-            &dir.join(format!("keepalived-{name}.conf")),
-            &dir.join(format!("keepalived-{name}.pid")),
-        ),
+        &dir.join(format!("keepalived-{name}")),
         "instances = 2\n",
     ) + &network("default/vm", "eth0", GATEWAY, "")
 }

@@ -265,7 +265,7 @@ impl Three {
                     name,
                     address,
                     peers,
-                    (&self.keepalived_conf(h), &self.keepalived_pid(h)),
+                    &self.bed.dir.join(format!("keepalived-{name}")),
                     &format!("advert_interval_ms = {advert_ms}\n"),
                 ) + &networks),
             );

@@ -188,10 +188,7 @@ impl Bed {
                     "h",
                     HOST_MGMT,
                     ["192.0.2.4"],
-                    (
-                        &self.dir.join("keepalived.conf"),
-                        &self.dir.join("keepalived.pid"),
-                    ),
+                    &self.dir.join("keepalived"),
                     "",
                 ) + &network("t/a", "brA", GATEWAY_A, isolate)
                     + &network("t/b", "brB", "203.0.113.1", isolate)),

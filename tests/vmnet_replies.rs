@@ -59,10 +59,7 @@ fn daemon_config(bed: &Bed) -> String {
                 "h",
                 HOST_MGMT,
                 ["10.77.0.4"],
-                (
-                    &bed.dir.join("keepalived.conf"),
-                    &bed.dir.join("keepalived.pid"),
-                ),
+                &bed.dir.join("keepalived"),
                 "",
             ) + &network("t/a", "eth0", GATEWAY, "")),
         )

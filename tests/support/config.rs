@@ -295,13 +295,13 @@ pub fn rendered(text: &str) -> String {
 }
 
 /// `[keepalived]` of host `name` at the management `address` on the
-/// interface "mgmt", with its `peers`, keepalived's file at `conf` and its
-/// pid file at `pid`, and `more` lines of the section.
+/// interface "mgmt", with its `peers`, keepalived's file at `{files}.conf`
+/// and its pid file at `{files}.pid`, and `more` lines of the section.
 pub fn keepalived<T: Display>(
     name: &str,
     address: impl Display,
     peers: impl IntoIterator<Item = T>,
-    (conf, pid): (&Path, &Path),
+    files: &Path,
     more: &str,
 ) -> String {
     let peers: Vec<String> = peers.into_iter().map(quote).collect();
@@ -310,8 +310,8 @@ pub fn keepalived<T: Display>(
         quote(name),
         quote(address),
         peers.join(", "),
-        quote(conf.display()),
-        quote(pid.display()),
+        quote(format_args!("{}.conf", files.display())),
+        quote(format_args!("{}.pid", files.display())),
     )
 }
 
