@@ -180,21 +180,8 @@ fn reaches_vip_at(ns: &Ns, lladdr: &str) -> bool {
 /// Whether `ns`'s gate of the instance (VRID 50) is open: its chain holds
 /// no drop rule.
 fn gate_open(ns: &Ns) -> bool {
-    let out = std::process::Command::new("ip")
-        .args([
-            "netns",
-            "exec",
-            &ns.name,
-            "nft",
-            "list",
-            "chain",
-            "inet",
-            "harvester_lb_gate",
-            "g_50",
-        ])
-        .output()
-        .expect("nft");
-    out.status.success() && !String::from_utf8_lossy(&out.stdout).contains("drop")
+    ns.nft_out(&["list", "chain", "inet", "harvester_lb_gate", "g_50"])
+        .is_some_and(|chain| !chain.contains("drop"))
 }
 
 /// conntrackd's external cache on a host (its `-s`).

@@ -267,22 +267,7 @@ fn forbidden() -> [(&'static str, SocketAddr); 6] {
 
 /// The guard table in the host's namespace, as `nft` lists it.
 fn guard_table(host: &Ns) -> Option<String> {
-    let out = Command::new("ip")
-        .args([
-            "netns",
-            "exec",
-            &host.name,
-            "nft",
-            "list",
-            "table",
-            "inet",
-            "harvester_lb_vmnet",
-        ])
-        .output()
-        .expect("nft");
-    out.status
-        .success()
-        .then(|| String::from_utf8_lossy(&out.stdout).into_owned())
+    host.nft_out(&["list", "table", "inet", "harvester_lb_vmnet"])
 }
 
 /// Everything the tests ask of VIP users: served at both VIPs from network

@@ -99,21 +99,9 @@ async fn far_client_served(gw: &Ns, when: &str) {
 fn marks_in_place(host: &Ns) -> (bool, bool) {
     let rules = ip_out(host, &["rule", "show"]);
     let rule = rules.contains(&format!("fwmark {MARK} lookup {TABLE} proto 252"));
-    let table = std::process::Command::new("ip")
-        .args([
-            "netns",
-            "exec",
-            &host.name,
-            "nft",
-            "list",
-            "table",
-            "inet",
-            "harvester_lb_reply",
-        ])
-        .output()
-        .expect("nft")
-        .status
-        .success();
+    let table = host
+        .nft_out(&["list", "table", "inet", "harvester_lb_reply"])
+        .is_some();
     (rule, table)
 }
 

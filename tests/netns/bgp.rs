@@ -698,22 +698,9 @@ impl LbHost {
     /// (each as nft's JSON writes it, the value itself when it is wrapped
     /// in `{"elem": {"val": …}}`); none when it cannot be read.
     fn set_elements(&self, table: &str, set: &str) -> Vec<serde_json::Value> {
-        let text = output(
-            "ip",
-            &[
-                "netns",
-                "exec",
-                &self.ns.name,
-                "nft",
-                "-j",
-                "list",
-                "set",
-                "inet",
-                table,
-                set,
-            ],
-        );
-        let doc: serde_json::Value = serde_json::from_str(&text).unwrap_or_default();
+        let text = self.ns.nft_out(&["-j", "list", "set", "inet", table, set]);
+        let doc: serde_json::Value =
+            serde_json::from_str(&text.unwrap_or_default()).unwrap_or_default();
         let mut elements = Vec::new();
         for o in doc["nftables"].as_array().into_iter().flatten() {
             for e in o["set"]["elem"].as_array().into_iter().flatten() {
@@ -751,41 +738,28 @@ impl LbHost {
     /// `harvester-lb withdraw --all --config F` in this host's namespace, as
     /// the unit's `ExecStopPost=` runs it; panics if it fails.
     pub fn withdraw_all(&self) {
-        let config = self.config_path();
-        run(
-            "ip",
-            &[
-                "netns",
-                "exec",
-                &self.ns.name,
-                env!("CARGO_BIN_EXE_harvester-lb"),
-                "withdraw",
-                "--all",
-                "--config",
-                config.to_str().expect("utf-8 path"),
-            ],
-            None,
-        );
+        self.cli(&["withdraw", "--all"]);
     }
 
     /// `harvester-lb host drain|ready --config F`: withdraws every VIP of
     /// this host, or lets them be announced again; panics if it fails.
     pub fn host_state(&self, state: &str) {
+        self.cli(&["host", state]);
+    }
+
+    /// `harvester-lb <args> --config F` in this host's namespace; panics if
+    /// it fails.
+    fn cli(&self, args: &[&str]) {
         let config = self.config_path();
-        run(
-            "ip",
-            &[
-                "netns",
-                "exec",
-                &self.ns.name,
-                env!("CARGO_BIN_EXE_harvester-lb"),
-                "host",
-                state,
-                "--config",
-                config.to_str().expect("utf-8 path"),
-            ],
-            None,
-        );
+        let mut full = vec![
+            "netns",
+            "exec",
+            &self.ns.name,
+            env!("CARGO_BIN_EXE_harvester-lb"),
+        ];
+        full.extend_from_slice(args);
+        full.extend(["--config", config.to_str().expect("utf-8 path")]);
+        run("ip", &full, None);
     }
 
     /// The `announce` object of `/status` for the VIP `vip` (wherever the

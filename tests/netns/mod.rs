@@ -211,6 +211,19 @@ impl Ns {
         run("ip", &full, None);
     }
 
+    /// `nft <args>` inside this namespace (a listing): its output, or
+    /// `None` when nft fails (no such table, chain or set).
+    pub fn nft_out(&self, args: &[&str]) -> Option<String> {
+        let out = Command::new("ip")
+            .args(["netns", "exec", &self.name, "nft"])
+            .args(args)
+            .output()
+            .expect("run nft");
+        out.status
+            .success()
+            .then(|| String::from_utf8_lossy(&out.stdout).into_owned())
+    }
+
     /// Loads an nft ruleset inside this namespace.
     pub fn nft(&self, rules: &str) {
         run(
