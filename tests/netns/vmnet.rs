@@ -1,6 +1,7 @@
 //! The VM-network bed's parts, for `tests/vmnet.rs` (two hosts, one
-//! network) and `tests/vmnet_hosts.rs` (three hosts, two networks, the
-//! failovers measured): load-balancer hosts on a management segment
+//! network), `tests/vmnet_hosts.rs` (three hosts, two networks, the
+//! failovers measured) and `tests/conntrack_sync.rs` (two hosts and their
+//! sync link): load-balancer hosts on a management segment
 //! (bridge `br1`, each host's `mgmt`), VM network A on the bed's `br0`
 //! (each host's `eth0`, 198.51.100.0/24, its gateway `.1` with a client of
 //! another network behind it), VM network B on `br2` (each host's `eth1`,

@@ -6,7 +6,10 @@
 //! of the reference stays reachable.
 //!
 //! Tests whose point is the text itself (bad input, `check`, the docs,
-//! `import`) keep their literal TOML.
+//! `import`) keep their literal TOML; they read a refused one with
+//! [`problems`] (or [`rendered`], as `check` prints them). The VM-network
+//! beds write their hosts' `[keepalived]` and `[[network]]` with
+//! [`keepalived`] and [`network`].
 
 use std::fmt::{self, Display, Write as _};
 use std::net::SocketAddr;
