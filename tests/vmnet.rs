@@ -23,7 +23,7 @@ use netns::keepalived::{Keepalived, keepalived_missing};
 use netns::peers::{Exchange, Node, Service, exchange};
 use netns::vmnet::{FAR_CLIENT, from_behind_the_gateway, holds, host, ip_out, vrrp_sent};
 use netns::{Bed, DaemonProc, Ns, config, lb, sa, wait_for};
-use support::{keepalived, network};
+use support::{keepalived, network, quiet_success};
 
 /// The VIPs, on the bed's VM network (198.51.100.0/24, the bridge `br0`).
 const VIP1: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 40);
@@ -102,15 +102,9 @@ fn the_rendered_keepalived_conf_passes_keepalived_s_config_test() {
         .arg(&file)
         .output()
         .expect("run keepalived --config-test");
-    let said = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert!(
-        out.status.success() && said.trim().is_empty(),
-        "keepalived rejects the rendered file: {said}\n{rendered}"
-    );
+    if let Err(said) = quiet_success(&out) {
+        panic!("keepalived rejects the rendered file: {said}\n{rendered}");
+    }
     assert_eq!(rendered.matches("/32 dev eth0").count(), 10, "{rendered}");
     assert_eq!(
         rendered.matches("fd00:a::50/128 dev eth0").count(),
