@@ -385,11 +385,7 @@ async fn netns_announce_follows_health_and_sigterm_withdraws_before_the_listener
     };
     let host = |state: &str| cli(&["host", state]);
     let out = host("drain");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    succeeded(&out);
     wait_for(Duration::from_secs(10), "the host drained", || {
         let ns = lbns.clone();
         async move { (!announced(&ns, &AVIP.to_string()) && !announced(&ns, AVIP6)).then_some(()) }
@@ -398,11 +394,7 @@ async fn netns_announce_follows_health_and_sigterm_withdraws_before_the_listener
     let v = vip_status(&bed.daemon().status().await, &AVIP.to_string());
     assert_eq!(v["reason"], "drained", "{v}");
     let out = host("ready");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    succeeded(&out);
     wait_announced(
         &lbns,
         &AVIP.to_string(),
@@ -423,11 +415,7 @@ async fn netns_announce_follows_health_and_sigterm_withdraws_before_the_listener
     // One VIP drained: only it goes. An unknown VIP is refused, naming it;
     // the TCP admin listener refuses the change.
     let out = cli(&["vip", "drain", AVIP6]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    succeeded(&out);
     wait_announced(
         &lbns,
         AVIP6,
@@ -458,11 +446,7 @@ async fn netns_announce_follows_health_and_sigterm_withdraws_before_the_listener
         .expect("POST");
     assert_eq!(code, 403, "{body}");
     let out = cli(&["vip", "ready", AVIP6]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    succeeded(&out);
     wait_announced(
         &lbns,
         AVIP6,
@@ -623,11 +607,7 @@ async fn netns_a_reload_withdraws_a_dropped_vip_and_withdraw_all_after_sigkill_d
     );
     // Nothing left: still exit 0 (ExecStopPost= after a clean stop).
     let out = withdraw();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    succeeded(&out);
     assert!(String::from_utf8_lossy(&out.stdout).contains("no harvester-lb route"));
 
     // A run killed without withdraw --all leaves local routes of its table:
@@ -704,6 +684,15 @@ fn add_local(ns: &Ns, ip: &str, table: u32) {
     ]);
 }
 
+/// Asserts that a command the test ran succeeded, with what it said if not.
+fn succeeded(out: &std::process::Output) {
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
 #[test]
 fn announce_keys_default_and_bad_values_are_named_with_what_is_allowed() {
     let loaded = harvester_lb::config::parse("load_balancer = []\n").expect("valid");
@@ -774,11 +763,7 @@ fn withdraw_all_with_announce_none_does_nothing_and_needs_no_privilege() {
         .output()
         .expect("run withdraw");
     let _ = std::fs::remove_dir_all(&dir);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    succeeded(&out);
     assert!(
         String::from_utf8_lossy(&out.stdout).contains("nothing to withdraw"),
         "{}",
