@@ -68,17 +68,15 @@ async fn marked_down_with_close_resets_open_connections_and_keep_leaves_them() {
     let net = Subnet::new();
     let _node = Backend::start(node(&net, 11), Behaviour::NameThenEcho).await;
     let health = Backend::start(health_port(&net, 11), Behaviour::Echo).await;
-    let cfg = Config::on(&net)
-        .lb(lb(
-            &net,
-            "down/close",
-            1,
-            &[11],
-            "on_backend_down = \"close\"",
-            true,
-        ))
-        .lb(lb(&net, "down/keep", 2, &[11], "", true));
-    let d = Daemon::start(&net, &cfg).await;
+    let close = "on_backend_down = \"close\"";
+    // "down/close" closes; "down/keep" has the lines `keep` (the default
+    // keeps).
+    let cfg = |keep: &str| {
+        Config::on(&net)
+            .lb(lb(&net, "down/close", 1, &[11], close, true))
+            .lb(lb(&net, "down/keep", 2, &[11], keep, true))
+    };
+    let d = Daemon::start(&net, &cfg("")).await;
     let ip = net.ip_str(11);
     d.wait_health("down/close", &ip, "healthy", Duration::from_secs(5))
         .await;
@@ -123,24 +121,7 @@ async fn marked_down_with_close_resets_open_connections_and_keep_leaves_them() {
     let health = Backend::start(health_port(&net, 11), Behaviour::Echo).await;
     d.wait_health("down/keep", &ip, "healthy", Duration::from_secs(5))
         .await;
-    let cfg = Config::on(&net)
-        .lb(lb(
-            &net,
-            "down/close",
-            1,
-            &[11],
-            "on_backend_down = \"close\"",
-            true,
-        ))
-        .lb(lb(
-            &net,
-            "down/keep",
-            2,
-            &[11],
-            "on_backend_down = \"close\"",
-            true,
-        ));
-    net.write("config.toml", &cfg.to_string());
+    net.write("config.toml", &cfg(close).to_string());
     d.server().reload().await.expect("reload");
     health.stop();
     d.wait_health("down/keep", &ip, "unhealthy", Duration::from_secs(5))
