@@ -68,17 +68,15 @@ async fn marked_down_with_close_resets_open_connections_and_keep_leaves_them() {
     let net = Subnet::new();
     let _node = Backend::start(node(&net, 11), Behaviour::NameThenEcho).await;
     let health = Backend::start(health_port(&net, 11), Behaviour::Echo).await;
-    let cfg = Config::on(&net)
-        .lb(lb(
-            &net,
-            "down/close",
-            1,
-            &[11],
-            "on_backend_down = \"close\"",
-            true,
-        ))
-        .lb(lb(&net, "down/keep", 2, &[11], "", true));
-    let d = Daemon::start(&net, &cfg).await;
+    let close = "on_backend_down = \"close\"";
+    // "down/close" closes; "down/keep" has the lines `keep` (the default
+    // keeps).
+    let cfg = |keep: &str| {
+        Config::on(&net)
+            .lb(lb(&net, "down/close", 1, &[11], close, true))
+            .lb(lb(&net, "down/keep", 2, &[11], keep, true))
+    };
+    let d = Daemon::start(&net, &cfg("")).await;
     let ip = net.ip_str(11);
     d.wait_health("down/close", &ip, "healthy", Duration::from_secs(5))
         .await;
@@ -123,24 +121,7 @@ async fn marked_down_with_close_resets_open_connections_and_keep_leaves_them() {
     let health = Backend::start(health_port(&net, 11), Behaviour::Echo).await;
     d.wait_health("down/keep", &ip, "healthy", Duration::from_secs(5))
         .await;
-    let cfg = Config::on(&net)
-        .lb(lb(
-            &net,
-            "down/close",
-            1,
-            &[11],
-            "on_backend_down = \"close\"",
-            true,
-        ))
-        .lb(lb(
-            &net,
-            "down/keep",
-            2,
-            &[11],
-            "on_backend_down = \"close\"",
-            true,
-        ));
-    net.write("config.toml", &cfg.to_string());
+    net.write("config.toml", &cfg(close).to_string());
     d.server().reload().await.expect("reload");
     health.stop();
     d.wait_health("down/keep", &ip, "unhealthy", Duration::from_secs(5))
@@ -554,17 +535,13 @@ async fn a_live_socket_is_never_taken_and_a_stale_one_is_replaced() {
     assert_eq!(http_unix(&socket, "GET", "/healthz", "").await.0, 200);
 
     // A second daemon (its own admin.listen) must not take the live socket.
-    let other = net.write(
-        "second.toml",
-        &format!(
-            "[admin]\nlisten = \"{}:9901\"\nsocket = {socket:?}\n",
-            net.ip_str(251)
-        ),
-    );
-    let err = match harvester_lb::start(harvester_lb::Options::new(&other)).await {
-        Ok(_) => panic!("a second daemon took a live admin socket"),
-        Err(e) => e.to_string(),
-    };
+    let err = refused_admin(
+        &net,
+        ("second.toml", 251),
+        &socket,
+        "a second daemon took a live admin socket",
+    )
+    .await;
     assert!(err.contains("another process is serving it"), "{err}");
     assert_eq!(
         http_unix(&socket, "GET", "/healthz", "").await.0,
@@ -574,20 +551,38 @@ async fn a_live_socket_is_never_taken_and_a_stale_one_is_replaced() {
 
     // A file that is not a socket is never removed.
     let plain = net.write("plain", "keep me");
-    let other = net.write(
-        "third.toml",
-        &format!(
-            "[admin]\nlisten = \"{}:9901\"\nsocket = {plain:?}\n",
-            net.ip_str(252)
-        ),
-    );
-    let err = match harvester_lb::start(harvester_lb::Options::new(&other)).await {
-        Ok(_) => panic!("a regular file was replaced by the socket"),
-        Err(e) => e.to_string(),
-    };
+    let err = refused_admin(
+        &net,
+        ("third.toml", 252),
+        &plain,
+        "a regular file was replaced by the socket",
+    )
+    .await;
     assert!(err.contains("not a socket"), "{err}");
     assert_eq!(std::fs::read_to_string(&plain).unwrap(), "keep me");
     d.stop().await;
+}
+
+/// The error of a second daemon, written to `file` with only `[admin]`
+/// (listen on the subnet's host `.host`, `socket`), which must not start:
+/// starting would mean `wrong`.
+async fn refused_admin(
+    net: &Subnet,
+    (file, host): (&str, u8),
+    socket: &Path,
+    wrong: &str,
+) -> String {
+    let other = net.write(
+        file,
+        &format!(
+            "[admin]\nlisten = \"{}:9901\"\nsocket = {socket:?}\n",
+            net.ip_str(host)
+        ),
+    );
+    match harvester_lb::start(harvester_lb::Options::new(&other)).await {
+        Ok(_) => panic!("{wrong}"),
+        Err(e) => e.to_string(),
+    }
 }
 
 /// A squatter on `addr` that answers every request "200 reloaded", as a

@@ -24,7 +24,7 @@ use netns::peers::{Exchange, Node, Service, exchange};
 use netns::{
     Bed, HEALTH_PORT, LB_IP, NODEPORT, Ns, config, lb, metric, node_ip, probed, sa, wait_for,
 };
-use support::{Lb, Listener};
+use support::{Lb, Listener, rendered};
 
 /// The announced VIP: outside the bed's subnet, so the client reaches it
 /// only through a route via the load-balancer host (as a router would).
@@ -385,11 +385,7 @@ async fn netns_announce_follows_health_and_sigterm_withdraws_before_the_listener
     };
     let host = |state: &str| cli(&["host", state]);
     let out = host("drain");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    succeeded(&out);
     wait_for(Duration::from_secs(10), "the host drained", || {
         let ns = lbns.clone();
         async move { (!announced(&ns, &AVIP.to_string()) && !announced(&ns, AVIP6)).then_some(()) }
@@ -398,11 +394,7 @@ async fn netns_announce_follows_health_and_sigterm_withdraws_before_the_listener
     let v = vip_status(&bed.daemon().status().await, &AVIP.to_string());
     assert_eq!(v["reason"], "drained", "{v}");
     let out = host("ready");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    succeeded(&out);
     wait_announced(
         &lbns,
         &AVIP.to_string(),
@@ -423,11 +415,7 @@ async fn netns_announce_follows_health_and_sigterm_withdraws_before_the_listener
     // One VIP drained: only it goes. An unknown VIP is refused, naming it;
     // the TCP admin listener refuses the change.
     let out = cli(&["vip", "drain", AVIP6]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    succeeded(&out);
     wait_announced(
         &lbns,
         AVIP6,
@@ -458,11 +446,7 @@ async fn netns_announce_follows_health_and_sigterm_withdraws_before_the_listener
         .expect("POST");
     assert_eq!(code, 403, "{body}");
     let out = cli(&["vip", "ready", AVIP6]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    succeeded(&out);
     wait_announced(
         &lbns,
         AVIP6,
@@ -623,11 +607,7 @@ async fn netns_a_reload_withdraws_a_dropped_vip_and_withdraw_all_after_sigkill_d
     );
     // Nothing left: still exit 0 (ExecStopPost= after a clean stop).
     let out = withdraw();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    succeeded(&out);
     assert!(String::from_utf8_lossy(&out.stdout).contains("no harvester-lb route"));
 
     // A run killed without withdraw --all leaves local routes of its table:
@@ -704,16 +684,13 @@ fn add_local(ns: &Ns, ip: &str, table: u32) {
     ]);
 }
 
-/// The problems `check` reports for `text`, one per line.
-fn problems(text: &str) -> String {
-    match harvester_lb::config::parse(text) {
-        Ok(_) => panic!("config should be invalid:\n{text}"),
-        Err(p) => p
-            .iter()
-            .map(ToString::to_string)
-            .collect::<Vec<_>>()
-            .join("\n"),
-    }
+/// Asserts that a command the test ran succeeded, with what it said if not.
+fn succeeded(out: &std::process::Output) {
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
 #[test]
@@ -748,7 +725,7 @@ fn announce_keys_default_and_bad_values_are_named_with_what_is_allowed() {
             "[vip]\nannounce = \"routes\"\nannounce_table = {table}\nannounce_prefixes = [\"203.0.113.0/24\"]\n"
         );
         assert_eq!(
-            problems(&text),
+            rendered(&text),
             format!(
                 "line 3: vip.announce_table: {table} cannot be the announcing table; use 1..=252 or 256..=4294967295 (0 is unspecified, 253 default, 254 main, 255 local), e.g. 100"
             )
@@ -756,7 +733,7 @@ fn announce_keys_default_and_bad_values_are_named_with_what_is_allowed() {
     }
     let text = "[vip]\nannounce = \"bgp\"\nannounce_interface = \"a-very-long-interface\"\nwithdraw_grace_seconds = -1\nannounce_delay_seconds = 99999\n";
     assert_eq!(
-        problems(text),
+        rendered(text),
         [
             "line 2: vip.announce: \"bgp\" is not supported; use one of \"none\", \"routes\"",
             "line 3: vip.announce_interface: \"a-very-long-interface\" is not an interface name (1..=15 bytes, no '/', ':' or spaces)",
@@ -767,7 +744,7 @@ fn announce_keys_default_and_bad_values_are_named_with_what_is_allowed() {
     );
     // A leased VIP belongs to one host: not announced from many.
     let text = "[vip]\nannounce = \"routes\"\nannounce_prefixes = [\"203.0.113.0/24\"]\n[[load_balancer]]\nname = \"a\"\nipam = \"dhcp\"\nbackends = [\"198.51.100.1\"]\n  [load_balancer.dhcp]\n  interface = \"eth0\"\n";
-    let said = problems(text);
+    let said = rendered(text);
     assert!(
         said.starts_with("line 6: load_balancer[0].ipam: ipam = \"dhcp\" cannot be used with vip.announce = \"routes\""),
         "{said}"
@@ -786,11 +763,7 @@ fn withdraw_all_with_announce_none_does_nothing_and_needs_no_privilege() {
         .output()
         .expect("run withdraw");
     let _ = std::fs::remove_dir_all(&dir);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    succeeded(&out);
     assert!(
         String::from_utf8_lossy(&out.stdout).contains("nothing to withdraw"),
         "{}",
@@ -813,12 +786,12 @@ fn withdraw_all_with_announce_none_does_nothing_and_needs_no_privilege() {
 fn announce_prefixes_are_required_with_routes_and_checked() {
     let missing = "[vip]\nannounce = \"routes\"\n";
     assert_eq!(
-        problems(missing),
+        rendered(missing),
         "line 2: vip.announce_prefixes: is required with vip.announce = \"routes\": list the CIDR ranges your VIPs come from, e.g. announce_prefixes = [\"203.0.113.0/24\"] (like MetalLB's address pools); only VIPs inside them are announced, so a guest cluster's Service cannot make this host announce its own or its router's address"
     );
     let bad = "[vip]\nannounce = \"routes\"\nannounce_prefixes = [\n  \"203.0.113.1/24\",\n  \"0.0.0.0/0\",\n  \"nonsense\",\n]\n";
     assert_eq!(
-        problems(bad),
+        rendered(bad),
         [
             "line 4: vip.announce_prefixes[0]: \"203.0.113.1/24\" has host bits set; did you mean \"203.0.113.0/24\"? (a range is written with its first address)",
             "line 5: vip.announce_prefixes[1]: \"0.0.0.0/0\" is every address: it would let any VIP (the host's own, its router's) be announced; list the ranges your VIPs come from",
@@ -827,7 +800,7 @@ fn announce_prefixes_are_required_with_routes_and_checked() {
         .join("\n")
     );
     assert_eq!(
-        problems("[vip]\nannounce = \"routes\"\nannounce_prefixes = []\n"),
+        rendered("[vip]\nannounce = \"routes\"\nannounce_prefixes = []\n"),
         "line 3: vip.announce_prefixes: is empty, so no VIP could be announced; list the CIDR ranges your VIPs come from, e.g. [\"203.0.113.0/24\"]"
     );
     let text = format!(

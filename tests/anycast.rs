@@ -43,10 +43,7 @@ fn shipped_configs(speaker: &str) -> (std::path::PathBuf, Vec<std::path::PathBuf
 /// fills it in for its hosts and router.
 #[test]
 fn shipped_bird_configs_parse() {
-    if let Some(why) = netns::bgp::skip_reason() {
-        netns::skip_or_fail(module_path!(), &why);
-        return;
-    }
+    require_bgp!();
     let (scratch, mut files) = shipped_configs("bird");
     for (name, text) in [
         ("host1.conf", netns::bgp::host_config(1)),
@@ -78,10 +75,7 @@ fn shipped_bird_configs_parse() {
 /// hosts; a config with a line FRR does not know fails the same check.
 #[test]
 fn shipped_frr_configs_parse() {
-    if let Some(why) = netns::bgp::frr_skip_reason() {
-        netns::skip_or_fail(module_path!(), &why);
-        return;
-    }
+    require_speaker!(Speaker::Frr);
     let (scratch, mut files) = shipped_configs("frr");
     let host2 = scratch.join("host2.conf");
     std::fs::write(&host2, netns::bgp::frr_host_config(2)).expect("write");

@@ -89,6 +89,18 @@ fn start(env: &Env, config: &Path) -> Process {
     d
 }
 
+/// The daemon watching its file `config.toml` (a valid config, an echo
+/// backend), ready and forwarding through the VIP; the file's path.
+fn watched(env: &Env) -> (PathBuf, Process) {
+    env.echo_backend();
+    let cfg = env.path("config.toml");
+    std::fs::write(&cfg, env.config("")).unwrap();
+    let mut d = Process::launch(&cfg).watch().spawn();
+    d.wait_ready_blocking(env.admin());
+    through_vip(env);
+    (cfg, d)
+}
+
 /// Sends a raw request; returns (status, whole response).
 fn http(addr: SocketAddr, request: &str) -> std::io::Result<(u16, String)> {
     let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(2))?;
@@ -692,12 +704,7 @@ fn config_parser_never_panics_on_generated_input() {
 #[test]
 fn a_deleted_config_file_warns_once_keeps_serving_and_reloads_when_back() {
     let env = Env::new();
-    env.echo_backend();
-    let cfg = env.path("config.toml");
-    std::fs::write(&cfg, env.config("")).unwrap();
-    let mut d = Process::launch(&cfg).watch().spawn();
-    d.wait_ready_blocking(env.admin());
-    through_vip(&env);
+    let (cfg, d) = watched(&env);
     let status = || -> serde_json::Value {
         let (_, resp) = get(&env, "/status");
         serde_json::from_str(resp.split("\r\n\r\n").nth(1).unwrap_or("")).expect("status JSON")
@@ -862,12 +869,7 @@ fn a_fifo_or_a_device_is_refused_promptly_by_check_run_and_import() {
 #[test]
 fn a_fifo_at_the_config_path_never_wedges_reloads_or_stop() {
     let env = Env::new();
-    env.echo_backend();
-    let cfg = env.path("config.toml");
-    std::fs::write(&cfg, env.config("")).unwrap();
-    let mut d = Process::launch(&cfg).watch().spawn();
-    d.wait_ready_blocking(env.admin());
-    through_vip(&env);
+    let (cfg, mut d) = watched(&env);
 
     std::fs::remove_file(&cfg).unwrap();
     mkfifo(&cfg);

@@ -4,23 +4,10 @@
 
 mod support;
 
-use harvester_lb::config::{self, Algorithm, CheckKind, InitialState, OnBackendDown, Problem};
-use support::run_cli;
-
-fn problems(text: &str) -> Vec<Problem> {
-    match config::parse(text) {
-        Ok(_) => panic!("config should be invalid:\n{text}"),
-        Err(p) => p,
-    }
-}
-
-fn rendered(text: &str) -> String {
-    problems(text)
-        .iter()
-        .map(|p| p.to_string())
-        .collect::<Vec<_>>()
-        .join("\n")
-}
+use harvester_lb::config::{
+    self, Algorithm, CheckKind, HealthCheckSpec, InitialState, OnBackendDown,
+};
+use support::{problems, rendered, run_cli};
 
 const GOOD: &str = r#"
 [[load_balancer]]
@@ -410,11 +397,7 @@ fn with_check(lines: &str) -> String {
 
 #[test]
 fn an_http_check_takes_kube_proxys_defaults() {
-    let loaded = config::parse(&with_check("  kind = \"http\"\n")).expect("valid");
-    let hc = loaded.config.load_balancers[0]
-        .health_check
-        .clone()
-        .unwrap();
+    let hc = check_of(&with_check("  kind = \"http\"\n"));
     let CheckKind::Http(http) = &hc.check else {
         panic!("not an HTTP check: {hc:?}")
     };
@@ -423,14 +406,9 @@ fn an_http_check_takes_kube_proxys_defaults() {
     assert_eq!(http.host, None);
     assert_eq!(http.expect_status.to_string(), "200");
 
-    let loaded = config::parse(&with_check(
+    let hc = check_of(&with_check(
         "  kind = \"http\"\n  path = \"/livez?verbose=1\"\n  host = \"[fd00::1]:10256\"\n  expect_status = [204, \"200-202\", 203]\n",
-    ))
-    .expect("valid");
-    let hc = loaded.config.load_balancers[0]
-        .health_check
-        .clone()
-        .unwrap();
+    ));
     let CheckKind::Http(http) = &hc.check else {
         panic!("not an HTTP check: {hc:?}")
     };
@@ -440,37 +418,26 @@ fn an_http_check_takes_kube_proxys_defaults() {
 
     // However the statuses are written, the same set is the same check
     // (and so the same probe stream).
-    let one = config::parse(&with_check(
-        "  kind = \"http\"\n  expect_status = [200, 201]\n",
-    ))
-    .unwrap();
-    let other = config::parse(&with_check(
-        "  kind = \"http\"\n  expect_status = [\"200-201\"]\n",
-    ))
-    .unwrap();
     assert_eq!(
-        one.config.load_balancers[0].health_check,
-        other.config.load_balancers[0].health_check
+        check_of(&with_check(
+            "  kind = \"http\"\n  expect_status = [200, 201]\n"
+        )),
+        check_of(&with_check(
+            "  kind = \"http\"\n  expect_status = [\"200-201\"]\n"
+        ))
     );
 
-    let tcp = config::parse(GOOD).unwrap();
-    assert_eq!(
-        tcp.config.load_balancers[0]
-            .health_check
-            .as_ref()
-            .unwrap()
-            .check,
-        CheckKind::TcpConnect
-    );
-    let tcp = config::parse(&with_check("  kind = \"tcp\"\n")).unwrap();
-    assert_eq!(
-        tcp.config.load_balancers[0]
-            .health_check
-            .as_ref()
-            .unwrap()
-            .check,
-        CheckKind::TcpConnect
-    );
+    for tcp in [GOOD.to_string(), with_check("  kind = \"tcp\"\n")] {
+        assert_eq!(check_of(&tcp).check, CheckKind::TcpConnect, "{tcp}");
+    }
+}
+
+/// The health check of the first load balancer of `text`, a valid config.
+fn check_of(text: &str) -> HealthCheckSpec {
+    config::parse(text).expect("valid").config.load_balancers[0]
+        .health_check
+        .clone()
+        .expect("a health check")
 }
 
 #[test]

@@ -41,6 +41,17 @@ impl Logged {
         Self::start(net, config, "json").await
     }
 
+    /// [`Logged::json`] on [`config`]'s file: `top` lines, then the load
+    /// balancer on `backends` with its `extra` lines.
+    async fn tcp(net: &Subnet, top: &str, backends: &[u8], extra: &str) -> Self {
+        Self::json(net, &config(net, top, backends, extra)).await
+    }
+
+    /// [`Logged::json`] on [`udp_config`]'s file.
+    async fn udp(net: &Subnet, top: &str, extra: &str) -> Self {
+        Self::json(net, &udp_config(net, top, extra)).await
+    }
+
     /// Every connection line so far, parsed (JSON format).
     fn connection_lines(&self) -> Vec<Value> {
         self.process
@@ -153,7 +164,7 @@ async fn reset_at_once(from: IpAddr, vip: SocketAddr) -> SocketAddr {
 async fn a_normal_close_names_everything() {
     let net = Subnet::new();
     let _b = Backend::start(node(&net, 11), Behaviour::NameThenEcho).await;
-    let d = Logged::json(&net, &config(&net, "", &[11], "log_connections = \"all\"")).await;
+    let d = Logged::tcp(&net, "", &[11], "log_connections = \"all\"").await;
     let mut s = served_client(&net).await;
     let me = s.local_addr().unwrap();
     s.write_all(b"hello").await.unwrap();
@@ -186,11 +197,7 @@ async fn a_normal_close_names_everything() {
 async fn a_client_reset_is_logged_and_a_normal_close_is_not() {
     let net = Subnet::new();
     let _b = Backend::start(node(&net, 11), Behaviour::NameThenEcho).await;
-    let d = Logged::json(
-        &net,
-        &config(&net, "", &[11], "log_connections = \"errors\""),
-    )
-    .await;
+    let d = Logged::tcp(&net, "", &[11], "log_connections = \"errors\"").await;
     let mut normal = served_client(&net).await;
     let normal_addr = normal.local_addr().unwrap();
     normal.shutdown().await.unwrap();
@@ -233,11 +240,7 @@ async fn a_backend_reset() {
             .unwrap();
         drop(s);
     });
-    let d = Logged::json(
-        &net,
-        &config(&net, "", &[11], "log_connections = \"errors\""),
-    )
-    .await;
+    let d = Logged::tcp(&net, "", &[11], "log_connections = \"errors\"").await;
     let mut s = connect_from(net.ip(100), vip(&net)).await.unwrap();
     let me = s.local_addr().unwrap();
     s.write_all(b"ping").await.unwrap();
@@ -255,14 +258,11 @@ async fn a_backend_reset() {
 async fn an_idle_timeout() {
     let net = Subnet::new();
     let _b = Backend::start(node(&net, 11), Behaviour::Hold).await;
-    let d = Logged::json(
+    let d = Logged::tcp(
         &net,
-        &config(
-            &net,
-            "",
-            &[11],
-            "log_connections = \"errors\"\nidle_timeout_seconds = 1",
-        ),
+        "",
+        &[11],
+        "log_connections = \"errors\"\nidle_timeout_seconds = 1",
     )
     .await;
     let mut s = connect_from(net.ip(100), vip(&net)).await.unwrap();
@@ -278,14 +278,11 @@ async fn an_idle_timeout() {
 async fn a_drain_that_runs_out() {
     let net = Subnet::new();
     let _b = Backend::start(node(&net, 11), Behaviour::NameThenEcho).await;
-    let d = Logged::json(
+    let d = Logged::tcp(
         &net,
-        &config(
-            &net,
-            "[proxy]\ndrain_timeout_seconds = 0",
-            &[11],
-            "log_connections = \"errors\"",
-        ),
+        "[proxy]\ndrain_timeout_seconds = 0",
+        &[11],
+        "log_connections = \"errors\"",
     )
     .await;
     let s = served_client(&net).await;
@@ -310,13 +307,7 @@ async fn a_backend_marked_down() {
             let _ = health.accept().await;
         }
     });
-    let d = Logged::json(&net,
-        &config(
-            &net,
-            "",
-            &[11],
-            "log_connections = \"errors\"\non_backend_down = \"close\"\n  [load_balancer.health_check]\n  port = 30081\n  period_seconds = 1\n  timeout_seconds = 1\n  failure_threshold = 1\n",
-        ))
+    let d = Logged::tcp(&net, "", &[11], "log_connections = \"errors\"\non_backend_down = \"close\"\n  [load_balancer.health_check]\n  port = 30081\n  period_seconds = 1\n  timeout_seconds = 1\n  failure_threshold = 1\n")
     .await;
     let mut s = served_client(&net).await;
     let me = s.local_addr().unwrap();
@@ -337,7 +328,7 @@ async fn a_client_outside_source_ranges() {
         "log_connections = \"errors\"\nsource_ranges = [\"{}/32\"]",
         net.ip_str(100)
     );
-    let d = Logged::json(&net, &config(&net, "", &[11], &ranges)).await;
+    let d = Logged::tcp(&net, "", &[11], &ranges).await;
     let me = reset_at_once(net.ip(101), vip(&net)).await;
     let line = d.line_of(me).await;
     assert_eq!(line["state"], "source_refused");
@@ -351,14 +342,11 @@ async fn a_client_outside_source_ranges() {
 async fn a_load_balancer_at_its_connection_share() {
     let net = Subnet::new();
     let _b = Backend::start(node(&net, 11), Behaviour::NameThenEcho).await;
-    let d = Logged::json(
+    let d = Logged::tcp(
         &net,
-        &config(
-            &net,
-            "",
-            &[11],
-            "log_connections = \"errors\"\nmax_connections = 1",
-        ),
+        "",
+        &[11],
+        "log_connections = \"errors\"\nmax_connections = 1",
     )
     .await;
     // The one connection the share allows. Once in one of several CI runs
@@ -392,13 +380,7 @@ async fn a_load_balancer_at_its_connection_share() {
 #[tokio::test]
 async fn no_eligible_backend() {
     let net = Subnet::new();
-    let d = Logged::json(&net,
-        &config(
-            &net,
-            "",
-            &[11, 12],
-            "log_connections = \"errors\"\ninitial_state = \"unhealthy\"\n  [load_balancer.health_check]\n  port = 30081\n  period_seconds = 1\n  timeout_seconds = 1\n",
-        ))
+    let d = Logged::tcp(&net, "", &[11, 12], "log_connections = \"errors\"\ninitial_state = \"unhealthy\"\n  [load_balancer.health_check]\n  port = 30081\n  period_seconds = 1\n  timeout_seconds = 1\n")
     .await;
     let me = reset_at_once(net.ip(100), vip(&net)).await;
     let line = d.line_of(me).await;
@@ -412,14 +394,11 @@ async fn no_eligible_backend() {
 async fn connect_failed_on_every_backend() {
     let net = Subnet::new();
     let _hole = BlackHole::new(node(&net, 12));
-    let d = Logged::json(
+    let d = Logged::tcp(
         &net,
-        &config(
-            &net,
-            "",
-            &[11, 12],
-            "log_connections = \"errors\"\nconnect_timeout_ms = 300",
-        ),
+        "",
+        &[11, 12],
+        "log_connections = \"errors\"\nconnect_timeout_ms = 300",
     )
     .await;
     let me = reset_at_once(net.ip(100), vip(&net)).await;
@@ -446,14 +425,11 @@ async fn connect_failed_on_every_backend() {
 async fn a_retry_names_the_backend_tried_before() {
     let net = Subnet::new();
     let _b = Backend::start(node(&net, 12), Behaviour::Echo).await;
-    let d = Logged::json(
+    let d = Logged::tcp(
         &net,
-        &config(
-            &net,
-            "",
-            &[11, 12],
-            "log_connections = \"all\"\nalgorithm = \"round_robin\"",
-        ),
+        "",
+        &[11, 12],
+        "log_connections = \"all\"\nalgorithm = \"round_robin\"",
     )
     .await;
     // Round robin starts the two clients on different backends: one of
@@ -487,14 +463,11 @@ async fn lines_past_the_bound_are_counted_not_written() {
         "log_connections = \"errors\"\nsource_ranges = [\"{}/32\"]",
         net.ip_str(100)
     );
-    let d = Logged::json(
+    let d = Logged::tcp(
         &net,
-        &config(
-            &net,
-            "[log]\nmax_connection_lines_per_second = 1",
-            &[11],
-            &ranges,
-        ),
+        "[log]\nmax_connection_lines_per_second = 1",
+        &[11],
+        &ranges,
     )
     .await;
     const CLIENTS: usize = 20;
@@ -588,11 +561,7 @@ async fn udp_client(net: &Subnet) -> tokio::net::UdpSocket {
 async fn a_udp_flow_answered() {
     let net = Subnet::new();
     let backend = udp_backend(&net, true).await;
-    let d = Logged::json(
-        &net,
-        &udp_config(&net, "", "log_connections = \"all\"\nudp_responses = 1"),
-    )
-    .await;
+    let d = Logged::udp(&net, "", "log_connections = \"all\"\nudp_responses = 1").await;
     let c = udp_client(&net).await;
     c.send(b"query").await.unwrap();
     let mut buf = [0u8; 64];
@@ -616,13 +585,10 @@ async fn a_udp_flow_answered() {
 async fn a_udp_flow_never_answered() {
     let net = Subnet::new();
     let backend = udp_backend(&net, false).await;
-    let d = Logged::json(
+    let d = Logged::udp(
         &net,
-        &udp_config(
-            &net,
-            "",
-            "log_connections = \"errors\"\nudp_idle_timeout_seconds = 1",
-        ),
+        "",
+        "log_connections = \"errors\"\nudp_idle_timeout_seconds = 1",
     )
     .await;
     let c = udp_client(&net).await;
@@ -639,13 +605,10 @@ async fn a_udp_flow_never_answered() {
 async fn a_udp_flow_table_full() {
     let net = Subnet::new();
     let backend = udp_backend(&net, true).await;
-    let d = Logged::json(
+    let d = Logged::udp(
         &net,
-        &udp_config(
-            &net,
-            "[proxy]\nmax_udp_flows = 1",
-            "log_connections = \"errors\"",
-        ),
+        "[proxy]\nmax_udp_flows = 1",
+        "log_connections = \"errors\"",
     )
     .await;
     let first = udp_client(&net).await;

@@ -43,8 +43,9 @@ use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 
 use netns::keepalived::{Conntrackd, Keepalived, conntrackd_missing, keepalived_missing};
 use netns::peers::{Node, Service};
+use netns::vmnet::{self, holds, ip_out, mgmt_host, sysctl};
 use netns::{Bed, DaemonProc, NODEPORT, Ns, config, node_ip, sa, wait_for};
-use support::{Lb, Listener};
+use support::{Lb, Listener, keepalived, network};
 
 /// The VIP, on the bed's VM network.
 const VIP: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 40);
@@ -112,14 +113,6 @@ impl Drop for SyncBed {
     }
 }
 
-fn sysctl(ns: &Ns, kv: &str) {
-    netns::run(
-        "ip",
-        &["netns", "exec", &ns.name, "sysctl", "-qw", kv],
-        None,
-    );
-}
-
 /// The daemon's file for host `name` (management `address`, `peer`; sync
 /// link `sync`, `sync_peer`).
 fn host_config(
@@ -130,11 +123,13 @@ fn host_config(
     sync: Option<(&str, &str)>,
 ) -> String {
     let d = |f: &str| bed.dir.join(format!("{f}-{name}")).display().to_string();
-    let mut text = format!(
-        "[keepalived]\nname = \"{name}\"\naddress = \"{address}\"\ninterface = \"mgmt\"\npeers = [\"{peer}\"]\ninstances = 1\nadvert_interval_ms = 500\nconfig_path = \"{}\"\npid_file = \"{}\"\n\n[[network]]\nname = \"default/vm\"\ninterface = \"eth0\"\nprefix_length = 24\ngateway = \"198.51.100.1\"\n",
-        d("keepalived.conf"),
-        d("keepalived.pid"),
-    );
+    let mut text = keepalived(
+        name,
+        address,
+        [peer],
+        &bed.dir.join(format!("keepalived-{name}")),
+        "instances = 1\nadvert_interval_ms = 500\n",
+    ) + &network("default/vm", "eth0", "198.51.100.1", "");
     if let Some((me, other)) = sync {
         text.push_str(&format!(
             "\n[conntrackd]\ninterface = \"sync0\"\naddress = \"{me}\"\npeer = \"{other}\"\nconfig_path = \"{}\"\nnotify_script = \"{}\"\nsocket = \"{}\"\nlock_file = \"{}\"\nlog_file = \"{}\"\nstate_directory = \"{}\"\n",
@@ -167,22 +162,9 @@ fn host_config(
         .to_string()
 }
 
-/// Whether `ns` holds the VIP on its eth0.
-fn holds(ns: &Ns) -> bool {
-    let out = std::process::Command::new("ip")
-        .args(["-n", &ns.name, "-4", "-o", "addr", "show", "dev", "eth0"])
-        .output()
-        .expect("ip");
-    String::from_utf8_lossy(&out.stdout).contains(&format!("{VIP}/32"))
-}
-
 /// The MAC address of `ns`'s eth0.
 fn mac(ns: &Ns) -> String {
-    let out = std::process::Command::new("ip")
-        .args(["-n", &ns.name, "-o", "link", "show", "dev", "eth0"])
-        .output()
-        .expect("ip");
-    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let text = ip_out(ns, &["-o", "link", "show", "dev", "eth0"]);
     text.split_whitespace()
         .skip_while(|w| *w != "link/ether")
         .nth(1)
@@ -192,31 +174,14 @@ fn mac(ns: &Ns) -> String {
 
 /// Whether `ns` sends to the VIP through the host whose MAC is `lladdr`.
 fn reaches_vip_at(ns: &Ns, lladdr: &str) -> bool {
-    let out = std::process::Command::new("ip")
-        .args(["-n", &ns.name, "neigh", "show", &VIP.to_string()])
-        .output()
-        .expect("ip");
-    String::from_utf8_lossy(&out.stdout).contains(lladdr)
+    ip_out(ns, &["neigh", "show", &VIP.to_string()]).contains(lladdr)
 }
 
 /// Whether `ns`'s gate of the instance (VRID 50) is open: its chain holds
 /// no drop rule.
 fn gate_open(ns: &Ns) -> bool {
-    let out = std::process::Command::new("ip")
-        .args([
-            "netns",
-            "exec",
-            &ns.name,
-            "nft",
-            "list",
-            "chain",
-            "inet",
-            "harvester_lb_gate",
-            "g_50",
-        ])
-        .output()
-        .expect("nft");
-    out.status.success() && !String::from_utf8_lossy(&out.stdout).contains("drop")
+    ns.nft_out(&["list", "chain", "inet", "harvester_lb_gate", "g_50"])
+        .is_some_and(|chain| !chain.contains("drop"))
 }
 
 /// conntrackd's external cache on a host (its `-s`).
@@ -248,20 +213,11 @@ impl SyncBed {
             sysctl(&n, "net.ipv4.conf.all.accept_redirects=0");
             sysctl(&n, "net.ipv4.conf.eth0.accept_redirects=0");
         }
-        bed.bridge.ip(&["link", "add", "br1", "type", "bridge"]);
-        bed.bridge.ip(&["link", "set", "br1", "up"]);
+        bed.add_bridge("br1");
         let mut hosts = Vec::new();
         for (name, vm, mgmt) in [("a", 4u8, "10.77.0.1"), ("b", 5, "10.77.0.2")] {
-            let (ns, port) = bed.add_host(name, Ipv4Addr::new(198, 51, 100, vm));
-            let mgmt_port = format!("mgmt-{name}");
-            bed.bridge.ip(&[
-                "link", "add", "name", &mgmt_port, "type", "veth", "peer", "name", "mgmt", "netns",
-                &ns.name,
-            ]);
-            bed.bridge
-                .ip(&["link", "set", &mgmt_port, "master", "br1", "up"]);
-            ns.ip(&["addr", "add", &format!("{mgmt}/24"), "dev", "mgmt"]);
-            ns.ip(&["link", "set", "mgmt", "up"]);
+            let (ns, port) = mgmt_host(&mut bed, name, Ipv4Addr::new(198, 51, 100, vm), mgmt);
+            let mgmt_port = vmnet::mgmt_port(name);
             sysctl(&ns, "net.ipv4.ip_forward=1");
             for dev in ["all", "default", "eth0"] {
                 sysctl(&ns, &format!("net.ipv4.conf.{dev}.send_redirects=0"));
@@ -272,7 +228,7 @@ impl SyncBed {
                 port,
                 mgmt_port,
                 config: bed.dir.join(format!("config-{name}.toml")),
-                keepalived_conf: bed.dir.join(format!("keepalived.conf-{name}")),
+                keepalived_conf: bed.dir.join(format!("keepalived-{name}.conf")),
                 conntrackd_conf: bed.dir.join(format!("conntrackd.conf-{name}")),
                 daemon: None,
                 keepalived: None,
@@ -436,7 +392,7 @@ impl SyncBed {
 
     fn start_keepalived(&mut self, i: usize) {
         let h = &self.hosts[i];
-        let pid = self.bed.dir.join(format!("keepalived.pid-{}", h.name));
+        let pid = self.bed.dir.join(format!("keepalived-{}.pid", h.name));
         let _ = std::fs::remove_file(&pid);
         let k = Keepalived::run(&h.ns, &self.bed.dir, h.name, &h.keepalived_conf, Some(&pid));
         self.hosts[i].keepalived = Some(k);
@@ -460,7 +416,8 @@ impl SyncBed {
                     || (std::fs::read_to_string(state.join("50"))
                         .is_ok_and(|s| s.contains("state=MASTER"))
                         && gate_open(&me.ns));
-                (holds(&me.ns) && (!alone || !holds(&other.ns)) && committed).then(Instant::now)
+                (holds(&me.ns, VIP) && (!alone || !holds(&other.ns, VIP)) && committed)
+                    .then(Instant::now)
             },
         )
         .await

@@ -469,10 +469,17 @@ struct Nginx {
 }
 
 impl Nginx {
-    /// Starts nginx with `server` (one `server { … }` block) in `dir`, or
-    /// `None` if nginx is not installed.
-    fn start(dir: &std::path::Path, server: &str) -> Option<Self> {
-        let binary = find_tool("nginx")?;
+    /// Starts nginx with `server` (one `server { … }` block) in `dir` and
+    /// waits until it accepts on `listen`; `None` (through
+    /// [`skip_or_fail`], the caller returns) if nginx is not installed.
+    async fn start(dir: &std::path::Path, server: &str, listen: SocketAddr) -> Option<Self> {
+        let Some(binary) = find_tool("nginx") else {
+            skip_or_fail(
+                "nginx health check",
+                "nginx is not installed (.ci/run installs it); this test needs a real nginx",
+            );
+            return None;
+        };
         let dir = dir.join("nginx");
         std::fs::create_dir_all(&dir).expect("nginx dir");
         let d = dir.display();
@@ -508,7 +515,12 @@ http {{
             .stdin(std::process::Stdio::null())
             .spawn()
             .unwrap_or_else(|e| panic!("run {}: {e}", binary.display()));
-        Some(Self { child, error_log })
+        let nginx = Self { child, error_log };
+        wait_for(Duration::from_secs(10), "nginx to listen", || async {
+            TcpStream::connect(listen).await.ok().map(|_| ())
+        })
+        .await;
+        Some(nginx)
     }
 
     fn log(&self) -> String {
@@ -558,20 +570,9 @@ async fn nginx_answering_503_from_one_location_and_200_from_another_is_judged_by
         }}
     }}"#
     );
-    let Some(nginx) = Nginx::start(net.dir(), &server) else {
-        skip_or_fail(
-            "nginx health check",
-            "nginx is not installed (.ci/run installs it); this test needs a real nginx",
-        );
+    let Some(nginx) = Nginx::start(net.dir(), &server, health).await else {
         return;
     };
-    wait_for(Duration::from_secs(10), "nginx to listen", || async {
-        match TcpStream::connect(health).await {
-            Ok(_) => Some(()),
-            Err(_) => None,
-        }
-    })
-    .await;
     let _node = Backend::start(SocketAddr::new(net.ip(11), 30080), Behaviour::NameThenEcho).await;
     let cfg = config(
         &net,
@@ -689,17 +690,9 @@ async fn send_proxy_reaches_a_health_endpoint_that_requires_the_header() {
         location = /healthz {{ return 200 'ok'; }}
     }}"#
     );
-    let Some(nginx) = Nginx::start(net.dir(), &server) else {
-        skip_or_fail(
-            "nginx health check",
-            "nginx is not installed (.ci/run installs it); this test needs a real nginx",
-        );
+    let Some(nginx) = Nginx::start(net.dir(), &server, health).await else {
         return;
     };
-    wait_for(Duration::from_secs(10), "nginx to listen", || async {
-        TcpStream::connect(health).await.ok().map(|_| ())
-    })
-    .await;
     let _node = Backend::start(SocketAddr::new(net.ip(11), 30080), Behaviour::NameThenEcho).await;
     let cfg = config(
         &net,

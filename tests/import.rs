@@ -1405,8 +1405,10 @@ fn load_balancers_whose_sources_disagree_on_their_network_s_subnet_are_all_skipp
         }),
         ..Options::default()
     };
-    let out = import::import(
-        &list(vec![
+    // Two load balancers on network "ns/x" ("x" in their namespace) whose
+    // allocatedAddress say two gateways.
+    let disagreeing = || {
+        vec![
             on_network("a", "10.7.0.50", "pool", "x", "255.255.255.0", "10.7.0.1"),
             on_network(
                 "b",
@@ -1416,10 +1418,9 @@ fn load_balancers_whose_sources_disagree_on_their_network_s_subnet_are_all_skipp
                 "255.255.255.0",
                 "10.7.0.254",
             ),
-        ]),
-        &options,
-    )
-    .expect("import");
+        ]
+    };
+    let out = import::import(&list(disagreeing()), &options).expect("import");
     assert_eq!(out.load_balancers, 0, "{}", out.text);
     assert_eq!(out.skipped.len(), 2, "{:?}", out.skipped);
     for s in &out.skipped {
@@ -1437,21 +1438,18 @@ fn load_balancers_whose_sources_disagree_on_their_network_s_subnet_are_all_skipp
         "spec": {"ranges": [{"subnet": "10.7.0.0/24"}], "selector": {"network": "ns/x"}},
     });
     let out = import::import(
-        &list(vec![
-            on_network("a", "10.7.0.50", "pool", "x", "255.255.255.0", "10.7.0.1"),
-            on_network(
-                "b",
-                "10.7.0.51",
-                "pool",
-                "ns/x",
-                "255.255.255.0",
-                "10.7.0.254",
-            ),
-            // Harvester leased this one elsewhere: asked for only if in the
-            // subnet, so this daemon leases a new one on eth1.
-            on_network("c", "0.0.0.0", "dhcp", "ns/x", "", ""),
-            pool,
-        ]),
+        &list(
+            [
+                disagreeing(),
+                vec![
+                    // Harvester leased this one elsewhere: asked for only if
+                    // in the subnet, so this daemon leases a new one on eth1.
+                    on_network("c", "0.0.0.0", "dhcp", "ns/x", "", ""),
+                    pool,
+                ],
+            ]
+            .concat(),
+        ),
         &options,
     )
     .expect("import");

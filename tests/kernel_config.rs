@@ -4,15 +4,8 @@
 
 mod support;
 
-use harvester_lb::config::{self, Forwarding, Problem, SourceNat};
-use support::run_cli;
-
-fn problems(text: &str) -> Vec<Problem> {
-    match config::parse(text) {
-        Ok(_) => panic!("config should be invalid:\n{text}"),
-        Err(p) => p,
-    }
-}
+use harvester_lb::config::{self, Forwarding, SourceNat};
+use support::{problems, run_cli};
 
 /// One load balancer with one listener; `lb` and `listener` are extra
 /// lines in each table.

@@ -23,6 +23,7 @@ use netns::keepalived::{Keepalived, keepalived_missing};
 use netns::peers::{Exchange, Node, Service, exchange};
 use netns::vmnet::{FAR_CLIENT, from_behind_the_gateway, holds, host, ip_out, vrrp_sent};
 use netns::{Bed, DaemonProc, Ns, config, lb, sa, wait_for};
+use support::{keepalived, network, quiet_success};
 
 /// The VIPs, on the bed's VM network (198.51.100.0/24, the bridge `br0`).
 const VIP1: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 40);
@@ -35,11 +36,13 @@ const TABLE: &str = "1000";
 /// The keys every host shares, with this host's `name`, management
 /// `address` and `peer`, and its files under `dir`.
 fn keys(dir: &std::path::Path, name: &str, address: &str, peer: &str) -> String {
-    format!(
-        "[keepalived]\nname = \"{name}\"\naddress = \"{address}\"\ninterface = \"mgmt\"\npeers = [\"{peer}\"]\ninstances = 2\nconfig_path = \"{}\"\npid_file = \"{}\"\n\n[[network]]\nname = \"default/vm\"\ninterface = \"eth0\"\nprefix_length = 24\ngateway = \"{GATEWAY}\"\n",
-        dir.join(format!("keepalived-{name}.conf")).display(),
-        dir.join(format!("keepalived-{name}.pid")).display(),
-    )
+    keepalived(
+        name,
+        address,
+        [peer],
+        &dir.join(format!("keepalived-{name}")),
+        "instances = 2\n",
+    ) + &network("default/vm", "eth0", GATEWAY, "")
 }
 
 /// One host's config: `vips` on the VM network, nodes 1 and 2 behind each.
@@ -99,15 +102,9 @@ fn the_rendered_keepalived_conf_passes_keepalived_s_config_test() {
         .arg(&file)
         .output()
         .expect("run keepalived --config-test");
-    let said = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert!(
-        out.status.success() && said.trim().is_empty(),
-        "keepalived rejects the rendered file: {said}\n{rendered}"
-    );
+    if let Err(said) = quiet_success(&out) {
+        panic!("keepalived rejects the rendered file: {said}\n{rendered}");
+    }
     assert_eq!(rendered.matches("/32 dev eth0").count(), 10, "{rendered}");
     assert_eq!(
         rendered.matches("fd00:a::50/128 dev eth0").count(),
@@ -156,8 +153,7 @@ async fn netns_a_vm_network_vip_is_served_moved_and_vrrp_stays_off_the_vm_networ
         Node::start(&bed, 1, Service::NameThenEcho),
         Node::start(&bed, 2, Service::NameThenEcho),
     ];
-    bed.bridge.ip(&["link", "add", "br1", "type", "bridge"]);
-    bed.bridge.ip(&["link", "set", "br1", "up"]);
+    bed.add_bridge("br1");
     // The network's gateway, with a client of another network behind it.
     let (gw, _) = bed.add_host("gw", GATEWAY.parse().unwrap());
     gw.ip(&["addr", "add", &format!("{FAR_CLIENT}/32"), "dev", "lo"]);

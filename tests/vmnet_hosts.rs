@@ -43,7 +43,7 @@ use netns::vmnet::{
     vrrp_sent,
 };
 use netns::{Bed, DaemonProc, NODEPORT, Ns, config, node_ip, wait_for};
-use support::Lb;
+use support::{Lb, network};
 use tokio::task::JoinHandle;
 
 /// The hosts: name and management address (sorted: h1 is rank 0).
@@ -246,21 +246,29 @@ impl Three {
     /// (adverts every `advert_ms`), or as plain VIPs without it.
     fn config(&self, h: usize, vips: &[Vip], advert_ms: u32, keepalived: bool) -> String {
         let (name, address) = HOSTS[h];
-        let peers: Vec<String> = HOSTS
+        let peers: Vec<&str> = HOSTS
             .iter()
             .filter(|(n, _)| *n != name)
-            .map(|(_, a)| format!("{a:?}"))
+            .map(|(_, a)| *a)
             .collect();
         let mut c = config().socket(&self.sockets.join(format!("{name}.sock")));
         if keepalived {
-            c = c.text(&format!(
-                "[keepalived]\nname = \"{name}\"\naddress = \"{address}\"\ninterface = \"mgmt\"\npeers = [{}]\nadvert_interval_ms = {advert_ms}\nconfig_path = {:?}\npid_file = {:?}\n\n[[network]]\nname = \"default/a\"\ninterface = \"eth0\"\nprefix_length = 24\ngateway = \"{GATEWAY}\"\n\n[[network]]\nname = \"default/b\"\ninterface = \"eth1\"\nprefix_length = 24\ngateway = \"{}\"\nipv6_gateway = \"{}\"\n",
-                peers.join(", "),
-                self.keepalived_conf(h),
-                self.keepalived_pid(h),
-                net_b(1),
-                net_b6(1),
-            ));
+            let networks = network("default/a", "eth0", GATEWAY, "")
+                + &network(
+                    "default/b",
+                    "eth1",
+                    net_b(1),
+                    &format!("ipv6_gateway = \"{}\"\n", net_b6(1)),
+                );
+            c = c.text(
+                &(support::keepalived(
+                    name,
+                    address,
+                    peers,
+                    &self.bed.dir.join(format!("keepalived-{name}")),
+                    &format!("advert_interval_ms = {advert_ms}\n"),
+                ) + &networks),
+            );
         }
         for (i, vip) in vips.iter().enumerate() {
             let (net, backends): (_, [IpAddr; 2]) = match vip {

@@ -34,7 +34,7 @@ use std::time::Duration;
 
 use netns::peers::read_line;
 use netns::{DaemonProc, Ns, config, run, sa, wait_for};
-use support::{Lb, Listener};
+use support::{Lb, Listener, keepalived, network};
 use tokio::io::AsyncWriteExt;
 
 /// Network A: the bridge `brA` in the host's namespace.
@@ -183,11 +183,16 @@ impl Bed {
         let isolate = if isolate { "" } else { "isolate = false\n" };
         config()
             .socket(&self.dir.join("admin.sock"))
-            .text(&format!(
-                "[keepalived]\nname = \"h\"\naddress = \"{HOST_MGMT}\"\ninterface = \"mgmt\"\npeers = [\"192.0.2.4\"]\nconfig_path = \"{}\"\npid_file = \"{}\"\n\n[[network]]\nname = \"t/a\"\ninterface = \"brA\"\nprefix_length = 24\ngateway = \"{GATEWAY_A}\"\n{isolate}\n[[network]]\nname = \"t/b\"\ninterface = \"brB\"\nprefix_length = 24\ngateway = \"203.0.113.1\"\n{isolate}",
-                self.dir.join("keepalived.conf").display(),
-                self.dir.join("keepalived.pid").display(),
-            ))
+            .text(
+                &(keepalived(
+                    "h",
+                    HOST_MGMT,
+                    ["192.0.2.4"],
+                    &self.dir.join("keepalived"),
+                    "",
+                ) + &network("t/a", "brA", GATEWAY_A, isolate)
+                    + &network("t/b", "brB", "203.0.113.1", isolate)),
+            )
             .lb(Lb::new("t/web", VIP)
                 .backends([A1])
                 .keys("network = \"t/a\"")
@@ -262,22 +267,7 @@ fn forbidden() -> [(&'static str, SocketAddr); 6] {
 
 /// The guard table in the host's namespace, as `nft` lists it.
 fn guard_table(host: &Ns) -> Option<String> {
-    let out = Command::new("ip")
-        .args([
-            "netns",
-            "exec",
-            &host.name,
-            "nft",
-            "list",
-            "table",
-            "inet",
-            "harvester_lb_vmnet",
-        ])
-        .output()
-        .expect("nft");
-    out.status
-        .success()
-        .then(|| String::from_utf8_lossy(&out.stdout).into_owned())
+    host.nft_out(&["list", "table", "inet", "harvester_lb_vmnet"])
 }
 
 /// Everything the tests ask of VIP users: served at both VIPs from network

@@ -35,7 +35,7 @@ use netns::vmnet::{
     udp_name_server,
 };
 use netns::{Bed, DaemonProc, NODEPORT, Ns, VIP, config, node_ip, sa, wait_for};
-use support::{Lb, Listener};
+use support::{Lb, Listener, keepalived, network};
 
 /// The network's routing table (the first network's default).
 const TABLE: u32 = 1000;
@@ -54,11 +54,15 @@ const MGMT_ROUTER: Ipv4Addr = Ipv4Addr::new(10, 77, 0, 254);
 fn daemon_config(bed: &Bed) -> String {
     config()
         .socket(&bed.dir.join("admin.sock"))
-        .text(&format!(
-            "[keepalived]\nname = \"h\"\naddress = \"{HOST_MGMT}\"\ninterface = \"mgmt\"\npeers = [\"10.77.0.4\"]\nconfig_path = \"{}\"\npid_file = \"{}\"\n\n[[network]]\nname = \"t/a\"\ninterface = \"eth0\"\nprefix_length = 24\ngateway = \"{GATEWAY}\"\n",
-            bed.dir.join("keepalived.conf").display(),
-            bed.dir.join("keepalived.pid").display(),
-        ))
+        .text(
+            &(keepalived(
+                "h",
+                HOST_MGMT,
+                ["10.77.0.4"],
+                &bed.dir.join("keepalived"),
+                "",
+            ) + &network("t/a", "eth0", GATEWAY, "")),
+        )
         .lb(Lb::new("t/web", VIP)
             .backends([node_ip(1), node_ip(2)])
             .keys("network = \"t/a\"")
@@ -95,21 +99,9 @@ async fn far_client_served(gw: &Ns, when: &str) {
 fn marks_in_place(host: &Ns) -> (bool, bool) {
     let rules = ip_out(host, &["rule", "show"]);
     let rule = rules.contains(&format!("fwmark {MARK} lookup {TABLE} proto 252"));
-    let table = std::process::Command::new("ip")
-        .args([
-            "netns",
-            "exec",
-            &host.name,
-            "nft",
-            "list",
-            "table",
-            "inet",
-            "harvester_lb_reply",
-        ])
-        .output()
-        .expect("nft")
-        .status
-        .success();
+    let table = host
+        .nft_out(&["list", "table", "inet", "harvester_lb_reply"])
+        .is_some();
     (rule, table)
 }
 

@@ -14,6 +14,8 @@ mod file;
 mod ranges;
 mod read;
 mod sync;
+#[cfg(test)]
+pub(crate) mod test_fixtures;
 mod validate;
 mod vmnet;
 
@@ -36,9 +38,6 @@ pub use validate::{
     Conflict, DEFAULT_ADMIN_SOCKET, MAX_CLUSTER_BYTES, MAX_LISTENER_NAME_BYTES, MAX_NAME_BYTES,
     conflicts,
 };
-/// The unit tests' VM-network files.
-#[cfg(test)]
-pub(crate) use vmnet::fixture as vmnet_fixture;
 pub use vmnet::{
     DEFAULT_ADVERT_INTERVAL_MS, DEFAULT_IPV6_PREFIX_LENGTH, DEFAULT_KEEPALIVED_CONFIG,
     DEFAULT_KEEPALIVED_PID_FILE, DEFAULT_NETWORK_ISOLATE, DEFAULT_NETWORK_TABLE_BASE,

@@ -391,11 +391,7 @@ pub(crate) mod testing {
     }
 
     /// The config of `text`, which must be valid.
-    pub(crate) fn config(text: &str) -> Config {
-        crate::config::parse(text)
-            .unwrap_or_else(|p| panic!("the test's config is refused: {p:?}\n{text}"))
-            .config
-    }
+    pub(crate) use crate::config::test_fixtures::config;
 
     /// One `[[load_balancer]]` table: `name` on `vip`, `backends`, one TCP
     /// listener `l<port>` per port, each to nodeport `backend_port`, and

@@ -255,11 +255,8 @@ fn refusals(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::test_fixtures::{KEEPALIVED, VLAN100, config, lb};
     use crate::vip::host::{Gateway, HostAddress};
-
-    fn config(text: &str) -> Config {
-        crate::config::parse(text).expect("valid").config
-    }
 
     fn host() -> HostNet {
         HostNet {
@@ -335,28 +332,10 @@ mod tests {
 
     #[test]
     fn a_network_vip_keepalived_put_on_its_interface_is_held_not_the_host_s_own() {
-        let c = config(
-            r#"
-[keepalived]
-name = "a"
-address = "192.168.0.11"
-interface = "mgmt0"
-peers = ["192.168.0.12"]
-[[network]]
-name = "vm"
-interface = "br.100"
-prefix_length = 24
-gateway = "10.100.0.1"
-[[load_balancer]]
-name = "default/a"
-vip = "10.100.0.50"
-network = "vm"
-  [[load_balancer.listener]]
-  name = "http"
-  port = 80
-  backend_port = 30080
-"#,
-        );
+        let c = config(&format!(
+            "{KEEPALIVED}{VLAN100}{}",
+            lb("default/a", "10.100.0.50", "vlan100", &[])
+        ));
         let mut h = host();
         h.addresses.push(HostAddress {
             ip: "10.100.0.50".parse().unwrap(),

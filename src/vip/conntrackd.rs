@@ -821,16 +821,17 @@ pub fn install(
 mod tests {
     use super::*;
     use crate::config::parse;
+    use crate::config::test_fixtures::{ANYCAST, ANYCAST_SYNC, KEEPALIVED, VLAN100, db};
 
-    const TEXT: &str = r#"
+    /// Host "a" of a keepalived pair: "default/db" on "vlan100" with the
+    /// kernel listener "pg" and a proxy listener, and "default/other" on no
+    /// network.
+    fn keepalived_text() -> String {
+        format!(
+            r#"
 [admin]
 socket = "/run/hlb/admin.sock"
-[keepalived]
-name = "a"
-address = "192.168.0.11"
-interface = "mgmt0"
-peers = ["192.168.0.12"]
-instances = 2
+{KEEPALIVED}instances = 2
 
 [conntrackd]
 interface = "sync0"
@@ -838,43 +839,40 @@ address = "10.99.0.1"
 peer = "10.99.0.2"
 socket = "/run/hlb/ctd.ctl"
 
-[[network]]
-name = "vlan100"
-interface = "br.100"
-prefix_length = 24
-gateway = "10.100.0.1"
+{VLAN100}
+{}{}"#,
+            db("backends = [\"10.100.0.22\", \"10.100.0.21\"]\n"),
+            web_and_other("10.100.0.60", "10.100.0.31")
+        )
+    }
 
-[[load_balancer]]
-name = "default/db"
-vip = "10.100.0.50"
-network = "vlan100"
-backends = ["10.100.0.22", "10.100.0.21"]
-  [[load_balancer.listener]]
-  name = "pg"
-  port = 5432
-  backend_port = 30432
-  forwarding = "kernel"
-  source_nat = "none"
-  [[load_balancer.listener]]
+    /// The proxy listener "web" (80 to 30080) of the load balancer before,
+    /// then "default/other" on `vip` with the kernel UDP listener "dns" (53
+    /// to 30053) on `backend`.
+    fn web_and_other(vip: &str, backend: &str) -> String {
+        format!(
+            r#"  [[load_balancer.listener]]
   name = "web"
   port = 80
   backend_port = 30080
 
 [[load_balancer]]
 name = "default/other"
-vip = "10.100.0.60"
-backends = ["10.100.0.31"]
+vip = "{vip}"
+backends = ["{backend}"]
   [[load_balancer.listener]]
   name = "dns"
   port = 53
   protocol = "udp"
   backend_port = 30053
   forwarding = "kernel"
-"#;
+"#
+        )
+    }
 
     #[test]
     fn the_filter_holds_the_backends_of_kernel_listeners_on_moving_vips_only() {
-        let config = parse(TEXT).expect("valid").config;
+        let config = parse(&keepalived_text()).expect("valid").config;
         let conf = render_conf(&config).unwrap();
         for want in [
             "\tMode FTFW {\n\t\tPurgeTimeout 15\n",
@@ -902,7 +900,7 @@ backends = ["10.100.0.31"]
 
     #[test]
     fn the_script_commits_then_opens_the_gate_and_names_the_file_on_every_call() {
-        let config = parse(TEXT).expect("valid").config;
+        let config = parse(&keepalived_text()).expect("valid").config;
         let s = render_script(&config).unwrap();
         let master = &s[s.find("MASTER)").unwrap()..s.find("BACKUP)").unwrap()];
         let commit = master.find("-c >/dev/null").unwrap();
@@ -958,7 +956,7 @@ backends = ["10.100.0.31"]
                 use std::os::unix::fs::PermissionsExt;
                 std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
             }
-            let mut config = parse(TEXT).expect("valid").config;
+            let mut config = parse(&keepalived_text()).expect("valid").config;
             config.conntrackd.as_mut().unwrap().state_directory = dir.join("state");
             let text = render_script(&config)
                 .unwrap()
@@ -973,7 +971,7 @@ backends = ["10.100.0.31"]
         }
 
         fn run(&self, state: &str) -> std::process::Child {
-            let vrid = vrids(&parse(TEXT).expect("valid").config)[0];
+            let vrid = vrids(&parse(&keepalived_text()).expect("valid").config)[0];
             std::process::Command::new("sh")
                 .arg(&self.script)
                 .args(["INSTANCE", &instance_name(vrid), state, "100"])
@@ -1053,7 +1051,7 @@ backends = ["10.100.0.31"]
         let state = std::fs::read_to_string(
             race.dir
                 .join("state")
-                .join(vrids(&parse(TEXT).expect("valid").config)[0].to_string()),
+                .join(vrids(&parse(&keepalived_text()).expect("valid").config)[0].to_string()),
         )
         .unwrap();
         let r = parse_recorded(&state).unwrap();
@@ -1067,7 +1065,7 @@ backends = ["10.100.0.31"]
         // two raced for the lock) does nothing; one of another boot does
         // not count.
         let stale = Sandbox::new("stale");
-        let vrid = vrids(&parse(TEXT).expect("valid").config)[0];
+        let vrid = vrids(&parse(&keepalived_text()).expect("valid").config)[0];
         let file = stale.dir.join("state").join(vrid.to_string());
         std::fs::create_dir_all(file.parent().unwrap()).unwrap();
         let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap();
@@ -1146,41 +1144,11 @@ backends = ["10.100.0.31"]
 
     #[test]
     fn the_anycast_mode_injects_into_the_kernel_and_guards_the_handshake() {
-        let text = r#"
-[vip]
-announce = "routes"
-announce_prefixes = ["198.51.100.0/24"]
-[conntrackd]
-interface = "eth1"
-address = "10.99.0.1"
-peer = "10.99.0.2"
-[[load_balancer]]
-name = "default/db"
-vip = "198.51.100.100"
-algorithm = "flow_hash"
-backends = ["192.0.2.22", "192.0.2.21"]
-  [[load_balancer.listener]]
-  name = "pg"
-  port = 5432
-  backend_port = 30432
-  forwarding = "kernel"
-  source_nat = "vip"
-  [[load_balancer.listener]]
-  name = "web"
-  port = 80
-  backend_port = 30080
-[[load_balancer]]
-name = "default/other"
-vip = "203.0.113.9"
-backends = ["192.0.2.31"]
-  [[load_balancer.listener]]
-  name = "dns"
-  port = 53
-  protocol = "udp"
-  backend_port = 30053
-  forwarding = "kernel"
-"#;
-        let config = parse(text).expect("valid").config;
+        let text = format!(
+            "{ANYCAST}{}{ANYCAST_SYNC}",
+            web_and_other("203.0.113.9", "192.0.2.31")
+        );
+        let config = parse(&text).expect("valid").config;
         assert!(anycast(&config));
         let conf = render_conf(&config).unwrap();
         for want in [
@@ -1208,7 +1176,7 @@ backends = ["192.0.2.31"]
             assert!(guard.contains(want), "{want:?} not in\n{guard}");
         }
         // The keepalived mode: no guard, the conf as before.
-        let keepalived = parse(TEXT).expect("valid").config;
+        let keepalived = parse(&keepalived_text()).expect("valid").config;
         assert!(!anycast(&keepalived));
         assert_eq!(anycast_table(&keepalived), None);
         let conf = render_conf(&keepalived).unwrap();

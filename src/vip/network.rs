@@ -448,53 +448,17 @@ impl Backend for NetworkRoutes {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::test_fixtures::{KEEPALIVED, VLAN100, VLAN200, config, lb};
 
     #[test]
     fn a_used_network_with_its_interface_gets_its_table_and_a_rule_per_vip() {
-        let text = r#"
-[keepalived]
-name = "a"
-address = "192.168.0.11"
-interface = "mgmt0"
-peers = ["192.168.0.12"]
-[[network]]
-name = "vlan100"
-interface = "br.100"
-prefix_length = 24
-gateway = "10.100.0.1"
-ipv6_gateway = "fd00:100::1"
-table = 1100
-[[network]]
-name = "vlan200"
-interface = "br.200"
-prefix_length = 24
-gateway = "10.200.0.1"
-[[load_balancer]]
-name = "default/a"
-vip = "10.100.0.50"
-network = "vlan100"
-  [[load_balancer.listener]]
-  name = "http"
-  port = 80
-  backend_port = 30080
-[[load_balancer]]
-name = "default/b"
-vip = "10.200.0.50"
-network = "vlan200"
-  [[load_balancer.listener]]
-  name = "http"
-  port = 80
-  backend_port = 30080
-[[load_balancer]]
-name = "default/c"
-vip = "fd00:100::50"
-network = "vlan100"
-  [[load_balancer.listener]]
-  name = "http"
-  port = 80
-  backend_port = 30080
-"#;
-        let config = crate::config::parse(text).expect("valid").config;
+        let text = format!(
+            "{KEEPALIVED}{VLAN100}ipv6_gateway = \"fd00:100::1\"\ntable = 1100\n{VLAN200}{}{}{}",
+            lb("default/a", "10.100.0.50", "vlan100", &[]),
+            lb("default/b", "10.200.0.50", "vlan200", &[]),
+            lb("default/c", "fd00:100::50", "vlan100", &[]),
+        );
+        let config = config(&text);
         // br.200 does not exist on this host: nothing for vlan200.
         let index: BTreeMap<String, u32> = [("br.100".to_string(), 7)].into();
         let w = wanted(&config, &index);
@@ -514,8 +478,10 @@ network = "vlan100"
 
     #[test]
     fn a_leased_vip_gets_its_rule_once_leased_and_none_before() {
-        let text = "[keepalived]\nname = \"a\"\naddress = \"192.168.0.11\"\ninterface = \"mgmt0\"\npeers = [\"192.168.0.12\"]\n[[network]]\nname = \"vlan100\"\ninterface = \"br.100\"\nprefix_length = 24\ngateway = \"10.100.0.1\"\n[[load_balancer]]\nname = \"default/d\"\nipam = \"dhcp\"\nnetwork = \"vlan100\"\n  [[load_balancer.listener]]\n  name = \"http\"\n  port = 80\n  backend_port = 30080\n  [load_balancer.dhcp]\n";
-        let mut config = crate::config::parse(text).expect("valid").config;
+        let text = format!(
+            "{KEEPALIVED}{VLAN100}[[load_balancer]]\nname = \"default/d\"\nipam = \"dhcp\"\nnetwork = \"vlan100\"\n  [[load_balancer.listener]]\n  name = \"http\"\n  port = 80\n  backend_port = 30080\n  [load_balancer.dhcp]\n"
+        );
+        let mut config = config(&text);
         let index: BTreeMap<String, u32> = [("br.100".to_string(), 7)].into();
         assert!(
             wanted(&config, &index)

@@ -414,6 +414,7 @@ impl Backend for ReplyMarks {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::test_fixtures::{KEEPALIVED, VLAN100, VLAN200, config, lb};
 
     #[test]
     fn a_network_s_mark_is_its_table_up_to_255_and_never_zero() {
@@ -430,25 +431,11 @@ mod tests {
 
     #[test]
     fn only_kernel_listeners_vips_are_marked_per_network_and_family() {
-        let text = r#"
-[keepalived]
-name = "a"
-address = "192.168.0.11"
-interface = "mgmt0"
-peers = ["192.168.0.12"]
-[[network]]
-name = "vlan100"
-interface = "br.100"
-prefix_length = 24
-gateway = "10.100.0.1"
-ipv6_gateway = "fd00:100::1"
+        let kernel = "  forwarding = \"kernel\"\n";
+        let text = format!(
+            r#"{KEEPALIVED}{VLAN100}ipv6_gateway = "fd00:100::1"
 table = 1100
-[[network]]
-name = "vlan200"
-interface = "br.200"
-prefix_length = 24
-gateway = "10.200.0.1"
-table = 1200
+{VLAN200}table = 1200
 [[load_balancer]]
 name = "default/kernel4"
 vip = "10.100.0.50"
@@ -458,35 +445,12 @@ network = "vlan100"
   port = 53
   backend_port = 30053
   protocol = "udp"
-  forwarding = "kernel"
-[[load_balancer]]
-name = "default/kernel6"
-vip = "fd00:100::50"
-network = "vlan100"
-  [[load_balancer.listener]]
-  name = "http"
-  port = 80
-  backend_port = 30080
-  forwarding = "kernel"
-[[load_balancer]]
-name = "default/proxy"
-vip = "10.100.0.51"
-network = "vlan100"
-  [[load_balancer.listener]]
-  name = "http"
-  port = 80
-  backend_port = 30080
-[[load_balancer]]
-name = "default/other"
-vip = "10.200.0.50"
-network = "vlan200"
-  [[load_balancer.listener]]
-  name = "http"
-  port = 80
-  backend_port = 30080
-  forwarding = "kernel"
-"#;
-        let config = crate::config::parse(text).expect("valid").config;
+{kernel}{}{kernel}{}{}{kernel}"#,
+            lb("default/kernel6", "fd00:100::50", "vlan100", &[]),
+            lb("default/proxy", "10.100.0.51", "vlan100", &[]),
+            lb("default/other", "10.200.0.50", "vlan200", &[]),
+        );
+        let config = config(&text);
         let index: BTreeMap<String, u32> =
             [("br.100".to_string(), 7), ("br.200".to_string(), 8)].into();
         let routes = super::super::network::wanted(&config, &index);
@@ -529,8 +493,11 @@ network = "vlan200"
 
     #[test]
     fn no_kernel_listener_on_a_network_means_no_table_and_no_rule() {
-        let text = "[keepalived]\nname = \"a\"\naddress = \"192.168.0.11\"\ninterface = \"mgmt0\"\npeers = [\"192.168.0.12\"]\n[[network]]\nname = \"vlan100\"\ninterface = \"br.100\"\nprefix_length = 24\ngateway = \"10.100.0.1\"\n[[load_balancer]]\nname = \"default/p\"\nvip = \"10.100.0.50\"\nnetwork = \"vlan100\"\n  [[load_balancer.listener]]\n  name = \"http\"\n  port = 80\n  backend_port = 30080\n";
-        let config = crate::config::parse(text).expect("valid").config;
+        let text = format!(
+            "{KEEPALIVED}{VLAN100}{}",
+            lb("default/p", "10.100.0.50", "vlan100", &[])
+        );
+        let config = config(&text);
         let index: BTreeMap<String, u32> = [("br.100".to_string(), 7)].into();
         let routes = super::super::network::wanted(&config, &index);
         assert!(wanted(&config, &routes).is_empty());

@@ -468,7 +468,7 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::vmnet_fixture::{lb, networks};
+    use crate::config::test_fixtures::{lb, networks};
 
     /// Network "default/a" isolated with a load balancer of a TCP and a
     /// UDP listener, network "default/b" not, with one of its own.

@@ -56,19 +56,9 @@ fn host_services(bed: &Bed) {
 
 /// Whether the table exists in the load-balancer namespace.
 fn table_exists(bed: &Bed) -> bool {
-    std::process::Command::new("ip")
-        .args([
-            "netns",
-            "exec",
-            &bed.lb.name,
-            "nft",
-            "list",
-            "table",
-            "inet",
-            "harvester_lb",
-        ])
-        .output()
-        .is_ok_and(|o| o.status.success())
+    bed.lb
+        .nft_out(&["list", "table", "inet", "harvester_lb"])
+        .is_some()
 }
 
 fn isolated_config(action: &str, extra_listener: bool) -> String {

@@ -105,13 +105,10 @@ pub fn skip_reason() -> Option<String> {
 #[macro_export]
 macro_rules! require_bgp {
     () => {
-        if let Some(why) = $crate::netns::bgp::skip_reason() {
-            $crate::netns::skip_or_fail(
-                module_path!(),
-                &format!("needs root, iproute2, nftables and BIRD 2 ({why})"),
-            );
-            return;
-        }
+        $crate::require!(
+            $crate::netns::bgp::skip_reason(),
+            "root, iproute2, nftables and BIRD 2"
+        )
     };
 }
 
@@ -175,13 +172,10 @@ pub fn frr_skip_reason() -> Option<String> {
 #[macro_export]
 macro_rules! require_speaker {
     ($speaker:expr) => {
-        if let Some(why) = $speaker.skip_reason() {
-            $crate::netns::skip_or_fail(
-                module_path!(),
-                &format!("needs root, iproute2, nftables and {:?} ({why})", $speaker),
-            );
-            return;
-        }
+        $crate::require!(
+            $speaker.skip_reason(),
+            format!("root, iproute2, nftables and {:?}", $speaker)
+        )
     };
 }
 
@@ -677,67 +671,43 @@ impl LbHost {
 
     /// The client ports [`LbHost::record_replies`] recorded.
     pub fn recorded_replies(&self) -> std::collections::BTreeSet<u16> {
-        let text = output(
-            "ip",
-            &[
-                "netns",
-                "exec",
-                &self.ns.name,
-                "nft",
-                "-j",
-                "list",
-                "set",
-                "inet",
-                "hlb_test_replies",
-                "replies",
-            ],
-        );
-        let doc: serde_json::Value = serde_json::from_str(&text).unwrap_or_default();
-        let mut ports = std::collections::BTreeSet::new();
-        for o in doc["nftables"].as_array().into_iter().flatten() {
-            for e in o["set"]["elem"].as_array().into_iter().flatten() {
-                let v = e.get("elem").map_or(e, |x| &x["val"]);
-                if let Some(p) = v.as_u64().and_then(|p| u16::try_from(p).ok()) {
-                    ports.insert(p);
-                }
-            }
-        }
-        ports
+        self.set_elements("hlb_test_replies", "replies")
+            .iter()
+            .filter_map(|v| v.as_u64().and_then(|p| u16::try_from(p).ok()))
+            .collect()
     }
 
     /// The flows [`LbHost::record_new_flows`] recorded of `protocol`
     /// (`tcp`, `udp`): the client's port, and the backend it was DNATed to.
     pub fn recorded_flows(&self, protocol: &str) -> BTreeMap<u16, IpAddr> {
-        let text = output(
-            "ip",
-            &[
-                "netns",
-                "exec",
-                &self.ns.name,
-                "nft",
-                "-j",
-                "list",
-                "set",
-                "inet",
-                "hlb_test_seen",
-                &format!("seen_{protocol}"),
-            ],
-        );
-        let doc: serde_json::Value = serde_json::from_str(&text).unwrap_or_default();
-        let mut flows = BTreeMap::new();
+        self.set_elements("hlb_test_seen", &format!("seen_{protocol}"))
+            .iter()
+            .filter_map(|c| {
+                // `{"concat": [port, "addr"]}`.
+                Some((
+                    c["concat"][0]
+                        .as_u64()
+                        .and_then(|p| u16::try_from(p).ok())?,
+                    c["concat"][1].as_str().and_then(|a| a.parse().ok())?,
+                ))
+            })
+            .collect()
+    }
+
+    /// The elements of the set `set` of the test's own table `inet table`
+    /// (each as nft's JSON writes it, the value itself when it is wrapped
+    /// in `{"elem": {"val": …}}`); none when it cannot be read.
+    fn set_elements(&self, table: &str, set: &str) -> Vec<serde_json::Value> {
+        let text = self.ns.nft_out(&["-j", "list", "set", "inet", table, set]);
+        let doc: serde_json::Value =
+            serde_json::from_str(&text.unwrap_or_default()).unwrap_or_default();
+        let mut elements = Vec::new();
         for o in doc["nftables"].as_array().into_iter().flatten() {
             for e in o["set"]["elem"].as_array().into_iter().flatten() {
-                // `{"concat": [port, "addr"]}`, or inside `{"elem": {"val": …}}`.
-                let c = e.get("elem").map_or(e, |x| &x["val"]);
-                if let (Some(port), Some(addr)) = (
-                    c["concat"][0].as_u64().and_then(|p| u16::try_from(p).ok()),
-                    c["concat"][1].as_str().and_then(|a| a.parse().ok()),
-                ) {
-                    flows.insert(port, addr);
-                }
+                elements.push(e.get("elem").map_or(e, |x| &x["val"]).clone());
             }
         }
-        flows
+        elements
     }
 
     /// Starts the daemon with the config [`LbHost::write_config`] wrote and
@@ -768,41 +738,28 @@ impl LbHost {
     /// `harvester-lb withdraw --all --config F` in this host's namespace, as
     /// the unit's `ExecStopPost=` runs it; panics if it fails.
     pub fn withdraw_all(&self) {
-        let config = self.config_path();
-        run(
-            "ip",
-            &[
-                "netns",
-                "exec",
-                &self.ns.name,
-                env!("CARGO_BIN_EXE_harvester-lb"),
-                "withdraw",
-                "--all",
-                "--config",
-                config.to_str().expect("utf-8 path"),
-            ],
-            None,
-        );
+        self.cli(&["withdraw", "--all"]);
     }
 
     /// `harvester-lb host drain|ready --config F`: withdraws every VIP of
     /// this host, or lets them be announced again; panics if it fails.
     pub fn host_state(&self, state: &str) {
+        self.cli(&["host", state]);
+    }
+
+    /// `harvester-lb <args> --config F` in this host's namespace; panics if
+    /// it fails.
+    fn cli(&self, args: &[&str]) {
         let config = self.config_path();
-        run(
-            "ip",
-            &[
-                "netns",
-                "exec",
-                &self.ns.name,
-                env!("CARGO_BIN_EXE_harvester-lb"),
-                "host",
-                state,
-                "--config",
-                config.to_str().expect("utf-8 path"),
-            ],
-            None,
-        );
+        let mut full = vec![
+            "netns",
+            "exec",
+            &self.ns.name,
+            env!("CARGO_BIN_EXE_harvester-lb"),
+        ];
+        full.extend_from_slice(args);
+        full.extend(["--config", config.to_str().expect("utf-8 path")]);
+        run("ip", &full, None);
     }
 
     /// The `announce` object of `/status` for the VIP `vip` (wherever the

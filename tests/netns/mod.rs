@@ -82,17 +82,28 @@ pub fn skip_reason() -> Option<String> {
     crate::support::missing_tool("nft", "nftables")
 }
 
+/// The one guard of the beds' tests: returns from the test through
+/// [`skip_or_fail`] (which fails under CI) when `reason` (an
+/// `Option<String>`, a bed's `skip_reason()`) says why it cannot run here;
+/// `needs` says what the test needs.
+#[macro_export]
+macro_rules! require {
+    ($reason:expr, $needs:expr) => {
+        if let Some(why) = $reason {
+            $crate::netns::skip_or_fail(module_path!(), &format!("needs {} ({why})", $needs));
+            return;
+        }
+    };
+}
+
 /// Returns from the test with a printed reason when namespaces cannot be made.
 #[macro_export]
 macro_rules! require_netns {
     () => {
-        if let Some(why) = $crate::netns::skip_reason() {
-            $crate::netns::skip_or_fail(
-                module_path!(),
-                &format!("needs root and iproute2/nftables for network namespaces ({why})"),
-            );
-            return;
-        }
+        $crate::require!(
+            $crate::netns::skip_reason(),
+            "root and iproute2/nftables for network namespaces"
+        )
     };
 }
 
@@ -198,6 +209,19 @@ impl Ns {
         let mut full = vec!["-n", &self.name];
         full.extend_from_slice(args);
         run("ip", &full, None);
+    }
+
+    /// `nft <args>` inside this namespace (a listing): its output, or
+    /// `None` when nft fails (no such table, chain or set).
+    pub fn nft_out(&self, args: &[&str]) -> Option<String> {
+        let out = Command::new("ip")
+            .args(["netns", "exec", &self.name, "nft"])
+            .args(args)
+            .output()
+            .expect("run nft");
+        out.status
+            .success()
+            .then(|| String::from_utf8_lossy(&out.stdout).into_owned())
     }
 
     /// Loads an nft ruleset inside this namespace.

@@ -410,19 +410,43 @@ impl Fnv {
     }
 }
 
+/// The `len` bytes of stream `seed`, in pieces of 64 KiB: the same bytes
+/// however they are cut.
+struct Stream {
+    rng: Rng,
+    buf: Vec<u8>,
+    left: usize,
+}
+
+impl Stream {
+    fn new(seed: u64, len: usize) -> Self {
+        Stream {
+            rng: Rng::new(seed),
+            buf: vec![0u8; 64 * 1024],
+            left: len,
+        }
+    }
+
+    /// The next piece, or `None` at the end.
+    fn next_piece(&mut self) -> Option<&[u8]> {
+        if self.left == 0 {
+            return None;
+        }
+        let n = self.left.min(self.buf.len());
+        // Fill whole 8-byte words so the stream is the same however it is cut.
+        let fill = n.next_multiple_of(8).min(self.buf.len());
+        self.rng.fill(&mut self.buf[..fill]);
+        self.left -= n;
+        Some(&self.buf[..n])
+    }
+}
+
 /// Hash of the `len` bytes of stream `seed`.
 pub fn stream_hash(seed: u64, len: usize) -> u64 {
-    let mut s = Rng::new(seed);
+    let mut stream = Stream::new(seed, len);
     let mut h = Fnv::default();
-    let mut buf = vec![0u8; 64 * 1024];
-    let mut left = len;
-    while left > 0 {
-        let n = left.min(buf.len());
-        // Fill whole 8-byte words so the stream is the same however it is cut.
-        let fill = n.next_multiple_of(8).min(buf.len());
-        s.fill(&mut buf[..fill]);
-        h.update(&buf[..n]);
-        left -= n;
+    while let Some(piece) = stream.next_piece() {
+        h.update(piece);
     }
     h.value()
 }
@@ -433,15 +457,9 @@ pub async fn send_stream<W: AsyncWriteExt + Unpin>(
     seed: u64,
     len: usize,
 ) -> std::io::Result<()> {
-    let mut s = Rng::new(seed);
-    let mut buf = vec![0u8; 64 * 1024];
-    let mut left = len;
-    while left > 0 {
-        let n = left.min(buf.len());
-        let fill = n.next_multiple_of(8).min(buf.len());
-        s.fill(&mut buf[..fill]);
-        w.write_all(&buf[..n]).await?;
-        left -= n;
+    let mut stream = Stream::new(seed, len);
+    while let Some(piece) = stream.next_piece() {
+        w.write_all(piece).await?;
     }
     Ok(())
 }

@@ -1,6 +1,7 @@
 //! The VM-network bed's parts, for `tests/vmnet.rs` (two hosts, one
-//! network) and `tests/vmnet_hosts.rs` (three hosts, two networks, the
-//! failovers measured): load-balancer hosts on a management segment
+//! network), `tests/vmnet_hosts.rs` (three hosts, two networks, the
+//! failovers measured) and `tests/conntrack_sync.rs` (two hosts and their
+//! sync link): load-balancer hosts on a management segment
 //! (bridge `br1`, each host's `mgmt`), VM network A on the bed's `br0`
 //! (each host's `eth0`, 198.51.100.0/24, its gateway `.1` with a client of
 //! another network behind it), VM network B on `br2` (each host's `eth1`,
@@ -94,7 +95,16 @@ pub fn join(bed: &Bed, ns: &Ns, bridge: &str, port: &str, ifname: &str, cidr: &s
 /// the management segment (`mgmt` with `mgmt`/24, bridge `br1`, which the
 /// test makes), its VRRP packets counted.
 pub fn host(bed: &mut Bed, suffix: &str, vm: Ipv4Addr, mgmt: &str) -> Ns {
-    let (ns, _) = bed.add_host(suffix, vm);
+    let (ns, _) = mgmt_host(bed, suffix, vm, mgmt);
+    count_vrrp(&ns);
+    ns
+}
+
+/// As [`host`], its VRRP packets not counted, with its bridge port on
+/// network A (for [`Bed::set_port`]; its management port is
+/// [`mgmt_port`]).
+pub fn mgmt_host(bed: &mut Bed, suffix: &str, vm: Ipv4Addr, mgmt: &str) -> (Ns, String) {
+    let (ns, port) = bed.add_host(suffix, vm);
     join(
         bed,
         &ns,
@@ -103,8 +113,7 @@ pub fn host(bed: &mut Bed, suffix: &str, vm: Ipv4Addr, mgmt: &str) -> Ns {
         "mgmt",
         &format!("{mgmt}/24"),
     );
-    count_vrrp(&ns);
-    ns
+    (ns, port)
 }
 
 /// Whether a connection from [`FAR_CLIENT`] (in the gateway's namespace

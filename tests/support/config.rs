@@ -6,7 +6,10 @@
 //! of the reference stays reachable.
 //!
 //! Tests whose point is the text itself (bad input, `check`, the docs,
-//! `import`) keep their literal TOML.
+//! `import`) keep their literal TOML; they read a refused one with
+//! [`problems`] (or [`rendered`], as `check` prints them). The VM-network
+//! beds write their hosts' `[keepalived]` and `[[network]]` with
+//! [`keepalived`] and [`network`].
 
 use std::fmt::{self, Display, Write as _};
 use std::net::SocketAddr;
@@ -275,4 +278,53 @@ pub fn quote(value: impl Display) -> String {
     }
     out.push('"');
     out
+}
+
+/// The problems of `text`, a config the test knows to be refused.
+pub fn problems(text: &str) -> Vec<harvester_lb::config::Problem> {
+    match harvester_lb::config::parse(text) {
+        Ok(_) => panic!("config should be invalid:\n{text}"),
+        Err(p) => p,
+    }
+}
+
+/// [`problems`] as `check` prints them, one per line.
+pub fn rendered(text: &str) -> String {
+    problems(text)
+        .iter()
+        .map(ToString::to_string)
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// `[keepalived]` of host `name` at the management `address` on the
+/// interface "mgmt", with its `peers`, keepalived's file at `{files}.conf`
+/// and its pid file at `{files}.pid`, and `more` lines of the section.
+pub fn keepalived<T: Display>(
+    name: &str,
+    address: impl Display,
+    peers: impl IntoIterator<Item = T>,
+    files: &Path,
+    more: &str,
+) -> String {
+    let peers: Vec<String> = peers.into_iter().map(quote).collect();
+    format!(
+        "[keepalived]\nname = {}\naddress = {}\ninterface = \"mgmt\"\npeers = [{}]\n{more}config_path = {}\npid_file = {}\n\n",
+        quote(name),
+        quote(address),
+        peers.join(", "),
+        quote(format_args!("{}.conf", files.display())),
+        quote(format_args!("{}.pid", files.display())),
+    )
+}
+
+/// `[[network]]` `name` on `interface`: a /24 via `gateway`, with `more`
+/// lines of the network.
+pub fn network(name: &str, interface: &str, gateway: impl Display, more: &str) -> String {
+    format!(
+        "[[network]]\nname = {}\ninterface = {}\nprefix_length = 24\ngateway = {}\n{more}\n",
+        quote(name),
+        quote(interface),
+        quote(gateway),
+    )
 }

@@ -325,47 +325,27 @@ impl Validator<'_> {
 
 #[cfg(test)]
 mod tests {
-    use crate::config::{Problem, parse};
+    use crate::config::parse;
+    use crate::config::test_fixtures::{ANYCAST, ANYCAST_SYNC, KEEPALIVED, VLAN100, db, problems};
 
-    const BASE: &str = r#"
-[keepalived]
-name = "a"
-address = "192.168.0.11"
-interface = "mgmt0"
-peers = ["192.168.0.12"]
-
-[[network]]
-name = "vlan100"
-interface = "br.100"
-prefix_length = 24
-gateway = "10.100.0.1"
-
-[[load_balancer]]
-name = "default/db"
-vip = "10.100.0.50"
-network = "vlan100"
-# flow_hash: a flow that reaches the other host before its commit still
+    /// Host "a" of a keepalived pair with "default/db" on "vlan100": the
+    /// kernel listener "pg" (5432 to 30432, `source_nat = "none"`).
+    fn base() -> String {
+        format!(
+            "{KEEPALIVED}\n{VLAN100}\n{}",
+            db(
+                r#"# flow_hash: a flow that reaches the other host before its commit still
 # finds its backend (round robin is warned about with a moving VIP).
 algorithm = "flow_hash"
 backends = ["10.100.0.21", "10.100.0.22"]
-  [[load_balancer.listener]]
-  name = "pg"
-  port = 5432
-  backend_port = 30432
-  forwarding = "kernel"
-  source_nat = "none"
-"#;
-
-    fn problems(text: &str) -> Vec<Problem> {
-        match parse(text) {
-            Ok(_) => panic!("should be refused:\n{text}"),
-            Err(p) => p,
-        }
+"#
+            )
+        )
     }
 
     #[test]
     fn the_defaults_sync_over_the_management_network_to_the_one_peer() {
-        let loaded = parse(&format!("{BASE}\n[conntrackd]\n")).expect("valid");
+        let loaded = parse(&format!("{}\n[conntrackd]\n", base())).expect("valid");
         assert!(loaded.warnings.is_empty(), "{:?}", loaded.warnings);
         let c = loaded.config.conntrackd.expect("conntrackd");
         assert_eq!(c.interface, "mgmt0");
@@ -377,7 +357,8 @@ backends = ["10.100.0.21", "10.100.0.22"]
             Some("/etc/conntrackd/conntrackd.conf")
         );
         let dedicated = parse(&format!(
-            "{BASE}\n[conntrackd]\ninterface = \"sync0\"\naddress = \"10.99.0.1\"\npeer = \"10.99.0.2\"\n"
+            "{}\n[conntrackd]\ninterface = \"sync0\"\naddress = \"10.99.0.1\"\npeer = \"10.99.0.2\"\n",
+            base()
         ))
         .expect("valid")
         .config
@@ -427,14 +408,14 @@ backends = ["10.100.0.21", "10.100.0.22"]
             ("multicast = true\n", "conntrackd.multicast", "unknown key"),
         ];
         for (line, key, says) in cases {
-            let p = problems(&format!("{BASE}\n[conntrackd]\n{line}"));
+            let p = problems(&format!("{}\n[conntrackd]\n{line}", base()));
             assert!(
                 p.iter().any(|p| p.key == *key && p.message.contains(says)),
                 "{line}: {p:?}"
             );
         }
         // Three hosts: one peer cannot hold a VIP's flows for both others.
-        let three = BASE.replace("[\"192.168.0.12\"]", "[\"192.168.0.12\", \"192.168.0.13\"]");
+        let three = base().replace("[\"192.168.0.12\"]", "[\"192.168.0.12\", \"192.168.0.13\"]");
         let p = problems(&format!("{three}\n[conntrackd]\n"));
         assert!(
             p.iter()
@@ -453,7 +434,7 @@ backends = ["10.100.0.21", "10.100.0.22"]
 
     #[test]
     fn without_a_kernel_listener_to_sync_it_warns() {
-        let proxy = BASE
+        let proxy = base()
             .replace("  forwarding = \"kernel\"\n", "")
             .replace("  source_nat = \"none\"\n", "");
         let loaded = parse(&format!("{proxy}\n[conntrackd]\n")).expect("valid");
@@ -466,29 +447,6 @@ backends = ["10.100.0.21", "10.100.0.22"]
             loaded.warnings
         );
     }
-
-    /// Two anycast hosts, no `[keepalived]`: `flow_hash`, `source_nat =
-    /// "vip"`, an announced VIP.
-    const ANYCAST: &str = r#"
-[vip]
-announce = "routes"
-announce_prefixes = ["198.51.100.0/24"]
-
-[[load_balancer]]
-name = "default/db"
-vip = "198.51.100.100"
-algorithm = "flow_hash"
-backends = ["192.0.2.21", "192.0.2.22"]
-  [[load_balancer.listener]]
-  name = "pg"
-  port = 5432
-  backend_port = 30432
-  forwarding = "kernel"
-  source_nat = "vip"
-"#;
-
-    const ANYCAST_SYNC: &str =
-        "\n[conntrackd]\ninterface = \"eth1\"\naddress = \"10.99.0.1\"\npeer = \"10.99.0.2\"\n";
 
     #[test]
     fn anycast_source_nat_vip_is_allowed_exactly_with_the_sync() {

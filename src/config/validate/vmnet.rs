@@ -802,7 +802,8 @@ fn usable(ip: Ipv4Addr) -> bool {
 
 #[cfg(test)]
 mod tests {
-    use crate::config::{Problem, parse};
+    use crate::config::parse;
+    use crate::config::test_fixtures::{self, problems};
 
     const NETWORK: &str = r#"
 [keepalived]
@@ -818,17 +819,12 @@ prefix_length = 24
 gateway = "10.100.0.1"
 "#;
 
+    /// "default/web" on `vip` in `network`, after a blank line.
     fn lb(vip: &str, network: &str) -> String {
         format!(
-            "\n[[load_balancer]]\nname = \"default/web\"\nvip = \"{vip}\"\nnetwork = \"{network}\"\nbackends = [\"10.100.0.21\"]\n  [[load_balancer.listener]]\n  name = \"http\"\n  port = 80\n  backend_port = 30080\n"
+            "\n{}",
+            test_fixtures::lb("default/web", vip, network, &["10.100.0.21"])
         )
-    }
-
-    fn problems(text: &str) -> Vec<Problem> {
-        match parse(text) {
-            Ok(_) => panic!("should be refused:\n{text}"),
-            Err(p) => p,
-        }
     }
 
     /// The one problem of `text`: its key, line and message.

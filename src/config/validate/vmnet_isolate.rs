@@ -94,7 +94,7 @@ impl Validator<'_> {
 #[cfg(test)]
 mod tests {
     use crate::config::parse;
-    use crate::config::vmnet_fixture::{lb, networks};
+    use crate::config::test_fixtures::{lb, networks};
 
     /// Two networks, a load balancer on each, `[keepalived]` on "mgmt-br".
     fn file(a: &str, b: &str) -> String {
