@@ -528,6 +528,19 @@ async fn netns_three_hosts_bring_up_a_reloaded_vip_spread_ten_and_release_on_rem
         },
     )
     .await;
+    // The file is written before keepalived has reloaded it: until then h3
+    // still holds its VIPs alone, which `settled` would take for the end.
+    // Wait for h3 to hold none first (the assertion below stays).
+    wait_for(
+        Duration::from_secs(40),
+        "host h3's keepalived gives up every VIP",
+        || async {
+            ten.iter()
+                .all(|v| !t.holders(*v).contains(&c))
+                .then_some(())
+        },
+    )
+    .await;
     let holders = t.settled(&ten, Duration::from_secs(40)).await;
     assert!(
         !holders.contains(&c),
