@@ -17,7 +17,7 @@ mod skip;
 pub use config::{Config, Lb, Listener, quote};
 // Not every test crate measures a process by its pid.
 #[allow(unused_imports)]
-pub use process::{Process, proc_cpu_time, proc_rss_kib};
+pub use process::{Process, proc_cpu_time, proc_rss_kib, proc_threads};
 // Not every test crate skips anything.
 #[allow(unused_imports)]
 pub use skip::skip_or_fail;
