@@ -874,15 +874,22 @@ async fn a_table_that_cannot_be_written_leaves_the_proxy_serving_until_a_resync_
         4.0
     );
 
-    // The obstacle gone, the retry's full resync takes over.
+    // The obstacle gone, the retry's full resync takes over. `/status`
+    // says "kernel" once the table is written; the gauge is set when the
+    // writer's blocking task has returned, so it is waited for: read at
+    // once, it was still 0 at load 10.
     bed.lb
         .nft(&format!("delete table inet {}\n", kernel::TABLE));
     wait_kernel(&bed).await;
-    let metrics = bed.daemon().metrics().await;
-    assert_eq!(
-        netns::metric(&metrics, "harvester_lb_kernel_forwarding_up", &[]),
-        1.0
-    );
+    wait_for(
+        Duration::from_secs(10),
+        "harvester_lb_kernel_forwarding_up 1",
+        || async {
+            let metrics = bed.daemon().metrics().await;
+            (netns::metric(&metrics, "harvester_lb_kernel_forwarding_up", &[]) == 1.0).then_some(())
+        },
+    )
+    .await;
     assert_eq!(tally(&bed, 4).await, counts(&[("n1", 4)]));
     let l = listed(&bed, "counter", "n_tcp_80_198.51.100.10_198.51.100.21");
     assert!(

@@ -20,7 +20,7 @@ pub use config::{Config, Lb, Listener, quote};
 pub use config::{keepalived, network, problems, rendered};
 // Not every test crate measures a process by its pid.
 #[allow(unused_imports)]
-pub use process::{Process, proc_cpu_time, proc_rss_kib};
+pub use process::{Process, proc_cpu_time, proc_rss_kib, proc_threads};
 // Not every test crate skips anything.
 #[allow(unused_imports)]
 pub use skip::skip_or_fail;

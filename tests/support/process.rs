@@ -448,13 +448,24 @@ pub fn proc_cpu_time(pid: i32) -> Duration {
 
 /// Resident memory of process `pid`, in KiB.
 pub fn proc_rss_kib(pid: i32) -> u64 {
+    proc_status_number(pid, "VmRSS:")
+}
+
+/// Threads of process `pid`: each thread that allocates costs the daemon's
+/// allocator a heap of its own, so a memory figure means little without it.
+pub fn proc_threads(pid: i32) -> u64 {
+    proc_status_number(pid, "Threads:")
+}
+
+/// The number after `field` in `/proc/PID/status`.
+fn proc_status_number(pid: i32, field: &str) -> u64 {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
     status
         .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .find_map(|l| l.strip_prefix(field))
         .and_then(|v| v.split_whitespace().next())
         .and_then(|v| v.parse().ok())
-        .unwrap_or_else(|| panic!("no VmRSS for pid {pid}: has it exited?"))
+        .unwrap_or_else(|| panic!("no {field} in /proc/{pid}/status: has it exited?"))
 }
 
 impl Drop for Process {
