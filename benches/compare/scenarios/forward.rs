@@ -10,6 +10,10 @@
 //!        default via .1.1    ip_forward = 1, VIPs on lo              default via .2.1
 //! ```
 //!
+//! The client reaches each target from a source address of its own
+//! (`198.19.1.10` upwards, by a route with `src`; see [`client_src`]), so
+//! no target's run inherits another's `TIME_WAIT` sockets at the backend.
+//!
 //! The kernel targets' packets go through `prerouting` (DNAT) and
 //! `forward`; direct routing (the client to the backend's own address) is
 //! forwarded with no NAT; HAProxy and harvester-lb take the connection on
