@@ -60,10 +60,10 @@ use crate::util::{sa, wait_http_ok, wait_port};
 
 /// The client's address, and the LB host's on the client's link.
 const CLIENT_IP: Ipv4Addr = Ipv4Addr::new(198, 19, 1, 2);
+const LB_CLIENT_SIDE: Ipv4Addr = Ipv4Addr::new(198, 19, 1, 1);
 /// The client's source address towards each target (see [`client_src`]):
 /// `198.19.1.10` upwards, in [`TARGETS`]' order.
 const CLIENT_SRC_BASE: u8 = 10;
-const LB_CLIENT_SIDE: Ipv4Addr = Ipv4Addr::new(198, 19, 1, 1);
 /// The backend's address, and the LB host's on the backend's link.
 const BACKEND: Ipv4Addr = Ipv4Addr::new(198, 19, 2, 2);
 const LB_BACKEND_SIDE: Ipv4Addr = Ipv4Addr::new(198, 19, 2, 1);
@@ -117,9 +117,10 @@ fn ct_ruleset() -> String {
 /// `TIME_WAIT` socket's ACK with a RST and sends its SYN again about 10 ms
 /// later). Measured on 3 runs in a row: the first NAT target 0 rejects,
 /// the second and third 20–32 % of their connections: a tax set by the
-/// run order, not by the target. With conntrack on, a direct run's SYN
-/// also met a kernel target's `TIME_WAIT` entry with the same reply tuple
-/// (an insert clash: `insert_failed`, the SYN dropped).
+/// run order, not by the target. With conntrack on, a direct run right
+/// after the kernel targets also counted conntrack insert failures (121 in
+/// one run; its flows' tuples are their flows' reply tuples on the same
+/// client port); none with a source per target.
 fn client_src(t: Target) -> Ipv4Addr {
     let i = TARGETS.iter().position(|x| *x == t).unwrap_or(0) as u8;
     Ipv4Addr::new(198, 19, 1, CLIENT_SRC_BASE + i)
