@@ -347,6 +347,7 @@ pub fn forward_scenario(o: &Opts, res: &mut Results) {
     let targets: Vec<Target> = TARGETS
         .into_iter()
         .filter(|t| o.targets.contains(t))
+        .filter(|t| o.forward_targets.as_ref().is_none_or(|l| l.contains(t)))
         .collect();
     let d = o.duration;
     res.commands.insert(
