@@ -11,6 +11,7 @@
 #                                              # harvester-lb (kernel) and the
 #                                              # kernel target, ~1.5 min
 #   benches/compare.sh --only forward [--conntrack on,off]
+#                      [--forward-targets direct,kernel,hlb-kernel,hlb,haproxy]
 #                      # the forward path: client, LB host (routing) and
 #                      # backend in three network namespaces, the kernel
 #                      # targets through prerouting and forward; direct,

@@ -78,6 +78,10 @@ struct Opts {
     /// The forward scenario's tracking modes (`--conntrack`): true is
     /// "on", false "off", run in this order within each round.
     forward_conntrack: Vec<bool>,
+    /// The forward scenario's targets (`--forward-targets`, by their short
+    /// names): all five by default; fewer to tell whether a gap between two
+    /// of them comes from the others in the same rounds.
+    forward_targets: Option<Vec<Target>>,
     work: PathBuf,
 }
 
@@ -114,6 +118,7 @@ fn usage() -> ! {
         "usage: compare [--smoke] [--log-modes] [--json FILE] [--rounds N] [--duration SECONDS] [--threads LIST]\n\
          \x20              [--only throughput,rps,cps,idle,health,reload,scale,scale-kernel,udp,forward]\n\
          \x20              [--scale-lbs N] [--scale-kernel-lbs N] [--conntrack on,off]\n\
+         \x20              [--forward-targets direct,kernel,hlb-kernel,hlb,haproxy]\n\
          --only: default every scenario but forward\n\
          forward: a client netns, this netns as the LB host routing, a backend netns; kept-alive and\n\
          \x20        new connections (wrk) through direct routing, the kernel's one-rule DNAT, harvester-lb\n\
@@ -148,6 +153,7 @@ fn parse_opts() -> Opts {
     let mut threads: Option<Vec<usize>> = None;
     let mut log_modes = false;
     let mut forward_conntrack = vec![true, false];
+    let mut forward_targets = None;
     while let Some(a) = args.next() {
         match a.as_str() {
             "--bench" => {} // passed by `cargo bench`
@@ -188,6 +194,25 @@ fn parse_opts() -> Opts {
                     .collect();
                 match list {
                     Some(l) if !l.is_empty() => forward_conntrack = l,
+                    _ => usage(),
+                }
+            }
+            "--forward-targets" => {
+                let all = [
+                    Target::Direct,
+                    Target::Kernel,
+                    Target::HlbKernel,
+                    Target::Hlb,
+                    Target::Haproxy,
+                ];
+                let list: Option<Vec<Target>> = args
+                    .next()
+                    .unwrap_or_else(|| usage())
+                    .split(',')
+                    .map(|n| all.into_iter().find(|t| t.short() == n.trim()))
+                    .collect();
+                match list {
+                    Some(l) if !l.is_empty() => forward_targets = Some(l),
                     _ => usage(),
                 }
             }
@@ -276,6 +301,7 @@ fn parse_opts() -> Opts {
         scale_reloads: if smoke { 3 } else { 10 },
         scale_kernel_lbs: scale_kernel_lbs.unwrap_or(if smoke { 500 } else { 10_000 }),
         forward_conntrack,
+        forward_targets,
         work,
     }
 }

@@ -10,6 +10,10 @@
 //!        default via .1.1    ip_forward = 1, VIPs on lo              default via .2.1
 //! ```
 //!
+//! The client reaches each target from a source address of its own
+//! (`198.19.1.10` upwards, by a route with `src`; see [`client_src`]), so
+//! no target's run inherits another's `TIME_WAIT` sockets at the backend.
+//!
 //! The kernel targets' packets go through `prerouting` (DNAT) and
 //! `forward`; direct routing (the client to the backend's own address) is
 //! forwarded with no NAT; HAProxy and harvester-lb take the connection on
@@ -57,6 +61,9 @@ use crate::util::{sa, wait_http_ok, wait_port};
 /// The client's address, and the LB host's on the client's link.
 const CLIENT_IP: Ipv4Addr = Ipv4Addr::new(198, 19, 1, 2);
 const LB_CLIENT_SIDE: Ipv4Addr = Ipv4Addr::new(198, 19, 1, 1);
+/// The client's source address towards each target (see [`client_src`]):
+/// `198.19.1.10` upwards, in [`TARGETS`]' order.
+const CLIENT_SRC_BASE: u8 = 10;
 /// The backend's address, and the LB host's on the backend's link.
 const BACKEND: Ipv4Addr = Ipv4Addr::new(198, 19, 2, 2);
 const LB_BACKEND_SIDE: Ipv4Addr = Ipv4Addr::new(198, 19, 2, 1);
@@ -94,6 +101,29 @@ fn ct_ruleset() -> String {
     format!(
         "table ip {CT_TABLE} {{\n  chain input {{\n    type filter hook input priority 0; policy accept;\n    {rules}\n  }}\n  chain forward {{\n    type filter hook forward priority 0; policy accept;\n    {rules}\n  }}\n}}\n"
     )
+}
+
+/// The client's own source address towards `t`: one per target, so that
+/// no two targets share a TCP 4-tuple at the backend or a conntrack reply
+/// tuple on the LB host.
+///
+/// With one client address, the backend's `TIME_WAIT` sockets (60 s, the
+/// backend closes first) are keyed by the client's address and port alone
+/// for every NAT target (direct, kernel, harvester-lb (kernel)), while the
+/// client's SYN timestamps carry a random offset per destination and port
+/// (kernel 6.18): a target whose run came within 60 s of another's found
+/// the other's sockets on most ports, and PAWS rejected about half of its
+/// SYNs on them (the backend's `PAWSTimewait`; the client answers the
+/// `TIME_WAIT` socket's ACK with a RST and sends its SYN again about 10 ms
+/// later). Measured on 3 runs in a row: the first NAT target 0 rejects,
+/// the second and third 20–32 % of their connections: a tax set by the
+/// run order, not by the target. With conntrack on, a direct run right
+/// after the kernel targets also counted conntrack insert failures (121 in
+/// one run; its flows' tuples are their flows' reply tuples on the same
+/// client port); none with a source per target.
+fn client_src(t: Target) -> Ipv4Addr {
+    let i = TARGETS.iter().position(|x| *x == t).unwrap_or(0) as u8;
+    Ipv4Addr::new(198, 19, 1, CLIENT_SRC_BASE + i)
 }
 
 /// Where a target is reached from the client.
@@ -136,6 +166,17 @@ impl Netns {
 
     fn path(&self) -> String {
         format!("/proc/{}/ns/net", self.holder.pid())
+    }
+
+    /// A TCP counter of this namespace's `/proc/net/netstat` (`TcpExt`),
+    /// e.g. `TCPSynRetrans`; `None` when it cannot be read.
+    fn tcp_ext(&self, name: &str) -> Option<u64> {
+        let out = self.cmd("cat").arg("/proc/net/netstat").output().ok()?;
+        let text = String::from_utf8_lossy(&out.stdout);
+        let mut lines = text.lines().filter(|l| l.starts_with("TcpExt:"));
+        let (names, values) = (lines.next()?, lines.next()?);
+        let i = names.split_whitespace().position(|n| n == name)?;
+        values.split_whitespace().nth(i)?.parse().ok()
     }
 
     /// `prog` to be run in this namespace.
@@ -190,7 +231,7 @@ struct Topology {
     client: Netns,
     // Dropped before the namespace's holder (fields drop in order).
     _backend_server: Proc,
-    _backend: Netns,
+    backend: Netns,
 }
 
 fn topology(o: &Opts) -> Result<Topology, String> {
@@ -214,6 +255,16 @@ fn topology(o: &Opts) -> Result<Topology, String> {
     for vip in [HLB_VIP, HAPROXY_VIP] {
         ip(&format!("addr add {vip}/32 dev lo"))?;
     }
+    // One source address per target (see `client_src`), chosen by the
+    // client's route to the target, so wrk needs no option for it.
+    for t in TARGETS {
+        let src = client_src(t);
+        client.ip(&format!("addr add {src}/24 dev eth0"))?;
+        client.ip(&format!(
+            "route add {}/32 via {LB_CLIENT_SIDE} src {src}",
+            vip(t)
+        ))?;
+    }
     let exe = std::env::current_exe().map_err(|e| format!("current exe: {e}"))?;
     let server = Proc::spawn(
         "fwd-http-backend",
@@ -230,7 +281,7 @@ fn topology(o: &Opts) -> Result<Topology, String> {
     Ok(Topology {
         client,
         _backend_server: server,
-        _backend: backend,
+        backend,
     })
 }
 
@@ -296,6 +347,7 @@ pub fn forward_scenario(o: &Opts, res: &mut Results) {
     let targets: Vec<Target> = TARGETS
         .into_iter()
         .filter(|t| o.targets.contains(t))
+        .filter(|t| o.forward_targets.as_ref().is_none_or(|l| l.contains(t)))
         .collect();
     let d = o.duration;
     res.commands.insert(
@@ -384,6 +436,8 @@ pub fn forward_scenario(o: &Opts, res: &mut Results) {
                         let load = loadavg();
                         let before = CtErrors::read();
                         let tracked_before = tracked_to(vip(t), HTTP_PORT);
+                        let retrans0 = topo.client.tcp_ext("TCPSynRetrans");
+                        let paws0 = topo.backend.tcp_ext("PAWSTimewait");
                         let cpu0 = proxy_cpu(&pids, t);
                         let daemon0 = daemon.map(cpu_seconds_tree);
                         let mut cmd = topo.client.cmd("wrk");
@@ -397,6 +451,13 @@ pub fn forward_scenario(o: &Opts, res: &mut Results) {
                         let cpu1 = proxy_cpu(&pids, t);
                         let daemon1 = daemon.map(cpu_seconds_tree);
                         let ct_run = CtErrors::read().since(before);
+                        // The bed's own tax (see `client_src`): SYNs the
+                        // client sent again, and those the backend's
+                        // TIME_WAIT sockets refused by PAWS.
+                        let delta =
+                            |a: Option<u64>, b: Option<u64>| Some(b?.saturating_sub(a?) as f64);
+                        let syn_retrans = delta(retrans0, topo.client.tcp_ext("TCPSynRetrans"));
+                        let paws = delta(paws0, topo.backend.tcp_ext("PAWSTimewait"));
                         // Before the kernel target's table goes: its
                         // entries are there either way (TIME_WAIT).
                         let tracked = tracked_to(vip(t), HTTP_PORT);
@@ -430,9 +491,15 @@ pub fn forward_scenario(o: &Opts, res: &mut Results) {
                             res.add(&scen, "daemon CPU µs per request", t, per);
                         }
                         res.add(&scen, "p99 ms", t, r.p99_ms);
+                        if let Some(n) = syn_retrans {
+                            res.add(&scen, "client SYN retransmits", t, n);
+                        }
+                        if let Some(n) = paws {
+                            res.add(&scen, "backend TIME_WAIT PAWS rejects", t, n);
+                        }
                         res.add(&scen, "errors", t, r.errors as f64);
                         eprintln!(
-                            "{what}: {:.0} {unit}, p99 {:.3} ms, {} errors; conntrack {ct_run:?}; load {load}",
+                            "{what}: {:.0} {unit}, p99 {:.3} ms, {} errors; conntrack {ct_run:?}; SYN retransmits {syn_retrans:?}, PAWS rejects {paws:?}; load {load}",
                             r.rate, r.p99_ms, r.errors
                         );
                         let kernel = matches!(t, Target::Kernel | Target::HlbKernel);
@@ -464,7 +531,8 @@ pub fn forward_scenario(o: &Opts, res: &mut Results) {
                             "threads": threads, "target": t.name(), "rate": r.rate,
                             "loadavg": load, "conntrack_entries_to_target": tracked,
                             "insert_failed": ct_run.insert_failed, "drop": ct_run.drop,
-                            "early_drop": ct_run.early_drop}));
+                            "early_drop": ct_run.early_drop, "syn_retransmits": syn_retrans,
+                            "paws_rejects": paws}));
                         if !o.smoke {
                             std::thread::sleep(Duration::from_millis(300));
                         }
