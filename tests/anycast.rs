@@ -378,6 +378,9 @@ async fn host1_backend_fails(bed: &mut BgpBed, more: usize, least: usize, what: 
         .fault_under_traffic(Duration::from_secs(3), 2, |bed| bed.backend_mut(1).stop())
         .await;
     wait_announce(bed, 1, false, Some("no_eligible_backend")).await;
+    prober
+        .wait_started_after(gone, least, Duration::from_secs(30))
+        .await;
     let attempts = prober.finish(more).await;
     eprintln!(
         "{what}: withdrawn {:?} after the fault; {} of {} new connections failed (all before the withdrawal)",

@@ -1592,6 +1592,32 @@ impl Prober {
         }
     }
 
+    /// Waits until `n` attempts that started after `from` have finished,
+    /// panicking after `timeout`. A caller that needs attempts after an
+    /// event (a withdrawal) waits on this, not on a count from now: the
+    /// attempts in flight when the event was seen may all have started
+    /// before it (a slow withdrawal left 38 of 80 after it under load).
+    pub async fn wait_started_after(&self, from: Instant, n: usize, timeout: Duration) {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let after = self
+                .log
+                .lock()
+                .expect("log")
+                .iter()
+                .filter(|a| a.started > from)
+                .count();
+            if after >= n {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "only {after} of {n} connection attempts started after the event finished within {timeout:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
     /// Lets `more` further attempts finish (up to 30 s), then stops it:
     /// every attempt, in the order they started.
     pub async fn finish(self, more: usize) -> Vec<Attempt> {
