@@ -669,9 +669,10 @@ impl Daemon {
                 .filter(|id| id.1 == Protocol::Tcp)
                 .copied()
                 .collect();
-            // The UDP flows of a VIP keepalived moves with `[conntrackd]`
-            // stay: they go on to the peer with the VIP.
-            let sweep = self.kernel_sweep_at_stop(&closing);
+            // The flows of a VIP keepalived moves with `[conntrackd]` stay:
+            // they go on to the peer with the VIP.
+            let moving = self.kernel_moving_at_stop();
+            let sweep = Self::kernel_sweep_at_stop(&closing, &moving);
             let table = Arc::clone(&self.kernel);
             let closed = tokio::task::spawn_blocking(move || {
                 table
@@ -685,7 +686,7 @@ impl Daemon {
                         listeners = tcp.len(),
                         "stopping: the kernel listeners refuse new connections; their open ones drain"
                     );
-                    cut = self.kernel_wait_closed(tcp, deadline).await;
+                    cut = self.kernel_wait_closed(tcp, &moving, deadline).await;
                 }
                 Ok(Err(e)) => tracing::error!("at stop, refusing new kernel connections: {e}"),
                 Err(e) => tracing::error!("at stop: the kernel table writer ended abnormally: {e}"),
@@ -700,18 +701,11 @@ impl Daemon {
         cut
     }
 
-    /// The listeners of `closing` whose UDP flows a stop deletes: all but
-    /// those on a VIP keepalived moves while `[conntrackd]` syncs it.
-    /// conntrackd syncs the kernel's deletions too: deleted here before the
-    /// VIP moved, the peer's copy of those flows goes with them, and its
-    /// commit picks each flow up anew on a backend chosen again (measured:
-    /// up to 2 of 4 UDP flows moved at a graceful stop). Left alone, they
-    /// go on through this host until the VIP moves, then through the peer
-    /// on the same backend; the notify script deletes this host's copies
-    /// once the peer carries them.
-    fn kernel_sweep_at_stop(&self, closing: &Desired) -> Desired {
-        let moving: Vec<ListenerId> = self
-            .lock()
+    /// The kernel listeners on a VIP keepalived moves while `[conntrackd]`
+    /// syncs it: their flows go on to the peer with the VIP, so a stop
+    /// neither deletes them nor waits for them once the VIP has left.
+    fn kernel_moving_at_stop(&self) -> Vec<ListenerId> {
+        self.lock()
             .config
             .as_ref()
             .filter(|c| c.conntrackd.is_some())
@@ -721,7 +715,18 @@ impl Daemon {
                     .map(|g| (IpAddr::V4(g.vip), g.protocol, g.port))
                     .collect()
             })
-            .unwrap_or_default();
+            .unwrap_or_default()
+    }
+
+    /// The listeners of `closing` whose UDP flows a stop deletes: all but
+    /// the `moving` ones. conntrackd syncs the kernel's deletions too:
+    /// deleted here before the VIP moved, the peer's copy of those flows
+    /// goes with them, and its commit picks each flow up anew on a backend
+    /// chosen again (measured: up to 2 of 4 UDP flows moved at a graceful
+    /// stop). Left alone, they go on through this host until the VIP
+    /// moves, then through the peer on the same backend; the notify script
+    /// deletes this host's copies once the peer carries them.
+    fn kernel_sweep_at_stop(closing: &Desired, moving: &[ListenerId]) -> Desired {
         closing
             .iter()
             .filter(|(id, _)| !moving.contains(id))
@@ -731,35 +736,68 @@ impl Daemon {
 
     /// Polls conntrack until the open TCP connections of `listeners` are
     /// gone or `deadline` passes; returns how many were still open.
+    ///
+    /// A `moving` listener's connections count only while this host holds
+    /// its VIP: once keepalived has given the VIP to another host (the
+    /// stop failed the track script), conntrackd has put the flows there
+    /// and they go on through that host. Their entries here see no more
+    /// packets and would keep the stop waiting for the whole drain
+    /// timeout, then be reported as cut although none was.
     async fn kernel_wait_closed(
         &self,
-        listeners: Vec<crate::kernel::ListenerId>,
+        listeners: Vec<ListenerId>,
+        moving: &[ListenerId],
         deadline: tokio::time::Instant,
     ) -> usize {
         const POLL: Duration = Duration::from_millis(200);
         if listeners.is_empty() {
             return 0;
         }
+        let mut moved: Vec<IpAddr> = Vec::new();
         loop {
             let ids = listeners.clone();
-            let open =
+            let counts =
                 match tokio::task::spawn_blocking(move || crate::kernel::open_connections(&ids))
                     .await
                 {
-                    Ok(Ok(counts)) => counts
-                        .iter()
-                        .filter(|((id, _), _)| id.1 == Protocol::Tcp)
-                        .map(|(_, n)| *n as usize)
-                        .sum(),
+                    Ok(Ok(counts)) => counts,
                     Ok(Err(e)) => {
                         tracing::warn!("at stop, counting the kernel's open connections: {e}");
-                        0
+                        return 0;
                     }
                     Err(e) => {
                         tracing::error!("at stop: the conntrack counter ended abnormally: {e}");
-                        0
+                        return 0;
                     }
                 };
+            let open_on = |id: &ListenerId| -> usize {
+                counts
+                    .iter()
+                    .filter(|((c, _), _)| c == id)
+                    .map(|(_, n)| *n as usize)
+                    .sum()
+            };
+            let waiting_moving: Vec<&ListenerId> = moving
+                .iter()
+                .filter(|id| listeners.contains(id) && !moved.contains(&id.0) && open_on(id) > 0)
+                .collect();
+            if !waiting_moving.is_empty() {
+                let held = held_addresses().await;
+                for id in waiting_moving {
+                    if held.as_ref().is_some_and(|h| !h.contains(&id.0)) && !moved.contains(&id.0) {
+                        moved.push(id.0);
+                        tracing::info!(
+                            vip = %id.0,
+                            "stopping: the VIP moved to another host; its open kernel connections go on there (conntrackd), not waited for"
+                        );
+                    }
+                }
+            }
+            let open: usize = listeners
+                .iter()
+                .filter(|id| id.1 == Protocol::Tcp && !moved.contains(&id.0))
+                .map(open_on)
+                .sum();
             if open == 0 {
                 return 0;
             }
@@ -771,6 +809,23 @@ impl Daemon {
                 return open;
             }
             tokio::time::sleep(POLL).await;
+        }
+    }
+}
+
+/// The addresses this host holds now (every interface), or `None` when
+/// they cannot be read (then a moving VIP's connections are waited for,
+/// as any other's).
+async fn held_addresses() -> Option<Vec<IpAddr>> {
+    let read = async {
+        let writer = crate::vip::announce::RouteWriter::connect()?;
+        crate::vip::host::HostNet::read(writer.handle()).await
+    };
+    match read.await {
+        Ok(host) => Some(host.addresses.into_iter().map(|a| a.ip).collect()),
+        Err(e) => {
+            tracing::warn!("at stop, reading the host's addresses (is a VIP still here?): {e}");
+            None
         }
     }
 }
