@@ -1288,6 +1288,18 @@ async fn kept_flows(tag: &str) -> Kept {
             },
         )
         .await;
+        // The anycast mode commits nothing: no gate table (the sync steps
+        // that said conntrackd is up would have written it).
+        let gate = std::process::Command::new("ip")
+            .args(["netns", "exec", &bed.host(i).ns.name])
+            .args(["nft", "list", "table", "inet", "harvester_lb_gate"])
+            .output()
+            .expect("nft");
+        assert!(
+            !gate.status.success(),
+            "host {i} wrote a gate table in the anycast mode: {}",
+            String::from_utf8_lossy(&gate.stdout)
+        );
         bed.host(i).record_new_flows();
         bed.host(i).record_replies();
     }

@@ -143,30 +143,19 @@ impl Daemon {
         let mut inner = self.sync.inner.lock().await;
         self.anycast_guard(&mut inner, config).await;
         let Some(settings) = config.conntrackd.clone() else {
-            if inner.written.take().is_some() {
-                inner.guard.forget();
-                let removed = tokio::task::spawn_blocking(|| {
-                    crate::nft::run(
-                        &["-f", "-"],
-                        format!("add table inet {GATE_TABLE}\ndelete table inet {GATE_TABLE}\n")
-                            .as_bytes(),
-                    )
-                })
-                .await;
-                match removed {
-                    Ok(Ok(_)) => {
-                        tracing::info!("[conntrackd] removed: the sync gate table is removed")
-                    }
-                    Ok(Err(e)) => tracing::error!(
-                        "[conntrackd] removed, but the gate table inet {GATE_TABLE} cannot be removed: {e}"
-                    ),
-                    Err(e) => tracing::error!("removing the sync gate table stopped: {e}"),
-                }
-            }
+            self.remove_gate(&mut inner, "[conntrackd] removed").await;
             self.metrics.set_conntrack_sync(None);
             *self.sync.report.lock().unwrap_or_else(|p| p.into_inner()) = None;
             return;
         };
+        // The anycast mode (no `[keepalived]`) commits nothing, so it has no
+        // gate (docs/many-hosts.md): only a keepalived mode's gate, left by
+        // a reload that removed `[keepalived]`, is removed.
+        let keepalived_mode = config.keepalived.is_some();
+        if !keepalived_mode {
+            self.remove_gate(&mut inner, "the anycast sync has no gate")
+                .await;
+        }
         let mut error = None;
         if let Some(conf) = conntrackd::render_conf(config) {
             let script = conntrackd::render_script(config);
@@ -228,70 +217,10 @@ impl Daemon {
         let recorded = tokio::task::spawn_blocking(move || read_recorded(&dir))
             .await
             .unwrap_or_default();
-        let gate = Gate {
-            gated: conntrackd::gated(config),
-            vrids: conntrackd::vrids(config),
-            masters: recorded
-                .iter()
-                .filter(|(_, r)| r.state == "MASTER")
-                .map(|(v, _)| *v)
-                .collect(),
-        };
-        // The comparison leaves `masters` out: it only seeds new gates.
-        let same = inner
-            .written
-            .as_ref()
-            .is_some_and(|w| w.gated == gate.gated && w.vrids == gate.vrids);
-        let mut guard = std::mem::take(&mut inner.guard);
-        let g = gate.clone();
-        let gated = tokio::task::spawn_blocking(move || {
-            let result = if same {
-                guard.check(&g).map(Some)
-            } else {
-                guard.write(&g).map(|()| None)
-            };
-            let states = Gate::read_states();
-            (guard, result, states)
-        })
-        .await;
         let mut states = BTreeMap::new();
-        match gated {
-            Ok((guard, result, read)) => {
-                inner.guard = guard;
-                match result {
-                    Ok(None) => {
-                        tracing::info!(
-                            listeners = gate.gated.len(),
-                            "the sync gate table inet {GATE_TABLE} written"
-                        );
-                        inner.written = Some(gate.clone());
-                    }
-                    Ok(Some(Checked::Repaired(drift))) => {
-                        self.metrics.record_host_repairs(HostKind::SyncGate, 1);
-                        tracing::warn!(
-                            found = "by the periodic check",
-                            "the sync gate table inet {GATE_TABLE} was changed by another process ({drift}); written again"
-                        );
-                    }
-                    Ok(Some(_)) => {}
-                    Err(e) => {
-                        inner.written = None;
-                        inner.failures += 1;
-                        tracing::error!("{e}; retried in {} s", CHECK_INTERVAL.as_secs());
-                        error = Some(e.to_string());
-                    }
-                }
-                match read {
-                    Ok(s) => states = s,
-                    Err(e) => tracing::debug!("{e}"),
-                }
-            }
-            Err(e) => {
-                inner.written = None;
-                inner.failures += 1;
-                tracing::error!("writing the sync gate table stopped: {e}");
-                error = Some(e.to_string());
-            }
+        if keepalived_mode {
+            self.write_gate(&mut inner, config, &recorded, &mut states, &mut error)
+                .await;
         }
         let conf = settings.config_path.clone();
         let (stats, pending) = tokio::task::spawn_blocking(move || {
@@ -330,6 +259,108 @@ impl Daemon {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .clone()
+    }
+}
+
+impl Daemon {
+    /// Removes the gate table if this process wrote it (`why` says what
+    /// made it go, in the log).
+    async fn remove_gate(&self, inner: &mut Inner, why: &'static str) {
+        if inner.written.take().is_none() {
+            return;
+        }
+        inner.guard.forget();
+        let removed = tokio::task::spawn_blocking(|| {
+            crate::nft::run(
+                &["-f", "-"],
+                format!("add table inet {GATE_TABLE}\ndelete table inet {GATE_TABLE}\n").as_bytes(),
+            )
+        })
+        .await;
+        match removed {
+            Ok(Ok(_)) => tracing::info!("{why}: the sync gate table is removed"),
+            Ok(Err(e)) => tracing::error!(
+                "{why}, but the gate table inet {GATE_TABLE} cannot be removed: {e}"
+            ),
+            Err(e) => tracing::error!("removing the sync gate table stopped: {e}"),
+        }
+    }
+
+    /// The keepalived mode's gate: written when what it must match
+    /// changed, else read back and repaired; `states` gets each instance's
+    /// gate as read, `error` the step's failure.
+    async fn write_gate(
+        &self,
+        inner: &mut Inner,
+        config: &Config,
+        recorded: &BTreeMap<u32, Recorded>,
+        states: &mut BTreeMap<u32, bool>,
+        error: &mut Option<String>,
+    ) {
+        let gate = Gate {
+            gated: conntrackd::gated(config),
+            vrids: conntrackd::vrids(config),
+            masters: recorded
+                .iter()
+                .filter(|(_, r)| r.state == "MASTER")
+                .map(|(v, _)| *v)
+                .collect(),
+        };
+        // The comparison leaves `masters` out: it only seeds new gates.
+        let same = inner
+            .written
+            .as_ref()
+            .is_some_and(|w| w.gated == gate.gated && w.vrids == gate.vrids);
+        let mut guard = std::mem::take(&mut inner.guard);
+        let g = gate.clone();
+        let gated = tokio::task::spawn_blocking(move || {
+            let result = if same {
+                guard.check(&g).map(Some)
+            } else {
+                guard.write(&g).map(|()| None)
+            };
+            let states = Gate::read_states();
+            (guard, result, states)
+        })
+        .await;
+        match gated {
+            Ok((guard, result, read)) => {
+                inner.guard = guard;
+                match result {
+                    Ok(None) => {
+                        tracing::info!(
+                            listeners = gate.gated.len(),
+                            "the sync gate table inet {GATE_TABLE} written"
+                        );
+                        inner.written = Some(gate.clone());
+                    }
+                    Ok(Some(Checked::Repaired(drift))) => {
+                        self.metrics.record_host_repairs(HostKind::SyncGate, 1);
+                        tracing::warn!(
+                            found = "by the periodic check",
+                            "the sync gate table inet {GATE_TABLE} was changed by another process ({drift}); written again"
+                        );
+                    }
+                    Ok(Some(_)) => {}
+                    Err(e) => {
+                        inner.written = None;
+                        inner.failures += 1;
+                        tracing::error!("{e}; retried in {} s", CHECK_INTERVAL.as_secs());
+                        *error = Some(e.to_string());
+                    }
+                }
+                match read {
+                    Ok(s) => *states = s,
+                    Err(e) => tracing::debug!("{e}"),
+                }
+            }
+            Err(e) => {
+                inner.written = None;
+                inner.failures += 1;
+                tracing::error!("writing the sync gate table stopped: {e}");
+                *error = Some(e.to_string());
+            }
+        }
     }
 }
 

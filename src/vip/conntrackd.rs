@@ -385,7 +385,7 @@ pub fn render_conf(config: &Config) -> Option<String> {
     let _ = write!(
         out,
         "# Written by harvester-lb from its configuration; edits are overwritten.\n\
-         # docs/vip.md, \"Open connections across a VIP's move\". conntrackd reads it\n\
+         # {doc}. conntrackd reads it\n\
          # only at start: control it with `conntrackd -C {conf} ...`.\n\
          Sync {{\n\
          \tMode FTFW {{\n\
@@ -422,6 +422,11 @@ pub fn render_conf(config: &Config) -> Option<String> {
          \t\t}}\n\
          \t\tAddress Accept {{\n",
         conf = c.config_path.display(),
+        doc = if anycast(config) {
+            "docs/many-hosts.md, \"Keeping connections across a withdrawal: the anycast sync\""
+        } else {
+            "docs/vip.md, \"Open connections across a VIP's move\""
+        },
         address = c.address,
         peer = c.peer,
         port = c.port,
@@ -1157,6 +1162,8 @@ backends = ["{backend}"]
             "\tSystemd on\n",
             "\t\tIPv4_address 10.99.0.1\n\t\tIPv4_Destination_Address 10.99.0.2\n",
             "\t\tAddress Accept {\n\t\t\tIPv4_address 192.0.2.21\n\t\t\tIPv4_address 192.0.2.22\n\t\t}",
+            // Its header points to the mode's own section.
+            "# docs/many-hosts.md, \"Keeping connections across a withdrawal: the anycast sync\"",
         ] {
             assert!(conf.contains(want), "{want:?} not in\n{conf}");
         }
@@ -1181,7 +1188,9 @@ backends = ["{backend}"]
         assert_eq!(anycast_table(&keepalived), None);
         let conf = render_conf(&keepalived).unwrap();
         assert!(
-            !conf.contains("DisableExternalCache") && conf.contains("\tSystemd off\n"),
+            !conf.contains("DisableExternalCache")
+                && conf.contains("\tSystemd off\n")
+                && conf.contains("# docs/vip.md, \"Open connections across a VIP's move\""),
             "{conf}"
         );
     }
