@@ -12,9 +12,12 @@
 //!  mgmt (br1): hosts h1, h2, h3 10.77.0.1-3 (unicast VRRP)
 //!  network A (br0, 198.51.100.0/24): client .2, backends n1 .21, n2 .22,
 //!     gateway .1 (client 203.0.113.2 behind it), hosts' eth0 .4-.6
-//!  network B (br2, 192.0.2.0/24): client .2, backends b1 .21, b2 .22,
-//!     hosts' eth1 .4-.6
+//!  network B (br2, 192.0.2.0/24): client .2, backends b1 .21, b2 .22
+//!     (b2 a VM on h1's own bridge), hosts' eth1 .4-.6
 //! ```
+//!
+//! Each host's `eth0` and `eth1` is a bridge with an uplink into the
+//! network's switch, `br_netfilter` on (see `tests/netns/vmnet.rs`).
 //!
 //! The hosts' admin sockets are in a directory whose name has a space:
 //! the rendered track scripts must quote the path, or keepalived never
@@ -39,8 +42,8 @@ use harvester_lb::vip::keepalived::instance_of;
 use netns::keepalived::{Keepalived, keepalived_missing};
 use netns::peers::{Exchange, Node, Service, exchange, serve_name_then_echo};
 use netns::vmnet::{
-    FAR_CLIENT, GATEWAY, from_behind_the_gateway, holds_on, host, ip_out, join, mgmt_port, net_b,
-    vrrp_sent,
+    FAR_CLIENT, GATEWAY, from_behind_the_gateway, holds_on, host, ip_out, join_bridged, mgmt_port,
+    net_b, vm_on_host, vrrp_sent,
 };
 use netns::{Bed, DaemonProc, NODEPORT, Ns, config, node_ip, wait_for};
 use support::{Lb, network};
@@ -177,9 +180,41 @@ impl Three {
         let (gw, _) = bed.add_host("gw", GATEWAY);
         gw.ip(&["addr", "add", &format!("{FAR_CLIENT}/32"), "dev", "lo"]);
         let (client_b, _) = bed.add_host_on("br2", "cb", net_b(2));
+        add_v6(&client_b, "eth0", net_b6(2));
+        let mut hosts = Vec::new();
+        for (k, (name, mgmt)) in HOSTS.into_iter().enumerate() {
+            let ns = host(
+                &mut bed,
+                name,
+                Ipv4Addr::new(198, 51, 100, 4 + k as u8),
+                mgmt,
+            );
+            join_bridged(
+                &bed,
+                &ns,
+                "br2",
+                &format!("vmb-{name}"),
+                ("eth1", "up1"),
+                &format!("{}/24", net_b(4 + k as u8)),
+            );
+            add_v6(&ns, "eth1", net_b6(4 + k as u16));
+            hosts.push(Host {
+                ns,
+                name,
+                daemon: None,
+                keepalived: None,
+            });
+        }
+        // Network B's backends: b1 behind the switch, b2 a VM on host
+        // h1's own bridge (a guest cluster's node on a load-balancer
+        // host): the other hosts reach it through h1's uplink.
         let mut backends_b = Vec::new();
         for i in 1..=2u8 {
-            let (ns, _) = bed.add_host_on("br2", &format!("b{i}"), net_b(20 + i));
+            let ns = if i == 1 {
+                bed.add_host_on("br2", "b1", net_b(21)).0
+            } else {
+                vm_on_host(&mut bed, &hosts[0].ns, "eth1", "b2", net_b(22))
+            };
             add_v6(&ns, "eth0", net_b6(0x20 + u16::from(i)));
             for addr in [
                 IpAddr::from(net_b(20 + i)),
@@ -191,31 +226,6 @@ impl Three {
                     &format!("b{i}"),
                 ));
             }
-        }
-        add_v6(&client_b, "eth0", net_b6(2));
-        let mut hosts = Vec::new();
-        for (k, (name, mgmt)) in HOSTS.into_iter().enumerate() {
-            let ns = host(
-                &mut bed,
-                name,
-                Ipv4Addr::new(198, 51, 100, 4 + k as u8),
-                mgmt,
-            );
-            join(
-                &bed,
-                &ns,
-                "br2",
-                &format!("vmb-{name}"),
-                "eth1",
-                &format!("{}/24", net_b(4 + k as u8)),
-            );
-            add_v6(&ns, "eth1", net_b6(4 + k as u16));
-            hosts.push(Host {
-                ns,
-                name,
-                daemon: None,
-                keepalived: None,
-            });
         }
         let sockets = bed.dir.join("admin sockets");
         std::fs::create_dir_all(&sockets).expect("socket directory");
