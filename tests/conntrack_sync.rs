@@ -8,8 +8,12 @@
 //! them (a veth pair, conntrackd's FTFW). Left out: the hosts' VM-network
 //! interface is a plain veth into the network, not a bridge with an uplink
 //! and `br_netfilter` as on a Harvester host (`tests/netns/vmnet.rs`): on
-//! such a host a kernel listener whose backends are behind the uplink
-//! serves nobody yet (issue 40 defect 1, `tests/vmnet_bridged.rs`).
+//! such a host the daemon serves a kernel listener whose backends are in
+//! the network's subnet by the proxy (the bridge stage's DNAT cannot reach
+//! a backend behind the uplink a client came by: issue 40 defect 1,
+//! `tests/vmnet_bridged.rs`), and this test is about the kernel's flows.
+//! What it shows holds on a VLAN device of a Harvester bridge, where the
+//! kernel path runs (docs/vip.md, "On a bridged host").
 //! Each host runs the real daemon,
 //! keepalived on the file the daemon renders, and conntrackd on the file
 //! the daemon renders; keepalived runs the notify script the daemon

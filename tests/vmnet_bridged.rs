@@ -20,12 +20,19 @@
 //! this host is then bridged on. So a host that merely bridges a VM's
 //! frames to the VIP's holder must not DNAT them: host b holds the
 //! listener's table but not the VIP, and its VM's connections are served
-//! by host a, with no flow DNATed in b's conntrack table. On the holder,
-//! a DNATed frame whose backend lies behind another port of its bridge is
-//! bridged there (or routed) and served; one whose backend lies behind the
-//! very port it entered by (client and backend both behind the uplink) is
-//! not: the bridge never sends a frame back out of its ingress port. That
-//! case is issue 40's defect 1, still open, its test `#[ignore]`d.
+//! by host a, with no flow DNATed in b's conntrack table (the backend here
+//! a VM that host a routes to, so that the kernel path is taken).
+//!
+//! On the holder, a DNATed frame whose backend lies behind the very port
+//! it entered by (client and backend both behind the uplink, the normal
+//! case) is never delivered: `br_nf_pre_routing_finish` bridges it again
+//! and the bridge sends no frame back out of its ingress port (issue 40,
+//! defect 1: 0 of 10 through the kernel listener, 10 of 10 through the
+//! proxy). Which port a client comes by is not known beforehand, so the
+//! daemon serves the kernel listeners of a load balancer on a bridged
+//! network with backends in its subnet by the proxy while
+//! `bridge-nf-call-iptables` is 1, and says why in `/status`; set to 0, the
+//! same listeners go back to the kernel.
 //!
 //! Left out: keepalived (the VIP is added by hand: this is about the
 //! holder's path, not about moving it), the bridge's VLAN filtering and the
@@ -45,7 +52,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use netns::peers::{Exchange, Node, Service, exchange, serve_name_then_echo};
-use netns::vmnet::{FAR_CLIENT, GATEWAY, mgmt_host, sysctl, vm_on_host};
+use netns::vmnet::{FAR_CLIENT, GATEWAY, mgmt_host, routed_vm, sysctl, vm_on_host};
 use netns::{Bed, DaemonProc, NODEPORT, Ns, config, node_ip, sa, wait_for};
 use support::{Lb, Listener, keepalived, network};
 
@@ -55,6 +62,10 @@ const VIP_UPLINK: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 40);
 const VIP_LOCAL: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 41);
 /// The VM on host a's bridge (a backend) and the VM on host b's (a client).
 const V1: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 31);
+/// A backend VM of another subnet that host a routes to, and host a's
+/// address there.
+const ROUTED: Ipv4Addr = Ipv4Addr::new(192, 0, 2, 21);
+const ROUTED_GW: Ipv4Addr = Ipv4Addr::new(192, 0, 2, 1);
 const CV: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 32);
 /// The kernel listener's port and the proxy listener's, on each VIP.
 const KERNEL: u16 = 80;
@@ -189,14 +200,15 @@ async fn netns_a_host_that_bridges_a_vm_s_frames_to_the_vip_s_holder_does_not_dn
     require_netns!();
     let mut bed = Bed::new("vmbrpass", 1);
     let (a, b) = hosts(&mut bed);
-    let v1 = vm_on_host(&mut bed, &a, "eth0", "v1", V1);
-    let _backend = serve_name_then_echo(&v1, sa(V1, NODEPORT), "v1");
+    // The backend a VM host a routes to (another subnet): the kernel path
+    // is taken there (a backend in the network's subnet would be served by
+    // the proxy on a bridged host, see the holder's test).
+    let rb = routed_vm(&mut bed, &a, "rb", ROUTED_GW, ROUTED);
+    let _backend = serve_name_then_echo(&rb, sa(ROUTED, NODEPORT), "rb");
     let cv = vm_on_host(&mut bed, &b, "eth0", "cv", CV);
-    // Host a holds the VIP; both hosts have the same load balancer (the
-    // VIP's backend a VM on a's bridge, so a's own forwarding is not in
-    // question here).
+    // Host a holds the VIP; both hosts have the same load balancer.
     a.ip(&["addr", "add", &format!("{VIP_LOCAL}/32"), "dev", "eth0"]);
-    let vips = [(VIP_LOCAL, V1)];
+    let vips = [(VIP_LOCAL, ROUTED)];
     let mut daemons = Vec::new();
     for (ns, name, mgmt, peer) in [
         (&a, "a", "10.77.0.1", "10.77.0.2"),
@@ -249,19 +261,75 @@ async fn netns_a_host_that_bridges_a_vm_s_frames_to_the_vip_s_holder_does_not_dn
 struct Row {
     backend: &'static str,
     client: &'static str,
-    /// Whether the client's frames enter the holder by the port its
-    /// backend is behind (the uplink): the open case of defect 1.
-    same_port: bool,
     kernel: usize,
     proxy: usize,
 }
 
-/// Host a holds both VIPs (one with its backend n1 behind the uplink, one
-/// with its backend v1 a VM on a's bridge), each with a kernel and a proxy
-/// listener; clients: on the network behind the uplink, behind the
-/// gateway, and a VM on a's own bridge. Ten exchanges each.
-async fn holder_rows(tag: &str) -> Vec<Row> {
-    let mut bed = Bed::new(tag, 1);
+/// The reason `/status` gives for a kernel listener of `d`'s first load
+/// balancer served by the proxy, once it gives one (`None`: served by the
+/// kernel).
+async fn proxy_reason(d: &DaemonProc) -> Option<String> {
+    let Ok((200, body)) = d.get("/status").await else {
+        return None;
+    };
+    let s: serde_json::Value = serde_json::from_str(&body).ok()?;
+    let l = &s["load_balancers"][0]["listeners"]
+        .as_array()?
+        .iter()
+        .find(|l| l["name"] == "kernel")?
+        .clone();
+    (l["forwarding"] == "proxy").then(|| l["kernel_error"].as_str().unwrap_or("").to_string())
+}
+
+/// Ten exchanges from each client to each VIP through the kernel and the
+/// proxy listener, on host a (holding both VIPs: one with its backend n1
+/// behind the uplink, one with its backend v1 a VM on a's bridge); clients
+/// on the network behind the uplink, behind the gateway, and a VM on a's
+/// own bridge.
+async fn holder_rows(bed: &Bed, gw: &Ns, cv: &Ns) -> Vec<Row> {
+    let mut rows = Vec::new();
+    for (vip, backend) in [
+        (VIP_UPLINK, "behind the uplink"),
+        (VIP_LOCAL, "on the holder's bridge"),
+    ] {
+        for (who, client, from) in [
+            ("on the network", &bed.client, None),
+            ("behind the gateway", gw, Some(FAR_CLIENT)),
+            ("a VM on the holder's bridge", cv, None),
+        ] {
+            rows.push(Row {
+                backend,
+                client: who,
+                kernel: served(client, from, vip, KERNEL, 10).await,
+                proxy: served(client, from, vip, PROXY, 10).await,
+            });
+        }
+    }
+    let text: Vec<String> = rows
+        .iter()
+        .map(|r| {
+            format!(
+                "backend {}, client {}: kernel listener {}/10, proxy listener {}/10",
+                r.backend, r.client, r.kernel, r.proxy
+            )
+        })
+        .collect();
+    eprintln!("FIGURE vmnet bridged holder:\n{}", text.join("\n"));
+    rows
+}
+
+/// Issue 40, defect 1: on a holder whose VM-network interface is a bridge
+/// with `br_netfilter` on, the kernel listeners of a load balancer with
+/// backends in the network's subnet are served by the proxy, and every
+/// client reaches every backend through them (before: 0 of 10 where the
+/// client and the backend are both behind the uplink, on the network or
+/// behind its gateway); `/status` says why. With
+/// `bridge-nf-call-iptables=0` the same listeners go back to the kernel
+/// (flows DNATed in the holder's conntrack table) and still serve.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn netns_a_kernel_listener_on_a_bridged_vm_network_serves_every_client_and_backend() {
+    require_netns!();
+    let mut bed = Bed::new("vmbrhold", 1);
     let _n1 = Node::start(&bed, 1, Service::NameThenEcho);
     let (gw, _) = bed.add_host("gw", GATEWAY);
     gw.ip(&["addr", "add", &format!("{FAR_CLIENT}/32"), "dev", "lo"]);
@@ -283,82 +351,47 @@ async fn holder_rows(tag: &str) -> Vec<Row> {
         ),
     );
     let d = DaemonProc::spawn(&a, &path, &bed.dir.join("daemon-a.log"), None);
-    kernel_written(&d).await;
+    let reason = wait_for(
+        Duration::from_secs(30),
+        "/status: the kernel listener served by the proxy, with the reason",
+        || async { proxy_reason(&d).await.filter(|r| !r.is_empty()) },
+    )
+    .await;
+    assert!(
+        reason.contains("bridge-nf-call-iptables") && reason.contains("\"eth0\""),
+        "the reason names the switch and the bridge: {reason}"
+    );
     wait_for(
         Duration::from_secs(30),
         "the proxy listener serves",
         || async { (served(&bed.client, None, VIP_UPLINK, PROXY, 1).await == 1).then_some(()) },
     )
     .await;
-    let mut rows = Vec::new();
-    for (vip, backend, behind_uplink) in [
-        (VIP_UPLINK, "behind the uplink", true),
-        (VIP_LOCAL, "on the holder's bridge", false),
-    ] {
-        for (who, client, from, by_uplink) in [
-            ("on the network", &bed.client, None, true),
-            ("behind the gateway", &gw, Some(FAR_CLIENT), true),
-            ("a VM on the holder's bridge", &cv, None, false),
-        ] {
-            rows.push(Row {
-                backend,
-                client: who,
-                same_port: behind_uplink && by_uplink,
-                kernel: served(client, from, vip, KERNEL, 10).await,
-                proxy: served(client, from, vip, PROXY, 10).await,
-            });
-        }
+    for r in holder_rows(&bed, &gw, &cv).await {
+        assert_eq!(
+            (r.kernel, r.proxy),
+            (10, 10),
+            "kernel and proxy listener, backend {}, client {}",
+            r.backend,
+            r.client
+        );
     }
-    let text: Vec<String> = rows
-        .iter()
-        .map(|r| {
-            format!(
-                "backend {}, client {}: kernel {}/10, proxy {}/10",
-                r.backend, r.client, r.kernel, r.proxy
-            )
-        })
-        .collect();
-    eprintln!("FIGURE vmnet bridged holder:\n{}", text.join("\n"));
+    assert_eq!(
+        flows_to(&a, VIP_UPLINK) + flows_to(&a, VIP_LOCAL),
+        0,
+        "no flow DNATed while the proxy serves the kernel listeners"
+    );
+    // Without the bridge stage, the kernel path: DNATed, served.
+    sysctl(&a, "net.bridge.bridge-nf-call-iptables=0");
+    kernel_written(&d).await;
+    assert_eq!(
+        served(&bed.client, None, VIP_UPLINK, KERNEL, 10).await,
+        10,
+        "a client behind the uplink through the kernel listener, bridge stage off"
+    );
+    assert!(
+        flows_to(&a, VIP_UPLINK) >= 10,
+        "the kernel DNATed those flows"
+    );
     drop(d);
-    rows
-}
-
-/// The holder's path where the client's frames and the backend are on
-/// different ports of its bridge: served by the kernel listener as by the
-/// proxy (the DNATed frame is bridged to another port, or routed).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn netns_a_kernel_listener_on_a_bridged_vm_network_serves_across_the_holder_s_ports() {
-    require_netns!();
-    for r in holder_rows("vmbrports").await {
-        assert_eq!(
-            r.proxy, 10,
-            "proxy, backend {}, client {}",
-            r.backend, r.client
-        );
-        if !r.same_port {
-            assert_eq!(
-                r.kernel, 10,
-                "kernel, backend {}, client {}",
-                r.backend, r.client
-            );
-        }
-    }
-}
-
-/// The holder's own path (issue 40, defect 1, open): a client behind the
-/// uplink and a client behind the gateway, through a kernel listener whose
-/// backend is behind the same uplink, get nothing (0/10 each, the proxy
-/// 10/10). Why (`br_nf_pre_routing_finish`'s `bridged_dnat`) and what a
-/// fix needs: docs/vip.md, "On a bridged host".
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "issue 40 defect 1: a kernel listener whose backend is behind the holder's uplink serves nobody (docs/vip.md)"]
-async fn netns_a_kernel_listener_on_a_bridged_vm_network_serves_backends_behind_the_uplink() {
-    require_netns!();
-    for r in holder_rows("vmbrhold").await {
-        assert_eq!(
-            r.kernel, 10,
-            "kernel, backend {}, client {}",
-            r.backend, r.client
-        );
-    }
 }
