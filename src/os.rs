@@ -247,6 +247,36 @@ pub fn ip_forwarding() -> [(Sysctl, io::Result<String>); 2] {
     })
 }
 
+/// The files of `net.bridge.bridge-nf-call-iptables` and
+/// `-ip6tables` (per network namespace; absent while `br_netfilter` is not
+/// loaded).
+pub const BRIDGE_NF_CALL_FILES: [&str; 2] = [
+    "/proc/sys/net/bridge/bridge-nf-call-iptables",
+    "/proc/sys/net/bridge/bridge-nf-call-ip6tables",
+];
+
+/// Whether bridged IPv4 and IPv6 frames pass the IP hooks at the bridge
+/// stage (`br_netfilter` loaded and its switch on, as on every Kubernetes
+/// host): the NAT of a frame that entered a bridge port then runs before
+/// the bridge decides where the frame goes. Absent or unreadable is off
+/// (without `br_netfilter` nothing runs at the bridge stage; an unreadable
+/// `/proc/sys` already keeps kernel listeners with the proxy through
+/// [`ip_forwarding`]).
+pub fn bridge_nf_calls() -> [bool; 2] {
+    BRIDGE_NF_CALL_FILES.map(|path| Sysctl::from_read(&std::fs::read_to_string(path)) == Sysctl::On)
+}
+
+/// Whether `interface` is a Linux bridge (`/sys/class/net/NAME/bridge`).
+pub fn is_bridge(interface: &str) -> bool {
+    if interface.is_empty() || interface.contains('/') || interface.starts_with('.') {
+        return false;
+    }
+    std::path::Path::new("/sys/class/net")
+        .join(interface)
+        .join("bridge")
+        .is_dir()
+}
+
 /// Sends `signal` to process `pid` (`kill(2)`): how the daemon tells
 /// keepalived to reload its configuration (`SIGHUP`).
 pub fn send_signal(pid: i32, signal: i32) -> std::io::Result<()> {

@@ -5,7 +5,16 @@
 //! The bed (network namespaces): a client and two backends on a VM network
 //! (the bridge `br0`), two load-balancer hosts A and B on it, each with a
 //! management leg (bridge `br1`, VRRP) and a dedicated sync link between
-//! them (a veth pair, conntrackd's FTFW). Each host runs the real daemon,
+//! them (a veth pair, conntrackd's FTFW). Left out: the hosts' VM-network
+//! interface is a plain veth into the network, not a bridge with an uplink
+//! and `br_netfilter` as on a Harvester host (`tests/netns/vmnet.rs`): on
+//! such a host the daemon serves a kernel listener whose backends are in
+//! the network's subnet by the proxy (the bridge stage's DNAT cannot reach
+//! a backend behind the uplink a client came by: issue 40 defect 1,
+//! `tests/vmnet_bridged.rs`), and this test is about the kernel's flows.
+//! What it shows holds on a VLAN device of a Harvester bridge, where the
+//! kernel path runs (docs/vip.md, "On a bridged host").
+//! Each host runs the real daemon,
 //! keepalived on the file the daemon renders, and conntrackd on the file
 //! the daemon renders; keepalived runs the notify script the daemon
 //! renders. The load balancer's VIP has a TCP and a UDP kernel listener
@@ -43,7 +52,7 @@ use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 
 use netns::keepalived::{Conntrackd, Keepalived, conntrackd_missing, keepalived_missing};
 use netns::peers::{Node, Service};
-use netns::vmnet::{self, holds, ip_out, mgmt_host, sysctl};
+use netns::vmnet::{self, holds, ip_out, plain_mgmt_host, sysctl};
 use netns::{Bed, DaemonProc, NODEPORT, Ns, config, node_ip, sa, wait_for};
 use support::{Lb, Listener, keepalived, network};
 
@@ -216,7 +225,7 @@ impl SyncBed {
         bed.add_bridge("br1");
         let mut hosts = Vec::new();
         for (name, vm, mgmt) in [("a", 4u8, "10.77.0.1"), ("b", 5, "10.77.0.2")] {
-            let (ns, port) = mgmt_host(&mut bed, name, Ipv4Addr::new(198, 51, 100, vm), mgmt);
+            let (ns, port) = plain_mgmt_host(&mut bed, name, Ipv4Addr::new(198, 51, 100, vm), mgmt);
             let mgmt_port = vmnet::mgmt_port(name);
             sysctl(&ns, "net.ipv4.ip_forward=1");
             for dev in ["all", "default", "eth0"] {

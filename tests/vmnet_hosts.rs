@@ -12,9 +12,12 @@
 //!  mgmt (br1): hosts h1, h2, h3 10.77.0.1-3 (unicast VRRP)
 //!  network A (br0, 198.51.100.0/24): client .2, backends n1 .21, n2 .22,
 //!     gateway .1 (client 203.0.113.2 behind it), hosts' eth0 .4-.6
-//!  network B (br2, 192.0.2.0/24): client .2, backends b1 .21, b2 .22,
-//!     hosts' eth1 .4-.6
+//!  network B (br2, 192.0.2.0/24): client .2, backends b1 .21, b2 .22
+//!     (b2 a VM on h1's own bridge), hosts' eth1 .4-.6
 //! ```
+//!
+//! Each host's `eth0` and `eth1` is a bridge with an uplink into the
+//! network's switch, `br_netfilter` on (see `tests/netns/vmnet.rs`).
 //!
 //! The hosts' admin sockets are in a directory whose name has a space:
 //! the rendered track scripts must quote the path, or keepalived never
@@ -33,14 +36,16 @@ mod support;
 use std::collections::BTreeSet;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use harvester_lb::vip::keepalived::instance_of;
 use netns::keepalived::{Keepalived, keepalived_missing};
-use netns::peers::{Exchange, Node, Service, exchange, serve_name_then_echo};
+use netns::peers::{Exchange, Node, Service, exchange, read_line, serve_name_then_echo};
 use netns::vmnet::{
-    FAR_CLIENT, GATEWAY, from_behind_the_gateway, holds_on, host, ip_out, join, mgmt_port, net_b,
-    vrrp_sent,
+    FAR_CLIENT, GATEWAY, from_behind_the_gateway, holds_on, host, ip_out, join_bridged, mgmt_port,
+    net_b, vm_on_host, vrrp_sent,
 };
 use netns::{Bed, DaemonProc, NODEPORT, Ns, config, node_ip, wait_for};
 use support::{Lb, network};
@@ -177,9 +182,41 @@ impl Three {
         let (gw, _) = bed.add_host("gw", GATEWAY);
         gw.ip(&["addr", "add", &format!("{FAR_CLIENT}/32"), "dev", "lo"]);
         let (client_b, _) = bed.add_host_on("br2", "cb", net_b(2));
+        add_v6(&client_b, "eth0", net_b6(2));
+        let mut hosts = Vec::new();
+        for (k, (name, mgmt)) in HOSTS.into_iter().enumerate() {
+            let ns = host(
+                &mut bed,
+                name,
+                Ipv4Addr::new(198, 51, 100, 4 + k as u8),
+                mgmt,
+            );
+            join_bridged(
+                &bed,
+                &ns,
+                "br2",
+                &format!("vmb-{name}"),
+                ("eth1", "up1"),
+                &format!("{}/24", net_b(4 + k as u8)),
+            );
+            add_v6(&ns, "eth1", net_b6(4 + k as u16));
+            hosts.push(Host {
+                ns,
+                name,
+                daemon: None,
+                keepalived: None,
+            });
+        }
+        // Network B's backends: b1 behind the switch, b2 a VM on host
+        // h1's own bridge (a guest cluster's node on a load-balancer
+        // host): the other hosts reach it through h1's uplink.
         let mut backends_b = Vec::new();
         for i in 1..=2u8 {
-            let (ns, _) = bed.add_host_on("br2", &format!("b{i}"), net_b(20 + i));
+            let ns = if i == 1 {
+                bed.add_host_on("br2", "b1", net_b(21)).0
+            } else {
+                vm_on_host(&mut bed, &hosts[0].ns, "eth1", "b2", net_b(22))
+            };
             add_v6(&ns, "eth0", net_b6(0x20 + u16::from(i)));
             for addr in [
                 IpAddr::from(net_b(20 + i)),
@@ -191,31 +228,6 @@ impl Three {
                     &format!("b{i}"),
                 ));
             }
-        }
-        add_v6(&client_b, "eth0", net_b6(2));
-        let mut hosts = Vec::new();
-        for (k, (name, mgmt)) in HOSTS.into_iter().enumerate() {
-            let ns = host(
-                &mut bed,
-                name,
-                Ipv4Addr::new(198, 51, 100, 4 + k as u8),
-                mgmt,
-            );
-            join(
-                &bed,
-                &ns,
-                "br2",
-                &format!("vmb-{name}"),
-                "eth1",
-                &format!("{}/24", net_b(4 + k as u8)),
-            );
-            add_v6(&ns, "eth1", net_b6(4 + k as u16));
-            hosts.push(Host {
-                ns,
-                name,
-                daemon: None,
-                keepalived: None,
-            });
         }
         let sockets = bed.dir.join("admin sockets");
         std::fs::create_dir_all(&sockets).expect("socket directory");
@@ -560,6 +572,66 @@ enum Fault {
     LinkCut,
 }
 
+/// What [`patient_client`] saw of a failover.
+struct Patient {
+    /// The longest a new connection was waited for: from the fault, an
+    /// answered connection or a lost one to the next answered one.
+    longest: Duration,
+    /// Answered connections whose connect took longer than 0.5 s (a SYN
+    /// sent again).
+    slow: usize,
+    /// Connections made that never brought the backend's name (made with
+    /// the old master as the VIP left it).
+    lost: usize,
+}
+
+/// A client that opens one connection after another to `addr` and reads
+/// the backend's name, each connect given 5 s, so that a lost SYN is sent
+/// again by the kernel (1 s, then 2 s later) as an ordinary client's would
+/// be, from the fault until its first answered connection after `stop`
+/// (or 15 s after it). The failover's own figures ask anew every 0.7 s
+/// instead, and so never wait for a SYN sent again.
+async fn patient_client(ns: Ns, addr: SocketAddr, stop: Arc<AtomicBool>) -> Patient {
+    let mut seen = Patient {
+        longest: Duration::ZERO,
+        slow: 0,
+        lost: 0,
+    };
+    let mut waiting_since = Instant::now();
+    let mut stopped_at = None;
+    loop {
+        let stopping = stop.load(Ordering::Relaxed);
+        if stopping
+            && stopped_at.get_or_insert_with(Instant::now).elapsed() > Duration::from_secs(15)
+        {
+            break;
+        }
+        let began = Instant::now();
+        let Ok(mut s) = ns.connect(addr, Duration::from_secs(5)).await else {
+            // Refused or reset returns at once: pace the retries.
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            continue;
+        };
+        let connected = Instant::now();
+        let name = tokio::time::timeout(Duration::from_secs(2), read_line(&mut s)).await;
+        let now = Instant::now();
+        if matches!(name, Ok(Ok(ref n)) if !n.is_empty()) {
+            seen.longest = seen.longest.max(now - waiting_since);
+            waiting_since = now;
+            seen.slow += usize::from(connected - began > Duration::from_millis(500));
+            if stopping {
+                break;
+            }
+        } else {
+            // Made with the old master, lost with the VIP: the client asks
+            // anew from now on.
+            seen.lost += 1;
+            waiting_since = now;
+        }
+    }
+    seen
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn netns_the_master_failed_three_ways_hands_the_vip_to_another_host() {
     require_netns!();
@@ -599,6 +671,14 @@ async fn netns_the_master_failed_three_ways_hands_the_vip_to_another_host() {
                 .await;
             let master = t.settled(&[vip], Duration::from_secs(60)).await[0];
             let name = HOSTS[master].0;
+            // A client as an operator's probe is: one connection after
+            // another, each left to the kernel's own SYN retransmits.
+            let stop = Arc::new(AtomicBool::new(false));
+            let patient = tokio::spawn(patient_client(
+                t.client(vip).clone(),
+                SocketAddr::new(vip.addr(), 80),
+                stop.clone(),
+            ));
             let at = Instant::now();
             match fault {
                 Fault::KeepalivedStopped => t.hosts[master]
@@ -627,10 +707,15 @@ async fn netns_the_master_failed_three_ways_hands_the_vip_to_another_host() {
             })
             .await;
             let still = t.holders(vip).contains(&master);
+            stop.store(true, Ordering::Relaxed);
+            let p = patient.await.expect("the patient client");
             let line = format!(
-                "{advert}, {fault:?} on host {name}: VIP on another host after {:.2} s, served after {:.2} s{}",
+                "{advert}, {fault:?} on host {name}: VIP on another host after {:.2} s, served after {:.2} s; a patient client waited at most {:.2} s for a new connection ({} answered after a SYN sent again, {} lost with the old master){}",
                 moved.as_secs_f64(),
                 served.as_secs_f64(),
+                p.longest.as_secs_f64(),
+                p.slow,
+                p.lost,
                 if still {
                     " (the failed host still holds it too)"
                 } else {

@@ -18,7 +18,7 @@ use std::time::Duration;
 
 use super::{Daemon, LbEntry};
 use crate::balancer::Backend;
-use crate::config::{Forwarding, LoadBalancerSpec, OnBackendDown, Protocol};
+use crate::config::{Forwarding, LoadBalancerSpec, NetworkSpec, OnBackendDown, Protocol};
 use crate::kernel::{Desired, KernelListener, KernelTable, ListenerId, Narrowed, Synced};
 use crate::os::Sysctl;
 
@@ -61,6 +61,67 @@ fn pack_forwarding(states: [Sysctl; 2]) -> u8 {
         Sysctl::Unreadable => 2,
     };
     bits(states[0]) | (bits(states[1]) << 2)
+}
+
+/// [`pack_forwarding`]'s byte with whether each family's bridged frames
+/// pass the IP hooks at the bridge stage ([`crate::os::bridge_nf_calls`])
+/// in bits 4 (IPv4) and 5 (IPv6): a change of either rebuilds the kernel
+/// listeners as a change of forwarding does.
+fn pack_bridge_stage(packed: u8, calls: [bool; 2]) -> u8 {
+    packed | (u8::from(calls[0]) << 4) | (u8::from(calls[1]) << 5)
+}
+
+/// Whether one family's bridged frames pass the IP hooks, from
+/// [`pack_bridge_stage`]'s byte (0 IPv4, 1 IPv6).
+fn bridge_stage_of(packed: u8, family: usize) -> bool {
+    (packed >> (4 + family)) & 1 == 1
+}
+
+/// Why `spec`'s kernel listeners cannot work on this host, given the
+/// packed host settings `packed`: its VIP is on a `[[network]]` whose
+/// interface is a Linux bridge, bridged frames of the VIP's family pass the
+/// IP hooks at the bridge stage (`br_netfilter`), and a backend lies in the
+/// network's subnet.
+///
+/// Then the DNAT runs in `br_nf_pre_routing`, before the bridge has chosen
+/// a port; `br_nf_pre_routing_finish` routes the new destination, finds it
+/// behind the bridge itself and bridges the frame again (its
+/// `bridged_dnat` path), and the bridge never sends a frame out of the
+/// port it came in by: a client and a backend both behind the uplink (the
+/// normal case: the other hosts' VMs) get nothing. Which port a client's
+/// frames come by is not known beforehand, so the proxy, which the frame
+/// reaches through the local stack, serves every such listener. A tagged
+/// network's VLAN device is no bridge: its frames are NATed on it and
+/// routed out of it (docs/vip.md, "On a bridged host").
+fn bridge_stage_reason(
+    packed: u8,
+    spec: &LoadBalancerSpec,
+    networks: &[NetworkSpec],
+) -> Option<String> {
+    let family = usize::from(spec.vip.is_ipv6());
+    if !bridge_stage_of(packed, family) {
+        return None;
+    }
+    let network = networks
+        .iter()
+        .find(|n| Some(n.name.as_str()) == spec.network.as_deref())?;
+    let in_subnet = |ip: &IpAddr| match ip {
+        IpAddr::V4(v4) => network.subnet().contains(v4),
+        IpAddr::V6(v6) => network.ipv6_subnet().is_some_and(|n| n.contains(v6)),
+    };
+    let backend = spec.backends.iter().find(|b| in_subnet(b))?;
+    if !crate::os::is_bridge(&network.interface) {
+        return None;
+    }
+    Some(format!(
+        "network {:?}'s interface {:?} is a bridge and {} is 1 on this host: br_netfilter NATs a frame at the bridge stage, and a backend in the subnet ({backend}) behind the port a client's frame came in by is never reached (the bridge sends no frame back out of its ingress port), so the proxy serves this listener; a tagged network's VLAN device works with the kernel path (docs/vip.md, \"On a bridged host\")",
+        network.name,
+        network.interface,
+        [
+            "net.bridge.bridge-nf-call-iptables",
+            "net.bridge.bridge-nf-call-ip6tables"
+        ][family],
+    ))
 }
 
 /// One family's forwarding from [`pack_forwarding`]'s byte (0 IPv4, 1 IPv6).
@@ -141,7 +202,8 @@ impl Daemon {
     /// changed.
     fn check_ip_forwarding(&self) -> bool {
         let read = crate::os::ip_forwarding();
-        let off = pack_forwarding([read[0].0, read[1].0]);
+        let bridge_stage = crate::os::bridge_nf_calls();
+        let off = pack_bridge_stage(pack_forwarding([read[0].0, read[1].0]), bridge_stage);
         let was = self.forwarding_off.swap(off, Ordering::AcqRel);
         if was == off {
             return false;
@@ -179,7 +241,41 @@ impl Daemon {
                 ),
             }
         }
+        let held: Vec<String> = self.lock().config.as_ref().map_or_else(Vec::new, |c| {
+            c.load_balancers
+                .iter()
+                .filter(|lb| bridge_stage_reason(off, lb, &c.networks).is_some())
+                .map(|lb| format!("{:?}", lb.name))
+                .collect()
+        });
+        let families = |packed: u8| [bridge_stage_of(packed, 0), bridge_stage_of(packed, 1)];
+        if families(was) != families(off) && !held.is_empty() {
+            tracing::warn!(
+                load_balancers = held.len(),
+                "br_netfilter NATs bridged frames at the bridge stage on this host (net.bridge.bridge-nf-call-iptables=1): the forwarding = \"kernel\" listeners of load balancers on a bridged VM network with backends in its subnet are served by the proxy ({}{}): docs/vip.md, \"On a bridged host\"",
+                held.iter()
+                    .take(NAMED_IN_LOG)
+                    .cloned()
+                    .collect::<Vec<_>>()
+                    .join(", "),
+                if held.len() > NAMED_IN_LOG {
+                    ", …"
+                } else {
+                    ""
+                }
+            );
+        }
         true
+    }
+
+    /// Why load balancer `spec`'s kernel listeners are served by the proxy
+    /// on this host although it forwards: see [`bridge_stage_reason`].
+    pub(super) fn bridge_stage_blocked(
+        &self,
+        spec: &LoadBalancerSpec,
+        networks: &[NetworkSpec],
+    ) -> Option<String> {
+        bridge_stage_reason(self.forwarding_off.load(Ordering::Acquire), spec, networks)
     }
 
     /// Why a kernel listener on `vip` is not in the kernel although its
@@ -270,7 +366,7 @@ impl Daemon {
             } else if !published && !whole {
                 continue;
             }
-            for (id, l) in self.kernel_listeners(spec, entry) {
+            for (id, l) in self.kernel_listeners(spec, entry, &config.networks) {
                 let previous = desired.insert(id, l);
                 if !whole {
                     changed.push((id, previous));
@@ -298,8 +394,12 @@ impl Daemon {
         &self,
         spec: &LoadBalancerSpec,
         entry: &LbEntry,
+        networks: &[NetworkSpec],
     ) -> Vec<(ListenerId, KernelListener)> {
-        if spec.vip.is_unspecified() || self.forwarding_blocked(spec.vip).is_some() {
+        if spec.vip.is_unspecified()
+            || self.forwarding_blocked(spec.vip).is_some()
+            || self.bridge_stage_blocked(spec, networks).is_some()
+        {
             return Vec::new();
         }
         let snapshot = entry.lb.snapshot();

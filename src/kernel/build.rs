@@ -1088,6 +1088,35 @@ fn terminated_here(pickup: Option<&Family>) -> Vec<Statement<'static>> {
     rule
 }
 
+/// `fib daddr type local`: the `prerouting` dispatch acts only on packets
+/// addressed to an address this host holds now.
+///
+/// Why: with `br_netfilter` on (`bridge-nf-call-iptables=1`, as on every
+/// Kubernetes host), an IPv4 or IPv6 frame entering a port of a Linux
+/// bridge passes the inet `prerouting` hooks at the bridge stage
+/// (`br_nf_pre_routing` in `net/bridge/br_netfilter_hooks.c`), whatever
+/// its Ethernet destination, with the bridge as input device and its
+/// packet type made `host` for the hooks' sake. A host that merely
+/// bridges a VM's frame to the VIP's holder (a VM on its own bridge, the
+/// VIP held by another host) would otherwise DNAT it itself: it would
+/// serve the flow in the holder's stead (its own source NAT, its own
+/// conntrack), out of reach of the holder's gate, sync and drain. The
+/// holder has the VIP as a local address (keepalived's on the network's
+/// interface, the announce mode's `local` route, a lease on its macvlan);
+/// a host that lost it stops taking new flows at once (open ones keep
+/// their conntrack binding, which this chain never sees again). Not in
+/// `output`: a connection this host opens to a VIP is its own.
+fn addressed_here() -> Statement<'static> {
+    matches(
+        Expression::Named(NamedExpression::Fib(nftables::expr::Fib {
+            result: nftables::expr::FibResult::Type,
+            flags: [nftables::expr::FibFlag::Daddr].into_iter().collect(),
+        })),
+        Operator::EQ,
+        Expression::String(nft_string("local")),
+    )
+}
+
 /// `ct state != new return`: the main table's `input` chain refuses only
 /// new flows, so a packet of an open flow (or an untracked one) leaves it
 /// here, after one conntrack read, rather than passing the socket check
@@ -1192,7 +1221,7 @@ fn skeleton(cmds: &mut Vec<NfObject<'static>>, t: Shard) {
             key: dispatch_key(f.v4),
             data: set_ref(f.dispatch),
         });
-        cmds.push(rule(t, PREROUTING, vec![vmap.clone()]));
+        cmds.push(rule(t, PREROUTING, vec![addressed_here(), vmap.clone()]));
         cmds.push(rule(t, OUTPUT, vec![vmap]));
         if t == Shard::MAIN {
             shared_rules(cmds, f);

@@ -9,7 +9,7 @@
 //!   map from4 { type ipv4_addr . inet_proto . inet_service : verdict; }  # backend . tcp . 30432 : jump g_51
 //!   chain g_51 { ct state { invalid, new } drop }                        # closed; empty when open
 //!   chain prerouting { type filter hook prerouting priority -150; policy accept;
-//!                      ip daddr . meta l4proto . th dport vmap @to4
+//!                      fib daddr type local ip daddr . meta l4proto . th dport vmap @to4
 //!                      ip saddr . meta l4proto . th sport vmap @from4 }
 //! }
 //! ```
@@ -22,7 +22,10 @@
 //! packet from the service port that conntrack sees as new (it would make a
 //! reverse entry that remaps the committed one's port). Packets of flows
 //! the kernel knows pass; so does everything not of a kernel listener on a
-//! moving VIP.
+//! moving VIP. `fib daddr type local`: a packet to a VIP this host does
+//! not hold is not this host's to hold back (with `br_netfilter`, a VM's
+//! frame that this host only bridges to the VIP's holder passes this hook
+//! too; a closed gate here would drop it on its way to the master).
 //!
 //! Who owns what: the daemon owns the table's structure (maps, their
 //! elements, the chains, the base chain), written whole and atomically and
@@ -116,7 +119,7 @@ impl Gate {
         }
         let _ = write!(
             s,
-            "  chain prerouting {{\n    type filter hook prerouting priority {GATE_PRIORITY}; policy accept;\n    ip daddr . meta l4proto . th dport vmap @to4\n    ip saddr . meta l4proto . th sport vmap @from4\n  }}\n}}\n"
+            "  chain prerouting {{\n    type filter hook prerouting priority {GATE_PRIORITY}; policy accept;\n    fib daddr type local ip daddr . meta l4proto . th dport vmap @to4\n    ip saddr . meta l4proto . th sport vmap @from4\n  }}\n}}\n"
         );
         s
     }
