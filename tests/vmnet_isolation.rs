@@ -628,3 +628,129 @@ async fn netns_a_vm_cannot_forge_a_management_peer_s_source_into_the_host_s_flow
         "forged datagrams from VM a2 delivered to the host's flow, and the peer's own"
     );
 }
+
+/// Issue 40, defect 4, as the daemon sees the host: a network whose
+/// interface is no VM network's is refused at start with its load
+/// balancers, and `/status` and the log say why, while the other networks
+/// are guarded and served. Three such interfaces pass `check` by name: the
+/// host's loopback renamed `loop0` (with the guard of the commit before,
+/// isolating it stopped 127.0.0.1 from answering: the daemon's own admin
+/// API, and a service there), a macvlan on `brA`, and a veth `up0` that
+/// carries the host's default route.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn netns_a_network_on_the_loopback_a_macvlan_or_the_default_route_s_interface_is_refused() {
+    require_netns!();
+    let mut bed = Bed::new();
+    let h = bed.host.clone();
+    h.ip(&["link", "set", "lo", "down"]);
+    h.ip(&["link", "set", "lo", "name", "loop0"]);
+    h.ip(&["link", "set", "loop0", "up"]);
+    h.ip(&[
+        "link", "add", "mvA", "link", "brA", "type", "macvlan", "mode", "bridge",
+    ]);
+    h.ip(&["link", "set", "mvA", "up"]);
+    h.ip(&[
+        "link",
+        "add",
+        "up0",
+        "type",
+        "veth",
+        "peer",
+        "name",
+        "up1",
+        "netns",
+        &bed.mgmt.name,
+    ]);
+    h.ip(&["addr", "add", "10.96.0.3/24", "dev", "up0"]);
+    h.ip(&["link", "set", "up0", "up"]);
+    h.ip(&["route", "add", "default", "via", "10.96.0.2", "dev", "up0"]);
+    let a1 = bed.a1.clone();
+    bed.serve(&a1, sa(A1, BACKEND_PORT), "a1");
+    bed.serve(&h, sa(Ipv4Addr::LOCALHOST, 2379), "etcd");
+
+    let refused = [
+        (
+            "t/lo",
+            "loop0",
+            "10.98.0",
+            "not_a_vm_network_link",
+            "the loopback",
+        ),
+        (
+            "t/mv",
+            "mvA",
+            "10.97.0",
+            "not_a_vm_network_link",
+            "a macvlan link",
+        ),
+        (
+            "t/up",
+            "up0",
+            "10.96.0",
+            "host_routes",
+            "default via a gateway dev up0",
+        ),
+    ];
+    let mut text = bed.config(true);
+    for (name, interface, subnet, ..) in refused {
+        text = text.replacen(
+            "[[load_balancer]]",
+            &(network(name, interface, format!("{subnet}.1"), "")
+                + &format!(
+                    "[[load_balancer]]\nname = \"{name}-web\"\nvip = \"{subnet}.10\"\nnetwork = \"{name}\"\nbackends = [\"{subnet}.21\"]\n  [[load_balancer.listener]]\n  name = \"http\"\n  port = 80\n  backend_port = 30080\n\n[[load_balancer]]"
+                )),
+            1,
+        );
+    }
+    let path = bed.dir.join("config.toml");
+    std::fs::write(&path, &text).unwrap();
+    let d = DaemonProc::spawn(&bed.host, &path, &bed.dir.join("daemon.log"), None);
+    let status = wait_for(
+        Duration::from_secs(20),
+        "the guard table written",
+        || async {
+            let (_, body) = d.get("/status").await.ok()?;
+            let s: serde_json::Value = serde_json::from_str(&body).ok()?;
+            (s["vm_network_guard"]["in_force"] == true).then_some(s)
+        },
+    )
+    .await;
+    let guarded = &status["vm_network_guard"]["interfaces"];
+    assert_eq!(guarded, &serde_json::json!(["brA", "brB"]), "{status}");
+    let got = status["network_refused"]
+        .as_array()
+        .expect("network_refused");
+    assert_eq!(got.len(), 3, "{status}");
+    for (name, interface, _, kind, words) in refused {
+        let r = got
+            .iter()
+            .find(|r| r["network"] == name)
+            .unwrap_or_else(|| panic!("{name} refused: {status}"));
+        assert_eq!(r["interface"], interface, "{r}");
+        assert_eq!(r["kind"], kind, "{r}");
+        assert_eq!(
+            r["load_balancers"],
+            serde_json::json!([format!("{name}-web")]),
+            "{r}"
+        );
+        assert!(r["reason"].as_str().unwrap().contains(words), "{r}");
+    }
+    let table = guard_table(&bed.host).expect("the guard table");
+    assert!(
+        !table.contains("loop0") && !table.contains("mvA") && !table.contains("up0"),
+        "{table}"
+    );
+    // The loopback answers; the other networks are served.
+    assert_eq!(
+        reach(&h, None, sa(Ipv4Addr::LOCALHOST, 2379))
+            .await
+            .as_deref(),
+        Ok("etcd")
+    );
+    served(&bed.a2, None, sa(VIP, 80), "a1", "VM a2 served at the VIP").await;
+    let log = std::fs::read_to_string(bed.dir.join("daemon.log")).unwrap_or_default();
+    assert!(
+        log.contains("network refused") && log.contains("loop0"),
+        "{log}"
+    );
+}
