@@ -952,4 +952,9 @@ async fn a_leased_vip_s_macvlan_is_guarded_like_its_network_s_bridge() {
         guarded.contains(&interface.as_str()) && guarded.contains(&"vm-br"),
         "the guard holds the macvlan and the bridge: {status}"
     );
+    // The lease is renewed (at T1, 6 s) through the guarded macvlan: the
+    // server's answers are the replies of the client's flow, from a source
+    // on the network.
+    let renewed = lease(&bed, 1, 0, Duration::from_secs(30)).await;
+    assert_eq!(address(&renewed), vip, "{renewed}");
 }
