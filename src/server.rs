@@ -161,6 +161,9 @@ pub async fn start(options: Options) -> Result<Server, StartError> {
     let unix_socket = admin::AdminSocket::bind(&unix_path)?;
     // Before the isolation and the listeners: a load balancer whose VIP is
     // this host's own address or its router's is never written anywhere.
+    // First the networks: one whose interface is no VM network's here
+    // (`lo`, the management interface) is never isolated or routed.
+    let config = daemon.guard_networks(config).await;
     let config = daemon.guard_vips(config).await;
     // Before any VIP listener binds: a VIP must not serve, even for a
     // moment, without the isolation its config asks for. A failure leaves
@@ -554,6 +557,7 @@ async fn reload(
         Ok(Err(e)) => Err(ReloadError::Config(e)),
         Ok(Ok(mut loaded)) => {
             // Before the isolation and the listeners (see `start`).
+            loaded.config = daemon.guard_networks(loaded.config).await;
             loaded.config = daemon.guard_vips(loaded.config).await;
             tokio::task::spawn_blocking(move || {
                 // The table follows the new config before its listeners change. A

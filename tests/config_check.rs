@@ -1395,3 +1395,52 @@ fn the_test_config_builder_writes_what_it_is_told() {
     let value: toml::Table = toml::from_str(&format!("k = {}", quote(hostile))).unwrap();
     assert_eq!(value["k"].as_str(), Some(hostile));
 }
+
+/// Issue 40, defect 4: `check` accepted `interface = "lo"` on a
+/// `[[network]]`, which the daemon then isolated (the host's 127.0.0.1
+/// services stopped answering). Refused now by name, with its line, for
+/// the loopback, the CNI's devices and a lease macvlan; isolated or not
+/// (none is ever a VM network). `harvester-lb check` exits 78.
+#[test]
+fn a_network_on_the_loopback_or_a_cni_device_is_refused_with_its_line() {
+    let network = |interface: &str, more: &str| {
+        format!(
+            "[keepalived]\nname = \"h1\"\naddress = \"192.168.0.11\"\ninterface = \"mgmt-br\"\npeers = [\"192.168.0.12\"]\n\n[[network]]\nname = \"t/a\"\ninterface = \"{interface}\"\nprefix_length = 24\ngateway = \"10.7.0.1\"\n{more}\n[[load_balancer]]\nname = \"t/web\"\nvip = \"10.7.0.50\"\nnetwork = \"t/a\"\nbackends = [\"10.7.0.21\"]\n  [[load_balancer.listener]]\n  name = \"http\"\n  port = 80\n  backend_port = 30080\n"
+        )
+    };
+    assert!(
+        config::parse(&network("data-br", "")).is_ok(),
+        "a bridge is fine"
+    );
+    for (interface, more, words) in [
+        ("lo", "", "the host's loopback"),
+        ("lo", "isolate = false\n", "the host's loopback"),
+        ("lo.100", "", "the host's loopback"),
+        ("cni0", "", "container network"),
+        ("flannel.1", "", "container network"),
+        ("cali0123456789a", "", "container network"),
+        ("hlb0200000a0b", "", "lease macvlan"),
+    ] {
+        let p = problems(&network(interface, more));
+        assert_eq!(p.len(), 1, "{interface}: {p:?}");
+        assert_eq!(p[0].key, "network[0].interface", "{p:?}");
+        assert_eq!(p[0].line, Some(9), "{p:?}");
+        assert!(
+            p[0].message.contains(&format!("{interface:?} is"))
+                && p[0].message.contains(words)
+                && p[0]
+                    .message
+                    .contains("a bridge, a VLAN device on one, or a bond"),
+            "{interface}: {}",
+            p[0].message
+        );
+    }
+    let net = support::Subnet::new();
+    let lo = net.write("lo.toml", &network("lo", ""));
+    let (code, _, err) = run_cli(&["check", "--config", lo.to_str().unwrap()]);
+    assert_eq!(code, 78, "{err}");
+    assert!(
+        err.contains("line 9: network[0].interface: \"lo\" is the host's loopback"),
+        "{err}"
+    );
+}

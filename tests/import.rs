@@ -1499,3 +1499,78 @@ fn load_balancers_whose_sources_disagree_on_their_network_s_subnet_are_all_skipp
         out.skipped
     );
 }
+
+/// Issue 40, defect 4: a tenant's NetworkAttachmentDefinition whose bridge
+/// is `lo` imported into `interface = "lo"`, which the daemon then
+/// isolated (127.0.0.1's services stopped answering). Now a network whose
+/// interface is no VM network's by its name (the loopback, the CNI's
+/// devices, a lease macvlan) skips its load balancers by name, from a NAD
+/// or from `--network-interface`; a network on a bridge is imported.
+#[test]
+fn a_nad_on_the_loopback_or_a_cni_device_skips_its_load_balancers() {
+    let nad = |name: &str, bridge: &str| {
+        serde_json::json!({
+            "apiVersion": "k8s.cni.cncf.io/v1", "kind": "NetworkAttachmentDefinition",
+            "metadata": {"namespace": "ns", "name": name, "annotations": {
+                "network.harvesterhci.io/route": "{\"mode\":\"manual\",\"cidr\":\"10.7.0.1/24\",\"gateway\":\"10.7.0.1\"}"
+            }},
+            "spec": {"config": format!("{{\"cniVersion\":\"0.3.1\",\"name\":\"{name}\",\"type\":\"bridge\",\"bridge\":\"{bridge}\",\"ipam\":{{}}}}")},
+        })
+    };
+    let items = vec![
+        nad("evil", "lo"),
+        nad("pods", "cni0"),
+        nad("good", "data-br"),
+        on_network("a", "10.7.0.50", "pool", "ns/evil", "", ""),
+        on_network("b", "10.7.0.51", "pool", "ns/pods", "", ""),
+        on_network("c", "10.7.0.52", "pool", "ns/good", "", ""),
+        on_network("d", "10.7.0.53", "pool", "ns/mapped", "", ""),
+    ];
+    let sources = vec![Source {
+        name: "in".into(),
+        text: serde_json::json!({"apiVersion": "v1", "kind": "List", "items": items}).to_string(),
+    }];
+    let options = Options {
+        network_interfaces: [("ns/mapped".to_string(), "lo".to_string())].into(),
+        interfaces: Some(
+            ["lo", "cni0", "data-br"]
+                .map(str::to_string)
+                .into_iter()
+                .collect(),
+        ),
+        base: Some(Source {
+            name: "base.toml".into(),
+            text: "[keepalived]\nname = \"h1\"\naddress = \"192.168.0.11\"\ninterface = \"mgmt-br\"\npeers = [\"192.168.0.12\"]\n".into(),
+        }),
+        ..Options::default()
+    };
+    let out = import::import(&sources, &options).expect("import");
+    assert_eq!(out.load_balancers, 1, "{:?}\n{}", out.skipped, out.text);
+    assert_eq!(out.skipped.len(), 3, "{:?}", out.skipped);
+    for (lb, words) in [
+        ("ns/a", ["\"lo\"", "the host's loopback"]),
+        ("ns/b", ["\"cni0\"", "container network"]),
+        (
+            "ns/d",
+            ["\"lo\" (--network-interface ns/mapped=lo)", "loopback"],
+        ),
+    ] {
+        let s = out
+            .skipped
+            .iter()
+            .find(|s| s.object.contains(&format!("LoadBalancer {lb}")))
+            .unwrap_or_else(|| panic!("{lb} skipped: {:?}", out.skipped));
+        for w in words {
+            assert!(s.reason.contains(w), "{lb}: {w} in {}", s.reason);
+        }
+    }
+    let config = harvester_lb::config::parse(&out.text)
+        .expect("valid")
+        .config;
+    let interfaces: Vec<&str> = config
+        .networks
+        .iter()
+        .map(|n| n.interface.as_str())
+        .collect();
+    assert_eq!(interfaces, ["data-br"]);
+}

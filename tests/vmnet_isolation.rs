@@ -270,6 +270,30 @@ fn guard_table(host: &Ns) -> Option<String> {
     host.nft_out(&["list", "table", "inet", "harvester_lb_vmnet"])
 }
 
+/// The client behind network A's gateway served at both VIPs: its source
+/// is the network's (its replies leave by A's table), for the guard's
+/// reverse-path check too.
+async fn served_behind_the_gateway(bed: &Bed) {
+    served(
+        &bed.gw,
+        Some(FAR_CLIENT),
+        sa(VIP, 80),
+        "a1",
+        "the client behind the gateway served at the VIP",
+    )
+    .await;
+    // The kernel VIP's replies (from b1, entering from network B) go back
+    // by network A's table through the reply mark, and the guard lets them.
+    served(
+        &bed.gw,
+        Some(FAR_CLIENT),
+        sa(VIP_DNAT, 80),
+        "b1",
+        "the client behind the gateway served at the kernel VIP",
+    )
+    .await;
+}
+
 /// Everything the tests ask of VIP users: served at both VIPs from network
 /// A, and from behind its gateway; the bridge, the management network and
 /// the reply path unaffected.
@@ -290,24 +314,7 @@ async fn served_everywhere(bed: &Bed) {
         "VM a2 served at the kernel VIP (DNAT to network B)",
     )
     .await;
-    served(
-        &bed.gw,
-        Some(FAR_CLIENT),
-        sa(VIP, 80),
-        "a1",
-        "the client behind the gateway served at the VIP",
-    )
-    .await;
-    // The kernel VIP's replies (from b1, entering from network B) go back
-    // by network A's table through the reply mark, and the guard lets them.
-    served(
-        &bed.gw,
-        Some(FAR_CLIENT),
-        sa(VIP_DNAT, 80),
-        "b1",
-        "the client behind the gateway served at the kernel VIP",
-    )
-    .await;
+    served_behind_the_gateway(bed).await;
     // Bridged VM-to-VM traffic on one network (through br_netfilter).
     served(
         &bed.a2,
@@ -534,5 +541,216 @@ async fn netns_an_unwritable_guard_makes_the_network_s_vips_not_ready_until_it_i
     assert_eq!(
         d.status().await["vm_network_guard"]["error"],
         serde_json::Value::Null
+    );
+}
+
+/// Issue 40, defect 6: a VM cannot inject datagrams into the host's own
+/// flows by forging a peer's source. The host has a UDP flow with a peer
+/// of the management network on port 3780 (as conntrackd with its sync
+/// peer); VM a2 on network A sends datagrams with that peer's address and
+/// port as source to the host's end of the flow. They enter on `brA`, match
+/// the flow's reply direction and, with the guard of the commit before (no
+/// reverse-path check), reached the host's socket: 10 of 10. Now the
+/// guard's reverse-path check drops them (the host routes that source out
+/// of the management network, not network A), while the peer's own
+/// datagrams still arrive and the client behind A's gateway is still
+/// served (its source routes back through A's table, `from VIP lookup`).
+/// `rp_filter` is 0 in the bed: the check is the guard's, not the host's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn netns_a_vm_cannot_forge_a_management_peer_s_source_into_the_host_s_flows() {
+    require_netns!();
+    let mut bed = Bed::new();
+    let (a1, b1) = (bed.a1.clone(), bed.b1.clone());
+    bed.serve(&a1, sa(A1, BACKEND_PORT), "a1");
+    bed.serve(&b1, sa(B1, BACKEND_PORT), "b1");
+    let path = bed.dir.join("config.toml");
+    std::fs::write(&path, bed.config(true)).unwrap();
+    let d = DaemonProc::spawn(&bed.host, &path, &bed.dir.join("daemon.log"), None);
+    wait_for(
+        Duration::from_secs(20),
+        "the guard table written",
+        || async {
+            let (_, body) = d.get("/status").await.ok()?;
+            let s: serde_json::Value = serde_json::from_str(&body).ok()?;
+            (s["vm_network_guard"]["in_force"] == true).then_some(())
+        },
+    )
+    .await;
+    served_behind_the_gateway(&bed).await;
+
+    // The flow: host 192.0.2.3:3780 <-> peer 192.0.2.9:3780, both ways.
+    const SYNC: u16 = 3780;
+    let host_end = netns::in_ns(&bed.host.name, || {
+        let s = std::net::UdpSocket::bind(sa(HOST_MGMT, SYNC)).expect("bind the host's end");
+        s.connect(sa(MGMT_PEER, SYNC)).unwrap();
+        s.set_read_timeout(Some(Duration::from_millis(200)))
+            .unwrap();
+        s
+    });
+    let peer_end = netns::in_ns(&bed.mgmt.name, || {
+        let s = std::net::UdpSocket::bind(sa(MGMT_PEER, SYNC)).expect("bind the peer's end");
+        s.connect(sa(HOST_MGMT, SYNC)).unwrap();
+        s
+    });
+    host_end.send(b"hello").unwrap();
+    peer_end.send(b"peer").unwrap();
+    let received = |s: &std::net::UdpSocket, want: &str, count: usize| {
+        let deadline = std::time::Instant::now() + Duration::from_secs(3);
+        let mut got = 0;
+        let mut buf = [0u8; 64];
+        while got < count && std::time::Instant::now() < deadline {
+            if let Ok(n) = s.recv(&mut buf)
+                && String::from_utf8_lossy(&buf[..n]).starts_with(want)
+            {
+                got += 1;
+            }
+        }
+        got
+    };
+    assert_eq!(received(&host_end, "peer", 1), 1, "the peer's datagram");
+
+    // VM a2 forges the peer's address (on its own lo) and port.
+    bed.a2
+        .ip(&["addr", "add", &format!("{MGMT_PEER}/32"), "dev", "lo"]);
+    netns::in_ns(&bed.a2.name, || {
+        let s = std::net::UdpSocket::bind(sa(MGMT_PEER, SYNC)).expect("bind the forged source");
+        for i in 0..10 {
+            s.send_to(format!("spoof {i}").as_bytes(), sa(HOST_MGMT, SYNC))
+                .unwrap();
+        }
+    });
+    let spoofed = received(&host_end, "spoof", 10);
+    peer_end.send(b"peer").unwrap();
+    let genuine = received(&host_end, "peer", 1);
+    assert_eq!(
+        (spoofed, genuine),
+        (0, 1),
+        "forged datagrams from VM a2 delivered to the host's flow, and the peer's own"
+    );
+}
+
+/// Issue 40, defect 4, as the daemon sees the host: a network whose
+/// interface is no VM network's is refused at start with its load
+/// balancers, and `/status` and the log say why, while the other networks
+/// are guarded and served. Three such interfaces pass `check` by name: the
+/// host's loopback renamed `loop0` (with the guard of the commit before,
+/// isolating it stopped 127.0.0.1 from answering: the daemon's own admin
+/// API, and a service there), a macvlan on `brA`, and a veth `up0` that
+/// carries the host's default route.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn netns_a_network_on_the_loopback_a_macvlan_or_the_default_route_s_interface_is_refused() {
+    require_netns!();
+    let mut bed = Bed::new();
+    let h = bed.host.clone();
+    h.ip(&["link", "set", "lo", "down"]);
+    h.ip(&["link", "set", "lo", "name", "loop0"]);
+    h.ip(&["link", "set", "loop0", "up"]);
+    h.ip(&[
+        "link", "add", "mvA", "link", "brA", "type", "macvlan", "mode", "bridge",
+    ]);
+    h.ip(&["link", "set", "mvA", "up"]);
+    h.ip(&[
+        "link",
+        "add",
+        "up0",
+        "type",
+        "veth",
+        "peer",
+        "name",
+        "up1",
+        "netns",
+        &bed.mgmt.name,
+    ]);
+    h.ip(&["addr", "add", "10.96.0.3/24", "dev", "up0"]);
+    h.ip(&["link", "set", "up0", "up"]);
+    h.ip(&["route", "add", "default", "via", "10.96.0.2", "dev", "up0"]);
+    let a1 = bed.a1.clone();
+    bed.serve(&a1, sa(A1, BACKEND_PORT), "a1");
+    bed.serve(&h, sa(Ipv4Addr::LOCALHOST, 2379), "etcd");
+
+    let refused = [
+        (
+            "t/lo",
+            "loop0",
+            "10.98.0",
+            "not_a_vm_network_link",
+            "the loopback",
+        ),
+        (
+            "t/mv",
+            "mvA",
+            "10.97.0",
+            "not_a_vm_network_link",
+            "a macvlan link",
+        ),
+        (
+            "t/up",
+            "up0",
+            "10.96.0",
+            "host_routes",
+            "default via a gateway dev up0",
+        ),
+    ];
+    let mut text = bed.config(true);
+    for (name, interface, subnet, ..) in refused {
+        text = text.replacen(
+            "[[load_balancer]]",
+            &(network(name, interface, format!("{subnet}.1"), "")
+                + &format!(
+                    "[[load_balancer]]\nname = \"{name}-web\"\nvip = \"{subnet}.10\"\nnetwork = \"{name}\"\nbackends = [\"{subnet}.21\"]\n  [[load_balancer.listener]]\n  name = \"http\"\n  port = 80\n  backend_port = 30080\n\n[[load_balancer]]"
+                )),
+            1,
+        );
+    }
+    let path = bed.dir.join("config.toml");
+    std::fs::write(&path, &text).unwrap();
+    let d = DaemonProc::spawn(&bed.host, &path, &bed.dir.join("daemon.log"), None);
+    let status = wait_for(
+        Duration::from_secs(20),
+        "the guard table written",
+        || async {
+            let (_, body) = d.get("/status").await.ok()?;
+            let s: serde_json::Value = serde_json::from_str(&body).ok()?;
+            (s["vm_network_guard"]["in_force"] == true).then_some(s)
+        },
+    )
+    .await;
+    let guarded = &status["vm_network_guard"]["interfaces"];
+    assert_eq!(guarded, &serde_json::json!(["brA", "brB"]), "{status}");
+    let got = status["network_refused"]
+        .as_array()
+        .expect("network_refused");
+    assert_eq!(got.len(), 3, "{status}");
+    for (name, interface, _, kind, words) in refused {
+        let r = got
+            .iter()
+            .find(|r| r["network"] == name)
+            .unwrap_or_else(|| panic!("{name} refused: {status}"));
+        assert_eq!(r["interface"], interface, "{r}");
+        assert_eq!(r["kind"], kind, "{r}");
+        assert_eq!(
+            r["load_balancers"],
+            serde_json::json!([format!("{name}-web")]),
+            "{r}"
+        );
+        assert!(r["reason"].as_str().unwrap().contains(words), "{r}");
+    }
+    let table = guard_table(&bed.host).expect("the guard table");
+    assert!(
+        !table.contains("loop0") && !table.contains("mvA") && !table.contains("up0"),
+        "{table}"
+    );
+    // The loopback answers; the other networks are served.
+    assert_eq!(
+        reach(&h, None, sa(Ipv4Addr::LOCALHOST, 2379))
+            .await
+            .as_deref(),
+        Ok("etcd")
+    );
+    served(&bed.a2, None, sa(VIP, 80), "a1", "VM a2 served at the VIP").await;
+    let log = std::fs::read_to_string(bed.dir.join("daemon.log")).unwrap_or_default();
+    assert!(
+        log.contains("network refused") && log.contains("loop0"),
+        "{log}"
     );
 }

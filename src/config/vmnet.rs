@@ -9,6 +9,50 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::path::PathBuf;
 use std::time::Duration;
 
+/// Why `name` can never be a VM network's interface, from the name alone:
+/// the host's loopback, a device of the host's container network (the
+/// Kubernetes CNI's), or a lease macvlan of this daemon's. `check` and
+/// import judge names here (they run anywhere); the daemon also checks the
+/// link itself, its kind and its routes (`daemon::network_links`). A VM
+/// network is on a bridge, a VLAN device on one, or a bond; isolating
+/// anything else takes the host's own traffic there (`lo`: every service
+/// on 127.0.0.1). `None`: the name may be one.
+pub fn not_a_vm_network_interface(name: &str) -> Option<&'static str> {
+    const CNI: [&str; 12] = [
+        "cni0",
+        "flannel.1",
+        "flannel-v6.1",
+        "flannel-wg",
+        "vxlan.calico",
+        "vxlan-v6.calico",
+        "tunl0",
+        "kube-ipvs0",
+        "cilium_host",
+        "cilium_net",
+        "cilium_vxlan",
+        "docker0",
+    ];
+    let hex_tail = |prefix: &str, digits: usize| {
+        name.strip_prefix(prefix)
+            .is_some_and(|t| t.len() == digits && t.bytes().all(|b| b.is_ascii_hexdigit()))
+    };
+    if name == "lo" || name.starts_with("lo.") {
+        Some(
+            "the host's loopback, not a VM network: isolating it would stop every service on 127.0.0.1 (the daemon's own /readyz included) from answering",
+        )
+    } else if CNI.contains(&name) || hex_tail("cali", 11) {
+        Some(
+            "a device of the host's container network (the Kubernetes CNI's), not a VM network: isolating it would cut the pods off this host",
+        )
+    } else if hex_tail("hlb", 10) {
+        Some(
+            "a lease macvlan this daemon makes (ipam = \"dhcp\"), not a VM network: name the network's bridge or VLAN device",
+        )
+    } else {
+        None
+    }
+}
+
 /// Default `keepalived.vrid_base`: keepalived's own examples start at 51,
 /// and VRIDs below 50 are what hand-written setups on the management
 /// segment tend to use.

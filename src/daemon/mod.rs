@@ -35,6 +35,7 @@ mod forward_chains;
 mod kernel;
 mod kernel_check;
 mod leases;
+mod network_links;
 mod readiness;
 mod status;
 mod sync;
@@ -47,6 +48,7 @@ pub use announce::{
     AnnounceStateChange, AnnounceStateError, AnnounceStatus, LbAnnounceStatus, VipAnnounceStatus,
 };
 pub use kernel_check::KernelCheckCause;
+pub use network_links::NetworkRefusal;
 pub use readiness::{UnboundListener, VipNotReady};
 pub use status::{
     BackendStatus, ConfigStatus, LeaseStatus, ListenerStatus, LoadBalancerStatus, PortStatus,
@@ -116,6 +118,8 @@ pub struct Daemon {
     /// What the VIP guard refused at the last apply, and which VIPs passed
     /// its last check of the host.
     vip_guard: Mutex<vip_guard::VipCheckResults>,
+    /// The `[[network]]`s refused at the last apply (`network_links`).
+    network_refusals: Mutex<Vec<NetworkRefusal>>,
     /// `[[network]]` and `[keepalived]`: keepalived's file and the
     /// networks' routes and rules.
     vmnet: vmnet::VmNet,
@@ -229,6 +233,7 @@ impl Daemon {
             forward_chains: forward_chains::ForwardChains::default(),
             announcer: announce::Announcer::default(),
             vip_guard: Mutex::new(vip_guard::VipCheckResults::default()),
+            network_refusals: Mutex::new(Vec::new()),
             vmnet: vmnet::VmNet::default(),
             sync: sync::SyncState::default(),
         })

@@ -60,6 +60,7 @@ impl Daemon {
                 .clone(),
             announce,
             vip_refused: self.vip_refusals(),
+            network_refused: self.network_refusals(),
             conntrack_sync: self.sync_status(),
         }
     }
@@ -300,6 +301,11 @@ pub struct StatusDoc {
     /// own address, the gateway of one of its routes, or outside
     /// `vip.announce_prefixes`. They are not served, isolated or announced.
     pub vip_refused: Vec<super::VipRefusal>,
+    /// `[[network]]`s refused at the last apply: their interface is no VM
+    /// network's on this host (its kind, the management address, the
+    /// host's routes), with their load balancers, which are not served,
+    /// isolated, routed or put in keepalived's file.
+    pub network_refused: Vec<super::NetworkRefusal>,
     /// `[conntrackd]`: conntrackd's caches, each VRRP instance's last
     /// transition and commit, and its gate; absent without it.
     #[serde(skip_serializing_if = "Option::is_none")]

@@ -21,7 +21,10 @@
 //! that disagree on the subnet, its own `allocatedAddress` disagreeing
 //! with the network) is skipped, naming the network and why; so is every
 //! load balancer of a network whose sources disagree among themselves, as
-//! none can be chosen whatever the order. Pure: the host's interfaces are
+//! none can be chosen whatever the order. So is a network whose interface
+//! is no VM network's by its name (`lo`, the CNI's devices, a lease
+//! macvlan: [`crate::config::not_a_vm_network_interface`]), as a tenant's
+//! NAD `{"type":"bridge","bridge":"lo"}` would have it. Pure: the host's interfaces are
 //! handed in ([`super::Options::interfaces`]).
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -630,6 +633,11 @@ fn settle(
             ));
         }
     };
+    if let Some(why) = crate::config::not_a_vm_network_interface(&interface) {
+        return Err(format!(
+            "its interface {interface:?} ({what}) is {why}; a VM network is on a bridge, a VLAN device on one, or a bond"
+        ));
+    }
     on_host(&interface, &what)?;
     // The subnet: the NAD's route annotation, else the IPPools selecting
     // the network, else the load balancers' own allocatedAddress.

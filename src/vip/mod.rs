@@ -5,7 +5,8 @@
 //! its gateways from becoming VIPs ([`host`]), and the guard that keeps a
 //! host on VM networks from routing for their VMs ([`vmnet_filter`]), and
 //! the marks that route a kernel listener's replies back through its VIP's
-//! VM network ([`replymark`]).
+//! VM network ([`replymark`]), and whether a VM network can be on a
+//! `[[network]]`'s interface here ([`network_link`]).
 //!
 //! Listeners bind with `IP_FREEBIND`, so the daemon never needs the VIP to
 //! be up, and whichever host holds it (keepalived, kube-vip) the daemon is
@@ -20,6 +21,7 @@ pub mod gate;
 pub mod host;
 pub mod keepalived;
 pub mod network;
+pub mod network_link;
 pub mod port_filter;
 pub mod replymark;
 pub mod vmnet_filter;

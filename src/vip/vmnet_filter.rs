@@ -15,26 +15,36 @@
 //!
 //! ```text
 //! table inet harvester_lb_vmnet {
-//!   set networks { type ifname; elements = { "brA", … } }             # the isolated networks' interfaces
-//!   set stay     { type ifname . ifname; elements = { "brA" . "brA", … } }
+//!   set networks { type ifname; elements = { "brA", "hlb…", … } }     # the isolated networks' interfaces
+//!   set stay     { type ifname . ifname; elements = { "brA" . "brA", "hlb…" . "brA", "brA" . "hlb…", … } }
+//!   set leases   { type ifname; elements = { "hlb…", … } }             # the lease macvlans among them
+//!   map from_network { type ifname : verdict; elements = { "brA" : jump reverse_path_0, "hlb…" : jump reverse_path_0, … } }
 //!   set dnat4    { type ifname . ipv4_addr . ipv4_addr . inet_proto . inet_service;
 //!                  elements = { "brA" . VIP . BACKEND . tcp . BACKEND_PORT, … } }
 //!   set open4    { type ifname . ipv4_addr . inet_proto . inet_service; elements = { "brA" . VIP . tcp . PORT, … } }
 //!   set vips4    { type ifname . ipv4_addr; elements = { "brA" . VIP, … } }
 //!   (and dnat6, open6, vips6)
+//!   chain reverse_path_0 {                                 # one per network
+//!     fib saddr oifname { "brA", "hlb…" } return           # its source routes back out of the network
+//!     drop
+//!   }
+//!   chain prerouting { type filter hook prerouting priority raw; policy accept;
+//!     iifname @networks fib daddr type local iifname vmap @from_network }
 //!   chain forward { type filter hook forward priority filter; policy accept;
 //!     iifname @networks jump from_network_forward }
 //!   chain from_network_forward {
 //!     iifname . oifname @stay accept                       # stays on its own network
-//!     ct direction reply accept                            # replies of flows let in
-//!     ct state related meta l4proto { icmp, ipv6-icmp } accept
 //!     ct status dnat iifname . ct original ip daddr . ip daddr . meta l4proto . th dport @dnat4 accept
 //!     (the same for IPv6)
+//!     iifname vmap @from_network                           # the reverse path
+//!     ct direction reply accept                            # replies of flows let in
+//!     ct state related meta l4proto { icmp, ipv6-icmp } accept
 //!     drop
 //!   }
 //!   chain input { type filter hook input priority filter; policy accept;
 //!     iifname @networks jump from_network_input }
 //!   chain from_network_input {
+//!     iifname @leases udp sport 67 udp dport 68 accept     # the lease's DHCP server (broadcast: no flow)
 //!     ct direction reply accept                            # the host's own connections (probes, the proxy)
 //!     ct state related meta l4proto { icmp, ipv6-icmp } accept
 //!     iifname . ip daddr . meta l4proto . th dport @open4 accept
@@ -49,21 +59,45 @@
 //!
 //! Only packets that *enter* from an isolated network's interface are
 //! looked at (`iifname @networks`); the host's management, storage and
-//! other traffic never matches. Forwarded, such a packet passes only when
-//! it stays on its own network, answers a flow that was let in, or was
-//! DNATed from one of the network's own VIPs to a backend of that VIP's
-//! load balancer (the kernel path, `forwarding = "kernel"`). Addressed to
-//! the host, it passes only to the network's own VIPs at their listener
-//! ports (and ICMP to those VIPs, IPv6 neighbour discovery, and the replies
-//! to the host's own connections: health probes and the proxy's
-//! connections to backends on the network).
+//! other traffic never matches. A network's interfaces are its own (the
+//! bridge or VLAN device of `[[network]] interface`) and the macvlan of
+//! every VIP leased on it (`ipam = "dhcp"`, named `hlb` and its MAC, so
+//! the set names it from the config on: before the link exists, and again
+//! the moment it is made anew). A VM that sends its frames to a lease
+//! macvlan's MAC address enters the host there and meets the same guard.
+//! Forwarded, such a packet passes only when it stays on its own network,
+//! answers a flow that was let in, or was DNATed from one of the network's
+//! own VIPs to a backend of that VIP's load balancer (the kernel path,
+//! `forwarding = "kernel"`). Addressed to the host, it passes only to the
+//! network's own VIPs at their listener ports (and ICMP to those VIPs,
+//! IPv6 neighbour discovery, the replies to the host's own connections:
+//! health probes and the proxy's connections to backends on the network,
+//! and on a lease macvlan its DHCP server's answers).
+//!
+//! **Reverse path.** A packet from an isolated network addressed to the
+//! host (checked at `prerouting`, before DNAT, so a kernel listener's VIP
+//! is still the destination), or forwarded other than within its network
+//! or by a VIP's DNAT, must have a source that the host routes back out of
+//! that network: `fib saddr oifname` (the route to the source, looked up
+//! from the packet's destination, so a VIP's `from VIP lookup <table>`
+//! rule applies and a client behind the network's gateway is the
+//! network's) must be one of the network's interfaces, else the packet is
+//! dropped. So a VM cannot forge the address of a peer the host talks to
+//! (conntrackd's sync peer, the Kubernetes API) and have its datagram
+//! taken for the reply direction of the host's flow. It is strict
+//! reverse-path filtering for these interfaces alone, in the guard's table
+//! rather than `rp_filter` (a host-wide setting Kubernetes hosts keep
+//! loose). Packets to a broadcast or multicast address are not looked up
+//! (a DHCP server's broadcast answer has no route to the lease yet).
 //!
 //! **Bridged frames.** VM-to-VM traffic on one VM network is switched by
 //! the bridge and never reaches the IP stack, unless `br_netfilter` is
 //! loaded with `net.bridge.bridge-nf-call-iptables = 1` — as it is on a
 //! Harvester host (RKE2's CNI needs it). Then bridged IPv4 frames pass the
 //! inet `forward` hook with `iifname` and `oifname` both the bridge; they
-//! match `stay` and are accepted. A VLAN network whose interface is a VLAN
+//! match `stay` and are accepted (they pass `prerouting` too, but their
+//! destination is not the host's, so no reverse path is looked up: a VM
+//! behind the network's gateway may talk to another VM on it). A VLAN network whose interface is a VLAN
 //! device on the bridge (`mgmt-br.100`) never sees its bridged frames in the
 //! guard: they enter on the bridge, not on the VLAN device.
 //!
@@ -79,7 +113,7 @@
 //! tenants; `nft delete table inet harvester_lb_vmnet` removes it after an
 //! uninstall.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Write as _;
 use std::net::IpAddr;
 use std::sync::Mutex;
@@ -95,8 +129,13 @@ pub const TABLE: &str = "harvester_lb_vmnet";
 /// What the table lets through, from the config in force.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Rules {
-    /// The isolated networks' interfaces.
-    interfaces: BTreeSet<String>,
+    /// Each isolated network's interfaces, by the network's own interface
+    /// (its bridge or VLAN device): that interface and the macvlan of every
+    /// VIP leased on it (`ipam = "dhcp"`), through each of which the
+    /// network's packets enter the host.
+    groups: BTreeMap<String, BTreeSet<String>>,
+    /// The lease macvlans among them, whose DHCP client hears its server.
+    leases: BTreeSet<String>,
     /// Interface, VIP, nft's protocol name, listener port.
     open: BTreeSet<(String, IpAddr, &'static str, u16)>,
     /// Interface, VIP, backend, nft's protocol name, backend port.
@@ -105,27 +144,51 @@ pub struct Rules {
 
 impl Rules {
     /// The guard of `config`: every `[[network]]` with `isolate`, each
-    /// with the VIPs, listener ports and backends of its load balancers.
+    /// with its lease macvlans and the VIPs, listener ports and backends of
+    /// its load balancers (those on the network, and those leased on its
+    /// interface).
     pub fn of(config: &Config) -> Self {
         let mut r = Self::default();
         for net in config.networks.iter().filter(|n| n.isolate) {
-            r.interfaces.insert(net.interface.clone());
-            for lb in config
-                .load_balancers
-                .iter()
-                .filter(|lb| lb.network.as_deref() == Some(net.name.as_str()))
+            r.groups
+                .entry(net.interface.clone())
+                .or_default()
+                .insert(net.interface.clone());
+        }
+        // A leased VIP's macvlan is named after its MAC address, so the set
+        // holds it from the config on: before the link exists, and the
+        // moment it is made again after a deletion.
+        for lb in &config.load_balancers {
+            if let Some(d) = &lb.dhcp
+                && let Some(group) = r.groups.get_mut(&d.interface)
             {
+                let name = crate::vip::dhcp::link::name_for(d.mac);
+                group.insert(name.clone());
+                r.leases.insert(name);
+            }
+        }
+        for lb in &config.load_balancers {
+            let on_network = lb
+                .network
+                .as_deref()
+                .and_then(|name| config.networks.iter().find(|n| n.name == name && n.isolate));
+            let parent = on_network
+                .map(|n| n.interface.as_str())
+                .or_else(|| lb.dhcp.as_ref().map(|d| d.interface.as_str()));
+            let Some(interfaces) = parent.and_then(|p| r.groups.get(p)).cloned() else {
+                continue;
+            };
+            for interface in &interfaces {
                 for l in &lb.listeners {
                     let proto = l.protocol.as_str();
-                    r.open
-                        .insert((net.interface.clone(), lb.vip, proto, l.port));
+                    r.open.insert((interface.clone(), lb.vip, proto, l.port));
                     for b in lb
                         .backends
                         .iter()
                         .filter(|b| b.is_ipv4() == lb.vip.is_ipv4())
                     {
                         r.dnat
-                            .insert((net.interface.clone(), lb.vip, *b, proto, l.backend_port));
+                            .insert((interface.clone(), lb.vip, *b, proto, l.backend_port));
                     }
                 }
             }
@@ -135,12 +198,17 @@ impl Rules {
 
     /// Whether no network is isolated (then there is no table).
     pub fn is_empty(&self) -> bool {
-        self.interfaces.is_empty()
+        self.groups.is_empty()
     }
 
-    /// The isolated networks' interfaces.
+    /// The isolated networks' interfaces, lease macvlans included.
     pub fn interfaces(&self) -> impl Iterator<Item = &str> {
-        self.interfaces.iter().map(String::as_str)
+        self.groups
+            .values()
+            .flatten()
+            .collect::<BTreeSet<_>>()
+            .into_iter()
+            .map(String::as_str)
     }
 
     /// Interface, VIP pairs that answer ICMP.
@@ -157,20 +225,47 @@ impl Rules {
         let mut t =
             format!("add table inet {TABLE}\ndelete table inet {TABLE}\ntable inet {TABLE} {{\n");
         let quoted = |i: &str| format!("\"{i}\"");
-        set(
-            &mut t,
-            "networks",
-            "ifname",
-            self.interfaces.iter().map(|i| quoted(i)),
-        );
+        set(&mut t, "networks", "ifname", self.interfaces().map(quoted));
+        // Within a network: each interface to itself, and its macvlans to
+        // and from the network's own interface.
+        let mut stay = BTreeSet::new();
+        for (own, group) in &self.groups {
+            for i in group {
+                stay.insert((i, i));
+                stay.insert((i, own));
+                stay.insert((own, i));
+            }
+        }
         set(
             &mut t,
             "stay",
             "ifname . ifname",
-            self.interfaces
-                .iter()
-                .map(|i| format!("{} . {}", quoted(i), quoted(i))),
+            stay.iter()
+                .map(|(a, b)| format!("{} . {}", quoted(a), quoted(b))),
         );
+        set(
+            &mut t,
+            "leases",
+            "ifname",
+            self.leases.iter().map(|i| quoted(i)),
+        );
+        // Which network an interface's packets come from: its chain
+        // `reverse_path_N`.
+        let _ = write!(t, "  map from_network {{\n    type ifname : verdict\n");
+        let jumps: Vec<String> = self
+            .groups
+            .values()
+            .enumerate()
+            .flat_map(|(n, group)| {
+                group
+                    .iter()
+                    .map(move |i| format!("{} : jump reverse_path_{n}", quoted(i)))
+            })
+            .collect();
+        if !jumps.is_empty() {
+            let _ = writeln!(t, "    elements = {{ {} }}", jumps.join(", "));
+        }
+        t.push_str("  }\n");
         for (v6, family) in [(false, "ipv4_addr"), (true, "ipv6_addr")] {
             let n = if v6 { 6 } else { 4 };
             set(
@@ -203,13 +298,27 @@ impl Rules {
                     .map(|(i, vip)| format!("{} . {vip}", quoted(i))),
             );
         }
+        // The reverse path: a packet whose source the host would not route
+        // back out of the network it came from (as the host routes it from
+        // the packet's destination, so `from VIP lookup <table>` applies)
+        // is not the network's.
+        for (n, group) in self.groups.values().enumerate() {
+            let names: Vec<String> = group.iter().map(|i| quoted(i)).collect();
+            let _ = write!(
+                t,
+                "  chain reverse_path_{n} {{\n    fib saddr oifname {{ {} }} return\n    drop\n  }}\n",
+                names.join(", ")
+            );
+        }
+        // Before conntrack and DNAT: the destination is still the VIP.
+        t.push_str(
+            "  chain prerouting {\n    type filter hook prerouting priority raw; policy accept;\n    iifname @networks fib daddr type local iifname vmap @from_network\n  }\n",
+        );
         t.push_str(
             "  chain forward {\n    type filter hook forward priority filter; policy accept;\n    iifname @networks jump from_network_forward\n  }\n",
         );
         t.push_str("  chain from_network_forward {\n");
         t.push_str("    iifname . oifname @stay accept\n");
-        t.push_str("    ct direction reply accept\n");
-        t.push_str("    ct state related meta l4proto { icmp, ipv6-icmp } accept\n");
         for ip in ["ip", "ip6"] {
             let n = if ip == "ip" { 4 } else { 6 };
             let _ = writeln!(
@@ -217,11 +326,15 @@ impl Rules {
                 "    ct status dnat iifname . ct original {ip} daddr . {ip} daddr . meta l4proto . th dport @dnat{n} accept"
             );
         }
+        t.push_str("    iifname vmap @from_network\n");
+        t.push_str("    ct direction reply accept\n");
+        t.push_str("    ct state related meta l4proto { icmp, ipv6-icmp } accept\n");
         t.push_str("    drop\n  }\n");
         t.push_str(
             "  chain input {\n    type filter hook input priority filter; policy accept;\n    iifname @networks jump from_network_input\n  }\n",
         );
         t.push_str("  chain from_network_input {\n");
+        t.push_str("    iifname @leases udp sport 67 udp dport 68 accept\n");
         t.push_str("    ct direction reply accept\n");
         t.push_str("    ct state related meta l4proto { icmp, ipv6-icmp } accept\n");
         for ip in ["ip", "ip6"] {
@@ -518,6 +631,33 @@ mod tests {
         .expect("valid")
         .config;
         assert!(Rules::of(&none).is_empty());
+    }
+
+    #[test]
+    fn a_leased_vip_s_macvlan_belongs_to_its_network_s_guard() {
+        let text = file()
+            + "[[load_balancer]]\nname = \"default/leased\"\nvip = \"0.0.0.0\"\nipam = \"dhcp\"\nnetwork = \"default/a\"\nbackends = [\"10.100.0.21\"]\n  [load_balancer.dhcp]\n  mac = \"02:00:00:0a:0b:0c\"\n  [[load_balancer.listener]]\n  name = \"http\"\n  port = 8080\n  backend_port = 30080\n";
+        let config = crate::config::parse(&text).expect("valid").config;
+        let r = Rules::of(&config);
+        assert_eq!(
+            r.interfaces().collect::<Vec<_>>(),
+            ["cluster-br.100", "hlb00000a0b0c"]
+        );
+        let t = r.render();
+        for want in [
+            "\"hlb00000a0b0c\" . \"cluster-br.100\"",
+            "\"cluster-br.100\" . \"hlb00000a0b0c\"",
+            "set leases {\n    type ifname\n    elements = { \"hlb00000a0b0c\" }",
+            "\"hlb00000a0b0c\" : jump reverse_path_0",
+            "fib saddr oifname { \"cluster-br.100\", \"hlb00000a0b0c\" } return",
+            // The other VIPs of the network answer on the macvlan too (the
+            // host answers ARP for any of its addresses on any interface).
+            "\"hlb00000a0b0c\" . 10.100.0.50 . tcp . 80",
+            "\"hlb00000a0b0c\" . 0.0.0.0 . tcp . 8080",
+            "\"cluster-br.100\" . 0.0.0.0 . tcp . 8080",
+        ] {
+            assert!(t.contains(want), "{want} in {t}");
+        }
     }
 
     #[test]

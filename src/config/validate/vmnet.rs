@@ -151,7 +151,19 @@ impl Validator<'_> {
                 self.missing(span.clone(), key, "interface", "the host interface on that L2: its bridge, or a VLAN device such as \"mgmt-br.100\"");
                 None
             }
-            Some(i) => self.interface_name(i, format_args!("{key}.interface")),
+            Some(i) => self
+                .interface_name(i, format_args!("{key}.interface"))
+                .filter(|name| match crate::config::not_a_vm_network_interface(name) {
+                    None => true,
+                    Some(why) => {
+                        self.problem(
+                            Some(i.span()),
+                            &format!("{key}.interface"),
+                            format!("{name:?} is {why}; a VM network is on a bridge, a VLAN device on one, or a bond"),
+                        );
+                        false
+                    }
+                }),
         };
         let prefix_length = match &net.prefix_length {
             None => {
