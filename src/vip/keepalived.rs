@@ -455,8 +455,13 @@ mod tests {
     use crate::config::parse;
 
     fn conf(address: &str, peers: &str, lbs: &[(&str, &str)]) -> Config {
+        conf_with("", address, peers, lbs)
+    }
+
+    /// [`conf`] with `extra` sections first (`[conntrackd]`).
+    fn conf_with(extra: &str, address: &str, peers: &str, lbs: &[(&str, &str)]) -> Config {
         let mut text = format!(
-            "[admin]\nsocket = \"/run/hlb/admin.sock\"\n[keepalived]\nname = \"h-{address}\"\naddress = \"{address}\"\ninterface = \"mgmt0\"\npeers = [{peers}]\ninstances = 4\n\n[[network]]\nname = \"vlan100\"\ninterface = \"br.100\"\nprefix_length = 22\ngateway = \"10.100.0.1\"\nipv6_gateway = \"fd00:100::1\"\n"
+            "{extra}[admin]\nsocket = \"/run/hlb/admin.sock\"\n[keepalived]\nname = \"h-{address}\"\naddress = \"{address}\"\ninterface = \"mgmt0\"\npeers = [{peers}]\ninstances = 4\n\n[[network]]\nname = \"vlan100\"\ninterface = \"br.100\"\nprefix_length = 22\ngateway = \"10.100.0.1\"\nipv6_gateway = \"fd00:100::1\"\n"
         );
         for (i, (vip, network)) in lbs.iter().enumerate() {
             text.push_str(&format!(
@@ -652,6 +657,20 @@ mod tests {
         let asked: std::collections::BTreeSet<IpAddr> = instance_vips(&c, 50).into_iter().collect();
         assert_eq!(in_file.len(), 500);
         assert_eq!(asked, in_file);
+        // With [conntrackd] (the notify line and track_interface) and in
+        // conntrackd's own file: one interface or address per line.
+        let mut c = conf_with("[conntrackd]\n", "192.168.0.11", "\"192.168.0.12\"", &lbs);
+        c.keepalived.as_mut().unwrap().instances = 1;
+        let text = render(&c).unwrap();
+        assert!(
+            text.contains("  track_interface {\n    br.100\n  }"),
+            "{text}"
+        );
+        let longest = text.lines().map(str::len).max().unwrap();
+        assert!(longest < 200, "a line of {longest} bytes");
+        let ct = crate::vip::conntrackd::render_conf(&c).unwrap();
+        let longest = ct.lines().map(str::len).max().unwrap();
+        assert!(longest < 200, "conntrackd.conf: a line of {longest} bytes");
         // Instances the file does not have: nothing.
         assert!(instance_vips(&c, 51).is_empty());
         assert!(instance_vips(&c, 49).is_empty());
