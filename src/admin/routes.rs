@@ -184,10 +184,34 @@ enum Readyz {
     Instance(u32),
 }
 
+/// Why a `/readyz` query cannot be answered (400).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+enum ReadyzQueryError {
+    /// A parameter other than `vip` and `vrrp_instance`.
+    #[error(
+        "unknown query parameter {0:?}; /readyz takes vip=ADDRESS (repeatable), e.g. /readyz?vip=192.168.0.201, or vrrp_instance=VRID, e.g. /readyz?vrrp_instance=50"
+    )]
+    Parameter(String),
+    /// A `vip=` value that is no address.
+    #[error("vip {0:?} is not a VIP address; write e.g. vip=192.168.0.201 or vip=fd00::201")]
+    Vip(String),
+    /// A `vrrp_instance=` value that is no VRID.
+    #[error(
+        "vrrp_instance {0:?} is not a VRID; write the instance's virtual_router_id (1..=255), e.g. vrrp_instance=50 for hlb_50"
+    )]
+    Vrid(String),
+    /// `vrrp_instance=` more than once.
+    #[error("vrrp_instance is given twice; ask about one instance per request")]
+    TwoInstances,
+    /// `vip=` with `vrrp_instance=`.
+    #[error("vip= and vrrp_instance= together; ask about some VIPs or one instance, not both")]
+    Both,
+}
+
 /// The question a `/readyz` query asks (`vip=ADDRESS`, repeatable, IPv6
 /// bare, in brackets or percent-encoded; or `vrrp_instance=VRID` alone),
 /// or what is wrong with it.
-fn readyz_query(query: &str) -> Result<Readyz, String> {
+fn readyz_query(query: &str) -> Result<Readyz, ReadyzQueryError> {
     let mut vips = Vec::new();
     let mut instance = None;
     for pair in query.split('&').filter(|p| !p.is_empty()) {
@@ -201,43 +225,22 @@ fn readyz_query(query: &str) -> Result<Readyz, String> {
                     .unwrap_or(&value);
                 match bare.parse::<IpAddr>() {
                     Ok(ip) if !ip.is_unspecified() => vips.push(ip.to_canonical()),
-                    _ => {
-                        return Err(format!(
-                            "vip {value:?} is not a VIP address; write e.g. vip=192.168.0.201 or vip=fd00::201"
-                        ));
-                    }
+                    _ => return Err(ReadyzQueryError::Vip(value)),
                 }
             }
             "vrrp_instance" => match value.parse::<u8>() {
-                Ok(vrid) if vrid > 0 && instance.is_none() => instance = Some(u32::from(vrid)),
-                Ok(_) if instance.is_some() => {
-                    return Err(
-                        "vrrp_instance is given twice; ask about one instance per request"
-                            .to_string(),
-                    );
-                }
-                _ => {
-                    return Err(format!(
-                        "vrrp_instance {value:?} is not a VRID; write the instance's virtual_router_id (1..=255), e.g. vrrp_instance=50 for hlb_50"
-                    ));
-                }
+                Ok(_) if instance.is_some() => return Err(ReadyzQueryError::TwoInstances),
+                Ok(vrid) if vrid > 0 => instance = Some(u32::from(vrid)),
+                _ => return Err(ReadyzQueryError::Vrid(value)),
             },
-            _ => {
-                return Err(format!(
-                    "unknown query parameter {:?}; /readyz takes vip=ADDRESS (repeatable), e.g. /readyz?vip=192.168.0.201, or vrrp_instance=VRID, e.g. /readyz?vrrp_instance=50",
-                    percent_decode(key)
-                ));
-            }
+            _ => return Err(ReadyzQueryError::Parameter(percent_decode(key))),
         }
     }
     match (instance, vips.is_empty()) {
         (None, true) => Ok(Readyz::Host),
         (None, false) => Ok(Readyz::Vips(vips)),
         (Some(vrid), true) => Ok(Readyz::Instance(vrid)),
-        (Some(_), false) => Err(
-            "vip= and vrrp_instance= together; ask about some VIPs or one instance, not both"
-                .to_string(),
-        ),
+        (Some(_), false) => Err(ReadyzQueryError::Both),
     }
 }
 
@@ -460,7 +463,7 @@ mod tests {
     #[test]
     fn readyz_query_names_vips_in_every_spelling_and_refuses_the_rest() {
         let readyz_vips = |q: &str| {
-            readyz_query(q).map(|r| match r {
+            readyz_query(q).map_err(|e| e.to_string()).map(|r| match r {
                 Readyz::Host => vec![],
                 Readyz::Vips(v) => v,
                 other => panic!("{q}: {other:?}"),
@@ -502,12 +505,16 @@ mod tests {
             "vrrp_instance=hlb_50",
             "vrrp_instance=-1",
         ] {
-            let e = readyz_query(bad).unwrap_err();
+            let e = readyz_query(bad).unwrap_err().to_string();
             assert!(e.contains("is not a VRID"), "{bad}: {e}");
         }
-        let e = readyz_query("vrrp_instance=50&vrrp_instance=51").unwrap_err();
-        assert!(e.contains("twice"), "{e}");
-        let e = readyz_query("vrrp_instance=50&vip=192.168.0.201").unwrap_err();
-        assert!(e.contains("not both"), "{e}");
+        assert_eq!(
+            readyz_query("vrrp_instance=50&vrrp_instance=51"),
+            Err(ReadyzQueryError::TwoInstances)
+        );
+        assert_eq!(
+            readyz_query("vrrp_instance=50&vip=192.168.0.201"),
+            Err(ReadyzQueryError::Both)
+        );
     }
 }
