@@ -87,7 +87,10 @@ pub const PRIORITY_STEP: u32 = 10;
 /// which keepalived adds and removes with the state all the same.
 /// keepalived's manual advises excluding most addresses for "large numbers
 /// (eg 200) of IPs" on one interface, and above 255 (the advert's address
-/// count is one byte) it moves the excess itself with a warning. The
+/// count is one byte) it moves the excess itself with a warning. A
+/// receiver also drops an advert whose address count is not its own
+/// (`vrrp_in_chk`): with the cap, adding a VIP to an instance of 20 or more
+/// leaves its adverts as they were on hosts that have not reloaded yet. The
 /// lowest VIPs are carried; a VIP that moves between the two lists on a
 /// reload stays on the interface (keepalived 2.2.7, `ip monitor address`
 /// showed no event).
