@@ -7,7 +7,7 @@ mod support;
 use harvester_lb::config::{
     self, Algorithm, CheckKind, HealthCheckSpec, InitialState, OnBackendDown,
 };
-use support::{problems, rendered, run_cli};
+use support::{Lb, keepalived, network, problems, rendered, run_cli};
 
 const GOOD: &str = r#"
 [[load_balancer]]
@@ -1443,4 +1443,249 @@ fn a_network_on_the_loopback_or_a_cni_device_is_refused_with_its_line() {
         err.contains("line 9: network[0].interface: \"lo\" is the host's loopback"),
         "{err}"
     );
+}
+
+/// A VM-network file: `[keepalived]` (interface "mgmt"), the network
+/// "default/vlan100" on "mgmt-br.100" and a load balancer on it; `extra`
+/// appended (a `[conntrackd]`).
+fn vmnet(extra: &str) -> String {
+    let files = std::path::Path::new("/run/hlb-test/keepalived");
+    format!(
+        "{}{}{}{extra}",
+        keepalived("lb-1", "192.168.0.11", ["192.168.0.12"], files, ""),
+        network("default/vlan100", "mgmt-br.100", "10.100.0.1", ""),
+        Lb::new("default/web", "10.100.0.50")
+            .backends(["10.100.0.21"])
+            .tcp("http", 80, 30080)
+            .keys("network = \"default/vlan100\""),
+    )
+}
+
+/// The 1-based line of `text` holding `needle`.
+fn line_of(text: &str, needle: &str) -> usize {
+    1 + text
+        .lines()
+        .position(|l| l.contains(needle))
+        .unwrap_or_else(|| panic!("{needle:?} not in\n{text}"))
+}
+
+/// Issue 40, defect 11: keepalived read `interface = "br#1"` as `br` (the
+/// rest a comment) and put the VIP there. Every name the daemon writes
+/// bare into keepalived.conf or conntrackd.conf is refused with a
+/// character either file reads specially, naming the key, the line and
+/// what to use; conntrackd's interface must also be one word of its parser.
+#[test]
+fn names_written_into_keepalived_or_conntrackd_s_file_refuse_what_those_files_read_specially() {
+    let sync = "\n[conntrackd]\n";
+    assert!(config::parse(&vmnet("")).is_ok());
+    assert!(config::parse(&vmnet(sync)).is_ok());
+    for (from, to, key, shown) in [
+        (
+            "interface = \"mgmt-br.100\"",
+            "interface = \"br#1\"",
+            "network[0].interface",
+            "'#'",
+        ),
+        (
+            "interface = \"mgmt-br.100\"",
+            "interface = \"br!1\"",
+            "network[0].interface",
+            "'!'",
+        ),
+        (
+            "interface = \"mgmt-br.100\"",
+            "interface = \"br$1\"",
+            "network[0].interface",
+            "'$'",
+        ),
+        (
+            "interface = \"mgmt-br.100\"",
+            "interface = \"br{1\"",
+            "network[0].interface",
+            "'{'",
+        ),
+        (
+            "interface = \"mgmt\"",
+            "interface = \"mgmt'1\"",
+            "keepalived.interface",
+            "'\\''",
+        ),
+        (
+            "interface = \"mgmt\"",
+            "interface = \"mgmt\\\\1\"",
+            "keepalived.interface",
+            "'\\\\'",
+        ),
+        (
+            "interface = \"mgmt\"",
+            "interface = \"mgmt\\\"1\"",
+            "keepalived.interface",
+            "'\"'",
+        ),
+        (
+            "name = \"lb-1\"",
+            "name = \"lb#1\"",
+            "keepalived.name",
+            "'#'",
+        ),
+        (
+            "name = \"lb-1\"",
+            "name = \"lb!1\"",
+            "keepalived.name",
+            "'!'",
+        ),
+        (
+            "name = \"lb-1\"",
+            "name = \"lb$1\"",
+            "keepalived.name",
+            "'$'",
+        ),
+        (
+            "name = \"lb-1\"",
+            "name = \"lb'1\"",
+            "keepalived.name",
+            "'\\''",
+        ),
+    ] {
+        let text = vmnet("").replacen(from, to, 1);
+        let out = rendered(&text);
+        let line = line_of(&text, to);
+        let want = format!("line {line}: {key}: ");
+        assert!(
+            out.contains(&want)
+                && out.contains(&format!("holds {shown} at byte "))
+                && out.contains("use letters, digits, '-', '_' and '.'"),
+            "{to}: missing {want} ... {shown}\nin:\n{out}"
+        );
+        assert_eq!(out.lines().count(), 1, "{to}: {out}");
+    }
+    // conntrackd's parser takes a letter, then letters, digits, '.', '-'
+    // and '_': anything else is refused, given or taken from keepalived.
+    for given in ["sync#0", "1sync", "sync+0", "sync@0"] {
+        let text = vmnet(&format!("{sync}interface = \"{given}\"\n"));
+        let out = rendered(&text);
+        let line = line_of(&text, given);
+        assert!(
+            out.contains(&format!("line {line}: conntrackd.interface: "))
+                && out.contains("starts with a letter"),
+            "{given}: {out}"
+        );
+    }
+    let text = vmnet(sync).replacen("interface = \"mgmt\"", "interface = \"1gbe-br\"", 1);
+    let out = rendered(&text);
+    assert!(
+        out.contains(&format!(
+            "line {}: conntrackd.interface: taken from keepalived.interface: ",
+            line_of(&text, "[conntrackd]")
+        )),
+        "{out}"
+    );
+    // keepalived itself takes a name starting with a digit.
+    let text = vmnet("").replacen("interface = \"mgmt\"", "interface = \"1gbe-br\"", 1);
+    assert!(config::parse(&text).is_ok());
+}
+
+/// Issue 40, defect 11: `keepalived.peers` took `224.0.0.18` (VRRP's own
+/// group) and `0.0.0.0`; a unicast peer, this host's address and the sync
+/// link's ends are one host's unicast address each.
+#[test]
+fn vrrp_and_sync_addresses_are_one_host_s_unicast_address() {
+    for (bad, what) in [
+        ("224.0.0.18", "a multicast address"),
+        ("0.0.0.0", "an unspecified address"),
+        ("0.1.2.3", "an unspecified address"),
+        ("255.255.255.255", "the broadcast address"),
+        ("127.0.0.1", "a loopback address"),
+    ] {
+        let text = vmnet("").replacen(
+            "peers = [\"192.168.0.12\"]",
+            &format!("peers = [\"{bad}\"]"),
+            1,
+        );
+        let out = rendered(&text);
+        let want = format!(
+            "line {}: keepalived.peers[0]: {bad} cannot be a peer's management address: it is {what}",
+            line_of(&text, "peers =")
+        );
+        assert!(out.contains(&want), "missing:\n  {want}\nin:\n{out}");
+        let text = vmnet("").replacen(
+            "address = \"192.168.0.11\"",
+            &format!("address = \"{bad}\""),
+            1,
+        );
+        let out = rendered(&text);
+        let want = format!(
+            "line 3: keepalived.address: {bad} cannot be this host's management address: it is {what}"
+        );
+        assert!(out.contains(&want), "missing:\n  {want}\nin:\n{out}");
+        let text = vmnet(&format!("\n[conntrackd]\npeer = \"{bad}\"\n"));
+        let out = rendered(&text);
+        let want = format!(
+            "line {}: conntrackd.peer: {bad} cannot be an end of the sync link: it is {what}",
+            line_of(&text, "peer = \"")
+        );
+        assert!(out.contains(&want), "missing:\n  {want}\nin:\n{out}");
+    }
+    for bad in ["ff02::12", "::1", "::"] {
+        let text = vmnet("").replacen(
+            "peers = [\"192.168.0.12\"]",
+            &format!("peers = [\"{bad}\"]"),
+            1,
+        );
+        let out = rendered(&text);
+        assert!(
+            out.contains(&format!("keepalived.peers[0]: {bad} cannot be a peer's")),
+            "{out}"
+        );
+    }
+}
+
+/// Issue 40, defect 11: `announce_prefixes` refused `0.0.0.0/0` but took
+/// `0.0.0.0/1` + `128.0.0.0/1` (the same space) and loopback, link-local
+/// and multicast ranges. An entry shorter than /8 (IPv6: /16), or
+/// overlapping a range no announced VIP can come from, is refused; so no
+/// set of entries covers the whole space.
+#[test]
+fn announce_prefixes_cannot_cover_the_whole_space_or_the_host_s_own_ranges() {
+    let with = |prefixes: &str| {
+        format!("[vip]\nannounce = \"routes\"\nannounce_prefixes = [{prefixes}]\n{GOOD}")
+    };
+    for (prefix, why) in [
+        ("0.0.0.0/1", "is shorter than /8"),
+        ("128.0.0.0/1", "is shorter than /8"),
+        ("64.0.0.0/7", "is shorter than /8"),
+        ("2000::/3", "is shorter than /16"),
+        ("0.0.0.0/0", "is every address"),
+        ("127.0.0.0/8", "overlaps 127.0.0.0/8, loopback"),
+        ("127.1.0.0/16", "overlaps 127.0.0.0/8, loopback"),
+        ("169.254.0.0/16", "overlaps 169.254.0.0/16, link-local"),
+        ("169.254.169.0/24", "overlaps 169.254.0.0/16, link-local"),
+        ("224.0.0.0/4", "is shorter than /8"),
+        ("224.0.0.0/8", "overlaps 224.0.0.0/4, multicast"),
+        ("239.1.0.0/16", "overlaps 224.0.0.0/4, multicast"),
+        ("0.0.0.0/8", "overlaps 0.0.0.0/8"),
+        ("240.0.0.0/8", "overlaps 240.0.0.0/4, reserved"),
+        ("::1/128", "overlaps ::1/128, loopback"),
+        ("fe80::/16", "overlaps fe80::/10, link-local"),
+        ("fe80::/64", "overlaps fe80::/10, link-local"),
+        ("ff00::/16", "overlaps ff00::/8, multicast"),
+        ("ff02::/16", "overlaps ff00::/8, multicast"),
+    ] {
+        let out = rendered(&with(&format!("\"203.0.113.0/24\", \"{prefix}\"")));
+        let want = format!("line 3: vip.announce_prefixes[1]: \"{prefix}\" {why}");
+        assert!(out.contains(&want), "missing:\n  {want}\nin:\n{out}");
+        assert_eq!(out.lines().count(), 1, "{prefix}: {out}");
+    }
+    // Both halves: each is named.
+    let out = rendered(&with("\"0.0.0.0/1\", \"128.0.0.0/1\""));
+    assert_eq!(out.lines().count(), 2, "{out}");
+    // Wide pools that stay clear of those ranges are fine.
+    for fine in ["10.0.0.0/8", "100.64.0.0/10", "2001:db8::/32", "fd00::/16"] {
+        let text = with(&format!("\"{fine}\""));
+        assert!(
+            config::parse(&text).is_ok(),
+            "{fine}: {:?}",
+            config::parse(&text).err()
+        );
+    }
 }

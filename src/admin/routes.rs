@@ -131,29 +131,37 @@ pub(super) async fn route(
 }
 
 /// `/readyz`: the host-wide answer, or with `vip=ADDRESS` (repeatable)
-/// the answer for those VIPs alone.
+/// the answer for those VIPs alone, or with `vrrp_instance=VRID` the
+/// answer for the VIPs the rendered keepalived file puts in that instance
+/// (what its track script asks: one short line whatever their number).
 fn readyz(daemon: &Daemon, query: Option<&str>) -> Response<Body> {
-    let vips = match readyz_vips(query.unwrap_or("")) {
-        Ok(v) => v,
+    let asked = match readyz_query(query.unwrap_or("")) {
+        Ok(q) => q,
         Err(e) => return text(StatusCode::BAD_REQUEST, &format!("{e}\n")),
     };
-    if vips.is_empty() {
-        if daemon.is_ready() {
-            return text(StatusCode::OK, "ready\n");
+    let verdict = match asked {
+        Readyz::Host => {
+            if daemon.is_ready() {
+                return text(StatusCode::OK, "ready\n");
+            }
+            let mut body = String::from(if daemon.is_stopping() {
+                "stopping\n"
+            } else {
+                "not ready\n"
+            });
+            for failed in daemon.failed_listeners() {
+                body.push_str(&format!("listener {}: {failed}\n", failed.key.addr));
+            }
+            return text(StatusCode::SERVICE_UNAVAILABLE, &body);
         }
-        let mut body = String::from(if daemon.is_stopping() {
-            "stopping\n"
-        } else {
-            "not ready\n"
-        });
-        for failed in daemon.failed_listeners() {
-            body.push_str(&format!("listener {}: {failed}\n", failed.key.addr));
-        }
-        return text(StatusCode::SERVICE_UNAVAILABLE, &body);
-    }
-    match daemon.vips_ready(&vips) {
+        Readyz::Vips(vips) => daemon.vips_ready(&vips),
+        Readyz::Instance(vrid) => daemon.instance_ready(vrid),
+    };
+    match verdict {
         Ok(()) => text(StatusCode::OK, "ready\n"),
-        Err(e @ VipNotReady::Unknown(_)) => text(StatusCode::NOT_FOUND, &format!("{e}\n")),
+        Err(e @ (VipNotReady::Unknown(_) | VipNotReady::UnknownInstance(_))) => {
+            text(StatusCode::NOT_FOUND, &format!("{e}\n"))
+        }
         Err(VipNotReady::Unbound(listeners)) => {
             let mut body = String::from("not ready\n");
             for l in listeners {
@@ -165,33 +173,75 @@ fn readyz(daemon: &Daemon, query: Option<&str>) -> Response<Body> {
     }
 }
 
-/// The VIPs a `/readyz` query names (`vip=ADDRESS`, repeatable; IPv6 bare,
-/// in brackets or percent-encoded), or what is wrong with it.
-fn readyz_vips(query: &str) -> Result<Vec<IpAddr>, String> {
+/// What a `/readyz` query asks about.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Readyz {
+    /// No query: the whole host.
+    Host,
+    /// `vip=ADDRESS`, repeatable (a hand-written keepalived file).
+    Vips(Vec<IpAddr>),
+    /// `vrrp_instance=VRID`, once (the file the daemon renders).
+    Instance(u32),
+}
+
+/// Why a `/readyz` query cannot be answered (400).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+enum ReadyzQueryError {
+    /// A parameter other than `vip` and `vrrp_instance`.
+    #[error(
+        "unknown query parameter {0:?}; /readyz takes vip=ADDRESS (repeatable), e.g. /readyz?vip=192.168.0.201, or vrrp_instance=VRID, e.g. /readyz?vrrp_instance=50"
+    )]
+    Parameter(String),
+    /// A `vip=` value that is no address.
+    #[error("vip {0:?} is not a VIP address; write e.g. vip=192.168.0.201 or vip=fd00::201")]
+    Vip(String),
+    /// A `vrrp_instance=` value that is no VRID.
+    #[error(
+        "vrrp_instance {0:?} is not a VRID; write the instance's virtual_router_id (1..=255), e.g. vrrp_instance=50 for hlb_50"
+    )]
+    Vrid(String),
+    /// `vrrp_instance=` more than once.
+    #[error("vrrp_instance is given twice; ask about one instance per request")]
+    TwoInstances,
+    /// `vip=` with `vrrp_instance=`.
+    #[error("vip= and vrrp_instance= together; ask about some VIPs or one instance, not both")]
+    Both,
+}
+
+/// The question a `/readyz` query asks (`vip=ADDRESS`, repeatable, IPv6
+/// bare, in brackets or percent-encoded; or `vrrp_instance=VRID` alone),
+/// or what is wrong with it.
+fn readyz_query(query: &str) -> Result<Readyz, ReadyzQueryError> {
     let mut vips = Vec::new();
+    let mut instance = None;
     for pair in query.split('&').filter(|p| !p.is_empty()) {
         let (key, value) = pair.split_once('=').unwrap_or((pair, ""));
-        if key != "vip" {
-            return Err(format!(
-                "unknown query parameter {:?}; /readyz takes only vip=ADDRESS (repeatable), e.g. /readyz?vip=192.168.0.201",
-                percent_decode(key)
-            ));
-        }
         let value = percent_decode(value);
-        let bare = value
-            .strip_prefix('[')
-            .and_then(|v| v.strip_suffix(']'))
-            .unwrap_or(&value);
-        match bare.parse::<IpAddr>() {
-            Ok(ip) if !ip.is_unspecified() => vips.push(ip.to_canonical()),
-            _ => {
-                return Err(format!(
-                    "vip {value:?} is not a VIP address; write e.g. vip=192.168.0.201 or vip=fd00::201"
-                ));
+        match key {
+            "vip" => {
+                let bare = value
+                    .strip_prefix('[')
+                    .and_then(|v| v.strip_suffix(']'))
+                    .unwrap_or(&value);
+                match bare.parse::<IpAddr>() {
+                    Ok(ip) if !ip.is_unspecified() => vips.push(ip.to_canonical()),
+                    _ => return Err(ReadyzQueryError::Vip(value)),
+                }
             }
+            "vrrp_instance" => match value.parse::<u8>() {
+                Ok(_) if instance.is_some() => return Err(ReadyzQueryError::TwoInstances),
+                Ok(vrid) if vrid > 0 => instance = Some(u32::from(vrid)),
+                _ => return Err(ReadyzQueryError::Vrid(value)),
+            },
+            _ => return Err(ReadyzQueryError::Parameter(percent_decode(key))),
         }
     }
-    Ok(vips)
+    match (instance, vips.is_empty()) {
+        (None, true) => Ok(Readyz::Host),
+        (None, false) => Ok(Readyz::Vips(vips)),
+        (Some(vrid), true) => Ok(Readyz::Instance(vrid)),
+        (Some(_), false) => Err(ReadyzQueryError::Both),
+    }
 }
 
 /// `%XX` escapes decoded; anything else as it is.
@@ -412,6 +462,13 @@ mod tests {
 
     #[test]
     fn readyz_query_names_vips_in_every_spelling_and_refuses_the_rest() {
+        let readyz_vips = |q: &str| {
+            readyz_query(q).map_err(|e| e.to_string()).map(|r| match r {
+                Readyz::Host => vec![],
+                Readyz::Vips(v) => v,
+                other => panic!("{q}: {other:?}"),
+            })
+        };
         let v4: IpAddr = "192.168.0.201".parse().unwrap();
         let v6: IpAddr = "fd00::201".parse().unwrap();
         assert_eq!(readyz_vips(""), Ok(vec![]));
@@ -435,5 +492,29 @@ mod tests {
         }
         let e = readyz_vips("vip=192.168.0.201&host=x").unwrap_err();
         assert!(e.contains("\"host\"") && e.contains("vip=ADDRESS"), "{e}");
+    }
+
+    #[test]
+    fn readyz_query_names_one_vrrp_instance_by_its_vrid() {
+        assert_eq!(readyz_query("vrrp_instance=50"), Ok(Readyz::Instance(50)));
+        assert_eq!(readyz_query("vrrp_instance=255"), Ok(Readyz::Instance(255)));
+        for bad in [
+            "vrrp_instance=",
+            "vrrp_instance=0",
+            "vrrp_instance=256",
+            "vrrp_instance=hlb_50",
+            "vrrp_instance=-1",
+        ] {
+            let e = readyz_query(bad).unwrap_err().to_string();
+            assert!(e.contains("is not a VRID"), "{bad}: {e}");
+        }
+        assert_eq!(
+            readyz_query("vrrp_instance=50&vrrp_instance=51"),
+            Err(ReadyzQueryError::TwoInstances)
+        );
+        assert_eq!(
+            readyz_query("vrrp_instance=50&vip=192.168.0.201"),
+            Err(ReadyzQueryError::Both)
+        );
     }
 }

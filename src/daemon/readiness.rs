@@ -1,12 +1,17 @@
-//! Readiness of one VIP (`/readyz?vip=…`): what a front end that moves
-//! addresses between hosts (keepalived, one VRRP instance per VIP) asks,
-//! so that one tenant's listener that cannot bind moves that tenant's VIP
-//! alone, not every VIP of the host.
+//! Readiness of some VIPs (`/readyz?vip=…`) or of one VRRP instance of
+//! the keepalived file the daemon renders (`/readyz?vrrp_instance=VRID`):
+//! what a front end that moves addresses between hosts (keepalived's track
+//! script) asks, so that one tenant's listener that cannot bind moves the
+//! VIPs of its instance alone, not every VIP of the host. The instance's
+//! VIPs are the ones `vip::keepalived` renders into it, computed from the
+//! same config in force by the same placement: the question stays one
+//! short line however many VIPs the instance carries.
 
 use std::net::{IpAddr, SocketAddr};
 
-use super::{Daemon, ListenerEntry};
+use super::{Daemon, ListenerEntry, State};
 use crate::config::Protocol;
+use crate::vip::keepalived;
 
 /// Why a VIP is not ready to take traffic here.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -18,6 +23,14 @@ pub enum VipNotReady {
         "no load balancer of the config in force has VIP {0}; ask about a load balancer's `vip` (a leased one once its lease is in force)"
     )]
     Unknown(IpAddr),
+    /// The keepalived file rendered from the config in force has no
+    /// instance with this VRID (no `[keepalived]`, or no VIP of a load
+    /// balancer on a `[[network]]` falls in it). Not a readiness failure of
+    /// the host, as [`VipNotReady::Unknown`].
+    #[error(
+        "the config in force renders no VRRP instance hlb_{0} (virtual_router_id {0}): no [keepalived], or no load balancer on a [[network]] has its VIP in it; ask about an instance of the rendered keepalived.conf"
+    )]
+    UnknownInstance(u32),
     /// Shutdown has begun: every VIP should leave the host while open
     /// connections drain.
     #[error("stopping")]
@@ -77,7 +90,27 @@ impl Daemon {
     /// force for the isolated networks they are on. Other VIPs' listeners do not
     /// count: [`Daemon::is_ready`] is the host-wide question.
     pub fn vips_ready(&self, vips: &[IpAddr]) -> Result<(), VipNotReady> {
+        self.vips_ready_in(&self.lock(), vips)
+    }
+
+    /// Whether the VIPs of the VRRP instance whose `virtual_router_id` is
+    /// `vrid` are ready here, as [`Daemon::vips_ready`] answers for them:
+    /// the instance's VIPs are those `vip::keepalived::render` puts in it
+    /// from the config in force ([`keepalived::instance_vips`]), read under
+    /// the same lock as the listeners.
+    pub fn instance_ready(&self, vrid: u32) -> Result<(), VipNotReady> {
         let st = self.lock();
+        let Some(config) = &st.config else {
+            return self.vips_ready_in(&st, &[]);
+        };
+        let vips = keepalived::instance_vips(config, vrid);
+        if vips.is_empty() {
+            return Err(VipNotReady::UnknownInstance(vrid));
+        }
+        self.vips_ready_in(&st, &vips)
+    }
+
+    fn vips_ready_in(&self, st: &State, vips: &[IpAddr]) -> Result<(), VipNotReady> {
         let Some(config) = &st.config else {
             return Err(if self.is_stopping() {
                 VipNotReady::Stopping

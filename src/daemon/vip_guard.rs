@@ -318,7 +318,7 @@ mod tests {
         let plain = config(LBS);
         assert!(refusals(&plain, Err("no netlink".into()), &none, &none).is_empty());
         let announcing = config(&format!(
-            "[vip]\nannounce = \"routes\"\nannounce_prefixes = [\"0.0.0.0/1\", \"128.0.0.0/1\"]\n{LBS}"
+            "[vip]\nannounce = \"routes\"\nannounce_prefixes = [\"192.0.2.0/24\", \"198.51.100.0/24\", \"203.0.113.0/24\"]\n{LBS}"
         ));
         let r = refusals(&announcing, Err("no netlink".into()), &none, &none);
         assert_eq!(r.len(), 4, "every VIP but the loopback one: {r:?}");

@@ -307,6 +307,11 @@ fn bridge_config(at: &At<'_>) -> Result<(String, Option<u16>), Reason> {
             "{path}: bridge {bridge:?} is not an interface name"
         ));
     }
+    // `check` refuses it in keepalived.conf: skipped here by name, so one
+    // tenant's NAD cannot make the whole import invalid.
+    if let Some(why) = crate::config::conf_word_problem(bridge) {
+        return Err(format!("{path}: bridge {bridge:?} {why}"));
+    }
     if !cni.get("vlanTrunk").items().unwrap_or_default().is_empty() {
         return Err(format!(
             "{path}: a VLAN trunk (vlanTrunk) carries several VLANs, not one network"
@@ -765,6 +770,22 @@ mod tests {
                 .unwrap_err()
                 .contains("not a subnet mask")
         );
+    }
+
+    #[test]
+    fn a_bridge_keepalived_would_read_specially_is_refused_by_name() {
+        let at = |bridge: &str| {
+            serde_json::json!({
+                "config": serde_json::json!({"type": "bridge", "bridge": bridge}).to_string()
+            })
+        };
+        let fine = at("mgmt-br");
+        assert!(bridge_config(&At::root(&fine).get("config")).is_ok());
+        for bad in ["br#1", "br!1", "br$1", "br{1", "br\"1"] {
+            let v = at(bad);
+            let e = bridge_config(&At::root(&v).get("config")).unwrap_err();
+            assert!(e.contains("keepalived.conf"), "{bad}: {e}");
+        }
     }
 
     #[test]

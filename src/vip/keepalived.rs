@@ -31,15 +31,23 @@
 //!   addresses has priority 250 for the instances *i* with *i* mod hosts =
 //!   *r*, 10 less per step away, so each host is the preferred master of
 //!   some instances (active/active).
-//! - **`track_script`** asking the daemon `/readyz?vip=` for the
-//!   instance's VIPs over the admin Unix socket (as the shipped example):
+//! - **`track_script`** asking the daemon `/readyz?vrrp_instance=VRID`
+//!   over the admin Unix socket: the daemon answers for the instance's VIPs
+//!   ([`instance_vips`], the same placement this file is rendered from), so
 //!   a host whose daemon cannot serve them, or is stopping, gives them up.
-//!   The socket's path is in single quotes: keepalived splits a script's
-//!   words at unquoted spaces (`check` refuses the quotes, backslashes and
-//!   control characters single quotes cannot carry).
+//!   The instance is named, not its VIPs: keepalived 2.2.7 refuses a line
+//!   past about 1 KiB ("Unterminated quote") and its VRRP process then
+//!   crashes in a loop, which a `vip=` list reached at ~60 VIPs (issue 40).
+//!   Every line of the file is bounded whatever the number of VIPs (one
+//!   VIP, peer or interface per line). The socket's path is in single
+//!   quotes: keepalived splits a script's words at unquoted spaces
+//!   (`check` refuses the quotes, backslashes and control characters
+//!   single quotes cannot carry).
 //! - **`vrrp_version`** as configured (3 by default: `advert_int` in
 //!   centiseconds, so sub-second adverts; with 2 keepalived rounds it to
 //!   whole seconds, which `check` refuses to leave implicit).
+//! - **At most [`ADVERTISED_VIPS`] VIPs in the adverts**: the others of
+//!   an instance in `virtual_ipaddress_excluded`, moved with it alike.
 //! - **IPv6 VIPs** as `VIP/128 dev <network interface>` in
 //!   `virtual_ipaddress_excluded` when the adverts are IPv4 (keepalived
 //!   ignores a VIP of the other family in `virtual_ipaddress`, and refuses
@@ -73,6 +81,20 @@ pub const HEADER: &str =
 const TOP_PRIORITY: u32 = 250;
 /// Priority steps between hosts.
 pub const PRIORITY_STEP: u32 = 10;
+
+/// The most VIPs of an instance carried in its adverts
+/// (`virtual_ipaddress`); the others are `virtual_ipaddress_excluded`,
+/// which keepalived adds and removes with the state all the same.
+/// keepalived's manual advises excluding most addresses for "large numbers
+/// (eg 200) of IPs" on one interface, and above 255 (the advert's address
+/// count is one byte) it moves the excess itself with a warning. A
+/// receiver also drops an advert whose address count is not its own
+/// (`vrrp_in_chk`): with the cap, adding a VIP to an instance of 20 or more
+/// leaves its adverts as they were on hosts that have not reloaded yet. The
+/// lowest VIPs are carried; a VIP that moves between the two lists on a
+/// reload stays on the interface (keepalived 2.2.7, `ip monitor address`
+/// showed no event).
+pub const ADVERTISED_VIPS: usize = 20;
 
 /// The instance of `vip` among `instances`: FNV-1a of its bytes, stable on
 /// every host and across versions (std's hasher is neither).
@@ -167,6 +189,30 @@ fn placement(config: &Config, k: &KeepalivedSettings) -> BTreeMap<u8, Vec<Placed
     by_instance
 }
 
+/// The VIPs the rendered file puts in the instance whose
+/// `virtual_router_id` is `vrid` (`virtual_ipaddress` and
+/// `virtual_ipaddress_excluded` alike), for the daemon's answer to that
+/// instance's track script: computed by the same placement as [`render`],
+/// so the daemon and keepalived agree on the set. Empty without
+/// `[keepalived]` or when the instance has no VIP (it is not rendered).
+pub fn instance_vips(config: &Config, vrid: u32) -> Vec<IpAddr> {
+    let Some(k) = config.keepalived.as_ref() else {
+        return Vec::new();
+    };
+    let Some(instance) = vrid
+        .checked_sub(u32::from(k.vrid_base))
+        .and_then(|i| u8::try_from(i).ok())
+    else {
+        return Vec::new();
+    };
+    placement(config, k)
+        .remove(&instance)
+        .unwrap_or_default()
+        .into_iter()
+        .map(|p| p.vip)
+        .collect()
+}
+
 /// The keepalived.conf text for `config`; `None` without `[keepalived]`.
 /// The admin socket the track scripts ask is `config.admin.socket`.
 pub fn render(config: &Config) -> Option<String> {
@@ -185,11 +231,11 @@ pub fn render(config: &Config) -> Option<String> {
     let socket = config.admin.socket.display();
     for (instance, vips) in by_instance {
         let vrid = u32::from(k.vrid_base) + u32::from(instance);
-        let query: Vec<String> = vips.iter().map(|p| format!("vip={}", p.vip)).collect();
+        // The instance, not its VIPs: a line that grew with them was
+        // refused by keepalived (see the module's doc).
         let _ = write!(
             out,
-            "\nvrrp_script hlb_ready_{vrid} {{\n  script \"/usr/bin/curl --unix-socket '{socket}' -sf -m 1 -o /dev/null http://localhost/readyz?{}\"\n  interval 1\n  timeout 1\n  fall 2\n  rise 2\n}}\n",
-            query.join("&")
+            "\nvrrp_script hlb_ready_{vrid} {{\n  script \"/usr/bin/curl --unix-socket '{socket}' -sf -m 1 -o /dev/null http://localhost/readyz?vrrp_instance={vrid}\"\n  interval 1\n  timeout 1\n  fall 2\n  rise 2\n}}\n"
         );
         let _ = write!(
             out,
@@ -209,9 +255,15 @@ pub fn render(config: &Config) -> Option<String> {
         // and removes with the state all the same (unsolicited neighbour
         // adverts included) but cannot carry in an advert of the other
         // family ("address family must match VRRP instance").
-        let (carried, excluded): (Vec<&Placed>, Vec<&Placed>) = vips
+        // Past ADVERTISED_VIPS of the adverts' family, the rest are
+        // excluded too (see ADVERTISED_VIPS).
+        let (mut carried, mut excluded): (Vec<&Placed>, Vec<&Placed>) = vips
             .iter()
             .partition(|p| p.vip.is_ipv4() == k.address.is_ipv4());
+        if carried.len() > ADVERTISED_VIPS {
+            let rest = carried.split_off(ADVERTISED_VIPS);
+            excluded.splice(0..0, rest);
+        }
         for p in &carried {
             let _ = writeln!(out, "{}", p.line());
         }
@@ -406,8 +458,13 @@ mod tests {
     use crate::config::parse;
 
     fn conf(address: &str, peers: &str, lbs: &[(&str, &str)]) -> Config {
+        conf_with("", address, peers, lbs)
+    }
+
+    /// [`conf`] with `extra` sections first (`[conntrackd]`).
+    fn conf_with(extra: &str, address: &str, peers: &str, lbs: &[(&str, &str)]) -> Config {
         let mut text = format!(
-            "[admin]\nsocket = \"/run/hlb/admin.sock\"\n[keepalived]\nname = \"h-{address}\"\naddress = \"{address}\"\ninterface = \"mgmt0\"\npeers = [{peers}]\ninstances = 4\n\n[[network]]\nname = \"vlan100\"\ninterface = \"br.100\"\nprefix_length = 24\ngateway = \"10.100.0.1\"\nipv6_gateway = \"fd00:100::1\"\n"
+            "{extra}[admin]\nsocket = \"/run/hlb/admin.sock\"\n[keepalived]\nname = \"h-{address}\"\naddress = \"{address}\"\ninterface = \"mgmt0\"\npeers = [{peers}]\ninstances = 4\n\n[[network]]\nname = \"vlan100\"\ninterface = \"br.100\"\nprefix_length = 22\ngateway = \"10.100.0.1\"\nipv6_gateway = \"fd00:100::1\"\n"
         );
         for (i, (vip, network)) in lbs.iter().enumerate() {
             text.push_str(&format!(
@@ -488,7 +545,9 @@ mod tests {
             format!("  virtual_router_id {vrid}\n"),
             "  unicast_src_ip 192.168.0.11\n  unicast_peer {\n    192.168.0.12\n  }".into(),
             "    10.100.0.50/32 dev br.100\n".into(),
-            "--unix-socket '/run/hlb/admin.sock' -sf -m 1 -o /dev/null http://localhost/readyz?vip=10.100.0.50\"".into(),
+            format!(
+                "--unix-socket '/run/hlb/admin.sock' -sf -m 1 -o /dev/null http://localhost/readyz?vrrp_instance={vrid}\""
+            ),
             format!("track_script {{\n    hlb_ready_{vrid}\n  }}"),
             "garp_master_delay 1\n  garp_master_refresh 60".into(),
         ] {
@@ -555,15 +614,70 @@ mod tests {
         );
         let text = render(&c).unwrap();
         // One instance carries 10.100.0.50; the IPv6 VIP rides in it.
-        assert_eq!(text.matches("vrrp_instance").count(), 1, "{text}");
+        assert_eq!(text.matches("vrrp_instance hlb_").count(), 1, "{text}");
         assert!(
             text.contains("  virtual_ipaddress {\n    10.100.0.50/32 dev br.100\n  }\n  virtual_ipaddress_excluded {\n    fd00:100::50/128 dev br.100\n  }\n"),
             "{text}"
         );
+        let vrid = 50 + u32::from(instance_of("10.100.0.50".parse().unwrap(), 4));
         assert!(
-            text.contains("readyz?vip=10.100.0.50&vip=fd00:100::50\""),
+            text.contains(&format!("readyz?vrrp_instance={vrid}\"")),
             "{text}"
         );
+        // The daemon answers for both, as the file places them.
+        let want: Vec<IpAddr> = vec![
+            "10.100.0.50".parse().unwrap(),
+            "fd00:100::50".parse().unwrap(),
+        ];
+        assert_eq!(instance_vips(&c, vrid), want);
+    }
+
+    #[test]
+    fn every_line_stays_short_with_500_vips_in_one_instance_and_the_daemon_s_set_is_the_file_s() {
+        let lbs: Vec<(String, &str)> = (0..500)
+            .map(|i| (format!("10.100.{}.{}", 1 + i / 250, 1 + i % 250), "vlan100"))
+            .collect();
+        let lbs: Vec<(&str, &str)> = lbs.iter().map(|(v, n)| (v.as_str(), *n)).collect();
+        let mut c = conf("192.168.0.11", "\"192.168.0.12\"", &lbs);
+        c.keepalived.as_mut().unwrap().instances = 1;
+        let text = render(&c).unwrap();
+        let longest = text.lines().map(str::len).max().unwrap();
+        assert!(longest < 200, "a line of {longest} bytes");
+        assert_eq!(text.matches("vrrp_instance hlb_").count(), 1);
+        assert!(text.contains("readyz?vrrp_instance=50\""), "{text}");
+        // The set the daemon answers for is the file's, VIP for VIP.
+        let advertised = text
+            .split("virtual_ipaddress {\n")
+            .nth(1)
+            .and_then(|t| t.split("  }").next())
+            .unwrap();
+        assert_eq!(advertised.lines().count(), ADVERTISED_VIPS, "{text}");
+        let in_file: std::collections::BTreeSet<IpAddr> = text
+            .lines()
+            .filter_map(|l| l.trim().strip_suffix("/32 dev br.100"))
+            .map(|v| v.parse().unwrap())
+            .collect();
+        let asked: std::collections::BTreeSet<IpAddr> = instance_vips(&c, 50).into_iter().collect();
+        assert_eq!(in_file.len(), 500);
+        assert_eq!(asked, in_file);
+        // With [conntrackd] (the notify line and track_interface) and in
+        // conntrackd's own file: one interface or address per line.
+        let mut c = conf_with("[conntrackd]\n", "192.168.0.11", "\"192.168.0.12\"", &lbs);
+        c.keepalived.as_mut().unwrap().instances = 1;
+        let text = render(&c).unwrap();
+        assert!(
+            text.contains("  track_interface {\n    br.100\n  }"),
+            "{text}"
+        );
+        let longest = text.lines().map(str::len).max().unwrap();
+        assert!(longest < 200, "a line of {longest} bytes");
+        let ct = crate::vip::conntrackd::render_conf(&c).unwrap();
+        let longest = ct.lines().map(str::len).max().unwrap();
+        assert!(longest < 200, "conntrackd.conf: a line of {longest} bytes");
+        // Instances the file does not have: nothing.
+        assert!(instance_vips(&c, 51).is_empty());
+        assert!(instance_vips(&c, 49).is_empty());
+        assert!(instance_vips(&c, 50 + 256).is_empty());
     }
 
     #[test]

@@ -11,7 +11,10 @@
 //! `announce_prefixes` is required with `routes`: a VIP comes from a guest
 //! cluster's object, and announcing whatever it says would let a guest pull
 //! the host's own address, its router's, or any prefix of the operator's
-//! network to this host. A VIP of the file outside them is a warning here
+//! network to this host. So an entry is refused when it is shorter than
+//! /8 (IPv4) or /16 (IPv6), or overlaps loopback, link-local, multicast,
+//! "this network" or reserved space: no set of entries can then cover the
+//! whole space (each would hold 127.0.0.1 or ::1). A VIP of the file outside them is a warning here
 //! (one tenant's object must not stop the whole file): the daemon and
 //! `import` refuse that load balancer alone.
 
@@ -33,6 +36,69 @@ const MAX_ANNOUNCE_SECONDS: i64 = 3600;
 /// Most `announce_prefixes`: pools are few and short; more is a list that
 /// should have been aggregated.
 pub const MAX_ANNOUNCE_PREFIXES: usize = 256;
+/// Shortest IPv4 `announce_prefixes` entry: a pool of more than 2^24
+/// addresses is a typo or a way around the prefixes' purpose (with
+/// `0.0.0.0/1` + `128.0.0.0/1` the `/0` refusal meant nothing).
+pub const MIN_ANNOUNCE_PREFIX_V4: u8 = 8;
+/// Shortest IPv6 `announce_prefixes` entry, as [`MIN_ANNOUNCE_PREFIX_V4`].
+pub const MIN_ANNOUNCE_PREFIX_V6: u8 = 16;
+
+/// Ranges no announced VIP can come from, with what they are: the host's
+/// own (loopback, "this network"), the link's (link-local, where clouds
+/// serve metadata), groups and reserved space. An `announce_prefixes`
+/// entry overlapping one is refused; so, together with the length bounds,
+/// no set of entries covers the whole address space (any such set holds
+/// 127.0.0.1 or ::1).
+const NOT_ANNOUNCED: &[(&str, &str)] = &[
+    (
+        "0.0.0.0/8",
+        "\"this network\" (0.0.0.0 is the unspecified address)",
+    ),
+    ("127.0.0.0/8", "loopback, this host's own"),
+    (
+        "169.254.0.0/16",
+        "link-local (169.254.169.254 serves cloud metadata)",
+    ),
+    ("224.0.0.0/4", "multicast"),
+    (
+        "240.0.0.0/4",
+        "reserved (255.255.255.255 is the broadcast address)",
+    ),
+    ("::/128", "the unspecified address"),
+    ("::1/128", "loopback, this host's own"),
+    (
+        "::ffff:0:0/96",
+        "IPv4-mapped (announce the IPv4 range instead)",
+    ),
+    ("fe80::/10", "link-local"),
+    ("ff00::/8", "multicast"),
+];
+
+/// Why `net` cannot be an `announce_prefixes` entry, or `None`.
+fn announce_prefix_problem(net: IpNet) -> Option<String> {
+    let min = match net {
+        IpNet::V4(_) => MIN_ANNOUNCE_PREFIX_V4,
+        IpNet::V6(_) => MIN_ANNOUNCE_PREFIX_V6,
+    };
+    if net.prefix_len() == 0 {
+        return Some(
+            "is every address: it would let any VIP (the host's own, its router's) be announced; list the ranges your VIPs come from".into(),
+        );
+    }
+    if net.prefix_len() < min {
+        return Some(format!(
+            "is shorter than /{min}: a pool that wide takes in the host's own addresses and its router's (two such halves are the whole space); list the ranges your VIPs come from, each /{min} or longer"
+        ));
+    }
+    NOT_ANNOUNCED.iter().find_map(|(range, what)| {
+        let reserved: IpNet = range.parse().expect("static range");
+        (reserved.contains(&net.network()) || net.contains(&reserved.network())).then(|| {
+            format!(
+                "overlaps {range}, {what}: no VIP announced to a router can come from there; list only the ranges your VIPs come from"
+            )
+        })
+    })
+}
 
 impl Validator<'_> {
     /// `vip.announce`, `announce_interface`, `announce_table`,
@@ -138,11 +204,11 @@ impl Validator<'_> {
         let mut nets = Vec::with_capacity(values.len());
         for (j, v) in values.iter().enumerate() {
             if let Some(net) = self.cidr(v, format_args!("vip.announce_prefixes[{j}]")) {
-                if net.prefix_len() == 0 {
+                if let Some(why) = announce_prefix_problem(net) {
                     self.problem(
                         Some(v.span()),
                         &format!("vip.announce_prefixes[{j}]"),
-                        format!("{:?} is every address: it would let any VIP (the host's own, its router's) be announced; list the ranges your VIPs come from", v.get_ref()),
+                        format!("{:?} {why}", v.get_ref()),
                     );
                     continue;
                 }

@@ -44,6 +44,7 @@ mod vmnet_isolate;
 
 pub use cross::Conflict;
 use locate::{LineIndex, display_path, path_at, segments, span_of};
+pub use names::conf_word_problem;
 pub use names::{MAX_CLUSTER_BYTES, MAX_LISTENER_NAME_BYTES, MAX_NAME_BYTES};
 pub(crate) use reuse::{Known, parse_reusing};
 

@@ -86,8 +86,20 @@ impl Validator<'_> {
             );
         }
         let interface = match &c.interface {
-            None => Some(k.interface.clone()),
-            Some(i) => self.interface_name(i, format_args!("conntrackd.interface")),
+            None => {
+                match super::names::conntrackd_interface_problem(&k.interface) {
+                    Some(why) => {
+                        self.problem(
+                        Some(span.clone()),
+                        "conntrackd.interface",
+                        format!("taken from keepalived.interface: {why}, or set conntrackd.interface"),
+                    );
+                        None
+                    }
+                    None => Some(k.interface.clone()),
+                }
+            }
+            Some(i) => self.sync_interface(i),
         };
         let (interface, address, peer) = (interface?, address?, peer?);
         self.conntrackd_settings(c, span, specs, None, (interface, address, peer))
@@ -275,8 +287,7 @@ impl Validator<'_> {
             );
             return None;
         }
-        let interface =
-            self.interface_name(c.interface.as_ref()?, format_args!("conntrackd.interface"));
+        let interface = self.sync_interface(c.interface.as_ref()?);
         let unspecified = IpAddr::V4(Ipv4Addr::UNSPECIFIED);
         let address = self.sync_v4(&c.address, "conntrackd.address", unspecified);
         let peer = self.sync_v4(&c.peer, "conntrackd.peer", unspecified);
@@ -293,6 +304,19 @@ impl Validator<'_> {
         Some((interface?, address?, peer?))
     }
 
+    /// `conntrackd.interface`: a name the kernel takes and conntrackd's
+    /// parser reads as one word (written bare as `Interface`).
+    fn sync_interface(&mut self, value: &Spanned<String>) -> Option<String> {
+        let name = self.interface_name(value, format_args!("conntrackd.interface"))?;
+        match super::names::conntrackd_interface_problem(&name) {
+            Some(why) => {
+                self.problem(Some(value.span()), "conntrackd.interface", why);
+                None
+            }
+            None => Some(name),
+        }
+    }
+
     /// An IPv4 address of the sync link; `default` when absent.
     fn sync_v4(
         &mut self,
@@ -304,6 +328,14 @@ impl Validator<'_> {
             None => (default, None),
             Some(v) => (self.ip(v, format_args!("{key}"))?, Some(v.span())),
         };
+        if let Some(why) = super::vmnet::host_address_problem(ip) {
+            self.problem(
+                span,
+                key,
+                format!("{ip} cannot be an end of the sync link: it is {why}; write the host's own unicast IPv4 address on the sync link"),
+            );
+            return None;
+        }
         match ip {
             IpAddr::V4(v4) => Some(v4),
             IpAddr::V6(_) => {

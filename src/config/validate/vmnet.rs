@@ -152,7 +152,7 @@ impl Validator<'_> {
                 None
             }
             Some(i) => self
-                .interface_name(i, format_args!("{key}.interface"))
+                .rendered_interface(i, format_args!("{key}.interface"))
                 .filter(|name| match crate::config::not_a_vm_network_interface(name) {
                     None => true,
                     Some(why) => {
@@ -317,20 +317,17 @@ impl Validator<'_> {
             }
             Some(n) => {
                 let s = n.get_ref();
-                if s.is_empty()
-                    || s.len() > MAX_ROUTER_ID_BYTES
-                    || s.chars().any(|c| {
-                        c.is_whitespace() || c.is_control() || c == '"' || c == '{' || c == '}'
-                    })
-                {
+                if s.is_empty() || s.len() > MAX_ROUTER_ID_BYTES {
                     self.problem(
                         Some(n.span()),
                         "keepalived.name",
                         format!("{s:?} is not a host name (1..={MAX_ROUTER_ID_BYTES} bytes, no spaces, quotes or braces)"),
                     );
                     None
-                } else {
+                } else if self.conf_word(n, "keepalived.name") {
                     Some(s.clone())
+                } else {
+                    None
                 }
             }
         };
@@ -339,7 +336,13 @@ impl Validator<'_> {
                 self.missing(span.clone(), key, "address", "this host's address on the management network, which VRRP adverts are sent from");
                 None
             }
-            Some(a) => self.ip(a, format_args!("keepalived.address")),
+            Some(a) => self.ip(a, format_args!("keepalived.address")).filter(|ip| {
+                let Some(why) = host_address_problem(*ip) else {
+                    return true;
+                };
+                self.problem(Some(a.span()), "keepalived.address", format!("{ip} cannot be this host's management address: it is {why}; write the host's own unicast address on keepalived.interface"));
+                false
+            }),
         };
         let interface = match &k.interface {
             None => {
@@ -351,7 +354,7 @@ impl Validator<'_> {
                 );
                 None
             }
-            Some(i) => self.interface_name(i, format_args!("keepalived.interface")),
+            Some(i) => self.rendered_interface(i, format_args!("keepalived.interface")),
         };
         let mut peers = Vec::new();
         match &k.peers {
@@ -374,7 +377,9 @@ impl Validator<'_> {
                     let Some(ip) = self.ip(v, format_args!("{pkey}")) else {
                         continue;
                     };
-                    if Some(ip) == address {
+                    if let Some(why) = host_address_problem(ip) {
+                        self.problem(Some(v.span()), &pkey, format!("{ip} cannot be a peer's management address: it is {why}; list the other hosts' own unicast addresses, e.g. \"192.168.0.12\""));
+                    } else if Some(ip) == address {
                         self.problem(Some(v.span()), &pkey, format!("{ip} is keepalived.address, this host's own; list only the other hosts"));
                     } else if peers.contains(&ip) {
                         self.problem(Some(v.span()), &pkey, format!("{ip} is listed twice"));
@@ -707,6 +712,27 @@ impl Validator<'_> {
 /// Why IPv6 VIP `vip` cannot be on `net`, if it cannot: the network has
 /// no IPv6 subnet (no `ipv6_gateway`), or the VIP is outside it, its own
 /// (anycast) address, the gateway, or not a global unicast address.
+/// Why `ip` cannot be one host's address on a link that VRRP adverts or
+/// conntrackd's sync are sent to or from (`keepalived.address`,
+/// `keepalived.peers`, `conntrackd.address`, `conntrackd.peer`), or `None`:
+/// a unicast peer at a group or broadcast address sends every advert to
+/// whatever listens there (224.0.0.18 is VRRP's own group), at the
+/// unspecified address to this host, at loopback nowhere.
+pub(super) fn host_address_problem(ip: IpAddr) -> Option<&'static str> {
+    let ip = ip.to_canonical();
+    if ip.is_unspecified() || matches!(ip, IpAddr::V4(v4) if v4.octets()[0] == 0) {
+        Some("an unspecified address (0.0.0.0/8, ::), which no host has")
+    } else if ip.is_loopback() {
+        Some("a loopback address, which never leaves this host")
+    } else if ip.is_multicast() {
+        Some("a multicast address (224.0.0.0/4, ff00::/8): a group, not one host")
+    } else if matches!(ip, IpAddr::V4(v4) if v4.octets()[0] >= 240) {
+        Some("the broadcast address or in 240.0.0.0/4 (reserved), not one host's")
+    } else {
+        None
+    }
+}
+
 fn ipv6_vip_problem(vip: Ipv6Addr, net: &NetworkSpec) -> Option<String> {
     let Some(subnet) = net.ipv6_subnet() else {
         return Some(format!(
