@@ -1067,6 +1067,8 @@ async fn netns_two_daemons_on_one_table_never_delete_each_others_routes() {
     let two = netns::DaemonProc::spawn(&bed.lb, &path, &bed.dir.join("second.log"), None)
         .on_admin_port(port);
     let first_pid = bed.daemon().pid();
+    // The refusal names the first daemon: its pid and its config file.
+    let named = format!("(pid {first_pid}, config {}", bed.daemon().config.display());
     let error = wait_for(
         Duration::from_secs(15),
         "the second daemon refused",
@@ -1079,7 +1081,7 @@ async fn netns_two_daemons_on_one_table_never_delete_each_others_routes() {
     .await;
     assert!(
         error.contains("table 100 is announced into by another harvester-lb")
-            && error.contains(&format!("(pid {first_pid})")),
+            && error.contains(&named),
         "{error}"
     );
     // Over 12 s (more than the 10 s check) and at least 50 polls (on a
@@ -1123,10 +1125,7 @@ async fn netns_two_daemons_on_one_table_never_delete_each_others_routes() {
         .output()
         .expect("run withdraw --all");
     let said = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        !out.status.success() && said.contains(&format!("(pid {first_pid})")),
-        "{said}"
-    );
+    assert!(!out.status.success() && said.contains(&named), "{said}");
     assert!(announced(&bed.lb, &AVIP.to_string()), "{}", table(&bed.lb));
     // The first stops (withdrawing its own): the second takes the table.
     let mut one = bed.take_daemon();

@@ -167,6 +167,12 @@ impl Daemon {
             *self.sync.report.lock().unwrap_or_else(|p| p.into_inner()) = None;
             return;
         };
+        // Only with the gate's claim (taken at start and reload): another
+        // daemon's gate is never replaced.
+        if let Err(e) = self.claims.hold(crate::owned::Object::SyncGate).await {
+            tracing::error!("[conntrackd]: {e}");
+            return;
+        }
         let mut error = None;
         if let Some(conf) = conntrackd::render_conf(config) {
             let script = conntrackd::render_script(config);

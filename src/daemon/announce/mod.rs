@@ -543,7 +543,7 @@ impl Daemon {
         // of it is deleted (its routes are its own).
         if inner.claim.as_ref().map(TableClaim::table) != Some(settings.table) {
             inner.claim = None;
-            match TableClaim::take(settings.table) {
+            match TableClaim::take(settings.table, &self.claims.identity()).await {
                 Ok(c) => inner.claim = Some(c),
                 Err(e) => {
                     self.note_error(
