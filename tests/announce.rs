@@ -1226,3 +1226,60 @@ async fn netns_a_local_route_deleted_by_another_program_is_put_back_within_secon
         ) >= 3.0
     );
 }
+
+/// Issue 40: two daemons share a VIP, each announcing into its own table.
+/// The first made the VIP local (its local route, metric 100); the second
+/// finds that route and leaves it alone, and its warning says whose it is
+/// (the daemon of table 100) instead of telling the operator to `ip addr
+/// del` an address nobody added.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn netns_a_vip_shared_by_two_daemons_on_two_tables_is_named_as_the_other_daemons() {
+    require_netns!();
+    let (mut bed, _node) = announcing_bed("annshare");
+    let announcing = |table: u32| {
+        format!(
+            "announce = \"routes\"\nannounce_prefixes = [{PREFIXES}]\nannounce_table = {table}\nannounce_delay_seconds = 0\nwithdraw_grace_seconds = 0"
+        )
+    };
+    bed.start_daemon(
+        &config()
+            .vip(&announcing(100))
+            .lb(lb("one/web", AVIP, &[1]))
+            .to_string(),
+    )
+    .await;
+    let lbns = bed.lb.clone();
+    let vip = AVIP.to_string();
+    wait_for(
+        Duration::from_secs(30),
+        "the first daemon's local route",
+        || async { is_local(&lbns, &vip).then_some(()) },
+    )
+    .await;
+    let port = netns::ADMIN_PORT + 1;
+    let second = support::Config::new()
+        .admin(std::net::SocketAddr::from(([127, 0, 0, 1], port)))
+        .socket(&bed.dir.join("second.sock"))
+        .vip(&announcing(101))
+        .lb(lb("two/web", AVIP, &[1]))
+        .to_string();
+    let path = bed.write("second.toml", &second);
+    let two = netns::DaemonProc::spawn(&bed.lb, &path, &bed.dir.join("second.log"), None)
+        .on_admin_port(port);
+    let log = two
+        .wait_log("the second daemon's warning", |log| {
+            log.contains("is already local on this host")
+        })
+        .await;
+    let line = log
+        .lines()
+        .find(|l| l.contains("is already local on this host"))
+        .unwrap_or_default();
+    assert!(
+        line.contains("another harvester-lb's local route")
+            && line.contains("table 100")
+            && !line.contains("ip addr del"),
+        "{line}"
+    );
+    assert!(is_local(&bed.lb, &vip), "{}", local_table(&bed.lb));
+}

@@ -477,6 +477,7 @@ fn host_routes(
             seen: SeenRoute {
                 interface,
                 protocol: protocol_number(m.header.protocol),
+                metric: priority_of(m),
             },
             marked: ours(m),
         };
@@ -529,6 +530,9 @@ pub struct SeenRoute {
     pub interface: Option<u32>,
     /// The route's protocol (ours is [`ROUTE_PROTOCOL`]).
     pub protocol: u8,
+    /// The route's metric: for a local route of ours, the announce table
+    /// of the daemon that wrote it (so a warning can name that daemon).
+    pub metric: u32,
 }
 
 impl Backend for RouteTable {
@@ -757,7 +761,8 @@ mod tests {
             one.seen,
             SeenRoute {
                 interface: Some(1),
-                protocol: ROUTE_PROTOCOL
+                protocol: ROUTE_PROTOCOL,
+                metric: 100,
             }
         );
     }
