@@ -5,7 +5,8 @@
 //! rewrite them every check while the first's `/status` said `in_force`
 //! (its guard held 4 of 22 samples). Now the objects are claimed
 //! (`owned::claim`): the second daemon refuses to start, naming the first
-//! (pid, config file, admin socket), and writes nothing; a second daemon
+//! (pid, config file, admin socket), and writes nothing (the same for the
+//! sync gate `inet harvester_lb_gate` of a `[conntrackd]`); a second daemon
 //! started without VM networks is refused a reload that adds one, the
 //! running config staying in force, and gets it once the first is gone.
 //!
@@ -156,6 +157,32 @@ impl Bed {
         }
     }
 
+    /// `[keepalived]` of daemon `who` with its own files (for a file with
+    /// no network).
+    fn keepalived(&self, who: &str) -> String {
+        keepalived(
+            who,
+            HOST_MGMT,
+            ["192.0.2.4"],
+            &self.dir.join(format!("{who}-keepalived")),
+            "",
+        )
+    }
+
+    /// `[conntrackd]` of daemon `who`, every file its own.
+    fn conntrackd(&self, who: &str) -> String {
+        let d = |f: &str| self.dir.join(format!("{who}-{f}")).display().to_string();
+        format!(
+            "\n[conntrackd]\ninterface = \"mgmt\"\naddress = \"{HOST_MGMT}\"\npeer = \"192.0.2.4\"\nconfig_path = {:?}\nnotify_script = {:?}\nsocket = {:?}\nlock_file = {:?}\nlog_file = {:?}\nstate_directory = {:?}\n",
+            d("conntrackd.conf"),
+            d("notify.sh"),
+            d("ctd.ctl"),
+            d("ctd.lock"),
+            d("ctd.log"),
+            d("state"),
+        )
+    }
+
     fn socket(&self, who: &str) -> PathBuf {
         self.dir.join(format!("{who}.sock"))
     }
@@ -184,9 +211,8 @@ fn backend_of(vip: Ipv4Addr) -> Ipv4Addr {
     Ipv4Addr::new(a, b, c, 21)
 }
 
-/// The host's VM-network objects as the kernel lists them: the guard and
-/// reply-mark tables (handles left out) and the routing rules of both
-/// families.
+/// The host's VM-network objects as the kernel lists them: the guard,
+/// reply-mark and gate tables and the routing rules of both families.
 fn objects(host: &Ns) -> String {
     let table = |name: &str| {
         host.nft_out(&["list", "table", "inet", name])
@@ -200,9 +226,10 @@ fn objects(host: &Ns) -> String {
         String::from_utf8_lossy(&out.stdout).into_owned()
     };
     format!(
-        "{}\n{}\n{}{}",
+        "{}\n{}\n{}\n{}{}",
         table("harvester_lb_vmnet"),
         table("harvester_lb_reply"),
+        table("harvester_lb_gate"),
         rules("-4"),
         rules("-6")
     )
@@ -229,6 +256,19 @@ async fn wait_in_force(d: &DaemonProc, host: &Ns, bridge: &str, vip: Ipv4Addr) -
     .await
 }
 
+/// Waits until daemon `b` exits refusing to start; its log and the host's
+/// objects then.
+async fn refused_to_start(b: &mut DaemonProc, host: &Ns) -> (String, String) {
+    let exit = b.wait_exit(Duration::from_secs(30)).await;
+    let after = objects(host);
+    assert!(
+        exit.is_some_and(|s| !s.success()),
+        "the second daemon did not refuse to start ({exit:?}); the host's objects now:\n{after}\nits log:\n{}",
+        b.log_tail(20)
+    );
+    (b.log(), after)
+}
+
 /// The second daemon's admin port (the first has [`netns::ADMIN_PORT`]).
 const PORT_B: u16 = netns::ADMIN_PORT + 1;
 
@@ -251,14 +291,7 @@ async fn netns_a_second_daemon_with_its_own_vm_network_refuses_to_start_naming_t
 
     let path_b = bed.write("b", &bed.config("b", port_b, Some(("brB", VIP_B))));
     let mut b = bed.spawn("b", &path_b, port_b);
-    let exit = b.wait_exit(Duration::from_secs(30)).await;
-    let after = objects(&bed.host);
-    assert!(
-        exit.is_some_and(|s| !s.success()),
-        "the second daemon did not refuse to start ({exit:?}); the host's objects now:\n{after}\nits log:\n{}",
-        b.log_tail(20)
-    );
-    let log = b.log();
+    let (log, after) = refused_to_start(&mut b, &bed.host).await;
     for named in [
         format!("pid {}", a.pid()),
         format!("config {}", path_a.display()),
@@ -330,4 +363,45 @@ async fn netns_a_reload_that_adds_a_vm_network_another_daemon_holds_is_refused_u
     wait_in_force(&b, &bed.host, "brB", VIP_B).await;
     b.signal(libc::SIGTERM);
     assert!(b.wait_exit(Duration::from_secs(30)).await.is_some());
+}
+
+/// The sync gate (`[conntrackd]`): a second daemon with a `[conntrackd]` of
+/// its own (its own files) and no VM network still needs the gate table
+/// `inet harvester_lb_gate`, which has one name per host: it refuses to
+/// start, naming the first, and the first's gate stays as it was.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn netns_a_second_daemon_with_its_own_conntrackd_is_refused_the_first_s_gate() {
+    require_netns!();
+    let bed = Bed::new();
+    let port = netns::ADMIN_PORT;
+    let path_a = bed.write(
+        "a",
+        &(bed.config("a", port, Some(("brA", VIP_A))) + &bed.conntrackd("a")),
+    );
+    let mut a = bed.spawn("a", &path_a, port);
+    wait_in_force(&a, &bed.host, "brA", VIP_A).await;
+    let before = wait_for(
+        Duration::from_secs(30),
+        "the first's gate table",
+        || async {
+            let o = objects(&bed.host);
+            (!o.contains("(no table harvester_lb_gate)")).then_some(o)
+        },
+    )
+    .await;
+
+    let path_b = bed.write(
+        "b",
+        &(bed.config("b", PORT_B, None) + &bed.keepalived("b") + &bed.conntrackd("b")),
+    );
+    let mut b = bed.spawn("b", &path_b, PORT_B);
+    let (log, after) = refused_to_start(&mut b, &bed.host).await;
+    assert!(
+        log.contains("the sync gate table inet harvester_lb_gate is held by another harvester-lb")
+            && log.contains(&format!("pid {}", a.pid())),
+        "{log}"
+    );
+    assert_eq!(after, before, "the first daemon's objects changed");
+    a.signal(libc::SIGTERM);
+    assert!(a.wait_exit(Duration::from_secs(30)).await.is_some());
 }
