@@ -80,6 +80,11 @@ pub enum StartError {
     /// The admin Unix socket could not be set up.
     #[error(transparent)]
     AdminSocket(#[from] admin::SocketError),
+    /// Another live daemon holds a host object the config needs (the
+    /// VM-network guard, reply-mark or gate table, the VM networks' rules);
+    /// nothing was written.
+    #[error(transparent)]
+    Claimed(#[from] owned::ClaimError),
 }
 
 /// A request to reload the config, answered with the outcome: a summary
@@ -105,6 +110,10 @@ pub enum ReloadError {
     /// The blocking task writing the VIP isolation table ended abnormally.
     #[error("the VIP isolation writer stopped: {0}")]
     IsolationStopped(tokio::task::JoinError),
+    /// The new config needs a host object another live daemon holds
+    /// (`owned::claim`); nothing of it was applied.
+    #[error(transparent)]
+    Claimed(#[from] owned::ClaimError),
 }
 
 /// A running daemon.
@@ -159,6 +168,17 @@ pub async fn start(options: Options) -> Result<Server, StartError> {
         .clone()
         .unwrap_or_else(|| config.admin.socket.clone());
     let unix_socket = admin::AdminSocket::bind(&unix_path)?;
+    // The host objects of one daemon per namespace, also before any kernel
+    // object: a second daemon with [[network]] is refused here, naming the
+    // first, instead of overwriting its guard and rules.
+    daemon.claims().set_identity(owned::claim::Identity::new(
+        &options.config_path,
+        &unix_path,
+    ));
+    daemon
+        .claims()
+        .take_all(&owned::claim::needed(&config))
+        .await?;
     // Before the isolation and the listeners: a load balancer whose VIP is
     // this host's own address or its router's is never written anywhere.
     // First the networks: one whose interface is no VM network's here
@@ -555,7 +575,13 @@ async fn reload(
     let loaded = match read {
         Err(e) => Err(ReloadError::LoaderStopped(e)),
         Ok(Err(e)) => Err(ReloadError::Config(e)),
-        Ok(Ok(mut loaded)) => {
+        Ok(Ok(mut loaded)) => 'claimed: {
+            // Before anything is written: a config that needs another
+            // daemon's object is refused whole (see `owned::claim`).
+            let needed = owned::claim::needed(&loaded.config);
+            if let Err(e) = daemon.claims().take_all(&needed).await {
+                break 'claimed Err(ReloadError::Claimed(e));
+            }
             // Before the isolation and the listeners (see `start`).
             loaded.config = daemon.guard_networks(loaded.config).await;
             loaded.config = daemon.guard_vips(loaded.config).await;

@@ -1114,3 +1114,67 @@ async fn netns_with_sync_connections_survive_a_graceful_stop_and_the_failback() 
     require_tools!();
     survives("ctterm", Fault::GracefulStop).await;
 }
+
+/// Issue 40: a conntrackd started after the daemon wrote its file runs
+/// with that file, so it is never said to run with an older one (the old
+/// comparison with its uptime in whole minutes warned 10 s after every
+/// such start); once the daemon rewrites the file under a running
+/// conntrackd (a reload adds a backend, no `restart_command`), it is said:
+/// logged at warn and `/status` `conntrack_sync.restart_pending`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn netns_conntrackd_started_after_its_file_is_not_said_to_run_an_older_one() {
+    require_tools!();
+    let _one = SERIAL.lock().await;
+    // Each host's conntrackd starts after its daemon wrote the file.
+    let sb = SyncBed::new("ctfresh", true).await;
+    const OLDER: &str = "conntrackd runs with an older file";
+    // Over more than two sync checks (every 10 s) with conntrackd
+    // answering: nothing said on either host.
+    let watched = Instant::now();
+    while watched.elapsed() < Duration::from_secs(25) {
+        for h in &sb.hosts {
+            let d = h.daemon.as_ref().expect("started");
+            let (_, body) = d.get("/status").await.expect("/status");
+            let s: serde_json::Value = serde_json::from_str(&body).expect("JSON");
+            // (null until the first sync check has run)
+            assert_ne!(
+                s["conntrack_sync"]["restart_pending"], true,
+                "host {}: {}",
+                h.name, s["conntrack_sync"]
+            );
+            assert!(
+                !d.log().contains(OLDER),
+                "host {} after {:?}: {}",
+                h.name,
+                watched.elapsed(),
+                d.log_tail(10)
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    // A backend added: host a's daemon rewrites the file, conntrackd still
+    // runs with the one before.
+    let a = &sb.hosts[0];
+    let text = std::fs::read_to_string(&a.config).unwrap();
+    assert!(text.contains("backends = ["), "{text}");
+    std::fs::write(
+        &a.config,
+        text.replacen("backends = [", "backends = [\"198.51.100.99\", ", 1),
+    )
+    .unwrap();
+    let d = a.daemon.as_ref().expect("started");
+    let (code, body) = d.request("POST", "/reload").await.expect("POST /reload");
+    assert_eq!(code, 200, "{body}");
+    d.wait_log("the older file said", |log| log.contains(OLDER))
+        .await;
+    wait_for(
+        Duration::from_secs(30),
+        "restart_pending in /status",
+        || async {
+            let (_, body) = d.get("/status").await.ok()?;
+            let s: serde_json::Value = serde_json::from_str(&body).ok()?;
+            (s["conntrack_sync"]["restart_pending"] == true).then_some(())
+        },
+    )
+    .await;
+}

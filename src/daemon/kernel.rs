@@ -208,20 +208,26 @@ impl Daemon {
         if was == off {
             return false;
         }
-        let has_kernel = self.lock().config.as_ref().is_some_and(|c| {
-            c.load_balancers.iter().any(|lb| {
-                lb.listeners
+        // Said only of a family some kernel listener uses: an ERROR about
+        // IPv6 forwarding on a host with IPv4 kernel listeners alone
+        // misleads (a listener that comes later shows the reason in
+        // `/status` `kernel_error`).
+        let mut used = [false; 2];
+        if let Some(c) = self.lock().config.as_ref() {
+            for lb in &c.load_balancers {
+                if lb
+                    .listeners
                     .iter()
                     .any(|l| l.forwarding == Forwarding::Kernel)
-            })
-        });
-        if !has_kernel {
-            return true;
+                {
+                    used[usize::from(lb.vip.is_ipv6())] = true;
+                }
+            }
         }
         for (family, (now, raw)) in read.iter().enumerate() {
             let sysctl = FORWARDING_SYSCTLS[family];
             let before = forwarding_of(was, family);
-            if before == *now {
+            if before == *now || !used[family] {
                 continue;
             }
             match (now, raw) {

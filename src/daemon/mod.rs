@@ -125,6 +125,10 @@ pub struct Daemon {
     vmnet: vmnet::VmNet,
     /// `[conntrackd]`: conntrackd's file, the notify script, the gate.
     sync: sync::SyncState,
+    /// The claims on the host objects one daemon per namespace may own
+    /// (`owned::claim`): taken at start and reload before the config
+    /// that needs them is applied.
+    claims: crate::owned::Claims,
 }
 
 #[derive(Default)]
@@ -236,6 +240,7 @@ impl Daemon {
             network_refusals: Mutex::new(Vec::new()),
             vmnet: vmnet::VmNet::default(),
             sync: sync::SyncState::default(),
+            claims: crate::owned::Claims::default(),
         })
     }
 
@@ -243,6 +248,11 @@ impl Daemon {
     /// it on a blocking thread, and at stop.
     pub fn isolation(&self) -> &Arc<Isolation> {
         &self.isolation
+    }
+
+    /// This daemon's claims on host objects (see `owned::claim`).
+    pub fn claims(&self) -> &crate::owned::Claims {
+        &self.claims
     }
 
     /// The metric registry.

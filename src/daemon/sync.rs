@@ -148,6 +148,12 @@ impl Daemon {
             *self.sync.report.lock().unwrap_or_else(|p| p.into_inner()) = None;
             return;
         };
+        // Only with the gate's claim (taken at start and reload): another
+        // daemon's gate is never replaced.
+        if let Err(e) = self.claims.hold(crate::owned::Object::SyncGate).await {
+            tracing::error!("[conntrackd]: {e}");
+            return;
+        }
         // The anycast mode (no `[keepalived]`) commits nothing, so it has no
         // gate (docs/many-hosts.md): only a keepalived mode's gate, left by
         // a reload that removed `[keepalived]`, is removed.
@@ -223,11 +229,12 @@ impl Daemon {
                 .await;
         }
         let conf = settings.config_path.clone();
+        let lock = settings.lock_file.clone();
         let (stats, pending) = tokio::task::spawn_blocking(move || {
             let stats = conntrackd_stats(&conf);
             let pending = stats
                 .is_ok()
-                .then(|| conntrackd_restart_pending(&conf))
+                .then(|| conntrackd_restart_pending(&conf, &lock))
                 .flatten();
             (stats, pending)
         })
@@ -498,15 +505,25 @@ fn conntrackd_stats(conf: &Path) -> Result<Stats, String> {
     })
 }
 
-/// Whether conntrackd runs with a file older than the one at `conf` (see
-/// [`conntrackd::restart_pending`]); `None` when it cannot be told.
-fn conntrackd_restart_pending(conf: &Path) -> Option<bool> {
+/// Whether conntrackd runs with a file older than the one at `conf`;
+/// `None` when it cannot be told. conntrackd creates its `lock` file at
+/// start (`O_CREAT | O_EXCL`) and deletes it at exit, so the file's time is
+/// when the running conntrackd started, to the nanosecond: it runs with an
+/// older file exactly when it started before `conf` was last written.
+/// Without the lock file (unreadable), its uptime in whole minutes tells
+/// ([`conntrackd::restart_pending`]). Comparing with the uptime alone
+/// warned about a conntrackd started just after the file (issue 40).
+fn conntrackd_restart_pending(conf: &Path, lock: &Path) -> Option<bool> {
+    let written = std::fs::metadata(conf).ok()?.modified().ok()?;
+    if let Ok(started) = std::fs::metadata(lock).and_then(|m| m.modified()) {
+        return Some(started < written);
+    }
     let unix = |t: std::time::SystemTime| {
         t.duration_since(std::time::UNIX_EPOCH)
             .ok()
             .map(|d| d.as_secs())
     };
-    let written = unix(std::fs::metadata(conf).ok()?.modified().ok()?)?;
+    let written = unix(written)?;
     let now = unix(std::time::SystemTime::now())?;
     let (stdout, _) = conntrackd_ask(conf, &["-s", "runtime"]).ok()?;
     let uptime = conntrackd::parse_uptime_min(&stdout)?;

@@ -30,7 +30,7 @@ use tokio::sync::Notify;
 use super::Daemon;
 use crate::config::Config;
 use crate::metrics::HostKind;
-use crate::owned::{CHECK_INTERVAL, Driver};
+use crate::owned::{CHECK_INTERVAL, Driver, Object};
 use crate::vip::announce::RouteWriter;
 use crate::vip::keepalived::{self, Installed};
 use crate::vip::network::{NetKey, NetworkRoutes, wanted};
@@ -111,9 +111,15 @@ impl Daemon {
                     }
                     None => None,
                 };
-                if let Some(config) = config {
-                    daemon.vmnet_step(&mut inner, &config).await;
+                if let Some(config) = &config {
+                    daemon.vmnet_step(&mut inner, config).await;
                 }
+                // Claims on what is removed by now go (`owned::claim`).
+                let needed = config.as_ref().map(crate::owned::claim::needed);
+                daemon
+                    .claims
+                    .release_unneeded(&needed.unwrap_or_default())
+                    .await;
             }
         });
     }
@@ -181,6 +187,14 @@ impl Daemon {
     /// ready until its guard is in force).
     async fn vmnet_guard(&self, config: &Config) {
         let rules = Rules::of(config);
+        // Only with the table's claim: another daemon's table is never
+        // replaced, nor deleted as a predecessor's leftover.
+        if let Err(e) = self.claims.hold(Object::VmNetworkGuard).await {
+            if !rules.is_empty() {
+                tracing::error!("VM networks: {e}");
+            }
+            return;
+        }
         let guard = Arc::clone(&self.vmnet.guard);
         let metrics = Arc::clone(&self.metrics);
         match tokio::task::spawn_blocking(move || guard.reconcile(rules, &metrics)).await {
@@ -224,6 +238,10 @@ impl Daemon {
         let Some(driver) = inner.routes.as_mut() else {
             return;
         };
+        if let Err(e) = self.claims.hold(Object::NetworkRoutes).await {
+            tracing::error!("VM networks: {e}");
+            return;
+        }
         let mut index_of = BTreeMap::new();
         for net in &config.networks {
             match driver
@@ -274,6 +292,10 @@ impl Daemon {
         want: &BTreeMap<MarkKey, MarkWant>,
     ) {
         if want.is_empty() && slot.as_ref().is_none_or(|d| d.held().next().is_none()) {
+            return;
+        }
+        if let Err(e) = self.claims.hold(Object::ReplyMarks).await {
+            tracing::error!("VM networks' reply marks: {e}");
             return;
         }
         let driver = slot.get_or_insert_with(|| Driver::new(ReplyMarks::new(writer.clone())));

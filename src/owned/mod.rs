@@ -9,7 +9,12 @@
 //! 1. **Single-instance resources first.** The daemon takes its admin port
 //!    and its locked admin socket before it writes any kernel object, so a
 //!    second daemon fails before it touches the first one's (see
-//!    `server::start`); a start that fails after a write undoes it.
+//!    `server::start`); a start that fails after a write undoes it. The
+//!    objects named by the host rather than by the config (the VM-network,
+//!    reply-mark and gate tables, the VM networks' rules, an announce
+//!    table) are [`claim`]ed the same way: a second daemon that needs one
+//!    another holds refuses to start, naming the first, and a reload
+//!    that newly needs one is refused.
 //! 2. **Remember what was written**, as the kernel showed it right after
 //!    the write.
 //! 3. **Check and repair.** At every reload and on a timer the object is
@@ -64,8 +69,10 @@
 use std::fmt;
 use std::time::Duration;
 
+pub mod claim;
 pub mod driver;
 
+pub use claim::{Claim, ClaimError, Claims, Object};
 pub use driver::{Backend, Driver, Found, Outcome, StopPhase};
 
 /// How often owned kernel objects are read back and compared.

@@ -68,14 +68,14 @@ pub enum AnnounceError {
     NoInterface(String),
     /// Another live process holds the table's claim ([`TableClaim`]).
     #[error(
-        "table {table} is announced into by another harvester-lb in this network namespace{}; two daemons in one table would delete each other's routes, so this one announces nothing there until it is gone: give each daemon its own vip.announce_table",
-        holder.map(|p| format!(" (pid {p})")).unwrap_or_default()
+        "table {table} is announced into by another harvester-lb in this network namespace ({holder}); two daemons in one table would delete each other's routes, so this one announces nothing there until it is gone: give each daemon its own vip.announce_table"
     )]
     TableInUse {
         /// The table.
         table: u32,
-        /// The holder's pid, when the kernel told it.
-        holder: Option<i32>,
+        /// Who holds it: its pid, config file and admin socket, as far
+        /// as they could be learned.
+        holder: crate::owned::claim::Holder,
     },
     /// `vip.announce_interface` is an interface that carries traffic.
     #[error(
@@ -477,6 +477,7 @@ fn host_routes(
             seen: SeenRoute {
                 interface,
                 protocol: protocol_number(m.header.protocol),
+                metric: priority_of(m),
             },
             marked: ours(m),
         };
@@ -529,6 +530,9 @@ pub struct SeenRoute {
     pub interface: Option<u32>,
     /// The route's protocol (ours is [`ROUTE_PROTOCOL`]).
     pub protocol: u8,
+    /// The route's metric: for a local route of ours, the announce table
+    /// of the daemon that wrote it (so a warning can name that daemon).
+    pub metric: u32,
 }
 
 impl Backend for RouteTable {
@@ -647,7 +651,7 @@ pub struct Withdrawn {
 /// order of a clean stop); with one, [`AnnounceError::TableInUse`] and
 /// nothing is deleted.
 pub async fn withdraw_all(table: u32) -> Result<Withdrawn, AnnounceError> {
-    let _claim = TableClaim::take(table)?;
+    let _claim = TableClaim::take(table, &crate::owned::claim::Identity::default()).await?;
     let writer = RouteWriter::connect()?;
     let routes = writer.flush(table).await?;
     let mut local = Vec::new();
@@ -661,75 +665,42 @@ pub async fn withdraw_all(table: u32) -> Result<Withdrawn, AnnounceError> {
 }
 
 /// This process's claim on announcing table `table` in its network
-/// namespace: an abstract Unix socket `harvester-lb/announce-table/N`
-/// bound and listening. The kernel keeps one such name per network
-/// namespace and removes it when the process ends (even by `SIGKILL`), so
-/// the claim never outlives its holder and needs no file. Dropped, it is
-/// released.
+/// namespace: a [`crate::owned::Claim`] on
+/// [`crate::owned::Object::AnnounceTable`] (an abstract Unix socket
+/// `harvester-lb/announce-table/N` bound and listening). The kernel keeps
+/// one such name per network namespace and removes it when the process
+/// ends (even by `SIGKILL`), so the claim never outlives its holder and
+/// needs no file. Dropped, it is released.
 #[derive(Debug)]
 pub struct TableClaim {
     table: u32,
-    /// Accepts (and closes) the connections of those asking who holds it.
-    task: tokio::task::JoinHandle<()>,
+    _claim: crate::owned::Claim,
 }
 
 impl TableClaim {
-    fn name(table: u32) -> String {
-        format!("harvester-lb/announce-table/{table}")
-    }
-
-    /// Takes the claim on `table`; [`AnnounceError::TableInUse`] when
-    /// another live process holds it. Needs a tokio runtime.
-    pub fn take(table: u32) -> Result<Self, AnnounceError> {
-        use std::os::linux::net::SocketAddrExt;
-        let addr = std::os::unix::net::SocketAddr::from_abstract_name(Self::name(table))
-            .map_err(AnnounceError::Socket)?;
-        let listener = match std::os::unix::net::UnixListener::bind_addr(&addr) {
-            Ok(l) => l,
-            Err(e) if e.kind() == std::io::ErrorKind::AddrInUse => {
-                return Err(AnnounceError::TableInUse {
-                    table,
-                    holder: Self::holder(&addr),
-                });
+    /// Takes the claim on `table`, telling askers `identity`;
+    /// [`AnnounceError::TableInUse`] when another live process holds it.
+    /// Needs a tokio runtime.
+    pub async fn take(
+        table: u32,
+        identity: &crate::owned::claim::Identity,
+    ) -> Result<Self, AnnounceError> {
+        use crate::owned::{Claim, ClaimError, Object};
+        match Claim::take(Object::AnnounceTable(table), identity).await {
+            Ok(claim) => Ok(Self {
+                table,
+                _claim: claim,
+            }),
+            Err(ClaimError::InUse { holder, .. }) => {
+                Err(AnnounceError::TableInUse { table, holder })
             }
-            Err(e) => return Err(AnnounceError::Socket(e)),
-        };
-        listener
-            .set_nonblocking(true)
-            .map_err(AnnounceError::Socket)?;
-        let listener =
-            tokio::net::UnixListener::from_std(listener).map_err(AnnounceError::Socket)?;
-        let task = tokio::spawn(async move {
-            loop {
-                match listener.accept().await {
-                    Ok((stream, _)) => drop(stream),
-                    Err(e) => {
-                        tracing::debug!(table, error = %e, "announce table claim: accept failed");
-                        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
-                    }
-                }
-            }
-        });
-        Ok(Self { table, task })
-    }
-
-    /// The pid of the process listening on `addr` (`SO_PEERCRED`).
-    fn holder(addr: &std::os::unix::net::SocketAddr) -> Option<i32> {
-        let stream = std::os::unix::net::UnixStream::connect_addr(addr).ok()?;
-        stream.set_nonblocking(true).ok()?;
-        let stream = tokio::net::UnixStream::from_std(stream).ok()?;
-        stream.peer_cred().ok()?.pid()
+            Err(ClaimError::Socket { source, .. }) => Err(AnnounceError::Socket(source)),
+        }
     }
 
     /// The table claimed.
     pub fn table(&self) -> u32 {
         self.table
-    }
-}
-
-impl Drop for TableClaim {
-    fn drop(&mut self) {
-        self.task.abort();
     }
 }
 
@@ -790,7 +761,8 @@ mod tests {
             one.seen,
             SeenRoute {
                 interface: Some(1),
-                protocol: ROUTE_PROTOCOL
+                protocol: ROUTE_PROTOCOL,
+                metric: 100,
             }
         );
     }

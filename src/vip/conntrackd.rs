@@ -729,14 +729,16 @@ pub fn parse_uptime_min(text: &str) -> Option<u64> {
         .and_then(|n| n.parse().ok())
 }
 
-/// Whether conntrackd may still run with a file older than the one written
+/// Whether conntrackd surely runs with a file older than the one written
 /// at `written` (Unix seconds): it reads its file only at start, and its
-/// uptime has minute steps, so it counts as started at the earliest time
-/// its uptime allows. A restart after the write clears this within a
-/// minute; a conntrackd started before it keeps it set (its filter lacks
-/// the backends added since: their flows are not synced).
+/// uptime has minute steps, so it counts as started at the latest time its
+/// uptime allows; a conntrackd started within the minute before the write
+/// is told within a minute, one started after it never (its filter lacks
+/// the backends added since the write: their flows are not synced). The
+/// daemon asks this only when conntrackd's lock file, whose time is its
+/// exact start, cannot be read.
 pub fn restart_pending(written: u64, now: u64, uptime_min: u64) -> bool {
-    now.saturating_sub((uptime_min + 1) * 60) < written
+    now.saturating_sub(uptime_min * 60) < written
 }
 
 /// Why conntrackd's file could not be written or conntrackd not restarted.
@@ -1109,10 +1111,12 @@ backends = ["{backend}"]
         assert!(restart_pending(now - 300, now, 12));
         // Written 20 min ago, started at most 13 min ago: it read it.
         assert!(!restart_pending(now - 1200, now, 12));
-        // Uptime 0 min and the file 30 s old: it may have started before
-        // the write (uptime has minute steps), so pending for now.
-        assert!(restart_pending(now - 30, now, 0));
-        assert!(!restart_pending(now - 61, now, 0));
+        // Uptime 0 min and the file 30 s old: it may have started after
+        // the write (uptime has minute steps), so not said (issue 40: a
+        // conntrackd started after the file was warned about).
+        assert!(!restart_pending(now - 30, now, 0));
+        // Uptime 1 min (60-119 s) and the file 30 s old: surely before.
+        assert!(restart_pending(now - 30, now, 1));
     }
 
     #[test]

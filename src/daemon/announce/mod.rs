@@ -10,9 +10,9 @@
 //! kernel to match. It wakes on every publish of a load balancer (a health
 //! flip, an operator's drain; forwarded by the kernel-table task) and every
 //! apply, and once a second for what publishes nothing (a listener bound by
-//! a retry); every [`crate::owned::CHECK_INTERVAL`] it reads the table back
-//! and repairs it (a route of ours deleted by hand comes back, one no VIP
-//! wants goes).
+//! a retry); every step reads the table back and repairs it (a route of
+//! ours deleted by hand comes back, one no VIP wants goes), and the VIPs'
+//! local routes at most once a second.
 //!
 //! One table, one daemon: the first step takes the table's claim
 //! ([`crate::vip::announce::TableClaim`]); while another live daemon in this
@@ -64,6 +64,9 @@ const DEFAULT_DELAY_WITHOUT_CHECKS: Duration = Duration::from_secs(3);
 const PERIODS_PER_DELAY: u32 = 3;
 /// How often the conditions are read with no wake-up.
 const POLL: Duration = Duration::from_secs(1);
+/// The protocol of the routes the kernel makes itself (an address's local
+/// route): `RTPROT_KERNEL`.
+const RTPROT_KERNEL: u8 = 2;
 
 /// The operator's marks: a drained host, drained VIPs.
 #[derive(Debug, Default)]
@@ -438,12 +441,16 @@ impl Daemon {
         let wanted = self.vip_conditions(&settings);
 
         // The local routes: every VIP of the file, announced or not; read
-        // back and repaired every CHECK_INTERVAL (or at once when the set
-        // changed or the last sync failed).
+        // back and repaired as often as the announce routes, once a second
+        // (or at once when the set changed or the last sync failed): an
+        // announced VIP without its local route draws traffic the host
+        // does not accept, so a route another program deleted must not
+        // wait for the 10 s check (42-54 of ~100 new connections timed out
+        // in that window).
         let vips: BTreeSet<IpAddr> = wanted.keys().copied().collect();
         let check = inner
             .last_check
-            .is_none_or(|t| now.saturating_duration_since(t) >= crate::owned::CHECK_INTERVAL);
+            .is_none_or(|t| now.saturating_duration_since(t) >= POLL);
         if check {
             inner.last_check = Some(now);
         }
@@ -498,13 +505,34 @@ impl Daemon {
             .iter()
             .filter(|(v, _)| !inner.local_elsewhere.contains(v))
         {
-            tracing::warn!(
-                %vip,
-                protocol = seen.protocol,
-                "vip.announce: {vip} is already local on this host through a route this daemon did not write (protocol {}: an address on an interface?); left alone and not removed at stop. With FRR as the BGP speaker an address hides the announcement: remove it (`ip addr del {vip}/{} dev lo`) and the daemon makes the VIP local itself",
-                seen.protocol,
-                if vip.is_ipv4() { 32 } else { 128 }
-            );
+            let len = if vip.is_ipv4() { 32 } else { 128 };
+            match seen.protocol {
+                // Another daemon's AnyIP route: its metric is its table.
+                crate::config::ROUTE_PROTOCOL => tracing::warn!(
+                    %vip,
+                    protocol = seen.protocol,
+                    metric = seen.metric,
+                    "vip.announce: {vip} is already local on this host through another harvester-lb's local route (the daemon announcing into table {}, the route's metric); left alone, not removed at stop: that daemon removes it when it stops or its {vip} leaves its file, and this one makes the VIP local itself then",
+                    seen.metric
+                ),
+                // The kernel's own: an address on an interface.
+                RTPROT_KERNEL => tracing::warn!(
+                    %vip,
+                    protocol = seen.protocol,
+                    "vip.announce: {vip} is already local on this host because it is an address of an interface (the kernel's route, protocol {}); left alone and not removed at stop. With FRR as the BGP speaker an address hides the announcement: remove it (`ip addr del {vip}/{len} dev <interface>`; `ip -o addr show to {vip}` names it) and the daemon makes the VIP local itself",
+                    seen.protocol
+                ),
+                _ => tracing::warn!(
+                    %vip,
+                    protocol = seen.protocol,
+                    metric = seen.metric,
+                    "vip.announce: {vip} is already local on this host through a local route another program wrote (protocol {}, metric {}); left alone and not removed at stop. With FRR as the BGP speaker it may hide the announcement: delete it (`ip route del local {vip}/{len} table local proto {} metric {}`) and the daemon makes the VIP local itself",
+                    seen.protocol,
+                    seen.metric,
+                    seen.protocol,
+                    seen.metric
+                ),
+            }
         }
         inner.local_elsewhere = now;
     }
@@ -543,7 +571,7 @@ impl Daemon {
         // of it is deleted (its routes are its own).
         if inner.claim.as_ref().map(TableClaim::table) != Some(settings.table) {
             inner.claim = None;
-            match TableClaim::take(settings.table) {
+            match TableClaim::take(settings.table, &self.claims.identity()).await {
                 Ok(c) => inner.claim = Some(c),
                 Err(e) => {
                     self.note_error(
@@ -1246,6 +1274,7 @@ mod tests {
             seen: SeenRoute {
                 interface: Some(interface),
                 protocol: crate::config::ROUTE_PROTOCOL,
+                metric: 0,
             },
             marked: true,
         }
