@@ -459,8 +459,10 @@ pub fn render_script(config: &Config) -> Option<String> {
         // No transitions, so nothing for a script to do.
         return None;
     }
-    let conf = c.config_path.display();
-    let dir = c.state_directory.display();
+    // Quoted whatever they hold (`check` refuses all but
+    // `[A-Za-z0-9._/-]` in them, so this is the second line of defence).
+    let conf = shell_quote(&c.config_path.display().to_string());
+    let dir = shell_quote(&c.state_directory.display().to_string());
     // Each instance's VIPs of kernel listeners: their flows are deleted
     // before the commit (see the MASTER case).
     let mut by_vrid: std::collections::BTreeMap<u32, Vec<Ipv4Addr>> = Default::default();
@@ -485,6 +487,9 @@ pub fn render_script(config: &Config) -> Option<String> {
 # instance's VIPs until the commit is done. docs/vip.md, "Open connections
 # across a VIP's move".
 PATH=/usr/sbin:/usr/bin:/sbin:/bin
+# The state files are for the daemon to read, which runs as another user
+# (keepalived's own umask would make them root's alone).
+umask 022
 CONF={conf}
 DIR={dir}
 [ "$1" = INSTANCE ] || exit 0
@@ -596,6 +601,12 @@ record "$3"
 exit 0
 "#
     ))
+}
+
+/// `value` as one word of `sh`, taken literally: in single quotes, each
+/// `'` as `'\''`.
+pub fn shell_quote(value: &str) -> String {
+    format!("'{}'", value.replace('\'', "'\\''"))
 }
 
 /// What the notify script recorded for one instance (`state_directory/<vrid>`).
@@ -907,7 +918,10 @@ backends = ["{backend}"]
         let open = master.find("gate_open").unwrap();
         let flush = master.find("ctd -f").unwrap();
         assert!(commit < open && open < flush, "{master}");
-        assert!(s.contains("CONF=/etc/conntrackd/conntrackd.conf\n"), "{s}");
+        assert!(
+            s.contains("CONF='/etc/conntrackd/conntrackd.conf'\n"),
+            "{s}"
+        );
         // Every conntrackd call names the file.
         for line in s.lines().filter(|l| l.contains("conntrackd ")) {
             assert!(
@@ -940,6 +954,12 @@ backends = ["{backend}"]
 
     impl Sandbox {
         fn new(name: &str) -> Sandbox {
+            Sandbox::with_state_directory(name, "state")
+        }
+
+        /// As [`Sandbox::new`], the state directory `state` under its
+        /// directory (any text: `check` is not asked).
+        fn with_state_directory(name: &str, state: &str) -> Sandbox {
             let dir =
                 std::env::temp_dir().join(format!("hlb-notify-{name}-{}", std::process::id()));
             let _ = std::fs::remove_dir_all(&dir);
@@ -957,7 +977,7 @@ backends = ["{backend}"]
                 std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
             }
             let mut config = parse(&keepalived_text()).expect("valid").config;
-            config.conntrackd.as_mut().unwrap().state_directory = dir.join("state");
+            config.conntrackd.as_mut().unwrap().state_directory = dir.join(state);
             let text = render_script(&config)
                 .unwrap()
                 .replace(
@@ -1006,6 +1026,49 @@ backends = ["{backend}"]
         fn drop(&mut self) {
             let _ = std::fs::remove_dir_all(&self.dir);
         }
+    }
+
+    /// Issue 40, defect 10: a path with shell metacharacters (which
+    /// `check` refuses; here the settings are made directly) is one
+    /// literal word of the script: nothing in it runs.
+    #[test]
+    fn a_path_in_the_notify_script_is_data_never_commands() {
+        if std::process::Command::new("flock")
+            .arg("-V")
+            .output()
+            .is_err()
+        {
+            eprintln!("skipped: no flock (util-linux)");
+            return;
+        }
+        let odd = "s;touch PWNED;:$(touch PWNED2)`touch PWNED3`'q'(";
+        let sandbox = Sandbox::with_state_directory("quoted", odd);
+        let out = std::process::Command::new("sh")
+            .arg(&sandbox.script)
+            .args(["INSTANCE", "hlb_0", "FAULT", "100"])
+            .current_dir(&sandbox.dir)
+            .output()
+            .expect("sh");
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        for made in ["PWNED", "PWNED2", "PWNED3"] {
+            assert!(
+                !sandbox.dir.join(made).exists(),
+                "the path's text ran as a command ({made})"
+            );
+        }
+        // The state went to the directory of that literal name.
+        let r = parse_recorded(&std::fs::read_to_string(sandbox.dir.join(odd).join("0")).unwrap())
+            .unwrap();
+        assert_eq!(r.state, "FAULT");
+        assert_eq!(
+            shell_quote("a'b"),
+            "'a'\\''b'",
+            "a quote ends the word, is escaped, and the word goes on"
+        );
     }
 
     #[test]
