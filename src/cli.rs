@@ -119,6 +119,44 @@ pub fn check(path: &Path) -> ExitCode {
     }
 }
 
+/// `harvester-lb vrrp-install`: root's half of the hand-off
+/// (`harvester_lb::vip::handoff`), one line per file set on stdout.
+pub fn vrrp_install(path: &Path, from: &Path) -> ExitCode {
+    use harvester_lb::vip::handoff::{self, Outcome};
+    let loaded = match config::load(path) {
+        Ok(l) => l,
+        Err(e) => {
+            eprintln!("{e}");
+            eprintln!(
+                "harvester-lb vrrp-install: nothing installed (the daemon keeps its config in force too)"
+            );
+            return ExitCode::from(EXIT_CONFIG);
+        }
+    };
+    match handoff::install(&loaded.config, from) {
+        Ok(outcomes) => {
+            for (what, outcome) in [("keepalived", outcomes.0), ("conntrackd", outcomes.1)] {
+                let said = match outcome {
+                    Outcome::NotConfigured => continue,
+                    Outcome::Waiting => format!(
+                        "the daemon's copy in {} is not what {} renders (not applied yet): nothing installed",
+                        from.display(),
+                        path.display()
+                    ),
+                    Outcome::Unchanged => "up to date".to_string(),
+                    Outcome::Installed(said) => said,
+                };
+                println!("{what}: {said}");
+            }
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("harvester-lb vrrp-install: {e}");
+            ExitCode::from(EXIT_START)
+        }
+    }
+}
+
 /// `harvester-lb import`: says what the import says, in order (messages
 /// on stderr, the config on stdout), and exits with its code.
 pub fn import(args: &import::Args) -> ExitCode {

@@ -28,9 +28,10 @@
 //!   never the VIP; so the backends' addresses select exactly the flows
 //!   our NAT made (listing the VIP under `Ignore`, as the shipped example
 //!   does, excludes nothing). TCP and UDP only.
-//! - **`HashSize` above 8192** (see `config::MIN_HASH_SIZE`), `Systemd off`
-//!   unless run by its unit (the file does not know; `off` works under a
-//!   `Type=simple` unit too), its own `LockFile`, `UNIX { Path }` and
+//! - **`HashSize` above 8192** (see `config::MIN_HASH_SIZE`), `Systemd on`
+//!   (Debian's `conntrackd.service` is `Type=notify`: with `off` its start
+//!   waits for a `READY=1` that never comes and fails; outside systemd, with
+//!   no `NOTIFY_SOCKET`, `on` does nothing), its own `LockFile`, `UNIX { Path }` and
 //!   `LogFile`, so two conntrackd on one machine (tests) never meet, and
 //!   **`-C FILE` on every control call**: without it conntrackd talks to
 //!   the default socket, maybe another one's.
@@ -404,7 +405,7 @@ pub fn render_conf(config: &Config) -> Option<String> {
          \t}}\n\
          }}\n\
          General {{\n\
-         \tSystemd {systemd}\n\
+         \tSystemd on\n\
          \tHashSize {hash}\n\
          \tHashLimit {limit}\n\
          \tLogFile {log}\n\
@@ -432,7 +433,6 @@ pub fn render_conf(config: &Config) -> Option<String> {
         lock = c.lock_file.display(),
         socket = c.socket.display(),
         anycast_ftfw = if anycast(config) { ANYCAST_FTFW } else { "" },
-        systemd = if anycast(config) { "on" } else { "off" },
     );
     let addresses = if anycast(config) {
         anycast_addresses(config)
@@ -889,7 +889,7 @@ backends = ["{backend}"]
             "\tMode FTFW {\n\t\tPurgeTimeout 15\n",
             "\t\tIPv4_address 10.99.0.1\n\t\tIPv4_Destination_Address 10.99.0.2\n\t\tPort 3780\n\t\tInterface sync0\n",
             "\tHashSize 32768\n",
-            "\tSystemd off\n",
+            "\tSystemd on\n",
             "\t\tPath /run/hlb/ctd.ctl\n",
             "\t\tAddress Accept {\n\t\t\tIPv4_address 10.100.0.21\n\t\t\tIPv4_address 10.100.0.22\n\t\t}",
             "\t\t\tTCP\n\t\t\tUDP\n",
@@ -1244,7 +1244,7 @@ backends = ["{backend}"]
         assert_eq!(anycast_table(&keepalived), None);
         let conf = render_conf(&keepalived).unwrap();
         assert!(
-            !conf.contains("DisableExternalCache") && conf.contains("\tSystemd off\n"),
+            !conf.contains("DisableExternalCache") && conf.contains("\tSystemd on\n"),
             "{conf}"
         );
     }

@@ -324,6 +324,9 @@ pub enum Installed {
     /// Not written: the file there is not the daemon's (its first line is
     /// not [`HEADER`]), so it is someone else's now and left alone.
     NotOurs,
+    /// Under the shipped unit: written to the hand-off directory for root
+    /// to install (`vip::handoff`); nobody told by the daemon.
+    HandedOff,
 }
 
 /// Writes `text` to `settings.config_path` when it differs from what is
