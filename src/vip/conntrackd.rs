@@ -750,7 +750,7 @@ pub fn restart_pending(written: u64, now: u64, uptime_min: u64) -> bool {
 pub enum ConntrackdError {
     /// A file could not be written.
     #[error(
-        "cannot write {path}: {source} (conntrackd.config_path / conntrackd.notify_script; the daemon needs write access to their directories)"
+        "cannot write {path}: {source} (conntrackd.config_path / conntrackd.notify_script; the daemon needs write access to their directories; under the shipped unit it has none: install the vrrp.conf drop-in, docs/vip.md \"Under the shipped unit\")"
     )]
     Write {
         /// The file.

@@ -263,7 +263,7 @@ fn advert_text(k: &KeepalivedSettings) -> String {
 pub enum KeepalivedError {
     /// The file or its temporary copy could not be written.
     #[error(
-        "cannot write keepalived's configuration {path}: {source} (keepalived.config_path; the daemon needs write access to its directory)"
+        "cannot write keepalived's configuration {path}: {source} (keepalived.config_path; the daemon needs write access to its directory; under the shipped unit it has none: install the vrrp.conf drop-in, docs/vip.md \"Under the shipped unit\")"
     )]
     Write {
         /// The file.
