@@ -120,6 +120,9 @@ declare -A source_of=(
     [/usr/lib/systemd/system/harvester-lb-import.service]=systemd/harvester-lb-import.service
     [/usr/lib/systemd/system/harvester-lb-import.service.d/10-package.conf]=packaging/systemd/harvester-lb-import.service.d/10-package.conf
     [/usr/lib/systemd/system/harvester-lb-import.timer]=systemd/harvester-lb-import.timer
+    [/usr/lib/systemd/system/harvester-lb-vrrp.path]=systemd/harvester-lb-vrrp.path
+    [/usr/lib/systemd/system/harvester-lb-vrrp.service]=systemd/harvester-lb-vrrp.service
+    [/usr/lib/systemd/system/harvester-lb-vrrp.service.d/10-package.conf]=packaging/systemd/harvester-lb-vrrp.service.d/10-package.conf
     [/usr/share/harvester-lb/prometheus/harvester-lb.rules.yml]=config/prometheus/harvester-lb.rules.yml
     [/usr/share/harvester-lb/grafana/harvester-lb.json]=config/grafana/harvester-lb.json
     [/usr/share/doc/harvester-lb/README.md]=README.md
@@ -177,7 +180,7 @@ echo "${#source_of[@]} files, each identical to its source"
 
 # --- 4. the package's drop-ins run the unit's command lines -----------------------
 step "drop-ins against the units"
-for unit in harvester-lb.service harvester-lb-import.service; do
+for unit in harvester-lb.service harvester-lb-import.service harvester-lb-vrrp.service; do
     want=$(grep -E '^Exec[A-Za-z]+=' "systemd/$unit" | sed 's#/usr/local/bin/harvester-lb#/usr/bin/harvester-lb#g')
     got=$(grep -E '^Exec[A-Za-z]+=.' "packaging/systemd/$unit.d/10-package.conf")
     if [[ $want != "$got" ]]; then
@@ -199,7 +202,7 @@ if command -v systemd-analyze >/dev/null 2>&1; then
     # The host's units (network-online.target & co) beside the package's.
     cp -an "$host_units/." "$work/root/usr/lib/systemd/system/"
     install -D -m 0755 /bin/bash "$work/root/bin/bash"
-    for unit in harvester-lb.service harvester-lb-import.service harvester-lb-import.timer; do
+    for unit in harvester-lb.service harvester-lb-import.service harvester-lb-import.timer harvester-lb-vrrp.path harvester-lb-vrrp.service; do
         out=$(systemd-analyze verify --root="$work/root" "$unit" 2>&1) || { echo "$out"; bad "verify $unit exited non-zero"; continue; }
         if [[ -n $out ]]; then
             echo "$out"

@@ -33,6 +33,14 @@
 #   stop      drains (a connection open through the proxy is answered
 #             before the exit 0), ExecStopPost ran, and every table,
 #             route, address and the runtime directory is gone
+#   vrrp.conf [keepalived], [[network]] and [conntrackd] under the unit
+#             with vip.conf and vrrp.conf, keepalived and conntrackd as
+#             Debian packages them: the daemon hands its files off, the
+#             root oneshot installs keepalived.conf, conntrackd.conf and
+#             the notify script (root's), keepalived holds the VIP on the
+#             VM network's bridge, the notify script's state is readable by
+#             the daemon, and a reload that adds a VIP reaches keepalived
+#             (the new VIP held); nothing logs "Read-only file system"
 #
 # Traffic goes only to 127.0.0.1 and to addresses inside the container's
 # private network namespace and the two namespaces this script makes in it.
@@ -66,6 +74,13 @@ fail() {
     if [[ -n ${cpid:-} ]] && kill -0 "$cpid" 2>/dev/null; then
         echo "--- journalctl -u harvester-lb (last 40 lines) ---" >&2
         inside journalctl -u harvester-lb --no-pager -n 40 >&2 || true
+        if [[ -n ${vrrp_diag:-} ]]; then
+            echo "--- keepalived, conntrackd, harvester-lb-vrrp (last 20 lines each), the sync state, the gate ---" >&2
+            inside journalctl -u keepalived -u conntrackd -u harvester-lb-vrrp --no-pager -n 60 >&2 || true
+            inside sh -c 'head -n 20 /run/harvester-lb-sync/*' >&2 || true
+            inside nft list table inet harvester_lb_gate >&2 || true
+            api /status | python3 -c "import json,sys; print(json.load(sys.stdin).get('conntrack_sync'))" >&2 || true
+        fi
     fi
     exit 1
 }
@@ -89,7 +104,7 @@ done
 # What the root holds: systemd, and what the checks use. The package's own
 # dependencies (nftables, netbase) are in the list too; the install check
 # below fails if the package declares one this list lacks.
-include=systemd,systemd-sysv,libnss-systemd,dbus,nftables,iproute2,curl,python3,procps,conntrack,netbase
+include=systemd,systemd-sysv,libnss-systemd,dbus,nftables,iproute2,curl,python3,procps,conntrack,netbase,keepalived,conntrackd
 suite=bookworm
 mirror=${DEBIAN_MIRROR:-}
 if [[ -z $mirror ]]; then
@@ -138,8 +153,8 @@ cleanup() {
     if [[ -n $cpid ]] && kill -0 "$cpid" 2>/dev/null; then
         # The namespaces this script made in the container, and its daemon
         # (ExecStopPost withdraws what the daemon announced).
-        inside systemctl stop harvester-lb.service hlb-backend.service hlb-held.service >/dev/null 2>&1
-        for ns in hlbc hlbn; do inside ip netns delete "$ns" >/dev/null 2>&1; done
+        inside systemctl stop harvester-lb.service hlb-backend.service hlb-held.service keepalived.service conntrackd.service >/dev/null 2>&1
+        for ns in hlbc hlbn hlbm hlbv; do inside ip netns delete "$ns" >/dev/null 2>&1; done
     fi
     if [[ -n $nspawn_pid ]] && kill -0 "$nspawn_pid" 2>/dev/null; then
         # SIGTERM: nspawn asks the container's systemd to power off.
@@ -527,5 +542,126 @@ step "journal: -p warning holds no info line"
 journal_since "$t_stop" -p info | grep -q "draining open ones" || fail "the info line 'draining open ones' is not in -p info"
 if journal_since "$t_stop" -p warning | grep -q "draining open ones"; then fail "an info line ('draining open ones') shows under -p warning"; fi
 ok "info at 6, warnings and errors at 4 and 3"
+
+# --- keepalived and conntrackd under the unit (vrrp.conf) ------------------------------------------
+step "vrrp.conf: [keepalived], [[network]], [conntrackd] under the unit, keepalived and conntrackd as packaged"
+# The management segment (VRRP unicast, the conntrackd sync) to a peer
+# address in namespace hlbm (nothing answers: this host stays master), and
+# the VM network: the bridge vmbr0 with a VM (namespace hlbv) on a port.
+inside ip netns add hlbm
+inside ip netns add hlbv
+inside ip link add mgmt0 type veth peer name eth0 netns hlbm
+inside ip addr add 192.0.2.11/24 dev mgmt0
+inside ip link set mgmt0 up
+inside ip netns exec hlbm ip addr add 192.0.2.12/24 dev eth0
+inside ip netns exec hlbm ip link set eth0 up
+inside ip link add vmbr0 type bridge
+inside ip link add vmv0 type veth peer name eth0 netns hlbv
+inside ip link set vmv0 master vmbr0
+inside ip link set vmv0 up
+inside ip link set vmbr0 up
+inside ip netns exec hlbv ip link set lo up
+inside ip netns exec hlbv ip addr add 10.100.0.30/24 dev eth0
+inside ip netns exec hlbv ip link set eth0 up
+# As the packages leave them: keepalived's unit does not start without a
+# file (ConditionFileNotEmpty), conntrackd's runs on Debian's own file.
+inside systemctl stop keepalived.service conntrackd.service >/dev/null 2>&1 || true
+vrrp_diag=1
+inside cp /usr/share/harvester-lb/systemd/harvester-lb.service.d/vrrp.conf /etc/systemd/system/harvester-lb.service.d/vrrp.conf
+inside systemctl daemon-reload
+expect_show Environment HARVESTER_LB_VRRP_HANDOFF=/run/harvester-lb/vrrp "with vrrp.conf"
+vrrp_config() {
+    cat <<EOF
+[admin]
+listen = "127.0.0.1:9901"
+
+[keepalived]
+name = "boot-a"
+address = "192.0.2.11"
+interface = "mgmt0"
+peers = ["192.0.2.12"]
+instances = 1
+
+[conntrackd]
+restart_command = ["/usr/bin/systemctl", "restart", "conntrackd.service"]
+
+[[network]]
+name = "default/vm"
+interface = "vmbr0"
+prefix_length = 24
+gateway = "10.100.0.1"
+EOF
+    local vip
+    for vip in "$@"; do
+        cat <<EOF
+
+[[load_balancer]]
+name = "default/lb-$vip"
+vip = "$vip"
+network = "default/vm"
+algorithm = "flow_hash"
+backends = ["203.0.113.21"]
+
+  [[load_balancer.listener]]
+  name = "http"
+  port = 80
+  backend_port = 30080
+  forwarding = "kernel"
+  source_nat = "vip"
+EOF
+    done
+}
+vrrp_config 10.100.0.50 | write_config
+inside harvester-lb check --config /etc/harvester-lb/config.toml >"$run/check.log" 2>&1 || { cat "$run/check.log"; fail "check refuses the keepalived config"; }
+t_vrrp=$(now)
+inside systemctl start harvester-lb || fail "start with vip.conf and vrrp.conf failed"
+file_has() { inside grep -qF -- "$2" "$1"; }
+wait_until 30 "keepalived.conf installed by harvester-lb-vrrp.service with 10.100.0.50" \
+    file_has /etc/keepalived/keepalived.conf "10.100.0.50/32 dev vmbr0"
+wait_until 30 "conntrackd.conf installed" file_has /etc/conntrackd/conntrackd.conf "Written by harvester-lb"
+wait_until 30 "the notify script installed" file_has /etc/keepalived/harvester-lb-sync.sh "Written by harvester-lb"
+for f in /etc/keepalived/keepalived.conf:644 /etc/conntrackd/conntrackd.conf:644 /etc/keepalived/harvester-lb-sync.sh:700; do
+    got=$(inside stat -c '%U:%G %a' "${f%:*}")
+    [[ $got == "root:root ${f##*:}" ]] || fail "${f%:*} is $got, want root:root ${f##*:}"
+done
+inside test -f /run/harvester-lb/vrrp/keepalived.conf || fail "the daemon's hand-off copy /run/harvester-lb/vrrp/keepalived.conf is missing"
+inside cmp -s /run/harvester-lb/vrrp/keepalived.conf /etc/keepalived/keepalived.conf || fail "root's keepalived.conf is not the daemon's rendering"
+ok "installed by root: $(inside journalctl -u harvester-lb-vrrp --no-pager -o cat --since "@$t_vrrp" | grep -E '^(keepalived|conntrackd):' | tr '\n' ';' | cut -c1-300)"
+conntrackd_active() { inside systemctl is-active --quiet conntrackd.service; }
+wait_until 20 "conntrackd.service active after conntrackd.restart_command" conntrackd_active
+inside systemctl start keepalived.service || fail "keepalived.service did not start on the installed file"
+holds() { inside ip -4 addr show dev vmbr0 | grep -q "inet $1/32"; }
+wait_until 30 "keepalived holding 10.100.0.50 on vmbr0" holds 10.100.0.50
+ok "keepalived ($(inside systemctl show keepalived -P MainPID)) holds 10.100.0.50 on vmbr0"
+recorded_master() { inside sh -c 'grep -l "^state=MASTER" /run/harvester-lb-sync/[0-9]*'; }
+wait_until 30 "the notify script's MASTER recorded in /run/harvester-lb-sync" recorded_master
+got=$(inside sh -c 'stat -c "%U %a" /run/harvester-lb-sync /run/harvester-lb-sync/[0-9]* | sort -u | tr "\n" " "')
+[[ $got == "root 644 root 755 " ]] || fail "the sync state is '$got', want root's, directory 0755 and files 0644 (the daemon reads them)"
+# /status conntrack_sync.instances: MASTER as the daemon read the state,
+# and the gate open (the notify script opens it after the commit).
+master_open() {
+    api /status | python3 -c 'import json,sys
+c = json.load(sys.stdin)["conntrack_sync"]
+sys.exit(0 if any(i.get("state") == "MASTER" and i.get("gate") == "open" for i in c["instances"]) else 1)'
+}
+wait_until 30 "/status: the instance MASTER and its gate open (the commit done), as the daemon reads them" master_open
+ok "the notify script ran as root; its state ($got) read by the daemon"
+
+step "vrrp.conf: a reload that adds a VIP reaches keepalived"
+keepalived_pid=$(inside systemctl show keepalived -P MainPID)
+vrrp_config 10.100.0.50 10.100.0.51 | write_config
+inside systemctl reload harvester-lb || fail "systemctl reload (a second VIP) failed"
+wait_until 30 "keepalived.conf with 10.100.0.51" file_has /etc/keepalived/keepalived.conf "10.100.0.51/32 dev vmbr0"
+wait_until 30 "keepalived holding the new VIP 10.100.0.51" holds 10.100.0.51
+wait_until 10 "10.100.0.50 held after the reload too ($(inside ip -4 -br addr show dev vmbr0))" holds 10.100.0.50
+[[ $(inside systemctl show keepalived -P MainPID) == "$keepalived_pid" ]] || fail "keepalived was restarted, not reloaded"
+inside journalctl -u keepalived --no-pager -o cat --since "@$t_vrrp" | grep -q "Reloading" || fail "keepalived logged no reload"
+ok "keepalived ($keepalived_pid) reloaded, holds 10.100.0.50 and 10.100.0.51"
+if journal_since "$t_vrrp" | grep -q "Read-only file system"; then
+    fail "the daemon still meets a read-only file system: $(journal_since "$t_vrrp" | grep -m1 'Read-only file system')"
+fi
+[[ $(inside systemctl show harvester-lb-vrrp -P Result) == success ]] || fail "harvester-lb-vrrp.service: $(inside systemctl show harvester-lb-vrrp -P Result)"
+ok "no write refused; harvester-lb-vrrp.service ran as root, last at $(inside systemctl show harvester-lb-vrrp -P ExecMainStartTimestamp)"
+inside systemctl stop harvester-lb keepalived conntrackd
 
 echo "systemd-boot: OK ($((SECONDS - started)) s)"

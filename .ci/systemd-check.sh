@@ -119,6 +119,13 @@ else
     echo "exposure $score <= $max_exposure"
 fi
 
+# The root half of [keepalived]/[conntrackd] under the unit, which
+# vrrp.conf (below) wants: present for every verify from here on.
+for extra in harvester-lb-vrrp.path harvester-lb-vrrp.service; do
+    [[ -f $repo/systemd/$extra ]] || fail "systemd/$extra not found"
+    cp "$repo/systemd/$extra" "$root/etc/systemd/system/$extra"
+done
+
 # --- 2b. opt-in drop-ins -------------------------------------------------------------
 # Each drop-in in systemd/harvester-lb.service.d/ (privileges the VIP
 # features need) is verified and scored together with the unit, then
@@ -177,16 +184,21 @@ done
 shell=$(sed -n -E 's/^ExecStart=([^[:space:]]+).*/\1/p' "$repo/systemd/harvester-lb-import.service")
 [[ $shell == /* && -x $shell ]] || fail "harvester-lb-import.service: ExecStart= $shell is not an executable on this host"
 install -D -m 0755 "$shell" "$root$shell"
-for extra in harvester-lb-import.service harvester-lb-import.timer; do
-    step "systemd-analyze verify $extra"
-    out=$(systemd-analyze verify --root="$root" "$extra" 2>&1) || { echo "$out"; fail "systemd-analyze verify $extra exited non-zero"; }
+# `systemd-analyze verify` of one more unit in the root: must print nothing.
+verify_extra() {
+    local out
+    step "systemd-analyze verify $1"
+    out=$(systemd-analyze verify --root="$root" "$1" 2>&1) || { echo "$out"; fail "systemd-analyze verify $1 exited non-zero"; }
     if [[ -n $out ]]; then
         echo "$out"
-        echo "systemd-check: FAIL: systemd-analyze verify $extra printed the above (it must print nothing)" >&2
+        echo "systemd-check: FAIL: systemd-analyze verify $1 printed the above (it must print nothing)" >&2
         status=1
     else
         echo "clean"
     fi
+}
+for extra in harvester-lb-import.service harvester-lb-import.timer; do
+    verify_extra "$extra"
 done
 import_cmd=$(grep -oE "$exec_path import [^'|]*" "$repo/systemd/harvester-lb-import.service" | head -n1)
 [[ -n $import_cmd ]] || fail "harvester-lb-import.service does not run '$exec_path import'"
@@ -200,6 +212,29 @@ else
 fi
 timer_unit=$(sed -n -E 's/^Unit=(.*)/\1/p' "$repo/systemd/harvester-lb-import.timer")
 [[ -z $timer_unit || $timer_unit == harvester-lb-import.service ]] || fail "harvester-lb-import.timer starts $timer_unit"
+
+# --- 3c. the vrrp path and service (root's half of vrrp.conf) ------------------------
+for extra in harvester-lb-vrrp.path harvester-lb-vrrp.service; do
+    verify_extra "$extra"
+done
+[[ $(sed -n -E 's/^Unit=(.*)/\1/p' "$repo/systemd/harvester-lb-vrrp.path") == harvester-lb-vrrp.service ]] ||
+    fail "harvester-lb-vrrp.path does not start harvester-lb-vrrp.service"
+vrrp_cmd=$(sed -n -E 's/^ExecStart=(.*)/\1/p' "$repo/systemd/harvester-lb-vrrp.service")
+read -r -a argv <<<"$vrrp_cmd"
+[[ ${argv[0]} == "$exec_path" ]] || fail "harvester-lb-vrrp.service runs ${argv[0]}, not $exec_path"
+if out=$("$bin" "${argv[@]:1}" --help 2>&1); then
+    echo "harvester-lb-vrrp.service: ok (${argv[*]:1})"
+else
+    echo "$out" | head -n 20
+    echo "systemd-check: FAIL: harvester-lb-vrrp.service's '${argv[*]}' is not accepted by the binary" >&2
+    status=1
+fi
+# The hand-off directory is the same in the drop-in, the path unit and
+# the service.
+handoff=$(sed -n -E 's/^Environment=HARVESTER_LB_VRRP_HANDOFF=(.*)/\1/p' "$repo/systemd/harvester-lb.service.d/vrrp.conf")
+[[ -n $handoff ]] || fail "vrrp.conf sets no HARVESTER_LB_VRRP_HANDOFF"
+grep -qx "PathChanged=$handoff" "$repo/systemd/harvester-lb-vrrp.path" || fail "harvester-lb-vrrp.path does not watch $handoff"
+[[ $vrrp_cmd == *"--from $handoff"* ]] || fail "harvester-lb-vrrp.service does not read $handoff"
 
 # --- 4. the syscall filter lets the daemon do its job ---------------------------
 # Expands @groups recursively as this systemd version defines them.

@@ -119,6 +119,64 @@ pub fn check(path: &Path) -> ExitCode {
     }
 }
 
+/// `harvester-lb vrrp-install`: root's half of the hand-off
+/// (`harvester_lb::vip::handoff`), one line per file set on stdout.
+pub fn vrrp_install(path: &Path, from: &Path) -> ExitCode {
+    use harvester_lb::vip::handoff::{self, Outcome};
+    let loaded = match config::load(path) {
+        Ok(l) => l,
+        Err(e) => {
+            eprintln!("{e}");
+            eprintln!(
+                "harvester-lb vrrp-install: nothing installed (the daemon keeps its config in force too)"
+            );
+            return ExitCode::from(EXIT_CONFIG);
+        }
+    };
+    // systemd starts this once for changes that come while it runs (a
+    // start of an active oneshot is merged into its job): passes until
+    // one finds nothing to wait for and nothing to install, at most
+    // PASSES, a second apart while a copy is not the config's yet.
+    const PASSES: u32 = 10;
+    for pass in 1..=PASSES {
+        let outcomes = match handoff::install(&loaded.config, from) {
+            Ok(o) => o,
+            Err(e) => {
+                eprintln!("harvester-lb vrrp-install: {e}");
+                return ExitCode::from(EXIT_START);
+            }
+        };
+        let waiting = [&outcomes.0, &outcomes.1]
+            .iter()
+            .any(|o| matches!(o, Outcome::Waiting));
+        let installed = [&outcomes.0, &outcomes.1]
+            .iter()
+            .any(|o| matches!(o, Outcome::Installed(_)));
+        for (what, outcome) in [("keepalived", outcomes.0), ("conntrackd", outcomes.1)] {
+            let said = match outcome {
+                Outcome::NotConfigured | Outcome::Unchanged if pass > 1 => continue,
+                Outcome::NotConfigured => continue,
+                Outcome::Waiting if pass < PASSES => continue,
+                Outcome::Waiting => format!(
+                    "the daemon's copy in {} is not what {} renders (not applied, or refused): nothing installed",
+                    from.display(),
+                    path.display()
+                ),
+                Outcome::Unchanged => "up to date".to_string(),
+                Outcome::Installed(said) => said,
+            };
+            println!("{what}: {said}");
+        }
+        if !waiting && !installed {
+            break;
+        }
+        if waiting {
+            std::thread::sleep(std::time::Duration::from_secs(1));
+        }
+    }
+    ExitCode::SUCCESS
+}
+
 /// `harvester-lb import`: says what the import says, in order (messages
 /// on stderr, the config on stdout), and exits with its code.
 pub fn import(args: &import::Args) -> ExitCode {

@@ -60,6 +60,7 @@ fn main() -> ExitCode {
             table,
         } => cli::withdraw_all(&config, table),
         Command::Status { config, json } => cli::status(&config, json),
+        Command::VrrpInstall { config, from } => cli::vrrp_install(&config, &from),
         Command::Import {
             inputs,
             cluster,

@@ -307,3 +307,81 @@ async fn netns_a_vm_network_vip_is_served_moved_and_vrrp_stays_off_the_vm_networ
     );
     drop(keepalived);
 }
+
+/// Defect 9 of issue 40: keepalived's pid file names a process that is not
+/// keepalived (a stale file whose pid was reused). The daemon must not
+/// send it SIGHUP (a `sleep` would die of it, status 129); it counts a
+/// failed reload and says why. Leaves out keepalived itself (nothing here
+/// needs it) and the VM network's bridge uplink (no traffic is sent).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn netns_a_stale_keepalived_pid_file_signals_no_other_process() {
+    require_netns!();
+    let mut bed = Bed::new("vmstale", 1);
+    bed.add_bridge("br1");
+    let a = host(&mut bed, "a", Ipv4Addr::new(198, 51, 100, 4), "10.77.0.1");
+    let mut unrelated = Command::new("sleep").arg("300").spawn().expect("sleep");
+    let _reap = KillOnDrop(unrelated.id());
+    std::fs::write(
+        bed.dir.join("keepalived-a.pid"),
+        format!("{}\n", unrelated.id()),
+    )
+    .unwrap();
+    let path = bed.write(
+        "config-a.toml",
+        &host_config(&bed, "a", "10.77.0.1", "10.77.0.2", &[VIP1]),
+    );
+    let log = bed.dir.join("daemon-a.log");
+    let d = DaemonProc::spawn(&a, &path, &log, None);
+    let conf = bed.dir.join("keepalived-a.conf");
+    wait_for(Duration::from_secs(20), "the admin API answers", || async {
+        d.get("/metrics").await.is_ok().then_some(())
+    })
+    .await;
+    wait_for(
+        Duration::from_secs(20),
+        "the failed reload counted and its reason logged",
+        || async {
+            let m = d.metrics().await;
+            let said = std::fs::read_to_string(&log).unwrap_or_default();
+            (netns::metric(&m, "harvester_lb_keepalived_reload_failures_total", &[]) >= 1.0
+                && said.contains(&format!("pid {} from", unrelated.id()))
+                && said.contains("\"sleep\", not keepalived"))
+            .then_some(())
+        },
+    )
+    .await;
+    assert!(
+        std::fs::read_to_string(&conf).is_ok_and(|t| t.contains(&format!("{VIP1}/32"))),
+        "keepalived's file is written all the same"
+    );
+    let said = std::fs::read_to_string(&log).unwrap_or_default();
+    assert!(
+        !said.contains("keepalived told to reload"),
+        "the daemon says keepalived was told:\n{said}"
+    );
+    // A retry (every 10 s) must not signal it either: the next failure.
+    wait_for(
+        Duration::from_secs(30),
+        "the retry counted as a failure too",
+        || async {
+            let m = d.metrics().await;
+            (netns::metric(&m, "harvester_lb_keepalived_reload_failures_total", &[]) >= 2.0)
+                .then_some(())
+        },
+    )
+    .await;
+    assert!(
+        unrelated.try_wait().unwrap().is_none(),
+        "the unrelated process was signalled: {:?}",
+        unrelated.try_wait()
+    );
+}
+
+/// Kills a process of the test's at the end, also on panic.
+struct KillOnDrop(u32);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = Command::new("kill").arg(self.0.to_string()).status();
+    }
+}

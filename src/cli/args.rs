@@ -133,6 +133,24 @@ pub(crate) enum Command {
         #[arg(long, short, default_value = config::DEFAULT_PATH)]
         config: PathBuf,
     },
+    /// Install keepalived's and conntrackd's files as root, for the daemon
+    /// run under the shipped unit (the vrrp.conf drop-in;
+    /// harvester-lb-vrrp.service runs it): validates and renders from
+    /// --config, and installs each file whose rendering equals the
+    /// daemon's copy in --from (the daemon has applied that config), then
+    /// tells keepalived to reload and runs conntrackd.restart_command.
+    ///
+    /// Exits 0 (also when the daemon has not applied the file yet: its
+    /// next hand-off runs this again), 78 for an invalid config (nothing
+    /// installed), 1 when a write, reload or restart failed.
+    VrrpInstall {
+        /// The config file (root's).
+        #[arg(long, short, default_value = config::DEFAULT_PATH)]
+        config: PathBuf,
+        /// The directory the daemon hands its rendered files off to.
+        #[arg(long, value_name = "DIR", default_value = harvester_lb::vip::handoff::DIR)]
+        from: PathBuf,
+    },
     /// Delete every route harvester-lb announces (protocol 252) from the
     /// configured vip.announce_table, without the daemon: for systemd's
     /// `ExecStopPost=`, so a killed daemon's VIPs stop attracting traffic.

@@ -26,7 +26,11 @@ pub const DEFAULT_CONNTRACKD_LOCK: &str = "/run/lock/conntrack.lock";
 pub const DEFAULT_CONNTRACKD_LOG: &str = "/var/log/conntrackd.log";
 /// Default `conntrackd.state_directory`: where the notify script leaves
 /// each VRRP instance's last transition and commit for the daemon to read.
-pub const DEFAULT_SYNC_STATE_DIR: &str = "/run/harvester-lb/sync";
+/// Root's (the script makes it, 0755, its files 0644), and not under the
+/// unit's `/run/harvester-lb`, which systemd empties at every stop of the
+/// daemon: a restarted daemon would find no instance master and close
+/// every gate, dropping its VIPs' new flows until the next transition.
+pub const DEFAULT_SYNC_STATE_DIR: &str = "/run/harvester-lb-sync";
 /// Default `conntrackd.hash_size`. conntrackd 1.4.7 ignores the flush
 /// (`-f`) that follows a commit while the commit is "still in progress"
 /// with a hash of 8192 buckets or fewer (Debian's shipped file has 8192);

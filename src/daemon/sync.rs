@@ -165,7 +165,12 @@ impl Daemon {
         let mut error = None;
         if let Some(conf) = conntrackd::render_conf(config) {
             let script = conntrackd::render_script(config);
-            let s = settings.clone();
+            // Under the shipped unit root installs them (`vip::handoff`).
+            let handoff = crate::vip::handoff::dir();
+            let s = match &handoff {
+                Some(dir) => crate::vip::handoff::conntrackd_settings(&settings, dir),
+                None => settings.clone(),
+            };
             let force = inner.retry;
             let done = tokio::task::spawn_blocking(move || {
                 conntrackd::install(&s, &conf, script.as_deref(), force)
@@ -173,6 +178,14 @@ impl Daemon {
             .await;
             match done {
                 Ok(Ok(Installed::Unchanged)) => inner.retry = false,
+                Ok(Ok(_)) if handoff.is_some() => {
+                    inner.retry = false;
+                    tracing::info!(
+                        file = %settings.config_path.display(),
+                        script = %settings.notify_script.display(),
+                        "conntrackd's configuration and keepalived's notify script handed off for harvester-lb-vrrp.service to install as root (it renders the same from the config file, and runs conntrackd.restart_command)"
+                    );
+                }
                 Ok(Ok(what)) => {
                     inner.retry = false;
                     let restarted = settings.restart_command.is_some();

@@ -138,12 +138,40 @@ impl Daemon {
             let force = inner.reload_failed;
             let path = settings.config_path.display().to_string();
             let releasing = text.is_none();
-            let result = tokio::task::spawn_blocking(move || match text {
-                Some(text) => keepalived::install(&settings, &text, force),
-                None => keepalived::release(&settings, force),
+            let handoff = crate::vip::handoff::dir();
+            let result = tokio::task::spawn_blocking(move || match (handoff, text) {
+                // Under the shipped unit (the vrrp.conf drop-in): root
+                // installs it (`vip::handoff`); the daemon writes its copy.
+                (Some(dir), text) => {
+                    let text = text.unwrap_or_else(|| keepalived::render_released(&settings));
+                    crate::vip::handoff::hand_off(&dir, crate::vip::handoff::KEEPALIVED_FILE, &text)
+                        .map(|written| {
+                            if written {
+                                Installed::HandedOff
+                            } else {
+                                Installed::Unchanged
+                            }
+                        })
+                        .map_err(|source| keepalived::KeepalivedError::Write {
+                            path: dir
+                                .join(crate::vip::handoff::KEEPALIVED_FILE)
+                                .display()
+                                .to_string(),
+                            source,
+                        })
+                }
+                (None, Some(text)) => keepalived::install(&settings, &text, force),
+                (None, None) => keepalived::release(&settings, force),
             })
             .await;
             match result {
+                Ok(Ok(Installed::HandedOff)) => {
+                    inner.reload_failed = false;
+                    if releasing {
+                        inner.rendered = None;
+                    }
+                    tracing::info!(file = %path, "keepalived's configuration handed off for harvester-lb-vrrp.service to install as root (it renders the same from the config file, writes {path} and tells keepalived)");
+                }
                 Ok(Ok(Installed::Reloaded)) if releasing => {
                     inner.reload_failed = false;
                     inner.rendered = None;

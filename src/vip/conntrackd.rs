@@ -28,9 +28,10 @@
 //!   never the VIP; so the backends' addresses select exactly the flows
 //!   our NAT made (listing the VIP under `Ignore`, as the shipped example
 //!   does, excludes nothing). TCP and UDP only.
-//! - **`HashSize` above 8192** (see `config::MIN_HASH_SIZE`), `Systemd off`
-//!   unless run by its unit (the file does not know; `off` works under a
-//!   `Type=simple` unit too), its own `LockFile`, `UNIX { Path }` and
+//! - **`HashSize` above 8192** (see `config::MIN_HASH_SIZE`), `Systemd on`
+//!   (Debian's `conntrackd.service` is `Type=notify`: with `off` its start
+//!   waits for a `READY=1` that never comes and fails; outside systemd, with
+//!   no `NOTIFY_SOCKET`, `on` does nothing), its own `LockFile`, `UNIX { Path }` and
 //!   `LogFile`, so two conntrackd on one machine (tests) never meet, and
 //!   **`-C FILE` on every control call**: without it conntrackd talks to
 //!   the default socket, maybe another one's.
@@ -404,7 +405,7 @@ pub fn render_conf(config: &Config) -> Option<String> {
          \t}}\n\
          }}\n\
          General {{\n\
-         \tSystemd {systemd}\n\
+         \tSystemd on\n\
          \tHashSize {hash}\n\
          \tHashLimit {limit}\n\
          \tLogFile {log}\n\
@@ -437,7 +438,6 @@ pub fn render_conf(config: &Config) -> Option<String> {
         lock = c.lock_file.display(),
         socket = c.socket.display(),
         anycast_ftfw = if anycast(config) { ANYCAST_FTFW } else { "" },
-        systemd = if anycast(config) { "on" } else { "off" },
     );
     let addresses = if anycast(config) {
         anycast_addresses(config)
@@ -464,8 +464,10 @@ pub fn render_script(config: &Config) -> Option<String> {
         // No transitions, so nothing for a script to do.
         return None;
     }
-    let conf = c.config_path.display();
-    let dir = c.state_directory.display();
+    // Quoted whatever they hold (`check` refuses all but
+    // `[A-Za-z0-9._/-]` in them, so this is the second line of defence).
+    let conf = shell_quote(&c.config_path.display().to_string());
+    let dir = shell_quote(&c.state_directory.display().to_string());
     // Each instance's VIPs of kernel listeners: their flows are deleted
     // before the commit (see the MASTER case).
     let mut by_vrid: std::collections::BTreeMap<u32, Vec<Ipv4Addr>> = Default::default();
@@ -490,6 +492,9 @@ pub fn render_script(config: &Config) -> Option<String> {
 # instance's VIPs until the commit is done. docs/vip.md, "Open connections
 # across a VIP's move".
 PATH=/usr/sbin:/usr/bin:/sbin:/bin
+# The state files are for the daemon to read, which runs as another user
+# (keepalived's own umask would make them root's alone).
+umask 022
 CONF={conf}
 DIR={dir}
 [ "$1" = INSTANCE ] || exit 0
@@ -601,6 +606,12 @@ record "$3"
 exit 0
 "#
     ))
+}
+
+/// `value` as one word of `sh`, taken literally: in single quotes, each
+/// `'` as `'\''`.
+pub fn shell_quote(value: &str) -> String {
+    format!("'{}'", value.replace('\'', "'\\''"))
 }
 
 /// What the notify script recorded for one instance (`state_directory/<vrid>`).
@@ -746,7 +757,7 @@ pub fn restart_pending(written: u64, now: u64, uptime_min: u64) -> bool {
 pub enum ConntrackdError {
     /// A file could not be written.
     #[error(
-        "cannot write {path}: {source} (conntrackd.config_path / conntrackd.notify_script; the daemon needs write access to their directories)"
+        "cannot write {path}: {source} (conntrackd.config_path / conntrackd.notify_script; the daemon needs write access to their directories; under the shipped unit it has none: install the vrrp.conf drop-in, docs/vip.md \"Under the shipped unit\")"
     )]
     Write {
         /// The file.
@@ -885,7 +896,7 @@ backends = ["{backend}"]
             "\tMode FTFW {\n\t\tPurgeTimeout 15\n",
             "\t\tIPv4_address 10.99.0.1\n\t\tIPv4_Destination_Address 10.99.0.2\n\t\tPort 3780\n\t\tInterface sync0\n",
             "\tHashSize 32768\n",
-            "\tSystemd off\n",
+            "\tSystemd on\n",
             "\t\tPath /run/hlb/ctd.ctl\n",
             "\t\tAddress Accept {\n\t\t\tIPv4_address 10.100.0.21\n\t\t\tIPv4_address 10.100.0.22\n\t\t}",
             "\t\t\tTCP\n\t\t\tUDP\n",
@@ -914,7 +925,10 @@ backends = ["{backend}"]
         let open = master.find("gate_open").unwrap();
         let flush = master.find("ctd -f").unwrap();
         assert!(commit < open && open < flush, "{master}");
-        assert!(s.contains("CONF=/etc/conntrackd/conntrackd.conf\n"), "{s}");
+        assert!(
+            s.contains("CONF='/etc/conntrackd/conntrackd.conf'\n"),
+            "{s}"
+        );
         // Every conntrackd call names the file.
         for line in s.lines().filter(|l| l.contains("conntrackd ")) {
             assert!(
@@ -947,6 +961,12 @@ backends = ["{backend}"]
 
     impl Sandbox {
         fn new(name: &str) -> Sandbox {
+            Sandbox::with_state_directory(name, "state")
+        }
+
+        /// As [`Sandbox::new`], the state directory `state` under its
+        /// directory (any text: `check` is not asked).
+        fn with_state_directory(name: &str, state: &str) -> Sandbox {
             let dir =
                 std::env::temp_dir().join(format!("hlb-notify-{name}-{}", std::process::id()));
             let _ = std::fs::remove_dir_all(&dir);
@@ -964,7 +984,7 @@ backends = ["{backend}"]
                 std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
             }
             let mut config = parse(&keepalived_text()).expect("valid").config;
-            config.conntrackd.as_mut().unwrap().state_directory = dir.join("state");
+            config.conntrackd.as_mut().unwrap().state_directory = dir.join(state);
             let text = render_script(&config)
                 .unwrap()
                 .replace(
@@ -1013,6 +1033,49 @@ backends = ["{backend}"]
         fn drop(&mut self) {
             let _ = std::fs::remove_dir_all(&self.dir);
         }
+    }
+
+    /// Issue 40, defect 10: a path with shell metacharacters (which
+    /// `check` refuses; here the settings are made directly) is one
+    /// literal word of the script: nothing in it runs.
+    #[test]
+    fn a_path_in_the_notify_script_is_data_never_commands() {
+        if std::process::Command::new("flock")
+            .arg("-V")
+            .output()
+            .is_err()
+        {
+            eprintln!("skipped: no flock (util-linux)");
+            return;
+        }
+        let odd = "s;touch PWNED;:$(touch PWNED2)`touch PWNED3`'q'(";
+        let sandbox = Sandbox::with_state_directory("quoted", odd);
+        let out = std::process::Command::new("sh")
+            .arg(&sandbox.script)
+            .args(["INSTANCE", "hlb_0", "FAULT", "100"])
+            .current_dir(&sandbox.dir)
+            .output()
+            .expect("sh");
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        for made in ["PWNED", "PWNED2", "PWNED3"] {
+            assert!(
+                !sandbox.dir.join(made).exists(),
+                "the path's text ran as a command ({made})"
+            );
+        }
+        // The state went to the directory of that literal name.
+        let r = parse_recorded(&std::fs::read_to_string(sandbox.dir.join(odd).join("0")).unwrap())
+            .unwrap();
+        assert_eq!(r.state, "FAULT");
+        assert_eq!(
+            shell_quote("a'b"),
+            "'a'\\''b'",
+            "a quote ends the word, is escaped, and the word goes on"
+        );
     }
 
     #[test]
@@ -1193,7 +1256,7 @@ backends = ["{backend}"]
         let conf = render_conf(&keepalived).unwrap();
         assert!(
             !conf.contains("DisableExternalCache")
-                && conf.contains("\tSystemd off\n")
+                && conf.contains("\tSystemd on\n")
                 && conf.contains("# docs/vip.md, \"Open connections across a VIP's move\""),
             "{conf}"
         );

@@ -315,7 +315,7 @@ fn advert_text(k: &KeepalivedSettings) -> String {
 pub enum KeepalivedError {
     /// The file or its temporary copy could not be written.
     #[error(
-        "cannot write keepalived's configuration {path}: {source} (keepalived.config_path; the daemon needs write access to its directory)"
+        "cannot write keepalived's configuration {path}: {source} (keepalived.config_path; the daemon needs write access to its directory; under the shipped unit it has none: install the vrrp.conf drop-in, docs/vip.md \"Under the shipped unit\")"
     )]
     Write {
         /// The file.
@@ -332,6 +332,19 @@ pub enum KeepalivedError {
         path: String,
         /// What was wrong with it.
         why: String,
+    },
+    /// The pid file names a live process that is not keepalived (a stale
+    /// file whose pid was reused): it is not signalled.
+    #[error(
+        "not telling keepalived to reload: pid {pid} from {path} is {what}, not keepalived (a stale pid file whose pid another process now has; it was not signalled). Is keepalived running with keepalived.pid_file = {path:?}?"
+    )]
+    NotKeepalived {
+        /// The pid.
+        pid: i32,
+        /// The pid file.
+        path: String,
+        /// What the process is (its `comm`, or why it could not be read).
+        what: String,
     },
     /// `kill(pid, SIGHUP)` failed.
     #[error("cannot send SIGHUP to keepalived (pid {pid} from {path}): {source}")]
@@ -363,6 +376,9 @@ pub enum Installed {
     /// Not written: the file there is not the daemon's (its first line is
     /// not [`HEADER`]), so it is someone else's now and left alone.
     NotOurs,
+    /// Under the shipped unit: written to the hand-off directory for root
+    /// to install (`vip::handoff`); nobody told by the daemon.
+    HandedOff,
 }
 
 /// Writes `text` to `settings.config_path` when it differs from what is
@@ -445,11 +461,32 @@ fn reload(settings: &KeepalivedSettings) -> Result<(), KeepalivedError> {
                 path: path.clone(),
                 why: format!("holds no pid ({:?})", text.trim()),
             })?;
+    // A pid file outlives its process; the pid may since belong to any
+    // program, which SIGHUP would kill. Only a keepalived is signalled.
+    if let Err(what) = is_keepalived(pid) {
+        return Err(KeepalivedError::NotKeepalived { pid, path, what });
+    }
     crate::os::send_signal(pid, libc::SIGHUP).map_err(|source| KeepalivedError::Signal {
         pid,
         path,
         source,
     })
+}
+
+/// Whether process `pid` is keepalived: its `comm` (the executable's name,
+/// as the kernel keeps it) is `keepalived`. `Err` says what it is instead
+/// (`"sleep"`), or why that cannot be told (no such process, `/proc`
+/// hidden): a process that cannot be shown to be keepalived is never
+/// signalled.
+fn is_keepalived(pid: i32) -> Result<(), String> {
+    let comm = std::fs::read_to_string(format!("/proc/{pid}/comm"))
+        .map_err(|e| format!("a process whose /proc/{pid}/comm cannot be read ({e})"))?;
+    let comm = comm.trim_end_matches('\n');
+    if comm == "keepalived" {
+        Ok(())
+    } else {
+        Err(format!("{comm:?}"))
+    }
 }
 
 #[cfg(test)]
@@ -710,6 +747,43 @@ mod tests {
         assert_eq!(
             std::fs::read_to_string(&k.config_path).unwrap(),
             "vrrp_instance mine {}\n"
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_pid_file_naming_another_program_signals_nobody() {
+        let dir = std::env::temp_dir().join(format!("hlb-stale-pid-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut c = conf("192.168.0.11", "\"192.168.0.12\"", &[]);
+        let k = c.keepalived.as_mut().unwrap();
+        k.config_path = dir.join("keepalived.conf");
+        k.pid_file = dir.join("keepalived.pid");
+        // A stale pid file: its pid now belongs to an unrelated process.
+        let mut sleep = std::process::Command::new("sleep")
+            .arg("300")
+            .spawn()
+            .expect("sleep");
+        std::fs::write(&k.pid_file, format!("{}\n", sleep.id())).unwrap();
+        let err = install(k, "a\n", false).unwrap_err();
+        assert!(
+            matches!(err, KeepalivedError::NotKeepalived { ref what, .. } if what == "\"sleep\""),
+            "{err:?}"
+        );
+        assert!(err.to_string().contains("not keepalived"), "{err}");
+        // SIGHUP's default action would have ended it (status 129): give
+        // such an end a second to show.
+        for _ in 0..20 {
+            assert!(sleep.try_wait().unwrap().is_none(), "sleep was signalled");
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+        sleep.kill().unwrap();
+        sleep.wait().unwrap();
+        // A pid with no process: not signalled either.
+        let err = install(k, "b\n", false).unwrap_err();
+        assert!(
+            matches!(err, KeepalivedError::NotKeepalived { .. }),
+            "{err:?}"
         );
         std::fs::remove_dir_all(&dir).unwrap();
     }

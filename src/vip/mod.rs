@@ -18,6 +18,7 @@ pub mod announce;
 pub mod conntrackd;
 pub mod dhcp;
 pub mod gate;
+pub mod handoff;
 pub mod host;
 pub mod keepalived;
 pub mod network;

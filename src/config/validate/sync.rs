@@ -28,6 +28,11 @@ use crate::config::{
     MIN_HASH_SIZE,
 };
 
+/// Whether `ch` may be in a `[conntrackd]` path: `[A-Za-z0-9._/-]`.
+pub(crate) fn plain_path_char(ch: char) -> bool {
+    ch.is_ascii_alphanumeric() || matches!(ch, '.' | '_' | '/' | '-')
+}
+
 /// The largest `conntrackd.hash_size` accepted: 2^24 buckets is far past
 /// any host's conntrack table.
 const MAX_HASH_SIZE: i64 = 1 << 24;
@@ -163,24 +168,30 @@ impl Validator<'_> {
             "conntrackd.state_directory",
             DEFAULT_SYNC_STATE_DIR,
         );
-        for (key, path) in [
-            ("conntrackd.config_path", &config_path),
-            ("conntrackd.notify_script", &notify_script),
-            ("conntrackd.socket", &socket),
-            ("conntrackd.lock_file", &lock_file),
-            ("conntrackd.log_file", &log_file),
-            ("conntrackd.state_directory", &state_directory),
+        for (key, value, path) in [
+            ("conntrackd.config_path", &c.config_path, &config_path),
+            ("conntrackd.notify_script", &c.notify_script, &notify_script),
+            ("conntrackd.socket", &c.socket, &socket),
+            ("conntrackd.lock_file", &c.lock_file, &lock_file),
+            ("conntrackd.log_file", &c.log_file, &log_file),
+            (
+                "conntrackd.state_directory",
+                &c.state_directory,
+                &state_directory,
+            ),
         ] {
-            // The notify script is shell: a quote or a space in a path
-            // would split or end its words.
+            // Each is written into the notify script keepalived runs as
+            // root, and into conntrackd.conf and keepalived.conf, whose
+            // readers split words and cut comments their own ways: only
+            // the characters no shell, keepalived or conntrackd treats
+            // specially (`;`, `(`, `#`, `$`, quotes, spaces…), whatever
+            // quoting the script does.
             let text = path.display().to_string();
-            if text.chars().any(|ch| {
-                ch.is_whitespace() || ch.is_control() || matches!(ch, '"' | '\'' | '\\' | '$' | '`')
-            }) {
+            if let Some(bad) = text.chars().find(|ch| !plain_path_char(*ch)) {
                 self.problem(
-                    Some(span.clone()),
+                    value.as_ref().map(Spanned::span).or(Some(span.clone())),
                     key,
-                    format!("{text:?} has a space, quote, `$`, backquote or backslash; the notify script names it unquoted, choose a plain path"),
+                    format!("{text:?} has {bad:?}; a path here may hold only letters, digits and `.`, `_`, `/`, `-` (it is written into the notify script keepalived runs as root, and into conntrackd's and keepalived's files)"),
                 );
             }
         }
@@ -402,6 +413,59 @@ backends = ["10.100.0.21", "10.100.0.22"]
         );
     }
 
+    /// Issue 40, defect 10: `state_directory = "/x;id>/tmp/f;:"` passed
+    /// and the root notify script ran `id`. Every path key refuses what
+    /// is outside `[A-Za-z0-9._/-]`, naming the key and the line.
+    #[test]
+    fn a_path_with_a_shell_metacharacter_is_refused_by_key_and_line() {
+        let keys = [
+            "config_path",
+            "notify_script",
+            "socket",
+            "lock_file",
+            "log_file",
+            "state_directory",
+        ];
+        let values = [
+            "/x;id>/tmp/f;:",
+            "/x(",
+            "/x#y",
+            "/x$(id)",
+            "/x`id`",
+            "/x&y",
+            "/x|y",
+            "/x*",
+            "/x\\ny",
+            "/x~y",
+            "/x!y",
+            "/x{y}",
+            "/é",
+        ];
+        let mut refused = 0;
+        for key in keys {
+            for value in values {
+                let text = format!(
+                    "{}\n[conntrackd]\n{key} = {}\n",
+                    base(),
+                    toml::Value::String(value.into())
+                );
+                let line = text.lines().count();
+                let p = problems(&text);
+                assert!(
+                    p.iter().any(|p| p.key == format!("conntrackd.{key}")
+                        && p.line == Some(line)
+                        && p.message.contains("only letters, digits")),
+                    "{key} = {value:?}: {p:?}"
+                );
+                refused += 1;
+            }
+            // The plain characters pass.
+            let text = format!("{}\n[conntrackd]\n{key} = \"/run/hlb-1/a_b.c\"\n", base());
+            parse(&text).unwrap_or_else(|e| panic!("{key}: {e:?}"));
+        }
+        assert_eq!(refused, keys.len() * values.len());
+    }
+
     #[test]
     fn every_mistake_is_named_with_its_key_and_remedy() {
         let cases: &[(&str, &str, &str)] = &[
@@ -429,7 +493,7 @@ backends = ["10.100.0.21", "10.100.0.22"]
             (
                 "socket = \"/run/a b.ctl\"\n",
                 "conntrackd.socket",
-                "plain path",
+                "only letters, digits",
             ),
             (
                 "restart_command = [\"systemctl\"]\n",
