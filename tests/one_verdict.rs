@@ -205,6 +205,25 @@ fn cases(dir: &Path) -> Vec<Case> {
             ),
         ),
         (
+            "hosts",
+            "a VIP that is conntrackd.peer, the other anycast host",
+            format!(
+                "{ANYCAST}{}{}",
+                conntrackd(dir, ""),
+                lb(
+                    "default/web",
+                    "198.51.100.4",
+                    "algorithm = \"flow_hash\"",
+                    KERNEL_VIP_NAT
+                )
+            ),
+        ),
+        (
+            "hosts",
+            "a VIP that is a keepalived peer",
+            format!("{ka}{}", lb("default/web", "192.168.0.12", "", "")),
+        ),
+        (
             "vmnet",
             "a load balancer on an unknown network",
             web("network = \"default/nope\"", ""),

@@ -33,6 +33,7 @@ mod announce;
 mod cross;
 mod dhcp;
 mod health;
+mod hosts;
 mod kernel;
 mod locate;
 mod names;
@@ -404,7 +405,9 @@ impl Validator<'_> {
         );
         self.moving_vips(file, specs, &vip.announce);
         self.network_isolation(file, &config.networks, keepalived);
-        self.conntrackd(file, keepalived, specs, &vip.announce)
+        let conntrackd = self.conntrackd(file, keepalived, specs, &vip.announce);
+        self.vips_that_are_hosts(file, config, conntrackd.as_ref(), specs);
+        conntrackd
     }
 
     /// `[admin]`: where the admin API listens and its Unix socket's path.
