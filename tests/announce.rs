@@ -174,13 +174,7 @@ async fn netns_announce_follows_health_and_sigterm_withdraws_before_the_listener
     require_netns!();
     let mut bed = Bed::new("ann", 1);
     let mut node = Node::start(&bed, 1, Service::NameThenEcho);
-    bed.client.ip(&[
-        "route",
-        "add",
-        &format!("{AVIP}/32"),
-        "via",
-        &LB_IP.to_string(),
-    ]);
+    client_routes_avip(&bed);
     // A crashed daemon's route (ours), and another protocol's route in the
     // same table, which must survive everything.
     bed.lb.ip(&["link", "set", "lo", "up"]);
@@ -840,32 +834,16 @@ async fn netns_a_vip_that_is_the_hosts_own_address_or_gateway_or_outside_the_pre
     let router = Ipv4Addr::new(198, 51, 100, 1);
     bed.lb
         .ip(&["route", "add", "default", "via", &router.to_string()]);
-    bed.client.ip(&[
-        "route",
-        "add",
-        &format!("{AVIP}/32"),
-        "via",
-        &LB_IP.to_string(),
-    ]);
     let outside = Ipv4Addr::new(192, 0, 2, 77);
-    let text = config()
-        .vip(&format!(
-            "announce = \"routes\"\nannounce_prefixes = [{PREFIXES}, \"198.51.100.0/24\"]\nannounce_delay_seconds = 0"
-        ))
-        .lb(lb("guest/own", LB_IP, &[1]))
-        .lb(lb("guest/router", router, &[1]))
-        .lb(lb("guest/outside", outside, &[1]))
-        .lb(lb("guest/web", AVIP, &[1]))
-        .lb(lb("guest/loop", "127.0.9.1", &[1]))
-        .to_string();
-    bed.start_daemon(&text).await;
-    let lbns = bed.lb.clone();
-    wait_announced(
-        &lbns,
-        &AVIP.to_string(),
-        true,
-        Duration::from_secs(30),
-        "the good VIP announced",
+    start_guarded(
+        &mut bed,
+        [
+            lb("guest/own", LB_IP, &[1]),
+            lb("guest/router", router, &[1]),
+            lb("guest/outside", outside, &[1]),
+            lb("guest/web", AVIP, &[1]),
+            lb("guest/loop", "127.0.9.1", &[1]),
+        ],
     )
     .await;
     match exchange(&bed.client, sa(AVIP, 80), 64, Duration::from_secs(5)).await {
@@ -873,20 +851,7 @@ async fn netns_a_vip_that_is_the_hosts_own_address_or_gateway_or_outside_the_pre
         other => panic!("the good load balancer does not serve: {other:?}"),
     }
     let status = bed.daemon().status().await;
-    let refused: Vec<(String, String, String)> = status["vip_refused"]
-        .as_array()
-        .expect("vip_refused")
-        .iter()
-        .map(|r| {
-            (
-                r["load_balancer"].as_str().unwrap_or("").to_string(),
-                r["vip"].as_str().unwrap_or("").to_string(),
-                r["kind"].as_str().unwrap_or("").to_string(),
-            )
-        })
-        .collect();
-    let want =
-        |lb: &str, vip: Ipv4Addr, kind: &str| (lb.to_string(), vip.to_string(), kind.to_string());
+    let refused = refused_of(&status);
     assert_eq!(
         refused,
         [
@@ -965,6 +930,151 @@ async fn netns_a_vip_that_is_the_hosts_own_address_or_gateway_or_outside_the_pre
     assert!(
         route.contains("dev eth0") && !route.contains("local"),
         "{route}"
+    );
+}
+
+/// The client reaches [`AVIP`] through the host, as a router would.
+fn client_routes_avip(bed: &Bed) {
+    bed.client.ip(&[
+        "route",
+        "add",
+        &format!("{AVIP}/32"),
+        "via",
+        &LB_IP.to_string(),
+    ]);
+}
+
+/// `/status`'s `vip_refused` as (load balancer, VIP, kind).
+fn refused_of(status: &serde_json::Value) -> Vec<(String, String, String)> {
+    let text = |v: &serde_json::Value| v.as_str().unwrap_or("").to_string();
+    status["vip_refused"]
+        .as_array()
+        .expect("vip_refused")
+        .iter()
+        .map(|r| (text(&r["load_balancer"]), text(&r["vip"]), text(&r["kind"])))
+        .collect()
+}
+
+/// One expected entry of [`refused_of`].
+fn want(lb: &str, vip: Ipv4Addr, kind: &str) -> (String, String, String) {
+    (lb.to_string(), vip.to_string(), kind.to_string())
+}
+
+/// Starts the daemon of a guard test with `lbs` (one of them on [`AVIP`]),
+/// announcing the test prefixes and the bed's own subnet with no delay,
+/// the client routing [`AVIP`] via the host; returns once it is announced.
+async fn start_guarded(bed: &mut Bed, lbs: impl IntoIterator<Item = Lb>) {
+    client_routes_avip(bed);
+    let mut c = config().vip(&format!(
+        "announce = \"routes\"\nannounce_prefixes = [{PREFIXES}, \"198.51.100.0/24\"]\nannounce_delay_seconds = 0"
+    ));
+    for l in lbs {
+        c = c.lb(l);
+    }
+    bed.start_daemon(&c.to_string()).await;
+    let (ns, vip, within) = (bed.lb.clone(), AVIP.to_string(), Duration::from_secs(30));
+    wait_announced(&ns, &vip, true, within, "the good VIP announced").await;
+}
+
+/// Issue 40, defect 8: with `announce_prefixes` covering the host's own
+/// subnet, a VIP that is the host's router (here a BGP-like session peer on
+/// the uplink with no route via it: only a neighbour in the host's
+/// neighbour table) or its subnet's broadcast address is refused alone,
+/// named in `/status` with the reason and in the log; the host keeps its
+/// router: the session opened before the daemon started still carries
+/// data, and the router's address is not made local. The bed's hosts sit
+/// on plain veths (the uplink, not a VM network's bridge, is what this is
+/// about), and the session is a TCP echo on port 179, not BGP.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn netns_a_vip_that_is_the_hosts_neighbour_or_its_subnets_broadcast_is_refused() {
+    require_netns!();
+    let (mut bed, _node) = announcing_bed("neigh");
+    let router = netns::CLIENT_IP;
+    let peer = sa(router, 179);
+    let listener = bed.client.listen(peer);
+    tokio::spawn(async move {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        while let Ok((mut s, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let mut buf = [0u8; 64];
+                while let Ok(n) = s.read(&mut buf).await {
+                    if n == 0 || s.write_all(&buf[..n]).await.is_err() {
+                        break;
+                    }
+                }
+            });
+        }
+    });
+    let mut session = bed
+        .lb
+        .connect(peer, Duration::from_secs(5))
+        .await
+        .expect("the host's session with its router");
+    async fn carries(s: &mut tokio::net::TcpStream, what: &str) -> bool {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut buf = vec![0u8; what.len()];
+        s.write_all(what.as_bytes()).await.is_ok()
+            && tokio::time::timeout(Duration::from_secs(5), s.read_exact(&mut buf))
+                .await
+                .is_ok_and(|r| r.is_ok())
+            && buf == what.as_bytes()
+    }
+    assert!(carries(&mut session, "open").await);
+    let neigh = ip_out(&bed.lb, &["neigh", "show", &router.to_string()]);
+    assert!(
+        neigh.contains("lladdr"),
+        "the router is a neighbour: {neigh}"
+    );
+    let broadcast = Ipv4Addr::new(198, 51, 100, 255);
+    let lbs = [
+        ("guest/router", router),
+        ("guest/broadcast", broadcast),
+        ("guest/web", AVIP),
+    ];
+    start_guarded(&mut bed, lbs.map(|(name, vip)| lb(name, vip, &[1]))).await;
+    let status = bed.daemon().status().await;
+    assert_eq!(
+        refused_of(&status),
+        [
+            want("guest/router", router, "neighbour"),
+            want("guest/broadcast", broadcast, "subnet_address"),
+        ],
+        "{status:#}"
+    );
+    let reasons = status["vip_refused"].to_string();
+    assert!(
+        reasons.contains("a neighbour of this host on interface eth0"),
+        "{reasons}"
+    );
+    assert!(
+        reasons.contains("broadcast address of this host's subnet 198.51.100.0/24"),
+        "{reasons}"
+    );
+    bed.daemon()
+        .wait_log("the refusal of guest/router", |log| {
+            log.lines().any(|l| {
+                l.contains("load balancer refused")
+                    && l.contains("guest/router")
+                    && l.contains("neighbour of this host")
+            })
+        })
+        .await;
+    for vip in [router, broadcast] {
+        assert!(!is_local(&bed.lb, &vip.to_string()), "{vip} made local");
+        assert!(
+            route_of(&bed.lb, &vip.to_string()).is_none(),
+            "{}",
+            table(&bed.lb)
+        );
+    }
+    let route = ip_out(&bed.lb, &["route", "get", &router.to_string()]);
+    assert!(
+        route.contains("dev eth0") && !route.starts_with("local"),
+        "{route}"
+    );
+    assert!(
+        carries(&mut session, "still there").await,
+        "the host lost its session with its router"
     );
 }
 

@@ -243,3 +243,78 @@ fn random_edits_of_a_file_never_change_the_verdict() {
     assert!(valid > 20, "only {valid} of 400 edited files were valid");
     assert!(valid < 380, "{valid} of 400 edited files were valid");
 }
+
+/// `n` anycast load balancers (`vip.announce = "routes"`), each with a
+/// kernel listener of `source_nat`, and `more` sections after `[vip]`.
+fn anycast(n: usize, source_nat: &str, more: &str) -> String {
+    let mut s = format!(
+        "[admin]\nlisten = \"127.0.0.1:0\"\n\n[vip]\nannounce = \"routes\"\nannounce_prefixes = [\"198.18.0.0/15\"]\n\n{more}"
+    );
+    for i in 0..n {
+        s.push_str(&format!(
+            "[[load_balancer]]\nname = \"ns/svc-{i}\"\nvip = \"198.18.{}.{}\"\nalgorithm = \"flow_hash\"\nbackends = [\"127.10.0.1\", \"127.11.0.1\"]\n  [[load_balancer.listener]]\n  name = \"pg\"\n  port = 5432\n  backend_port = 30432\n  forwarding = \"kernel\"\n  source_nat = \"{source_nat}\"\n\n",
+            i / 250,
+            i % 250 + 1
+        ));
+    }
+    s
+}
+
+const SYNC: &str =
+    "[conntrackd]\ninterface = \"eth1\"\naddress = \"10.99.0.1\"\npeer = \"10.99.0.2\"\n\n";
+
+/// The checks across sections (an anycast VIP against `[conntrackd]`) give
+/// the full read's verdict at start and at reload, and a file they find
+/// nothing in is still read piecewise (issue 40: `run` started with
+/// `source_nat = "vip"` on an anycast VIP and no `[conntrackd]`, which
+/// `check` refuses, and warned at every start of a synced file that
+/// conntrackd syncs nothing).
+#[test]
+fn checks_across_sections_give_the_full_reads_verdict() {
+    let mut loader = Loader::new();
+    let refused = anycast(20, "vip", "");
+    assert!(config::parse(&refused).is_err());
+    same_verdict(&mut loader, &refused);
+    let synced = anycast(20, "vip", SYNC);
+    let loaded = config::parse(&synced).expect("valid with [conntrackd]");
+    assert!(loaded.warnings.is_empty(), "{:?}", loaded.warnings);
+    assert_eq!(same_verdict(&mut loader, &synced), 0);
+    assert_eq!(same_verdict(&mut loader, &synced), 20, "reused");
+    // The sync removed again: refused at the reload, the tables unchanged.
+    same_verdict(&mut loader, &refused);
+    // A warning across sections (masquerade moves reset) is the full read's.
+    let warned = anycast(20, "masquerade", "");
+    assert!(!config::parse(&warned).unwrap().warnings.is_empty());
+    same_verdict(&mut loader, &warned);
+}
+
+/// FIGURE: the full read and the loader's at 10,000 load balancers, plain
+/// and anycast with `[conntrackd]` (the checks across sections run over
+/// the assembled tables). Prints the times; asserts only that all are
+/// reused.
+#[test]
+#[allow(clippy::disallowed_types, clippy::disallowed_methods)] // A wall-clock figure.
+fn ten_thousand_load_balancers_are_reused_with_the_checks_across_sections() {
+    let plain = anycast(10_000, "masquerade", "").replace(
+        "[vip]\nannounce = \"routes\"\nannounce_prefixes = [\"198.18.0.0/15\"]\n",
+        "",
+    );
+    for (what, text) in [
+        ("plain", plain),
+        ("anycast+sync", anycast(10_000, "vip", SYNC)),
+    ] {
+        let t = std::time::Instant::now();
+        let full = config::parse(&text).map_err(|p| p.len());
+        assert!(full.is_ok_and(|l| l.warnings.is_empty()), "{what}");
+        let full = t.elapsed();
+        let mut loader = Loader::new();
+        assert!(loader.parse(&text).is_ok(), "{what}");
+        let t = std::time::Instant::now();
+        let loaded = loader.parse(&text).map_err(|p| p.len()).expect("valid");
+        let reused = t.elapsed();
+        assert_eq!(loaded.reused, 10_000, "{what}");
+        println!(
+            "FIGURE config_reuse {what} 10000 load balancers: full read {full:?}, reload with every table reused {reused:?}"
+        );
+    }
+}

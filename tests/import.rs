@@ -1153,6 +1153,95 @@ fn a_vip_that_is_the_hosts_own_address_or_its_gateway_is_skipped_naming_the_use(
     assert_eq!(vips(&stdout), ["203.0.113.50"]);
 }
 
+/// Issue 40, defect 8: announcing a prefix that covers the host's own
+/// subnet, a guest Service whose ingress is the host's router (a neighbour
+/// the host talks to, with no route via it) or its subnet's broadcast
+/// address is skipped naming the use; the others are imported.
+#[test]
+fn an_announced_vip_that_is_the_hosts_neighbour_or_its_subnets_broadcast_is_skipped() {
+    require_netns!();
+    let bed = netns::Bed::new("impnei", 1);
+    let router = netns::CLIENT_IP.to_string();
+    // The host talks to its router (a datagram to its discard port): a
+    // neighbour entry that answered, polled for with a deadline.
+    // At most 100 tries 100 ms apart.
+    for attempt in 1.. {
+        let to = SocketAddr::from((netns::CLIENT_IP, 9));
+        netns::in_ns(&bed.lb.name, move || {
+            let s = std::net::UdpSocket::bind("0.0.0.0:0").expect("a UDP socket");
+            let _ = s.send_to(b"hello", to);
+        });
+        let out = std::process::Command::new("ip")
+            .args([
+                "netns",
+                "exec",
+                &bed.lb.name,
+                "ip",
+                "neigh",
+                "show",
+                &router,
+            ])
+            .output()
+            .expect("ip neigh");
+        if String::from_utf8_lossy(&out.stdout).contains("lladdr") {
+            break;
+        }
+        assert!(attempt < 100, "the router never answered ARP");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let objects = [
+        node("n1", "10.99.1.1"),
+        service("router", &router),
+        service("broadcast", "198.51.100.255"),
+        service("good", "198.51.100.50"),
+    ];
+    let list = serde_json::json!({"apiVersion": "v1", "kind": "List", "items": objects});
+    let input = bed.write("objects.json", &list.to_string());
+    let base = bed.write(
+        "base.toml",
+        "[vip]\nannounce = \"routes\"\nannounce_prefixes = [\"198.51.100.0/24\"]\n",
+    );
+    let (code, stdout, stderr) = import_in(
+        &bed.lb,
+        &[
+            input.to_str().unwrap(),
+            "--cluster",
+            "guest",
+            "--base",
+            base.to_str().unwrap(),
+        ],
+    );
+    assert_eq!(code, EXIT_SKIPPED, "{stderr}");
+    assert!(
+        skip_line(&stderr, "Service apps/router ").contains(&format!(
+            "VIP {router} is a neighbour of this host on interface eth0"
+        )),
+        "{stderr}"
+    );
+    assert!(
+        skip_line(&stderr, "Service apps/broadcast ").contains(
+            "VIP 198.51.100.255 is the broadcast address of this host's subnet 198.51.100.0/24"
+        ),
+        "{stderr}"
+    );
+    let vips: Vec<String> = harvester_lb::config::parse(&stdout)
+        .expect("valid config")
+        .config
+        .load_balancers
+        .iter()
+        .map(|l| l.vip.to_string())
+        .collect();
+    assert_eq!(vips, ["198.51.100.50"]);
+}
+
+/// The skip line naming `object`.
+fn skip_line<'a>(stderr: &'a str, object: &str) -> &'a str {
+    skip_lines(stderr)
+        .into_iter()
+        .find(|l| l.contains(object))
+        .unwrap_or_else(|| panic!("no skip line for {object}:\n{stderr}"))
+}
+
 /// `harvester-lb import ARGS` run as a process in namespace `ns` (its
 /// interfaces and addresses are the host the import checks against).
 fn import_in(ns: &netns::Ns, args: &[&str]) -> (i32, String, String) {

@@ -203,7 +203,7 @@ pub struct FileProxy {
 }
 
 /// `[[load_balancer]]`: mirrors Harvester's `LoadBalancer` object.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Default, Deserialize)]
 pub struct FileLoadBalancer {
     /// `<namespace>/<service>`, unique in the file.
     pub name: Option<Spanned<String>>,

@@ -1,6 +1,8 @@
 //! The VIP guard at every apply: a load balancer whose VIP is one of the
-//! host's own addresses, the gateway of one of its routes, or (with
-//! announcing) outside `vip.announce_prefixes` is refused alone, before
+//! host's own addresses, the gateway of one of its routes, the network or
+//! broadcast address of one of its subnets, or (with announcing) a
+//! neighbour of the host (its router, a BGP peer) or outside
+//! `vip.announce_prefixes` is refused alone, before
 //! the isolation table, the listeners or the announcer see it. The other
 //! load balancers are applied as usual.
 //!
@@ -43,8 +45,8 @@ pub struct VipRefusal {
     pub load_balancer: String,
     /// Its VIP.
     pub vip: IpAddr,
-    /// `host_address`, `gateway`, `outside_announce_prefixes`,
-    /// `unchecked` (the host could not be read while announcing) or
+    /// `host_address`, `gateway`, `subnet_address`, `neighbour`,
+    /// `outside_announce_prefixes`, `unchecked` (the host could not be read while announcing) or
     /// `no_network_interface` (its `[[network]]`'s interface is missing).
     pub kind: &'static str,
     /// What the host uses the address for, in words.
@@ -273,6 +275,7 @@ mod tests {
                 index: Some(2),
             }],
             local_routes: Vec::new(),
+            neighbours: Vec::new(),
         }
     }
 

@@ -16,6 +16,20 @@
 //!   by an earlier run on a kernel without the tag); without announcing,
 //!   one on `lo` or beside a subnet address of the same family on its
 //!   interface (how keepalived and kube-vip hold a VIP they moved here);
+//! - the network or broadcast address of a subnet the host is on (an
+//!   IPv4 address's subnet up to /30, an IPv6 one's up to /126: its
+//!   subnet-router anycast address): never one machine's;
+//! - with announcing, a neighbour in the host's neighbour table (ARP, NDP)
+//!   in a state that says it answered (reachable, stale, delay, probe) or
+//!   that someone wrote it (permanent): a machine on the host's own link,
+//!   most often its router or BGP peer, which has no route via it when the
+//!   host learns nothing from it (an export-only BGP session) or when its
+//!   routes use nexthop objects (FRR's `nhid`), where no route carries a
+//!   gateway. Announced, the VIP is made local (`local VIP dev lo`): the
+//!   host would answer for that machine to itself and lose it (its BGP
+//!   session first). Without announcing the daemon makes no VIP local,
+//!   and a VIP keepalived moves is a neighbour of the host that does not
+//!   hold it, so the rule is the announcing one;
 //! - with announcing, any VIP outside `vip.announce_prefixes`.
 //!
 //! Loopback VIPs (127.0.0.0/8, `::1`) are never refused: they reach only
@@ -33,6 +47,7 @@ use futures_util::TryStreamExt;
 use rtnetlink::packet_route::AddressFamily;
 use rtnetlink::packet_route::address::{AddressAttribute, AddressMessage, AddressProtocol};
 use rtnetlink::packet_route::link::{InfoKind, LinkAttribute, LinkFlags, LinkInfo};
+use rtnetlink::packet_route::neighbour::{NeighbourAddress, NeighbourAttribute, NeighbourState};
 use rtnetlink::packet_route::route::{
     RouteAddress, RouteAttribute, RouteHeader, RouteMessage, RouteType, RouteVia,
 };
@@ -79,6 +94,18 @@ pub struct LocalRoute {
     pub index: Option<u32>,
 }
 
+/// One entry of the host's neighbour table (ARP, NDP) that stands for a
+/// machine on one of its links (see [`judge`] for the states kept).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Neighbour {
+    /// The neighbour's address.
+    pub ip: IpAddr,
+    /// The interface it is on.
+    pub interface: String,
+    /// Its state, as `ip neigh` prints it (`REACHABLE`, `STALE`...).
+    pub state: &'static str,
+}
+
 /// What the guard needs to know of the host.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct HostNet {
@@ -88,6 +115,8 @@ pub struct HostNet {
     pub gateways: Vec<Gateway>,
     /// Every `local` route (every table, both families).
     pub local_routes: Vec<LocalRoute>,
+    /// Every neighbour that answered or was written by hand.
+    pub neighbours: Vec<Neighbour>,
 }
 
 /// Why a VIP cannot be taken: what the host uses the address for.
@@ -104,6 +133,23 @@ pub enum Refusal {
     Gateway {
         /// The route.
         route: String,
+    },
+    /// The network or broadcast address of a subnet the host is on.
+    SubnetAddress {
+        /// The subnet.
+        subnet: ipnet::IpNet,
+        /// `network` or `broadcast`.
+        which: &'static str,
+        /// The interface.
+        interface: String,
+    },
+    /// A neighbour of the host (its router, a BGP peer, a machine on its
+    /// link), with announcing.
+    Neighbour {
+        /// The interface it is on.
+        interface: String,
+        /// Its state in the neighbour table.
+        state: &'static str,
     },
     /// Outside `vip.announce_prefixes`, with announcing.
     OutsidePrefixes {
@@ -126,6 +172,18 @@ impl fmt::Display for Refusal {
                 f,
                 "the gateway of this host's route `{route}`: taken as a VIP it would cut the host off from its router (and its BGP session)"
             ),
+            Refusal::SubnetAddress {
+                subnet,
+                which,
+                interface,
+            } => write!(
+                f,
+                "the {which} address of this host's subnet {subnet} (interface {interface}): no machine has it, and taken as a VIP it would be made local and announced"
+            ),
+            Refusal::Neighbour { interface, state } => write!(
+                f,
+                "a neighbour of this host on interface {interface} (neighbour table: {state}), a machine on its own link such as its router or BGP peer: announced, the VIP is made local and the host would lose that machine (and its BGP session with it)"
+            ),
             Refusal::OutsidePrefixes { prefixes } => write!(
                 f,
                 "outside vip.announce_prefixes ({prefixes}): only VIPs inside them are announced"
@@ -136,11 +194,13 @@ impl fmt::Display for Refusal {
 
 impl Refusal {
     /// A short name of the kind, for `/status` (`host_address`,
-    /// `gateway`, `outside_announce_prefixes`).
+    /// `gateway`, `subnet_address`, `neighbour`, `outside_announce_prefixes`).
     pub fn kind(&self) -> &'static str {
         match self {
             Refusal::Address { .. } => "host_address",
             Refusal::Gateway { .. } => "gateway",
+            Refusal::SubnetAddress { .. } => "subnet_address",
+            Refusal::Neighbour { .. } => "neighbour",
             Refusal::OutsidePrefixes { .. } => "outside_announce_prefixes",
         }
     }
@@ -196,12 +256,61 @@ pub fn judge(
             });
         }
     }
+    if let Some(r) = subnet_address(vip, host) {
+        return Some(r);
+    }
+    if announcing && let Some(n) = host.neighbours.iter().find(|n| n.ip.to_canonical() == vip) {
+        return Some(Refusal::Neighbour {
+            interface: n.interface.clone(),
+            state: n.state,
+        });
+    }
     if announcing && !announce.allows(vip) {
         return Some(Refusal::OutsidePrefixes {
             prefixes: announce.prefixes_text(),
         });
     }
     None
+}
+
+/// Whether `vip` is the network or broadcast address of a subnet of one of
+/// the host's addresses (IPv4 up to /30, IPv6 up to /126, where the edges
+/// are no machine's: RFC 3021 makes both of a /31 hosts).
+fn subnet_address(vip: IpAddr, host: &HostNet) -> Option<Refusal> {
+    host.addresses.iter().find_map(|a| {
+        let longest = if a.ip.is_ipv4() { 30 } else { 126 };
+        if a.tagged || a.prefix_len > longest || a.ip.is_ipv4() != vip.is_ipv4() {
+            return None;
+        }
+        let subnet = ipnet::IpNet::new(a.ip, a.prefix_len).ok()?.trunc();
+        let which = if subnet.network() == vip {
+            "network"
+        } else if a.ip.is_ipv4() && subnet.broadcast() == vip {
+            "broadcast"
+        } else {
+            return None;
+        };
+        Some(Refusal::SubnetAddress {
+            subnet,
+            which,
+            interface: a.interface.clone(),
+        })
+    })
+}
+
+/// The states of a neighbour entry that stand for a machine: it answered
+/// (reachable, and stale, delay, probe, which follow it) or someone wrote
+/// it (permanent). Not incomplete or failed (nobody answered), nor noarp
+/// (no resolution at all: loopback, point-to-point, multicast).
+fn neighbour_state(state: NeighbourState) -> Option<&'static str> {
+    match state {
+        NeighbourState::Reachable => Some("REACHABLE"),
+        NeighbourState::Stale => Some("STALE"),
+        NeighbourState::Delay => Some("DELAY"),
+        NeighbourState::Probe => Some("PROBE"),
+        NeighbourState::Permanent => Some("PERMANENT"),
+        _ => None,
+    }
 }
 
 /// What an interface is, for `vip.announce_interface`.
@@ -221,7 +330,7 @@ fn netlink(what: String) -> impl FnOnce(rtnetlink::Error) -> AnnounceError {
 }
 
 impl HostNet {
-    /// Reads every address and every route's gateway over `handle`.
+    /// Reads every address, neighbour and route's gateway over `handle`.
     pub async fn read(handle: &Handle) -> Result<Self, AnnounceError> {
         let mut names = BTreeMap::new();
         let mut links = handle.link().get().execute();
@@ -261,6 +370,32 @@ impl HostNet {
                 index: m.header.index,
                 tagged,
             });
+        }
+        let mut neighbours = handle.neighbours().get().execute();
+        while let Some(m) = neighbours
+            .try_next()
+            .await
+            .map_err(netlink("cannot list the host's neighbours".into()))?
+        {
+            let Some(state) = neighbour_state(m.header.state) else {
+                continue;
+            };
+            let ip = m.attributes.iter().find_map(|a| match a {
+                NeighbourAttribute::Destination(NeighbourAddress::Inet(v4)) => {
+                    Some(IpAddr::V4(*v4))
+                }
+                NeighbourAttribute::Destination(NeighbourAddress::Inet6(v6)) => {
+                    Some(IpAddr::V6(*v6))
+                }
+                _ => None,
+            });
+            if let Some(ip) = ip {
+                out.neighbours.push(Neighbour {
+                    ip,
+                    interface: name_of(m.header.ifindex),
+                    state,
+                });
+            }
         }
         for mut request in [
             RouteMessageBuilder::<std::net::Ipv4Addr>::new().build(),
@@ -527,6 +662,19 @@ mod tests {
                 },
             ],
             local_routes: Vec::new(),
+            neighbours: vec![
+                // The BGP peer on the uplink, with no route via it.
+                Neighbour {
+                    ip: ip("192.0.2.9"),
+                    interface: "eth0".into(),
+                    state: "REACHABLE",
+                },
+                Neighbour {
+                    ip: ip("2001:db8::9"),
+                    interface: "eth0".into(),
+                    state: "STALE",
+                },
+            ],
         }
     }
 
@@ -625,5 +773,50 @@ mod tests {
             assert_eq!(kind(lo, &AnnounceSettings::default()), None, "{lo}");
         }
         assert_eq!(kind("0.0.0.0", &a), None, "a lease not yet in force");
+    }
+
+    #[test]
+    fn a_neighbour_is_refused_when_announced_and_a_subnets_edges_always() {
+        // Issue 40: announce_prefixes covering the uplink's own subnet.
+        let a = routes(&["192.0.2.0/24", "2001:db8::/64"]);
+        assert_eq!(kind("192.0.2.9", &a), Some("neighbour"), "the BGP peer");
+        assert_eq!(kind("2001:db8::9", &a), Some("neighbour"));
+        assert_eq!(kind("192.0.2.10", &a), None, "nobody's");
+        let r = judge(ip("192.0.2.9"), &host(), &BTreeSet::new(), &a).unwrap();
+        assert!(
+            r.to_string()
+                .contains("interface eth0 (neighbour table: REACHABLE)"),
+            "{r}"
+        );
+        // Without announcing nothing makes it local (and keepalived's VIP
+        // held by the other host is a neighbour here).
+        assert_eq!(kind("192.0.2.9", &AnnounceSettings::default()), None);
+        for mode in [AnnounceSettings::default(), a.clone()] {
+            assert_eq!(kind("192.0.2.0", &mode), Some("subnet_address"));
+            assert_eq!(kind("192.0.2.255", &mode), Some("subnet_address"));
+            assert_eq!(kind("2001:db8::", &mode), Some("subnet_address"));
+        }
+        let r = judge(ip("192.0.2.255"), &host(), &BTreeSet::new(), &a).unwrap();
+        assert!(
+            r.to_string()
+                .contains("broadcast address of this host's subnet 192.0.2.0/24"),
+            "{r}"
+        );
+        // A /32 (or a /31's two hosts) has no edge that is no machine's.
+        let mut h = host();
+        h.addresses.push(addr("10.9.0.0", 31, "p2p0", false));
+        assert_eq!(
+            judge(
+                ip("10.9.0.1"),
+                &h,
+                &BTreeSet::new(),
+                &routes(&["10.9.0.0/31"])
+            ),
+            None
+        );
+        assert_eq!(
+            kind("10.128.0.5", &AnnounceSettings::default()),
+            Some("host_address")
+        );
     }
 }

@@ -255,10 +255,10 @@ impl Validator<'_> {
                 } => {
                     let (i, k) = (again.0, file_listener(again.0, again.1));
                     self.problem(
-                        file_lb(i).listeners[k]
-                            .get_ref()
-                            .port
-                            .as_ref()
+                        file_lb(i)
+                            .listeners
+                            .get(k)
+                            .and_then(|l| l.get_ref().port.as_ref())
                             .map(|p| p.span()),
                         &format!("load_balancer[{i}].listener[{k}].port"),
                         format!(
@@ -275,7 +275,11 @@ impl Validator<'_> {
                     let k = file_listener(i, listener);
                     let l = &spec(i).listeners[listener];
                     self.problem(
-                        file_lb(i).listeners[k].get_ref().port.as_ref().map(|p| p.span()),
+                        file_lb(i)
+                            .listeners
+                            .get(k)
+                            .and_then(|l| l.get_ref().port.as_ref())
+                            .map(|p| p.span()),
                         &format!("load_balancer[{i}].listener[{k}].port"),
                         format!(
                             "{} is admin.listen ({admin}): the listener could not bind there, or would answer in the admin API's place; give the admin API another address or port",

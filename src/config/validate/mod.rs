@@ -23,15 +23,17 @@ use toml::de::DeTable;
 
 use super::file::{FileConfig, FileListener, FileLoadBalancer};
 use super::{
-    AdminSettings, Algorithm, Config, HealthCheckSpec, InitialState, Ipam, IsolateAction,
-    ListenerSpec, LoadBalancerSpec, Loaded, LogConnections, LogSettings, MetricsSettings,
-    OnBackendDown, Problem, Protocol, ProxyProtocol, ProxySettings, UdpSettings, VipSettings,
+    AdminSettings, Algorithm, Config, ConntrackdSettings, HealthCheckSpec, InitialState, Ipam,
+    IsolateAction, ListenerSpec, LoadBalancerSpec, Loaded, LogConnections, LogSettings,
+    MetricsSettings, OnBackendDown, Problem, Protocol, ProxyProtocol, ProxySettings, UdpSettings,
+    VipSettings,
 };
 
 mod announce;
 mod cross;
 mod dhcp;
 mod health;
+mod hosts;
 mod kernel;
 mod locate;
 mod names;
@@ -180,6 +182,14 @@ pub(super) fn parse(text: &str) -> Result<Loaded, Vec<Problem>> {
     }
 }
 
+/// The file's sections as [`Validator::sections`] built them.
+struct Sections {
+    /// Everything but `load_balancers` and `conntrackd`.
+    config: Config,
+    /// The names of the `[[network]]`s that were valid enough to be named.
+    network_names: HashSet<String>,
+}
+
 struct Validator<'a> {
     lines: &'a LineIndex,
     problems: Vec<Problem>,
@@ -221,7 +231,25 @@ impl Validator<'_> {
         });
     }
 
+    /// The whole file: its sections, each load balancer, then the checks
+    /// [`across`](Self::across) them.
     fn config(&mut self, file: &FileConfig) -> Config {
+        let sections = self.sections(file);
+        let mut specs = Vec::with_capacity(file.load_balancers.len());
+        for (i, lb) in file.load_balancers.iter().enumerate() {
+            specs.push(self.load_balancer(&format!("load_balancer[{i}]"), lb));
+        }
+        let conntrackd = self.across(file, &sections, &mut specs);
+        let mut config = sections.config;
+        config.conntrackd = conntrackd;
+        config.load_balancers = specs.into_iter().flatten().map(Arc::new).collect();
+        config
+    }
+
+    /// Every section but the load balancers and `[conntrackd]` (which
+    /// [`across`](Self::across) builds): what each load balancer is
+    /// checked against.
+    fn sections(&mut self, file: &FileConfig) -> Sections {
         let admin = self.admin(file);
         let backlog = self.int(
             &file.proxy.backlog,
@@ -305,32 +333,7 @@ impl Validator<'_> {
 
         let (networks, network_names) = self.networks(file, &vip);
         let keepalived = self.keepalived(file);
-        let mut specs = Vec::with_capacity(file.load_balancers.len());
-        for (i, lb) in file.load_balancers.iter().enumerate() {
-            specs.push(self.load_balancer(&format!("load_balancer[{i}]"), lb));
-        }
-        let names: Vec<Option<&str>> = file
-            .load_balancers
-            .iter()
-            .map(|lb| valid_name(lb.get_ref()))
-            .collect();
-        let built: Vec<Option<&LoadBalancerSpec>> = specs.iter().map(Option::as_ref).collect();
-        let found = cross::conflicts(admin.listen, &names, &built);
-        self.report_conflicts(admin.listen, file, &specs, found);
-        self.announce_conflicts(&vip.announce, file, &specs);
-        self.network_conflicts(
-            file,
-            &mut specs,
-            &networks,
-            &network_names,
-            keepalived.as_ref(),
-            &vip,
-        );
-        self.moving_vips(file, &specs, &vip.announce);
-        self.network_isolation(file, &networks, keepalived.as_ref());
-        let conntrackd = self.conntrackd(file, keepalived.as_ref(), &specs, &vip.announce);
-        let load_balancers = specs.into_iter().flatten().map(Arc::new).collect();
-        Config {
+        let config = Config {
             admin,
             proxy: ProxySettings {
                 backlog: backlog as u32,
@@ -358,11 +361,54 @@ impl Validator<'_> {
                 max_connection_lines_per_second: NonZeroU32::new(max_connection_lines as u32)
                     .unwrap_or(NonZeroU32::MIN),
             },
-            load_balancers,
+            load_balancers: Vec::new(),
             networks,
             keepalived,
-            conntrackd,
+            conntrackd: None,
+        };
+        Sections {
+            config,
+            network_names,
         }
+    }
+
+    /// Every check that reads more than one table: load balancers against
+    /// each other, and against `[vip]`, `[[network]]`, `[keepalived]` and
+    /// `[conntrackd]`; builds `[conntrackd]` (it depends on the load
+    /// balancers). `specs[i]` is `file.load_balancers[i]`'s, `None` when it
+    /// could not be built. Both reads run it over the whole file
+    /// ([`reuse`] over its assembled tables), so no check lives in one
+    /// read only: a check that spans sections belongs here.
+    fn across(
+        &mut self,
+        file: &FileConfig,
+        sections: &Sections,
+        specs: &mut [Option<LoadBalancerSpec>],
+    ) -> Option<ConntrackdSettings> {
+        let config = &sections.config;
+        let (admin, vip, keepalived) = (&config.admin, &config.vip, config.keepalived.as_ref());
+        let names: Vec<Option<&str>> = file
+            .load_balancers
+            .iter()
+            .map(|lb| valid_name(lb.get_ref()))
+            .collect();
+        let built: Vec<Option<&LoadBalancerSpec>> = specs.iter().map(Option::as_ref).collect();
+        let found = cross::conflicts(admin.listen, &names, &built);
+        self.report_conflicts(admin.listen, file, specs, found);
+        self.announce_conflicts(&vip.announce, file, specs);
+        self.network_conflicts(
+            file,
+            specs,
+            &config.networks,
+            &sections.network_names,
+            keepalived,
+            vip,
+        );
+        self.moving_vips(file, specs, &vip.announce);
+        self.network_isolation(file, &config.networks, keepalived);
+        let conntrackd = self.conntrackd(file, keepalived, specs, &vip.announce);
+        self.vips_that_are_hosts(file, config, conntrackd.as_ref(), specs);
+        conntrackd
     }
 
     /// `[admin]`: where the admin API listens and its Unix socket's path.

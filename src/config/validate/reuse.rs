@@ -2,30 +2,43 @@
 //! tables whose text has not changed since the last read as they were.
 //!
 //! A controller rewrites the whole file for every change of one Service. At
-//! 10,000 load balancers a full parse and validation is ~100 ms of CPU and
-//! ~80 MB of transient tree, paid on every reload; here a reload parses only
-//! the tables that changed, and the rest cost a hash lookup of their text.
+//! 10,000 load balancers a full parse and validation is 137-344 ms and ~80
+//! MB of transient tree, paid on every reload; here a reload parses only
+//! the tables that changed, and the rest cost a hash lookup of their text,
+//! a copy of their spec and the checks across tables: 23-53 ms with every
+//! table reused, 18-28 ms in 4 runs of the code before the checks across
+//! tables ran here (`ci` build, a machine at load 2-9, 7 runs;
+//! `tests/config_reuse.rs`'s FIGURE).
 //!
 //! The file is cut before each line that is exactly a `[[load_balancer]]`
 //! header (indentation and a trailing comment allowed). Everything before
-//! the first one (`[admin]`, `[proxy]`, `[metrics]`) is read as a document
-//! of its own, and each piece as a document holding one load balancer. The
-//! cut is only trusted when it cannot have changed the meaning: each piece
-//! must parse on its own and hold exactly what it should, with no unknown
-//! key, no problem, and no conflict across load balancers ([`cross`]). A
+//! the first one (`[admin]`, `[vip]`, `[conntrackd]`...) is read as a
+//! document of its own ([`Validator::sections`]), and each piece as a
+//! document holding one load balancer ([`Validator::load_balancer`]). Then
+//! [`Validator::across`], the same function the full read ends with, runs
+//! every check that spans tables over the assembled file, each table
+//! standing in as its built spec. The cut is only trusted when it cannot
+//! have changed the verdict: each piece must parse on its own and hold
+//! exactly what it should, with no unknown key and no problem, and the
+//! checks across tables must find nothing (they run on stand-ins without
+//! positions, so the full read tells what they find, with its lines). A
 //! line that looks like a header inside a multi-line string or array leaves
 //! the piece before it unterminated, so it fails to parse. Anything else,
-//! including every broken file, takes the full read of [`super::parse`],
-//! whose verdict and messages are the ones the operator sees.
+//! including every broken file and every file with `[[network]]` or
+//! `[keepalived]` (checked with keys of the tables the stand-ins do not
+//! carry), takes the full read of [`super::parse`], whose verdict and
+//! messages are the ones the operator sees: `check`'s, the start's and a
+//! reload's are one (`tests/one_verdict.rs`).
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
+use toml::Spanned;
 use toml::de::DeTable;
 
 use super::locate::LineIndex;
-use super::{Validator, cross, parse};
-use crate::config::file::FileConfig;
+use super::{Validator, parse};
+use crate::config::file::{FileConfig, FileLoadBalancer};
 use crate::config::{LoadBalancerSpec, Loaded, Problem};
 
 /// What the last read file's load balancers were, by the exact text of
@@ -68,13 +81,15 @@ fn piecewise(text: &str, known: &mut Known) -> Option<Loaded> {
         warnings: Vec::new(),
         removed: HashSet::new(),
     };
-    let mut config = v.config(&document(preamble, false)?);
+    let mut preamble_file = document(preamble, false)?;
+    let sections = v.sections(&preamble_file);
     if !v.problems.is_empty() {
         return None;
     }
     // Load balancers on a `[[network]]` are checked against the networks
-    // and `[keepalived]` across the whole file: the full read does that.
-    if !config.networks.is_empty() || config.keepalived.is_some() {
+    // and `[keepalived]` with their tables' own keys (`network`, `dhcp`),
+    // which the stand-ins below do not carry: the full read does that.
+    if !sections.config.networks.is_empty() || sections.config.keepalived.is_some() {
         return None;
     }
     let mut warnings = v.warnings;
@@ -123,11 +138,38 @@ fn piecewise(text: &str, known: &mut Known) -> Option<Loaded> {
         next.insert(Box::from(piece.text), Arc::clone(&spec));
         specs.push(spec);
     }
-    let names: Vec<Option<&str>> = specs.iter().map(|s| Some(s.name.as_str())).collect();
-    let built: Vec<Option<&LoadBalancerSpec>> = specs.iter().map(|s| Some(&**s)).collect();
-    if !cross::conflicts(config.admin.listen, &names, &built).is_empty() {
+    // The checks across tables, the very ones the full read runs, over
+    // the assembled file: each table stands in as its name (what
+    // `cross::conflicts` knows it by) and its built spec. The stand-ins
+    // have no positions, so whatever they find (a problem, or a warning
+    // told of a load balancer or of a section) is left to the full read,
+    // which tells it with its line.
+    preamble_file.load_balancers = specs
+        .iter()
+        .map(|s| {
+            Spanned::new(
+                0..0,
+                FileLoadBalancer {
+                    name: Some(Spanned::new(0..0, s.name.clone())),
+                    ..FileLoadBalancer::default()
+                },
+            )
+        })
+        .collect();
+    let mut built: Vec<Option<LoadBalancerSpec>> =
+        specs.iter().map(|s| Some((**s).clone())).collect();
+    let mut v = Validator {
+        lines: &preamble_lines,
+        problems: Vec::new(),
+        warnings: Vec::new(),
+        removed: HashSet::new(),
+    };
+    let conntrackd = v.across(&preamble_file, &sections, &mut built);
+    if !v.problems.is_empty() || !v.warnings.is_empty() {
         return None;
     }
+    let mut config = sections.config;
+    config.conntrackd = conntrackd;
     config.load_balancers = specs;
     known.by_text = next;
     Some(Loaded {

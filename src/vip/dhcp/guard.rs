@@ -394,6 +394,7 @@ mod tests {
                     index: Some(9),
                 },
             ],
+            neighbours: Vec::new(),
         };
         // Interface 9 is the client's macvlan: its lease is not the host's.
         let view = HostView::of(&host, 9);
