@@ -646,6 +646,16 @@ sys.exit(0 if any(i.get("state") == "MASTER" and i.get("gate") == "open" for i i
 }
 wait_until 30 "/status: the instance MASTER and its gate open (the commit done), as the daemon reads them" master_open
 ok "the notify script ran as root; its state ($got) read by the daemon"
+# conntrackd's control socket is root's: the daemon cannot ask it, says so,
+# and exports no conntrack_sync_up (the alert on it would fire for ever).
+api /status | python3 -c 'import json,sys
+c = json.load(sys.stdin)["conntrack_sync"]
+sys.exit(0 if c["conntrackd_readable"] is False and "conntrackd.service" in c.get("conntrackd_error", "") else 1)' ||
+    fail "/status conntrack_sync does not say that conntrackd cannot be asked under the unit: $(api /status | python3 -c 'import json,sys; print(json.load(sys.stdin)["conntrack_sync"])')"
+if api /metrics | grep -q '^harvester_lb_conntrack_sync_up '; then
+    fail "/metrics exports harvester_lb_conntrack_sync_up although conntrackd cannot be asked here"
+fi
+ok "conntrackd not askable under the unit: said in /status, no conntrack_sync_up series"
 
 step "vrrp.conf: a reload that adds a VIP reaches keepalived"
 keepalived_pid=$(inside systemctl show keepalived -P MainPID)

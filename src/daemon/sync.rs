@@ -89,6 +89,12 @@ struct Inner {
 pub struct SyncStatus {
     /// Whether conntrackd answered `-s`.
     pub conntrackd_up: bool,
+    /// Whether this daemon may ask conntrackd at all: under the shipped
+    /// unit its control socket is root's (0755 under root's umask), so a
+    /// `false` `conntrackd_up` there says nothing of conntrackd, and no
+    /// `conntrack_sync_up` series is exported (the alert on it would fire
+    /// for ever).
+    pub conntrackd_readable: bool,
     /// Why not, in its words.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub conntrackd_error: Option<String>,
@@ -261,8 +267,16 @@ impl Daemon {
             );
         }
         inner.pending_warned = pending;
+        let readable = stats.is_ok() || !control_socket_refused(&settings.socket);
         let (mut report, stats) = build_report(&settings, config, &recorded, &states, stats, error);
         report.restart_pending = pending;
+        report.conntrackd_readable = readable;
+        if !readable {
+            report.conntrackd_error = Some(format!(
+                "conntrackd's control socket {} is not this daemon's to use (under the shipped unit it is root's): whether conntrackd runs is not known here; watch conntrackd.service (systemctl is-active conntrackd)",
+                settings.socket.display()
+            ));
+        }
         self.metrics.set_conntrack_sync(Some(sample_of(
             &report,
             &stats,
@@ -506,6 +520,16 @@ fn read_recorded(dir: &Path) -> BTreeMap<u32, Recorded> {
 }
 
 /// `conntrackd -C FILE -s`, bounded by [`STATS_TIMEOUT`].
+/// Whether conntrackd's control socket exists but refuses this process
+/// (`EACCES`): the shipped unit's dynamic user and root's conntrackd.
+/// Absent or refusing connections is conntrackd down, not this.
+fn control_socket_refused(socket: &Path) -> bool {
+    matches!(
+        std::os::unix::net::UnixStream::connect(socket),
+        Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied
+    )
+}
+
 fn conntrackd_stats(conf: &Path) -> Result<Stats, String> {
     let (stdout, stderr) = conntrackd_ask(conf, &["-s"])
         .map_err(|e| format!("{e} (is conntrackd running with that file?)"))?;
@@ -656,6 +680,7 @@ fn build_report(
     };
     let report = SyncStatus {
         conntrackd_up: up,
+        conntrackd_readable: true,
         conntrackd_error: err,
         internal_entries: s.internal,
         external_entries: s.external,
@@ -680,6 +705,7 @@ fn sample_of(
 ) -> SyncSample {
     SyncSample {
         up: report.conntrackd_up,
+        up_known: report.conntrackd_readable,
         restart_pending: report.restart_pending,
         entries: [stats.internal, stats.external],
         packets: [stats.packets_sent, stats.packets_received],

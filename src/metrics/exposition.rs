@@ -603,7 +603,9 @@ impl Exposition {
             .unwrap_or_else(|p| p.into_inner())
             .clone();
         let Some(s) = sample else { return };
-        gauge(buf, &names::CONNTRACK_SYNC_UP, &u8::from(s.up));
+        if s.up_known {
+            gauge(buf, &names::CONNTRACK_SYNC_UP, &u8::from(s.up));
+        }
         gauge(buf, &names::CONNTRACK_SYNC_FAILURES, &s.failures);
         if s.up {
             gauge(

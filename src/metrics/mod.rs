@@ -122,6 +122,10 @@ pub struct Metrics {
 pub struct SyncSample {
     /// conntrackd answered `-s`.
     pub up: bool,
+    /// Whether `up` means anything: `false` where conntrackd's control
+    /// socket is not the daemon's to use (the shipped unit); then no
+    /// `conntrack_sync_up` series.
+    pub up_known: bool,
     /// Its internal and external caches' entries.
     pub entries: [u64; 2],
     /// Packets sent and received on the sync link.
