@@ -158,18 +158,9 @@ pub fn mac_of(ns: &Ns, dev: &str) -> String {
 /// namespace `<tag>-<name>` with `ip/24` on its `eth0`, as a guest
 /// cluster's node on the host that runs it. Deleted with the bed.
 pub fn vm_on_host(bed: &mut Bed, host: &Ns, bridge: &str, name: &str, ip: Ipv4Addr) -> Ns {
-    let ns = Ns {
-        name: format!("{}-{name}", bed.tag),
-    };
-    bed.add_ns(&ns.name);
     let port = format!("vm-{name}");
-    host.ip(&[
-        "link", "add", &port, "type", "veth", "peer", "name", "eth0", "netns", &ns.name,
-    ]);
+    let ns = vm_on_veth(bed, host, name, &port, ip);
     host.ip(&["link", "set", &port, "master", bridge, "up"]);
-    ns.ip(&["link", "set", "lo", "up"]);
-    ns.ip(&["addr", "add", &format!("{ip}/24"), "dev", "eth0"]);
-    ns.ip(&["link", "set", "eth0", "up"]);
     ns
 }
 
@@ -178,20 +169,27 @@ pub fn vm_on_host(bed: &mut Bed, host: &Ns, bridge: &str, name: &str, ip: Ipv4Ad
 /// `ip`/24 and its default route through the host. A backend the kernel
 /// path reaches by routing, not through the VIP's bridge.
 pub fn routed_vm(bed: &mut Bed, host: &Ns, name: &str, gateway: Ipv4Addr, ip: Ipv4Addr) -> Ns {
+    let port = format!("rt-{name}");
+    let ns = vm_on_veth(bed, host, name, &port, ip);
+    host.ip(&["addr", "add", &format!("{gateway}/24"), "dev", &port]);
+    host.ip(&["link", "set", &port, "up"]);
+    ns.ip(&["route", "add", "default", "via", &gateway.to_string()]);
+    ns
+}
+
+/// A namespace `<tag>-<name>` whose `eth0` (`ip/24`, up) is the peer of
+/// `port` in `host` (left down and unplugged for the caller).
+fn vm_on_veth(bed: &mut Bed, host: &Ns, name: &str, port: &str, ip: Ipv4Addr) -> Ns {
     let ns = Ns {
         name: format!("{}-{name}", bed.tag),
     };
     bed.add_ns(&ns.name);
-    let port = format!("rt-{name}");
     host.ip(&[
-        "link", "add", &port, "type", "veth", "peer", "name", "eth0", "netns", &ns.name,
+        "link", "add", port, "type", "veth", "peer", "name", "eth0", "netns", &ns.name,
     ]);
-    host.ip(&["addr", "add", &format!("{gateway}/24"), "dev", &port]);
-    host.ip(&["link", "set", &port, "up"]);
     ns.ip(&["link", "set", "lo", "up"]);
     ns.ip(&["addr", "add", &format!("{ip}/24"), "dev", "eth0"]);
     ns.ip(&["link", "set", "eth0", "up"]);
-    ns.ip(&["route", "add", "default", "via", &gateway.to_string()]);
     ns
 }
 
