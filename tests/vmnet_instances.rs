@@ -155,18 +155,7 @@ async fn netns_500_vips_in_one_instance_are_held_and_the_instance_s_readiness_is
     switch.ip(&["link", "set", "sw0", "master", "sw", "up"]);
     host.ip(&["addr", "add", "10.100.0.4/22", "dev", "br0"]);
     host.ip(&["link", "set", "br0", "up"]);
-    netns::run(
-        "ip",
-        &[
-            "netns",
-            "exec",
-            &host.name,
-            "sysctl",
-            "-qw",
-            "net.bridge.bridge-nf-call-iptables=1",
-        ],
-        None,
-    );
+    netns::vmnet::bridge_netfilter(&host);
 
     let path = dir.join("config.toml");
     std::fs::write(&path, host_config(&dir, VIPS, None)).unwrap();
