@@ -32,6 +32,7 @@ mod admin_state;
 mod announce;
 mod apply;
 mod forward_chains;
+mod hand_over;
 mod kernel;
 mod kernel_check;
 mod leases;
@@ -43,6 +44,7 @@ mod vip_guard;
 mod vmnet;
 
 pub use admin_state::{AdminStateChange, AdminStateError};
+pub use hand_over::{HandOverReport, StopKind};
 pub use announce::decide;
 pub use announce::{
     AnnounceStateChange, AnnounceStateError, AnnounceStatus, LbAnnounceStatus, VipAnnounceStatus,

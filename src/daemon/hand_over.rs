@@ -1,0 +1,61 @@
+//! A restart that loses nothing: what the daemon does instead of its drain
+//! when the stop it was asked for is the first half of a restart (issue 41).
+//!
+//! The mechanism is systemd's file descriptor store (`FDSTORE=1`): the
+//! listening sockets are stored when they are bound, the open connections
+//! and UDP flows when the daemon hands over, and the next process of the
+//! unit receives them all (`LISTEN_FDS`, matched by name). A restart is told
+//! from a stop before the signal comes: the unit's `ExecStop=` asks systemd
+//! which job stops it and, for a restart, tells the daemon over the admin
+//! socket. Without that word a SIGTERM keeps today's meaning: drain, then
+//! remove everything written into the host.
+//!
+//! The three parts, one file each:
+//! - `sockets`: listeners, connections and flows into the store;
+//! - `state`: operator states, health verdicts, affinity and leases into the
+//!   state file, which the next process reads back;
+//! - `host`: the kernel objects, routes, addresses and keepalived's and
+//!   conntrackd's files left in place for the next process to adopt.
+
+use super::Daemon;
+
+mod host;
+mod sockets;
+mod state;
+
+/// What a stop does with the daemon's sockets and host objects.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum StopKind {
+    /// `systemctl stop`, package removal, a signal with no word before it:
+    /// drain the connections, then remove everything written into the host.
+    #[default]
+    Drain,
+    /// The first half of a restart: hand everything to the next process.
+    HandOver,
+}
+
+/// What a hand-over passed on, for the log, `/status` and the metrics.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct HandOverReport {
+    /// Listening sockets left in the store.
+    pub listeners: usize,
+    /// Proxied TCP connections stored.
+    pub connections: usize,
+    /// UDP flows stored.
+    pub flows: usize,
+    /// Connections and flows that could not be stored (the store's
+    /// capacity, a peer that would not take the bytes in flight).
+    pub lost: usize,
+}
+
+impl Daemon {
+    /// Hands everything to the next process of the unit instead of draining:
+    /// see the module's doc.
+    pub async fn hand_over(&self) -> HandOverReport {
+        let mut report = HandOverReport::default();
+        self.hand_over_sockets(&mut report).await;
+        self.save_state(&mut report).await;
+        self.leave_host_objects(&mut report).await;
+        report
+    }
+}
