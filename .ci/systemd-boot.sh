@@ -492,6 +492,9 @@ probe_lossless() {
 }
 if ((EXPECT_LOSSLESS_RESTART)); then
     [[ $(show FileDescriptorStoreMax) != 0 ]] || fail "FileDescriptorStoreMax=0: the unit keeps no fd across a restart"
+    # The listeners are stored when bound: the four of this config at least
+    # (:80, :8080, :81 TCP and UDP), before any restart.
+    (($(show NFileDescriptorStore) >= 4)) || fail "NFileDescriptorStore=$(show NFileDescriptorStore) with 4 listeners bound: the listeners are not in systemd's fd store"
 fi
 
 step "restart: systemctl restart with 10 long connections, a new one every 50 ms, a UDP flow"
