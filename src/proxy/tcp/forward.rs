@@ -302,7 +302,10 @@ async fn relay(
                 ended = &mut copy => Cut::Copy(ended),
                 _ = control.wake.cancelled(), if !pausing => {
                     if control.close.is_cancelled() {
+                        // A drain's end, or a hand-over's deadline passed
+                        // while this connection was still connecting.
                         tracing::debug!("drain timeout: closing connection");
+                        control.note_closed();
                         Cut::Drained
                     } else {
                         // Seen by each direction at its next wait, when the

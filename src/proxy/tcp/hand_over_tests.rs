@@ -33,14 +33,21 @@ struct Bed {
 
 impl Bed {
     fn new(backend: SocketAddr, idle: Duration) -> Self {
-        let b = Backend::new(backend.ip(), true);
-        let lb = LoadBalancer::new(
-            "ns/svc".into(),
-            "c".into(),
+        Self::with(
+            backend,
             Settings {
                 idle_timeout: idle,
                 ..Settings::for_tests()
             },
+        )
+    }
+
+    fn with(backend: SocketAddr, settings: Settings) -> Self {
+        let b = Backend::new(backend.ip(), true);
+        let lb = LoadBalancer::new(
+            "ns/svc".into(),
+            "c".into(),
+            settings,
             vec![Arc::clone(&b)],
             LbStats::detached(),
         );
@@ -382,6 +389,57 @@ async fn a_connection_whose_client_does_not_read_is_lost_at_the_deadline() {
         .await;
     assert_eq!((handed.connections.len(), handed.lost), (0, 1));
     writer.abort();
+}
+
+/// A connection still connecting to its backend when the hand-over
+/// begins (the backend's accept queue is full, so the connect's SYN is
+/// dropped and sent again a second later) finishes its connect, pauses as
+/// its copy starts, and is handed over: the next process gets only
+/// connections that are copying.
+#[tokio::test]
+async fn a_connection_still_connecting_is_handed_over_once_connected() {
+    let socket = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
+    socket
+        .bind(&SocketAddr::from(([127, 0, 0, 2], 0)).into())
+        .unwrap();
+    socket.listen(1).unwrap();
+    socket.set_nonblocking(true).unwrap();
+    let backend = TokioListener::from_std(socket.into()).unwrap();
+    let addr = backend.local_addr().unwrap();
+    // Linux queues backlog + 1 connections: two fill it.
+    let mut fillers = Vec::new();
+    for _ in 0..2 {
+        fillers.push(TcpStream::connect(addr).await.unwrap());
+    }
+    let bed = Bed::with(
+        addr,
+        Settings {
+            connect_timeout: Duration::from_secs(10),
+            ..Settings::for_tests()
+        },
+    );
+    let listener = bed.listener();
+    let mut client = TcpStream::connect(bed.vip()).await.unwrap();
+    assert!(wait_until(Duration::from_secs(10), || listener.open_connections() == 1).await);
+    assert_eq!(bed.backend.active_connections(), 0, "connected already");
+    let handing = tokio::spawn(listener.hand_over(Instant::now() + Duration::from_secs(30)));
+    // Room in the queue: the SYN sent again gets through.
+    for _ in 0..2 {
+        drop(backend.accept().await.unwrap());
+    }
+    let HandedOver { connections, lost } = handing.await.unwrap();
+    assert_eq!((connections.len(), lost), (1, 0));
+    let next = bed.listener();
+    next.adopt(connections);
+    let (mut server, _) = tokio::time::timeout(Duration::from_secs(10), backend.accept())
+        .await
+        .unwrap()
+        .unwrap();
+    client.write_all(b"late").await.unwrap();
+    let mut got = [0u8; 4];
+    server.read_exact(&mut got).await.unwrap();
+    assert_eq!(&got, b"late");
+    drop(fillers);
 }
 
 #[test]

@@ -132,6 +132,8 @@ pub(crate) struct Control {
     /// The connections paused for a hand-over, their sockets taken out of
     /// this process's reactor.
     handed: Mutex<Vec<HandedConnection>>,
+    /// Set before `wake` for a hand-over (not for a drain).
+    handing_over: AtomicBool,
     /// Connections a hand-over could not pass on (not paused by the
     /// deadline, or their sockets unusable).
     lost: AtomicUsize,
@@ -143,6 +145,7 @@ impl Control {
             wake: CancellationToken::new(),
             close: CancellationToken::new(),
             handed: Mutex::new(Vec::new()),
+            handing_over: AtomicBool::new(false),
             lost: AtomicUsize::new(0),
         })
     }
@@ -150,6 +153,14 @@ impl Control {
     /// Counts a connection the hand-over could not pass on.
     pub(crate) fn note_lost(&self) {
         self.lost.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// A connection closed because its listener's time is over: counted
+    /// lost when that was a hand-over's deadline, not a drain's.
+    pub(crate) fn note_closed(&self) {
+        if self.handing_over.load(Ordering::Relaxed) {
+            self.note_lost();
+        }
     }
 
     /// Passes a paused connection's sockets on to the hand-over: they leave
@@ -431,6 +442,7 @@ impl Listener {
     pub async fn hand_over(self, deadline: tokio::time::Instant) -> HandedOver {
         self.stop_accepting.cancel();
         self.connections.close();
+        self.control.handing_over.store(true, Ordering::Relaxed);
         self.control.wake.cancel();
         if tokio::time::timeout_at(deadline, self.connections.wait())
             .await
