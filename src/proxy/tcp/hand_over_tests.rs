@@ -442,6 +442,34 @@ async fn a_connection_still_connecting_is_handed_over_once_connected() {
     drop(fillers);
 }
 
+/// A connection of another VIP:port given to a listener is reset, not
+/// served: a wrong match of the store's names cannot cross tenants.
+#[tokio::test]
+async fn a_connection_of_another_listener_is_reset_not_adopted() {
+    let backend = backend_listener([127, 0, 0, 2]).await;
+    let bed = Bed::new(backend.local_addr().unwrap(), Duration::from_secs(60));
+    let listener = bed.listener();
+    let elsewhere = TokioListener::bind("127.0.0.1:0").await.unwrap();
+    let mut client = TcpStream::connect(elsewhere.local_addr().unwrap())
+        .await
+        .unwrap();
+    let (ours, _) = elsewhere.accept().await.unwrap();
+    let (_server, to_backend) = connect(&bed, &backend).await;
+    let handed = super::HandedConnection {
+        client: ours.into_std().unwrap(),
+        backend: to_backend.into_std().unwrap(),
+    };
+    assert_eq!(listener.adopt(vec![handed]), 0);
+    let mut rest = Vec::new();
+    let read = tokio::time::timeout(Duration::from_secs(10), client.read_to_end(&mut rest))
+        .await
+        .expect("the connection was left open");
+    assert_eq!(
+        read.unwrap_err().kind(),
+        std::io::ErrorKind::ConnectionReset
+    );
+}
+
 #[test]
 fn the_pattern_tells_every_shift_within_the_transfer() {
     let p = Pattern::new(1);

@@ -464,6 +464,15 @@ impl Listener {
         }
     }
 
+    /// Whether a connection accepted on `vip` is this listener's (its own
+    /// address, or any of its family's with the port, for a wildcard one).
+    fn serves(&self, vip: SocketAddr) -> bool {
+        vip == self.addr
+            || (self.addr.ip().is_unspecified()
+                && vip.port() == self.addr.port()
+                && vip.is_ipv4() == self.addr.is_ipv4())
+    }
+
     /// Serves connections another process handed over (see
     /// [`HandedConnection`]) as if this listener had accepted them: their
     /// copy goes on, counted in the listener's `active`, holding a slot of
@@ -476,14 +485,24 @@ impl Listener {
     /// served to the connection's end, in no backend's count. A cap
     /// already full (a config that lowered it): served all the same,
     /// without a slot. Connections are spread over the listener's runtimes
-    /// in turn; the caller matches each to this listener by the client
-    /// socket's local address.
+    /// in turn. The caller matches each to this listener by the client
+    /// socket's local address; one whose local address is not this
+    /// listener's VIP:port (or that is no TCP socket) is reset, warned and
+    /// not counted in the number returned, which is how many are served.
     pub fn adopt(&self, connections: Vec<HandedConnection>) -> usize {
         let route = self.route.load_full();
         let lb = &route.lb;
-        let count = connections.len();
+        let mut count = 0;
         let mut over_cap = 0;
-        for (i, handed) in connections.into_iter().enumerate() {
+        for handed in connections {
+            match handed.client.local_addr() {
+                Ok(vip) if self.serves(vip) => {}
+                other => {
+                    tracing::warn!(listen = %self.addr, vip = ?other, "a handed-over connection of another listener: reset");
+                    handed.reset();
+                    continue;
+                }
+            }
             let lb_slot = Slot::take(lb.connections());
             let permit = Arc::clone(&self.limit.slots).try_acquire_owned().ok();
             if lb_slot.is_none() || permit.is_none() {
@@ -495,7 +514,8 @@ impl Listener {
                 limit: Arc::clone(&self.limit),
                 permit,
             };
-            let runtime = self.placement.runtime(i % self.placement.sockets());
+            let runtime = self.placement.runtime(count % self.placement.sockets());
+            count += 1;
             let span = tracing::debug_span!("conn", adopted = true);
             self.connections.spawn_on(
                 forward::serve_adopted(handed, Arc::clone(&route), Arc::clone(&self.control), held)
