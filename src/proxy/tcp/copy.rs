@@ -184,10 +184,12 @@ pub struct Later<F: FnOnce()> {
 ///
 /// `pause` asks for [`Ended::Paused`]: once it is set, each direction
 /// returns at its next wait for its source (a direction writing finishes
-/// its write first). It is read with one relaxed load each time a
-/// direction's wait is polled, and wakes nothing: whoever sets it must poll
-/// this future again afterwards (the forwarder sets it from its own select
-/// over this future, in the same task, then polls on).
+/// its write first; a bulk direction whose source always has data stops
+/// after the chunk in its pipe is written). It is read with one relaxed
+/// load each time a direction's wait is polled and once per spliced chunk
+/// (up to 64 KiB), and wakes nothing: whoever sets it must poll this future
+/// again afterwards (the forwarder sets it from its own select over this
+/// future, in the same task, then polls on).
 pub async fn bidirectional(
     client: &TcpStream,
     backend: &TcpStream,
@@ -366,7 +368,8 @@ async fn one_way(
         if bulk {
             match PIPES.take() {
                 Ok(pipe) => {
-                    let more = splice_while_readable(src, dst, &pipe, bytes, activity).await?;
+                    let more =
+                        splice_while_readable(src, dst, &pipe, bytes, activity, pause).await?;
                     // Only an empty pipe goes back (an error above drops it).
                     PIPES.give_back(pipe);
                     if !more {
@@ -490,7 +493,9 @@ async fn write_all(dst: &TcpStream, mut data: &[u8]) -> io::Result<()> {
 
 /// The bulk mode of [`one_way`]: splices from `src` through `pipe` into
 /// `dst` for as long as `src` has data. Returns with the pipe empty:
-/// `Ok(true)` when `src` has nothing more for now, `Ok(false)` at its end of
+/// `Ok(true)` when `src` has nothing more for now or `pause` is set (a
+/// source that always has data, towards a peer slower than it, would
+/// otherwise never come back to its wait), `Ok(false)` at its end of
 /// stream. The pipe is held only while data is in flight.
 async fn splice_while_readable(
     src: &TcpStream,
@@ -498,6 +503,7 @@ async fn splice_while_readable(
     pipe: &Pipe,
     bytes: Tally<'_>,
     activity: &Activity,
+    pause: &AtomicBool,
 ) -> Result<bool, DirError> {
     loop {
         let n = match src.try_io(Interest::READABLE, || {
@@ -522,6 +528,10 @@ async fn splice_while_readable(
         }
         bytes.add(n);
         activity.touch();
+        // The pipe is empty: a pause can be taken here (one load a chunk).
+        if pause.load(Ordering::Relaxed) {
+            return Ok(true);
+        }
     }
 }
 

@@ -5,7 +5,7 @@
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -440,6 +440,106 @@ async fn a_connection_still_connecting_is_handed_over_once_connected() {
     server.read_exact(&mut got).await.unwrap();
     assert_eq!(&got, b"late");
     drop(fillers);
+}
+
+/// A download to a client slower than the backend: the direction's source
+/// always has data queued, so its bulk (splice) loop would never come back
+/// to its wait for the source by itself. It pauses all the same (after the
+/// chunk in its pipe is written), is handed over, and every byte arrives
+/// once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_download_to_a_slow_client_pauses_and_loses_nothing() {
+    // More than the socket buffers on the way (about 20 MiB on loopback)
+    // and what the client reads during the hand-over's deadline.
+    const TOTAL: u64 = 64 << 20;
+    let backend = backend_listener([127, 0, 0, 2]).await;
+    let bed = Bed::new(backend.local_addr().unwrap(), Duration::from_secs(60));
+    let listener = bed.listener();
+    let (client, mut server) = connect(&bed, &backend).await;
+    let pattern = Arc::new(Pattern::new(7));
+    // Made beforehand, so the backend writes at memory speed and the
+    // proxy's receive queue from it is never empty.
+    let mut stream = vec![0u8; TOTAL as usize];
+    pattern.fill(0, &mut stream);
+    let writer = tokio::spawn(async move {
+        server.write_all(&stream).await.unwrap();
+        server.shutdown().await.unwrap();
+    });
+    let got = Arc::new(AtomicU64::new(0));
+    let fast = Arc::new(AtomicBool::new(false));
+    let reader = {
+        let (pattern, got, fast) = (Arc::clone(&pattern), Arc::clone(&got), Arc::clone(&fast));
+        tokio::spawn(async move {
+            // 64 KiB each 10 ms: about 6 MiB/s, far slower than loopback.
+            let mut pace = tokio::time::interval(Duration::from_millis(10));
+            pace.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            let slow = SlowReader {
+                inner: client,
+                pace,
+                got,
+                fast,
+            };
+            receive(slow, &pattern).await
+        })
+    };
+    assert!(
+        wait_until(Duration::from_secs(60), || got.load(Ordering::Relaxed)
+            >= 2 << 20)
+        .await,
+        "the download did not start"
+    );
+    let handed = listener
+        .hand_over(Instant::now() + Duration::from_secs(2))
+        .await;
+    assert_eq!(
+        (handed.connections.len(), handed.lost),
+        (1, 0),
+        "the download was not paused"
+    );
+    assert!(
+        got.load(Ordering::Relaxed) < TOTAL - (24 << 20),
+        "not mid-download"
+    );
+    fast.store(true, Ordering::Relaxed);
+    let next = bed.listener();
+    assert_eq!(next.adopt(handed.connections), 1);
+    let got = tokio::time::timeout(Duration::from_secs(120), reader)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(got, TOTAL);
+    writer.await.unwrap();
+}
+
+/// A reader that takes at most 64 KiB per tick of `pace`, until `fast`.
+struct SlowReader {
+    inner: TcpStream,
+    pace: tokio::time::Interval,
+    got: Arc<AtomicU64>,
+    fast: Arc<AtomicBool>,
+}
+
+impl tokio::io::AsyncRead for SlowReader {
+    fn poll_read(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        if !self.fast.load(Ordering::Relaxed) {
+            std::task::ready!(self.pace.poll_tick(cx));
+        }
+        let want = buf.remaining().min(64 * 1024);
+        let mut small = tokio::io::ReadBuf::new(buf.initialize_unfilled_to(want));
+        let r = std::pin::Pin::new(&mut self.inner).poll_read(cx, &mut small);
+        let n = small.filled().len();
+        if r.is_pending() {
+            // The tick is spent; the next poll waits for another.
+            return std::task::Poll::Pending;
+        }
+        buf.advance(n);
+        self.got.fetch_add(n as u64, Ordering::Relaxed);
+        r
+    }
 }
 
 /// A connection of another VIP:port given to a listener is reset, not
