@@ -149,10 +149,10 @@ struct Flow {
 
 impl Flow {
     /// A flow of `client` to `backend` (a member of `lb`) over `socket`,
-    /// connected to it, last seen `now`; counted with the backend's
-    /// connections from now on.
+    /// connected to it at `target`, last seen `now`; counted with the
+    /// backend's connections from now on.
     fn new(
-        client: SocketAddr,
+        (client, target): (SocketAddr, SocketAddr),
         lb: &Arc<LoadBalancer>,
         backend: &Arc<Backend>,
         socket: UdpSocket,
@@ -161,9 +161,7 @@ impl Flow {
         udp: &crate::metrics::stats::UdpStats,
     ) -> Arc<Self> {
         let mut record = Record::start(log, client);
-        if let Ok(target) = socket.peer_addr() {
-            record.connected(target);
-        }
+        record.connected(target);
         Arc::new(Flow {
             client,
             record,
@@ -450,7 +448,15 @@ fn adopt_flow(shared: &Shared, handed: HandedFlow) -> Option<Arc<Flow>> {
     let now = now_ms(shared.epoch);
     let admitted = shared.table.insert(client, per_source, lb.udp_flows(), || {
         match UdpSocket::from_std(backend) {
-            Ok(socket) => Some(Flow::new(client, lb, &member, socket, log, now, udp)),
+            Ok(socket) => Some(Flow::new(
+                (client, target),
+                lb,
+                &member,
+                socket,
+                log,
+                now,
+                udp,
+            )),
             Err(e) => {
                 tracing::debug!(client = %client, error = %e, "handed-over UDP flow's socket cannot join the reactor: dropped");
                 None
@@ -651,7 +657,15 @@ fn new_flow(
                 return None;
             }
         };
-        Some(Flow::new(client, lb, &backend, socket, log, now, udp))
+        Some(Flow::new(
+            (client, target),
+            lb,
+            &backend,
+            socket,
+            log,
+            now,
+            udp,
+        ))
     });
     match admitted {
         Ok(Some(flow)) => {
