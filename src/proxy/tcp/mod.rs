@@ -192,6 +192,15 @@ impl Control {
 /// listener adopts it), the client its peer address, the backend the
 /// backend socket's peer address (its load balancer is the adopting
 /// listener's). Both sockets are non-blocking.
+///
+/// Kept between two processes (systemd's store), each socket stays open
+/// while any copy of it is: the next process must have the store forget
+/// both once it adopted them, or closing them would not end the
+/// connection. A store that drops a socket on `POLLHUP` loses a connection
+/// whose socket was shut both ways during the gap (one direction had ended
+/// before the pause, the other's end arrived after it) with its last bytes
+/// unread; the other socket of such a pair is then alone, and is best
+/// reset (`SO_LINGER` 0) rather than closed.
 #[derive(Debug)]
 pub struct HandedConnection {
     /// The client's socket, accepted on the VIP:port.
