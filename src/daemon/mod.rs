@@ -44,11 +44,11 @@ mod vip_guard;
 mod vmnet;
 
 pub use admin_state::{AdminStateChange, AdminStateError};
-pub use hand_over::{HandOverReport, StopKind};
 pub use announce::decide;
 pub use announce::{
     AnnounceStateChange, AnnounceStateError, AnnounceStatus, LbAnnounceStatus, VipAnnounceStatus,
 };
+pub use hand_over::{HandOverReport, StopKind};
 pub use kernel_check::KernelCheckCause;
 pub use network_links::NetworkRefusal;
 pub use readiness::{UnboundListener, VipNotReady};
