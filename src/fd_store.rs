@@ -31,7 +31,7 @@ use std::collections::HashMap;
 use std::ffi::OsString;
 use std::fmt;
 use std::net::SocketAddr;
-use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use std::os::unix::net::UnixDatagram;
 use std::sync::{Arc, Mutex};
 
@@ -282,6 +282,22 @@ impl FdStore {
         })
     }
 
+    /// Stores `bytes` in a sealed-off memory file under `name`: what a
+    /// process tells the next one (it reads them with
+    /// [`Inherited::take_bytes`]).
+    pub fn store_bytes(&self, name: &FdName, bytes: &[u8]) -> Result<(), StoreError> {
+        if !self.is_on() {
+            return Ok(());
+        }
+        let file = memfd(bytes).map_err(|source| StoreError::Io {
+            socket: String::new(),
+            what: "write a memory file for",
+            name: name.clone(),
+            source,
+        })?;
+        self.store(name, &[file.as_fd()])
+    }
+
     /// [`FdStore::store`], a failure logged at warn: the socket serves
     /// either way, only a restart would not keep it.
     pub fn store_or_warn(&self, name: &FdName, fds: &[BorrowedFd<'_>]) {
@@ -296,6 +312,29 @@ impl FdStore {
             tracing::warn!("{e}; systemd keeps its copy until the unit stops");
         }
     }
+}
+
+/// A memory file holding `bytes`, read from its start.
+fn memfd(bytes: &[u8]) -> std::io::Result<std::fs::File> {
+    use std::io::{Seek, Write};
+    // SAFETY: a NUL-terminated name and flags; the result is checked.
+    let raw = unsafe { libc::memfd_create(c"harvester-lb".as_ptr(), libc::MFD_CLOEXEC) };
+    if raw < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: just created, owned by nobody else.
+    let mut file = std::fs::File::from(unsafe { OwnedFd::from_raw_fd(raw) });
+    file.write_all(bytes)?;
+    file.rewind()?;
+    Ok(file)
+}
+
+/// Milliseconds since the Unix epoch (wall clock: it is compared across
+/// two processes).
+pub fn unix_millis() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::SystemTime::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
 }
 
 /// One datagram with `fds` attached (`SCM_RIGHTS`) to `socket`.
@@ -487,6 +526,18 @@ impl Inherited {
         out
     }
 
+    /// What a memory file stored with [`FdStore::store_bytes`] holds (the
+    /// first one of `name`); `None` when there is none or it is unreadable.
+    pub fn take_bytes(&self, name: &FdName) -> Option<Vec<u8>> {
+        use std::io::{Read, Seek};
+        let fd = self.take(name).into_iter().next()?;
+        let mut file = std::fs::File::from(fd);
+        let mut bytes = Vec::new();
+        file.rewind().ok()?;
+        file.take(4096).read_to_end(&mut bytes).ok()?;
+        Some(bytes)
+    }
+
     /// The names not taken yet.
     pub fn names(&self) -> Vec<String> {
         let mut names: Vec<String> = self.lock().keys().cloned().collect();
@@ -511,7 +562,6 @@ impl Inherited {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::os::fd::AsFd;
 
     #[test]
     fn names_follow_systemds_rule() {

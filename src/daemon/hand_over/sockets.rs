@@ -1,9 +1,213 @@
-//! Listeners, connections and UDP flows into systemd's store.
+//! Listeners, connections and UDP flows into systemd's store, and back.
+//!
+//! Listening sockets go into the store when they are bound (or adopted) and
+//! stay there for the listener's life; the next process takes them by name
+//! (`fd_store::listener_name`) instead of binding. A listener a reload
+//! removes, and every listener when a stop's drain begins, is taken out of
+//! the store first (`FDSTOREREMOVE=1`), so its port refuses new clients as
+//! soon as this process closes its own copy, as before the store existed.
+//!
+//! At hand-over the accept loops stop and nothing is taken out of the
+//! store: PID 1's copies keep every port listening, and clients that
+//! connect until the next process accepts wait in the kernel's queues.
+//!
+//! Open connections and UDP flows: where they are stored at hand-over
+//! ([`Daemon::hand_over_sockets`], the `connections` step) and taken at
+//! start (`Inherited::take_prefix(fd_store::CONNECTION_PREFIX)` and
+//! `FLOW_PREFIX`) is marked below; the proxy's `hand_over`/`adopt` fill it.
 
-use super::HandOverReport;
+use std::io;
+use std::net::SocketAddr;
+use std::os::fd::{AsFd, OwnedFd};
+use std::time::Duration;
+
+use super::{HandOverReport, NoHandOver};
+use crate::config::{ListenerKey, Protocol};
 use crate::daemon::Daemon;
+use crate::fd_store::{self, FdName, Transport};
+use crate::proxy::Running;
+
+/// How long open connections get to end by themselves at a hand-over
+/// before the process exits and closes them, until the proxy hands them
+/// over too: short, since new clients wait in the accept queues meanwhile.
+const CONNECTIONS_GRACE: Duration = Duration::from_secs(2);
+
+/// The store name of the listener `key`.
+fn name_of(key: &ListenerKey) -> FdName {
+    let transport = match key.protocol {
+        Protocol::Tcp => Transport::Tcp,
+        Protocol::Udp => Transport::Udp,
+    };
+    fd_store::listener_name(transport, key.addr)
+}
 
 impl Daemon {
-    /// Stores what the next process needs to serve every client.
-    pub(super) async fn hand_over_sockets(&self, _report: &mut HandOverReport) {}
+    /// The listening sockets of the TCP listener `addr`: those the last
+    /// process left in the store when there are any (every one of its
+    /// `SO_REUSEPORT` group, whatever `count` is now: a socket of the group
+    /// left without an accept loop would take its share of the clients and
+    /// never answer them), else `count` new ones ([`crate::proxy::bind`]).
+    /// Either way they are (again) in the store under the listener's name.
+    pub(in crate::daemon) fn tcp_listener_sockets(
+        &self,
+        addr: SocketAddr,
+        backlog: u32,
+        count: usize,
+    ) -> io::Result<Vec<std::net::TcpListener>> {
+        let name = fd_store::listener_name(Transport::Tcp, addr);
+        let store = self.fd_store();
+        let inherited = self.inherited().take(&name);
+        let sockets = if inherited.is_empty() {
+            crate::proxy::bind(addr, backlog, count)?
+        } else {
+            match adopt_tcp(inherited, addr) {
+                Ok(sockets) => {
+                    self.metrics()
+                        .hand_over()
+                        .adopted_listening_sockets(sockets.len());
+                    tracing::info!(listen = %addr, sockets = sockets.len(), "listening sockets adopted from the last process (no rebind)");
+                    sockets
+                }
+                Err(why) => {
+                    tracing::warn!(listen = %addr, "the stored listening sockets are not usable ({why}): binding new ones");
+                    store.remove_or_warn(&name);
+                    crate::proxy::bind(addr, backlog, count)?
+                }
+            }
+        };
+        let fds: Vec<_> = sockets.iter().map(AsFd::as_fd).collect();
+        store.store_or_warn(&name, &fds);
+        Ok(sockets)
+    }
+
+    /// The socket of the UDP listener `addr`: the stored one when there is
+    /// one, else a new one ([`crate::proxy::udp::bind`]); in the store
+    /// either way. Datagrams that came while no process read wait in its
+    /// receive buffer.
+    pub(in crate::daemon) fn udp_listener_socket(
+        &self,
+        addr: SocketAddr,
+    ) -> io::Result<tokio::net::UdpSocket> {
+        let name = fd_store::listener_name(Transport::Udp, addr);
+        let store = self.fd_store();
+        let mut inherited = self.inherited().take(&name);
+        let adopted = match inherited.len() {
+            0 => None,
+            1 => match adopt_udp(inherited.remove(0), addr) {
+                Ok(s) => Some(s),
+                Err(why) => {
+                    tracing::warn!(listen = %addr, "the stored UDP socket is not usable ({why}): binding a new one");
+                    store.remove_or_warn(&name);
+                    None
+                }
+            },
+            n => {
+                tracing::warn!(listen = %addr, "{n} stored UDP sockets under one name: binding a new one");
+                store.remove_or_warn(&name);
+                drop(inherited);
+                None
+            }
+        };
+        let socket = match adopted {
+            Some(s) => {
+                self.metrics().hand_over().adopted_listening_sockets(1);
+                tracing::info!(listen = %addr, "UDP socket adopted from the last process (no rebind)");
+                tokio::net::UdpSocket::from_std(s)?
+            }
+            None => crate::proxy::udp::bind(addr)?,
+        };
+        store.store_or_warn(&name, &[socket.as_fd()]);
+        Ok(socket)
+    }
+
+    /// Takes the listener `key` out of the store before it drains (a reload
+    /// removed it, or the daemon stops): once this process closes its
+    /// sockets, its port refuses.
+    pub(in crate::daemon) fn unstore_listener(&self, key: &ListenerKey) {
+        self.fd_store().remove_or_warn(&name_of(key));
+    }
+
+    /// Stores what the next process needs to serve every client: the
+    /// listening sockets are in the store already, so their accept loops
+    /// stop here without taking them out (the ports keep listening in
+    /// PID 1's copies).
+    pub(super) async fn hand_over_sockets(&self, report: &mut HandOverReport) {
+        let listeners: Vec<Running> = {
+            let mut st = self.lock();
+            st.listeners
+                .drain()
+                .filter_map(|(_, e)| {
+                    e.stats.up.set(false);
+                    e.socket.ok()
+                })
+                .collect()
+        };
+        report.listeners = listeners.len();
+        self.prober.stop_all();
+        // Connections and flows: here each listener's `hand_over(deadline)`
+        // gives its open connections (client and backend socket) and flows,
+        // stored as `fd_store::connection_name(n, Side::Client|Backend)` and
+        // `fd_store::flow_name(n)` (with `self.fd_store().store`), counted in
+        // `report.connections`/`flows`/`lost`. Until then: stop accepting
+        // and let them end by themselves for a moment.
+        let lost =
+            super::super::futures_sum(listeners.into_iter().map(|l| l.drain(CONNECTIONS_GRACE)))
+                .await;
+        report.lost += lost;
+    }
+
+    /// Why a hand-over cannot be done now, if it cannot: no store, or one
+    /// too small for what must go into it (`max`: the unit's
+    /// `FileDescriptorStoreMax=`, as `prepare-stop` read it).
+    pub(crate) fn hand_over_refusal(&self, max: Option<usize>) -> Option<NoHandOver> {
+        let store = self.fd_store();
+        if !store.is_on() {
+            return Some(NoHandOver::NoStore);
+        }
+        let needed = store.stored_fds();
+        match max {
+            Some(max) if needed > max => Some(NoHandOver::StoreTooSmall { needed, max }),
+            _ => None,
+        }
+    }
+}
+
+/// The inherited sockets of a TCP listener at `addr`, each checked: a
+/// listening TCP socket bound to `addr` exactly.
+fn adopt_tcp(fds: Vec<OwnedFd>, addr: SocketAddr) -> Result<Vec<std::net::TcpListener>, String> {
+    fds.into_iter()
+        .map(|fd| {
+            let socket = socket2::Socket::from(fd);
+            check(&socket, addr, socket2::Type::STREAM)?;
+            if !socket.is_listener().map_err(|e| e.to_string())? {
+                return Err("a socket that does not listen".to_string());
+            }
+            socket.set_nonblocking(true).map_err(|e| e.to_string())?;
+            Ok(socket.into())
+        })
+        .collect()
+}
+
+/// The inherited socket of a UDP listener at `addr`, checked.
+fn adopt_udp(fd: OwnedFd, addr: SocketAddr) -> Result<std::net::UdpSocket, String> {
+    let socket = socket2::Socket::from(fd);
+    check(&socket, addr, socket2::Type::DGRAM)?;
+    socket.set_nonblocking(true).map_err(|e| e.to_string())?;
+    Ok(socket.into())
+}
+
+fn check(socket: &socket2::Socket, addr: SocketAddr, kind: socket2::Type) -> Result<(), String> {
+    let got = socket.r#type().map_err(|e| format!("not a socket: {e}"))?;
+    if got != kind {
+        return Err(format!("a socket of type {got:?}, not {kind:?}"));
+    }
+    let local = socket
+        .local_addr()
+        .ok()
+        .and_then(|a| a.as_socket())
+        .ok_or("a socket with no IP address")?;
+    if local != addr {
+        return Err(format!("bound to {local}, not {addr}"));
+    }
+    Ok(())
 }
