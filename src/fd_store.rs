@@ -387,6 +387,49 @@ fn send(socket: &OsString, message: &[u8], fds: &[BorrowedFd<'_>]) -> std::io::R
     Ok(())
 }
 
+/// The receiving end, as PID 1 reads a notification: one datagram and the
+/// descriptors it carries (close-on-exec). For tests and tools that stand
+/// in for systemd's store (`tests/support/fd_store.rs`).
+pub fn receive(socket: &UnixDatagram) -> std::io::Result<(Vec<u8>, Vec<OwnedFd>)> {
+    let mut buf = vec![0u8; 4096];
+    // Room for a full message of descriptors (`SCM_MAX_FD`).
+    let mut control = vec![0u64; 160];
+    let mut iov = libc::iovec {
+        iov_base: buf.as_mut_ptr().cast(),
+        iov_len: buf.len(),
+    };
+    // SAFETY: an all-zero msghdr is valid; its pointers point into `iov`,
+    // `buf` and `control`, which outlive the call.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control.as_mut_ptr().cast();
+    msg.msg_controllen = std::mem::size_of_val(control.as_slice()) as _;
+    // SAFETY: `msg` is initialised above; the socket is the caller's.
+    let n = unsafe { libc::recvmsg(socket.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC) };
+    if n < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    let mut fds = Vec::new();
+    // SAFETY: the kernel wrote `msg_controllen` bytes of control headers;
+    // each SCM_RIGHTS one carries descriptors now owned by this process.
+    unsafe {
+        let mut cmsg = libc::CMSG_FIRSTHDR(&msg);
+        while !cmsg.is_null() {
+            if (*cmsg).cmsg_level == libc::SOL_SOCKET && (*cmsg).cmsg_type == libc::SCM_RIGHTS {
+                let data = libc::CMSG_DATA(cmsg).cast::<i32>();
+                let count = ((*cmsg).cmsg_len as usize - libc::CMSG_LEN(0) as usize) / 4;
+                for i in 0..count {
+                    fds.push(OwnedFd::from_raw_fd(data.add(i).read_unaligned()));
+                }
+            }
+            cmsg = libc::CMSG_NXTHDR(&msg, cmsg);
+        }
+    }
+    buf.truncate(n as usize);
+    Ok((buf, fds))
+}
+
 /// The descriptors the store handed to this process at start, by name.
 /// Taken once ([`Inherited::from_env`]); each is given to the first who
 /// asks for its name, and what nobody took is closed by
@@ -605,53 +648,19 @@ mod tests {
         let name = FdName::new("two").unwrap();
         store.store(&name, &[a.as_fd(), b.as_fd()]).unwrap();
         assert_eq!(store.stored_fds(), 2);
-        let (text, fds) = receive(&holder);
-        assert_eq!(text, "FDSTORE=1\nFDNAME=two");
+        let (text, fds) = receive(&holder).unwrap();
+        assert_eq!(text, b"FDSTORE=1\nFDNAME=two");
         assert_eq!(fds.len(), 2);
         let got = std::net::TcpListener::from(fds.into_iter().next().unwrap());
         assert_eq!(got.local_addr().unwrap(), a.local_addr().unwrap());
         store.remove(&name).unwrap();
         assert_eq!(store.stored_fds(), 0);
-        let (text, fds) = receive(&holder);
-        assert_eq!(text, "FDSTOREREMOVE=1\nFDNAME=two");
+        let (text, fds) = receive(&holder).unwrap();
+        assert_eq!(text, b"FDSTOREREMOVE=1\nFDNAME=two");
         assert!(fds.is_empty());
         // Off: nothing sent, nothing failed.
         FdStore::off().store(&name, &[a.as_fd()]).unwrap();
         let _ = std::fs::remove_dir_all(&dir);
-    }
-
-    fn receive(socket: &UnixDatagram) -> (String, Vec<OwnedFd>) {
-        let mut buf = [0u8; 512];
-        let mut control = [0u64; 64];
-        let mut iov = libc::iovec {
-            iov_base: buf.as_mut_ptr().cast(),
-            iov_len: buf.len(),
-        };
-        let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-        msg.msg_iov = &mut iov;
-        msg.msg_iovlen = 1;
-        msg.msg_control = control.as_mut_ptr().cast();
-        msg.msg_controllen = std::mem::size_of_val(&control) as _;
-        let n = unsafe { libc::recvmsg(socket.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC) };
-        assert!(n >= 0, "{}", std::io::Error::last_os_error());
-        let mut fds = Vec::new();
-        unsafe {
-            let mut cmsg = libc::CMSG_FIRSTHDR(&msg);
-            while !cmsg.is_null() {
-                if (*cmsg).cmsg_type == libc::SCM_RIGHTS {
-                    let data = libc::CMSG_DATA(cmsg).cast::<i32>();
-                    let count = ((*cmsg).cmsg_len as usize - libc::CMSG_LEN(0) as usize) / 4;
-                    for i in 0..count {
-                        fds.push(OwnedFd::from_raw_fd(*data.add(i)));
-                    }
-                }
-                cmsg = libc::CMSG_NXTHDR(&msg, cmsg);
-            }
-        }
-        (
-            String::from_utf8_lossy(&buf[..n as usize]).into_owned(),
-            fds,
-        )
     }
 
     #[test]
