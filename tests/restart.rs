@@ -319,6 +319,13 @@ async fn five_restarts_in_a_row_refuse_no_connection_and_leave_no_query_unanswer
             "FIGURE restart round {round}: window {window:.3} s (last accept of the old process to the new one's listeners)"
         );
         assert_eq!(store.count(), 5, "round {round}: {:?}", store.names());
+        let (_, status) = support::http(bed.admin, "GET", "/status").await;
+        let status: serde_json::Value = serde_json::from_str(&status).unwrap();
+        let restart = &status["restart"];
+        assert_eq!(restart["fd_store"], true, "{restart}");
+        assert_eq!(restart["adopted_listening_sockets"], 5, "{restart}");
+        assert_eq!(restart["last_hand_over"]["listeners"], 2, "{restart}");
+        assert_eq!(restart["announced_seconds_ago"], serde_json::Value::Null);
     }
     let seen = clients.stop();
     println!("FIGURE restart: 5 restarts, {}", seen.line());

@@ -54,7 +54,7 @@ pub use network_links::NetworkRefusal;
 pub use readiness::{UnboundListener, VipNotReady};
 pub use status::{
     BackendStatus, ConfigStatus, LeaseStatus, ListenerStatus, LoadBalancerStatus, PortStatus,
-    StatusDoc,
+    RestartStatus, StatusDoc,
 };
 pub use sync::{SyncInstanceStatus, SyncStatus};
 pub use vip_guard::VipRefusal;

@@ -36,7 +36,7 @@ impl FallbackReason {
 }
 
 /// What the last process handed over, as it told the next one.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
 pub struct LastHandOver {
     /// Listening sockets left in the store.
     pub listeners: u64,
