@@ -458,7 +458,7 @@ pub fn prepare_stop(path: &Path, restart: bool, unit: Option<&str>) -> ExitCode 
             }
         };
         match systemd_job(&unit) {
-            Some(job) if job == "restart" => {}
+            Some(job) if job == "restart" => println!("{unit}: restart job"),
             job => {
                 println!(
                     "{unit}: {} job: a stop, the daemon drains",
