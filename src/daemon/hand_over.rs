@@ -115,9 +115,10 @@ pub struct HandOverReport {
 impl Daemon {
     /// Hands everything to the next process of the unit instead of draining:
     /// see the module's doc.
+    ///
+    /// `/readyz` stays as it was: for a client (keepalived's track script
+    /// among them) the daemon is not going away, its ports keep listening.
     pub async fn hand_over(&self) -> HandOverReport {
-        self.stopping
-            .store(true, std::sync::atomic::Ordering::Release);
         let mut report = HandOverReport::default();
         self.hand_over_sockets(&mut report).await;
         self.save_state(&mut report).await;

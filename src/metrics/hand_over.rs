@@ -97,7 +97,7 @@ impl HandOverStats {
     }
 
     /// Writes the families.
-    pub(super) fn write(&self, buf: &mut Vec<u8>) {
+    pub(crate) fn write(&self, buf: &mut Vec<u8>) {
         gauge_family(
             buf,
             &names::RESTART_ADOPTED_LISTENING_SOCKETS,

@@ -211,3 +211,137 @@ fn check(socket: &socket2::Socket, addr: SocketAddr, kind: socket2::Type) -> Res
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::net::UnixDatagram;
+    use std::sync::Arc;
+
+    use super::super::{INTENT_BOUND, NoHandOver, StopKind};
+    use crate::daemon::testing::{config, daemon, lb};
+    use crate::fd_store::{FdStore, Inherited};
+    use crate::metrics::hand_over::FallbackReason;
+
+    /// A daemon whose store is a socket the test reads, as PID 1 would.
+    fn with_store(name: &str) -> (Arc<crate::daemon::Daemon>, UnixDatagram, std::path::PathBuf) {
+        let dir = std::env::temp_dir().join(format!("hlb-unit-{name}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("notify");
+        let _ = std::fs::remove_file(&path);
+        let holder = UnixDatagram::bind(&path).unwrap();
+        holder
+            .set_read_timeout(Some(std::time::Duration::from_secs(5)))
+            .unwrap();
+        let d = daemon();
+        d.use_fd_store(FdStore::at(&path), Inherited::none());
+        (d, holder, dir)
+    }
+
+    fn next(holder: &UnixDatagram) -> (String, usize) {
+        let (text, fds) = crate::fd_store::receive(holder).expect("a message within 5 s");
+        (String::from_utf8_lossy(&text).into_owned(), fds.len())
+    }
+
+    #[tokio::test]
+    async fn listeners_are_stored_when_bound_and_removed_when_a_reload_removes_them() {
+        let (d, holder, dir) = with_store("store-reload");
+        let two = lb(
+            "a/web",
+            "127.231.41.1",
+            &["127.231.41.11"],
+            &[18080, 18081],
+            30080,
+            "",
+        );
+        d.apply(config(&two));
+        let mut stored = vec![next(&holder), next(&holder)];
+        stored.sort();
+        assert_eq!(
+            stored,
+            [
+                (
+                    "FDSTORE=1\nFDNAME=listen-tcp-127.231.41.1-18080".to_string(),
+                    1
+                ),
+                (
+                    "FDSTORE=1\nFDNAME=listen-tcp-127.231.41.1-18081".to_string(),
+                    1
+                ),
+            ]
+        );
+        assert_eq!(d.fd_store().stored_fds(), 2);
+        let one = lb(
+            "a/web",
+            "127.231.41.1",
+            &["127.231.41.11"],
+            &[18080],
+            30080,
+            "",
+        );
+        d.apply(config(&one));
+        assert_eq!(
+            next(&holder),
+            (
+                "FDSTOREREMOVE=1\nFDNAME=listen-tcp-127.231.41.1-18081".to_string(),
+                0
+            )
+        );
+        assert_eq!(d.fd_store().stored_fds(), 1);
+        // A stop's drain takes the rest out first.
+        d.shutdown().await;
+        assert_eq!(
+            next(&holder),
+            (
+                "FDSTOREREMOVE=1\nFDNAME=listen-tcp-127.231.41.1-18080".to_string(),
+                0
+            )
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_restart_is_announced_only_with_a_store_large_enough_and_expires() {
+        // No store: refused, counted, the stop drains.
+        let d = daemon();
+        assert_eq!(d.announce_restart(None), Err(NoHandOver::NoStore));
+        assert_eq!(d.stop_kind(), StopKind::Drain);
+        let (d, _holder, dir) = with_store("store-intent");
+        d.apply(config(&lb(
+            "a/web",
+            "127.231.42.1",
+            &["127.231.42.11"],
+            &[18080, 18081],
+            30080,
+            "",
+        )));
+        // Two listeners stored: FileDescriptorStoreMax=1 cannot keep them.
+        assert_eq!(
+            d.announce_restart(Some(1)),
+            Err(NoHandOver::StoreTooSmall { needed: 2, max: 1 })
+        );
+        assert_eq!(d.stop_kind(), StopKind::Drain);
+        assert_eq!(d.announce_restart(Some(16384)), Ok(INTENT_BOUND));
+        assert!(d.restart_announced().is_some());
+        assert_eq!(d.stop_kind(), StopKind::HandOver);
+        assert_eq!(d.stop_kind(), StopKind::Drain, "one word, one stop");
+        d.announce_restart(None).unwrap();
+        tokio::time::advance(INTENT_BOUND + std::time::Duration::from_secs(1)).await;
+        assert_eq!(d.stop_kind(), StopKind::Drain, "expired");
+        let mut text = Vec::new();
+        d.metrics().hand_over().write(&mut text);
+        let text = String::from_utf8(text).unwrap();
+        for (reason, n) in [
+            (FallbackReason::StoreTooSmall, 1),
+            (FallbackReason::Expired, 1),
+            (FallbackReason::NoStore, 0),
+        ] {
+            let line = format!(
+                "harvester_lb_hand_over_fallbacks_total{{reason=\"{}\"}} {n}",
+                reason.label()
+            );
+            assert!(text.contains(&line), "{line} in\n{text}");
+        }
+        d.shutdown().await;
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
