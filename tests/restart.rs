@@ -295,9 +295,24 @@ async fn five_restarts_in_a_row_refuse_no_connection_and_leave_no_query_unanswer
         // first TCP one waits in the stored socket's accept queue, the next
         // one waits for it; the query waits in the receive buffer).
         clients.waiting().await;
+        // keepalived's track script: the admin socket's file is there and
+        // a request sent now is answered by the next process.
+        let socket = bed.net.dir().join("admin.sock");
+        let track = tokio::spawn(async move {
+            tokio::time::timeout(
+                Duration::from_secs(30),
+                support::http_unix(&socket, "GET", "/readyz", ""),
+            )
+            .await
+        });
         p = store.launch(daemon(&bed.config));
         assert_ne!(p.pid(), old);
         p.wait_ready(bed.admin).await;
+        let (code, body) = track
+            .await
+            .unwrap()
+            .expect("the admin socket answers within 30 s");
+        assert_eq!((code, body.trim()), (200, "ready"), "round {round}");
         // Answers through the new process, on its adopted sockets.
         clients.more_answers(5).await;
         assert_eq!(
