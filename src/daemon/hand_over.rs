@@ -34,6 +34,10 @@ mod state;
 /// hand) drains, as a stop must.
 pub const INTENT_BOUND: Duration = Duration::from_secs(60);
 
+/// How long the stored listeners no listener has taken are kept when the
+/// config has leased VIPs, for their leases to come back.
+pub const LEASE_BOUND: Duration = Duration::from_secs(60);
+
 /// The store name of the memfd in which a process tells the next one what
 /// it handed over and when it stopped accepting.
 const RECORD: &str = "hand-over";
@@ -235,12 +239,33 @@ impl Daemon {
     /// process left ([`Daemon::store_record`]), takes it out of the store,
     /// and records the restart's window (its stop of accepting to now).
     /// Closes the stored listeners the config no longer has.
+    ///
+    /// With `ipam = "dhcp"` load balancers the stored listeners left are
+    /// closed only after [`LEASE_BOUND`]: a leased VIP's listeners bind once
+    /// its lease is back, and adopt their sockets then.
     pub fn adopted(&self) -> Option<LastHandOver> {
         let store = self.fd_store();
         let inherited = self.inherited();
-        for gone in inherited.close_rest(crate::fd_store::LISTENER_PREFIX, &store) {
-            tracing::info!(name = %gone, "a stored listener the config no longer has: closed and taken out of the store");
+        let leased = self
+            .lock()
+            .config
+            .as_ref()
+            .is_some_and(|c| c.load_balancers.iter().any(|l| l.dhcp.is_some()));
+        let close_rest = move || {
+            for gone in inherited.close_rest(crate::fd_store::LISTENER_PREFIX, &store) {
+                tracing::info!(name = %gone, "a stored listener the config no longer has: closed and taken out of the store");
+            }
+        };
+        if leased && !self.inherited().names().is_empty() {
+            tokio::spawn(async move {
+                tokio::time::sleep(LEASE_BOUND).await;
+                close_rest();
+            });
+        } else {
+            close_rest();
         }
+        let store = self.fd_store();
+        let inherited = self.inherited();
         let name = crate::fd_store::FdName::new(RECORD).expect("a valid name");
         let bytes = inherited.take_bytes(&name)?;
         store.remove_or_warn(&name);
