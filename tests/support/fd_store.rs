@@ -91,6 +91,22 @@ impl FakeStore {
         self.held.lock().unwrap().fds.len()
     }
 
+    /// Waits until it holds `n` descriptors (it reads the datagrams on a
+    /// thread of its own, so a store the daemon did is seen a moment
+    /// later); panics with the names after 30 s.
+    pub async fn wait_count(&self, n: usize) {
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while self.count() != n {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the store holds {} descriptors, not {n}: {:?}",
+                self.count(),
+                self.names()
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
     /// Descriptors closed because the store was full.
     pub fn refused(&self) -> usize {
         self.held.lock().unwrap().refused
