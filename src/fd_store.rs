@@ -261,6 +261,18 @@ impl FdStore {
         Ok(())
     }
 
+    /// Records that `count` descriptors are in the store under `name`
+    /// already (adopted from it at start), without sending them again:
+    /// PID 1 compares every descriptor it is sent with every one it holds
+    /// (systemd 252 at 2,000 listeners: 2 s of its CPU per start), so what
+    /// it holds is not sent twice.
+    pub fn note_stored(&self, name: &FdName, count: usize) {
+        if let Some(inner) = &self.inner {
+            let mut stored = inner.stored.lock().unwrap_or_else(|p| p.into_inner());
+            stored.insert(name.clone(), count);
+        }
+    }
+
     /// Takes every descriptor named `name` out of the store
     /// (`FDSTOREREMOVE=1`): PID 1 closes its copies, so a listener's port
     /// refuses once this process closes its own.

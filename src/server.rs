@@ -166,9 +166,13 @@ pub async fn start(options: Options) -> Result<Server, StartError> {
     // daemon (an operator trying a file by hand) must fail here, before it
     // could replace the first one's isolation table (see `owned`).
     let admin_addr = config.admin.listen;
-    let admin_socket = admin_tcp(&daemon, admin_addr).await?;
+    let (admin_socket, adopted) = admin_tcp(&daemon, admin_addr).await?;
     let admin_addr = admin_socket.local_addr().unwrap_or(admin_addr);
-    store.store_or_warn(&admin_name(fd_store::ADMIN_TCP), &[admin_socket.as_fd()]);
+    if adopted {
+        store.note_stored(&admin_name(fd_store::ADMIN_TCP), 1);
+    } else {
+        store.store_or_warn(&admin_name(fd_store::ADMIN_TCP), &[admin_socket.as_fd()]);
+    }
     // Bound once, like admin.listen: a change of admin.socket needs a restart.
     // Locked (a file beside it), so two daemons never both take it.
     let unix_path = options
@@ -181,17 +185,20 @@ pub async fn start(options: Options) -> Result<Server, StartError> {
         .into_iter()
         .next();
     let (unix_socket, adopted) = admin::AdminSocket::adopt(&unix_path, inherited_unix)?;
+    let unix_name = admin_name(fd_store::ADMIN_UNIX);
     match adopted {
         Some(Ok(())) => {
             daemon.metrics().hand_over().adopted_listening_sockets(1);
             tracing::info!(socket = %unix_path.display(), "admin socket adopted from the last process (its file kept, no rebind)");
+            store.note_stored(&unix_name, 1);
         }
         Some(Err(why)) => {
             tracing::warn!(socket = %unix_path.display(), "the stored admin socket is not usable ({why}): bound anew");
+            store.remove_or_warn(&unix_name);
+            store.store_or_warn(&unix_name, &[unix_socket.as_fd()]);
         }
-        None => {}
+        None => store.store_or_warn(&unix_name, &[unix_socket.as_fd()]),
     }
-    store.store_or_warn(&admin_name(fd_store::ADMIN_UNIX), &[unix_socket.as_fd()]);
     let keep_unix_file = unix_socket.keep_file();
     // The host objects of one daemon per namespace, also before any kernel
     // object: a second daemon with [[network]] is refused here, naming the
@@ -272,8 +279,8 @@ pub async fn start(options: Options) -> Result<Server, StartError> {
 }
 
 /// The admin TCP listener at `addr`: the one the last process stored, if
-/// it is bound there, else a new one.
-async fn admin_tcp(daemon: &Daemon, addr: SocketAddr) -> Result<TcpListener, StartError> {
+/// it is bound there (`true`), else a new one.
+async fn admin_tcp(daemon: &Daemon, addr: SocketAddr) -> Result<(TcpListener, bool), StartError> {
     let name = admin_name(fd_store::ADMIN_TCP);
     if let Some(fd) = daemon.inherited().take(&name).into_iter().next() {
         let socket = socket2::Socket::from(fd);
@@ -286,7 +293,7 @@ async fn admin_tcp(daemon: &Daemon, addr: SocketAddr) -> Result<TcpListener, Sta
             if let Ok(listener) = TcpListener::from_std(std) {
                 daemon.metrics().hand_over().adopted_listening_sockets(1);
                 tracing::info!(admin = %addr, "admin listener adopted from the last process (no rebind)");
-                return Ok(listener);
+                return Ok((listener, true));
             }
         } else {
             tracing::info!(admin = %addr, stored = ?local, "the stored admin listener is not admin.listen's: bound anew");
@@ -295,6 +302,7 @@ async fn admin_tcp(daemon: &Daemon, addr: SocketAddr) -> Result<TcpListener, Sta
     }
     TcpListener::bind(addr)
         .await
+        .map(|l| (l, false))
         .map_err(|source| StartError::AdminBind {
             addr,
             holder: (source.kind() == std::io::ErrorKind::AddrInUse)

@@ -57,24 +57,24 @@ impl Daemon {
         let name = fd_store::listener_name(Transport::Tcp, addr);
         let store = self.fd_store();
         let inherited = self.inherited().take(&name);
-        let sockets = if inherited.is_empty() {
-            crate::proxy::bind(addr, backlog, count)?
-        } else {
+        if !inherited.is_empty() {
             match adopt_tcp(inherited, addr) {
                 Ok(sockets) => {
                     self.metrics()
                         .hand_over()
                         .adopted_listening_sockets(sockets.len());
                     tracing::info!(listen = %addr, sockets = sockets.len(), "listening sockets adopted from the last process (no rebind)");
-                    sockets
+                    // In the store already: not sent again.
+                    store.note_stored(&name, sockets.len());
+                    return Ok(sockets);
                 }
                 Err(why) => {
                     tracing::warn!(listen = %addr, "the stored listening sockets are not usable ({why}): binding new ones");
                     store.remove_or_warn(&name);
-                    crate::proxy::bind(addr, backlog, count)?
                 }
             }
-        };
+        }
+        let sockets = crate::proxy::bind(addr, backlog, count)?;
         let fds: Vec<_> = sockets.iter().map(AsFd::as_fd).collect();
         store.store_or_warn(&name, &fds);
         Ok(sockets)
@@ -108,14 +108,13 @@ impl Daemon {
                 None
             }
         };
-        let socket = match adopted {
-            Some(s) => {
-                self.metrics().hand_over().adopted_listening_sockets(1);
-                tracing::info!(listen = %addr, "UDP socket adopted from the last process (no rebind)");
-                tokio::net::UdpSocket::from_std(s)?
-            }
-            None => crate::proxy::udp::bind(addr)?,
-        };
+        if let Some(s) = adopted {
+            self.metrics().hand_over().adopted_listening_sockets(1);
+            tracing::info!(listen = %addr, "UDP socket adopted from the last process (no rebind)");
+            store.note_stored(&name, 1);
+            return tokio::net::UdpSocket::from_std(s);
+        }
+        let socket = crate::proxy::udp::bind(addr)?;
         store.store_or_warn(&name, &[socket.as_fd()]);
         Ok(socket)
     }
