@@ -48,7 +48,7 @@ pub use announce::decide;
 pub use announce::{
     AnnounceStateChange, AnnounceStateError, AnnounceStatus, LbAnnounceStatus, VipAnnounceStatus,
 };
-pub use hand_over::{HandOverReport, INTENT_BOUND, NoHandOver, StopKind};
+pub use hand_over::{HandOverReport, StopKind};
 pub use kernel_check::KernelCheckCause;
 pub use network_links::NetworkRefusal;
 pub use readiness::{UnboundListener, VipNotReady};
@@ -58,6 +58,8 @@ pub use status::{
 };
 pub use sync::{SyncInstanceStatus, SyncStatus};
 pub use vip_guard::VipRefusal;
+// The restart's word from prepare-stop (issue 41).
+pub use hand_over::{INTENT_BOUND, NoHandOver};
 
 /// The daemon's live state, shared by the reload path, the admin server and
 /// the signal handlers.
