@@ -26,6 +26,7 @@
 
 pub mod by_label;
 pub mod exposition;
+pub mod hand_over;
 pub mod names;
 pub mod stats;
 
@@ -115,6 +116,8 @@ pub struct Metrics {
     pub(crate) host_repairs: Arc<HostRepairs>,
     /// `[conntrackd]`: the last check's findings; `None` without it.
     pub(crate) conntrack_sync: std::sync::Mutex<Option<SyncSample>>,
+    /// The restart's numbers (issue 41).
+    hand_over: hand_over::HandOverStats,
 }
 
 /// `[conntrackd]`'s state as the last check found it, for `/metrics`.
@@ -278,6 +281,11 @@ impl Metrics {
     /// DHCP clients).
     pub fn host_repairs(&self) -> Arc<HostRepairs> {
         Arc::clone(&self.host_repairs)
+    }
+
+    /// The restart's numbers: adopted sockets, the last hand-over, fallbacks.
+    pub fn hand_over(&self) -> &hand_over::HandOverStats {
+        &self.hand_over
     }
 
     /// Records a successful write of the kernel NAT table.
