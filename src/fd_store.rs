@@ -36,7 +36,7 @@ use std::os::unix::net::UnixDatagram;
 use std::sync::{Arc, Mutex};
 
 /// The most descriptors one message carries (the kernel's `SCM_MAX_FD`).
-const MAX_FDS_PER_MESSAGE: usize = 253;
+pub(crate) const MAX_FDS_PER_MESSAGE: usize = 253;
 
 /// The first descriptor systemd passes (`SD_LISTEN_FDS_START`).
 const LISTEN_FDS_START: i32 = 3;
@@ -47,10 +47,10 @@ pub const ADMIN_TCP: &str = "admin-tcp";
 pub const ADMIN_UNIX: &str = "admin-unix";
 /// What every listener's name begins with ([`listener_name`]).
 pub const LISTENER_PREFIX: &str = "listen-";
-/// What every open connection's names begin with ([`connection_name`]).
-pub const CONNECTION_PREFIX: &str = "conn-";
-/// What every UDP flow's name begins with ([`flow_name`]).
-pub const FLOW_PREFIX: &str = "flow-";
+/// The store names of the socket pair that carries the open connections
+/// and UDP flows of a hand-over (`daemon::hand_over` `carrier`): one name
+/// per end, both kept, as systemd drops a stored socket that hangs up.
+pub const CARRIER: [&str; 2] = ["open-connections", "open-connections-peer"];
 
 /// Why a name cannot be a store name.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -133,32 +133,6 @@ pub fn listener_name(transport: Transport, addr: SocketAddr) -> FdName {
     let ip = addr.ip().to_string().replace(':', "-");
     FdName::new(format!("{LISTENER_PREFIX}{kind}-{ip}-{}", addr.port()))
         .expect("an address with its ':' replaced is a valid name")
-}
-
-/// Which socket of a proxied connection.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Side {
-    /// The client's socket (accepted by the listener).
-    Client,
-    /// The socket to the backend.
-    Backend,
-}
-
-/// The name of one socket of handed-over connection `n` (unique within one
-/// hand-over): `conn-<n>-client`, `conn-<n>-backend`.
-pub fn connection_name(n: u64, side: Side) -> FdName {
-    let side = match side {
-        Side::Client => "client",
-        Side::Backend => "backend",
-    };
-    FdName::new(format!("{CONNECTION_PREFIX}{n}-{side}")).expect("digits and letters")
-}
-
-/// The name of handed-over UDP flow `n` (its backend-connected socket):
-/// `flow-<n>`. What else the next process needs (the listener, the client's
-/// address) travels beside it, not in the name.
-pub fn flow_name(n: u64) -> FdName {
-    FdName::new(format!("{FLOW_PREFIX}{n}")).expect("digits and letters")
 }
 
 /// Why a message to the store failed.
@@ -359,6 +333,18 @@ fn send(socket: &OsString, message: &[u8], fds: &[BorrowedFd<'_>]) -> std::io::R
     } else {
         sender.connect(socket)?;
     }
+    send_on(sender.as_fd(), message, fds, 0)
+}
+
+/// One message with `fds` attached (`SCM_RIGHTS`) on the connected Unix
+/// socket `socket` (`flags`: e.g. `MSG_DONTWAIT`); at most
+/// [`MAX_FDS_PER_MESSAGE`] descriptors.
+pub(crate) fn send_on(
+    socket: BorrowedFd<'_>,
+    message: &[u8],
+    fds: &[BorrowedFd<'_>],
+    flags: i32,
+) -> std::io::Result<()> {
     let mut iov = libc::iovec {
         iov_base: message.as_ptr() as *mut libc::c_void,
         iov_len: message.len(),
@@ -392,7 +378,7 @@ fn send(socket: &OsString, message: &[u8], fds: &[BorrowedFd<'_>]) -> std::io::R
         }
     }
     // SAFETY: `msg` is fully initialised above; the socket is ours.
-    let sent = unsafe { libc::sendmsg(sender.as_raw_fd(), &msg, libc::MSG_NOSIGNAL) };
+    let sent = unsafe { libc::sendmsg(socket.as_raw_fd(), &msg, libc::MSG_NOSIGNAL | flags) };
     if sent < 0 {
         return Err(std::io::Error::last_os_error());
     }
@@ -403,7 +389,20 @@ fn send(socket: &OsString, message: &[u8], fds: &[BorrowedFd<'_>]) -> std::io::R
 /// descriptors it carries (close-on-exec). For tests and tools that stand
 /// in for systemd's store (`tests/support/fd_store.rs`).
 pub fn receive(socket: &UnixDatagram) -> std::io::Result<(Vec<u8>, Vec<OwnedFd>)> {
-    let mut buf = vec![0u8; 4096];
+    receive_on(socket.as_fd(), 4096, 0)
+}
+
+/// One message of at most `max_bytes` and the descriptors it carries
+/// (close-on-exec) from the Unix socket `socket` (`flags`: e.g.
+/// `MSG_DONTWAIT`). A message longer than `max_bytes`, or with more
+/// descriptors than one message can carry, is an error (`EMSGSIZE`), its
+/// descriptors closed.
+pub(crate) fn receive_on(
+    socket: BorrowedFd<'_>,
+    max_bytes: usize,
+    flags: i32,
+) -> std::io::Result<(Vec<u8>, Vec<OwnedFd>)> {
+    let mut buf = vec![0u8; max_bytes];
     // Room for a full message of descriptors (`SCM_MAX_FD`).
     let mut control = vec![0u64; 160];
     let mut iov = libc::iovec {
@@ -418,7 +417,7 @@ pub fn receive(socket: &UnixDatagram) -> std::io::Result<(Vec<u8>, Vec<OwnedFd>)
     msg.msg_control = control.as_mut_ptr().cast();
     msg.msg_controllen = std::mem::size_of_val(control.as_slice()) as _;
     // SAFETY: `msg` is initialised above; the socket is the caller's.
-    let n = unsafe { libc::recvmsg(socket.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC) };
+    let n = unsafe { libc::recvmsg(socket.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC | flags) };
     if n < 0 {
         return Err(std::io::Error::last_os_error());
     }
@@ -437,6 +436,9 @@ pub fn receive(socket: &UnixDatagram) -> std::io::Result<(Vec<u8>, Vec<OwnedFd>)
             }
             cmsg = libc::CMSG_NXTHDR(&msg, cmsg);
         }
+    }
+    if msg.msg_flags & (libc::MSG_TRUNC | libc::MSG_CTRUNC) != 0 {
+        return Err(std::io::Error::from_raw_os_error(libc::EMSGSIZE));
     }
     buf.truncate(n as usize);
     Ok((buf, fds))
@@ -562,8 +564,7 @@ impl Inherited {
     }
 
     /// Every descriptor whose name begins with `prefix`, with its name:
-    /// how open connections and flows ([`CONNECTION_PREFIX`],
-    /// [`FLOW_PREFIX`]) are taken, all at once.
+    /// what a process takes of a family of names at once.
     pub fn take_prefix(&self, prefix: &str) -> Vec<(FdName, OwnedFd)> {
         let mut map = self.lock();
         let names: Vec<String> = map
@@ -642,8 +643,6 @@ mod tests {
         assert_eq!(v6.as_str(), "listen-udp-fd00--1-53");
         let mapped = listener_name(Transport::Tcp, "[::ffff:10.0.0.1]:80".parse().unwrap());
         assert_eq!(mapped.as_str(), "listen-tcp---ffff-10.0.0.1-80");
-        assert_eq!(connection_name(7, Side::Backend).as_str(), "conn-7-backend");
-        assert_eq!(flow_name(3).as_str(), "flow-3");
     }
 
     /// The message and its descriptors as the receiving end (PID 1) sees them.
@@ -695,7 +694,7 @@ mod tests {
                 .is_empty()
         );
         let mut conns: Vec<String> = inherited
-            .take_prefix(CONNECTION_PREFIX)
+            .take_prefix("conn-")
             .into_iter()
             .map(|(n, _)| n.to_string())
             .collect();

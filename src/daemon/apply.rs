@@ -540,16 +540,24 @@ impl Daemon {
                         }
                         Listener::start(sockets, placement, route, Arc::clone(&self.limit))
                     })
-                    .map(Running::Tcp)
+                    .map(|listener| {
+                        self.adopt_connections(&listener);
+                        Running::Tcp(listener)
+                    })
             }
             Protocol::Udp => self.udp_listener_socket(addr).map(|socket| {
-                Running::Udp(udp::UdpListener::start(
-                    socket,
-                    route,
-                    udp,
-                    Arc::clone(&self.udp_flows),
-                    self.udp_per_source.load(Ordering::Relaxed),
-                ))
+                let budget = Arc::clone(&self.udp_flows);
+                let per_source = self.udp_per_source.load(Ordering::Relaxed);
+                let handed = self.take_handed_flows(addr);
+                if handed.is_empty() {
+                    return Running::Udp(udp::UdpListener::start(
+                        socket, route, udp, budget, per_source,
+                    ));
+                }
+                let (listener, adopted) =
+                    udp::UdpListener::adopt(socket, route, udp, budget, per_source, handed);
+                tracing::info!(listen = %addr, flows = adopted.adopted, dropped = adopted.dropped, "UDP flows adopted from the last process");
+                Running::Udp(listener)
             }),
         };
         match bound {

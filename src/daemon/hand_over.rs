@@ -24,6 +24,7 @@ use super::Daemon;
 use crate::fd_store::{FdStore, Inherited};
 use crate::metrics::hand_over::{FallbackReason, LastHandOver};
 
+mod carrier;
 mod host;
 mod sockets;
 mod state;
@@ -89,6 +90,9 @@ pub(crate) struct Intent {
 pub(crate) struct Fds {
     pub(crate) store: FdStore,
     pub(crate) inherited: Arc<Inherited>,
+    /// The open connections and flows the last process handed over, taken
+    /// by their listeners as they start (`sockets`).
+    pub(crate) open: Arc<std::sync::Mutex<carrier::Received>>,
 }
 
 /// What a stop does with the daemon's sockets and host objects.
@@ -139,7 +143,21 @@ impl Daemon {
         for problem in inherited.problems() {
             tracing::warn!("inherited descriptors: {problem}");
         }
-        *self.fds.write().unwrap_or_else(|p| p.into_inner()) = Fds { store, inherited };
+        // Before any listener starts: each takes its own as it does.
+        let open = carrier::receive(&inherited, &store);
+        let (connections, flows) = open.len();
+        if connections + flows > 0 {
+            tracing::info!(
+                connections,
+                flows,
+                "open connections and flows handed over by the last process: each listener takes its own as it starts"
+            );
+        }
+        *self.fds.write().unwrap_or_else(|p| p.into_inner()) = Fds {
+            store,
+            inherited,
+            open: Arc::new(std::sync::Mutex::new(open)),
+        };
     }
 
     /// The store sockets go into (off outside systemd).
@@ -251,7 +269,9 @@ impl Daemon {
             .config
             .as_ref()
             .is_some_and(|c| c.load_balancers.iter().any(|l| l.dhcp.is_some()));
+        let open = self.open_handed();
         let close_rest = move || {
+            sockets::close_unadopted(&open);
             for gone in inherited.close_rest(crate::fd_store::LISTENER_PREFIX, &store) {
                 tracing::info!(name = %gone, "a stored listener the config no longer has: closed and taken out of the store");
             }

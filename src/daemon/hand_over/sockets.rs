@@ -21,16 +21,18 @@ use std::net::SocketAddr;
 use std::os::fd::{AsFd, OwnedFd};
 use std::time::Duration;
 
-use super::{HandOverReport, NoHandOver};
+use super::{HandOverReport, NoHandOver, carrier};
 use crate::config::{ListenerKey, Protocol};
 use crate::daemon::Daemon;
 use crate::fd_store::{self, FdName, Transport};
-use crate::proxy::Running;
+use crate::proxy::{Handed, Running};
 
-/// How long open connections get to end by themselves at a hand-over
-/// before the process exits and closes them, until the proxy hands them
-/// over too: short, since new clients wait in the accept queues meanwhile.
-const CONNECTIONS_GRACE: Duration = Duration::from_secs(2);
+/// How long open connections get to pause at a hand-over (each direction at
+/// its wait for data, with nothing in flight): a connection whose peer
+/// takes none of the bytes in flight for that long is closed as the drain
+/// would, and counted lost. Short, since new clients wait in the accept
+/// queues meanwhile.
+const PAUSE_BOUND: Duration = Duration::from_secs(2);
 
 /// The store name of the listener `key`.
 fn name_of(key: &ListenerKey) -> FdName {
@@ -129,30 +131,79 @@ impl Daemon {
     /// Stores what the next process needs to serve every client: the
     /// listening sockets are in the store already, so their accept loops
     /// stop here without taking them out (the ports keep listening in
-    /// PID 1's copies).
+    /// PID 1's copies); every open connection and flow pauses where no byte
+    /// is held (`proxy::Running::hand_over`) and goes into the store through
+    /// one carrier (`carrier`).
     pub(super) async fn hand_over_sockets(&self, report: &mut HandOverReport) {
-        let listeners: Vec<Running> = {
+        let listeners: Vec<(ListenerKey, Running)> = {
             let mut st = self.lock();
             st.listeners
                 .drain()
-                .filter_map(|(_, e)| {
+                .filter_map(|(key, e)| {
                     e.stats.up.set(false);
-                    e.socket.ok()
+                    e.socket.ok().map(|s| (key, s))
                 })
                 .collect()
         };
         report.listeners = listeners.len();
         self.prober.stop_all();
-        // Connections and flows: here each listener's `hand_over(deadline)`
-        // gives its open connections (client and backend socket) and flows,
-        // stored as `fd_store::connection_name(n, Side::Client|Backend)` and
-        // `fd_store::flow_name(n)` (with `self.fd_store().store`), counted in
-        // `report.connections`/`flows`/`lost`. Until then: stop accepting
-        // and let them end by themselves for a moment.
-        let lost =
-            super::super::futures_sum(listeners.into_iter().map(|l| l.drain(CONNECTIONS_GRACE)))
-                .await;
-        report.lost += lost;
+        // Every listener pauses at once, against one deadline.
+        let deadline = tokio::time::Instant::now() + PAUSE_BOUND;
+        let mut paused = tokio::task::JoinSet::new();
+        for (key, listener) in listeners {
+            paused.spawn(async move { (key, listener.hand_over(deadline).await) });
+        }
+        let mut parcel = carrier::Parcel::default();
+        while let Some(done) = paused.join_next().await {
+            let Ok((key, handed)) = done else { continue };
+            match handed {
+                Handed::Tcp(tcp) => {
+                    report.lost += tcp.lost;
+                    parcel.tcp.extend(tcp.connections);
+                }
+                Handed::Udp(flows) => parcel
+                    .udp
+                    .extend(flows.into_iter().map(|flow| (key.addr, flow))),
+            }
+        }
+        let sent = carrier::send(&self.fd_store(), parcel);
+        report.connections = sent.connections;
+        report.flows = sent.flows;
+        report.lost += sent.lost;
+    }
+
+    /// The open connections the last process handed over for the TCP
+    /// listener now serving `addr`, served on by it.
+    pub(in crate::daemon) fn adopt_connections(&self, listener: &crate::proxy::Listener) {
+        let handed = self
+            .open_handed()
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .tcp
+            .remove(&listener.addr);
+        if let Some(handed) = handed {
+            let n = handed.len();
+            let served = listener.adopt(handed);
+            tracing::info!(listen = %listener.addr, connections = n, served, "open connections adopted from the last process");
+        }
+    }
+
+    /// The UDP flows the last process handed over for `addr`, if any.
+    pub(in crate::daemon) fn take_handed_flows(
+        &self,
+        addr: SocketAddr,
+    ) -> Vec<crate::proxy::udp::HandedFlow> {
+        self.open_handed()
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .udp
+            .remove(&addr)
+            .unwrap_or_default()
+    }
+
+    /// The open connections and flows handed over and not yet taken.
+    pub(super) fn open_handed(&self) -> std::sync::Arc<std::sync::Mutex<super::carrier::Received>> {
+        std::sync::Arc::clone(&self.fds.read().unwrap_or_else(|p| p.into_inner()).open)
     }
 
     /// Why a hand-over cannot be done now, if it cannot: no store, or one
@@ -169,6 +220,26 @@ impl Daemon {
             _ => None,
         }
     }
+}
+
+/// Once the first config is in force (or, with leased VIPs, once their
+/// leases had time to come back): what no listener took of `open` (its
+/// listener is gone from the config, or did not bind) is closed, the
+/// connections with a reset, and said.
+pub(super) fn close_unadopted(open: &std::sync::Mutex<carrier::Received>) {
+    let rest = std::mem::take(&mut *open.lock().unwrap_or_else(|p| p.into_inner()));
+    let (connections, flows) = rest.len();
+    if connections + flows == 0 {
+        return;
+    }
+    for c in rest.tcp.into_values().flatten() {
+        c.reset();
+    }
+    tracing::warn!(
+        connections,
+        flows,
+        "handed-over connections and flows of listeners this config does not serve (removed, or not bound): reset"
+    );
 }
 
 /// The inherited sockets of a TCP listener at `addr`, each checked: a
