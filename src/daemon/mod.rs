@@ -37,6 +37,7 @@ mod kernel;
 mod kernel_check;
 mod leases;
 mod network_links;
+mod persist;
 mod readiness;
 mod status;
 mod sync;
@@ -44,13 +45,14 @@ mod vip_guard;
 mod vmnet;
 
 pub use admin_state::{AdminStateChange, AdminStateError};
-pub use hand_over::{HandOverReport, StopKind};
 pub use announce::decide;
 pub use announce::{
     AnnounceStateChange, AnnounceStateError, AnnounceStatus, LbAnnounceStatus, VipAnnounceStatus,
 };
+pub use hand_over::{HandOverReport, StopKind};
 pub use kernel_check::KernelCheckCause;
 pub use network_links::NetworkRefusal;
+pub use persist::{RestoredCounts, StateFileStatus};
 pub use readiness::{UnboundListener, VipNotReady};
 pub use status::{
     BackendStatus, ConfigStatus, LeaseStatus, ListenerStatus, LoadBalancerStatus, PortStatus,
@@ -131,6 +133,9 @@ pub struct Daemon {
     /// (`owned::claim`): taken at start and reload before the config
     /// that needs them is applied.
     claims: crate::owned::Claims,
+    /// The state file: read at start, written on changes and at stop
+    /// (`persist`, issue 41).
+    persist: persist::Persist,
 }
 
 #[derive(Default)]
@@ -243,6 +248,7 @@ impl Daemon {
             vmnet: vmnet::VmNet::default(),
             sync: sync::SyncState::default(),
             claims: crate::owned::Claims::default(),
+            persist: persist::Persist::default(),
         })
     }
 
