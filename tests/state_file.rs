@@ -467,3 +467,48 @@ async fn a_change_is_written_within_seconds_and_survives_a_kill() {
     assert_eq!(backend(&status(&net).await, &ip)["admin_state"], "maint");
     stop(p).await;
 }
+
+/// `sessionAffinity` entries come back: four clients pinned in one run
+/// keep their backends after a restart, asked in the reverse order (a fresh
+/// round robin would give the first of them the first backend). Before,
+/// the table started empty.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn affinity_entries_survive_a_stop_and_a_start() {
+    let net = Subnet::new();
+    let _nodes = nodes(&net, &[11, 12]).await;
+    let lb = Lb::new(LB, net.ip(1))
+        .backends(net.ips(&[11, 12]))
+        .keys("session_affinity = \"client_ip\"\naffinity_timeout_seconds = 600")
+        .tcp("web", 8080, 30080);
+    let cfg = net.write("config.toml", &config(&net, lb).to_string());
+    let clients = net.ips(&[101, 102, 103, 104]);
+    let to = vip(&net);
+    let p = start(&net, &cfg).await;
+    let mut before = Vec::new();
+    for c in &clients {
+        before.push(pinned_to(*c, to).await);
+    }
+    assert!(
+        before.contains(&net.ip_str(11)) && before.contains(&net.ip_str(12)),
+        "{before:?}"
+    );
+    stop(p).await;
+
+    let p = start(&net, &cfg).await;
+    for (c, was) in clients.iter().zip(&before).rev() {
+        assert_eq!(&pinned_to(*c, to).await, was, "client {c}");
+    }
+    let s = status(&net).await;
+    assert_eq!(
+        s["state_file"]["restored"]["affinity_entries"], 4,
+        "{}",
+        s["state_file"]
+    );
+    stop(p).await;
+}
+
+/// The backend a connection from `client` through `vip` reaches.
+async fn pinned_to(client: std::net::IpAddr, vip: SocketAddr) -> String {
+    let mut s = connect_from(client, vip).await.expect("connect");
+    read_line(&mut s).await.expect("name line")
+}
