@@ -379,7 +379,9 @@ pub fn tmp_path(path: &Path) -> PathBuf {
 /// the rename itself survives a power cut. A missing directory is created
 /// (mode 0700).
 pub fn save(path: &Path, file: &StateFile) -> Result<(), WriteError> {
-    let bytes = serde_json::to_vec_pretty(file).map_err(|e| WriteError {
+    // Compact: 3,000 load balancers of 3 checked backends are 2.6 MB
+    // pretty-printed (measured); `jq .` shows it to an operator.
+    let bytes = serde_json::to_vec(file).map_err(|e| WriteError {
         path: path.to_path_buf(),
         what: "serialise",
         source: std::io::Error::other(e),

@@ -328,11 +328,17 @@ impl Daemon {
         if last {
             self.persist.closed.store(true, Ordering::Release);
         }
-        let (file, digest) = self.collect_state(config_path);
         let due = written.at.is_none_or(|at| at.elapsed() >= REFRESH);
-        if !force && !due && written.digest == Some(digest) {
-            return false;
+        if !force && !due {
+            // Without the affinity entries (a million of them would be
+            // exported every second for nothing): they never make a
+            // write, only ride along with one.
+            let (_, digest) = self.collect_state(config_path.clone(), false);
+            if written.digest == Some(digest) {
+                return false;
+            }
         }
+        let (file, digest) = self.collect_state(config_path, true);
         let result = tokio::task::spawn_blocking({
             let path = path.clone();
             move || state_file::save(&path, &file)
@@ -366,9 +372,10 @@ impl Daemon {
         }
     }
 
-    /// The state of every load balancer in force, and a digest of what it
-    /// keeps without times (a change of it is a reason to write).
-    fn collect_state(&self, config_path: PathBuf) -> (StateFile, u64) {
+    /// The state of every load balancer in force (its affinity entries
+    /// only with `affinity`), and a digest of what it keeps but times and
+    /// affinity entries (a change of it is a reason to write).
+    fn collect_state(&self, config_path: PathBuf, affinity: bool) -> (StateFile, u64) {
         let now = SystemTime::now();
         let now_unix = state_file::unix(now);
         let now_secs = affinity::now_secs();
@@ -377,12 +384,10 @@ impl Daemon {
         let st = self.lock();
         let specs = st.config.iter().flat_map(|c| &c.load_balancers);
         let mut fingerprints = lock(&self.persist.fingerprints);
-        let mut seen = Vec::new();
         for spec in specs {
             let Some(entry) = st.load_balancers.get(&spec.name) else {
                 continue;
             };
-            seen.push(spec.name.clone());
             let fingerprint = match fingerprints.get(&spec.name) {
                 Some((s, f)) if Arc::ptr_eq(s, spec) => f.clone(),
                 _ => {
@@ -403,10 +408,10 @@ impl Daemon {
                     backends.insert(*ip, kept);
                 }
             }
-            let affinity = entry
+            let clients = entry
                 .lb
                 .affinity()
-                .filter(|_| spec.affinity_timeout.is_some())
+                .filter(|_| affinity && spec.affinity_timeout.is_some())
                 .map(|t| {
                     t.export(now_secs)
                         .into_iter()
@@ -423,11 +428,11 @@ impl Daemon {
                 LbState {
                     fingerprint,
                     backends,
-                    affinity,
+                    affinity: clients,
                 },
             );
         }
-        fingerprints.retain(|name, _| seen.contains(name));
+        fingerprints.retain(|name, _| st.load_balancers.contains_key(name));
         drop(fingerprints);
         drop(st);
         let file = StateFile {
@@ -453,7 +458,8 @@ impl Daemon {
             AdminState::Ready => None,
             s => Some(s.as_str().to_string()),
         };
-        digest.add(&format!("{} {}", backend.addr, backend.admin_state()));
+        digest.ip(backend.addr);
+        digest.add(backend.admin_state().as_str());
         let mut health = Vec::new();
         if let Some(hc) = &spec.health_check {
             let ports = backend.checked_ports();
@@ -484,10 +490,10 @@ impl Daemon {
                         .min(hc.failure_threshold.get()),
                     probed_unix: Some(probed_unix),
                 };
-                digest.add(&format!(
-                    "{port:?} {} {} {}",
-                    v.status, v.consecutive_successes, v.consecutive_failures
-                ));
+                digest.bytes(&port.map_or([0xff; 2], u16::to_be_bytes));
+                digest.add(&v.status);
+                digest.bytes(&v.consecutive_successes.to_be_bytes());
+                digest.bytes(&v.consecutive_failures.to_be_bytes());
                 health.push(v);
             }
         }
@@ -509,9 +515,22 @@ impl Default for Digest {
 }
 
 impl Digest {
+    /// A string, ended (so that "ab","c" differs from "a","bc").
     fn add(&mut self, s: &str) {
-        for b in s.bytes().chain(std::iter::once(0)) {
-            self.0 ^= u64::from(b);
+        self.bytes(s.as_bytes());
+        self.bytes(&[0]);
+    }
+
+    fn ip(&mut self, ip: IpAddr) {
+        match ip {
+            IpAddr::V4(a) => self.bytes(&a.octets()),
+            IpAddr::V6(a) => self.bytes(&a.octets()),
+        }
+    }
+
+    fn bytes(&mut self, bytes: &[u8]) {
+        for b in bytes {
+            self.0 ^= u64::from(*b);
             self.0 = self.0.wrapping_mul(0x0000_0100_0000_01b3);
         }
     }
