@@ -182,7 +182,9 @@ async fn nodes(net: &Subnet, hosts: &[u8]) -> Vec<Backend> {
 /// to form (three results either way, every 4 s; `initial` before the
 /// first), backend .11 alive and the others of `backends` dead (nothing
 /// listens on their nodeport or health port), one connect attempt per
-/// client; stopped once `.watched` is `health`. Without the file a restarted
+/// client; one verdict per backend on port 30081, or with `per_port` one
+/// per nodeport (no `port`: the check probes 30080 itself); stopped once
+/// `.watched` is `health`. Without the file a restarted
 /// daemon needs at least one period (the second probe comes at a phase of
 /// the period, the third a period later) to relearn either verdict. Returns
 /// the config file and the live backend's two listeners.
@@ -190,8 +192,8 @@ async fn first_run_with_slow_check(
     net: &Subnet,
     backends: &[u8],
     initial: &str,
-    watched: u8,
-    health: &str,
+    per_port: bool,
+    watched: (u8, &str),
 ) -> (PathBuf, [Backend; 2]) {
     let live = [
         Backend::start(SocketAddr::new(net.ip(11), 30080), Behaviour::NameThenEcho).await,
@@ -202,11 +204,13 @@ async fn first_run_with_slow_check(
         .tcp("web", 8080, 30080)
         .keys(&format!("initial_state = \"{initial}\"\nconnect_attempts = 1"))
         .health(
-            "  port = 30081\n  period_seconds = 4\n  timeout_seconds = 1\n  success_threshold = 3\n  failure_threshold = 3",
+            "  period_seconds = 4\n  timeout_seconds = 1\n  success_threshold = 3\n  failure_threshold = 3",
         );
+    let lb = if per_port { lb } else { lb.health_port(30081) };
     let cfg = net.write("config.toml", &config(net, lb).to_string());
     let p = start(net, &cfg).await;
-    wait_health(net, &net.ip_str(watched), health, Duration::from_secs(30)).await;
+    let (host, health) = watched;
+    wait_health(net, &net.ip_str(host), health, Duration::from_secs(30)).await;
     stop(p).await;
     (cfg, live)
 }
@@ -217,28 +221,46 @@ async fn first_run_with_slow_check(
 /// probes had failed again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dead_backend_stays_out_right_after_a_restart() {
+    dead_backend_stays_out(false).await;
+}
+
+/// The same with a check without `port`: the verdict is the nodeport's own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_nodeport_stays_out_right_after_a_restart() {
+    dead_backend_stays_out(true).await;
+}
+
+async fn dead_backend_stays_out(per_port: bool) {
     let net = Subnet::new();
-    let (cfg, _live) = first_run_with_slow_check(&net, &[11, 12], "healthy", 12, "unhealthy").await;
+    let (cfg, _live) =
+        first_run_with_slow_check(&net, &[11, 12], "healthy", per_port, (12, "unhealthy")).await;
+    // The verdict's detail: the backend's, or its one nodeport's.
+    let probe = |s: &serde_json::Value| {
+        let b = backend(s, &net.ip_str(12));
+        let p = if per_port {
+            &b["ports"][0]["probe"]
+        } else {
+            &b["probe"]
+        };
+        (b["health"].clone(), p.clone())
+    };
 
     let p = start(&net, &cfg).await;
     let s = status(&net).await;
-    let dead = backend(&s, &net.ip_str(12));
-    assert_eq!(dead["health"], "unhealthy", "{dead}");
+    let (health, detail) = probe(&s);
+    assert_eq!(health, "unhealthy", "{detail}");
     // Three restored, and the first probe of this process may have added one.
     assert!(
-        dead["probe"]["consecutive_failures"].as_u64() >= Some(3),
-        "{dead}"
+        detail["consecutive_failures"].as_u64() >= Some(3),
+        "{detail}"
     );
     for _ in 0..6 {
         assert_eq!(served_by(vip(&net)).await, Ok(net.ip_str(11)));
     }
     // Fewer probes than the threshold since the start: no verdict of this
     // process could have taken it out yet (no clock in the assertion).
-    let probes = backend(&status(&net).await, &net.ip_str(12))["probe"]["probes"].clone();
-    assert!(
-        probes.as_u64() < Some(3),
-        "probes since the start: {probes}"
-    );
+    let (_, detail) = probe(&status(&net).await);
+    assert!(detail["probes"].as_u64() < Some(3), "{detail}");
     assert_eq!(
         s["state_file"]["restored"]["verdicts"], 2,
         "{}",
@@ -252,7 +274,8 @@ async fn a_dead_backend_stays_out_right_after_a_restart() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_live_backend_serves_right_after_a_restart_with_initial_state_unhealthy() {
     let net = Subnet::new();
-    let (cfg, _live) = first_run_with_slow_check(&net, &[11], "unhealthy", 11, "healthy").await;
+    let (cfg, _live) =
+        first_run_with_slow_check(&net, &[11], "unhealthy", false, (11, "healthy")).await;
 
     let p = start(&net, &cfg).await;
     assert_eq!(served_by(vip(&net)).await, Ok(net.ip_str(11)));
