@@ -333,12 +333,14 @@ impl Daemon {
             // Without the affinity entries (a million of them would be
             // exported every second for nothing): they never make a
             // write, only ride along with one.
-            let (_, digest) = self.collect_state(config_path.clone(), false);
-            if written.digest == Some(digest) {
+            let digest = self.collect_off_runtime(config_path.clone(), false).await;
+            if digest.is_none() || written.digest == digest.map(|(_, d)| d) {
                 return false;
             }
         }
-        let (file, digest) = self.collect_state(config_path, true);
+        let Some((file, digest)) = self.collect_off_runtime(config_path, true).await else {
+            return false;
+        };
         let result = tokio::task::spawn_blocking({
             let path = path.clone();
             move || state_file::save(&path, &file)
@@ -368,6 +370,24 @@ impl Daemon {
                 tracing::error!(error = %e, file = %path.display(), "the state file writer ended abnormally");
                 self.metrics.state_file_written(false);
                 false
+            }
+        }
+    }
+
+    /// [`Daemon::collect_state`] on a blocking thread: at thousands of load
+    /// balancers it walks every target under the daemon's lock, which no
+    /// runtime thread should wait for. `None` when the daemon is gone.
+    async fn collect_off_runtime(
+        &self,
+        config_path: PathBuf,
+        affinity: bool,
+    ) -> Option<(StateFile, u64)> {
+        let me = self.me.upgrade()?;
+        match tokio::task::spawn_blocking(move || me.collect_state(config_path, affinity)).await {
+            Ok(collected) => Some(collected),
+            Err(e) => {
+                tracing::error!(error = %e, "collecting the state file's contents ended abnormally");
+                None
             }
         }
     }
