@@ -445,7 +445,11 @@ mod tests {
         d
     }
 
+    /// A file written at `written`, to the whole second: serde_json
+    /// parses some fractions one unit in the last place off, which a
+    /// comparison of the whole file would take for a change.
     fn sample(config: &Path, written: SystemTime) -> StateFile {
+        let written = SystemTime::UNIX_EPOCH + Duration::from_secs(unix(written) as u64);
         let mut backends = BTreeMap::new();
         backends.insert(
             "10.0.0.1".parse().unwrap(),

@@ -65,7 +65,7 @@ struct Written {
 }
 
 /// The state file in `/status`.
-#[derive(Debug, Clone, Default, Serialize)]
+#[derive(Debug, Clone, Serialize)]
 pub struct StateFileStatus {
     /// The file; `null` when none is kept (no `daemon.state_file` and no
     /// `$STATE_DIRECTORY`).
@@ -86,6 +86,21 @@ pub struct StateFileStatus {
     pub last_write_unix: Option<f64>,
     /// The last failed write, in words; cleared by a success.
     pub last_write_error: Option<String>,
+}
+
+impl Default for StateFileStatus {
+    /// No file kept (before start says otherwise).
+    fn default() -> Self {
+        Self {
+            path: None,
+            outcome: "none",
+            reason: None,
+            restored: RestoredCounts::default(),
+            load_balancers_changed: Vec::new(),
+            last_write_unix: None,
+            last_write_error: None,
+        }
+    }
 }
 
 /// What start put back, per kind.
@@ -112,7 +127,6 @@ impl Daemon {
         );
         let mut status = StateFileStatus {
             path: path.as_ref().map(|p| p.display().to_string()),
-            outcome: "none",
             ..Default::default()
         };
         if let Some(path) = &path {
@@ -169,12 +183,13 @@ impl Daemon {
                 "state restored"
             );
         }
+        let r = status.restored;
         self.metrics.set_state_restored(
             status.outcome,
             [
-                ("operator_state", r_count(&status, |r| r.operator_states)),
-                ("verdict", r_count(&status, |r| r.verdicts)),
-                ("affinity_entry", r_count(&status, |r| r.affinity_entries)),
+                ("operator_state", r.operator_states),
+                ("verdict", r.verdicts),
+                ("affinity_entry", r.affinity_entries),
             ],
         );
     }
@@ -519,10 +534,6 @@ impl Daemon {
         }
         BackendState { admin, health }
     }
-}
-
-fn r_count(status: &StateFileStatus, f: impl Fn(&RestoredCounts) -> usize) -> usize {
-    f(&status.restored)
 }
 
 /// FNV-1a over what a write keeps, field by field.
