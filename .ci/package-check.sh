@@ -232,6 +232,39 @@ for s in post_install pre_uninstall post_uninstall; do
     sh -n "packaging/rpm/$s.sh" || bad "packaging/rpm/$s.sh does not parse"
 done
 rpm -qp --scripts "$pkg" 2>/dev/null | grep -q 'try-restart harvester-lb.service' || bad "the %postun scriptlet is not in the package"
+# What the scriptlets ask systemd, run as the package holds them with
+# systemd as PID 1 (/run/systemd/system swapped for a directory that
+# exists) and a systemctl that only records. An upgrade must restart the
+# daemon with one try-restart and never stop it: a stop (or stop + start)
+# empties systemd's fd store, so the listeners and connections a restart
+# hands over (issue 41) would be closed; a stop belongs to removal only.
+# systemctl_calls TEXT ARGS...: the systemctl command lines, one a line.
+systemctl_calls() {
+    local text=$1 d=$work/scriptlet
+    shift
+    rm -rf "$d"
+    mkdir -p "$d/bin" "$d/systemd-system"
+    printf '#!/bin/sh\necho "$*" >>"%s/calls"\n' "$d" >"$d/bin/systemctl"
+    chmod +x "$d/bin/systemctl"
+    : >"$d/calls"
+    printf '%s\n' "${text//\/run\/systemd\/system/$d/systemd-system}" >"$d/script"
+    PATH=$d/bin:$PATH sh "$d/script" "$@" >/dev/null 2>&1 || echo "(exit $?)" >>"$d/calls"
+    tr '\n' ';' <"$d/calls"
+}
+# expect_calls WHAT WANT TEXT ARGS...
+expect_calls() {
+    local what=$1 want=$2 got
+    got=$(systemctl_calls "${@:3}")
+    [[ $got == "$want" ]] || bad "$what asks systemctl '$got', want '$want'"
+}
+stop_calls='--no-reload disable --now harvester-lb-import.timer harvester-lb.service;'
+expect_calls "%post on install" 'daemon-reload;' "$(q '%{POSTIN}')" 1
+expect_calls "%post on upgrade" 'daemon-reload;' "$(q '%{POSTIN}')" 2
+expect_calls "%preun on upgrade (must not stop)" '' "$(q '%{PREUN}')" 1
+expect_calls "%preun on removal" "$stop_calls" "$(q '%{PREUN}')" 0
+expect_calls "%postun on upgrade (try-restart only)" 'daemon-reload;try-restart harvester-lb.service;' "$(q '%{POSTUN}')" 1
+expect_calls "%postun on removal" 'daemon-reload;' "$(q '%{POSTUN}')" 0
+echo "scriptlets: upgrade = daemon-reload + try-restart, no stop; removal = disable --now"
 # A second package, release 2 of the same version, to upgrade to.
 cargo generate-rpm --target-dir "$target" --payload-compress xz --source-date "$source_date" \
     -s 'release = "2"' -o "$work/upgrade.rpm" >/dev/null
@@ -301,6 +334,16 @@ for s in postinst prerm postrm; do
     [[ $(dpkg-deb --info "$deb" "$s") == "$(cat "packaging/deb/$s")" ]] || bad "deb: $s is not packaging/deb/$s"
     sh -n "packaging/deb/$s" || bad "packaging/deb/$s does not parse"
 done
+# The same rule as the RPM's scriptlets (section 6): an upgrade is one
+# try-restart, never a stop.
+mscript() { dpkg-deb --info "$deb" "$1"; }
+expect_calls "deb prerm upgrade (must not stop)" '' "$(mscript prerm)" upgrade "$version-2"
+expect_calls "deb prerm remove" "$stop_calls" "$(mscript prerm)" remove
+expect_calls "deb postinst configure (first install)" 'daemon-reload;' "$(mscript postinst)" configure ''
+expect_calls "deb postinst configure (upgrade, try-restart only)" 'daemon-reload;try-restart harvester-lb.service;' "$(mscript postinst)" configure "$version-0"
+expect_calls "deb postrm upgrade" '' "$(mscript postrm)" upgrade "$version-2"
+expect_calls "deb postrm remove" 'daemon-reload;' "$(mscript postrm)" remove
+echo "maintainer scripts: upgrade = daemon-reload + try-restart, no stop; removal = disable --now"
 echo "$(basename "$deb"): $(stat -c %s "$deb") bytes, files, conffile and scripts as expected"
 
 if ((status == 0)); then

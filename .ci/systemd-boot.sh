@@ -30,6 +30,21 @@
 #   journal   `journalctl -p warning` shows warnings and errors, no info
 #   SIGKILL   ExecStopPost withdraws the dead daemon's routes, systemd
 #             restarts it, it serves again
+#   restart   (issue 41) `systemctl restart` with 10 long connections (a
+#             line every 100 ms), a new connection every 50 ms and a UDP
+#             flow through a proxied listener (benches/restart_probe.py in
+#             the client's namespace): refused, reset, timed out, the
+#             window, the long connections kept, UDP datagrams lost
+#   upgrade   (issue 41) `dpkg -i` of the same package repacked with a
+#             higher version over the installed one (the postinst's
+#             try-restart): the same figures, the version changed
+#   stop (proxy) a connection open at `systemctl stop` is answered within
+#             the drain, the port refuses after it (no copy of the
+#             listener kept anywhere), nothing in the fd store, the
+#             runtime directory gone
+#             restart and upgrade print their figures either way; they
+#             are asserted lossless only with EXPECT_LOSSLESS_RESTART=1
+#             (below), the switch for when issue 41's hand-over is merged
 #   stop      drains (a connection open through the proxy is answered
 #             before the exit 0), ExecStopPost ran, and every table,
 #             route, address and the runtime directory is gone
@@ -63,6 +78,16 @@
 #        CARGO_TARGET_DIR  honoured for the cache and the .deb
 #        DEBIAN_MIRROR     default: the first deb.debian.org-style URI apt uses
 set -euo pipefail
+
+# Issue 41's switch. 0: the restart and upgrade scenarios print their
+# figures (today's drain loses connections: the listener closes at
+# SIGTERM, the long connections end at the drain timeout, shortened to 3 s
+# so the run stays short) and assert only that they ran. 1: the unit's
+# default drain timeout, and a restart and an upgrade must lose nothing:
+# 0 refused, reset or timed out, 10 of 10 long connections kept, no UDP
+# datagram lost, the fd store in use. Set it to 1 here once the hand-over
+# (fd store, connection hand-over) is merged; the environment overrides.
+EXPECT_LOSSLESS_RESTART=${EXPECT_LOSSLESS_RESTART:-0}
 
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 target=${CARGO_TARGET_DIR:-$repo/target}
@@ -153,7 +178,7 @@ cleanup() {
     if [[ -n $cpid ]] && kill -0 "$cpid" 2>/dev/null; then
         # The namespaces this script made in the container, and its daemon
         # (ExecStopPost withdraws what the daemon announced).
-        inside systemctl stop harvester-lb.service hlb-backend.service hlb-held.service keepalived.service conntrackd.service >/dev/null 2>&1
+        inside systemctl stop harvester-lb.service hlb-backend.service hlb-echo.service hlb-held.service hlb-held-echo.service keepalived.service conntrackd.service >/dev/null 2>&1
         for ns in hlbc hlbn hlbm hlbv; do inside ip netns delete "$ns" >/dev/null 2>&1; done
     fi
     if [[ -n $nspawn_pid ]] && kill -0 "$nspawn_pid" 2>/dev/null; then
@@ -174,6 +199,18 @@ trap 'exit 130' INT TERM
 mkdir -p "$run/upper" "$run/work" "$merged"
 mount -t overlay overlay -o "lowerdir=$root,upperdir=$run/upper,workdir=$run/work" "$merged"
 cp "$deb" "$merged/root/harvester-lb.deb"
+# The upgrade (issue 41): the same package with a higher version, made by
+# repacking it (no second build: the binary, files and maintainer scripts
+# are the ones under test; only the version differs, which is all dpkg
+# looks at to run the upgrade path: prerm upgrade, postinst configure OLD).
+deb_version=$(dpkg-deb -f "$deb" Version)
+upgrade_version=$deb_version+upgrade1
+dpkg --compare-versions "$upgrade_version" gt "$deb_version" || fail "$upgrade_version is not above $deb_version"
+dpkg-deb -R "$deb" "$run/upgrade"
+sed -i -E "s/^Version: .*/Version: $upgrade_version/" "$run/upgrade/DEBIAN/control"
+dpkg-deb --root-owner-group -Zgzip -z1 -b "$run/upgrade" "$merged/root/harvester-lb-upgrade.deb" >/dev/null
+rm -rf "$run/upgrade"
+cp "$repo/benches/restart_probe.py" "$merged/root/restart_probe.py"
 
 step "boot systemd in systemd-nspawn ($machine)"
 # --keep-unit --register=no: the host has no system bus or machined.
@@ -389,6 +426,135 @@ serves 198.51.100.10 || fail "not serving after the watchdog restart"
 ok "watchdog timeout, restarted as $(show MainPID), serving"
 inside rm /run/systemd/system/harvester-lb.service.d/zz-test-watchdog.conf
 inside systemctl daemon-reload
+
+# --- restart, upgrade and stop with connections open (issue 41) -------------------------------------
+step "restart and upgrade with connections open: the bed (a line-echo backend, listener echo :81 TCP and UDP)"
+# The backend answers each line (TCP) and datagram (UDP) with its tag.
+inside systemd-run --quiet --unit=hlb-echo ip netns exec hlbn \
+    python3 /root/restart_probe.py serve --tcp 203.0.113.21:30081 --udp 203.0.113.21:30081 --tag backend
+echo_listeners='
+  [[load_balancer.listener]]
+  name = "echo"
+  port = 81
+  backend_port = 30081
+
+  [[load_balancer.listener]]
+  name = "echo-udp"
+  port = 81
+  protocol = "udp"
+  backend_port = 30081'
+restart_config() {
+    # Today's drain would hold each restart for the default 30 s while the
+    # long connections are open: 3 s keeps the run short. Lossless, the
+    # unit's default is what must hold.
+    if ((EXPECT_LOSSLESS_RESTART == 0)); then printf '[proxy]\ndrain_timeout_seconds = 3\n\n'; fi
+    proxy_config false "$second_listener$echo_listeners"
+}
+restart_config | write_config
+inside systemctl reload harvester-lb || fail "systemctl reload adding the echo listeners failed"
+echo_serves() { inside ip netns exec hlbc python3 -c 'import socket
+s = socket.create_connection(("198.51.100.10", 81), timeout=3)
+s.sendall(b"hello\n")
+assert s.recv(100).startswith(b"hello backend")'; }
+wait_until 20 "the echo listener 198.51.100.10:81 serving" echo_serves
+# Runs the probe in the client's namespace with the action "$@"; its
+# figures in $run/probe-$name.json, one line on stdout.
+probe() {
+    local name=$1
+    shift
+    inside ip netns exec hlbc python3 /root/restart_probe.py run \
+        --tcp 198.51.100.10:81 --udp 198.51.100.10:81 --long 10 --line-ms 100 --new-ms 50 \
+        --before 2 --after 3 --json "/root/probe-$name.json" -- "$@" ||
+        fail "$name: the probe itself failed"
+    inside cat "/root/probe-$name.json" >"$run/probe-$name.json"
+}
+# figure FILE EXPR: a value of the probe's JSON (python expression on f).
+figure() { python3 -c "import json,sys; f=json.load(open(sys.argv[1])); print($2)" "$1"; }
+# The checks that hold today and after issue 41: the probe ran, its long
+# connections were open before the action, the action succeeded.
+probe_ran() {
+    local f=$run/probe-$1.json
+    (($(figure "$f" "f['action_rc']") == 0)) || fail "$1: the action exited $(figure "$f" "f['action_rc']"): $(figure "$f" "f['action_output_tail']")"
+    (($(figure "$f" "f['long']['opened']") == 10)) || fail "$1: only $(figure "$f" "f['long']['opened']") of 10 long connections opened before the action"
+    (($(figure "$f" "f['new']['total']") >= 50)) || fail "$1: only $(figure "$f" "f['new']['total']") new connections tried"
+}
+# Issue 41's claim: nothing lost (EXPECT_LOSSLESS_RESTART=1).
+probe_lossless() {
+    local f=$run/probe-$1.json
+    local bad=
+    for k in refused reset timeout other; do
+        (($(figure "$f" "f['new']['$k']") == 0)) || bad+=" new connections $k: $(figure "$f" "f['new']['$k']");"
+    done
+    (($(figure "$f" "f['long']['kept']") == 10)) || bad+=" long connections kept $(figure "$f" "f['long']['kept']") of 10 (how the others ended: $(figure "$f" "__import__('collections').Counter(l['how'] for l in f['long']['lost'].values())"));"
+    (($(figure "$f" "f['udp']['lost']") == 0)) || bad+=" UDP datagrams lost: $(figure "$f" "f['udp']['lost']");"
+    (($(figure "$f" "len(f['udp']['tags'])") == 1)) || bad+=" the UDP flow answered by $(figure "$f" "f['udp']['tags']");"
+    [[ -z $bad ]] || fail "$1 lost connections:$bad first failures: $(figure "$f" "f['failures_sample']")"
+}
+if ((EXPECT_LOSSLESS_RESTART)); then
+    [[ $(show FileDescriptorStoreMax) != 0 ]] || fail "FileDescriptorStoreMax=0: the unit keeps no fd across a restart"
+    # The listeners are stored when bound: the four of this config at least
+    # (:80, :8080, :81 TCP and UDP), before any restart.
+    (($(show NFileDescriptorStore) >= 4)) || fail "NFileDescriptorStore=$(show NFileDescriptorStore) with 4 listeners bound: the listeners are not in systemd's fd store"
+fi
+
+step "restart: systemctl restart with 10 long connections, a new one every 50 ms, a UDP flow"
+pid=$(show MainPID)
+probe restart systemctl restart harvester-lb
+probe_ran restart
+[[ $(show MainPID) != "$pid" && $(show SubState) == running ]] || fail "restart: MainPID $pid -> $(show MainPID), $(show SubState)"
+echo "restart figures: $(figure "$run/probe-restart.json" "f['new']"), window $(figure "$run/probe-restart.json" "f['window_ms']") ms, long kept $(figure "$run/probe-restart.json" "f['long']['kept']") of 10, udp $(figure "$run/probe-restart.json" "f['udp']")"
+if ((EXPECT_LOSSLESS_RESTART)); then
+    probe_lossless restart
+    ok "restart lost nothing (MainPID $pid -> $(show MainPID))"
+else
+    ok "restart measured (MainPID $pid -> $(show MainPID)); not asserted lossless (EXPECT_LOSSLESS_RESTART=0)"
+fi
+
+step "upgrade: dpkg -i of $upgrade_version over $deb_version with the same load"
+installed=$(inside dpkg-query -W -f '${Version}' harvester-lb)
+[[ $installed == "$deb_version" ]] || fail "installed is $installed, want $deb_version"
+pid=$(show MainPID)
+probe upgrade dpkg -i /root/harvester-lb-upgrade.deb
+probe_ran upgrade
+installed=$(inside dpkg-query -W -f '${Version}' harvester-lb)
+[[ $installed == "$upgrade_version" ]] || fail "after dpkg -i the installed version is $installed, want $upgrade_version"
+[[ $(show MainPID) != "$pid" && $(show SubState) == running ]] || fail "upgrade: the postinst did not restart the daemon (MainPID $pid -> $(show MainPID), $(show SubState))"
+echo "upgrade figures: $(figure "$run/probe-upgrade.json" "f['new']"), window $(figure "$run/probe-upgrade.json" "f['window_ms']") ms, long kept $(figure "$run/probe-upgrade.json" "f['long']['kept']") of 10, udp $(figure "$run/probe-upgrade.json" "f['udp']")"
+if ((EXPECT_LOSSLESS_RESTART)); then
+    probe_lossless upgrade
+    ok "upgrade $deb_version -> $installed lost nothing (MainPID $pid -> $(show MainPID))"
+else
+    ok "upgrade $deb_version -> $installed measured (MainPID $pid -> $(show MainPID)); not asserted lossless"
+fi
+
+step "stop (proxy): drains, the port refuses after, nothing kept in the fd store"
+# A connection open at stop that sends its line 2 s later: answered
+# within the drain (3 s today, the default 30 s once lossless).
+inside systemd-run --quiet --unit=hlb-held-echo --property=StandardOutput=file:/run/held-echo.out \
+    ip netns exec hlbc python3 -c 'import socket, time
+s = socket.create_connection(("198.51.100.10", 81), timeout=20)
+time.sleep(2)
+s.sendall(b"held\n")
+print(s.recv(100).decode().strip())'
+active_conn() { api /metrics | awk '/^harvester_lb_connections_active[{ ]/ { s += $NF } END { exit !(s >= 1) }'; }
+wait_until 10 "the held connection open through :81" active_conn
+inside systemctl stop harvester-lb || fail "systemctl stop failed"
+[[ $(inside cat /run/held-echo.out 2>/dev/null) == "held backend" ]] ||
+    fail "the connection open at stop was not answered within the drain: got '$(inside cat /run/held-echo.out 2>/dev/null)', want 'held backend'"
+refused=$(inside ip netns exec hlbc python3 -c 'import socket
+try:
+    socket.create_connection(("198.51.100.10", 81), timeout=3)
+    print("accepted")
+except ConnectionRefusedError:
+    print("refused")
+except OSError as e:
+    print(e)')
+[[ $refused == refused ]] || fail "after stop 198.51.100.10:81 is not refused ($refused): a copy of the listener is still open"
+store=$(show NFileDescriptorStore)
+[[ $store == 0 || -z $store ]] || fail "after stop systemd still holds $store fds of the daemon"
+if inside test -e /run/harvester-lb; then fail "/run/harvester-lb is still there after stop"; fi
+[[ $(show Result) == success ]] || fail "stop: Result=$(show Result)"
+ok "answered within the drain, :81 refused after, NFileDescriptorStore=${store:-0}, /run/harvester-lb gone"
 
 # --- the VIP features without their drop-in --------------------------------------------------------
 step "vip.isolate without the VIP drop-in: refused as documented"

@@ -432,11 +432,115 @@ pub fn reload(path: &Path) -> ExitCode {
     }
 }
 
+/// `harvester-lb prepare-stop`: see its `--help` (`args::Command::PrepareStop`).
+/// Exits 0 whenever the stop may go on (a drain is always a correct stop);
+/// 69 when a restart could not be announced because the socket is not
+/// answering (the SIGTERM then drains, as it would have).
+pub fn prepare_stop(path: &Path, restart: bool, unit: Option<&str>) -> ExitCode {
+    let socket = match config::load(path) {
+        Ok(l) => l.config.admin.socket,
+        Err(e) => {
+            logging::eprint_at(3, &e.to_string());
+            return ExitCode::from(EXIT_CONFIG);
+        }
+    };
+    let store_max = if restart {
+        None
+    } else {
+        let unit = match unit.map(str::to_string).or_else(unit_of_main_pid) {
+            Some(u) => u,
+            None => {
+                logging::eprint_at(
+                    4,
+                    "prepare-stop: no --unit and no $MAINPID whose cgroup names a service: taken as a stop (the daemon drains)",
+                );
+                return ExitCode::SUCCESS;
+            }
+        };
+        match systemd_job(&unit) {
+            Some(job) if job == "restart" => println!("{unit}: restart job"),
+            job => {
+                println!(
+                    "{unit}: {} job: a stop, the daemon drains",
+                    job.as_deref().unwrap_or("no")
+                );
+                return ExitCode::SUCCESS;
+            }
+        }
+        let max = systemctl(&["show", "-p", "FileDescriptorStoreMax", "--value", &unit])
+            .and_then(|v| v.trim().parse::<usize>().ok());
+        Some(max.unwrap_or(0))
+    };
+    let body = match store_max {
+        Some(max) => format!("{{\"store_max\": {max}}}"),
+        None => "{}".to_string(),
+    };
+    match client::request(&socket, hyper::Method::POST, "/hand-over", body) {
+        Ok(client::Answer { status, body }) => {
+            if status.is_success() {
+                println!(
+                    "restart: the daemon hands its sockets over at SIGTERM: {}",
+                    body.trim_end()
+                );
+            } else {
+                // The daemon has warned with the reason; the stop drains.
+                logging::eprint_at(
+                    4,
+                    &format!(
+                        "restart without hand-over (the daemon drains): {}",
+                        body.trim_end()
+                    ),
+                );
+            }
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            logging::eprint_at(
+                4,
+                &format!("restart without hand-over (the daemon drains): {e}"),
+            );
+            ExitCode::from(EXIT_UNAVAILABLE)
+        }
+    }
+}
+
+/// The service whose cgroup holds `$MAINPID` (systemd sets it for
+/// `ExecStop=`): the last `*.service` in `/proc/PID/cgroup`.
+fn unit_of_main_pid() -> Option<String> {
+    let pid = std::env::var("MAINPID").ok()?;
+    let cgroup = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).ok()?;
+    cgroup
+        .lines()
+        .flat_map(|l| l.rsplit(':').next().unwrap_or("").split('/'))
+        .rfind(|c| c.ends_with(".service"))
+        .map(str::to_string)
+}
+
+/// The type of the job systemd runs on `unit` now (`restart`, `stop`), if any:
+/// `systemctl list-jobs` (as root it reads /run/systemd/private, no D-Bus).
+/// `try-restart` shows as `restart`.
+fn systemd_job(unit: &str) -> Option<String> {
+    let jobs = systemctl(&["list-jobs", "--no-legend", "--no-pager", "--full"])?;
+    jobs.lines().find_map(|line| {
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        (fields.get(1) == Some(&unit)).then(|| fields.get(2).map(|t| t.to_string()))?
+    })
+}
+
+/// What `systemctl ARGS` printed, when it succeeded.
+fn systemctl(args: &[&str]) -> Option<String> {
+    match std::process::Command::new("systemctl").args(args).output() {
+        Ok(out) if out.status.success() => Some(String::from_utf8_lossy(&out.stdout).into_owned()),
+        _ => None,
+    }
+}
+
 pub fn run(
     config: PathBuf,
     no_watch: bool,
     threads: Option<std::num::NonZeroUsize>,
     scheduler: Scheduler,
+    inherited: harvester_lb::fd_store::Inherited,
 ) -> ExitCode {
     let runtimes = match Runtimes::new(threads, scheduler.into()) {
         Ok(r) => r,
@@ -444,6 +548,7 @@ pub fn run(
     };
     let mut options = harvester_lb::Options::new(config);
     options.workers = runtimes.workers();
+    options.inherited = std::sync::Arc::new(inherited);
     if no_watch {
         options.watch_interval = None;
     }

@@ -39,7 +39,8 @@
 //! * [`admin`]: the admin API's server, in three parts by what each guards:
 //!   each listener's bounds (`connections`), what each path answers and who
 //!   may ask (`routes`), the Unix socket's trust and binding (`socket`).
-//! * [`metrics`], [`systemd`]: how operators and machines see it.
+//! * [`metrics`], [`systemd`]: how operators and machines see it; [`fd_store`]:
+//!   systemd's file descriptor store, which keeps the sockets across a restart.
 //! * [`logging`]: log lines queued to a writer thread of their own, so a
 //!   stalled stderr never stalls forwarding.
 //! * [`import`]: Harvester's `LoadBalancer` objects (and v0.1.x guest
@@ -64,6 +65,7 @@ pub mod balancer;
 pub mod budget;
 pub mod config;
 pub mod daemon;
+pub mod fd_store;
 pub mod health;
 pub mod import;
 pub mod kernel;

@@ -20,11 +20,21 @@ static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn main() -> ExitCode {
     let args = Cli::parse();
+    // Before any thread starts (it changes the environment): the sockets
+    // systemd's store handed to this process, for `run` to adopt.
+    let inherited = matches!(args.command, Command::Run { .. })
+        .then(harvester_lb::fd_store::Inherited::from_env)
+        .unwrap_or_default();
     // Held to the end of `main`: dropping it writes the queued lines.
     let _flush = cli::init_tracing(args.log_format, matches!(args.command, Command::Run { .. }));
     match args.command {
         Command::Check { config } => cli::check(&config),
         Command::Reload { config } => cli::reload(&config),
+        Command::PrepareStop {
+            config,
+            restart,
+            unit,
+        } => cli::prepare_stop(&config, restart, unit.as_deref()),
         Command::Backend {
             state,
             load_balancer,
@@ -40,7 +50,7 @@ fn main() -> ExitCode {
         } => {
             // Before anything slow: a SIGHUP during start-up must not kill it.
             harvester_lb::os::ignore_hangup_until_handled();
-            cli::run(config, no_watch, threads, scheduler)
+            cli::run(config, no_watch, threads, scheduler, inherited)
         }
         Command::Demo { config } => cli::demo(&config),
         Command::Host {

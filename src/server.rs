@@ -4,6 +4,7 @@
 //! [`run`], that life driven by the process's signals (`harvester-lb run`).
 
 use std::net::SocketAddr;
+use std::os::fd::AsFd;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
@@ -14,7 +15,8 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::{self, Config, ConfigError};
-use crate::daemon::{Daemon, log_applied};
+use crate::daemon::{Daemon, HandOverReport, StopKind, log_applied};
+use crate::fd_store::{self, FdName, FdStore, Inherited};
 use crate::metrics::Metrics;
 use crate::vip::port_filter::IsolationError;
 use crate::workers::Workers;
@@ -35,6 +37,12 @@ pub struct Options {
     /// The runtimes TCP listeners accept on: by default the one `start`
     /// runs on (see [`crate::workers`]).
     pub workers: Workers,
+    /// systemd's file descriptor store every listening socket goes into
+    /// (issue 41): `$NOTIFY_SOCKET`'s, off outside systemd.
+    pub fd_store: FdStore,
+    /// The sockets the last process left in the store, taken at the top of
+    /// `main` ([`Inherited::from_env`]): adopted by name instead of bound.
+    pub inherited: Arc<Inherited>,
 }
 
 impl Options {
@@ -46,6 +54,8 @@ impl Options {
             watch_interval: Some(Duration::from_millis(500)),
             admin_socket: None,
             workers: Workers::here(),
+            fd_store: FdStore::from_env(),
+            inherited: Inherited::none(),
         }
     }
 }
@@ -128,6 +138,8 @@ pub struct Server {
     /// when `shutdown` returns.
     socket_task: JoinHandle<()>,
     main_loop: JoinHandle<()>,
+    /// Set at a hand-over: the admin socket's file stays for the next process.
+    keep_unix_file: Arc<std::sync::atomic::AtomicBool>,
 }
 
 /// Loads the config, binds the admin listener and every VIP listener, and
@@ -146,28 +158,48 @@ pub async fn start(options: Options) -> Result<Server, StartError> {
     let limit = connection_limit(&config);
     metrics.set_connection_limit(limit);
     let daemon = Daemon::new(Arc::clone(&metrics), limit, options.workers.clone());
+    // Before any socket: each is adopted from the store by name, or bound
+    // and stored.
+    daemon.use_fd_store(options.fd_store.clone(), Arc::clone(&options.inherited));
+    let store = daemon.fd_store();
     // Every single-instance resource before any kernel object: a second
     // daemon (an operator trying a file by hand) must fail here, before it
     // could replace the first one's isolation table (see `owned`).
     let admin_addr = config.admin.listen;
-    let admin_socket =
-        TcpListener::bind(admin_addr)
-            .await
-            .map_err(|source| StartError::AdminBind {
-                addr: admin_addr,
-                holder: (source.kind() == std::io::ErrorKind::AddrInUse)
-                    .then(|| os::tcp_listener_owner(admin_addr))
-                    .flatten(),
-                source,
-            })?;
+    let (admin_socket, adopted) = admin_tcp(&daemon, admin_addr).await?;
     let admin_addr = admin_socket.local_addr().unwrap_or(admin_addr);
+    if adopted {
+        store.note_stored(&admin_name(fd_store::ADMIN_TCP), 1);
+    } else {
+        store.store_or_warn(&admin_name(fd_store::ADMIN_TCP), &[admin_socket.as_fd()]);
+    }
     // Bound once, like admin.listen: a change of admin.socket needs a restart.
     // Locked (a file beside it), so two daemons never both take it.
     let unix_path = options
         .admin_socket
         .clone()
         .unwrap_or_else(|| config.admin.socket.clone());
-    let unix_socket = admin::AdminSocket::bind(&unix_path)?;
+    let inherited_unix = daemon
+        .inherited()
+        .take(&admin_name(fd_store::ADMIN_UNIX))
+        .into_iter()
+        .next();
+    let (unix_socket, adopted) = admin::AdminSocket::adopt(&unix_path, inherited_unix)?;
+    let unix_name = admin_name(fd_store::ADMIN_UNIX);
+    match adopted {
+        Some(Ok(())) => {
+            daemon.metrics().hand_over().adopted_listening_sockets(1);
+            tracing::info!(socket = %unix_path.display(), "admin socket adopted from the last process (its file kept, no rebind)");
+            store.note_stored(&unix_name, 1);
+        }
+        Some(Err(why)) => {
+            tracing::warn!(socket = %unix_path.display(), "the stored admin socket is not usable ({why}): bound anew");
+            store.remove_or_warn(&unix_name);
+            store.store_or_warn(&unix_name, &[unix_socket.as_fd()]);
+        }
+        None => store.store_or_warn(&unix_name, &[unix_socket.as_fd()]),
+    }
+    let keep_unix_file = unix_socket.keep_file();
     // The host objects of one daemon per namespace, also before any kernel
     // object: a second daemon with [[network]] is refused here, naming the
     // first, instead of overwriting its guard and rules.
@@ -207,6 +239,10 @@ pub async fn start(options: Options) -> Result<Server, StartError> {
     daemon.finish_restore();
     log_applied!(tracing::Level::INFO, report, config = %options.config_path.display(), "config applied");
     metrics.record_reload(true);
+    // Every listener of the config is accepting: what the last process
+    // stored and this config has not is closed, and the restart's window
+    // is measured up to here.
+    daemon.adopted();
 
     let (reload_tx, reload_rx) = mpsc::channel::<ReloadRequest>(16);
     let stop = CancellationToken::new();
@@ -243,7 +279,46 @@ pub async fn start(options: Options) -> Result<Server, StartError> {
         admin_stop,
         socket_task,
         main_loop,
+        keep_unix_file,
     })
+}
+
+/// The admin TCP listener at `addr`: the one the last process stored, if
+/// it is bound there (`true`), else a new one.
+async fn admin_tcp(daemon: &Daemon, addr: SocketAddr) -> Result<(TcpListener, bool), StartError> {
+    let name = admin_name(fd_store::ADMIN_TCP);
+    if let Some(fd) = daemon.inherited().take(&name).into_iter().next() {
+        let socket = socket2::Socket::from(fd);
+        let local = socket.local_addr().ok().and_then(|a| a.as_socket());
+        let usable = socket.is_listener().unwrap_or(false)
+            && (local == Some(addr)
+                || (addr.port() == 0 && local.is_some_and(|l| l.ip() == addr.ip())));
+        if usable && socket.set_nonblocking(true).is_ok() {
+            let std: std::net::TcpListener = socket.into();
+            if let Ok(listener) = TcpListener::from_std(std) {
+                daemon.metrics().hand_over().adopted_listening_sockets(1);
+                tracing::info!(admin = %addr, "admin listener adopted from the last process (no rebind)");
+                return Ok((listener, true));
+            }
+        } else {
+            tracing::info!(admin = %addr, stored = ?local, "the stored admin listener is not admin.listen's: bound anew");
+            daemon.fd_store().remove_or_warn(&name);
+        }
+    }
+    TcpListener::bind(addr)
+        .await
+        .map(|l| (l, false))
+        .map_err(|source| StartError::AdminBind {
+            addr,
+            holder: (source.kind() == std::io::ErrorKind::AddrInUse)
+                .then(|| os::tcp_listener_owner(addr))
+                .flatten(),
+            source,
+        })
+}
+
+fn admin_name(name: &str) -> FdName {
+    FdName::new(name).expect("a valid constant")
 }
 
 impl Server {
@@ -293,8 +368,43 @@ impl Server {
         if let Err(e) = self.socket_task.await {
             tracing::warn!(error = %e, "the admin socket task ended abnormally");
         }
+        // A stop: nothing of this process stays in the store (systemd
+        // empties it too once the unit is stopped).
+        let store = self.daemon.fd_store();
+        store.remove_or_warn(&admin_name(fd_store::ADMIN_TCP));
+        store.remove_or_warn(&admin_name(fd_store::ADMIN_UNIX));
         tracing::info!(closed_by_timeout = cut, "stopped");
         cut
+    }
+
+    /// The first half of a restart (`prepare-stop --restart`, then
+    /// SIGTERM): stops accepting everywhere, leaves every listening socket
+    /// (the admin API's too, and the admin socket's file) in systemd's
+    /// store for the next process, and returns what was handed over. The
+    /// host's objects are left in place ([`Daemon::hand_over`]).
+    pub async fn hand_over(self) -> HandOverReport {
+        self.stop.cancel();
+        let _ = self.main_loop.await;
+        systemd::notify("STOPPING=1");
+        tracing::info!(
+            "restarting: the listening sockets stay in systemd's store for the next process"
+        );
+        let report = self.daemon.hand_over().await;
+        self.keep_unix_file
+            .store(true, std::sync::atomic::Ordering::Release);
+        self.admin_stop.cancel();
+        if let Err(e) = self.socket_task.await {
+            tracing::warn!(error = %e, "the admin socket task ended abnormally");
+        }
+        tracing::info!(
+            listeners = report.listeners,
+            connections = report.connections,
+            flows = report.flows,
+            lost = report.lost,
+            stored_fds = self.daemon.fd_store().stored_fds(),
+            "handed over"
+        );
+        report
     }
 }
 
@@ -333,7 +443,14 @@ pub async fn run(options: Options) -> Result<(), RunError> {
         crate::logging::flush();
         std::process::exit(1);
     });
-    server.shutdown().await;
+    match server.daemon().stop_kind() {
+        StopKind::HandOver => {
+            server.hand_over().await;
+        }
+        StopKind::Drain => {
+            server.shutdown().await;
+        }
+    }
     Ok(())
 }
 

@@ -114,9 +114,11 @@ impl Placement {
         self.runtimes.len()
     }
 
-    /// The runtime of socket `i`.
+    /// The runtime of socket `i`; past [`Placement::sockets`] (a listener
+    /// adopted from the last process with more sockets than it would bind
+    /// now: every one must accept) the runtimes again, in turn.
     pub fn runtime(&self, i: usize) -> &Handle {
-        &self.runtimes[i]
+        &self.runtimes[i % self.runtimes.len()]
     }
 }
 

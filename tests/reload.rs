@@ -642,10 +642,11 @@ async fn systemd_hears_ready_reloading_and_stopping() {
         let n = socket.recv(&mut buf).expect("a notification within 10 s");
         String::from_utf8_lossy(&buf[..n]).to_string()
     };
-    // Skip watchdog pings, which may come at any time.
+    // Skip watchdog pings, which may come at any time, and the fd store's
+    // messages (listeners stored when bound, taken out when a stop drains).
     let next_state = |socket: &UnixDatagram| loop {
         let m = next(socket);
-        if m != "WATCHDOG=1" {
+        if m != "WATCHDOG=1" && !m.starts_with("FDSTORE") {
             return m;
         }
     };

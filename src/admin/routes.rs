@@ -53,6 +53,13 @@ pub(super) async fn route(
             );
         }
         "/announce/state" => "POST",
+        "/hand-over" if origin == Origin::Tcp => {
+            return json_error(
+                StatusCode::FORBIDDEN,
+                "a restart is announced only on the admin Unix socket (admin.socket, default /run/harvester-lb/admin.sock), not on admin.listen; the unit's ExecStop= runs `harvester-lb prepare-stop`",
+            );
+        }
+        "/hand-over" => "POST",
         _ => {
             return text(
                 StatusCode::NOT_FOUND,
@@ -61,7 +68,7 @@ pub(super) async fn route(
                         "not found; try /metrics, /healthz, /readyz, /status or POST /reload\n"
                     }
                     Origin::Socket => {
-                        "not found; try /metrics, /healthz, /readyz, /status, POST /reload, POST /backends/state or POST /announce/state\n"
+                        "not found; try /metrics, /healthz, /readyz, /status, POST /reload, POST /backends/state, POST /announce/state or POST /hand-over\n"
                     }
                 },
             );
@@ -126,6 +133,7 @@ pub(super) async fn route(
         }
         "/backends/state" => set_state(req, daemon, peer).await,
         "/announce/state" => set_announce_state(req, daemon, peer).await,
+        "/hand-over" => announce_restart(req, daemon, peer).await,
         _ => text(StatusCode::NOT_FOUND, "not found\n"),
     }
 }
@@ -369,6 +377,50 @@ struct AnnounceRequest {
     vip: Option<String>,
     /// `drain` or `ready`.
     state: String,
+}
+
+/// `POST /hand-over`: the restart `prepare-stop` announces.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct HandOverRequest {
+    /// The unit's `FileDescriptorStoreMax=`, when prepare-stop read it.
+    store_max: Option<usize>,
+}
+
+/// What a valid `/hand-over` body looks like, for error messages.
+const HAND_OVER_BODY_SHAPE: &str = r#"{} or {"store_max": <FileDescriptorStoreMax>}"#;
+
+/// `POST /hand-over` (socket only): the next SIGTERM, within
+/// `daemon::INTENT_BOUND`, hands the sockets to the next process instead of
+/// draining; 409 with the reason when that cannot be done (the stop drains).
+async fn announce_restart(req: Request<Incoming>, daemon: &Daemon, peer: &str) -> Response<Body> {
+    let request: HandOverRequest = match read_json(req, HAND_OVER_BODY_SHAPE).await {
+        Ok(r) => r,
+        Err(resp) => return resp,
+    };
+    tracing::info!(
+        peer,
+        store_max = request.store_max,
+        "restart announced through the admin socket"
+    );
+    match daemon.announce_restart(request.store_max) {
+        Ok(bound) => json(
+            StatusCode::OK,
+            &serde_json::json!({
+                "stop": "hand-over",
+                "expires_in_seconds": bound.as_secs(),
+                "stored_fds": daemon.fd_store().stored_fds(),
+            }),
+        ),
+        Err(why) => json(
+            StatusCode::CONFLICT,
+            &serde_json::json!({
+                "stop": "drain",
+                "reason": why.reason().label(),
+                "error": why.to_string(),
+            }),
+        ),
+    }
 }
 
 /// What a valid body looks like, for error messages.

@@ -12,6 +12,8 @@
 use std::io;
 use std::os::unix::fs::{DirBuilderExt, FileTypeExt, MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use tokio::net::{UnixListener, UnixStream};
 
@@ -152,6 +154,9 @@ pub struct AdminSocket {
     id: (u64, u64),
     /// `<socket>.lock`, locked (`flock`) while this process runs.
     _lock: std::fs::File,
+    /// Set at a hand-over: the file stays for the next process, which
+    /// adopts the socket from systemd's store ([`AdminSocket::adopt`]).
+    keep_file: Arc<AtomicBool>,
 }
 
 impl AdminSocket {
@@ -164,6 +169,63 @@ impl AdminSocket {
     /// renamed into place: no moment exists at which it is at `path` with
     /// looser permissions.
     pub fn bind(path: &Path) -> Result<Self, SocketError> {
+        let lock = Self::trust_and_lock(path)?;
+        Self::bind_locked(path, lock)
+    }
+
+    /// The socket the last process left in systemd's store (`inherited`),
+    /// when it is a listening Unix socket bound at `path` and the file
+    /// there is a socket: adopted as it is, with no unlink and no rebind,
+    /// so a client that connected while no process ran (keepalived's track
+    /// script) is answered. Otherwise, or with nothing inherited, a new
+    /// one as [`AdminSocket::bind`] makes it. The same trust check and
+    /// lock either way. Says which in the second value (`Err`: why the
+    /// inherited one was not taken).
+    pub fn adopt(
+        path: &Path,
+        inherited: Option<std::os::fd::OwnedFd>,
+    ) -> Result<(Self, Option<Result<(), String>>), SocketError> {
+        let lock = Self::trust_and_lock(path)?;
+        let Some(fd) = inherited else {
+            return Ok((Self::bind_locked(path, lock)?, None));
+        };
+        match adoptable(path, fd) {
+            Ok((std_listener, id)) => {
+                let listener =
+                    UnixListener::from_std(std_listener).map_err(|source| SocketError::Io {
+                        path: path.to_path_buf(),
+                        what: "register the socket",
+                        source,
+                    })?;
+                Ok((
+                    Self {
+                        listener,
+                        path: path.to_path_buf(),
+                        id,
+                        _lock: lock,
+                        keep_file: Arc::default(),
+                    },
+                    Some(Ok(())),
+                ))
+            }
+            Err(why) => Ok((Self::bind_locked(path, lock)?, Some(Err(why)))),
+        }
+    }
+
+    /// The flag that keeps the socket's file when this is dropped (set at
+    /// a hand-over).
+    pub fn keep_file(&self) -> Arc<AtomicBool> {
+        Arc::clone(&self.keep_file)
+    }
+
+    /// The listening socket's descriptor, for systemd's store.
+    pub fn as_fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        use std::os::fd::AsFd;
+        self.listener.as_fd()
+    }
+
+    /// The trust check and the lock of [`AdminSocket::bind`].
+    fn trust_and_lock(path: &Path) -> Result<std::fs::File, SocketError> {
         let io_err = |what: &'static str| {
             let path = path.to_path_buf();
             move |source| SocketError::Io { path, what, source }
@@ -203,6 +265,14 @@ impl AdminSocket {
                 ));
             }
         }
+        Ok(lock)
+    }
+
+    fn bind_locked(path: &Path, lock: std::fs::File) -> Result<Self, SocketError> {
+        let io_err = |what: &'static str| {
+            let path = path.to_path_buf();
+            move |source| SocketError::Io { path, what, source }
+        };
         match std::fs::symlink_metadata(path) {
             Ok(meta) if meta.file_type().is_socket() => {
                 if std::os::unix::net::UnixStream::connect(path).is_ok() {
@@ -238,6 +308,7 @@ impl AdminSocket {
             path: path.to_path_buf(),
             id: (meta.dev(), meta.ino()),
             _lock: lock,
+            keep_file: Arc::default(),
         })
     }
 
@@ -262,8 +333,48 @@ impl AdminSocket {
     }
 }
 
+/// `fd` as the admin socket at `path`, if it is one: a listening Unix
+/// stream socket bound at `path`, whose file is there.
+fn adoptable(
+    path: &Path,
+    fd: std::os::fd::OwnedFd,
+) -> Result<(std::os::unix::net::UnixListener, (u64, u64)), String> {
+    let socket = socket2::Socket::from(fd);
+    if socket.r#type().map_err(|e| format!("not a socket: {e}"))? != socket2::Type::STREAM
+        || !socket.is_listener().map_err(|e| e.to_string())?
+    {
+        return Err("not a listening stream socket".to_string());
+    }
+    // Bound under `<path>.<pid>.tmp` and renamed into place (see `bind`).
+    let bound = socket.local_addr().map_err(|e| e.to_string())?;
+    let ours = bound.as_pathname().is_some_and(|b| {
+        b == path
+            || b.as_os_str()
+                .to_str()
+                .zip(path.to_str())
+                .and_then(|(b, p)| b.strip_prefix(p)?.strip_prefix('.')?.strip_suffix(".tmp"))
+                .is_some_and(|pid| !pid.is_empty() && pid.bytes().all(|c| c.is_ascii_digit()))
+    });
+    if !ours {
+        return Err(format!(
+            "bound at {:?}, not {}",
+            bound.as_pathname(),
+            path.display()
+        ));
+    }
+    let meta = std::fs::symlink_metadata(path).map_err(|e| format!("its file: {e}"))?;
+    if !meta.file_type().is_socket() {
+        return Err("the file at its path is not a socket".to_string());
+    }
+    socket.set_nonblocking(true).map_err(|e| e.to_string())?;
+    Ok((socket.into(), (meta.dev(), meta.ino())))
+}
+
 impl Drop for AdminSocket {
     fn drop(&mut self) {
+        if self.keep_file.load(Ordering::Acquire) {
+            return;
+        }
         let ours =
             std::fs::symlink_metadata(&self.path).is_ok_and(|m| (m.dev(), m.ino()) == self.id);
         if ours && let Err(e) = std::fs::remove_file(&self.path) {

@@ -73,6 +73,28 @@ pub(crate) enum Command {
         #[arg(long, short, default_value = config::DEFAULT_PATH)]
         config: PathBuf,
     },
+    /// The unit's ExecStop=: tell the daemon whether the coming SIGTERM is
+    /// the first half of a restart (hand the sockets to the next process
+    /// through systemd's file descriptor store) or a stop (drain).
+    ///
+    /// Without --restart it asks systemd (as root: `systemctl list-jobs`)
+    /// which job stops the unit; only a restart job (`systemctl restart`,
+    /// `try-restart`, the packages' upgrade) announces a hand-over, with
+    /// the unit's FileDescriptorStoreMax=, over POST /hand-over on the
+    /// admin socket. Anything else says nothing: the SIGTERM drains.
+    PrepareStop {
+        /// The config file (its `admin.socket` is where the daemon listens).
+        #[arg(long, short, default_value = config::DEFAULT_PATH)]
+        config: PathBuf,
+        /// Announce a restart without asking systemd (tests; a restart by
+        /// hand outside systemd with a store of its own).
+        #[arg(long)]
+        restart: bool,
+        /// The unit stopped (default: found from $MAINPID's cgroup, which
+        /// systemd sets for ExecStop=).
+        #[arg(long)]
+        unit: Option<String>,
+    },
     /// Set the operator's state of one backend of one load balancer:
     /// `drain` (no new connections, open ones continue, still probed),
     /// `maint` (the same, and not probed) or `ready` (back in service).

@@ -65,6 +65,9 @@ pub async fn run(path: &Path, say: impl Fn(String)) -> Result<(), String> {
         watch_interval: None,
         admin_socket: Some(socket_dir.join("admin.sock")),
         workers: harvester_lb::workers::Workers::here(),
+        // The demo's sockets are its own, never a unit's.
+        fd_store: harvester_lb::fd_store::FdStore::off(),
+        inherited: harvester_lb::fd_store::Inherited::none(),
     })
     .await
     .map_err(|e| e.to_string())?;

@@ -18,7 +18,7 @@ use crate::health::{Health, HealthState};
 use crate::log_limit::{Verdict, left_out};
 use crate::proxy::tcp::listen_options::ListenerOptions;
 use crate::proxy::udp;
-use crate::proxy::{self, Listener, Route, Running};
+use crate::proxy::{Listener, Route, Running};
 
 impl Daemon {
     /// Makes `config` the one in force, changing only what differs.
@@ -192,6 +192,7 @@ impl Daemon {
             if let Some(entry) = st.listeners.remove(&addr) {
                 entry.stats.up.clear();
                 if let Ok(listener) = entry.socket {
+                    self.unstore_listener(&addr);
                     self.drain_in_background(listener, drain);
                 }
                 report.listeners_removed += 1;
@@ -534,7 +535,7 @@ impl Daemon {
         let bound = match protocol {
             Protocol::Tcp => {
                 let placement = self.workers.place();
-                proxy::bind(addr, backlog, placement.sockets())
+                self.tcp_listener_sockets(addr, backlog, placement.sockets())
                     .and_then(|sockets| {
                         // Before the first accept, so no client slips
                         // through without them. Warned, not fatal: the
@@ -551,7 +552,7 @@ impl Daemon {
                     })
                     .map(Running::Tcp)
             }
-            Protocol::Udp => udp::bind(addr).map(|socket| {
+            Protocol::Udp => self.udp_listener_socket(addr).map(|socket| {
                 Running::Udp(udp::UdpListener::start(
                     socket,
                     route,
@@ -567,6 +568,8 @@ impl Daemon {
                 Ok(listener)
             }
             Err(e) => {
+                // Nothing of it may stay listening in PID 1's copy.
+                self.unstore_listener(&key);
                 // Per cause, a few lines a minute: every failed listener is
                 // in `/status` and `/readyz`, and retried every 2 s.
                 if let Verdict::Write { suppressed } = self.bind_log.check(e.raw_os_error()) {

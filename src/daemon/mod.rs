@@ -56,10 +56,12 @@ pub use persist::{RestoredCounts, StateFileStatus};
 pub use readiness::{UnboundListener, VipNotReady};
 pub use status::{
     BackendStatus, ConfigStatus, LeaseStatus, ListenerStatus, LoadBalancerStatus, PortStatus,
-    StatusDoc,
+    RestartStatus, StatusDoc,
 };
 pub use sync::{SyncInstanceStatus, SyncStatus};
 pub use vip_guard::VipRefusal;
+// The restart's word from prepare-stop (issue 41).
+pub use hand_over::{INTENT_BOUND, NoHandOver};
 
 /// The daemon's live state, shared by the reload path, the admin server and
 /// the signal handlers.
@@ -136,6 +138,11 @@ pub struct Daemon {
     /// The state file: read at start, written on changes and at stop
     /// (`persist`, issue 41).
     persist: persist::Persist,
+    /// systemd's file descriptor store and the sockets it handed this
+    /// process (issue 41, `hand_over::sockets`).
+    fds: std::sync::RwLock<hand_over::Fds>,
+    /// A restart announced by `prepare-stop`, until its SIGTERM.
+    intent: Mutex<Option<hand_over::Intent>>,
 }
 
 #[derive(Default)]
@@ -249,6 +256,8 @@ impl Daemon {
             sync: sync::SyncState::default(),
             claims: crate::owned::Claims::default(),
             persist: persist::Persist::default(),
+            fds: Default::default(),
+            intent: Mutex::new(None),
         })
     }
 
@@ -336,8 +345,13 @@ impl Daemon {
             let listeners: Vec<Running> = st
                 .listeners
                 .drain()
-                .filter_map(|(_, e)| {
+                .filter_map(|(key, e)| {
                     e.stats.up.set(false);
+                    // Out of the store first: PID 1's copy would keep the
+                    // port listening with nobody accepting.
+                    if e.socket.is_ok() {
+                        self.unstore_listener(&key);
+                    }
                     e.socket.ok()
                 })
                 .collect();

@@ -63,6 +63,13 @@ impl Daemon {
             network_refused: self.network_refusals(),
             conntrack_sync: self.sync_status(),
             state_file: self.state_file_status(),
+            restart: RestartStatus {
+                fd_store: self.fd_store().is_on(),
+                stored_fds: self.fd_store().stored_fds(),
+                adopted_listening_sockets: self.metrics.hand_over().adopted(),
+                last_hand_over: self.metrics.hand_over().last(),
+                announced_seconds_ago: self.restart_announced().map(|d| d.as_secs_f64()),
+            },
         }
     }
 
@@ -314,6 +321,29 @@ pub struct StatusDoc {
     /// The state kept across restarts: the file, what start restored from
     /// it or why it was ignored, and the last write.
     pub state_file: super::StateFileStatus,
+    /// The restart (issue 41): systemd's file descriptor store, what this
+    /// process adopted from it, what the last process handed over, and a
+    /// restart announced by `prepare-stop` and waiting for its SIGTERM.
+    pub restart: RestartStatus,
+}
+
+/// `/status` `restart`.
+#[derive(Debug, Serialize)]
+pub struct RestartStatus {
+    /// Whether the daemon runs with a file descriptor store
+    /// (`$NOTIFY_SOCKET` set): without one a restart refuses clients for a
+    /// moment and drains.
+    pub fd_store: bool,
+    /// Descriptors this process keeps in the store now.
+    pub stored_fds: usize,
+    /// Listening sockets taken from the store at start (0: bound anew).
+    pub adopted_listening_sockets: u64,
+    /// What the last process handed over and the restart's window; `null`
+    /// when this process did not start from a hand-over.
+    pub last_hand_over: Option<crate::metrics::hand_over::LastHandOver>,
+    /// Seconds since `prepare-stop --restart` announced a restart not yet
+    /// done; `null` when none is waiting.
+    pub announced_seconds_ago: Option<f64>,
 }
 
 /// The config file in `/status`: an on-call engineer must see that the

@@ -443,6 +443,7 @@ impl Exposition {
         self.kernel_families(buf);
         self.announce_families(buf);
         self.sync_families(buf);
+        m.hand_over.write(buf);
         let limit = load(&m.connection_limit);
         if limit > 0 {
             gauge(buf, &names::CONNECTIONS_LIMIT, &limit);
@@ -778,6 +779,29 @@ impl Exposition {
             gauge(buf, &names::VIP_ANNOUNCE_ERRORS, &m.announce_errors.get());
             gauge(buf, &names::VIP_ANNOUNCE_REPAIRS, &m.announce_repairs.get());
         }
+    }
+}
+
+/// [`gauge`] for the families of other modules.
+pub(super) fn gauge_family(buf: &mut Vec<u8>, family: &'static Family, value: impl Display) {
+    gauge(buf, family, &value);
+}
+
+/// One family with one label, a sample per `(value, count)`.
+pub(super) fn labelled_family(
+    buf: &mut Vec<u8>,
+    family: &'static Family,
+    key: &str,
+    samples: &[(&str, u64)],
+) {
+    let mut headed = false;
+    let mut out = Out {
+        buf,
+        family,
+        headed: &mut headed,
+    };
+    for (value, count) in samples {
+        out.sample("", |b| label_first(b, key, value), count);
     }
 }
 

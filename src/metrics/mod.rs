@@ -26,6 +26,7 @@
 
 pub mod by_label;
 pub mod exposition;
+pub mod hand_over;
 pub mod names;
 pub mod stats;
 
@@ -121,6 +122,8 @@ pub struct Metrics {
     /// Writes of the state file that succeeded, and that failed.
     pub(crate) state_writes_ok: Counter,
     pub(crate) state_writes_failed: Counter,
+    /// The restart's numbers (issue 41).
+    hand_over: hand_over::HandOverStats,
 }
 
 /// What start made of the state file, for `/metrics`.
@@ -309,6 +312,11 @@ impl Metrics {
     /// DHCP clients).
     pub fn host_repairs(&self) -> Arc<HostRepairs> {
         Arc::clone(&self.host_repairs)
+    }
+
+    /// The restart's numbers: adopted sockets, the last hand-over, fallbacks.
+    pub fn hand_over(&self) -> &hand_over::HandOverStats {
+        &self.hand_over
     }
 
     /// Records a successful write of the kernel NAT table.

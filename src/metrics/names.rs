@@ -641,3 +641,36 @@ pub static BUILD_INFO: Family = Family::new(
     Gauge,
     "Build information; the value is always 1.",
 );
+/// Listening sockets this process took from systemd's store at start
+/// instead of binding (issue 41): 0 after a stop and start.
+pub static RESTART_ADOPTED_LISTENING_SOCKETS: Family = Family::new(
+    "harvester_lb_restart_adopted_listening_sockets",
+    Gauge,
+    "Listening sockets this process took from systemd's file descriptor store at start instead of binding them (0 after a stop and start, or the first start).",
+);
+/// What the last process handed over, by `kind`; absent after a start
+/// that followed no hand-over.
+pub static RESTART_HANDED_OVER: Family = Family::new(
+    "harvester_lb_restart_handed_over",
+    Gauge,
+    "What the last process of the unit handed to this one at its restart, by kind (listening_sockets, connections, flows, lost); absent when this process started after no hand-over.",
+);
+/// The last restart's window: from the last process's last accept to this
+/// one's first.
+pub static RESTART_WINDOW_SECONDS: Family = Family::new(
+    "harvester_lb_restart_window_seconds",
+    Gauge,
+    "Seconds from the last process's last accept to this process's first at the restart that started it (new clients waited in the kernel's accept queues meanwhile, none refused); absent when this process started after no hand-over.",
+);
+/// Hand-overs this process did (0 or 1: it exits after one).
+pub static HAND_OVERS: Family = Family::new(
+    "harvester_lb_hand_overs_total",
+    Counter,
+    "Times this process handed its sockets to the next process instead of draining (seen during the hand-over only: the process exits after it).",
+);
+/// Restarts announced by `prepare-stop` that drained instead, by `reason`.
+pub static HAND_OVER_FALLBACKS: Family = Family::new(
+    "harvester_lb_hand_over_fallbacks_total",
+    Counter,
+    "Restarts announced by prepare-stop that fell back to the drain of a stop, by reason (no_store, store_too_small, intent_expired); each is also a warning naming it.",
+);

@@ -82,7 +82,16 @@ pub(crate) fn note_lb_cap(lb: &LoadBalancer, cap: Cap, reached: bool) {
 }
 
 pub use route::Route;
-pub use tcp::{Listener, bind};
+pub use tcp::{HandedConnection, HandedOver, Listener, bind};
+
+/// What a listener of either transport passed on at a hand-over.
+#[derive(Debug)]
+pub enum Handed {
+    /// A TCP listener's paused connections, and how many it lost.
+    Tcp(tcp::HandedOver),
+    /// A UDP listener's flows.
+    Udp(Vec<udp::HandedFlow>),
+}
 
 /// A bound listener of either transport: what the daemon keeps per
 /// (VIP:port, protocol), so the diff on reload is one code path for both.
@@ -115,6 +124,16 @@ impl Running {
         match self {
             Running::Tcp(_) => None,
             Running::Udp(l) => Some(l.settings()),
+        }
+    }
+
+    /// Hands the listener's open connections or flows to the next process
+    /// instead of draining them (see [`Listener::hand_over`] and
+    /// [`udp::UdpListener::hand_over`]; `deadline` bounds TCP's pause).
+    pub async fn hand_over(self, deadline: tokio::time::Instant) -> Handed {
+        match self {
+            Running::Tcp(l) => Handed::Tcp(l.hand_over(deadline).await),
+            Running::Udp(l) => Handed::Udp(l.hand_over().await),
         }
     }
 

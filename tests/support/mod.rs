@@ -10,6 +10,7 @@
 #![allow(dead_code)]
 
 mod config;
+pub mod fd_store;
 mod process;
 mod skip;
 // Not every test crate writes a listener of its own.
@@ -20,7 +21,7 @@ pub use config::{Config, Lb, Listener, quote};
 pub use config::{keepalived, network, problems, rendered};
 // Not every test crate measures a process by its pid.
 #[allow(unused_imports)]
-pub use process::{Process, proc_cpu_time, proc_rss_kib, proc_threads};
+pub use process::{Launch, Process, proc_cpu_time, proc_rss_kib, proc_threads};
 // Not every test crate skips anything.
 #[allow(unused_imports)]
 pub use skip::skip_or_fail;

@@ -47,6 +47,8 @@ pub struct Launch {
     nofile: Option<u64>,
     log: Option<PathBuf>,
     stderr: Option<Stdio>,
+    /// Descriptors the child gets at 3, 4, ... (as systemd passes them).
+    fds: Vec<std::os::fd::OwnedFd>,
 }
 
 impl Launch {
@@ -92,6 +94,14 @@ impl Launch {
     /// e.g. a pipe the test holds and reads when it chooses.
     pub fn stderr(mut self, to: impl Into<Stdio>) -> Self {
         self.stderr = Some(to.into());
+        self
+    }
+
+    /// Gives the child `fds` at descriptors 3, 4, ... in this order, as
+    /// systemd passes `LISTEN_FDS` (the names and `LISTEN_PID` are the
+    /// caller's: see `support::fd_store`).
+    pub fn fds(mut self, fds: Vec<std::os::fd::OwnedFd>) -> Self {
+        self.fds = fds;
         self
     }
 
@@ -149,6 +159,33 @@ impl Launch {
                 });
             }
         }
+        if !self.fds.is_empty() {
+            use std::os::fd::AsRawFd;
+            let raw: Vec<i32> = self.fds.iter().map(AsRawFd::as_raw_fd).collect();
+            let mut moved = vec![0i32; raw.len()];
+            // Above every target, so no dup2 below overwrites a source.
+            let above = 3 + raw.len() as i32 + 64;
+            // SAFETY: fcntl, dup2 and close are async-signal-safe; the
+            // closure allocates nothing (both vectors exist before fork).
+            unsafe {
+                c.pre_exec(move || {
+                    for (i, fd) in raw.iter().enumerate() {
+                        moved[i] = libc::fcntl(*fd, libc::F_DUPFD_CLOEXEC, above);
+                        if moved[i] < 0 {
+                            return Err(std::io::Error::last_os_error());
+                        }
+                    }
+                    for (i, fd) in moved.iter().enumerate() {
+                        // dup2 leaves the new descriptor without CLOEXEC.
+                        if libc::dup2(*fd, 3 + i as i32) < 0 {
+                            return Err(std::io::Error::last_os_error());
+                        }
+                        libc::close(*fd);
+                    }
+                    Ok(())
+                });
+            }
+        }
         let child = c
             .spawn()
             .unwrap_or_else(|e| panic!("spawn harvester-lb: {e}"));
@@ -180,6 +217,7 @@ impl Process {
             nofile: None,
             log: None,
             stderr: None,
+            fds: Vec::new(),
         }
     }
 

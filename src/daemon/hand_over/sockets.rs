@@ -1,9 +1,346 @@
-//! Listeners, connections and UDP flows into systemd's store.
+//! Listeners, connections and UDP flows into systemd's store, and back.
+//!
+//! Listening sockets go into the store when they are bound (or adopted) and
+//! stay there for the listener's life; the next process takes them by name
+//! (`fd_store::listener_name`) instead of binding. A listener a reload
+//! removes, and every listener when a stop's drain begins, is taken out of
+//! the store first (`FDSTOREREMOVE=1`), so its port refuses new clients as
+//! soon as this process closes its own copy, as before the store existed.
+//!
+//! At hand-over the accept loops stop and nothing is taken out of the
+//! store: PID 1's copies keep every port listening, and clients that
+//! connect until the next process accepts wait in the kernel's queues.
+//!
+//! Open connections and UDP flows: where they are stored at hand-over
+//! ([`Daemon::hand_over_sockets`], the `connections` step) and taken at
+//! start (`Inherited::take_prefix(fd_store::CONNECTION_PREFIX)` and
+//! `FLOW_PREFIX`) is marked below; the proxy's `hand_over`/`adopt` fill it.
 
-use super::HandOverReport;
+use std::io;
+use std::net::SocketAddr;
+use std::os::fd::{AsFd, OwnedFd};
+use std::time::Duration;
+
+use super::{HandOverReport, NoHandOver};
+use crate::config::{ListenerKey, Protocol};
 use crate::daemon::Daemon;
+use crate::fd_store::{self, FdName, Transport};
+use crate::proxy::Running;
+
+/// How long open connections get to end by themselves at a hand-over
+/// before the process exits and closes them, until the proxy hands them
+/// over too: short, since new clients wait in the accept queues meanwhile.
+const CONNECTIONS_GRACE: Duration = Duration::from_secs(2);
+
+/// The store name of the listener `key`.
+fn name_of(key: &ListenerKey) -> FdName {
+    let transport = match key.protocol {
+        Protocol::Tcp => Transport::Tcp,
+        Protocol::Udp => Transport::Udp,
+    };
+    fd_store::listener_name(transport, key.addr)
+}
 
 impl Daemon {
-    /// Stores what the next process needs to serve every client.
-    pub(super) async fn hand_over_sockets(&self, _report: &mut HandOverReport) {}
+    /// The listening sockets of the TCP listener `addr`: those the last
+    /// process left in the store when there are any (every one of its
+    /// `SO_REUSEPORT` group, whatever `count` is now: a socket of the group
+    /// left without an accept loop would take its share of the clients and
+    /// never answer them), else `count` new ones ([`crate::proxy::bind`]).
+    /// Either way they are (again) in the store under the listener's name.
+    pub(in crate::daemon) fn tcp_listener_sockets(
+        &self,
+        addr: SocketAddr,
+        backlog: u32,
+        count: usize,
+    ) -> io::Result<Vec<std::net::TcpListener>> {
+        let name = fd_store::listener_name(Transport::Tcp, addr);
+        let store = self.fd_store();
+        let inherited = self.inherited().take(&name);
+        if !inherited.is_empty() {
+            match adopt_tcp(inherited, addr) {
+                Ok(sockets) => {
+                    self.metrics()
+                        .hand_over()
+                        .adopted_listening_sockets(sockets.len());
+                    tracing::info!(listen = %addr, sockets = sockets.len(), "listening sockets adopted from the last process (no rebind)");
+                    // In the store already: not sent again.
+                    store.note_stored(&name, sockets.len());
+                    return Ok(sockets);
+                }
+                Err(why) => {
+                    tracing::warn!(listen = %addr, "the stored listening sockets are not usable ({why}): binding new ones");
+                    store.remove_or_warn(&name);
+                }
+            }
+        }
+        let sockets = crate::proxy::bind(addr, backlog, count)?;
+        let fds: Vec<_> = sockets.iter().map(AsFd::as_fd).collect();
+        store.store_or_warn(&name, &fds);
+        Ok(sockets)
+    }
+
+    /// The socket of the UDP listener `addr`: the stored one when there is
+    /// one, else a new one ([`crate::proxy::udp::bind`]); in the store
+    /// either way. Datagrams that came while no process read wait in its
+    /// receive buffer.
+    pub(in crate::daemon) fn udp_listener_socket(
+        &self,
+        addr: SocketAddr,
+    ) -> io::Result<tokio::net::UdpSocket> {
+        let name = fd_store::listener_name(Transport::Udp, addr);
+        let store = self.fd_store();
+        let mut inherited = self.inherited().take(&name);
+        let adopted = match inherited.len() {
+            0 => None,
+            1 => match adopt_udp(inherited.remove(0), addr) {
+                Ok(s) => Some(s),
+                Err(why) => {
+                    tracing::warn!(listen = %addr, "the stored UDP socket is not usable ({why}): binding a new one");
+                    store.remove_or_warn(&name);
+                    None
+                }
+            },
+            n => {
+                tracing::warn!(listen = %addr, "{n} stored UDP sockets under one name: binding a new one");
+                store.remove_or_warn(&name);
+                drop(inherited);
+                None
+            }
+        };
+        if let Some(s) = adopted {
+            self.metrics().hand_over().adopted_listening_sockets(1);
+            tracing::info!(listen = %addr, "UDP socket adopted from the last process (no rebind)");
+            store.note_stored(&name, 1);
+            return tokio::net::UdpSocket::from_std(s);
+        }
+        let socket = crate::proxy::udp::bind(addr)?;
+        store.store_or_warn(&name, &[socket.as_fd()]);
+        Ok(socket)
+    }
+
+    /// Takes the listener `key` out of the store before it drains (a reload
+    /// removed it, or the daemon stops): once this process closes its
+    /// sockets, its port refuses.
+    pub(in crate::daemon) fn unstore_listener(&self, key: &ListenerKey) {
+        self.fd_store().remove_or_warn(&name_of(key));
+    }
+
+    /// Stores what the next process needs to serve every client: the
+    /// listening sockets are in the store already, so their accept loops
+    /// stop here without taking them out (the ports keep listening in
+    /// PID 1's copies).
+    pub(super) async fn hand_over_sockets(&self, report: &mut HandOverReport) {
+        let listeners: Vec<Running> = {
+            let mut st = self.lock();
+            st.listeners
+                .drain()
+                .filter_map(|(_, e)| {
+                    e.stats.up.set(false);
+                    e.socket.ok()
+                })
+                .collect()
+        };
+        report.listeners = listeners.len();
+        self.prober.stop_all();
+        // Connections and flows: here each listener's `hand_over(deadline)`
+        // gives its open connections (client and backend socket) and flows,
+        // stored as `fd_store::connection_name(n, Side::Client|Backend)` and
+        // `fd_store::flow_name(n)` (with `self.fd_store().store`), counted in
+        // `report.connections`/`flows`/`lost`. Until then: stop accepting
+        // and let them end by themselves for a moment.
+        let lost =
+            super::super::futures_sum(listeners.into_iter().map(|l| l.drain(CONNECTIONS_GRACE)))
+                .await;
+        report.lost += lost;
+    }
+
+    /// Why a hand-over cannot be done now, if it cannot: no store, or one
+    /// too small for what must go into it (`max`: the unit's
+    /// `FileDescriptorStoreMax=`, as `prepare-stop` read it).
+    pub(crate) fn hand_over_refusal(&self, max: Option<usize>) -> Option<NoHandOver> {
+        let store = self.fd_store();
+        if !store.is_on() {
+            return Some(NoHandOver::NoStore);
+        }
+        let needed = store.stored_fds();
+        match max {
+            Some(max) if needed > max => Some(NoHandOver::StoreTooSmall { needed, max }),
+            _ => None,
+        }
+    }
+}
+
+/// The inherited sockets of a TCP listener at `addr`, each checked: a
+/// listening TCP socket bound to `addr` exactly.
+fn adopt_tcp(fds: Vec<OwnedFd>, addr: SocketAddr) -> Result<Vec<std::net::TcpListener>, String> {
+    fds.into_iter()
+        .map(|fd| {
+            let socket = socket2::Socket::from(fd);
+            check(&socket, addr, socket2::Type::STREAM)?;
+            if !socket.is_listener().map_err(|e| e.to_string())? {
+                return Err("a socket that does not listen".to_string());
+            }
+            socket.set_nonblocking(true).map_err(|e| e.to_string())?;
+            Ok(socket.into())
+        })
+        .collect()
+}
+
+/// The inherited socket of a UDP listener at `addr`, checked.
+fn adopt_udp(fd: OwnedFd, addr: SocketAddr) -> Result<std::net::UdpSocket, String> {
+    let socket = socket2::Socket::from(fd);
+    check(&socket, addr, socket2::Type::DGRAM)?;
+    socket.set_nonblocking(true).map_err(|e| e.to_string())?;
+    Ok(socket.into())
+}
+
+fn check(socket: &socket2::Socket, addr: SocketAddr, kind: socket2::Type) -> Result<(), String> {
+    let got = socket.r#type().map_err(|e| format!("not a socket: {e}"))?;
+    if got != kind {
+        return Err(format!("a socket of type {got:?}, not {kind:?}"));
+    }
+    let local = socket
+        .local_addr()
+        .ok()
+        .and_then(|a| a.as_socket())
+        .ok_or("a socket with no IP address")?;
+    if local != addr {
+        return Err(format!("bound to {local}, not {addr}"));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::net::UnixDatagram;
+    use std::sync::Arc;
+
+    use super::super::{INTENT_BOUND, NoHandOver, StopKind};
+    use crate::daemon::testing::{config, daemon, lb};
+    use crate::fd_store::{FdStore, Inherited};
+    use crate::metrics::hand_over::FallbackReason;
+
+    /// A daemon whose store is a socket the test reads, as PID 1 would.
+    fn with_store(name: &str) -> (Arc<crate::daemon::Daemon>, UnixDatagram, std::path::PathBuf) {
+        let dir = std::env::temp_dir().join(format!("hlb-unit-{name}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("notify");
+        let _ = std::fs::remove_file(&path);
+        let holder = UnixDatagram::bind(&path).unwrap();
+        holder
+            .set_read_timeout(Some(std::time::Duration::from_secs(5)))
+            .unwrap();
+        let d = daemon();
+        d.use_fd_store(FdStore::at(&path), Inherited::none());
+        (d, holder, dir)
+    }
+
+    fn next(holder: &UnixDatagram) -> (String, usize) {
+        let (text, fds) = crate::fd_store::receive(holder).expect("a message within 5 s");
+        (String::from_utf8_lossy(&text).into_owned(), fds.len())
+    }
+
+    #[tokio::test]
+    async fn listeners_are_stored_when_bound_and_removed_when_a_reload_removes_them() {
+        let (d, holder, dir) = with_store("store-reload");
+        let two = lb(
+            "a/web",
+            "127.231.41.1",
+            &["127.231.41.11"],
+            &[18080, 18081],
+            30080,
+            "",
+        );
+        d.apply(config(&two));
+        let mut stored = vec![next(&holder), next(&holder)];
+        stored.sort();
+        assert_eq!(
+            stored,
+            [
+                (
+                    "FDSTORE=1\nFDNAME=listen-tcp-127.231.41.1-18080".to_string(),
+                    1
+                ),
+                (
+                    "FDSTORE=1\nFDNAME=listen-tcp-127.231.41.1-18081".to_string(),
+                    1
+                ),
+            ]
+        );
+        assert_eq!(d.fd_store().stored_fds(), 2);
+        let one = lb(
+            "a/web",
+            "127.231.41.1",
+            &["127.231.41.11"],
+            &[18080],
+            30080,
+            "",
+        );
+        d.apply(config(&one));
+        assert_eq!(
+            next(&holder),
+            (
+                "FDSTOREREMOVE=1\nFDNAME=listen-tcp-127.231.41.1-18081".to_string(),
+                0
+            )
+        );
+        assert_eq!(d.fd_store().stored_fds(), 1);
+        // A stop's drain takes the rest out first.
+        d.shutdown().await;
+        assert_eq!(
+            next(&holder),
+            (
+                "FDSTOREREMOVE=1\nFDNAME=listen-tcp-127.231.41.1-18080".to_string(),
+                0
+            )
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_restart_is_announced_only_with_a_store_large_enough_and_expires() {
+        // No store: refused, counted, the stop drains.
+        let d = daemon();
+        assert_eq!(d.announce_restart(None), Err(NoHandOver::NoStore));
+        assert_eq!(d.stop_kind(), StopKind::Drain);
+        let (d, _holder, dir) = with_store("store-intent");
+        d.apply(config(&lb(
+            "a/web",
+            "127.231.42.1",
+            &["127.231.42.11"],
+            &[18080, 18081],
+            30080,
+            "",
+        )));
+        // Two listeners stored: FileDescriptorStoreMax=1 cannot keep them.
+        assert_eq!(
+            d.announce_restart(Some(1)),
+            Err(NoHandOver::StoreTooSmall { needed: 2, max: 1 })
+        );
+        assert_eq!(d.stop_kind(), StopKind::Drain);
+        assert_eq!(d.announce_restart(Some(16384)), Ok(INTENT_BOUND));
+        assert!(d.restart_announced().is_some());
+        assert_eq!(d.stop_kind(), StopKind::HandOver);
+        assert_eq!(d.stop_kind(), StopKind::Drain, "one word, one stop");
+        d.announce_restart(None).unwrap();
+        tokio::time::advance(INTENT_BOUND + std::time::Duration::from_secs(1)).await;
+        assert_eq!(d.stop_kind(), StopKind::Drain, "expired");
+        let mut text = Vec::new();
+        d.metrics().hand_over().write(&mut text);
+        let text = String::from_utf8(text).unwrap();
+        for (reason, n) in [
+            (FallbackReason::StoreTooSmall, 1),
+            (FallbackReason::Expired, 1),
+            (FallbackReason::NoStore, 0),
+        ] {
+            let line = format!(
+                "harvester_lb_hand_over_fallbacks_total{{reason=\"{}\"}} {n}",
+                reason.label()
+            );
+            assert!(text.contains(&line), "{line} in\n{text}");
+        }
+        d.shutdown().await;
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }

@@ -12,6 +12,12 @@
 //! and the FIN leave together in one segment, with no `recv` to learn of the
 //! end (see `fin_queued`). An error on either side ends both at once. A connection with no byte moving
 //! either way for the idle timeout is closed.
+//!
+//! A hand-over to the next process (issue 41) stops a copy without losing
+//! a byte: each direction stops only at its top-of-loop wait for its
+//! source, where it holds nothing (the scratch buffer's tail has been
+//! written, the pipe is empty and given back). A direction busy writing
+//! finishes its write first. See [`bidirectional`]'s `pause`.
 
 use std::cell::RefCell;
 use std::io::{self, Read};
@@ -46,6 +52,20 @@ pub enum Ended {
     /// A socket error (reset, broken pipe…) on the socket of `Peer`: the
     /// connection log tells a client's reset from a backend's by it.
     Failed(Peer, io::Error),
+    /// Asked to pause, every direction stopped at its wait for its source
+    /// or had ended (its half-close passed on): no byte of the connection
+    /// is held by this process, only by the two sockets, which the next
+    /// process can copy on from.
+    Paused,
+}
+
+/// How one direction stopped without an error.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Way {
+    /// Its source ended and the end was passed on.
+    Ended,
+    /// Paused at its wait for the source, holding nothing.
+    Paused,
 }
 
 /// One of the two sockets of a forwarded connection.
@@ -161,12 +181,22 @@ pub struct Later<F: FnOnce()> {
 
 /// Forwards bytes both ways until both directions end, one fails, or the
 /// connection is idle for `idle_timeout`; runs `later` if it lasts that long.
+///
+/// `pause` asks for [`Ended::Paused`]: once it is set, each direction
+/// returns at its next wait for its source (a direction writing finishes
+/// its write first; a bulk direction whose source always has data stops
+/// after the chunk in its pipe is written). It is read with one relaxed
+/// load each time a direction's wait is polled and once per spliced chunk
+/// (up to 64 KiB), and wakes nothing: whoever sets it must poll this future
+/// again afterwards (the forwarder sets it from its own select over this
+/// future, in the same task, then polls on).
 pub async fn bidirectional(
     client: &TcpStream,
     backend: &TcpStream,
     idle_timeout: Duration,
     counters: ByteCounters<'_>,
     later: Later<impl FnOnce()>,
+    pause: &AtomicBool,
 ) -> Ended {
     let activity = Activity::new();
     let up = Tally {
@@ -183,21 +213,22 @@ pub async fn bidirectional(
                 client,
                 backend,
                 up,
-                &activity,
+                (&activity, pause),
                 [Peer::Client, Peer::Backend]
             ),
             from_to(
                 backend,
                 client,
                 down,
-                &activity,
+                (&activity, pause),
                 [Peer::Backend, Peer::Client]
             ),
         )
     };
     tokio::select! {
         r = both => match r {
-            Ok(_) => Ended::Completed,
+            Ok((Way::Ended, Way::Ended)) => Ended::Completed,
+            Ok(_) => Ended::Paused,
             Err((peer, e)) => Ended::Failed(peer, e),
         },
         _ = idle(&activity, idle_timeout, later) => Ended::IdleTimeout,
@@ -210,10 +241,10 @@ async fn from_to(
     src: &TcpStream,
     dst: &TcpStream,
     bytes: Tally<'_>,
-    activity: &Activity,
+    (activity, pause): (&Activity, &AtomicBool),
     [from, to]: [Peer; 2],
-) -> Result<(), (Peer, io::Error)> {
-    one_way(src, dst, bytes, activity)
+) -> Result<Way, (Peer, io::Error)> {
+    one_way(src, dst, bytes, activity, pause)
         .await
         .map_err(|(end, e)| match end {
             End::Src => (from, e),
@@ -304,15 +335,27 @@ fn read_some(src: &TcpStream, buf: &mut [u8]) -> io::Result<Option<usize>> {
 /// connection. When no pipe can be had (the process is out of descriptors)
 /// the bytes keep moving through the buffer instead of failing a connection
 /// that is fine.
+///
+/// With `pause` set it returns [`Way::Paused`] at the top of its loop, the
+/// only point where it holds no byte: every byte read has been written to
+/// `dst` (the scratch buffer's tail included) and the pipe, if any, is
+/// empty and back in the pool.
 async fn one_way(
     src: &TcpStream,
     dst: &TcpStream,
     bytes: Tally<'_>,
     activity: &Activity,
-) -> Result<(), DirError> {
+    pause: &AtomicBool,
+) -> Result<Way, DirError> {
     let mut bulk = false;
     loop {
-        let ready = src.ready(SOURCE).await.map_err(at(End::Src))?;
+        // The pause first (`biased`): a source that is always readable
+        // would otherwise never let its direction stop.
+        let ready = tokio::select! {
+            biased;
+            () = paused(pause) => return Ok(Way::Paused),
+            r = src.ready(SOURCE) => r.map_err(at(End::Src))?,
+        };
         if ready.is_error() && !(ready.is_readable() || ready.is_read_closed()) {
             // An error raised alone: no read would be tried on it (tokio
             // reads on READABLE only), so take it here, or clear it.
@@ -325,7 +368,8 @@ async fn one_way(
         if bulk {
             match PIPES.take() {
                 Ok(pipe) => {
-                    let more = splice_while_readable(src, dst, &pipe, bytes, activity).await?;
+                    let more =
+                        splice_while_readable(src, dst, &pipe, bytes, activity, pause).await?;
                     // Only an empty pipe goes back (an error above drops it).
                     PIPES.give_back(pipe);
                     if !more {
@@ -381,6 +425,18 @@ async fn one_way(
     }
 }
 
+/// Resolves once `pause` is set. It registers no waker: see
+/// [`bidirectional`] for who polls again after setting it.
+fn paused(pause: &AtomicBool) -> impl Future<Output = ()> + '_ {
+    std::future::poll_fn(move |_| {
+        if pause.load(Ordering::Relaxed) {
+            std::task::Poll::Ready(())
+        } else {
+            std::task::Poll::Pending
+        }
+    })
+}
+
 /// Forgets an `ERROR` readiness that carried no pending error (only the
 /// error queue, which this socket does not use), so it cannot wake the
 /// direction again.
@@ -416,9 +472,9 @@ fn send(dst: &TcpStream, data: &[u8], last: bool) -> io::Result<usize> {
 /// `recv` that would only return the end of stream. The shutdown is made even
 /// when the other direction has ended too, because it is what pushes the
 /// data held back by `MSG_MORE`, with the FIN.
-fn last_data_sent(dst: &TcpStream, activity: &Activity) -> io::Result<()> {
+fn last_data_sent(dst: &TcpStream, activity: &Activity) -> io::Result<Way> {
     activity.finish_one_way();
-    shutdown_write(dst)
+    shutdown_write(dst).map(|()| Way::Ended)
 }
 
 /// Writes all of `data` to `dst`, waiting for room as needed.
@@ -437,7 +493,9 @@ async fn write_all(dst: &TcpStream, mut data: &[u8]) -> io::Result<()> {
 
 /// The bulk mode of [`one_way`]: splices from `src` through `pipe` into
 /// `dst` for as long as `src` has data. Returns with the pipe empty:
-/// `Ok(true)` when `src` has nothing more for now, `Ok(false)` at its end of
+/// `Ok(true)` when `src` has nothing more for now or `pause` is set (a
+/// source that always has data, towards a peer slower than it, would
+/// otherwise never come back to its wait), `Ok(false)` at its end of
 /// stream. The pipe is held only while data is in flight.
 async fn splice_while_readable(
     src: &TcpStream,
@@ -445,6 +503,7 @@ async fn splice_while_readable(
     pipe: &Pipe,
     bytes: Tally<'_>,
     activity: &Activity,
+    pause: &AtomicBool,
 ) -> Result<bool, DirError> {
     loop {
         let n = match src.try_io(Interest::READABLE, || {
@@ -469,17 +528,21 @@ async fn splice_while_readable(
         }
         bytes.add(n);
         activity.touch();
+        // The pipe is empty: a pause can be taken here (one load a chunk).
+        if pause.load(Ordering::Relaxed) {
+            return Ok(true);
+        }
     }
 }
 
 /// `src` has ended: pass the end on to `dst` as a write shutdown (a
 /// half-close), unless the other direction has ended too and the close that
 /// follows at once sends the FIN anyway.
-fn end_of_stream(dst: &TcpStream, activity: &Activity) -> io::Result<()> {
+fn end_of_stream(dst: &TcpStream, activity: &Activity) -> io::Result<Way> {
     if activity.finish_one_way() {
-        return Ok(());
+        return Ok(Way::Ended);
     }
-    shutdown_write(dst)
+    shutdown_write(dst).map(|()| Way::Ended)
 }
 
 fn shutdown_write(stream: &TcpStream) -> io::Result<()> {

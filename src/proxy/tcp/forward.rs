@@ -8,6 +8,7 @@
 use std::io;
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use socket2::{SockRef, Socket, TcpKeepalive};
@@ -16,7 +17,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::copy::{self, ByteCounters, Ended, Moved, Peer};
 use super::proxy_protocol;
-use crate::balancer::{Backend, ClientAddr, affinity};
+use crate::balancer::{Backend, ClientAddr, ConnectionGuard, affinity};
 use crate::config::{OnBackendDown, ProxyProtocol};
 use crate::metrics::stats::{ClosedReason, ConnectFailureReason, FailedReason};
 use crate::net;
@@ -56,15 +57,15 @@ enum ConnectFailure {
     Local,
 }
 
-/// Serves one accepted client until it is done. `close_now` is cancelled
-/// when the listener's drain time is over; `_held` holds a slot of the
-/// process-wide connection limit and one of the load balancer's for the
-/// connection's lifetime.
-pub async fn serve(
+/// Serves one accepted client until it is done. `control` closes it when
+/// the listener's drain time is over, or pauses it for a hand-over;
+/// `_held` holds a slot of the process-wide connection limit and one of
+/// the load balancer's for the connection's lifetime.
+pub(crate) async fn serve(
     client: TcpStream,
     peer: SocketAddr,
     route: Arc<Route>,
-    close_now: CancellationToken,
+    control: Arc<super::Control>,
     _held: super::Held,
 ) {
     let m = &route.stats;
@@ -139,7 +140,7 @@ pub async fn serve(
     {
         table.remember(client_addr, backend.addr, now);
     }
-    let _backend_count = backend.connection_opened();
+    let backend_count = backend.connection_opened();
     if let Some(version) = route.proxy_protocol {
         match send_proxy_header(version, client_addr, &client, &server).await {
             Ok(first) => m.client_to_backend.increment(first as u64),
@@ -154,10 +155,115 @@ pub async fn serve(
             }
         }
     }
+    let to = ToBackend {
+        backend: &backend,
+        marked_down,
+        _count: backend_count,
+    };
+    relay(
+        client,
+        server,
+        &route,
+        &control,
+        Some(to),
+        record,
+        idle_timeout,
+    )
+    .await;
+}
+
+/// Serves a connection another process handed over (see
+/// [`super::HandedConnection`]): its copy goes on where that process
+/// paused it, with this process's counters, its caps' slots (`held`) and,
+/// when the backend is still a member of `route`'s load balancer, its
+/// connection count and its mark-down and removal signals. A backend no
+/// longer in the config is served to the connection's end all the same,
+/// counted in the listener's `active` and the caps, in no backend's count.
+pub(crate) async fn serve_adopted(
+    handed: super::HandedConnection,
+    route: Arc<Route>,
+    control: Arc<super::Control>,
+    held: super::Held,
+) {
+    let _held = held;
+    let adopted = TcpStream::from_std(handed.client)
+        .and_then(|client| Ok((client, TcpStream::from_std(handed.backend)?)));
+    let (client, server) = match adopted {
+        Ok(a) => a,
+        Err(e) => {
+            // No room in the reactor: both sockets close.
+            tracing::warn!(error = %e, "handed-over connection cannot be served; closed");
+            control.note_lost();
+            return;
+        }
+    };
+    // A socket that has both sent and received its FIN since the pause
+    // (the last bytes of a half-closed connection wait in it, unread) is
+    // closed for the kernel and has no peer address any more: such a
+    // connection is served on all the same, in no backend's count.
+    let peer = client
+        .peer_addr()
+        .unwrap_or_else(|_| SocketAddr::from(([0, 0, 0, 0], 0)));
+    let backend_addr = server.peer_addr().ok();
+    let snapshot = route.lb.snapshot_full();
+    let mut record = Record::start(snapshot.settings.log_connections, peer);
+    if let Some(addr) = backend_addr {
+        record.connected(addr);
+    }
+    let idle_timeout = snapshot.settings.idle_timeout;
+    drop(snapshot);
+    // By address: the backend object of this process, if the config still
+    // has it.
+    let backend = backend_addr.and_then(|addr| {
+        let found = route.lb.members().into_iter().find(|b| b.addr == addr.ip());
+        if found.is_none() {
+            tracing::debug!(backend = %addr, "handed-over connection to a backend no longer configured: served to its end");
+        }
+        found.map(|b| (b, addr.port()))
+    });
+    // Keepalive and TCP_USER_TIMEOUT on the backend leg now: the
+    // connection has lasted, maybe less than `LIVENESS_AFTER`. The client
+    // leg kept the options it was accepted with.
+    set_liveness_or_warn(&SockRef::from(&server));
+    let to = backend.as_ref().map(|(b, port)| ToBackend {
+        backend: b,
+        marked_down: b.marked_down_signal(*port),
+        _count: b.connection_opened(),
+    });
+    relay(client, server, &route, &control, to, record, idle_timeout).await;
+}
+
+/// The backend of a connection being copied, when it is one of the load
+/// balancer's members: what cuts the connection, and its count.
+struct ToBackend<'a> {
+    backend: &'a Arc<Backend>,
+    /// Fires when it is marked down under `on_backend_down = "close"`.
+    marked_down: CancellationToken,
+    /// Counts the connection in the backend's open connections.
+    _count: ConnectionGuard,
+}
+
+/// Copies between `client` and `server` until the connection ends, is cut
+/// (drain time over, backend removed or marked down) or is paused for a
+/// hand-over, then writes its line or passes its sockets on.
+async fn relay(
+    client: TcpStream,
+    server: TcpStream,
+    route: &Route,
+    control: &super::Control,
+    to: Option<ToBackend<'_>>,
+    record: Record,
+    idle_timeout: Duration,
+) {
+    let m = &route.stats;
+    let backend = to.as_ref().map(|t| t.backend);
+    let marked_down = to.as_ref().map(|t| &t.marked_down);
     m.active.increment();
     let moved = Moved::default();
-    let ended = tokio::select! {
-        ended = copy::bidirectional(
+    let pause = AtomicBool::new(false);
+    // In a block: the copy borrows the sockets, which a hand-over moves.
+    let ended = {
+        let copy = copy::bidirectional(
             &client,
             &server,
             idle_timeout,
@@ -170,26 +276,73 @@ pub async fn serve(
                 after: LIVENESS_AFTER,
                 run: || set_liveness_or_warn(&SockRef::from(&server)),
             },
-        ) => Cut::Copy(ended),
-        _ = close_now.cancelled() => {
-            tracing::debug!("drain timeout: closing connection");
-            Cut::Drained
-        }
-        _ = backend.retired() => {
-            tracing::debug!("backend removed and drained: closing connection");
-            Cut::Drained
-        }
-        _ = marked_down.cancelled() => {
-            tracing::debug!(backend = %backend.addr, "backend marked down (on_backend_down = close): resetting both sides");
-            backend.stats().closed[ClosedReason::MarkedDown].increment(1);
-            reset(&client);
-            reset(&server);
-            Cut::BackendDown
+            &pause,
+        );
+        tokio::pin!(copy);
+        let retired = async {
+            match backend {
+                Some(b) => b.retired().await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::pin!(retired);
+        let marked = async {
+            match marked_down {
+                Some(signal) => signal.cancelled().await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::pin!(marked);
+        // One signal of the listener wakes every connection, for a drain's
+        // end or a hand-over (one future polled per wake-up, as before the
+        // hand-over existed); a hand-over then polls the close signal too.
+        let mut pausing = false;
+        loop {
+            break tokio::select! {
+                ended = &mut copy => Cut::Copy(ended),
+                _ = control.wake.cancelled(), if !pausing => {
+                    if control.close.is_cancelled() {
+                        // A drain's end, or a hand-over's deadline passed
+                        // while this connection was still connecting.
+                        tracing::debug!("drain timeout: closing connection");
+                        control.note_closed();
+                        Cut::Drained
+                    } else {
+                        // Seen by each direction at its next wait, when the
+                        // copy is polled again right below.
+                        pause.store(true, Ordering::Relaxed);
+                        pausing = true;
+                        continue;
+                    }
+                }
+                _ = control.close.cancelled(), if pausing => {
+                    tracing::debug!("hand-over deadline passed before the copy could pause: closing connection");
+                    control.note_lost();
+                    Cut::Drained
+                }
+                _ = &mut retired => {
+                    tracing::debug!("backend removed and drained: closing connection");
+                    Cut::Drained
+                }
+                _ = &mut marked => {
+                    tracing::debug!(backend = ?backend.map(|b| b.addr), "backend marked down (on_backend_down = close): resetting both sides");
+                    if let Some(b) = backend {
+                        b.stats().closed[ClosedReason::MarkedDown].increment(1);
+                    }
+                    reset(&client);
+                    reset(&server);
+                    Cut::BackendDown
+                }
+            };
         }
     };
     m.active.decrement();
+    if let Cut::Copy(Ended::Paused) = ended {
+        control.hand_on(client, server);
+        return;
+    }
     let state = termination(ended, idle_timeout, &client, &server);
-    log_end(record, state, &route, &client, Some(&moved));
+    log_end(record, state, route, &client, Some(&moved));
 }
 
 /// Ends a connection no backend took: counted by why, the client reset,
@@ -245,6 +398,9 @@ fn termination(
         Cut::Drained => Termination::Drained,
         Cut::BackendDown => Termination::BackendDown,
         Cut::Copy(Ended::Completed) => Termination::Closed,
+        // Handed on before this is reached; a pause that could not hand
+        // the sockets on closes them as a drain does.
+        Cut::Copy(Ended::Paused) => Termination::Drained,
         Cut::Copy(Ended::IdleTimeout) => {
             tracing::debug!(?idle_timeout, "idle timeout: closing connection");
             Termination::IdleTimeout
@@ -440,7 +596,7 @@ pub(crate) fn reset(stream: &TcpStream) {
 
 #[cfg(test)]
 mod tests {
-    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::atomic::AtomicUsize;
 
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     use tokio::net::TcpListener;
@@ -488,6 +644,7 @@ mod tests {
                     ran.fetch_add(1, Ordering::SeqCst);
                 },
             },
+            &AtomicBool::new(false),
         )
         .await;
         assert!(
@@ -504,6 +661,7 @@ mod tests {
 
         // Lasting: `later` runs once, then the copy goes on until idle.
         let ran = AtomicUsize::new(0);
+        let no_pause = AtomicBool::new(false);
         let ((client, mut client_peer), (backend, mut backend_peer)) = (pair().await, pair().await);
         let copy = copy::bidirectional(
             &client,
@@ -517,6 +675,7 @@ mod tests {
                     set_liveness_or_warn(&SockRef::from(&backend));
                 },
             },
+            &no_pause,
         );
         let peers = async {
             // Bytes still move after the options are set.
@@ -565,7 +724,8 @@ mod tests {
                 after: Duration::from_secs(3600),
                 run: || {},
             };
-            copy::bidirectional(&client, &backend, IDLE, byte_counters, later).await
+            let pause = AtomicBool::new(false);
+            copy::bidirectional(&client, &backend, IDLE, byte_counters, later, &pause).await
         });
         // The copy's clock starts at its first poll, which runs on through
         // its first wait before the test sees `started`: at 0 s.

@@ -7,22 +7,29 @@
 //! A listener keeps its sockets for its whole life (one, or one per thread
 //! with the thread-per-core design of [`crate::workers`]); a reload only swaps its
 //! [`Route`], so no connection is refused during a reload.
+//!
+//! A restart hands the open connections to the next process instead of
+//! draining them ([`Listener::hand_over`], [`Listener::adopt`]): each copy
+//! pauses where it holds no byte, and its two sockets are all the next
+//! process needs.
 
 pub mod copy;
 pub mod forward;
+#[cfg(test)]
+mod hand_over_tests;
 pub mod listen_options;
 pub mod proxy_protocol;
 pub mod splice;
 
 use std::io;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, LazyLock, Weak};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, LazyLock, Mutex, Weak};
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
 use socket2::{Domain, Socket, Type};
-use tokio::net::TcpListener;
+use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -111,6 +118,121 @@ impl Drop for Held {
     }
 }
 
+/// What a listener's connections are told by the daemon: their drain time
+/// is over (close), or they are handed to the next process (pause). One
+/// signal wakes them for either, so a connection polls one future per
+/// wake-up for both, as it did for the drain alone.
+pub(crate) struct Control {
+    /// Cancelled to wake every connection: a drain's end (with `close`
+    /// cancelled first) or a hand-over (without).
+    pub(crate) wake: CancellationToken,
+    /// Cancelled when the connections still open must close now: the drain
+    /// time, or the hand-over's deadline, is over.
+    pub(crate) close: CancellationToken,
+    /// The connections paused for a hand-over, their sockets taken out of
+    /// this process's reactor.
+    handed: Mutex<Vec<HandedConnection>>,
+    /// Set before `wake` for a hand-over (not for a drain).
+    handing_over: AtomicBool,
+    /// Connections a hand-over could not pass on (not paused by the
+    /// deadline, or their sockets unusable).
+    lost: AtomicUsize,
+}
+
+impl Control {
+    fn new() -> Arc<Self> {
+        Arc::new(Self {
+            wake: CancellationToken::new(),
+            close: CancellationToken::new(),
+            handed: Mutex::new(Vec::new()),
+            handing_over: AtomicBool::new(false),
+            lost: AtomicUsize::new(0),
+        })
+    }
+
+    /// Counts a connection the hand-over could not pass on.
+    pub(crate) fn note_lost(&self) {
+        self.lost.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// A connection closed because its listener's time is over: counted
+    /// lost when that was a hand-over's deadline, not a drain's.
+    pub(crate) fn note_closed(&self) {
+        if self.handing_over.load(Ordering::Relaxed) {
+            self.note_lost();
+        }
+    }
+
+    /// Passes a paused connection's sockets on to the hand-over: they leave
+    /// this process's reactor, open.
+    pub(crate) fn hand_on(&self, client: TcpStream, backend: TcpStream) {
+        match (client.into_std(), backend.into_std()) {
+            (Ok(client), Ok(backend)) => self
+                .handed
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .push(HandedConnection { client, backend }),
+            (c, b) => {
+                let e = c.err().or(b.err());
+                tracing::warn!(error = ?e, "a paused connection's sockets cannot leave the reactor: closed");
+                self.note_lost();
+            }
+        }
+    }
+}
+
+/// One proxied TCP connection passed from one process to the next by a
+/// hand-over ([`Listener::hand_over`] → [`Listener::adopt`]).
+///
+/// The two sockets are the whole of it: both directions were paused with
+/// no byte held outside them, so whatever was sent and not yet forwarded
+/// waits in their receive queues, and a direction that had ended is seen
+/// ended again (its source reads end of stream). The rest is read from the
+/// sockets: the VIP:port is the client socket's local address (which
+/// listener adopts it), the client its peer address, the backend the
+/// backend socket's peer address (its load balancer is the adopting
+/// listener's). Both sockets are non-blocking.
+///
+/// Kept between two processes (systemd's store), each socket stays open
+/// while any copy of it is: the next process must have the store forget
+/// both once it adopted them, or closing them would not end the
+/// connection. A store that drops a socket on `POLLHUP` loses a connection
+/// whose socket was shut both ways during the gap (one direction had ended
+/// before the pause, the other's end arrived after it) with its last bytes
+/// unread; the other socket of such a pair is then alone, and is best
+/// reset (`SO_LINGER` 0) rather than closed.
+#[derive(Debug)]
+pub struct HandedConnection {
+    /// The client's socket, accepted on the VIP:port.
+    pub client: std::net::TcpStream,
+    /// The socket connected to the backend's nodeport.
+    pub backend: std::net::TcpStream,
+}
+
+impl HandedConnection {
+    /// Closes both sockets with a reset, for a connection no listener of
+    /// the next process adopts (its VIP:port is gone from the config): a
+    /// client must not take a clean end of stream for a complete answer.
+    pub fn reset(self) {
+        for s in [&self.client, &self.backend] {
+            if let Err(e) = socket2::SockRef::from(s).set_linger(Some(Duration::ZERO)) {
+                tracing::debug!(error = %e, "cannot set SO_LINGER");
+            }
+        }
+    }
+}
+
+/// What [`Listener::hand_over`] passed on.
+#[derive(Debug, Default)]
+pub struct HandedOver {
+    /// The connections paused by the deadline, for the next process.
+    pub connections: Vec<HandedConnection>,
+    /// Connections still open at the deadline (a peer not reading the
+    /// bytes in flight, a connect still under way), closed as a drain
+    /// closes them.
+    pub lost: usize,
+}
+
 /// Accept failures that back off, one line a second per cause (errno) for
 /// the whole process.
 static ACCEPT_LOG: LazyLock<LogLimit<Option<i32>>> =
@@ -191,13 +313,17 @@ pub struct Listener {
     /// The VIP:port it is bound to.
     pub addr: SocketAddr,
     /// Its share of the socket budget, given back with the listener.
-    _placement: Placement,
+    placement: Placement,
     /// Where new connections go; swapped on reload.
     route: Arc<ArcSwap<Route>>,
-    /// Ends the accept loop (and closes the listening socket).
+    /// Ends the accept loop (and closes this process's descriptor of the
+    /// listening socket).
     stop_accepting: CancellationToken,
-    /// Closes the connections still open (drain time over).
-    close_now: CancellationToken,
+    /// Closes the connections still open (drain time over) or pauses them
+    /// (hand-over).
+    control: Arc<Control>,
+    /// The process-wide connection cap, for adopted connections.
+    limit: Arc<ConnectionLimit>,
     /// The connection tasks, to wait for them on drain.
     connections: TaskTracker,
     /// The listening sockets, to change their options on reload; the accept
@@ -239,10 +365,11 @@ impl Listener {
         let listener = Self {
             sockets: sockets.iter().map(|(_, s)| Arc::downgrade(s)).collect(),
             addr,
-            _placement: placement,
+            placement,
             route: Arc::new(ArcSwap::from_pointee(route)),
             stop_accepting: CancellationToken::new(),
-            close_now: CancellationToken::new(),
+            control: Control::new(),
+            limit: Arc::clone(&limit),
             connections: TaskTracker::new(),
         };
         for (runtime, socket) in sockets {
@@ -251,7 +378,7 @@ impl Listener {
                     socket,
                     Arc::clone(&listener.route),
                     listener.stop_accepting.clone(),
-                    listener.close_now.clone(),
+                    Arc::clone(&listener.control),
                     listener.connections.clone(),
                     Arc::clone(&limit),
                 )
@@ -301,9 +428,118 @@ impl Listener {
             return 0;
         }
         let cut = self.connections.len();
-        self.close_now.cancel();
+        self.control.close.cancel();
+        self.control.wake.cancel();
         self.connections.wait().await;
         cut
+    }
+
+    /// Hands the open connections over instead of draining them (the first
+    /// half of a restart): stops accepting (this process's descriptors of
+    /// the listening sockets close; the copies kept for the next process,
+    /// e.g. in systemd's store, keep the port listening and queue new
+    /// clients), then pauses every connection where it holds no byte (see
+    /// [`copy::bidirectional`]) and returns their sockets.
+    ///
+    /// A connection still connecting to a backend is let finish its connect
+    /// (bounded by `connect_timeout` per attempt) and pauses as soon as its
+    /// copy starts: the next process gets only connections that are
+    /// copying, never one without its backend. A connection not paused by
+    /// `deadline` (a peer that does not read what is in flight, a connect
+    /// still under way) is closed as the drain closes it and counted in
+    /// [`HandedOver::lost`]; the call returns once those have closed too.
+    pub async fn hand_over(self, deadline: tokio::time::Instant) -> HandedOver {
+        self.stop_accepting.cancel();
+        self.connections.close();
+        self.control.handing_over.store(true, Ordering::Relaxed);
+        self.control.wake.cancel();
+        if tokio::time::timeout_at(deadline, self.connections.wait())
+            .await
+            .is_err()
+        {
+            self.control.close.cancel();
+            self.connections.wait().await;
+        }
+        let connections = std::mem::take(
+            &mut *self
+                .control
+                .handed
+                .lock()
+                .unwrap_or_else(|p| p.into_inner()),
+        );
+        HandedOver {
+            connections,
+            lost: self.control.lost.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Whether a connection accepted on `vip` is this listener's (its own
+    /// address, or any of its family's with the port, for a wildcard one).
+    fn serves(&self, vip: SocketAddr) -> bool {
+        vip == self.addr
+            || (self.addr.ip().is_unspecified()
+                && vip.port() == self.addr.port()
+                && vip.is_ipv4() == self.addr.is_ipv4())
+    }
+
+    /// Serves connections another process handed over (see
+    /// [`HandedConnection`]) as if this listener had accepted them: their
+    /// copy goes on, counted in the listener's `active`, holding a slot of
+    /// the process's and the load balancer's caps and, when the backend
+    /// (by the backend socket's peer address) is a member of the route's
+    /// load balancer, counted in its connections and cut by its mark-down
+    /// or removal as any connection. Their idle timeout starts again;
+    /// keepalive and `TCP_USER_TIMEOUT` are set on the backend leg (the
+    /// client leg has the listener's). A backend no longer in the config:
+    /// served to the connection's end, in no backend's count. A cap
+    /// already full (a config that lowered it): served all the same,
+    /// without a slot. Connections are spread over the listener's runtimes
+    /// in turn. The caller matches each to this listener by the client
+    /// socket's local address; one whose local address is not this
+    /// listener's VIP:port (or that is no TCP socket) is reset, warned and
+    /// not counted in the number returned, which is how many are served.
+    pub fn adopt(&self, connections: Vec<HandedConnection>) -> usize {
+        let route = self.route.load_full();
+        let lb = &route.lb;
+        let mut count = 0;
+        let mut over_cap = 0;
+        for handed in connections {
+            match handed.client.local_addr() {
+                Ok(vip) if self.serves(vip) => {}
+                other => {
+                    tracing::warn!(listen = %self.addr, vip = ?other, "a handed-over connection of another listener: reset");
+                    handed.reset();
+                    continue;
+                }
+            }
+            let lb_slot = Slot::take(lb.connections());
+            let permit = Arc::clone(&self.limit.slots).try_acquire_owned().ok();
+            if lb_slot.is_none() || permit.is_none() {
+                over_cap += 1;
+            }
+            let held = Held {
+                lb: Arc::clone(lb),
+                lb_slot,
+                limit: Arc::clone(&self.limit),
+                permit,
+            };
+            let runtime = self.placement.runtime(count % self.placement.sockets());
+            count += 1;
+            let span = tracing::debug_span!("conn", adopted = true);
+            self.connections.spawn_on(
+                forward::serve_adopted(handed, Arc::clone(&route), Arc::clone(&self.control), held)
+                    .instrument(span),
+                runtime,
+            );
+        }
+        if over_cap > 0 {
+            tracing::warn!(
+                listen = %self.addr,
+                over_cap,
+                "handed-over connections beyond a connection cap: served to their end without a slot"
+            );
+        }
+        count
     }
 }
 
@@ -311,7 +547,7 @@ async fn accept_loop(
     socket: Arc<TcpListener>,
     route: Arc<ArcSwap<Route>>,
     stop: CancellationToken,
-    close_now: CancellationToken,
+    control: Arc<Control>,
     connections: TaskTracker,
     limit: Arc<ConnectionLimit>,
 ) {
@@ -382,7 +618,8 @@ async fn accept_loop(
                 let route = route.load_full();
                 let span = tracing::debug_span!("conn", client = %peer);
                 connections.spawn(
-                    forward::serve(stream, peer, route, close_now.clone(), held).instrument(span),
+                    forward::serve(stream, peer, route, Arc::clone(&control), held)
+                        .instrument(span),
                 );
             }
             Err(e) => {

@@ -22,6 +22,8 @@
 //! drain: a removed listener ends its flows at once.
 
 pub mod flow;
+#[cfg(test)]
+mod hand_over_tests;
 pub mod table;
 
 use std::cell::RefCell;
@@ -110,6 +112,8 @@ struct Shared {
     stop: CancellationToken,
     /// The zero of the flows' `last_seen` clocks.
     epoch: Instant,
+    /// Set before `stop` for a hand-over: the flows stop without closing.
+    handing_over: AtomicBool,
 }
 
 /// One client address's flow to one backend.
@@ -143,6 +147,67 @@ struct Flow {
     _guard: ConnectionGuard,
 }
 
+impl Flow {
+    /// A flow of `client` to `backend` (a member of `lb`) over `socket`,
+    /// connected to it at `target`, last seen `now`; counted with the
+    /// backend's connections from now on.
+    fn new(
+        (client, target): (SocketAddr, SocketAddr),
+        lb: &Arc<LoadBalancer>,
+        backend: &Arc<Backend>,
+        socket: UdpSocket,
+        log: crate::config::LogConnections,
+        now: u64,
+        udp: &crate::metrics::stats::UdpStats,
+    ) -> Arc<Self> {
+        let mut record = Record::start(log, client);
+        record.connected(target);
+        Arc::new(Flow {
+            client,
+            record,
+            bytes_up: AtomicU64::new(0),
+            bytes_down: AtomicU64::new(0),
+            answered: AtomicBool::new(false),
+            lb: Arc::clone(lb),
+            socket,
+            state: FlowState::default(),
+            last_seen: AtomicU64::new(now),
+            refused: AtomicBool::new(false),
+            closed: Notify::new(),
+            backend_stats: udp.backend(backend.addr),
+            _guard: backend.connection_opened(),
+            backend: Arc::clone(backend),
+        })
+    }
+}
+
+/// One UDP flow passed from one process to the next by a hand-over
+/// ([`UdpListener::hand_over`] → [`UdpListener::adopt`]): the client's
+/// address, which no socket holds (the listener's socket is shared by all
+/// clients), and the flow's own socket, connected to the backend (its peer
+/// address says which). Answers the backend sent meanwhile wait in that
+/// socket; the client's datagrams wait in the listener's socket, which the
+/// next process receives on its own. The socket is non-blocking.
+#[derive(Debug)]
+pub struct HandedFlow {
+    /// The client's address and port, as the listener's socket saw it.
+    pub client: SocketAddr,
+    /// The flow's socket, connected to the backend's nodeport.
+    pub backend: std::net::UdpSocket,
+}
+
+/// What [`UdpListener::adopt`] did with the flows it was given.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct AdoptedFlows {
+    /// Flows served on, each with its backend.
+    pub adopted: usize,
+    /// Flows closed instead: their backend is no longer a member of the
+    /// load balancer, a cap is full, or the socket was unusable. The
+    /// client's next datagram makes a new flow, as after a reload that
+    /// removed the backend.
+    pub dropped: usize,
+}
+
 impl UdpListener {
     /// Starts serving `socket` along `route` with the flow rules `settings`;
     /// flows are bounded by `budget`, the load balancer's share and
@@ -154,6 +219,26 @@ impl UdpListener {
         budget: Arc<FlowBudget>,
         per_source: usize,
     ) -> Self {
+        Self::adopt(socket, route, settings, budget, per_source, Vec::new()).0
+    }
+
+    /// [`start`](Self::start), serving on the flows another process
+    /// handed over (see [`HandedFlow`]) from the first datagram: they are
+    /// in the table before the receive loop starts, so a client's next
+    /// datagram goes to its backend, not to a new pick. An adopted flow
+    /// keeps its backend while the backend stays eligible (as any flow),
+    /// holds a slot of each flow cap, counts in the backend's connections,
+    /// and its idle timeout starts again. With `udp_responses` set, the
+    /// answers it still expected are not known here: its next answer
+    /// closes it, unless a datagram is sent on it first.
+    pub fn adopt(
+        socket: UdpSocket,
+        route: Route,
+        settings: UdpSettings,
+        budget: Arc<FlowBudget>,
+        per_source: usize,
+        flows: Vec<HandedFlow>,
+    ) -> (Self, AdoptedFlows) {
         let addr = socket
             .local_addr()
             .unwrap_or_else(|_| "0.0.0.0:0".parse().expect("literal"));
@@ -166,17 +251,68 @@ impl UdpListener {
             per_source: AtomicU64::new(per_source as u64),
             stop: CancellationToken::new(),
             epoch: Instant::now(),
+            handing_over: AtomicBool::new(false),
         });
         let tasks = TaskTracker::new();
+        let mut report = AdoptedFlows::default();
+        for handed in flows {
+            match adopt_flow(&shared, handed) {
+                Some(flow) => {
+                    report.adopted += 1;
+                    tasks.spawn(run_flow(Arc::clone(&shared), flow));
+                }
+                None => report.dropped += 1,
+            }
+        }
         tasks.spawn(
             receive_loop(Arc::clone(&shared), tasks.clone())
                 .instrument(tracing::info_span!("udp_listener", listen = %addr)),
         );
-        Self {
-            addr,
-            shared,
-            tasks,
+        (
+            Self {
+                addr,
+                shared,
+                tasks,
+            },
+            report,
+        )
+    }
+
+    /// Hands the flows over instead of ending them (the first half of a
+    /// restart): the receive loop and every flow's task stop, and each
+    /// flow's socket is taken out, open, with its client's address. This
+    /// process's descriptor of the listener's socket closes; the copy kept
+    /// for the next process (e.g. in systemd's store) queues the clients'
+    /// datagrams meanwhile. Nothing waits on a peer, so this takes no
+    /// deadline.
+    pub async fn hand_over(self) -> Vec<HandedFlow> {
+        self.shared.handing_over.store(true, Ordering::Release);
+        self.shared.stop.cancel();
+        self.tasks.close();
+        self.tasks.wait().await;
+        let mut handed = Vec::new();
+        for flow in self.shared.table.all() {
+            if !flow.state.close() {
+                continue;
+            }
+            retire(&self.shared, &flow, false);
+            let client = flow.client;
+            let socket = match Arc::try_unwrap(flow) {
+                Ok(flow) => flow.socket.into_std(),
+                // Still shared (not expected once the tasks ended): a
+                // duplicate of the descriptor goes instead.
+                Err(flow) => SockRef::from(&flow.socket)
+                    .try_clone()
+                    .map(std::net::UdpSocket::from),
+            };
+            match socket {
+                Ok(backend) => handed.push(HandedFlow { client, backend }),
+                Err(e) => {
+                    tracing::warn!(client = %client, error = %e, "a UDP flow's socket cannot be handed over: closed");
+                }
+            }
         }
+        handed
     }
 
     /// New flows follow `route` and every flow `settings` from now on; open
@@ -275,10 +411,68 @@ async fn receive_loop(shared: Arc<Shared>, tasks: TaskTracker) {
             }
         }
     }
+    if shared.handing_over.load(Ordering::Acquire) {
+        // The flows go to the next process open.
+        return;
+    }
     for flow in shared.table.all() {
         if flow.state.close() {
             retire(&shared, &flow, true);
             log_flow_end(&shared, &flow, Termination::Drained);
+        }
+    }
+}
+
+/// Puts a handed-over flow into the table, with its backend looked up by
+/// the socket's peer address among the load balancer's members. `None`
+/// (the socket closed) when the backend is gone, a cap is full or the
+/// socket is unusable.
+fn adopt_flow(shared: &Shared, handed: HandedFlow) -> Option<Arc<Flow>> {
+    let HandedFlow { client, backend } = handed;
+    let route = shared.route.load();
+    let udp = route.route.stats.udp();
+    let lb = &route.route.lb;
+    let target = match backend.peer_addr() {
+        Ok(t) => t,
+        Err(e) => {
+            tracing::debug!(client = %client, error = %e, "handed-over UDP flow without a connected socket: dropped");
+            return None;
+        }
+    };
+    let Some(member) = lb.members().into_iter().find(|b| b.addr == target.ip()) else {
+        tracing::debug!(client = %client, backend = %target, "handed-over UDP flow to a backend no longer configured: dropped; the next datagram picks anew");
+        return None;
+    };
+    let log = lb.snapshot().settings.log_connections;
+    let per_source = shared.per_source.load(Ordering::Relaxed) as usize;
+    let now = now_ms(shared.epoch);
+    let admitted = shared.table.insert(client, per_source, lb.udp_flows(), || {
+        match UdpSocket::from_std(backend) {
+            Ok(socket) => Some(Flow::new(
+                (client, target),
+                lb,
+                &member,
+                socket,
+                log,
+                now,
+                udp,
+            )),
+            Err(e) => {
+                tracing::debug!(client = %client, error = %e, "handed-over UDP flow's socket cannot join the reactor: dropped");
+                None
+            }
+        }
+    });
+    match admitted {
+        Ok(Some(flow)) => {
+            udp.flows_active.increment();
+            flow.backend_stats.flows_active.increment();
+            Some(flow)
+        }
+        Ok(None) => None,
+        Err(refusal) => {
+            tracing::warn!(client = %client, ?refusal, "handed-over UDP flow over a flow cap: dropped; the next datagram is refused or picks anew");
+            None
         }
     }
 }
@@ -463,24 +657,15 @@ fn new_flow(
                 return None;
             }
         };
-        let mut flow_record = Record::start(log, client);
-        flow_record.connected(target);
-        Some(Arc::new(Flow {
-            client,
-            record: flow_record,
-            bytes_up: AtomicU64::new(0),
-            bytes_down: AtomicU64::new(0),
-            answered: AtomicBool::new(false),
-            lb: Arc::clone(lb),
+        Some(Flow::new(
+            (client, target),
+            lb,
+            &backend,
             socket,
-            state: FlowState::default(),
-            last_seen: AtomicU64::new(now),
-            refused: AtomicBool::new(false),
-            closed: Notify::new(),
-            backend_stats: udp.backend(backend.addr),
-            _guard: backend.connection_opened(),
-            backend: Arc::clone(&backend),
-        }))
+            log,
+            now,
+            udp,
+        ))
     });
     match admitted {
         Ok(Some(flow)) => {
@@ -596,6 +781,10 @@ async fn run_flow(shared: Arc<Shared>, flow: Arc<Flow>) {
         tokio::select! {
             _ = flow.closed.notified() => return,
             _ = shared.stop.cancelled() => {
+                if shared.handing_over.load(Ordering::Acquire) {
+                    // Left open for the hand-over to take.
+                    return;
+                }
                 if flow.state.close() {
                     retire(&shared, &flow, false);
                     log_flow_end(&shared, &flow, Termination::Drained);
