@@ -535,3 +535,54 @@ async fn pinned_to(client: std::net::IpAddr, vip: SocketAddr) -> String {
     let mut s = connect_from(client, vip).await.expect("connect");
     read_line(&mut s).await.expect("name line")
 }
+
+/// A restart by hand-over (`prepare-stop --restart`, SIGTERM, the next
+/// process started with the stored sockets, as `systemctl restart` under
+/// the unit) keeps a drain and a maint as the stop and start does: the
+/// hand-over writes the file, and the next process reads it before it
+/// serves on the adopted sockets.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn drain_and_maint_survive_a_restart_by_hand_over() {
+    let net = Subnet::new();
+    let _nodes = nodes(&net, &[11, 12, 13]).await;
+    let lb = Lb::new(LB, net.ip(1))
+        .backends(net.ips(&[11, 12, 13]))
+        .tcp("web", 8080, 30080);
+    let cfg = net.write("config.toml", &config(&net, lb).to_string());
+    let store = support::fd_store::FakeStore::new(net.dir(), 64);
+    let mut p = store.launch(Process::launch(&cfg));
+    p.wait_ready(admin(&net)).await;
+    set_state(&net, &net.ip_str(11), "drain").await;
+    set_state(&net, &net.ip_str(12), "maint").await;
+    let (code, out, err) = cli(vec![
+        "prepare-stop".into(),
+        "--config".into(),
+        cfg.display().to_string(),
+        "--restart".into(),
+    ])
+    .await;
+    assert_eq!(code, 0, "prepare-stop: {out}{err}");
+    p.signal(libc::SIGTERM);
+    assert_eq!(
+        p.exit_code(Duration::from_secs(30)).await,
+        0,
+        "{}",
+        p.log_tail(20)
+    );
+    p.wait_logged("handed over").await;
+
+    let mut p = store.launch(Process::launch(&cfg));
+    p.wait_ready(admin(&net)).await;
+    let s = status(&net).await;
+    assert_eq!(backend(&s, &net.ip_str(11))["admin_state"], "drain", "{s}");
+    assert_eq!(backend(&s, &net.ip_str(12))["admin_state"], "maint", "{s}");
+    assert!(
+        s["restart"]["adopted_listening_sockets"].as_u64() > Some(0),
+        "{}",
+        s["restart"]
+    );
+    for _ in 0..6 {
+        assert_eq!(served_by(vip(&net)).await, Ok(net.ip_str(13)));
+    }
+    stop(p).await;
+}
