@@ -78,6 +78,7 @@ pub mod os;
 pub mod owned;
 pub mod proxy;
 pub mod server;
+pub mod state_file;
 pub mod systemd;
 #[cfg(test)]
 mod test_clock;

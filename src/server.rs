@@ -232,7 +232,11 @@ pub async fn start(options: Options) -> Result<Server, StartError> {
     isolated?;
 
     daemon.set_config_file(&options.config_path);
+    // Before the first load balancer is made: operator states and verdicts
+    // are in place before the first probe and the first connection.
+    daemon.restore_state(&options.config_path, &config);
     let report = daemon.apply(config);
+    daemon.finish_restore();
     log_applied!(tracing::Level::INFO, report, config = %options.config_path.display(), "config applied");
     metrics.record_reload(true);
     // Every listener of the config is accepting: what the last process
@@ -256,6 +260,7 @@ pub async fn start(options: Options) -> Result<Server, StartError> {
         admin_stop.clone(),
     ));
     tokio::spawn(check_kernel_objects(Arc::clone(&daemon), stop.clone()));
+    daemon.start_state_writer(stop.clone());
     let main_loop = tokio::spawn(main_loop(
         options,
         watched,
@@ -350,6 +355,8 @@ impl Server {
         let _ = self.main_loop.await;
         systemd::notify("STOPPING=1");
         tracing::info!("stopping: no new connections; draining open ones");
+        // Before the drain stops the probes: the verdicts as they are.
+        self.daemon.write_state_last().await;
         let cut = self.daemon.shutdown().await;
         let isolation = Arc::clone(self.daemon.isolation());
         match tokio::task::spawn_blocking(move || isolation.remove()).await {

@@ -8,7 +8,9 @@
 //! restarted without it and with another range (the renewal is NAKed and a
 //! new VIP is leased, listeners move); the daemon stopped (RELEASE) and
 //! started again (INIT-REBOOT gets the same address); the load balancer
-//! removed (RELEASE, interface and state file gone). dnsmasq's shortest
+//! removed (RELEASE, interface and state file gone). A kept lease that
+//! expired while the daemon was down is asked for in a DISCOVER, not
+//! claimed with INIT-REBOOT. dnsmasq's shortest
 //! lease is 2 minutes; options 58/59 bring T1/T2 down to 6 s/9 s.
 //!
 //! The rogue-server tests give dnsmasq one bad offer each (a 128.0.0.0
@@ -342,6 +344,75 @@ async fn lease_renew_nak_reboot_release_against_dnsmasq() {
     );
 }
 
+/// The bed of most tests here: node 1 answering "n1", dnsmasq leasing
+/// 198.51.100.150-160.
+fn leased_bed(name: &str) -> (Bed, Node, Dnsmasq) {
+    let bed = Bed::new(name, 1);
+    let node = Node::start(&bed, 1, Service::NameThenEcho);
+    let dnsmasq = Dnsmasq::start(&bed.client, &bed.dir, (150, 160));
+    (bed, node, dnsmasq)
+}
+
+/// A kept lease that expired while the daemon was down is not claimed at
+/// start (an INIT-REBOOT REQUEST would take an address that may be someone
+/// else's by now): the client DISCOVERs, asking for that address first, and
+/// gets it back while it is free. Before, the first message after the start
+/// was a REQUEST for it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_expired_kept_lease_is_asked_for_in_a_discover_not_claimed() {
+    require_netns!();
+    if dnsmasq_skipped() {
+        return;
+    }
+    let (mut bed, _node, dnsmasq) = leased_bed("dhcpexp");
+    let text = config(&bed, true).to_string();
+    bed.start_daemon(&text).await;
+    let vip = address(&lease(&bed, 0, 0, Duration::from_secs(30)).await);
+    let mut d = bed.take_daemon();
+    d.signal(libc::SIGTERM);
+    assert!(
+        d.wait_exit(Duration::from_secs(15)).await.is_some(),
+        "daemon stopped"
+    );
+    drop(d);
+    // The kept lease, expired ten seconds ago.
+    let kept = std::fs::read_dir(bed.dir.join("state"))
+        .expect("the state directory")
+        .filter_map(Result::ok)
+        .map(|e| e.path())
+        .find(|p| {
+            p.file_name()
+                .is_some_and(|n| n.to_string_lossy().starts_with("dhcp-"))
+        })
+        .expect("a kept lease");
+    let mut lease_file: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&kept).expect("read")).expect("JSON");
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("after 1970")
+        .as_secs_f64();
+    lease_file["expires_unix"] = serde_json::json!(now - 10.0);
+    std::fs::write(&kept, lease_file.to_string()).expect("write");
+
+    let seen = dnsmasq.log().lines().count();
+    bed.start_daemon(&text).await;
+    let again = address(&lease(&bed, 0, 0, Duration::from_secs(30)).await);
+    assert_eq!(again, vip, "asked for first, and free");
+    let log = dnsmasq.log();
+    let first = log
+        .lines()
+        .skip(seen)
+        .find(|l| l.contains("DHCPDISCOVER(") || l.contains("DHCPREQUEST("))
+        .unwrap_or_else(|| panic!("no DHCP message after the restart:\n{log}"));
+    assert!(
+        first.contains("DHCPDISCOVER("),
+        "the first message after the restart: {first}"
+    );
+    bed.daemon()
+        .wait_logged("the kept DHCP lease has expired")
+        .await;
+}
+
 /// A leased VIP is isolated like any other: once the lease is bound, only
 /// its listener's port answers on it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -350,9 +421,7 @@ async fn a_leased_vip_is_isolated_once_it_is_leased() {
     if dnsmasq_skipped() {
         return;
     }
-    let mut bed = Bed::new("dhcpiso", 1);
-    let _node = Node::start(&bed, 1, Service::NameThenEcho);
-    let _dnsmasq = Dnsmasq::start(&bed.client, &bed.dir, (150, 160));
+    let (mut bed, _node, _dnsmasq) = leased_bed("dhcpiso");
     // The host's SSH, on its wildcard address.
     let ssh = bed.lb.listen(sa(Ipv4Addr::UNSPECIFIED, 22));
     tokio::spawn(async move {
@@ -405,9 +474,7 @@ async fn a_deleted_leased_address_or_macvlan_is_put_back() {
     if dnsmasq_skipped() {
         return;
     }
-    let mut bed = Bed::new("dhcprep", 1);
-    let _node = Node::start(&bed, 1, Service::NameThenEcho);
-    let _dnsmasq = Dnsmasq::start(&bed.client, &bed.dir, (150, 160));
+    let (mut bed, _node, _dnsmasq) = leased_bed("dhcprep");
     bed.start_daemon(&config(&bed, true).to_string()).await;
     let leased = lease(&bed, 0, 0, Duration::from_secs(30)).await;
     let vip = address(&leased);

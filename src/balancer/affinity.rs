@@ -25,15 +25,22 @@ use tokio::time::Instant;
 use super::ClientAddr;
 use crate::metrics::LbStats;
 
-/// Seconds since this process first asked: a coarse monotonic clock that
-/// fits an entry's last-seen time in four bytes. On tokio's clock, so that
-/// a test with a paused clock drives expiry (outside tests it is the
-/// system's monotonic clock, at the same cost).
+/// Seconds since this process first asked, plus [`CLOCK_BASE`]: a coarse
+/// monotonic clock that fits an entry's last-seen time in four bytes. On
+/// tokio's clock, so that a test with a paused clock drives expiry (outside
+/// tests it is the system's monotonic clock, at the same cost).
 pub fn now_secs() -> u32 {
     static START: OnceLock<Instant> = OnceLock::new();
     let start = *START.get_or_init(Instant::now);
-    u32::try_from(Instant::now().duration_since(start).as_secs()).unwrap_or(u32::MAX)
+    u32::try_from(Instant::now().duration_since(start).as_secs())
+        .unwrap_or(u32::MAX)
+        .saturating_add(CLOCK_BASE)
 }
+
+/// Where [`now_secs`] starts: about twelve days, so that an entry restored
+/// from the state file at start can be dated before the process began (an
+/// affinity timeout is at most a day).
+pub const CLOCK_BASE: u32 = 1 << 20;
 
 /// The process-wide bound on affinity entries, shared by every table.
 pub type AffinityBudget = crate::budget::Budget;
@@ -118,6 +125,38 @@ impl AffinityTable {
         let n = self.entries.len();
         self.entries.clear();
         self.forget(n);
+    }
+
+    /// Every entry as (client, backend, seconds since it was last seen at
+    /// `now`), for the state file.
+    pub fn export(&self, now: u32) -> Vec<(IpAddr, IpAddr, u32)> {
+        self.entries
+            .iter()
+            .map(|e| {
+                let seen = e.value().last_seen.load(Ordering::Relaxed);
+                (*e.key(), e.value().backend, now.saturating_sub(seen))
+            })
+            .collect()
+    }
+
+    /// Puts back an entry of the state file: `client` was given `backend`
+    /// and last seen `age` seconds before `now`. An entry already there (a
+    /// client served since) is kept; the budget bounds the restored ones as
+    /// any other. Returns whether it was put back.
+    pub fn restore(&self, client: IpAddr, backend: IpAddr, age: u32, now: u32) -> bool {
+        if self.entries.contains_key(&client) || !self.budget.take() {
+            return false;
+        }
+        let entry = Entry {
+            backend,
+            last_seen: AtomicU32::new(now.saturating_sub(age)),
+        };
+        if self.entries.insert(client, entry).is_some() {
+            self.budget.give_back(1);
+            return false;
+        }
+        self.stats.affinity_entries.increment();
+        true
     }
 
     /// Entries held now.

@@ -35,6 +35,9 @@ pub struct FileConfig {
     /// `[log]`: what the daemon writes to its log beyond its own events.
     #[serde(default)]
     pub log: FileLog,
+    /// `[daemon]`: the process itself (the state file kept across restarts).
+    #[serde(default)]
+    pub daemon: FileDaemon,
     /// `[[load_balancer]]`: one per Kubernetes `LoadBalancer` service.
     #[serde(default, rename = "load_balancer")]
     pub load_balancers: Vec<Spanned<FileLoadBalancer>>,
@@ -134,6 +137,14 @@ pub struct FileAdmin {
     /// Path of the Unix socket that serves the state-changing endpoints;
     /// default `/run/harvester-lb/admin.sock`.
     pub socket: Option<Spanned<String>>,
+}
+
+/// `[daemon]`.
+#[derive(Debug, Default, Deserialize)]
+pub struct FileDaemon {
+    /// The state file kept across restarts; default `$STATE_DIRECTORY/state.json`
+    /// under systemd, else none.
+    pub state_file: Option<Spanned<String>>,
 }
 
 /// `[dhcp]`: process-wide settings of the DHCP client.

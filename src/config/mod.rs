@@ -68,6 +68,8 @@ pub struct Config {
     pub dhcp: DhcpSettings,
     /// The connection log's process-wide bound (`[log]`).
     pub log: LogSettings,
+    /// The process itself (`[daemon]`).
+    pub daemon: DaemonSettings,
     /// Every load balancer, in file order; names are unique.
     pub load_balancers: Vec<Arc<LoadBalancerSpec>>,
     /// `[[network]]`: the VM networks VIPs can live on, names unique.
@@ -90,6 +92,15 @@ pub struct AdminSettings {
     /// who may drain a backend; the TCP listener is open to every process on
     /// the host, `hostNetwork` pods included.
     pub socket: PathBuf,
+}
+
+/// `[daemon]`: the process itself.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct DaemonSettings {
+    /// `daemon.state_file`: where the state that survives a restart is
+    /// kept (`crate::state_file`); `None`: systemd's `$STATE_DIRECTORY`
+    /// decides, and without it none is kept. Read at start only.
+    pub state_file: Option<PathBuf>,
 }
 
 /// `[metrics]`: the opt-in series, each costly at scale.

@@ -348,6 +348,9 @@ impl Daemon {
                 (*ip, backend)
             })
             .collect();
+        // Before the first snapshot and probe: a backend an operator
+        // drained stays out from the first connection after a restart.
+        let kept_affinity = self.restore_backends(spec, &backends);
         let members = spec
             .backends
             .iter()
@@ -364,6 +367,9 @@ impl Daemon {
         lb.notify_on_publish([Arc::clone(&self.kernel_wake), self.announcer_notify()]);
         let entry = LbEntry { lb, backends };
         self.ensure_probes(&entry, spec);
+        self.restore_affinity(&entry, spec, kept_affinity);
+        // Restored verdicts were set after the first snapshot.
+        entry.lb.publish();
         entry
     }
 
@@ -441,13 +447,15 @@ impl Daemon {
                 // Not probed while in maintenance; probing resumes when it leaves.
                 continue;
             }
-            let initial = HealthState::new(spec.initial_state);
-            let healthy = initial.status == Health::Healthy;
+            let configured = HealthState::new(spec.initial_state);
             if let Some(port) = hc.port {
                 let key = TargetKey::new(&spec.name, *ip, None);
+                let mut initial = configured;
                 if self.prober.get(&key).is_none() {
-                    // A backend gaining a health check starts from the initial state.
-                    backend.set_healthy(healthy);
+                    // A backend gaining a health check starts from the
+                    // verdict the last process left, else the initial state.
+                    initial = self.restored_verdict(&key).unwrap_or(configured);
+                    backend.set_healthy(initial.status == Health::Healthy);
                 }
                 self.prober
                     .ensure(&entry.lb, backend, None, port, hc, initial);
@@ -459,8 +467,10 @@ impl Daemon {
                     continue;
                 };
                 let key = TargetKey::new(&spec.name, *ip, Some(port));
+                let mut initial = configured;
                 if self.prober.get(&key).is_none() {
-                    backend.set_port_healthy(&cell, healthy);
+                    initial = self.restored_verdict(&key).unwrap_or(configured);
+                    backend.set_port_healthy(&cell, initial.status == Health::Healthy);
                 }
                 self.prober
                     .ensure(&entry.lb, backend, Some(&cell), port, hc, initial);

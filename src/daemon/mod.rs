@@ -37,6 +37,7 @@ mod kernel;
 mod kernel_check;
 mod leases;
 mod network_links;
+mod persist;
 mod readiness;
 mod status;
 mod sync;
@@ -51,6 +52,7 @@ pub use announce::{
 pub use hand_over::{HandOverReport, StopKind};
 pub use kernel_check::KernelCheckCause;
 pub use network_links::NetworkRefusal;
+pub use persist::{RestoredCounts, StateFileStatus};
 pub use readiness::{UnboundListener, VipNotReady};
 pub use status::{
     BackendStatus, ConfigStatus, LeaseStatus, ListenerStatus, LoadBalancerStatus, PortStatus,
@@ -133,6 +135,9 @@ pub struct Daemon {
     /// (`owned::claim`): taken at start and reload before the config
     /// that needs them is applied.
     claims: crate::owned::Claims,
+    /// The state file: read at start, written on changes and at stop
+    /// (`persist`, issue 41).
+    persist: persist::Persist,
     /// systemd's file descriptor store and the sockets it handed this
     /// process (issue 41, `hand_over::sockets`).
     fds: std::sync::RwLock<hand_over::Fds>,
@@ -250,6 +255,7 @@ impl Daemon {
             vmnet: vmnet::VmNet::default(),
             sync: sync::SyncState::default(),
             claims: crate::owned::Claims::default(),
+            persist: persist::Persist::default(),
             fds: Default::default(),
             intent: Mutex::new(None),
         })

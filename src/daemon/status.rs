@@ -62,6 +62,7 @@ impl Daemon {
             vip_refused: self.vip_refusals(),
             network_refused: self.network_refusals(),
             conntrack_sync: self.sync_status(),
+            state_file: self.state_file_status(),
             restart: RestartStatus {
                 fd_store: self.fd_store().is_on(),
                 stored_fds: self.fd_store().stored_fds(),
@@ -317,6 +318,9 @@ pub struct StatusDoc {
     /// transition and commit, and its gate; absent without it.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub conntrack_sync: Option<super::sync::SyncStatus>,
+    /// The state kept across restarts: the file, what start restored from
+    /// it or why it was ignored, and the last write.
+    pub state_file: super::StateFileStatus,
     /// The restart (issue 41): systemd's file descriptor store, what this
     /// process adopted from it, what the last process handed over, and a
     /// restart announced by `prepare-stop` and waiting for its SIGTERM.

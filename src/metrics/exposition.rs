@@ -473,6 +473,7 @@ impl Exposition {
         for (result, c) in [("success", &m.reloads_ok), ("failure", &m.reloads_failed)] {
             out.sample("", |b| label_first(b, "result", result), c.get());
         }
+        self.state_families(buf);
         let mut headed = false;
         Out {
             buf,
@@ -805,6 +806,50 @@ pub(super) fn labelled_family(
 }
 
 /// One sample of a family without labels (a daemon-wide gauge), with its header.
+impl Exposition {
+    /// The state file's families (issue 41): absent until start has read
+    /// it; the writes only where a file is kept.
+    fn state_families(&self, buf: &mut Vec<u8>) {
+        let m = &self.metrics;
+        let sample = m
+            .state_restored
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        let Some(sample) = sample else { return };
+        let mut headed = false;
+        Out {
+            buf,
+            family: &names::STATE_FILE_OUTCOME,
+            headed: &mut headed,
+        }
+        .sample("", |b| label_first(b, "outcome", sample.outcome), 1);
+        let mut headed = false;
+        let mut out = Out {
+            buf,
+            family: &names::STATE_RESTORED,
+            headed: &mut headed,
+        };
+        for (kind, n) in sample.kinds {
+            out.sample("", |b| label_first(b, "kind", kind), n);
+        }
+        if sample.outcome != "none" {
+            let mut headed = false;
+            let mut out = Out {
+                buf,
+                family: &names::STATE_FILE_WRITES,
+                headed: &mut headed,
+            };
+            for (result, c) in [
+                ("success", &m.state_writes_ok),
+                ("failure", &m.state_writes_failed),
+            ] {
+                out.sample("", |b| label_first(b, "result", result), c.get());
+            }
+        }
+    }
+}
+
 fn gauge(buf: &mut Vec<u8>, family: &'static Family, value: &dyn Display) {
     let mut headed = false;
     Out {

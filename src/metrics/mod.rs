@@ -116,8 +116,21 @@ pub struct Metrics {
     pub(crate) host_repairs: Arc<HostRepairs>,
     /// `[conntrackd]`: the last check's findings; `None` without it.
     pub(crate) conntrack_sync: std::sync::Mutex<Option<SyncSample>>,
+    /// The state file at start: its outcome and the entries put back per
+    /// kind; `None` before start says.
+    pub(crate) state_restored: std::sync::Mutex<Option<StateRestoredSample>>,
+    /// Writes of the state file that succeeded, and that failed.
+    pub(crate) state_writes_ok: Counter,
+    pub(crate) state_writes_failed: Counter,
     /// The restart's numbers (issue 41).
     hand_over: hand_over::HandOverStats,
+}
+
+/// What start made of the state file, for `/metrics`.
+#[derive(Debug, Clone)]
+pub(crate) struct StateRestoredSample {
+    pub(crate) outcome: &'static str,
+    pub(crate) kinds: [(&'static str, usize); 3],
 }
 
 /// `[conntrackd]`'s state as the last check found it, for `/metrics`.
@@ -249,6 +262,24 @@ impl Metrics {
             .store(load_balancers as u64, Ordering::Relaxed);
         self.health_check_streams
             .store(health_check_streams as u64, Ordering::Relaxed);
+    }
+
+    /// Records what start made of the state file: its outcome and the
+    /// entries put back per kind.
+    pub fn set_state_restored(&self, outcome: &'static str, kinds: [(&'static str, usize); 3]) {
+        *self
+            .state_restored
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()) = Some(StateRestoredSample { outcome, kinds });
+    }
+
+    /// Counts one write of the state file.
+    pub fn state_file_written(&self, ok: bool) {
+        if ok {
+            self.state_writes_ok.increment(1);
+        } else {
+            self.state_writes_failed.increment(1);
+        }
     }
 
     /// Records the VIP isolation's state: `None` when it is off, else

@@ -480,6 +480,24 @@ pub static CONNTRACK_MAX: Family = Family::new(
     Gauge,
     "Size of this host's connection tracking table (net.netfilter.nf_conntrack_max): a new flow beyond it is dropped.",
 );
+/// The state file at start (issue 41): 1 on the series of its outcome.
+pub static STATE_FILE_OUTCOME: Family = Family::new(
+    "harvester_lb_state_file_outcome",
+    Gauge,
+    "What start made of the state file: 1 on the outcome (restored, missing, none, or why it was ignored: corrupt, stale, future, other_config, unknown_version, unreadable).",
+);
+/// Entries the state file put back at start, by `kind`.
+pub static STATE_RESTORED: Family = Family::new(
+    "harvester_lb_state_restored",
+    Gauge,
+    "Entries the state file put back at start, by kind (operator_state, verdict, affinity_entry).",
+);
+/// Writes of the state file, by `result`.
+pub static STATE_FILE_WRITES: Family = Family::new(
+    "harvester_lb_state_file_writes_total",
+    Counter,
+    "Writes of the state file, by result (success, failure).",
+);
 /// Reloads, by `result`.
 pub static CONFIG_RELOADS: Family = Family::new(
     "harvester_lb_config_reloads_total",

@@ -23,10 +23,10 @@ use toml::de::DeTable;
 
 use super::file::{FileConfig, FileListener, FileLoadBalancer};
 use super::{
-    AdminSettings, Algorithm, Config, ConntrackdSettings, HealthCheckSpec, InitialState, Ipam,
-    IsolateAction, ListenerSpec, LoadBalancerSpec, Loaded, LogConnections, LogSettings,
-    MetricsSettings, OnBackendDown, Problem, Protocol, ProxyProtocol, ProxySettings, UdpSettings,
-    VipSettings,
+    AdminSettings, Algorithm, Config, ConntrackdSettings, DaemonSettings, HealthCheckSpec,
+    InitialState, Ipam, IsolateAction, ListenerSpec, LoadBalancerSpec, Loaded, LogConnections,
+    LogSettings, MetricsSettings, OnBackendDown, Problem, Protocol, ProxyProtocol, ProxySettings,
+    UdpSettings, VipSettings,
 };
 
 mod announce;
@@ -333,8 +333,24 @@ impl Validator<'_> {
 
         let (networks, network_names) = self.networks(file, &vip);
         let keepalived = self.keepalived(file);
+        let daemon = DaemonSettings {
+            state_file: file.daemon.state_file.as_ref().map(|v| {
+                let p = v.get_ref();
+                if !p.starts_with('/') || p.ends_with('/') || p.contains('\0') {
+                    self.problem(
+                        Some(v.span()),
+                        "daemon.state_file",
+                        format!(
+                            "{p:?} is not an absolute file path; write e.g. \"/var/lib/harvester-lb/state.json\""
+                        ),
+                    );
+                }
+                PathBuf::from(p)
+            }),
+        };
         let config = Config {
             admin,
+            daemon,
             proxy: ProxySettings {
                 backlog: backlog as u32,
                 drain_timeout: Duration::from_secs(drain as u64),

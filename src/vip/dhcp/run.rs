@@ -485,7 +485,16 @@ pub async fn run(ctx: Ctx, stop: CancellationToken, ending: Arc<Ending>) {
             }
         }
     };
-    let last = state::load(&ctx.state_file).map(|s| s.address);
+    let kept = state::load(&ctx.state_file);
+    let resume = state::resume(
+        kept.as_ref(),
+        ctx.spec.requested,
+        unix_now(SystemTime::now()),
+    );
+    if let Some(expired) = kept.as_ref().filter(|_| resume.reboot_with.is_none()) {
+        tracing::info!(load_balancer = %ctx.name, address = %expired.address, expired_unix = expired.expires_unix, "the kept DHCP lease has expired: asking for its address in a DISCOVER instead of claiming it");
+    }
+    let last = resume.reboot_with;
     let id = Identity {
         mac: ctx.spec.mac,
         hostname: ctx.spec.hostname.clone(),
@@ -512,7 +521,7 @@ pub async fn run(ctx: Ctx, stop: CancellationToken, ending: Arc<Ending>) {
         id,
         ctx.spec.servers.clone(),
         last,
-        ctx.spec.requested,
+        resume.hint,
         seed,
         Instant::now(),
     );

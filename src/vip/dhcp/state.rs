@@ -67,6 +67,38 @@ pub fn load(file: &Path) -> Option<Stored> {
     }
 }
 
+/// How a client starts from its kept lease at Unix time `now`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Resume {
+    /// The address to ask for again at once (INIT-REBOOT: a REQUEST, not a
+    /// DISCOVER): the kept lease's, while it has not expired.
+    pub reboot_with: Option<Ipv4Addr>,
+    /// The address to ask for in a DISCOVER: an expired lease's (the
+    /// server may still have it free), else `requested` (the config's).
+    pub hint: Option<Ipv4Addr>,
+}
+
+/// Decides [`Resume`] from the kept lease: a lease still valid is asked
+/// for again (RFC 2131 §3.2: a client that remembers its address), one
+/// that has expired is not claimed (the address may be someone else's by
+/// now) but asked for first in a DISCOVER.
+pub fn resume(kept: Option<&Stored>, requested: Option<Ipv4Addr>, now: f64) -> Resume {
+    match kept {
+        Some(s) if s.expires_unix > now => Resume {
+            reboot_with: Some(s.address),
+            hint: requested,
+        },
+        Some(s) => Resume {
+            reboot_with: None,
+            hint: Some(s.address),
+        },
+        None => Resume {
+            reboot_with: None,
+            hint: requested,
+        },
+    }
+}
+
 /// Writes `stored` to `file` atomically, creating the directory.
 pub fn save(file: &Path, stored: &Stored) -> std::io::Result<()> {
     if let Some(dir) = file.parent() {
@@ -91,19 +123,52 @@ pub fn remove(file: &Path) {
 mod tests {
     use super::*;
 
-    #[test]
-    fn a_lease_round_trips_and_junk_is_ignored() {
-        let dir = std::env::temp_dir().join(format!("hlb-state-{}", std::process::id()));
-        let file = path(&dir, [2, 0, 0, 0, 0, 1]);
-        assert!(file.ends_with("dhcp-020000000001.json"));
-        let s = Stored {
+    /// A kept lease of 198.51.100.150 expiring at `expires_unix`.
+    fn stored(expires_unix: f64) -> Stored {
+        Stored {
             load_balancer: "default/web".into(),
             cluster: "kubernetes".into(),
             mac: colons([2, 0, 0, 0, 0, 1]),
             address: Ipv4Addr::new(198, 51, 100, 150),
             server: Ipv4Addr::new(198, 51, 100, 2),
-            expires_unix: 1.5e9,
-        };
+            expires_unix,
+        }
+    }
+
+    #[test]
+    fn a_valid_lease_is_asked_for_again_and_an_expired_one_only_hinted() {
+        let kept = stored(1000.0);
+        let configured = Some(Ipv4Addr::new(198, 51, 100, 7));
+        assert_eq!(
+            resume(Some(&kept), configured, 999.0),
+            Resume {
+                reboot_with: Some(kept.address),
+                hint: configured
+            }
+        );
+        assert_eq!(
+            resume(Some(&kept), configured, 1000.5),
+            Resume {
+                reboot_with: None,
+                hint: Some(kept.address)
+            },
+            "expired: not claimed, but asked for first"
+        );
+        assert_eq!(
+            resume(None, configured, 999.0),
+            Resume {
+                reboot_with: None,
+                hint: configured
+            }
+        );
+    }
+
+    #[test]
+    fn a_lease_round_trips_and_junk_is_ignored() {
+        let dir = std::env::temp_dir().join(format!("hlb-state-{}", std::process::id()));
+        let file = path(&dir, [2, 0, 0, 0, 0, 1]);
+        assert!(file.ends_with("dhcp-020000000001.json"));
+        let s = stored(1.5e9);
         save(&file, &s).expect("save");
         assert_eq!(load(&file), Some(s));
         std::fs::write(&file, b"{not json").expect("write");
