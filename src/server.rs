@@ -14,7 +14,7 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::{self, Config, ConfigError};
-use crate::daemon::{Daemon, log_applied};
+use crate::daemon::{Daemon, HandOverReport, StopKind, log_applied};
 use crate::metrics::Metrics;
 use crate::vip::port_filter::IsolationError;
 use crate::workers::Workers;
@@ -179,6 +179,10 @@ pub async fn start(options: Options) -> Result<Server, StartError> {
         .claims()
         .take_all(&owned::claim::needed(&config))
         .await?;
+    // With the claims held, before any object is written: after a
+    // hand-over the objects the previous process left are adopted, not
+    // written again (`daemon::hand_over`).
+    daemon.take_hand_over_marker(&unix_path);
     // Before the isolation and the listeners: a load balancer whose VIP is
     // this host's own address or its router's is never written anywhere.
     // First the networks: one whose interface is no VM network's here
@@ -291,6 +295,32 @@ impl Server {
     }
 }
 
+impl Server {
+    /// The first half of a restart (issue 41): stops serving the config and
+    /// the admin API and hands everything to the next process
+    /// ([`Daemon::hand_over`]); nothing written into the host is removed
+    /// (no isolation removal, unlike [`Server::shutdown`]).
+    pub async fn hand_over(self) -> HandOverReport {
+        self.stop.cancel();
+        let _ = self.main_loop.await;
+        systemd::notify("STOPPING=1");
+        tracing::info!("stopping for a restart: handing over to the next process");
+        let report = self.daemon.hand_over().await;
+        self.admin_stop.cancel();
+        if let Err(e) = self.socket_task.await {
+            tracing::warn!(error = %e, "the admin socket task ended abnormally");
+        }
+        tracing::info!(
+            listeners = report.listeners,
+            connections = report.connections,
+            flows = report.flows,
+            lost = report.lost,
+            "handed over"
+        );
+        report
+    }
+}
+
 /// Sends a reload request and waits for its outcome.
 pub async fn request_reload(sender: &mpsc::Sender<ReloadRequest>) -> Result<String, ReloadError> {
     let (tx, rx) = oneshot::channel();
@@ -326,7 +356,14 @@ pub async fn run(options: Options) -> Result<(), RunError> {
         crate::logging::flush();
         std::process::exit(1);
     });
-    server.shutdown().await;
+    match server.daemon().stop_kind() {
+        StopKind::HandOver => {
+            server.hand_over().await;
+        }
+        StopKind::Drain => {
+            server.shutdown().await;
+        }
+    }
     Ok(())
 }
 

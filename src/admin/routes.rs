@@ -53,6 +53,13 @@ pub(super) async fn route(
             );
         }
         "/announce/state" => "POST",
+        "/hand-over" if origin == Origin::Tcp => {
+            return json_error(
+                StatusCode::FORBIDDEN,
+                "a hand-over is asked only on the admin Unix socket (admin.socket)",
+            );
+        }
+        "/hand-over" => "POST",
         _ => {
             return text(
                 StatusCode::NOT_FOUND,
@@ -126,6 +133,14 @@ pub(super) async fn route(
         }
         "/backends/state" => set_state(req, daemon, peer).await,
         "/announce/state" => set_announce_state(req, daemon, peer).await,
+        "/hand-over" => {
+            daemon.request_hand_over();
+            tracing::info!(
+                peer,
+                "hand-over asked: the next SIGTERM hands over instead of draining"
+            );
+            text(StatusCode::OK, "the next SIGTERM hands over\n")
+        }
         _ => text(StatusCode::NOT_FOUND, "not found\n"),
     }
 }

@@ -17,11 +17,19 @@
 //! - `host`: the kernel objects, routes, addresses and keepalived's and
 //!   conntrackd's files left in place for the next process to adopt.
 
+use std::time::Duration;
+
 use super::Daemon;
 
 mod host;
 mod sockets;
 mod state;
+
+pub use host::{HandOverMarker, MARKER_FILE, MARKER_MAX_AGE, MarkerError};
+
+/// How long `POST /hand-over` waits for its SIGTERM: a stop that comes
+/// later drains (the restart it was asked for did not come).
+pub const INTENT_TTL: Duration = Duration::from_secs(60);
 
 /// What a stop does with the daemon's sockets and host objects.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -49,6 +57,29 @@ pub struct HandOverReport {
 }
 
 impl Daemon {
+    /// `POST /hand-over`: the next SIGTERM, within [`INTENT_TTL`], hands
+    /// over instead of draining. (A minimal stand-in for h41-store's
+    /// intent and `prepare-stop`, which replace it.)
+    pub fn request_hand_over(&self) {
+        *self
+            .hand_over_intent
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()) = Some(tokio::time::Instant::now());
+    }
+
+    /// What the coming stop does: [`StopKind::HandOver`] when asked for
+    /// less than [`INTENT_TTL`] ago.
+    pub fn stop_kind(&self) -> StopKind {
+        let asked = *self
+            .hand_over_intent
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        match asked {
+            Some(at) if at.elapsed() <= INTENT_TTL => StopKind::HandOver,
+            _ => StopKind::Drain,
+        }
+    }
+
     /// Hands everything to the next process of the unit instead of draining:
     /// see the module's doc.
     pub async fn hand_over(&self) -> HandOverReport {

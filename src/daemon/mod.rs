@@ -44,10 +44,12 @@ mod vip_guard;
 mod vmnet;
 
 pub use admin_state::{AdminStateChange, AdminStateError};
-pub use hand_over::{HandOverReport, StopKind};
 pub use announce::decide;
 pub use announce::{
     AnnounceStateChange, AnnounceStateError, AnnounceStatus, LbAnnounceStatus, VipAnnounceStatus,
+};
+pub use hand_over::{
+    HandOverMarker, HandOverReport, MARKER_FILE, MARKER_MAX_AGE, MarkerError, StopKind,
 };
 pub use kernel_check::KernelCheckCause;
 pub use network_links::NetworkRefusal;
@@ -131,6 +133,9 @@ pub struct Daemon {
     /// (`owned::claim`): taken at start and reload before the config
     /// that needs them is applied.
     claims: crate::owned::Claims,
+    /// When `POST /hand-over` asked that the next SIGTERM hand over
+    /// (`hand_over`; a stand-in for h41-store's intent).
+    hand_over_intent: Mutex<Option<tokio::time::Instant>>,
 }
 
 #[derive(Default)]
@@ -243,6 +248,7 @@ impl Daemon {
             vmnet: vmnet::VmNet::default(),
             sync: sync::SyncState::default(),
             claims: crate::owned::Claims::default(),
+            hand_over_intent: Mutex::new(None),
         })
     }
 

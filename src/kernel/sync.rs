@@ -335,6 +335,13 @@ impl KernelTable {
         self.lock().error.as_ref().map(|e| e.to_string())
     }
 
+    /// Stops writing without removing anything (a hand-over to the next
+    /// process, issue 41): the tables stay as they are, every later sync
+    /// writes nothing, and the next process's first sync reads them back.
+    pub fn leave(&self) {
+        self.lock().closed = true;
+    }
+
     /// Deletes the table (a clean stop, after the drain): new connections
     /// go to the proxy's sockets until they close. Nothing when this
     /// process never had a kernel listener.

@@ -120,6 +120,20 @@ impl Hysteresis {
         }
     }
 
+    /// Announced already: a route the previous process handed over
+    /// (issue 41), kept while the conditions hold and withdrawn at once
+    /// when they fail, as if this process had announced it.
+    pub fn adopted(now: Instant) -> Self {
+        Self {
+            announced: true,
+            holding_since: Some(now),
+            blocker: None,
+            damp_level: 0,
+            transitions: 0,
+            since: now,
+        }
+    }
+
     /// Whether the decision is "announced".
     pub fn announced(&self) -> bool {
         self.announced
