@@ -490,6 +490,11 @@ mod tests {
             self.kernel.remove(key);
             Ok(())
         }
+
+        /// The kernel's copy is exactly what was wanted.
+        fn adoptable(&self, want: &String, seen: &String) -> bool {
+            want == seen
+        }
     }
 
     type Owning = Fake<true>;
@@ -705,6 +710,33 @@ mod tests {
             assert_eq!(held(&d), vec![1]);
             let out = d.stop().await;
             assert_eq!(out.removed, vec![1]);
+        });
+    }
+
+    #[test]
+    fn a_predecessors_object_exactly_as_wanted_is_adopted_without_a_write() {
+        block_on(async {
+            let mut d = Driver::new(Owning::default());
+            d.backend.kernel.insert(1, ours("h"));
+            d.backend.kernel.insert(2, ours("old"));
+            d.backend.kernel.insert(
+                3,
+                Found {
+                    seen: "h".into(),
+                    marked: false,
+                },
+            );
+            let out = d.sync(&wanted(&[(1, "h"), (2, "h"), (3, "h")])).await;
+            assert_eq!(out.adopted, vec![1], "as wanted: taken, not written");
+            assert_eq!(out.written, vec![2], "another value: written");
+            assert_eq!(out.foreign.len(), 1, "not marked: never adopted");
+            assert_eq!(d.backend.ops, vec!["write 2=h"]);
+            assert!(d.holds(&1));
+            // Adopted, then changed by another process: repaired as any of ours.
+            d.backend.kernel.insert(1, ours("x"));
+            let out = d.sync(&wanted(&[(1, "h"), (2, "h")])).await;
+            assert_eq!(out.repaired.len(), 1);
+            assert_eq!(out.written, vec![1]);
         });
     }
 
