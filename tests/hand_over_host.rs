@@ -307,6 +307,12 @@ async fn netns_a_hand_over_keeps_kernel_flows_tables_and_routes_and_a_stop_still
     let d2 = DaemonProc::spawn(&a, &path, &bed.dir.join("daemon-2.log"), None);
     serving(&d2).await;
     assert!(!marker.exists(), "the next process took the marker");
+    let adoption = d2.status().await["host_adoption"].clone();
+    assert_eq!(
+        adoption,
+        serde_json::json!({"after_hand_over": true, "tables_adopted": 1, "tables_rewritten": 0}),
+        "the isolation table adopted as it was"
+    );
     // Traffic on after the new process took over, then the tally.
     tokio::time::sleep(Duration::from_secs(2)).await;
     stop.store(true, Ordering::Release);

@@ -62,6 +62,7 @@ impl Daemon {
             vip_refused: self.vip_refusals(),
             network_refused: self.network_refusals(),
             conntrack_sync: self.sync_status(),
+            host_adoption: crate::owned::adopt::adoption(),
         }
     }
 
@@ -310,6 +311,10 @@ pub struct StatusDoc {
     /// transition and commit, and its gate; absent without it.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub conntrack_sync: Option<super::sync::SyncStatus>,
+    /// Whether this process started after a hand-over, and how many of
+    /// the tables the previous process left it adopted as they were or
+    /// wrote again (issue 41).
+    pub host_adoption: crate::owned::adopt::Adoption,
 }
 
 /// The config file in `/status`: an on-call engineer must see that the

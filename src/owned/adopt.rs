@@ -35,6 +35,7 @@ pub struct Written {
 static WRITTEN: Mutex<BTreeMap<String, Written>> = Mutex::new(BTreeMap::new());
 static INHERITED: Mutex<BTreeMap<String, Written>> = Mutex::new(BTreeMap::new());
 static ADOPTED: AtomicU64 = AtomicU64::new(0);
+static HANDED_OVER: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 static REWRITTEN: AtomicU64 = AtomicU64::new(0);
 
 fn lock(
@@ -90,6 +91,7 @@ pub fn written() -> BTreeMap<String, Written> {
 
 /// At start: what the predecessor handed over.
 pub fn inherit(tables: BTreeMap<String, Written>) {
+    HANDED_OVER.store(true, Ordering::Relaxed);
     *lock(&INHERITED) = tables;
 }
 
@@ -123,13 +125,26 @@ pub fn adopt(table: &str, script: u64, now: Option<&Fingerprint>) -> bool {
     same
 }
 
-/// Tables adopted unchanged, and inherited tables written again, since the
-/// start (`/status`).
-pub fn counts() -> (u64, u64) {
-    (
-        ADOPTED.load(Ordering::Relaxed),
-        REWRITTEN.load(Ordering::Relaxed),
-    )
+/// What `/status` says of the start (`host_adoption`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct Adoption {
+    /// Whether this process started after a hand-over (a fresh marker).
+    pub after_hand_over: bool,
+    /// Tables the previous process handed over that were adopted as they
+    /// were (same handle, no write).
+    pub tables_adopted: u64,
+    /// Tables it handed over that differed (a changed config, another
+    /// process's change) and were written again.
+    pub tables_rewritten: u64,
+}
+
+/// The adoption at this process's start.
+pub fn adoption() -> Adoption {
+    Adoption {
+        after_hand_over: HANDED_OVER.load(Ordering::Relaxed),
+        tables_adopted: ADOPTED.load(Ordering::Relaxed),
+        tables_rewritten: REWRITTEN.load(Ordering::Relaxed),
+    }
 }
 
 #[cfg(test)]
