@@ -90,3 +90,23 @@ impl Daemon {
         report
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::daemon::testing::daemon;
+
+    #[tokio::test(start_paused = true)]
+    async fn a_sigterm_hands_over_only_within_the_intent_s_bound() {
+        let d = daemon();
+        assert_eq!(d.stop_kind(), StopKind::Drain, "no word: a stop drains");
+        d.request_hand_over();
+        assert_eq!(d.stop_kind(), StopKind::HandOver);
+        tokio::time::advance(INTENT_TTL + Duration::from_secs(1)).await;
+        assert_eq!(
+            d.stop_kind(),
+            StopKind::Drain,
+            "the restart never came: a later stop drains"
+        );
+    }
+}
