@@ -84,6 +84,10 @@ impl Daemon {
     /// see the module's doc.
     pub async fn hand_over(&self) -> HandOverReport {
         let mut report = HandOverReport::default();
+        // First: no writer into the host may act on what follows (a
+        // listener leaving, `stopping` set): the announcer would withdraw
+        // every VIP of a stopping daemon.
+        self.stop_host_writers().await;
         self.hand_over_sockets(&mut report).await;
         self.save_state(&mut report).await;
         self.leave_host_objects(&mut report).await;

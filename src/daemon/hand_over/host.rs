@@ -185,13 +185,13 @@ impl HandOverMarker {
 }
 
 impl Daemon {
-    /// Stops the daemon's tasks that write into the host, removing nothing,
-    /// and writes the hand-over marker (see the module's doc).
-    pub(super) async fn leave_host_objects(&self, _report: &mut HandOverReport) {
-        // The writers first, each under its own lock, so no step that began
-        // before runs on after this: the NAT tables, the announcer (no
-        // withdraw), the VM-network task (keepalived's file, the networks'
-        // routes, the reply marks, the guard, conntrackd and the gate).
+    /// Stops the daemon's tasks that write into the host, removing nothing
+    /// (the first step of a hand-over: before the listeners go).
+    pub(super) async fn stop_host_writers(&self) {
+        // Each under its own lock, so no step that began before runs on
+        // after this: the NAT tables, the announcer (no withdraw), the
+        // VM-network task (keepalived's file, the networks' routes, the
+        // reply marks, the guard, conntrackd and the gate).
         self.kernel.leave();
         self.announce_leave().await;
         self.vmnet_leave().await;
@@ -199,6 +199,11 @@ impl Daemon {
         self.prober.stop_all();
         // No RELEASE: the leases, their macvlans and addresses stay.
         self.leases.leave().await;
+    }
+
+    /// The last step of a hand-over: the marker for `withdraw --all` and the
+    /// next process (see the module's doc).
+    pub(super) async fn leave_host_objects(&self, _report: &mut HandOverReport) {
         let Some(socket) = self.claims.identity().admin_socket else {
             tracing::warn!(
                 "handing over: no admin socket known, so no hand-over marker: `withdraw --all` withdraws the routes"
