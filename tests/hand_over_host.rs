@@ -150,10 +150,11 @@ async fn serving(d: &DaemonProc) {
     .await;
 }
 
-/// `ip monitor route` in `ns`, running until killed.
-fn monitor_routes(ns: &Ns, out: &std::path::Path) -> Child {
+/// `ip monitor <what>` in `ns` (`route`, `route rule`), running until killed.
+fn monitor(ns: &Ns, what: &[&str], out: &std::path::Path) -> Child {
     Command::new("ip")
-        .args(["-n", &ns.name, "monitor", "route"])
+        .args(["-n", &ns.name, "monitor"])
+        .args(what)
         .stdout(std::fs::File::create(out).expect("monitor file"))
         .stderr(Stdio::null())
         .spawn()
@@ -288,7 +289,7 @@ async fn netns_a_hand_over_keeps_kernel_flows_tables_and_routes_and_a_stop_still
     let fresh = tokio::spawn(new_connections(bed.client.clone(), Arc::clone(&stop)));
     tokio::time::sleep(Duration::from_secs(1)).await;
     let monitor_file = bed.dir.join("ip-monitor.txt");
-    let mut monitor = monitor_routes(&a, &monitor_file);
+    let mut monitor = monitor(&a, &["route"], &monitor_file);
     tokio::time::sleep(Duration::from_millis(200)).await;
 
     // The restart: the word, SIGTERM, the unit's ExecStopPost=, the next process.
@@ -486,6 +487,13 @@ async fn netns_with_keepalived_a_hand_over_leaves_its_file_and_the_vip_on_the_ho
     let rules = netns::vmnet::ip_out(&a, &["rule", "show"]);
     assert!(rules.contains(&format!("from {KVIP} lookup")), "{rules}");
     let log_before = k.log();
+    let handles = table_handles(&a);
+    assert!(
+        handles.contains_key("harvester_lb_vmnet"),
+        "the VM-network guard: {handles:?}"
+    );
+    let monitor_file = bed.dir.join("ip-monitor.txt");
+    let mut watching = monitor(&a, &["route", "rule"], &monitor_file);
 
     // Sample the VIP's presence every 50 ms through the restart.
     let stop = Arc::new(AtomicBool::new(false));
@@ -519,6 +527,9 @@ async fn netns_with_keepalived_a_hand_over_leaves_its_file_and_the_vip_on_the_ho
     tokio::time::sleep(Duration::from_secs(5)).await;
     stop.store(true, Ordering::Release);
     let (samples, absent, failed) = sampler.await.unwrap();
+    let _ = watching.kill();
+    let _ = watching.wait();
+    let monitored = std::fs::read_to_string(&monitor_file).unwrap_or_default();
     let log_after = k.log();
     let new_lines = &log_after[log_before.len().min(log_after.len())..];
     let failed_script = new_lines.lines().filter(|l| l.contains("failed")).count();
@@ -541,6 +552,11 @@ async fn netns_with_keepalived_a_hand_over_leaves_its_file_and_the_vip_on_the_ho
         "keepalived reloaded: {new_lines}"
     );
     assert!(netns::vmnet::ip_out(&a, &["rule", "show"]).contains(&format!("from {KVIP} lookup")));
+    assert_eq!(table_handles(&a), handles, "the tables' handles");
+    assert!(
+        monitored.trim().is_empty(),
+        "route or rule messages during the restart (the network's table and rule, the VIP's address): {monitored}"
+    );
     assert!(
         netns::vmnet::holds(&a, KVIP),
         "the VIP on host a after the restart"
