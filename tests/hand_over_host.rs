@@ -290,6 +290,13 @@ async fn netns_a_hand_over_keeps_kernel_flows_tables_and_routes_and_a_stop_still
     tokio::time::sleep(Duration::from_secs(1)).await;
     let monitor_file = bed.dir.join("ip-monitor.txt");
     let mut monitor = monitor(&a, &["route"], &monitor_file);
+    let nft_file = bed.dir.join("nft-monitor.txt");
+    let mut nft_monitor = Command::new("ip")
+        .args(["netns", "exec", &a.name, "nft", "monitor"])
+        .stdout(std::fs::File::create(&nft_file).expect("nft monitor file"))
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("nft monitor");
     tokio::time::sleep(Duration::from_millis(200)).await;
 
     // The restart: the word, SIGTERM, the unit's ExecStopPost=, the next process.
@@ -311,14 +318,16 @@ async fn netns_a_hand_over_keeps_kernel_flows_tables_and_routes_and_a_stop_still
     let adoption = d2.status().await["host_adoption"].clone();
     assert_eq!(
         adoption,
-        serde_json::json!({"after_hand_over": true, "tables_adopted": 1, "tables_rewritten": 0}),
-        "the isolation table adopted as it was"
+        serde_json::json!({"after_hand_over": true, "tables_adopted": 2, "tables_rewritten": 0}),
+        "the isolation table and the NAT tables adopted as they were"
     );
     // Traffic on after the new process took over, then the tally.
     tokio::time::sleep(Duration::from_secs(2)).await;
     stop.store(true, Ordering::Release);
-    let _ = monitor.kill();
-    let _ = monitor.wait();
+    for m in [&mut monitor, &mut nft_monitor] {
+        let _ = m.kill();
+        let _ = m.wait();
+    }
     let mut kept = 0;
     let mut lost = Vec::new();
     for t in long {
@@ -348,12 +357,35 @@ async fn netns_a_hand_over_keeps_kernel_flows_tables_and_routes_and_a_stop_still
         about_vip.is_empty(),
         "route messages about the VIP during the restart: {about_vip:?}"
     );
+    let written = std::fs::read_to_string(&nft_file).unwrap_or_default();
+    let ours: Vec<&str> = written
+        .lines()
+        .filter(|l| l.contains("harvester_lb"))
+        .take(10)
+        .collect();
+    assert!(
+        ours.is_empty(),
+        "nft events in the daemon's tables during the restart (written again): {ours:?}"
+    );
     let log = d2.log();
     assert!(
         log.contains("started after a hand-over"),
         "the next process says it adopted; log:\n{}",
         d2.log_tail(30)
     );
+
+    // The adopted tables are owned as written ones: a rule deleted by hand
+    // is found by the next check and put back.
+    a.nft("flush chain inet harvester_lb_nat prerouting");
+    wait_for(
+        Duration::from_secs(30),
+        "the adopted NAT table repaired",
+        || async {
+            let m = d2.metrics().await;
+            (netns::metric(&m, "harvester_lb_kernel_repairs_total", &[]) >= 1.0).then_some(())
+        },
+    )
+    .await;
 
     // A stop without the word removes everything, and withdraw --all
     // withdraws again.

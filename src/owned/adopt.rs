@@ -70,11 +70,17 @@ impl Fingerprint {
 /// Records that `table` was written with a script of digest `script`,
 /// read back as `fingerprint` (if the writer read it).
 pub fn record(table: &str, script: u64, fingerprint: Option<&Fingerprint>) {
+    record_digest(table, script, fingerprint.map(Fingerprint::digest));
+}
+
+/// As [`record`], with the kernel's copy already digested (the NAT
+/// tables, several tables under one name).
+pub fn record_digest(table: &str, script: u64, fingerprint: Option<u64>) {
     lock(&WRITTEN).insert(
         table.to_string(),
         Written {
             script,
-            fingerprint: fingerprint.map(Fingerprint::digest),
+            fingerprint,
         },
     );
 }
@@ -105,16 +111,18 @@ pub fn inherited(table: &str) -> bool {
 /// recorded as written by this process. Each inherited table is consulted
 /// once: a later write (a reload, a repair) is a plain write.
 pub fn adopt(table: &str, script: u64, now: Option<&Fingerprint>) -> bool {
+    adopt_digest(table, script, now.map(Fingerprint::digest))
+}
+
+/// As [`adopt`], with the kernel's copy already digested.
+pub fn adopt_digest(table: &str, script: u64, now: Option<u64>) -> bool {
     let Some(prev) = lock(&INHERITED).remove(table) else {
         return false;
     };
-    let same = prev.script == script
-        && prev
-            .fingerprint
-            .is_some_and(|f| now.is_some_and(|n| n.digest() == f));
+    let same = prev.script == script && prev.fingerprint.is_some() && prev.fingerprint == now;
     if same {
         ADOPTED.fetch_add(1, Ordering::Relaxed);
-        record(table, script, now);
+        record_digest(table, script, now);
     } else {
         REWRITTEN.fetch_add(1, Ordering::Relaxed);
         tracing::info!(

@@ -192,7 +192,10 @@ impl Daemon {
         // after this: the NAT tables, the announcer (no withdraw), the
         // VM-network task (keepalived's file, the networks' routes, the
         // reply marks, the guard, conntrackd and the gate).
-        self.kernel.leave();
+        let kernel = std::sync::Arc::clone(&self.kernel);
+        if let Err(e) = tokio::task::spawn_blocking(move || kernel.leave()).await {
+            tracing::error!("handing over: the kernel table writer ended abnormally: {e}");
+        }
         self.announce_leave().await;
         self.vmnet_leave().await;
         // No verdict changes anything any more.
