@@ -301,13 +301,12 @@ pub fn withdraw_all(config_path: &Path, table: Option<u32>) -> ExitCode {
         Ok(l) => l.config.admin.socket.clone(),
         Err(_) => std::path::PathBuf::from(config::DEFAULT_ADMIN_SOCKET),
     };
-    let marker = harvester_lb::daemon::HandOverMarker::path(&socket);
-    match harvester_lb::daemon::HandOverMarker::read(&marker) {
+    match harvester_lb::daemon::HandOverMarker::keep_routes(&socket) {
         Ok(Some(m)) => {
             println!(
                 "handed over to the next process by process {} ({}): the routes stay announced for it; nothing withdrawn",
                 m.pid,
-                marker.display()
+                harvester_lb::daemon::HandOverMarker::path(&socket).display()
             );
             return ExitCode::SUCCESS;
         }

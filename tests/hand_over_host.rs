@@ -312,9 +312,17 @@ async fn netns_a_hand_over_keeps_kernel_flows_tables_and_routes_and_a_stop_still
     assert!(marker.exists(), "the marker; log:\n{}", d1.log_tail(30));
     let said = withdraw_all(&a, &path);
     assert!(said.contains("nothing withdrawn"), "{said}");
+    let kept = bed.dir.join("handed-over.kept");
+    assert!(
+        !marker.exists() && kept.exists(),
+        "withdraw --all kept the routes once: a next process failing to start withdraws them"
+    );
     let d2 = DaemonProc::spawn(&a, &path, &bed.dir.join("daemon-2.log"), None);
     serving(&d2).await;
-    assert!(!marker.exists(), "the next process took the marker");
+    assert!(
+        !marker.exists() && !kept.exists(),
+        "the next process took the marker"
+    );
     let adoption = d2.status().await["host_adoption"].clone();
     assert_eq!(
         adoption,
@@ -435,10 +443,46 @@ async fn netns_a_stale_marker_does_not_stop_withdraw_all_and_a_start_removes_it(
         "{said}"
     );
     assert!(vip_routes(&a, "100").is_empty());
+    // A fresh marker keeps the routes for one withdraw --all only: the
+    // ExecStopPost= of a next process that failed to start withdraws them.
+    let fresh = serde_json::json!({
+        "boot_id": boot.trim(),
+        "pid": 1,
+        "at": std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_secs(),
+        "tables": {},
+    });
+    std::fs::write(&marker, fresh.to_string()).unwrap();
+    a.ip(&[
+        "route",
+        "add",
+        &format!("{VIP}/32"),
+        "dev",
+        "lo",
+        "table",
+        "100",
+        "proto",
+        "252",
+    ]);
+    let said = withdraw_all(&a, &path);
+    assert!(said.contains("nothing withdrawn"), "{said}");
+    assert_eq!(vip_routes(&a, "100").len(), 1);
+    let said = withdraw_all(&a, &path);
+    assert!(
+        said.contains("withdrew 1"),
+        "a failed start's ExecStopPost=: {said}"
+    );
+    assert!(vip_routes(&a, "100").is_empty());
+    std::fs::write(&marker, stale.to_string()).unwrap();
     // A start removes the stale marker and starts as after a stop.
     let mut d = DaemonProc::spawn(&a, &path, &bed.dir.join("daemon.log"), None);
     serving(&d).await;
-    assert!(!marker.exists(), "the start removed the stale marker");
+    assert!(
+        !marker.exists() && !bed.dir.join("handed-over.kept").exists(),
+        "the start removed the stale marker and the kept one"
+    );
     assert!(
         d.log().contains("stale"),
         "the start said the marker was stale; log:\n{}",

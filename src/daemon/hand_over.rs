@@ -25,7 +25,7 @@ mod host;
 mod sockets;
 mod state;
 
-pub use host::{HandOverMarker, MARKER_FILE, MARKER_MAX_AGE, MarkerError};
+pub use host::{HandOverMarker, MARKER_FILE, MARKER_KEPT_FILE, MARKER_MAX_AGE, MarkerError};
 
 /// How long `POST /hand-over` waits for its SIGTERM: a stop that comes
 /// later drains (the restart it was asked for did not come).

@@ -27,6 +27,12 @@ use crate::owned::adopt;
 /// `RuntimeDirectoryPreserve=restart`).
 pub const MARKER_FILE: &str = "handed-over";
 
+/// The marker once `withdraw --all` has left the routes for it: a second
+/// `withdraw --all` (the `ExecStopPost=` of a next process that failed to
+/// start) no longer finds [`MARKER_FILE`] and withdraws; the next process
+/// takes either.
+pub const MARKER_KEPT_FILE: &str = "handed-over.kept";
+
 /// A marker older than this is stale: the restart it was written for
 /// never came (or came and failed). A restart's stop-then-start takes
 /// seconds; two minutes leave room for a slow `ExecStopPost=`.
@@ -100,6 +106,30 @@ impl HandOverMarker {
             .parent()
             .unwrap_or_else(|| Path::new("."))
             .join(MARKER_FILE)
+    }
+
+    /// Where `withdraw --all` moves the marker once it has left the routes
+    /// for the next process ([`MARKER_KEPT_FILE`]).
+    pub fn kept_path(admin_socket: &Path) -> PathBuf {
+        Self::path(admin_socket).with_file_name(MARKER_KEPT_FILE)
+    }
+
+    /// `withdraw --all`: the fresh marker for the daemon whose admin socket
+    /// is `admin_socket`, moved aside so that only this one `withdraw --all`
+    /// leaves the routes (a next process that fails to start before taking
+    /// it has its own `ExecStopPost=` withdraw them). `None`: withdraw.
+    pub fn keep_routes(admin_socket: &Path) -> Result<Option<Self>, MarkerError> {
+        let path = Self::path(admin_socket);
+        let Some(marker) = Self::read(&path)? else {
+            return Ok(None);
+        };
+        std::fs::rename(&path, Self::kept_path(admin_socket)).map_err(|source| {
+            MarkerError::Io {
+                path: path.clone(),
+                source,
+            }
+        })?;
+        Ok(Some(marker))
     }
 
     /// This process, now, with `tables`.
@@ -246,7 +276,9 @@ impl Daemon {
     /// unchanged and the announce routes are kept announced. Whether one
     /// was taken.
     pub fn take_hand_over_marker(&self, admin_socket: &Path) -> bool {
-        let Some(marker) = HandOverMarker::take(&HandOverMarker::path(admin_socket)) else {
+        let kept = HandOverMarker::take(&HandOverMarker::kept_path(admin_socket));
+        let fresh = HandOverMarker::take(&HandOverMarker::path(admin_socket));
+        let Some(marker) = fresh.or(kept) else {
             return false;
         };
         tracing::info!(
