@@ -274,6 +274,20 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
+    async fn a_route_adopted_after_a_hand_over_stays_announced_and_withdraws_at_once() {
+        let now = Instant::now();
+        let mut h = Hysteresis::adopted(now);
+        assert!(h.announced(), "no rise delay: it was announced before");
+        assert_eq!(h.observe(now, Ok(()), BASE), None, "kept: nothing to write");
+        assert_eq!(h.deadline(BASE), None);
+        assert_eq!(
+            h.observe(now, Err(Blocker::NoEligibleBackend), BASE),
+            Some(Transition::Withdraw(Blocker::NoEligibleBackend)),
+            "its conditions fail: withdrawn at once, as any announced VIP"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
     async fn withdraws_at_once_with_the_reason() {
         let mut h = Hysteresis::new(Instant::now());
         at(&mut h, Ok(()));
