@@ -620,15 +620,13 @@ impl Daemon {
         // go below.
         if self.announcer.adopt.swap(false, Ordering::AcqRel) {
             let wanted = self.vip_conditions(settings);
-            let adoptable = RouteTable::new(writer.clone(), settings.table);
-            match routes.backend().clone().read().await {
+            let mut table = routes.backend().clone();
+            match table.read().await {
                 Ok(found) => {
                     let kept: Vec<IpAddr> = found
                         .iter()
                         .filter(|(vip, f)| {
-                            f.marked
-                                && wanted.contains_key(vip)
-                                && adoptable.adoptable(&index, &f.seen)
+                            f.marked && wanted.contains_key(vip) && table.adoptable(&index, &f.seen)
                         })
                         .map(|(vip, _)| *vip)
                         .collect();
