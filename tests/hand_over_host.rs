@@ -542,7 +542,9 @@ async fn netns_with_keepalived_a_hand_over_leaves_its_file_and_the_vip_on_the_ho
                 "",
             ) + &support::network("default/vm", "eth0", "198.51.100.1", "")),
         )
-        .lb(netns::lb("default/vm0", KVIP, &[1]).keys("network = \"default/vm\""))
+        .lb(netns::lb("default/vm0", KVIP, &[1])
+            .keys("network = \"default/vm\"")
+            .listener(Listener::new("kernel", 81, NODEPORT).forwarding("kernel")))
         .to_string();
     let path = bed.write("config.toml", &text);
     let socket = bed.dir.join("admin.sock");
@@ -565,8 +567,8 @@ async fn netns_with_keepalived_a_hand_over_leaves_its_file_and_the_vip_on_the_ho
     let log_before = k.log();
     let handles = table_handles(&a);
     assert!(
-        handles.contains_key("harvester_lb_vmnet"),
-        "the VM-network guard: {handles:?}"
+        handles.contains_key("harvester_lb_vmnet") && handles.contains_key("harvester_lb_reply"),
+        "the VM-network guard and the reply marks: {handles:?}"
     );
     let monitor_file = bed.dir.join("ip-monitor.txt");
     let mut watching = monitor(&a, &["route", "rule"], &monitor_file);
