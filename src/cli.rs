@@ -290,11 +290,32 @@ fn post_state(
     }
 }
 
-/// `harvester-lb withdraw --all`: no daemon needed.
+/// `harvester-lb withdraw --all`: no daemon needed. After a hand-over
+/// (the unit's `ExecStopPost=` of a restart) the routes stay for the next
+/// process: a fresh `handed-over` marker beside the admin socket says so
+/// (`daemon::HandOverMarker`; the next process removes it at start, so a
+/// later stop withdraws).
 pub fn withdraw_all(config_path: &Path, table: Option<u32>) -> ExitCode {
+    let loaded = config::load(config_path);
+    let socket = match &loaded {
+        Ok(l) => l.config.admin.socket.clone(),
+        Err(_) => std::path::PathBuf::from(config::DEFAULT_ADMIN_SOCKET),
+    };
+    match harvester_lb::daemon::HandOverMarker::keep_routes(&socket) {
+        Ok(Some(m)) => {
+            println!(
+                "handed over to the next process by process {} ({}): the routes stay announced for it; nothing withdrawn",
+                m.pid,
+                harvester_lb::daemon::HandOverMarker::path(&socket).display()
+            );
+            return ExitCode::SUCCESS;
+        }
+        Ok(None) => {}
+        Err(e) => logging::eprint_at(4, &format!("warning: {e}")),
+    }
     let table = match table {
         Some(t) => t,
-        None => match config::load(config_path) {
+        None => match loaded {
             // Nothing announces: the unit's ExecStopPost= must not need
             // netlink (the default sandbox has none) to do nothing.
             Ok(l) if !l.config.vip.announce.enabled() => {

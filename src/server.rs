@@ -211,6 +211,10 @@ pub async fn start(options: Options) -> Result<Server, StartError> {
         .claims()
         .take_all(&owned::claim::needed(&config))
         .await?;
+    // With the claims held, before any object is written: after a
+    // hand-over the objects the previous process left are adopted, not
+    // written again (`daemon::hand_over`).
+    daemon.take_hand_over_marker(&unix_path);
     // Before the isolation and the listeners: a load balancer whose VIP is
     // this host's own address or its router's is never written anywhere.
     // First the networks: one whose interface is no VM network's here

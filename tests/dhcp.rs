@@ -1025,3 +1025,96 @@ async fn a_leased_vip_s_macvlan_is_guarded_like_its_network_s_bridge() {
     let renewed = lease(&bed, 1, 0, Duration::from_secs(30)).await;
     assert_eq!(address(&renewed), vip, "{renewed}");
 }
+
+/// A restart that hands over (issue 41): no DHCPRELEASE, the macvlan (same
+/// index) and the leased address stay on the host throughout, and the next
+/// process adopts the interface and confirms the same lease (INIT-REBOOT,
+/// no DISCOVER). Before, the next start deleted the macvlan a previous run
+/// left, taking the VIP off the host until the lease was confirmed again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hand_over_keeps_the_leased_address_and_its_macvlan_on_the_host() {
+    require_netns!();
+    if dnsmasq_skipped() {
+        return;
+    }
+    let mut bed = Bed::new("dhcpho", 1);
+    let _node = Node::start(&bed, 1, Service::NameThenEcho);
+    let dnsmasq = Dnsmasq::start(&bed.client, &bed.dir, (150, 160));
+    bed.start_daemon(&config(&bed, true).to_string()).await;
+    let leased = lease(&bed, 0, 0, Duration::from_secs(30)).await;
+    let vip = address(&leased);
+    let interface = leased["interface"].as_str().expect("interface").to_string();
+    let index = |ns: &Ns| -> Option<String> {
+        let out = Command::new("ip")
+            .args(["-n", &ns.name, "-o", "link", "show", "dev", &interface])
+            .output()
+            .ok()?;
+        let text = String::from_utf8_lossy(&out.stdout).to_string();
+        text.split(':')
+            .next()
+            .map(|s| s.trim().to_string())
+            .filter(|s| !s.is_empty())
+    };
+    let index_before = index(&bed.lb).expect("the macvlan");
+    eventually_forwarded(&bed, vip).await;
+    let releases = dnsmasq.count("DHCPRELEASE");
+    let discovers = dnsmasq.count("DHCPDISCOVER");
+
+    // Sample the address through the restart.
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let sampler = {
+        let (ns, stop) = (bed.lb.clone(), std::sync::Arc::clone(&stop));
+        let want = format!("{vip}/24");
+        tokio::task::spawn_blocking(move || {
+            let (mut samples, mut absent) = (0, 0);
+            while !stop.load(std::sync::atomic::Ordering::Acquire) {
+                samples += 1;
+                absent += usize::from(!leased_addresses(&ns).contains(&want));
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            (samples, absent)
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let (code, body) =
+        support::http_unix(&bed.dir.join("admin.sock"), "POST", "/hand-over", "").await;
+    assert_eq!(code, 200, "{body}");
+    let mut d = bed.take_daemon();
+    d.signal(libc::SIGTERM);
+    assert!(d.wait_exit(Duration::from_secs(15)).await.is_some());
+    drop(d);
+    assert!(
+        leased_addresses(&bed.lb).contains(&format!("{vip}/24")),
+        "the address stays after the hand-over"
+    );
+    bed.start_daemon(&config(&bed, true).to_string()).await;
+    let again = lease(&bed, 0, 0, Duration::from_secs(30)).await;
+    eventually_forwarded(&bed, vip).await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    stop.store(true, std::sync::atomic::Ordering::Release);
+    let (samples, absent) = sampler.await.unwrap();
+    println!("DHCP hand-over: the leased address absent in {absent} of {samples} samples (50 ms)");
+    assert_eq!(address(&again), vip, "the same lease");
+    assert_eq!(
+        dnsmasq.count("DHCPRELEASE"),
+        releases,
+        "no DHCPRELEASE at a hand-over"
+    );
+    assert_eq!(
+        dnsmasq.count("DHCPDISCOVER"),
+        discovers,
+        "no DISCOVER after it"
+    );
+    assert_eq!(
+        index(&bed.lb),
+        Some(index_before),
+        "the same macvlan (its index)"
+    );
+    assert_eq!(
+        absent, 0,
+        "the leased address left the host during the restart"
+    );
+    bed.daemon()
+        .wait_logged("adopting the macvlan interface a previous run left")
+        .await;
+}

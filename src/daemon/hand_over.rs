@@ -29,6 +29,8 @@ mod host;
 mod sockets;
 mod state;
 
+pub use host::{HandOverMarker, MARKER_FILE, MARKER_KEPT_FILE, MARKER_MAX_AGE, MarkerError};
+
 /// How long a restart announced by `prepare-stop` waits for its SIGTERM:
 /// systemd sends it right after `ExecStop=` ends, so a minute is plenty;
 /// a later SIGTERM (the restart failed and an operator stops the unit by
@@ -128,6 +130,10 @@ impl Daemon {
     /// among them) the daemon is not going away, its ports keep listening.
     pub async fn hand_over(&self) -> HandOverReport {
         let mut report = HandOverReport::default();
+        // First: no writer into the host may act on what follows (a
+        // listener leaving, `stopping` set): the announcer would withdraw
+        // every VIP of a stopping daemon.
+        self.stop_host_writers().await;
         self.hand_over_sockets(&mut report).await;
         self.save_state(&mut report).await;
         self.leave_host_objects(&mut report).await;

@@ -49,7 +49,10 @@ pub use announce::decide;
 pub use announce::{
     AnnounceStateChange, AnnounceStateError, AnnounceStatus, LbAnnounceStatus, VipAnnounceStatus,
 };
-pub use hand_over::{HandOverReport, StopKind};
+pub use hand_over::{
+    HandOverMarker, HandOverReport, MARKER_FILE, MARKER_KEPT_FILE, MARKER_MAX_AGE, MarkerError,
+    StopKind,
+};
 pub use kernel_check::KernelCheckCause;
 pub use network_links::NetworkRefusal;
 pub use persist::{RestoredCounts, StateFileStatus};

@@ -70,6 +70,7 @@ impl Daemon {
                 last_hand_over: self.metrics.hand_over().last(),
                 announced_seconds_ago: self.restart_announced().map(|d| d.as_secs_f64()),
             },
+            host_adoption: crate::owned::adopt::adoption(),
         }
     }
 
@@ -325,6 +326,10 @@ pub struct StatusDoc {
     /// process adopted from it, what the last process handed over, and a
     /// restart announced by `prepare-stop` and waiting for its SIGTERM.
     pub restart: RestartStatus,
+    /// Whether this process started after a hand-over, and how many of
+    /// the tables the previous process left it adopted as they were or
+    /// wrote again (issue 41).
+    pub host_adoption: crate::owned::adopt::Adoption,
 }
 
 /// `/status` `restart`.

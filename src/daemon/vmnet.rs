@@ -355,6 +355,13 @@ impl Daemon {
         };
     }
 
+    /// A hand-over (issue 41): the task stops, removing nothing (the
+    /// routes, rules, reply marks, guard, keepalived's and conntrackd's
+    /// files and the gate stay for the next process).
+    pub(crate) async fn vmnet_leave(&self) {
+        self.vmnet.inner.lock().await.stopped = true;
+    }
+
     /// At stop, after the drain: removes the networks' routes and rules.
     pub(super) async fn vmnet_stop(&self) {
         let mut inner = self.vmnet.inner.lock().await;

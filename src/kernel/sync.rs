@@ -241,6 +241,17 @@ impl KernelTable {
                 return commit::apply_json(&partial_transaction_json(desired, applied))
                     .map(|()| true);
             }
+            // After a hand-over: the tables the previous process left,
+            // wanted as they are, are taken as written (same handles, no
+            // transaction).
+            if st.applied.is_none() && crate::owned::adopt::inherited(ADOPT_KEY) {
+                let now = nat_digest().ok().flatten();
+                if crate::owned::adopt::adopt_digest(ADOPT_KEY, desired_digest(desired), now) {
+                    // What the checks compare with: read back, as after a write.
+                    st.note_write(desired, None);
+                    return Ok(false);
+                }
+            }
             let present = match &st.applied {
                 Some(applied) => TableObjects::of(applied),
                 None => match read_back::read_back() {
@@ -335,6 +346,28 @@ impl KernelTable {
         self.lock().error.as_ref().map(|e| e.to_string())
     }
 
+    /// Stops writing without removing anything (a hand-over to the next
+    /// process, issue 41): the tables stay as they are, every later sync
+    /// writes nothing, and the next process's first sync reads them back.
+    ///
+    /// When the tables are as this process wrote them (a check finds them
+    /// in place), it records for the hand-over marker what they hold
+    /// ([`crate::owned::adopt`]): the next process's first sync, wanting
+    /// the same, takes them as written instead of writing them again.
+    /// Blocking: it runs `nft`.
+    pub fn leave(&self) {
+        let in_place = matches!(self.check(), Ok(Checked::InPlace));
+        let mut st = self.lock();
+        st.closed = true;
+        let Some(applied) = st.applied.clone().filter(|a| !a.is_empty() && in_place) else {
+            return;
+        };
+        drop(st);
+        if let Ok(now) = nat_digest() {
+            crate::owned::adopt::record_digest(ADOPT_KEY, desired_digest(&applied), now);
+        }
+    }
+
     /// Deletes the table (a clean stop, after the drain): new connections
     /// go to the proxy's sockets until they close. Nothing when this
     /// process never had a kernel listener.
@@ -350,6 +383,57 @@ impl KernelTable {
         st.applied = None;
         commit::remove()
     }
+}
+
+/// The NAT tables' name in the hand-over marker ([`crate::owned::adopt`]):
+/// every shard under one record.
+const ADOPT_KEY: &str = "harvester_lb_nat*";
+
+/// A digest of what a full write of `desired` writes.
+fn desired_digest(desired: &Desired) -> u64 {
+    crate::owned::adopt::digest(&transaction_json(desired, &TableObjects::default()))
+}
+
+/// A digest of every NAT table of ours as the kernel lists it, without
+/// what traffic changes (handles aside, the named counters' values and the
+/// elements of the affinity sets, which the packet path adds): `None` when
+/// there is none.
+fn nat_digest() -> Result<Option<u64>, NftError> {
+    let mut h: Option<u64> = None;
+    for shard in read_back::our_tables_now()? {
+        let Some(listed) =
+            crate::nft::list_inet_table(&shard.table()).map_err(|e| NftError::new("read", e))?
+        else {
+            continue;
+        };
+        let mut doc: serde_json::Value = serde_json::from_str(&listed)
+            .map_err(|e| NftError::new("read", format!("cannot parse nft's listing: {e}")))?;
+        for o in doc["nftables"].as_array_mut().into_iter().flatten() {
+            if let Some(c) = o
+                .get_mut("counter")
+                .and_then(serde_json::Value::as_object_mut)
+            {
+                c.remove("packets");
+                c.remove("bytes");
+            }
+            for kind in ["set", "map"] {
+                if let Some(s) = o.get_mut(kind).and_then(serde_json::Value::as_object_mut) {
+                    let dynamic = s
+                        .get("flags")
+                        .and_then(serde_json::Value::as_array)
+                        .is_some_and(|f| f.iter().any(|x| x == "dynamic"));
+                    if dynamic {
+                        s.remove("elem");
+                    }
+                }
+            }
+        }
+        let print = crate::owned::Fingerprint::of_nft_json(&doc.to_string())
+            .map_err(|e| NftError::new("read", e))?;
+        let d = print.digest() ^ crate::owned::adopt::digest(shard.table().as_bytes());
+        h = Some(h.map_or(d, |h| h.wrapping_mul(0x0100_0000_01b3) ^ d));
+    }
+    Ok(h)
 }
 
 /// What a [`KernelTable::check`] found.

@@ -104,6 +104,15 @@ pub trait Backend {
     ) -> impl Future<Output = Result<(), Self::Error>> + Send;
     /// Removes one object of ours (absent is fine).
     fn remove(&mut self, key: &Self::Key) -> impl Future<Output = Result<(), Self::Error>> + Send;
+
+    /// Whether a marked object the kernel already holds is exactly what
+    /// writing `want` would make, so the driver takes it as written
+    /// instead of writing it again: a restarted daemon adopts what its
+    /// predecessor left (no route replaced, nothing in `ip monitor`).
+    /// `false` (the default): always written.
+    fn adoptable(&self, _want: &Self::Want, _seen: &Self::Seen) -> bool {
+        false
+    }
 }
 
 /// Every object of a kind the kernel holds, by key.
@@ -139,6 +148,10 @@ pub struct Outcome<B: Backend> {
     pub written: Vec<B::Key>,
     /// Objects of ours removed.
     pub removed: Vec<B::Key>,
+    /// Wanted objects the kernel already held, marked and exactly as
+    /// wanted (a predecessor's, [`Backend::adoptable`]): taken as written,
+    /// not written again.
+    pub adopted: Vec<B::Key>,
     /// Objects this process wrote that another process changed or deleted,
     /// with what differed; each was wanted and written again (see
     /// `failed` for one whose rewrite failed). Logged at warn by the driver.
@@ -158,6 +171,7 @@ impl<B: Backend> Default for Outcome<B> {
         Self {
             written: Vec::new(),
             removed: Vec::new(),
+            adopted: Vec::new(),
             repaired: Vec::new(),
             failed: Vec::new(),
             foreign: Vec::new(),
@@ -285,6 +299,22 @@ impl<B: Backend> Driver<B> {
                 && let Some(other) = now.get(key).filter(|f| !f.marked)
             {
                 out.foreign.push((key.clone(), other.seen.clone()));
+                continue;
+            }
+            if !self.written.contains_key(key)
+                && let Some(found) = now
+                    .get(key)
+                    .filter(|f| f.marked && self.backend.adoptable(want, &f.seen))
+                && !drifted.iter().any(|(k, _)| k == key)
+            {
+                self.written.insert(
+                    key.clone(),
+                    Record {
+                        want: want.clone(),
+                        found: found.clone(),
+                    },
+                );
+                out.adopted.push(key.clone());
                 continue;
             }
             match self.backend.write(key, want).await {
@@ -459,6 +489,11 @@ mod tests {
             }
             self.kernel.remove(key);
             Ok(())
+        }
+
+        /// The kernel's copy is exactly what was wanted.
+        fn adoptable(&self, want: &String, seen: &String) -> bool {
+            want == seen
         }
     }
 
@@ -675,6 +710,33 @@ mod tests {
             assert_eq!(held(&d), vec![1]);
             let out = d.stop().await;
             assert_eq!(out.removed, vec![1]);
+        });
+    }
+
+    #[test]
+    fn a_predecessors_object_exactly_as_wanted_is_adopted_without_a_write() {
+        block_on(async {
+            let mut d = Driver::new(Owning::default());
+            d.backend.kernel.insert(1, ours("h"));
+            d.backend.kernel.insert(2, ours("old"));
+            d.backend.kernel.insert(
+                3,
+                Found {
+                    seen: "h".into(),
+                    marked: false,
+                },
+            );
+            let out = d.sync(&wanted(&[(1, "h"), (2, "h"), (3, "h")])).await;
+            assert_eq!(out.adopted, vec![1], "as wanted: taken, not written");
+            assert_eq!(out.written, vec![2], "another value: written");
+            assert_eq!(out.foreign.len(), 1, "not marked: never adopted");
+            assert_eq!(d.backend.ops, vec!["write 2=h"]);
+            assert!(d.holds(&1));
+            // Adopted, then changed by another process: repaired as any of ours.
+            d.backend.kernel.insert(1, ours("x"));
+            let out = d.sync(&wanted(&[(1, "h"), (2, "h")])).await;
+            assert_eq!(out.repaired.len(), 1);
+            assert_eq!(out.written, vec![1]);
         });
     }
 

@@ -69,6 +69,7 @@
 use std::fmt;
 use std::time::Duration;
 
+pub mod adopt;
 pub mod claim;
 pub mod driver;
 
@@ -205,6 +206,14 @@ pub trait Owned {
     fn read_back(&self) -> Result<Option<Fingerprint>, Self::Error>;
     /// Writes the object whole, as the daemon means it now.
     fn write(&self) -> Result<(), Self::Error>;
+
+    /// The table's name and a digest of what [`Owned::write`] writes
+    /// ([`adopt::digest`]), so a restarted daemon can adopt the table its
+    /// predecessor left instead of writing it again ([`adopt`]). `None`
+    /// (the default): always written.
+    fn identity(&self) -> Option<(&str, u64)> {
+        None
+    }
 }
 
 /// What the daemon last wrote of one owned object (its fingerprint), and
@@ -229,8 +238,21 @@ impl Guard {
     /// Writes `object` and remembers what the kernel then shows.
     pub fn write<O: Owned>(&mut self, object: &O) -> Result<(), O::Error> {
         self.written = None;
+        let identity = object.identity();
+        if let Some((table, script)) = identity
+            && adopt::inherited(table)
+        {
+            let now = object.read_back()?;
+            if adopt::adopt(table, script, now.as_ref()) {
+                self.written = now;
+                return Ok(());
+            }
+        }
         object.write()?;
         self.written = object.read_back()?;
+        if let Some((table, script)) = identity {
+            adopt::record(table, script, self.written.as_ref());
+        }
         Ok(())
     }
 

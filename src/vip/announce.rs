@@ -559,6 +559,11 @@ impl Backend for RouteTable {
     async fn remove(&mut self, vip: &IpAddr) -> Result<(), AnnounceError> {
         self.writer.withdraw(*vip, self.table).await
     }
+
+    /// A predecessor's route out of the same interface is ours as it is.
+    fn adoptable(&self, interface: &u32, seen: &SeenRoute) -> bool {
+        seen.interface == Some(*interface) && seen.protocol == ROUTE_PROTOCOL
+    }
 }
 
 /// The kernel's local routing table, where the AnyIP routes go.
@@ -632,6 +637,14 @@ impl Backend for VipLocalRoutes {
 
     async fn remove(&mut self, vip: &IpAddr) -> Result<(), AnnounceError> {
         self.writer.unmake_local(*vip, self.table).await
+    }
+
+    /// A predecessor's local route on the same interface, of the same
+    /// table (its metric), is ours as it is.
+    fn adoptable(&self, (): &(), seen: &SeenRoute) -> bool {
+        seen.interface == Some(self.index)
+            && seen.metric == self.table
+            && seen.protocol == ROUTE_PROTOCOL
     }
 }
 

@@ -377,6 +377,13 @@ impl crate::owned::Owned for AnycastGuard {
             .map(drop)
             .map_err(AnycastGuardError)
     }
+
+    fn identity(&self) -> Option<(&str, u64)> {
+        Some((
+            ANYCAST_TABLE,
+            crate::owned::adopt::digest(self.script.as_bytes()),
+        ))
+    }
 }
 
 /// The conntrackd.conf text for `config`; `None` without `[conntrackd]`.

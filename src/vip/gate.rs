@@ -210,6 +210,14 @@ impl Owned for Gate {
             .map(drop)
             .map_err(GateError)
     }
+    /// The structure's script (every gate closed): the states are the
+    /// kernel's, kept by an adoption as by a write.
+    fn identity(&self) -> Option<(&str, u64)> {
+        Some((
+            GATE_TABLE,
+            crate::owned::adopt::digest(self.script(&BTreeSet::new()).as_bytes()),
+        ))
+    }
 }
 
 #[cfg(test)]

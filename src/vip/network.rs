@@ -443,6 +443,11 @@ impl Backend for NetworkRoutes {
             Err(e) => Err(nl(format!("cannot remove the {key}"))(e)),
         }
     }
+
+    /// A predecessor's route or rule exactly as wanted is ours as it is.
+    fn adoptable(&self, want: &NetState, seen: &NetState) -> bool {
+        want == seen
+    }
 }
 
 #[cfg(test)]

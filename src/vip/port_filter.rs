@@ -156,6 +156,10 @@ impl Owned for PortFilterTable<'_> {
     fn write(&self) -> Result<(), IsolationError> {
         nft("write", &ruleset(&self.0.0, self.0.1))
     }
+    fn identity(&self) -> Option<(&str, u64)> {
+        let json = serde_json::to_vec(&ruleset(&self.0.0, self.0.1)).ok()?;
+        Some((TABLE, crate::owned::adopt::digest(&json)))
+    }
 }
 
 /// Why the table was checked against the kernel: said in the repair's log line.

@@ -361,6 +361,11 @@ impl Backend for ReplyMarks {
         match (key, want) {
             (MarkKey::Table, MarkWant::Table(marks)) => {
                 let text = render(marks);
+                crate::owned::adopt::record(
+                    TABLE,
+                    crate::owned::adopt::digest(text.as_bytes()),
+                    None,
+                );
                 blocking(move || crate::nft::run(&["-f", "-"], text.as_bytes()).map(drop))
                     .await
                     .map_err(|e| nft_failed("write", e))
@@ -407,6 +412,20 @@ impl Backend for ReplyMarks {
                     _ => Err(nl(format!("cannot remove the {key}"))(result)),
                 }
             }
+        }
+    }
+
+    /// A predecessor's rule to the same table, or the table it handed over
+    /// ([`crate::owned::adopt`]) when it is what this process renders.
+    fn adoptable(&self, want: &MarkWant, seen: &MarkSeen) -> bool {
+        match (want, seen) {
+            (MarkWant::Rule { table }, MarkSeen::Rule { table: seen }) => table == seen,
+            (MarkWant::Table(marks), MarkSeen::Table(print)) => crate::owned::adopt::adopt(
+                TABLE,
+                crate::owned::adopt::digest(render(marks).as_bytes()),
+                Some(print),
+            ),
+            _ => false,
         }
     }
 }

@@ -402,6 +402,12 @@ impl Owned for VmnetFilterTable<'_> {
                 detail,
             })
     }
+    fn identity(&self) -> Option<(&str, u64)> {
+        Some((
+            TABLE,
+            crate::owned::adopt::digest(self.0.render().as_bytes()),
+        ))
+    }
 }
 
 /// Deletes the table if there is one.

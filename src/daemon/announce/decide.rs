@@ -120,6 +120,20 @@ impl Hysteresis {
         }
     }
 
+    /// Announced already: a route the previous process handed over
+    /// (issue 41), kept while the conditions hold and withdrawn at once
+    /// when they fail, as if this process had announced it.
+    pub fn adopted(now: Instant) -> Self {
+        Self {
+            announced: true,
+            holding_since: Some(now),
+            blocker: None,
+            damp_level: 0,
+            transitions: 0,
+            since: now,
+        }
+    }
+
     /// Whether the decision is "announced".
     pub fn announced(&self) -> bool {
         self.announced
@@ -257,6 +271,20 @@ mod tests {
         assert_eq!(at(&mut h, Ok(())), None, "held 2 s of 3 since the blip");
         advance(Duration::from_secs(1)).await;
         assert_eq!(at(&mut h, Ok(())), Some(Transition::Announce));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_route_adopted_after_a_hand_over_stays_announced_and_withdraws_at_once() {
+        let now = Instant::now();
+        let mut h = Hysteresis::adopted(now);
+        assert!(h.announced(), "no rise delay: it was announced before");
+        assert_eq!(h.observe(now, Ok(()), BASE), None, "kept: nothing to write");
+        assert_eq!(h.deadline(BASE), None);
+        assert_eq!(
+            h.observe(now, Err(Blocker::NoEligibleBackend), BASE),
+            Some(Transition::Withdraw(Blocker::NoEligibleBackend)),
+            "its conditions fail: withdrawn at once, as any announced VIP"
+        );
     }
 
     #[tokio::test(start_paused = true)]

@@ -82,6 +82,10 @@ pub(super) struct Announcer {
     wake: Arc<Notify>,
     /// Set once the task runs.
     started: AtomicBool,
+    /// Set at a start after a hand-over (issue 41): the first step keeps
+    /// the routes the previous process left, announced, instead of
+    /// deleting them as a dead predecessor's.
+    adopt: AtomicBool,
     marks: std::sync::Mutex<Marks>,
     /// What `/status` shows, as of the last step.
     status: std::sync::Mutex<Option<AnnounceStatus>>,
@@ -609,9 +613,60 @@ impl Daemon {
             }
             inner.made_local.clear();
         }
+        let mut routes = Driver::new(RouteTable::new(writer.clone(), settings.table));
+        // After a hand-over: the previous process's routes to VIPs of the
+        // config, out of this interface, stay announced (the next sync
+        // adopts them: no delete, no add, no BGP churn); only the others
+        // go below.
+        if self.announcer.adopt.swap(false, Ordering::AcqRel) {
+            let wanted = self.vip_conditions(settings);
+            let mut table = routes.backend().clone();
+            match table.read().await {
+                Ok(found) => {
+                    let kept: Vec<IpAddr> = found
+                        .iter()
+                        .filter(|(vip, f)| {
+                            f.marked && wanted.contains_key(vip) && table.adoptable(&index, &f.seen)
+                        })
+                        .map(|(vip, _)| *vip)
+                        .collect();
+                    for vip in &kept {
+                        inner.vips.insert(
+                            *vip,
+                            VipState {
+                                decision: Hysteresis::adopted(now),
+                                announces: 0,
+                                withdrawals: 0,
+                                error: None,
+                            },
+                        );
+                    }
+                    if !kept.is_empty() {
+                        tracing::info!(table = settings.table, vips = ?kept, "vip.announce: the routes the previous process handed over stay announced");
+                    }
+                    let want: BTreeMap<IpAddr, u32> = kept.iter().map(|v| (*v, index)).collect();
+                    let out = routes.sync(&want).await;
+                    if let Some(e) = first_error(&out) {
+                        self.note_error(
+                            &mut inner.error,
+                            format_args!("adopting the routes of table {}", settings.table),
+                            &e,
+                        );
+                        return false;
+                    }
+                    inner.routes = Some(routes);
+                    inner.interface = Some((settings.interface.clone(), index));
+                    inner.error = None;
+                    return true;
+                }
+                Err(e) => tracing::warn!(
+                    table = settings.table,
+                    "vip.announce: cannot read the routes the previous process handed over ({e}); every VIP starts withdrawn"
+                ),
+            }
+        }
         // The first sync with nothing wanted deletes a dead predecessor's
         // routes (ours by protocol, in a table this daemon holds).
-        let mut routes = Driver::new(RouteTable::new(writer.clone(), settings.table));
         let out = routes.sync(&BTreeMap::new()).await;
         if let Some(e) = first_error(&out) {
             self.note_error(
@@ -912,6 +967,18 @@ impl Daemon {
         let wanted = BTreeMap::new();
         self.announce_publish(&inner, &settings, &wanted, now);
         wait.then_some(settings.withdraw_grace)
+    }
+
+    /// A hand-over (issue 41): the task stops writing, and nothing is
+    /// withdrawn or removed: the routes and local routes stay for the next
+    /// process.
+    pub(crate) async fn announce_leave(&self) {
+        self.announcer.inner.lock().await.stopped = true;
+    }
+
+    /// At a start after a hand-over: the first step adopts the routes left.
+    pub(crate) fn announce_adopt(&self) {
+        self.announcer.adopt.store(true, Ordering::Release);
     }
 
     /// At stop, after the drain: the VIPs' local routes this daemon made go.

@@ -86,7 +86,8 @@ async fn index_of(handle: &Handle, name: &str) -> Result<Option<u32>, rtnetlink:
 
 impl Macvlan {
     /// Creates the macvlan interface `name_for(mac)` on `parent` in bridge
-    /// mode, with `mac`, up. One left by a crashed daemon is replaced.
+    /// mode, with `mac`, up. One a previous run left is adopted when it is
+    /// exactly that (on `parent`, `mac`, up), else replaced.
     pub async fn create(parent: &str, mac: [u8; 6]) -> Result<Self, LinkError> {
         let (conn, handle, _) = rtnetlink::new_connection().map_err(LinkError::Socket)?;
         tokio::spawn(conn);
@@ -100,6 +101,18 @@ impl Macvlan {
             .await
             .map_err(nl(format!("cannot look up {name:?}")))?
         {
+            // A previous run's, exactly as this one makes it (a hand-over
+            // left it, with its leased address): kept, so the VIP stays on
+            // the host while the client confirms its lease (issue 41).
+            let kept = Self {
+                handle: handle.clone(),
+                name: name.clone(),
+                index: old,
+            };
+            if let Ok(None) = kept.differs(parent, mac).await {
+                tracing::info!(interface = %name, "adopting the macvlan interface a previous run left (same parent, MAC, up), with its addresses");
+                return Ok(kept);
+            }
             tracing::info!(interface = %name, "removing the macvlan interface a previous run left");
             handle
                 .link()

@@ -193,11 +193,25 @@ impl Leases {
             .map(|r| link::name_for(r.want.spec.mac))
     }
 
+    /// A hand-over (issue 41): every client stops without a RELEASE,
+    /// leaving its macvlan, its address and its lease on disk for the next
+    /// process; waits up to five seconds.
+    pub async fn leave(&self) {
+        self.stop_clients(true).await;
+    }
+
     /// Clean stop: every client releases its lease (kept on disk for the
     /// next start's INIT-REBOOT) and removes its interface; waits up to
     /// five seconds.
     pub async fn shutdown(&self) {
+        self.stop_clients(false).await;
+    }
+
+    async fn stop_clients(&self, leave: bool) {
         for (_, r) in self.lock().drain() {
+            r.ending
+                .left
+                .store(leave, std::sync::atomic::Ordering::Release);
             r.stop.cancel();
         }
         self.tasks.close();
@@ -205,7 +219,7 @@ impl Leases {
             .await
             .is_err()
         {
-            tracing::warn!("DHCP clients did not finish releasing within 5 s");
+            tracing::warn!("DHCP clients did not finish stopping within 5 s");
         }
     }
 }

@@ -468,6 +468,9 @@ impl Net for HostNet {
 pub struct Ending {
     /// The load balancer is gone: forget the lease on disk too.
     pub removed: AtomicBool,
+    /// A hand-over to the next process (issue 41): no RELEASE, the
+    /// macvlan and the address stay, the lease stays on disk.
+    pub left: AtomicBool,
 }
 
 /// The whole life of one client: interface, lease, and at `stop` the
@@ -526,6 +529,10 @@ pub async fn run(ctx: Ctx, stop: CancellationToken, ending: Arc<Ending>) {
         Instant::now(),
     );
     let mut client = drive(client, &mut net, &ctx, &stop).await;
+    if ending.left.load(Ordering::Acquire) {
+        tracing::info!(load_balancer = %ctx.name, interface = %net.link.name, "handing over: the lease, its macvlan and its address stay for the next process");
+        return;
+    }
     let removed = ending.removed.load(Ordering::Acquire);
     if let Some(Output::Unicast(p, server)) = client.release() {
         match net.unicast(&p, server).await {
