@@ -134,11 +134,13 @@ impl Daemon {
         // listener leaving, `stopping` set): the announcer would withdraw
         // every VIP of a stopping daemon.
         self.stop_host_writers().await;
+        // The restart's window opens here: no process accepts from now on.
+        let stopped_accepting = crate::fd_store::unix_millis();
         self.hand_over_sockets(&mut report).await;
         self.save_state(&mut report).await;
         self.leave_host_objects(&mut report).await;
         self.metrics.hand_over().record_done();
-        self.store_record(&report);
+        self.store_record(&report, stopped_accepting);
         report
     }
 
@@ -241,13 +243,13 @@ impl Daemon {
     }
 
     /// Leaves the report and the time accepting stopped for the next process.
-    fn store_record(&self, report: &HandOverReport) {
+    fn store_record(&self, report: &HandOverReport, stopped_accepting: u64) {
         let record = LastHandOver {
             listeners: report.listeners as u64,
             connections: report.connections as u64,
             flows: report.flows as u64,
             lost: report.lost as u64,
-            window_ms: crate::fd_store::unix_millis(),
+            window_ms: stopped_accepting,
         };
         let text = format!(
             "{} {} {} {} {}",
