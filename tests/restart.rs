@@ -8,9 +8,13 @@
 //! with no word before it drains, takes the listeners out of the store, and
 //! the port refuses afterwards.
 //!
+//! Ten long connections, each exchanging a line every 100 ms, stay open
+//! across all five restarts: the proxy pauses them where no byte is held
+//! and the next process serves them on (`daemon::hand_over` `carrier`).
+//!
 //! Left out here: systemd itself (.ci/systemd-boot.sh runs the unit under
-//! systemd 252), connections open across the restart (the proxy's hand-over
-//! of connections is another part), kernel listeners and host objects.
+//! systemd 252), kernel listeners and host objects (tests/hand_over_host.rs,
+//! in namespaces on a bridged host).
 
 // Real processes and sockets, timed by the wall clock.
 #![allow(clippy::disallowed_types, clippy::disallowed_methods)]
@@ -134,10 +138,10 @@ impl Clients {
                     seen.udp_waiting.store(true, Ordering::SeqCst);
                     socket.send_to(query.as_bytes(), udp).unwrap();
                     let mut buf = [0u8; 64];
-                    // A resolver's retry, from the same address after 2 s:
-                    // a query the old process had forwarded when it handed
-                    // over loses its answer with its flow (flows are not
-                    // handed over yet: counted as retried).
+                    // A resolver's retry, from the same address after 2 s,
+                    // counted: a query the old process had forwarded when it
+                    // handed over is answered through its handed-over flow,
+                    // so none should be needed.
                     socket
                         .set_read_timeout(Some(Duration::from_secs(2)))
                         .unwrap();
@@ -225,6 +229,106 @@ impl Clients {
     }
 }
 
+/// Long connections through the listener, each sending a numbered line
+/// every 100 ms and checking its echo, on a thread of its own; bounded to
+/// 10 minutes.
+struct LongConnections {
+    stop: Arc<AtomicBool>,
+    /// Lines echoed, per connection.
+    echoed: Arc<Vec<AtomicUsize>>,
+    threads: Vec<std::thread::JoinHandle<Result<(), String>>>,
+}
+
+impl LongConnections {
+    fn open(tcp: SocketAddr, n: usize) -> Self {
+        let stop = Arc::new(AtomicBool::new(false));
+        let echoed: Arc<Vec<AtomicUsize>> = Arc::new((0..n).map(|_| AtomicUsize::new(0)).collect());
+        let threads = (0..n)
+            .map(|i| {
+                let (stop, echoed) = (Arc::clone(&stop), Arc::clone(&echoed));
+                std::thread::spawn(move || -> Result<(), String> {
+                    use std::io::Write;
+                    let s = TcpStream::connect_timeout(&tcp, Duration::from_secs(10))
+                        .map_err(|e| format!("connection {i}: connect: {e}"))?;
+                    // A restart pauses a connection for its window: far
+                    // under this.
+                    s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+                    let mut w = s.try_clone().unwrap();
+                    let mut r = BufReader::new(s);
+                    let mut line = String::new();
+                    r.read_line(&mut line)
+                        .map_err(|e| format!("connection {i}: backend's name: {e}"))?;
+                    let end = Instant::now() + Duration::from_secs(600);
+                    let mut k = 0u64;
+                    while !stop.load(Ordering::SeqCst) && Instant::now() < end {
+                        k += 1;
+                        let sent = format!("connection {i} line {k}\n");
+                        w.write_all(sent.as_bytes())
+                            .map_err(|e| format!("connection {i} line {k}: write: {e}"))?;
+                        line.clear();
+                        match r.read_line(&mut line) {
+                            Ok(_) if line == sent => {}
+                            other => {
+                                return Err(format!(
+                                    "connection {i} line {k}: {other:?}, got {line:?}"
+                                ));
+                            }
+                        }
+                        echoed[i].fetch_add(1, Ordering::SeqCst);
+                        std::thread::sleep(Duration::from_millis(100));
+                    }
+                    Ok(())
+                })
+            })
+            .collect();
+        Self {
+            stop,
+            echoed,
+            threads,
+        }
+    }
+
+    /// Waits until every connection has echoed `n` more lines than now.
+    async fn more_lines(&self, n: usize) {
+        let at: Vec<usize> = self
+            .echoed
+            .iter()
+            .map(|e| e.load(Ordering::SeqCst))
+            .collect();
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while self
+            .echoed
+            .iter()
+            .zip(&at)
+            .any(|(e, a)| e.load(Ordering::SeqCst) < a + n)
+        {
+            assert!(
+                self.threads.iter().all(|t| !t.is_finished()),
+                "a long connection ended: {:?}",
+                self.echoed
+            );
+            assert!(
+                Instant::now() < deadline,
+                "not every long connection echoed {n} more lines within 60 s: {:?}",
+                self.echoed
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// Stops them; the error of each that broke.
+    fn close(mut self) -> (usize, Vec<String>) {
+        self.stop.store(true, Ordering::SeqCst);
+        let lines = self.echoed.iter().map(|e| e.load(Ordering::SeqCst)).sum();
+        let errors = self
+            .threads
+            .drain(..)
+            .filter_map(|t| t.join().unwrap().err())
+            .collect();
+        (lines, errors)
+    }
+}
+
 struct Bed {
     net: Subnet,
     config: std::path::PathBuf,
@@ -278,6 +382,8 @@ async fn five_restarts_in_a_row_refuse_no_connection_and_leave_no_query_unanswer
     assert_eq!(store.notified("READY=1"), 1);
     let clients = Clients::start(bed.tcp, Some(bed.udp));
     clients.more_answers(5).await;
+    let long = LongConnections::open(bed.tcp, 10);
+    long.more_lines(3).await;
     let config = bed.config.to_str().unwrap().to_string();
     for round in 1..=5 {
         let (code, out, err) = support::cli(vec![
@@ -321,8 +427,10 @@ async fn five_restarts_in_a_row_refuse_no_connection_and_leave_no_query_unanswer
             .unwrap()
             .expect("the admin socket answers within 30 s");
         assert_eq!((code, body.trim()), (200, "ready"), "round {round}");
-        // Answers through the new process, on its adopted sockets.
+        // Answers through the new process, on its adopted sockets, and the
+        // long connections go on through it.
         clients.more_answers(5).await;
+        long.more_lines(3).await;
         assert_eq!(
             metric(bed.admin, "harvester_lb_restart_adopted_listening_sockets").await,
             5.0,
@@ -348,10 +456,28 @@ async fn five_restarts_in_a_row_refuse_no_connection_and_leave_no_query_unanswer
         assert_eq!(restart["fd_store"], true, "{restart}");
         assert_eq!(restart["adopted_listening_sockets"], 5, "{restart}");
         assert_eq!(restart["last_hand_over"]["listeners"], 2, "{restart}");
+        // A short client's connection open at that moment goes too.
+        assert!(
+            restart["last_hand_over"]["connections"].as_u64() >= Some(10),
+            "the ten long connections handed over: {restart}"
+        );
+        assert_eq!(restart["last_hand_over"]["lost"], 0, "{restart}");
         assert_eq!(restart["announced_seconds_ago"], serde_json::Value::Null);
     }
     let seen = clients.stop();
-    println!("FIGURE restart: 5 restarts, {}", seen.line());
+    let (lines, broken) = long.close();
+    println!(
+        "FIGURE restart: 5 restarts, {}; long connections: {} of 10 kept, {lines} lines echoed",
+        seen.line(),
+        10 - broken.len()
+    );
+    assert!(broken.is_empty(), "long connections broke: {broken:?}");
+    assert_eq!(
+        seen.udp_retried.load(Ordering::SeqCst),
+        0,
+        "a query in flight at a hand-over is answered through its handed-over flow: {}",
+        seen.line()
+    );
     assert_eq!(
         seen.tcp_refused.load(Ordering::SeqCst),
         0,
