@@ -479,7 +479,10 @@ pub fn prepare_stop(path: &Path, restart: bool, unit: Option<&str>) -> ExitCode 
             }
         };
         match systemd_job(&unit) {
-            Some(job) if job == "restart" => println!("{unit}: restart job"),
+            Some(job) if job == "restart" => {
+                println!("{unit}: restart job");
+                reset_start_limit(&unit);
+            }
             job => {
                 println!(
                     "{unit}: {} job: a stop, the daemon drains",
@@ -522,6 +525,31 @@ pub fn prepare_stop(path: &Path, restart: bool, unit: Option<&str>) -> ExitCode 
             );
             ExitCode::from(EXIT_UNAVAILABLE)
         }
+    }
+}
+
+/// A restart asked for (`systemctl restart`, a package's `try-restart`) is
+/// not a crash loop: the unit's `StartLimitBurst=` (5 starts in 2 minutes,
+/// which systemd counts for every start, asked or automatic) would refuse
+/// the start half of the 6th such restart in 2 minutes *after* this
+/// process has handed everything over and exited: the unit fails, systemd
+/// closes its file descriptor store, and every listener, connection and
+/// flow is lost until an operator runs `systemctl reset-failed`. So the
+/// count starts again here, as root, before the stop (`systemctl
+/// reset-failed` on an active unit resets only that count, the unit's
+/// result and `NRestarts`, the automatic restarts counted so far).
+/// Automatic restarts (a crash, the watchdog) run no restart job through
+/// here and stay bounded by the limit.
+fn reset_start_limit(unit: &str) {
+    if systemctl(&["reset-failed", unit]).is_some() {
+        println!("{unit}: start limit count reset (a restart asked for is not a crash loop)");
+    } else {
+        logging::eprint_at(
+            4,
+            &format!(
+                "prepare-stop: `systemctl reset-failed {unit}` failed: the unit's StartLimitBurst= may refuse this restart's start"
+            ),
+        );
     }
 }
 

@@ -610,3 +610,90 @@ async fn a_restart_under_500_listeners_adopts_every_socket_and_refuses_nothing()
     );
     assert_eq!(seen.tcp_failed.load(Ordering::SeqCst), 0, "{}", seen.line());
 }
+
+/// `prepare-stop` as the unit's `ExecStop=` runs it (no `--restart`: it
+/// asks systemd which job stops the unit): for a restart job it resets
+/// the unit's start-limit count (`systemctl reset-failed UNIT`) before it
+/// announces the restart, so a 6th restart in 2 minutes is not refused
+/// after the old process handed over (systemd counts asked-for starts
+/// against `StartLimitBurst=`; refused there, the unit fails and its store
+/// is closed); for a stop job it touches nothing. `systemctl` is a
+/// stand-in on `PATH` that records its arguments; the real one is
+/// exercised by `.ci/systemd-boot.sh` (6 restarts in a row under
+/// systemd 252). No daemon runs: prepare-stop then exits 69 after asking.
+#[test]
+fn prepare_stop_resets_the_start_limit_for_a_restart_job_only() {
+    let dir = std::env::temp_dir().join(format!("hlb-prepare-stop-{}", std::process::id()));
+    let bin = dir.join("bin");
+    std::fs::create_dir_all(&bin).unwrap();
+    let calls = dir.join("calls");
+    let config = dir.join("config.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[admin]\nlisten = \"127.0.0.1:0\"\nsocket = \"{}\"\n",
+            dir.join("admin.sock").display()
+        ),
+    )
+    .unwrap();
+    let systemctl = bin.join("systemctl");
+    std::fs::write(
+        &systemctl,
+        format!(
+            "#!/bin/sh\necho \"$*\" >> '{}'\ncase \"$1\" in\n  list-jobs) echo \"7 hlb-test.service $JOB running\" ;;\n  show) echo 16384 ;;\nesac\n",
+            calls.display()
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(
+        &systemctl,
+        std::os::unix::fs::PermissionsExt::from_mode(0o755),
+    )
+    .unwrap();
+    let path = format!(
+        "{}:{}",
+        bin.display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
+    let run = |job: &str| {
+        let _ = std::fs::remove_file(&calls);
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_harvester-lb"))
+            .args([
+                "prepare-stop",
+                "--config",
+                config.to_str().unwrap(),
+                "--unit",
+                "hlb-test.service",
+            ])
+            .env("PATH", &path)
+            .env("JOB", job)
+            .output()
+            .expect("run harvester-lb prepare-stop");
+        let (code, stdout, stderr) = support::outcome(&out);
+        (
+            code,
+            stdout + &stderr,
+            std::fs::read_to_string(&calls).unwrap_or_default(),
+        )
+    };
+
+    let (code, said, calls_made) = run("restart");
+    assert!(
+        calls_made
+            .lines()
+            .any(|l| l == "reset-failed hlb-test.service"),
+        "a restart job: systemctl reset-failed hlb-test.service, got calls:\n{calls_made}\nprepare-stop said: {said}"
+    );
+    assert!(said.contains("start limit count reset"), "{said}");
+    // No daemon: the restart could not be announced (the stop drains).
+    assert_eq!(code, 69, "{said}");
+
+    let (code, said, calls_made) = run("stop");
+    assert_eq!(code, 0, "{said}");
+    assert!(
+        !calls_made.contains("reset-failed"),
+        "a stop job resets nothing, got calls:\n{calls_made}"
+    );
+    assert!(said.contains("a stop, the daemon drains"), "{said}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
