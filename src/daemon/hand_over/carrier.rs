@@ -370,14 +370,23 @@ mod tests {
         assert_eq!(tcp.len(), 150);
         // Every pair is still connected to its own peers: a byte each way.
         for c in &mut tcp {
-            let client_peer_port = c.client.peer_addr().unwrap().port();
+            // By the whole pair of addresses: two connecting sockets may
+            // share a local port when their destinations differ.
+            let ends = (
+                c.client.peer_addr().unwrap(),
+                c.client.local_addr().unwrap(),
+            );
             let (mut cp, mut bp) = peers
                 .iter()
-                .find(|(cp, _)| cp.local_addr().unwrap().port() == client_peer_port)
+                .find(|(cp, _)| (cp.local_addr().unwrap(), cp.peer_addr().unwrap()) == ends)
                 .map(|(cp, bp)| (cp.try_clone().unwrap(), bp.try_clone().unwrap()))
                 .expect("the client's peer");
             c.client.set_nonblocking(false).unwrap();
             c.backend.set_nonblocking(false).unwrap();
+            for s in [&c.client, &bp] {
+                s.set_read_timeout(Some(std::time::Duration::from_secs(10)))
+                    .unwrap();
+            }
             cp.write_all(b"c").unwrap();
             let mut b = [0u8; 1];
             c.client.read_exact(&mut b).unwrap();
