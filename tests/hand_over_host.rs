@@ -79,6 +79,8 @@ const LONG: usize = 10;
 const FLOWS: usize = 4;
 /// Restarts in a row (the count).
 const RESTARTS: usize = 5;
+/// Bulk connections through the proxied listener across the restarts.
+const BULK: usize = 2;
 /// `FileDescriptorStoreMax=` of the fake store (the unit's value).
 const STORE_MAX: usize = 4096;
 
@@ -341,6 +343,74 @@ impl Long {
     }
 }
 
+/// The byte at `at` of a bulk connection's stream: each position its own
+/// (a byte lost, duplicated or moved shows at the first position it
+/// shifts).
+fn bulk_byte(at: u64) -> u8 {
+    (at.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 56) as u8
+}
+
+/// One bulk connection through the proxied listener: after the backend's
+/// name, 32 KiB every 10 ms (about 3 MB/s, so bytes are in flight in the
+/// proxy's pipes and the sockets' buffers whenever a hand-over pauses it)
+/// until `stop`, then a half-close; the echo is read at the same time and
+/// checked byte by byte, to its end. Counts the echoed bytes in `echoed`;
+/// the bytes sent, or the first error.
+async fn bulk_connection(
+    client: Ns,
+    vip: SocketAddr,
+    stop: Arc<AtomicBool>,
+    echoed: Arc<AtomicUsize>,
+) -> Result<u64, String> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = client
+        .connect(vip, Duration::from_secs(5))
+        .await
+        .map_err(|e| format!("connect: {e}"))?;
+    read_line(&mut s).await.map_err(|e| format!("name: {e}"))?;
+    let (mut r, mut w) = s.into_split();
+    let writer = tokio::spawn(async move {
+        let mut at = 0u64;
+        let end = Instant::now() + Duration::from_secs(300);
+        let mut piece = vec![0u8; 32 * 1024];
+        while !stop.load(Ordering::Acquire) && Instant::now() < end {
+            for (i, b) in piece.iter_mut().enumerate() {
+                *b = bulk_byte(at + i as u64);
+            }
+            w.write_all(&piece)
+                .await
+                .map_err(|e| format!("write at {at}: {e}"))?;
+            at += piece.len() as u64;
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        w.shutdown()
+            .await
+            .map_err(|e| format!("half-close at {at}: {e}"))?;
+        Ok::<_, String>(at)
+    });
+    let mut got = 0u64;
+    let mut buf = vec![0u8; 64 * 1024];
+    loop {
+        let n = tokio::time::timeout(Duration::from_secs(10), r.read(&mut buf))
+            .await
+            .map_err(|_| format!("no echo within 10 s after {got} bytes"))?
+            .map_err(|e| format!("read after {got} bytes: {e}"))?;
+        if n == 0 {
+            break;
+        }
+        if let Some(i) = (0..n).find(|i| buf[*i] != bulk_byte(got + *i as u64)) {
+            return Err(format!("the echo differs at byte {}", got + i as u64));
+        }
+        got += n as u64;
+        echoed.store(got as usize, Ordering::Relaxed);
+    }
+    let sent = writer.await.map_err(|e| e.to_string())??;
+    if got != sent {
+        return Err(format!("{sent} bytes sent, {got} echoed to the end"));
+    }
+    Ok(sent)
+}
+
 /// New connections to one listener, one every 50 ms until `stop`.
 #[derive(Default)]
 struct Fresh {
@@ -491,6 +561,10 @@ async fn netns_a_restart_keeps_proxied_and_kernel_connections_udp_flows_tables_a
     // The two TCP listeners' sockets, the UDP one, the admin listener and
     // the admin socket.
     let stored = store.names();
+    let listening = stored
+        .iter()
+        .filter(|n| n.starts_with("listen-") || n.starts_with("admin-"))
+        .count();
     assert!(
         stored.iter().filter(|n| n.starts_with("listen-")).count() >= 3
             && stored.iter().any(|n| n.starts_with("admin-")),
@@ -518,6 +592,32 @@ async fn netns_a_restart_keeps_proxied_and_kernel_connections_udp_flows_tables_a
     let kernel = Long::start(&bed.client, sa(VIP, KERNEL_PORT), &stop);
     let (fresh_proxied, fresh_proxied_task) = Fresh::start(&bed.client, sa(VIP, PROXY_PORT), &stop);
     let (fresh_kernel, fresh_kernel_task) = Fresh::start(&bed.client, sa(VIP, KERNEL_PORT), &stop);
+    let bulk_echoed: Vec<_> = (0..BULK).map(|_| Arc::new(AtomicUsize::new(0))).collect();
+    let bulk: Vec<_> = bulk_echoed
+        .iter()
+        .map(|e| {
+            tokio::spawn(bulk_connection(
+                bed.client.clone(),
+                sa(VIP, PROXY_PORT),
+                Arc::clone(&stop),
+                Arc::clone(e),
+            ))
+        })
+        .collect();
+    let bulk_now = || -> Vec<usize> {
+        bulk_echoed
+            .iter()
+            .map(|e| e.load(Ordering::Relaxed))
+            .collect()
+    };
+    // 256 KiB more echoed on each (or it ended: the tally says why).
+    let bulk_advanced = |then: &[usize]| {
+        bulk_now()
+            .iter()
+            .zip(then)
+            .zip(&bulk)
+            .all(|((now, then), t)| *now >= then + 256 * 1024 || t.is_finished())
+    };
     let mut flows = Vec::new();
     for _ in 0..FLOWS {
         let flow = Flow::start(&bed.client, &stop);
@@ -527,7 +627,7 @@ async fn netns_a_restart_keeps_proxied_and_kernel_connections_udp_flows_tables_a
     }
     let (p0, k0) = (vec![0; LONG], vec![0; LONG]);
     until("every long connection's first round trips", || {
-        proxied.advanced(&p0, 3) && kernel.advanced(&k0, 3)
+        proxied.advanced(&p0, 3) && kernel.advanced(&k0, 3) && bulk_advanced(&[0; BULK])
     })
     .await;
     until("new connections answered on both listeners", || {
@@ -608,13 +708,13 @@ async fn netns_a_restart_keeps_proxied_and_kernel_connections_udp_flows_tables_a
             handed["connections"].as_u64() >= Some(LONG as u64)
                 && handed["flows"].as_u64() >= Some(FLOWS as u64)
                 && handed["lost"] == 0
-                && adopted == 5.0,
+                && adopted == listening as f64,
             "round {round}: every listening socket adopted, the proxied connections and the flows handed over, none lost: {restart}"
         );
         rounds.push(restart);
 
         // Traffic on through the new process.
-        let (p1, k1) = (proxied.now(), kernel.now());
+        let (p1, k1, b1) = (proxied.now(), kernel.now(), bulk_now());
         let fresh_at = (fresh_proxied.answered(), fresh_kernel.answered());
         let flows_at: Vec<usize> = flows.iter().map(|(f, _)| f.answered()).collect();
         until(
@@ -622,6 +722,7 @@ async fn netns_a_restart_keeps_proxied_and_kernel_connections_udp_flows_tables_a
             || {
                 proxied.advanced(&p1, 10)
                     && kernel.advanced(&k1, 10)
+                    && bulk_advanced(&b1)
                     && fresh_proxied.answered() >= fresh_at.0 + 10
                     && fresh_kernel.answered() >= fresh_at.1 + 10
                     && flows
@@ -639,6 +740,10 @@ async fn netns_a_restart_keeps_proxied_and_kernel_connections_udp_flows_tables_a
     }
     let (proxied_kept, proxied_lost) = proxied.tally().await;
     let (kernel_kept, kernel_lost) = kernel.tally().await;
+    let mut bulk_results = Vec::new();
+    for t in bulk {
+        bulk_results.push(t.await.expect("a bulk connection's task"));
+    }
     fresh_proxied_task.await.unwrap();
     fresh_kernel_task.await.unwrap();
     let mut flow_lines = Vec::new();
@@ -658,6 +763,9 @@ async fn netns_a_restart_keeps_proxied_and_kernel_connections_udp_flows_tables_a
     println!(
         "FIGURE restart, proxied listener: {RESTARTS} restarts: long connections kept {proxied_kept} of {LONG}; new connections {}",
         fresh_proxied.line()
+    );
+    println!(
+        "FIGURE restart, proxied listener: {RESTARTS} restarts: bulk connections (32 KiB every 10 ms, echoed, checked byte by byte to the end): {bulk_results:?}"
     );
     println!(
         "FIGURE restart, kernel listener: {RESTARTS} restarts: long connections kept {kernel_kept} of {LONG}; new connections {}",
@@ -681,6 +789,10 @@ async fn netns_a_restart_keeps_proxied_and_kernel_connections_udp_flows_tables_a
     assert_eq!(
         proxied_kept, LONG,
         "proxied long connections lost: {proxied_lost:?}"
+    );
+    assert!(
+        bulk_results.iter().all(Result::is_ok),
+        "a bulk connection lost or changed bytes: {bulk_results:?}"
     );
     assert_eq!(
         kernel_kept, LONG,
