@@ -22,9 +22,12 @@
 //! The measurement of the issue, with the default drain timeout (30 s): one
 //! load balancer with a proxied listener and a kernel listener on one VIP,
 //! 10 long connections per listener exchanging a line every 100 ms, a new
-//! connection per listener every 50 ms, and UDP flows through a UDP
-//! listener (two backends: each flow's answers name its backend), across a
-//! restart.
+//! connection per listener every 50 ms, UDP flows through a UDP listener
+//! (two backends: each flow's answers name its backend) and two bulk
+//! connections checked byte by byte, across five restarts in a row. The
+//! load balancer is health-checked with `initial_state = "unhealthy"` and
+//! a state file (the unit's `StateDirectory=`): the next process serves at
+//! once only with the verdicts the last one wrote at its hand-over.
 //!
 //! Left out: systemd itself (`.ci/systemd-boot.sh` runs the unit under
 //! systemd 252; the fake store does not watch POLLHUP, and the unit's
@@ -92,8 +95,19 @@ fn daemon_config(bed: &Bed) -> String {
         .vip(
             "isolate = true\nannounce = \"routes\"\nannounce_prefixes = [\"203.0.113.0/24\"]\nannounce_delay_seconds = 1\nwithdraw_grace_seconds = 1",
         )
+        // The unit's StateDirectory=: the health verdicts a restart reads back.
+        // The unit's StateDirectory=: the health verdicts a restart reads back.
+        .text(&format!(
+            "[daemon]\nstate_file = {}",
+            support::quote(bed.dir.join("state/state.json").display())
+        ))
         .lb(Lb::new("default/web", VIP)
             .backends([R1, R2])
+            // The hardest start: a backend serves only once probed, unless
+            // the state file says it was healthy.
+            .keys("initial_state = \"unhealthy\"")
+            .health_port(NODEPORT)
+            .health("  period_seconds = 2\n  timeout_seconds = 1")
             .listener(Listener::new("proxy", PROXY_PORT, NODEPORT).forwarding("proxy"))
             .listener(Listener::new("kernel", KERNEL_PORT, NODEPORT).forwarding("kernel"))
             .listener(Listener::new("dns", UDP_PORT, UDP_NODEPORT).udp()))
@@ -180,25 +194,34 @@ fn vip_routes(ns: &Ns, table: &str) -> Vec<String> {
 }
 
 /// Waits until the daemon serves its three listeners (the kernel one in
-/// the kernel) and announces the VIP.
+/// the kernel) and announces the VIP; panics after 30 s with its last
+/// `/status` and its log.
 async fn serving(d: &DaemonProc) {
-    wait_for(
-        Duration::from_secs(30),
-        "the listeners up, the kernel one in the kernel, and the VIP announced",
-        || async {
-            let Ok((200, body)) = d.get("/status").await else {
-                return None;
-            };
-            let s: serde_json::Value = serde_json::from_str(&body).ok()?;
-            let listeners = s["load_balancers"][0]["listeners"].as_array()?;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut last = serde_json::Value::Null;
+    loop {
+        if let Ok((200, body)) = d.get("/status").await {
+            last = serde_json::from_str(&body).unwrap_or_default();
+            let listeners = last["load_balancers"][0]["listeners"]
+                .as_array()
+                .cloned()
+                .unwrap_or_default();
             let kernel = listeners
                 .iter()
                 .any(|l| l["name"] == "kernel" && l["forwarding"] == "kernel");
-            let announced = s["announce"]["vips"][0]["announced"] == true;
-            (listeners.len() == 3 && kernel && announced).then_some(())
-        },
-    )
-    .await;
+            let announced = last["announce"]["vips"][0]["announced"] == true;
+            if listeners.len() == 3 && kernel && announced {
+                return;
+            }
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the listeners up, the kernel one in the kernel, and the VIP announced within 30 s; announce: {}; log:\n{}",
+            last["announce"],
+            d.log_tail(40)
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 }
 
 /// `ip monitor <what>` in `ns` (`route`, `route rule`), running until killed.
@@ -710,6 +733,14 @@ async fn netns_a_restart_keeps_proxied_and_kernel_connections_udp_flows_tables_a
                 && handed["lost"] == 0
                 && adopted == listening as f64,
             "round {round}: every listening socket adopted, the proxied connections and the flows handed over, none lost: {restart}"
+        );
+        // The verdicts of both backends came back from the state file the
+        // hand-over wrote last (with `initial_state = "unhealthy"` the
+        // next process would refuse new clients until its first probes).
+        let kept = &status["state_file"];
+        assert!(
+            kept["outcome"] == "restored" && kept["restored"]["verdicts"] == 2,
+            "round {round}: the health verdicts restored: {kept}"
         );
         rounds.push(restart);
 
