@@ -369,15 +369,25 @@ mod tests {
         let mut tcp: Vec<HandedConnection> = received.tcp.drain().flat_map(|(_, v)| v).collect();
         assert_eq!(tcp.len(), 150);
         // Every pair is still connected to its own peers: a byte each way.
+        // Each peer by both ends of its connection: connect() shares an
+        // ephemeral port between connections to different listeners, so
+        // the port alone can name another pair's peer (whose byte never
+        // comes: the read below then waited forever, in about half the runs).
+        let five_s = Some(std::time::Duration::from_secs(5));
         for c in &mut tcp {
-            let client_peer_port = c.client.peer_addr().unwrap().port();
+            let ends = (
+                c.client.peer_addr().unwrap(),
+                c.client.local_addr().unwrap(),
+            );
             let (mut cp, mut bp) = peers
                 .iter()
-                .find(|(cp, _)| cp.local_addr().unwrap().port() == client_peer_port)
+                .find(|(cp, _)| (cp.local_addr().unwrap(), cp.peer_addr().unwrap()) == ends)
                 .map(|(cp, bp)| (cp.try_clone().unwrap(), bp.try_clone().unwrap()))
                 .expect("the client's peer");
             c.client.set_nonblocking(false).unwrap();
             c.backend.set_nonblocking(false).unwrap();
+            c.client.set_read_timeout(five_s).unwrap();
+            bp.set_read_timeout(five_s).unwrap();
             cp.write_all(b"c").unwrap();
             let mut b = [0u8; 1];
             c.client.read_exact(&mut b).unwrap();
