@@ -165,6 +165,21 @@ impl Prober {
         }
     }
 
+    /// Stops every stream and probe, keeping each target with its last
+    /// verdict: a hand-over, where no verdict may change anything any more
+    /// but the state file's last write still reads them (through
+    /// [`Prober::get`]) for the next process.
+    pub fn freeze(&self) {
+        for t in self.targets.iter() {
+            t.stop.cancel();
+        }
+        for s in self.streams.iter() {
+            s.stop();
+        }
+        self.streams.clear();
+        self.stop.cancel();
+    }
+
     /// Stops every stream (shutdown).
     pub fn stop_all(&self) {
         for t in self.targets.iter() {

@@ -611,6 +611,29 @@ impl DaemonProc {
         }
     }
 
+    /// As [`DaemonProc::spawn`], started by the fake file descriptor store
+    /// `store` as the unit's next process (`NOTIFY_SOCKET`, the stored
+    /// descriptors as `LISTEN_FDS`). `ip netns exec` execs its command
+    /// without a fork (iproute2 forks only in batch mode), so the `$$` of
+    /// the store's `sh -c` is the daemon's pid and `LISTEN_PID` matches.
+    pub fn spawn_stored(
+        ns: &Ns,
+        config: &Path,
+        log: &Path,
+        store: &crate::support::fd_store::FakeStore,
+    ) -> DaemonProc {
+        let launch = Process::launch(config)
+            .under(&["ip", "netns", "exec", &ns.name])
+            .env("HARVESTER_LB_LOG", "info")
+            .log(log);
+        DaemonProc {
+            process: store.launch(launch),
+            ns: ns.clone(),
+            config: config.to_path_buf(),
+            admin_port: ADMIN_PORT,
+        }
+    }
+
     /// As [`DaemonProc::spawn`], with `bin` first in the daemon's `PATH`:
     /// a test's stand-in for a host command (an `nft` that refuses).
     pub fn spawn_with_path_first(ns: &Ns, config: &Path, log: &Path, bin: &Path) -> DaemonProc {

@@ -369,9 +369,12 @@ mod tests {
         let mut tcp: Vec<HandedConnection> = received.tcp.drain().flat_map(|(_, v)| v).collect();
         assert_eq!(tcp.len(), 150);
         // Every pair is still connected to its own peers: a byte each way.
+        // Each peer by both ends of its connection: connect() shares an
+        // ephemeral port between connections to different listeners, so
+        // the port alone can name another pair's peer (whose byte never
+        // comes: the read below then waited forever, in about half the runs).
+        let five_s = Some(std::time::Duration::from_secs(5));
         for c in &mut tcp {
-            // By the whole pair of addresses: two connecting sockets may
-            // share a local port when their destinations differ.
             let ends = (
                 c.client.peer_addr().unwrap(),
                 c.client.local_addr().unwrap(),
@@ -383,10 +386,8 @@ mod tests {
                 .expect("the client's peer");
             c.client.set_nonblocking(false).unwrap();
             c.backend.set_nonblocking(false).unwrap();
-            for s in [&c.client, &bp] {
-                s.set_read_timeout(Some(std::time::Duration::from_secs(10)))
-                    .unwrap();
-            }
+            c.client.set_read_timeout(five_s).unwrap();
+            bp.set_read_timeout(five_s).unwrap();
             cp.write_all(b"c").unwrap();
             let mut b = [0u8; 1];
             c.client.read_exact(&mut b).unwrap();

@@ -228,8 +228,9 @@ impl Daemon {
         }
         self.announce_leave().await;
         self.vmnet_leave().await;
-        // No verdict changes anything any more.
-        self.prober.stop_all();
+        // No verdict changes anything any more; the last ones stay
+        // readable for the state file's last write (`save_state`).
+        self.prober.freeze();
         // No RELEASE: the leases, their macvlans and addresses stay.
         self.leases.leave().await;
     }

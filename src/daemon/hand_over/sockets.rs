@@ -146,7 +146,6 @@ impl Daemon {
                 .collect()
         };
         report.listeners = listeners.len();
-        self.prober.stop_all();
         // Every listener pauses at once, against one deadline.
         let deadline = tokio::time::Instant::now() + PAUSE_BOUND;
         let mut paused = tokio::task::JoinSet::new();
