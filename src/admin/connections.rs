@@ -49,6 +49,11 @@ const HEADER_TIMEOUT: Duration = Duration::from_secs(2);
 /// Time a request may take once its head is in, its response sent
 /// included: a client that stops reading gives its slot back then.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(60);
+/// How long the connections already accepted get to finish the request
+/// they carry when the listener stops (a stop, or a hand-over whose next
+/// process accepts what comes later): keepalived's track script, accepted
+/// just before, still gets its answer instead of a closed connection.
+const STOP_GRACE: Duration = Duration::from_secs(1);
 
 /// Accepts on `listener` until `stop` is cancelled and serves each
 /// connection within the bounds above.
@@ -60,16 +65,17 @@ pub(super) async fn serve_on<L: AdminListener>(
 ) {
     let conns = Connections::new();
     let slots = Arc::new(Semaphore::new(MAX_SERVING));
+    let tasks = tokio_util::task::TaskTracker::new();
     // Sheds since the last warning, and when that was: one line a minute
     // at most says the cap is being hit (the counter has every one).
     let mut shed_since_warning = 0u64;
     let mut last_warning: Option<Instant> = None;
-    loop {
+    'accept: loop {
         // Never waits for a slot before accepting: a newcomer is taken off
         // the kernel's backlog at once, so a probe is never queued behind
         // idle connections there.
         let accepted = tokio::select! {
-            _ = stop.cancelled() => return,
+            _ = stop.cancelled() => break 'accept,
             r = listener.next() => r,
         };
         let (stream, peer) = match accepted {
@@ -98,10 +104,10 @@ pub(super) async fn serve_on<L: AdminListener>(
                     }
                 }
                 tokio::select! {
-                    _ = stop.cancelled() => return,
+                    _ = stop.cancelled() => break 'accept,
                     p = Arc::clone(&conns.open).acquire_owned() => match p {
                         Ok(p) => p,
-                        Err(_) => return,
+                        Err(_) => break 'accept,
                     },
                 }
             }
@@ -111,7 +117,7 @@ pub(super) async fn serve_on<L: AdminListener>(
         let reload = reload.clone();
         let stop = stop.clone();
         let slots = Arc::clone(&slots);
-        tokio::spawn(async move {
+        tasks.spawn(async move {
             let peer = Arc::new(peer);
             let peer_in_service = Arc::clone(&peer);
             let conn = Arc::clone(&me.conn);
@@ -155,11 +161,18 @@ pub(super) async fn serve_on<L: AdminListener>(
                 _ = me.conn.overran() => {
                     tracing::debug!(client = %peer, timeout = ?REQUEST_TIMEOUT, "admin request not done in time: connection closed");
                 }
-                _ = stop.cancelled() => {}
+                _ = stop.cancelled() => {
+                    // The request it carries (or the one it is about to
+                    // send) is answered; then the connection closes.
+                    http.as_mut().graceful_shutdown();
+                    let _ = tokio::time::timeout(STOP_GRACE, http.as_mut()).await;
+                }
             }
             drop(me);
         });
     }
+    tasks.close();
+    let _ = tokio::time::timeout(STOP_GRACE, tasks.wait()).await;
 }
 
 /// Whether `path` is a health endpoint: answered without a slot, from a
@@ -325,5 +338,64 @@ impl hyper::body::Body for Served {
 
     fn size_hint(&self) -> SizeHint {
         self.body.size_hint()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::{TcpListener, TcpStream};
+
+    /// What a whole HTTP/1.1 exchange on `c` answers (its status line).
+    async fn status_line(c: &mut TcpStream) -> String {
+        let mut got = Vec::new();
+        let mut buf = [0u8; 1024];
+        while !got.windows(4).any(|w| w == b"\r\n\r\n") {
+            match tokio::time::timeout(Duration::from_secs(10), c.read(&mut buf)).await {
+                Ok(Ok(0)) | Err(_) => break,
+                Ok(Ok(n)) => got.extend_from_slice(&buf[..n]),
+                Ok(Err(e)) => return format!("error: {e}"),
+            }
+        }
+        String::from_utf8_lossy(&got)
+            .lines()
+            .next()
+            .unwrap_or("closed with no answer")
+            .to_string()
+    }
+
+    /// keepalived's track script at a hand-over: its connection was
+    /// accepted by the process that is stopping, its request not yet read.
+    /// It gets its answer, not a closed connection (before: dropped at once).
+    #[tokio::test]
+    async fn a_connection_accepted_before_the_stop_still_gets_its_answer() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let stop = CancellationToken::new();
+        let (reload, _keep) = mpsc::channel(1);
+        let d = crate::daemon::testing::daemon();
+        let served = tokio::spawn(serve_on(listener, d, reload, stop.clone()));
+        // The track script's connection, its request head half sent.
+        let mut track = TcpStream::connect(addr).await.unwrap();
+        track
+            .write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")
+            .await
+            .unwrap();
+        // Another connection answered: the listener accepts in the order of
+        // its queue, so the first one is accepted by now.
+        let mut other = TcpStream::connect(addr).await.unwrap();
+        other
+            .write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            .await
+            .unwrap();
+        assert_eq!(status_line(&mut other).await, "HTTP/1.1 200 OK");
+        stop.cancel();
+        track.write_all(b"\r\n").await.unwrap();
+        assert_eq!(status_line(&mut track).await, "HTTP/1.1 200 OK");
+        tokio::time::timeout(Duration::from_secs(10), served)
+            .await
+            .expect("the listener ends within its grace")
+            .unwrap();
     }
 }
