@@ -1040,7 +1040,10 @@ async fn a_hand_over_keeps_the_leased_address_and_its_macvlan_on_the_host() {
     let mut bed = Bed::new("dhcpho", 1);
     let _node = Node::start(&bed, 1, Service::NameThenEcho);
     let dnsmasq = Dnsmasq::start(&bed.client, &bed.dir, (150, 160));
-    bed.start_daemon(&config(&bed, true).to_string()).await;
+    // systemd's store, as under the unit: a hand-over needs one.
+    let store = support::fd_store::FakeStore::new(&bed.dir, 64);
+    bed.start_daemon_stored(&config(&bed, true).to_string(), &store)
+        .await;
     let leased = lease(&bed, 0, 0, Duration::from_secs(30)).await;
     let vip = address(&leased);
     let interface = leased["interface"].as_str().expect("interface").to_string();
@@ -1077,7 +1080,7 @@ async fn a_hand_over_keeps_the_leased_address_and_its_macvlan_on_the_host() {
     };
     tokio::time::sleep(Duration::from_millis(300)).await;
     let (code, body) =
-        support::http_unix(&bed.dir.join("admin.sock"), "POST", "/hand-over", "").await;
+        support::http_unix(&bed.dir.join("admin.sock"), "POST", "/hand-over", "{}").await;
     assert_eq!(code, 200, "{body}");
     let mut d = bed.take_daemon();
     d.signal(libc::SIGTERM);
@@ -1087,7 +1090,8 @@ async fn a_hand_over_keeps_the_leased_address_and_its_macvlan_on_the_host() {
         leased_addresses(&bed.lb).contains(&format!("{vip}/24")),
         "the address stays after the hand-over"
     );
-    bed.start_daemon(&config(&bed, true).to_string()).await;
+    bed.start_daemon_stored(&config(&bed, true).to_string(), &store)
+        .await;
     let again = lease(&bed, 0, 0, Duration::from_secs(30)).await;
     eventually_forwarded(&bed, vip).await;
     tokio::time::sleep(Duration::from_secs(1)).await;

@@ -497,6 +497,30 @@ impl Bed {
     /// As [`Bed::start_daemon`], with the daemon's open-file limit (soft and
     /// hard) set to `nofile`.
     pub async fn start_daemon_with(&mut self, config: &str, nofile: Option<u64>) -> &DaemonProc {
+        self.start(config, |ns, path, log| {
+            DaemonProc::spawn(ns, path, log, nofile)
+        })
+        .await
+    }
+
+    /// As [`Bed::start_daemon`], under `store` (a stand-in for systemd's
+    /// file descriptor store): what a restart that hands over needs.
+    pub async fn start_daemon_stored(
+        &mut self,
+        config: &str,
+        store: &crate::support::fd_store::FakeStore,
+    ) -> &DaemonProc {
+        self.start(config, |ns, path, log| {
+            DaemonProc::spawn_stored(ns, path, log, store)
+        })
+        .await
+    }
+
+    async fn start(
+        &mut self,
+        config: &str,
+        spawn: impl FnOnce(&Ns, &Path, &Path) -> DaemonProc,
+    ) -> &DaemonProc {
         // The admin socket in the bed's directory: beds run side by side
         // and share the file system, so none may take /run/harvester-lb.
         let config = if config.contains("[admin]\n") && !config.contains("socket =") {
@@ -506,7 +530,7 @@ impl Bed {
             config.to_string()
         };
         let path = self.write("config.toml", &config);
-        let d = DaemonProc::spawn(&self.lb, &path, &self.dir.join("daemon.log"), nofile);
+        let d = spawn(&self.lb, &path, &self.dir.join("daemon.log"));
         self.daemon = Some(d);
         let d = self.daemon.as_ref().expect("just set");
         let deadline = Instant::now() + Duration::from_secs(10);
