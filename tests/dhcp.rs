@@ -1065,6 +1065,9 @@ async fn a_hand_over_keeps_the_leased_address_and_its_macvlan_on_the_host() {
 
     // Sample the address through the restart.
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    // The sampler ends however the test does: a failed assertion below
+    // must not leave the runtime waiting for it for ever.
+    let _end_sampler = StopOnDrop(std::sync::Arc::clone(&stop));
     let sampler = {
         let (ns, stop) = (bed.lb.clone(), std::sync::Arc::clone(&stop));
         let want = format!("{vip}/24");
@@ -1121,4 +1124,13 @@ async fn a_hand_over_keeps_the_leased_address_and_its_macvlan_on_the_host() {
     bed.daemon()
         .wait_logged("adopting the macvlan interface a previous run left")
         .await;
+}
+
+/// Sets its flag when dropped (a test's end, passed or failed).
+struct StopOnDrop(std::sync::Arc<std::sync::atomic::AtomicBool>);
+
+impl Drop for StopOnDrop {
+    fn drop(&mut self) {
+        self.0.store(true, std::sync::atomic::Ordering::Release);
+    }
 }
