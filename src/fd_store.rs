@@ -19,8 +19,8 @@
 //!
 //! Names are systemd's `FDNAME=`: 1 to 255 bytes of printable ASCII with no
 //! `:` ([`FdName`]). The daemon's own: [`listener_name`], [`ADMIN_TCP`],
-//! [`ADMIN_UNIX`]; open connections and UDP flows use [`connection_name`]
-//! and [`flow_name`].
+//! [`ADMIN_UNIX`]; open connections and UDP flows travel together through
+//! one socket pair stored under the [`CARRIER`] names.
 //!
 //! `unsafe` is confined to this module's `sendmsg`, `fcntl` and the
 //! environment's removal at start.

@@ -262,12 +262,12 @@ impl Daemon {
     }
 
     /// At start, after the listeners are in force: reads what the last
-    /// process left ([`Daemon::store_record`]), takes it out of the store,
+    /// process left (the store's record), takes it out of the store,
     /// and records the restart's window (its stop of accepting to now).
     /// Closes the stored listeners the config no longer has.
     ///
     /// With `ipam = "dhcp"` load balancers the stored listeners left are
-    /// closed only after [`LEASE_BOUND`]: a leased VIP's listeners bind once
+    /// closed only after a bound (`LEASE_BOUND`, 60 s): a leased VIP's listeners bind once
     /// its lease is back, and adopt their sockets then.
     pub fn adopted(&self) -> Option<LastHandOver> {
         let store = self.fd_store();

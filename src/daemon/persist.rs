@@ -301,7 +301,7 @@ impl Daemon {
     }
 
     /// Starts the task that writes the state file on changes (at most once
-    /// a [`TICK`]) and every [`REFRESH`], until `stop` or the last write.
+    /// a `TICK`) and every `REFRESH`, until `stop` or the last write.
     pub fn start_state_writer(&self, stop: tokio_util::sync::CancellationToken) {
         if lock(&self.persist.target).is_none() {
             return;
