@@ -211,7 +211,10 @@ pub fn backend(
     socket: Option<PathBuf>,
     config_path: &Path,
 ) -> ExitCode {
-    let socket = socket_of(socket, config_path);
+    let socket = match admin_target(socket, config_path) {
+        Ok(t) => t.socket,
+        Err(code) => return code,
+    };
     let body = serde_json::json!({
         "load_balancer": load_balancer,
         "backend": address,
@@ -228,15 +231,43 @@ pub fn backend(
     })
 }
 
-/// The admin socket: `--socket`, else the config's `admin.socket`, else
-/// the default (a missing or broken file: the daemon would not run on it).
-fn socket_of(socket: Option<PathBuf>, config_path: &Path) -> PathBuf {
-    socket.unwrap_or_else(|| {
-        config::load(config_path).map_or_else(
-            |_| PathBuf::from(config::DEFAULT_ADMIN_SOCKET),
-            |l| l.config.admin.socket,
-        )
-    })
+/// Where an admin command finds the daemon.
+struct Target {
+    /// The admin socket: every request goes there first.
+    socket: PathBuf,
+    /// `admin.listen`, where `status` alone may fall back to; `None` with
+    /// `--socket` (the file is not read then) or an unusable key.
+    listen: Option<std::net::SocketAddr>,
+}
+
+/// The admin socket of a command that talks to the daemon: `--socket`
+/// (the config file is then not read at all), else the config file's
+/// `admin.socket` read on its own (`config::admin_endpoints`: a file the
+/// daemon rejects, even one that is not TOML, still gives it). A file that
+/// cannot be read or whose `admin.socket` is wrong is an error saying so
+/// (exit 78), never a silent fall-back to the default socket.
+fn admin_target(socket: Option<PathBuf>, config_path: &Path) -> Result<Target, ExitCode> {
+    if let Some(socket) = socket {
+        return Ok(Target {
+            socket,
+            listen: None,
+        });
+    }
+    match config::admin_endpoints(config_path) {
+        Ok(found) => {
+            for note in &found.notes {
+                logging::eprint_at(5, &format!("note: {note}"));
+            }
+            Ok(Target {
+                socket: found.socket,
+                listen: found.listen,
+            })
+        }
+        Err(e) => {
+            logging::eprint_at(3, &e.to_string());
+            Err(ExitCode::from(EXIT_CONFIG))
+        }
+    }
 }
 
 /// `harvester-lb host drain|ready` (`vip` = `None`) and `harvester-lb vip
@@ -247,7 +278,10 @@ pub fn announce_state(
     socket: Option<PathBuf>,
     config_path: &Path,
 ) -> ExitCode {
-    let socket = socket_of(socket, config_path);
+    let socket = match admin_target(socket, config_path) {
+        Ok(t) => t.socket,
+        Err(code) => return code,
+    };
     let body = match vip {
         Some(v) => serde_json::json!({ "vip": v, "state": state.as_str() }),
         None => serde_json::json!({ "state": state.as_str() }),
@@ -379,15 +413,16 @@ pub fn withdraw_all(config_path: &Path, table: Option<u32>) -> ExitCode {
     }
 }
 
-pub fn status(path: &Path, json: bool) -> ExitCode {
-    let (admin, socket) = match config::load(path) {
-        Ok(l) => (l.config.admin.listen, l.config.admin.socket),
-        Err(e) => {
-            eprintln!("{e}");
-            return ExitCode::from(EXIT_CONFIG);
-        }
+/// `harvester-lb status`: the daemon's `/status` as a table (or as it is
+/// with `--json`). Needs only the socket (see [`admin_target`]): right after
+/// a bad edit is when it is needed, and `/status` then says the daemon
+/// rejected it.
+pub fn status(socket: Option<PathBuf>, path: &Path, json: bool) -> ExitCode {
+    let Target { socket, listen } = match admin_target(socket, path) {
+        Ok(t) => t,
+        Err(code) => return code,
     };
-    let body = match client::status(admin, &socket) {
+    let body = match client::status(listen, &socket) {
         Ok(client::Status { body, note }) => {
             if let Some(note) = note {
                 eprintln!("note: {note}");
@@ -418,15 +453,15 @@ pub fn status(path: &Path, json: bool) -> ExitCode {
     }
 }
 
-pub fn reload(path: &Path) -> ExitCode {
-    // Read only admin.socket; the daemon validates the whole file itself.
-    let socket = match config::load(path) {
-        Ok(l) => l.config.admin.socket,
-        Err(e) => {
-            // ExecReload=: the journal files it at error.
-            logging::eprint_at(3, &e.to_string());
-            return ExitCode::from(EXIT_CONFIG);
-        }
+/// `harvester-lb reload`: asks the daemon to reload and prints its answer
+/// (what changed, what needs a restart, or every problem of a rejected
+/// file, exit 78).
+pub fn reload(socket: Option<PathBuf>, path: &Path) -> ExitCode {
+    // Only admin.socket; the daemon validates the whole file itself (and
+    // keeps a rejected file's problems in /status).
+    let socket = match admin_target(socket, path) {
+        Ok(t) => t.socket,
+        Err(code) => return code,
     };
     // Only the socket, never admin.listen: any local user can bind that
     // port before the daemon does and answer "reloaded" for it.
@@ -457,13 +492,15 @@ pub fn reload(path: &Path) -> ExitCode {
 /// Exits 0 whenever the stop may go on (a drain is always a correct stop);
 /// 69 when a restart could not be announced because the socket is not
 /// answering (the SIGTERM then drains, as it would have).
-pub fn prepare_stop(path: &Path, restart: bool, unit: Option<&str>) -> ExitCode {
-    let socket = match config::load(path) {
-        Ok(l) => l.config.admin.socket,
-        Err(e) => {
-            logging::eprint_at(3, &e.to_string());
-            return ExitCode::from(EXIT_CONFIG);
-        }
+pub fn prepare_stop(
+    socket: Option<PathBuf>,
+    path: &Path,
+    restart: bool,
+    unit: Option<&str>,
+) -> ExitCode {
+    let socket = match admin_target(socket, path) {
+        Ok(t) => t.socket,
+        Err(code) => return code,
     };
     let store_max = if restart {
         None

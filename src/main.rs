@@ -29,12 +29,13 @@ fn main() -> ExitCode {
     let _flush = cli::init_tracing(args.log_format, matches!(args.command, Command::Run { .. }));
     match args.command {
         Command::Check { config } => cli::check(&config),
-        Command::Reload { config } => cli::reload(&config),
+        Command::Reload { config, socket } => cli::reload(socket, &config),
         Command::PrepareStop {
             config,
+            socket,
             restart,
             unit,
-        } => cli::prepare_stop(&config, restart, unit.as_deref()),
+        } => cli::prepare_stop(socket, &config, restart, unit.as_deref()),
         Command::Backend {
             state,
             load_balancer,
@@ -69,7 +70,11 @@ fn main() -> ExitCode {
             config,
             table,
         } => cli::withdraw_all(&config, table),
-        Command::Status { config, json } => cli::status(&config, json),
+        Command::Status {
+            config,
+            socket,
+            json,
+        } => cli::status(socket, &config, json),
         Command::VrrpInstall { config, from } => cli::vrrp_install(&config, &from),
         Command::Import {
             inputs,

@@ -19,7 +19,12 @@
 //!   when the socket is missing, refused or not permitted (the read-only TCP
 //!   listener serves the same JSON); the answer then carries a note saying
 //!   where it came from, for stderr. An untrusted socket is an error, not a
-//!   reason to ask TCP instead.
+//!   reason to ask TCP instead, and so is a daemon that accepts on the
+//!   socket but does not answer (hung). With `--socket` no `admin.listen`
+//!   is known and only the socket is asked.
+//! * Where the socket is comes from `--socket` or the config file's
+//!   `admin.socket` alone (`harvester_lb::config::admin_endpoints`), so a
+//!   file the daemon rejected still leads to it.
 //!
 //! Every call runs on its own one-thread runtime under a deadline, so a
 //! wedged daemon cannot hang the caller.
@@ -87,22 +92,20 @@ pub enum StatusError {
         /// The body.
         body: String,
     },
-    /// The socket is there but cannot be used (not trusted, or an I/O
-    /// error other than absent, refused or not permitted): TCP is not tried.
-    #[error("cannot use the admin socket {}: {source}", .socket.display())]
-    Socket {
-        /// The socket.
-        socket: PathBuf,
-        /// Why.
-        source: io::Error,
-    },
+    /// The socket cannot be used, and TCP is not tried: it is not
+    /// trusted, the daemon did not answer on it (hung), or no
+    /// `admin.listen` is known (`--socket`).
+    #[error(transparent)]
+    Socket(#[from] Unreachable),
     /// Neither the socket nor `admin.listen` could be reached.
-    #[error("cannot reach the daemon's admin API at {listen} (nor its admin socket {}): {source}", .socket.display())]
+    #[error("cannot reach the daemon's admin API: {}; nor at admin.listen {listen}: {source}", describe(.socket, .socket_error))]
     Nowhere {
         /// `admin.listen`.
         listen: SocketAddr,
         /// The socket.
         socket: PathBuf,
+        /// What the socket said.
+        socket_error: io::Error,
         /// What TCP said.
         source: io::Error,
     },
@@ -143,8 +146,8 @@ pub fn request(
 }
 
 /// `GET /status` from the daemon: on the admin socket when it can be
-/// opened, else on `admin.listen` (see the module's rule).
-pub fn status(listen: SocketAddr, socket: &Path) -> Result<Status, StatusError> {
+/// opened, else on `admin.listen` when it is known (see the module's rule).
+pub fn status(listen: Option<SocketAddr>, socket: &Path) -> Result<Status, StatusError> {
     let answer = block_on(socket_request(
         socket,
         Method::GET,
@@ -178,11 +181,18 @@ pub fn status(listen: SocketAddr, socket: &Path) -> Result<Status, StatusError> 
             e
         }
         Err(source) => {
-            return Err(StatusError::Socket {
+            return Err(StatusError::Socket(Unreachable {
                 socket: socket.to_path_buf(),
                 source,
-            });
+            }));
         }
+    };
+    // `--socket`, or an unusable admin.listen: the socket's answer is all.
+    let Some(listen) = listen else {
+        return Err(StatusError::Socket(Unreachable {
+            socket: socket.to_path_buf(),
+            source: why,
+        }));
     };
     let note = format!(
         "read from admin.listen {listen} (open to every local user), not the admin socket {} ({why})",
@@ -199,12 +209,17 @@ pub fn status(listen: SocketAddr, socket: &Path) -> Result<Status, StatusError> 
         )
         .await
     };
-    let answer =
-        block_on(within(STATUS_TIMEOUT, exchange)).map_err(|source| StatusError::Nowhere {
-            listen,
-            socket: socket.to_path_buf(),
-            source,
-        })?;
+    let answer = match block_on(within(STATUS_TIMEOUT, exchange)) {
+        Ok(a) => a,
+        Err(source) => {
+            return Err(StatusError::Nowhere {
+                listen,
+                socket: socket.to_path_buf(),
+                socket_error: why,
+                source,
+            });
+        }
+    };
     if answer.status == StatusCode::OK {
         Ok(Status {
             body: answer.body,
@@ -310,13 +325,16 @@ fn describe(socket: &Path, e: &io::Error) -> String {
     let shown = socket.display();
     match e.kind() {
         io::ErrorKind::NotFound => format!(
-            "no admin socket at {shown}: the daemon is not running, or its admin.socket differs (pass --socket PATH or --config FILE)"
+            "no admin socket at {shown}: the daemon is not running (`systemctl status harvester-lb` says why), or it runs with another admin.socket (pass --socket PATH, or --config FILE with that admin.socket)"
         ),
         io::ErrorKind::ConnectionRefused => format!(
-            "nothing answers on the admin socket {shown} (a stale file): the daemon is not running, or its admin.socket differs"
+            "the admin socket {shown} is stale: nothing listens on it, so the daemon that made it died or was killed before it could remove it; `systemctl status harvester-lb` and `journalctl -u harvester-lb` say why, `systemctl start harvester-lb` starts it again (it replaces the stale file)"
         ),
         io::ErrorKind::PermissionDenied => format!(
-            "permission denied on the admin socket {shown}: it is mode 0600 in a 0700 directory; run as root"
+            "permission denied on the admin socket {shown}: only root and the daemon's own user may use it (mode 0600 in a 0700 directory); run the command as root (sudo)"
+        ),
+        io::ErrorKind::TimedOut => format!(
+            "the daemon did not answer on its admin socket {shown} ({e}): it is hung or overloaded; `systemctl status harvester-lb` and `journalctl -u harvester-lb -n 50` show what it does, `systemctl restart harvester-lb` restarts it"
         ),
         _ => match e
             .get_ref()

@@ -64,14 +64,20 @@ pub(crate) enum Command {
     },
     /// Ask the running daemon to reload its config and print the outcome.
     ///
-    /// POST /reload on the admin socket named in the config (admin.socket),
-    /// and only there: admin.listen is open to every local user, so an
-    /// answer from it proves nothing (exit 69 when the socket cannot be
-    /// reached; `systemctl kill -s HUP harvester-lb` reloads without it).
+    /// POST /reload on the admin socket (--socket, or the config's
+    /// admin.socket), and only there: admin.listen is open to every local
+    /// user, so an answer from it proves nothing (exit 69 when the socket
+    /// cannot be reached; `systemctl kill -s HUP harvester-lb` reloads
+    /// without it). The daemon validates the file: a rejected one is exit 78
+    /// with every problem, and stays in `status` until a reload succeeds.
     Reload {
-        /// The config file (its `admin.socket` is where the daemon listens).
+        /// The config file. Only its `admin.socket` is read here, so a file
+        /// with other errors still names the socket.
         #[arg(long, short, default_value = config::DEFAULT_PATH)]
         config: PathBuf,
+        /// The admin socket (the config file is then not read).
+        #[arg(long, value_name = "PATH")]
+        socket: Option<PathBuf>,
     },
     /// The unit's ExecStop=: tell the daemon whether the coming SIGTERM is
     /// the first half of a restart (hand the sockets to the next process
@@ -83,9 +89,12 @@ pub(crate) enum Command {
     /// the unit's FileDescriptorStoreMax=, over POST /hand-over on the
     /// admin socket. Anything else says nothing: the SIGTERM drains.
     PrepareStop {
-        /// The config file (its `admin.socket` is where the daemon listens).
+        /// The config file (only its `admin.socket` is read).
         #[arg(long, short, default_value = config::DEFAULT_PATH)]
         config: PathBuf,
+        /// The admin socket (the config file is then not read).
+        #[arg(long, value_name = "PATH")]
+        socket: Option<PathBuf>,
         /// Announce a restart without asking systemd (tests; a restart by
         /// hand outside systemd with a store of its own).
         #[arg(long)]
@@ -112,10 +121,13 @@ pub(crate) enum Command {
         /// The backend's address, as in the config.
         #[arg(value_name = "ADDRESS")]
         address: String,
-        /// The admin socket. Default: the config's admin.socket.
+        /// The admin socket (the config file is then not read). Default:
+        /// the config's admin.socket.
         #[arg(long, value_name = "PATH")]
         socket: Option<PathBuf>,
-        /// The config file whose admin.socket is used when --socket is not given.
+        /// The config file whose admin.socket is used when --socket is not
+        /// given (only that key is read: a file with other errors still
+        /// names the socket).
         #[arg(long, short, default_value = config::DEFAULT_PATH)]
         config: PathBuf,
     },
@@ -132,10 +144,13 @@ pub(crate) enum Command {
         /// `drain` or `ready`.
         #[arg(value_enum)]
         state: AnnounceState,
-        /// The admin socket. Default: the config's admin.socket.
+        /// The admin socket (the config file is then not read). Default:
+        /// the config's admin.socket.
         #[arg(long, value_name = "PATH")]
         socket: Option<PathBuf>,
-        /// The config file whose admin.socket is used when --socket is not given.
+        /// The config file whose admin.socket is used when --socket is not
+        /// given (only that key is read: a file with other errors still
+        /// names the socket).
         #[arg(long, short, default_value = config::DEFAULT_PATH)]
         config: PathBuf,
     },
@@ -148,10 +163,13 @@ pub(crate) enum Command {
         /// The VIP, as in the config.
         #[arg(value_name = "VIP")]
         vip: String,
-        /// The admin socket. Default: the config's admin.socket.
+        /// The admin socket (the config file is then not read). Default:
+        /// the config's admin.socket.
         #[arg(long, value_name = "PATH")]
         socket: Option<PathBuf>,
-        /// The config file whose admin.socket is used when --socket is not given.
+        /// The config file whose admin.socket is used when --socket is not
+        /// given (only that key is read: a file with other errors still
+        /// names the socket).
         #[arg(long, short, default_value = config::DEFAULT_PATH)]
         config: PathBuf,
     },
@@ -196,12 +214,19 @@ pub(crate) enum Command {
     /// a table (health, operator state, consecutive counts, last probe and
     /// its age, connections), like `haproxy show stat` or `ipvsadm -L -n`.
     ///
-    /// GET /status on the admin socket of the config (admin.socket) when it
-    /// can be opened, else on admin.listen.
+    /// GET /status on the admin socket (--socket, or the config's
+    /// admin.socket) when it can be opened, else on the config's
+    /// admin.listen. Shows the running config's hash, the last rejected
+    /// reload while it stands, and what needs a restart.
     Status {
-        /// The config file (its `admin.socket` and `admin.listen`).
+        /// The config file. Only its `admin.socket` and `admin.listen` are
+        /// read, so a file with other errors still names them.
         #[arg(long, short, default_value = config::DEFAULT_PATH)]
         config: PathBuf,
+        /// The admin socket (the config file is then not read, and
+        /// admin.listen is not tried).
+        #[arg(long, value_name = "PATH")]
+        socket: Option<PathBuf>,
         /// Print the daemon's JSON as it is.
         #[arg(long)]
         json: bool,

@@ -9,6 +9,7 @@
 //! a regular file of at most [`MAX_FILE_BYTES`], never a FIFO or a device), so `harvester-lb check`,
 //! the daemon's start and every reload share exactly the same verdict.
 
+mod admin_keys;
 mod error;
 mod file;
 mod ranges;
@@ -26,6 +27,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
+pub use admin_keys::{AdminEndpoints, AdminKeyError, admin_endpoints};
 pub use error::{ConfigError, Problem};
 pub use ranges::{MAX_SOURCE_RANGES, SourceRanges};
 pub use read::{FileKind, ReadError, read_regular_file};

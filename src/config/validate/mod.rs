@@ -58,6 +58,24 @@ pub const DEFAULT_ADMIN_SOCKET: &str = "/run/harvester-lb/admin.sock";
 /// Longest Unix socket path the kernel takes (`sun_path` is 108 bytes with
 /// its terminating NUL).
 const MAX_SOCKET_PATH_BYTES: usize = 107;
+
+/// What is wrong with `path` as `admin.socket`, if anything (the text
+/// follows the quoted value). One verdict for the daemon and for the admin
+/// commands, which read this key alone (`config::admin_endpoints`).
+pub fn admin_socket_problem(path: &str) -> Option<String> {
+    if !path.starts_with('/') {
+        Some("is not an absolute path; write e.g. \"/run/harvester-lb/admin.sock\"".to_string())
+    } else if path.len() > MAX_SOCKET_PATH_BYTES {
+        Some(format!(
+            "is {} bytes long; a Unix socket path takes at most {MAX_SOCKET_PATH_BYTES}",
+            path.len()
+        ))
+    } else if path.ends_with('/') || path.contains('\0') {
+        Some("is not a file path (it ends with \"/\" or holds a NUL byte)".to_string())
+    } else {
+        None
+    }
+}
 /// Default `listen(2)` backlog (the kernel caps it at `net.core.somaxconn`).
 pub const DEFAULT_BACKLOG: i64 = 4096;
 /// Upper bound of `listener.defer_accept_seconds`: ten minutes. The kernel
@@ -447,22 +465,7 @@ impl Validator<'_> {
             None => PathBuf::from(DEFAULT_ADMIN_SOCKET),
             Some(s) => {
                 let path = s.get_ref();
-                let problem = if !path.starts_with('/') {
-                    Some(
-                        "is not an absolute path; write e.g. \"/run/harvester-lb/admin.sock\""
-                            .to_string(),
-                    )
-                } else if path.len() > MAX_SOCKET_PATH_BYTES {
-                    Some(format!(
-                        "is {} bytes long; a Unix socket path takes at most {MAX_SOCKET_PATH_BYTES}",
-                        path.len()
-                    ))
-                } else if path.ends_with('/') || path.contains('\0') {
-                    Some("is not a file path (it ends with \"/\" or holds a NUL byte)".to_string())
-                } else {
-                    None
-                };
-                if let Some(p) = problem {
+                if let Some(p) = admin_socket_problem(path) {
                     self.problem(Some(s.span()), "admin.socket", format!("{path:?} {p}"));
                 }
                 PathBuf::from(path)

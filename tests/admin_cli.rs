@@ -1,0 +1,185 @@
+//! The admin commands when they are needed most: after a bad hand edit
+//! (which the running daemon rejected and ignores), with the daemon down,
+//! dead, out of reach or hung. Every command that talks to the daemon
+//! takes `--socket`; with `--config` it reads only `admin.socket` (and
+//! `admin.listen` for `status`) from the file, tolerantly; and each way of
+//! not reaching the daemon says which it is and what to do.
+//!
+//! Real daemon (in this process) and real `harvester-lb` processes on
+//! loopback and Unix sockets in the test's own directory.
+
+mod support;
+
+use std::net::SocketAddr;
+
+use support::{Backend, Behaviour, Config, Daemon, Lb, Subnet, cli};
+
+/// One load balancer with one healthy backend (no health check: healthy
+/// from the start).
+fn web(net: &Subnet) -> Lb {
+    Lb::new("default/web", net.ip(100))
+        .backends(net.ips(&[1]))
+        .tcp("http", 8080, 30080)
+}
+
+fn s(parts: &[&str]) -> Vec<String> {
+    parts.iter().map(|p| p.to_string()).collect()
+}
+
+/// A hand edit the daemon refuses: the file parses, one value is wrong.
+const BAD_VALUE: &str = "\n[[load_balancer]]\nname = \"default/broken\"\nvip = \"not-an-ip\"\nbackends = [\"10.0.0.1\"]\n";
+/// A hand edit that is not TOML at all.
+const BAD_SYNTAX: &str = "\n[[load_balancer]\nname = default/broken\n";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn admin_commands_need_only_the_socket_not_a_valid_file() {
+    let net = Subnet::new();
+    let good = Config::on(&net).lb(web(&net)).to_string();
+    let backend = Backend::start(SocketAddr::new(net.ip(1), 30080), Behaviour::NameThenEcho).await;
+    let daemon = Daemon::start(&net, &good).await;
+    let config = daemon.config.to_str().unwrap().to_string();
+    let socket = daemon.socket.to_str().unwrap().to_string();
+    let ip = net.ip_str(1);
+
+    for (what, edit) in [("a bad value", BAD_VALUE), ("a syntax error", BAD_SYNTAX)] {
+        std::fs::write(&daemon.config, format!("{good}{edit}")).unwrap();
+
+        let (code, table, stderr) = cli(s(&["status", "--config", &config])).await;
+        assert_eq!(code, 0, "status -c after {what}: {stderr}");
+        assert!(table.contains("default/web"), "{what}: {table}");
+
+        let (code, table, stderr) = cli(s(&["status", "--socket", &socket])).await;
+        assert_eq!(code, 0, "status --socket after {what}: {stderr}");
+        assert!(table.contains("default/web"), "{what}: {table}");
+
+        // The file's own admin.socket, not the default one.
+        let (code, out, stderr) = cli(s(&[
+            "backend",
+            "drain",
+            "--lb",
+            "default/web",
+            &ip,
+            "-c",
+            &config,
+        ]))
+        .await;
+        assert_eq!(code, 0, "backend drain -c after {what}: {stderr}");
+        assert!(out.contains("ready -> drain"), "{what}: {out}");
+        let (code, _, stderr) = cli(s(&[
+            "backend",
+            "ready",
+            "--lb",
+            "default/web",
+            &ip,
+            "--socket",
+            &socket,
+        ]))
+        .await;
+        assert_eq!(code, 0, "backend ready --socket after {what}: {stderr}");
+
+        // The daemon itself refuses the file: its problems, exit 78.
+        let (code, _, stderr) = cli(s(&["reload", "--socket", &socket])).await;
+        assert_eq!(code, 78, "reload --socket after {what}: {stderr}");
+        assert!(
+            stderr.contains("default/broken") || stderr.contains("line"),
+            "{what}: {stderr}"
+        );
+    }
+    daemon.stop().await;
+    backend.stop();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bad_admin_socket_key_is_named_never_replaced_by_the_default() {
+    let net = Subnet::new();
+    let file = net.write(
+        "relative.toml",
+        "[admin]\nsocket = \"admin.sock\"\n\n[proxy]\ndrain_timeout_seconds = \"x\"\n",
+    );
+    let file = file.to_str().unwrap();
+    let (code, _, stderr) = cli(s(&[
+        "backend",
+        "drain",
+        "--lb",
+        "default/web",
+        "10.0.0.1",
+        "-c",
+        file,
+    ]))
+    .await;
+    assert_eq!(code, 78, "{stderr}");
+    assert!(
+        stderr.contains("admin.socket")
+            && stderr.contains("line 2")
+            && stderr.contains("--socket")
+            && !stderr.contains("no admin socket at"),
+        "{stderr}"
+    );
+    // A file that cannot be read names itself, and the way around it.
+    let missing = net.dir().join("missing.toml");
+    let (code, _, stderr) = cli(s(&["host", "drain", "-c", missing.to_str().unwrap()])).await;
+    assert_eq!(code, 78, "{stderr}");
+    assert!(
+        stderr.contains("missing.toml") && stderr.contains("--socket"),
+        "{stderr}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_way_of_not_reaching_the_daemon_says_which_and_what_to_do() {
+    let net = Subnet::new();
+    // No socket file: not running, or another path.
+    let none = net.dir().join("none.sock");
+    let (code, _, stderr) = cli(s(&["reload", "--socket", none.to_str().unwrap()])).await;
+    assert_eq!(code, 69, "{stderr}");
+    assert!(
+        stderr.contains("not running") && stderr.contains("systemctl status"),
+        "{stderr}"
+    );
+
+    // A socket file nobody listens on: a daemon that died.
+    let stale = net.dir().join("stale.sock");
+    drop(std::os::unix::net::UnixListener::bind(&stale).unwrap());
+    let (code, _, stderr) = cli(s(&["status", "--socket", stale.to_str().unwrap()])).await;
+    assert_eq!(code, 69, "{stderr}");
+    assert!(
+        stderr.contains("stale") && stderr.contains("died"),
+        "{stderr}"
+    );
+
+    // A socket that accepts and never answers: a hung daemon (status
+    // waits 10 s).
+    let hung = net.dir().join("hung.sock");
+    let _hung = std::os::unix::net::UnixListener::bind(&hung).unwrap();
+    let (code, _, stderr) = cli(s(&["status", "--socket", hung.to_str().unwrap()])).await;
+    assert_eq!(code, 69, "{stderr}");
+    assert!(
+        stderr.contains("did not answer") && stderr.contains("hung"),
+        "{stderr}"
+    );
+
+    // The daemon's socket (mode 0600) for another user: run as root.
+    let daemon = Daemon::start(&net, Config::on(&net).lb(web(&net))).await;
+    let socket = daemon.socket.to_str().unwrap().to_string();
+    let out = tokio::task::spawn_blocking(move || {
+        std::process::Command::new("setpriv")
+            .args(["--reuid=65534", "--regid=65534", "--clear-groups"])
+            .arg(env!("CARGO_BIN_EXE_harvester-lb"))
+            .args(["host", "drain", "--socket", &socket])
+            .output()
+    })
+    .await
+    .unwrap();
+    match out {
+        Ok(out) => {
+            let (code, _, stderr) = support::outcome(&out);
+            assert_eq!(code, 69, "{stderr}");
+            assert!(
+                stderr.contains("permission denied") && stderr.contains("as root"),
+                "{stderr}"
+            );
+        }
+        Err(e) => eprintln!("setpriv cannot run ({e}): the permission case is not tested"),
+    }
+    daemon.stop().await;
+}
