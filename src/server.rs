@@ -15,7 +15,7 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::{self, Config, ConfigError};
-use crate::daemon::{Daemon, HandOverReport, StopKind, log_applied};
+use crate::daemon::{Daemon, HandOverReport, ReloadSource, StopKind, log_applied};
 use crate::fd_store::{self, FdName, FdStore, Inherited};
 use crate::metrics::Metrics;
 use crate::vip::port_filter::IsolationError;
@@ -100,8 +100,14 @@ pub enum StartError {
 /// A request to reload the config, answered with the outcome: a summary
 /// of what changed, or why the running config stays in force. The reload
 /// loop here takes them from `POST /reload` (the admin API), SIGHUP
-/// ([`run`]) and [`Server::reload`]; the file watch has a channel of its own.
-pub type ReloadRequest = oneshot::Sender<Result<String, ReloadError>>;
+/// ([`run`]), the file watch and [`Server::reload`].
+#[derive(Debug)]
+pub struct ReloadRequest {
+    /// How it was asked for (`/status` names it when the file is rejected).
+    pub source: ReloadSource,
+    /// Where the outcome goes.
+    pub reply: oneshot::Sender<Result<String, ReloadError>>,
+}
 
 /// Why a reload left the running config in force. The message is what
 /// `POST /reload`, `harvester-lb reload` and the log show.
@@ -124,6 +130,19 @@ pub enum ReloadError {
     /// (`owned::claim`); nothing of it was applied.
     #[error(transparent)]
     Claimed(#[from] owned::ClaimError),
+}
+
+impl ReloadError {
+    /// Why, one entry per problem: each of a rejected file's problems as
+    /// `check` prints it, else the one reason.
+    pub fn problems(&self) -> Vec<String> {
+        match self {
+            ReloadError::Config(ConfigError::Invalid { problems, .. }) => {
+                problems.iter().map(ToString::to_string).collect()
+            }
+            other => vec![other.to_string()],
+        }
+    }
 }
 
 /// A running daemon.
@@ -236,6 +255,7 @@ pub async fn start(options: Options) -> Result<Server, StartError> {
     isolated?;
 
     daemon.set_config_file(&options.config_path);
+    daemon.config_started(&config, loader.last_read_sha256().map(str::to_string));
     // Before the first load balancer is made: operator states and verdicts
     // are in place before the first probe and the first connection.
     daemon.restore_state(&options.config_path, &config);
@@ -344,7 +364,7 @@ impl Server {
     /// Re-reads the config file and applies it; `Err` carries every problem,
     /// and then the running config is untouched.
     pub async fn reload(&self) -> Result<String, ReloadError> {
-        request_reload(&self.reload).await
+        request_reload(&self.reload, ReloadSource::Library).await
     }
 
     /// A sender that triggers reloads (for signal handlers).
@@ -413,9 +433,15 @@ impl Server {
 }
 
 /// Sends a reload request and waits for its outcome.
-pub async fn request_reload(sender: &mpsc::Sender<ReloadRequest>) -> Result<String, ReloadError> {
-    let (tx, rx) = oneshot::channel();
-    sender.send(tx).await.map_err(|_| ReloadError::Stopping)?;
+pub async fn request_reload(
+    sender: &mpsc::Sender<ReloadRequest>,
+    source: ReloadSource,
+) -> Result<String, ReloadError> {
+    let (reply, rx) = oneshot::channel();
+    sender
+        .send(ReloadRequest { source, reply })
+        .await
+        .map_err(|_| ReloadError::Stopping)?;
     rx.await.map_err(|_| ReloadError::Stopping)?
 }
 
@@ -493,7 +519,7 @@ impl Signals {
                     let sender = server.reload_sender();
                     // Do not wait here: a storm of SIGHUPs queues reloads, it does not block stop.
                     tokio::spawn(async move {
-                        let _ = request_reload(&sender).await;
+                        let _ = request_reload(&sender, ReloadSource::Signal).await;
                     });
                 }
             }
@@ -593,8 +619,8 @@ async fn main_loop(
     loop {
         tokio::select! {
             _ = stop.cancelled() => return,
-            Some(reply) = reload_rx.recv() => {
-                let outcome = reload(&options, &loader, &daemon, ready_sent, &stop).await;
+            Some(ReloadRequest { source, reply }) = reload_rx.recv() => {
+                let outcome = reload(&options, &loader, &daemon, ready_sent, &stop, source).await;
                 let _ = reply.send(outcome);
             }
             Some(event) = changed_rx.recv() => match event {
@@ -606,7 +632,7 @@ async fn main_loop(
                     }
                     // Go through the channel so watch and signal reloads are serialised.
                     let tx = reload_tx.clone();
-                    tokio::spawn(async move { let _ = request_reload(&tx).await; });
+                    tokio::spawn(async move { let _ = request_reload(&tx, ReloadSource::FileChange).await; });
                 }
                 watch::Event::Missing => {
                     // Once per disappearance: the watch reports it once.
@@ -678,6 +704,7 @@ async fn reload(
     daemon: &Daemon,
     ready_sent: bool,
     stop: &CancellationToken,
+    source: ReloadSource,
 ) -> Result<String, ReloadError> {
     if ready_sent {
         systemd::notify_reloading();
@@ -691,14 +718,19 @@ async fn reload(
     // with a bound (`config::read_regular_file`), but a hung file system
     // must still not hold SIGTERM. The isolation below is never cut short.
     let read = tokio::task::spawn_blocking(move || {
-        loader
+        let mut loader = loader
             .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .load(&path)
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let loaded = loader.load(&path);
+        (loaded, loader.last_read_sha256().map(str::to_string))
     });
     let read = tokio::select! {
         read = read => read,
         _ = stop.cancelled() => return Err(ReloadError::Stopping),
+    };
+    let (read, sha256) = match read {
+        Ok((read, sha256)) => (Ok(read), sha256),
+        Err(e) => (Err(e), None),
     };
     let loaded = match read {
         Err(e) => Err(ReloadError::LoaderStopped(e)),
@@ -735,6 +767,14 @@ async fn reload(
                 tracing::warn!(config = %options.config_path.display(), "{w}");
             }
             let total = loaded.config.load_balancers.len();
+            let needs_restart = daemon.config_reloaded(&loaded.config, sha256);
+            if !needs_restart.is_empty() {
+                tracing::warn!(
+                    config = %options.config_path.display(),
+                    "the reloaded file changes {}, which only a restart applies (bound or read once at start): the old value stays in force until `systemctl restart harvester-lb`; everything else is applied",
+                    needs_restart.join(", ")
+                );
+            }
             let report = daemon.apply(loaded.config);
             // It was read just now, so it is not missing (whatever the watch
             // has seen yet).
@@ -752,7 +792,15 @@ async fn reload(
             ) + &isolated
                 .err()
                 .map(|e| format!("; vip.isolate failed: {e}"))
-                .unwrap_or_default();
+                .unwrap_or_default()
+                + &if needs_restart.is_empty() {
+                    String::new()
+                } else {
+                    format!(
+                        "; needs a restart: {} (bound or read once at start; the value in force stays until `systemctl restart harvester-lb`)",
+                        needs_restart.join(", ")
+                    )
+                };
             if total == 0 && report.load_balancers_removed > 0 {
                 // Rarely meant: a controller bug or a truncated file
                 // unbinds every VIP of the host.
@@ -775,6 +823,10 @@ async fn reload(
         }
         Err(e) => {
             tracing::error!("reload rejected, the running config stays in force: {e}");
+            // Not a stop: nothing was wrong with the file.
+            if !matches!(e, ReloadError::Stopping) {
+                daemon.config_rejected(source, sha256, e.problems());
+            }
             Err(e)
         }
     };

@@ -3,7 +3,9 @@
 //! dead, out of reach or hung. Every command that talks to the daemon
 //! takes `--socket`; with `--config` it reads only `admin.socket` (and
 //! `admin.listen` for `status`) from the file, tolerantly; and each way of
-//! not reaching the daemon says which it is and what to do.
+//! not reaching the daemon says which it is and what to do. `/status`
+//! carries the running config's hash, the last rejected reload while it
+//! stands, and what a reload changed that needs a restart.
 //!
 //! Real daemon (in this process) and real `harvester-lb` processes on
 //! loopback and Unix sockets in the test's own directory.
@@ -11,8 +13,10 @@
 mod support;
 
 use std::net::SocketAddr;
+use std::path::Path;
+use std::time::Duration;
 
-use support::{Backend, Behaviour, Config, Daemon, Lb, Subnet, cli};
+use support::{Backend, Behaviour, Config, Daemon, Lb, Subnet, cli, http_unix, wait_for};
 
 /// One load balancer with one healthy backend (no health check: healthy
 /// from the start).
@@ -181,5 +185,152 @@ async fn each_way_of_not_reaching_the_daemon_says_which_and_what_to_do() {
         }
         Err(e) => eprintln!("setpriv cannot run ({e}): the permission case is not tested"),
     }
+    daemon.stop().await;
+}
+
+/// `sha256sum FILE`'s digest.
+fn sha256(path: &Path) -> String {
+    let out = std::process::Command::new("sha256sum")
+        .arg(path)
+        .output()
+        .expect("sha256sum");
+    String::from_utf8_lossy(&out.stdout)
+        .split_whitespace()
+        .next()
+        .unwrap()
+        .to_string()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_carries_the_rejected_reload_and_the_running_configs_hash() {
+    let net = Subnet::new();
+    let good = Config::on(&net).lb(web(&net)).to_string();
+    let daemon = Daemon::start(&net, &good).await;
+    let config = daemon.config.to_str().unwrap().to_string();
+    let first = sha256(&daemon.config);
+    let doc = daemon.status().await;
+    assert_eq!(doc["config"]["sha256"], first.as_str(), "{doc:#}");
+    assert_eq!(doc["config"]["path"], config.as_str());
+    assert!(doc["config"]["rejected_reload"].is_null(), "{doc:#}");
+
+    // A bad hand edit, reloaded through the socket: refused, and /status
+    // says so (when, how asked, every problem) while it stands.
+    std::fs::write(&daemon.config, format!("{good}{BAD_VALUE}")).unwrap();
+    let (code, body) = http_unix(&daemon.socket, "POST", "/reload", "").await;
+    assert_eq!(code, 422, "{body}");
+    let doc = daemon.status().await;
+    let rejected = &doc["config"]["rejected_reload"];
+    assert_eq!(rejected["source"], "admin socket", "{doc:#}");
+    assert!(rejected["at_unix"].as_f64().unwrap() > 1.0e9, "{doc:#}");
+    assert_eq!(
+        rejected["sha256"],
+        sha256(&daemon.config).as_str(),
+        "{doc:#}"
+    );
+    let problems = rejected["problems"].as_array().expect("problems");
+    assert!(
+        problems
+            .iter()
+            .any(|p| p.as_str().unwrap().contains("not-an-ip")),
+        "{doc:#}"
+    );
+    // The running config is still the first file.
+    assert_eq!(doc["config"]["sha256"], first.as_str(), "{doc:#}");
+    let (code, table, stderr) = cli(s(&["status", "-c", &config])).await;
+    assert_eq!(code, 0, "{stderr}");
+    assert!(
+        table.contains("last reload rejected") && table.contains("not-an-ip"),
+        "{table}"
+    );
+    assert!(table.contains(&first[..12]), "{table}");
+
+    // Fixed and reloaded: the rejection is gone, the hash is the new file's.
+    let fixed = format!("{good}\n# fixed\n");
+    std::fs::write(&daemon.config, &fixed).unwrap();
+    let (code, _, stderr) = cli(s(&["reload", "-c", &config])).await;
+    assert_eq!(code, 0, "{stderr}");
+    let doc = daemon.status().await;
+    assert!(doc["config"]["rejected_reload"].is_null(), "{doc:#}");
+    assert_eq!(doc["config"]["sha256"], sha256(&daemon.config).as_str());
+    assert_ne!(doc["config"]["sha256"], first.as_str());
+    daemon.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_that_changes_admin_listen_says_it_needs_a_restart() {
+    let net = Subnet::new();
+    let lb = web(&net);
+    let daemon = Daemon::start(&net, Config::on(&net).lb(lb.clone())).await;
+    let config = daemon.config.to_str().unwrap().to_string();
+    let moved = Config::on(&net)
+        .admin(SocketAddr::new(net.ip(250), 9902))
+        .lb(lb.clone())
+        .to_string();
+    std::fs::write(&daemon.config, moved).unwrap();
+    let (code, out, stderr) = cli(s(&["reload", "-c", &config])).await;
+    assert_eq!(code, 0, "{stderr}");
+    assert!(
+        out.contains("needs a restart: admin.listen"),
+        "reload's answer: {out}"
+    );
+    let doc = daemon.status().await;
+    assert_eq!(
+        doc["config"]["needs_restart"],
+        serde_json::json!(["admin.listen"]),
+        "{doc:#}"
+    );
+    // The API is still where it was: the table says why.
+    let (code, table, stderr) =
+        cli(s(&["status", "--socket", daemon.socket.to_str().unwrap()])).await;
+    assert_eq!(code, 0, "{stderr}");
+    assert!(table.contains("needs a restart: admin.listen"), "{table}");
+
+    // Back to the address in force: nothing to restart for.
+    std::fs::write(&daemon.config, Config::on(&net).lb(lb).to_string()).unwrap();
+    let (code, _, stderr) = cli(s(&["reload", "-c", &config])).await;
+    assert_eq!(code, 0, "{stderr}");
+    wait_for(
+        Duration::from_secs(10),
+        "needs_restart to clear",
+        || async {
+            let doc = daemon.status().await;
+            doc["config"]["needs_restart"]
+                .as_array()
+                .is_some_and(Vec::is_empty)
+                .then_some(())
+        },
+    )
+    .await;
+    daemon.stop().await;
+}
+
+/// operations.md said `systemctl reload` (`harvester-lb reload`) falls back
+/// to `admin.listen` when the socket is missing; it never did, and must
+/// not (whoever binds that port first could answer "reloaded"): exit 69
+/// naming the socket, and the daemon on `admin.listen` is not asked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reload_never_falls_back_to_admin_listen() {
+    let net = Subnet::new();
+    let daemon = Daemon::start(&net, Config::on(&net).lb(web(&net))).await;
+    let elsewhere = net.write(
+        "elsewhere.toml",
+        &Config::on(&net)
+            .socket(&net.dir().join("elsewhere.sock"))
+            .lb(web(&net))
+            .to_string(),
+    );
+    let before = daemon
+        .metric("harvester_lb_config_reloads_total{result=\"success\"}")
+        .await;
+    let (code, _, stderr) = cli(s(&["reload", "-c", elsewhere.to_str().unwrap()])).await;
+    assert_eq!(code, 69, "{stderr}");
+    assert!(
+        stderr.contains("elsewhere.sock") && stderr.contains("never on admin.listen"),
+        "{stderr}"
+    );
+    let after = daemon
+        .metric("harvester_lb_config_reloads_total{result=\"success\"}")
+        .await;
+    assert_eq!(before, after, "the daemon on admin.listen was asked");
     daemon.stop().await;
 }

@@ -18,7 +18,7 @@ use tokio::sync::{mpsc, oneshot};
 
 use super::{Body, Origin};
 use crate::balancer::AdminState;
-use crate::daemon::{AdminStateError, AnnounceStateError, Daemon, VipNotReady};
+use crate::daemon::{AdminStateError, AnnounceStateError, Daemon, ReloadSource, VipNotReady};
 use crate::metrics::exposition::ExpositionBody;
 use crate::server::ReloadRequest;
 
@@ -119,8 +119,12 @@ pub(super) async fn route(
             resp
         }
         "/reload" => {
-            let (tx, rx) = oneshot::channel();
-            if reload.send(tx).await.is_err() {
+            let (reply, rx) = oneshot::channel();
+            let source = match origin {
+                Origin::Tcp => ReloadSource::AdminListen,
+                Origin::Socket => ReloadSource::AdminSocket,
+            };
+            if reload.send(ReloadRequest { source, reply }).await.is_err() {
                 return text(StatusCode::SERVICE_UNAVAILABLE, "the daemon is stopping\n");
             }
             match rx.await {

@@ -12,6 +12,50 @@ use std::fmt::Write as _;
 
 use serde_json::Value;
 
+/// The config in force (path and SHA-256, to compare with `sha256sum`),
+/// the last rejected reload with every problem while it stands, and the
+/// keys that wait for a restart.
+fn config_lines(out: &mut String, config: &Value, now_unix: f64) {
+    let esc = |v: &Value| harvester_lb::text::escape(v.as_str().unwrap_or("-")).into_owned();
+    let _ = writeln!(
+        out,
+        "config: {} sha256 {}",
+        esc(&config["path"]),
+        esc(&config["sha256"])
+    );
+    let rejected = &config["rejected_reload"];
+    if rejected.is_object() {
+        let ago = rejected["at_unix"]
+            .as_f64()
+            .map(|t| format!(" {}s ago", ((now_unix - t).max(0.0)).round()))
+            .unwrap_or_default();
+        let _ = writeln!(
+            out,
+            "last reload rejected{ago} (asked by {}; file sha256 {}); the config above stays in force:",
+            esc(&rejected["source"]),
+            esc(&rejected["sha256"])
+        );
+        for p in rejected["problems"].as_array().into_iter().flatten() {
+            for line in p.as_str().unwrap_or_default().lines() {
+                let _ = writeln!(out, "  {}", harvester_lb::text::escape(line));
+            }
+        }
+    }
+    let keys: Vec<String> = config["needs_restart"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(esc)
+        .collect();
+    if !keys.is_empty() {
+        let _ = writeln!(
+            out,
+            "needs a restart: {} (the value in force stays until `systemctl restart harvester-lb`)",
+            keys.join(", ")
+        );
+    }
+}
+
 /// Renders `/status` (as JSON text) as tables; `now_unix` ages the probes.
 pub fn render(status: &Value, now_unix: f64) -> String {
     let mut out = String::new();
@@ -33,6 +77,7 @@ pub fn render(status: &Value, now_unix: f64) -> String {
         }
     );
     let empty = Vec::new();
+    config_lines(&mut out, &status["config"], now_unix);
     // vip.announce = "routes": one line per VIP, announced or why not.
     if let Some(a) = status["announce"].as_object() {
         let _ = writeln!(

@@ -857,6 +857,8 @@ pub fn load(path: &Path) -> Result<Loaded, ConfigError> {
 #[derive(Debug, Default)]
 pub struct Loader {
     known: validate::Known,
+    /// The SHA-256 of the text the last [`Loader::load`] read, valid or not.
+    read_sha256: Option<String>,
 }
 
 impl Loader {
@@ -867,11 +869,20 @@ impl Loader {
 
     /// Reads and validates the file at `path`, like [`load`].
     pub fn load(&mut self, path: &Path) -> Result<Loaded, ConfigError> {
+        self.read_sha256 = None;
         let text = read(path)?;
+        self.read_sha256 = Some(sha256_hex(text.as_bytes()));
         self.parse(&text).map_err(|problems| ConfigError::Invalid {
             path: path.display().to_string(),
             problems,
         })
+    }
+
+    /// The SHA-256 (lowercase hex, as `sha256sum` prints it) of the file
+    /// the last [`Loader::load`] read, whatever its verdict; `None` when it
+    /// could not be read.
+    pub fn last_read_sha256(&self) -> Option<&str> {
+        self.read_sha256.as_deref()
     }
 
     /// Validates a config held in memory, like [`parse`].
@@ -887,6 +898,18 @@ impl Loader {
 
 /// The file's text, refused if it is not a regular file (a FIFO, a device,
 /// a directory), larger than [`MAX_FILE_BYTES`] or not UTF-8.
+/// `bytes`' SHA-256 in lowercase hex.
+fn sha256_hex(bytes: &[u8]) -> String {
+    use sha2::Digest as _;
+    sha2::Sha256::digest(bytes)
+        .iter()
+        .fold(String::with_capacity(64), |mut hex, b| {
+            use std::fmt::Write as _;
+            let _ = write!(hex, "{b:02x}");
+            hex
+        })
+}
+
 fn read(path: &Path) -> Result<String, ConfigError> {
     let shown = path.display().to_string();
     let bytes = read_regular_file(path, MAX_FILE_BYTES).map_err(|e| match e {

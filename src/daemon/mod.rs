@@ -31,6 +31,7 @@ use crate::workers::Workers;
 mod admin_state;
 mod announce;
 mod apply;
+mod config_record;
 mod forward_chains;
 mod hand_over;
 mod kernel;
@@ -49,6 +50,7 @@ pub use announce::decide;
 pub use announce::{
     AnnounceStateChange, AnnounceStateError, AnnounceStatus, LbAnnounceStatus, VipAnnounceStatus,
 };
+pub use config_record::{RejectedReload, ReloadSource};
 pub use hand_over::{
     HandOverMarker, HandOverReport, MARKER_FILE, MARKER_KEPT_FILE, MARKER_MAX_AGE, MarkerError,
     StopKind,
@@ -77,6 +79,9 @@ pub struct Daemon {
     workers: Workers,
     /// Everything a reload changes; locked only by reload, status and shutdown.
     state: Mutex<State>,
+    /// The file in force, the last rejected reload, what needs a restart
+    /// (`/status` `config`).
+    config_record: Mutex<config_record::ConfigRecord>,
     /// Drains of removed listeners still running, awaited at shutdown.
     drains: TaskTracker,
     /// Set when shutdown begins: `/readyz` turns 503 so a front end stops
@@ -236,6 +241,7 @@ impl Daemon {
             limit: ConnectionLimit::new(max_connections),
             workers,
             state: Mutex::new(State::default()),
+            config_record: Mutex::default(),
             drains: TaskTracker::new(),
             stopping: AtomicBool::new(false),
             retire_now: CancellationToken::new(),

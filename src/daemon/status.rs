@@ -43,12 +43,26 @@ impl Daemon {
                 && st.config.is_some()
                 && st.listeners.values().all(|e| e.socket.is_ok()),
             load_balancers,
-            config: ConfigStatus {
-                path: st.file.as_ref().map(|p| p.display().to_string()),
-                problem: missing_since_unix.map(|_| {
+            config: {
+                let record = self.record_status();
+                let rejected = record.rejected.as_ref().map(|r| {
+                    format!(
+                        "the last reload was rejected ({} problem{}, see rejected_reload); the config read before stays in force",
+                        r.problems.len(),
+                        if r.problems.len() == 1 { "" } else { "s" }
+                    )
+                });
+                let missing = missing_since_unix.map(|_| {
                     "the file is missing (deleted or renamed away); the config read before stays in force until it reappears".to_string()
-                }),
-                missing_since_unix,
+                });
+                ConfigStatus {
+                    path: st.file.as_ref().map(|p| p.display().to_string()),
+                    problem: missing.or(rejected),
+                    missing_since_unix,
+                    sha256: record.sha256,
+                    rejected_reload: record.rejected,
+                    needs_restart: record.needs_restart,
+                }
             },
             vip_isolation: self.isolation.status(),
             vm_network_guard: self.vmnet.guard.status(),
@@ -361,6 +375,15 @@ pub struct ConfigStatus {
     pub problem: Option<String>,
     /// Since when the file is missing, Unix seconds; `null` while it exists.
     pub missing_since_unix: Option<f64>,
+    /// The SHA-256 of the file in force, as read (compare with `sha256sum`).
+    pub sha256: Option<String>,
+    /// The last reload rejected since the last good one: when, how asked,
+    /// the rejected file's SHA-256 and every problem; `null` when the last
+    /// reload succeeded.
+    pub rejected_reload: Option<super::RejectedReload>,
+    /// Keys the config in force changed that only a restart applies
+    /// (`admin.listen`, `admin.socket`, `daemon.state_file`).
+    pub needs_restart: Vec<&'static str>,
 }
 
 /// One load balancer in `/status`.
