@@ -331,9 +331,24 @@ fn post_state(
 /// later stop withdraws).
 pub fn withdraw_all(config_path: &Path, table: Option<u32>) -> ExitCode {
     let loaded = config::load(config_path);
+    // The marker is beside the admin socket: a file with a bad hand edit
+    // still names it (`admin_endpoints` reads that key alone), or a restart
+    // would withdraw every route it hands over.
     let socket = match &loaded {
         Ok(l) => l.config.admin.socket.clone(),
-        Err(_) => std::path::PathBuf::from(config::DEFAULT_ADMIN_SOCKET),
+        Err(_) => match config::admin_endpoints(config_path) {
+            Ok(found) => found.socket,
+            Err(e) => {
+                logging::eprint_at(
+                    4,
+                    &format!(
+                        "warning: {e}; looking for the hand-over marker beside the default {}",
+                        config::DEFAULT_ADMIN_SOCKET
+                    ),
+                );
+                std::path::PathBuf::from(config::DEFAULT_ADMIN_SOCKET)
+            }
+        },
     };
     match harvester_lb::daemon::HandOverMarker::keep_routes(&socket) {
         Ok(Some(m)) => {

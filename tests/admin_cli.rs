@@ -334,3 +334,47 @@ async fn reload_never_falls_back_to_admin_listen() {
     assert_eq!(before, after, "the daemon on admin.listen was asked");
     daemon.stop().await;
 }
+
+/// `withdraw --all` (the unit's `ExecStopPost=`) after a hand-over looks for
+/// the `handed-over` marker beside the admin socket: a file with a bad hand
+/// edit must still lead it to the configured socket's directory, or the
+/// restart withdraws every route it was meant to keep. Run in a network
+/// namespace of its own, so nothing of this host's is touched either way.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn withdraw_finds_the_hand_over_marker_beside_a_broken_files_socket() {
+    let net = Subnet::new();
+    let socket = net.dir().join("admin.sock");
+    let boot_id = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap();
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs();
+    std::fs::write(
+        net.dir().join("handed-over"),
+        serde_json::json!({"boot_id": boot_id.trim(), "pid": 4242, "at": now}).to_string(),
+    )
+    .unwrap();
+    let file = net.write(
+        "config.toml",
+        &format!(
+            "[admin]\nsocket = \"{}\"\n\n[vip]\nannounce = \"routes\"\n{BAD_VALUE}",
+            socket.display()
+        ),
+    );
+    let out = tokio::task::spawn_blocking(move || {
+        std::process::Command::new("unshare")
+            .arg("--net")
+            .arg(env!("CARGO_BIN_EXE_harvester-lb"))
+            .args(["withdraw", "--all", "-c", file.to_str().unwrap()])
+            .output()
+            .expect("unshare")
+    })
+    .await
+    .unwrap();
+    let (code, stdout, stderr) = support::outcome(&out);
+    assert_eq!(code, 0, "{stdout}{stderr}");
+    assert!(
+        stdout.contains("handed over to the next process by process 4242"),
+        "{stdout}{stderr}"
+    );
+}

@@ -197,7 +197,9 @@ pub(crate) enum Command {
     ///
     /// Exits 0 when there was nothing to delete. Reads only
     /// vip.announce_table from the config (default 100 when the file
-    /// cannot be read, said on stderr).
+    /// cannot be read, said on stderr), and admin.socket, beside which a
+    /// hand-over leaves its marker (taken from a file with other errors
+    /// too).
     Withdraw {
         /// Every VIP (the only form there is; required so the command is
         /// never run by accident).
