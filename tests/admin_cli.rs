@@ -89,6 +89,15 @@ async fn admin_commands_need_only_the_socket_not_a_valid_file() {
             "{what}: {stderr}"
         );
     }
+    // The unit's ExecStop= too: asked, not refused for the file (no
+    // descriptor store in this process: the daemon answers that the stop
+    // drains).
+    let (code, out, stderr) = cli(s(&["prepare-stop", "--restart", "-c", &config])).await;
+    assert_eq!(code, 0, "prepare-stop -c after a bad edit: {out}{stderr}");
+    assert!(
+        format!("{out}{stderr}").contains("restart"),
+        "{out}{stderr}"
+    );
     daemon.stop().await;
     backend.stop();
 }
