@@ -840,15 +840,19 @@ async fn reload(
     result
 }
 
-/// systemd's one-line status: serving, or which listeners are not bound.
+/// systemd's one-line status: serving, or which listeners are not bound;
+/// then a rejected reload standing and keys waiting for a restart, so
+/// `systemctl status` (where an operator looks first) does not say only
+/// "serving" after `systemctl reload` failed.
 fn status_line(daemon: &Daemon) -> String {
     let failed = daemon.failed_listeners();
-    if failed.is_empty() {
+    let serving = if failed.is_empty() {
         "serving".to_string()
     } else {
         let list: Vec<String> = failed.iter().map(|f| f.key.addr.to_string()).collect();
         format!("serving; not bound (see /readyz): {}", list.join(", "))
-    }
+    };
+    serving + &daemon.config_attention()
 }
 
 #[cfg(test)]

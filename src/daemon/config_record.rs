@@ -97,6 +97,24 @@ pub(super) struct ConfigRecord {
     needs_restart: Vec<&'static str>,
 }
 
+impl ConfigRecord {
+    /// See [`Daemon::config_attention`].
+    fn attention(&self) -> String {
+        let mut said = String::new();
+        if let Some(r) = &self.rejected {
+            said += &format!(
+                "; last reload rejected ({} problem{}: harvester-lb status)",
+                r.problems.len(),
+                if r.problems.len() == 1 { "" } else { "s" }
+            );
+        }
+        if !self.needs_restart.is_empty() {
+            said += &format!("; needs a restart: {}", self.needs_restart.join(", "));
+        }
+        said
+    }
+}
+
 /// What `/status` shows of the record.
 pub(super) struct RecordStatus {
     pub sha256: Option<String>,
@@ -152,6 +170,13 @@ impl Daemon {
         });
     }
 
+    /// What systemd's status line (`systemctl status`: "Status: serving…")
+    /// adds for the config: a rejected reload standing, keys waiting for a
+    /// restart; empty when neither.
+    pub fn config_attention(&self) -> String {
+        self.record().attention()
+    }
+
     pub(super) fn record_status(&self) -> RecordStatus {
         let r = self.record();
         RecordStatus {
@@ -165,6 +190,23 @@ impl Daemon {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn systemds_status_line_says_a_rejected_reload_and_a_restart_needed() {
+        let mut r = ConfigRecord::default();
+        assert_eq!(r.attention(), "");
+        r.rejected = Some(RejectedReload {
+            at_unix: 1.0,
+            source: ReloadSource::Signal,
+            sha256: None,
+            problems: vec!["line 3: x".into(), "line 4: y".into()],
+        });
+        r.needs_restart = vec!["admin.listen"];
+        assert_eq!(
+            r.attention(),
+            "; last reload rejected (2 problems: harvester-lb status); needs a restart: admin.listen"
+        );
+    }
 
     #[test]
     fn only_the_keys_bound_at_start_need_a_restart() {
