@@ -85,8 +85,13 @@ pub fn admin_endpoints(path: &Path) -> Result<AdminEndpoints, AdminKeyError> {
                 (None, None) => "no admin.socket or admin.listen found in its lines".to_string(),
                 _ => "admin.socket and admin.listen read from its lines".to_string(),
             };
+            let what = if toml::from_str::<toml::Table>(&text).is_ok() {
+                "its [admin] is not a table of keys"
+            } else {
+                "it is not valid TOML"
+            };
             notes.push(format!(
-                "{shown} is not valid TOML ({}); {found} (`harvester-lb check -c {shown}` names every problem)",
+                "{shown} does not parse: {what} ({}); {found} (`harvester-lb check -c {shown}` names every problem)",
                 first_line(&e.to_string())
             ));
             (socket, listen)
@@ -200,10 +205,14 @@ mod tests {
     fn endpoints(text: &str) -> Result<AdminEndpoints, AdminKeyError> {
         let dir = std::env::temp_dir().join(format!("hlb-admin-keys-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
-        let path = dir.join(format!("{:x}.toml", text.len() * 31 + text.lines().count()));
+        static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let path = dir.join(format!("{n}.toml"));
         std::fs::write(&path, text).unwrap();
         let got = admin_endpoints(&path);
         let _ = std::fs::remove_file(&path);
+        // The last test out removes it; the others find it not empty.
+        let _ = std::fs::remove_dir(&dir);
         got
     }
 
@@ -227,6 +236,10 @@ mod tests {
         assert!(got.notes[0].contains("not valid TOML"), "{:?}", got.notes);
         let dotted = endpoints("admin.socket = \"/run/y.sock\"\nbroken =\n").unwrap();
         assert_eq!(dotted.socket, PathBuf::from("/run/y.sock"));
+        // Valid TOML whose [admin] is no table: the default, said.
+        let odd = endpoints("admin = 5\n").unwrap();
+        assert_eq!(odd.socket, PathBuf::from(DEFAULT_ADMIN_SOCKET));
+        assert!(odd.notes[0].contains("not a table"), "{:?}", odd.notes);
     }
 
     #[test]
