@@ -176,10 +176,6 @@ impl Split {
             .collect();
         let sockets = self.bed.dir.join("sockets");
         std::fs::create_dir_all(&sockets).expect("socket directory");
-        let more = format!(
-            "management_check_script = \"{}\"\n",
-            self.file(h, "-mgmt-check.sh").display()
-        );
         let c = config()
             .socket(&sockets.join(format!("{name}.sock")))
             .text(
@@ -188,7 +184,7 @@ impl Split {
                     address,
                     peers,
                     &self.bed.dir.join(format!("keepalived-{name}")),
-                    &more,
+                    "",
                 ) + &network("default/a", "eth0", GATEWAY, "")),
             )
             .lb(Lb::new("default/lb", self.vip)
@@ -590,6 +586,31 @@ async fn netns_a_silent_management_cut_leaves_exactly_one_holder() {
     }
     let mut t = Split::new("split");
     t.start().await;
+    // No management_gateway in the files: each daemon finds the default
+    // route's, says so in /status, and wrote the check's script 0700.
+    for h in 0..3 {
+        let daemon = t.hosts[h].daemon.as_ref().expect("daemon");
+        let check = wait_for(
+            Duration::from_secs(30),
+            "/status management_check",
+            || async {
+                let s = daemon.status().await;
+                let c = s["management_check"].clone();
+                (!c.is_null()).then_some(c)
+            },
+        )
+        .await;
+        assert_eq!(check["gateway"], MGMT_GATEWAY.to_string(), "{check}");
+        assert_eq!(check["gateway_source"], "default route", "{check}");
+        assert!(check["problem"].is_null(), "{check}");
+        let script = t.file(h, "-mgmt-check");
+        let mode = std::os::unix::fs::PermissionsExt::mode(
+            &std::fs::metadata(&script)
+                .expect("the check's script")
+                .permissions(),
+        );
+        assert_eq!(mode & 0o777, 0o700, "{}", script.display());
+    }
     // The backup h3 cut: it must not take the VIP. The master h1 cut: it
     // must give the VIP up, h2 take it alone. Both are measured before
     // either is judged.

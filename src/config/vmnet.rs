@@ -66,10 +66,11 @@ pub const DEFAULT_ADVERT_INTERVAL_MS: u32 = 1000;
 pub const DEFAULT_VRRP_VERSION: u8 = 3;
 /// Default `keepalived.config_path`: where keepalived reads its file.
 pub const DEFAULT_KEEPALIVED_CONFIG: &str = "/etc/keepalived/keepalived.conf";
-/// Default `keepalived.management_check_script`: beside keepalived's own
-/// file, in a directory only root may write (keepalived runs no script
-/// that others could change).
-pub const DEFAULT_MANAGEMENT_CHECK_SCRIPT: &str = "/etc/keepalived/harvester-lb-management-check";
+/// Default `keepalived.management_check_script`: this name in the
+/// directory of `keepalived.config_path` (`/etc/keepalived` by default),
+/// which only root may write (keepalived runs no script that others
+/// could change).
+pub const DEFAULT_MANAGEMENT_CHECK_SCRIPT: &str = "harvester-lb-management-check";
 /// Default `keepalived.pid_file`: Debian's keepalived writes its main pid there.
 pub const DEFAULT_KEEPALIVED_PID_FILE: &str = "/run/keepalived.pid";
 /// First routing table of `[[network]]`s without `table`: table

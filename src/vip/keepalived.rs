@@ -766,6 +766,7 @@ mod tests {
         let text = render(&c).unwrap();
         let k = c.keepalived.as_mut().unwrap();
         k.config_path = dir.join("keepalived.conf");
+        k.management_check_script = dir.join("check");
         k.reload_command = Some(vec!["/bin/true".into()]);
         // Nothing there: nothing of ours to release.
         assert_eq!(release(k, false).unwrap(), Installed::NotOurs);

@@ -362,6 +362,15 @@ mod tests {
             );
         }
         let text = "[keepalived]\nname = \"h1\"\naddress = \"10.77.0.1\"\ninterface = \"mgmt0\"\npeers = [\"10.77.0.2\"]\nmanagement_check_script = \"/etc/keep alived/x\"\n";
+        // Unset: beside keepalived's file.
+        assert_eq!(
+            settings("").management_check_script,
+            std::path::Path::new("/etc/keepalived/harvester-lb-management-check")
+        );
+        assert_eq!(
+            settings("config_path = \"/srv/k/keepalived.conf\"\n").management_check_script,
+            std::path::Path::new("/srv/k/harvester-lb-management-check")
+        );
         let err = parse(text)
             .expect_err("a space")
             .iter()

@@ -453,11 +453,14 @@ impl Validator<'_> {
             self.problem(Some(g.span()), gkey, format!("{ip} cannot be the management network's gateway: {why}; write the router this host reaches on keepalived.interface, or leave the key out to use the default route's gateway through it"));
             None
         });
-        let management_check_script = self.abs_path(
-            &k.management_check_script,
-            "keepalived.management_check_script",
-            DEFAULT_MANAGEMENT_CHECK_SCRIPT,
-        );
+        let management_check_script = match &k.management_check_script {
+            None => config_path.with_file_name(DEFAULT_MANAGEMENT_CHECK_SCRIPT),
+            some => self.abs_path(
+                some,
+                "keepalived.management_check_script",
+                "/etc/keepalived/harvester-lb-management-check",
+            ),
+        };
         if let Some(s) = &k.management_check_script
             && let Some(c) = s
                 .get_ref()
