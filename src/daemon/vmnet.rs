@@ -216,8 +216,8 @@ impl Daemon {
 
     /// Sees what the management check pings on this host (the gateway
     /// configured or the default route's), for `/status`; warns once per
-    /// change when there is no gateway (the last host alive would give up
-    /// its VIPs).
+    /// change when there is no gateway (the check then always passes:
+    /// split brain is not guarded against).
     fn mgmt_check_step(&self, config: &Config) {
         let now = config
             .keepalived

@@ -22,8 +22,12 @@
 //! every VIP. It fails only when this host reaches nobody. The gateway is
 //! `keepalived.management_gateway`, or else the default route's through
 //! the interface, which the script asks each time it runs (a gateway
-//! that changes needs no reload); [`Discovered`] is what the daemon saw at
-//! its last apply, for `/status` and a warning when there is none.
+//! that changes needs no reload). With no gateway at all the check
+//! passes: peers alone cannot tell "I am cut off" from "they are all
+//! down", and a lone survivor (of two hosts, or the last of three) that
+//! faulted would take every VIP down, a worse outage than the split brain
+//! it guards against. [`Discovered`] is what the daemon saw at its last
+//! apply, for `/status` and a warning when there is none.
 //!
 //! The script pings every target in parallel, 0.4 s each, and collects
 //! each by its own pid (`wait $pid`): `wait $(jobs -p)` missed finished
@@ -84,6 +88,9 @@ pub fn render_script(k: &KeepalivedSettings) -> String {
          \x20   shift\n\
          \x20 done\n\
          fi\n\
+         # No gateway: a host cut off cannot be told from one whose peers are\n\
+         # all down, so no judgement (a lone survivor must keep its VIPs).\n\
+         [ -n \"$GW\" ] || exit 0\n\
          # In parallel, each collected by its own pid.\n\
          pids=\n\
          for a in $GW{peers}; do\n\
@@ -130,8 +137,8 @@ pub struct Discovered {
     pub peers: Vec<IpAddr>,
     /// The script's path.
     pub script: String,
-    /// What an operator should know: with no gateway, the last host alive
-    /// fails its own check and gives up every VIP.
+    /// What an operator should know: with no gateway the check always
+    /// passes, so split brain is not guarded against.
     pub problem: Option<String>,
     /// `net.netfilter.nf_conntrack_tcp_be_liberal` on this host (`None`:
     /// unreadable, e.g. no conntrack module): reported, not required
@@ -165,7 +172,7 @@ pub fn discover(k: &KeepalivedSettings) -> Discovered {
     };
     let problem = gateway.is_none().then(|| {
         format!(
-            "no management gateway: keepalived.management_gateway is not set and this host has no default route through keepalived.interface {:?}; the check pings the peers alone, so the last host alive (every peer down) fails it and gives up every VIP: set keepalived.management_gateway to a router on that network",
+            "no management gateway: keepalived.management_gateway is not set and this host has no default route through keepalived.interface {:?}; without one the management check cannot tell this host cut off from its peers all being down, so it always passes and a silent cut of the management link makes two masters (split brain): set keepalived.management_gateway to a router on that network",
             k.interface
         )
     });
@@ -308,10 +315,13 @@ mod tests {
         let (ok, pinged) = run(&k, &["10.77.0.254"], route);
         assert!(ok);
         assert_eq!(pinged, ["10.77.0.2", "10.77.0.254", "10.77.0.3"]);
-        // No default route: the peers alone.
-        let (ok, pinged) = run(&k, &["10.77.0.254"], "");
-        assert!(!ok, "the gateway is not known, so not asked");
-        assert_eq!(pinged, ["10.77.0.2", "10.77.0.3"]);
+        let (ok, _) = run(&k, &[], route);
+        assert!(!ok, "nobody answers: the check fails");
+        // No default route: no judgement, nobody asked (a lone survivor
+        // whose peers are down keeps its VIPs).
+        let (ok, pinged) = run(&k, &[], "");
+        assert!(ok, "no gateway: the check passes");
+        assert!(pinged.is_empty(), "{pinged:?}");
     }
 
     #[test]
