@@ -127,6 +127,11 @@ pub struct FileKeepalived {
     pub pid_file: Option<Spanned<String>>,
     /// A command run instead of the SIGHUP.
     pub reload_command: Option<Spanned<Vec<Spanned<String>>>>,
+    /// The management network's gateway the reachability check pings
+    /// (default: the default route's through `interface`).
+    pub management_gateway: Option<Spanned<String>>,
+    /// Where the reachability check's script is written.
+    pub management_check_script: Option<Spanned<String>>,
 }
 
 /// `[admin]`.

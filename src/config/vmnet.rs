@@ -66,6 +66,11 @@ pub const DEFAULT_ADVERT_INTERVAL_MS: u32 = 1000;
 pub const DEFAULT_VRRP_VERSION: u8 = 3;
 /// Default `keepalived.config_path`: where keepalived reads its file.
 pub const DEFAULT_KEEPALIVED_CONFIG: &str = "/etc/keepalived/keepalived.conf";
+/// Default `keepalived.management_check_script`: this name in the
+/// directory of `keepalived.config_path` (`/etc/keepalived` by default),
+/// which only root may write (keepalived runs no script that others
+/// could change).
+pub const DEFAULT_MANAGEMENT_CHECK_SCRIPT: &str = "harvester-lb-management-check";
 /// Default `keepalived.pid_file`: Debian's keepalived writes its main pid there.
 pub const DEFAULT_KEEPALIVED_PID_FILE: &str = "/run/keepalived.pid";
 /// First routing table of `[[network]]`s without `table`: table
@@ -171,6 +176,14 @@ pub struct KeepalivedSettings {
     pub pid_file: PathBuf,
     /// Run instead of the SIGHUP when set (e.g. `systemctl reload keepalived`).
     pub reload_command: Option<Vec<String>>,
+    /// The management network's gateway the reachability check pings
+    /// besides the peers (`vip::mgmt_check`); `None`: the script asks the
+    /// host's default route through `interface` each time it runs, so the
+    /// last host alive keeps its VIPs while its gateway answers.
+    pub management_gateway: Option<IpAddr>,
+    /// Where the reachability check's script is written (mode 0700, for
+    /// keepalived's `enable_script_security`).
+    pub management_check_script: PathBuf,
 }
 
 impl KeepalivedSettings {

@@ -76,6 +76,12 @@ impl Daemon {
             vip_refused: self.vip_refusals(),
             network_refused: self.network_refusals(),
             conntrack_sync: self.sync_status(),
+            management_check: self
+                .vmnet
+                .mgmt_check
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .clone(),
             state_file: self.state_file_status(),
             restart: RestartStatus {
                 fd_store: self.fd_store().is_on(),
@@ -333,6 +339,11 @@ pub struct StatusDoc {
     /// transition and commit, and its gate; absent without it.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub conntrack_sync: Option<super::sync::SyncStatus>,
+    /// `[keepalived]`: what the management-reachability check pings (the
+    /// gateway and where it came from, the peers), why it may fail the
+    /// last host alive (`problem`), and this host's
+    /// `nf_conntrack_tcp_be_liberal` (`vip::mgmt_check`).
+    pub management_check: Option<crate::vip::mgmt_check::Discovered>,
     /// The state kept across restarts: the file, what start restored from
     /// it or why it was ignored, and the last write.
     pub state_file: super::StateFileStatus,

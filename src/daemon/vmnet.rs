@@ -44,6 +44,9 @@ pub(super) struct VmNet {
     pub(super) guard: Arc<VmNetworkGuard>,
     /// The reply marks as last read back, for `/status`.
     pub(super) reply_marks: std::sync::Mutex<ReplyMarkStatus>,
+    /// What the management check pings, as seen at the last apply with
+    /// `[keepalived]` (`vip::mgmt_check::discover`), for `/status`.
+    pub(super) mgmt_check: std::sync::Mutex<Option<crate::vip::mgmt_check::Discovered>>,
     /// Woken at every apply.
     wake: Arc<Notify>,
     /// Set once the task runs.
@@ -206,8 +209,41 @@ impl Daemon {
                 }
             }
         }
+        self.mgmt_check_step(config);
         self.vmnet_routes(inner, config).await;
         self.sync_step(config).await;
+    }
+
+    /// Sees what the management check pings on this host (the gateway
+    /// configured or the default route's), for `/status`; warns once per
+    /// change when there is no gateway (the check then always passes:
+    /// split brain is not guarded against).
+    fn mgmt_check_step(&self, config: &Config) {
+        let now = config
+            .keepalived
+            .as_ref()
+            .map(crate::vip::mgmt_check::discover);
+        let mut seen = self
+            .vmnet
+            .mgmt_check
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        let before = seen.as_ref().map(|d| (d.gateway, d.problem.clone()));
+        let after = now.as_ref().map(|d| (d.gateway, d.problem.clone()));
+        if before != after
+            && let Some(d) = &now
+        {
+            match (&d.problem, d.gateway) {
+                (Some(problem), _) => tracing::warn!("keepalived management check: {problem}"),
+                (None, Some(gw)) => tracing::info!(
+                    gateway = %gw,
+                    source = d.gateway_source,
+                    "keepalived management check: a host goes to FAULT when neither this gateway nor any peer answers on keepalived.interface"
+                ),
+                (None, None) => {}
+            }
+        }
+        *seen = now;
     }
 
     /// Writes, reads back and repairs the VM-network guard table (before

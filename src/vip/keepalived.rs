@@ -54,6 +54,11 @@
 //!   an instance with no VIP of its own family): moved with an instance
 //!   that carries an IPv4 VIP, added `nodad`, with unsolicited neighbour
 //!   advertisements on the network.
+//! - **`track_script hlb_mgmt`** in every instance, the management
+//!   network's reachability (`vip::mgmt_check`): a host that reaches
+//!   neither the management gateway nor any peer goes to FAULT instead of
+//!   becoming a second master of every VIP when its management link fails
+//!   silently (docs/vip.md, "Split brain").
 //! - **Gratuitous ARP** as keepalived's maintainers advise for switched
 //!   networks: a second burst `garp_master_delay` 1 s after taking over
 //!   (a switch that was still learning the port misses the first) and a
@@ -70,6 +75,7 @@ use std::fmt::Write as _;
 use std::net::IpAddr;
 use std::path::Path;
 
+use super::mgmt_check;
 use crate::config::{Config, KeepalivedSettings};
 
 /// The first line of every file the daemon writes: what tells its own
@@ -229,6 +235,12 @@ pub fn render(config: &Config) -> Option<String> {
     );
     let peers: Vec<IpAddr> = k.peers.clone();
     let socket = config.admin.socket.display();
+    // The management-reachability check every instance tracks
+    // (`vip::mgmt_check`: a host cut off its management network silently
+    // goes to FAULT instead of becoming a second master).
+    if !by_instance.is_empty() {
+        out.push_str(&mgmt_check::vrrp_script(k));
+    }
     for (instance, vips) in by_instance {
         let vrid = u32::from(k.vrid_base) + u32::from(instance);
         // The instance, not its VIPs: a line that grew with them was
@@ -275,7 +287,11 @@ pub fn render(config: &Config) -> Option<String> {
             }
             out.push_str("  }\n");
         }
-        let _ = write!(out, "  track_script {{\n    hlb_ready_{vrid}\n  }}\n");
+        let _ = write!(
+            out,
+            "  track_script {{\n    hlb_ready_{vrid}\n    {}\n  }}\n",
+            mgmt_check::SCRIPT_NAME
+        );
         // `[conntrackd]`: the transitions commit the synced flows.
         let interfaces: Vec<&str> = vips.iter().map(|p| p.interface.as_str()).collect();
         out.push_str(&super::conntrackd::notify_line(config, &interfaces));
@@ -319,6 +335,16 @@ pub enum KeepalivedError {
     )]
     Write {
         /// The file.
+        path: String,
+        /// The error.
+        source: std::io::Error,
+    },
+    /// The management check's script could not be written.
+    #[error(
+        "cannot write the management check's script {path}: {source} (keepalived.management_check_script; keepalived.conf is not written while the script it names is missing)"
+    )]
+    CheckScript {
+        /// The script.
         path: String,
         /// The error.
         source: std::io::Error,
@@ -382,7 +408,9 @@ pub enum Installed {
 }
 
 /// Writes `text` to `settings.config_path` when it differs from what is
-/// there (temporary file in the same directory, fsync, rename) and tells
+/// there (temporary file in the same directory, fsync, rename), the
+/// management check's script first when `text` tracks it
+/// (`mgmt_check::install`), and tells
 /// keepalived to reload. With `force`, keepalived is told even when the
 /// file was already up to date (a reload that failed before is retried).
 /// Blocking: run it off the runtime's workers.
@@ -392,6 +420,14 @@ pub fn install(
     force: bool,
 ) -> Result<Installed, KeepalivedError> {
     let path = &settings.config_path;
+    // The check script first: keepalived reads the file and starts the
+    // scripts it names at once.
+    if text.contains(&mgmt_check::vrrp_script(settings)) {
+        mgmt_check::install(settings).map_err(|source| KeepalivedError::CheckScript {
+            path: settings.management_check_script.display().to_string(),
+            source,
+        })?;
+    }
     let same = std::fs::read(path).is_ok_and(|old| old == text.as_bytes());
     if same && !force {
         return Ok(Installed::Unchanged);
@@ -585,7 +621,8 @@ mod tests {
             format!(
                 "--unix-socket '/run/hlb/admin.sock' -sf -m 1 -o /dev/null http://localhost/readyz?vrrp_instance={vrid}\""
             ),
-            format!("track_script {{\n    hlb_ready_{vrid}\n  }}"),
+            format!("track_script {{\n    hlb_ready_{vrid}\n    hlb_mgmt\n  }}"),
+            "vrrp_script hlb_mgmt {\n  script \"/etc/keepalived/harvester-lb-management-check\"\n  interval 1\n  timeout 1\n  fall 1\n  rise 2\n}".into(),
             "garp_master_delay 1\n  garp_master_refresh 60".into(),
         ] {
             assert!(text.contains(&want), "{want:?} not in\n{text}");
@@ -729,6 +766,7 @@ mod tests {
         let text = render(&c).unwrap();
         let k = c.keepalived.as_mut().unwrap();
         k.config_path = dir.join("keepalived.conf");
+        k.management_check_script = dir.join("check");
         k.reload_command = Some(vec!["/bin/true".into()]);
         // Nothing there: nothing of ours to release.
         assert_eq!(release(k, false).unwrap(), Installed::NotOurs);

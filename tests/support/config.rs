@@ -298,8 +298,10 @@ pub fn rendered(text: &str) -> String {
 }
 
 /// `[keepalived]` of host `name` at the management `address` on the
-/// interface "mgmt", with its `peers`, keepalived's file at `{files}.conf`
-/// and its pid file at `{files}.pid`, and `more` lines of the section.
+/// interface "mgmt", with its `peers`, keepalived's file at `{files}.conf`,
+/// its pid file at `{files}.pid`, the management check's script at
+/// `{files}-mgmt-check` (one per host, never /etc's), and `more` lines of
+/// the section.
 pub fn keepalived<T: Display>(
     name: &str,
     address: impl Display,
@@ -309,12 +311,13 @@ pub fn keepalived<T: Display>(
 ) -> String {
     let peers: Vec<String> = peers.into_iter().map(quote).collect();
     format!(
-        "[keepalived]\nname = {}\naddress = {}\ninterface = \"mgmt\"\npeers = [{}]\n{more}config_path = {}\npid_file = {}\n\n",
+        "[keepalived]\nname = {}\naddress = {}\ninterface = \"mgmt\"\npeers = [{}]\n{more}config_path = {}\npid_file = {}\nmanagement_check_script = {}\n\n",
         quote(name),
         quote(address),
         peers.join(", "),
         quote(format_args!("{}.conf", files.display())),
         quote(format_args!("{}.pid", files.display())),
+        quote(format_args!("{}-mgmt-check", files.display())),
     )
 }
 

@@ -34,9 +34,9 @@ use super::Validator;
 use crate::config::file::{FileConfig, FileKeepalived, FileLoadBalancer, FileNetwork};
 use crate::config::{
     DEFAULT_ADVERT_INTERVAL_MS, DEFAULT_IPV6_PREFIX_LENGTH, DEFAULT_KEEPALIVED_CONFIG,
-    DEFAULT_KEEPALIVED_PID_FILE, DEFAULT_NETWORK_ISOLATE, DEFAULT_NETWORK_TABLE_BASE,
-    DEFAULT_VRID_BASE, DEFAULT_VRRP_VERSION, Ipam, KeepalivedSettings, LoadBalancerSpec,
-    NetworkSpec, VipSettings,
+    DEFAULT_KEEPALIVED_PID_FILE, DEFAULT_MANAGEMENT_CHECK_SCRIPT, DEFAULT_NETWORK_ISOLATE,
+    DEFAULT_NETWORK_TABLE_BASE, DEFAULT_VRID_BASE, DEFAULT_VRRP_VERSION, Ipam, KeepalivedSettings,
+    LoadBalancerSpec, NetworkSpec, VipSettings,
 };
 
 /// Most peers: VRRP priorities are rotated over the hosts in steps of
@@ -436,6 +436,43 @@ impl Validator<'_> {
             DEFAULT_KEEPALIVED_PID_FILE,
         );
         self.track_script_socket(file);
+        let management_gateway = k.management_gateway.as_ref().and_then(|g| {
+            let gkey = "keepalived.management_gateway";
+            let ip = self.ip(g, format_args!("{gkey}"))?;
+            let why = if let Some(why) = host_address_problem(ip) {
+                format!("it is {why}")
+            } else if Some(ip) == address {
+                "it is keepalived.address, this host's own (the check would always succeed)".into()
+            } else if peers.contains(&ip) {
+                "it is a peer in keepalived.peers, which the check pings anyway".into()
+            } else if address.is_some_and(|a| a.is_ipv4() != ip.is_ipv4()) {
+                "it is not of keepalived.address's family".into()
+            } else {
+                return Some(ip);
+            };
+            self.problem(Some(g.span()), gkey, format!("{ip} cannot be the management network's gateway: {why}; write the router this host reaches on keepalived.interface, or leave the key out to use the default route's gateway through it"));
+            None
+        });
+        let management_check_script = match &k.management_check_script {
+            None => config_path.with_file_name(DEFAULT_MANAGEMENT_CHECK_SCRIPT),
+            some => self.abs_path(
+                some,
+                "keepalived.management_check_script",
+                "/etc/keepalived/harvester-lb-management-check",
+            ),
+        };
+        if let Some(s) = &k.management_check_script
+            && let Some(c) = s
+                .get_ref()
+                .chars()
+                .find(|c| matches!(c, '\'' | '"' | '\\' | ' ') || c.is_control())
+        {
+            self.problem(
+                Some(s.span()),
+                "keepalived.management_check_script",
+                format!("{:?} holds {c:?}, which keepalived's script line cannot carry as one word; choose a path without spaces, quotes, backslashes or control characters", s.get_ref()),
+            );
+        }
         let reload_command = k.reload_command.as_ref().and_then(|c| {
             let words: Vec<String> = c.get_ref().iter().map(|w| w.get_ref().clone()).collect();
             if words.first().is_none_or(|w| !w.starts_with('/')) || words.iter().any(|w| w.contains('\0')) {
@@ -461,6 +498,8 @@ impl Validator<'_> {
             config_path,
             pid_file,
             reload_command,
+            management_gateway,
+            management_check_script,
         })
     }
 
