@@ -931,6 +931,25 @@ async fn each_master_in_turn(tag: &str, n: usize, fault: Fault) {
         "every host's external cache holds the other hosts' flows\n{}",
         c.logs()
     );
+    // The metrics name the transport (the sync-link-down alert leaves
+    // multicast hosts out: NOTRACK sends nothing while no flow changes).
+    let transport = if n > 2 { "multicast" } else { "unicast" };
+    let d = c.hosts[0].daemon.as_ref().expect("started");
+    let m = wait_for(
+        Duration::from_secs(30),
+        "the metrics name the sync's transport",
+        || async {
+            let m = d.metrics().await;
+            (netns::metric(
+                &m,
+                "harvester_lb_conntrack_sync_transport",
+                &[("transport", transport)],
+            ) == 1.0)
+                .then_some(m)
+        },
+    )
+    .await;
+    support::promtool_accepts(&m);
     let mut report = String::new();
     for (i, name) in NAMES.iter().take(n).enumerate() {
         // Failover: host i fails, another takes VIP i over.

@@ -282,7 +282,7 @@ impl Daemon {
             &report,
             &stats,
             &recorded,
-            inner.failures,
+            (inner.failures, settings.transport.name()),
         )));
         *self.sync.report.lock().unwrap_or_else(|p| p.into_inner()) = Some(report);
     }
@@ -706,7 +706,7 @@ fn sample_of(
     report: &SyncStatus,
     stats: &Stats,
     recorded: &BTreeMap<u32, Recorded>,
-    failures: u64,
+    (failures, transport): (u64, &'static str),
 ) -> SyncSample {
     SyncSample {
         up: report.conntrackd_up,
@@ -716,6 +716,7 @@ fn sample_of(
         packets: [stats.packets_sent, stats.packets_received],
         send_errors: stats.send_errors,
         lost: stats.lost,
+        transport,
         instances: report
             .instances
             .iter()
