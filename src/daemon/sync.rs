@@ -104,7 +104,8 @@ pub struct SyncStatus {
     pub external_entries: u64,
     /// Packets received from the peer on the sync link.
     pub packets_received: u64,
-    /// The sync link's interface and the peer's address.
+    /// The sync link: interface, own address, the peer's address or the
+    /// multicast group, port, transport.
     pub link: String,
     /// The backends whose flows are synced (conntrackd's filter).
     pub synced_backends: usize,
@@ -281,7 +282,7 @@ impl Daemon {
             &report,
             &stats,
             &recorded,
-            inner.failures,
+            (inner.failures, settings.transport.name()),
         )));
         *self.sync.report.lock().unwrap_or_else(|p| p.into_inner()) = Some(report);
     }
@@ -686,8 +687,12 @@ fn build_report(
         external_entries: s.external,
         packets_received: s.packets_received,
         link: format!(
-            "{} {} -> {}:{}",
-            settings.interface, settings.address, settings.peer, settings.port
+            "{} {} -> {}:{} ({})",
+            settings.interface,
+            settings.address,
+            settings.transport.destination(),
+            settings.port,
+            settings.transport.name()
         ),
         synced_backends: conntrackd::filter_addresses(config).len(),
         restart_pending: false,
@@ -701,7 +706,7 @@ fn sample_of(
     report: &SyncStatus,
     stats: &Stats,
     recorded: &BTreeMap<u32, Recorded>,
-    failures: u64,
+    (failures, transport): (u64, &'static str),
 ) -> SyncSample {
     SyncSample {
         up: report.conntrackd_up,
@@ -711,6 +716,7 @@ fn sample_of(
         packets: [stats.packets_sent, stats.packets_received],
         send_errors: stats.send_errors,
         lost: stats.lost,
+        transport,
         instances: report
             .instances
             .iter()

@@ -609,6 +609,15 @@ impl Exposition {
             gauge(buf, &names::CONNTRACK_SYNC_UP, &u8::from(s.up));
         }
         gauge(buf, &names::CONNTRACK_SYNC_FAILURES, &s.failures);
+        if !s.transport.is_empty() {
+            let mut headed = false;
+            let mut out = Out {
+                buf,
+                family: &names::CONNTRACK_SYNC_TRANSPORT,
+                headed: &mut headed,
+            };
+            out.sample("", |b| label_first(b, "transport", s.transport), 1u8);
+        }
         if s.up {
             gauge(
                 buf,

@@ -150,6 +150,9 @@ pub struct SyncSample {
     pub send_errors: u64,
     /// Messages lost.
     pub lost: u64,
+    /// The sync's transport (`conntrackd.transport`): "unicast" or
+    /// "multicast" (empty in a sample that does not say).
+    pub transport: &'static str,
     /// Per VRRP instance, by name.
     pub instances: Vec<SyncInstanceSample>,
     /// Failed writes and restarts.

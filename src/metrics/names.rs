@@ -541,6 +541,12 @@ pub static CONNTRACK_SYNC_UP: Family = Family::new(
     Gauge,
     "Whether conntrackd answered `conntrackd -C conntrackd.config_path -s` at the last check (every 10 s): 0 means no flow is synced and a VIP's move resets its open connections.",
 );
+/// `[conntrackd]`: the sync's transport, by `transport` (the one in use).
+pub static CONNTRACK_SYNC_TRANSPORT: Family = Family::new(
+    "harvester_lb_conntrack_sync_transport",
+    Gauge,
+    "1 for the sync's transport (conntrackd.transport): unicast (FTFW: acknowledged and resent, an alive message every second) or multicast (NOTRACK, for three and more hosts: nothing is sent while no synced flow changes, and nothing is resent).",
+);
 /// `[conntrackd]`: entries of conntrackd's caches, by `cache`.
 pub static CONNTRACK_SYNC_ENTRIES: Family = Family::new(
     "harvester_lb_conntrack_sync_entries",

@@ -1,0 +1,1054 @@
+//! Open connections through kernel listeners across VIP moves among three
+//! hosts (and two, for the figures), with the keepalived and conntrackd
+//! configuration the daemon renders: `instances` = the number of hosts,
+//! so each host is master of one VIP, and conntrackd's sync over
+//! multicast (the default with more than one keepalived peer; unicast, the
+//! default with one, for two hosts) on the management network.
+//!
+//! ```text
+//!  mgmt (br1): hosts h1, h2, h3 10.77.0.1-3 (VRRP, conntrackd's sync)
+//!  network A (br0, 198.51.100.0/24): client .2, the hosts' eth0 .4-.6,
+//!     VIP k (one per instance k, kernel TCP :80 and UDP :5353 listeners)
+//!  network B (br2, 192.0.2.0/24): the hosts' eth1 .4-.6; backends
+//!     v<k>1, v<k>2 of VIP k, routing the client's network through the
+//!     gateway VIP k of network B (a second load balancer in instance k)
+//! ```
+//!
+//! Each host is built like a Harvester host (`tests/netns/vmnet.rs`): its
+//! `eth0` and `eth1` are Linux bridges with an uplink veth into the
+//! network's switch, `br_netfilter` on. The backends are on another,
+//! routed network (B): a kernel listener whose backends are in the VIP's
+//! own subnet is served by the proxy on such a host (docs/vip.md, "On a
+//! bridged host"), and this test is about the kernel's flows. The
+//! listeners have `source_nat = "none"`, so the backends' replies must go
+//! back through the VIP's master: each VIP's backends route the client's
+//! network through a gateway VIP on network B that keepalived moves with
+//! it (a load balancer on network B in the same instance). Left out: the
+//! bridges' VLAN filtering and the bond (this kernel builds neither), a
+//! dedicated sync link (the sync shares the management network), and
+//! real switches' IGMP snooping (the bed's bridges snoop, with no querier).
+//!
+//! Traffic: per VIP, 20 TCP connections echoing a line every 100 ms and 4
+//! UDP flows from fixed client ports, a datagram every 100 ms. Each host in
+//! turn, master of its VIP, fails one way (daemon and keepalived killed;
+//! the daemon stopped gracefully; its links cut), another host takes the
+//! VIP over, then the host comes back and takes it back (the failback).
+//! Counted each time: the time until another host holds the VIP with its
+//! flows committed, TCP connections alive (of every VIP), the longest gap
+//! a connection of the moved VIP saw, UDP flows whose backend changed;
+//! over the run, lines sent and never echoed. Printed as `FIGURE` lines.
+//!
+//! Run as root with iproute2, nftables, keepalived, conntrackd, conntrack:
+//! `cargo test --test conntrack_hosts -- --nocapture --test-threads 1`.
+
+// These tests time real processes and sockets, not tokio timers.
+#![allow(clippy::disallowed_types, clippy::disallowed_methods)]
+
+mod netns;
+mod support;
+
+use std::net::Ipv4Addr;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+
+use harvester_lb::vip::keepalived::instance_of;
+use netns::keepalived::{Conntrackd, Keepalived, conntrackd_missing, keepalived_missing};
+use netns::peers::serve_name_then_echo;
+use netns::vmnet::{
+    holds_on, ip_out, join_bridged, mac_of, mgmt_host, mgmt_port, sysctl, udp_name_server,
+};
+use netns::{Bed, DaemonProc, NODEPORT, Ns, config, sa, wait_for};
+use support::{Lb, Listener, keepalived, network};
+
+/// The client's address (the bed's, on network A).
+const CLIENT: Ipv4Addr = netns::CLIENT_IP;
+/// The UDP listener's port and the backends' UDP port.
+const UDP_PORT: u16 = 5353;
+const UDP_NODEPORT: u16 = 30053;
+/// The gateway load balancers' (proxy) listener port.
+const GW_PORT: u16 = 9000;
+/// Long-lived TCP connections and UDP flows per VIP.
+const CONNS: usize = 20;
+const FLOWS: usize = 4;
+/// One line or datagram per flow this often.
+const TICK: Duration = Duration::from_millis(100);
+/// The first VRID (keepalived.vrid_base's default): instance k is 50 + k.
+const VRID_BASE: usize = 50;
+/// The hosts' names, in the order of their management addresses.
+const NAMES: [&str; 3] = ["h1", "h2", "h3"];
+
+/// How the master fails.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Fault {
+    /// The host's daemon and keepalived are killed (SIGKILL): the VIP stays
+    /// on its interface, but no advert comes from it any more.
+    Killed,
+    /// The daemon stops (SIGTERM): `/readyz` turns 503, the track script
+    /// fails and keepalived gives the VIP up.
+    GracefulStop,
+    /// The host's links (both VM networks and management) are cut.
+    LinkCut,
+}
+
+fn mgmt(i: usize) -> String {
+    format!("10.77.0.{}", i + 1)
+}
+
+fn net_a(host: u8) -> Ipv4Addr {
+    Ipv4Addr::new(198, 51, 100, host)
+}
+
+fn net_b(host: u8) -> Ipv4Addr {
+    Ipv4Addr::new(192, 0, 2, host)
+}
+
+/// Backend `j` (1, 2) of VIP `k`.
+fn backend(k: usize, j: usize) -> Ipv4Addr {
+    net_b((20 + 10 * k + j) as u8)
+}
+
+/// One address per instance of `n`, from `first` up in `net`: the one
+/// whose hash places it in instance k, so host k is its master.
+fn per_instance(n: usize, first: u8, net: fn(u8) -> Ipv4Addr) -> Vec<Ipv4Addr> {
+    (0..n)
+        .map(|k| {
+            (first..250)
+                .map(net)
+                .find(|ip| usize::from(instance_of((*ip).into(), n as u8)) == k)
+                .expect("an address for each instance")
+        })
+        .collect()
+}
+
+/// One load-balancer host.
+struct Host {
+    ns: Ns,
+    name: &'static str,
+    /// Its bridge ports: network A's, network B's, management's.
+    ports: [String; 3],
+    config: PathBuf,
+    keepalived_conf: PathBuf,
+    conntrackd_conf: PathBuf,
+    daemon: Option<DaemonProc>,
+    keepalived: Option<Keepalived>,
+    conntrackd: Option<Conntrackd>,
+}
+
+/// The bed: `n` hosts, `n` VIPs on network A (VIP k mastered by host k),
+/// their gateway VIPs on network B, two backends each.
+struct Cluster {
+    bed: Bed,
+    hosts: Vec<Host>,
+    vips: Vec<Ipv4Addr>,
+    gateways: Vec<Ipv4Addr>,
+    /// Each VIP's backends' namespaces.
+    backends: Vec<Vec<Ns>>,
+    services: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        for s in &self.services {
+            s.abort();
+        }
+    }
+}
+
+/// The daemon's file of host `i` of `n`.
+fn host_config(
+    dir: &std::path::Path,
+    n: usize,
+    i: usize,
+    vips: &[Ipv4Addr],
+    gws: &[Ipv4Addr],
+) -> String {
+    let name = NAMES[i];
+    let d = |f: &str| dir.join(format!("{f}-{name}")).display().to_string();
+    let peers: Vec<String> = (0..n).filter(|p| *p != i).map(mgmt).collect();
+    let mut text = keepalived(
+        name,
+        mgmt(i),
+        peers,
+        &dir.join(format!("keepalived-{name}")),
+        &format!("instances = {n}\nadvert_interval_ms = 500\n"),
+    ) + &network("default/vm", "eth0", net_a(1), "")
+        + &network("default/back", "eth1", net_b(1), "");
+    // No transport, peer or group written: multicast with two peers,
+    // unicast with one (the defaults under test).
+    text.push_str(&format!(
+        "\n[conntrackd]\nconfig_path = \"{}\"\nnotify_script = \"{}\"\nsocket = \"{}\"\nlock_file = \"{}\"\nlog_file = \"{}\"\nstate_directory = \"{}\"\n",
+        d("conntrackd.conf"),
+        d("notify.sh"),
+        d("conntrackd.ctl"),
+        d("conntrackd.lock"),
+        d("conntrackd.log"),
+        d("state"),
+    ));
+    let mut c = config()
+        .socket(&dir.join(format!("admin-{name}.sock")))
+        .text(&text);
+    for k in 0..n {
+        let backends = [backend(k, 1), backend(k, 2)];
+        c = c
+            .lb(Lb::new(&format!("default/vip{k}"), vips[k])
+                .backends(backends)
+                .keys("network = \"default/vm\"")
+                .listener(
+                    Listener::new("tcp", 80, NODEPORT)
+                        .forwarding("kernel")
+                        .source_nat("none"),
+                )
+                .listener(
+                    Listener::new("udp", UDP_PORT, UDP_NODEPORT)
+                        .udp()
+                        .forwarding("kernel")
+                        .source_nat("none"),
+                ))
+            // The backends' gateway back to the client's network: moves
+            // with VIP k (the same instance), so replies reach its master.
+            .lb(Lb::new(&format!("default/gw{k}"), gws[k])
+                .backends(backends)
+                .keys("network = \"default/back\"")
+                .listener(Listener::new("gw", GW_PORT, NODEPORT)));
+    }
+    c.to_string()
+}
+
+/// Whether `ns`'s gate of VRID `vrid` is open (its chain holds no drop).
+fn gate_open(ns: &Ns, vrid: usize) -> bool {
+    ns.nft_out(&[
+        "list",
+        "chain",
+        "inet",
+        "harvester_lb_gate",
+        &format!("g_{vrid}"),
+    ])
+    .is_some_and(|chain| !chain.contains("drop"))
+}
+
+/// conntrackd's external cache on a host (its `-s`).
+fn external_entries(c: &Conntrackd) -> u64 {
+    c.control(&["-s"])
+        .and_then(|s| harvester_lb::vip::conntrackd::parse_stats(&s))
+        .map_or(0, |s| s.external)
+}
+
+impl Cluster {
+    async fn new(tag: &str, n: usize) -> Cluster {
+        let mut bed = Bed::new(tag, 1);
+        bed.add_bridge("br1");
+        bed.add_bridge("br2");
+        let vips = per_instance(n, 40, net_a);
+        let gateways = per_instance(n, 100, net_b);
+        let mut hosts = Vec::new();
+        for (i, name) in NAMES.iter().take(n).enumerate() {
+            let (ns, port_a) = mgmt_host(&mut bed, name, net_a(4 + i as u8), &mgmt(i));
+            let port_b = format!("k{name}");
+            join_bridged(
+                &bed,
+                &ns,
+                "br2",
+                &port_b,
+                ("eth1", "up1"),
+                &format!("{}/24", net_b(4 + i as u8)),
+            );
+            sysctl(&ns, "net.ipv4.ip_forward=1");
+            for dev in ["all", "default", "eth0", "eth1"] {
+                sysctl(&ns, &format!("net.ipv4.conf.{dev}.send_redirects=0"));
+            }
+            hosts.push(Host {
+                ns,
+                name,
+                ports: [port_a, port_b, mgmt_port(name)],
+                config: bed.dir.join(format!("config-{name}.toml")),
+                keepalived_conf: bed.dir.join(format!("keepalived-{name}.conf")),
+                conntrackd_conf: bed.dir.join(format!("conntrackd.conf-{name}")),
+                daemon: None,
+                keepalived: None,
+                conntrackd: None,
+            });
+        }
+        let mut backends = Vec::new();
+        let mut services = Vec::new();
+        for (k, gateway) in gateways.iter().enumerate() {
+            let mut mine = Vec::new();
+            for j in 1..=2 {
+                let ip = backend(k, j);
+                let (ns, _) = bed.add_host_on("br2", &format!("v{k}{j}"), ip);
+                ns.ip(&[
+                    "route",
+                    "add",
+                    "198.51.100.0/24",
+                    "via",
+                    &gateway.to_string(),
+                ]);
+                sysctl(&ns, "net.ipv4.conf.all.accept_redirects=0");
+                sysctl(&ns, "net.ipv4.conf.eth0.accept_redirects=0");
+                let name = format!("v{k}{j}");
+                services.push(serve_name_then_echo(&ns, sa(ip, NODEPORT), &name));
+                services.push(udp_name_server(&ns, sa(ip, UDP_NODEPORT), &name));
+                mine.push(ns);
+            }
+            backends.push(mine);
+        }
+        for (i, h) in hosts.iter().enumerate() {
+            std::fs::write(&h.config, host_config(&bed.dir, n, i, &vips, &gateways)).unwrap();
+        }
+        let mut c = Cluster {
+            bed,
+            hosts,
+            vips,
+            gateways,
+            backends,
+            services,
+        };
+        for i in 0..n {
+            c.start_daemon(i).await;
+            c.start_conntrackd(i).await;
+            c.start_keepalived(i);
+        }
+        c
+    }
+
+    fn n(&self) -> usize {
+        self.hosts.len()
+    }
+
+    /// Starts host `i`'s daemon and waits until it wrote keepalived's and
+    /// conntrackd's files, is ready for every VIP, and wrote its kernel
+    /// listeners and gates.
+    async fn start_daemon(&mut self, i: usize) {
+        let h = &self.hosts[i];
+        let d = DaemonProc::spawn(
+            &h.ns,
+            &h.config,
+            &self.bed.dir.join(format!("daemon-{}.log", h.name)),
+            None,
+        );
+        let (kconf, cconf, vips) = (&h.keepalived_conf, &h.conntrackd_conf, &self.vips);
+        wait_for(
+            Duration::from_secs(60),
+            "the daemon writes keepalived's and conntrackd's files",
+            || async {
+                let k = std::fs::read_to_string(kconf).unwrap_or_default();
+                (vips.iter().all(|v| k.contains(&format!("{v}/32 dev eth0")))
+                    && cconf.exists()
+                    && k.contains("notify \""))
+                .then_some(())
+            },
+        )
+        .await;
+        for v in vips {
+            wait_for(
+                Duration::from_secs(60),
+                "the daemon is ready for the VIP",
+                || async {
+                    matches!(d.get(&format!("/readyz?vip={v}")).await, Ok((200, _))).then_some(())
+                },
+            )
+            .await;
+        }
+        let n = self.n();
+        wait_for(
+            Duration::from_secs(60),
+            "the kernel listeners and the gates are written",
+            || async {
+                let s = d.status().await;
+                let kernel = s["load_balancers"].as_array().is_some_and(|lbs| {
+                    lbs.iter()
+                        .filter(|lb| lb["name"].as_str().is_some_and(|n| n.contains("vip")))
+                        .all(|lb| {
+                            lb["listeners"]
+                                .as_array()
+                                .is_some_and(|ls| ls.iter().all(|l| l["forwarding"] == "kernel"))
+                        })
+                });
+                let gates = s["conntrack_sync"]["instances"]
+                    .as_array()
+                    .is_some_and(|is| is.len() == n && is.iter().all(|i| i["gate"] != "absent"));
+                (kernel && gates).then_some(())
+            },
+        )
+        .await;
+        self.hosts[i].daemon = Some(d);
+    }
+
+    async fn start_conntrackd(&mut self, i: usize) {
+        let h = &self.hosts[i];
+        let c = Conntrackd::run(
+            &h.ns,
+            &h.conntrackd_conf,
+            &self.bed.dir.join(format!("conntrackd-out-{}.log", h.name)),
+        );
+        wait_for(Duration::from_secs(20), "conntrackd answers", || async {
+            c.control(&["-s"]).map(|_| ())
+        })
+        .await;
+        self.hosts[i].conntrackd = Some(c);
+    }
+
+    fn start_keepalived(&mut self, i: usize) {
+        let h = &self.hosts[i];
+        let pid = self.bed.dir.join(format!("keepalived-{}.pid", h.name));
+        let _ = std::fs::remove_file(&pid);
+        let k = Keepalived::run(&h.ns, &self.bed.dir, h.name, &h.keepalived_conf, Some(&pid));
+        self.hosts[i].keepalived = Some(k);
+    }
+
+    /// Whether host `i` is master of instance `k` with its flows
+    /// committed: it holds VIP k and its gateway VIP, the notify script
+    /// recorded MASTER and opened the gate; with `alone`, no other host
+    /// holds VIP k.
+    fn is_master(&self, i: usize, k: usize, alone: bool) -> bool {
+        let h = &self.hosts[i];
+        let vrid = VRID_BASE + k;
+        let state = self
+            .bed
+            .dir
+            .join(format!("state-{}", h.name))
+            .join(vrid.to_string());
+        let vip = self.vips[k].to_string();
+        holds_on(&h.ns, "eth0", &vip)
+            && holds_on(&h.ns, "eth1", &self.gateways[k].to_string())
+            && (!alone
+                || self
+                    .hosts
+                    .iter()
+                    .enumerate()
+                    .all(|(j, o)| j == i || !holds_on(&o.ns, "eth0", &vip)))
+            && std::fs::read_to_string(state).is_ok_and(|s| s.contains("state=MASTER"))
+            && gate_open(&h.ns, vrid)
+    }
+
+    /// Waits until host `i` alone is master of instance `k`; when seen.
+    async fn await_master(&self, i: usize, k: usize) -> Instant {
+        wait_for(
+            Duration::from_secs(60),
+            &format!("{} is master of instance {k}", NAMES[i]),
+            || async { self.is_master(i, k, true).then(Instant::now) },
+        )
+        .await
+    }
+
+    /// Waits until a host other than `except` (if any) is master of
+    /// instance `k`: which one, and when it was seen.
+    async fn master_of(&self, k: usize, except: Option<usize>, alone: bool) -> (usize, Instant) {
+        wait_for(
+            Duration::from_secs(60),
+            &format!("a host is master of instance {k} (except {except:?})"),
+            || async {
+                (0..self.n())
+                    .filter(|i| Some(*i) != except)
+                    .find(|i| self.is_master(*i, k, alone))
+                    .map(|i| (i, Instant::now()))
+            },
+        )
+        .await
+    }
+
+    /// Waits until the client sends to VIP `k` and its backends to the
+    /// gateway VIP `k` through host `i` (the gratuitous ARPs reached them).
+    async fn traffic_through(&self, i: usize, k: usize) {
+        let (eth0, eth1) = (
+            mac_of(&self.hosts[i].ns, "eth0"),
+            mac_of(&self.hosts[i].ns, "eth1"),
+        );
+        let (vip, gw) = (self.vips[k].to_string(), self.gateways[k].to_string());
+        wait_for(
+            Duration::from_secs(30),
+            "the VIP's neighbours point at the new master",
+            || async {
+                (ip_out(&self.bed.client, &["neigh", "show", &vip]).contains(&eth0)
+                    && self.backends[k]
+                        .iter()
+                        .all(|b| ip_out(b, &["neigh", "show", &gw]).contains(&eth1)))
+                .then_some(())
+            },
+        )
+        .await;
+    }
+
+    /// Waits (up to `within`) until every host's external cache holds the
+    /// flows of the other hosts' VIPs; whether it did.
+    async fn caches_full(&self, within: Duration) -> bool {
+        let want = ((self.n() - 1) * (CONNS + FLOWS)) as u64;
+        let deadline = Instant::now() + within;
+        while Instant::now() < deadline {
+            if self.hosts.iter().all(|h| {
+                h.conntrackd
+                    .as_ref()
+                    .is_some_and(|c| external_entries(c) >= want)
+            }) {
+                return true;
+            }
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+        false
+    }
+
+    /// Each host's conntrackd caches (`-s`), for a failure's report.
+    fn caches(&self) -> String {
+        let mut s = String::new();
+        for h in &self.hosts {
+            let stats = h.conntrackd.as_ref().and_then(|c| c.control(&["-s"]));
+            s.push_str(&format!(
+                "--- conntrackd -s on {}\n{}\n",
+                h.name,
+                stats.unwrap_or_default()
+            ));
+        }
+        s
+    }
+
+    fn logs(&self) -> String {
+        let mut s = self.caches();
+        for h in &self.hosts {
+            if let Some(k) = &h.keepalived {
+                s.push_str(&format!("--- keepalived {}\n{}\n", h.name, k.log()));
+            }
+            let log = self.bed.dir.join(format!("conntrackd.log-{}", h.name));
+            s.push_str(&format!(
+                "--- conntrackd {}\n{}\n",
+                h.name,
+                netns::read_to_string(&log)
+            ));
+        }
+        s
+    }
+
+    /// Makes host `i` fail as `fault` says.
+    fn fail(&mut self, i: usize, fault: Fault) {
+        let h = &self.hosts[i];
+        match fault {
+            Fault::Killed => {
+                if let Some(d) = &h.daemon {
+                    d.signal(libc::SIGKILL);
+                }
+                if let Some(k) = &h.keepalived {
+                    k.signal(libc::SIGKILL);
+                }
+                // keepalived's VRRP child dies with its parent only if
+                // told: kill it as a dead host's would be.
+                let vrrp = self.bed.dir.join(format!("keepalived-{}-vrrp.pid", h.name));
+                if let Some(pid) = std::fs::read_to_string(&vrrp)
+                    .ok()
+                    .and_then(|p| p.trim().parse::<i32>().ok())
+                {
+                    // SAFETY: kill(2); a stale pid file names a process that is gone.
+                    unsafe {
+                        libc::kill(pid, libc::SIGKILL);
+                    }
+                }
+            }
+            Fault::GracefulStop => {
+                if let Some(d) = &h.daemon {
+                    d.signal(libc::SIGTERM);
+                }
+            }
+            Fault::LinkCut => {
+                for p in &h.ports {
+                    self.bed.set_port(p, false);
+                }
+            }
+        }
+    }
+
+    /// Brings host `i` back after `fault`.
+    async fn restore(&mut self, i: usize, fault: Fault) {
+        match fault {
+            Fault::Killed => {
+                self.hosts[i].daemon = None;
+                self.hosts[i].keepalived = None;
+                self.start_daemon(i).await;
+                self.start_keepalived(i);
+            }
+            Fault::GracefulStop => {
+                if let Some(mut d) = self.hosts[i].daemon.take() {
+                    assert!(
+                        d.wait_exit(Duration::from_secs(60)).await.is_some(),
+                        "the daemon stops"
+                    );
+                }
+                self.start_daemon(i).await;
+            }
+            Fault::LinkCut => {
+                for p in &self.hosts[i].ports {
+                    self.bed.set_port(p, true);
+                }
+            }
+        }
+    }
+}
+
+/// What one TCP connection saw.
+#[derive(Default)]
+struct ConnStats {
+    /// Its VIP's index.
+    vip: usize,
+    sent: AtomicU64,
+    echoed: AtomicU64,
+    /// Milliseconds since the traffic started.
+    last_echo_ms: AtomicU64,
+    max_gap_ms: AtomicU64,
+    /// Why it ended, if it did.
+    failed: Mutex<Option<String>>,
+}
+
+/// What one UDP flow saw.
+#[derive(Default)]
+struct FlowStats {
+    vip: usize,
+    sent: AtomicU64,
+    answered: AtomicU64,
+    backends: Mutex<Vec<String>>,
+    last_ms: AtomicU64,
+    max_gap_ms: AtomicU64,
+}
+
+/// The client's traffic to every VIP, running until `stop`.
+struct Traffic {
+    start: Instant,
+    stop: Arc<AtomicBool>,
+    conns: Vec<Arc<ConnStats>>,
+    flows: Vec<Arc<FlowStats>>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+fn now_ms(start: Instant) -> u64 {
+    start.elapsed().as_millis() as u64
+}
+
+fn record_gap(last: &AtomicU64, max: &AtomicU64, now: u64) {
+    let gap = now.saturating_sub(last.swap(now, Ordering::Relaxed));
+    max.fetch_max(gap, Ordering::Relaxed);
+}
+
+fn failed(c: &ConnStats, why: String) {
+    c.failed.lock().unwrap().get_or_insert(why);
+}
+
+impl Traffic {
+    async fn start(client: &Ns, vips: &[Ipv4Addr]) -> Traffic {
+        let start = Instant::now();
+        let stop = Arc::new(AtomicBool::new(false));
+        let mut t = Traffic {
+            start,
+            stop: Arc::clone(&stop),
+            conns: Vec::new(),
+            flows: Vec::new(),
+            tasks: Vec::new(),
+        };
+        for (v, vip) in vips.iter().enumerate() {
+            for _ in 0..CONNS {
+                let s = client
+                    .connect(sa(*vip, 80), Duration::from_secs(5))
+                    .await
+                    .expect("connect through the VIP");
+                let (r, mut w) = s.into_split();
+                let mut r = BufReader::new(r);
+                let mut name = String::new();
+                tokio::time::timeout(Duration::from_secs(5), r.read_line(&mut name))
+                    .await
+                    .expect("the backend's name within 5 s")
+                    .expect("read the backend's name");
+                assert!(name.starts_with(&format!("v{v}")), "{vip}: {name:?}");
+                let stats = Arc::new(ConnStats {
+                    vip: v,
+                    ..ConnStats::default()
+                });
+                stats.last_echo_ms.store(now_ms(start), Ordering::Relaxed);
+                t.conns.push(Arc::clone(&stats));
+                let (st, stop2) = (Arc::clone(&stats), Arc::clone(&stop));
+                t.tasks.push(tokio::spawn(async move {
+                    let mut seq = 0u64;
+                    while !stop2.load(Ordering::Relaxed) {
+                        seq += 1;
+                        if let Err(e) = w.write_all(format!("{seq}\n").as_bytes()).await {
+                            failed(&st, format!("write: {e}"));
+                            return;
+                        }
+                        st.sent.fetch_add(1, Ordering::Relaxed);
+                        tokio::time::sleep(TICK).await;
+                    }
+                }));
+                let st = Arc::clone(&stats);
+                t.tasks.push(tokio::spawn(async move {
+                    let mut line = String::new();
+                    loop {
+                        line.clear();
+                        match r.read_line(&mut line).await {
+                            Ok(0) => return failed(&st, "closed by the peer".into()),
+                            Ok(_) => {
+                                st.echoed.fetch_add(1, Ordering::Relaxed);
+                                record_gap(&st.last_echo_ms, &st.max_gap_ms, now_ms(start));
+                            }
+                            Err(e) => return failed(&st, format!("read: {e}")),
+                        }
+                    }
+                }));
+            }
+            for f in 0..FLOWS {
+                let local = sa(CLIENT, 40_001 + (v * FLOWS + f) as u16);
+                let to = sa(*vip, UDP_PORT);
+                let std = netns::in_ns(&client.name, move || {
+                    let s = std::net::UdpSocket::bind(local)?;
+                    s.connect(to)?;
+                    s.set_nonblocking(true)?;
+                    Ok::<_, std::io::Error>(s)
+                })
+                .expect("bind a client UDP port");
+                let s = Arc::new(tokio::net::UdpSocket::from_std(std).expect("register"));
+                let stats = Arc::new(FlowStats {
+                    vip: v,
+                    ..FlowStats::default()
+                });
+                stats.last_ms.store(now_ms(start), Ordering::Relaxed);
+                t.flows.push(Arc::clone(&stats));
+                let (st, stop2, tx) = (Arc::clone(&stats), Arc::clone(&stop), Arc::clone(&s));
+                t.tasks.push(tokio::spawn(async move {
+                    let mut seq = 0u64;
+                    while !stop2.load(Ordering::Relaxed) {
+                        seq += 1;
+                        // A refused send is a lost datagram, counted by
+                        // its missing answer.
+                        let _ = tx.send(format!("{f} {seq}").as_bytes()).await;
+                        st.sent.fetch_add(1, Ordering::Relaxed);
+                        tokio::time::sleep(TICK).await;
+                    }
+                }));
+                let st = Arc::clone(&stats);
+                t.tasks.push(tokio::spawn(async move {
+                    let mut buf = [0u8; 512];
+                    loop {
+                        let Ok(n) = s.recv(&mut buf).await else {
+                            continue;
+                        };
+                        let text = String::from_utf8_lossy(&buf[..n]);
+                        let Some(name) = text.split_whitespace().next() else {
+                            continue;
+                        };
+                        st.answered.fetch_add(1, Ordering::Relaxed);
+                        record_gap(&st.last_ms, &st.max_gap_ms, now_ms(start));
+                        let mut b = st.backends.lock().unwrap();
+                        if b.last().map(String::as_str) != Some(name) {
+                            b.push(name.to_string());
+                        }
+                    }
+                }));
+            }
+        }
+        t
+    }
+
+    /// Resets the gap counters and the flows' backend history (the next
+    /// phase's only).
+    fn new_phase(&self) {
+        let now = now_ms(self.start);
+        for c in &self.conns {
+            c.max_gap_ms.store(0, Ordering::Relaxed);
+            c.last_echo_ms.store(now, Ordering::Relaxed);
+        }
+        for f in &self.flows {
+            f.max_gap_ms.store(0, Ordering::Relaxed);
+            f.last_ms.store(now, Ordering::Relaxed);
+            let mut b = f.backends.lock().unwrap();
+            let last = b.last().cloned();
+            b.clear();
+            b.extend(last);
+        }
+    }
+
+    fn alive(&self) -> usize {
+        self.conns
+            .iter()
+            .filter(|c| c.failed.lock().unwrap().is_none())
+            .count()
+    }
+
+    /// Waits (bounded) until every connection echoed after `since_ms` or
+    /// failed, and every flow was answered after it.
+    async fn settled(&self, since_ms: u64, within: Duration) {
+        let deadline = Instant::now() + within;
+        while Instant::now() < deadline {
+            let conns = self.conns.iter().all(|c| {
+                c.failed.lock().unwrap().is_some()
+                    || c.last_echo_ms.load(Ordering::Relaxed) > since_ms
+            });
+            let flows = self
+                .flows
+                .iter()
+                .all(|f| f.last_ms.load(Ordering::Relaxed) > since_ms);
+            if conns && flows {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// One phase's figures; the gaps are those of VIP `moved`'s flows.
+    fn figures(&self, moved: usize) -> Figures {
+        let live = |c: &&Arc<ConnStats>| c.failed.lock().unwrap().is_none();
+        Figures {
+            alive: self.alive(),
+            total: self.conns.len(),
+            moved_alive: self
+                .conns
+                .iter()
+                .filter(|c| c.vip == moved)
+                .filter(live)
+                .count(),
+            reasons: self
+                .conns
+                .iter()
+                .filter_map(|c| c.failed.lock().unwrap().clone())
+                .collect(),
+            max_gap_ms: self
+                .conns
+                .iter()
+                .filter(|c| c.vip == moved)
+                .filter(live)
+                .map(|c| c.max_gap_ms.load(Ordering::Relaxed))
+                .max()
+                .unwrap_or(0),
+            udp_moved: self
+                .flows
+                .iter()
+                .filter(|f| f.backends.lock().unwrap().len() > 1)
+                .count(),
+            flows: self.flows.len(),
+            udp_gap_ms: self
+                .flows
+                .iter()
+                .filter(|f| f.vip == moved)
+                .map(|f| f.max_gap_ms.load(Ordering::Relaxed))
+                .max()
+                .unwrap_or(0),
+        }
+    }
+
+    /// Stops the writers, waits for the last echoes, and counts the lines
+    /// and datagrams never answered.
+    async fn finish(self) -> (u64, u64) {
+        self.stop.store(true, Ordering::Relaxed);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            let pending = self.conns.iter().any(|c| {
+                c.failed.lock().unwrap().is_none()
+                    && c.echoed.load(Ordering::Relaxed) < c.sent.load(Ordering::Relaxed)
+            });
+            if !pending {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let lines_lost = self
+            .conns
+            .iter()
+            .filter(|c| c.failed.lock().unwrap().is_none())
+            .map(|c| {
+                c.sent
+                    .load(Ordering::Relaxed)
+                    .saturating_sub(c.echoed.load(Ordering::Relaxed))
+            })
+            .sum();
+        let datagrams_lost = self
+            .flows
+            .iter()
+            .map(|f| {
+                f.sent
+                    .load(Ordering::Relaxed)
+                    .saturating_sub(f.answered.load(Ordering::Relaxed))
+            })
+            .sum();
+        for t in &self.tasks {
+            t.abort();
+        }
+        (lines_lost, datagrams_lost)
+    }
+}
+
+/// One phase (a failover or a failback) as the client saw it.
+struct Figures {
+    alive: usize,
+    total: usize,
+    moved_alive: usize,
+    reasons: Vec<String>,
+    max_gap_ms: u64,
+    udp_moved: usize,
+    flows: usize,
+    udp_gap_ms: u64,
+}
+
+impl std::fmt::Display for Figures {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut reasons = self.reasons.clone();
+        reasons.sort();
+        reasons.dedup();
+        write!(
+            f,
+            "TCP {}/{} alive (the moved VIP's {}/{CONNS}), its longest gap {:.2} s; UDP {} of {} flows changed backend, the moved VIP's longest gap {:.2} s; ended: {reasons:?}",
+            self.alive,
+            self.total,
+            self.moved_alive,
+            self.max_gap_ms as f64 / 1000.0,
+            self.udp_moved,
+            self.flows,
+            self.udp_gap_ms as f64 / 1000.0,
+        )
+    }
+}
+
+/// One bed at a time: each runs N daemons, keepalived and conntrackd.
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+/// `n` hosts; each master in turn fails by `fault`, another host takes
+/// its VIP over, the master comes back and takes it back. Asserts that
+/// every connection and flow survived on its backend, no line lost.
+async fn each_master_in_turn(tag: &str, n: usize, fault: Fault) {
+    let _one = SERIAL.lock().await;
+    let mut c = Cluster::new(tag, n).await;
+    for k in 0..n {
+        // Host k preempts whichever host started first.
+        c.await_master(k, k).await;
+    }
+    let traffic = Traffic::start(&c.bed.client, &c.vips).await;
+    let t0 = now_ms(traffic.start);
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    traffic.settled(t0, Duration::from_secs(10)).await;
+    assert_eq!(
+        traffic.alive(),
+        n * CONNS,
+        "before the faults\n{}",
+        c.logs()
+    );
+    assert!(
+        c.caches_full(Duration::from_secs(30)).await,
+        "every host's external cache holds the other hosts' flows\n{}",
+        c.logs()
+    );
+    // The metrics name the transport (the sync-link-down alert leaves
+    // multicast hosts out: NOTRACK sends nothing while no flow changes).
+    let transport = if n > 2 { "multicast" } else { "unicast" };
+    let d = c.hosts[0].daemon.as_ref().expect("started");
+    let m = wait_for(
+        Duration::from_secs(30),
+        "the metrics name the sync's transport",
+        || async {
+            let m = d.metrics().await;
+            (netns::metric(
+                &m,
+                "harvester_lb_conntrack_sync_transport",
+                &[("transport", transport)],
+            ) == 1.0)
+                .then_some(m)
+        },
+    )
+    .await;
+    support::promtool_accepts(&m);
+    let mut report = String::new();
+    for (i, name) in NAMES.iter().take(n).enumerate() {
+        // Failover: host i fails, another takes VIP i over.
+        traffic.new_phase();
+        let (at, fault_ms) = (Instant::now(), now_ms(traffic.start));
+        c.fail(i, fault);
+        let (to, seen) = c.master_of(i, Some(i), fault != Fault::Killed).await;
+        c.traffic_through(to, i).await;
+        traffic.settled(fault_ms, Duration::from_secs(30)).await;
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        let over = traffic.figures(i);
+        report.push_str(&format!(
+            "N={n} {fault:?} {name} (master of VIP {i}): VIP on {} after {:.2} s; {over}\n",
+            NAMES[to],
+            (seen - at).as_secs_f64()
+        ));
+        // Failback: host i returns and takes VIP i back.
+        traffic.new_phase();
+        let (at, back_ms) = (Instant::now(), now_ms(traffic.start));
+        c.restore(i, fault).await;
+        let back_at = c.await_master(i, i).await;
+        c.traffic_through(i, i).await;
+        traffic.settled(back_ms, Duration::from_secs(30)).await;
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        let back = traffic.figures(i);
+        let full = c.caches_full(Duration::from_secs(30)).await;
+        report.push_str(&format!(
+            "N={n} {fault:?} {name} back: VIP on {name} after {:.2} s (counted from the restart's start); {back}; caches refilled: {full}\n",
+            (back_at - at).as_secs_f64()
+        ));
+        for l in report
+            .lines()
+            .rev()
+            .take(2)
+            .collect::<Vec<_>>()
+            .into_iter()
+            .rev()
+        {
+            eprintln!("FIGURE {l}");
+        }
+    }
+    let alive = traffic.alive();
+    let moved = traffic.figures(0).udp_moved;
+    let (lines, datagrams) = traffic.finish().await;
+    let total =
+        format!("N={n} {fault:?}: over the run, lines lost {lines}, datagrams lost {datagrams}");
+    eprintln!("FIGURE {total}");
+    report.push_str(&total);
+    assert_eq!(
+        alive,
+        n * CONNS,
+        "connections lost:\n{report}\n{}",
+        c.logs()
+    );
+    assert_eq!(moved, 0, "a UDP flow changed backend:\n{report}");
+    assert_eq!(lines, 0, "lines lost:\n{report}");
+}
+
+macro_rules! require_tools {
+    () => {
+        require_netns!();
+        if keepalived_missing() || conntrackd_missing() {
+            return;
+        }
+    };
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn netns_three_hosts_keep_every_connection_when_each_master_is_killed() {
+    require_tools!();
+    each_master_in_turn("ct3kill", 3, Fault::Killed).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn netns_three_hosts_keep_every_connection_when_each_master_stops() {
+    require_tools!();
+    each_master_in_turn("ct3term", 3, Fault::GracefulStop).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn netns_three_hosts_keep_every_connection_when_each_master_is_cut_off() {
+    require_tools!();
+    each_master_in_turn("ct3cut", 3, Fault::LinkCut).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn netns_two_hosts_keep_every_connection_when_each_master_is_killed() {
+    require_tools!();
+    each_master_in_turn("ct2kill", 2, Fault::Killed).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn netns_two_hosts_keep_every_connection_when_each_master_stops() {
+    require_tools!();
+    each_master_in_turn("ct2term", 2, Fault::GracefulStop).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn netns_two_hosts_keep_every_connection_when_each_master_is_cut_off() {
+    require_tools!();
+    each_master_in_turn("ct2cut", 2, Fault::LinkCut).await;
+}
