@@ -127,6 +127,9 @@ pub struct FileKeepalived {
     pub pid_file: Option<Spanned<String>>,
     /// A command run instead of the SIGHUP.
     pub reload_command: Option<Spanned<Vec<Spanned<String>>>>,
+    /// Whether load balancers on no `[[network]]` get their VIP on
+    /// `interface` too (default true).
+    pub management_vips: Option<Spanned<bool>>,
 }
 
 /// `[admin]`.
