@@ -8,7 +8,9 @@
 //! host and serves a client on the management network; a load balancer
 //! added by the next import comes up the same way (the daemon's file watch
 //! reloads, it renders and has keepalived reload); one removed by the next
-//! import goes from every host; the master killed (its management link
+//! import goes from every host; the master's daemon killed gives the VIP
+//! to another host (the instance's track script asks the daemon about the
+//! management VIP) and takes it back once started again; the master killed (its management link
 //! cut, then its daemon and keepalived SIGKILLed: a dead host) gives its
 //! VIP to exactly one other host, which serves it.
 //!
@@ -41,6 +43,7 @@ use std::net::{Ipv4Addr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+use harvester_lb::vip::keepalived::instance_of;
 use netns::keepalived::{Keepalived, keepalived_missing};
 use netns::peers::{Exchange, Node, Service, exchange};
 use netns::vmnet::{
@@ -354,6 +357,22 @@ impl Bed3 {
         .await
     }
 
+    /// Waits until `vip` is held by its instance's preferred master alone
+    /// (host *r* of the sorted addresses for the instances *i* with *i* mod
+    /// 3 = *r*: `vip::keepalived::priority`) and served; returns it.
+    async fn on_preferred(&self, vip: Ipv4Addr, within: Duration) -> usize {
+        let preferred = usize::from(instance_of(vip.into(), 3) % 3);
+        wait_for(
+            within,
+            &format!("{vip} on its preferred master"),
+            || async {
+                (self.holders(vip) == [preferred] && self.served(vip, Duration::from_secs(2)).await)
+                    .then_some(preferred)
+            },
+        )
+        .await
+    }
+
     /// Host `h` dies: its management link cut first (no last advert
     /// leaves), then its daemon and keepalived (both processes) SIGKILLed.
     fn kill_host(&mut self, h: usize) {
@@ -440,7 +459,47 @@ async fn netns_management_vips_from_import_alone_come_up_once_follow_imports_and
         !t.served(WEB, Duration::from_secs(2)).await,
         "the removed VIP is still served"
     );
-    let api = t.up_on_one(API, Duration::from_secs(30)).await;
+    t.up_on_one(API, Duration::from_secs(30)).await;
+
+    // The master's daemon killed: its instance's track script (which asks
+    // the daemon about the management VIP as about a network's) fails, and
+    // the VIP goes to exactly one other host. From the steady state: the VIP
+    // on its instance's preferred master (keepalived preempts).
+    let api = t.on_preferred(API, Duration::from_secs(60)).await;
+    let at = Instant::now();
+    t.hosts[api]
+        .daemon
+        .as_ref()
+        .expect("daemon")
+        .signal(libc::SIGKILL);
+    let new = wait_for(
+        Duration::from_secs(30),
+        "the VIP leaves the host whose daemon was killed",
+        || async {
+            let h = t.holders(API);
+            (h.len() == 1 && h[0] != api).then(|| h[0])
+        },
+    )
+    .await;
+    let moved = at.elapsed();
+    wait_for(Duration::from_secs(30), "the VIP served again", || async {
+        t.served(API, Duration::from_secs(2)).await.then_some(())
+    })
+    .await;
+    eprintln!(
+        "FIGURE mgmt VIP {API}: daemon of master {} killed: on host {} alone after {:.2} s, served after {:.2} s (track script interval 1 s, fall 2)",
+        HOSTS[api].0,
+        HOSTS[new].0,
+        moved.as_secs_f64(),
+        at.elapsed().as_secs_f64()
+    );
+    // Started again on the file it had: the VIP goes back (preempted).
+    let d = t.hosts[api].daemon.take().expect("daemon");
+    let config = d.config.clone();
+    drop(d);
+    let log = t.file(api, "daemon-again.log");
+    t.hosts[api].daemon = Some(DaemonProc::spawn_watching(&t.hosts[api].ns, &config, &log));
+    assert_eq!(t.on_preferred(API, Duration::from_secs(60)).await, api);
 
     // Adverts (sent by masters only) only ever went out of the management
     // interface.
