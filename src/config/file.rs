@@ -137,6 +137,9 @@ pub struct FileKeepalived {
     pub management_gateway: Option<Spanned<String>>,
     /// Where the reachability check's script is written.
     pub management_check_script: Option<Spanned<String>>,
+    /// Whether load balancers on no `[[network]]` get their VIP on
+    /// `interface` too (default true).
+    pub management_vips: Option<Spanned<bool>>,
 }
 
 /// `[admin]`.

@@ -47,7 +47,9 @@ pub use vmnet::{
     DEFAULT_NETWORK_TABLE_BASE, DEFAULT_VRID_BASE, DEFAULT_VRRP_VERSION, KeepalivedSettings,
     NetworkSpec,
 };
-pub use vmnet::{REPLY_MARK_MASK, not_a_vm_network_interface, reply_mark_of};
+pub use vmnet::{
+    DEFAULT_MANAGEMENT_VIPS, REPLY_MARK_MASK, not_a_vm_network_interface, reply_mark_of,
+};
 
 /// Where the daemon looks for its configuration unless told otherwise.
 pub const DEFAULT_PATH: &str = "/etc/harvester-lb/config.toml";

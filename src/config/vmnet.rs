@@ -9,6 +9,8 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::path::PathBuf;
 use std::time::Duration;
 
+use super::{AnnounceSettings, Config, Ipam, LoadBalancerSpec};
+
 /// Why `name` can never be a VM network's interface, from the name alone:
 /// the host's loopback, a device of the host's container network (the
 /// Kubernetes CNI's), or a lease macvlan of this daemon's. `check` and
@@ -73,6 +75,12 @@ pub const DEFAULT_KEEPALIVED_CONFIG: &str = "/etc/keepalived/keepalived.conf";
 pub const DEFAULT_MANAGEMENT_CHECK_SCRIPT: &str = "harvester-lb-management-check";
 /// Default `keepalived.pid_file`: Debian's keepalived writes its main pid there.
 pub const DEFAULT_KEEPALIVED_PID_FILE: &str = "/run/keepalived.pid";
+/// Default `keepalived.management_vips`: with `[keepalived]`, every VIP
+/// is moved by the keepalived the daemon configures, the management
+/// network's as well as the VM networks' (what a kube-vip or MetalLB user
+/// expects: a new load balancer's VIP comes up with nothing written by
+/// hand).
+pub const DEFAULT_MANAGEMENT_VIPS: bool = true;
 /// First routing table of `[[network]]`s without `table`: table
 /// `DEFAULT_NETWORK_TABLE_BASE + n` for the n-th network of the file.
 pub const DEFAULT_NETWORK_TABLE_BASE: u32 = 1000;
@@ -184,9 +192,61 @@ pub struct KeepalivedSettings {
     /// Where the reachability check's script is written (mode 0700, for
     /// keepalived's `enable_script_security`).
     pub management_check_script: PathBuf,
+    /// `keepalived.management_vips`: whether the VIPs of load balancers on
+    /// no `[[network]]` (the management network's, Harvester's default)
+    /// are moved by this keepalived too, on `interface`
+    /// ([`Config::keepalived_interface`]). `false` for a site that holds
+    /// them by other means (kube-vip during a migration, a hand-written
+    /// keepalived instance).
+    pub management_vips: bool,
+}
+
+impl Config {
+    /// The interface the keepalived this daemon configures puts `lb`'s VIP
+    /// on, or `None` when that keepalived does not move it: its
+    /// `[[network]]`'s interface; or, for a load balancer on no network,
+    /// `keepalived.interface` (the management network) when
+    /// [`KeepalivedSettings::moves_management_vip`] says so. The one
+    /// answer keepalived's file, its track scripts, conntrackd's filter,
+    /// the gates and the VIP guard are computed from.
+    pub fn keepalived_interface(&self, lb: &LoadBalancerSpec) -> Option<&str> {
+        let k = self.keepalived.as_ref()?;
+        if lb.dhcp.is_some() {
+            // Leased: held by the lease path on its own macvlan.
+            return None;
+        }
+        match &lb.network {
+            Some(name) => self
+                .networks
+                .iter()
+                .find(|n| &n.name == name)
+                .map(|n| n.interface.as_str()),
+            None => k
+                .moves_management_vip(lb, &self.vip.announce)
+                .then_some(k.interface.as_str()),
+        }
+    }
 }
 
 impl KeepalivedSettings {
+    /// Whether `lb`, a load balancer on no `[[network]]`, is a management
+    /// VIP this keepalived moves on `interface`: `management_vips` is on,
+    /// its VIP is the pool's or static (not leased by DHCP: the lease path
+    /// holds that one), no route announces VIPs (`vip.announce =
+    /// "routes"`: every host holds them, anycast), and it is no loopback
+    /// or unspecified address (local to every host already; tests use
+    /// them).
+    pub fn moves_management_vip(&self, lb: &LoadBalancerSpec, announce: &AnnounceSettings) -> bool {
+        let vip = lb.vip.to_canonical();
+        self.management_vips
+            && lb.network.is_none()
+            && lb.ipam != Ipam::Dhcp
+            && lb.dhcp.is_none()
+            && !announce.enabled()
+            && !vip.is_loopback()
+            && !vip.is_unspecified()
+    }
+
     /// Every host's management address, this one's included, sorted: the
     /// same list on every host, which the priorities are rotated over.
     pub fn hosts(&self) -> Vec<IpAddr> {

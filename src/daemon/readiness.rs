@@ -28,7 +28,7 @@ pub enum VipNotReady {
     /// balancer on a `[[network]]` falls in it). Not a readiness failure of
     /// the host, as [`VipNotReady::Unknown`].
     #[error(
-        "the config in force renders no VRRP instance hlb_{0} (virtual_router_id {0}): no [keepalived], or no load balancer on a [[network]] has its VIP in it; ask about an instance of the rendered keepalived.conf"
+        "the config in force renders no VRRP instance hlb_{0} (virtual_router_id {0}): no [keepalived], or no VIP keepalived moves (on a [[network]], or a management VIP) is in it; ask about an instance of the rendered keepalived.conf"
     )]
     UnknownInstance(u32),
     /// Shutdown has begun: every VIP should leave the host while open

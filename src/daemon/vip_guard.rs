@@ -138,21 +138,29 @@ impl Daemon {
     }
 }
 
-/// The VIPs of `[[network]]` load balancers that the host holds on their
-/// network's interface: keepalived put them there (the daemon never does),
-/// so they are VIPs, not the host's own addresses.
+/// The VIPs keepalived moves that the host holds where keepalived puts
+/// them: keepalived put them there (the daemon never does), so they are
+/// VIPs, not the host's own addresses. A `[[network]]` load balancer's on
+/// its network's interface; a management VIP's
+/// ([`Config::keepalived_interface`]) on `keepalived.interface` as the
+/// host route keepalived adds (`/32`, `/128`) only: the management
+/// interface carries the host's own addresses, and one of those (at its
+/// subnet's prefix) given as a VIP is still refused as the host's.
 fn keepalived_held(config: &Config, host: &HostNet) -> Vec<IpAddr> {
     config
         .load_balancers
         .iter()
         .filter_map(|lb| {
-            let net = config
-                .networks
-                .iter()
-                .find(|n| Some(&n.name) == lb.network.as_ref())?;
+            let interface = config.keepalived_interface(lb)?;
+            let management = lb.network.is_none();
+            let host_prefix = if lb.vip.is_ipv4() { 32 } else { 128 };
             host.addresses
                 .iter()
-                .any(|a| a.ip == lb.vip && a.interface == net.interface)
+                .any(|a| {
+                    a.ip == lb.vip
+                        && a.interface == interface
+                        && (!management || a.prefix_len == host_prefix)
+                })
                 .then_some(lb.vip)
         })
         .collect()
@@ -356,5 +364,83 @@ mod tests {
         // On another interface it is not keepalived's.
         h.addresses.last_mut().unwrap().interface = "eth0".into();
         assert!(keepalived_held(&c, &h).is_empty());
+    }
+
+    /// A management-network host: 192.168.0.11/24 on "mgmt0" (keepalived's
+    /// interface), its default route through 192.168.0.1, and `vip` on
+    /// mgmt0 at `prefix_len` if given.
+    fn management_host(vip: Option<(&str, u8)>) -> HostNet {
+        let mut h = HostNet {
+            addresses: vec![HostAddress {
+                ip: "192.168.0.11".parse().unwrap(),
+                prefix_len: 24,
+                interface: "mgmt0".into(),
+                index: 3,
+                tagged: false,
+            }],
+            gateways: vec![Gateway {
+                ip: "192.168.0.1".parse().unwrap(),
+                route: "default via 192.168.0.1 dev mgmt0 table 254".into(),
+                index: Some(3),
+            }],
+            local_routes: Vec::new(),
+            neighbours: Vec::new(),
+        };
+        if let Some((ip, prefix_len)) = vip {
+            h.addresses.push(HostAddress {
+                ip: ip.parse().unwrap(),
+                prefix_len,
+                interface: "mgmt0".into(),
+                index: 3,
+                tagged: false,
+            });
+        }
+        h
+    }
+
+    /// A load balancer on no network (a management VIP) on `vip`.
+    fn management_lb(name: &str, vip: &str) -> String {
+        format!(
+            "[[load_balancer]]\nname = {name:?}\nvip = {vip:?}\nbackends = [\"10.100.0.21\"]\n  [[load_balancer.listener]]\n  name = \"h\"\n  port = 80\n  backend_port = 30080\n"
+        )
+    }
+
+    #[test]
+    fn a_management_vip_keepalived_holds_is_a_vip_and_the_host_s_own_address_or_gateway_is_not() {
+        let none = BTreeSet::new();
+        let c = config(&format!(
+            "{KEEPALIVED}{}{}{}",
+            management_lb("default/web", "192.168.0.50"),
+            management_lb("default/gw", "192.168.0.1"),
+            management_lb("default/other", "192.168.0.13"),
+        ));
+        // keepalived added 192.168.0.50/32 on mgmt0: held, not refused.
+        let h = management_host(Some(("192.168.0.50", 32)));
+        let ours: BTreeSet<IpAddr> = keepalived_held(&c, &h).into_iter().collect();
+        assert_eq!(ours, ["192.168.0.50".parse().unwrap()].into());
+        // The default route's gateway is refused whatever holds it.
+        assert_eq!(
+            kinds(&refusals(&c, Ok(&h), &ours, &none)),
+            [("default/gw", "gateway")]
+        );
+        // The host's own address (at its subnet's prefix, not the /32
+        // keepalived adds) is not keepalived's: refused as the host's.
+        let h = management_host(Some(("192.168.0.13", 24)));
+        let ours: BTreeSet<IpAddr> = keepalived_held(&c, &h).into_iter().collect();
+        assert!(ours.is_empty(), "{ours:?}");
+        assert_eq!(
+            kinds(&refusals(&c, Ok(&h), &ours, &none)),
+            [("default/gw", "gateway"), ("default/other", "host_address")]
+        );
+        // keepalived.management_vips = false: not keepalived's, held by
+        // another tool; judged as any VIP (a /32 beside the subnet's
+        // address is plainly a VIP).
+        let off = config(&format!(
+            "{KEEPALIVED}management_vips = false\n{}",
+            management_lb("default/web", "192.168.0.50"),
+        ));
+        let h = management_host(Some(("192.168.0.50", 32)));
+        assert!(keepalived_held(&off, &h).is_empty());
+        assert!(refusals(&off, Ok(&h), &none, &none).is_empty());
     }
 }

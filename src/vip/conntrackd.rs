@@ -162,15 +162,19 @@ pub struct Gated {
     pub backend_port: u16,
 }
 
-/// Every kernel listener of a load balancer on a `[[network]]` (the VIPs
-/// the rendered keepalived moves), in a stable order.
+/// Every kernel listener of a load balancer whose VIP the rendered
+/// keepalived moves (on a `[[network]]`, or a management VIP on
+/// `keepalived.interface`: its flows survive a move the same way), in a
+/// stable order.
 pub fn gated(config: &Config) -> Vec<Gated> {
     let Some(k) = &config.keepalived else {
         return Vec::new();
     };
     let mut out = Vec::new();
     for lb in &config.load_balancers {
-        let (Some(_), IpAddr::V4(vip)) = (&lb.network, lb.vip) else {
+        // On a `[[network]]`, or a management VIP on keepalived.interface:
+        // every VIP the rendered keepalived moves.
+        let (Some(_), IpAddr::V4(vip)) = (config.keepalived_interface(lb), lb.vip) else {
             continue;
         };
         let vrid =
@@ -212,7 +216,7 @@ pub fn vrids(config: &Config) -> Vec<u32> {
     let mut v: Vec<u32> = config
         .load_balancers
         .iter()
-        .filter(|lb| lb.network.is_some() && lb.vip.is_ipv4())
+        .filter(|lb| config.keepalived_interface(lb).is_some() && lb.vip.is_ipv4())
         .map(|lb| {
             u32::from(k.vrid_base) + u32::from(super::keepalived::instance_of(lb.vip, k.instances))
         })
@@ -942,18 +946,45 @@ backends = ["{backend}"]
             "\tHashSize 32768\n",
             "\tSystemd on\n",
             "\t\tPath /run/hlb/ctd.ctl\n",
-            "\t\tAddress Accept {\n\t\t\tIPv4_address 10.100.0.21\n\t\t\tIPv4_address 10.100.0.22\n\t\t}",
+            "\t\tAddress Accept {\n\t\t\tIPv4_address 10.100.0.21\n\t\t\tIPv4_address 10.100.0.22\n\t\t\tIPv4_address 10.100.0.31\n\t\t}",
             "\t\t\tTCP\n\t\t\tUDP\n",
         ] {
             assert!(conf.contains(want), "{want:?} not in\n{conf}");
         }
-        // The VIP on no network (not moved by keepalived) is not synced,
-        // nor is a proxy listener's backend on its own.
-        assert!(!conf.contains("10.100.0.31"), "{conf}");
         assert!(
             !conf.contains("10.100.0.50"),
             "the VIP is never in the filter: {conf}"
         );
+        // The VIP on no network is a management VIP keepalived moves on
+        // keepalived.interface (`management_vips`, default on): its kernel
+        // listener's backend is synced and gated like the network's.
+        assert!(conf.contains("\t\t\tIPv4_address 10.100.0.31\n"), "{conf}");
+        let g = gated(&config);
+        assert_eq!(g.len(), 2, "{g:?}");
+        let db = g.iter().find(|g| g.port == 5432).expect("db gated");
+        assert_eq!(db.backend_port, 30432);
+        let other = g.iter().find(|g| g.port == 53).expect("other gated");
+        assert_eq!(
+            (other.vip, other.backends.as_slice()),
+            (
+                "10.100.0.60".parse().unwrap(),
+                &["10.100.0.31".parse().unwrap()][..]
+            )
+        );
+        let mut want = vec![db.vrid, other.vrid];
+        want.sort_unstable();
+        want.dedup();
+        assert_eq!(vrids(&config), want);
+        // With management_vips = false (kube-vip holds it): not moved by
+        // this keepalived, so not synced; a proxy listener's backend on its
+        // own never is.
+        let text = keepalived_text().replace(
+            "instances = 2\n",
+            "instances = 2\nmanagement_vips = false\n",
+        );
+        let config = parse(&text).expect("valid").config;
+        let conf = render_conf(&config).unwrap();
+        assert!(!conf.contains("10.100.0.31"), "{conf}");
         let g = gated(&config);
         assert_eq!(g.len(), 1, "{g:?}");
         assert_eq!((g[0].port, g[0].backend_port), (5432, 30432));
@@ -1036,7 +1067,10 @@ backends = ["{backend}"]
         // the stale entries deleted right before the commit.
         assert!(!s.contains("ctd -t"), "{s}");
         assert!(master.find("flush_flows").unwrap() < commit, "{master}");
-        assert!(s.contains("vips=\"10.100.0.50\" ;;"), "{s}");
+        // The management VIP ("default/other", on no network) is in the
+        // same instance here (two instances): its flows are deleted and
+        // committed with it.
+        assert!(s.contains("vips=\"10.100.0.50 10.100.0.60\" ;;"), "{s}");
     }
 
     /// The rendered script under `sh`, with `conntrack`, `conntrackd`,

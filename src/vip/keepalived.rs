@@ -1,7 +1,8 @@
 //! keepalived's configuration, rendered from the daemon's own: the VIPs
-//! of the load balancers on a `[[network]]` moved between hosts by VRRP
-//! with no hand-written keepalived line (docs/vip.md, "A VIP on a VM
-//! network").
+//! of the load balancers on a `[[network]]`, and (`keepalived.management_vips`,
+//! on by default) those on no network, the management network's, moved
+//! between hosts by VRRP with no hand-written keepalived line (docs/vip.md,
+//! "A VIP on a VM network" and "Management-network VIPs").
 //!
 //! [`render`] is pure: the same file gives every host the same instances,
 //! VRIDs and VIPs; only `router_id`, the unicast addresses and the
@@ -24,6 +25,12 @@
 //!   A /32 adds no subnet route to the main table: how the host itself
 //!   routes does not change when a VIP arrives; replies are routed by the
 //!   network's own table (`vip::network`).
+//! - **A management VIP** (a load balancer on no network, its VIP the
+//!   pool's or static, no `vip.announce = "routes"`;
+//!   [`Config::keepalived_interface`]) as `VIP/32 dev <keepalived.interface>`,
+//!   in the instances of the same hash as the VM networks' VIPs, tracked
+//!   and moved alike: what kube-vip does for Harvester's load balancers by
+//!   ARP on `mgmt-br`, without a keepalived line written per VIP.
 //! - **VIPs spread over `instances` instances** by a stable hash of the
 //!   VIP (FNV-1a of its bytes: the same on every host and every version),
 //!   not one instance per VIP (VRIDs are 255 per segment) nor one for all
@@ -145,7 +152,10 @@ impl Placed {
     }
 }
 
-/// Which instance each VM-network VIP is in. A VIP of the adverts' family
+/// Which instance each VIP keepalived moves is in (a VM network's, or a
+/// management VIP on `keepalived.interface`: one placement for both, so a
+/// management VIP shares instances, masters and track scripts with the
+/// VM networks' by the same hash). A VIP of the adverts' family
 /// (`keepalived.address`'s) by [`instance_of`] over all instances; one of
 /// the other family (an IPv6 VIP under IPv4 adverts), which keepalived can
 /// only carry as an excluded address of an instance that has a VIP of its
@@ -157,16 +167,14 @@ fn placement(config: &Config, k: &KeepalivedSettings) -> BTreeMap<u8, Vec<Placed
         .load_balancers
         .iter()
         .filter_map(|lb| {
-            let name = lb.network.as_ref()?;
-            // A VIP this daemon leases is held by the lease path on its own
-            // macvlan, on the host that leased it: keepalived must not add it.
-            if lb.dhcp.is_some() {
-                return None;
-            }
-            let net = config.networks.iter().find(|n| &n.name == name)?;
+            // Its network's interface, or keepalived.interface for a
+            // management VIP; none for a VIP this daemon leases (held by
+            // the lease path on its own macvlan, on the host that leased
+            // it: keepalived must not add it) or one held by other means.
+            let interface = config.keepalived_interface(lb)?;
             Some(Placed {
                 vip: lb.vip,
-                interface: net.interface.clone(),
+                interface: interface.to_string(),
             })
         })
         .collect();
@@ -529,6 +537,7 @@ fn is_keepalived(pid: i32) -> Result<(), String> {
 mod tests {
     use super::*;
     use crate::config::parse;
+    use crate::config::test_fixtures::KEEPALIVED;
 
     fn conf(address: &str, peers: &str, lbs: &[(&str, &str)]) -> Config {
         conf_with("", address, peers, lbs)
@@ -631,6 +640,130 @@ mod tests {
             !text.contains("use_vmac") && !text.contains("mcast"),
             "{text}"
         );
+    }
+
+    /// [`conf`] plus load balancers on no network (management VIPs) on
+    /// `vips`, after `keepalived_extra` in `[keepalived]`.
+    fn with_management(keepalived_extra: &str, network_vips: &[&str], vips: &[&str]) -> Config {
+        let mut text = format!(
+            "[admin]\nsocket = \"/run/hlb/admin.sock\"\n[keepalived]\nname = \"h1\"\naddress = \"192.168.0.11\"\ninterface = \"mgmt0\"\npeers = [\"192.168.0.12\", \"192.168.0.13\"]\ninstances = 4\n{keepalived_extra}\n[[network]]\nname = \"vlan100\"\ninterface = \"br.100\"\nprefix_length = 22\ngateway = \"10.100.0.1\"\n"
+        );
+        let lbs = network_vips
+            .iter()
+            .map(|v| (*v, true))
+            .chain(vips.iter().map(|v| (*v, false)));
+        for (i, (vip, on_network)) in lbs.enumerate() {
+            let network = if on_network {
+                "network = \"vlan100\"\n"
+            } else {
+                ""
+            };
+            text.push_str(&format!(
+                "[[load_balancer]]\nname = \"default/lb{i}\"\nvip = \"{vip}\"\n{network}backends = [\"10.100.0.21\"]\n  [[load_balancer.listener]]\n  name = \"http\"\n  port = 80\n  backend_port = 30080\n"
+            ));
+        }
+        parse(&text).expect("valid").config
+    }
+
+    #[test]
+    fn a_management_vip_is_placed_on_keepalived_s_interface_in_the_instances_of_the_same_hash() {
+        // Two management VIPs and two network VIPs.
+        let mgmt = ["192.168.0.50", "192.168.0.51"];
+        let net = ["10.100.0.50", "10.100.0.51"];
+        let c = with_management("", &net, &mgmt);
+        let text = render(&c).unwrap();
+        for vip in mgmt {
+            let i = instance_of(vip.parse().unwrap(), 4);
+            let vrid = 50 + u32::from(i);
+            // In its instance's block, on the management interface.
+            let block = text
+                .split(&format!("vrrp_instance hlb_{vrid} {{"))
+                .nth(1)
+                .and_then(|b| b.split("\nvrrp_").next())
+                .unwrap_or_else(|| panic!("no instance {vrid} for {vip}:\n{text}"));
+            assert!(
+                block.contains(&format!("    {vip}/32 dev mgmt0\n")),
+                "{vip} not in hlb_{vrid}:\n{text}"
+            );
+            // Tracked by the instance's script, which the daemon answers
+            // for it too.
+            assert!(
+                text.contains(&format!("readyz?vrrp_instance={vrid}\"")),
+                "{text}"
+            );
+            assert!(
+                instance_vips(&c, vrid).contains(&vip.parse().unwrap()),
+                "{vip} not among instance {vrid}'s VIPs"
+            );
+        }
+        // Every VIP once; the network's on their interface.
+        for vip in net {
+            assert_eq!(
+                text.matches(&format!(" {vip}/32 dev br.100\n")).count(),
+                1,
+                "{text}"
+            );
+        }
+        assert_eq!(text.matches("/32 dev").count(), 4, "{text}");
+        // The same file on every host but router_id, addresses and
+        // priorities: the VIP lines are the same.
+        let vips = |t: &str| -> Vec<String> {
+            t.lines()
+                .filter(|l| l.contains(" dev "))
+                .map(str::to_string)
+                .collect()
+        };
+        let mut c2 = c.clone();
+        let k2 = c2.keepalived.as_mut().unwrap();
+        k2.address = "192.168.0.12".parse().unwrap();
+        k2.peers = vec![
+            "192.168.0.11".parse().unwrap(),
+            "192.168.0.13".parse().unwrap(),
+        ];
+        assert_eq!(vips(&text), vips(&render(&c2).unwrap()));
+    }
+
+    #[test]
+    fn management_vips_off_leased_announced_or_loopback_vips_are_not_placed() {
+        let mgmt = ["192.168.0.50", "127.0.9.1"];
+        // management_vips = false: only the network's VIP.
+        let c = with_management("management_vips = false\n", &["10.100.0.50"], &mgmt);
+        let text = render(&c).unwrap();
+        assert!(!text.contains("dev mgmt0"), "{text}");
+        assert_eq!(text.matches("/32 dev").count(), 1, "{text}");
+        // On (the default), the loopback VIP is local to every host
+        // already: never placed.
+        let c = with_management("", &["10.100.0.50"], &mgmt);
+        let text = render(&c).unwrap();
+        assert!(text.contains("    192.168.0.50/32 dev mgmt0\n"), "{text}");
+        assert!(!text.contains("127.0.9.1"), "{text}");
+        // Only management VIPs: the file moves them alone.
+        let c = with_management("", &[], &["192.168.0.50"]);
+        let text = render(&c).unwrap();
+        assert_eq!(text.matches("vrrp_instance hlb_").count(), 1, "{text}");
+        // An IPv6 management VIP under IPv4 adverts rides as an excluded
+        // address of an instance with an IPv4 VIP, as a network's does.
+        let c = with_management("", &[], &["192.168.0.50", "fd00:1::50"]);
+        let text = render(&c).unwrap();
+        assert!(
+            text.contains("  virtual_ipaddress_excluded {\n    fd00:1::50/128 dev mgmt0\n  }\n"),
+            "{text}"
+        );
+        // With vip.announce = "routes" every host holds its VIPs (anycast):
+        // keepalived moves none of them.
+        let text = format!(
+            "[vip]\nannounce = \"routes\"\nannounce_prefixes = [\"192.168.0.0/24\"]\n{KEEPALIVED}[[load_balancer]]\nname = \"default/a\"\nvip = \"192.168.0.50\"\nbackends = [\"10.100.0.21\"]\n  [[load_balancer.listener]]\n  name = \"http\"\n  port = 80\n  backend_port = 30080\n"
+        );
+        let loaded = parse(&text).expect("valid");
+        let text = render(&loaded.config).unwrap();
+        assert!(!text.contains("vrrp_instance"), "{text}");
+        let said: Vec<&str> = loaded
+            .warnings
+            .iter()
+            .filter(|w| w.key == "keepalived")
+            .map(|w| w.message.as_str())
+            .collect();
+        assert!(said.iter().any(|m| m.contains("moves no VIP")), "{said:?}");
     }
 
     #[test]

@@ -78,6 +78,12 @@ impl Keepalived {
     pub fn log(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }
+
+    /// The last `n` lines of its log, newest first.
+    pub fn log_tail(&self, n: usize) -> String {
+        let log = self.log();
+        log.lines().rev().take(n).collect::<Vec<_>>().join("\n")
+    }
 }
 
 impl Drop for Keepalived {

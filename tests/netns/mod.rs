@@ -635,6 +635,26 @@ impl DaemonProc {
         }
     }
 
+    /// As [`DaemonProc::spawn`], watching its file as the shipped unit's
+    /// daemon does (no `--no-watch`): a file written by `import --write`
+    /// is reloaded with no signal (`tests/mgmt_vips.rs`).
+    pub fn spawn_watching(ns: &Ns, config: &Path, log: &Path) -> DaemonProc {
+        let process = Process::launch(config)
+            .under(&["ip", "netns", "exec", &ns.name])
+            .env("HARVESTER_LB_LOG", "info")
+            .watch()
+            .log(log)
+            .spawn();
+        let config = config.to_path_buf();
+        let (ns, admin_port) = (ns.clone(), ADMIN_PORT);
+        DaemonProc {
+            process,
+            ns,
+            config,
+            admin_port,
+        }
+    }
+
     /// As [`DaemonProc::spawn`], started by the fake file descriptor store
     /// `store` as the unit's next process (`NOTIFY_SOCKET`, the stored
     /// descriptors as `LISTEN_FDS`). `ip netns exec` execs its command

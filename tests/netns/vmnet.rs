@@ -65,9 +65,15 @@ pub fn holds_on(ns: &Ns, dev: &str, vip: &str) -> bool {
 /// Counts the VRRP packets `ns` sends, per side: out of `mgmt`, and out of
 /// any other interface (the VM networks').
 pub fn count_vrrp(ns: &Ns) {
-    ns.nft(
-        "table inet t_vrrp {\n counter mgmt {}\n counter vm {}\n chain out {\n  type filter hook output priority 0; policy accept;\n  meta l4proto 112 oifname \"mgmt\" counter name \"mgmt\"\n  meta l4proto 112 oifname != \"mgmt\" counter name \"vm\"\n }\n}\n",
-    );
+    count_vrrp_on(ns, "mgmt");
+}
+
+/// As [`count_vrrp`], the management side being `mgmt_if` (a host whose
+/// management interface is a bridge, `mgmt-br`, as Harvester's).
+pub fn count_vrrp_on(ns: &Ns, mgmt_if: &str) {
+    ns.nft(&format!(
+        "table inet t_vrrp {{\n counter mgmt {{}}\n counter vm {{}}\n chain out {{\n  type filter hook output priority 0; policy accept;\n  meta l4proto 112 oifname \"{mgmt_if}\" counter name \"mgmt\"\n  meta l4proto 112 oifname != \"{mgmt_if}\" counter name \"vm\"\n }}\n}}\n"
+    ));
 }
 
 /// VRRP packets `ns` sent out of `side` (`"mgmt"` or `"vm"`).

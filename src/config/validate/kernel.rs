@@ -13,7 +13,7 @@
 //! and a warning says so.
 //!
 //! A kernel listener whose VIP moves between hosts (keepalived's `network`,
-//! or `vip.announce = "routes"`) is also told which of its choices reset
+//! a management VIP keepalived moves, or `vip.announce = "routes"`) is also told which of its choices reset
 //! the connections a move carries ([`Validator::moving_vips`]).
 
 use std::collections::HashMap;
@@ -24,7 +24,8 @@ use toml::Spanned;
 use super::Validator;
 use crate::config::file::{FileConfig, FileListener, FileLoadBalancer};
 use crate::config::{
-    Algorithm, AnnounceSettings, Forwarding, ListenerSpec, LoadBalancerSpec, Protocol, SourceNat,
+    Algorithm, AnnounceSettings, Forwarding, KeepalivedSettings, ListenerSpec, LoadBalancerSpec,
+    Protocol, SourceNat,
 };
 
 /// How a load balancer's VIP leaves a host with its flows still open.
@@ -277,13 +278,15 @@ impl Validator<'_> {
         file: &FileConfig,
         specs: &[Option<LoadBalancerSpec>],
         announce: &AnnounceSettings,
+        keepalived: Option<&KeepalivedSettings>,
     ) {
         // `[conntrackd]` without `[keepalived]`: the anycast sync (every
         // host holds every flow's binding; `validate::sync`).
         let anycast_synced = file.conntrackd.is_some() && file.keepalived.is_none();
         for (i, (lb, spec)) in file.load_balancers.iter().zip(specs).enumerate() {
             let Some(spec) = spec else { continue };
-            let moves = if spec.network.is_some() {
+            let management = keepalived.filter(|k| k.moves_management_vip(spec, announce));
+            let moves = if spec.network.is_some() || management.is_some() {
                 Move::Failover
             } else if announce.enabled() && announce.allows(spec.vip) {
                 Move::Anycast
@@ -293,10 +296,16 @@ impl Validator<'_> {
             let lb = lb.get_ref();
             let key = format!("load_balancer[{i}]");
             let how = match moves {
-                Move::Failover => format!(
-                    "its VIP moves between hosts (network = {:?}, keepalived)",
-                    spec.network.as_deref().unwrap_or_default()
-                ),
+                Move::Failover => match management {
+                    Some(k) => format!(
+                        "its VIP moves between hosts (a management VIP keepalived moves on keepalived.interface {:?})",
+                        k.interface
+                    ),
+                    None => format!(
+                        "its VIP moves between hosts (network = {:?}, keepalived)",
+                        spec.network.as_deref().unwrap_or_default()
+                    ),
+                },
                 Move::Anycast => {
                     "its VIP is announced from every host (vip.announce = \"routes\"), and a withdrawal rehashes flows to the others".to_string()
                 }

@@ -438,7 +438,7 @@ impl Validator<'_> {
             keepalived,
             vip,
         );
-        self.moving_vips(file, specs, &vip.announce);
+        self.moving_vips(file, specs, &vip.announce, keepalived);
         self.network_isolation(file, &config.networks, keepalived);
         let conntrackd = self.conntrackd(file, keepalived, specs, &vip.announce);
         self.vips_that_are_hosts(file, config, conntrackd.as_ref(), specs);

@@ -82,7 +82,7 @@ impl Validator<'_> {
                 return None;
             }
             let link = self.anycast_link(c, span.clone())?;
-            return self.conntrackd_settings(c, span, specs, Some(announce), link);
+            return self.conntrackd_settings(c, span, specs, Some(announce), None, link);
         };
         let default = if k.peers.len() == 1 {
             Kind::Unicast
@@ -130,7 +130,14 @@ impl Validator<'_> {
             Some(i) => self.sync_interface(i),
         };
         let (interface, address, transport) = (interface?, address?, transport?);
-        self.conntrackd_settings(c, span, specs, None, (interface, address, transport))
+        self.conntrackd_settings(
+            c,
+            span,
+            specs,
+            None,
+            Some((k, announce)),
+            (interface, address, transport),
+        )
     }
 
     /// The keys of `[conntrackd]` both modes share, and the settings.
@@ -140,6 +147,7 @@ impl Validator<'_> {
         span: std::ops::Range<usize>,
         specs: &[Option<LoadBalancerSpec>],
         anycast: Option<&AnnounceSettings>,
+        management: Option<(&KeepalivedSettings, &AnnounceSettings)>,
         (interface, address, transport): (String, Ipv4Addr, SyncTransport),
     ) -> Option<ConntrackdSettings> {
         let port = self.int(
@@ -235,7 +243,11 @@ impl Validator<'_> {
         });
         let synced = specs.iter().flatten().any(|lb| {
             let moves = match anycast {
-                None => lb.network.is_some(),
+                // On a network, or a management VIP keepalived moves.
+                None => {
+                    lb.network.is_some()
+                        || management.is_some_and(|(k, a)| k.moves_management_vip(lb, a))
+                }
                 Some(a) => lb.network.is_none() && a.allows(lb.vip),
             };
             moves
@@ -269,7 +281,7 @@ impl Validator<'_> {
             self.warning(
                 Some(span),
                 "conntrackd",
-                "no load balancer on a [[network]] has a listener with forwarding = \"kernel\": conntrackd syncs nothing (only the kernel's flows can be synced; the proxy's connections end when their VIP moves)".into(),
+                "no load balancer whose VIP keepalived moves (on a [[network]], or a management VIP with keepalived.management_vips) has a listener with forwarding = \"kernel\": conntrackd syncs nothing (only the kernel's flows can be synced; the proxy's connections end when their VIP moves)".into(),
             );
         }
         Some(ConntrackdSettings {

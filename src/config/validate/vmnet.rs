@@ -18,6 +18,13 @@
 //! `vrrp_version = 2` (keepalived would round it); an `admin.socket` the
 //! rendered track script cannot quote.
 //!
+//! A load balancer on no network is a management VIP keepalived moves on
+//! `keepalived.interface` (`keepalived.management_vips`, default on;
+//! `Config::keepalived_interface`): its kernel listeners are told what
+//! resets moved flows like a network's (`validate::kernel`), an IPv6 one
+//! with no IPv4 VIP to ride with is a warning (it is left out of the file),
+//! and one that is a keepalived host is refused (`validate::hosts`).
+//!
 //! Whether a network's `interface` exists is a fact of the host, not of
 //! the file: `check` runs anywhere (CI, the controller), so the daemon
 //! checks it at start and at every reload and refuses that network's load
@@ -34,9 +41,9 @@ use super::Validator;
 use crate::config::file::{FileConfig, FileKeepalived, FileLoadBalancer, FileNetwork};
 use crate::config::{
     DEFAULT_ADVERT_INTERVAL_MS, DEFAULT_IPV6_PREFIX_LENGTH, DEFAULT_KEEPALIVED_CONFIG,
-    DEFAULT_KEEPALIVED_PID_FILE, DEFAULT_MANAGEMENT_CHECK_SCRIPT, DEFAULT_NETWORK_ISOLATE,
-    DEFAULT_NETWORK_TABLE_BASE, DEFAULT_VRID_BASE, DEFAULT_VRRP_VERSION, Ipam, KeepalivedSettings,
-    LoadBalancerSpec, NetworkSpec, VipSettings,
+    DEFAULT_KEEPALIVED_PID_FILE, DEFAULT_MANAGEMENT_CHECK_SCRIPT, DEFAULT_MANAGEMENT_VIPS,
+    DEFAULT_NETWORK_ISOLATE, DEFAULT_NETWORK_TABLE_BASE, DEFAULT_VRID_BASE, DEFAULT_VRRP_VERSION,
+    Ipam, KeepalivedSettings, LoadBalancerSpec, NetworkSpec, VipSettings,
 };
 
 /// Most peers: VRRP priorities are rotated over the hosts in steps of
@@ -486,6 +493,10 @@ impl Validator<'_> {
                 Some(words)
             }
         });
+        let management_vips = k
+            .management_vips
+            .as_ref()
+            .map_or(DEFAULT_MANAGEMENT_VIPS, |b| *b.get_ref());
         Some(KeepalivedSettings {
             name: name?,
             address: address?,
@@ -500,6 +511,7 @@ impl Validator<'_> {
             reload_command,
             management_gateway,
             management_check_script,
+            management_vips,
         })
     }
 
@@ -686,7 +698,7 @@ impl Validator<'_> {
             s.network = Some(name.clone());
         }
         if let Some(k) = keepalived {
-            self.other_family_alone(file, specs, k);
+            self.other_family_alone(file, specs, k, vip);
         }
         for (i, n) in file.networks.iter().enumerate() {
             if let Some(name) = &n.get_ref().name
@@ -699,11 +711,17 @@ impl Validator<'_> {
                 );
             }
         }
-        if let (Some(k), true) = (&file.keepalived, networks.is_empty()) {
+        let management = keepalived.is_some_and(|k| {
+            specs
+                .iter()
+                .flatten()
+                .any(|s| k.moves_management_vip(s, &vip.announce))
+        });
+        if let (Some(k), true, false) = (&file.keepalived, networks.is_empty(), management) {
             self.warning(
                 Some(k.span()),
                 "keepalived",
-                "no [[network]] is defined: the rendered keepalived.conf moves no VIP".into(),
+                "no [[network]] is defined and no management VIP is moved (keepalived.management_vips = false, vip.announce = \"routes\", or no load balancer with a pool or static VIP): the rendered keepalived.conf moves no VIP".into(),
             );
         }
     }
@@ -712,39 +730,63 @@ impl Validator<'_> {
     /// (`keepalived.address`'s), so VIPs of the other family (IPv6 VIPs
     /// under IPv4 adverts) ride as excluded addresses of instances that
     /// have one: with none at all, they are refused.
+    ///
+    /// Management VIPs ([`KeepalivedSettings::moves_management_vip`]) are
+    /// placed the same way, so an IPv4 one carries IPv6 VIPs too; an IPv6
+    /// management VIP with nothing to ride with is a warning, not a
+    /// refusal: before `management_vips` such a file was valid (the VIP
+    /// held by other means), and it still serves where something else
+    /// holds the address.
     fn other_family_alone(
         &mut self,
         file: &FileConfig,
         specs: &[Option<LoadBalancerSpec>],
         k: &KeepalivedSettings,
+        vip_settings: &VipSettings,
     ) {
-        let on_network: Vec<(usize, IpAddr)> = specs
+        // (index, VIP, on a network) of every VIP keepalived moves.
+        let moved: Vec<(usize, IpAddr, bool)> = specs
             .iter()
             .enumerate()
             .filter_map(|(i, s)| {
-                s.as_ref()
-                    .filter(|s| s.network.is_some())
-                    .map(|s| (i, s.vip))
+                let s = s.as_ref()?;
+                if s.network.is_some() {
+                    Some((i, s.vip, true))
+                } else if k.moves_management_vip(s, &vip_settings.announce) {
+                    Some((i, s.vip, false))
+                } else {
+                    None
+                }
             })
             .collect();
-        if on_network
+        if moved
             .iter()
-            .any(|(_, v)| v.is_ipv4() == k.address.is_ipv4())
+            .any(|(_, v, _)| v.is_ipv4() == k.address.is_ipv4())
         {
             return;
         }
-        let Some(&(i, vip)) = on_network.first() else {
-            return;
-        };
         let family = if k.address.is_ipv4() { "IPv4" } else { "IPv6" };
-        self.problem(
-            file.load_balancers[i].get_ref().vip.as_ref().map(Spanned::span),
-            &format!("load_balancer[{i}].vip"),
-            format!(
-                "{vip}: no load balancer on a [[network]] has an {family} VIP, and keepalived (its adverts are {family}: keepalived.address is {}) moves a VIP of the other family only beside one of its own in the same instance; add an {family} VIP on a network, or give keepalived an address and peers of this VIP's family",
-                k.address
-            ),
+        let why = format!(
+            "no VIP keepalived moves (on a [[network]], or a management VIP) is {family}, and keepalived (its adverts are {family}: keepalived.address is {}) moves a VIP of the other family only beside one of its own in the same instance",
+            k.address
         );
+        if let Some(&(i, vip, _)) = moved.iter().find(|(_, _, on_network)| *on_network) {
+            self.problem(
+                file.load_balancers[i].get_ref().vip.as_ref().map(Spanned::span),
+                &format!("load_balancer[{i}].vip"),
+                format!(
+                    "{vip}: {why}; add an {family} VIP on a network, or give keepalived an address and peers of this VIP's family"
+                ),
+            );
+        } else if let Some(&(i, vip, _)) = moved.first() {
+            self.warning(
+                file.load_balancers[i].get_ref().vip.as_ref().map(Spanned::span),
+                &format!("load_balancer[{i}].vip"),
+                format!(
+                    "{vip}: {why}, so this management VIP is not put in keepalived's file (something else must hold it); add an {family} VIP keepalived moves, give keepalived an address and peers of this VIP's family, or set keepalived.management_vips = false if another tool holds the management VIPs"
+                ),
+            );
+        }
     }
 }
 
@@ -1087,6 +1129,125 @@ gateway = "10.100.0.1"
         assert_eq!((v2.vrrp_version, v2.advert_interval.as_millis()), (2, 2000));
         let v3 = k(&with("advert_interval_ms = 500"));
         assert_eq!((v3.vrrp_version, v3.advert_interval.as_millis()), (3, 500));
+    }
+
+    /// "default/mgmt" on `vip`, on no network (a management VIP), with a
+    /// kernel listener `source_nat = "masquerade"` (the default) and the
+    /// default round robin, after a blank line.
+    fn management(vip: &str) -> String {
+        format!(
+            "\n[[load_balancer]]\nname = \"default/mgmt\"\nvip = \"{vip}\"\nbackends = [\"10.100.0.21\"]\n  [[load_balancer.listener]]\n  name = \"pg\"\n  port = 5432\n  backend_port = 30432\n  forwarding = \"kernel\"\n"
+        )
+    }
+
+    #[test]
+    fn management_vips_is_on_by_default_and_a_moved_management_vip_is_told_what_resets_its_flows() {
+        let text = format!("{NETWORK}{}", management("192.168.0.50"));
+        let loaded = parse(&text).expect("valid");
+        let c = &loaded.config;
+        let k = c.keepalived.as_ref().unwrap();
+        assert!(k.management_vips);
+        assert_eq!(
+            c.keepalived_interface(&c.load_balancers[0]),
+            Some("mgmt-br")
+        );
+        // Its kernel listener moves with keepalived now: told what resets
+        // moved flows, as a network VIP's is.
+        let keys: Vec<&str> = loaded.warnings.iter().map(|w| w.key.as_str()).collect();
+        assert!(
+            keys.contains(&"load_balancer[0].listener[0].source_nat")
+                && keys.contains(&"load_balancer[0].algorithm"),
+            "{:?}",
+            loaded.warnings
+        );
+        let w = loaded
+            .warnings
+            .iter()
+            .find(|w| w.key == "load_balancer[0].listener[0].source_nat")
+            .unwrap();
+        assert!(
+            w.message
+                .contains("a management VIP keepalived moves on keepalived.interface \"mgmt-br\""),
+            "{}",
+            w.message
+        );
+        // management_vips = false: not moved here, no such warning; the
+        // file (no network used either) moves nothing, which is said.
+        let text = format!(
+            "{}{}",
+            NETWORK.replace("peers = [", "management_vips = false\npeers = ["),
+            management("192.168.0.50")
+        );
+        let loaded = parse(&text).expect("valid");
+        let c = &loaded.config;
+        assert!(!c.keepalived.as_ref().unwrap().management_vips);
+        assert_eq!(c.keepalived_interface(&c.load_balancers[0]), None);
+        assert!(
+            !loaded
+                .warnings
+                .iter()
+                .any(|w| w.key.starts_with("load_balancer[0]")),
+            "{:?}",
+            loaded.warnings
+        );
+        // A value that is no boolean: named.
+        let p = problems(&NETWORK.replace("peers = [", "management_vips = \"yes\"\npeers = ["));
+        assert!(
+            p.iter()
+                .any(|p| p.key == "keepalived.management_vips" && p.line == Some(6)),
+            "{p:?}"
+        );
+    }
+
+    #[test]
+    fn a_management_vip_that_is_a_keepalived_host_is_refused_and_an_ipv6_one_alone_is_a_warning() {
+        for (vip, what) in [
+            ("192.168.0.11", "keepalived.address"),
+            ("192.168.0.13", "keepalived.peers"),
+            ("10.100.0.1", "gateway"),
+        ] {
+            let p = problems(&format!("{NETWORK}{}", management(vip)));
+            assert!(
+                p.iter()
+                    .any(|p| p.key == "load_balancer[0].vip" && p.message.contains(what)),
+                "{vip}: {p:?}"
+            );
+        }
+        // IPv6 under IPv4 adverts with no IPv4 VIP to ride with: not
+        // placed, said (a network's IPv6 VIP alone is refused).
+        let proxied = management("fd00:1::50").replace("  forwarding = \"kernel\"\n", "");
+        let loaded = parse(&format!("{NETWORK}{proxied}")).expect("valid");
+        assert!(
+            loaded
+                .warnings
+                .iter()
+                .any(|w| w.key == "load_balancer[0].vip"
+                    && w.message.contains("not put in keepalived's file")),
+            "{:?}",
+            loaded.warnings
+        );
+        assert!(
+            !crate::vip::keepalived::render(&loaded.config)
+                .unwrap()
+                .contains("fd00:1::50")
+        );
+        // An IPv4 management VIP carries a network's IPv6 VIP.
+        let text = format!(
+            "{}{}{}",
+            NETWORK.replace(
+                "gateway = \"10.100.0.1\"\n",
+                "gateway = \"10.100.0.1\"\nipv6_gateway = \"fd00:100::1\"\n"
+            ),
+            lb("fd00:100::50", "default/vlan100"),
+            management("192.168.0.50")
+        );
+        let loaded = parse(&text).expect("valid");
+        let rendered = crate::vip::keepalived::render(&loaded.config).unwrap();
+        assert!(
+            rendered.contains("fd00:100::50/128 dev mgmt-br.100")
+                && rendered.contains("192.168.0.50/32 dev mgmt-br"),
+            "{rendered}"
+        );
     }
 
     #[test]
