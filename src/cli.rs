@@ -22,6 +22,7 @@ use harvester_lb::StartError;
 use harvester_lb::config;
 use harvester_lb::logging;
 use harvester_lb::server::{self, RunError};
+use harvester_lb::text;
 use harvester_lb::workers::{self, Runtimes};
 use tracing_subscriber::field::MakeExt as _;
 use tracing_subscriber::fmt::writer::BoxMakeWriter;
@@ -102,13 +103,16 @@ pub fn check(path: &Path) -> ExitCode {
             for w in &loaded.warnings {
                 eprintln!("warning: {w}");
             }
+            for n in &loaded.notes {
+                eprintln!("note: {n}");
+            }
             let c = &loaded.config;
             let listeners: usize = c.load_balancers.iter().map(|l| l.listeners.len()).sum();
             println!(
-                "config {} is valid: {} load balancers, {} listeners",
+                "config {} is valid: {}, {}",
                 path.display(),
-                c.load_balancers.len(),
-                listeners
+                text::count(c.load_balancers.len(), "load balancer", "load balancers"),
+                text::count(listeners, "listener", "listeners")
             );
             ExitCode::SUCCESS
         }

@@ -148,10 +148,11 @@ impl Validator<'_> {
                 })))
             }
             Some(other) => {
+                let message = self.not_one_of(other, &["tcp", "http"]);
                 self.problem(
                     hc.kind.as_ref().map(|k| k.span()),
                     &format!("{key}.kind"),
-                    format!("{other:?} is not supported; use one of \"tcp\", \"http\""),
+                    message,
                 );
                 None
             }
