@@ -132,7 +132,10 @@ healthcheck = { port = 30080 }
     let file = net.write("k8s.toml", &k8s);
     let (code, out, err) = run_cli(&["check", "--config", file.to_str().unwrap()]);
     assert_eq!(code, 0, "{err}");
-    assert!(out.contains("is valid: 1 load balancer, 1 listener\n"), "{out}");
+    assert!(
+        out.contains("is valid: 1 load balancer, 1 listener\n"),
+        "{out}"
+    );
     assert_eq!(
         err,
         "note: line 5: load_balancer[0].session_affinity: \"ClientIP\" taken as \"client_ip\" (the same value in Kubernetes' spelling); this file spells it \"client_ip\"\n\

@@ -12,9 +12,9 @@ use serde::Deserialize;
 use serde::de::{self, Visitor};
 
 use crate::config::file::{
-    FileAdmin, FileConfig, FileConntrackd, FileDaemon, FileDhcp, FileDhcpSettings,
-    FileHealthCheck, FileKeepalived, FileListener, FileLoadBalancer, FileLog, FileMetrics,
-    FileNetwork, FileProxy, FileVip,
+    FileAdmin, FileConfig, FileConntrackd, FileDaemon, FileDhcp, FileDhcpSettings, FileHealthCheck,
+    FileKeepalived, FileListener, FileLoadBalancer, FileLog, FileMetrics, FileNetwork, FileProxy,
+    FileVip,
 };
 
 /// `value` written with another case or `_`/`-` (Kubernetes' `"TCP"`,
