@@ -137,3 +137,83 @@ async fn status_and_metrics_name_the_build_and_the_process() {
     let rss = support::metric_value(&metrics, "process_resident_memory_bytes ");
     assert!(rss > 1.0e6 && rss < 1.0e11, "rss {rss}");
 }
+
+/// `HARVESTER_LB_LOG=debug` writes each connection's steps, with no
+/// `log_connections` set: accepted (client, VIP, load balancer, listener),
+/// the backend chosen, and its end with the state and bytes each way, all
+/// at debug under the connection log's target.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn debug_logs_every_connection_accepted_backend_chosen_and_closed() {
+    use tokio::io::AsyncWriteExt;
+
+    let net = Subnet::new();
+    let backend = SocketAddr::new(net.ip(11), 30080);
+    let _b = Backend::start(backend, Behaviour::NameThenEcho).await;
+    let config = Config::on(&net).lb(Lb::new("default/web", net.ip(1))
+        .backends(net.ips(&[11]))
+        .tcp("http", 8080, 30080));
+    let path = net.write("config.toml", &config.to_string());
+    let mut process = support::Process::launch(&path)
+        .global_args(&["--log-format", "json"])
+        .env("HARVESTER_LB_LOG", "debug")
+        .spawn();
+    process.wait_ready(SocketAddr::new(net.ip(250), 9901)).await;
+
+    let vip = SocketAddr::new(net.ip(1), 8080);
+    let mut s = support::connect_from(net.ip(100), vip)
+        .await
+        .expect("connect");
+    let me = s.local_addr().unwrap();
+    assert_eq!(
+        support::read_line(&mut s).await.expect("served"),
+        net.ip_str(11)
+    );
+    s.write_all(b"hello").await.unwrap();
+    s.shutdown().await.unwrap();
+    let mut rest = Vec::new();
+    tokio::time::timeout(
+        std::time::Duration::from_secs(20),
+        tokio::io::AsyncReadExt::read_to_end(&mut s, &mut rest),
+    )
+    .await
+    .expect("the connection ends")
+    .expect("read");
+
+    let client = me.to_string();
+    let lines = support::wait_for(
+        std::time::Duration::from_secs(20),
+        "the three debug lines of the connection",
+        || {
+            let lines: Vec<serde_json::Value> = process
+                .lines()
+                .iter()
+                .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+                .filter(|v| {
+                    v["target"] == "harvester_lb::connection"
+                        && v["fields"]["client"] == client.as_str()
+                })
+                .collect();
+            async move { (lines.len() >= 3).then_some(lines) }
+        },
+    )
+    .await;
+    let messages: Vec<&str> = lines
+        .iter()
+        .map(|l| l["fields"]["message"].as_str().unwrap_or(""))
+        .collect();
+    assert_eq!(messages, ["accepted", "backend chosen", "connection"]);
+    assert!(lines.iter().all(|l| l["level"] == "DEBUG"), "{lines:?}");
+    let accepted = &lines[0]["fields"];
+    assert_eq!(accepted["vip"], vip.to_string());
+    assert_eq!(accepted["load_balancer"], "default/web");
+    assert_eq!(accepted["listener"], "http");
+    assert_eq!(lines[1]["fields"]["backend"], backend.to_string());
+    let closed = &lines[2]["fields"];
+    assert_eq!(closed["state"], "closed");
+    assert_eq!(closed["backend"], backend.to_string());
+    assert_eq!(closed["bytes_from_client"], 5);
+    assert_eq!(
+        closed["bytes_from_backend"],
+        net.ip_str(11).len() as u64 + 1 + 5
+    );
+}
