@@ -52,14 +52,29 @@ pub const EXIT_UNAVAILABLE: u8 = 69;
 pub fn init_tracing(format: LogFormat, queued: bool) -> Option<logging::Flush> {
     let filter = tracing_subscriber::EnvFilter::try_from_env("HARVESTER_LB_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    // Under systemd each line carries its priority for the journal.
+    let journal = logging::stderr_is_journal();
+    // The daemon's text under systemd: the journal's own protocol, with
+    // its fields, through the same queue (stderr when the socket fails).
+    if queued
+        && journal
+        && matches!(format, LogFormat::Text)
+        && let Some((queue, flush)) = logging::queue_to_journal(&logging::journal_socket())
+    {
+        tracing_subscriber::fmt()
+            .with_env_filter(filter)
+            .with_writer(queue)
+            .with_ansi(false)
+            .event_format(logging::JournalFormat)
+            .init();
+        return Some(flush);
+    }
     let (writer, flush) = if queued {
         let (queue, flush) = logging::queue_to_stderr();
         (BoxMakeWriter::new(queue), Some(flush))
     } else {
         (BoxMakeWriter::new(std::io::stderr), None)
     };
-    // Under systemd each line carries its priority for the journal.
-    let journal = logging::stderr_is_journal();
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(writer)

@@ -138,14 +138,35 @@ async fn status_and_metrics_name_the_build_and_the_process() {
     assert!(rss > 1.0e6 && rss < 1.0e11, "rss {rss}");
 }
 
+/// One client from `.100` through `vip` to the name-telling backend at
+/// `.11`: reads the name, sends `data`, closes its side and reads to the
+/// end (within 20 s). Its address.
+async fn one_connection(net: &Subnet, vip: SocketAddr, data: &[u8]) -> SocketAddr {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = support::connect_from(net.ip(100), vip)
+        .await
+        .expect("connect");
+    let me = s.local_addr().unwrap();
+    assert_eq!(
+        support::read_line(&mut s).await.expect("served"),
+        net.ip_str(11)
+    );
+    s.write_all(data).await.unwrap();
+    s.shutdown().await.unwrap();
+    let mut rest = Vec::new();
+    tokio::time::timeout(std::time::Duration::from_secs(20), s.read_to_end(&mut rest))
+        .await
+        .expect("the connection ends")
+        .expect("read");
+    me
+}
+
 /// `HARVESTER_LB_LOG=debug` writes each connection's steps, with no
 /// `log_connections` set: accepted (client, VIP, load balancer, listener),
 /// the backend chosen, and its end with the state and bytes each way, all
 /// at debug under the connection log's target.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn debug_logs_every_connection_accepted_backend_chosen_and_closed() {
-    use tokio::io::AsyncWriteExt;
-
     let net = Subnet::new();
     let backend = SocketAddr::new(net.ip(11), 30080);
     let _b = Backend::start(backend, Behaviour::NameThenEcho).await;
@@ -160,24 +181,7 @@ async fn debug_logs_every_connection_accepted_backend_chosen_and_closed() {
     process.wait_ready(SocketAddr::new(net.ip(250), 9901)).await;
 
     let vip = SocketAddr::new(net.ip(1), 8080);
-    let mut s = support::connect_from(net.ip(100), vip)
-        .await
-        .expect("connect");
-    let me = s.local_addr().unwrap();
-    assert_eq!(
-        support::read_line(&mut s).await.expect("served"),
-        net.ip_str(11)
-    );
-    s.write_all(b"hello").await.unwrap();
-    s.shutdown().await.unwrap();
-    let mut rest = Vec::new();
-    tokio::time::timeout(
-        std::time::Duration::from_secs(20),
-        tokio::io::AsyncReadExt::read_to_end(&mut s, &mut rest),
-    )
-    .await
-    .expect("the connection ends")
-    .expect("read");
+    let me = one_connection(&net, vip, b"hello").await;
 
     let client = me.to_string();
     let lines = support::wait_for(
@@ -215,5 +219,104 @@ async fn debug_logs_every_connection_accepted_backend_chosen_and_closed() {
     assert_eq!(
         closed["bytes_from_backend"],
         net.ip_str(11).len() as u64 + 1 + 5
+    );
+}
+
+/// Under systemd (`JOURNAL_STREAM` names stderr) the daemon's text goes to
+/// the journal's socket in its native protocol: the load balancer and
+/// listener as fields of their own, the priority as before (6 info, 4
+/// warning), a `MESSAGE` with neither the daemon's timestamp nor its level;
+/// and nothing of it on stderr. A stand-in journal socket (a datagram
+/// socket the test binds) takes the place of journald's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn under_the_journal_each_line_is_an_entry_with_its_fields_and_priority() {
+    use std::os::unix::fs::MetadataExt;
+    let net = Subnet::new();
+    let backend = SocketAddr::new(net.ip(11), 30080);
+    let _b = Backend::start(backend, Behaviour::NameThenEcho).await;
+    let config = Config::on(&net)
+        .lb(Lb::new("default/web", net.ip(1))
+            .keys("log_connections = \"all\"")
+            .backends(net.ips(&[11]))
+            .tcp("http", 8080, 30080))
+        .lb(Lb::new("default/empty", net.ip(2)).tcp("dns", 8053, 30053));
+    let path = net.write("config.toml", &config.to_string());
+    let journal = net.dir().join("journal.sock");
+    let socket = std::os::unix::net::UnixDatagram::bind(&journal).expect("bind the journal");
+    socket
+        .set_read_timeout(Some(std::time::Duration::from_secs(20)))
+        .unwrap();
+    let log = net.dir().join("stderr.log");
+    std::fs::write(&log, "").unwrap();
+    let meta = std::fs::metadata(&log).unwrap();
+    let mut process = support::Process::launch(&path)
+        .log(&log)
+        .env("JOURNAL_STREAM", format!("{}:{}", meta.dev(), meta.ino()))
+        .env("HARVESTER_LB_JOURNAL_SOCKET", &journal)
+        .spawn();
+    process.wait_ready(SocketAddr::new(net.ip(250), 9901)).await;
+
+    let me = one_connection(&net, SocketAddr::new(net.ip(1), 8080), b"")
+        .await
+        .to_string();
+
+    // Entries until the connection's (bounded: 20 s per read, 200 entries).
+    let entries = tokio::task::spawn_blocking(move || {
+        let mut entries = Vec::new();
+        let mut buf = vec![0u8; 65_536];
+        for _ in 0..200 {
+            let n = socket.recv(&mut buf).expect("an entry within 20 s");
+            let entry = String::from_utf8_lossy(&buf[..n]).into_owned();
+            let done = entry.contains(&format!("CLIENT={me}\n"));
+            entries.push(entry);
+            if done {
+                break;
+            }
+        }
+        entries
+    })
+    .await
+    .unwrap();
+    let field = |entry: &str, name: &str| -> Option<String> {
+        entry
+            .lines()
+            .find_map(|l| l.strip_prefix(&format!("{name}=")).map(str::to_string))
+    };
+    let connection = entries.last().unwrap();
+    assert_eq!(
+        field(connection, "PRIORITY").as_deref(),
+        Some("6"),
+        "{connection}"
+    );
+    assert_eq!(
+        field(connection, "LOAD_BALANCER").as_deref(),
+        Some("default/web")
+    );
+    assert_eq!(field(connection, "LISTENER").as_deref(), Some("http"));
+    assert_eq!(field(connection, "CLUSTER").as_deref(), Some("kubernetes"));
+    assert_eq!(field(connection, "STATE").as_deref(), Some("closed"));
+    assert_eq!(
+        field(connection, "SYSLOG_IDENTIFIER").as_deref(),
+        Some("harvester-lb")
+    );
+    let message = field(connection, "MESSAGE").expect("MESSAGE");
+    assert!(
+        message.starts_with("connection state=closed protocol=\"tcp\" "),
+        "no timestamp or level first: {message}"
+    );
+    // The empty load balancer's warning, at the journal's warning priority.
+    let warning = entries
+        .iter()
+        .find(|e| field(e, "PRIORITY").as_deref() == Some("4"))
+        .unwrap_or_else(|| panic!("a warning entry: {entries:#?}"));
+    assert!(
+        field(warning, "MESSAGE")
+            .is_some_and(|m| m.contains("default/empty") || m.contains("backends")),
+        "{warning}"
+    );
+    let stderr = std::fs::read_to_string(&log).unwrap();
+    assert!(
+        !stderr.contains("connection"),
+        "the entries are not on stderr too: {stderr}"
     );
 }
