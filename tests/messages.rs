@@ -320,3 +320,52 @@ async fn under_the_journal_each_line_is_an_entry_with_its_fields_and_priority() 
         "the entries are not on stderr too: {stderr}"
     );
 }
+
+/// The text log quotes every load balancer, cluster and listener name the
+/// same way (the connection log always did; the health, listening and
+/// other lines wrote them bare), and a backend's recovery has no empty
+/// `error=""`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn names_are_quoted_alike_and_a_recovery_has_no_empty_error() {
+    let net = Subnet::new();
+    let backend = SocketAddr::new(net.ip(11), 30080);
+    let config = Config::on(&net).lb(Lb::new("default/web", net.ip(1))
+        .backends(net.ips(&[11]))
+        .tcp("http", 8080, 30080)
+        .health(
+            "  port = 30080\n  failure_threshold = 1\n  period_seconds = 1\n  timeout_seconds = 1",
+        ));
+    let path = net.write("config.toml", &config.to_string());
+    let mut process = support::Process::launch(&path).spawn();
+    process.wait_ready(SocketAddr::new(net.ip(250), 9901)).await;
+    let wait = std::time::Duration::from_secs(20);
+    let line_with = |process: &support::Process, needle: &'static str| {
+        let found = process.lines().into_iter().find(|l| l.contains(needle));
+        async move { found }
+    };
+    let down = support::wait_for(wait, "the backend marked down", || {
+        line_with(&process, "to=unhealthy")
+    })
+    .await;
+    let _b = Backend::start(backend, Behaviour::NameThenEcho).await;
+    let up = support::wait_for(wait, "the backend back up", || {
+        line_with(&process, "to=healthy")
+    })
+    .await;
+    let listening = line_with(&process, " listening")
+        .await
+        .expect("listening line");
+
+    for line in [&down, &up] {
+        assert!(
+            line.contains("load_balancer=\"default/web\" cluster=\"kubernetes\""),
+            "{line}"
+        );
+    }
+    assert!(down.contains("error=\"connection refused\""), "{down}");
+    assert!(!up.contains("error="), "{up}");
+    assert!(
+        listening.contains("load_balancer=\"default/web\" listener=\"http\""),
+        "{listening}"
+    );
+}

@@ -326,7 +326,7 @@ async fn set_state(req: Request<Incoming>, daemon: &Daemon, peer: &str) -> Respo
     match daemon.set_admin_state(&request.load_balancer, addr, state) {
         Ok(change) => {
             tracing::info!(
-                load_balancer = %request.load_balancer,
+                load_balancer = &*request.load_balancer,
                 backend = %addr,
                 from = %change.previous,
                 to = %change.state,
