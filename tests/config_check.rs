@@ -141,6 +141,20 @@ healthcheck = { port = 30080 }
         "note: line 5: load_balancer[0].session_affinity: \"ClientIP\" taken as \"client_ip\" (the same value in Kubernetes' spelling); this file spells it \"client_ip\"\n\
          note: line 10: load_balancer[0].listener[0].protocol: \"TCP\" taken as \"tcp\" (the same value in Kubernetes' spelling); this file spells it \"tcp\"\n"
     );
+    let http = GOOD.replace(
+        "  [load_balancer.health_check]\n  port = 30080\n",
+        "  [load_balancer.health_check]\n  port = 30080\n  kind = \"HTTP\"\n",
+    );
+    let loaded = config::parse(&http).expect("HTTP is http");
+    assert!(matches!(
+        loaded.config.load_balancers[0]
+            .health_check
+            .as_ref()
+            .unwrap()
+            .check,
+        CheckKind::Http(_)
+    ));
+    assert_eq!(loaded.notes.len(), 1, "{:?}", loaded.notes);
     let udp = k8s.replace("\"TCP\"", "\"UDP\"");
     let loaded = config::parse(&udp).expect("UDP is udp");
     assert_eq!(

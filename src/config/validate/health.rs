@@ -91,7 +91,13 @@ impl Validator<'_> {
             ("host", hc.host.as_ref().map(|v| v.span())),
             ("send_proxy", hc.send_proxy.as_ref().map(|v| v.span())),
         ];
-        let kind = hc.kind.as_ref().map(|k| k.get_ref().as_str());
+        let kind: Option<&str> = match &hc.kind {
+            Some(k) if !["tcp", "http"].contains(&k.get_ref().as_str()) => Some(
+                self.spelled_otherwise(k, &format!("{key}.kind"), &["tcp", "http"])
+                    .unwrap_or(k.get_ref().as_str()),
+            ),
+            k => k.as_ref().map(|k| k.get_ref().as_str()),
+        };
         match kind {
             None | Some("tcp") => {
                 let why = if kind.is_none() {

@@ -1086,22 +1086,35 @@ impl Validator<'_> {
             return *t;
         }
         let words: Vec<&str> = allowed.iter().map(|(n, _)| *n).collect();
-        if let Some(meant) = suggest::same_spelling(v.get_ref(), &words)
+        let key = key.to_string();
+        if let Some(meant) = self.spelled_otherwise(v, &key, &words)
             && let Some((_, t)) = allowed.iter().find(|(name, _)| *name == meant)
         {
-            self.notes.push(Problem {
-                line: Some(self.lines.line(v.span().start)),
-                key: key.to_string(),
-                message: format!(
-                    "{:?} taken as {meant:?} (the same value in Kubernetes' spelling); this file spells it {meant:?}",
-                    v.get_ref()
-                ),
-            });
             return *t;
         }
         let message = self.not_one_of(v.get_ref(), &words);
-        self.problem(Some(v.span()), &key.to_string(), message);
+        self.problem(Some(v.span()), &key, message);
         default
+    }
+
+    /// The allowed word `v` means when it is written in another case or
+    /// without `_` (Kubernetes' `"TCP"`, `"ClientIP"`), told as a note.
+    fn spelled_otherwise<'w>(
+        &mut self,
+        v: &Spanned<String>,
+        key: &str,
+        allowed: &[&'w str],
+    ) -> Option<&'w str> {
+        let meant = suggest::same_spelling(v.get_ref(), allowed)?;
+        self.notes.push(Problem {
+            line: Some(self.lines.line(v.span().start)),
+            key: key.to_string(),
+            message: format!(
+                "{:?} taken as {meant:?} (the same value in Kubernetes' spelling); this file spells it {meant:?}",
+                v.get_ref()
+            ),
+        });
+        Some(meant)
     }
 
     /// "`value` is not supported; use one of …", with the nearest allowed
