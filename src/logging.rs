@@ -99,7 +99,10 @@ pub fn queue_to_stderr() -> (NonBlocking, Flush) {
 pub fn queue_to_journal(socket: &Path) -> Option<(NonBlocking, Flush)> {
     let datagram = std::os::unix::net::UnixDatagram::unbound().ok()?;
     datagram.connect(socket).ok()?;
-    Some(queue_to(JournalSocket(datagram)))
+    Some(queue_to(JournalSocket {
+        socket: datagram,
+        path: socket.to_path_buf(),
+    }))
 }
 
 fn queue_to<W: Write + Send + 'static>(inner: W) -> (NonBlocking, Flush) {
@@ -239,11 +242,22 @@ pub fn journal_socket() -> PathBuf {
 
 /// The journal's socket as the writer thread's output: each write is one
 /// whole entry, sent as one datagram.
-struct JournalSocket(std::os::unix::net::UnixDatagram);
+struct JournalSocket {
+    socket: std::os::unix::net::UnixDatagram,
+    /// Where it is: a restarted journald makes the socket anew, and a
+    /// send that fails connects to the new one and tries once more.
+    path: PathBuf,
+}
 
 impl Write for JournalSocket {
     fn write(&mut self, entry: &[u8]) -> io::Result<usize> {
-        self.0.send(entry)
+        match self.socket.send(entry) {
+            Ok(n) => Ok(n),
+            Err(_) => {
+                self.socket.connect(&self.path)?;
+                self.socket.send(entry)
+            }
+        }
     }
 
     fn flush(&mut self) -> io::Result<()> {

@@ -261,22 +261,7 @@ async fn under_the_journal_each_line_is_an_entry_with_its_fields_and_priority() 
         .to_string();
 
     // Entries until the connection's (bounded: 20 s per read, 200 entries).
-    let entries = tokio::task::spawn_blocking(move || {
-        let mut entries = Vec::new();
-        let mut buf = vec![0u8; 65_536];
-        for _ in 0..200 {
-            let n = socket.recv(&mut buf).expect("an entry within 20 s");
-            let entry = String::from_utf8_lossy(&buf[..n]).into_owned();
-            let done = entry.contains(&format!("CLIENT={me}\n"));
-            entries.push(entry);
-            if done {
-                break;
-            }
-        }
-        entries
-    })
-    .await
-    .unwrap();
+    let entries = entries_until(socket, me).await;
     let field = |entry: &str, name: &str| -> Option<String> {
         entry
             .lines()
@@ -319,6 +304,43 @@ async fn under_the_journal_each_line_is_an_entry_with_its_fields_and_priority() 
         !stderr.contains("connection"),
         "the entries are not on stderr too: {stderr}"
     );
+
+    // journald restarted: its socket is made anew at the same path, and
+    // the next entries reach the new one.
+    std::fs::remove_file(&journal).unwrap();
+    let socket = std::os::unix::net::UnixDatagram::bind(&journal).expect("bind the journal again");
+    socket
+        .set_read_timeout(Some(std::time::Duration::from_secs(20)))
+        .unwrap();
+    let me = one_connection(&net, SocketAddr::new(net.ip(1), 8080), b"")
+        .await
+        .to_string();
+    let again = entries_until(socket, me).await;
+    assert_eq!(
+        field(again.last().unwrap(), "LOAD_BALANCER").as_deref(),
+        Some("default/web")
+    );
+}
+
+/// The entries the stand-in journal `socket` receives until the one naming
+/// `client` (at most 200, each within the socket's read timeout).
+async fn entries_until(socket: std::os::unix::net::UnixDatagram, client: String) -> Vec<String> {
+    tokio::task::spawn_blocking(move || {
+        let mut entries = Vec::new();
+        let mut buf = vec![0u8; 65_536];
+        for _ in 0..200 {
+            let n = socket.recv(&mut buf).expect("an entry within 20 s");
+            let entry = String::from_utf8_lossy(&buf[..n]).into_owned();
+            let done = entry.contains(&format!("CLIENT={client}\n"));
+            entries.push(entry);
+            if done {
+                break;
+            }
+        }
+        entries
+    })
+    .await
+    .unwrap()
 }
 
 /// The text log quotes every load balancer, cluster and listener name the
