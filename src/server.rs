@@ -765,8 +765,12 @@ async fn reload(
                     tracing::Level::WARN,
                     report,
                     config = %options.config_path.display(),
-                    "config reloaded with no load balancer: every load balancer in force ({}) was removed and their listeners drain",
-                    report.load_balancers_removed
+                    "config reloaded with no load balancer: {} and {} listeners drain",
+                    match report.load_balancers_removed {
+                        1 => "the one load balancer in force was removed".to_string(),
+                        n => format!("all {n} load balancers in force were removed"),
+                    },
+                    if report.load_balancers_removed == 1 { "its" } else { "their" }
                 );
             } else {
                 log_applied!(
