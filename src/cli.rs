@@ -22,6 +22,7 @@ use harvester_lb::StartError;
 use harvester_lb::config;
 use harvester_lb::logging;
 use harvester_lb::server::{self, RunError};
+use harvester_lb::text;
 use harvester_lb::workers::{self, Runtimes};
 use tracing_subscriber::field::MakeExt as _;
 use tracing_subscriber::fmt::writer::BoxMakeWriter;
@@ -51,14 +52,29 @@ pub const EXIT_UNAVAILABLE: u8 = 69;
 pub fn init_tracing(format: LogFormat, queued: bool) -> Option<logging::Flush> {
     let filter = tracing_subscriber::EnvFilter::try_from_env("HARVESTER_LB_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    // Under systemd each line carries its priority for the journal.
+    let journal = logging::stderr_is_journal();
+    // The daemon's text under systemd: the journal's own protocol, with
+    // its fields, through the same queue (stderr when the socket fails).
+    if queued
+        && journal
+        && matches!(format, LogFormat::Text)
+        && let Some((queue, flush)) = logging::queue_to_journal(&logging::journal_socket())
+    {
+        tracing_subscriber::fmt()
+            .with_env_filter(filter)
+            .with_writer(queue)
+            .with_ansi(false)
+            .event_format(logging::JournalFormat)
+            .init();
+        return Some(flush);
+    }
     let (writer, flush) = if queued {
         let (queue, flush) = logging::queue_to_stderr();
         (BoxMakeWriter::new(queue), Some(flush))
     } else {
         (BoxMakeWriter::new(std::io::stderr), None)
     };
-    // Under systemd each line carries its priority for the journal.
-    let journal = logging::stderr_is_journal();
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(writer)
@@ -102,13 +118,16 @@ pub fn check(path: &Path) -> ExitCode {
             for w in &loaded.warnings {
                 eprintln!("warning: {w}");
             }
+            for n in &loaded.notes {
+                eprintln!("note: {n}");
+            }
             let c = &loaded.config;
             let listeners: usize = c.load_balancers.iter().map(|l| l.listeners.len()).sum();
             println!(
-                "config {} is valid: {} load balancers, {} listeners",
+                "config {} is valid: {}, {}",
                 path.display(),
-                c.load_balancers.len(),
-                listeners
+                text::count(c.load_balancers.len(), "load balancer", "load balancers"),
+                text::count(listeners, "listener", "listeners")
             );
             ExitCode::SUCCESS
         }

@@ -1,6 +1,6 @@
 //! harvester-lb: the data plane of Harvester's guest-cluster `LoadBalancer`
-//! services. A TCP load balancer with active health checks, configured by
-//! one TOML file that the cloud-provider controller writes.
+//! services. A TCP and UDP load balancer with active health checks,
+//! configured by one TOML file that the cloud-provider controller writes.
 //!
 //! The modules follow the data flow:
 //!
@@ -59,6 +59,21 @@
 
 #![deny(unsafe_code)]
 #![warn(missing_docs)]
+
+/// This build's version (Cargo's), as `--version`, `/status` and
+/// `harvester_lb_build_info` say it.
+pub const VERSION: &str = env!("CARGO_PKG_VERSION");
+/// The commit this binary was built from (12 hex digits; the build's
+/// `HARVESTER_LB_COMMIT` when set; "unknown" when built outside git): so an
+/// operator can tell two builds of one version apart.
+pub const COMMIT: &str = env!("HARVESTER_LB_COMMIT");
+/// `--version`'s text: version and commit.
+pub const LONG_VERSION: &str = concat!(
+    env!("CARGO_PKG_VERSION"),
+    " (commit ",
+    env!("HARVESTER_LB_COMMIT"),
+    ")"
+);
 
 pub mod admin;
 pub mod balancer;

@@ -32,12 +32,24 @@
 //! error, `<4>` warning, `<6>` info, `<7>` debug and trace): the journal
 //! strips the prefix and stores the line at that priority, so
 //! `journalctl -u harvester-lb -p warning` shows the warnings and errors
-//! ([`Prioritized`]). A prefix rather than the journal's native protocol
-//! (`tracing-journald`): the line still goes through the queue above and
-//! its one writer thread, and needs no socket beyond the stderr systemd
-//! gave.
+//! ([`Prioritized`]).
+//!
+//! `run`'s text format under systemd goes further: each event is written
+//! in the journal's native protocol ([`JournalFormat`],
+//! `systemd.journal-fields(7)`) to the journal's socket, by the same queue
+//! and writer thread, so the journal stores `PRIORITY` (as the prefixes
+//! above), a `MESSAGE` without the daemon's own timestamp and level (the
+//! journal has both), and every field of the event as a field of its own
+//! (`LOAD_BALANCER`, `LISTENER`, `CLUSTER`, `BACKEND`, ...), for
+//! `journalctl LOAD_BALANCER=default/web`. Not `tracing-journald`: its
+//! layer sends on the thread that logs, over a blocking socket whose
+//! queue (`net.unix.max_dgram_qlen`, 512 by default) a stalled journald
+//! fills, which would stop forwarding as the full pipe once did. When the
+//! socket cannot be opened, lines go to stderr with their prefixes as
+//! before. JSON (`--log-format json`) stays JSON lines on stderr.
 
 use std::io::{self, Write};
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, OnceLock};
 
@@ -78,11 +90,27 @@ pub fn lines_dropped() -> u64 {
 /// until it returns. Call once; a second call gets a queue of its own, but
 /// [`lines_dropped`] counts only the first's full queue.
 pub fn queue_to_stderr() -> (NonBlocking, Flush) {
+    queue_to(io::stderr())
+}
+
+/// [`queue_to_stderr`], to the journal's socket at `socket`: each entry
+/// the queue takes (one [`JournalFormat`] event) is one datagram. `None`
+/// when the socket cannot be reached.
+pub fn queue_to_journal(socket: &Path) -> Option<(NonBlocking, Flush)> {
+    let datagram = std::os::unix::net::UnixDatagram::unbound().ok()?;
+    datagram.connect(socket).ok()?;
+    Some(queue_to(JournalSocket {
+        socket: datagram,
+        path: socket.to_path_buf(),
+    }))
+}
+
+fn queue_to<W: Write + Send + 'static>(inner: W) -> (NonBlocking, Flush) {
     let (writer, guard) = NonBlockingBuilder::default()
         .buffered_lines_limit(QUEUE_LINES)
         .lossy(true)
         .thread_name(THREAD_NAME)
-        .finish(Reporting::new(io::stderr()));
+        .finish(Reporting::new(inner));
     // A second call's counter is not exported; the first stays.
     QUEUE_FULL.get_or_init(|| writer.error_counter());
     *GUARD.lock().unwrap_or_else(|e| e.into_inner()) = Some(guard);
@@ -202,6 +230,141 @@ where
         }
         self.inner.format_event(ctx, writer, event)
     }
+}
+
+/// Where the journal's native socket is (`sd_journal_print(3)` writes
+/// there); `HARVESTER_LB_JOURNAL_SOCKET` names another (tests).
+pub fn journal_socket() -> PathBuf {
+    std::env::var_os("HARVESTER_LB_JOURNAL_SOCKET")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("/run/systemd/journal/socket"))
+}
+
+/// The journal's socket as the writer thread's output: each write is one
+/// whole entry, sent as one datagram.
+struct JournalSocket {
+    socket: std::os::unix::net::UnixDatagram,
+    /// Where it is: a restarted journald makes the socket anew, and a
+    /// send that fails connects to the new one and tries once more.
+    path: PathBuf,
+}
+
+impl Write for JournalSocket {
+    fn write(&mut self, entry: &[u8]) -> io::Result<usize> {
+        match self.socket.send(entry) {
+            Ok(n) => Ok(n),
+            Err(_) => {
+                self.socket.connect(&self.path)?;
+                self.socket.send(entry)
+            }
+        }
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+/// An event in the journal's native protocol: `PRIORITY` (as
+/// [`priority`]), `SYSLOG_IDENTIFIER`, `TARGET`, `MESSAGE` (the message
+/// and the fields as the text format writes them, without timestamp or
+/// level), and each field of the event as a journal field named in upper
+/// case (`load_balancer` -> `LOAD_BALANCER`) holding its value. Control
+/// characters are escaped everywhere (a name from a guest cluster's
+/// objects cannot add a field or an entry).
+pub struct JournalFormat;
+
+impl<S, N> FormatEvent<S, N> for JournalFormat
+where
+    S: tracing::Subscriber + for<'a> LookupSpan<'a>,
+    N: for<'w> FormatFields<'w> + 'static,
+{
+    fn format_event(
+        &self,
+        _ctx: &FmtContext<'_, S, N>,
+        mut writer: Writer<'_>,
+        event: &tracing::Event<'_>,
+    ) -> std::fmt::Result {
+        let mut fields = Fields::default();
+        event.record(&mut fields);
+        let meta = event.metadata();
+        let mut message = fields.message;
+        for (name, shown, _) in &fields.others {
+            message.push(' ');
+            message.push_str(name);
+            message.push('=');
+            message.push_str(shown);
+        }
+        journal_field(&mut writer, "PRIORITY", &priority(meta.level()).to_string())?;
+        journal_field(&mut writer, "SYSLOG_IDENTIFIER", "harvester-lb")?;
+        journal_field(&mut writer, "TARGET", meta.target())?;
+        journal_field(&mut writer, "MESSAGE", &message)?;
+        for (name, _, raw) in &fields.others {
+            journal_field(&mut writer, &journal_name(name), raw)?;
+        }
+        Ok(())
+    }
+}
+
+/// An event's message and its other fields: name, the value as the text
+/// format shows it (strings quoted), and the value itself.
+#[derive(Default)]
+struct Fields {
+    message: String,
+    others: Vec<(&'static str, String, String)>,
+}
+
+impl tracing::field::Visit for Fields {
+    fn record_str(&mut self, field: &tracing::field::Field, value: &str) {
+        if field.name() == "message" {
+            self.message = value.to_string();
+        } else {
+            self.others
+                .push((field.name(), format!("{value:?}"), value.to_string()));
+        }
+    }
+
+    fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+        let shown = format!("{value:?}");
+        if field.name() == "message" {
+            self.message = shown;
+        } else {
+            self.others.push((field.name(), shown.clone(), shown));
+        }
+    }
+}
+
+/// A journal field name from a `tracing` one: upper case, `_` for anything
+/// but ASCII letters and digits, and `F_` before one this format writes
+/// itself (`MESSAGE`, `PRIORITY`, ...) or that does not start with a letter
+/// (the journal reserves a leading `_`).
+fn journal_name(name: &str) -> String {
+    let upper: String = name
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() {
+                c.to_ascii_uppercase()
+            } else {
+                '_'
+            }
+        })
+        .take(60)
+        .collect();
+    let written = ["MESSAGE", "PRIORITY", "SYSLOG_IDENTIFIER", "TARGET"];
+    if written.contains(&upper.as_str()) || !upper.starts_with(|c: char| c.is_ascii_alphabetic()) {
+        format!("F_{upper}")
+    } else {
+        upper
+    }
+}
+
+/// One `NAME=value` line of an entry, the value's control characters
+/// escaped (so it stays one line of the protocol's text form).
+fn journal_field(out: &mut impl std::fmt::Write, name: &str, value: &str) -> std::fmt::Result {
+    out.write_str(name)?;
+    out.write_char('=')?;
+    crate::text::write_controls_escaped(out, value)?;
+    out.write_char('\n')
 }
 
 /// The writer thread's end of the queue: writes each line to `inner`,
@@ -369,6 +532,17 @@ mod tests {
         let plain = formatted(false);
         assert!(!plain.contains('<'), "no prefix off the journal: {plain:?}");
         assert_eq!(plain.lines().count(), 4);
+    }
+
+    #[test]
+    fn journal_fields_are_named_in_upper_case_and_stay_one_line() {
+        assert_eq!(journal_name("load_balancer"), "LOAD_BALANCER");
+        assert_eq!(journal_name("message"), "F_MESSAGE");
+        assert_eq!(journal_name("_x"), "F__X");
+        assert_eq!(journal_name("a.b-c"), "A_B_C");
+        let mut out = String::new();
+        journal_field(&mut out, "LOAD_BALANCER", "a\nPRIORITY=0").unwrap();
+        assert_eq!(out, "LOAD_BALANCER=a\\nPRIORITY=0\n");
     }
 
     #[test]

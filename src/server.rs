@@ -18,6 +18,7 @@ use crate::config::{self, Config, ConfigError};
 use crate::daemon::{Daemon, HandOverReport, ReloadSource, StopKind, log_applied};
 use crate::fd_store::{self, FdName, FdStore, Inherited};
 use crate::metrics::Metrics;
+use crate::text;
 use crate::vip::port_filter::IsolationError;
 use crate::workers::Workers;
 use crate::{admin, os, owned, systemd, watch};
@@ -780,14 +781,18 @@ async fn reload(
             // has seen yet).
             daemon.set_config_file_missing(false);
             let summary = format!(
-                "reloaded in {:?} (read and validated in {parsed:?}, {} of {} load balancers unchanged and not parsed again): {} listeners bound, {} failed, {} removed; {} load balancers added, {} removed",
+                "reloaded in {:?} (read and validated in {parsed:?}, {} of {} unchanged and not parsed again): {} bound, {} failed, {} removed; {} added, {} removed",
                 started.elapsed(),
                 loaded.reused,
-                total,
-                report.listeners_bound,
+                text::count(total, "load balancer", "load balancers"),
+                text::count(report.listeners_bound, "listener", "listeners"),
                 report.listeners_failed,
                 report.listeners_removed,
-                report.load_balancers_added,
+                text::count(
+                    report.load_balancers_added,
+                    "load balancer",
+                    "load balancers"
+                ),
                 report.load_balancers_removed
             ) + &isolated
                 .err()
@@ -808,8 +813,12 @@ async fn reload(
                     tracing::Level::WARN,
                     report,
                     config = %options.config_path.display(),
-                    "config reloaded with no load balancer: all {} load balancers in force were removed and their listeners drain",
-                    report.load_balancers_removed
+                    "config reloaded with no load balancer: {} and {} listeners drain",
+                    match report.load_balancers_removed {
+                        1 => "the one load balancer in force was removed".to_string(),
+                        n => format!("all {n} load balancers in force were removed"),
+                    },
+                    if report.load_balancers_removed == 1 { "its" } else { "their" }
                 );
             } else {
                 log_applied!(
@@ -930,7 +939,7 @@ mod reload_tests {
         let said = server.reload().await.expect("a good file applies");
         assert!(
             said.contains(
-                "1 listeners bound, 0 failed, 1 removed; 0 load balancers added, 0 removed"
+                "1 listener bound, 0 failed, 1 removed; 0 load balancers added, 0 removed"
             ),
             "{said}"
         );

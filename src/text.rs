@@ -34,6 +34,12 @@ impl fmt::Display for Escaped<'_> {
     }
 }
 
+/// `n` and the noun that goes with it: "1 load balancer", "2 load
+/// balancers", "0 load balancers".
+pub fn count(n: usize, one: &str, many: &str) -> String {
+    format!("{n} {}", if n == 1 { one } else { many })
+}
+
 fn needs_escape(c: char) -> bool {
     c.is_control() || c == '\\'
 }

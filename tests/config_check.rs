@@ -69,7 +69,98 @@ algoritm = "round_robin"
             (Some(15), "load_balancer[0].listener[0].prot"),
         ]
     );
-    assert!(p.iter().all(|p| p.message == "unknown key"));
+    let messages: Vec<&str> = p.iter().map(|p| p.message.as_str()).collect();
+    assert_eq!(
+        messages,
+        vec![
+            "unknown key; did you mean `listen`?",
+            "unknown key; did you mean `algorithm`?",
+            "unknown key; did you mean `port` or `protocol`?",
+        ]
+    );
+}
+
+/// The issue's unknown keys each name the key meant, at its line and path;
+/// a key near none is named alone; a value near an allowed one is named
+/// with it; and Kubernetes' spellings of the same values are taken, with a
+/// note from `check`.
+#[test]
+fn unknown_keys_and_values_say_what_was_meant_and_kubernetes_spellings_are_taken() {
+    let text = r#"
+[[load_balancer]]
+name = "default/nginx"
+vip = "192.0.2.10"
+backends = ["198.51.100.11"]
+algoritm = "round_robin"
+colour = "red"
+healthcheck = { port = 30080 }
+  [[load_balancer.listener]]
+  name = "http"
+  port = 80
+  backendport = 30080
+  forwarding = "kernal"
+  [load_balancer.health_check]
+  port = 30080
+  period = 5
+"#;
+    assert_eq!(
+        rendered(text),
+        [
+            "line 6: load_balancer[0].algoritm: unknown key; did you mean `algorithm`?",
+            "line 7: load_balancer[0].colour: unknown key",
+            "line 8: load_balancer[0].healthcheck: unknown key; did you mean `health_check`?",
+            "line 9: load_balancer[0].listener[0]: missing key `backend_port` (the service's nodeport on every backend)",
+            "line 12: load_balancer[0].listener[0].backendport: unknown key; did you mean `backend_port`?",
+            "line 13: load_balancer[0].listener[0].forwarding: \"kernal\" is not supported (did you mean \"kernel\"?); use one of \"proxy\", \"kernel\"",
+            "line 16: load_balancer[0].health_check.period: unknown key; did you mean `period_seconds`?",
+        ]
+        .join("\n")
+    );
+
+    let k8s = GOOD
+        .replace("port = 80\n", "port = 80\n  protocol = \"TCP\"\n")
+        .replace(
+            "backends = [",
+            "session_affinity = \"ClientIP\"\nbackends = [",
+        );
+    let loaded = config::parse(&k8s).expect("Kubernetes' spellings are taken");
+    let lb = &loaded.config.load_balancers[0];
+    assert!(lb.affinity_timeout.is_some(), "ClientIP is client_ip");
+    assert_eq!(lb.listeners[0].protocol, config::Protocol::Tcp);
+    assert!(loaded.warnings.is_empty(), "{:?}", loaded.warnings);
+    let net = support::Subnet::new();
+    let file = net.write("k8s.toml", &k8s);
+    let (code, out, err) = run_cli(&["check", "--config", file.to_str().unwrap()]);
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        out.contains("is valid: 1 load balancer, 1 listener\n"),
+        "{out}"
+    );
+    assert_eq!(
+        err,
+        "note: line 5: load_balancer[0].session_affinity: \"ClientIP\" taken as \"client_ip\" (the same value in Kubernetes' spelling); this file spells it \"client_ip\"\n\
+         note: line 10: load_balancer[0].listener[0].protocol: \"TCP\" taken as \"tcp\" (the same value in Kubernetes' spelling); this file spells it \"tcp\"\n"
+    );
+    let http = GOOD.replace(
+        "  [load_balancer.health_check]\n  port = 30080\n",
+        "  [load_balancer.health_check]\n  port = 30080\n  kind = \"HTTP\"\n",
+    );
+    let loaded = config::parse(&http).expect("HTTP is http");
+    assert!(matches!(
+        loaded.config.load_balancers[0]
+            .health_check
+            .as_ref()
+            .unwrap()
+            .check,
+        CheckKind::Http(_)
+    ));
+    assert_eq!(loaded.notes.len(), 1, "{:?}", loaded.notes);
+    let udp = k8s.replace("\"TCP\"", "\"UDP\"");
+    let loaded = config::parse(&udp).expect("UDP is udp");
+    assert_eq!(
+        loaded.config.load_balancers[0].listeners[0].protocol,
+        config::Protocol::Udp
+    );
 }
 
 #[test]
@@ -222,7 +313,7 @@ fn check_command_exit_codes_and_messages() {
     let (code, out, _) = run_cli(&["check", "--config", good.to_str().unwrap()]);
     assert_eq!(code, 0);
     assert!(
-        out.contains("is valid: 1 load balancers, 1 listeners"),
+        out.contains("is valid: 1 load balancer, 1 listener\n"),
         "{out}"
     );
 

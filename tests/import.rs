@@ -481,7 +481,7 @@ fn write_replaces_the_file_only_with_a_valid_config_and_leaves_equal_bytes_alone
     let (code, _, stderr) = import_text(&net, one.as_bytes(), &["--write", t]);
     assert_eq!(code, 0, "{stderr}");
     assert!(
-        stderr.contains(&format!("wrote {t} (1 load balancers; 0 skipped)")),
+        stderr.contains(&format!("wrote {t} (1 load balancer; 0 skipped)")),
         "{stderr}"
     );
     let before = std::fs::read(&target).unwrap();

@@ -92,11 +92,17 @@ pub(super) async fn route(
         "/metrics" => {
             // Counting descriptors can take a while on older kernels: on a
             // blocking thread, not on a worker the data plane shares.
-            let open_fds = tokio::task::spawn_blocking(crate::os::open_fds)
-                .await
-                .ok()
-                .flatten();
-            let body = ExpositionBody::from(daemon.metrics().exposition().with_open_fds(open_fds));
+            let (open_fds, process) =
+                tokio::task::spawn_blocking(|| (crate::os::open_fds(), crate::os::process_stats()))
+                    .await
+                    .unwrap_or_default();
+            let body = ExpositionBody::from(
+                daemon
+                    .metrics()
+                    .exposition()
+                    .with_open_fds(open_fds)
+                    .with_process(process),
+            );
             let mut resp = Response::new(Either::Right(body));
             resp.headers_mut().insert(
                 CONTENT_TYPE,
@@ -324,7 +330,7 @@ async fn set_state(req: Request<Incoming>, daemon: &Daemon, peer: &str) -> Respo
     match daemon.set_admin_state(&request.load_balancer, addr, state) {
         Ok(change) => {
             tracing::info!(
-                load_balancer = %request.load_balancer,
+                load_balancer = &*request.load_balancer,
                 backend = %addr,
                 from = %change.previous,
                 to = %change.state,

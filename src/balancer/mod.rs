@@ -440,8 +440,8 @@ impl LoadBalancer {
         if inner.none_eligible != Some(none) {
             if none {
                 tracing::warn!(
-                    load_balancer = %self.name,
-                    cluster = %self.cluster,
+                    load_balancer = &*self.name,
+                    cluster = &*self.cluster,
                     members = inner.members.len(),
                     backend_ports = ?starved,
                     "no eligible backend: new connections are refused until one is healthy and ready"
@@ -449,8 +449,8 @@ impl LoadBalancer {
                 self.stats.no_backend_events.increment(1);
             } else if inner.none_eligible == Some(true) {
                 tracing::info!(
-                    load_balancer = %self.name,
-                    cluster = %self.cluster,
+                    load_balancer = &*self.name,
+                    cluster = &*self.cluster,
                     eligible = eligible.len(),
                     "eligible backends again: accepting connections"
                 );

@@ -9,10 +9,10 @@ use clap::{Parser, Subcommand, ValueEnum};
 use harvester_lb::config;
 use harvester_lb::workers;
 
-/// TCP load balancer with active health checks for Harvester guest-cluster
-/// LoadBalancer services.
+/// TCP and UDP load balancer with active health checks for Harvester
+/// guest-cluster LoadBalancer services.
 #[derive(Parser)]
-#[command(version, about, long_about = None)]
+#[command(version = harvester_lb::LONG_VERSION, about, long_about = None)]
 pub(crate) struct Cli {
     #[command(subcommand)]
     pub(crate) command: Command,

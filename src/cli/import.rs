@@ -193,8 +193,8 @@ pub fn command(args: &Args) -> Outcome {
         return out.exit(EXIT_DATA);
     }
     let summary = format!(
-        "{} load balancers; {} skipped{}",
-        imported.load_balancers,
+        "{}; {} skipped{}",
+        harvester_lb::text::count(imported.load_balancers, "load balancer", "load balancers"),
         imported.skipped.len(),
         if imported.skipped.is_empty() {
             ""
@@ -355,7 +355,7 @@ mod tests {
             outcome.output
         );
         assert!(
-            matches!(outcome.output.last(), Some(ImportOutput::Message(m)) if m == "printed (1 load balancers; 1 skipped, each named above)"),
+            matches!(outcome.output.last(), Some(ImportOutput::Message(m)) if m == "printed (1 load balancer; 1 skipped, each named above)"),
             "{:?}",
             outcome.output
         );

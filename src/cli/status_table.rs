@@ -76,6 +76,18 @@ pub fn render(status: &Value, now_unix: f64) -> String {
             None => String::new(),
         }
     );
+    if let Some(version) = status["version"].as_str() {
+        let _ = writeln!(
+            out,
+            "harvester-lb {} (commit {}){}",
+            harvester_lb::text::escape(version),
+            text(&status["commit"]),
+            status["uptime_seconds"]
+                .as_f64()
+                .map(|s| format!(", up {}", uptime(s)))
+                .unwrap_or_default()
+        );
+    }
     let empty = Vec::new();
     config_lines(&mut out, &status["config"], now_unix);
     // vip.announce = "routes": one line per VIP, announced or why not.
@@ -241,6 +253,18 @@ fn table(out: &mut String, indent: &str, rows: &mut [Vec<String>]) {
             let _ = write!(line, "{cell:<w$}  ", w = widths[c]);
         }
         let _ = writeln!(out, "{}", line.trim_end());
+    }
+}
+
+/// Seconds as the two largest units: "3d 4h", "2h 5m", "5m 12s", "12s".
+fn uptime(seconds: f64) -> String {
+    let s = seconds.max(0.0) as u64;
+    let (d, h, m, sec) = (s / 86_400, s / 3600 % 24, s / 60 % 60, s % 60);
+    match (d, h, m) {
+        (0, 0, 0) => format!("{sec}s"),
+        (0, 0, _) => format!("{m}m {sec}s"),
+        (0, _, _) => format!("{h}h {m}m"),
+        _ => format!("{d}d {h}h"),
     }
 }
 

@@ -832,6 +832,10 @@ pub struct Loaded {
     pub config: Config,
     /// Things that are allowed but probably not meant (e.g. no backends).
     pub warnings: Vec<Problem>,
+    /// Values taken as meant though spelled otherwise (Kubernetes' `"TCP"`
+    /// for `"tcp"`): `check` tells them so the file can be written in its
+    /// own spelling; they never refuse a file.
+    pub notes: Vec<Problem>,
     /// How many load balancers were taken unchanged from the last file a
     /// [`Loader`] read, without parsing their tables again.
     pub reused: usize,

@@ -572,7 +572,7 @@ impl Daemon {
         };
         match bound {
             Ok(listener) => {
-                tracing::info!(listen = %addr, %protocol, load_balancer = %lb_name, listener = %name, "listening");
+                tracing::info!(listen = %addr, %protocol, load_balancer = &*lb_name, listener = &*name, "listening");
                 Ok(listener)
             }
             Err(e) => {
@@ -584,8 +584,8 @@ impl Daemon {
                     tracing::error!(
                         listen = %addr,
                         %protocol,
-                        load_balancer = %lb_name,
-                        listener = %name,
+                        load_balancer = &*lb_name,
+                        listener = &*name,
                         error = %e,
                         "cannot bind listener; other listeners are unaffected, it is retried every 2 s, /status lists every one not bound{}",
                         left_out(suppressed)

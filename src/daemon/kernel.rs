@@ -1008,7 +1008,7 @@ impl Daemon {
             },
         );
         for r in narrowed.refused.iter().take(NAMED_IN_LOG) {
-            tracing::error!(load_balancer = %r.owner, "{r}");
+            tracing::error!(load_balancer = &*r.owner, "{r}");
         }
         let wake = Arc::clone(&self.kernel_wake);
         tokio::spawn(async move {

@@ -38,10 +38,18 @@ impl Daemon {
             t.duration_since(SystemTime::UNIX_EPOCH)
                 .map_or(0.0, |d| d.as_secs_f64())
         });
+        let started_unix = crate::os::process_stats().map(|p| p.start_time_seconds);
+        let now_unix = SystemTime::now()
+            .duration_since(SystemTime::UNIX_EPOCH)
+            .map_or(0.0, |d| d.as_secs_f64());
         StatusDoc {
             ready: !self.is_stopping()
                 && st.config.is_some()
                 && st.listeners.values().all(|e| e.socket.is_ok()),
+            version: crate::VERSION,
+            commit: crate::COMMIT,
+            started_unix,
+            uptime_seconds: started_unix.map(|s| (now_unix - s).max(0.0)),
             load_balancers,
             config: {
                 let record = self.record_status();
@@ -309,6 +317,16 @@ fn udp_flows_per_backend(st: &State, spec: &LoadBalancerSpec) -> Option<HashMap<
 pub struct StatusDoc {
     /// Same as `/readyz`.
     pub ready: bool,
+    /// This build's version, as `--version` says it.
+    pub version: &'static str,
+    /// The commit it was built from ("unknown" when built outside git):
+    /// which build runs on a host, without a shell on it.
+    pub commit: &'static str,
+    /// When this process started, Unix seconds (a restart's hand-over
+    /// starts a new one); `null` when `/proc` cannot be read.
+    pub started_unix: Option<f64>,
+    /// Seconds since then.
+    pub uptime_seconds: Option<f64>,
     /// Every load balancer in config order.
     pub load_balancers: Vec<LoadBalancerStatus>,
     /// The config file, and what is wrong with it while the daemon runs on

@@ -120,7 +120,7 @@ impl Daemon {
         let mut results = self.check_results();
         for r in now.iter().filter(|r| !results.refusals.contains(r)) {
             tracing::error!(
-                load_balancer = %r.load_balancer,
+                load_balancer = &*r.load_balancer,
                 vip = %r.vip,
                 kind = r.kind,
                 "load balancer refused: its VIP {} is {}; it is not served, isolated or announced (the others are), until a reload with another VIP",

@@ -607,7 +607,7 @@ impl Target {
                 && self.backend.active_connections() > 0;
             if closed {
                 tracing::info!(
-                    load_balancer = %self.lb.name,
+                    load_balancer = &*self.lb.name,
                     backend = %addr,
                     open = self.backend.active_connections(),
                     "on_backend_down = close: resetting the connections open to the backend{}",
@@ -618,13 +618,13 @@ impl Target {
                 .stats()
                 .record_transition(t.to == Health::Healthy);
             tracing::info!(
-                load_balancer = %self.lb.name,
-                cluster = %self.lb.cluster,
+                load_balancer = &*self.lb.name,
+                cluster = &*self.lb.cluster,
                 backend = %addr,
                 from = %t.from,
                 to = %t.to,
                 reason = outcome.label(),
-                error = outcome.describe().unwrap_or_default(),
+                error = outcome.describe().as_deref(),
                 "backend health changed"
             );
         }

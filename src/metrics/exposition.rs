@@ -314,6 +314,8 @@ pub struct Exposition {
     /// `process_open_fds`, counted before the scrape (see
     /// [`Exposition::with_open_fds`]); not exported when unknown.
     open_fds: Option<u64>,
+    /// The `process_*` series read with it; not exported when unknown.
+    process: Option<crate::os::ProcessStats>,
 }
 
 impl Exposition {
@@ -342,6 +344,7 @@ impl Exposition {
             next_lb: 0,
             headed: false,
             open_fds: None,
+            process: None,
         }
     }
 
@@ -350,6 +353,14 @@ impl Exposition {
     /// the whole of `/proc/self/fd` ([`crate::os::open_fds`]).
     pub fn with_open_fds(mut self, open_fds: Option<u64>) -> Self {
         self.open_fds = open_fds;
+        self
+    }
+
+    /// Exports `process_start_time_seconds`, `process_cpu_seconds_total`
+    /// and `process_resident_memory_bytes` from `process`, read by the
+    /// caller with the descriptor count ([`crate::os::process_stats`]).
+    pub fn with_process(mut self, process: Option<crate::os::ProcessStats>) -> Self {
+        self.process = process;
         self
     }
 
@@ -454,6 +465,19 @@ impl Exposition {
         if let Some(max) = crate::os::open_file_limit() {
             gauge(buf, &names::PROCESS_MAX_FDS, &max);
         }
+        if let Some(p) = self.process {
+            gauge(
+                buf,
+                &names::PROCESS_START_TIME_SECONDS,
+                &p.start_time_seconds,
+            );
+            gauge(buf, &names::PROCESS_CPU_SECONDS, &p.cpu_seconds);
+            gauge(
+                buf,
+                &names::PROCESS_RESIDENT_MEMORY_BYTES,
+                &p.resident_bytes,
+            );
+        }
         gauge(
             buf,
             &names::CONNECTION_LOG_LINES_DROPPED,
@@ -507,7 +531,10 @@ impl Exposition {
         }
         .sample(
             "",
-            |b| label_first(b, "version", env!("CARGO_PKG_VERSION")),
+            |b| {
+                label_first(b, "version", crate::VERSION);
+                label(b, "commit", crate::COMMIT);
+            },
             1u64,
         );
         // With per-backend histograms on, the same family carries those

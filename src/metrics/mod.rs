@@ -437,7 +437,10 @@ impl Metrics {
     /// The whole exposition as one string (tests, small daemons).
     pub fn render(self: &Arc<Self>) -> String {
         let mut out = Vec::new();
-        let mut e = self.exposition().with_open_fds(crate::os::open_fds());
+        let mut e = self
+            .exposition()
+            .with_open_fds(crate::os::open_fds())
+            .with_process(crate::os::process_stats());
         while e.fill(&mut out, usize::MAX) {}
         String::from_utf8(out).expect("the exposition is written from UTF-8 pieces")
     }

@@ -641,7 +641,25 @@ pub static PROCESS_MAX_FDS: Family = Family::new(
     Gauge,
     "Maximum number of open file descriptors.",
 );
-/// Build information, value 1, with a `version` label.
+/// When the process started (the standard process collector's name).
+pub static PROCESS_START_TIME_SECONDS: Family = Family::new(
+    "process_start_time_seconds",
+    Gauge,
+    "Start time of the process since unix epoch in seconds.",
+);
+/// CPU time the process has spent, user and system.
+pub static PROCESS_CPU_SECONDS: Family = Family::new(
+    "process_cpu_seconds_total",
+    Counter,
+    "Total user and system CPU time spent in seconds.",
+);
+/// Resident memory of the process.
+pub static PROCESS_RESIDENT_MEMORY_BYTES: Family = Family::new(
+    "process_resident_memory_bytes",
+    Gauge,
+    "Resident memory size in bytes.",
+);
+/// Build information, value 1, with `version` and `commit` labels.
 pub static BUILD_INFO: Family = Family::new(
     "harvester_lb_build_info",
     Gauge,

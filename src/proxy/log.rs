@@ -148,6 +148,9 @@ pub struct Record(Option<Inner>);
 #[derive(Debug)]
 struct Inner {
     mode: LogConnections,
+    /// The per-connection debug lines are on ([`debug_on`]): every end
+    /// is written, at debug where `mode` would not write it at info.
+    debug: bool,
     started: Instant,
     client: SocketAddr,
     /// Backends that failed before the one that took the connection.
@@ -184,17 +187,43 @@ impl Record {
     /// A record for a connection of `client` accepted now, kept only if
     /// `mode` logs anything.
     pub fn start(mode: LogConnections, client: SocketAddr) -> Self {
-        match mode {
-            LogConnections::None => Self(None),
-            mode => Self(Some(Inner {
-                mode,
-                started: Instant::now(),
-                client,
-                tried: Vec::new(),
-                backend: None,
-                connect_time: None,
-            })),
+        let debug = debug_on();
+        if mode == LogConnections::None && !debug {
+            return Self(None);
         }
+        Self(Some(Inner {
+            mode,
+            debug,
+            started: Instant::now(),
+            client,
+            tried: Vec::new(),
+            backend: None,
+            connect_time: None,
+        }))
+    }
+
+    /// Whether the per-connection debug lines are written for this one
+    /// (the caller gathers what only they need, the VIP, only then).
+    pub fn is_debug(&self) -> bool {
+        self.0.as_ref().is_some_and(|r| r.debug)
+    }
+
+    /// The debug line of a connection accepted (or a flow made) from
+    /// `origin`, when [`is_debug`](Self::is_debug).
+    pub fn accepted(&self, origin: &Origin<'_>) {
+        let Some(r) = self.0.as_ref().filter(|r| r.debug) else {
+            return;
+        };
+        tracing::debug!(
+            target: TARGET,
+            protocol = origin.protocol,
+            client = %r.client,
+            vip = %Shown(origin.vip),
+            load_balancer = origin.load_balancer,
+            cluster = origin.cluster,
+            listener = origin.listener,
+            "accepted"
+        );
     }
 
     /// Whether anything is logged for this connection.
@@ -213,7 +242,18 @@ impl Record {
     pub fn connected(&mut self, addr: SocketAddr) {
         if let Some(r) = &mut self.0 {
             r.backend = Some(addr);
-            r.connect_time = Some(r.started.elapsed());
+            let connect_time = r.started.elapsed();
+            r.connect_time = Some(connect_time);
+            if r.debug {
+                tracing::debug!(
+                    target: TARGET,
+                    client = %r.client,
+                    backend = %addr,
+                    tried = %Tried(&r.tried),
+                    connect_ms = connect_time.as_millis() as u64,
+                    "backend chosen"
+                );
+            }
         }
     }
 
@@ -223,7 +263,7 @@ impl Record {
     pub fn wants(&self, state: Termination, answered: bool) -> bool {
         match &self.0 {
             None => false,
-            Some(r) => r.mode == LogConnections::All || state.is_error(answered),
+            Some(r) => r.debug || r.logs(state, answered),
         }
     }
 
@@ -234,7 +274,11 @@ impl Record {
             return;
         }
         let Some(r) = &self.0 else { return };
-        if !BUDGET.take() {
+        // The connection log's line at info, under the budget; otherwise
+        // (only the debug lines are on) the same line at debug, which the
+        // operator asked for by name and the budget does not cut.
+        let info = r.logs(state, answered);
+        if info && !BUDGET.take() {
             CONNECTION_LOG_LINES_DROPPED.increment(1);
             return;
         }
@@ -246,25 +290,53 @@ impl Record {
         let backend = Shown(r.backend);
         let vip = Shown(origin.vip);
         let connect_ms = r.connect_time.map_or(-1, |t| t.as_millis() as i64);
-        tracing::info!(
-            target: TARGET,
-            state = %state,
-            protocol = origin.protocol,
-            client = %r.client,
-            vip = %vip,
-            load_balancer = origin.load_balancer,
-            cluster = origin.cluster,
-            listener = origin.listener,
-            backend = %backend,
-            tried = %tried,
-            connect_ms,
-            duration_ms = duration.as_millis() as u64,
-            bytes_from_client = bytes.client_to_backend,
-            bytes_from_backend = bytes.backend_to_client,
-            accepted = %Rfc3339(accepted),
-            "connection"
-        );
+        macro_rules! line {
+            ($level:ident) => {
+                tracing::event!(
+                    target: TARGET,
+                    tracing::Level::$level,
+                    state = %state,
+                    protocol = origin.protocol,
+                    client = %r.client,
+                    vip = %vip,
+                    load_balancer = origin.load_balancer,
+                    cluster = origin.cluster,
+                    listener = origin.listener,
+                    backend = %backend,
+                    tried = %tried,
+                    connect_ms,
+                    duration_ms = duration.as_millis() as u64,
+                    bytes_from_client = bytes.client_to_backend,
+                    bytes_from_backend = bytes.backend_to_client,
+                    accepted = %Rfc3339(accepted),
+                    "connection"
+                )
+            };
+        }
+        if info {
+            line!(INFO);
+        } else {
+            line!(DEBUG);
+        }
     }
+}
+
+impl Inner {
+    /// Whether `mode` logs an end in `state` at info.
+    fn logs(&self, state: Termination, answered: bool) -> bool {
+        match self.mode {
+            LogConnections::None => false,
+            LogConnections::All => true,
+            LogConnections::Errors => state.is_error(answered),
+        }
+    }
+}
+
+/// Whether the per-connection debug lines are on: `HARVESTER_LB_LOG=debug`
+/// (or `harvester_lb::connection=debug`). One look at `tracing`'s cached
+/// interest in this call site: off, a connection pays nothing else.
+fn debug_on() -> bool {
+    tracing::enabled!(target: TARGET, tracing::Level::DEBUG)
 }
 
 /// An address, or `-` when there is none (no backend took the connection).

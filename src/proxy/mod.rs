@@ -66,14 +66,14 @@ pub(crate) fn note_lb_cap(lb: &LoadBalancer, cap: Cap, reached: bool) {
     };
     if reached {
         tracing::warn!(
-            load_balancer = %lb.name,
+            load_balancer = &*lb.name,
             cap = budget.max(),
             "load balancer reached its {what} cap: {meanwhile} (other load balancers are unaffected){}",
             left_out(suppressed)
         );
     } else {
         tracing::info!(
-            load_balancer = %lb.name,
+            load_balancer = &*lb.name,
             cap = budget.max(),
             "load balancer back under its {what} cap{}",
             left_out(suppressed)

@@ -91,7 +91,13 @@ impl Validator<'_> {
             ("host", hc.host.as_ref().map(|v| v.span())),
             ("send_proxy", hc.send_proxy.as_ref().map(|v| v.span())),
         ];
-        let kind = hc.kind.as_ref().map(|k| k.get_ref().as_str());
+        let kind: Option<&str> = match &hc.kind {
+            Some(k) if !["tcp", "http"].contains(&k.get_ref().as_str()) => Some(
+                self.spelled_otherwise(k, &format!("{key}.kind"), &["tcp", "http"])
+                    .unwrap_or(k.get_ref().as_str()),
+            ),
+            k => k.as_ref().map(|k| k.get_ref().as_str()),
+        };
         match kind {
             None | Some("tcp") => {
                 let why = if kind.is_none() {
@@ -148,10 +154,11 @@ impl Validator<'_> {
                 })))
             }
             Some(other) => {
+                let message = self.not_one_of(other, &["tcp", "http"]);
                 self.problem(
                     hc.kind.as_ref().map(|k| k.span()),
                     &format!("{key}.kind"),
-                    format!("{other:?} is not supported; use one of \"tcp\", \"http\""),
+                    message,
                 );
                 None
             }

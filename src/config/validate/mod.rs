@@ -39,6 +39,7 @@ mod locate;
 mod names;
 mod reuse;
 mod source_ranges;
+mod suggest;
 mod sync;
 mod types;
 mod vmnet;
@@ -176,6 +177,7 @@ pub(super) fn parse(text: &str) -> Result<Loaded, Vec<Problem>> {
         lines: &lines,
         problems: typed.problems,
         warnings: Vec::new(),
+        notes: Vec::new(),
         removed: typed.removed,
     };
     let root = if typed.unknown.is_empty() {
@@ -185,13 +187,18 @@ pub(super) fn parse(text: &str) -> Result<Loaded, Vec<Problem>> {
     };
     for path in typed.unknown {
         let span = root.as_ref().and_then(|r| span_of(r.get_ref(), &path));
-        v.problem(span, &display_path(&path), "unknown key".to_string());
+        let hint = match path.split_last() {
+            Some((key, parent)) => suggest::did_you_mean_key(key, suggest::keys_of(parent)),
+            None => String::new(),
+        };
+        v.problem(span, &display_path(&path), format!("unknown key{hint}"));
     }
     let config = v.config(&typed.file);
     if v.problems.is_empty() {
         Ok(Loaded {
             config,
             warnings: v.warnings,
+            notes: v.notes,
             reused: 0,
         })
     } else {
@@ -212,6 +219,9 @@ struct Validator<'a> {
     lines: &'a LineIndex,
     problems: Vec<Problem>,
     warnings: Vec<Problem>,
+    /// What was taken as meant but written otherwise (Kubernetes'
+    /// spellings): told by `check`, never a reason to refuse.
+    notes: Vec<Problem>,
     /// Key paths of values removed for a type error ([`types`]): already
     /// reported, so not reported again as missing.
     removed: HashSet<String>,
@@ -1078,17 +1088,55 @@ impl Validator<'_> {
         if let Some((_, t)) = allowed.iter().find(|(name, _)| *name == v.get_ref()) {
             return *t;
         }
-        let names: Vec<String> = allowed.iter().map(|(n, _)| format!("{n:?}")).collect();
-        self.problem(
-            Some(v.span()),
-            &key.to_string(),
-            format!(
-                "{:?} is not supported; use one of {}",
-                v.get_ref(),
-                names.join(", ")
-            ),
-        );
+        let words: Vec<&str> = allowed.iter().map(|(n, _)| *n).collect();
+        let key = key.to_string();
+        if let Some(meant) = self.spelled_otherwise(v, &key, &words)
+            && let Some((_, t)) = allowed.iter().find(|(name, _)| *name == meant)
+        {
+            return *t;
+        }
+        let message = self.not_one_of(v.get_ref(), &words);
+        self.problem(Some(v.span()), &key, message);
         default
+    }
+
+    /// The allowed word `v` means when it is written in another case or
+    /// without `_` (Kubernetes' `"TCP"`, `"ClientIP"`), told as a note.
+    fn spelled_otherwise<'w>(
+        &mut self,
+        v: &Spanned<String>,
+        key: &str,
+        allowed: &[&'w str],
+    ) -> Option<&'w str> {
+        let meant = suggest::same_spelling(v.get_ref(), allowed)?;
+        self.notes.push(Problem {
+            line: Some(self.lines.line(v.span().start)),
+            key: key.to_string(),
+            message: format!(
+                "{:?} taken as {meant:?} (the same value in Kubernetes' spelling); this file spells it {meant:?}",
+                v.get_ref()
+            ),
+        });
+        Some(meant)
+    }
+
+    /// "`value` is not supported; use one of …", with the nearest allowed
+    /// value when it looks like a typo of one.
+    fn not_one_of(&self, value: &str, allowed: &[&str]) -> String {
+        let names: Vec<String> = allowed.iter().map(|n| format!("{n:?}")).collect();
+        let near: Vec<String> = suggest::nearest(value, allowed)
+            .iter()
+            .map(|n| format!("{n:?}"))
+            .collect();
+        let hint = if near.is_empty() {
+            String::new()
+        } else {
+            format!(" (did you mean {}?)", near.join(" or "))
+        };
+        format!(
+            "{value:?} is not supported{hint}; use one of {}",
+            names.join(", ")
+        )
     }
 }
 

@@ -79,6 +79,7 @@ fn piecewise(text: &str, known: &mut Known) -> Option<Loaded> {
         lines: &preamble_lines,
         problems: Vec::new(),
         warnings: Vec::new(),
+        notes: Vec::new(),
         removed: HashSet::new(),
     };
     let mut preamble_file = document(preamble, false)?;
@@ -115,10 +116,12 @@ fn piecewise(text: &str, known: &mut Known) -> Option<Loaded> {
                     lines: &lines,
                     problems: Vec::new(),
                     warnings: Vec::new(),
+                    notes: Vec::new(),
                     removed: HashSet::new(),
                 };
                 let spec = v.load_balancer(&format!("load_balancer[{i}]"), lb);
-                if !v.problems.is_empty() {
+                // Notes (Kubernetes' spellings) are the full read's to tell.
+                if !v.problems.is_empty() || !v.notes.is_empty() {
                     return None;
                 }
                 let spec = Arc::new(spec?);
@@ -162,6 +165,7 @@ fn piecewise(text: &str, known: &mut Known) -> Option<Loaded> {
         lines: &preamble_lines,
         problems: Vec::new(),
         warnings: Vec::new(),
+        notes: Vec::new(),
         removed: HashSet::new(),
     };
     let conntrackd = v.across(&preamble_file, &sections, &mut built);
@@ -175,6 +179,7 @@ fn piecewise(text: &str, known: &mut Known) -> Option<Loaded> {
     Some(Loaded {
         config,
         warnings,
+        notes: Vec::new(),
         reused,
     })
 }

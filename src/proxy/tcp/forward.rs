@@ -75,6 +75,15 @@ pub(crate) async fn serve(
 
     let snapshot = route.lb.snapshot_full();
     let mut record = Record::start(snapshot.settings.log_connections, peer);
+    if record.is_debug() {
+        record.accepted(&Origin {
+            load_balancer: &route.lb.name,
+            cluster: &route.lb.cluster,
+            listener: &route.listener,
+            vip: client.local_addr().ok(),
+            protocol: "tcp",
+        });
+    }
     // Client affinity: the backend this client was given last, if recent.
     let client_addr = ClientAddr::new(peer);
     let affinity = snapshot
