@@ -818,7 +818,7 @@ impl Daemon {
             .map(|c| {
                 crate::vip::conntrackd::gated(c)
                     .into_iter()
-                    .map(|g| (IpAddr::V4(g.vip), g.protocol, g.port))
+                    .map(|g| (g.vip, g.protocol, g.port))
                     .collect()
             })
             .unwrap_or_default()
