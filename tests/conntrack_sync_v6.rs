@@ -371,6 +371,24 @@ impl V6Bed {
             },
         )
         .await;
+        // The gate holds the IPv6 VIP's flows back in the kernel, both
+        // ways (it had no IPv6 map before).
+        let ns = &h.ns;
+        wait_for(
+            Duration::from_secs(30),
+            "the gate's IPv6 maps hold the VIP and the backends",
+            || async {
+                let to = ns.nft_out(&["list", "map", "inet", "harvester_lb_gate", "to6"])?;
+                let from = ns.nft_out(&["list", "map", "inet", "harvester_lb_gate", "from6"])?;
+                let jump = format!("jump g_{VRID}");
+                (to.contains(&format!("{VIP6} . tcp . 80 : {jump}"))
+                    && to.contains(&format!("{VIP6} . udp . {UDP_PORT} : {jump}"))
+                    && from.contains(&format!("{} . tcp . {NODEPORT} : {jump}", backend(1)))
+                    && from.contains(&format!("{} . udp . {UDP_NODEPORT} : {jump}", backend(2))))
+                .then_some(())
+            },
+        )
+        .await;
         self.hosts[i].daemon = Some(d);
     }
 
@@ -808,6 +826,32 @@ async fn survives(tag: &str, fault: Fault) {
         "{fault:?}: failover: VIP on B after {:.2} s; {over}\n",
         (moved - at).as_secs_f64()
     ));
+    if fault == Fault::GracefulStop {
+        // The old master's own entries of the IPv6 VIP's flows are stale
+        // once B carries them (their TCP windows fall behind): its notify
+        // script deletes them 15 s (PURGE_S) after leaving master.
+        let a = &vb.hosts[0].ns;
+        let mine = || {
+            let out = std::process::Command::new("ip")
+                .args(["netns", "exec", &a.name, "conntrack", "-L", "-f", "ipv6"])
+                .args(["--orig-dst", &VIP6.to_string()])
+                .output()
+                .expect("conntrack");
+            String::from_utf8_lossy(&out.stdout).lines().count()
+        };
+        let left = mine();
+        let t = Instant::now();
+        wait_for(
+            Duration::from_secs(45),
+            "A deletes its entries of the moved IPv6 flows",
+            || async { (mine() == 0).then_some(()) },
+        )
+        .await;
+        report.push_str(&format!(
+            "{fault:?}: A's {left} entries of the VIP deleted {:.1} s after the move\n",
+            t.elapsed().as_secs_f64() + (t - moved).as_secs_f64()
+        ));
+    }
     let mut back = None;
     if over.alive == CONNS && over.udp_moved == 0 {
         let since = traffic.new_phase();
