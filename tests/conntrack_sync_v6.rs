@@ -77,6 +77,11 @@ const GW6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0xb, 0, 0, 0, 0, 0, 0x40);
 const ANCHOR: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 40);
 /// The client on network A.
 const CLIENT6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0xa, 0, 0, 0, 0, 0, 2);
+/// Network A's IPv6 router (`ipv6_gateway`), and a client behind it that
+/// the hosts reach only through it (no route in their main table): the
+/// replies to it take the network's table.
+const ROUTER6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0xa, 0, 0, 0, 0, 0, 1);
+const FAR6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0xf, 0, 0, 0, 0, 0, 2);
 /// The UDP listener's port and the backends' UDP port.
 const UDP_PORT: u16 = 5353;
 const UDP_NODEPORT: u16 = 30053;
@@ -128,6 +133,8 @@ struct Host {
 /// The bed, its hosts and backends.
 struct V6Bed {
     bed: Bed,
+    /// Network A's router, [`FAR6`] on its `lo`.
+    router: Ns,
     hosts: Vec<Host>,
     backends: Vec<Ns>,
     services: Vec<tokio::task::JoinHandle<()>>,
@@ -238,6 +245,10 @@ impl V6Bed {
     async fn new(tag: &str) -> V6Bed {
         let mut bed = Bed::new(tag, 1);
         add6(&bed.client, &format!("{CLIENT6}/64"), "eth0");
+        let (router, _) = bed.add_host("r6", Ipv4Addr::new(198, 51, 100, 1));
+        add6(&router, &format!("{ROUTER6}/64"), "eth0");
+        add6(&router, &format!("{FAR6}/128"), "lo");
+        sysctl(&router, "net.ipv6.conf.all.forwarding=1");
         bed.add_bridge("br1");
         bed.add_bridge("br2");
         let mut backends = Vec::new();
@@ -251,7 +262,7 @@ impl V6Bed {
             add6(&ns, &format!("{}/64", backend(i)), "eth0");
             // Replies to the client through the gateway VIP, so through
             // whichever host holds the instance.
-            ns.ip(&["-6", "route", "add", "fd00:a::/64", "via", &GW6.to_string()]);
+            ns.ip(&["-6", "route", "add", "default", "via", &GW6.to_string()]);
             sysctl(&ns, "net.ipv6.conf.all.accept_redirects=0");
             let name = format!("n{i}");
             services.push(serve_name_then_echo(&ns, sa6(backend(i), NODEPORT), &name));
@@ -318,6 +329,7 @@ impl V6Bed {
         }
         let mut vb = V6Bed {
             bed,
+            router,
             hosts,
             backends,
             services,
@@ -389,6 +401,13 @@ impl V6Bed {
             },
         )
         .await;
+        // The proxy-only load balancers are not said to be moved to the
+        // proxy (before: "served by the proxy (\"default/gw6\")").
+        let log = d.log();
+        assert!(
+            !log.contains("are served by the proxy (\"default/gw6\""),
+            "a proxy-only load balancer named among kernel listeners moved to the proxy:\n{log}"
+        );
         self.hosts[i].daemon = Some(d);
     }
 
@@ -536,6 +555,30 @@ impl V6Bed {
             }
         }
     }
+}
+
+/// Whether [`FAR6`] (behind network A's router) is served through the
+/// IPv6 VIP: a backend's name over TCP and over UDP, each within 3 s.
+async fn far_served(router: &Ns) -> bool {
+    let tcp = async {
+        let s = router.socket_for(sa6(FAR6, 0))?;
+        s.bind(sa6(FAR6, 0))?;
+        let s = s.connect(sa6(VIP6, 80)).await?;
+        let mut name = String::new();
+        BufReader::new(s).read_line(&mut name).await?;
+        Ok::<_, std::io::Error>(name.starts_with('n'))
+    };
+    let udp = async {
+        let s = netns::bgp::udp_socket(router, sa6(FAR6, 0));
+        s.connect(sa6(VIP6, UDP_PORT)).await?;
+        s.send(b"far").await?;
+        let mut buf = [0u8; 64];
+        let n = s.recv(&mut buf).await?;
+        Ok::<_, std::io::Error>(buf[..n].starts_with(b"n"))
+    };
+    let within = Duration::from_secs(3);
+    matches!(tokio::time::timeout(within, tcp).await, Ok(Ok(true)))
+        && matches!(tokio::time::timeout(within, udp).await, Ok(Ok(true)))
 }
 
 /// What one TCP connection or UDP flow saw.
@@ -792,6 +835,14 @@ async fn survives(tag: &str, fault: Fault) {
     let _one = SERIAL.lock().await;
     let mut vb = V6Bed::new(tag).await;
     vb.master_is(0, true, Duration::from_secs(60)).await;
+    // Replies to a client behind the router leave by the network's table.
+    let router = vb.router.clone();
+    wait_for(
+        Duration::from_secs(20),
+        "the far client is served on A",
+        || async { far_served(&router).await.then_some(()) },
+    )
+    .await;
     let traffic = Traffic::start(&vb.bed.client).await;
     let t0 = traffic.now_ms();
     traffic.settled(t0, Duration::from_secs(10)).await;
@@ -822,6 +873,12 @@ async fn survives(tag: &str, fault: Fault) {
     traffic.settled(since, Duration::from_secs(30)).await;
     tokio::time::sleep(Duration::from_secs(2)).await;
     let over = traffic.figures();
+    wait_for(
+        Duration::from_secs(20),
+        "the far client is served on B",
+        || async { far_served(&router).await.then_some(()) },
+    )
+    .await;
     report.push_str(&format!(
         "{fault:?}: failover: VIP on B after {:.2} s; {over}\n",
         (moved - at).as_secs_f64()
