@@ -359,7 +359,7 @@ impl Validator<'_> {
                 self.problem(
                     span,
                     key,
-                    format!("{ip} is IPv6{whence}; conntrackd's sync is rendered for IPv4 only (IPv6 VIPs are not supported on networks)"),
+                    format!("{ip} is IPv6{whence}; conntrackd's sync link is rendered for IPv4 only (it carries the flows of IPv6 VIPs too)"),
                 );
                 None
             }
