@@ -250,7 +250,16 @@ impl Daemon {
         let held: Vec<String> = self.lock().config.as_ref().map_or_else(Vec::new, |c| {
             c.load_balancers
                 .iter()
-                .filter(|lb| bridge_stage_reason(off, lb, &c.networks).is_some())
+                // Only those with a kernel listener: a proxy-only load
+                // balancer is served as it asked (the bed of
+                // tests/conntrack_sync_v6.rs was told its proxy-only
+                // gateway VIP's listeners were moved to the proxy).
+                .filter(|lb| {
+                    lb.listeners
+                        .iter()
+                        .any(|l| l.forwarding == Forwarding::Kernel)
+                        && bridge_stage_reason(off, lb, &c.networks).is_some()
+                })
                 .map(|lb| format!("{:?}", lb.name))
                 .collect()
         });
@@ -258,7 +267,7 @@ impl Daemon {
         if families(was) != families(off) && !held.is_empty() {
             tracing::warn!(
                 load_balancers = held.len(),
-                "br_netfilter NATs bridged frames at the bridge stage on this host (net.bridge.bridge-nf-call-iptables=1): the forwarding = \"kernel\" listeners of load balancers on a bridged VM network with backends in its subnet are served by the proxy ({}{}): docs/vip.md, \"On a bridged host\"",
+                "br_netfilter NATs bridged frames at the bridge stage on this host (net.bridge.bridge-nf-call-iptables or -ip6tables = 1): the forwarding = \"kernel\" listeners of load balancers on a bridged VM network with backends in its subnet are served by the proxy ({}{}): docs/vip.md, \"On a bridged host\"",
                 held.iter()
                     .take(NAMED_IN_LOG)
                     .cloned()
@@ -818,7 +827,7 @@ impl Daemon {
             .map(|c| {
                 crate::vip::conntrackd::gated(c)
                     .into_iter()
-                    .map(|g| (IpAddr::V4(g.vip), g.protocol, g.port))
+                    .map(|g| (g.vip, g.protocol, g.port))
                     .collect()
             })
             .unwrap_or_default()

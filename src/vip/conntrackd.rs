@@ -150,42 +150,38 @@ pub fn instance_name(vrid: u32) -> String {
 pub struct Gated {
     /// The VRRP instance the VIP is in (`virtual_router_id`).
     pub vrid: u32,
-    /// The VIP.
-    pub vip: Ipv4Addr,
+    /// The VIP (IPv4, or IPv6: an IPv6 VIP rides in an instance of IPv4
+    /// VIPs, see [`super::keepalived::vrid_by_vip`]).
+    pub vip: IpAddr,
     /// TCP or UDP.
     pub protocol: Protocol,
     /// The VIP's port.
     pub port: u16,
-    /// The backends (IPv4 only: the sync is IPv4).
-    pub backends: Vec<Ipv4Addr>,
+    /// The backends of the VIP's family (a kernel listener has no other:
+    /// `check` refuses them).
+    pub backends: Vec<IpAddr>,
     /// The backends' port.
     pub backend_port: u16,
 }
 
 /// Every kernel listener of a load balancer whose VIP the rendered
 /// keepalived moves (on a `[[network]]`, or a management VIP on
-/// `keepalived.interface`: its flows survive a move the same way), in a
+/// `keepalived.interface`: its flows survive a move the same way), of
+/// either family, each in the instance the rendered file puts it in, in a
 /// stable order.
 pub fn gated(config: &Config) -> Vec<Gated> {
-    let Some(k) = &config.keepalived else {
-        return Vec::new();
-    };
+    let vrid_of = super::keepalived::vrid_by_vip(config);
     let mut out = Vec::new();
     for lb in &config.load_balancers {
-        // On a `[[network]]`, or a management VIP on keepalived.interface:
-        // every VIP the rendered keepalived moves.
-        let (Some(_), IpAddr::V4(vip)) = (config.keepalived_interface(lb), lb.vip) else {
+        let Some(&vrid) = config.keepalived_interface(lb).and(vrid_of.get(&lb.vip)) else {
             continue;
         };
-        let vrid =
-            u32::from(k.vrid_base) + u32::from(super::keepalived::instance_of(lb.vip, k.instances));
-        let backends: Vec<Ipv4Addr> = lb
+        let vip = lb.vip;
+        let backends: Vec<IpAddr> = lb
             .backends
             .iter()
-            .filter_map(|b| match b {
-                IpAddr::V4(v4) => Some(*v4),
-                IpAddr::V6(_) => None,
-            })
+            .filter(|b| b.is_ipv4() == vip.is_ipv4())
+            .copied()
             .collect();
         for l in lb
             .listeners
@@ -227,9 +223,9 @@ pub fn vrids(config: &Config) -> Vec<u32> {
 }
 
 /// The addresses conntrackd's filter accepts: every backend of a kernel
-/// listener on a moving VIP, sorted.
-pub fn filter_addresses(config: &Config) -> Vec<Ipv4Addr> {
-    let mut a: Vec<Ipv4Addr> = gated(config).into_iter().flat_map(|g| g.backends).collect();
+/// listener on a moving VIP, IPv4 and IPv6, sorted (IPv4 first).
+pub fn filter_addresses(config: &Config) -> Vec<IpAddr> {
+    let mut a: Vec<IpAddr> = gated(config).into_iter().flat_map(|g| g.backends).collect();
     a.sort_unstable();
     a.dedup();
     a
@@ -452,6 +448,9 @@ pub fn render_conf(config: &Config) -> Option<String> {
     );
     let addresses = if anycast(config) {
         anycast_addresses(config)
+            .into_iter()
+            .map(IpAddr::V4)
+            .collect()
     } else {
         filter_addresses(config)
     };
@@ -460,8 +459,13 @@ pub fn render_conf(config: &Config) -> Option<String> {
         // unspecified one), so nothing is synced.
         out.push_str("\t\t\tIPv4_address 0.0.0.0/32 # nothing to sync: no kernel listener\n");
     }
+    // conntrackd's key names the family: an IPv6 backend under
+    // `IPv4_address` is a parse error, and without an `IPv6_address` line
+    // no IPv6 flow is synced (measured: 0 of 24 in the peer's cache, 0 of
+    // 20 connections kept; tests/conntrack_sync_v6.rs).
     for a in addresses {
-        let _ = writeln!(out, "\t\t\tIPv4_address {a}");
+        let key = if a.is_ipv4() { "IPv4" } else { "IPv6" };
+        let _ = writeln!(out, "\t\t\t{key}_address {a}");
     }
     out.push_str("\t\t}\n\t}\n}\n");
     Some(out)
@@ -518,7 +522,7 @@ pub fn render_script(config: &Config) -> Option<String> {
     let dir = shell_quote(&c.state_directory.display().to_string());
     // Each instance's VIPs of kernel listeners: their flows are deleted
     // before the commit (see the MASTER case).
-    let mut by_vrid: std::collections::BTreeMap<u32, Vec<Ipv4Addr>> = Default::default();
+    let mut by_vrid: std::collections::BTreeMap<u32, Vec<IpAddr>> = Default::default();
     for g in gated(config) {
         let v = by_vrid.entry(g.vrid).or_default();
         if !v.contains(&g.vip) {
@@ -1034,6 +1038,66 @@ backends = ["{backend}"]
             assert!(conf.contains(want), "{want:?} not in\n{conf}");
         }
         assert!(!conf.contains("IPv4_Destination_Address"), "{conf}");
+    }
+
+    /// Issue 42: an IPv6 VIP's kernel listeners were left out of the
+    /// sync (no `IPv6_address` in the filter), the gate and the notify
+    /// script's deletions; now each has them, in the instance keepalived's
+    /// rendered file puts the VIP in (an IPv6 VIP rides in one of the
+    /// instances with IPv4 VIPs, not by the hash over all of them).
+    #[test]
+    fn an_ipv6_vip_s_kernel_flows_are_synced_gated_and_deleted_in_its_instance() {
+        let text = format!(
+            "{}{}\n[[load_balancer]]\nname = \"default/v6\"\nvip = \"fd00:100::50\"\nnetwork = \"vlan100\"\nbackends = [\"fd00:100::22\", \"fd00:100::21\"]\n  [[load_balancer.listener]]\n  name = \"pg\"\n  port = 5432\n  backend_port = 30432\n  forwarding = \"kernel\"\n  source_nat = \"none\"\n",
+            keepalived_text().replace(
+                "gateway = \"10.100.0.1\"\n",
+                "gateway = \"10.100.0.1\"\nipv6_gateway = \"fd00:100::1\"\n"
+            ),
+            "",
+        )
+        .replace("instances = 2", "instances = 8");
+        let config = parse(&text).expect("valid").config;
+        let conf = render_conf(&config).unwrap();
+        assert!(
+            conf.contains("\t\t\tIPv4_address 10.100.0.22\n\t\t\tIPv4_address 10.100.0.31\n\t\t\tIPv6_address fd00:100::21\n\t\t\tIPv6_address fd00:100::22\n"),
+            "{conf}"
+        );
+        let vip: IpAddr = "fd00:100::50".parse().unwrap();
+        let g: Vec<Gated> = gated(&config)
+            .into_iter()
+            .filter(|g| g.vip == vip)
+            .collect();
+        assert_eq!(g.len(), 1, "{g:?}");
+        let vrid = g[0].vrid;
+        assert_eq!(g[0].backends.len(), 2, "{g:?}");
+        // The instance keepalived's file carries it in.
+        assert!(
+            super::super::keepalived::instance_vips(&config, vrid).contains(&vip),
+            "vrid {vrid}"
+        );
+        assert!(vrids(&config).contains(&vrid));
+        let script = render_script(&config).unwrap();
+        assert!(
+            script
+                .lines()
+                .any(|l| l.starts_with(&format!("{vrid}) vips=")) && l.contains("fd00:100::50")),
+            "{script}"
+        );
+        let gate = super::super::gate::Gate {
+            gated: gated(&config),
+            vrids: vrids(&config),
+            masters: Default::default(),
+        }
+        .script(&Default::default());
+        for want in [
+            "type ipv6_addr . inet_proto . inet_service : verdict",
+            &format!("fd00:100::50 . tcp . 5432 : jump g_{vrid}"),
+            &format!("fd00:100::21 . tcp . 30432 : jump g_{vrid}"),
+            "fib daddr type local ip6 daddr . meta l4proto . th dport vmap @to6",
+            "ip6 saddr . meta l4proto . th sport vmap @from6",
+        ] {
+            assert!(gate.contains(want), "{want:?} not in\n{gate}");
+        }
     }
 
     #[test]

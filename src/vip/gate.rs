@@ -7,10 +7,13 @@
 //! table inet harvester_lb_gate {
 //!   map to4   { type ipv4_addr . inet_proto . inet_service : verdict; }  # VIP . tcp . 5432 : jump g_51
 //!   map from4 { type ipv4_addr . inet_proto . inet_service : verdict; }  # backend . tcp . 30432 : jump g_51
+//!   map to6, from6 { type ipv6_addr . inet_proto . inet_service : verdict; }  # the same for IPv6 VIPs
 //!   chain g_51 { ct state { invalid, new } drop }                        # closed; empty when open
 //!   chain prerouting { type filter hook prerouting priority -150; policy accept;
 //!                      fib daddr type local ip daddr . meta l4proto . th dport vmap @to4
-//!                      ip saddr . meta l4proto . th sport vmap @from4 }
+//!                      ip saddr . meta l4proto . th sport vmap @from4
+//!                      fib daddr type local ip6 daddr . meta l4proto . th dport vmap @to6
+//!                      ip6 saddr . meta l4proto . th sport vmap @from6 }
 //! }
 //! ```
 //!
@@ -77,26 +80,36 @@ impl Gate {
     /// The whole table's nft script, each instance's gate open when it is in
     /// `open`. Pure: unit-tested.
     pub fn script(&self, open: &BTreeSet<u32>) -> String {
-        let mut to = BTreeMap::new();
-        let mut from = BTreeMap::new();
+        // By family: [IPv4, IPv6]. An IPv6 VIP's flows were not gated
+        // before: a takeover picked them up mid-stream (tests/conntrack_sync_v6.rs).
+        let mut to: [BTreeMap<String, u32>; 2] = Default::default();
+        let mut from: [BTreeMap<String, u32>; 2] = Default::default();
         for g in &self.gated {
             let proto = g.protocol.as_str();
-            to.entry(format!("{} . {proto} . {}", g.vip, g.port))
+            let f = usize::from(g.vip.is_ipv6());
+            to[f]
+                .entry(format!("{} . {proto} . {}", g.vip, g.port))
                 .or_insert(g.vrid);
-            for b in &g.backends {
+            for b in g.backends.iter().filter(|b| b.is_ipv6() == g.vip.is_ipv6()) {
                 // One backend port may serve VIPs of two instances: the
                 // first keeps it (a map has one verdict per key).
-                from.entry(format!("{b} . {proto} . {}", g.backend_port))
+                from[f]
+                    .entry(format!("{b} . {proto} . {}", g.backend_port))
                     .or_insert(g.vrid);
             }
         }
         let mut s = format!(
             "add table inet {GATE_TABLE}\ndelete table inet {GATE_TABLE}\ntable inet {GATE_TABLE} {{\n"
         );
-        for (name, elems) in [("to4", &to), ("from4", &from)] {
+        for (name, addr, elems) in [
+            ("to4", "ipv4_addr", &to[0]),
+            ("from4", "ipv4_addr", &from[0]),
+            ("to6", "ipv6_addr", &to[1]),
+            ("from6", "ipv6_addr", &from[1]),
+        ] {
             let _ = write!(
                 s,
-                "  map {name} {{\n    type ipv4_addr . inet_proto . inet_service : verdict\n"
+                "  map {name} {{\n    type {addr} . inet_proto . inet_service : verdict\n"
             );
             if !elems.is_empty() {
                 let list: Vec<String> = elems
@@ -119,7 +132,7 @@ impl Gate {
         }
         let _ = write!(
             s,
-            "  chain prerouting {{\n    type filter hook prerouting priority {GATE_PRIORITY}; policy accept;\n    fib daddr type local ip daddr . meta l4proto . th dport vmap @to4\n    ip saddr . meta l4proto . th sport vmap @from4\n  }}\n}}\n"
+            "  chain prerouting {{\n    type filter hook prerouting priority {GATE_PRIORITY}; policy accept;\n    fib daddr type local ip daddr . meta l4proto . th dport vmap @to4\n    ip saddr . meta l4proto . th sport vmap @from4\n    fib daddr type local ip6 daddr . meta l4proto . th dport vmap @to6\n    ip6 saddr . meta l4proto . th sport vmap @from6\n  }}\n}}\n"
         );
         s
     }

@@ -227,6 +227,25 @@ pub fn instance_vips(config: &Config, vrid: u32) -> Vec<IpAddr> {
         .collect()
 }
 
+/// The `virtual_router_id` of the instance the rendered file puts each
+/// VM-network VIP in, by the same placement as [`render`]: an IPv6 VIP
+/// under IPv4 adverts rides in an instance chosen among those in use, not
+/// by [`instance_of`] over all of them, so whatever acts per instance (the
+/// conntrackd gate, the notify script's deletions) must ask here. Empty
+/// without `[keepalived]`.
+pub fn vrid_by_vip(config: &Config) -> BTreeMap<IpAddr, u32> {
+    let Some(k) = config.keepalived.as_ref() else {
+        return BTreeMap::new();
+    };
+    placement(config, k)
+        .into_iter()
+        .flat_map(|(instance, placed)| {
+            let vrid = u32::from(k.vrid_base) + u32::from(instance);
+            placed.into_iter().map(move |p| (p.vip, vrid))
+        })
+        .collect()
+}
+
 /// The keepalived.conf text for `config`; `None` without `[keepalived]`.
 /// The admin socket the track scripts ask is `config.admin.socket`.
 pub fn render(config: &Config) -> Option<String> {

@@ -250,8 +250,9 @@ impl Validator<'_> {
                 }
                 Some(a) => lb.network.is_none() && a.allows(lb.vip),
             };
+            // The anycast sync is IPv4's alone; keepalived's moves both.
             moves
-                && lb.vip.is_ipv4()
+                && (lb.vip.is_ipv4() || anycast.is_none())
                 && lb
                     .listeners
                     .iter()
@@ -479,7 +480,7 @@ impl Validator<'_> {
                 self.problem(
                     span,
                     key,
-                    format!("{ip} is IPv6{whence}; conntrackd's sync is rendered for IPv4 only (IPv6 VIPs are not supported on networks)"),
+                    format!("{ip} is IPv6{whence}; conntrackd's sync link is rendered for IPv4 only (it carries the flows of IPv6 VIPs too)"),
                 );
                 None
             }
@@ -765,6 +766,35 @@ backends = ["10.100.0.21", "10.100.0.22"]
                 .warnings
                 .iter()
                 .any(|w| w.key == "conntrackd" && w.message.contains("syncs nothing")),
+            "{:?}",
+            loaded.warnings
+        );
+    }
+
+    /// Issue 42: an IPv6 VIP's kernel listener on a network is synced
+    /// (its backends are in the filter), so `check` must not say nothing is.
+    #[test]
+    fn an_ipv6_vip_s_kernel_listener_is_something_to_sync() {
+        let v6 = base()
+            .replace("vip = \"10.100.0.50\"", "vip = \"fd00:100::50\"")
+            .replace(
+                "backends = [\"10.100.0.21\", \"10.100.0.22\"]",
+                "backends = [\"fd00:100::21\"]",
+            )
+            .replace(
+                "gateway = \"10.100.0.1\"\n",
+                "gateway = \"10.100.0.1\"\nipv6_gateway = \"fd00:100::1\"\n",
+            );
+        // (an IPv6 VIP needs an IPv4 one for its instance)
+        let text = format!(
+            "{v6}\n[[load_balancer]]\nname = \"default/v4\"\nvip = \"10.100.0.51\"\nnetwork = \"vlan100\"\n\n[conntrackd]\n"
+        );
+        let loaded = parse(&text).expect("valid");
+        assert!(
+            !loaded
+                .warnings
+                .iter()
+                .any(|w| w.message.contains("syncs nothing")),
             "{:?}",
             loaded.warnings
         );
