@@ -509,6 +509,8 @@ pub struct LbHost {
     pub frr: Option<Frr>,
     /// Its daemon, once started.
     pub daemon: Option<DaemonProc>,
+    /// How many hosts (and backends) the bed has.
+    pub hosts: usize,
 }
 
 impl LbHost {
@@ -571,7 +573,7 @@ impl LbHost {
     }
 
     /// Writes its daemon's config for a shared pool: one load balancer on
-    /// the IPv4 VIP with both hosts' backends (every host the same list),
+    /// the IPv4 VIP with every host's backend (every host the same list),
     /// TCP and UDP listeners on [`PORT`], each with `listener` lines added
     /// (as [`LbHost::write_config_with`]) and `lb` lines (e.g.
     /// `algorithm = "flow_hash"`) added to the load balancer.
@@ -581,7 +583,7 @@ impl LbHost {
             if lines.is_empty() { l } else { l.keys(lines) }
         };
         let mut pool = Lb::new("default/shared", IpAddr::V4(VIP))
-            .backends([IpAddr::V4(backend_ip(1)), IpAddr::V4(backend_ip(2))])
+            .backends((1..=self.hosts).map(|b| IpAddr::V4(backend_ip(b))))
             .listener(extra(Listener::new("tcp", PORT, BACKEND_PORT)))
             .listener(extra(Listener::new("udp", PORT, BACKEND_PORT).udp()))
             .health("  kind = \"tcp\"")
@@ -907,7 +909,31 @@ impl BgpBed {
     /// FRR, `vip_on_lo` makes the VIP local by an AnyIP route (as the daemon
     /// does), not an address: FRR announces nothing for an address on `lo`.
     pub async fn with_speaker(test: &str, vip_on_lo: bool, speaker: Speaker) -> BgpBed {
-        let n = 2;
+        Self::build(test, vip_on_lo, speaker, 2, false).await
+    }
+
+    /// The bed with `n` hosts (BIRD everywhere, the VIPs not on `lo`), each
+    /// host built like a Harvester host (/work/shared/notes/harvester-host.md):
+    /// its `eth0` is a Linux bridge inside the host whose uplink port `up0`
+    /// is the veth into the router's bridge (the switch), with
+    /// `br_netfilter` on (`bridge-nf-call-iptables=1`). The router gets one
+    /// session per host beyond the shipped config's two, written as an
+    /// operator adds them. Left out, as in `tests/netns/vmnet.rs`: VLAN
+    /// filtering and the bond under the uplink (this kernel has neither).
+    pub async fn bridged_hosts(test: &str, n: usize) -> BgpBed {
+        Self::build(test, false, Speaker::Bird, n, true).await
+    }
+
+    /// Builds the bed: `n` hosts and `n` backends (see [`BgpBed::new`] and
+    /// [`BgpBed::bridged_hosts`]).
+    async fn build(
+        test: &str,
+        vip_on_lo: bool,
+        speaker: Speaker,
+        n: usize,
+        bridged: bool,
+    ) -> BgpBed {
+        assert!((2..=9).contains(&n), "{n} hosts: the bed numbers 2 to 9");
         let (tag, dir) = super::new_tag(test);
         let mut bed = BgpBed {
             router: Ns {
@@ -974,7 +1000,11 @@ impl BgpBed {
         c.ip(&["route", "add", "default", "via", "203.0.113.1"]);
         c.ip(&["-6", "route", "add", "default", "via", "2001:db8:3::1"]);
         for i in 1..=n {
-            let ns = bed.wire(&format!("h{i}"), host_ip(i), host_ip6(i));
+            let ns = if bridged {
+                bed.wire_bridged(&format!("h{i}"), host_ip(i), host_ip6(i))
+            } else {
+                bed.wire(&format!("h{i}"), host_ip(i), host_ip6(i))
+            };
             ns.ip(&["route", "add", "default", "via", &ROUTER_IP.to_string()]);
             ns.ip(&[
                 "-6",
@@ -1004,6 +1034,7 @@ impl BgpBed {
                 bird: None,
                 frr: None,
                 daemon: None,
+                hosts: n,
             });
         }
         for i in 1..=n {
@@ -1020,7 +1051,17 @@ impl BgpBed {
         // The speaker: the router, then every host, from the shipped configs.
         match speaker {
             Speaker::Bird => {
-                let conf = bed.write("router.conf", &router_config());
+                let mut conf = router_config();
+                // The shipped config has sessions for two hosts; an
+                // operator adds one pair per further host, as here.
+                for i in 3..=n {
+                    conf.push_str(&format!(
+                        "protocol bgp lb{i} from lbhost4 {{ neighbor {} as HOST_AS; }}\nprotocol bgp lb{i}_v6 from lbhost6 {{ neighbor {} as HOST_AS; }}\n",
+                        host_ip(i),
+                        host_ip6(i)
+                    ));
+                }
+                let conf = bed.write("router.conf", &conf);
                 bed.router_bird = Some(Bird::spawn(&bed.router, &conf, &bed.dir, "router"));
                 for i in 1..=n {
                     bed.start_host_bird(i);
@@ -1344,6 +1385,30 @@ impl BgpBed {
         ns.ip(&["addr", "add", &format!("{ip}/24"), "dev", "eth0"]);
         ns.ip(&["addr", "add", &format!("{ip6}/64"), "dev", "eth0", "nodad"]);
         ns.ip(&["link", "set", "eth0", "up"]);
+        ns
+    }
+
+    /// [`BgpBed::wire`] for a host built like a Harvester host: the veth's
+    /// end in the namespace is `up0`, a port of the bridge `eth0` that
+    /// holds the addresses, and `br_netfilter` is on there.
+    fn wire_bridged(&mut self, suffix: &str, ip: Ipv4Addr, ip6: Ipv6Addr) -> Ns {
+        let ns = Ns {
+            name: format!("{}-{suffix}", self.tag),
+        };
+        self.add_ns(&ns.name);
+        let port = format!("p{suffix}");
+        self.router.ip(&[
+            "link", "add", &port, "type", "veth", "peer", "name", "up0", "netns", &ns.name,
+        ]);
+        self.router
+            .ip(&["link", "set", &port, "master", "br0", "up"]);
+        ns.ip(&["link", "set", "lo", "up"]);
+        ns.ip(&["link", "add", "eth0", "type", "bridge"]);
+        ns.ip(&["link", "set", "up0", "master", "eth0", "up"]);
+        ns.ip(&["addr", "add", &format!("{ip}/24"), "dev", "eth0"]);
+        ns.ip(&["addr", "add", &format!("{ip6}/64"), "dev", "eth0", "nodad"]);
+        ns.ip(&["link", "set", "eth0", "up"]);
+        super::vmnet::bridge_netfilter(&ns);
         ns
     }
 
