@@ -57,10 +57,15 @@ pub struct FileConntrackd {
     pub interface: Option<Spanned<String>>,
     /// This host's address on the sync link; default `keepalived.address`.
     pub address: Option<Spanned<String>>,
-    /// The other host's address on the sync link; default the one
-    /// `keepalived.peers`.
+    /// The other host's address on the sync link (unicast only); default
+    /// the one `keepalived.peers`.
     pub peer: Option<Spanned<String>>,
-    /// The UDP port of the sync link.
+    /// `"unicast"` (one peer) or `"multicast"` (any number of hosts);
+    /// default unicast with one peer, multicast otherwise.
+    pub transport: Option<Spanned<String>>,
+    /// The IPv4 multicast group of the multicast transport.
+    pub multicast_group: Option<Spanned<String>>,
+    /// The UDP port of the sync link (the group's port with multicast).
     pub port: Option<Spanned<i64>>,
     /// Where the rendered conntrackd.conf is written.
     pub config_path: Option<Spanned<String>>,

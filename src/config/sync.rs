@@ -11,6 +11,10 @@ use std::path::PathBuf;
 
 /// Default `conntrackd.port`: the port of conntrack-tools' own examples.
 pub const DEFAULT_SYNC_PORT: u16 = 3780;
+/// Default `conntrackd.multicast_group`: the group of conntrack-tools' own
+/// examples (outside 224.0.0.0/24, which routers and switches treat as
+/// link-local control traffic and flood).
+pub const DEFAULT_MULTICAST_GROUP: Ipv4Addr = Ipv4Addr::new(225, 0, 0, 50);
 /// Default `conntrackd.config_path`: where Debian's conntrackd unit reads
 /// its file.
 pub const DEFAULT_CONNTRACKD_CONFIG: &str = "/etc/conntrackd/conntrackd.conf";
@@ -39,8 +43,50 @@ pub const DEFAULT_HASH_SIZE: u32 = 32_768;
 /// The smallest `conntrackd.hash_size` accepted (see [`DEFAULT_HASH_SIZE`]).
 pub const MIN_HASH_SIZE: u32 = 8193;
 
+/// How conntrackd reaches the other hosts of the sync link
+/// (`conntrackd.transport`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SyncTransport {
+    /// UDP to one peer: two hosts only. conntrackd's second `UDP` block is
+    /// a redundant link, not a second peer (one of them is active at a
+    /// time: measured, a third host got none of the updates in 2 of 3
+    /// runs), so a VIP moving to a third host would find none of its
+    /// flows there.
+    Unicast {
+        /// The other host's address on the sync link.
+        peer: Ipv4Addr,
+    },
+    /// UDP to a multicast group joined on the sync link: every host gets
+    /// every update, whatever their number (the default with more than
+    /// one keepalived peer). The link must carry the group: IGMP allowed
+    /// and a querier on the VLAN, or snooping off.
+    Multicast {
+        /// The IPv4 group (`conntrackd.multicast_group`).
+        group: Ipv4Addr,
+    },
+}
+
+impl SyncTransport {
+    /// Where this host sends its updates: the peer, or the group.
+    pub fn destination(&self) -> Ipv4Addr {
+        match *self {
+            Self::Unicast { peer } => peer,
+            Self::Multicast { group } => group,
+        }
+    }
+
+    /// The value of `conntrackd.transport` this is.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Self::Unicast { .. } => "unicast",
+            Self::Multicast { .. } => "multicast",
+        }
+    }
+}
+
 /// `[conntrackd]`: this host's conntrackd, syncing the flows of its kernel
-/// listeners with the other keepalived host over FTFW (UDP unicast).
+/// listeners with the other hosts over FTFW (UDP unicast to one peer, or
+/// multicast to any number).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ConntrackdSettings {
     /// The interface of the sync link: a dedicated link, or the management
@@ -48,10 +94,11 @@ pub struct ConntrackdSettings {
     pub interface: String,
     /// This host's address on the sync link (default `keepalived.address`).
     pub address: Ipv4Addr,
-    /// The other host's address on the sync link (default the one
-    /// `keepalived.peers`).
-    pub peer: Ipv4Addr,
-    /// The UDP port both ends use.
+    /// To whom: the one peer (default the one `keepalived.peers`), or a
+    /// multicast group (default with more than one keepalived peer).
+    pub transport: SyncTransport,
+    /// The UDP port every end uses (conntrackd's `Port`, or the multicast
+    /// block's `Group`).
     pub port: u16,
     /// Where the rendered conntrackd.conf is written.
     pub config_path: PathBuf,

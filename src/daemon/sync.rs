@@ -104,7 +104,8 @@ pub struct SyncStatus {
     pub external_entries: u64,
     /// Packets received from the peer on the sync link.
     pub packets_received: u64,
-    /// The sync link's interface and the peer's address.
+    /// The sync link: interface, own address, the peer's address or the
+    /// multicast group, port, transport.
     pub link: String,
     /// The backends whose flows are synced (conntrackd's filter).
     pub synced_backends: usize,
@@ -686,8 +687,12 @@ fn build_report(
         external_entries: s.external,
         packets_received: s.packets_received,
         link: format!(
-            "{} {} -> {}:{}",
-            settings.interface, settings.address, settings.peer, settings.port
+            "{} {} -> {}:{} ({})",
+            settings.interface,
+            settings.address,
+            settings.transport.destination(),
+            settings.port,
+            settings.transport.name()
         ),
         synced_backends: conntrackd::filter_addresses(config).len(),
         restart_pending: false,

@@ -1,6 +1,6 @@
 //! conntrackd's configuration and keepalived's notify script, rendered
 //! from the daemon's own (`[conntrackd]`), so a kernel listener's open
-//! connections survive their VIP's move to the other keepalived host
+//! connections survive their VIP's move to another keepalived host
 //! (docs/vip.md, "Open connections across a VIP's move").
 //!
 //! Without `[keepalived]` (and with `vip.announce = "routes"`), the
@@ -17,9 +17,12 @@
 //! (each fact measured in `notes/conntrackd-failover.md` and
 //! `tests/conntrack_sync.rs`):
 //!
-//! - **FTFW over UDP unicast** on the sync link (`conntrackd.interface`,
-//!   the management one by default): the reliable mode (acknowledged,
-//!   resent), to the one peer. Socket buffers of 1.2 MB as conntrack-tools'
+//! - **FTFW** on the sync link (`conntrackd.interface`, the management one
+//!   by default): the reliable mode (acknowledged, resent), over UDP
+//!   unicast to the one peer of two hosts, or over multicast
+//!   (`conntrackd.transport`) to a group every host joins, for three and
+//!   more (a second `UDP` block is a redundant link, not a second peer:
+//!   notes/conntrackd-three-hosts.md). Socket buffers of 1.2 MB as conntrack-tools'
 //!   examples; `PurgeTimeout` 15 s (default 60): how long `-t` leaves the
 //!   entries of a host that lost its VIPs.
 //! - **Only our kernel listeners' flows**: `Filter From Userspace {
@@ -93,7 +96,7 @@ use std::fmt::Write as _;
 use std::net::{IpAddr, Ipv4Addr};
 use std::path::Path;
 
-use crate::config::{Config, ConntrackdSettings, Forwarding, Protocol};
+use crate::config::{Config, ConntrackdSettings, Forwarding, Protocol, SyncTransport};
 
 /// How long after leaving master the notify script deletes this host's
 /// entries of the instance's flows: the peer has committed them by then
@@ -401,10 +404,7 @@ pub fn render_conf(config: &Config) -> Option<String> {
          \t\tStartupResync on\n\
          {anycast_ftfw}\
          \t}}\n\
-         \tUDP {{\n\
-         \t\tIPv4_address {address}\n\
-         \t\tIPv4_Destination_Address {peer}\n\
-         \t\tPort {port}\n\
+         {transport}\
          \t\tInterface {interface}\n\
          \t\tSndSocketBuffer 1249280\n\
          \t\tRcvSocketBuffer 1249280\n\
@@ -435,9 +435,7 @@ pub fn render_conf(config: &Config) -> Option<String> {
         } else {
             "docs/vip.md, \"Open connections across a VIP's move\""
         },
-        address = c.address,
-        peer = c.peer,
-        port = c.port,
+        transport = transport_block(c),
         interface = c.interface,
         hash = c.hash_size,
         limit = u64::from(c.hash_size) * 4,
@@ -461,6 +459,23 @@ pub fn render_conf(config: &Config) -> Option<String> {
     }
     out.push_str("\t\t}\n\t}\n}\n");
     Some(out)
+}
+
+/// The head of the sync block for `c`'s transport, up to its `Interface`:
+/// `UDP` to the one peer, or `Multicast` to the group, sent from and
+/// joined on this host's address of the sync link (`IPv4_interface`; with
+/// `Interface`, it picks the link: no route to the group is needed).
+fn transport_block(c: &ConntrackdSettings) -> String {
+    match c.transport {
+        SyncTransport::Unicast { peer } => format!(
+            "\tUDP {{\n\t\tIPv4_address {}\n\t\tIPv4_Destination_Address {peer}\n\t\tPort {}\n",
+            c.address, c.port
+        ),
+        SyncTransport::Multicast { group } => format!(
+            "\tMulticast {{\n\t\tIPv4_address {group}\n\t\tGroup {}\n\t\tIPv4_interface {}\n",
+            c.port, c.address
+        ),
+    }
 }
 
 /// The notify script's text for `config` (see the module's text);
@@ -921,6 +936,44 @@ backends = ["{backend}"]
         assert_eq!(g.len(), 1, "{g:?}");
         assert_eq!((g[0].port, g[0].backend_port), (5432, 30432));
         assert_eq!(vrids(&config), vec![g[0].vrid]);
+    }
+
+    /// More than two hosts: the multicast block of the three-host note
+    /// (group, its port as `Group`, joined from this host's sync address
+    /// on the sync link), in both modes; no unicast line is left.
+    #[test]
+    fn the_multicast_transport_renders_the_group_block_in_both_modes() {
+        let three = keepalived_text()
+            .replace(
+                "peers = [\"192.168.0.12\"]",
+                "peers = [\"192.168.0.12\", \"192.168.0.13\"]",
+            )
+            .replace(
+                "peer = \"10.99.0.2\"\n",
+                "multicast_group = \"239.1.2.3\"\nport = 3781\n",
+            );
+        let config = parse(&three).expect("valid").config;
+        let conf = render_conf(&config).unwrap();
+        let block = "\tMulticast {\n\t\tIPv4_address 239.1.2.3\n\t\tGroup 3781\n\t\tIPv4_interface 10.99.0.1\n\t\tInterface sync0\n\t\tSndSocketBuffer 1249280\n\t\tRcvSocketBuffer 1249280\n\t\tChecksum on\n\t}\n}\nGeneral {\n";
+        assert!(conf.contains(block), "{block:?} not in\n{conf}");
+        for gone in ["UDP {", "IPv4_Destination_Address", "\tPort "] {
+            assert!(!conf.contains(gone), "{gone:?} in\n{conf}");
+        }
+        // The anycast mode: multicast without a peer, the default group.
+        let text = format!(
+            "{ANYCAST}{}",
+            ANYCAST_SYNC.replace("peer = \"10.99.0.2\"\n", "transport = \"multicast\"\n")
+        );
+        let config = parse(&text).expect("valid").config;
+        assert!(anycast(&config));
+        let conf = render_conf(&config).unwrap();
+        for want in [
+            "\t\tDisableExternalCache On\n",
+            "\tMulticast {\n\t\tIPv4_address 225.0.0.50\n\t\tGroup 3780\n\t\tIPv4_interface 10.99.0.1\n\t\tInterface eth1\n",
+        ] {
+            assert!(conf.contains(want), "{want:?} not in\n{conf}");
+        }
+        assert!(!conf.contains("IPv4_Destination_Address"), "{conf}");
     }
 
     #[test]

@@ -49,10 +49,12 @@ impl Validator<'_> {
                 c.address.into(),
                 "conntrackd.address, this host's address on the sync link".into(),
             ));
-            machines.push((
-                c.peer.into(),
-                "conntrackd.peer, the other host of the sync link".into(),
-            ));
+            if let crate::config::SyncTransport::Unicast { peer } = c.transport {
+                machines.push((
+                    peer.into(),
+                    "conntrackd.peer, the other host of the sync link".into(),
+                ));
+            }
         }
         for n in &config.networks {
             let subnet = n.subnet();

@@ -1,19 +1,29 @@
-//! `[conntrackd]`: the sync of kernel listeners' flows between the two
+//! `[conntrackd]`: the sync of kernel listeners' flows among the
 //! keepalived hosts, or, without `[keepalived]` and with `vip.announce =
-//! "routes"`, between two anycast hosts (the anycast mode: the sync link's
-//! `interface`, `address` and `peer` are required, there being nothing to
-//! take them from; `notify_script` and `state_directory` are warned about,
-//! having no effect; see `anycast_link`).
+//! "routes"`, among the anycast hosts (the anycast mode: the sync link's
+//! `interface` and `address` are required, and `peer` with the unicast
+//! transport, there being nothing to take them from; `notify_script` and
+//! `state_directory` are warned about, having no effect; see
+//! `anycast_link`).
+//!
+//! The transport (`conntrackd.transport`): UDP unicast to one peer (the
+//! default with one keepalived peer, or with `conntrackd.peer` in the
+//! anycast mode), or multicast to `conntrackd.multicast_group` (the
+//! default otherwise), which every host of the sync link gets whatever
+//! their number. The key the other transport uses is warned about.
 //!
 //! What is refused, and why: `[conntrackd]` with neither `[keepalived]`
-//! nor announcing (no VIP moves and no flow reaches another host); more than one
-//! keepalived peer (conntrackd's UDP unicast sync reaches one peer: a VIP
-//! moving to a third host would find no state there); a sync address or
-//! peer that is not IPv4 (conntrackd's IPv6 sync and IPv6 VIPs are not
-//! covered); a `hash_size` of 8192 or fewer (conntrackd 1.4.7 then ignores
-//! the flush after a commit); the same address for both ends. A warning,
-//! not a refusal: no kernel listener on a VIP keepalived moves (conntrackd
-//! then syncs nothing; the proxy's connections cannot be synced at all).
+//! nor announcing (no VIP moves and no flow reaches another host); unicast
+//! with more than one keepalived peer (it reaches one peer: a VIP moving
+//! to a third host would find no state there; the message names
+//! `transport = "multicast"`); a group outside 224.0.0.0/4 or inside
+//! 224.0.0.0/24 (the link-local control block every switch floods); a
+//! sync address or peer or group that is not IPv4 (conntrackd's IPv6 sync
+//! is not rendered); a `hash_size` of 8192 or fewer (conntrackd 1.4.7
+//! then ignores the flush after a commit); the same address for both
+//! ends. A warning, not a refusal: no kernel listener on a VIP keepalived
+//! moves (conntrackd then syncs nothing; the proxy's connections cannot be
+//! synced at all).
 
 use std::net::{IpAddr, Ipv4Addr};
 
@@ -23,14 +33,23 @@ use super::Validator;
 use crate::config::file::{FileConfig, FileConntrackd};
 use crate::config::{
     AnnounceSettings, ConntrackdSettings, DEFAULT_CONNTRACKD_CONFIG, DEFAULT_CONNTRACKD_LOCK,
-    DEFAULT_CONNTRACKD_LOG, DEFAULT_CONNTRACKD_SOCKET, DEFAULT_HASH_SIZE, DEFAULT_NOTIFY_SCRIPT,
-    DEFAULT_SYNC_PORT, DEFAULT_SYNC_STATE_DIR, Forwarding, KeepalivedSettings, LoadBalancerSpec,
-    MIN_HASH_SIZE,
+    DEFAULT_CONNTRACKD_LOG, DEFAULT_CONNTRACKD_SOCKET, DEFAULT_HASH_SIZE, DEFAULT_MULTICAST_GROUP,
+    DEFAULT_NOTIFY_SCRIPT, DEFAULT_SYNC_PORT, DEFAULT_SYNC_STATE_DIR, Forwarding,
+    KeepalivedSettings, LoadBalancerSpec, MIN_HASH_SIZE, SyncTransport,
 };
 
 /// Whether `ch` may be in a `[conntrackd]` path: `[A-Za-z0-9._/-]`.
 pub(crate) fn plain_path_char(ch: char) -> bool {
     ch.is_ascii_alphanumeric() || matches!(ch, '.' | '_' | '/' | '-')
+}
+
+/// `conntrackd.transport`, before its addresses are validated.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    /// To one peer.
+    Unicast,
+    /// To a multicast group.
+    Multicast,
 }
 
 /// The largest `conntrackd.hash_size` accepted: 2^24 buckets is far past
@@ -65,31 +84,35 @@ impl Validator<'_> {
             let link = self.anycast_link(c, span.clone())?;
             return self.conntrackd_settings(c, span, specs, Some(announce), link);
         };
-        if k.peers.len() != 1 {
-            self.problem(
-                Some(span.clone()),
-                "conntrackd",
-                format!(
-                    "keepalived.peers lists {} hosts; conntrackd's UDP sync reaches one peer, so a VIP moving to another host would find none of its flows there: sync two hosts only (one peer), or remove [conntrackd]",
-                    k.peers.len()
-                ),
-            );
-        }
+        let default = if k.peers.len() == 1 {
+            Kind::Unicast
+        } else {
+            Kind::Multicast
+        };
+        let kind = self.transport_kind(c, default);
         let address = self.sync_v4(&c.address, "conntrackd.address", k.address);
-        let peer = self.sync_v4(
-            &c.peer,
-            "conntrackd.peer",
-            k.peers.first().copied().unwrap_or(k.address),
-        );
-        if let (Some(a), Some(p)) = (address, peer)
-            && a == p
-        {
-            self.problem(
-                c.peer.as_ref().or(c.address.as_ref()).map(Spanned::span),
-                "conntrackd.peer",
-                format!("{p} is also conntrackd.address, this host's own; write the other host's address on the sync link"),
-            );
-        }
+        let transport = match kind? {
+            Kind::Unicast if k.peers.len() != 1 => {
+                self.problem(
+                    c.transport.as_ref().map(Spanned::span).or(Some(span.clone())),
+                    "conntrackd.transport",
+                    format!(
+                        "\"unicast\" reaches one peer, and keepalived.peers lists {} hosts: a VIP moving to another host would find none of its flows there; write transport = \"multicast\" (the default with more than one peer: every host gets every update)",
+                        k.peers.len()
+                    ),
+                );
+                None
+            }
+            Kind::Unicast => {
+                let peer = self.sync_v4(
+                    &c.peer,
+                    "conntrackd.peer",
+                    k.peers.first().copied().unwrap_or(k.address),
+                );
+                self.unicast_transport(c, address, peer)
+            }
+            Kind::Multicast => self.multicast_transport(c),
+        };
         let interface = match &c.interface {
             None => {
                 match super::names::conntrackd_interface_problem(&k.interface) {
@@ -106,8 +129,8 @@ impl Validator<'_> {
             }
             Some(i) => self.sync_interface(i),
         };
-        let (interface, address, peer) = (interface?, address?, peer?);
-        self.conntrackd_settings(c, span, specs, None, (interface, address, peer))
+        let (interface, address, transport) = (interface?, address?, transport?);
+        self.conntrackd_settings(c, span, specs, None, (interface, address, transport))
     }
 
     /// The keys of `[conntrackd]` both modes share, and the settings.
@@ -117,7 +140,7 @@ impl Validator<'_> {
         span: std::ops::Range<usize>,
         specs: &[Option<LoadBalancerSpec>],
         anycast: Option<&AnnounceSettings>,
-        (interface, address, peer): (String, Ipv4Addr, Ipv4Addr),
+        (interface, address, transport): (String, Ipv4Addr, SyncTransport),
     ) -> Option<ConntrackdSettings> {
         let port = self.int(
             &c.port,
@@ -252,7 +275,7 @@ impl Validator<'_> {
         Some(ConntrackdSettings {
             interface,
             address,
-            peer,
+            transport,
             port: u16::try_from(port).ok().filter(|p| *p != 0)?,
             config_path,
             notify_script,
@@ -267,32 +290,39 @@ impl Validator<'_> {
 
     /// The sync link of the anycast mode (`[conntrackd]` with `vip.announce
     /// = "routes"` and no `[keepalived]`): every flow's state injected into
-    /// the other host's kernel table as it changes (conntrackd's
+    /// the other hosts' kernel tables as it changes (conntrackd's
     /// `DisableExternalCache`), so the replies the router sends there and
     /// the flows a withdrawal moves there find their NAT binding. Nothing
     /// defaults the link here (there is no `[keepalived]` to take it
-    /// from): `interface`, `address` and `peer` are required.
+    /// from): `interface` and `address` are required, and `peer` with the
+    /// unicast transport (the default when `peer` is set; multicast, for
+    /// any number of hosts, otherwise).
     fn anycast_link(
         &mut self,
         c: &FileConntrackd,
         span: std::ops::Range<usize>,
-    ) -> Option<(String, Ipv4Addr, Ipv4Addr)> {
+    ) -> Option<(String, Ipv4Addr, SyncTransport)> {
+        let default = if c.peer.is_some() {
+            Kind::Unicast
+        } else {
+            Kind::Multicast
+        };
+        let kind = self.transport_kind(c, default);
         let mut missing = Vec::new();
-        for (key, value) in [
-            ("interface", &c.interface),
-            ("address", &c.address),
-            ("peer", &c.peer),
-        ] {
+        for (key, value) in [("interface", &c.interface), ("address", &c.address)] {
             if value.is_none() {
                 missing.push(key);
             }
+        }
+        if kind == Some(Kind::Unicast) && c.peer.is_none() {
+            missing.push("peer");
         }
         if !missing.is_empty() {
             self.problem(
                 Some(span),
                 "conntrackd",
                 format!(
-                    "without [keepalived] (the anycast sync between two announcing hosts) conntrackd.{} must be set: nothing to take the sync link from; e.g. interface = \"eth1\", address = \"10.99.0.1\" (this host), peer = \"10.99.0.2\" (the other host: one peer, so two hosts only)",
+                    "without [keepalived] (the anycast sync between announcing hosts) conntrackd.{} must be set: nothing to take the sync link from; e.g. interface = \"eth1\", address = \"10.99.0.1\" (this host), and either peer = \"10.99.0.2\" (the other host: unicast, two hosts only) or transport = \"multicast\" (any number of hosts)",
                     missing.join(", conntrackd.")
                 ),
             );
@@ -301,18 +331,97 @@ impl Validator<'_> {
         let interface = self.sync_interface(c.interface.as_ref()?);
         let unspecified = IpAddr::V4(Ipv4Addr::UNSPECIFIED);
         let address = self.sync_v4(&c.address, "conntrackd.address", unspecified);
-        let peer = self.sync_v4(&c.peer, "conntrackd.peer", unspecified);
-        if let (Some(a), Some(p)) = (address, peer)
-            && a == p
-        {
+        let transport = match kind? {
+            Kind::Unicast => {
+                let peer = self.sync_v4(&c.peer, "conntrackd.peer", unspecified);
+                self.unicast_transport(c, address, peer)
+            }
+            Kind::Multicast => self.multicast_transport(c),
+        };
+        Some((interface?, address?, transport?))
+    }
+
+    /// `conntrackd.transport`, or `default` when absent; `None` (reported)
+    /// when it is neither word.
+    fn transport_kind(&mut self, c: &FileConntrackd, default: Kind) -> Option<Kind> {
+        let Some(value) = &c.transport else {
+            return Some(default);
+        };
+        match value.get_ref().as_str() {
+            "unicast" => Some(Kind::Unicast),
+            "multicast" => Some(Kind::Multicast),
+            other => {
+                self.problem(
+                    Some(value.span()),
+                    "conntrackd.transport",
+                    format!("{other:?} is not a transport; write \"unicast\" (to one peer: two hosts) or \"multicast\" (to conntrackd.multicast_group: any number of hosts)"),
+                );
+                None
+            }
+        }
+    }
+
+    /// The unicast transport to `peer`, which is not this host; a
+    /// `multicast_group` is warned about (unused).
+    fn unicast_transport(
+        &mut self,
+        c: &FileConntrackd,
+        address: Option<Ipv4Addr>,
+        peer: Option<Ipv4Addr>,
+    ) -> Option<SyncTransport> {
+        if let Some(g) = &c.multicast_group {
+            self.warning(
+                Some(g.span()),
+                "conntrackd.multicast_group",
+                "has no effect with the unicast transport (conntrackd.transport, or its default with one peer); remove it, or write transport = \"multicast\"".into(),
+            );
+        }
+        let peer = peer?;
+        if address == Some(peer) {
             self.problem(
-                c.peer.as_ref().map(Spanned::span),
+                c.peer.as_ref().or(c.address.as_ref()).map(Spanned::span),
                 "conntrackd.peer",
-                format!("{p} is also conntrackd.address, this host's own; write the other host's address on the sync link"),
+                format!("{peer} is also conntrackd.address, this host's own; write the other host's address on the sync link"),
             );
             return None;
         }
-        Some((interface?, address?, peer?))
+        Some(SyncTransport::Unicast { peer })
+    }
+
+    /// The multicast transport to `conntrackd.multicast_group` (default
+    /// [`DEFAULT_MULTICAST_GROUP`]); a `peer` is warned about (unused).
+    fn multicast_transport(&mut self, c: &FileConntrackd) -> Option<SyncTransport> {
+        if let Some(p) = &c.peer {
+            self.warning(
+                Some(p.span()),
+                "conntrackd.peer",
+                "has no effect with the multicast transport: every host on the sync link that joined conntrackd.multicast_group gets the updates; remove it, or write transport = \"unicast\" (two hosts only)".into(),
+            );
+        }
+        let Some(value) = &c.multicast_group else {
+            return Some(SyncTransport::Multicast {
+                group: DEFAULT_MULTICAST_GROUP,
+            });
+        };
+        let key = "conntrackd.multicast_group";
+        let why = match self.ip(value, format_args!("{key}"))? {
+            IpAddr::V6(_) => {
+                "is IPv6; conntrackd's sync is rendered for IPv4 only: write an IPv4 group (224.0.0.0/4), e.g. 225.0.0.50"
+            }
+            IpAddr::V4(g) if !g.is_multicast() => {
+                "is not a multicast group (224.0.0.0/4); write one every host of the sync link joins, e.g. 225.0.0.50"
+            }
+            IpAddr::V4(g) if g.octets()[..3] == [224, 0, 0] => {
+                "is in 224.0.0.0/24, the local network control block (VRRP's adverts are 224.0.0.18, OSPF's, IGMP's…): switches flood it to every port whatever their snooping; write another group, e.g. 225.0.0.50"
+            }
+            IpAddr::V4(group) => return Some(SyncTransport::Multicast { group }),
+        };
+        self.problem(
+            Some(value.span()),
+            key,
+            format!("{} {why}", value.get_ref()),
+        );
+        None
     }
 
     /// `conntrackd.interface`: a name the kernel takes and conntrackd's
@@ -368,8 +477,8 @@ impl Validator<'_> {
 
 #[cfg(test)]
 mod tests {
-    use crate::config::parse;
     use crate::config::test_fixtures::{ANYCAST, ANYCAST_SYNC, KEEPALIVED, VLAN100, db, problems};
+    use crate::config::{SyncTransport, parse};
 
     /// Host "a" of a keepalived pair with "default/db" on "vlan100": the
     /// kernel listener "pg" (5432 to 30432, `source_nat = "none"`).
@@ -393,7 +502,12 @@ backends = ["10.100.0.21", "10.100.0.22"]
         let c = loaded.config.conntrackd.expect("conntrackd");
         assert_eq!(c.interface, "mgmt0");
         assert_eq!(c.address.to_string(), "192.168.0.11");
-        assert_eq!(c.peer.to_string(), "192.168.0.12");
+        assert_eq!(
+            c.transport,
+            SyncTransport::Unicast {
+                peer: "192.168.0.12".parse().unwrap()
+            }
+        );
         assert_eq!((c.port, c.hash_size), (3780, 32_768));
         assert_eq!(
             c.config_path.to_str(),
@@ -408,9 +522,92 @@ backends = ["10.100.0.21", "10.100.0.22"]
         .conntrackd
         .unwrap();
         assert_eq!(
-            (dedicated.interface.as_str(), dedicated.peer.to_string()),
+            (
+                dedicated.interface.as_str(),
+                dedicated.transport.destination().to_string()
+            ),
             ("sync0", "10.99.0.2".to_string())
         );
+    }
+
+    /// Three hosts (two keepalived peers): multicast to the default group
+    /// on the same link, with no key written; unicast asked for is refused
+    /// with the remedy; multicast asked for with one peer is taken.
+    #[test]
+    fn more_than_one_peer_syncs_over_multicast() {
+        let three = base().replace("[\"192.168.0.12\"]", "[\"192.168.0.12\", \"192.168.0.13\"]");
+        let loaded = parse(&format!("{three}\n[conntrackd]\n")).expect("valid");
+        assert!(loaded.warnings.is_empty(), "{:?}", loaded.warnings);
+        let c = loaded.config.conntrackd.expect("conntrackd");
+        assert_eq!(
+            (
+                c.transport,
+                c.interface.as_str(),
+                c.address.to_string(),
+                c.port
+            ),
+            (
+                SyncTransport::Multicast {
+                    group: "225.0.0.50".parse().unwrap()
+                },
+                "mgmt0",
+                "192.168.0.11".to_string(),
+                3780
+            )
+        );
+        let text = format!("{three}\n[conntrackd]\ntransport = \"unicast\"\n");
+        let line = text.lines().count();
+        let p = problems(&text);
+        assert!(
+            p.iter().any(|p| p.key == "conntrackd.transport"
+                && p.line == Some(line)
+                && p.message.contains("lists 2 hosts")
+                && p.message.contains("transport = \"multicast\"")),
+            "{p:?}"
+        );
+        let two = parse(&format!(
+            "{}\n[conntrackd]\ntransport = \"multicast\"\nmulticast_group = \"239.192.0.7\"\n",
+            base()
+        ))
+        .expect("valid");
+        assert!(two.warnings.is_empty(), "{:?}", two.warnings);
+        assert_eq!(
+            two.config.conntrackd.unwrap().transport,
+            SyncTransport::Multicast {
+                group: "239.192.0.7".parse().unwrap()
+            }
+        );
+    }
+
+    /// A key the chosen transport does not use is a warning naming it.
+    #[test]
+    fn the_other_transport_s_key_is_warned_about() {
+        let three = base().replace("[\"192.168.0.12\"]", "[\"192.168.0.12\", \"192.168.0.13\"]");
+        for (text, key, says) in [
+            (
+                format!("{three}\n[conntrackd]\npeer = \"192.168.0.12\"\n"),
+                "conntrackd.peer",
+                "no effect with the multicast transport",
+            ),
+            (
+                format!(
+                    "{}\n[conntrackd]\nmulticast_group = \"225.0.0.51\"\n",
+                    base()
+                ),
+                "conntrackd.multicast_group",
+                "no effect with the unicast transport",
+            ),
+        ] {
+            let loaded = parse(&text).expect("valid");
+            assert!(
+                loaded
+                    .warnings
+                    .iter()
+                    .any(|w| w.key == key && w.message.contains(says)),
+                "{key}: {:?}",
+                loaded.warnings
+            );
+        }
     }
 
     /// Issue 40, defect 10: `state_directory = "/x;id>/tmp/f;:"` passed
@@ -502,6 +699,31 @@ backends = ["10.100.0.21", "10.100.0.22"]
             ),
             ("port = 0\n", "conntrackd.port", "1..=65535"),
             ("multicast = true\n", "conntrackd.multicast", "unknown key"),
+            (
+                "transport = \"broadcast\"\n",
+                "conntrackd.transport",
+                "\"unicast\" (to one peer: two hosts) or \"multicast\"",
+            ),
+            (
+                "transport = \"multicast\"\nmulticast_group = \"10.0.0.1\"\n",
+                "conntrackd.multicast_group",
+                "10.0.0.1 is not a multicast group",
+            ),
+            (
+                "transport = \"multicast\"\nmulticast_group = \"224.0.0.18\"\n",
+                "conntrackd.multicast_group",
+                "local network control block",
+            ),
+            (
+                "transport = \"multicast\"\nmulticast_group = \"ff02::1\"\n",
+                "conntrackd.multicast_group",
+                "IPv4 only",
+            ),
+            (
+                "transport = \"multicast\"\nmulticast_group = \"group\"\n",
+                "conntrackd.multicast_group",
+                "not an IPv4 or IPv6 address",
+            ),
         ];
         for (line, key, says) in cases {
             let p = problems(&format!("{}\n[conntrackd]\n{line}", base()));
@@ -510,14 +732,6 @@ backends = ["10.100.0.21", "10.100.0.22"]
                 "{line}: {p:?}"
             );
         }
-        // Three hosts: one peer cannot hold a VIP's flows for both others.
-        let three = base().replace("[\"192.168.0.12\"]", "[\"192.168.0.12\", \"192.168.0.13\"]");
-        let p = problems(&format!("{three}\n[conntrackd]\n"));
-        assert!(
-            p.iter()
-                .any(|p| p.key == "conntrackd" && p.message.contains("one peer")),
-            "{p:?}"
-        );
         // No keepalived: nothing moves.
         let alone = "[conntrackd]\n";
         let p = problems(alone);
@@ -558,12 +772,14 @@ backends = ["10.100.0.21", "10.100.0.22"]
         assert!(loaded.warnings.is_empty(), "{:?}", loaded.warnings);
         let c = loaded.config.conntrackd.expect("conntrackd");
         assert_eq!(
+            (c.interface.as_str(), c.address.to_string(), c.transport),
             (
-                c.interface.as_str(),
-                c.address.to_string(),
-                c.peer.to_string()
-            ),
-            ("eth1", "10.99.0.1".to_string(), "10.99.0.2".to_string())
+                "eth1",
+                "10.99.0.1".to_string(),
+                SyncTransport::Unicast {
+                    peer: "10.99.0.2".parse().unwrap()
+                }
+            )
         );
         // Masquerade with the sync: a warning that says to use "vip".
         let masq = parse(&format!(
@@ -583,13 +799,37 @@ backends = ["10.100.0.21", "10.100.0.22"]
 
     #[test]
     fn the_anycast_sync_names_what_it_lacks() {
-        // No link to default from: all three keys are required.
+        // No link to default from: the interface and address are
+        // required, and the peer with unicast.
+        let p = problems(&format!(
+            "{ANYCAST}\n[conntrackd]\ntransport = \"unicast\"\n"
+        ));
+        assert!(
+            p.iter().any(|p| p.key == "conntrackd"
+                && p.message.contains(
+                    "conntrackd.interface, conntrackd.address, conntrackd.peer must be set"
+                )),
+            "{p:?}"
+        );
         let p = problems(&format!("{ANYCAST}\n[conntrackd]\ninterface = \"eth1\"\n"));
         assert!(
             p.iter().any(|p| p.key == "conntrackd"
+                && p.message.contains("conntrackd.address must be set")
                 && p.message
-                    .contains("conntrackd.address, conntrackd.peer must be set")),
+                    .contains("transport = \"multicast\" (any number of hosts)")),
             "{p:?}"
+        );
+        // No peer: multicast among any number of announcing hosts.
+        let multicast = parse(&format!(
+            "{ANYCAST}\n[conntrackd]\ninterface = \"eth1\"\naddress = \"10.99.0.1\"\n"
+        ))
+        .expect("valid");
+        assert!(multicast.warnings.is_empty(), "{:?}", multicast.warnings);
+        assert_eq!(
+            multicast.config.conntrackd.unwrap().transport,
+            SyncTransport::Multicast {
+                group: "225.0.0.50".parse().unwrap()
+            }
         );
         // Neither keepalived nor announcing: nothing moves.
         let alone = ANYCAST.replace("announce = \"routes\"\n", "");
