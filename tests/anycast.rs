@@ -13,8 +13,8 @@ use std::net::{IpAddr, SocketAddr};
 use std::time::Duration;
 
 use netns::anycast_hosts::{
-    announcing, echo_traffic, listeners_forwarding, run_conntrackd, start_synced, udp_traffic,
-    wait_synced_ready,
+    announcing, echo_traffic, listeners_forwarding, run_conntrackd, start_synced, udp_flow,
+    udp_traffic, wait_kernel_listeners, wait_synced_ready,
 };
 use netns::bgp::{BgpBed, PORT, Speaker, VIP};
 
@@ -903,16 +903,7 @@ async fn moved_flows(tag: &str, algorithm: &str) -> Moved {
     }
     bed.wait_nexthops(&[1, 2], Duration::from_secs(30)).await;
     for i in 1..=2 {
-        let d = bed.host(i).daemon();
-        netns::wait_for(
-            Duration::from_secs(15),
-            "both listeners forwarded by the kernel",
-            || async {
-                let s = d.status().await;
-                (listeners_forwarding(&s, "kernel") == 2).then_some(())
-            },
-        )
-        .await;
+        wait_kernel_listeners(&bed, i).await;
     }
     // The backends greet with their index: which backend each took.
     let mut conns = bed.open_long(vip(), 40).await;
@@ -944,16 +935,7 @@ async fn moved_flows(tag: &str, algorithm: &str) -> Moved {
     );
     let mut udp = Vec::new();
     for _ in 0..20 {
-        let s = netns::bgp::udp_socket(&bed.client, "0.0.0.0:0".parse().expect("addr"));
-        s.connect(vip()).await.expect("connect UDP");
-        let mut backend = None;
-        for _ in 0..3 {
-            backend = netns::bgp::udp_ask(&s).await;
-            if backend.is_some() {
-                break;
-            }
-        }
-        udp.push((s, backend.expect("a UDP flow got no answer")));
+        udp.push(udp_flow(&bed, vip()).await);
     }
 
     let udp_on1 = bed.host(1).flows("udp");
@@ -1181,16 +1163,7 @@ async fn kept_flows(tag: &str) -> Kept {
         .collect();
     let mut udp = Vec::new();
     for _ in 0..8 {
-        let s = netns::bgp::udp_socket(&bed.client, "0.0.0.0:0".parse().expect("addr"));
-        s.connect(vip()).await.expect("connect UDP");
-        let mut backend = None;
-        for _ in 0..3 {
-            backend = netns::bgp::udp_ask(&s).await;
-            if backend.is_some() {
-                break;
-            }
-        }
-        udp.push((s, backend.expect("a UDP flow got no answer")));
+        udp.push(udp_flow(&bed, vip()).await);
     }
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let tcp_tasks: Vec<_> = conns

@@ -230,16 +230,38 @@ pub fn filter_addresses(config: &Config) -> Vec<Ipv4Addr> {
     a
 }
 
-/// The anycast mode's lines in `Mode FTFW`: every flow's state, as it
-/// changes, goes straight into the other host's kernel table (conntrack-
-/// tools' Active-Active setup), not into an external cache waiting for a
-/// commit; injected TCP entries are marked liberal (no window tracking)
-/// by conntrackd itself. No `DisableInternalCache`: FTFW needs the
-/// internal cache to resend what the peer missed and to answer its resync
-/// (`StartupResync`); conntrackd accepts that key in NOTRACK mode only.
-const ANYCAST_FTFW: &str = "\t\t# Anycast: both hosts carry flows and the router spreads their packets,\n\
-     \t\t# so each flow's state is injected into the peer's kernel table at once.\n\
+/// The anycast mode's lines in its `Mode` block ([`sync_mode`]): every
+/// flow's state, as it changes, goes straight into the other hosts' kernel
+/// tables (conntrack-tools' Active-Active setup), not into an external
+/// cache waiting for a commit; injected TCP entries are marked liberal (no
+/// window tracking) by conntrackd itself. No `DisableInternalCache`: FTFW
+/// needs the internal cache to resend what a peer missed, and both modes
+/// answer a restarted host's resync (`StartupResync`) from it.
+const ANYCAST_FTFW: &str = "\t\t# Anycast: every host carries flows and the router spreads their packets,\n\
+     \t\t# so each flow's state is injected into the other hosts' kernel tables at once.\n\
      \t\tDisableExternalCache On\n";
+
+/// conntrackd's sync mode: `FTFW` (acknowledged and resent), except in
+/// the anycast mode over multicast, which is `NOTRACK` (best effort).
+///
+/// Why: an FTFW receiver keeps one expected sequence number for all it
+/// hears and drops a message numbered before it ("we don't accept delayed
+/// packets"): on one multicast group with several hosts sending, the
+/// messages of whichever host's counter is behind are dropped. In the
+/// keepalived mode one host sends at a time per VIP; in the anycast mode
+/// every host sends all the time, and over three hosts a flow's state
+/// change on the host its replies crossed never reached the host its
+/// client's packets came by (measured in `tests/anycast_hosts.rs`: 7 of 12
+/// new connections hung in the handshake, the client's ACK dropped as
+/// `invalid` by a host still in SYN_SENT). NOTRACK takes every message as
+/// it comes; on a sync link that loses nothing that is the whole state.
+/// Unicast keeps FTFW: one peer, one sequence.
+fn sync_mode(config: &Config) -> &'static str {
+    match config.conntrackd.as_ref().map(|c| &c.transport) {
+        Some(SyncTransport::Multicast { .. }) if anycast(config) => "NOTRACK",
+        _ => "FTFW",
+    }
+}
 
 /// Whether `[conntrackd]` runs in the anycast mode (no `[keepalived]`: its
 /// validation requires `vip.announce = "routes"` then): both hosts hold
@@ -399,7 +421,7 @@ pub fn render_conf(config: &Config) -> Option<String> {
          # {doc}. conntrackd reads it\n\
          # only at start: control it with `conntrackd -C {conf} ...`.\n\
          Sync {{\n\
-         \tMode FTFW {{\n\
+         \tMode {mode} {{\n\
          \t\tPurgeTimeout 15\n\
          \t\tStartupResync on\n\
          {anycast_ftfw}\
@@ -442,6 +464,7 @@ pub fn render_conf(config: &Config) -> Option<String> {
         log = c.log_file.display(),
         lock = c.lock_file.display(),
         socket = c.socket.display(),
+        mode = sync_mode(config),
         anycast_ftfw = if anycast(config) { ANYCAST_FTFW } else { "" },
     );
     let addresses = if anycast(config) {
@@ -974,6 +997,39 @@ backends = ["{backend}"]
             assert!(conf.contains(want), "{want:?} not in\n{conf}");
         }
         assert!(!conf.contains("IPv4_Destination_Address"), "{conf}");
+    }
+
+    /// The anycast mode over multicast syncs in NOTRACK (every host sends
+    /// all the time, and an FTFW receiver drops the messages of whichever
+    /// sender's sequence is behind); over unicast, and the keepalived
+    /// mode, stay FTFW.
+    #[test]
+    fn the_anycast_mode_over_multicast_syncs_in_notrack() {
+        let mode = |text: &str| {
+            let config = parse(text).expect("valid").config;
+            let conf = render_conf(&config).unwrap();
+            let mode = conf
+                .lines()
+                .find_map(|l| l.trim().strip_prefix("Mode "))
+                .map(|m| m.trim_end_matches(" {").to_string());
+            (mode, conf.contains("DisableExternalCache On"))
+        };
+        let multicast = format!(
+            "{ANYCAST}{}",
+            ANYCAST_SYNC.replace("peer = \"10.99.0.2\"\n", "transport = \"multicast\"\n")
+        );
+        assert_eq!(mode(&multicast), (Some("NOTRACK".into()), true));
+        assert_eq!(
+            mode(&format!("{ANYCAST}{ANYCAST_SYNC}")),
+            (Some("FTFW".into()), true)
+        );
+        let three = keepalived_text()
+            .replace(
+                "peers = [\"192.168.0.12\"]",
+                "peers = [\"192.168.0.12\", \"192.168.0.13\"]",
+            )
+            .replace("peer = \"10.99.0.2\"\n", "");
+        assert_eq!(mode(&three), (Some("FTFW".into()), false));
     }
 
     #[test]

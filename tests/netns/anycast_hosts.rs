@@ -114,9 +114,9 @@ pub fn run_conntrackd(bed: &BgpBed, i: usize, conf: &std::path::Path) -> Conntra
     Conntrackd::run(&h.ns, conf, &out)
 }
 
-/// Waits until host `i`'s daemon forwards both listeners by the kernel,
-/// its conntrackd `ctd` answers, and its `/status` says conntrackd is up.
-pub async fn wait_synced_ready(bed: &BgpBed, i: usize, ctd: &Conntrackd) {
+/// Waits until host `i`'s daemon forwards both listeners (TCP and UDP)
+/// by the kernel.
+pub async fn wait_kernel_listeners(bed: &BgpBed, i: usize) {
     let d = bed.host(i).daemon();
     super::wait_for(
         Duration::from_secs(15),
@@ -127,6 +127,26 @@ pub async fn wait_synced_ready(bed: &BgpBed, i: usize, ctd: &Conntrackd) {
         },
     )
     .await;
+}
+
+/// A fixed-port UDP flow from the client to `vip`: its socket and the
+/// backend that answered its first datagram (asked up to three times).
+pub async fn udp_flow(bed: &BgpBed, vip: std::net::SocketAddr) -> (UdpSocket, usize) {
+    let s = super::bgp::udp_socket(&bed.client, "0.0.0.0:0".parse().expect("addr"));
+    s.connect(vip).await.expect("connect UDP");
+    for _ in 0..3 {
+        if let Some(backend) = super::bgp::udp_ask(&s).await {
+            return (s, backend);
+        }
+    }
+    panic!("a UDP flow got no answer")
+}
+
+/// Waits until host `i`'s daemon forwards both listeners by the kernel,
+/// its conntrackd `ctd` answers, and its `/status` says conntrackd is up.
+pub async fn wait_synced_ready(bed: &BgpBed, i: usize, ctd: &Conntrackd) {
+    wait_kernel_listeners(bed, i).await;
+    let d = bed.host(i).daemon();
     super::wait_for(Duration::from_secs(15), "conntrackd answers", || async {
         ctd.control(&["-s"]).map(|_| ())
     })
