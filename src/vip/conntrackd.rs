@@ -4,9 +4,9 @@
 //! (docs/vip.md, "Open connections across a VIP's move").
 //!
 //! Without `[keepalived]` (and with `vip.announce = "routes"`), the
-//! **anycast mode** ([`anycast`]): the two announcing hosts carry flows at
-//! once and the router spreads each flow's packets and replies over both,
-//! so conntrackd injects every flow into the peer's kernel table as it
+//! **anycast mode** ([`anycast`]): the announcing hosts carry flows at
+//! once and the router spreads each flow's packets and replies over all,
+//! so conntrackd injects every flow into the others' kernel tables as it
 //! changes (`DisableExternalCache On`), syncs the backends of announced
 //! VIPs' kernel listeners ([`anycast_addresses`]), runs under its own
 //! systemd unit (`Systemd on`), and has no notify script; the daemon's
@@ -22,7 +22,8 @@
 //!   unicast to the one peer of two hosts, or over multicast
 //!   (`conntrackd.transport`) to a group every host joins, for three and
 //!   more (a second `UDP` block is a redundant link, not a second peer:
-//!   notes/conntrackd-three-hosts.md). Socket buffers of 1.2 MB as conntrack-tools'
+//!   notes/conntrackd-three-hosts.md); the anycast mode over multicast is
+//!   NOTRACK instead (`sync_mode`: every host sends at once). Socket buffers of 1.2 MB as conntrack-tools'
 //!   examples; `PurgeTimeout` 15 s (default 60): how long `-t` leaves the
 //!   entries of a host that lost its VIPs.
 //! - **Only our kernel listeners' flows**: `Filter From Userspace {
