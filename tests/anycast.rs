@@ -12,6 +12,10 @@ mod support;
 use std::net::{IpAddr, SocketAddr};
 use std::time::Duration;
 
+use netns::anycast_hosts::{
+    announcing, echo_traffic, listeners_forwarding, run_conntrackd, start_synced, udp_flow,
+    udp_traffic, wait_kernel_listeners, wait_synced_ready,
+};
 use netns::bgp::{BgpBed, PORT, Speaker, VIP};
 
 fn vip() -> SocketAddr {
@@ -331,15 +335,6 @@ async fn bgp_ipv6_vip_spreads_over_both_hosts() {
     assert_eq!(counts.get(&0), None, "failed connections: {counts:?}");
     assert!(counts.get(&1).copied().unwrap_or(0) >= 5, "{counts:?}");
     assert!(counts.get(&2).copied().unwrap_or(0) >= 5, "{counts:?}");
-}
-
-/// The `[vip]` body of a host that announces: rise after `delay` seconds,
-/// `grace` seconds between withdrawing at SIGTERM and draining.
-fn announcing(delay: u32, grace: u32) -> String {
-    format!(
-        "announce = \"routes\"\nannounce_prefixes = [\"198.51.100.0/24\", \"2001:db8:100::/64\"]\nannounce_interface = \"lo\"\nannounce_table = {}\nannounce_delay_seconds = {delay}\nwithdraw_grace_seconds = {grace}\n",
-        netns::bgp::TABLE
-    )
 }
 
 /// Starts both daemons announcing and waits for both nexthops at the router.
@@ -691,20 +686,6 @@ async fn bgp_a_killed_bird_takes_its_host_out_and_fails_nothing() {
     assert!(failed.is_empty(), "new connections failed: {failed:?}");
 }
 
-/// How many listeners of a `/status` document say `"forwarding": kind`.
-fn listeners_forwarding(status: &serde_json::Value, kind: &str) -> usize {
-    match status {
-        serde_json::Value::Object(m) => {
-            usize::from(m.get("forwarding").and_then(|f| f.as_str()) == Some(kind))
-                + m.values()
-                    .map(|v| listeners_forwarding(v, kind))
-                    .sum::<usize>()
-        }
-        serde_json::Value::Array(a) => a.iter().map(|v| listeners_forwarding(v, kind)).sum(),
-        _ => 0,
-    }
-}
-
 /// `forwarding = "kernel"` listeners announce as proxy ones do (issue 22):
 /// both hosts carry connections through the router, the kernel forwards
 /// them (its named counters count every one, the proxy accepts none), and
@@ -922,16 +903,7 @@ async fn moved_flows(tag: &str, algorithm: &str) -> Moved {
     }
     bed.wait_nexthops(&[1, 2], Duration::from_secs(30)).await;
     for i in 1..=2 {
-        let d = bed.host(i).daemon();
-        netns::wait_for(
-            Duration::from_secs(15),
-            "both listeners forwarded by the kernel",
-            || async {
-                let s = d.status().await;
-                (listeners_forwarding(&s, "kernel") == 2).then_some(())
-            },
-        )
-        .await;
+        wait_kernel_listeners(&bed, i).await;
     }
     // The backends greet with their index: which backend each took.
     let mut conns = bed.open_long(vip(), 40).await;
@@ -963,16 +935,7 @@ async fn moved_flows(tag: &str, algorithm: &str) -> Moved {
     );
     let mut udp = Vec::new();
     for _ in 0..20 {
-        let s = netns::bgp::udp_socket(&bed.client, "0.0.0.0:0".parse().expect("addr"));
-        s.connect(vip()).await.expect("connect UDP");
-        let mut backend = None;
-        for _ in 0..3 {
-            backend = netns::bgp::udp_ask(&s).await;
-            if backend.is_some() {
-                break;
-            }
-        }
-        udp.push((s, backend.expect("a UDP flow got no answer")));
+        udp.push(udp_flow(&bed, vip()).await);
     }
 
     let udp_on1 = bed.host(1).flows("udp");
@@ -1063,102 +1026,6 @@ async fn bgp_flow_hash_sends_moved_flows_to_the_same_backend() {
     // to line up (all or none, run by run): printed, not asserted.
 }
 
-/// Echo traffic on one held connection (see [`echo_traffic`]).
-#[derive(Debug, Default, Clone)]
-struct Echoes {
-    /// Lines written.
-    sent: u64,
-    /// Lines echoed back intact.
-    echoed: u64,
-    /// Whether the connection failed (reset, closed, a wrong echo, or no
-    /// echo within 10 s).
-    broken: bool,
-    /// The longest time between two echoes.
-    gap: Duration,
-}
-
-/// Writes a numbered line every 100 ms on `c` and reads its echo, until
-/// `stop` (or the connection fails); bounded (at most 3000 lines).
-async fn echo_traffic(
-    mut c: tokio::io::BufReader<tokio::net::TcpStream>,
-    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
-) -> Echoes {
-    use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
-    let mut e = Echoes::default();
-    let mut last = std::time::Instant::now();
-    for n in 0..3000u32 {
-        if stop.load(std::sync::atomic::Ordering::Relaxed) {
-            break;
-        }
-        let line = format!("line {n}\n");
-        let r = tokio::time::timeout(Duration::from_secs(10), async {
-            c.get_mut().write_all(line.as_bytes()).await?;
-            let mut got = String::new();
-            c.read_line(&mut got).await?;
-            Ok::<_, std::io::Error>(got)
-        })
-        .await;
-        e.sent += 1;
-        match r {
-            Ok(Ok(got)) if got == line => {
-                e.echoed += 1;
-                e.gap = e.gap.max(last.elapsed());
-                last = std::time::Instant::now();
-            }
-            _ => {
-                e.broken = true;
-                break;
-            }
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    e
-}
-
-/// One fixed-port UDP flow's traffic (see [`udp_traffic`]).
-#[derive(Debug, Default, Clone)]
-struct Datagrams {
-    /// Datagrams sent.
-    sent: u64,
-    /// Answered within 1 s.
-    answered: u64,
-    /// Answered by another backend than the first answer's.
-    other_backend: u64,
-    /// The longest time between two answers.
-    gap: Duration,
-}
-
-/// Sends a datagram every 100 ms on `s` (connected to the VIP) and reads
-/// the answer (its backend's index), until `stop`; bounded.
-async fn udp_traffic(
-    s: tokio::net::UdpSocket,
-    first: usize,
-    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
-) -> Datagrams {
-    let mut d = Datagrams::default();
-    let mut last = std::time::Instant::now();
-    let mut buf = [0u8; 64];
-    for _ in 0..3000 {
-        if stop.load(std::sync::atomic::Ordering::Relaxed) {
-            break;
-        }
-        d.sent += 1;
-        if s.send(b"hi").await.is_ok()
-            && let Ok(Ok(n)) = tokio::time::timeout(Duration::from_secs(1), s.recv(&mut buf)).await
-        {
-            d.answered += 1;
-            d.gap = d.gap.max(last.elapsed());
-            last = std::time::Instant::now();
-            let text = String::from_utf8_lossy(&buf[..n]).to_string();
-            if text.trim().strip_prefix('b').and_then(|i| i.parse().ok()) != Some(first) {
-                d.other_backend += 1;
-            }
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    d
-}
-
 /// What became of the flows across host 1's withdrawal and return with
 /// the anycast sync (see [`kept_flows`]).
 #[derive(Debug)]
@@ -1203,91 +1070,13 @@ async fn kept_flows(tag: &str) -> Kept {
     bed.route_replies_through_router();
     let mut syncs = Vec::new();
     for i in 1..=2 {
-        let h = bed.host_mut(i);
-        h.enable_forwarding();
-        // docs/many-hosts.md: the anycast sync needs liberal TCP window
-        // tracking on both hosts (a flow that comes back finds its own
-        // entry's windows behind).
-        netns::run(
-            "ip",
-            &[
-                "netns",
-                "exec",
-                &h.ns.name,
-                "sysctl",
-                "-q",
-                "-w",
-                "net.netfilter.nf_conntrack_tcp_be_liberal=1",
-            ],
-            None,
-        );
-        let path = h.write_shared_config(
-            &announcing(1, 1),
-            "algorithm = \"flow_hash\"",
-            "  forwarding = \"kernel\"\n  source_nat = \"vip\"\n",
-        );
-        let d = h.dir.clone();
-        let conf = d.join("conntrackd.conf");
-        let sync = format!(
-            "\n[conntrackd]\ninterface = \"eth0\"\naddress = \"{}\"\npeer = \"{}\"\nconfig_path = \"{}\"\nsocket = \"{}\"\nlock_file = \"{}\"\nlog_file = \"{}\"\n",
-            netns::bgp::host_ip(i),
-            netns::bgp::host_ip(3 - i),
-            conf.display(),
-            d.join("ctd.ctl").display(),
-            d.join("ctd.lock").display(),
-            d.join("ctd.log").display(),
-        );
-        let mut text = std::fs::read_to_string(&path).expect("read config");
-        text.push_str(&sync);
-        std::fs::write(&path, text).expect("write config");
-        h.start_daemon().await;
-        netns::wait_for(
-            Duration::from_secs(15),
-            "the daemon wrote conntrackd's file",
-            || {
-                let conf = conf.clone();
-                async move { conf.exists().then_some(()) }
-            },
-        )
-        .await;
-        let rendered = std::fs::read_to_string(&conf).expect("conntrackd.conf");
-        assert!(
-            rendered.contains("DisableExternalCache On"),
-            "not the anycast mode:\n{rendered}"
-        );
-        syncs.push(netns::keepalived::Conntrackd::run(
-            &h.ns,
-            &conf,
-            &d.join("conntrackd.out"),
-        ));
+        let peer = format!("peer = \"{}\"\n", netns::bgp::host_ip(3 - i));
+        let conf = start_synced(&mut bed, i, &peer).await;
+        syncs.push(run_conntrackd(&bed, i, &conf));
     }
     bed.wait_nexthops(&[1, 2], Duration::from_secs(30)).await;
     for i in 1..=2 {
-        let d = bed.host(i).daemon();
-        netns::wait_for(
-            Duration::from_secs(15),
-            "both listeners forwarded by the kernel",
-            || async {
-                let s = d.status().await;
-                (listeners_forwarding(&s, "kernel") == 2).then_some(())
-            },
-        )
-        .await;
-        let ctd = &syncs[i - 1];
-        netns::wait_for(Duration::from_secs(15), "conntrackd answers", || async {
-            ctd.control(&["-s"]).map(|_| ())
-        })
-        .await;
-        // The daemon reads conntrackd's statistics in this mode too.
-        netns::wait_for(
-            Duration::from_secs(30),
-            "/status conntrack_sync.conntrackd_up",
-            || async {
-                let s = d.status().await;
-                (s["conntrack_sync"]["conntrackd_up"] == true).then_some(())
-            },
-        )
-        .await;
+        wait_synced_ready(&bed, i, &syncs[i - 1]).await;
         // The anycast mode commits nothing: no gate table (the sync steps
         // that said conntrackd is up would have written it).
         let gate = std::process::Command::new("ip")
@@ -1374,16 +1163,7 @@ async fn kept_flows(tag: &str) -> Kept {
         .collect();
     let mut udp = Vec::new();
     for _ in 0..8 {
-        let s = netns::bgp::udp_socket(&bed.client, "0.0.0.0:0".parse().expect("addr"));
-        s.connect(vip()).await.expect("connect UDP");
-        let mut backend = None;
-        for _ in 0..3 {
-            backend = netns::bgp::udp_ask(&s).await;
-            if backend.is_some() {
-                break;
-            }
-        }
-        udp.push((s, backend.expect("a UDP flow got no answer")));
+        udp.push(udp_flow(&bed, vip()).await);
     }
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let tcp_tasks: Vec<_> = conns
@@ -1440,7 +1220,7 @@ async fn kept_flows(tag: &str) -> Kept {
         opened_during: (0, 0),
     };
     for (port, t) in ports.iter().zip(tcp_tasks) {
-        let e = t.await.expect("echo task");
+        let (_, e) = t.await.expect("echo task");
         let by_1 = carried_by_1.contains_key(port);
         if by_1 {
             kept.tcp.1 += 1;
@@ -1458,7 +1238,7 @@ async fn kept_flows(tag: &str) -> Kept {
         kept.gap = kept.gap.max(e.gap);
     }
     for t in during {
-        let e = t.await.expect("echo task");
+        let (_, e) = t.await.expect("echo task");
         kept.opened_during.0 += 1;
         kept.opened_during.1 += usize::from(e.broken);
         kept.lines.0 += e.sent;
@@ -1466,7 +1246,7 @@ async fn kept_flows(tag: &str) -> Kept {
         kept.gap = kept.gap.max(e.gap);
     }
     for t in udp_tasks {
-        let d = t.await.expect("udp task");
+        let (_, d) = t.await.expect("udp task");
         kept.udp.1 += d.sent;
         kept.udp.2 += d.sent - d.answered;
         kept.udp.3 += d.other_backend;

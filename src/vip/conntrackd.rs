@@ -4,9 +4,9 @@
 //! (docs/vip.md, "Open connections across a VIP's move").
 //!
 //! Without `[keepalived]` (and with `vip.announce = "routes"`), the
-//! **anycast mode** ([`anycast`]): the two announcing hosts carry flows at
-//! once and the router spreads each flow's packets and replies over both,
-//! so conntrackd injects every flow into the peer's kernel table as it
+//! **anycast mode** ([`anycast`]): the announcing hosts carry flows at
+//! once and the router spreads each flow's packets and replies over all,
+//! so conntrackd injects every flow into the others' kernel tables as it
 //! changes (`DisableExternalCache On`), syncs the backends of announced
 //! VIPs' kernel listeners ([`anycast_addresses`]), runs under its own
 //! systemd unit (`Systemd on`), and has no notify script; the daemon's
@@ -231,15 +231,15 @@ pub fn filter_addresses(config: &Config) -> Vec<IpAddr> {
     a
 }
 
-/// The anycast mode's lines in `Mode FTFW`: every flow's state, as it
-/// changes, goes straight into the other host's kernel table (conntrack-
-/// tools' Active-Active setup), not into an external cache waiting for a
-/// commit; injected TCP entries are marked liberal (no window tracking)
-/// by conntrackd itself. No `DisableInternalCache`: FTFW needs the
-/// internal cache to resend what the peer missed and to answer its resync
-/// (`StartupResync`); conntrackd accepts that key in NOTRACK mode only.
-const ANYCAST_FTFW: &str = "\t\t# Anycast: both hosts carry flows and the router spreads their packets,\n\
-     \t\t# so each flow's state is injected into the peer's kernel table at once.\n\
+/// The anycast mode's lines in its `Mode` block ([`sync_mode`]): every
+/// flow's state, as it changes, goes straight into the other hosts' kernel
+/// tables (conntrack-tools' Active-Active setup), not into an external
+/// cache waiting for a commit; injected TCP entries are marked liberal (no
+/// window tracking) by conntrackd itself. No `DisableInternalCache`: FTFW
+/// needs the internal cache to resend what a peer missed, and both modes
+/// answer a restarted host's resync (`StartupResync`) from it.
+const ANYCAST_FTFW: &str = "\t\t# Anycast: every host carries flows and the router spreads their packets,\n\
+     \t\t# so each flow's state is injected into the other hosts' kernel tables at once.\n\
      \t\tDisableExternalCache On\n";
 
 /// Whether `[conntrackd]` runs in the anycast mode (no `[keepalived]`: its
@@ -1098,6 +1098,41 @@ backends = ["{backend}"]
         ] {
             assert!(gate.contains(want), "{want:?} not in\n{gate}");
         }
+    }
+
+    /// The anycast mode over multicast syncs in NOTRACK (every host sends
+    /// all the time, and an FTFW receiver drops the messages of whichever
+    /// sender's sequence is behind), as the keepalived mode over
+    /// multicast does; over unicast it stays FTFW.
+    #[test]
+    fn the_anycast_mode_over_multicast_syncs_in_notrack() {
+        let mode = |text: &str| {
+            let config = parse(text).expect("valid").config;
+            let conf = render_conf(&config).unwrap();
+            let mode = conf
+                .lines()
+                .find_map(|l| l.trim().strip_prefix("Mode "))
+                .map(|m| m.trim_end_matches(" {").to_string());
+            (mode, conf.contains("DisableExternalCache On"))
+        };
+        let multicast = format!(
+            "{ANYCAST}{}",
+            ANYCAST_SYNC.replace("peer = \"10.99.0.2\"\n", "transport = \"multicast\"\n")
+        );
+        assert_eq!(mode(&multicast), (Some("NOTRACK".into()), true));
+        assert_eq!(
+            mode(&format!("{ANYCAST}{ANYCAST_SYNC}")),
+            (Some("FTFW".into()), true)
+        );
+        let three = keepalived_text()
+            .replace(
+                "peers = [\"192.168.0.12\"]",
+                "peers = [\"192.168.0.12\", \"192.168.0.13\"]",
+            )
+            .replace("peer = \"10.99.0.2\"\n", "");
+        // The keepalived mode over multicast is NOTRACK too (three masters
+        // send at once: `mode`).
+        assert_eq!(mode(&three), (Some("NOTRACK".into()), false));
     }
 
     #[test]

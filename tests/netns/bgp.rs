@@ -509,6 +509,8 @@ pub struct LbHost {
     pub frr: Option<Frr>,
     /// Its daemon, once started.
     pub daemon: Option<DaemonProc>,
+    /// How many hosts (and backends) the bed has.
+    pub hosts: usize,
 }
 
 impl LbHost {
@@ -571,7 +573,7 @@ impl LbHost {
     }
 
     /// Writes its daemon's config for a shared pool: one load balancer on
-    /// the IPv4 VIP with both hosts' backends (every host the same list),
+    /// the IPv4 VIP with every host's backend (every host the same list),
     /// TCP and UDP listeners on [`PORT`], each with `listener` lines added
     /// (as [`LbHost::write_config_with`]) and `lb` lines (e.g.
     /// `algorithm = "flow_hash"`) added to the load balancer.
@@ -581,7 +583,7 @@ impl LbHost {
             if lines.is_empty() { l } else { l.keys(lines) }
         };
         let mut pool = Lb::new("default/shared", IpAddr::V4(VIP))
-            .backends([IpAddr::V4(backend_ip(1)), IpAddr::V4(backend_ip(2))])
+            .backends((1..=self.hosts).map(|b| IpAddr::V4(backend_ip(b))))
             .listener(extra(Listener::new("tcp", PORT, BACKEND_PORT)))
             .listener(extra(Listener::new("udp", PORT, BACKEND_PORT).udp()))
             .health("  kind = \"tcp\"")
@@ -907,7 +909,20 @@ impl BgpBed {
     /// FRR, `vip_on_lo` makes the VIP local by an AnyIP route (as the daemon
     /// does), not an address: FRR announces nothing for an address on `lo`.
     pub async fn with_speaker(test: &str, vip_on_lo: bool, speaker: Speaker) -> BgpBed {
-        let n = 2;
+        Self::build(test, vip_on_lo, speaker, 2).await
+    }
+
+    /// The bed with `n` hosts (BIRD everywhere, the VIPs not on `lo`): the
+    /// router gets one session per host beyond the shipped config's two,
+    /// written as an operator adds them.
+    pub async fn hosts(test: &str, n: usize) -> BgpBed {
+        Self::build(test, false, Speaker::Bird, n).await
+    }
+
+    /// Builds the bed: `n` hosts and `n` backends (see [`BgpBed::new`] and
+    /// [`BgpBed::hosts`]).
+    async fn build(test: &str, vip_on_lo: bool, speaker: Speaker, n: usize) -> BgpBed {
+        assert!((2..=9).contains(&n), "{n} hosts: the bed numbers 2 to 9");
         let (tag, dir) = super::new_tag(test);
         let mut bed = BgpBed {
             router: Ns {
@@ -1004,6 +1019,7 @@ impl BgpBed {
                 bird: None,
                 frr: None,
                 daemon: None,
+                hosts: n,
             });
         }
         for i in 1..=n {
@@ -1020,7 +1036,17 @@ impl BgpBed {
         // The speaker: the router, then every host, from the shipped configs.
         match speaker {
             Speaker::Bird => {
-                let conf = bed.write("router.conf", &router_config());
+                let mut conf = router_config();
+                // The shipped config has sessions for two hosts; an
+                // operator adds one pair per further host, as here.
+                for i in 3..=n {
+                    conf.push_str(&format!(
+                        "protocol bgp lb{i} from lbhost4 {{ neighbor {} as HOST_AS; }}\nprotocol bgp lb{i}_v6 from lbhost6 {{ neighbor {} as HOST_AS; }}\n",
+                        host_ip(i),
+                        host_ip6(i)
+                    ));
+                }
+                let conf = bed.write("router.conf", &conf);
                 bed.router_bird = Some(Bird::spawn(&bed.router, &conf, &bed.dir, "router"));
                 for i in 1..=n {
                     bed.start_host_bird(i);

@@ -22,6 +22,7 @@
 
 #![allow(dead_code, unsafe_code)]
 
+pub mod anycast_hosts;
 pub mod bgp;
 pub mod keepalived;
 pub mod peers;
