@@ -5,18 +5,21 @@
 #   1. `rpm -qip`: name, version (Cargo.toml's), release, architecture,
 #      license and summary;
 #   2. `rpm -qlp`: exactly the expected files, with their modes and owner;
-#      the config is the one %config(noreplace) file;
+#      base.toml is the one %config(noreplace) file (the imported
+#      config.toml is no package's: an upgrade never asks about it);
 #   3. every file in the payload is byte for byte its source in the tree;
 #   4. the package's drop-ins run the unit's own command lines, with
 #      /usr/local/bin changed to /usr/bin and nothing else;
 #   5. the units as installed (unit + package drop-in, binary at /usr/bin)
 #      pass `systemd-analyze verify` silently, and the installed binary
-#      accepts the installed example config (`harvester-lb check`);
+#      accepts the installed example config (`harvester-lb check`) and
+#      the shipped base.toml;
 #   6. install, upgrade and removal with `rpm --root` into a scratch root:
-#      an edited config survives the upgrade untouched and is kept as
-#      .rpmsave on removal; the scriptlets parse (`sh -n`);
+#      an edited base.toml survives the upgrade untouched and is kept as
+#      .rpmsave on removal, an imported config.toml is never touched and
+#      gets no .rpmnew; the scriptlets parse (`sh -n`);
 #   7. the same package as a .deb (cargo-deb, `dpkg-deb -I/-c`): the same
-#      files, the config the one conffile, the maintainer scripts in it;
+#      files, base.toml the one conffile, the maintainer scripts in it;
 #   8. (in 1 and 7) what the daemon runs is declared: Recommends nftables
 #      and /etc/protocols (RPM), nftables and netbase (.deb).
 #
@@ -114,7 +117,8 @@ step "rpm -qlp"
 # dest <- source, for every file the package must hold.
 declare -A source_of=(
     [/usr/bin/harvester-lb]=$bin
-    [/etc/harvester-lb/config.toml]=config/harvester-lb.toml
+    [/etc/harvester-lb/base.toml]=config/base.toml
+    [/usr/share/harvester-lb/config.toml.example]=config/harvester-lb.toml
     [/usr/lib/systemd/system/harvester-lb.service]=systemd/harvester-lb.service
     [/usr/lib/systemd/system/harvester-lb.service.d/10-package.conf]=packaging/systemd/harvester-lb.service.d/10-package.conf
     [/usr/lib/systemd/system/harvester-lb-import.service]=systemd/harvester-lb-import.service
@@ -166,8 +170,8 @@ while read -r mode _ owner group _ _ _ _ path; do
     [[ $mode == "$want" && $owner == root && $group == root ]] || bad "$path is $mode $owner:$group, want $want root:root"
 done < <(rpm -qlvp "$pkg" 2>/dev/null)
 configs=$(rpm -qp --qf '[%{FILENAMES} %{FILEFLAGS:fflags}\n]' "$pkg" 2>/dev/null | awk '$2 ~ /c/')
-[[ $configs == "/etc/harvester-lb/config.toml cn" ]] ||
-    bad "the one config file must be /etc/harvester-lb/config.toml, %config(noreplace) (flags cn); got: $configs"
+[[ $configs == "/etc/harvester-lb/base.toml cn" ]] ||
+    bad "the one config file must be /etc/harvester-lb/base.toml, %config(noreplace) (flags cn): config.toml is the import's; got: $configs"
 
 # --- 3. payload = sources ------------------------------------------------------------
 step "payload against the tree"
@@ -222,12 +226,15 @@ if command -v systemd-analyze >/dev/null 2>&1; then
 else
     echo "skipped systemd-analyze verify: systemd-analyze missing"
 fi
-step "the installed binary checks the installed config"
-"$work/root/usr/bin/harvester-lb" check --config "$work/root/etc/harvester-lb/config.toml" ||
-    bad "harvester-lb check rejects the packaged /etc/harvester-lb/config.toml"
+step "the installed binary checks the installed example config and base.toml"
+"$work/root/usr/bin/harvester-lb" check --config "$work/root/usr/share/harvester-lb/config.toml.example" ||
+    bad "harvester-lb check rejects the packaged /usr/share/harvester-lb/config.toml.example"
+# base.toml alone (no load balancer) is what the import puts above them.
+"$work/root/usr/bin/harvester-lb" check --config "$work/root/etc/harvester-lb/base.toml" ||
+    bad "harvester-lb check rejects the packaged /etc/harvester-lb/base.toml"
 
 # --- 6. install, upgrade, remove ---------------------------------------------------------
-step "rpm --root: install, edit the config, upgrade, remove"
+step "rpm --root: install, edit base.toml, import a config.toml, upgrade, remove"
 for s in post_install pre_uninstall post_uninstall; do
     sh -n "packaging/rpm/$s.sh" || bad "packaging/rpm/$s.sh does not parse"
 done
@@ -275,16 +282,24 @@ rpmq() { rpm --root "$sys" --dbpath /var/lib/rpm "$@" 2>&1 | grep -v -e 'use Ali
 rpmq --initdb
 rpmq -i --nodeps --noscripts "$pkg"
 [[ -x $sys/usr/bin/harvester-lb ]] || bad "install: no /usr/bin/harvester-lb"
-echo '# edited on this host' >>"$sys/etc/harvester-lb/config.toml"
-edited=$(sha256sum <"$sys/etc/harvester-lb/config.toml")
+[[ ! -e $sys/etc/harvester-lb/config.toml ]] || bad "install: the package put a config.toml (the import's file) in /etc/harvester-lb"
+echo '# edited on this host' >>"$sys/etc/harvester-lb/base.toml"
+edited=$(sha256sum <"$sys/etc/harvester-lb/base.toml")
+# What the import timer writes: no package's file.
+printf '# imported\n[admin]\n' >"$sys/etc/harvester-lb/config.toml"
+imported=$(sha256sum <"$sys/etc/harvester-lb/config.toml")
 rpmq -U --nodeps --noscripts "$work/upgrade.rpm"
 [[ $(rpm --root "$sys" --dbpath /var/lib/rpm -q harvester-lb 2>/dev/null) == harvester-lb-$version-2.* ]] || bad "the upgrade did not install release 2"
-[[ $(sha256sum <"$sys/etc/harvester-lb/config.toml") == "$edited" ]] || bad "the upgrade changed the edited config"
-echo "upgrade: the edited config.toml kept"
+[[ $(sha256sum <"$sys/etc/harvester-lb/base.toml") == "$edited" ]] || bad "the upgrade changed the edited base.toml"
+[[ $(sha256sum <"$sys/etc/harvester-lb/config.toml") == "$imported" ]] || bad "the upgrade changed the imported config.toml"
+leftover=$(find "$sys/etc/harvester-lb" -name '*.rpmnew' -o -name '*.rpmorig' -o -name '*.rpmsave')
+[[ -z $leftover ]] || bad "the upgrade left $leftover"
+echo "upgrade: the edited base.toml and the imported config.toml kept, no .rpmnew"
 rpmq -e --nodeps --noscripts harvester-lb
 [[ ! -e $sys/usr/bin/harvester-lb ]] || bad "remove: /usr/bin/harvester-lb is still there"
-[[ -f $sys/etc/harvester-lb/config.toml.rpmsave ]] || bad "remove: the edited config was not kept as config.toml.rpmsave"
-echo "remove: files gone, the edited config kept as config.toml.rpmsave"
+[[ -f $sys/etc/harvester-lb/base.toml.rpmsave ]] || bad "remove: the edited base.toml was not kept as base.toml.rpmsave"
+[[ $(sha256sum <"$sys/etc/harvester-lb/config.toml") == "$imported" ]] || bad "remove: the imported config.toml was touched"
+echo "remove: files gone, the edited base.toml kept as base.toml.rpmsave, the imported config.toml left as it was"
 
 # --- 7. the .deb ---------------------------------------------------------------------------
 step "cargo deb"
@@ -316,8 +331,8 @@ if [[ $deb_files != "$deb_expected" ]]; then
     diff <(echo "$deb_expected") <(echo "$deb_files") || true
     bad "the .deb's files differ from the RPM's (< expected, > packaged)"
 fi
-[[ $(dpkg-deb --info "$deb" conffiles) == /etc/harvester-lb/config.toml ]] ||
-    bad "the .deb's conffiles are '$(dpkg-deb --info "$deb" conffiles)', want /etc/harvester-lb/config.toml"
+[[ $(dpkg-deb --info "$deb" conffiles) == /etc/harvester-lb/base.toml ]] ||
+    bad "the .deb's conffiles are '$(dpkg-deb --info "$deb" conffiles)', want /etc/harvester-lb/base.toml (config.toml is the import's)"
 mkdir -p "$work/debroot"
 dpkg-deb -x "$deb" "$work/debroot"
 for dest in "${!source_of[@]}"; do

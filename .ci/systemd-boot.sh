@@ -7,6 +7,11 @@
 #
 #   install   the package installs; what it declares (Depends, Recommends)
 #             is all there is in the root beside the base system
+#   first install  (issue 43) docs/operations.md's marked first-install
+#             block, run as written with a stand-in kubectl (no IPPool CRD,
+#             the kubeconfig named only in /etc/harvester-lb/import.env): the
+#             imported load balancer serves, the timer's import succeeds and
+#             its load balancer serves, a skip is named once over three runs
 #   start     `systemctl start` returns through READY=1; a client in a
 #             namespace of the container is served through the VIP by a
 #             real backend (python3 -m http.server) in another
@@ -37,7 +42,9 @@
 #             window, the long connections kept, UDP datagrams lost
 #   upgrade   (issue 41) `dpkg -i` of the same package repacked with a
 #             higher version over the installed one (the postinst's
-#             try-restart): the same figures, the version changed
+#             try-restart): the same figures, the version changed; the
+#             repack changes the example and every conffile, and dpkg runs
+#             with stdin closed: no conffile question, no .dpkg-* file
 #   restarts in a row  6 `systemctl restart` in a few seconds: none refused
 #             by the unit's start limit (prepare-stop resets its count for a
 #             restart job), the store kept, serving
@@ -213,6 +220,13 @@ upgrade_version=$deb_version+upgrade1
 dpkg --compare-versions "$upgrade_version" gt "$deb_version" || fail "$upgrade_version is not above $deb_version"
 dpkg-deb -R "$deb" "$run/upgrade"
 sed -i -E "s/^Version: .*/Version: $upgrade_version/" "$run/upgrade/DEBIAN/control"
+# An upgrade that changes the shipped configs (the example and every
+# conffile), as a release does: dpkg asks about a conffile the host changed
+# too, so the file the import timer rewrites must be none.
+for f in $(cat "$run/upgrade/DEBIAN/conffiles" 2>/dev/null) /usr/share/harvester-lb/config.toml.example; do
+    [[ -f $run/upgrade$f ]] && echo "# changed by $upgrade_version" >>"$run/upgrade$f"
+done
+(cd "$run/upgrade" && find . -path ./DEBIAN -prune -o -type f -print0 | sort -z | xargs -0 md5sum | sed 's#  \./#  #') >"$run/upgrade/DEBIAN/md5sums"
 dpkg-deb --root-owner-group -Zgzip -z1 -b "$run/upgrade" "$merged/root/harvester-lb-upgrade.deb" >/dev/null
 rm -rf "$run/upgrade"
 cp "$repo/benches/restart_probe.py" "$merged/root/restart_probe.py"
@@ -352,11 +366,88 @@ second_listener='
   port = 8080
   backend_port = 30080'
 
+# --- the first install, as docs/operations.md says -------------------------------------------
+step "first install: docs/operations.md's steps as installed, a stand-in kubectl, the import timer"
+# A stand-in kubectl (the unit's PATH has /usr/local/bin) printing what
+# Harvester's API would: one LoadBalancer with its address and backend; to
+# the import unit (KUBECONFIG set) a second one, so the timer's import is
+# seen reaching the daemon, and one still waiting for its address (a skip
+# the journal must name once, not at every run). Like kubectl: a KUBECONFIG naming no file is an
+# error (the unit's default, RKE2's, is none here: only import.env's
+# KUBECONFIG gets test/alt imported), and this cluster has no IPPool CRD
+# (an older Harvester).
+inside mkdir -p /etc/hlb-test
+echo "# the stand-in's kubeconfig" | inside tee /etc/hlb-test/kubeconfig >/dev/null
+inside tee /usr/local/bin/kubectl >/dev/null <<'KUBECTL'
+#!/usr/bin/python3
+import json, os, sys
+args = " ".join(sys.argv[1:])
+kc = os.environ.get("KUBECONFIG")
+if kc and not any(os.path.isfile(p) for p in kc.split(":")):
+    sys.exit(f"error: stat {kc}: no such file or directory")
+if "ippools" in args:
+    sys.exit('error: the server doesn\'t have a resource type "ippools"')
+def lb(name, port):
+    return {"apiVersion": "loadbalancer.harvesterhci.io/v1beta1", "kind": "LoadBalancer",
+            "metadata": {"name": name, "namespace": "test"},
+            "spec": {"ipam": "pool", "listeners": [{"name": "http", "port": port, "backendPort": 30080, "protocol": "TCP"}]},
+            "status": {"allocatedAddress": {"ip": "198.51.100.10"}, "backendServers": ["203.0.113.21"]}}
+pending = lb("pending", 8082)
+pending["status"] = {}
+items = [lb("web", 80)] + ([lb("alt", 8081), pending] if kc else [])
+json.dump({"apiVersion": "v1", "kind": "List", "items": items}, sys.stdout)
+KUBECTL
+inside chmod 0755 /usr/local/bin/kubectl
+printf '#!/bin/sh\nexec "$@"\n' | inside tee /usr/local/bin/sudo >/dev/null
+inside chmod 0755 /usr/local/bin/sudo
+echo KUBECONFIG=/etc/hlb-test/kubeconfig | inside tee /etc/harvester-lb/import.env >/dev/null
+# The VIP is the host's (as keepalived would hold it): a /32 on lo.
+inside ip addr add 198.51.100.10/32 dev lo
+# The shell block docs/operations.md marks as the first install, as the
+# package installed it, run as written.
+doc=/usr/share/doc/harvester-lb/docs/operations.md
+first_install=$(inside awk '/<!-- first install: run by .ci\/systemd-boot.sh -->/ { on = 1; next } on && /^```sh/ { inblock = 1; next } inblock && /^```/ { exit } inblock { print }' "$doc")
+[[ -n $first_install ]] || fail "$doc has no block marked '<!-- first install: run by .ci/systemd-boot.sh -->'"
+echo "$first_install" | sed 's/^/  | /'
+t_first=$(now)
+# An operator's PATH (Debian's default for root): /usr/local/bin, where
+# the stand-ins are, comes first.
+inside env PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
+    bash -e -o pipefail -c "$first_install" >"$run/first-install.log" 2>&1 ||
+    { cat "$run/first-install.log"; fail "operations.md's first install failed (exit above)"; }
+cat "$run/first-install.log"
+[[ $(show ActiveState)/$(show SubState) == active/running ]] || fail "after the first install harvester-lb is $(show ActiveState)/$(show SubState)"
+wait_until 20 "the imported test/web served through 198.51.100.10:80" serves 198.51.100.10
+ok "the first import and start as documented: test/web serves"
+[[ $(inside systemctl is-enabled harvester-lb-import.timer) == enabled ]] || fail "the import timer is not enabled"
+import_ran() {
+    [[ $(inside systemctl show harvester-lb-import.service -P ExecMainExitTimestampMonotonic) != 0 ]]
+}
+wait_until 120 "the import timer started harvester-lb-import.service" import_ran
+import_journal() { inside journalctl -u harvester-lb-import --no-pager -o cat --since "@$t_first"; }
+result=$(inside systemctl show harvester-lb-import.service -P Result)
+[[ $result == success ]] || { import_journal; fail "harvester-lb-import.service: Result=$result (journal above)"; }
+import_journal | grep -q "no IPPool CRD" || { import_journal; fail "the import unit did not say the IPPool CRD is missing"; }
+wait_until 20 "the timer's import (test/alt) served through 198.51.100.10:8081" serves 198.51.100.10:8081
+ok "the timer imported without base.toml by hand, with import.env's KUBECONFIG, without the IPPool CRD: $(import_journal | grep -E 'wrote|unchanged' | tail -n1)"
+# Two more runs (as the timer's next minutes would be): the skip of
+# test/pending is not named again while it stands.
+inside systemctl start harvester-lb-import.service
+inside systemctl start harvester-lb-import.service
+named=$(import_journal | grep -c 'skipped .*LoadBalancer test/pending' || true)
+same=$(import_journal | grep -c 'the same 1 skipped as when /etc/harvester-lb/config.toml was written' || true)
+((named == 1 && same >= 2)) ||
+    { import_journal; fail "over three runs test/pending's skip was named $named times (want 1) and said as the same $same times (want 2 or more)"; }
+ok "the skip named once over three runs, then: $(import_journal | grep 'the same 1 skipped' | tail -n1)"
+inside systemctl disable --now harvester-lb-import.timer >/dev/null 2>&1
+inside systemctl stop harvester-lb
+inside rm -f /etc/harvester-lb/config.toml
+
 # --- start ----------------------------------------------------------------------------------
 step "start: Type=notify, serving through the VIP"
 # Without the VIP drop-in the daemon puts no address anywhere: the VIP is
 # the host's, as keepalived would hold it.
-inside ip addr add 198.51.100.10/32 dev lo
+inside ip addr replace 198.51.100.10/32 dev lo
 proxy_config | write_config
 t0=$(now)
 inside systemctl start harvester-lb || fail "systemctl start harvester-lb failed"
@@ -536,10 +627,17 @@ installed=$(inside dpkg-query -W -f '${Version}' harvester-lb)
 [[ $installed == "$deb_version" ]] || fail "installed is $installed, want $deb_version"
 pid=$(show MainPID)
 t_upgrade=$(now)
-probe upgrade dpkg -i /root/harvester-lb-upgrade.deb
+# stdin /dev/null: a conffile question would end the dpkg run in an error.
+probe upgrade sh -c 'dpkg -i /root/harvester-lb-upgrade.deb </dev/null'
 probe_ran upgrade
 installed=$(inside dpkg-query -W -f '${Version}' harvester-lb)
 [[ $installed == "$upgrade_version" ]] || fail "after dpkg -i the installed version is $installed, want $upgrade_version"
+# No conffile question (the run would have failed on it), nothing beside.
+[[ $(figure "$run/probe-upgrade.json" "f['action_output_tail']") != *"Configuration file"* ]] ||
+    fail "upgrade: dpkg asked about a configuration file: $(figure "$run/probe-upgrade.json" "f['action_output_tail']")"
+leftover=$(inside find /etc/harvester-lb -name '*.dpkg-*')
+[[ -z $leftover ]] || fail "upgrade: dpkg left $leftover"
+ok "upgrade: no conffile question, no .dpkg-dist/.dpkg-new in /etc/harvester-lb"
 [[ $(show MainPID) != "$pid" && $(show SubState) == running ]] || fail "upgrade: the postinst did not restart the daemon (MainPID $pid -> $(show MainPID), $(show SubState))"
 echo "upgrade figures: $(figure "$run/probe-upgrade.json" "f['new']"), window $(figure "$run/probe-upgrade.json" "f['window_ms']") ms, long kept $(figure "$run/probe-upgrade.json" "f['long']['kept']") of 10, udp $(figure "$run/probe-upgrade.json" "f['udp']")"
 echo "upgrade: the daemons said: $(hand_over_said upgrade "$t_upgrade")"

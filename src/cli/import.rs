@@ -181,8 +181,23 @@ pub fn command(args: &Args) -> Outcome {
     for warning in &imported.warnings {
         out.say(format!("warning: {warning}"));
     }
-    for skip in &imported.skipped {
-        out.say(format!("skipped {skip}"));
+    // The timer runs this every minute: skips already named when the
+    // file was written (its header records their fingerprint) are said in
+    // one line, each again only when they change (or without --write).
+    let said_before = !args.strict
+        && args.write.as_deref().and_then(import::recorded_skips)
+            == import::skips_fingerprint(&imported.skipped)
+        && !imported.skipped.is_empty();
+    if said_before {
+        out.say(format!(
+            "the same {} skipped as when {} was written (each named then; `harvester-lb import` without --write names them again)",
+            imported.skipped.len(),
+            args.write.as_deref().unwrap_or(Path::new("-")).display()
+        ));
+    } else {
+        for skip in &imported.skipped {
+            out.say(format!("skipped {skip}"));
+        }
     }
     if args.strict && !imported.skipped.is_empty() {
         out.say(format!(
@@ -198,6 +213,8 @@ pub fn command(args: &Args) -> Outcome {
         imported.skipped.len(),
         if imported.skipped.is_empty() {
             ""
+        } else if said_before {
+            ", the same as before"
         } else {
             ", each named above"
         }
@@ -360,6 +377,88 @@ mod tests {
             outcome.output
         );
         assert_eq!(outcome.code, EXIT_SKIPPED);
+    }
+
+    /// The import timer runs `--write` every minute: a skip is named by
+    /// the run that first finds it, later runs finding the same skips say
+    /// so in one line (not each skip again, every minute), and a change of
+    /// what is skipped names each again. Before, every run named each.
+    #[test]
+    fn write_names_the_same_skips_once_per_change() {
+        let dir = TempDir::new("skips-once");
+        let input = dir.0.join("objects.json");
+        let objects = |skipped: &str| {
+            format!(
+                r#"{{"apiVersion":"v1","kind":"List","items":[
+                {{"apiVersion":"loadbalancer.harvesterhci.io/v1beta1","kind":"LoadBalancer","metadata":{{"name":"web","namespace":"ns"}},"spec":{{"listeners":[{{"name":"http","port":80,"protocol":"TCP","backendPort":30080}}]}},"status":{{"allocatedAddress":{{"ip":"127.0.9.101"}},"backendServers":["127.0.9.1"]}}}},
+                {{"apiVersion":"v1","kind":"ConfigMap","metadata":{{"name":"{skipped}","namespace":"ns"}}}}
+            ]}}"#
+            )
+        };
+        let target = dir.0.join("config.toml");
+        let run = |text: &str| {
+            std::fs::write(&input, text).expect("write input");
+            command(&Args {
+                inputs: vec![input.clone()],
+                write: Some(target.clone()),
+                allow_loopback: true,
+                ..Args::default()
+            })
+        };
+        let named = |outcome: &Outcome| -> Vec<String> {
+            outcome
+                .output
+                .iter()
+                .filter_map(|s| match s {
+                    ImportOutput::Message(m) if m.starts_with("skipped ") => Some(m.clone()),
+                    _ => None,
+                })
+                .collect()
+        };
+        let last = |outcome: &Outcome| match outcome.output.last() {
+            Some(ImportOutput::Message(m)) => m.clone(),
+            other => panic!("{other:?}"),
+        };
+
+        let first = run(&objects("other"));
+        assert_eq!(first.code, EXIT_SKIPPED, "{:?}", first.output);
+        assert_eq!(named(&first).len(), 1, "{:?}", first.output);
+        assert!(last(&first).starts_with("wrote "), "{:?}", first.output);
+
+        let again = run(&objects("other"));
+        assert_eq!(again.code, EXIT_SKIPPED, "{:?}", again.output);
+        assert!(named(&again).is_empty(), "named again: {:?}", again.output);
+        assert!(
+            again
+                .output
+                .iter()
+                .any(|s| matches!(s, ImportOutput::Message(m)
+                if m.starts_with("the same 1 skipped as when ") && m.contains("was written"))),
+            "{:?}",
+            again.output
+        );
+        assert!(
+            last(&again).ends_with("unchanged (1 load balancers; 1 skipped, the same as before)"),
+            "{:?}",
+            again.output
+        );
+
+        let changed = run(&objects("another"));
+        let names = named(&changed);
+        assert!(
+            names.len() == 1 && names[0].contains("ConfigMap ns/another"),
+            "{:?}",
+            changed.output
+        );
+        assert!(last(&changed).starts_with("wrote "), "{:?}", changed.output);
+
+        // Printing (no --write) names every skip, always.
+        let printed = command(&Args {
+            inputs: vec![input.clone()],
+            allow_loopback: true,
+            ..Args::default()
+        });
+        assert_eq!(named(&printed).len(), 1, "{:?}", printed.output);
     }
 
     /// An input that cannot be read ends the command with EX_NOINPUT and
