@@ -123,9 +123,10 @@ fn lb_object(name: &str, vip: Ipv4Addr) -> serde_json::Value {
     })
 }
 
-/// The shipped import unit's pipeline (its `ExecStart`), with the test's
-/// binary, base and config paths in place of the installed ones.
-fn import_pipeline(base: &Path, config: &Path) -> String {
+/// The shipped import unit's script (its `ExecStart`), with the test's
+/// binary, base, config and temporary paths in place of the installed
+/// ones (the unit has a private `/tmp`).
+fn import_pipeline(base: &Path, config: &Path, tmp: &Path) -> String {
     let unit = std::fs::read_to_string(concat!(
         env!("CARGO_MANIFEST_DIR"),
         "/systemd/harvester-lb-import.service"
@@ -133,10 +134,11 @@ fn import_pipeline(base: &Path, config: &Path) -> String {
     .expect("the import unit");
     let exec = unit
         .lines()
-        .find_map(|l| l.strip_prefix("ExecStart=/bin/bash -o pipefail -c '"))
+        .find_map(|l| l.strip_prefix("ExecStart=/bin/bash -e -c '"))
         .and_then(|l| l.strip_suffix('\''))
-        .expect("the unit's ExecStart is a bash -o pipefail -c '...' pipeline");
-    let mut cmd = exec.to_string();
+        .expect("the unit's ExecStart is a bash -e -c '...' script");
+    // The unit's private /tmp first: the test's own paths are under /tmp.
+    let mut cmd = exec.replace("/tmp/", &format!("{}/", tmp.display()));
     for (installed, here) in [
         (
             "/usr/local/bin/harvester-lb",
@@ -192,7 +194,7 @@ impl Bed3 {
         std::fs::write(
             &kubectl,
             format!(
-                "#!/bin/sh\ncase \"$1 $*\" in\n\"get \"*\"-o json\"*) exec cat '{}' ;;\n*) echo \"stand-in kubectl: unexpected: $*\" >&2; exit 2 ;;\nesac\n",
+                "#!/bin/sh\ncase \"$1 $*\" in\n*ippools*) echo '{{\"apiVersion\":\"v1\",\"kind\":\"List\",\"items\":[]}}' ;;\n\"get \"*\"-o json\"*) exec cat '{}' ;;\n*) echo \"stand-in kubectl: unexpected: $*\" >&2; exit 2 ;;\nesac\n",
                 objects.display()
             ),
         )
@@ -247,6 +249,8 @@ impl Bed3 {
     fn import(&self, h: usize) -> PathBuf {
         let base = self.write_base(h);
         let config = self.file(h, "config.toml");
+        let tmp = self.file(h, "tmp");
+        std::fs::create_dir_all(&tmp).expect("the import's temporary directory");
         let path = format!(
             "{}:{}",
             self.bin.display(),
@@ -255,8 +259,8 @@ impl Bed3 {
         let out = std::process::Command::new("ip")
             .args(["netns", "exec", &self.hosts[h].ns.name, "env"])
             .arg(format!("PATH={path}"))
-            .args(["/bin/bash", "-o", "pipefail", "-c"])
-            .arg(import_pipeline(&base, &config))
+            .args(["/bin/bash", "-e", "-c"])
+            .arg(import_pipeline(&base, &config, &tmp))
             .output()
             .expect("run the import pipeline");
         let (code, _, stderr) = support::outcome(&out);
