@@ -345,6 +345,29 @@ impl Routes {
         }
     }
 
+    /// [`Routes::read`], reusing a reading of the same family younger than
+    /// a second: a whole rebuild of the kernel's desired state asks once
+    /// per load balancer, and with announced IPv6 VIPs `/proc/net/ipv6_route`
+    /// holds a route per VIP (10,000 load balancers would read 10,000
+    /// lines 10,000 times).
+    pub fn read_recent(ipv6: bool) -> std::sync::Arc<Routes> {
+        type Cache = [Option<(Duration, std::sync::Arc<Routes>)>; 2];
+        static CACHE: std::sync::Mutex<Cache> = std::sync::Mutex::new([None, None]);
+        let now = monotonic_now();
+        let mut cache = CACHE
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let slot = &mut cache[usize::from(ipv6)];
+        if let Some((at, routes)) = slot
+            && now.saturating_sub(*at) < Duration::from_secs(1)
+        {
+            return routes.clone();
+        }
+        let routes = std::sync::Arc::new(Self::read(ipv6));
+        *slot = Some((now, routes.clone()));
+        routes
+    }
+
     /// `/proc/net/route`'s text (fields: Iface, Destination, Gateway,
     /// Flags, RefCnt, Use, Metric, Mask; addresses in hex in the kernel's
     /// byte order, little-endian on the hosts this runs on).

@@ -135,7 +135,7 @@ fn bridge_stage_reason(packed: u8, spec: &LoadBalancerSpec, config: &Config) -> 
 /// whole rebuild of the kernel's desired state (a reload, a change of the
 /// forwarding or bridge sysctls), not at every route change.
 fn off_network_reason(spec: &LoadBalancerSpec, config: &Config, sysctl: &str) -> Option<String> {
-    let routes = crate::os::Routes::read(spec.vip.is_ipv6());
+    let routes = crate::os::Routes::read_recent(spec.vip.is_ipv6());
     let (interface, by) = match config.keepalived_interface(spec) {
         Some(i) => (
             i,
