@@ -325,6 +325,118 @@ pub fn is_bridge(interface: &str) -> bool {
         .is_dir()
 }
 
+/// One family's routes as this network namespace's `/proc/net/route`
+/// (IPv4: the main table) or `/proc/net/ipv6_route` (IPv6: every table)
+/// lists them: each destination prefix with its device, routes through
+/// `lo` (local and unreachable ones) left out. Enough to tell which device
+/// a destination leaves by without policy rules (the daemon's own rules
+/// select by source VIP, which a backend's route does not have).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Routes(Vec<(ipnet::IpNet, String)>);
+
+impl Routes {
+    /// The routes of the IPv6 (`ipv6`) or IPv4 family; none when the file
+    /// cannot be read.
+    pub fn read(ipv6: bool) -> Routes {
+        if ipv6 {
+            Self::parse_v6(&std::fs::read_to_string("/proc/net/ipv6_route").unwrap_or_default())
+        } else {
+            Self::parse_v4(&std::fs::read_to_string("/proc/net/route").unwrap_or_default())
+        }
+    }
+
+    /// [`Routes::read`], reusing a reading of the same family younger than
+    /// a second: a whole rebuild of the kernel's desired state asks once
+    /// per load balancer, and with announced IPv6 VIPs `/proc/net/ipv6_route`
+    /// holds a route per VIP (10,000 load balancers would read 10,000
+    /// lines 10,000 times).
+    pub fn read_recent(ipv6: bool) -> std::sync::Arc<Routes> {
+        type Cache = [Option<(Duration, std::sync::Arc<Routes>)>; 2];
+        static CACHE: std::sync::Mutex<Cache> = std::sync::Mutex::new([None, None]);
+        let now = monotonic_now();
+        let mut cache = CACHE
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let slot = &mut cache[usize::from(ipv6)];
+        if let Some((at, routes)) = slot
+            && now.saturating_sub(*at) < Duration::from_secs(1)
+        {
+            return routes.clone();
+        }
+        let routes = std::sync::Arc::new(Self::read(ipv6));
+        *slot = Some((now, routes.clone()));
+        routes
+    }
+
+    /// `/proc/net/route`'s text (fields: Iface, Destination, Gateway,
+    /// Flags, RefCnt, Use, Metric, Mask; addresses in hex in the kernel's
+    /// byte order, little-endian on the hosts this runs on).
+    pub fn parse_v4(text: &str) -> Routes {
+        let hex = |f: &str| {
+            u32::from_str_radix(f, 16)
+                .ok()
+                .map(|v| std::net::Ipv4Addr::from(v.to_le_bytes()))
+        };
+        Routes(
+            text.lines()
+                .skip(1)
+                .filter_map(|line| {
+                    let f: Vec<&str> = line.split_whitespace().collect();
+                    if f.len() < 8 || f[0] == "lo" || f[0] == "*" {
+                        return None;
+                    }
+                    let mask = u32::from(hex(f[7])?);
+                    let len = u8::try_from(mask.count_ones()).ok()?;
+                    let net = ipnet::Ipv4Net::new(hex(f[1])?, len).ok()?;
+                    Some((ipnet::IpNet::V4(net), f[0].to_string()))
+                })
+                .collect(),
+        )
+    }
+
+    /// `/proc/net/ipv6_route`'s text (fields: destination, its prefix
+    /// length, source, its prefix length, next hop, metric, refcount, use,
+    /// flags, device; addresses as 32 hex digits, lengths as 2).
+    pub fn parse_v6(text: &str) -> Routes {
+        Routes(
+            text.lines()
+                .filter_map(|line| {
+                    let f: Vec<&str> = line.split_whitespace().collect();
+                    if f.len() < 10 || f[9] == "lo" {
+                        return None;
+                    }
+                    let dst = std::net::Ipv6Addr::from(u128::from_str_radix(f[0], 16).ok()?);
+                    let len = u8::from_str_radix(f[1], 16).ok()?;
+                    let net = ipnet::Ipv6Net::new(dst, len).ok()?;
+                    Some((ipnet::IpNet::V6(net), f[9].to_string()))
+                })
+                .collect(),
+        )
+    }
+
+    /// The device of the longest prefix holding `ip` (the first listed of
+    /// equal ones).
+    pub fn device_for(&self, ip: std::net::IpAddr) -> Option<&str> {
+        let ip = ip.to_canonical();
+        self.0
+            .iter()
+            .filter(|(net, _)| net.contains(&ip))
+            .fold(None::<&(ipnet::IpNet, String)>, |best, r| match best {
+                Some(b) if b.0.prefix_len() >= r.0.prefix_len() => Some(b),
+                _ => Some(r),
+            })
+            .map(|(_, dev)| dev.as_str())
+    }
+
+    /// The device of the first default route (`0.0.0.0/0`, `::/0`).
+    pub fn default_device(&self) -> Option<&str> {
+        self.0
+            .iter()
+            .find(|(net, _)| net.prefix_len() == 0)
+            .map(|(_, dev)| dev.as_str())
+    }
+}
+
 /// Sends `signal` to process `pid` (`kill(2)`): how the daemon tells
 /// keepalived to reload its configuration (`SIGHUP`).
 pub fn send_signal(pid: i32, signal: i32) -> std::io::Result<()> {
@@ -339,6 +451,43 @@ pub fn send_signal(pid: i32, signal: i32) -> std::io::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_destination_s_device_is_its_longest_prefix_s() {
+        // The bed's host: default via 192.0.2.1 and 192.0.2.0/24 on the
+        // bridge eth0, 10.1.0.0/16 on eth1, a /32 on lo.
+        let v4 = "Iface\tDestination\tGateway \tFlags\tRefCnt\tUse\tMetric\tMask\t\tMTU\tWindow\tIRTT\n\
+                  eth0\t00000000\t010200C0\t0003\t0\t0\t0\t00000000\t0\t0\t0\n\
+                  eth0\t000200C0\t00000000\t0001\t0\t0\t0\t00FFFFFF\t0\t0\t0\n\
+                  eth1\t0000010A\t00000000\t0001\t0\t0\t0\t0000FFFF\t0\t0\t0\n\
+                  lo\t150200C0\t00000000\t0005\t0\t0\t0\tFFFFFFFF\t0\t0\t0\n";
+        let r = Routes::parse_v4(v4);
+        assert_eq!(r.default_device(), Some("eth0"));
+        assert_eq!(
+            r.device_for("192.0.2.21".parse().expect("ip")),
+            Some("eth0")
+        );
+        assert_eq!(r.device_for("10.1.2.3".parse().expect("ip")), Some("eth1"));
+        assert_eq!(r.device_for("8.8.8.8".parse().expect("ip")), Some("eth0"));
+        let v6 = "20010db8000200000000000000000000 40 00000000000000000000000000000000 00 00000000000000000000000000000000 00000100 00000001 00000000 00000001 eth0\n\
+                  20010db8000200000000000000000011 80 00000000000000000000000000000000 00 00000000000000000000000000000000 00000000 00000002 00000000 80200001 lo\n\
+                  00000000000000000000000000000000 00 00000000000000000000000000000000 00 20010db8000200000000000000000001 00000400 00000001 00000000 00000003 eth1\n";
+        let r = Routes::parse_v6(v6);
+        assert_eq!(r.default_device(), Some("eth1"));
+        assert_eq!(
+            r.device_for("2001:db8:2::21".parse().expect("ip")),
+            Some("eth0")
+        );
+        assert_eq!(
+            r.device_for("2001:db8:2::11".parse().expect("ip")),
+            Some("eth0")
+        );
+        assert_eq!(
+            r.device_for("2001:db8:9::1".parse().expect("ip")),
+            Some("eth1")
+        );
+        assert_eq!(Routes::parse_v4("garbage\nx y"), Routes::default());
+    }
 
     #[test]
     fn an_unreadable_sysctl_is_never_on() {

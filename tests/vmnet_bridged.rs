@@ -395,3 +395,85 @@ async fn netns_a_kernel_listener_on_a_bridged_vm_network_serves_every_client_and
     );
     drop(d);
 }
+
+/// Whether `d` has decided where its first load balancer's kernel
+/// listener goes: into the kernel, or to the proxy with a reason (before
+/// its first sync the proxy serves it with none).
+async fn decided(d: &DaemonProc) -> Option<()> {
+    let Ok((200, body)) = d.get("/status").await else {
+        return None;
+    };
+    let s: serde_json::Value = serde_json::from_str(&body).ok()?;
+    let l = s["load_balancers"][0]["listeners"]
+        .as_array()?
+        .iter()
+        .find(|l| l["name"] == "kernel")?
+        .clone();
+    (l["forwarding"] == "kernel" || l["kernel_error"].as_str().is_some_and(|e| !e.is_empty()))
+        .then_some(())
+}
+
+/// Issue 42 (h42-bridge): a management VIP (a load balancer on no
+/// `[[network]]`, moved by the configured keepalived on
+/// `keepalived.interface`) whose interface is a bridge with `br_netfilter`
+/// on, and whose backend is routed out of that same bridge (n1, behind the
+/// uplink): the same bridge stage as a network VIP's. Before, 0 of 10
+/// clients on the network behind the uplink were served through the
+/// kernel listener (each timed out); now the proxy serves it, 10 of 10,
+/// and `/status` names `keepalived.interface`. The bridge here is host
+/// a's `eth0` standing for `mgmt-br`; keepalived itself is left out (the
+/// VIP is added by hand, as in the holder's test).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn netns_a_kernel_listener_on_a_management_vip_over_a_bridge_is_served_by_the_proxy() {
+    require_netns!();
+    let mut bed = Bed::new("vmbrmgmt", 1);
+    let _n1 = Node::start(&bed, 1, Service::NameThenEcho);
+    let (a, _b) = hosts(&mut bed);
+    a.ip(&["addr", "add", &format!("{VIP_UPLINK}/32"), "dev", "eth0"]);
+    let text = config()
+        .socket(&bed.dir.join("admin-a.sock"))
+        .text(
+            &keepalived(
+                "a",
+                "198.51.100.4",
+                ["198.51.100.5"],
+                &bed.dir.join("keepalived-a"),
+                "",
+            )
+            .replace("interface = \"mgmt\"", "interface = \"eth0\""),
+        )
+        .lb(Lb::new("t/mgmt", VIP_UPLINK)
+            .backends([node_ip(1)])
+            .listener(Listener::new("kernel", KERNEL, NODEPORT).forwarding("kernel"))
+            .listener(Listener::new("proxy", PROXY, NODEPORT)))
+        .to_string();
+    let path = bed.write("config-a.toml", &text);
+    let d = DaemonProc::spawn(&a, &path, &bed.dir.join("daemon-a.log"), None);
+    wait_for(
+        Duration::from_secs(30),
+        "the proxy listener serves",
+        || async { (served(&bed.client, None, VIP_UPLINK, PROXY, 1).await == 1).then_some(()) },
+    )
+    .await;
+    wait_for(
+        Duration::from_secs(30),
+        "the kernel listener in the kernel, or with the proxy and a reason",
+        || decided(&d),
+    )
+    .await;
+    let ok = served(&bed.client, None, VIP_UPLINK, KERNEL, 10).await;
+    eprintln!(
+        "FIGURE vmnet bridged management VIP: a client behind the uplink served {ok}/10 through the kernel listener's port"
+    );
+    assert_eq!(
+        ok, 10,
+        "clients behind the uplink through the kernel listener's port (the rest timed out)"
+    );
+    let reason = proxy_reason(&d).await.unwrap_or_default();
+    assert!(
+        reason.contains("keepalived.interface") && reason.contains("\"eth0\""),
+        "the reason names keepalived.interface and the bridge: {reason}"
+    );
+    assert_eq!(flows_to(&a, VIP_UPLINK), 0, "no flow DNATed");
+    drop(d);
+}

@@ -18,7 +18,7 @@ use std::time::Duration;
 
 use super::{Daemon, LbEntry};
 use crate::balancer::Backend;
-use crate::config::{Forwarding, LoadBalancerSpec, NetworkSpec, OnBackendDown, Protocol};
+use crate::config::{Config, Forwarding, LoadBalancerSpec, OnBackendDown, Protocol};
 use crate::kernel::{Desired, KernelListener, KernelTable, ListenerId, Narrowed, Synced};
 use crate::os::Sysctl;
 
@@ -78,10 +78,12 @@ fn bridge_stage_of(packed: u8, family: usize) -> bool {
 }
 
 /// Why `spec`'s kernel listeners cannot work on this host, given the
-/// packed host settings `packed`: its VIP is on a `[[network]]` whose
-/// interface is a Linux bridge, bridged frames of the VIP's family pass the
-/// IP hooks at the bridge stage (`br_netfilter`), and a backend lies in the
-/// network's subnet.
+/// packed host settings `packed`: bridged frames of the VIP's family pass
+/// the IP hooks at the bridge stage (`br_netfilter`), the interface its
+/// clients come in by is a Linux bridge, and a backend is reached through
+/// that same bridge. For a VIP on a `[[network]]` that is the network's
+/// interface and a backend in its subnet; for one on no network see
+/// [`off_network_reason`].
 ///
 /// Then the DNAT runs in `br_nf_pre_routing`, before the bridge has chosen
 /// a port; `br_nf_pre_routing_finish` routes the new destination, finds it
@@ -93,18 +95,19 @@ fn bridge_stage_of(packed: u8, family: usize) -> bool {
 /// reaches through the local stack, serves every such listener. A tagged
 /// network's VLAN device is no bridge: its frames are NATed on it and
 /// routed out of it (docs/vip.md, "On a bridged host").
-fn bridge_stage_reason(
-    packed: u8,
-    spec: &LoadBalancerSpec,
-    networks: &[NetworkSpec],
-) -> Option<String> {
+fn bridge_stage_reason(packed: u8, spec: &LoadBalancerSpec, config: &Config) -> Option<String> {
     let family = usize::from(spec.vip.is_ipv6());
     if !bridge_stage_of(packed, family) {
         return None;
     }
-    let network = networks
-        .iter()
-        .find(|n| Some(n.name.as_str()) == spec.network.as_deref())?;
+    let sysctl = [
+        "net.bridge.bridge-nf-call-iptables",
+        "net.bridge.bridge-nf-call-ip6tables",
+    ][family];
+    let Some(name) = spec.network.as_deref() else {
+        return off_network_reason(spec, config, sysctl);
+    };
+    let network = config.networks.iter().find(|n| n.name == name)?;
     let in_subnet = |ip: &IpAddr| match ip {
         IpAddr::V4(v4) => network.subnet().contains(v4),
         IpAddr::V6(v6) => network.ipv6_subnet().is_some_and(|n| n.contains(v6)),
@@ -114,13 +117,45 @@ fn bridge_stage_reason(
         return None;
     }
     Some(format!(
-        "network {:?}'s interface {:?} is a bridge and {} is 1 on this host: br_netfilter NATs a frame at the bridge stage, and a backend in the subnet ({backend}) behind the port a client's frame came in by is never reached (the bridge sends no frame back out of its ingress port), so the proxy serves this listener; a tagged network's VLAN device works with the kernel path (docs/vip.md, \"On a bridged host\")",
-        network.name,
-        network.interface,
-        [
-            "net.bridge.bridge-nf-call-iptables",
-            "net.bridge.bridge-nf-call-ip6tables"
-        ][family],
+        "network {:?}'s interface {:?} is a bridge and {sysctl} is 1 on this host: br_netfilter NATs a frame at the bridge stage, and a backend in the subnet ({backend}) behind the port a client's frame came in by is never reached (the bridge sends no frame back out of its ingress port), so the proxy serves this listener; a tagged network's VLAN device works with the kernel path (docs/vip.md, \"On a bridged host\")",
+        network.name, network.interface,
+    ))
+}
+
+/// [`bridge_stage_reason`] for a VIP on no `[[network]]`. Its clients come
+/// in by `keepalived.interface` when the keepalived this daemon configures
+/// moves it (a management VIP: it answers ARP there), or, with `vip.announce
+/// = "routes"`, by the device of the host's default route of the VIP's
+/// family: the router the VIP is announced to is normally the default
+/// gateway, and the host's BGP session and the router's flows share that
+/// link (a host with its router on another link is told nothing wrong:
+/// the default route's bridge then leads to no backend, or it does and the
+/// proxy serves a listener the kernel could have). Any other VIP (held by
+/// other means, a loopback) is left alone. Read from the routes at each
+/// whole rebuild of the kernel's desired state (a reload, a change of the
+/// forwarding or bridge sysctls), not at every route change.
+fn off_network_reason(spec: &LoadBalancerSpec, config: &Config, sysctl: &str) -> Option<String> {
+    let routes = crate::os::Routes::read_recent(spec.vip.is_ipv6());
+    let (interface, by) = match config.keepalived_interface(spec) {
+        Some(i) => (
+            i,
+            "keepalived.interface, where keepalived moves this management VIP",
+        ),
+        None if config.vip.announce.enabled() && !spec.vip.to_canonical().is_loopback() => (
+            routes.default_device()?,
+            "the default route's device, the router's link, which this announced VIP's flows come by",
+        ),
+        None => return None,
+    };
+    if !crate::os::is_bridge(interface) {
+        return None;
+    }
+    let backend = spec
+        .backends
+        .iter()
+        .find(|b| routes.device_for(**b) == Some(interface))?;
+    Some(format!(
+        "the VIP is on no [[network]] and its clients come in by {interface:?} ({by}); {interface:?} is a bridge and {sysctl} is 1 on this host: br_netfilter NATs a frame at the bridge stage, and a backend routed out of that same bridge ({backend}) behind the port a client's frame came in by is never reached (the bridge sends no frame back out of its ingress port), so the proxy serves this listener; backends on a routed network of their own, or a VLAN device or a dedicated NIC toward the clients, work with the kernel path (docs/vip.md, \"On a bridged host\")"
     ))
 }
 
@@ -258,7 +293,7 @@ impl Daemon {
                     lb.listeners
                         .iter()
                         .any(|l| l.forwarding == Forwarding::Kernel)
-                        && bridge_stage_reason(off, lb, &c.networks).is_some()
+                        && bridge_stage_reason(off, lb, c).is_some()
                 })
                 .map(|lb| format!("{:?}", lb.name))
                 .collect()
@@ -267,7 +302,7 @@ impl Daemon {
         if families(was) != families(off) && !held.is_empty() {
             tracing::warn!(
                 load_balancers = held.len(),
-                "br_netfilter NATs bridged frames at the bridge stage on this host (net.bridge.bridge-nf-call-iptables or -ip6tables = 1): the forwarding = \"kernel\" listeners of load balancers on a bridged VM network with backends in its subnet are served by the proxy ({}{}): docs/vip.md, \"On a bridged host\"",
+                "br_netfilter NATs bridged frames at the bridge stage on this host (net.bridge.bridge-nf-call-iptables or -ip6tables = 1): the forwarding = \"kernel\" listeners of load balancers whose clients come in by a bridge that also leads to a backend (a bridged VM network with backends in its subnet, or the bridge of keepalived.interface or of the default route for a VIP on no network) are served by the proxy ({}{}): docs/vip.md, \"On a bridged host\"",
                 held.iter()
                     .take(NAMED_IN_LOG)
                     .cloned()
@@ -288,9 +323,9 @@ impl Daemon {
     pub(super) fn bridge_stage_blocked(
         &self,
         spec: &LoadBalancerSpec,
-        networks: &[NetworkSpec],
+        config: &Config,
     ) -> Option<String> {
-        bridge_stage_reason(self.forwarding_off.load(Ordering::Acquire), spec, networks)
+        bridge_stage_reason(self.forwarding_off.load(Ordering::Acquire), spec, config)
     }
 
     /// Why a kernel listener on `vip` is not in the kernel although its
@@ -381,7 +416,7 @@ impl Daemon {
             } else if !published && !whole {
                 continue;
             }
-            for (id, l) in self.kernel_listeners(spec, entry, &config.networks) {
+            for (id, l) in self.kernel_listeners(spec, entry, config) {
                 let previous = desired.insert(id, l);
                 if !whole {
                     changed.push((id, previous));
@@ -409,11 +444,11 @@ impl Daemon {
         &self,
         spec: &LoadBalancerSpec,
         entry: &LbEntry,
-        networks: &[NetworkSpec],
+        config: &Config,
     ) -> Vec<(ListenerId, KernelListener)> {
         if spec.vip.is_unspecified()
             || self.forwarding_blocked(spec.vip).is_some()
-            || self.bridge_stage_blocked(spec, networks).is_some()
+            || self.bridge_stage_blocked(spec, config).is_some()
         {
             return Vec::new();
         }

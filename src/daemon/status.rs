@@ -213,7 +213,7 @@ impl Daemon {
                         .or_else(|| self.forwarding_blocked(spec.vip))
                         .or_else(|| {
                             st.config.as_ref().and_then(|c| {
-                                self.bridge_stage_blocked(spec, &c.networks)
+                                self.bridge_stage_blocked(spec, c)
                             })
                         })
                 })

@@ -909,19 +909,35 @@ impl BgpBed {
     /// FRR, `vip_on_lo` makes the VIP local by an AnyIP route (as the daemon
     /// does), not an address: FRR announces nothing for an address on `lo`.
     pub async fn with_speaker(test: &str, vip_on_lo: bool, speaker: Speaker) -> BgpBed {
-        Self::build(test, vip_on_lo, speaker, 2).await
+        Self::build(test, vip_on_lo, speaker, 2, false).await
     }
 
     /// The bed with `n` hosts (BIRD everywhere, the VIPs not on `lo`): the
     /// router gets one session per host beyond the shipped config's two,
     /// written as an operator adds them.
     pub async fn hosts(test: &str, n: usize) -> BgpBed {
-        Self::build(test, false, Speaker::Bird, n).await
+        Self::build(test, false, Speaker::Bird, n, false).await
+    }
+
+    /// [`BgpBed::hosts`] with each host built like a Harvester host
+    /// (/work/shared/notes/harvester-host.md): its `eth0` is a Linux bridge
+    /// whose uplink port `up0` is the veth into the router's bridge (the
+    /// switch), with `br_netfilter` on (`bridge-nf-call-iptables=1`). Left
+    /// out, as in `tests/netns/vmnet.rs`: VLAN filtering and the bond under
+    /// the uplink (this kernel has neither).
+    pub async fn bridged_hosts(test: &str, n: usize) -> BgpBed {
+        Self::build(test, false, Speaker::Bird, n, true).await
     }
 
     /// Builds the bed: `n` hosts and `n` backends (see [`BgpBed::new`] and
-    /// [`BgpBed::hosts`]).
-    async fn build(test: &str, vip_on_lo: bool, speaker: Speaker, n: usize) -> BgpBed {
+    /// [`BgpBed::hosts`]; `bridged`: [`BgpBed::bridged_hosts`]).
+    async fn build(
+        test: &str,
+        vip_on_lo: bool,
+        speaker: Speaker,
+        n: usize,
+        bridged: bool,
+    ) -> BgpBed {
         assert!((2..=9).contains(&n), "{n} hosts: the bed numbers 2 to 9");
         let (tag, dir) = super::new_tag(test);
         let mut bed = BgpBed {
@@ -989,7 +1005,7 @@ impl BgpBed {
         c.ip(&["route", "add", "default", "via", "203.0.113.1"]);
         c.ip(&["-6", "route", "add", "default", "via", "2001:db8:3::1"]);
         for i in 1..=n {
-            let ns = bed.wire(&format!("h{i}"), host_ip(i), host_ip6(i));
+            let ns = bed.wire(&format!("h{i}"), host_ip(i), host_ip6(i), bridged);
             ns.ip(&["route", "add", "default", "via", &ROUTER_IP.to_string()]);
             ns.ip(&[
                 "-6",
@@ -1023,7 +1039,7 @@ impl BgpBed {
             });
         }
         for i in 1..=n {
-            let ns = bed.wire(&format!("b{i}"), backend_ip(i), backend_ip6(i));
+            let ns = bed.wire(&format!("b{i}"), backend_ip(i), backend_ip6(i), false);
             let mut b = Backend {
                 index: i,
                 ns,
@@ -1354,19 +1370,28 @@ impl BgpBed {
     }
 
     /// A namespace on the router's bridge: `<tag>-<suffix>`, its `eth0` (the
-    /// peer of bridge port `p<suffix>`) with `ip/24` and `ip6/64`.
-    fn wire(&mut self, suffix: &str, ip: Ipv4Addr, ip6: Ipv6Addr) -> Ns {
+    /// peer of bridge port `p<suffix>`) with `ip/24` and `ip6/64`. With
+    /// `bridged`, a host built like a Harvester host: the veth's end in the
+    /// namespace is `up0`, a port of the bridge `eth0` that holds the
+    /// addresses, and `br_netfilter` is on there.
+    fn wire(&mut self, suffix: &str, ip: Ipv4Addr, ip6: Ipv6Addr, bridged: bool) -> Ns {
         let ns = Ns {
             name: format!("{}-{suffix}", self.tag),
         };
         self.add_ns(&ns.name);
         let port = format!("p{suffix}");
+        let end = if bridged { "up0" } else { "eth0" };
         self.router.ip(&[
-            "link", "add", &port, "type", "veth", "peer", "name", "eth0", "netns", &ns.name,
+            "link", "add", &port, "type", "veth", "peer", "name", end, "netns", &ns.name,
         ]);
         self.router
             .ip(&["link", "set", &port, "master", "br0", "up"]);
         ns.ip(&["link", "set", "lo", "up"]);
+        if bridged {
+            ns.ip(&["link", "add", "eth0", "type", "bridge"]);
+            ns.ip(&["link", "set", "up0", "master", "eth0", "up"]);
+            super::vmnet::bridge_netfilter(&ns);
+        }
         ns.ip(&["addr", "add", &format!("{ip}/24"), "dev", "eth0"]);
         ns.ip(&["addr", "add", &format!("{ip6}/64"), "dev", "eth0", "nodad"]);
         ns.ip(&["link", "set", "eth0", "up"]);
