@@ -438,7 +438,7 @@ mod tests {
             again.output
         );
         assert!(
-            last(&again).ends_with("unchanged (1 load balancers; 1 skipped, the same as before)"),
+            last(&again).ends_with("unchanged (1 load balancer; 1 skipped, the same as before)"),
             "{:?}",
             again.output
         );
