@@ -88,6 +88,10 @@ fn the_rendered_keepalived_conf_passes_keepalived_s_config_test() {
     }
     let config = harvester_lb::config::parse(&text).expect("valid").config;
     let rendered = harvester_lb::vip::keepalived::render(&config).expect("rendered");
+    // The management check's script, as the daemon writes it before the
+    // file (keepalived disables a track script it cannot find).
+    harvester_lb::vip::mgmt_check::install(config.keepalived.as_ref().expect("[keepalived]"))
+        .expect("the management check's script");
     let file = dir.join("rendered.conf");
     std::fs::write(&file, &rendered).unwrap();
     let out = Command::new("ip")
