@@ -356,7 +356,7 @@ fn every_shipped_example_config_is_valid() {
             // load balancers it writes: valid, and empty of them.
             let is_base = path.file_name().is_some_and(|n| n == "base.toml");
             assert!(
-                is_base != !loaded.config.load_balancers.is_empty(),
+                is_base == loaded.config.load_balancers.is_empty(),
                 "{}: an example with no load balancer, or a base with some",
                 path.display()
             );
