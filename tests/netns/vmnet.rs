@@ -307,6 +307,26 @@ pub fn udp_name_server(
     })
 }
 
+/// A backend VM `<tag>-<name>` on the bed's `bridge` with `ip`, which
+/// routes network A (the client's) back through `gateway`: a VIP that moves
+/// with the load balancer's, so that replies from a kernel listener's
+/// backends (`source_nat = "none"`) reach the VIP's master. It ignores
+/// redirects (a host that forwards on the segment it came from would
+/// otherwise teach it to bypass the gateway).
+pub fn backend_via(bed: &mut Bed, bridge: &str, name: &str, ip: Ipv4Addr, gateway: Ipv4Addr) -> Ns {
+    let (ns, _) = bed.add_host_on(bridge, name, ip);
+    ns.ip(&[
+        "route",
+        "add",
+        "198.51.100.0/24",
+        "via",
+        &gateway.to_string(),
+    ]);
+    sysctl(&ns, "net.ipv4.conf.all.accept_redirects=0");
+    sysctl(&ns, "net.ipv4.conf.eth0.accept_redirects=0");
+    ns
+}
+
 /// `sysctl -qw setting` inside `ns`.
 pub fn sysctl(ns: &Ns, setting: &str) {
     super::run(
