@@ -314,6 +314,52 @@ pub fn bridge_nf_calls() -> [bool; 2] {
     BRIDGE_NF_CALL_FILES.map(|path| Sysctl::from_read(&std::fs::read_to_string(path)) == Sysctl::On)
 }
 
+/// A bridge's own switch for the IP hooks at the bridge stage, per family
+/// (IPv4, IPv6): `/sys/class/net/NAME/bridge/nf_call_iptables`
+/// (`nf_call_ip6tables`), `ip link set NAME type bridge nf_call_iptables 1`.
+/// The kernel runs the hooks for a bridge's frames when the host's sysctl
+/// ([`bridge_nf_calls`]) **or** the bridge's own switch is on
+/// (`br_nf_pre_routing`: `!brnet->call_iptables &&
+/// !br_opt_get(br, BROPT_NF_CALL_IPTABLES)` is the only way out), so a host
+/// whose sysctl is 0 still NATs the frames of such a bridge at the bridge
+/// stage.
+const BRIDGE_OWN_NF_CALL: [&str; 2] = ["nf_call_iptables", "nf_call_ip6tables"];
+
+/// Whether the bridge `interface`'s own switch ([`BRIDGE_OWN_NF_CALL`])
+/// is on for the family (`ipv6`); absent, unreadable or not a bridge is
+/// off.
+pub fn bridge_nf_call_own(interface: &str, ipv6: bool) -> bool {
+    if !is_bridge(interface) {
+        return false;
+    }
+    let file = std::path::Path::new("/sys/class/net")
+        .join(interface)
+        .join("bridge")
+        .join(BRIDGE_OWN_NF_CALL[usize::from(ipv6)]);
+    std::fs::read_to_string(file).is_ok_and(|v| v.trim() == "1")
+}
+
+/// Per family, whether some bridge of this network namespace has its own
+/// switch on ([`bridge_nf_call_own`]): a scan of `/sys/class/net`, which
+/// lists every interface (a Harvester host's VM taps too; only bridges
+/// have the file). Read with the sysctls every few seconds, so that a
+/// bridge turning its switch on rebuilds the kernel listeners.
+pub fn bridge_nf_calls_own_any() -> [bool; 2] {
+    let mut any = [false; 2];
+    let Ok(dir) = std::fs::read_dir("/sys/class/net") else {
+        return any;
+    };
+    for entry in dir.flatten() {
+        let Some(name) = entry.file_name().to_str().map(str::to_owned) else {
+            continue;
+        };
+        for (family, on) in any.iter_mut().enumerate() {
+            *on = *on || bridge_nf_call_own(&name, family == 1);
+        }
+    }
+    any
+}
+
 /// Whether `interface` is a Linux bridge (`/sys/class/net/NAME/bridge`).
 pub fn is_bridge(interface: &str) -> bool {
     if interface.is_empty() || interface.contains('/') || interface.starts_with('.') {

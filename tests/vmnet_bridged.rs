@@ -32,7 +32,10 @@
 //! daemon serves the kernel listeners of a load balancer on a bridged
 //! network with backends in its subnet by the proxy while
 //! `bridge-nf-call-iptables` is 1, and says why in `/status`; set to 0, the
-//! same listeners go back to the kernel.
+//! same listeners go back to the kernel. A bridge's own `nf_call_iptables`
+//! (`ip link set eth0 type bridge nf_call_iptables 1`) brings the bridge
+//! stage back for that bridge with the sysctl at 0 (the kernel runs the
+//! hooks when either is on), and the proxy with it.
 //!
 //! Left out: keepalived (the VIP is added by hand: this is about the
 //! holder's path, not about moving it), the bridge's VLAN filtering and the
@@ -281,6 +284,19 @@ async fn proxy_reason(d: &DaemonProc) -> Option<String> {
     (l["forwarding"] == "proxy").then(|| l["kernel_error"].as_str().unwrap_or("").to_string())
 }
 
+/// Waits (30 s) until `/status` says the kernel listener is served by the
+/// proxy with a reason (`what` names the wait), and asserts that the
+/// reason names each of `names`.
+async fn await_proxy_reason(d: &DaemonProc, what: &str, names: &[&str]) {
+    let reason = wait_for(Duration::from_secs(30), what, || async {
+        proxy_reason(d).await.filter(|r| !r.is_empty())
+    })
+    .await;
+    for name in names {
+        assert!(reason.contains(name), "the reason names {name}: {reason}");
+    }
+}
+
 /// Ten exchanges from each client to each VIP through the kernel and the
 /// proxy listener, on host a (holding both VIPs: one with its backend n1
 /// behind the uplink, one with its backend v1 a VM on a's bridge); clients
@@ -351,16 +367,12 @@ async fn netns_a_kernel_listener_on_a_bridged_vm_network_serves_every_client_and
         ),
     );
     let d = DaemonProc::spawn(&a, &path, &bed.dir.join("daemon-a.log"), None);
-    let reason = wait_for(
-        Duration::from_secs(30),
+    await_proxy_reason(
+        &d,
         "/status: the kernel listener served by the proxy, with the reason",
-        || async { proxy_reason(&d).await.filter(|r| !r.is_empty()) },
+        &["bridge-nf-call-iptables", "\"eth0\""],
     )
     .await;
-    assert!(
-        reason.contains("bridge-nf-call-iptables") && reason.contains("\"eth0\""),
-        "the reason names the switch and the bridge: {reason}"
-    );
     wait_for(
         Duration::from_secs(30),
         "the proxy listener serves",
@@ -392,6 +404,29 @@ async fn netns_a_kernel_listener_on_a_bridged_vm_network_serves_every_client_and
     assert!(
         flows_to(&a, VIP_UPLINK) >= 10,
         "the kernel DNATed those flows"
+    );
+    // The sysctl 0 but the bridge's own switch on (`nf_call_iptables`,
+    // which the kernel ORs with it): the bridge stage is back for this
+    // bridge's frames, and so is the proxy.
+    a.ip(&[
+        "link",
+        "set",
+        "eth0",
+        "type",
+        "bridge",
+        "nf_call_iptables",
+        "1",
+    ]);
+    await_proxy_reason(
+        &d,
+        "/status: the kernel listener served by the proxy again, the bridge's own switch named",
+        &["own nf_call_iptables", "\"eth0\""],
+    )
+    .await;
+    assert_eq!(
+        served(&bed.client, None, VIP_UPLINK, KERNEL, 10).await,
+        10,
+        "a client behind the uplink through the kernel listener's port, the bridge's own switch on"
     );
     drop(d);
 }

@@ -64,22 +64,55 @@ fn pack_forwarding(states: [Sysctl; 2]) -> u8 {
 }
 
 /// [`pack_forwarding`]'s byte with whether each family's bridged frames
-/// pass the IP hooks at the bridge stage ([`crate::os::bridge_nf_calls`])
-/// in bits 4 (IPv4) and 5 (IPv6): a change of either rebuilds the kernel
-/// listeners as a change of forwarding does.
-fn pack_bridge_stage(packed: u8, calls: [bool; 2]) -> u8 {
-    packed | (u8::from(calls[0]) << 4) | (u8::from(calls[1]) << 5)
+/// pass the IP hooks at the bridge stage by the host's sysctl
+/// ([`crate::os::bridge_nf_calls`]) in bits 4 (IPv4) and 5 (IPv6), and
+/// whether some bridge has its own switch on for the family
+/// ([`crate::os::bridge_nf_calls_own_any`]) in bits 6 and 7: a change of
+/// any rebuilds the kernel listeners as a change of forwarding does.
+fn pack_bridge_stage(packed: u8, calls: [bool; 2], own: [bool; 2]) -> u8 {
+    packed
+        | (u8::from(calls[0]) << 4)
+        | (u8::from(calls[1]) << 5)
+        | (u8::from(own[0]) << 6)
+        | (u8::from(own[1]) << 7)
 }
 
-/// Whether one family's bridged frames pass the IP hooks, from
-/// [`pack_bridge_stage`]'s byte (0 IPv4, 1 IPv6).
+/// Whether one family's bridged frames pass the IP hooks by the host's
+/// sysctl, from [`pack_bridge_stage`]'s byte (0 IPv4, 1 IPv6).
 fn bridge_stage_of(packed: u8, family: usize) -> bool {
     (packed >> (4 + family)) & 1 == 1
 }
 
+/// Whether some bridge has its own switch on for one family, from
+/// [`pack_bridge_stage`]'s byte (0 IPv4, 1 IPv6).
+fn own_bridge_stage_of(packed: u8, family: usize) -> bool {
+    (packed >> (6 + family)) & 1 == 1
+}
+
+/// The switch that makes `interface`'s frames of `family` pass the IP
+/// hooks at the bridge stage, named for the operator: the host's sysctl
+/// (`sysctl`) when it is on, else the bridge's own option when that is;
+/// `None` when neither is (or `interface` is no bridge).
+fn bridge_stage_switch(packed: u8, family: usize, interface: &str, sysctl: &str) -> Option<String> {
+    if !crate::os::is_bridge(interface) {
+        return None;
+    }
+    if bridge_stage_of(packed, family) {
+        return Some(format!("{sysctl} is 1 on this host"));
+    }
+    let own = ["nf_call_iptables", "nf_call_ip6tables"][family];
+    (own_bridge_stage_of(packed, family) && crate::os::bridge_nf_call_own(interface, family == 1))
+        .then(|| {
+            format!(
+                "the bridge's own {own} is 1 (/sys/class/net/{interface}/bridge/{own}; {sysctl} is 0, but the kernel runs the hooks when either is on)"
+            )
+        })
+}
+
 /// Why `spec`'s kernel listeners cannot work on this host, given the
 /// packed host settings `packed`: bridged frames of the VIP's family pass
-/// the IP hooks at the bridge stage (`br_netfilter`), the interface its
+/// the IP hooks at the bridge stage (`br_netfilter`: the host's sysctl or
+/// the bridge's own switch, [`bridge_stage_switch`]), the interface its
 /// clients come in by is a Linux bridge, and a backend is reached through
 /// that same bridge. For a VIP on a `[[network]]` that is the network's
 /// interface and a backend in its subnet; for one on no network see
@@ -97,7 +130,7 @@ fn bridge_stage_of(packed: u8, family: usize) -> bool {
 /// routed out of it (docs/vip.md, "On a bridged host").
 fn bridge_stage_reason(packed: u8, spec: &LoadBalancerSpec, config: &Config) -> Option<String> {
     let family = usize::from(spec.vip.is_ipv6());
-    if !bridge_stage_of(packed, family) {
+    if !bridge_stage_of(packed, family) && !own_bridge_stage_of(packed, family) {
         return None;
     }
     let sysctl = [
@@ -105,7 +138,7 @@ fn bridge_stage_reason(packed: u8, spec: &LoadBalancerSpec, config: &Config) -> 
         "net.bridge.bridge-nf-call-ip6tables",
     ][family];
     let Some(name) = spec.network.as_deref() else {
-        return off_network_reason(spec, config, sysctl);
+        return off_network_reason(packed, spec, config, sysctl);
     };
     let network = config.networks.iter().find(|n| n.name == name)?;
     let in_subnet = |ip: &IpAddr| match ip {
@@ -113,11 +146,9 @@ fn bridge_stage_reason(packed: u8, spec: &LoadBalancerSpec, config: &Config) -> 
         IpAddr::V6(v6) => network.ipv6_subnet().is_some_and(|n| n.contains(v6)),
     };
     let backend = spec.backends.iter().find(|b| in_subnet(b))?;
-    if !crate::os::is_bridge(&network.interface) {
-        return None;
-    }
+    let switch = bridge_stage_switch(packed, family, &network.interface, sysctl)?;
     Some(format!(
-        "network {:?}'s interface {:?} is a bridge and {sysctl} is 1 on this host: br_netfilter NATs a frame at the bridge stage, and a backend in the subnet ({backend}) behind the port a client's frame came in by is never reached (the bridge sends no frame back out of its ingress port), so the proxy serves this listener; a tagged network's VLAN device works with the kernel path (docs/vip.md, \"On a bridged host\")",
+        "network {:?}'s interface {:?} is a bridge and {switch}: br_netfilter NATs a frame at the bridge stage, and a backend in the subnet ({backend}) behind the port a client's frame came in by is never reached (the bridge sends no frame back out of its ingress port), so the proxy serves this listener; a tagged network's VLAN device works with the kernel path (docs/vip.md, \"On a bridged host\")",
         network.name, network.interface,
     ))
 }
@@ -134,7 +165,12 @@ fn bridge_stage_reason(packed: u8, spec: &LoadBalancerSpec, config: &Config) -> 
 /// other means, a loopback) is left alone. Read from the routes at each
 /// whole rebuild of the kernel's desired state (a reload, a change of the
 /// forwarding or bridge sysctls), not at every route change.
-fn off_network_reason(spec: &LoadBalancerSpec, config: &Config, sysctl: &str) -> Option<String> {
+fn off_network_reason(
+    packed: u8,
+    spec: &LoadBalancerSpec,
+    config: &Config,
+    sysctl: &str,
+) -> Option<String> {
     let routes = crate::os::Routes::read_recent(spec.vip.is_ipv6());
     let (interface, by) = match config.keepalived_interface(spec) {
         Some(i) => (
@@ -147,15 +183,14 @@ fn off_network_reason(spec: &LoadBalancerSpec, config: &Config, sysctl: &str) ->
         ),
         None => return None,
     };
-    if !crate::os::is_bridge(interface) {
-        return None;
-    }
+    let family = usize::from(spec.vip.is_ipv6());
+    let switch = bridge_stage_switch(packed, family, interface, sysctl)?;
     let backend = spec
         .backends
         .iter()
         .find(|b| routes.device_for(**b) == Some(interface))?;
     Some(format!(
-        "the VIP is on no [[network]] and its clients come in by {interface:?} ({by}); {interface:?} is a bridge and {sysctl} is 1 on this host: br_netfilter NATs a frame at the bridge stage, and a backend routed out of that same bridge ({backend}) behind the port a client's frame came in by is never reached (the bridge sends no frame back out of its ingress port), so the proxy serves this listener; backends on a routed network of their own, or a VLAN device or a dedicated NIC toward the clients, work with the kernel path (docs/vip.md, \"On a bridged host\")"
+        "the VIP is on no [[network]] and its clients come in by {interface:?} ({by}); {interface:?} is a bridge and {switch}: br_netfilter NATs a frame at the bridge stage, and a backend routed out of that same bridge ({backend}) behind the port a client's frame came in by is never reached (the bridge sends no frame back out of its ingress port), so the proxy serves this listener; backends on a routed network of their own, or a VLAN device or a dedicated NIC toward the clients, work with the kernel path (docs/vip.md, \"On a bridged host\")"
     ))
 }
 
@@ -237,8 +272,11 @@ impl Daemon {
     /// changed.
     fn check_ip_forwarding(&self) -> bool {
         let read = crate::os::ip_forwarding();
-        let bridge_stage = crate::os::bridge_nf_calls();
-        let off = pack_bridge_stage(pack_forwarding([read[0].0, read[1].0]), bridge_stage);
+        let off = pack_bridge_stage(
+            pack_forwarding([read[0].0, read[1].0]),
+            crate::os::bridge_nf_calls(),
+            crate::os::bridge_nf_calls_own_any(),
+        );
         let was = self.forwarding_off.swap(off, Ordering::AcqRel);
         if was == off {
             return false;
@@ -298,11 +336,11 @@ impl Daemon {
                 .map(|lb| format!("{:?}", lb.name))
                 .collect()
         });
-        let families = |packed: u8| [bridge_stage_of(packed, 0), bridge_stage_of(packed, 1)];
+        let families = |packed: u8| packed >> 4;
         if families(was) != families(off) && !held.is_empty() {
             tracing::warn!(
                 load_balancers = held.len(),
-                "br_netfilter NATs bridged frames at the bridge stage on this host (net.bridge.bridge-nf-call-iptables or -ip6tables = 1): the forwarding = \"kernel\" listeners of load balancers whose clients come in by a bridge that also leads to a backend (a bridged VM network with backends in its subnet, or the bridge of keepalived.interface or of the default route for a VIP on no network) are served by the proxy ({}{}): docs/vip.md, \"On a bridged host\"",
+                "br_netfilter NATs bridged frames at the bridge stage on this host (net.bridge.bridge-nf-call-iptables or -ip6tables = 1, or a bridge's own nf_call_iptables or nf_call_ip6tables): the forwarding = \"kernel\" listeners of load balancers whose clients come in by a bridge that also leads to a backend (a bridged VM network with backends in its subnet, or the bridge of keepalived.interface or of the default route for a VIP on no network) are served by the proxy ({}{}): docs/vip.md, \"On a bridged host\"",
                 held.iter()
                     .take(NAMED_IN_LOG)
                     .cloned()
@@ -1090,6 +1128,24 @@ fn listener_may_leave_stale_flows(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The bridge-stage bits (the sysctl's and the bridges' own switches,
+    /// per family) and the forwarding bits do not overlap: a bridge's own
+    /// switch alone is seen as such, and a change of it changes the byte
+    /// (which rebuilds the kernel listeners).
+    #[test]
+    fn bridge_stage_bits_are_their_own() {
+        let forwarding = pack_forwarding([Sysctl::On, Sysctl::Off]);
+        let p = pack_bridge_stage(forwarding, [false, true], [true, false]);
+        assert!(!bridge_stage_of(p, 0) && bridge_stage_of(p, 1));
+        assert!(own_bridge_stage_of(p, 0) && !own_bridge_stage_of(p, 1));
+        assert_eq!(forwarding_of(p, 0), Sysctl::On);
+        assert_eq!(forwarding_of(p, 1), Sysctl::Off);
+        assert_ne!(
+            pack_bridge_stage(forwarding, [false; 2], [false; 2]),
+            pack_bridge_stage(forwarding, [false; 2], [true, false]),
+        );
+    }
 
     fn listener(eligible: &[[u8; 4]], close_down: &[[u8; 4]]) -> KernelListener {
         let ips = |v: &[[u8; 4]]| v.iter().map(|&a| IpAddr::from(a)).collect::<Vec<_>>();
