@@ -1,6 +1,7 @@
-//! The reference stays true as it moves: every key the reference config
-//! sets is documented in `docs/configuration.md`, and every relative link of
-//! the README and `docs/` reaches a file (and a heading) that exists.
+//! The reference stays true as it moves: every key the code takes (read
+//! from the config's serde types) and every key the reference config sets is
+//! documented in `docs/configuration.md`; and every relative link of the
+//! README and `docs/` reaches a file (and a heading) that exists.
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
@@ -131,4 +132,226 @@ fn every_link_between_the_pages_reaches_a_file_and_a_heading() {
     }
     assert!(checked >= 20, "only {checked} links checked");
     assert!(broken.is_empty(), "broken links:\n{}", broken.join("\n"));
+}
+
+/// One field of a serde file type in `src/config/file.rs`: the key it
+/// reads (its `rename`, else its name) and its Rust type as written.
+struct Field {
+    key: String,
+    ty: String,
+}
+
+/// The serde file types of `src/config/file.rs` (the config's first layer:
+/// every key the daemon accepts is a field of one of them), read from the
+/// source: the types are private to the crate, and a list kept here by
+/// hand would go stale as the one the test replaced did.
+fn file_types() -> std::collections::BTreeMap<String, Vec<Field>> {
+    let text = read(&repo().join("src/config/file.rs"));
+    // What would make a key this reading cannot see: teach the test first.
+    let attributes: Vec<&str> = text
+        .lines()
+        .filter(|l| l.trim_start().starts_with("#[serde("))
+        .collect();
+    for word in ["flatten", "alias", "rename_all", "untagged", "with"] {
+        assert!(
+            !attributes.iter().any(|a| a.contains(word)),
+            "src/config/file.rs uses serde's `{word}`: teach tests/docs.rs's reading of the file types what keys it makes"
+        );
+    }
+    assert!(
+        !text.contains("macro_rules"),
+        "src/config/file.rs makes types by a macro"
+    );
+    let mut types = std::collections::BTreeMap::new();
+    let mut current: Option<(String, Vec<Field>)> = None;
+    let mut rename: Option<String> = None;
+    for line in text.lines().map(str::trim) {
+        if let Some(rest) = line.strip_prefix("pub struct ") {
+            let name = rest.trim_end_matches(" {").trim().to_string();
+            assert!(rest.ends_with('{'), "a file type not in braces: {line}");
+            current = Some((name, Vec::new()));
+        } else if line == "}" {
+            if let Some((name, fields)) = current.take() {
+                types.insert(name, fields);
+            }
+        } else if line.starts_with("#[serde(") {
+            rename = line
+                .split_once("rename = \"")
+                .map(|(_, r)| r.split('"').next().unwrap_or_default().to_string());
+        } else if let (Some((_, fields)), Some(rest)) =
+            (current.as_mut(), line.strip_prefix("pub "))
+        {
+            let (name, ty) = rest
+                .split_once(": ")
+                .unwrap_or_else(|| panic!("a field not read: {line}"));
+            fields.push(Field {
+                key: rename.take().unwrap_or_else(|| name.to_string()),
+                ty: ty.trim_end_matches(',').to_string(),
+            });
+        }
+    }
+    let derived = text.matches("Deserialize)]").count();
+    assert_eq!(
+        types.len(),
+        derived,
+        "read {} file types of {derived} deriving Deserialize",
+        types.len()
+    );
+    types
+}
+
+/// Every key of the config, from the file types: (dotted path, its Rust
+/// type) for values, and the paths of the tables (`load_balancer.listener`).
+fn code_keys() -> (Vec<(String, String)>, Vec<String>) {
+    let types = file_types();
+    let mut values = Vec::new();
+    let mut tables = Vec::new();
+    let mut reached = BTreeSet::new();
+    let mut todo = vec![(String::new(), "FileConfig".to_string())];
+    while let Some((prefix, name)) = todo.pop() {
+        reached.insert(name.clone());
+        for field in &types[&name] {
+            let path = if prefix.is_empty() {
+                field.key.clone()
+            } else {
+                format!("{prefix}.{}", field.key)
+            };
+            let inner = field
+                .ty
+                .split(|c: char| !c.is_alphanumeric() && c != '_')
+                .find(|word| types.contains_key(*word));
+            match inner {
+                Some(table) => {
+                    tables.push(path.clone());
+                    todo.push((path, table.to_string()));
+                }
+                None => values.push((path, field.ty.clone())),
+            }
+        }
+    }
+    let unreached: Vec<&String> = types.keys().filter(|t| !reached.contains(*t)).collect();
+    assert!(
+        unreached.is_empty(),
+        "file types no key of FileConfig leads to: {unreached:?}"
+    );
+    values.sort();
+    tables.sort();
+    (values, tables)
+}
+
+/// A TOML value of the Rust type a file type declares.
+fn value_of(ty: &str) -> &'static str {
+    let item = if ty.contains("toml::Value") {
+        "200"
+    } else if ty.contains("i64") {
+        "1"
+    } else if ty.contains("bool") {
+        "true"
+    } else {
+        assert!(ty.contains("String"), "no TOML value for the type {ty}");
+        "\"x\""
+    };
+    match (ty.contains("Vec<"), item) {
+        (true, "200") => "[200]",
+        (true, "\"x\"") => "[\"x\"]",
+        (false, _) => item,
+        (true, other) => panic!("no TOML list of {other}"),
+    }
+}
+
+/// The keys read from the source are the keys the daemon takes: a file
+/// with each of them set once is parsed with no "unknown key" but the one
+/// planted in each table to show the check would see one.
+#[test]
+fn the_keys_read_from_the_file_types_are_the_keys_the_config_takes() {
+    let (values, tables) = code_keys();
+    assert!(
+        values.len() >= 90,
+        "only {} keys read: {values:?}",
+        values.len()
+    );
+    let arrays = ["load_balancer", "network", "load_balancer.listener"];
+    let mut by_table: std::collections::BTreeMap<&str, Vec<(&str, &str)>> = Default::default();
+    by_table.insert("", Vec::new());
+    for table in &tables {
+        by_table.insert(table, Vec::new());
+    }
+    for (path, ty) in &values {
+        let (table, key) = path.rsplit_once('.').unwrap_or(("", path));
+        by_table
+            .get_mut(table)
+            .unwrap_or_else(|| panic!("{path}: no table {table}"))
+            .push((key, value_of(ty)));
+    }
+    let mut text = String::new();
+    for (table, keys) in &by_table {
+        if !table.is_empty() {
+            let (open, close) = if arrays.contains(table) {
+                ("[[", "]]")
+            } else {
+                ("[", "]")
+            };
+            text.push_str(&format!("{open}{table}{close}\n"));
+        }
+        for (key, value) in keys {
+            text.push_str(&format!("{key} = {value}\n"));
+        }
+        text.push_str("not_a_key_anywhere = 1\n");
+    }
+    let problems = harvester_lb::config::parse(&text).expect_err("the planted keys are refused");
+    let unknown: BTreeSet<String> = problems
+        .iter()
+        .filter(|p| p.message.starts_with("unknown key"))
+        .map(|p| p.key.clone())
+        .collect();
+    let planted: BTreeSet<String> = by_table
+        .keys()
+        .map(|table| {
+            let table = table
+                .replace("load_balancer.", "load_balancer[0].")
+                .replace("load_balancer[0].listener", "load_balancer[0].listener[0]");
+            let table = match table.as_str() {
+                "load_balancer" => "load_balancer[0]".to_string(),
+                "network" => "network[0]".to_string(),
+                _ => table,
+            };
+            if table.is_empty() {
+                "not_a_key_anywhere".to_string()
+            } else {
+                format!("{table}.not_a_key_anywhere")
+            }
+        })
+        .collect();
+    assert_eq!(
+        unknown, planted,
+        "unknown keys of a file setting every key read from src/config/file.rs:\n{text}"
+    );
+}
+
+/// Code → reference: every key the daemon takes is in the reference table
+/// of `docs/configuration.md` (a table by `[name]`, `[[name]]` or its path).
+#[test]
+fn every_key_the_config_takes_is_in_the_configuration_doc() {
+    let (values, tables) = code_keys();
+    let doc = read(&repo().join("docs/configuration.md"));
+    let mut missing: Vec<String> = values
+        .iter()
+        .map(|(path, _)| path)
+        .filter(|k| !doc.contains(&format!("`{k}`")))
+        .cloned()
+        .collect();
+    missing.extend(
+        tables
+            .iter()
+            .filter(|t| {
+                ![format!("`{t}`"), format!("[{t}]"), format!("[[{t}]]")]
+                    .iter()
+                    .any(|form| doc.contains(form))
+            })
+            .cloned(),
+    );
+    assert!(
+        missing.is_empty(),
+        "keys of src/config/file.rs not in docs/configuration.md: {missing:?}"
+    );
 }
