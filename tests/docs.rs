@@ -1,7 +1,8 @@
 //! The reference stays true as it moves: every key the code takes (read
 //! from the config's serde types) and every key the reference config sets is
-//! documented in `docs/configuration.md`; and every relative link of the
-//! README and `docs/` reaches a file (and a heading) that exists.
+//! documented in `docs/configuration.md`; every file the packages install is
+//! in operations.md's package table; and every relative link of the README
+//! and `docs/` reaches a file (and a heading) that exists.
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
@@ -354,4 +355,118 @@ fn every_key_the_config_takes_is_in_the_configuration_doc() {
         missing.is_empty(),
         "keys of src/config/file.rs not in docs/configuration.md: {missing:?}"
     );
+}
+
+/// `{a,b}` in a path written once for several (`import.{service,timer}`).
+fn braces(path: &str) -> Vec<String> {
+    match (path.find('{'), path.find('}')) {
+        (Some(open), Some(close)) if open < close => path[open + 1..close]
+            .split(',')
+            .flat_map(|alt| braces(&format!("{}{alt}{}", &path[..open], &path[close + 1..])))
+            .collect(),
+        _ => vec![path.to_string()],
+    }
+}
+
+/// `pattern` (`*` within one path segment) matches `path`.
+fn glob(pattern: &str, path: &str) -> bool {
+    let (p, s): (Vec<&str>, Vec<&str>) = (pattern.split('/').collect(), path.split('/').collect());
+    p.len() == s.len()
+        && p.iter().zip(&s).all(|(p, s)| match p.split_once('*') {
+            Some((head, tail)) => {
+                s.len() >= head.len() + tail.len() && s.starts_with(head) && s.ends_with(tail)
+            }
+            None => p == s,
+        })
+}
+
+/// The paths the package table of operations.md ("Install from the RPM")
+/// names: each row's first cell, where `…/x` and a bare `x` are beside the
+/// path before them.
+fn package_table_paths() -> Vec<String> {
+    let doc = read(&repo().join("docs/operations.md"));
+    let section = doc
+        .split_once("### Install from the RPM")
+        .expect("operations.md has the RPM install section")
+        .1;
+    let mut out = Vec::new();
+    let mut dir = String::new();
+    for row in section
+        .lines()
+        .skip_while(|l| !l.starts_with("| path |"))
+        .skip(2)
+        .take_while(|l| l.starts_with('|'))
+    {
+        let cell = row.split('|').nth(1).unwrap_or_default();
+        for token in cell.split('`').skip(1).step_by(2) {
+            let full = if let Some(rest) = token.strip_prefix('…') {
+                format!("{dir}{rest}")
+            } else if token.starts_with('/') {
+                token.to_string()
+            } else {
+                format!("{dir}/{token}")
+            };
+            dir = full
+                .rsplit_once('/')
+                .map(|(d, _)| d.to_string())
+                .unwrap_or_default();
+            out.extend(braces(&full));
+        }
+    }
+    assert!(out.len() >= 15, "only {} paths read: {out:?}", out.len());
+    out
+}
+
+/// The files a package installs, from `Cargo.toml`'s assets (a `dest`
+/// ending in `/` takes every file its `source` pattern matches).
+fn package_files(assets: &[toml::Value]) -> Vec<String> {
+    let mut out = Vec::new();
+    for asset in assets {
+        let (source, dest) = match asset {
+            toml::Value::Table(t) => (t["source"].as_str(), t["dest"].as_str()),
+            toml::Value::Array(a) => (a[0].as_str(), a[1].as_str()),
+            other => panic!("an asset that is neither table nor list: {other}"),
+        };
+        let (source, dest) = (source.expect("source"), dest.expect("dest"));
+        if !dest.ends_with('/') {
+            out.push(dest.to_string());
+            continue;
+        }
+        let (dir, pattern) = source.rsplit_once('/').expect("a pattern in a directory");
+        let mut names: Vec<String> = std::fs::read_dir(repo().join(dir))
+            .unwrap_or_else(|e| panic!("{dir}: {e}"))
+            .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+            .filter(|name| glob(pattern, name))
+            .collect();
+        assert!(!names.is_empty(), "{source} matches no file");
+        names.sort();
+        out.extend(names.into_iter().map(|name| format!("{dest}{name}")));
+    }
+    out
+}
+
+/// Every file the RPM and the `.deb` install is named in operations.md's
+/// package table (the table once lacked `frr/` and the license).
+#[test]
+fn every_file_the_packages_install_is_in_the_package_table() {
+    let cargo: toml::Table = read(&repo().join("Cargo.toml"))
+        .parse()
+        .expect("Cargo.toml");
+    let metadata = &cargo["package"]["metadata"];
+    let table = package_table_paths();
+    for (kind, assets) in [
+        ("RPM", &metadata["generate-rpm"]["assets"]),
+        (".deb", &metadata["deb"]["assets"]),
+    ] {
+        let files = package_files(assets.as_array().expect("assets"));
+        assert!(files.len() >= 20, "the {kind} installs only {files:?}");
+        let missing: Vec<&String> = files
+            .iter()
+            .filter(|f| !table.iter().any(|p| glob(p, f)))
+            .collect();
+        assert!(
+            missing.is_empty(),
+            "files the {kind} installs that docs/operations.md's package table does not name: {missing:?} (the table names {table:?})"
+        );
+    }
 }
