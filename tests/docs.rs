@@ -599,3 +599,45 @@ fn the_documented_exposure_scores_are_measured() {
         wrong.join("\n")
     );
 }
+
+/// What the import's `--base` file may hold is said alike by `import
+/// --help`, import.md and the shipped base.toml: every section of the
+/// config but `[[load_balancer]]` (read from the config's types). Issue 43:
+/// the three said three different things.
+#[test]
+fn the_base_file_s_sections_are_said_alike_by_the_help_the_doc_and_the_file() {
+    let (_, tables) = code_keys();
+    let sections: Vec<&String> = tables
+        .iter()
+        .filter(|t| !t.contains('.') && *t != "load_balancer")
+        .collect();
+    assert!(sections.len() >= 10, "sections read: {sections:?}");
+    let help = std::process::Command::new(env!("CARGO_BIN_EXE_harvester-lb"))
+        .args(["import", "--help"])
+        .output()
+        .expect("harvester-lb import --help");
+    let help = String::from_utf8_lossy(&help.stdout).into_owned();
+    let import_md = read(&repo().join("docs/import.md"));
+    let paragraph = import_md
+        .split("\n\n")
+        .find(|p| p.contains("`--base PATH`"))
+        .expect("import.md's --base paragraph")
+        .to_string();
+    let base_toml = read(&repo().join("config/base.toml"));
+    let mut wrong = Vec::new();
+    for (what, text) in [
+        ("`harvester-lb import --help`", &help),
+        ("import.md's `--base PATH` paragraph", &paragraph),
+        ("config/base.toml", &base_toml),
+    ] {
+        let flat = text.split_whitespace().collect::<Vec<_>>().join(" ");
+        let missing: Vec<&&String> = sections
+            .iter()
+            .filter(|s| !flat.contains(&format!("[{s}]")))
+            .collect();
+        if !missing.is_empty() {
+            wrong.push(format!("{what} does not name {missing:?}"));
+        }
+    }
+    assert!(wrong.is_empty(), "{}", wrong.join("\n"));
+}
