@@ -2,8 +2,8 @@
 //! from the config's serde types) and every key the reference config sets is
 //! documented in `docs/configuration.md`; every file the packages install is
 //! in operations.md's package table; the exposure scores the docs give are
-//! measured; and every relative link of the README and `docs/` reaches a
-//! file (and a heading) that exists.
+//! measured; and every relative link of the README, the changelog and
+//! `docs/` reaches a file (and a heading) that exists.
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
@@ -101,7 +101,7 @@ fn links(text: &str) -> Vec<String> {
 
 #[test]
 fn every_link_between_the_pages_reaches_a_file_and_a_heading() {
-    let mut pages = vec![repo().join("README.md")];
+    let mut pages = vec![repo().join("README.md"), repo().join("CHANGELOG.md")];
     let mut docs: Vec<PathBuf> = std::fs::read_dir(repo().join("docs"))
         .expect("docs/")
         .map(|e| e.expect("entry").path())
