@@ -641,3 +641,83 @@ fn the_base_file_s_sections_are_said_alike_by_the_help_the_doc_and_the_file() {
     }
     assert!(wrong.is_empty(), "{}", wrong.join("\n"));
 }
+
+/// Every `.rs` file under `dir`, for a look at the messages.
+fn sources(dir: &Path, out: &mut String) {
+    for entry in std::fs::read_dir(dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display())) {
+        let path = entry.expect("entry").path();
+        if path.is_dir() {
+            sources(&path, out);
+        } else if path.extension().is_some_and(|e| e == "rs") {
+            out.push_str(&read(&path));
+        }
+    }
+}
+
+/// The messages troubleshooting.md quotes as symptoms are the code's own:
+/// each piece between `…` of every quote in a symptom cell is in `src/`,
+/// so a reworded message fails here instead of leaving the page behind.
+#[test]
+fn the_messages_troubleshooting_quotes_are_in_the_code() {
+    let mut src = String::new();
+    sources(&repo().join("src"), &mut src);
+    let page = read(&repo().join("docs/troubleshooting.md"));
+    let mut quoted = 0;
+    let mut missing = Vec::new();
+    for row in page
+        .lines()
+        .filter(|l| l.starts_with("| ") && !l.starts_with("| symptom"))
+    {
+        let symptom = row.split('|').nth(1).unwrap_or_default();
+        for quote in symptom.split('"').skip(1).step_by(2) {
+            for piece in quote
+                .split('…')
+                .map(|p| p.trim_matches([' ', ',', ';', ':', '.']))
+            {
+                if piece.is_empty() {
+                    continue;
+                }
+                quoted += 1;
+                if !src.contains(piece) {
+                    missing.push(piece.to_string());
+                }
+            }
+        }
+    }
+    assert!(quoted >= 10, "only {quoted} quoted pieces read");
+    assert!(
+        missing.is_empty(),
+        "quoted in docs/troubleshooting.md, not in src/: {missing:?}"
+    );
+}
+
+/// Every drop-in shipped in `systemd/harvester-lb.service.d/` has its row
+/// in operations.md's "Which drop-ins for which features" table.
+#[test]
+fn every_shipped_drop_in_is_in_the_drop_in_table() {
+    let doc = read(&repo().join("docs/operations.md"));
+    let table: String = doc
+        .split_once("### Which drop-ins for which features")
+        .expect("operations.md's drop-in section")
+        .1
+        .lines()
+        .skip_while(|l| !l.starts_with("| what the config uses |"))
+        .take_while(|l| l.starts_with('|'))
+        .map(|l| l.split('|').nth(2).unwrap_or_default().to_string())
+        .collect();
+    let mut names: Vec<String> = std::fs::read_dir(repo().join("systemd/harvester-lb.service.d"))
+        .expect("systemd/harvester-lb.service.d")
+        .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+        .filter(|n| n.ends_with(".conf"))
+        .collect();
+    names.sort();
+    assert!(names.len() >= 2, "drop-ins: {names:?}");
+    let missing: Vec<&String> = names
+        .iter()
+        .filter(|n| !table.contains(&format!("`{n}`")))
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "drop-ins not in operations.md's drop-in table: {missing:?}"
+    );
+}
