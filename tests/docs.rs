@@ -54,14 +54,19 @@ fn every_key_of_the_reference_config_is_in_the_configuration_doc() {
     key_paths(&toml::Value::Table(config), "", &mut keys);
     assert!(keys.len() >= 30, "only {} keys read: {keys:?}", keys.len());
     let doc = read(&repo().join("docs/configuration.md"));
-    let missing: Vec<&String> = keys
-        .iter()
-        .filter(|k| !doc.contains(&format!("`{k}`")))
-        .collect();
+    let missing = not_named(&keys, &doc);
     assert!(
         missing.is_empty(),
         "keys of config/harvester-lb.toml not in docs/configuration.md: {missing:?}"
     );
+}
+
+/// The names of `names` that `text` does not write as `` `name` ``.
+fn not_named<'a>(names: impl IntoIterator<Item = &'a String>, text: &str) -> Vec<&'a String> {
+    names
+        .into_iter()
+        .filter(|n| !text.contains(&format!("`{n}`")))
+        .collect()
 }
 
 /// GitHub's anchor of a heading: lower case, spaces to `-`, punctuation
@@ -336,10 +341,8 @@ fn the_keys_read_from_the_file_types_are_the_keys_the_config_takes() {
 fn every_key_the_config_takes_is_in_the_configuration_doc() {
     let (values, tables) = code_keys();
     let doc = read(&repo().join("docs/configuration.md"));
-    let mut missing: Vec<String> = values
-        .iter()
-        .map(|(path, _)| path)
-        .filter(|k| !doc.contains(&format!("`{k}`")))
+    let mut missing: Vec<String> = not_named(values.iter().map(|(path, _)| path), &doc)
+        .into_iter()
         .cloned()
         .collect();
     missing.extend(
@@ -712,10 +715,7 @@ fn every_shipped_drop_in_is_in_the_drop_in_table() {
         .collect();
     names.sort();
     assert!(names.len() >= 2, "drop-ins: {names:?}");
-    let missing: Vec<&String> = names
-        .iter()
-        .filter(|n| !table.contains(&format!("`{n}`")))
-        .collect();
+    let missing = not_named(&names, &table);
     assert!(
         missing.is_empty(),
         "drop-ins not in operations.md's drop-in table: {missing:?}"
