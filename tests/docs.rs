@@ -729,3 +729,41 @@ fn every_shipped_drop_in_is_in_the_drop_in_table() {
         "drop-ins not in operations.md's drop-in table: {missing:?}"
     );
 }
+
+/// operations.md's advice for a binary elsewhere names every `Exec*=` of
+/// the unit (it named two of four after `ExecStop=` and `ExecStopPost=`
+/// came), and the packages' drop-in overrides each of them.
+#[test]
+fn every_command_line_of_the_unit_is_overridden_where_the_binary_moves() {
+    let unit = read(&repo().join("systemd/harvester-lb.service"));
+    let mut keys: Vec<String> = unit
+        .lines()
+        .filter_map(|l| l.split_once('=').map(|(k, _)| k.trim()))
+        .filter(|k| k.starts_with("Exec"))
+        .map(|k| format!("{k}="))
+        .collect();
+    keys.dedup();
+    assert!(keys.len() >= 4, "the unit's command lines: {keys:?}");
+    let doc = read(&repo().join("docs/operations.md"));
+    let advice = doc
+        .split("\n\n")
+        .find(|p| p.starts_with("If the binary lives elsewhere"))
+        .expect("operations.md's advice for a binary elsewhere");
+    let dropin = read(&repo().join("packaging/systemd/harvester-lb.service.d/10-package.conf"));
+    let mut wrong = not_named(&keys, advice)
+        .into_iter()
+        .map(|k| format!("operations.md does not name {k}"))
+        .collect::<Vec<_>>();
+    for key in &keys {
+        let lines: Vec<&str> = dropin
+            .lines()
+            .filter(|l| l.starts_with(key.as_str()))
+            .collect();
+        if lines.first() != Some(&key.as_str()) || lines.len() != 2 {
+            wrong.push(format!(
+                "10-package.conf does not empty and set {key}: {lines:?}"
+            ));
+        }
+    }
+    assert!(wrong.is_empty(), "{}", wrong.join("\n"));
+}
