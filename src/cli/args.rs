@@ -261,8 +261,10 @@ pub(crate) enum Command {
         /// Fail (and write nothing) if any object or listener is skipped.
         #[arg(long)]
         strict: bool,
-        /// A TOML file with this host's [admin], [proxy] and [metrics]
-        /// settings, copied above the load balancers.
+        /// A TOML file with this host's own settings, copied above the load
+        /// balancers: any section but [[load_balancer]] ([admin], [proxy],
+        /// [metrics], [log], [daemon], [vip], [dhcp], [[network]],
+        /// [keepalived], [conntrackd]).
         #[arg(long, value_name = "PATH")]
         base: Option<PathBuf>,
         /// Let --write empty a non-empty config or remove more than half of
