@@ -411,12 +411,15 @@ fn load_balancer(out: &mut String, lb: &Value, now: Option<f64>) {
     let name = h(&lb["name"]);
     let _ = write!(
         out,
-        "<section class=\"lb\" data-lb=\"{name}\"><h2>{name} <span class=\"muted\">cluster {}</span></h2><p>VIP <b>{}</b> ({}) · {} · check {} · affinity {} · <span class=\"{class}\">{eligible} of {} backends eligible</span>",
+        "<section class=\"lb\" data-lb=\"{name}\"><h2>{name} <span class=\"muted\">cluster {}</span></h2><p>VIP <b>{}</b> ({}) · {} · {} · affinity {} · <span class=\"{class}\">{eligible} of {} backends eligible</span>",
         h(&lb["cluster"]),
         h(&lb["vip"]),
         h(&lb["ipam"]),
         h(&lb["algorithm"]),
-        h(&lb["health_check_kind"]),
+        lb["health_check_kind"].as_str().map_or_else(
+            || "no health check".to_string(),
+            |k| format!("check {}", esc(k))
+        ),
         h(&lb["session_affinity"]),
         backends.len()
     );
