@@ -124,7 +124,7 @@ pub(super) async fn route(
             );
             resp
         }
-        "/status.html" => status_page(daemon, req.uri().query()),
+        "/status.html" => status_page(daemon, req.uri().query()).await,
         "/reload" => {
             let (reply, rx) = oneshot::channel();
             let source = match origin {
@@ -151,22 +151,36 @@ pub(super) async fn route(
 
 /// `/status.html`: the status page of the `/status` document (the page's
 /// load balancers of it, see `page`), or 400 naming what is wrong with
-/// the query.
-fn status_page(daemon: &Daemon, query: Option<&str>) -> Response<Body> {
+/// the query. The document is read under the daemon's lock as for
+/// `/status`; turning it into a page (all of it at 10,000 load balancers,
+/// then one page of it) runs on a blocking thread, not on the worker the
+/// prober and the data plane share.
+async fn status_page(daemon: &Daemon, query: Option<&str>) -> Response<Body> {
     let q = match page::parse_query(query.unwrap_or("")) {
         Ok(q) => q,
         Err(e) => return text(StatusCode::BAD_REQUEST, &format!("{e}\n")),
     };
-    let doc = match serde_json::to_value(daemon.status()) {
-        Ok(doc) => doc,
-        Err(e) => {
+    let doc = daemon.status();
+    let rendered = tokio::task::spawn_blocking(move || {
+        serde_json::to_value(doc).map(|doc| page::render(&doc, &q))
+    })
+    .await;
+    let html = match rendered {
+        Ok(Ok(html)) => html,
+        Ok(Err(e)) => {
             return text(
                 StatusCode::INTERNAL_SERVER_ERROR,
                 &format!("cannot build the status document: {e}\n"),
             );
         }
+        Err(e) => {
+            return text(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                &format!("the status page was not rendered: {e}\n"),
+            );
+        }
     };
-    let mut resp = Response::new(Either::Left(Full::new(Bytes::from(page::render(&doc, &q)))));
+    let mut resp = Response::new(Either::Left(Full::new(Bytes::from(html))));
     resp.headers_mut().insert(
         CONTENT_TYPE,
         "text/html; charset=utf-8"
