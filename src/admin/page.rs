@@ -580,7 +580,12 @@ fn backend_row(out: &mut String, b: &Value, totals: bool, now: Option<f64>) {
         "<tr><td>{}</td><td class=\"{health_class}\">{health}</td><td class=\"{admin_class}\">{}</td><td class=\"{}\">{}</td><td class=\"n\">{open}</td><td>{check}</td><td class=\"n\">{runs}</td><td>{}</td>",
         h(&b["address"]),
         h(&b["admin_state"]),
-        if eligible { "good" } else { "bad" },
+        // Not eligible because the operator drained it is by choice.
+        match (eligible, admin_class) {
+            (true, _) => "good",
+            (false, "warn") => "warn",
+            (false, _) => "bad",
+        },
         if eligible { "yes" } else { "no" },
         h(&probe["last_error"]),
     );
@@ -848,6 +853,9 @@ mod tests {
         // State colours: green serving, amber by choice, red broken.
         assert!(page.contains("<td class=\"bad\">unhealthy</td>"));
         assert!(page.contains("<td class=\"warn\">drain</td>"));
+        // Out of rotation by the operator's choice: amber, not red.
+        assert!(page.contains("<td class=\"warn\">drain</td><td class=\"warn\">no</td>"));
+        assert!(page.contains("<td class=\"good\">ready</td><td class=\"bad\">no</td>"));
         assert!(page.contains("<td class=\"bad\">failed</td>"));
         assert!(page.contains("<span class=\"warn\">1 of 3 backends eligible</span>"));
         // The VIP's holder and announcement.
