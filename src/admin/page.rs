@@ -35,7 +35,8 @@ use crate::proxy::log::Rfc3339;
 pub const PAGE_SIZE: usize = 100;
 
 /// What a `/status.html` query asks for: the load balancers whose name
-/// contains `lb` (all when empty), page `page` of them (from 1).
+/// contains `lb` (all when empty), page `page` of them (from 1), and
+/// whether the browser loads it again every `refresh` seconds.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PageQuery {
     /// A substring of the load balancers' names (`<namespace>/<service>`);
@@ -43,13 +44,24 @@ pub struct PageQuery {
     pub lb: String,
     /// The page, from 1, [`PAGE_SIZE`] load balancers each.
     pub page: usize,
+    /// Seconds between reloads by the browser (HTML's `refresh`, no
+    /// script), within [`REFRESH_SECONDS`]; `None`: the page stays as
+    /// loaded.
+    pub refresh: Option<u32>,
 }
+
+/// The reload periods `refresh=` takes: each load builds the whole
+/// `/status` document (all 10,000 load balancers at the scale benchmark's
+/// size), so a tab left open on the page may not ask more often than
+/// every 5 s.
+pub const REFRESH_SECONDS: std::ops::RangeInclusive<u32> = 5..=3600;
 
 impl Default for PageQuery {
     fn default() -> Self {
         Self {
             lb: String::new(),
             page: 1,
+            refresh: None,
         }
     }
 }
@@ -57,9 +69,9 @@ impl Default for PageQuery {
 /// Why a `/status.html` query cannot be answered (400, naming the part).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum PageQueryError {
-    /// A parameter other than `lb` and `page`.
+    /// A parameter other than `lb`, `page` and `refresh`.
     #[error(
-        "unknown query parameter {0:?}; /status.html takes lb=SUBSTRING (the load balancers whose name contains it) and page=N (from 1, {PAGE_SIZE} load balancers a page), e.g. /status.html?lb=default/&page=2"
+        "unknown query parameter {0:?}; /status.html takes lb=SUBSTRING (the load balancers whose name contains it), page=N (from 1, {PAGE_SIZE} load balancers a page) and refresh=SECONDS (5 to 3600), e.g. /status.html?lb=default/&page=2&refresh=10"
     )]
     Parameter(String),
     /// A `page=` value that is no page number.
@@ -67,7 +79,12 @@ pub enum PageQueryError {
         "page {0:?} is not a page number; write page=1 for the first {PAGE_SIZE} load balancers, page=2 for the next {PAGE_SIZE}"
     )]
     Page(String),
-    /// `lb=` or `page=` more than once.
+    /// A `refresh=` value outside [`REFRESH_SECONDS`].
+    #[error(
+        "refresh {0:?} is not a number of seconds from 5 to 3600; write e.g. refresh=10 (each reload builds the whole status document, so not more often than every 5 s)"
+    )]
+    Refresh(String),
+    /// A parameter more than once.
     #[error("{0}= is given twice; give it once")]
     Twice(&'static str),
 }
@@ -76,7 +93,7 @@ pub enum PageQueryError {
 /// Values are percent-decoded, `+` is a space (as a browser's form sends).
 pub fn parse_query(query: &str) -> Result<PageQuery, PageQueryError> {
     let mut q = PageQuery::default();
-    let (mut lb_seen, mut page_seen) = (false, false);
+    let (mut lb_seen, mut page_seen, mut refresh_seen) = (false, false, false);
     for pair in query.split('&').filter(|p| !p.is_empty()) {
         let (key, value) = pair.split_once('=').unwrap_or((pair, ""));
         let value = super::routes::percent_decode(&value.replace('+', " "));
@@ -92,6 +109,14 @@ pub fn parse_query(query: &str) -> Result<PageQuery, PageQueryError> {
                 q.page = match value.trim().parse::<usize>() {
                     Ok(n) if n >= 1 => n,
                     _ => return Err(PageQueryError::Page(value)),
+                };
+            }
+            "refresh" if refresh_seen => return Err(PageQueryError::Twice("refresh")),
+            "refresh" => {
+                refresh_seen = true;
+                q.refresh = match value.trim().parse::<u32>() {
+                    Ok(n) if REFRESH_SECONDS.contains(&n) => Some(n),
+                    _ => return Err(PageQueryError::Refresh(value)),
                 };
             }
             _ => {
@@ -138,6 +163,9 @@ pub fn render(doc: &Value, q: &PageQuery) -> String {
 
     out.push_str("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">");
     out.push_str("<meta name=\"viewport\" content=\"width=device-width\">");
+    if let Some(n) = q.refresh {
+        let _ = write!(out, "<meta http-equiv=\"refresh\" content=\"{n}\">");
+    }
     let _ = writeln!(
         out,
         "<title>harvester-lb status</title><style>{STYLE}</style></head><body>"
@@ -358,7 +386,7 @@ fn nav(
     if shown > 0 {
         let _ = write!(
             out,
-            "<form method=\"get\" action=\"/status.html\">load balancers <span id=\"range\">{}–{} of {matched}</span>{} <input name=\"lb\" value=\"{}\" placeholder=\"name contains\"> <button>filter</button></form>",
+            "<form method=\"get\" action=\"/status.html\">load balancers <span id=\"range\">{}–{} of {matched}</span>{} <input name=\"lb\" value=\"{}\" placeholder=\"name contains\">{} <button>filter</button></form>",
             first + 1,
             first + shown,
             if q.lb.is_empty() {
@@ -366,17 +394,13 @@ fn nav(
             } else {
                 format!(" matching “{}” ({total} in all)", esc(&q.lb))
             },
-            esc(&q.lb)
+            esc(&q.lb),
+            q.refresh
+                .map(|n| format!("<input type=\"hidden\" name=\"refresh\" value=\"{n}\">"))
+                .unwrap_or_default()
         );
     }
-    let link = |page: usize| {
-        let mut href = format!("/status.html?page={page}");
-        if !q.lb.is_empty() {
-            href.push_str("&amp;lb=");
-            href.push_str(&url_encode(&q.lb));
-        }
-        href
-    };
+    let link = |page: usize| href(&PageQuery { page, ..q.clone() });
     if q.page > 1 && q.page <= pages {
         let _ = write!(
             out,
@@ -392,7 +416,34 @@ fn nav(
             link(q.page + 1)
         );
     }
+    // This page again, reloaded every 10 s or no more.
+    let again = href(&PageQuery {
+        page: q.page.min(pages),
+        refresh: if q.refresh.is_some() { None } else { Some(10) },
+        ..q.clone()
+    });
+    let _ = write!(
+        out,
+        " · <a class=\"refresh\" href=\"{again}\">{}</a>",
+        match q.refresh {
+            Some(n) => format!("reloads every {n} s: stop"),
+            None => "reload every 10 s".to_string(),
+        }
+    );
     out.push_str("</nav>\n");
+}
+
+/// The page `q` as a link (`&` written `&amp;`, for an attribute).
+fn href(q: &PageQuery) -> String {
+    let mut h = format!("/status.html?page={}", q.page);
+    if !q.lb.is_empty() {
+        h.push_str("&amp;lb=");
+        h.push_str(&url_encode(&q.lb));
+    }
+    if let Some(n) = q.refresh {
+        let _ = write!(h, "&amp;refresh={n}");
+    }
+    h
 }
 
 /// One load balancer: a heading with its VIP and how it is held, then
@@ -897,7 +948,7 @@ mod tests {
             &d,
             &PageQuery {
                 lb: "<script>".into(),
-                page: 1,
+                ..PageQuery::default()
             },
         );
         assert!(!page.contains("<script"), "{page}");
@@ -925,8 +976,8 @@ mod tests {
         let last = render(
             &d,
             &PageQuery {
-                lb: String::new(),
                 page: 100,
+                ..PageQuery::default()
             },
         );
         assert!(last.contains("data-lb=\"ns3/svc-9999\""));
@@ -934,8 +985,8 @@ mod tests {
         let past = render(
             &d,
             &PageQuery {
-                lb: String::new(),
                 page: 101,
+                ..PageQuery::default()
             },
         );
         assert!(past.contains("no page 101: there are 100"), "{past}");
@@ -945,6 +996,7 @@ mod tests {
         let q = PageQuery {
             lb: "ns3/".into(),
             page: 2,
+            ..PageQuery::default()
         };
         let filtered = render(&d, &q);
         let names: Vec<&str> = filtered
@@ -962,11 +1014,30 @@ mod tests {
             &filtered[..3000]
         );
         assert!(filtered.contains("href=\"/status.html?page=3&amp;lb=ns3/\""));
+        assert!(!filtered.contains("http-equiv"));
+        // Reloading by the browser, kept through the links and the filter.
+        let reloading = render(
+            &d,
+            &PageQuery {
+                refresh: Some(10),
+                ..q
+            },
+        );
+        assert!(reloading.contains("<meta http-equiv=\"refresh\" content=\"10\">"));
+        assert!(reloading.contains("href=\"/status.html?page=3&amp;lb=ns3/&amp;refresh=10\""));
+        assert!(reloading.contains("<input type=\"hidden\" name=\"refresh\" value=\"10\">"));
+        assert!(
+            reloading
+                .contains("href=\"/status.html?page=2&amp;lb=ns3/\">reloads every 10 s: stop</a>")
+        );
+        assert!(filtered.contains(
+            "href=\"/status.html?page=2&amp;lb=ns3/&amp;refresh=10\">reload every 10 s</a>"
+        ));
         let none = render(
             &d,
             &PageQuery {
                 lb: "nope".into(),
-                page: 1,
+                ..PageQuery::default()
             },
         );
         assert!(none.contains("no load balancer matches"));
@@ -979,9 +1050,15 @@ mod tests {
             parse_query("lb=ns%2Fweb+x&page=3"),
             Ok(PageQuery {
                 lb: "ns/web x".into(),
-                page: 3
+                page: 3,
+                refresh: None
             })
         );
+        assert_eq!(parse_query("refresh=10").map(|q| q.refresh), Ok(Some(10)));
+        for bad in ["refresh=4", "refresh=3601", "refresh=", "refresh=1s"] {
+            let e = parse_query(bad).unwrap_err().to_string();
+            assert!(e.contains("from 5 to 3600"), "{bad}: {e}");
+        }
         assert_eq!(parse_query("page=0"), Err(PageQueryError::Page("0".into())));
         assert_eq!(
             parse_query("page=two"),
