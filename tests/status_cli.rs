@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use support::{
     Backend, Behaviour, Config, Daemon, Lb, Subnet, cannot_run, cli, find_tool, http_unix,
-    missing_tool,
+    missing_tool, whoami,
 };
 
 /// `default/web` on `.100:8080`: backends `.1` and `.2` on port 30080,
@@ -240,6 +240,14 @@ async fn the_status_page_in_a_real_browser_shows_every_backend_coloured() {
         .tcp("api", 8443, 30080);
     let (daemon, backend) = start_checked(&net, Config::on(&net).lb(web(&net)).lb(api)).await;
 
+    // One connection through default/web (to .1, the one eligible). Where
+    // /status has per-backend totals (issue 43 item 3), the page shows
+    // them: 1 connection to .1.
+    whoami(SocketAddr::new(net.ip(100), 8080))
+        .await
+        .expect("default/web serves through .1");
+    let totals = daemon.backend_status("default/web", &net.ip_str(1)).await["totals"].clone();
+
     let url = format!("http://{}/status.html", daemon.admin);
     let dom = chromium(&browser, &url, None).await;
     assert!(
@@ -258,6 +266,16 @@ async fn the_status_page_in_a_real_browser_shows_every_backend_coloured() {
     assert_eq!(down[1], ("unhealthy".into(), "bad".into()), "{down:?}");
     assert_eq!(down[3], ("no".into(), "bad".into()), "{down:?}");
     assert!(down[5].0.starts_with("refused "), "{down:?}");
+    if totals.is_object() {
+        assert_eq!(up.len(), 15, "the totals' 7 columns: {up:?}");
+        assert_eq!(up[8].0, "1", "connections to .1: {up:?}");
+    } else {
+        assert_eq!(
+            up.len(),
+            8,
+            "no totals in /status, none on the page: {up:?}"
+        );
+    }
     let listeners = table_rows(&dom, "listeners", "default/web");
     assert_eq!(listeners.len(), 1, "{listeners:?}");
     assert_eq!(listeners[0][1].0, format!("{}:8080", net.ip_str(100)));
