@@ -1,5 +1,5 @@
 //! The admin HTTP server: `/metrics`, `/healthz`, `/readyz`, `/status`,
-//! `POST /reload`, and on the Unix socket only `POST /backends/state` and
+//! `/status.html`, `POST /reload`, and on the Unix socket only `POST /backends/state` and
 //! `POST /announce/state`.
 //!
 //! Two listeners, one service. The TCP listener (`admin.listen`) is open to
@@ -26,6 +26,7 @@
 //!   timeouts) and its accept loop.
 //! * `routes`: what each path answers, and which requests only the socket
 //!   may make.
+//! * `page`: the status page, `/status` rendered as HTML, paged.
 //! * `socket`: the Unix socket's trust and binding ([`AdminSocket`],
 //!   [`check_socket_trust`]).
 //!
@@ -49,6 +50,7 @@ use crate::metrics::exposition::ExpositionBody;
 use crate::server::ReloadRequest;
 
 mod connections;
+mod page;
 mod routes;
 mod socket;
 

@@ -16,7 +16,7 @@ use hyper::{Method, Request, Response, StatusCode};
 use serde::Deserialize;
 use tokio::sync::{mpsc, oneshot};
 
-use super::{Body, Origin};
+use super::{Body, Origin, page};
 use crate::balancer::AdminState;
 use crate::daemon::{AdminStateError, AnnounceStateError, Daemon, ReloadSource, VipNotReady};
 use crate::metrics::exposition::ExpositionBody;
@@ -37,7 +37,7 @@ pub(super) async fn route(
     let path = req.uri().path().to_string();
     let path = path.as_str();
     let allowed: &str = match path {
-        "/metrics" | "/healthz" | "/readyz" | "/status" => "GET, HEAD",
+        "/metrics" | "/healthz" | "/readyz" | "/status" | "/status.html" => "GET, HEAD",
         "/reload" => "POST",
         "/backends/state" if origin == Origin::Tcp => {
             return json_error(
@@ -65,10 +65,10 @@ pub(super) async fn route(
                 StatusCode::NOT_FOUND,
                 match origin {
                     Origin::Tcp => {
-                        "not found; try /metrics, /healthz, /readyz, /status or POST /reload\n"
+                        "not found; try /metrics, /healthz, /readyz, /status, /status.html or POST /reload\n"
                     }
                     Origin::Socket => {
-                        "not found; try /metrics, /healthz, /readyz, /status, POST /reload, POST /backends/state, POST /announce/state or POST /hand-over\n"
+                        "not found; try /metrics, /healthz, /readyz, /status, /status.html, POST /reload, POST /backends/state, POST /announce/state or POST /hand-over\n"
                     }
                 },
             );
@@ -124,6 +124,7 @@ pub(super) async fn route(
             );
             resp
         }
+        "/status.html" => status_page(daemon, req.uri().query()).await,
         "/reload" => {
             let (reply, rx) = oneshot::channel();
             let source = match origin {
@@ -146,6 +147,47 @@ pub(super) async fn route(
         "/hand-over" => announce_restart(req, daemon, peer).await,
         _ => text(StatusCode::NOT_FOUND, "not found\n"),
     }
+}
+
+/// `/status.html`: the status page of the `/status` document (the page's
+/// load balancers of it, see `page`), or 400 naming what is wrong with
+/// the query. The document is read under the daemon's lock as for
+/// `/status`; turning it into a page (all of it at 10,000 load balancers,
+/// then one page of it) runs on a blocking thread, not on the worker the
+/// prober and the data plane share.
+async fn status_page(daemon: &Daemon, query: Option<&str>) -> Response<Body> {
+    let q = match page::parse_query(query.unwrap_or("")) {
+        Ok(q) => q,
+        Err(e) => return text(StatusCode::BAD_REQUEST, &format!("{e}\n")),
+    };
+    let doc = daemon.status();
+    let rendered = tokio::task::spawn_blocking(move || {
+        serde_json::to_value(doc).map(|doc| page::render(&doc, &q))
+    })
+    .await;
+    let html = match rendered {
+        Ok(Ok(html)) => html,
+        Ok(Err(e)) => {
+            return text(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                &format!("cannot build the status document: {e}\n"),
+            );
+        }
+        Err(e) => {
+            return text(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                &format!("the status page was not rendered: {e}\n"),
+            );
+        }
+    };
+    let mut resp = Response::new(Either::Left(Full::new(Bytes::from(html))));
+    resp.headers_mut().insert(
+        CONTENT_TYPE,
+        "text/html; charset=utf-8"
+            .parse()
+            .expect("static header value"),
+    );
+    resp
 }
 
 /// `/readyz`: the host-wide answer, or with `vip=ADDRESS` (repeatable)
@@ -263,7 +305,7 @@ fn readyz_query(query: &str) -> Result<Readyz, ReadyzQueryError> {
 }
 
 /// `%XX` escapes decoded; anything else as it is.
-fn percent_decode(s: &str) -> String {
+pub(super) fn percent_decode(s: &str) -> String {
     let bytes = s.as_bytes();
     let mut out = Vec::with_capacity(bytes.len());
     let mut i = 0;

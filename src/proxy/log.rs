@@ -371,8 +371,9 @@ impl fmt::Display for Tried<'_> {
 }
 
 /// A time as RFC 3339 in UTC with milliseconds (`2026-11-23T14:02:05.123Z`),
-/// the form journald and every log tool read.
-struct Rfc3339(SystemTime);
+/// the form journald and every log tool read (also the status page's
+/// times, `admin::page`).
+pub(crate) struct Rfc3339(pub(crate) SystemTime);
 
 impl fmt::Display for Rfc3339 {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
