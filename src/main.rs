@@ -85,6 +85,8 @@ fn main() -> ExitCode {
             allow_removals,
             allow_loopback,
             network_interfaces,
+            forwarding,
+            source_nat,
         } => cli::import(&cli::import::Args {
             inputs,
             cluster,
@@ -94,6 +96,8 @@ fn main() -> ExitCode {
             allow_removals,
             allow_loopback,
             network_interfaces,
+            forwarding,
+            source_nat,
         }),
     }
 }

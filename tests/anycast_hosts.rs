@@ -8,14 +8,18 @@
 //! through the router's ECMP too, spread independently of their flows
 //! (see `tests/netns/bgp.rs`, `BgpBed::bridged_hosts`).
 //!
-//! Each host is built like a Harvester host: its link to the router is a
-//! Linux bridge (`eth0`) with an uplink veth into the router's bridge (the
-//! switch) and `br_netfilter` on; the multicast sync and BGP run on it as
-//! they would on `mgmt-br`. Left out: the bridge's VLAN filtering and the
-//! bond under the uplink (this kernel has neither), a real switch's IGMP
-//! snooping (the router's Linux bridge snoops, with no querier), and a
-//! host that dies silently (BFD takes it out; covered for two hosts by
-//! `tests/anycast.rs`).
+//! Each host's link to the router is a plain veth (`eth0`, the bed of
+//! `BgpBed::hosts`), not a Harvester host's bridge with an uplink and
+//! `br_netfilter`: on such a bridged host the daemon serves kernel
+//! listeners whose backends lie behind the uplink by the proxy (the bridge
+//! stage's DNAT cannot send a frame back out of the port it came in by;
+//! `tests/anycast.rs`, `bgp_kernel_listeners_on_a_bridged_host_are_served_by_the_proxy`),
+//! and this test is about the kernel's flows and their sync; the multicast
+//! sync and BGP run on `eth0` as they would on `mgmt-br`. Left out besides:
+//! the bridge's VLAN filtering and the bond under the uplink (this kernel
+//! has neither), a real switch's IGMP snooping (the router's Linux bridge
+//! snoops, with no querier), and a host that dies silently (BFD takes it
+//! out; covered for two hosts by `tests/anycast.rs`).
 //!
 //! Run as root with bird2, conntrackd and conntrack:
 //! `cargo test --test anycast_hosts -- --nocapture` (figures printed as

@@ -49,15 +49,14 @@ mod support;
 
 use std::net::Ipv4Addr;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
-
 use harvester_lb::vip::keepalived::instance_of;
-use netns::keepalived::{Conntrackd, Keepalived, conntrackd_missing, keepalived_missing};
+use netns::keepalived::{
+    Conntrackd, Keepalived, conntrackd_missing, gate_open, keepalived_missing,
+};
 use netns::peers::serve_name_then_echo;
+use netns::traffic::{CONNS, FLOWS, Target, Traffic};
 use netns::vmnet::{
     holds_on, ip_out, join_bridged, mac_of, mgmt_host, mgmt_port, sysctl, udp_name_server,
 };
@@ -71,11 +70,6 @@ const UDP_PORT: u16 = 5353;
 const UDP_NODEPORT: u16 = 30053;
 /// The gateway load balancers' (proxy) listener port.
 const GW_PORT: u16 = 9000;
-/// Long-lived TCP connections and UDP flows per VIP.
-const CONNS: usize = 20;
-const FLOWS: usize = 4;
-/// One line or datagram per flow this often.
-const TICK: Duration = Duration::from_millis(100);
 /// The first VRID (keepalived.vrid_base's default): instance k is 50 + k.
 const VRID_BASE: usize = 50;
 /// The hosts' names, in the order of their management addresses.
@@ -216,25 +210,6 @@ fn host_config(
                 .listener(Listener::new("gw", GW_PORT, NODEPORT)));
     }
     c.to_string()
-}
-
-/// Whether `ns`'s gate of VRID `vrid` is open (its chain holds no drop).
-fn gate_open(ns: &Ns, vrid: usize) -> bool {
-    ns.nft_out(&[
-        "list",
-        "chain",
-        "inet",
-        "harvester_lb_gate",
-        &format!("g_{vrid}"),
-    ])
-    .is_some_and(|chain| !chain.contains("drop"))
-}
-
-/// conntrackd's external cache on a host (its `-s`).
-fn external_entries(c: &Conntrackd) -> u64 {
-    c.control(&["-s"])
-        .and_then(|s| harvester_lb::vip::conntrackd::parse_stats(&s))
-        .map_or(0, |s| s.external)
 }
 
 impl Cluster {
@@ -379,23 +354,14 @@ impl Cluster {
 
     async fn start_conntrackd(&mut self, i: usize) {
         let h = &self.hosts[i];
-        let c = Conntrackd::run(
-            &h.ns,
-            &h.conntrackd_conf,
-            &self.bed.dir.join(format!("conntrackd-out-{}.log", h.name)),
-        );
-        wait_for(Duration::from_secs(20), "conntrackd answers", || async {
-            c.control(&["-s"]).map(|_| ())
-        })
-        .await;
+        let log = self.bed.dir.join(format!("conntrackd-out-{}.log", h.name));
+        let c = Conntrackd::answering(&h.ns, &h.conntrackd_conf, &log).await;
         self.hosts[i].conntrackd = Some(c);
     }
 
     fn start_keepalived(&mut self, i: usize) {
         let h = &self.hosts[i];
-        let pid = self.bed.dir.join(format!("keepalived-{}.pid", h.name));
-        let _ = std::fs::remove_file(&pid);
-        let k = Keepalived::run(&h.ns, &self.bed.dir, h.name, &h.keepalived_conf, Some(&pid));
+        let k = Keepalived::run_fresh(&h.ns, &self.bed.dir, h.name, &h.keepalived_conf);
         self.hosts[i].keepalived = Some(k);
     }
 
@@ -481,7 +447,7 @@ impl Cluster {
             if self.hosts.iter().all(|h| {
                 h.conntrackd
                     .as_ref()
-                    .is_some_and(|c| external_entries(c) >= want)
+                    .is_some_and(|c| c.external_entries() >= want)
             }) {
                 return true;
             }
@@ -529,19 +495,7 @@ impl Cluster {
                     d.signal(libc::SIGKILL);
                 }
                 if let Some(k) = &h.keepalived {
-                    k.signal(libc::SIGKILL);
-                }
-                // keepalived's VRRP child dies with its parent only if
-                // told: kill it as a dead host's would be.
-                let vrrp = self.bed.dir.join(format!("keepalived-{}-vrrp.pid", h.name));
-                if let Some(pid) = std::fs::read_to_string(&vrrp)
-                    .ok()
-                    .and_then(|p| p.trim().parse::<i32>().ok())
-                {
-                    // SAFETY: kill(2); a stale pid file names a process that is gone.
-                    unsafe {
-                        libc::kill(pid, libc::SIGKILL);
-                    }
+                    k.kill_hard();
                 }
             }
             Fault::GracefulStop => {
@@ -584,325 +538,6 @@ impl Cluster {
     }
 }
 
-/// What one TCP connection saw.
-#[derive(Default)]
-struct ConnStats {
-    /// Its VIP's index.
-    vip: usize,
-    sent: AtomicU64,
-    echoed: AtomicU64,
-    /// Milliseconds since the traffic started.
-    last_echo_ms: AtomicU64,
-    max_gap_ms: AtomicU64,
-    /// Why it ended, if it did.
-    failed: Mutex<Option<String>>,
-}
-
-/// What one UDP flow saw.
-#[derive(Default)]
-struct FlowStats {
-    vip: usize,
-    sent: AtomicU64,
-    answered: AtomicU64,
-    backends: Mutex<Vec<String>>,
-    last_ms: AtomicU64,
-    max_gap_ms: AtomicU64,
-}
-
-/// The client's traffic to every VIP, running until `stop`.
-struct Traffic {
-    start: Instant,
-    stop: Arc<AtomicBool>,
-    conns: Vec<Arc<ConnStats>>,
-    flows: Vec<Arc<FlowStats>>,
-    tasks: Vec<tokio::task::JoinHandle<()>>,
-}
-
-fn now_ms(start: Instant) -> u64 {
-    start.elapsed().as_millis() as u64
-}
-
-fn record_gap(last: &AtomicU64, max: &AtomicU64, now: u64) {
-    let gap = now.saturating_sub(last.swap(now, Ordering::Relaxed));
-    max.fetch_max(gap, Ordering::Relaxed);
-}
-
-fn failed(c: &ConnStats, why: String) {
-    c.failed.lock().unwrap().get_or_insert(why);
-}
-
-impl Traffic {
-    async fn start(client: &Ns, vips: &[Ipv4Addr]) -> Traffic {
-        let start = Instant::now();
-        let stop = Arc::new(AtomicBool::new(false));
-        let mut t = Traffic {
-            start,
-            stop: Arc::clone(&stop),
-            conns: Vec::new(),
-            flows: Vec::new(),
-            tasks: Vec::new(),
-        };
-        for (v, vip) in vips.iter().enumerate() {
-            for _ in 0..CONNS {
-                let s = client
-                    .connect(sa(*vip, 80), Duration::from_secs(5))
-                    .await
-                    .expect("connect through the VIP");
-                let (r, mut w) = s.into_split();
-                let mut r = BufReader::new(r);
-                let mut name = String::new();
-                tokio::time::timeout(Duration::from_secs(5), r.read_line(&mut name))
-                    .await
-                    .expect("the backend's name within 5 s")
-                    .expect("read the backend's name");
-                assert!(name.starts_with(&format!("v{v}")), "{vip}: {name:?}");
-                let stats = Arc::new(ConnStats {
-                    vip: v,
-                    ..ConnStats::default()
-                });
-                stats.last_echo_ms.store(now_ms(start), Ordering::Relaxed);
-                t.conns.push(Arc::clone(&stats));
-                let (st, stop2) = (Arc::clone(&stats), Arc::clone(&stop));
-                t.tasks.push(tokio::spawn(async move {
-                    let mut seq = 0u64;
-                    while !stop2.load(Ordering::Relaxed) {
-                        seq += 1;
-                        if let Err(e) = w.write_all(format!("{seq}\n").as_bytes()).await {
-                            failed(&st, format!("write: {e}"));
-                            return;
-                        }
-                        st.sent.fetch_add(1, Ordering::Relaxed);
-                        tokio::time::sleep(TICK).await;
-                    }
-                }));
-                let st = Arc::clone(&stats);
-                t.tasks.push(tokio::spawn(async move {
-                    let mut line = String::new();
-                    loop {
-                        line.clear();
-                        match r.read_line(&mut line).await {
-                            Ok(0) => return failed(&st, "closed by the peer".into()),
-                            Ok(_) => {
-                                st.echoed.fetch_add(1, Ordering::Relaxed);
-                                record_gap(&st.last_echo_ms, &st.max_gap_ms, now_ms(start));
-                            }
-                            Err(e) => return failed(&st, format!("read: {e}")),
-                        }
-                    }
-                }));
-            }
-            for f in 0..FLOWS {
-                let local = sa(CLIENT, 40_001 + (v * FLOWS + f) as u16);
-                let to = sa(*vip, UDP_PORT);
-                let std = netns::in_ns(&client.name, move || {
-                    let s = std::net::UdpSocket::bind(local)?;
-                    s.connect(to)?;
-                    s.set_nonblocking(true)?;
-                    Ok::<_, std::io::Error>(s)
-                })
-                .expect("bind a client UDP port");
-                let s = Arc::new(tokio::net::UdpSocket::from_std(std).expect("register"));
-                let stats = Arc::new(FlowStats {
-                    vip: v,
-                    ..FlowStats::default()
-                });
-                stats.last_ms.store(now_ms(start), Ordering::Relaxed);
-                t.flows.push(Arc::clone(&stats));
-                let (st, stop2, tx) = (Arc::clone(&stats), Arc::clone(&stop), Arc::clone(&s));
-                t.tasks.push(tokio::spawn(async move {
-                    let mut seq = 0u64;
-                    while !stop2.load(Ordering::Relaxed) {
-                        seq += 1;
-                        // A refused send is a lost datagram, counted by
-                        // its missing answer.
-                        let _ = tx.send(format!("{f} {seq}").as_bytes()).await;
-                        st.sent.fetch_add(1, Ordering::Relaxed);
-                        tokio::time::sleep(TICK).await;
-                    }
-                }));
-                let st = Arc::clone(&stats);
-                t.tasks.push(tokio::spawn(async move {
-                    let mut buf = [0u8; 512];
-                    loop {
-                        let Ok(n) = s.recv(&mut buf).await else {
-                            continue;
-                        };
-                        let text = String::from_utf8_lossy(&buf[..n]);
-                        let Some(name) = text.split_whitespace().next() else {
-                            continue;
-                        };
-                        st.answered.fetch_add(1, Ordering::Relaxed);
-                        record_gap(&st.last_ms, &st.max_gap_ms, now_ms(start));
-                        let mut b = st.backends.lock().unwrap();
-                        if b.last().map(String::as_str) != Some(name) {
-                            b.push(name.to_string());
-                        }
-                    }
-                }));
-            }
-        }
-        t
-    }
-
-    /// Resets the gap counters and the flows' backend history (the next
-    /// phase's only).
-    fn new_phase(&self) {
-        let now = now_ms(self.start);
-        for c in &self.conns {
-            c.max_gap_ms.store(0, Ordering::Relaxed);
-            c.last_echo_ms.store(now, Ordering::Relaxed);
-        }
-        for f in &self.flows {
-            f.max_gap_ms.store(0, Ordering::Relaxed);
-            f.last_ms.store(now, Ordering::Relaxed);
-            let mut b = f.backends.lock().unwrap();
-            let last = b.last().cloned();
-            b.clear();
-            b.extend(last);
-        }
-    }
-
-    fn alive(&self) -> usize {
-        self.conns
-            .iter()
-            .filter(|c| c.failed.lock().unwrap().is_none())
-            .count()
-    }
-
-    /// Waits (bounded) until every connection echoed after `since_ms` or
-    /// failed, and every flow was answered after it.
-    async fn settled(&self, since_ms: u64, within: Duration) {
-        let deadline = Instant::now() + within;
-        while Instant::now() < deadline {
-            let conns = self.conns.iter().all(|c| {
-                c.failed.lock().unwrap().is_some()
-                    || c.last_echo_ms.load(Ordering::Relaxed) > since_ms
-            });
-            let flows = self
-                .flows
-                .iter()
-                .all(|f| f.last_ms.load(Ordering::Relaxed) > since_ms);
-            if conns && flows {
-                return;
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    }
-
-    /// One phase's figures; the gaps are those of VIP `moved`'s flows.
-    fn figures(&self, moved: usize) -> Figures {
-        let live = |c: &&Arc<ConnStats>| c.failed.lock().unwrap().is_none();
-        Figures {
-            alive: self.alive(),
-            total: self.conns.len(),
-            moved_alive: self
-                .conns
-                .iter()
-                .filter(|c| c.vip == moved)
-                .filter(live)
-                .count(),
-            reasons: self
-                .conns
-                .iter()
-                .filter_map(|c| c.failed.lock().unwrap().clone())
-                .collect(),
-            max_gap_ms: self
-                .conns
-                .iter()
-                .filter(|c| c.vip == moved)
-                .filter(live)
-                .map(|c| c.max_gap_ms.load(Ordering::Relaxed))
-                .max()
-                .unwrap_or(0),
-            udp_moved: self
-                .flows
-                .iter()
-                .filter(|f| f.backends.lock().unwrap().len() > 1)
-                .count(),
-            flows: self.flows.len(),
-            udp_gap_ms: self
-                .flows
-                .iter()
-                .filter(|f| f.vip == moved)
-                .map(|f| f.max_gap_ms.load(Ordering::Relaxed))
-                .max()
-                .unwrap_or(0),
-        }
-    }
-
-    /// Stops the writers, waits for the last echoes, and counts the lines
-    /// and datagrams never answered.
-    async fn finish(self) -> (u64, u64) {
-        self.stop.store(true, Ordering::Relaxed);
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while Instant::now() < deadline {
-            let pending = self.conns.iter().any(|c| {
-                c.failed.lock().unwrap().is_none()
-                    && c.echoed.load(Ordering::Relaxed) < c.sent.load(Ordering::Relaxed)
-            });
-            if !pending {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-        tokio::time::sleep(Duration::from_millis(500)).await;
-        let lines_lost = self
-            .conns
-            .iter()
-            .filter(|c| c.failed.lock().unwrap().is_none())
-            .map(|c| {
-                c.sent
-                    .load(Ordering::Relaxed)
-                    .saturating_sub(c.echoed.load(Ordering::Relaxed))
-            })
-            .sum();
-        let datagrams_lost = self
-            .flows
-            .iter()
-            .map(|f| {
-                f.sent
-                    .load(Ordering::Relaxed)
-                    .saturating_sub(f.answered.load(Ordering::Relaxed))
-            })
-            .sum();
-        for t in &self.tasks {
-            t.abort();
-        }
-        (lines_lost, datagrams_lost)
-    }
-}
-
-/// One phase (a failover or a failback) as the client saw it.
-struct Figures {
-    alive: usize,
-    total: usize,
-    moved_alive: usize,
-    reasons: Vec<String>,
-    max_gap_ms: u64,
-    udp_moved: usize,
-    flows: usize,
-    udp_gap_ms: u64,
-}
-
-impl std::fmt::Display for Figures {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let mut reasons = self.reasons.clone();
-        reasons.sort();
-        reasons.dedup();
-        write!(
-            f,
-            "TCP {}/{} alive (the moved VIP's {}/{CONNS}), its longest gap {:.2} s; UDP {} of {} flows changed backend, the moved VIP's longest gap {:.2} s; ended: {reasons:?}",
-            self.alive,
-            self.total,
-            self.moved_alive,
-            self.max_gap_ms as f64 / 1000.0,
-            self.udp_moved,
-            self.flows,
-            self.udp_gap_ms as f64 / 1000.0,
-        )
-    }
-}
-
 /// One bed at a time: each runs N daemons, keepalived and conntrackd.
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
@@ -916,8 +551,16 @@ async fn each_master_in_turn(tag: &str, n: usize, fault: Fault) {
         // Host k preempts whichever host started first.
         c.await_master(k, k).await;
     }
-    let traffic = Traffic::start(&c.bed.client, &c.vips).await;
-    let t0 = now_ms(traffic.start);
+    let targets: Vec<Target> = (c.vips.iter().enumerate())
+        .map(|(v, vip)| Target {
+            tcp: sa(*vip, 80),
+            udp: sa(*vip, UDP_PORT),
+            client: CLIENT.into(),
+            greeting: format!("v{v}"),
+        })
+        .collect();
+    let traffic = Traffic::start(&c.bed.client, &targets).await;
+    let t0 = traffic.now_ms();
     tokio::time::sleep(Duration::from_secs(1)).await;
     traffic.settled(t0, Duration::from_secs(10)).await;
     assert_eq!(
@@ -954,7 +597,7 @@ async fn each_master_in_turn(tag: &str, n: usize, fault: Fault) {
     for (i, name) in NAMES.iter().take(n).enumerate() {
         // Failover: host i fails, another takes VIP i over.
         traffic.new_phase();
-        let (at, fault_ms) = (Instant::now(), now_ms(traffic.start));
+        let (at, fault_ms) = (Instant::now(), traffic.now_ms());
         c.fail(i, fault);
         let (to, seen) = c.master_of(i, Some(i), fault != Fault::Killed).await;
         c.traffic_through(to, i).await;
@@ -968,7 +611,7 @@ async fn each_master_in_turn(tag: &str, n: usize, fault: Fault) {
         ));
         // Failback: host i returns and takes VIP i back.
         traffic.new_phase();
-        let (at, back_ms) = (Instant::now(), now_ms(traffic.start));
+        let (at, back_ms) = (Instant::now(), traffic.now_ms());
         c.restore(i, fault).await;
         let back_at = c.await_master(i, i).await;
         c.traffic_through(i, i).await;

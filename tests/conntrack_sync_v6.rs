@@ -55,14 +55,15 @@ mod support;
 
 use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+use tokio::io::{AsyncBufReadExt, BufReader};
 
-use netns::keepalived::{Conntrackd, Keepalived, conntrackd_missing, keepalived_missing};
+use netns::keepalived::{
+    Conntrackd, Keepalived, conntrackd_missing, gate_open, keepalived_missing,
+};
 use netns::peers::{accept_forever, serve_name_then_echo};
+use netns::traffic::{CONNS, FLOWS, Target, Traffic, assert_kept};
 use netns::vmnet::{
     holds_on, ip_out, join_bridged, mac_of, mgmt_host, mgmt_port, sysctl, udp_name_server,
 };
@@ -87,11 +88,6 @@ const UDP_PORT: u16 = 5353;
 const UDP_NODEPORT: u16 = 30053;
 /// The backends' health port (the daemon's default probe).
 const HEALTH_PORT: u16 = netns::HEALTH_PORT;
-/// Long-lived TCP connections and UDP flows.
-const CONNS: usize = 20;
-const FLOWS: usize = 4;
-/// One line or datagram per flow this often.
-const TICK: Duration = Duration::from_millis(100);
 /// The one VRRP instance.
 const VRID: &str = "50";
 
@@ -215,25 +211,6 @@ fn host_config(bed: &Bed, name: &str, me: (&str, &str), peer: (&str, &str)) -> S
 /// `ip -6 neigh show ADDR` in `ns` names `lladdr`.
 fn neighbour_at(ns: &Ns, addr: Ipv6Addr, lladdr: &str) -> bool {
     ip_out(ns, &["-6", "neigh", "show", &addr.to_string()]).contains(lladdr)
-}
-
-/// Whether `ns`'s gate of the instance is open (its chain holds no drop).
-fn gate_open(ns: &Ns) -> bool {
-    ns.nft_out(&[
-        "list",
-        "chain",
-        "inet",
-        "harvester_lb_gate",
-        &format!("g_{VRID}"),
-    ])
-    .is_some_and(|chain| !chain.contains("drop"))
-}
-
-/// conntrackd's external cache on a host.
-fn external_entries(c: &Conntrackd) -> u64 {
-    c.control(&["-s"])
-        .and_then(|s| harvester_lb::vip::conntrackd::parse_stats(&s))
-        .map_or(0, |s| s.external)
 }
 
 /// `ip -6 addr add CIDR dev DEV nodad` in `ns`.
@@ -413,23 +390,14 @@ impl V6Bed {
 
     async fn start_conntrackd(&mut self, i: usize) {
         let h = &self.hosts[i];
-        let c = Conntrackd::run(
-            &h.ns,
-            &h.conntrackd_conf,
-            &self.bed.dir.join(format!("conntrackd-out-{}.log", h.name)),
-        );
-        wait_for(Duration::from_secs(20), "conntrackd answers", || async {
-            c.control(&["-s"]).map(|_| ())
-        })
-        .await;
+        let log = self.bed.dir.join(format!("conntrackd-out-{}.log", h.name));
+        let c = Conntrackd::answering(&h.ns, &h.conntrackd_conf, &log).await;
         self.hosts[i].conntrackd = Some(c);
     }
 
     fn start_keepalived(&mut self, i: usize) {
         let h = &self.hosts[i];
-        let pid = self.bed.dir.join(format!("keepalived-{}.pid", h.name));
-        let _ = std::fs::remove_file(&pid);
-        let k = Keepalived::run(&h.ns, &self.bed.dir, h.name, &h.keepalived_conf, Some(&pid));
+        let k = Keepalived::run_fresh(&h.ns, &self.bed.dir, h.name, &h.keepalived_conf);
         self.hosts[i].keepalived = Some(k);
     }
 
@@ -447,7 +415,7 @@ impl V6Bed {
             || async {
                 let committed = std::fs::read_to_string(&state)
                     .is_ok_and(|s| s.contains("state=MASTER"))
-                    && gate_open(&me.ns);
+                    && gate_open(&me.ns, VRID);
                 (holds(&me.ns) && (!alone || !holds(&other.ns)) && committed).then(Instant::now)
             },
         )
@@ -504,17 +472,7 @@ impl V6Bed {
                     d.signal(libc::SIGKILL);
                 }
                 if let Some(k) = &h.keepalived {
-                    k.signal(libc::SIGKILL);
-                }
-                let vrrp = self.bed.dir.join(format!("keepalived-{}-vrrp.pid", h.name));
-                if let Some(pid) = std::fs::read_to_string(&vrrp)
-                    .ok()
-                    .and_then(|p| p.trim().parse::<i32>().ok())
-                {
-                    // SAFETY: kill(2) on keepalived's VRRP child, which this test started.
-                    unsafe {
-                        libc::kill(pid, libc::SIGKILL);
-                    }
+                    k.kill_hard();
                 }
             }
             Fault::LinkCut => {
@@ -581,250 +539,6 @@ async fn far_served(router: &Ns) -> bool {
         && matches!(tokio::time::timeout(within, udp).await, Ok(Ok(true)))
 }
 
-/// What one TCP connection or UDP flow saw.
-#[derive(Default)]
-struct Stats {
-    sent: AtomicU64,
-    answered: AtomicU64,
-    /// Milliseconds since the traffic started, at the last answer.
-    last_ms: AtomicU64,
-    max_gap_ms: AtomicU64,
-    /// The backends that answered a UDP flow, in turn.
-    backends: Mutex<Vec<String>>,
-    /// Why a TCP connection ended, if it did.
-    failed: Mutex<Option<String>>,
-}
-
-impl Stats {
-    fn answer(&self, now: u64) {
-        self.answered.fetch_add(1, Ordering::Relaxed);
-        let gap = now.saturating_sub(self.last_ms.swap(now, Ordering::Relaxed));
-        self.max_gap_ms.fetch_max(gap, Ordering::Relaxed);
-    }
-
-    fn fail(&self, why: String) {
-        self.failed.lock().unwrap().get_or_insert(why);
-    }
-
-    fn alive(&self) -> bool {
-        self.failed.lock().unwrap().is_none()
-    }
-}
-
-/// The client's traffic to the IPv6 VIP, running until `finish`.
-struct Traffic {
-    start: Instant,
-    stop: Arc<AtomicBool>,
-    conns: Vec<Arc<Stats>>,
-    flows: Vec<Arc<Stats>>,
-    tasks: Vec<tokio::task::JoinHandle<()>>,
-}
-
-impl Traffic {
-    fn now_ms(&self) -> u64 {
-        self.start.elapsed().as_millis() as u64
-    }
-
-    async fn start(client: &Ns) -> Traffic {
-        let mut t = Traffic {
-            start: Instant::now(),
-            stop: Arc::new(AtomicBool::new(false)),
-            conns: Vec::new(),
-            flows: Vec::new(),
-            tasks: Vec::new(),
-        };
-        for _ in 0..CONNS {
-            let s = client
-                .connect(sa6(VIP6, 80), Duration::from_secs(5))
-                .await
-                .expect("connect through the IPv6 VIP");
-            let (r, mut w) = s.into_split();
-            let mut r = BufReader::new(r);
-            let mut name = String::new();
-            tokio::time::timeout(Duration::from_secs(5), r.read_line(&mut name))
-                .await
-                .expect("the backend's name within 5 s")
-                .expect("read the backend's name");
-            assert!(name.starts_with('n'), "{name:?}");
-            let st = Arc::new(Stats::default());
-            st.last_ms.store(t.now_ms(), Ordering::Relaxed);
-            t.conns.push(Arc::clone(&st));
-            let (wst, stop) = (Arc::clone(&st), Arc::clone(&t.stop));
-            t.tasks.push(tokio::spawn(async move {
-                let mut seq = 0u64;
-                while !stop.load(Ordering::Relaxed) {
-                    seq += 1;
-                    if let Err(e) = w.write_all(format!("{seq}\n").as_bytes()).await {
-                        return wst.fail(format!("write: {e}"));
-                    }
-                    wst.sent.fetch_add(1, Ordering::Relaxed);
-                    tokio::time::sleep(TICK).await;
-                }
-            }));
-            let start = t.start;
-            t.tasks.push(tokio::spawn(async move {
-                let mut line = String::new();
-                loop {
-                    line.clear();
-                    match r.read_line(&mut line).await {
-                        Ok(0) => return st.fail("closed by the peer".into()),
-                        Ok(_) => st.answer(start.elapsed().as_millis() as u64),
-                        Err(e) => return st.fail(format!("read: {e}")),
-                    }
-                }
-            }));
-        }
-        for k in 0..FLOWS {
-            let local = sa6(CLIENT6, 40_001 + k as u16);
-            let std = netns::in_ns(&client.name, move || {
-                let s = std::net::UdpSocket::bind(local)?;
-                s.connect(sa6(VIP6, UDP_PORT))?;
-                s.set_nonblocking(true)?;
-                Ok::<_, std::io::Error>(s)
-            })
-            .expect("bind a client UDP port");
-            let s = Arc::new(tokio::net::UdpSocket::from_std(std).expect("register"));
-            let st = Arc::new(Stats::default());
-            st.last_ms.store(t.now_ms(), Ordering::Relaxed);
-            t.flows.push(Arc::clone(&st));
-            let (wst, stop, tx) = (Arc::clone(&st), Arc::clone(&t.stop), Arc::clone(&s));
-            t.tasks.push(tokio::spawn(async move {
-                let mut seq = 0u64;
-                while !stop.load(Ordering::Relaxed) {
-                    seq += 1;
-                    // A refused send is a lost datagram, counted by its
-                    // missing answer.
-                    let _ = tx.send(format!("{k} {seq}").as_bytes()).await;
-                    wst.sent.fetch_add(1, Ordering::Relaxed);
-                    tokio::time::sleep(TICK).await;
-                }
-            }));
-            let start = t.start;
-            t.tasks.push(tokio::spawn(async move {
-                let mut buf = [0u8; 512];
-                loop {
-                    let Ok(n) = s.recv(&mut buf).await else {
-                        continue;
-                    };
-                    let name = String::from_utf8_lossy(&buf[..n]).trim().to_string();
-                    st.answer(start.elapsed().as_millis() as u64);
-                    let mut b = st.backends.lock().unwrap();
-                    if b.last() != Some(&name) {
-                        b.push(name);
-                    }
-                }
-            }));
-        }
-        t
-    }
-
-    /// Resets the gap counters and the backends seen (the next phase's).
-    fn new_phase(&self) -> u64 {
-        let now = self.now_ms();
-        for s in self.conns.iter().chain(&self.flows) {
-            s.max_gap_ms.store(0, Ordering::Relaxed);
-            s.last_ms.store(now, Ordering::Relaxed);
-            let mut b = s.backends.lock().unwrap();
-            let last = b.last().cloned();
-            b.clear();
-            b.extend(last);
-        }
-        now
-    }
-
-    /// Waits (bounded) until every connection answered after `since_ms`
-    /// or failed, and every flow was answered after it.
-    async fn settled(&self, since_ms: u64, within: Duration) {
-        let deadline = Instant::now() + within;
-        while Instant::now() < deadline {
-            let after = |s: &Arc<Stats>| s.last_ms.load(Ordering::Relaxed) > since_ms;
-            if self.conns.iter().all(|c| !c.alive() || after(c)) && self.flows.iter().all(after) {
-                return;
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    }
-
-    fn figures(&self) -> Figures {
-        let max = |v: &[Arc<Stats>]| {
-            v.iter()
-                .filter(|s| s.alive())
-                .map(|s| s.max_gap_ms.load(Ordering::Relaxed))
-                .max()
-                .unwrap_or(0)
-        };
-        let mut reasons: Vec<String> = self
-            .conns
-            .iter()
-            .filter_map(|c| c.failed.lock().unwrap().clone())
-            .collect();
-        reasons.sort();
-        reasons.dedup();
-        Figures {
-            alive: self.conns.iter().filter(|c| c.alive()).count(),
-            reasons,
-            max_gap_ms: max(&self.conns),
-            udp_moved: self
-                .flows
-                .iter()
-                .filter(|f| f.backends.lock().unwrap().len() > 1)
-                .count(),
-            udp_gap_ms: max(&self.flows),
-        }
-    }
-
-    /// Stops the writers, waits for the last echoes; the lines and
-    /// datagrams never answered.
-    async fn finish(self) -> (u64, u64) {
-        self.stop.store(true, Ordering::Relaxed);
-        let unanswered = |s: &Arc<Stats>| {
-            s.sent
-                .load(Ordering::Relaxed)
-                .saturating_sub(s.answered.load(Ordering::Relaxed))
-        };
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while Instant::now() < deadline && self.conns.iter().any(|c| c.alive() && unanswered(c) > 0)
-        {
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-        tokio::time::sleep(Duration::from_millis(500)).await;
-        let lines = self
-            .conns
-            .iter()
-            .filter(|c| c.alive())
-            .map(unanswered)
-            .sum();
-        let datagrams = self.flows.iter().map(unanswered).sum();
-        for t in &self.tasks {
-            t.abort();
-        }
-        (lines, datagrams)
-    }
-}
-
-/// One move as the client saw it.
-struct Figures {
-    alive: usize,
-    reasons: Vec<String>,
-    max_gap_ms: u64,
-    udp_moved: usize,
-    udp_gap_ms: u64,
-}
-
-impl std::fmt::Display for Figures {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(
-            f,
-            "TCP {}/{CONNS} alive, longest gap {:.2} s; UDP {} of {FLOWS} flows on another backend, longest gap {:.2} s; ended: {:?}",
-            self.alive,
-            self.max_gap_ms as f64 / 1000.0,
-            self.udp_moved,
-            self.udp_gap_ms as f64 / 1000.0,
-            self.reasons,
-        )
-    }
-}
-
 /// One bed at a time (two daemons, keepalived and conntrackd each).
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
@@ -843,11 +557,20 @@ async fn survives(tag: &str, fault: Fault) {
         || async { far_served(&router).await.then_some(()) },
     )
     .await;
-    let traffic = Traffic::start(&vb.bed.client).await;
+    let traffic = Traffic::start(
+        &vb.bed.client,
+        &[Target {
+            tcp: sa6(VIP6, 80),
+            udp: sa6(VIP6, UDP_PORT),
+            client: CLIENT6.into(),
+            greeting: "n".into(),
+        }],
+    )
+    .await;
     let t0 = traffic.now_ms();
     traffic.settled(t0, Duration::from_secs(10)).await;
     assert_eq!(
-        traffic.figures().alive,
+        traffic.figures(0).alive,
         CONNS,
         "before the fault\n{}",
         vb.logs()
@@ -857,10 +580,10 @@ async fn survives(tag: &str, fault: Fault) {
     let b = vb.hosts[1].conntrackd.as_ref().unwrap();
     let want = (CONNS + FLOWS) as u64;
     let deadline = Instant::now() + Duration::from_secs(15);
-    while external_entries(b) < want && Instant::now() < deadline {
+    while b.external_entries() < want && Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    let synced = external_entries(b);
+    let synced = b.external_entries();
     let mut report =
         format!("{fault:?}: B's external cache before the fault: {synced} of {want}\n");
     let since = traffic.new_phase();
@@ -872,7 +595,7 @@ async fn survives(tag: &str, fault: Fault) {
     vb.traffic_through(1).await;
     traffic.settled(since, Duration::from_secs(30)).await;
     tokio::time::sleep(Duration::from_secs(2)).await;
-    let over = traffic.figures();
+    let over = traffic.figures(0);
     wait_for(
         Duration::from_secs(20),
         "the far client is served on B",
@@ -918,7 +641,7 @@ async fn survives(tag: &str, fault: Fault) {
         vb.traffic_through(0).await;
         traffic.settled(since, Duration::from_secs(30)).await;
         tokio::time::sleep(Duration::from_secs(2)).await;
-        let f = traffic.figures();
+        let f = traffic.figures(0);
         report.push_str(&format!(
             "{fault:?}: failback: VIP on A after {:.2} s; {f}\n",
             (moved - at).as_secs_f64()
@@ -933,15 +656,7 @@ async fn survives(tag: &str, fault: Fault) {
         eprintln!("FIGURE ipv6 {line}");
     }
     let report = format!("{report}{}", vb.logs());
-    assert_eq!(over.alive, CONNS, "failover: {report}");
-    assert_eq!(over.udp_moved, 0, "a UDP flow changed backend: {report}");
-    let back = back.expect("failback ran");
-    assert_eq!(back.alive, CONNS, "failback: {report}");
-    assert_eq!(
-        back.udp_moved, 0,
-        "a UDP flow changed backend at failback: {report}"
-    );
-    assert_eq!(lines, 0, "lines lost: {report}");
+    assert_kept(&over, back.as_ref(), lines, &report);
 }
 
 macro_rules! require_tools {

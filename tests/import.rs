@@ -1663,3 +1663,67 @@ fn a_nad_on_the_loopback_or_a_cni_device_skips_its_load_balancers() {
         .collect();
     assert_eq!(interfaces, ["data-br"]);
 }
+
+/// Harvester's objects do not say how a listener is forwarded; issue 42's
+/// open connections across a VIP's move need kernel listeners (their flows
+/// synced by `[conntrackd]`): `--forwarding` and `--source-nat` (the
+/// library's `Options::listeners`) are written on every imported
+/// listener, and the config takes them. Without them, no key (the
+/// config's defaults). Before, the import could only write proxy
+/// listeners: no imported VIP kept a connection across a move.
+#[test]
+fn listeners_are_imported_as_kernel_listeners_when_asked() {
+    let sources = [Source {
+        name: "objects.json".into(),
+        text: serde_json::json!({"apiVersion": "v1", "kind": "List", "items": [
+            lb_object("web", "203.0.113.50", 80, 30080, &["10.99.1.1", "10.99.1.2"]),
+            lb_object("api", "203.0.113.51", 443, 30443, &["10.99.1.1"]),
+        ]})
+        .to_string(),
+    }];
+    let plain = import::import(&sources, &Options::default()).expect("import");
+    assert!(!plain.text.contains("forwarding"), "{}", plain.text);
+    let options = Options {
+        listeners: import::ListenerChoice {
+            forwarding: Some("kernel".into()),
+            source_nat: Some("vip".into()),
+        },
+        ..Options::default()
+    };
+    let out = import::import(&sources, &options).expect("import");
+    assert_eq!(out.load_balancers, 2, "{:?}\n{}", out.skipped, out.text);
+    let config = harvester_lb::config::parse(&out.text)
+        .unwrap_or_else(|p| panic!("{p:?}\n{}", out.text))
+        .config;
+    let listeners: Vec<_> = config
+        .load_balancers
+        .iter()
+        .flat_map(|lb| &lb.listeners)
+        .collect();
+    assert_eq!(listeners.len(), 2, "{}", out.text);
+    for l in listeners {
+        assert_eq!(l.forwarding, harvester_lb::config::Forwarding::Kernel);
+        assert_eq!(l.source_nat, harvester_lb::config::SourceNat::Vip);
+    }
+    // The command line: the same file; a value the config has not is a
+    // usage error naming it.
+    let net = Subnet::new();
+    let objects = [lb_object("web", "203.0.113.50", 80, 30080, &["10.99.1.1"])];
+    let (code, stdout, stderr) = import_objects(
+        &net,
+        &objects,
+        &["--forwarding", "kernel", "--source-nat", "vip"],
+    );
+    assert_eq!(code, 0, "{stderr}");
+    assert!(
+        stdout.contains("forwarding = \"kernel\"\n  source_nat = \"vip\""),
+        "{stdout}"
+    );
+    // (clap's own usage error, exit 2, as for any bad argument)
+    let (code, _, stderr) = import_objects(&net, &objects, &["--forwarding", "kernal"]);
+    assert_eq!(code, 2, "{stderr}");
+    assert!(
+        stderr.contains("'kernal'") && stderr.contains("proxy, kernel"),
+        "{stderr}"
+    );
+}

@@ -282,6 +282,20 @@ pub(crate) enum Command {
         /// here, e.g. default/vlan100=eth1.100. Repeat it for each network.
         #[arg(long = "network-interface", value_name = "NETWORK=INTERFACE")]
         network_interfaces: Vec<String>,
+        /// Every imported listener's `forwarding` (default: the config's,
+        /// proxy). `kernel` with --source-nat vip and `[conntrackd]` in the
+        /// --base file: open connections survive a VIP's move to another
+        /// host, which a proxied connection cannot.
+        #[arg(long, value_name = "proxy|kernel", value_parser = ["proxy", "kernel"])]
+        forwarding: Option<String>,
+        /// Every imported listener's `source_nat` (kernel listeners only;
+        /// default: the config's, masquerade).
+        #[arg(
+            long = "source-nat",
+            value_name = "masquerade|none|vip",
+            value_parser = ["masquerade", "none", "vip"]
+        )]
+        source_nat: Option<String>,
     },
 }
 

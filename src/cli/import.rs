@@ -64,6 +64,10 @@ pub struct Args {
     /// `--network-interface NETWORK=INTERFACE`, as given: see
     /// [`Options::network_interfaces`].
     pub network_interfaces: Vec<String>,
+    /// `--forwarding`: see [`Options::listeners`].
+    pub forwarding: Option<String>,
+    /// `--source-nat`: see [`Options::listeners`].
+    pub source_nat: Option<String>,
 }
 
 /// One piece of what `harvester-lb import` prints, in order: a message for
@@ -163,6 +167,10 @@ pub fn command(args: &Args) -> Outcome {
         host: Some(host),
         network_interfaces,
         interfaces: Some(interfaces),
+        listeners: import::ListenerChoice {
+            forwarding: args.forwarding.clone(),
+            source_nat: args.source_nat.clone(),
+        },
     };
     let imported = match import::import(&sources, &options) {
         Ok(i) => i,

@@ -98,6 +98,7 @@ pub fn map_load_balancer(
             health_check,
             client_ip_affinity: false,
             affinity_timeout_seconds: None,
+            forwarding: Default::default(),
             source_ranges: Vec::new(),
             network: claim.as_ref().map(|c| c.name.clone()),
             leased,

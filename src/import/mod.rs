@@ -127,6 +127,23 @@ pub struct Options {
     /// interface is not among them is skipped (this host is not on that
     /// network). The command line always reads them; `None` checks nothing.
     pub interfaces: Option<BTreeSet<String>>,
+    /// How every imported listener is forwarded (`--forwarding`,
+    /// `--source-nat`): Harvester's objects do not say, and a VIP that
+    /// moves between hosts keeps its open connections only on kernel
+    /// listeners whose flows `[conntrackd]` syncs.
+    pub listeners: ListenerChoice,
+}
+
+/// The `forwarding` and `source_nat` written on every imported listener;
+/// `None` writes no key (the config's default). Values are the config's
+/// names; a value the config refuses, or one its load balancer cannot take
+/// (a kernel listener with PROXY protocol), skips that object by name.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ListenerChoice {
+    /// `proxy` or `kernel`.
+    pub forwarding: Option<String>,
+    /// `masquerade`, `none` or `vip`.
+    pub source_nat: Option<String>,
 }
 
 /// The load balancer that holds each VIP:port and protocol in a config
@@ -535,6 +552,7 @@ fn alone(
             return None;
         }
     };
+    mapped.lb.forwarding = options.listeners.clone();
     mapped.lb.write_toml(&mut alone);
     match config::parse(&alone) {
         Ok(loaded) => {

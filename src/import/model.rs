@@ -51,6 +51,9 @@ pub struct Lb {
     /// `[load_balancer.dhcp]` table is written, so the lease's macvlan is
     /// made on the network's interface.
     pub leased: bool,
+    /// Written on each listener: the import's `--forwarding` and
+    /// `--source-nat`.
+    pub forwarding: super::ListenerChoice,
 }
 
 /// One `[[network]]` the import writes.
@@ -180,6 +183,12 @@ impl Lb {
             let _ = writeln!(out, "  port = {}", l.port);
             let _ = writeln!(out, "  backend_port = {}", l.backend_port);
             let _ = writeln!(out, "  protocol = {}", quote(l.protocol));
+            if let Some(f) = &self.forwarding.forwarding {
+                let _ = writeln!(out, "  forwarding = {}", quote(f));
+            }
+            if let Some(s) = &self.forwarding.source_nat {
+                let _ = writeln!(out, "  source_nat = {}", quote(s));
+            }
         }
         if let Some(hc) = &self.health_check {
             let _ = writeln!(out);

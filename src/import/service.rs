@@ -191,6 +191,7 @@ pub fn map(
             source_ranges,
             network: None,
             leased: false,
+            forwarding: Default::default(),
         },
         skipped_parts: parts.skipped,
         notes: parts.notes,

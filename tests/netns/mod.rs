@@ -26,6 +26,7 @@ pub mod anycast_hosts;
 pub mod bgp;
 pub mod keepalived;
 pub mod peers;
+pub mod traffic;
 pub mod vmnet;
 // Used by the `require_netns!` macro, which not every test crate calls.
 #[allow(unused_imports)]
