@@ -17,7 +17,10 @@
 #   6. install, upgrade and removal with `rpm --root` into a scratch root:
 #      an edited base.toml survives the upgrade untouched and is kept as
 #      .rpmsave on removal, an imported config.toml is never touched and
-#      gets no .rpmnew; the scriptlets parse (`sh -n`);
+#      gets no .rpmnew; the scriptlets parse (`sh -n`); an upgrade from
+#      the old layout (config.toml the package's conffile, issue 43), its
+#      scriptlets run in the scratch root with a stand-in systemctl, keeps
+#      the imported config.toml in place and the daemon running;
 #   7. the same package as a .deb (cargo-deb, `dpkg-deb -I/-c`): the same
 #      files, base.toml the one conffile, the maintainer scripts in it;
 #   8. (in 1 and 7) what the daemon runs is declared: Recommends nftables
@@ -235,10 +238,12 @@ step "the installed binary checks the installed example config and base.toml"
 
 # --- 6. install, upgrade, remove ---------------------------------------------------------
 step "rpm --root: install, edit base.toml, import a config.toml, upgrade, remove"
-for s in post_install pre_uninstall post_uninstall; do
+for s in pre_install post_install pre_uninstall post_uninstall post_trans; do
     sh -n "packaging/rpm/$s.sh" || bad "packaging/rpm/$s.sh does not parse"
 done
 rpm -qp --scripts "$pkg" 2>/dev/null | grep -q 'try-restart harvester-lb.service' || bad "the %postun scriptlet is not in the package"
+[[ $(q '%{PREIN}') == *config.toml.rpm-upgrade* && $(q '%{POSTTRANS}') == *config.toml.rpm-upgrade* ]] ||
+    bad "the %pre and %posttrans scriptlets (the old layout's upgrade) are not in the package"
 # What the scriptlets ask systemd, run as the package holds them with
 # systemd as PID 1 (/run/systemd/system swapped for a directory that
 # exists) and a systemctl that only records. An upgrade must restart the
@@ -300,6 +305,84 @@ rpmq -e --nodeps --noscripts harvester-lb
 [[ -f $sys/etc/harvester-lb/base.toml.rpmsave ]] || bad "remove: the edited base.toml was not kept as base.toml.rpmsave"
 [[ $(sha256sum <"$sys/etc/harvester-lb/config.toml") == "$imported" ]] || bad "remove: the imported config.toml was touched"
 echo "remove: files gone, the edited base.toml kept as base.toml.rpmsave, the imported config.toml left as it was"
+
+# --- 6b. upgrade from the old layout (issue 43) --------------------------------------
+if [[ $(id -u) -ne 0 ]]; then
+    # rpm runs scriptlets chrooted into --root: only root can.
+    if [[ -n ${CI+set} ]]; then bad "the old layout's upgrade needs root (rpm chroots to run the scriptlets)"; fi
+    echo "SKIPPED the old layout's upgrade: needs root (rpm chroots to run the scriptlets)"
+else
+    step "rpm --root: upgrade from the old layout (config.toml the package's conffile), scriptlets run"
+    # The old package (before issue 43): /etc/harvester-lb/config.toml its
+    # %config(noreplace) file, also the file the import timer rewrites; no
+    # base.toml. Made from this tree as release 0 with the old file list (its
+    # scriptlets are this tree's: the old ones differ in comments only, and an
+    # old package's %pre and %posttrans do not run on an upgrade from it).
+    old_assets='assets = [
+      { source = "target/release/harvester-lb", dest = "/usr/bin/harvester-lb", mode = "755" },
+      { source = "config/harvester-lb.toml", dest = "/etc/harvester-lb/config.toml", mode = "644", config = "noreplace" },
+      { source = "systemd/harvester-lb.service", dest = "/usr/lib/systemd/system/harvester-lb.service", mode = "644" },
+    ]'
+    # No payload compression: the package is only installed here (xz of the
+    # binary is most of a package's build time).
+    cargo generate-rpm --target-dir "$target" --payload-compress none --source-date "$source_date" \
+        -s 'release = "0"' -s "$old_assets" -o "$work/old.rpm" >/dev/null
+    # A root where rpm runs the scriptlets (chrooted): sh and the tools they
+    # call, /run/systemd/system (systemd as PID 1), and a systemctl that
+    # records each call and plays the unit: active, and a start or restart
+    # with no config.toml fails as the unit's ExecStartPre check does.
+    old_root=$work/oldroot
+    mkdir -p "$old_root/run/systemd/system" "$old_root/usr/bin" "$old_root/bin" "$old_root/dev"
+    mknod -m 0666 "$old_root/dev/null" c 1 3
+    for tool in sh cat ln mkdir rm mv; do
+        path=$(command -v "$tool")
+        install -D -m 0755 "$(readlink -f "$path")" "$old_root/bin/$tool"
+        for lib in $(ldd "$path" | grep -oE '/[^ ]+'); do
+            [[ -e $old_root$lib ]] || install -D -m 0755 "$lib" "$old_root$lib"
+        done
+    done
+    cat >"$old_root/usr/bin/systemctl" <<'STUB'
+#!/bin/sh
+echo "$*" >>/systemctl.calls
+case "$1" in
+is-active) [ "$(cat /unit-state)" = active ]; exit ;;
+start | restart | try-restart)
+    [ "$1" = try-restart ] && [ "$(cat /unit-state)" != active ] && exit 0
+    if [ -f /etc/harvester-lb/config.toml ]; then echo active >/unit-state; else echo failed >/unit-state; exit 1; fi ;;
+esac
+exit 0
+STUB
+    chmod 0755 "$old_root/usr/bin/systemctl"
+    orpm() { rpm --root "$old_root" --dbpath /var/lib/rpm "$@" 2>&1 | grep -v -e 'use Alien' -e 'know what you are doing' || true; }
+    orpm --initdb
+    orpm -i --nodeps "$work/old.rpm"
+    [[ -f $old_root/etc/harvester-lb/config.toml ]] || bad "old layout: the old package put no /etc/harvester-lb/config.toml"
+    # The import rewrote it (the file the daemon serves), the daemon runs.
+    { cat config/harvester-lb.toml; echo '# imported on this host'; } >"$old_root/etc/harvester-lb/config.toml"
+    imported_old=$(sha256sum <"$old_root/etc/harvester-lb/config.toml")
+    echo active >"$old_root/unit-state"
+    : >"$old_root/systemctl.calls"
+    upgrade_out=$(orpm -U --nodeps "$pkg")
+    [[ -z $upgrade_out ]] || echo "$upgrade_out"
+    calls=$(tr '\n' ';' <"$old_root/systemctl.calls")
+    echo "systemctl during the upgrade: $calls"
+    if [[ ! -f $old_root/etc/harvester-lb/config.toml ]]; then
+        bad "old layout: after the upgrade /etc/harvester-lb/config.toml is gone ($(ls "$old_root/etc/harvester-lb" | tr '\n' ' ')): the daemon and the timer have no config"
+    elif [[ $(sha256sum <"$old_root/etc/harvester-lb/config.toml") != "$imported_old" ]]; then
+        bad "old layout: the upgrade changed the imported config.toml"
+    else
+        "$old_root/usr/bin/harvester-lb" check --config "$old_root/etc/harvester-lb/config.toml" >/dev/null ||
+            bad "old layout: the kept config.toml does not pass check"
+    fi
+    [[ -f $old_root/etc/harvester-lb/base.toml ]] || bad "old layout: no base.toml after the upgrade"
+    leftover=$(find "$old_root/etc/harvester-lb" "$old_root/var/lib/rpm-state" -name '*.rpm*' -o -name 'harvester-lb' -path '*rpm-state*' 2>/dev/null)
+    [[ -z $leftover ]] || bad "old layout: the upgrade left $leftover"
+    [[ $(cat "$old_root/unit-state") == active ]] ||
+        bad "old layout: the daemon is $(cat "$old_root/unit-state") after the upgrade (systemctl: $calls), not serving"
+    rpm --root "$old_root" --dbpath /var/lib/rpm -qal 2>/dev/null | grep -qx /etc/harvester-lb/config.toml &&
+        bad "old layout: config.toml is still some package's file"
+    echo "old layout: the imported config.toml kept in place (no package's now), no .rpmsave, the daemon running again"
+fi
 
 # --- 7. the .deb ---------------------------------------------------------------------------
 step "cargo deb"

@@ -32,7 +32,10 @@
 #             /metrics; net.ipv4.ip_forward=0: the proxy serves and says
 #             why; /proc/sys hidden again (ProcSubset=pid over the drop-in):
 #             an unreadable sysctl is not "forwarding on"
-#   journal   `journalctl -p warning` shows warnings and errors, no info
+#   journal   `journalctl -p warning` shows warnings and errors, no info;
+#             (issue 43) `journalctl -o json`: LOAD_BALANCER and LISTENER
+#             as fields, PRIORITY 3/4/6 by level, no timestamp or level
+#             in MESSAGE
 #   SIGKILL   ExecStopPost withdraws the dead daemon's routes, systemd
 #             restarts it, it serves again
 #   restart   (issue 41) `systemctl restart` with 10 long connections (a
@@ -67,6 +70,11 @@
 #             VM network's bridge, the notify script's state is readable by
 #             the daemon, and a reload that adds a VIP reaches keepalived
 #             (the new VIP held); nothing logs "Read-only file system"
+#   purge     (issue 43) `dpkg --purge` with the daemon running: nothing
+#             of ours left in the root but what docs/operations.md says is
+#             kept (the operator's import.env and drop-ins, the files in
+#             keepalived's and conntrackd's directories), no nftables table, route of
+#             protocol 252, rule or VIP address in the container's kernel
 #
 # Traffic goes only to 127.0.0.1 and to addresses inside the container's
 # private network namespace and the two namespaces this script makes in it.
@@ -843,6 +851,50 @@ journal_since "$t_stop" -p info | grep -q "draining open ones" || fail "the info
 if journal_since "$t_stop" -p warning | grep -q "draining open ones"; then fail "an info line ('draining open ones') shows under -p warning"; fi
 ok "info at 6, warnings and errors at 4 and 3"
 
+step "journal: -o json, the events' fields as journal fields, no doubled timestamp or level"
+# What the daemon wrote in the journal's own protocol since the first
+# start (TARGET is its field; the short commands' stderr lines have none):
+# an event of a listener carries LOAD_BALANCER and LISTENER as fields,
+# PRIORITY is the level's (the lowered open-file limit's warning at 4, the
+# vip.isolate refusal's error at 3, the drain's info at 6), and no MESSAGE
+# begins with a timestamp or a level (the journal has both).
+inside journalctl -u harvester-lb --no-pager -o json --since "@$t0" >"$run/journal.json"
+json_out=$(python3 - "$run/journal.json" <<'PY'
+import json, re, sys
+entries = [json.loads(line) for line in open(sys.argv[1]) if line.strip()]
+native = [e for e in entries if e.get("SYSLOG_IDENTIFIER") == "harvester-lb" and "TARGET" in e]
+problems = []
+if not native:
+    problems.append(f"no entry in the journal's protocol among {len(entries)}")
+def text(e):
+    m = e.get("MESSAGE", "")
+    return m if isinstance(m, str) else bytes(m).decode(errors="replace")
+fields = [e for e in native if e.get("LOAD_BALANCER") and e.get("LISTENER")]
+if not fields:
+    problems.append("no entry with LOAD_BALANCER and LISTENER fields")
+def priority_of(what, want):
+    hits = [e for e in native if what in text(e)]
+    if not hits:
+        problems.append(f"no entry saying {what!r}")
+    elif any(e.get("PRIORITY") != want for e in hits):
+        problems.append(f"{what!r} at PRIORITY {sorted({e.get('PRIORITY') for e in hits})}, want {want}")
+priority_of("open-file limit in force", "4")
+priority_of("vip.isolate", "3")
+priority_of("draining open ones", "6")
+doubled = re.compile(r"^\s*(<\d>|\d{4}-\d\d-\d\d[T ]\d\d:\d\d|(TRACE|DEBUG|INFO|WARN|ERROR)\b)")
+bad = [text(e) for e in native if doubled.match(text(e))]
+if bad:
+    problems.append(f"{len(bad)} MESSAGE(s) begin with a timestamp, level or prefix, e.g. {bad[0][:120]!r}")
+if problems:
+    print("; ".join(problems))
+    sys.exit(1)
+e = fields[0]
+print(f"{len(native)} entries in the journal's protocol of {len(entries)}, {len(fields)} with LOAD_BALANCER and LISTENER, e.g. "
+      f"LOAD_BALANCER={e['LOAD_BALANCER']} LISTENER={e['LISTENER']} PRIORITY={e['PRIORITY']} MESSAGE={text(e)[:80]!r}")
+PY
+) || fail "journal -o json: $json_out"
+ok "$json_out"
+
 # --- keepalived and conntrackd under the unit (vrrp.conf) ------------------------------------------
 step "vrrp.conf: [keepalived], [[network]], [conntrackd] under the unit, keepalived and conntrackd as packaged"
 # The management segment (VRRP unicast, the conntrackd sync) to a peer
@@ -972,6 +1024,39 @@ if journal_since "$t_vrrp" | grep -q "Read-only file system"; then
 fi
 [[ $(inside systemctl show harvester-lb-vrrp -P Result) == success ]] || fail "harvester-lb-vrrp.service: $(inside systemctl show harvester-lb-vrrp -P Result)"
 ok "no write refused; harvester-lb-vrrp.service ran as root, last at $(inside systemctl show harvester-lb-vrrp -P ExecMainStartTimestamp)"
-inside systemctl stop harvester-lb keepalived conntrackd
+inside systemctl stop keepalived conntrackd
+
+# --- purge (issue 43) ----------------------------------------------------------------------------------
+step "purge: dpkg --purge with the daemon running, what remains, nothing of ours in the kernel"
+# The daemon still runs with the VM network's kernel listeners (keepalived
+# stopped: the VIPs it held are gone with it); the prerm stops it.
+t_purge=$SECONDS
+[[ $(show ActiveState) == active ]] || fail "the daemon is $(show ActiveState) before the purge"
+inside dpkg --purge harvester-lb >"$run/purge.log" 2>&1 || { cat "$run/purge.log" >&2; fail "dpkg --purge failed"; }
+[[ $(inside dpkg-query -W -f '${db:Status-Status}' harvester-lb 2>/dev/null || echo not-installed) == not-installed ]] ||
+    fail "dpkg still knows harvester-lb: $(inside dpkg-query -W -f '${db:Status-Status}' harvester-lb)"
+[[ $(show LoadState) == not-found ]] || fail "harvester-lb.service is still $(show LoadState) after the purge"
+# Kept, as docs/operations.md says: the operator's import.env (and so its
+# directory), the drop-ins the operator copied into
+# /etc/systemd/system/harvester-lb.service.d, and what the daemon wrote
+# into keepalived's and conntrackd's own directories.
+left=$(inside find / -xdev \( -path /proc -o -path /sys -o -path /dev -o -path /root -o -path /tmp \
+    -o -path /etc/keepalived -o -path /etc/conntrackd -o -path /var/log/journal \) -prune -o \
+    \( -name '*harvester-lb*' -o -name '*harvester_lb*' \) -print |
+    grep -vx -e /etc/harvester-lb -e /etc/harvester-lb/import.env -e /etc/systemd/system/harvester-lb.service.d || true)
+[[ -z $left ]] || fail "left after the purge: $(echo $left)"
+inside test -f /etc/harvester-lb/import.env || fail "the purge removed the operator's /etc/harvester-lb/import.env"
+[[ $(inside ls -A /etc/harvester-lb) == import.env ]] || fail "/etc/harvester-lb holds $(inside ls -A /etc/harvester-lb | tr '\n' ' ') after the purge"
+left=$(inside nft list tables | grep harvester_lb || true)
+[[ -z $left ]] || fail "nftables tables left after the purge: $left"
+left=$( (inside ip -4 route show table all proto 252; inside ip -6 route show table all proto 252) 2>/dev/null)
+[[ -z $left ]] || fail "routes of ours (proto 252) left after the purge: $left"
+left=$(inside ip -br addr | grep -E '198\.51\.100\.10|10\.100\.0\.5[01]' || true)
+[[ -z $left ]] || fail "a VIP is still on an interface after the purge: $left"
+left=$( (inside ip -4 rule; inside ip -6 rule) | grep -vE '^(0|32766|32767):' || true)
+[[ -z $left ]] || fail "routing rules left after the purge: $left"
+left=$(inside ip -4 route show table all | grep -E '10\.100\.0\.5[01]|198\.51\.100\.10' || true)
+[[ -z $left ]] || fail "a route to a VIP left after the purge: $left"
+ok "nothing left but /etc/harvester-lb/import.env, the drop-ins copied by hand and keepalived's/conntrackd's files; no table, route, rule or VIP of ours ($((SECONDS - t_purge)) s)"
 
 echo "systemd-boot: OK ($((SECONDS - started)) s)"

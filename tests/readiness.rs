@@ -206,6 +206,67 @@ async fn readyz_per_vip_names_the_listener_that_cannot_bind_and_leaves_other_vip
     d.stop().await;
 }
 
+/// A VIP none of whose backends is eligible (issue 43: the docs said 503,
+/// the daemon said 200). Decided: `/readyz?vip=` stays 200 (the listeners
+/// are bound and this host answers, refusing at once; when every host sees
+/// the backends down, a 503 would take the VIP off every host), and
+/// `require=backend` asks for a listener bound with an eligible backend,
+/// announcing's rule: 503 naming the VIP and its load balancer while the
+/// backend is down, 200 again once it answers. On the old code the
+/// parameter was refused (400): no question made keepalived move the VIP.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readyz_per_vip_requires_an_eligible_backend_only_when_asked() {
+    let net = Subnet::new();
+    let backend = SocketAddr::new(net.ip(11), 30080);
+    let vip = net.ip_str(1);
+    let config = Config::on(&net).lb(lb(&net, "default/web", 1, 8080).health(
+        "  port = 30080\n  period_seconds = 1\n  timeout_seconds = 1\n  failure_threshold = 1\n  success_threshold = 1",
+    ));
+    let listener = StdTcpListener::bind(backend).expect("bind the backend");
+    let d = Daemon::start(&net, &config).await;
+    let require = format!("/readyz?vip={vip}&require=backend");
+    wait_for(Duration::from_secs(20), "the backend eligible", || async {
+        (d.get(&require).await.0 == 200).then_some(())
+    })
+    .await;
+
+    drop(listener);
+    let body = wait_for(
+        Duration::from_secs(20),
+        "503 with the backend down",
+        || async {
+            let (code, body) = d.get(&require).await;
+            (code == 503).then_some(body)
+        },
+    )
+    .await;
+    assert!(
+        body.contains(&vip) && body.contains("default/web") && body.contains("eligible backend"),
+        "the body names the VIP, its load balancer and why: {body}"
+    );
+    let (code, body) = d.get(&format!("/readyz?vip={vip}")).await;
+    assert_eq!(
+        (code, body.as_str()),
+        (200, "ready\n"),
+        "the default: bound listeners"
+    );
+    let (code, _) = d.get(&format!("/readyz?vip={vip}&require=bound")).await;
+    assert_eq!(code, 200, "require=bound is the default");
+    let (code, _) = http_unix(&d.socket, "GET", &require, "").await;
+    assert_eq!(code, 503, "the same over the Unix socket");
+    let (code, body) = d.get("/readyz?require=backend").await;
+    assert_eq!(code, 400, "require= alone: {body}");
+
+    let _listener = StdTcpListener::bind(backend).expect("bind the backend again");
+    wait_for(
+        Duration::from_secs(20),
+        "200 with the backend back",
+        || async { (d.get(&require).await.0 == 200).then_some(()) },
+    )
+    .await;
+    d.stop().await;
+}
+
 /// The shipped keepalived example's probe commands, run as keepalived runs
 /// a `vrrp_script` (split into words, no shell) against a daemon whose
 /// second VIP cannot bind: each instance's script asks the Unix socket

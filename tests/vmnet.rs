@@ -86,28 +86,39 @@ fn the_rendered_keepalived_conf_passes_keepalived_s_config_test() {
             "\n[[load_balancer]]\nname = \"default/lb{i}\"\nvip = \"{vip}\"\nnetwork = \"default/vm\"\nbackends = [\"198.51.100.21\"]\n  [[load_balancer.listener]]\n  name = \"http\"\n  port = 80\n  backend_port = 30080\n"
         ));
     }
-    let config = harvester_lb::config::parse(&text).expect("valid").config;
-    let rendered = harvester_lb::vip::keepalived::render(&config).expect("rendered");
-    // The management check's script, as the daemon writes it before the
-    // file (keepalived disables a track script it cannot find).
-    harvester_lb::vip::mgmt_check::install(config.keepalived.as_ref().expect("[keepalived]"))
-        .expect("the management check's script");
-    let file = dir.join("rendered.conf");
-    std::fs::write(&file, &rendered).unwrap();
-    let out = Command::new("ip")
-        .args([
-            "netns",
-            "exec",
-            &tag,
-            "keepalived",
-            "--config-test",
-            "--use-file",
-        ])
-        .arg(&file)
-        .output()
-        .expect("run keepalived --config-test");
-    if let Err(said) = quiet_success(&out) {
-        panic!("keepalived rejects the rendered file: {said}\n{rendered}");
+    // As rendered by default, and with keepalived.ready_requires_backend
+    // (the track scripts' URL gains &require=backend).
+    let mut rendered = String::new();
+    for extra in ["", "ready_requires_backend = true\n"] {
+        let text = text.replace("instances = 2\n", &format!("instances = 2\n{extra}"));
+        let config = harvester_lb::config::parse(&text).expect("valid").config;
+        rendered = harvester_lb::vip::keepalived::render(&config).expect("rendered");
+        assert_eq!(
+            rendered.contains("&require=backend\""),
+            !extra.is_empty(),
+            "{extra}{rendered}"
+        );
+        // The management check's script, as the daemon writes it before the
+        // file (keepalived disables a track script it cannot find).
+        harvester_lb::vip::mgmt_check::install(config.keepalived.as_ref().expect("[keepalived]"))
+            .expect("the management check's script");
+        let file = dir.join("rendered.conf");
+        std::fs::write(&file, &rendered).unwrap();
+        let out = Command::new("ip")
+            .args([
+                "netns",
+                "exec",
+                &tag,
+                "keepalived",
+                "--config-test",
+                "--use-file",
+            ])
+            .arg(&file)
+            .output()
+            .expect("run keepalived --config-test");
+        if let Err(said) = quiet_success(&out) {
+            panic!("keepalived rejects the rendered file ({extra:?}): {said}\n{rendered}");
+        }
     }
     assert_eq!(rendered.matches("/32 dev eth0").count(), 10, "{rendered}");
     assert_eq!(

@@ -18,7 +18,9 @@ use tokio::sync::{mpsc, oneshot};
 
 use super::{Body, Origin, page};
 use crate::balancer::AdminState;
-use crate::daemon::{AdminStateError, AnnounceStateError, Daemon, ReloadSource, VipNotReady};
+use crate::daemon::{
+    AdminStateError, AnnounceStateError, BackendRequirement, Daemon, ReloadSource, VipNotReady,
+};
 use crate::metrics::exposition::ExpositionBody;
 use crate::server::ReloadRequest;
 
@@ -214,8 +216,8 @@ fn readyz(daemon: &Daemon, query: Option<&str>) -> Response<Body> {
             }
             return text(StatusCode::SERVICE_UNAVAILABLE, &body);
         }
-        Readyz::Vips(vips) => daemon.vips_ready(&vips),
-        Readyz::Instance(vrid) => daemon.instance_ready(vrid),
+        Readyz::Vips(vips, require) => daemon.vips_ready(&vips, require),
+        Readyz::Instance(vrid, require) => daemon.instance_ready(vrid, require),
     };
     match verdict {
         Ok(()) => text(StatusCode::OK, "ready\n"),
@@ -238,10 +240,12 @@ fn readyz(daemon: &Daemon, query: Option<&str>) -> Response<Body> {
 enum Readyz {
     /// No query: the whole host.
     Host,
-    /// `vip=ADDRESS`, repeatable (a hand-written keepalived file).
-    Vips(Vec<IpAddr>),
-    /// `vrrp_instance=VRID`, once (the file the daemon renders).
-    Instance(u32),
+    /// `vip=ADDRESS`, repeatable (a hand-written keepalived file), and
+    /// what `require=` asks beyond bound listeners.
+    Vips(Vec<IpAddr>, BackendRequirement),
+    /// `vrrp_instance=VRID`, once (the file the daemon renders), and
+    /// `require=`.
+    Instance(u32, BackendRequirement),
 }
 
 /// Why a `/readyz` query cannot be answered (400).
@@ -249,9 +253,19 @@ enum Readyz {
 enum ReadyzQueryError {
     /// A parameter other than `vip` and `vrrp_instance`.
     #[error(
-        "unknown query parameter {0:?}; /readyz takes vip=ADDRESS (repeatable), e.g. /readyz?vip=192.168.0.201, or vrrp_instance=VRID, e.g. /readyz?vrrp_instance=50"
+        "unknown query parameter {0:?}; /readyz takes vip=ADDRESS (repeatable), e.g. /readyz?vip=192.168.0.201, or vrrp_instance=VRID, e.g. /readyz?vrrp_instance=50, and optionally require=backend"
     )]
     Parameter(String),
+    /// A `require=` value other than `backend` and `bound`.
+    #[error(
+        "require {0:?} is not a requirement; write require=backend (a listener bound with an eligible backend) or require=bound (bound listeners, the default)"
+    )]
+    Require(String),
+    /// `require=` without `vip=` or `vrrp_instance=`.
+    #[error(
+        "require= applies to a VIP's readiness; add vip=ADDRESS or vrrp_instance=VRID (plain /readyz asks whether every listener is bound)"
+    )]
+    RequireAlone,
     /// A `vip=` value that is no address.
     #[error("vip {0:?} is not a VIP address; write e.g. vip=192.168.0.201 or vip=fd00::201")]
     Vip(String),
@@ -274,6 +288,7 @@ enum ReadyzQueryError {
 fn readyz_query(query: &str) -> Result<Readyz, ReadyzQueryError> {
     let mut vips = Vec::new();
     let mut instance = None;
+    let mut require = None;
     for pair in query.split('&').filter(|p| !p.is_empty()) {
         let (key, value) = pair.split_once('=').unwrap_or((pair, ""));
         let value = percent_decode(value);
@@ -293,13 +308,22 @@ fn readyz_query(query: &str) -> Result<Readyz, ReadyzQueryError> {
                 Ok(vrid) if vrid > 0 => instance = Some(u32::from(vrid)),
                 _ => return Err(ReadyzQueryError::Vrid(value)),
             },
+            "require" => {
+                require = Some(match value.as_str() {
+                    "backend" => BackendRequirement::Eligible,
+                    "bound" => BackendRequirement::Bound,
+                    _ => return Err(ReadyzQueryError::Require(value)),
+                })
+            }
             _ => return Err(ReadyzQueryError::Parameter(percent_decode(key))),
         }
     }
+    let req = require.unwrap_or_default();
     match (instance, vips.is_empty()) {
+        (None, true) if require.is_some() => Err(ReadyzQueryError::RequireAlone),
         (None, true) => Ok(Readyz::Host),
-        (None, false) => Ok(Readyz::Vips(vips)),
-        (Some(vrid), true) => Ok(Readyz::Instance(vrid)),
+        (None, false) => Ok(Readyz::Vips(vips, req)),
+        (Some(vrid), true) => Ok(Readyz::Instance(vrid, req)),
         (Some(_), false) => Err(ReadyzQueryError::Both),
     }
 }
@@ -569,7 +593,7 @@ mod tests {
         let readyz_vips = |q: &str| {
             readyz_query(q).map_err(|e| e.to_string()).map(|r| match r {
                 Readyz::Host => vec![],
-                Readyz::Vips(v) => v,
+                Readyz::Vips(v, BackendRequirement::Bound) => v,
                 other => panic!("{q}: {other:?}"),
             })
         };
@@ -599,9 +623,43 @@ mod tests {
     }
 
     #[test]
+    fn readyz_query_takes_require_backend_with_a_vip_or_an_instance_only() {
+        let v4: IpAddr = "192.168.0.201".parse().unwrap();
+        assert_eq!(
+            readyz_query("vip=192.168.0.201&require=backend"),
+            Ok(Readyz::Vips(vec![v4], BackendRequirement::Eligible))
+        );
+        assert_eq!(
+            readyz_query("require=bound&vip=192.168.0.201"),
+            Ok(Readyz::Vips(vec![v4], BackendRequirement::Bound))
+        );
+        assert_eq!(
+            readyz_query("vrrp_instance=50&require=backend"),
+            Ok(Readyz::Instance(50, BackendRequirement::Eligible))
+        );
+        assert_eq!(
+            readyz_query("require=backend"),
+            Err(ReadyzQueryError::RequireAlone)
+        );
+        let e = readyz_query("vip=192.168.0.201&require=backends")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("\"backends\"") && e.contains("require=backend"),
+            "{e}"
+        );
+    }
+
+    #[test]
     fn readyz_query_names_one_vrrp_instance_by_its_vrid() {
-        assert_eq!(readyz_query("vrrp_instance=50"), Ok(Readyz::Instance(50)));
-        assert_eq!(readyz_query("vrrp_instance=255"), Ok(Readyz::Instance(255)));
+        assert_eq!(
+            readyz_query("vrrp_instance=50"),
+            Ok(Readyz::Instance(50, BackendRequirement::Bound))
+        );
+        assert_eq!(
+            readyz_query("vrrp_instance=255"),
+            Ok(Readyz::Instance(255, BackendRequirement::Bound))
+        );
         for bad in [
             "vrrp_instance=",
             "vrrp_instance=0",

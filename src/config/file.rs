@@ -140,6 +140,9 @@ pub struct FileKeepalived {
     /// Whether load balancers on no `[[network]]` get their VIP on
     /// `interface` too (default true).
     pub management_vips: Option<Spanned<bool>>,
+    /// Whether the rendered track scripts ask `/readyz` with
+    /// `require=backend` (default false).
+    pub ready_requires_backend: Option<Spanned<bool>>,
 }
 
 /// `[admin]`.

@@ -81,6 +81,11 @@ pub const DEFAULT_KEEPALIVED_PID_FILE: &str = "/run/keepalived.pid";
 /// expects: a new load balancer's VIP comes up with nothing written by
 /// hand).
 pub const DEFAULT_MANAGEMENT_VIPS: bool = true;
+/// Default `keepalived.ready_requires_backend`: a VIP whose listeners are
+/// bound is ready though none of its backends is eligible (when every host
+/// sees them down, a 503 would take the VIP off every host; docs/design.md,
+/// "The all-backends-down decision for a moved VIP").
+pub const DEFAULT_READY_REQUIRES_BACKEND: bool = false;
 /// First routing table of `[[network]]`s without `table`: table
 /// `DEFAULT_NETWORK_TABLE_BASE + n` for the n-th network of the file.
 pub const DEFAULT_NETWORK_TABLE_BASE: u32 = 1000;
@@ -199,6 +204,11 @@ pub struct KeepalivedSettings {
     /// them by other means (kube-vip during a migration, a hand-written
     /// keepalived instance).
     pub management_vips: bool,
+    /// `keepalived.ready_requires_backend`: the rendered track scripts ask
+    /// `/readyz?vrrp_instance=VRID&require=backend`, so an instance one of
+    /// whose VIPs has no listener bound with an eligible backend here moves
+    /// to a host whose backends answer.
+    pub ready_requires_backend: bool,
 }
 
 impl Config {

@@ -58,7 +58,7 @@ pub use hand_over::{
 pub use kernel_check::KernelCheckCause;
 pub use network_links::NetworkRefusal;
 pub use persist::{RestoredCounts, StateFileStatus};
-pub use readiness::{UnboundListener, VipNotReady};
+pub use readiness::{BackendRequirement, UnboundListener, VipNotReady};
 pub use status::{
     BackendStatus, ConfigStatus, LeaseStatus, ListenerStatus, LoadBalancerStatus, PortStatus,
     RestartStatus, StatusDoc,

@@ -272,9 +272,14 @@ pub fn render(config: &Config) -> Option<String> {
         let vrid = u32::from(k.vrid_base) + u32::from(instance);
         // The instance, not its VIPs: a line that grew with them was
         // refused by keepalived (see the module's doc).
+        let require = if k.ready_requires_backend {
+            "&require=backend"
+        } else {
+            ""
+        };
         let _ = write!(
             out,
-            "\nvrrp_script hlb_ready_{vrid} {{\n  script \"/usr/bin/curl --unix-socket '{socket}' -sf -m 1 -o /dev/null http://localhost/readyz?vrrp_instance={vrid}\"\n  interval 1\n  timeout 1\n  fall 2\n  rise 2\n}}\n"
+            "\nvrrp_script hlb_ready_{vrid} {{\n  script \"/usr/bin/curl --unix-socket '{socket}' -sf -m 1 -o /dev/null http://localhost/readyz?vrrp_instance={vrid}{require}\"\n  interval 1\n  timeout 1\n  fall 2\n  rise 2\n}}\n"
         );
         let _ = write!(
             out,
@@ -657,6 +662,30 @@ mod tests {
         }
         assert!(
             !text.contains("use_vmac") && !text.contains("mcast"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn ready_requires_backend_makes_each_track_script_ask_for_an_eligible_backend() {
+        let vrid = 50 + u32::from(instance_of("10.100.0.50".parse().unwrap(), 4));
+        let asks = |text: &str| {
+            text.lines()
+                .filter(|l| l.contains("/readyz?"))
+                .map(|l| l.split("/readyz?").nth(1).unwrap().to_string())
+                .collect::<Vec<_>>()
+        };
+        let text = render(&with_management("", &["10.100.0.50"], &[])).unwrap();
+        assert_eq!(asks(&text), [format!("vrrp_instance={vrid}\"")], "{text}");
+        let text = render(&with_management(
+            "ready_requires_backend = true",
+            &["10.100.0.50"],
+            &[],
+        ))
+        .unwrap();
+        assert_eq!(
+            asks(&text),
+            [format!("vrrp_instance={vrid}&require=backend\"")],
             "{text}"
         );
     }

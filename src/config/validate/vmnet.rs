@@ -42,8 +42,9 @@ use crate::config::file::{FileConfig, FileKeepalived, FileLoadBalancer, FileNetw
 use crate::config::{
     DEFAULT_ADVERT_INTERVAL_MS, DEFAULT_IPV6_PREFIX_LENGTH, DEFAULT_KEEPALIVED_CONFIG,
     DEFAULT_KEEPALIVED_PID_FILE, DEFAULT_MANAGEMENT_CHECK_SCRIPT, DEFAULT_MANAGEMENT_VIPS,
-    DEFAULT_NETWORK_ISOLATE, DEFAULT_NETWORK_TABLE_BASE, DEFAULT_VRID_BASE, DEFAULT_VRRP_VERSION,
-    Ipam, KeepalivedSettings, LoadBalancerSpec, NetworkSpec, VipSettings,
+    DEFAULT_NETWORK_ISOLATE, DEFAULT_NETWORK_TABLE_BASE, DEFAULT_READY_REQUIRES_BACKEND,
+    DEFAULT_VRID_BASE, DEFAULT_VRRP_VERSION, Ipam, KeepalivedSettings, LoadBalancerSpec,
+    NetworkSpec, VipSettings,
 };
 
 /// Most peers: VRRP priorities are rotated over the hosts in steps of
@@ -497,6 +498,10 @@ impl Validator<'_> {
             .management_vips
             .as_ref()
             .map_or(DEFAULT_MANAGEMENT_VIPS, |b| *b.get_ref());
+        let ready_requires_backend = k
+            .ready_requires_backend
+            .as_ref()
+            .map_or(DEFAULT_READY_REQUIRES_BACKEND, |b| *b.get_ref());
         Some(KeepalivedSettings {
             name: name?,
             address: address?,
@@ -512,6 +517,7 @@ impl Validator<'_> {
             management_gateway,
             management_check_script,
             management_vips,
+            ready_requires_backend,
         })
     }
 
