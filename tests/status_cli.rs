@@ -194,7 +194,9 @@ async fn each_backend_s_totals_count_what_its_clients_did() {
             t.push(daemon.backend_status(LB, ip).await["totals"].clone());
         }
         let sum = |k: &str| t.iter().map(|b| b[k].as_u64().unwrap_or(0)).sum::<u64>();
-        (sum("bytes_to_backend") == to_backends && sum("bytes_to_client") == to_clients)
+        // .3's time down counts in tenths of a second.
+        let down = t[2]["down_seconds"].as_f64().unwrap_or(0.0) > 0.0;
+        (sum("bytes_to_backend") == to_backends && sum("bytes_to_client") == to_clients && down)
             .then_some(t)
     })
     .await;
