@@ -280,9 +280,9 @@ impl Daemon {
         }
     }
 
-    /// The kernel's new-connection counts (its named counters, as the
-    /// last `/metrics` read left them), summed per load balancer and
-    /// backend over its kernel listeners.
+    /// The kernel's new-connection counts (its named counters, read every
+    /// 5 s for `/metrics`), summed per load balancer and backend over its
+    /// kernel listeners.
     fn kernel_connections_per_backend(&self) -> KernelConnections {
         let counts = self
             .metrics
@@ -619,7 +619,7 @@ pub struct BackendStatus {
 pub struct BackendTotals {
     /// Connections opened to it: the proxy's TCP connections and UDP
     /// flows, plus the new connections the kernel forwarded on kernel
-    /// listeners (their named counters, as last read by `/metrics`).
+    /// listeners (their named counters, as last read: every 5 s).
     pub connections: u64,
     /// Payload bytes the proxy moved from clients to it (kernel listeners'
     /// bytes are not counted: the NAT chain sees a flow's first packet only).
