@@ -416,6 +416,17 @@ async fn the_kernel_balances_follows_health_and_serves_while_the_daemon_is_froze
         },
     )
     .await;
+    // /status totals: the kernel's new connections (as that read left
+    // them), no bytes and no connect failures (the kernel path has none).
+    let s = bed.daemon().status().await;
+    for (i, ip) in ["198.51.100.21", "198.51.100.22"].iter().enumerate() {
+        let b = &s["load_balancers"][0]["backends"][i];
+        assert_eq!(b["address"], *ip, "{b}");
+        let t = &b["totals"];
+        assert_eq!(t["connections"], 10, "{t}");
+        assert_eq!(t["bytes_to_backend"], 0, "{t}");
+        assert_eq!(t["connect_failures"], 0, "{t}");
+    }
     let m = bed.daemon().metrics().await;
     assert!(
         netns::metric(&m, "harvester_lb_conntrack_entries", &[]) >= 1.0,

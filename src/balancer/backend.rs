@@ -161,6 +161,7 @@ impl Backend {
     pub fn with_stats(addr: IpAddr, healthy: bool, stats: Arc<BackendStats>) -> Arc<Self> {
         stats.up.set(healthy);
         stats.admin_state.store(0, Ordering::Relaxed);
+        stats.times.begin(healthy);
         Arc::new(Self {
             addr,
             addr_hash: select::hash_ip(addr),
@@ -184,7 +185,9 @@ impl Backend {
     /// Records the health checker's verdict. The caller publishes a new
     /// snapshot afterwards.
     pub fn set_healthy(&self, healthy: bool) {
-        self.healthy.store(healthy, Ordering::SeqCst);
+        if self.healthy.swap(healthy, Ordering::SeqCst) != healthy {
+            self.stats.times.health_changed(healthy);
+        }
         if self.member.load(Ordering::Acquire) {
             self.stats.up.set(healthy);
         }
@@ -304,6 +307,9 @@ impl Backend {
             .unwrap_or(0) as u8;
         let before = AdminState::from_index(self.admin_state.swap(i, Ordering::AcqRel));
         self.stats.admin_state.store(i, Ordering::Relaxed);
+        if before != state {
+            self.stats.times.changed();
+        }
         before
     }
 
@@ -346,10 +352,12 @@ impl Backend {
         self.active.load(Ordering::Relaxed)
     }
 
-    /// Counts a connection for as long as the returned guard lives.
+    /// Counts a connection (or a UDP flow) in its totals, and in its open
+    /// ones for as long as the returned guard lives.
     pub fn connection_opened(self: &Arc<Self>) -> ConnectionGuard {
         self.active.fetch_add(1, Ordering::Relaxed);
         self.stats.active.increment();
+        self.stats.connections.increment(1);
         ConnectionGuard {
             backend: Arc::clone(self),
         }

@@ -199,10 +199,18 @@ pub fn render(status: &Value, now_unix: f64) -> String {
             "AGE",
             "PROBES",
             "CONNS",
+            "TOTAL",
+            "BYTES IN/OUT",
+            "CONN FAIL",
+            "CHK FAIL",
+            "DOWN",
+            "CHANGED",
             "LAST ERROR",
         ])];
         for b in backends {
             let p = &b["probe"];
+            // Absent from a daemon older than the totals: every cell `-`.
+            let t = &b["totals"];
             let age = p["last_probe_unix"].as_f64().map_or("-".to_string(), |t| {
                 format!("{:.1}s", (now_unix - t).max(0.0))
             });
@@ -222,6 +230,22 @@ pub fn render(status: &Value, now_unix: f64) -> String {
                 age,
                 text(&p["probes"]),
                 text(&b["active_connections"]),
+                text(&t["connections"]),
+                match (
+                    t["bytes_to_backend"].as_u64(),
+                    t["bytes_to_client"].as_u64(),
+                ) {
+                    (Some(up), Some(down)) => format!("{}/{}", bytes(up), bytes(down)),
+                    _ => "-".to_string(),
+                },
+                text(&t["connect_failures"]),
+                text(&t["check_failures"]),
+                t["down_seconds"].as_f64().map_or("-".to_string(), uptime),
+                t["last_change_unix"]
+                    .as_f64()
+                    .map_or("-".to_string(), |at| {
+                        format!("{} ago", uptime(now_unix - at))
+                    }),
                 text(&p["last_error"]),
             ]);
         }
@@ -253,6 +277,25 @@ fn table(out: &mut String, indent: &str, rows: &mut [Vec<String>]) {
             let _ = write!(line, "{cell:<w$}  ", w = widths[c]);
         }
         let _ = writeln!(out, "{}", line.trim_end());
+    }
+}
+
+/// Bytes in binary units, three digits at most: "512", "1.5K", "23M", "4.0G".
+fn bytes(n: u64) -> String {
+    const UNITS: [&str; 6] = ["K", "M", "G", "T", "P", "E"];
+    if n < 1024 {
+        return n.to_string();
+    }
+    let mut v = n as f64 / 1024.0;
+    let mut unit = 0;
+    while v >= 1024.0 && unit + 1 < UNITS.len() {
+        v /= 1024.0;
+        unit += 1;
+    }
+    if v < 10.0 {
+        format!("{v:.1}{}", UNITS[unit])
+    } else {
+        format!("{v:.0}{}", UNITS[unit])
     }
 }
 
@@ -288,7 +331,10 @@ mod tests {
                     "eligible": false, "active_connections": 2,
                     "probe": {"status": "unhealthy", "consecutive_successes": 0, "consecutive_failures": 4,
                         "last_result": "refused", "last_error": "connection refused",
-                        "last_probe_unix": 100.0, "probes": 9}}]
+                        "last_probe_unix": 100.0, "probes": 9},
+                    "totals": {"connections": 17, "bytes_to_backend": 1536,
+                        "bytes_to_client": 5_000_000, "connect_failures": 3, "check_failures": 4,
+                        "down_seconds": 75.4, "last_change_unix": 40.0}}]
             }]
         });
         let text = render(&status, 102.5);
@@ -311,6 +357,15 @@ mod tests {
                 "2.5s",
                 "9",
                 "2",
+                "17",
+                "1.5K/4.8M",
+                "3",
+                "4",
+                "1m",
+                "15s",
+                "1m",
+                "2s",
+                "ago",
                 "connection",
                 "refused"
             ]

@@ -21,6 +21,7 @@ impl Daemon {
     /// The JSON document served at `/status`.
     pub fn status(&self) -> StatusDoc {
         let announce = self.announce_status();
+        let kernel_connections = self.kernel_connections_per_backend();
         let st = self.lock();
         let specs = st
             .config
@@ -31,7 +32,13 @@ impl Daemon {
             .iter()
             .filter_map(|spec| {
                 let entry = st.load_balancers.get(&spec.name)?;
-                Some(self.load_balancer_status(&st, spec, entry, announce.as_ref()))
+                Some(self.load_balancer_status(
+                    &st,
+                    spec,
+                    entry,
+                    announce.as_ref(),
+                    &kernel_connections,
+                ))
             })
             .collect();
         let missing_since_unix = st.file_missing_since.map(|t| {
@@ -110,6 +117,7 @@ impl Daemon {
         spec: &LoadBalancerSpec,
         entry: &LbEntry,
         announce: Option<&AnnounceStatus>,
+        kernel_connections: &KernelConnections,
     ) -> LoadBalancerStatus {
         let snapshot = entry.lb.snapshot();
         let udp_flows = udp_flows_per_backend(st, spec);
@@ -155,7 +163,13 @@ impl Daemon {
             backends: spec
                 .backends
                 .iter()
-                .map(|ip| self.backend_status(spec, &entry.backends[ip], *ip, udp_flows.as_ref()))
+                .map(|ip| {
+                    let kernel = kernel_connections
+                        .get(spec.name.as_str())
+                        .and_then(|m| m.get(ip))
+                        .copied();
+                    self.backend_status(spec, &entry.backends[ip], *ip, udp_flows.as_ref(), kernel)
+                })
                 .collect(),
         }
     }
@@ -229,6 +243,7 @@ impl Daemon {
         b: &Backend,
         ip: IpAddr,
         udp_flows: Option<&HashMap<IpAddr, usize>>,
+        kernel_connections: Option<u64>,
     ) -> BackendStatus {
         let ports = b
             .checked_ports()
@@ -261,7 +276,28 @@ impl Daemon {
                 .get(&TargetKey::new(&spec.name, ip, None))
                 .map(|t| t.status()),
             ports,
+            totals: BackendTotals::of(b, kernel_connections),
         }
+    }
+
+    /// The kernel's new-connection counts (its named counters, read every
+    /// 5 s for `/metrics`), summed per load balancer and backend over its
+    /// kernel listeners.
+    fn kernel_connections_per_backend(&self) -> KernelConnections {
+        let counts = self
+            .metrics
+            .kernel_backends
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        let mut out = KernelConnections::new();
+        for k in counts {
+            *out.entry(k.load_balancer)
+                .or_default()
+                .entry(k.backend)
+                .or_insert(0) += k.connections;
+        }
+        out
     }
 
     /// The DHCP lease of load balancer `spec` (`ipam = "dhcp"`), `init`
@@ -291,6 +327,9 @@ impl Daemon {
         }
     }
 }
+
+/// New connections the kernel forwarded, by load balancer name and backend.
+type KernelConnections = HashMap<String, HashMap<IpAddr, u64>>;
 
 /// UDP flows per backend over all UDP listeners of load balancer `spec`;
 /// `None` when it has no UDP listener (so `/status` leaves the field out).
@@ -569,6 +608,64 @@ pub struct BackendStatus {
     /// Per-listener checks only: the verdict on each listener's nodeport.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub ports: Vec<PortStatus>,
+    /// Its numbers since the daemon started (HAProxy's `show stat`).
+    pub totals: BackendTotals,
+}
+
+/// One backend's totals in `/status`, over every listener kind of its load
+/// balancer, since this process started (a restart starts them again).
+/// The field names are a contract: the status page renders them.
+#[derive(Debug, Serialize)]
+pub struct BackendTotals {
+    /// Connections opened to it: the proxy's TCP connections and UDP
+    /// flows, plus the new connections the kernel forwarded on kernel
+    /// listeners (their named counters, as last read: every 5 s).
+    pub connections: u64,
+    /// Payload bytes the proxy moved from clients to it (kernel listeners'
+    /// bytes are not counted: the NAT chain sees a flow's first packet only).
+    pub bytes_to_backend: u64,
+    /// Payload bytes the proxy moved from it to clients.
+    pub bytes_to_client: u64,
+    /// The proxy's failed connect attempts to it, retries included (the
+    /// kernel path cannot tell one).
+    pub connect_failures: u64,
+    /// Health probes of it that failed (every result but `ok` and
+    /// `skipped`, which was never sent).
+    pub check_failures: u64,
+    /// Seconds the health check found it unhealthy, the current period
+    /// included.
+    pub down_seconds: f64,
+    /// When its health or operator's state last changed, Unix seconds;
+    /// `null` if it has not changed since its numbers were made.
+    pub last_change_unix: Option<f64>,
+}
+
+impl BackendTotals {
+    fn of(b: &Backend, kernel_connections: Option<u64>) -> Self {
+        use crate::metrics::by_label::Label;
+        use crate::metrics::stats::{CheckResult, Direction};
+        let s = b.stats();
+        let sum = |c: &[crate::metrics::Counter]| c.iter().map(|c| c.get()).sum::<u64>();
+        // Each counter read once: a probe counted meanwhile cannot make
+        // the difference negative.
+        let not_failures = [CheckResult::Ok.index(), CheckResult::Skipped.index()];
+        Self {
+            connections: s.connections.get() + kernel_connections.unwrap_or(0),
+            bytes_to_backend: s.bytes[Direction::ClientToBackend].get(),
+            bytes_to_client: s.bytes[Direction::BackendToClient].get(),
+            connect_failures: sum(s.connect_failures.as_slice()),
+            check_failures: s
+                .checks
+                .as_slice()
+                .iter()
+                .enumerate()
+                .filter(|(i, _)| !not_failures.contains(i))
+                .map(|(_, c)| c.get())
+                .sum(),
+            down_seconds: s.times.down_seconds(),
+            last_change_unix: s.times.last_change_unix(),
+        }
+    }
 }
 
 /// One backend port in `/status`, for a health check without `port`: the

@@ -265,6 +265,20 @@ const STEPS: &[Step] = &[
             be.active.get().saturating_add(kernel),
         );
     }),
+    Step::Backend(&names::BACKEND_CONNECTIONS, |o, be| {
+        o.sample("", |b| backend_labels(b, be), be.connections.get());
+    }),
+    Step::Backend(&names::BACKEND_BYTES, |o, be| {
+        o.labelled(&be.bytes, "direction", |b| backend_labels(b, be));
+    }),
+    Step::Backend(&names::BACKEND_DOWN_SECONDS, |o, be| {
+        o.sample("", |b| backend_labels(b, be), be.times.down_seconds());
+    }),
+    Step::Backend(&names::BACKEND_LAST_CHANGE, |o, be| {
+        if let Some(t) = be.times.last_change_unix() {
+            o.sample("", |b| backend_labels(b, be), t);
+        }
+    }),
     Step::Backend(&names::BACKEND_ADMIN_STATE, |o, be| {
         // A state series, present while the backend is a member (as `backend_up`).
         if be.up.get().is_some() {

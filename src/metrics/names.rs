@@ -275,6 +275,30 @@ pub static BACKEND_CONNECTIONS_ACTIVE: Family = Family::new(
     Gauge,
     "Connections open to the backend now: the proxy's, plus the TCP connections of kernel listeners open in conntrack (counted every 5 s).",
 );
+/// Connections (TCP) and flows (UDP) the proxy opened to a backend.
+pub static BACKEND_CONNECTIONS: Family = Family::new(
+    "harvester_lb_backend_connections_total",
+    Counter,
+    "Connections and UDP flows the proxy opened to the backend since the daemon started (kernel listeners': harvester_lb_kernel_backend_connections_total).",
+);
+/// Bytes the proxy moved to and from a backend, by `direction`.
+pub static BACKEND_BYTES: Family = Family::new(
+    "harvester_lb_backend_bytes_total",
+    Counter,
+    "Payload bytes the proxy moved between the clients and the backend, TCP and UDP, by direction (kernel listeners count none).",
+);
+/// Seconds a backend has been unhealthy.
+pub static BACKEND_DOWN_SECONDS: Family = Family::new(
+    "harvester_lb_backend_down_seconds_total",
+    Counter,
+    "Seconds the health check has found the backend unhealthy since the daemon started, the current period included.",
+);
+/// When a backend's health or operator's state last changed.
+pub static BACKEND_LAST_CHANGE: Family = Family::new(
+    "harvester_lb_backend_last_change_timestamp_seconds",
+    Gauge,
+    "Unix time of the backend's last change of health or operator's state; absent until it changes.",
+);
 /// The operator's state of a backend: one series, `state` = the current one.
 pub static BACKEND_ADMIN_STATE: Family = Family::new(
     "harvester_lb_backend_admin_state",

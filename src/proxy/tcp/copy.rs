@@ -83,6 +83,9 @@ pub struct ByteCounters<'a> {
     pub client_to_backend: &'a Counter,
     /// Bytes from the backend to the client.
     pub backend_to_client: &'a Counter,
+    /// The backend's own pair (client to backend, backend to client), when
+    /// it is a member of the load balancer: its totals.
+    pub backend: Option<[&'a Counter; 2]>,
     /// This connection's bytes each way, for its log line.
     pub moved: &'a Moved,
 }
@@ -99,17 +102,22 @@ pub struct Moved {
     pub backend_to_client: AtomicU64,
 }
 
-/// Where one direction adds the bytes it moved: the listener's counter
-/// and this connection's count.
+/// Where one direction adds the bytes it moved: the listener's counter,
+/// the backend's and this connection's count. Once per read (up to 16
+/// KiB) or spliced chunk (up to 64 KiB): relaxed adds, no lock.
 #[derive(Clone, Copy)]
 struct Tally<'a> {
     total: &'a Counter,
+    backend: Option<&'a Counter>,
     this: &'a AtomicU64,
 }
 
 impl Tally<'_> {
     fn add(self, n: usize) {
         self.total.increment(n as u64);
+        if let Some(b) = self.backend {
+            b.increment(n as u64);
+        }
         let now = self.this.load(Ordering::Relaxed);
         self.this.store(now + n as u64, Ordering::Relaxed);
     }
@@ -201,10 +209,12 @@ pub async fn bidirectional(
     let activity = Activity::new();
     let up = Tally {
         total: counters.client_to_backend,
+        backend: counters.backend.map(|[up, _]| up),
         this: &counters.moved.client_to_backend,
     };
     let down = Tally {
         total: counters.backend_to_client,
+        backend: counters.backend.map(|[_, down]| down),
         this: &counters.moved.backend_to_client,
     };
     let both = async {

@@ -19,7 +19,7 @@ use super::copy::{self, ByteCounters, Ended, Moved, Peer};
 use super::proxy_protocol;
 use crate::balancer::{Backend, ClientAddr, ConnectionGuard, affinity};
 use crate::config::{OnBackendDown, ProxyProtocol};
-use crate::metrics::stats::{ClosedReason, ConnectFailureReason, FailedReason};
+use crate::metrics::stats::{ClosedReason, ConnectFailureReason, Direction, FailedReason};
 use crate::net;
 use crate::proxy::Route;
 use crate::proxy::log::{AttemptFailure, Bytes, Origin, Record, Termination};
@@ -152,7 +152,10 @@ pub(crate) async fn serve(
     let backend_count = backend.connection_opened();
     if let Some(version) = route.proxy_protocol {
         match send_proxy_header(version, client_addr, &client, &server).await {
-            Ok(first) => m.client_to_backend.increment(first as u64),
+            Ok(first) => {
+                m.client_to_backend.increment(first as u64);
+                backend.stats().bytes[Direction::ClientToBackend].increment(first as u64);
+            }
             Err(e) => {
                 tracing::debug!(error = %e, "cannot send the PROXY header; resetting both sides");
                 // The backend took no header.
@@ -279,6 +282,13 @@ async fn relay(
             ByteCounters {
                 client_to_backend: &m.client_to_backend,
                 backend_to_client: &m.backend_to_client,
+                backend: backend.map(|b| {
+                    let bytes = &b.stats().bytes;
+                    [
+                        &bytes[Direction::ClientToBackend],
+                        &bytes[Direction::BackendToClient],
+                    ]
+                }),
                 moved: &moved,
             },
             copy::Later {
@@ -635,6 +645,7 @@ mod tests {
         let byte_counters = || ByteCounters {
             client_to_backend: &counters.0,
             backend_to_client: &counters.1,
+            backend: None,
             moved: &moved,
         };
 
@@ -727,6 +738,7 @@ mod tests {
             let byte_counters = ByteCounters {
                 client_to_backend: &counters.0,
                 backend_to_client: &counters.1,
+                backend: None,
                 moved: &moved,
             };
             let later = copy::Later {

@@ -571,6 +571,7 @@ fn send(flow: &Flow, datagram: &[u8], route: &UdpRoute) -> Sent {
         Ok(n) => {
             udp.datagrams[Direction::ClientToBackend].increment(1);
             udp.bytes[Direction::ClientToBackend].increment(n as u64);
+            flow.backend.stats().bytes[Direction::ClientToBackend].increment(n as u64);
             flow.bytes_up.fetch_add(n as u64, Ordering::Relaxed);
             Sent::Ok
         }
@@ -835,6 +836,8 @@ fn relay_answers(shared: &Shared, flow: &Flow, close_when_answered: bool) -> boo
                         Ok(sent) => {
                             udp.datagrams[Direction::BackendToClient].increment(1);
                             udp.bytes[Direction::BackendToClient].increment(sent as u64);
+                            flow.backend.stats().bytes[Direction::BackendToClient]
+                                .increment(sent as u64);
                             flow.bytes_down.fetch_add(sent as u64, Ordering::Relaxed);
                         }
                         Err(e) => {
