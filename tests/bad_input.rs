@@ -497,14 +497,20 @@ fn admin_api_withstands_hostile_clients() {
     let mut idle = TcpStream::connect(env.admin()).unwrap();
     idle.write_all(b"GET /healthz HTTP/1.1\r\nHost: a\r\n\r\n")
         .unwrap();
-    // The data plane does not notice.
+    // The data plane does not notice: every round trip through the VIP
+    // is answered while the slow clients hold the admin's slots. A data
+    // plane held behind them would answer only when the admin drops them,
+    // at its header timeout (2 s); the bound is that, not a speed: a
+    // loaded 2-core machine stalls a round trip by itself (448 ms with
+    // the two CI test lanes beside six builds, against 200 ms allowed
+    // before).
     let mut worst = Duration::ZERO;
     for _ in 0..20 {
         worst = worst.max(through_vip(&env));
     }
     assert!(
-        worst < Duration::from_millis(200),
-        "data plane slowed to {worst:?}"
+        worst < Duration::from_secs(2),
+        "data plane held for {worst:?}: as long as the admin's header timeout"
     );
     // Every slow client is closed in bounded time (the header timeout).
     let mut closed_after = Duration::ZERO;

@@ -893,6 +893,11 @@ pub struct BgpBed {
     pub hosts: Vec<LbHost>,
     /// The backends, `backends[0]` serves host 1.
     pub backends: Vec<Backend>,
+    /// `ip monitor route` in the router's namespace while a fault runs
+    /// under traffic (see [`BgpBed::fault_under_traffic`]): its VIP lines
+    /// are printed if the test fails, so a failed new connection can be set
+    /// against what the router's table did at that moment.
+    route_monitor: Option<Child>,
     created: Vec<String>,
 }
 
@@ -954,6 +959,7 @@ impl BgpBed {
             backends: Vec::new(),
             tag: tag.clone(),
             dir,
+            route_monitor: None,
             created: Vec::new(),
         };
         // From here on, Drop cleans up whatever was made.
@@ -1352,14 +1358,61 @@ impl BgpBed {
         fault: impl FnOnce(&mut BgpBed),
     ) -> (Prober, Instant, Instant) {
         let vip = SocketAddr::new(IpAddr::V4(VIP), PORT);
+        self.watch_router_routes();
         let prober = self.prober(vip, attempt);
         prober.wait_finished(30, Duration::from_secs(10)).await;
         let began = Instant::now();
+        self.mark("the fault begins");
         fault(self);
         let changed = self
             .wait_nexthops(&[survivor], Duration::from_secs(20))
             .await;
+        self.mark(&format!("the test saw the route to host {survivor} alone"));
         (prober, began, changed)
+    }
+
+    /// Starts recording the router's route changes (`ip -ts monitor
+    /// route`, wall-clock stamped) into `router-routes.log` in the scratch
+    /// directory, until the bed is dropped; once per bed. [`BgpBed::mark`]
+    /// puts the test's events between them.
+    fn watch_router_routes(&mut self) {
+        if self.route_monitor.is_some() {
+            return;
+        }
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.dir.join("router-routes.log"))
+            .expect("router route log");
+        // Line by line (stdbuf): ip's stdio buffers a file, and the marks
+        // must fall between the changes they came between.
+        self.route_monitor = Command::new("stdbuf")
+            .args([
+                "-oL",
+                "ip",
+                "-ts",
+                "-n",
+                &self.router.name,
+                "monitor",
+                "route",
+            ])
+            .stdin(Stdio::null())
+            .stdout(log)
+            .stderr(Stdio::null())
+            .spawn()
+            .ok();
+    }
+
+    /// Appends `--- what ---` to the router's route log (between the
+    /// route changes before and after it).
+    fn mark(&self, what: &str) {
+        use std::io::Write as _;
+        if let Ok(mut f) = std::fs::OpenOptions::new()
+            .append(true)
+            .open(self.dir.join("router-routes.log"))
+        {
+            let _ = writeln!(f, "--- {what} ---");
+        }
     }
 
     /// Writes a file into the scratch directory.
@@ -1471,6 +1524,32 @@ impl Drop for BgpBed {
                 eprintln!("--- router BIRD log ---\n{}", b.log_tail(30));
             }
             drop(b);
+        }
+        if let Some(mut m) = self.route_monitor.take() {
+            let _ = m.kill();
+            let _ = m.wait();
+            if panicking {
+                // The VIPs' routes only (a route's nexthop lines follow it).
+                let log =
+                    std::fs::read_to_string(self.dir.join("router-routes.log")).unwrap_or_default();
+                let mut vip = false;
+                let lines: Vec<&str> = log
+                    .lines()
+                    .filter(|l| {
+                        if l.starts_with("---") {
+                            return true;
+                        }
+                        if !l.starts_with(char::is_whitespace) {
+                            vip = l.contains(&VIP.to_string()) || l.contains(&VIP6.to_string());
+                        }
+                        vip
+                    })
+                    .collect();
+                eprintln!(
+                    "--- the router's VIP routes as they changed (ip -ts monitor route) ---\n{}",
+                    lines.join("\n")
+                );
+            }
         }
         self.backends.clear();
         super::remove_bed(&self.created, &self.dir);
