@@ -424,8 +424,13 @@ impl Cluster {
             mac_of(&self.hosts[i].ns, "eth1"),
         );
         let (vip, gw) = (self.vips[k].to_string(), self.gateways[k].to_string());
+        // 75 s: past one `garp_master_refresh` (60 s). Once, at load 18 with
+        // two test lanes, 30 s ran out: a host that was master for a moment
+        // may send its ARPs after the new master's (unverified); the next
+        // refresh corrects them, and what the connections lost meanwhile is
+        // what the test then asserts.
         wait_for(
-            Duration::from_secs(30),
+            Duration::from_secs(75),
             "the VIP's neighbours point at the new master",
             || async {
                 (ip_out(&self.bed.client, &["neigh", "show", &vip]).contains(&eth0)
