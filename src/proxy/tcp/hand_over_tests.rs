@@ -580,3 +580,73 @@ fn the_pattern_tells_every_shift_within_the_transfer() {
         assert_ne!(a, b, "shift {shift}");
     }
 }
+
+/// Clients connecting back to back (four threads) while listener after
+/// listener hands its connections over (300 hand-overs): every client gets
+/// the backend's greeting, none an end of stream. A client an accept loop
+/// took just as it was told to stop used to have its task spawned after
+/// the hand-over had taken the paused connections, and was closed with the
+/// old listener (tests/restart.rs: "tcp read: Ok(0)" for 1 of 8 clients,
+/// once, in CI's two test lanes).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_accepted_as_the_hand_over_begins_is_handed_over() {
+    use std::io::BufRead;
+    let backend = backend_listener([127, 0, 0, 2]).await;
+    let bed = Bed::new(backend.local_addr().unwrap(), Duration::from_secs(60));
+    // The backend greets each connection and keeps it until the client
+    // closes it.
+    let server = tokio::spawn(async move {
+        while let Ok((mut s, _)) = backend.accept().await {
+            tokio::spawn(async move {
+                if s.write_all(b"hello\n").await.is_ok() {
+                    let mut sink = [0u8; 64];
+                    while matches!(s.read(&mut sink).await, Ok(n) if n > 0) {}
+                }
+            });
+        }
+    });
+    let vip = bed.vip();
+    let stop = Arc::new(AtomicBool::new(false));
+    let (greeted, cut) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+    let clients: Vec<_> = (0..4)
+        .map(|_| {
+            let (stop, greeted, cut) = (Arc::clone(&stop), Arc::clone(&greeted), Arc::clone(&cut));
+            std::thread::spawn(move || {
+                let end = Instant::now() + Duration::from_secs(120);
+                while !stop.load(Ordering::Relaxed) && Instant::now() < end {
+                    let s = std::net::TcpStream::connect_timeout(&vip, Duration::from_secs(10))
+                        .expect("the listening socket queues clients between listeners");
+                    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+                    let mut line = String::new();
+                    match std::io::BufReader::new(&s).read_line(&mut line) {
+                        Ok(n) if n > 0 => greeted.fetch_add(1, Ordering::Relaxed),
+                        _ => cut.fetch_add(1, Ordering::Relaxed),
+                    };
+                }
+            })
+        })
+        .collect();
+    let mut listener = bed.listener();
+    for round in 0..300 {
+        let before = greeted.load(Ordering::Relaxed);
+        assert!(
+            wait_until(Duration::from_secs(20), || greeted.load(Ordering::Relaxed)
+                > before + 3)
+            .await,
+            "round {round}: no client greeted for 20 s"
+        );
+        listener = bed.hand_over(listener).await.0;
+    }
+    stop.store(true, Ordering::Relaxed);
+    for c in clients {
+        c.join().unwrap();
+    }
+    assert_eq!(
+        cut.load(Ordering::Relaxed),
+        0,
+        "clients cut without their greeting, of {} greeted",
+        greeted.load(Ordering::Relaxed)
+    );
+    drop(listener);
+    server.abort();
+}

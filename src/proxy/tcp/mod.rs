@@ -326,6 +326,12 @@ pub struct Listener {
     limit: Arc<ConnectionLimit>,
     /// The connection tasks, to wait for them on drain.
     connections: TaskTracker,
+    /// The accept loops, waited for once told to stop: a client a loop
+    /// accepted just as it was told has its task spawned before the drain
+    /// or hand-over counts the connections (else a hand-over could take
+    /// the paused ones first and that client's connection would close
+    /// with this process, seen by the client as an EOF).
+    accepting: TaskTracker,
     /// The listening sockets, to change their options on reload; the accept
     /// loops own them, so they close when the loops end, not when this does.
     sockets: Vec<Weak<TcpListener>>,
@@ -371,9 +377,10 @@ impl Listener {
             control: Control::new(),
             limit: Arc::clone(&limit),
             connections: TaskTracker::new(),
+            accepting: TaskTracker::new(),
         };
         for (runtime, socket) in sockets {
-            runtime.spawn(
+            listener.accepting.spawn_on(
                 accept_loop(
                     socket,
                     Arc::clone(&listener.route),
@@ -383,8 +390,10 @@ impl Listener {
                     Arc::clone(&limit),
                 )
                 .instrument(tracing::info_span!("listener", listen = %addr)),
+                &runtime,
             );
         }
+        listener.accepting.close();
         Ok(listener)
     }
 
@@ -419,7 +428,7 @@ impl Listener {
     /// by the kernel), lets open connections finish for up to `timeout`, then
     /// closes the rest. Returns how many were closed by the timeout.
     pub async fn drain(self, timeout: Duration) -> usize {
-        self.stop_accepting.cancel();
+        self.stop_accepting().await;
         self.connections.close();
         if tokio::time::timeout(timeout, self.connections.wait())
             .await
@@ -449,7 +458,7 @@ impl Listener {
     /// still under way) is closed as the drain closes it and counted in
     /// [`HandedOver::lost`]; the call returns once those have closed too.
     pub async fn hand_over(self, deadline: tokio::time::Instant) -> HandedOver {
-        self.stop_accepting.cancel();
+        self.stop_accepting().await;
         self.connections.close();
         self.control.handing_over.store(true, Ordering::Relaxed);
         self.control.wake.cancel();
@@ -471,6 +480,14 @@ impl Listener {
             connections,
             lost: self.control.lost.load(Ordering::Relaxed),
         }
+    }
+
+    /// Tells the accept loops to stop and waits until they have: each
+    /// returns at its next wait, so this is as quick as a wake-up, and
+    /// every client accepted before has its connection task.
+    async fn stop_accepting(&self) {
+        self.stop_accepting.cancel();
+        self.accepting.wait().await;
     }
 
     /// Whether a connection accepted on `vip` is this listener's (its own
