@@ -623,11 +623,24 @@ async fn each_master_in_turn(tag: &str, n: usize, fault: Fault) {
         traffic.settled(back_ms, Duration::from_secs(30)).await;
         tokio::time::sleep(Duration::from_secs(2)).await;
         let back = traffic.figures(i);
-        let full = c.caches_full(Duration::from_secs(30)).await;
+        // The next fault only once every cache holds the other hosts'
+        // flows again: a master killed before its flows reached the host
+        // that takes its VIP loses them, which is no failover's fault.
+        // Under load (two test lanes beside a benchmark, load 12) the
+        // returning host's cache took over 30 s once, and the next kill
+        // then reset the 20 connections the refill had not yet brought.
+        let refill = Instant::now();
+        let full = c.caches_full(Duration::from_secs(90)).await;
         report.push_str(&format!(
-            "N={n} {fault:?} {name} back: VIP on {name} after {:.2} s (counted from the restart's start); {back}; caches refilled: {full}\n",
-            (back_at - at).as_secs_f64()
+            "N={n} {fault:?} {name} back: VIP on {name} after {:.2} s (counted from the restart's start); {back}; caches refilled: {full} after {:.1} s\n",
+            (back_at - at).as_secs_f64(),
+            refill.elapsed().as_secs_f64()
         ));
+        assert!(
+            full,
+            "the caches did not hold the other hosts' flows 90 s after {name}'s return:\n{report}\n{}",
+            c.caches()
+        );
         for l in report
             .lines()
             .rev()
