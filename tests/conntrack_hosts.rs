@@ -253,17 +253,8 @@ impl Cluster {
             let mut mine = Vec::new();
             for j in 1..=2 {
                 let ip = backend(k, j);
-                let (ns, _) = bed.add_host_on("br2", &format!("v{k}{j}"), ip);
-                ns.ip(&[
-                    "route",
-                    "add",
-                    "198.51.100.0/24",
-                    "via",
-                    &gateway.to_string(),
-                ]);
-                sysctl(&ns, "net.ipv4.conf.all.accept_redirects=0");
-                sysctl(&ns, "net.ipv4.conf.eth0.accept_redirects=0");
                 let name = format!("v{k}{j}");
+                let ns = netns::vmnet::backend_via(&mut bed, "br2", &name, ip, *gateway);
                 services.push(serve_name_then_echo(&ns, sa(ip, NODEPORT), &name));
                 services.push(udp_name_server(&ns, sa(ip, UDP_NODEPORT), &name));
                 mine.push(ns);
