@@ -325,7 +325,7 @@ pub fn bridge_nf_calls() -> [bool; 2] {
 /// stage.
 const BRIDGE_OWN_NF_CALL: [&str; 2] = ["nf_call_iptables", "nf_call_ip6tables"];
 
-/// Whether the bridge `interface`'s own switch ([`BRIDGE_OWN_NF_CALL`])
+/// Whether the bridge `interface`'s own switch (`BRIDGE_OWN_NF_CALL`)
 /// is on for the family (`ipv6`); absent, unreadable or not a bridge is
 /// off.
 pub fn bridge_nf_call_own(interface: &str, ipv6: bool) -> bool {
