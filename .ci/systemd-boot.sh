@@ -1050,14 +1050,7 @@ inside test -f /etc/harvester-lb/import.env || fail "the purge removed the opera
 left=$(inside nft list tables | grep harvester_lb || true)
 [[ -z $left ]] || fail "nftables tables left after the purge: $left"
 left=$( (inside ip -4 route show table all proto 252; inside ip -6 route show table all proto 252) 2>/dev/null)
-# OPEN DEFECT, reported and not yet failed on: on the merged tree of round 48
-# the [[network]]'s route 10.100.0.0/24 table 1000 is left after the stop
-# (2 of 2 runs; it passed on the branch that added this check). The log
-# shows both of the network's routes "gone" and repaired at the reload just
-# before the stop (the default route then fails: unreachable): a repair
-# racing the stop is the suspect. To be fixed first, then this is a `fail`
-# again.
-[[ -z $left ]] || echo "DEFECT (open, see the comment in .ci/systemd-boot.sh): routes of ours (proto 252) left after the purge: $left" >&2
+[[ -z $left ]] || fail "routes of ours (proto 252) left after the purge: $left"
 left=$(inside ip -br addr | grep -E '198\.51\.100\.10|10\.100\.0\.5[01]' || true)
 [[ -z $left ]] || fail "a VIP is still on an interface after the purge: $left"
 left=$( (inside ip -4 rule; inside ip -6 rule) | grep -vE '^(0|32766|32767):' || true)

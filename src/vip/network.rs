@@ -232,7 +232,11 @@ fn route_message(table: u32, dest: IpNet, state: Option<&NetState>) -> RouteMess
             match (state.is_some(), gateway) {
                 (_, Some(IpAddr::V4(g))) => b.gateway(g),
                 (true, _) => b.scope(RouteScope::Link),
-                (false, _) => b,
+                // A deletion matches any scope: the kernel compares the
+                // scope unless it is "nowhere", and the builder's default
+                // (universe) never matched the link-scope route of a
+                // network without a gateway, so it was left at stop.
+                (false, _) => b.scope(RouteScope::NoWhere),
             }
             .build()
         }
