@@ -48,8 +48,8 @@ pub use vmnet::{
     NetworkSpec,
 };
 pub use vmnet::{
-    DEFAULT_MANAGEMENT_VIPS, DEFAULT_READY_REQUIRES_BACKEND, REPLY_MARK_MASK,
-    not_a_vm_network_interface, reply_mark_of,
+    DEFAULT_MANAGEMENT_VIPS, DEFAULT_READY_REQUIRES_BACKEND, OTHER_FAMILY_ALONE, REPLY_MARK_MASK,
+    is_other_family_alone, not_a_vm_network_interface, reply_mark_of,
 };
 
 /// Where the daemon looks for its configuration unless told otherwise.

@@ -55,6 +55,19 @@ pub fn not_a_vm_network_interface(name: &str) -> Option<&'static str> {
     }
 }
 
+/// The words of `check`'s refusal of a VIP keepalived moves on a network
+/// with no VIP of keepalived's adverts' family beside it (an IPv6 VIP with
+/// no IPv4 one, under IPv4 adverts). `import` checks each load balancer
+/// alone, without the others that would carry it, and so leaves this rule
+/// to [`is_other_family_alone`] and decides it over the whole file itself.
+pub const OTHER_FAMILY_ALONE: &str =
+    "moves a VIP of the other family only beside one of its own in the same instance";
+
+/// Whether `problem` is the refusal of [`OTHER_FAMILY_ALONE`].
+pub fn is_other_family_alone(problem: &super::Problem) -> bool {
+    problem.message.contains(OTHER_FAMILY_ALONE)
+}
+
 /// Default `keepalived.vrid_base`: keepalived's own examples start at 51,
 /// and VRIDs below 50 are what hand-written setups on the management
 /// segment tend to use.

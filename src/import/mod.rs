@@ -408,14 +408,22 @@ pub fn import(sources: &[Source], options: &Options) -> Result<Imported, ImportE
         &options.holders,
         &mut skipped,
     );
-    let text = fit(
-        sources,
-        options,
-        &networks,
-        &mut lbs,
-        objects.len(),
-        &mut skipped,
-    )?;
+    // Until no VIP is left without one of keepalived's family to ride
+    // with (the size limit may leave out the last one the others rode
+    // with).
+    let text = loop {
+        let text = fit(
+            sources,
+            options,
+            &networks,
+            &mut lbs,
+            objects.len(),
+            &mut skipped,
+        )?;
+        if !skip_riderless(&mut lbs, options, &mut skipped) {
+            break text;
+        }
+    };
     let models: Vec<model::Lb> = lbs.iter().map(|e| e.lb.clone()).collect();
     if let Err(problems) = config::parse(&text) {
         return Err(ImportError::Invalid {
@@ -553,19 +561,33 @@ fn alone(
         }
     };
     mapped.lb.forwarding = options.listeners.clone();
+    let context_len = alone.len();
     mapped.lb.write_toml(&mut alone);
-    match config::parse(&alone) {
+    let mut parsed = config::parse(&alone);
+    // Alone, a VIP of the other family than keepalived's adverts (an IPv6
+    // one) has nothing to ride with: checked again beside a stand-in of
+    // keepalived's family, and decided over the whole file by
+    // `skip_riderless`.
+    if let (Err(problems), Some(name)) = (&parsed, &mapped.lb.network)
+        && problems.iter().all(config::is_other_family_alone)
+        && let Some(rider) = rider_stand_in(&alone[..context_len], name)
+    {
+        parsed = config::parse(&format!("{alone}{rider}"));
+    }
+    match parsed {
         Ok(loaded) => {
             warnings.extend(
                 loaded
                     .warnings
                     .iter()
-                    // The context's own (its other networks unused) are not
-                    // this object's.
-                    .filter(|w| w.key.starts_with("load_balancer"))
+                    // The context's own (its other networks unused) and the
+                    // stand-in's are not this object's.
+                    .filter(|w| {
+                        w.key.starts_with("load_balancer") && !w.key.starts_with("load_balancer[1]")
+                    })
                     .map(|w| format!("{object}: {}", without_index(w))),
             );
-            // A valid one-table file has its table.
+            // A valid file has its table first.
             let spec = loaded.config.load_balancers.into_iter().next()?;
             Some(Entry {
                 object,
@@ -656,6 +678,79 @@ struct Entry {
     lb: model::Lb,
     /// What the config made of it, for the rules that span load balancers.
     spec: Arc<LoadBalancerSpec>,
+}
+
+/// A load balancer of keepalived's family on network `network` of
+/// `context` (the `[[network]]` tables an object is checked alone with),
+/// to check alone a VIP of the other family that needs one to ride with:
+/// its VIP the subnet's last host (or the one before, if that is the
+/// gateway), its backend the gateway. Never written: `skip_riderless`
+/// decides over the real load balancers.
+fn rider_stand_in(context: &str, network: &str) -> Option<String> {
+    let table: toml::Table = context.parse().ok()?;
+    let net = table
+        .get("network")?
+        .as_array()?
+        .iter()
+        .find(|n| n.get("name").and_then(toml::Value::as_str) == Some(network))?;
+    let gateway: std::net::Ipv4Addr = net.get("gateway")?.as_str()?.parse().ok()?;
+    let length = u8::try_from(net.get("prefix_length")?.as_integer()?).ok()?;
+    let subnet = ipnet::Ipv4Net::new(gateway, length).ok()?.trunc();
+    let last = u32::from(subnet.broadcast()).checked_sub(1)?;
+    let vip = std::net::Ipv4Addr::from(if last == u32::from(gateway) {
+        last.checked_sub(1)?
+    } else {
+        last
+    });
+    let name = toml::Value::String(network.to_string());
+    Some(format!(
+        "\n[[load_balancer]]\nname = \"harvester-lb-import/rider\"\nvip = \"{vip}\"\nnetwork = {name}\nbackends = [\"{gateway}\"]\n\n  [[load_balancer.listener]]\n  name = \"rider\"\n  port = 1\n  backend_port = 1\n"
+    ))
+}
+
+/// keepalived moves a VIP of the other family than its adverts' (an IPv6
+/// VIP under IPv4 adverts) only beside one of its own in the same
+/// instance, so `check` refuses a file whose VIPs keepalived moves are all
+/// of the other family. Rather than failing the whole import, the load
+/// balancers on a network with such a VIP are skipped by name, saying
+/// what they need. Whether any was skipped.
+fn skip_riderless(lbs: &mut Vec<Entry>, options: &Options, skipped: &mut Vec<Skip>) -> bool {
+    let base = options.base.as_ref().map_or("", |b| b.text.as_str());
+    let Ok(loaded) = config::parse(&format!("load_balancer = []\n{base}")) else {
+        return false; // The whole file fails on the base anyway.
+    };
+    let Some(k) = loaded.config.keepalived else {
+        return false;
+    };
+    let address = k.address;
+    let announce = loaded.config.vip.announce;
+    let moved = |e: &Entry| e.spec.network.is_some() || k.moves_management_vip(&e.spec, &announce);
+    let ours = |e: &Entry| e.spec.vip.to_canonical().is_ipv4() == address.is_ipv4();
+    if !lbs.iter().any(|e| moved(e) && !ours(e)) || lbs.iter().any(|e| moved(e) && ours(e)) {
+        return false;
+    }
+    let (family, other) = if address.is_ipv4() {
+        ("IPv4", "IPv6")
+    } else {
+        ("IPv6", "IPv4")
+    };
+    let before = lbs.len();
+    lbs.retain(|e| {
+        let alone = e.spec.network.is_some() && !ours(e);
+        if alone {
+            skipped.push(Skip {
+                object: e.object.clone(),
+                reason: format!(
+                    "VIP {} on network {:?} is {other}, and keepalived (its adverts are {family}: keepalived.address is {address}) {}: no {family} VIP keepalived moves is imported (on a network, or a management VIP); not imported until one is",
+                    e.spec.vip,
+                    e.spec.network.as_deref().unwrap_or_default(),
+                    config::OTHER_FAMILY_ALONE
+                ),
+            });
+        }
+        !alone
+    });
+    lbs.len() != before
 }
 
 /// `admin.listen` of the `--base` settings (the config's default without

@@ -68,6 +68,9 @@ pub struct Network {
     pub prefix_length: u8,
     /// The network's router.
     pub gateway: std::net::Ipv4Addr,
+    /// The IPv6 subnet's prefix length and router, when the objects say
+    /// them: with them the network takes IPv6 VIPs.
+    pub ipv6: Option<(u8, std::net::Ipv6Addr)>,
 }
 
 impl Network {
@@ -78,6 +81,10 @@ impl Network {
         let _ = writeln!(out, "interface = {}", quote(&self.interface));
         let _ = writeln!(out, "prefix_length = {}", self.prefix_length);
         let _ = writeln!(out, "gateway = {}", quote(&self.gateway.to_string()));
+        if let Some((prefix_length, gateway)) = self.ipv6 {
+            let _ = writeln!(out, "ipv6_prefix_length = {prefix_length}");
+            let _ = writeln!(out, "ipv6_gateway = {}", quote(&gateway.to_string()));
+        }
     }
 }
 

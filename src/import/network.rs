@@ -5,8 +5,17 @@
 //! the host interface on that L2; the subnet's prefix length and gateway
 //! come from the NAD's `network.harvesterhci.io/route` annotation, else
 //! from the `IPPool`s selecting the network, else from the load balancers'
-//! `status.allocatedAddress.{mask,gateway}`. Each becomes one `[[network]]`
-//! table and the load balancer's `network` key.
+//! `status.allocatedAddress.{mask,gateway}`. Each family is settled on its
+//! own, from the sources that speak of it: the route annotation carries one
+//! subnet of either family, a pool's ranges and a load balancer's
+//! allocation are IPv4 or IPv6 (Harvester's allocator takes both), so a
+//! network with an IPv4 and an IPv6 pool gets both gateways. Each becomes
+//! one `[[network]]` table (`gateway`, `prefix_length`, and
+//! `ipv6_gateway`, `ipv6_prefix_length` when its IPv6 subnet is known) and
+//! the load balancer's `network` key. The config needs a network's IPv4
+//! subnet even when its VIPs are IPv6 (`[[network]] gateway` is required):
+//! a network whose IPv4 subnet no object says is skipped by name, pointing
+//! at the `--base` file, where the operator can write it.
 //!
 //! The interface: an untagged network is its bridge (`mgmt-br`, which
 //! Harvester's network controller makes on every host of the cluster
@@ -21,7 +30,10 @@
 //! that disagree on the subnet, its own `allocatedAddress` disagreeing
 //! with the network) is skipped, naming the network and why; so is every
 //! load balancer of a network whose sources disagree among themselves, as
-//! none can be chosen whatever the order. So is a network whose interface
+//! none can be chosen whatever the order (sources that disagree on the
+//! IPv6 subnet skip only the network's IPv6 load balancers, and an IPv6 VIP
+//! on a network whose IPv6 subnet is unknown is skipped alone). So is a
+//! network whose interface
 //! is no VM network's by its name (`lo`, the CNI's devices, a lease
 //! macvlan: [`crate::config::not_a_vm_network_interface`]), as a tenant's
 //! NAD `{"type":"bridge","bridge":"lo"}` would have it. Pure: the host's interfaces are
@@ -29,7 +41,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
-use std::net::{IpAddr, Ipv4Addr};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use serde_json::Value;
 
@@ -53,13 +65,14 @@ const MAX_IFNAME_BYTES: usize = 15;
 /// Longest network name the config takes.
 const MAX_NETWORK_NAME_BYTES: usize = 253;
 
-/// A subnet's prefix length and gateway.
+/// A subnet's prefix length and gateway, of either family (the
+/// gateway's).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub struct L3 {
     /// The prefix length.
     pub prefix_length: u8,
     /// The router.
-    pub gateway: Ipv4Addr,
+    pub gateway: IpAddr,
 }
 
 impl fmt::Display for L3 {
@@ -69,11 +82,20 @@ impl fmt::Display for L3 {
 }
 
 impl L3 {
-    fn subnet(&self) -> Option<ipnet::Ipv4Net> {
-        ipnet::Ipv4Net::new(self.gateway, self.prefix_length)
+    fn subnet(&self) -> Option<ipnet::IpNet> {
+        ipnet::IpNet::new(self.gateway, self.prefix_length)
             .ok()
             .map(|n| n.trunc())
     }
+
+    fn is_ipv6(&self) -> bool {
+        self.gateway.is_ipv6()
+    }
+}
+
+/// `IPv6` or `IPv4`, for messages.
+fn family(v6: bool) -> &'static str {
+    if v6 { "IPv6" } else { "IPv4" }
 }
 
 /// A load balancer's claim on a network: its name and what its own
@@ -126,10 +148,13 @@ pub fn claim(meta: &At<'_>, allocated: &At<'_>) -> Result<Option<Claim>, Reason>
     };
     let allocated = (|| {
         Ok(match (given(&mask)?, given(&gateway)?) {
-            (Some(m), Some(g)) => Some(L3 {
-                prefix_length: prefix_of_mask(&m, mask.path())?,
-                gateway: ipv4(&g, gateway.path())?,
-            }),
+            (Some(m), Some(g)) => {
+                let gateway = address(&g, gateway.path())?;
+                Some(L3 {
+                    prefix_length: prefix_of_mask(&m, mask.path(), gateway.is_ipv6())?,
+                    gateway,
+                })
+            }
             _ => None,
         })
     })()
@@ -139,17 +164,21 @@ pub fn claim(meta: &At<'_>, allocated: &At<'_>) -> Result<Option<Claim>, Reason>
     Ok(Some(Claim { name, allocated }))
 }
 
-/// The prefix length of a subnet mask as Harvester writes it (`255.255.255.0`;
-/// the IPv6 form, or a bare length, are taken too). A mask whose one bits
-/// are not all first is refused: no prefix length means it.
-pub fn prefix_of_mask(text: &str, path: &str) -> Result<u8, Reason> {
+/// The prefix length of a subnet mask as Harvester writes it
+/// (`255.255.255.0`; an IPv6 subnet's as `ffff:ffff:ffff:ffff::`, Go's
+/// form of a 16-byte mask; a bare length is taken too), for a subnet of
+/// the family `v6` says (its gateway's). A mask whose one bits are not all
+/// first is refused: no prefix length means it.
+pub fn prefix_of_mask(text: &str, path: &str, v6: bool) -> Result<u8, Reason> {
     let t = text.trim();
+    let max = if v6 { 128 } else { 32 };
     if let Ok(n) = t.trim_start_matches('/').parse::<u8>() {
-        return if n <= 32 {
+        return if n <= max {
             Ok(n)
         } else {
             Err(format!(
-                "{path}: {t:?} is not a prefix length of an IPv4 subnet (0-32)"
+                "{path}: {t:?} is not a prefix length of an {} subnet (0-{max})",
+                family(v6)
             ))
         };
     }
@@ -179,17 +208,40 @@ pub fn prefix_of_mask(text: &str, path: &str) -> Result<u8, Reason> {
             "{path}: {t:?} is not a contiguous subnet mask: its one bits must all come first (255.255.255.0 is /24); no prefix length means it"
         ));
     }
-    Ok(ones as u8)
+    let ipv6_form = t.contains(':');
+    match (v6, ipv6_form) {
+        (true, false) => Err(format!(
+            "{path}: {t:?} is an IPv4 subnet mask, and the gateway is IPv6"
+        )),
+        // An IPv4 mask in 16 bytes (as Go may hold one): its last 32 bits.
+        (false, true) if ones >= 96 => Ok((ones - 96) as u8),
+        (false, true) => Err(format!(
+            "{path}: {t:?} is an IPv6 subnet mask, and the gateway is IPv4"
+        )),
+        _ => Ok(ones as u8),
+    }
 }
 
-fn ipv4(text: &str, path: &str) -> Result<Ipv4Addr, Reason> {
-    match text.trim().parse::<IpAddr>().map(|ip| ip.to_canonical()) {
-        Ok(IpAddr::V4(v4)) => Ok(v4),
-        Ok(IpAddr::V6(_)) => Err(format!(
-            "{path}: {text:?} is IPv6; VIPs on a VM network are IPv4 only in this version"
-        )),
-        Err(_) => Err(format!("{path}: {text:?} is not an IPv4 address")),
+/// An address of either family (an IPv4-mapped IPv6 one is IPv4).
+fn address(text: &str, path: &str) -> Result<IpAddr, Reason> {
+    text.trim()
+        .parse::<IpAddr>()
+        .map(|ip| ip.to_canonical())
+        .map_err(|_| format!("{path}: {text:?} is not an IPv4 or IPv6 address"))
+}
+
+/// An address of the family `v6` says (a subnet's), naming `subnet` if it
+/// is of the other.
+fn address_of(text: &str, path: &str, v6: bool, subnet: &str) -> Result<IpAddr, Reason> {
+    let ip = address(text, path)?;
+    if ip.is_ipv6() != v6 {
+        return Err(format!(
+            "{path}: {text:?} is {}, and its subnet {subnet} is {}",
+            family(ip.is_ipv6()),
+            family(v6)
+        ));
     }
+    Ok(ip)
 }
 
 /// What a NetworkAttachmentDefinition says of its network.
@@ -349,9 +401,10 @@ fn route(meta: &At<'_>) -> Result<Option<L3>, Reason> {
     let net: ipnet::IpNet = cidr
         .parse()
         .map_err(|_| format!("{what}: cidr {cidr:?} is not ADDRESS/PREFIX"))?;
+    let v6 = matches!(net, ipnet::IpNet::V6(_));
     Ok(Some(L3 {
         prefix_length: net.prefix_len(),
-        gateway: ipv4(&gateway, &format!("{what}: gateway"))?,
+        gateway: address_of(&gateway, &format!("{what}: gateway"), v6, &cidr)?,
     }))
 }
 
@@ -363,8 +416,8 @@ pub struct Pool {
     pub network: String,
     /// How messages name the object.
     pub object: String,
-    /// Each IPv4 range's subnet and gateway (Harvester's default gateway:
-    /// the subnet's first address).
+    /// Each range's subnet and gateway, IPv4 or IPv6 (Harvester's default
+    /// gateway: the subnet's first address).
     pub l3: Vec<L3>,
 }
 
@@ -385,15 +438,23 @@ pub fn pool(obj: &Object) -> Result<Option<Pool>, Reason> {
     for range in spec.get("ranges").each()? {
         let subnet = range.get("subnet");
         let Some(text) = subnet.str()? else { continue };
-        let Ok(ipnet::IpNet::V4(net)) = text.trim().parse::<ipnet::IpNet>() else {
-            continue; // IPv6 ranges: not on networks in this version.
+        let Ok(net) = text.trim().parse::<ipnet::IpNet>() else {
+            continue; // Harvester's webhook refuses it; no subnet to take.
         };
+        let v6 = matches!(net, ipnet::IpNet::V6(_));
         let gateway = match range.get("gateway").str()?.filter(|g| !g.trim().is_empty()) {
-            Some(g) => ipv4(g, &format!("{}.gateway", range.path()))?,
-            None if net.prefix_len() < 31 => {
-                Ipv4Addr::from(u32::from(net.network()).saturating_add(1))
-            }
-            None => continue,
+            Some(g) => address_of(g, &format!("{}.gateway", range.path()), v6, text.trim())?,
+            // Harvester's default: the subnet's first address (none in a
+            // subnet too small to hold a gateway beside a VIP).
+            None => match net {
+                ipnet::IpNet::V4(n) if n.prefix_len() < 31 => {
+                    IpAddr::V4(Ipv4Addr::from(u32::from(n.network()).saturating_add(1)))
+                }
+                ipnet::IpNet::V6(n) if n.prefix_len() < 127 => {
+                    IpAddr::V6(Ipv6Addr::from(u128::from(n.network()).saturating_add(1)))
+                }
+                _ => continue,
+            },
         };
         l3.push(L3 {
             prefix_length: net.prefix_len(),
@@ -407,10 +468,12 @@ pub fn pool(obj: &Object) -> Result<Option<Pool>, Reason> {
     }))
 }
 
-/// A network of the `--base` file: its interface and subnet.
+/// A network of the `--base` file: its interface and subnets.
 struct BaseNetwork {
     interface: String,
     l3: Option<L3>,
+    /// `ipv6_gateway` at `ipv6_prefix_length` (64 unless set), if given.
+    ipv6: Option<L3>,
 }
 
 /// The `[[network]]` tables of the `--base` file, by name.
@@ -433,37 +496,51 @@ fn base_networks(options: &Options) -> BTreeMap<String, BaseNetwork> {
         ) else {
             continue;
         };
-        let l3 = match (
-            n.get("prefix_length").and_then(toml::Value::as_integer),
-            n.get("gateway")
+        let l3 = |length: Option<i64>, gateway: &str| {
+            let gateway = n
+                .get(gateway)
                 .and_then(toml::Value::as_str)
-                .and_then(|g| g.parse().ok()),
-        ) {
-            (Some(p), Some(gateway)) => u8::try_from(p).ok().map(|prefix_length| L3 {
+                .and_then(|g| g.parse().ok())?;
+            let prefix_length = u8::try_from(length?).ok()?;
+            Some(L3 {
                 prefix_length,
                 gateway,
-            }),
-            _ => None,
+            })
         };
+        let ipv6_length = n
+            .get("ipv6_prefix_length")
+            .and_then(toml::Value::as_integer)
+            .unwrap_or(i64::from(crate::config::DEFAULT_IPV6_PREFIX_LENGTH));
         out.insert(
             name.to_string(),
             BaseNetwork {
                 interface: interface.to_string(),
-                l3,
+                l3: l3(
+                    n.get("prefix_length").and_then(toml::Value::as_integer),
+                    "gateway",
+                )
+                .filter(|l| !l.is_ipv6()),
+                ipv6: l3(Some(ipv6_length), "ipv6_gateway").filter(L3::is_ipv6),
             },
         );
     }
     out
 }
 
+/// What is known of one family's subnet on a network: the subnet and
+/// where it came from, nothing (no source speaks of it), or why none can
+/// be chosen (its sources disagree).
+type FamilySubnet = Result<Option<(L3, String)>, Reason>;
+
 /// A network settled: its table (`None` when the `--base` file has it) and
-/// its subnet, if known.
+/// its subnets, as far as known.
 #[derive(Debug, Clone)]
 struct Settled {
     table: Option<Network>,
-    l3: Option<L3>,
-    /// Where the subnet came from, for messages.
-    source: String,
+    /// The IPv4 subnet and where it came from, for messages.
+    v4: Option<(L3, String)>,
+    /// The IPv6 subnet: only the network's IPv6 load balancers need it.
+    v6: FamilySubnet,
 }
 
 /// Settles the network of every mapped load balancer that names one:
@@ -541,8 +618,9 @@ pub fn resolve(
 }
 
 /// One load balancer against its settled network: its own
-/// `allocatedAddress` must agree; a leased VIP outside the subnet is not
-/// asked for.
+/// `allocatedAddress` must agree with the network's subnet of its family;
+/// an IPv6 VIP needs the network's IPv6 subnet; a leased VIP outside the
+/// subnet is not asked for.
 fn check_claim(
     claim: &Claim,
     s: &Settled,
@@ -550,16 +628,41 @@ fn check_claim(
     notes: &mut Vec<String>,
     object: &str,
 ) -> Result<(), Reason> {
-    if let (Some(own), Some(net)) = (claim.allocated, s.l3)
-        && own != net
+    let vip = mapped.lb.vip;
+    if let Some(own) = claim.allocated
+        && !vip.is_unspecified()
+        && own.is_ipv6() != vip.is_ipv6()
     {
         return Err(format!(
-            "status.allocatedAddress (mask and gateway: {own}) disagrees with the network's {net} ({})",
-            s.source
+            "status.allocatedAddress.gateway {} is {}, and the VIP {vip} is {}",
+            own.gateway,
+            family(own.is_ipv6()),
+            family(vip.is_ipv6())
+        ));
+    }
+    let net = if vip.is_ipv6() {
+        match &s.v6 {
+            Ok(Some(net)) => Some(net),
+            Ok(None) => {
+                return Err(format!(
+                    "the VIP {vip} is IPv6, and the network's IPv6 subnet is unknown: no {ROUTE_ANNOTATION} annotation with an IPv6 cidr on its NetworkAttachmentDefinition, no IPPool selecting it with an IPv6 range, no status.allocatedAddress IPv6 mask and gateway on its load balancers; give the network an IPv6 IPPool, or define it in the --base file with ipv6_gateway"
+                ));
+            }
+            Err(why) => return Err(why.clone()),
+        }
+    } else {
+        s.v4.as_ref()
+    };
+    if let (Some(own), Some((net, source))) = (claim.allocated, net)
+        && own != *net
+    {
+        return Err(format!(
+            "status.allocatedAddress (mask and gateway: {own}) disagrees with the network's {net} ({source})"
         ));
     }
     if mapped.lb.leased
-        && let (IpAddr::V4(v4), Some(subnet)) = (mapped.lb.vip, s.l3.and_then(|l| l.subnet()))
+        && let (IpAddr::V4(v4), Some(ipnet::IpNet::V4(subnet))) =
+            (mapped.lb.vip, s.v4.as_ref().and_then(|(l, _)| l.subnet()))
         && !v4.is_unspecified()
         && !subnet.contains(&v4)
     {
@@ -593,10 +696,11 @@ fn settle(
     };
     if let Some(b) = base {
         on_host(&b.interface, "the --base file's [[network]]")?;
+        let source = || "the --base file's [[network]]".to_string();
         return Ok(Settled {
             table: None,
-            l3: b.l3,
-            source: "the --base file's [[network]]".into(),
+            v4: b.l3.map(|l| (l, source())),
+            v6: Ok(b.ipv6.map(|l| (l, source()))),
         });
     }
     let mine: Vec<&Nad> = nads.iter().filter(|n| n.name == name).collect();
@@ -644,8 +748,9 @@ fn settle(
         ));
     }
     on_host(&interface, &what)?;
-    // The subnet: the NAD's route annotation, else the IPPools selecting
-    // the network, else the load balancers' own allocatedAddress.
+    // Each family's subnet: the NAD's route annotation, else the IPPools
+    // selecting the network, else the load balancers' own
+    // allocatedAddress; the first that says anything of that family.
     let mut classes: Vec<Vec<(L3, String)>> = vec![Vec::new(), Vec::new(), Vec::new()];
     if let Some((nad, Ok(NadFacts { l3: Some(l3), .. }))) = &facts {
         classes[0].push((*l3, format!("{ROUTE_ANNOTATION} of {}", nad.object)));
@@ -660,33 +765,66 @@ fn settle(
             classes[2].push((*l3, format!("status.allocatedAddress of {object}")));
         }
     }
-    let Some(class) = classes.into_iter().find(|c| !c.is_empty()) else {
+    let decide = |v6: bool| -> FamilySubnet {
+        let Some(class) = classes
+            .iter()
+            .map(|c| {
+                c.iter()
+                    .filter(|(l3, _)| l3.is_ipv6() == v6)
+                    .collect::<Vec<_>>()
+            })
+            .find(|c| !c.is_empty())
+        else {
+            return Ok(None);
+        };
+        let values: BTreeSet<L3> = class.iter().map(|(l3, _)| *l3).collect();
+        if values.len() > 1 {
+            let mut said: Vec<String> = class
+                .iter()
+                .map(|(l3, from)| format!("{l3} ({from})"))
+                .collect();
+            said.sort();
+            return Err(format!(
+                "its sources disagree on the {}subnet: {}; none can be chosen",
+                if v6 { "IPv6 " } else { "" },
+                said.join(", ")
+            ));
+        }
+        Ok(class.first().map(|(l3, from)| (*l3, from.clone())))
+    };
+    let v6 = decide(true);
+    let Some((l3, source)) = decide(false)? else {
         return Err(format!(
-            "its prefix length and gateway are unknown: no {ROUTE_ANNOTATION} annotation on its NetworkAttachmentDefinition, no IPPool selecting it, no status.allocatedAddress mask and gateway"
+            "its IPv4 prefix length and gateway are unknown: no {ROUTE_ANNOTATION} annotation with an IPv4 cidr on its NetworkAttachmentDefinition, no IPPool selecting it with an IPv4 range, no status.allocatedAddress IPv4 mask and gateway{}; a [[network]] needs its IPv4 subnet (gateway, prefix_length), also for IPv6 VIPs: define the network in the --base file",
+            match &v6 {
+                Ok(Some((l3, from))) => format!(" (its IPv6 subnet is known: {l3}, from {from})"),
+                _ => String::new(),
+            }
         ));
     };
-    let values: BTreeSet<L3> = class.iter().map(|(l3, _)| *l3).collect();
-    if values.len() > 1 {
-        let mut said: Vec<String> = class
-            .iter()
-            .map(|(l3, from)| format!("{l3} ({from})"))
-            .collect();
-        said.sort();
-        return Err(format!(
-            "its sources disagree on the subnet: {}; none can be chosen",
-            said.join(", ")
-        ));
-    }
-    let (l3, source) = class.into_iter().next().expect("not empty");
+    let IpAddr::V4(gateway) = l3.gateway else {
+        return Err(format!("its IPv4 gateway {} is IPv6", l3.gateway)); // decide(false) keeps IPv4 only
+    };
+    let ipv6 = match &v6 {
+        Ok(Some((
+            L3 {
+                prefix_length,
+                gateway: IpAddr::V6(g),
+            },
+            _,
+        ))) => Some((*prefix_length, *g)),
+        _ => None,
+    };
     Ok(Settled {
         table: Some(Network {
             name: name.to_string(),
             interface,
             prefix_length: l3.prefix_length,
-            gateway: l3.gateway,
+            gateway,
+            ipv6,
         }),
-        l3: Some(l3),
-        source,
+        v4: Some((l3, source)),
+        v6,
     })
 }
 
@@ -744,29 +882,54 @@ mod tests {
 
     #[test]
     fn masks_become_prefix_lengths_and_a_non_contiguous_one_is_named() {
-        for (mask, len) in [
-            ("255.255.255.0", 24),
-            ("255.255.0.0", 16),
-            ("255.255.255.252", 30),
-            ("0.0.0.0", 0),
-            ("255.255.255.255", 32),
-            ("24", 24),
-            ("/20", 20),
-            ("ffff:ffff:ffff:ffff::", 64),
+        for (mask, v6, len) in [
+            ("255.255.255.0", false, 24),
+            ("255.255.0.0", false, 16),
+            ("255.255.255.252", false, 30),
+            ("0.0.0.0", false, 0),
+            ("255.255.255.255", false, 32),
+            ("24", false, 24),
+            ("/20", false, 20),
+            // An IPv4 mask held in 16 bytes.
+            ("ffff:ffff:ffff:ffff:ffff:ffff:ffff:ff00", false, 24),
+            // An IPv6 subnet's, as Go prints a 16-byte mask.
+            ("ffff:ffff:ffff:ffff::", true, 64),
+            ("ffff:ffff:ffff:ffff:ffff:ffff:ffff:fff0", true, 124),
+            ("64", true, 64),
+            ("120", true, 120),
         ] {
-            assert_eq!(prefix_of_mask(mask, "m"), Ok(len), "{mask}");
+            assert_eq!(prefix_of_mask(mask, "m", v6), Ok(len), "{mask}");
         }
-        let e = prefix_of_mask("255.0.255.0", "status.allocatedAddress.mask").unwrap_err();
+        let e = prefix_of_mask("255.0.255.0", "status.allocatedAddress.mask", false).unwrap_err();
         assert!(
             e.starts_with(
                 "status.allocatedAddress.mask: \"255.0.255.0\" is not a contiguous subnet mask"
             ),
             "{e}"
         );
-        assert!(prefix_of_mask("255.255.255.1", "m").is_err());
-        assert!(prefix_of_mask("33", "m").unwrap_err().contains("0-32"));
+        assert!(prefix_of_mask("255.255.255.1", "m", false).is_err());
         assert!(
-            prefix_of_mask("banana", "m")
+            prefix_of_mask("33", "m", false)
+                .unwrap_err()
+                .contains("0-32")
+        );
+        assert!(
+            prefix_of_mask("129", "m", true)
+                .unwrap_err()
+                .contains("0-128")
+        );
+        assert!(
+            prefix_of_mask("255.255.255.0", "m", true)
+                .unwrap_err()
+                .contains("is an IPv4 subnet mask, and the gateway is IPv6")
+        );
+        assert!(
+            prefix_of_mask("ffff:ffff:ffff:ffff::", "m", false)
+                .unwrap_err()
+                .contains("is an IPv6 subnet mask, and the gateway is IPv4")
+        );
+        assert!(
+            prefix_of_mask("banana", "m", false)
                 .unwrap_err()
                 .contains("not a subnet mask")
         );

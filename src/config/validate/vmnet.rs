@@ -773,8 +773,9 @@ impl Validator<'_> {
         }
         let family = if k.address.is_ipv4() { "IPv4" } else { "IPv6" };
         let why = format!(
-            "no VIP keepalived moves (on a [[network]], or a management VIP) is {family}, and keepalived (its adverts are {family}: keepalived.address is {}) moves a VIP of the other family only beside one of its own in the same instance",
-            k.address
+            "no VIP keepalived moves (on a [[network]], or a management VIP) is {family}, and keepalived (its adverts are {family}: keepalived.address is {}) {}",
+            k.address,
+            crate::config::OTHER_FAMILY_ALONE
         );
         if let Some(&(i, vip, _)) = moved.iter().find(|(_, _, on_network)| *on_network) {
             self.problem(
