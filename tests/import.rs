@@ -1997,3 +1997,127 @@ fn ipv6_vips_on_vm_networks_are_imported_with_the_network_s_ipv6_gateway() {
         out.skipped
     );
 }
+
+/// The imported file runs: `import` in a namespace built as a Harvester
+/// host (its VM network's interface `eth0` a bridge with an uplink into
+/// the switch, `br_netfilter` on; a management link), over a
+/// NetworkAttachmentDefinition, an IPv4 and an IPv6 IPPool of the network
+/// and two LoadBalancers on it (one IPv4, one IPv6), writes a file `check`
+/// takes; the daemon started on it serves the IPv6 VIP to a client on the
+/// network, through the proxy (the import's default listeners), from the
+/// IPv6 backend. Before, the IPv6 LoadBalancer was skipped ("IPv4 only in
+/// this version"). The VIPs are put on `eth0` by hand, as keepalived's
+/// master would (`nodad`): keepalived itself, VRRP and a second host are
+/// left out (tests/conntrack_sync_v6.rs moves an IPv6 VM-network VIP
+/// between two hosts with them), and so is the kernel path (its own test
+/// there).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn netns_an_imported_ipv6_vip_on_a_vm_network_is_served_by_the_daemon() {
+    require_netns!();
+    use netns::peers::{Exchange, accept_forever, exchange, serve_name_then_echo};
+    let add6 = |ns: &netns::Ns, cidr: &str, dev: &str| {
+        ns.ip(&["-6", "addr", "add", cidr, "dev", dev, "nodad"])
+    };
+    let mut bed = netns::Bed::new("imp6", 1);
+    bed.add_bridge("br1");
+    let (host, _) = netns::vmnet::mgmt_host(
+        &mut bed,
+        "h",
+        std::net::Ipv4Addr::new(198, 51, 100, 4),
+        "10.77.0.4",
+    );
+    add6(&host, "fd00:a::4/64", "eth0");
+    add6(&bed.client, "fd00:a::2/64", "eth0");
+    let node = bed.nodes[0].clone();
+    add6(&node, "fd00:a::21/64", "eth0");
+    let backend6: SocketAddr = "[fd00:a::21]:30080".parse().unwrap();
+    let _services = [
+        serve_name_then_echo(&node, backend6, "n1-v6"),
+        serve_name_then_echo(&node, "198.51.100.21:30080".parse().unwrap(), "n1-v4"),
+        tokio::spawn(accept_forever(
+            node.listen(SocketAddr::new(backend6.ip(), netns::HEALTH_PORT)),
+        )),
+        tokio::spawn(accept_forever(
+            node.listen(
+                format!("198.51.100.21:{}", netns::HEALTH_PORT)
+                    .parse()
+                    .unwrap(),
+            ),
+        )),
+    ];
+
+    let nad = serde_json::json!({
+        "apiVersion": "k8s.cni.cncf.io/v1", "kind": "NetworkAttachmentDefinition",
+        "metadata": {"namespace": "default", "name": "vm"},
+        "spec": {"config": "{\"cniVersion\":\"0.3.1\",\"name\":\"vm\",\"type\":\"bridge\",\"bridge\":\"eth0\",\"ipam\":{}}"},
+    });
+    let mut objects = vec![
+        nad,
+        ip_pool("vm4", "default/vm", &[("198.51.100.0/24", None)]),
+        ip_pool("vm6", "default/vm", &[("fd00:a::/64", None)]),
+    ];
+    for (name, vip, backend) in [
+        ("web4", "198.51.100.50", "198.51.100.21"),
+        ("web6", "fd00:a::50", "fd00:a::21"),
+    ] {
+        let mut o = lb_object(name, vip, 80, 30080, &[backend]);
+        o["metadata"]["namespace"] = "default".into();
+        o["metadata"]["annotations"] =
+            serde_json::json!({"loadbalancer.harvesterhci.io/network": "vm"});
+        objects.push(o);
+    }
+    let input = bed.write(
+        "objects.json",
+        &serde_json::json!({"apiVersion": "v1", "kind": "List", "items": objects}).to_string(),
+    );
+    let base = bed.write(
+        "base.toml",
+        &format!(
+            "[admin]\nsocket = \"{}\"\n\n{}",
+            bed.dir.join("admin.sock").display(),
+            support::keepalived(
+                "h",
+                "10.77.0.4",
+                ["10.77.0.5"],
+                &bed.dir.join("keepalived"),
+                ""
+            )
+        ),
+    );
+    let target = bed.dir.join("config.toml");
+    let (input_s, base_s, target_s) = (
+        input.to_str().unwrap(),
+        base.to_str().unwrap(),
+        target.to_str().unwrap(),
+    );
+    let (code, _, stderr) = import_in(&host, &[input_s, "--base", base_s, "--write", target_s]);
+    assert_eq!(code, 0, "{stderr}");
+    let (code, stdout, stderr) = run_cli(&["check", "--config", target_s]);
+    assert_eq!(code, 0, "check rejected the import:\n{stdout}{stderr}");
+    let text = std::fs::read_to_string(&target).unwrap();
+    assert!(
+        text.contains("interface = \"eth0\"\nprefix_length = 24\ngateway = \"198.51.100.1\"\nipv6_prefix_length = 64\nipv6_gateway = \"fd00:a::1\"\n")
+            && text.contains("vip = \"fd00:a::50\"\nipam = \"pool\"\nnetwork = \"default/vm\""),
+        "{text}"
+    );
+
+    // keepalived's master holds the VIPs; the daemon serves them.
+    host.ip(&["addr", "add", "198.51.100.50/32", "dev", "eth0"]);
+    add6(&host, "fd00:a::50/128", "eth0");
+    let _daemon = netns::DaemonProc::spawn(&host, &target, &bed.dir.join("daemon.log"), None);
+    for (vip, served_by) in [("[fd00:a::50]:80", "n1-v6"), ("198.51.100.50:80", "n1-v4")] {
+        let vip: SocketAddr = vip.parse().unwrap();
+        let name = wait_for(
+            Duration::from_secs(30),
+            &format!("the client served through {vip}"),
+            || async {
+                match exchange(&bed.client, vip, 64, Duration::from_secs(2)).await {
+                    Exchange::Ok(name) => Some(name),
+                    Exchange::Failed(_) => None,
+                }
+            },
+        )
+        .await;
+        assert_eq!(name, served_by, "{vip}");
+    }
+}
