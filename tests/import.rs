@@ -1782,8 +1782,14 @@ fn ip_pool(name: &str, network: &str, ranges: &[(&str, Option<&str>)]) -> Value 
 /// ride with (skipped by name, not a failed import).
 #[test]
 fn ipv6_vips_on_vm_networks_are_imported_with_the_network_s_ipv6_gateway() {
+    // An IPv6 VIP's backends are IPv6 (a kernel listener's must be of the
+    // VIP's family).
     let v6 = |name: &str, vip: &str, network: &str, mask: &str, gateway: &str| {
-        on_network(name, vip, "pool", network, mask, gateway)
+        let mut o = on_network(name, vip, "pool", network, mask, gateway);
+        if vip.contains(':') {
+            o["status"]["backendServers"] = serde_json::json!(["fd00:70::21"]);
+        }
+        o
     };
     let mask64 = "ffff:ffff:ffff:ffff::";
     let items = vec![
@@ -1933,6 +1939,46 @@ fn ipv6_vips_on_vm_networks_are_imported_with_the_network_s_ipv6_gateway() {
         rendered.contains("fd00:7::50/128 dev data-br")
             && rendered.contains("fd00:8::50/128 dev data-br"),
         "{rendered}"
+    );
+    // As the shipped import unit asks (HARVESTER_LB_IMPORT_ARGS): the
+    // IPv6 VIPs' listeners are kernel listeners too.
+    let kernel = Options {
+        listeners: import::ListenerChoice {
+            forwarding: Some("kernel".into()),
+            source_nat: Some("vip".into()),
+        },
+        ..options.clone()
+    };
+    // One whose backends are IPv4 cannot be a kernel listener: skipped
+    // for that alone (not for riding alone, which it was checked beside a
+    // stand-in for).
+    let mut mixed = items.clone();
+    mixed.push(on_network("x6", "fd00:7::52", "pool", "ns/dual", "", ""));
+    let out = import::import(&sources(mixed), &kernel).expect("import");
+    assert_eq!(out.load_balancers, 5, "{:?}\n{}", out.skipped, out.text);
+    let x6 = &out
+        .skipped
+        .iter()
+        .find(|s| s.object.contains("LoadBalancer ns/x6 "))
+        .expect("x6 skipped")
+        .reason;
+    assert!(
+        x6.contains(
+            "the kernel's NAT cannot forward a connection to an address of the other family"
+        ) && !x6.contains(harvester_lb::config::OTHER_FAMILY_ALONE),
+        "{x6}"
+    );
+    let config = harvester_lb::config::parse(&out.text)
+        .unwrap_or_else(|p| panic!("{p:?}\n{}", out.text))
+        .config;
+    let b6 = config
+        .load_balancers
+        .iter()
+        .find(|l| l.name == "ns/b6")
+        .unwrap();
+    assert_eq!(
+        b6.listeners[0].forwarding,
+        harvester_lb::config::Forwarding::Kernel
     );
 
     // With no IPv4 VIP keepalived moves beside them, the IPv6 ones are

@@ -569,7 +569,7 @@ fn alone(
     // keepalived's family, and decided over the whole file by
     // `skip_riderless`.
     if let (Err(problems), Some(name)) = (&parsed, &mapped.lb.network)
-        && problems.iter().all(config::is_other_family_alone)
+        && problems.iter().any(config::is_other_family_alone)
         && let Some(rider) = rider_stand_in(&alone[..context_len], name)
     {
         parsed = config::parse(&format!("{alone}{rider}"));
@@ -600,6 +600,8 @@ fn alone(
                 object,
                 reason: problems
                     .iter()
+                    // The stand-in's own are not this object's.
+                    .filter(|p| !p.key.starts_with("load_balancer[1]"))
                     .map(without_index)
                     .collect::<Vec<_>>()
                     .join("; "),
