@@ -48,8 +48,9 @@ pub use vmnet::{
     NetworkSpec,
 };
 pub use vmnet::{
-    DEFAULT_MANAGEMENT_VIPS, DEFAULT_READY_REQUIRES_BACKEND, OTHER_FAMILY_ALONE, REPLY_MARK_MASK,
-    is_other_family_alone, not_a_vm_network_interface, reply_mark_of,
+    DEFAULT_MANAGEMENT_VIPS, DEFAULT_READY_REQUIRES_BACKEND, LEG_PREFIX, OTHER_FAMILY_ALONE,
+    REPLY_MARK_MASK, is_other_family_alone, leg_name, leg_table, not_a_vm_network_interface,
+    reply_mark_of,
 };
 
 /// Where the daemon looks for its configuration unless told otherwise.
