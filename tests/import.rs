@@ -2051,12 +2051,17 @@ fn ipv6_vips_on_vm_networks_are_imported_with_the_network_s_ipv6_gateway() {
 /// and two LoadBalancers on it (one IPv4, one IPv6), writes a file `check`
 /// takes; the daemon started on it serves the IPv6 VIP to a client on the
 /// network, through the proxy (the import's default listeners), from the
-/// IPv6 backend. Before, the IPv6 LoadBalancer was skipped ("IPv4 only in
-/// this version"). The VIPs are put on `eth0` by hand, as keepalived's
-/// master would (`nodad`): keepalived itself, VRRP and a second host are
-/// left out (tests/conntrack_sync_v6.rs moves an IPv6 VM-network VIP
-/// between two hosts with them), and so is the kernel path (its own test
-/// there).
+/// IPv6 backend. Then the import as the shipped unit runs it (`--forwarding
+/// kernel --source-nat vip`) rewrites the file, the daemon (watching it)
+/// reloads, and the IPv6 VIP is served by the kernel (`/status`
+/// `forwarding: "kernel"`, 10 of 10 exchanges, each DNATed in the host's
+/// conntrack table): the backend is behind the uplink, so on this bridged
+/// host through the network's leg (`vip::leg`). Before, the IPv6
+/// LoadBalancer was skipped ("IPv4 only in this version"), and without the
+/// leg its kernel listener stayed with the proxy. The VIPs are put on
+/// `eth0` by hand, as keepalived's master would (`nodad`): keepalived
+/// itself, VRRP and a second host are left out (tests/conntrack_sync_v6.rs
+/// moves an IPv6 VM-network VIP between two hosts with them).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn netns_an_imported_ipv6_vip_on_a_vm_network_is_served_by_the_daemon() {
     require_netns!();
@@ -2150,20 +2155,80 @@ async fn netns_an_imported_ipv6_vip_on_a_vm_network_is_served_by_the_daemon() {
     // keepalived's master holds the VIPs; the daemon serves them.
     host.ip(&["addr", "add", "198.51.100.50/32", "dev", "eth0"]);
     add6(&host, "fd00:a::50/128", "eth0");
-    let _daemon = netns::DaemonProc::spawn(&host, &target, &bed.dir.join("daemon.log"), None);
-    for (vip, served_by) in [("[fd00:a::50]:80", "n1-v6"), ("198.51.100.50:80", "n1-v4")] {
-        let vip: SocketAddr = vip.parse().unwrap();
-        let name = wait_for(
-            Duration::from_secs(30),
-            &format!("the client served through {vip}"),
-            || async {
-                match exchange(&bed.client, vip, 64, Duration::from_secs(2)).await {
-                    Exchange::Ok(name) => Some(name),
-                    Exchange::Failed(_) => None,
-                }
-            },
-        )
-        .await;
-        assert_eq!(name, served_by, "{vip}");
+    let vip6: SocketAddr = "[fd00:a::50]:80".parse().unwrap();
+    let served = |vip: SocketAddr| {
+        let client = bed.client.clone();
+        async move {
+            wait_for(
+                Duration::from_secs(30),
+                &format!("the client served through {vip}"),
+                || async {
+                    match exchange(&client, vip, 64, Duration::from_secs(2)).await {
+                        Exchange::Ok(name) => Some(name),
+                        Exchange::Failed(_) => None,
+                    }
+                },
+            )
+            .await
+        }
+    };
+    // Watching its file, as the shipped unit's daemon does: the next
+    // import's --write is reloaded with no signal.
+    let daemon = netns::DaemonProc::spawn_watching(&host, &target, &bed.dir.join("daemon.log"));
+    for (vip, served_by) in [
+        (vip6, "n1-v6"),
+        ("198.51.100.50:80".parse().unwrap(), "n1-v4"),
+    ] {
+        assert_eq!(served(vip).await, served_by, "{vip}");
     }
+
+    // As the shipped import unit runs it (HARVESTER_LB_IMPORT_ARGS=
+    // --forwarding kernel --source-nat vip): the IPv6 VIP through the
+    // kernel, on this bridged host by the network's leg (h49-leg).
+    netns::vmnet::sysctl(&host, "net.ipv4.ip_forward=1");
+    netns::vmnet::sysctl(&host, "net.ipv6.conf.all.forwarding=1");
+    let (code, _, stderr) = import_in(
+        &host,
+        &[
+            input_s,
+            "--base",
+            base_s,
+            "--write",
+            target_s,
+            "--forwarding",
+            "kernel",
+            "--source-nat",
+            "vip",
+        ],
+    );
+    assert_eq!(code, 0, "{stderr}");
+    // Served by the kernel once the network's leg is in place (until
+    // then the proxy, with the reason: the last one seen is shown).
+    let mut last = Value::Null;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while last["forwarding"] != "kernel" && tokio::time::Instant::now() < deadline {
+        if let Ok((200, body)) = daemon.get("/status").await
+            && let Ok(status) = serde_json::from_str::<Value>(&body)
+            && let Some(lb) = status["load_balancers"]
+                .as_array()
+                .and_then(|lbs| lbs.iter().find(|l| l["name"] == "default/web6"))
+        {
+            last = lb["listeners"][0].clone();
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(last["forwarding"], "kernel", "{last}");
+    for _ in 0..10 {
+        assert_eq!(served(vip6).await, "n1-v6");
+    }
+    let flows = std::process::Command::new("ip")
+        .args(["netns", "exec", &host.name, "conntrack", "-L", "-f", "ipv6"])
+        .args(["--dst-nat", "-p", "tcp", "-d", "fd00:a::50"])
+        .output()
+        .expect("conntrack");
+    let flows = String::from_utf8_lossy(&flows.stdout)
+        .lines()
+        .filter(|l| l.starts_with("tcp"))
+        .count();
+    assert!(flows >= 10, "{flows} flows to the IPv6 VIP DNATed");
 }
