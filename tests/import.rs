@@ -2152,6 +2152,15 @@ async fn netns_an_imported_ipv6_vip_on_a_vm_network_is_served_by_the_daemon() {
         "{text}"
     );
 
+    // Connection tracking on before the daemon starts, as on a Harvester
+    // host (kube-proxy's and the CNI's rules use it): a fresh namespace
+    // tracks nothing until the daemon's first table, and a proxied
+    // connection opened before that is picked up mid-stream with its
+    // direction reversed, its backend's packets then dropped by the tenant
+    // guard (seen here: one connection held to the drain timeout).
+    host.nft(
+        "table inet harvester_host_ct {\n  chain prerouting {\n    type filter hook prerouting priority 0; policy accept;\n    ct state invalid counter\n  }\n}\n",
+    );
     // keepalived's master holds the VIPs; the daemon serves them.
     host.ip(&["addr", "add", "198.51.100.50/32", "dev", "eth0"]);
     add6(&host, "fd00:a::50/128", "eth0");
