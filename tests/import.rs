@@ -2034,10 +2034,37 @@ fn ipv6_vips_on_vm_networks_are_imported_with_the_network_s_ipv6_gateway() {
     )
     .expect("import");
     assert_eq!(out.load_balancers, 2, "{:?}\n{}", out.skipped, out.text);
+    assert_eq!(out.skipped.len(), 1, "{:?}", out.skipped);
     assert!(
         out.skipped[0].object.contains("LoadBalancer ns/h6 ")
             && out.skipped[0].reason.contains(
                 "disagrees with the network's /64 via fd00:a::1 (the --base file's [[network]])"
+            ),
+        "{:?}",
+        out.skipped
+    );
+    // Without ipv6_gateway there, the IPv6 ones are skipped saying where
+    // to add it.
+    let no_v6 = Options {
+        base: base_net.base.clone().map(|b| Source {
+            text: b.text.replace("ipv6_gateway = \"fd00:a::1\"\n", ""),
+            ..b
+        }),
+        ..base_net.clone()
+    };
+    let out = import::import(
+        &sources(vec![
+            v6("f6", "fd00:a::50", "ns/v6only", "", ""),
+            v6("h4", "10.12.0.50", "ns/v6only", "", ""),
+        ]),
+        &no_v6,
+    )
+    .expect("import");
+    assert_eq!(out.load_balancers, 1, "{:?}\n{}", out.skipped, out.text);
+    assert!(
+        out.skipped[0].object.contains("LoadBalancer ns/f6 ")
+            && out.skipped[0].reason.contains(
+                "its IPv6 subnet is unknown: the --base file's [[network]] has no ipv6_gateway; add the network's IPv6 router there"
             ),
         "{:?}",
         out.skipped

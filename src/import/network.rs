@@ -700,7 +700,10 @@ fn settle(
         return Ok(Settled {
             table: None,
             v4: b.l3.map(|l| (l, source())),
-            v6: Ok(b.ipv6.map(|l| (l, source()))),
+            // The file is the operator's word: no object is asked.
+            v6: b.ipv6.map(|l| Some((l, source()))).ok_or_else(|| {
+                "its IPv6 subnet is unknown: the --base file's [[network]] has no ipv6_gateway; add the network's IPv6 router there".to_string()
+            }),
         });
     }
     let mine: Vec<&Nad> = nads.iter().filter(|n| n.name == name).collect();
