@@ -133,7 +133,7 @@ fn bridge_stage_reason(
     packed: u8,
     spec: &LoadBalancerSpec,
     config: &Config,
-    leg: &dyn Fn(&str) -> Option<LegStatus>,
+    leg: &dyn Fn(&crate::config::NetworkSpec) -> Option<LegStatus>,
 ) -> Option<String> {
     let family = usize::from(spec.vip.is_ipv6());
     let sysctl = [
@@ -152,7 +152,9 @@ fn bridge_stage_reason(
         IpAddr::V6(v6) => network.ipv6_subnet().is_some_and(|n| n.contains(v6)),
     };
     let backend = spec.backends.iter().find(|b| in_subnet(b))?;
-    match leg(name) {
+    // IPv4 VIPs only get a leg in this version (`vip::leg`).
+    let leg = if family == 0 { leg(network) } else { None };
+    match leg {
         // The leg routes the flows (`vip::leg`), whatever the bridge stage.
         Some(l) if l.up() => leg_source_nat_reason(spec, network, &l),
         leg => {
@@ -163,6 +165,9 @@ fn bridge_stage_reason(
                     l.name,
                     l.error.as_deref().unwrap_or("not made yet")
                 ),
+                None if family == 1 => {
+                    "an IPv6 VIP gets no leg (the macvlan that routes an IPv4 VIP's flows) in this version".to_string()
+                }
                 None => "it has no leg (the macvlan that routes these flows)".to_string(),
             };
             Some(format!(
@@ -324,6 +329,8 @@ impl Daemon {
         if was == off {
             return false;
         }
+        // A bridged network's leg comes and goes with the bridge stage.
+        self.vmnet_wake();
         // Said only of a family some kernel listener uses: an ERROR about
         // IPv6 forwarding on a host with IPv4 kernel listeners alone
         // misleads (a listener that comes later shows the reason in
@@ -417,9 +424,14 @@ impl Daemon {
     /// Whether `spec`'s network routes its kernel listeners' flows out of
     /// its leg (in place): their `masquerade` is then `snat to` the VIP,
     /// the leg having no address of its own.
-    fn on_leg(&self, spec: &LoadBalancerSpec) -> bool {
-        spec.network
-            .as_deref()
+    fn on_leg(&self, spec: &LoadBalancerSpec, config: &Config) -> bool {
+        let (Some(name), true) = (spec.network.as_deref(), spec.vip.is_ipv4()) else {
+            return false;
+        };
+        config
+            .networks
+            .iter()
+            .find(|n| n.name == name)
             .and_then(|n| self.leg(n))
             .is_some_and(|l| l.up())
     }
@@ -553,7 +565,7 @@ impl Daemon {
             return Vec::new();
         }
         let snapshot = entry.lb.snapshot();
-        let on_leg = self.on_leg(spec);
+        let on_leg = self.on_leg(spec, config);
         spec.listeners
             .iter()
             .filter(|l| l.forwarding == Forwarding::Kernel)

@@ -53,6 +53,8 @@ pub(super) struct VmNet {
     /// Bumped whenever a network's leg comes into place or leaves it: the
     /// kernel listeners' desired state is rebuilt whole then.
     pub(super) legs_generation: std::sync::atomic::AtomicU64,
+    /// Set once the legs were read back (or found not needed).
+    legs_read: AtomicBool,
     /// What the management check pings, as seen at the last apply with
     /// `[keepalived]` (`vip::mgmt_check::discover`), for `/status`.
     pub(super) mgmt_check: std::sync::Mutex<Option<crate::vip::mgmt_check::Discovered>>,
@@ -267,7 +269,7 @@ impl Daemon {
         for net in &config.networks {
             links.insert(net.interface.clone(), 0);
         }
-        let legs = crate::vip::leg::wanted(config, &links, crate::os::is_bridge)
+        let legs = crate::vip::leg::wanted(config, &links, crate::vip::leg::bridge_stage_on)
             .into_keys()
             .collect();
         let rules = Rules::with_legs(config, &legs);
@@ -384,7 +386,8 @@ impl Daemon {
         config: &Config,
         index_of: &BTreeMap<String, u32>,
     ) -> BTreeMap<String, u32> {
-        let by_network = crate::vip::leg::wanted(config, index_of, crate::os::is_bridge);
+        let by_network =
+            crate::vip::leg::wanted(config, index_of, crate::vip::leg::bridge_stage_on);
         if by_network.is_empty() && slot.as_ref().is_none_or(|d| d.held().next().is_none()) {
             self.set_legs(BTreeMap::new());
             return BTreeMap::new();
@@ -461,7 +464,7 @@ impl Daemon {
                 .map(|(n, _)| n.clone())
                 .collect()
         };
-        let changed = up(&legs) != up(&now);
+        let changed = up(&legs) != up(&now) || !self.vmnet.legs_read.swap(true, Ordering::AcqRel);
         *legs = now;
         drop(legs);
         if changed {
@@ -470,14 +473,29 @@ impl Daemon {
         }
     }
 
-    /// Network `name`'s leg as last read back, if it needs one.
-    pub(super) fn leg(&self, name: &str) -> Option<LegStatus> {
-        self.vmnet
+    /// Network `net`'s leg as last read back, if it needs one. Before the
+    /// VM-network task's first read (a start, a hand-over), a leg already
+    /// in the host (a predecessor's, which that read adopts) counts as in
+    /// place: the kernel listeners do not go to the proxy and back.
+    pub(super) fn leg(&self, net: &crate::config::NetworkSpec) -> Option<LegStatus> {
+        if let Some(l) = self
+            .vmnet
             .legs
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .get(name)
-            .cloned()
+            .get(&net.name)
+        {
+            return Some(l.clone());
+        }
+        let name = crate::vip::leg::name_for(net.table);
+        (!self.vmnet.legs_read.load(Ordering::Acquire)
+            && std::path::Path::new("/sys/class/net").join(&name).exists())
+        .then_some(LegStatus {
+            name,
+            mac: None,
+            state: "up",
+            error: None,
+        })
     }
 
     /// Reads back and writes the reply marks of kernel listeners on VM
