@@ -53,7 +53,7 @@ use std::time::{Duration, Instant};
 
 use harvester_lb::vip::keepalived::instance_of;
 use netns::keepalived::{
-    Conntrackd, Keepalived, conntrackd_missing, gate_open, keepalived_missing,
+    Conntrackd, Fault, Keepalived, conntrackd_missing, gate_open, keepalived_missing,
 };
 use netns::peers::serve_name_then_echo;
 use netns::traffic::{CONNS, FLOWS, Target, Traffic};
@@ -74,19 +74,6 @@ const GW_PORT: u16 = 9000;
 const VRID_BASE: usize = 50;
 /// The hosts' names, in the order of their management addresses.
 const NAMES: [&str; 3] = ["h1", "h2", "h3"];
-
-/// How the master fails.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Fault {
-    /// The host's daemon and keepalived are killed (SIGKILL): the VIP stays
-    /// on its interface, but no advert comes from it any more.
-    Killed,
-    /// The daemon stops (SIGTERM): `/readyz` turns 503, the track script
-    /// fails and keepalived gives the VIP up.
-    GracefulStop,
-    /// The host's links (both VM networks and management) are cut.
-    LinkCut,
-}
 
 fn mgmt(i: usize) -> String {
     format!("10.77.0.{}", i + 1)
@@ -485,26 +472,12 @@ impl Cluster {
     /// Makes host `i` fail as `fault` says.
     fn fail(&mut self, i: usize, fault: Fault) {
         let h = &self.hosts[i];
-        match fault {
-            Fault::Killed => {
-                if let Some(d) = &h.daemon {
-                    d.signal(libc::SIGKILL);
-                }
-                if let Some(k) = &h.keepalived {
-                    k.kill_hard();
-                }
-            }
-            Fault::GracefulStop => {
-                if let Some(d) = &h.daemon {
-                    d.signal(libc::SIGTERM);
-                }
-            }
-            Fault::LinkCut => {
-                for p in &h.ports {
-                    self.bed.set_port(p, false);
-                }
-            }
-        }
+        fault.strike(
+            &self.bed,
+            h.daemon.as_ref(),
+            h.keepalived.as_ref(),
+            &h.ports,
+        );
     }
 
     /// Brings host `i` back after `fault`.

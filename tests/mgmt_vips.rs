@@ -39,6 +39,12 @@
 mod netns;
 mod support;
 
+/// Issue 42's "Done when": management and VM-network VIPs over three
+/// hosts with conntrackd, from the import alone, through each fault and a
+/// management-link partition (`tests/mgmt_vips/cluster3.rs`).
+#[path = "mgmt_vips/cluster3.rs"]
+mod cluster3;
+
 use std::net::{Ipv4Addr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -157,6 +163,75 @@ fn import_pipeline(base: &Path, config: &Path, tmp: &Path) -> String {
     cmd
 }
 
+/// Host `h`'s `base.toml`, the only file written by hand: its admin
+/// socket, `[keepalived]` on `mgmt-br` with the other two hosts as peers,
+/// adverts every 0.5 s and `keepalived` more lines of the section, then
+/// the sections `more`. Its files are `dir/<what>-<host>` (keepalived's
+/// pid file where [`Keepalived::run`] looks by default); the management
+/// check's script is one of its own: the default, beside keepalived's
+/// file, would be one file for the bed's three hosts, each naming its own
+/// peers (a host pinging itself never faults).
+fn base_toml(dir: &Path, h: usize, keepalived: &str, more: &str) -> String {
+    let (name, address) = HOSTS[h];
+    let peers: Vec<String> = HOSTS
+        .iter()
+        .filter(|(n, _)| *n != name)
+        .map(|(_, a)| format!("\"{a}\""))
+        .collect();
+    let file = |what: &str| dir.join(format!("{what}-{name}")).display().to_string();
+    format!(
+        "[admin]\nsocket = \"{}\"\n\n[keepalived]\nname = \"{name}\"\naddress = \"{address}\"\ninterface = \"{MGMT_IF}\"\npeers = [{}]\nadvert_interval_ms = 500\nconfig_path = \"{}\"\npid_file = \"{}\"\nmanagement_check_script = \"{}\"\n{keepalived}\n{more}",
+        file("admin.sock"),
+        peers.join(", "),
+        file("keepalived.conf"),
+        dir.join(format!("keepalived-{name}.pid")).display(),
+        file("mgmt-check"),
+    )
+}
+
+/// The stand-in `kubectl` in `bin`: answers the import unit's `get ...
+/// -o json` of IPPools with the List in `ippools` and any other `get ...
+/// -o json` with the one in `objects` (as the cluster would, at the time
+/// the import runs), refuses anything else.
+fn stand_in_kubectl(bin: &Path, objects: &Path, ippools: &Path) {
+    std::fs::create_dir_all(bin).expect("bin");
+    let kubectl = bin.join("kubectl");
+    std::fs::write(
+        &kubectl,
+        format!(
+            "#!/bin/sh\ncase \"$1 $*\" in\n*ippools*) exec cat '{}' ;;\n\"get \"*\"-o json\"*) exec cat '{}' ;;\n*) echo \"stand-in kubectl: unexpected: $*\" >&2; exit 2 ;;\nesac\n",
+            ippools.display(),
+            objects.display()
+        ),
+    )
+    .expect("kubectl");
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&kubectl, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+}
+
+/// Runs the import unit's pipeline in `ns` (the import checks VIPs and
+/// interfaces against the host), as its timer would: the stand-in
+/// `kubectl` of `bin` first in `PATH`, `import_args` as the unit's
+/// `HARVESTER_LB_IMPORT_ARGS` (from `import.env`). Asserts it succeeded.
+fn run_import(ns: &Ns, bin: &Path, base: &Path, config: &Path, tmp: &Path, import_args: &str) {
+    std::fs::create_dir_all(tmp).expect("the import's temporary directory");
+    let path = format!(
+        "{}:{}",
+        bin.display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
+    let out = std::process::Command::new("ip")
+        .args(["netns", "exec", &ns.name, "env"])
+        .arg(format!("PATH={path}"))
+        .arg(format!("HARVESTER_LB_IMPORT_ARGS={import_args}"))
+        .args(["/bin/bash", "-e", "-c"])
+        .arg(import_pipeline(base, config, tmp))
+        .output()
+        .expect("run the import pipeline");
+    let (code, _, stderr) = support::outcome(&out);
+    assert_eq!(code, 0, "{}: import failed: {stderr}", ns.name);
+}
+
 impl Bed3 {
     fn new(test: &str) -> Bed3 {
         let mut bed = Bed::new(test, 2);
@@ -186,21 +261,11 @@ impl Bed3 {
             });
         }
         let bin = bed.dir.join("bin");
-        std::fs::create_dir_all(&bin).expect("bin");
         let objects = bed.dir.join("objects.json");
-        // The stand-in kubectl: answers a `get ... -o json` with the
-        // objects the test holds, refuses anything else.
-        let kubectl = bin.join("kubectl");
-        std::fs::write(
-            &kubectl,
-            format!(
-                "#!/bin/sh\ncase \"$1 $*\" in\n*ippools*) echo '{{\"apiVersion\":\"v1\",\"kind\":\"List\",\"items\":[]}}' ;;\n\"get \"*\"-o json\"*) exec cat '{}' ;;\n*) echo \"stand-in kubectl: unexpected: $*\" >&2; exit 2 ;;\nesac\n",
-                objects.display()
-            ),
-        )
-        .expect("kubectl");
-        use std::os::unix::fs::PermissionsExt;
-        std::fs::set_permissions(&kubectl, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+        let ippools = bed.dir.join("ippools.json");
+        std::fs::write(&ippools, r#"{"apiVersion":"v1","kind":"List","items":[]}"#)
+            .expect("ippools");
+        stand_in_kubectl(&bin, &objects, &ippools);
         Bed3 {
             hosts,
             _nodes: nodes,
@@ -215,24 +280,10 @@ impl Bed3 {
         self.bed.dir.join(format!("{what}-{}", self.hosts[h].name))
     }
 
-    /// Host `h`'s `base.toml`: its admin socket, `[keepalived]` on
-    /// `mgmt-br` with the other two hosts as peers, adverts every 0.5 s.
+    /// Host `h`'s `base.toml` ([`base_toml`]).
     fn write_base(&self, h: usize) -> PathBuf {
-        let (name, address) = HOSTS[h];
-        let peers: Vec<String> = HOSTS
-            .iter()
-            .filter(|(n, _)| *n != name)
-            .map(|(_, a)| format!("\"{a}\""))
-            .collect();
-        let text = format!(
-            "[admin]\nsocket = \"{}\"\n\n[keepalived]\nname = \"{name}\"\naddress = \"{address}\"\ninterface = \"{MGMT_IF}\"\npeers = [{}]\nadvert_interval_ms = 500\nconfig_path = \"{}\"\npid_file = \"{}\"\n",
-            self.file(h, "admin.sock").display(),
-            peers.join(", "),
-            self.file(h, "keepalived.conf").display(),
-            self.file(h, "keepalived.pid").display(),
-        );
         let path = self.file(h, "base.toml");
-        std::fs::write(&path, text).expect("base.toml");
+        std::fs::write(&path, base_toml(&self.bed.dir, h, "", "")).expect("base.toml");
         path
     }
 
@@ -250,25 +301,7 @@ impl Bed3 {
         let base = self.write_base(h);
         let config = self.file(h, "config.toml");
         let tmp = self.file(h, "tmp");
-        std::fs::create_dir_all(&tmp).expect("the import's temporary directory");
-        let path = format!(
-            "{}:{}",
-            self.bin.display(),
-            std::env::var("PATH").unwrap_or_default()
-        );
-        let out = std::process::Command::new("ip")
-            .args(["netns", "exec", &self.hosts[h].ns.name, "env"])
-            .arg(format!("PATH={path}"))
-            .args(["/bin/bash", "-e", "-c"])
-            .arg(import_pipeline(&base, &config, &tmp))
-            .output()
-            .expect("run the import pipeline");
-        let (code, _, stderr) = support::outcome(&out);
-        assert_eq!(
-            code, 0,
-            "host {}: import failed: {stderr}",
-            self.hosts[h].name
-        );
+        run_import(&self.hosts[h].ns, &self.bin, &base, &config, &tmp, "");
         config
     }
 
@@ -317,7 +350,7 @@ impl Bed3 {
                 &self.bed.dir,
                 self.hosts[h].name,
                 &self.file(h, "keepalived.conf"),
-                Some(&self.file(h, "keepalived.pid")),
+                None,
             );
             self.hosts[h].keepalived = Some(k);
         }

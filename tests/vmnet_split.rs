@@ -54,7 +54,9 @@ use std::time::{Duration, Instant};
 use harvester_lb::vip::keepalived::instance_of;
 use netns::keepalived::{Conntrackd, Keepalived, conntrackd_missing, keepalived_missing};
 use netns::peers::{Exchange, Node, Service, exchange, read_line, serve_name_then_echo};
-use netns::vmnet::{GATEWAY, backend_via, holds_on, host, join_bridged, mgmt_port, net_b, sysctl};
+use netns::vmnet::{
+    GATEWAY, backend_via, holds_on, host, join_bridged, mgmt_port, net_b, silent_cut, sysctl,
+};
 use netns::{Bed, DaemonProc, NODEPORT, Ns, config, node_ip, sa, wait_for};
 use support::{Lb, Listener, network};
 use tokio::io::AsyncWriteExt;
@@ -409,21 +411,10 @@ impl Split {
         .await;
     }
 
-    /// Cuts host `h`'s management link silently (`cut`) or restores it:
-    /// the management switch drops every frame from or to its port, which
-    /// stays up (no carrier change for keepalived to see).
+    /// Cuts host `h`'s management link silently (`cut`) or restores it
+    /// ([`silent_cut`]).
     fn silent_cut(&self, h: usize, cut: bool) {
-        let table = format!("split_{}", self.hosts[h].name);
-        if cut {
-            let port = mgmt_port(self.hosts[h].name);
-            self.bed.bridge.nft(&format!(
-                "table bridge {table} {{\n chain cut {{\n  type filter hook forward priority 0; policy accept;\n  iifname \"{port}\" drop\n  oifname \"{port}\" drop\n }}\n}}\n"
-            ));
-        } else {
-            self.bed
-                .bridge
-                .nft(&format!("delete table bridge {table}\n"));
-        }
+        silent_cut(&self.bed, &mgmt_port(self.hosts[h].name), cut);
     }
 }
 

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use super::Ns;
+use super::{Bed, DaemonProc, Ns};
 
 /// Whether keepalived can run here; CI must have it (`.ci/run` installs
 /// it): skips (or fails under `CI=true`) when it cannot.
@@ -237,5 +237,53 @@ impl Drop for Conntrackd {
         }
         let _ = self.child.kill();
         let _ = self.child.wait();
+    }
+}
+
+/// How a VIP's master fails in the beds of several hosts
+/// (`tests/conntrack_hosts.rs`, `tests/mgmt_vips.rs`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fault {
+    /// The host's daemon and keepalived are killed (SIGKILL): the VIP stays
+    /// on its interface, but no advert comes from it any more.
+    Killed,
+    /// The daemon stops (SIGTERM): `/readyz` turns 503, the track script
+    /// fails and keepalived gives the VIP up.
+    GracefulStop,
+    /// The host's links (every switch port of it in `ports`) are cut.
+    LinkCut,
+}
+
+impl Fault {
+    /// Makes a host (its `daemon` and `keepalived`, if running, its
+    /// switch `ports` in `bed`) fail this way; bringing it back is the
+    /// bed's own (what it restarts differs).
+    pub fn strike(
+        self,
+        bed: &Bed,
+        daemon: Option<&DaemonProc>,
+        keepalived: Option<&Keepalived>,
+        ports: &[String],
+    ) {
+        match self {
+            Fault::Killed => {
+                if let Some(d) = daemon {
+                    d.signal(libc::SIGKILL);
+                }
+                if let Some(k) = keepalived {
+                    k.kill_hard();
+                }
+            }
+            Fault::GracefulStop => {
+                if let Some(d) = daemon {
+                    d.signal(libc::SIGTERM);
+                }
+            }
+            Fault::LinkCut => {
+                for p in ports {
+                    bed.set_port(p, false);
+                }
+            }
+        }
     }
 }

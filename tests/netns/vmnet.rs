@@ -199,16 +199,24 @@ fn vm_on_veth(bed: &mut Bed, host: &Ns, name: &str, port: &str, ip: Ipv4Addr) ->
     ns
 }
 
-/// A load-balancer host on network A of the bed's `br0`: namespace
-/// `<tag>-<suffix>`, its bridge `eth0` with `ip/24` and the uplink `up0`
-/// into the bed's bridge port `h<suffix>` (returned with the host, for
-/// [`Bed::set_port`]).
-pub fn bridged_host(bed: &mut Bed, suffix: &str, ip: Ipv4Addr) -> (Ns, String) {
+/// A host namespace `<tag>-<suffix>` with only its loopback up, deleted
+/// with the bed: for a test that wires it with [`join_bridged`] under
+/// its own names (a Harvester host's `mgmt-br`, `data-br`).
+pub fn bare_host(bed: &mut Bed, suffix: &str) -> Ns {
     let ns = Ns {
         name: format!("{}-{suffix}", bed.tag),
     };
     bed.add_ns(&ns.name);
     ns.ip(&["link", "set", "lo", "up"]);
+    ns
+}
+
+/// A load-balancer host on network A of the bed's `br0`: namespace
+/// `<tag>-<suffix>`, its bridge `eth0` with `ip/24` and the uplink `up0`
+/// into the bed's bridge port `h<suffix>` (returned with the host, for
+/// [`Bed::set_port`]).
+pub fn bridged_host(bed: &mut Bed, suffix: &str, ip: Ipv4Addr) -> (Ns, String) {
+    let ns = bare_host(bed, suffix);
     let port = format!("h{suffix}");
     join_bridged(bed, &ns, "br0", &port, ("eth0", "up0"), &format!("{ip}/24"));
     (ns, port)
@@ -325,6 +333,21 @@ pub fn backend_via(bed: &mut Bed, bridge: &str, name: &str, ip: Ipv4Addr, gatewa
     sysctl(&ns, "net.ipv4.conf.all.accept_redirects=0");
     sysctl(&ns, "net.ipv4.conf.eth0.accept_redirects=0");
     ns
+}
+
+/// Cuts the bed's switch port `port` silently (`cut`) or restores it: the
+/// switch drops every frame from or to it (an nft bridge table named for
+/// the port), and the port stays up, so the host behind it sees no
+/// carrier change (a management link failing somewhere past the host).
+pub fn silent_cut(bed: &Bed, port: &str, cut: bool) {
+    let table = format!("cut_{}", port.replace('-', "_"));
+    if cut {
+        bed.bridge.nft(&format!(
+            "table bridge {table} {{\n chain cut {{\n  type filter hook forward priority 0; policy accept;\n  iifname \"{port}\" drop\n  oifname \"{port}\" drop\n }}\n}}\n"
+        ));
+    } else {
+        bed.bridge.nft(&format!("delete table bridge {table}\n"));
+    }
 }
 
 /// `sysctl -qw setting` inside `ns`.
