@@ -152,8 +152,7 @@ fn bridge_stage_reason(
         IpAddr::V6(v6) => network.ipv6_subnet().is_some_and(|n| n.contains(v6)),
     };
     let backend = spec.backends.iter().find(|b| in_subnet(b))?;
-    // IPv4 VIPs only get a leg in this version (`vip::leg`).
-    let leg = if family == 0 { leg(network) } else { None };
+    let leg = leg(network);
     match leg {
         // The leg routes the flows (`vip::leg`), whatever the bridge stage.
         Some(l) if l.up() => leg_source_nat_reason(spec, network, &l),
@@ -165,9 +164,6 @@ fn bridge_stage_reason(
                     l.name,
                     l.error.as_deref().unwrap_or("not made yet")
                 ),
-                None if family == 1 => {
-                    "an IPv6 VIP gets no leg (the macvlan that routes an IPv4 VIP's flows) in this version".to_string()
-                }
                 None => "it has no leg (the macvlan that routes these flows)".to_string(),
             };
             Some(format!(
@@ -422,18 +418,23 @@ impl Daemon {
     }
 
     /// Whether `spec`'s network routes its kernel listeners' flows out of
-    /// its leg (in place): their `masquerade` is then `snat to` the VIP,
-    /// the leg having no address of its own.
+    /// its leg (in place), to a backend in the network's subnet: their
+    /// `masquerade` is then `snat to` the VIP, the leg having no address
+    /// of its own. A load balancer whose backends are all elsewhere
+    /// (routed out of another interface) keeps `masquerade`, that
+    /// interface's address, to which its backends route their replies.
     fn on_leg(&self, spec: &LoadBalancerSpec, config: &Config) -> bool {
-        let (Some(name), true) = (spec.network.as_deref(), spec.vip.is_ipv4()) else {
+        let Some(name) = spec.network.as_deref() else {
             return false;
         };
-        config
-            .networks
-            .iter()
-            .find(|n| n.name == name)
-            .and_then(|n| self.leg(n))
-            .is_some_and(|l| l.up())
+        let Some(network) = config.networks.iter().find(|n| n.name == name) else {
+            return false;
+        };
+        let in_subnet = |ip: &IpAddr| match ip {
+            IpAddr::V4(v4) => network.subnet().contains(v4),
+            IpAddr::V6(v6) => network.ipv6_subnet().is_some_and(|n| n.contains(v6)),
+        };
+        spec.backends.iter().any(in_subnet) && self.leg(network).is_some_and(|l| l.up())
     }
 
     /// Why a kernel listener on `vip` is not in the kernel although its

@@ -22,10 +22,11 @@
 //! made in bridge mode, up, on the network's interface, named
 //! [`name_for`] its table (`hleg` and the table in decimal: at most 14
 //! bytes, never a lease macvlan's `hlb` + 10 hex digits). A network needs
-//! one when its interface is a Linux bridge whose IPv4 frames pass the IP
-//! hooks at the bridge stage (`bridge-nf-call-iptables` or the bridge's own
-//! `nf_call_iptables` on) and one of its load balancers has an IPv4 VIP
-//! with a `forwarding = "kernel"` listener. Only while the stage is on:
+//! one when its interface is a Linux bridge whose frames pass the IP hooks
+//! at the bridge stage (`bridge-nf-call-iptables` or `-ip6tables`, or the
+//! bridge's own `nf_call_iptables` or `nf_call_ip6tables` on) and one of
+//! its load balancers has a `forwarding = "kernel"` listener (IPv4 or
+//! IPv6: `br_nf_pre_routing_finish_ipv6` has the same `bridged_dnat` path). Only while the stage is on:
 //! without it the routed path by the bridge works, and a leg would cost
 //! the bridge's promiscuity and lose what enters by it, which has no
 //! address (with `rp_filter` on, `__fib_validate_source` drops a packet
@@ -49,7 +50,8 @@ use std::sync::{Arc, Mutex};
 use futures_util::TryStreamExt;
 use rtnetlink::LinkMacVlan;
 use rtnetlink::packet_route::link::{
-    InfoData, InfoMacVlan, LinkAttribute, LinkFlags, LinkInfo, MacVlanMode,
+    AfSpecInet, AfSpecUnspec, InetDevConf, InfoData, InfoMacVlan, LinkAttribute, LinkFlags,
+    LinkInfo, LinkMessage, MacVlanMode,
 };
 
 use super::announce::{AnnounceError, RouteWriter, errno};
@@ -99,48 +101,64 @@ pub struct LegSeen {
     pub up: bool,
     /// In macvlan bridge mode.
     pub bridge_mode: bool,
+    /// Its `arp_ignore` (IPv4 devconf): [`ARP_IGNORE`] as made.
+    pub arp_ignore: Option<i32>,
 }
+
+/// The leg's `arp_ignore`: never answer an ARP request. The host's
+/// addresses (the VIPs, a management address on the bridge) are answered
+/// by the bridge alone, so no peer learns one of them at the leg's MAC and
+/// sends what the host must receive to an interface without an address
+/// (`rp_filter` drops what enters there unless its reverse route leaves by
+/// it). Peers still learn a VIP at the leg's MAC from the leg's own ARP
+/// requests (sent from the VIP), which the bridge stage routes.
+pub const ARP_IGNORE: i32 = 8;
 
 impl LegSeen {
     /// Whether it is what [`NetworkLegs::write`] makes on `want`'s parent.
     fn as_made(&self, want: &LegWant) -> bool {
-        self.parent == Some(want.parent) && self.up && self.bridge_mode
+        self.parent == Some(want.parent)
+            && self.up
+            && self.bridge_mode
+            && self.arp_ignore == Some(ARP_IGNORE)
     }
 }
 
-/// Whether `interface` is a Linux bridge whose IPv4 frames pass the IP
-/// hooks at the bridge stage now: `bridge-nf-call-iptables` or the
-/// bridge's own `nf_call_iptables` is 1 (read at each step of the
+/// Whether `interface` is a Linux bridge whose IPv4 (`ipv6` false) or
+/// IPv6 frames pass the IP hooks at the bridge stage now:
+/// `bridge-nf-call-iptables` (`-ip6tables`) or the bridge's own
+/// `nf_call_iptables` (`nf_call_ip6tables`) is 1 (read at each step of the
 /// VM-network task, which the kernel writer wakes when they change).
-pub fn bridge_stage_on(interface: &str) -> bool {
+pub fn bridge_stage_on(interface: &str, ipv6: bool) -> bool {
     crate::os::is_bridge(interface)
-        && (crate::os::bridge_nf_calls()[0] || crate::os::bridge_nf_call_own(interface, false))
+        && (crate::os::bridge_nf_calls()[usize::from(ipv6)]
+            || crate::os::bridge_nf_call_own(interface, ipv6))
 }
 
 /// The networks that need a leg on this host: those whose interface is a
 /// Linux bridge here with the bridge stage on (`stage_on`,
-/// [`bridge_stage_on`]) and exists (`index_of`, by name), with a load
-/// balancer of an IPv4 VIP that has a `forwarding = "kernel"` listener. By the
+/// [`bridge_stage_on`]) for the family of one of its kernel listeners'
+/// VIPs, and exists (`index_of`, by name), with a load
+/// balancer that has a `forwarding = "kernel"` listener. By the
 /// network's name: its table and its bridge's index. Pure.
 pub fn wanted(
     config: &Config,
     index_of: &BTreeMap<String, u32>,
-    stage_on: impl Fn(&str) -> bool,
+    stage_on: impl Fn(&str, bool) -> bool,
 ) -> BTreeMap<String, (LegKey, LegWant)> {
     let mut out = BTreeMap::new();
     for net in &config.networks {
-        // IPv4 VIPs only in this version: an IPv6 VIP's flows keep the
-        // bridge (docs/vip.md, "On a bridged host").
-        let kernel = config.load_balancers.iter().any(|lb| {
+        // The bridge stage of a family a kernel listener's VIP has.
+        let needed = config.load_balancers.iter().any(|lb| {
             lb.network.as_deref() == Some(net.name.as_str())
-                && lb.vip.is_ipv4()
                 && !lb.vip.is_unspecified()
                 && lb
                     .listeners
                     .iter()
                     .any(|l| l.forwarding == Forwarding::Kernel)
+                && stage_on(&net.interface, lb.vip.is_ipv6())
         });
-        if !kernel || !stage_on(&net.interface) {
+        if !needed {
             continue;
         }
         let Some(&parent) = index_of.get(&net.interface) else {
@@ -210,6 +228,20 @@ impl NetworkLegs {
             Err(e) => Err(nl(format!("cannot remove the leg {name:?}"))(e)),
         }
     }
+}
+
+/// The IPv4 `arp_ignore` a link message carries.
+fn arp_ignore_of(attributes: &[LinkAttribute]) -> Option<i32> {
+    attributes.iter().find_map(|a| match a {
+        LinkAttribute::AfSpecUnspec(specs) => specs.iter().find_map(|s| match s {
+            AfSpecUnspec::Inet(inet) => inet.iter().find_map(|i| match i {
+                AfSpecInet::DevConf(c) => Some(c.arp_ignore),
+                _ => None,
+            }),
+            _ => None,
+        }),
+        _ => None,
+    })
 }
 
 /// `(kind, macvlan bridge mode)` of a link message.
@@ -292,6 +324,7 @@ impl Backend for NetworkLegs {
                         mac,
                         up: m.header.flags.contains(LinkFlags::Up),
                         bridge_mode,
+                        arp_ignore: arp_ignore_of(&m.attributes),
                     },
                     marked,
                 },
@@ -309,8 +342,8 @@ impl Backend for NetworkLegs {
         if let Some(mac) = self.mac(key) {
             link = link.address(mac.to_vec());
         }
-        self.writer
-            .handle()
+        let handle = self.writer.handle();
+        handle
             .link()
             .add(link.build())
             .execute()
@@ -318,7 +351,29 @@ impl Backend for NetworkLegs {
             .map_err(nl(format!(
                 "cannot make the leg {name:?} (a macvlan on interface index {})",
                 want.parent
-            )))
+            )))?;
+        // Over netlink, not /proc/sys (read-only under the unit).
+        let mut found = handle.link().get().match_name(name.clone()).execute();
+        let index = match found.try_next().await {
+            Ok(Some(m)) => m.header.index,
+            Ok(None) => return Ok(()),
+            Err(e) => return Err(nl(format!("cannot look up the leg {name:?}"))(e)),
+        };
+        let mut set = LinkMessage::default();
+        set.header.index = index;
+        // Only the non-zero entries are sent: this one alone.
+        let mut conf = InetDevConf::default();
+        conf.arp_ignore = ARP_IGNORE;
+        set.attributes
+            .push(LinkAttribute::AfSpecUnspec(vec![AfSpecUnspec::Inet(vec![
+                AfSpecInet::DevConfRequest(conf),
+            ])]));
+        handle
+            .link()
+            .set(set)
+            .execute()
+            .await
+            .map_err(nl(format!("cannot set arp_ignore on the leg {name:?}")))
     }
 
     async fn remove(&mut self, key: &LegKey) -> Result<(), LegError> {
@@ -402,7 +457,7 @@ mod tests {
         let index: BTreeMap<String, u32> =
             [("br.100".to_string(), 7), ("br.200".to_string(), 8)].into();
         // br.200 is no bridge (a VLAN device): no leg there.
-        let w = wanted(&c, &index, |i| i == "br.100");
+        let w = wanted(&c, &index, |i, _| i == "br.100");
         let got: Vec<String> = w
             .iter()
             .map(|(n, (k, v))| format!("{n} {k} {}", v.parent))
@@ -413,6 +468,6 @@ mod tests {
             "{KEEPALIVED}{VLAN100}{}",
             lb("default/p", "10.100.0.50", "vlan100", &[])
         );
-        assert!(wanted(&config(&text), &index, |_| true).is_empty());
+        assert!(wanted(&config(&text), &index, |_, _| true).is_empty());
     }
 }
