@@ -22,6 +22,7 @@ pub mod handoff;
 pub mod host;
 pub mod keepalived;
 pub mod mgmt_check;
+pub mod mgmt_leg;
 pub mod network;
 pub mod network_link;
 pub mod port_filter;
