@@ -49,8 +49,8 @@ pub use vmnet::{
     NetworkSpec,
 };
 pub use vmnet::{
-    DEFAULT_MANAGEMENT_VIPS, DEFAULT_READY_REQUIRES_BACKEND, REPLY_MARK_MASK,
-    not_a_vm_network_interface, reply_mark_of,
+    DEFAULT_MANAGEMENT_VIPS, DEFAULT_READY_REQUIRES_BACKEND, LEG_PREFIX, REPLY_MARK_MASK, leg_name,
+    leg_table, not_a_vm_network_interface, reply_mark_of,
 };
 
 /// Where the daemon looks for its configuration unless told otherwise.

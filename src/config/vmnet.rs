@@ -50,9 +50,32 @@ pub fn not_a_vm_network_interface(name: &str) -> Option<&'static str> {
         Some(
             "a lease macvlan this daemon makes (ipam = \"dhcp\"), not a VM network: name the network's bridge or VLAN device",
         )
+    } else if leg_table(name).is_some() {
+        Some(
+            "a network's leg this daemon makes (the macvlan through which a bridged network's kernel listeners are routed), not a VM network: name the network's bridge or VLAN device",
+        )
     } else {
         None
     }
+}
+
+/// The first bytes of a network's leg (`vip::leg`): `hleg` and the
+/// network's table in decimal, at most 14 bytes, never a lease macvlan's
+/// `hlb` + 10 hex digits.
+pub const LEG_PREFIX: &str = "hleg";
+
+/// The name of the leg of the network whose routing table is `table`.
+pub fn leg_name(table: u32) -> String {
+    format!("{LEG_PREFIX}{table}")
+}
+
+/// The table of a leg's name, when `name` is one.
+pub fn leg_table(name: &str) -> Option<u32> {
+    let digits = name.strip_prefix(LEG_PREFIX)?;
+    if digits.is_empty() || digits.starts_with('0') || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    digits.parse().ok()
 }
 
 /// Default `keepalived.vrid_base`: keepalived's own examples start at 51,

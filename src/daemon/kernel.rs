@@ -18,9 +18,10 @@ use std::time::Duration;
 
 use super::{Daemon, LbEntry};
 use crate::balancer::Backend;
-use crate::config::{Config, Forwarding, LoadBalancerSpec, OnBackendDown, Protocol};
+use crate::config::{Config, Forwarding, LoadBalancerSpec, OnBackendDown, Protocol, SourceNat};
 use crate::kernel::{Desired, KernelListener, KernelTable, ListenerId, Narrowed, Synced};
 use crate::os::Sysctl;
+use crate::vip::leg::LegStatus;
 
 /// How long a wake-up waits for more changes before the transaction, when
 /// the writer has been quiet for [`QUIET_AFTER`]: a lone health flip goes
@@ -128,16 +129,21 @@ fn bridge_stage_switch(packed: u8, family: usize, interface: &str, sysctl: &str)
 /// reaches through the local stack, serves every such listener. A tagged
 /// network's VLAN device is no bridge: its frames are NATed on it and
 /// routed out of it (docs/vip.md, "On a bridged host").
-fn bridge_stage_reason(packed: u8, spec: &LoadBalancerSpec, config: &Config) -> Option<String> {
+fn bridge_stage_reason(
+    packed: u8,
+    spec: &LoadBalancerSpec,
+    config: &Config,
+    leg: &dyn Fn(&str) -> Option<LegStatus>,
+) -> Option<String> {
     let family = usize::from(spec.vip.is_ipv6());
-    if !bridge_stage_of(packed, family) && !own_bridge_stage_of(packed, family) {
-        return None;
-    }
     let sysctl = [
         "net.bridge.bridge-nf-call-iptables",
         "net.bridge.bridge-nf-call-ip6tables",
     ][family];
     let Some(name) = spec.network.as_deref() else {
+        if !bridge_stage_of(packed, family) && !own_bridge_stage_of(packed, family) {
+            return None;
+        }
         return off_network_reason(packed, spec, config, sysctl);
     };
     let network = config.networks.iter().find(|n| n.name == name)?;
@@ -146,10 +152,45 @@ fn bridge_stage_reason(packed: u8, spec: &LoadBalancerSpec, config: &Config) -> 
         IpAddr::V6(v6) => network.ipv6_subnet().is_some_and(|n| n.contains(v6)),
     };
     let backend = spec.backends.iter().find(|b| in_subnet(b))?;
-    let switch = bridge_stage_switch(packed, family, &network.interface, sysctl)?;
+    match leg(name) {
+        // The leg routes the flows (`vip::leg`), whatever the bridge stage.
+        Some(l) if l.up() => leg_source_nat_reason(spec, network, &l),
+        leg => {
+            let switch = bridge_stage_switch(packed, family, &network.interface, sysctl)?;
+            let why = match leg {
+                Some(l) => format!(
+                    "its leg {:?} (the macvlan that routes these flows) is not in place: {}",
+                    l.name,
+                    l.error.as_deref().unwrap_or("not made yet")
+                ),
+                None => "it has no leg (the macvlan that routes these flows)".to_string(),
+            };
+            Some(format!(
+                "network {:?}'s interface {:?} is a bridge and {switch}, and {why}: without it br_netfilter NATs a frame at the bridge stage and a backend in the subnet ({backend}) behind the port a client's frame came in by is never reached (the bridge sends no frame back out of its ingress port), so the proxy serves this listener until the leg is in place (docs/vip.md, \"On a bridged host\")",
+                network.name, network.interface,
+            ))
+        }
+    }
+}
+
+/// Why `spec`'s kernel listeners on `network`, whose leg `leg` is in
+/// place, are served by the proxy: one of them has `source_nat = "none"`.
+/// The leg has no address, so the host's ARP for a backend, sent from the
+/// client's address (not the host's), would carry another interface's
+/// address as its sender (the management address, into the tenant's
+/// network). `masquerade` is written as `snat to` the VIP there instead.
+fn leg_source_nat_reason(
+    spec: &LoadBalancerSpec,
+    network: &crate::config::NetworkSpec,
+    leg: &LegStatus,
+) -> Option<String> {
+    let l = spec
+        .listeners
+        .iter()
+        .find(|l| l.forwarding == Forwarding::Kernel && l.source_nat == SourceNat::None)?;
     Some(format!(
-        "network {:?}'s interface {:?} is a bridge and {switch}: br_netfilter NATs a frame at the bridge stage, and a backend in the subnet ({backend}) behind the port a client's frame came in by is never reached (the bridge sends no frame back out of its ingress port), so the proxy serves this listener; a tagged network's VLAN device works with the kernel path (docs/vip.md, \"On a bridged host\")",
-        network.name, network.interface,
+        "listener {:?} has source_nat = \"none\" and network {:?} is routed by its leg {:?}, which has no address: the host's ARP for a backend would carry another interface's address (this host's management address) into the tenant's network, so the proxy serves this load balancer's kernel listeners; use source_nat = \"vip\" or \"masquerade\" (written as SNAT to the VIP there) for the kernel path (docs/vip.md, \"On a bridged host\")",
+        l.name, network.name, leg.name,
     ))
 }
 
@@ -216,6 +257,8 @@ struct CachedDesired {
     forwarding_off: u8,
     /// The reading of other programs' forward chains it was built with.
     forward_chains: u64,
+    /// The networks' legs it was built with (`VmNet::legs_generation`).
+    legs: u64,
     desired: Desired,
     /// The load balancers the kernel had refused that this state tries
     /// again (a reload, or [`REFUSED_RETRY`] passed): a write that
@@ -331,7 +374,7 @@ impl Daemon {
                     lb.listeners
                         .iter()
                         .any(|l| l.forwarding == Forwarding::Kernel)
-                        && bridge_stage_reason(off, lb, c).is_some()
+                        && bridge_stage_reason(off, lb, c, &|n| self.leg(n)).is_some()
                 })
                 .map(|lb| format!("{:?}", lb.name))
                 .collect()
@@ -363,7 +406,22 @@ impl Daemon {
         spec: &LoadBalancerSpec,
         config: &Config,
     ) -> Option<String> {
-        bridge_stage_reason(self.forwarding_off.load(Ordering::Acquire), spec, config)
+        bridge_stage_reason(
+            self.forwarding_off.load(Ordering::Acquire),
+            spec,
+            config,
+            &|n| self.leg(n),
+        )
+    }
+
+    /// Whether `spec`'s network routes its kernel listeners' flows out of
+    /// its leg (in place): their `masquerade` is then `snat to` the VIP,
+    /// the leg having no address of its own.
+    fn on_leg(&self, spec: &LoadBalancerSpec) -> bool {
+        spec.network
+            .as_deref()
+            .and_then(|n| self.leg(n))
+            .is_some_and(|l| l.up())
     }
 
     /// Why a kernel listener on `vip` is not in the kernel although its
@@ -400,6 +458,7 @@ impl Daemon {
         self.check_ip_forwarding();
         let forwarding_off = self.forwarding_off.load(Ordering::Acquire);
         let forward_chains = self.forward_chains.generation();
+        let legs = self.vmnet.legs_generation.load(Ordering::Acquire);
         let st = self.lock();
         let Some(config) = &st.config else {
             let previous = cached.take().map(|k| k.desired);
@@ -407,6 +466,7 @@ impl Daemon {
                 generation: st.config_generation,
                 forwarding_off,
                 forward_chains,
+                legs,
                 desired: Desired::new(),
                 retried: Vec::new(),
             });
@@ -417,6 +477,7 @@ impl Daemon {
             k.generation == st.config_generation
                 && k.forwarding_off == forwarding_off
                 && k.forward_chains == forward_chains
+                && k.legs == legs
         });
         let mut desired = if whole {
             Desired::new()
@@ -466,6 +527,7 @@ impl Daemon {
             generation: st.config_generation,
             forwarding_off,
             forward_chains,
+            legs,
             desired,
             retried,
         });
@@ -491,6 +553,7 @@ impl Daemon {
             return Vec::new();
         }
         let snapshot = entry.lb.snapshot();
+        let on_leg = self.on_leg(spec);
         spec.listeners
             .iter()
             .filter(|l| l.forwarding == Forwarding::Kernel)
@@ -505,7 +568,12 @@ impl Daemon {
                         .collect(),
                     source_ranges: (!spec.source_ranges.is_everyone())
                         .then(|| spec.source_ranges.ranges().to_vec()),
-                    source_nat: l.source_nat,
+                    // The leg has no address: masquerade would take
+                    // another interface's (the management address).
+                    source_nat: match l.source_nat {
+                        SourceNat::Masquerade if on_leg => SourceNat::Vip,
+                        other => other,
+                    },
                     close_down: if spec.on_backend_down == OnBackendDown::Close {
                         spec.backends
                             .iter()

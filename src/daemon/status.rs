@@ -87,6 +87,12 @@ impl Daemon {
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
                 .clone(),
+            network_legs: self
+                .vmnet
+                .legs
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .clone(),
             announce,
             vip_refused: self.vip_refusals(),
             network_refused: self.network_refusals(),
@@ -379,6 +385,11 @@ pub struct StatusDoc {
     /// Kernel listeners on VM networks: the reply-mark table and `fwmark`
     /// rules the kernel held at the last read-back, and the last failure.
     pub reply_marks: crate::vip::replymark::ReplyMarkStatus,
+    /// Each bridged VM network's leg (`vip::leg`: the macvlan its kernel
+    /// listeners' flows are routed out of), by the network's name, as last
+    /// read back: its name, MAC, state and why it is not in place; only the
+    /// networks that need one (a bridge, a kernel listener).
+    pub network_legs: std::collections::BTreeMap<String, crate::vip::leg::LegStatus>,
     /// `vip.announce = "routes"`: every VIP, announced or not and why;
     /// absent with `none`.
     #[serde(skip_serializing_if = "Option::is_none")]

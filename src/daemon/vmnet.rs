@@ -33,6 +33,7 @@ use crate::metrics::HostKind;
 use crate::owned::{CHECK_INTERVAL, Driver, Object};
 use crate::vip::announce::RouteWriter;
 use crate::vip::keepalived::{self, Installed};
+use crate::vip::leg::{LegStatus, NetworkLegs};
 use crate::vip::network::{NetKey, NetworkRoutes, wanted};
 use crate::vip::replymark::{MarkKey, MarkWant, ReplyMarkStatus, ReplyMarks};
 use crate::vip::vmnet_filter::{Rules, VmNetworkGuard};
@@ -44,6 +45,14 @@ pub(super) struct VmNet {
     pub(super) guard: Arc<VmNetworkGuard>,
     /// The reply marks as last read back, for `/status`.
     pub(super) reply_marks: std::sync::Mutex<ReplyMarkStatus>,
+    /// Each network's leg as last read back, by the network's name (only
+    /// networks that need one: `vip::leg`), for `/status` and for the
+    /// kernel listeners, which go into the kernel on a bridged network
+    /// only while its leg is in place.
+    pub(super) legs: std::sync::Mutex<BTreeMap<String, LegStatus>>,
+    /// Bumped whenever a network's leg comes into place or leaves it: the
+    /// kernel listeners' desired state is rebuilt whole then.
+    pub(super) legs_generation: std::sync::atomic::AtomicU64,
     /// What the management check pings, as seen at the last apply with
     /// `[keepalived]` (`vip::mgmt_check::discover`), for `/status`.
     pub(super) mgmt_check: std::sync::Mutex<Option<crate::vip::mgmt_check::Discovered>>,
@@ -58,6 +67,8 @@ pub(super) struct VmNet {
 struct Inner {
     /// The networks' routes and rules, once a network is configured.
     routes: Option<Driver<NetworkRoutes>>,
+    /// The bridged networks' legs (`vip::leg`), once one is needed.
+    legs: Option<Driver<NetworkLegs>>,
     /// The marks that route kernel listeners' replies by their network
     /// (`vip::replymark`), once a kernel listener is on a network.
     marks: Option<Driver<ReplyMarks>>,
@@ -250,7 +261,16 @@ impl Daemon {
     /// keepalived is told of new VIPs: a VIP on an isolated network is not
     /// ready until its guard is in force).
     async fn vmnet_guard(&self, config: &Config) {
-        let rules = Rules::of(config);
+        // The legs this config asks for (a bridged network with a kernel
+        // listener), named before they are made.
+        let mut links = BTreeMap::new();
+        for net in &config.networks {
+            links.insert(net.interface.clone(), 0);
+        }
+        let legs = crate::vip::leg::wanted(config, &links, crate::os::is_bridge)
+            .into_keys()
+            .collect();
+        let rules = Rules::with_legs(config, &legs);
         // Only with the table's claim: another daemon's table is never
         // replaced, nor deleted as a predecessor's leftover.
         if let Err(e) = self.claims.hold(Object::VmNetworkGuard).await {
@@ -326,7 +346,14 @@ impl Daemon {
             NetKey::Rule { .. } => None,
         }));
         driver.backend().set_tables(tables);
-        let want = wanted(config, &index_of);
+        let writer = driver.backend().writer().clone();
+        let legs = self
+            .vmnet_legs(&mut inner.legs, &writer, config, &index_of)
+            .await;
+        let Some(driver) = inner.routes.as_mut() else {
+            return;
+        };
+        let want = wanted(config, &index_of, &legs);
         let out = driver.sync(&want).await;
         self.metrics
             .record_host_repairs(HostKind::NetworkRoute, out.repaired.len() as u64);
@@ -342,9 +369,115 @@ impl Daemon {
         for (key, seen) in &out.foreign {
             tracing::warn!(object = %key, seen = ?seen, "VM networks: another program holds this {key}; left alone, replies from that VIP may leave by another route");
         }
-        let marks = crate::vip::replymark::wanted(config, &want);
-        let writer = driver.backend().writer().clone();
+        let marks = crate::vip::replymark::wanted(config, &want, &legs.into_keys().collect());
         self.vmnet_marks(&mut inner.marks, &writer, &marks).await;
+    }
+
+    /// Reads back and makes the bridged networks' legs (`vip::leg`);
+    /// publishes their state for `/status` and the kernel listeners (and
+    /// wakes the kernel writer when a leg comes or goes). Returns the
+    /// index of each leg in place, by network.
+    async fn vmnet_legs(
+        &self,
+        slot: &mut Option<Driver<NetworkLegs>>,
+        writer: &RouteWriter,
+        config: &Config,
+        index_of: &BTreeMap<String, u32>,
+    ) -> BTreeMap<String, u32> {
+        let by_network = crate::vip::leg::wanted(config, index_of, crate::os::is_bridge);
+        if by_network.is_empty() && slot.as_ref().is_none_or(|d| d.held().next().is_none()) {
+            self.set_legs(BTreeMap::new());
+            return BTreeMap::new();
+        }
+        let driver = slot.get_or_insert_with(|| Driver::new(NetworkLegs::new(writer.clone())));
+        let want: BTreeMap<_, _> = by_network.values().cloned().collect();
+        let out = driver.sync(&want).await;
+        self.metrics
+            .record_host_repairs(HostKind::NetworkLeg, out.repaired.len() as u64);
+        let retry = CHECK_INTERVAL.as_secs();
+        if let Some(e) = &out.unread {
+            tracing::error!("VM networks' legs: {e}; retried in {retry} s");
+        }
+        for (key, failure) in &out.failed {
+            tracing::error!(object = %key, "VM networks' legs: {failure}; that network's kernel listeners are served by the proxy meanwhile (retried in {retry} s)");
+        }
+        for (key, seen) in &out.foreign {
+            tracing::warn!(object = %key, seen = ?seen, "VM networks: another program holds an interface named as this {key} (not a macvlan); left alone, and that network's kernel listeners are served by the proxy");
+        }
+        for key in &out.written {
+            tracing::info!(object = %key, "VM networks: leg made (a macvlan on the network's bridge: its kernel listeners' flows are routed out of it)");
+        }
+        let mut status = BTreeMap::new();
+        let mut indexes = BTreeMap::new();
+        for (network, (key, _)) in &by_network {
+            let name = key.name();
+            let up = driver.holds(key);
+            let index = if up {
+                writer.interface_index(&name).await.ok()
+            } else {
+                None
+            };
+            let error = if let Some(f) = out.failure(key) {
+                Some(f.to_string())
+            } else if let Some((_, seen)) = out.foreign.iter().find(|(k, _)| k == key) {
+                Some(format!(
+                    "another program holds an interface named {name:?} that is not this daemon's macvlan ({seen:?})"
+                ))
+            } else {
+                out.unread.as_ref().map(ToString::to_string)
+            };
+            if let Some(i) = index {
+                indexes.insert(network.clone(), i);
+            }
+            status.insert(
+                network.clone(),
+                LegStatus {
+                    name,
+                    mac: driver
+                        .backend()
+                        .mac(key)
+                        .filter(|_| index.is_some())
+                        .map(crate::vip::leg::colons),
+                    state: if index.is_some() { "up" } else { "missing" },
+                    error: if index.is_some() {
+                        None
+                    } else {
+                        Some(error.unwrap_or_else(|| "not made yet".to_string()))
+                    },
+                },
+            );
+        }
+        self.set_legs(status);
+        indexes
+    }
+
+    /// Publishes the legs' state; a leg that came into place or left it
+    /// rebuilds the kernel listeners.
+    fn set_legs(&self, now: BTreeMap<String, LegStatus>) {
+        let mut legs = self.vmnet.legs.lock().unwrap_or_else(|p| p.into_inner());
+        let up = |m: &BTreeMap<String, LegStatus>| -> Vec<String> {
+            m.iter()
+                .filter(|(_, l)| l.up())
+                .map(|(n, _)| n.clone())
+                .collect()
+        };
+        let changed = up(&legs) != up(&now);
+        *legs = now;
+        drop(legs);
+        if changed {
+            self.vmnet.legs_generation.fetch_add(1, Ordering::AcqRel);
+            self.kernel_wake();
+        }
+    }
+
+    /// Network `name`'s leg as last read back, if it needs one.
+    pub(super) fn leg(&self, name: &str) -> Option<LegStatus> {
+        self.vmnet
+            .legs
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(name)
+            .cloned()
     }
 
     /// Reads back and writes the reply marks of kernel listeners on VM
@@ -413,6 +546,13 @@ impl Daemon {
             let out = driver.stop().await;
             for (key, failure) in &out.failed {
                 tracing::error!(object = %key, "VM networks: cannot remove at stop: {failure}");
+            }
+        }
+        // The legs last: the routes went out of them.
+        if let Some(mut driver) = inner.legs.take() {
+            let out = driver.stop().await;
+            for (key, failure) in &out.failed {
+                tracing::error!(object = %key, "VM networks' legs: cannot remove at stop: {failure}");
             }
         }
     }

@@ -369,6 +369,8 @@ labels! {
         /// The reply-mark table (`inet harvester_lb_reply`) or a
         /// network's `fwmark` rule.
         ReplyMark = "reply_mark",
+        /// A bridged VM network's leg (a macvlan on its bridge, `hleg<table>`).
+        NetworkLeg = "network_leg",
     };
 }
 

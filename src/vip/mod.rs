@@ -21,6 +21,7 @@ pub mod gate;
 pub mod handoff;
 pub mod host;
 pub mod keepalived;
+pub mod leg;
 pub mod mgmt_check;
 pub mod mgmt_leg;
 pub mod network;

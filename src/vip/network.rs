@@ -100,10 +100,16 @@ pub enum NetState {
 }
 
 /// The objects `config` asks for, given the index of each network
-/// interface this host has (`index_of`, by name): for each network used
-/// by a load balancer whose interface exists, its subnet and default
-/// route in its table, and one rule per VIP on it. Pure.
-pub fn wanted(config: &Config, index_of: &BTreeMap<String, u32>) -> BTreeMap<NetKey, NetState> {
+/// interface this host has (`index_of`, by name) and of each network's
+/// leg in place (`legs`, by the network's name: [`super::leg`]): for each
+/// network used by a load balancer whose interface exists, its subnet and
+/// default route in its table, out of its leg where it has one, else out
+/// of its interface, and one rule per VIP on it. Pure.
+pub fn wanted(
+    config: &Config,
+    index_of: &BTreeMap<String, u32>,
+    legs: &BTreeMap<String, u32>,
+) -> BTreeMap<NetKey, NetState> {
     let mut out = BTreeMap::new();
     for lb in &config.load_balancers {
         let Some(name) = &lb.network else {
@@ -120,6 +126,9 @@ pub fn wanted(config: &Config, index_of: &BTreeMap<String, u32>) -> BTreeMap<Net
         let Some(&index) = index_of.get(&net.interface) else {
             continue;
         };
+        // A bridged network's leg carries its routes: what leaves by it is
+        // routed, never bridged back toward the port it came in by.
+        let index = legs.get(&net.name).copied().unwrap_or(index);
         // The VIP's family: its subnet and gateway (an IPv6 VIP is
         // accepted only on a network with an IPv6 gateway).
         let (subnet, any, gateway) = match lb.vip {
@@ -230,7 +239,11 @@ fn route_message(table: u32, dest: IpNet, state: Option<&NetState>) -> RouteMess
                 interface,
             );
             match (state.is_some(), gateway) {
-                (_, Some(IpAddr::V4(g))) => b.gateway(g),
+                // On-link: the gateway is in the network's subnet, out of
+                // this interface, whatever the other tables say (a leg, or
+                // a bridge without an address of the host's, has no route
+                // of the main table to check it against).
+                (_, Some(IpAddr::V4(g))) => b.gateway(g).onlink(),
                 (true, _) => b.scope(RouteScope::Link),
                 // A deletion matches any scope: the kernel compares the
                 // scope unless it is "nowhere", and the builder's default
@@ -247,7 +260,7 @@ fn route_message(table: u32, dest: IpNet, state: Option<&NetState>) -> RouteMess
                 interface,
             );
             match gateway {
-                Some(IpAddr::V6(g)) => b.gateway(g),
+                Some(IpAddr::V6(g)) => b.gateway(g).onlink(),
                 _ => b,
             }
             .build()
@@ -470,7 +483,7 @@ mod tests {
         let config = config(&text);
         // br.200 does not exist on this host: nothing for vlan200.
         let index: BTreeMap<String, u32> = [("br.100".to_string(), 7)].into();
-        let w = wanted(&config, &index);
+        let w = wanted(&config, &index, &BTreeMap::new());
         let got: Vec<String> = w.iter().map(|(k, v)| format!("{k} {v:?}")).collect();
         assert_eq!(
             got,
@@ -493,7 +506,7 @@ mod tests {
         let mut config = config(&text);
         let index: BTreeMap<String, u32> = [("br.100".to_string(), 7)].into();
         assert!(
-            wanted(&config, &index)
+            wanted(&config, &index, &BTreeMap::new())
                 .keys()
                 .all(|k| !matches!(k, NetKey::Rule { .. })),
             "no `from 0.0.0.0` rule for an unleased VIP"
@@ -501,9 +514,11 @@ mod tests {
         // The daemon puts the leased address in place of 0.0.0.0.
         std::sync::Arc::make_mut(&mut config.load_balancers[0]).vip =
             IpAddr::V4(Ipv4Addr::new(10, 100, 0, 77));
-        assert!(wanted(&config, &index).contains_key(&NetKey::Rule {
-            vip: IpAddr::V4(Ipv4Addr::new(10, 100, 0, 77))
-        }));
+        assert!(
+            wanted(&config, &index, &BTreeMap::new()).contains_key(&NetKey::Rule {
+                vip: IpAddr::V4(Ipv4Addr::new(10, 100, 0, 77))
+            })
+        );
         // keepalived does not move it: no instance renders it.
         let rendered = crate::vip::keepalived::render(&config).expect("[keepalived]");
         assert!(!rendered.contains("10.100.0.77"), "{rendered}");

@@ -20,9 +20,14 @@
 //!     ct state new ct status dnat ct original ip daddr { VIP, … } ct mark set ct mark & ~0xff | MARK
 //!     (ip6 likewise)
 //!   }
+//!     (a network with a leg: its flows' first packet too)
+//!     ct direction original ct mark & 0xff == MARK ct reply ip saddr SUBNET meta mark set meta mark & ~0xff | MARK
+//!   }
 //!   chain mark_replies {    # before routing, every reply packet
 //!     type filter hook prerouting priority mangle; policy accept;
 //!     ct direction reply ct mark & 0xff == MARK meta mark set meta mark & ~0xff | MARK
+//!     (a network with a leg: every packet of its flows to a backend in its subnet)
+//!     ct direction original ct mark & 0xff == MARK ct reply ip saddr SUBNET meta mark set meta mark & ~0xff | MARK
 //!   }
 //! }
 //! ip rule  fwmark MARK/0xff lookup TABLE pref 30000 proto 252
@@ -44,7 +49,14 @@
 //! whose tables give one value.
 //!
 //! Only replies get the packet mark (`ct direction reply`): the client's
-//! own packets keep routing to the backend by the host's tables. Only
+//! own packets keep routing to the backend by the host's tables. On a
+//! network with a leg ([`super::leg`]: a bridged network's macvlan) the
+//! client's packets to a backend in the network's subnet get it too (the
+//! reply tuple's source is the backend, whatever the priority), so they
+//! route by the network's table, out of the leg, even at the bridge stage
+//! (`br_nf_pre_routing_finish` routes with the packet's mark): that is what
+//! keeps them from being bridged back toward the port they came in by. A
+//! backend in another subnet still routes by the host's tables. Only
 //! DNATed flows get the conntrack mark (`ct status dnat`): the proxy's
 //! connections are answered from a local socket, which the `from VIP`
 //! rule routes. Replies to the host itself (a host process that connected
@@ -66,6 +78,8 @@ use rtnetlink::packet_route::route::RouteProtocol;
 use rtnetlink::packet_route::rule::{RuleAction, RuleAttribute, RuleMessage};
 
 use super::announce::{AnnounceError, ROUTE_PROTOCOL, RouteWriter, errno};
+use ipnet::IpNet;
+
 use super::network::{NetKey, NetState, RULE_PRIORITY};
 use crate::config::{Config, Forwarding};
 use crate::owned::driver::Listing;
@@ -103,11 +117,22 @@ impl fmt::Display for MarkKey {
     }
 }
 
+/// What the table marks: the flows to these VIPs, by mark value, and on
+/// the networks with a leg both directions of their flows to a backend in
+/// these subnets.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct MarkTable {
+    /// The VIPs of kernel listeners, by their network's mark.
+    pub vips: BTreeMap<u32, BTreeSet<IpAddr>>,
+    /// The subnets (IPv4, IPv6) of the networks with a leg, by mark.
+    pub legs: BTreeMap<u32, Vec<IpNet>>,
+}
+
 /// What the daemon wants of an object.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum MarkWant {
-    /// The table marking the flows to these VIPs, by mark value.
-    Table(BTreeMap<u32, BTreeSet<IpAddr>>),
+    /// The table.
+    Table(MarkTable),
     /// A rule looking up `table`.
     Rule {
         /// The network's table.
@@ -128,10 +153,16 @@ pub enum MarkSeen {
 }
 
 /// The objects `config` asks for, given the network rules it asks of
-/// [`super::network::wanted`] (`routes`): for every VIP with a `from VIP`
-/// rule whose load balancer has a kernel listener, its network's mark on
-/// its flows, and one `fwmark` rule per network and family. Pure.
-pub fn wanted(config: &Config, routes: &BTreeMap<NetKey, NetState>) -> BTreeMap<MarkKey, MarkWant> {
+/// [`super::network::wanted`] (`routes`) and the networks whose leg is in
+/// place (`legs`, by name): for every VIP with a `from VIP` rule whose
+/// load balancer has a kernel listener, its network's mark on its flows
+/// (both directions where the network has a leg), and one `fwmark` rule
+/// per network and family. Pure.
+pub fn wanted(
+    config: &Config,
+    routes: &BTreeMap<NetKey, NetState>,
+    legs: &BTreeSet<String>,
+) -> BTreeMap<MarkKey, MarkWant> {
     let mut marks: BTreeMap<u32, BTreeSet<IpAddr>> = BTreeMap::new();
     let mut out = BTreeMap::new();
     for (key, state) in routes {
@@ -159,16 +190,48 @@ pub fn wanted(config: &Config, routes: &BTreeMap<NetKey, NetState>) -> BTreeMap<
             MarkWant::Rule { table: *table },
         );
     }
-    if !marks.is_empty() {
-        out.insert(MarkKey::Table, MarkWant::Table(marks));
+    if marks.is_empty() {
+        return out;
     }
+    let mut table = MarkTable {
+        legs: BTreeMap::new(),
+        vips: marks,
+    };
+    for net in config.networks.iter().filter(|n| legs.contains(&n.name)) {
+        let mark = mark_of(net.table);
+        if !table.vips.contains_key(&mark) {
+            continue;
+        }
+        let subnets = table.legs.entry(mark).or_default();
+        subnets.push(IpNet::V4(net.subnet()));
+        subnets.extend(net.ipv6_subnet().map(IpNet::V6));
+    }
+    out.insert(MarkKey::Table, MarkWant::Table(table));
     out
 }
 
 /// The whole table as one `nft -f` transaction: create it if missing,
 /// delete it, and create it again with its chains.
-pub fn render(marks: &BTreeMap<u32, BTreeSet<IpAddr>>) -> String {
+pub fn render(table: &MarkTable) -> String {
+    let marks = &table.vips;
     let keep = !MARK_MASK;
+    // A leg network's flows to a backend in its subnet, in the client's
+    // direction: routed by the network's table (out of its leg).
+    let originals = |t: &mut String| {
+        for (mark, subnets) in &table.legs {
+            for subnet in subnets {
+                let ip = if matches!(subnet, IpNet::V4(_)) {
+                    "ip"
+                } else {
+                    "ip6"
+                };
+                let _ = writeln!(
+                    t,
+                    "    ct direction original ct mark and {MARK_MASK:#010x} == {mark:#010x} ct reply {ip} saddr {subnet} meta mark set meta mark and {keep:#010x} or {mark:#010x}"
+                );
+            }
+        }
+    };
     let mut t =
         format!("add table inet {TABLE}\ndelete table inet {TABLE}\ntable inet {TABLE} {{\n");
     t.push_str(
@@ -191,10 +254,14 @@ pub fn render(marks: &BTreeMap<u32, BTreeSet<IpAddr>>) -> String {
             );
         }
     }
+    // The first packet: its conntrack mark is set just above.
+    originals(&mut t);
     t.push_str("  }\n");
     t.push_str(
         "  chain mark_replies {\n    type filter hook prerouting priority mangle; policy accept;\n",
     );
+    // Every later packet, before the DNAT and the routing.
+    originals(&mut t);
     for mark in marks.keys() {
         let _ = writeln!(
             t,
@@ -472,8 +539,8 @@ network = "vlan100"
         let config = config(&text);
         let index: BTreeMap<String, u32> =
             [("br.100".to_string(), 7), ("br.200".to_string(), 8)].into();
-        let routes = super::super::network::wanted(&config, &index);
-        let w = wanted(&config, &routes);
+        let routes = super::super::network::wanted(&config, &index, &BTreeMap::new());
+        let w = wanted(&config, &routes, &BTreeSet::new());
         let (m100, m200) = (mark_of(1100), mark_of(1200));
         assert_ne!(m100, m200);
         let rules: Vec<String> = w
@@ -511,6 +578,29 @@ network = "vlan100"
     }
 
     #[test]
+    fn a_network_with_a_leg_marks_its_flows_to_backends_in_its_subnet_both_ways() {
+        let text = format!(
+            "{KEEPALIVED}{VLAN100}table = 110\n{VLAN200}table = 200\n{}  forwarding = \"kernel\"\n{}  forwarding = \"kernel\"\n",
+            lb("default/a", "10.100.0.50", "vlan100", &[]),
+            lb("default/b", "10.200.0.50", "vlan200", &[]),
+        );
+        let config = config(&text);
+        let index: BTreeMap<String, u32> =
+            [("br.100".to_string(), 7), ("br.200".to_string(), 8)].into();
+        let routes = super::super::network::wanted(&config, &index, &BTreeMap::new());
+        let w = wanted(&config, &routes, &BTreeSet::from(["vlan100".to_string()]));
+        let Some(MarkWant::Table(table)) = w.get(&MarkKey::Table) else {
+            panic!("no table: {w:?}");
+        };
+        let text = render(table);
+        let original = "ct direction original ct mark and 0x000000ff == 0x0000006e ct reply ip saddr 10.100.0.0/24 meta mark set meta mark and 0xffffff00 or 0x0000006e";
+        // The first packet (after the conntrack mark is set) and every later one.
+        assert_eq!(text.matches(original).count(), 2, "{text}");
+        // vlan200 has no leg: its original direction is not marked.
+        assert!(!text.contains("ct reply ip saddr 10.200.0.0/24"), "{text}");
+    }
+
+    #[test]
     fn no_kernel_listener_on_a_network_means_no_table_and_no_rule() {
         let text = format!(
             "{KEEPALIVED}{VLAN100}{}",
@@ -518,7 +608,7 @@ network = "vlan100"
         );
         let config = config(&text);
         let index: BTreeMap<String, u32> = [("br.100".to_string(), 7)].into();
-        let routes = super::super::network::wanted(&config, &index);
-        assert!(wanted(&config, &routes).is_empty());
+        let routes = super::super::network::wanted(&config, &index, &BTreeMap::new());
+        assert!(wanted(&config, &routes, &BTreeSet::from(["vlan100".to_string()])).is_empty());
     }
 }

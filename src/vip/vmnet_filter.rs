@@ -148,12 +148,23 @@ impl Rules {
     /// its load balancers (those on the network, and those leased on its
     /// interface).
     pub fn of(config: &Config) -> Self {
+        Self::with_legs(config, &BTreeSet::new())
+    }
+
+    /// [`Rules::of`], with the leg (`vip::leg`) of each network named in
+    /// `legs` among its interfaces: a VM's frame to the leg's MAC address
+    /// enters the host there and meets the same guard, and a flow routed
+    /// out of it stays on its network. Named from the config on, as the
+    /// lease macvlans are: before the link exists, and the moment it is
+    /// made again.
+    pub fn with_legs(config: &Config, legs: &BTreeSet<String>) -> Self {
         let mut r = Self::default();
         for net in config.networks.iter().filter(|n| n.isolate) {
-            r.groups
-                .entry(net.interface.clone())
-                .or_default()
-                .insert(net.interface.clone());
+            let group = r.groups.entry(net.interface.clone()).or_default();
+            group.insert(net.interface.clone());
+            if legs.contains(&net.name) {
+                group.insert(crate::vip::leg::name_for(net.table));
+            }
         }
         // A leased VIP's macvlan is named after its MAC address, so the set
         // holds it from the config on: before the link exists, and the
