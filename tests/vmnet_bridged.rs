@@ -56,7 +56,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use netns::peers::{Exchange, Node, Service, exchange, serve_name_then_echo};
-use netns::vmnet::{FAR_CLIENT, GATEWAY, mgmt_host, routed_vm, sysctl, vm_on_host};
+use netns::vmnet::{FAR_CLIENT, GATEWAY, ip_out, mgmt_host, routed_vm, sysctl, vm_on_host};
 use netns::{Bed, DaemonProc, NODEPORT, Ns, config, node_ip, sa, wait_for};
 use support::{Lb, Listener, keepalived, network};
 
@@ -464,35 +464,41 @@ async fn netns_a_kernel_listener_on_a_bridged_vm_network_serves_every_client_and
     assert!(!has_link(&a, LEG), "the leg is removed at a clean stop");
 }
 
-/// Whether `d` has decided where its first load balancer's kernel
-/// listener goes: into the kernel, or to the proxy with a reason (before
-/// its first sync the proxy serves it with none).
-async fn decided(d: &DaemonProc) -> Option<()> {
-    let Ok((200, body)) = d.get("/status").await else {
-        return None;
-    };
-    let s: serde_json::Value = serde_json::from_str(&body).ok()?;
-    let l = s["load_balancers"][0]["listeners"]
-        .as_array()?
-        .iter()
-        .find(|l| l["name"] == "kernel")?
-        .clone();
-    (l["forwarding"] == "kernel" || l["kernel_error"].as_str().is_some_and(|e| !e.is_empty()))
-        .then_some(())
+/// The management VIPs' leg's table (`keepalived.management_table`'s
+/// default), its leg and its mark.
+const MGMT_TABLE: &str = "999";
+const MGMT_LEG: &str = "hleg999";
+const MGMT_MARK: &str = "0xea";
+
+/// What host `a` holds of the management VIPs' leg: the leg, its table's
+/// subnet route out of it, and the `fwmark` rule into the table.
+fn mgmt_leg_in_place(a: &Ns) -> (bool, bool, bool) {
+    let leg = ip_out(a, &["-o", "link", "show"]).contains(&format!("{MGMT_LEG}@eth0"));
+    let route = ip_out(a, &["route", "show", "table", MGMT_TABLE])
+        .contains(&format!("198.51.100.0/24 dev {MGMT_LEG}"));
+    let rule = ip_out(a, &["rule", "show"])
+        .contains(&format!("fwmark {MGMT_MARK}/0xff lookup {MGMT_TABLE}"));
+    (leg, route, rule)
 }
 
-/// Issue 42 (h42-bridge): a management VIP (a load balancer on no
-/// `[[network]]`, moved by the configured keepalived on
+/// Issue 42 (h42-bridge, then h49-mgmtleg): a management VIP (a load
+/// balancer on no `[[network]]`, moved by the configured keepalived on
 /// `keepalived.interface`) whose interface is a bridge with `br_netfilter`
 /// on, and whose backend is routed out of that same bridge (n1, behind the
-/// uplink): the same bridge stage as a network VIP's. Before, 0 of 10
+/// uplink): the same bridge stage as a network VIP's. First 0 of 10
 /// clients on the network behind the uplink were served through the
-/// kernel listener (each timed out); now the proxy serves it, 10 of 10,
-/// and `/status` names `keepalived.interface`. The bridge here is host
-/// a's `eth0` standing for `mgmt-br`; keepalived itself is left out (the
-/// VIP is added by hand, as in the holder's test).
+/// kernel listener (each timed out); then the proxy served it (10 of 10,
+/// its connections lost at a move); now the kernel does, through the
+/// management VIPs' leg (`hleg999`, a macvlan on the bridge) and its
+/// table 999 (the main table's routes out of the bridge, moved onto the
+/// leg): 10 of 10 DNATed, `/status` `forwarding: "kernel"`. A route of that
+/// table deleted by another program is put back and counted
+/// (`host_repairs_total{kind="network_route"}`); a clean stop leaves no
+/// leg, route or rule. The bridge here is host a's `eth0` standing for
+/// `mgmt-br`; keepalived itself is left out (the VIP is added by hand, as
+/// in the holder's test).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn netns_a_kernel_listener_on_a_management_vip_over_a_bridge_is_served_by_the_proxy() {
+async fn netns_a_kernel_listener_on_a_management_vip_over_a_bridge_is_served_by_the_kernel() {
     require_netns!();
     let mut bed = Bed::new("vmbrmgmt", 1);
     let _n1 = Node::start(&bed, 1, Service::NameThenEcho);
@@ -516,32 +522,58 @@ async fn netns_a_kernel_listener_on_a_management_vip_over_a_bridge_is_served_by_
             .listener(Listener::new("proxy", PROXY, NODEPORT)))
         .to_string();
     let path = bed.write("config-a.toml", &text);
-    let d = DaemonProc::spawn(&a, &path, &bed.dir.join("daemon-a.log"), None);
+    let mut d = DaemonProc::spawn(&a, &path, &bed.dir.join("daemon-a.log"), None);
     wait_for(
         Duration::from_secs(30),
         "the proxy listener serves",
         || async { (served(&bed.client, None, VIP_UPLINK, PROXY, 1).await == 1).then_some(()) },
     )
     .await;
-    wait_for(
-        Duration::from_secs(30),
-        "the kernel listener in the kernel, or with the proxy and a reason",
-        || decided(&d),
-    )
-    .await;
+    // The proxy serves it until the leg, its table and marks are in place
+    // (the first apply and the VM-network task's first step).
+    kernel_written(&d).await;
     let ok = served(&bed.client, None, VIP_UPLINK, KERNEL, 10).await;
     eprintln!(
-        "FIGURE vmnet bridged management VIP: a client behind the uplink served {ok}/10 through the kernel listener's port"
+        "FIGURE vmnet bridged management VIP: a client behind the uplink served {ok}/10 through the kernel listener"
     );
     assert_eq!(
         ok, 10,
-        "clients behind the uplink through the kernel listener's port (the rest timed out)"
+        "clients behind the uplink through the kernel listener"
     );
-    let reason = proxy_reason(&d).await.unwrap_or_default();
     assert!(
-        reason.contains("keepalived.interface") && reason.contains("\"eth0\""),
-        "the reason names keepalived.interface and the bridge: {reason}"
+        flows_to(&a, VIP_UPLINK) >= 10,
+        "the kernel DNATed those flows"
     );
-    assert_eq!(flows_to(&a, VIP_UPLINK), 0, "no flow DNATed");
-    drop(d);
+    assert_eq!(mgmt_leg_in_place(&a), (true, true, true));
+
+    // Another program deletes the leg's subnet route: put back, counted.
+    a.ip(&["route", "del", "198.51.100.0/24", "table", MGMT_TABLE]);
+    wait_for(
+        Duration::from_secs(40),
+        "the leg's table's route put back and counted",
+        || async {
+            let m = d.metrics().await;
+            (mgmt_leg_in_place(&a).1
+                && netns::metric(
+                    &m,
+                    "harvester_lb_host_repairs_total",
+                    &[("kind", "network_route")],
+                ) >= 1.0)
+                .then_some(())
+        },
+    )
+    .await;
+    assert_eq!(
+        served(&bed.client, None, VIP_UPLINK, KERNEL, 10).await,
+        10,
+        "through the kernel listener again"
+    );
+
+    // A clean stop leaves no leg, route or rule.
+    d.signal(libc::SIGTERM);
+    assert!(
+        d.wait_exit(Duration::from_secs(60)).await.is_some(),
+        "the daemon stops"
+    );
+    assert_eq!(mgmt_leg_in_place(&a), (false, false, false), "left at stop");
 }

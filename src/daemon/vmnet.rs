@@ -34,9 +34,14 @@ use crate::owned::{CHECK_INTERVAL, Driver, Object};
 use crate::vip::announce::RouteWriter;
 use crate::vip::keepalived::{self, Installed};
 use crate::vip::leg::{LegStatus, NetworkLegs};
+use crate::vip::mgmt_leg::{MgmtLeg, MgmtLegStatus};
 use crate::vip::network::{NetKey, NetworkRoutes, wanted};
 use crate::vip::replymark::{MarkKey, MarkWant, ReplyMarkStatus, ReplyMarks};
 use crate::vip::vmnet_filter::{Rules, VmNetworkGuard};
+
+/// The key of the management VIPs' leg among the networks' legs while
+/// they are made: `[` is in no network's name.
+const MGMT_LEG: &str = "[keepalived]";
 
 /// The task's state, shared with the daemon.
 #[derive(Default)]
@@ -53,6 +58,11 @@ pub(super) struct VmNet {
     /// Bumped whenever a network's leg comes into place or leaves it: the
     /// kernel listeners' desired state is rebuilt whole then.
     pub(super) legs_generation: std::sync::atomic::AtomicU64,
+    /// The management VIPs' leg and its table (`vip::mgmt_leg`) as last
+    /// read back, while some management VIP needs it: for `/status` and
+    /// for the kernel listeners, which go into the kernel only while it is
+    /// in place.
+    pub(super) mgmt_leg: std::sync::Mutex<Option<MgmtLegStatus>>,
     /// What the management check pings, as seen at the last apply with
     /// `[keepalived]` (`vip::mgmt_check::discover`), for `/status`.
     pub(super) mgmt_check: std::sync::Mutex<Option<crate::vip::mgmt_check::Discovered>>,
@@ -298,7 +308,16 @@ impl Daemon {
 
     /// Reads back and writes the networks' routes and rules.
     async fn vmnet_routes(&self, inner: &mut Inner, config: &Config) {
-        let used = config.load_balancers.iter().any(|lb| lb.network.is_some());
+        let mgmt = crate::vip::mgmt_leg::needed(
+            config,
+            |ip| {
+                crate::os::Routes::read_recent(ip.is_ipv6())
+                    .device_for(ip)
+                    .map(str::to_string)
+            },
+            crate::os::is_bridge,
+        );
+        let used = config.load_balancers.iter().any(|lb| lb.network.is_some()) || mgmt.is_some();
         if !used
             && inner
                 .routes
@@ -341,19 +360,55 @@ impl Daemon {
             }
         }
         let mut tables: BTreeSet<u32> = config.networks.iter().map(|n| n.table).collect();
+        tables.extend(config.keepalived.as_ref().map(|k| k.management_table));
         tables.extend(driver.held().filter_map(|k| match k {
             NetKey::Route { table, .. } => Some(*table),
             NetKey::Rule { .. } => None,
         }));
         driver.backend().set_tables(tables);
         let writer = driver.backend().writer().clone();
-        let legs = self
-            .vmnet_legs(&mut inner.legs, &writer, config, &index_of)
+        let bridge = match &mgmt {
+            Some(m) => match writer.interface_index(&m.interface).await {
+                Ok(i) => Some(i),
+                Err(e) => {
+                    tracing::debug!("the management VIPs' leg: {e}");
+                    None
+                }
+            },
+            None => None,
+        };
+        let mgmt_leg = mgmt
+            .as_ref()
+            .zip(bridge)
+            .map(|(m, parent)| (m.key(), crate::vip::leg::LegWant { parent }));
+        let (legs, mgmt_seen) = self
+            .vmnet_legs(&mut inner.legs, &writer, config, &index_of, mgmt_leg)
             .await;
         let Some(driver) = inner.routes.as_mut() else {
             return;
         };
-        let want = wanted(config, &index_of, &legs);
+        let mut want = wanted(config, &index_of, &legs);
+        // The management VIPs' table: the main table's routes out of the
+        // bridge, moved onto the leg, once it is in place.
+        let mut mgmt_routes = BTreeMap::new();
+        let mut mgmt_error = None;
+        if let (Some(m), Some(bridge), Some(leg)) =
+            (&mgmt, bridge, mgmt_seen.as_ref().and_then(|s| s.1))
+        {
+            match crate::vip::mgmt_leg::main_routes(writer.handle(), bridge).await {
+                Ok(main) => {
+                    mgmt_routes = crate::vip::mgmt_leg::table_routes(m.table, leg, &main);
+                    if mgmt_routes.is_empty() {
+                        mgmt_error = Some(format!(
+                            "the main table has no route out of {:?} to copy into table {}",
+                            m.interface, m.table
+                        ));
+                    }
+                }
+                Err(e) => mgmt_error = Some(e.to_string()),
+            }
+            want.extend(mgmt_routes.clone());
+        }
         let out = driver.sync(&want).await;
         self.metrics
             .record_host_repairs(HostKind::NetworkRoute, out.repaired.len() as u64);
@@ -369,8 +424,137 @@ impl Daemon {
         for (key, seen) in &out.foreign {
             tracing::warn!(object = %key, seen = ?seen, "VM networks: another program holds this {key}; left alone, replies from that VIP may leave by another route");
         }
-        let marks = crate::vip::replymark::wanted(config, &want, &legs.into_keys().collect());
+        let mut marks = crate::vip::replymark::wanted(config, &want, &legs.into_keys().collect());
+        let routed = !mgmt_routes.is_empty() && mgmt_routes.keys().all(|k| driver.holds(k));
+        if let Some(m) = mgmt.as_ref().filter(|_| routed) {
+            m.add_marks(&mut marks);
+        }
+        let held_routes: Vec<String> = mgmt
+            .as_ref()
+            .map(|m| {
+                driver
+                    .held()
+                    .filter(|k| matches!(k, NetKey::Route { table, .. } if *table == m.table))
+                    .map(ToString::to_string)
+                    .collect()
+            })
+            .unwrap_or_default();
+        if mgmt_error.is_none() && !mgmt_routes.is_empty() && !routed {
+            mgmt_error = mgmt_routes
+                .keys()
+                .find_map(|k| out.failure(k).map(|f| format!("{k}: {f}")))
+                .or_else(|| out.unread.as_ref().map(ToString::to_string));
+        }
         self.vmnet_marks(&mut inner.marks, &writer, &marks).await;
+        let status = mgmt.map(|m| {
+            self.mgmt_leg_status(m, mgmt_seen, held_routes, mgmt_error, inner.marks.as_ref())
+        });
+        self.set_mgmt_leg(status);
+    }
+
+    /// The management VIPs' leg as read back, from its parts: the leg
+    /// (`seen`: its status and index), its table's routes (`routes`, held)
+    /// and the marks (`marks`, the driver: the `fwmark` rules and the
+    /// table).
+    fn mgmt_leg_status(
+        &self,
+        m: MgmtLeg,
+        seen: Option<(LegStatus, Option<u32>)>,
+        routes: Vec<String>,
+        routes_error: Option<String>,
+        marks: Option<&Driver<crate::vip::replymark::ReplyMarks>>,
+    ) -> MgmtLegStatus {
+        let mark = crate::vip::replymark::mark_of(m.table);
+        let leg = seen.map(|s| s.0).unwrap_or_else(|| LegStatus {
+            name: m.key().name(),
+            mac: None,
+            state: "missing",
+            error: Some(format!("{:?} cannot be read on this host", m.interface)),
+        });
+        let marked = marks.is_some_and(|d| {
+            d.holds(&MarkKey::Table)
+                && [false, true].iter().all(|v6| {
+                    !m.vips.iter().any(|v| v.is_ipv6() == *v6)
+                        || d.holds(&MarkKey::Rule { v6: *v6, mark })
+                })
+        });
+        let error = if !leg.up() {
+            Some(format!(
+                "the leg {:?}: {}",
+                leg.name,
+                leg.error.as_deref().unwrap_or("not in place")
+            ))
+        } else if let Some(e) = routes_error {
+            Some(format!("table {}: {e}", m.table))
+        } else if !marked {
+            Some(format!(
+                "the marks (table inet {}, ip rule fwmark {mark:#x}): {}",
+                crate::vip::replymark::TABLE,
+                self.vmnet
+                    .reply_marks
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .error
+                    .clone()
+                    .unwrap_or_else(|| "not written yet".into())
+            ))
+        } else {
+            None
+        };
+        MgmtLegStatus {
+            interface: m.interface,
+            table: m.table,
+            leg,
+            routes,
+            vips: m.vips.into_iter().collect(),
+            in_place: error.is_none(),
+            error,
+        }
+    }
+
+    /// Publishes the management VIPs' leg; its coming into place or
+    /// leaving it rebuilds the kernel listeners.
+    fn set_mgmt_leg(&self, now: Option<MgmtLegStatus>) {
+        let mut held = self
+            .vmnet
+            .mgmt_leg
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        let key = |s: &Option<MgmtLegStatus>| {
+            s.as_ref()
+                .filter(|s| s.in_place)
+                .map(|s| (s.interface.clone(), s.vips.clone()))
+        };
+        let changed = key(&held) != key(&now);
+        if changed && let Some(s) = &now {
+            match &s.error {
+                None => tracing::info!(
+                    leg = %s.leg.name,
+                    table = s.table,
+                    "the management VIPs' leg is in place: their kernel listeners' flows are routed out of it (the main table's routes out of {:?}, moved onto it)",
+                    s.interface
+                ),
+                Some(e) => tracing::error!(
+                    "the management VIPs' leg is not in place ({e}): their kernel listeners are served by the proxy meanwhile (retried in {} s)",
+                    CHECK_INTERVAL.as_secs()
+                ),
+            }
+        }
+        *held = now;
+        drop(held);
+        if changed {
+            self.vmnet.legs_generation.fetch_add(1, Ordering::AcqRel);
+            self.kernel_wake();
+        }
+    }
+
+    /// The management VIPs' leg as last read back, while one is needed.
+    pub(super) fn mgmt_leg(&self) -> Option<MgmtLegStatus> {
+        self.vmnet
+            .mgmt_leg
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
     }
 
     /// Reads back and makes the bridged networks' legs (`vip::leg`);
@@ -383,11 +567,20 @@ impl Daemon {
         writer: &RouteWriter,
         config: &Config,
         index_of: &BTreeMap<String, u32>,
-    ) -> BTreeMap<String, u32> {
-        let by_network = crate::vip::leg::wanted(config, index_of, crate::os::is_bridge);
-        if by_network.is_empty() && slot.as_ref().is_none_or(|d| d.held().next().is_none()) {
+        mgmt: Option<(crate::vip::leg::LegKey, crate::vip::leg::LegWant)>,
+    ) -> (BTreeMap<String, u32>, Option<(LegStatus, Option<u32>)>) {
+        let mut by_network = crate::vip::leg::wanted(config, index_of, crate::os::is_bridge);
+        if by_network.is_empty()
+            && mgmt.is_none()
+            && slot.as_ref().is_none_or(|d| d.held().next().is_none())
+        {
             self.set_legs(BTreeMap::new());
-            return BTreeMap::new();
+            return (BTreeMap::new(), None);
+        }
+        // The management VIPs' leg (`vip::mgmt_leg`), under a name no
+        // network can have, taken out again below.
+        if let Some(m) = mgmt {
+            by_network.insert(MGMT_LEG.to_string(), m);
         }
         let driver = slot.get_or_insert_with(|| Driver::new(NetworkLegs::new(writer.clone())));
         let want: BTreeMap<_, _> = by_network.values().cloned().collect();
@@ -447,8 +640,11 @@ impl Daemon {
                 },
             );
         }
+        let mgmt = status
+            .remove(MGMT_LEG)
+            .map(|s| (s, indexes.remove(MGMT_LEG)));
         self.set_legs(status);
-        indexes
+        (indexes, mgmt)
     }
 
     /// Publishes the legs' state; a leg that came into place or left it

@@ -46,7 +46,9 @@ use rtnetlink::packet_route::route::{RouteAddress, RouteAttribute, RouteMessage,
 use rtnetlink::{Handle, RouteMessageBuilder};
 
 use super::announce::{AnnounceError, table_of};
+use super::leg::{LegKey, LegStatus};
 use super::network::{NetKey, NetState};
+use super::replymark::{MarkKey, MarkTable, MarkWant, mark_of};
 use crate::config::{Config, Forwarding};
 
 /// The kernel's main table.
@@ -71,6 +73,68 @@ pub struct MgmtLeg {
     pub table: u32,
     /// The management VIPs whose kernel listeners need it.
     pub vips: BTreeSet<IpAddr>,
+    /// Their backends the main table routes out of `interface`: the
+    /// client's packets to them are routed by the leg's table too.
+    pub backends: BTreeSet<IpAddr>,
+}
+
+impl MgmtLeg {
+    /// The leg, of the network legs' kind (`vip::leg`), named after the
+    /// table (`hleg999` by default).
+    pub fn key(&self) -> LegKey {
+        LegKey { table: self.table }
+    }
+
+    /// Adds the management VIPs' marks to `marks` (`replymark::wanted`'s):
+    /// the flows to the VIPs that come in by the bridge get the table's
+    /// mark, both directions of those to a backend routed out of the
+    /// bridge carry it on the packet, and a `fwmark` rule per family looks
+    /// up the leg's table.
+    pub fn add_marks(&self, marks: &mut BTreeMap<MarkKey, MarkWant>) {
+        let mark = mark_of(self.table);
+        for v6 in [false, true] {
+            if self.vips.iter().any(|v| v.is_ipv6() == v6) {
+                marks.insert(
+                    MarkKey::Rule { v6, mark },
+                    MarkWant::Rule { table: self.table },
+                );
+            }
+        }
+        let entry = marks
+            .entry(MarkKey::Table)
+            .or_insert_with(|| MarkWant::Table(MarkTable::default()));
+        let MarkWant::Table(t) = entry else {
+            return;
+        };
+        t.vips.entry(mark).or_default().extend(&self.vips);
+        t.legs
+            .entry(mark)
+            .or_default()
+            .extend(self.backends.iter().map(|b| IpNet::from(*b)));
+        t.ingress.insert(mark, self.interface.clone());
+    }
+}
+
+/// What `/status` shows of the management VIPs' leg (`management_leg`):
+/// the kernel's objects as last read back.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
+pub struct MgmtLegStatus {
+    /// `keepalived.interface`, the bridge it is on.
+    pub interface: String,
+    /// Its routing table (`keepalived.management_table`).
+    pub table: u32,
+    /// The leg itself: name, MAC, state, error.
+    pub leg: LegStatus,
+    /// The routes of the table held at the last read-back.
+    pub routes: Vec<String>,
+    /// The management VIPs whose kernel listeners it routes.
+    pub vips: Vec<IpAddr>,
+    /// Whether the leg, its table's routes, the `fwmark` rule and the
+    /// marks' table are all in place: only then are those listeners in
+    /// the kernel (else the proxy serves them, `kernel_error` saying why).
+    pub in_place: bool,
+    /// Why it is not in place, while it is not.
+    pub error: Option<String>,
 }
 
 /// Whether `config` needs the management VIPs' leg, and for which VIPs:
@@ -86,27 +150,35 @@ pub fn needed(
     if !is_bridge(&k.interface) {
         return None;
     }
-    let vips: BTreeSet<IpAddr> = config
-        .load_balancers
-        .iter()
-        .filter(|lb| {
-            lb.network.is_none()
-                && config.keepalived_interface(lb) == Some(k.interface.as_str())
-                && lb
-                    .listeners
-                    .iter()
-                    .any(|l| l.forwarding == Forwarding::Kernel)
-                && lb
-                    .backends
-                    .iter()
-                    .any(|b| device_for(*b).as_deref() == Some(k.interface.as_str()))
-        })
-        .map(|lb| lb.vip)
-        .collect();
+    let mut vips = BTreeSet::new();
+    let mut backends = BTreeSet::new();
+    for lb in &config.load_balancers {
+        let kernel = lb
+            .listeners
+            .iter()
+            .any(|l| l.forwarding == Forwarding::Kernel);
+        if lb.network.is_some()
+            || !kernel
+            || config.keepalived_interface(lb) != Some(k.interface.as_str())
+        {
+            continue;
+        }
+        let by_bridge: Vec<IpAddr> = lb
+            .backends
+            .iter()
+            .filter(|b| device_for(**b).as_deref() == Some(k.interface.as_str()))
+            .copied()
+            .collect();
+        if !by_bridge.is_empty() {
+            vips.insert(lb.vip);
+            backends.extend(by_bridge);
+        }
+    }
     (!vips.is_empty()).then(|| MgmtLeg {
         interface: k.interface.clone(),
         table: k.management_table,
         vips,
+        backends,
     })
 }
 
@@ -244,6 +316,49 @@ mod tests {
         );
         // No bridge (a plain NIC or a VLAN device): no leg.
         assert_eq!(needed(&config, device_for, |_| false), None);
+    }
+
+    #[test]
+    fn the_management_vips_flows_from_the_bridge_are_marked_both_ways_to_their_backends() {
+        let leg = MgmtLeg {
+            interface: "mgmt0".into(),
+            table: 999,
+            vips: ["192.168.0.100".parse().unwrap()].into(),
+            backends: ["10.200.0.20".parse().unwrap()].into(),
+        };
+        let mut marks = BTreeMap::new();
+        leg.add_marks(&mut marks);
+        assert_eq!(
+            marks.get(&MarkKey::Rule {
+                v6: false,
+                mark: 0xea
+            }),
+            Some(&MarkWant::Rule { table: 999 })
+        );
+        assert!(!marks.contains_key(&MarkKey::Rule {
+            v6: true,
+            mark: 0xea
+        }));
+        let Some(MarkWant::Table(t)) = marks.get(&MarkKey::Table) else {
+            panic!("no table: {marks:?}");
+        };
+        let text = crate::vip::replymark::render(t);
+        // Only the flows that come in by the bridge: a pod's (by the CNI's
+        // interface) keeps the main table.
+        assert!(
+            text.contains("iifname \"mgmt0\" ct state new ct status dnat ct original ip daddr { 192.168.0.100 } ct mark set ct mark and 0xffffff00 or 0x000000ea"),
+            "{text}"
+        );
+        // The client's packets to a backend routed out of the bridge, first and later ones.
+        assert_eq!(
+            text.matches("ct direction original ct mark and 0x000000ff == 0x000000ea ct reply ip saddr 10.200.0.20/32 meta mark set").count(),
+            2,
+            "{text}"
+        );
+        assert!(
+            text.contains("ct direction reply ct mark and 0x000000ff == 0x000000ea meta mark set"),
+            "{text}"
+        );
     }
 
     #[test]
