@@ -469,6 +469,8 @@ async fn netns_a_kernel_listener_on_a_bridged_vm_network_serves_every_client_and
 const MGMT_TABLE: &str = "999";
 const MGMT_LEG: &str = "hleg999";
 const MGMT_MARK: &str = "0xea";
+/// A backend behind the management network's router (on its `lo`).
+const BEHIND_GATEWAY: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 21);
 
 /// What host `a` holds of the management VIPs' leg: the leg, its table's
 /// subnet route out of it, and the `fwmark` rule into the table.
@@ -485,13 +487,17 @@ fn mgmt_leg_in_place(a: &Ns) -> (bool, bool, bool) {
 /// balancer on no `[[network]]`, moved by the configured keepalived on
 /// `keepalived.interface`) whose interface is a bridge with `br_netfilter`
 /// on, and whose backend is routed out of that same bridge (n1, behind the
-/// uplink): the same bridge stage as a network VIP's. First 0 of 10
+/// uplink, and g1 behind the network's router): the same bridge stage as a
+/// network VIP's. First 0 of 10
 /// clients on the network behind the uplink were served through the
 /// kernel listener (each timed out); then the proxy served it (10 of 10,
 /// its connections lost at a move); now the kernel does, through the
 /// management VIPs' leg (`hleg999`, a macvlan on the bridge) and its
 /// table 999 (the main table's routes out of the bridge, moved onto the
-/// leg): 10 of 10 DNATed, `/status` `forwarding: "kernel"`. A route of that
+/// leg: its subnet and `default via` the router): 10 of 10 DNATed from a
+/// client on the network and one behind the router, to either backend,
+/// `/status` `forwarding: "kernel"`, the host's own traffic by the main
+/// table. A route of that
 /// table deleted by another program is put back and counted
 /// (`host_repairs_total{kind="network_route"}`); a clean stop leaves no
 /// leg, route or rule. The bridge here is host a's `eth0` standing for
@@ -502,8 +508,25 @@ async fn netns_a_kernel_listener_on_a_management_vip_over_a_bridge_is_served_by_
     require_netns!();
     let mut bed = Bed::new("vmbrmgmt", 1);
     let _n1 = Node::start(&bed, 1, Service::NameThenEcho);
+    // The management network's router, with a client and a backend behind it.
+    let (gw, _) = bed.add_host("gw", GATEWAY);
+    for ip in [FAR_CLIENT, BEHIND_GATEWAY] {
+        gw.ip(&["addr", "add", &format!("{ip}/32"), "dev", "lo"]);
+    }
+    let _g1 = serve_name_then_echo(&gw, sa(BEHIND_GATEWAY, NODEPORT), "g1");
     let (a, _b) = hosts(&mut bed);
-    a.ip(&["addr", "add", &format!("{VIP_UPLINK}/32"), "dev", "eth0"]);
+    a.ip(&[
+        "route",
+        "add",
+        "default",
+        "via",
+        &GATEWAY.to_string(),
+        "dev",
+        "eth0",
+    ]);
+    for vip in [VIP_UPLINK, VIP_LOCAL] {
+        a.ip(&["addr", "add", &format!("{vip}/32"), "dev", "eth0"]);
+    }
     let text = config()
         .socket(&bed.dir.join("admin-a.sock"))
         .text(
@@ -520,6 +543,10 @@ async fn netns_a_kernel_listener_on_a_management_vip_over_a_bridge_is_served_by_
             .backends([node_ip(1)])
             .listener(Listener::new("kernel", KERNEL, NODEPORT).forwarding("kernel"))
             .listener(Listener::new("proxy", PROXY, NODEPORT)))
+        .lb(Lb::new("t/mgmt-gw", VIP_LOCAL)
+            .backends([BEHIND_GATEWAY])
+            .listener(Listener::new("kernel", KERNEL, NODEPORT).forwarding("kernel"))
+            .listener(Listener::new("proxy", PROXY, NODEPORT)))
         .to_string();
     let path = bed.write("config-a.toml", &text);
     let mut d = DaemonProc::spawn(&a, &path, &bed.dir.join("daemon-a.log"), None);
@@ -532,18 +559,27 @@ async fn netns_a_kernel_listener_on_a_management_vip_over_a_bridge_is_served_by_
     // The proxy serves it until the leg, its table and marks are in place
     // (the first apply and the VM-network task's first step).
     kernel_written(&d).await;
-    let ok = served(&bed.client, None, VIP_UPLINK, KERNEL, 10).await;
-    eprintln!(
-        "FIGURE vmnet bridged management VIP: a client behind the uplink served {ok}/10 through the kernel listener"
-    );
-    assert_eq!(
-        ok, 10,
-        "clients behind the uplink through the kernel listener"
-    );
-    assert!(
-        flows_to(&a, VIP_UPLINK) >= 10,
-        "the kernel DNATed those flows"
-    );
+    let mut rows = Vec::new();
+    for (vip, backend) in [
+        (VIP_UPLINK, "behind the uplink"),
+        (VIP_LOCAL, "behind the gateway"),
+    ] {
+        for (who, client, from) in [
+            ("on the network", &bed.client, None),
+            ("behind the gateway", &gw, Some(FAR_CLIENT)),
+        ] {
+            let ok = served(client, from, vip, KERNEL, 10).await;
+            rows.push(format!(
+                "backend {backend}, client {who}: {ok}/10 through the kernel listener"
+            ));
+            assert_eq!(ok, 10, "backend {backend}, client {who}: {rows:?}");
+        }
+        assert!(flows_to(&a, vip) >= 20, "the kernel DNATed those flows");
+    }
+    eprintln!("FIGURE vmnet bridged management VIP:\n{}", rows.join("\n"));
+    // The host's own traffic still follows the main table, by the bridge.
+    let own = ip_out(&a, &["route", "get", &BEHIND_GATEWAY.to_string()]);
+    assert!(own.contains("dev eth0 "), "{own}");
     assert_eq!(mgmt_leg_in_place(&a), (true, true, true));
 
     // Another program deletes the leg's subnet route: put back, counted.
