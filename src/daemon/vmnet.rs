@@ -318,12 +318,21 @@ impl Daemon {
             crate::os::is_bridge,
         );
         let used = config.load_balancers.iter().any(|lb| lb.network.is_some()) || mgmt.is_some();
-        if !used
-            && inner
-                .routes
+        // Something still held (a leg whose route failed, say) is removed
+        // by the steps below once the config no longer asks for it.
+        let held = inner
+            .routes
+            .as_ref()
+            .is_some_and(|d| d.held().next().is_some())
+            || inner
+                .legs
                 .as_ref()
-                .is_none_or(|d| d.held().next().is_none())
-        {
+                .is_some_and(|d| d.held().next().is_some())
+            || inner
+                .marks
+                .as_ref()
+                .is_some_and(|d| d.held().next().is_some());
+        if !used && !held {
             return;
         }
         if inner.routes.is_none() {
