@@ -384,6 +384,21 @@ async fn netns_a_kernel_listener_on_a_bridged_vm_network_serves_every_client_and
             &[(VIP_UPLINK, node_ip(1)), (VIP_LOCAL, V1)],
         ),
     );
+    // As on a Harvester host: reverse-path filtering loose (systemd's
+    // default), and a default route out of the management network (to a
+    // router that knows no client here: the loose check needs some route
+    // to a client behind the network's gateway, docs/vip.md).
+    sysctl(&a, "net.ipv4.conf.all.rp_filter=2");
+    a.ip(&[
+        "route",
+        "add",
+        "default",
+        "via",
+        "10.77.0.254",
+        "dev",
+        "mgmt",
+        "onlink",
+    ]);
     let mut d = DaemonProc::spawn(&a, &path, &bed.dir.join("daemon-a.log"), None);
     kernel_written(&d).await;
     let leg = leg_up(&d, "/status: the network's leg up").await;
@@ -416,15 +431,40 @@ async fn netns_a_kernel_listener_on_a_bridged_vm_network_serves_every_client_and
         uplink >= 30 && local >= 30,
         "the kernel DNATed every row's flows ({uplink} and {local} of 30 each)"
     );
-    // Without the bridge stage, still the kernel path, by the leg.
+    // Without the bridge stage no leg (the routed path by the bridge
+    // works, and what enters an interface without an address is lost to
+    // rp_filter), and still the kernel path.
     sysctl(&a, "net.bridge.bridge-nf-call-iptables=0");
+    wait_for(
+        Duration::from_secs(30),
+        "the leg removed with the bridge stage off",
+        || async { (!has_link(&a, LEG)).then_some(()) },
+    )
+    .await;
     kernel_written(&d).await;
+    // A client that learned the VIP at the leg's MAC sends to a MAC gone
+    // until its ARP entry expires (tens of seconds: docs/vip.md); this one
+    // asks again at once.
+    bed.client.ip(&["neigh", "flush", "all"]);
+    wait_for(
+        Duration::from_secs(30),
+        "a client behind the uplink served through the kernel listener, bridge stage off",
+        || async { (served(&bed.client, None, VIP_UPLINK, KERNEL, 1).await == 1).then_some(()) },
+    )
+    .await;
     assert_eq!(
         served(&bed.client, None, VIP_UPLINK, KERNEL, 10).await,
         10,
         "a client behind the uplink through the kernel listener, bridge stage off"
     );
     sysctl(&a, "net.bridge.bridge-nf-call-iptables=1");
+    let leg = leg_up(&d, "/status: the leg up again with the bridge stage").await;
+    wait_for(
+        Duration::from_secs(30),
+        "a client behind the uplink served through the kernel listener, bridge stage on again",
+        || async { (served(&bed.client, None, VIP_UPLINK, KERNEL, 1).await == 1).then_some(()) },
+    )
+    .await;
     // Another program deletes the leg: made again with its MAC, counted.
     a.ip(&["link", "del", LEG]);
     wait_for(
@@ -499,8 +539,10 @@ fn mgmt_leg_in_place(a: &Ns) -> (bool, bool, bool) {
 /// `/status` `forwarding: "kernel"`, the host's own traffic by the main
 /// table. A route of that
 /// table deleted by another program is put back and counted
-/// (`host_repairs_total{kind="network_route"}`); a clean stop leaves no
-/// leg, route or rule. The bridge here is host a's `eth0` standing for
+/// (`host_repairs_total{kind="network_route"}`); with
+/// `bridge-nf-call-iptables=0` no leg, table or rule and the kernel path
+/// by the bridge (10 of 10), and they come back with it at 1; a clean stop
+/// leaves no leg, route or rule. The bridge here is host a's `eth0` standing for
 /// `mgmt-br`; keepalived itself is left out (the VIP is added by hand, as
 /// in the holder's test).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -524,6 +566,8 @@ async fn netns_a_kernel_listener_on_a_management_vip_over_a_bridge_is_served_by_
         "dev",
         "eth0",
     ]);
+    // Loose reverse-path filtering, as a Harvester host's (systemd's default).
+    sysctl(&a, "net.ipv4.conf.all.rp_filter=2");
     for vip in [VIP_UPLINK, VIP_LOCAL] {
         a.ip(&["addr", "add", &format!("{vip}/32"), "dev", "eth0"]);
     }
@@ -604,6 +648,38 @@ async fn netns_a_kernel_listener_on_a_management_vip_over_a_bridge_is_served_by_
         10,
         "through the kernel listener again"
     );
+
+    // Without the bridge stage no leg, table or rule (as a network's), and
+    // still the kernel path, by the bridge; with it again, the leg back.
+    sysctl(&a, "net.bridge.bridge-nf-call-iptables=0");
+    wait_for(
+        Duration::from_secs(30),
+        "the leg, its table and rule removed with the bridge stage off",
+        || async { (mgmt_leg_in_place(&a) == (false, false, false)).then_some(()) },
+    )
+    .await;
+    kernel_written(&d).await;
+    // The clients learned the VIPs at the leg's MAC: asked again at once.
+    bed.client.ip(&["neigh", "flush", "all"]);
+    wait_for(
+        Duration::from_secs(30),
+        "served through the kernel listener, bridge stage off",
+        || async { (served(&bed.client, None, VIP_UPLINK, KERNEL, 1).await == 1).then_some(()) },
+    )
+    .await;
+    assert_eq!(
+        served(&bed.client, None, VIP_UPLINK, KERNEL, 10).await,
+        10,
+        "through the kernel listener, bridge stage off"
+    );
+    sysctl(&a, "net.bridge.bridge-nf-call-iptables=1");
+    wait_for(
+        Duration::from_secs(30),
+        "the leg, its table and rule back with the bridge stage",
+        || async { (mgmt_leg_in_place(&a) == (true, true, true)).then_some(()) },
+    )
+    .await;
+    kernel_written(&d).await;
 
     // A clean stop leaves no leg, route or rule.
     d.signal(libc::SIGTERM);

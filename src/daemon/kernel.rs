@@ -134,7 +134,7 @@ fn bridge_stage_reason(
     packed: u8,
     spec: &LoadBalancerSpec,
     config: &Config,
-    leg: &dyn Fn(&str) -> Option<LegStatus>,
+    leg: &dyn Fn(&crate::config::NetworkSpec) -> Option<LegStatus>,
     mgmt: Option<&MgmtLegStatus>,
 ) -> Option<String> {
     let family = usize::from(spec.vip.is_ipv6());
@@ -154,7 +154,9 @@ fn bridge_stage_reason(
         IpAddr::V6(v6) => network.ipv6_subnet().is_some_and(|n| n.contains(v6)),
     };
     let backend = spec.backends.iter().find(|b| in_subnet(b))?;
-    match leg(name) {
+    // IPv4 VIPs only get a leg in this version (`vip::leg`).
+    let leg = if family == 0 { leg(network) } else { None };
+    match leg {
         // The leg routes the flows (`vip::leg`), whatever the bridge stage.
         Some(l) if l.up() => leg_source_nat_reason(spec, network, &l),
         leg => {
@@ -165,6 +167,9 @@ fn bridge_stage_reason(
                     l.name,
                     l.error.as_deref().unwrap_or("not made yet")
                 ),
+                None if family == 1 => {
+                    "an IPv6 VIP gets no leg (the macvlan that routes an IPv4 VIP's flows) in this version".to_string()
+                }
                 None => "it has no leg (the macvlan that routes these flows)".to_string(),
             };
             Some(format!(
@@ -252,6 +257,7 @@ fn off_network_reason(
             m.table,
             m.error.as_deref().unwrap_or("not made yet")
         ),
+        None if managed.is_some() && spec.vip.is_ipv6() => "an IPv6 VIP gets no leg (the macvlan that routes an IPv4 management VIP's flows) in this version".to_string(),
         None if managed.is_some() => "the management VIPs' leg, which routes these flows, is not made yet".to_string(),
         None => "backends on a routed network of their own, or a VLAN device or a dedicated NIC toward the clients, work with the kernel path".to_string(),
     };
@@ -349,6 +355,8 @@ impl Daemon {
         if was == off {
             return false;
         }
+        // A bridged network's leg comes and goes with the bridge stage.
+        self.vmnet_wake();
         // Said only of a family some kernel listener uses: an ERROR about
         // IPv6 forwarding on a host with IPv4 kernel listeners alone
         // misleads (a listener that comes later shows the reason in
@@ -388,8 +396,8 @@ impl Daemon {
                 ),
             }
         }
-        let mgmt = self.mgmt_leg();
         let held: Vec<String> = self.lock().config.as_ref().map_or_else(Vec::new, |c| {
+            let mgmt = self.mgmt_leg(c);
             c.load_balancers
                 .iter()
                 // Only those with a kernel listener: a proxy-only load
@@ -438,21 +446,29 @@ impl Daemon {
             spec,
             config,
             &|n| self.leg(n),
-            self.mgmt_leg().as_ref(),
+            self.mgmt_leg(config).as_ref(),
         )
     }
 
     /// Whether `spec`'s network routes its kernel listeners' flows out of
     /// its leg (in place): their `masquerade` is then `snat to` the VIP,
     /// the leg having no address of its own.
-    fn on_leg(&self, spec: &LoadBalancerSpec) -> bool {
-        match spec.network.as_deref() {
-            Some(n) => self.leg(n).is_some_and(|l| l.up()),
-            // A management VIP routed by the management VIPs' leg.
-            None => self
-                .mgmt_leg()
-                .is_some_and(|m| m.in_place && m.vips.contains(&spec.vip)),
+    fn on_leg(&self, spec: &LoadBalancerSpec, config: &Config) -> bool {
+        if spec.vip.is_ipv6() {
+            return false;
         }
+        let Some(name) = spec.network.as_deref() else {
+            // A management VIP routed by the management VIPs' leg.
+            return self
+                .mgmt_leg(config)
+                .is_some_and(|m| m.in_place && m.vips.contains(&spec.vip));
+        };
+        config
+            .networks
+            .iter()
+            .find(|n| n.name == name)
+            .and_then(|n| self.leg(n))
+            .is_some_and(|l| l.up())
     }
 
     /// Why a kernel listener on `vip` is not in the kernel although its
@@ -584,7 +600,7 @@ impl Daemon {
             return Vec::new();
         }
         let snapshot = entry.lb.snapshot();
-        let on_leg = self.on_leg(spec);
+        let on_leg = self.on_leg(spec, config);
         spec.listeners
             .iter()
             .filter(|l| l.forwarding == Forwarding::Kernel)

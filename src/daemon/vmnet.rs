@@ -63,6 +63,11 @@ pub(super) struct VmNet {
     /// for the kernel listeners, which go into the kernel only while it is
     /// in place.
     pub(super) mgmt_leg: std::sync::Mutex<Option<MgmtLegStatus>>,
+    /// Set once the legs were read back (or found not needed).
+    legs_read: AtomicBool,
+    /// Set once the management VIPs' leg was read back (or found not
+    /// needed) by this process.
+    mgmt_leg_read: AtomicBool,
     /// What the management check pings, as seen at the last apply with
     /// `[keepalived]` (`vip::mgmt_check::discover`), for `/status`.
     pub(super) mgmt_check: std::sync::Mutex<Option<crate::vip::mgmt_check::Discovered>>,
@@ -277,7 +282,7 @@ impl Daemon {
         for net in &config.networks {
             links.insert(net.interface.clone(), 0);
         }
-        let legs = crate::vip::leg::wanted(config, &links, crate::os::is_bridge)
+        let legs = crate::vip::leg::wanted(config, &links, crate::vip::leg::bridge_stage_on)
             .into_keys()
             .collect();
         let rules = Rules::with_legs(config, &legs);
@@ -308,15 +313,7 @@ impl Daemon {
 
     /// Reads back and writes the networks' routes and rules.
     async fn vmnet_routes(&self, inner: &mut Inner, config: &Config) {
-        let mgmt = crate::vip::mgmt_leg::needed(
-            config,
-            |ip| {
-                crate::os::Routes::read_recent(ip.is_ipv6())
-                    .device_for(ip)
-                    .map(str::to_string)
-            },
-            crate::os::is_bridge,
-        );
+        let mgmt = crate::vip::mgmt_leg::on_this_host(config);
         let used = config.load_balancers.iter().any(|lb| lb.network.is_some()) || mgmt.is_some();
         // Something still held (a leg whose route failed, say) is removed
         // by the steps below once the config no longer asks for it.
@@ -534,7 +531,8 @@ impl Daemon {
                 .filter(|s| s.in_place)
                 .map(|s| (s.interface.clone(), s.vips.clone()))
         };
-        let changed = key(&held) != key(&now);
+        let changed =
+            key(&held) != key(&now) || !self.vmnet.mgmt_leg_read.swap(true, Ordering::AcqRel);
         if changed && let Some(s) = &now {
             match &s.error {
                 None => tracing::info!(
@@ -558,12 +556,42 @@ impl Daemon {
     }
 
     /// The management VIPs' leg as last read back, while one is needed.
-    pub(super) fn mgmt_leg(&self) -> Option<MgmtLegStatus> {
+    pub(super) fn mgmt_leg_seen(&self) -> Option<MgmtLegStatus> {
         self.vmnet
             .mgmt_leg
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .clone()
+    }
+
+    /// [`Self::mgmt_leg_seen`], for the kernel listeners of `config`.
+    /// Before the VM-network task's first read of it (a start, a
+    /// hand-over), a leg already in the host (a predecessor's, which that
+    /// read adopts with its table) counts as in place for the VIPs that
+    /// need it: their kernel listeners do not go to the proxy and back.
+    pub(super) fn mgmt_leg(&self, config: &Config) -> Option<MgmtLegStatus> {
+        if self.vmnet.mgmt_leg_read.load(Ordering::Acquire) {
+            return self.mgmt_leg_seen();
+        }
+        let m = crate::vip::mgmt_leg::on_this_host(config)?;
+        let name = m.key().name();
+        std::path::Path::new("/sys/class/net")
+            .join(&name)
+            .exists()
+            .then(|| MgmtLegStatus {
+                interface: m.interface,
+                table: m.table,
+                leg: LegStatus {
+                    name,
+                    mac: None,
+                    state: "up",
+                    error: None,
+                },
+                routes: Vec::new(),
+                vips: m.vips.into_iter().collect(),
+                in_place: true,
+                error: None,
+            })
     }
 
     /// Reads back and makes the bridged networks' legs (`vip::leg`);
@@ -578,7 +606,8 @@ impl Daemon {
         index_of: &BTreeMap<String, u32>,
         mgmt: Option<(crate::vip::leg::LegKey, crate::vip::leg::LegWant)>,
     ) -> (BTreeMap<String, u32>, Option<(LegStatus, Option<u32>)>) {
-        let mut by_network = crate::vip::leg::wanted(config, index_of, crate::os::is_bridge);
+        let mut by_network =
+            crate::vip::leg::wanted(config, index_of, crate::vip::leg::bridge_stage_on);
         if by_network.is_empty()
             && mgmt.is_none()
             && slot.as_ref().is_none_or(|d| d.held().next().is_none())
@@ -666,7 +695,7 @@ impl Daemon {
                 .map(|(n, _)| n.clone())
                 .collect()
         };
-        let changed = up(&legs) != up(&now);
+        let changed = up(&legs) != up(&now) || !self.vmnet.legs_read.swap(true, Ordering::AcqRel);
         *legs = now;
         drop(legs);
         if changed {
@@ -675,14 +704,29 @@ impl Daemon {
         }
     }
 
-    /// Network `name`'s leg as last read back, if it needs one.
-    pub(super) fn leg(&self, name: &str) -> Option<LegStatus> {
-        self.vmnet
+    /// Network `net`'s leg as last read back, if it needs one. Before the
+    /// VM-network task's first read (a start, a hand-over), a leg already
+    /// in the host (a predecessor's, which that read adopts) counts as in
+    /// place: the kernel listeners do not go to the proxy and back.
+    pub(super) fn leg(&self, net: &crate::config::NetworkSpec) -> Option<LegStatus> {
+        if let Some(l) = self
+            .vmnet
             .legs
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .get(name)
-            .cloned()
+            .get(&net.name)
+        {
+            return Some(l.clone());
+        }
+        let name = crate::vip::leg::name_for(net.table);
+        (!self.vmnet.legs_read.load(Ordering::Acquire)
+            && std::path::Path::new("/sys/class/net").join(&name).exists())
+        .then_some(LegStatus {
+            name,
+            mac: None,
+            state: "up",
+            error: None,
+        })
     }
 
     /// Reads back and writes the reply marks of kernel listeners on VM

@@ -22,12 +22,18 @@
 //! made in bridge mode, up, on the network's interface, named
 //! [`name_for`] its table (`hleg` and the table in decimal: at most 14
 //! bytes, never a lease macvlan's `hlb` + 10 hex digits). A network needs
-//! one when its interface is a Linux bridge and one of its load balancers
-//! has a `forwarding = "kernel"` listener, whether or not the bridge stage
-//! is on now (docs/vip.md says why). Cost: a macvlan adds its MAC to its
-//! lower device's unicast list, and a bridge, which has no unicast filter,
-//! turns promiscuous: every frame it forwards is also passed up once and
-//! dropped.
+//! one when its interface is a Linux bridge whose IPv4 frames pass the IP
+//! hooks at the bridge stage (`bridge-nf-call-iptables` or the bridge's own
+//! `nf_call_iptables` on) and one of its load balancers has an IPv4 VIP
+//! with a `forwarding = "kernel"` listener. Only while the stage is on:
+//! without it the routed path by the bridge works, and a leg would cost
+//! the bridge's promiscuity and lose what enters by it, which has no
+//! address (with `rp_filter` on, `__fib_validate_source` drops a packet
+//! entering an interface without an address unless its reverse route
+//! leaves by that interface: a client that learned the VIP at the leg's
+//! MAC). Cost: a macvlan adds its MAC to its lower device's unicast list,
+//! and a bridge, which has no unicast filter, turns promiscuous: every
+//! frame it forwards is also passed up once and dropped.
 //!
 //! The legs are a kind of the [`crate::owned::Driver`] (`network_leg`):
 //! read back every 10 s and at every apply, made again with the MAC they
@@ -102,25 +108,39 @@ impl LegSeen {
     }
 }
 
+/// Whether `interface` is a Linux bridge whose IPv4 frames pass the IP
+/// hooks at the bridge stage now: `bridge-nf-call-iptables` or the
+/// bridge's own `nf_call_iptables` is 1 (read at each step of the
+/// VM-network task, which the kernel writer wakes when they change).
+pub fn bridge_stage_on(interface: &str) -> bool {
+    crate::os::is_bridge(interface)
+        && (crate::os::bridge_nf_calls()[0] || crate::os::bridge_nf_call_own(interface, false))
+}
+
 /// The networks that need a leg on this host: those whose interface is a
-/// Linux bridge here (`is_bridge`) and exists (`index_of`, by name), with
-/// a load balancer that has a `forwarding = "kernel"` listener. By the
+/// Linux bridge here with the bridge stage on (`stage_on`,
+/// [`bridge_stage_on`]) and exists (`index_of`, by name), with a load
+/// balancer of an IPv4 VIP that has a `forwarding = "kernel"` listener. By the
 /// network's name: its table and its bridge's index. Pure.
 pub fn wanted(
     config: &Config,
     index_of: &BTreeMap<String, u32>,
-    is_bridge: impl Fn(&str) -> bool,
+    stage_on: impl Fn(&str) -> bool,
 ) -> BTreeMap<String, (LegKey, LegWant)> {
     let mut out = BTreeMap::new();
     for net in &config.networks {
+        // IPv4 VIPs only in this version: an IPv6 VIP's flows keep the
+        // bridge (docs/vip.md, "On a bridged host").
         let kernel = config.load_balancers.iter().any(|lb| {
             lb.network.as_deref() == Some(net.name.as_str())
+                && lb.vip.is_ipv4()
+                && !lb.vip.is_unspecified()
                 && lb
                     .listeners
                     .iter()
                     .any(|l| l.forwarding == Forwarding::Kernel)
         });
-        if !kernel || !is_bridge(&net.interface) {
+        if !kernel || !stage_on(&net.interface) {
             continue;
         }
         let Some(&parent) = index_of.get(&net.interface) else {

@@ -15,16 +15,19 @@
 //! must stay as it is (the host's own traffic, kubelet's, the CNI's). So
 //! its flows get a table of their own, the main table's routes by the
 //! bridge copied onto the leg (the connected subnets and the gateways'
-//! routes, IPv4 and IPv6), and the mark of that table on both directions
+//! routes; IPv4, as the networks' legs in this version), and the mark of that table on both directions
 //! (`vip::replymark`); `snat to` the VIP replaces `masquerade`, as on a
 //! leg network (the leg has no address).
 //!
 //! Which VIPs: those the configured keepalived moves on
 //! `keepalived.interface` ([`crate::config::Config::keepalived_interface`]),
 //! with a `forwarding = "kernel"` listener and a backend the main table
-//! routes out of that interface, when the interface is a Linux bridge
-//! (what `daemon::kernel`'s `off_network_reason` hands to the proxy
-//! without a leg). VIPs announced by BGP (`vip.announce = "routes"`) are
+//! routes out of that interface, when the interface is a Linux bridge and
+//! its IPv4 frames pass the IP hooks at the bridge stage (what
+//! `daemon::kernel`'s `off_network_reason` hands to the proxy without a
+//! leg; with the stage off the routed path by the bridge serves, and a leg
+//! would only cost the bridge's promiscuity: `vip::leg`). IPv4 VIPs only,
+//! as the networks' legs; an IPv6 one keeps that fallback. VIPs announced by BGP (`vip.announce = "routes"`) are
 //! not moved by keepalived and keep that fallback.
 //!
 //! The table follows the main table: [`table_routes`] is derived again
@@ -139,15 +142,17 @@ pub struct MgmtLegStatus {
 
 /// Whether `config` needs the management VIPs' leg, and for which VIPs:
 /// see the module's text. `device_for` is the device the main table routes
-/// an address out of (`os::Routes`), `is_bridge` whether an interface is
-/// a Linux bridge here. Pure.
+/// an address out of (`os::Routes`), `stage_on` whether an interface is
+/// a Linux bridge whose IPv4 frames pass the IP hooks at the bridge stage
+/// now ([`super::leg::bridge_stage_on`]: as a network's leg, only then).
+/// IPv4 VIPs only, as the networks' legs. Pure.
 pub fn needed(
     config: &Config,
     device_for: impl Fn(IpAddr) -> Option<String>,
-    is_bridge: impl Fn(&str) -> bool,
+    stage_on: impl Fn(&str) -> bool,
 ) -> Option<MgmtLeg> {
     let k = config.keepalived.as_ref()?;
-    if !is_bridge(&k.interface) {
+    if !stage_on(&k.interface) {
         return None;
     }
     let mut vips = BTreeSet::new();
@@ -158,6 +163,7 @@ pub fn needed(
             .iter()
             .any(|l| l.forwarding == Forwarding::Kernel);
         if lb.network.is_some()
+            || !lb.vip.is_ipv4()
             || !kernel
             || config.keepalived_interface(lb) != Some(k.interface.as_str())
         {
@@ -182,6 +188,20 @@ pub fn needed(
     })
 }
 
+/// [`needed`] on this host: its main table's routes (`os::Routes`, read
+/// at most once a second) and its bridges' switches now.
+pub fn on_this_host(config: &Config) -> Option<MgmtLeg> {
+    needed(
+        config,
+        |ip| {
+            crate::os::Routes::read_recent(ip.is_ipv6())
+                .device_for(ip)
+                .map(str::to_string)
+        },
+        super::leg::bridge_stage_on,
+    )
+}
+
 /// The leg's table: each of `main` (the main table's routes out of the
 /// bridge) in `table`, out of the leg (interface index `leg`), through
 /// the same next hop. Pure.
@@ -202,16 +222,14 @@ pub fn table_routes(table: u32, leg: u32, main: &[MainRoute]) -> BTreeMap<NetKey
         .collect()
 }
 
-/// The main table's unicast routes out of interface `index`, IPv4 and
-/// IPv6, as copied onto the leg: multipath routes (no one device), the
-/// IPv6 link-local and multicast prefixes (every interface has its own)
-/// and a second route to one destination (another metric) are left out.
+/// The main table's unicast IPv4 routes out of interface `index`, as
+/// copied onto the leg (IPv4 VIPs only have one in this version):
+/// multipath routes (no one device) and a second route to one destination
+/// (another metric) are left out ([`main_route`] would take IPv6 ones
+/// too, less the link-local and multicast prefixes every interface has).
 pub async fn main_routes(handle: &Handle, index: u32) -> Result<Vec<MainRoute>, AnnounceError> {
     let mut out: BTreeMap<IpNet, Option<IpAddr>> = BTreeMap::new();
-    let requests = [
-        RouteMessageBuilder::<std::net::Ipv4Addr>::new().build(),
-        RouteMessageBuilder::<std::net::Ipv6Addr>::new().build(),
-    ];
+    let requests = [RouteMessageBuilder::<std::net::Ipv4Addr>::new().build()];
     for request in requests {
         let mut routes = handle.route().get(request).execute();
         while let Some(m) = routes

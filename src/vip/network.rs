@@ -103,8 +103,8 @@ pub enum NetState {
 /// interface this host has (`index_of`, by name) and of each network's
 /// leg in place (`legs`, by the network's name: [`super::leg`]): for each
 /// network used by a load balancer whose interface exists, its subnet and
-/// default route in its table, out of its leg where it has one, else out
-/// of its interface, and one rule per VIP on it. Pure.
+/// default route in its table, out of its leg where it has one (IPv4),
+/// else out of its interface, and one rule per VIP on it. Pure.
 pub fn wanted(
     config: &Config,
     index_of: &BTreeMap<String, u32>,
@@ -128,7 +128,8 @@ pub fn wanted(
         };
         // A bridged network's leg carries its routes: what leaves by it is
         // routed, never bridged back toward the port it came in by.
-        let index = legs.get(&net.name).copied().unwrap_or(index);
+        // IPv4 only in this version: an IPv6 VIP's routes keep the bridge.
+        let v4_index = legs.get(&net.name).copied().unwrap_or(index);
         // The VIP's family: its subnet and gateway (an IPv6 VIP is
         // accepted only on a network with an IPv6 gateway).
         let (subnet, any, gateway) = match lb.vip {
@@ -143,7 +144,7 @@ pub fn wanted(
             },
         };
         let route = |gateway| NetState::Route {
-            interface: Some(index),
+            interface: Some(if lb.vip.is_ipv4() { v4_index } else { index }),
             gateway,
         };
         out.insert(
