@@ -225,7 +225,7 @@ pub fn table_routes(table: u32, leg: u32, main: &[MainRoute]) -> BTreeMap<NetKey
 /// The main table's unicast IPv4 routes out of interface `index`, as
 /// copied onto the leg (IPv4 VIPs only have one in this version):
 /// multipath routes (no one device) and a second route to one destination
-/// (another metric) are left out ([`main_route`] would take IPv6 ones
+/// (another metric) are left out (`main_route` would take IPv6 ones
 /// too, less the link-local and multicast prefixes every interface has).
 pub async fn main_routes(handle: &Handle, index: u32) -> Result<Vec<MainRoute>, AnnounceError> {
     let mut out: BTreeMap<IpNet, Option<IpAddr>> = BTreeMap::new();
