@@ -539,7 +539,8 @@ fn mgmt_leg_in_place(a: &Ns) -> (bool, bool, bool) {
 /// `/status` `forwarding: "kernel"`, the host's own traffic by the main
 /// table. A route of that
 /// table deleted by another program is put back and counted
-/// (`host_repairs_total{kind="network_route"}`); with
+/// (`host_repairs_total{kind="network_route"}`), a change of the main
+/// table's default route followed; with
 /// `bridge-nf-call-iptables=0` no leg, table or rule and the kernel path
 /// by the bridge (10 of 10), and they come back with it at 1; a clean stop
 /// leaves no leg, route or rule. The bridge here is host a's `eth0` standing for
@@ -648,6 +649,30 @@ async fn netns_a_kernel_listener_on_a_management_vip_over_a_bridge_is_served_by_
         10,
         "through the kernel listener again"
     );
+
+    // The main table's default route changes gateway: the leg's table
+    // follows (the routes are looked at every 5 s), and back.
+    for gateway in ["198.51.100.9".to_string(), GATEWAY.to_string()] {
+        let changed = std::time::Instant::now();
+        a.ip(&[
+            "route", "replace", "default", "via", &gateway, "dev", "eth0",
+        ]);
+        let want = format!("default via {gateway} dev {MGMT_LEG}");
+        wait_for(
+            Duration::from_secs(30),
+            "the leg's table follows the main table's default route",
+            || async {
+                ip_out(&a, &["route", "show", "table", MGMT_TABLE])
+                    .contains(&want)
+                    .then_some(())
+            },
+        )
+        .await;
+        eprintln!(
+            "FIGURE vmnet bridged management VIP: table {MGMT_TABLE} followed the main table's default route via {gateway} after {:?}",
+            changed.elapsed()
+        );
+    }
 
     // Without the bridge stage no leg, table or rule (as a network's), and
     // still the kernel path, by the bridge; with it again, the leg back.

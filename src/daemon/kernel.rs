@@ -668,6 +668,9 @@ impl Daemon {
                 if daemon.check_ip_forwarding() {
                     daemon.kernel_wake.notify_one();
                 }
+                if daemon.mgmt_routes_changed() {
+                    daemon.vmnet_wake();
+                }
                 if daemon.check_forward_chains().await {
                     daemon.kernel_wake.notify_one();
                 }

@@ -68,6 +68,9 @@ pub(super) struct VmNet {
     /// Set once the management VIPs' leg was read back (or found not
     /// needed) by this process.
     mgmt_leg_read: AtomicBool,
+    /// A hash of the main table's IPv4 routes out of the management VIPs'
+    /// bridge at the last look ([`Daemon::mgmt_routes_changed`]).
+    mgmt_main_routes: std::sync::atomic::AtomicU64,
     /// What the management check pings, as seen at the last apply with
     /// `[keepalived]` (`vip::mgmt_check::discover`), for `/status`.
     pub(super) mgmt_check: std::sync::Mutex<Option<crate::vip::mgmt_check::Discovered>>,
@@ -553,6 +556,29 @@ impl Daemon {
             self.vmnet.legs_generation.fetch_add(1, Ordering::AcqRel);
             self.kernel_wake();
         }
+    }
+
+    /// Whether the main table's IPv4 routes out of the management VIPs'
+    /// bridge changed since the last look (the lines of `/proc/net/route`
+    /// of that interface, hashed), while the leg is needed: the kernel
+    /// writer asks every 5 s with the sysctls and wakes this task, so the
+    /// leg's table follows the main table within about 5 s (and at every
+    /// step, every 10 s, anyway).
+    pub(super) fn mgmt_routes_changed(&self) -> bool {
+        use std::hash::{Hash, Hasher};
+        let Some(m) = self.mgmt_leg_seen() else {
+            return false;
+        };
+        let text = std::fs::read_to_string("/proc/net/route").unwrap_or_default();
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        for line in text
+            .lines()
+            .filter(|l| l.split_whitespace().next() == Some(m.interface.as_str()))
+        {
+            line.hash(&mut h);
+        }
+        let now = h.finish();
+        self.vmnet.mgmt_main_routes.swap(now, Ordering::AcqRel) != now
     }
 
     /// The management VIPs' leg as last read back, while one is needed.

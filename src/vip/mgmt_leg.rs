@@ -31,10 +31,11 @@
 //! not moved by keepalived and keep that fallback.
 //!
 //! The table follows the main table: [`table_routes`] is derived again
-//! from [`main_routes`] at every step of the VM-network task (every apply
-//! and every 10 s), so a route of the main table by the bridge that
-//! changes (a DHCP renewal's gateway, an operator's static route) is in
-//! the leg's table within 10 s. The routes are owned by the same driver
+//! from [`main_routes`] at every step of the VM-network task (every apply,
+//! every 10 s, and when the kernel writer's 5 s look at the sysctls finds
+//! the main table's routes out of the bridge changed), so a route of the
+//! main table by the bridge that changes (a DHCP renewal's gateway, an
+//! operator's static route) is in the leg's table within about 5 s. The routes are owned by the same driver
 //! as the networks' tables (`vip::network`, kind `network_route`): read
 //! back, repaired, removed after the drain at a clean stop, kept across a
 //! hand-over.
