@@ -912,6 +912,14 @@ inside ip link add vmv0 type veth peer name eth0 netns hlbv
 inside ip link set vmv0 master vmbr0
 inside ip link set vmv0 up
 inside ip link set vmbr0 up
+# The bridge stage on for vmbr0 alone (its own nf_call_iptables, as
+# br_netfilter's sysctl does host-wide on Harvester): the daemon then makes
+# the network its leg hleg1000 (a macvlan, CAP_NET_ADMIN) under the unit.
+leg_expected=0
+if inside ip link set vmbr0 type bridge nf_call_iptables 1 2>/dev/null &&
+    [[ $(inside cat /sys/class/net/vmbr0/bridge/nf_call_iptables 2>/dev/null) == 1 ]]; then
+    leg_expected=1
+fi
 inside ip netns exec hlbv ip link set lo up
 inside ip netns exec hlbv ip addr add 10.100.0.30/24 dev eth0
 inside ip netns exec hlbv ip link set eth0 up
@@ -985,6 +993,18 @@ inside systemctl start keepalived.service || fail "keepalived.service did not st
 holds() { inside ip -4 addr show dev vmbr0 | grep -q "inet $1/32"; }
 wait_until 30 "keepalived holding 10.100.0.50 on vmbr0" holds 10.100.0.50
 ok "keepalived ($(inside systemctl show keepalived -P MainPID)) holds 10.100.0.50 on vmbr0"
+if ((leg_expected)); then
+    leg_up() {
+        api /status | python3 -c 'import json,sys
+l = json.load(sys.stdin)["network_legs"].get("default/vm", {})
+sys.exit(0 if l.get("state") == "up" and l.get("name") == "hleg1000" else 1)'
+    }
+    wait_until 30 "/status: network default/vm's leg hleg1000 up under the unit" leg_up
+    inside ip -d link show hleg1000 | grep -q "macvlan mode bridge" || fail "hleg1000 is not a bridge-mode macvlan: $(inside ip -d link show hleg1000 2>&1 | tr '\n' ' ')"
+    ok "the network's leg made under the unit: $(inside ip -br link show hleg1000)"
+else
+    ok "vmbr0's own nf_call_iptables cannot be set on this kernel: the leg is not exercised"
+fi
 recorded_master() { inside sh -c 'grep -l "^state=MASTER" /run/harvester-lb-sync/[0-9]*'; }
 wait_until 30 "the notify script's MASTER recorded in /run/harvester-lb-sync" recorded_master
 got=$(inside sh -c 'stat -c "%U %a" /run/harvester-lb-sync /run/harvester-lb-sync/[0-9]* | sort -u | tr "\n" " "')
