@@ -408,7 +408,7 @@ impl Daemon {
                     lb.listeners
                         .iter()
                         .any(|l| l.forwarding == Forwarding::Kernel)
-                        && bridge_stage_reason(off, lb, c, &|n| self.leg(n), mgmt.as_ref())
+                        && bridge_stage_reason(off, lb, c, &|n| self.leg(n), mgmt.as_deref())
                             .is_some()
                 })
                 .map(|lb| format!("{:?}", lb.name))
@@ -446,7 +446,7 @@ impl Daemon {
             spec,
             config,
             &|n| self.leg(n),
-            self.mgmt_leg(config).as_ref(),
+            self.mgmt_leg(config).as_deref(),
         )
     }
 

@@ -93,7 +93,7 @@ impl Daemon {
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
                 .clone(),
-            management_leg: self.mgmt_leg_seen(),
+            management_leg: self.mgmt_leg_seen().map(|m| (*m).clone()),
             announce,
             vip_refused: self.vip_refusals(),
             network_refused: self.network_refusals(),

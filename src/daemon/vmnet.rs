@@ -62,12 +62,14 @@ pub(super) struct VmNet {
     /// read back, while some management VIP needs it: for `/status` and
     /// for the kernel listeners, which go into the kernel only while it is
     /// in place.
-    pub(super) mgmt_leg: std::sync::Mutex<Option<MgmtLegStatus>>,
+    pub(super) mgmt_leg: std::sync::Mutex<Option<Arc<MgmtLegStatus>>>,
     /// Set once the legs were read back (or found not needed).
     legs_read: AtomicBool,
     /// Set once the management VIPs' leg was read back (or found not
     /// needed) by this process.
     mgmt_leg_read: AtomicBool,
+    /// Set once [`Daemon::mgmt_leg`] guessed, before the first read-back.
+    mgmt_leg_guessed: AtomicBool,
     /// A hash of the main table's IPv4 routes out of the management VIPs'
     /// bridge at the last look ([`Daemon::mgmt_routes_changed`]).
     mgmt_main_routes: std::sync::atomic::AtomicU64,
@@ -515,7 +517,7 @@ impl Daemon {
             table: m.table,
             leg,
             routes,
-            vips: m.vips.into_iter().collect(),
+            vips: m.vips,
             in_place: error.is_none(),
             error,
         }
@@ -529,7 +531,8 @@ impl Daemon {
             .mgmt_leg
             .lock()
             .unwrap_or_else(|p| p.into_inner());
-        let key = |s: &Option<MgmtLegStatus>| {
+        let now = now.map(Arc::new);
+        let key = |s: &Option<Arc<MgmtLegStatus>>| {
             s.as_ref()
                 .filter(|s| s.in_place)
                 .map(|s| (s.interface.clone(), s.vips.clone()))
@@ -582,7 +585,7 @@ impl Daemon {
     }
 
     /// The management VIPs' leg as last read back, while one is needed.
-    pub(super) fn mgmt_leg_seen(&self) -> Option<MgmtLegStatus> {
+    pub(super) fn mgmt_leg_seen(&self) -> Option<Arc<MgmtLegStatus>> {
         self.vmnet
             .mgmt_leg
             .lock()
@@ -595,29 +598,43 @@ impl Daemon {
     /// hand-over), a leg already in the host (a predecessor's, which that
     /// read adopts with its table) counts as in place for the VIPs that
     /// need it: their kernel listeners do not go to the proxy and back.
-    pub(super) fn mgmt_leg(&self, config: &Config) -> Option<MgmtLegStatus> {
+    pub(super) fn mgmt_leg(&self, config: &Config) -> Option<Arc<MgmtLegStatus>> {
         if self.vmnet.mgmt_leg_read.load(Ordering::Acquire) {
             return self.mgmt_leg_seen();
         }
+        let mut held = self
+            .vmnet
+            .mgmt_leg
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        if self.vmnet.mgmt_leg_guessed.swap(true, Ordering::AcqRel) {
+            return held.clone();
+        }
         let m = crate::vip::mgmt_leg::on_this_host(config)?;
         let name = m.key().name();
-        std::path::Path::new("/sys/class/net")
+        let guess = std::path::Path::new("/sys/class/net")
             .join(&name)
             .exists()
-            .then(|| MgmtLegStatus {
-                interface: m.interface,
-                table: m.table,
-                leg: LegStatus {
-                    name,
-                    mac: None,
-                    state: "up",
+            .then(|| {
+                Arc::new(MgmtLegStatus {
+                    interface: m.interface,
+                    table: m.table,
+                    leg: LegStatus {
+                        name,
+                        mac: None,
+                        state: "up",
+                        error: None,
+                    },
+                    routes: Vec::new(),
+                    vips: m.vips,
+                    in_place: true,
                     error: None,
-                },
-                routes: Vec::new(),
-                vips: m.vips.into_iter().collect(),
-                in_place: true,
-                error: None,
-            })
+                })
+            });
+        // Kept (and so is finding none) until the first read-back replaces
+        // it: a rebuild asks once per load balancer.
+        held.clone_from(&guess);
+        guess
     }
 
     /// Reads back and makes the bridged networks' legs (`vip::leg`);

@@ -131,8 +131,9 @@ pub struct MgmtLegStatus {
     pub leg: LegStatus,
     /// The routes of the table held at the last read-back.
     pub routes: Vec<String>,
-    /// The management VIPs whose kernel listeners it routes.
-    pub vips: Vec<IpAddr>,
+    /// The management VIPs whose kernel listeners it routes (a set: the
+    /// kernel writer asks it once per load balancer at each rebuild).
+    pub vips: BTreeSet<IpAddr>,
     /// Whether the leg, its table's routes, the `fwmark` rule and the
     /// marks' table are all in place: only then are those listeners in
     /// the kernel (else the proxy serves them, `kernel_error` saying why).
