@@ -35,10 +35,11 @@
 //! `[[network]]` in the main test (its routes and guard are adopted by the
 //! same driver and table code as the announce routes and the isolation
 //! table measured here; the keepalived test has one), VLAN filtering and
-//! the bond (this kernel builds neither). The backends are routed VMs: a
-//! kernel listener whose backends are behind the holder's bridge is served
-//! by the proxy while `bridge-nf-call-iptables` is 1
-//! (`tests/vmnet_bridged.rs`).
+//! the bond (this kernel builds neither). The main test's backends are
+//! routed VMs (it has no `[[network]]`, so no leg: a kernel listener whose
+//! backends are behind the holder's bridge needs the network's leg,
+//! `tests/vmnet_bridged.rs`); the keepalived test's network has its leg,
+//! kept across the hand-over with its index.
 //!
 //! Run as root with iproute2 and nftables:
 //! `cargo test --test hand_over_host -- --nocapture`.
@@ -1066,6 +1067,17 @@ async fn netns_with_keepalived_a_hand_over_leaves_its_file_and_the_vip_on_the_ho
         handles.contains_key("harvester_lb_vmnet") && handles.contains_key("harvester_lb_reply"),
         "the VM-network guard and the reply marks: {handles:?}"
     );
+    // The network's leg (round 49: a bridged network with a kernel
+    // listener, `vip::leg`), by its index: kept and adopted, not made anew.
+    let leg = |a: &Ns| {
+        let out = netns::vmnet::ip_out(a, &["-o", "link", "show", "hleg1000"]);
+        out.split_once(": hleg1000@eth0:")
+            .map(|(index, _)| index.to_string())
+    };
+    let leg_before = wait_for(Duration::from_secs(30), "the network's leg", || async {
+        leg(&a)
+    })
+    .await;
     let monitor_file = bed.dir.join("ip-monitor.txt");
     let mut watching = monitor(&a, &["route", "rule"], &monitor_file);
 
@@ -1150,6 +1162,11 @@ async fn netns_with_keepalived_a_hand_over_leaves_its_file_and_the_vip_on_the_ho
     );
     assert!(netns::vmnet::ip_out(&a, &["rule", "show"]).contains(&format!("from {KVIP} lookup")));
     assert_eq!(table_handles(&a), handles, "the tables' handles");
+    assert_eq!(
+        leg(&a),
+        Some(leg_before),
+        "the network's leg kept (the same index)"
+    );
     assert!(
         monitored.trim().is_empty(),
         "route or rule messages during the restart (the network's table and rule, the VIP's address): {monitored}"

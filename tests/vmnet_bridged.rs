@@ -51,7 +51,7 @@
 mod netns;
 mod support;
 
-use std::net::Ipv4Addr;
+use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::process::Command;
 use std::time::Duration;
 
@@ -502,6 +502,129 @@ async fn netns_a_kernel_listener_on_a_bridged_vm_network_serves_every_client_and
         "the daemon stops"
     );
     assert!(!has_link(&a, LEG), "the leg is removed at a clean stop");
+}
+
+/// The IPv6 test's VIP, its backend (behind the uplink) and client (on
+/// the network), in network "t/a"'s IPv6 subnet.
+const VIP6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0xa, 0, 0, 0, 0, 0, 0x40);
+const BACKEND6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0xa, 0, 0, 0, 0, 0, 0x21);
+const CLIENT6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0xa, 0, 0, 0, 0, 0, 0x2);
+
+/// `cidr` on `ns`'s `dev`, without duplicate address detection.
+fn add6(ns: &Ns, cidr: &str, dev: &str) {
+    ns.ip(&["-6", "addr", "add", cidr, "dev", dev, "nodad"]);
+}
+
+/// How many of `n` exchanges from `client` through `[VIP6]:port` the
+/// backend answered (its name read within 2 s).
+async fn served6(client: &Ns, port: u16, n: usize) -> usize {
+    let mut ok = 0;
+    for _ in 0..n {
+        let f = async {
+            let s = client.socket_for(SocketAddr::from((Ipv6Addr::UNSPECIFIED, 0)))?;
+            let mut s = s.connect(SocketAddr::from((VIP6, port))).await?;
+            netns::peers::read_line(&mut s).await
+        };
+        ok += usize::from(matches!(
+            tokio::time::timeout(Duration::from_secs(2), f).await,
+            Ok(Ok(name)) if !name.is_empty()
+        ));
+    }
+    ok
+}
+
+/// The IPv6 half of the holder's test (`br_nf_pre_routing_finish_ipv6`
+/// has the same `bridged_dnat` path): an IPv6 VIP on the bridged network,
+/// its backend and its client both behind the uplink,
+/// `bridge-nf-call-ip6tables=1`. Through the network's leg the kernel
+/// listener serves 10 of 10, each flow DNATed by the holder (before: the
+/// proxy served it, no flow DNATed). Left out: a client behind the
+/// gateway and a VM on the holder's bridge (the IPv4 test's rows).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn netns_an_ipv6_kernel_listener_on_a_bridged_vm_network_is_served_through_its_leg() {
+    require_netns!();
+    let mut bed = Bed::new("vmbrhold6", 1);
+    let (b6, _) = bed.add_host("b6", Ipv4Addr::new(198, 51, 100, 22));
+    add6(&b6, &format!("{BACKEND6}/64"), "eth0");
+    let _backend = serve_name_then_echo(&b6, SocketAddr::from((BACKEND6, NODEPORT)), "b6");
+    add6(&bed.client, &format!("{CLIENT6}/64"), "eth0");
+    let (a, _b) = hosts(&mut bed);
+    sysctl(&a, "net.ipv6.conf.all.forwarding=1");
+    sysctl(&a, "net.bridge.bridge-nf-call-ip6tables=1");
+    add6(&a, "fd00:a::4/64", "eth0");
+    add6(&a, &format!("{VIP6}/128"), "eth0");
+    let text = config()
+        .socket(&bed.dir.join("admin-a.sock"))
+        .text(
+            &(keepalived(
+                "a",
+                "10.77.0.1",
+                ["10.77.0.2"],
+                &bed.dir.join("keepalived-a"),
+                "",
+            ) + &network("t/a", "eth0", GATEWAY, "ipv6_gateway = \"fd00:a::1\"")),
+        )
+        .lb(Lb::new("t/web6", VIP6)
+            .backends([BACKEND6])
+            .keys("network = \"t/a\"")
+            .listener(Listener::new("kernel", KERNEL, NODEPORT).forwarding("kernel")))
+        // keepalived moves an IPv6 VIP only beside an IPv4 one of its
+        // instance: this one is served by the proxy alone.
+        .lb(Lb::new("t/anchor", VIP_LOCAL)
+            .backends([node_ip(1)])
+            .keys("network = \"t/a\"")
+            .listener(Listener::new("anchor", PROXY, NODEPORT)))
+        .to_string();
+    let path = bed.write("config-a.toml", &text);
+    let d = DaemonProc::spawn(&a, &path, &bed.dir.join("daemon-a.log"), None);
+    wait_for(
+        Duration::from_secs(30),
+        "/status: the IPv6 VIP's kernel listener in the kernel",
+        || async {
+            let Ok((200, body)) = d.get("/status").await else {
+                return None;
+            };
+            let s: serde_json::Value = serde_json::from_str(&body).ok()?;
+            (s["load_balancers"][0]["listeners"][0]["forwarding"] == "kernel").then_some(())
+        },
+    )
+    .await;
+    let leg = leg_up(&d, "/status: the network's leg up").await;
+    assert_eq!(leg["name"], LEG, "{leg}");
+    wait_for(
+        Duration::from_secs(30),
+        "the IPv6 kernel listener serves",
+        || async { (served6(&bed.client, KERNEL, 1).await == 1).then_some(()) },
+    )
+    .await;
+    let ok = served6(&bed.client, KERNEL, 10).await;
+    let out = Command::new("ip")
+        .args([
+            "netns",
+            "exec",
+            &a.name,
+            "conntrack",
+            "-L",
+            "-f",
+            "ipv6",
+            "--dst-nat",
+            "-p",
+            "tcp",
+            "-d",
+        ])
+        .arg(VIP6.to_string())
+        .output()
+        .expect("conntrack");
+    let flows = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter(|l| l.starts_with("tcp"))
+        .count();
+    eprintln!(
+        "FIGURE vmnet bridged IPv6: backend and client behind the uplink, {ok}/10 through the kernel listener, {flows} flows DNATed"
+    );
+    assert_eq!(ok, 10, "through the kernel listener");
+    assert!(flows >= 10, "the kernel DNATed those flows ({flows})");
+    drop(d);
 }
 
 /// The management VIPs' leg's table (`keepalived.management_table`'s

@@ -154,8 +154,7 @@ fn bridge_stage_reason(
         IpAddr::V6(v6) => network.ipv6_subnet().is_some_and(|n| n.contains(v6)),
     };
     let backend = spec.backends.iter().find(|b| in_subnet(b))?;
-    // IPv4 VIPs only get a leg in this version (`vip::leg`).
-    let leg = if family == 0 { leg(network) } else { None };
+    let leg = leg(network);
     match leg {
         // The leg routes the flows (`vip::leg`), whatever the bridge stage.
         Some(l) if l.up() => leg_source_nat_reason(spec, network, &l),
@@ -167,9 +166,6 @@ fn bridge_stage_reason(
                     l.name,
                     l.error.as_deref().unwrap_or("not made yet")
                 ),
-                None if family == 1 => {
-                    "an IPv6 VIP gets no leg (the macvlan that routes an IPv4 VIP's flows) in this version".to_string()
-                }
                 None => "it has no leg (the macvlan that routes these flows)".to_string(),
             };
             Some(format!(
@@ -454,9 +450,6 @@ impl Daemon {
     /// its leg (in place): their `masquerade` is then `snat to` the VIP,
     /// the leg having no address of its own.
     fn on_leg(&self, spec: &LoadBalancerSpec, config: &Config) -> bool {
-        if spec.vip.is_ipv6() {
-            return false;
-        }
         let Some(name) = spec.network.as_deref() else {
             // A management VIP routed by the management VIPs' leg.
             return self

@@ -420,9 +420,19 @@ impl Daemon {
             }
             want.extend(mgmt_routes.clone());
         }
-        let out = driver.sync(&want).await;
+        let mut out = driver.sync(&want).await;
         self.metrics
             .record_host_repairs(HostKind::NetworkRoute, out.repaired.len() as u64);
+        // A gateway route refused because its subnet's route (written
+        // after it, in key order) was not there yet: once more at once.
+        if !out.written.is_empty()
+            && out
+                .failed
+                .iter()
+                .any(|(k, _)| matches!(k, NetKey::Route { .. }))
+        {
+            out = driver.sync(&want).await;
+        }
         if let Some(e) = &out.unread {
             tracing::error!(
                 "VM networks: {e}; retried in {} s",

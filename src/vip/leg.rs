@@ -22,10 +22,11 @@
 //! made in bridge mode, up, on the network's interface, named
 //! [`name_for`] its table (`hleg` and the table in decimal: at most 14
 //! bytes, never a lease macvlan's `hlb` + 10 hex digits). A network needs
-//! one when its interface is a Linux bridge whose IPv4 frames pass the IP
-//! hooks at the bridge stage (`bridge-nf-call-iptables` or the bridge's own
-//! `nf_call_iptables` on) and one of its load balancers has an IPv4 VIP
-//! with a `forwarding = "kernel"` listener. Only while the stage is on:
+//! one when its interface is a Linux bridge whose frames pass the IP hooks
+//! at the bridge stage (`bridge-nf-call-iptables` or `-ip6tables`, or the
+//! bridge's own `nf_call_iptables` or `nf_call_ip6tables` on) and one of
+//! its load balancers has a `forwarding = "kernel"` listener (IPv4 or
+//! IPv6: `br_nf_pre_routing_finish_ipv6` has the same `bridged_dnat` path). Only while the stage is on:
 //! without it the routed path by the bridge works, and a leg would cost
 //! the bridge's promiscuity and lose what enters by it, which has no
 //! address (with `rp_filter` on, `__fib_validate_source` drops a packet
@@ -108,39 +109,41 @@ impl LegSeen {
     }
 }
 
-/// Whether `interface` is a Linux bridge whose IPv4 frames pass the IP
-/// hooks at the bridge stage now: `bridge-nf-call-iptables` or the
-/// bridge's own `nf_call_iptables` is 1 (read at each step of the
+/// Whether `interface` is a Linux bridge whose IPv4 (`ipv6` false) or
+/// IPv6 frames pass the IP hooks at the bridge stage now:
+/// `bridge-nf-call-iptables` (`-ip6tables`) or the bridge's own
+/// `nf_call_iptables` (`nf_call_ip6tables`) is 1 (read at each step of the
 /// VM-network task, which the kernel writer wakes when they change).
-pub fn bridge_stage_on(interface: &str) -> bool {
+pub fn bridge_stage_on(interface: &str, ipv6: bool) -> bool {
     crate::os::is_bridge(interface)
-        && (crate::os::bridge_nf_calls()[0] || crate::os::bridge_nf_call_own(interface, false))
+        && (crate::os::bridge_nf_calls()[usize::from(ipv6)]
+            || crate::os::bridge_nf_call_own(interface, ipv6))
 }
 
 /// The networks that need a leg on this host: those whose interface is a
 /// Linux bridge here with the bridge stage on (`stage_on`,
-/// [`bridge_stage_on`]) and exists (`index_of`, by name), with a load
-/// balancer of an IPv4 VIP that has a `forwarding = "kernel"` listener. By the
+/// [`bridge_stage_on`]) for the family of one of its kernel listeners'
+/// VIPs, and exists (`index_of`, by name), with a load
+/// balancer that has a `forwarding = "kernel"` listener. By the
 /// network's name: its table and its bridge's index. Pure.
 pub fn wanted(
     config: &Config,
     index_of: &BTreeMap<String, u32>,
-    stage_on: impl Fn(&str) -> bool,
+    stage_on: impl Fn(&str, bool) -> bool,
 ) -> BTreeMap<String, (LegKey, LegWant)> {
     let mut out = BTreeMap::new();
     for net in &config.networks {
-        // IPv4 VIPs only in this version: an IPv6 VIP's flows keep the
-        // bridge (docs/vip.md, "On a bridged host").
-        let kernel = config.load_balancers.iter().any(|lb| {
+        // The bridge stage of a family a kernel listener's VIP has.
+        let needed = config.load_balancers.iter().any(|lb| {
             lb.network.as_deref() == Some(net.name.as_str())
-                && lb.vip.is_ipv4()
                 && !lb.vip.is_unspecified()
                 && lb
                     .listeners
                     .iter()
                     .any(|l| l.forwarding == Forwarding::Kernel)
+                && stage_on(&net.interface, lb.vip.is_ipv6())
         });
-        if !kernel || !stage_on(&net.interface) {
+        if !needed {
             continue;
         }
         let Some(&parent) = index_of.get(&net.interface) else {
@@ -402,7 +405,7 @@ mod tests {
         let index: BTreeMap<String, u32> =
             [("br.100".to_string(), 7), ("br.200".to_string(), 8)].into();
         // br.200 is no bridge (a VLAN device): no leg there.
-        let w = wanted(&c, &index, |i| i == "br.100");
+        let w = wanted(&c, &index, |i, _| i == "br.100");
         let got: Vec<String> = w
             .iter()
             .map(|(n, (k, v))| format!("{n} {k} {}", v.parent))
@@ -413,6 +416,6 @@ mod tests {
             "{KEEPALIVED}{VLAN100}{}",
             lb("default/p", "10.100.0.50", "vlan100", &[])
         );
-        assert!(wanted(&config(&text), &index, |_| true).is_empty());
+        assert!(wanted(&config(&text), &index, |_, _| true).is_empty());
     }
 }

@@ -15,7 +15,8 @@
 //! must stay as it is (the host's own traffic, kubelet's, the CNI's). So
 //! its flows get a table of their own, the main table's routes by the
 //! bridge copied onto the leg (the connected subnets and the gateways'
-//! routes; IPv4, as the networks' legs in this version), and the mark of that table on both directions
+//! routes; IPv4 only in this version, where the networks' legs also take
+//! IPv6), and the mark of that table on both directions
 //! (`vip::replymark`); `snat to` the VIP replaces `masquerade`, as on a
 //! leg network (the leg has no address).
 //!
@@ -26,9 +27,10 @@
 //! its IPv4 frames pass the IP hooks at the bridge stage (what
 //! `daemon::kernel`'s `off_network_reason` hands to the proxy without a
 //! leg; with the stage off the routed path by the bridge serves, and a leg
-//! would only cost the bridge's promiscuity: `vip::leg`). IPv4 VIPs only,
-//! as the networks' legs; an IPv6 one keeps that fallback. VIPs announced by BGP (`vip.announce = "routes"`) are
-//! not moved by keepalived and keep that fallback.
+//! would only cost the bridge's promiscuity: `vip::leg`). IPv4 VIPs only
+//! in this version (not built for IPv6 yet, unlike a network's leg); an
+//! IPv6 one keeps that fallback. VIPs announced by BGP (`vip.announce =
+//! "routes"`) are not moved by keepalived and keep that fallback.
 //!
 //! The table follows the main table: [`table_routes`] is derived again
 //! from [`main_routes`] at every step of the VM-network task (every apply,
@@ -147,7 +149,7 @@ pub struct MgmtLegStatus {
 /// an address out of (`os::Routes`), `stage_on` whether an interface is
 /// a Linux bridge whose IPv4 frames pass the IP hooks at the bridge stage
 /// now ([`super::leg::bridge_stage_on`]: as a network's leg, only then).
-/// IPv4 VIPs only, as the networks' legs. Pure.
+/// IPv4 VIPs only in this version. Pure.
 pub fn needed(
     config: &Config,
     device_for: impl Fn(IpAddr) -> Option<String>,
@@ -200,7 +202,7 @@ pub fn on_this_host(config: &Config) -> Option<MgmtLeg> {
                 .device_for(ip)
                 .map(str::to_string)
         },
-        super::leg::bridge_stage_on,
+        |interface| super::leg::bridge_stage_on(interface, false),
     )
 }
 

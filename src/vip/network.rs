@@ -103,8 +103,8 @@ pub enum NetState {
 /// interface this host has (`index_of`, by name) and of each network's
 /// leg in place (`legs`, by the network's name: [`super::leg`]): for each
 /// network used by a load balancer whose interface exists, its subnet and
-/// default route in its table, out of its leg where it has one (IPv4),
-/// else out of its interface, and one rule per VIP on it. Pure.
+/// default route in its table, out of its leg where it has one, else out
+/// of its interface, and one rule per VIP on it. Pure.
 pub fn wanted(
     config: &Config,
     index_of: &BTreeMap<String, u32>,
@@ -128,8 +128,7 @@ pub fn wanted(
         };
         // A bridged network's leg carries its routes: what leaves by it is
         // routed, never bridged back toward the port it came in by.
-        // IPv4 only in this version: an IPv6 VIP's routes keep the bridge.
-        let v4_index = legs.get(&net.name).copied().unwrap_or(index);
+        let index = legs.get(&net.name).copied().unwrap_or(index);
         // The VIP's family: its subnet and gateway (an IPv6 VIP is
         // accepted only on a network with an IPv6 gateway).
         let (subnet, any, gateway) = match lb.vip {
@@ -144,7 +143,7 @@ pub fn wanted(
             },
         };
         let route = |gateway| NetState::Route {
-            interface: Some(if lb.vip.is_ipv4() { v4_index } else { index }),
+            interface: Some(index),
             gateway,
         };
         out.insert(
@@ -410,13 +409,45 @@ impl Backend for NetworkRoutes {
     async fn write(&mut self, key: &NetKey, want: &NetState) -> Result<(), AnnounceError> {
         let handle = self.writer.handle().clone();
         match key {
-            NetKey::Route { table, dest } => handle
-                .route()
-                .add(route_message(*table, *dest, Some(want)))
-                .replace()
-                .execute()
-                .await
-                .map_err(nl(format!("cannot write the {key}"))),
+            NetKey::Route { table, dest } => {
+                let message = route_message(*table, *dest, Some(want));
+                let onlink = message
+                    .header
+                    .flags
+                    .contains(rtnetlink::packet_route::route::RouteFlags::Onlink);
+                match handle
+                    .route()
+                    .add(message.clone())
+                    .replace()
+                    .execute()
+                    .await
+                {
+                    // IPv6 checks an on-link gateway against the main
+                    // table (`ip6_route_check_nh_onlink`): where that
+                    // routes the subnet by the bridge (the host has an
+                    // address there) and this route leaves by the leg, it
+                    // refuses; without `onlink` the gateway is looked up
+                    // in this table, by the subnet's route (written after
+                    // this one at the first sync, so this one at the next).
+                    Err(e)
+                        if onlink && dest.addr().is_ipv6() && errno(&e) == Some(libc::EINVAL) =>
+                    {
+                        let mut plain = message;
+                        plain
+                            .header
+                            .flags
+                            .remove(rtnetlink::packet_route::route::RouteFlags::Onlink);
+                        handle
+                            .route()
+                            .add(plain)
+                            .replace()
+                            .execute()
+                            .await
+                            .map_err(nl(format!("cannot write the {key}")))
+                    }
+                    other => other.map_err(nl(format!("cannot write the {key}"))),
+                }
+            }
             NetKey::Rule { vip } => {
                 let NetState::Rule { table } = want else {
                     return Ok(());

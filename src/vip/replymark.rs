@@ -208,12 +208,9 @@ pub fn wanted(
         if !table.vips.contains_key(&mark) {
             continue;
         }
-        // IPv4 only: an IPv6 VIP's flows keep the bridge (`super::leg`).
-        table
-            .legs
-            .entry(mark)
-            .or_default()
-            .push(IpNet::V4(net.subnet()));
+        let subnets = table.legs.entry(mark).or_default();
+        subnets.push(IpNet::V4(net.subnet()));
+        subnets.extend(net.ipv6_subnet().map(IpNet::V6));
     }
     out.insert(MarkKey::Table, MarkWant::Table(table));
     out
