@@ -403,6 +403,13 @@ async fn netns_a_kernel_listener_on_a_bridged_vm_network_serves_every_client_and
     kernel_written(&d).await;
     let leg = leg_up(&d, "/status: the network's leg up").await;
     assert_eq!(leg["name"], LEG, "{leg}");
+    // The leg answers no ARP request: the bridge answers for the host.
+    let arp_ignore = Command::new("ip")
+        .args(["netns", "exec", &a.name, "cat"])
+        .arg(format!("/proc/sys/net/ipv4/conf/{LEG}/arp_ignore"))
+        .output()
+        .expect("cat");
+    assert_eq!(String::from_utf8_lossy(&arp_ignore.stdout).trim(), "8");
     assert_eq!(
         proxy_reason(&d).await,
         None,

@@ -50,7 +50,8 @@ use std::sync::{Arc, Mutex};
 use futures_util::TryStreamExt;
 use rtnetlink::LinkMacVlan;
 use rtnetlink::packet_route::link::{
-    InfoData, InfoMacVlan, LinkAttribute, LinkFlags, LinkInfo, MacVlanMode,
+    AfSpecInet, AfSpecUnspec, InetDevConf, InfoData, InfoMacVlan, LinkAttribute, LinkFlags,
+    LinkInfo, LinkMessage, MacVlanMode,
 };
 
 use super::announce::{AnnounceError, RouteWriter, errno};
@@ -100,12 +101,26 @@ pub struct LegSeen {
     pub up: bool,
     /// In macvlan bridge mode.
     pub bridge_mode: bool,
+    /// Its `arp_ignore` (IPv4 devconf): [`ARP_IGNORE`] as made.
+    pub arp_ignore: Option<i32>,
 }
+
+/// The leg's `arp_ignore`: never answer an ARP request. The host's
+/// addresses (the VIPs, a management address on the bridge) are answered
+/// by the bridge alone, so no peer learns one of them at the leg's MAC and
+/// sends what the host must receive to an interface without an address
+/// (`rp_filter` drops what enters there unless its reverse route leaves by
+/// it). Peers still learn a VIP at the leg's MAC from the leg's own ARP
+/// requests (sent from the VIP), which the bridge stage routes.
+pub const ARP_IGNORE: i32 = 8;
 
 impl LegSeen {
     /// Whether it is what [`NetworkLegs::write`] makes on `want`'s parent.
     fn as_made(&self, want: &LegWant) -> bool {
-        self.parent == Some(want.parent) && self.up && self.bridge_mode
+        self.parent == Some(want.parent)
+            && self.up
+            && self.bridge_mode
+            && self.arp_ignore == Some(ARP_IGNORE)
     }
 }
 
@@ -215,6 +230,20 @@ impl NetworkLegs {
     }
 }
 
+/// The IPv4 `arp_ignore` a link message carries.
+fn arp_ignore_of(attributes: &[LinkAttribute]) -> Option<i32> {
+    attributes.iter().find_map(|a| match a {
+        LinkAttribute::AfSpecUnspec(specs) => specs.iter().find_map(|s| match s {
+            AfSpecUnspec::Inet(inet) => inet.iter().find_map(|i| match i {
+                AfSpecInet::DevConf(c) => Some(c.arp_ignore),
+                _ => None,
+            }),
+            _ => None,
+        }),
+        _ => None,
+    })
+}
+
 /// `(kind, macvlan bridge mode)` of a link message.
 fn kind_of(attributes: &[LinkAttribute]) -> (Option<String>, bool) {
     let mut kind = None;
@@ -295,6 +324,7 @@ impl Backend for NetworkLegs {
                         mac,
                         up: m.header.flags.contains(LinkFlags::Up),
                         bridge_mode,
+                        arp_ignore: arp_ignore_of(&m.attributes),
                     },
                     marked,
                 },
@@ -312,8 +342,8 @@ impl Backend for NetworkLegs {
         if let Some(mac) = self.mac(key) {
             link = link.address(mac.to_vec());
         }
-        self.writer
-            .handle()
+        let handle = self.writer.handle();
+        handle
             .link()
             .add(link.build())
             .execute()
@@ -321,7 +351,29 @@ impl Backend for NetworkLegs {
             .map_err(nl(format!(
                 "cannot make the leg {name:?} (a macvlan on interface index {})",
                 want.parent
-            )))
+            )))?;
+        // Over netlink, not /proc/sys (read-only under the unit).
+        let mut found = handle.link().get().match_name(name.clone()).execute();
+        let index = match found.try_next().await {
+            Ok(Some(m)) => m.header.index,
+            Ok(None) => return Ok(()),
+            Err(e) => return Err(nl(format!("cannot look up the leg {name:?}"))(e)),
+        };
+        let mut set = LinkMessage::default();
+        set.header.index = index;
+        // Only the non-zero entries are sent: this one alone.
+        let mut conf = InetDevConf::default();
+        conf.arp_ignore = ARP_IGNORE;
+        set.attributes
+            .push(LinkAttribute::AfSpecUnspec(vec![AfSpecUnspec::Inet(vec![
+                AfSpecInet::DevConfRequest(conf),
+            ])]));
+        handle
+            .link()
+            .set(set)
+            .execute()
+            .await
+            .map_err(nl(format!("cannot set arp_ignore on the leg {name:?}")))
     }
 
     async fn remove(&mut self, key: &LegKey) -> Result<(), LegError> {
