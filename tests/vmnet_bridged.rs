@@ -540,71 +540,50 @@ async fn served6(client: &Ns, port: u16, n: usize) -> usize {
     ok
 }
 
-/// The IPv6 half of the holder's test (`br_nf_pre_routing_finish_ipv6`
-/// has the same `bridged_dnat` path): an IPv6 VIP on the bridged network,
-/// its backend and its client both behind the uplink,
-/// `bridge-nf-call-ip6tables=1`. Through the network's leg the kernel
-/// listener serves 10 of 10, each flow DNATed by the holder (before: the
-/// proxy served it, no flow DNATed). Left out: a client behind the
-/// gateway and a VM on the holder's bridge (the IPv4 test's rows).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn netns_an_ipv6_kernel_listener_on_a_bridged_vm_network_is_served_through_its_leg() {
-    require_netns!();
-    let mut bed = Bed::new("vmbrhold6", 1);
+/// The IPv6 tests' bed: the backend b6 ([`BACKEND6`]) and the client
+/// ([`CLIENT6`]) behind the uplink, host a with IPv6 forwarding and
+/// `bridge-nf-call-ip6tables=1`, `fd00:a::4/64` and the VIP on its bridge.
+/// Returns host a and the backend's server.
+fn ipv6_bed(bed: &mut Bed) -> (Ns, tokio::task::JoinHandle<()>) {
     let (b6, _) = bed.add_host("b6", Ipv4Addr::new(198, 51, 100, 22));
     add6(&b6, &format!("{BACKEND6}/64"), "eth0");
-    let _backend = serve_name_then_echo(&b6, SocketAddr::from((BACKEND6, NODEPORT)), "b6");
+    let backend = serve_name_then_echo(&b6, SocketAddr::from((BACKEND6, NODEPORT)), "b6");
     add6(&bed.client, &format!("{CLIENT6}/64"), "eth0");
-    let (a, _b) = hosts(&mut bed);
+    let (a, _b) = hosts(bed);
     sysctl(&a, "net.ipv6.conf.all.forwarding=1");
     sysctl(&a, "net.bridge.bridge-nf-call-ip6tables=1");
     add6(&a, "fd00:a::4/64", "eth0");
     add6(&a, &format!("{VIP6}/128"), "eth0");
-    let text = config()
-        .socket(&bed.dir.join("admin-a.sock"))
-        .text(
-            &(keepalived(
-                "a",
-                "10.77.0.1",
-                ["10.77.0.2"],
-                &bed.dir.join("keepalived-a"),
-                "",
-            ) + &network("t/a", "eth0", GATEWAY, "ipv6_gateway = \"fd00:a::1\"")),
-        )
-        .lb(Lb::new("t/web6", VIP6)
-            .backends([BACKEND6])
-            .keys("network = \"t/a\"")
-            .listener(Listener::new("kernel", KERNEL, NODEPORT).forwarding("kernel")))
-        // keepalived moves an IPv6 VIP only beside an IPv4 one of its
-        // instance: this one is served by the proxy alone.
-        .lb(Lb::new("t/anchor", VIP_LOCAL)
-            .backends([node_ip(1)])
-            .keys("network = \"t/a\"")
-            .listener(Listener::new("anchor", PROXY, NODEPORT)))
-        .to_string();
-    let path = bed.write("config-a.toml", &text);
-    let d = DaemonProc::spawn(&a, &path, &bed.dir.join("daemon-a.log"), None);
-    wait_for(
-        Duration::from_secs(30),
-        "/status: the IPv6 VIP's kernel listener in the kernel",
-        || async {
-            let Ok((200, body)) = d.get("/status").await else {
-                return None;
-            };
-            let s: serde_json::Value = serde_json::from_str(&body).ok()?;
-            (s["load_balancers"][0]["listeners"][0]["forwarding"] == "kernel").then_some(())
-        },
-    )
+    (a, backend)
+}
+
+/// Starts host a's daemon on `text` and waits until its first load
+/// balancer's first listener is in the kernel (`/status`).
+async fn first_listener_in_kernel(bed: &Bed, a: &Ns, text: &str, what: &str) -> DaemonProc {
+    let path = bed.write("config-a.toml", text);
+    let d = DaemonProc::spawn(a, &path, &bed.dir.join("daemon-a.log"), None);
+    wait_for(Duration::from_secs(30), what, || async {
+        let Ok((200, body)) = d.get("/status").await else {
+            return None;
+        };
+        let s: serde_json::Value = serde_json::from_str(&body).ok()?;
+        (s["load_balancers"][0]["listeners"][0]["forwarding"] == "kernel").then_some(())
+    })
     .await;
-    let leg = leg_up(&d, "/status: the network's leg up").await;
-    assert_eq!(leg["name"], LEG, "{leg}");
+    d
+}
+
+/// Once `client` is served through `[VIP6]:80` at all: ten exchanges all
+/// answered by the backend, and as many TCP flows to the VIP DNATed by
+/// host `a` (its conntrack table); `figure` names the line printed.
+async fn served6_through_kernel(a: &Ns, client: &Ns, figure: &str) {
     wait_for(
         Duration::from_secs(30),
         "the IPv6 kernel listener serves",
-        || async { (served6(&bed.client, KERNEL, 1).await == 1).then_some(()) },
+        || async { (served6(client, KERNEL, 1).await == 1).then_some(()) },
     )
     .await;
-    let ok = served6(&bed.client, KERNEL, 10).await;
+    let ok = served6(client, KERNEL, 10).await;
     let out = Command::new("ip")
         .args([
             "netns",
@@ -627,11 +606,72 @@ async fn netns_an_ipv6_kernel_listener_on_a_bridged_vm_network_is_served_through
         .filter(|l| l.starts_with("tcp"))
         .count();
     eprintln!(
-        "FIGURE vmnet bridged IPv6: backend and client behind the uplink, {ok}/10 through the kernel listener, {flows} flows DNATed"
+        "FIGURE {figure}: backend and client behind the uplink, {ok}/10 through the kernel listener, {flows} flows DNATed"
     );
     assert_eq!(ok, 10, "through the kernel listener");
     assert!(flows >= 10, "the kernel DNATed those flows ({flows})");
+}
+
+/// The IPv6 half of the holder's test (`br_nf_pre_routing_finish_ipv6`
+/// has the same `bridged_dnat` path): an IPv6 VIP on the bridged network,
+/// its backend and its client both behind the uplink,
+/// `bridge-nf-call-ip6tables=1`. Through the network's leg the kernel
+/// listener serves 10 of 10, each flow DNATed by the holder (before: the
+/// proxy served it, no flow DNATed). Left out: a client behind the
+/// gateway and a VM on the holder's bridge (the IPv4 test's rows).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn netns_an_ipv6_kernel_listener_on_a_bridged_vm_network_is_served_through_its_leg() {
+    require_netns!();
+    let mut bed = Bed::new("vmbrhold6", 1);
+    let (a, _backend) = ipv6_bed(&mut bed);
+    let text = config()
+        .socket(&bed.dir.join("admin-a.sock"))
+        .text(
+            &(keepalived(
+                "a",
+                "10.77.0.1",
+                ["10.77.0.2"],
+                &bed.dir.join("keepalived-a"),
+                "",
+            ) + &network("t/a", "eth0", GATEWAY, "ipv6_gateway = \"fd00:a::1\"")),
+        )
+        .lb(Lb::new("t/web6", VIP6)
+            .backends([BACKEND6])
+            .keys("network = \"t/a\"")
+            .listener(Listener::new("kernel", KERNEL, NODEPORT).forwarding("kernel")))
+        // keepalived moves an IPv6 VIP only beside an IPv4 one of its
+        // instance: this one is served by the proxy alone.
+        .lb(Lb::new("t/anchor", VIP_LOCAL)
+            .backends([node_ip(1)])
+            .keys("network = \"t/a\"")
+            .listener(Listener::new("anchor", PROXY, NODEPORT)))
+        .to_string();
+    let d = first_listener_in_kernel(
+        &bed,
+        &a,
+        &text,
+        "/status: the IPv6 VIP's kernel listener in the kernel",
+    )
+    .await;
+    let leg = leg_up(&d, "/status: the network's leg up").await;
+    assert_eq!(leg["name"], LEG, "{leg}");
+    served6_through_kernel(&a, &bed.client, "vmnet bridged IPv6").await;
     drop(d);
+}
+
+/// Host a's file with `keepalived.interface` its bridge `eth0` (standing
+/// for `mgmt-br`), load balancers to follow.
+fn mgmt_config(bed: &Bed) -> support::Config {
+    config().socket(&bed.dir.join("admin-a.sock")).text(
+        &keepalived(
+            "a",
+            "198.51.100.4",
+            ["198.51.100.5"],
+            &bed.dir.join("keepalived-a"),
+            "",
+        )
+        .replace("interface = \"mgmt\"", "interface = \"eth0\""),
+    )
 }
 
 /// The management VIPs' leg's table (`keepalived.management_table`'s
@@ -704,18 +744,7 @@ async fn netns_a_kernel_listener_on_a_management_vip_over_a_bridge_is_served_by_
     for vip in [VIP_UPLINK, VIP_LOCAL] {
         a.ip(&["addr", "add", &format!("{vip}/32"), "dev", "eth0"]);
     }
-    let text = config()
-        .socket(&bed.dir.join("admin-a.sock"))
-        .text(
-            &keepalived(
-                "a",
-                "198.51.100.4",
-                ["198.51.100.5"],
-                &bed.dir.join("keepalived-a"),
-                "",
-            )
-            .replace("interface = \"mgmt\"", "interface = \"eth0\""),
-        )
+    let text = mgmt_config(&bed)
         .lb(Lb::new("t/mgmt", VIP_UPLINK)
             .backends([node_ip(1)])
             .listener(Listener::new("kernel", KERNEL, NODEPORT).forwarding("kernel"))
@@ -871,4 +900,43 @@ async fn netns_a_kernel_listener_on_a_management_vip_over_a_bridge_is_served_by_
         "the daemon stops"
     );
     assert_eq!(mgmt_leg_in_place(&a), (false, false, false), "left at stop");
+}
+
+/// The IPv6 half of the management VIP's test: an IPv6 management VIP on
+/// `keepalived.interface` (host a's bridge), its backend and its client
+/// both behind the uplink, `bridge-nf-call-ip6tables=1`. Through the
+/// management VIPs' leg and its table (the main table's IPv6 subnet route
+/// by the bridge, moved onto the leg; `ip -6 rule fwmark 0xea`) the kernel
+/// listener serves 10 of 10, each flow DNATed by the holder (before: the
+/// proxy served it, the reason saying an IPv6 VIP gets no leg). Left out:
+/// a client or backend behind a router (the IPv4 test's rows).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn netns_an_ipv6_kernel_listener_on_a_management_vip_over_a_bridge_is_served_by_the_kernel() {
+    require_netns!();
+    let mut bed = Bed::new("vmbrmgmt6", 1);
+    let (a, _backend) = ipv6_bed(&mut bed);
+    let text = mgmt_config(&bed)
+        .lb(Lb::new("t/mgmt6", VIP6)
+            .backends([BACKEND6])
+            .listener(Listener::new("kernel", KERNEL, NODEPORT).forwarding("kernel")))
+        // keepalived moves an IPv6 VIP only beside an IPv4 one of its
+        // instance: this one is served by the proxy alone.
+        .lb(Lb::new("t/anchor", VIP_LOCAL)
+            .backends([node_ip(1)])
+            .listener(Listener::new("anchor", PROXY, NODEPORT)))
+        .to_string();
+    let d = first_listener_in_kernel(
+        &bed,
+        &a,
+        &text,
+        "/status: the IPv6 management VIP's kernel listener in the kernel",
+    )
+    .await;
+    let rules = ip_out(&a, &["-6", "rule", "show"]);
+    assert!(
+        rules.contains(&format!("fwmark {MGMT_MARK}/0xff lookup {MGMT_TABLE}")),
+        "{rules}"
+    );
+    served6_through_kernel(&a, &bed.client, "vmnet bridged IPv6 management VIP").await;
+    drop(d);
 }

@@ -253,7 +253,6 @@ fn off_network_reason(
             m.table,
             m.error.as_deref().unwrap_or("not made yet")
         ),
-        None if managed.is_some() && spec.vip.is_ipv6() => "an IPv6 VIP gets no leg (the macvlan that routes an IPv4 management VIP's flows) in this version".to_string(),
         None if managed.is_some() => "the management VIPs' leg, which routes these flows, is not made yet".to_string(),
         None => "backends on a routed network of their own, or a VLAN device or a dedicated NIC toward the clients, work with the kernel path".to_string(),
     };

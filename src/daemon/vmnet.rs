@@ -408,6 +408,16 @@ impl Daemon {
         {
             match crate::vip::mgmt_leg::main_routes(writer.handle(), bridge).await {
                 Ok(main) => {
+                    // Only the families of the VIPs it routes: a route of
+                    // the other family refused would hold them all back.
+                    let main: Vec<_> = main
+                        .into_iter()
+                        .filter(|r| {
+                            m.vips
+                                .iter()
+                                .any(|v| v.is_ipv6() == r.dest.addr().is_ipv6())
+                        })
+                        .collect();
                     mgmt_routes = crate::vip::mgmt_leg::table_routes(m.table, leg, &main);
                     if mgmt_routes.is_empty() {
                         mgmt_error = Some(format!(

@@ -15,8 +15,7 @@
 //! must stay as it is (the host's own traffic, kubelet's, the CNI's). So
 //! its flows get a table of their own, the main table's routes by the
 //! bridge copied onto the leg (the connected subnets and the gateways'
-//! routes; IPv4 only in this version, where the networks' legs also take
-//! IPv6), and the mark of that table on both directions
+//! routes, IPv4 and IPv6), and the mark of that table on both directions
 //! (`vip::replymark`); `snat to` the VIP replaces `masquerade`, as on a
 //! leg network (the leg has no address).
 //!
@@ -24,20 +23,20 @@
 //! `keepalived.interface` ([`crate::config::Config::keepalived_interface`]),
 //! with a `forwarding = "kernel"` listener and a backend the main table
 //! routes out of that interface, when the interface is a Linux bridge and
-//! its IPv4 frames pass the IP hooks at the bridge stage (what
+//! the VIP's family's frames pass the IP hooks at the bridge stage (what
 //! `daemon::kernel`'s `off_network_reason` hands to the proxy without a
 //! leg; with the stage off the routed path by the bridge serves, and a leg
-//! would only cost the bridge's promiscuity: `vip::leg`). IPv4 VIPs only
-//! in this version (not built for IPv6 yet, unlike a network's leg); an
-//! IPv6 one keeps that fallback. VIPs announced by BGP (`vip.announce =
-//! "routes"`) are not moved by keepalived and keep that fallback.
+//! would only cost the bridge's promiscuity: `vip::leg`). VIPs announced
+//! by BGP (`vip.announce = "routes"`) are not moved by keepalived and keep
+//! that fallback.
 //!
 //! The table follows the main table: [`table_routes`] is derived again
 //! from [`main_routes`] at every step of the VM-network task (every apply,
 //! every 10 s, and when the kernel writer's 5 s look at the sysctls finds
 //! the main table's routes out of the bridge changed), so a route of the
 //! main table by the bridge that changes (a DHCP renewal's gateway, an
-//! operator's static route) is in the leg's table within about 5 s. The routes are owned by the same driver
+//! operator's static route) is in the leg's table within about 5 s (an
+//! IPv6 one within 10 s: the 5 s look reads `/proc/net/route` only). The routes are owned by the same driver
 //! as the networks' tables (`vip::network`, kind `network_route`): read
 //! back, repaired, removed after the drain at a clean stop, kept across a
 //! hand-over.
@@ -147,18 +146,15 @@ pub struct MgmtLegStatus {
 /// Whether `config` needs the management VIPs' leg, and for which VIPs:
 /// see the module's text. `device_for` is the device the main table routes
 /// an address out of (`os::Routes`), `stage_on` whether an interface is
-/// a Linux bridge whose IPv4 frames pass the IP hooks at the bridge stage
-/// now ([`super::leg::bridge_stage_on`]: as a network's leg, only then).
-/// IPv4 VIPs only in this version. Pure.
+/// a Linux bridge whose IPv4 (`false`) or IPv6 (`true`) frames pass the IP
+/// hooks at the bridge stage now ([`super::leg::bridge_stage_on`]: as a
+/// network's leg, only for a VIP of a family whose stage is on). Pure.
 pub fn needed(
     config: &Config,
     device_for: impl Fn(IpAddr) -> Option<String>,
-    stage_on: impl Fn(&str) -> bool,
+    stage_on: impl Fn(&str, bool) -> bool,
 ) -> Option<MgmtLeg> {
     let k = config.keepalived.as_ref()?;
-    if !stage_on(&k.interface) {
-        return None;
-    }
     let mut vips = BTreeSet::new();
     let mut backends = BTreeSet::new();
     for lb in &config.load_balancers {
@@ -167,7 +163,7 @@ pub fn needed(
             .iter()
             .any(|l| l.forwarding == Forwarding::Kernel);
         if lb.network.is_some()
-            || !lb.vip.is_ipv4()
+            || !stage_on(&k.interface, lb.vip.is_ipv6())
             || !kernel
             || config.keepalived_interface(lb) != Some(k.interface.as_str())
         {
@@ -202,7 +198,7 @@ pub fn on_this_host(config: &Config) -> Option<MgmtLeg> {
                 .device_for(ip)
                 .map(str::to_string)
         },
-        |interface| super::leg::bridge_stage_on(interface, false),
+        super::leg::bridge_stage_on,
     )
 }
 
@@ -226,14 +222,16 @@ pub fn table_routes(table: u32, leg: u32, main: &[MainRoute]) -> BTreeMap<NetKey
         .collect()
 }
 
-/// The main table's unicast IPv4 routes out of interface `index`, as
-/// copied onto the leg (IPv4 VIPs only have one in this version):
-/// multipath routes (no one device) and a second route to one destination
-/// (another metric) are left out (`main_route` would take IPv6 ones
-/// too, less the link-local and multicast prefixes every interface has).
+/// The main table's unicast routes out of interface `index`, IPv4 and
+/// IPv6, as copied onto the leg: multipath routes (no one device), the
+/// IPv6 link-local and multicast prefixes (every interface has its own)
+/// and a second route to one destination (another metric) are left out.
 pub async fn main_routes(handle: &Handle, index: u32) -> Result<Vec<MainRoute>, AnnounceError> {
     let mut out: BTreeMap<IpNet, Option<IpAddr>> = BTreeMap::new();
-    let requests = [RouteMessageBuilder::<std::net::Ipv4Addr>::new().build()];
+    let requests = [
+        RouteMessageBuilder::<std::net::Ipv4Addr>::new().build(),
+        RouteMessageBuilder::<std::net::Ipv6Addr>::new().build(),
+    ];
     for request in requests {
         let mut routes = handle.route().get(request).execute();
         while let Some(m) = routes
@@ -329,7 +327,7 @@ mod tests {
                 "eth9".to_string()
             })
         };
-        let leg = needed(&config, device_for, |i| i == interface).expect("a leg");
+        let leg = needed(&config, device_for, |i, _| i == interface).expect("a leg");
         assert_eq!(leg.interface, interface);
         assert_eq!(leg.table, crate::config::DEFAULT_MANAGEMENT_TABLE);
         assert_eq!(
@@ -337,7 +335,7 @@ mod tests {
             ["192.168.0.100"]
         );
         // No bridge (a plain NIC or a VLAN device): no leg.
-        assert_eq!(needed(&config, device_for, |_| false), None);
+        assert_eq!(needed(&config, device_for, |_, _| false), None);
     }
 
     #[test]
