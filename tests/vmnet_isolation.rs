@@ -716,7 +716,13 @@ async fn netns_a_network_on_the_loopback_a_macvlan_or_the_default_route_s_interf
     )
     .await;
     let guarded = &status["vm_network_guard"]["interfaces"];
-    assert_eq!(guarded, &serde_json::json!(["brA", "brB"]), "{status}");
+    // With network A's leg: a bridged network (br_netfilter on) with a
+    // kernel listener (`vip::leg`).
+    assert_eq!(
+        guarded,
+        &serde_json::json!(["brA", "brB", "hleg1000"]),
+        "{status}"
+    );
     let got = status["network_refused"]
         .as_array()
         .expect("network_refused");

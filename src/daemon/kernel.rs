@@ -446,8 +446,11 @@ impl Daemon {
     }
 
     /// Whether `spec`'s network routes its kernel listeners' flows out of
-    /// its leg (in place): their `masquerade` is then `snat to` the VIP,
-    /// the leg having no address of its own.
+    /// its leg (in place), to a backend in the network's subnet: their
+    /// `masquerade` is then `snat to` the VIP, the leg having no address
+    /// of its own. A load balancer whose backends are all elsewhere
+    /// (routed out of another interface) keeps `masquerade`, that
+    /// interface's address, to which its backends route their replies.
     fn on_leg(&self, spec: &LoadBalancerSpec, config: &Config) -> bool {
         let Some(name) = spec.network.as_deref() else {
             // A management VIP routed by the management VIPs' leg.
@@ -455,12 +458,14 @@ impl Daemon {
                 .mgmt_leg(config)
                 .is_some_and(|m| m.in_place && m.vips.contains(&spec.vip));
         };
-        config
-            .networks
-            .iter()
-            .find(|n| n.name == name)
-            .and_then(|n| self.leg(n))
-            .is_some_and(|l| l.up())
+        let Some(network) = config.networks.iter().find(|n| n.name == name) else {
+            return false;
+        };
+        let in_subnet = |ip: &IpAddr| match ip {
+            IpAddr::V4(v4) => network.subnet().contains(v4),
+            IpAddr::V6(v6) => network.ipv6_subnet().is_some_and(|n| n.contains(v6)),
+        };
+        spec.backends.iter().any(in_subnet) && self.leg(network).is_some_and(|l| l.up())
     }
 
     /// Why a kernel listener on `vip` is not in the kernel although its
