@@ -143,6 +143,8 @@ pub struct FileKeepalived {
     /// Whether the rendered track scripts ask `/readyz` with
     /// `require=backend` (default false).
     pub ready_requires_backend: Option<Spanned<bool>>,
+    /// The routing table of the management VIPs' leg (default 999).
+    pub management_table: Option<Spanned<i64>>,
 }
 
 /// `[admin]`.

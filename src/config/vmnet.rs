@@ -122,6 +122,11 @@ pub const DEFAULT_MANAGEMENT_VIPS: bool = true;
 /// sees them down, a 503 would take the VIP off every host; docs/design.md,
 /// "The all-backends-down decision for a moved VIP").
 pub const DEFAULT_READY_REQUIRES_BACKEND: bool = false;
+/// Default `keepalived.management_table`: the routing table of the
+/// management VIPs' leg (`vip::mgmt_leg`), just below the networks'
+/// default tables ([`DEFAULT_NETWORK_TABLE_BASE`]); its mark
+/// ([`reply_mark_of`], `0xea`) is none of theirs up to the 254th network.
+pub const DEFAULT_MANAGEMENT_TABLE: u32 = 999;
 /// First routing table of `[[network]]`s without `table`: table
 /// `DEFAULT_NETWORK_TABLE_BASE + n` for the n-th network of the file.
 pub const DEFAULT_NETWORK_TABLE_BASE: u32 = 1000;
@@ -245,6 +250,13 @@ pub struct KeepalivedSettings {
     /// whose VIPs has no listener bound with an eligible backend here moves
     /// to a host whose backends answer.
     pub ready_requires_backend: bool,
+    /// `keepalived.management_table`: the routing table of the management
+    /// VIPs' leg on a bridged `interface` (`vip::mgmt_leg`): the main
+    /// table's routes out of `interface`, rewritten onto the leg, which
+    /// the management VIPs' kernel-forwarded flows are routed by (mark
+    /// [`reply_mark_of`] this table). No `[[network]]` may use it or its
+    /// mark.
+    pub management_table: u32,
 }
 
 impl Config {

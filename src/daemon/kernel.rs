@@ -22,6 +22,7 @@ use crate::config::{Config, Forwarding, LoadBalancerSpec, OnBackendDown, Protoco
 use crate::kernel::{Desired, KernelListener, KernelTable, ListenerId, Narrowed, Synced};
 use crate::os::Sysctl;
 use crate::vip::leg::LegStatus;
+use crate::vip::mgmt_leg::MgmtLegStatus;
 
 /// How long a wake-up waits for more changes before the transaction, when
 /// the writer has been quiet for [`QUIET_AFTER`]: a lone health flip goes
@@ -134,6 +135,7 @@ fn bridge_stage_reason(
     spec: &LoadBalancerSpec,
     config: &Config,
     leg: &dyn Fn(&crate::config::NetworkSpec) -> Option<LegStatus>,
+    mgmt: Option<&MgmtLegStatus>,
 ) -> Option<String> {
     let family = usize::from(spec.vip.is_ipv6());
     let sysctl = [
@@ -144,7 +146,7 @@ fn bridge_stage_reason(
         if !bridge_stage_of(packed, family) && !own_bridge_stage_of(packed, family) {
             return None;
         }
-        return off_network_reason(packed, spec, config, sysctl);
+        return off_network_reason(packed, spec, config, sysctl, mgmt);
     };
     let network = config.networks.iter().find(|n| n.name == name)?;
     let in_subnet = |ip: &IpAddr| match ip {
@@ -204,7 +206,11 @@ fn leg_source_nat_reason(
 /// link (a host with its router on another link is told nothing wrong:
 /// the default route's bridge then leads to no backend, or it does and the
 /// proxy serves a listener the kernel could have). Any other VIP (held by
-/// other means, a loopback) is left alone. Read from the routes at each
+/// other means, a loopback) is left alone. A management VIP routed by the
+/// management VIPs' leg (`mgmt`, in place: `vip::mgmt_leg`) is not held
+/// back: its flows are routed out of the leg, not bridged; while the leg
+/// is not in place the reason says what failed. An announced VIP has no
+/// leg (out of scope: its clients' link is the router's, not keepalived's). Read from the routes at each
 /// whole rebuild of the kernel's desired state (a reload, a change of the
 /// forwarding or bridge sysctls), not at every route change.
 fn off_network_reason(
@@ -212,9 +218,18 @@ fn off_network_reason(
     spec: &LoadBalancerSpec,
     config: &Config,
     sysctl: &str,
+    mgmt: Option<&MgmtLegStatus>,
 ) -> Option<String> {
     let routes = crate::os::Routes::read_recent(spec.vip.is_ipv6());
-    let (interface, by) = match config.keepalived_interface(spec) {
+    let managed = config.keepalived_interface(spec);
+    // A management VIP routed by the management VIPs' leg in place
+    // (`vip::mgmt_leg`): its flows are routed out of the leg, never
+    // bridged back, whatever the bridge stage.
+    let mgmt = mgmt.filter(|m| managed == Some(m.interface.as_str()));
+    if mgmt.is_some_and(|m| m.in_place && m.vips.contains(&spec.vip)) {
+        return None;
+    }
+    let (interface, by) = match managed {
         Some(i) => (
             i,
             "keepalived.interface, where keepalived moves this management VIP",
@@ -231,8 +246,18 @@ fn off_network_reason(
         .backends
         .iter()
         .find(|b| routes.device_for(**b) == Some(interface))?;
+    let remedy = match mgmt {
+        Some(m) => format!(
+            "the management VIPs' leg {:?} (table {}), which routes these flows, is not in place: {}",
+            m.leg.name,
+            m.table,
+            m.error.as_deref().unwrap_or("not made yet")
+        ),
+        None if managed.is_some() => "the management VIPs' leg, which routes these flows, is not made yet".to_string(),
+        None => "backends on a routed network of their own, or a VLAN device or a dedicated NIC toward the clients, work with the kernel path".to_string(),
+    };
     Some(format!(
-        "the VIP is on no [[network]] and its clients come in by {interface:?} ({by}); {interface:?} is a bridge and {switch}: br_netfilter NATs a frame at the bridge stage, and a backend routed out of that same bridge ({backend}) behind the port a client's frame came in by is never reached (the bridge sends no frame back out of its ingress port), so the proxy serves this listener; backends on a routed network of their own, or a VLAN device or a dedicated NIC toward the clients, work with the kernel path (docs/vip.md, \"On a bridged host\")"
+        "the VIP is on no [[network]] and its clients come in by {interface:?} ({by}); {interface:?} is a bridge and {switch}: br_netfilter NATs a frame at the bridge stage, and a backend routed out of that same bridge ({backend}) behind the port a client's frame came in by is never reached (the bridge sends no frame back out of its ingress port), so the proxy serves this listener; {remedy} (docs/vip.md, \"On a bridged host\")"
     ))
 }
 
@@ -367,6 +392,7 @@ impl Daemon {
             }
         }
         let held: Vec<String> = self.lock().config.as_ref().map_or_else(Vec::new, |c| {
+            let mgmt = self.mgmt_leg(c);
             c.load_balancers
                 .iter()
                 // Only those with a kernel listener: a proxy-only load
@@ -377,7 +403,8 @@ impl Daemon {
                     lb.listeners
                         .iter()
                         .any(|l| l.forwarding == Forwarding::Kernel)
-                        && bridge_stage_reason(off, lb, c, &|n| self.leg(n)).is_some()
+                        && bridge_stage_reason(off, lb, c, &|n| self.leg(n), mgmt.as_deref())
+                            .is_some()
                 })
                 .map(|lb| format!("{:?}", lb.name))
                 .collect()
@@ -414,6 +441,7 @@ impl Daemon {
             spec,
             config,
             &|n| self.leg(n),
+            self.mgmt_leg(config).as_deref(),
         )
     }
 
@@ -425,7 +453,10 @@ impl Daemon {
     /// interface's address, to which its backends route their replies.
     fn on_leg(&self, spec: &LoadBalancerSpec, config: &Config) -> bool {
         let Some(name) = spec.network.as_deref() else {
-            return false;
+            // A management VIP routed by the management VIPs' leg.
+            return self
+                .mgmt_leg(config)
+                .is_some_and(|m| m.in_place && m.vips.contains(&spec.vip));
         };
         let Some(network) = config.networks.iter().find(|n| n.name == name) else {
             return false;
@@ -633,6 +664,9 @@ impl Daemon {
                 }
                 if daemon.check_ip_forwarding() {
                     daemon.kernel_wake.notify_one();
+                }
+                if daemon.mgmt_routes_changed() {
+                    daemon.vmnet_wake();
                 }
                 if daemon.check_forward_chains().await {
                     daemon.kernel_wake.notify_one();

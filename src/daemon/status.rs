@@ -93,6 +93,7 @@ impl Daemon {
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
                 .clone(),
+            management_leg: self.mgmt_leg_seen().map(|m| (*m).clone()),
             announce,
             vip_refused: self.vip_refusals(),
             network_refused: self.network_refusals(),
@@ -390,6 +391,11 @@ pub struct StatusDoc {
     /// read back: its name, MAC, state and why it is not in place; only the
     /// networks that need one (a bridge, a kernel listener).
     pub network_legs: std::collections::BTreeMap<String, crate::vip::leg::LegStatus>,
+    /// The management VIPs' leg on the bridge of `keepalived.interface`
+    /// (`vip::mgmt_leg`), its table's routes and whether it is in place, as
+    /// last read back; absent while no management VIP needs it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub management_leg: Option<crate::vip::mgmt_leg::MgmtLegStatus>,
     /// `vip.announce = "routes"`: every VIP, announced or not and why;
     /// absent with `none`.
     #[serde(skip_serializing_if = "Option::is_none")]

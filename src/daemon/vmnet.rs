@@ -34,9 +34,14 @@ use crate::owned::{CHECK_INTERVAL, Driver, Object};
 use crate::vip::announce::RouteWriter;
 use crate::vip::keepalived::{self, Installed};
 use crate::vip::leg::{LegStatus, NetworkLegs};
+use crate::vip::mgmt_leg::{MgmtLeg, MgmtLegStatus};
 use crate::vip::network::{NetKey, NetworkRoutes, wanted};
 use crate::vip::replymark::{MarkKey, MarkWant, ReplyMarkStatus, ReplyMarks};
 use crate::vip::vmnet_filter::{Rules, VmNetworkGuard};
+
+/// The key of the management VIPs' leg among the networks' legs while
+/// they are made: `[` is in no network's name.
+const MGMT_LEG: &str = "[keepalived]";
 
 /// The task's state, shared with the daemon.
 #[derive(Default)]
@@ -53,8 +58,21 @@ pub(super) struct VmNet {
     /// Bumped whenever a network's leg comes into place or leaves it: the
     /// kernel listeners' desired state is rebuilt whole then.
     pub(super) legs_generation: std::sync::atomic::AtomicU64,
+    /// The management VIPs' leg and its table (`vip::mgmt_leg`) as last
+    /// read back, while some management VIP needs it: for `/status` and
+    /// for the kernel listeners, which go into the kernel only while it is
+    /// in place.
+    pub(super) mgmt_leg: std::sync::Mutex<Option<Arc<MgmtLegStatus>>>,
     /// Set once the legs were read back (or found not needed).
     legs_read: AtomicBool,
+    /// Set once the management VIPs' leg was read back (or found not
+    /// needed) by this process.
+    mgmt_leg_read: AtomicBool,
+    /// Set once [`Daemon::mgmt_leg`] guessed, before the first read-back.
+    mgmt_leg_guessed: AtomicBool,
+    /// A hash of the main table's IPv4 routes out of the management VIPs'
+    /// bridge at the last look ([`Daemon::mgmt_routes_changed`]).
+    mgmt_main_routes: std::sync::atomic::AtomicU64,
     /// What the management check pings, as seen at the last apply with
     /// `[keepalived]` (`vip::mgmt_check::discover`), for `/status`.
     pub(super) mgmt_check: std::sync::Mutex<Option<crate::vip::mgmt_check::Discovered>>,
@@ -300,13 +318,23 @@ impl Daemon {
 
     /// Reads back and writes the networks' routes and rules.
     async fn vmnet_routes(&self, inner: &mut Inner, config: &Config) {
-        let used = config.load_balancers.iter().any(|lb| lb.network.is_some());
-        if !used
-            && inner
-                .routes
+        let mgmt = crate::vip::mgmt_leg::on_this_host(config);
+        let used = config.load_balancers.iter().any(|lb| lb.network.is_some()) || mgmt.is_some();
+        // Something still held (a leg whose route failed, say) is removed
+        // by the steps below once the config no longer asks for it.
+        let held = inner
+            .routes
+            .as_ref()
+            .is_some_and(|d| d.held().next().is_some())
+            || inner
+                .legs
                 .as_ref()
-                .is_none_or(|d| d.held().next().is_none())
-        {
+                .is_some_and(|d| d.held().next().is_some())
+            || inner
+                .marks
+                .as_ref()
+                .is_some_and(|d| d.held().next().is_some());
+        if !used && !held {
             return;
         }
         if inner.routes.is_none() {
@@ -343,19 +371,65 @@ impl Daemon {
             }
         }
         let mut tables: BTreeSet<u32> = config.networks.iter().map(|n| n.table).collect();
+        tables.extend(config.keepalived.as_ref().map(|k| k.management_table));
         tables.extend(driver.held().filter_map(|k| match k {
             NetKey::Route { table, .. } => Some(*table),
             NetKey::Rule { .. } => None,
         }));
         driver.backend().set_tables(tables);
         let writer = driver.backend().writer().clone();
-        let legs = self
-            .vmnet_legs(&mut inner.legs, &writer, config, &index_of)
+        let bridge = match &mgmt {
+            Some(m) => match writer.interface_index(&m.interface).await {
+                Ok(i) => Some(i),
+                Err(e) => {
+                    tracing::debug!("the management VIPs' leg: {e}");
+                    None
+                }
+            },
+            None => None,
+        };
+        let mgmt_leg = mgmt
+            .as_ref()
+            .zip(bridge)
+            .map(|(m, parent)| (m.key(), crate::vip::leg::LegWant { parent }));
+        let (legs, mgmt_seen) = self
+            .vmnet_legs(&mut inner.legs, &writer, config, &index_of, mgmt_leg)
             .await;
         let Some(driver) = inner.routes.as_mut() else {
             return;
         };
-        let want = wanted(config, &index_of, &legs);
+        let mut want = wanted(config, &index_of, &legs);
+        // The management VIPs' table: the main table's routes out of the
+        // bridge, moved onto the leg, once it is in place.
+        let mut mgmt_routes = BTreeMap::new();
+        let mut mgmt_error = None;
+        if let (Some(m), Some(bridge), Some(leg)) =
+            (&mgmt, bridge, mgmt_seen.as_ref().and_then(|s| s.1))
+        {
+            match crate::vip::mgmt_leg::main_routes(writer.handle(), bridge).await {
+                Ok(main) => {
+                    // Only the families of the VIPs it routes: a route of
+                    // the other family refused would hold them all back.
+                    let main: Vec<_> = main
+                        .into_iter()
+                        .filter(|r| {
+                            m.vips
+                                .iter()
+                                .any(|v| v.is_ipv6() == r.dest.addr().is_ipv6())
+                        })
+                        .collect();
+                    mgmt_routes = crate::vip::mgmt_leg::table_routes(m.table, leg, &main);
+                    if mgmt_routes.is_empty() {
+                        mgmt_error = Some(format!(
+                            "the main table has no route out of {:?} to copy into table {}",
+                            m.interface, m.table
+                        ));
+                    }
+                }
+                Err(e) => mgmt_error = Some(e.to_string()),
+            }
+            want.extend(mgmt_routes.clone());
+        }
         let mut out = driver.sync(&want).await;
         self.metrics
             .record_host_repairs(HostKind::NetworkRoute, out.repaired.len() as u64);
@@ -381,8 +455,206 @@ impl Daemon {
         for (key, seen) in &out.foreign {
             tracing::warn!(object = %key, seen = ?seen, "VM networks: another program holds this {key}; left alone, replies from that VIP may leave by another route");
         }
-        let marks = crate::vip::replymark::wanted(config, &want, &legs.into_keys().collect());
+        let mut marks = crate::vip::replymark::wanted(config, &want, &legs.into_keys().collect());
+        let routed = !mgmt_routes.is_empty() && mgmt_routes.keys().all(|k| driver.holds(k));
+        if let Some(m) = mgmt.as_ref().filter(|_| routed) {
+            m.add_marks(&mut marks);
+        }
+        let held_routes: Vec<String> = mgmt
+            .as_ref()
+            .map(|m| {
+                driver
+                    .held()
+                    .filter(|k| matches!(k, NetKey::Route { table, .. } if *table == m.table))
+                    .map(ToString::to_string)
+                    .collect()
+            })
+            .unwrap_or_default();
+        if mgmt_error.is_none() && !mgmt_routes.is_empty() && !routed {
+            mgmt_error = mgmt_routes
+                .keys()
+                .find_map(|k| out.failure(k).map(|f| format!("{k}: {f}")))
+                .or_else(|| out.unread.as_ref().map(ToString::to_string));
+        }
         self.vmnet_marks(&mut inner.marks, &writer, &marks).await;
+        let status = mgmt.map(|m| {
+            self.mgmt_leg_status(m, mgmt_seen, held_routes, mgmt_error, inner.marks.as_ref())
+        });
+        self.set_mgmt_leg(status);
+    }
+
+    /// The management VIPs' leg as read back, from its parts: the leg
+    /// (`seen`: its status and index), its table's routes (`routes`, held)
+    /// and the marks (`marks`, the driver: the `fwmark` rules and the
+    /// table).
+    fn mgmt_leg_status(
+        &self,
+        m: MgmtLeg,
+        seen: Option<(LegStatus, Option<u32>)>,
+        routes: Vec<String>,
+        routes_error: Option<String>,
+        marks: Option<&Driver<crate::vip::replymark::ReplyMarks>>,
+    ) -> MgmtLegStatus {
+        let mark = crate::vip::replymark::mark_of(m.table);
+        let leg = seen.map(|s| s.0).unwrap_or_else(|| LegStatus {
+            name: m.key().name(),
+            mac: None,
+            state: "missing",
+            error: Some(format!("{:?} cannot be read on this host", m.interface)),
+        });
+        let marked = marks.is_some_and(|d| {
+            d.holds(&MarkKey::Table)
+                && [false, true].iter().all(|v6| {
+                    !m.vips.iter().any(|v| v.is_ipv6() == *v6)
+                        || d.holds(&MarkKey::Rule { v6: *v6, mark })
+                })
+        });
+        let error = if !leg.up() {
+            Some(format!(
+                "the leg {:?}: {}",
+                leg.name,
+                leg.error.as_deref().unwrap_or("not in place")
+            ))
+        } else if let Some(e) = routes_error {
+            Some(format!("table {}: {e}", m.table))
+        } else if !marked {
+            Some(format!(
+                "the marks (table inet {}, ip rule fwmark {mark:#x}): {}",
+                crate::vip::replymark::TABLE,
+                self.vmnet
+                    .reply_marks
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .error
+                    .clone()
+                    .unwrap_or_else(|| "not written yet".into())
+            ))
+        } else {
+            None
+        };
+        MgmtLegStatus {
+            interface: m.interface,
+            table: m.table,
+            leg,
+            routes,
+            vips: m.vips,
+            in_place: error.is_none(),
+            error,
+        }
+    }
+
+    /// Publishes the management VIPs' leg; its coming into place or
+    /// leaving it rebuilds the kernel listeners.
+    fn set_mgmt_leg(&self, now: Option<MgmtLegStatus>) {
+        let mut held = self
+            .vmnet
+            .mgmt_leg
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        let now = now.map(Arc::new);
+        let key = |s: &Option<Arc<MgmtLegStatus>>| {
+            s.as_ref()
+                .filter(|s| s.in_place)
+                .map(|s| (s.interface.clone(), s.vips.clone()))
+        };
+        let changed =
+            key(&held) != key(&now) || !self.vmnet.mgmt_leg_read.swap(true, Ordering::AcqRel);
+        if changed && let Some(s) = &now {
+            match &s.error {
+                None => tracing::info!(
+                    leg = %s.leg.name,
+                    table = s.table,
+                    "the management VIPs' leg is in place: their kernel listeners' flows are routed out of it (the main table's routes out of {:?}, moved onto it)",
+                    s.interface
+                ),
+                Some(e) => tracing::error!(
+                    "the management VIPs' leg is not in place ({e}): their kernel listeners are served by the proxy meanwhile (retried in {} s)",
+                    CHECK_INTERVAL.as_secs()
+                ),
+            }
+        }
+        *held = now;
+        drop(held);
+        if changed {
+            self.vmnet.legs_generation.fetch_add(1, Ordering::AcqRel);
+            self.kernel_wake();
+        }
+    }
+
+    /// Whether the main table's IPv4 routes out of the management VIPs'
+    /// bridge changed since the last look (the lines of `/proc/net/route`
+    /// of that interface, hashed), while the leg is needed: the kernel
+    /// writer asks every 5 s with the sysctls and wakes this task, so the
+    /// leg's table follows the main table within about 5 s (and at every
+    /// step, every 10 s, anyway).
+    pub(super) fn mgmt_routes_changed(&self) -> bool {
+        use std::hash::{Hash, Hasher};
+        let Some(m) = self.mgmt_leg_seen() else {
+            return false;
+        };
+        let text = std::fs::read_to_string("/proc/net/route").unwrap_or_default();
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        for line in text
+            .lines()
+            .filter(|l| l.split_whitespace().next() == Some(m.interface.as_str()))
+        {
+            line.hash(&mut h);
+        }
+        let now = h.finish();
+        self.vmnet.mgmt_main_routes.swap(now, Ordering::AcqRel) != now
+    }
+
+    /// The management VIPs' leg as last read back, while one is needed.
+    pub(super) fn mgmt_leg_seen(&self) -> Option<Arc<MgmtLegStatus>> {
+        self.vmnet
+            .mgmt_leg
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// [`Self::mgmt_leg_seen`], for the kernel listeners of `config`.
+    /// Before the VM-network task's first read of it (a start, a
+    /// hand-over), a leg already in the host (a predecessor's, which that
+    /// read adopts with its table) counts as in place for the VIPs that
+    /// need it: their kernel listeners do not go to the proxy and back.
+    pub(super) fn mgmt_leg(&self, config: &Config) -> Option<Arc<MgmtLegStatus>> {
+        if self.vmnet.mgmt_leg_read.load(Ordering::Acquire) {
+            return self.mgmt_leg_seen();
+        }
+        let mut held = self
+            .vmnet
+            .mgmt_leg
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        if self.vmnet.mgmt_leg_guessed.swap(true, Ordering::AcqRel) {
+            return held.clone();
+        }
+        let m = crate::vip::mgmt_leg::on_this_host(config)?;
+        let name = m.key().name();
+        let guess = std::path::Path::new("/sys/class/net")
+            .join(&name)
+            .exists()
+            .then(|| {
+                Arc::new(MgmtLegStatus {
+                    interface: m.interface,
+                    table: m.table,
+                    leg: LegStatus {
+                        name,
+                        mac: None,
+                        state: "up",
+                        error: None,
+                    },
+                    routes: Vec::new(),
+                    vips: m.vips,
+                    in_place: true,
+                    error: None,
+                })
+            });
+        // Kept (and so is finding none) until the first read-back replaces
+        // it: a rebuild asks once per load balancer.
+        held.clone_from(&guess);
+        guess
     }
 
     /// Reads back and makes the bridged networks' legs (`vip::leg`);
@@ -395,12 +667,21 @@ impl Daemon {
         writer: &RouteWriter,
         config: &Config,
         index_of: &BTreeMap<String, u32>,
-    ) -> BTreeMap<String, u32> {
-        let by_network =
+        mgmt: Option<(crate::vip::leg::LegKey, crate::vip::leg::LegWant)>,
+    ) -> (BTreeMap<String, u32>, Option<(LegStatus, Option<u32>)>) {
+        let mut by_network =
             crate::vip::leg::wanted(config, index_of, crate::vip::leg::bridge_stage_on);
-        if by_network.is_empty() && slot.as_ref().is_none_or(|d| d.held().next().is_none()) {
+        if by_network.is_empty()
+            && mgmt.is_none()
+            && slot.as_ref().is_none_or(|d| d.held().next().is_none())
+        {
             self.set_legs(BTreeMap::new());
-            return BTreeMap::new();
+            return (BTreeMap::new(), None);
+        }
+        // The management VIPs' leg (`vip::mgmt_leg`), under a name no
+        // network can have, taken out again below.
+        if let Some(m) = mgmt {
+            by_network.insert(MGMT_LEG.to_string(), m);
         }
         let driver = slot.get_or_insert_with(|| Driver::new(NetworkLegs::new(writer.clone())));
         let want: BTreeMap<_, _> = by_network.values().cloned().collect();
@@ -460,8 +741,11 @@ impl Daemon {
                 },
             );
         }
+        let mgmt = status
+            .remove(MGMT_LEG)
+            .map(|s| (s, indexes.remove(MGMT_LEG)));
         self.set_legs(status);
-        indexes
+        (indexes, mgmt)
     }
 
     /// Publishes the legs' state; a leg that came into place or left it

@@ -110,11 +110,23 @@ pub fn needed(config: &Config) -> BTreeSet<Object> {
     if on_network().next().is_some() {
         out.insert(Object::NetworkRoutes);
     }
-    if on_network().any(|lb| {
+    let kernel = |lb: &&std::sync::Arc<crate::config::LoadBalancerSpec>| {
         lb.listeners
             .iter()
             .any(|l| l.forwarding == Forwarding::Kernel)
-    }) {
+    };
+    if on_network().any(|lb| kernel(&lb)) {
+        out.insert(Object::ReplyMarks);
+    }
+    // A management VIP's kernel listener may need the management VIPs'
+    // leg (`vip::mgmt_leg`: whether it does is the host's fact, a bridge),
+    // whose table and marks are of these kinds.
+    if config
+        .load_balancers
+        .iter()
+        .any(|lb| lb.network.is_none() && config.keepalived_interface(lb).is_some() && kernel(&lb))
+    {
+        out.insert(Object::NetworkRoutes);
         out.insert(Object::ReplyMarks);
     }
     if config.conntrackd.is_some() {
@@ -489,6 +501,18 @@ mod tests {
         assert_eq!(
             needed(&config(&open)),
             BTreeSet::from([Object::NetworkRoutes])
+        );
+        // A management VIP's kernel listener: its leg's table and marks.
+        let management = format!(
+            "{KEEPALIVED}\n{}",
+            db("backends = [\"192.168.0.21\"]\n").replace(
+                "vip = \"10.100.0.50\"\nnetwork = \"vlan100\"\n",
+                "vip = \"192.168.0.50\"\n"
+            )
+        );
+        assert_eq!(
+            needed(&config(&management)),
+            BTreeSet::from([Object::NetworkRoutes, Object::ReplyMarks])
         );
     }
 }

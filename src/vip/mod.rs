@@ -23,6 +23,7 @@ pub mod host;
 pub mod keepalived;
 pub mod leg;
 pub mod mgmt_check;
+pub mod mgmt_leg;
 pub mod network;
 pub mod network_link;
 pub mod port_filter;

@@ -126,6 +126,11 @@ pub struct MarkTable {
     pub vips: BTreeMap<u32, BTreeSet<IpAddr>>,
     /// The subnets (IPv4, IPv6) of the networks with a leg, by mark.
     pub legs: BTreeMap<u32, Vec<IpNet>>,
+    /// The interface a mark's flows must come in by to be marked, by mark:
+    /// the management VIPs' (`vip::mgmt_leg`), whose table routes only what
+    /// leaves by that bridge; a flow from elsewhere (a pod on the host, by
+    /// the CNI's interface) keeps the host's main table.
+    pub ingress: BTreeMap<u32, String>,
 }
 
 /// What the daemon wants of an object.
@@ -196,6 +201,7 @@ pub fn wanted(
     let mut table = MarkTable {
         legs: BTreeMap::new(),
         vips: marks,
+        ingress: BTreeMap::new(),
     };
     for net in config.networks.iter().filter(|n| legs.contains(&n.name)) {
         let mark = mark_of(net.table);
@@ -247,9 +253,14 @@ pub fn render(table: &MarkTable) -> String {
             if list.is_empty() {
                 continue;
             }
+            let ingress = table
+                .ingress
+                .get(mark)
+                .map(|i| format!("iifname {i:?} "))
+                .unwrap_or_default();
             let _ = writeln!(
                 t,
-                "    ct state new ct status dnat ct original {ip} daddr {{ {} }} ct mark set ct mark and {keep:#010x} or {mark:#010x}",
+                "    {ingress}ct state new ct status dnat ct original {ip} daddr {{ {} }} ct mark set ct mark and {keep:#010x} or {mark:#010x}",
                 list.join(", ")
             );
         }

@@ -360,7 +360,8 @@ impl Validator<'_> {
         );
 
         let (networks, network_names) = self.networks(file, &vip);
-        let keepalived = self.keepalived(file);
+        let keepalived = self.keepalived(file, &vip);
+        self.management_table_clash(file, &networks, keepalived.as_ref());
         let daemon = DaemonSettings {
             state_file: file.daemon.state_file.as_ref().map(|v| {
                 let p = v.get_ref();

@@ -41,10 +41,10 @@ use super::Validator;
 use crate::config::file::{FileConfig, FileKeepalived, FileLoadBalancer, FileNetwork};
 use crate::config::{
     DEFAULT_ADVERT_INTERVAL_MS, DEFAULT_IPV6_PREFIX_LENGTH, DEFAULT_KEEPALIVED_CONFIG,
-    DEFAULT_KEEPALIVED_PID_FILE, DEFAULT_MANAGEMENT_CHECK_SCRIPT, DEFAULT_MANAGEMENT_VIPS,
-    DEFAULT_NETWORK_ISOLATE, DEFAULT_NETWORK_TABLE_BASE, DEFAULT_READY_REQUIRES_BACKEND,
-    DEFAULT_VRID_BASE, DEFAULT_VRRP_VERSION, Ipam, KeepalivedSettings, LoadBalancerSpec,
-    NetworkSpec, VipSettings,
+    DEFAULT_KEEPALIVED_PID_FILE, DEFAULT_MANAGEMENT_CHECK_SCRIPT, DEFAULT_MANAGEMENT_TABLE,
+    DEFAULT_MANAGEMENT_VIPS, DEFAULT_NETWORK_ISOLATE, DEFAULT_NETWORK_TABLE_BASE,
+    DEFAULT_READY_REQUIRES_BACKEND, DEFAULT_VRID_BASE, DEFAULT_VRRP_VERSION, Ipam,
+    KeepalivedSettings, LoadBalancerSpec, NetworkSpec, VipSettings,
 };
 
 /// Most peers: VRRP priorities are rotated over the hosts in steps of
@@ -308,7 +308,11 @@ impl Validator<'_> {
     }
 
     /// `[keepalived]`.
-    pub(super) fn keepalived(&mut self, file: &FileConfig) -> Option<KeepalivedSettings> {
+    pub(super) fn keepalived(
+        &mut self,
+        file: &FileConfig,
+        vip: &VipSettings,
+    ) -> Option<KeepalivedSettings> {
         let table = file.keepalived.as_ref()?;
         let span = table.span();
         let k: &FileKeepalived = table.get_ref();
@@ -502,6 +506,7 @@ impl Validator<'_> {
             .ready_requires_backend
             .as_ref()
             .map_or(DEFAULT_READY_REQUIRES_BACKEND, |b| *b.get_ref());
+        let management_table = self.management_table(k, vip);
         Some(KeepalivedSettings {
             name: name?,
             address: address?,
@@ -518,7 +523,79 @@ impl Validator<'_> {
             management_check_script,
             management_vips,
             ready_requires_backend,
+            management_table,
         })
+    }
+
+    /// `keepalived.management_table`: a table the kernel does not reserve,
+    /// not `vip.announce_table` (a `[[network]]`'s table or mark is refused
+    /// by [`Self::management_table_clash`]): the management VIPs' flows are
+    /// routed by it with its mark (`vip::mgmt_leg`), and a network's on the
+    /// same mark would route them into that network.
+    fn management_table(&mut self, k: &FileKeepalived, vip: &VipSettings) -> u32 {
+        let key = "keepalived.management_table";
+        let Some(t) = &k.management_table else {
+            return DEFAULT_MANAGEMENT_TABLE;
+        };
+        let n = *t.get_ref();
+        let table = match u32::try_from(n) {
+            Ok(n) if n != 0 && !(253..=255).contains(&n) => n,
+            _ => {
+                self.problem(
+                    Some(t.span()),
+                    key,
+                    format!("{n} cannot be the management VIPs' routing table; use 1..=252 or 256..=4294967295 (0 is unspecified, 253 default, 254 main, 255 local)"),
+                );
+                return DEFAULT_MANAGEMENT_TABLE;
+            }
+        };
+        if table == vip.announce.table {
+            self.problem(
+                Some(t.span()),
+                key,
+                format!("table {table} is vip.announce_table too; give the management VIPs' leg its own table"),
+            );
+        }
+        table
+    }
+
+    /// A `[[network]]` whose table is `keepalived.management_table` or
+    /// gives its mark: refused at the network's `table` (or the network,
+    /// when its table is the default), after both are built.
+    pub(super) fn management_table_clash(
+        &mut self,
+        file: &FileConfig,
+        networks: &[NetworkSpec],
+        keepalived: Option<&KeepalivedSettings>,
+    ) {
+        let Some(k) = keepalived else {
+            return;
+        };
+        let mark = crate::config::reply_mark_of(k.management_table);
+        for (i, n) in file.networks.iter().enumerate() {
+            let name = n.get_ref().name.as_ref().map(|s| s.get_ref());
+            let Some(spec) = networks.iter().find(|s| Some(&s.name) == name) else {
+                continue;
+            };
+            let why = if spec.table == k.management_table {
+                format!(
+                    "table {} is keepalived.management_table too (the management VIPs' leg's table, default {DEFAULT_MANAGEMENT_TABLE})",
+                    spec.table
+                )
+            } else if crate::config::reply_mark_of(spec.table) == mark {
+                format!(
+                    "table {} gives this network the mark {mark:#x}, as keepalived.management_table {} does (a table's mark is 1 + (table - 1) mod 255)",
+                    spec.table, k.management_table
+                )
+            } else {
+                continue;
+            };
+            self.problem(
+                n.get_ref().table.as_ref().map(Spanned::span).or(Some(n.span())),
+                &format!("network[{i}].table"),
+                format!("{why}; give the network another table, or set keepalived.management_table to one no network uses"),
+            );
+        }
     }
 
     /// `keepalived.vrrp_version`, and whether `advert` (ms) is one that
@@ -1381,6 +1458,51 @@ gateway = "10.100.0.1"
                 && p.message.contains("table 1000")),
             "{problems:?}"
         );
+    }
+
+    #[test]
+    fn a_network_on_the_management_table_or_its_mark_is_refused_at_its_table() {
+        let c = parse(&format!(
+            "{NETWORK}{}",
+            lb("10.100.0.50", "default/vlan100")
+        ))
+        .expect("valid");
+        let k = c.config.keepalived.as_ref().expect("[keepalived]");
+        assert_eq!(k.management_table, crate::config::DEFAULT_MANAGEMENT_TABLE);
+        for (table, says) in [
+            ("999", "keepalived.management_table too"),
+            ("1254", "mark 0xea"),
+        ] {
+            let text = format!(
+                "{}table = {table}\n{}",
+                NETWORK,
+                lb("10.100.0.50", "default/vlan100")
+            );
+            let (key, line, msg) = one(&text);
+            assert_eq!(
+                (key.as_str(), line),
+                ("network[0].table", Some(13)),
+                "{msg}"
+            );
+            assert!(msg.contains(says), "{table}: {msg}");
+        }
+        // Moved out of the network's way: accepted.
+        let text = format!(
+            "{}table = 999\n{}",
+            NETWORK.replace("peers = [", "management_table = 2000\npeers = ["),
+            lb("10.100.0.50", "default/vlan100")
+        );
+        let c = parse(&text).expect("valid");
+        assert_eq!(c.config.keepalived.as_ref().unwrap().management_table, 2000);
+        for (value, says) in [("254", "254 main"), ("100", "vip.announce_table")] {
+            let text = NETWORK.replace(
+                "peers = [",
+                &format!("management_table = {value}\npeers = ["),
+            );
+            let (key, _, msg) = one(&format!("{text}{}", lb("10.100.0.50", "default/vlan100")));
+            assert_eq!(key, "keepalived.management_table");
+            assert!(msg.contains(says), "{msg}");
+        }
     }
 
     #[test]
