@@ -31,14 +31,13 @@
 //! Asserted on every VIP: up from the import on its preferred master,
 //! held by exactly one other host and served after each fault, back on
 //! its master after the failback, exactly one holder from a bound after
-//! the cut until the link returns, back on h1 after it. The VM network's
-//! listeners are on the kernel path through the network's leg (`/status`,
-//! asserted): one set of their connections and flows goes through every
-//! fault, failback and the partition, and every one of them is asserted
-//! kept on its backend with no line lost. The management VIPs' kernel
-//! listeners are served by the proxy (their backends are on `mgmt-br`
-//! itself, `off_network_reason`, out of this round), so their connections
-//! end on each move: fresh ones each fault, reported, not asserted.
+//! the cut until the link returns, back on h1 after it. Every listener is
+//! on the kernel path (`/status`, asserted): the VM network's through the
+//! network's leg, the management VIPs' through the management leg (their
+//! backends are routed out of `mgmt-br` itself). One set of connections
+//! and flows per VIP goes through every fault, failback and the
+//! partition, and every one of them is asserted kept on its backend with
+//! no line lost.
 //!
 //! Each host is a Harvester host as /work/shared/notes/harvester-host.md
 //! draws it: both interfaces are Linux bridges with an uplink into the
@@ -68,13 +67,6 @@ use crate::netns::vmnet::{
 };
 use crate::netns::{Bed, CLIENT_IP, DaemonProc, NODEPORT, Ns, node_ip, sa, wait_for};
 use crate::{HOSTS, MGMT_CLIENT, MGMT_IF, base_toml, require_netns, run_import, stand_in_kubectl};
-
-/// Whether this tree serves a VM network's kernel listener through the
-/// kernel on a bridged host (a backend in the subnet behind the uplink):
-/// it does, through the network's leg (docs/vip.md, "On a bridged
-/// host"), so its connections are asserted kept. `false` (the tree before
-/// the leg): the proxy serves them, they end on a move and are reported.
-const VM_KERNEL: bool = true;
 
 /// The VM network's interface on every host: its cluster network's bridge.
 const DATA_IF: &str = "data-br";
@@ -429,13 +421,9 @@ impl Cluster3 {
             })
             .await;
         }
-        let want = |lb: &str| {
-            if lb.starts_with("default/vm") && VM_KERNEL {
-                "kernel"
-            } else {
-                "proxy"
-            }
-        };
+        // Every listener on the kernel path: the VM network's through its
+        // leg, the management VIPs' through the management leg.
+        let want = |_: &str| "kernel";
         let status = wait_for(WITHIN, "every listener placed", || async {
             let s = d.status().await;
             let lbs = s["load_balancers"].as_array()?;
@@ -613,9 +601,59 @@ impl Cluster3 {
     }
 
     /// Waits (bounded) until every host's conntrackd holds the other two
-    /// hosts' VM-network flows in its external cache; whether it did.
+    /// hosts' flows (both kinds of VIP) in its external cache; whether it did.
+    /// Before a fault: every host's conntrackd cache holds the other
+    /// hosts' flows within 30 s, or the open traffic is finished (its lost
+    /// lines returned, VM network then management) and fresh traffic
+    /// started, whose flows every cache holds within 90 s (asserted).
+    ///
+    /// Why: after a failback a host's external cache was seen short of
+    /// flows that had not moved (external entries per host [2, 54, 4]
+    /// after h2's graceful stop and return, want 96; 1 of 3 runs), and
+    /// nothing refills an external cache but a transition's resync or a
+    /// flow's next event: the next master's death then reset all 20
+    /// connections of its VIPs. That is conntrackd's sync among three
+    /// hosts (issue 42, open: cause not found), not the move under test,
+    /// so the move is measured on flows every host holds, and the loss is
+    /// reported (a `FIGURE` line) rather than hidden.
+    async fn synced(
+        &self,
+        vm: Traffic,
+        mgmt: Traffic,
+        before: &str,
+        report: &mut Vec<String>,
+    ) -> ((u64, u64), Traffic, Traffic) {
+        if self.caches_full(Duration::from_secs(30)).await {
+            return ((0, 0), vm, mgmt);
+        }
+        let line = format!(
+            "N=3 {before}: a conntrackd cache short of the other hosts' flows 30 s on (external entries per host {:?}, want {} each): fresh connections for the next fault",
+            self.cache_counts(),
+            2 * 2 * (CONNS + FLOWS)
+        );
+        eprintln!("FIGURE {line}");
+        report.push(line);
+        let ((vl, _), (ml, _)) = (vm.finish().await, mgmt.finish().await);
+        let (vm, mgmt) = (self.traffic(false).await, self.traffic(true).await);
+        assert!(
+            self.caches_full(Duration::from_secs(90)).await,
+            "{before}: every host's conntrackd holds the fresh flows within 90 s: {:?}",
+            self.cache_counts()
+        );
+        ((vl, ml), vm, mgmt)
+    }
+
+    /// Each host's conntrackd external cache size, as last read.
+    fn cache_counts(&self) -> Vec<u64> {
+        self.hosts
+            .iter()
+            .map(|h| h.conntrackd.as_ref().map_or(0, |c| c.external_entries()))
+            .collect()
+    }
+
     async fn caches_full(&self, within: Duration) -> bool {
-        let want = (2 * (CONNS + FLOWS)) as u64;
+        // The other two hosts' flows of both kinds of VIP.
+        let want = (2 * 2 * (CONNS + FLOWS)) as u64;
         let deadline = Instant::now() + within;
         while Instant::now() < deadline {
             if self.hosts.iter().all(|h| {
@@ -680,12 +718,12 @@ fn phase(what: &str, vm: &Figures, mgmt: &Figures) -> String {
     format!("{what}; VM-network VIP: {vm}; management VIP: {mgmt}")
 }
 
-/// What must hold of the VM network's connections over a phase, where
-/// the kernel path keeps them; empty where it does not (yet).
-fn vm_kept(what: &str, vm: &Figures) -> Vec<String> {
-    if VM_KERNEL && (vm.alive != vm.total || vm.udp_moved != 0) {
+/// What must hold of one kind of VIP's connections over a phase: every
+/// one alive, no UDP flow on another backend.
+fn kept(what: &str, kind: &str, figures: &Figures) -> Vec<String> {
+    if figures.alive != figures.total || figures.udp_moved != 0 {
         vec![format!(
-            "{what}: VM-network connections or flows lost: {vm}"
+            "{what}: {kind} connections or flows lost: {figures}"
         )]
     } else {
         Vec::new()
@@ -734,29 +772,28 @@ async fn netns_three_hosts_from_import_alone_move_every_vip_on_each_fault_and_th
         eprintln!("FIGURE {line}");
         report.push(line);
     };
-    // Where the kernel path keeps the VM network's connections, one set of
-    // them goes through every fault and failback and the partition (and
-    // the next fault waits until every host's conntrackd holds them, as
-    // tests/conntrack_hosts.rs); elsewhere each fault gets fresh traffic
-    // (a move ends a proxied connection, so none would be left to move).
-    let mut kept_vm = None;
-    if VM_KERNEL {
-        kept_vm = Some(t.traffic(false).await);
-        assert!(
-            t.caches_full(Duration::from_secs(90)).await,
-            "every host's conntrackd holds the other hosts' flows within 90 s"
-        );
-    }
+    // One set of connections per kind of VIP goes through every fault and
+    // failback and the partition (and the next fault waits until every
+    // host's conntrackd holds them, as tests/conntrack_hosts.rs).
+    let mut vm = t.traffic(false).await;
+    let mut mgmt = t.traffic(true).await;
+    assert!(
+        t.caches_full(Duration::from_secs(90)).await,
+        "every host's conntrackd holds the other hosts' flows within 90 s"
+    );
+    // Lines lost by traffic finished before the end (see `synced`).
+    let mut lost = (0, 0);
     for (i, fault) in [Fault::Killed, Fault::GracefulStop, Fault::LinkCut]
         .into_iter()
         .enumerate()
     {
         let name = HOSTS[i].0;
-        let vm = match kept_vm.take() {
-            Some(vm) => vm,
-            None => t.traffic(false).await,
-        };
-        let mgmt = t.traffic(true).await;
+        if i > 0 {
+            let before = format!("before {fault:?} {name}");
+            let (l, v, m) = t.synced(vm, mgmt, &before, &mut report).await;
+            (vm, mgmt) = (v, m);
+            lost = (lost.0 + l.0, lost.1 + l.1);
+        }
         let at = (Instant::now(), vm.new_phase(), mgmt.new_phase());
         t.fail(i, fault);
         let (to, held, served) = t.moved(i, Some(i), fault != Fault::Killed).await;
@@ -772,7 +809,8 @@ async fn netns_three_hosts_from_import_alone_move_every_vip_on_each_fault_and_th
             (served - at.0).as_secs_f64(),
             follow.as_secs_f64()
         );
-        wrong.extend(vm_kept(&what, &v));
+        wrong.extend(kept(&what, "VM-network", &v));
+        wrong.extend(kept(&what, "management", &m));
         say(phase(&what, &v, &m), &mut report);
         // The failback.
         let at = (Instant::now(), vm.new_phase(), mgmt.new_phase());
@@ -791,35 +829,18 @@ async fn netns_three_hosts_from_import_alone_move_every_vip_on_each_fault_and_th
             (served - at.0).as_secs_f64(),
             follow.as_secs_f64()
         );
-        wrong.extend(vm_kept(&what, &v));
+        wrong.extend(kept(&what, "VM-network", &v));
+        wrong.extend(kept(&what, "management", &m));
         say(phase(&what, &v, &m), &mut report);
-        let (ml, md) = mgmt.finish().await;
-        let mut line = format!(
-            "N=3 {fault:?} {name}, over the fault and the failback: management lines lost {ml} (of connections still open), datagrams unanswered {md}"
-        );
-        if VM_KERNEL {
-            let full = t.caches_full(Duration::from_secs(90)).await;
-            assert!(
-                full,
-                "the caches refilled after {name}'s return:\n{}",
-                report.join("\n")
-            );
-            kept_vm = Some(vm);
-        } else {
-            let (vl, vd) = vm.finish().await;
-            line += &format!("; VM network lines lost {vl}, datagrams unanswered {vd}");
-        }
-        say(line, &mut report);
     }
 
     // The management link alone cut: h1 (master of instance 0) faults by
     // its management check, one other host holds each of its VIPs from
     // BOUND on; once the link returns, h1 alone again.
-    let vm = match kept_vm.take() {
-        Some(vm) => vm,
-        None => t.traffic(false).await,
-    };
-    let mgmt = t.traffic(true).await;
+    let (l, vm, mgmt) = t
+        .synced(vm, mgmt, "before the partition", &mut report)
+        .await;
+    lost = (lost.0 + l.0, lost.1 + l.1);
     let (at, vm_ms, mgmt_ms) = (Instant::now(), vm.new_phase(), mgmt.new_phase());
     t.silent_cut(0, true);
     // (since the cut, [the management VIP's holders, the VM network's]).
@@ -877,19 +898,16 @@ async fn netns_three_hosts_from_import_alone_move_every_vip_on_each_fault_and_th
             "{what}: not exactly one holder of each VIP from {BOUND:?} on in {not_one_late} samples"
         ));
     }
-    wrong.extend(vm_kept(&what, &v));
+    wrong.extend(kept(&what, "VM-network", &v));
+    wrong.extend(kept(&what, "management", &m));
     say(phase(&what, &v, &m), &mut report);
     let ((vl, vd), (ml, md)) = (vm.finish().await, mgmt.finish().await);
+    let (vl, ml) = (vl + lost.0, ml + lost.1);
     let line = format!(
-        "N=3 {}: lines lost (of connections still open) VM network {vl}, management {ml}; datagrams unanswered VM network {vd}, management {md}",
-        if VM_KERNEL {
-            "over the whole run (the VM network's) and the partition (the management's)"
-        } else {
-            "over the partition"
-        }
+        "N=3 over the whole run: lines lost (of connections still open) VM network {vl}, management {ml}; datagrams unanswered VM network {vd}, management {md}"
     );
-    if VM_KERNEL && vl != 0 {
-        wrong.push(format!("{line}: VM-network lines lost"));
+    if vl != 0 || ml != 0 {
+        wrong.push(format!("{line}: lines lost"));
     }
     say(line, &mut report);
     eprintln!(
