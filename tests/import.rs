@@ -2252,9 +2252,12 @@ async fn netns_an_imported_ipv6_vip_on_a_vm_network_is_served_by_the_daemon() {
     assert_eq!(code, 0, "{stderr}");
     // db6's IPv6 listener is served by the kernel (its backend routed,
     // on network B); web6's, whose backend is in the VIP's subnet behind
-    // the bridge's uplink, by the kernel only through a leg of the network
-    // for IPv6 (`vip::leg`; IPv4 only in this version: docs/vip.md, "On a
-    // bridged host"), else by the proxy saying why. Either way served.
+    // the bridge's uplink, by the kernel through the network's leg
+    // (`vip::leg`, docs/vip.md "On a bridged host"). Until the leg is in
+    // place the proxy serves web6, saying why: waited past, since a
+    // listener that moves to the kernel mid-way would leave some of its
+    // flows un-DNATed (CI saw web6's status say proxy, then 10 flows
+    // DNATed).
     let listener_of = |status: &Value, lb: &str| {
         status["load_balancers"]
             .as_array()
@@ -2262,11 +2265,8 @@ async fn netns_an_imported_ipv6_vip_on_a_vm_network_is_served_by_the_daemon() {
             .map(|l| l["listeners"][0].clone())
             .unwrap_or(Value::Null)
     };
-    let decided = |(db, web): &(Value, Value)| {
-        db["forwarding"] == "kernel"
-            && (web["forwarding"] == "kernel"
-                || web["kernel_error"].as_str().is_some_and(|e| !e.is_empty()))
-    };
+    let decided =
+        |(db, web): &(Value, Value)| db["forwarding"] == "kernel" && web["forwarding"] == "kernel";
     let mut last = (Value::Null, Value::Null);
     let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
     while !decided(&last) && tokio::time::Instant::now() < deadline {
@@ -2297,9 +2297,8 @@ async fn netns_an_imported_ipv6_vip_on_a_vm_network_is_served_by_the_daemon() {
             .count()
     };
     let (db, web) = (dnat_to("fd00:a::51"), dnat_to("fd00:a::50"));
-    let web_kernel = last.1["forwarding"] == "kernel";
     assert!(
-        db >= 10 && (web >= 10) == web_kernel,
-        "flows DNATed: {db} to db6's VIP, {web} to web6's (web6 by the kernel: {web_kernel})"
+        db >= 10 && web >= 10,
+        "flows DNATed: {db} to db6's VIP, {web} to web6's"
     );
 }
