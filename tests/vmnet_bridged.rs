@@ -117,6 +117,26 @@ fn hosts(bed: &mut Bed) -> (Ns, Ns) {
     (a, b)
 }
 
+/// With the bridge stage off and the leg gone: `client` (behind the
+/// uplink) is served 10 of 10 through `vip`'s kernel listener, by the
+/// bridge. A client that learned the VIP at the leg's MAC sends to a MAC
+/// gone until its ARP entry expires (tens of seconds: docs/vip.md); this
+/// one asks again at once.
+async fn served_again_without_the_leg(client: &Ns, vip: Ipv4Addr) {
+    client.ip(&["neigh", "flush", "all"]);
+    wait_for(
+        Duration::from_secs(30),
+        "a client behind the uplink served through the kernel listener, bridge stage off",
+        || async { (served(client, None, vip, KERNEL, 1).await == 1).then_some(()) },
+    )
+    .await;
+    assert_eq!(
+        served(client, None, vip, KERNEL, 10).await,
+        10,
+        "a client behind the uplink through the kernel listener, bridge stage off"
+    );
+}
+
 /// How many of `n` exchanges from `client` (bound to `from` if given)
 /// through `vip:port` a backend answered.
 async fn served(client: &Ns, from: Option<Ipv4Addr>, vip: Ipv4Addr, port: u16, n: usize) -> usize {
@@ -449,21 +469,7 @@ async fn netns_a_kernel_listener_on_a_bridged_vm_network_serves_every_client_and
     )
     .await;
     kernel_written(&d).await;
-    // A client that learned the VIP at the leg's MAC sends to a MAC gone
-    // until its ARP entry expires (tens of seconds: docs/vip.md); this one
-    // asks again at once.
-    bed.client.ip(&["neigh", "flush", "all"]);
-    wait_for(
-        Duration::from_secs(30),
-        "a client behind the uplink served through the kernel listener, bridge stage off",
-        || async { (served(&bed.client, None, VIP_UPLINK, KERNEL, 1).await == 1).then_some(()) },
-    )
-    .await;
-    assert_eq!(
-        served(&bed.client, None, VIP_UPLINK, KERNEL, 10).await,
-        10,
-        "a client behind the uplink through the kernel listener, bridge stage off"
-    );
+    served_again_without_the_leg(&bed.client, VIP_UPLINK).await;
     sysctl(&a, "net.bridge.bridge-nf-call-iptables=1");
     let leg = leg_up(&d, "/status: the leg up again with the bridge stage").await;
     wait_for(
@@ -871,19 +877,7 @@ async fn netns_a_kernel_listener_on_a_management_vip_over_a_bridge_is_served_by_
     )
     .await;
     kernel_written(&d).await;
-    // The clients learned the VIPs at the leg's MAC: asked again at once.
-    bed.client.ip(&["neigh", "flush", "all"]);
-    wait_for(
-        Duration::from_secs(30),
-        "served through the kernel listener, bridge stage off",
-        || async { (served(&bed.client, None, VIP_UPLINK, KERNEL, 1).await == 1).then_some(()) },
-    )
-    .await;
-    assert_eq!(
-        served(&bed.client, None, VIP_UPLINK, KERNEL, 10).await,
-        10,
-        "through the kernel listener, bridge stage off"
-    );
+    served_again_without_the_leg(&bed.client, VIP_UPLINK).await;
     sysctl(&a, "net.bridge.bridge-nf-call-iptables=1");
     wait_for(
         Duration::from_secs(30),
