@@ -276,6 +276,14 @@ impl Traffic {
             alive: self.alive(),
             total: self.conns.len(),
             moved_alive: self.conns.iter().filter(of_moved).count(),
+            alive_per_target: (0..self.conns.len().div_ceil(CONNS))
+                .map(|t| {
+                    self.conns
+                        .iter()
+                        .filter(|s| s.target == t && s.alive())
+                        .count()
+                })
+                .collect(),
             reasons,
             max_gap_ms: gap(&self.conns),
             udp_moved: self
@@ -320,6 +328,9 @@ pub struct Figures {
     pub total: usize,
     /// The moved target's connections open (of [`CONNS`]).
     pub moved_alive: usize,
+    /// Each target's connections open, in the targets' order (which
+    /// VIP's connections a fault ended).
+    pub alive_per_target: Vec<usize>,
     /// Why connections ended (sorted, once each).
     pub reasons: Vec<String>,
     /// The moved target's longest gap between echoes.
@@ -335,7 +346,11 @@ impl std::fmt::Display for Figures {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "TCP {}/{} alive", self.alive, self.total)?;
         if self.total > CONNS {
-            write!(f, " (the moved VIP's {}/{CONNS})", self.moved_alive)?;
+            write!(
+                f,
+                " (the moved VIP's {}/{CONNS}; per VIP {:?})",
+                self.moved_alive, self.alive_per_target
+            )?;
         }
         write!(
             f,
