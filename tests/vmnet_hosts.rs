@@ -44,8 +44,8 @@ use harvester_lb::vip::keepalived::instance_of;
 use netns::keepalived::{Keepalived, keepalived_missing};
 use netns::peers::{Exchange, Node, Service, exchange, read_line, serve_name_then_echo};
 use netns::vmnet::{
-    FAR_CLIENT, GATEWAY, from_behind_the_gateway, holds_on, host, ip_out, join_bridged, mgmt_port,
-    net_b, vm_on_host, vrrp_sent,
+    FAR_CLIENT, GATEWAY, add_v6, from_behind_the_gateway, holds_on, host, ip_out, join_bridged,
+    mgmt_port, net_b, vm_on_host, vrrp_sent,
 };
 use netns::{Bed, DaemonProc, NODEPORT, Ns, config, node_ip, wait_for};
 use support::{Lb, network};
@@ -109,20 +109,6 @@ fn b6(i: u8) -> Vip {
 /// Host `host` of network B's IPv6 subnet (fd00:b::/64).
 fn net_b6(host: u16) -> Ipv6Addr {
     Ipv6Addr::new(0xfd00, 0xb, 0, 0, 0, 0, 0, host)
-}
-
-/// Adds `ip`/64 to `dev` of `ns` without duplicate address detection (the
-/// bed's addresses are unique; DAD would only delay the test).
-fn add_v6(ns: &Ns, dev: &str, ip: Ipv6Addr) {
-    ns.ip(&[
-        "-6",
-        "addr",
-        "add",
-        &format!("{ip}/64"),
-        "dev",
-        dev,
-        "nodad",
-    ]);
 }
 
 /// The host whose priority is highest (250) for `vip`'s instance: host

@@ -21,7 +21,7 @@
 //! (Harvester's bridges are VLAN-aware; docs/vip.md says what holds there)
 //! and the bond under the uplink.
 
-use std::net::Ipv4Addr;
+use std::net::{Ipv4Addr, Ipv6Addr};
 use std::process::Command;
 use std::time::Duration;
 
@@ -136,6 +136,21 @@ pub fn join_bridged(
     ns.ip(&["addr", "add", cidr, "dev", ifname]);
     ns.ip(&["link", "set", ifname, "up"]);
     bridge_netfilter(ns);
+}
+
+/// Adds `ip`/64 to `dev` of `ns` without duplicate address detection (the
+/// bed's addresses are unique; DAD would only delay the test, and a
+/// tentative address does not bind).
+pub fn add_v6(ns: &Ns, dev: &str, ip: Ipv6Addr) {
+    ns.ip(&[
+        "-6",
+        "addr",
+        "add",
+        &format!("{ip}/64"),
+        "dev",
+        dev,
+        "nodad",
+    ]);
 }
 
 /// `br_netfilter` on in `ns`: bridged IPv4 and IPv6 frames pass the inet
