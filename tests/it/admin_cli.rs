@@ -10,7 +10,7 @@
 //! Real daemon (in this process) and real `harvester-lb` processes on
 //! loopback and Unix sockets in the test's own directory.
 
-mod support;
+use crate::support;
 
 use std::net::SocketAddr;
 use std::path::Path;

@@ -4,7 +4,7 @@
 //! daemon, real backends, real sockets; each test owns a 127.A.B.0/24 and
 //! puts its admin socket in its own directory.
 
-mod support;
+use crate::support;
 
 use std::net::SocketAddr;
 use std::os::unix::fs::PermissionsExt;

@@ -3,7 +3,7 @@
 //! again and keeps the new one; entries survive a reload that keeps the load
 //! balancer; the table is bounded.
 
-mod support;
+use crate::support;
 
 use std::collections::HashSet;
 use std::net::{IpAddr, SocketAddr};

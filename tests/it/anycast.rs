@@ -1,13 +1,13 @@
 //! Anycast VIPs over BGP: two load-balancer hosts announce the same VIP
 //! through real BIRD 2 (`bgp_*`) or real FRR 8.4 (`frr_*`, the same cases
 //! through one shared function each) to a router that spreads flows by ECMP (see
-//! `tests/netns/bgp.rs` for the bed and `docs/many-hosts.md` for the
+//! `tests/it/netns/bgp.rs` for the bed and `docs/many-hosts.md` for the
 //! figures). Run as root; under CI a missing tool fails the test.
 
 #![allow(clippy::disallowed_types, clippy::disallowed_methods)]
 
-mod netns;
-mod support;
+use crate::netns;
+use crate::{require_bgp, require_speaker};
 
 use std::net::{IpAddr, SocketAddr};
 use std::time::Duration;

@@ -6,30 +6,30 @@
 //! the router, which spreads flows by ECMP on the 5-tuple; the backends
 //! sit on a network of their own behind the router, so their replies go
 //! through the router's ECMP too, spread independently of their flows
-//! (see `tests/netns/bgp.rs`, `BgpBed::bridged_hosts`).
+//! (see `tests/it/netns/bgp.rs`, `BgpBed::bridged_hosts`).
 //!
 //! Each host's link to the router is a plain veth (`eth0`, the bed of
 //! `BgpBed::hosts`), not a Harvester host's bridge with an uplink and
 //! `br_netfilter`: on such a bridged host the daemon serves kernel
 //! listeners whose backends lie behind the uplink by the proxy (the bridge
 //! stage's DNAT cannot send a frame back out of the port it came in by;
-//! `tests/anycast.rs`, `bgp_kernel_listeners_on_a_bridged_host_are_served_by_the_proxy`),
+//! `tests/it/anycast.rs`, `bgp_kernel_listeners_on_a_bridged_host_are_served_by_the_proxy`),
 //! and this test is about the kernel's flows and their sync; the multicast
 //! sync and BGP run on `eth0` as they would on `mgmt-br`. Left out besides:
 //! the bridge's VLAN filtering and the bond under the uplink (this kernel
 //! has neither), a real switch's IGMP snooping (the router's Linux bridge
 //! snoops, with no querier), and a host that dies silently (BFD takes it
-//! out; covered for two hosts by `tests/anycast.rs`).
+//! out; covered for two hosts by `tests/it/anycast.rs`).
 //!
 //! Run as root with bird2, conntrackd and conntrack:
-//! `cargo test --test anycast_hosts -- --nocapture` (figures printed as
+//! `cargo test --test it -- anycast_hosts:: --nocapture` (figures printed as
 //! `FIGURE` lines).
 
 // These tests time real processes and sockets, not tokio timers.
 #![allow(clippy::disallowed_types, clippy::disallowed_methods)]
 
-mod netns;
-mod support;
+use crate::netns;
+use crate::require_bgp;
 
 use std::collections::BTreeSet;
 use std::net::{IpAddr, SocketAddr};

@@ -2,7 +2,7 @@
 //! with its line, key path and what is allowed; `harvester-lb check` exit
 //! codes; and every shipped example loads.
 
-mod support;
+use crate::support;
 
 use harvester_lb::config::{
     self, Algorithm, CheckKind, HealthCheckSpec, InitialState, OnBackendDown,
@@ -1432,7 +1432,7 @@ fn the_search_for_type_errors_is_bounded() {
     assert!(p[16].message.contains("at most 16"), "{p:?}");
 }
 
-/// The tests' config builder (`tests/support/config.rs`) writes what it is
+/// The tests' config builder (`tests/it/support/config.rs`) writes what it is
 /// told: every table, key and name reads back as set, and a string with
 /// quotes, backslashes and control characters round-trips as TOML.
 #[test]

@@ -4,7 +4,7 @@
 //! and key) is exactly the full read's, whether the loader has seen a
 //! similar file before or not.
 
-mod support;
+use crate::support;
 
 use harvester_lb::config::{self, Loaded, Loader, Problem};
 use support::Rng;

@@ -4,7 +4,7 @@
 //! a black hole, a drain, a source range, a dead pool, a health check that
 //! fails under an open connection), and the fields of each line asserted.
 
-mod support;
+use crate::support;
 
 use std::net::{IpAddr, SocketAddr};
 use std::time::Duration;

@@ -14,7 +14,7 @@
 //!     gateway VIP k of network B (a second load balancer in instance k)
 //! ```
 //!
-//! Each host is built like a Harvester host (`tests/netns/vmnet.rs`): its
+//! Each host is built like a Harvester host (`tests/it/netns/vmnet.rs`): its
 //! `eth0` and `eth1` are Linux bridges with an uplink veth into the
 //! network's switch, `br_netfilter` on. The backends are on another,
 //! routed network (B): a kernel listener whose backends are in the VIP's
@@ -39,13 +39,14 @@
 //! over the run, lines sent and never echoed. Printed as `FIGURE` lines.
 //!
 //! Run as root with iproute2, nftables, keepalived, conntrackd, conntrack:
-//! `cargo test --test conntrack_hosts -- --nocapture --test-threads 1`.
+//! `cargo test --test it -- conntrack_hosts:: --nocapture --test-threads 1`.
 
 // These tests time real processes and sockets, not tokio timers.
 #![allow(clippy::disallowed_types, clippy::disallowed_methods)]
 
-mod netns;
-mod support;
+use crate::netns;
+use crate::require_netns;
+use crate::support;
 
 use std::net::Ipv4Addr;
 use std::path::PathBuf;

@@ -7,11 +7,11 @@
 //! management leg (bridge `br1`, VRRP) and a dedicated sync link between
 //! them (a veth pair, conntrackd's FTFW). Left out: the hosts' VM-network
 //! interface is a plain veth into the network, not a bridge with an uplink
-//! and `br_netfilter` as on a Harvester host (`tests/netns/vmnet.rs`): on
+//! and `br_netfilter` as on a Harvester host (`tests/it/netns/vmnet.rs`): on
 //! such a host the daemon serves a kernel listener whose backends are in
 //! the network's subnet by the proxy (the bridge stage's DNAT cannot reach
 //! a backend behind the uplink a client came by: issue 40 defect 1,
-//! `tests/vmnet_bridged.rs`), and this test is about the kernel's flows.
+//! `tests/it/vmnet_bridged.rs`), and this test is about the kernel's flows.
 //! What it shows holds on a VLAN device of a Harvester bridge, where the
 //! kernel path runs (docs/vip.md, "On a bridged host").
 //! Each host runs the real daemon,
@@ -31,7 +31,7 @@
 //! backend changed. The figures are printed as `FIGURE` lines.
 //!
 //! Run as root with iproute2, nftables, keepalived, conntrackd, conntrack:
-//! `cargo test --test conntrack_sync -- --nocapture --test-threads 1`.
+//! `cargo test --test it -- conntrack_sync:: --nocapture --test-threads 1`.
 //! With `HLB_CT_TRACE=1 HLB_TEST_KEEP_DIR=1` (and tcpdump) each bed also
 //! records `conntrack -E` on both hosts and packet captures in its
 //! directory.
@@ -39,8 +39,9 @@
 // These tests time real processes and sockets, not tokio timers.
 #![allow(clippy::disallowed_types, clippy::disallowed_methods)]
 
-mod netns;
-mod support;
+use crate::netns;
+use crate::require_netns;
+use crate::support;
 
 use std::net::Ipv4Addr;
 use std::path::PathBuf;

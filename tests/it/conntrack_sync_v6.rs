@@ -19,7 +19,7 @@
 //! (`bridge-nf-call-ip6tables=1`). The backends are on network B, routed
 //! from the VIP's network A, so the daemon takes the kernel path (with
 //! backends in network A's subnet a bridged holder serves the listeners by
-//! the proxy: `tests/vmnet_bridged.rs`). The load balancers, all in one
+//! the proxy: `tests/it/vmnet_bridged.rs`). The load balancers, all in one
 //! VRRP instance (`instances = 1`):
 //!
 //! - `default/db6`, VIP `fd00:a::40` on network A: a kernel TCP listener
@@ -45,13 +45,14 @@
 //! the N-host sync is h42-nhosts's), and a backend on a host's own bridge.
 //!
 //! Run as root with iproute2, nftables, keepalived, conntrackd, conntrack:
-//! `cargo test --test conntrack_sync_v6 -- --nocapture --test-threads 1`.
+//! `cargo test --test it -- conntrack_sync_v6:: --nocapture --test-threads 1`.
 
 // These tests time real processes and sockets, not tokio timers.
 #![allow(clippy::disallowed_types, clippy::disallowed_methods)]
 
-mod netns;
-mod support;
+use crate::netns;
+use crate::require_netns;
+use crate::support;
 
 use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::path::PathBuf;

@@ -20,13 +20,14 @@
 //! shown in `/status`.
 //!
 //! Skips with a printed reason without root, iproute2/nftables or dnsmasq.
-//! Run: `cargo test --test dhcp -- --nocapture` (prints the timings).
+//! Run: `cargo test --test it -- dhcp:: --nocapture` (prints the timings).
 
 // These tests time real processes and sockets, not tokio timers.
 #![allow(clippy::disallowed_types, clippy::disallowed_methods)]
 
-mod netns;
-mod support;
+use crate::netns;
+use crate::require_netns;
+use crate::support;
 
 use std::net::Ipv4Addr;
 use std::path::{Path, PathBuf};

@@ -162,7 +162,7 @@ fn file_types() -> std::collections::BTreeMap<String, Vec<Field>> {
     for word in ["flatten", "alias", "rename_all", "untagged", "with"] {
         assert!(
             !attributes.iter().any(|a| a.contains(word)),
-            "src/config/file.rs uses serde's `{word}`: teach tests/docs.rs's reading of the file types what keys it makes"
+            "src/config/file.rs uses serde's `{word}`: teach tests/it/docs.rs's reading of the file types what keys it makes"
         );
     }
     assert!(

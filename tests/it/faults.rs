@@ -1,28 +1,23 @@
 //! Faults on real test hosts: the real daemon in a network namespace, nodes
 //! and clients in others, faults made with nftables, link state and process
-//! kills. See `tests/netns/mod.rs` for the bed; the tests
-//! are in `tests/faults/`.
+//! kills. See `tests/it/netns/mod.rs` for the bed; the tests
+//! are in `tests/it/faults/`.
 //!
 //! Every test skips with a printed reason unless run as root with iproute2
-//! and nftables. Run: `cargo test --test faults -- --nocapture`.
+//! and nftables. Run: `cargo test --test it -- faults:: --nocapture`.
 
 // These tests time real processes and sockets, not tokio timers.
 #![allow(clippy::disallowed_types, clippy::disallowed_methods)]
 
-mod netns;
-mod support;
-
-/// The fault tests, one file a kind of fault, in `tests/faults/`.
-mod faults {
-    mod t_detect;
-    mod t_failover;
-    mod t_hostile;
-    mod t_transfer;
-    mod t_vip;
-}
+// The fault tests, one file a kind of fault, in `tests/it/faults/`.
+mod t_detect;
+mod t_failover;
+mod t_hostile;
+mod t_transfer;
+mod t_vip;
 
 /// Not a test of its own: the body of the backend *process* that
-/// `t_transfer` kills, which runs it with `--ignored --exact`. Ignored, so a
+/// `t_transfer` kills, which runs it as `faults::helper_echo_process` with `--ignored --exact`. Ignored, so a
 /// plain `cargo test` does not count it as a test that passed: it asserts nothing.
 #[test]
 #[ignore = "a backend process for t_transfer, not a test"]

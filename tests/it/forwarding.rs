@@ -1,7 +1,7 @@
 //! The data plane end to end on loopback: real daemon, real backends, real
 //! sockets. Each test owns a 127.A.B.0/24 (see `support`).
 
-mod support;
+use crate::support;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;

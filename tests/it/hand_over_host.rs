@@ -38,17 +38,18 @@
 //! the bond (this kernel builds neither). The main test's backends are
 //! routed VMs (it has no `[[network]]`, so no leg: a kernel listener whose
 //! backends are behind the holder's bridge needs the network's leg,
-//! `tests/vmnet_bridged.rs`); the keepalived test's network has its leg,
+//! `tests/it/vmnet_bridged.rs`); the keepalived test's network has its leg,
 //! kept across the hand-over with its index.
 //!
 //! Run as root with iproute2 and nftables:
-//! `cargo test --test hand_over_host -- --nocapture`.
+//! `cargo test --test it -- hand_over_host:: --nocapture`.
 
 // These tests time real processes and sockets, not tokio timers.
 #![allow(clippy::disallowed_types, clippy::disallowed_methods)]
 
-mod netns;
-mod support;
+use crate::netns;
+use crate::require_netns;
+use crate::support;
 
 use std::collections::BTreeMap;
 use std::net::{Ipv4Addr, SocketAddr};

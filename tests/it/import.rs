@@ -6,9 +6,9 @@
 //! only with a valid config.
 
 // The namespace bed times real processes, not tokio tasks.
-#[allow(clippy::disallowed_types, clippy::disallowed_methods)]
-mod netns;
-mod support;
+use crate::netns;
+use crate::require_netns;
+use crate::support;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -2090,7 +2090,7 @@ fn ipv6_vips_on_vm_networks_are_imported_with_the_network_s_ipv6_gateway() {
 /// by the kernel (its flows DNATed) once it is not. Before, the IPv6 LoadBalancers were
 /// skipped ("IPv4 only in this version"). The VIPs are put on `eth0` by
 /// hand, as keepalived's master would (`nodad`): keepalived itself, VRRP
-/// and a second host are left out (tests/conntrack_sync_v6.rs moves an
+/// and a second host are left out (tests/it/conntrack_sync_v6.rs moves an
 /// IPv6 VM-network VIP between two hosts with them).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn netns_an_imported_ipv6_vip_on_a_vm_network_is_served_by_the_daemon() {

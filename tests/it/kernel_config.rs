@@ -2,7 +2,7 @@
 //! default changes nothing, and every combination the kernel's NAT cannot
 //! do is refused with its key, its line and the reason.
 
-mod support;
+use crate::support;
 
 use harvester_lb::config::{self, Forwarding, SourceNat};
 use support::{problems, run_cli};

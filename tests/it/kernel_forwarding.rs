@@ -9,8 +9,9 @@
 // The test bed times real processes and kernels, not tokio tasks.
 #![allow(clippy::disallowed_types, clippy::disallowed_methods)]
 
-mod netns;
-mod support;
+use crate::netns;
+use crate::require_netns;
+use crate::support;
 
 use std::collections::BTreeMap;
 use std::io::ErrorKind;

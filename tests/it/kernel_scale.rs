@@ -2,15 +2,17 @@
 //! `nft` (which lists the whole table before every change), and reading
 //! back exactly as `nft` writes the same state.
 //!
-//! One test alone in this binary: it takes `nft` off the process's `PATH`
-//! for the flip. Needs root, iproute2 and nftables; skips elsewhere, fails
+//! The test takes `nft` off the process's `PATH` for the flip, so it runs
+//! in a process of its own: a child of the test binary running this test
+//! alone (the other modules' tests in the same binary spawn `ip` and `nft`
+//! meanwhile). Needs root, iproute2 and nftables; skips elsewhere, fails
 //! under `CI=true`.
 
 // The test bed times real processes and kernels, not tokio tasks.
 #![allow(clippy::disallowed_types, clippy::disallowed_methods)]
 
-mod netns;
-mod support;
+use crate::netns;
+use crate::require_netns;
 
 use std::net::IpAddr;
 
@@ -89,9 +91,31 @@ fn desired(n: usize) -> Desired {
     d
 }
 
+/// Set in the child process that runs the test alone (see the header).
+const ALONE: &str = "HLB_KERNEL_SCALE_ALONE";
+
 #[test]
 fn health_flips_and_a_failed_node_are_written_without_nft_and_read_back_as_nft_writes_them() {
     require_netns!();
+    if std::env::var_os(ALONE).is_none() {
+        let name = "kernel_scale::health_flips_and_a_failed_node_are_written_without_nft_and_read_back_as_nft_writes_them";
+        let out = std::process::Command::new(std::env::current_exe().expect("current exe"))
+            .args([name, "--exact", "--nocapture", "--test-threads=1"])
+            .env(ALONE, "1")
+            .output()
+            .expect("run the test binary");
+        let (stdout, stderr) = (
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr),
+        );
+        print!("{stdout}");
+        assert!(
+            out.status.success() && stdout.contains("1 passed"),
+            "the test alone in a child process: {}\n{stdout}\n{stderr}",
+            out.status
+        );
+        return;
+    }
     let flipped_ns = Scratch::new("flip");
     let cold_ns = Scratch::new("cold");
     let before = desired(1_000);
@@ -139,8 +163,8 @@ fn health_flips_and_a_failed_node_are_written_without_nft_and_read_back_as_nft_w
         let cold = table.sync(&b);
         // From here on there is no `nft` to run: the flip must not need it.
         let path = std::env::var_os("PATH");
-        // SAFETY: this binary's only test; no other thread reads the
-        // environment while the flip runs.
+        // SAFETY: this process runs this test alone (`ALONE`); no other
+        // thread reads the environment while the flip runs.
         unsafe { std::env::set_var("PATH", "/nonexistent") };
         let flip = table.sync(&a);
         let down = table.sync(&d);

@@ -12,7 +12,7 @@
 //! been served, a count that does not include the silent one shows it was
 //! never handed over.
 
-mod support;
+use crate::support;
 
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering;

@@ -3,7 +3,7 @@
 //! commit, `/status` the process's uptime, `/metrics` the standard
 //! `process_*` series; the package, unit and help say what it balances.
 
-mod support;
+use crate::support;
 
 use std::net::SocketAddr;
 

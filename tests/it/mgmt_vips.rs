@@ -18,7 +18,7 @@
 //!  management (br1, 10.77.0.0/24): hosts h1, h2, h3 .1-.3 on their bridge
 //!     mgmt-br (uplink into br1), the management client .100, VIPs .50, .51
 //!  network A (br0, 198.51.100.0/24): backends n1 .21, n2 .22; the hosts'
-//!     eth0 .4-.6 (a bridge with an uplink, as tests/netns/vmnet.rs builds)
+//!     eth0 .4-.6 (a bridge with an uplink, as tests/it/netns/vmnet.rs builds)
 //! ```
 //!
 //! Each host's management interface is a Linux bridge with an uplink into
@@ -30,19 +30,19 @@
 //! management network (the client is on-link).
 //!
 //! Run as root with iproute2, nftables, keepalived and bash:
-//! `cargo test --test mgmt_vips -- --nocapture` (figures are printed as
+//! `cargo test --test it -- mgmt_vips:: --nocapture` (figures are printed as
 //! `FIGURE`).
 
 // These tests time real processes and sockets, not tokio timers.
 #![allow(clippy::disallowed_types, clippy::disallowed_methods)]
 
-mod netns;
-mod support;
+use crate::netns;
+use crate::require_netns;
+use crate::support;
 
 /// Issue 42's "Done when": management and VM-network VIPs over three
 /// hosts with conntrackd, from the import alone, through each fault and a
-/// management-link partition (`tests/mgmt_vips/cluster3.rs`).
-#[path = "mgmt_vips/cluster3.rs"]
+/// management-link partition (`tests/it/mgmt_vips/cluster3.rs`).
 mod cluster3;
 
 use std::net::{Ipv4Addr, SocketAddr};

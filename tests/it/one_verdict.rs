@@ -15,8 +15,9 @@
 // The namespace helpers time their deadlines on the wall clock.
 #![allow(clippy::disallowed_types, clippy::disallowed_methods)]
 
-mod netns;
-mod support;
+use crate::netns;
+use crate::require_netns;
+use crate::support;
 
 use std::path::Path;
 use std::time::Duration;
@@ -288,7 +289,7 @@ fn every_validator_has_a_refusal_here() {
         }
         assert!(
             named.contains(&module),
-            "validator module {module}.rs has no refusal in tests/one_verdict.rs's cases(): add one, so start and reload are held to check's verdict on it"
+            "validator module {module}.rs has no refusal in tests/it/one_verdict.rs's cases(): add one, so start and reload are held to check's verdict on it"
         );
     }
     assert!(seen > 10, "read {seen} modules of src/config/validate");

@@ -4,7 +4,7 @@
 //! Real daemon, real backends on loopback, each test in its own
 //! 127.A.B.0/24; every wait polls under a deadline.
 
-mod support;
+use crate::support;
 
 use std::net::SocketAddr;
 use std::time::Duration;

@@ -13,7 +13,7 @@
 //! CI (`CI` set) must have promtool and prometheus; elsewhere a missing tool
 //! skips its test, saying so.
 
-mod support;
+use crate::support;
 
 use std::collections::BTreeSet;
 use std::net::SocketAddr;

@@ -3,7 +3,7 @@
 //! with the client address they took from the header, for clients on
 //! different loopback sources and on `::1`, for v1 and v2.
 
-mod support;
+use crate::support;
 
 use std::net::{IpAddr, Ipv6Addr, SocketAddr};
 use std::process::{Child, Command, Stdio};

@@ -4,7 +4,7 @@
 //! shipped keepalived example's probe command run as keepalived runs it.
 //! Real daemon, real sockets, real curl; each test owns a 127.A.B.0/24.
 
-mod support;
+use crate::support;
 
 use std::net::{SocketAddr, TcpListener as StdTcpListener};
 use std::sync::Arc;

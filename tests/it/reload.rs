@@ -2,7 +2,7 @@
 //! load, a broken file on reload, drain on removal and on SIGTERM, the file
 //! watch, SIGHUP.
 
-mod support;
+use crate::support;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -15,7 +15,7 @@ use tokio::net::TcpStream;
 
 const STABLE: &str = "default/stable";
 /// The binary on one thread (tokio's current-thread runtime): the
-/// in-process tests run a multi-threaded one, tests/threads.rs the others.
+/// in-process tests run a multi-threaded one, tests/it/threads.rs the others.
 const ONE_THREAD: &[&str] = &["--threads", "1"];
 
 /// The stable load balancer on `.1:8080` with `backends`, health checked,

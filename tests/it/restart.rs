@@ -13,13 +13,13 @@
 //! and the next process serves them on (`daemon::hand_over` `carrier`).
 //!
 //! Left out here: systemd itself (.ci/systemd-boot.sh runs the unit under
-//! systemd 252), kernel listeners and host objects (tests/hand_over_host.rs,
+//! systemd 252), kernel listeners and host objects (tests/it/hand_over_host.rs,
 //! in namespaces on a bridged host).
 
 // Real processes and sockets, timed by the wall clock.
 #![allow(clippy::disallowed_types, clippy::disallowed_methods)]
 
-mod support;
+use crate::support;
 
 use std::io::{BufRead, BufReader, ErrorKind};
 use std::net::{SocketAddr, TcpStream, UdpSocket};

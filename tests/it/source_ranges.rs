@@ -3,7 +3,7 @@
 //! counts what reaches it, reloads that change the ranges under an open
 //! connection, and IPv6 on `::1`.
 
-mod support;
+use crate::support;
 
 use std::net::{IpAddr, Ipv6Addr, SocketAddr};
 use std::sync::atomic::Ordering;

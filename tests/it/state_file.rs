@@ -11,7 +11,7 @@
 //! write's two halves are driven apart in `state_file`'s unit tests, and
 //! here a leftover half-written temporary file is met at start.
 
-mod support;
+use crate::support;
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};

@@ -7,7 +7,7 @@
 //! and the table. And the same `/status` as a page (`/status.html`), as a
 //! real browser (headless Chromium) shows it.
 
-mod support;
+use crate::support;
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};

@@ -7,8 +7,9 @@
 // These tests time real processes and sockets, not tokio timers.
 #![allow(clippy::disallowed_types, clippy::disallowed_methods)]
 
-mod netns;
-mod support;
+use crate::netns;
+use crate::require_netns;
+use crate::support;
 
 use std::net::SocketAddr;
 use std::time::Duration;

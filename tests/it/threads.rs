@@ -3,7 +3,7 @@
 //! runtime (one socket, the default). Sockets are counted in
 //! `/proc/net/tcp`, as `ss -ltn` would show them to an operator.
 
-mod support;
+use crate::support;
 
 use std::net::{IpAddr, SocketAddr};
 use std::time::Duration;

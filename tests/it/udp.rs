@@ -9,7 +9,7 @@
 //! `bind9-dnsutils` (`.ci/run` installs them); a test that finds them
 //! missing says so and skips.
 
-mod support;
+use crate::support;
 
 use std::collections::{HashMap, HashSet};
 use std::net::{IpAddr, SocketAddr};

@@ -6,14 +6,15 @@
 //! onto the VM network.
 //!
 //! Run as root with iproute2, nftables and keepalived:
-//! `cargo test --test vmnet -- --nocapture` (the failover time is printed
+//! `cargo test --test it -- vmnet:: --nocapture` (the failover time is printed
 //! as `FIGURE`).
 
 // These tests time real processes and sockets, not tokio timers.
 #![allow(clippy::disallowed_types, clippy::disallowed_methods)]
 
-mod netns;
-mod support;
+use crate::netns;
+use crate::require_netns;
+use crate::support;
 
 use std::net::Ipv4Addr;
 use std::process::Command;

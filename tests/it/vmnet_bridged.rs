@@ -43,13 +43,14 @@
 //! bond (this kernel builds neither; docs/vip.md argues what holds there).
 //!
 //! Run as root with iproute2, nftables and conntrack:
-//! `cargo test --test vmnet_bridged -- --nocapture`.
+//! `cargo test --test it -- vmnet_bridged:: --nocapture`.
 
 // These tests time real processes and sockets, not tokio timers.
 #![allow(clippy::disallowed_types, clippy::disallowed_methods)]
 
-mod netns;
-mod support;
+use crate::netns;
+use crate::require_netns;
+use crate::support;
 
 use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::process::Command;

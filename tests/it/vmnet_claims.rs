@@ -19,13 +19,14 @@
 //! rules and marks are written on every host whether or not it holds a VIP).
 //!
 //! Run as root with iproute2 and nftables:
-//! `cargo test --test vmnet_claims -- --nocapture`.
+//! `cargo test --test it -- vmnet_claims:: --nocapture`.
 
 // These tests time real processes, not tokio timers.
 #![allow(clippy::disallowed_types, clippy::disallowed_methods)]
 
-mod netns;
-mod support;
+use crate::netns;
+use crate::require_netns;
+use crate::support;
 
 use std::net::{Ipv4Addr, SocketAddr};
 use std::path::PathBuf;

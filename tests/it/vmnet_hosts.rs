@@ -17,21 +17,22 @@
 //! ```
 //!
 //! Each host's `eth0` and `eth1` is a bridge with an uplink into the
-//! network's switch, `br_netfilter` on (see `tests/netns/vmnet.rs`).
+//! network's switch, `br_netfilter` on (see `tests/it/netns/vmnet.rs`).
 //!
 //! The hosts' admin sockets are in a directory whose name has a space:
 //! the rendered track scripts must quote the path, or keepalived never
 //! sees a host ready and no VIP comes up.
 //!
 //! Run as root with iproute2, nftables, keepalived and curl:
-//! `cargo test --test vmnet_hosts -- --nocapture` (figures are printed as
+//! `cargo test --test it -- vmnet_hosts:: --nocapture` (figures are printed as
 //! `FIGURE`).
 
 // These tests time real processes and sockets, not tokio timers.
 #![allow(clippy::disallowed_types, clippy::disallowed_methods)]
 
-mod netns;
-mod support;
+use crate::netns;
+use crate::require_netns;
+use crate::support;
 
 use std::collections::BTreeSet;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};

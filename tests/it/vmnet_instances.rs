@@ -15,18 +15,19 @@
 //! management interface `mgmt` for VRRP. Left out, because nothing here
 //! depends on them: a second host (the peer is an address nobody answers,
 //! so this host becomes master on its own; failover is
-//! `tests/vmnet.rs`'s), backends and client traffic (the VIPs' readiness
+//! `tests/it/vmnet.rs`'s), backends and client traffic (the VIPs' readiness
 //! is about their listeners, which is what keepalived's script asks), and
 //! the shipped unit (`.ci/systemd-boot.sh`).
 //!
 //! Run as root with iproute2, nftables, keepalived and curl:
-//! `cargo test --test vmnet_instances -- --nocapture`.
+//! `cargo test --test it -- vmnet_instances:: --nocapture`.
 
 // These tests time real processes and sockets, not tokio timers.
 #![allow(clippy::disallowed_types, clippy::disallowed_methods)]
 
-mod netns;
-mod support;
+use crate::netns;
+use crate::require_netns;
+use crate::support;
 
 use std::net::{Ipv4Addr, SocketAddr};
 use std::process::Command;

@@ -12,7 +12,7 @@
 //! metrics say why, and all of it clears once `nft` works again.
 //!
 //! Run as root with iproute2 and nftables:
-//! `cargo test --test vmnet_isolation -- --nocapture`.
+//! `cargo test --test it -- vmnet_isolation:: --nocapture`.
 //!
 //! ```text
 //!   VM a1 198.51.100.21 (backend) ─┐                      ┌─ VM b1 203.0.113.21 (backend of the DNAT listener)
@@ -25,8 +25,9 @@
 // These tests time real processes and sockets, not tokio timers.
 #![allow(clippy::disallowed_types, clippy::disallowed_methods)]
 
-mod netns;
-mod support;
+use crate::netns;
+use crate::require_netns;
+use crate::support;
 
 use std::net::{Ipv4Addr, SocketAddr};
 use std::process::Command;

@@ -18,13 +18,14 @@
 //! ```
 //!
 //! Run as root with iproute2 and nftables:
-//! `cargo test --test vmnet_replies -- --nocapture`.
+//! `cargo test --test it -- vmnet_replies:: --nocapture`.
 
 // These tests time real processes and sockets, not tokio timers.
 #![allow(clippy::disallowed_types, clippy::disallowed_methods)]
 
-mod netns;
-mod support;
+use crate::netns;
+use crate::require_netns;
+use crate::support;
 
 use std::net::Ipv4Addr;
 use std::time::Duration;

@@ -29,7 +29,7 @@
 //! with `[conntrackd]` among the three hosts (multicast on the management
 //! network, the daemon's defaults), its backends on a second bridged
 //! network B (`br2`) routing the client's network back through a gateway
-//! VIP that moves with the VIP, as in `tests/conntrack_hosts.rs`.
+//! VIP that moves with the VIP, as in `tests/it/conntrack_hosts.rs`.
 //!
 //! Left out: the bridge's VLAN filtering and the bond under the uplink
 //! (this kernel cannot build them); a real switch; a sync link apart from
@@ -37,13 +37,14 @@
 //!
 //! Run as root with iproute2, nftables, keepalived, ping and arping (and
 //! conntrackd and conntrack for the kernel path):
-//! `cargo test --test vmnet_split -- --nocapture`.
+//! `cargo test --test it -- vmnet_split:: --nocapture`.
 
 // These tests time real processes and sockets, not tokio timers.
 #![allow(clippy::disallowed_types, clippy::disallowed_methods)]
 
-mod netns;
-mod support;
+use crate::netns;
+use crate::require_netns;
+use crate::support;
 
 use std::net::{Ipv4Addr, SocketAddr};
 use std::process::Command;
@@ -96,7 +97,7 @@ enum Path {
     /// A kernel listener (`source_nat = "none"`) with `[conntrackd]`:
     /// backends on network B (`br2`, each host's bridge `eth1`) routing
     /// the client's network back through a gateway VIP in the VIP's
-    /// instance, as in `tests/conntrack_hosts.rs` (a kernel listener whose
+    /// instance, as in `tests/it/conntrack_hosts.rs` (a kernel listener whose
     /// backends are on the VIP's own bridge is served by the proxy on a
     /// bridged host: docs/vip.md, "On a bridged host").
     Kernel,

@@ -117,7 +117,7 @@ async fn netns_descriptor_exhaustion_backs_off_and_resumes() {
     // failure_threshold x period, so a probe failing for want of a descriptor
     // would have marked the nodes down).
     let fds_full = bed.daemon().open_fds();
-    let cpu0 = crate::netns::proc_cpu_time(pid);
+    let cpu0 = crate::support::proc_cpu_time(pid);
     let t0 = Instant::now();
     // Held connections keep working meanwhile, many at once.
     let mut set = tokio::task::JoinSet::new();
@@ -144,7 +144,7 @@ async fn netns_descriptor_exhaustion_backs_off_and_resumes() {
         served.push(s);
     }
     tokio::time::sleep_until((t0 + Duration::from_secs(4)).into()).await;
-    let cpu = crate::netns::proc_cpu_time(pid) - cpu0;
+    let cpu = crate::support::proc_cpu_time(pid) - cpu0;
     let window = t0.elapsed();
     assert!(
         bed.daemon_mut().exited().is_none(),

@@ -25,7 +25,12 @@ impl BackendProcess {
         let child = Command::new("ip")
             .args(["netns", "exec", &bed.node(i).name])
             .arg(exe)
-            .args(["helper_echo_process", "--exact", "--ignored", "--nocapture"])
+            .args([
+                "faults::helper_echo_process",
+                "--exact",
+                "--ignored",
+                "--nocapture",
+            ])
             .env("HLB_HELPER_LISTEN", sa(node_ip(i), NODEPORT).to_string())
             .env("HLB_HELPER_NAME", format!("n{i}"))
             .stdin(Stdio::null())

@@ -19,7 +19,7 @@
 //! the management network (`mgmt<k>`) and one on the VM network
 //! (`vm<k>`), each with TCP :80 and UDP :5353 listeners, so host k is the
 //! preferred master of both VIPs of instance k. Traffic throughout: per
-//! VIP, 20 TCP connections and 4 UDP flows (`tests/netns/traffic.rs`).
+//! VIP, 20 TCP connections and 4 UDP flows (`tests/it/netns/traffic.rs`).
 //! Host h1 is killed (daemon and keepalived SIGKILLed), h2 stopped
 //! gracefully (SIGTERM), h3's links cut, each in turn while master of its
 //! instance, and each comes back (the failback); then h1's management
@@ -55,7 +55,7 @@
 //! and no VLAN filtering), the bond under the uplinks, a sync link apart
 //! from the management network (conntrackd syncs over `mgmt-br`, so the
 //! partition silences it with VRRP), and VMs on the hosts' own bridges
-//! (`tests/vmnet_bridged.rs` has them). The daemon's drain is 5 s
+//! (`tests/it/vmnet_bridged.rs` has them). The daemon's drain is 5 s
 //! (`proxy.drain_timeout_seconds` in the base file) so that a graceful
 //! stop's proxied connections, which a move ends anyway, do not hold the
 //! run for the default 30 s.
@@ -66,6 +66,7 @@ use std::time::{Duration, Instant};
 
 use harvester_lb::vip::keepalived::instance_of;
 
+use crate::mgmt_vips::{HOSTS, MGMT_CLIENT, MGMT_IF, base_toml, run_import, stand_in_kubectl};
 use crate::netns::keepalived::{
     Conntrackd, Fault, Keepalived, conntrackd_missing, keepalived_missing,
 };
@@ -75,7 +76,7 @@ use crate::netns::vmnet::{
     bare_host, holds_on, ip_out, join_bridged, mgmt_port, silent_cut, sysctl, udp_name_server,
 };
 use crate::netns::{Bed, CLIENT_IP, DaemonProc, NODEPORT, Ns, node_ip, sa, wait_for};
-use crate::{HOSTS, MGMT_CLIENT, MGMT_IF, base_toml, require_netns, run_import, stand_in_kubectl};
+use crate::require_netns;
 
 /// The VM network's interface on every host: its cluster network's bridge.
 const DATA_IF: &str = "data-br";
@@ -93,7 +94,7 @@ const UDP_NODEPORT: u16 = 30053;
 /// What the import unit's `import.env` sets.
 const IMPORT_ARGS: &str = "--forwarding kernel --source-nat vip";
 /// How long the management link stays cut, and the bound from the cut on
-/// after which exactly one host holds each VIP (as `tests/vmnet_split.rs`:
+/// after which exactly one host holds each VIP (as `tests/it/vmnet_split.rs`:
 /// the check's interval and timeout, 1 + 1 s, then 3 adverts and the
 /// skew, here at 0.5 s adverts; twice that and more for a busy machine).
 const CUT: Duration = Duration::from_secs(15);
@@ -513,7 +514,7 @@ impl Cluster3 {
     /// "vip"`), so a neighbour entry left naming the VIP's last holder
     /// keeps that host forwarding the VIP's flows (its conntrack entries
     /// still DNAT them) until its next fault. 75 s: past one
-    /// `garp_master_refresh` (60 s), as in tests/conntrack_hosts.rs. How
+    /// `garp_master_refresh` (60 s), as in tests/it/conntrack_hosts.rs. How
     /// long it took.
     async fn backends_follow(&self, h: usize, k: usize) -> Duration {
         let (at, macs, vip) = (Instant::now(), self.macs(h), self.vm_vips[k].to_string());
@@ -788,7 +789,7 @@ async fn netns_three_hosts_from_import_alone_move_every_vip_on_each_fault_and_th
     };
     // One set of connections per kind of VIP goes through every fault and
     // failback and the partition (and the next fault waits until every
-    // host's conntrackd holds them, as tests/conntrack_hosts.rs).
+    // host's conntrackd holds them, as tests/it/conntrack_hosts.rs).
     let mut vm = t.traffic(false).await;
     let mut mgmt = t.traffic(true).await;
     assert!(

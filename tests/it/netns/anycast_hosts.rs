@@ -1,5 +1,5 @@
-//! The anycast sync's pieces shared by `tests/anycast.rs` (two hosts) and
-//! `tests/anycast_hosts.rs` (two and three hosts): a host of the
+//! The anycast sync's pieces shared by `tests/it/anycast.rs` (two hosts) and
+//! `tests/it/anycast_hosts.rs` (two and three hosts): a host of the
 //! [`BgpBed`] started with `[conntrackd]` in its anycast mode and its
 //! conntrackd run as Debian's unit runs it, and the traffic held across a
 //! move (a line echoed every 100 ms on a connection, a datagram asked every

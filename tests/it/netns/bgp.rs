@@ -928,7 +928,7 @@ impl BgpBed {
     /// (/work/shared/notes/harvester-host.md): its `eth0` is a Linux bridge
     /// whose uplink port `up0` is the veth into the router's bridge (the
     /// switch), with `br_netfilter` on (`bridge-nf-call-iptables=1`). Left
-    /// out, as in `tests/netns/vmnet.rs`: VLAN filtering and the bond under
+    /// out, as in `tests/it/netns/vmnet.rs`: VLAN filtering and the bond under
     /// the uplink (this kernel has neither).
     pub async fn bridged_hosts(test: &str, n: usize) -> BgpBed {
         Self::build(test, false, Speaker::Bird, n, true).await
@@ -1333,11 +1333,7 @@ impl BgpBed {
                 inflight.spawn(async move {
                     let started = Instant::now();
                     let outcome = attempt(&ns, addr, attempt_timeout).await;
-                    log.lock().expect("log").push(Attempt {
-                        started,
-                        took: started.elapsed(),
-                        outcome,
-                    });
+                    log.lock().expect("log").push(Attempt { started, outcome });
                 });
                 tokio::time::sleep(Duration::from_millis(10)).await;
             }
@@ -1690,8 +1686,6 @@ pub fn frr_router_config() -> String {
 pub struct Attempt {
     /// When it started.
     pub started: Instant,
-    /// How long it took to succeed or fail.
-    pub took: Duration,
     /// The host that answered, or the error.
     pub outcome: Result<usize, String>,
 }

@@ -1,6 +1,6 @@
 //! A real keepalived in a namespace of the bed, for the failover tests
-//! (`tests/faults/t_failover.rs` with hand-written files,
-//! `tests/vmnet.rs` with the files the daemon renders).
+//! (`tests/it/faults/t_failover.rs` with hand-written files,
+//! `tests/it/vmnet.rs` with the files the daemon renders).
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -20,8 +20,6 @@ pub fn keepalived_missing() -> bool {
 /// keepalived in one namespace, stopped (SIGTERM, then SIGKILL) on drop.
 pub struct Keepalived {
     child: Child,
-    /// Its main pid file (what a `SIGHUP` for a reload is sent to).
-    pub pid_file: PathBuf,
     vrrp_pid: PathBuf,
     log: PathBuf,
 }
@@ -60,7 +58,6 @@ impl Keepalived {
             .expect("spawn keepalived (Debian package keepalived)");
         Keepalived {
             child,
-            pid_file,
             vrrp_pid,
             log,
         }
@@ -241,7 +238,7 @@ impl Drop for Conntrackd {
 }
 
 /// How a VIP's master fails in the beds of several hosts
-/// (`tests/conntrack_hosts.rs`, `tests/mgmt_vips.rs`).
+/// (`tests/it/conntrack_hosts.rs`, `tests/it/mgmt_vips.rs`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Fault {
     /// The host's daemon and keepalived are killed (SIGKILL): the VIP stays

@@ -20,7 +20,9 @@
 //! namespace by a short-lived thread that `setns(2)`s there, and then used from
 //! the test's runtime like any other socket (a socket keeps its namespace).
 
-#![allow(dead_code, unsafe_code)]
+#![allow(unsafe_code)]
+// These tests time real processes and sockets, not tokio timers.
+#![allow(clippy::disallowed_types, clippy::disallowed_methods)]
 
 pub mod anycast_hosts;
 pub mod bgp;
@@ -28,15 +30,11 @@ pub mod keepalived;
 pub mod peers;
 pub mod traffic;
 pub mod vmnet;
-// Used by the `require_netns!` macro, which not every test crate calls.
-#[allow(unused_imports)]
+// The beds' tests wait through `netns`, and the `require!` macro skips through it.
 pub use crate::support::{skip_or_fail, wait_for};
 
 use crate::support::Process;
 use crate::support::{Config, Lb};
-// The measures of a process, for the tests that take a pid.
-#[allow(unused_imports)]
-pub use crate::support::{proc_cpu_time, proc_rss_kib};
 
 use std::io::{Read, Write};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
@@ -445,12 +443,6 @@ impl Bed {
             .ip(&["link", "set", &Self::node_port_name(i), "down"]);
     }
 
-    /// Restores node `i`'s link.
-    pub fn restore_link(&self, i: usize) {
-        self.bridge
-            .ip(&["link", "set", &Self::node_port_name(i), "up"]);
-    }
-
     /// Node `i` silently drops every TCP packet to `ports` (a hung node VM).
     pub fn blackhole(&self, i: usize, ports: &[u16]) {
         let ports: Vec<String> = ports.iter().map(|p| p.to_string()).collect();
@@ -639,7 +631,7 @@ impl DaemonProc {
 
     /// As [`DaemonProc::spawn`], watching its file as the shipped unit's
     /// daemon does (no `--no-watch`): a file written by `import --write`
-    /// is reloaded with no signal (`tests/mgmt_vips.rs`).
+    /// is reloaded with no signal (`tests/it/mgmt_vips.rs`).
     pub fn spawn_watching(ns: &Ns, config: &Path, log: &Path) -> DaemonProc {
         let process = Process::launch(config)
             .under(&["ip", "netns", "exec", &ns.name])

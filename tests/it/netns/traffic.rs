@@ -1,6 +1,6 @@
 //! A client's long-lived traffic through VIPs while they move between
 //! hosts, and what it saw: the one measure of "open connections kept"
-//! shared by the beds of `tests/conntrack_sync.rs`, `conntrack_sync_v6.rs`
+//! shared by the beds of `tests/it/conntrack_sync.rs`, `conntrack_sync_v6.rs`
 //! and `conntrack_hosts.rs`.
 //!
 //! Per VIP ([`Target`]): [`CONNS`] TCP connections, each echoing a line

@@ -1,6 +1,6 @@
-//! The VM-network bed's parts, for `tests/vmnet.rs` (two hosts, one
-//! network), `tests/vmnet_hosts.rs` (three hosts, two networks, the
-//! failovers measured) and `tests/conntrack_sync.rs` (two hosts and their
+//! The VM-network bed's parts, for `tests/it/vmnet.rs` (two hosts, one
+//! network), `tests/it/vmnet_hosts.rs` (three hosts, two networks, the
+//! failovers measured) and `tests/it/conntrack_sync.rs` (two hosts and their
 //! sync link): load-balancer hosts on a management segment
 //! (bridge `br1`, each host's `mgmt`), VM network A on the bed's `br0`
 //! (198.51.100.0/24, its gateway `.1` with a client of another network
@@ -243,9 +243,9 @@ pub fn mgmt_host(bed: &mut Bed, suffix: &str, vm: Ipv4Addr, mgmt: &str) -> (Ns, 
 /// As [`mgmt_host`], but network A's `eth0` is a plain veth straight into
 /// the bed's bridge (no bridge in the host, no `br_netfilter`), as every
 /// host was before the bed followed a Harvester host: for
-/// `tests/conntrack_sync.rs` alone, whose kernel listeners' backends are
+/// `tests/it/conntrack_sync.rs` alone, whose kernel listeners' backends are
 /// behind the uplink: on a bridged holder with `br_netfilter` the proxy
-/// serves those (issue 40 defect 1; `tests/vmnet_bridged.rs`), and that
+/// serves those (issue 40 defect 1; `tests/it/vmnet_bridged.rs`), and that
 /// test is about the kernel's flows.
 pub fn plain_mgmt_host(bed: &mut Bed, suffix: &str, vm: Ipv4Addr, mgmt: &str) -> (Ns, String) {
     let (ns, port) = bed.add_host(suffix, vm);

@@ -37,7 +37,6 @@ struct Held {
 /// The fake store; its thread stops when it is dropped.
 pub struct FakeStore {
     path: PathBuf,
-    max: usize,
     held: Arc<Mutex<Held>>,
     stop: Arc<AtomicBool>,
     thread: Option<JoinHandle<()>>,
@@ -68,16 +67,10 @@ impl FakeStore {
         };
         Self {
             path,
-            max,
             held,
             stop,
             thread: Some(thread),
         }
-    }
-
-    /// The `NOTIFY_SOCKET` path.
-    pub fn socket(&self) -> &Path {
-        &self.path
     }
 
     /// The names held, one per descriptor, in the order stored.
@@ -147,11 +140,6 @@ impl FakeStore {
         }
         drop(held);
         launch.spawn()
-    }
-
-    /// The maximum it was made with.
-    pub fn max(&self) -> usize {
-        self.max
     }
 }
 

@@ -7,26 +7,15 @@
 
 // These tests time real processes and sockets, not tokio timers.
 #![allow(clippy::disallowed_types, clippy::disallowed_methods)]
-#![allow(dead_code)]
 
 mod config;
 pub mod fd_store;
 mod process;
 mod skip;
-// Not every test crate writes a listener of its own.
-#[allow(unused_imports)]
 pub use config::{Config, Lb, Listener, quote};
-// Only some test crates read a refused config or write a VM network.
-#[allow(unused_imports)]
 pub use config::{keepalived, network, problems, rendered};
-// Not every test crate measures a process by its pid.
-#[allow(unused_imports)]
 pub use process::{Launch, Process, proc_cpu_time, proc_rss_kib, proc_threads};
-// Not every test crate skips anything.
-#[allow(unused_imports)]
 pub use skip::skip_or_fail;
-// Not every test crate needs a tool or root.
-#[allow(unused_imports)]
 pub use skip::{cannot_run, find_tool, missing_tool, not_root};
 
 use std::future::Future;
@@ -237,8 +226,6 @@ async fn serve(s: &mut TcpStream, behaviour: Behaviour, name: &str) -> std::io::
 /// kernel drops further SYNs, so a connect to it times out — the loopback
 /// stand-in for a node that hangs.
 pub struct BlackHole {
-    /// Where it "listens".
-    pub addr: SocketAddr,
     _socket: socket2::Socket,
     _fillers: Vec<std::net::TcpStream>,
 }
@@ -272,7 +259,6 @@ impl BlackHole {
             );
         }
         Self {
-            addr,
             _socket: socket,
             _fillers: fillers,
         }
@@ -696,7 +682,6 @@ impl Rng {
 /// Asserts that `promtool check metrics` reports nothing on `body`: promtool
 /// is the arbiter of the exposition format. CI installs it and must have it;
 /// elsewhere a missing promtool skips the check, saying so.
-#[allow(dead_code)]
 pub fn promtool_accepts(body: &str) {
     use std::io::Write;
     if cannot_run("promtool check", [missing_tool("promtool", "prometheus")]) {

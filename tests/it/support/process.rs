@@ -418,17 +418,6 @@ impl Process {
     /// Waits until its log holds `needle` `n` times, then asserts it holds
     /// it no more often; returns the log. A count read at once could miss
     /// a line still queued; one read after waiting still catches extras.
-    pub async fn wait_logged_times(&self, needle: &str, n: usize) -> String {
-        let log = self
-            .wait_log(&format!("{needle:?} {n} times"), |log| {
-                log.matches(needle).count() >= n
-            })
-            .await;
-        assert_logged_times(&log, needle, n);
-        log
-    }
-
-    /// As [`Process::wait_logged_times`], for tests without a runtime.
     pub fn wait_logged_times_blocking(&self, needle: &str, n: usize) -> String {
         let log = self.wait_log_blocking(&format!("{needle:?} {n} times"), |log| {
             log.matches(needle).count() >= n
@@ -445,11 +434,6 @@ impl Process {
                 .find(|l| words.iter().all(|w| l.contains(w)))
         })
         .await
-    }
-
-    /// CPU time (user + system) it has used.
-    pub fn cpu_time(&self) -> Duration {
-        proc_cpu_time(self.pid())
     }
 
     /// Its resident memory, in KiB.
