@@ -5,7 +5,7 @@
 //! library is linked once.
 //!
 //! A test's name is its module path: `cargo test --test it -- dhcp::` runs
-//! one area's tests, `cargo test --test it -- dhcp::a_lease_is_taken` one
+//! one area's tests, `cargo test --test it -- --exact dhcp::a_leased_vip_is_isolated_once_it_is_leased` one
 //! test. CI runs the namespace beds' modules and the rest in two lanes
 //! (`.ci/run`).
 
