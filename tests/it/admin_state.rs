@@ -275,10 +275,12 @@ async fn maint_stops_probes_and_shows_in_status_until_ready() {
     let probes = |ip: String| {
         let d = &d;
         async move {
-            d.metric(&format!(
+            // Written from the first probe on: none yet is no sample.
+            d.metric_sample(&format!(
                 "harvester_lb_health_checks_total{{cluster=\"kubernetes\",load_balancer=\"{LB}\",backend=\"{ip}\",result=\"ok\"}}"
             ))
             .await
+            .unwrap_or(0.0)
         }
     };
     wait_for(Duration::from_secs(5), ".11 probed", || async {

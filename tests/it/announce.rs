@@ -23,7 +23,8 @@ use std::time::{Duration, Instant};
 
 use netns::peers::{Exchange, Node, Service, exchange};
 use netns::{
-    Bed, HEALTH_PORT, LB_IP, NODEPORT, Ns, config, lb, metric, node_ip, probed, sa, wait_for,
+    Bed, HEALTH_PORT, LB_IP, NODEPORT, Ns, config, lb, metric, metric_sample, node_ip, probed, sa,
+    wait_for,
 };
 use support::{Lb, Listener, rendered};
 
@@ -251,7 +252,9 @@ async fn netns_announce_follows_health_and_sigterm_withdraws_before_the_listener
         "the announce repair counted",
         || async {
             let m = bed.daemon().metrics().await;
-            (metric(&m, "harvester_lb_vip_announce_repairs_total", &[]) >= 1.0).then_some(())
+            (metric_sample(&m, "harvester_lb_vip_announce_repairs_total", &[])
+                .is_some_and(|v| v >= 1.0))
+            .then_some(())
         },
     )
     .await;
@@ -262,11 +265,12 @@ async fn netns_announce_follows_health_and_sigterm_withdraws_before_the_listener
         .await;
     let m = bed.daemon().metrics().await;
     assert!(
-        metric(
+        metric_sample(
             &m,
             "harvester_lb_host_repairs_total",
             &[("kind", "announce_route")]
-        ) >= 1.0
+        )
+        .is_some_and(|v| v >= 1.0)
     );
     // Another process deletes the VIP's local route: read back (once a
     // second), put back, logged and counted.
@@ -283,12 +287,13 @@ async fn netns_announce_follows_health_and_sigterm_withdraws_before_the_listener
         "the local route repair counted",
         || async {
             let m = bed.daemon().metrics().await;
-            (metric(
+            (metric_sample(
                 &m,
                 "harvester_lb_host_repairs_total",
                 &[("kind", "vip_local_route")],
-            ) >= 1.0)
-                .then_some(())
+            )
+            .is_some_and(|v| v >= 1.0))
+            .then_some(())
         },
     )
     .await;
@@ -1330,11 +1335,12 @@ async fn netns_a_local_route_deleted_by_another_program_is_put_back_within_secon
     }
     let m = bed.daemon().metrics().await;
     assert!(
-        metric(
+        metric_sample(
             &m,
             "harvester_lb_host_repairs_total",
             &[("kind", "vip_local_route")]
-        ) >= 3.0
+        )
+        .is_some_and(|v| v >= 3.0)
     );
 }
 

@@ -553,12 +553,12 @@ async fn each_master_in_turn(tag: &str, n: usize, fault: Fault) {
         "the metrics name the sync's transport",
         || async {
             let m = d.metrics().await;
-            (netns::metric(
+            (netns::metric_sample(
                 &m,
                 "harvester_lb_conntrack_sync_transport",
                 &[("transport", transport)],
-            ) == 1.0)
-                .then_some(m)
+            ) == Some(1.0))
+            .then_some(m)
         },
     )
     .await;

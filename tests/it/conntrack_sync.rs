@@ -577,19 +577,19 @@ async fn run(tag: &str, fault: Fault, sync: bool) -> (Figures, Option<Figures>, 
             "B's metrics show the takeover",
             || async {
                 let m = d.metrics().await;
-                let master = netns::metric(
+                let master = netns::metric_sample(
                     &m,
                     "harvester_lb_vrrp_state",
                     &[("vrrp_instance", "hlb_50"), ("state", "MASTER")],
                 );
                 // The script records the transition as it begins, the
                 // commit's result once done: a read between sees the one.
-                let committed = netns::metric(
+                let committed = netns::metric_sample(
                     &m,
                     "harvester_lb_conntrack_sync_commits_total",
                     &[("vrrp_instance", "hlb_50"), ("result", "success")],
                 );
-                (master == 1.0 && committed >= 1.0).then_some(m)
+                (master == Some(1.0) && committed.is_some_and(|n| n >= 1.0)).then_some(m)
             },
         )
         .await;

@@ -684,11 +684,12 @@ async fn rogue_offer(
     assert!(lease["offers_refused"].as_u64() >= Some(1), "{lease}");
     let metrics = bed.daemon().metrics().await;
     assert!(
-        netns::metric(
+        netns::metric_sample(
             &metrics,
             "harvester_lb_dhcp_offers_refused_total",
             &[("reason", reason)]
-        ) >= 1.0,
+        )
+        .is_some_and(|v| v >= 1.0),
         "{metrics}"
     );
     bed.daemon()

@@ -876,7 +876,9 @@ async fn netns_a_restart_keeps_proxied_and_kernel_connections_udp_flows_tables_a
         "the adopted NAT table repaired",
         || async {
             let m = d.metrics().await;
-            (netns::metric(&m, "harvester_lb_kernel_repairs_total", &[]) >= 1.0).then_some(())
+            (netns::metric_sample(&m, "harvester_lb_kernel_repairs_total", &[])
+                .is_some_and(|v| v >= 1.0))
+            .then_some(())
         },
     )
     .await;

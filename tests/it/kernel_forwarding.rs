@@ -407,13 +407,13 @@ async fn the_kernel_balances_follows_health_and_serves_while_the_daemon_is_froze
         || async {
             let m = bed.daemon().metrics().await;
             let n = |ip: &str| {
-                netns::metric(
+                netns::metric_sample(
                     &m,
                     "harvester_lb_kernel_backend_connections_total",
                     &[("backend", ip), ("listener", "tcp")],
                 )
             };
-            (n("198.51.100.21") == 10.0 && n("198.51.100.22") == 10.0).then_some(())
+            (n("198.51.100.21") == Some(10.0) && n("198.51.100.22") == Some(10.0)).then_some(())
         },
     )
     .await;
@@ -430,7 +430,7 @@ async fn the_kernel_balances_follows_health_and_serves_while_the_daemon_is_froze
     }
     let m = bed.daemon().metrics().await;
     assert!(
-        netns::metric(&m, "harvester_lb_conntrack_entries", &[]) >= 1.0,
+        netns::metric_sample(&m, "harvester_lb_conntrack_entries", &[]).is_some_and(|v| v >= 1.0),
         "{m}"
     );
     assert!(netns::metric(&m, "harvester_lb_conntrack_max", &[]) > 0.0);
@@ -629,11 +629,12 @@ async fn a_reload_switches_between_proxy_and_kernel_under_load_without_a_failure
     // proxy deletes the listener's chains: none may fail).
     let metrics = bed.daemon().metrics().await;
     assert!(
-        netns::metric(
+        netns::metric_sample(
             &metrics,
             "harvester_lb_kernel_syncs_total",
             &[("result", "success")]
-        ) >= 6.0,
+        )
+        .is_some_and(|v| v >= 6.0),
         "{metrics}"
     );
     assert_eq!(
@@ -866,11 +867,11 @@ async fn a_table_that_cannot_be_written_leaves_the_proxy_serving_until_a_resync_
     // (none: the table's own chain is in the way).
     let metrics = wait_for(Duration::from_secs(10), "the failure counted", || async {
         let metrics = bed.daemon().metrics().await;
-        let failed = netns::metric(
+        let failed = netns::metric_sample(
             &metrics,
             "harvester_lb_kernel_syncs_total",
             &[("result", "failure")],
-        );
+        )?;
         (failed >= 1.0).then_some(metrics)
     })
     .await;
@@ -898,7 +899,8 @@ async fn a_table_that_cannot_be_written_leaves_the_proxy_serving_until_a_resync_
         "harvester_lb_kernel_forwarding_up 1",
         || async {
             let metrics = bed.daemon().metrics().await;
-            (netns::metric(&metrics, "harvester_lb_kernel_forwarding_up", &[]) == 1.0).then_some(())
+            (netns::metric_sample(&metrics, "harvester_lb_kernel_forwarding_up", &[]) == Some(1.0))
+                .then_some(())
         },
     )
     .await;
@@ -1251,13 +1253,15 @@ async fn one_tenants_refused_objects_leave_every_other_tenant_in_the_kernel() {
         "harvester_lb_kernel_forwarding_up 1 after the narrowed write",
         || async {
             let m = bed.daemon().metrics().await;
-            (netns::metric(&m, "harvester_lb_kernel_forwarding_up", &[]) == 1.0).then_some(m)
+            (netns::metric_sample(&m, "harvester_lb_kernel_forwarding_up", &[]) == Some(1.0))
+                .then_some(m)
         },
     )
     .await;
     wait_for(Duration::from_secs(10), "B counted as refused", || async {
         let m = bed.daemon().metrics().await;
-        (netns::metric(&m, "harvester_lb_kernel_refused_load_balancers", &[]) == 1.0).then_some(())
+        (netns::metric_sample(&m, "harvester_lb_kernel_refused_load_balancers", &[]) == Some(1.0))
+            .then_some(())
     })
     .await;
     let accepted = netns::metric(&metrics, "harvester_lb_connections_accepted_total", &[]);
@@ -1293,7 +1297,8 @@ async fn one_tenants_refused_objects_leave_every_other_tenant_in_the_kernel() {
     assert_eq!(seen_at(&rc, VIP, 81).await, REMOTE_CLIENT);
     wait_for(Duration::from_secs(10), "B no longer refused", || async {
         let m = bed.daemon().metrics().await;
-        (netns::metric(&m, "harvester_lb_kernel_refused_load_balancers", &[]) == 0.0).then_some(())
+        (netns::metric_sample(&m, "harvester_lb_kernel_refused_load_balancers", &[]) == Some(0.0))
+            .then_some(())
     })
     .await;
 }
@@ -1906,11 +1911,11 @@ async fn kernel_udp_flows_count_as_flows_of_their_backend() {
             let m = bed.daemon().metrics().await;
             want.iter()
                 .all(|(ip, n)| {
-                    netns::metric(
+                    netns::metric_sample(
                         &m,
                         "harvester_lb_udp_backend_flows_active",
                         &[("listener", "dns"), ("backend", ip)],
-                    ) == *n
+                    ) == Some(*n)
                 })
                 .then_some(())
         },
@@ -2126,7 +2131,8 @@ async fn served_again(bed: &Bed, case: &str) {
         &format!("{case}: kernel_forwarding_up back to 1"),
         || async {
             let m = bed.daemon().metrics().await;
-            (netns::metric(&m, "harvester_lb_kernel_forwarding_up", &[]) == 1.0).then_some(())
+            (netns::metric_sample(&m, "harvester_lb_kernel_forwarding_up", &[]) == Some(1.0))
+                .then_some(())
         },
     )
     .await;

@@ -140,11 +140,16 @@ async fn a_dead_nodeport_takes_the_node_off_that_listener_only() {
         "harvester_lb_backend_connect_failures_total{{{},reason=\"connect_refused\"}}",
         labels(&b)
     );
-    let before = d.metric(&refused).await;
+    // Absent until a refusal is counted (written from its first count on).
+    let before = d.metric_sample(&refused).await;
     for name in names(vip(&net, 8443), 6).await {
         assert_eq!(name, a, "https must not go to the node whose 30443 is dead");
     }
-    assert_eq!(d.metric(&refused).await, before, "no attempt on .12:30443");
+    assert_eq!(
+        d.metric_sample(&refused).await,
+        before,
+        "no attempt on .12:30443"
+    );
     // http still uses both nodes (round robin).
     let http = names(vip(&net, 8080), 6).await;
     assert!(http.contains(&a) && http.contains(&b), "{http:?}");
@@ -366,7 +371,7 @@ async fn a_connection_still_connecting_when_its_backend_is_marked_down_goes_else
         "harvester_lb_connections_accepted_total{{cluster=\"kubernetes\",load_balancer=\"{LB}\",listener=\"http\"}}"
     );
     wait_for(WAIT, "both clients accepted", || async {
-        (d.metric(&accepted).await == 2.0).then_some(())
+        (d.metric_sample(&accepted).await == Some(2.0)).then_some(())
     })
     .await;
     let was_eligible = port_status(&d, &b, HTTP).await["health"] == "healthy";
@@ -383,7 +388,11 @@ async fn a_connection_still_connecting_when_its_backend_is_marked_down_goes_else
         "harvester_lb_backend_connect_failures_total{{{},reason=\"connect_timeout\"}}",
         labels(&b)
     );
-    assert_eq!(d.metric(&timeouts).await, 0.0, "abandoned, not timed out");
+    assert_eq!(
+        d.metric_sample(&timeouts).await,
+        None,
+        "abandoned, not timed out (no sample: none counted)"
+    );
     if !was_eligible {
         eprintln!(
             "NOTE: .12 was marked down before the clients were accepted; the hang was not exercised"

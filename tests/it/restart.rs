@@ -29,6 +29,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use support::fd_store::FakeStore;
+use support::metric_at as metric;
 use support::{Backend, Behaviour, Config, Lb, Listener, Process, Subnet};
 
 /// What the clients saw.
@@ -364,11 +365,6 @@ async fn bed() -> Bed {
 /// Two threads, one `SO_REUSEPORT` socket each per TCP listener.
 fn daemon(config: &Path) -> support::Launch {
     Process::launch(config).args(&["--threads", "2", "--scheduler", "thread-per-core"])
-}
-
-async fn metric(admin: SocketAddr, prefix: &str) -> f64 {
-    let (_, body) = support::http(admin, "GET", "/metrics").await;
-    support::metric_value(&body, prefix)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

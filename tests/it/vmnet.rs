@@ -230,8 +230,9 @@ async fn netns_a_vm_network_vip_is_served_moved_and_vrrp_stays_off_the_vm_networ
             "the failed reload counted",
             || async {
                 let m = d.metrics().await;
-                (netns::metric(&m, "harvester_lb_keepalived_reload_failures_total", &[]) >= 1.0)
-                    .then_some(())
+                (netns::metric_sample(&m, "harvester_lb_keepalived_reload_failures_total", &[])
+                    .is_some_and(|v| v >= 1.0))
+                .then_some(())
             },
         )
         .await;
@@ -359,7 +360,8 @@ async fn netns_a_stale_keepalived_pid_file_signals_no_other_process() {
         || async {
             let m = d.metrics().await;
             let said = std::fs::read_to_string(&log).unwrap_or_default();
-            (netns::metric(&m, "harvester_lb_keepalived_reload_failures_total", &[]) >= 1.0
+            (netns::metric_sample(&m, "harvester_lb_keepalived_reload_failures_total", &[])
+                .is_some_and(|v| v >= 1.0)
                 && said.contains(&format!("pid {} from", unrelated.id()))
                 && said.contains("\"sleep\", not keepalived"))
             .then_some(())
@@ -381,8 +383,9 @@ async fn netns_a_stale_keepalived_pid_file_signals_no_other_process() {
         "the retry counted as a failure too",
         || async {
             let m = d.metrics().await;
-            (netns::metric(&m, "harvester_lb_keepalived_reload_failures_total", &[]) >= 2.0)
-                .then_some(())
+            (netns::metric_sample(&m, "harvester_lb_keepalived_reload_failures_total", &[])
+                .is_some_and(|v| v >= 2.0))
+            .then_some(())
         },
     )
     .await;

@@ -486,11 +486,12 @@ async fn netns_a_kernel_listener_on_a_bridged_vm_network_serves_every_client_and
         "the leg made again and its repair counted",
         || async {
             let m = d.metrics().await;
-            (netns::metric(
+            (netns::metric_sample(
                 &m,
                 "harvester_lb_host_repairs_total",
                 &[("kind", "network_leg")],
-            ) >= 1.0
+            )
+            .is_some_and(|v| v >= 1.0)
                 && has_link(&a, LEG))
             .then_some(())
         },
@@ -829,12 +830,13 @@ async fn netns_a_kernel_listener_on_a_management_vip_over_a_bridge_is_served_by_
         || async {
             let m = d.metrics().await;
             (mgmt_leg_in_place(&a).1
-                && netns::metric(
+                && netns::metric_sample(
                     &m,
                     "harvester_lb_host_repairs_total",
                     &[("kind", "network_route")],
-                ) >= 1.0)
-                .then_some(())
+                )
+                .is_some_and(|v| v >= 1.0))
+            .then_some(())
         },
     )
     .await;

@@ -112,12 +112,13 @@ async fn repaired(d: &DaemonProc, host: &Ns, repairs: f64, what: &str) {
     wait_for(Duration::from_secs(40), what, || async {
         let m = d.metrics().await;
         (marks_in_place(host) == (true, true)
-            && netns::metric(
+            && netns::metric_sample(
                 &m,
                 "harvester_lb_host_repairs_total",
                 &[("kind", "reply_mark")],
-            ) >= repairs)
-            .then_some(())
+            )
+            .is_some_and(|v| v >= repairs))
+        .then_some(())
     })
     .await;
 }

@@ -10,9 +10,12 @@ use crate::netns::peers::{
     Exchange, Node, Service, Tally, exchange, load, load_with, time_to_refusal,
 };
 use crate::netns::{
-    Bed, HEALTH_PORT, NODEPORT, VIP, VIP2, backend_of, config, metric, node_ip, probed, sa,
+    Bed, HEALTH_PORT, NODEPORT, VIP, VIP2, backend_of, config, metric, metric_sample, node_ip,
+    probed, sa,
 };
 use crate::require_netns;
+use crate::support::outcomes;
+use harvester_lb::metrics::names;
 
 const HEALTH_1S: &str =
     "  period_seconds = 1\n  timeout_seconds = 1\n  success_threshold = 1\n  failure_threshold = 3";
@@ -80,9 +83,9 @@ async fn netns_blackholed_node_is_detected_and_clients_redispatched() {
     let m = d.metrics().await;
     let n2 = node_ip(2).to_string();
     let attempts_to_n2 = |lbn: &str, m: &str| {
-        metric(
+        outcomes(
             m,
-            "harvester_lb_backend_connect_failures_total",
+            &names::BACKEND_CONNECT_FAILURES,
             &[
                 ("load_balancer", lbn),
                 ("backend", &n2),
@@ -90,14 +93,14 @@ async fn netns_blackholed_node_is_detected_and_clients_redispatched() {
             ],
         )
     };
-    let failed_single = metric(
+    let failed_single = outcomes(
         &m,
-        "harvester_lb_connections_failed_total",
+        &names::CONNECTIONS_FAILED,
         &[("load_balancer", "f1/single")],
     );
-    let failed_retry = metric(
+    let failed_retry = outcomes(
         &m,
-        "harvester_lb_connections_failed_total",
+        &names::CONNECTIONS_FAILED,
         &[("load_balancer", "f1/retry")],
     );
     let (timeouts_retry, timeouts_single) = (
@@ -243,9 +246,9 @@ async fn netns_refusing_or_resetting_nodeport_is_retried_elsewhere() {
     let m = d.metrics().await;
     let st = d.status().await;
     let fails = |ip: usize, reason: &str| {
-        metric(
+        outcomes(
             &m,
-            "harvester_lb_backend_connect_failures_total",
+            &names::BACKEND_CONNECT_FAILURES,
             &[
                 ("load_balancer", "f2/refuse"),
                 ("backend", &node_ip(ip).to_string()),
@@ -291,9 +294,9 @@ async fn netns_refusing_or_resetting_nodeport_is_retried_elsewhere() {
     );
     let n3_accepted = n3.accepted.load(Ordering::Relaxed);
     let m3 = |reason: &str| {
-        metric(
+        outcomes(
             &m,
-            "harvester_lb_backend_connect_failures_total",
+            &names::BACKEND_CONNECT_FAILURES,
             &[
                 ("load_balancer", "f2/reset"),
                 ("backend", &node_ip(3).to_string()),
@@ -398,11 +401,12 @@ async fn netns_all_nodes_down_refuses_fast_and_recovers() {
         1.0
     );
     assert!(
-        metric(
+        metric_sample(
             &m,
             "harvester_lb_connections_failed_total",
             &[("load_balancer", "f6/all"), ("reason", "no_backend")]
-        ) >= 50.0
+        )
+        .is_some_and(|v| v >= 50.0)
     );
     assert_eq!(
         metric(
@@ -633,9 +637,9 @@ fn replay(
 fn transitions(m: &str, lbn: &str, ip: std::net::Ipv4Addr) -> (f64, f64) {
     let ip = ip.to_string();
     let t = |to| {
-        metric(
+        outcomes(
             m,
-            "harvester_lb_health_transitions_total",
+            &names::HEALTH_TRANSITIONS,
             &[("load_balancer", lbn), ("backend", &ip), ("to", to)],
         )
     };

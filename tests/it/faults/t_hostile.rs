@@ -7,9 +7,11 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
 use crate::netns::peers::{Exchange, Node, Service, exchange, read_line};
-use crate::netns::{Bed, VIP, config, metric, node_ip, probed, sa, wait_for};
+use crate::netns::{Bed, VIP, config, node_ip, probed, sa, wait_for};
 use crate::require_netns;
 use crate::support::Lb;
+use crate::support::outcomes;
+use harvester_lb::metrics::names;
 
 const HEALTH: &str =
     "  period_seconds = 1\n  timeout_seconds = 1\n  success_threshold = 1\n  failure_threshold = 3";
@@ -177,15 +179,11 @@ async fn netns_descriptor_exhaustion_backs_off_and_resumes() {
         }
     }
     let m = bed.daemon().metrics().await;
-    let emfile = metric(
-        &m,
-        "harvester_lb_accept_errors_total",
-        &[("kind", "out_of_descriptors")],
-    );
+    let emfile = outcomes(&m, &names::ACCEPT_ERRORS, &[("kind", "out_of_descriptors")]);
     let st = bed.daemon().status().await;
-    let downs = metric(
+    let downs = outcomes(
         &m,
-        "harvester_lb_health_transitions_total",
+        &names::HEALTH_TRANSITIONS,
         &[("load_balancer", "f7/fds"), ("to", "down")],
     );
     println!(
@@ -467,9 +465,9 @@ async fn netns_hung_backends_never_take_the_clients_descriptors() {
         },
     )
     .await;
-    let timeouts = metric(
+    let timeouts = outcomes(
         &bed.daemon().metrics().await,
-        "harvester_lb_health_checks_total",
+        &names::HEALTH_CHECKS,
         &[("load_balancer", "f9/hung"), ("result", "timeout")],
     );
     println!(

@@ -784,21 +784,21 @@ pub fn backend_of(status: &serde_json::Value, lb: &str, ip: Ipv4Addr) -> serde_j
         .clone()
 }
 
-/// Sum of the samples of metric `name` whose labels include every `labels` pair.
+/// Sum of the samples of metric `name` whose labels include every `labels`
+/// pair; fails the test if there is none (a renamed or missing series is
+/// not a zero).
+#[track_caller]
 pub fn metric(text: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
-    text.lines()
-        .filter(|l| !l.starts_with('#'))
-        .filter(|l| {
-            l.strip_prefix(name)
-                .is_some_and(|rest| rest.starts_with('{') || rest.starts_with(' '))
-        })
-        .filter(|l| {
-            labels
-                .iter()
-                .all(|(k, v)| l.contains(&format!("{k}=\"{v}\"")))
-        })
-        .filter_map(|l| l.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok()))
-        .sum()
+    let caller = std::panic::Location::caller();
+    metric_sample(text, name, labels)
+        .unwrap_or_else(|| crate::support::absent(caller, &format!("{name} {labels:?}"), text))
+}
+
+/// Sum of the samples of metric `name` whose labels include every `labels`
+/// pair, `None` if there is none: for a series the daemon writes only once
+/// it has happened (an outcome by its `reason`), or one a poll waits for.
+pub fn metric_sample(text: &str, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
+    crate::support::samples_sum(text, name, labels)
 }
 
 /// The bed's config: the admin API on `127.0.0.1:`[`ADMIN_PORT`] in the

@@ -26,6 +26,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::time::Duration;
 
+use harvester_lb::metrics::names::{Family, Kind};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpSocket, TcpStream};
 use tokio::task::JoinHandle;
@@ -387,10 +388,19 @@ impl Daemon {
     }
 
     /// The value of the metric sample whose line starts with `prefix`
-    /// (name plus labels, as rendered), or 0 if absent.
-    pub async fn metric(&self, prefix: &str) -> f64 {
+    /// (name plus labels, as rendered); fails the test if there is none, so
+    /// a renamed or missing series cannot pass for a zero.
+    #[track_caller]
+    pub fn metric(&self, prefix: &str) -> impl Future<Output = f64> + use<> {
+        metric_at(self.admin, prefix)
+    }
+
+    /// The value of the sample whose line starts with `prefix`, `None` if
+    /// /metrics has none: for a series the daemon writes only once it has
+    /// happened (an outcome by its `reason`), or one a poll waits for.
+    pub async fn metric_sample(&self, prefix: &str) -> Option<f64> {
         let (_, body) = self.get("/metrics").await;
-        metric_value(&body, prefix)
+        metric_sample(&body, prefix)
     }
 
     /// Stops the daemon, draining, and returns how many connections the drain timeout cut.
@@ -460,13 +470,84 @@ where
     split_response(&String::from_utf8_lossy(&raw))
 }
 
-/// The value of the first sample line starting with `prefix`, or 0.
+/// [`Daemon::metric`] of the daemon whose admin API is `admin` (a daemon
+/// run as a [`Process`]).
+#[track_caller]
+pub fn metric_at(admin: SocketAddr, prefix: &str) -> impl Future<Output = f64> + use<> {
+    let caller = std::panic::Location::caller();
+    let prefix = prefix.to_string();
+    async move {
+        let (_, body) = http(admin, "GET", "/metrics").await;
+        metric_sample(&body, &prefix).unwrap_or_else(|| absent(caller, &prefix, &body))
+    }
+}
+
+/// The value of the first sample line starting with `prefix`; fails the
+/// test if there is none (a renamed or missing series is not a zero).
+#[track_caller]
 pub fn metric_value(body: &str, prefix: &str) -> f64 {
+    let caller = std::panic::Location::caller();
+    metric_sample(body, prefix).unwrap_or_else(|| absent(caller, prefix, body))
+}
+
+/// The value of the first sample line starting with `prefix`, `None` if
+/// there is none (see [`Daemon::metric_sample`] for when that is expected).
+pub fn metric_sample(body: &str, prefix: &str) -> Option<f64> {
     body.lines()
+        .filter(|l| !l.starts_with('#'))
         .find(|l| l.starts_with(prefix))
         .and_then(|l| l.rsplit(' ').next())
         .and_then(|v| v.parse().ok())
-        .unwrap_or(0.0)
+}
+
+/// Sum of the samples of family `name` whose labels include every
+/// `labels` pair, `None` if there is none.
+pub fn samples_sum(text: &str, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
+    let values: Vec<f64> = text
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter(|l| {
+            l.strip_prefix(name)
+                .is_some_and(|rest| rest.starts_with('{') || rest.starts_with(' '))
+        })
+        .filter(|l| {
+            labels
+                .iter()
+                .all(|(k, v)| l.contains(&format!("{k}=\"{v}\"")))
+        })
+        .filter_map(|l| l.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok()))
+        .collect();
+    (!values.is_empty()).then(|| values.iter().sum())
+}
+
+/// How many outcomes of a counter `family` the samples whose labels
+/// include every `labels` pair count: the daemon writes such a family (a
+/// failure by its `reason`, a transition by its `to`, a repair by its
+/// `kind` ...) one sample per outcome from its first count on, so no
+/// sample is none yet, 0. Takes the daemon's own [`Family`] (not a name
+/// typed here), so a renamed family cannot pass for a zero.
+pub fn outcomes(text: &str, family: &'static Family, labels: &[(&str, &str)]) -> f64 {
+    assert_eq!(
+        family.kind,
+        Kind::Counter,
+        "{} is not a counter",
+        family.name
+    );
+    samples_sum(text, family.name, labels).unwrap_or(0.0)
+}
+
+/// Fails the test for a series `want` that /metrics (`body`) lacks, naming
+/// the caller and the family's samples that are there.
+pub fn absent(caller: &std::panic::Location<'_>, want: &str, body: &str) -> ! {
+    let family = want.split(['{', ' ']).next().unwrap_or(want);
+    let near: Vec<&str> = body
+        .lines()
+        .filter(|l| !l.starts_with('#') && l.starts_with(family))
+        .take(10)
+        .collect();
+    panic!(
+        "{caller}: no sample {want} in /metrics (renamed, or never written?); the family's samples: {near:?}"
+    )
 }
 
 /// One HTTP/1.1 request with `Connection: close`; returns status and body.
