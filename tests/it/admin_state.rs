@@ -506,10 +506,10 @@ async fn the_cli_fails_clearly_and_reload_uses_the_socket() {
     // reload goes through the socket: this file's admin.listen has no daemon.
     let elsewhere = net.write(
         "cli.toml",
-        &format!(
-            "[admin]\nlisten = \"{}:9\"\nsocket = {socket:?}\n",
-            net.ip_str(251)
-        ),
+        &Config::new()
+            .admin(SocketAddr::new(net.ip(251), 9))
+            .socket(Path::new(&socket))
+            .to_string(),
     );
     let (code, out, err) = cli(vec![
         "reload".into(),
@@ -573,10 +573,10 @@ async fn refused_admin(
 ) -> String {
     let other = net.write(
         file,
-        &format!(
-            "[admin]\nlisten = \"{}:9901\"\nsocket = {socket:?}\n",
-            net.ip_str(host)
-        ),
+        &Config::new()
+            .admin(SocketAddr::new(net.ip(host), 9901))
+            .socket(socket)
+            .to_string(),
     );
     match harvester_lb::start(harvester_lb::Options::new(&other)).await {
         Ok(_) => panic!("{wrong}"),

@@ -36,7 +36,7 @@ use std::time::{Duration, Instant};
 
 use netns::peers::{Node, Service};
 use netns::{Bed, Ns, sa, wait_for};
-use support::{Config, Lb, Listener, cannot_run, missing_tool, quote};
+use support::{Config, Lb, Listener, cannot_run, missing_tool, network, quote};
 use tokio::io::AsyncReadExt;
 
 const T1: u32 = 6;
@@ -836,8 +836,9 @@ async fn vm_network_bed(test: &str) -> (Bed, Ns, Node, Dnsmasq) {
     let config = netns::config()
         .drain_timeout(1)
         .text(&format!(
-            "[dhcp]\nstate_directory = {}\n\n[[network]]\nname = \"default/vm\"\ninterface = \"vm-br\"\nprefix_length = 24\ngateway = \"203.0.113.1\"\n",
-            quote(bed.dir.join("state").display())
+            "[dhcp]\nstate_directory = {}\n\n{}",
+            quote(bed.dir.join("state").display()),
+            network("default/vm", "vm-br", "203.0.113.1", "")
         ))
         .lb(Lb::new("default/web", "0.0.0.0")
             .keys("ipam = \"dhcp\"\nnetwork = \"default/vm\"")

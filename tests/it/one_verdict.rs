@@ -19,11 +19,12 @@ use crate::netns;
 use crate::require_netns;
 use crate::support;
 
+use std::net::SocketAddr;
 use std::path::Path;
 use std::time::Duration;
 
 use harvester_lb::config::{self, Loader, Problem};
-use support::{http_unix, keepalived, network};
+use support::{Config, Lb, Listener, http_unix, keepalived, network};
 
 /// One refusal: the validator module that gives it, what is wrong, the file.
 struct Case {
@@ -35,18 +36,19 @@ struct Case {
 /// A valid load balancer on 198.51.100.10:80 (`name`), then `more` lines of
 /// the table; listener keys follow as `listener`.
 fn lb(name: &str, vip: &str, more: &str, listener: &str) -> String {
-    format!(
-        "[[load_balancer]]\nname = {name:?}\nvip = {vip:?}\nbackends = [\"198.51.100.21\"]\n{more}\n  [[load_balancer.listener]]\n  name = \"http\"\n  port = 80\n  backend_port = 30080\n{listener}\n"
-    )
+    Lb::new(name, vip)
+        .backends(["198.51.100.21"])
+        .keys(more)
+        .listener(Listener::new("http", 80, 30080).keys(listener))
+        .to_string()
 }
 
 /// `[admin]` with the admin socket in `dir` (beds share the file system).
 fn admin(dir: &Path) -> String {
-    format!(
-        "[admin]\nlisten = \"127.0.0.1:{}\"\nsocket = {:?}\n\n",
-        netns::ADMIN_PORT,
-        dir.join("admin.sock")
-    )
+    Config::new()
+        .admin(SocketAddr::from(([127, 0, 0, 1], netns::ADMIN_PORT)))
+        .socket(&dir.join("admin.sock"))
+        .to_string()
 }
 
 /// `[conntrackd]` of the anycast mode with every file it names in `dir`.

@@ -626,10 +626,10 @@ fn prepare_stop_resets_the_start_limit_for_a_restart_job_only() {
     let config = dir.join("config.toml");
     std::fs::write(
         &config,
-        format!(
-            "[admin]\nlisten = \"127.0.0.1:0\"\nsocket = \"{}\"\n",
-            dir.join("admin.sock").display()
-        ),
+        Config::new()
+            .admin("127.0.0.1:0".parse().unwrap())
+            .socket(&dir.join("admin.sock"))
+            .to_string(),
     )
     .unwrap();
     let systemctl = bin.join("systemctl");

@@ -636,18 +636,22 @@ async fn ipv6_flows_answer_from_the_vip() {
 
 #[test]
 fn udp_keys_are_validated_with_their_key_paths() {
-    let base = |listeners: &str, extra: &str| {
-        format!(
-            "[proxy]\n{extra}\n[[load_balancer]]\nname = \"a/b\"\nvip = \"127.0.9.1\"\nbackends = [\"127.0.9.11\"]\n{listeners}"
-        )
+    let base = |listeners: Vec<Listener>, lb_keys: &str, proxy: &str| {
+        let lb = listeners.into_iter().fold(
+            Lb::new("a/b", "127.0.9.1")
+                .backends(["127.0.9.11"])
+                .keys(lb_keys),
+            Lb::listener,
+        );
+        Config::new().proxy(proxy).lb(lb).to_string()
     };
     let l = |name: &str, proto: &str, more: &str| {
-        format!(
-            "[[load_balancer.listener]]\nname = \"{name}\"\nport = 53\nbackend_port = 30053\nprotocol = \"{proto}\"\n{more}\n"
-        )
+        Listener::new(name, 53, 30053)
+            .keys(&format!("  protocol = {}", quote(proto)))
+            .keys(more)
     };
     // TCP and UDP on one VIP:port: both valid.
-    let ok = base(&format!("{}{}", l("t", "tcp", ""), l("u", "udp", "")), "");
+    let ok = base(vec![l("t", "tcp", ""), l("u", "udp", "")], "", "");
     let loaded = harvester_lb::config::parse(&ok).expect("tcp and udp on one port");
     assert_eq!(loaded.config.load_balancers[0].listeners.len(), 2);
     assert_eq!(
@@ -655,28 +659,30 @@ fn udp_keys_are_validated_with_their_key_paths() {
         Duration::from_secs(60),
         "default idle timeout"
     );
-    let two_udp = rendered(&base(
-        &format!("{}{}", l("u1", "udp", ""), l("u2", "udp", "")),
-        "",
-    ));
+    let two_udp = rendered(&base(vec![l("u1", "udp", ""), l("u2", "udp", "")], "", ""));
     assert!(
         two_udp.contains("load_balancer[0].listener[1].port")
             && two_udp.contains("127.0.9.1:53/udp is already a listener"),
         "{two_udp}"
     );
-    let pp = rendered(&base(&l("u", "udp", "proxy_protocol = \"v2\""), ""));
+    let pp = rendered(&base(
+        vec![l("u", "udp", "  proxy_protocol = \"v2\"")],
+        "",
+        "",
+    ));
     assert!(
         pp.contains("load_balancer[0].listener[0].proxy_protocol") && pp.contains("UDP listener"),
         "{pp}"
     );
-    let proto = rendered(&base(&l("u", "sctp", ""), ""));
+    let proto = rendered(&base(vec![l("u", "sctp", "")], "", ""));
     assert!(
         proto.contains("load_balancer[0].listener[0].protocol") && proto.contains("\"udp\""),
         "{proto}"
     );
-    let idle = rendered(&base(&l("u", "udp", ""), "").replace(
-        "backends =",
-        "udp_idle_timeout_seconds = 0\nudp_responses = -1\nbackends =",
+    let idle = rendered(&base(
+        vec![l("u", "udp", "")],
+        "udp_idle_timeout_seconds = 0\nudp_responses = -1",
+        "",
     ));
     assert!(
         idle.contains("load_balancer[0].udp_idle_timeout_seconds")
@@ -684,7 +690,8 @@ fn udp_keys_are_validated_with_their_key_paths() {
         "{idle}"
     );
     let flows = rendered(&base(
-        &l("u", "udp", ""),
+        vec![l("u", "udp", "")],
+        "",
         "max_udp_flows = 0\nmax_udp_flows_per_source = \"x\"",
     ));
     assert!(
@@ -695,27 +702,28 @@ fn udp_keys_are_validated_with_their_key_paths() {
 
 #[test]
 fn per_listener_checks_probe_tcp_nodeports_only() {
-    let text = |listeners: &str| {
-        format!(
-            "[[load_balancer]]\nname = \"a/b\"\nvip = \"127.0.9.1\"\nbackends = [\"127.0.9.11\"]\n{listeners}[load_balancer.health_check]\nperiod_seconds = 1\ntimeout_seconds = 1\n"
-        )
+    let text = |listeners: Vec<Listener>| {
+        let lb = listeners.into_iter().fold(
+            Lb::new("a/b", "127.0.9.1")
+                .backends(["127.0.9.11"])
+                .health("  period_seconds = 1\n  timeout_seconds = 1"),
+            Lb::listener,
+        );
+        Config::new().lb(lb).to_string()
     };
     let l = |name: &str, port: u16, proto: &str| {
-        format!(
-            "[[load_balancer.listener]]\nname = \"{name}\"\nport = 53\nbackend_port = {port}\nprotocol = \"{proto}\"\n"
-        )
+        Listener::new(name, 53, port).keys(&format!("  protocol = {}", quote(proto)))
     };
     // A UDP nodeport answers no handshake: only the TCP listener's is checked.
-    let mixed = harvester_lb::config::parse(&text(&format!(
-        "{}{}",
+    let mixed = harvester_lb::config::parse(&text(vec![
         l("dns", 30053, "udp"),
-        l("dns-tcp", 30054, "tcp")
-    )))
+        l("dns-tcp", 30054, "tcp"),
+    ]))
     .expect("valid");
     assert_eq!(mixed.config.load_balancers[0].checked_ports(), vec![30054]);
     assert!(mixed.warnings.is_empty());
     // Only UDP listeners and no check port: nothing could be checked; said so.
-    let only_udp = harvester_lb::config::parse(&text(&l("dns", 30053, "udp"))).expect("valid");
+    let only_udp = harvester_lb::config::parse(&text(vec![l("dns", 30053, "udp")])).expect("valid");
     assert!(only_udp.config.load_balancers[0].checked_ports().is_empty());
     let warned: Vec<String> = only_udp.warnings.iter().map(|w| w.to_string()).collect();
     assert!(

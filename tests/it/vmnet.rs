@@ -24,7 +24,7 @@ use netns::keepalived::{Keepalived, keepalived_missing};
 use netns::peers::{Exchange, Node, Service, exchange};
 use netns::vmnet::{FAR_CLIENT, from_behind_the_gateway, holds, host, ip_out, vrrp_sent};
 use netns::{Bed, DaemonProc, Ns, config, lb, sa, wait_for};
-use support::{keepalived, network, quiet_success};
+use support::{Lb, keepalived, network, quiet_success};
 
 /// The VIPs, on the bed's VM network (198.51.100.0/24, the bridge `br0`).
 const VIP1: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 40);
@@ -83,9 +83,11 @@ fn the_rendered_keepalived_conf_passes_keepalived_s_config_test() {
         .chain(["fd00:a::50".to_string()])
         .enumerate()
     {
-        text.push_str(&format!(
-            "\n[[load_balancer]]\nname = \"default/lb{i}\"\nvip = \"{vip}\"\nnetwork = \"default/vm\"\nbackends = [\"198.51.100.21\"]\n  [[load_balancer.listener]]\n  name = \"http\"\n  port = 80\n  backend_port = 30080\n"
-        ));
+        let lb = Lb::new(&format!("default/lb{i}"), vip)
+            .keys("network = \"default/vm\"")
+            .backends(["198.51.100.21"])
+            .tcp("http", 80, 30080);
+        text.push_str(&format!("\n{lb}"));
     }
     // As rendered by default, and with keepalived.ready_requires_backend
     // (the track scripts' URL gains &require=backend).

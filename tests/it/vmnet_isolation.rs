@@ -35,7 +35,7 @@ use std::time::Duration;
 
 use netns::peers::read_line;
 use netns::{DaemonProc, Ns, config, run, sa, wait_for};
-use support::{Lb, Listener, keepalived, network};
+use support::{Lb, Listener, keepalived, network, quote};
 use tokio::io::AsyncWriteExt;
 
 /// Network A: the bridge `brA` in the host's namespace.
@@ -701,9 +701,12 @@ async fn netns_a_network_on_the_loopback_a_macvlan_or_the_default_route_s_interf
         text = text.replacen(
             "[[load_balancer]]",
             &(network(name, interface, format!("{subnet}.1"), "")
-                + &format!(
-                    "[[load_balancer]]\nname = \"{name}-web\"\nvip = \"{subnet}.10\"\nnetwork = \"{name}\"\nbackends = [\"{subnet}.21\"]\n  [[load_balancer.listener]]\n  name = \"http\"\n  port = 80\n  backend_port = 30080\n\n[[load_balancer]]"
-                )),
+                + &Lb::new(&format!("{name}-web"), format!("{subnet}.10"))
+                    .keys(&format!("network = {}", quote(name)))
+                    .backends([format!("{subnet}.21")])
+                    .tcp("http", 80, 30080)
+                    .to_string()
+                + "\n[[load_balancer]]"),
             1,
         );
     }
