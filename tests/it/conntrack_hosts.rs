@@ -508,8 +508,8 @@ impl Cluster {
     }
 }
 
-/// One bed at a time: each runs N daemons, keepalived and conntrackd.
-static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+// One bed at a time: each runs N daemons, keepalived and conntrackd.
+use crate::netns::HEAVY_BED as SERIAL;
 
 /// `n` hosts; each master in turn fails by `fault`, another host takes
 /// its VIP over, the master comes back and takes it back. Asserts that

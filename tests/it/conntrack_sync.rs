@@ -691,10 +691,10 @@ async fn run(tag: &str, fault: Fault, sync: bool) -> (Figures, Option<Figures>, 
     (over, back, lines, datagrams, format!("{report}{logs}"))
 }
 
-/// One bed at a time: each runs two daemons, two keepalived and two
-/// conntrackd; two beds at once on the 2-core CI machine made failbacks
-/// miss their deadlines.
-static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+// One bed at a time: each runs two daemons, two keepalived and two
+// conntrackd; two beds at once on the 2-core CI machine made failbacks
+// miss their deadlines.
+use crate::netns::HEAVY_BED as SERIAL;
 
 /// With the sync: every connection survives the move and the move back,
 /// on the same backend, no line lost.

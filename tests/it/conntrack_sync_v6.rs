@@ -540,8 +540,8 @@ async fn far_served(router: &Ns) -> bool {
         && matches!(tokio::time::timeout(within, udp).await, Ok(Ok(true)))
 }
 
-/// One bed at a time (two daemons, keepalived and conntrackd each).
-static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+// One bed at a time (two daemons, keepalived and conntrackd each).
+use crate::netns::HEAVY_BED as SERIAL;
 
 /// Host a fails by `fault`, b takes over, a takes the VIPs back: every
 /// connection alive on its backend, every UDP flow on its backend, no line

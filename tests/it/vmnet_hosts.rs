@@ -59,10 +59,10 @@ const HOSTS: [(&str, &str); 3] = [
     ("h3", "10.77.0.3"),
 ];
 
-/// The two tests run one after the other: each starts three daemons and
-/// three keepalived, and the failover figures mean little on a machine the
-/// other test keeps busy.
-static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+// The two tests run one after the other: each starts three daemons and
+// three keepalived, and the failover figures mean little on a machine the
+// other test keeps busy.
+use crate::netns::HEAVY_BED as SERIAL;
 
 /// A VIP and the network it is on.
 #[derive(Clone, Copy, Debug)]

@@ -44,6 +44,14 @@ use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
+/// Held by each test of the heaviest beds (several daemons, keepalived and
+/// conntrackd: conntrack_sync, conntrack_sync_v6, conntrack_hosts,
+/// vmnet_hosts) while it runs, so no two of them run at once in one test
+/// process: two at once on the 2-core CI machine made failbacks miss their
+/// deadlines. Across modules too, since they share one binary (before,
+/// each was a binary of its own and `cargo test` ran those one by one).
+pub static HEAVY_BED: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 /// Address of the client host.
 pub const CLIENT_IP: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 2);
 /// Address of the load-balancer host itself.
