@@ -168,6 +168,7 @@ async fn netns_blackholed_node_is_detected_and_clients_redispatched() {
             t.failed
         );
     }
+    // An outcome count: 0 is no sample of the family for the retry lb.
     assert_eq!(
         failed_retry, 0.0,
         "the daemon counted failures on the retry lb"

@@ -211,6 +211,7 @@ async fn netns_descriptor_exhaustion_backs_off_and_resumes() {
         "daemon used {cpu:?} CPU in {window:?} while out of descriptors"
     );
     assert_eq!(broken, 0, "connections held while out of descriptors broke");
+    // An outcome count: 0 is no `to="down"` sample of the lb.
     assert_eq!(
         downs, 0.0,
         "backends marked down for the daemon's own descriptor shortage: {st}"
