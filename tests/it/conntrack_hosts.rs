@@ -62,7 +62,7 @@ use netns::vmnet::{
     holds_on, ip_out, join_bridged, mac_of, mgmt_host, mgmt_port, sysctl, udp_name_server,
 };
 use netns::{Bed, DaemonProc, NODEPORT, Ns, config, sa, wait_for};
-use support::{Lb, Listener, keepalived, network};
+use support::{Lb, Listener, conntrackd, keepalived, network};
 
 /// The client's address (the bed's, on network A).
 const CLIENT: Ipv4Addr = netns::CLIENT_IP;
@@ -149,7 +149,6 @@ fn host_config(
     gws: &[Ipv4Addr],
 ) -> String {
     let name = NAMES[i];
-    let d = |f: &str| dir.join(format!("{f}-{name}")).display().to_string();
     let peers: Vec<String> = (0..n).filter(|p| *p != i).map(mgmt).collect();
     let mut text = keepalived(
         name,
@@ -161,15 +160,7 @@ fn host_config(
         + &network("default/back", "eth1", net_b(1), "");
     // No transport, peer or group written: multicast with two peers,
     // unicast with one (the defaults under test).
-    text.push_str(&format!(
-        "\n[conntrackd]\nconfig_path = \"{}\"\nnotify_script = \"{}\"\nsocket = \"{}\"\nlock_file = \"{}\"\nlog_file = \"{}\"\nstate_directory = \"{}\"\n",
-        d("conntrackd.conf"),
-        d("notify.sh"),
-        d("conntrackd.ctl"),
-        d("conntrackd.lock"),
-        d("conntrackd.log"),
-        d("state"),
-    ));
+    text.push_str(&conntrackd(dir, name, ""));
     let mut c = config()
         .socket(&dir.join(format!("admin-{name}.sock")))
         .text(&text);

@@ -54,7 +54,7 @@ use netns::peers::{Node, Service};
 use netns::traffic::{CONNS, FLOWS, Figures, Target, Traffic, assert_kept};
 use netns::vmnet::{self, holds, ip_out, plain_mgmt_host, sysctl, udp_name_server};
 use netns::{Bed, DaemonProc, NODEPORT, Ns, config, node_ip, sa, wait_for};
-use support::{Lb, Listener, keepalived, network};
+use support::{Lb, Listener, conntrackd, keepalived, network};
 
 /// The VIP, on the bed's VM network.
 const VIP: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 40);
@@ -126,7 +126,6 @@ fn host_config(
     peer: &str,
     sync: Option<(&str, &str)>,
 ) -> String {
-    let d = |f: &str| bed.dir.join(format!("{f}-{name}")).display().to_string();
     let mut text = keepalived(
         name,
         address,
@@ -135,14 +134,10 @@ fn host_config(
         "instances = 1\nadvert_interval_ms = 500\n",
     ) + &network("default/vm", "eth0", "198.51.100.1", "");
     if let Some((me, other)) = sync {
-        text.push_str(&format!(
-            "\n[conntrackd]\ninterface = \"sync0\"\naddress = \"{me}\"\npeer = \"{other}\"\nconfig_path = \"{}\"\nnotify_script = \"{}\"\nsocket = \"{}\"\nlock_file = \"{}\"\nlog_file = \"{}\"\nstate_directory = \"{}\"\n",
-            d("conntrackd.conf"),
-            d("notify.sh"),
-            d("conntrackd.ctl"),
-            d("conntrackd.lock"),
-            d("conntrackd.log"),
-            d("state"),
+        text.push_str(&conntrackd(
+            &bed.dir,
+            name,
+            &format!("interface = \"sync0\"\naddress = \"{me}\"\npeer = \"{other}\"\n"),
         ));
     }
     let lb = Lb::new("default/db", VIP)

@@ -69,7 +69,7 @@ use netns::vmnet::{
     holds_on, ip_out, join_bridged, mac_of, mgmt_host, mgmt_port, sysctl, udp_name_server,
 };
 use netns::{Bed, DaemonProc, NODEPORT, Ns, config, wait_for};
-use support::{Lb, Listener, keepalived, network};
+use support::{Lb, Listener, conntrackd, keepalived, network};
 
 /// The IPv6 VIP of the kernel listeners, on network A.
 const VIP6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0xa, 0, 0, 0, 0, 0, 0x40);
@@ -147,7 +147,6 @@ impl Drop for V6Bed {
 
 /// The daemon's file for host `name`.
 fn host_config(bed: &Bed, name: &str, me: (&str, &str), peer: (&str, &str)) -> String {
-    let d = |f: &str| bed.dir.join(format!("{f}-{name}")).display().to_string();
     let mut text = keepalived(
         name,
         me.0,
@@ -165,16 +164,13 @@ fn host_config(bed: &Bed, name: &str, me: (&str, &str), peer: (&str, &str)) -> S
         "192.0.2.1",
         "ipv6_gateway = \"fd00:b::1\"",
     );
-    text.push_str(&format!(
-        "\n[conntrackd]\ninterface = \"sync0\"\naddress = \"{}\"\npeer = \"{}\"\nconfig_path = \"{}\"\nnotify_script = \"{}\"\nsocket = \"{}\"\nlock_file = \"{}\"\nlog_file = \"{}\"\nstate_directory = \"{}\"\n",
-        me.1,
-        peer.1,
-        d("conntrackd.conf"),
-        d("notify.sh"),
-        d("conntrackd.ctl"),
-        d("conntrackd.lock"),
-        d("conntrackd.log"),
-        d("state"),
+    text.push_str(&conntrackd(
+        &bed.dir,
+        name,
+        &format!(
+            "interface = \"sync0\"\naddress = \"{}\"\npeer = \"{}\"\n",
+            me.1, peer.1
+        ),
     ));
     let backends = [backend(1), backend(2)];
     let db = Lb::new("default/db6", VIP6)

@@ -53,10 +53,13 @@ fn admin(dir: &Path) -> String {
 
 /// `[conntrackd]` of the anycast mode with every file it names in `dir`.
 fn conntrackd(dir: &Path, more: &str) -> String {
-    let d = dir.display();
-    format!(
-        "[conntrackd]\ninterface = \"eth0\"\naddress = \"198.51.100.3\"\npeer = \"198.51.100.4\"\nconfig_path = \"{d}/conntrackd.conf\"\nnotify_script = \"{d}/notify.sh\"\nsocket = \"{d}/ct.sock\"\nlock_file = \"{d}/ct.lock\"\nlog_file = \"{d}/ct.log\"\nstate_directory = \"{d}/state\"\n{more}\n"
-    )
+    support::conntrackd(
+        dir,
+        "one",
+        &format!(
+            "interface = \"eth0\"\naddress = \"198.51.100.3\"\npeer = \"198.51.100.4\"\n{more}\n"
+        ),
+    ) + "\n"
 }
 
 const ANYCAST: &str = "[vip]\nannounce = \"routes\"\nannounce_prefixes = [\"198.51.100.0/24\"]\n\n";

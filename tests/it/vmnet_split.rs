@@ -274,18 +274,7 @@ impl Split {
                 // conntrackd's defaults with two peers: FTFW over
                 // multicast on the management network.
                 text += &network("default/b", "eth1", net_b(1), "");
-                text += "\n[conntrackd]\n";
-                for (key, file) in [
-                    ("config_path", "conntrackd.conf"),
-                    ("notify_script", "notify.sh"),
-                    ("socket", "conntrackd.ctl"),
-                    ("lock_file", "conntrackd.lock"),
-                    ("log_file", "conntrackd.log"),
-                    ("state_directory", "state"),
-                ] {
-                    let path = self.bed.dir.join(format!("{file}-{name}"));
-                    text += &format!("{key} = {}\n", support::quote(path.display()));
-                }
+                text += &support::conntrackd(&self.bed.dir, name, "");
                 let backends = [net_b(21), net_b(22)];
                 c.text(&text)
                     .lb(Lb::new("default/lb", self.vip)

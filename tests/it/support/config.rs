@@ -321,6 +321,23 @@ pub fn keepalived<T: Display>(
     )
 }
 
+/// `[conntrackd]` of host `host` with `more` lines first (its interface,
+/// address, peer ...), every file it names its own in `dir`
+/// (`conntrackd.conf-<host>`, `notify.sh-<host>`, `conntrackd.ctl-<host>`,
+/// `conntrackd.lock-<host>`, `conntrackd.log-<host>`, `state-<host>`).
+pub fn conntrackd(dir: &Path, host: &str, more: &str) -> String {
+    let file = |name: &str| quote(dir.join(format!("{name}-{host}")).display());
+    format!(
+        "\n[conntrackd]\n{more}config_path = {}\nnotify_script = {}\nsocket = {}\nlock_file = {}\nlog_file = {}\nstate_directory = {}\n",
+        file("conntrackd.conf"),
+        file("notify.sh"),
+        file("conntrackd.ctl"),
+        file("conntrackd.lock"),
+        file("conntrackd.log"),
+        file("state"),
+    )
+}
+
 /// `[[network]]` `name` on `interface`: a /24 via `gateway`, with `more`
 /// lines of the network.
 pub fn network(name: &str, interface: &str, gateway: impl Display, more: &str) -> String {

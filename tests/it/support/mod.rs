@@ -13,7 +13,7 @@ pub mod fd_store;
 mod process;
 mod skip;
 pub use config::{Config, Lb, Listener, quote};
-pub use config::{keepalived, network, problems, rendered};
+pub use config::{conntrackd, keepalived, network, problems, rendered};
 pub use process::{Launch, Process, proc_cpu_time, proc_rss_kib, proc_threads};
 pub use skip::skip_or_fail;
 pub use skip::{cannot_run, find_tool, missing_tool, not_root};
