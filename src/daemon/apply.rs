@@ -11,14 +11,14 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use super::{ApplyReport, BindError, Daemon, LbEntry, ListenerEntry, State};
-use crate::balancer::{AdminState, Backend, LoadBalancer, Settings};
 use crate::config::{Config, ListenerKey, ListenerSpec, LoadBalancerSpec, Protocol, UdpSettings};
-use crate::health::prober::TargetKey;
-use crate::health::{Health, HealthState};
+use crate::dataplane::balancer::{AdminState, Backend, LoadBalancer, Settings};
+use crate::dataplane::health::prober::TargetKey;
+use crate::dataplane::health::{Health, HealthState};
+use crate::dataplane::proxy::tcp::listen_options::ListenerOptions;
+use crate::dataplane::proxy::udp;
+use crate::dataplane::proxy::{Listener, Route, Running};
 use crate::log_limit::{Verdict, left_out};
-use crate::proxy::tcp::listen_options::ListenerOptions;
-use crate::proxy::udp;
-use crate::proxy::{Listener, Route, Running};
 
 impl Daemon {
     /// Makes `config` the one in force, changing only what differs.
@@ -68,7 +68,9 @@ impl Daemon {
             ));
         let per_source = config.proxy.max_udp_flows_per_source.get();
         self.udp_per_source.store(per_source, Ordering::Relaxed);
-        crate::proxy::log::set_max_lines_per_second(config.log.max_connection_lines_per_second);
+        crate::dataplane::proxy::log::set_max_lines_per_second(
+            config.log.max_connection_lines_per_second,
+        );
         (self.udp_flows.max(), per_source)
     }
 

@@ -34,10 +34,10 @@ use serde_json::Value;
 
 use super::Daemon;
 use crate::config::Forwarding;
-use crate::kernel::ForwardChain;
+use crate::host::nat::ForwardChain;
 
 /// The prefix of every table the daemon owns: never judged.
-const OWN_TABLES: &str = crate::nft::TABLE_PREFIX;
+const OWN_TABLES: &str = crate::host::nft::TABLE_PREFIX;
 /// How deep jumps are followed (nft itself refuses loops).
 const MAX_DEPTH: usize = 16;
 
@@ -198,11 +198,11 @@ impl Daemon {
 /// one with `nft -j list table` (cheap: nft lists that table alone): the
 /// chains that drop DNATed traffic.
 fn read_blocking_chains() -> Result<Vec<Blocking>, String> {
-    let chains = crate::kernel::forward_base_chains()
+    let chains = crate::host::nat::forward_base_chains()
         .map_err(|e| format!("the host's chains over netlink: {e}"))?;
     let mut found = Vec::new();
     for (family, table) in forward_tables(&chains) {
-        let listed = crate::nft::run(&["-j", "list", "table", family, &table], b"")?;
+        let listed = crate::host::nft::run(&["-j", "list", "table", family, &table], b"")?;
         let listed: Value = serde_json::from_str(&listed)
             .map_err(|e| format!("nft -j list table {family} {table}: {e}"))?;
         found.extend(blocking_in_table(&listed));

@@ -17,12 +17,12 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use super::{Daemon, LbEntry};
-use crate::balancer::Backend;
 use crate::config::{Config, Forwarding, LoadBalancerSpec, OnBackendDown, Protocol, SourceNat};
-use crate::kernel::{Desired, KernelListener, KernelTable, ListenerId, Narrowed, Synced};
+use crate::dataplane::balancer::Backend;
+use crate::host::nat::{Desired, KernelListener, KernelTable, ListenerId, Narrowed, Synced};
+use crate::host::vmnet::leg::LegStatus;
+use crate::host::vmnet::mgmt_leg::MgmtLegStatus;
 use crate::os::Sysctl;
-use crate::vip::leg::LegStatus;
-use crate::vip::mgmt_leg::MgmtLegStatus;
 
 /// How long a wake-up waits for more changes before the transaction, when
 /// the writer has been quiet for [`QUIET_AFTER`]: a lone health flip goes
@@ -721,7 +721,7 @@ impl Daemon {
                     };
                     let outcome = synced.map(|synced| {
                         let swept = (sweep && matches!(synced, Synced::Written(_)))
-                            .then(|| crate::kernel::delete_stale_flows(&k.desired));
+                            .then(|| crate::host::nat::delete_stale_flows(&k.desired));
                         (synced, swept)
                     });
                     (outcome, narrowed, k)
@@ -796,7 +796,7 @@ impl Daemon {
     /// Reads the kernel's per-backend new-connection counters into
     /// `/metrics` (one `nft` call; none while no listener is in the kernel).
     async fn read_kernel_counters(&self) {
-        let wanted: Vec<(String, String, String, crate::kernel::ListenerId, IpAddr)> = {
+        let wanted: Vec<(String, String, String, crate::host::nat::ListenerId, IpAddr)> = {
             let st = self.lock();
             let Some(config) = &st.config else { return };
             config
@@ -829,13 +829,13 @@ impl Daemon {
         // The read and the matching (tens of thousands of names at scale)
         // off the runtime's threads, where a flip's request waits.
         let read = tokio::task::spawn_blocking(move || {
-            let counts: HashMap<String, u64> = crate::kernel::counters()?.into_iter().collect();
-            Ok::<_, crate::kernel::NftError>(
+            let counts: HashMap<String, u64> = crate::host::nat::counters()?.into_iter().collect();
+            Ok::<_, crate::host::nat::NftError>(
                 wanted
                     .into_iter()
                     .filter_map(|(cluster, load_balancer, listener, id, backend)| {
                         let connections =
-                            *counts.get(&crate::kernel::backend_counter(&id, backend))?;
+                            *counts.get(&crate::host::nat::backend_counter(&id, backend))?;
                         Some(crate::metrics::KernelBackendCount {
                             cluster,
                             load_balancer,
@@ -866,7 +866,7 @@ impl Daemon {
         type Group = (
             Arc<crate::metrics::LbStats>,
             Vec<Arc<Backend>>,
-            Vec<(String, crate::kernel::ListenerId, bool)>,
+            Vec<(String, crate::host::nat::ListenerId, bool)>,
         );
         let forwarded = self.kernel.forwarded();
         let groups: Vec<Group> = {
@@ -899,7 +899,7 @@ impl Daemon {
         let counts = if kernel.is_empty() {
             HashMap::new()
         } else {
-            match tokio::task::spawn_blocking(move || crate::kernel::open_connections(&kernel))
+            match tokio::task::spawn_blocking(move || crate::host::nat::open_connections(&kernel))
                 .await
             {
                 Ok(Ok(c)) => c,
@@ -913,7 +913,7 @@ impl Daemon {
                 }
             }
         };
-        let of = |id: &crate::kernel::ListenerId, ip: IpAddr| counts.get(&(*id, ip)).copied();
+        let of = |id: &crate::host::nat::ListenerId, ip: IpAddr| counts.get(&(*id, ip)).copied();
         for (stats, backends, listeners) in groups {
             for b in backends {
                 let open: u64 = listeners
@@ -980,7 +980,7 @@ impl Daemon {
             let closed = tokio::task::spawn_blocking(move || {
                 table
                     .sync(&closing)
-                    .map(|_| crate::kernel::delete_stale_flows(&sweep))
+                    .map(|_| crate::host::nat::delete_stale_flows(&sweep))
             })
             .await;
             match closed {
@@ -1013,7 +1013,7 @@ impl Daemon {
             .as_ref()
             .filter(|c| c.conntrackd.is_some())
             .map(|c| {
-                crate::vip::conntrackd::gated(c)
+                crate::host::conntrack_sync::conntrackd::gated(c)
                     .into_iter()
                     .map(|g| (g.vip, g.protocol, g.port))
                     .collect()
@@ -1060,7 +1060,7 @@ impl Daemon {
         loop {
             let ids = listeners.clone();
             let counts =
-                match tokio::task::spawn_blocking(move || crate::kernel::open_connections(&ids))
+                match tokio::task::spawn_blocking(move || crate::host::nat::open_connections(&ids))
                     .await
                 {
                     Ok(Ok(counts)) => counts,
@@ -1121,8 +1121,8 @@ impl Daemon {
 /// as any other's).
 async fn held_addresses() -> Option<Vec<IpAddr>> {
     let read = async {
-        let writer = crate::vip::announce::RouteWriter::connect()?;
-        crate::vip::host::HostNet::read(writer.handle()).await
+        let writer = crate::host::announce::routes::RouteWriter::connect()?;
+        crate::host::vip_guard::HostNet::read(writer.handle()).await
     };
     match read.await {
         Ok(host) => Some(host.addresses.into_iter().map(|a| a.ip).collect()),
@@ -1136,7 +1136,7 @@ async fn held_addresses() -> Option<Vec<IpAddr>> {
 /// A refused write narrowed to the load balancers that cause it.
 impl Daemon {
     /// Each load balancer's kernel listeners in the config in force: whose
-    /// objects are whose, for [`crate::kernel::KernelTable::narrow`].
+    /// objects are whose, for [`crate::host::nat::KernelTable::narrow`].
     fn kernel_owners(&self) -> Vec<(String, Vec<ListenerId>)> {
         let st = self.lock();
         let Some(config) = &st.config else {
@@ -1165,10 +1165,10 @@ impl Daemon {
         &self,
         table: &KernelTable,
         desired: &Desired,
-        error: crate::kernel::NftError,
+        error: crate::host::nat::NftError,
     ) -> (
-        Result<Synced, crate::kernel::NftError>,
-        Option<(Narrowed, crate::kernel::NftError)>,
+        Result<Synced, crate::host::nat::NftError>,
+        Option<(Narrowed, crate::host::nat::NftError)>,
     ) {
         match table.narrow(desired, &self.kernel_owners()) {
             Some(mut narrowed) => {
@@ -1185,7 +1185,7 @@ impl Daemon {
     fn kernel_refused(
         &self,
         cached: &mut CachedDesired,
-        (narrowed, error): (Narrowed, crate::kernel::NftError),
+        (narrowed, error): (Narrowed, crate::host::nat::NftError),
     ) {
         for id in &narrowed.left_out {
             cached.desired.remove(id);

@@ -1,5 +1,5 @@
 //! The checks of the kernel NAT tables (see `kernel::check`): every
-//! [`crate::owned::CHECK_INTERVAL`] and at every reload the tables are
+//! [`crate::host::owned::CHECK_INTERVAL`] and at every reload the tables are
 //! read back on a blocking thread (never on the runtime's, never holding
 //! the table's lock across the read, so a flip is not delayed); a
 //! difference is logged once with what differed, counted in
@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::Daemon;
-use crate::kernel::Checked;
+use crate::host::nat::Checked;
 
 /// Why the tables were checked: said in the repair's log line.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -9,7 +9,7 @@ use std::sync::atomic::Ordering;
 
 use super::Daemon;
 use crate::config::Config;
-use crate::vip::dhcp::Want;
+use crate::host::dhcp::Want;
 
 impl Daemon {
     /// Applies the config in force again with the DHCP leases as they are

@@ -17,16 +17,16 @@ use std::time::{Duration, SystemTime};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use crate::balancer::{AffinityBudget, Backend, LoadBalancer, affinity};
 use crate::config::{Config, ListenerKey, ListenerSpec};
-use crate::health::prober::Prober;
+use crate::dataplane::balancer::{AffinityBudget, Backend, LoadBalancer, affinity};
+use crate::dataplane::health::prober::Prober;
+use crate::dataplane::proxy::Running;
+use crate::dataplane::proxy::tcp::ConnectionLimit;
+use crate::dataplane::proxy::udp::FlowBudget;
+use crate::dataplane::workers::Workers;
+use crate::host::dhcp::Leases;
+use crate::host::isolation::Isolation;
 use crate::metrics::{ListenerStats, Metrics};
-use crate::proxy::Running;
-use crate::proxy::tcp::ConnectionLimit;
-use crate::proxy::udp::FlowBudget;
-use crate::vip::dhcp::Leases;
-use crate::vip::port_filter::Isolation;
-use crate::workers::Workers;
 
 mod admin_state;
 mod announce;
@@ -112,7 +112,7 @@ pub struct Daemon {
     /// minute and a count, not 1,000 lines a second.
     bind_log: crate::log_limit::LogLimit<Option<i32>>,
     /// The nftables NAT table of `forwarding = "kernel"` listeners.
-    kernel: Arc<crate::kernel::KernelTable>,
+    kernel: Arc<crate::host::nat::KernelTable>,
     /// Woken by every publish of a load balancer and every apply: the
     /// kernel table may have to follow. (The announcer has a `Notify` of
     /// its own, woken by the same publishes.)
@@ -142,7 +142,7 @@ pub struct Daemon {
     /// The claims on the host objects one daemon per namespace may own
     /// (`owned::claim`): taken at start and reload before the config
     /// that needs them is applied.
-    claims: crate::owned::Claims,
+    claims: crate::host::owned::Claims,
     /// The state file: read at start, written on changes and at stop
     /// (`persist`, issue 41).
     persist: persist::Persist,
@@ -253,7 +253,7 @@ impl Daemon {
             udp_flows: FlowBudget::new(0),
             udp_per_source: AtomicUsize::new(1),
             bind_log: crate::log_limit::LogLimit::new(5, Duration::from_secs(60)),
-            kernel: Arc::new(crate::kernel::KernelTable::new()),
+            kernel: Arc::new(crate::host::nat::KernelTable::new()),
             kernel_wake: Arc::new(tokio::sync::Notify::new()),
             kernel_task: AtomicBool::new(false),
             forwarding_off: std::sync::atomic::AtomicU8::new(0),
@@ -263,7 +263,7 @@ impl Daemon {
             network_refusals: Mutex::new(Vec::new()),
             vmnet: vmnet::VmNet::default(),
             sync: sync::SyncState::default(),
-            claims: crate::owned::Claims::default(),
+            claims: crate::host::owned::Claims::default(),
             persist: persist::Persist::default(),
             fds: Default::default(),
             intent: Mutex::new(None),
@@ -277,7 +277,7 @@ impl Daemon {
     }
 
     /// This daemon's claims on host objects (see `owned::claim`).
-    pub fn claims(&self) -> &crate::owned::Claims {
+    pub fn claims(&self) -> &crate::host::owned::Claims {
         &self.claims
     }
 

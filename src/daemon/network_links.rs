@@ -1,7 +1,7 @@
 //! The `[[network]]` interfaces at every apply: a network whose interface
 //! this host shows is no VM network's (not a bridge, a VLAN device, a bond
 //! or a veth; the loopback; or, isolated, the interface of the management
-//! address or of the host's own routes: [`crate::vip::network_link::judge`])
+//! address or of the host's own routes: [`crate::host::vmnet::network_link::judge`])
 //! is taken out of the config put in force with its load balancers, before
 //! the VM-network guard, the routes, keepalived's file or the listeners see
 //! them. The other networks and load balancers are applied as usual.
@@ -19,7 +19,7 @@ use serde::Serialize;
 
 use super::Daemon;
 use crate::config::Config;
-use crate::vip::network_link::{HostLinks, judge};
+use crate::host::vmnet::network_link::{HostLinks, judge};
 
 /// One `[[network]]` refused, in `/status`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -47,7 +47,7 @@ impl Daemon {
             self.set_network_refusals(Vec::new());
             return config;
         }
-        let host = match crate::vip::announce::RouteWriter::connect() {
+        let host = match crate::host::announce::routes::RouteWriter::connect() {
             Ok(w) => HostLinks::read(w.handle()).await,
             Err(e) => Err(e),
         };

@@ -21,7 +21,7 @@ use std::net::{IpAddr, SocketAddr};
 
 use super::{Daemon, ListenerEntry, State};
 use crate::config::Protocol;
-use crate::vip::keepalived;
+use crate::host::vmnet::keepalived;
 
 /// Why a VIP is not ready to take traffic here.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

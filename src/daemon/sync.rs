@@ -42,13 +42,13 @@ use serde::Serialize;
 
 use super::Daemon;
 use crate::config::{Config, ConntrackdSettings};
-use crate::metrics::{HostKind, SyncInstanceSample, SyncSample};
-use crate::owned::{CHECK_INTERVAL, Checked, Guard};
-use crate::vip::conntrackd::{
+use crate::host::conntrack_sync::conntrackd::{
     self, AnycastGuard, GATE_TABLE, Installed, Recorded, Stats, instance_name, parse_recorded,
     parse_stats,
 };
-use crate::vip::gate::Gate;
+use crate::host::conntrack_sync::gate::Gate;
+use crate::host::owned::{CHECK_INTERVAL, Checked, Guard};
+use crate::metrics::{HostKind, SyncInstanceSample, SyncSample};
 
 /// How long `conntrackd -s` may take before the check gives up on it.
 const STATS_TIMEOUT: Duration = Duration::from_secs(2);
@@ -157,7 +157,7 @@ impl Daemon {
         };
         // Only with the gate's claim (taken at start and reload): another
         // daemon's gate is never replaced.
-        if let Err(e) = self.claims.hold(crate::owned::Object::SyncGate).await {
+        if let Err(e) = self.claims.hold(crate::host::owned::Object::SyncGate).await {
             tracing::error!("[conntrackd]: {e}");
             return;
         }
@@ -173,9 +173,9 @@ impl Daemon {
         if let Some(conf) = conntrackd::render_conf(config) {
             let script = conntrackd::render_script(config);
             // Under the shipped unit root installs them (`vip::handoff`).
-            let handoff = crate::vip::handoff::dir();
+            let handoff = crate::host::vmnet::handoff::dir();
             let s = match &handoff {
-                Some(dir) => crate::vip::handoff::conntrackd_settings(&settings, dir),
+                Some(dir) => crate::host::vmnet::handoff::conntrackd_settings(&settings, dir),
                 None => settings.clone(),
             };
             let force = inner.retry;
@@ -306,7 +306,7 @@ impl Daemon {
         }
         inner.guard.forget();
         let removed = tokio::task::spawn_blocking(|| {
-            crate::nft::run(
+            crate::host::nft::run(
                 &["-f", "-"],
                 format!("add table inet {GATE_TABLE}\ndelete table inet {GATE_TABLE}\n").as_bytes(),
             )
@@ -423,7 +423,7 @@ impl Daemon {
                     t = conntrackd::ANYCAST_TABLE
                 );
                 tokio::task::spawn_blocking(move || {
-                    let removed = crate::nft::run(&["-f", "-"], script.as_bytes())
+                    let removed = crate::host::nft::run(&["-f", "-"], script.as_bytes())
                         .map(|_| None)
                         .map_err(|e| e.to_string());
                     (guard, removed)

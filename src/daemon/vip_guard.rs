@@ -6,7 +6,7 @@
 //! the isolation table, the listeners or the announcer see it. The other
 //! load balancers are applied as usual.
 //!
-//! The decision is [`crate::vip::host::judge`]; this module reads the host
+//! The decision is [`crate::host::vip_guard::judge`]; this module reads the host
 //! (over rtnetlink, at start and at every reload, not on a timer), takes
 //! the refused load balancers out of the config put in force, and keeps
 //! them for `/status` (`vip_refused`), the log (one error per refusal
@@ -24,7 +24,7 @@ use serde::Serialize;
 
 use super::Daemon;
 use crate::config::Config;
-use crate::vip::host::{HostNet, judge};
+use crate::host::vip_guard::{HostNet, judge};
 
 /// What the VIP guard's checks found, kept between applies: the refusals
 /// to show in `/status` and to log only when new, and the VIPs that passed
@@ -178,7 +178,7 @@ async fn missing_network_interfaces(config: &Config) -> Vec<VipRefusal> {
     if used.is_empty() {
         return Vec::new();
     }
-    let Ok(writer) = crate::vip::announce::RouteWriter::connect() else {
+    let Ok(writer) = crate::host::announce::routes::RouteWriter::connect() else {
         return Vec::new(); // The host guard above has said it cannot read.
     };
     let mut missing = BTreeMap::new();
@@ -187,7 +187,7 @@ async fn missing_network_interfaces(config: &Config) -> Vec<VipRefusal> {
         .iter()
         .filter(|n| used.contains(n.name.as_str()))
     {
-        if let Err(e @ crate::vip::announce::AnnounceError::NoInterface(_)) =
+        if let Err(e @ crate::host::announce::routes::AnnounceError::NoInterface(_)) =
             writer.interface_index(&net.interface).await
         {
             missing.insert(net.name.as_str(), (net.interface.as_str(), e));
@@ -213,8 +213,8 @@ async fn missing_network_interfaces(config: &Config) -> Vec<VipRefusal> {
 }
 
 /// This host's addresses and routes, over a netlink socket of its own.
-async fn read_host() -> Result<HostNet, crate::vip::announce::AnnounceError> {
-    let writer = crate::vip::announce::RouteWriter::connect()?;
+async fn read_host() -> Result<HostNet, crate::host::announce::routes::AnnounceError> {
+    let writer = crate::host::announce::routes::RouteWriter::connect()?;
     HostNet::read(writer.handle()).await
 }
 
@@ -266,7 +266,7 @@ fn refusals(
 mod tests {
     use super::*;
     use crate::config::test_fixtures::{KEEPALIVED, VLAN100, config, lb};
-    use crate::vip::host::{Gateway, HostAddress};
+    use crate::host::vip_guard::{Gateway, HostAddress};
 
     fn host() -> HostNet {
         HostNet {

@@ -1,7 +1,7 @@
 //! VIPs on VM networks (`[[network]]`, `[keepalived]`): the task that
 //! renders keepalived's file and has keepalived reload it, and owns the
 //! networks' routes and `from VIP` rules (`vip::network`) through
-//! [`crate::owned::Driver`], and the reply marks of kernel listeners on
+//! [`crate::host::owned::Driver`], and the reply marks of kernel listeners on
 //! those networks (`vip::replymark`, kind `reply_mark`) the same way.
 //!
 //! It also owns the VM-network guard table (`vip::vmnet_filter`), written
@@ -10,7 +10,7 @@
 //! VIPs not ready; the table is left at stop.
 //!
 //! It wakes at every apply (start, reload, lease) and every
-//! [`crate::owned::CHECK_INTERVAL`]: a failed write or reload of
+//! [`crate::host::owned::CHECK_INTERVAL`]: a failed write or reload of
 //! keepalived's file is retried then (logged at error each time, counted
 //! in `keepalived_reload_failures_total`), and the routes and rules are read
 //! back and repaired (`host_repairs_total{kind="network_route"}`). A
@@ -29,15 +29,15 @@ use tokio::sync::Notify;
 
 use super::Daemon;
 use crate::config::Config;
+use crate::host::announce::routes::RouteWriter;
+use crate::host::owned::{CHECK_INTERVAL, Driver, Object};
+use crate::host::vmnet::keepalived::{self, Installed};
+use crate::host::vmnet::leg::{LegStatus, NetworkLegs};
+use crate::host::vmnet::mgmt_leg::{MgmtLeg, MgmtLegStatus};
+use crate::host::vmnet::network::{NetKey, NetworkRoutes, wanted};
+use crate::host::vmnet::replymark::{MarkKey, MarkWant, ReplyMarkStatus, ReplyMarks};
+use crate::host::vmnet::vmnet_filter::{Rules, VmNetworkGuard};
 use crate::metrics::HostKind;
-use crate::owned::{CHECK_INTERVAL, Driver, Object};
-use crate::vip::announce::RouteWriter;
-use crate::vip::keepalived::{self, Installed};
-use crate::vip::leg::{LegStatus, NetworkLegs};
-use crate::vip::mgmt_leg::{MgmtLeg, MgmtLegStatus};
-use crate::vip::network::{NetKey, NetworkRoutes, wanted};
-use crate::vip::replymark::{MarkKey, MarkWant, ReplyMarkStatus, ReplyMarks};
-use crate::vip::vmnet_filter::{Rules, VmNetworkGuard};
 
 /// The key of the management VIPs' leg among the networks' legs while
 /// they are made: `[` is in no network's name.
@@ -75,7 +75,7 @@ pub(super) struct VmNet {
     mgmt_main_routes: std::sync::atomic::AtomicU64,
     /// What the management check pings, as seen at the last apply with
     /// `[keepalived]` (`vip::mgmt_check::discover`), for `/status`.
-    pub(super) mgmt_check: std::sync::Mutex<Option<crate::vip::mgmt_check::Discovered>>,
+    pub(super) mgmt_check: std::sync::Mutex<Option<crate::host::vmnet::mgmt_check::Discovered>>,
     /// Woken at every apply.
     wake: Arc<Notify>,
     /// Set once the task runs.
@@ -149,7 +149,7 @@ impl Daemon {
                     daemon.vmnet_step(&mut inner, config).await;
                 }
                 // Claims on what is removed by now go (`owned::claim`).
-                let needed = config.as_ref().map(crate::owned::claim::needed);
+                let needed = config.as_ref().map(crate::host::owned::claim::needed);
                 daemon
                     .claims
                     .release_unneeded(&needed.unwrap_or_default())
@@ -172,27 +172,31 @@ impl Daemon {
             let force = inner.reload_failed;
             let path = settings.config_path.display().to_string();
             let releasing = text.is_none();
-            let handoff = crate::vip::handoff::dir();
+            let handoff = crate::host::vmnet::handoff::dir();
             let result = tokio::task::spawn_blocking(move || match (handoff, text) {
                 // Under the shipped unit (the vrrp.conf drop-in): root
                 // installs it (`vip::handoff`); the daemon writes its copy.
                 (Some(dir), text) => {
                     let text = text.unwrap_or_else(|| keepalived::render_released(&settings));
-                    crate::vip::handoff::hand_off(&dir, crate::vip::handoff::KEEPALIVED_FILE, &text)
-                        .map(|written| {
-                            if written {
-                                Installed::HandedOff
-                            } else {
-                                Installed::Unchanged
-                            }
-                        })
-                        .map_err(|source| keepalived::KeepalivedError::Write {
-                            path: dir
-                                .join(crate::vip::handoff::KEEPALIVED_FILE)
-                                .display()
-                                .to_string(),
-                            source,
-                        })
+                    crate::host::vmnet::handoff::hand_off(
+                        &dir,
+                        crate::host::vmnet::handoff::KEEPALIVED_FILE,
+                        &text,
+                    )
+                    .map(|written| {
+                        if written {
+                            Installed::HandedOff
+                        } else {
+                            Installed::Unchanged
+                        }
+                    })
+                    .map_err(|source| keepalived::KeepalivedError::Write {
+                        path: dir
+                            .join(crate::host::vmnet::handoff::KEEPALIVED_FILE)
+                            .display()
+                            .to_string(),
+                        source,
+                    })
                 }
                 (None, Some(text)) => keepalived::install(&settings, &text, force),
                 (None, None) => keepalived::release(&settings, force),
@@ -253,7 +257,7 @@ impl Daemon {
         let now = config
             .keepalived
             .as_ref()
-            .map(crate::vip::mgmt_check::discover);
+            .map(crate::host::vmnet::mgmt_check::discover);
         let mut seen = self
             .vmnet
             .mgmt_check
@@ -287,9 +291,13 @@ impl Daemon {
         for net in &config.networks {
             links.insert(net.interface.clone(), 0);
         }
-        let legs = crate::vip::leg::wanted(config, &links, crate::vip::leg::bridge_stage_on)
-            .into_keys()
-            .collect();
+        let legs = crate::host::vmnet::leg::wanted(
+            config,
+            &links,
+            crate::host::vmnet::leg::bridge_stage_on,
+        )
+        .into_keys()
+        .collect();
         let rules = Rules::with_legs(config, &legs);
         // Only with the table's claim: another daemon's table is never
         // replaced, nor deleted as a predecessor's leftover.
@@ -318,7 +326,7 @@ impl Daemon {
 
     /// Reads back and writes the networks' routes and rules.
     async fn vmnet_routes(&self, inner: &mut Inner, config: &Config) {
-        let mgmt = crate::vip::mgmt_leg::on_this_host(config);
+        let mgmt = crate::host::vmnet::mgmt_leg::on_this_host(config);
         let used = config.load_balancers.iter().any(|lb| lb.network.is_some()) || mgmt.is_some();
         // Something still held (a leg whose route failed, say) is removed
         // by the steps below once the config no longer asks for it.
@@ -391,7 +399,7 @@ impl Daemon {
         let mgmt_leg = mgmt
             .as_ref()
             .zip(bridge)
-            .map(|(m, parent)| (m.key(), crate::vip::leg::LegWant { parent }));
+            .map(|(m, parent)| (m.key(), crate::host::vmnet::leg::LegWant { parent }));
         let (legs, mgmt_seen) = self
             .vmnet_legs(&mut inner.legs, &writer, config, &index_of, mgmt_leg)
             .await;
@@ -406,7 +414,7 @@ impl Daemon {
         if let (Some(m), Some(bridge), Some(leg)) =
             (&mgmt, bridge, mgmt_seen.as_ref().and_then(|s| s.1))
         {
-            match crate::vip::mgmt_leg::main_routes(writer.handle(), bridge).await {
+            match crate::host::vmnet::mgmt_leg::main_routes(writer.handle(), bridge).await {
                 Ok(main) => {
                     // Only the families of the VIPs it routes: a route of
                     // the other family refused would hold them all back.
@@ -418,7 +426,7 @@ impl Daemon {
                                 .any(|v| v.is_ipv6() == r.dest.addr().is_ipv6())
                         })
                         .collect();
-                    mgmt_routes = crate::vip::mgmt_leg::table_routes(m.table, leg, &main);
+                    mgmt_routes = crate::host::vmnet::mgmt_leg::table_routes(m.table, leg, &main);
                     if mgmt_routes.is_empty() {
                         mgmt_error = Some(format!(
                             "the main table has no route out of {:?} to copy into table {}",
@@ -455,7 +463,8 @@ impl Daemon {
         for (key, seen) in &out.foreign {
             tracing::warn!(object = %key, seen = ?seen, "VM networks: another program holds this {key}; left alone, replies from that VIP may leave by another route");
         }
-        let mut marks = crate::vip::replymark::wanted(config, &want, &legs.into_keys().collect());
+        let mut marks =
+            crate::host::vmnet::replymark::wanted(config, &want, &legs.into_keys().collect());
         let routed = !mgmt_routes.is_empty() && mgmt_routes.keys().all(|k| driver.holds(k));
         if let Some(m) = mgmt.as_ref().filter(|_| routed) {
             m.add_marks(&mut marks);
@@ -493,9 +502,9 @@ impl Daemon {
         seen: Option<(LegStatus, Option<u32>)>,
         routes: Vec<String>,
         routes_error: Option<String>,
-        marks: Option<&Driver<crate::vip::replymark::ReplyMarks>>,
+        marks: Option<&Driver<crate::host::vmnet::replymark::ReplyMarks>>,
     ) -> MgmtLegStatus {
-        let mark = crate::vip::replymark::mark_of(m.table);
+        let mark = crate::host::vmnet::replymark::mark_of(m.table);
         let leg = seen.map(|s| s.0).unwrap_or_else(|| LegStatus {
             name: m.key().name(),
             mac: None,
@@ -520,7 +529,7 @@ impl Daemon {
         } else if !marked {
             Some(format!(
                 "the marks (table inet {}, ip rule fwmark {mark:#x}): {}",
-                crate::vip::replymark::TABLE,
+                crate::host::vmnet::replymark::TABLE,
                 self.vmnet
                     .reply_marks
                     .lock()
@@ -630,7 +639,7 @@ impl Daemon {
         if self.vmnet.mgmt_leg_guessed.swap(true, Ordering::AcqRel) {
             return held.clone();
         }
-        let m = crate::vip::mgmt_leg::on_this_host(config)?;
+        let m = crate::host::vmnet::mgmt_leg::on_this_host(config)?;
         let name = m.key().name();
         let guess = std::path::Path::new("/sys/class/net")
             .join(&name)
@@ -667,10 +676,16 @@ impl Daemon {
         writer: &RouteWriter,
         config: &Config,
         index_of: &BTreeMap<String, u32>,
-        mgmt: Option<(crate::vip::leg::LegKey, crate::vip::leg::LegWant)>,
+        mgmt: Option<(
+            crate::host::vmnet::leg::LegKey,
+            crate::host::vmnet::leg::LegWant,
+        )>,
     ) -> (BTreeMap<String, u32>, Option<(LegStatus, Option<u32>)>) {
-        let mut by_network =
-            crate::vip::leg::wanted(config, index_of, crate::vip::leg::bridge_stage_on);
+        let mut by_network = crate::host::vmnet::leg::wanted(
+            config,
+            index_of,
+            crate::host::vmnet::leg::bridge_stage_on,
+        );
         if by_network.is_empty()
             && mgmt.is_none()
             && slot.as_ref().is_none_or(|d| d.held().next().is_none())
@@ -731,7 +746,7 @@ impl Daemon {
                         .backend()
                         .mac(key)
                         .filter(|_| index.is_some())
-                        .map(crate::vip::leg::colons),
+                        .map(crate::host::vmnet::leg::colons),
                     state: if index.is_some() { "up" } else { "missing" },
                     error: if index.is_some() {
                         None
@@ -781,7 +796,7 @@ impl Daemon {
         {
             return Some(l.clone());
         }
-        let name = crate::vip::leg::name_for(net.table);
+        let name = crate::host::vmnet::leg::name_for(net.table);
         (!self.vmnet.legs_read.load(Ordering::Acquire)
             && std::path::Path::new("/sys/class/net").join(&name).exists())
         .then_some(LegStatus {

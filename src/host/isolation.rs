@@ -1,7 +1,7 @@
 //! VIP isolation (`vip.isolate`): the port filter, one nftables table that
 //! lets traffic addressed to a VIP reach only the ports of that VIP's
 //! listeners. (Named for what the table does; not to be confused with
-//! [`super::vmnet_filter`], which filters what enters from VM networks.)
+//! [`crate::host::vmnet::vmnet_filter`], which filters what enters from VM networks.)
 //!
 //! A VIP is one more address of the host, so every service the host runs on
 //! a wildcard address (SSH on `0.0.0.0:22`, the Kubernetes API on `:6443`,
@@ -34,9 +34,9 @@
 //! crash leaves it in place, so nothing opens up while systemd restarts the
 //! daemon.
 //!
-//! The daemon owns the table (see [`crate::owned`]): it keeps what the
+//! The daemon owns the table (see [`crate::host::owned`]): it keeps what the
 //! kernel listed right after its write, and at every reload and every
-//! [`crate::owned::CHECK_INTERVAL`] reads the table back; one that another
+//! [`crate::host::owned::CHECK_INTERVAL`] reads the table back; one that another
 //! process changed or deleted (a second daemon started by hand, `nft flush
 //! ruleset`) is written again whole, logged at warn with what differed and
 //! counted (`vip_isolation_repairs_total`). `vip_isolation_up` is 1 only
@@ -61,8 +61,8 @@ use nftables::stmt::{Match, Operator, Reject, RejectType, Statement};
 use nftables::types::{NfChainPolicy, NfChainType, NfFamily, NfHook, RejectCode};
 
 use crate::config::{Config, IsolateAction, VipSettings};
+use crate::host::owned::{Checked, Fingerprint, Guard, Owned};
 use crate::metrics::Metrics;
-use crate::owned::{Checked, Fingerprint, Guard, Owned};
 
 /// The table's name, in family `inet`.
 pub const TABLE: &str = "harvester_lb";
@@ -121,11 +121,11 @@ pub struct IsolationError {
     detail: String,
 }
 
-/// Runs one `nft -j -f -` transaction (see [`crate::nft`]).
+/// Runs one `nft -j -f -` transaction (see [`crate::host::nft`]).
 fn nft(what: &'static str, batch: &Nftables<'_>) -> Result<(), IsolationError> {
     let fail = |detail: String| IsolationError { what, detail };
     let json = serde_json::to_vec(batch).map_err(|e| fail(format!("cannot encode it: {e}")))?;
-    crate::nft::run(&["-j", "-f", "-"], &json)
+    crate::host::nft::run(&["-j", "-f", "-"], &json)
         .map(drop)
         .map_err(fail)
 }
@@ -137,7 +137,7 @@ fn list() -> Result<Option<Fingerprint>, IsolationError> {
         what: "read back",
         detail,
     };
-    match crate::nft::list_inet_table(TABLE).map_err(fail)? {
+    match crate::host::nft::list_inet_table(TABLE).map_err(fail)? {
         Some(listed) => Fingerprint::of_nft_json(&listed).map(Some).map_err(fail),
         None => Ok(None),
     }
@@ -145,7 +145,7 @@ fn list() -> Result<Option<Fingerprint>, IsolationError> {
 
 /// The port filter table as the daemon means it (the VIPs' open ports and
 /// the action for the rest), as an [`Owned`] kernel object: how the
-/// [`crate::owned::Guard`] writes it whole and reads it back.
+/// [`crate::host::owned::Guard`] writes it whole and reads it back.
 struct PortFilterTable<'a>(&'a (Openings, IsolateAction));
 
 impl Owned for PortFilterTable<'_> {
@@ -158,7 +158,7 @@ impl Owned for PortFilterTable<'_> {
     }
     fn identity(&self) -> Option<(&str, u64)> {
         let json = serde_json::to_vec(&ruleset(&self.0.0, self.0.1)).ok()?;
-        Some((TABLE, crate::owned::adopt::digest(&json)))
+        Some((TABLE, crate::host::owned::adopt::digest(&json)))
     }
 }
 

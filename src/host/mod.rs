@@ -1,12 +1,13 @@
-//! The VIPs themselves, beyond listening on them: who may reach what on a
-//! VIP ([`port_filter`]), the lease of a VIP the daemon obtains itself over
-//! DHCP ([`dhcp`]), and the routes that announce a VIP to a BGP speaker
-//! ([`announce`]), and the guard that keeps the host's own addresses and
-//! its gateways from becoming VIPs ([`host`]), and the guard that keeps a
-//! host on VM networks from routing for their VMs ([`vmnet_filter`]), and
-//! the marks that route a kernel listener's replies back through its VIP's
-//! VM network ([`replymark`]), and whether a VM network can be on a
-//! `[[network]]`'s interface here ([`network_link`]).
+//! What the daemon writes into the host, one folder (or file) per feature:
+//! the NAT of `forwarding = "kernel"` listeners ([`nat`]), the routes that
+//! announce a VIP to a BGP speaker ([`announce`]), the lease of a VIP the
+//! daemon obtains itself over DHCP ([`dhcp`]), who may reach what on a VIP
+//! ([`isolation`]), VIPs on VM networks ([`vmnet`]: keepalived, the
+//! networks' tables, legs and reply marks, the tenant guard), conntrackd's
+//! connection sync ([`conntrack_sync`]), and the guard that keeps the
+//! host's own addresses and its gateways from becoming VIPs
+//! ([`vip_guard`]). Every object written here is owned ([`owned`]); every
+//! nftables table goes through one command ([`nft`]).
 //!
 //! Listeners bind with `IP_FREEBIND`, so the daemon never needs the VIP to
 //! be up, and whichever host holds it (keepalived, kube-vip) the daemon is
@@ -15,20 +16,14 @@
 //! here calls up into the daemon (a lease change is announced on a `Notify`).
 
 pub mod announce;
-pub mod conntrackd;
+pub mod conntrack_sync;
 pub mod dhcp;
-pub mod gate;
-pub mod handoff;
-pub mod host;
-pub mod keepalived;
-pub mod leg;
-pub mod mgmt_check;
-pub mod mgmt_leg;
-pub mod network;
-pub mod network_link;
-pub mod port_filter;
-pub mod replymark;
-pub mod vmnet_filter;
+pub mod isolation;
+pub mod nat;
+pub mod nft;
+pub mod owned;
+pub mod vip_guard;
+pub mod vmnet;
 
 /// Runs an operator's configured command (`keepalived.reload_command`,
 /// `conntrackd.restart_command`) with no stdin and waits for it; `Err` is

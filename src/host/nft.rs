@@ -13,7 +13,7 @@ use std::process::{Command, Stdio};
 /// guard's, the reply mark's, the sync gate's, the anycast sync's): what
 /// the daemon's own checks of the host's forward chains leave out. Each
 /// table's full name is a constant of the module that writes it
-/// ([`crate::kernel::TABLE`], [`crate::vip::port_filter::TABLE`], …).
+/// ([`crate::host::nat::TABLE`], [`crate::host::isolation::TABLE`], …).
 pub const TABLE_PREFIX: &str = "harvester_lb";
 
 /// Runs `nft` with `args` and `input` on its stdin. `Ok`: what it printed;
@@ -102,12 +102,12 @@ mod tests {
     #[test]
     fn every_table_of_ours_carries_the_prefix() {
         let ours = [
-            crate::kernel::TABLE,
-            crate::vip::port_filter::TABLE,
-            crate::vip::vmnet_filter::TABLE,
-            crate::vip::replymark::TABLE,
-            crate::vip::conntrackd::GATE_TABLE,
-            crate::vip::conntrackd::ANYCAST_TABLE,
+            crate::host::nat::TABLE,
+            crate::host::isolation::TABLE,
+            crate::host::vmnet::vmnet_filter::TABLE,
+            crate::host::vmnet::replymark::TABLE,
+            crate::host::conntrack_sync::conntrackd::GATE_TABLE,
+            crate::host::conntrack_sync::conntrackd::ANYCAST_TABLE,
         ];
         for table in ours {
             assert!(table.starts_with(TABLE_PREFIX), "{table}");

@@ -53,8 +53,8 @@ use rtnetlink::packet_route::route::{
 };
 use rtnetlink::{Handle, RouteMessageBuilder};
 
-use super::announce::{AnnounceError, ROUTE_PROTOCOL};
 use crate::config::AnnounceSettings;
+use crate::host::announce::routes::{AnnounceError, ROUTE_PROTOCOL};
 
 /// One address the host holds on an interface.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -343,7 +343,7 @@ labels! {
 
 labels! {
     /// A kind of object the daemon writes into the host and owns (reads
-    /// back and repairs: see `crate::owned`).
+    /// back and repairs: see `crate::host::owned`).
     pub enum HostKind;
     /// `host_repairs_total{kind}`.
     pub const HOST_KINDS = {

@@ -64,7 +64,7 @@ use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use harvester_lb::vip::keepalived::instance_of;
+use harvester_lb::host::vmnet::keepalived::instance_of;
 
 use crate::netns::keepalived::{
     Conntrackd, Fault, Keepalived, conntrackd_missing, keepalived_missing,

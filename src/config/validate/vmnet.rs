@@ -1311,7 +1311,7 @@ gateway = "10.100.0.1"
             loaded.warnings
         );
         assert!(
-            !crate::vip::keepalived::render(&loaded.config)
+            !crate::host::vmnet::keepalived::render(&loaded.config)
                 .unwrap()
                 .contains("fd00:1::50")
         );
@@ -1326,7 +1326,7 @@ gateway = "10.100.0.1"
             management("192.168.0.50")
         );
         let loaded = parse(&text).expect("valid");
-        let rendered = crate::vip::keepalived::render(&loaded.config).unwrap();
+        let rendered = crate::host::vmnet::keepalived::render(&loaded.config).unwrap();
         assert!(
             rendered.contains("fd00:100::50/128 dev mgmt-br.100")
                 && rendered.contains("192.168.0.50/32 dev mgmt-br"),

@@ -1,5 +1,5 @@
 //! `vip.announce = "routes"`: deciding per VIP whether this host should
-//! attract its traffic, and driving the route writer ([`crate::vip::announce`])
+//! attract its traffic, and driving the route writer ([`crate::host::announce::routes`])
 //! to match.
 //!
 //! The conditions of a VIP are read from the live state: at least one of
@@ -15,7 +15,7 @@
 //! local routes at most once a second.
 //!
 //! One table, one daemon: the first step takes the table's claim
-//! ([`crate::vip::announce::TableClaim`]); while another live daemon in this
+//! ([`crate::host::announce::routes::TableClaim`]); while another live daemon in this
 //! network namespace holds it, nothing is written or deleted (no route, no
 //! local route), the refusal is in `/status` and the log, and the claim is
 //! tried again every 2 s. The interface must be `lo` or a dummy one.
@@ -47,12 +47,12 @@ use serde::Serialize;
 use super::Daemon;
 
 use crate::config::AnnounceSettings;
-use crate::metrics::HostKind;
-use crate::metrics::VipAnnounceSample;
-use crate::owned::{Backend, Driver, Outcome, StopPhase};
-use crate::vip::announce::{
+use crate::host::announce::routes::{
     AnnounceError, RouteTable, RouteWriter, SeenRoute, TableClaim, VipLocalRoutes,
 };
+use crate::host::owned::{Backend, Driver, Outcome, StopPhase};
+use crate::metrics::HostKind;
+use crate::metrics::VipAnnounceSample;
 
 pub mod decide;
 
@@ -1064,8 +1064,8 @@ fn first_error<B: Backend>(out: &Outcome<B>) -> Option<String> {
 mod tests {
     use super::super::testing::{config, daemon, lb};
     use super::*;
-    use crate::owned::Found;
-    use crate::owned::driver::Listing;
+    use crate::host::owned::Found;
+    use crate::host::owned::driver::Listing;
 
     /// `[vip]` announcing VIPs of 203.0.113.0/24 (the listeners bind them
     /// with `IP_FREEBIND`; nothing is sent to them).

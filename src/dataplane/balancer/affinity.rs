@@ -43,7 +43,7 @@ pub fn now_secs() -> u32 {
 pub const CLOCK_BASE: u32 = 1 << 20;
 
 /// The process-wide bound on affinity entries, shared by every table.
-pub type AffinityBudget = crate::budget::Budget;
+pub type AffinityBudget = crate::dataplane::budget::Budget;
 
 /// One remembered client: its backend and when it last connected.
 #[derive(Debug)]

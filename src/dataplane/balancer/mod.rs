@@ -37,8 +37,8 @@ use tokio_util::sync::CancellationToken;
 
 pub use self::affinity::{AffinityBudget, AffinityTable};
 pub use self::backend::{AdminState, Backend, ConnectionGuard, PortHealth};
-use crate::budget::Budget;
 use crate::config::{Algorithm, LoadBalancerSpec, LogConnections, OnBackendDown, SourceRanges};
+use crate::dataplane::budget::Budget;
 use crate::metrics::LbStats;
 
 /// The address a client connected from, as the forwarder accepted it.
@@ -304,7 +304,7 @@ impl LoadBalancer {
     }
 
     /// Its cap on TCP connections (all its listeners): a connection
-    /// holds a [`Slot`](crate::budget::Slot) of it.
+    /// holds a [`Slot`](crate::dataplane::budget::Slot) of it.
     pub fn connections(&self) -> &Arc<Budget> {
         &self.connections
     }

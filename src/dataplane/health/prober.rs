@@ -34,9 +34,9 @@ use tokio_util::sync::CancellationToken;
 
 use super::check::{self, Outcome, ProbeSockets};
 use super::{Health, HealthState, Thresholds};
-use crate::balancer::select::{hash_ip, mix64};
-use crate::balancer::{Backend, LoadBalancer, PortHealth};
 use crate::config::{CheckKind, HealthCheckSpec};
+use crate::dataplane::balancer::select::{hash_ip, mix64};
+use crate::dataplane::balancer::{Backend, LoadBalancer, PortHealth};
 use crate::metrics::stats::CheckResult;
 
 /// What identifies a probe target: a backend of a load balancer, and the
@@ -634,8 +634,8 @@ impl Target {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::balancer::Settings;
     use crate::config::InitialState;
+    use crate::dataplane::balancer::Settings;
     use crate::metrics::LbStats;
     use crate::metrics::by_label::Label;
     use crate::metrics::stats::CHECK_RESULTS;

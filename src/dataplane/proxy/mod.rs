@@ -14,7 +14,7 @@ pub mod udp;
 use std::sync::{Arc, LazyLock};
 use std::time::Duration;
 
-use crate::balancer::LoadBalancer;
+use crate::dataplane::balancer::LoadBalancer;
 use crate::log_limit::{LogLimit, Verdict, left_out};
 
 /// Which of a load balancer's caps.

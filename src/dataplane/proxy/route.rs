@@ -2,8 +2,8 @@
 
 use std::sync::Arc;
 
-use crate::balancer::LoadBalancer;
 use crate::config::ProxyProtocol;
+use crate::dataplane::balancer::LoadBalancer;
 use crate::metrics::ListenerStats;
 
 /// What a listener forwards to. Swapped as a whole on reload, so a

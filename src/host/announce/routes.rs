@@ -26,7 +26,7 @@
 //! the protocol and, as their metric, the table: only those of this
 //! daemon's table are ever deleted (see [`VipLocalRoutes`]).
 //!
-//! Both are kinds of host object that [`crate::owned::Driver`] owns:
+//! Both are kinds of host object that [`crate::host::owned::Driver`] owns:
 //! [`RouteTable`] and [`VipLocalRoutes`] say how to read, write and remove
 //! one; the driver reads back, repairs and reports what the kernel holds.
 //!
@@ -51,7 +51,7 @@ use rtnetlink::packet_route::route::{
 use rtnetlink::{Handle, RouteMessageBuilder};
 
 pub use crate::config::ROUTE_PROTOCOL;
-use crate::owned::{Backend, Found, StopPhase};
+use crate::host::owned::{Backend, Found, StopPhase};
 
 /// Why a route or an address could not be written or read.
 #[derive(Debug, thiserror::Error)]
@@ -75,7 +75,7 @@ pub enum AnnounceError {
         table: u32,
         /// Who holds it: its pid, config file and admin socket, as far
         /// as they could be learned.
-        holder: crate::owned::claim::Holder,
+        holder: crate::host::owned::claim::Holder,
     },
     /// `vip.announce_interface` is an interface that carries traffic.
     #[error(
@@ -163,7 +163,7 @@ impl RouteWriter {
         Ok(Self { handle })
     }
 
-    /// The netlink handle, for the readers of host state ([`super::host`]).
+    /// The netlink handle, for the readers of host state ([`crate::host::vip_guard`]).
     pub fn handle(&self) -> &Handle {
         &self.handle
     }
@@ -192,7 +192,7 @@ impl RouteWriter {
     /// The index of interface `name` when it may carry the VIPs' routes:
     /// `lo` or a dummy interface ([`AnnounceError::NotDummy`] otherwise).
     pub async fn announcing_interface(&self, name: &str) -> Result<u32, AnnounceError> {
-        use super::host::{LinkKind, link_kind};
+        use crate::host::vip_guard::{LinkKind, link_kind};
         let index = self.interface_index(name).await?;
         match link_kind(&self.handle, index).await? {
             LinkKind::Loopback | LinkKind::Dummy => Ok(index),
@@ -500,7 +500,7 @@ fn priority_of(m: &RouteMessage) -> u32 {
 }
 
 /// The announce routes of one table, as a kind of host object the
-/// [`crate::owned::Driver`] owns: one host route per announced VIP, marked with
+/// [`crate::host::owned::Driver`] owns: one host route per announced VIP, marked with
 /// [`ROUTE_PROTOCOL`]. The table is claimed ([`TableClaim`]), so a marked
 /// route there that this process did not write is a dead predecessor's and
 /// goes ([`Backend::REMOVES_STRAYS`]); that is how every VIP starts
@@ -570,7 +570,7 @@ impl Backend for RouteTable {
 pub const LOCAL_TABLE: u32 = 255;
 
 /// The VIPs made local on this host, as a kind of host object the
-/// [`crate::owned::Driver`] owns: one AnyIP route
+/// [`crate::host::owned::Driver`] owns: one AnyIP route
 /// `local VIP/32 dev <interface> table local proto 252 metric <table>` per
 /// VIP (`/128` for IPv6), so the host accepts the VIP's traffic (and the
 /// listeners, bound with `IP_FREEBIND`, get it) without the VIP being an
@@ -664,7 +664,7 @@ pub struct Withdrawn {
 /// order of a clean stop); with one, [`AnnounceError::TableInUse`] and
 /// nothing is deleted.
 pub async fn withdraw_all(table: u32) -> Result<Withdrawn, AnnounceError> {
-    let _claim = TableClaim::take(table, &crate::owned::claim::Identity::default()).await?;
+    let _claim = TableClaim::take(table, &crate::host::owned::claim::Identity::default()).await?;
     let writer = RouteWriter::connect()?;
     let routes = writer.flush(table).await?;
     let mut local = Vec::new();
@@ -678,8 +678,8 @@ pub async fn withdraw_all(table: u32) -> Result<Withdrawn, AnnounceError> {
 }
 
 /// This process's claim on announcing table `table` in its network
-/// namespace: a [`crate::owned::Claim`] on
-/// [`crate::owned::Object::AnnounceTable`] (an abstract Unix socket
+/// namespace: a [`crate::host::owned::Claim`] on
+/// [`crate::host::owned::Object::AnnounceTable`] (an abstract Unix socket
 /// `harvester-lb/announce-table/N` bound and listening). The kernel keeps
 /// one such name per network namespace and removes it when the process
 /// ends (even by `SIGKILL`), so the claim never outlives its holder and
@@ -687,7 +687,7 @@ pub async fn withdraw_all(table: u32) -> Result<Withdrawn, AnnounceError> {
 #[derive(Debug)]
 pub struct TableClaim {
     table: u32,
-    _claim: crate::owned::Claim,
+    _claim: crate::host::owned::Claim,
 }
 
 impl TableClaim {
@@ -696,9 +696,9 @@ impl TableClaim {
     /// Needs a tokio runtime.
     pub async fn take(
         table: u32,
-        identity: &crate::owned::claim::Identity,
+        identity: &crate::host::owned::claim::Identity,
     ) -> Result<Self, AnnounceError> {
-        use crate::owned::{Claim, ClaimError, Object};
+        use crate::host::owned::{Claim, ClaimError, Object};
         match Claim::take(Object::AnnounceTable(table), identity).await {
             Ok(claim) => Ok(Self {
                 table,

@@ -151,7 +151,7 @@ pub struct Gated {
     /// The VRRP instance the VIP is in (`virtual_router_id`).
     pub vrid: u32,
     /// The VIP (IPv4, or IPv6: an IPv6 VIP rides in an instance of IPv4
-    /// VIPs, see [`super::keepalived::vrid_by_vip`]).
+    /// VIPs, see [`crate::host::vmnet::keepalived::vrid_by_vip`]).
     pub vip: IpAddr,
     /// TCP or UDP.
     pub protocol: Protocol,
@@ -170,7 +170,7 @@ pub struct Gated {
 /// either family, each in the instance the rendered file puts it in, in a
 /// stable order.
 pub fn gated(config: &Config) -> Vec<Gated> {
-    let vrid_of = super::keepalived::vrid_by_vip(config);
+    let vrid_of = crate::host::vmnet::keepalived::vrid_by_vip(config);
     let mut out = Vec::new();
     for lb in &config.load_balancers {
         let Some(&vrid) = config.keepalived_interface(lb).and(vrid_of.get(&lb.vip)) else {
@@ -214,7 +214,11 @@ pub fn vrids(config: &Config) -> Vec<u32> {
         .iter()
         .filter(|lb| config.keepalived_interface(lb).is_some() && lb.vip.is_ipv4())
         .map(|lb| {
-            u32::from(k.vrid_base) + u32::from(super::keepalived::instance_of(lb.vip, k.instances))
+            u32::from(k.vrid_base)
+                + u32::from(crate::host::vmnet::keepalived::instance_of(
+                    lb.vip,
+                    k.instances,
+                ))
         })
         .collect();
     v.sort_unstable();
@@ -348,7 +352,7 @@ pub fn anycast_table(config: &Config) -> Option<String> {
 
 /// The anycast guard table as an owned object: the script of
 /// [`anycast_table`], read back and repaired through
-/// [`crate::owned::Guard`] like every table the daemon writes (another
+/// [`crate::host::owned::Guard`] like every table the daemon writes (another
 /// program's `nft flush ruleset` would otherwise leave the handshakes
 /// unguarded until the next change).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -364,20 +368,20 @@ pub struct AnycastGuard {
 )]
 pub struct AnycastGuardError(String);
 
-impl crate::owned::Owned for AnycastGuard {
+impl crate::host::owned::Owned for AnycastGuard {
     type Error = AnycastGuardError;
 
-    fn read_back(&self) -> Result<Option<crate::owned::Fingerprint>, AnycastGuardError> {
-        match crate::nft::list_inet_table(ANYCAST_TABLE).map_err(AnycastGuardError)? {
+    fn read_back(&self) -> Result<Option<crate::host::owned::Fingerprint>, AnycastGuardError> {
+        match crate::host::nft::list_inet_table(ANYCAST_TABLE).map_err(AnycastGuardError)? {
             None => Ok(None),
-            Some(listed) => crate::owned::Fingerprint::of_nft_json(&listed)
+            Some(listed) => crate::host::owned::Fingerprint::of_nft_json(&listed)
                 .map(Some)
                 .map_err(AnycastGuardError),
         }
     }
 
     fn write(&self) -> Result<(), AnycastGuardError> {
-        crate::nft::run(&["-f", "-"], self.script.as_bytes())
+        crate::host::nft::run(&["-f", "-"], self.script.as_bytes())
             .map(drop)
             .map_err(AnycastGuardError)
     }
@@ -385,7 +389,7 @@ impl crate::owned::Owned for AnycastGuard {
     fn identity(&self) -> Option<(&str, u64)> {
         Some((
             ANYCAST_TABLE,
-            crate::owned::adopt::digest(self.script.as_bytes()),
+            crate::host::owned::adopt::digest(self.script.as_bytes()),
         ))
     }
 }
@@ -853,7 +857,7 @@ pub fn install(
     let same =
         |path: &Path, text: &str| std::fs::read(path).is_ok_and(|old| old == text.as_bytes());
     let write = |path: &Path, text: &str, mode: u32| {
-        super::keepalived::write_atomically(path, text)
+        crate::host::vmnet::keepalived::write_atomically(path, text)
             .and_then(|()| {
                 use std::os::unix::fs::PermissionsExt;
                 std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))
@@ -878,7 +882,7 @@ pub fn install(
     if !conf_same || force {
         done = Installed::ConfChanged;
         if let Some(command) = &settings.restart_command {
-            super::run_configured(command).map_err(|why| ConntrackdError::Restart {
+            crate::host::run_configured(command).map_err(|why| ConntrackdError::Restart {
                 command: command.clone(),
                 why,
             })?;
@@ -1072,7 +1076,7 @@ backends = ["{backend}"]
         assert_eq!(g[0].backends.len(), 2, "{g:?}");
         // The instance keepalived's file carries it in.
         assert!(
-            super::super::keepalived::instance_vips(&config, vrid).contains(&vip),
+            crate::host::vmnet::keepalived::instance_vips(&config, vrid).contains(&vip),
             "vrid {vrid}"
         );
         assert!(vrids(&config).contains(&vrid));
@@ -1083,7 +1087,7 @@ backends = ["{backend}"]
                 .any(|l| l.starts_with(&format!("{vrid}) vips=")) && l.contains("fd00:100::50")),
             "{script}"
         );
-        let gate = super::super::gate::Gate {
+        let gate = crate::host::conntrack_sync::gate::Gate {
             gated: gated(&config),
             vrids: vrids(&config),
             masters: Default::default(),

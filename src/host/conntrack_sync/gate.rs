@@ -32,7 +32,7 @@
 //!
 //! Who owns what: the daemon owns the table's structure (maps, their
 //! elements, the chains, the base chain), written whole and atomically and
-//! read back and repaired through [`crate::owned::Guard`] like the
+//! read back and repaired through [`crate::host::owned::Guard`] like the
 //! isolation table. keepalived's notify script owns each gate's *state*
 //! (the rule in `g_<vrid>` or none): it closes the gate on backup, fault
 //! and stop, and opens it right after `conntrackd -c` on master. The
@@ -49,8 +49,8 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Write as _;
 
-use super::conntrackd::{GATE_TABLE, Gated, gate_chain};
-use crate::owned::{Fingerprint, Owned};
+use crate::host::conntrack_sync::conntrackd::{GATE_TABLE, Gated, gate_chain};
+use crate::host::owned::{Fingerprint, Owned};
 
 /// The priority of the gate's base chain (see the module's text).
 pub const GATE_PRIORITY: i32 = -150;
@@ -140,7 +140,7 @@ impl Gate {
     /// The gates the kernel has now, by instance: `true` open, `false`
     /// closed; empty when there is no table.
     pub fn read_states() -> Result<BTreeMap<u32, bool>, GateError> {
-        match crate::nft::list_inet_table(GATE_TABLE).map_err(GateError)? {
+        match crate::host::nft::list_inet_table(GATE_TABLE).map_err(GateError)? {
             None => Ok(BTreeMap::new()),
             Some(listed) => states_of(&listed).map_err(GateError),
         }
@@ -196,7 +196,7 @@ impl Owned for Gate {
     type Error = GateError;
 
     fn read_back(&self) -> Result<Option<Fingerprint>, GateError> {
-        match crate::nft::list_inet_table(GATE_TABLE).map_err(GateError)? {
+        match crate::host::nft::list_inet_table(GATE_TABLE).map_err(GateError)? {
             None => Ok(None),
             Some(listed) => structure(&listed).map(Some).map_err(GateError),
         }
@@ -219,7 +219,7 @@ impl Owned for Gate {
                     .unwrap_or_else(|| self.masters.contains(v))
             })
             .collect();
-        crate::nft::run(&["-f", "-"], self.script(&open).as_bytes())
+        crate::host::nft::run(&["-f", "-"], self.script(&open).as_bytes())
             .map(drop)
             .map_err(GateError)
     }
@@ -228,7 +228,7 @@ impl Owned for Gate {
     fn identity(&self) -> Option<(&str, u64)> {
         Some((
             GATE_TABLE,
-            crate::owned::adopt::digest(self.script(&BTreeSet::new()).as_bytes()),
+            crate::host::owned::adopt::digest(self.script(&BTreeSet::new()).as_bytes()),
         ))
     }
 }

@@ -105,7 +105,7 @@ pub struct HostView {
 impl HostView {
     /// The IPv4 part of `host`, without what is on interface `own` (the
     /// client's macvlan: its leased address is not the host's).
-    pub fn of(host: &crate::vip::host::HostNet, own: u32) -> Self {
+    pub fn of(host: &crate::host::vip_guard::HostNet, own: u32) -> Self {
         let mut view = HostView::default();
         for a in host.addresses.iter().filter(|a| a.index != own) {
             if let std::net::IpAddr::V4(v4) = a.ip {
@@ -358,7 +358,7 @@ mod tests {
 
     #[test]
     fn the_host_is_seen_from_the_client_s_own_interface() {
-        use crate::vip::host::{Gateway, HostAddress, HostNet, LocalRoute};
+        use crate::host::vip_guard::{Gateway, HostAddress, HostNet, LocalRoute};
         let addr = |ip: &str, index| HostAddress {
             ip: ip.parse().unwrap(),
             prefix_len: 24,

@@ -43,7 +43,7 @@ pub enum LinkError {
     NoParent(String),
     /// The host's addresses and routes could not be read.
     #[error("cannot read the host's addresses and routes: {0}")]
-    HostUnreadable(crate::vip::announce::AnnounceError),
+    HostUnreadable(crate::host::announce::routes::AnnounceError),
     /// The kernel refused (no `CAP_NET_ADMIN`, a name taken by another kind
     /// of interface…).
     #[error("{what}: {source}")]
@@ -218,10 +218,10 @@ impl Macvlan {
 
     /// What the host holds now (addresses, `local` routes, gateways; all
     /// tables; this interface left out), to judge an offer against: the
-    /// VIP guard's reading of the host ([`crate::vip::host::HostNet`]), seen from this
+    /// VIP guard's reading of the host ([`crate::host::vip_guard::HostNet`]), seen from this
     /// interface.
     pub async fn host_view(&self) -> Result<HostView, LinkError> {
-        let host = crate::vip::host::HostNet::read(&self.handle)
+        let host = crate::host::vip_guard::HostNet::read(&self.handle)
             .await
             .map_err(LinkError::HostUnreadable)?;
         Ok(HostView::of(&host, self.index))
@@ -231,7 +231,7 @@ impl Macvlan {
     /// [`Macvlan::create`] made (up, on `parent`, with `mac`): `None` when
     /// nothing does. Another program with `CAP_NET_ADMIN` may delete it or
     /// take it down; the driver reads it back every
-    /// [`crate::owned::CHECK_INTERVAL`].
+    /// [`crate::host::owned::CHECK_INTERVAL`].
     pub async fn differs(&self, parent: &str, mac: [u8; 6]) -> Result<Option<String>, LinkError> {
         let nl = |what: String| move |source| LinkError::Netlink { what, source };
         let parent_index = index_of(&self.handle, parent)

@@ -12,9 +12,9 @@
 //! once at warning with the server, the address and why, counted in
 //! `harvester_lb_dhcp_offers_refused_total{reason}` and kept for `/status`.
 //!
-//! While a lease is held, the driver follows the rule of [`crate::owned`]
+//! While a lease is held, the driver follows the rule of [`crate::host::owned`]
 //! for the two objects it wrote into the host: every
-//! [`crate::owned::CHECK_INTERVAL`] [`Net::repair`] reads back the macvlan
+//! [`crate::host::owned::CHECK_INTERVAL`] [`Net::repair`] reads back the macvlan
 //! interface (same name and index, up, on the configured parent, with the
 //! client's MAC) and the leased address on it (the lease's prefix,
 //! `noprefixroute`), and puts back what another program deleted or
@@ -160,8 +160,8 @@ pub async fn drive<N: Net>(
     let mut vip: Option<Ipv4Addr> = None;
     let mut host = HostCache::default();
     let mut check = tokio::time::interval_at(
-        Instant::now() + crate::owned::CHECK_INTERVAL,
-        crate::owned::CHECK_INTERVAL,
+        Instant::now() + crate::host::owned::CHECK_INTERVAL,
+        crate::host::owned::CHECK_INTERVAL,
     );
     check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -591,8 +591,8 @@ mod tests {
     use dhcproto::v4::{DhcpOption, MessageType, OptionCode};
 
     use super::*;
-    use crate::vip::dhcp::client::Phase;
-    use crate::vip::dhcp::wire::{self, ReplyKind, decode_request, server_reply};
+    use crate::host::dhcp::client::Phase;
+    use crate::host::dhcp::wire::{self, ReplyKind, decode_request, server_reply};
 
     const MAC: [u8; 6] = [2, 0, 0, 0, 0, 1];
     const SERVER: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 2);
@@ -1018,7 +1018,7 @@ mod tests {
         h.reply(ReplyKind::Offer, xid, GATEWAY, SERVER);
         settle().await;
         assert_eq!(refused(&h), vec![0, 0, 0, 0, 1, 0]);
-        tokio::time::sleep(crate::vip::dhcp::client::QUARANTINE + Duration::from_secs(1)).await;
+        tokio::time::sleep(crate::host::dhcp::client::QUARANTINE + Duration::from_secs(1)).await;
         settle().await;
         let (_, _, ty, xid, _) = h.last();
         assert_eq!(ty, MessageType::Discover, "DISCOVERs went on meanwhile");
@@ -1092,7 +1092,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_held_lease_is_read_back_every_check_interval_and_repairs_are_counted() {
-        use crate::owned::CHECK_INTERVAL;
+        use crate::host::owned::CHECK_INTERVAL;
         let h = Harness::start(None, vec![]);
         settle().await;
         tokio::time::sleep(CHECK_INTERVAL + Duration::from_secs(1)).await;
@@ -1124,11 +1124,11 @@ mod tests {
         assert_eq!(h.stats.repairs.get(), 1);
     }
 
-    const NAK_PAUSE_FOR_TESTS: Duration = crate::vip::dhcp::client::NAK_PAUSE;
+    const NAK_PAUSE_FOR_TESTS: Duration = crate::host::dhcp::client::NAK_PAUSE;
 
     #[test]
     fn renew_waits_follow_rfc_2131_for_long_leases_and_scale_for_short() {
-        use crate::vip::dhcp::client::renew_wait;
+        use crate::host::dhcp::client::renew_wait;
         let day = Duration::from_secs(86_400);
         assert_eq!(
             renew_wait(Duration::from_secs(3600), day),

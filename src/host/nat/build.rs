@@ -35,8 +35,8 @@ use nftables::stmt::{
 };
 use nftables::types::{NfChainPolicy, NfChainType, NfFamily, NfHook, RejectCode};
 
-use crate::balancer::select;
 use crate::config::Algorithm;
+use crate::dataplane::balancer::select;
 
 /// `dstnat`: NAT before routing, as kube-proxy. Numeric, because nft 1.0.6
 /// refuses the name `dstnat` on the output hook.
@@ -69,7 +69,7 @@ impl TableObject {
 /// named object in them. Built from the desired state ([`Self::of`]: what
 /// the tables must hold) or read back from the kernel
 /// ([`super::read_back()`]: what they hold); a sync deletes what the
-/// second has and the first has not. Not [`crate::owned::Owned`] (a whole
+/// second has and the first has not. Not [`crate::host::owned::Owned`] (a whole
 /// object the daemon owns and fingerprints): this is an inventory by name.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct TableObjects {
@@ -1816,7 +1816,7 @@ mod tests {
 
     #[test]
     fn every_bucket_goes_where_the_proxy_sends_that_key() {
-        use crate::balancer::{Backend, ClientAddr};
+        use crate::dataplane::balancer::{Backend, ClientAddr};
         use std::net::SocketAddr;
         use std::sync::atomic::AtomicUsize;
         let eligible = ips(&["10.0.0.1", "10.0.0.2", "10.0.0.3", "2001:db8::4"]);

@@ -1,5 +1,5 @@
 //! Checking the NAT tables against what this process wrote: the read-back
-//! half of [`crate::owned`]'s rule for `inet harvester_lb_nat` and its
+//! half of [`crate::host::owned`]'s rule for `inet harvester_lb_nat` and its
 //! shards. Anyone with `CAP_NET_ADMIN` can delete a shard, `nft flush
 //! ruleset`, flush a listener's chain or insert a rule at its top; each
 //! of these breaks or hijacks tenants while memory says all is written.
@@ -15,7 +15,7 @@
 //! 2. **The rules of every chain**, against a digest of what the kernel
 //!    listed right after this process wrote that chain: the kernel's own
 //!    encoding of the rules, so no second model of it is needed (as
-//!    [`crate::owned::Fingerprint`]). A write re-reads only the chains it
+//!    [`crate::host::owned::Fingerprint`]). A write re-reads only the chains it
 //!    wrote ([`Expected::carry`]), a flip only the flipped chains.
 //!
 //! What differs is a list of [`Difference`]s, each naming the table,
@@ -234,7 +234,7 @@ pub(super) struct Differences<'a>(pub &'a [Difference]);
 impl fmt::Display for Differences<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let (missing, other): (Vec<_>, Vec<_>) = self.0.iter().partition(|d| d.missing);
-        let drift = crate::owned::Drift::Changed {
+        let drift = crate::host::owned::Drift::Changed {
             missing: missing.into_iter().map(|d| d.what.clone()).collect(),
             unexpected: other.into_iter().map(|d| d.what.clone()).collect(),
         };

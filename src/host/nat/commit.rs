@@ -5,16 +5,16 @@
 //! What is written comes from `build` (the transaction, and the text
 //! prelude nft's JSON cannot declare); when, from `sync`. A health flip's
 //! rewrite of listener chains goes over netlink instead (`netlink`). The
-//! `nft` command itself is run by [`crate::nft`], for every table the
+//! `nft` command itself is run by [`crate::host::nft`], for every table the
 //! daemon owns.
 
 use super::error::NftError;
 use super::names::Shard;
 use super::read_back::our_tables_now;
 
-/// Runs `nft` with `args`, `input` on its stdin (see [`crate::nft::run`]).
+/// Runs `nft` with `args`, `input` on its stdin (see [`crate::host::nft::run`]).
 pub(super) fn run(what: &'static str, args: &[&str], input: &[u8]) -> Result<String, NftError> {
-    crate::nft::run(args, input).map_err(|detail| NftError::new(what, detail))
+    crate::host::nft::run(args, input).map_err(|detail| NftError::new(what, detail))
 }
 
 /// Applies one transaction document (atomic: all of it or nothing).

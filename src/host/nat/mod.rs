@@ -70,7 +70,7 @@
 //! and everyone else is written.
 //!
 //! The tables are read back and compared with what was written every
-//! [`crate::owned::CHECK_INTERVAL`] and at every reload (`check`); what
+//! [`crate::host::owned::CHECK_INTERVAL`] and at every reload (`check`); what
 //! another process changed is named, counted and written again.
 //!
 //! This part decides nothing: the daemon hands it the desired state

@@ -59,7 +59,9 @@ pub fn read_back() -> Result<TableObjects, NftError> {
     let mut objects = TableObjects::default();
     for shard in our_tables_now()? {
         // Gone between the two calls: nothing to read.
-        if let Some(listed) = crate::nft::list_inet_table(&shard.table()).map_err(read_failed)? {
+        if let Some(listed) =
+            crate::host::nft::list_inet_table(&shard.table()).map_err(read_failed)?
+        {
             parse_listing(shard, &listed, &mut objects).map_err(read_failed)?;
         }
     }

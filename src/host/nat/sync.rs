@@ -244,9 +244,10 @@ impl KernelTable {
             // After a hand-over: the tables the previous process left,
             // wanted as they are, are taken as written (same handles, no
             // transaction).
-            if st.applied.is_none() && crate::owned::adopt::inherited(ADOPT_KEY) {
+            if st.applied.is_none() && crate::host::owned::adopt::inherited(ADOPT_KEY) {
                 let now = nat_digest().ok().flatten();
-                if crate::owned::adopt::adopt_digest(ADOPT_KEY, desired_digest(desired), now) {
+                if crate::host::owned::adopt::adopt_digest(ADOPT_KEY, desired_digest(desired), now)
+                {
                     // What the checks compare with: read back, as after a write.
                     st.note_write(desired, None);
                     return Ok(false);
@@ -352,7 +353,7 @@ impl KernelTable {
     ///
     /// When the tables are as this process wrote them (a check finds them
     /// in place), it records for the hand-over marker what they hold
-    /// ([`crate::owned::adopt`]): the next process's first sync, wanting
+    /// ([`crate::host::owned::adopt`]): the next process's first sync, wanting
     /// the same, takes them as written instead of writing them again.
     /// Blocking: it runs `nft`.
     pub fn leave(&self) {
@@ -364,7 +365,7 @@ impl KernelTable {
         };
         drop(st);
         if let Ok(now) = nat_digest() {
-            crate::owned::adopt::record_digest(ADOPT_KEY, desired_digest(&applied), now);
+            crate::host::owned::adopt::record_digest(ADOPT_KEY, desired_digest(&applied), now);
         }
     }
 
@@ -385,13 +386,13 @@ impl KernelTable {
     }
 }
 
-/// The NAT tables' name in the hand-over marker ([`crate::owned::adopt`]):
+/// The NAT tables' name in the hand-over marker ([`crate::host::owned::adopt`]):
 /// every shard under one record.
 const ADOPT_KEY: &str = "harvester_lb_nat*";
 
 /// A digest of what a full write of `desired` writes.
 fn desired_digest(desired: &Desired) -> u64 {
-    crate::owned::adopt::digest(&transaction_json(desired, &TableObjects::default()))
+    crate::host::owned::adopt::digest(&transaction_json(desired, &TableObjects::default()))
 }
 
 /// A digest of every NAT table of ours as the kernel lists it, without
@@ -401,8 +402,8 @@ fn desired_digest(desired: &Desired) -> u64 {
 fn nat_digest() -> Result<Option<u64>, NftError> {
     let mut h: Option<u64> = None;
     for shard in read_back::our_tables_now()? {
-        let Some(listed) =
-            crate::nft::list_inet_table(&shard.table()).map_err(|e| NftError::new("read", e))?
+        let Some(listed) = crate::host::nft::list_inet_table(&shard.table())
+            .map_err(|e| NftError::new("read", e))?
         else {
             continue;
         };
@@ -428,9 +429,9 @@ fn nat_digest() -> Result<Option<u64>, NftError> {
                 }
             }
         }
-        let print = crate::owned::Fingerprint::of_nft_json(&doc.to_string())
+        let print = crate::host::owned::Fingerprint::of_nft_json(&doc.to_string())
             .map_err(|e| NftError::new("read", e))?;
-        let d = print.digest() ^ crate::owned::adopt::digest(shard.table().as_bytes());
+        let d = print.digest() ^ crate::host::owned::adopt::digest(shard.table().as_bytes());
         h = Some(h.map_or(d, |h| h.wrapping_mul(0x0100_0000_01b3) ^ d));
     }
     Ok(h)
@@ -447,7 +448,7 @@ pub enum Checked {
     /// A write crossed the read-back: nothing was compared; check again.
     Busy,
     /// The tables differ: what differs, for the log (the first few of
-    /// each side, as [`crate::owned::Drift`] says them). The listeners it
+    /// each side, as [`crate::host::owned::Drift`] says them). The listeners it
     /// breaks are no longer reported as forwarded, and the next sync
     /// writes everything again: wake the writer.
     Repairing(String),

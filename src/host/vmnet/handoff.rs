@@ -23,7 +23,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
 use crate::config::{Config, ConntrackdSettings, KeepalivedSettings};
-use crate::vip::{conntrackd, keepalived};
+use crate::host::conntrack_sync::conntrackd;
+use crate::host::vmnet::keepalived;
 
 /// The environment variable (set by the `vrrp.conf` drop-in) naming the
 /// directory the daemon hands its rendered files off to; unset: the

@@ -82,8 +82,8 @@ use std::fmt::Write as _;
 use std::net::IpAddr;
 use std::path::Path;
 
-use super::mgmt_check;
 use crate::config::{Config, KeepalivedSettings};
+use crate::host::vmnet::mgmt_check;
 
 /// The first line of every file the daemon writes: what tells its own
 /// file from one written by hand at the same path (see [`release`]).
@@ -326,7 +326,10 @@ pub fn render(config: &Config) -> Option<String> {
         );
         // `[conntrackd]`: the transitions commit the synced flows.
         let interfaces: Vec<&str> = vips.iter().map(|p| p.interface.as_str()).collect();
-        out.push_str(&super::conntrackd::notify_line(config, &interfaces));
+        out.push_str(&crate::host::conntrack_sync::conntrackd::notify_line(
+            config,
+            &interfaces,
+        ));
         out.push_str("}\n");
     }
     Some(out)
@@ -509,7 +512,7 @@ pub(crate) fn write_atomically(path: &Path, text: &str) -> std::io::Result<()> {
 
 fn reload(settings: &KeepalivedSettings) -> Result<(), KeepalivedError> {
     if let Some(command) = &settings.reload_command {
-        super::run_configured(command).map_err(|why| KeepalivedError::Command {
+        crate::host::run_configured(command).map_err(|why| KeepalivedError::Command {
             command: command.clone(),
             why,
         })?;
@@ -926,7 +929,7 @@ mod tests {
         );
         let longest = text.lines().map(str::len).max().unwrap();
         assert!(longest < 200, "a line of {longest} bytes");
-        let ct = crate::vip::conntrackd::render_conf(&c).unwrap();
+        let ct = crate::host::conntrack_sync::conntrackd::render_conf(&c).unwrap();
         let longest = ct.lines().map(str::len).max().unwrap();
         assert!(longest < 200, "conntrackd.conf: a line of {longest} bytes");
         // Instances the file does not have: nothing.

@@ -10,8 +10,8 @@
 //! bridged again, toward the port it entered by, which the bridge refuses
 //! (a client and a backend both behind the uplink got nothing). When the
 //! route leaves by the leg instead (the network's table routes its subnet
-//! and gateway by it, [`super::network`], and both directions of a leg
-//! network's DNATed flows carry its mark, [`super::replymark`]), the
+//! and gateway by it, [`crate::host::vmnet::network`], and both directions of a leg
+//! network's DNATed flows carry its mark, [`crate::host::vmnet::replymark`]), the
 //! frame takes the routed path: re-addressed to the bridge's MAC, passed up,
 //! forwarded out of the leg, whose transmit enters the bridge as the
 //! host's own traffic and is bridged out of whichever port leads to the
@@ -36,7 +36,7 @@
 //! and a bridge, which has no unicast filter, turns promiscuous: every
 //! frame it forwards is also passed up once and dropped.
 //!
-//! The legs are a kind of the [`crate::owned::Driver`] (`network_leg`):
+//! The legs are a kind of the [`crate::host::owned::Driver`] (`network_leg`):
 //! read back every 10 s and at every apply, made again with the MAC they
 //! had when another program deleted or changed them (so the clients' ARP
 //! entries stay right), counted in `host_repairs_total{kind="network_leg"}`,
@@ -54,10 +54,10 @@ use rtnetlink::packet_route::link::{
     LinkInfo, LinkMessage, MacVlanMode,
 };
 
-use super::announce::{AnnounceError, RouteWriter, errno};
 use crate::config::{Config, Forwarding};
-use crate::owned::driver::Listing;
-use crate::owned::{Backend, Found, StopPhase};
+use crate::host::announce::routes::{AnnounceError, RouteWriter, errno};
+use crate::host::owned::driver::Listing;
+use crate::host::owned::{Backend, Found, StopPhase};
 
 pub use crate::config::{LEG_PREFIX as PREFIX, leg_name as name_for, leg_table as table_of_name};
 

@@ -118,7 +118,7 @@ pub fn install(k: &KeepalivedSettings) -> std::io::Result<bool> {
     if mode_ok && std::fs::read(path).is_ok_and(|old| old == text.as_bytes()) {
         return Ok(false);
     }
-    super::keepalived::write_atomically(path, &text)?;
+    crate::host::vmnet::keepalived::write_atomically(path, &text)?;
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o700))?;
     Ok(true)
 }

@@ -50,11 +50,11 @@ use rtnetlink::packet_route::AddressFamily;
 use rtnetlink::packet_route::route::{RouteAddress, RouteAttribute, RouteMessage, RouteType};
 use rtnetlink::{Handle, RouteMessageBuilder};
 
-use super::announce::{AnnounceError, table_of};
-use super::leg::{LegKey, LegStatus};
-use super::network::{NetKey, NetState};
-use super::replymark::{MarkKey, MarkTable, MarkWant, mark_of};
 use crate::config::{Config, Forwarding};
+use crate::host::announce::routes::{AnnounceError, table_of};
+use crate::host::vmnet::leg::{LegKey, LegStatus};
+use crate::host::vmnet::network::{NetKey, NetState};
+use crate::host::vmnet::replymark::{MarkKey, MarkTable, MarkWant, mark_of};
 
 /// The kernel's main table.
 const MAIN_TABLE: u32 = 254;
@@ -147,7 +147,7 @@ pub struct MgmtLegStatus {
 /// see the module's text. `device_for` is the device the main table routes
 /// an address out of (`os::Routes`), `stage_on` whether an interface is
 /// a Linux bridge whose IPv4 (`false`) or IPv6 (`true`) frames pass the IP
-/// hooks at the bridge stage now ([`super::leg::bridge_stage_on`]: as a
+/// hooks at the bridge stage now ([`crate::host::vmnet::leg::bridge_stage_on`]: as a
 /// network's leg, only for a VIP of a family whose stage is on). Pure.
 pub fn needed(
     config: &Config,
@@ -198,7 +198,7 @@ pub fn on_this_host(config: &Config) -> Option<MgmtLeg> {
                 .device_for(ip)
                 .map(str::to_string)
         },
-        super::leg::bridge_stage_on,
+        crate::host::vmnet::leg::bridge_stage_on,
     )
 }
 
@@ -362,7 +362,7 @@ mod tests {
         let Some(MarkWant::Table(t)) = marks.get(&MarkKey::Table) else {
             panic!("no table: {marks:?}");
         };
-        let text = crate::vip::replymark::render(t);
+        let text = crate::host::vmnet::replymark::render(t);
         // Only the flows that come in by the bridge: a pod's (by the CNI's
         // interface) keeps the main table.
         assert!(

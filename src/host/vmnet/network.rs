@@ -3,11 +3,11 @@
 //! via` its gateway; for IPv6 VIPs its IPv6 subnet and `default via` its
 //! `ipv6_gateway` in the same table) and a rule `from VIP lookup TABLE`
 //! per VIP (`ip -6 rule` for an IPv6 one), as a kind
-//! of host object the [`crate::owned::Driver`] owns (read back every 10 s,
+//! of host object the [`crate::host::owned::Driver`] owns (read back every 10 s,
 //! repaired, removed after the drain at stop).
 //!
 //! Why: keepalived puts the VIP on the network's interface as a /32 (see
-//! [`super::keepalived`]), which adds no route; without the rule, a reply
+//! [`crate::host::vmnet::keepalived`]), which adds no route; without the rule, a reply
 //! to a client outside the subnet would leave by the host's default route
 //! (the management network), with the VIP as its source, and be dropped by
 //! reverse-path filters or answered from the wrong side. With it, every
@@ -47,10 +47,10 @@ use rtnetlink::packet_route::route::{
 use rtnetlink::packet_route::rule::{RuleAction, RuleAttribute, RuleMessage};
 use rtnetlink::{Error as NlError, IpVersion};
 
-use super::announce::{AnnounceError, ROUTE_PROTOCOL, RouteWriter, errno, table_of};
 use crate::config::Config;
-use crate::owned::driver::Listing;
-use crate::owned::{Backend, Found, StopPhase};
+use crate::host::announce::routes::{AnnounceError, ROUTE_PROTOCOL, RouteWriter, errno, table_of};
+use crate::host::owned::driver::Listing;
+use crate::host::owned::{Backend, Found, StopPhase};
 
 /// Priority of the `from VIP` rules: before `main` (32766) and `default`
 /// (32767), after the rules operators and CNIs usually put first.
@@ -101,7 +101,7 @@ pub enum NetState {
 
 /// The objects `config` asks for, given the index of each network
 /// interface this host has (`index_of`, by name) and of each network's
-/// leg in place (`legs`, by the network's name: [`super::leg`]): for each
+/// leg in place (`legs`, by the network's name: [`crate::host::vmnet::leg`]): for each
 /// network used by a load balancer whose interface exists, its subnet and
 /// default route in its table, out of its leg where it has one, else out
 /// of its interface, and one rule per VIP on it. Pure.
@@ -552,7 +552,7 @@ mod tests {
             })
         );
         // keepalived does not move it: no instance renders it.
-        let rendered = crate::vip::keepalived::render(&config).expect("[keepalived]");
+        let rendered = crate::host::vmnet::keepalived::render(&config).expect("[keepalived]");
         assert!(!rendered.contains("10.100.0.77"), "{rendered}");
     }
 }

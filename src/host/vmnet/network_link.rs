@@ -34,9 +34,9 @@ use rtnetlink::packet_route::route::{
 };
 use rtnetlink::{Handle, RouteMessageBuilder};
 
-use super::announce::{AnnounceError, ROUTE_PROTOCOL, table_of};
-use super::host::local_address;
 use crate::config::NetworkSpec;
+use crate::host::announce::routes::{AnnounceError, ROUTE_PROTOCOL, table_of};
+use crate::host::vip_guard::local_address;
 
 /// The kinds of link a VM network can be on (`IFLA_INFO_KIND`).
 pub const VM_NETWORK_KINDS: [&str; 4] = ["bridge", "vlan", "bond", "veth"];

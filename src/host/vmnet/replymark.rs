@@ -3,7 +3,7 @@
 //! put back on the packet mark of its replies, and a rule `fwmark
 //! MARK/MASK lookup <the network's table>` per network and family.
 //!
-//! Why: the `from VIP` rule of [`super::network`] routes what the host
+//! Why: the `from VIP` rule of [`crate::host::vmnet::network`] routes what the host
 //! sends *from* the VIP, the proxy's replies. A kernel listener's reply
 //! (backend → client) is routed while its source is still the backend:
 //! the reverse of the DNAT is applied after the routing decision, in
@@ -50,7 +50,7 @@
 //!
 //! Only replies get the packet mark (`ct direction reply`): the client's
 //! own packets keep routing to the backend by the host's tables. On a
-//! network with a leg ([`super::leg`]: a bridged network's macvlan) the
+//! network with a leg ([`crate::host::vmnet::leg`]: a bridged network's macvlan) the
 //! client's packets to a backend in the network's subnet get it too (the
 //! reply tuple's source is the backend, whatever the priority), so they
 //! route by the network's table, out of the leg, even at the bridge stage
@@ -62,7 +62,7 @@
 //! rule routes. Replies to the host itself (a host process that connected
 //! to the VIP) go by the `local` table, consulted before every rule.
 //!
-//! The objects are owned by a [`crate::owned::Driver`] (kind
+//! The objects are owned by a [`crate::host::owned::Driver`] (kind
 //! `reply_mark`): read back every 10 s and at every apply, repaired when
 //! another process changed or deleted them, removed after the drain at a
 //! clean stop; the table is compared as `nft -j list` shows it.
@@ -77,13 +77,13 @@ use rtnetlink::packet_route::AddressFamily;
 use rtnetlink::packet_route::route::RouteProtocol;
 use rtnetlink::packet_route::rule::{RuleAction, RuleAttribute, RuleMessage};
 
-use super::announce::{AnnounceError, ROUTE_PROTOCOL, RouteWriter, errno};
+use crate::host::announce::routes::{AnnounceError, ROUTE_PROTOCOL, RouteWriter, errno};
 use ipnet::IpNet;
 
-use super::network::{NetKey, NetState, RULE_PRIORITY};
 use crate::config::{Config, Forwarding};
-use crate::owned::driver::Listing;
-use crate::owned::{Backend, Fingerprint, Found, StopPhase};
+use crate::host::owned::driver::Listing;
+use crate::host::owned::{Backend, Fingerprint, Found, StopPhase};
+use crate::host::vmnet::network::{NetKey, NetState, RULE_PRIORITY};
 
 /// The table's name, in family `inet`.
 pub const TABLE: &str = "harvester_lb_reply";
@@ -158,7 +158,7 @@ pub enum MarkSeen {
 }
 
 /// The objects `config` asks for, given the network rules it asks of
-/// [`super::network::wanted`] (`routes`) and the networks whose leg is in
+/// [`crate::host::vmnet::network::wanted`] (`routes`) and the networks whose leg is in
 /// place (`legs`, by name): for every VIP with a `from VIP` rule whose
 /// load balancer has a kernel listener, its network's mark on its flows
 /// (both directions where the network has a leg), and one `fwmark` rule
@@ -376,7 +376,7 @@ impl Backend for ReplyMarks {
 
     async fn read(&mut self) -> Result<Listing<Self>, ReplyMarkError> {
         let mut out: Listing<Self> = BTreeMap::new();
-        let listed = blocking(|| crate::nft::list_inet_table(TABLE))
+        let listed = blocking(|| crate::host::nft::list_inet_table(TABLE))
             .await
             .map_err(|e| nft_failed("read back", e))?;
         if let Some(listed) = listed {
@@ -439,12 +439,12 @@ impl Backend for ReplyMarks {
         match (key, want) {
             (MarkKey::Table, MarkWant::Table(marks)) => {
                 let text = render(marks);
-                crate::owned::adopt::record(
+                crate::host::owned::adopt::record(
                     TABLE,
-                    crate::owned::adopt::digest(text.as_bytes()),
+                    crate::host::owned::adopt::digest(text.as_bytes()),
                     None,
                 );
-                blocking(move || crate::nft::run(&["-f", "-"], text.as_bytes()).map(drop))
+                blocking(move || crate::host::nft::run(&["-f", "-"], text.as_bytes()).map(drop))
                     .await
                     .map_err(|e| nft_failed("write", e))
             }
@@ -468,7 +468,7 @@ impl Backend for ReplyMarks {
             MarkKey::Table => {
                 // "add" first, so that deleting a table already gone succeeds.
                 let text = format!("add table inet {TABLE}\ndelete table inet {TABLE}\n");
-                blocking(move || crate::nft::run(&["-f", "-"], text.as_bytes()).map(drop))
+                blocking(move || crate::host::nft::run(&["-f", "-"], text.as_bytes()).map(drop))
                     .await
                     .map_err(|e| nft_failed("delete", e))
             }
@@ -494,13 +494,13 @@ impl Backend for ReplyMarks {
     }
 
     /// A predecessor's rule to the same table, or the table it handed over
-    /// ([`crate::owned::adopt`]) when it is what this process renders.
+    /// ([`crate::host::owned::adopt`]) when it is what this process renders.
     fn adoptable(&self, want: &MarkWant, seen: &MarkSeen) -> bool {
         match (want, seen) {
             (MarkWant::Rule { table }, MarkSeen::Rule { table: seen }) => table == seen,
-            (MarkWant::Table(marks), MarkSeen::Table(print)) => crate::owned::adopt::adopt(
+            (MarkWant::Table(marks), MarkSeen::Table(print)) => crate::host::owned::adopt::adopt(
                 TABLE,
-                crate::owned::adopt::digest(render(marks).as_bytes()),
+                crate::host::owned::adopt::digest(render(marks).as_bytes()),
                 Some(print),
             ),
             _ => false,
@@ -550,7 +550,7 @@ network = "vlan100"
         let config = config(&text);
         let index: BTreeMap<String, u32> =
             [("br.100".to_string(), 7), ("br.200".to_string(), 8)].into();
-        let routes = super::super::network::wanted(&config, &index, &BTreeMap::new());
+        let routes = crate::host::vmnet::network::wanted(&config, &index, &BTreeMap::new());
         let w = wanted(&config, &routes, &BTreeSet::new());
         let (m100, m200) = (mark_of(1100), mark_of(1200));
         assert_ne!(m100, m200);
@@ -598,7 +598,7 @@ network = "vlan100"
         let config = config(&text);
         let index: BTreeMap<String, u32> =
             [("br.100".to_string(), 7), ("br.200".to_string(), 8)].into();
-        let routes = super::super::network::wanted(&config, &index, &BTreeMap::new());
+        let routes = crate::host::vmnet::network::wanted(&config, &index, &BTreeMap::new());
         let w = wanted(&config, &routes, &BTreeSet::from(["vlan100".to_string()]));
         let Some(MarkWant::Table(table)) = w.get(&MarkKey::Table) else {
             panic!("no table: {w:?}");
@@ -619,7 +619,7 @@ network = "vlan100"
         );
         let config = config(&text);
         let index: BTreeMap<String, u32> = [("br.100".to_string(), 7)].into();
-        let routes = super::super::network::wanted(&config, &index, &BTreeMap::new());
+        let routes = crate::host::vmnet::network::wanted(&config, &index, &BTreeMap::new());
         assert!(wanted(&config, &routes, &BTreeSet::from(["vlan100".to_string()])).is_empty());
     }
 }

@@ -2,7 +2,7 @@
 //! from VM networks, one nftables table that keeps a host with an interface
 //! on tenants' VM networks from being a router between them. (Not to be
 //! confused with `daemon::vip_guard`, which refuses VIPs the host uses, nor
-//! with [`super::port_filter`], which filters traffic to the VIPs.)
+//! with [`crate::host::isolation`], which filters traffic to the VIPs.)
 //!
 //! A Harvester host has `ip_forward` on (Kubernetes needs it), and once it
 //! holds a VIP on a VM network its MAC answers there. Any VM of that
@@ -105,7 +105,7 @@
 //! table still applies. It is written whole in one `nft` transaction (the
 //! same add/delete/create as `vip::port_filter`), at the first apply (replacing
 //! what a crashed daemon left) and whenever its contents change, and read
-//! back at every apply and every [`crate::owned::CHECK_INTERVAL`]; another
+//! back at every apply and every [`crate::host::owned::CHECK_INTERVAL`]; another
 //! process's change is written over, logged at warn and counted
 //! (`host_repairs_total{kind="vm_network_guard"}`). A reload without
 //! isolated networks deletes it. A stop leaves it, as a crash does, so a
@@ -120,8 +120,8 @@ use std::sync::Mutex;
 use std::time::SystemTime;
 
 use crate::config::Config;
+use crate::host::owned::{Checked, Drift, Fingerprint, Guard, Owned};
 use crate::metrics::{HostKind, Metrics};
-use crate::owned::{Checked, Drift, Fingerprint, Guard, Owned};
 
 /// The table's name, in family `inet`.
 pub const TABLE: &str = "harvester_lb_vmnet";
@@ -163,7 +163,7 @@ impl Rules {
             let group = r.groups.entry(net.interface.clone()).or_default();
             group.insert(net.interface.clone());
             if legs.contains(&net.name) {
-                group.insert(crate::vip::leg::name_for(net.table));
+                group.insert(crate::host::vmnet::leg::name_for(net.table));
             }
         }
         // A leased VIP's macvlan is named after its MAC address, so the set
@@ -173,7 +173,7 @@ impl Rules {
             if let Some(d) = &lb.dhcp
                 && let Some(group) = r.groups.get_mut(&d.interface)
             {
-                let name = crate::vip::dhcp::link::name_for(d.mac);
+                let name = crate::host::dhcp::link::name_for(d.mac);
                 group.insert(name.clone());
                 r.leases.insert(name);
             }
@@ -389,7 +389,7 @@ pub struct GuardError {
 }
 
 /// The VM-network guard table as the daemon means it (its [`Rules`]), as an
-/// [`Owned`] kernel object: how the [`crate::owned::Guard`] writes it whole
+/// [`Owned`] kernel object: how the [`crate::host::owned::Guard`] writes it whole
 /// and reads it back.
 struct VmnetFilterTable<'a>(&'a Rules);
 
@@ -400,13 +400,13 @@ impl Owned for VmnetFilterTable<'_> {
             what: "read back",
             detail,
         };
-        match crate::nft::list_inet_table(TABLE).map_err(fail)? {
+        match crate::host::nft::list_inet_table(TABLE).map_err(fail)? {
             Some(listed) => Fingerprint::of_nft_json(&listed).map(Some).map_err(fail),
             None => Ok(None),
         }
     }
     fn write(&self) -> Result<(), GuardError> {
-        crate::nft::run(&["-f", "-"], self.0.render().as_bytes())
+        crate::host::nft::run(&["-f", "-"], self.0.render().as_bytes())
             .map(drop)
             .map_err(|detail| GuardError {
                 what: "write",
@@ -416,7 +416,7 @@ impl Owned for VmnetFilterTable<'_> {
     fn identity(&self) -> Option<(&str, u64)> {
         Some((
             TABLE,
-            crate::owned::adopt::digest(self.0.render().as_bytes()),
+            crate::host::owned::adopt::digest(self.0.render().as_bytes()),
         ))
     }
 }
@@ -425,7 +425,7 @@ impl Owned for VmnetFilterTable<'_> {
 fn delete() -> Result<(), GuardError> {
     // "add" first, so that deleting a table that is already gone succeeds.
     let text = format!("add table inet {TABLE}\ndelete table inet {TABLE}\n");
-    crate::nft::run(&["-f", "-"], text.as_bytes())
+    crate::host::nft::run(&["-f", "-"], text.as_bytes())
         .map(drop)
         .map_err(|detail| GuardError {
             what: "delete",

@@ -240,7 +240,7 @@ mod tests {
 
     use super::*;
     use crate::config::CheckKind;
-    use crate::health::check::{ProbeSockets, probe};
+    use crate::dataplane::health::check::{ProbeSockets, probe};
 
     fn check(path: &str, host: Option<&str>, expect: &[(u16, u16)]) -> CheckKind {
         CheckKind::Http(Arc::new(HttpCheck {

@@ -131,7 +131,7 @@ fn family(target: SocketAddr) -> usize {
 mod tests {
     use super::*;
     use crate::config::CheckKind;
-    use crate::health::check::probe;
+    use crate::dataplane::health::check::probe;
 
     /// A listening port and a closed one on `ip`.
     fn open_and_closed(ip: &str) -> (std::net::TcpListener, SocketAddr) {

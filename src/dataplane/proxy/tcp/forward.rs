@@ -17,12 +17,12 @@ use tokio_util::sync::CancellationToken;
 
 use super::copy::{self, ByteCounters, Ended, Moved, Peer};
 use super::proxy_protocol;
-use crate::balancer::{Backend, ClientAddr, ConnectionGuard, affinity};
 use crate::config::{OnBackendDown, ProxyProtocol};
+use crate::dataplane::balancer::{Backend, ClientAddr, ConnectionGuard, affinity};
+use crate::dataplane::proxy::Route;
+use crate::dataplane::proxy::log::{AttemptFailure, Bytes, Origin, Record, Termination};
 use crate::metrics::stats::{ClosedReason, ConnectFailureReason, Direction, FailedReason};
 use crate::net;
-use crate::proxy::Route;
-use crate::proxy::log::{AttemptFailure, Bytes, Origin, Record, Termination};
 
 /// TCP keepalive on both legs: a peer that vanished without a FIN (a node VM
 /// powered off, a cut link) is found within about a minute, not hours.

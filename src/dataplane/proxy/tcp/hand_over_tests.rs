@@ -14,10 +14,10 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 
 use super::{ConnectionLimit, HandedOver, Listener};
-use crate::balancer::{Backend, LoadBalancer, Settings};
+use crate::dataplane::balancer::{Backend, LoadBalancer, Settings};
+use crate::dataplane::proxy::Route;
+use crate::dataplane::workers::Workers;
 use crate::metrics::stats::LbStats;
-use crate::proxy::Route;
-use crate::workers::Workers;
 
 /// A load balancer of one backend at `backend`, and its listening socket
 /// on 127.0.0.1 (kept here, so every listener of the test serves the same

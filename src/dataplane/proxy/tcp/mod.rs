@@ -5,7 +5,7 @@
 //! The accept loop never exits on an error: out of descriptors it backs off
 //! briefly and goes on (tokio's proxy example stops the whole server there).
 //! A listener keeps its sockets for its whole life (one, or one per thread
-//! with the thread-per-core design of [`crate::workers`]); a reload only swaps its
+//! with the thread-per-core design of [`crate::dataplane::workers`]); a reload only swaps its
 //! [`Route`], so no connection is refused during a reload.
 //!
 //! A restart hands the open connections to the next process instead of
@@ -38,10 +38,10 @@ use tracing::Instrument;
 use super::Route;
 use super::log::Termination::{ConnectionCap, SourceRefused};
 use super::{CAP_LOG, Cap, note_lb_cap};
-use crate::budget::Slot;
+use crate::dataplane::budget::Slot;
+use crate::dataplane::workers::Placement;
 use crate::log_limit::{LogLimit, Verdict, left_out};
 use crate::metrics::stats::{AcceptErrorKind, RejectedReason};
-use crate::workers::Placement;
 
 /// The process-wide cap on forwarded connections (`proxy.max_connections`):
 /// a slot is taken after each accept and held for the connection's life.
@@ -103,7 +103,7 @@ impl ConnectionLimit {
 /// and one of the process's. Dropping it gives both back and says when a
 /// cap that was reached is left.
 pub struct Held {
-    lb: Arc<crate::balancer::LoadBalancer>,
+    lb: Arc<crate::dataplane::balancer::LoadBalancer>,
     lb_slot: Option<Slot>,
     limit: Arc<ConnectionLimit>,
     permit: Option<OwnedSemaphorePermit>,
@@ -341,7 +341,7 @@ impl Listener {
     /// Starts accepting on `sockets` (from [`bind`]), socket `i` on
     /// runtime `i` of `placement`, forwarding along `route`. `limit` caps
     /// connections across all listeners of the process; the route's load
-    /// balancer caps its own ([`crate::balancer::LoadBalancer::connections`]). Fails only if a
+    /// balancer caps its own ([`crate::dataplane::balancer::LoadBalancer::connections`]). Fails only if a
     /// socket cannot join its runtime's reactor (out of memory or
     /// descriptors); the sockets are closed then.
     pub fn start(

@@ -10,8 +10,8 @@ use std::net::SocketAddr;
 
 use tokio::net::TcpStream;
 
-use crate::balancer::ClientAddr;
 use crate::config::ProxyProtocol;
+use crate::dataplane::balancer::ClientAddr;
 
 /// How many of the client's first bytes may ride in the header's segment:
 /// a request head, not a bulk upload (the copy loop does the rest).

@@ -9,10 +9,10 @@ use std::time::Duration;
 use tokio::net::UdpSocket;
 
 use super::{AdoptedFlows, FlowBudget, UdpListener};
-use crate::balancer::{Backend, LoadBalancer, Settings};
 use crate::config::UdpSettings;
+use crate::dataplane::balancer::{Backend, LoadBalancer, Settings};
+use crate::dataplane::proxy::Route;
 use crate::metrics::stats::LbStats;
-use crate::proxy::Route;
 
 /// A backend at `ip`:`port` that answers each datagram with its own
 /// address and the datagram, after 300 ms when the datagram starts with

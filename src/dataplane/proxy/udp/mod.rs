@@ -46,10 +46,10 @@ use self::flow::FlowState;
 pub use self::table::{FlowBudget, default_max_flows};
 use self::table::{FlowTable, Refusal};
 use super::{Cap, Route, note_lb_cap};
-use crate::balancer::{Backend, ClientAddr, ConnectionGuard, LoadBalancer, affinity};
 use crate::config::UdpSettings;
+use crate::dataplane::balancer::{Backend, ClientAddr, ConnectionGuard, LoadBalancer, affinity};
+use crate::dataplane::proxy::log::{AttemptFailure, Bytes, Origin, Record, Termination};
 use crate::metrics::stats::{DatagramDropReason, Direction, FlowDropReason, UdpBackendStats};
-use crate::proxy::log::{AttemptFailure, Bytes, Origin, Record, Termination};
 
 /// The largest UDP payload over IPv4 (65,535 − 8 − 20). Every datagram up
 /// to it is forwarded whole.

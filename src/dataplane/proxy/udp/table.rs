@@ -18,7 +18,7 @@ use std::sync::{Arc, Mutex};
 
 /// The process-wide bound on UDP flows (`proxy.max_udp_flows`, every flow
 /// holds a socket), shared by every UDP listener.
-pub type FlowBudget = crate::budget::Budget;
+pub type FlowBudget = crate::dataplane::budget::Budget;
 
 /// The default `proxy.max_udp_flows` for an open-file limit: a third of
 /// what is left after the daemon's own reserve, as for TCP connections (a
