@@ -37,7 +37,6 @@ use crate::host::vmnet::mgmt_leg::{MgmtLeg, MgmtLegStatus};
 use crate::host::vmnet::network::{NetKey, NetworkRoutes, wanted};
 use crate::host::vmnet::replymark::{MarkKey, MarkWant, ReplyMarkStatus, ReplyMarks};
 use crate::host::vmnet::vmnet_filter::{Rules, VmNetworkGuard};
-use crate::metrics::HostKind;
 
 /// The key of the management VIPs' leg among the networks' legs while
 /// they are made: `[` is in no network's name.
@@ -347,7 +346,12 @@ impl Daemon {
         }
         if inner.routes.is_none() {
             match RouteWriter::connect() {
-                Ok(w) => inner.routes = Some(Driver::new(NetworkRoutes::new(w))),
+                Ok(w) => {
+                    inner.routes = Some(Driver::new(
+                        NetworkRoutes::new(w),
+                        self.metrics.host_repairs(),
+                    ))
+                }
                 Err(e) => {
                     tracing::error!(
                         "VM networks: {e}; their routes and rules are not written (retried in {} s)",
@@ -439,8 +443,6 @@ impl Daemon {
             want.extend(mgmt_routes.clone());
         }
         let mut out = driver.sync(&want).await;
-        self.metrics
-            .record_host_repairs(HostKind::NetworkRoute, out.repaired.len() as u64);
         // A gateway route refused because its subnet's route (written
         // after it, in key order) was not there yet: once more at once.
         if !out.written.is_empty()
@@ -698,11 +700,14 @@ impl Daemon {
         if let Some(m) = mgmt {
             by_network.insert(MGMT_LEG.to_string(), m);
         }
-        let driver = slot.get_or_insert_with(|| Driver::new(NetworkLegs::new(writer.clone())));
+        let driver = slot.get_or_insert_with(|| {
+            Driver::new(
+                NetworkLegs::new(writer.clone()),
+                self.metrics.host_repairs(),
+            )
+        });
         let want: BTreeMap<_, _> = by_network.values().cloned().collect();
         let out = driver.sync(&want).await;
-        self.metrics
-            .record_host_repairs(HostKind::NetworkLeg, out.repaired.len() as u64);
         let retry = CHECK_INTERVAL.as_secs();
         if let Some(e) = &out.unread {
             tracing::error!("VM networks' legs: {e}; retried in {retry} s");
@@ -822,10 +827,10 @@ impl Daemon {
             tracing::error!("VM networks' reply marks: {e}");
             return;
         }
-        let driver = slot.get_or_insert_with(|| Driver::new(ReplyMarks::new(writer.clone())));
+        let driver = slot.get_or_insert_with(|| {
+            Driver::new(ReplyMarks::new(writer.clone()), self.metrics.host_repairs())
+        });
         let out = driver.sync(want).await;
-        self.metrics
-            .record_host_repairs(HostKind::ReplyMark, out.repaired.len() as u64);
         let retry = CHECK_INTERVAL.as_secs();
         if let Some(e) = &out.unread {
             tracing::error!("VM networks' reply marks: {e}; retried in {retry} s");

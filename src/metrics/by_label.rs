@@ -17,6 +17,10 @@ pub trait Label: Copy {
     const NAMES: &'static [&'static str];
     /// This value's index into [`Label::NAMES`] and the counters.
     fn index(self) -> usize;
+    /// This value's text, as `/metrics` writes it (and the log names it).
+    fn name(self) -> &'static str {
+        Self::NAMES[self.index()]
+    }
 }
 
 /// One counter per value of `L` (`N` is `L::NAMES.len()`, checked when

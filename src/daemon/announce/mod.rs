@@ -51,7 +51,6 @@ use crate::host::announce::routes::{
     AnnounceError, RouteTable, RouteWriter, SeenRoute, TableClaim, VipLocalRoutes,
 };
 use crate::host::owned::{Backend, Driver, Outcome, StopPhase};
-use crate::metrics::HostKind;
 use crate::metrics::VipAnnounceSample;
 
 pub mod decide;
@@ -460,11 +459,13 @@ impl Daemon {
         }
         if vips != inner.made_local || check || inner.error.is_some() {
             let local = inner.local.get_or_insert_with(|| {
-                Driver::new(VipLocalRoutes::new(writer.clone(), index, settings.table))
+                Driver::new(
+                    VipLocalRoutes::new(writer.clone(), index, settings.table),
+                    self.metrics.host_repairs(),
+                )
             });
             let want: BTreeMap<IpAddr, ()> = vips.iter().map(|v| (*v, ())).collect();
             let out = local.sync(&want).await;
-            self.count_repairs(HostKind::VipLocalRoute, &out);
             self.note_local_elsewhere(inner, &out);
             match first_error(&out) {
                 Some(e) => self.note_error(
@@ -541,12 +542,6 @@ impl Daemon {
         inner.local_elsewhere = now;
     }
 
-    /// Counts the repairs of one sync (the driver logged each).
-    fn count_repairs<B: Backend>(&self, kind: HostKind, out: &Outcome<B>) {
-        self.metrics
-            .record_host_repairs(kind, out.repaired.len() as u64);
-    }
-
     /// Takes `settings`' table and interface: our routes leave the old
     /// table (and our local routes the old interface), the stale ones of a
     /// dead predecessor leave the new table, every VIP starts withdrawn.
@@ -613,7 +608,10 @@ impl Daemon {
             }
             inner.made_local.clear();
         }
-        let mut routes = Driver::new(RouteTable::new(writer.clone(), settings.table));
+        let mut routes = Driver::new(
+            RouteTable::new(writer.clone(), settings.table),
+            self.metrics.host_repairs(),
+        );
         // After a hand-over: the previous process's routes to VIPs of the
         // config, out of this interface, stay announced (the next sync
         // adopts them: no delete, no add, no BGP churn); only the others
@@ -738,7 +736,6 @@ impl Daemon {
             return Some(retry);
         };
         let out = routes.sync(&routes_wanted).await;
-        self.count_repairs(HostKind::AnnounceRoute, &out);
         if !out.repaired.is_empty() {
             self.metrics.record_vip_announce_repair();
         }
@@ -929,7 +926,12 @@ impl Daemon {
                     .writer
                     .clone()
                     .or_else(|| RouteWriter::connect().ok())
-                    .map(|w| Driver::new(RouteTable::new(w, settings.table))),
+                    .map(|w| {
+                        Driver::new(
+                            RouteTable::new(w, settings.table),
+                            self.metrics.host_repairs(),
+                        )
+                    }),
             };
             wait = routes.is_none();
             if let Some(mut routes) = routes {
@@ -1066,6 +1068,7 @@ mod tests {
     use super::*;
     use crate::host::owned::Found;
     use crate::host::owned::driver::Listing;
+    use crate::metrics::HostKind;
 
     /// `[vip]` announcing VIPs of 203.0.113.0/24 (the listeners bind them
     /// with `IP_FREEBIND`; nothing is sent to them).
@@ -1304,7 +1307,7 @@ mod tests {
     }
 
     impl Backend for MemoryTable {
-        const KIND: &'static str = RouteTable::KIND;
+        const KIND: HostKind = RouteTable::KIND;
         const STOP: StopPhase = RouteTable::STOP;
         const REMOVES_STRAYS: bool = RouteTable::REMOVES_STRAYS;
         type Key = IpAddr;
@@ -1361,7 +1364,7 @@ mod tests {
             let table = MemoryTable::default();
             Self {
                 daemon: daemon(),
-                routes: Driver::new(table.clone()),
+                routes: Driver::new(table.clone(), Arc::default()),
                 table,
                 vips: BTreeMap::new(),
                 error: None,

@@ -41,6 +41,7 @@
 //!
 //! Everything here needs `CAP_NET_ADMIN` and an `AF_NETLINK` socket.
 
+use crate::metrics::HostKind;
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
 
@@ -536,7 +537,7 @@ pub struct SeenRoute {
 }
 
 impl Backend for RouteTable {
-    const KIND: &'static str = "announce_route";
+    const KIND: HostKind = HostKind::AnnounceRoute;
     const STOP: StopPhase = StopPhase::BeforeDrain;
     const REMOVES_STRAYS: bool = true;
     type Key = IpAddr;
@@ -619,7 +620,7 @@ impl VipLocalRoutes {
 }
 
 impl Backend for VipLocalRoutes {
-    const KIND: &'static str = "vip_local_route";
+    const KIND: HostKind = HostKind::VipLocalRoute;
     const STOP: StopPhase = StopPhase::AfterDrain;
     const REMOVES_STRAYS: bool = true;
     type Key = IpAddr;

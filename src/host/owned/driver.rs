@@ -42,8 +42,12 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::future::Future;
+use std::sync::Arc;
 
 use super::Drift;
+use crate::metrics::HostKind;
+use crate::metrics::HostRepairs;
+use crate::metrics::by_label::Label;
 
 /// When, at a clean stop, a kind's objects are removed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -73,9 +77,10 @@ pub struct Found<S> {
 /// kernel's copy, write an object and remove one. Implemented by each real
 /// backend (rtnetlink) and by the in-memory one of the tests.
 pub trait Backend {
-    /// The kind's name in the log (`kind=…`) and in
-    /// `harvester_lb_host_repairs_total{kind}`.
-    const KIND: &'static str;
+    /// The kind, one spelling for the log (`kind=…`) and for
+    /// `harvester_lb_host_repairs_total{kind}`, which the driver counts
+    /// itself: no caller counts a repair by hand.
+    const KIND: HostKind;
     /// When a clean stop removes this kind's objects.
     const STOP: StopPhase;
     /// Whether a marked object this process did not write is removed when
@@ -212,12 +217,15 @@ pub struct Driver<B: Backend> {
     /// after the first read was put there by another process (a repair),
     /// one found at the first read is a dead predecessor's.
     read_once: bool,
+    /// Where each repair is counted, under [`Backend::KIND`]
+    /// (`host_repairs_total{kind}`).
+    repairs: Arc<HostRepairs>,
 }
 
 impl<B: Backend> fmt::Debug for Driver<B> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Driver")
-            .field("kind", &B::KIND)
+            .field("kind", &B::KIND.name())
             .field("held", &self.written.len())
             .finish_non_exhaustive()
     }
@@ -225,13 +233,15 @@ impl<B: Backend> fmt::Debug for Driver<B> {
 
 impl<B: Backend> Driver<B> {
     /// Owns nothing yet: the first sync writes what is wanted (and, where
-    /// the kind says so, removes a dead predecessor's strays).
-    pub fn new(backend: B) -> Self {
+    /// the kind says so, removes a dead predecessor's strays); each
+    /// repair it makes is counted in `repairs` under [`Backend::KIND`].
+    pub fn new(backend: B, repairs: Arc<HostRepairs>) -> Self {
         Self {
             backend,
             written: BTreeMap::new(),
             read_ok: false,
             read_once: false,
+            repairs,
         }
     }
 
@@ -332,12 +342,15 @@ impl<B: Backend> Driver<B> {
                 wanted.contains_key(&key) && !out.foreign.iter().any(|(k, _)| *k == key);
             if wanted_here || unwanted_stray {
                 tracing::warn!(
-                    kind = B::KIND,
+                    kind = B::KIND.name(),
                     object = %key,
                     "the kernel's copy is not what this daemon wrote ({drift}): another process changed it; repaired"
                 );
                 out.repaired.push((key, drift));
             }
+        }
+        if !out.repaired.is_empty() {
+            self.repairs[B::KIND].increment(out.repaired.len() as u64);
         }
         if !pending.is_empty() {
             self.record(pending, &mut out).await;
@@ -450,7 +463,7 @@ mod tests {
     }
 
     impl<const STRAYS: bool> Backend for Fake<STRAYS> {
-        const KIND: &'static str = "fake";
+        const KIND: HostKind = HostKind::AnnounceRoute;
         const STOP: StopPhase = StopPhase::AfterDrain;
         const REMOVES_STRAYS: bool = STRAYS;
         type Key = u32;
@@ -532,7 +545,7 @@ mod tests {
     #[test]
     fn creates_what_is_wanted_then_writes_only_differences() {
         block_on(async {
-            let mut d = Driver::new(Owning::default());
+            let mut d = Driver::new(Owning::default(), Arc::default());
             let out = d.sync(&wanted(&[(1, "a"), (2, "b")])).await;
             assert_eq!(out.written, vec![1, 2]);
             assert!(!out.needs_retry());
@@ -556,9 +569,32 @@ mod tests {
     }
 
     #[test]
+    fn each_repair_is_counted_by_the_driver_under_its_backend_s_kind() {
+        block_on(async {
+            let repairs: Arc<HostRepairs> = Arc::default();
+            let mut d = Driver::new(Owning::default(), Arc::clone(&repairs));
+            let want = wanted(&[(1, "a"), (2, "b"), (3, "c")]);
+            d.sync(&want).await;
+            d.backend.kernel.remove(&1);
+            d.backend.kernel.insert(2, ours("tampered"));
+            d.sync(&want).await;
+            // Our own change and an unchanged sync count nothing.
+            d.sync(&wanted(&[(1, "a"), (2, "b2"), (3, "c")])).await;
+            d.sync(&wanted(&[(1, "a"), (2, "b2"), (3, "c")])).await;
+            let counted: Vec<(&str, u64)> = HostKind::NAMES
+                .iter()
+                .zip(repairs.as_slice())
+                .map(|(name, c)| (*name, c.get()))
+                .filter(|(_, n)| *n > 0)
+                .collect();
+            assert_eq!(counted, [("announce_route", 2)]);
+        });
+    }
+
+    #[test]
     fn another_process_s_change_is_repaired_and_reported() {
         block_on(async {
-            let mut d = Driver::new(Owning::default());
+            let mut d = Driver::new(Owning::default(), Arc::default());
             let want = wanted(&[(1, "a"), (2, "b"), (3, "c")]);
             d.sync(&want).await;
             d.backend.kernel.remove(&1);
@@ -592,7 +628,7 @@ mod tests {
     #[test]
     fn a_failed_write_is_not_held_and_is_retried() {
         block_on(async {
-            let mut d = Driver::new(Owning::default());
+            let mut d = Driver::new(Owning::default(), Arc::default());
             d.backend.fail_write.insert(2);
             let want = wanted(&[(1, "a"), (2, "b")]);
             let out = d.sync(&want).await;
@@ -624,7 +660,7 @@ mod tests {
     #[test]
     fn a_write_the_kernel_does_not_keep_is_a_failure() {
         block_on(async {
-            let mut d = Driver::new(Owning::default());
+            let mut d = Driver::new(Owning::default(), Arc::default());
             d.backend.swallow.insert(1);
             let out = d.sync(&wanted(&[(1, "a")])).await;
             assert!(matches!(out.failure(&1), Some(Failure::Vanished)));
@@ -641,7 +677,7 @@ mod tests {
     #[test]
     fn an_unreadable_kernel_holds_nothing_until_read_again() {
         block_on(async {
-            let mut d = Driver::new(Owning::default());
+            let mut d = Driver::new(Owning::default(), Arc::default());
             let want = wanted(&[(1, "a")]);
             d.sync(&want).await;
             d.backend.fail_read = true;
@@ -674,7 +710,7 @@ mod tests {
     #[test]
     fn another_program_s_object_is_never_written_over_nor_removed() {
         block_on(async {
-            let mut d = Driver::new(Owning::default());
+            let mut d = Driver::new(Owning::default(), Arc::default());
             d.backend.kernel.insert(1, theirs("keepalived's"));
             let out = d.sync(&wanted(&[(1, "a"), (2, "b")])).await;
             assert_eq!(out.foreign, vec![(1, "keepalived's".to_string())]);
@@ -700,7 +736,7 @@ mod tests {
         block_on(async {
             // Kernels before 5.18 drop an address's protocol: what this
             // process wrote reads back unmarked, and is still its own.
-            let mut d = Driver::new(Sharing::default());
+            let mut d = Driver::new(Sharing::default(), Arc::default());
             d.backend.drop_mark = true;
             let out = d.sync(&wanted(&[(1, "a")])).await;
             assert_eq!(out.written, vec![1]);
@@ -716,7 +752,7 @@ mod tests {
     #[test]
     fn a_predecessors_object_exactly_as_wanted_is_adopted_without_a_write() {
         block_on(async {
-            let mut d = Driver::new(Owning::default());
+            let mut d = Driver::new(Owning::default(), Arc::default());
             d.backend.kernel.insert(1, ours("h"));
             d.backend.kernel.insert(2, ours("old"));
             d.backend.kernel.insert(
@@ -743,7 +779,7 @@ mod tests {
     #[test]
     fn strays_go_only_where_one_daemon_holds_the_keys() {
         block_on(async {
-            let mut owning = Driver::new(Owning::default());
+            let mut owning = Driver::new(Owning::default(), Arc::default());
             owning.backend.kernel.insert(7, ours("dead run's"));
             owning.backend.kernel.insert(8, ours("dead run's, wanted"));
             let out = owning.sync(&wanted(&[(8, "h")])).await;
@@ -765,7 +801,7 @@ mod tests {
                 out.repaired[0].1
             );
 
-            let mut sharing = Driver::new(Sharing::default());
+            let mut sharing = Driver::new(Sharing::default(), Arc::default());
             sharing.backend.kernel.insert(7, ours("another daemon's"));
             sharing
                 .backend
@@ -788,7 +824,7 @@ mod tests {
     #[test]
     fn a_failed_removal_stays_held_and_is_retried() {
         block_on(async {
-            let mut d = Driver::new(Sharing::default());
+            let mut d = Driver::new(Sharing::default(), Arc::default());
             d.sync(&wanted(&[(1, "a")])).await;
             d.backend.fail_remove.insert(1);
             let out = d.stop().await;

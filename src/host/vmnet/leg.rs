@@ -43,6 +43,7 @@
 //! removed after the drain at a clean stop, kept across a hand-over (the
 //! next process adopts them as they are).
 
+use crate::metrics::HostKind;
 use std::collections::BTreeMap;
 use std::fmt;
 use std::sync::{Arc, Mutex};
@@ -268,7 +269,7 @@ fn kind_of(attributes: &[LinkAttribute]) -> (Option<String>, bool) {
 }
 
 impl Backend for NetworkLegs {
-    const KIND: &'static str = "network_leg";
+    const KIND: HostKind = HostKind::NetworkLeg;
     // The open connections the drain waits for are routed through it.
     const STOP: StopPhase = StopPhase::AfterDrain;
     // `hleg<table>` macvlans are this daemon's alone (the networks' tables

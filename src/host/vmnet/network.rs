@@ -33,6 +33,7 @@
 //! (unmarked) is left alone and reported. Rules have priority
 //! [`RULE_PRIORITY`], before the `main` table (32766).
 
+use crate::metrics::HostKind;
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
@@ -286,7 +287,7 @@ fn rule_message(vip: IpAddr, table: Option<u32>) -> RuleMessage {
 }
 
 impl Backend for NetworkRoutes {
-    const KIND: &'static str = "network_route";
+    const KIND: HostKind = HostKind::NetworkRoute;
     // Replies of the connections the drain waits for go through them.
     const STOP: StopPhase = StopPhase::AfterDrain;
     // The networks' tables and `proto 252` rules are this daemon's alone.

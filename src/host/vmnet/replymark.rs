@@ -67,6 +67,7 @@
 //! another process changed or deleted them, removed after the drain at a
 //! clean stop; the table is compared as `nft -j list` shows it.
 
+use crate::metrics::HostKind;
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::{self, Write as _};
 use std::net::IpAddr;
@@ -363,7 +364,7 @@ async fn blocking<T: Send + 'static>(
 }
 
 impl Backend for ReplyMarks {
-    const KIND: &'static str = "reply_mark";
+    const KIND: HostKind = HostKind::ReplyMark;
     // Replies of the connections the drain waits for go through them.
     const STOP: StopPhase = StopPhase::AfterDrain;
     // The table's name and `proto 252` rules on these bits are this
