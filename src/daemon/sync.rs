@@ -48,7 +48,7 @@ use crate::host::conntrack_sync::conntrackd::{
 };
 use crate::host::conntrack_sync::gate::Gate;
 use crate::host::owned::{CHECK_INTERVAL, Checked, Guard};
-use crate::metrics::{HostKind, SyncInstanceSample, SyncSample};
+use crate::metrics::{SyncInstanceSample, SyncSample};
 
 /// How long `conntrackd -s` may take before the check gives up on it.
 const STATS_TIMEOUT: Duration = Duration::from_secs(2);
@@ -348,9 +348,10 @@ impl Daemon {
             .is_some_and(|w| w.gated == gate.gated && w.vrids == gate.vrids);
         let mut guard = std::mem::take(&mut inner.guard);
         let g = gate.clone();
+        let repairs = self.metrics.host_repairs();
         let gated = tokio::task::spawn_blocking(move || {
             let result = if same {
-                guard.check(&g).map(Some)
+                guard.check(&g, &repairs).map(Some)
             } else {
                 guard.write(&g).map(|()| None)
             };
@@ -370,7 +371,6 @@ impl Daemon {
                         inner.written = Some(gate.clone());
                     }
                     Ok(Some(Checked::Repaired(drift))) => {
-                        self.metrics.record_host_repairs(HostKind::SyncGate, 1);
                         tracing::warn!(
                             found = "by the periodic check",
                             "the sync gate table inet {GATE_TABLE} was changed by another process ({drift}); written again"
@@ -432,9 +432,10 @@ impl Daemon {
             }
             Some(script) => {
                 let table = AnycastGuard { script };
+                let repairs = self.metrics.host_repairs();
                 tokio::task::spawn_blocking(move || {
                     let result = if same {
-                        guard.check(&table).map(Some)
+                        guard.check(&table, &repairs).map(Some)
                     } else {
                         guard.write(&table).map(|()| None)
                     };
@@ -456,8 +457,6 @@ impl Daemon {
                         inner.anycast_written = want;
                     }
                     Ok(Some(Checked::Repaired(drift))) => {
-                        self.metrics
-                            .record_host_repairs(HostKind::AnycastSyncGuard, 1);
                         tracing::warn!(
                             found = "by the periodic check",
                             "the anycast sync's guard table inet {} was changed by another process ({drift}); written again",

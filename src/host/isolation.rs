@@ -47,6 +47,7 @@
 //! userspace tool, present on every host that has nftables, and the one an
 //! operator uses to inspect the result (`nft list table inet harvester_lb`).
 
+use crate::metrics::HostKind;
 use std::borrow::Cow;
 use std::collections::{BTreeSet, HashMap};
 use std::net::IpAddr;
@@ -149,6 +150,7 @@ fn list() -> Result<Option<Fingerprint>, IsolationError> {
 struct PortFilterTable<'a>(&'a (Openings, IsolateAction));
 
 impl Owned for PortFilterTable<'_> {
+    const KIND: HostKind = HostKind::IsolationTable;
     type Error = IsolationError;
     fn read_back(&self) -> Result<Option<Fingerprint>, IsolationError> {
         list()
@@ -282,7 +284,10 @@ impl Isolation {
                 st.applied_at = Some(SystemTime::now());
             });
         }
-        match st.guard.check(&PortFilterTable(&wanted)) {
+        match st
+            .guard
+            .check(&PortFilterTable(&wanted), &self.metrics.host_repairs)
+        {
             Ok(Checked::Repaired(drift)) => {
                 st.applied_at = Some(SystemTime::now());
                 self.metrics.record_vip_isolation_repair();

@@ -36,6 +36,18 @@ impl<L: Label, const N: usize> ByLabel<L, N> {
     pub fn as_slice(&self) -> &[Counter] {
         &self.counters
     }
+
+    /// Each value's text and count, those counted at least once, for
+    /// tests that check what was counted where.
+    #[cfg(test)]
+    pub(crate) fn counted(&self) -> Vec<(&'static str, u64)> {
+        L::NAMES
+            .iter()
+            .zip(&self.counters)
+            .map(|(name, c)| (*name, c.get()))
+            .filter(|(_, n)| *n > 0)
+            .collect()
+    }
 }
 
 impl<L: Label, const N: usize> Default for ByLabel<L, N> {

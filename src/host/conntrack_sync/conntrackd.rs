@@ -369,6 +369,7 @@ pub struct AnycastGuard {
 pub struct AnycastGuardError(String);
 
 impl crate::host::owned::Owned for AnycastGuard {
+    const KIND: crate::metrics::HostKind = crate::metrics::HostKind::AnycastSyncGuard;
     type Error = AnycastGuardError;
 
     fn read_back(&self) -> Result<Option<crate::host::owned::Fingerprint>, AnycastGuardError> {

@@ -46,6 +46,7 @@
 //! the VIPs away and the script closes the gates; removing the table would
 //! open them all.
 
+use crate::metrics::HostKind;
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Write as _;
 
@@ -193,6 +194,7 @@ fn structure(listed: &str) -> Result<Fingerprint, String> {
 }
 
 impl Owned for Gate {
+    const KIND: HostKind = HostKind::SyncGate;
     type Error = GateError;
 
     fn read_back(&self) -> Result<Option<Fingerprint>, GateError> {

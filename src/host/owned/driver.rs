@@ -581,12 +581,7 @@ mod tests {
             // Our own change and an unchanged sync count nothing.
             d.sync(&wanted(&[(1, "a"), (2, "b2"), (3, "c")])).await;
             d.sync(&wanted(&[(1, "a"), (2, "b2"), (3, "c")])).await;
-            let counted: Vec<(&str, u64)> = HostKind::NAMES
-                .iter()
-                .zip(repairs.as_slice())
-                .map(|(name, c)| (*name, c.get()))
-                .filter(|(_, n)| *n > 0)
-                .collect();
+            let counted = repairs.counted();
             assert_eq!(counted, [("announce_route", 2)]);
         });
     }

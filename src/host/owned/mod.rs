@@ -20,7 +20,9 @@
 //! 3. **Check and repair.** At every reload and on a timer the object is
 //!    read back again; if it differs it is written again, what differed
 //!    ([`Drift`]) is logged at warn and the repair counted per kind
-//!    (`harvester_lb_host_repairs_total{kind}`).
+//!    (`harvester_lb_host_repairs_total{kind}`) by the mechanism itself,
+//!    under the kind its object declares ([`Backend::KIND`],
+//!    [`Owned::KIND`], one `HostKind` each): no caller counts by hand.
 //! 4. **Report the kernel**, not memory: `/status` and the metrics say
 //!    what the last read-back found.
 //!
@@ -33,13 +35,14 @@
 //!   what is no longer wanted, writes, reads back again, and orders the
 //!   stop ([`StopPhase`]). Its branches are unit-tested against an
 //!   in-memory kernel, the backends in network namespaces.
-//! * **One whole object** (the isolation table): a [`Guard`] over an
+//! * **One whole object** (the isolation table, the VM-network guard, the
+//!   sync gate, the anycast sync's guard): a [`Guard`] over an
 //!   [`Owned`] (below), comparing the kernel's own listing.
 //! * **The NAT tables** (10,000 listeners in 16 tables, rewritten many
-//!   times a minute): `kernel::check`, the same rule its own way (below).
+//!   times a minute): `host::nat::check`, the same rule its own way (below).
 //!
 //! A DHCP load balancer's macvlan interface and leased address are owned
-//! by its client (`vip::dhcp::run`), which reads them back over rtnetlink
+//! by its client (`host::dhcp::run`), which reads them back over rtnetlink
 //! every [`CHECK_INTERVAL`] while a lease is held: their life follows the
 //! lease's state machine, not a wanted set.
 //!
@@ -68,6 +71,8 @@
 
 use std::fmt;
 use std::time::Duration;
+
+use crate::metrics::{HostKind, HostRepairs};
 
 pub mod adopt;
 pub mod claim;
@@ -200,6 +205,9 @@ impl fmt::Display for Drift {
 
 /// A kernel object the daemon owns: how to read it back and write it whole.
 pub trait Owned {
+    /// The kind, under which [`Guard::check`] counts a repair
+    /// (`harvester_lb_host_repairs_total{kind}`): no caller counts by hand.
+    const KIND: HostKind;
     /// Why reading or writing failed.
     type Error;
     /// The object as the kernel has it now; `None` when it is absent.
@@ -262,9 +270,14 @@ impl Guard {
     }
 
     /// Reads `object` back; if it differs from what was written, writes it
-    /// again. An error leaves the object unowned until the next write, so a
-    /// later check does not take the kernel's state for ours.
-    pub fn check<O: Owned>(&mut self, object: &O) -> Result<Checked, O::Error> {
+    /// again and counts the repair in `repairs` under [`Owned::KIND`]. An
+    /// error leaves the object unowned until the next write, so a later
+    /// check does not take the kernel's state for ours.
+    pub fn check<O: Owned>(
+        &mut self,
+        object: &O,
+        repairs: &HostRepairs,
+    ) -> Result<Checked, O::Error> {
         let Some(written) = &self.written else {
             return Ok(Checked::NothingOwned);
         };
@@ -273,6 +286,7 @@ impl Guard {
             return Ok(Checked::InPlace);
         };
         self.write(object)?;
+        repairs[O::KIND].increment(1);
         Ok(Checked::Repaired(drift))
     }
 }
@@ -297,6 +311,7 @@ mod tests {
     }
 
     impl Owned for Table {
+        const KIND: HostKind = HostKind::IsolationTable;
         type Error = String;
         fn read_back(&self) -> Result<Option<Fingerprint>, String> {
             Ok(self.kernel.borrow().clone().map(Fingerprint))
@@ -312,25 +327,55 @@ mod tests {
     }
 
     #[test]
+    fn a_guard_counts_each_repair_that_succeeded_under_its_object_s_kind() {
+        let table = Table {
+            meant: vec!["rule a".into()],
+            ..Table::default()
+        };
+        let mut guard = Guard::default();
+        let repairs = HostRepairs::default();
+        guard.write(&table).unwrap();
+        assert_eq!(guard.check(&table, &repairs), Ok(Checked::InPlace));
+        *table.kernel.borrow_mut() = None;
+        assert_eq!(
+            guard.check(&table, &repairs),
+            Ok(Checked::Repaired(Drift::Gone))
+        );
+        *table.kernel.borrow_mut() = None;
+        table.fail_write.set(true);
+        assert!(guard.check(&table, &repairs).is_err());
+        let counted = repairs.counted();
+        assert_eq!(
+            counted,
+            [("isolation_table", 1)],
+            "the failed repair is not counted"
+        );
+    }
+
+    #[test]
     fn a_guard_repairs_what_another_process_changed_and_owns_nothing_after_a_failure() {
         let table = Table {
             meant: vec!["rule a".into(), "rule b".into()],
             ..Table::default()
         };
         let mut guard = Guard::default();
-        assert_eq!(guard.check(&table), Ok(Checked::NothingOwned));
+        let repairs = HostRepairs::default();
+        assert_eq!(guard.check(&table, &repairs), Ok(Checked::NothingOwned));
         guard.write(&table).unwrap();
-        assert_eq!(guard.check(&table), Ok(Checked::InPlace));
+        assert_eq!(guard.check(&table, &repairs), Ok(Checked::InPlace));
         assert_eq!(table.writes.get(), 1);
 
         // Deleted by another process: written again, the drift reported.
         *table.kernel.borrow_mut() = None;
-        assert_eq!(guard.check(&table), Ok(Checked::Repaired(Drift::Gone)));
+        assert_eq!(
+            guard.check(&table, &repairs),
+            Ok(Checked::Repaired(Drift::Gone))
+        );
         assert_eq!(table.kernel.borrow().as_deref(), Some(&table.meant[..]));
 
         // Changed: what differed is named.
         *table.kernel.borrow_mut() = Some(vec!["rule a".into(), "rule x".into()]);
-        let Ok(Checked::Repaired(drift)) = guard.check(&table) else {
+        let Ok(Checked::Repaired(drift)) = guard.check(&table, &repairs) else {
             panic!("not repaired")
         };
         assert_eq!(drift.to_string(), "1 missing: rule b; 1 not ours: rule x");
@@ -339,11 +384,11 @@ mod tests {
         // (so the kernel's state is never taken for ours).
         *table.kernel.borrow_mut() = None;
         table.fail_write.set(true);
-        assert_eq!(guard.check(&table), Err("refused".to_string()));
+        assert_eq!(guard.check(&table, &repairs), Err("refused".to_string()));
         *table.kernel.borrow_mut() = Some(vec!["someone else's".into()]);
-        assert_eq!(guard.check(&table), Ok(Checked::NothingOwned));
+        assert_eq!(guard.check(&table, &repairs), Ok(Checked::NothingOwned));
         guard.forget();
-        assert_eq!(guard.check(&table), Ok(Checked::NothingOwned));
+        assert_eq!(guard.check(&table, &repairs), Ok(Checked::NothingOwned));
     }
 
     #[test]

@@ -121,7 +121,7 @@ use std::time::SystemTime;
 
 use crate::config::Config;
 use crate::host::owned::{Checked, Drift, Fingerprint, Guard, Owned};
-use crate::metrics::{HostKind, Metrics};
+use crate::metrics::{HostKind, HostRepairs, Metrics};
 
 /// The table's name, in family `inet`.
 pub const TABLE: &str = "harvester_lb_vmnet";
@@ -394,6 +394,7 @@ pub struct GuardError {
 struct VmnetFilterTable<'a>(&'a Rules);
 
 impl Owned for VmnetFilterTable<'_> {
+    const KIND: HostKind = HostKind::VmNetworkGuard;
     type Error = GuardError;
     fn read_back(&self) -> Result<Option<Fingerprint>, GuardError> {
         let fail = |detail: String| GuardError {
@@ -501,7 +502,7 @@ impl VmNetworkGuard {
     /// runs `nft`.
     pub fn reconcile(&self, rules: Rules, metrics: &Metrics) -> Result<(), GuardError> {
         let mut st = lock(&self.state);
-        let result = Self::step(&mut st, rules);
+        let result = Self::step(&mut st, rules, &metrics.host_repairs);
         st.error = result.as_ref().err().map(ToString::to_string);
         let enabled = !st.wanted.is_empty();
         *lock(&self.report) = GuardStatus {
@@ -519,7 +520,6 @@ impl VmNetworkGuard {
         metrics.set_vm_network_guard(enabled.then_some(result.is_ok()));
         match result {
             Ok(Some(drift)) => {
-                metrics.record_host_repairs(HostKind::VmNetworkGuard, 1);
                 tracing::warn!(
                     table = %format!("inet {TABLE}"),
                     "the VM-network guard table in the kernel is not the one this daemon wrote ({drift}): another process changed it (a second harvester-lb, `nft flush ruleset`, a firewall reload?); written again"
@@ -534,7 +534,11 @@ impl VmNetworkGuard {
         }
     }
 
-    fn step(st: &mut State, rules: Rules) -> Result<Option<Drift>, GuardError> {
+    fn step(
+        st: &mut State,
+        rules: Rules,
+        repairs: &HostRepairs,
+    ) -> Result<Option<Drift>, GuardError> {
         st.wanted = rules.clone();
         if rules.is_empty() {
             st.guard.forget();
@@ -553,7 +557,7 @@ impl VmNetworkGuard {
             st.applied_at = Some(SystemTime::now());
             return Ok(None);
         }
-        match st.guard.check(&VmnetFilterTable(&rules)) {
+        match st.guard.check(&VmnetFilterTable(&rules), repairs) {
             Ok(Checked::Repaired(drift)) => {
                 st.applied_at = Some(SystemTime::now());
                 Ok(Some(drift))
