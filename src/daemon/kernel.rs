@@ -482,7 +482,7 @@ impl Daemon {
                 "{sysctl} cannot be read ({}), so the proxy serves this listener: {UNREADABLE_REMEDY}",
                 crate::os::IP_FORWARDING_FILES[family]
             )),
-            Sysctl::On => self.forward_chain_blocked(vip),
+            Sysctl::On => self.forward_chains.blocked(vip),
         }
     }
 
@@ -668,7 +668,12 @@ impl Daemon {
                 if daemon.mgmt_routes_changed() {
                     daemon.vmnet_wake();
                 }
-                if daemon.check_forward_chains().await {
+                let has_kernel = has_kernel_listener(daemon.lock().config.as_ref());
+                if daemon
+                    .forward_chains
+                    .check(has_kernel, &daemon.metrics)
+                    .await
+                {
                     daemon.kernel_wake.notify_one();
                 }
                 daemon.read_kernel_counters().await;
@@ -697,7 +702,11 @@ impl Daemon {
                 // kernel listener: judge the forward chains before writing.
                 let generation = daemon.lock().config_generation;
                 if cached.as_ref().is_none_or(|k| k.generation != generation) {
-                    daemon.check_forward_chains().await;
+                    let has_kernel = has_kernel_listener(daemon.lock().config.as_ref());
+                    daemon
+                        .forward_chains
+                        .check(has_kernel, &daemon.metrics)
+                        .await;
                 }
                 let change = daemon.kernel_desired_update(&mut cached);
                 let Some(k) = cached.take() else { continue };
@@ -1222,6 +1231,17 @@ impl Daemon {
 /// Anything else (a backend back, a drain of a TCP listener's backend)
 /// leaves every entry valid, and a sweep, a dump of the whole conntrack
 /// table, would only delay the next write.
+/// Whether `config` has a `forwarding = "kernel"` listener (the forward
+/// chains are read only then).
+fn has_kernel_listener(config: Option<&Config>) -> bool {
+    config.is_some_and(|c| {
+        c.load_balancers
+            .iter()
+            .flat_map(|lb| &lb.listeners)
+            .any(|l| l.forwarding == Forwarding::Kernel)
+    })
+}
+
 fn flows_may_be_stale(new: &Desired, old: &Desired) -> bool {
     new.iter()
         .any(|(id, l)| listener_may_leave_stale_flows(id, l, old.get(id)))

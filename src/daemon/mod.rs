@@ -32,7 +32,6 @@ mod admin_state;
 mod announce;
 mod apply;
 mod config_record;
-mod forward_chains;
 mod hand_over;
 mod kernel;
 mod kernel_check;
@@ -124,7 +123,7 @@ pub struct Daemon {
     forwarding_off: std::sync::atomic::AtomicU8,
     /// Other programs' forward chains that drop what the kernel forwards:
     /// kernel listeners of that family stay with the proxy.
-    forward_chains: forward_chains::ForwardChains,
+    forward_chains: crate::host::nat::forward_chains::ForwardChains,
     /// Set once the task that writes the kernel table runs.
     kernel_task: AtomicBool,
     /// `vip.announce = "routes"`: the VIPs' routes and addresses.
@@ -257,7 +256,7 @@ impl Daemon {
             kernel_wake: Arc::new(tokio::sync::Notify::new()),
             kernel_task: AtomicBool::new(false),
             forwarding_off: std::sync::atomic::AtomicU8::new(0),
-            forward_chains: forward_chains::ForwardChains::default(),
+            forward_chains: Default::default(),
             announcer: announce::Announcer::default(),
             vip_guard: Mutex::new(vip_guard::VipCheckResults::default()),
             network_refusals: Mutex::new(Vec::new()),

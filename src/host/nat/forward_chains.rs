@@ -25,6 +25,11 @@
 //! seen.
 //!
 //! It never writes into another program's table.
+//!
+//! [`ForwardChains`] is the NAT feature's component for this: its own
+//! state (what was found, its generation, the last read error), read by
+//! the kernel writer ([`ForwardChains::blocked`], [`ForwardChains::generation`])
+//! and refreshed by [`ForwardChains::check`]; the daemon only holds it.
 
 use std::collections::HashMap;
 use std::net::IpAddr;
@@ -32,9 +37,8 @@ use std::sync::atomic::Ordering;
 
 use serde_json::Value;
 
-use super::Daemon;
-use crate::config::Forwarding;
 use crate::host::nat::ForwardChain;
+use crate::metrics::Metrics;
 
 /// The prefix of every table the daemon owns: never judged.
 const OWN_TABLES: &str = crate::host::nft::TABLE_PREFIX;
@@ -44,7 +48,7 @@ const MAX_DEPTH: usize = 16;
 /// A base chain on the forward hook that drops the kernel listeners'
 /// traffic of a family.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(super) struct Blocking {
+pub struct Blocking {
     /// `ip`, `ip6` or `inet`.
     family: String,
     table: String,
@@ -77,7 +81,7 @@ impl std::fmt::Display for Blocking {
 /// What the last reading found: the chains that drop, by the daemon's
 /// count of changes (what the kernel writer compares to rebuild).
 #[derive(Debug, Default)]
-pub(super) struct ForwardChains {
+pub struct ForwardChains {
     found: std::sync::Mutex<Vec<Blocking>>,
     /// Bumped at every change of `found`.
     generation: std::sync::atomic::AtomicU64,
@@ -87,20 +91,18 @@ pub(super) struct ForwardChains {
 
 impl ForwardChains {
     /// Counts the changes of what was found.
-    pub(super) fn generation(&self) -> u64 {
+    pub fn generation(&self) -> u64 {
         self.generation.load(Ordering::Acquire)
     }
 
     fn found(&self) -> std::sync::MutexGuard<'_, Vec<Blocking>> {
         self.found.lock().unwrap_or_else(|e| e.into_inner())
     }
-}
 
-impl Daemon {
     /// Why a kernel listener on `vip` would be blackholed by another
     /// program's forward chain, if one drops its traffic.
-    pub(super) fn forward_chain_blocked(&self, vip: IpAddr) -> Option<String> {
-        let found = self.forward_chains.found();
+    pub fn blocked(&self, vip: IpAddr) -> Option<String> {
+        let found = self.found();
         let chains: Vec<String> = found
             .iter()
             .filter(|b| b.blocks(vip))
@@ -117,31 +119,18 @@ impl Daemon {
     }
 
     /// Reads the forward chains of the other tables (only while the config
-    /// has a kernel listener: `nft` is not needed otherwise); logs and
-    /// exports a change. Returns whether what blocks changed.
-    pub(super) async fn check_forward_chains(&self) -> bool {
-        let has_kernel = self.lock().config.as_ref().is_some_and(|c| {
-            c.load_balancers
-                .iter()
-                .flat_map(|lb| &lb.listeners)
-                .any(|l| l.forwarding == Forwarding::Kernel)
-        });
+    /// has a kernel listener, `has_kernel`: `nft` is not needed otherwise);
+    /// logs and exports a change (`metrics`). Returns whether what blocks
+    /// changed.
+    pub async fn check(&self, has_kernel: bool, metrics: &Metrics) -> bool {
         let found = if has_kernel {
             match tokio::task::spawn_blocking(read_blocking_chains).await {
                 Ok(Ok(found)) => {
-                    *self
-                        .forward_chains
-                        .read_error
-                        .lock()
-                        .unwrap_or_else(|e| e.into_inner()) = None;
+                    *self.read_error.lock().unwrap_or_else(|e| e.into_inner()) = None;
                     found
                 }
                 Ok(Err(e)) => {
-                    let mut said = self
-                        .forward_chains
-                        .read_error
-                        .lock()
-                        .unwrap_or_else(|e| e.into_inner());
+                    let mut said = self.read_error.lock().unwrap_or_else(|e| e.into_inner());
                     if said.as_deref() != Some(e.as_str()) {
                         tracing::warn!(
                             "cannot read the host's forward chains ({e}); a firewall that drops forwarded traffic would not be seen; retried every 5 s"
@@ -159,7 +148,7 @@ impl Daemon {
         } else {
             Vec::new()
         };
-        self.metrics.kernel_forward_blocked.store(
+        metrics.kernel_forward_blocked.store(
             if has_kernel {
                 1 + u8::from(!found.is_empty())
             } else {
@@ -167,7 +156,7 @@ impl Daemon {
             },
             Ordering::Relaxed,
         );
-        let mut kept = self.forward_chains.found();
+        let mut kept = self.found();
         if *kept == found {
             return false;
         }
@@ -187,9 +176,7 @@ impl Daemon {
             );
         }
         *kept = found;
-        self.forward_chains
-            .generation
-            .fetch_add(1, Ordering::AcqRel);
+        self.generation.fetch_add(1, Ordering::AcqRel);
         true
     }
 }

@@ -109,6 +109,7 @@ mod check;
 mod commit;
 mod conntrack;
 mod error;
+pub mod forward_chains;
 mod names;
 mod narrow;
 mod netlink;
