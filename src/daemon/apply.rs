@@ -49,7 +49,8 @@ impl Daemon {
         );
         st.config = Some(config);
         st.config_generation += 1;
-        self.kernel_wake();
+        self.start_kernel_writer();
+        self.kernel_wake.notify_one();
         self.start_or_wake_announcer();
         self.vmnet_wake();
         report

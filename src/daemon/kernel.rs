@@ -12,8 +12,8 @@
 
 use std::collections::HashMap;
 use std::net::IpAddr;
-use std::sync::Arc;
 use std::sync::atomic::Ordering;
+use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use super::{Daemon, LbEntry};
@@ -640,9 +640,12 @@ impl Daemon {
             .collect()
     }
 
-    /// Asks for a sync, starting the task that runs them on first use.
-    pub(super) fn kernel_wake(&self) {
-        self.kernel_wake.notify_one();
+    /// Starts, once, the kernel writer's two tasks (at the first apply):
+    /// the readings for `/metrics` and the host's facts
+    /// ([`kernel_readings`]) and the writes of the NAT tables
+    /// ([`kernel_writer`]), which waits on the `kernel_wake` notify. Waking
+    /// the writer is `kernel_wake.notify_one()`, nothing else.
+    pub(super) fn start_kernel_writer(&self) {
         if self.kernel_task.swap(true, Ordering::AcqRel) {
             return;
         }
@@ -650,158 +653,13 @@ impl Daemon {
             self.kernel_task.store(false, Ordering::Release);
             return;
         };
-        // The readings for /metrics run apart from the writes: a conntrack
-        // dump at scale takes long enough to delay a flip.
-        let me = self.me.clone();
-        runtime.spawn(async move {
-            let mut counters = tokio::time::interval(COUNTERS_EVERY);
-            counters.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            loop {
-                counters.tick().await;
-                let Some(daemon) = me.upgrade() else { return };
-                if daemon.is_stopping() {
-                    return;
-                }
-                if daemon.check_ip_forwarding() {
-                    daemon.kernel_wake.notify_one();
-                }
-                if daemon.mgmt_routes_changed() {
-                    daemon.vmnet_wake();
-                }
-                let has_kernel = has_kernel_listener(daemon.lock().config.as_ref());
-                if daemon
-                    .forward_chains
-                    .check(has_kernel, &daemon.metrics)
-                    .await
-                {
-                    daemon.kernel_wake.notify_one();
-                }
-                daemon.read_kernel_counters().await;
-                daemon.read_kernel_connections().await;
-            }
-        });
-        let me = self.me.clone();
-        let wake = Arc::clone(&self.kernel_wake);
-        runtime.spawn(async move {
-            // The desired state, cached between syncs.
-            let mut cached: Option<CachedDesired> = None;
-            // Until the first write, and after a failed sweep or write: the
-            // next write sweeps whatever it changed.
-            let mut sweep_all = true;
-            // When the last write ended, for the coalescing.
-            let mut last_write: Option<tokio::time::Instant> = None;
-            loop {
-                wake.notified().await;
-                let busy = last_write.is_some_and(|t| t.elapsed() < QUIET_AFTER);
-                tokio::time::sleep(if busy { COALESCE_BUSY } else { COALESCE_QUIET }).await;
-                let Some(daemon) = me.upgrade() else { return };
-                if daemon.is_stopping() {
-                    return;
-                }
-                // A new config (the first, a reload) may bring the first
-                // kernel listener: judge the forward chains before writing.
-                let generation = daemon.lock().config_generation;
-                if cached.as_ref().is_none_or(|k| k.generation != generation) {
-                    let has_kernel = has_kernel_listener(daemon.lock().config.as_ref());
-                    daemon
-                        .forward_chains
-                        .check(has_kernel, &daemon.metrics)
-                        .await;
-                }
-                let change = daemon.kernel_desired_update(&mut cached);
-                let Some(k) = cached.take() else { continue };
-                // After a write that took a backend from a UDP listener (or
-                // marked one down with on_backend_down = "close"), its flows
-                // are deleted: their entries would keep them for ever. A
-                // sweep dumps the whole conntrack table, so only then.
-                let sweep = sweep_all || change.flows_may_be_stale(&k.desired);
-                let changed = change.listeners();
-                let table = Arc::clone(&daemon.kernel);
-                let listeners = k.desired.len();
-                let owner = Arc::clone(&daemon);
-                let result = tokio::task::spawn_blocking(move || {
-                    let synced = match &changed {
-                        Some(ids) => table.sync_changed(&k.desired, ids),
-                        None => table.sync(&k.desired),
-                    };
-                    let (synced, narrowed) = match synced {
-                        Err(e) => owner.kernel_narrow(&table, &k.desired, e),
-                        written => (written, None),
-                    };
-                    let outcome = synced.map(|synced| {
-                        let swept = (sweep && matches!(synced, Synced::Written(_)))
-                            .then(|| crate::host::nat::delete_stale_flows(&k.desired));
-                        (synced, swept)
-                    });
-                    (outcome, narrowed, k)
-                })
-                .await;
-                let outcome = match result {
-                    Ok((outcome, narrowed, mut k)) => {
-                        let refused: Vec<String> = narrowed
-                            .as_ref()
-                            .map(|(n, _)| n.refused.iter().map(|r| r.owner.clone()).collect())
-                            .unwrap_or_default();
-                        if let Some(narrowed) = narrowed {
-                            daemon.kernel_refused(&mut k, narrowed);
-                        }
-                        if outcome.is_ok() {
-                            // Tried again and written: no longer refused.
-                            let retried = std::mem::take(&mut k.retried);
-                            daemon.kernel.accept(
-                                retried
-                                    .iter()
-                                    .map(String::as_str)
-                                    .filter(|o| !refused.iter().any(|r| r == o)),
-                            );
-                        }
-                        daemon
-                            .metrics
-                            .set_kernel_refused(daemon.kernel.refused().len());
-                        cached = Some(k);
-                        outcome
-                    }
-                    Err(e) => {
-                        // `cached` is gone with the task: rebuilt whole next.
-                        tracing::error!("the kernel table writer ended abnormally: {e}");
-                        continue;
-                    }
-                };
-                match outcome {
-                    Ok((Synced::Unchanged, _)) => sweep_all = false,
-                    Ok((Synced::Written(took), swept)) => {
-                        last_write = Some(tokio::time::Instant::now());
-                        daemon.metrics.kernel_synced(took);
-                        tracing::debug!(listeners, ?took, "kernel NAT table written");
-                        sweep_all = false;
-                        match swept {
-                            Some(Ok(0)) | None => {}
-                            Some(Ok(n)) => tracing::info!(
-                                flows = n,
-                                "deleted the conntrack entries of UDP flows whose backend left, and of TCP flows to reset (on_backend_down = \"close\")"
-                            ),
-                            Some(Err(e)) => {
-                                sweep_all = true;
-                                tracing::error!(
-                                    "could not delete the conntrack entries of flows whose backend left (UDP clients with a fixed source port stay on it until their flow times out; retried at the next write): {e}"
-                                );
-                            }
-                        }
-                    }
-                    Err(e) => {
-                        sweep_all = true;
-                        daemon.metrics.kernel_sync_failed();
-                        tracing::error!(listeners, "{e}; retrying with a full resync in {RETRY:?}");
-                        let wake = Arc::clone(&daemon.kernel_wake);
-                        tokio::spawn(async move {
-                            tokio::time::sleep(RETRY).await;
-                            wake.notify_one();
-                        });
-                    }
-                }
-            }
-        });
+        runtime.spawn(kernel_readings(self.me.clone()));
+        runtime.spawn(kernel_writer(
+            self.me.clone(),
+            Arc::clone(&self.kernel_wake),
+        ));
     }
+
     /// Reads the kernel's per-backend new-connection counters into
     /// `/metrics` (one `nft` call; none while no listener is in the kernel).
     async fn read_kernel_counters(&self) {
@@ -1231,6 +1089,162 @@ impl Daemon {
 /// Anything else (a backend back, a drain of a TCP listener's backend)
 /// leaves every entry valid, and a sweep, a dump of the whole conntrack
 /// table, would only delay the next write.
+/// The readings for `/metrics` and the host's facts, every
+/// `COUNTERS_EVERY`, apart from the writes: a conntrack dump at scale takes
+/// long enough to delay a flip. Wakes the writer when a fact it judges by
+/// changed (the host's forwarding, another program's forward chains).
+async fn kernel_readings(me: Weak<Daemon>) {
+    let mut counters = tokio::time::interval(COUNTERS_EVERY);
+    counters.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        counters.tick().await;
+        let Some(daemon) = me.upgrade() else { return };
+        if daemon.is_stopping() {
+            return;
+        }
+        if daemon.check_ip_forwarding() {
+            daemon.kernel_wake.notify_one();
+        }
+        if daemon.mgmt_routes_changed() {
+            daemon.vmnet_wake();
+        }
+        let has_kernel = has_kernel_listener(daemon.lock().config.as_ref());
+        if daemon
+            .forward_chains
+            .check(has_kernel, &daemon.metrics)
+            .await
+        {
+            daemon.kernel_wake.notify_one();
+        }
+        daemon.read_kernel_counters().await;
+        daemon.read_kernel_connections().await;
+    }
+}
+
+/// The writer of the kernel NAT tables: on every wake (coalesced), the
+/// desired state built again from the daemon's verdicts and written,
+/// narrowed when the kernel refuses a part, the flows of departed
+/// backends swept; a failed write retried with a full resync after `RETRY`.
+async fn kernel_writer(me: Weak<Daemon>, wake: Arc<tokio::sync::Notify>) {
+    // The desired state, cached between syncs.
+    let mut cached: Option<CachedDesired> = None;
+    // Until the first write, and after a failed sweep or write: the
+    // next write sweeps whatever it changed.
+    let mut sweep_all = true;
+    // When the last write ended, for the coalescing.
+    let mut last_write: Option<tokio::time::Instant> = None;
+    loop {
+        wake.notified().await;
+        let busy = last_write.is_some_and(|t| t.elapsed() < QUIET_AFTER);
+        tokio::time::sleep(if busy { COALESCE_BUSY } else { COALESCE_QUIET }).await;
+        let Some(daemon) = me.upgrade() else { return };
+        if daemon.is_stopping() {
+            return;
+        }
+        // A new config (the first, a reload) may bring the first
+        // kernel listener: judge the forward chains before writing.
+        let generation = daemon.lock().config_generation;
+        if cached.as_ref().is_none_or(|k| k.generation != generation) {
+            let has_kernel = has_kernel_listener(daemon.lock().config.as_ref());
+            daemon
+                .forward_chains
+                .check(has_kernel, &daemon.metrics)
+                .await;
+        }
+        let change = daemon.kernel_desired_update(&mut cached);
+        let Some(k) = cached.take() else { continue };
+        // After a write that took a backend from a UDP listener (or
+        // marked one down with on_backend_down = "close"), its flows
+        // are deleted: their entries would keep them for ever. A
+        // sweep dumps the whole conntrack table, so only then.
+        let sweep = sweep_all || change.flows_may_be_stale(&k.desired);
+        let changed = change.listeners();
+        let table = Arc::clone(&daemon.kernel);
+        let listeners = k.desired.len();
+        let owner = Arc::clone(&daemon);
+        let result = tokio::task::spawn_blocking(move || {
+            let synced = match &changed {
+                Some(ids) => table.sync_changed(&k.desired, ids),
+                None => table.sync(&k.desired),
+            };
+            let (synced, narrowed) = match synced {
+                Err(e) => owner.kernel_narrow(&table, &k.desired, e),
+                written => (written, None),
+            };
+            let outcome = synced.map(|synced| {
+                let swept = (sweep && matches!(synced, Synced::Written(_)))
+                    .then(|| crate::host::nat::delete_stale_flows(&k.desired));
+                (synced, swept)
+            });
+            (outcome, narrowed, k)
+        })
+        .await;
+        let outcome = match result {
+            Ok((outcome, narrowed, mut k)) => {
+                let refused: Vec<String> = narrowed
+                    .as_ref()
+                    .map(|(n, _)| n.refused.iter().map(|r| r.owner.clone()).collect())
+                    .unwrap_or_default();
+                if let Some(narrowed) = narrowed {
+                    daemon.kernel_refused(&mut k, narrowed);
+                }
+                if outcome.is_ok() {
+                    // Tried again and written: no longer refused.
+                    let retried = std::mem::take(&mut k.retried);
+                    daemon.kernel.accept(
+                        retried
+                            .iter()
+                            .map(String::as_str)
+                            .filter(|o| !refused.iter().any(|r| r == o)),
+                    );
+                }
+                daemon
+                    .metrics
+                    .set_kernel_refused(daemon.kernel.refused().len());
+                cached = Some(k);
+                outcome
+            }
+            Err(e) => {
+                // `cached` is gone with the task: rebuilt whole next.
+                tracing::error!("the kernel table writer ended abnormally: {e}");
+                continue;
+            }
+        };
+        match outcome {
+            Ok((Synced::Unchanged, _)) => sweep_all = false,
+            Ok((Synced::Written(took), swept)) => {
+                last_write = Some(tokio::time::Instant::now());
+                daemon.metrics.kernel_synced(took);
+                tracing::debug!(listeners, ?took, "kernel NAT table written");
+                sweep_all = false;
+                match swept {
+                    Some(Ok(0)) | None => {}
+                    Some(Ok(n)) => tracing::info!(
+                        flows = n,
+                        "deleted the conntrack entries of UDP flows whose backend left, and of TCP flows to reset (on_backend_down = \"close\")"
+                    ),
+                    Some(Err(e)) => {
+                        sweep_all = true;
+                        tracing::error!(
+                            "could not delete the conntrack entries of flows whose backend left (UDP clients with a fixed source port stay on it until their flow times out; retried at the next write): {e}"
+                        );
+                    }
+                }
+            }
+            Err(e) => {
+                sweep_all = true;
+                daemon.metrics.kernel_sync_failed();
+                tracing::error!(listeners, "{e}; retrying with a full resync in {RETRY:?}");
+                let wake = Arc::clone(&daemon.kernel_wake);
+                tokio::spawn(async move {
+                    tokio::time::sleep(RETRY).await;
+                    wake.notify_one();
+                });
+            }
+        }
+    }
+}
+
 /// Whether `config` has a `forwarding = "kernel"` listener (the forward
 /// chains are read only then).
 fn has_kernel_listener(config: Option<&Config>) -> bool {

@@ -113,8 +113,10 @@ pub struct Daemon {
     /// The nftables NAT table of `forwarding = "kernel"` listeners.
     kernel: Arc<crate::host::nat::KernelTable>,
     /// Woken by every publish of a load balancer and every apply: the
-    /// kernel table may have to follow. (The announcer has a `Notify` of
-    /// its own, woken by the same publishes.)
+    /// kernel table may have to follow. Only a wake-up: the writer that
+    /// waits on it is started once, at the first apply
+    /// (`start_kernel_writer`). (The announcer has a `Notify` of its own,
+    /// woken by the same publishes.)
     kernel_wake: Arc<tokio::sync::Notify>,
     /// The host's IPv4 and IPv6 forwarding as last seen (two bits per
     /// family, `kernel::pack_forwarding`; 0: both on): kernel listeners of

@@ -588,7 +588,7 @@ impl Daemon {
         drop(held);
         if changed {
             self.vmnet.legs_generation.fetch_add(1, Ordering::AcqRel);
-            self.kernel_wake();
+            self.kernel_wake.notify_one();
         }
     }
 
@@ -783,7 +783,7 @@ impl Daemon {
         drop(legs);
         if changed {
             self.vmnet.legs_generation.fetch_add(1, Ordering::AcqRel);
-            self.kernel_wake();
+            self.kernel_wake.notify_one();
         }
     }
 
