@@ -367,7 +367,7 @@ impl Daemon {
             stats,
         );
         lb.configure_affinity(spec.affinity_timeout.is_some(), &self.affinity);
-        lb.notify_on_publish([Arc::clone(&self.kernel_wake), self.announcer_notify()]);
+        lb.notify_on_publish([Arc::clone(&self.kernel_wake), self.announcer.notify()]);
         let entry = LbEntry { lb, backends };
         self.ensure_probes(&entry, spec);
         self.restore_affinity(&entry, spec, kept_affinity);

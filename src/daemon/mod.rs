@@ -236,6 +236,7 @@ impl Daemon {
     pub fn new(metrics: Arc<Metrics>, max_connections: usize, workers: Workers) -> Arc<Self> {
         let isolation = Arc::new(Isolation::new(Arc::clone(&metrics)));
         let leases = Leases::new(metrics.host_repairs());
+        let announcer = announce::Announcer::new(Arc::clone(&metrics));
         Arc::new_cyclic(|me| Self {
             metrics,
             prober: Prober::new(),
@@ -259,7 +260,7 @@ impl Daemon {
             kernel_task: AtomicBool::new(false),
             forwarding_off: std::sync::atomic::AtomicU8::new(0),
             forward_chains: Default::default(),
-            announcer: announce::Announcer::default(),
+            announcer,
             vip_guard: Mutex::new(vip_guard::VipCheckResults::default()),
             network_refusals: Mutex::new(Vec::new()),
             vmnet: vmnet::VmNet::default(),
@@ -341,7 +342,7 @@ impl Daemon {
         self.stopping.store(true, Ordering::Release);
         // Announced VIPs first: the router moves new flows away while the
         // listeners still accept, and only then do they close.
-        if let Some(grace) = self.announce_stop().await
+        if let Some(grace) = self.announcer.stop(self).await
             && !grace.is_zero()
         {
             tokio::time::sleep(grace).await;
@@ -372,7 +373,7 @@ impl Daemon {
         let (proxied, kernel) =
             tokio::join!(futures_sum(drains), self.kernel_drain_and_remove(drain));
         let cut = proxied + kernel;
-        self.announce_remove_local_routes().await;
+        self.announcer.remove_local_routes().await;
         self.vmnet_stop().await;
         // After the drain: releasing takes the VIP off the host.
         self.leases.shutdown().await;

@@ -20,7 +20,7 @@ use crate::host::isolation::IsolationStatus;
 impl Daemon {
     /// The JSON document served at `/status`.
     pub fn status(&self) -> StatusDoc {
-        let announce = self.announce_status();
+        let announce = self.announcer.status();
         let kernel_connections = self.kernel_connections_per_backend();
         let st = self.lock();
         let specs = st

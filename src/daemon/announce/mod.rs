@@ -29,9 +29,15 @@
 //! Start: with the claim held, every route of our protocol in the table is
 //! a dead daemon's; the first step deletes them, so every VIP starts
 //! withdrawn. Stop:
-//! [`Daemon::announce_stop`] withdraws every VIP before the listeners
+//! [`Announcer::stop`] withdraws every VIP before the listeners
 //! close; the VIPs' local routes go after the drain
-//! ([`Daemon::announce_remove_local_routes`]).
+//! ([`Announcer::remove_local_routes`]).
+//!
+//! [`Announcer`] is the feature's component: its own state and task,
+//! stopped in its two phases, its `/status` part; what it reads of the
+//! daemon comes through [`AnnounceView`] (the settings in force, which VIPs
+//! are served, whether it stops, its claims), so the daemon only holds it,
+//! starts its task at apply and passes the operator's marks on.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
@@ -51,7 +57,7 @@ use crate::host::announce::routes::{
     AnnounceError, RouteTable, RouteWriter, SeenRoute, TableClaim, VipLocalRoutes,
 };
 use crate::host::owned::{Backend, Driver, Outcome, StopPhase};
-use crate::metrics::VipAnnounceSample;
+use crate::metrics::{Metrics, VipAnnounceSample};
 
 pub mod decide;
 
@@ -74,9 +80,11 @@ struct Marks {
     vips: BTreeSet<IpAddr>,
 }
 
-/// The part of the daemon that announces VIPs.
-#[derive(Default)]
+/// The part of the daemon that announces VIPs: its own state and task;
+/// what it reads of the daemon comes through [`AnnounceView`].
 pub(super) struct Announcer {
+    /// Where its errors and repairs are counted.
+    metrics: Arc<Metrics>,
     /// Woken by publishes and applies.
     wake: Arc<Notify>,
     /// Set once the task runs.
@@ -124,7 +132,7 @@ struct Inner {
     last_check: Option<Instant>,
 }
 
-/// What the route step ([`Daemon::announce_route_step`]) reads and changes of
+/// What the route step ([`Announcer::announce_route_step`]) reads and changes of
 /// [`Inner`]: each VIP's decision and counts, the announce table's driver
 /// (`None` until the table is claimed), and the error shown in `/status`.
 /// Borrowed apart from `Inner` so the step runs against any
@@ -256,7 +264,7 @@ struct VipConditions {
 impl Daemon {
     /// Wakes the announcing task, and spawns it on the first call (the
     /// first apply): every apply calls it, so that a reload is announced at
-    /// once. Load balancers wake the task through [`Self::announcer_notify`]
+    /// once. Load balancers wake the task through [`Announcer::notify`]
     /// instead, which never spawns it.
     pub(super) fn start_or_wake_announcer(&self) {
         self.announcer.wake.notify_one();
@@ -276,7 +284,7 @@ impl Daemon {
                 let until = next.map_or(poll, |n| n.min(poll));
                 let enabled = {
                     let Some(daemon) = me.upgrade() else { return };
-                    daemon.announce_settings().is_some()
+                    AnnounceView::settings(&*daemon).is_some()
                 };
                 if enabled {
                     tokio::select! {
@@ -291,23 +299,40 @@ impl Daemon {
                 if inner.stopped {
                     return;
                 }
-                next = daemon.announce_step(&mut inner).await;
+                next = daemon.announcer.announce_step(&*daemon, &mut inner).await;
             }
         });
     }
 
-    /// The `Notify` the announcing task waits on, handed to each load
-    /// balancer to notify after every publish: a flip may change which
-    /// VIPs this host announces. Notifying it wakes a running task and
-    /// starts none (that is [`Self::start_or_wake_announcer`]'s, at apply).
-    /// (It used to be passed on by the kernel-table task, so announcing
-    /// depended on that task running.)
-    pub(super) fn announcer_notify(&self) -> Arc<Notify> {
-        Arc::clone(&self.announcer.wake)
+    /// `harvester-lb host drain|ready` (`vip` = `None`) and `harvester-lb
+    /// vip drain|ready VIP`: the operator's mark, applied at once.
+    pub fn set_announce_state(
+        &self,
+        vip: Option<IpAddr>,
+        drained: bool,
+    ) -> Result<AnnounceStateChange, AnnounceStateError> {
+        self.announcer.set_state(self, vip, drained)
     }
+}
 
+/// What the announcer reads of the daemon: the settings in force, which
+/// VIPs have a listener bound with an eligible backend, whether it stops,
+/// and its claims. The announcer decides; the daemon only answers.
+pub(super) trait AnnounceView: Sync {
     /// `vip.announce` of the config in force, when it is `routes`.
-    fn announce_settings(&self) -> Option<AnnounceSettings> {
+    fn settings(&self) -> Option<AnnounceSettings>;
+    /// Every VIP of the config in force that `settings` allows: whether
+    /// one of its listeners is bound with an eligible backend, and the
+    /// rise delay its health checks ask for (zero without checks).
+    fn serving(&self, settings: &AnnounceSettings) -> BTreeMap<IpAddr, (bool, Duration)>;
+    /// Whether the daemon is stopping.
+    fn stopping(&self) -> bool;
+    /// The daemon's claims on host objects (the announce table's).
+    fn claims(&self) -> &crate::host::owned::Claims;
+}
+
+impl AnnounceView for Daemon {
+    fn settings(&self) -> Option<AnnounceSettings> {
         self.lock()
             .config
             .as_ref()
@@ -315,12 +340,11 @@ impl Daemon {
             .filter(AnnounceSettings::enabled)
     }
 
-    /// Every VIP of the config in force with its conditions and rise delay.
-    fn vip_conditions(&self, settings: &AnnounceSettings) -> BTreeMap<IpAddr, VipConditions> {
+    fn serving(&self, settings: &AnnounceSettings) -> BTreeMap<IpAddr, (bool, Duration)> {
         let st = self.lock();
         let mut out: BTreeMap<IpAddr, (bool, Duration)> = BTreeMap::new();
         let Some(config) = &st.config else {
-            return BTreeMap::new();
+            return out;
         };
         for spec in &config.load_balancers {
             // Never announced nor made local: a loopback VIP
@@ -350,8 +374,49 @@ impl Daemon {
                     && !snapshot.eligible_for(l.backend_port).is_empty()
             });
         }
-        drop(st);
-        let stopping = self.is_stopping();
+        out
+    }
+
+    fn stopping(&self) -> bool {
+        self.is_stopping()
+    }
+
+    fn claims(&self) -> &crate::host::owned::Claims {
+        Daemon::claims(self)
+    }
+}
+
+impl Announcer {
+    /// Announces nothing yet; counts in `metrics`.
+    pub(super) fn new(metrics: Arc<Metrics>) -> Self {
+        Self {
+            metrics,
+            wake: Arc::default(),
+            started: AtomicBool::new(false),
+            adopt: AtomicBool::new(false),
+            marks: std::sync::Mutex::default(),
+            status: std::sync::Mutex::default(),
+            inner: tokio::sync::Mutex::default(),
+        }
+    }
+
+    /// The `Notify` the announcing task waits on, handed to each load
+    /// balancer to notify after every publish: a flip may change which
+    /// VIPs this host announces. Notifying it wakes a running task and
+    /// starts none (that is [`Daemon::start_or_wake_announcer`]'s, at apply).
+    pub(super) fn notify(&self) -> Arc<Notify> {
+        Arc::clone(&self.wake)
+    }
+
+    /// Every VIP of the config in force (`view`'s) with its conditions
+    /// (the daemon's facts and the operator's marks) and rise delay.
+    fn vip_conditions(
+        &self,
+        view: &dyn AnnounceView,
+        settings: &AnnounceSettings,
+    ) -> BTreeMap<IpAddr, VipConditions> {
+        let out = view.serving(settings);
+        let stopping = view.stopping();
         let marks = self.marks();
         out.into_iter()
             .map(|(vip, (serving, longest))| {
@@ -375,10 +440,7 @@ impl Daemon {
     }
 
     fn marks(&self) -> std::sync::MutexGuard<'_, Marks> {
-        self.announcer
-            .marks
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
+        self.marks.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Logs and counts a refused write; `Some(message)` for `/status`.
@@ -407,18 +469,14 @@ impl Daemon {
 
     /// One pass: settings, interface, local routes, decisions, routes,
     /// status. Returns when it must run again at the latest.
-    async fn announce_step(&self, inner: &mut Inner) -> Option<Instant> {
-        let Some(settings) = self.announce_settings() else {
+    async fn announce_step(&self, view: &dyn AnnounceView, inner: &mut Inner) -> Option<Instant> {
+        let Some(settings) = view.settings() else {
             // Off (or switched off by a reload): take back what is ours.
             if inner.routes.is_some() || inner.local.is_some() {
                 self.announce_release(inner).await;
             }
             self.metrics.set_vip_announce(None);
-            *self
-                .announcer
-                .status
-                .lock()
-                .unwrap_or_else(|p| p.into_inner()) = None;
+            *self.status.lock().unwrap_or_else(|p| p.into_inner()) = None;
             return None;
         };
         let now = Instant::now();
@@ -436,12 +494,16 @@ impl Daemon {
         // A new table, or a new interface: start over there, withdrawn.
         let moved = inner.routes.as_ref().map(|r| r.backend().table()) != Some(settings.table)
             || inner.interface.as_ref().map(|(n, _)| n) != Some(&settings.interface);
-        if moved && !self.announce_move(inner, &settings, &writer, now).await {
+        if moved
+            && !self
+                .announce_move(view, inner, &settings, &writer, now)
+                .await
+        {
             self.announce_publish(inner, &settings, &BTreeMap::new(), now);
             return Some(now + Duration::from_secs(2));
         }
         let (_, index) = inner.interface.clone().expect("set above");
-        let wanted = self.vip_conditions(&settings);
+        let wanted = self.vip_conditions(view, &settings);
 
         // The local routes: every VIP of the file, announced or not; read
         // back and repaired as often as the announce routes, once a second
@@ -548,6 +610,7 @@ impl Daemon {
     /// False (the error noted) when the step must be tried again.
     async fn announce_move(
         &self,
+        view: &dyn AnnounceView,
         inner: &mut Inner,
         settings: &AnnounceSettings,
         writer: &RouteWriter,
@@ -570,7 +633,7 @@ impl Daemon {
         // of it is deleted (its routes are its own).
         if inner.claim.as_ref().map(TableClaim::table) != Some(settings.table) {
             inner.claim = None;
-            match TableClaim::take(settings.table, &self.claims.identity()).await {
+            match TableClaim::take(settings.table, &view.claims().identity()).await {
                 Ok(c) => inner.claim = Some(c),
                 Err(e) => {
                     self.note_error(
@@ -616,8 +679,8 @@ impl Daemon {
         // config, out of this interface, stay announced (the next sync
         // adopts them: no delete, no add, no BGP churn); only the others
         // go below.
-        if self.announcer.adopt.swap(false, Ordering::AcqRel) {
-            let wanted = self.vip_conditions(settings);
+        if self.adopt.swap(false, Ordering::AcqRel) {
+            let wanted = self.vip_conditions(view, settings);
             let mut table = routes.backend().clone();
             match table.read().await {
                 Ok(found) => {
@@ -874,11 +937,7 @@ impl Daemon {
         };
         drop(marks);
         self.metrics.set_vip_announce(Some(samples));
-        *self
-            .announcer
-            .status
-            .lock()
-            .unwrap_or_else(|p| p.into_inner()) = Some(doc);
+        *self.status.lock().unwrap_or_else(|p| p.into_inner()) = Some(doc);
     }
 
     /// Announcing switched off: our announce and local routes go, and the
@@ -911,9 +970,9 @@ impl Daemon {
     /// `None` when announcing is off or no route was in the table (nothing
     /// to move away from), the full grace when routes were deleted or the
     /// table could not be read.
-    pub(super) async fn announce_stop(&self) -> Option<Duration> {
-        let settings = self.announce_settings()?;
-        let mut inner = self.announcer.inner.lock().await;
+    pub(super) async fn stop(&self, view: &dyn AnnounceView) -> Option<Duration> {
+        let settings = view.settings()?;
+        let mut inner = self.inner.lock().await;
         inner.stopped = true;
         let now = Instant::now();
         // Without the table's claim nothing there is ours (another live
@@ -974,18 +1033,18 @@ impl Daemon {
     /// A hand-over (issue 41): the task stops writing, and nothing is
     /// withdrawn or removed: the routes and local routes stay for the next
     /// process.
-    pub(crate) async fn announce_leave(&self) {
-        self.announcer.inner.lock().await.stopped = true;
+    pub(crate) async fn leave(&self) {
+        self.inner.lock().await.stopped = true;
     }
 
     /// At a start after a hand-over: the first step adopts the routes left.
-    pub(crate) fn announce_adopt(&self) {
-        self.announcer.adopt.store(true, Ordering::Release);
+    pub(crate) fn adopt(&self) {
+        self.adopt.store(true, Ordering::Release);
     }
 
     /// At stop, after the drain: the VIPs' local routes this daemon made go.
-    pub(super) async fn announce_remove_local_routes(&self) {
-        let mut inner = self.announcer.inner.lock().await;
+    pub(super) async fn remove_local_routes(&self) {
+        let mut inner = self.inner.lock().await;
         if let Some(mut local) = inner.local.take() {
             let out = local.stop().await;
             if let Some(e) = first_error(&out) {
@@ -996,14 +1055,15 @@ impl Daemon {
 
     /// `harvester-lb host drain|ready` (`vip` = `None`) and `harvester-lb
     /// vip drain|ready VIP`: the operator's mark, applied at once.
-    pub fn set_announce_state(
+    pub(super) fn set_state(
         &self,
+        view: &dyn AnnounceView,
         vip: Option<IpAddr>,
         drained: bool,
     ) -> Result<AnnounceStateChange, AnnounceStateError> {
-        let settings = self.announce_settings().ok_or(AnnounceStateError::Off)?;
+        let settings = view.settings().ok_or(AnnounceStateError::Off)?;
         if let Some(vip) = vip {
-            let known = self.vip_conditions(&settings).contains_key(&vip);
+            let known = self.vip_conditions(view, &settings).contains_key(&vip);
             if !known {
                 return Err(AnnounceStateError::UnknownVip(vip));
             }
@@ -1022,7 +1082,7 @@ impl Daemon {
             to = mark_name(drained),
             "vip.announce: operator's mark set"
         );
-        self.announcer.wake.notify_one();
+        self.wake.notify_one();
         Ok(AnnounceStateChange {
             previous: mark_name(previous),
             state: mark_name(drained),
@@ -1030,9 +1090,8 @@ impl Daemon {
     }
 
     /// `announce` in `/status`; `None` while announcing is off.
-    pub fn announce_status(&self) -> Option<AnnounceStatus> {
-        self.announcer
-            .status
+    pub(super) fn status(&self) -> Option<AnnounceStatus> {
+        self.status
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .clone()
@@ -1094,8 +1153,9 @@ mod tests {
 
     /// Each wanted VIP's conditions and rise delay now.
     fn wanted(d: &Daemon) -> BTreeMap<IpAddr, (Result<(), Blocker>, Duration)> {
-        let settings = d.announce_settings().expect("announcing is on");
-        d.vip_conditions(&settings)
+        let settings = AnnounceView::settings(d).expect("announcing is on");
+        d.announcer
+            .vip_conditions(d, &settings)
             .into_iter()
             .map(|(vip, w)| (vip, (w.conditions, w.delay)))
             .collect()
@@ -1268,7 +1328,7 @@ mod tests {
             30080,
             "",
         ));
-        assert_eq!(d.announce_settings(), None);
+        assert_eq!(AnnounceView::settings(&*d), None);
         assert_eq!(
             d.set_announce_state(None, true),
             Err(AnnounceStateError::Off)
@@ -1277,10 +1337,10 @@ mod tests {
             d.set_announce_state(Some(ip("203.0.113.26")), true),
             Err(AnnounceStateError::Off)
         );
-        assert!(!d.marks().host, "the refused mark is not kept");
-        assert!(d.announce_status().is_none());
+        assert!(!d.announcer.marks().host, "the refused mark is not kept");
+        assert!(d.announcer.status().is_none());
         assert_eq!(
-            d.announce_stop().await,
+            d.announcer.stop(&*d).await,
             None,
             "nothing to withdraw, no grace"
         );
@@ -1397,6 +1457,7 @@ mod tests {
                 error: &mut self.error,
             };
             self.daemon
+                .announcer
                 .announce_route_step(step, &wanted, TABLE, LO, now)
                 .await
         }

@@ -226,7 +226,7 @@ impl Daemon {
         if let Err(e) = tokio::task::spawn_blocking(move || kernel.leave()).await {
             tracing::error!("handing over: the kernel table writer ended abnormally: {e}");
         }
-        self.announce_leave().await;
+        self.announcer.leave().await;
         self.vmnet_leave().await;
         // No verdict changes anything any more; the last ones stay
         // readable for the state file's last write (`save_state`).
@@ -288,7 +288,7 @@ impl Daemon {
             "started after a hand-over: adopting what the previous process left in the host"
         );
         adopt::inherit(marker.tables);
-        self.announce_adopt();
+        self.announcer.adopt();
         true
     }
 }
