@@ -51,7 +51,7 @@ impl Daemon {
         st.config_generation += 1;
         self.start_kernel_writer();
         self.kernel_wake.notify_one();
-        self.start_or_wake_announcer();
+        self.announcer.start_or_wake(self.me.clone());
         self.vmnet_wake();
         report
     }

@@ -44,11 +44,10 @@ mod sync;
 mod vip_guard;
 mod vmnet;
 
-pub use admin_state::{AdminStateChange, AdminStateError};
-pub use announce::decide;
-pub use announce::{
+pub use crate::host::announce::announcer::{
     AnnounceStateChange, AnnounceStateError, AnnounceStatus, LbAnnounceStatus, VipAnnounceStatus,
 };
+pub use admin_state::{AdminStateChange, AdminStateError};
 pub use config_record::{RejectedReload, ReloadSource};
 pub use hand_over::{
     HandOverMarker, HandOverReport, MARKER_FILE, MARKER_KEPT_FILE, MARKER_MAX_AGE, MarkerError,
@@ -129,7 +128,7 @@ pub struct Daemon {
     /// Set once the task that writes the kernel table runs.
     kernel_task: AtomicBool,
     /// `vip.announce = "routes"`: the VIPs' routes and addresses.
-    announcer: announce::Announcer,
+    announcer: crate::host::announce::announcer::Announcer,
     /// What the VIP guard refused at the last apply, and which VIPs passed
     /// its last check of the host.
     vip_guard: Mutex<vip_guard::VipCheckResults>,
@@ -236,7 +235,7 @@ impl Daemon {
     pub fn new(metrics: Arc<Metrics>, max_connections: usize, workers: Workers) -> Arc<Self> {
         let isolation = Arc::new(Isolation::new(Arc::clone(&metrics)));
         let leases = Leases::new(metrics.host_repairs());
-        let announcer = announce::Announcer::new(Arc::clone(&metrics));
+        let announcer = crate::host::announce::announcer::Announcer::new(Arc::clone(&metrics));
         Arc::new_cyclic(|me| Self {
             metrics,
             prober: Prober::new(),
@@ -432,6 +431,11 @@ async fn futures_sum<F: std::future::Future<Output = usize> + Send + 'static>(
 pub(crate) mod testing {
     use super::*;
     use std::net::SocketAddr;
+
+    /// Marks `d` stopping, as its stop does first (for the parts' tests).
+    pub(crate) fn mark_stopping(d: &Daemon) {
+        d.stopping.store(true, Ordering::Release);
+    }
 
     /// A daemon with nothing configured, accepting on this runtime.
     pub(crate) fn daemon() -> Arc<Daemon> {

@@ -7,7 +7,6 @@ use std::time::SystemTime;
 
 use serde::Serialize;
 
-use super::announce::{AnnounceStatus, LbAnnounceStatus};
 use super::{Daemon, LbEntry, State};
 use crate::config::{
     CheckKind, DhcpSpec, Forwarding, ListenerSpec, LoadBalancerSpec, Protocol, ProxyProtocol,
@@ -15,6 +14,7 @@ use crate::config::{
 use crate::dataplane::balancer::{AdminState, Backend, Snapshot};
 use crate::dataplane::health::Health;
 use crate::dataplane::health::prober::{TargetKey, TargetStatus};
+use crate::host::announce::announcer::{AnnounceStatus, LbAnnounceStatus};
 use crate::host::isolation::IsolationStatus;
 
 impl Daemon {

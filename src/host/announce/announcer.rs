@@ -5,7 +5,7 @@
 //! The conditions of a VIP are read from the live state: at least one of
 //! its listeners bound with an eligible backend on its port, the VIP and
 //! the host not drained by the operator, the daemon not stopping. Each VIP
-//! has a [`decide::Hysteresis`] that turns them into announce and withdraw
+//! has a [`super::decide::Hysteresis`] that turns them into announce and withdraw
 //! transitions (rise delay, damping); one task feeds it and writes the
 //! kernel to match. It wakes on every publish of a load balancer (a health
 //! flip, an operator's drain; forwarded by the kernel-table task) and every
@@ -29,9 +29,9 @@
 //! Start: with the claim held, every route of our protocol in the table is
 //! a dead daemon's; the first step deletes them, so every VIP starts
 //! withdrawn. Stop:
-//! [`Announcer::stop`] withdraws every VIP before the listeners
+//! `Announcer::stop` withdraws every VIP before the listeners
 //! close; the VIPs' local routes go after the drain
-//! ([`Announcer::remove_local_routes`]).
+//! (`Announcer::remove_local_routes`).
 //!
 //! [`Announcer`] is the feature's component: its own state and task,
 //! stopped in its two phases, its `/status` part; what it reads of the
@@ -41,16 +41,14 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Weak};
 use std::time::{Duration, SystemTime};
 
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
 use serde::Serialize;
-
-use super::Daemon;
 
 use crate::config::AnnounceSettings;
 use crate::host::announce::routes::{
@@ -59,14 +57,12 @@ use crate::host::announce::routes::{
 use crate::host::owned::{Backend, Driver, Outcome, StopPhase};
 use crate::metrics::{Metrics, VipAnnounceSample};
 
-pub mod decide;
-
-use decide::{Blocker, Hysteresis, Reason, Transition};
+use super::decide::{Blocker, Hysteresis, Reason, Transition};
 
 /// The rise delay of a VIP none of whose load balancers is health checked.
 const DEFAULT_DELAY_WITHOUT_CHECKS: Duration = Duration::from_secs(3);
 /// The rise delay is this many probe periods (the longest of the VIP's).
-const PERIODS_PER_DELAY: u32 = 3;
+pub(crate) const PERIODS_PER_DELAY: u32 = 3;
 /// How often the conditions are read with no wake-up.
 const POLL: Duration = Duration::from_secs(1);
 /// The protocol of the routes the kernel makes itself (an address's local
@@ -82,7 +78,7 @@ struct Marks {
 
 /// The part of the daemon that announces VIPs: its own state and task;
 /// what it reads of the daemon comes through [`AnnounceView`].
-pub(super) struct Announcer {
+pub struct Announcer {
     /// Where its errors and repairs are counted.
     metrics: Arc<Metrics>,
     /// Woken by publishes and applies.
@@ -261,22 +257,56 @@ struct VipConditions {
     delay: Duration,
 }
 
-impl Daemon {
+/// What the announcer reads of the daemon: the settings in force, which
+/// VIPs have a listener bound with an eligible backend, whether it stops,
+/// and its claims. The announcer decides; the daemon only answers.
+pub trait AnnounceView: Sync {
+    /// `vip.announce` of the config in force, when it is `routes`.
+    fn settings(&self) -> Option<AnnounceSettings>;
+    /// Every VIP of the config in force that `settings` allows: whether
+    /// one of its listeners is bound with an eligible backend, and the
+    /// rise delay its health checks ask for (zero without checks).
+    fn serving(&self, settings: &AnnounceSettings) -> BTreeMap<IpAddr, (bool, Duration)>;
+    /// Whether the daemon is stopping.
+    fn stopping(&self) -> bool;
+    /// The daemon's claims on host objects (the announce table's).
+    fn claims(&self) -> &crate::host::owned::Claims;
+    /// The announcer the daemon holds (its task reaches it through the
+    /// daemon, which it holds weakly).
+    fn announcer(&self) -> &Announcer;
+}
+
+impl Announcer {
+    /// Announces nothing yet; counts in `metrics`.
+    pub(crate) fn new(metrics: Arc<Metrics>) -> Self {
+        Self {
+            metrics,
+            wake: Arc::default(),
+            started: AtomicBool::new(false),
+            adopt: AtomicBool::new(false),
+            marks: std::sync::Mutex::default(),
+            status: std::sync::Mutex::default(),
+            inner: tokio::sync::Mutex::default(),
+        }
+    }
+
     /// Wakes the announcing task, and spawns it on the first call (the
     /// first apply): every apply calls it, so that a reload is announced at
     /// once. Load balancers wake the task through [`Announcer::notify`]
     /// instead, which never spawns it.
-    pub(super) fn start_or_wake_announcer(&self) {
-        self.announcer.wake.notify_one();
-        if self.announcer.started.swap(true, Ordering::AcqRel) {
+    /// The task holds `view` weakly (the daemon, which holds this
+    /// announcer) and ends when it is gone.
+    pub(crate) fn start_or_wake<V: AnnounceView + Send + 'static>(&self, view: Weak<V>) {
+        self.wake.notify_one();
+        if self.started.swap(true, Ordering::AcqRel) {
             return;
         }
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-            self.announcer.started.store(false, Ordering::Release);
+            self.started.store(false, Ordering::Release);
             return;
         };
-        let me = self.me.clone();
-        let wake = Arc::clone(&self.announcer.wake);
+        let me = view;
+        let wake = Arc::clone(&self.wake);
         runtime.spawn(async move {
             let mut next: Option<Instant> = None;
             loop {
@@ -295,116 +325,21 @@ impl Daemon {
                     wake.notified().await;
                 }
                 let Some(daemon) = me.upgrade() else { return };
-                let mut inner = daemon.announcer.inner.lock().await;
+                let announcer = daemon.announcer();
+                let mut inner = announcer.inner.lock().await;
                 if inner.stopped {
                     return;
                 }
-                next = daemon.announcer.announce_step(&*daemon, &mut inner).await;
+                next = announcer.announce_step(&*daemon, &mut inner).await;
             }
         });
-    }
-
-    /// `harvester-lb host drain|ready` (`vip` = `None`) and `harvester-lb
-    /// vip drain|ready VIP`: the operator's mark, applied at once.
-    pub fn set_announce_state(
-        &self,
-        vip: Option<IpAddr>,
-        drained: bool,
-    ) -> Result<AnnounceStateChange, AnnounceStateError> {
-        self.announcer.set_state(self, vip, drained)
-    }
-}
-
-/// What the announcer reads of the daemon: the settings in force, which
-/// VIPs have a listener bound with an eligible backend, whether it stops,
-/// and its claims. The announcer decides; the daemon only answers.
-pub(super) trait AnnounceView: Sync {
-    /// `vip.announce` of the config in force, when it is `routes`.
-    fn settings(&self) -> Option<AnnounceSettings>;
-    /// Every VIP of the config in force that `settings` allows: whether
-    /// one of its listeners is bound with an eligible backend, and the
-    /// rise delay its health checks ask for (zero without checks).
-    fn serving(&self, settings: &AnnounceSettings) -> BTreeMap<IpAddr, (bool, Duration)>;
-    /// Whether the daemon is stopping.
-    fn stopping(&self) -> bool;
-    /// The daemon's claims on host objects (the announce table's).
-    fn claims(&self) -> &crate::host::owned::Claims;
-}
-
-impl AnnounceView for Daemon {
-    fn settings(&self) -> Option<AnnounceSettings> {
-        self.lock()
-            .config
-            .as_ref()
-            .map(|c| c.vip.announce.clone())
-            .filter(AnnounceSettings::enabled)
-    }
-
-    fn serving(&self, settings: &AnnounceSettings) -> BTreeMap<IpAddr, (bool, Duration)> {
-        let st = self.lock();
-        let mut out: BTreeMap<IpAddr, (bool, Duration)> = BTreeMap::new();
-        let Some(config) = &st.config else {
-            return out;
-        };
-        for spec in &config.load_balancers {
-            // Never announced nor made local: a loopback VIP
-            // reaches only this host; one outside the prefixes is refused
-            // at apply (and never reaches here).
-            if spec.vip.is_unspecified()
-                || spec.vip.to_canonical().is_loopback()
-                || !settings.allows(spec.vip)
-            {
-                continue;
-            }
-            let (serving, longest) = out.entry(spec.vip).or_insert((false, Duration::ZERO));
-            if let Some(hc) = &spec.health_check {
-                *longest = (*longest).max(hc.period * PERIODS_PER_DELAY);
-            }
-            if *serving {
-                continue;
-            }
-            let Some(entry) = st.load_balancers.get(&spec.name) else {
-                continue;
-            };
-            let snapshot = entry.lb.snapshot();
-            *serving = spec.listeners.iter().any(|l| {
-                st.listeners
-                    .get(&spec.listener_key(l))
-                    .is_some_and(|e| e.socket.is_ok())
-                    && !snapshot.eligible_for(l.backend_port).is_empty()
-            });
-        }
-        out
-    }
-
-    fn stopping(&self) -> bool {
-        self.is_stopping()
-    }
-
-    fn claims(&self) -> &crate::host::owned::Claims {
-        Daemon::claims(self)
-    }
-}
-
-impl Announcer {
-    /// Announces nothing yet; counts in `metrics`.
-    pub(super) fn new(metrics: Arc<Metrics>) -> Self {
-        Self {
-            metrics,
-            wake: Arc::default(),
-            started: AtomicBool::new(false),
-            adopt: AtomicBool::new(false),
-            marks: std::sync::Mutex::default(),
-            status: std::sync::Mutex::default(),
-            inner: tokio::sync::Mutex::default(),
-        }
     }
 
     /// The `Notify` the announcing task waits on, handed to each load
     /// balancer to notify after every publish: a flip may change which
     /// VIPs this host announces. Notifying it wakes a running task and
-    /// starts none (that is [`Daemon::start_or_wake_announcer`]'s, at apply).
-    pub(super) fn notify(&self) -> Arc<Notify> {
+    /// starts none (that is [`Announcer::start_or_wake`]'s, at apply).
+    pub(crate) fn notify(&self) -> Arc<Notify> {
         Arc::clone(&self.wake)
     }
 
@@ -970,7 +905,7 @@ impl Announcer {
     /// `None` when announcing is off or no route was in the table (nothing
     /// to move away from), the full grace when routes were deleted or the
     /// table could not be read.
-    pub(super) async fn stop(&self, view: &dyn AnnounceView) -> Option<Duration> {
+    pub(crate) async fn stop(&self, view: &dyn AnnounceView) -> Option<Duration> {
         let settings = view.settings()?;
         let mut inner = self.inner.lock().await;
         inner.stopped = true;
@@ -1043,7 +978,7 @@ impl Announcer {
     }
 
     /// At stop, after the drain: the VIPs' local routes this daemon made go.
-    pub(super) async fn remove_local_routes(&self) {
+    pub(crate) async fn remove_local_routes(&self) {
         let mut inner = self.inner.lock().await;
         if let Some(mut local) = inner.local.take() {
             let out = local.stop().await;
@@ -1055,7 +990,7 @@ impl Announcer {
 
     /// `harvester-lb host drain|ready` (`vip` = `None`) and `harvester-lb
     /// vip drain|ready VIP`: the operator's mark, applied at once.
-    pub(super) fn set_state(
+    pub(crate) fn set_state(
         &self,
         view: &dyn AnnounceView,
         vip: Option<IpAddr>,
@@ -1090,7 +1025,7 @@ impl Announcer {
     }
 
     /// `announce` in `/status`; `None` while announcing is off.
-    pub(super) fn status(&self) -> Option<AnnounceStatus> {
+    pub(crate) fn status(&self) -> Option<AnnounceStatus> {
         self.status
             .lock()
             .unwrap_or_else(|p| p.into_inner())
@@ -1123,8 +1058,9 @@ fn first_error<B: Backend>(out: &Outcome<B>) -> Option<String> {
 
 #[cfg(test)]
 mod tests {
-    use super::super::testing::{config, daemon, lb};
     use super::*;
+    use crate::daemon::Daemon;
+    use crate::daemon::testing::{config, daemon, lb, mark_stopping};
     use crate::host::owned::Found;
     use crate::host::owned::driver::Listing;
     use crate::metrics::HostKind;
@@ -1146,7 +1082,7 @@ mod tests {
     /// the host's tables.
     fn announcing(text: &str) -> Arc<Daemon> {
         let d = daemon();
-        d.announcer.started.store(true, Ordering::Release);
+        d.announcer().started.store(true, Ordering::Release);
         d.apply(config(text));
         d
     }
@@ -1154,7 +1090,7 @@ mod tests {
     /// Each wanted VIP's conditions and rise delay now.
     fn wanted(d: &Daemon) -> BTreeMap<IpAddr, (Result<(), Blocker>, Duration)> {
         let settings = AnnounceView::settings(d).expect("announcing is on");
-        d.announcer
+        d.announcer()
             .vip_conditions(d, &settings)
             .into_iter()
             .map(|(vip, w)| (vip, (w.conditions, w.delay)))
@@ -1309,7 +1245,7 @@ mod tests {
             Err(AnnounceStateError::UnknownVip(ip("203.0.113.99")))
         );
 
-        d.stopping.store(true, Ordering::Release);
+        mark_stopping(&d);
         assert_eq!(
             conditions(&d),
             [Err(Blocker::Stopping), Err(Blocker::Stopping)],
@@ -1337,10 +1273,10 @@ mod tests {
             d.set_announce_state(Some(ip("203.0.113.26")), true),
             Err(AnnounceStateError::Off)
         );
-        assert!(!d.announcer.marks().host, "the refused mark is not kept");
-        assert!(d.announcer.status().is_none());
+        assert!(!d.announcer().marks().host, "the refused mark is not kept");
+        assert!(d.announcer().status().is_none());
         assert_eq!(
-            d.announcer.stop(&*d).await,
+            d.announcer().stop(&*d).await,
             None,
             "nothing to withdraw, no grace"
         );
@@ -1457,7 +1393,7 @@ mod tests {
                 error: &mut self.error,
             };
             self.daemon
-                .announcer
+                .announcer()
                 .announce_route_step(step, &wanted, TABLE, LO, now)
                 .await
         }
@@ -1507,7 +1443,7 @@ mod tests {
         assert!(s.table.ops().is_empty(), "nothing written again");
         assert!(s.routes.holds(&vip));
         assert_eq!(s.counts(vip), (1, 0));
-        assert_eq!(s.daemon.metrics.announce_repairs.get(), 0);
+        assert_eq!(s.daemon.metrics().announce_repairs.get(), 0);
     }
 
     #[tokio::test(start_paused = true)]
@@ -1552,7 +1488,7 @@ mod tests {
         assert_eq!(s.counts(a), (1, 0), "a repair is no announce");
         assert_eq!(s.counts(b), (1, 0), "a repair is no announce");
         assert_eq!(
-            s.daemon.metrics.announce_repairs.get(),
+            s.daemon.metrics().announce_repairs.get(),
             1,
             "one step repaired"
         );
