@@ -16,7 +16,7 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
-use super::{Daemon, LbEntry};
+use super::{Daemon, KernelCheckCause, LbEntry};
 use crate::config::{Config, Forwarding, LoadBalancerSpec, OnBackendDown, Protocol, SourceNat};
 use crate::dataplane::balancer::Backend;
 use crate::host::nat::{Desired, KernelListener, KernelTable, ListenerId, Narrowed, Synced};
@@ -638,6 +638,29 @@ impl Daemon {
                 ((spec.vip, l.protocol, l.port), listener)
             })
             .collect()
+    }
+
+    /// Reads the kernel NAT tables back and compares them with what this
+    /// daemon wrote; on a difference logs it, counts it and wakes the
+    /// writer (see [`crate::host::nat::repair`]).
+    pub async fn check_kernel_tables(&self, cause: KernelCheckCause) {
+        crate::host::nat::repair::check_and_repair(
+            &self.kernel,
+            &self.metrics,
+            &self.kernel_wake,
+            cause,
+        )
+        .await;
+    }
+
+    /// [`Self::check_kernel_tables`] for a reload, in a task of its own:
+    /// the reload's answer does not wait for the read-back.
+    pub fn check_kernel_tables_soon(&self) {
+        let Some(me) = self.me.upgrade() else { return };
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        runtime.spawn(async move { me.check_kernel_tables(KernelCheckCause::Reload).await });
     }
 
     /// Starts, once, the kernel writer's two tasks (at the first apply):

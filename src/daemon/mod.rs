@@ -34,7 +34,6 @@ mod apply;
 mod config_record;
 mod hand_over;
 mod kernel;
-mod kernel_check;
 mod leases;
 mod network_links;
 mod persist;
@@ -47,13 +46,13 @@ mod vmnet;
 pub use crate::host::announce::announcer::{
     AnnounceStateChange, AnnounceStateError, AnnounceStatus, LbAnnounceStatus, VipAnnounceStatus,
 };
+pub use crate::host::nat::repair::KernelCheckCause;
 pub use admin_state::{AdminStateChange, AdminStateError};
 pub use config_record::{RejectedReload, ReloadSource};
 pub use hand_over::{
     HandOverMarker, HandOverReport, MARKER_FILE, MARKER_KEPT_FILE, MARKER_MAX_AGE, MarkerError,
     StopKind,
 };
-pub use kernel_check::KernelCheckCause;
 pub use network_links::NetworkRefusal;
 pub use persist::{RestoredCounts, StateFileStatus};
 pub use readiness::{BackendRequirement, UnboundListener, VipNotReady};

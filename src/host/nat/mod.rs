@@ -114,6 +114,7 @@ mod names;
 mod narrow;
 mod netlink;
 mod read_back;
+pub mod repair;
 mod sync;
 
 pub use build::{BUCKETS, TableObject, TableObjects, bucket_key, buckets, transaction};
