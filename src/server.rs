@@ -129,7 +129,7 @@ pub enum ReloadError {
     #[error("the VIP isolation writer stopped: {0}")]
     IsolationStopped(tokio::task::JoinError),
     /// The new config needs a host object another live daemon holds
-    /// (`owned::claim`); nothing of it was applied.
+    /// (`host::owned::claim`); nothing of it was applied.
     #[error(transparent)]
     Claimed(#[from] owned::ClaimError),
 }
@@ -661,7 +661,7 @@ async fn main_loop(
 }
 
 /// Reads the kernel objects the daemon owns back every
-/// [`owned::CHECK_INTERVAL`] and repairs what another process changed
+/// [`host::owned::CHECK_INTERVAL`] and repairs what another process changed
 /// (see [`crate::host::owned`]); until `stop`. One check at a time, each on a
 /// blocking thread (it runs `nft`).
 async fn check_kernel_objects(daemon: Arc<Daemon>, stop: CancellationToken) {
@@ -739,7 +739,7 @@ async fn reload(
         Ok(Err(e)) => Err(ReloadError::Config(e)),
         Ok(Ok(mut loaded)) => 'claimed: {
             // Before anything is written: a config that needs another
-            // daemon's object is refused whole (see `owned::claim`).
+            // daemon's object is refused whole (see `host::owned::claim`).
             let needed = owned::claim::needed(&loaded.config);
             if let Err(e) = daemon.claims().take_all(&needed).await {
                 break 'claimed Err(ReloadError::Claimed(e));

@@ -156,7 +156,7 @@ fn bridge_stage_reason(
     let backend = spec.backends.iter().find(|b| in_subnet(b))?;
     let leg = leg(network);
     match leg {
-        // The leg routes the flows (`vip::leg`), whatever the bridge stage.
+        // The leg routes the flows (`host::vmnet::leg`), whatever the bridge stage.
         Some(l) if l.up() => leg_source_nat_reason(spec, network, &l),
         leg => {
             let switch = bridge_stage_switch(packed, family, &network.interface, sysctl)?;
@@ -207,7 +207,7 @@ fn leg_source_nat_reason(
 /// the default route's bridge then leads to no backend, or it does and the
 /// proxy serves a listener the kernel could have). Any other VIP (held by
 /// other means, a loopback) is left alone. A management VIP routed by the
-/// management VIPs' leg (`mgmt`, in place: `vip::mgmt_leg`) is not held
+/// management VIPs' leg (`mgmt`, in place: `host::vmnet::mgmt_leg`) is not held
 /// back: its flows are routed out of the leg, not bridged; while the leg
 /// is not in place the reason says what failed. An announced VIP has no
 /// leg (out of scope: its clients' link is the router's, not keepalived's). Read from the routes at each
@@ -223,7 +223,7 @@ fn off_network_reason(
     let routes = crate::os::Routes::read_recent(spec.vip.is_ipv6());
     let managed = config.keepalived_interface(spec);
     // A management VIP routed by the management VIPs' leg in place
-    // (`vip::mgmt_leg`): its flows are routed out of the leg, never
+    // (`host::vmnet::mgmt_leg`): its flows are routed out of the leg, never
     // bridged back, whatever the bridge stage.
     let mgmt = mgmt.filter(|m| managed == Some(m.interface.as_str()));
     if mgmt.is_some_and(|m| m.in_place && m.vips.contains(&spec.vip)) {

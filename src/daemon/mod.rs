@@ -117,7 +117,7 @@ pub struct Daemon {
     /// woken by the same publishes.)
     kernel_wake: Arc<tokio::sync::Notify>,
     /// The host's IPv4 and IPv6 forwarding as last seen (two bits per
-    /// family, `kernel::pack_forwarding`; 0: both on): kernel listeners of
+    /// family, `daemon::kernel::pack_forwarding`; 0: both on): kernel listeners of
     /// a family the host does not forward, or whose sysctl cannot be read,
     /// stay with the proxy.
     forwarding_off: std::sync::atomic::AtomicU8,
@@ -139,7 +139,7 @@ pub struct Daemon {
     /// `[conntrackd]`: conntrackd's file, the notify script, the gate.
     sync: sync::SyncState,
     /// The claims on the host objects one daemon per namespace may own
-    /// (`owned::claim`): taken at start and reload before the config
+    /// (`host::owned::claim`): taken at start and reload before the config
     /// that needs them is applied.
     claims: crate::host::owned::Claims,
     /// The state file: read at start, written on changes and at stop
@@ -276,7 +276,7 @@ impl Daemon {
         &self.isolation
     }
 
-    /// This daemon's claims on host objects (see `owned::claim`).
+    /// This daemon's claims on host objects (see `host::owned::claim`).
     pub fn claims(&self) -> &crate::host::owned::Claims {
         &self.claims
     }

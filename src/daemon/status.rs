@@ -386,13 +386,13 @@ pub struct StatusDoc {
     /// Kernel listeners on VM networks: the reply-mark table and `fwmark`
     /// rules the kernel held at the last read-back, and the last failure.
     pub reply_marks: crate::host::vmnet::replymark::ReplyMarkStatus,
-    /// Each bridged VM network's leg (`vip::leg`: the macvlan its kernel
+    /// Each bridged VM network's leg (`host::vmnet::leg`: the macvlan its kernel
     /// listeners' flows are routed out of), by the network's name, as last
     /// read back: its name, MAC, state and why it is not in place; only the
     /// networks that need one (a bridge, a kernel listener).
     pub network_legs: std::collections::BTreeMap<String, crate::host::vmnet::leg::LegStatus>,
     /// The management VIPs' leg on the bridge of `keepalived.interface`
-    /// (`vip::mgmt_leg`), its table's routes and whether it is in place, as
+    /// (`host::vmnet::mgmt_leg`), its table's routes and whether it is in place, as
     /// last read back; absent while no management VIP needs it.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub management_leg: Option<crate::host::vmnet::mgmt_leg::MgmtLegStatus>,
@@ -416,7 +416,7 @@ pub struct StatusDoc {
     /// `[keepalived]`: what the management-reachability check pings (the
     /// gateway and where it came from, the peers), why it may fail the
     /// last host alive (`problem`), and this host's
-    /// `nf_conntrack_tcp_be_liberal` (`vip::mgmt_check`).
+    /// `nf_conntrack_tcp_be_liberal` (`host::vmnet::mgmt_check`).
     pub management_check: Option<crate::host::vmnet::mgmt_check::Discovered>,
     /// The state kept across restarts: the file, what start restored from
     /// it or why it was ignored, and the last write.

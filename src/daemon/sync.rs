@@ -4,7 +4,7 @@
 //! Run by the VM-network task (`vmnet`) at every apply and every
 //! [`CHECK_INTERVAL`], after keepalived's file. Each step:
 //!
-//! 1. renders conntrackd.conf and the notify script (`vip::conntrackd`) and
+//! 1. renders conntrackd.conf and the notify script (`host::conntrack_sync::conntrackd`) and
 //!    writes what changed; a changed conntrackd.conf is followed by
 //!    `conntrackd.restart_command` (conntrackd reads its file only at
 //!    start), then, once conntrackd answers, `-B` and `-n` (its caches
@@ -13,7 +13,7 @@
 //! 2. reads what the notify script recorded per instance
 //!    (`state_directory/<vrid>`);
 //! 3. writes the gate table when what it must match changed, else reads it
-//!    back and repairs it (`vip::gate`; repairs logged at warn and counted
+//!    back and repairs it (`host::conntrack_sync::gate`; repairs logged at warn and counted
 //!    in `host_repairs_total{kind="sync_gate"}`), and reads each gate's
 //!    state;
 //! 4. asks conntrackd for its statistics (`conntrackd -C FILE -s`) and
@@ -172,7 +172,7 @@ impl Daemon {
         let mut error = None;
         if let Some(conf) = conntrackd::render_conf(config) {
             let script = conntrackd::render_script(config);
-            // Under the shipped unit root installs them (`vip::handoff`).
+            // Under the shipped unit root installs them (`host::vmnet::handoff`).
             let handoff = crate::host::vmnet::handoff::dir();
             let s = match &handoff {
                 Some(dir) => crate::host::vmnet::handoff::conntrackd_settings(&settings, dir),
@@ -400,7 +400,7 @@ impl Daemon {
 }
 
 impl Daemon {
-    /// The anycast mode's guard table (`vip::conntrackd::anycast_table`):
+    /// The anycast mode's guard table (`host::conntrack_sync::conntrackd::anycast_table`):
     /// written when its text changed, removed when the mode ends, and
     /// otherwise read back and repaired like the gate (repairs logged at
     /// warn and counted in `host_repairs_total{kind="anycast_sync_guard"}`).

@@ -1,10 +1,10 @@
 //! VIPs on VM networks (`[[network]]`, `[keepalived]`): the task that
 //! renders keepalived's file and has keepalived reload it, and owns the
-//! networks' routes and `from VIP` rules (`vip::network`) through
+//! networks' routes and `from VIP` rules (`host::vmnet::network`) through
 //! [`crate::host::owned::Driver`], and the reply marks of kernel listeners on
-//! those networks (`vip::replymark`, kind `reply_mark`) the same way.
+//! those networks (`host::vmnet::replymark`, kind `reply_mark`) the same way.
 //!
-//! It also owns the VM-network guard table (`vip::vmnet_filter`), written
+//! It also owns the VM-network guard table (`host::vmnet::vmnet_filter`), written
 //! first at every step; a failure is logged at error, counted
 //! (`vm_network_guard_failures_total`) and makes the isolated networks'
 //! VIPs not ready; the table is left at stop.
@@ -50,14 +50,14 @@ pub(super) struct VmNet {
     /// The reply marks as last read back, for `/status`.
     pub(super) reply_marks: std::sync::Mutex<ReplyMarkStatus>,
     /// Each network's leg as last read back, by the network's name (only
-    /// networks that need one: `vip::leg`), for `/status` and for the
+    /// networks that need one: `host::vmnet::leg`), for `/status` and for the
     /// kernel listeners, which go into the kernel on a bridged network
     /// only while its leg is in place.
     pub(super) legs: std::sync::Mutex<BTreeMap<String, LegStatus>>,
     /// Bumped whenever a network's leg comes into place or leaves it: the
     /// kernel listeners' desired state is rebuilt whole then.
     pub(super) legs_generation: std::sync::atomic::AtomicU64,
-    /// The management VIPs' leg and its table (`vip::mgmt_leg`) as last
+    /// The management VIPs' leg and its table (`host::vmnet::mgmt_leg`) as last
     /// read back, while some management VIP needs it: for `/status` and
     /// for the kernel listeners, which go into the kernel only while it is
     /// in place.
@@ -73,7 +73,7 @@ pub(super) struct VmNet {
     /// bridge at the last look ([`Daemon::mgmt_routes_changed`]).
     mgmt_main_routes: std::sync::atomic::AtomicU64,
     /// What the management check pings, as seen at the last apply with
-    /// `[keepalived]` (`vip::mgmt_check::discover`), for `/status`.
+    /// `[keepalived]` (`host::vmnet::mgmt_check::discover`), for `/status`.
     pub(super) mgmt_check: std::sync::Mutex<Option<crate::host::vmnet::mgmt_check::Discovered>>,
     /// Woken at every apply.
     wake: Arc<Notify>,
@@ -86,10 +86,10 @@ pub(super) struct VmNet {
 struct Inner {
     /// The networks' routes and rules, once a network is configured.
     routes: Option<Driver<NetworkRoutes>>,
-    /// The bridged networks' legs (`vip::leg`), once one is needed.
+    /// The bridged networks' legs (`host::vmnet::leg`), once one is needed.
     legs: Option<Driver<NetworkLegs>>,
     /// The marks that route kernel listeners' replies by their network
-    /// (`vip::replymark`), once a kernel listener is on a network.
+    /// (`host::vmnet::replymark`), once a kernel listener is on a network.
     marks: Option<Driver<ReplyMarks>>,
     /// The last write or reload of keepalived failed: tell it again.
     reload_failed: bool,
@@ -147,7 +147,7 @@ impl Daemon {
                 if let Some(config) = &config {
                     daemon.vmnet_step(&mut inner, config).await;
                 }
-                // Claims on what is removed by now go (`owned::claim`).
+                // Claims on what is removed by now go (`host::owned::claim`).
                 let needed = config.as_ref().map(crate::host::owned::claim::needed);
                 daemon
                     .claims
@@ -174,7 +174,7 @@ impl Daemon {
             let handoff = crate::host::vmnet::handoff::dir();
             let result = tokio::task::spawn_blocking(move || match (handoff, text) {
                 // Under the shipped unit (the vrrp.conf drop-in): root
-                // installs it (`vip::handoff`); the daemon writes its copy.
+                // installs it (`host::vmnet::handoff`); the daemon writes its copy.
                 (Some(dir), text) => {
                     let text = text.unwrap_or_else(|| keepalived::render_released(&settings));
                     crate::host::vmnet::handoff::hand_off(
@@ -668,7 +668,7 @@ impl Daemon {
         guess
     }
 
-    /// Reads back and makes the bridged networks' legs (`vip::leg`);
+    /// Reads back and makes the bridged networks' legs (`host::vmnet::leg`);
     /// publishes their state for `/status` and the kernel listeners (and
     /// wakes the kernel writer when a leg comes or goes). Returns the
     /// index of each leg in place, by network.
@@ -695,7 +695,7 @@ impl Daemon {
             self.set_legs(BTreeMap::new());
             return (BTreeMap::new(), None);
         }
-        // The management VIPs' leg (`vip::mgmt_leg`), under a name no
+        // The management VIPs' leg (`host::vmnet::mgmt_leg`), under a name no
         // network can have, taken out again below.
         if let Some(m) = mgmt {
             by_network.insert(MGMT_LEG.to_string(), m);

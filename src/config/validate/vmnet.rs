@@ -67,7 +67,7 @@ impl Validator<'_> {
         let mut built = Vec::new();
         let mut names = HashSet::new();
         let mut tables: BTreeMap<u32, String> = BTreeMap::new();
-        // The reply mark of each network's table (`vip::replymark`).
+        // The reply mark of each network's table (`host::vmnet::replymark`).
         let mut marks: BTreeMap<u32, (String, u32)> = BTreeMap::new();
         for (i, n) in file.networks.iter().enumerate() {
             let key = format!("network[{i}]");
@@ -530,7 +530,7 @@ impl Validator<'_> {
     /// `keepalived.management_table`: a table the kernel does not reserve,
     /// not `vip.announce_table` (a `[[network]]`'s table or mark is refused
     /// by [`Self::management_table_clash`]): the management VIPs' flows are
-    /// routed by it with its mark (`vip::mgmt_leg`), and a network's on the
+    /// routed by it with its mark (`host::vmnet::mgmt_leg`), and a network's on the
     /// same mark would route them into that network.
     fn management_table(&mut self, k: &FileKeepalived, vip: &VipSettings) -> u32 {
         let key = "keepalived.management_table";

@@ -132,7 +132,7 @@ impl Daemon {
     /// listening sockets are in the store already, so their accept loops
     /// stop here without taking them out (the ports keep listening in
     /// PID 1's copies); every open connection and flow pauses where no byte
-    /// is held (`proxy::Running::hand_over`) and goes into the store through
+    /// is held (`dataplane::proxy::Running::hand_over`) and goes into the store through
     /// one carrier (`carrier`).
     pub(super) async fn hand_over_sockets(&self, report: &mut HandOverReport) {
         let listeners: Vec<(ListenerKey, Running)> = {

@@ -41,7 +41,7 @@
 //!   the default socket, maybe another one's.
 //!
 //! The notify script is conntrack-tools' primary/backup recipe with the
-//! gate (`vip::gate`) closing the race the recipe leaves: keepalived adds
+//! gate (`host::conntrack_sync::gate`) closing the race the recipe leaves: keepalived adds
 //! the VIP and sends its gratuitous ARPs *before* it runs the script, so a
 //! packet can reach the new master before `conntrackd -c` committed its
 //! flow; conntrack would pick it up mid-stream and the NAT choose anew (a

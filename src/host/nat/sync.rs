@@ -585,7 +585,7 @@ impl KernelTable {
     }
 }
 
-/// Narrowing a refused write to its owners (see `kernel::narrow`).
+/// Narrowing a refused write to its owners (see `host::nat::narrow`).
 impl KernelTable {
     /// After [`Self::sync`] of `desired` failed: finds the owners whose
     /// listeners the kernel refuses (`owners`: each owner's listeners; a

@@ -9,7 +9,7 @@
 //! written: same handle, no write, nothing in `nft monitor`.
 //!
 //! The registry is process-wide (one daemon per process; the tables'
-//! names are per network namespace and claimed, `owned::claim`): each
+//! names are per network namespace and claimed, `host::owned::claim`): each
 //! write records its table's script digest (and, through a
 //! [`super::Guard`], the fingerprint read back after it); the hand-over
 //! passes the records on; the next process's first write of each table

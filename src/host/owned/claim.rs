@@ -119,7 +119,7 @@ pub fn needed(config: &Config) -> BTreeSet<Object> {
         out.insert(Object::ReplyMarks);
     }
     // A management VIP's kernel listener may need the management VIPs'
-    // leg (`vip::mgmt_leg`: whether it does is the host's fact, a bridge),
+    // leg (`host::vmnet::mgmt_leg`: whether it does is the host's fact, a bridge),
     // whose table and marks are of these kinds.
     if config
         .load_balancers

@@ -55,8 +55,8 @@
 //!
 //! The NAT tables are too large for that (10,000 listeners in 16 tables,
 //! and a health flip rewrites one chain many times a minute), so
-//! `kernel::check` applies the same rule its own way: read back over
-//! netlink (`kernel::read_back`), not `nft`; the structure (tables, base chains, listener chains,
+//! `host::nat::check` applies the same rule its own way: read back over
+//! netlink (`host::nat::read_back`), not `nft`; the structure (tables, base chains, listener chains,
 //! dispatch, refusal and masquerade elements) compared with the desired
 //! state itself, and each chain's rules with a digest of the kernel's
 //! listing taken right after this process wrote that chain; a difference is

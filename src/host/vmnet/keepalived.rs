@@ -24,7 +24,7 @@
 //!   interface*, and removes it on the backup; the daemon never adds it.
 //!   A /32 adds no subnet route to the main table: how the host itself
 //!   routes does not change when a VIP arrives; replies are routed by the
-//!   network's own table (`vip::network`).
+//!   network's own table (`host::vmnet::network`).
 //! - **A management VIP** (a load balancer on no network, its VIP the
 //!   pool's or static, no `vip.announce = "routes"`;
 //!   [`Config::keepalived_interface`]) as `VIP/32 dev <keepalived.interface>`,
@@ -62,7 +62,7 @@
 //!   that carries an IPv4 VIP, added `nodad`, with unsolicited neighbour
 //!   advertisements on the network.
 //! - **`track_script hlb_mgmt`** in every instance, the management
-//!   network's reachability (`vip::mgmt_check`): a host that reaches
+//!   network's reachability (`host::vmnet::mgmt_check`): a host that reaches
 //!   neither the management gateway nor any peer goes to FAULT instead of
 //!   becoming a second master of every VIP when its management link fails
 //!   silently (docs/vip.md, "Split brain").
@@ -263,7 +263,7 @@ pub fn render(config: &Config) -> Option<String> {
     let peers: Vec<IpAddr> = k.peers.clone();
     let socket = config.admin.socket.display();
     // The management-reachability check every instance tracks
-    // (`vip::mgmt_check`: a host cut off its management network silently
+    // (`host::vmnet::mgmt_check`: a host cut off its management network silently
     // goes to FAULT instead of becoming a second master).
     if !by_instance.is_empty() {
         out.push_str(&mgmt_check::vrrp_script(k));
@@ -438,7 +438,7 @@ pub enum Installed {
     /// not [`HEADER`]), so it is someone else's now and left alone.
     NotOurs,
     /// Under the shipped unit: written to the hand-off directory for root
-    /// to install (`vip::handoff`); nobody told by the daemon.
+    /// to install (`host::vmnet::handoff`); nobody told by the daemon.
     HandedOff,
 }
 

@@ -1,4 +1,4 @@
-//! The management VIPs' **leg**: a network leg (`vip::leg`) on the bridge
+//! The management VIPs' **leg**: a network leg (`host::vmnet::leg`) on the bridge
 //! of `keepalived.interface`, with a routing table of its own
 //! (`keepalived.management_table`) holding **the main table's routes out
 //! of that interface, rewritten onto the leg**, through which the
@@ -16,7 +16,7 @@
 //! its flows get a table of their own, the main table's routes by the
 //! bridge copied onto the leg (the connected subnets and the gateways'
 //! routes, IPv4 and IPv6), and the mark of that table on both directions
-//! (`vip::replymark`); `snat to` the VIP replaces `masquerade`, as on a
+//! (`host::vmnet::replymark`); `snat to` the VIP replaces `masquerade`, as on a
 //! leg network (the leg has no address).
 //!
 //! Which VIPs: those the configured keepalived moves on
@@ -26,7 +26,7 @@
 //! the VIP's family's frames pass the IP hooks at the bridge stage (what
 //! `daemon::kernel`'s `off_network_reason` hands to the proxy without a
 //! leg; with the stage off the routed path by the bridge serves, and a leg
-//! would only cost the bridge's promiscuity: `vip::leg`). VIPs announced
+//! would only cost the bridge's promiscuity: `host::vmnet::leg`). VIPs announced
 //! by BGP (`vip.announce = "routes"`) are not moved by keepalived and keep
 //! that fallback.
 //!
@@ -37,7 +37,7 @@
 //! main table by the bridge that changes (a DHCP renewal's gateway, an
 //! operator's static route) is in the leg's table within about 5 s (an
 //! IPv6 one within 10 s: the 5 s look reads `/proc/net/route` only). The routes are owned by the same driver
-//! as the networks' tables (`vip::network`, kind `network_route`): read
+//! as the networks' tables (`host::vmnet::network`, kind `network_route`): read
 //! back, repaired, removed after the drain at a clean stop, kept across a
 //! hand-over.
 
@@ -84,7 +84,7 @@ pub struct MgmtLeg {
 }
 
 impl MgmtLeg {
-    /// The leg, of the network legs' kind (`vip::leg`), named after the
+    /// The leg, of the network legs' kind (`host::vmnet::leg`), named after the
     /// table (`hleg999` by default).
     pub fn key(&self) -> LegKey {
         LegKey { table: self.table }

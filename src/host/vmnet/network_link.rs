@@ -8,7 +8,7 @@
 //! (`<cluster network>-bo`); a test bed's or a lab's veth is taken too (its
 //! host end of a VM's link). Anything else (the loopback, a macvlan, a
 //! tunnel, a physical NIC that is a bond's slave or the host's uplink) is
-//! never one, and isolating it (`vip::vmnet_filter`) would take the host's
+//! never one, and isolating it (`host::vmnet::vmnet_filter`) would take the host's
 //! own traffic there: `lo` stopped every service on 127.0.0.1, the
 //! daemon's `/readyz` included.
 //!

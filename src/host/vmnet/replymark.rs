@@ -128,7 +128,7 @@ pub struct MarkTable {
     /// The subnets (IPv4, IPv6) of the networks with a leg, by mark.
     pub legs: BTreeMap<u32, Vec<IpNet>>,
     /// The interface a mark's flows must come in by to be marked, by mark:
-    /// the management VIPs' (`vip::mgmt_leg`), whose table routes only what
+    /// the management VIPs' (`host::vmnet::mgmt_leg`), whose table routes only what
     /// leaves by that bridge; a flow from elsewhere (a pod on the host, by
     /// the CNI's interface) keeps the host's main table.
     pub ingress: BTreeMap<u32, String>,

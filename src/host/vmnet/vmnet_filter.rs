@@ -103,7 +103,7 @@
 //!
 //! The table only drops; its `accept` ends its own chains, so a firewall's
 //! table still applies. It is written whole in one `nft` transaction (the
-//! same add/delete/create as `vip::port_filter`), at the first apply (replacing
+//! same add/delete/create as `host::isolation`), at the first apply (replacing
 //! what a crashed daemon left) and whenever its contents change, and read
 //! back at every apply and every [`crate::host::owned::CHECK_INTERVAL`]; another
 //! process's change is written over, logged at warn and counted
@@ -151,7 +151,7 @@ impl Rules {
         Self::with_legs(config, &BTreeSet::new())
     }
 
-    /// [`Rules::of`], with the leg (`vip::leg`) of each network named in
+    /// [`Rules::of`], with the leg (`host::vmnet::leg`) of each network named in
     /// `legs` among its interfaces: a VM's frame to the leg's MAC address
     /// enters the host there and meets the same guard, and a flow routed
     /// out of it stays on its network. Named from the config on, as the

@@ -71,7 +71,7 @@ pub(crate) async fn serve(
     let m = &route.stats;
     m.accepted.increment(1);
     // TCP_NODELAY, keepalive and TCP_USER_TIMEOUT came with the accept:
-    // Linux copies them from the listening socket (see `proxy::tcp::bind`).
+    // Linux copies them from the listening socket (see `dataplane::proxy::tcp::bind`).
 
     let snapshot = route.lb.snapshot_full();
     let mut record = Record::start(snapshot.settings.log_connections, peer);
