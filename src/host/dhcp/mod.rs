@@ -33,7 +33,7 @@ use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use crate::config::{DhcpGuard, DhcpSpec};
+use crate::config::{Config, DhcpGuard, DhcpSpec};
 use crate::metrics::{HostRepairs, LeaseStats};
 
 /// How long a clean stop waits for RELEASEs and interface removals.
@@ -166,6 +166,40 @@ impl Leases {
                 },
             );
         }
+    }
+
+    /// Starts and stops the clients to match `config`'s `ipam = "dhcp"`
+    /// load balancers and puts each leased address in place of its load
+    /// balancer's `0.0.0.0` VIP (back to `0.0.0.0` while unleased: its
+    /// listeners are then not bound).
+    pub fn lease_vips(&self, mut config: Config) -> Config {
+        let wanted: Vec<Want> = config
+            .load_balancers
+            .iter()
+            .filter_map(|lb| {
+                lb.dhcp.as_ref().map(|d| Want {
+                    name: lb.name.clone(),
+                    cluster: lb.cluster.clone(),
+                    spec: d.clone(),
+                    guard: d.guard(&config.dhcp.guard),
+                })
+            })
+            .collect();
+        if wanted.is_empty() && self.is_empty() {
+            return config;
+        }
+        self.reconcile(&wanted, &config.dhcp.state_directory);
+        for spec in &mut config.load_balancers {
+            if spec.dhcp.is_some() {
+                let vip = self
+                    .address(&spec.name)
+                    .map_or(IpAddr::V4(Ipv4Addr::UNSPECIFIED), IpAddr::V4);
+                if spec.vip != vip {
+                    Arc::make_mut(spec).vip = vip;
+                }
+            }
+        }
+        config
     }
 
     /// The leased address of load balancer `name`, if it has one now.
