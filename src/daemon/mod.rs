@@ -39,13 +39,13 @@ mod network_links;
 mod persist;
 mod readiness;
 mod status;
-mod sync;
 mod vip_guard;
 mod vmnet;
 
 pub use crate::host::announce::announcer::{
     AnnounceStateChange, AnnounceStateError, AnnounceStatus, LbAnnounceStatus, VipAnnounceStatus,
 };
+pub use crate::host::conntrack_sync::syncer::{SyncInstanceStatus, SyncStatus};
 pub use crate::host::nat::repair::KernelCheckCause;
 pub use admin_state::{AdminStateChange, AdminStateError};
 pub use config_record::{RejectedReload, ReloadSource};
@@ -60,7 +60,6 @@ pub use status::{
     BackendStatus, ConfigStatus, LeaseStatus, ListenerStatus, LoadBalancerStatus, PortStatus,
     RestartStatus, StatusDoc,
 };
-pub use sync::{SyncInstanceStatus, SyncStatus};
 pub use vip_guard::VipRefusal;
 // The restart's word from prepare-stop (issue 41).
 pub use hand_over::{INTENT_BOUND, NoHandOver};
@@ -137,7 +136,7 @@ pub struct Daemon {
     /// networks' routes and rules.
     vmnet: vmnet::VmNet,
     /// `[conntrackd]`: conntrackd's file, the notify script, the gate.
-    sync: sync::SyncState,
+    sync: crate::host::conntrack_sync::syncer::ConntrackSync,
     /// The claims on the host objects one daemon per namespace may own
     /// (`host::owned::claim`): taken at start and reload before the config
     /// that needs them is applied.
@@ -235,6 +234,7 @@ impl Daemon {
         let isolation = Arc::new(Isolation::new(Arc::clone(&metrics)));
         let leases = Leases::new(metrics.host_repairs());
         let announcer = crate::host::announce::announcer::Announcer::new(Arc::clone(&metrics));
+        let sync = crate::host::conntrack_sync::syncer::ConntrackSync::new(Arc::clone(&metrics));
         Arc::new_cyclic(|me| Self {
             metrics,
             prober: Prober::new(),
@@ -262,7 +262,7 @@ impl Daemon {
             vip_guard: Mutex::new(vip_guard::VipCheckResults::default()),
             network_refusals: Mutex::new(Vec::new()),
             vmnet: vmnet::VmNet::default(),
-            sync: sync::SyncState::default(),
+            sync,
             claims: crate::host::owned::Claims::default(),
             persist: persist::Persist::default(),
             fds: Default::default(),

@@ -97,7 +97,7 @@ impl Daemon {
             announce,
             vip_refused: self.vip_refusals(),
             network_refused: self.network_refusals(),
-            conntrack_sync: self.sync_status(),
+            conntrack_sync: self.sync.status(),
             management_check: self
                 .vmnet
                 .mgmt_check
@@ -412,7 +412,7 @@ pub struct StatusDoc {
     /// `[conntrackd]`: conntrackd's caches, each VRRP instance's last
     /// transition and commit, and its gate; absent without it.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub conntrack_sync: Option<super::sync::SyncStatus>,
+    pub conntrack_sync: Option<super::SyncStatus>,
     /// `[keepalived]`: what the management-reachability check pings (the
     /// gateway and where it came from, the peers), why it may fail the
     /// last host alive (`problem`), and this host's

@@ -245,7 +245,7 @@ impl Daemon {
         }
         self.mgmt_check_step(config);
         self.vmnet_routes(inner, config).await;
-        self.sync_step(config).await;
+        self.sync.step(config, &self.claims).await;
     }
 
     /// Sees what the management check pings on this host (the gateway

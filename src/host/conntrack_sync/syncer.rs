@@ -36,26 +36,31 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::process::{Command, Stdio};
+use std::sync::Arc;
 use std::time::Duration;
 
 use serde::Serialize;
 
-use super::Daemon;
 use crate::config::{Config, ConntrackdSettings};
 use crate::host::conntrack_sync::conntrackd::{
     self, AnycastGuard, GATE_TABLE, Installed, Recorded, Stats, instance_name, parse_recorded,
     parse_stats,
 };
 use crate::host::conntrack_sync::gate::Gate;
+use crate::host::owned::Claims;
 use crate::host::owned::{CHECK_INTERVAL, Checked, Guard};
-use crate::metrics::{SyncInstanceSample, SyncSample};
+use crate::metrics::{Metrics, SyncInstanceSample, SyncSample};
 
 /// How long `conntrackd -s` may take before the check gives up on it.
 const STATS_TIMEOUT: Duration = Duration::from_secs(2);
 
-/// The sync's state, kept by the daemon.
-#[derive(Default)]
-pub(super) struct SyncState {
+/// The conntrackd sync's component: its own state (the gate and the
+/// anycast guard as written, the files' retries), its step, its `/status`
+/// part. The daemon holds it and calls `step` with the
+/// config in force.
+pub struct ConntrackSync {
+    /// Where its failures and repairs are counted.
+    metrics: Arc<Metrics>,
     inner: tokio::sync::Mutex<Inner>,
     /// The last step's findings, for `/status`.
     report: std::sync::Mutex<Option<SyncStatus>>,
@@ -143,21 +148,30 @@ pub struct SyncInstanceStatus {
     pub gate: &'static str,
 }
 
-impl Daemon {
+impl ConntrackSync {
+    /// Nothing written yet; counts in `metrics`.
+    pub(crate) fn new(metrics: Arc<Metrics>) -> Self {
+        Self {
+            metrics,
+            inner: tokio::sync::Mutex::default(),
+            report: std::sync::Mutex::default(),
+        }
+    }
+
     /// One step of the sync (see the module's text); `config` is the one
-    /// in force.
-    pub(super) async fn sync_step(&self, config: &Config) {
-        let mut inner = self.sync.inner.lock().await;
+    /// in force, `claims` the daemon's (the gate table's is taken here).
+    pub(crate) async fn step(&self, config: &Config, claims: &Claims) {
+        let mut inner = self.inner.lock().await;
         self.anycast_guard(&mut inner, config).await;
         let Some(settings) = config.conntrackd.clone() else {
             self.remove_gate(&mut inner, "[conntrackd] removed").await;
             self.metrics.set_conntrack_sync(None);
-            *self.sync.report.lock().unwrap_or_else(|p| p.into_inner()) = None;
+            *self.report.lock().unwrap_or_else(|p| p.into_inner()) = None;
             return;
         };
         // Only with the gate's claim (taken at start and reload): another
         // daemon's gate is never replaced.
-        if let Err(e) = self.claims.hold(crate::host::owned::Object::SyncGate).await {
+        if let Err(e) = claims.hold(crate::host::owned::Object::SyncGate).await {
             tracing::error!("[conntrackd]: {e}");
             return;
         }
@@ -284,20 +298,19 @@ impl Daemon {
             &recorded,
             (inner.failures, settings.transport.name()),
         )));
-        *self.sync.report.lock().unwrap_or_else(|p| p.into_inner()) = Some(report);
+        *self.report.lock().unwrap_or_else(|p| p.into_inner()) = Some(report);
     }
 
     /// `/status` `conntrack_sync`; `None` without `[conntrackd]`.
-    pub(super) fn sync_status(&self) -> Option<SyncStatus> {
-        self.sync
-            .report
+    pub(crate) fn status(&self) -> Option<SyncStatus> {
+        self.report
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .clone()
     }
 }
 
-impl Daemon {
+impl ConntrackSync {
     /// Removes the gate table if this process wrote it (`why` says what
     /// made it go, in the log).
     async fn remove_gate(&self, inner: &mut Inner, why: &'static str) {
@@ -399,7 +412,7 @@ impl Daemon {
     }
 }
 
-impl Daemon {
+impl ConntrackSync {
     /// The anycast mode's guard table (`host::conntrack_sync::conntrackd::anycast_table`):
     /// written when its text changed, removed when the mode ends, and
     /// otherwise read back and repaired like the gate (repairs logged at
