@@ -39,7 +39,6 @@ mod network_links;
 mod persist;
 mod readiness;
 mod status;
-mod vip_guard;
 mod vmnet;
 
 pub use crate::host::announce::announcer::{
@@ -47,6 +46,7 @@ pub use crate::host::announce::announcer::{
 };
 pub use crate::host::conntrack_sync::syncer::{SyncInstanceStatus, SyncStatus};
 pub use crate::host::nat::repair::KernelCheckCause;
+pub use crate::host::vip_guard::refusals::VipRefusal;
 pub use admin_state::{AdminStateChange, AdminStateError};
 pub use config_record::{RejectedReload, ReloadSource};
 pub use hand_over::{
@@ -60,7 +60,6 @@ pub use status::{
     BackendStatus, ConfigStatus, LeaseStatus, ListenerStatus, LoadBalancerStatus, PortStatus,
     RestartStatus, StatusDoc,
 };
-pub use vip_guard::VipRefusal;
 // The restart's word from prepare-stop (issue 41).
 pub use hand_over::{INTENT_BOUND, NoHandOver};
 
@@ -129,7 +128,7 @@ pub struct Daemon {
     announcer: crate::host::announce::announcer::Announcer,
     /// What the VIP guard refused at the last apply, and which VIPs passed
     /// its last check of the host.
-    vip_guard: Mutex<vip_guard::VipCheckResults>,
+    vip_guard: crate::host::vip_guard::refusals::VipGuard,
     /// The `[[network]]`s refused at the last apply (`network_links`).
     network_refusals: Mutex<Vec<NetworkRefusal>>,
     /// `[[network]]` and `[keepalived]`: keepalived's file and the
@@ -235,6 +234,7 @@ impl Daemon {
         let leases = Leases::new(metrics.host_repairs());
         let announcer = crate::host::announce::announcer::Announcer::new(Arc::clone(&metrics));
         let sync = crate::host::conntrack_sync::syncer::ConntrackSync::new(Arc::clone(&metrics));
+        let vip_guard = crate::host::vip_guard::refusals::VipGuard::new(Arc::clone(&metrics));
         Arc::new_cyclic(|me| Self {
             metrics,
             prober: Prober::new(),
@@ -259,7 +259,7 @@ impl Daemon {
             forwarding_off: std::sync::atomic::AtomicU8::new(0),
             forward_chains: Default::default(),
             announcer,
-            vip_guard: Mutex::new(vip_guard::VipCheckResults::default()),
+            vip_guard,
             network_refusals: Mutex::new(Vec::new()),
             vmnet: vmnet::VmNet::default(),
             sync,
@@ -274,6 +274,12 @@ impl Daemon {
     /// it on a blocking thread, and at stop.
     pub fn isolation(&self) -> &Arc<Isolation> {
         &self.isolation
+    }
+
+    /// `config` without the load balancers the VIP guard refuses (see
+    /// [`crate::host::vip_guard::refusals`]), run before each apply.
+    pub async fn guard_vips(&self, config: Config) -> Config {
+        self.vip_guard.guard(config).await
     }
 
     /// This daemon's claims on host objects (see `host::owned::claim`).

@@ -95,7 +95,7 @@ impl Daemon {
                 .clone(),
             management_leg: self.mgmt_leg_seen().map(|m| (*m).clone()),
             announce,
-            vip_refused: self.vip_refusals(),
+            vip_refused: self.vip_guard.refusals(),
             network_refused: self.network_refusals(),
             conntrack_sync: self.sync.status(),
             management_check: self

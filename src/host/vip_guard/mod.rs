@@ -39,6 +39,8 @@
 //! [`judge`] is the pure decision; [`HostNet::read`] reads what it needs
 //! over rtnetlink (no privilege needed to read).
 
+pub mod refusals;
+
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::net::IpAddr;

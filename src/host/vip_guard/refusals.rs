@@ -22,16 +22,18 @@ use std::net::IpAddr;
 
 use serde::Serialize;
 
-use super::Daemon;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use super::{HostNet, judge};
 use crate::config::Config;
-use crate::host::vip_guard::{HostNet, judge};
+use crate::metrics::Metrics;
 
 /// What the VIP guard's checks found, kept between applies: the refusals
 /// to show in `/status` and to log only when new, and the VIPs that passed
 /// the last check that could read the host, so that with announcing a
 /// failed read at a reload keeps those VIPs and refuses only new ones.
 #[derive(Debug, Default)]
-pub(super) struct VipCheckResults {
+struct VipCheckResults {
     /// The refusals of the last apply (`/status`).
     refusals: Vec<VipRefusal>,
     /// The VIPs that passed the last check that read the host.
@@ -53,10 +55,26 @@ pub struct VipRefusal {
     pub reason: String,
 }
 
-impl Daemon {
+/// The VIP guard's component: the results kept between applies, the
+/// refusals shown in `/status` and counted in `vip_refused`.
+pub struct VipGuard {
+    /// Where the refusals are counted.
+    metrics: Arc<Metrics>,
+    results: Mutex<VipCheckResults>,
+}
+
+impl VipGuard {
+    /// Nothing checked yet; counts in `metrics`.
+    pub(crate) fn new(metrics: Arc<Metrics>) -> Self {
+        Self {
+            metrics,
+            results: Mutex::default(),
+        }
+    }
+
     /// `config` without the load balancers the VIP guard refuses, which are
     /// remembered for `/status` and logged.
-    pub async fn guard_vips(&self, mut config: Config) -> Config {
+    pub async fn guard(&self, mut config: Config) -> Config {
         let checked = config
             .load_balancers
             .iter()
@@ -111,8 +129,8 @@ impl Daemon {
 
     /// The results kept between applies (a poisoned lock is taken as it
     /// is: each field is only ever replaced whole).
-    fn check_results(&self) -> std::sync::MutexGuard<'_, VipCheckResults> {
-        self.vip_guard.lock().unwrap_or_else(|p| p.into_inner())
+    fn check_results(&self) -> MutexGuard<'_, VipCheckResults> {
+        self.results.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Keeps `now` for `/status` and the gauge; logs each one that is new.
@@ -133,7 +151,7 @@ impl Daemon {
     }
 
     /// The load balancers refused at the last apply (`/status`).
-    pub fn vip_refusals(&self) -> Vec<VipRefusal> {
+    pub fn refusals(&self) -> Vec<VipRefusal> {
         self.check_results().refusals.clone()
     }
 }
