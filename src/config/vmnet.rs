@@ -15,7 +15,7 @@ use super::{AnnounceSettings, Config, Ipam, LoadBalancerSpec};
 /// the host's loopback, a device of the host's container network (the
 /// Kubernetes CNI's), or a lease macvlan of this daemon's. `check` and
 /// import judge names here (they run anywhere); the daemon also checks the
-/// link itself, its kind and its routes (`daemon::network_links`). A VM
+/// link itself, its kind and its routes (`host::vmnet::network_refusals`). A VM
 /// network is on a bridge, a VLAN device on one, or a bond; isolating
 /// anything else takes the host's own traffic there (`lo`: every service
 /// on 127.0.0.1). `None`: the name may be one.

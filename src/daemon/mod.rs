@@ -35,7 +35,6 @@ mod config_record;
 mod hand_over;
 mod kernel;
 mod leases;
-mod network_links;
 mod persist;
 mod readiness;
 mod status;
@@ -47,13 +46,13 @@ pub use crate::host::announce::announcer::{
 pub use crate::host::conntrack_sync::syncer::{SyncInstanceStatus, SyncStatus};
 pub use crate::host::nat::repair::KernelCheckCause;
 pub use crate::host::vip_guard::refusals::VipRefusal;
+pub use crate::host::vmnet::network_refusals::NetworkRefusal;
 pub use admin_state::{AdminStateChange, AdminStateError};
 pub use config_record::{RejectedReload, ReloadSource};
 pub use hand_over::{
     HandOverMarker, HandOverReport, MARKER_FILE, MARKER_KEPT_FILE, MARKER_MAX_AGE, MarkerError,
     StopKind,
 };
-pub use network_links::NetworkRefusal;
 pub use persist::{RestoredCounts, StateFileStatus};
 pub use readiness::{BackendRequirement, UnboundListener, VipNotReady};
 pub use status::{
@@ -129,8 +128,9 @@ pub struct Daemon {
     /// What the VIP guard refused at the last apply, and which VIPs passed
     /// its last check of the host.
     vip_guard: crate::host::vip_guard::refusals::VipGuard,
-    /// The `[[network]]`s refused at the last apply (`network_links`).
-    network_refusals: Mutex<Vec<NetworkRefusal>>,
+    /// The `[[network]]`s' interfaces checked before each apply, and
+    /// those refused at the last (`host::vmnet::network_refusals`).
+    network_guard: crate::host::vmnet::network_refusals::NetworkGuard,
     /// `[[network]]` and `[keepalived]`: keepalived's file and the
     /// networks' routes and rules.
     vmnet: vmnet::VmNet,
@@ -260,7 +260,7 @@ impl Daemon {
             forward_chains: Default::default(),
             announcer,
             vip_guard,
-            network_refusals: Mutex::new(Vec::new()),
+            network_guard: Default::default(),
             vmnet: vmnet::VmNet::default(),
             sync,
             claims: crate::host::owned::Claims::default(),
@@ -280,6 +280,13 @@ impl Daemon {
     /// [`crate::host::vip_guard::refusals`]), run before each apply.
     pub async fn guard_vips(&self, config: Config) -> Config {
         self.vip_guard.guard(config).await
+    }
+
+    /// `config` without the networks whose interface cannot be a VM
+    /// network's here, nor their load balancers (see
+    /// [`crate::host::vmnet::network_refusals`]), run before each apply.
+    pub async fn guard_networks(&self, config: Config) -> Config {
+        self.network_guard.guard(config).await
     }
 
     /// This daemon's claims on host objects (see `host::owned::claim`).

@@ -96,7 +96,7 @@ impl Daemon {
             management_leg: self.mgmt_leg_seen().map(|m| (*m).clone()),
             announce,
             vip_refused: self.vip_guard.refusals(),
-            network_refused: self.network_refusals(),
+            network_refused: self.network_guard.refusals(),
             conntrack_sync: self.sync.status(),
             management_check: self
                 .vmnet

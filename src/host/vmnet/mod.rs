@@ -14,5 +14,6 @@ pub mod mgmt_check;
 pub mod mgmt_leg;
 pub mod network;
 pub mod network_link;
+pub mod network_refusals;
 pub mod replymark;
 pub mod vmnet_filter;

@@ -14,12 +14,12 @@
 //! networks applied unchecked (as the VIP guard does).
 
 use std::collections::BTreeSet;
+use std::sync::Mutex;
 
 use serde::Serialize;
 
-use super::Daemon;
+use super::network_link::{HostLinks, judge};
 use crate::config::Config;
-use crate::host::vmnet::network_link::{HostLinks, judge};
 
 /// One `[[network]]` refused, in `/status`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -37,12 +37,19 @@ pub struct NetworkRefusal {
     pub load_balancers: Vec<String>,
 }
 
-impl Daemon {
+/// The `[[network]]` interfaces' guard: the refusals of the last apply,
+/// kept for `/status` and logged once each while they last.
+#[derive(Debug, Default)]
+pub struct NetworkGuard {
+    refusals: Mutex<Vec<NetworkRefusal>>,
+}
+
+impl NetworkGuard {
     /// `config` without the networks whose interface cannot be a VM
     /// network's here, nor their load balancers (those on the network, and
     /// those leased on its interface); the refusals are remembered for
     /// `/status` and logged.
-    pub async fn guard_networks(&self, mut config: Config) -> Config {
+    pub async fn guard(&self, mut config: Config) -> Config {
         if config.networks.is_empty() {
             self.set_network_refusals(Vec::new());
             return config;
@@ -104,10 +111,7 @@ impl Daemon {
 
     /// Keeps `now` for `/status`; logs each one that is new.
     fn set_network_refusals(&self, now: Vec<NetworkRefusal>) {
-        let mut kept = self
-            .network_refusals
-            .lock()
-            .unwrap_or_else(|p| p.into_inner());
+        let mut kept = self.refusals.lock().unwrap_or_else(|p| p.into_inner());
         for r in now.iter().filter(|r| !kept.contains(r)) {
             tracing::error!(
                 network = %r.network,
@@ -122,8 +126,8 @@ impl Daemon {
     }
 
     /// The networks refused at the last apply (`/status`).
-    pub fn network_refusals(&self) -> Vec<NetworkRefusal> {
-        self.network_refusals
+    pub fn refusals(&self) -> Vec<NetworkRefusal> {
+        self.refusals
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .clone()
