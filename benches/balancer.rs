@@ -13,8 +13,8 @@ use std::time::Duration;
 use criterion::{BenchmarkId, Criterion, criterion_group, criterion_main};
 use ipnet::IpNet;
 
-use harvester_lb::balancer::{Backend, ClientAddr, LoadBalancer, Settings};
 use harvester_lb::config::{Algorithm, SourceRanges};
+use harvester_lb::dataplane::balancer::{Backend, ClientAddr, LoadBalancer, Settings};
 use harvester_lb::metrics::LbStats;
 
 fn lb(algorithm: Algorithm, n: usize) -> (Arc<LoadBalancer>, Vec<Arc<Backend>>) {
@@ -82,8 +82,8 @@ fn pick(c: &mut Criterion) {
 /// 100,000 remembered ones; `miss`: a client never seen (the lookup that
 /// finds nothing, before the algorithm picks).
 fn pick_with_affinity(c: &mut Criterion) {
-    use harvester_lb::balancer::AffinityBudget;
-    use harvester_lb::balancer::affinity::now_secs;
+    use harvester_lb::dataplane::balancer::AffinityBudget;
+    use harvester_lb::dataplane::balancer::affinity::now_secs;
     // What an entry costs: resident memory before and after a million.
     {
         let (lb, members) = lb(Algorithm::RoundRobin, 3);

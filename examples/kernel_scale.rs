@@ -26,7 +26,7 @@ use std::net::{IpAddr, Ipv4Addr};
 use std::time::Instant;
 
 use harvester_lb::config::{Algorithm, Protocol, SourceNat};
-use harvester_lb::kernel::{Desired, KernelListener, KernelTable, TableObjects, transaction};
+use harvester_lb::host::nat::{Desired, KernelListener, KernelTable, TableObjects, transaction};
 
 fn arg(i: usize, default: usize) -> usize {
     std::env::args()
@@ -83,7 +83,7 @@ fn main() {
     eprintln!("unchanged: {:?} ({again:?})", t0.elapsed());
     // What the daemon reads for /metrics every 5 s.
     let t0 = Instant::now();
-    let counters = harvester_lb::kernel::counters().map(|c| c.len());
+    let counters = harvester_lb::host::nat::counters().map(|c| c.len());
     eprintln!("counters read: {:?} ({counters:?})", t0.elapsed());
     // What the daemon compares every 10 s and at each reload.
     for _ in 0..3 {
@@ -169,7 +169,7 @@ fn udp_flows(n: usize) {
         },
     );
     let t0 = Instant::now();
-    let deleted = harvester_lb::kernel::delete_stale_flows(&desired);
+    let deleted = harvester_lb::host::nat::delete_stale_flows(&desired);
     eprintln!(
         "deleted {deleted:?} of {} UDP flows in {:?}",
         2 * n,

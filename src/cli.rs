@@ -20,10 +20,10 @@ use std::process::ExitCode;
 
 use harvester_lb::StartError;
 use harvester_lb::config;
+use harvester_lb::dataplane::workers::{self, Runtimes};
 use harvester_lb::logging;
 use harvester_lb::server::{self, RunError};
 use harvester_lb::text;
-use harvester_lb::workers::{self, Runtimes};
 use tracing_subscriber::field::MakeExt as _;
 use tracing_subscriber::fmt::writer::BoxMakeWriter;
 
@@ -139,9 +139,9 @@ pub fn check(path: &Path) -> ExitCode {
 }
 
 /// `harvester-lb vrrp-install`: root's half of the hand-off
-/// (`harvester_lb::vip::handoff`), one line per file set on stdout.
+/// (`harvester_lb::host::vmnet::handoff`), one line per file set on stdout.
 pub fn vrrp_install(path: &Path, from: &Path) -> ExitCode {
-    use harvester_lb::vip::handoff::{self, Outcome};
+    use harvester_lb::host::vmnet::handoff::{self, Outcome};
     let loaded = match config::load(path) {
         Ok(l) => l,
         Err(e) => {
@@ -414,7 +414,7 @@ pub fn withdraw_all(config_path: &Path, table: Option<u32>) -> ExitCode {
         Ok(r) => r,
         Err(e) => return runtime_failed(&e),
     };
-    match runtime.block_on(harvester_lb::vip::announce::withdraw_all(table)) {
+    match runtime.block_on(harvester_lb::host::announce::routes::withdraw_all(table)) {
         Ok(withdrawn) => {
             let list = |vips: &[std::net::IpAddr]| {
                 vips.iter()

@@ -2,40 +2,35 @@
 //! services. A TCP and UDP load balancer with active health checks,
 //! configured by one TOML file that the cloud-provider controller writes.
 //!
-//! The modules follow the data flow:
+//! The modules follow the data flow, one folder per feature:
 //!
 //! ```text
-//! config ──► daemon ──► proxy (listeners) ──► forward ──► backend
+//! config ──► daemon ──► dataplane::proxy (listeners) ──► forward ──► backend
 //!               │                   ▲
-//!               ├──► health (prober)┘ via balancer (the healthy set, one ArcSwap)
+//!               ├──► dataplane::health (prober)┘ via dataplane::balancer (one ArcSwap)
 //!               │          each publish also wakes, each on its own:
-//!               │          ├──► kernel (nftables DNAT of kernel listeners)
-//!               │          └──► daemon::announce (routes for the BGP speaker)
-//!               └──► vip (the VIP guard, isolation table, DHCP leases)
+//!               │          ├──► host::nat (nftables DNAT of kernel listeners)
+//!               │          └──► daemon::announce → host::announce (routes for the BGP speaker)
+//!               └──► host (the VIP guard, isolation, DHCP leases, VM networks, conntrackd)
 //! ```
 //!
 //! Everything the daemon writes into the host (tables, routes, addresses)
 //! is owned: remembered, read back, repaired and reported as the kernel
-//! holds it; see [`owned`] for the rule and the driver every keyed kind uses.
+//! holds it; see [`host::owned`] for the rule and the driver every keyed kind uses.
 //!
 //! * [`config`]: schema, Harvester's defaults, validation; pure.
-//! * [`health`]: probes and the per-backend state machine.
-//! * [`balancer`]: the healthy set swapped atomically, and the picking algorithms.
-//! * [`budget`]: one bound shared by many tables (affinity entries, UDP flows).
-//! * [`proxy`]: listeners, accept, connect with retry, zero-copy forwarding.
+//! * [`dataplane`]: what a connection meets: the healthy set and the
+//!   picking algorithms (`balancer`), probes (`health`), listeners and
+//!   forwarding (`proxy`), the threads (`workers`), shared bounds (`budget`).
+//! * [`host`]: what the daemon writes into the host, a folder per feature:
+//!   the NAT of kernel listeners (`nat`: names, builder, writes, read-back,
+//!   comparison, keeper), announce routes (`announce`), DHCP leases
+//!   (`dhcp`), the isolation table (`isolation`), VM networks (`vmnet`:
+//!   keepalived, networks, legs, reply marks, the tenant guard), conntrackd's
+//!   sync (`conntrack_sync`), the VIP guard (`vip_guard`), the `nft` command
+//!   (`nft`) and the owned-object rule (`owned`).
 //! * [`daemon`]: applies a config as a diff (start-up and reload alike).
 //! * [`server`]: the daemon's life: start, the reload loop, the systemd watchdog, drain.
-//! * [`workers`]: the threads TCP connections run on (thread per core or work stealing).
-//! * [`kernel`]: `forwarding = "kernel"` listeners as nftables DNAT, written from the daemon's verdicts;
-//!   by job: the names (`names`), the builder (`build`), the writes (`commit`
-//!   with `nft`, `netlink` for a flip), the read-back (`read_back`) and its
-//!   comparison (`check`), the keeper (`sync`).
-//! * [`vip`]: the VIPs themselves: never an address the host uses, only
-//!   their listeners' ports answer, leased by DHCP or announced by route.
-//! * [`nft`]: the `nft` command, run in one place for every table.
-//! * [`owned`]: kernel objects the daemon owns (the isolation table, the
-//!   NAT tables, announce routes, the VIPs' local routes), read back and repaired
-//!   when another process changed them; one driver for the keyed kinds.
 //! * [`admin`]: the admin API's server, in three parts by what each guards:
 //!   each listener's bounds (`connections`), what each path answers and who
 //!   may ask (`routes`), the Unix socket's trust and binding (`socket`).
@@ -76,30 +71,23 @@ pub const LONG_VERSION: &str = concat!(
 );
 
 pub mod admin;
-pub mod balancer;
-pub mod budget;
 pub mod config;
 pub mod daemon;
+pub mod dataplane;
 pub mod fd_store;
-pub mod health;
+pub mod host;
 pub mod import;
-pub mod kernel;
 pub mod log_limit;
 pub mod logging;
 pub mod metrics;
 pub mod net;
-pub mod nft;
 pub mod os;
-pub mod owned;
-pub mod proxy;
 pub mod server;
 pub mod state_file;
 pub mod systemd;
 #[cfg(test)]
 mod test_clock;
 pub mod text;
-pub mod vip;
 mod watch;
-pub mod workers;
 
 pub use server::{Options, Server, StartError, request_reload, start};

@@ -16,12 +16,13 @@ use tokio_util::sync::CancellationToken;
 
 use crate::config::{self, Config, ConfigError};
 use crate::daemon::{Daemon, HandOverReport, ReloadSource, StopKind, log_applied};
+use crate::dataplane::workers::Workers;
 use crate::fd_store::{self, FdName, FdStore, Inherited};
+use crate::host::isolation::IsolationError;
+use crate::host::owned;
 use crate::metrics::Metrics;
 use crate::text;
-use crate::vip::port_filter::IsolationError;
-use crate::workers::Workers;
-use crate::{admin, os, owned, systemd, watch};
+use crate::{admin, os, systemd, watch};
 
 /// How to run the daemon.
 #[derive(Debug, Clone)]
@@ -36,7 +37,7 @@ pub struct Options {
     /// daemons and must not take `/run/harvester-lb/admin.sock`.
     pub admin_socket: Option<PathBuf>,
     /// The runtimes TCP listeners accept on: by default the one `start`
-    /// runs on (see [`crate::workers`]).
+    /// runs on (see [`crate::dataplane::workers`]).
     pub workers: Workers,
     /// systemd's file descriptor store every listening socket goes into
     /// (issue 41): `$NOTIFY_SOCKET`'s, off outside systemd.
@@ -128,7 +129,7 @@ pub enum ReloadError {
     #[error("the VIP isolation writer stopped: {0}")]
     IsolationStopped(tokio::task::JoinError),
     /// The new config needs a host object another live daemon holds
-    /// (`owned::claim`); nothing of it was applied.
+    /// (`host::owned::claim`); nothing of it was applied.
     #[error(transparent)]
     Claimed(#[from] owned::ClaimError),
 }
@@ -660,8 +661,8 @@ async fn main_loop(
 }
 
 /// Reads the kernel objects the daemon owns back every
-/// [`owned::CHECK_INTERVAL`] and repairs what another process changed
-/// (see [`crate::owned`]); until `stop`. One check at a time, each on a
+/// [`host::owned::CHECK_INTERVAL`] and repairs what another process changed
+/// (see [`crate::host::owned`]); until `stop`. One check at a time, each on a
 /// blocking thread (it runs `nft`).
 async fn check_kernel_objects(daemon: Arc<Daemon>, stop: CancellationToken) {
     let mut tick = tokio::time::interval(owned::CHECK_INTERVAL);
@@ -738,7 +739,7 @@ async fn reload(
         Ok(Err(e)) => Err(ReloadError::Config(e)),
         Ok(Ok(mut loaded)) => 'claimed: {
             // Before anything is written: a config that needs another
-            // daemon's object is refused whole (see `owned::claim`).
+            // daemon's object is refused whole (see `host::owned::claim`).
             let needed = owned::claim::needed(&loaded.config);
             if let Err(e) = daemon.claims().take_all(&needed).await {
                 break 'claimed Err(ReloadError::Claimed(e));

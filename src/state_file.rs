@@ -24,7 +24,7 @@
 //! - an affinity entry: seen within its load balancer's timeout, by the wall
 //!   clock;
 //! - DHCP leases are not in this file: each client keeps its own
-//!   (`vip::dhcp::state`, `dhcp-<mac>.json`) and asks for it again at start
+//!   (`host::dhcp::state`, `dhcp-<mac>.json`) and asks for it again at start
 //!   (INIT-REBOOT) while it has not expired.
 
 use std::collections::BTreeMap;

@@ -304,7 +304,7 @@ impl KernelDnat {
 // ---------------------------------------------------------------------------
 // harvester-lb (kernel): the daemon's own table
 
-/// The daemon's NAT tables (`src/kernel`), family inet: this name, and
+/// The daemon's NAT tables (`src/host/nat`), family inet: this name, and
 /// this name and `_k` for the other shards.
 const HLB_TABLE: &str = "harvester_lb_nat";
 

@@ -27,7 +27,7 @@ use std::time::{Duration, UNIX_EPOCH};
 
 use serde_json::Value;
 
-use crate::proxy::log::Rfc3339;
+use crate::dataplane::proxy::log::Rfc3339;
 
 /// Load balancers on one page: 100 of them with 3 backends and 2
 /// listeners each are about 270 KB of HTML, which any browser shows at

@@ -17,10 +17,10 @@ use serde::Deserialize;
 use tokio::sync::{mpsc, oneshot};
 
 use super::{Body, Origin, page};
-use crate::balancer::AdminState;
 use crate::daemon::{
     AdminStateError, AnnounceStateError, BackendRequirement, Daemon, ReloadSource, VipNotReady,
 };
+use crate::dataplane::balancer::AdminState;
 use crate::metrics::exposition::ExpositionBody;
 use crate::server::ReloadRequest;
 

@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use clap::{Parser, Subcommand, ValueEnum};
 
 use harvester_lb::config;
-use harvester_lb::workers;
+use harvester_lb::dataplane::workers;
 
 /// TCP and UDP load balancer with active health checks for Harvester
 /// guest-cluster LoadBalancer services.
@@ -188,7 +188,7 @@ pub(crate) enum Command {
         #[arg(long, short, default_value = config::DEFAULT_PATH)]
         config: PathBuf,
         /// The directory the daemon hands its rendered files off to.
-        #[arg(long, value_name = "DIR", default_value = harvester_lb::vip::handoff::DIR)]
+        #[arg(long, value_name = "DIR", default_value = harvester_lb::host::vmnet::handoff::DIR)]
         from: PathBuf,
     },
     /// Delete every route harvester-lb announces (protocol 252) from the
@@ -338,7 +338,7 @@ impl AnnounceState {
     }
 }
 
-/// See `harvester_lb::workers::Scheduler`.
+/// See `harvester_lb::dataplane::workers::Scheduler`.
 #[derive(Clone, Copy, ValueEnum)]
 pub(crate) enum Scheduler {
     ThreadPerCore,

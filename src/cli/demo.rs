@@ -16,7 +16,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinHandle;
 
 use harvester_lb::config::{self, LoadBalancerSpec};
-use harvester_lb::health::Health;
+use harvester_lb::dataplane::health::Health;
 
 /// Runs the demo on the config at `path` (its first load balancer with a
 /// health check), handing each line of its story to `say` (the command
@@ -64,7 +64,7 @@ pub async fn run(path: &Path, say: impl Fn(String)) -> Result<(), String> {
         config_path: path.to_path_buf(),
         watch_interval: None,
         admin_socket: Some(socket_dir.join("admin.sock")),
-        workers: harvester_lb::workers::Workers::here(),
+        workers: harvester_lb::dataplane::workers::Workers::here(),
         // The demo's sockets are its own, never a unit's.
         fd_store: harvester_lb::fd_store::FdStore::off(),
         inherited: harvester_lb::fd_store::Inherited::none(),

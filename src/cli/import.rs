@@ -141,7 +141,7 @@ pub fn command(args: &Args) -> Outcome {
             return out.exit(EXIT_USAGE);
         }
     };
-    let interfaces = match harvester_lb::vip::host::interface_names_blocking() {
+    let interfaces = match harvester_lb::host::vip_guard::interface_names_blocking() {
         Ok(names) => names,
         Err(e) => {
             out.say(format!(
@@ -150,7 +150,7 @@ pub fn command(args: &Args) -> Outcome {
             return out.exit(EXIT_HOST);
         }
     };
-    let host = match harvester_lb::vip::host::HostNet::read_blocking() {
+    let host = match harvester_lb::host::vip_guard::HostNet::read_blocking() {
         Ok(h) => h,
         Err(e) => {
             out.say(format!(

@@ -103,7 +103,7 @@ pub struct FileNetwork {
     /// The routing table replies from its VIPs are looked up in.
     pub table: Option<Spanned<i64>>,
     /// Whether the host refuses to route for this network's VMs
-    /// (`vip::vmnet_filter`); default true.
+    /// (`host::vmnet::vmnet_filter`); default true.
     pub isolate: Option<Spanned<bool>>,
 }
 

@@ -3,8 +3,8 @@
 //! docs/vip.md, "Open connections across a VIP's move").
 //!
 //! Only the validated type lives here; `validate::sync` builds it,
-//! `vip::conntrackd` renders conntrackd's file and the notify script, and
-//! `vip::gate` owns the gate table.
+//! `host::conntrack_sync::conntrackd` renders conntrackd's file and the notify script, and
+//! `host::conntrack_sync::gate` owns the gate table.
 
 use std::net::Ipv4Addr;
 use std::path::PathBuf;

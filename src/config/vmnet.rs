@@ -3,7 +3,7 @@
 //! daemon renders from this file (see docs/vip.md, "A VIP on a VM network").
 //!
 //! Only the validated types live here; `validate::vmnet` builds them and
-//! `vip::keepalived` renders them.
+//! `host::vmnet::keepalived` renders them.
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::path::PathBuf;
@@ -15,7 +15,7 @@ use super::{AnnounceSettings, Config, Ipam, LoadBalancerSpec};
 /// the host's loopback, a device of the host's container network (the
 /// Kubernetes CNI's), or a lease macvlan of this daemon's. `check` and
 /// import judge names here (they run anywhere); the daemon also checks the
-/// link itself, its kind and its routes (`daemon::network_links`). A VM
+/// link itself, its kind and its routes (`host::vmnet::network_refusals`). A VM
 /// network is on a bridge, a VLAN device on one, or a bond; isolating
 /// anything else takes the host's own traffic there (`lo`: every service
 /// on 127.0.0.1). `None`: the name may be one.
@@ -72,7 +72,7 @@ pub fn is_other_family_alone(problem: &super::Problem) -> bool {
     problem.message.contains(OTHER_FAMILY_ALONE)
 }
 
-/// The first bytes of a network's leg (`vip::leg`): `hleg` and the
+/// The first bytes of a network's leg (`host::vmnet::leg`): `hleg` and the
 /// network's table in decimal, at most 14 bytes, never a lease macvlan's
 /// `hlb` + 10 hex digits.
 pub const LEG_PREFIX: &str = "hleg";
@@ -123,7 +123,7 @@ pub const DEFAULT_MANAGEMENT_VIPS: bool = true;
 /// "The all-backends-down decision for a moved VIP").
 pub const DEFAULT_READY_REQUIRES_BACKEND: bool = false;
 /// Default `keepalived.management_table`: the routing table of the
-/// management VIPs' leg (`vip::mgmt_leg`), just below the networks'
+/// management VIPs' leg (`host::vmnet::mgmt_leg`), just below the networks'
 /// default tables ([`DEFAULT_NETWORK_TABLE_BASE`]); its mark
 /// ([`reply_mark_of`], `0xea`) is none of theirs up to the 254th network.
 pub const DEFAULT_MANAGEMENT_TABLE: u32 = 999;
@@ -133,7 +133,7 @@ pub const DEFAULT_NETWORK_TABLE_BASE: u32 = 1000;
 
 /// The bits of the conntrack and packet marks harvester-lb owns: the
 /// mark of a kernel listener's flows from a VM network's VIP, which routes
-/// their replies by the network's table (`vip::replymark`, which says why
+/// their replies by the network's table (`host::vmnet::replymark`, which says why
 /// these bits). Clear of kube-proxy's (`0xc000`), Calico's (`0xffff0000`)
 /// and Cilium's (`0x0f00`).
 pub const REPLY_MARK_MASK: u32 = 0x0000_00ff;
@@ -177,7 +177,7 @@ pub struct NetworkSpec {
     /// Whether the host is no router for this network's VMs: traffic that
     /// enters from `interface` is forwarded only when DNATed to the
     /// network's own backends, and reaches the host only at its VIPs'
-    /// listener ports (`vip::vmnet_filter`).
+    /// listener ports (`host::vmnet::vmnet_filter`).
     pub isolate: bool,
 }
 
@@ -231,7 +231,7 @@ pub struct KeepalivedSettings {
     /// Run instead of the SIGHUP when set (e.g. `systemctl reload keepalived`).
     pub reload_command: Option<Vec<String>>,
     /// The management network's gateway the reachability check pings
-    /// besides the peers (`vip::mgmt_check`); `None`: the script asks the
+    /// besides the peers (`host::vmnet::mgmt_check`); `None`: the script asks the
     /// host's default route through `interface` each time it runs, so the
     /// last host alive keeps its VIPs while its gateway answers.
     pub management_gateway: Option<IpAddr>,
@@ -251,7 +251,7 @@ pub struct KeepalivedSettings {
     /// to a host whose backends answer.
     pub ready_requires_backend: bool,
     /// `keepalived.management_table`: the routing table of the management
-    /// VIPs' leg on a bridged `interface` (`vip::mgmt_leg`): the main
+    /// VIPs' leg on a bridged `interface` (`host::vmnet::mgmt_leg`): the main
     /// table's routes out of `interface`, rewritten onto the leg, which
     /// the management VIPs' kernel-forwarded flows are routed by (mark
     /// [`reply_mark_of`] this table). No `[[network]]` may use it or its

@@ -6,7 +6,7 @@ use std::net::IpAddr;
 use serde::Serialize;
 
 use super::Daemon;
-use crate::balancer::AdminState;
+use crate::dataplane::balancer::AdminState;
 
 impl Daemon {
     /// Sets the operator's state of backend `addr` of load balancer

@@ -11,14 +11,14 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use super::{ApplyReport, BindError, Daemon, LbEntry, ListenerEntry, State};
-use crate::balancer::{AdminState, Backend, LoadBalancer, Settings};
 use crate::config::{Config, ListenerKey, ListenerSpec, LoadBalancerSpec, Protocol, UdpSettings};
-use crate::health::prober::TargetKey;
-use crate::health::{Health, HealthState};
+use crate::dataplane::balancer::{AdminState, Backend, LoadBalancer, Settings};
+use crate::dataplane::health::prober::TargetKey;
+use crate::dataplane::health::{Health, HealthState};
+use crate::dataplane::proxy::tcp::listen_options::ListenerOptions;
+use crate::dataplane::proxy::udp;
+use crate::dataplane::proxy::{Listener, Route, Running};
 use crate::log_limit::{Verdict, left_out};
-use crate::proxy::tcp::listen_options::ListenerOptions;
-use crate::proxy::udp;
-use crate::proxy::{Listener, Route, Running};
 
 impl Daemon {
     /// Makes `config` the one in force, changing only what differs.
@@ -49,8 +49,9 @@ impl Daemon {
         );
         st.config = Some(config);
         st.config_generation += 1;
-        self.kernel_wake();
-        self.start_or_wake_announcer();
+        self.start_kernel_writer();
+        self.kernel_wake.notify_one();
+        self.announcer.start_or_wake(self.me.clone());
         self.vmnet_wake();
         report
     }
@@ -68,7 +69,9 @@ impl Daemon {
             ));
         let per_source = config.proxy.max_udp_flows_per_source.get();
         self.udp_per_source.store(per_source, Ordering::Relaxed);
-        crate::proxy::log::set_max_lines_per_second(config.log.max_connection_lines_per_second);
+        crate::dataplane::proxy::log::set_max_lines_per_second(
+            config.log.max_connection_lines_per_second,
+        );
         (self.udp_flows.max(), per_source)
     }
 
@@ -364,7 +367,7 @@ impl Daemon {
             stats,
         );
         lb.configure_affinity(spec.affinity_timeout.is_some(), &self.affinity);
-        lb.notify_on_publish([Arc::clone(&self.kernel_wake), self.announcer_notify()]);
+        lb.notify_on_publish([Arc::clone(&self.kernel_wake), self.announcer.notify()]);
         let entry = LbEntry { lb, backends };
         self.ensure_probes(&entry, spec);
         self.restore_affinity(&entry, spec, kept_affinity);

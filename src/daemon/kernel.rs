@@ -12,17 +12,17 @@
 
 use std::collections::HashMap;
 use std::net::IpAddr;
-use std::sync::Arc;
 use std::sync::atomic::Ordering;
+use std::sync::{Arc, Weak};
 use std::time::Duration;
 
-use super::{Daemon, LbEntry};
-use crate::balancer::Backend;
+use super::{Daemon, KernelCheckCause, LbEntry};
 use crate::config::{Config, Forwarding, LoadBalancerSpec, OnBackendDown, Protocol, SourceNat};
-use crate::kernel::{Desired, KernelListener, KernelTable, ListenerId, Narrowed, Synced};
+use crate::dataplane::balancer::Backend;
+use crate::host::nat::{Desired, KernelListener, KernelTable, ListenerId, Narrowed, Synced};
+use crate::host::vmnet::leg::LegStatus;
+use crate::host::vmnet::mgmt_leg::MgmtLegStatus;
 use crate::os::Sysctl;
-use crate::vip::leg::LegStatus;
-use crate::vip::mgmt_leg::MgmtLegStatus;
 
 /// How long a wake-up waits for more changes before the transaction, when
 /// the writer has been quiet for [`QUIET_AFTER`]: a lone health flip goes
@@ -156,7 +156,7 @@ fn bridge_stage_reason(
     let backend = spec.backends.iter().find(|b| in_subnet(b))?;
     let leg = leg(network);
     match leg {
-        // The leg routes the flows (`vip::leg`), whatever the bridge stage.
+        // The leg routes the flows (`host::vmnet::leg`), whatever the bridge stage.
         Some(l) if l.up() => leg_source_nat_reason(spec, network, &l),
         leg => {
             let switch = bridge_stage_switch(packed, family, &network.interface, sysctl)?;
@@ -207,7 +207,7 @@ fn leg_source_nat_reason(
 /// the default route's bridge then leads to no backend, or it does and the
 /// proxy serves a listener the kernel could have). Any other VIP (held by
 /// other means, a loopback) is left alone. A management VIP routed by the
-/// management VIPs' leg (`mgmt`, in place: `vip::mgmt_leg`) is not held
+/// management VIPs' leg (`mgmt`, in place: `host::vmnet::mgmt_leg`) is not held
 /// back: its flows are routed out of the leg, not bridged; while the leg
 /// is not in place the reason says what failed. An announced VIP has no
 /// leg (out of scope: its clients' link is the router's, not keepalived's). Read from the routes at each
@@ -223,7 +223,7 @@ fn off_network_reason(
     let routes = crate::os::Routes::read_recent(spec.vip.is_ipv6());
     let managed = config.keepalived_interface(spec);
     // A management VIP routed by the management VIPs' leg in place
-    // (`vip::mgmt_leg`): its flows are routed out of the leg, never
+    // (`host::vmnet::mgmt_leg`): its flows are routed out of the leg, never
     // bridged back, whatever the bridge stage.
     let mgmt = mgmt.filter(|m| managed == Some(m.interface.as_str()));
     if mgmt.is_some_and(|m| m.in_place && m.vips.contains(&spec.vip)) {
@@ -482,7 +482,7 @@ impl Daemon {
                 "{sysctl} cannot be read ({}), so the proxy serves this listener: {UNREADABLE_REMEDY}",
                 crate::os::IP_FORWARDING_FILES[family]
             )),
-            Sysctl::On => self.forward_chain_blocked(vip),
+            Sysctl::On => self.forward_chains.blocked(vip),
         }
     }
 
@@ -640,9 +640,35 @@ impl Daemon {
             .collect()
     }
 
-    /// Asks for a sync, starting the task that runs them on first use.
-    pub(super) fn kernel_wake(&self) {
-        self.kernel_wake.notify_one();
+    /// Reads the kernel NAT tables back and compares them with what this
+    /// daemon wrote; on a difference logs it, counts it and wakes the
+    /// writer (see [`crate::host::nat::repair`]).
+    pub async fn check_kernel_tables(&self, cause: KernelCheckCause) {
+        crate::host::nat::repair::check_and_repair(
+            &self.kernel,
+            &self.metrics,
+            &self.kernel_wake,
+            cause,
+        )
+        .await;
+    }
+
+    /// [`Self::check_kernel_tables`] for a reload, in a task of its own:
+    /// the reload's answer does not wait for the read-back.
+    pub fn check_kernel_tables_soon(&self) {
+        let Some(me) = self.me.upgrade() else { return };
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        runtime.spawn(async move { me.check_kernel_tables(KernelCheckCause::Reload).await });
+    }
+
+    /// Starts, once, the kernel writer's two tasks (at the first apply):
+    /// the readings for `/metrics` and the host's facts
+    /// ([`kernel_readings`]) and the writes of the NAT tables
+    /// ([`kernel_writer`]), which waits on the `kernel_wake` notify. Waking
+    /// the writer is `kernel_wake.notify_one()`, nothing else.
+    pub(super) fn start_kernel_writer(&self) {
         if self.kernel_task.swap(true, Ordering::AcqRel) {
             return;
         }
@@ -650,153 +676,17 @@ impl Daemon {
             self.kernel_task.store(false, Ordering::Release);
             return;
         };
-        // The readings for /metrics run apart from the writes: a conntrack
-        // dump at scale takes long enough to delay a flip.
-        let me = self.me.clone();
-        runtime.spawn(async move {
-            let mut counters = tokio::time::interval(COUNTERS_EVERY);
-            counters.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            loop {
-                counters.tick().await;
-                let Some(daemon) = me.upgrade() else { return };
-                if daemon.is_stopping() {
-                    return;
-                }
-                if daemon.check_ip_forwarding() {
-                    daemon.kernel_wake.notify_one();
-                }
-                if daemon.mgmt_routes_changed() {
-                    daemon.vmnet_wake();
-                }
-                if daemon.check_forward_chains().await {
-                    daemon.kernel_wake.notify_one();
-                }
-                daemon.read_kernel_counters().await;
-                daemon.read_kernel_connections().await;
-            }
-        });
-        let me = self.me.clone();
-        let wake = Arc::clone(&self.kernel_wake);
-        runtime.spawn(async move {
-            // The desired state, cached between syncs.
-            let mut cached: Option<CachedDesired> = None;
-            // Until the first write, and after a failed sweep or write: the
-            // next write sweeps whatever it changed.
-            let mut sweep_all = true;
-            // When the last write ended, for the coalescing.
-            let mut last_write: Option<tokio::time::Instant> = None;
-            loop {
-                wake.notified().await;
-                let busy = last_write.is_some_and(|t| t.elapsed() < QUIET_AFTER);
-                tokio::time::sleep(if busy { COALESCE_BUSY } else { COALESCE_QUIET }).await;
-                let Some(daemon) = me.upgrade() else { return };
-                if daemon.is_stopping() {
-                    return;
-                }
-                // A new config (the first, a reload) may bring the first
-                // kernel listener: judge the forward chains before writing.
-                let generation = daemon.lock().config_generation;
-                if cached.as_ref().is_none_or(|k| k.generation != generation) {
-                    daemon.check_forward_chains().await;
-                }
-                let change = daemon.kernel_desired_update(&mut cached);
-                let Some(k) = cached.take() else { continue };
-                // After a write that took a backend from a UDP listener (or
-                // marked one down with on_backend_down = "close"), its flows
-                // are deleted: their entries would keep them for ever. A
-                // sweep dumps the whole conntrack table, so only then.
-                let sweep = sweep_all || change.flows_may_be_stale(&k.desired);
-                let changed = change.listeners();
-                let table = Arc::clone(&daemon.kernel);
-                let listeners = k.desired.len();
-                let owner = Arc::clone(&daemon);
-                let result = tokio::task::spawn_blocking(move || {
-                    let synced = match &changed {
-                        Some(ids) => table.sync_changed(&k.desired, ids),
-                        None => table.sync(&k.desired),
-                    };
-                    let (synced, narrowed) = match synced {
-                        Err(e) => owner.kernel_narrow(&table, &k.desired, e),
-                        written => (written, None),
-                    };
-                    let outcome = synced.map(|synced| {
-                        let swept = (sweep && matches!(synced, Synced::Written(_)))
-                            .then(|| crate::kernel::delete_stale_flows(&k.desired));
-                        (synced, swept)
-                    });
-                    (outcome, narrowed, k)
-                })
-                .await;
-                let outcome = match result {
-                    Ok((outcome, narrowed, mut k)) => {
-                        let refused: Vec<String> = narrowed
-                            .as_ref()
-                            .map(|(n, _)| n.refused.iter().map(|r| r.owner.clone()).collect())
-                            .unwrap_or_default();
-                        if let Some(narrowed) = narrowed {
-                            daemon.kernel_refused(&mut k, narrowed);
-                        }
-                        if outcome.is_ok() {
-                            // Tried again and written: no longer refused.
-                            let retried = std::mem::take(&mut k.retried);
-                            daemon.kernel.accept(
-                                retried
-                                    .iter()
-                                    .map(String::as_str)
-                                    .filter(|o| !refused.iter().any(|r| r == o)),
-                            );
-                        }
-                        daemon
-                            .metrics
-                            .set_kernel_refused(daemon.kernel.refused().len());
-                        cached = Some(k);
-                        outcome
-                    }
-                    Err(e) => {
-                        // `cached` is gone with the task: rebuilt whole next.
-                        tracing::error!("the kernel table writer ended abnormally: {e}");
-                        continue;
-                    }
-                };
-                match outcome {
-                    Ok((Synced::Unchanged, _)) => sweep_all = false,
-                    Ok((Synced::Written(took), swept)) => {
-                        last_write = Some(tokio::time::Instant::now());
-                        daemon.metrics.kernel_synced(took);
-                        tracing::debug!(listeners, ?took, "kernel NAT table written");
-                        sweep_all = false;
-                        match swept {
-                            Some(Ok(0)) | None => {}
-                            Some(Ok(n)) => tracing::info!(
-                                flows = n,
-                                "deleted the conntrack entries of UDP flows whose backend left, and of TCP flows to reset (on_backend_down = \"close\")"
-                            ),
-                            Some(Err(e)) => {
-                                sweep_all = true;
-                                tracing::error!(
-                                    "could not delete the conntrack entries of flows whose backend left (UDP clients with a fixed source port stay on it until their flow times out; retried at the next write): {e}"
-                                );
-                            }
-                        }
-                    }
-                    Err(e) => {
-                        sweep_all = true;
-                        daemon.metrics.kernel_sync_failed();
-                        tracing::error!(listeners, "{e}; retrying with a full resync in {RETRY:?}");
-                        let wake = Arc::clone(&daemon.kernel_wake);
-                        tokio::spawn(async move {
-                            tokio::time::sleep(RETRY).await;
-                            wake.notify_one();
-                        });
-                    }
-                }
-            }
-        });
+        runtime.spawn(kernel_readings(self.me.clone()));
+        runtime.spawn(kernel_writer(
+            self.me.clone(),
+            Arc::clone(&self.kernel_wake),
+        ));
     }
+
     /// Reads the kernel's per-backend new-connection counters into
     /// `/metrics` (one `nft` call; none while no listener is in the kernel).
     async fn read_kernel_counters(&self) {
-        let wanted: Vec<(String, String, String, crate::kernel::ListenerId, IpAddr)> = {
+        let wanted: Vec<(String, String, String, crate::host::nat::ListenerId, IpAddr)> = {
             let st = self.lock();
             let Some(config) = &st.config else { return };
             config
@@ -829,13 +719,13 @@ impl Daemon {
         // The read and the matching (tens of thousands of names at scale)
         // off the runtime's threads, where a flip's request waits.
         let read = tokio::task::spawn_blocking(move || {
-            let counts: HashMap<String, u64> = crate::kernel::counters()?.into_iter().collect();
-            Ok::<_, crate::kernel::NftError>(
+            let counts: HashMap<String, u64> = crate::host::nat::counters()?.into_iter().collect();
+            Ok::<_, crate::host::nat::NftError>(
                 wanted
                     .into_iter()
                     .filter_map(|(cluster, load_balancer, listener, id, backend)| {
                         let connections =
-                            *counts.get(&crate::kernel::backend_counter(&id, backend))?;
+                            *counts.get(&crate::host::nat::backend_counter(&id, backend))?;
                         Some(crate::metrics::KernelBackendCount {
                             cluster,
                             load_balancer,
@@ -866,7 +756,7 @@ impl Daemon {
         type Group = (
             Arc<crate::metrics::LbStats>,
             Vec<Arc<Backend>>,
-            Vec<(String, crate::kernel::ListenerId, bool)>,
+            Vec<(String, crate::host::nat::ListenerId, bool)>,
         );
         let forwarded = self.kernel.forwarded();
         let groups: Vec<Group> = {
@@ -899,7 +789,7 @@ impl Daemon {
         let counts = if kernel.is_empty() {
             HashMap::new()
         } else {
-            match tokio::task::spawn_blocking(move || crate::kernel::open_connections(&kernel))
+            match tokio::task::spawn_blocking(move || crate::host::nat::open_connections(&kernel))
                 .await
             {
                 Ok(Ok(c)) => c,
@@ -913,7 +803,7 @@ impl Daemon {
                 }
             }
         };
-        let of = |id: &crate::kernel::ListenerId, ip: IpAddr| counts.get(&(*id, ip)).copied();
+        let of = |id: &crate::host::nat::ListenerId, ip: IpAddr| counts.get(&(*id, ip)).copied();
         for (stats, backends, listeners) in groups {
             for b in backends {
                 let open: u64 = listeners
@@ -980,7 +870,7 @@ impl Daemon {
             let closed = tokio::task::spawn_blocking(move || {
                 table
                     .sync(&closing)
-                    .map(|_| crate::kernel::delete_stale_flows(&sweep))
+                    .map(|_| crate::host::nat::delete_stale_flows(&sweep))
             })
             .await;
             match closed {
@@ -1013,7 +903,7 @@ impl Daemon {
             .as_ref()
             .filter(|c| c.conntrackd.is_some())
             .map(|c| {
-                crate::vip::conntrackd::gated(c)
+                crate::host::conntrack_sync::conntrackd::gated(c)
                     .into_iter()
                     .map(|g| (g.vip, g.protocol, g.port))
                     .collect()
@@ -1060,7 +950,7 @@ impl Daemon {
         loop {
             let ids = listeners.clone();
             let counts =
-                match tokio::task::spawn_blocking(move || crate::kernel::open_connections(&ids))
+                match tokio::task::spawn_blocking(move || crate::host::nat::open_connections(&ids))
                     .await
                 {
                     Ok(Ok(counts)) => counts,
@@ -1121,8 +1011,8 @@ impl Daemon {
 /// as any other's).
 async fn held_addresses() -> Option<Vec<IpAddr>> {
     let read = async {
-        let writer = crate::vip::announce::RouteWriter::connect()?;
-        crate::vip::host::HostNet::read(writer.handle()).await
+        let writer = crate::host::announce::routes::RouteWriter::connect()?;
+        crate::host::vip_guard::HostNet::read(writer.handle()).await
     };
     match read.await {
         Ok(host) => Some(host.addresses.into_iter().map(|a| a.ip).collect()),
@@ -1136,7 +1026,7 @@ async fn held_addresses() -> Option<Vec<IpAddr>> {
 /// A refused write narrowed to the load balancers that cause it.
 impl Daemon {
     /// Each load balancer's kernel listeners in the config in force: whose
-    /// objects are whose, for [`crate::kernel::KernelTable::narrow`].
+    /// objects are whose, for [`crate::host::nat::KernelTable::narrow`].
     fn kernel_owners(&self) -> Vec<(String, Vec<ListenerId>)> {
         let st = self.lock();
         let Some(config) = &st.config else {
@@ -1165,10 +1055,10 @@ impl Daemon {
         &self,
         table: &KernelTable,
         desired: &Desired,
-        error: crate::kernel::NftError,
+        error: crate::host::nat::NftError,
     ) -> (
-        Result<Synced, crate::kernel::NftError>,
-        Option<(Narrowed, crate::kernel::NftError)>,
+        Result<Synced, crate::host::nat::NftError>,
+        Option<(Narrowed, crate::host::nat::NftError)>,
     ) {
         match table.narrow(desired, &self.kernel_owners()) {
             Some(mut narrowed) => {
@@ -1185,7 +1075,7 @@ impl Daemon {
     fn kernel_refused(
         &self,
         cached: &mut CachedDesired,
-        (narrowed, error): (Narrowed, crate::kernel::NftError),
+        (narrowed, error): (Narrowed, crate::host::nat::NftError),
     ) {
         for id in &narrowed.left_out {
             cached.desired.remove(id);
@@ -1222,6 +1112,173 @@ impl Daemon {
 /// Anything else (a backend back, a drain of a TCP listener's backend)
 /// leaves every entry valid, and a sweep, a dump of the whole conntrack
 /// table, would only delay the next write.
+/// The readings for `/metrics` and the host's facts, every
+/// `COUNTERS_EVERY`, apart from the writes: a conntrack dump at scale takes
+/// long enough to delay a flip. Wakes the writer when a fact it judges by
+/// changed (the host's forwarding, another program's forward chains).
+async fn kernel_readings(me: Weak<Daemon>) {
+    let mut counters = tokio::time::interval(COUNTERS_EVERY);
+    counters.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        counters.tick().await;
+        let Some(daemon) = me.upgrade() else { return };
+        if daemon.is_stopping() {
+            return;
+        }
+        if daemon.check_ip_forwarding() {
+            daemon.kernel_wake.notify_one();
+        }
+        if daemon.mgmt_routes_changed() {
+            daemon.vmnet_wake();
+        }
+        let has_kernel = has_kernel_listener(daemon.lock().config.as_ref());
+        if daemon
+            .forward_chains
+            .check(has_kernel, &daemon.metrics)
+            .await
+        {
+            daemon.kernel_wake.notify_one();
+        }
+        daemon.read_kernel_counters().await;
+        daemon.read_kernel_connections().await;
+    }
+}
+
+/// The writer of the kernel NAT tables: on every wake (coalesced), the
+/// desired state built again from the daemon's verdicts and written,
+/// narrowed when the kernel refuses a part, the flows of departed
+/// backends swept; a failed write retried with a full resync after `RETRY`.
+async fn kernel_writer(me: Weak<Daemon>, wake: Arc<tokio::sync::Notify>) {
+    // The desired state, cached between syncs.
+    let mut cached: Option<CachedDesired> = None;
+    // Until the first write, and after a failed sweep or write: the
+    // next write sweeps whatever it changed.
+    let mut sweep_all = true;
+    // When the last write ended, for the coalescing.
+    let mut last_write: Option<tokio::time::Instant> = None;
+    loop {
+        wake.notified().await;
+        let busy = last_write.is_some_and(|t| t.elapsed() < QUIET_AFTER);
+        tokio::time::sleep(if busy { COALESCE_BUSY } else { COALESCE_QUIET }).await;
+        let Some(daemon) = me.upgrade() else { return };
+        if daemon.is_stopping() {
+            return;
+        }
+        // A new config (the first, a reload) may bring the first
+        // kernel listener: judge the forward chains before writing.
+        let generation = daemon.lock().config_generation;
+        if cached.as_ref().is_none_or(|k| k.generation != generation) {
+            let has_kernel = has_kernel_listener(daemon.lock().config.as_ref());
+            daemon
+                .forward_chains
+                .check(has_kernel, &daemon.metrics)
+                .await;
+        }
+        let change = daemon.kernel_desired_update(&mut cached);
+        let Some(k) = cached.take() else { continue };
+        // After a write that took a backend from a UDP listener (or
+        // marked one down with on_backend_down = "close"), its flows
+        // are deleted: their entries would keep them for ever. A
+        // sweep dumps the whole conntrack table, so only then.
+        let sweep = sweep_all || change.flows_may_be_stale(&k.desired);
+        let changed = change.listeners();
+        let table = Arc::clone(&daemon.kernel);
+        let listeners = k.desired.len();
+        let owner = Arc::clone(&daemon);
+        let result = tokio::task::spawn_blocking(move || {
+            let synced = match &changed {
+                Some(ids) => table.sync_changed(&k.desired, ids),
+                None => table.sync(&k.desired),
+            };
+            let (synced, narrowed) = match synced {
+                Err(e) => owner.kernel_narrow(&table, &k.desired, e),
+                written => (written, None),
+            };
+            let outcome = synced.map(|synced| {
+                let swept = (sweep && matches!(synced, Synced::Written(_)))
+                    .then(|| crate::host::nat::delete_stale_flows(&k.desired));
+                (synced, swept)
+            });
+            (outcome, narrowed, k)
+        })
+        .await;
+        let outcome = match result {
+            Ok((outcome, narrowed, mut k)) => {
+                let refused: Vec<String> = narrowed
+                    .as_ref()
+                    .map(|(n, _)| n.refused.iter().map(|r| r.owner.clone()).collect())
+                    .unwrap_or_default();
+                if let Some(narrowed) = narrowed {
+                    daemon.kernel_refused(&mut k, narrowed);
+                }
+                if outcome.is_ok() {
+                    // Tried again and written: no longer refused.
+                    let retried = std::mem::take(&mut k.retried);
+                    daemon.kernel.accept(
+                        retried
+                            .iter()
+                            .map(String::as_str)
+                            .filter(|o| !refused.iter().any(|r| r == o)),
+                    );
+                }
+                daemon
+                    .metrics
+                    .set_kernel_refused(daemon.kernel.refused().len());
+                cached = Some(k);
+                outcome
+            }
+            Err(e) => {
+                // `cached` is gone with the task: rebuilt whole next.
+                tracing::error!("the kernel table writer ended abnormally: {e}");
+                continue;
+            }
+        };
+        match outcome {
+            Ok((Synced::Unchanged, _)) => sweep_all = false,
+            Ok((Synced::Written(took), swept)) => {
+                last_write = Some(tokio::time::Instant::now());
+                daemon.metrics.kernel_synced(took);
+                tracing::debug!(listeners, ?took, "kernel NAT table written");
+                sweep_all = false;
+                match swept {
+                    Some(Ok(0)) | None => {}
+                    Some(Ok(n)) => tracing::info!(
+                        flows = n,
+                        "deleted the conntrack entries of UDP flows whose backend left, and of TCP flows to reset (on_backend_down = \"close\")"
+                    ),
+                    Some(Err(e)) => {
+                        sweep_all = true;
+                        tracing::error!(
+                            "could not delete the conntrack entries of flows whose backend left (UDP clients with a fixed source port stay on it until their flow times out; retried at the next write): {e}"
+                        );
+                    }
+                }
+            }
+            Err(e) => {
+                sweep_all = true;
+                daemon.metrics.kernel_sync_failed();
+                tracing::error!(listeners, "{e}; retrying with a full resync in {RETRY:?}");
+                let wake = Arc::clone(&daemon.kernel_wake);
+                tokio::spawn(async move {
+                    tokio::time::sleep(RETRY).await;
+                    wake.notify_one();
+                });
+            }
+        }
+    }
+}
+
+/// Whether `config` has a `forwarding = "kernel"` listener (the forward
+/// chains are read only then).
+fn has_kernel_listener(config: Option<&Config>) -> bool {
+    config.is_some_and(|c| {
+        c.load_balancers
+            .iter()
+            .flat_map(|lb| &lb.listeners)
+            .any(|l| l.forwarding == Forwarding::Kernel)
+    })
+}
+
 fn flows_may_be_stale(new: &Desired, old: &Desired) -> bool {
     new.iter()
         .any(|(id, l)| listener_may_leave_stale_flows(id, l, old.get(id)))

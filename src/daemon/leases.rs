@@ -4,12 +4,10 @@
 
 use std::collections::HashMap;
 use std::net::IpAddr;
-use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
 use super::Daemon;
 use crate::config::Config;
-use crate::vip::dhcp::Want;
 
 impl Daemon {
     /// Applies the config in force again with the DHCP leases as they are
@@ -52,27 +50,14 @@ impl Daemon {
         self.leases.addresses()
     }
 
-    /// Starts and stops DHCP clients to match `config` and puts each leased
-    /// address in place of its load balancer's `0.0.0.0` VIP (back to
-    /// `0.0.0.0` while unleased: its listeners are then not bound).
-    pub(super) fn lease_vips(&self, mut config: Config) -> Config {
-        let wanted: Vec<Want> = config
-            .load_balancers
-            .iter()
-            .filter_map(|lb| {
-                lb.dhcp.as_ref().map(|d| Want {
-                    name: lb.name.clone(),
-                    cluster: lb.cluster.clone(),
-                    spec: d.clone(),
-                    guard: d.guard(&config.dhcp.guard),
-                })
-            })
-            .collect();
-        if wanted.is_empty() && self.leases.is_empty() {
-            return config;
-        }
-        self.leases.reconcile(&wanted, &config.dhcp.state_directory);
-        if !self.lease_watcher.swap(true, Ordering::AcqRel) {
+    /// Puts each leased address in place of its load balancer's `0.0.0.0`
+    /// VIP ([`crate::host::dhcp::Leases::lease_vips`]), and starts, once,
+    /// the task that applies the config again at every lease change.
+    pub(super) fn lease_vips(&self, config: Config) -> Config {
+        let active =
+            !self.leases.is_empty() || config.load_balancers.iter().any(|lb| lb.dhcp.is_some());
+        let config = self.leases.lease_vips(config);
+        if active && !self.lease_watcher.swap(true, Ordering::AcqRel) {
             let changed = self.leases.changed();
             let me = self.me.clone();
             tokio::spawn(async move {
@@ -82,17 +67,6 @@ impl Daemon {
                     daemon.reapply_leases();
                 }
             });
-        }
-        for spec in &mut config.load_balancers {
-            if spec.dhcp.is_some() {
-                let vip = self
-                    .leases
-                    .address(&spec.name)
-                    .map_or(IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED), IpAddr::V4);
-                if spec.vip != vip {
-                    Arc::make_mut(spec).vip = vip;
-                }
-            }
         }
         config
     }

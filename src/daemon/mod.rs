@@ -17,54 +17,48 @@ use std::time::{Duration, SystemTime};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use crate::balancer::{AffinityBudget, Backend, LoadBalancer, affinity};
 use crate::config::{Config, ListenerKey, ListenerSpec};
-use crate::health::prober::Prober;
+use crate::dataplane::balancer::{AffinityBudget, Backend, LoadBalancer, affinity};
+use crate::dataplane::health::prober::Prober;
+use crate::dataplane::proxy::Running;
+use crate::dataplane::proxy::tcp::ConnectionLimit;
+use crate::dataplane::proxy::udp::FlowBudget;
+use crate::dataplane::workers::Workers;
+use crate::host::dhcp::Leases;
+use crate::host::isolation::Isolation;
 use crate::metrics::{ListenerStats, Metrics};
-use crate::proxy::Running;
-use crate::proxy::tcp::ConnectionLimit;
-use crate::proxy::udp::FlowBudget;
-use crate::vip::dhcp::Leases;
-use crate::vip::port_filter::Isolation;
-use crate::workers::Workers;
 
 mod admin_state;
 mod announce;
 mod apply;
 mod config_record;
-mod forward_chains;
 mod hand_over;
 mod kernel;
-mod kernel_check;
 mod leases;
-mod network_links;
 mod persist;
 mod readiness;
 mod status;
-mod sync;
-mod vip_guard;
 mod vmnet;
 
-pub use admin_state::{AdminStateChange, AdminStateError};
-pub use announce::decide;
-pub use announce::{
+pub use crate::host::announce::announcer::{
     AnnounceStateChange, AnnounceStateError, AnnounceStatus, LbAnnounceStatus, VipAnnounceStatus,
 };
+pub use crate::host::conntrack_sync::syncer::{SyncInstanceStatus, SyncStatus};
+pub use crate::host::nat::repair::KernelCheckCause;
+pub use crate::host::vip_guard::refusals::VipRefusal;
+pub use crate::host::vmnet::network_refusals::NetworkRefusal;
+pub use admin_state::{AdminStateChange, AdminStateError};
 pub use config_record::{RejectedReload, ReloadSource};
 pub use hand_over::{
     HandOverMarker, HandOverReport, MARKER_FILE, MARKER_KEPT_FILE, MARKER_MAX_AGE, MarkerError,
     StopKind,
 };
-pub use kernel_check::KernelCheckCause;
-pub use network_links::NetworkRefusal;
 pub use persist::{RestoredCounts, StateFileStatus};
 pub use readiness::{BackendRequirement, UnboundListener, VipNotReady};
 pub use status::{
     BackendStatus, ConfigStatus, LeaseStatus, ListenerStatus, LoadBalancerStatus, PortStatus,
     RestartStatus, StatusDoc,
 };
-pub use sync::{SyncInstanceStatus, SyncStatus};
-pub use vip_guard::VipRefusal;
 // The restart's word from prepare-stop (issue 41).
 pub use hand_over::{INTENT_BOUND, NoHandOver};
 
@@ -112,37 +106,40 @@ pub struct Daemon {
     /// minute and a count, not 1,000 lines a second.
     bind_log: crate::log_limit::LogLimit<Option<i32>>,
     /// The nftables NAT table of `forwarding = "kernel"` listeners.
-    kernel: Arc<crate::kernel::KernelTable>,
+    kernel: Arc<crate::host::nat::KernelTable>,
     /// Woken by every publish of a load balancer and every apply: the
-    /// kernel table may have to follow. (The announcer has a `Notify` of
-    /// its own, woken by the same publishes.)
+    /// kernel table may have to follow. Only a wake-up: the writer that
+    /// waits on it is started once, at the first apply
+    /// (`start_kernel_writer`). (The announcer has a `Notify` of its own,
+    /// woken by the same publishes.)
     kernel_wake: Arc<tokio::sync::Notify>,
     /// The host's IPv4 and IPv6 forwarding as last seen (two bits per
-    /// family, `kernel::pack_forwarding`; 0: both on): kernel listeners of
+    /// family, `daemon::kernel::pack_forwarding`; 0: both on): kernel listeners of
     /// a family the host does not forward, or whose sysctl cannot be read,
     /// stay with the proxy.
     forwarding_off: std::sync::atomic::AtomicU8,
     /// Other programs' forward chains that drop what the kernel forwards:
     /// kernel listeners of that family stay with the proxy.
-    forward_chains: forward_chains::ForwardChains,
+    forward_chains: crate::host::nat::forward_chains::ForwardChains,
     /// Set once the task that writes the kernel table runs.
     kernel_task: AtomicBool,
     /// `vip.announce = "routes"`: the VIPs' routes and addresses.
-    announcer: announce::Announcer,
+    announcer: crate::host::announce::announcer::Announcer,
     /// What the VIP guard refused at the last apply, and which VIPs passed
     /// its last check of the host.
-    vip_guard: Mutex<vip_guard::VipCheckResults>,
-    /// The `[[network]]`s refused at the last apply (`network_links`).
-    network_refusals: Mutex<Vec<NetworkRefusal>>,
+    vip_guard: crate::host::vip_guard::refusals::VipGuard,
+    /// The `[[network]]`s' interfaces checked before each apply, and
+    /// those refused at the last (`host::vmnet::network_refusals`).
+    network_guard: crate::host::vmnet::network_refusals::NetworkGuard,
     /// `[[network]]` and `[keepalived]`: keepalived's file and the
     /// networks' routes and rules.
     vmnet: vmnet::VmNet,
     /// `[conntrackd]`: conntrackd's file, the notify script, the gate.
-    sync: sync::SyncState,
+    sync: crate::host::conntrack_sync::syncer::ConntrackSync,
     /// The claims on the host objects one daemon per namespace may own
-    /// (`owned::claim`): taken at start and reload before the config
+    /// (`host::owned::claim`): taken at start and reload before the config
     /// that needs them is applied.
-    claims: crate::owned::Claims,
+    claims: crate::host::owned::Claims,
     /// The state file: read at start, written on changes and at stop
     /// (`persist`, issue 41).
     persist: persist::Persist,
@@ -235,6 +232,9 @@ impl Daemon {
     pub fn new(metrics: Arc<Metrics>, max_connections: usize, workers: Workers) -> Arc<Self> {
         let isolation = Arc::new(Isolation::new(Arc::clone(&metrics)));
         let leases = Leases::new(metrics.host_repairs());
+        let announcer = crate::host::announce::announcer::Announcer::new(Arc::clone(&metrics));
+        let sync = crate::host::conntrack_sync::syncer::ConntrackSync::new(Arc::clone(&metrics));
+        let vip_guard = crate::host::vip_guard::refusals::VipGuard::new(Arc::clone(&metrics));
         Arc::new_cyclic(|me| Self {
             metrics,
             prober: Prober::new(),
@@ -253,17 +253,17 @@ impl Daemon {
             udp_flows: FlowBudget::new(0),
             udp_per_source: AtomicUsize::new(1),
             bind_log: crate::log_limit::LogLimit::new(5, Duration::from_secs(60)),
-            kernel: Arc::new(crate::kernel::KernelTable::new()),
+            kernel: Arc::new(crate::host::nat::KernelTable::new()),
             kernel_wake: Arc::new(tokio::sync::Notify::new()),
             kernel_task: AtomicBool::new(false),
             forwarding_off: std::sync::atomic::AtomicU8::new(0),
-            forward_chains: forward_chains::ForwardChains::default(),
-            announcer: announce::Announcer::default(),
-            vip_guard: Mutex::new(vip_guard::VipCheckResults::default()),
-            network_refusals: Mutex::new(Vec::new()),
+            forward_chains: Default::default(),
+            announcer,
+            vip_guard,
+            network_guard: Default::default(),
             vmnet: vmnet::VmNet::default(),
-            sync: sync::SyncState::default(),
-            claims: crate::owned::Claims::default(),
+            sync,
+            claims: crate::host::owned::Claims::default(),
             persist: persist::Persist::default(),
             fds: Default::default(),
             intent: Mutex::new(None),
@@ -276,8 +276,21 @@ impl Daemon {
         &self.isolation
     }
 
-    /// This daemon's claims on host objects (see `owned::claim`).
-    pub fn claims(&self) -> &crate::owned::Claims {
+    /// `config` without the load balancers the VIP guard refuses (see
+    /// [`crate::host::vip_guard::refusals`]), run before each apply.
+    pub async fn guard_vips(&self, config: Config) -> Config {
+        self.vip_guard.guard(config).await
+    }
+
+    /// `config` without the networks whose interface cannot be a VM
+    /// network's here, nor their load balancers (see
+    /// [`crate::host::vmnet::network_refusals`]), run before each apply.
+    pub async fn guard_networks(&self, config: Config) -> Config {
+        self.network_guard.guard(config).await
+    }
+
+    /// This daemon's claims on host objects (see `host::owned::claim`).
+    pub fn claims(&self) -> &crate::host::owned::Claims {
         &self.claims
     }
 
@@ -340,7 +353,7 @@ impl Daemon {
         self.stopping.store(true, Ordering::Release);
         // Announced VIPs first: the router moves new flows away while the
         // listeners still accept, and only then do they close.
-        if let Some(grace) = self.announce_stop().await
+        if let Some(grace) = self.announcer.stop(self).await
             && !grace.is_zero()
         {
             tokio::time::sleep(grace).await;
@@ -371,7 +384,7 @@ impl Daemon {
         let (proxied, kernel) =
             tokio::join!(futures_sum(drains), self.kernel_drain_and_remove(drain));
         let cut = proxied + kernel;
-        self.announce_remove_local_routes().await;
+        self.announcer.remove_local_routes().await;
         self.vmnet_stop().await;
         // After the drain: releasing takes the VIP off the host.
         self.leases.shutdown().await;
@@ -430,6 +443,11 @@ async fn futures_sum<F: std::future::Future<Output = usize> + Send + 'static>(
 pub(crate) mod testing {
     use super::*;
     use std::net::SocketAddr;
+
+    /// Marks `d` stopping, as its stop does first (for the parts' tests).
+    pub(crate) fn mark_stopping(d: &Daemon) {
+        d.stopping.store(true, Ordering::Release);
+    }
 
     /// A daemon with nothing configured, accepting on this runtime.
     pub(crate) fn daemon() -> Arc<Daemon> {

@@ -20,10 +20,10 @@ use std::time::{Duration, SystemTime};
 use serde::Serialize;
 
 use super::{Daemon, LbEntry};
-use crate::balancer::{AdminState, Backend, affinity};
 use crate::config::{Config, LoadBalancerSpec};
-use crate::health::prober::TargetKey;
-use crate::health::{Health, HealthState};
+use crate::dataplane::balancer::{AdminState, Backend, affinity};
+use crate::dataplane::health::prober::TargetKey;
+use crate::dataplane::health::{Health, HealthState};
 use crate::state_file::{self, AffinityEntry, BackendState, LbState, StateFile, Verdict};
 
 /// How often the writer looks for a change.

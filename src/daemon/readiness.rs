@@ -3,7 +3,7 @@
 //! what a front end that moves addresses between hosts (keepalived's track
 //! script) asks, so that one tenant's listener that cannot bind moves the
 //! VIPs of its instance alone, not every VIP of the host. The instance's
-//! VIPs are the ones `vip::keepalived` renders into it, computed from the
+//! VIPs are the ones `host::vmnet::keepalived` renders into it, computed from the
 //! same config in force by the same placement: the question stays one
 //! short line however many VIPs the instance carries.
 //!
@@ -21,7 +21,7 @@ use std::net::{IpAddr, SocketAddr};
 
 use super::{Daemon, ListenerEntry, State};
 use crate::config::Protocol;
-use crate::vip::keepalived;
+use crate::host::vmnet::keepalived;
 
 /// Why a VIP is not ready to take traffic here.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -142,7 +142,7 @@ impl Daemon {
 
     /// Whether the VIPs of the VRRP instance whose `virtual_router_id` is
     /// `vrid` are ready here, as [`Daemon::vips_ready`] answers for them:
-    /// the instance's VIPs are those `vip::keepalived::render` puts in it
+    /// the instance's VIPs are those `host::vmnet::keepalived::render` puts in it
     /// from the config in force ([`keepalived::instance_vips`]), read under
     /// the same lock as the listeners.
     pub fn instance_ready(

@@ -7,20 +7,20 @@ use std::time::SystemTime;
 
 use serde::Serialize;
 
-use super::announce::{AnnounceStatus, LbAnnounceStatus};
 use super::{Daemon, LbEntry, State};
-use crate::balancer::{AdminState, Backend, Snapshot};
 use crate::config::{
     CheckKind, DhcpSpec, Forwarding, ListenerSpec, LoadBalancerSpec, Protocol, ProxyProtocol,
 };
-use crate::health::Health;
-use crate::health::prober::{TargetKey, TargetStatus};
-use crate::vip::port_filter::IsolationStatus;
+use crate::dataplane::balancer::{AdminState, Backend, Snapshot};
+use crate::dataplane::health::Health;
+use crate::dataplane::health::prober::{TargetKey, TargetStatus};
+use crate::host::announce::announcer::{AnnounceStatus, LbAnnounceStatus};
+use crate::host::isolation::IsolationStatus;
 
 impl Daemon {
     /// The JSON document served at `/status`.
     pub fn status(&self) -> StatusDoc {
-        let announce = self.announce_status();
+        let announce = self.announcer.status();
         let kernel_connections = self.kernel_connections_per_backend();
         let st = self.lock();
         let specs = st
@@ -95,9 +95,9 @@ impl Daemon {
                 .clone(),
             management_leg: self.mgmt_leg_seen().map(|m| (*m).clone()),
             announce,
-            vip_refused: self.vip_refusals(),
-            network_refused: self.network_refusals(),
-            conntrack_sync: self.sync_status(),
+            vip_refused: self.vip_guard.refusals(),
+            network_refused: self.network_guard.refusals(),
+            conntrack_sync: self.sync.status(),
             management_check: self
                 .vmnet
                 .mgmt_check
@@ -112,7 +112,7 @@ impl Daemon {
                 last_hand_over: self.metrics.hand_over().last(),
                 announced_seconds_ago: self.restart_announced().map(|d| d.as_secs_f64()),
             },
-            host_adoption: crate::owned::adopt::adoption(),
+            host_adoption: crate::host::owned::adopt::adoption(),
         }
     }
 
@@ -314,7 +314,7 @@ impl Daemon {
         LeaseStatus {
             interface: self.leases.interface(&spec.name).unwrap_or_default(),
             parent: d.interface.clone(),
-            mac: crate::vip::dhcp::state::colons(d.mac),
+            mac: crate::host::dhcp::state::colons(d.mac),
             hostname: d.hostname.clone(),
             state: lease.as_ref().map_or("init", |l| l.phase_name()),
             address: lease.as_ref().and_then(|l| l.address()),
@@ -382,20 +382,20 @@ pub struct StatusDoc {
     pub vip_isolation: IsolationStatus,
     /// `[[network]] isolate`: whether the VM-network guard table is in
     /// force, for which interfaces, and the last failure.
-    pub vm_network_guard: crate::vip::vmnet_filter::GuardStatus,
+    pub vm_network_guard: crate::host::vmnet::vmnet_filter::GuardStatus,
     /// Kernel listeners on VM networks: the reply-mark table and `fwmark`
     /// rules the kernel held at the last read-back, and the last failure.
-    pub reply_marks: crate::vip::replymark::ReplyMarkStatus,
-    /// Each bridged VM network's leg (`vip::leg`: the macvlan its kernel
+    pub reply_marks: crate::host::vmnet::replymark::ReplyMarkStatus,
+    /// Each bridged VM network's leg (`host::vmnet::leg`: the macvlan its kernel
     /// listeners' flows are routed out of), by the network's name, as last
     /// read back: its name, MAC, state and why it is not in place; only the
     /// networks that need one (a bridge, a kernel listener).
-    pub network_legs: std::collections::BTreeMap<String, crate::vip::leg::LegStatus>,
+    pub network_legs: std::collections::BTreeMap<String, crate::host::vmnet::leg::LegStatus>,
     /// The management VIPs' leg on the bridge of `keepalived.interface`
-    /// (`vip::mgmt_leg`), its table's routes and whether it is in place, as
+    /// (`host::vmnet::mgmt_leg`), its table's routes and whether it is in place, as
     /// last read back; absent while no management VIP needs it.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub management_leg: Option<crate::vip::mgmt_leg::MgmtLegStatus>,
+    pub management_leg: Option<crate::host::vmnet::mgmt_leg::MgmtLegStatus>,
     /// `vip.announce = "routes"`: every VIP, announced or not and why;
     /// absent with `none`.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -412,12 +412,12 @@ pub struct StatusDoc {
     /// `[conntrackd]`: conntrackd's caches, each VRRP instance's last
     /// transition and commit, and its gate; absent without it.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub conntrack_sync: Option<super::sync::SyncStatus>,
+    pub conntrack_sync: Option<super::SyncStatus>,
     /// `[keepalived]`: what the management-reachability check pings (the
     /// gateway and where it came from, the peers), why it may fail the
     /// last host alive (`problem`), and this host's
-    /// `nf_conntrack_tcp_be_liberal` (`vip::mgmt_check`).
-    pub management_check: Option<crate::vip::mgmt_check::Discovered>,
+    /// `nf_conntrack_tcp_be_liberal` (`host::vmnet::mgmt_check`).
+    pub management_check: Option<crate::host::vmnet::mgmt_check::Discovered>,
     /// The state kept across restarts: the file, what start restored from
     /// it or why it was ignored, and the last write.
     pub state_file: super::StateFileStatus,
@@ -428,7 +428,7 @@ pub struct StatusDoc {
     /// Whether this process started after a hand-over, and how many of
     /// the tables the previous process left it adopted as they were or
     /// wrote again (issue 41).
-    pub host_adoption: crate::owned::adopt::Adoption,
+    pub host_adoption: crate::host::owned::adopt::Adoption,
 }
 
 /// `/status` `restart`.

@@ -1,16 +1,16 @@
 //! VIPs on VM networks (`[[network]]`, `[keepalived]`): the task that
 //! renders keepalived's file and has keepalived reload it, and owns the
-//! networks' routes and `from VIP` rules (`vip::network`) through
-//! [`crate::owned::Driver`], and the reply marks of kernel listeners on
-//! those networks (`vip::replymark`, kind `reply_mark`) the same way.
+//! networks' routes and `from VIP` rules (`host::vmnet::network`) through
+//! [`crate::host::owned::Driver`], and the reply marks of kernel listeners on
+//! those networks (`host::vmnet::replymark`, kind `reply_mark`) the same way.
 //!
-//! It also owns the VM-network guard table (`vip::vmnet_filter`), written
+//! It also owns the VM-network guard table (`host::vmnet::vmnet_filter`), written
 //! first at every step; a failure is logged at error, counted
 //! (`vm_network_guard_failures_total`) and makes the isolated networks'
 //! VIPs not ready; the table is left at stop.
 //!
 //! It wakes at every apply (start, reload, lease) and every
-//! [`crate::owned::CHECK_INTERVAL`]: a failed write or reload of
+//! [`crate::host::owned::CHECK_INTERVAL`]: a failed write or reload of
 //! keepalived's file is retried then (logged at error each time, counted
 //! in `keepalived_reload_failures_total`), and the routes and rules are read
 //! back and repaired (`host_repairs_total{kind="network_route"}`). A
@@ -29,15 +29,14 @@ use tokio::sync::Notify;
 
 use super::Daemon;
 use crate::config::Config;
-use crate::metrics::HostKind;
-use crate::owned::{CHECK_INTERVAL, Driver, Object};
-use crate::vip::announce::RouteWriter;
-use crate::vip::keepalived::{self, Installed};
-use crate::vip::leg::{LegStatus, NetworkLegs};
-use crate::vip::mgmt_leg::{MgmtLeg, MgmtLegStatus};
-use crate::vip::network::{NetKey, NetworkRoutes, wanted};
-use crate::vip::replymark::{MarkKey, MarkWant, ReplyMarkStatus, ReplyMarks};
-use crate::vip::vmnet_filter::{Rules, VmNetworkGuard};
+use crate::host::announce::routes::RouteWriter;
+use crate::host::owned::{CHECK_INTERVAL, Driver, Object};
+use crate::host::vmnet::keepalived::{self, Installed};
+use crate::host::vmnet::leg::{LegStatus, NetworkLegs};
+use crate::host::vmnet::mgmt_leg::{MgmtLeg, MgmtLegStatus};
+use crate::host::vmnet::network::{NetKey, NetworkRoutes, wanted};
+use crate::host::vmnet::replymark::{MarkKey, MarkWant, ReplyMarkStatus, ReplyMarks};
+use crate::host::vmnet::vmnet_filter::{Rules, VmNetworkGuard};
 
 /// The key of the management VIPs' leg among the networks' legs while
 /// they are made: `[` is in no network's name.
@@ -51,14 +50,14 @@ pub(super) struct VmNet {
     /// The reply marks as last read back, for `/status`.
     pub(super) reply_marks: std::sync::Mutex<ReplyMarkStatus>,
     /// Each network's leg as last read back, by the network's name (only
-    /// networks that need one: `vip::leg`), for `/status` and for the
+    /// networks that need one: `host::vmnet::leg`), for `/status` and for the
     /// kernel listeners, which go into the kernel on a bridged network
     /// only while its leg is in place.
     pub(super) legs: std::sync::Mutex<BTreeMap<String, LegStatus>>,
     /// Bumped whenever a network's leg comes into place or leaves it: the
     /// kernel listeners' desired state is rebuilt whole then.
     pub(super) legs_generation: std::sync::atomic::AtomicU64,
-    /// The management VIPs' leg and its table (`vip::mgmt_leg`) as last
+    /// The management VIPs' leg and its table (`host::vmnet::mgmt_leg`) as last
     /// read back, while some management VIP needs it: for `/status` and
     /// for the kernel listeners, which go into the kernel only while it is
     /// in place.
@@ -74,8 +73,8 @@ pub(super) struct VmNet {
     /// bridge at the last look ([`Daemon::mgmt_routes_changed`]).
     mgmt_main_routes: std::sync::atomic::AtomicU64,
     /// What the management check pings, as seen at the last apply with
-    /// `[keepalived]` (`vip::mgmt_check::discover`), for `/status`.
-    pub(super) mgmt_check: std::sync::Mutex<Option<crate::vip::mgmt_check::Discovered>>,
+    /// `[keepalived]` (`host::vmnet::mgmt_check::discover`), for `/status`.
+    pub(super) mgmt_check: std::sync::Mutex<Option<crate::host::vmnet::mgmt_check::Discovered>>,
     /// Woken at every apply.
     wake: Arc<Notify>,
     /// Set once the task runs.
@@ -87,10 +86,10 @@ pub(super) struct VmNet {
 struct Inner {
     /// The networks' routes and rules, once a network is configured.
     routes: Option<Driver<NetworkRoutes>>,
-    /// The bridged networks' legs (`vip::leg`), once one is needed.
+    /// The bridged networks' legs (`host::vmnet::leg`), once one is needed.
     legs: Option<Driver<NetworkLegs>>,
     /// The marks that route kernel listeners' replies by their network
-    /// (`vip::replymark`), once a kernel listener is on a network.
+    /// (`host::vmnet::replymark`), once a kernel listener is on a network.
     marks: Option<Driver<ReplyMarks>>,
     /// The last write or reload of keepalived failed: tell it again.
     reload_failed: bool,
@@ -148,8 +147,8 @@ impl Daemon {
                 if let Some(config) = &config {
                     daemon.vmnet_step(&mut inner, config).await;
                 }
-                // Claims on what is removed by now go (`owned::claim`).
-                let needed = config.as_ref().map(crate::owned::claim::needed);
+                // Claims on what is removed by now go (`host::owned::claim`).
+                let needed = config.as_ref().map(crate::host::owned::claim::needed);
                 daemon
                     .claims
                     .release_unneeded(&needed.unwrap_or_default())
@@ -172,27 +171,31 @@ impl Daemon {
             let force = inner.reload_failed;
             let path = settings.config_path.display().to_string();
             let releasing = text.is_none();
-            let handoff = crate::vip::handoff::dir();
+            let handoff = crate::host::vmnet::handoff::dir();
             let result = tokio::task::spawn_blocking(move || match (handoff, text) {
                 // Under the shipped unit (the vrrp.conf drop-in): root
-                // installs it (`vip::handoff`); the daemon writes its copy.
+                // installs it (`host::vmnet::handoff`); the daemon writes its copy.
                 (Some(dir), text) => {
                     let text = text.unwrap_or_else(|| keepalived::render_released(&settings));
-                    crate::vip::handoff::hand_off(&dir, crate::vip::handoff::KEEPALIVED_FILE, &text)
-                        .map(|written| {
-                            if written {
-                                Installed::HandedOff
-                            } else {
-                                Installed::Unchanged
-                            }
-                        })
-                        .map_err(|source| keepalived::KeepalivedError::Write {
-                            path: dir
-                                .join(crate::vip::handoff::KEEPALIVED_FILE)
-                                .display()
-                                .to_string(),
-                            source,
-                        })
+                    crate::host::vmnet::handoff::hand_off(
+                        &dir,
+                        crate::host::vmnet::handoff::KEEPALIVED_FILE,
+                        &text,
+                    )
+                    .map(|written| {
+                        if written {
+                            Installed::HandedOff
+                        } else {
+                            Installed::Unchanged
+                        }
+                    })
+                    .map_err(|source| keepalived::KeepalivedError::Write {
+                        path: dir
+                            .join(crate::host::vmnet::handoff::KEEPALIVED_FILE)
+                            .display()
+                            .to_string(),
+                        source,
+                    })
                 }
                 (None, Some(text)) => keepalived::install(&settings, &text, force),
                 (None, None) => keepalived::release(&settings, force),
@@ -242,7 +245,7 @@ impl Daemon {
         }
         self.mgmt_check_step(config);
         self.vmnet_routes(inner, config).await;
-        self.sync_step(config).await;
+        self.sync.step(config, &self.claims).await;
     }
 
     /// Sees what the management check pings on this host (the gateway
@@ -253,7 +256,7 @@ impl Daemon {
         let now = config
             .keepalived
             .as_ref()
-            .map(crate::vip::mgmt_check::discover);
+            .map(crate::host::vmnet::mgmt_check::discover);
         let mut seen = self
             .vmnet
             .mgmt_check
@@ -287,9 +290,13 @@ impl Daemon {
         for net in &config.networks {
             links.insert(net.interface.clone(), 0);
         }
-        let legs = crate::vip::leg::wanted(config, &links, crate::vip::leg::bridge_stage_on)
-            .into_keys()
-            .collect();
+        let legs = crate::host::vmnet::leg::wanted(
+            config,
+            &links,
+            crate::host::vmnet::leg::bridge_stage_on,
+        )
+        .into_keys()
+        .collect();
         let rules = Rules::with_legs(config, &legs);
         // Only with the table's claim: another daemon's table is never
         // replaced, nor deleted as a predecessor's leftover.
@@ -318,7 +325,7 @@ impl Daemon {
 
     /// Reads back and writes the networks' routes and rules.
     async fn vmnet_routes(&self, inner: &mut Inner, config: &Config) {
-        let mgmt = crate::vip::mgmt_leg::on_this_host(config);
+        let mgmt = crate::host::vmnet::mgmt_leg::on_this_host(config);
         let used = config.load_balancers.iter().any(|lb| lb.network.is_some()) || mgmt.is_some();
         // Something still held (a leg whose route failed, say) is removed
         // by the steps below once the config no longer asks for it.
@@ -339,7 +346,12 @@ impl Daemon {
         }
         if inner.routes.is_none() {
             match RouteWriter::connect() {
-                Ok(w) => inner.routes = Some(Driver::new(NetworkRoutes::new(w))),
+                Ok(w) => {
+                    inner.routes = Some(Driver::new(
+                        NetworkRoutes::new(w),
+                        self.metrics.host_repairs(),
+                    ))
+                }
                 Err(e) => {
                     tracing::error!(
                         "VM networks: {e}; their routes and rules are not written (retried in {} s)",
@@ -391,7 +403,7 @@ impl Daemon {
         let mgmt_leg = mgmt
             .as_ref()
             .zip(bridge)
-            .map(|(m, parent)| (m.key(), crate::vip::leg::LegWant { parent }));
+            .map(|(m, parent)| (m.key(), crate::host::vmnet::leg::LegWant { parent }));
         let (legs, mgmt_seen) = self
             .vmnet_legs(&mut inner.legs, &writer, config, &index_of, mgmt_leg)
             .await;
@@ -406,7 +418,7 @@ impl Daemon {
         if let (Some(m), Some(bridge), Some(leg)) =
             (&mgmt, bridge, mgmt_seen.as_ref().and_then(|s| s.1))
         {
-            match crate::vip::mgmt_leg::main_routes(writer.handle(), bridge).await {
+            match crate::host::vmnet::mgmt_leg::main_routes(writer.handle(), bridge).await {
                 Ok(main) => {
                     // Only the families of the VIPs it routes: a route of
                     // the other family refused would hold them all back.
@@ -418,7 +430,7 @@ impl Daemon {
                                 .any(|v| v.is_ipv6() == r.dest.addr().is_ipv6())
                         })
                         .collect();
-                    mgmt_routes = crate::vip::mgmt_leg::table_routes(m.table, leg, &main);
+                    mgmt_routes = crate::host::vmnet::mgmt_leg::table_routes(m.table, leg, &main);
                     if mgmt_routes.is_empty() {
                         mgmt_error = Some(format!(
                             "the main table has no route out of {:?} to copy into table {}",
@@ -431,8 +443,6 @@ impl Daemon {
             want.extend(mgmt_routes.clone());
         }
         let mut out = driver.sync(&want).await;
-        self.metrics
-            .record_host_repairs(HostKind::NetworkRoute, out.repaired.len() as u64);
         // A gateway route refused because its subnet's route (written
         // after it, in key order) was not there yet: once more at once.
         if !out.written.is_empty()
@@ -455,7 +465,8 @@ impl Daemon {
         for (key, seen) in &out.foreign {
             tracing::warn!(object = %key, seen = ?seen, "VM networks: another program holds this {key}; left alone, replies from that VIP may leave by another route");
         }
-        let mut marks = crate::vip::replymark::wanted(config, &want, &legs.into_keys().collect());
+        let mut marks =
+            crate::host::vmnet::replymark::wanted(config, &want, &legs.into_keys().collect());
         let routed = !mgmt_routes.is_empty() && mgmt_routes.keys().all(|k| driver.holds(k));
         if let Some(m) = mgmt.as_ref().filter(|_| routed) {
             m.add_marks(&mut marks);
@@ -493,9 +504,9 @@ impl Daemon {
         seen: Option<(LegStatus, Option<u32>)>,
         routes: Vec<String>,
         routes_error: Option<String>,
-        marks: Option<&Driver<crate::vip::replymark::ReplyMarks>>,
+        marks: Option<&Driver<crate::host::vmnet::replymark::ReplyMarks>>,
     ) -> MgmtLegStatus {
-        let mark = crate::vip::replymark::mark_of(m.table);
+        let mark = crate::host::vmnet::replymark::mark_of(m.table);
         let leg = seen.map(|s| s.0).unwrap_or_else(|| LegStatus {
             name: m.key().name(),
             mac: None,
@@ -520,7 +531,7 @@ impl Daemon {
         } else if !marked {
             Some(format!(
                 "the marks (table inet {}, ip rule fwmark {mark:#x}): {}",
-                crate::vip::replymark::TABLE,
+                crate::host::vmnet::replymark::TABLE,
                 self.vmnet
                     .reply_marks
                     .lock()
@@ -577,7 +588,7 @@ impl Daemon {
         drop(held);
         if changed {
             self.vmnet.legs_generation.fetch_add(1, Ordering::AcqRel);
-            self.kernel_wake();
+            self.kernel_wake.notify_one();
         }
     }
 
@@ -630,7 +641,7 @@ impl Daemon {
         if self.vmnet.mgmt_leg_guessed.swap(true, Ordering::AcqRel) {
             return held.clone();
         }
-        let m = crate::vip::mgmt_leg::on_this_host(config)?;
+        let m = crate::host::vmnet::mgmt_leg::on_this_host(config)?;
         let name = m.key().name();
         let guess = std::path::Path::new("/sys/class/net")
             .join(&name)
@@ -657,7 +668,7 @@ impl Daemon {
         guess
     }
 
-    /// Reads back and makes the bridged networks' legs (`vip::leg`);
+    /// Reads back and makes the bridged networks' legs (`host::vmnet::leg`);
     /// publishes their state for `/status` and the kernel listeners (and
     /// wakes the kernel writer when a leg comes or goes). Returns the
     /// index of each leg in place, by network.
@@ -667,10 +678,16 @@ impl Daemon {
         writer: &RouteWriter,
         config: &Config,
         index_of: &BTreeMap<String, u32>,
-        mgmt: Option<(crate::vip::leg::LegKey, crate::vip::leg::LegWant)>,
+        mgmt: Option<(
+            crate::host::vmnet::leg::LegKey,
+            crate::host::vmnet::leg::LegWant,
+        )>,
     ) -> (BTreeMap<String, u32>, Option<(LegStatus, Option<u32>)>) {
-        let mut by_network =
-            crate::vip::leg::wanted(config, index_of, crate::vip::leg::bridge_stage_on);
+        let mut by_network = crate::host::vmnet::leg::wanted(
+            config,
+            index_of,
+            crate::host::vmnet::leg::bridge_stage_on,
+        );
         if by_network.is_empty()
             && mgmt.is_none()
             && slot.as_ref().is_none_or(|d| d.held().next().is_none())
@@ -678,16 +695,19 @@ impl Daemon {
             self.set_legs(BTreeMap::new());
             return (BTreeMap::new(), None);
         }
-        // The management VIPs' leg (`vip::mgmt_leg`), under a name no
+        // The management VIPs' leg (`host::vmnet::mgmt_leg`), under a name no
         // network can have, taken out again below.
         if let Some(m) = mgmt {
             by_network.insert(MGMT_LEG.to_string(), m);
         }
-        let driver = slot.get_or_insert_with(|| Driver::new(NetworkLegs::new(writer.clone())));
+        let driver = slot.get_or_insert_with(|| {
+            Driver::new(
+                NetworkLegs::new(writer.clone()),
+                self.metrics.host_repairs(),
+            )
+        });
         let want: BTreeMap<_, _> = by_network.values().cloned().collect();
         let out = driver.sync(&want).await;
-        self.metrics
-            .record_host_repairs(HostKind::NetworkLeg, out.repaired.len() as u64);
         let retry = CHECK_INTERVAL.as_secs();
         if let Some(e) = &out.unread {
             tracing::error!("VM networks' legs: {e}; retried in {retry} s");
@@ -731,7 +751,7 @@ impl Daemon {
                         .backend()
                         .mac(key)
                         .filter(|_| index.is_some())
-                        .map(crate::vip::leg::colons),
+                        .map(crate::host::vmnet::leg::colons),
                     state: if index.is_some() { "up" } else { "missing" },
                     error: if index.is_some() {
                         None
@@ -763,7 +783,7 @@ impl Daemon {
         drop(legs);
         if changed {
             self.vmnet.legs_generation.fetch_add(1, Ordering::AcqRel);
-            self.kernel_wake();
+            self.kernel_wake.notify_one();
         }
     }
 
@@ -781,7 +801,7 @@ impl Daemon {
         {
             return Some(l.clone());
         }
-        let name = crate::vip::leg::name_for(net.table);
+        let name = crate::host::vmnet::leg::name_for(net.table);
         (!self.vmnet.legs_read.load(Ordering::Acquire)
             && std::path::Path::new("/sys/class/net").join(&name).exists())
         .then_some(LegStatus {
@@ -807,10 +827,10 @@ impl Daemon {
             tracing::error!("VM networks' reply marks: {e}");
             return;
         }
-        let driver = slot.get_or_insert_with(|| Driver::new(ReplyMarks::new(writer.clone())));
+        let driver = slot.get_or_insert_with(|| {
+            Driver::new(ReplyMarks::new(writer.clone()), self.metrics.host_repairs())
+        });
         let out = driver.sync(want).await;
-        self.metrics
-            .record_host_repairs(HostKind::ReplyMark, out.repaired.len() as u64);
         let retry = CHECK_INTERVAL.as_secs();
         if let Some(e) = &out.unread {
             tracing::error!("VM networks' reply marks: {e}; retried in {retry} s");

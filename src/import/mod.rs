@@ -27,7 +27,7 @@
 //! of the host's own addresses or the gateway of one of its routes, or
 //! (with `announce = "routes"` in the base) outside
 //! `vip.announce_prefixes`, as the daemon would refuse it
-//! ([`crate::vip::host`]: the host as the command line read it over
+//! ([`crate::host::vip_guard`]: the host as the command line read it over
 //! rtnetlink, handed in as [`Options::host`]). The whole file is
 //! validated again before it is shown or written. The output depends only
 //! on the set of objects, not their order: load balancers sorted by name,
@@ -115,9 +115,9 @@ pub struct Options {
     /// one tenant's object cannot take another's VIP off the host.
     pub holders: Holders,
     /// This host's addresses and routes' gateways: a VIP that is one of
-    /// them is skipped (see [`crate::vip::host::judge`]). The command
+    /// them is skipped (see [`crate::host::vip_guard::judge`]). The command
     /// line always reads them; `None` (a library caller) checks nothing.
-    pub host: Option<crate::vip::host::HostNet>,
+    pub host: Option<crate::host::vip_guard::HostNet>,
     /// This host's interface for each VM network, by network name
     /// (`--network-interface NETWORK=INTERFACE`): where it cannot be
     /// derived from the NetworkAttachmentDefinition, or is named otherwise
@@ -520,7 +520,7 @@ fn alone(
         return None;
     }
     if let Some(host) = options.host.as_ref().filter(|_| !unleased)
-        && let Some(why) = crate::vip::host::judge(
+        && let Some(why) = crate::host::vip_guard::judge(
             mapped.lb.vip,
             host,
             &BTreeSet::new(),

@@ -17,6 +17,10 @@ pub trait Label: Copy {
     const NAMES: &'static [&'static str];
     /// This value's index into [`Label::NAMES`] and the counters.
     fn index(self) -> usize;
+    /// This value's text, as `/metrics` writes it (and the log names it).
+    fn name(self) -> &'static str {
+        Self::NAMES[self.index()]
+    }
 }
 
 /// One counter per value of `L` (`N` is `L::NAMES.len()`, checked when
@@ -31,6 +35,18 @@ impl<L: Label, const N: usize> ByLabel<L, N> {
     /// The counters in index order, beside [`Label::NAMES`].
     pub fn as_slice(&self) -> &[Counter] {
         &self.counters
+    }
+
+    /// Each value's text and count, those counted at least once, for
+    /// tests that check what was counted where.
+    #[cfg(test)]
+    pub(crate) fn counted(&self) -> Vec<(&'static str, u64)> {
+        L::NAMES
+            .iter()
+            .zip(&self.counters)
+            .map(|(name, c)| (*name, c.get()))
+            .filter(|(_, n)| *n > 0)
+            .collect()
     }
 }
 

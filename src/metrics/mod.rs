@@ -297,22 +297,15 @@ impl Metrics {
     }
 
     /// Counts one repair of the VIP isolation table (found changed in the
-    /// kernel and written again).
+    /// kernel and written again) in `vip_isolation_repairs_total`; its
+    /// `Guard` counts it in `host_repairs_total{kind}`.
     pub fn record_vip_isolation_repair(&self) {
         self.vip_isolation_repairs.increment(1);
-        self.record_host_repairs(HostKind::IsolationTable, 1);
     }
 
-    /// Counts `n` repairs of host objects of `kind` (found changed by
-    /// another process and written again).
-    pub fn record_host_repairs(&self, kind: HostKind, n: u64) {
-        if n > 0 {
-            self.host_repairs[kind].increment(n);
-        }
-    }
-
-    /// The repair counters, for the owners that count their own (the
-    /// DHCP clients).
+    /// The repair counters, for the owners that count their own: every
+    /// `host::owned::Driver` and `Guard` (under their kind), the DHCP
+    /// clients.
     pub fn host_repairs(&self) -> Arc<HostRepairs> {
         Arc::clone(&self.host_repairs)
     }
@@ -403,7 +396,7 @@ impl Metrics {
     /// `kernel_forwarding_up` is 0 until the repair's write succeeds.
     pub fn record_kernel_repair(&self) {
         self.kernel_repairs.increment(1);
-        self.record_host_repairs(HostKind::NatTables, 1);
+        self.host_repairs[HostKind::NatTables].increment(1);
         self.kernel_up.store(2, Ordering::Relaxed);
     }
 

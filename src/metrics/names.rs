@@ -389,7 +389,7 @@ pub static VIP_REFUSED: Family = Family::new(
     "Load balancers refused at the last apply because their VIP is this host's own address, the gateway of one of its routes, or outside vip.announce_prefixes; /status vip_refused names each.",
 );
 /// Repairs of the objects the daemon writes into the host, by `kind`
-/// (see `crate::owned`): each a read-back that found an object not as this
+/// (see `crate::host::owned`): each a read-back that found an object not as this
 /// daemon wrote it, logged at warn with what differed, and written again.
 pub static HOST_REPAIRS: Family = Family::new(
     "harvester_lb_host_repairs_total",

@@ -343,7 +343,7 @@ labels! {
 
 labels! {
     /// A kind of object the daemon writes into the host and owns (reads
-    /// back and repairs: see `crate::owned`).
+    /// back and repairs: see `crate::host::owned`).
     pub enum HostKind;
     /// `host_repairs_total{kind}`.
     pub const HOST_KINDS = {
@@ -790,7 +790,7 @@ pub const IGNORED_REASONS: [&str; 6] = [
 ];
 /// Why a DHCP offer or ACK was refused
 /// (`harvester_lb_dhcp_offers_refused_total{reason}`), in the order of
-/// `vip::dhcp::guard::Refusal`.
+/// `host::dhcp::guard::Refusal`.
 pub const REFUSAL_REASONS: [&str; 6] = [
     "reserved",
     "mask_too_wide",

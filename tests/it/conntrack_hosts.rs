@@ -52,7 +52,7 @@ use std::net::Ipv4Addr;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use harvester_lb::vip::keepalived::instance_of;
+use harvester_lb::host::vmnet::keepalived::instance_of;
 use netns::keepalived::{
     Conntrackd, Fault, Keepalived, conntrackd_missing, gate_open, keepalived_missing,
 };

@@ -1405,7 +1405,7 @@ fn load_balancers_on_vm_networks_from_harvester_s_objects_get_their_networks() {
     // network's interface.
     let dhcp = config.load_balancers[0].dhcp.as_ref().expect("leased here");
     assert_eq!(dhcp.interface, "mgmt-br.100");
-    let rendered = harvester_lb::vip::keepalived::render(&config).expect("[keepalived]");
+    let rendered = harvester_lb::host::vmnet::keepalived::render(&config).expect("[keepalived]");
     assert!(
         rendered.contains("10.100.0.50/32 dev mgmt-br.100")
             && rendered.contains("10.30.0.40/32 dev data-br"),
@@ -1934,7 +1934,7 @@ fn ipv6_vips_on_vm_networks_are_imported_with_the_network_s_ipv6_gateway() {
         ]
     );
     // keepalived moves the IPv6 VIPs with the IPv4 ones.
-    let rendered = harvester_lb::vip::keepalived::render(&config).expect("[keepalived]");
+    let rendered = harvester_lb::host::vmnet::keepalived::render(&config).expect("[keepalived]");
     assert!(
         rendered.contains("fd00:7::50/128 dev data-br")
             && rendered.contains("fd00:8::50/128 dev data-br"),

@@ -21,7 +21,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use harvester_lb::config::{Algorithm, Protocol};
-use harvester_lb::kernel::{self, KernelListener, KernelTable, Synced};
+use harvester_lb::host::nat::{self as kernel, KernelListener, KernelTable, Synced};
 use netns::peers::{Exchange, Node, Service, exchange, read_line};
 use netns::{Bed, HEALTH_PORT, NODEPORT, Scratch, VIP, config, in_ns, node_ip, run, sa, wait_for};
 use support::{Config, Lb, Listener};

@@ -17,7 +17,7 @@ use crate::require_netns;
 use std::net::IpAddr;
 
 use harvester_lb::config::{Protocol, SourceNat};
-use harvester_lb::kernel::{self, Desired, KernelListener, KernelTable, Synced};
+use harvester_lb::host::nat::{self as kernel, Desired, KernelListener, KernelTable, Synced};
 use netns::{Scratch, in_ns, run};
 
 /// Deletes every table of the daemon's (each shard's), as an operator's

@@ -49,7 +49,7 @@ use std::net::{Ipv4Addr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use harvester_lb::vip::keepalived::instance_of;
+use harvester_lb::host::vmnet::keepalived::instance_of;
 use netns::keepalived::{Keepalived, keepalived_missing};
 use netns::peers::{Exchange, Node, Service, exchange};
 use netns::vmnet::{

@@ -8,7 +8,7 @@ use crate::support;
 use std::net::{IpAddr, SocketAddr};
 use std::time::Duration;
 
-use harvester_lb::workers::WorkerThreads;
+use harvester_lb::dataplane::workers::WorkerThreads;
 use support::*;
 use tokio::net::TcpStream;
 

@@ -95,7 +95,7 @@ fn the_rendered_keepalived_conf_passes_keepalived_s_config_test() {
     for extra in ["", "ready_requires_backend = true\n"] {
         let text = text.replace("instances = 2\n", &format!("instances = 2\n{extra}"));
         let config = harvester_lb::config::parse(&text).expect("valid").config;
-        rendered = harvester_lb::vip::keepalived::render(&config).expect("rendered");
+        rendered = harvester_lb::host::vmnet::keepalived::render(&config).expect("rendered");
         assert_eq!(
             rendered.contains("&require=backend\""),
             !extra.is_empty(),
@@ -103,8 +103,10 @@ fn the_rendered_keepalived_conf_passes_keepalived_s_config_test() {
         );
         // The management check's script, as the daemon writes it before the
         // file (keepalived disables a track script it cannot find).
-        harvester_lb::vip::mgmt_check::install(config.keepalived.as_ref().expect("[keepalived]"))
-            .expect("the management check's script");
+        harvester_lb::host::vmnet::mgmt_check::install(
+            config.keepalived.as_ref().expect("[keepalived]"),
+        )
+        .expect("the management check's script");
         let file = dir.join("rendered.conf");
         std::fs::write(&file, &rendered).unwrap();
         let out = Command::new("ip")

@@ -41,7 +41,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use harvester_lb::vip::keepalived::instance_of;
+use harvester_lb::host::vmnet::keepalived::instance_of;
 use netns::keepalived::{Keepalived, keepalived_missing};
 use netns::peers::{Exchange, Node, Service, exchange, read_line, serve_name_then_echo};
 use netns::vmnet::{

@@ -52,7 +52,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use harvester_lb::vip::keepalived::instance_of;
+use harvester_lb::host::vmnet::keepalived::instance_of;
 use netns::keepalived::{Conntrackd, Keepalived, conntrackd_missing, keepalived_missing};
 use netns::peers::{Exchange, Node, Service, exchange, read_line, serve_name_then_echo};
 use netns::vmnet::{
@@ -374,7 +374,7 @@ impl Split {
             .conntrackd
             .as_ref()
             .and_then(|c| c.control(&["-s"]))
-            .and_then(|s| harvester_lb::vip::conntrackd::parse_stats(&s))
+            .and_then(|s| harvester_lb::host::conntrack_sync::conntrackd::parse_stats(&s))
             .map_or(0, |s| s.external)
     }
 

@@ -1,6 +1,6 @@
 //! VIPs that are a machine the file names: never a VIP (issue 40). The
 //! daemon's guard refuses what the host holds (its addresses, its routes'
-//! gateways, its subnets' edges, its neighbours: `vip::host::judge`); what
+//! gateways, its subnets' edges, its neighbours: `host::vip_guard::judge`); what
 //! `check` can know from the file alone is refused here, so that the host
 //! that would lose it never sees the file run:
 //!

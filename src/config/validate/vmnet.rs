@@ -67,7 +67,7 @@ impl Validator<'_> {
         let mut built = Vec::new();
         let mut names = HashSet::new();
         let mut tables: BTreeMap<u32, String> = BTreeMap::new();
-        // The reply mark of each network's table (`vip::replymark`).
+        // The reply mark of each network's table (`host::vmnet::replymark`).
         let mut marks: BTreeMap<u32, (String, u32)> = BTreeMap::new();
         for (i, n) in file.networks.iter().enumerate() {
             let key = format!("network[{i}]");
@@ -530,7 +530,7 @@ impl Validator<'_> {
     /// `keepalived.management_table`: a table the kernel does not reserve,
     /// not `vip.announce_table` (a `[[network]]`'s table or mark is refused
     /// by [`Self::management_table_clash`]): the management VIPs' flows are
-    /// routed by it with its mark (`vip::mgmt_leg`), and a network's on the
+    /// routed by it with its mark (`host::vmnet::mgmt_leg`), and a network's on the
     /// same mark would route them into that network.
     fn management_table(&mut self, k: &FileKeepalived, vip: &VipSettings) -> u32 {
         let key = "keepalived.management_table";
@@ -1311,7 +1311,7 @@ gateway = "10.100.0.1"
             loaded.warnings
         );
         assert!(
-            !crate::vip::keepalived::render(&loaded.config)
+            !crate::host::vmnet::keepalived::render(&loaded.config)
                 .unwrap()
                 .contains("fd00:1::50")
         );
@@ -1326,7 +1326,7 @@ gateway = "10.100.0.1"
             management("192.168.0.50")
         );
         let loaded = parse(&text).expect("valid");
-        let rendered = crate::vip::keepalived::render(&loaded.config).unwrap();
+        let rendered = crate::host::vmnet::keepalived::render(&loaded.config).unwrap();
         assert!(
             rendered.contains("fd00:100::50/128 dev mgmt-br.100")
                 && rendered.contains("192.168.0.50/32 dev mgmt-br"),

@@ -1,4 +1,4 @@
-//! `[[network]] isolate`: what the VM-network guard (`vip::vmnet_filter`)
+//! `[[network]] isolate`: what the VM-network guard (`host::vmnet::vmnet_filter`)
 //! cannot do, refused with its line; what it does not do, warned.
 //!
 //! Refused: an isolated network on `keepalived.interface` (the guard

@@ -24,9 +24,9 @@ use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 
 use serde::{Deserialize, Serialize};
 
+use crate::dataplane::proxy::tcp::HandedConnection;
+use crate::dataplane::proxy::udp::HandedFlow;
 use crate::fd_store::{self, CARRIER, FdName, FdStore, Inherited, MAX_FDS_PER_MESSAGE};
-use crate::proxy::tcp::HandedConnection;
-use crate::proxy::udp::HandedFlow;
 
 /// The longest message: a manifest of [`MAX_FDS_PER_MESSAGE`] flows, with
 /// two IPv6 socket addresses each, fits.

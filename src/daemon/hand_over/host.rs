@@ -11,7 +11,7 @@
 //! unit's `ExecStopPost=harvester-lb withdraw --all` finds it and leaves
 //! the routes, and the next process finds it at start and adopts what it
 //! finds instead of deleting and writing it again (the announce routes
-//! kept announced, the whole tables of [`crate::owned::adopt`] kept with
+//! kept announced, the whole tables of [`crate::host::owned::adopt`] kept with
 //! their handles).
 
 use std::collections::BTreeMap;
@@ -20,7 +20,7 @@ use std::time::{Duration, SystemTime};
 
 use super::HandOverReport;
 use crate::daemon::Daemon;
-use crate::owned::adopt;
+use crate::host::owned::adopt;
 
 /// The marker's file name, beside the admin socket (under the unit:
 /// `/run/harvester-lb/handed-over`, kept across a restart by
@@ -226,7 +226,7 @@ impl Daemon {
         if let Err(e) = tokio::task::spawn_blocking(move || kernel.leave()).await {
             tracing::error!("handing over: the kernel table writer ended abnormally: {e}");
         }
-        self.announce_leave().await;
+        self.announcer.leave().await;
         self.vmnet_leave().await;
         // No verdict changes anything any more; the last ones stay
         // readable for the state file's last write (`save_state`).
@@ -249,10 +249,10 @@ impl Daemon {
             let mut tables = adopt::written();
             // A table whose writer did not read it back: read it now.
             for (name, w) in tables.iter_mut().filter(|(_, w)| w.fingerprint.is_none()) {
-                w.fingerprint = crate::nft::list_inet_table(name)
+                w.fingerprint = crate::host::nft::list_inet_table(name)
                     .ok()
                     .flatten()
-                    .and_then(|l| crate::owned::Fingerprint::of_nft_json(&l).ok())
+                    .and_then(|l| crate::host::owned::Fingerprint::of_nft_json(&l).ok())
                     .map(|f| f.digest());
             }
             tables
@@ -288,7 +288,7 @@ impl Daemon {
             "started after a hand-over: adopting what the previous process left in the host"
         );
         adopt::inherit(marker.tables);
-        self.announce_adopt();
+        self.announcer.adopt();
         true
     }
 }

@@ -24,8 +24,8 @@ use std::time::Duration;
 use super::{HandOverReport, NoHandOver, carrier};
 use crate::config::{ListenerKey, Protocol};
 use crate::daemon::Daemon;
+use crate::dataplane::proxy::{Handed, Running};
 use crate::fd_store::{self, FdName, Transport};
-use crate::proxy::{Handed, Running};
 
 /// How long open connections get to pause at a hand-over (each direction at
 /// its wait for data, with nothing in flight): a connection whose peer
@@ -48,7 +48,7 @@ impl Daemon {
     /// process left in the store when there are any (every one of its
     /// `SO_REUSEPORT` group, whatever `count` is now: a socket of the group
     /// left without an accept loop would take its share of the clients and
-    /// never answer them), else `count` new ones ([`crate::proxy::bind`]).
+    /// never answer them), else `count` new ones ([`crate::dataplane::proxy::bind`]).
     /// Either way they are (again) in the store under the listener's name.
     pub(in crate::daemon) fn tcp_listener_sockets(
         &self,
@@ -76,14 +76,14 @@ impl Daemon {
                 }
             }
         }
-        let sockets = crate::proxy::bind(addr, backlog, count)?;
+        let sockets = crate::dataplane::proxy::bind(addr, backlog, count)?;
         let fds: Vec<_> = sockets.iter().map(AsFd::as_fd).collect();
         store.store_or_warn(&name, &fds);
         Ok(sockets)
     }
 
     /// The socket of the UDP listener `addr`: the stored one when there is
-    /// one, else a new one ([`crate::proxy::udp::bind`]); in the store
+    /// one, else a new one ([`crate::dataplane::proxy::udp::bind`]); in the store
     /// either way. Datagrams that came while no process read wait in its
     /// receive buffer.
     pub(in crate::daemon) fn udp_listener_socket(
@@ -116,7 +116,7 @@ impl Daemon {
             store.note_stored(&name, 1);
             return tokio::net::UdpSocket::from_std(s);
         }
-        let socket = crate::proxy::udp::bind(addr)?;
+        let socket = crate::dataplane::proxy::udp::bind(addr)?;
         store.store_or_warn(&name, &[socket.as_fd()]);
         Ok(socket)
     }
@@ -132,7 +132,7 @@ impl Daemon {
     /// listening sockets are in the store already, so their accept loops
     /// stop here without taking them out (the ports keep listening in
     /// PID 1's copies); every open connection and flow pauses where no byte
-    /// is held (`proxy::Running::hand_over`) and goes into the store through
+    /// is held (`dataplane::proxy::Running::hand_over`) and goes into the store through
     /// one carrier (`carrier`).
     pub(super) async fn hand_over_sockets(&self, report: &mut HandOverReport) {
         let listeners: Vec<(ListenerKey, Running)> = {
@@ -173,7 +173,10 @@ impl Daemon {
 
     /// The open connections the last process handed over for the TCP
     /// listener now serving `addr`, served on by it.
-    pub(in crate::daemon) fn adopt_connections(&self, listener: &crate::proxy::Listener) {
+    pub(in crate::daemon) fn adopt_connections(
+        &self,
+        listener: &crate::dataplane::proxy::Listener,
+    ) {
         let handed = self
             .open_handed()
             .lock()
@@ -191,7 +194,7 @@ impl Daemon {
     pub(in crate::daemon) fn take_handed_flows(
         &self,
         addr: SocketAddr,
-    ) -> Vec<crate::proxy::udp::HandedFlow> {
+    ) -> Vec<crate::dataplane::proxy::udp::HandedFlow> {
         self.open_handed()
             .lock()
             .unwrap_or_else(|p| p.into_inner())

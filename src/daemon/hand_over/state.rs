@@ -19,9 +19,9 @@ mod tests {
 
     use std::sync::Arc;
 
-    use crate::balancer::AdminState;
     use crate::daemon::Daemon;
     use crate::daemon::testing::{config, daemon, lb};
+    use crate::dataplane::balancer::AdminState;
     use crate::state_file::StateFile;
 
     const CONFIG: &str = "/etc/harvester-lb/config.toml";

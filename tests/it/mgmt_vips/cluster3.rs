@@ -81,7 +81,7 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use harvester_lb::vip::keepalived::instance_of;
+use harvester_lb::host::vmnet::keepalived::instance_of;
 
 use crate::mgmt_vips::{HOSTS, MGMT_CLIENT, MGMT_IF, base_toml, run_import, stand_in_kubectl};
 use crate::netns::keepalived::{

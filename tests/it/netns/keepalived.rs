@@ -186,7 +186,7 @@ impl Conntrackd {
     /// 0 while it does not answer.
     pub fn external_entries(&self) -> u64 {
         self.control(&["-s"])
-            .and_then(|s| harvester_lb::vip::conntrackd::parse_stats(&s))
+            .and_then(|s| harvester_lb::host::conntrack_sync::conntrackd::parse_stats(&s))
             .map_or(0, |s| s.external)
     }
 

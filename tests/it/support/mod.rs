@@ -299,7 +299,7 @@ impl Daemon {
     pub async fn start_on(
         net: &Subnet,
         config: impl std::fmt::Display,
-        workers: harvester_lb::workers::Workers,
+        workers: harvester_lb::dataplane::workers::Workers,
     ) -> Self {
         Self::start_options(net, config, |options| options.workers = workers).await
     }
