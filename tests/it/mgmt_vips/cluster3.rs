@@ -849,6 +849,39 @@ impl Cluster3 {
         false
     }
 
+    /// Host `h`'s instances as its `/status` reports them (the notify
+    /// script's record: state, the last commit's result and duration) and
+    /// its conntrackd's external cache: whether a returning master's
+    /// commit failed, for a failback that lost connections. The daemon's
+    /// reading of the records, which can lag a transition by its step.
+    async fn commits(&self, h: usize) -> String {
+        let Some(d) = &self.hosts[h].daemon else {
+            return "no daemon".into();
+        };
+        let s = d.status().await;
+        let sync = &s["conntrack_sync"];
+        let instances: Vec<String> = sync["instances"]
+            .as_array()
+            .map(|v| v.as_slice())
+            .unwrap_or_default()
+            .iter()
+            .map(|i| {
+                format!(
+                    "{} {} {} {} ms",
+                    i["instance"].as_str().unwrap_or("?"),
+                    i["state"].as_str().unwrap_or("-"),
+                    i["last_commit"].as_str().unwrap_or("-"),
+                    i["last_commit_ms"]
+                )
+            })
+            .collect();
+        format!(
+            "{}; external entries {}",
+            instances.join(", "),
+            sync["external_entries"]
+        )
+    }
+
     fn fail(&self, h: usize, fault: Fault) {
         let host = &self.hosts[h];
         fault.strike(
@@ -1003,9 +1036,10 @@ async fn netns_three_hosts_from_import_alone_move_every_vip_on_each_fault_and_th
         tokio::time::sleep(Duration::from_secs(2)).await;
         let figures = flows.figures(i);
         let what = format!(
-            "N=3 {fault:?} {name} back: its VIPs on {name} and served {:.2} s after the restore began (the backends' neighbour followed {:.1} s later)",
+            "N=3 {fault:?} {name} back: its VIPs on {name} and served {:.2} s after the restore began (the backends' neighbour followed {:.1} s later; its commits as /status read them then: {})",
             (served - at.0).as_secs_f64(),
-            follow.as_secs_f64()
+            follow.as_secs_f64(),
+            t.commits(i).await
         );
         say(phase(&what, &figures), &mut report);
     }
