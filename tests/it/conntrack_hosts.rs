@@ -413,16 +413,42 @@ impl Cluster {
         .await;
     }
 
-    /// Waits (up to `within`) until every host's external cache holds the
-    /// flows of the other hosts' VIPs; whether it did.
+    /// Each host's conntrackd external cache entries of each VIP (every
+    /// entry whose original destination is the VIP), as it answers now.
+    fn cache_counts(&self) -> Vec<Vec<usize>> {
+        self.hosts
+            .iter()
+            .map(|h| {
+                let dump = h
+                    .conntrackd
+                    .as_ref()
+                    .and_then(|c| c.control(&["-e"]))
+                    .unwrap_or_default();
+                self.vips
+                    .iter()
+                    .map(|v| {
+                        let dst = format!("dst={v} ");
+                        dump.lines().filter(|l| l.contains(&dst)).count()
+                    })
+                    .collect()
+            })
+            .collect()
+    }
+
+    /// Waits (up to `within`) until every host's external cache holds,
+    /// of each other host's VIP, at least the traffic's flows (counted per
+    /// VIP: a host's cache also holds copies of its own flows, which a
+    /// commit elsewhere sent, so a total would hide one VIP's shortfall);
+    /// whether it did. Every VIP is home (host k carries VIP k) here.
     async fn caches_full(&self, within: Duration) -> bool {
-        let want = ((self.n() - 1) * (CONNS + FLOWS)) as u64;
         let deadline = Instant::now() + within;
         while Instant::now() < deadline {
-            if self.hosts.iter().all(|h| {
-                h.conntrackd
-                    .as_ref()
-                    .is_some_and(|c| c.external_entries() >= want)
+            let counts = self.cache_counts();
+            if counts.iter().enumerate().all(|(h, per_vip)| {
+                per_vip
+                    .iter()
+                    .enumerate()
+                    .all(|(k, n)| k == h || *n >= CONNS + FLOWS)
             }) {
                 return true;
             }
@@ -431,9 +457,67 @@ impl Cluster {
         false
     }
 
+    /// What host `h` holds of VIP `k`'s flows, for a fault that lost them:
+    /// its kernel's entries (`conntrack -L`), its conntrackd's external
+    /// and internal cache entries, and what its notify script recorded.
+    fn holdings(&self, h: usize, k: usize) -> String {
+        let host = &self.hosts[h];
+        let vip = self.vips[k].to_string();
+        let kernel = std::process::Command::new("ip")
+            .args([
+                "netns",
+                "exec",
+                &host.ns.name,
+                "conntrack",
+                "-L",
+                "-d",
+                &vip,
+            ])
+            .output()
+            .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+            .unwrap_or_default();
+        let dst = format!("dst={vip} ");
+        let cache = |arg: &str| {
+            let dump = (host.conntrackd.as_ref())
+                .and_then(|c| c.control(&[arg]))
+                .unwrap_or_default();
+            dump.lines().filter(|l| l.contains(&dst)).count()
+        };
+        let state = self.bed.dir.join(format!("state-{}", host.name));
+        let records: Vec<String> = (0..self.n())
+            .map(|v| {
+                let r = netns::read_to_string(&state.join((VRID_BASE + v).to_string()));
+                let field = |key: &str| {
+                    r.lines()
+                        .find_map(|l| l.strip_prefix(&format!("{key}=")))
+                        .unwrap_or("")
+                        .to_owned()
+                };
+                format!(
+                    "{}: {} {}",
+                    VRID_BASE + v,
+                    field("state"),
+                    field("commit_result")
+                )
+            })
+            .collect();
+        format!(
+            "{} holds of VIP {k}: kernel entries {} ({}), external {}, internal {}; records {records:?}",
+            host.name,
+            kernel.lines().count(),
+            kernel.lines().take(2).collect::<Vec<_>>().join(" | "),
+            cache("-e"),
+            cache("-i"),
+        )
+    }
+
     /// Each host's conntrackd caches (`-s`), for a failure's report.
     fn caches(&self) -> String {
-        let mut s = String::new();
+        let mut s = format!(
+            "external cache entries per host and VIP: {:?} (want {} of each other host's VIP)\n",
+            self.cache_counts(),
+            CONNS + FLOWS
+        );
         for h in &self.hosts {
             let stats = h.conntrackd.as_ref().and_then(|c| c.control(&["-s"]));
             s.push_str(&format!(
@@ -558,6 +642,7 @@ async fn each_master_in_turn(tag: &str, n: usize, fault: Fault) {
     for (i, name) in NAMES.iter().take(n).enumerate() {
         // Failover: host i fails, another takes VIP i over.
         traffic.new_phase();
+        let caches = c.cache_counts();
         let (at, fault_ms) = (Instant::now(), traffic.now_ms());
         c.fail(i, fault);
         let (to, seen) = c.master_of(i, Some(i), fault != Fault::Killed).await;
@@ -565,8 +650,11 @@ async fn each_master_in_turn(tag: &str, n: usize, fault: Fault) {
         traffic.settled(fault_ms, Duration::from_secs(30)).await;
         tokio::time::sleep(Duration::from_secs(2)).await;
         let over = traffic.figures(i);
+        if over.moved_alive < CONNS {
+            report.push_str(&format!("  lost: {}\n", c.holdings(to, i)));
+        }
         report.push_str(&format!(
-            "N={n} {fault:?} {name} (master of VIP {i}): VIP on {} after {:.2} s; {over}\n",
+            "N={n} {fault:?} {name} (master of VIP {i}): VIP on {} after {:.2} s; {over}; external cache entries per host and VIP before: {caches:?}\n",
             NAMES[to],
             (seen - at).as_secs_f64()
         ));

@@ -1331,9 +1331,13 @@ impl BgpBed {
                 let ns = ns.clone();
                 let log = log2.clone();
                 inflight.spawn(async move {
-                    let started = Instant::now();
+                    let (started, wall) = (Instant::now(), std::time::SystemTime::now());
                     let outcome = attempt(&ns, addr, attempt_timeout).await;
-                    log.lock().expect("log").push(Attempt { started, outcome });
+                    log.lock().expect("log").push(Attempt {
+                        started,
+                        wall,
+                        outcome,
+                    });
                 });
                 tokio::time::sleep(Duration::from_millis(10)).await;
             }
@@ -1383,6 +1387,8 @@ impl BgpBed {
         // Line by line (stdbuf): ip's stdio buffers a file, and the marks
         // must fall between the changes they came between.
         self.route_monitor = Command::new("stdbuf")
+            // Stamped in UTC, as `route_changed_after_fault` reads them.
+            .env("TZ", "UTC")
             .args([
                 "-oL",
                 "ip",
@@ -1397,6 +1403,30 @@ impl BgpBed {
             .stderr(Stdio::null())
             .spawn()
             .ok();
+    }
+
+    /// When the router's route to the IPv4 VIP first changed after the
+    /// fault began ([`BgpBed::fault_under_traffic`]'s mark), by `ip -ts
+    /// monitor route`'s stamp: the moment the router's kernel told its
+    /// listeners (seconds since UTC midnight). `None` when the log holds
+    /// no change after the mark.
+    pub fn route_changed_after_fault(&self) -> Option<f64> {
+        let log = std::fs::read_to_string(self.dir.join("router-routes.log")).ok()?;
+        let after = log.split("--- the fault begins ---").nth(1)?;
+        let vip = VIP.to_string();
+        after
+            .lines()
+            .filter(|l| l.starts_with('[') && l.contains(&vip))
+            .find_map(|l| {
+                // [2026-12-08T00:58:26.901418] 10.99.0.1 ...
+                let stamp = l.get(1..l.find(']')?)?;
+                let time = stamp.split('T').nth(1)?;
+                let mut hms = time.split(':');
+                let h: f64 = hms.next()?.parse().ok()?;
+                let m: f64 = hms.next()?.parse().ok()?;
+                let s: f64 = hms.next()?.parse().ok()?;
+                Some(h * 3600.0 + m * 60.0 + s)
+            })
     }
 
     /// Appends `--- what ---` to the router's route log (between the
@@ -1686,6 +1716,8 @@ pub fn frr_router_config() -> String {
 pub struct Attempt {
     /// When it started.
     pub started: Instant,
+    /// The same, by the wall clock (to set beside the router's route log).
+    pub wall: std::time::SystemTime,
     /// The host that answered, or the error.
     pub outcome: Result<usize, String>,
 }
@@ -1783,6 +1815,20 @@ async fn attempt(ns: &Ns, addr: SocketAddr, timeout: Duration) -> Result<usize, 
         Ok(Err(e)) => Err(e.to_string()),
         Err(_) => Err(format!("timed out after {timeout:?}")),
     }
+}
+
+/// `t` as seconds since UTC midnight (as [`BgpBed::route_changed_after_fault`]).
+pub fn time_of_day(t: std::time::SystemTime) -> f64 {
+    let since = t
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("a clock after 1970");
+    (since.as_secs() % 86_400) as f64 + f64::from(since.subsec_micros()) / 1e6
+}
+
+/// `later - earlier` in seconds, both times of day, across a midnight.
+pub fn day_seconds_between(earlier: f64, later: f64) -> f64 {
+    let d = (later - earlier).rem_euclid(86_400.0);
+    if d > 43_200.0 { d - 86_400.0 } else { d }
 }
 
 /// The attempts that failed.
