@@ -283,9 +283,10 @@ pub fn render(config: &Config) -> Option<String> {
         );
         let _ = write!(
             out,
-            "\nvrrp_instance hlb_{vrid} {{\n  state BACKUP\n  interface {}\n  virtual_router_id {vrid}\n  priority {}\n  advert_int {advert}\n  unicast_src_ip {}\n  unicast_peer {{\n",
+            "\nvrrp_instance hlb_{vrid} {{\n  state BACKUP\n  interface {}\n  virtual_router_id {vrid}\n  priority {}\n{}  advert_int {advert}\n  unicast_src_ip {}\n  unicast_peer {{\n",
             k.interface,
             priority(k, instance),
+            crate::host::conntrack_sync::conntrackd::preempt_line(config),
             k.address
         );
         for p in &peers {
