@@ -814,7 +814,9 @@ fn design_rows(doc: &str) -> BTreeSet<String> {
         .filter_map(|row| row.split('|').next())
         .filter_map(|cell| {
             let cell = cell.trim();
-            cell.strip_prefix('`')?.strip_suffix('`').map(str::to_string)
+            cell.strip_prefix('`')?
+                .strip_suffix('`')
+                .map(str::to_string)
         })
         .collect()
 }
