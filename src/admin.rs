@@ -14,12 +14,12 @@
 //! It runs on its own listener, bounded in every way a hostile or broken
 //! client could push it (connections, header size, time to send headers,
 //! time to serve a request), and it never blocks the forwarder: the only
-//! shared things it touches are the metric registry and a short read of the
-//! daemon's state. `/healthz` and `/readyz` must answer whatever any local
+//! shared things it touches are the live objects' metrics and a short read
+//! of the daemon's state. `/healthz` and `/readyz` must answer whatever any local
 //! user does to `admin.listen` (keepalived moves VIPs on them): they need
 //! no slot, and idle connections are shed for newcomers at the cap.
 //!
-//! Three parts, by what each guards:
+//! Four parts (three by what each guards, and the page):
 //!
 //! * `connections`: the bounds of each listener (connection cap, shedding
 //!   of idle connections for newcomers, request slots, head size and

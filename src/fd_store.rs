@@ -387,7 +387,7 @@ pub(crate) fn send_on(
 
 /// The receiving end, as PID 1 reads a notification: one datagram and the
 /// descriptors it carries (close-on-exec). For tests and tools that stand
-/// in for systemd's store (`tests/support/fd_store.rs`).
+/// in for systemd's store (`tests/it/support/fd_store.rs`).
 pub fn receive(socket: &UnixDatagram) -> std::io::Result<(Vec<u8>, Vec<OwnedFd>)> {
     receive_on(socket.as_fd(), 4096, 0)
 }

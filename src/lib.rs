@@ -9,8 +9,8 @@
 //!               │                   ▲
 //!               ├──► dataplane::health (prober)┘ via dataplane::balancer (one ArcSwap)
 //!               │          each publish also wakes, each on its own:
-//!               │          ├──► host::nat (nftables DNAT of kernel listeners)
-//!               │          └──► daemon::announce → host::announce (routes for the BGP speaker)
+//!               │          ├──► daemon::kernel → host::nat (nftables DNAT of kernel listeners)
+//!               │          └──► host::announce (routes for the BGP speaker; reads daemon::announce)
 //!               └──► host (the VIP guard, isolation, DHCP leases, VM networks, conntrackd)
 //! ```
 //!
@@ -22,7 +22,7 @@
 //! * [`dataplane`]: what a connection meets: the healthy set and the
 //!   picking algorithms (`balancer`), probes (`health`), listeners and
 //!   forwarding (`proxy`), the threads (`workers`), shared bounds (`budget`).
-//! * [`host`]: what the daemon writes into the host, a folder per feature:
+//! * [`host`]: what the daemon writes into the host, a folder (or file) per feature:
 //!   the NAT of kernel listeners (`nat`: names, builder, writes, read-back,
 //!   comparison, keeper), announce routes (`announce`), DHCP leases
 //!   (`dhcp`), the isolation table (`isolation`), VM networks (`vmnet`:
@@ -39,7 +39,16 @@
 //! * [`logging`]: log lines queued to a writer thread of their own, so a
 //!   stalled stderr never stalls forwarding.
 //! * [`import`]: Harvester's `LoadBalancer` objects (and v0.1.x guest
-//!   `Service`s) to a config file; beside `check`, it reads only `config`.
+//!   `Service`s) to a config file; beside `check`, it reads `config` and
+//!   the VIP guard's judgement (`host::vip_guard`) and talks to no cluster
+//!   and no daemon.
+//! * Plumbing below them all: [`net`] (the connect shared by forwarder and
+//!   prober), [`os`] (what std does not expose), [`log_limit`], [`text`]
+//!   (names made safe to print), [`state_file`], and the config file's
+//!   watch (`watch`).
+//!
+//! docs/design.md has a row for every module, grouped by the data
+//! flow; a test holds the table to `src/`.
 //!
 //! The `harvester-lb` binary's own code is outside this library: `src/main.rs`
 //! (the dispatch) and `src/cli.rs` with `src/cli/`: the arguments (`args`),

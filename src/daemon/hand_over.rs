@@ -10,7 +10,8 @@
 //! socket. Without that word a SIGTERM keeps today's meaning: drain, then
 //! remove everything written into the host.
 //!
-//! The three parts, one file each:
+//! The three parts, one file each (and the carrier the second part's
+//! connections and flows travel in, `carrier`):
 //! - `sockets`: listeners, connections and flows into the store;
 //! - `state`: operator states, health verdicts, affinity and leases into the
 //!   state file, which the next process reads back;

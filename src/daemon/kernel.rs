@@ -1,4 +1,4 @@
-//! Driving the kernel's NAT table (`forwarding = "kernel"` listeners):
+//! Driving the kernel's NAT tables (`forwarding = "kernel"` listeners):
 //! the desired state from the config and the published eligible sets, one
 //! coalesced transaction after each change, a retry after a failure.
 //!

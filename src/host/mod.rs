@@ -7,7 +7,7 @@
 //! connection sync ([`conntrack_sync`]), and the guard that keeps the
 //! host's own addresses and its gateways from becoming VIPs
 //! ([`vip_guard`]). Every object written here is owned ([`owned`]); every
-//! nftables table goes through one command ([`nft`]).
+//! `nft` command the daemon runs is run in one place ([`nft`]).
 //!
 //! Listeners bind with `IP_FREEBIND`, so the daemon never needs the VIP to
 //! be up, and whichever host holds it (keepalived, kube-vip) the daemon is

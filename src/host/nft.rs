@@ -1,5 +1,6 @@
 //! The `nft` command, run in one place for every table the daemon owns
-//! (the VIP isolation table, the kernel forwarding table).
+//! (the VIP isolation table, the NAT tables, the VM-network guard's, the
+//! reply marks', the sync gate's and the anycast sync's guard).
 //!
 //! The `nftables` crate's own runner lets nft's stderr through to ours, so
 //! its error cannot say why a transaction was refused; this one keeps it.

@@ -767,3 +767,79 @@ fn every_command_line_of_the_unit_is_overridden_where_the_binary_moves() {
     }
     assert!(wrong.is_empty(), "{}", wrong.join("\n"));
 }
+
+/// The module path of every file under `dir` (`src/host/nat/build.rs` is
+/// `host::nat::build`, `src/host/nat/mod.rs` is `host::nat`); the crate
+/// roots (`lib.rs`, `main.rs`) are no module.
+fn module_paths(dir: &Path, prefix: &str, out: &mut BTreeSet<String>) {
+    for entry in std::fs::read_dir(dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display())) {
+        let path = entry.expect("entry").path();
+        let name = path
+            .file_name()
+            .and_then(|n| n.to_str())
+            .expect("a file name in UTF-8");
+        let join = |n: &str| {
+            if prefix.is_empty() {
+                n.to_string()
+            } else {
+                format!("{prefix}::{n}")
+            }
+        };
+        if path.is_dir() {
+            module_paths(&path, &join(name), out);
+        } else if let Some(stem) = name.strip_suffix(".rs") {
+            match stem {
+                "lib" | "main" if prefix.is_empty() => {}
+                "mod" => {
+                    out.insert(prefix.to_string());
+                }
+                _ => {
+                    out.insert(join(stem));
+                }
+            }
+        }
+    }
+}
+
+/// The modules the table of design.md's "Modules" section has a row for:
+/// the first cell of each row, written `` `a::b` ``.
+fn design_rows(doc: &str) -> BTreeSet<String> {
+    let section = doc
+        .split("\n## ")
+        .find(|s| s.starts_with("Modules\n"))
+        .expect("docs/design.md has a section \"## Modules\"");
+    section
+        .lines()
+        .filter_map(|line| line.strip_prefix('|'))
+        .filter_map(|row| row.split('|').next())
+        .filter_map(|cell| {
+            let cell = cell.trim();
+            cell.strip_prefix('`')?
+                .strip_suffix('`')
+                .map(str::to_string)
+        })
+        .collect()
+}
+
+/// design.md's module table is the map of `src/`: every module (a file
+/// `foo.rs` or `foo/mod.rs`) has its row, and no row names a module that
+/// is gone, so a module added, moved or removed without its row fails here.
+#[test]
+fn every_module_of_src_has_its_row_in_the_design_doc() {
+    let mut modules = BTreeSet::new();
+    module_paths(&repo().join("src"), "", &mut modules);
+    assert!(
+        modules.len() >= 100,
+        "only {} modules found under src/: {modules:?}",
+        modules.len()
+    );
+    let rows = design_rows(&read(&repo().join("docs/design.md")));
+    let missing: Vec<&String> = modules.difference(&rows).collect();
+    let gone: Vec<&String> = rows.difference(&modules).collect();
+    assert!(
+        missing.is_empty() && gone.is_empty(),
+        "docs/design.md's \"Modules\" table is not the modules of src/:\n\
+         modules without a row: {missing:?}\n\
+         rows of no module: {gone:?}"
+    );
+}

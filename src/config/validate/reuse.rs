@@ -8,7 +8,7 @@
 //! a copy of their spec and the checks across tables: 23-53 ms with every
 //! table reused, 18-28 ms in 4 runs of the code before the checks across
 //! tables ran here (`ci` build, a machine at load 2-9, 7 runs;
-//! `tests/config_reuse.rs`'s FIGURE).
+//! `tests/it/config_reuse.rs`'s FIGURE).
 //!
 //! The file is cut before each line that is exactly a `[[load_balancer]]`
 //! header (indentation and a trailing comment allowed). Everything before
@@ -28,7 +28,7 @@
 //! `[keepalived]` (checked with keys of the tables the stand-ins do not
 //! carry), takes the full read of [`super::parse`], whose verdict and
 //! messages are the ones the operator sees: `check`'s, the start's and a
-//! reload's are one (`tests/one_verdict.rs`).
+//! reload's are one (`tests/it/one_verdict.rs`).
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;

@@ -11,10 +11,13 @@
 //! store: PID 1's copies keep every port listening, and clients that
 //! connect until the next process accepts wait in the kernel's queues.
 //!
-//! Open connections and UDP flows: where they are stored at hand-over
-//! ([`Daemon::hand_over_sockets`], the `connections` step) and taken at
-//! start (`Inherited::take_prefix(fd_store::CONNECTION_PREFIX)` and
-//! `FLOW_PREFIX`) is marked below; the proxy's `hand_over`/`adopt` fill it.
+//! Open connections and UDP flows: at hand-over they go to the next
+//! process in one parcel through the carrier (`carrier`, the socket pair
+//! stored as `fd_store::CARRIER`; [`Daemon::hand_over_sockets`], the
+//! `connections` step); at start the next process receives the parcel
+//! (`open_handed`) and each listener takes its own (`adopt_connections`,
+//! `take_handed_flows`). The proxy's `hand_over` and `adopt` fill and
+//! empty it.
 
 use std::io;
 use std::net::SocketAddr;

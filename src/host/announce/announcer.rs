@@ -8,7 +8,7 @@
 //! has a [`super::decide::Hysteresis`] that turns them into announce and withdraw
 //! transitions (rise delay, damping); one task feeds it and writes the
 //! kernel to match. It wakes on every publish of a load balancer (a health
-//! flip, an operator's drain; forwarded by the kernel-table task) and every
+//! flip, an operator's drain; its own `Notify`, beside the kernel writer's) and every
 //! apply, and once a second for what publishes nothing (a listener bound by
 //! a retry); every step reads the table back and repairs it (a route of
 //! ours deleted by hand comes back, one no VIP wants goes), and the VIPs'

@@ -16,8 +16,9 @@
 //! table, so FRR would announce nothing ([`VipLocalRoutes`]).
 //!
 //! This module only writes what it is told. Whether a VIP should be
-//! announced is decided by the daemon (`daemon::announce`), which drives
-//! it; nothing here knows of health checks or listeners.
+//! announced is decided by the announcer (`host::announce::announcer`,
+//! reading the daemon through `daemon::announce`), which drives it;
+//! nothing here knows of health checks or listeners.
 //!
 //! Ownership: every route written carries [`ROUTE_PROTOCOL`], and only
 //! routes with that protocol in the configured table are ever deleted. A

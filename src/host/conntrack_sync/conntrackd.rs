@@ -15,7 +15,7 @@
 //!
 //! [`render_conf`] and [`render_script`] are pure. What they write, and why
 //! (each fact measured in `notes/conntrackd-failover.md` and
-//! `tests/conntrack_sync.rs`):
+//! `tests/it/conntrack_sync.rs`):
 //!
 //! - **FTFW over UDP unicast** to the one peer of two hosts on the sync
 //!   link (`conntrackd.interface`, the management one by default): the
@@ -77,7 +77,7 @@
 //! back, and the copies a commit makes of every instance's flows (`-c`
 //! commits the whole external cache; at a host's start its first backup
 //! transition's deletion came due right after a commit of another
-//! instance). Measured in `tests/mgmt_vips/cluster3.rs`: external caches
+//! instance). Measured in `tests/it/mgmt_vips/cluster3.rs`: external caches
 //! of [2, 54, 4] entries where 96 were wanted, after a graceful stop and
 //! its failback, in 2 of 2 runs; the next fault reset every connection of
 //! the VIPs it moved. With the tidy, none short in 14 runs.

@@ -1,7 +1,7 @@
 //! The one error of the kernel path: why the NAT tables were not written,
 //! read back or removed, whichever tool failed (`nft` or netlink).
 //!
-//! Every file of `kernel/` imports it from here, none from another: the
+//! Every file of `host/nat/` imports it from here, none from another: the
 //! writers (`commit`, `netlink`), the readers (`read_back`) and the keeper
 //! (`sync`) all depend on this module and this module on none of them.
 

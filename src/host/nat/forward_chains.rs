@@ -6,7 +6,7 @@
 //! drops. Docker (and many firewalls) install `ip filter FORWARD` with
 //! `policy drop` and accept only their own bridges' traffic, so every
 //! connection the kernel DNATs to a backend dies in the forward hook,
-//! while the NAT table is written (`kernel_forwarding_up` 1). Like
+//! while the NAT tables are written (`kernel_forwarding_up` 1). Like
 //! `net.ipv4.ip_forward = 0`, this is a host setting the daemon does not
 //! change; it reads the forward base chains of the other tables every
 //! 5 s (over netlink, then `nft -j list table` for the few tables that

@@ -1,6 +1,12 @@
 //! Forwarding in the kernel: the daemon's `forwarding = "kernel"`
-//! listeners as nftables NAT in one table of its own, `inet
-//! harvester_lb_nat`, modelled on kube-proxy's nftables mode (KEP-3866).
+//! listeners as nftables NAT in [`SHARDS`] (16) tables of its own, `inet
+//! harvester_lb_nat` and `inet harvester_lb_nat_1` … `_15`, a listener's
+//! objects in the table of its [`Shard`] (so a flip's commit walks one
+//! table), modelled on kube-proxy's nftables mode (KEP-3866). The main
+//! table, as below; every shard has its own dispatch maps, pickup sets,
+//! `prerouting` and `output` chains and its listeners' objects, while the
+//! refusal, masquerade and source-NAT sets and the `postrouting` and
+//! `input` chains are the main table's alone:
 //!
 //! ```text
 //! table inet harvester_lb_nat {
@@ -73,9 +79,11 @@
 //! [`crate::host::owned::CHECK_INTERVAL`] and at every reload (`check`); what
 //! another process changed is named, counted and written again.
 //!
-//! This part decides nothing: the daemon hands it the desired state
+//! This part decides no policy: the daemon hands it the desired state
 //! ([`Desired`]: VIPs, ports, eligible backends) and it writes the kernel.
-//! It never imports `proxy` or `health`.
+//! What it computes itself is the hash buckets, with the proxy's own
+//! rendezvous function (`crate::dataplane::balancer::select`), so the
+//! kernel and the proxy pick alike. It never imports `proxy` or `health`.
 //!
 //! The files, by job, each importing only files listed before it (and
 //! this one's types):
@@ -96,6 +104,11 @@
 //! * `narrow`: a refused write narrowed to the owners it refuses.
 //! * `sync`: [`KernelTable`], which keeps the tables equal to the desired
 //!   state with the above; `conntrack`: the flows of backends that left.
+//! * [`repair`]: when the check runs (every
+//!   [`crate::host::owned::CHECK_INTERVAL`], at each reload), and what a
+//!   difference is logged, counted and reported as; [`forward_chains`]:
+//!   other programs' forward chains that would drop what the kernel
+//!   forwards. Both are the daemon's entry points (`daemon::kernel`).
 //!
 //! A new kind of object in the NAT tables: its name in `names`; declared,
 //! filled and deleted in `build` (and listed in [`TableObjects::of`] when a

@@ -3,8 +3,9 @@
 //! and sets of each address family, and the objects of each listener
 //! (chains, counters, sets, maps), each named after the listener.
 //!
-//! Every other file of `kernel/` takes a name from here and spells none
-//! itself, so the builder (`build`), the flip writer (`netlink`), the
+//! Every other file of `host/nat/` takes a name from here and spells none
+//! itself (outside tests; `build` tells listener chains from backend
+//! chains by the `l_` prefix when it deletes them), so the builder (`build`), the flip writer (`netlink`), the
 //! read-back (`read_back`) and the check (`check`) cannot disagree on one.
 //! A listener's objects carry its tag (`tcp_80_192.0.2.10`), so a name is
 //! unique over all our tables; the one-letter prefix says the kind, and

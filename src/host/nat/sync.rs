@@ -1,4 +1,4 @@
-//! Keeping the kernel's table equal to the desired state: one transaction
+//! Keeping the kernel's NAT tables equal to the desired state: one transaction
 //! per change, none when nothing changed, a full resync after a failure or
 //! after a check found the tables changed by another process
 //! ([`KernelTable::check`], see `check`); a refused write narrowed to the

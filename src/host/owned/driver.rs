@@ -1,6 +1,8 @@
 //! One driver for every kind of keyed object the daemon writes into the
-//! host: routes in the announce table, the VIPs' local routes on the announcing
-//! interface (and, through [`super::Guard`], the single-object kinds).
+//! host: routes in the announce table, the VIPs' local routes on the
+//! announcing interface, the VM networks' routes and rules, the bridged
+//! networks' legs, the reply marks' table and rules (each kind a
+//! [`Backend`]; a single whole object has a [`super::Guard`] instead).
 //!
 //! A kind says three things through its [`Backend`]: how to read the
 //! kernel's copy of every object that could be ours, how to write one, how
@@ -37,7 +39,7 @@
 //! (create, change, drift and repair, failure and retry, foreign objects,
 //! strays, stop) is unit-tested below against an in-memory backend; the
 //! real backends (rtnetlink) are tested in network namespaces
-//! (`tests/announce.rs`).
+//! (`tests/it/announce.rs`).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;

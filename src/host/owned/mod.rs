@@ -29,8 +29,8 @@
 //! Three shapes carry it out, by the size of what is owned:
 //!
 //! * **Many small keyed objects** (a VIP's announce route, a VIP's AnyIP
-//!   local route): the [`Driver`] ([`driver`]), one for
-//!   every such kind. Each kind is a [`Backend`] (read all, write one,
+//!   local route, a VM network's route or rule, a network's leg, the reply
+//!   marks): the [`Driver`] ([`driver`]), one for every such kind. Each kind is a [`Backend`] (read all, write one,
 //!   remove one, over rtnetlink); the driver reads back, repairs, removes
 //!   what is no longer wanted, writes, reads back again, and orders the
 //!   stop ([`StopPhase`]). Its branches are unit-tested against an
@@ -56,7 +56,8 @@
 //! The NAT tables are too large for that (10,000 listeners in 16 tables,
 //! and a health flip rewrites one chain many times a minute), so
 //! `host::nat::check` applies the same rule its own way: read back over
-//! netlink (`host::nat::read_back`), not `nft`; the structure (tables, base chains, listener chains,
+//! netlink (`host::nat::read_back`), not `nft` (which lists only a
+//! resync's inventory); the structure (tables, base chains, listener chains,
 //! dispatch, refusal and masquerade elements) compared with the desired
 //! state itself, and each chain's rules with a digest of the kernel's
 //! listing taken right after this process wrote that chain; a difference is

@@ -9,7 +9,7 @@
 //! the wrong VLAN, a bad cable half, an ACL) stops hearing its peers and
 //! makes itself master of every instance, while its VM networks still
 //! work: two hosts hold the VIP and answer ARP for it, and clients follow
-//! whichever answered last (measured in `tests/vmnet_split.rs`: 12 s of
+//! whichever answered last (measured in `tests/it/vmnet_split.rs`: 12 s of
 //! two holders for a 15 s cut, every connection of the master reset when
 //! a backup was the one cut). keepalived sees a carrier loss by itself
 //! (it tracks the instance's interface), not a silent cut. With the

@@ -1,7 +1,7 @@
 //! The VM-network guard (`[[network]] isolate`): the filter of what enters
 //! from VM networks, one nftables table that keeps a host with an interface
 //! on tenants' VM networks from being a router between them. (Not to be
-//! confused with `daemon::vip_guard`, which refuses VIPs the host uses, nor
+//! confused with `host::vip_guard`, which refuses VIPs the host uses, nor
 //! with [`crate::host::isolation`], which filters traffic to the VIPs.)
 //!
 //! A Harvester host has `ip_forward` on (Kubernetes needs it), and once it

@@ -586,7 +586,7 @@ fn the_pattern_tells_every_shift_within_the_transfer() {
 /// the backend's greeting, none an end of stream. A client an accept loop
 /// took just as it was told to stop used to have its task spawned after
 /// the hand-over had taken the paused connections, and was closed with the
-/// old listener (tests/restart.rs: "tcp read: Ok(0)" for 1 of 8 clients,
+/// old listener (tests/it/restart.rs: "tcp read: Ok(0)" for 1 of 8 clients,
 /// once, in CI's two test lanes).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_accepted_as_the_hand_over_begins_is_handed_over() {
