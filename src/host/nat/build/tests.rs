@@ -10,6 +10,253 @@ fn text(doc: &serde_json::Value) -> String {
     serde_json::to_string(doc).unwrap()
 }
 
+/// One command of a transaction, or one element of an element command,
+/// as a line: `op kind table name[ #place][ body]`. The body is the rest
+/// of the object as compact JSON (keys sorted): a rule's statements, one
+/// element (one mapping of a map's element list), or any other field. A
+/// rule's place is its rank among the rules the transaction adds to its
+/// chain, so sorting the lines keeps each chain's order. Lines are
+/// compared whole: a field that changes its encoding changes the line.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+struct Line {
+    /// `add`, `flush`, `delete`.
+    op: String,
+    /// `table`, `chain`, `rule`, `counter`, `set`, `map`, `element`.
+    kind: String,
+    /// The table (for a table, its own name).
+    table: String,
+    /// The object's name: a rule's chain, an element's set or map; empty
+    /// for a table.
+    name: String,
+    /// A rule's place in its chain.
+    place: Option<usize>,
+    /// The rest, as JSON; empty when nothing is left.
+    body: String,
+}
+
+impl std::fmt::Display for Line {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} {} {}", self.op, self.kind, self.table)?;
+        for part in [
+            &self.name,
+            &self.place.map(|p| format!("#{p}")).unwrap_or_default(),
+            &self.body,
+        ] {
+            if !part.is_empty() {
+                write!(f, " {part}")?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The one key of a JSON object and its value: `{"add": {...}}`.
+fn only_entry(v: &serde_json::Value) -> (&str, &serde_json::Value) {
+    let o = v.as_object().expect("an object");
+    assert_eq!(o.len(), 1, "one key: {v}");
+    let (k, v) = o.iter().next().unwrap();
+    (k.as_str(), v)
+}
+
+/// Every command of `doc` (a transaction) as lines, sorted. Every object
+/// must be of the `inet` family: a command of another is refused here.
+fn lines(doc: &serde_json::Value) -> Vec<Line> {
+    let mut out = Vec::new();
+    let mut places: BTreeMap<(String, String), usize> = BTreeMap::new();
+    for cmd in doc["nftables"].as_array().expect("a transaction") {
+        let (op, obj) = only_entry(cmd);
+        let (kind, body) = only_entry(obj);
+        let mut rest = body.as_object().expect("an object").clone();
+        let mut take = |key: &str| -> String {
+            match rest.remove(key) {
+                Some(serde_json::Value::String(s)) => s,
+                other => panic!("{key} of {cmd}: {other:?}"),
+            }
+        };
+        assert_eq!(take("family"), "inet", "{cmd}");
+        let (table, name) = match kind {
+            "table" => (take("name"), String::new()),
+            "rule" => (take("table"), take("chain")),
+            _ => (take("table"), take("name")),
+        };
+        let line = |place, body: String| Line {
+            op: op.to_string(),
+            kind: kind.to_string(),
+            table: table.clone(),
+            name: name.clone(),
+            place,
+            body,
+        };
+        let json = |m: serde_json::Map<String, serde_json::Value>| {
+            if m.is_empty() {
+                String::new()
+            } else {
+                serde_json::Value::Object(m).to_string()
+            }
+        };
+        match kind {
+            "rule" => {
+                let place = places.entry((table.clone(), name.clone())).or_insert(0);
+                let expr = rest.remove("expr").expect("a rule's statements");
+                let more = json(rest);
+                let body = [expr.to_string(), more].join(" ").trim_end().to_string();
+                out.push(line(Some(*place), body));
+                *place += 1;
+            }
+            "element" => {
+                let elem = rest.remove("elem").expect("an element list");
+                assert!(rest.is_empty(), "{cmd}");
+                for item in elem.as_array().expect("a list") {
+                    match item.get("set").and_then(|s| s.as_array()) {
+                        Some(mappings) => {
+                            out.extend(mappings.iter().map(|m| line(None, m.to_string())))
+                        }
+                        None => out.push(line(None, item.to_string())),
+                    }
+                }
+            }
+            _ => out.push(line(None, json(rest))),
+        }
+    }
+    out.sort();
+    out
+}
+
+/// The lines of `doc` that `keep` keeps.
+fn lines_where(doc: &serde_json::Value, keep: impl Fn(&Line) -> bool) -> Vec<Line> {
+    lines(doc).into_iter().filter(|l| keep(l)).collect()
+}
+
+/// `actual` is `expected`, line for line (both sorted here); a mismatch
+/// shows the lines missing (`-`) and the lines not expected (`+`).
+#[track_caller]
+fn assert_lines(actual: &[Line], expected: &[impl AsRef<str>]) {
+    let mut actual: Vec<String> = actual.iter().map(Line::to_string).collect();
+    actual.sort();
+    let mut expected: Vec<String> = expected.iter().map(|s| s.as_ref().to_string()).collect();
+    expected.sort();
+    if actual != expected {
+        let mut diff = String::new();
+        let (mut a, mut e) = (actual.iter().peekable(), expected.iter().peekable());
+        loop {
+            match (a.peek(), e.peek()) {
+                (None, None) => break,
+                (Some(x), Some(y)) if x == y => {
+                    a.next();
+                    e.next();
+                }
+                (Some(x), Some(y)) if x < y => diff += &format!("+ {}\n", a.next().unwrap()),
+                (Some(_), Some(_)) | (None, Some(_)) => {
+                    diff += &format!("- {}\n", e.next().unwrap())
+                }
+                (Some(_), None) => diff += &format!("+ {}\n", a.next().unwrap()),
+            }
+        }
+        assert_eq!(
+            actual, expected,
+            "lines missing (-) and not expected (+):\n{diff}"
+        );
+    }
+}
+
+/// Every line the first listener of table `t` brings with it (the
+/// table's own parts: base chains, dispatch maps, pickup sets and their
+/// rules), written out once, as kube-proxy's tests write their base rules.
+fn table_lines(t: &str) -> Vec<String> {
+    r#"add table @T
+add chain @T output {"hook":"output","policy":"accept","prio":-100,"type":"nat"}
+add chain @T prerouting {"hook":"prerouting","policy":"accept","prio":-100,"type":"nat"}
+flush chain @T output {"hook":"output","policy":"accept","prio":-100,"type":"nat"}
+flush chain @T prerouting {"hook":"prerouting","policy":"accept","prio":-100,"type":"nat"}
+add map @T dispatch4 {"map":"verdict","type":["ipv4_addr","inet_proto","inet_service"]}
+add map @T dispatch6 {"map":"verdict","type":["ipv6_addr","inet_proto","inet_service"]}
+flush map @T dispatch4 {"map":"ipv4_addr","type":"ipv4_addr"}
+flush map @T dispatch6 {"map":"ipv4_addr","type":"ipv4_addr"}
+add set @T pickup4 {"type":["ipv4_addr","inet_proto","inet_service"]}
+add set @T pickup6 {"type":["ipv6_addr","inet_proto","inet_service"]}
+flush set @T pickup4 {"type":[]}
+flush set @T pickup6 {"type":[]}
+add rule @T output #0 [{"vmap":{"data":"@dispatch4","key":{"concat":[{"payload":{"field":"daddr","protocol":"ip"}},{"meta":{"key":"l4proto"}},{"payload":{"field":"dport","protocol":"th"}}]}}}]
+add rule @T output #1 [{"vmap":{"data":"@dispatch6","key":{"concat":[{"payload":{"field":"daddr","protocol":"ip6"}},{"meta":{"key":"l4proto"}},{"payload":{"field":"dport","protocol":"th"}}]}}}]
+add rule @T prerouting #0 [{"match":{"left":{"&":[{"payload":{"field":"flags","protocol":"tcp"}},"syn"]},"op":"==","right":0}},{"match":{"left":{"concat":[{"payload":{"field":"daddr","protocol":"ip"}},{"meta":{"key":"l4proto"}},{"payload":{"field":"dport","protocol":"th"}}]},"op":"!=","right":"@pickup4"}},{"match":{"left":{"socket":{"key":"transparent"}},"op":"==","right":0}},{"return":null}]
+add rule @T prerouting #1 [{"match":{"left":{"&":[{"payload":{"field":"flags","protocol":"tcp"}},"syn"]},"op":"==","right":0}},{"match":{"left":{"concat":[{"payload":{"field":"daddr","protocol":"ip6"}},{"meta":{"key":"l4proto"}},{"payload":{"field":"dport","protocol":"th"}}]},"op":"!=","right":"@pickup6"}},{"match":{"left":{"socket":{"key":"transparent"}},"op":"==","right":0}},{"return":null}]
+add rule @T prerouting #2 [{"match":{"left":{"fib":{"flags":["daddr"],"result":"type"}},"op":"==","right":"local"}},{"vmap":{"data":"@dispatch4","key":{"concat":[{"payload":{"field":"daddr","protocol":"ip"}},{"meta":{"key":"l4proto"}},{"payload":{"field":"dport","protocol":"th"}}]}}}]
+add rule @T prerouting #3 [{"match":{"left":{"fib":{"flags":["daddr"],"result":"type"}},"op":"==","right":"local"}},{"vmap":{"data":"@dispatch6","key":{"concat":[{"payload":{"field":"daddr","protocol":"ip6"}},{"meta":{"key":"l4proto"}},{"payload":{"field":"dport","protocol":"th"}}]}}}]"#
+        .lines()
+        .map(|l| l.replace("@T", t))
+        .collect()
+}
+
+/// The main table's lines beyond [`table_lines`]: the `input` chain with
+/// its refusals, `postrouting` (its rules depend on the source NATs in
+/// use: [`postrouting_rule`]), and the sets they look up.
+fn main_lines() -> Vec<String> {
+    let mut out = table_lines(TABLE);
+    out.extend(
+        r#"add chain @T input {"hook":"input","policy":"accept","prio":0,"type":"filter"}
+add chain @T postrouting {"hook":"postrouting","policy":"accept","prio":100,"type":"nat"}
+flush chain @T input {"hook":"input","policy":"accept","prio":0,"type":"filter"}
+flush chain @T postrouting {"hook":"postrouting","policy":"accept","prio":100,"type":"nat"}
+add set @T masq4 {"type":["ipv4_addr","ipv4_addr","inet_proto","inet_service"]}
+add set @T masq6 {"type":["ipv6_addr","ipv6_addr","inet_proto","inet_service"]}
+add set @T refuse4 {"type":["ipv4_addr","inet_proto","inet_service"]}
+add set @T refuse6 {"type":["ipv6_addr","inet_proto","inet_service"]}
+add set @T snat4 {"type":["ipv4_addr","ipv4_addr","inet_proto","inet_service"]}
+add set @T snat6 {"type":["ipv6_addr","ipv6_addr","inet_proto","inet_service"]}
+flush set @T masq4 {"type":[]}
+flush set @T masq6 {"type":[]}
+flush set @T refuse4 {"type":[]}
+flush set @T refuse6 {"type":[]}
+flush set @T snat4 {"type":[]}
+flush set @T snat6 {"type":[]}
+add rule @T input #0 [{"match":{"left":{"ct":{"key":"state"}},"op":"!=","right":"new"}},{"return":null}]
+add rule @T input #1 [{"match":{"left":{"&":[{"payload":{"field":"flags","protocol":"tcp"}},"syn"]},"op":"==","right":0}},{"match":{"left":{"socket":{"key":"transparent"}},"op":"==","right":0}},{"return":null}]
+add rule @T input #2 [{"match":{"left":{"ct":{"key":"state"}},"op":"in","right":"new"}},{"match":{"left":{"concat":[{"payload":{"field":"daddr","protocol":"ip"}},{"meta":{"key":"l4proto"}},{"payload":{"field":"dport","protocol":"th"}}]},"op":"==","right":"@refuse4"}},{"match":{"left":{"meta":{"key":"l4proto"}},"op":"==","right":"tcp"}},{"reject":{"type":"tcp reset"}}]
+add rule @T input #3 [{"match":{"left":{"ct":{"key":"state"}},"op":"in","right":"new"}},{"match":{"left":{"concat":[{"payload":{"field":"daddr","protocol":"ip"}},{"meta":{"key":"l4proto"}},{"payload":{"field":"dport","protocol":"th"}}]},"op":"==","right":"@refuse4"}},{"reject":{"expr":"port-unreachable","type":"icmpx"}}]
+add rule @T input #4 [{"match":{"left":{"ct":{"key":"state"}},"op":"in","right":"new"}},{"match":{"left":{"concat":[{"payload":{"field":"daddr","protocol":"ip6"}},{"meta":{"key":"l4proto"}},{"payload":{"field":"dport","protocol":"th"}}]},"op":"==","right":"@refuse6"}},{"match":{"left":{"meta":{"key":"l4proto"}},"op":"==","right":"tcp"}},{"reject":{"type":"tcp reset"}}]
+add rule @T input #5 [{"match":{"left":{"ct":{"key":"state"}},"op":"in","right":"new"}},{"match":{"left":{"concat":[{"payload":{"field":"daddr","protocol":"ip6"}},{"meta":{"key":"l4proto"}},{"payload":{"field":"dport","protocol":"th"}}]},"op":"==","right":"@refuse6"}},{"reject":{"expr":"port-unreachable","type":"icmpx"}}]"#
+            .lines()
+            .map(|l| l.replace("@T", TABLE)),
+    );
+    out
+}
+
+/// Rule `place` of the main table's `postrouting`: source NAT `kind`
+/// (masquerade or SNAT to the VIP) of the family `v4` or not.
+fn postrouting_rule(place: usize, kind: SourceNat, v4: bool) -> String {
+    let (ip, n) = if v4 { ("ip", "4") } else { ("ip6", "6") };
+    let (set, nat) = match kind {
+        SourceNat::Vip => (
+            "snat",
+            r#"{"snat":{"addr":{"ct":{"dir":"original","key":"IP daddr"}},"family":"IP"}}"#,
+        ),
+        _ => ("masq", r#"{"masquerade":{"flags":["fully-random"]}}"#),
+    };
+    format!(
+        r#"add rule {TABLE} postrouting #{place} [{{"match":{{"left":{{"ct":{{"key":"status"}}}},"op":"in","right":"dnat"}}}},{{"match":{{"left":{{"concat":[{{"ct":{{"dir":"original","key":"IP daddr"}}}},{{"payload":{{"field":"daddr","protocol":"IP"}}}},{{"meta":{{"key":"l4proto"}}}},{{"payload":{{"field":"dport","protocol":"th"}}}}]}},"op":"==","right":"@{set}{n}"}}}},{nat}]"#
+    )
+    .replace("IP", ip)
+}
+
+/// A whole full transaction's expected lines: the main table's, those of
+/// each of `shards`, and `own` (the listeners' and `postrouting`'s rules).
+fn whole(shards: &[Shard], own: &[&str]) -> Vec<String> {
+    let mut out = main_lines();
+    for s in shards {
+        out.extend(table_lines(&s.table()));
+    }
+    out.extend(own.iter().map(|l| l.to_string()));
+    out
+}
+
+/// The rules of chain `name` of the main table, with the chain's own
+/// `add` and `flush`, as lines.
+fn chain_of(doc: &serde_json::Value, name: &str) -> Vec<Line> {
+    lines_where(doc, |l| {
+        l.table == TABLE && l.name == name && (l.kind == "rule" || l.kind == "chain")
+    })
+}
+
 #[test]
 fn round_robin_over_the_eligible_backends_only() {
     let mut d = Desired::new();
@@ -21,23 +268,35 @@ fn round_robin_over_the_eligible_backends_only() {
             &["10.0.0.1", "10.0.0.2", "10.0.0.3"],
         ),
     );
-    let t = text(&transaction(&d, &TableObjects::default()));
-    // Rule 0 takes every second connection, rule 1 the rest: no set.
-    assert!(
-        t.contains(r#"{"match":{"left":{"numgen":{"mod":2,"mode":"inc"}},"op":"==","right":0}},{"counter":"n_tcp_80_192.0.2.10_10.0.0.1"}"#),
-        "{t}"
+    let doc = transaction(&d, &TableObjects::default());
+    // The whole transaction. Rule 0 takes every second connection, rule 1
+    // the rest: no set, no DNAT to 10.0.0.2, no backend chains, no delete.
+    // Every member keeps its counter, eligible or not. Masquerade towards
+    // every member: a flip changes no element. The dispatch maps are
+    // verdict maps (in `table_lines`).
+    let masq = postrouting_rule(0, SourceNat::Masquerade, true);
+    assert_lines(
+        &lines(&doc),
+        &whole(
+            &[Shard::of(&l)],
+            &[
+                "add chain harvester_lb_nat_15 l_tcp_80_192.0.2.10",
+                "flush chain harvester_lb_nat_15 l_tcp_80_192.0.2.10",
+                r#"add counter harvester_lb_nat_15 n_tcp_80_192.0.2.10_10.0.0.1 {"bytes":null}"#,
+                r#"add counter harvester_lb_nat_15 n_tcp_80_192.0.2.10_10.0.0.2 {"bytes":null}"#,
+                r#"add counter harvester_lb_nat_15 n_tcp_80_192.0.2.10_10.0.0.3 {"bytes":null}"#,
+                r#"add counter harvester_lb_nat_15 z_tcp_80_192.0.2.10 {"bytes":null}"#,
+                r#"add element harvester_lb_nat masq4 {"concat":["192.0.2.10","10.0.0.1","tcp",30080]}"#,
+                r#"add element harvester_lb_nat masq4 {"concat":["192.0.2.10","10.0.0.2","tcp",30080]}"#,
+                r#"add element harvester_lb_nat masq4 {"concat":["192.0.2.10","10.0.0.3","tcp",30080]}"#,
+                r#"add element harvester_lb_nat refuse4 {"concat":["192.0.2.10","tcp",80]}"#,
+                r#"add element harvester_lb_nat_15 dispatch4 [{"concat":["192.0.2.10","tcp",80]},{"goto":{"target":"l_tcp_80_192.0.2.10"}}]"#,
+                r#"add rule harvester_lb_nat_15 l_tcp_80_192.0.2.10 #0 [{"match":{"left":{"numgen":{"mod":2,"mode":"inc"}},"op":"==","right":0}},{"counter":"n_tcp_80_192.0.2.10_10.0.0.1"},{"match":{"left":{"meta":{"key":"l4proto"}},"op":"==","right":"tcp"}},{"dnat":{"addr":"10.0.0.1","family":"ip","port":30080}}]"#,
+                r#"add rule harvester_lb_nat_15 l_tcp_80_192.0.2.10 #1 [{"counter":"n_tcp_80_192.0.2.10_10.0.0.3"},{"match":{"left":{"meta":{"key":"l4proto"}},"op":"==","right":"tcp"}},{"dnat":{"addr":"10.0.0.3","family":"ip","port":30080}}]"#,
+                &masq,
+            ],
+        ),
     );
-    assert!(t.contains(r#""expr":[{"counter":"n_tcp_80_192.0.2.10_10.0.0.3"},"#));
-    assert!(t.contains(r#"{"dnat":{"addr":"10.0.0.3","family":"ip","port":30080}}"#));
-    assert!(!t.contains(r#"{"dnat":{"addr":"10.0.0.2""#));
-    assert!(!t.contains("goto\":{\"target\":\"b_"), "no backend chains");
-    // Every member keeps its counter, eligible or not.
-    assert!(t.contains(r#""name":"n_tcp_80_192.0.2.10_10.0.0.2""#));
-    // Masquerade towards every member: a flip changes no element.
-    assert!(t.contains(r#"{"concat":["192.0.2.10","10.0.0.1","tcp",30080]}"#));
-    assert!(t.contains(r#"{"concat":["192.0.2.10","10.0.0.2","tcp",30080]}"#));
-    assert!(t.contains(r#""map":"verdict""#));
-    assert!(!t.contains(r#""delete""#));
 }
 
 #[test]
@@ -53,46 +312,54 @@ fn the_encoded_documents_are_the_json_trees() {
     let bytes = transaction_json(&after, &present);
     let parsed: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
     assert_eq!(parsed, transaction(&after, &present));
-    assert!(text(&parsed).contains(r#""map":"verdict""#));
+    // The dispatch maps are verdict maps in the bytes too.
+    let maps: Vec<String> = [TABLE, "harvester_lb_nat_15"]
+        .into_iter()
+        .flat_map(table_lines)
+        .filter(|l| l.starts_with("add map "))
+        .collect();
+    assert_lines(
+        &lines_where(&parsed, |l| l.op == "add" && l.kind == "map"),
+        &maps,
+    );
     let bytes = partial_transaction_json(&after, &before);
     let parsed: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
     assert_eq!(parsed, partial_transaction(&after, &before));
-}
-
-/// The rules of chain `name` of the main table, in the order written.
-fn rules_of(doc: &serde_json::Value, name: &str) -> Vec<String> {
-    doc["nftables"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter_map(|o| o.pointer("/add/rule"))
-        .filter(|r| r["chain"] == name && r["table"] == TABLE)
-        .map(|r| text(&r["expr"]))
-        .collect()
 }
 
 #[test]
 fn an_open_flow_leaves_the_input_chain_at_its_first_rule() {
     let mut d = Desired::new();
     d.insert(id("192.0.2.10", 80), listener(&["10.0.0.1"], &["10.0.0.1"]));
-    let input = rules_of(&transaction(&d, &TableObjects::default()), "input");
-    assert_eq!(
-        input[0],
-        r#"[{"match":{"left":{"ct":{"key":"state"}},"op":"!=","right":"new"}},{"return":null}]"#,
-        "{input:#?}"
+    let doc = transaction(&d, &TableObjects::default());
+    // `ct state != new return` first; then the socket check, then the
+    // refusals (every rule of the chain, in order).
+    let input: Vec<String> = main_lines()
+        .into_iter()
+        .filter(|l| l.starts_with(&format!("add rule {TABLE} input ")))
+        .collect();
+    assert_eq!(input.len(), 6);
+    assert!(input[0].ends_with(
+        r#"#0 [{"match":{"left":{"ct":{"key":"state"}},"op":"!=","right":"new"}},{"return":null}]"#
+    ));
+    assert_lines(
+        &lines_where(&doc, |l| {
+            l.table == TABLE && l.kind == "rule" && l.name == "input"
+        }),
+        &input,
     );
-    // Then the socket check, then the refusals.
-    assert!(
-        input[1].contains(r#"{"socket":{"key":"transparent"}}"#),
-        "{input:#?}"
+    // The NAT chains see a flow's first packet only: no such gate there,
+    // the socket check comes first.
+    let first: Vec<String> = table_lines(TABLE)
+        .into_iter()
+        .filter(|l| l.starts_with(&format!("add rule {TABLE} prerouting #0 ")))
+        .collect();
+    assert_lines(
+        &lines_where(&doc, |l| {
+            l.table == TABLE && l.name == "prerouting" && l.place == Some(0)
+        }),
+        &first,
     );
-    assert!(
-        input[2..].iter().all(|r| r.contains("reject")),
-        "{input:#?}"
-    );
-    // The NAT chains see a flow's first packet only: no such gate there.
-    let pre = rules_of(&transaction(&d, &TableObjects::default()), "prerouting");
-    assert!(pre[0].contains("socket"), "{pre:#?}");
 }
 
 #[test]
@@ -100,16 +367,28 @@ fn no_eligible_backend_counts_and_returns_to_the_refusal() {
     let mut d = Desired::new();
     let l = id("2001:db8::10", 53);
     d.insert(l, listener(&[], &["2001:db8::1"]));
-    let t = text(&transaction(&d, &TableObjects::default()));
-    assert!(
-        t.contains(r#"{"counter":"z_tcp_53_2001-db8--10"},{"return":null}"#),
-        "{t}"
+    let doc = transaction(&d, &TableObjects::default());
+    // The whole transaction: the listener's chain counts and returns (no
+    // pick, no numgen); its key is in `refuse6`, whose rules reset TCP
+    // (in `main_lines`).
+    let masq = postrouting_rule(0, SourceNat::Masquerade, false);
+    assert_lines(
+        &lines(&doc),
+        &whole(
+            &[Shard::of(&l)],
+            &[
+                "add chain harvester_lb_nat_15 l_tcp_53_2001-db8--10",
+                "flush chain harvester_lb_nat_15 l_tcp_53_2001-db8--10",
+                r#"add counter harvester_lb_nat_15 n_tcp_53_2001-db8--10_2001-db8--1 {"bytes":null}"#,
+                r#"add counter harvester_lb_nat_15 z_tcp_53_2001-db8--10 {"bytes":null}"#,
+                r#"add element harvester_lb_nat masq6 {"concat":["2001:db8::10","2001:db8::1","tcp",30080]}"#,
+                r#"add element harvester_lb_nat refuse6 {"concat":["2001:db8::10","tcp",53]}"#,
+                r#"add element harvester_lb_nat_15 dispatch6 [{"concat":["2001:db8::10","tcp",53]},{"goto":{"target":"l_tcp_53_2001-db8--10"}}]"#,
+                r#"add rule harvester_lb_nat_15 l_tcp_53_2001-db8--10 #0 [{"counter":"z_tcp_53_2001-db8--10"},{"return":null}]"#,
+                &masq,
+            ],
+        ),
     );
-    assert!(!t.contains("numgen"));
-    assert!(t.contains(
-        r#"{"elem":[{"concat":["2001:db8::10","tcp",53]}],"family":"inet","name":"refuse6""#
-    ));
-    assert!(t.contains(r#"{"reject":{"type":"tcp reset"}}"#));
 }
 
 #[test]
@@ -124,12 +403,29 @@ fn source_ranges_are_a_set_of_the_vips_family_merged() {
     ]);
     kl.source_nat = SourceNat::None;
     d.insert(l, kl);
-    let t = text(&transaction(&d, &TableObjects::default()));
-    assert!(t.contains(r#"{"elem":[{"prefix":{"addr":"10.1.0.0","len":16}}],"family":"inet","name":"s_tcp_80_192.0.2.10""#), "{t}");
-    assert!(t.contains(r#"{"match":{"left":{"payload":{"field":"saddr","protocol":"ip"}},"op":"!=","right":"@s_tcp_80_192.0.2.10"}},{"counter":"d_tcp_80_192.0.2.10"},{"return":null}"#));
-    assert!(
-        !t.contains(r#""name":"masq4","table":"harvester_lb_nat"}}},{"add":{"element""#),
-        "source_nat = none: no masquerade"
+    let doc = transaction(&d, &TableObjects::default());
+    // The whole transaction: one IPv4 element (the /24 merged into the
+    // /16, the IPv6 range left out), a refusal before the pick, and
+    // (source_nat = none) no masquerade element and no postrouting rule.
+    assert_lines(
+        &lines(&doc),
+        &whole(
+            &[Shard::of(&l)],
+            &[
+                "add chain harvester_lb_nat_15 l_tcp_80_192.0.2.10",
+                "flush chain harvester_lb_nat_15 l_tcp_80_192.0.2.10",
+                r#"add counter harvester_lb_nat_15 d_tcp_80_192.0.2.10 {"bytes":null}"#,
+                r#"add counter harvester_lb_nat_15 n_tcp_80_192.0.2.10_10.0.0.1 {"bytes":null}"#,
+                r#"add counter harvester_lb_nat_15 z_tcp_80_192.0.2.10 {"bytes":null}"#,
+                r#"add set harvester_lb_nat_15 s_tcp_80_192.0.2.10 {"flags":["interval"],"type":"ipv4_addr"}"#,
+                r#"flush set harvester_lb_nat_15 s_tcp_80_192.0.2.10 {"type":[]}"#,
+                r#"add element harvester_lb_nat_15 s_tcp_80_192.0.2.10 {"prefix":{"addr":"10.1.0.0","len":16}}"#,
+                r#"add element harvester_lb_nat refuse4 {"concat":["192.0.2.10","tcp",80]}"#,
+                r#"add element harvester_lb_nat_15 dispatch4 [{"concat":["192.0.2.10","tcp",80]},{"goto":{"target":"l_tcp_80_192.0.2.10"}}]"#,
+                r#"add rule harvester_lb_nat_15 l_tcp_80_192.0.2.10 #0 [{"match":{"left":{"payload":{"field":"saddr","protocol":"ip"}},"op":"!=","right":"@s_tcp_80_192.0.2.10"}},{"counter":"d_tcp_80_192.0.2.10"},{"return":null}]"#,
+                r#"add rule harvester_lb_nat_15 l_tcp_80_192.0.2.10 #1 [{"counter":"n_tcp_80_192.0.2.10_10.0.0.1"},{"match":{"left":{"meta":{"key":"l4proto"}},"op":"==","right":"tcp"}},{"dnat":{"addr":"10.0.0.1","family":"ip","port":30080}}]"#,
+            ],
+        ),
     );
 }
 
@@ -142,7 +438,7 @@ fn port_in(same: bool) -> u16 {
         .unwrap()
 }
 
-fn deletes(doc: &serde_json::Value) -> Vec<String> {
+fn deletes(doc: &serde_json::Value) -> Vec<Line> {
     // Objects, not elements (a partial sync deletes a changed
     // listener's elements first).
     let cmds = doc["nftables"].as_array().unwrap();
@@ -151,10 +447,7 @@ fn deletes(doc: &serde_json::Value) -> Vec<String> {
     let first_delete = cmds.iter().position(object);
     let last_flush = cmds.iter().rposition(|c| c.get("flush").is_some());
     assert!(last_flush < first_delete, "deletes after the flushes");
-    cmds.iter()
-        .filter(|c| object(c))
-        .map(|c| c["delete"].to_string())
-        .collect()
+    lines_where(doc, |l| l.op == "delete" && l.kind != "element")
 }
 
 #[test]
@@ -172,34 +465,26 @@ fn what_is_gone_is_deleted_after_the_flushes() {
     let deleted = deletes(&transaction(&after, &present));
     // The second listener's chain and two counters; the first
     // listener's second backend's counter; no table (port 80's stays).
-    assert_eq!(deleted.len(), 4, "{deleted:?}");
+    let t = Shard::of(&neighbour).table();
     let tag = listener_tag(&neighbour);
-    assert!(deleted.iter().any(|d| d.contains(&format!("l_{tag}"))));
-    assert!(
-        deleted
-            .iter()
-            .any(|d| d.contains("n_tcp_80_192.0.2.10_10.0.0.2"))
+    assert_lines(
+        &deleted,
+        &[
+            format!("delete chain {t} l_{tag}"),
+            format!(r#"delete counter {t} n_{tag}_10.0.0.1 {{"bytes":null}}"#),
+            format!(r#"delete counter {t} z_{tag} {{"bytes":null}}"#),
+            format!(r#"delete counter {t} n_tcp_80_192.0.2.10_10.0.0.2 {{"bytes":null}}"#),
+        ],
     );
-    assert!(!deleted.iter().any(|d| d.contains(r#"{"table""#)));
     assert_eq!(deleted, deletes(&partial_transaction(&after, &before)));
 }
 
 /// Every element `op` (`add`, `delete`) of `doc` names, one entry per
 /// element: `(set, element)`.
 fn element_ops(doc: &serde_json::Value, op: &str) -> Vec<(String, String)> {
-    doc["nftables"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter_map(|c| c.get(op)?.get("element"))
-        .flat_map(|e| {
-            let set = e["name"].as_str().unwrap().to_string();
-            e["elem"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(move |x| (set.clone(), x.to_string()))
-        })
+    lines_where(doc, |l| l.kind == "element" && l.op == op)
+        .into_iter()
+        .map(|l| (l.name, l.body))
         .collect()
 }
 
@@ -354,49 +639,49 @@ fn listeners_are_spread_over_tables_and_a_table_left_empty_goes_whole() {
     after.insert(away, listener(&["10.0.0.1"], &["10.0.0.1"]));
 
     // A new table gets its parts with its first listener, in the same
-    // transaction: the partial sync writes them, and only there.
-    let t = text(&partial_transaction(&after, &before));
-    let base = |sh: Shard| {
-        format!(
-            r#""hook":"prerouting","name":"prerouting","policy":"accept","prio":-100,"table":"{}""#,
-            sh.table()
-        )
-    };
-    assert!(t.contains(&base(t_away)), "{t}");
-    assert!(!t.contains(&base(t_home)), "{t}");
-    assert!(t.contains(&format!(
-        r#""name":"dispatch4","table":"{}""#,
-        t_away.table()
-    )));
+    // transaction: the partial sync writes them, and only there (its base
+    // chains, no `input`; its dispatch maps).
+    let doc = partial_transaction(&after, &before);
+    let away_parts: Vec<String> = table_lines(&t_away.table())
+        .into_iter()
+        .filter(|l| l.starts_with("add chain ") || l.starts_with("add map "))
+        .collect();
+    assert_lines(
+        &lines_where(&doc, |l| {
+            l.op == "add" && (l.kind == "map" || (l.kind == "chain" && !l.body.is_empty()))
+        }),
+        &away_parts,
+    );
     // The refusal and the masquerade stay in the main table.
-    assert!(t.contains(&format!(r#""name":"refuse4","table":"{TABLE}""#)));
-    assert!(!t.contains(r#""name":"refuse4","table":"harvester_lb_nat_"#));
-    assert!(!t.contains(
-        r#""hook":"input","name":"input","policy":"accept","prio":0,"table":"harvester_lb_nat_"#
-    ));
+    let port = away.2;
+    assert_lines(
+        &lines_where(&doc, |l| l.name == "refuse4" || l.name == "masq4"),
+        &[format!(
+            r#"add element {TABLE} refuse4 {{"concat":["192.0.2.10","tcp",{port}]}}"#
+        )],
+    );
 
-    // The full write: every table's parts once, the main one always.
-    let t = text(&transaction(&after, &TableObjects::default()));
-    for sh in [Shard::MAIN, t_home, t_away] {
-        assert!(t.contains(&base(sh)), "{sh:?}: {t}");
-    }
-    assert!(!t.contains(
-        r#""hook":"input","name":"input","policy":"accept","prio":0,"table":"harvester_lb_nat_"#
-    ));
+    // The full write: every table's parts once, the main one always (its
+    // own `input` and `postrouting` there only).
+    let doc = transaction(&after, &TableObjects::default());
+    let bases: Vec<String> = main_lines()
+        .into_iter()
+        .chain(table_lines(&t_home.table()))
+        .chain(table_lines(&t_away.table()))
+        .filter(|l| l.starts_with("add chain "))
+        .collect();
+    assert_eq!(bases.len(), 8, "{bases:#?}");
+    assert_lines(
+        &lines_where(&doc, |l| {
+            l.op == "add" && l.kind == "chain" && !l.body.is_empty()
+        }),
+        &bases,
+    );
 
-    // The last listener of a table goes: the table goes, whole.
+    // The last listener of a table goes: the table goes, whole (its
+    // objects go with it, not one by one).
     let deleted = deletes(&partial_transaction(&before, &after));
-    assert!(
-        deleted.contains(&format!(
-            r#"{{"table":{{"family":"inet","name":"{}"}}}}"#,
-            t_away.table()
-        )),
-        "{deleted:?}"
-    );
-    assert!(
-        !deleted.iter().any(|d| d.contains(r#"{"chain""#)),
-        "its objects go with it: {deleted:?}"
-    );
+    assert_lines(&deleted, &[format!("delete table {}", t_away.table())]);
 
     // A table of a shard this version does not use is deleted, and the
     // main table kept even without a listener.
@@ -405,11 +690,12 @@ fn listeners_are_spread_over_tables_and_a_table_left_empty_goes_whole() {
         .tables
         .insert(Shard::from_table("harvester_lb_nat_99").unwrap());
     let deleted = deletes(&transaction(&Desired::new(), &present));
-    assert!(deleted.iter().any(|d| d.contains("harvester_lb_nat_99")));
-    assert!(
-        !deleted
-            .iter()
-            .any(|d| d.contains(&format!(r#""name":"{TABLE}"}}"#)))
+    assert_lines(
+        &deleted,
+        &[
+            format!("delete table {}", t_home.table()),
+            "delete table harvester_lb_nat_99".to_string(),
+        ],
     );
 }
 
@@ -449,20 +735,23 @@ fn a_partial_sync_touches_only_the_listener_that_changed() {
     before.insert(id("192.0.2.11", 80), listener(&["10.0.0.1"], &["10.0.0.1"]));
     let mut after = before.clone();
     after.get_mut(&id("192.0.2.10", 80)).unwrap().eligible = vec!["10.0.0.1".parse().unwrap()];
-    let t = text(&partial_transaction(&after, &before));
-    assert!(
-        !t.contains("192.0.2.11"),
-        "the other listener is left alone: {t}"
-    );
-    assert!(
-        !t.contains(r#""name":"prerouting""#),
-        "base chains untouched"
-    );
-    assert!(!t.contains("numgen"), "one backend left: {t}");
-    assert!(t.contains(r#"{"dnat":{"addr":"10.0.0.1","family":"ip","port":30080}}"#));
-    assert!(
-        !t.contains(r#""delete":{"chain""#),
-        "both members stay configured"
+    // The whole transaction: the other listener is left alone, base
+    // chains untouched, one backend left (no numgen), both members stay
+    // configured (no chain deleted).
+    assert_lines(
+        &lines(&partial_transaction(&after, &before)),
+        &[
+            "add chain harvester_lb_nat_15 l_tcp_80_192.0.2.10",
+            "flush chain harvester_lb_nat_15 l_tcp_80_192.0.2.10",
+            r#"add counter harvester_lb_nat_15 n_tcp_80_192.0.2.10_10.0.0.1 {"bytes":null}"#,
+            r#"add counter harvester_lb_nat_15 n_tcp_80_192.0.2.10_10.0.0.2 {"bytes":null}"#,
+            r#"add counter harvester_lb_nat_15 z_tcp_80_192.0.2.10 {"bytes":null}"#,
+            r#"delete element harvester_lb_nat refuse4 {"concat":["192.0.2.10","tcp",80]}"#,
+            r#"delete element harvester_lb_nat_15 dispatch4 {"concat":["192.0.2.10","tcp",80]}"#,
+            r#"add element harvester_lb_nat refuse4 {"concat":["192.0.2.10","tcp",80]}"#,
+            r#"add element harvester_lb_nat_15 dispatch4 [{"concat":["192.0.2.10","tcp",80]},{"goto":{"target":"l_tcp_80_192.0.2.10"}}]"#,
+            r#"add rule harvester_lb_nat_15 l_tcp_80_192.0.2.10 #0 [{"counter":"n_tcp_80_192.0.2.10_10.0.0.1"},{"match":{"left":{"meta":{"key":"l4proto"}},"op":"==","right":"tcp"}},{"dnat":{"addr":"10.0.0.1","family":"ip","port":30080}}]"#,
+        ],
     );
     assert_eq!(
         text(&partial_transaction(&before, &before)),
@@ -534,24 +823,46 @@ fn source_ip_is_a_jhash_bucket_map_edited_element_wise() {
     let l = id("192.0.2.10", 80);
     let mut before = Desired::new();
     before.insert(l, source_ip(&members, &members));
-    let t = text(&transaction(&before, &TableObjects::default()));
-    assert!(
-        t.contains(r#"{"vmap":{"data":"@m_tcp_80_192.0.2.10","key":{"jhash":{"expr":{"payload":{"field":"saddr","protocol":"ip"}},"mod":4093,"seed":1751280738}}}}"#),
-        "{t}"
+    let doc = transaction(&before, &TableObjects::default());
+    // The listener's chain is one jhash lookup (no numgen); its map is
+    // flushed and filled, every bucket to a backend chain.
+    assert_lines(
+        &lines_where(&doc, |l| {
+            l.kind == "rule" && l.name == "l_tcp_80_192.0.2.10"
+        }),
+        &[
+            r#"add rule harvester_lb_nat_15 l_tcp_80_192.0.2.10 #0 [{"vmap":{"data":"@m_tcp_80_192.0.2.10","key":{"jhash":{"expr":{"payload":{"field":"saddr","protocol":"ip"}},"mod":4093,"seed":1751280738}}}}]"#,
+        ],
     );
-    assert!(t.contains(
-        r#"{"flush":{"map":{"family":"inet","map":"ipv4_addr","name":"m_tcp_80_192.0.2.10""#
-    ));
+    let mut flushed_maps: Vec<String> = main_lines()
+        .into_iter()
+        .chain(table_lines("harvester_lb_nat_15"))
+        .filter(|l| l.starts_with("flush map "))
+        .collect();
+    flushed_maps.push(
+        r#"flush map harvester_lb_nat_15 m_tcp_80_192.0.2.10 {"map":"ipv4_addr","type":"ipv4_addr"}"#
+            .to_string(),
+    );
+    assert_lines(
+        &lines_where(&doc, |l| l.op == "flush" && l.kind == "map"),
+        &flushed_maps,
+    );
+    let map = bucket_map(&l);
+    let filled = written_buckets(&doc, &map);
+    assert_eq!(filled.len(), 4093);
     assert_eq!(
-        t.matches(r#"{"goto":{"target":"b_tcp_80_192.0.2.10_10.0.0."#)
-            .count(),
-        4093
+        filled.values().collect::<BTreeSet<_>>(),
+        members
+            .iter()
+            .map(|b| backend_chain(&l, ip(b)))
+            .collect::<BTreeSet<_>>()
+            .iter()
+            .collect()
     );
-    assert!(!t.contains("numgen"));
     let script = prelude(&before, None, &TableObjects::default()).unwrap();
-    assert!(
-        script.contains("add map inet harvester_lb_nat_15 m_tcp_80_192.0.2.10 { typeof numgen inc mod 4093 : verdict ; }"),
-        "{script}"
+    assert_eq!(
+        script,
+        "add table inet harvester_lb_nat_15\nadd map inet harvester_lb_nat_15 m_tcp_80_192.0.2.10 { typeof numgen inc mod 4093 : verdict ; }\n"
     );
     assert_eq!(prelude(&before, None, &TableObjects::of(&before)), None);
 
@@ -563,34 +874,34 @@ fn source_ip_is_a_jhash_bucket_map_edited_element_wise() {
         .iter()
         .filter(|b| **b == "10.0.0.2".parse::<IpAddr>().unwrap())
         .count();
-    let cmds = doc["nftables"].as_array().unwrap();
-    let deleted: usize = cmds
-        .iter()
-        .filter_map(|c| c.pointer("/delete/element"))
-        .filter(|e| e["name"] == "m_tcp_80_192.0.2.10")
-        .map(|e| e["elem"].as_array().unwrap().len())
-        .sum();
+    let deleted = element_ops(&doc, "delete")
+        .into_iter()
+        .filter(|(set, _)| *set == map)
+        .count();
     assert_eq!(deleted, moved);
-    let t = text(&doc);
-    assert_eq!(
-        t.matches(r#"{"goto":{"target":"b_tcp_80_192.0.2.10_10.0.0."#)
-            .count(),
-        moved
-    );
-    assert!(
-        !t.contains(r#"{"flush":{"map""#),
-        "no flush of the map: {t}"
+    assert_eq!(written_buckets(&doc, &map).len(), moved);
+    // No flush of the map: the flushes are the listener's chains only.
+    assert_lines(
+        &lines_where(&doc, |l| l.op == "flush"),
+        &[
+            "flush chain harvester_lb_nat_15 l_tcp_80_192.0.2.10",
+            "flush chain harvester_lb_nat_15 b_tcp_80_192.0.2.10_10.0.0.1",
+            "flush chain harvester_lb_nat_15 b_tcp_80_192.0.2.10_10.0.0.2",
+            "flush chain harvester_lb_nat_15 b_tcp_80_192.0.2.10_10.0.0.3",
+        ],
     );
 
     // Back to round robin: the map goes, after the chain that used it.
     let mut rr = before.clone();
     rr.get_mut(&l).unwrap().pick = Algorithm::RoundRobin;
-    let t = text(&partial_transaction(&rr, &before));
-    assert!(
-        t.contains(
-            r#"{"delete":{"map":{"family":"inet","map":"ipv4_addr","name":"m_tcp_80_192.0.2.10""#
-        ),
-        "{t}"
+    assert_lines(
+        &deletes(&partial_transaction(&rr, &before)),
+        &[
+            r#"delete map harvester_lb_nat_15 m_tcp_80_192.0.2.10 {"map":"ipv4_addr","type":"ipv4_addr"}"#,
+            "delete chain harvester_lb_nat_15 b_tcp_80_192.0.2.10_10.0.0.1",
+            "delete chain harvester_lb_nat_15 b_tcp_80_192.0.2.10_10.0.0.2",
+            "delete chain harvester_lb_nat_15 b_tcp_80_192.0.2.10_10.0.0.3",
+        ],
     );
 }
 
@@ -624,15 +935,23 @@ fn flow_hash_hashes_address_and_port_over_the_same_buckets() {
     let l = id("192.0.2.10", 80);
     let mut d = Desired::new();
     d.insert(l, flow_hash(&members, &members));
-    let t = text(&transaction(&d, &TableObjects::default()));
-    assert!(
-        t.contains(r#"{"vmap":{"data":"@m_tcp_80_192.0.2.10","key":{"jhash":{"expr":{"concat":[{"payload":{"field":"saddr","protocol":"ip"}},{"payload":{"field":"sport","protocol":"th"}}]},"mod":4093,"seed":1751280738}}}}"#),
-        "{t}"
+    let doc = transaction(&d, &TableObjects::default());
+    // The listener's chain is one jhash lookup of address and port (no
+    // numgen).
+    assert_lines(
+        &lines_where(&doc, |l| {
+            l.kind == "rule" && l.name == "l_tcp_80_192.0.2.10"
+        }),
+        &[
+            r#"add rule harvester_lb_nat_15 l_tcp_80_192.0.2.10 #0 [{"vmap":{"data":"@m_tcp_80_192.0.2.10","key":{"jhash":{"expr":{"concat":[{"payload":{"field":"saddr","protocol":"ip"}},{"payload":{"field":"sport","protocol":"th"}}]},"mod":4093,"seed":1751280738}}}}]"#,
+        ],
     );
-    assert!(!t.contains("numgen"));
     // Its map is declared as source_ip's, and filled alike.
     let script = prelude(&d, None, &TableObjects::default()).unwrap();
-    assert!(script.contains("add map inet harvester_lb_nat_15 m_tcp_80_192.0.2.10 { typeof numgen inc mod 4093 : verdict ; }"), "{script}");
+    assert_eq!(
+        script,
+        "add table inet harvester_lb_nat_15\nadd map inet harvester_lb_nat_15 m_tcp_80_192.0.2.10 { typeof numgen inc mod 4093 : verdict ; }\n"
+    );
     let mut s = Desired::new();
     s.insert(l, source_ip(&members, &members));
     let doc = transaction(&d, &TableObjects::default());
@@ -643,8 +962,20 @@ fn flow_hash_hashes_address_and_port_over_the_same_buckets() {
     );
     // A TCP flow_hash listener's mid-stream segments are DNATed: its
     // key is in the pickup set, which the socket-lookup return skips.
-    assert!(t.contains(r#"{"add":{"element":{"elem":[{"concat":["192.0.2.10","tcp",80]}],"family":"inet","name":"pickup4""#), "{t}");
-    assert!(t.contains(r#"{"match":{"left":{"concat":[{"payload":{"field":"daddr","protocol":"ip"}},{"meta":{"key":"l4proto"}},{"payload":{"field":"dport","protocol":"th"}}]},"op":"!=","right":"@pickup4"}},{"match":{"left":{"socket":{"key":"transparent"}},"op":"==","right":0}},{"return":null}"#), "{t}");
+    assert_lines(
+        &lines_where(&doc, |l| l.name == "pickup4" && l.kind == "element"),
+        &[r#"add element harvester_lb_nat_15 pickup4 {"concat":["192.0.2.10","tcp",80]}"#],
+    );
+    let skip: Vec<String> = table_lines("harvester_lb_nat_15")
+        .into_iter()
+        .filter(|l| l.starts_with("add rule harvester_lb_nat_15 prerouting #0 "))
+        .collect();
+    assert_lines(
+        &lines_where(&doc, |l| {
+            l.table == "harvester_lb_nat_15" && l.name == "prerouting" && l.place == Some(0)
+        }),
+        &skip,
+    );
     let picked = |d: &Desired| -> Vec<(String, String)> {
         element_ops(&transaction(d, &TableObjects::default()), "add")
             .into_iter()
@@ -726,10 +1057,15 @@ fn a_flow_hash_health_flip_rewrites_only_the_buckets_of_the_backend_that_changed
         owned_by("10.0.0.2")
     );
     assert!(rewritten.values().all(|c| *c != chain_of("10.0.0.2")));
-    let t = text(&doc);
-    assert!(
-        !t.contains(r#"{"flush":{"map""#),
-        "no flush of the map: {t}"
+    // No flush of the map: the flushes are the listener's chains only.
+    assert_lines(
+        &lines_where(&doc, |l| l.op == "flush"),
+        &[
+            "flush chain harvester_lb_nat_15 l_tcp_80_192.0.2.10",
+            "flush chain harvester_lb_nat_15 b_tcp_80_192.0.2.10_10.0.0.1",
+            "flush chain harvester_lb_nat_15 b_tcp_80_192.0.2.10_10.0.0.2",
+            "flush chain harvester_lb_nat_15 b_tcp_80_192.0.2.10_10.0.0.3",
+        ],
     );
     // It comes back: it takes exactly its own buckets again.
     let doc = partial_transaction(&before, &after);
@@ -789,12 +1125,31 @@ fn source_nat_vip_snats_to_the_vip_keeping_ports() {
     let mut l = listener(&both, &both);
     l.source_nat = SourceNat::Vip;
     d.insert(id("192.0.2.10", 80), l);
-    let t = text(&transaction(&d, &TableObjects::default()));
-    assert!(
-        t.contains(r#"{"snat":{"addr":{"ct":{"dir":"original","key":"ip daddr"}},"family":"ip"}}"#),
-        "{t}"
+    let doc = transaction(&d, &TableObjects::default());
+    assert_lines(
+        &chain_of(&doc, "postrouting"),
+        &[
+            main_lines()
+                .into_iter()
+                .find(|l| l.starts_with(&format!("add chain {TABLE} postrouting ")))
+                .unwrap(),
+            main_lines()
+                .into_iter()
+                .find(|l| l.starts_with(&format!("flush chain {TABLE} postrouting ")))
+                .unwrap(),
+            postrouting_rule(0, SourceNat::Vip, true),
+        ],
     );
-    assert!(t.contains(r#"{"elem":[{"concat":["192.0.2.10","10.0.0.1","tcp",30080]},{"concat":["192.0.2.10","10.0.0.2","tcp",30080]}],"family":"inet","name":"snat4""#), "{t}");
+    assert!(postrouting_rule(0, SourceNat::Vip, true).ends_with(
+        r#"{"snat":{"addr":{"ct":{"dir":"original","key":"ip daddr"}},"family":"ip"}}]"#
+    ));
+    assert_lines(
+        &lines_where(&doc, |l| l.kind == "element" && l.name.starts_with("snat")),
+        &[
+            r#"add element harvester_lb_nat snat4 {"concat":["192.0.2.10","10.0.0.1","tcp",30080]}"#,
+            r#"add element harvester_lb_nat snat4 {"concat":["192.0.2.10","10.0.0.2","tcp",30080]}"#,
+        ],
+    );
     assert!(masq_of(&d).is_empty(), "no masquerade");
     // Switching to masquerade moves the elements between the sets.
     let mut m = d.clone();
@@ -821,41 +1176,49 @@ fn client_affinity_is_a_dynamic_set_per_backend_tried_first() {
     let mut kl = listener(&["10.0.0.1"], &["10.0.0.1", "10.0.0.2"]);
     kl.affinity = Some(std::time::Duration::from_secs(600));
     d.insert(l, kl);
-    let t = text(&transaction(&d, &TableObjects::default()));
+    let doc = transaction(&d, &TableObjects::default());
     let script = prelude(&d, None, &TableObjects::default()).unwrap();
-    assert!(
-        script.contains("add set inet harvester_lb_nat_15 a_tcp_80_192.0.2.10_10.0.0.2 { type ipv4_addr ; flags dynamic,timeout ; timeout 600s ; }"),
-        "{script}"
+    assert_eq!(
+        script,
+        "add table inet harvester_lb_nat_15\n\
+         add set inet harvester_lb_nat_15 a_tcp_80_192.0.2.10_10.0.0.1 { type ipv4_addr ; flags dynamic,timeout ; timeout 600s ; }\n\
+         add set inet harvester_lb_nat_15 a_tcp_80_192.0.2.10_10.0.0.2 { type ipv4_addr ; flags dynamic,timeout ; timeout 600s ; }\n"
     );
     assert_eq!(
         prelude(&d, Some(&d), &TableObjects::of(&d)),
         None,
         "unchanged: nothing"
     );
-    // Only the eligible backend's set is looked up, before the pick.
-    let lookup = r#"{"match":{"left":{"payload":{"field":"saddr","protocol":"ip"}},"op":"==","right":"@a_tcp_80_192.0.2.10_10.0.0.1"}},{"goto":{"target":"b_tcp_80_192.0.2.10_10.0.0.1"}}"#;
-    assert!(t.contains(lookup), "{t}");
-    assert!(!t.contains(r#""right":"@a_tcp_80_192.0.2.10_10.0.0.2""#));
-    // The pick (one eligible backend: a plain goto) comes after it.
-    let pick = r#""expr":[{"goto":{"target":"b_tcp_80_192.0.2.10_10.0.0.1"}}]"#;
-    assert!(t.find(lookup).unwrap() < t.find(pick).expect(pick), "{t}");
+    // Only the eligible backend's set is looked up, before the pick (one
+    // eligible backend: a plain goto).
+    assert_lines(
+        &lines_where(&doc, |l| {
+            l.kind == "rule" && l.name == "l_tcp_80_192.0.2.10"
+        }),
+        &[
+            r#"add rule harvester_lb_nat_15 l_tcp_80_192.0.2.10 #0 [{"match":{"left":{"payload":{"field":"saddr","protocol":"ip"}},"op":"==","right":"@a_tcp_80_192.0.2.10_10.0.0.1"}},{"goto":{"target":"b_tcp_80_192.0.2.10_10.0.0.1"}}]"#,
+            r#"add rule harvester_lb_nat_15 l_tcp_80_192.0.2.10 #1 [{"goto":{"target":"b_tcp_80_192.0.2.10_10.0.0.1"}}]"#,
+        ],
+    );
     // Every backend chain remembers its clients; a backend out of the
-    // choice loses them.
-    assert!(t.contains(r#"{"set":{"elem":{"payload":{"field":"saddr","protocol":"ip"}},"op":"update","set":"@a_tcp_80_192.0.2.10_10.0.0.2"}}"#));
-    assert!(
-        t.contains(r#"{"flush":{"set":{"family":"inet","name":"a_tcp_80_192.0.2.10_10.0.0.2""#)
+    // choice loses them (its set flushed, the eligible one's kept).
+    assert_lines(
+        &lines_where(&doc, |l| l.kind == "rule" && l.name.starts_with("b_")),
+        &[
+            r#"add rule harvester_lb_nat_15 b_tcp_80_192.0.2.10_10.0.0.1 #0 [{"set":{"elem":{"payload":{"field":"saddr","protocol":"ip"}},"op":"update","set":"@a_tcp_80_192.0.2.10_10.0.0.1"}},{"counter":"n_tcp_80_192.0.2.10_10.0.0.1"},{"match":{"left":{"meta":{"key":"l4proto"}},"op":"==","right":"tcp"}},{"dnat":{"addr":"10.0.0.1","family":"ip","port":30080}}]"#,
+            r#"add rule harvester_lb_nat_15 b_tcp_80_192.0.2.10_10.0.0.2 #0 [{"set":{"elem":{"payload":{"field":"saddr","protocol":"ip"}},"op":"update","set":"@a_tcp_80_192.0.2.10_10.0.0.2"}},{"counter":"n_tcp_80_192.0.2.10_10.0.0.2"},{"match":{"left":{"meta":{"key":"l4proto"}},"op":"==","right":"tcp"}},{"dnat":{"addr":"10.0.0.2","family":"ip","port":30080}}]"#,
+        ],
     );
-    assert!(
-        !t.contains(r#"{"flush":{"set":{"family":"inet","name":"a_tcp_80_192.0.2.10_10.0.0.1""#)
+    assert_lines(
+        &lines_where(&doc, |l| {
+            l.op == "flush" && l.kind == "set" && l.table != TABLE
+        }),
+        &[
+            r#"flush set harvester_lb_nat_15 pickup4 {"type":[]}"#,
+            r#"flush set harvester_lb_nat_15 pickup6 {"type":[]}"#,
+            r#"flush set harvester_lb_nat_15 a_tcp_80_192.0.2.10_10.0.0.2 {"type":[]}"#,
+        ],
     );
-}
-
-/// Whether `doc` flushes the main table's `postrouting`.
-fn flushes_postrouting(doc: &serde_json::Value) -> bool {
-    doc["nftables"].as_array().unwrap().iter().any(|o| {
-        o.pointer("/flush/chain")
-            .is_some_and(|c| c["name"] == "postrouting" && c["table"] == TABLE)
-    })
 }
 
 #[test]
@@ -866,14 +1229,23 @@ fn postrouting_looks_up_only_the_source_nats_in_use() {
     l.source_nat = SourceNat::None;
     none.insert(v4, l.clone());
     // `none` only: the first packet of a new flow meets no rule there.
+    let base: Vec<String> = main_lines()
+        .into_iter()
+        .filter(|l| {
+            l.starts_with(&format!("add chain {TABLE} postrouting "))
+                || l.starts_with(&format!("flush chain {TABLE} postrouting "))
+        })
+        .collect();
+    assert_eq!(base.len(), 2, "{base:?}");
     let doc = transaction(&none, &TableObjects::default());
-    assert_eq!(rules_of(&doc, "postrouting"), Vec::<String>::new());
+    assert_lines(&chain_of(&doc, "postrouting"), &base);
     // One IPv4 masquerade listener: one rule, the IPv4 masquerade.
     let mut masq = none.clone();
     masq.insert(id("192.0.2.10", 81), listener(&["10.0.0.1"], &["10.0.0.1"]));
-    let rules = rules_of(&transaction(&masq, &TableObjects::default()), "postrouting");
-    assert_eq!(rules.len(), 1, "{rules:#?}");
-    assert!(rules[0].contains("@masq4") && rules[0].contains("masquerade"));
+    let doc = transaction(&masq, &TableObjects::default());
+    let with = |rules: &[String]| [base.clone(), rules.to_vec()].concat();
+    let masq4 = postrouting_rule(0, SourceNat::Masquerade, true);
+    assert_lines(&chain_of(&doc, "postrouting"), &with(&[masq4.clone()]));
     // Every kind of both families: the four rules, masquerade first.
     let mut all = masq.clone();
     let mut vip = listener(&["10.0.0.1"], &["10.0.0.1"]);
@@ -889,28 +1261,27 @@ fn postrouting_looks_up_only_the_source_nats_in_use() {
         v.eligible = v.members.clone();
         v
     });
-    let rules = rules_of(&transaction(&all, &TableObjects::default()), "postrouting");
-    let sets: Vec<&str> = rules
-        .iter()
-        .map(|r| {
-            ["@masq4", "@snat4", "@masq6", "@snat6"]
-                .into_iter()
-                .find(|s| r.contains(s))
-                .unwrap()
-        })
-        .collect();
-    assert_eq!(sets, ["@masq4", "@snat4", "@masq6", "@snat6"]);
-    // A partial sync rewrites the chain when the kinds change, and
-    // leaves it alone when they do not.
+    let doc = transaction(&all, &TableObjects::default());
+    assert_lines(
+        &chain_of(&doc, "postrouting"),
+        &with(&[
+            postrouting_rule(0, SourceNat::Masquerade, true),
+            postrouting_rule(1, SourceNat::Vip, true),
+            postrouting_rule(2, SourceNat::Masquerade, false),
+            postrouting_rule(3, SourceNat::Vip, false),
+        ]),
+    );
+    // A partial sync rewrites the chain when the kinds change (a flush of
+    // the chain by name, then the rules), and leaves it alone when they do
+    // not.
+    let flush = format!("flush chain {TABLE} postrouting");
     let doc = partial_transaction(&masq, &none);
-    assert!(flushes_postrouting(&doc));
-    assert_eq!(rules_of(&doc, "postrouting").len(), 1);
+    assert_lines(&chain_of(&doc, "postrouting"), &[flush.clone(), masq4]);
     let doc = partial_transaction(&none, &masq);
-    assert!(flushes_postrouting(&doc));
-    assert_eq!(rules_of(&doc, "postrouting"), Vec::<String>::new());
+    assert_lines(&chain_of(&doc, "postrouting"), &[flush]);
     let mut flipped = masq.clone();
     flipped.get_mut(&v4).unwrap().eligible.clear();
     let doc = partial_transaction(&flipped, &masq);
-    assert!(!flushes_postrouting(&doc));
-    assert_eq!(rules_of(&doc, "postrouting"), Vec::<String>::new());
+    assert_lines(&chain_of(&doc, "postrouting"), &[] as &[String]);
+    assert!(!lines(&doc).is_empty(), "the flip itself is written");
 }
