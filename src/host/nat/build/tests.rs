@@ -1,6 +1,8 @@
 use super::super::names::{SHARDS, TABLE, listener_tag};
 use super::super::test_listener as listener;
 use super::*;
+use crate::config::Algorithm;
+use crate::dataplane::balancer::select;
 
 fn id(vip: &str, port: u16) -> ListenerId {
     (vip.parse().unwrap(), Protocol::Tcp, port)
@@ -249,6 +251,30 @@ fn whole(shards: &[Shard], own: &[&str]) -> Vec<String> {
     out
 }
 
+/// `d`'s full transaction (over tables holding nothing) is, line for line,
+/// the main table's, those of each listener's table, and `own`.
+#[track_caller]
+fn assert_whole(d: &Desired, own: &[&str]) {
+    let shards: BTreeSet<Shard> = d.keys().map(Shard::of).collect();
+    let shards: Vec<Shard> = shards.into_iter().collect();
+    let doc = transaction(d, &TableObjects::default());
+    assert_lines(&lines(&doc), &whole(&shards, own));
+}
+
+/// The rules of chain `name` (of any table), as lines.
+fn rules_in(doc: &serde_json::Value, name: &str) -> Vec<Line> {
+    lines_where(doc, |l| l.kind == "rule" && l.name == name)
+}
+
+/// The flushes of a partial sync that rewrites the bucket listener of
+/// port 80 of 192.0.2.10 with backends 10.0.0.1 to 3: its chains only.
+const REWRITTEN_CHAINS: [&str; 4] = [
+    "flush chain harvester_lb_nat_15 l_tcp_80_192.0.2.10",
+    "flush chain harvester_lb_nat_15 b_tcp_80_192.0.2.10_10.0.0.1",
+    "flush chain harvester_lb_nat_15 b_tcp_80_192.0.2.10_10.0.0.2",
+    "flush chain harvester_lb_nat_15 b_tcp_80_192.0.2.10_10.0.0.3",
+];
+
 /// The rules of chain `name` of the main table, with the chain's own
 /// `add` and `flush`, as lines.
 fn chain_of(doc: &serde_json::Value, name: &str) -> Vec<Line> {
@@ -268,34 +294,30 @@ fn round_robin_over_the_eligible_backends_only() {
             &["10.0.0.1", "10.0.0.2", "10.0.0.3"],
         ),
     );
-    let doc = transaction(&d, &TableObjects::default());
     // The whole transaction. Rule 0 takes every second connection, rule 1
     // the rest: no set, no DNAT to 10.0.0.2, no backend chains, no delete.
     // Every member keeps its counter, eligible or not. Masquerade towards
     // every member: a flip changes no element. The dispatch maps are
     // verdict maps (in `table_lines`).
     let masq = postrouting_rule(0, SourceNat::Masquerade, true);
-    assert_lines(
-        &lines(&doc),
-        &whole(
-            &[Shard::of(&l)],
-            &[
-                "add chain harvester_lb_nat_15 l_tcp_80_192.0.2.10",
-                "flush chain harvester_lb_nat_15 l_tcp_80_192.0.2.10",
-                r#"add counter harvester_lb_nat_15 n_tcp_80_192.0.2.10_10.0.0.1 {"bytes":null}"#,
-                r#"add counter harvester_lb_nat_15 n_tcp_80_192.0.2.10_10.0.0.2 {"bytes":null}"#,
-                r#"add counter harvester_lb_nat_15 n_tcp_80_192.0.2.10_10.0.0.3 {"bytes":null}"#,
-                r#"add counter harvester_lb_nat_15 z_tcp_80_192.0.2.10 {"bytes":null}"#,
-                r#"add element harvester_lb_nat masq4 {"concat":["192.0.2.10","10.0.0.1","tcp",30080]}"#,
-                r#"add element harvester_lb_nat masq4 {"concat":["192.0.2.10","10.0.0.2","tcp",30080]}"#,
-                r#"add element harvester_lb_nat masq4 {"concat":["192.0.2.10","10.0.0.3","tcp",30080]}"#,
-                r#"add element harvester_lb_nat refuse4 {"concat":["192.0.2.10","tcp",80]}"#,
-                r#"add element harvester_lb_nat_15 dispatch4 [{"concat":["192.0.2.10","tcp",80]},{"goto":{"target":"l_tcp_80_192.0.2.10"}}]"#,
-                r#"add rule harvester_lb_nat_15 l_tcp_80_192.0.2.10 #0 [{"match":{"left":{"numgen":{"mod":2,"mode":"inc"}},"op":"==","right":0}},{"counter":"n_tcp_80_192.0.2.10_10.0.0.1"},{"match":{"left":{"meta":{"key":"l4proto"}},"op":"==","right":"tcp"}},{"dnat":{"addr":"10.0.0.1","family":"ip","port":30080}}]"#,
-                r#"add rule harvester_lb_nat_15 l_tcp_80_192.0.2.10 #1 [{"counter":"n_tcp_80_192.0.2.10_10.0.0.3"},{"match":{"left":{"meta":{"key":"l4proto"}},"op":"==","right":"tcp"}},{"dnat":{"addr":"10.0.0.3","family":"ip","port":30080}}]"#,
-                &masq,
-            ],
-        ),
+    assert_whole(
+        &d,
+        &[
+            "add chain harvester_lb_nat_15 l_tcp_80_192.0.2.10",
+            "flush chain harvester_lb_nat_15 l_tcp_80_192.0.2.10",
+            r#"add counter harvester_lb_nat_15 n_tcp_80_192.0.2.10_10.0.0.1 {"bytes":null}"#,
+            r#"add counter harvester_lb_nat_15 n_tcp_80_192.0.2.10_10.0.0.2 {"bytes":null}"#,
+            r#"add counter harvester_lb_nat_15 n_tcp_80_192.0.2.10_10.0.0.3 {"bytes":null}"#,
+            r#"add counter harvester_lb_nat_15 z_tcp_80_192.0.2.10 {"bytes":null}"#,
+            r#"add element harvester_lb_nat masq4 {"concat":["192.0.2.10","10.0.0.1","tcp",30080]}"#,
+            r#"add element harvester_lb_nat masq4 {"concat":["192.0.2.10","10.0.0.2","tcp",30080]}"#,
+            r#"add element harvester_lb_nat masq4 {"concat":["192.0.2.10","10.0.0.3","tcp",30080]}"#,
+            r#"add element harvester_lb_nat refuse4 {"concat":["192.0.2.10","tcp",80]}"#,
+            r#"add element harvester_lb_nat_15 dispatch4 [{"concat":["192.0.2.10","tcp",80]},{"goto":{"target":"l_tcp_80_192.0.2.10"}}]"#,
+            r#"add rule harvester_lb_nat_15 l_tcp_80_192.0.2.10 #0 [{"match":{"left":{"numgen":{"mod":2,"mode":"inc"}},"op":"==","right":0}},{"counter":"n_tcp_80_192.0.2.10_10.0.0.1"},{"match":{"left":{"meta":{"key":"l4proto"}},"op":"==","right":"tcp"}},{"dnat":{"addr":"10.0.0.1","family":"ip","port":30080}}]"#,
+            r#"add rule harvester_lb_nat_15 l_tcp_80_192.0.2.10 #1 [{"counter":"n_tcp_80_192.0.2.10_10.0.0.3"},{"match":{"left":{"meta":{"key":"l4proto"}},"op":"==","right":"tcp"}},{"dnat":{"addr":"10.0.0.3","family":"ip","port":30080}}]"#,
+            &masq,
+        ],
     );
 }
 
@@ -367,27 +389,23 @@ fn no_eligible_backend_counts_and_returns_to_the_refusal() {
     let mut d = Desired::new();
     let l = id("2001:db8::10", 53);
     d.insert(l, listener(&[], &["2001:db8::1"]));
-    let doc = transaction(&d, &TableObjects::default());
     // The whole transaction: the listener's chain counts and returns (no
     // pick, no numgen); its key is in `refuse6`, whose rules reset TCP
     // (in `main_lines`).
     let masq = postrouting_rule(0, SourceNat::Masquerade, false);
-    assert_lines(
-        &lines(&doc),
-        &whole(
-            &[Shard::of(&l)],
-            &[
-                "add chain harvester_lb_nat_15 l_tcp_53_2001-db8--10",
-                "flush chain harvester_lb_nat_15 l_tcp_53_2001-db8--10",
-                r#"add counter harvester_lb_nat_15 n_tcp_53_2001-db8--10_2001-db8--1 {"bytes":null}"#,
-                r#"add counter harvester_lb_nat_15 z_tcp_53_2001-db8--10 {"bytes":null}"#,
-                r#"add element harvester_lb_nat masq6 {"concat":["2001:db8::10","2001:db8::1","tcp",30080]}"#,
-                r#"add element harvester_lb_nat refuse6 {"concat":["2001:db8::10","tcp",53]}"#,
-                r#"add element harvester_lb_nat_15 dispatch6 [{"concat":["2001:db8::10","tcp",53]},{"goto":{"target":"l_tcp_53_2001-db8--10"}}]"#,
-                r#"add rule harvester_lb_nat_15 l_tcp_53_2001-db8--10 #0 [{"counter":"z_tcp_53_2001-db8--10"},{"return":null}]"#,
-                &masq,
-            ],
-        ),
+    assert_whole(
+        &d,
+        &[
+            "add chain harvester_lb_nat_15 l_tcp_53_2001-db8--10",
+            "flush chain harvester_lb_nat_15 l_tcp_53_2001-db8--10",
+            r#"add counter harvester_lb_nat_15 n_tcp_53_2001-db8--10_2001-db8--1 {"bytes":null}"#,
+            r#"add counter harvester_lb_nat_15 z_tcp_53_2001-db8--10 {"bytes":null}"#,
+            r#"add element harvester_lb_nat masq6 {"concat":["2001:db8::10","2001:db8::1","tcp",30080]}"#,
+            r#"add element harvester_lb_nat refuse6 {"concat":["2001:db8::10","tcp",53]}"#,
+            r#"add element harvester_lb_nat_15 dispatch6 [{"concat":["2001:db8::10","tcp",53]},{"goto":{"target":"l_tcp_53_2001-db8--10"}}]"#,
+            r#"add rule harvester_lb_nat_15 l_tcp_53_2001-db8--10 #0 [{"counter":"z_tcp_53_2001-db8--10"},{"return":null}]"#,
+            &masq,
+        ],
     );
 }
 
@@ -403,29 +421,25 @@ fn source_ranges_are_a_set_of_the_vips_family_merged() {
     ]);
     kl.source_nat = SourceNat::None;
     d.insert(l, kl);
-    let doc = transaction(&d, &TableObjects::default());
     // The whole transaction: one IPv4 element (the /24 merged into the
     // /16, the IPv6 range left out), a refusal before the pick, and
     // (source_nat = none) no masquerade element and no postrouting rule.
-    assert_lines(
-        &lines(&doc),
-        &whole(
-            &[Shard::of(&l)],
-            &[
-                "add chain harvester_lb_nat_15 l_tcp_80_192.0.2.10",
-                "flush chain harvester_lb_nat_15 l_tcp_80_192.0.2.10",
-                r#"add counter harvester_lb_nat_15 d_tcp_80_192.0.2.10 {"bytes":null}"#,
-                r#"add counter harvester_lb_nat_15 n_tcp_80_192.0.2.10_10.0.0.1 {"bytes":null}"#,
-                r#"add counter harvester_lb_nat_15 z_tcp_80_192.0.2.10 {"bytes":null}"#,
-                r#"add set harvester_lb_nat_15 s_tcp_80_192.0.2.10 {"flags":["interval"],"type":"ipv4_addr"}"#,
-                r#"flush set harvester_lb_nat_15 s_tcp_80_192.0.2.10 {"type":[]}"#,
-                r#"add element harvester_lb_nat_15 s_tcp_80_192.0.2.10 {"prefix":{"addr":"10.1.0.0","len":16}}"#,
-                r#"add element harvester_lb_nat refuse4 {"concat":["192.0.2.10","tcp",80]}"#,
-                r#"add element harvester_lb_nat_15 dispatch4 [{"concat":["192.0.2.10","tcp",80]},{"goto":{"target":"l_tcp_80_192.0.2.10"}}]"#,
-                r#"add rule harvester_lb_nat_15 l_tcp_80_192.0.2.10 #0 [{"match":{"left":{"payload":{"field":"saddr","protocol":"ip"}},"op":"!=","right":"@s_tcp_80_192.0.2.10"}},{"counter":"d_tcp_80_192.0.2.10"},{"return":null}]"#,
-                r#"add rule harvester_lb_nat_15 l_tcp_80_192.0.2.10 #1 [{"counter":"n_tcp_80_192.0.2.10_10.0.0.1"},{"match":{"left":{"meta":{"key":"l4proto"}},"op":"==","right":"tcp"}},{"dnat":{"addr":"10.0.0.1","family":"ip","port":30080}}]"#,
-            ],
-        ),
+    assert_whole(
+        &d,
+        &[
+            "add chain harvester_lb_nat_15 l_tcp_80_192.0.2.10",
+            "flush chain harvester_lb_nat_15 l_tcp_80_192.0.2.10",
+            r#"add counter harvester_lb_nat_15 d_tcp_80_192.0.2.10 {"bytes":null}"#,
+            r#"add counter harvester_lb_nat_15 n_tcp_80_192.0.2.10_10.0.0.1 {"bytes":null}"#,
+            r#"add counter harvester_lb_nat_15 z_tcp_80_192.0.2.10 {"bytes":null}"#,
+            r#"add set harvester_lb_nat_15 s_tcp_80_192.0.2.10 {"flags":["interval"],"type":"ipv4_addr"}"#,
+            r#"flush set harvester_lb_nat_15 s_tcp_80_192.0.2.10 {"type":[]}"#,
+            r#"add element harvester_lb_nat_15 s_tcp_80_192.0.2.10 {"prefix":{"addr":"10.1.0.0","len":16}}"#,
+            r#"add element harvester_lb_nat refuse4 {"concat":["192.0.2.10","tcp",80]}"#,
+            r#"add element harvester_lb_nat_15 dispatch4 [{"concat":["192.0.2.10","tcp",80]},{"goto":{"target":"l_tcp_80_192.0.2.10"}}]"#,
+            r#"add rule harvester_lb_nat_15 l_tcp_80_192.0.2.10 #0 [{"match":{"left":{"payload":{"field":"saddr","protocol":"ip"}},"op":"!=","right":"@s_tcp_80_192.0.2.10"}},{"counter":"d_tcp_80_192.0.2.10"},{"return":null}]"#,
+            r#"add rule harvester_lb_nat_15 l_tcp_80_192.0.2.10 #1 [{"counter":"n_tcp_80_192.0.2.10_10.0.0.1"},{"match":{"left":{"meta":{"key":"l4proto"}},"op":"==","right":"tcp"}},{"dnat":{"addr":"10.0.0.1","family":"ip","port":30080}}]"#,
+        ],
     );
 }
 
@@ -827,9 +841,7 @@ fn source_ip_is_a_jhash_bucket_map_edited_element_wise() {
     // The listener's chain is one jhash lookup (no numgen); its map is
     // flushed and filled, every bucket to a backend chain.
     assert_lines(
-        &lines_where(&doc, |l| {
-            l.kind == "rule" && l.name == "l_tcp_80_192.0.2.10"
-        }),
+        &rules_in(&doc, "l_tcp_80_192.0.2.10"),
         &[
             r#"add rule harvester_lb_nat_15 l_tcp_80_192.0.2.10 #0 [{"vmap":{"data":"@m_tcp_80_192.0.2.10","key":{"jhash":{"expr":{"payload":{"field":"saddr","protocol":"ip"}},"mod":4093,"seed":1751280738}}}}]"#,
         ],
@@ -881,15 +893,7 @@ fn source_ip_is_a_jhash_bucket_map_edited_element_wise() {
     assert_eq!(deleted, moved);
     assert_eq!(written_buckets(&doc, &map).len(), moved);
     // No flush of the map: the flushes are the listener's chains only.
-    assert_lines(
-        &lines_where(&doc, |l| l.op == "flush"),
-        &[
-            "flush chain harvester_lb_nat_15 l_tcp_80_192.0.2.10",
-            "flush chain harvester_lb_nat_15 b_tcp_80_192.0.2.10_10.0.0.1",
-            "flush chain harvester_lb_nat_15 b_tcp_80_192.0.2.10_10.0.0.2",
-            "flush chain harvester_lb_nat_15 b_tcp_80_192.0.2.10_10.0.0.3",
-        ],
-    );
+    assert_lines(&lines_where(&doc, |l| l.op == "flush"), &REWRITTEN_CHAINS);
 
     // Back to round robin: the map goes, after the chain that used it.
     let mut rr = before.clone();
@@ -939,9 +943,7 @@ fn flow_hash_hashes_address_and_port_over_the_same_buckets() {
     // The listener's chain is one jhash lookup of address and port (no
     // numgen).
     assert_lines(
-        &lines_where(&doc, |l| {
-            l.kind == "rule" && l.name == "l_tcp_80_192.0.2.10"
-        }),
+        &rules_in(&doc, "l_tcp_80_192.0.2.10"),
         &[
             r#"add rule harvester_lb_nat_15 l_tcp_80_192.0.2.10 #0 [{"vmap":{"data":"@m_tcp_80_192.0.2.10","key":{"jhash":{"expr":{"concat":[{"payload":{"field":"saddr","protocol":"ip"}},{"payload":{"field":"sport","protocol":"th"}}]},"mod":4093,"seed":1751280738}}}}]"#,
         ],
@@ -1058,15 +1060,7 @@ fn a_flow_hash_health_flip_rewrites_only_the_buckets_of_the_backend_that_changed
     );
     assert!(rewritten.values().all(|c| *c != chain_of("10.0.0.2")));
     // No flush of the map: the flushes are the listener's chains only.
-    assert_lines(
-        &lines_where(&doc, |l| l.op == "flush"),
-        &[
-            "flush chain harvester_lb_nat_15 l_tcp_80_192.0.2.10",
-            "flush chain harvester_lb_nat_15 b_tcp_80_192.0.2.10_10.0.0.1",
-            "flush chain harvester_lb_nat_15 b_tcp_80_192.0.2.10_10.0.0.2",
-            "flush chain harvester_lb_nat_15 b_tcp_80_192.0.2.10_10.0.0.3",
-        ],
-    );
+    assert_lines(&lines_where(&doc, |l| l.op == "flush"), &REWRITTEN_CHAINS);
     // It comes back: it takes exactly its own buckets again.
     let doc = partial_transaction(&before, &after);
     let back = written_buckets(&doc, &map);
@@ -1192,9 +1186,7 @@ fn client_affinity_is_a_dynamic_set_per_backend_tried_first() {
     // Only the eligible backend's set is looked up, before the pick (one
     // eligible backend: a plain goto).
     assert_lines(
-        &lines_where(&doc, |l| {
-            l.kind == "rule" && l.name == "l_tcp_80_192.0.2.10"
-        }),
+        &rules_in(&doc, "l_tcp_80_192.0.2.10"),
         &[
             r#"add rule harvester_lb_nat_15 l_tcp_80_192.0.2.10 #0 [{"match":{"left":{"payload":{"field":"saddr","protocol":"ip"}},"op":"==","right":"@a_tcp_80_192.0.2.10_10.0.0.1"}},{"goto":{"target":"b_tcp_80_192.0.2.10_10.0.0.1"}}]"#,
             r#"add rule harvester_lb_nat_15 l_tcp_80_192.0.2.10 #1 [{"goto":{"target":"b_tcp_80_192.0.2.10_10.0.0.1"}}]"#,
@@ -1245,7 +1237,10 @@ fn postrouting_looks_up_only_the_source_nats_in_use() {
     let doc = transaction(&masq, &TableObjects::default());
     let with = |rules: &[String]| [base.clone(), rules.to_vec()].concat();
     let masq4 = postrouting_rule(0, SourceNat::Masquerade, true);
-    assert_lines(&chain_of(&doc, "postrouting"), &with(&[masq4.clone()]));
+    assert_lines(
+        &chain_of(&doc, "postrouting"),
+        &with(std::slice::from_ref(&masq4)),
+    );
     // Every kind of both families: the four rules, masquerade first.
     let mut all = masq.clone();
     let mut vip = listener(&["10.0.0.1"], &["10.0.0.1"]);
