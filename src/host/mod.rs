@@ -48,7 +48,7 @@ pub(crate) fn run_configured(command: &[String]) -> Result<(), ConfiguredCommand
     })
 }
 
-/// Why an operator's configured command failed ([`run_configured`]).
+/// Why an operator's configured command failed (`run_configured`).
 #[derive(Debug, thiserror::Error)]
 pub enum ConfiguredCommandError {
     /// The command has no program.

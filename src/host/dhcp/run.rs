@@ -81,7 +81,7 @@ pub trait Net {
 }
 
 /// Why the client's macvlan interface, its address or its sockets could not
-/// be set up, read or put back ([`HostNet`]'s [`Net::Error`]).
+/// be set up, read or put back (`HostNet`'s [`Net::Error`]).
 #[derive(Debug, thiserror::Error)]
 pub enum HostNetError {
     /// The interface or its address: netlink.

@@ -111,7 +111,7 @@ pub enum HandoffError {
     Resync(#[source] ResyncError),
 }
 
-/// Why conntrackd did not resync after its restart ([`resync`]).
+/// Why conntrackd did not resync after its restart (`resync`).
 #[derive(Debug, thiserror::Error)]
 pub enum ResyncError {
     /// It did not answer `-s` within 10 s.

@@ -564,7 +564,7 @@ fn is_keepalived(pid: i32) -> Result<(), NotKeepalivedProcess> {
 }
 
 /// What a pid file's process is instead of keepalived, or why that cannot
-/// be told ([`is_keepalived`]).
+/// be told (`is_keepalived`).
 #[derive(Debug, thiserror::Error)]
 pub enum NotKeepalivedProcess {
     /// Its `/proc/<pid>/comm` cannot be read (no such process, `/proc`
