@@ -184,7 +184,7 @@ impl AdminSocket {
     pub fn adopt(
         path: &Path,
         inherited: Option<std::os::fd::OwnedFd>,
-    ) -> Result<(Self, Option<Result<(), String>>), SocketError> {
+    ) -> Result<(Self, Option<Result<(), UnadoptableSocket>>), SocketError> {
         let lock = Self::trust_and_lock(path)?;
         let Some(fd) = inherited else {
             return Ok((Self::bind_locked(path, lock)?, None));
@@ -333,20 +333,52 @@ impl AdminSocket {
     }
 }
 
+/// Why the socket the last process stored is not the admin socket at its
+/// path ([`AdminSocket::adopt`] binds a new one).
+#[derive(Debug, thiserror::Error)]
+pub enum UnadoptableSocket {
+    /// The descriptor is not a socket.
+    #[error("not a socket: {0}")]
+    NotASocket(#[source] std::io::Error),
+    /// Whether it listens, where it is bound, or making it non-blocking
+    /// failed.
+    #[error(transparent)]
+    Unreadable(std::io::Error),
+    /// Not a listening stream socket.
+    #[error("not a listening stream socket")]
+    NotListening,
+    /// Bound at another path (or none).
+    #[error("bound at {bound:?}, not {}", path.display())]
+    ElsewhereBound {
+        /// Where it is bound.
+        bound: Option<PathBuf>,
+        /// The admin socket's path.
+        path: PathBuf,
+    },
+    /// The file at the path cannot be read.
+    #[error("its file: {0}")]
+    FileUnreadable(#[source] std::io::Error),
+    /// The file at the path is not a socket.
+    #[error("the file at its path is not a socket")]
+    FileNotASocket,
+}
+
 /// `fd` as the admin socket at `path`, if it is one: a listening Unix
 /// stream socket bound at `path`, whose file is there.
 fn adoptable(
     path: &Path,
     fd: std::os::fd::OwnedFd,
-) -> Result<(std::os::unix::net::UnixListener, (u64, u64)), String> {
+) -> Result<(std::os::unix::net::UnixListener, (u64, u64)), UnadoptableSocket> {
     let socket = socket2::Socket::from(fd);
-    if socket.r#type().map_err(|e| format!("not a socket: {e}"))? != socket2::Type::STREAM
-        || !socket.is_listener().map_err(|e| e.to_string())?
+    if socket.r#type().map_err(UnadoptableSocket::NotASocket)? != socket2::Type::STREAM
+        || !socket
+            .is_listener()
+            .map_err(UnadoptableSocket::Unreadable)?
     {
-        return Err("not a listening stream socket".to_string());
+        return Err(UnadoptableSocket::NotListening);
     }
     // Bound under `<path>.<pid>.tmp` and renamed into place (see `bind`).
-    let bound = socket.local_addr().map_err(|e| e.to_string())?;
+    let bound = socket.local_addr().map_err(UnadoptableSocket::Unreadable)?;
     let ours = bound.as_pathname().is_some_and(|b| {
         b == path
             || b.as_os_str()
@@ -356,17 +388,18 @@ fn adoptable(
                 .is_some_and(|pid| !pid.is_empty() && pid.bytes().all(|c| c.is_ascii_digit()))
     });
     if !ours {
-        return Err(format!(
-            "bound at {:?}, not {}",
-            bound.as_pathname(),
-            path.display()
-        ));
+        return Err(UnadoptableSocket::ElsewhereBound {
+            bound: bound.as_pathname().map(Path::to_path_buf),
+            path: path.to_path_buf(),
+        });
     }
-    let meta = std::fs::symlink_metadata(path).map_err(|e| format!("its file: {e}"))?;
+    let meta = std::fs::symlink_metadata(path).map_err(UnadoptableSocket::FileUnreadable)?;
     if !meta.file_type().is_socket() {
-        return Err("the file at its path is not a socket".to_string());
+        return Err(UnadoptableSocket::FileNotASocket);
     }
-    socket.set_nonblocking(true).map_err(|e| e.to_string())?;
+    socket
+        .set_nonblocking(true)
+        .map_err(UnadoptableSocket::Unreadable)?;
     Ok((socket.into(), (meta.dev(), meta.ino())))
 }
 

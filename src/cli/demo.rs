@@ -18,26 +18,60 @@ use tokio::task::JoinHandle;
 use harvester_lb::config::{self, LoadBalancerSpec};
 use harvester_lb::dataplane::health::Health;
 
+/// Why the demo stopped, for the operator.
+#[derive(Debug, thiserror::Error)]
+pub enum DemoError {
+    /// The config file could not be read or is invalid.
+    #[error(transparent)]
+    Config(#[from] harvester_lb::config::ConfigError),
+    /// No load balancer has backends, a listener and a health check.
+    #[error("the demo needs a load balancer with backends, a listener and a health check")]
+    NoLoadBalancer,
+    /// The chosen load balancer's VIP or a backend is not a loopback
+    /// address.
+    #[error(
+        "the demo only runs on loopback addresses (127.0.0.0/8, ::1); try config/loopback.toml"
+    )]
+    NotLoopback,
+    /// The daemon did not start.
+    #[error(transparent)]
+    Start(#[from] harvester_lb::StartError),
+    /// A demo node's port could not be bound.
+    #[error("cannot start demo node on {addr}: {source}")]
+    Node {
+        /// The node's address and port.
+        addr: SocketAddr,
+        /// The bind's error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A node's health did not change in time.
+    #[error("node {ip} did not become {want} within 60 s")]
+    HealthUnchanged {
+        /// The node.
+        ip: IpAddr,
+        /// The health awaited.
+        want: Health,
+    },
+}
+
 /// Runs the demo on the config at `path` (its first load balancer with a
 /// health check), handing each line of its story to `say` (the command
 /// line prints them). Returns a message for the operator on failure.
-pub async fn run(path: &Path, say: impl Fn(String)) -> Result<(), String> {
-    let loaded = config::load(path).map_err(|e| e.to_string())?;
+pub async fn run(path: &Path, say: impl Fn(String)) -> Result<(), DemoError> {
+    let loaded = config::load(path)?;
     let lb = loaded
         .config
         .load_balancers
         .iter()
         .find(|l| l.health_check.is_some() && !l.listeners.is_empty() && !l.backends.is_empty())
-        .ok_or("the demo needs a load balancer with backends, a listener and a health check")?
+        .ok_or(DemoError::NoLoadBalancer)?
         .clone();
     let all_loopback = std::iter::once(lb.vip)
         .chain(lb.backends.iter().copied())
         .all(|ip| ip.is_loopback());
     if !all_loopback {
-        return Err(
-            "the demo only runs on loopback addresses (127.0.0.0/8, ::1); try config/loopback.toml"
-                .into(),
-        );
+        return Err(DemoError::NotLoopback);
     }
     let listener = &lb.listeners[0];
     let vip = lb.listen_addr(listener);
@@ -69,8 +103,7 @@ pub async fn run(path: &Path, say: impl Fn(String)) -> Result<(), String> {
         fd_store: harvester_lb::fd_store::FdStore::off(),
         inherited: harvester_lb::fd_store::Inherited::none(),
     })
-    .await
-    .map_err(|e| e.to_string())?;
+    .await?;
     say(format!(
         "harvester-lb is listening on {vip}; admin API on http://{}/status\n",
         server.admin_addr()
@@ -130,7 +163,7 @@ async fn start_node(
     ip: IpAddr,
     port: u16,
     health_port: Option<u16>,
-) -> Result<Vec<JoinHandle<()>>, String> {
+) -> Result<Vec<JoinHandle<()>>, DemoError> {
     let mut ports = vec![port];
     if let Some(h) = health_port.filter(|h| *h != port) {
         ports.push(h);
@@ -140,7 +173,7 @@ async fn start_node(
         let addr = SocketAddr::new(ip, p);
         let listener = TcpListener::bind(addr)
             .await
-            .map_err(|e| format!("cannot start demo node on {addr}: {e}"))?;
+            .map_err(|source| DemoError::Node { addr, source })?;
         tasks.push(tokio::spawn(async move {
             while let Ok((mut s, _)) = listener.accept().await {
                 let _ = s.write_all(format!("{ip}\n").as_bytes()).await;
@@ -170,7 +203,7 @@ async fn wait_health(
     lb: &LoadBalancerSpec,
     ip: IpAddr,
     want: Health,
-) -> Result<(), String> {
+) -> Result<(), DemoError> {
     let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
     loop {
         let status = server.daemon().status();
@@ -184,7 +217,7 @@ async fn wait_health(
             return Ok(());
         }
         if tokio::time::Instant::now() > deadline {
-            return Err(format!("node {ip} did not become {want} within 60 s"));
+            return Err(DemoError::HealthUnchanged { ip, want });
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }

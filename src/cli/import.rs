@@ -137,7 +137,7 @@ pub fn command(args: &Args) -> Outcome {
     let network_interfaces = match import::parse_network_interfaces(&args.network_interfaces) {
         Ok(m) => m,
         Err(message) => {
-            out.say(message);
+            out.say(message.to_string());
             return out.exit(EXIT_USAGE);
         }
     };

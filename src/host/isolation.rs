@@ -128,7 +128,7 @@ fn nft(what: &'static str, batch: &Nftables<'_>) -> Result<(), IsolationError> {
     let json = serde_json::to_vec(batch).map_err(|e| fail(format!("cannot encode it: {e}")))?;
     crate::host::nft::run(&["-j", "-f", "-"], &json)
         .map(drop)
-        .map_err(fail)
+        .map_err(|e| fail(e.to_string()))
 }
 
 /// The table as the kernel lists it (`nft -j list table inet harvester_lb`);
@@ -138,8 +138,10 @@ fn list() -> Result<Option<Fingerprint>, IsolationError> {
         what: "read back",
         detail,
     };
-    match crate::host::nft::list_inet_table(TABLE).map_err(fail)? {
-        Some(listed) => Fingerprint::of_nft_json(&listed).map(Some).map_err(fail),
+    match crate::host::nft::list_inet_table(TABLE).map_err(|e| fail(e.to_string()))? {
+        Some(listed) => Fingerprint::of_nft_json(&listed)
+            .map(Some)
+            .map_err(|e| fail(e.to_string())),
         None => Ok(None),
     }
 }

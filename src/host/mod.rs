@@ -29,22 +29,42 @@ pub mod vmnet;
 /// `conntrackd.restart_command`) with no stdin and waits for it; `Err` is
 /// why it failed, written for the operator (it could not start, or its
 /// exit status with what it printed), for the caller's own error type.
-pub(crate) fn run_configured(command: &[String]) -> Result<(), String> {
+pub(crate) fn run_configured(command: &[String]) -> Result<(), ConfiguredCommandError> {
     let Some((program, args)) = command.split_first() else {
-        return Err("the command is empty".to_string());
+        return Err(ConfiguredCommandError::Empty);
     };
     let out = std::process::Command::new(program)
         .args(args)
         .stdin(std::process::Stdio::null())
         .output()
-        .map_err(|e| e.to_string())?;
+        .map_err(ConfiguredCommandError::Start)?;
     if out.status.success() {
         return Ok(());
     }
-    Err(format!(
-        "{}: {}{}",
-        out.status,
-        String::from_utf8_lossy(&out.stdout).trim(),
-        String::from_utf8_lossy(&out.stderr).trim()
-    ))
+    Err(ConfiguredCommandError::Failed {
+        status: out.status,
+        stdout: String::from_utf8_lossy(&out.stdout).trim().to_string(),
+        stderr: String::from_utf8_lossy(&out.stderr).trim().to_string(),
+    })
+}
+
+/// Why an operator's configured command failed (`run_configured`).
+#[derive(Debug, thiserror::Error)]
+pub enum ConfiguredCommandError {
+    /// The command has no program.
+    #[error("the command is empty")]
+    Empty,
+    /// The program could not be started.
+    #[error(transparent)]
+    Start(std::io::Error),
+    /// It ran and failed: its exit status, then what it printed.
+    #[error("{status}: {stdout}{stderr}")]
+    Failed {
+        /// How it ended.
+        status: std::process::ExitStatus,
+        /// Its stdout, trimmed.
+        stdout: String,
+        /// Its stderr, trimmed.
+        stderr: String,
+    },
 }

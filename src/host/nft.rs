@@ -7,7 +7,7 @@
 //! One call with `-f -` is one atomic transaction: all of it or nothing.
 
 use std::io::Write;
-use std::process::{Command, Stdio};
+use std::process::{Command, ExitStatus, Stdio};
 
 /// The prefix of every nftables table the daemon owns (`inet
 /// harvester_lb`, `inet harvester_lb_nat` and its shards, the VM-network
@@ -17,38 +17,78 @@ use std::process::{Command, Stdio};
 /// ([`crate::host::nat::TABLE`], [`crate::host::isolation::TABLE`], …).
 pub const TABLE_PREFIX: &str = "harvester_lb";
 
+/// Why `nft` did not do what it was asked: its own words where it said
+/// something, else how it ended.
+#[derive(Debug, thiserror::Error)]
+pub enum NftCommandError {
+    /// The command could not be started (not installed, say).
+    #[error("cannot run `nft`: {0}")]
+    Start(#[source] std::io::Error),
+    /// Waiting for it, or reading its output, failed.
+    #[error("`nft` did not finish: {0}")]
+    Wait(#[source] std::io::Error),
+    /// It refused, and said why on stderr ([`condense`]d to one line).
+    #[error("nft: {0}")]
+    Refused(String),
+    /// It failed silently after its stdin could not be written.
+    #[error("nft exited with {status} (writing to it: {write})")]
+    ExitedUnwritten {
+        /// How it ended.
+        status: ExitStatus,
+        /// Why its stdin could not be written.
+        #[source]
+        write: std::io::Error,
+    },
+    /// It failed and said nothing.
+    #[error("nft exited with {0}")]
+    Exited(ExitStatus),
+}
+
+/// Why an `nft -j list …` answer could not be read.
+#[derive(Debug, thiserror::Error)]
+pub enum NftListingError {
+    /// The answer is not JSON.
+    #[error("nft's listing is not JSON: {0}")]
+    NotJson(#[source] serde_json::Error),
+    /// The answer has no `nftables` array.
+    #[error("nft's listing has no \"nftables\" array")]
+    NoNftablesArray,
+}
+
 /// Runs `nft` with `args` and `input` on its stdin. `Ok`: what it printed;
 /// `Err`: why not, in nft's own words where it said something.
-pub fn run(args: &[&str], input: &[u8]) -> Result<String, String> {
+pub fn run(args: &[&str], input: &[u8]) -> Result<String, NftCommandError> {
     let mut child = Command::new("nft")
         .args(args)
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
-        .map_err(|e| format!("cannot run `nft`: {e}"))?;
+        .map_err(NftCommandError::Start)?;
     let written = child.stdin.take().map(|mut stdin| stdin.write_all(input));
-    let out = child
-        .wait_with_output()
-        .map_err(|e| format!("`nft` did not finish: {e}"))?;
+    let out = child.wait_with_output().map_err(NftCommandError::Wait)?;
     if out.status.success() {
         return Ok(String::from_utf8_lossy(&out.stdout).into_owned());
     }
     let stderr = String::from_utf8_lossy(&out.stderr);
     let said = condense(&stderr);
     Err(match (said.is_empty(), written) {
-        (false, _) => format!("nft: {said}"),
-        (true, Some(Err(e))) => format!("nft exited with {} (writing to it: {e})", out.status),
-        (true, _) => format!("nft exited with {}", out.status),
+        (false, _) => NftCommandError::Refused(said),
+        (true, Some(Err(write))) => NftCommandError::ExitedUnwritten {
+            status: out.status,
+            write,
+        },
+        (true, _) => NftCommandError::Exited(out.status),
     })
 }
 
 /// `nft -j list table inet NAME`: the table as the kernel lists it, `None`
-/// when there is none.
-pub fn list_inet_table(name: &str) -> Result<Option<String>, String> {
+/// when there is none. As before the error became typed, any failure whose
+/// text says "No such file or directory" counts as no table.
+pub fn list_inet_table(name: &str) -> Result<Option<String>, NftCommandError> {
     match run(&["-j", "list", "table", "inet", name], b"") {
         Ok(listed) => Ok(Some(listed)),
-        Err(e) if e.contains("No such file or directory") => Ok(None),
+        Err(e) if e.to_string().contains("No such file or directory") => Ok(None),
         Err(e) => Err(e),
     }
 }

@@ -322,7 +322,7 @@ pub fn import(sources: &[Source], options: &Options) -> Result<Imported, ImportE
     }
     let mut skipped = Vec::new();
     let mut notes = Vec::new();
-    let mut results: Vec<(String, Result<Mapped, String>)> = Vec::new();
+    let mut results: Vec<(String, Result<Mapped, fields::Reason>)> = Vec::new();
     let mut services = Vec::new();
     let mut other_services = 0usize;
     let mut nodes: Vec<IpAddr> = Vec::new();
@@ -493,7 +493,7 @@ fn not_imported(obj: &documents::Object, kind: &str) -> Skip {
 /// and the config's warnings are named by the object.
 fn alone(
     object: String,
-    result: Result<Mapped, String>,
+    result: Result<Mapped, fields::Reason>,
     options: &Options,
     networks: &BTreeMap<String, model::Network>,
     skipped: &mut Vec<Skip>,
@@ -555,8 +555,11 @@ fn alone(
     }
     let mut alone = match network_context(options, networks, &mapped.lb) {
         Ok(context) => context,
-        Err(reason) => {
-            skipped.push(Skip { object, reason });
+        Err(e) => {
+            skipped.push(Skip {
+                object,
+                reason: e.to_string(),
+            });
             return None;
         }
     };
@@ -620,7 +623,7 @@ fn network_context(
     options: &Options,
     networks: &BTreeMap<String, model::Network>,
     lb: &model::Lb,
-) -> Result<String, String> {
+) -> Result<String, NoKeepalivedInBase> {
     let Some(name) = &lb.network else {
         return Ok(String::new());
     };
@@ -630,9 +633,9 @@ fn network_context(
         .and_then(|b| b.text.parse().ok())
         .unwrap_or_default();
     if !lb.leased && !base.contains_key("keepalived") {
-        return Err(format!(
-            "on network {name:?}, where keepalived moves the VIP between hosts: the --base file has no [keepalived] section (this host's name, management address and interface, and its peers); not imported"
-        ));
+        return Err(NoKeepalivedInBase {
+            network: name.clone(),
+        });
     }
     let kept: toml::Table = base
         .into_iter()
@@ -645,6 +648,17 @@ fn network_context(
     }
     text.push('\n');
     Ok(text)
+}
+
+/// Why a load balancer on a VM network keepalived serves cannot be checked
+/// alone ([`network_context`]): a skip reason.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "on network {network:?}, where keepalived moves the VIP between hosts: the --base file has no [keepalived] section (this host's name, management address and interface, and its peers); not imported"
+)]
+struct NoKeepalivedInBase {
+    /// The load balancer's network.
+    network: String,
 }
 
 /// One name, one load balancer: the same object seen twice (two files,

@@ -843,14 +843,53 @@ fn how_to_make(name: &str, interface: &str, what: &str) -> String {
     }
 }
 
+/// Why a `--network-interface` value is refused ([`parse_mapping`]).
+#[derive(Debug, thiserror::Error)]
+pub enum NetworkInterfaceFlagError {
+    /// No `=` in the value.
+    #[error(
+        "--network-interface {value:?}: write NETWORK=INTERFACE, e.g. default/vlan100=mgmt-br.100"
+    )]
+    NoEquals {
+        /// The value as given.
+        value: String,
+    },
+    /// Nothing before the `=`.
+    #[error(
+        "--network-interface {value:?}: no network name before '=' (an interface name is 1-{MAX_IFNAME_BYTES} bytes, no '/', ':' or spaces)"
+    )]
+    NoNetworkName {
+        /// The value as given.
+        value: String,
+    },
+    /// What follows the `=` cannot name an interface.
+    #[error(
+        "--network-interface {value:?}: not an interface name after '=' (an interface name is 1-{MAX_IFNAME_BYTES} bytes, no '/', ':' or spaces)"
+    )]
+    BadInterfaceName {
+        /// The value as given.
+        value: String,
+    },
+    /// One network given two different interfaces.
+    #[error("--network-interface: network {network} is given twice ({first} and {second})")]
+    NetworkTwice {
+        /// The network.
+        network: String,
+        /// Its first interface.
+        first: String,
+        /// The other.
+        second: String,
+    },
+}
+
 /// Parses `--network-interface NETWORK=INTERFACE` values.
-pub fn parse_mapping(values: &[String]) -> Result<BTreeMap<String, String>, String> {
+pub fn parse_mapping(
+    values: &[String],
+) -> Result<BTreeMap<String, String>, NetworkInterfaceFlagError> {
     let mut out = BTreeMap::new();
     for v in values {
         let Some((name, interface)) = v.split_once('=') else {
-            return Err(format!(
-                "--network-interface {v:?}: write NETWORK=INTERFACE, e.g. default/vlan100=mgmt-br.100"
-            ));
+            return Err(NetworkInterfaceFlagError::NoEquals { value: v.clone() });
         };
         let (name, interface) = (name.trim(), interface.trim());
         let bad_if = interface.is_empty()
@@ -858,22 +897,20 @@ pub fn parse_mapping(values: &[String]) -> Result<BTreeMap<String, String>, Stri
             || interface
                 .chars()
                 .any(|c| c == '/' || c == ':' || c.is_whitespace() || c.is_control());
-        if name.is_empty() || bad_if {
-            return Err(format!(
-                "--network-interface {v:?}: {} (an interface name is 1-{MAX_IFNAME_BYTES} bytes, no '/', ':' or spaces)",
-                if name.is_empty() {
-                    "no network name before '='"
-                } else {
-                    "not an interface name after '='"
-                }
-            ));
+        if name.is_empty() {
+            return Err(NetworkInterfaceFlagError::NoNetworkName { value: v.clone() });
+        }
+        if bad_if {
+            return Err(NetworkInterfaceFlagError::BadInterfaceName { value: v.clone() });
         }
         if let Some(old) = out.insert(name.to_string(), interface.to_string())
             && old != interface
         {
-            return Err(format!(
-                "--network-interface: network {name} is given twice ({old} and {interface})"
-            ));
+            return Err(NetworkInterfaceFlagError::NetworkTwice {
+                network: name.to_string(),
+                first: old,
+                second: interface.to_string(),
+            });
         }
     }
     Ok(out)
@@ -984,21 +1021,25 @@ mod tests {
         assert!(
             parse_mapping(&["default/vlan100".into()])
                 .unwrap_err()
+                .to_string()
                 .contains("NETWORK=INTERFACE")
         );
         assert!(
             parse_mapping(&["=eth0".into()])
                 .unwrap_err()
+                .to_string()
                 .contains("no network name")
         );
         assert!(
             parse_mapping(&["a/b=eth/0".into()])
                 .unwrap_err()
+                .to_string()
                 .contains("interface name")
         );
         assert!(
             parse_mapping(&["a/b=x".into(), "a/b=y".into()])
                 .unwrap_err()
+                .to_string()
                 .contains("twice")
         );
     }

@@ -247,42 +247,85 @@ pub(super) fn close_unadopted(open: &std::sync::Mutex<carrier::Received>) {
     );
 }
 
+/// Why an inherited socket is not the listener it is stored as.
+#[derive(Debug, thiserror::Error)]
+enum UnusableSocket {
+    /// The descriptor is not a socket.
+    #[error("not a socket: {0}")]
+    NotASocket(#[source] io::Error),
+    /// A socket of another type (datagram for stream, say).
+    #[error("a socket of type {got:?}, not {want:?}")]
+    WrongType {
+        got: socket2::Type,
+        want: socket2::Type,
+    },
+    /// A socket not bound to an IP address (a Unix socket, say).
+    #[error("a socket with no IP address")]
+    NoIpAddress,
+    /// A socket bound to another address.
+    #[error("bound to {local}, not {addr}")]
+    WrongAddress { local: SocketAddr, addr: SocketAddr },
+    /// Whether it listens could not be read.
+    #[error(transparent)]
+    ListeningUnknown(io::Error),
+    /// A TCP socket that does not listen.
+    #[error("a socket that does not listen")]
+    NotListening,
+    /// It could not be made non-blocking.
+    #[error(transparent)]
+    Blocking(io::Error),
+}
+
 /// The inherited sockets of a TCP listener at `addr`, each checked: a
 /// listening TCP socket bound to `addr` exactly.
-fn adopt_tcp(fds: Vec<OwnedFd>, addr: SocketAddr) -> Result<Vec<std::net::TcpListener>, String> {
+fn adopt_tcp(
+    fds: Vec<OwnedFd>,
+    addr: SocketAddr,
+) -> Result<Vec<std::net::TcpListener>, UnusableSocket> {
     fds.into_iter()
         .map(|fd| {
             let socket = socket2::Socket::from(fd);
             check(&socket, addr, socket2::Type::STREAM)?;
-            if !socket.is_listener().map_err(|e| e.to_string())? {
-                return Err("a socket that does not listen".to_string());
+            if !socket
+                .is_listener()
+                .map_err(UnusableSocket::ListeningUnknown)?
+            {
+                return Err(UnusableSocket::NotListening);
             }
-            socket.set_nonblocking(true).map_err(|e| e.to_string())?;
+            socket
+                .set_nonblocking(true)
+                .map_err(UnusableSocket::Blocking)?;
             Ok(socket.into())
         })
         .collect()
 }
 
 /// The inherited socket of a UDP listener at `addr`, checked.
-fn adopt_udp(fd: OwnedFd, addr: SocketAddr) -> Result<std::net::UdpSocket, String> {
+fn adopt_udp(fd: OwnedFd, addr: SocketAddr) -> Result<std::net::UdpSocket, UnusableSocket> {
     let socket = socket2::Socket::from(fd);
     check(&socket, addr, socket2::Type::DGRAM)?;
-    socket.set_nonblocking(true).map_err(|e| e.to_string())?;
+    socket
+        .set_nonblocking(true)
+        .map_err(UnusableSocket::Blocking)?;
     Ok(socket.into())
 }
 
-fn check(socket: &socket2::Socket, addr: SocketAddr, kind: socket2::Type) -> Result<(), String> {
-    let got = socket.r#type().map_err(|e| format!("not a socket: {e}"))?;
+fn check(
+    socket: &socket2::Socket,
+    addr: SocketAddr,
+    kind: socket2::Type,
+) -> Result<(), UnusableSocket> {
+    let got = socket.r#type().map_err(UnusableSocket::NotASocket)?;
     if got != kind {
-        return Err(format!("a socket of type {got:?}, not {kind:?}"));
+        return Err(UnusableSocket::WrongType { got, want: kind });
     }
     let local = socket
         .local_addr()
         .ok()
         .and_then(|a| a.as_socket())
-        .ok_or("a socket with no IP address")?;
+        .ok_or(UnusableSocket::NoIpAddress)?;
     if local != addr {
-        return Err(format!("bound to {local}, not {addr}"));
+        return Err(UnusableSocket::WrongAddress { local, addr });
     }
     Ok(())
 }

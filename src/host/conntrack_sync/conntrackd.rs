@@ -417,23 +417,30 @@ pub struct AnycastGuard {
 )]
 pub struct AnycastGuardError(String);
 
+impl AnycastGuardError {
+    /// The guard's error for what failed (`nft`, or reading its listing).
+    fn of(failed: impl std::error::Error) -> Self {
+        Self(failed.to_string())
+    }
+}
+
 impl crate::host::owned::Owned for AnycastGuard {
     const KIND: crate::metrics::HostKind = crate::metrics::HostKind::AnycastSyncGuard;
     type Error = AnycastGuardError;
 
     fn read_back(&self) -> Result<Option<crate::host::owned::Fingerprint>, AnycastGuardError> {
-        match crate::host::nft::list_inet_table(ANYCAST_TABLE).map_err(AnycastGuardError)? {
+        match crate::host::nft::list_inet_table(ANYCAST_TABLE).map_err(AnycastGuardError::of)? {
             None => Ok(None),
             Some(listed) => crate::host::owned::Fingerprint::of_nft_json(&listed)
                 .map(Some)
-                .map_err(AnycastGuardError),
+                .map_err(AnycastGuardError::of),
         }
     }
 
     fn write(&self) -> Result<(), AnycastGuardError> {
         crate::host::nft::run(&["-f", "-"], self.script.as_bytes())
             .map(drop)
-            .map_err(AnycastGuardError)
+            .map_err(AnycastGuardError::of)
     }
 
     fn identity(&self) -> Option<(&str, u64)> {
@@ -918,7 +925,8 @@ pub enum ConntrackdError {
         /// The command.
         command: Vec<String>,
         /// Its exit or spawn error and output.
-        why: String,
+        #[source]
+        why: crate::host::ConfiguredCommandError,
     },
 }
 

@@ -51,6 +51,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Write as _;
 
 use crate::host::conntrack_sync::conntrackd::{GATE_TABLE, Gated, gate_chain};
+use crate::host::nft::NftListingError;
 use crate::host::owned::{Fingerprint, Owned};
 
 /// The priority of the gate's base chain (see the module's text).
@@ -76,6 +77,13 @@ pub struct Gate {
     "the sync gate table inet {GATE_TABLE}: {0} (conntrackd sync needs the `nft` command and CAP_NET_ADMIN; without the gate a VIP's flows may be reset at its move)"
 )]
 pub struct GateError(String);
+
+impl GateError {
+    /// The gate's error for what failed (`nft`, or reading its listing).
+    fn of(failed: impl std::error::Error) -> Self {
+        Self(failed.to_string())
+    }
+}
 
 impl Gate {
     /// The whole table's nft script, each instance's gate open when it is in
@@ -141,18 +149,17 @@ impl Gate {
     /// The gates the kernel has now, by instance: `true` open, `false`
     /// closed; empty when there is no table.
     pub fn read_states() -> Result<BTreeMap<u32, bool>, GateError> {
-        match crate::host::nft::list_inet_table(GATE_TABLE).map_err(GateError)? {
+        match crate::host::nft::list_inet_table(GATE_TABLE).map_err(GateError::of)? {
             None => Ok(BTreeMap::new()),
-            Some(listed) => states_of(&listed).map_err(GateError),
+            Some(listed) => states_of(&listed).map_err(GateError::of),
         }
     }
 }
 
 /// The gates of an `nft -j list table` answer: every chain `g_<vrid>`,
 /// open when it holds no rule.
-pub fn states_of(listed: &str) -> Result<BTreeMap<u32, bool>, String> {
-    let doc: serde_json::Value =
-        serde_json::from_str(listed).map_err(|e| format!("nft's listing is not JSON: {e}"))?;
+pub fn states_of(listed: &str) -> Result<BTreeMap<u32, bool>, NftListingError> {
+    let doc: serde_json::Value = serde_json::from_str(listed).map_err(NftListingError::NotJson)?;
     let mut states = BTreeMap::new();
     for o in doc["nftables"].as_array().into_iter().flatten() {
         if let Some(vrid) = o
@@ -179,9 +186,9 @@ fn vrid_of(chain: &str) -> Option<u32> {
 }
 
 /// The listing without the gate chains' rules: what the daemon owns.
-fn structure(listed: &str) -> Result<Fingerprint, String> {
+fn structure(listed: &str) -> Result<Fingerprint, NftListingError> {
     let mut doc: serde_json::Value =
-        serde_json::from_str(listed).map_err(|e| format!("nft's listing is not JSON: {e}"))?;
+        serde_json::from_str(listed).map_err(NftListingError::NotJson)?;
     if let Some(objects) = doc["nftables"].as_array_mut() {
         objects.retain(|o| {
             o.get("rule")
@@ -198,9 +205,9 @@ impl Owned for Gate {
     type Error = GateError;
 
     fn read_back(&self) -> Result<Option<Fingerprint>, GateError> {
-        match crate::host::nft::list_inet_table(GATE_TABLE).map_err(GateError)? {
+        match crate::host::nft::list_inet_table(GATE_TABLE).map_err(GateError::of)? {
             None => Ok(None),
-            Some(listed) => structure(&listed).map(Some).map_err(GateError),
+            Some(listed) => structure(&listed).map(Some).map_err(GateError::of),
         }
     }
 
@@ -223,7 +230,7 @@ impl Owned for Gate {
             .collect();
         crate::host::nft::run(&["-f", "-"], self.script(&open).as_bytes())
             .map(drop)
-            .map_err(GateError)
+            .map_err(GateError::of)
     }
     /// The structure's script (every gate closed): the states are the
     /// kernel's, kept by an adoption as by a write.

@@ -34,7 +34,7 @@
 //! (nothing commits any more, so nothing must wait).
 
 use std::collections::BTreeMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
@@ -220,7 +220,7 @@ impl ConntrackSync {
                             Ok(Err(e)) => {
                                 inner.failures += 1;
                                 tracing::error!("after conntrackd.restart_command: {e}");
-                                error = Some(e);
+                                error = Some(e.to_string());
                             }
                             Err(e) => tracing::error!(
                                 "the resync after conntrackd's restart stopped: {e}"
@@ -273,7 +273,7 @@ impl ConntrackSync {
             (stats, pending)
         })
         .await
-        .unwrap_or_else(|e| (Err(e.to_string()), None));
+        .unwrap_or_else(|e| (Err(ConntrackdStatsError::Stopped(e)), None));
         let pending = pending.unwrap_or(false);
         if pending && !inner.pending_warned {
             tracing::warn!(
@@ -543,15 +543,30 @@ fn control_socket_refused(socket: &Path) -> bool {
     )
 }
 
-fn conntrackd_stats(conf: &Path) -> Result<Stats, String> {
-    let (stdout, stderr) = conntrackd_ask(conf, &["-s"])
-        .map_err(|e| format!("{e} (is conntrackd running with that file?)"))?;
-    parse_stats(&stdout).ok_or_else(|| {
-        format!(
-            "conntrackd -C {} -s: {} (is conntrackd running with that file?)",
-            conf.display(),
-            stderr.trim().lines().last().unwrap_or("no statistics")
-        )
+/// Why conntrackd's statistics could not be read ([`conntrackd_stats`]).
+#[derive(Debug, thiserror::Error)]
+enum ConntrackdStatsError {
+    /// `conntrackd -s` gave no answer.
+    #[error("{0} (is conntrackd running with that file?)")]
+    Ask(#[source] ConntrackdAskError),
+    /// It answered, but not with statistics: the last line it wrote.
+    #[error("conntrackd -C {} -s: {said} (is conntrackd running with that file?)", conf.display())]
+    NoStatistics { conf: PathBuf, said: String },
+    /// The blocking task that asked it panicked or was cancelled.
+    #[error(transparent)]
+    Stopped(tokio::task::JoinError),
+}
+
+fn conntrackd_stats(conf: &Path) -> Result<Stats, ConntrackdStatsError> {
+    let (stdout, stderr) = conntrackd_ask(conf, &["-s"]).map_err(ConntrackdStatsError::Ask)?;
+    parse_stats(&stdout).ok_or_else(|| ConntrackdStatsError::NoStatistics {
+        conf: conf.to_path_buf(),
+        said: stderr
+            .trim()
+            .lines()
+            .last()
+            .unwrap_or("no statistics")
+            .to_string(),
     })
 }
 
@@ -587,15 +602,14 @@ fn conntrackd_restart_pending(conf: &Path, lock: &Path) -> Option<bool> {
 /// configuration change reaches both), that request can be answered before
 /// the peer's own cache is filled again, and a long-lived flow that sends
 /// no new event would then be missing from the copy a takeover commits.
-fn resync_after_restart(conf: &Path) -> Result<(), String> {
+fn resync_after_restart(conf: &Path) -> Result<(), RestartResyncError> {
     const POLL: Duration = Duration::from_millis(200);
     let mut polls = 50;
     while conntrackd_ask(conf, &["-s"]).is_err() {
         if polls == 0 {
-            return Err(format!(
-                "conntrackd -C {} did not answer within 10 s of its restart",
-                conf.display()
-            ));
+            return Err(RestartResyncError::NoAnswer {
+                conf: conf.to_path_buf(),
+            });
         }
         polls -= 1;
         std::thread::sleep(POLL);
@@ -605,9 +619,53 @@ fn resync_after_restart(conf: &Path) -> Result<(), String> {
     Ok(())
 }
 
+/// Why conntrackd did not resync after its restart ([`resync_after_restart`]).
+#[derive(Debug, thiserror::Error)]
+enum RestartResyncError {
+    /// It did not answer `-s` within 10 s.
+    #[error("conntrackd -C {} did not answer within 10 s of its restart", conf.display())]
+    NoAnswer { conf: PathBuf },
+    /// `-B` or `-n` failed.
+    #[error(transparent)]
+    Ask(#[from] ConntrackdAskError),
+}
+
+/// Why `conntrackd -C FILE ARGS` gave no answer ([`conntrackd_ask`]).
+#[derive(Debug, thiserror::Error)]
+enum ConntrackdAskError {
+    /// It could not be started.
+    #[error("cannot run conntrackd: {0}")]
+    Start(#[source] std::io::Error),
+    /// It did not end within [`STATS_TIMEOUT`] (it was killed).
+    #[error("conntrackd -C {} {args} did not answer in {} s", conf.display(), STATS_TIMEOUT.as_secs())]
+    Timeout { conf: PathBuf, args: String },
+    /// Waiting for it failed.
+    #[error("waiting for conntrackd {args}: {source}")]
+    Wait {
+        args: String,
+        #[source]
+        source: std::io::Error,
+    },
+    /// Its output could not be read.
+    #[error("reading conntrackd {args}: {source}")]
+    Read {
+        args: String,
+        #[source]
+        source: std::io::Error,
+    },
+    /// It failed: its exit status and stderr (trimmed).
+    #[error("conntrackd -C {} {args}: {status} {stderr}", conf.display())]
+    Failed {
+        conf: PathBuf,
+        args: String,
+        status: std::process::ExitStatus,
+        stderr: String,
+    },
+}
+
 /// `conntrackd -C FILE ARGS`, bounded by [`STATS_TIMEOUT`]: its stdout and
 /// stderr; an error when it could not run, timed out or failed.
-fn conntrackd_ask(conf: &Path, args: &[&str]) -> Result<(String, String), String> {
+fn conntrackd_ask(conf: &Path, args: &[&str]) -> Result<(String, String), ConntrackdAskError> {
     let mut child = Command::new("conntrackd")
         .arg("-C")
         .arg(conf)
@@ -616,7 +674,7 @@ fn conntrackd_ask(conf: &Path, args: &[&str]) -> Result<(String, String), String
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
-        .map_err(|e| format!("cannot run conntrackd: {e}"))?;
+        .map_err(ConntrackdAskError::Start)?;
     // Polled, not timed: a blocking thread, and the clock stays tokio's.
     const POLL: Duration = Duration::from_millis(20);
     let mut polls = STATS_TIMEOUT.as_millis() / POLL.as_millis();
@@ -630,31 +688,36 @@ fn conntrackd_ask(conf: &Path, args: &[&str]) -> Result<(String, String), String
             Ok(None) => {
                 let _ = child.kill();
                 let _ = child.wait();
-                return Err(format!(
-                    "conntrackd -C {} {} did not answer in {} s",
-                    conf.display(),
-                    args.join(" "),
-                    STATS_TIMEOUT.as_secs()
-                ));
+                return Err(ConntrackdAskError::Timeout {
+                    conf: conf.to_path_buf(),
+                    args: args.join(" "),
+                });
             }
-            Err(e) => return Err(format!("waiting for conntrackd {}: {e}", args.join(" "))),
+            Err(source) => {
+                return Err(ConntrackdAskError::Wait {
+                    args: args.join(" "),
+                    source,
+                });
+            }
         }
     }
     let out = child
         .wait_with_output()
-        .map_err(|e| format!("reading conntrackd {}: {e}", args.join(" ")))?;
+        .map_err(|source| ConntrackdAskError::Read {
+            args: args.join(" "),
+            source,
+        })?;
     let (stdout, stderr) = (
         String::from_utf8_lossy(&out.stdout).into_owned(),
         String::from_utf8_lossy(&out.stderr).into_owned(),
     );
     if !out.status.success() {
-        return Err(format!(
-            "conntrackd -C {} {}: {} {}",
-            conf.display(),
-            args.join(" "),
-            out.status,
-            stderr.trim()
-        ));
+        return Err(ConntrackdAskError::Failed {
+            conf: conf.to_path_buf(),
+            args: args.join(" "),
+            status: out.status,
+            stderr: stderr.trim().to_string(),
+        });
     }
     Ok((stdout, stderr))
 }
@@ -664,7 +727,7 @@ fn build_report(
     config: &Config,
     recorded: &BTreeMap<u32, Recorded>,
     states: &BTreeMap<u32, bool>,
-    stats: Result<Stats, String>,
+    stats: Result<Stats, ConntrackdStatsError>,
     error: Option<String>,
 ) -> (SyncStatus, Stats) {
     let instances = conntrackd::vrids(config)
@@ -689,7 +752,7 @@ fn build_report(
         .collect();
     let (up, err, s) = match stats {
         Ok(s) => (true, None, s),
-        Err(e) => (false, Some(e), Stats::default()),
+        Err(e) => (false, Some(e.to_string()), Stats::default()),
     };
     let report = SyncStatus {
         conntrackd_up: up,

@@ -55,6 +55,9 @@ pub const HOST_VIEW_MAX_AGE: Duration = Duration::from_secs(1);
 
 /// What the loop does I/O with.
 pub trait Net {
+    /// Why the interface, its address or the host could not be set up,
+    /// read or put back.
+    type Error: std::fmt::Display + Send;
     /// Sends to 255.255.255.255:67 on the interface.
     fn broadcast(&mut self, packet: &[u8]) -> impl Future<Output = std::io::Result<()>> + Send;
     /// Sends to `server:67` from the leased address.
@@ -69,12 +72,39 @@ pub trait Net {
     fn set_address(
         &mut self,
         address: Option<(Ipv4Addr, u8)>,
-    ) -> impl Future<Output = Result<(), String>> + Send;
+    ) -> impl Future<Output = Result<(), Self::Error>> + Send;
     /// The host's addresses and gateways, for judging an offer.
-    fn host_view(&mut self) -> impl Future<Output = Result<HostView, String>> + Send;
+    fn host_view(&mut self) -> impl Future<Output = Result<HostView, Self::Error>> + Send;
     /// Reads back the interface and the address last set, and puts back
     /// what differs; names what was put back (empty: nothing differed).
-    fn repair(&mut self) -> impl Future<Output = Result<Vec<String>, String>> + Send;
+    fn repair(&mut self) -> impl Future<Output = Result<Vec<String>, Self::Error>> + Send;
+}
+
+/// Why the client's macvlan interface, its address or its sockets could not
+/// be set up, read or put back (`HostNet`'s [`Net::Error`]).
+#[derive(Debug, thiserror::Error)]
+pub enum HostNetError {
+    /// The interface or its address: netlink.
+    #[error(transparent)]
+    Link(#[from] super::link::LinkError),
+    /// The socket on the interface for the broadcasts.
+    #[error("cannot bind 0.0.0.0:68 on {interface}: {source}")]
+    BindInterface {
+        /// The macvlan interface.
+        interface: String,
+        /// The socket's error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The socket on the leased address for the unicasts.
+    #[error("cannot bind {address}:68: {source}")]
+    BindAddress {
+        /// The leased address.
+        address: Ipv4Addr,
+        /// The socket's error.
+        #[source]
+        source: std::io::Error,
+    },
 }
 
 /// Who the client works for, and where it reports.
@@ -247,6 +277,7 @@ async fn repair<N: Net>(net: &mut N, ctx: &Ctx) {
             }
         }
         Err(e) => {
+            let e = e.to_string();
             if error.as_deref() != Some(e.as_str()) {
                 tracing::error!(load_balancer = %ctx.name, error = %e, "cannot put back the VIP's macvlan interface or leased address; the VIP may not answer; retrying every 10 s");
             }
@@ -360,6 +391,8 @@ struct HostNet {
 }
 
 impl Net for HostNet {
+    type Error = HostNetError;
+
     async fn broadcast(&mut self, packet: &[u8]) -> std::io::Result<()> {
         self.any
             .send_to(packet, (Ipv4Addr::BROADCAST, SERVER_PORT))
@@ -393,70 +426,53 @@ impl Net for HostNet {
         }
     }
 
-    async fn set_address(&mut self, address: Option<(Ipv4Addr, u8)>) -> Result<(), String> {
+    async fn set_address(&mut self, address: Option<(Ipv4Addr, u8)>) -> Result<(), HostNetError> {
         self.address = address;
         if let Some(old) = self.leased.take()
             && let Ok(std::net::SocketAddr::V4(a)) = old.local_addr()
         {
-            self.link
-                .remove_address(*a.ip())
-                .await
-                .map_err(|e| e.to_string())?;
+            self.link.remove_address(*a.ip()).await?;
         }
         if let Some((a, prefix)) = address {
-            self.link
-                .add_address(a, prefix)
-                .await
-                .map_err(|e| e.to_string())?;
-            self.leased =
-                Some(socket::on_address(a).map_err(|e| format!("cannot bind {a}:68: {e}"))?);
+            self.link.add_address(a, prefix).await?;
+            self.leased = Some(
+                socket::on_address(a)
+                    .map_err(|source| HostNetError::BindAddress { address: a, source })?,
+            );
         }
         Ok(())
     }
 
-    async fn host_view(&mut self) -> Result<HostView, String> {
-        self.link.host_view().await.map_err(|e| e.to_string())
+    async fn host_view(&mut self) -> Result<HostView, HostNetError> {
+        Ok(self.link.host_view().await?)
     }
 
-    async fn repair(&mut self) -> Result<Vec<String>, String> {
+    async fn repair(&mut self) -> Result<Vec<String>, HostNetError> {
         let mut repaired = Vec::new();
-        if let Some(what) = self
-            .link
-            .differs(&self.parent, self.mac)
-            .await
-            .map_err(|e| e.to_string())?
-        {
+        if let Some(what) = self.link.differs(&self.parent, self.mac).await? {
             // Made again whole (`create` removes what has the name), the
             // sockets bound to the new interface, the address put back.
-            let link = Macvlan::create(&self.parent, self.mac)
-                .await
-                .map_err(|e| e.to_string())?;
-            self.any = socket::on_interface(&link.name)
-                .map_err(|e| format!("cannot bind 0.0.0.0:68 on {}: {e}", link.name))?;
+            let link = Macvlan::create(&self.parent, self.mac).await?;
+            self.any =
+                socket::on_interface(&link.name).map_err(|source| HostNetError::BindInterface {
+                    interface: link.name.clone(),
+                    source,
+                })?;
             self.link = link;
             self.leased = None;
             repaired.push(what);
         }
         if let Some((a, prefix)) = self.address {
-            if let Some(what) = self
-                .link
-                .address_differs(a, prefix)
-                .await
-                .map_err(|e| e.to_string())?
-            {
-                self.link
-                    .remove_address(a)
-                    .await
-                    .map_err(|e| e.to_string())?;
-                self.link
-                    .add_address(a, prefix)
-                    .await
-                    .map_err(|e| e.to_string())?;
+            if let Some(what) = self.link.address_differs(a, prefix).await? {
+                self.link.remove_address(a).await?;
+                self.link.add_address(a, prefix).await?;
                 repaired.push(what);
             }
             if self.leased.is_none() {
-                self.leased =
-                    Some(socket::on_address(a).map_err(|e| format!("cannot bind {a}:68: {e}"))?);
+                self.leased = Some(
+                    socket::on_address(a)
+                        .map_err(|source| HostNetError::BindAddress { address: a, source })?,
+                );
             }
         }
         Ok(repaired)
@@ -556,12 +572,12 @@ pub async fn run(ctx: Ctx, stop: CancellationToken, ending: Arc<Ending>) {
     }
 }
 
-async fn setup(ctx: &Ctx) -> Result<HostNet, String> {
-    let link = Macvlan::create(&ctx.spec.interface, ctx.spec.mac)
-        .await
-        .map_err(|e| e.to_string())?;
-    let any = socket::on_interface(&link.name)
-        .map_err(|e| format!("cannot bind 0.0.0.0:68 on {}: {e}", link.name))?;
+async fn setup(ctx: &Ctx) -> Result<HostNet, HostNetError> {
+    let link = Macvlan::create(&ctx.spec.interface, ctx.spec.mac).await?;
+    let any = socket::on_interface(&link.name).map_err(|source| HostNetError::BindInterface {
+        interface: link.name.clone(),
+        source,
+    })?;
     Ok(HostNet {
         link,
         parent: ctx.spec.interface.clone(),
@@ -650,6 +666,7 @@ mod tests {
     }
 
     impl Net for FakeNet {
+        type Error = String;
         async fn broadcast(&mut self, p: &[u8]) -> std::io::Result<()> {
             self.record(p, true);
             Ok(())

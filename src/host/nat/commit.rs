@@ -14,7 +14,7 @@ use super::read_back::our_tables_now;
 
 /// Runs `nft` with `args`, `input` on its stdin (see [`crate::host::nft::run`]).
 pub(super) fn run(what: &'static str, args: &[&str], input: &[u8]) -> Result<String, NftError> {
-    crate::host::nft::run(args, input).map_err(|detail| NftError::new(what, detail))
+    crate::host::nft::run(args, input).map_err(|detail| NftError::new(what, detail.to_string()))
 }
 
 /// Applies one transaction document (atomic: all of it or nothing).

@@ -130,6 +130,7 @@ impl ForwardChains {
                     found
                 }
                 Ok(Err(e)) => {
+                    let e = e.to_string();
                     let mut said = self.read_error.lock().unwrap_or_else(|e| e.into_inner());
                     if said.as_deref() != Some(e.as_str()) {
                         tracing::warn!(
@@ -181,17 +182,40 @@ impl ForwardChains {
     }
 }
 
+/// Why the host's forward chains could not be read.
+#[derive(Debug, thiserror::Error)]
+enum ForwardChainsReadError {
+    /// The forward base chains could not be dumped over netlink.
+    #[error("the host's chains over netlink: {0}")]
+    Netlink(#[source] std::io::Error),
+    /// `nft -j list table` failed for one table.
+    #[error(transparent)]
+    Nft(#[from] crate::host::nft::NftCommandError),
+    /// One table's listing was not JSON.
+    #[error("nft -j list table {family} {table}: {source}")]
+    NotJson {
+        family: &'static str,
+        table: String,
+        #[source]
+        source: serde_json::Error,
+    },
+}
+
 /// The forward base chains over netlink, then each other table that has
 /// one with `nft -j list table` (cheap: nft lists that table alone): the
 /// chains that drop DNATed traffic.
-fn read_blocking_chains() -> Result<Vec<Blocking>, String> {
-    let chains = crate::host::nat::forward_base_chains()
-        .map_err(|e| format!("the host's chains over netlink: {e}"))?;
+fn read_blocking_chains() -> Result<Vec<Blocking>, ForwardChainsReadError> {
+    let chains =
+        crate::host::nat::forward_base_chains().map_err(ForwardChainsReadError::Netlink)?;
     let mut found = Vec::new();
     for (family, table) in forward_tables(&chains) {
         let listed = crate::host::nft::run(&["-j", "list", "table", family, &table], b"")?;
-        let listed: Value = serde_json::from_str(&listed)
-            .map_err(|e| format!("nft -j list table {family} {table}: {e}"))?;
+        let listed: Value =
+            serde_json::from_str(&listed).map_err(|source| ForwardChainsReadError::NotJson {
+                family,
+                table: table.clone(),
+                source,
+            })?;
         found.extend(blocking_in_table(&listed));
     }
     Ok(found)

@@ -59,10 +59,11 @@ pub fn read_back() -> Result<TableObjects, NftError> {
     let mut objects = TableObjects::default();
     for shard in our_tables_now()? {
         // Gone between the two calls: nothing to read.
-        if let Some(listed) =
-            crate::host::nft::list_inet_table(&shard.table()).map_err(read_failed)?
+        if let Some(listed) = crate::host::nft::list_inet_table(&shard.table())
+            .map_err(|e| read_failed(e.to_string()))?
         {
-            parse_listing(shard, &listed, &mut objects).map_err(read_failed)?;
+            parse_listing(shard, &listed, &mut objects)
+                .map_err(|e| read_failed(format!("cannot parse nft's listing: {e}")))?;
         }
     }
     Ok(objects)
@@ -71,9 +72,12 @@ pub fn read_back() -> Result<TableObjects, NftError> {
 /// The objects of a `nft -j list table` answer for table `shard`, into
 /// `objects`. Read as plain JSON: the crate's schema has no verdict map
 /// type, so it cannot read our own table.
-fn parse_listing(shard: Shard, listed: &str, objects: &mut TableObjects) -> Result<(), String> {
-    let doc: serde_json::Value =
-        serde_json::from_str(listed).map_err(|e| format!("cannot parse nft's listing: {e}"))?;
+fn parse_listing(
+    shard: Shard,
+    listed: &str,
+    objects: &mut TableObjects,
+) -> Result<(), serde_json::Error> {
+    let doc: serde_json::Value = serde_json::from_str(listed)?;
     objects.tables.insert(shard);
     for o in doc["nftables"].as_array().into_iter().flatten() {
         let name = |kind: &str| {

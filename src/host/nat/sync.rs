@@ -403,7 +403,7 @@ fn nat_digest() -> Result<Option<u64>, NftError> {
     let mut h: Option<u64> = None;
     for shard in read_back::our_tables_now()? {
         let Some(listed) = crate::host::nft::list_inet_table(&shard.table())
-            .map_err(|e| NftError::new("read", e))?
+            .map_err(|e| NftError::new("read", e.to_string()))?
         else {
             continue;
         };
@@ -430,7 +430,7 @@ fn nat_digest() -> Result<Option<u64>, NftError> {
             }
         }
         let print = crate::host::owned::Fingerprint::of_nft_json(&doc.to_string())
-            .map_err(|e| NftError::new("read", e))?;
+            .map_err(|e| NftError::new("read", e.to_string()))?;
         let d = print.digest() ^ crate::host::owned::adopt::digest(shard.table().as_bytes());
         h = Some(h.map_or(d, |h| h.wrapping_mul(0x0100_0000_01b3) ^ d));
     }

@@ -73,6 +73,7 @@
 use std::fmt;
 use std::time::Duration;
 
+use crate::host::nft::NftListingError;
 use crate::metrics::{HostKind, HostRepairs};
 
 pub mod adopt;
@@ -94,12 +95,12 @@ pub struct Fingerprint(Vec<String>);
 impl Fingerprint {
     /// The fingerprint of `nft -j list …` output: every object but
     /// `metainfo`, without its `handle`, a set's `elem` sorted.
-    pub fn of_nft_json(text: &str) -> Result<Self, String> {
+    pub fn of_nft_json(text: &str) -> Result<Self, NftListingError> {
         let doc: serde_json::Value =
-            serde_json::from_str(text).map_err(|e| format!("nft's listing is not JSON: {e}"))?;
+            serde_json::from_str(text).map_err(NftListingError::NotJson)?;
         let objects = doc["nftables"]
             .as_array()
-            .ok_or("nft's listing has no \"nftables\" array")?;
+            .ok_or(NftListingError::NoNftablesArray)?;
         let mut parts = Vec::with_capacity(objects.len());
         for object in objects {
             let mut object = object.clone();

@@ -94,12 +94,8 @@ impl VipGuard {
             ours.extend(keepalived_held(&config, h));
         }
         let passed = self.check_results().passed.clone();
-        let mut refusals = refusals(
-            &config,
-            host.as_ref().map_err(ToString::to_string),
-            &ours,
-            &passed,
-        );
+        let host_read = host.as_ref().map_err(|e| e as &dyn std::fmt::Display);
+        let mut refusals = refusals(&config, host_read, &ours, &passed);
         refusals.extend(missing_network_interfaces(&config).await);
         if host.is_ok() {
             self.check_results().passed = config
@@ -241,7 +237,7 @@ async fn read_host() -> Result<HostNet, crate::host::announce::routes::AnnounceE
 /// and `passed` the VIPs the last check that read the host let through.
 fn refusals(
     config: &Config,
-    host: Result<&HostNet, String>,
+    host: Result<&HostNet, &dyn std::fmt::Display>,
     ours: &BTreeSet<IpAddr>,
     passed: &BTreeSet<IpAddr>,
 ) -> Vec<VipRefusal> {
@@ -345,16 +341,16 @@ mod tests {
     fn an_unreadable_host_refuses_only_what_would_be_announced_and_never_passed() {
         let none = BTreeSet::new();
         let plain = config(LBS);
-        assert!(refusals(&plain, Err("no netlink".into()), &none, &none).is_empty());
+        assert!(refusals(&plain, Err(&"no netlink"), &none, &none).is_empty());
         let announcing = config(&format!(
             "[vip]\nannounce = \"routes\"\nannounce_prefixes = [\"192.0.2.0/24\", \"198.51.100.0/24\", \"203.0.113.0/24\"]\n{LBS}"
         ));
-        let r = refusals(&announcing, Err("no netlink".into()), &none, &none);
+        let r = refusals(&announcing, Err(&"no netlink"), &none, &none);
         assert_eq!(r.len(), 4, "every VIP but the loopback one: {r:?}");
         assert!(r.iter().all(|r| r.kind == "unchecked"));
         // A failed read at a reload keeps what passed the last check.
         let passed: BTreeSet<IpAddr> = ["203.0.113.5".parse().unwrap()].into();
-        let r = refusals(&announcing, Err("ENOBUFS".into()), &none, &passed);
+        let r = refusals(&announcing, Err(&"ENOBUFS"), &none, &passed);
         assert_eq!(r.len(), 3, "{r:?}");
         assert!(r.iter().all(|r| r.vip != passed.first().copied().unwrap()));
     }

@@ -108,7 +108,26 @@ pub enum HandoffError {
     Conntrackd(#[from] conntrackd::ConntrackdError),
     /// conntrackd restarted but did not take `-B`/`-n`.
     #[error("after conntrackd.restart_command: {0}")]
-    Resync(String),
+    Resync(#[source] ResyncError),
+}
+
+/// Why conntrackd did not resync after its restart (`resync`).
+#[derive(Debug, thiserror::Error)]
+pub enum ResyncError {
+    /// It did not answer `-s` within 10 s.
+    #[error("conntrackd -C {} did not answer within 10 s of its restart", conf.display())]
+    NoAnswer {
+        /// Its configuration file.
+        conf: PathBuf,
+    },
+    /// `-B` or `-n` failed.
+    #[error("conntrackd -C {} {option} failed", conf.display())]
+    Refused {
+        /// Its configuration file.
+        conf: PathBuf,
+        /// The option it did not take.
+        option: &'static str,
+    },
 }
 
 /// Run as root (`harvester-lb vrrp-install`): renders keepalived's and
@@ -181,7 +200,7 @@ pub fn install(config: &Config, from: &Path) -> Result<(Outcome, Outcome), Hando
 
 /// After a restart: waits (10 s at most) for conntrackd to answer, then
 /// `-B` and `-n` (its caches start empty; see the daemon's own resync).
-fn resync(conf: &Path) -> Result<(), String> {
+fn resync(conf: &Path) -> Result<(), ResyncError> {
     let ask = |args: &[&str]| {
         Command::new("conntrackd")
             .arg("-C")
@@ -196,21 +215,19 @@ fn resync(conf: &Path) -> Result<(), String> {
     let mut polls = 50;
     while !ask(&["-s"]) {
         if polls == 0 {
-            return Err(format!(
-                "conntrackd -C {} did not answer within 10 s of its restart",
-                conf.display()
-            ));
+            return Err(ResyncError::NoAnswer {
+                conf: conf.to_path_buf(),
+            });
         }
         polls -= 1;
         std::thread::sleep(std::time::Duration::from_millis(200));
     }
     for args in [["-B"], ["-n"]] {
         if !ask(&args) {
-            return Err(format!(
-                "conntrackd -C {} {} failed",
-                conf.display(),
-                args[0]
-            ));
+            return Err(ResyncError::Refused {
+                conf: conf.to_path_buf(),
+                option: args[0],
+            });
         }
     }
     Ok(())

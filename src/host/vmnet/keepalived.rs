@@ -406,7 +406,7 @@ pub enum KeepalivedError {
         /// The pid file.
         path: String,
         /// What the process is (its `comm`, or why it could not be read).
-        what: String,
+        what: NotKeepalivedProcess,
     },
     /// `kill(pid, SIGHUP)` failed.
     #[error("cannot send SIGHUP to keepalived (pid {pid} from {path}): {source}")]
@@ -424,7 +424,8 @@ pub enum KeepalivedError {
         /// The command.
         command: Vec<String>,
         /// Its exit or spawn error and output.
-        why: String,
+        #[source]
+        why: crate::host::ConfiguredCommandError,
     },
 }
 
@@ -550,15 +551,39 @@ fn reload(settings: &KeepalivedSettings) -> Result<(), KeepalivedError> {
 /// (`"sleep"`), or why that cannot be told (no such process, `/proc`
 /// hidden): a process that cannot be shown to be keepalived is never
 /// signalled.
-fn is_keepalived(pid: i32) -> Result<(), String> {
+fn is_keepalived(pid: i32) -> Result<(), NotKeepalivedProcess> {
     let comm = std::fs::read_to_string(format!("/proc/{pid}/comm"))
-        .map_err(|e| format!("a process whose /proc/{pid}/comm cannot be read ({e})"))?;
+        .map_err(|source| NotKeepalivedProcess::Unreadable { pid, source })?;
     let comm = comm.trim_end_matches('\n');
     if comm == "keepalived" {
         Ok(())
     } else {
-        Err(format!("{comm:?}"))
+        Err(NotKeepalivedProcess::Other {
+            comm: comm.to_string(),
+        })
     }
+}
+
+/// What a pid file's process is instead of keepalived, or why that cannot
+/// be told (`is_keepalived`).
+#[derive(Debug, thiserror::Error)]
+pub enum NotKeepalivedProcess {
+    /// Its `/proc/<pid>/comm` cannot be read (no such process, `/proc`
+    /// hidden).
+    #[error("a process whose /proc/{pid}/comm cannot be read ({source})")]
+    Unreadable {
+        /// The pid.
+        pid: i32,
+        /// Why the file could not be read.
+        #[source]
+        source: std::io::Error,
+    },
+    /// Another program (its `comm`, quoted: `"sleep"`).
+    #[error("{comm:?}")]
+    Other {
+        /// The process's `comm`.
+        comm: String,
+    },
 }
 
 #[cfg(test)]
@@ -990,7 +1015,7 @@ mod tests {
         std::fs::write(&k.pid_file, format!("{}\n", sleep.id())).unwrap();
         let err = install(k, "a\n", false).unwrap_err();
         assert!(
-            matches!(err, KeepalivedError::NotKeepalived { ref what, .. } if what == "\"sleep\""),
+            matches!(err, KeepalivedError::NotKeepalived { ref what, .. } if what.to_string() == "\"sleep\""),
             "{err:?}"
         );
         assert!(err.to_string().contains("not keepalived"), "{err}");

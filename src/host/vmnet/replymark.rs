@@ -331,8 +331,22 @@ pub enum ReplyMarkError {
     },
 }
 
-fn nft_failed(what: &'static str, detail: String) -> ReplyMarkError {
-    ReplyMarkError::Nft { what, detail }
+fn nft_failed(what: &'static str, detail: impl std::fmt::Display) -> ReplyMarkError {
+    ReplyMarkError::Nft {
+        what,
+        detail: detail.to_string(),
+    }
+}
+
+/// Why an `nft` call run off the async threads did not do its work.
+#[derive(Debug, thiserror::Error)]
+enum NftTaskError {
+    /// `nft` failed.
+    #[error(transparent)]
+    Nft(#[from] crate::host::nft::NftCommandError),
+    /// The blocking task panicked or was cancelled.
+    #[error("the `nft` task stopped: {0}")]
+    Stopped(#[source] tokio::task::JoinError),
 }
 
 fn rule_message(v6: bool, mark: u32, table: Option<u32>) -> RuleMessage {
@@ -356,11 +370,12 @@ fn rule_message(v6: bool, mark: u32, table: Option<u32>) -> RuleMessage {
 
 /// Runs `f` (which runs `nft`) off the async threads.
 async fn blocking<T: Send + 'static>(
-    f: impl FnOnce() -> Result<T, String> + Send + 'static,
-) -> Result<T, String> {
-    tokio::task::spawn_blocking(f)
-        .await
-        .unwrap_or_else(|e| Err(format!("the `nft` task stopped: {e}")))
+    f: impl FnOnce() -> Result<T, crate::host::nft::NftCommandError> + Send + 'static,
+) -> Result<T, NftTaskError> {
+    match tokio::task::spawn_blocking(f).await {
+        Ok(done) => Ok(done?),
+        Err(e) => Err(NftTaskError::Stopped(e)),
+    }
 }
 
 impl Backend for ReplyMarks {

@@ -401,17 +401,19 @@ impl Owned for VmnetFilterTable<'_> {
             what: "read back",
             detail,
         };
-        match crate::host::nft::list_inet_table(TABLE).map_err(fail)? {
-            Some(listed) => Fingerprint::of_nft_json(&listed).map(Some).map_err(fail),
+        match crate::host::nft::list_inet_table(TABLE).map_err(|e| fail(e.to_string()))? {
+            Some(listed) => Fingerprint::of_nft_json(&listed)
+                .map(Some)
+                .map_err(|e| fail(e.to_string())),
             None => Ok(None),
         }
     }
     fn write(&self) -> Result<(), GuardError> {
         crate::host::nft::run(&["-f", "-"], self.0.render().as_bytes())
             .map(drop)
-            .map_err(|detail| GuardError {
+            .map_err(|e| GuardError {
                 what: "write",
-                detail,
+                detail: e.to_string(),
             })
     }
     fn identity(&self) -> Option<(&str, u64)> {
@@ -428,9 +430,9 @@ fn delete() -> Result<(), GuardError> {
     let text = format!("add table inet {TABLE}\ndelete table inet {TABLE}\n");
     crate::host::nft::run(&["-f", "-"], text.as_bytes())
         .map(drop)
-        .map_err(|detail| GuardError {
+        .map_err(|e| GuardError {
             what: "delete",
-            detail,
+            detail: e.to_string(),
         })
 }
 
