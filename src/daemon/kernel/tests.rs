@@ -1,4 +1,8 @@
+use super::blocked::{
+    bridge_stage_of, forwarding_of, own_bridge_stage_of, pack_bridge_stage, pack_forwarding,
+};
 use super::*;
+use crate::os::Sysctl;
 
 /// The bridge-stage bits (the sysctl's and the bridges' own switches,
 /// per family) and the forwarding bits do not overlap: a bridge's own
