@@ -33,6 +33,7 @@ mod cross;
 mod dhcp;
 mod health;
 mod hosts;
+mod keepalived;
 mod kernel;
 mod load_balancer;
 mod locate;
