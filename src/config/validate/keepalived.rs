@@ -5,6 +5,9 @@
 //! VIPs keepalived moves that is not a network; `vmnet` checks the
 //! `[[network]]`s and how load balancers sit on them.
 
+use std::net::IpAddr;
+use std::ops::Range;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use toml::Spanned;
@@ -36,32 +39,7 @@ impl Validator<'_> {
         let span = table.span();
         let k: &FileKeepalived = table.get_ref();
         let key = "keepalived";
-        let name = match &k.name {
-            None => {
-                self.missing(
-                    span.clone(),
-                    key,
-                    "name",
-                    "this host's name, keepalived's router_id",
-                );
-                None
-            }
-            Some(n) => {
-                let s = n.get_ref();
-                if s.is_empty() || s.len() > MAX_ROUTER_ID_BYTES {
-                    self.problem(
-                        Some(n.span()),
-                        "keepalived.name",
-                        format!("{s:?} is not a host name (1..={MAX_ROUTER_ID_BYTES} bytes, no spaces, quotes or braces)"),
-                    );
-                    None
-                } else if self.conf_word(n, "keepalived.name") {
-                    Some(s.clone())
-                } else {
-                    None
-                }
-            }
-        };
+        let name = self.keepalived_name(k, &span);
         let address = match &k.address {
             None => {
                 self.missing(span.clone(), key, "address", "this host's address on the management network, which VRRP adverts are sent from");
@@ -87,42 +65,7 @@ impl Validator<'_> {
             }
             Some(i) => self.rendered_interface(i, format_args!("keepalived.interface")),
         };
-        let mut peers = Vec::new();
-        match &k.peers {
-            None => self.missing(
-                span.clone(),
-                key,
-                "peers",
-                "the other hosts' management addresses, e.g. [\"192.168.0.12\"]",
-            ),
-            Some(list) => {
-                let values = list.get_ref();
-                if values.is_empty() {
-                    self.problem(Some(list.span()), "keepalived.peers", "is empty; list the other hosts' management addresses (VRRP with no peer moves nothing)".into());
-                }
-                if values.len() > MAX_KEEPALIVED_PEERS {
-                    self.problem(Some(list.span()), "keepalived.peers", format!("{} peers; at most {MAX_KEEPALIVED_PEERS} (priorities are rotated over the hosts in steps of 10 below 250)", values.len()));
-                }
-                for (j, v) in values.iter().enumerate() {
-                    let pkey = format!("keepalived.peers[{j}]");
-                    let Some(ip) = self.ip(v, format_args!("{pkey}")) else {
-                        continue;
-                    };
-                    if let Some(why) = host_address_problem(ip) {
-                        self.problem(Some(v.span()), &pkey, format!("{ip} cannot be a peer's management address: it is {why}; list the other hosts' own unicast addresses, e.g. \"192.168.0.12\""));
-                    } else if Some(ip) == address {
-                        self.problem(Some(v.span()), &pkey, format!("{ip} is keepalived.address, this host's own; list only the other hosts"));
-                    } else if peers.contains(&ip) {
-                        self.problem(Some(v.span()), &pkey, format!("{ip} is listed twice"));
-                    } else if address.is_some_and(|a| a.is_ipv4() != ip.is_ipv4()) {
-                        self.problem(Some(v.span()), &pkey, format!("{ip} is not of keepalived.address's family; unicast VRRP needs one family"));
-                    } else {
-                        peers.push(ip);
-                    }
-                }
-            }
-        }
-        peers.sort();
+        let peers = self.keepalived_peers(k, &span, address);
         let hosts = peers.len() + 1;
         let instances = self.int(
             &k.instances,
@@ -167,56 +110,9 @@ impl Validator<'_> {
             DEFAULT_KEEPALIVED_PID_FILE,
         );
         self.track_script_socket(file);
-        let management_gateway = k.management_gateway.as_ref().and_then(|g| {
-            let gkey = "keepalived.management_gateway";
-            let ip = self.ip(g, format_args!("{gkey}"))?;
-            let why = if let Some(why) = host_address_problem(ip) {
-                format!("it is {why}")
-            } else if Some(ip) == address {
-                "it is keepalived.address, this host's own (the check would always succeed)".into()
-            } else if peers.contains(&ip) {
-                "it is a peer in keepalived.peers, which the check pings anyway".into()
-            } else if address.is_some_and(|a| a.is_ipv4() != ip.is_ipv4()) {
-                "it is not of keepalived.address's family".into()
-            } else {
-                return Some(ip);
-            };
-            self.problem(Some(g.span()), gkey, format!("{ip} cannot be the management network's gateway: {why}; write the router this host reaches on keepalived.interface, or leave the key out to use the default route's gateway through it"));
-            None
-        });
-        let management_check_script = match &k.management_check_script {
-            None => config_path.with_file_name(DEFAULT_MANAGEMENT_CHECK_SCRIPT),
-            some => self.abs_path(
-                some,
-                "keepalived.management_check_script",
-                "/etc/keepalived/harvester-lb-management-check",
-            ),
-        };
-        if let Some(s) = &k.management_check_script
-            && let Some(c) = s
-                .get_ref()
-                .chars()
-                .find(|c| matches!(c, '\'' | '"' | '\\' | ' ') || c.is_control())
-        {
-            self.problem(
-                Some(s.span()),
-                "keepalived.management_check_script",
-                format!("{:?} holds {c:?}, which keepalived's script line cannot carry as one word; choose a path without spaces, quotes, backslashes or control characters", s.get_ref()),
-            );
-        }
-        let reload_command = k.reload_command.as_ref().and_then(|c| {
-            let words: Vec<String> = c.get_ref().iter().map(|w| w.get_ref().clone()).collect();
-            if words.first().is_none_or(|w| !w.starts_with('/')) || words.iter().any(|w| w.contains('\0')) {
-                self.problem(
-                    Some(c.span()),
-                    "keepalived.reload_command",
-                    format!("{words:?} is not a command; write its words with an absolute program path first, e.g. [\"/usr/bin/systemctl\", \"reload\", \"keepalived\"]"),
-                );
-                None
-            } else {
-                Some(words)
-            }
-        });
+        let management_gateway = self.management_gateway(k, address, &peers);
+        let management_check_script = self.management_check_script(k, &config_path);
+        let reload_command = self.reload_command(k);
         let management_vips = k
             .management_vips
             .as_ref()
@@ -243,6 +139,157 @@ impl Validator<'_> {
             management_vips,
             ready_requires_backend,
             management_table,
+        })
+    }
+
+    /// `keepalived.name`, keepalived's `router_id`.
+    fn keepalived_name(&mut self, k: &FileKeepalived, span: &Range<usize>) -> Option<String> {
+        let key = "keepalived";
+        let span = span.clone();
+        match &k.name {
+            None => {
+                self.missing(
+                    span.clone(),
+                    key,
+                    "name",
+                    "this host's name, keepalived's router_id",
+                );
+                None
+            }
+            Some(n) => {
+                let s = n.get_ref();
+                if s.is_empty() || s.len() > MAX_ROUTER_ID_BYTES {
+                    self.problem(
+                        Some(n.span()),
+                        "keepalived.name",
+                        format!("{s:?} is not a host name (1..={MAX_ROUTER_ID_BYTES} bytes, no spaces, quotes or braces)"),
+                    );
+                    None
+                } else if self.conf_word(n, "keepalived.name") {
+                    Some(s.clone())
+                } else {
+                    None
+                }
+            }
+        }
+    }
+
+    /// `keepalived.peers`, sorted: the other hosts' management addresses,
+    /// each a unicast address of `address`'s family, listed once.
+    fn keepalived_peers(
+        &mut self,
+        k: &FileKeepalived,
+        span: &Range<usize>,
+        address: Option<IpAddr>,
+    ) -> Vec<IpAddr> {
+        let key = "keepalived";
+        let span = span.clone();
+        let mut peers = Vec::new();
+        match &k.peers {
+            None => self.missing(
+                span.clone(),
+                key,
+                "peers",
+                "the other hosts' management addresses, e.g. [\"192.168.0.12\"]",
+            ),
+            Some(list) => {
+                let values = list.get_ref();
+                if values.is_empty() {
+                    self.problem(Some(list.span()), "keepalived.peers", "is empty; list the other hosts' management addresses (VRRP with no peer moves nothing)".into());
+                }
+                if values.len() > MAX_KEEPALIVED_PEERS {
+                    self.problem(Some(list.span()), "keepalived.peers", format!("{} peers; at most {MAX_KEEPALIVED_PEERS} (priorities are rotated over the hosts in steps of 10 below 250)", values.len()));
+                }
+                for (j, v) in values.iter().enumerate() {
+                    let pkey = format!("keepalived.peers[{j}]");
+                    let Some(ip) = self.ip(v, format_args!("{pkey}")) else {
+                        continue;
+                    };
+                    if let Some(why) = host_address_problem(ip) {
+                        self.problem(Some(v.span()), &pkey, format!("{ip} cannot be a peer's management address: it is {why}; list the other hosts' own unicast addresses, e.g. \"192.168.0.12\""));
+                    } else if Some(ip) == address {
+                        self.problem(Some(v.span()), &pkey, format!("{ip} is keepalived.address, this host's own; list only the other hosts"));
+                    } else if peers.contains(&ip) {
+                        self.problem(Some(v.span()), &pkey, format!("{ip} is listed twice"));
+                    } else if address.is_some_and(|a| a.is_ipv4() != ip.is_ipv4()) {
+                        self.problem(Some(v.span()), &pkey, format!("{ip} is not of keepalived.address's family; unicast VRRP needs one family"));
+                    } else {
+                        peers.push(ip);
+                    }
+                }
+            }
+        }
+        peers.sort();
+        peers
+    }
+
+    /// `keepalived.management_gateway`: a router on the management
+    /// network, neither this host nor a peer.
+    fn management_gateway(
+        &mut self,
+        k: &FileKeepalived,
+        address: Option<IpAddr>,
+        peers: &[IpAddr],
+    ) -> Option<IpAddr> {
+        k.management_gateway.as_ref().and_then(|g| {
+            let gkey = "keepalived.management_gateway";
+            let ip = self.ip(g, format_args!("{gkey}"))?;
+            let why = if let Some(why) = host_address_problem(ip) {
+                format!("it is {why}")
+            } else if Some(ip) == address {
+                "it is keepalived.address, this host's own (the check would always succeed)".into()
+            } else if peers.contains(&ip) {
+                "it is a peer in keepalived.peers, which the check pings anyway".into()
+            } else if address.is_some_and(|a| a.is_ipv4() != ip.is_ipv4()) {
+                "it is not of keepalived.address's family".into()
+            } else {
+                return Some(ip);
+            };
+            self.problem(Some(g.span()), gkey, format!("{ip} cannot be the management network's gateway: {why}; write the router this host reaches on keepalived.interface, or leave the key out to use the default route's gateway through it"));
+            None
+        })
+    }
+
+    /// `keepalived.management_check_script`: beside the config by
+    /// default; one word on keepalived's script line.
+    fn management_check_script(&mut self, k: &FileKeepalived, config_path: &Path) -> PathBuf {
+        let management_check_script = match &k.management_check_script {
+            None => config_path.with_file_name(DEFAULT_MANAGEMENT_CHECK_SCRIPT),
+            some => self.abs_path(
+                some,
+                "keepalived.management_check_script",
+                "/etc/keepalived/harvester-lb-management-check",
+            ),
+        };
+        if let Some(s) = &k.management_check_script
+            && let Some(c) = s
+                .get_ref()
+                .chars()
+                .find(|c| matches!(c, '\'' | '"' | '\\' | ' ') || c.is_control())
+        {
+            self.problem(
+                Some(s.span()),
+                "keepalived.management_check_script",
+                format!("{:?} holds {c:?}, which keepalived's script line cannot carry as one word; choose a path without spaces, quotes, backslashes or control characters", s.get_ref()),
+            );
+        }
+        management_check_script
+    }
+
+    /// `keepalived.reload_command`: words with an absolute program first.
+    fn reload_command(&mut self, k: &FileKeepalived) -> Option<Vec<String>> {
+        k.reload_command.as_ref().and_then(|c| {
+            let words: Vec<String> = c.get_ref().iter().map(|w| w.get_ref().clone()).collect();
+            if words.first().is_none_or(|w| !w.starts_with('/')) || words.iter().any(|w| w.contains('\0')) {
+                self.problem(
+                    Some(c.span()),
+                    "keepalived.reload_command",
+                    format!("{words:?} is not a command; write its words with an absolute program path first, e.g. [\"/usr/bin/systemctl\", \"reload\", \"keepalived\"]"),
+                );
+                None
+            } else {
+                Some(words)
+            }
         })
     }
 
