@@ -537,7 +537,8 @@ fn transport_block(c: &ConntrackdSettings) -> String {
 }
 
 /// The notify script's text for `config` (see the module's text);
-/// `None` without `[conntrackd]`.
+/// `None` without `[conntrackd]`. One function over 120 lines because
+/// most of it is the script's one template, read top to bottom as `sh` runs it.
 pub fn render_script(config: &Config) -> Option<String> {
     let c = config.conntrackd.as_ref()?;
     if anycast(config) {
