@@ -56,16 +56,20 @@ fn config_lines(out: &mut String, config: &Value, now_unix: f64) {
     }
 }
 
-/// Renders `/status` (as JSON text) as tables; `now_unix` ages the probes.
-pub fn render(status: &Value, now_unix: f64) -> String {
-    let mut out = String::new();
-    // Every cell through `text::escape`: a name holding `\n` or `ESC[8m`
-    // (from a guest cluster's objects) cannot add a row or hide one.
-    let text = |v: &Value| match v {
+/// A cell's text. Every cell goes through `text::escape`: a name holding
+/// `\n` or `ESC[8m` (from a guest cluster's objects) cannot add a row or
+/// hide one.
+fn text(v: &Value) -> String {
+    match v {
         Value::Null => "-".to_string(),
         Value::String(s) => harvester_lb::text::escape(s).into_owned(),
         other => harvester_lb::text::escape(&other.to_string()).into_owned(),
-    };
+    }
+}
+
+/// Renders `/status` (as JSON text) as tables; `now_unix` ages the probes.
+pub fn render(status: &Value, now_unix: f64) -> String {
+    let mut out = String::new();
     let ready = status["ready"].as_bool().unwrap_or(false);
     let _ = writeln!(
         out,
@@ -90,7 +94,32 @@ pub fn render(status: &Value, now_unix: f64) -> String {
     }
     let empty = Vec::new();
     config_lines(&mut out, &status["config"], now_unix);
-    // vip.announce = "routes": one line per VIP, announced or why not.
+    announce_lines(&mut out, status);
+    // Load balancers the VIP guard refused: not served at all, so they
+    // have no table of their own below.
+    for r in status["vip_refused"].as_array().unwrap_or(&empty) {
+        let _ = writeln!(
+            out,
+            "REFUSED {} (VIP {}, {}): {}",
+            text(&r["load_balancer"]),
+            text(&r["vip"]),
+            text(&r["kind"]),
+            text(&r["reason"])
+        );
+    }
+    let lbs = status["load_balancers"].as_array().unwrap_or(&empty);
+    if lbs.is_empty() {
+        let _ = writeln!(out, "no load balancers");
+    }
+    for lb in lbs {
+        load_balancer_tables(&mut out, lb, now_unix);
+    }
+    out
+}
+
+/// `vip.announce = "routes"`: one line per VIP, announced or why not.
+fn announce_lines(out: &mut String, status: &Value) {
+    let empty = Vec::new();
     if let Some(a) = status["announce"].as_object() {
         let _ = writeln!(
             out,
@@ -125,133 +154,119 @@ pub fn render(status: &Value, now_unix: f64) -> String {
             );
         }
     }
-    // Load balancers the VIP guard refused: not served at all, so they
-    // have no table of their own below.
-    for r in status["vip_refused"].as_array().unwrap_or(&empty) {
-        let _ = writeln!(
-            out,
-            "REFUSED {} (VIP {}, {}): {}",
-            text(&r["load_balancer"]),
-            text(&r["vip"]),
-            text(&r["kind"]),
-            text(&r["reason"])
-        );
-    }
-    let lbs = status["load_balancers"].as_array().unwrap_or(&empty);
-    if lbs.is_empty() {
-        let _ = writeln!(out, "no load balancers");
-    }
-    for lb in lbs {
-        let backends = lb["backends"].as_array().unwrap_or(&empty);
-        let _ = writeln!(out);
-        let mut head = vec![
-            row(&[
-                "LOAD BALANCER",
-                "CLUSTER",
-                "VIP",
-                "IPAM",
-                "ALGORITHM",
-                "CHECK",
-                "AFFINITY",
-                "ELIGIBLE",
-            ]),
-            vec![
-                text(&lb["name"]),
-                text(&lb["cluster"]),
-                text(&lb["vip"]),
-                text(&lb["ipam"]),
-                text(&lb["algorithm"]),
-                text(&lb["health_check_kind"]),
-                text(&lb["session_affinity"]),
-                format!("{}/{}", text(&lb["eligible_backends"]), backends.len()),
-            ],
-        ];
-        table(&mut out, "", &mut head);
-        let mut listeners = vec![row(&[
-            "LISTENER",
-            "ADDRESS",
-            "BACKEND PORT",
-            "PROTO",
-            "STATE",
-            "CONNS",
-            "ERROR",
-        ])];
-        for l in lb["listeners"].as_array().unwrap_or(&empty) {
-            listeners.push(vec![
-                text(&l["name"]),
-                text(&l["address"]),
-                text(&l["backend_port"]),
-                text(&l["protocol"]),
-                text(&l["state"]),
-                text(&l["active_connections"]),
-                text(&l["error"]),
-            ]);
-        }
-        table(&mut out, "  ", &mut listeners);
-        let mut rows = vec![row(&[
-            "BACKEND",
-            "HEALTH",
-            "ADMIN",
+}
+
+/// One load balancer's tables: itself, its listeners, its backends.
+fn load_balancer_tables(out: &mut String, lb: &Value, now_unix: f64) {
+    let empty = Vec::new();
+    let backends = lb["backends"].as_array().unwrap_or(&empty);
+    let _ = writeln!(out);
+    let mut head = vec![
+        row(&[
+            "LOAD BALANCER",
+            "CLUSTER",
+            "VIP",
+            "IPAM",
+            "ALGORITHM",
+            "CHECK",
+            "AFFINITY",
             "ELIGIBLE",
-            "OK RUN",
-            "FAIL RUN",
-            "LAST",
-            "AGE",
-            "PROBES",
-            "CONNS",
-            "TOTAL",
-            "BYTES IN/OUT",
-            "CONN FAIL",
-            "CHK FAIL",
-            "DOWN",
-            "CHANGED",
-            "LAST ERROR",
-        ])];
-        for b in backends {
-            let p = &b["probe"];
-            // Absent from a daemon older than the totals: every cell `-`.
-            let t = &b["totals"];
-            let age = p["last_probe_unix"].as_f64().map_or("-".to_string(), |t| {
-                format!("{:.1}s", (now_unix - t).max(0.0))
-            });
-            rows.push(vec![
-                text(&b["address"]),
-                text(&b["health"]),
-                text(&b["admin_state"]),
-                if b["eligible"].as_bool() == Some(true) {
-                    "yes"
-                } else {
-                    "no"
-                }
-                .to_string(),
-                text(&p["consecutive_successes"]),
-                text(&p["consecutive_failures"]),
-                text(&p["last_result"]),
-                age,
-                text(&p["probes"]),
-                text(&b["active_connections"]),
-                text(&t["connections"]),
-                match (
-                    t["bytes_to_backend"].as_u64(),
-                    t["bytes_to_client"].as_u64(),
-                ) {
-                    (Some(up), Some(down)) => format!("{}/{}", bytes(up), bytes(down)),
-                    _ => "-".to_string(),
-                },
-                text(&t["connect_failures"]),
-                text(&t["check_failures"]),
-                t["down_seconds"].as_f64().map_or("-".to_string(), uptime),
-                t["last_change_unix"]
-                    .as_f64()
-                    .map_or("-".to_string(), |at| {
-                        format!("{} ago", uptime(now_unix - at))
-                    }),
-                text(&p["last_error"]),
-            ]);
-        }
-        table(&mut out, "  ", &mut rows);
+        ]),
+        vec![
+            text(&lb["name"]),
+            text(&lb["cluster"]),
+            text(&lb["vip"]),
+            text(&lb["ipam"]),
+            text(&lb["algorithm"]),
+            text(&lb["health_check_kind"]),
+            text(&lb["session_affinity"]),
+            format!("{}/{}", text(&lb["eligible_backends"]), backends.len()),
+        ],
+    ];
+    table(out, "", &mut head);
+    let mut listeners = vec![row(&[
+        "LISTENER",
+        "ADDRESS",
+        "BACKEND PORT",
+        "PROTO",
+        "STATE",
+        "CONNS",
+        "ERROR",
+    ])];
+    for l in lb["listeners"].as_array().unwrap_or(&empty) {
+        listeners.push(vec![
+            text(&l["name"]),
+            text(&l["address"]),
+            text(&l["backend_port"]),
+            text(&l["protocol"]),
+            text(&l["state"]),
+            text(&l["active_connections"]),
+            text(&l["error"]),
+        ]);
     }
-    out
+    table(out, "  ", &mut listeners);
+    let mut rows = vec![row(&[
+        "BACKEND",
+        "HEALTH",
+        "ADMIN",
+        "ELIGIBLE",
+        "OK RUN",
+        "FAIL RUN",
+        "LAST",
+        "AGE",
+        "PROBES",
+        "CONNS",
+        "TOTAL",
+        "BYTES IN/OUT",
+        "CONN FAIL",
+        "CHK FAIL",
+        "DOWN",
+        "CHANGED",
+        "LAST ERROR",
+    ])];
+    for b in backends {
+        let p = &b["probe"];
+        // Absent from a daemon older than the totals: every cell `-`.
+        let t = &b["totals"];
+        let age = p["last_probe_unix"].as_f64().map_or("-".to_string(), |t| {
+            format!("{:.1}s", (now_unix - t).max(0.0))
+        });
+        rows.push(vec![
+            text(&b["address"]),
+            text(&b["health"]),
+            text(&b["admin_state"]),
+            if b["eligible"].as_bool() == Some(true) {
+                "yes"
+            } else {
+                "no"
+            }
+            .to_string(),
+            text(&p["consecutive_successes"]),
+            text(&p["consecutive_failures"]),
+            text(&p["last_result"]),
+            age,
+            text(&p["probes"]),
+            text(&b["active_connections"]),
+            text(&t["connections"]),
+            match (
+                t["bytes_to_backend"].as_u64(),
+                t["bytes_to_client"].as_u64(),
+            ) {
+                (Some(up), Some(down)) => format!("{}/{}", bytes(up), bytes(down)),
+                _ => "-".to_string(),
+            },
+            text(&t["connect_failures"]),
+            text(&t["check_failures"]),
+            t["down_seconds"].as_f64().map_or("-".to_string(), uptime),
+            t["last_change_unix"]
+                .as_f64()
+                .map_or("-".to_string(), |at| {
+                    format!("{} ago", uptime(now_unix - at))
+                }),
+            text(&p["last_error"]),
+        ]);
+    }
+    table(out, "  ", &mut rows);
 }
 
 fn row(cells: &[&str]) -> Vec<String> {

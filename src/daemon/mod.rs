@@ -114,7 +114,7 @@ pub struct Daemon {
     /// woken by the same publishes.)
     kernel_wake: Arc<tokio::sync::Notify>,
     /// The host's IPv4 and IPv6 forwarding as last seen (two bits per
-    /// family, `daemon::kernel::pack_forwarding`; 0: both on): kernel listeners of
+    /// family, `daemon::kernel::blocked::pack_forwarding`; 0: both on): kernel listeners of
     /// a family the host does not forward, or whose sysctl cannot be read,
     /// stay with the proxy.
     forwarding_off: std::sync::atomic::AtomicU8,

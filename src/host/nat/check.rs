@@ -37,7 +37,7 @@ use super::build::{
 use super::names::{
     Family, INPUT, OUTPUT, POSTROUTING, PREROUTING, Shard, backend_chain, family_of, listener_chain,
 };
-use super::read_back::{Head, Rules, Seen};
+use super::read_back::{Head, Rules, Seen, TableSeen};
 use super::{Desired, ListenerId};
 use crate::config::SourceNat;
 
@@ -253,162 +253,43 @@ pub(super) struct Compared {
     pub foreign: Vec<TableObject>,
 }
 
+impl Compared {
+    /// One difference more, after those found before it.
+    fn differ(&mut self, scope: Scope, missing: bool, what: String) {
+        self.differences.push(Difference {
+            scope,
+            missing,
+            what,
+        });
+    }
+}
+
 /// The differences between what the tables must hold and what the kernel
 /// has. A table that is gone counts once (not each thing it held).
 pub(super) fn compare(e: &Expected, seen: &Seen) -> Compared {
     let mut out = Compared::default();
-    let mut differ = |scope, missing, what: String| {
-        out.differences.push(Difference {
-            scope,
-            missing,
-            what,
-        })
-    };
     for (&t, _) in seen.iter().filter(|(t, _)| !e.tables.contains(t)) {
-        differ(Scope::Nothing, false, format!("table inet {}", t.table()));
+        out.differ(Scope::Nothing, false, format!("table inet {}", t.table()));
     }
-    let mut adopt = Vec::new();
-    let mut foreign = Vec::new();
     for &t in &e.tables {
-        let name = t.table();
         let table_scope = if t == Shard::MAIN {
             Scope::All
         } else {
             Scope::Shard(t)
         };
         let Some(have) = seen.get(&t) else {
-            differ(table_scope, true, format!("table inet {name}"));
+            out.differ(table_scope, true, format!("table inet {}", t.table()));
             continue;
         };
-        let bases = base_chains(t);
-        let own = e.chains.get(&t);
-        for (chain, head) in &bases {
-            match have.chains.get(*chain) {
-                None => differ(
-                    e.chain_scope(t, chain),
-                    true,
-                    format!("chain inet {name} {chain}"),
-                ),
-                Some((h, _)) if h.as_ref() != Some(head) => differ(
-                    e.chain_scope(t, chain),
-                    false,
-                    format!("chain inet {name} {chain}: its hook, priority, type or policy"),
-                ),
-                Some(_) => {}
-            }
-        }
-        for chain in own.into_iter().flatten() {
-            if !have.chains.contains_key(chain) {
-                differ(
-                    e.chain_scope(t, chain),
-                    true,
-                    format!("chain inet {name} {chain}"),
-                );
-            }
-        }
-        for (chain, (head, rules)) in &have.chains {
-            let ours =
-                bases.iter().any(|(n, _)| n == chain) || own.is_some_and(|c| c.contains(chain));
-            if !ours {
-                // A foreign base chain in our table sees our packets.
-                let scope = if head.is_some() {
-                    table_scope
-                } else {
-                    Scope::Nothing
-                };
-                differ(scope, false, format!("chain inet {name} {chain}"));
-                foreign.push(TableObject {
-                    shard: t,
-                    name: chain.clone(),
-                });
-                continue;
-            }
-            let obj = TableObject {
-                shard: t,
-                name: chain.clone(),
-            };
-            match e.rules.get(&obj) {
-                Some(written) if written != rules => differ(
-                    e.chain_scope(t, chain),
-                    false,
-                    format!(
-                        "the rules of chain inet {name} {chain} ({} written, {} now)",
-                        written.count, rules.count
-                    ),
-                ),
-                Some(_) => {}
-                None => adopt.push((obj, *rules)),
-            }
-        }
-        for (set, n) in &have.odd {
-            differ(
-                Scope::Nothing,
-                false,
-                format!("{n} elements of set inet {name} {set}"),
-            );
-        }
-        for (id, chain) in &have.dispatch {
-            if Shard::of(id) != t || e.dispatch.get(id) != Some(chain) {
-                differ(
-                    Scope::Nothing,
-                    false,
-                    format!(
-                        "element {} : goto {chain} of {}",
-                        key_text(id),
-                        dispatch_map(t, id)
-                    ),
-                );
-            }
-        }
-        if t == Shard::MAIN {
-            for id in have.refuse.iter().filter(|id| !e.dispatch.contains_key(id)) {
-                differ(
-                    Scope::Nothing,
-                    false,
-                    format!("element {} of {}", key_text(id), refuse_set(id)),
-                );
-            }
-            let masq: fn(&Family) -> &'static str = |f| f.masq;
-            let snat: fn(&Family) -> &'static str = |f| f.snat;
-            for (set, have, want) in [(masq, &have.masq, &e.masq), (snat, &have.snat, &e.snat)] {
-                for m in have.iter().filter(|m| !want.contains_key(m)) {
-                    differ(Scope::Nothing, false, masq_text(set, m));
-                }
-                for (m, id) in want.iter().filter(|(m, _)| !have.contains(m)) {
-                    differ(Scope::Listener(*id), true, masq_text(set, m));
-                }
-            }
-        }
-        let pickup_set = |id: &ListenerId| format!("set inet {name} {}", family_of(id.0).pickup);
-        for id in have
-            .pickup
-            .iter()
-            .filter(|id| Shard::of(id) != t || !e.pickup.contains(id))
-        {
-            differ(
-                Scope::Nothing,
-                false,
-                format!("element {} of {}", key_text(id), pickup_set(id)),
-            );
-        }
-        for id in e
-            .pickup
-            .iter()
-            .filter(|id| Shard::of(id) == t && !have.pickup.contains(id))
-        {
-            differ(
-                Scope::Listener(*id),
-                true,
-                format!("element {} of {}", key_text(id), pickup_set(id)),
-            );
-        }
+        compare_chains(e, t, table_scope, have, &mut out);
+        compare_elements(e, t, have, &mut out);
     }
     for (id, chain) in &e.dispatch {
         let t = Shard::of(id);
         if let Some(have) = seen.get(&t)
             && have.dispatch.get(id) != Some(chain)
         {
-            differ(
+            out.differ(
                 Scope::Listener(*id),
                 true,
                 format!(
@@ -421,16 +302,154 @@ pub(super) fn compare(e: &Expected, seen: &Seen) -> Compared {
         if let Some(main) = seen.get(&Shard::MAIN)
             && !main.refuse.contains(id)
         {
-            differ(
+            out.differ(
                 Scope::Listener(*id),
                 true,
                 format!("element {} of {}", key_text(id), refuse_set(id)),
             );
         }
     }
-    out.adopt = adopt;
-    out.foreign = foreign;
     out
+}
+
+/// [`compare`] of one table's chains: the base chains' heads, ours
+/// present, foreign ones found, and each chain's rules against their digest.
+fn compare_chains(
+    e: &Expected,
+    t: Shard,
+    table_scope: Scope,
+    have: &TableSeen,
+    out: &mut Compared,
+) {
+    let name = t.table();
+    let bases = base_chains(t);
+    let own = e.chains.get(&t);
+    for (chain, head) in &bases {
+        match have.chains.get(*chain) {
+            None => out.differ(
+                e.chain_scope(t, chain),
+                true,
+                format!("chain inet {name} {chain}"),
+            ),
+            Some((h, _)) if h.as_ref() != Some(head) => out.differ(
+                e.chain_scope(t, chain),
+                false,
+                format!("chain inet {name} {chain}: its hook, priority, type or policy"),
+            ),
+            Some(_) => {}
+        }
+    }
+    for chain in own.into_iter().flatten() {
+        if !have.chains.contains_key(chain) {
+            out.differ(
+                e.chain_scope(t, chain),
+                true,
+                format!("chain inet {name} {chain}"),
+            );
+        }
+    }
+    for (chain, (head, rules)) in &have.chains {
+        let ours = bases.iter().any(|(n, _)| n == chain) || own.is_some_and(|c| c.contains(chain));
+        if !ours {
+            // A foreign base chain in our table sees our packets.
+            let scope = if head.is_some() {
+                table_scope
+            } else {
+                Scope::Nothing
+            };
+            out.differ(scope, false, format!("chain inet {name} {chain}"));
+            out.foreign.push(TableObject {
+                shard: t,
+                name: chain.clone(),
+            });
+            continue;
+        }
+        let obj = TableObject {
+            shard: t,
+            name: chain.clone(),
+        };
+        match e.rules.get(&obj) {
+            Some(written) if written != rules => out.differ(
+                e.chain_scope(t, chain),
+                false,
+                format!(
+                    "the rules of chain inet {name} {chain} ({} written, {} now)",
+                    written.count, rules.count
+                ),
+            ),
+            Some(_) => {}
+            None => out.adopt.push((obj, *rules)),
+        }
+    }
+}
+
+/// [`compare`] of one table's set and map elements: odd sets, the
+/// dispatch map, and in the main table the refuse and masquerade sets,
+/// then the pickup set.
+fn compare_elements(e: &Expected, t: Shard, have: &TableSeen, out: &mut Compared) {
+    let name = t.table();
+    for (set, n) in &have.odd {
+        out.differ(
+            Scope::Nothing,
+            false,
+            format!("{n} elements of set inet {name} {set}"),
+        );
+    }
+    for (id, chain) in &have.dispatch {
+        if Shard::of(id) != t || e.dispatch.get(id) != Some(chain) {
+            out.differ(
+                Scope::Nothing,
+                false,
+                format!(
+                    "element {} : goto {chain} of {}",
+                    key_text(id),
+                    dispatch_map(t, id)
+                ),
+            );
+        }
+    }
+    if t == Shard::MAIN {
+        for id in have.refuse.iter().filter(|id| !e.dispatch.contains_key(id)) {
+            out.differ(
+                Scope::Nothing,
+                false,
+                format!("element {} of {}", key_text(id), refuse_set(id)),
+            );
+        }
+        let masq: fn(&Family) -> &'static str = |f| f.masq;
+        let snat: fn(&Family) -> &'static str = |f| f.snat;
+        for (set, have, want) in [(masq, &have.masq, &e.masq), (snat, &have.snat, &e.snat)] {
+            for m in have.iter().filter(|m| !want.contains_key(m)) {
+                out.differ(Scope::Nothing, false, masq_text(set, m));
+            }
+            for (m, id) in want.iter().filter(|(m, _)| !have.contains(m)) {
+                out.differ(Scope::Listener(*id), true, masq_text(set, m));
+            }
+        }
+    }
+    let pickup_set = |id: &ListenerId| format!("set inet {name} {}", family_of(id.0).pickup);
+    for id in have
+        .pickup
+        .iter()
+        .filter(|id| Shard::of(id) != t || !e.pickup.contains(id))
+    {
+        out.differ(
+            Scope::Nothing,
+            false,
+            format!("element {} of {}", key_text(id), pickup_set(id)),
+        );
+    }
+    for id in e
+        .pickup
+        .iter()
+        .filter(|id| Shard::of(id) == t && !have.pickup.contains(id))
+    {
+        out.differ(
+            Scope::Listener(*id),
+            true,
+            format!("element {} of {}", key_text(id), pickup_set(id)),
+        );
+    }
 }
 
 fn dispatch_map(t: Shard, id: &ListenerId) -> String {

@@ -24,7 +24,7 @@
 //! with a `forwarding = "kernel"` listener and a backend the main table
 //! routes out of that interface, when the interface is a Linux bridge and
 //! the VIP's family's frames pass the IP hooks at the bridge stage (what
-//! `daemon::kernel`'s `off_network_reason` hands to the proxy without a
+//! `daemon::kernel::blocked`'s `off_network_reason` hands to the proxy without a
 //! leg; with the stage off the routed path by the bridge serves, and a leg
 //! would only cost the bridge's promiscuity: `host::vmnet::leg`). VIPs announced
 //! by BGP (`vip.announce = "routes"`) are not moved by keepalived and keep
