@@ -617,3 +617,34 @@ fn the_anycast_mode_injects_into_the_kernel_and_guards_the_handshake() {
         "{conf}"
     );
 }
+
+/// The same state notified twice by one keepalived process (the script's
+/// parent, recorded as `by`) is one transition: the second run commits
+/// nothing (a second MASTER would delete the entries the first
+/// committed). The same state from another process (a keepalived started
+/// again) runs.
+#[test]
+fn one_keepalived_notifying_the_same_state_twice_commits_once() {
+    if flock_missing() {
+        return;
+    }
+    let twice = Sandbox::new("twice");
+    let commits = |c: &[String]| c.iter().filter(|l| *l == "conntrackd commit begin").count();
+    // Both children of this test process: one keepalived.
+    assert!(twice.run("MASTER").wait().unwrap().success());
+    assert!(twice.run("MASTER").wait().unwrap().success());
+    assert_eq!(commits(&twice.calls()), 1, "{:?}", twice.calls());
+    // From another parent (a shell that stays between): it commits.
+    let vrid = vrids(&parse(&keepalived_text()).expect("valid").config)[0];
+    let other = std::process::Command::new("sh")
+        .arg("-c")
+        .arg(format!(
+            "sh '{}' INSTANCE {} MASTER 100; true",
+            twice.script.display(),
+            instance_name(vrid)
+        ))
+        .status()
+        .expect("sh");
+    assert!(other.success());
+    assert_eq!(commits(&twice.calls()), 2, "{:?}", twice.calls());
+}

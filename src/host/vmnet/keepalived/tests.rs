@@ -475,3 +475,27 @@ fn the_file_is_written_only_when_it_changes_and_a_missing_pid_file_is_an_error()
     assert_eq!(left.len(), 1, "no temporary file left: {left:?}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// With `[conntrackd]` every instance waits `preempt_delay` before it
+/// takes its instance back (its backup transition closes the gate
+/// meanwhile: `conntrackd::PREEMPT_DELAY_S`); without it, none waits.
+#[test]
+fn with_the_sync_every_instance_waits_before_it_takes_its_vips_back() {
+    let lbs = [("10.100.0.50", "vlan100"), ("10.100.0.51", "vlan100")];
+    let synced = render(&conf_with(
+        "[conntrackd]\n",
+        "192.168.0.11",
+        "\"192.168.0.12\"",
+        &lbs,
+    ))
+    .unwrap();
+    let instances = synced.matches("vrrp_instance hlb_").count();
+    assert!(instances > 0, "{synced}");
+    let line = format!(
+        "  preempt_delay {}\n",
+        crate::host::conntrack_sync::conntrackd::PREEMPT_DELAY_S
+    );
+    assert_eq!(synced.matches(&line).count(), instances, "{synced}");
+    let plain = render(&conf("192.168.0.11", "\"192.168.0.12\"", &lbs)).unwrap();
+    assert!(!plain.contains("preempt_delay"), "{plain}");
+}
