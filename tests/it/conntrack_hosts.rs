@@ -420,21 +420,12 @@ impl Cluster {
     /// Each host's conntrackd external cache entries of each VIP (every
     /// entry whose original destination is the VIP), as it answers now.
     fn cache_counts(&self) -> Vec<Vec<usize>> {
-        self.hosts
-            .iter()
+        let vips: Vec<std::net::IpAddr> = self.vips.iter().map(|v| (*v).into()).collect();
+        (self.hosts.iter())
             .map(|h| {
-                let dump = h
-                    .conntrackd
+                h.conntrackd
                     .as_ref()
-                    .and_then(|c| c.control(&["-e"]))
-                    .unwrap_or_default();
-                self.vips
-                    .iter()
-                    .map(|v| {
-                        let dst = format!("dst={v} ");
-                        dump.lines().filter(|l| l.contains(&dst)).count()
-                    })
-                    .collect()
+                    .map_or_else(|| vec![0; vips.len()], |c| c.entries_to("-e", &vips))
             })
             .collect()
     }
@@ -480,12 +471,8 @@ impl Cluster {
             .output()
             .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
             .unwrap_or_default();
-        let dst = format!("dst={vip} ");
         let cache = |arg: &str| {
-            let dump = (host.conntrackd.as_ref())
-                .and_then(|c| c.control(&[arg]))
-                .unwrap_or_default();
-            dump.lines().filter(|l| l.contains(&dst)).count()
+            (host.conntrackd.as_ref()).map_or(0, |c| c.entries_to(arg, &[self.vips[k].into()])[0])
         };
         let state = self.bed.dir.join(format!("state-{}", host.name));
         let records: Vec<String> = (0..self.n())

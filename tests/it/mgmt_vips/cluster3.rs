@@ -807,20 +807,11 @@ impl Cluster3 {
     /// as it answers now.
     fn cache_counts(&self) -> Vec<Vec<usize>> {
         let vips: Vec<IpAddr> = self.vips().map(|(v, _)| v).collect();
-        self.hosts
-            .iter()
+        (self.hosts.iter())
             .map(|h| {
-                let dump = h
-                    .conntrackd
+                h.conntrackd
                     .as_ref()
-                    .and_then(|c| c.control(&["-e"]))
-                    .unwrap_or_default();
-                vips.iter()
-                    .map(|v| {
-                        let dst = format!("dst={v} ");
-                        dump.lines().filter(|l| l.contains(&dst)).count()
-                    })
-                    .collect()
+                    .map_or_else(|| vec![0; vips.len()], |c| c.entries_to("-e", &vips))
             })
             .collect()
     }

@@ -190,6 +190,19 @@ impl Conntrackd {
             .map_or(0, |s| s.external)
     }
 
+    /// How many entries of each cache (`-e` external, `-i` internal) have
+    /// each of `vips` as their original destination (a VIP's flows), in
+    /// `vips`' order; 0 each while conntrackd does not answer.
+    pub fn entries_to(&self, cache: &str, vips: &[std::net::IpAddr]) -> Vec<usize> {
+        let dump = self.control(&[cache]).unwrap_or_default();
+        vips.iter()
+            .map(|v| {
+                let dst = format!("dst={v} ");
+                dump.lines().filter(|l| l.contains(&dst)).count()
+            })
+            .collect()
+    }
+
     /// `conntrackd -C conf <args>` (a control call), its stdout; `None`
     /// when it failed (conntrackd not answering).
     pub fn control(&self, args: &[&str]) -> Option<String> {
