@@ -421,13 +421,7 @@ impl Cluster {
     /// entry whose original destination is the VIP), as it answers now.
     fn cache_counts(&self) -> Vec<Vec<usize>> {
         let vips: Vec<std::net::IpAddr> = self.vips.iter().map(|v| (*v).into()).collect();
-        (self.hosts.iter())
-            .map(|h| {
-                h.conntrackd
-                    .as_ref()
-                    .map_or_else(|| vec![0; vips.len()], |c| c.entries_to("-e", &vips))
-            })
-            .collect()
+        netns::keepalived::external_per_vip(self.hosts.iter().map(|h| h.conntrackd.as_ref()), &vips)
     }
 
     /// Waits (up to `within`) until every host's external cache holds,

@@ -807,13 +807,10 @@ impl Cluster3 {
     /// as it answers now.
     fn cache_counts(&self) -> Vec<Vec<usize>> {
         let vips: Vec<IpAddr> = self.vips().map(|(v, _)| v).collect();
-        (self.hosts.iter())
-            .map(|h| {
-                h.conntrackd
-                    .as_ref()
-                    .map_or_else(|| vec![0; vips.len()], |c| c.entries_to("-e", &vips))
-            })
-            .collect()
+        crate::netns::keepalived::external_per_vip(
+            self.hosts.iter().map(|h| h.conntrackd.as_ref()),
+            &vips,
+        )
     }
 
     /// Waits (bounded) until every host's conntrackd holds, of each VIP

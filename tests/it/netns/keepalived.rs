@@ -218,6 +218,18 @@ impl Conntrackd {
     }
 }
 
+/// Each host's conntrackd external cache entries of each of `vips`
+/// ([`Conntrackd::entries_to`]), in the hosts' order; 0 for a host
+/// without one.
+pub fn external_per_vip<'a>(
+    hosts: impl Iterator<Item = Option<&'a Conntrackd>>,
+    vips: &[std::net::IpAddr],
+) -> Vec<Vec<usize>> {
+    hosts
+        .map(|c| c.map_or_else(|| vec![0; vips.len()], |c| c.entries_to("-e", vips)))
+        .collect()
+}
+
 /// Whether `ns`'s gate of VRRP instance `vrid` (the daemon's table
 /// `inet harvester_lb_gate`, chain `g_<vrid>`) is open: the chain exists
 /// and holds no drop rule (the notify script opens it after the commit).
