@@ -790,6 +790,9 @@ fn module_paths(dir: &Path, prefix: &str, out: &mut BTreeSet<String>) {
         } else if let Some(stem) = name.strip_suffix(".rs") {
             match stem {
                 "lib" | "main" if prefix.is_empty() => {}
+                // A module's unit tests beside it (`#[cfg(test)] mod
+                // tests;`): part of that module, not a row of their own.
+                "tests" => {}
                 "mod" => {
                     out.insert(prefix.to_string());
                 }

@@ -104,7 +104,22 @@ fn cases(dir: &Path) -> Vec<Case> {
         ),
         ("mod", "an unknown key", web("colour = \"red\"", "")),
         (
-            "mod",
+            "keepalived",
+            "a keepalived peer that is this host's own address",
+            format!(
+                "{}{}",
+                keepalived(
+                    "lb-1",
+                    "192.168.0.11",
+                    ["192.168.0.11"],
+                    &dir.join("ka"),
+                    ""
+                ),
+                web("", "")
+            ),
+        ),
+        (
+            "load_balancer",
             "a backend listed twice",
             web("", "").replace(
                 "[\"198.51.100.21\"]",
